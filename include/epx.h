@@ -1,0 +1,487 @@
+/*
+ * epx.h — expert-parallel exchange for Mixture-of-Experts layers.
+ *
+ * This header is the contract. It routes tokens to their top-k experts,
+ * moves them to the ranks that hold those experts, hands each rank its rows
+ * grouped by expert, and brings the expert outputs back as a weighted sum —
+ * forward and backward — on CPUs (ranks as threads or MPI processes) and on
+ * NVIDIA GPUs.
+ *
+ * Conventions used throughout
+ * ---------------------------
+ *  - Every call returns an epx_status_t. On failure nothing the caller owns has
+ *    been modified (outputs included), and epx_last_error() returns a message
+ *    naming the function, the argument and the fix. The library never exits,
+ *    aborts or prints.
+ *  - Shapes are written [rows, cols], row-major, contiguous. T = tokens on
+ *    this rank, H = hidden size, E = experts (global), K = top-k, W = ranks,
+ *    E_local = E / W (rank r holds experts [r*E_local, (r+1)*E_local)).
+ *  - Payload tensors (x, recv_x, expert_out, out and their gradients) have the
+ *    buffer's dtype, must be 16-byte aligned, and H must be a multiple of 8.
+ *    Routing tensors are int32 / float32, 4-byte aligned.
+ *  - Memory: on a CPU buffer every pointer is host memory; on a CUDA buffer
+ *    every tensor pointer is device memory and every call is asynchronous on
+ *    the buffer's stream unless its documentation says it synchronises.
+ *  - "Collective" calls must be made by every rank of the comm, in the same
+ *    order. A collective call that fails on one rank fails on all of them (the
+ *    failing rank's status travels with the count exchange), so no rank is
+ *    left waiting — except when the failure happens before the buffer or comm
+ *    can even be identified (a NULL buffer, say): that rank returns at once
+ *    and its peers time out with EPX_ERROR_TIMEOUT naming it.
+ *  - Destroying or releasing NULL is a no-op. Using an object after it was
+ *    destroyed or released is detected and refused with
+ *    EPX_ERROR_INVALID_HANDLE (objects are looked up in a registry before use).
+ *  - Enum values are only ever added at the end.
+ */
+#ifndef EPX_H
+#define EPX_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define EPX_VERSION_MAJOR 0
+#define EPX_VERSION_MINOR 1
+#define EPX_VERSION_PATCH 0
+/* Version of the config structs below; stored in their `version` field. */
+#define EPX_CONFIG_VERSION 1
+
+/* ------------------------------------------------------------------------ */
+/* Status                                                                    */
+/* ------------------------------------------------------------------------ */
+
+typedef enum epx_status {
+  EPX_SUCCESS = 0,
+  EPX_ERROR_INVALID_ARGUMENT = 1, /* a NULL, negative, out-of-range or misaligned argument */
+  EPX_ERROR_OUT_OF_MEMORY = 2,
+  EPX_ERROR_UNSUPPORTED = 3,      /* a valid request this build or path does not do (dtype, layout, backend) */
+  EPX_ERROR_CAPACITY_EXCEEDED = 4,/* a batch larger than the buffer's agreed max_tokens_per_rank, or a recv buffer too small */
+  EPX_ERROR_SHAPE_MISMATCH = 5,   /* ranks disagree on hidden, experts, dtype, ... (buffer creation) */
+  EPX_ERROR_INVALID_HANDLE = 6,   /* a handle/buffer/comm/recorder that was released, destroyed, or belongs elsewhere */
+  EPX_ERROR_BUSY = 7,             /* the object is still in use (a buffer with live handles) */
+  EPX_ERROR_TIMEOUT = 8,          /* a peer did not answer within the comm's timeout; the message names the rank */
+  EPX_ERROR_PEER_FAILED = 9,      /* a peer reported an error in a collective call; the message names the rank */
+  EPX_ERROR_TRANSPORT = 10,       /* MPI or NCCL returned an error */
+  EPX_ERROR_REPLAY_MISMATCH = 11, /* a recorder replay's routing differs from the record */
+  EPX_ERROR_CUDA = 12,            /* a CUDA runtime error */
+  EPX_ERROR_INTERNAL = 13
+} epx_status_t;
+
+/* A static string naming the status ("EPX_ERROR_TIMEOUT"). Never NULL. */
+const char *epx_status_string(epx_status_t status);
+
+/* The last error message of the calling thread ("" if none). Valid until the
+ * thread's next epx call. Messages look like
+ *   "epx_dispatch: recv_x is NULL; pass a [recv_rows, hidden] buffer". */
+const char *epx_last_error(void);
+
+/* ------------------------------------------------------------------------ */
+/* Numbers                                                                   */
+/* ------------------------------------------------------------------------ */
+
+typedef enum epx_dtype {
+  EPX_FLOAT32 = 0,
+  EPX_BFLOAT16 = 1,
+  EPX_FLOAT16 = 2
+} epx_dtype_t;
+
+typedef enum epx_device {
+  EPX_DEVICE_CPU = 0,
+  EPX_DEVICE_CUDA = 1 /* only when built with EPX_BUILD_CUDA; else EPX_ERROR_UNSUPPORTED */
+} epx_device_t;
+
+/* Size in bytes of one element (0 for an unknown dtype). */
+size_t epx_dtype_size(epx_dtype_t dtype);
+
+/* Converts n elements between dtypes on the host (round to nearest even).
+ * dst and src must not overlap unless they are the same pointer with the same
+ * dtype. */
+epx_status_t epx_convert(epx_dtype_t dst_dtype, void *dst, epx_dtype_t src_dtype,
+                         const void *src, int64_t n);
+
+/* Whether this build has the CUDA backend / the MPI transport. */
+int epx_has_cuda(void);
+int epx_has_mpi(void);
+
+/* ------------------------------------------------------------------------ */
+/* Routing: logits[T, E] -> topk_idx[T, K], topk_w[T, K], locations, losses  */
+/* ------------------------------------------------------------------------ */
+
+typedef enum epx_score_fn {
+  EPX_SCORE_SOFTMAX = 0, /* p = softmax(logits) over E */
+  EPX_SCORE_SIGMOID = 1  /* p = sigmoid(logits), each expert independently (DeepSeek-V3) */
+} epx_score_fn_t;
+
+typedef enum epx_queue_order {
+  EPX_QUEUE_BY_CHOICE = 0, /* all first choices queue before any second choice (GShard, Tutel) */
+  EPX_QUEUE_BY_TOKEN = 1   /* a token's k choices together, tokens in order (DeepSpeed top-k gating) */
+} epx_queue_order_t;
+
+typedef enum epx_drop_policy {
+  EPX_DROP_BY_POSITION = 0,   /* the first C routes of each expert in queue order stay */
+  EPX_DROP_BY_PROBABILITY = 1 /* the C highest-weight routes of each expert stay (ties: queue order),
+                                 located in queue order among themselves */
+} epx_drop_policy_t;
+
+typedef enum epx_nonfinite_policy {
+  EPX_NONFINITE_ERROR = 0, /* a NaN/Inf logit is refused (EPX_ERROR_INVALID_ARGUMENT naming the
+                              first such token); nothing is written. On CUDA this costs one host
+                              synchronisation of the stream. */
+  EPX_NONFINITE_DROP = 1   /* a token with any NaN/Inf logit gets no experts: its K slots are
+                              -1 with weight 0, it is left out of counts and losses, and it is
+                              counted in epx_route_output_t.nonfinite_tokens */
+} epx_nonfinite_policy_t;
+
+typedef struct epx_route_config {
+  uint32_t struct_size; /* sizeof(epx_route_config_t) */
+  uint32_t version;     /* EPX_CONFIG_VERSION */
+  int32_t num_experts;  /* E >= 1 */
+  int32_t top_k;        /* 1 <= K <= E */
+  epx_score_fn_t score_fn;
+  /* Group-limited selection: experts are split into num_groups equal groups
+   * (E % num_groups == 0); a group's score is the sum of its two best expert
+   * scores (its best if a group has one expert); the topk_groups best groups are kept and
+   * top-k is taken among their experts. num_groups <= 1 disables it. */
+  int32_t num_groups;
+  int32_t topk_groups;
+  /* Selection uses p + bias[e] when the route call gets a bias (aux-loss-free
+   * balancing); weights always use p without the bias. */
+  int32_t renormalize;    /* 1: w[t,:] = p[t, chosen] / sum(p[t, chosen]) */
+  float scaling_factor;   /* w *= scaling_factor (after renormalisation) */
+  /* Capacity mode: C = max(ceil(K*T/E * capacity_factor), min_capacity);
+   * each route gets a location from a running count per expert in
+   * queue_order; routes at location >= C (after drop_policy) are dropped:
+   * topk_idx = -1, topk_w = 0, location = -1. capacity_mode = 0 is dropless:
+   * every route is kept and locations are still written (the rank of the
+   * route in its expert's queue). */
+  int32_t capacity_mode;
+  float capacity_factor;
+  int32_t min_capacity;
+  epx_queue_order_t queue_order;
+  epx_drop_policy_t drop_policy;
+  /* Losses (computed when the output pointers are non-NULL):
+   *   aux_loss = aux_loss_coeff * E * sum_e f_e * P_e   (Switch / GShard)
+   *     f_e = (routes chosen for e before dropping) / (T_valid * K)  (no gradient)
+   *     P_e = mean over valid tokens of q[t,e], q = softmax(logits) for softmax,
+   *           q = sigmoid(logits) / sum_e sigmoid(logits) for sigmoid
+   *   z_loss = z_loss_coeff * mean over valid tokens of logsumexp(logits[t,:])^2 */
+  float aux_loss_coeff;
+  float z_loss_coeff;
+  epx_nonfinite_policy_t nonfinite;
+  epx_device_t device; /* where logits and every output live */
+  void *stream;        /* cudaStream_t for EPX_DEVICE_CUDA (NULL = default stream) */
+} epx_route_config_t;
+
+#define EPX_ROUTE_CONFIG_INIT                                                          \
+  {                                                                                    \
+    sizeof(epx_route_config_t), EPX_CONFIG_VERSION, 0, 0, EPX_SCORE_SOFTMAX, 0, 0, 1,  \
+        1.0f, 0, 1.0f, 0, EPX_QUEUE_BY_CHOICE, EPX_DROP_BY_POSITION, 0.0f, 0.0f,       \
+        EPX_NONFINITE_ERROR, EPX_DEVICE_CPU, NULL                                      \
+  }
+
+/* Outputs of epx_route; the caller owns every array. Required: topk_idx,
+ * topk_w. Optional (NULL to skip): the rest. */
+typedef struct epx_route_output {
+  int32_t *topk_idx;      /* [T, K] expert ids, best first; -1 = dropped */
+  float *topk_w;          /* [T, K] weights; 0 where dropped */
+  int32_t *locations;     /* [T, K] slot in the expert's queue; -1 where dropped */
+  int32_t *expert_counts; /* [E] routes chosen per expert before dropping */
+  float *aux_loss;        /* scalar */
+  float *z_loss;          /* scalar */
+  int32_t capacity;       /* out (host): C in capacity mode, 0 in dropless mode */
+  int64_t nonfinite_tokens; /* out (host; CPU only, -1 on CUDA): tokens dropped for NaN/Inf */
+} epx_route_output_t;
+
+/* Routes T tokens. logits [T, E] float32; bias [E] float32 or NULL.
+ * Not collective (routing is rank-local); T = 0 is valid. */
+epx_status_t epx_route(const epx_route_config_t *config, int64_t num_tokens,
+                       const float *logits, const float *bias, epx_route_output_t *output);
+
+/* Gradient of the route: grad_logits[T, E] (overwritten) from grad_topk_w
+ * [T, K] (NULL = zeros) and the loss gradients (scalars, host values; 0 when
+ * unused). The selection is recomputed from logits and bias (deterministic);
+ * topk_idx is the forward's output, so dropped routes get no gradient.
+ * Renormalisation and scaling are differentiated; bias is not. */
+epx_status_t epx_route_backward(const epx_route_config_t *config, int64_t num_tokens,
+                                const float *logits, const float *bias,
+                                const int32_t *topk_idx, const float *grad_topk_w,
+                                float grad_aux_loss, float grad_z_loss, float *grad_logits);
+
+/* ------------------------------------------------------------------------ */
+/* Communicators                                                             */
+/* ------------------------------------------------------------------------ */
+
+typedef struct epx_comm *epx_comm_t;
+typedef struct epx_local_world *epx_local_world_t;
+
+typedef struct epx_comm_config {
+  uint32_t struct_size;
+  uint32_t version;
+  /* Bound on every wait for a peer. A peer that does not arrive in time turns
+   * into EPX_ERROR_TIMEOUT naming it; the comm is then failed and every later
+   * collective call on it returns EPX_ERROR_PEER_FAILED. <= 0: wait forever. */
+  double timeout_seconds;
+} epx_comm_config_t;
+
+#define EPX_COMM_CONFIG_INIT { sizeof(epx_comm_config_t), EPX_CONFIG_VERSION, 60.0 }
+
+/* A comm of one rank (no transport). */
+epx_status_t epx_comm_create_self(epx_comm_t *comm);
+
+/* The local transport: W ranks as threads of one process sharing memory.
+ * Create one world, then each of the W threads calls epx_comm_create_local
+ * with its rank (collective over the world). config may be NULL (defaults).
+ * The world must outlive its comms; destroy it after every comm is destroyed
+ * (EPX_ERROR_BUSY otherwise). */
+epx_status_t epx_local_world_create(int32_t world_size, const epx_comm_config_t *config,
+                                    epx_local_world_t *world);
+epx_status_t epx_local_world_destroy(epx_local_world_t world);
+epx_status_t epx_comm_create_local(epx_local_world_t world, int32_t rank, epx_comm_t *comm);
+
+/* The MPI transport over a caller's communicator: mpi_comm points to an
+ * MPI_Comm (the library duplicates it, so the caller's stays untouched, and
+ * sets MPI_ERRORS_RETURN on the duplicate so a failed MPI call becomes
+ * EPX_ERROR_TRANSPORT rather than an abort). MPI must be initialised.
+ * Collective. EPX_ERROR_UNSUPPORTED when built without MPI. */
+epx_status_t epx_comm_create_mpi(const void *mpi_comm, const epx_comm_config_t *config,
+                                 epx_comm_t *comm);
+
+/* Collective for local and MPI comms (a barrier then release). */
+epx_status_t epx_comm_destroy(epx_comm_t comm);
+epx_status_t epx_comm_rank(epx_comm_t comm, int32_t *rank);
+epx_status_t epx_comm_size(epx_comm_t comm, int32_t *size);
+
+/* ------------------------------------------------------------------------ */
+/* Buffers, handles and the exchange                                         */
+/* ------------------------------------------------------------------------ */
+
+typedef struct epx_buffer *epx_buffer_t;
+typedef struct epx_handle *epx_handle_t;
+typedef struct epx_recorder *epx_recorder_t;
+
+typedef enum epx_exchange {
+  EPX_EXCHANGE_DEDUP = 0,     /* one row per (token, destination rank); the receiver expands */
+  EPX_EXCHANGE_COLLECTIVE = 1 /* one row per (token, selected expert) */
+} epx_exchange_t;
+
+typedef enum epx_layout {
+  /* recv_x [N, H]: a row per (source token, local expert), grouped by local
+   * expert in ascending order, inside a group by (source rank, source token);
+   * each group padded with zero rows to a multiple of expert_alignment. */
+  EPX_LAYOUT_EXPERT_MAJOR = 0,
+  /* recv_x [N, H]: a row per (source rank, source token) that chose at least
+   * one local expert, by source rank then token; the row's local experts come
+   * from epx_handle_recv_routing ([N, K], -1 elsewhere). The expert computes
+   * each row's own weighted sum over its local experts, so weighting must be
+   * EPX_WEIGHTS_NONE in this layout. */
+  EPX_LAYOUT_RANK_MAJOR = 1,
+  /* recv_x [E_local, W * C, H]: route (s, t, k) of local expert e, with
+   * capacity location l < C from its source rank s, lands at row
+   * e * W * C + s * C + l. Unfilled slots are zero. Needs routing.locations. */
+  EPX_LAYOUT_CAPACITY = 2
+} epx_layout_t;
+
+typedef enum epx_weighting {
+  EPX_WEIGHTS_IN_COMBINE = 0, /* out[t] = sum_k w[t,k] * expert_out(t,k); combine_backward gives grad_w */
+  EPX_WEIGHTS_IN_DISPATCH = 1,/* recv row (t,k) = w[t,k] * x[t]; dispatch_backward gives grad_w */
+  EPX_WEIGHTS_NONE = 2        /* weights are neither applied nor differentiated */
+} epx_weighting_t;
+
+typedef struct epx_buffer_config {
+  uint32_t struct_size;
+  uint32_t version;
+  epx_device_t device;
+  epx_dtype_t dtype;          /* payload dtype */
+  int64_t hidden;             /* H, a multiple of 8 */
+  int32_t num_experts;        /* E, a multiple of the comm's size */
+  int32_t max_top_k;          /* K of any routing used with this buffer (1 <= K <= E) */
+  /* Tokens per rank per call. 0: agreed by the first epx_dispatch_layout
+   * (all-reduce MAX over ranks, rounded up to max_tokens_rounding), once.
+   * Must be equal on every rank. Later larger batches are refused. */
+  int64_t max_tokens_per_rank;
+  int32_t max_tokens_rounding;
+  epx_exchange_t exchange;
+  epx_layout_t layout;
+  int32_t expert_alignment;   /* expert-major group padding (>= 1) */
+  int32_t capacity;           /* C per (expert, source rank), capacity layout only */
+  /* CUDA: size outputs for the worst case so that neither dispatch_layout nor
+   * dispatch synchronises the host (graph capturable); the valid row count is
+   * then read with epx_handle_recv_rows_device. */
+  int32_t worst_case_sizing;
+  void *stream;               /* cudaStream_t for EPX_DEVICE_CUDA */
+} epx_buffer_config_t;
+
+#define EPX_BUFFER_CONFIG_INIT                                                         \
+  {                                                                                    \
+    sizeof(epx_buffer_config_t), EPX_CONFIG_VERSION, EPX_DEVICE_CPU, EPX_FLOAT32, 0, 0, \
+        0, 0, 256, EPX_EXCHANGE_DEDUP, EPX_LAYOUT_EXPERT_MAJOR, 1, 0, 0, NULL           \
+  }
+
+/* Creates a buffer over comm (collective). The configs of all ranks are
+ * compared; a rank that differs in dtype, hidden, num_experts, max_top_k,
+ * max_tokens_per_rank, exchange, layout, expert_alignment or capacity makes
+ * every rank fail with EPX_ERROR_SHAPE_MISMATCH naming that rank and value.
+ * The comm must outlive the buffer. */
+epx_status_t epx_buffer_create(epx_comm_t comm, const epx_buffer_config_t *config,
+                               epx_buffer_t *buffer);
+/* EPX_ERROR_BUSY (and nothing released) while handles from it are alive.
+ * Not collective. */
+epx_status_t epx_buffer_destroy(epx_buffer_t buffer);
+/* Agreed tokens per rank (0 until agreed). */
+epx_status_t epx_buffer_max_tokens(epx_buffer_t buffer, int64_t *max_tokens_per_rank);
+/* Upper bound of any handle's recv rows on this buffer (needs the agreed
+ * max_tokens_per_rank): W*maxT*min(K,E_local) + E_local*(alignment-1) for
+ * expert-major, W*maxT for rank-major, E_local*W*C for capacity. */
+epx_status_t epx_buffer_max_recv_rows(epx_buffer_t buffer, int64_t *rows);
+/* Sets the CUDA stream of later calls (CUDA buffers). */
+epx_status_t epx_buffer_set_stream(epx_buffer_t buffer, void *stream);
+
+/* The routing a dispatch moves by. The arrays are read during
+ * epx_dispatch_layout only (the handle keeps its own copy). */
+typedef struct epx_routing {
+  int64_t num_tokens;        /* T on this rank, 0 <= T <= max_tokens_per_rank */
+  int32_t top_k;             /* K <= buffer's max_top_k */
+  const int32_t *topk_idx;   /* [T, K] expert ids or -1; no duplicates in a row */
+  const float *topk_w;       /* [T, K]; may be NULL only with EPX_WEIGHTS_NONE */
+  const int32_t *locations;  /* [T, K] capacity slots in [0, C), unique per expert; capacity layout only */
+  epx_weighting_t weighting;
+} epx_routing_t;
+
+/* Computes the layout of a dispatch and exchanges counts and routing metadata
+ * (collective). Returns a handle (refcount 1) that drives epx_dispatch,
+ * epx_combine and both backward passes with no further count exchange.
+ * recorder may be NULL; see epx_recorder_t for what it changes.
+ * On CUDA it synchronises the stream once to learn the row count, unless the
+ * buffer has worst_case_sizing. */
+epx_status_t epx_dispatch_layout(epx_buffer_t buffer, const epx_routing_t *routing,
+                                 epx_recorder_t recorder, epx_handle_t *handle);
+
+/* Moves the payload (collective): x [T, H] -> recv_x [N, H] in the buffer's
+ * layout. recv_rows_capacity is the rows recv_x can hold (>= N, see
+ * epx_handle_recv_rows). Calling it again on the same handle is a cached
+ * dispatch: only the payload moves. Padding rows and unfilled capacity slots
+ * are written with zeros. */
+epx_status_t epx_dispatch(epx_buffer_t buffer, epx_handle_t handle, const void *x,
+                          void *recv_x, int64_t recv_rows_capacity);
+
+/* Brings expert outputs back (collective): expert_out [N, H] in the recv
+ * layout -> out [T, H]. out[t] = sum over the token's ranks r, in ascending r,
+ * of P(t, r) = sum over the token's k-slots on r, in k order, of
+ * w[t,k] * expert_out(t,k) (w = 1 unless EPX_WEIGHTS_IN_COMBINE), all in
+ * float32, rounded once to the dtype: independent of exchange and row order.
+ * Tokens with no routes get zeros. */
+epx_status_t epx_combine(epx_buffer_t buffer, epx_handle_t handle, const void *expert_out,
+                         void *out);
+
+/* Gradient of dispatch (collective): grad_recv_x [N, H] -> grad_x [T, H], the
+ * sum of the token's copies' gradients (times w with EPX_WEIGHTS_IN_DISPATCH),
+ * in the order of epx_combine. With EPX_WEIGHTS_IN_DISPATCH, grad_w [T, K]
+ * (may be NULL) gets <grad_recv_x(t,k), x[t]>, which needs x (the forward's
+ * input); otherwise x and grad_w must be NULL. */
+epx_status_t epx_dispatch_backward(epx_buffer_t buffer, epx_handle_t handle,
+                                   const void *grad_recv_x, void *grad_x, const void *x,
+                                   float *grad_w);
+
+/* Gradient of combine (collective): grad_out [T, H] -> grad_expert_out [N, H]
+ * (row (t,k) = w[t,k] * grad_out[t] with EPX_WEIGHTS_IN_COMBINE, else
+ * grad_out[t]; padding rows zero). With EPX_WEIGHTS_IN_COMBINE, grad_w [T, K]
+ * (may be NULL) gets <grad_out[t], expert_out(t,k)> (0 for slots of -1), which
+ * needs expert_out (the forward's input); otherwise expert_out and grad_w
+ * must be NULL. grad_w is what the router learns from: do not drop it. */
+epx_status_t epx_combine_backward(epx_buffer_t buffer, epx_handle_t handle,
+                                  const void *grad_out, const void *expert_out,
+                                  void *grad_expert_out, float *grad_w);
+
+/* Row count N of the handle's recv layout (host value). On CUDA with
+ * worst_case_sizing this synchronises the stream. */
+epx_status_t epx_handle_recv_rows(epx_handle_t handle, int64_t *rows);
+/* CUDA: device pointer to the int64 row count, valid while the handle lives. */
+epx_status_t epx_handle_recv_rows_device(epx_handle_t handle, const int64_t **rows);
+/* Rows per local expert before padding [E_local] (int64), and each group's
+ * first row [E_local + 1] (expert-major: padded prefix sums; capacity:
+ * e*W*C; rank-major: all 0 but the last, N). Memory of the buffer's device. */
+epx_status_t epx_handle_expert_counts(epx_handle_t handle, int64_t *counts, int64_t *offsets);
+/* Routing of each received row. Expert-major and capacity layouts: [N] global
+ * expert id (-1 for padding / empty slots) and weight. Rank-major: [N, K]
+ * global ids of the row's local experts (-1 elsewhere) and weights. Either
+ * pointer may be NULL. Memory of the buffer's device. */
+epx_status_t epx_handle_recv_routing(epx_handle_t handle, int32_t *recv_expert, float *recv_w);
+/* Source of each received row [N]: rank and token (-1 for padding). */
+epx_status_t epx_handle_recv_source(epx_handle_t handle, int32_t *src_rank, int32_t *src_token);
+/* Rows this rank sends to other ranks and receives from them (self excluded)
+ * in dispatch, and the payload bytes of each (for benchmarks). */
+typedef struct epx_handle_stats {
+  int64_t send_rows;
+  int64_t recv_rows;
+  int64_t send_bytes;
+  int64_t recv_bytes;
+  int64_t local_rows; /* rows this rank sends to itself */
+} epx_handle_stats_t;
+epx_status_t epx_handle_stats(epx_handle_t handle, epx_handle_stats_t *stats);
+
+/* Reference counting: retain adds one, release drops one; the handle is freed
+ * at zero. Using a handle after its last release is EPX_ERROR_INVALID_HANDLE. */
+epx_status_t epx_handle_retain(epx_handle_t handle);
+epx_status_t epx_handle_release(epx_handle_t handle);
+
+/* ------------------------------------------------------------------------ */
+/* Activation-checkpoint recorder                                            */
+/* ------------------------------------------------------------------------ */
+
+/* One recorder per checkpointed call. In EPX_RECORDER_RECORD mode each
+ * epx_dispatch_layout given the recorder appends (handle, a hash of topk_idx)
+ * and retains the handle. In EPX_RECORDER_REPLAY mode each one takes the next
+ * record in order and returns its handle (retained) with no exchange at all,
+ * so the following epx_dispatch is a cached dispatch; past the end of the log
+ * it falls back to a full epx_dispatch_layout and counts it. With validate on,
+ * the replay hashes topk_idx and a difference is EPX_ERROR_REPLAY_MISMATCH
+ * naming the call index; validation is collective (one small all-reduce), so
+ * every rank refuses together. Received rows are never kept. */
+typedef enum epx_recorder_mode {
+  EPX_RECORDER_RECORD = 0,
+  EPX_RECORDER_REPLAY = 1
+} epx_recorder_mode_t;
+
+typedef struct epx_recorder_stats {
+  int64_t records;      /* handles in the log */
+  int64_t replays;      /* dispatch layouts served from the log */
+  int64_t fallbacks;    /* replays past the end of the log */
+  int64_t bytes_held;   /* bytes of the handles and metadata it keeps alive */
+  int64_t bytes_avoided;/* bytes of received rows not kept (sum of N * H * dtype) */
+} epx_recorder_stats_t;
+
+epx_status_t epx_recorder_create(int32_t validate, epx_recorder_t *recorder);
+/* Switching to replay rewinds the cursor to the first record. */
+epx_status_t epx_recorder_set_mode(epx_recorder_t recorder, epx_recorder_mode_t mode);
+epx_status_t epx_recorder_stats(epx_recorder_t recorder, epx_recorder_stats_t *stats);
+/* Releases every handle it holds. */
+epx_status_t epx_recorder_destroy(epx_recorder_t recorder);
+
+/* ------------------------------------------------------------------------ */
+/* References (plain C, host memory; the oracle of the tests)                */
+/* ------------------------------------------------------------------------ */
+
+/* Dense one-hot dispatch, the einsum `sec,sm->ecm`: builds the mask
+ * [T, E, C] (1 or w at (t, topk_idx[t,k], locations[t,k])) and computes
+ * out[E, C, H] = sum_t mask[t,e,c] * x[t,:] with float32 accumulation.
+ * Weighted by topk_w only with EPX_WEIGHTS_IN_DISPATCH. O(T*E*C*H). */
+epx_status_t epx_reference_dense_dispatch(epx_dtype_t dtype, int64_t num_tokens, int64_t hidden,
+                                          int32_t num_experts, int32_t capacity, int32_t top_k,
+                                          const int32_t *topk_idx, const float *topk_w,
+                                          const int32_t *locations, epx_weighting_t weighting,
+                                          const void *x, void *out);
+/* Dense one-hot combine, the einsum `sec,ecm->sm`: out[T, H] = sum_{e,c}
+ * mask[t,e,c] * expert_out[e,c,:] (mask weighted with EPX_WEIGHTS_IN_COMBINE). */
+epx_status_t epx_reference_dense_combine(epx_dtype_t dtype, int64_t num_tokens, int64_t hidden,
+                                         int32_t num_experts, int32_t capacity, int32_t top_k,
+                                         const int32_t *topk_idx, const float *topk_w,
+                                         const int32_t *locations, epx_weighting_t weighting,
+                                         const void *expert_out, void *out);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* EPX_H */

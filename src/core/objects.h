@@ -1,0 +1,41 @@
+/* The library's objects as every backend sees them. The CPU engine keeps its
+ * per-handle layout in `cpu`, the CUDA backend in `cuda`; neither reads the
+ * other's. */
+#ifndef EPX_CORE_OBJECTS_H
+#define EPX_CORE_OBJECTS_H
+
+#include <stdint.h>
+
+#include "epx.h"
+
+struct epx_cpu_plan;
+struct epx_cpu_scratch;
+
+struct epx_buffer {
+  epx_comm_t comm;
+  epx_buffer_config_t config;
+  int32_t world_size;
+  int32_t rank;
+  int32_t experts_per_rank;    /* E_local */
+  int64_t max_tokens;          /* agreed tokens per rank; 0 until agreed */
+  int64_t live_handles;        /* handles not yet released (atomic) */
+  struct epx_cpu_scratch *cpu; /* CPU staging buffers, grown on demand */
+  void *cuda;                  /* CUDA backend state (src/cuda) */
+};
+
+struct epx_handle {
+  epx_buffer_t buffer;
+  int64_t refcount;            /* atomic */
+  epx_weighting_t weighting;
+  int64_t num_tokens;          /* T of the routing on this rank */
+  int32_t top_k;               /* K of the routing */
+  int64_t recv_rows;           /* N (CUDA with worst_case_sizing: the bound) */
+  uint64_t routing_hash;       /* hash of topk_idx, for recorder validation */
+  struct epx_cpu_plan *cpu;    /* src/cpu/exchange.c */
+  void *cuda;                  /* src/cuda */
+};
+
+/* FNV-1a of the routing's expert ids (a [T, K] int32 array). */
+uint64_t epx_hash_topk(const int32_t *topk_idx, int64_t count);
+
+#endif

@@ -1,0 +1,30 @@
+/* The CPU backend as the public API layer calls it. */
+#ifndef EPX_CPU_CPU_H
+#define EPX_CPU_CPU_H
+
+#include "epx.h"
+#include "core/objects.h"
+
+/* The exchange engine (src/cpu/exchange.c): any number of ranks over the
+ * comm's transport; the one-rank case moves rows directly with no staging.
+ * Arguments are checked by src/core/api.c, routing values here. */
+epx_status_t epx_cpu_dispatch_layout(epx_buffer_t buffer, const epx_routing_t *routing,
+                                     epx_handle_t handle);
+void epx_cpu_handle_fini(epx_handle_t handle);
+void epx_cpu_buffer_fini(epx_buffer_t buffer);
+epx_status_t epx_cpu_dispatch(epx_buffer_t buffer, epx_handle_t handle, const void *x,
+                              void *recv_x);
+epx_status_t epx_cpu_combine(epx_buffer_t buffer, epx_handle_t handle, const void *expert_out,
+                             void *out);
+epx_status_t epx_cpu_dispatch_backward(epx_buffer_t buffer, epx_handle_t handle,
+                                       const void *grad_recv_x, void *grad_x, const void *x,
+                                       float *grad_w);
+epx_status_t epx_cpu_combine_backward(epx_buffer_t buffer, epx_handle_t handle,
+                                      const void *grad_out, const void *expert_out,
+                                      void *grad_expert_out, float *grad_w);
+epx_status_t epx_cpu_handle_expert_counts(epx_handle_t handle, int64_t *counts, int64_t *offsets);
+epx_status_t epx_cpu_handle_recv_routing(epx_handle_t handle, int32_t *recv_expert, float *recv_w);
+epx_status_t epx_cpu_handle_recv_source(epx_handle_t handle, int32_t *src_rank, int32_t *src_token);
+epx_status_t epx_cpu_handle_stats(epx_handle_t handle, epx_handle_stats_t *stats);
+
+#endif

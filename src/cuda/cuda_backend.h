@@ -1,0 +1,62 @@
+/* The CUDA backend as the host library calls it: plain C declarations of
+ * functions implemented in src/cuda (host C11 glue in cuda_backend.c, kernels
+ * behind extern "C" launchers in .cu files). The public API layer
+ * (src/core/api.c) has already checked every argument that can be checked on
+ * the host — NULLs, sizes, dtype, alignment, handle ownership — before calling
+ * these; they check what only the device can see (routing values).
+ *
+ * Scope: a comm of one rank (buffer->world_size == 1). All work is enqueued
+ * on buffer->config.stream (route: config->stream) and is asynchronous unless
+ * stated. When the library is built without CUDA these are stubs returning
+ * EPX_ERROR_UNSUPPORTED (src/core/cuda_stubs.c). */
+#ifndef EPX_CUDA_BACKEND_H
+#define EPX_CUDA_BACKEND_H
+
+#include "epx.h"
+#include "core/objects.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+epx_status_t epx_cuda_route(const epx_route_config_t *config, int64_t num_tokens,
+                            const float *logits, const float *bias, epx_route_output_t *output);
+epx_status_t epx_cuda_route_backward(const epx_route_config_t *config, int64_t num_tokens,
+                                     const float *logits, const float *bias,
+                                     const int32_t *topk_idx, const float *grad_topk_w,
+                                     float grad_aux_loss, float grad_z_loss, float *grad_logits);
+
+/* Per-buffer device state (scratch, counters); called from epx_buffer_create
+ * and epx_buffer_destroy. */
+epx_status_t epx_cuda_buffer_init(epx_buffer_t buffer);
+void epx_cuda_buffer_fini(epx_buffer_t buffer);
+
+/* Fills handle->cuda and handle->recv_rows from device routing arrays. */
+epx_status_t epx_cuda_dispatch_layout(epx_buffer_t buffer, const epx_routing_t *routing,
+                                      epx_handle_t handle);
+void epx_cuda_handle_fini(epx_handle_t handle);
+
+epx_status_t epx_cuda_dispatch(epx_buffer_t buffer, epx_handle_t handle, const void *x,
+                               void *recv_x);
+epx_status_t epx_cuda_combine(epx_buffer_t buffer, epx_handle_t handle, const void *expert_out,
+                              void *out);
+epx_status_t epx_cuda_dispatch_backward(epx_buffer_t buffer, epx_handle_t handle,
+                                        const void *grad_recv_x, void *grad_x, const void *x,
+                                        float *grad_w);
+epx_status_t epx_cuda_combine_backward(epx_buffer_t buffer, epx_handle_t handle,
+                                       const void *grad_out, const void *expert_out,
+                                       void *grad_expert_out, float *grad_w);
+
+epx_status_t epx_cuda_handle_recv_rows(epx_handle_t handle, int64_t *rows);
+epx_status_t epx_cuda_handle_recv_rows_device(epx_handle_t handle, const int64_t **rows);
+epx_status_t epx_cuda_handle_expert_counts(epx_handle_t handle, int64_t *counts,
+                                           int64_t *offsets);
+epx_status_t epx_cuda_handle_recv_routing(epx_handle_t handle, int32_t *recv_expert,
+                                          float *recv_w);
+epx_status_t epx_cuda_handle_recv_source(epx_handle_t handle, int32_t *src_rank,
+                                         int32_t *src_token);
+
+#ifdef __cplusplus
+}
+#endif
+#endif
