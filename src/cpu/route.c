@@ -1,0 +1,652 @@
+/* Routing: logits [T, E] -> top-k experts, weights, capacity locations, counts
+ * and the auxiliary losses, and the gradient back to the logits. The public
+ * entry points check every argument here, hand CUDA configs to the CUDA
+ * backend, and otherwise route on the CPU: one pass over the tokens (scores,
+ * selection, weights, loss sums), then one pass over the routes in queue order
+ * (locations, drops). Results go to scratch first and reach the caller's
+ * arrays only once nothing can fail any more. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/error.h"
+#include "cuda/cuda_backend.h"
+
+static int route_misaligned(const void *p) { return ((uintptr_t)p & 3u) != 0; }
+
+static epx_status_t route_check_config(const char *fn, const epx_route_config_t *c) {
+  EPX_REQUIRE(c, "%s: config is NULL; pass an epx_route_config_t initialised with "
+                 "EPX_ROUTE_CONFIG_INIT", fn);
+  EPX_REQUIRE(c->struct_size == sizeof *c,
+              "%s: config->struct_size is %u, expected %zu; initialise the config with "
+              "EPX_ROUTE_CONFIG_INIT", fn, c->struct_size, sizeof *c);
+  EPX_REQUIRE(c->version == EPX_CONFIG_VERSION,
+              "%s: config->version is %u, expected %d; initialise the config with "
+              "EPX_ROUTE_CONFIG_INIT", fn, c->version, EPX_CONFIG_VERSION);
+  EPX_REQUIRE(c->num_experts >= 1, "%s: num_experts is %d; pass at least 1 expert", fn,
+              c->num_experts);
+  EPX_REQUIRE(c->top_k >= 1, "%s: top_k is %d; pass 1 <= top_k <= num_experts", fn, c->top_k);
+  EPX_REQUIRE(c->top_k <= c->num_experts,
+              "%s: top_k %d exceeds num_experts %d; pass 1 <= top_k <= num_experts", fn,
+              c->top_k, c->num_experts);
+  EPX_REQUIRE(c->score_fn == EPX_SCORE_SOFTMAX || c->score_fn == EPX_SCORE_SIGMOID,
+              "%s: score_fn is %d; pass EPX_SCORE_SOFTMAX or EPX_SCORE_SIGMOID", fn,
+              (int)c->score_fn);
+  if (c->num_groups > 1) {
+    EPX_REQUIRE(c->num_experts % c->num_groups == 0,
+                "%s: num_groups %d does not divide num_experts %d; pass a divisor of "
+                "num_experts, or num_groups <= 1 to disable group-limited selection",
+                fn, c->num_groups, c->num_experts);
+    EPX_REQUIRE(c->topk_groups >= 1 && c->topk_groups <= c->num_groups,
+                "%s: topk_groups is %d; pass 1 <= topk_groups <= num_groups (%d)", fn,
+                c->topk_groups, c->num_groups);
+    EPX_REQUIRE((int64_t)c->topk_groups * (c->num_experts / c->num_groups) >= c->top_k,
+                "%s: topk_groups %d keeps only %d experts, fewer than top_k %d; raise "
+                "topk_groups or lower top_k", fn, c->topk_groups,
+                c->topk_groups * (c->num_experts / c->num_groups), c->top_k);
+  }
+  EPX_REQUIRE(c->renormalize == 0 || c->renormalize == 1, "%s: renormalize is %d; pass 0 or 1",
+              fn, c->renormalize);
+  EPX_REQUIRE(isfinite(c->scaling_factor), "%s: scaling_factor is %g; pass a finite number", fn,
+              (double)c->scaling_factor);
+  EPX_REQUIRE(c->capacity_mode == 0 || c->capacity_mode == 1,
+              "%s: capacity_mode is %d; pass 0 (dropless) or 1 (capacity)", fn,
+              c->capacity_mode);
+  EPX_REQUIRE(c->queue_order == EPX_QUEUE_BY_CHOICE || c->queue_order == EPX_QUEUE_BY_TOKEN,
+              "%s: queue_order is %d; pass EPX_QUEUE_BY_CHOICE or EPX_QUEUE_BY_TOKEN", fn,
+              (int)c->queue_order);
+  EPX_REQUIRE(c->drop_policy == EPX_DROP_BY_POSITION || c->drop_policy == EPX_DROP_BY_PROBABILITY,
+              "%s: drop_policy is %d; pass EPX_DROP_BY_POSITION or EPX_DROP_BY_PROBABILITY", fn,
+              (int)c->drop_policy);
+  if (c->capacity_mode) {
+    EPX_REQUIRE(c->capacity_factor > 0 && isfinite(c->capacity_factor),
+                "%s: capacity_factor is %g; pass a finite capacity_factor > 0 in capacity mode",
+                fn, (double)c->capacity_factor);
+    EPX_REQUIRE(c->min_capacity >= 0, "%s: min_capacity is %d; pass min_capacity >= 0", fn,
+                c->min_capacity);
+  }
+  EPX_REQUIRE(isfinite(c->aux_loss_coeff), "%s: aux_loss_coeff is %g; pass a finite number", fn,
+              (double)c->aux_loss_coeff);
+  EPX_REQUIRE(isfinite(c->z_loss_coeff), "%s: z_loss_coeff is %g; pass a finite number", fn,
+              (double)c->z_loss_coeff);
+  EPX_REQUIRE(c->nonfinite == EPX_NONFINITE_ERROR || c->nonfinite == EPX_NONFINITE_DROP,
+              "%s: nonfinite is %d; pass EPX_NONFINITE_ERROR or EPX_NONFINITE_DROP", fn,
+              (int)c->nonfinite);
+  EPX_REQUIRE(c->device == EPX_DEVICE_CPU || c->device == EPX_DEVICE_CUDA,
+              "%s: device is %d; pass EPX_DEVICE_CPU or EPX_DEVICE_CUDA", fn, (int)c->device);
+  return EPX_SUCCESS;
+}
+
+/* Locations are int32 and an expert's queue holds up to T routes. */
+static epx_status_t route_check_tokens(const char *fn, int64_t num_tokens) {
+  EPX_REQUIRE(num_tokens >= 0, "%s: num_tokens is %lld; pass num_tokens >= 0", fn,
+              (long long)num_tokens);
+  EPX_REQUIRE(num_tokens <= INT32_MAX,
+              "%s: num_tokens is %lld, more than the int32 locations can index; route at "
+              "most %d tokens per call", fn, (long long)num_tokens, INT32_MAX);
+  return EPX_SUCCESS;
+}
+
+static epx_status_t route_check_pointer(const char *fn, const char *name, const void *p,
+                                        int required) {
+  EPX_REQUIRE(p || !required, "%s: %s is NULL; pass a 4-byte aligned array", fn, name);
+  EPX_REQUIRE(!route_misaligned(p), "%s: %s (%p) is not 4-byte aligned; pass a 4-byte aligned "
+              "array", fn, name, p);
+  return EPX_SUCCESS;
+}
+
+/* A bias only steers selection, but a NaN in it would make the order of the
+ * experts undefined. */
+static epx_status_t route_check_bias(const char *fn, int32_t num_experts, const float *bias) {
+  if (!bias) return EPX_SUCCESS;
+  for (int32_t e = 0; e < num_experts; e++)
+    EPX_REQUIRE(isfinite(bias[e]), "%s: bias[%d] is %g; pass a finite bias", fn, e,
+                (double)bias[e]);
+  return EPX_SUCCESS;
+}
+
+/* Index of the first NaN/Inf in row, or -1. */
+static int32_t route_first_nonfinite(const float *row, int32_t num_experts) {
+  for (int32_t e = 0; e < num_experts; e++)
+    if (!isfinite(row[e])) return e;
+  return -1;
+}
+
+/* What one token's routing needs besides its logits: the config's numbers
+ * and per-token scratch, allocated once per call. */
+typedef struct route_state {
+  int32_t num_experts, top_k;
+  int32_t num_groups, group_size, topk_groups; /* num_groups 1: no group limit */
+  int sigmoid;
+  const float *bias;  /* [E] or NULL */
+  float *select;      /* [E] p + bias (only with a bias) */
+  float *group_score; /* [num_groups] */
+  int32_t *group_best;/* [topk_groups] kept groups, best first */
+  uint8_t *group_kept;/* [num_groups] */
+  float *top_score;   /* [K] selection scores of the chosen, best first */
+} route_state;
+
+static void route_state_free(route_state *s) {
+  free(s->select);
+  free(s->group_score);
+  free(s->group_best);
+  free(s->group_kept);
+  free(s->top_score);
+}
+
+static epx_status_t route_state_init(const char *fn, const epx_route_config_t *c,
+                                     const float *bias, route_state *s) {
+  memset(s, 0, sizeof *s);
+  s->num_experts = c->num_experts;
+  s->top_k = c->top_k;
+  s->num_groups = c->num_groups > 1 ? c->num_groups : 1;
+  s->group_size = c->num_experts / s->num_groups;
+  s->topk_groups = c->num_groups > 1 ? c->topk_groups : 1;
+  s->sigmoid = c->score_fn == EPX_SCORE_SIGMOID;
+  s->bias = bias;
+  s->select = bias ? malloc(sizeof(float) * (size_t)c->num_experts) : NULL;
+  s->group_score = malloc(sizeof(float) * (size_t)s->num_groups);
+  s->group_best = malloc(sizeof(int32_t) * (size_t)s->topk_groups);
+  s->group_kept = malloc((size_t)s->num_groups);
+  s->top_score = malloc(sizeof(float) * (size_t)c->top_k);
+  if ((bias && !s->select) || !s->group_score || !s->group_best || !s->group_kept ||
+      !s->top_score) {
+    route_state_free(s);
+    return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory for %d experts' scratch; "
+                     "free memory or route fewer experts", fn, c->num_experts);
+  }
+  return EPX_SUCCESS;
+}
+
+static float route_row_max(const float *row, int32_t n) {
+  float max = row[0];
+  for (int32_t e = 1; e < n; e++) max = row[e] > max ? row[e] : max;
+  return max;
+}
+
+/* softmax(row) [E] into p, float32 as spec item 1 fixes it; returns the row's
+ * logsumexp (for the z loss). */
+static double route_softmax(const float *row, int32_t n, float *p) {
+  const float max = route_row_max(row, n);
+  float sum = 0.0f;
+  for (int32_t e = 0; e < n; e++) {
+    p[e] = expf(row[e] - max);
+    sum += p[e];
+  }
+  for (int32_t e = 0; e < n; e++) p[e] = p[e] / sum;
+  return (double)max + log((double)sum);
+}
+
+static double route_logsumexp(const float *row, int32_t n) {
+  const float max = route_row_max(row, n);
+  float sum = 0.0f;
+  for (int32_t e = 0; e < n; e++) sum += expf(row[e] - max);
+  return (double)max + log((double)sum);
+}
+
+/* Scores p [E] of one finite row (spec item 1); returns the row's logsumexp
+ * for softmax, NAN for sigmoid (which does not need it). */
+static double route_scores(const route_state *s, const float *row, float *p) {
+  const int32_t n = s->num_experts;
+  if (!s->sigmoid) return route_softmax(row, n, p);
+  for (int32_t e = 0; e < n; e++) p[e] = 1.0f / (1.0f + expf(-row[e]));
+  return NAN;
+}
+
+/* Keeps the topk_groups groups with the largest sum of their two best
+ * selection scores (ties: lower group), in group_kept. */
+static void route_pick_groups(route_state *s, const float *score) {
+  const int32_t keep = s->topk_groups;
+  int32_t kept = 0;
+  for (int32_t g = 0; g < s->num_groups; g++) {
+    const float *v = score + (size_t)g * s->group_size;
+    float best = -INFINITY, second = -INFINITY;
+    for (int32_t i = 0; i < s->group_size; i++) {
+      if (v[i] > best) {
+        second = best;
+        best = v[i];
+      } else if (v[i] > second) {
+        second = v[i];
+      }
+    }
+    const float gs = s->group_size > 1 ? best + second : best;
+    s->group_score[g] = gs;
+    s->group_kept[g] = 0;
+    /* Insertion into the best-first list; strict > keeps the lower group on ties. */
+    if (kept == keep && !(gs > s->group_score[s->group_best[keep - 1]])) continue;
+    int32_t at = kept < keep ? kept++ : keep - 1;
+    while (at > 0 && gs > s->group_score[s->group_best[at - 1]]) {
+      s->group_best[at] = s->group_best[at - 1];
+      at--;
+    }
+    s->group_best[at] = g;
+  }
+  for (int32_t i = 0; i < kept; i++) s->group_kept[s->group_best[i]] = 1;
+}
+
+/* Selects one finite row's K experts (spec items 2-4): chosen [K] best first,
+ * ties to the lower expert. p [E] gets the scores; returns route_scores'. */
+static double route_select(route_state *s, const float *row, float *p, int32_t *chosen) {
+  const int32_t n = s->num_experts, K = s->top_k;
+  const double lse = route_scores(s, row, p);
+  const float *score = p;
+  if (s->bias) {
+    for (int32_t e = 0; e < n; e++) s->select[e] = p[e] + s->bias[e];
+    score = s->select;
+  }
+  if (s->num_groups > 1) route_pick_groups(s, score);
+  float *top = s->top_score;
+  int32_t found = 0;
+  for (int32_t g = 0; g < s->num_groups; g++) {
+    if (s->num_groups > 1 && !s->group_kept[g]) continue;
+    const int32_t end = (g + 1) * s->group_size;
+    for (int32_t e = g * s->group_size; e < end; e++) {
+      const float v = score[e];
+      /* Experts arrive in ascending order, so strict > puts ties after. */
+      if (found == K && !(v > top[K - 1])) continue;
+      int32_t at = found < K ? found++ : K - 1;
+      while (at > 0 && v > top[at - 1]) {
+        top[at] = top[at - 1];
+        chosen[at] = chosen[at - 1];
+        at--;
+      }
+      top[at] = v;
+      chosen[at] = e;
+    }
+  }
+  return lse;
+}
+
+/* Sum of the chosen experts' scores in k order, float32 (spec item 5). */
+static float route_chosen_sum(const float *p, const int32_t *chosen, int32_t K) {
+  float sum = 0.0f;
+  for (int32_t k = 0; k < K; k++) sum += p[chosen[k]];
+  return sum;
+}
+
+/* Route q of the queue (spec item 6) as an index into [T, K]. */
+static int64_t route_queue_at(epx_queue_order_t order, int64_t q, int64_t T, int32_t K) {
+  return order == EPX_QUEUE_BY_TOKEN ? q : (q % T) * K + q / T;
+}
+
+/* One candidate of an over-full expert under drop-by-probability. */
+typedef struct route_candidate {
+  float weight;
+  int64_t queue_pos; /* position in the expert's queue; breaks ties */
+  int64_t route;
+} route_candidate;
+
+static int route_candidate_cmp(const void *a, const void *b) {
+  const route_candidate *x = a, *y = b;
+  if (x->weight != y->weight) return x->weight > y->weight ? -1 : 1;
+  return x->queue_pos < y->queue_pos ? -1 : x->queue_pos > y->queue_pos;
+}
+
+/* Capacity C (spec item 6), in double as the spec fixes it. */
+static int32_t route_capacity(const epx_route_config_t *c, int64_t T) {
+  double cap = ceil((double)c->top_k * (double)T / (double)c->num_experts *
+                    (double)c->capacity_factor);
+  if (cap < (double)c->min_capacity) cap = (double)c->min_capacity;
+  return cap > (double)INT32_MAX ? INT32_MAX : (int32_t)cap;
+}
+
+/* Locations and drops (spec items 6-7): idx [T, K] (-1 = no route), w [T, K]
+ * in, loc [T, K] and counts [E] out; dropped routes get -1 / 0 / -1. */
+static epx_status_t route_locate(const epx_route_config_t *c, int64_t T, int32_t *idx, float *w,
+                                 int32_t *loc, int32_t *counts, int32_t capacity) {
+  epx_status_t status = EPX_SUCCESS;
+  const int32_t K = c->top_k, E = c->num_experts;
+  const int64_t routes = T * K;
+  int64_t *offsets = NULL, *queue = NULL;
+  route_candidate *cand = NULL;
+  memset(counts, 0, sizeof(int32_t) * (size_t)E);
+  for (int64_t q = 0; q < routes; q++) {
+    const int64_t r = route_queue_at(c->queue_order, q, T, K);
+    loc[r] = idx[r] < 0 ? -1 : counts[idx[r]]++;
+  }
+  if (!c->capacity_mode) return EPX_SUCCESS;
+  if (c->drop_policy == EPX_DROP_BY_POSITION) {
+    for (int64_t r = 0; r < routes; r++) {
+      if (loc[r] >= capacity) {
+        idx[r] = -1;
+        w[r] = 0.0f;
+        loc[r] = -1;
+      }
+    }
+    return EPX_SUCCESS;
+  }
+  int32_t fullest = 0;
+  for (int32_t e = 0; e < E; e++) fullest = counts[e] > fullest ? counts[e] : fullest;
+  if (fullest <= capacity) return EPX_SUCCESS;
+  /* queue [sum counts]: each expert's routes in queue order, from offsets [E+1]. */
+  offsets = malloc(sizeof(int64_t) * ((size_t)E + 1));
+  queue = malloc(sizeof(int64_t) * (size_t)(routes ? routes : 1));
+  cand = malloc(sizeof(route_candidate) * (size_t)fullest);
+  if (!offsets || !queue || !cand)
+    EPX_FAIL(EPX_ERROR_OUT_OF_MEMORY, "epx_route: out of memory for the capacity queues of "
+             "%lld routes; free memory or route fewer tokens", (long long)routes);
+  offsets[0] = 0;
+  for (int32_t e = 0; e < E; e++) offsets[e + 1] = offsets[e] + counts[e];
+  for (int64_t r = 0; r < routes; r++)
+    if (idx[r] >= 0) queue[offsets[idx[r]] + loc[r]] = r;
+  for (int32_t e = 0; e < E; e++) {
+    const int64_t n = counts[e], *mine = queue + offsets[e];
+    if (n <= capacity) continue;
+    for (int64_t i = 0; i < n; i++) cand[i] = (route_candidate){w[mine[i]], i, mine[i]};
+    qsort(cand, (size_t)n, sizeof *cand, route_candidate_cmp);
+    for (int64_t i = capacity; i < n; i++) loc[cand[i].route] = -1;
+    int32_t kept = 0;
+    for (int64_t i = 0; i < n; i++) {
+      const int64_t r = mine[i];
+      if (loc[r] >= 0) {
+        loc[r] = kept++;
+      } else {
+        idx[r] = -1;
+        w[r] = 0.0f;
+      }
+    }
+  }
+fail:
+  free(offsets);
+  free(queue);
+  free(cand);
+  return status;
+}
+
+static epx_status_t route_cpu(const epx_route_config_t *c, int64_t T, const float *logits,
+                              const float *bias, epx_route_output_t *out) {
+  epx_status_t status = EPX_SUCCESS;
+  const int32_t E = c->num_experts, K = c->top_k;
+  const size_t routes = (size_t)T * (size_t)K;
+  const int want_aux = out->aux_loss != NULL, want_z = out->z_loss != NULL;
+  route_state st;
+  status = route_check_bias("epx_route", E, bias);
+  if (status != EPX_SUCCESS) return status;
+  status = route_state_init("epx_route", c, bias, &st);
+  if (status != EPX_SUCCESS) return status;
+  /* idx, w, loc [T, K] and counts [E]: the outputs until they are copied out. */
+  int32_t *idx = malloc(sizeof(int32_t) * (routes ? routes : 1));
+  float *w = malloc(sizeof(float) * (routes ? routes : 1));
+  int32_t *loc = malloc(sizeof(int32_t) * (routes ? routes : 1));
+  int32_t *counts = malloc(sizeof(int32_t) * (size_t)E);
+  float *p = malloc(sizeof(float) * (size_t)E);    /* [E] one token's scores */
+  double *prob_sum = calloc((size_t)E, sizeof(double)); /* [E] sum over tokens of q */
+  if (!idx || !w || !loc || !counts || !p || !prob_sum)
+    EPX_FAIL(EPX_ERROR_OUT_OF_MEMORY, "epx_route: out of memory for %lld tokens' routing "
+             "scratch; free memory or route fewer tokens", (long long)T);
+  int64_t nonfinite = 0;
+  double z_sum = 0.0;
+  for (int64_t t = 0; t < T; t++) {
+    const float *row = logits + (size_t)t * E;
+    int32_t *ti = idx + (size_t)t * K;
+    float *tw = w + (size_t)t * K;
+    const int32_t bad = route_first_nonfinite(row, E);
+    if (bad >= 0) {
+      if (c->nonfinite == EPX_NONFINITE_ERROR)
+        EPX_FAIL(EPX_ERROR_INVALID_ARGUMENT,
+                 "epx_route: logits of token %lld are not finite (logits[%lld, %d] is %g); "
+                 "fix the logits or set config->nonfinite = EPX_NONFINITE_DROP",
+                 (long long)t, (long long)t, bad, (double)row[bad]);
+      for (int32_t k = 0; k < K; k++) {
+        ti[k] = -1;
+        tw[k] = 0.0f;
+      }
+      nonfinite++;
+      continue;
+    }
+    const double lse = route_select(&st, row, p, ti);
+    const float sum = route_chosen_sum(p, ti, K);
+    for (int32_t k = 0; k < K; k++) {
+      float v = p[ti[k]];
+      /* Chosen scores that all underflowed to 0 (a bias can pick them) give
+       * weight 0 rather than 0/0. */
+      if (c->renormalize) v = sum > 0.0f ? v / sum : 0.0f;
+      tw[k] = v * c->scaling_factor;
+    }
+    if (want_aux) {
+      if (st.sigmoid) {
+        double total = 0.0;
+        for (int32_t e = 0; e < E; e++) total += p[e];
+        if (total > 0.0)
+          for (int32_t e = 0; e < E; e++) prob_sum[e] += p[e] / total;
+      } else {
+        for (int32_t e = 0; e < E; e++) prob_sum[e] += p[e];
+      }
+    }
+    if (want_z) {
+      const double l = st.sigmoid ? route_logsumexp(row, E) : lse;
+      z_sum += l * l;
+    }
+  }
+  const int32_t capacity = c->capacity_mode ? route_capacity(c, T) : 0;
+  EPX_CHECK(route_locate(c, T, idx, w, loc, counts, capacity));
+
+  const int64_t valid = T - nonfinite;
+  double aux = 0.0, z = 0.0;
+  if (valid > 0) {
+    for (int32_t e = 0; e < E; e++)
+      aux += (double)counts[e] / ((double)valid * K) * (prob_sum[e] / (double)valid);
+    aux *= (double)c->aux_loss_coeff * E;
+    z = (double)c->z_loss_coeff * z_sum / (double)valid;
+  }
+  if (routes) {
+    memcpy(out->topk_idx, idx, sizeof(int32_t) * routes);
+    memcpy(out->topk_w, w, sizeof(float) * routes);
+    if (out->locations) memcpy(out->locations, loc, sizeof(int32_t) * routes);
+  }
+  if (out->expert_counts) memcpy(out->expert_counts, counts, sizeof(int32_t) * (size_t)E);
+  if (want_aux) *out->aux_loss = (float)aux;
+  if (want_z) *out->z_loss = (float)z;
+  out->capacity = capacity;
+  out->nonfinite_tokens = nonfinite;
+fail:
+  route_state_free(&st);
+  free(idx);
+  free(w);
+  free(loc);
+  free(counts);
+  free(p);
+  free(prob_sum);
+  return status;
+}
+
+epx_status_t epx_route(const epx_route_config_t *config, int64_t num_tokens, const float *logits,
+                       const float *bias, epx_route_output_t *output) {
+  epx_status_t status;
+  epx_error_clear();
+  if ((status = route_check_config("epx_route", config)) != EPX_SUCCESS) return status;
+  if ((status = route_check_tokens("epx_route", num_tokens)) != EPX_SUCCESS) return status;
+  if ((status = route_check_pointer("epx_route", "logits", logits, num_tokens > 0)) != EPX_SUCCESS)
+    return status;
+  if ((status = route_check_pointer("epx_route", "bias", bias, 0)) != EPX_SUCCESS) return status;
+  EPX_REQUIRE(output, "epx_route: output is NULL; pass an epx_route_output_t with topk_idx and "
+                      "topk_w set");
+  const int has_routes = num_tokens > 0;
+  if ((status = route_check_pointer("epx_route", "output->topk_idx", output->topk_idx,
+                                    has_routes)) != EPX_SUCCESS ||
+      (status = route_check_pointer("epx_route", "output->topk_w", output->topk_w,
+                                    has_routes)) != EPX_SUCCESS ||
+      (status = route_check_pointer("epx_route", "output->locations", output->locations, 0)) !=
+          EPX_SUCCESS ||
+      (status = route_check_pointer("epx_route", "output->expert_counts",
+                                    output->expert_counts, 0)) != EPX_SUCCESS ||
+      (status = route_check_pointer("epx_route", "output->aux_loss", output->aux_loss, 0)) !=
+          EPX_SUCCESS ||
+      (status = route_check_pointer("epx_route", "output->z_loss", output->z_loss, 0)) !=
+          EPX_SUCCESS)
+    return status;
+  if (config->device == EPX_DEVICE_CUDA)
+    return epx_cuda_route(config, num_tokens, logits, bias, output);
+  return route_cpu(config, num_tokens, logits, bias, output);
+}
+
+/* Gradient (spec item 10). Pass 1 recomputes every token's selection, checks
+ * it against the forward's topk_idx and counts routes per expert (f_e of the
+ * aux loss needs all tokens); pass 2 writes grad_logits, so a refused call
+ * leaves it untouched. */
+static epx_status_t route_backward_cpu(const epx_route_config_t *c, int64_t T,
+                                       const float *logits, const float *bias,
+                                       const int32_t *topk_idx, const float *grad_topk_w,
+                                       float grad_aux_loss, float grad_z_loss,
+                                       float *grad_logits) {
+  static const char fn[] = "epx_route_backward";
+  epx_status_t status = EPX_SUCCESS;
+  const int32_t E = c->num_experts, K = c->top_k;
+  const size_t rows = (size_t)T ? (size_t)T : 1;
+  const int want_aux = grad_aux_loss != 0.0f && c->aux_loss_coeff != 0.0f;
+  const int want_z = grad_z_loss != 0.0f && c->z_loss_coeff != 0.0f;
+  route_state st;
+  status = route_check_bias(fn, E, bias);
+  if (status != EPX_SUCCESS) return status;
+  status = route_state_init(fn, c, bias, &st);
+  if (status != EPX_SUCCESS) return status;
+  float *p_all = malloc(sizeof(float) * rows * (size_t)E);  /* [T, E] scores */
+  int32_t *chosen = malloc(sizeof(int32_t) * rows * (size_t)K); /* [T, K] recomputed */
+  uint8_t *finite = malloc(rows);                               /* [T] token is valid */
+  double *lse = malloc(sizeof(double) * rows);                  /* [T] logsumexp */
+  int32_t *counts = calloc((size_t)E, sizeof(int32_t));         /* [E] before dropping */
+  double *aux_grad = malloc(sizeof(double) * (size_t)E);        /* [E] d loss / d q[t,e] */
+  double *grad_p = malloc(sizeof(double) * (size_t)E);          /* [E] one token's d/dp */
+  double *grad_row = malloc(sizeof(double) * (size_t)E);        /* [E] one token's d/dl */
+  float *softmax = malloc(sizeof(float) * (size_t)E);           /* [E] for sigmoid's z loss */
+  if (!p_all || !chosen || !finite || !lse || !counts || !aux_grad || !grad_p || !grad_row ||
+      !softmax)
+    EPX_FAIL(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory for %lld tokens' scratch; free memory "
+             "or route fewer tokens", fn, (long long)T);
+  int64_t valid = 0;
+  for (int64_t t = 0; t < T; t++) {
+    const float *row = logits + (size_t)t * E;
+    const int32_t bad = route_first_nonfinite(row, E);
+    finite[t] = bad < 0;
+    if (bad >= 0) {
+      if (c->nonfinite == EPX_NONFINITE_ERROR)
+        EPX_FAIL(EPX_ERROR_INVALID_ARGUMENT,
+                 "%s: logits of token %lld are not finite (logits[%lld, %d] is %g); fix the "
+                 "logits or set config->nonfinite = EPX_NONFINITE_DROP",
+                 fn, (long long)t, (long long)t, bad, (double)row[bad]);
+      continue;
+    }
+    valid++;
+    int32_t *ch = chosen + (size_t)t * K;
+    lse[t] = route_select(&st, row, p_all + (size_t)t * E, ch);
+    if (want_z && st.sigmoid) lse[t] = route_logsumexp(row, E);
+    for (int32_t k = 0; k < K; k++) {
+      const int32_t fwd = topk_idx[(size_t)t * K + k];
+      if (fwd != -1 && fwd != ch[k])
+        EPX_FAIL(EPX_ERROR_INVALID_ARGUMENT,
+                 "%s: topk_idx[%lld, %d] is %d but the routing recomputed from logits and bias "
+                 "chose expert %d; pass the forward's topk_idx with its logits, bias and config",
+                 fn, (long long)t, k, fwd, ch[k]);
+      counts[ch[k]]++;
+    }
+  }
+  for (int32_t e = 0; e < E; e++)
+    aux_grad[e] = want_aux && valid > 0
+                      ? (double)grad_aux_loss * c->aux_loss_coeff * E * counts[e] /
+                            ((double)valid * K) / (double)valid
+                      : 0.0;
+  const double z_grad = want_z && valid > 0
+                            ? 2.0 * (double)grad_z_loss * c->z_loss_coeff / (double)valid
+                            : 0.0;
+  for (int64_t t = 0; t < T; t++) {
+    float *out = grad_logits + (size_t)t * E;
+    if (!finite[t]) {
+      memset(out, 0, sizeof(float) * (size_t)E);
+      continue;
+    }
+    const float *p = p_all + (size_t)t * E;
+    const int32_t *ch = chosen + (size_t)t * K;
+    for (int32_t e = 0; e < E; e++) grad_p[e] = 0.0;
+    if (grad_topk_w) {
+      const int32_t *fwd = topk_idx + (size_t)t * K;
+      const float *gw = grad_topk_w + (size_t)t * K;
+      const double scale = c->scaling_factor;
+      if (c->renormalize) {
+        /* w_k = s * a_k / S with S over all K chosen, dropped ones included. */
+        const double sum = route_chosen_sum(p, ch, K);
+        if (sum > 0.0) {
+          double dot = 0.0;
+          for (int32_t k = 0; k < K; k++) dot += fwd[k] < 0 ? 0.0 : (double)gw[k] * p[ch[k]];
+          for (int32_t k = 0; k < K; k++)
+            grad_p[ch[k]] += scale * ((fwd[k] < 0 ? 0.0 : gw[k]) / sum - dot / (sum * sum));
+        }
+      } else {
+        for (int32_t k = 0; k < K; k++)
+          if (fwd[k] >= 0) grad_p[ch[k]] += scale * gw[k];
+      }
+    }
+    if (want_aux) {
+      if (st.sigmoid) {
+        /* q = p / sum(p): d/dp_j sum_e h_e q_e = (h_j - sum_e h_e q_e) / sum(p). */
+        double total = 0.0, hq = 0.0;
+        for (int32_t e = 0; e < E; e++) total += p[e];
+        if (total > 0.0) {
+          for (int32_t e = 0; e < E; e++) hq += aux_grad[e] * p[e];
+          hq /= total;
+          for (int32_t e = 0; e < E; e++) grad_p[e] += (aux_grad[e] - hq) / total;
+        }
+      } else {
+        for (int32_t e = 0; e < E; e++) grad_p[e] += aux_grad[e];
+      }
+    }
+    if (st.sigmoid) {
+      for (int32_t e = 0; e < E; e++) grad_row[e] = grad_p[e] * p[e] * (1.0 - p[e]);
+    } else {
+      double dot = 0.0;
+      for (int32_t e = 0; e < E; e++) dot += grad_p[e] * p[e];
+      for (int32_t e = 0; e < E; e++) grad_row[e] = p[e] * (grad_p[e] - dot);
+    }
+    if (want_z) {
+      const float *sm = p;
+      if (st.sigmoid) {
+        route_softmax(logits + (size_t)t * E, E, softmax);
+        sm = softmax;
+      }
+      const double scale = z_grad * lse[t];
+      for (int32_t e = 0; e < E; e++) grad_row[e] += scale * sm[e];
+    }
+    /* Written last: grad_logits may be the logits themselves. */
+    for (int32_t e = 0; e < E; e++) out[e] = (float)grad_row[e];
+  }
+fail:
+  route_state_free(&st);
+  free(p_all);
+  free(chosen);
+  free(finite);
+  free(lse);
+  free(counts);
+  free(aux_grad);
+  free(grad_p);
+  free(grad_row);
+  free(softmax);
+  return status;
+}
+
+epx_status_t epx_route_backward(const epx_route_config_t *config, int64_t num_tokens,
+                                const float *logits, const float *bias, const int32_t *topk_idx,
+                                const float *grad_topk_w, float grad_aux_loss, float grad_z_loss,
+                                float *grad_logits) {
+  static const char fn[] = "epx_route_backward";
+  epx_status_t status;
+  epx_error_clear();
+  if ((status = route_check_config(fn, config)) != EPX_SUCCESS ||
+      (status = route_check_tokens(fn, num_tokens)) != EPX_SUCCESS)
+    return status;
+  const int has_rows = num_tokens > 0;
+  if ((status = route_check_pointer(fn, "logits", logits, has_rows)) != EPX_SUCCESS ||
+      (status = route_check_pointer(fn, "bias", bias, 0)) != EPX_SUCCESS ||
+      (status = route_check_pointer(fn, "topk_idx", topk_idx, has_rows)) != EPX_SUCCESS ||
+      (status = route_check_pointer(fn, "grad_topk_w", grad_topk_w, 0)) != EPX_SUCCESS ||
+      (status = route_check_pointer(fn, "grad_logits", grad_logits, has_rows)) != EPX_SUCCESS)
+    return status;
+  EPX_REQUIRE(isfinite(grad_aux_loss), "%s: grad_aux_loss is %g; pass a finite gradient", fn,
+              (double)grad_aux_loss);
+  EPX_REQUIRE(isfinite(grad_z_loss), "%s: grad_z_loss is %g; pass a finite gradient", fn,
+              (double)grad_z_loss);
+  if (config->device == EPX_DEVICE_CUDA)
+    return epx_cuda_route_backward(config, num_tokens, logits, bias, topk_idx, grad_topk_w,
+                                   grad_aux_loss, grad_z_loss, grad_logits);
+  return route_backward_cpu(config, num_tokens, logits, bias, topk_idx, grad_topk_w,
+                            grad_aux_loss, grad_z_loss, grad_logits);
+}
