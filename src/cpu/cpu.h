@@ -8,6 +8,10 @@
 /* The exchange engine (src/cpu/exchange.c): any number of ranks over the
  * comm's transport; the one-rank case moves rows directly with no staging.
  * Arguments are checked by src/core/api.c, routing values here. */
+/* Checks the routing's values on this rank (expert ids, duplicates,
+ * capacity locations); api.c agrees the result across ranks before any
+ * exchange. */
+epx_status_t epx_cpu_validate_routing(epx_buffer_t buffer, const epx_routing_t *routing);
 epx_status_t epx_cpu_dispatch_layout(epx_buffer_t buffer, const epx_routing_t *routing,
                                      epx_handle_t handle);
 void epx_cpu_handle_fini(epx_handle_t handle);
@@ -25,6 +29,8 @@ epx_status_t epx_cpu_combine_backward(epx_buffer_t buffer, epx_handle_t handle,
 epx_status_t epx_cpu_handle_expert_counts(epx_handle_t handle, int64_t *counts, int64_t *offsets);
 epx_status_t epx_cpu_handle_recv_routing(epx_handle_t handle, int32_t *recv_expert, float *recv_w);
 epx_status_t epx_cpu_handle_recv_source(epx_handle_t handle, int32_t *src_rank, int32_t *src_token);
+/* Host bytes the handle's layout holds (0 for a CUDA handle). */
+int64_t epx_cpu_handle_bytes(epx_handle_t handle);
 epx_status_t epx_cpu_handle_stats(epx_handle_t handle, epx_handle_stats_t *stats);
 
 #endif

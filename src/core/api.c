@@ -1,0 +1,652 @@
+/* The public buffer, handle and exchange calls: argument checks, agreement
+ * of errors across ranks, the recorder, and the choice of backend. Every
+ * check that can be made on the host is made here, before any data moves, so
+ * the backends only see valid calls. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "comm/comm.h"
+#include "core/error.h"
+#include "core/objects.h"
+#include "core/recorder.h"
+#include "core/registry.h"
+#include "cpu/cpu.h"
+#include "cuda/cuda_backend.h"
+
+#define PAYLOAD_ALIGNMENT 16
+
+static int is_aligned(const void *p, size_t alignment) { return ((uintptr_t)p % alignment) == 0; }
+
+static const char *layout_name(epx_layout_t layout) {
+  switch (layout) {
+    case EPX_LAYOUT_EXPERT_MAJOR: return "EPX_LAYOUT_EXPERT_MAJOR";
+    case EPX_LAYOUT_RANK_MAJOR: return "EPX_LAYOUT_RANK_MAJOR";
+    case EPX_LAYOUT_CAPACITY: return "EPX_LAYOUT_CAPACITY";
+  }
+  return "?";
+}
+
+static epx_status_t check_buffer(epx_buffer_t buffer, const char *caller) {
+  if (!buffer)
+    return epx_error(EPX_ERROR_INVALID_ARGUMENT, "%s: buffer is NULL; pass a buffer from epx_buffer_create", caller);
+  if (!epx_registry_has(buffer, EPX_OBJECT_BUFFER))
+    return epx_error(EPX_ERROR_INVALID_HANDLE,
+                     "%s: buffer is not a live buffer (destroyed, or not from epx_buffer_create)", caller);
+  return EPX_SUCCESS;
+}
+
+static epx_status_t check_handle(epx_buffer_t buffer, epx_handle_t handle, const char *caller) {
+  if (!handle)
+    return epx_error(EPX_ERROR_INVALID_ARGUMENT, "%s: handle is NULL; pass the handle from epx_dispatch_layout", caller);
+  if (!epx_registry_has(handle, EPX_OBJECT_HANDLE))
+    return epx_error(EPX_ERROR_INVALID_HANDLE,
+                     "%s: handle is not live (released, or its buffer was destroyed); keep a "
+                     "reference with epx_handle_retain while you still need it", caller);
+  if (buffer && handle->buffer != buffer)
+    return epx_error(EPX_ERROR_INVALID_HANDLE,
+                     "%s: handle belongs to another buffer; pass the buffer its "
+                     "epx_dispatch_layout was called with", caller);
+  return EPX_SUCCESS;
+}
+
+/* Agrees a collective call's local verdict across ranks so that a refusal on
+ * one rank is a refusal on every rank before anything moves. The failing
+ * rank keeps its own message; the others name it. */
+static epx_status_t agree(epx_buffer_t buffer, epx_status_t local, const char *caller) {
+  epx_comm_t comm = buffer->comm;
+  if (comm->size == 1) return local;
+  epx_status_t alive = epx_comm_check_alive(comm, caller);
+  if (alive != EPX_SUCCESS) return alive;
+  char message[1024];
+  strncpy(message, epx_last_error(), sizeof message - 1);
+  message[sizeof message - 1] = '\0';
+  int64_t failed_rank = local != EPX_SUCCESS ? comm->rank + 1 : 0;
+  epx_status_t status = comm->ops->allreduce_max_i64(comm, caller, &failed_rank, 1);
+  if (status != EPX_SUCCESS) return status;
+  if (local != EPX_SUCCESS) {
+    epx_error(local, "%s", message);
+    return local;
+  }
+  if (failed_rank)
+    return epx_error(EPX_ERROR_PEER_FAILED,
+                     "%s: rank %lld refused the call (its epx_last_error says why); nothing was "
+                     "moved on any rank", caller, (long long)(failed_rank - 1));
+  return EPX_SUCCESS;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Buffers                                                                   */
+/* ------------------------------------------------------------------------ */
+
+/* The fields every rank must agree on, gathered at buffer creation. */
+typedef struct {
+  int64_t status;
+  int64_t device, dtype, hidden, num_experts, max_top_k, max_tokens_per_rank,
+      max_tokens_rounding, exchange, layout, expert_alignment, capacity;
+} buffer_shape_t;
+
+static const char *const shape_field_names[] = {
+    "status", "device", "dtype", "hidden", "num_experts", "max_top_k", "max_tokens_per_rank",
+    "max_tokens_rounding", "exchange", "layout", "expert_alignment", "capacity"};
+
+static epx_status_t check_buffer_config(epx_comm_t comm, const epx_buffer_config_t *c) {
+  const char *fn = "epx_buffer_create";
+  EPX_REQUIRE(c, "%s: config is NULL; pass an epx_buffer_config_t from EPX_BUFFER_CONFIG_INIT", fn);
+  EPX_REQUIRE(c->struct_size == sizeof(epx_buffer_config_t) && c->version == EPX_CONFIG_VERSION,
+              "%s: config.struct_size/version are %u/%u, expected %zu/%d; initialise it with "
+              "EPX_BUFFER_CONFIG_INIT", fn, c->struct_size, c->version, sizeof(epx_buffer_config_t),
+              EPX_CONFIG_VERSION);
+  EPX_REQUIRE(c->device == EPX_DEVICE_CPU || c->device == EPX_DEVICE_CUDA,
+              "%s: config.device %d is not EPX_DEVICE_CPU or EPX_DEVICE_CUDA", fn, (int)c->device);
+  EPX_REQUIRE(epx_dtype_size(c->dtype), "%s: config.dtype %d is not EPX_FLOAT32, EPX_BFLOAT16 or EPX_FLOAT16", fn, (int)c->dtype);
+  EPX_REQUIRE(c->hidden > 0 && c->hidden % 8 == 0,
+              "%s: config.hidden is %lld; it must be a positive multiple of 8 (rows are moved in 16-byte vectors)",
+              fn, (long long)c->hidden);
+  EPX_REQUIRE(c->num_experts >= 1 && c->num_experts % comm->size == 0,
+              "%s: config.num_experts is %d; it must be a positive multiple of the comm size %d",
+              fn, c->num_experts, comm->size);
+  EPX_REQUIRE(c->max_top_k >= 1 && c->max_top_k <= c->num_experts,
+              "%s: config.max_top_k is %d; it must be in [1, num_experts = %d]", fn, c->max_top_k, c->num_experts);
+  EPX_REQUIRE(c->max_tokens_per_rank >= 0,
+              "%s: config.max_tokens_per_rank is %lld; pass a count >= 0 (0 agrees it at the first dispatch)",
+              fn, (long long)c->max_tokens_per_rank);
+  EPX_REQUIRE(c->max_tokens_rounding >= 1, "%s: config.max_tokens_rounding is %d; pass >= 1", fn, c->max_tokens_rounding);
+  EPX_REQUIRE(c->exchange == EPX_EXCHANGE_DEDUP || c->exchange == EPX_EXCHANGE_COLLECTIVE,
+              "%s: config.exchange %d is not EPX_EXCHANGE_DEDUP or EPX_EXCHANGE_COLLECTIVE", fn, (int)c->exchange);
+  EPX_REQUIRE(c->layout == EPX_LAYOUT_EXPERT_MAJOR || c->layout == EPX_LAYOUT_RANK_MAJOR ||
+                  c->layout == EPX_LAYOUT_CAPACITY,
+              "%s: config.layout %d is not an epx_layout_t", fn, (int)c->layout);
+  EPX_REQUIRE(c->expert_alignment >= 1, "%s: config.expert_alignment is %d; pass >= 1 (1 = no padding)", fn, c->expert_alignment);
+  EPX_REQUIRE(c->layout != EPX_LAYOUT_CAPACITY || c->capacity >= 1,
+              "%s: config.capacity is %d; EPX_LAYOUT_CAPACITY needs the capacity C >= 1 (epx_route_output_t.capacity)",
+              fn, c->capacity);
+  EPX_REQUIRE(c->capacity >= 0, "%s: config.capacity is %d; pass >= 0", fn, c->capacity);
+  if (c->device == EPX_DEVICE_CUDA && comm->size != 1)
+    return epx_error(EPX_ERROR_UNSUPPORTED,
+                     "%s: the CUDA backend runs on a comm of one rank in this version (comm has %d); "
+                     "use EPX_DEVICE_CPU for several ranks", fn, comm->size);
+  return EPX_SUCCESS;
+}
+
+epx_status_t epx_buffer_create(epx_comm_t comm, const epx_buffer_config_t *config,
+                               epx_buffer_t *buffer) {
+  const char *fn = "epx_buffer_create";
+  epx_error_clear();
+  if (!epx_registry_has(comm, EPX_OBJECT_COMM))
+    return epx_error(comm ? EPX_ERROR_INVALID_HANDLE : EPX_ERROR_INVALID_ARGUMENT,
+                     "%s: comm is %s; pass a comm from epx_comm_create_*", fn,
+                     comm ? "not a live comm (destroyed?)" : "NULL");
+  epx_status_t local = buffer ? check_buffer_config(comm, config)
+                              : epx_error(EPX_ERROR_INVALID_ARGUMENT, "%s: buffer is NULL; pass the address of an epx_buffer_t", fn);
+
+  /* Every rank sends its shape (or its failure) so all refuse together. */
+  buffer_shape_t mine = {0};
+  mine.status = local;
+  if (local == EPX_SUCCESS)
+    mine = (buffer_shape_t){0, config->device, config->dtype, config->hidden, config->num_experts,
+                            config->max_top_k, config->max_tokens_per_rank, config->max_tokens_rounding,
+                            config->exchange, config->layout, config->expert_alignment, config->capacity};
+  char message[1024];
+  strncpy(message, epx_last_error(), sizeof message - 1);
+  message[sizeof message - 1] = '\0';
+  buffer_shape_t *all = calloc((size_t)comm->size, sizeof *all);
+  if (!all) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
+  epx_status_t status = epx_comm_check_alive(comm, fn);
+  if (status == EPX_SUCCESS) status = comm->ops->allgather(comm, fn, &mine, all, sizeof mine);
+  if (status != EPX_SUCCESS) {
+    free(all);
+    return status;
+  }
+  if (local != EPX_SUCCESS) {
+    free(all);
+    return epx_error(local, "%s", message);
+  }
+  for (int32_t r = 0; r < comm->size; r++) {
+    if (all[r].status != EPX_SUCCESS) {
+      free(all);
+      return epx_error(EPX_ERROR_PEER_FAILED, "%s: rank %d refused its config (its epx_last_error says why)", fn, r);
+    }
+    const int64_t *theirs = &all[r].device, *ours = &all[0].device;
+    for (size_t f = 0; f < sizeof mine / sizeof(int64_t) - 1; f++) {
+      if (theirs[f] != ours[f]) {
+        status = epx_error(EPX_ERROR_SHAPE_MISMATCH,
+                           "%s: rank %d has config.%s = %lld but rank 0 has %lld; every rank must "
+                           "create the buffer with the same %s", fn, r, shape_field_names[f + 1],
+                           (long long)theirs[f], (long long)ours[f], shape_field_names[f + 1]);
+        free(all);
+        return status;
+      }
+    }
+  }
+  free(all);
+
+  epx_buffer_t b = calloc(1, sizeof *b);
+  if (!b) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
+  b->comm = comm;
+  b->config = *config;
+  b->world_size = comm->size;
+  b->rank = comm->rank;
+  b->experts_per_rank = config->num_experts / comm->size;
+  b->max_tokens = config->max_tokens_per_rank;
+  if (config->device == EPX_DEVICE_CUDA) {
+    status = epx_cuda_buffer_init(b);
+    if (status != EPX_SUCCESS) {
+      free(b);
+      return status;
+    }
+  }
+  status = epx_registry_add(b, EPX_OBJECT_BUFFER);
+  if (status != EPX_SUCCESS) {
+    if (config->device == EPX_DEVICE_CUDA) epx_cuda_buffer_fini(b);
+    free(b);
+    return status;
+  }
+  __atomic_add_fetch(&comm->live_buffers, 1, __ATOMIC_SEQ_CST);
+  *buffer = b;
+  return EPX_SUCCESS;
+}
+
+epx_status_t epx_buffer_destroy(epx_buffer_t buffer) {
+  epx_error_clear();
+  if (!buffer) return EPX_SUCCESS;
+  epx_status_t status = check_buffer(buffer, "epx_buffer_destroy");
+  if (status != EPX_SUCCESS) return status;
+  int64_t live = __atomic_load_n(&buffer->live_handles, __ATOMIC_SEQ_CST);
+  if (live > 0)
+    return epx_error(EPX_ERROR_BUSY,
+                     "epx_buffer_destroy: %lld handle(s) from this buffer are still alive (a backward "
+                     "may still need them); release them with epx_handle_release or "
+                     "epx_recorder_destroy first", (long long)live);
+  epx_registry_remove(buffer);
+  if (buffer->config.device == EPX_DEVICE_CUDA) epx_cuda_buffer_fini(buffer);
+  epx_cpu_buffer_fini(buffer);
+  __atomic_sub_fetch(&buffer->comm->live_buffers, 1, __ATOMIC_SEQ_CST);
+  free(buffer);
+  return EPX_SUCCESS;
+}
+
+epx_status_t epx_buffer_max_tokens(epx_buffer_t buffer, int64_t *max_tokens_per_rank) {
+  epx_error_clear();
+  epx_status_t status = check_buffer(buffer, "epx_buffer_max_tokens");
+  if (status != EPX_SUCCESS) return status;
+  EPX_REQUIRE(max_tokens_per_rank, "epx_buffer_max_tokens: max_tokens_per_rank is NULL; pass an int64_t to fill");
+  *max_tokens_per_rank = buffer->max_tokens;
+  return EPX_SUCCESS;
+}
+
+static int64_t max_recv_rows(epx_buffer_t b) {
+  const epx_buffer_config_t *c = &b->config;
+  int64_t W = b->world_size, El = b->experts_per_rank;
+  switch (c->layout) {
+    case EPX_LAYOUT_EXPERT_MAJOR: {
+      int64_t k = c->max_top_k < El ? c->max_top_k : El;
+      return W * b->max_tokens * k + El * (c->expert_alignment - 1);
+    }
+    case EPX_LAYOUT_RANK_MAJOR: return W * b->max_tokens;
+    case EPX_LAYOUT_CAPACITY: return El * W * c->capacity;
+  }
+  return 0;
+}
+
+epx_status_t epx_buffer_max_recv_rows(epx_buffer_t buffer, int64_t *rows) {
+  epx_error_clear();
+  epx_status_t status = check_buffer(buffer, "epx_buffer_max_recv_rows");
+  if (status != EPX_SUCCESS) return status;
+  EPX_REQUIRE(rows, "epx_buffer_max_recv_rows: rows is NULL; pass an int64_t to fill");
+  if (buffer->max_tokens == 0 && buffer->config.layout != EPX_LAYOUT_CAPACITY)
+    return epx_error(EPX_ERROR_INVALID_ARGUMENT,
+                     "epx_buffer_max_recv_rows: max_tokens_per_rank is not agreed yet; set "
+                     "config.max_tokens_per_rank or call after the first epx_dispatch_layout");
+  *rows = max_recv_rows(buffer);
+  return EPX_SUCCESS;
+}
+
+epx_status_t epx_buffer_set_stream(epx_buffer_t buffer, void *stream) {
+  epx_error_clear();
+  epx_status_t status = check_buffer(buffer, "epx_buffer_set_stream");
+  if (status != EPX_SUCCESS) return status;
+  if (buffer->config.device != EPX_DEVICE_CUDA)
+    return epx_error(EPX_ERROR_INVALID_ARGUMENT, "epx_buffer_set_stream: the buffer is a CPU buffer; streams are for EPX_DEVICE_CUDA buffers");
+  buffer->config.stream = stream;
+  return EPX_SUCCESS;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Handles                                                                   */
+/* ------------------------------------------------------------------------ */
+
+static void handle_free(epx_handle_t handle) {
+  epx_registry_remove(handle);
+  if (handle->cuda) epx_cuda_handle_fini(handle);
+  epx_cpu_handle_fini(handle);
+  __atomic_sub_fetch(&handle->buffer->live_handles, 1, __ATOMIC_SEQ_CST);
+  free(handle);
+}
+
+epx_status_t epx_handle_retain(epx_handle_t handle) {
+  epx_error_clear();
+  epx_status_t status = check_handle(NULL, handle, "epx_handle_retain");
+  if (status != EPX_SUCCESS) return status;
+  __atomic_add_fetch(&handle->refcount, 1, __ATOMIC_SEQ_CST);
+  return EPX_SUCCESS;
+}
+
+epx_status_t epx_handle_release(epx_handle_t handle) {
+  epx_error_clear();
+  if (!handle) return EPX_SUCCESS;
+  epx_status_t status = check_handle(NULL, handle, "epx_handle_release");
+  if (status != EPX_SUCCESS) return status;
+  if (__atomic_sub_fetch(&handle->refcount, 1, __ATOMIC_SEQ_CST) == 0) handle_free(handle);
+  return EPX_SUCCESS;
+}
+
+static int is_cuda(epx_handle_t handle) { return handle->buffer->config.device == EPX_DEVICE_CUDA; }
+
+epx_status_t epx_handle_recv_rows(epx_handle_t handle, int64_t *rows) {
+  epx_error_clear();
+  epx_status_t status = check_handle(NULL, handle, "epx_handle_recv_rows");
+  if (status != EPX_SUCCESS) return status;
+  EPX_REQUIRE(rows, "epx_handle_recv_rows: rows is NULL; pass an int64_t to fill");
+  if (is_cuda(handle)) return epx_cuda_handle_recv_rows(handle, rows);
+  *rows = handle->recv_rows;
+  return EPX_SUCCESS;
+}
+
+epx_status_t epx_handle_recv_rows_device(epx_handle_t handle, const int64_t **rows) {
+  epx_error_clear();
+  epx_status_t status = check_handle(NULL, handle, "epx_handle_recv_rows_device");
+  if (status != EPX_SUCCESS) return status;
+  EPX_REQUIRE(rows, "epx_handle_recv_rows_device: rows is NULL; pass a const int64_t * to fill");
+  if (!is_cuda(handle))
+    return epx_error(EPX_ERROR_INVALID_ARGUMENT, "epx_handle_recv_rows_device: the handle is from a CPU buffer; use epx_handle_recv_rows");
+  return epx_cuda_handle_recv_rows_device(handle, rows);
+}
+
+epx_status_t epx_handle_expert_counts(epx_handle_t handle, int64_t *counts, int64_t *offsets) {
+  epx_error_clear();
+  epx_status_t status = check_handle(NULL, handle, "epx_handle_expert_counts");
+  if (status != EPX_SUCCESS) return status;
+  EPX_REQUIRE(counts || offsets, "epx_handle_expert_counts: counts and offsets are both NULL; pass at least one array");
+  EPX_REQUIRE(is_aligned(counts, 8) && is_aligned(offsets, 8), "epx_handle_expert_counts: counts/offsets must be 8-byte aligned");
+  return is_cuda(handle) ? epx_cuda_handle_expert_counts(handle, counts, offsets)
+                         : epx_cpu_handle_expert_counts(handle, counts, offsets);
+}
+
+epx_status_t epx_handle_recv_routing(epx_handle_t handle, int32_t *recv_expert, float *recv_w) {
+  epx_error_clear();
+  epx_status_t status = check_handle(NULL, handle, "epx_handle_recv_routing");
+  if (status != EPX_SUCCESS) return status;
+  EPX_REQUIRE(is_aligned(recv_expert, 4) && is_aligned(recv_w, 4), "epx_handle_recv_routing: recv_expert/recv_w must be 4-byte aligned");
+  return is_cuda(handle) ? epx_cuda_handle_recv_routing(handle, recv_expert, recv_w)
+                         : epx_cpu_handle_recv_routing(handle, recv_expert, recv_w);
+}
+
+epx_status_t epx_handle_recv_source(epx_handle_t handle, int32_t *src_rank, int32_t *src_token) {
+  epx_error_clear();
+  epx_status_t status = check_handle(NULL, handle, "epx_handle_recv_source");
+  if (status != EPX_SUCCESS) return status;
+  EPX_REQUIRE(is_aligned(src_rank, 4) && is_aligned(src_token, 4), "epx_handle_recv_source: src_rank/src_token must be 4-byte aligned");
+  return is_cuda(handle) ? epx_cuda_handle_recv_source(handle, src_rank, src_token)
+                         : epx_cpu_handle_recv_source(handle, src_rank, src_token);
+}
+
+epx_status_t epx_handle_stats(epx_handle_t handle, epx_handle_stats_t *stats) {
+  epx_error_clear();
+  epx_status_t status = check_handle(NULL, handle, "epx_handle_stats");
+  if (status != EPX_SUCCESS) return status;
+  EPX_REQUIRE(stats, "epx_handle_stats: stats is NULL; pass an epx_handle_stats_t to fill");
+  if (is_cuda(handle)) {
+    *stats = (epx_handle_stats_t){0, 0, 0, 0, handle->recv_rows};
+    return EPX_SUCCESS;
+  }
+  return epx_cpu_handle_stats(handle, stats);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Dispatch layout                                                           */
+/* ------------------------------------------------------------------------ */
+
+static epx_status_t check_routing(epx_buffer_t b, const epx_routing_t *r, epx_recorder_t recorder,
+                                  epx_handle_t *handle) {
+  const char *fn = "epx_dispatch_layout";
+  const epx_buffer_config_t *c = &b->config;
+  EPX_REQUIRE(handle, "%s: handle is NULL; pass the address of an epx_handle_t", fn);
+  EPX_REQUIRE(r, "%s: routing is NULL; pass an epx_routing_t", fn);
+  if (recorder && !epx_registry_has(recorder, EPX_OBJECT_RECORDER))
+    return epx_error(EPX_ERROR_INVALID_HANDLE, "%s: recorder is not a live recorder (destroyed?); pass NULL or a recorder from epx_recorder_create", fn);
+  EPX_REQUIRE(r->num_tokens >= 0, "%s: routing.num_tokens is %lld; pass a count >= 0", fn, (long long)r->num_tokens);
+  EPX_REQUIRE(r->top_k >= 1 && r->top_k <= c->max_top_k,
+              "%s: routing.top_k is %d; it must be in [1, config.max_top_k = %d]%s", fn, r->top_k,
+              c->max_top_k, r->top_k > c->num_experts ? " (and top_k cannot exceed num_experts)" : "");
+  EPX_REQUIRE(r->weighting == EPX_WEIGHTS_IN_COMBINE || r->weighting == EPX_WEIGHTS_IN_DISPATCH ||
+                  r->weighting == EPX_WEIGHTS_NONE,
+              "%s: routing.weighting %d is not an epx_weighting_t", fn, (int)r->weighting);
+  if (r->num_tokens > 0) {
+    EPX_REQUIRE(r->topk_idx, "%s: routing.topk_idx is NULL; pass the [num_tokens, top_k] expert ids", fn);
+    EPX_REQUIRE(is_aligned(r->topk_idx, 4), "%s: routing.topk_idx is not 4-byte aligned", fn);
+    EPX_REQUIRE(r->topk_w || r->weighting == EPX_WEIGHTS_NONE,
+                "%s: routing.topk_w is NULL but weighting is not EPX_WEIGHTS_NONE; pass the [num_tokens, "
+                "top_k] weights or say EPX_WEIGHTS_NONE", fn);
+    EPX_REQUIRE(is_aligned(r->topk_w, 4), "%s: routing.topk_w is not 4-byte aligned", fn);
+    EPX_REQUIRE(c->layout != EPX_LAYOUT_CAPACITY || r->locations,
+                "%s: routing.locations is NULL; EPX_LAYOUT_CAPACITY needs the [num_tokens, top_k] "
+                "capacity slots (epx_route_output_t.locations)", fn);
+    EPX_REQUIRE(is_aligned(r->locations, 4), "%s: routing.locations is not 4-byte aligned", fn);
+  }
+  if (c->layout == EPX_LAYOUT_RANK_MAJOR && r->weighting != EPX_WEIGHTS_NONE)
+    return epx_error(EPX_ERROR_UNSUPPORTED,
+                     "%s: %s leaves weighting to the expert (a row serves several experts); pass "
+                     "routing.weighting = EPX_WEIGHTS_NONE and apply epx_handle_recv_routing's weights",
+                     fn, layout_name(c->layout));
+  if (b->max_tokens > 0 && r->num_tokens > b->max_tokens)
+    return epx_error(EPX_ERROR_CAPACITY_EXCEEDED,
+                     "%s: routing.num_tokens %lld exceeds the buffer's max_tokens_per_rank %lld; "
+                     "create the buffer with a larger config.max_tokens_per_rank", fn,
+                     (long long)r->num_tokens, (long long)b->max_tokens);
+  if (c->device == EPX_DEVICE_CPU) return epx_cpu_validate_routing(b, r);
+  return EPX_SUCCESS;
+}
+
+static epx_status_t new_handle(epx_buffer_t buffer, const epx_routing_t *routing, epx_handle_t *out) {
+  epx_handle_t h = calloc(1, sizeof *h);
+  if (!h) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "epx_dispatch_layout: out of memory");
+  h->buffer = buffer;
+  h->refcount = 1;
+  h->weighting = routing->weighting;
+  h->num_tokens = routing->num_tokens;
+  h->top_k = routing->top_k;
+  *out = h;
+  return EPX_SUCCESS;
+}
+
+epx_status_t epx_dispatch_layout(epx_buffer_t buffer, const epx_routing_t *routing,
+                                 epx_recorder_t recorder, epx_handle_t *handle) {
+  const char *fn = "epx_dispatch_layout";
+  epx_error_clear();
+  epx_status_t status = check_buffer(buffer, fn);
+  if (status != EPX_SUCCESS) return status;
+  epx_comm_t comm = buffer->comm;
+  status = epx_comm_check_alive(comm, fn);
+  if (status != EPX_SUCCESS) return status;
+  epx_status_t local = check_routing(buffer, routing, recorder, handle);
+
+  /* Replay: the recorded handle, no exchange. Validation agrees the verdict
+   * across ranks; without it replay is rank-local. */
+  if (recorder && local == EPX_SUCCESS && epx_recorder_replaying(recorder)) {
+    int64_t call;
+    epx_handle_t recorded = epx_recorder_next(recorder, &call);
+    if (recorded) {
+      if (epx_recorder_validates(recorder)) {
+        uint64_t hash = routing->num_tokens ? epx_hash_topk(routing->topk_idx, routing->num_tokens * routing->top_k) : 0;
+        if (recorded->buffer != buffer || recorded->num_tokens != routing->num_tokens ||
+            recorded->top_k != routing->top_k || recorded->routing_hash != hash ||
+            recorded->weighting != routing->weighting)
+          local = epx_error(EPX_ERROR_REPLAY_MISMATCH,
+                            "%s: replay of call %lld differs from its record (recorded %lld tokens x %d, "
+                            "hash %016llx; now %lld x %d, hash %016llx%s); the recomputed routing must equal "
+                            "the original — pin the router's outputs or re-record", fn, (long long)call,
+                            (long long)recorded->num_tokens, recorded->top_k,
+                            (unsigned long long)recorded->routing_hash, (long long)routing->num_tokens,
+                            routing->top_k, (unsigned long long)hash,
+                            recorded->buffer != buffer ? ", and another buffer" : "");
+        if (buffer->config.device == EPX_DEVICE_CPU) {
+          status = agree(buffer, local, fn);
+          if (status != EPX_SUCCESS) return status;
+        } else if (local != EPX_SUCCESS) {
+          return local;
+        }
+      }
+      status = epx_handle_retain(recorded);
+      if (status != EPX_SUCCESS) return status;
+      *handle = recorded;
+      return EPX_SUCCESS;
+    }
+  }
+
+  epx_handle_t h = NULL;
+  if (buffer->config.device == EPX_DEVICE_CUDA) {
+    if (local != EPX_SUCCESS) return local;
+    if (buffer->max_tokens == 0) {
+      int64_t rounding = buffer->config.max_tokens_rounding;
+      buffer->max_tokens = (routing->num_tokens + rounding - 1) / rounding * rounding;
+      if (buffer->max_tokens == 0) buffer->max_tokens = rounding;
+    }
+    EPX_CHECK(new_handle(buffer, routing, &h));
+    EPX_CHECK(epx_cuda_dispatch_layout(buffer, routing, h));
+  } else {
+    /* Agree the verdict and, on the first call, max_tokens_per_rank, in one
+     * all-reduce: {failing rank + 1, oversize rank + 1, its tokens, tokens}. */
+    int oversize = local == EPX_ERROR_CAPACITY_EXCEEDED;
+    int64_t agreed[4] = {local != EPX_SUCCESS ? comm->rank + 1 : 0, oversize ? comm->rank + 1 : 0,
+                         oversize ? routing->num_tokens : 0, local == EPX_SUCCESS ? routing->num_tokens : 0};
+    if (comm->size > 1) {
+      char message[1024];
+      strncpy(message, epx_last_error(), sizeof message - 1);
+      message[sizeof message - 1] = '\0';
+      EPX_CHECK(comm->ops->allreduce_max_i64(comm, fn, agreed, 4));
+      if (local != EPX_SUCCESS) epx_error(local, "%s", message);
+    }
+    if (local != EPX_SUCCESS) return local;
+    if (agreed[1])
+      return epx_error(EPX_ERROR_CAPACITY_EXCEEDED,
+                       "%s: rank %lld has %lld tokens, above the buffer's max_tokens_per_rank %lld; "
+                       "nothing moved on any rank; create the buffer with a larger "
+                       "config.max_tokens_per_rank", fn, (long long)(agreed[1] - 1),
+                       (long long)agreed[2], (long long)buffer->max_tokens);
+    if (agreed[0])
+      return epx_error(EPX_ERROR_PEER_FAILED,
+                       "%s: rank %lld refused its routing (its epx_last_error says why); nothing "
+                       "moved on any rank", fn, (long long)(agreed[0] - 1));
+    if (buffer->max_tokens == 0) {
+      int64_t rounding = buffer->config.max_tokens_rounding;
+      buffer->max_tokens = (agreed[3] + rounding - 1) / rounding * rounding;
+      if (buffer->max_tokens == 0) buffer->max_tokens = rounding;
+    }
+    EPX_CHECK(new_handle(buffer, routing, &h));
+    EPX_CHECK(epx_cpu_dispatch_layout(buffer, routing, h));
+    h->routing_hash = routing->num_tokens ? epx_hash_topk(routing->topk_idx, routing->num_tokens * routing->top_k) : 0;
+  }
+  EPX_CHECK(epx_registry_add(h, EPX_OBJECT_HANDLE));
+  __atomic_add_fetch(&buffer->live_handles, 1, __ATOMIC_SEQ_CST);
+  if (recorder && !epx_recorder_replaying(recorder)) {
+    status = epx_recorder_append(recorder, h);
+    if (status != EPX_SUCCESS) {
+      handle_free(h);
+      return status;
+    }
+  }
+  *handle = h;
+  return EPX_SUCCESS;
+fail:
+  if (h) {
+    if (h->cuda) epx_cuda_handle_fini(h);
+    epx_cpu_handle_fini(h);
+    free(h);
+  }
+  return status;
+}
+
+uint64_t epx_hash_topk(const int32_t *topk_idx, int64_t count) {
+  uint64_t hash = 0xcbf29ce484222325ull;
+  for (int64_t i = 0; i < count; i++) {
+    uint32_t v = (uint32_t)topk_idx[i];
+    for (int byte = 0; byte < 4; byte++) {
+      hash ^= (v >> (8 * byte)) & 0xffu;
+      hash *= 0x100000001b3ull;
+    }
+  }
+  return hash;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Payload calls                                                             */
+/* ------------------------------------------------------------------------ */
+
+/* A payload tensor argument: NULL allowed only when it has no rows. */
+static epx_status_t check_payload(const void *p, int64_t rows, const char *fn, const char *name,
+                                  const char *shape) {
+  if (rows > 0 && !p)
+    return epx_error(EPX_ERROR_INVALID_ARGUMENT, "%s: %s is NULL; pass a %s tensor", fn, name, shape);
+  if (!is_aligned(p, PAYLOAD_ALIGNMENT))
+    return epx_error(EPX_ERROR_INVALID_ARGUMENT,
+                     "%s: %s is not 16-byte aligned; allocate it with 16-byte alignment", fn, name);
+  return EPX_SUCCESS;
+}
+
+/* The checks every payload call starts with; a NULL or dead buffer/handle
+ * returns at once (there is nothing to agree with). */
+static epx_status_t begin_payload(epx_buffer_t buffer, epx_handle_t handle, const char *fn) {
+  epx_error_clear();
+  epx_status_t status = check_buffer(buffer, fn);
+  if (status != EPX_SUCCESS) return status;
+  status = check_handle(buffer, handle, fn);
+  if (status != EPX_SUCCESS) return status;
+  return epx_comm_check_alive(buffer->comm, fn);
+}
+
+epx_status_t epx_dispatch(epx_buffer_t buffer, epx_handle_t handle, const void *x, void *recv_x,
+                          int64_t recv_rows_capacity) {
+  const char *fn = "epx_dispatch";
+  epx_status_t status = begin_payload(buffer, handle, fn);
+  if (status != EPX_SUCCESS) return status;
+  epx_status_t local = check_payload(x, handle->num_tokens, fn, "x", "[num_tokens, hidden]");
+  if (local == EPX_SUCCESS) local = check_payload(recv_x, handle->recv_rows, fn, "recv_x", "[recv_rows, hidden]");
+  if (local == EPX_SUCCESS && recv_rows_capacity < handle->recv_rows)
+    local = epx_error(EPX_ERROR_CAPACITY_EXCEEDED,
+                      "%s: recv_rows_capacity %lld is below the handle's %lld rows; size recv_x with "
+                      "epx_handle_recv_rows (or epx_buffer_max_recv_rows)", fn,
+                      (long long)recv_rows_capacity, (long long)handle->recv_rows);
+  if (buffer->config.device == EPX_DEVICE_CUDA)
+    return local != EPX_SUCCESS ? local : epx_cuda_dispatch(buffer, handle, x, recv_x);
+  status = agree(buffer, local, fn);
+  if (status != EPX_SUCCESS) return status;
+  return epx_cpu_dispatch(buffer, handle, x, recv_x);
+}
+
+epx_status_t epx_combine(epx_buffer_t buffer, epx_handle_t handle, const void *expert_out, void *out) {
+  const char *fn = "epx_combine";
+  epx_status_t status = begin_payload(buffer, handle, fn);
+  if (status != EPX_SUCCESS) return status;
+  epx_status_t local = check_payload(expert_out, handle->recv_rows, fn, "expert_out", "[recv_rows, hidden]");
+  if (local == EPX_SUCCESS) local = check_payload(out, handle->num_tokens, fn, "out", "[num_tokens, hidden]");
+  if (local == EPX_SUCCESS && out && out == expert_out)
+    local = epx_error(EPX_ERROR_INVALID_ARGUMENT, "%s: out aliases expert_out; pass a separate [num_tokens, hidden] tensor", fn);
+  if (buffer->config.device == EPX_DEVICE_CUDA)
+    return local != EPX_SUCCESS ? local : epx_cuda_combine(buffer, handle, expert_out, out);
+  status = agree(buffer, local, fn);
+  if (status != EPX_SUCCESS) return status;
+  return epx_cpu_combine(buffer, handle, expert_out, out);
+}
+
+epx_status_t epx_dispatch_backward(epx_buffer_t buffer, epx_handle_t handle, const void *grad_recv_x,
+                                   void *grad_x, const void *x, float *grad_w) {
+  const char *fn = "epx_dispatch_backward";
+  epx_status_t status = begin_payload(buffer, handle, fn);
+  if (status != EPX_SUCCESS) return status;
+  epx_status_t local = check_payload(grad_recv_x, handle->recv_rows, fn, "grad_recv_x", "[recv_rows, hidden]");
+  if (local == EPX_SUCCESS) local = check_payload(grad_x, handle->num_tokens, fn, "grad_x", "[num_tokens, hidden]");
+  if (local == EPX_SUCCESS && handle->weighting != EPX_WEIGHTS_IN_DISPATCH && (x || grad_w))
+    local = epx_error(EPX_ERROR_INVALID_ARGUMENT,
+                      "%s: %s is given but the handle's weights were not applied in dispatch; pass NULL "
+                      "(with EPX_WEIGHTS_IN_COMBINE the weight gradient comes from epx_combine_backward)",
+                      fn, grad_w ? "grad_w" : "x");
+  if (local == EPX_SUCCESS && grad_w) {
+    local = check_payload(x, handle->num_tokens, fn, "x", "[num_tokens, hidden] (the forward's input, needed for grad_w)");
+    if (local == EPX_SUCCESS && !is_aligned(grad_w, 4))
+      local = epx_error(EPX_ERROR_INVALID_ARGUMENT, "%s: grad_w is not 4-byte aligned", fn);
+  }
+  if (buffer->config.device == EPX_DEVICE_CUDA)
+    return local != EPX_SUCCESS ? local
+                                : epx_cuda_dispatch_backward(buffer, handle, grad_recv_x, grad_x, x, grad_w);
+  status = agree(buffer, local, fn);
+  if (status != EPX_SUCCESS) return status;
+  return epx_cpu_dispatch_backward(buffer, handle, grad_recv_x, grad_x, x, grad_w);
+}
+
+epx_status_t epx_combine_backward(epx_buffer_t buffer, epx_handle_t handle, const void *grad_out,
+                                  const void *expert_out, void *grad_expert_out, float *grad_w) {
+  const char *fn = "epx_combine_backward";
+  epx_status_t status = begin_payload(buffer, handle, fn);
+  if (status != EPX_SUCCESS) return status;
+  epx_status_t local = check_payload(grad_out, handle->num_tokens, fn, "grad_out", "[num_tokens, hidden]");
+  if (local == EPX_SUCCESS)
+    local = check_payload(grad_expert_out, handle->recv_rows, fn, "grad_expert_out", "[recv_rows, hidden]");
+  if (local == EPX_SUCCESS && handle->weighting != EPX_WEIGHTS_IN_COMBINE && (expert_out || grad_w))
+    local = epx_error(EPX_ERROR_INVALID_ARGUMENT,
+                      "%s: %s is given but the handle's weights were not applied in combine; pass NULL "
+                      "(with EPX_WEIGHTS_IN_DISPATCH the weight gradient comes from epx_dispatch_backward)",
+                      fn, grad_w ? "grad_w" : "expert_out");
+  if (local == EPX_SUCCESS && grad_w) {
+    local = check_payload(expert_out, handle->recv_rows, fn, "expert_out",
+                          "[recv_rows, hidden] (the forward's input, needed for grad_w)");
+    if (local == EPX_SUCCESS && !is_aligned(grad_w, 4))
+      local = epx_error(EPX_ERROR_INVALID_ARGUMENT, "%s: grad_w is not 4-byte aligned", fn);
+  }
+  if (buffer->config.device == EPX_DEVICE_CUDA)
+    return local != EPX_SUCCESS ? local
+                                : epx_cuda_combine_backward(buffer, handle, grad_out, expert_out, grad_expert_out, grad_w);
+  status = agree(buffer, local, fn);
+  if (status != EPX_SUCCESS) return status;
+  return epx_cpu_combine_backward(buffer, handle, grad_out, expert_out, grad_expert_out, grad_w);
+}
