@@ -457,7 +457,7 @@ static epx_status_t move_forward(epx_buffer_t b, struct epx_cpu_plan *p, const v
                                  int weighted, const char *fn, void **staged) {
   epx_status_t status = EPX_SUCCESS;
   epx_comm_t comm = b->comm;
-  struct epx_cpu_scratch *s;
+  struct epx_cpu_scratch *s = NULL;
   EPX_CHECK(scratch(b, fn, &s));
   int64_t items = total(p->item_count, p->W), ritems = total(p->ritem_count, p->W);
   if (p->W > 1) {
@@ -509,7 +509,9 @@ static epx_status_t move_backward(epx_buffer_t b, struct epx_cpu_plan *p, const 
                                   int weighted, const void *dot_x, float *grad_w, const char *fn) {
   epx_status_t status = EPX_SUCCESS;
   epx_comm_t comm = b->comm;
-  struct epx_cpu_scratch *s;
+  struct epx_cpu_scratch *s = NULL;
+  int64_t cursor_stack[64];
+  int64_t *cursor = cursor_stack;
   EPX_CHECK(scratch(b, fn, &s));
   int32_t W = p->W, K = p->K, self = p->rank;
   int64_t H = p->H;
@@ -522,8 +524,7 @@ static epx_status_t move_backward(epx_buffer_t b, struct epx_cpu_plan *p, const 
   const int64_t *scount = mode == RETURN_ROUTES ? p->route_count : p->pair_count;
   const int64_t *sdispl = mode == RETURN_ROUTES ? p->route_displ : p->pair_displ;
   int64_t back_rows = total(rcount, W), home_rows = total(scount, W);
-  int64_t cursor_stack[64];
-  int64_t *cursor = W <= 64 ? cursor_stack : malloc(sizeof(int64_t) * (size_t)W);
+  if (W > 64) cursor = malloc(sizeof(int64_t) * (size_t)W);
   if (!cursor) EPX_FAIL(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
 
   if (W > 1) {
@@ -624,6 +625,8 @@ epx_status_t epx_cpu_combine_backward(epx_buffer_t b, epx_handle_t h, const void
   epx_status_t status = EPX_SUCCESS;
   float *back = NULL, *home = NULL;
   void *staged = NULL;
+  int64_t cursor_stack[64];
+  int64_t *cursor = cursor_stack;
   EPX_CHECK(move_forward(b, p, grad_out, grad_expert_out, p->weighting == EPX_WEIGHTS_IN_COMBINE, fn, &staged));
   if (!grad_w) return EPX_SUCCESS;
   int32_t W = p->W, K = p->K;
@@ -640,8 +643,7 @@ epx_status_t epx_cpu_combine_backward(epx_buffer_t b, epx_handle_t h, const void
   if (W > 1)
     EPX_CHECK(b->comm->ops->alltoallv(b->comm, fn, back, p->rroute_count, p->rroute_displ, home,
                                       p->route_count, p->route_displ, sizeof(float)));
-  int64_t cursor_stack[64];
-  int64_t *cursor = W <= 64 ? cursor_stack : malloc(sizeof(int64_t) * (size_t)W);
+  if (W > 64) cursor = malloc(sizeof(int64_t) * (size_t)W);
   if (!cursor) EPX_FAIL(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
   for (int32_t r = 0; r < W; r++) cursor[r] = p->route_displ[r];
   for (int64_t t = 0; t < p->T; t++) {
@@ -657,8 +659,8 @@ epx_status_t epx_cpu_combine_backward(epx_buffer_t b, epx_handle_t h, const void
       grad_w[t * K + k] = value;
     }
   }
-  if (cursor != cursor_stack) free(cursor);
 fail:
+  if (cursor != cursor_stack) free(cursor);
   free(back);
   free(home);
   return status;
