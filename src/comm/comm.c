@@ -1,0 +1,165 @@
+/* The public communicator API: argument checks, the registry of live comms,
+ * and the collective destroy. The transports behind comm->ops (self.c,
+ * local.c, mpi.c) do the moving; the local world's own create/destroy live in
+ * local.c beside the world they build. */
+#include "comm/comm.h"
+
+#include <math.h>
+#include <stdlib.h>
+
+#include "core/error.h"
+#include "core/registry.h"
+
+int epx_has_mpi(void) { return EPX_HAVE_MPI; }
+
+/* A comm allocated and registered, ready for a transport's init. */
+static epx_status_t comm_new(const char *fn, double timeout_seconds, epx_comm_t *out) {
+  epx_comm_t comm = calloc(1, sizeof *comm);
+  if (!comm) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory allocating a comm", fn);
+  comm->timeout_seconds = timeout_seconds;
+  epx_status_t status = epx_registry_add(comm, EPX_OBJECT_COMM);
+  if (status != EPX_SUCCESS) {
+    free(comm);
+    return status;
+  }
+  *out = comm;
+  return EPX_SUCCESS;
+}
+
+static void comm_free(epx_comm_t comm) {
+  epx_registry_remove(comm);
+  free(comm);
+}
+
+static epx_status_t comm_lookup(const char *fn, epx_comm_t comm) {
+  EPX_REQUIRE(comm, "%s: comm is NULL; pass a comm from epx_comm_create_*", fn);
+  if (!epx_registry_has(comm, EPX_OBJECT_COMM))
+    return epx_error(EPX_ERROR_INVALID_HANDLE,
+                     "%s: comm is not a live comm (destroyed already?); pass a comm from "
+                     "epx_comm_create_* that has not been destroyed",
+                     fn);
+  return EPX_SUCCESS;
+}
+
+epx_status_t epx_comm_create_self(epx_comm_t *comm) {
+  epx_error_clear();
+  EPX_REQUIRE(comm, "epx_comm_create_self: comm is NULL; pass the address of an epx_comm_t");
+  const epx_comm_config_t defaults = EPX_COMM_CONFIG_INIT;
+  epx_comm_t created = NULL;
+  epx_status_t status = comm_new("epx_comm_create_self", defaults.timeout_seconds, &created);
+  if (status != EPX_SUCCESS) return status;
+  status = epx_comm_init_self(created);
+  if (status != EPX_SUCCESS) {
+    comm_free(created);
+    return status;
+  }
+  *comm = created;
+  return EPX_SUCCESS;
+}
+
+epx_status_t epx_comm_create_local(epx_local_world_t world, int32_t rank, epx_comm_t *comm) {
+  epx_error_clear();
+  EPX_REQUIRE(comm, "epx_comm_create_local: comm is NULL; pass the address of an epx_comm_t");
+  EPX_REQUIRE(world, "epx_comm_create_local: world is NULL; create one with epx_local_world_create");
+  if (!epx_registry_has(world, EPX_OBJECT_LOCAL_WORLD))
+    return epx_error(EPX_ERROR_INVALID_HANDLE,
+                     "epx_comm_create_local: world is not a live local world (destroyed "
+                     "already?); pass one from epx_local_world_create");
+  epx_comm_t created = NULL;
+  /* The world's timeout replaces this one in epx_comm_init_local. */
+  epx_status_t status = comm_new("epx_comm_create_local", 0.0, &created);
+  if (status != EPX_SUCCESS) return status;
+  status = epx_comm_init_local(created, world, rank);
+  if (status != EPX_SUCCESS) {
+    comm_free(created);
+    return status;
+  }
+  *comm = created;
+  return EPX_SUCCESS;
+}
+
+epx_status_t epx_comm_create_mpi(const void *mpi_comm, const epx_comm_config_t *config,
+                                 epx_comm_t *comm) {
+  epx_error_clear();
+  EPX_REQUIRE(comm, "epx_comm_create_mpi: comm is NULL; pass the address of an epx_comm_t");
+  EPX_REQUIRE(mpi_comm,
+              "epx_comm_create_mpi: mpi_comm is NULL; pass the address of an MPI_Comm "
+              "variable (MPI_Comm world = MPI_COMM_WORLD; ... &world)");
+  const epx_comm_config_t defaults = EPX_COMM_CONFIG_INIT;
+  if (!config) config = &defaults;
+  EPX_REQUIRE(config->struct_size == sizeof(epx_comm_config_t),
+              "epx_comm_create_mpi: config->struct_size is %u, expected %zu; start from "
+              "EPX_COMM_CONFIG_INIT",
+              (unsigned)config->struct_size, sizeof(epx_comm_config_t));
+  EPX_REQUIRE(config->version == EPX_CONFIG_VERSION,
+              "epx_comm_create_mpi: config->version is %u, expected %d; start from "
+              "EPX_COMM_CONFIG_INIT",
+              (unsigned)config->version, EPX_CONFIG_VERSION);
+  EPX_REQUIRE(!isnan(config->timeout_seconds),
+              "epx_comm_create_mpi: config->timeout_seconds is NaN; pass seconds (> 0) or "
+              "<= 0 to wait forever");
+#if EPX_HAVE_MPI
+  epx_comm_t created = NULL;
+  epx_status_t status = comm_new("epx_comm_create_mpi", config->timeout_seconds, &created);
+  if (status != EPX_SUCCESS) return status;
+  status = epx_comm_init_mpi(created, mpi_comm);
+  if (status != EPX_SUCCESS) {
+    comm_free(created);
+    return status;
+  }
+  *comm = created;
+  return EPX_SUCCESS;
+#else
+  return epx_error(EPX_ERROR_UNSUPPORTED,
+                   "epx_comm_create_mpi: this build of epx has no MPI transport (MPI was not "
+                   "found when it was configured); install MPI and rebuild with "
+                   "-DEPX_BUILD_MPI=ON, or use epx_local_world_create for ranks as threads");
+#endif
+}
+
+/* A comm that cannot synchronise any more (failed, or its peers are in another
+ * collective) is still released: destroy never leaves a comm half-alive, and
+ * its peers learn of it from their own calls. */
+epx_status_t epx_comm_destroy(epx_comm_t comm) {
+  epx_error_clear();
+  if (!comm) return EPX_SUCCESS;
+  epx_status_t status = comm_lookup("epx_comm_destroy", comm);
+  if (status != EPX_SUCCESS) return status;
+  if (comm->live_buffers > 0)
+    return epx_error(EPX_ERROR_BUSY,
+                     "epx_comm_destroy: %lld buffer(s) created over this comm are alive; "
+                     "destroy them with epx_buffer_destroy first",
+                     (long long)comm->live_buffers);
+  if (!comm->failed) (void)comm->ops->barrier(comm, "epx_comm_destroy");
+  epx_registry_remove(comm);
+  comm->ops->destroy(comm);
+  free(comm);
+  epx_error_clear();
+  return EPX_SUCCESS;
+}
+
+epx_status_t epx_comm_rank(epx_comm_t comm, int32_t *rank) {
+  epx_error_clear();
+  epx_status_t status = comm_lookup("epx_comm_rank", comm);
+  if (status != EPX_SUCCESS) return status;
+  EPX_REQUIRE(rank, "epx_comm_rank: rank is NULL; pass the address of an int32_t");
+  *rank = comm->rank;
+  return EPX_SUCCESS;
+}
+
+epx_status_t epx_comm_size(epx_comm_t comm, int32_t *size) {
+  epx_error_clear();
+  epx_status_t status = comm_lookup("epx_comm_size", comm);
+  if (status != EPX_SUCCESS) return status;
+  EPX_REQUIRE(size, "epx_comm_size: size is NULL; pass the address of an int32_t");
+  *size = comm->size;
+  return EPX_SUCCESS;
+}
+
+epx_status_t epx_comm_check_alive(epx_comm_t comm, const char *caller) {
+  if (!comm->failed) return EPX_SUCCESS;
+  return epx_error(EPX_ERROR_PEER_FAILED,
+                   "%s: the comm failed in an earlier collective (a peer timed out or reported "
+                   "an error, named then); destroy the comm and create a new one",
+                   caller);
+}

@@ -1,0 +1,483 @@
+/* The local transport: W ranks as threads of one process sharing memory.
+ *
+ * A world has one slot per rank. A collective publishes the rank's send-side
+ * pointers in its slot and meets its peers at a "gather" barrier; each rank
+ * then copies its own pieces straight out of the peers' send buffers into its
+ * receive buffer (no staging copy), and meets them again at a "release"
+ * barrier, so that no rank returns (and reuses or frees its send buffer) while
+ * a peer may still be reading it.
+ *
+ * Synchronisation: one mutex and one condition variable per world, and a
+ * generation-counted barrier. Everything the barrier compares lives in the
+ * slots and the world under the mutex. The published pointers are written
+ * under the mutex before the gather barrier completes and are read by peers
+ * only between the two barriers, when their owner cannot touch them.
+ *
+ * Failure: a wait at a gather barrier is bounded by timeout_seconds. On expiry
+ * the ranks still missing are named, the world is marked failed and every
+ * waiter is woken; a failed world answers every later call of every rank at
+ * once with EPX_ERROR_PEER_FAILED, naming the rank again. A rank that arrives
+ * in another collective than the peers already waiting (one destroying its
+ * comm while they dispatch, say), or that finds a peer's comm destroyed, fails
+ * the world at once. The wait at a release barrier is not bounded: every rank
+ * has passed the gather barrier, so all that stands between them and the
+ * release is their own memcpy, and returning early would let a sender free a
+ * buffer that a peer is still reading. */
+#include <errno.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "comm/comm.h"
+#include "core/error.h"
+#include "core/registry.h"
+
+typedef enum local_op {
+  LOCAL_OP_CREATE = 0,
+  LOCAL_OP_ALLTOALL,
+  LOCAL_OP_ALLTOALLV,
+  LOCAL_OP_ALLGATHER,
+  LOCAL_OP_ALLREDUCE,
+  LOCAL_OP_BARRIER
+} local_op_t;
+
+static const char *const local_op_names[] = {"create",    "alltoall",  "alltoallv",
+                                             "allgather", "allreduce", "barrier"};
+
+typedef struct local_slot {
+  /* Under the world's mutex. */
+  int attached;      /* a comm of this rank is alive */
+  uint64_t arrived;  /* 1 + the generation of the gather barrier it last reached */
+  local_op_t op;     /* the collective it is in, and its size argument (bytes, */
+  size_t arg;        /* unit or count), which must be equal on every rank */
+  const char *caller;
+  int error;         /* at a release barrier: this rank found its pieces inconsistent */
+  /* Published before the gather barrier; peers read them, and the memory they
+   * point to, only until the release barrier. */
+  const void *send;
+  const int64_t *send_counts;
+  const int64_t *send_displs;
+  const int64_t *values;
+} local_slot_t;
+
+struct epx_local_world {
+  int32_t size;
+  double timeout_seconds; /* <= 0 or not finite: gather waits are unbounded */
+  pthread_mutex_t lock;
+  pthread_cond_t cond;
+  /* Under lock. */
+  uint64_t generation; /* barriers completed */
+  int32_t arrived;     /* ranks waiting at the current barrier */
+  int32_t attached;    /* live comms */
+  int failed;
+  uint64_t fail_generation; /* the barrier that failed */
+  epx_status_t fail_status; /* what the ranks waiting at that barrier get */
+  char fail_caller[64];
+  char fail_reason[448];
+  local_slot_t *slots; /* [size] */
+};
+
+static const char *local_op_name(local_op_t op) { return local_op_names[op]; }
+
+/* Marks the world failed at `generation` and wakes every waiter (under lock). */
+__attribute__((format(printf, 5, 6))) static void local_fail_locked(
+    epx_local_world_t world, uint64_t generation, epx_status_t status, const char *caller,
+    const char *format, ...) {
+  va_list args;
+  va_start(args, format);
+  vsnprintf(world->fail_reason, sizeof world->fail_reason, format, args);
+  va_end(args);
+  snprintf(world->fail_caller, sizeof world->fail_caller, "%s", caller);
+  world->failed = 1;
+  world->fail_generation = generation;
+  world->fail_status = status;
+  pthread_cond_broadcast(&world->cond);
+}
+
+/* The error of a rank on a failed world (under lock). `generation` is the
+ * barrier the rank was at, or UINT64_MAX if it only just entered the call. */
+static epx_status_t local_failed_error_locked(epx_comm_t comm, const char *caller,
+                                              uint64_t generation) {
+  epx_local_world_t world = comm->impl;
+  comm->failed = 1;
+  if (generation != world->fail_generation)
+    return epx_error(EPX_ERROR_PEER_FAILED,
+                     "%s: the comm failed earlier, in %s: %s; destroy it and create a new one",
+                     caller, world->fail_caller, world->fail_reason);
+  if (world->fail_status == EPX_ERROR_TIMEOUT)
+    return epx_error(EPX_ERROR_TIMEOUT,
+                     "%s: %s; it failed before this collective or is stuck. The comm is now "
+                     "failed (later calls return EPX_ERROR_PEER_FAILED); destroy it",
+                     caller, world->fail_reason);
+  return epx_error(world->fail_status, "%s: %s; the comm is now failed, destroy it", caller,
+                   world->fail_reason);
+}
+
+/* Names the ranks that have not reached the gather barrier of `generation`
+ * and fails the world with EPX_ERROR_TIMEOUT (under lock). */
+static void local_fail_timeout_locked(epx_local_world_t world, uint64_t generation,
+                                      const char *caller) {
+  char ranks[256];
+  size_t used = 0;
+  int32_t missing = 0, named = 0;
+  for (int32_t p = 0; p < world->size; p++) {
+    if (world->slots[p].arrived == generation + 1) continue;
+    missing++;
+    if (named < 16 && used < sizeof ranks) {
+      int n = snprintf(ranks + used, sizeof ranks - used, "%s%d", named ? ", " : "", p);
+      if (n > 0) used += (size_t)n;
+      named++;
+    }
+  }
+  if (missing > named && used < sizeof ranks)
+    snprintf(ranks + used, sizeof ranks - used, ", ... (%d in all)", missing);
+  local_fail_locked(world, generation, EPX_ERROR_TIMEOUT, caller,
+                    "rank%s %s did not arrive within %g s (comm timeout_seconds)",
+                    missing > 1 ? "s" : "", ranks, world->timeout_seconds);
+}
+
+/* Waits (under lock) until the barrier of `generation` completes. A gather
+ * wait is bounded by the timeout and ends early when the world fails; a
+ * release wait is neither (see the top of the file). */
+static epx_status_t local_wait_locked(epx_comm_t comm, const char *caller, uint64_t generation,
+                                      int gather) {
+  epx_local_world_t world = comm->impl;
+  int bounded = gather && world->timeout_seconds > 0 && world->timeout_seconds < 1e9;
+  struct timespec deadline;
+  if (bounded) {
+    clock_gettime(CLOCK_MONOTONIC, &deadline);
+    double whole = floor(world->timeout_seconds);
+    deadline.tv_sec += (time_t)whole;
+    deadline.tv_nsec += (long)((world->timeout_seconds - whole) * 1e9);
+    if (deadline.tv_nsec >= 1000000000L) {
+      deadline.tv_sec++;
+      deadline.tv_nsec -= 1000000000L;
+    }
+  }
+  while (world->generation == generation && !(gather && world->failed)) {
+    if (!bounded) {
+      pthread_cond_wait(&world->cond, &world->lock);
+      continue;
+    }
+    int rc = pthread_cond_timedwait(&world->cond, &world->lock, &deadline);
+    if (rc == ETIMEDOUT && world->generation == generation && !world->failed)
+      local_fail_timeout_locked(world, generation, caller);
+  }
+  if (world->generation != generation) return EPX_SUCCESS;
+  return local_failed_error_locked(comm, caller, generation);
+}
+
+/* Publishes `pub` (may be NULL) in the rank's slot and waits for every peer to
+ * reach the same collective. */
+static epx_status_t local_gather(epx_comm_t comm, const char *caller, local_op_t op, size_t arg,
+                                 const local_slot_t *pub) {
+  epx_local_world_t world = comm->impl;
+  int32_t rank = comm->rank;
+  local_slot_t *mine = &world->slots[rank];
+  epx_status_t status = EPX_SUCCESS;
+  pthread_mutex_lock(&world->lock);
+  if (world->failed) {
+    status = local_failed_error_locked(comm, caller, UINT64_MAX);
+    goto done;
+  }
+  uint64_t generation = world->generation;
+  for (int32_t p = 0; p < world->size; p++) {
+    const local_slot_t *peer = &world->slots[p];
+    if (p == rank) continue;
+    if (op != LOCAL_OP_CREATE && !peer->attached) {
+      local_fail_locked(world, generation, EPX_ERROR_PEER_FAILED, caller,
+                        "rank %d destroyed its comm while rank %d is in %s (%s)", p, rank,
+                        caller, local_op_name(op));
+      status = local_failed_error_locked(comm, caller, generation);
+      goto done;
+    }
+    if (peer->arrived == generation + 1 && (peer->op != op || peer->arg != arg)) {
+      local_fail_locked(world, generation, EPX_ERROR_PEER_FAILED, caller,
+                        "rank %d is in %s (%s, size %zu) while rank %d is in %s (%s, size %zu); "
+                        "every rank must make the same collective calls with the same sizes "
+                        "in the same order",
+                        rank, caller, local_op_name(op), arg, p, peer->caller,
+                        local_op_name(peer->op), peer->arg);
+      status = local_failed_error_locked(comm, caller, generation);
+      goto done;
+    }
+  }
+  mine->op = op;
+  mine->arg = arg;
+  mine->caller = caller;
+  if (pub) {
+    mine->send = pub->send;
+    mine->send_counts = pub->send_counts;
+    mine->send_displs = pub->send_displs;
+    mine->values = pub->values;
+  }
+  mine->arrived = generation + 1;
+  if (++world->arrived == world->size) {
+    world->arrived = 0;
+    world->generation++;
+    pthread_cond_broadcast(&world->cond);
+    goto done;
+  }
+  status = local_wait_locked(comm, caller, generation, 1);
+done:
+  pthread_mutex_unlock(&world->lock);
+  return status;
+}
+
+/* Waits until every peer is done with this collective. `status` is the rank's
+ * own outcome; a rank that failed makes the others fail naming it. */
+static epx_status_t local_release(epx_comm_t comm, const char *caller, local_op_t op,
+                                  epx_status_t status) {
+  epx_local_world_t world = comm->impl;
+  pthread_mutex_lock(&world->lock);
+  world->slots[comm->rank].error = status != EPX_SUCCESS;
+  uint64_t generation = world->generation;
+  if (++world->arrived == world->size) {
+    world->arrived = 0;
+    world->generation++;
+    pthread_cond_broadcast(&world->cond);
+  } else {
+    (void)local_wait_locked(comm, caller, generation, 0);
+  }
+  for (int32_t p = 0; p < world->size && status == EPX_SUCCESS; p++)
+    if (world->slots[p].error)
+      status = epx_error(EPX_ERROR_PEER_FAILED,
+                         "%s: rank %d found the pieces of this %s inconsistent (its own error "
+                         "says how); this rank's output is incomplete",
+                         caller, p, local_op_name(op));
+  pthread_mutex_unlock(&world->lock);
+  return status;
+}
+
+static epx_status_t local_alltoall(epx_comm_t comm, const char *caller, const void *send,
+                                   void *recv, size_t bytes) {
+  local_slot_t pub = {.send = send};
+  epx_status_t status = local_gather(comm, caller, LOCAL_OP_ALLTOALL, bytes, &pub);
+  if (status != EPX_SUCCESS) return status;
+  const epx_local_world_t world = comm->impl;
+  const int32_t size = comm->size, rank = comm->rank;
+  /* Each rank starts at a different peer so the readers spread over sources. */
+  for (int32_t i = 0; i < size && bytes; i++) {
+    int32_t s = (rank + i) % size;
+    memcpy((char *)recv + (size_t)s * bytes,
+           (const char *)world->slots[s].send + (size_t)rank * bytes, bytes);
+  }
+  return local_release(comm, caller, LOCAL_OP_ALLTOALL, EPX_SUCCESS);
+}
+
+static epx_status_t local_alltoallv(epx_comm_t comm, const char *caller, const void *send,
+                                    const int64_t *send_counts, const int64_t *send_displs,
+                                    void *recv, const int64_t *recv_counts,
+                                    const int64_t *recv_displs, size_t unit) {
+  local_slot_t pub = {.send = send, .send_counts = send_counts, .send_displs = send_displs};
+  epx_status_t status = local_gather(comm, caller, LOCAL_OP_ALLTOALLV, unit, &pub);
+  if (status != EPX_SUCCESS) return status;
+  const epx_local_world_t world = comm->impl;
+  const int32_t size = comm->size, rank = comm->rank;
+  for (int32_t i = 0; i < size; i++) {
+    int32_t s = (rank + i) % size;
+    const local_slot_t *peer = &world->slots[s];
+    int64_t count = peer->send_counts[rank];
+    if (count != recv_counts[s] || count < 0) {
+      status = epx_error(EPX_ERROR_INTERNAL,
+                         "%s: rank %d sends %lld units to rank %d, which expects %lld "
+                         "(recv_counts[%d]); the count exchange before this alltoallv is "
+                         "inconsistent",
+                         caller, s, (long long)count, rank, (long long)recv_counts[s], s);
+      break;
+    }
+    if (count)
+      memcpy((char *)recv + (size_t)recv_displs[s] * unit,
+             (const char *)peer->send + (size_t)peer->send_displs[rank] * unit,
+             (size_t)count * unit);
+  }
+  return local_release(comm, caller, LOCAL_OP_ALLTOALLV, status);
+}
+
+static epx_status_t local_allgather(epx_comm_t comm, const char *caller, const void *send,
+                                    void *recv, size_t bytes) {
+  local_slot_t pub = {.send = send};
+  epx_status_t status = local_gather(comm, caller, LOCAL_OP_ALLGATHER, bytes, &pub);
+  if (status != EPX_SUCCESS) return status;
+  const epx_local_world_t world = comm->impl;
+  const int32_t size = comm->size, rank = comm->rank;
+  for (int32_t i = 0; i < size && bytes; i++) {
+    int32_t s = (rank + i) % size;
+    memcpy((char *)recv + (size_t)s * bytes, world->slots[s].send, bytes);
+  }
+  return local_release(comm, caller, LOCAL_OP_ALLGATHER, EPX_SUCCESS);
+}
+
+static epx_status_t local_allreduce_max_i64(epx_comm_t comm, const char *caller, int64_t *values,
+                                            int32_t count) {
+  EPX_REQUIRE(count >= 0, "%s: allreduce count is %d; pass a count >= 0", caller, count);
+  local_slot_t pub = {.values = values};
+  epx_status_t status = local_gather(comm, caller, LOCAL_OP_ALLREDUCE, (size_t)count, &pub);
+  if (status != EPX_SUCCESS) return status;
+  const epx_local_world_t world = comm->impl;
+  /* The peers read `values` until the release, so the maxima wait aside. */
+  int64_t small[64];
+  int64_t *result = count <= 64 ? small : malloc(sizeof(int64_t) * (size_t)count);
+  if (!result) {
+    status = epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory for an allreduce of %d values",
+                       caller, count);
+  } else {
+    for (int32_t i = 0; i < count; i++) {
+      int64_t max = world->slots[0].values[i];
+      for (int32_t s = 1; s < comm->size; s++)
+        if (world->slots[s].values[i] > max) max = world->slots[s].values[i];
+      result[i] = max;
+    }
+  }
+  status = local_release(comm, caller, LOCAL_OP_ALLREDUCE, status);
+  if (status == EPX_SUCCESS && count) memcpy(values, result, sizeof(int64_t) * (size_t)count);
+  if (result != small) free(result);
+  return status;
+}
+
+static epx_status_t local_barrier(epx_comm_t comm, const char *caller) {
+  return local_gather(comm, caller, LOCAL_OP_BARRIER, 0, NULL);
+}
+
+static void local_destroy(epx_comm_t comm) {
+  epx_local_world_t world = comm->impl;
+  pthread_mutex_lock(&world->lock);
+  world->slots[comm->rank].attached = 0;
+  world->attached--;
+  /* A peer that already waits in its next collective would wait in vain. */
+  for (int32_t p = 0; p < world->size && !world->failed; p++) {
+    const local_slot_t *peer = &world->slots[p];
+    if (peer->attached && peer->arrived == world->generation + 1 && peer->op != LOCAL_OP_CREATE)
+      local_fail_locked(world, world->generation, EPX_ERROR_PEER_FAILED, peer->caller,
+                        "rank %d destroyed its comm while rank %d is in %s (%s)", comm->rank, p,
+                        peer->caller, local_op_name(peer->op));
+  }
+  pthread_mutex_unlock(&world->lock);
+  comm->impl = NULL;
+}
+
+static const epx_transport_ops_t local_ops = {
+    .name = "local",
+    .alltoall = local_alltoall,
+    .alltoallv = local_alltoallv,
+    .allgather = local_allgather,
+    .allreduce_max_i64 = local_allreduce_max_i64,
+    .barrier = local_barrier,
+    .destroy = local_destroy,
+};
+
+epx_status_t epx_comm_init_local(epx_comm_t comm, epx_local_world_t world, int32_t rank) {
+  EPX_REQUIRE(rank >= 0 && rank < world->size,
+              "epx_comm_create_local: rank is %d; pass 0 <= rank < %d (the world's size)", rank,
+              world->size);
+  epx_status_t status = EPX_SUCCESS;
+  pthread_mutex_lock(&world->lock);
+  if (world->failed)
+    status = epx_error(EPX_ERROR_PEER_FAILED,
+                       "epx_comm_create_local: the world failed earlier, in %s: %s; destroy "
+                       "its comms and the world, and create a new one",
+                       world->fail_caller, world->fail_reason);
+  else if (world->slots[rank].attached)
+    status = epx_error(EPX_ERROR_INVALID_ARGUMENT,
+                       "epx_comm_create_local: rank %d already has a live comm on this world; "
+                       "create one comm per rank (destroy the old one first)",
+                       rank);
+  if (status == EPX_SUCCESS) {
+    world->slots[rank].attached = 1;
+    world->attached++;
+  }
+  pthread_mutex_unlock(&world->lock);
+  if (status != EPX_SUCCESS) return status;
+  comm->ops = &local_ops;
+  comm->rank = rank;
+  comm->size = world->size;
+  comm->timeout_seconds = world->timeout_seconds;
+  comm->impl = world;
+  status = local_gather(comm, "epx_comm_create_local", LOCAL_OP_CREATE, 0, NULL);
+  if (status != EPX_SUCCESS) local_destroy(comm);
+  return status;
+}
+
+epx_status_t epx_local_world_create(int32_t world_size, const epx_comm_config_t *config,
+                                    epx_local_world_t *world) {
+  epx_error_clear();
+  EPX_REQUIRE(world, "epx_local_world_create: world is NULL; pass the address of an "
+                     "epx_local_world_t");
+  EPX_REQUIRE(world_size >= 1,
+              "epx_local_world_create: world_size is %d; pass the number of ranks (>= 1)",
+              world_size);
+  const epx_comm_config_t defaults = EPX_COMM_CONFIG_INIT;
+  if (!config) config = &defaults;
+  EPX_REQUIRE(config->struct_size == sizeof(epx_comm_config_t),
+              "epx_local_world_create: config->struct_size is %u, expected %zu; start from "
+              "EPX_COMM_CONFIG_INIT",
+              (unsigned)config->struct_size, sizeof(epx_comm_config_t));
+  EPX_REQUIRE(config->version == EPX_CONFIG_VERSION,
+              "epx_local_world_create: config->version is %u, expected %d; start from "
+              "EPX_COMM_CONFIG_INIT",
+              (unsigned)config->version, EPX_CONFIG_VERSION);
+  EPX_REQUIRE(!isnan(config->timeout_seconds),
+              "epx_local_world_create: config->timeout_seconds is NaN; pass seconds (> 0) or "
+              "<= 0 to wait forever");
+
+  epx_status_t status = EPX_SUCCESS;
+  int lock_ready = 0, cond_ready = 0;
+  pthread_condattr_t attr;
+  epx_local_world_t created = calloc(1, sizeof *created);
+  if (!created) EPX_FAIL(EPX_ERROR_OUT_OF_MEMORY, "epx_local_world_create: out of memory");
+  created->size = world_size;
+  created->timeout_seconds = config->timeout_seconds;
+  created->slots = calloc((size_t)world_size, sizeof *created->slots);
+  if (!created->slots)
+    EPX_FAIL(EPX_ERROR_OUT_OF_MEMORY, "epx_local_world_create: out of memory for %d ranks",
+             world_size);
+  if (pthread_mutex_init(&created->lock, NULL))
+    EPX_FAIL(EPX_ERROR_INTERNAL, "epx_local_world_create: pthread_mutex_init failed");
+  lock_ready = 1;
+  /* A monotonic clock, so that setting the wall clock cannot stretch a timeout. */
+  if (pthread_condattr_init(&attr))
+    EPX_FAIL(EPX_ERROR_INTERNAL, "epx_local_world_create: pthread_condattr_init failed");
+  int rc = pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
+  if (!rc) rc = pthread_cond_init(&created->cond, &attr);
+  pthread_condattr_destroy(&attr);
+  if (rc) EPX_FAIL(EPX_ERROR_INTERNAL, "epx_local_world_create: pthread_cond_init failed");
+  cond_ready = 1;
+  EPX_CHECK(epx_registry_add(created, EPX_OBJECT_LOCAL_WORLD));
+  *world = created;
+  return EPX_SUCCESS;
+fail:
+  if (cond_ready) pthread_cond_destroy(&created->cond);
+  if (lock_ready) pthread_mutex_destroy(&created->lock);
+  if (created) free(created->slots);
+  free(created);
+  return status;
+}
+
+epx_status_t epx_local_world_destroy(epx_local_world_t world) {
+  epx_error_clear();
+  if (!world) return EPX_SUCCESS;
+  if (!epx_registry_has(world, EPX_OBJECT_LOCAL_WORLD))
+    return epx_error(EPX_ERROR_INVALID_HANDLE,
+                     "epx_local_world_destroy: world is not a live local world (destroyed "
+                     "already?); pass one from epx_local_world_create");
+  pthread_mutex_lock(&world->lock);
+  int32_t attached = world->attached, first = -1;
+  for (int32_t p = 0; p < world->size && first < 0; p++)
+    if (world->slots[p].attached) first = p;
+  pthread_mutex_unlock(&world->lock);
+  if (attached)
+    return epx_error(EPX_ERROR_BUSY,
+                     "epx_local_world_destroy: %d comm(s) of this world are alive (rank %d "
+                     "first); destroy them with epx_comm_destroy first",
+                     attached, first);
+  epx_registry_remove(world);
+  pthread_cond_destroy(&world->cond);
+  pthread_mutex_destroy(&world->lock);
+  free(world->slots);
+  free(world);
+  return EPX_SUCCESS;
+}
