@@ -530,6 +530,20 @@ static void test_route_ties(void **state) {
   for (int t = 0; t < 2; t++)
     for (int k = 0; k < 3; k++) assert_int_equal(o.idx[t * 3 + k], want[k]);
   outs_free(&o);
+  /* Groups 0 and 1 tie below group 2; keeping two, the tie goes to group 0. */
+  {
+    const float bias6[6] = {0, 0, 0, 0, 0.5f, 0};
+    epx_route_config_t c6 = config_make(6, 2);
+    c6.num_groups = 3;
+    c6.topk_groups = 2;
+    outs_alloc(&o, 2, 6, 2);
+    ROUTE_OK(epx_route(&c6, 2, logits, bias6, &o.out));
+    for (int t = 0; t < 2; t++) {
+      assert_int_equal(o.idx[t * 2], 4);
+      assert_int_equal(o.idx[t * 2 + 1], 0);
+    }
+    outs_free(&o);
+  }
   /* Keeping one group: the tie goes to group 1. */
   c.top_k = 2;
   c.topk_groups = 1;
