@@ -15,12 +15,13 @@ static inline float epx_bf16_to_f32(uint16_t h) {
   return f;
 }
 
+/* Branch-free so that row loops vectorise. */
 static inline uint16_t epx_f32_to_bf16(float f) {
   uint32_t bits;
   memcpy(&bits, &f, sizeof bits);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* quiet NaN */
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return (uint16_t)(bits >> 16);
+  uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  uint32_t quiet_nan = (bits >> 16) | 0x40u;
+  return (uint16_t)((bits & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
 }
 
 static inline float epx_f16_to_f32(uint16_t h) {
@@ -98,6 +99,21 @@ void epx_row_axpy(epx_dtype_t dtype, const void *src, float w, float *acc, int64
 void epx_row_add(epx_dtype_t dtype, const void *src, float *acc, int64_t n);
 /* dst = round(w * src) (dst and src may be the same) */
 void epx_row_scale(epx_dtype_t dtype, const void *src, float w, void *dst, int64_t n);
+/* Copies a row with stores that bypass the cache where the CPU has them
+ * (x86-64 SSE2): the destination is not read first, which halves the memory
+ * traffic of scattered row writes. dst and src 16-byte aligned, bytes a
+ * multiple of 16. Call epx_stream_fence() before another thread may read. */
+void epx_row_copy_stream(void *dst, const void *src, size_t bytes);
+void epx_stream_fence(void);
+/* dst = round(w * src) with streaming stores (dst must not overlap src). */
+void epx_row_scale_stream(epx_dtype_t dtype, const void *src, float w, void *dst, int64_t n);
+/* dst = round(src) for a float32 row, with streaming stores. */
+void epx_row_from_f32_stream(epx_dtype_t dtype, const float *src, void *dst, int64_t n);
+/* P = 0 + sum_j w[j] * rows[j] (w NULL: plain sum), in j order, float32, in
+ * one pass over the n_rows inputs (they stream together). first: P is
+ * written to acc; else acc += P. */
+void epx_rows_accumulate(epx_dtype_t dtype, const void *const *rows, const float *w, int32_t n_rows,
+                         float *acc, int first, int64_t n);
 /* <a, b> in float32, in a fixed order (same result wherever it runs) */
 float epx_row_dot(epx_dtype_t dtype, const void *a, const void *b, int64_t n);
 

@@ -447,8 +447,8 @@ static void zero_empty_rows(const struct epx_cpu_plan *p, void *rows) {
 
 /* Copies (or scales by the route's weight) one row into the layout. */
 static void put_row(const struct epx_cpu_plan *p, const void *src, float weight, int weighted, void *dst) {
-  if (weighted) epx_row_scale(p->dtype, src, weight, dst, p->H);
-  else memcpy(dst, src, p->row_bytes);
+  if (weighted) epx_row_scale_stream(p->dtype, src, weight, dst, p->H);
+  else epx_row_copy_stream(dst, src, p->row_bytes);
 }
 
 /* Sends src's rows to the layout of every rank; weighted: scale each copy by
@@ -471,6 +471,8 @@ static epx_status_t move_forward(epx_buffer_t b, struct epx_cpu_plan *p, const v
   }
   zero_empty_rows(p, dst);
   int rank_major = p->layout == EPX_LAYOUT_RANK_MAJOR;
+  /* Tokens are independent; one rank alone may use every core. */
+#pragma omp parallel for schedule(static) if (p->W == 1)
   for (int64_t t = 0; t < p->T; t++) {
     const char *x = (const char *)src + (size_t)t * p->row_bytes;
     int32_t written = -1;
@@ -488,6 +490,7 @@ static epx_status_t move_forward(epx_buffer_t b, struct epx_cpu_plan *p, const v
       put_row(p, x, p->entry_weight[j], weighted, (char *)dst + (size_t)p->entry_row[j] * p->row_bytes);
     }
   }
+  epx_stream_fence();
   if (staged) *staged = s->recv;
 fail:
   return status;
@@ -502,6 +505,58 @@ epx_status_t epx_cpu_dispatch(epx_buffer_t b, epx_handle_t h, const void *x, voi
 /* Backward moves: layout [N, H] -> out [T, H]                               */
 /* ------------------------------------------------------------------------ */
 
+typedef struct {
+  const struct epx_cpu_plan *p;
+  const void *rows;  /* the layout [N, H] */
+  const void *recv;  /* returned rows, per rank from sdispl */
+  size_t unit;       /* bytes of a returned row */
+  return_mode_t mode;
+  int weighted;
+  const void *dot_x; /* [T, H] or NULL */
+  float *grad_w;     /* [T, K] or NULL */
+  void *out;         /* [T, H] */
+} token_pass_t;
+
+/* out[t] = round(sum over ranks in order of P(t, r)). */
+static void combine_token(const token_pass_t *c, int64_t t, int64_t *cursor, float *acc,
+                          const void **group_rows, float *group_w) {
+  const struct epx_cpu_plan *p = c->p;
+  int32_t K = p->K, self = p->rank;
+  int64_t H = p->H;
+  const int32_t *idx = p->topk_idx + t * K;
+  const float *w = p->topk_w + t * K;
+  const char *x = c->dot_x ? (const char *)c->dot_x + (size_t)t * p->row_bytes : NULL;
+  int first = 1;
+  if (c->grad_w)
+    for (int32_t k = 0; k < K; k++) c->grad_w[t * K + k] = 0.0f;
+  for (int32_t r = 0; r < p->W; r++) {
+    int32_t n = 0;
+    for (int32_t k = 0; k < K; k++) {
+      if (idx[k] < 0 || idx[k] / p->E_local != r) continue;
+      if (r != self && c->mode != RETURN_ROUTES) {
+        /* One returned row stands for the pair. */
+        if (n == 0) group_rows[n++] = (const char *)c->recv + (size_t)cursor[r]++ * c->unit;
+        continue;
+      }
+      if (c->mode == RETURN_PAIRS && n > 0) continue;
+      const void *row = r == self ? (const char *)c->rows + (size_t)p->self_row[t * K + k] * p->row_bytes
+                                  : (const char *)c->recv + (size_t)cursor[r]++ * c->unit;
+      group_rows[n] = row;
+      group_w[n++] = w[k];
+      if (c->grad_w) c->grad_w[t * K + k] = epx_row_dot(p->dtype, row, x, H);
+    }
+    if (n == 0) continue;
+    if (r != self && c->mode == RETURN_PARTIAL)
+      epx_rows_accumulate(EPX_FLOAT32, group_rows, NULL, 1, acc, first, H);
+    else
+      epx_rows_accumulate(p->dtype, group_rows, c->weighted && c->mode != RETURN_PAIRS ? group_w : NULL, n,
+                          acc, first, H);
+    first = 0;
+  }
+  if (first) memset(acc, 0, (size_t)H * sizeof(float));
+  epx_row_from_f32_stream(p->dtype, acc, (char *)c->out + (size_t)t * p->row_bytes, H);
+}
+
 /* rows from layout, combined per token in the canonical order. weighted:
  * multiply each route's row by its weight. dot_x / grad_w: also give
  * grad_w[t,k] = <row(t,k), dot_x[t]> (needs RETURN_ROUTES). */
@@ -512,8 +567,10 @@ static epx_status_t move_backward(epx_buffer_t b, struct epx_cpu_plan *p, const 
   struct epx_cpu_scratch *s = NULL;
   int64_t cursor_stack[64];
   int64_t *cursor = cursor_stack;
+  const void **group_rows = NULL; /* the rows of one P(t, r) */
+  float *group_w = NULL;
   EPX_CHECK(scratch(b, fn, &s));
-  int32_t W = p->W, K = p->K, self = p->rank;
+  int32_t W = p->W, K = p->K;
   int64_t H = p->H;
   return_mode_t mode = p->layout == EPX_LAYOUT_RANK_MAJOR ? RETURN_PAIRS
                        : (p->exchange == EPX_EXCHANGE_COLLECTIVE || grad_w) ? RETURN_ROUTES
@@ -525,7 +582,9 @@ static epx_status_t move_backward(epx_buffer_t b, struct epx_cpu_plan *p, const 
   const int64_t *sdispl = mode == RETURN_ROUTES ? p->route_displ : p->pair_displ;
   int64_t back_rows = total(rcount, W), home_rows = total(scount, W);
   if (W > 64) cursor = malloc(sizeof(int64_t) * (size_t)W);
-  if (!cursor) EPX_FAIL(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
+  group_rows = malloc(sizeof(void *) * (size_t)K);
+  group_w = malloc(sizeof(float) * (size_t)K);
+  if (!cursor || !group_rows || !group_w) EPX_FAIL(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
 
   if (W > 1) {
     /* The receiver's side: what goes back to each source. */
@@ -541,65 +600,48 @@ static epx_status_t move_backward(epx_buffer_t b, struct epx_cpu_plan *p, const 
                (const char *)rows + (size_t)p->entry_row[p->rpair_entry[q]] * p->row_bytes, unit);
     } else {
       for (int64_t q = 0; q < rpairs; q++) {
-        float *partial = (float *)((char *)s->send + (size_t)q * unit);
-        memset(partial, 0, unit);
+        int32_t n = 0;
         for (int64_t j = p->rpair_entry[q]; j < p->rpair_entry[q + 1]; j++) {
-          const void *row = (const char *)rows + (size_t)p->entry_row[j] * p->row_bytes;
-          if (weighted) epx_row_axpy(p->dtype, row, p->entry_weight[j], partial, H);
-          else epx_row_add(p->dtype, row, partial, H);
+          group_rows[n] = (const char *)rows + (size_t)p->entry_row[j] * p->row_bytes;
+          group_w[n++] = p->entry_weight[j];
         }
+        epx_rows_accumulate(p->dtype, group_rows, weighted ? group_w : NULL, n,
+                            (float *)((char *)s->send + (size_t)q * unit), 1, H);
       }
     }
     EPX_CHECK(comm->ops->alltoallv(comm, fn, s->send, rcount, rdispl, s->recv, scount, sdispl, unit));
   }
 
-  /* The token's side: acc = sum over ranks in order of P(t, r). */
+  /* The token's side. With one rank every row is local and tokens are
+   * independent, so they are split over the cores; otherwise the returned
+   * rows are consumed in token order through the per-rank cursors. */
   for (int32_t r = 0; r < W; r++) cursor[r] = sdispl[r];
-  float *acc = s->rows, *partial = s->rows + H;
-  for (int64_t t = 0; t < p->T; t++) {
-    const int32_t *idx = p->topk_idx + t * K;
-    const float *w = p->topk_w + t * K;
-    const char *x = dot_x ? (const char *)dot_x + (size_t)t * p->row_bytes : NULL;
-    memset(acc, 0, (size_t)H * sizeof(float));
-    int first = 1;
-    if (grad_w)
-      for (int32_t k = 0; k < K; k++) grad_w[t * K + k] = 0.0f;
-    for (int32_t r = 0; r < W; r++) {
-      int present = 0;
-      for (int32_t k = 0; k < K && !present; k++) present = idx[k] >= 0 && idx[k] / p->E_local == r;
-      if (!present) continue;
-      float *P = first ? acc : partial;
-      if (!first) memset(partial, 0, (size_t)H * sizeof(float));
-      if (r != self && mode == RETURN_PARTIAL) {
-        const float *got = (const float *)((char *)s->recv + (size_t)cursor[r]++ * unit);
-        for (int64_t i = 0; i < H; i++) P[i] += got[i];
-      } else if (mode == RETURN_PAIRS) {
-        const void *row = NULL;
-        if (r == self) {
-          for (int32_t k = 0; k < K && !row; k++)
-            if (p->self_row[t * K + k] >= 0) row = (const char *)rows + (size_t)p->self_row[t * K + k] * p->row_bytes;
-        } else {
-          row = (const char *)s->recv + (size_t)cursor[r]++ * unit;
-        }
-        epx_row_add(p->dtype, row, P, H);
-      } else {
-        for (int32_t k = 0; k < K; k++) {
-          if (idx[k] < 0 || idx[k] / p->E_local != r) continue;
-          const void *row = r == self ? (const char *)rows + (size_t)p->self_row[t * K + k] * p->row_bytes
-                                      : (const char *)s->recv + (size_t)cursor[r]++ * unit;
-          if (weighted) epx_row_axpy(p->dtype, row, w[k], P, H);
-          else epx_row_add(p->dtype, row, P, H);
-          if (grad_w) grad_w[t * K + k] = epx_row_dot(p->dtype, row, x, H);
-        }
+  token_pass_t pass = {p, rows, s->recv, unit, mode, weighted, dot_x, grad_w, out};
+  if (W == 1) {
+    int failed = 0;
+#pragma omp parallel reduction(| : failed)
+    {
+      float *acc = malloc(sizeof(float) * (size_t)H);
+      const void **rows_of = malloc(sizeof(void *) * (size_t)K);
+      float *w_of = malloc(sizeof(float) * (size_t)K);
+      failed = !acc || !rows_of || !w_of;
+      if (!failed) {
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < p->T; t++) combine_token(&pass, t, cursor, acc, rows_of, w_of);
       }
-      if (!first)
-        for (int64_t i = 0; i < H; i++) acc[i] += partial[i];
-      first = 0;
+      free(acc);
+      free(rows_of);
+      free(w_of);
     }
-    epx_row_from_f32(p->dtype, acc, (char *)out + (size_t)t * p->row_bytes, H);
+    if (failed) EPX_FAIL(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
+  } else {
+    for (int64_t t = 0; t < p->T; t++) combine_token(&pass, t, cursor, s->rows, group_rows, group_w);
   }
+  epx_stream_fence();
 fail:
   if (cursor != cursor_stack) free(cursor);
+  free(group_rows);
+  free(group_w);
   return status;
 }
 
