@@ -1,0 +1,166 @@
+/* Gather on one GPU: each token's rows summed in float32 in k-slot order and
+ * rounded once — combine, and dispatch_backward with the routing-weight
+ * gradient. The order of the adds is fixed (acc = 0; acc += w_k * row_k for
+ * the valid k in order, no fused multiply-add), so the result is the same
+ * bits on every run and equals the CPU engine's loop.
+ *
+ * A warp per token; per step of 2 KB of the output row (32 lanes x 4 x 16 B)
+ * it reads that step of each of the token's rows, the next row's loads issued
+ * before the current row is added.
+ *
+ * Bytes moved (s = dtype size, R = valid routes, T = tokens):
+ *   combine:             R*H*s read + T*H*s written
+ *   dispatch_backward:   the same, + T_r*H*s read of x with grad_w
+ *   plus 4*T*K route rows (+ 4*T*K weights): under 1%. */
+#include <cuda_runtime.h>
+
+#include "cuda/launch.h"
+
+namespace {
+
+constexpr int kWarps = EPX_CUDA_MOVE_WARPS;
+constexpr int kVecs = EPX_CUDA_MOVE_VECS;
+
+struct gather_args {
+  const uint4 *src;    /* [rows, nvec] */
+  uint4 *dst;          /* [T, nvec] */
+  const int32_t *rows; /* [T, K] */
+  const float *w;      /* [T, K] when weighting */
+  const uint4 *other;  /* [T, nvec] when computing grad_w */
+  float *grad_w;       /* [T, K] when computing grad_w */
+  int64_t tokens;
+  int64_t nvec;
+  int k;
+};
+
+template <int n>
+__device__ __forceinline__ void load_step(const uint4 *row, int64_t v0, int64_t nvec, int lane,
+                                          uint4 (&v)[n]) {
+#pragma unroll
+  for (int u = 0; u < n; u++) {
+    const int64_t i = v0 + u * 32 + lane;
+    v[u] = i < nvec ? __ldcs(row + i) : make_uint4(0u, 0u, 0u, 0u);
+  }
+}
+
+template <typename T, bool kWeight, bool kDot>
+__global__ void __launch_bounds__(kWarps * 32) gather_kernel(const gather_args a) {
+  using vec = epx_vec<T>;
+  constexpr int n = vec::n;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t t = (int64_t)blockIdx.x * kWarps + warp;
+  if (t >= a.tokens) return;
+
+  /* The token's valid slots, compacted in k order: row, slot, weight; and a
+   * dot accumulator per slot. */
+  extern __shared__ int32_t s_table[];
+  int32_t *s_row = s_table + (size_t)warp * 4 * a.k;
+  int32_t *s_slot = s_row + a.k;
+  float *s_w = reinterpret_cast<float *>(s_slot + a.k);
+  float *s_dot = s_w + a.k;
+  const unsigned int lanes_below = (1u << lane) - 1u;
+  int valid = 0;
+  for (int k0 = 0; k0 < a.k; k0 += 32) {
+    const int k = k0 + lane;
+    const int32_t row = k < a.k ? a.rows[t * a.k + k] : -1;
+    const unsigned int mask = __ballot_sync(0xffffffffu, row >= 0);
+    if (row >= 0) {
+      const int p = valid + __popc(mask & lanes_below);
+      s_row[p] = row;
+      s_slot[p] = k;
+      if (kWeight) s_w[p] = a.w[t * a.k + k];
+    }
+    if (kDot && k < a.k) s_dot[k] = 0.0f;
+    valid += __popc(mask);
+  }
+  __syncwarp();
+
+  uint4 *dst = a.dst + t * a.nvec;
+  for (int64_t v0 = 0; v0 < a.nvec; v0 += 32 * kVecs) {
+    float acc[kVecs][n];
+#pragma unroll
+    for (int u = 0; u < kVecs; u++)
+#pragma unroll
+      for (int e = 0; e < n; e++) acc[u][e] = 0.0f;
+    float of[kVecs][n];
+    if (kDot) {
+      uint4 ov[kVecs];
+      load_step(a.other + t * a.nvec, v0, a.nvec, lane, ov);
+#pragma unroll
+      for (int u = 0; u < kVecs; u++) vec::unpack(ov[u], of[u]);
+    }
+    uint4 cur[kVecs];
+    if (valid > 0) load_step(a.src + (int64_t)s_row[0] * a.nvec, v0, a.nvec, lane, cur);
+    for (int j = 0; j < valid; j++) {
+      uint4 next[kVecs];
+      if (j + 1 < valid) load_step(a.src + (int64_t)s_row[j + 1] * a.nvec, v0, a.nvec, lane, next);
+      const float w = kWeight ? s_w[j] : 1.0f;
+      float part = 0.0f;
+#pragma unroll
+      for (int u = 0; u < kVecs; u++) {
+        float f[n];
+        vec::unpack(cur[u], f);
+#pragma unroll
+        for (int e = 0; e < n; e++) {
+          acc[u][e] = __fadd_rn(acc[u][e], kWeight ? __fmul_rn(w, f[e]) : f[e]);
+          if (kDot) part = __fadd_rn(part, __fmul_rn(f[e], of[u][e]));
+        }
+      }
+      if (kDot) {
+        part = epx_warp_sum(part);
+        if (lane == 0) s_dot[s_slot[j]] += part;
+      }
+#pragma unroll
+      for (int u = 0; u < kVecs; u++) cur[u] = next[u];
+    }
+#pragma unroll
+    for (int u = 0; u < kVecs; u++) {
+      const int64_t i = v0 + u * 32 + lane;
+      if (i < a.nvec) dst[i] = vec::pack(acc[u]);
+    }
+  }
+  if (kDot) {
+    __syncwarp();
+    for (int k = lane; k < a.k; k += 32) a.grad_w[t * a.k + k] = s_dot[k];
+  }
+}
+
+template <typename T>
+cudaError_t launch_typed(const gather_args &a, unsigned int blocks, size_t shared,
+                         cudaStream_t stream) {
+  const bool weight = a.w != nullptr, dot = a.grad_w != nullptr;
+  if (weight && dot) gather_kernel<T, true, true><<<blocks, kWarps * 32, shared, stream>>>(a);
+  else if (weight) gather_kernel<T, true, false><<<blocks, kWarps * 32, shared, stream>>>(a);
+  else if (dot) gather_kernel<T, false, true><<<blocks, kWarps * 32, shared, stream>>>(a);
+  else gather_kernel<T, false, false><<<blocks, kWarps * 32, shared, stream>>>(a);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+extern "C" cudaError_t epx_cuda_gather_launch(epx_dtype_t dtype, const void *src, void *dst,
+                                              int64_t num_tokens, int64_t hidden,
+                                              const int32_t *rows, int32_t top_k, const float *w,
+                                              const void *other, float *grad_w,
+                                              cudaStream_t stream) {
+  if (top_k < 1 || top_k > EPX_CUDA_MAX_TOP_K || (grad_w && !other)) return cudaErrorInvalidValue;
+  gather_args a;
+  a.src = static_cast<const uint4 *>(src);
+  a.dst = static_cast<uint4 *>(dst);
+  a.rows = rows;
+  a.w = w;
+  a.other = static_cast<const uint4 *>(other);
+  a.grad_w = grad_w;
+  a.tokens = num_tokens;
+  a.nvec = hidden * (int64_t)epx_dtype_size(dtype) / 16;
+  a.k = top_k;
+  const int64_t blocks = (num_tokens + kWarps - 1) / kWarps;
+  if (blocks == 0) return cudaSuccess;
+  const size_t shared = (size_t)kWarps * 4 * sizeof(int32_t) * (size_t)top_k;
+  switch (dtype) {
+    case EPX_FLOAT32: return launch_typed<float>(a, (unsigned int)blocks, shared, stream);
+    case EPX_BFLOAT16: return launch_typed<__nv_bfloat16>(a, (unsigned int)blocks, shared, stream);
+    case EPX_FLOAT16: return launch_typed<__half>(a, (unsigned int)blocks, shared, stream);
+  }
+  return cudaErrorInvalidValue;
+}

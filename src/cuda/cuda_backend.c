@@ -1,0 +1,408 @@
+/* The CUDA backend's host glue for a comm of one rank: per-buffer and
+ * per-handle device state, allocation, the stream, and CUDA errors turned
+ * into epx statuses. Kernels are behind the launchers of launch.h.
+ *
+ * Stream and synchronisation: everything is enqueued on
+ * buffer->config.stream. The only host synchronisation is in
+ * epx_cuda_dispatch_layout (to learn N and the validation verdict), and none
+ * at all with worst_case_sizing: the handle then reports the bound as its
+ * rows, the true N lives in device memory (epx_handle_recv_rows_device), and
+ * invalid routes are dropped (treated as -1) instead of refused — the verdict
+ * is reported by the next epx_handle_recv_rows, which synchronises.
+ *
+ * Memory: a handle's arrays are one stream-ordered allocation
+ * (cudaMallocAsync) made by its layout and freed (cudaFreeAsync) when it is
+ * released; the layout's scratch is the buffer's, grown on demand; dispatch,
+ * combine and the backward passes allocate nothing, so they can be captured
+ * in a CUDA graph. */
+#include <stdint.h>
+#include <stdlib.h>
+
+#include <cuda_runtime_api.h>
+
+#include "core/error.h"
+#include "cuda/cuda_backend.h"
+#include "cuda/launch.h"
+
+/* buffer->cuda */
+typedef struct cuda_buffer_state {
+  void *scratch;          /* layout scratch (device), scratch_bytes long */
+  size_t scratch_bytes;
+  cudaEvent_t scratch_free; /* recorded after the last layout that used scratch */
+  epx_cuda_layout_result_t *readback; /* pinned host memory for one layout result */
+} cuda_buffer_state_t;
+
+/* handle->cuda */
+typedef struct cuda_handle_state {
+  void *block;              /* one device allocation holding every array below */
+  epx_cuda_layout_t layout; /* pointers into block */
+  float *w;                 /* [T, K] copy of routing.topk_w, NULL when none was given */
+  int64_t row_bound;        /* rows the layout can have: N, or the worst-case bound */
+  int64_t rows;             /* N on the host; -1 until known (worst_case_sizing) */
+} cuda_handle_state_t;
+
+int epx_has_cuda(void) { return 1; }
+
+static epx_status_t cuda_fail(cudaError_t err, const char *fn, const char *what) {
+  return epx_error(err == cudaErrorMemoryAllocation ? EPX_ERROR_OUT_OF_MEMORY : EPX_ERROR_CUDA,
+                   "%s: %s failed with %s (%s); an error of earlier asynchronous work on the "
+                   "device can also surface here", fn, what, cudaGetErrorName(err),
+                   cudaGetErrorString(err));
+}
+
+#define CUDA_CHECK(call, fn, what)                                                       \
+  do {                                                                                   \
+    cudaError_t cuda_err_ = (call);                                                      \
+    if (cuda_err_ != cudaSuccess) {                                                      \
+      status = cuda_fail(cuda_err_, fn, what);                                           \
+      goto fail;                                                                         \
+    }                                                                                    \
+  } while (0)
+
+static cudaStream_t stream_of(epx_buffer_t buffer) { return (cudaStream_t)buffer->config.stream; }
+
+static size_t round256(size_t n) { return (n + 255) / 256 * 256; }
+
+epx_status_t epx_cuda_buffer_init(epx_buffer_t buffer) {
+  const char *fn = "epx_buffer_create";
+  epx_status_t status = EPX_SUCCESS;
+  const epx_buffer_config_t *c = &buffer->config;
+  if (c->num_experts > EPX_CUDA_MAX_EXPERTS)
+    return epx_error(EPX_ERROR_UNSUPPORTED,
+                     "%s: config.num_experts is %d; the CUDA backend takes at most %d experts",
+                     fn, c->num_experts, EPX_CUDA_MAX_EXPERTS);
+  if (c->max_top_k > EPX_CUDA_MAX_TOP_K)
+    return epx_error(EPX_ERROR_UNSUPPORTED,
+                     "%s: config.max_top_k is %d; the CUDA backend takes at most top-%d",
+                     fn, c->max_top_k, EPX_CUDA_MAX_TOP_K);
+  cuda_buffer_state_t *s = calloc(1, sizeof *s);
+  if (!s) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
+  CUDA_CHECK(cudaEventCreateWithFlags(&s->scratch_free, cudaEventDisableTiming), fn, "cudaEventCreate");
+  CUDA_CHECK(cudaMallocHost((void **)&s->readback, sizeof *s->readback), fn, "cudaMallocHost");
+  buffer->cuda = s;
+  return EPX_SUCCESS;
+fail:
+  if (s->scratch_free) cudaEventDestroy(s->scratch_free);
+  free(s);
+  return status;
+}
+
+void epx_cuda_buffer_fini(epx_buffer_t buffer) {
+  cuda_buffer_state_t *s = buffer->cuda;
+  if (!s) return;
+  if (s->scratch) {
+    cudaStreamWaitEvent(stream_of(buffer), s->scratch_free, 0);
+    cudaFreeAsync(s->scratch, stream_of(buffer));
+  }
+  cudaEventDestroy(s->scratch_free);
+  cudaFreeHost(s->readback);
+  free(s);
+  buffer->cuda = NULL;
+}
+
+void epx_cuda_handle_fini(epx_handle_t handle) {
+  cuda_handle_state_t *h = handle->cuda;
+  if (!h) return;
+  if (h->block) cudaFreeAsync(h->block, stream_of(handle->buffer));
+  free(h);
+  handle->cuda = NULL;
+}
+
+/* The message of the first invalid route; topk_idx and locations are the
+ * caller's device arrays when still available (NULL: the value is not named). */
+static epx_status_t routing_error(const char *fn, uint64_t error, int32_t K, int32_t E, int32_t C,
+                                  const int32_t *topk_idx, const int32_t *locations,
+                                  const char *note) {
+  int64_t route = (int64_t)(error >> 3), t = route / K;
+  int32_t k = (int32_t)(route % K), e = 0, l = 0;
+  int known = topk_idx && cudaMemcpy(&e, topk_idx + route, sizeof e, cudaMemcpyDeviceToHost) == cudaSuccess;
+  if (known && locations)
+    known = cudaMemcpy(&l, locations + route, sizeof l, cudaMemcpyDeviceToHost) == cudaSuccess;
+  switch ((int)(error & 7)) {
+    case EPX_CUDA_BAD_EXPERT:
+      if (known)
+        return epx_error(EPX_ERROR_INVALID_ARGUMENT,
+                         "%s: routing.topk_idx[%lld][%d] is %d, outside [-1, num_experts = %d); use -1 "
+                         "for no expert%s", fn, (long long)t, k, e, E, note);
+      return epx_error(EPX_ERROR_INVALID_ARGUMENT,
+                       "%s: routing.topk_idx[%lld][%d] is outside [-1, num_experts = %d); use -1 for "
+                       "no expert%s", fn, (long long)t, k, E, note);
+    case EPX_CUDA_DUPLICATE_EXPERT:
+      if (known)
+        return epx_error(EPX_ERROR_INVALID_ARGUMENT,
+                         "%s: routing.topk_idx[%lld] names expert %d twice; a token picks each expert "
+                         "at most once%s", fn, (long long)t, e, note);
+      return epx_error(EPX_ERROR_INVALID_ARGUMENT,
+                       "%s: routing.topk_idx[%lld] names an expert twice (slot %d repeats an earlier "
+                       "one); a token picks each expert at most once%s", fn, (long long)t, k, note);
+    case EPX_CUDA_BAD_LOCATION:
+      if (known)
+        return epx_error(EPX_ERROR_INVALID_ARGUMENT,
+                         "%s: routing.locations[%lld][%d] is %d, outside the capacity [0, %d); drop the "
+                         "route (topk_idx = -1) or raise config.capacity%s", fn, (long long)t, k, l, C,
+                         note);
+      return epx_error(EPX_ERROR_INVALID_ARGUMENT,
+                       "%s: routing.locations[%lld][%d] is outside the capacity [0, %d); drop the route "
+                       "(topk_idx = -1) or raise config.capacity%s", fn, (long long)t, k, C, note);
+    default:
+      if (known)
+        return epx_error(EPX_ERROR_INVALID_ARGUMENT,
+                         "%s: routing.locations[%lld][%d] = %d is taken twice for expert %d; locations "
+                         "must be unique per expert (use epx_route's)%s", fn, (long long)t, k, l, e, note);
+      return epx_error(EPX_ERROR_INVALID_ARGUMENT,
+                       "%s: routing.locations[%lld][%d] is taken twice for its expert; locations must "
+                       "be unique per expert (use epx_route's)%s", fn, (long long)t, k, note);
+  }
+}
+
+epx_status_t epx_cuda_dispatch_layout(epx_buffer_t buffer, const epx_routing_t *routing,
+                                      epx_handle_t handle) {
+  const char *fn = "epx_dispatch_layout";
+  epx_status_t status = EPX_SUCCESS;
+  cuda_buffer_state_t *bs = buffer->cuda;
+  const epx_buffer_config_t *c = &buffer->config;
+  cudaStream_t stream = stream_of(buffer);
+  const int64_t T = routing->num_tokens;
+  const int32_t K = routing->top_k, E = buffer->experts_per_rank;
+  const int64_t align = c->expert_alignment, C = c->capacity;
+  const int worst = c->worst_case_sizing != 0;
+
+  /* Rows this routing can have, and the bound every handle reports with
+   * worst_case_sizing (epx_buffer_max_recv_rows). */
+  int64_t row_bound, buffer_bound;
+  const int64_t kk = K < E ? K : E, max_k = c->max_top_k < E ? c->max_top_k : E;
+  switch (c->layout) {
+    case EPX_LAYOUT_EXPERT_MAJOR:
+      row_bound = T * kk + (int64_t)E * (align - 1);
+      buffer_bound = buffer->max_tokens * max_k + (int64_t)E * (align - 1);
+      break;
+    case EPX_LAYOUT_RANK_MAJOR:
+      row_bound = T;
+      buffer_bound = buffer->max_tokens;
+      break;
+    default:
+      row_bound = buffer_bound = (int64_t)E * C;
+      break;
+  }
+  if (T * K >= INT32_MAX || buffer_bound >= INT32_MAX)
+    return epx_error(EPX_ERROR_UNSUPPORTED,
+                     "%s: %lld routes and up to %lld recv rows; the CUDA backend indexes routes and "
+                     "rows with int32 (below 2^31); split the batch", fn, (long long)(T * K),
+                     (long long)buffer_bound);
+
+  cuda_handle_state_t *h = calloc(1, sizeof *h);
+  if (!h) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
+
+  /* One block: result | idx [T*K] | route_row [T*K] | token_row [T] |
+   * row_src [row_bound] | counts [E] | offsets [E+1] | w [T*K] */
+  const size_t routes = (size_t)(T * K);
+  size_t at[8], bytes = 0;
+  const size_t sizes[8] = {sizeof(epx_cuda_layout_result_t), 4 * routes, 4 * routes,
+                           c->layout == EPX_LAYOUT_RANK_MAJOR ? 4 * (size_t)T : 0,
+                           4 * (size_t)row_bound, 8 * (size_t)E, 8 * ((size_t)E + 1),
+                           routing->topk_w ? 4 * routes : 0};
+  for (int i = 0; i < 8; i++) {
+    at[i] = bytes;
+    bytes += round256(sizes[i]);
+  }
+  CUDA_CHECK(cudaMallocAsync(&h->block, bytes, stream), fn, "cudaMallocAsync of the handle's layout");
+  char *base = h->block;
+  h->layout.result = (epx_cuda_layout_result_t *)(base + at[0]);
+  h->layout.idx = (int32_t *)(base + at[1]);
+  h->layout.route_row = (int32_t *)(base + at[2]);
+  h->layout.token_row = c->layout == EPX_LAYOUT_RANK_MAJOR ? (int32_t *)(base + at[3]) : NULL;
+  h->layout.row_src = (int32_t *)(base + at[4]);
+  h->layout.counts = (int64_t *)(base + at[5]);
+  h->layout.offsets = (int64_t *)(base + at[6]);
+  h->w = routing->topk_w ? (float *)(base + at[7]) : NULL;
+  if (h->w && routes)
+    CUDA_CHECK(cudaMemcpyAsync(h->w, routing->topk_w, 4 * routes, cudaMemcpyDeviceToDevice, stream),
+               fn, "cudaMemcpyAsync of routing.topk_w");
+
+  /* The scratch may still be in use by a layout on another stream. */
+  const size_t need = epx_cuda_layout_scratch_bytes(T, E);
+  CUDA_CHECK(cudaStreamWaitEvent(stream, bs->scratch_free, 0), fn, "cudaStreamWaitEvent");
+  if (need > bs->scratch_bytes) {
+    if (bs->scratch) CUDA_CHECK(cudaFreeAsync(bs->scratch, stream), fn, "cudaFreeAsync");
+    bs->scratch = NULL;
+    bs->scratch_bytes = 0;
+    CUDA_CHECK(cudaMallocAsync(&bs->scratch, need, stream), fn, "cudaMallocAsync of the layout scratch");
+    CUDA_CHECK(cudaMemsetAsync(bs->scratch, 0, 16, stream), fn, "cudaMemsetAsync");
+    bs->scratch_bytes = need;
+  }
+  CUDA_CHECK(epx_cuda_layout_launch(routing->topk_idx, routing->locations, T, K, E, c->layout,
+                                    c->expert_alignment, c->capacity, &h->layout, bs->scratch, stream),
+             fn, "the layout kernels");
+  CUDA_CHECK(cudaEventRecord(bs->scratch_free, stream), fn, "cudaEventRecord");
+
+  if (worst) {
+    h->row_bound = row_bound;
+    h->rows = -1;
+    handle->recv_rows = buffer_bound;
+  } else {
+    CUDA_CHECK(cudaMemcpyAsync(bs->readback, h->layout.result, sizeof *bs->readback,
+                               cudaMemcpyDeviceToHost, stream), fn, "cudaMemcpyAsync of the row count");
+    CUDA_CHECK(cudaStreamSynchronize(stream), fn, "cudaStreamSynchronize");
+    if (bs->readback->error != EPX_CUDA_NO_ERROR) {
+      status = routing_error(fn, bs->readback->error, K, E, c->capacity, routing->topk_idx,
+                             c->layout == EPX_LAYOUT_CAPACITY ? routing->locations : NULL, "");
+      goto fail;
+    }
+    h->rows = h->row_bound = bs->readback->rows;
+    handle->recv_rows = h->rows;
+  }
+  handle->cuda = h;
+  return EPX_SUCCESS;
+fail:
+  if (h->block) cudaFreeAsync(h->block, stream);
+  free(h);
+  return status;
+}
+
+epx_status_t epx_cuda_dispatch(epx_buffer_t buffer, epx_handle_t handle, const void *x,
+                               void *recv_x) {
+  const char *fn = "epx_dispatch";
+  epx_status_t status = EPX_SUCCESS;
+  const cuda_handle_state_t *h = handle->cuda;
+  const epx_buffer_config_t *c = &buffer->config;
+  const epx_cuda_layout_t *l = &h->layout;
+  if (c->layout == EPX_LAYOUT_RANK_MAJOR)
+    CUDA_CHECK(epx_cuda_scatter_launch(c->dtype, x, recv_x, handle->num_tokens, c->hidden, l->token_row,
+                                       1, NULL, NULL, NULL, NULL, &l->result->rows, 0, stream_of(buffer)),
+               fn, "the dispatch kernel");
+  else
+    CUDA_CHECK(epx_cuda_scatter_launch(c->dtype, x, recv_x, handle->num_tokens, c->hidden, l->route_row,
+                                       handle->top_k,
+                                       handle->weighting == EPX_WEIGHTS_IN_DISPATCH ? h->w : NULL, NULL,
+                                       NULL, l->row_src, &l->result->rows, h->row_bound, stream_of(buffer)),
+               fn, "the dispatch kernel");
+fail:
+  return status;
+}
+
+epx_status_t epx_cuda_combine(epx_buffer_t buffer, epx_handle_t handle, const void *expert_out,
+                              void *out) {
+  const char *fn = "epx_combine";
+  epx_status_t status = EPX_SUCCESS;
+  const cuda_handle_state_t *h = handle->cuda;
+  const epx_buffer_config_t *c = &buffer->config;
+  const int rank_major = c->layout == EPX_LAYOUT_RANK_MAJOR;
+  CUDA_CHECK(epx_cuda_gather_launch(c->dtype, expert_out, out, handle->num_tokens, c->hidden,
+                                    rank_major ? h->layout.token_row : h->layout.route_row,
+                                    rank_major ? 1 : handle->top_k,
+                                    handle->weighting == EPX_WEIGHTS_IN_COMBINE ? h->w : NULL, NULL,
+                                    NULL, stream_of(buffer)),
+             fn, "the combine kernel");
+fail:
+  return status;
+}
+
+epx_status_t epx_cuda_dispatch_backward(epx_buffer_t buffer, epx_handle_t handle,
+                                        const void *grad_recv_x, void *grad_x, const void *x,
+                                        float *grad_w) {
+  const char *fn = "epx_dispatch_backward";
+  epx_status_t status = EPX_SUCCESS;
+  const cuda_handle_state_t *h = handle->cuda;
+  const epx_buffer_config_t *c = &buffer->config;
+  const int rank_major = c->layout == EPX_LAYOUT_RANK_MAJOR;
+  const int weighted = handle->weighting == EPX_WEIGHTS_IN_DISPATCH;
+  CUDA_CHECK(epx_cuda_gather_launch(c->dtype, grad_recv_x, grad_x, handle->num_tokens, c->hidden,
+                                    rank_major ? h->layout.token_row : h->layout.route_row,
+                                    rank_major ? 1 : handle->top_k, weighted ? h->w : NULL,
+                                    weighted && grad_w ? x : NULL, weighted ? grad_w : NULL,
+                                    stream_of(buffer)),
+             fn, "the dispatch backward kernel");
+fail:
+  return status;
+}
+
+epx_status_t epx_cuda_combine_backward(epx_buffer_t buffer, epx_handle_t handle,
+                                       const void *grad_out, const void *expert_out,
+                                       void *grad_expert_out, float *grad_w) {
+  const char *fn = "epx_combine_backward";
+  epx_status_t status = EPX_SUCCESS;
+  const cuda_handle_state_t *h = handle->cuda;
+  const epx_buffer_config_t *c = &buffer->config;
+  const epx_cuda_layout_t *l = &h->layout;
+  const int weighted = handle->weighting == EPX_WEIGHTS_IN_COMBINE;
+  if (c->layout == EPX_LAYOUT_RANK_MAJOR)
+    CUDA_CHECK(epx_cuda_scatter_launch(c->dtype, grad_out, grad_expert_out, handle->num_tokens,
+                                       c->hidden, l->token_row, 1, NULL, NULL, NULL, NULL,
+                                       &l->result->rows, 0, stream_of(buffer)),
+               fn, "the combine backward kernel");
+  else
+    CUDA_CHECK(epx_cuda_scatter_launch(c->dtype, grad_out, grad_expert_out, handle->num_tokens,
+                                       c->hidden, l->route_row, handle->top_k, weighted ? h->w : NULL,
+                                       weighted && grad_w ? expert_out : NULL, weighted ? grad_w : NULL,
+                                       l->row_src, &l->result->rows, h->row_bound, stream_of(buffer)),
+               fn, "the combine backward kernel");
+fail:
+  return status;
+}
+
+epx_status_t epx_cuda_handle_recv_rows(epx_handle_t handle, int64_t *rows) {
+  const char *fn = "epx_handle_recv_rows";
+  epx_status_t status = EPX_SUCCESS;
+  cuda_handle_state_t *h = handle->cuda;
+  epx_buffer_t buffer = handle->buffer;
+  cuda_buffer_state_t *bs = buffer->cuda;
+  if (h->rows < 0) {
+    cudaStream_t stream = stream_of(buffer);
+    CUDA_CHECK(cudaMemcpyAsync(bs->readback, h->layout.result, sizeof *bs->readback,
+                               cudaMemcpyDeviceToHost, stream), fn, "cudaMemcpyAsync of the row count");
+    CUDA_CHECK(cudaStreamSynchronize(stream), fn, "cudaStreamSynchronize");
+    if (bs->readback->error != EPX_CUDA_NO_ERROR)
+      return routing_error(fn, bs->readback->error, handle->top_k, buffer->experts_per_rank,
+                           buffer->config.capacity, NULL, NULL,
+                           " (with worst_case_sizing epx_dispatch_layout does not wait for the "
+                           "verdict: the invalid route was dropped, treated as -1)");
+    h->rows = bs->readback->rows;
+  }
+  *rows = h->rows;
+fail:
+  return status;
+}
+
+epx_status_t epx_cuda_handle_recv_rows_device(epx_handle_t handle, const int64_t **rows) {
+  const cuda_handle_state_t *h = handle->cuda;
+  *rows = &h->layout.result->rows;
+  return EPX_SUCCESS;
+}
+
+epx_status_t epx_cuda_handle_expert_counts(epx_handle_t handle, int64_t *counts, int64_t *offsets) {
+  const char *fn = "epx_handle_expert_counts";
+  epx_status_t status = EPX_SUCCESS;
+  const cuda_handle_state_t *h = handle->cuda;
+  cudaStream_t stream = stream_of(handle->buffer);
+  const size_t E = (size_t)handle->buffer->experts_per_rank;
+  if (counts)
+    CUDA_CHECK(cudaMemcpyAsync(counts, h->layout.counts, 8 * E, cudaMemcpyDeviceToDevice, stream), fn,
+               "cudaMemcpyAsync of the counts");
+  if (offsets)
+    CUDA_CHECK(cudaMemcpyAsync(offsets, h->layout.offsets, 8 * (E + 1), cudaMemcpyDeviceToDevice, stream),
+               fn, "cudaMemcpyAsync of the offsets");
+fail:
+  return status;
+}
+
+epx_status_t epx_cuda_handle_recv_routing(epx_handle_t handle, int32_t *recv_expert, float *recv_w) {
+  const char *fn = "epx_handle_recv_routing";
+  epx_status_t status = EPX_SUCCESS;
+  const cuda_handle_state_t *h = handle->cuda;
+  CUDA_CHECK(epx_cuda_recv_routing_launch(handle->buffer->config.layout, &h->layout, h->w, handle->top_k,
+                                          h->row_bound, recv_expert, recv_w, stream_of(handle->buffer)),
+             fn, "the recv routing kernel");
+fail:
+  return status;
+}
+
+epx_status_t epx_cuda_handle_recv_source(epx_handle_t handle, int32_t *src_rank, int32_t *src_token) {
+  const char *fn = "epx_handle_recv_source";
+  epx_status_t status = EPX_SUCCESS;
+  const cuda_handle_state_t *h = handle->cuda;
+  CUDA_CHECK(epx_cuda_recv_source_launch(handle->buffer->config.layout, &h->layout, handle->top_k,
+                                         h->row_bound, src_rank, src_token, stream_of(handle->buffer)),
+             fn, "the recv source kernel");
+fail:
+  return status;
+}

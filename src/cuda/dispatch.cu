@@ -1,0 +1,197 @@
+/* Scatter on one GPU: a source row per token copied (or scaled by its route's
+ * weight) into each of its K recv rows — dispatch, and combine_backward with
+ * the routing-weight gradient — plus the zeros of padding and empty rows.
+ *
+ * A warp per token reads its row once, 2 KB per step (32 lanes x 4 x 16 B,
+ * coalesced), and writes that step to each of its rows before the next step;
+ * extra blocks after the token blocks zero the rows whose row_src is -1.
+ *
+ * Bytes moved (s = dtype size, T_r = tokens with a route, R = valid routes,
+ * N = recv rows, Z = padding/empty rows among them):
+ *   dispatch:                 T_r*H*s read + (R + Z)*H*s = N*H*s written
+ *   combine_backward:         the same, + R*H*s read of expert_out with grad_w
+ *   plus 4*T*K route rows (+ 4*T*K weights) and 4*N row_src: under 1%. */
+#include <cuda_runtime.h>
+
+#include "cuda/launch.h"
+
+namespace {
+
+constexpr int kWarps = EPX_CUDA_MOVE_WARPS;
+constexpr int kVecs = EPX_CUDA_MOVE_VECS;
+
+struct scatter_args {
+  const uint4 *src;      /* [T, nvec] */
+  uint4 *dst;            /* [rows, nvec] */
+  const int32_t *rows;   /* [T, K] */
+  const float *w;        /* [T, K] when scaling */
+  const uint4 *other;    /* [rows, nvec] when computing grad_w */
+  float *grad_w;         /* [T, K] when computing grad_w */
+  const int32_t *row_src;/* [row_bound] or NULL: no zeroing */
+  const int64_t *rows_valid;
+  int64_t row_bound;
+  int64_t tokens;
+  int64_t nvec;          /* 16-byte vectors per row */
+  int64_t token_blocks;
+  int k;
+};
+
+/* Zeroes the rows r < min(*rows_valid, row_bound) with row_src[r] < 0: a warp
+ * per 32 rows finds them with one ballot, then writes each with the warp. */
+__device__ void zero_rows(const scatter_args &a, int64_t block) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t r0 = (block * kWarps + warp) * 32;
+  const int64_t n = min(*a.rows_valid, a.row_bound);
+  const int64_t r = r0 + lane;
+  unsigned int empty = __ballot_sync(0xffffffffu, r < n && a.row_src[r] < 0);
+  const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+  while (empty) {
+    const int b = __ffs(empty) - 1;
+    empty &= empty - 1;
+    uint4 *d = a.dst + (r0 + b) * a.nvec;
+    for (int64_t i = lane; i < a.nvec; i += 32) d[i] = zero;
+  }
+}
+
+template <typename T, bool kScale, bool kDot>
+__global__ void __launch_bounds__(kWarps * 32) scatter_kernel(const scatter_args a) {
+  using vec = epx_vec<T>;
+  constexpr int n = vec::n;
+  if (blockIdx.x >= a.token_blocks) {
+    zero_rows(a, (int64_t)blockIdx.x - a.token_blocks);
+    return;
+  }
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t t = (int64_t)blockIdx.x * kWarps + warp;
+  if (t >= a.tokens) return;
+
+  /* The token's valid slots, compacted in k order: row, slot, weight; and a
+   * dot accumulator per slot. */
+  extern __shared__ int32_t s_table[];
+  int32_t *s_row = s_table + (size_t)warp * 4 * a.k;
+  int32_t *s_slot = s_row + a.k;
+  float *s_w = reinterpret_cast<float *>(s_slot + a.k);
+  float *s_dot = s_w + a.k;
+  const unsigned int lanes_below = (1u << lane) - 1u;
+  int valid = 0;
+  for (int k0 = 0; k0 < a.k; k0 += 32) {
+    const int k = k0 + lane;
+    const int32_t row = k < a.k ? a.rows[t * a.k + k] : -1;
+    const unsigned int mask = __ballot_sync(0xffffffffu, row >= 0);
+    if (row >= 0) {
+      const int p = valid + __popc(mask & lanes_below);
+      s_row[p] = row;
+      s_slot[p] = k;
+      if (kScale) s_w[p] = a.w[t * a.k + k];
+    }
+    if (kDot && k < a.k) s_dot[k] = 0.0f;
+    valid += __popc(mask);
+  }
+  __syncwarp();
+
+  if (valid > 0) {
+    const uint4 *src = a.src + t * a.nvec;
+    for (int64_t v0 = 0; v0 < a.nvec; v0 += 32 * kVecs) {
+      uint4 x[kVecs];
+#pragma unroll
+      for (int u = 0; u < kVecs; u++) {
+        const int64_t i = v0 + u * 32 + lane;
+        x[u] = i < a.nvec ? __ldcs(src + i) : make_uint4(0u, 0u, 0u, 0u);
+      }
+      /* float copies for scaling and dots (dead code for plain copies) */
+      float xf[kVecs][n];
+#pragma unroll
+      for (int u = 0; u < kVecs; u++) vec::unpack(x[u], xf[u]);
+      for (int j = 0; j < valid; j++) {
+        const int64_t row = s_row[j];
+        uint4 *dst = a.dst + row * a.nvec;
+        if (kScale) {
+          const float w = s_w[j];
+#pragma unroll
+          for (int u = 0; u < kVecs; u++) {
+            const int64_t i = v0 + u * 32 + lane;
+            float y[n];
+#pragma unroll
+            for (int e = 0; e < n; e++) y[e] = __fmul_rn(w, xf[u][e]);
+            if (i < a.nvec) dst[i] = vec::pack(y);
+          }
+        } else {
+#pragma unroll
+          for (int u = 0; u < kVecs; u++) {
+            const int64_t i = v0 + u * 32 + lane;
+            if (i < a.nvec) dst[i] = x[u];
+          }
+        }
+        if (kDot) {
+          const uint4 *o = a.other + row * a.nvec;
+          uint4 ov[kVecs];
+#pragma unroll
+          for (int u = 0; u < kVecs; u++) {
+            const int64_t i = v0 + u * 32 + lane;
+            ov[u] = i < a.nvec ? __ldcs(o + i) : make_uint4(0u, 0u, 0u, 0u);
+          }
+          float part = 0.0f;
+#pragma unroll
+          for (int u = 0; u < kVecs; u++) {
+            float of[n];
+            vec::unpack(ov[u], of);
+#pragma unroll
+            for (int e = 0; e < n; e++) part = __fadd_rn(part, __fmul_rn(xf[u][e], of[e]));
+          }
+          part = epx_warp_sum(part);
+          if (lane == 0) s_dot[s_slot[j]] += part;
+        }
+      }
+    }
+  }
+  if (kDot) {
+    __syncwarp();
+    for (int k = lane; k < a.k; k += 32) a.grad_w[t * a.k + k] = s_dot[k];
+  }
+}
+
+template <typename T>
+cudaError_t launch_typed(const scatter_args &a, unsigned int blocks, size_t shared,
+                         cudaStream_t stream) {
+  const bool scale = a.w != nullptr, dot = a.grad_w != nullptr;
+  if (scale && dot) scatter_kernel<T, true, true><<<blocks, kWarps * 32, shared, stream>>>(a);
+  else if (scale) scatter_kernel<T, true, false><<<blocks, kWarps * 32, shared, stream>>>(a);
+  else if (dot) scatter_kernel<T, false, true><<<blocks, kWarps * 32, shared, stream>>>(a);
+  else scatter_kernel<T, false, false><<<blocks, kWarps * 32, shared, stream>>>(a);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+extern "C" cudaError_t epx_cuda_scatter_launch(epx_dtype_t dtype, const void *src, void *dst,
+                                               int64_t num_tokens, int64_t hidden,
+                                               const int32_t *rows, int32_t top_k, const float *w,
+                                               const void *other, float *grad_w,
+                                               const int32_t *row_src, const int64_t *rows_valid,
+                                               int64_t row_bound, cudaStream_t stream) {
+  if (top_k < 1 || top_k > EPX_CUDA_MAX_TOP_K || (grad_w && !other)) return cudaErrorInvalidValue;
+  scatter_args a;
+  a.src = static_cast<const uint4 *>(src);
+  a.dst = static_cast<uint4 *>(dst);
+  a.rows = rows;
+  a.w = w;
+  a.other = static_cast<const uint4 *>(other);
+  a.grad_w = grad_w;
+  a.row_src = row_src;
+  a.rows_valid = rows_valid;
+  a.row_bound = row_src ? row_bound : 0;
+  a.tokens = num_tokens;
+  a.nvec = hidden * (int64_t)epx_dtype_size(dtype) / 16;
+  a.token_blocks = (num_tokens + kWarps - 1) / kWarps;
+  a.k = top_k;
+  const int64_t zero_blocks = (a.row_bound + 32 * kWarps - 1) / (32 * kWarps);
+  const int64_t blocks = a.token_blocks + zero_blocks;
+  if (blocks == 0) return cudaSuccess;
+  const size_t shared = (size_t)kWarps * 4 * sizeof(int32_t) * (size_t)top_k;
+  switch (dtype) {
+    case EPX_FLOAT32: return launch_typed<float>(a, (unsigned int)blocks, shared, stream);
+    case EPX_BFLOAT16: return launch_typed<__nv_bfloat16>(a, (unsigned int)blocks, shared, stream);
+    case EPX_FLOAT16: return launch_typed<__half>(a, (unsigned int)blocks, shared, stream);
+  }
+  return cudaErrorInvalidValue;
+}

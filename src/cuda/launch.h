@@ -1,0 +1,204 @@
+/* The CUDA backend's kernels as the host glue (cuda_backend.c) and the
+ * benchmarks call them: extern "C" launchers taking plain device pointers,
+ * sizes and a stream. Each enqueues its work on the stream and returns the
+ * launch's cudaError_t; none synchronises. One rank: every expert is local.
+ *
+ * The layout of a dispatch lives in device arrays (epx_cuda_layout_t) that
+ * epx_cuda_layout_launch fills from the routing; the move kernels then read
+ * only those arrays:
+ *   scatter: one source row per token, written to each of its rows
+ *            (dispatch, combine_backward), padding / empty rows zeroed;
+ *   gather:  a token's rows summed in float32 in k-slot order
+ *            (combine, dispatch_backward).
+ * Both optionally compute grad_w[t, k] = <source row, other row> in float32. */
+#ifndef EPX_CUDA_LAUNCH_H
+#define EPX_CUDA_LAUNCH_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <cuda_runtime_api.h>
+
+#include "epx.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Limits of the kernels (per-warp shared-memory tables): the layout keeps a
+ * counter per expert per warp, the moves a row, slot, weight and dot per
+ * k-slot per warp. */
+#define EPX_CUDA_MAX_EXPERTS 49152
+#define EPX_CUDA_MAX_TOP_K 256
+
+/* Validation verdict codes, in the low 3 bits of epx_cuda_layout_result_t.error
+ * above the route index t * K + k of the first invalid route. */
+enum {
+  EPX_CUDA_BAD_EXPERT = 1,       /* topk_idx outside [-1, E) */
+  EPX_CUDA_DUPLICATE_EXPERT = 2, /* the token named this expert at an earlier slot */
+  EPX_CUDA_BAD_LOCATION = 3,     /* capacity location outside [0, C) */
+  EPX_CUDA_TAKEN_LOCATION = 4    /* capacity slot already taken by an earlier route */
+};
+#define EPX_CUDA_NO_ERROR UINT64_MAX
+
+/* What the layout writes for the host; read back with one copy. */
+typedef struct epx_cuda_layout_result {
+  int64_t rows;   /* N, the rows of the recv layout */
+  uint64_t error; /* (route << 3) | code of the first invalid route, or EPX_CUDA_NO_ERROR */
+} epx_cuda_layout_result_t;
+
+/* The device arrays of one layout (T tokens, K slots, E experts). Invalid
+ * routes are dropped (treated as -1) everywhere below. */
+typedef struct epx_cuda_layout {
+  int32_t *idx;       /* [T, K] expert of each route, -1 = none or invalid */
+  int32_t *route_row; /* [T, K] recv row of each route, -1 = none (expert-major, capacity) */
+  int32_t *token_row; /* [T] recv row of each token, -1 = no route (rank-major; else unused) */
+  int32_t *row_src;   /* [row_bound] source of each row: route t*K+k (token t for rank-major),
+                         -1 = padding or empty slot; rows >= result->rows are not written */
+  int64_t *counts;    /* [E] valid routes per expert */
+  int64_t *offsets;   /* [E + 1] first row of each expert's group; offsets[E] = N */
+  epx_cuda_layout_result_t *result;
+} epx_cuda_layout_t;
+
+/* Bytes of the scratch epx_cuda_layout_launch needs for T tokens and E
+ * experts. The scratch's first 16 bytes must be zero before its first use;
+ * the layout leaves them zero. Scratch may be reused once the launch's work
+ * is done (stream order). */
+size_t epx_cuda_layout_scratch_bytes(int64_t num_tokens, int32_t num_experts);
+
+/* Computes the layout of topk_idx [T, K] (and locations [T, K] for the
+ * capacity layout, C = capacity) into `out`, validating the routing.
+ * Expert-major groups are padded to `alignment`; rank-major has a row per
+ * token with at least one valid route. row_src must hold the layout's rows
+ * (at most T*min(K,E) + E*(alignment-1), T, or E*C). Needs T*K < 2^31 and
+ * E <= EPX_CUDA_MAX_EXPERTS. Kernels: memset (capacity only), rank, scan,
+ * assign. */
+cudaError_t epx_cuda_layout_launch(const int32_t *topk_idx, const int32_t *locations,
+                                   int64_t num_tokens, int32_t top_k, int32_t num_experts,
+                                   epx_layout_t layout, int32_t alignment, int32_t capacity,
+                                   const epx_cuda_layout_t *out, void *scratch,
+                                   cudaStream_t stream);
+
+/* Scatter: dst[rows[t, k]] = src[t] for every k with rows[t, k] >= 0, or
+ * round(w[t, k] * src[t]) when w is given; src is read once per token.
+ * With grad_w: grad_w[t, k] = <src[t], other[rows[t, k]]> in float32 (0 for
+ * slots of -1). With row_src: every row r < min(*rows_valid, row_bound) whose
+ * row_src[r] < 0 is written with zeros. src [T, H], dst and other
+ * [rows, H] of dtype; 16-byte aligned, H % 8 == 0, K <= EPX_CUDA_MAX_TOP_K. */
+cudaError_t epx_cuda_scatter_launch(epx_dtype_t dtype, const void *src, void *dst,
+                                    int64_t num_tokens, int64_t hidden, const int32_t *rows,
+                                    int32_t top_k, const float *w, const void *other,
+                                    float *grad_w, const int32_t *row_src,
+                                    const int64_t *rows_valid, int64_t row_bound,
+                                    cudaStream_t stream);
+
+/* Gather: dst[t] = round(sum over k in order of w[t, k] * src[rows[t, k]])
+ * in float32 (w = 1 when NULL; zeros for a token with no rows). With grad_w:
+ * grad_w[t, k] = <src[rows[t, k]], other[t]> in float32 (0 for slots of -1).
+ * src [rows, H], dst and other [T, H]. */
+cudaError_t epx_cuda_gather_launch(epx_dtype_t dtype, const void *src, void *dst,
+                                   int64_t num_tokens, int64_t hidden, const int32_t *rows,
+                                   int32_t top_k, const float *w, const void *other,
+                                   float *grad_w, cudaStream_t stream);
+
+/* Accessors over rows r < min(*rows_valid, row_bound). recv_routing writes,
+ * per row, the expert and weight of its route ([N]; rank-major: [N, K], one
+ * per slot of its token; -1 and 0 for padding and empty slots); w may be NULL
+ * (weights 0). recv_source writes the source rank (0) and token (-1, -1 for
+ * padding). Either output of each may be NULL. */
+cudaError_t epx_cuda_recv_routing_launch(epx_layout_t layout, const epx_cuda_layout_t *lay,
+                                         const float *w, int32_t top_k, int64_t row_bound,
+                                         int32_t *recv_expert, float *recv_w,
+                                         cudaStream_t stream);
+cudaError_t epx_cuda_recv_source_launch(epx_layout_t layout, const epx_cuda_layout_t *lay,
+                                        int32_t top_k, int64_t row_bound, int32_t *src_rank,
+                                        int32_t *src_token, cudaStream_t stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+/* Device helpers shared by the kernel files: a 16-byte payload vector as
+ * float32 values and back (round to nearest even). */
+#ifdef __CUDACC__
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+template <typename T>
+struct epx_vec;
+
+template <>
+struct epx_vec<float> {
+  static constexpr int n = 4;
+  static __device__ __forceinline__ void unpack(const uint4 &v, float *f) {
+    f[0] = __uint_as_float(v.x);
+    f[1] = __uint_as_float(v.y);
+    f[2] = __uint_as_float(v.z);
+    f[3] = __uint_as_float(v.w);
+  }
+  static __device__ __forceinline__ uint4 pack(const float *f) {
+    return make_uint4(__float_as_uint(f[0]), __float_as_uint(f[1]), __float_as_uint(f[2]),
+                      __float_as_uint(f[3]));
+  }
+};
+
+template <>
+struct epx_vec<__nv_bfloat16> {
+  static constexpr int n = 8;
+  static __device__ __forceinline__ void unpack(const uint4 &v, float *f) {
+    const unsigned int w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+      /* bf16 -> f32 is a shift: exact */
+      f[2 * i] = __uint_as_float(w[i] << 16);
+      f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+  }
+  static __device__ __forceinline__ uint4 pack(const float *f) {
+    unsigned int w[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+      __nv_bfloat162 h = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
+      w[i] = *reinterpret_cast<unsigned int *>(&h);
+    }
+    return make_uint4(w[0], w[1], w[2], w[3]);
+  }
+};
+
+template <>
+struct epx_vec<__half> {
+  static constexpr int n = 8;
+  static __device__ __forceinline__ void unpack(const uint4 &v, float *f) {
+    const unsigned int w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+      __half2 h = *reinterpret_cast<const __half2 *>(&w[i]);
+      float2 p = __half22float2(h);
+      f[2 * i] = p.x;
+      f[2 * i + 1] = p.y;
+    }
+  }
+  static __device__ __forceinline__ uint4 pack(const float *f) {
+    unsigned int w[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+      __half2 h = __floats2half2_rn(f[2 * i], f[2 * i + 1]);
+      w[i] = *reinterpret_cast<unsigned int *>(&h);
+    }
+    return make_uint4(w[0], w[1], w[2], w[3]);
+  }
+};
+
+/* Sum over the warp by a fixed butterfly: the same bits on every run. */
+static __device__ __forceinline__ float epx_warp_sum(float v) {
+#pragma unroll
+  for (int m = 16; m >= 1; m >>= 1) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, m));
+  return v;
+}
+
+/* Warps per block and 16-byte vectors per lane per step of the move kernels:
+ * 32 lanes * 4 * 16 B = 2 KB of a row in flight per warp per step. */
+#define EPX_CUDA_MOVE_WARPS 8
+#define EPX_CUDA_MOVE_VECS 4
+#endif
+
+#endif
