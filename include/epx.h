@@ -439,7 +439,9 @@ epx_status_t epx_handle_release(epx_handle_t handle);
  * it falls back to a full epx_dispatch_layout and counts it. With validate on,
  * the replay hashes topk_idx and a difference is EPX_ERROR_REPLAY_MISMATCH
  * naming the call index; validation is collective (one small all-reduce), so
- * every rank refuses together. Received rows are never kept. */
+ * every rank refuses together. (On a CUDA buffer validation compares the
+ * token count, top_k and weighting only: hashing device routing would cost a
+ * device-to-host copy.) Received rows are never kept. */
 typedef enum epx_recorder_mode {
   EPX_RECORDER_RECORD = 0,
   EPX_RECORDER_REPLAY = 1

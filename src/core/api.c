@@ -438,7 +438,10 @@ epx_status_t epx_dispatch_layout(epx_buffer_t buffer, const epx_routing_t *routi
     epx_handle_t recorded = epx_recorder_next(recorder, &call);
     if (recorded) {
       if (epx_recorder_validates(recorder)) {
-        uint64_t hash = routing->num_tokens ? epx_hash_topk(routing->topk_idx, routing->num_tokens * routing->top_k) : 0;
+        /* CUDA routing lives on the device: its replays are checked by shape
+         * and weighting only (hashing would need a device-to-host copy). */
+        int hashable = buffer->config.device == EPX_DEVICE_CPU && routing->num_tokens;
+        uint64_t hash = hashable ? epx_hash_topk(routing->topk_idx, routing->num_tokens * routing->top_k) : 0;
         if (recorded->buffer != buffer || recorded->num_tokens != routing->num_tokens ||
             recorded->top_k != routing->top_k || recorded->routing_hash != hash ||
             recorded->weighting != routing->weighting)
