@@ -18,8 +18,8 @@
  *    say which rank is missing, and the message says so. MPI forbids
  *    cancelling or freeing a pending collective, so its request is abandoned:
  *    the buffers it names stay MPI's until it completes, if ever (this file
- *    keeps its own count arrays alive for that), and the comm refuses every
- *    later collective with EPX_ERROR_PEER_FAILED. */
+ *    keeps its own count arrays and the duplicate alive for that), and the
+ *    comm refuses every later collective with EPX_ERROR_PEER_FAILED. */
 #include <limits.h>
 #include <mpi.h>
 #include <stdio.h>
@@ -211,14 +211,17 @@ static epx_status_t mpi_barrier(epx_comm_t comm, const char *caller) {
   return mpi_wait(comm, caller, "MPI_Ibarrier", &request);
 }
 
-/* MPI_Comm_free only marks the duplicate for release once its pending
- * operations complete. The count arrays an abandoned request may still read
- * are left to it (a few words per rank). */
+/* After a timeout the abandoned request still uses the duplicate and the
+ * count arrays, so both are left to it (OpenMPI's libnbc crashes progressing
+ * a collective whose communicator was freed): a communicator handle and a
+ * few words per rank, once per failed comm. */
 static void mpi_destroy(epx_comm_t comm) {
   mpi_state_t *state = comm->impl;
-  MPI_Comm_free(&state->comm);
   if (state->unit_bytes) MPI_Type_free(&state->unit_type);
-  if (!state->abandoned) free(state->counts);
+  if (!state->abandoned) {
+    MPI_Comm_free(&state->comm);
+    free(state->counts);
+  }
   free(state);
   comm->impl = NULL;
 }
