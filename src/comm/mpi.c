@@ -18,10 +18,11 @@
  *    say which rank is missing, and the message says so. MPI forbids
  *    cancelling or freeing a pending collective, so its request is abandoned:
  *    the buffers it names stay MPI's until it completes, if ever (this file
- *    keeps its own count arrays and the duplicate alive for that), and the
- *    comm refuses every later collective with EPX_ERROR_PEER_FAILED. */
+ *    keeps its own state, count arrays and the duplicate alive for that), and
+ *    the comm refuses every later collective with EPX_ERROR_PEER_FAILED. */
 #include <limits.h>
 #include <mpi.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -35,9 +36,25 @@ typedef struct mpi_state {
   MPI_Datatype unit_type;  /* `unit_bytes` contiguous bytes, for alltoallv */
   size_t unit_bytes;       /* 0: unit_type not made yet */
   int *counts;             /* [4, size]: int copies of alltoallv's counts and displacements */
-  int abandoned;           /* a request still pending after a timeout uses `counts` */
+  int abandoned;           /* a request still pending after a timeout uses this state */
   char reason[MPI_MAX_ERROR_STRING + 256]; /* why the comm failed */
+  struct mpi_state *next_abandoned;
 } mpi_state_t;
+
+/* States with a request abandoned after a timeout: MPI may still write or
+ * read them (MPI_Comm_idup's result, alltoallv's count arrays, the duplicate
+ * itself), so they stay for the life of the process, reachable from here.
+ * OpenMPI's libnbc crashes progressing a collective whose communicator was
+ * freed, so the duplicate stays too. */
+static pthread_mutex_t abandoned_lock = PTHREAD_MUTEX_INITIALIZER;
+static mpi_state_t *abandoned_states;
+
+static void mpi_keep_abandoned(mpi_state_t *state) {
+  pthread_mutex_lock(&abandoned_lock);
+  state->next_abandoned = abandoned_states;
+  abandoned_states = state;
+  pthread_mutex_unlock(&abandoned_lock);
+}
 
 static double mpi_now(void) {
   struct timespec ts;
@@ -211,19 +228,18 @@ static epx_status_t mpi_barrier(epx_comm_t comm, const char *caller) {
   return mpi_wait(comm, caller, "MPI_Ibarrier", &request);
 }
 
-/* After a timeout the abandoned request still uses the duplicate and the
- * count arrays, so both are left to it (OpenMPI's libnbc crashes progressing
- * a collective whose communicator was freed): a communicator handle and a
- * few words per rank, once per failed comm. */
 static void mpi_destroy(epx_comm_t comm) {
   mpi_state_t *state = comm->impl;
-  if (state->unit_bytes) MPI_Type_free(&state->unit_type);
-  if (!state->abandoned) {
-    MPI_Comm_free(&state->comm);
-    free(state->counts);
-  }
-  free(state);
   comm->impl = NULL;
+  if (state->unit_bytes) MPI_Type_free(&state->unit_type);
+  state->unit_bytes = 0;
+  if (state->abandoned) {
+    mpi_keep_abandoned(state);
+    return;
+  }
+  MPI_Comm_free(&state->comm);
+  free(state->counts);
+  free(state);
 }
 
 static const epx_transport_ops_t mpi_ops = {
@@ -272,8 +288,10 @@ epx_status_t epx_comm_init_mpi(epx_comm_t comm, const void *mpi_comm) {
   return EPX_SUCCESS;
 fail:
   if (duplicated) MPI_Comm_free(&state->comm);
-  /* A timed-out MPI_Comm_idup still writes state->comm when it completes. */
-  if (!state->abandoned) free(state);
+  if (state->abandoned)
+    mpi_keep_abandoned(state);
+  else
+    free(state);
   comm->impl = NULL;
   comm->failed = 0;
   return status;
