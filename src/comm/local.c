@@ -110,8 +110,8 @@ static epx_status_t local_failed_error_locked(epx_comm_t comm, const char *calle
                      caller, world->fail_caller, world->fail_reason);
   if (world->fail_status == EPX_ERROR_TIMEOUT)
     return epx_error(EPX_ERROR_TIMEOUT,
-                     "%s: %s; it failed before this collective or is stuck. The comm is now "
-                     "failed (later calls return EPX_ERROR_PEER_FAILED); destroy it",
+                     "%s: %s; a missing rank failed before this collective or is stuck. The "
+                     "comm is now failed (later calls return EPX_ERROR_PEER_FAILED); destroy it",
                      caller, world->fail_reason);
   return epx_error(world->fail_status, "%s: %s; the comm is now failed, destroy it", caller,
                    world->fail_reason);
