@@ -164,16 +164,19 @@ static int is_poison(const void *p, size_t bytes) {
 
 /* got == want value by value (-0 equals +0; NaN never passes). */
 static void assert_values_equal(epx_dtype_t dtype, const void *got, const void *want, int64_t n,
-                                const char *what, int64_t row) {
+                                const char *what, const char *which, int64_t row) {
   for (int64_t i = 0; i < n; i++) {
     float a = epx_load(dtype, got, i), b = epx_load(dtype, want, i);
-    if (!(a == b)) fail_msg("%s: row %lld element %lld is %.9g, expected %.9g", what, (long long)row, (long long)i, a, b);
+    if (!(a == b))
+      fail_msg("%s: %s: row %lld element %lld is %.9g, expected %.9g", what, which, (long long)row, (long long)i, a, b);
   }
 }
 
-static void assert_close(epx_dtype_t dtype, const void *got, const void *want, int64_t n, const char *what) {
+static void assert_close(epx_dtype_t dtype, const void *got, const void *want, int64_t n, const char *what,
+                         const char *which) {
   double err = tu_max_error(dtype, got, dtype, want, n, tu_atol(dtype), tu_rtol(dtype));
-  if (!(err <= 1.0)) fail_msg("%s: normalised error %.3g > 1 (atol %g, rtol %g)", what, err, tu_atol(dtype), tu_rtol(dtype));
+  if (!(err <= 1.0))
+    fail_msg("%s: %s: normalised error %.3g > 1 (atol %g, rtol %g)", what, which, err, tu_atol(dtype), tu_rtol(dtype));
 }
 
 static epx_buffer_t buffer_make(epx_dtype_t dtype, int64_t H, int32_t E, int32_t K, int64_t max_tokens,
@@ -368,10 +371,10 @@ static results_t run_exchange(const routing_t *r, const case_t *c, const expecte
       continue;
     }
     if (c->layout == EPX_LAYOUT_RANK_MAJOR)
-      assert_values_equal(dt, row, (const char *)in->x + (size_t)x->row_token[i] * row_bytes, H, "recv_x (rank-major) vs x", i);
+      assert_values_equal(dt, row, (const char *)in->x + (size_t)x->row_token[i] * row_bytes, H, what, "recv_x (rank-major) vs x", i);
     for (int32_t s = 0; s < x->slots; s++) {
       int32_t d = x->row_dense[i * x->slots + s];
-      if (d >= 0) assert_values_equal(dt, row, (const char *)in->ref_recv + (size_t)d * row_bytes, H, "recv_x vs dense dispatch", i);
+      if (d >= 0) assert_values_equal(dt, row, (const char *)in->ref_recv + (size_t)d * row_bytes, H, what, "recv_x vs dense dispatch", i);
     }
   }
   if (!is_poison((char *)res.recv_x + (size_t)N * row_bytes, GUARD_ROWS * row_bytes))
@@ -380,7 +383,7 @@ static results_t run_exchange(const routing_t *r, const case_t *c, const expecte
   /* Combine. */
   res.out = poisoned((size_t)(T ? T : 1) * row_bytes);
   EX_OK(epx_combine(b, h, in->ys, res.out));
-  assert_close(dt, res.out, in->ref_out, T * H, "combine vs dense combine");
+  assert_close(dt, res.out, in->ref_out, T * H, what, "combine vs dense combine");
   for (int64_t t = 0; t < T; t++)
     if (x->token_row[t] < 0 && !is_zero((char *)res.out + (size_t)t * row_bytes, row_bytes))
       fail_msg("%s: token %lld has no route but its combine row is not zero", what, (long long)t);
@@ -396,11 +399,11 @@ static results_t run_exchange(const routing_t *r, const case_t *c, const expecte
       if (x->token_row[t] < 0) {
         if (!is_zero(got, row_bytes)) fail_msg("%s: grad_x of unrouted token %lld is not zero", what, (long long)t);
       } else {
-        assert_values_equal(dt, got, (const char *)in->gs + (size_t)x->token_row[t] * row_bytes, H, "grad_x (rank-major)", t);
+        assert_values_equal(dt, got, (const char *)in->gs + (size_t)x->token_row[t] * row_bytes, H, what, "grad_x (rank-major)", t);
       }
     }
   } else {
-    assert_close(dt, res.grad_x, in->ref_gx, T * H, "dispatch_backward vs dense");
+    assert_close(dt, res.grad_x, in->ref_gx, T * H, what, "dispatch_backward vs dense");
   }
   if (in_dispatch) {
     double *a = tu_alloc(sizeof(double) * (size_t)H), *g = tu_alloc(sizeof(double) * (size_t)H);
@@ -433,9 +436,9 @@ static results_t run_exchange(const routing_t *r, const case_t *c, const expecte
     if (x->row_token[i] < 0) {
       if (!is_zero(row, row_bytes)) fail_msg("%s: padding row %lld of grad_expert_out is not zero", what, (long long)i);
     } else if (c->layout == EPX_LAYOUT_RANK_MAJOR) {
-      assert_values_equal(dt, row, (const char *)in->gout + (size_t)x->row_token[i] * row_bytes, H, "grad_expert_out (rank-major)", i);
+      assert_values_equal(dt, row, (const char *)in->gout + (size_t)x->row_token[i] * row_bytes, H, what, "grad_expert_out (rank-major)", i);
     } else {
-      assert_values_equal(dt, row, (const char *)in->ref_geo + (size_t)x->row_dense[i] * row_bytes, H, "grad_expert_out vs dense", i);
+      assert_values_equal(dt, row, (const char *)in->ref_geo + (size_t)x->row_dense[i] * row_bytes, H, what, "grad_expert_out vs dense", i);
     }
   }
   if (!is_poison((char *)res.grad_eo + (size_t)N * row_bytes, GUARD_ROWS * row_bytes))
