@@ -28,14 +28,14 @@ const char *__lsan_default_suppressions(void) {
 static int rank = -1;
 static int errors;
 
-#define CHECK(cond, ...)                                                    \
-  do {                                                                      \
-    if (!(cond)) {                                                          \
-      fprintf(stderr, "rank %d, line %d: ", rank, __LINE__);                \
-      fprintf(stderr, __VA_ARGS__);                                         \
-      fprintf(stderr, " [%s]\n", epx_last_error());                         \
-      errors++;                                                             \
-    }                                                                       \
+#define CHECK(cond, ...)                                     \
+  do {                                                       \
+    if (!(cond)) {                                           \
+      fprintf(stderr, "rank %d, line %d: ", rank, __LINE__); \
+      fprintf(stderr, __VA_ARGS__);                          \
+      fprintf(stderr, " [%s]\n", epx_last_error());          \
+      errors++;                                              \
+    }                                                        \
   } while (0)
 
 static double now_seconds(void) { return MPI_Wtime(); }
@@ -107,7 +107,8 @@ static void ops_round(epx_comm_t comm, int32_t size, int round, int big) {
   /* alltoall */
   const size_t block_words = 2 + (size_t)(round % 3), bytes = block_words * 4;
   uint32_t *send = tu_alloc(bytes * (size_t)size), *recv = tu_alloc(bytes * (size_t)size);
-  for (int32_t d = 0; d < size; d++) fill_units(send + d * block_words, block_words, 1, seed, me, d);
+  for (int32_t d = 0; d < size; d++)
+    fill_units(send + d * block_words, block_words, 1, seed, me, d);
   tu_poison(recv, bytes * (size_t)size);
   epx_status_t status = comm->ops->alltoall(comm, "test_alltoall", send, recv, bytes);
   CHECK(status == EPX_SUCCESS, "alltoall gave %s", epx_status_string(status));
@@ -224,7 +225,7 @@ static void test_errors_return(void) {
   int64_t values[2] = {1, 2};
   epx_status_t status = comm->ops->allreduce_max_i64(comm, "test_error", values, -1);
   CHECK(status == EPX_ERROR_TRANSPORT, "a negative MPI count gave %s", epx_status_string(status));
-  CHECK(strstr(epx_last_error(), "test_error: MPI MPI_Iallreduce returned \""),
+  CHECK(strstr(epx_last_error(), "test_error: MPI_Iallreduce returned \""),
         "message lacks MPI's own text");
   CHECK(values[0] == 1 && values[1] == 2, "a failed allreduce changed its values");
   double t0 = now_seconds();
@@ -247,12 +248,13 @@ static void test_int_counts(int size) {
   uint32_t send[4], recv[4];
   tu_poison(send, sizeof send);
   tu_poison(recv, sizeof recv);
-  epx_status_t status = comm->ops->alltoallv(comm, "test_counts", send, counts, counts + size,
-                                             recv, counts + 2 * size, counts + 3 * size, 16);
+  epx_status_t status = comm->ops->alltoallv(comm, "test_counts", send, counts, counts + size, recv,
+                                             counts + 2 * size, counts + 3 * size, 16);
   CHECK(status == EPX_ERROR_INVALID_ARGUMENT, "a count beyond int gave %s",
         epx_status_string(status));
-  CHECK(strstr(epx_last_error(), "test_counts: send_counts[0] is 2147483648 units, outside MPI's "
-                                 "int range"),
+  CHECK(strstr(epx_last_error(),
+               "test_counts: send_counts[0] is 2147483648 units, outside MPI's "
+               "int range"),
         "message does not name the count");
   CHECK(is_poisoned(recv, sizeof recv), "a refused alltoallv wrote its output");
   status = comm->ops->alltoallv(comm, "test_counts", send, counts + size, counts + size, recv,
@@ -276,8 +278,9 @@ static void test_timeout(int size) {
     epx_status_t status = comm->ops->barrier(comm, "test_timeout");
     double elapsed = now_seconds() - t0;
     CHECK(status == EPX_ERROR_TIMEOUT, "a skipped barrier gave %s", epx_status_string(status));
-    CHECK(strstr(epx_last_error(), "test_timeout: MPI_Ibarrier did not complete within 0.3 s "
-                                   "(comm timeout_seconds)") &&
+    CHECK(strstr(epx_last_error(),
+                 "test_timeout: MPI_Ibarrier did not complete within 0.3 s "
+                 "(comm timeout_seconds)") &&
               strstr(epx_last_error(), "MPI cannot say which"),
           "timeout message unexpected");
     CHECK(elapsed >= 0.25 && elapsed < timeout + 3.0, "timed out after %.3f s", elapsed);
@@ -289,8 +292,9 @@ static void test_timeout(int size) {
     epx_status_t status = comm->ops->alltoall(comm, "test_after", NULL, NULL, 0);
     CHECK(status == EPX_ERROR_PEER_FAILED && now_seconds() - t0 < 0.1,
           "a call on the timed-out comm gave %s", epx_status_string(status));
-    CHECK(strstr(epx_last_error(), "test_after: the comm failed earlier: MPI_Ibarrier in "
-                                   "test_timeout did not complete"),
+    CHECK(strstr(epx_last_error(),
+                 "test_after: the comm failed earlier: MPI_Ibarrier in "
+                 "test_timeout did not complete"),
           "later message does not say why");
   }
   CHECK(epx_comm_destroy(comm) == EPX_SUCCESS, "epx_comm_destroy failed");
@@ -336,7 +340,8 @@ int main(int argc, char **argv) {
   test_arguments();
   int total = 0;
   MPI_Allreduce(&errors, &total, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
-  if (rank == 0) printf("mpi_comm on %d ranks: %s (%d failed checks)\n", size, total ? "FAILED" : "OK", total);
+  if (rank == 0)
+    printf("mpi_comm on %d ranks: %s (%d failed checks)\n", size, total ? "FAILED" : "OK", total);
   MPI_Finalize();
   return total ? 1 : 0;
 }

@@ -15,12 +15,11 @@
 #include "comm/comm.h"
 
 /* TU_OK's NULL needle trips GCC 12's -Wnonnull, so success is asserted here. */
-#define COMM_OK(expr)                                                                  \
-  do {                                                                                 \
-    epx_status_t comm_ok_status_ = (expr);                                             \
-    if (comm_ok_status_ != EPX_SUCCESS)                                                \
-      fail_msg("%s returned %s: %s", #expr, epx_status_string(comm_ok_status_),        \
-               epx_last_error());                                                      \
+#define COMM_OK(expr)                                                                              \
+  do {                                                                                             \
+    epx_status_t comm_ok_status_ = (expr);                                                         \
+    if (comm_ok_status_ != EPX_SUCCESS)                                                            \
+      fail_msg("%s returned %s: %s", #expr, epx_status_string(comm_ok_status_), epx_last_error()); \
   } while (0)
 
 static double now_seconds(void) {
@@ -64,15 +63,15 @@ static int64_t reduce_value(uint64_t seed, int32_t rank, int32_t i) {
   return (int64_t)mix(mix(seed, (uint64_t)rank + 5), (uint64_t)i);
 }
 
-#define RANK_CHECK(cond, ...)                                 \
-  do {                                                        \
-    if (!(cond)) {                                            \
-      fprintf(stderr, "rank %d: ", rank);                     \
-      fprintf(stderr, __VA_ARGS__);                           \
-      fprintf(stderr, " [%s]\n", epx_last_error());           \
-      errors++;                                               \
-      goto done;                                              \
-    }                                                         \
+#define RANK_CHECK(cond, ...)                       \
+  do {                                              \
+    if (!(cond)) {                                  \
+      fprintf(stderr, "rank %d: ", rank);           \
+      fprintf(stderr, __VA_ARGS__);                 \
+      fprintf(stderr, " [%s]\n", epx_last_error()); \
+      errors++;                                     \
+      goto done;                                    \
+    }                                               \
   } while (0)
 
 /* Checks units [0, count) of recv against word_of(seed, src, dst, .). */
@@ -120,7 +119,8 @@ static int ops_round(epx_comm_t comm, int32_t rank, int32_t size, int round, ops
   const size_t block_words = 2 + (size_t)(round % 3), bytes = block_words * 4;
   send = tu_alloc(bytes * (size_t)size);
   recv = tu_alloc(bytes * (size_t)size);
-  for (int32_t d = 0; d < size; d++) fill_units(send + d * block_words, block_words, 1, seed, rank, d);
+  for (int32_t d = 0; d < size; d++)
+    fill_units(send + d * block_words, block_words, 1, seed, rank, d);
   tu_poison(recv, bytes * (size_t)size);
   RANK_CHECK(comm->ops->alltoall(comm, "test_alltoall", send, recv, bytes) == EPX_SUCCESS,
              "alltoall failed");
@@ -146,7 +146,8 @@ static int ops_round(epx_comm_t comm, int32_t rank, int32_t size, int round, ops
   copy = tu_alloc((size_t)send_units * unit);
   recv = tu_alloc((size_t)recv_units * unit);
   for (int32_t d = 0; d < size; d++)
-    fill_units(send + (size_t)send_displs[d] * unit_words, unit_words, send_counts[d], seed, rank, d);
+    fill_units(send + (size_t)send_displs[d] * unit_words, unit_words, send_counts[d], seed, rank,
+               d);
   memcpy(copy, send, (size_t)send_units * unit);
   tu_poison(recv, (size_t)recv_units * unit);
   RANK_CHECK(comm->ops->alltoallv(comm, "test_alltoallv", send, send_counts, send_displs, recv,
@@ -298,7 +299,8 @@ done:
 
 static void test_local_timeout_names_rank(void **state) {
   (void)state;
-  timeout_arg_t arg = {2, 0.3, "test_timeout: rank 2 did not arrive within 0.3 s (comm timeout_seconds)",
+  timeout_arg_t arg = {2, 0.3,
+                       "test_timeout: rank 2 did not arrive within 0.3 s (comm timeout_seconds)",
                        "rank 2 did not arrive", 0};
   atomic_init(&arg.timed_out, 0);
   assert_int_equal(tu_run_ranks(3, arg.timeout, timeout_rank, &arg), 0);
@@ -366,8 +368,8 @@ static int barrier_then_leave_rank(epx_comm_t comm, int32_t rank, int32_t size, 
   RANK_CHECK(comm->ops->barrier(comm, "test_barrier") == EPX_SUCCESS, "barrier failed");
   double t0 = now_seconds();
   epx_status_t status = comm->ops->barrier(comm, "test_next");
-  RANK_CHECK(status == EPX_ERROR_PEER_FAILED && now_seconds() - t0 < 1.0,
-             "next barrier gave %s", epx_status_string(status));
+  RANK_CHECK(status == EPX_ERROR_PEER_FAILED && now_seconds() - t0 < 1.0, "next barrier gave %s",
+             epx_status_string(status));
   RANK_CHECK(strstr(epx_last_error(), "rank 1 destroyed its comm"), "message does not name rank 1");
 done:
   return errors;
@@ -418,8 +420,8 @@ static int inconsistent_rank(epx_comm_t comm, int32_t rank, int32_t size, void *
   tu_poison(send, sizeof send);
   for (int32_t r = 0; r < size; r++) send_counts[r] = recv_counts[r] = 1, displs[r] = r;
   if (rank == 1) recv_counts[0] = 2;
-  epx_status_t status = comm->ops->alltoallv(comm, "test_counts", send, send_counts, displs,
-                                             recv, recv_counts, displs, 4);
+  epx_status_t status = comm->ops->alltoallv(comm, "test_counts", send, send_counts, displs, recv,
+                                             recv_counts, displs, 4);
   if (rank == 1) {
     RANK_CHECK(status == EPX_ERROR_INTERNAL, "gave %s", epx_status_string(status));
     RANK_CHECK(strstr(epx_last_error(), "rank 0 sends 1 units to rank 1, which expects 2"),
@@ -561,12 +563,11 @@ static void test_create_mpi_arguments(void **state) {
                    "epx_comm_create_mpi: mpi_comm is NULL");
   epx_comm_config_t config = EPX_COMM_CONFIG_INIT;
   config.version = 0;
-  TU_ASSERT_STATUS(epx_comm_create_mpi(&fake_mpi_comm, &config, &comm),
-                   EPX_ERROR_INVALID_ARGUMENT, "epx_comm_create_mpi: config->version is 0");
-  if (epx_has_mpi())
-    /* This process never called MPI_Init. */
-    TU_ASSERT_STATUS(epx_comm_create_mpi(&fake_mpi_comm, NULL, &comm),
-                     EPX_ERROR_INVALID_ARGUMENT, "epx_comm_create_mpi: MPI is not initialised");
+  TU_ASSERT_STATUS(epx_comm_create_mpi(&fake_mpi_comm, &config, &comm), EPX_ERROR_INVALID_ARGUMENT,
+                   "epx_comm_create_mpi: config->version is 0");
+  if (epx_has_mpi()) /* This process never called MPI_Init. */
+    TU_ASSERT_STATUS(epx_comm_create_mpi(&fake_mpi_comm, NULL, &comm), EPX_ERROR_INVALID_ARGUMENT,
+                     "epx_comm_create_mpi: MPI is not initialised");
   else
     TU_ASSERT_STATUS(epx_comm_create_mpi(&fake_mpi_comm, NULL, &comm), EPX_ERROR_UNSUPPORTED,
                      "epx_comm_create_mpi: this build of epx has no MPI transport");

@@ -60,7 +60,8 @@ epx_status_t epx_comm_create_self(epx_comm_t *comm) {
 epx_status_t epx_comm_create_local(epx_local_world_t world, int32_t rank, epx_comm_t *comm) {
   epx_error_clear();
   EPX_REQUIRE(comm, "epx_comm_create_local: comm is NULL; pass the address of an epx_comm_t");
-  EPX_REQUIRE(world, "epx_comm_create_local: world is NULL; create one with epx_local_world_create");
+  EPX_REQUIRE(world,
+              "epx_comm_create_local: world is NULL; create one with epx_local_world_create");
   if (!epx_registry_has(world, EPX_OBJECT_LOCAL_WORLD))
     return epx_error(EPX_ERROR_INVALID_HANDLE,
                      "epx_comm_create_local: world is not a live local world (destroyed "

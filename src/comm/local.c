@@ -50,12 +50,12 @@ static const char *const local_op_names[] = {"create",    "alltoall",  "alltoall
 
 typedef struct local_slot {
   /* Under the world's mutex. */
-  int attached;      /* a comm of this rank is alive */
-  uint64_t arrived;  /* 1 + the generation of the gather barrier it last reached */
-  local_op_t op;     /* the collective it is in, and its size argument (bytes, */
-  size_t arg;        /* unit or count), which must be equal on every rank */
+  int attached;     /* a comm of this rank is alive */
+  uint64_t arrived; /* 1 + the generation of the gather barrier it last reached */
+  local_op_t op;    /* the collective it is in, and its size argument (bytes, */
+  size_t arg;       /* unit or count), which must be equal on every rank */
   const char *caller;
-  int error;         /* at a release barrier: this rank found its pieces inconsistent */
+  int error; /* at a release barrier: this rank found its pieces inconsistent */
   /* Published before the gather barrier; peers read them, and the memory they
    * point to, only until the release barrier. */
   const void *send;
@@ -84,9 +84,11 @@ struct epx_local_world {
 static const char *local_op_name(local_op_t op) { return local_op_names[op]; }
 
 /* Marks the world failed at `generation` and wakes every waiter (under lock). */
-__attribute__((format(printf, 5, 6))) static void local_fail_locked(
-    epx_local_world_t world, uint64_t generation, epx_status_t status, const char *caller,
-    const char *format, ...) {
+static void local_fail_locked(epx_local_world_t world, uint64_t generation, epx_status_t status,
+                              const char *caller, const char *format, ...)
+    __attribute__((format(printf, 5, 6)));
+static void local_fail_locked(epx_local_world_t world, uint64_t generation, epx_status_t status,
+                              const char *caller, const char *format, ...) {
   va_list args;
   va_start(args, format);
   vsnprintf(world->fail_reason, sizeof world->fail_reason, format, args);
@@ -190,8 +192,8 @@ static epx_status_t local_gather(epx_comm_t comm, const char *caller, local_op_t
     if (p == rank) continue;
     if (op != LOCAL_OP_CREATE && !peer->attached) {
       local_fail_locked(world, generation, EPX_ERROR_PEER_FAILED, caller,
-                        "rank %d destroyed its comm while rank %d is in %s (%s)", p, rank,
-                        caller, local_op_name(op));
+                        "rank %d destroyed its comm while rank %d is in %s (%s)", p, rank, caller,
+                        local_op_name(op));
       status = local_failed_error_locked(comm, caller, generation);
       goto done;
     }
@@ -405,8 +407,9 @@ epx_status_t epx_comm_init_local(epx_comm_t comm, epx_local_world_t world, int32
 epx_status_t epx_local_world_create(int32_t world_size, const epx_comm_config_t *config,
                                     epx_local_world_t *world) {
   epx_error_clear();
-  EPX_REQUIRE(world, "epx_local_world_create: world is NULL; pass the address of an "
-                     "epx_local_world_t");
+  EPX_REQUIRE(world,
+              "epx_local_world_create: world is NULL; pass the address of an "
+              "epx_local_world_t");
   EPX_REQUIRE(world_size >= 1,
               "epx_local_world_create: world_size is %d; pass the number of ranks (>= 1)",
               world_size);

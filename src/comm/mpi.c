@@ -32,11 +32,11 @@
 #include "core/error.h"
 
 typedef struct mpi_state {
-  MPI_Comm comm;           /* the duplicate */
-  MPI_Datatype unit_type;  /* `unit_bytes` contiguous bytes, for alltoallv */
-  size_t unit_bytes;       /* 0: unit_type not made yet */
-  int *counts;             /* [4, size]: int copies of alltoallv's counts and displacements */
-  int abandoned;           /* a request still pending after a timeout uses this state */
+  MPI_Comm comm;          /* the duplicate */
+  MPI_Datatype unit_type; /* `unit_bytes` contiguous bytes, for alltoallv */
+  size_t unit_bytes;      /* 0: unit_type not made yet */
+  int *counts;            /* [4, size]: int copies of alltoallv's counts and displacements */
+  int abandoned;          /* a request still pending after a timeout uses this state */
   char reason[MPI_MAX_ERROR_STRING + 256]; /* why the comm failed */
   struct mpi_state *next_abandoned;
 } mpi_state_t;
@@ -80,7 +80,7 @@ static epx_status_t mpi_fail(epx_comm_t comm, const char *caller, const char *ca
   comm->failed = 1;
   snprintf(state->reason, sizeof state->reason, "%s returned \"%s\"", call, text);
   return epx_error(EPX_ERROR_TRANSPORT,
-                   "%s: MPI %s returned \"%s\"; the comm is now failed, destroy it", caller,
+                   "%s: %s returned \"%s\" (MPI error); the comm is now failed, destroy it", caller,
                    call, text);
 }
 
@@ -135,15 +135,15 @@ static epx_status_t mpi_check_bytes(const char *caller, const char *op, size_t b
                    caller, op, bytes, INT_MAX);
 }
 
-static epx_status_t mpi_alltoall(epx_comm_t comm, const char *caller, const void *send,
-                                 void *recv, size_t bytes) {
+static epx_status_t mpi_alltoall(epx_comm_t comm, const char *caller, const void *send, void *recv,
+                                 size_t bytes) {
   epx_status_t status = mpi_check_alive(comm, caller);
   if (status == EPX_SUCCESS) status = mpi_check_bytes(caller, "alltoall", bytes);
   if (status != EPX_SUCCESS) return status;
   mpi_state_t *state = comm->impl;
   MPI_Request request;
-  int code = MPI_Ialltoall(send, (int)bytes, MPI_BYTE, recv, (int)bytes, MPI_BYTE, state->comm,
-                           &request);
+  int code =
+      MPI_Ialltoall(send, (int)bytes, MPI_BYTE, recv, (int)bytes, MPI_BYTE, state->comm, &request);
   if (code != MPI_SUCCESS) return mpi_fail(comm, caller, "MPI_Ialltoall", code);
   return mpi_wait(comm, caller, "MPI_Ialltoall", &request);
 }
@@ -193,15 +193,15 @@ static epx_status_t mpi_alltoallv(epx_comm_t comm, const char *caller, const voi
   return mpi_wait(comm, caller, "MPI_Ialltoallv", &request);
 }
 
-static epx_status_t mpi_allgather(epx_comm_t comm, const char *caller, const void *send,
-                                  void *recv, size_t bytes) {
+static epx_status_t mpi_allgather(epx_comm_t comm, const char *caller, const void *send, void *recv,
+                                  size_t bytes) {
   epx_status_t status = mpi_check_alive(comm, caller);
   if (status == EPX_SUCCESS) status = mpi_check_bytes(caller, "allgather", bytes);
   if (status != EPX_SUCCESS) return status;
   mpi_state_t *state = comm->impl;
   MPI_Request request;
-  int code = MPI_Iallgather(send, (int)bytes, MPI_BYTE, recv, (int)bytes, MPI_BYTE, state->comm,
-                            &request);
+  int code =
+      MPI_Iallgather(send, (int)bytes, MPI_BYTE, recv, (int)bytes, MPI_BYTE, state->comm, &request);
   if (code != MPI_SUCCESS) return mpi_fail(comm, caller, "MPI_Iallgather", code);
   return mpi_wait(comm, caller, "MPI_Iallgather", &request);
 }
@@ -212,8 +212,8 @@ static epx_status_t mpi_allreduce_max_i64(epx_comm_t comm, const char *caller, i
   if (status != EPX_SUCCESS) return status;
   mpi_state_t *state = comm->impl;
   MPI_Request request;
-  int code = MPI_Iallreduce(MPI_IN_PLACE, values, count, MPI_INT64_T, MPI_MAX, state->comm,
-                            &request);
+  int code =
+      MPI_Iallreduce(MPI_IN_PLACE, values, count, MPI_INT64_T, MPI_MAX, state->comm, &request);
   if (code != MPI_SUCCESS) return mpi_fail(comm, caller, "MPI_Iallreduce", code);
   return mpi_wait(comm, caller, "MPI_Iallreduce", &request);
 }

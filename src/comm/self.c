@@ -9,8 +9,8 @@ static void self_copy(void *dst, const void *src, size_t bytes) {
   if (bytes && dst != src) memcpy(dst, src, bytes);
 }
 
-static epx_status_t self_alltoall(epx_comm_t comm, const char *caller, const void *send,
-                                  void *recv, size_t bytes) {
+static epx_status_t self_alltoall(epx_comm_t comm, const char *caller, const void *send, void *recv,
+                                  size_t bytes) {
   (void)comm, (void)caller;
   self_copy(recv, send, bytes);
   return EPX_SUCCESS;
