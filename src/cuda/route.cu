@@ -209,7 +209,7 @@ __device__ __forceinline__ void warp_argmax(float &v, int &i) {
 __device__ bool row_finite(const SelectArgs &a, int t, int lane) {
   const float *row = a.logits + (size_t)t * a.E;
   int fin = 1;
-  for (int e = lane; e < a.E; e += 32) fin &= isfinite(__ldg(row + e)) ? 1 : 0;
+  for (int e = lane; e < a.E; e += 32) fin &= isfinite(row[e]) ? 1 : 0;
   return __all_sync(kFull, fin) != 0;
 }
 
@@ -225,7 +225,7 @@ __device__ bool token_select(const SelectArgs &a, int t, float *X, float *Y, flo
   int fin = 1;
 #pragma unroll 4
   for (int e = lane; e < E; e += 32) {
-    float l = __ldg(row + e);
+    float l = row[e];
     fin &= isfinite(l) ? 1 : 0;
     m = fmaxf(m, l);
     X[pad(e)] = l;
@@ -244,7 +244,7 @@ __device__ bool token_select(const SelectArgs &a, int t, float *X, float *Y, flo
     for (int e = lane; e < E; e += 32) {
       float p = X[pad(e)] / sumexp;
       X[pad(e)] = p;
-      Y[pad(e)] = a.bias ? p + __ldg(a.bias + e) : p;
+      Y[pad(e)] = a.bias ? p + a.bias[e] : p;
     }
   } else {
     for (int e = lane; e < E; e += 32) {
@@ -253,7 +253,7 @@ __device__ bool token_select(const SelectArgs &a, int t, float *X, float *Y, flo
       float p = 1.0f / (1.0f + expf(-l));
       X[pad(e)] = p;
       psum += p;
-      Y[pad(e)] = a.bias ? p + __ldg(a.bias + e) : p;
+      Y[pad(e)] = a.bias ? p + a.bias[e] : p;
     }
     if (a.need_lse) sumexp = warp_sum(sumexp);
     psum = warp_sum(psum);
@@ -379,7 +379,8 @@ static __global__ void __launch_bounds__(kMaxTokenWarps * 32) route_tokens_kerne
         for (int k = lane; k < s.K; k += 32) {
           const int e = CI[k];
           float wk = CP[k];
-          if (a.renorm) wk = wk / st.S;
+          /* Chosen scores that all underflowed to 0 give weight 0, as on the CPU. */
+          if (a.renorm) wk = st.S > 0.f ? wk / st.S : 0.f;
           wk = wk * a.scale;
           const int r = queue_index(a.by_token, t, k, s.T, s.K);
           if (a.qe) {
@@ -391,11 +392,11 @@ static __global__ void __launch_bounds__(kMaxTokenWarps * 32) route_tokens_kerne
         if (a.apart) {
           /* q of the aux loss into Y (the selection is done with it). */
           for (int e = lane; e < s.E; e += 32)
-            Y[pad(e)] = s.sigmoid ? X[pad(e)] / st.psum : X[pad(e)];
+            Y[pad(e)] = !s.sigmoid ? X[pad(e)] : (st.psum > 0.f ? X[pad(e)] / st.psum : 0.f);
         }
         if (a.zpart) {
-          const float lse = st.m + logf(st.sumexp);
-          z = (double)lse * (double)lse;
+          const double lse = (double)st.m + log((double)st.sumexp);
+          z = lse * lse;
         }
       }
     } else {
@@ -581,7 +582,7 @@ static __global__ void __launch_bounds__(kWarps * 32) prob_select_kernel(ProbArg
 
 static __device__ __forceinline__ float backward_grad_w(const BackwardArgs &a, int t, int k) {
   const size_t i = (size_t)t * a.s.K + k;
-  if (!a.grad_w || (a.topk_idx && a.topk_idx[i] == -1)) return 0.f;
+  if (!a.grad_w || (a.topk_idx && a.topk_idx[i] < 0)) return 0.f;
   return a.grad_w[i];
 }
 
@@ -605,8 +606,9 @@ static __global__ void __launch_bounds__(kMaxTokenWarps * 32) route_backward_ker
 
   /* d w_k / d p through renormalisation and scaling:
    * gp_j = scale * (g_j - sum_k g_k p_k / S) / S, or scale * g_j. */
+  const bool wgrad = !a.renorm || st.S > 0.f; /* weights were 0 when S underflowed */
   float dot = 0.f;
-  if (a.renorm) {
+  if (a.renorm && wgrad) {
     for (int k = lane; k < K; k += 32) dot += backward_grad_w(a, t, k) * (CP[k] / st.S);
     dot = warp_sum(dot);
   }
@@ -615,7 +617,7 @@ static __global__ void __launch_bounds__(kMaxTokenWarps * 32) route_backward_ker
   float sig = 0.f;
   for (int k = lane; k < K; k += 32) {
     const int e = CI[k];
-    if (e < 0) continue;
+    if (e < 0 || !wgrad) continue;
     const float g = backward_grad_w(a, t, k);
     const float gp = a.renorm ? a.scale * (g - dot) / st.S : a.scale * g;
     Y[pad(e)] = gp;
@@ -634,11 +636,11 @@ static __global__ void __launch_bounds__(kMaxTokenWarps * 32) route_backward_ker
     float part = 0.f;
     for (int e = lane; e < E; e += 32) part += X[pad(e)] * (ca * (float)a.counts[e]);
     beta = warp_sum(part);
-    if (s.sigmoid) beta = beta / st.psum;
+    if (s.sigmoid) beta = st.psum > 0.f ? beta / st.psum : 0.f;
   }
   /* z: d/dl[t,e] = z_scale * 2 lse softmax(l)_e / Tv. */
   float cz = 0.f;
-  if (zl) cz = (float)(2.0 * a.z_scale * (double)(st.m + logf(st.sumexp)) / tv);
+  if (zl) cz = (float)(2.0 * a.z_scale * ((double)st.m + log((double)st.sumexp)) / tv);
   const float *row = s.logits + (size_t)t * E;
   for (int e = lane; e < E; e += 32) {
     const float p = X[pad(e)], gp = Y[pad(e)];
@@ -646,9 +648,10 @@ static __global__ void __launch_bounds__(kMaxTokenWarps * 32) route_backward_ker
     float gl = s.sigmoid ? gp * dp : p * (gp - sig);
     if (aux) {
       const float A = ca * (float)a.counts[e];
-      gl += s.sigmoid ? (A - beta) / st.psum * dp : p * (A - beta);
+      if (!s.sigmoid) gl += p * (A - beta);
+      else if (st.psum > 0.f) gl += (A - beta) / st.psum * dp;
     }
-    if (zl) gl += cz * (s.sigmoid ? expf(__ldg(row + e) - st.m) / st.sumexp : p);
+    if (zl) gl += cz * (s.sigmoid ? expf(row[e] - st.m) / st.sumexp : p);
     grow[e] = gl;
   }
 }
@@ -738,21 +741,14 @@ void select_args(const epx_route_config_t *config, int T, const float *logits, c
   s->need_lse = need_lse;
 }
 
+/* Routes are indexed with int32 on the device (positions are int32 anyway). */
 epx_status_t check_shape(const char *fn, const epx_route_config_t *config, int64_t T) {
-  const int E = config->num_experts, K = config->top_k;
+  const int K = config->top_k;
   if (T > INT_MAX / K)
     return epx_error(EPX_ERROR_UNSUPPORTED,
                      "%s: num_tokens * top_k = %lld exceeds 2^31 - 1 on the CUDA backend; "
                      "route in smaller batches",
                      fn, (long long)T * K);
-  if (config->num_groups > 1 &&
-      (E % config->num_groups != 0 || config->topk_groups < 1 ||
-       config->topk_groups > config->num_groups ||
-       (long long)config->topk_groups * (E / config->num_groups) < K))
-    return epx_error(EPX_ERROR_INVALID_ARGUMENT,
-                     "%s: num_groups %d / topk_groups %d do not fit num_experts %d and top_k %d; "
-                     "use a divisor of num_experts and enough groups for top_k experts",
-                     fn, config->num_groups, config->topk_groups, E, K);
   return EPX_SUCCESS;
 }
 
@@ -948,8 +944,8 @@ extern "C" epx_status_t epx_cuda_route(const epx_route_config_t *config, int64_t
     ROUTE_CUDA(cudaStreamSynchronize(stream));
     if (h_bad > 0)
       return epx_error(EPX_ERROR_INVALID_ARGUMENT,
-                       "%s: logits of token %d hold NaN or Inf; pass finite logits or set "
-                       "nonfinite = EPX_NONFINITE_DROP",
+                       "%s: logits of token %d are not finite (NaN or Inf); fix the logits or "
+                       "set config->nonfinite = EPX_NONFINITE_DROP",
                        fn, T - h_bad);
   }
   output->capacity = capacity ? C : 0;
@@ -1041,8 +1037,8 @@ extern "C" epx_status_t epx_cuda_route_backward(const epx_route_config_t *config
     ROUTE_CUDA(cudaStreamSynchronize(stream));
     if (h_bad > 0)
       return epx_error(EPX_ERROR_INVALID_ARGUMENT,
-                       "%s: logits of token %d hold NaN or Inf; pass finite logits or set "
-                       "nonfinite = EPX_NONFINITE_DROP",
+                       "%s: logits of token %d are not finite (NaN or Inf); fix the logits or "
+                       "set config->nonfinite = EPX_NONFINITE_DROP",
                        fn, T - h_bad);
   }
   return EPX_SUCCESS;
