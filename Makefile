@@ -1,0 +1,38 @@
+# A convenience wrapper around CMake for the few commands a newcomer needs.
+# Everything it does is plain cmake/ctest; see README.md.
+BUILD ?= build
+ASAN_BUILD ?= build-asan
+JOBS ?= $(shell nproc 2>/dev/null || echo 2)
+CMAKE_FLAGS ?=
+
+.PHONY: all build run single test sanitize clean
+
+all: build
+
+$(BUILD)/CMakeCache.txt:
+	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release $(CMAKE_FLAGS)
+
+build: $(BUILD)/CMakeCache.txt
+	cmake --build $(BUILD) -j$(JOBS)
+
+# The main job: one MoE layer step on 4 ranks, checked (last line OK/FAILED).
+run: build
+	$(BUILD)/tools/epx-bench
+
+# The one-rank microbenchmark against memcpy and the dense one-hot einsums.
+single: build
+	$(BUILD)/tools/epx-bench --single
+
+test: build
+	cd $(BUILD) && ctest --output-on-failure
+
+# AddressSanitizer + UBSan build in its own directory, and its tests. OpenMPI's
+# allocations outlive MPI_Finalize, so leak checks are off for the MPI tests.
+sanitize:
+	cmake -S . -B $(ASAN_BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DEPX_SANITIZE=ON $(CMAKE_FLAGS)
+	cmake --build $(ASAN_BUILD) -j$(JOBS)
+	cd $(ASAN_BUILD) && ASAN_OPTIONS=detect_leaks=1:halt_on_error=1 ctest --output-on-failure -LE gpu -E mpi
+	cd $(ASAN_BUILD) && ASAN_OPTIONS=detect_leaks=0:halt_on_error=1 ctest --output-on-failure -LE gpu -R mpi
+
+clean:
+	rm -rf $(BUILD) $(ASAN_BUILD)
