@@ -249,7 +249,10 @@ epx_status_t epx_comm_create_local(epx_local_world_t world, int32_t rank, epx_co
 epx_status_t epx_comm_create_mpi(const void *mpi_comm, const epx_comm_config_t *config,
                                  epx_comm_t *comm);
 
-/* Collective for local and MPI comms (a barrier then release). */
+/* Collective for local and MPI comms (a barrier then release). A failed comm
+ * (after a timeout or a peer's failure) is released without synchronising.
+ * Once accepted, destroy always releases this rank's comm; it is refused
+ * (EPX_ERROR_BUSY) while buffers created over the comm are alive. */
 epx_status_t epx_comm_destroy(epx_comm_t comm);
 epx_status_t epx_comm_rank(epx_comm_t comm, int32_t *rank);
 epx_status_t epx_comm_size(epx_comm_t comm, int32_t *size);

@@ -54,9 +54,10 @@ int tu_run_ranks(int32_t world, double timeout_seconds, tu_rank_fn fn, void *arg
       fail_msg("%s returned %s, expected %s: %s", #expr,                         \
                epx_status_string(tu_status_), epx_status_string(expected),      \
                epx_last_error());                                                \
-    if ((needle) && !strstr(epx_last_error(), (needle)))                         \
+    const char *tu_needle_ = (needle);                                           \
+    if (tu_needle_ && !strstr(epx_last_error(), tu_needle_))                     \
       fail_msg("%s: message \"%s\" lacks \"%s\"", #expr, epx_last_error(),       \
-               (const char *)(needle));                                          \
+               tu_needle_);                                                      \
   } while (0)
 
 #define TU_OK(expr) TU_ASSERT_STATUS(expr, EPX_SUCCESS, (const char *)NULL)
