@@ -358,10 +358,14 @@ static void mr_check_rows(mr_ctx_t *c, const mr_layout_t *L, mr_key_t key_tag, i
   free(src);
 }
 
-/* Float64 references for this rank's tokens. */
+/* References for this rank's tokens: float64 sums (any order), and the
+ * contract's float32 sums (epx.h, epx_combine: per rank in ascending order
+ * P = 0 + the rank's products in k order, acc += P, rounded once), which the
+ * library must match bit for bit. */
 typedef struct {
-  float *out, *grad_x;              /* [T, H] */
+  float *out, *grad_x;                     /* [T, H] float64 sums, as float */
   float *grad_w_combine, *grad_w_dispatch; /* [T, K] */
+  void *out_exact, *grad_x_exact;          /* [T, H] in the dtype */
 } mr_reference_t;
 
 static void mr_reference_free(mr_reference_t *r) {
@@ -369,62 +373,88 @@ static void mr_reference_free(mr_reference_t *r) {
   free(r->grad_x);
   free(r->grad_w_combine);
   free(r->grad_w_dispatch);
+  free(r->out_exact);
+  free(r->grad_x_exact);
 }
 
 static int mr_reference_build(const mr_scene_t *s, int32_t rank, mr_reference_t *ref) {
   int64_t T = s->T[rank], H = s->H;
-  int32_t K = s->K;
+  int32_t K = s->K, El = s->E / s->W;
   size_t rb = (size_t)H * epx_dtype_size(s->dtype);
   ref->out = calloc((size_t)(T * H) + 1, sizeof(float));
   ref->grad_x = calloc((size_t)(T * H) + 1, sizeof(float));
   ref->grad_w_combine = calloc((size_t)(T * K) + 1, sizeof(float));
   ref->grad_w_dispatch = calloc((size_t)(T * K) + 1, sizeof(float));
+  ref->out_exact = mr_alloc((size_t)T * rb);
+  ref->grad_x_exact = mr_alloc((size_t)T * rb);
   double *out = calloc((size_t)H, sizeof(double)), *gx = calloc((size_t)H, sizeof(double));
+  float *acc_o = calloc((size_t)H, sizeof(float)), *acc_g = calloc((size_t)H, sizeof(float));
+  float *p_o = calloc((size_t)H, sizeof(float)), *p_g = calloc((size_t)H, sizeof(float));
   void *eo = malloc(rb), *gr = malloc(rb), *go = malloc(rb);
-  int ok = ref->out && ref->grad_x && ref->grad_w_combine && ref->grad_w_dispatch && out && gx && eo && gr && go;
+  int ok = ref->out && ref->grad_x && ref->grad_w_combine && ref->grad_w_dispatch && ref->out_exact &&
+           ref->grad_x_exact && out && gx && acc_o && acc_g && p_o && p_g && eo && gr && go;
   for (int64_t t = 0; ok && t < T; t++) {
     memset(out, 0, sizeof(double) * (size_t)H);
     memset(gx, 0, sizeof(double) * (size_t)H);
+    memset(acc_o, 0, sizeof(float) * (size_t)H);
+    memset(acc_g, 0, sizeof(float) * (size_t)H);
     const void *x = (const char *)s->x[rank] + (size_t)t * rb;
     mr_keyed_row(s, KEY_GRAD_OUT, rank, t, 0, go);
-    if (s->layout == EPX_LAYOUT_RANK_MAJOR) {
-      for (int32_t q = 0; q < s->W; q++) {
-        if (!mr_token_reaches(s, rank, t, q)) continue;
+    for (int32_t q = 0; q < s->W; q++) {
+      if (!mr_token_reaches(s, rank, t, q)) continue;
+      memset(p_o, 0, sizeof(float) * (size_t)H);
+      memset(p_g, 0, sizeof(float) * (size_t)H);
+      if (s->layout == EPX_LAYOUT_RANK_MAJOR) {
+        /* One row per rank, which the expert already reduced. */
         mr_keyed_row(s, KEY_EXPERT_OUT, rank, t, s->E + q, eo);
         mr_keyed_row(s, KEY_GRAD_RECV, rank, t, s->E + q, gr);
         for (int64_t h = 0; h < H; h++) {
-          out[h] += epx_load(s->dtype, eo, h);
-          gx[h] += epx_load(s->dtype, gr, h);
+          float vo = epx_load(s->dtype, eo, h), vr = epx_load(s->dtype, gr, h);
+          out[h] += vo;
+          gx[h] += vr;
+          p_o[h] += vo;
+          p_g[h] += vr;
         }
       }
-    } else {
-      for (int32_t k = 0; k < K; k++) {
+      for (int32_t k = 0; k < K && s->layout != EPX_LAYOUT_RANK_MAJOR; k++) {
         int32_t e = s->idx[rank][t * K + k];
-        if (e < 0) continue;
-        double w = s->w[rank][t * K + k];
-        double wc = s->weighting == EPX_WEIGHTS_IN_COMBINE ? w : 1.0;
-        double wd = s->weighting == EPX_WEIGHTS_IN_DISPATCH ? w : 1.0;
+        if (e < 0 || e / El != q) continue;
+        float w = s->w[rank][t * K + k];
+        float wc = s->weighting == EPX_WEIGHTS_IN_COMBINE ? w : 1.0f;
+        float wd = s->weighting == EPX_WEIGHTS_IN_DISPATCH ? w : 1.0f;
         mr_keyed_row(s, KEY_EXPERT_OUT, rank, t, e, eo);
         mr_keyed_row(s, KEY_GRAD_RECV, rank, t, e, gr);
         double dot_c = 0, dot_d = 0;
         for (int64_t h = 0; h < H; h++) {
-          double vo = epx_load(s->dtype, eo, h), vr = epx_load(s->dtype, gr, h);
-          out[h] += wc * vo;
-          gx[h] += wd * vr;
+          float vo = epx_load(s->dtype, eo, h), vr = epx_load(s->dtype, gr, h);
+          out[h] += (double)wc * vo;
+          gx[h] += (double)wd * vr;
+          p_o[h] += wc * vo;
+          p_g[h] += wd * vr;
           dot_c += (double)epx_load(s->dtype, go, h) * vo;
-          dot_d += vr * (double)epx_load(s->dtype, x, h);
+          dot_d += (double)vr * epx_load(s->dtype, x, h);
         }
         ref->grad_w_combine[t * K + k] = (float)dot_c;
         ref->grad_w_dispatch[t * K + k] = (float)dot_d;
+      }
+      for (int64_t h = 0; h < H; h++) {
+        acc_o[h] += p_o[h];
+        acc_g[h] += p_g[h];
       }
     }
     for (int64_t h = 0; h < H; h++) {
       ref->out[t * H + h] = (float)out[h];
       ref->grad_x[t * H + h] = (float)gx[h];
+      epx_store(s->dtype, (char *)ref->out_exact + (size_t)t * rb, h, acc_o[h]);
+      epx_store(s->dtype, (char *)ref->grad_x_exact + (size_t)t * rb, h, acc_g[h]);
     }
   }
   free(out);
   free(gx);
+  free(acc_o);
+  free(acc_g);
+  free(p_o);
+  free(p_g);
   free(eo);
   free(gr);
   free(go);
@@ -563,6 +593,7 @@ static int mr_run_exchange(epx_comm_t comm, int32_t rank, const mr_scene_t *s, e
   tu_poison(res->out, (size_t)T * rb);
   MR_CALL(c, epx_combine(buffer, handle, expert_out, res->out));
   mr_check_close(c, "combine out", s->dtype, res->out, ref->out, T * H, tu_atol(s->dtype), tu_rtol(s->dtype));
+  if (memcmp(res->out, ref->out_exact, (size_t)T * rb)) mr_fail(c, "combine out is not the contract's float32 sum (ranks ascending, k order) bit for bit");
 
   /* Combine backward: grad_expert_out rows are grad_out rows (times w in
    * combine), and grad_w the dot with expert_out. */
@@ -585,6 +616,7 @@ static int mr_run_exchange(epx_comm_t comm, int32_t rank, const mr_scene_t *s, e
   MR_CALL(c, epx_dispatch_backward(buffer, handle, grad_recv, res->grad_x, in_dispatch ? s->x[rank] : NULL,
                                    in_dispatch ? res->grad_w_dispatch : NULL));
   mr_check_close(c, "dispatch_backward grad_x", s->dtype, res->grad_x, ref->grad_x, T * H, tu_atol(s->dtype), tu_rtol(s->dtype));
+  if (memcmp(res->grad_x, ref->grad_x_exact, (size_t)T * rb)) mr_fail(c, "dispatch_backward grad_x is not the contract's float32 sum bit for bit");
   if (in_dispatch) {
     mr_check_close(c, "dispatch_backward grad_w", EPX_FLOAT32, res->grad_w_dispatch, ref->grad_w_dispatch, T * K, MR_DOT_ATOL, MR_DOT_RTOL);
     MR_CALL(c, epx_dispatch_backward(buffer, handle, grad_recv, grad_x_plain, NULL, NULL));
