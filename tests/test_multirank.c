@@ -467,6 +467,43 @@ static void mr_check_close(mr_ctx_t *c, const char *name, epx_dtype_t dtype, con
   if (err > 1.0) mr_fail(c, "%s differs from the float64 reference (normalised error %.3g, atol %g rtol %g)", name, err, atol, rtol);
 }
 
+/* The capacity layout against the dense one-hot einsums of epx.h: rank q's
+ * slot (e, s, l) is the dense dispatch of source s's tokens at [e, l] (bit
+ * for bit: one nonzero product per slot), and this rank's combine out is the
+ * dense combine of its own routes' expert outputs laid out [E, C, H]. */
+static void mr_check_dense(mr_ctx_t *c, const void *recv_x, const void *out) {
+  const mr_scene_t *s = c->s;
+  int32_t W = s->W, E = s->E, C = s->capacity, K = s->K, El = E / W, rank = c->rank;
+  size_t rb = (size_t)s->H * epx_dtype_size(s->dtype), slots = (size_t)E * (size_t)C;
+  void *dense = mr_alloc(slots * rb), *eo = mr_alloc(slots * rb), *want = mr_alloc((size_t)s->T[rank] * rb);
+  for (int32_t src = 0; src < W && dense; src++) {
+    if (epx_reference_dense_dispatch(s->dtype, s->T[src], s->H, E, C, K, s->idx[src], s->w[src], s->loc[src],
+                                     s->weighting, s->x[src], dense) != EPX_SUCCESS) {
+      mr_fail(c, "epx_reference_dense_dispatch: %s", epx_last_error());
+      break;
+    }
+    for (int32_t e = 0; e < El; e++)
+      for (int32_t l = 0; l < C; l++)
+        if (memcmp((const char *)recv_x + (size_t)((int64_t)e * W * C + (int64_t)src * C + l) * rb,
+                   (const char *)dense + ((size_t)(rank * El + e) * (size_t)C + (size_t)l) * rb, rb))
+          mr_fail(c, "recv_x slot (expert %d, source %d, location %d) differs from the dense dispatch", rank * El + e, src, l);
+  }
+  for (int64_t t = 0; t < s->T[rank] && eo; t++)
+    for (int32_t k = 0; k < K; k++) {
+      int32_t e = s->idx[rank][t * K + k];
+      if (e >= 0) mr_keyed_row(s, KEY_EXPERT_OUT, rank, t, e, (char *)eo + ((size_t)e * (size_t)C + (size_t)s->loc[rank][t * K + k]) * rb);
+    }
+  if (!dense || !eo || !want) mr_fail(c, "out of memory");
+  else if (epx_reference_dense_combine(s->dtype, s->T[rank], s->H, E, C, K, s->idx[rank], s->w[rank], s->loc[rank],
+                                       s->weighting, eo, want) != EPX_SUCCESS)
+    mr_fail(c, "epx_reference_dense_combine: %s", epx_last_error());
+  else if (tu_max_error(s->dtype, out, s->dtype, want, s->T[rank] * s->H, tu_atol(s->dtype), tu_rtol(s->dtype)) > 1.0)
+    mr_fail(c, "combine out differs from the dense combine");
+  free(dense);
+  free(eo);
+  free(want);
+}
+
 static int64_t mr_round_up(int64_t v, int64_t to) {
   int64_t r = (v + to - 1) / to * to;
   return r ? r : to;
@@ -594,6 +631,7 @@ static int mr_run_exchange(epx_comm_t comm, int32_t rank, const mr_scene_t *s, e
   MR_CALL(c, epx_combine(buffer, handle, expert_out, res->out));
   mr_check_close(c, "combine out", s->dtype, res->out, ref->out, T * H, tu_atol(s->dtype), tu_rtol(s->dtype));
   if (memcmp(res->out, ref->out_exact, (size_t)T * rb)) mr_fail(c, "combine out is not the contract's float32 sum (ranks ascending, k order) bit for bit");
+  if (s->layout == EPX_LAYOUT_CAPACITY) mr_check_dense(c, res->recv_x, res->out);
 
   /* Combine backward: grad_expert_out rows are grad_out rows (times w in
    * combine), and grad_w the dot with expert_out. */
