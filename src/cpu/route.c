@@ -106,8 +106,16 @@ static epx_status_t route_check_bias(const char *fn, int32_t num_experts, const 
   return EPX_SUCCESS;
 }
 
-/* Index of the first NaN/Inf in row, or -1. */
+/* Index of the first NaN/Inf in row, or -1. The all-finite test looks at the
+ * exponent bits with no early exit, so it vectorises. */
 static int32_t route_first_nonfinite(const float *row, int32_t num_experts) {
+  uint32_t bad = 0;
+  for (int32_t e = 0; e < num_experts; e++) {
+    uint32_t bits;
+    memcpy(&bits, row + e, sizeof bits);
+    bad |= (bits & 0x7f800000u) == 0x7f800000u;
+  }
+  if (!bad) return -1;
   for (int32_t e = 0; e < num_experts; e++)
     if (!isfinite(row[e])) return e;
   return -1;
@@ -122,17 +130,21 @@ typedef struct route_state {
   const float *bias;  /* [E] or NULL */
   float *select;      /* [E] p + bias (only with a bias) */
   float *group_score; /* [num_groups] */
+  float *group_top;   /* [num_groups, 2] best and second-best score of each group */
   int32_t *group_best;/* [topk_groups] kept groups, best first */
   uint8_t *group_kept;/* [num_groups] */
   float *top_score;   /* [K] selection scores of the chosen, best first */
+  int32_t *candidate; /* [E] experts that may be among the K best, ascending */
 } route_state;
 
 static void route_state_free(route_state *s) {
   free(s->select);
   free(s->group_score);
+  free(s->group_top);
   free(s->group_best);
   free(s->group_kept);
   free(s->top_score);
+  free(s->candidate);
 }
 
 static epx_status_t route_state_init(const char *fn, const epx_route_config_t *c,
@@ -149,9 +161,11 @@ static epx_status_t route_state_init(const char *fn, const epx_route_config_t *c
   s->group_score = malloc(sizeof(float) * (size_t)s->num_groups);
   s->group_best = malloc(sizeof(int32_t) * (size_t)s->topk_groups);
   s->group_kept = malloc((size_t)s->num_groups);
+  s->group_top = malloc(sizeof(float) * 2 * (size_t)s->num_groups);
   s->top_score = malloc(sizeof(float) * (size_t)c->top_k);
-  if ((bias && !s->select) || !s->group_score || !s->group_best || !s->group_kept ||
-      !s->top_score) {
+  s->candidate = malloc(sizeof(int32_t) * (size_t)c->num_experts);
+  if ((bias && !s->select) || !s->group_score || !s->group_top || !s->group_best ||
+      !s->group_kept || !s->top_score || !s->candidate) {
     route_state_free(s);
     return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory for %d experts' scratch; "
                      "free memory or route fewer experts", fn, c->num_experts);
@@ -159,16 +173,24 @@ static epx_status_t route_state_init(const char *fn, const epx_route_config_t *c
   return EPX_SUCCESS;
 }
 
-static float route_row_max(const float *row, int32_t n) {
-  float max = row[0];
-  for (int32_t e = 1; e < n; e++) max = row[e] > max ? row[e] : max;
+/* Max of n >= 1 values in 8 independent lanes, so it vectorises (max is
+ * exact, so the lane order does not change the result). */
+static float route_max(const float *v, int32_t n) {
+  float lane[8];
+  for (int32_t i = 0; i < 8; i++) lane[i] = v[0];
+  int32_t e = 0;
+  for (; e + 8 <= n; e += 8)
+    for (int32_t i = 0; i < 8; i++) lane[i] = v[e + i] > lane[i] ? v[e + i] : lane[i];
+  for (; e < n; e++) lane[0] = v[e] > lane[0] ? v[e] : lane[0];
+  float max = lane[0];
+  for (int32_t i = 1; i < 8; i++) max = lane[i] > max ? lane[i] : max;
   return max;
 }
 
 /* softmax(row) [E] into p, float32 as spec item 1 fixes it; returns the row's
  * logsumexp (for the z loss). */
 static double route_softmax(const float *row, int32_t n, float *p) {
-  const float max = route_row_max(row, n);
+  const float max = route_max(row, n);
   float sum = 0.0f;
   for (int32_t e = 0; e < n; e++) {
     p[e] = expf(row[e] - max);
@@ -179,7 +201,7 @@ static double route_softmax(const float *row, int32_t n, float *p) {
 }
 
 static double route_logsumexp(const float *row, int32_t n) {
-  const float max = route_row_max(row, n);
+  const float max = route_max(row, n);
   float sum = 0.0f;
   for (int32_t e = 0; e < n; e++) sum += expf(row[e] - max);
   return (double)max + log((double)sum);
@@ -190,7 +212,9 @@ static double route_logsumexp(const float *row, int32_t n) {
 static double route_scores(const route_state *s, const float *row, float *p) {
   const int32_t n = s->num_experts;
   if (!s->sigmoid) return route_softmax(row, n, p);
-  for (int32_t e = 0; e < n; e++) p[e] = 1.0f / (1.0f + expf(-row[e]));
+  /* expf in its own loop so the rest vectorises. */
+  for (int32_t e = 0; e < n; e++) p[e] = expf(-row[e]);
+  for (int32_t e = 0; e < n; e++) p[e] = 1.0f / (1.0f + p[e]);
   return NAN;
 }
 
@@ -212,6 +236,8 @@ static void route_pick_groups(route_state *s, const float *score) {
     }
     const float gs = s->group_size > 1 ? best + second : best;
     s->group_score[g] = gs;
+    s->group_top[2 * g] = best;
+    s->group_top[2 * g + 1] = second;
     s->group_kept[g] = 0;
     /* Insertion into the best-first list; strict > keeps the lower group on ties. */
     if (kept == keep && !(gs > s->group_score[s->group_best[keep - 1]])) continue;
@@ -225,6 +251,44 @@ static void route_pick_groups(route_state *s, const float *score) {
   for (int32_t i = 0; i < kept; i++) s->group_kept[s->group_best[i]] = 1;
 }
 
+/* Inserts v into the best-first list top [n of K], keeping the K largest. */
+static void route_keep_largest(float v, int32_t K, float *top, int32_t *n) {
+  if (*n == K && !(v > top[K - 1])) return;
+  int32_t at = *n < K ? (*n)++ : K - 1;
+  while (at > 0 && v > top[at - 1]) {
+    top[at] = top[at - 1];
+    at--;
+  }
+  top[at] = v;
+}
+
+/* A lower bound of the K-th best allowed score, so that only the experts at
+ * or above it need the (branchy) ordered insertion: K distinct allowed
+ * experts each score at least the bound, hence so do the K best. Without
+ * groups those K are the maxima of K blocks; with groups, the best two of
+ * each kept group (no bound when those are fewer than K). */
+static float route_topk_bound(const route_state *s, const float *score) {
+  const int32_t K = s->top_k;
+  if (s->num_groups <= 1) {
+    const int32_t n = s->num_experts, size = n / K;
+    float bound = INFINITY;
+    for (int32_t b = 0; b < K; b++) {
+      const int32_t end = b == K - 1 ? n : (b + 1) * size;
+      const float max = route_max(score + b * size, end - b * size);
+      bound = max < bound ? max : bound;
+    }
+    return bound;
+  }
+  float *largest = s->top_score; /* scratch until route_select fills it */
+  int32_t n = 0;
+  for (int32_t i = 0; i < s->topk_groups; i++) {
+    const int32_t g = s->group_best[i];
+    route_keep_largest(s->group_top[2 * g], K, largest, &n);
+    if (s->group_size > 1) route_keep_largest(s->group_top[2 * g + 1], K, largest, &n);
+  }
+  return n == K ? largest[K - 1] : -INFINITY;
+}
+
 /* Selects one finite row's K experts (spec items 2-4): chosen [K] best first,
  * ties to the lower expert. p [E] gets the scores; returns route_scores'. */
 static double route_select(route_state *s, const float *row, float *p, int32_t *chosen) {
@@ -236,24 +300,31 @@ static double route_select(route_state *s, const float *row, float *p, int32_t *
     score = s->select;
   }
   if (s->num_groups > 1) route_pick_groups(s, score);
-  float *top = s->top_score;
-  int32_t found = 0;
+  const float bound = route_topk_bound(s, score);
+  int32_t *cand = s->candidate, count = 0;
   for (int32_t g = 0; g < s->num_groups; g++) {
     if (s->num_groups > 1 && !s->group_kept[g]) continue;
     const int32_t end = (g + 1) * s->group_size;
     for (int32_t e = g * s->group_size; e < end; e++) {
-      const float v = score[e];
-      /* Experts arrive in ascending order, so strict > puts ties after. */
-      if (found == K && !(v > top[K - 1])) continue;
-      int32_t at = found < K ? found++ : K - 1;
-      while (at > 0 && v > top[at - 1]) {
-        top[at] = top[at - 1];
-        chosen[at] = chosen[at - 1];
-        at--;
-      }
-      top[at] = v;
-      chosen[at] = e;
+      cand[count] = e;
+      count += score[e] >= bound;
     }
+  }
+  float *top = s->top_score;
+  int32_t found = 0;
+  for (int32_t i = 0; i < count; i++) {
+    const int32_t e = cand[i];
+    const float v = score[e];
+    /* Candidates arrive in ascending order, so strict > puts ties after. */
+    if (found == K && !(v > top[K - 1])) continue;
+    int32_t at = found < K ? found++ : K - 1;
+    while (at > 0 && v > top[at - 1]) {
+      top[at] = top[at - 1];
+      chosen[at] = chosen[at - 1];
+      at--;
+    }
+    top[at] = v;
+    chosen[at] = e;
   }
   return lse;
 }
@@ -277,10 +348,37 @@ typedef struct route_candidate {
   int64_t route;
 } route_candidate;
 
-static int route_candidate_cmp(const void *a, const void *b) {
-  const route_candidate *x = a, *y = b;
-  if (x->weight != y->weight) return x->weight > y->weight ? -1 : 1;
-  return x->queue_pos < y->queue_pos ? -1 : x->queue_pos > y->queue_pos;
+/* Whether a stays before b: a larger weight, then earlier in the queue (a
+ * total order, since queue positions are unique). */
+static inline int route_better(const route_candidate *a, const route_candidate *b) {
+  return a->weight > b->weight || (a->weight == b->weight && a->queue_pos < b->queue_pos);
+}
+
+/* Restores the heap h [m] (every parent worse than its children) below i. */
+static void route_heap_sift(route_candidate *h, int64_t m, int64_t i) {
+  for (;;) {
+    int64_t child = 2 * i + 1;
+    if (child >= m) return;
+    if (child + 1 < m && route_better(&h[child], &h[child + 1])) child++;
+    if (!route_better(&h[i], &h[child])) return;
+    const route_candidate swap = h[i];
+    h[i] = h[child];
+    h[child] = swap;
+    i = child;
+  }
+}
+
+/* Moves the m best of cand [n] into cand [0, m), in no particular order: a
+ * heap of the best so far with the worst of them at the root, O(n log m). */
+static void route_keep_best(route_candidate *cand, int64_t n, int64_t m) {
+  for (int64_t i = m / 2 - 1; i >= 0; i--) route_heap_sift(cand, m, i);
+  for (int64_t j = m; j < n; j++) {
+    if (m == 0 || !route_better(&cand[j], &cand[0])) continue;
+    const route_candidate swap = cand[0];
+    cand[0] = cand[j];
+    cand[j] = swap;
+    route_heap_sift(cand, m, 0);
+  }
 }
 
 /* Capacity C (spec item 6), in double as the spec fixes it. */
@@ -334,7 +432,7 @@ static epx_status_t route_locate(const epx_route_config_t *c, int64_t T, int32_t
     const int64_t n = counts[e], *mine = queue + offsets[e];
     if (n <= capacity) continue;
     for (int64_t i = 0; i < n; i++) cand[i] = (route_candidate){w[mine[i]], i, mine[i]};
-    qsort(cand, (size_t)n, sizeof *cand, route_candidate_cmp);
+    route_keep_best(cand, n, capacity);
     for (int64_t i = capacity; i < n; i++) loc[cand[i].route] = -1;
     int32_t kept = 0;
     for (int64_t i = 0; i < n; i++) {
@@ -504,7 +602,7 @@ static epx_status_t route_backward_cpu(const epx_route_config_t *c, int64_t T,
   float *p_all = malloc(sizeof(float) * rows * (size_t)E);  /* [T, E] scores */
   int32_t *chosen = malloc(sizeof(int32_t) * rows * (size_t)K); /* [T, K] recomputed */
   uint8_t *finite = malloc(rows);                               /* [T] token is valid */
-  double *lse = malloc(sizeof(double) * rows);                  /* [T] logsumexp */
+  double *lse = malloc(sizeof(double) * rows);                  /* [T] logsumexp (softmax) */
   int32_t *counts = calloc((size_t)E, sizeof(int32_t));         /* [E] before dropping */
   double *aux_grad = malloc(sizeof(double) * (size_t)E);        /* [E] d loss / d q[t,e] */
   double *grad_p = malloc(sizeof(double) * (size_t)E);          /* [E] one token's d/dp */
@@ -530,7 +628,6 @@ static epx_status_t route_backward_cpu(const epx_route_config_t *c, int64_t T,
     valid++;
     int32_t *ch = chosen + (size_t)t * K;
     lse[t] = route_select(&st, row, p_all + (size_t)t * E, ch);
-    if (want_z && st.sigmoid) lse[t] = route_logsumexp(row, E);
     for (int32_t k = 0; k < K; k++) {
       const int32_t fwd = topk_idx[(size_t)t * K + k];
       if (fwd != -1 && fwd != ch[k])
@@ -599,11 +696,12 @@ static epx_status_t route_backward_cpu(const epx_route_config_t *c, int64_t T,
     }
     if (want_z) {
       const float *sm = p;
+      double row_lse = lse[t];
       if (st.sigmoid) {
-        route_softmax(logits + (size_t)t * E, E, softmax);
+        row_lse = route_softmax(logits + (size_t)t * E, E, softmax);
         sm = softmax;
       }
-      const double scale = z_grad * lse[t];
+      const double scale = z_grad * row_lse;
       for (int32_t e = 0; e < E; e++) grad_row[e] += scale * sm[e];
     }
     /* Written last: grad_logits may be the logits themselves. */
