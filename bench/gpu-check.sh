@@ -1,0 +1,106 @@
+#!/usr/bin/env bash
+# The GPU check of epx, on a machine with an NVIDIA H200 (sm_90); run from the
+# repository root. Configures and builds the CUDA backend, runs the GPU tests
+# (ctest -L gpu), compute-sanitizer memcheck and racecheck on them (trimmed
+# sizes: EPX_GPU_TEST_QUICK=1), the benchmark (bench/gpu/bench_gpu.cu) and the
+# PyTorch baselines (bench/gpu/bench_torch.py), and prints a verdict table
+# last. Logs go to ${OUT:-/tmp/epx-gpu} (seven files); scratch (routing files,
+# results) to ${EPX_GPU_WORK:-/tmp/epx-gpu-work}.
+#
+# Needs: nvcc, cmake, a C compiler, python3 with PyTorch (for the baselines),
+# cmocka (system, or a header and libcmocka.so.0 under .gpu-deps/include and
+# .gpu-deps/lib — the GPU machines have no package registry). NCCL and MPI
+# are found the way shared/examples/nccl_lsa_push.sh finds them; the one-rank
+# CUDA backend needs neither, so MPI is built only where mpicc exists.
+set -u
+cd "$(dirname "$0")/.."
+OUTDIR=${OUT:-/tmp/epx-gpu}
+WORK=${EPX_GPU_WORK:-/tmp/epx-gpu-work}
+BUILD=${EPX_GPU_BUILD:-build-gpu-check}
+mkdir -p "$OUTDIR" "$WORK"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+JOBS=$(nproc 2>/dev/null || echo 8)
+SUMMARY=$OUTDIR/summary.txt
+: >"$SUMMARY"
+verdict() { printf '%-58s %s\n' "$1" "$2" >>"$SUMMARY"; }
+
+NCCL=$(python3 -c "import nvidia.nccl,os;print(os.path.dirname(nvidia.nccl.__file__))" 2>/dev/null || echo /usr/local/cuda)
+MPI_FLAG=-DEPX_BUILD_MPI=OFF
+command -v mpicc >/dev/null 2>&1 && MPI_FLAG=-DEPX_BUILD_MPI=ON
+CMOCKA_ARGS=()
+if ! echo '#include <cmocka.h>' | cc -E -x c - >/dev/null 2>&1 && [ -f .gpu-deps/include/cmocka.h ]; then
+  CMOCKA_ARGS=(-DCMOCKA_INCLUDE_DIR="$PWD/.gpu-deps/include" -DCMOCKA_LIBRARY="$PWD/.gpu-deps/lib/libcmocka.so.0")
+fi
+
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
+  nvcc --version | tail -2
+  echo "NCCL (unused by the one-rank checks): $NCCL; MPI: $MPI_FLAG; cmocka: ${CMOCKA_ARGS[*]:-system}"
+} >"$OUTDIR/build.log" 2>&1
+
+# Build: the library and the GPU tests only (the CPU tests and tools are not
+# needed here).
+GPU_TESTS=$(ls tests/gpu/test_gpu_*.c 2>/dev/null | xargs -n1 basename 2>/dev/null | sed 's/\.c$//')
+BUILD_OK=1
+cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DEPX_BUILD_CUDA=ON -DEPX_CUDA_ARCHITECTURES=90 $MPI_FLAG \
+  "${CMOCKA_ARGS[@]}" >>"$OUTDIR/build.log" 2>&1 || BUILD_OK=0
+if [ $BUILD_OK = 1 ]; then
+  # shellcheck disable=SC2086
+  cmake --build "$BUILD" -j"$JOBS" --target epx epx_static $GPU_TESTS >>"$OUTDIR/build.log" 2>&1 || BUILD_OK=0
+fi
+[ $BUILD_OK = 1 ] && verdict "build (cmake -DEPX_BUILD_CUDA=ON, sm_90)" PASS || verdict "build (cmake -DEPX_BUILD_CUDA=ON, sm_90)" FAIL
+
+# GPU tests.
+if [ $BUILD_OK = 1 ]; then
+  (cd "$BUILD" && ctest -L gpu --output-on-failure --timeout 600) >"$OUTDIR/ctest.log" 2>&1
+  for t in $GPU_TESTS; do
+    if grep -Eq "Test +#[0-9]+: $t \.+ +Passed" "$OUTDIR/ctest.log"; then verdict "test $t" PASS
+    else verdict "test $t" FAIL; fi
+  done
+fi
+
+# compute-sanitizer at trimmed sizes.
+SAN=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)
+for tool in memcheck racecheck; do
+  log=$OUTDIR/$tool.log
+  : >"$log"
+  for t in $GPU_TESTS; do
+    if [ $BUILD_OK != 1 ] || [ -z "$SAN" ]; then verdict "$tool $t" SKIPPED; continue; fi
+    echo "== $tool $t" >>"$log"
+    EPX_GPU_TEST_QUICK=1 timeout 240 "$SAN" --tool "$tool" --error-exitcode 86 "$BUILD/tests/gpu/$t" >>"$log" 2>&1
+    rc=$?
+    case $rc in
+      0) verdict "$tool $t" PASS ;;
+      124) verdict "$tool $t" "TIMEOUT (240 s)" ;;
+      86) verdict "$tool $t" "FAIL (errors found)" ;;
+      *) verdict "$tool $t" "FAIL (exit $rc)" ;;
+    esac
+  done
+done
+
+# Benchmark and PyTorch baselines.
+BENCH_OK=0
+if [ $BUILD_OK = 1 ] && nvcc -O3 -std=c++17 -arch=sm_90 -Iinclude -Isrc bench/gpu/bench_gpu.cu -o "$WORK/bench_gpu" \
+  -L"$BUILD" -lepx -Xlinker -rpath -Xlinker "$PWD/$BUILD" >"$OUTDIR/bench.log" 2>&1; then
+  "$WORK/bench_gpu" "$WORK" >>"$OUTDIR/bench.log" 2>&1 && BENCH_OK=1
+fi
+[ $BENCH_OK = 1 ] && verdict "benchmark (host-checked dispatch/combine, timings)" PASS ||
+  verdict "benchmark (host-checked dispatch/combine, timings)" FAIL
+PYTHONUNBUFFERED=1 timeout 300 python3 bench/gpu/bench_torch.py "$WORK" >"$OUTDIR/torch.log" 2>&1 &&
+  verdict "PyTorch baselines" PASS || verdict "PyTorch baselines" FAIL
+
+{
+  echo
+  echo "== targets (measured; limit)"
+  grep '^TARGET' "$OUTDIR/bench.log" | sed 's/^TARGET //'
+  echo
+  echo "== bench"
+  grep -E '^(DEVICE|SHAPE|CHECK|RESULT|NOTE)' "$OUTDIR/bench.log"
+  echo
+  grep -E '^(TORCH|\|)' "$OUTDIR/torch.log"
+} >>"$SUMMARY" 2>/dev/null
+cp "$WORK/epx_results.txt" "$OUTDIR/" 2>/dev/null
+
+echo "== epx GPU check: verdict (logs in $OUTDIR)"
+cat "$SUMMARY"
+! grep -Eq 'FAIL|MISSED|TIMEOUT' "$SUMMARY"
