@@ -811,6 +811,47 @@ static void test_route_unchosen_and_one_expert(void **state) {
   tu_free(l);
 }
 
+/* Softmax is shift-invariant: logits far from 0 (E not a multiple of 8, so
+ * the maximum can sit in any lane) route like the reference, with finite
+ * weights and losses. */
+static void test_route_large_logits(void **state) {
+  (void)state;
+  tu_rng_t rng = {1414};
+  const int64_t T = 30;
+  const int32_t E = 13, K = 3;
+  float *l = random_logits(&rng, T, E, 3.0f);
+  for (int shift = -1; shift <= 1; shift += 2) {
+    float *moved = tu_alloc(sizeof(float) * (size_t)(T * E));
+    for (int64_t i = 0; i < T * E; i++) moved[i] = l[i] + 200.0f * shift;
+    /* The largest logit of each row last, where the vector lanes end. */
+    for (int64_t t = 0; t < T; t++) moved[t * E + E - 1] += 30.0f;
+    epx_route_config_t c = config_make(E, K);
+    c.aux_loss_coeff = 0.01f;
+    c.z_loss_coeff = 0.001f;
+    check_against_reference(&c, T, moved, NULL, "shifted logits");
+    tu_free(moved);
+  }
+  /* Sigmoid scores that all underflow to 0: renormalised weights are 0, not NaN. */
+  for (int64_t i = 0; i < T * E; i++) l[i] = -150.0f + l[i];
+  epx_route_config_t c = config_make(E, K);
+  c.score_fn = EPX_SCORE_SIGMOID;
+  outs o;
+  outs_alloc(&o, T, E, K);
+  ROUTE_OK(epx_route(&c, T, l, NULL, &o.out));
+  for (int64_t i = 0; i < T * K; i++) {
+    assert_true(o.idx[i] >= 0 && o.idx[i] < E);
+    assert_true(o.w[i] == 0.0f);
+  }
+  float *grad = tu_alloc(sizeof(float) * (size_t)(T * E));
+  float *gw = random_logits(&rng, T, K, 1.0f);
+  ROUTE_OK(epx_route_backward(&c, T, l, NULL, o.idx, gw, 0.0f, 0.0f, grad));
+  for (int64_t i = 0; i < T * E; i++) assert_true(grad[i] == 0.0f);
+  outs_free(&o);
+  tu_free(grad);
+  tu_free(gw);
+  tu_free(l);
+}
+
 /* ------------------------------------------------------------------------ */
 /* Non-finite logits                                                         */
 /* ------------------------------------------------------------------------ */
@@ -1284,6 +1325,7 @@ int main(void) {
       cmocka_unit_test(test_route_no_tokens),
       cmocka_unit_test(test_route_all_experts),
       cmocka_unit_test(test_route_unchosen_and_one_expert),
+      cmocka_unit_test(test_route_large_logits),
       cmocka_unit_test(test_route_nonfinite),
       cmocka_unit_test(test_route_gradients),
       cmocka_unit_test(test_route_gradient_drops),
