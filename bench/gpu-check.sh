@@ -50,15 +50,29 @@ if [ $BUILD_OK = 1 ]; then
 fi
 [ $BUILD_OK = 1 ] && verdict "build (cmake -DEPX_BUILD_CUDA=ON, sm_90)" PASS || verdict "build (cmake -DEPX_BUILD_CUDA=ON, sm_90)" FAIL
 
+echo "epx gpu-check: build done ($(date +%T))"
 # GPU tests.
 if [ $BUILD_OK = 1 ]; then
-  (cd "$BUILD" && ctest -L gpu --output-on-failure --timeout 600) >"$OUTDIR/ctest.log" 2>&1
+  (cd "$BUILD" && ctest -L gpu --output-on-failure --timeout 300) >"$OUTDIR/ctest.log" 2>&1
   for t in $GPU_TESTS; do
     if grep -Eq "Test +#[0-9]+: $t \.+ +Passed" "$OUTDIR/ctest.log"; then verdict "test $t" PASS
     else verdict "test $t" FAIL; fi
   done
 fi
 
+echo "epx gpu-check: tests done ($(date +%T))"
+# Benchmark and PyTorch baselines.
+BENCH_OK=0
+if [ $BUILD_OK = 1 ] && nvcc -O3 -std=c++17 -arch=sm_90 -Iinclude -Isrc bench/gpu/bench_gpu.cu -o "$WORK/bench_gpu" \
+  -L"$BUILD" -lepx -Xlinker -rpath -Xlinker "$PWD/$BUILD" >"$OUTDIR/bench.log" 2>&1; then
+  timeout 240 "$WORK/bench_gpu" "$WORK" >>"$OUTDIR/bench.log" 2>&1 && BENCH_OK=1
+fi
+[ $BENCH_OK = 1 ] && verdict "benchmark (host-checked dispatch/combine, timings)" PASS ||
+  verdict "benchmark (host-checked dispatch/combine, timings)" FAIL
+PYTHONUNBUFFERED=1 timeout 300 python3 bench/gpu/bench_torch.py "$WORK" >"$OUTDIR/torch.log" 2>&1 &&
+  verdict "PyTorch baselines" PASS || verdict "PyTorch baselines" FAIL
+
+echo "epx gpu-check: bench done ($(date +%T))"
 # compute-sanitizer at trimmed sizes.
 SAN=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)
 for tool in memcheck racecheck; do
@@ -67,27 +81,16 @@ for tool in memcheck racecheck; do
   for t in $GPU_TESTS; do
     if [ $BUILD_OK != 1 ] || [ -z "$SAN" ]; then verdict "$tool $t" SKIPPED; continue; fi
     echo "== $tool $t" >>"$log"
-    EPX_GPU_TEST_QUICK=1 timeout 240 "$SAN" --tool "$tool" --error-exitcode 86 "$BUILD/tests/gpu/$t" >>"$log" 2>&1
+    EPX_GPU_TEST_QUICK=1 timeout 100 "$SAN" --tool "$tool" --error-exitcode 86 "$BUILD/tests/gpu/$t" >>"$log" 2>&1
     rc=$?
     case $rc in
       0) verdict "$tool $t" PASS ;;
-      124) verdict "$tool $t" "TIMEOUT (240 s)" ;;
+      124) verdict "$tool $t" "TIMEOUT (100 s)" ;;
       86) verdict "$tool $t" "FAIL (errors found)" ;;
       *) verdict "$tool $t" "FAIL (exit $rc)" ;;
     esac
   done
 done
-
-# Benchmark and PyTorch baselines.
-BENCH_OK=0
-if [ $BUILD_OK = 1 ] && nvcc -O3 -std=c++17 -arch=sm_90 -Iinclude -Isrc bench/gpu/bench_gpu.cu -o "$WORK/bench_gpu" \
-  -L"$BUILD" -lepx -Xlinker -rpath -Xlinker "$PWD/$BUILD" >"$OUTDIR/bench.log" 2>&1; then
-  "$WORK/bench_gpu" "$WORK" >>"$OUTDIR/bench.log" 2>&1 && BENCH_OK=1
-fi
-[ $BENCH_OK = 1 ] && verdict "benchmark (host-checked dispatch/combine, timings)" PASS ||
-  verdict "benchmark (host-checked dispatch/combine, timings)" FAIL
-PYTHONUNBUFFERED=1 timeout 300 python3 bench/gpu/bench_torch.py "$WORK" >"$OUTDIR/torch.log" 2>&1 &&
-  verdict "PyTorch baselines" PASS || verdict "PyTorch baselines" FAIL
 
 {
   echo
