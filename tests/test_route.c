@@ -831,6 +831,23 @@ static void test_route_large_logits(void **state) {
     check_against_reference(&c, T, moved, NULL, "shifted logits");
     tu_free(moved);
   }
+  /* One logit 100 above the rest, at every position: exp(100) overflows
+   * float32 unless the row's true maximum is subtracted. */
+  {
+    float spikes[13 * 13] = {0};
+    for (int t = 0; t < E; t++) spikes[t * E + t] = 100.0f;
+    epx_route_config_t c1 = config_make(E, 1);
+    c1.z_loss_coeff = 1.0f;
+    outs o1;
+    outs_alloc(&o1, E, E, 1);
+    ROUTE_OK(epx_route(&c1, E, spikes, NULL, &o1.out));
+    for (int t = 0; t < E; t++) {
+      assert_int_equal(o1.idx[t], t);
+      assert_true(o1.w[t] == 1.0f);
+    }
+    assert_true(close_enough(*o1.z, 10000.0, W_ATOL, W_RTOL));
+    outs_free(&o1);
+  }
   /* Sigmoid scores that all underflow to 0: renormalised weights are 0, not NaN. */
   for (int64_t i = 0; i < T * E; i++) l[i] = -150.0f + l[i];
   epx_route_config_t c = config_make(E, K);
