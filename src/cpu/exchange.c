@@ -631,10 +631,11 @@ static epx_status_t move_backward(epx_buffer_t b, struct epx_cpu_plan *p, const 
       const void **rows_of = malloc(sizeof(void *) * (size_t)K);
       float *w_of = malloc(sizeof(float) * (size_t)K);
       failed = !acc || !rows_of || !w_of;
-      if (!failed) {
+      /* Every thread must reach the worksharing loop (a thread that skips
+       * it leaves the others at its barrier); one without scratch idles. */
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < p->T; t++) combine_token(&pass, t, cursor, acc, rows_of, w_of);
-      }
+      for (int64_t t = 0; t < p->T; t++)
+        if (!failed) combine_token(&pass, t, cursor, acc, rows_of, w_of);
       free(acc);
       free(rows_of);
       free(w_of);
