@@ -798,6 +798,25 @@ static void test_dedup_equals_collective(void **state) {
     }
 }
 
+/* Large enough (T * H >= 64K) that one rank splits its tokens over threads:
+ * the same checks, on the parallel path. */
+static void test_large_batch(void **state) {
+  (void)state;
+  tu_rng_t rng = {0x5eed000a};
+  const int64_t T = 520, H = 128;
+  const int32_t E = 8, K = 2;
+  routing_t r = routing_random(&rng, T, E, K, 0.7);
+  routing_locate_dropless(&r);
+  case_t em = {EPX_BFLOAT16, EPX_LAYOUT_EXPERT_MAJOR, 8, EPX_WEIGHTS_IN_COMBINE, 1, H};
+  check_case(&rng, &r, &em);
+  case_t rm = {EPX_FLOAT16, EPX_LAYOUT_RANK_MAJOR, 1, EPX_WEIGHTS_NONE, 1, H};
+  check_case(&rng, &r, &rm);
+  routing_locate_capacity(&rng, &r, 150);
+  case_t cap = {EPX_FLOAT32, EPX_LAYOUT_CAPACITY, 1, EPX_WEIGHTS_IN_DISPATCH, 1, H};
+  check_case(&rng, &r, &cap);
+  routing_free(&r);
+}
+
 /* ------------------------------------------------------------------------ */
 /* Capacity mode by hand                                                     */
 /* ------------------------------------------------------------------------ */
@@ -1023,6 +1042,7 @@ int main(void) {
       cmocka_unit_test(test_all_dropped),
       cmocka_unit_test(test_repeatable),
       cmocka_unit_test(test_dedup_equals_collective),
+      cmocka_unit_test(test_large_batch),
       cmocka_unit_test(test_capacity_by_hand),
       cmocka_unit_test(test_tensor_parallel_slicing),
   };
