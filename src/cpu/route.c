@@ -336,11 +336,6 @@ static float route_chosen_sum(const float *p, const int32_t *chosen, int32_t K) 
   return sum;
 }
 
-/* Route q of the queue (spec item 6) as an index into [T, K]. */
-static int64_t route_queue_at(epx_queue_order_t order, int64_t q, int64_t T, int32_t K) {
-  return order == EPX_QUEUE_BY_TOKEN ? q : (q % T) * K + q / T;
-}
-
 /* One candidate of an over-full expert under drop-by-probability. */
 typedef struct route_candidate {
   float weight;
@@ -398,10 +393,13 @@ static epx_status_t route_locate(const epx_route_config_t *c, int64_t T, int32_t
   const int64_t routes = T * K;
   int64_t *offsets = NULL, *queue = NULL;
   route_candidate *cand = NULL;
+  /* Positions: a running count per expert in queue order (spec item 6). */
   memset(counts, 0, sizeof(int32_t) * (size_t)E);
-  for (int64_t q = 0; q < routes; q++) {
-    const int64_t r = route_queue_at(c->queue_order, q, T, K);
-    loc[r] = idx[r] < 0 ? -1 : counts[idx[r]]++;
+  if (c->queue_order == EPX_QUEUE_BY_TOKEN) {
+    for (int64_t r = 0; r < routes; r++) loc[r] = idx[r] < 0 ? -1 : counts[idx[r]]++;
+  } else {
+    for (int32_t k = 0; k < K; k++)
+      for (int64_t r = k; r < routes; r += K) loc[r] = idx[r] < 0 ? -1 : counts[idx[r]]++;
   }
   if (!c->capacity_mode) return EPX_SUCCESS;
   if (c->drop_policy == EPX_DROP_BY_POSITION) {
