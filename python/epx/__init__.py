@@ -1,0 +1,1097 @@
+"""epx — expert-parallel exchange for Mixture-of-Experts layers, from Python.
+
+A ctypes binding of libepx (include/epx.h is the contract). It mirrors the C
+API call for call:
+
+- every status other than EPX_SUCCESS raises :class:`EpxError`, carrying the
+  status and the library's message (``epx_last_error()``);
+- the config structs are ctypes Structures whose defaults are the C
+  ``*_INIT`` macros' (:class:`RouteConfig`, :class:`BufferConfig`,
+  :class:`CommConfig`);
+- the objects (:class:`Comm`, :class:`LocalWorld`, :class:`Buffer`,
+  :class:`Handle`, :class:`Recorder`) have ``close()`` and are context
+  managers; closing a parent closes its children first (handles before
+  buffers before comms), and garbage collection releases what was not closed;
+- arrays are numpy arrays, C-contiguous, of the exact dtype, payloads 16-byte
+  aligned (:func:`empty` allocates them so). bfloat16 has no numpy dtype: it
+  travels as uint16 (:func:`to_bf16` / :func:`from_bf16` convert).
+
+ctypes releases the GIL during every library call, so ranks of the local
+transport run as Python threads (:func:`run_local`). On CUDA buffers every
+tensor lives on the device: use :mod:`epx.torch` there.
+
+The shortest layer step, on one rank::
+
+    import numpy as np, epx
+    logits = np.random.randn(64, 8).astype(np.float32)
+    x = epx.empty((64, 32), np.float32); x[:] = np.random.randn(64, 32)
+    r = epx.route(logits, top_k=2)
+    with epx.Comm.create_self() as comm, comm.buffer(hidden=32, num_experts=8, max_top_k=2) as buf:
+        h = buf.dispatch_layout(r)
+        recv_x = buf.dispatch(h, x)
+        out = buf.combine(h, recv_x * 2)          # an expert that doubles
+"""
+import ctypes
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from . import _lib
+from ._lib import (BufferConfig, CommConfig, DType, Device, DropPolicy, Exchange, Layout,
+                   Nonfinite, QueueOrder, RecorderMode, RouteConfig, ScoreFn, Status, Weighting)
+
+lib = _lib.lib
+library_path = _lib.path
+
+__version__ = "%d.%d.%d" % _lib.VERSION
+CONFIG_VERSION = _lib.CONFIG_VERSION
+PAYLOAD_ALIGNMENT = 16
+
+__all__ = [
+    "EpxError", "Status", "DType", "Device", "ScoreFn", "QueueOrder", "DropPolicy", "Nonfinite",
+    "Exchange", "Layout", "Weighting", "RecorderMode", "RouteConfig", "BufferConfig",
+    "CommConfig", "RouteResult", "HandleStats", "RecorderStats", "Comm", "LocalWorld",
+    "Buffer", "Handle", "Recorder", "route", "route_backward", "run_local", "empty", "zeros",
+    "asarray", "convert", "to_bf16", "from_bf16", "dtype_size", "has_cuda", "has_mpi",
+    "reference_dense_dispatch", "reference_dense_combine", "numpy_dtype",
+]
+
+# The C enumerators under their C names (epx.EPX_BFLOAT16, epx.EPX_WEIGHTS_IN_COMBINE, ...).
+for _enum, _prefix in ((Status, "EPX_"), (DType, "EPX_"), (Device, "EPX_DEVICE_"),
+                       (ScoreFn, "EPX_SCORE_"), (QueueOrder, "EPX_QUEUE_"),
+                       (DropPolicy, "EPX_DROP_"), (Nonfinite, "EPX_NONFINITE_"),
+                       (Exchange, "EPX_EXCHANGE_"), (Layout, "EPX_LAYOUT_"),
+                       (Weighting, "EPX_WEIGHTS_"), (RecorderMode, "EPX_RECORDER_")):
+    for _member in _enum:
+        globals()[_prefix + _member.name] = _member
+        __all__.append(_prefix + _member.name)
+del _enum, _prefix, _member
+
+# ---------------------------------------------------------------------------
+# Errors
+# ---------------------------------------------------------------------------
+
+
+class EpxError(RuntimeError):
+    """A call that did not return EPX_SUCCESS.
+
+    ``status`` is the :class:`Status`, ``status_name`` its C name
+    ("EPX_ERROR_TIMEOUT") and ``message`` the library's epx_last_error() (or,
+    for a check made in Python before the call, a message in the same form:
+    the function, the argument, the fix). Nothing the caller owns was changed.
+    """
+
+    def __init__(self, status, message):
+        try:
+            self.status = Status(status)
+            self.status_name = "EPX_" + self.status.name
+        except ValueError:
+            self.status = int(status)
+            self.status_name = lib.epx_status_string(int(status)).decode()
+        self.message = message
+        super().__init__("%s: %s" % (self.status_name, message))
+
+    def __reduce__(self):
+        return (type(self), (int(self.status), self.message))
+
+
+def _check(status):
+    if status != 0:
+        # The message first: it is valid until this thread's next epx call.
+        message = lib.epx_last_error().decode("utf-8", "replace")
+        raise EpxError(status, message)
+
+
+def _refuse(status, fmt, *args):
+    raise EpxError(status, fmt % args if args else fmt)
+
+
+def _invalid(fmt, *args):
+    _refuse(Status.ERROR_INVALID_ARGUMENT, fmt, *args)
+
+
+# ---------------------------------------------------------------------------
+# Numbers and arrays
+# ---------------------------------------------------------------------------
+
+_NP_OF_DTYPE = {DType.FLOAT32: np.dtype(np.float32), DType.BFLOAT16: np.dtype(np.uint16),
+                DType.FLOAT16: np.dtype(np.float16)}
+_DTYPE_NAMES = {"float32": DType.FLOAT32, "f32": DType.FLOAT32, "bfloat16": DType.BFLOAT16,
+                "bf16": DType.BFLOAT16, "float16": DType.FLOAT16, "f16": DType.FLOAT16,
+                "half": DType.FLOAT16}
+
+
+def _as_dtype(dtype):
+    """An epx DType from a DType, its int, a name ("bf16") or a numpy dtype
+    (uint16 is the carrier of bfloat16)."""
+    if isinstance(dtype, DType):
+        return dtype
+    if isinstance(dtype, (int, np.integer)) and not isinstance(dtype, bool):
+        return DType(int(dtype))
+    if isinstance(dtype, str) and dtype.lower() in _DTYPE_NAMES:
+        return _DTYPE_NAMES[dtype.lower()]
+    nd = np.dtype(dtype)
+    if nd.name == "bfloat16":
+        return DType.BFLOAT16
+    for d, n in _NP_OF_DTYPE.items():
+        if n == nd:
+            return d
+    raise TypeError("epx: %r is not an epx dtype; use epx.DType.FLOAT32, BFLOAT16 or FLOAT16 "
+                    "(numpy float32, uint16 for bfloat16, float16)" % (dtype,))
+
+
+def numpy_dtype(dtype):
+    """The numpy dtype that carries an epx dtype (bfloat16 -> uint16)."""
+    return _NP_OF_DTYPE[_as_dtype(dtype)]
+
+
+def _np_dtype(dtype):
+    if isinstance(dtype, (DType, str)) or (isinstance(dtype, (int, np.integer))
+                                           and not isinstance(dtype, bool)):
+        return numpy_dtype(dtype)
+    return np.dtype(dtype)
+
+
+def dtype_size(dtype):
+    """Bytes of one element (epx_dtype_size)."""
+    return int(lib.epx_dtype_size(int(_as_dtype(dtype))))
+
+
+def has_cuda():
+    """Whether this libepx has the CUDA backend."""
+    return bool(lib.epx_has_cuda())
+
+
+def has_mpi():
+    """Whether this libepx has the MPI transport."""
+    return bool(lib.epx_has_mpi())
+
+
+def empty(shape, dtype=np.float32, alignment=64):
+    """An uninitialised C-contiguous array whose data is `alignment`-byte
+    aligned (payloads need 16). dtype may be a numpy dtype or an epx DType
+    (BFLOAT16 gives uint16)."""
+    if alignment < 1 or alignment & (alignment - 1):
+        raise ValueError("epx.empty: alignment %r is not a power of two" % (alignment,))
+    nd = _np_dtype(dtype)
+    shape = (int(shape),) if np.isscalar(shape) else tuple(int(s) for s in shape)
+    if any(s < 0 for s in shape):
+        raise ValueError("epx.empty: shape %r has a negative dimension" % (shape,))
+    nbytes = int(np.prod(shape, dtype=np.int64)) * nd.itemsize
+    raw = np.empty(nbytes + alignment, dtype=np.uint8)
+    start = (-raw.ctypes.data) % alignment
+    return raw[start:start + nbytes].view(nd).reshape(shape)
+
+
+def zeros(shape, dtype=np.float32, alignment=64):
+    """Like :func:`empty`, filled with zeros."""
+    a = empty(shape, dtype, alignment)
+    a.fill(0)
+    return a
+
+
+def asarray(a, dtype=None, alignment=PAYLOAD_ALIGNMENT):
+    """`a` itself when it is already a C-contiguous, aligned array of dtype,
+    else an aligned copy (dtype may be an epx DType)."""
+    nd = _np_dtype(dtype) if dtype is not None else None
+    if (isinstance(a, np.ndarray) and (nd is None or a.dtype == nd) and a.flags.c_contiguous
+            and a.ctypes.data % alignment == 0):
+        return a
+    src = np.asarray(a, dtype=nd)
+    out = empty(src.shape, src.dtype, max(alignment, 64))
+    out[...] = src
+    return out
+
+
+def _shape_text(shape):
+    return "[" + ", ".join("?" if s is None else str(s) for s in shape) + "]"
+
+
+def _ptr(a, fn, name, dtypes, shape, align=4, writable=False, optional=False):
+    """Checks an argument array and returns its address (None for an absent
+    optional one). shape entries of None match any size."""
+    if a is None:
+        if optional:
+            return None
+        _invalid("%s: %s is None; pass a %s array of shape %s", fn, name,
+                 dtypes[0].name, _shape_text(shape))
+    if not isinstance(a, np.ndarray):
+        _invalid("%s: %s is a %s; pass a numpy array (%s, shape %s)", fn, name,
+                 type(a).__name__, dtypes[0].name, _shape_text(shape))
+    if a.dtype not in dtypes:
+        _invalid("%s: %s has dtype %s; pass %s (convert with .astype(np.%s) or epx.asarray)",
+                 fn, name, a.dtype, " or ".join(d.name for d in dtypes), dtypes[0].name)
+    if a.ndim != len(shape) or any(s is not None and s != n for s, n in zip(shape, a.shape)):
+        _invalid("%s: %s has shape %s; expected %s", fn, name, list(a.shape), _shape_text(shape))
+    if not a.flags.c_contiguous:
+        _invalid("%s: %s is not C-contiguous; pass np.ascontiguousarray(%s) or an epx.empty array",
+                 fn, name, name)
+    if a.ctypes.data % align:
+        _invalid("%s: %s is not %d-byte aligned; allocate it with epx.empty (or copy with "
+                 "epx.asarray)", fn, name, align)
+    if writable and not a.flags.writeable:
+        _invalid("%s: %s is read-only; pass a writable array", fn, name)
+    return a.ctypes.data
+
+
+def _bf16_dtypes():
+    try:
+        import ml_dtypes  # noqa: F401  (registers numpy's "bfloat16" dtype, when installed)
+        return (np.dtype(np.uint16), np.dtype("bfloat16"))
+    except (ImportError, TypeError):
+        return (np.dtype(np.uint16),)
+
+
+_PAYLOAD_DTYPES = {DType.FLOAT32: (np.dtype(np.float32),), DType.BFLOAT16: _bf16_dtypes(),
+                   DType.FLOAT16: (np.dtype(np.float16),)}
+
+
+def _payload_dtypes(dtype):
+    """The numpy dtypes accepted for a payload of an epx dtype."""
+    return _PAYLOAD_DTYPES[dtype]
+
+
+_I32 = (np.dtype(np.int32),)
+_I64 = (np.dtype(np.int64),)
+_F32 = (np.dtype(np.float32),)
+
+
+def convert(src, dst_dtype, src_dtype=None, out=None):
+    """Converts an array between epx dtypes on the host (epx_convert: round to
+    nearest even). src_dtype defaults to what src's numpy dtype carries
+    (uint16 is bfloat16). Returns an aligned array of dst_dtype's carrier."""
+    dst_dtype = _as_dtype(dst_dtype)
+    src_dtype = _as_dtype(src.dtype if src_dtype is None else src_dtype)
+    fn = "epx.convert"
+    _ptr(src, fn, "src", _payload_dtypes(src_dtype), (None,) * np.ndim(src), align=1)
+    if out is None:
+        out = empty(src.shape, dst_dtype)
+    _ptr(out, fn, "out", _payload_dtypes(dst_dtype), src.shape, align=1, writable=True)
+    _check(lib.epx_convert(int(dst_dtype), out.ctypes.data, int(src_dtype), src.ctypes.data,
+                           src.size))
+    return out
+
+
+def to_bf16(a, out=None):
+    """float32 (or anything numpy can cast to float32) -> bfloat16 carried as
+    uint16, rounded to nearest even by epx_convert."""
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    return convert(a, DType.BFLOAT16, DType.FLOAT32, out)
+
+
+def from_bf16(a, out=None):
+    """bfloat16 carried as uint16 -> float32 (exact)."""
+    return convert(a, DType.FLOAT32, DType.BFLOAT16, out)
+
+
+# ---------------------------------------------------------------------------
+# Routing
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class RouteResult:
+    """What :func:`route` returns. Optional outputs are None when not asked for."""
+    topk_idx: np.ndarray                  # [T, K] int32 expert ids, best first; -1 = dropped
+    topk_w: np.ndarray                    # [T, K] float32; 0 where dropped
+    locations: Optional[np.ndarray]       # [T, K] int32 slot in the expert's queue; -1 where dropped
+    expert_counts: Optional[np.ndarray]   # [E] int32 routes chosen per expert before dropping
+    aux_loss: Optional[float]
+    z_loss: Optional[float]
+    capacity: int                         # C in capacity mode, 0 in dropless mode
+    nonfinite_tokens: int                 # tokens dropped for NaN/Inf logits
+    config: RouteConfig                   # the config it was routed with
+
+
+def _route_config(config, logits_shape, fields):
+    if config is None:
+        if "num_experts" not in fields and len(logits_shape) == 2:
+            fields = dict(fields, num_experts=logits_shape[1])
+        return RouteConfig(**fields)
+    if not isinstance(config, RouteConfig):
+        raise TypeError("epx.route: config is a %s; pass an epx.RouteConfig" % type(config).__name__)
+    return config.copy(**fields) if fields else config
+
+
+def _host_config(config, fn):
+    if config.device != Device.CPU:
+        _refuse(Status.ERROR_UNSUPPORTED, "%s: config.device is EPX_DEVICE_CUDA; numpy arrays are "
+                "host memory: use epx.torch.route for device tensors", fn)
+
+
+def route(logits, config=None, *, bias=None, locations=True, expert_counts=True, losses=True,
+          **fields):
+    """Routes T tokens (epx_route): logits [T, E] float32 -> :class:`RouteResult`.
+
+    config is a :class:`RouteConfig`; keyword arguments set its fields (with
+    no config, num_experts defaults to E). bias [E] float32 shifts selection
+    only. locations / expert_counts / losses=False skip those outputs.
+    """
+    fn = "epx.route"
+    config = _route_config(config, np.shape(logits), fields)
+    _host_config(config, fn)
+    E, K = int(config.num_experts), int(config.top_k)
+    pl = _ptr(logits, fn, "logits", _F32, (None, E if E > 0 else None))
+    pb = _ptr(bias, fn, "bias", _F32, (E,), optional=True)
+    T = logits.shape[0]
+    Kc = max(K, 0)
+    idx, w = empty((T, Kc), np.int32), empty((T, Kc), np.float32)
+    loc = empty((T, Kc), np.int32) if locations else None
+    counts = empty((max(E, 0),), np.int32) if expert_counts else None
+    aux, z = (empty((1,), np.float32), empty((1,), np.float32)) if losses else (None, None)
+    out = _lib.RouteOutput()
+    out.topk_idx, out.topk_w = idx.ctypes.data, w.ctypes.data
+    out.locations = loc.ctypes.data if loc is not None else None
+    out.expert_counts = counts.ctypes.data if counts is not None else None
+    out.aux_loss = aux.ctypes.data if aux is not None else None
+    out.z_loss = z.ctypes.data if z is not None else None
+    _check(lib.epx_route(ctypes.byref(config), T, pl, pb, ctypes.byref(out)))
+    return RouteResult(idx, w, loc, counts, float(aux[0]) if losses else None,
+                       float(z[0]) if losses else None, int(out.capacity),
+                       int(out.nonfinite_tokens), config.copy())
+
+
+def route_backward(logits, topk_idx, grad_topk_w=None, config=None, *, bias=None,
+                   grad_aux_loss=0.0, grad_z_loss=0.0, out=None, **fields):
+    """Gradient of :func:`route` (epx_route_backward): returns grad_logits [T, E].
+
+    topk_idx is the forward's [T, K] output, or its RouteResult (whose config
+    is then used unless one is given). grad_topk_w [T, K] float32 (None =
+    zeros); grad_aux_loss / grad_z_loss are the losses' gradients.
+    """
+    fn = "epx.route_backward"
+    if isinstance(topk_idx, RouteResult):
+        if config is None:
+            config = topk_idx.config
+        topk_idx = topk_idx.topk_idx
+    config = _route_config(config, np.shape(logits), fields)
+    _host_config(config, fn)
+    E, K = int(config.num_experts), int(config.top_k)
+    pl = _ptr(logits, fn, "logits", _F32, (None, E if E > 0 else None))
+    T = logits.shape[0]
+    pb = _ptr(bias, fn, "bias", _F32, (E,), optional=True)
+    pi = _ptr(topk_idx, fn, "topk_idx", _I32, (T, K))
+    pg = _ptr(grad_topk_w, fn, "grad_topk_w", _F32, (T, K), optional=True)
+    if out is None:
+        out = empty((T, max(E, 0)), np.float32)
+    po = _ptr(out, fn, "out", _F32, (T, E), writable=True)
+    _check(lib.epx_route_backward(ctypes.byref(config), T, pl, pb, pi, pg, float(grad_aux_loss),
+                                  float(grad_z_loss), po))
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Objects: ownership and the order of release
+# ---------------------------------------------------------------------------
+#
+# A child holds a strong reference to its parent (Handle -> Buffer -> Comm ->
+# LocalWorld; a Recorder -> the Buffers it recorded on), so garbage collection
+# can never free a parent before its children; a parent keeps weak references
+# to its children so that close() can release them first.
+
+
+def _released(fn, what, fix):
+    _refuse(Status.ERROR_INVALID_HANDLE, "%s: the %s was %s", fn, what, fix)
+
+
+class Comm:
+    """A group of ranks (epx_comm_t). Make one with :meth:`create_self`,
+    :meth:`LocalWorld.comm` or :meth:`from_mpi`.
+
+    close() is collective for local and MPI comms (every rank closes);
+    it closes the comm's buffers first. Garbage collection closes only a
+    one-rank comm: a collective close from a collector could wait on peers.
+    """
+
+    def __init__(self, _ptr_value, _world=None):
+        self._ptr = _ptr_value
+        self._world = _world
+        self._lock = threading.RLock()
+        self._buffers = weakref.WeakSet()
+        r, s = ctypes.c_int32(), ctypes.c_int32()
+        _check(lib.epx_comm_rank(self._ptr, ctypes.byref(r)))
+        _check(lib.epx_comm_size(self._ptr, ctypes.byref(s)))
+        self.rank, self.size = r.value, s.value
+
+    @classmethod
+    def create_self(cls):
+        """A comm of one rank (epx_comm_create_self)."""
+        p = ctypes.c_void_p()
+        _check(lib.epx_comm_create_self(ctypes.byref(p)))
+        return cls(p.value)
+
+    @classmethod
+    def from_mpi(cls, mpi_comm, config=None, **fields):
+        """The MPI transport over an mpi4py communicator (or the address of an
+        MPI_Comm); collective. The library duplicates it."""
+        if config is None:
+            config = CommConfig(**fields)
+        elif fields:
+            config = config.copy(**fields)
+        if isinstance(mpi_comm, int):
+            address = mpi_comm
+        else:
+            from mpi4py import MPI
+            address = MPI._addressof(mpi_comm)
+        p = ctypes.c_void_p()
+        _check(lib.epx_comm_create_mpi(address, ctypes.byref(config), ctypes.byref(p)))
+        return cls(p.value)
+
+    def _handle(self, fn):
+        if self._ptr is None:
+            _released(fn, "comm", "closed; create a new one")
+        return self._ptr
+
+    @property
+    def closed(self):
+        return self._ptr is None
+
+    def buffer(self, config=None, **fields):
+        """A :class:`Buffer` over this comm (collective)."""
+        return Buffer(self, config, **fields)
+
+    def close(self):
+        """Closes the comm's buffers (and their handles), then the comm
+        (epx_comm_destroy, collective). Closing a closed comm does nothing."""
+        with self._lock:
+            buffers = list(self._buffers)
+        for b in buffers:
+            b.close()
+        with self._lock:
+            ptr, self._ptr = self._ptr, None
+        if ptr is None:
+            return
+        status = lib.epx_comm_destroy(ptr)
+        if status == Status.ERROR_BUSY:
+            self._ptr = ptr
+        _check(status)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            if self._ptr is not None and self.size == 1:
+                self.close()
+        except Exception:
+            pass
+
+    def __repr__(self):
+        return "<epx.Comm rank %d of %d%s>" % (self.rank, self.size, " closed" if self.closed else "")
+
+
+class LocalWorld:
+    """W ranks as threads of this process (epx_local_world_create). Each
+    rank's thread calls :meth:`comm` with its rank; see :func:`run_local`."""
+
+    def __init__(self, size, config=None, **fields):
+        if config is None:
+            config = CommConfig(**fields)
+        elif fields:
+            config = config.copy(**fields)
+        p = ctypes.c_void_p()
+        _check(lib.epx_local_world_create(int(size), ctypes.byref(config), ctypes.byref(p)))
+        self._ptr = p.value
+        self.size = int(size)
+        self.config = config.copy()
+
+    def comm(self, rank):
+        """This rank's comm (epx_comm_create_local; collective over the world)."""
+        if self._ptr is None:
+            _released("LocalWorld.comm", "local world", "closed; create a new one")
+        p = ctypes.c_void_p()
+        _check(lib.epx_comm_create_local(self._ptr, int(rank), ctypes.byref(p)))
+        return Comm(p.value, self)
+
+    @property
+    def closed(self):
+        return self._ptr is None
+
+    def close(self):
+        """epx_local_world_destroy: after every comm of the world is closed
+        (EpxError EPX_ERROR_BUSY otherwise)."""
+        ptr, self._ptr = self._ptr, None
+        if ptr is None:
+            return
+        status = lib.epx_local_world_destroy(ptr)
+        if status == Status.ERROR_BUSY:
+            self._ptr = ptr
+        _check(status)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def run_local(world_size, fn, *args, timeout_seconds=None, **kwargs):
+    """Runs ``fn(comm, *args, **kwargs)`` on `world_size` ranks of the local
+    transport, one Python thread each, and returns the results by rank.
+
+    Each rank's comm is closed when its fn returns (closing what it left
+    open). If a rank raises, the exception of the lowest such rank is raised
+    once every thread has finished; a rank whose peers stopped answering
+    gets EPX_ERROR_TIMEOUT after timeout_seconds (the comm's default when
+    None), so keep it short in tests. One rank runs on the calling thread
+    with the self comm.
+    """
+    if world_size == 1:
+        with Comm.create_self() as comm:
+            return [fn(comm, *args, **kwargs)]
+    fields = {} if timeout_seconds is None else {"timeout_seconds": float(timeout_seconds)}
+    world = LocalWorld(world_size, **fields)
+    results = [None] * world_size
+    errors = [None] * world_size
+
+    def rank_main(rank):
+        try:
+            comm = world.comm(rank)
+        except BaseException as e:  # noqa: B902  (reported to the caller below)
+            errors[rank] = e
+            return
+        try:
+            results[rank] = fn(comm, *args, **kwargs)
+        except BaseException as e:  # noqa: B902
+            errors[rank] = e
+        finally:
+            try:
+                comm.close()
+            except BaseException as e:  # noqa: B902
+                if errors[rank] is None:
+                    errors[rank] = e
+
+    threads = [threading.Thread(target=rank_main, args=(r,), name="epx-rank-%d" % r, daemon=True)
+               for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    world.close()
+    # The cause before its echoes: a rank's own error before peers' TIMEOUT/PEER_FAILED.
+    echoes = (Status.ERROR_TIMEOUT, Status.ERROR_PEER_FAILED)
+    failed = [r for r in range(world_size) if errors[r] is not None]
+    if failed:
+        causes = [r for r in failed if getattr(errors[r], "status", None) not in echoes]
+        rank = (causes or failed)[0]
+        err = errors[rank]
+        if hasattr(err, "add_note"):
+            err.add_note("(raised on rank %d of %d in epx.run_local)" % (rank, world_size))
+        raise err
+    return results
+
+
+@dataclass(frozen=True)
+class HandleStats:
+    """epx_handle_stats_t: rows and bytes this rank sends to / receives from
+    other ranks in dispatch (self excluded), and the rows it sends itself."""
+    send_rows: int
+    recv_rows: int
+    send_bytes: int
+    recv_bytes: int
+    local_rows: int
+
+
+@dataclass(frozen=True)
+class RecorderStats:
+    """epx_recorder_stats_t."""
+    records: int
+    replays: int
+    fallbacks: int
+    bytes_held: int
+    bytes_avoided: int
+
+
+class Buffer:
+    """The exchange memory of one MoE layer over a comm (epx_buffer_create,
+    collective). config is a :class:`BufferConfig`; keyword arguments set its
+    fields (dtype may also be a name or numpy dtype)."""
+
+    def __init__(self, comm, config=None, **fields):
+        if "dtype" in fields:
+            fields["dtype"] = _as_dtype(fields["dtype"])
+        if config is None:
+            config = BufferConfig(**fields)
+        elif fields:
+            config = config.copy(**fields)
+        ptr = comm._handle("Buffer")
+        p = ctypes.c_void_p()
+        _check(lib.epx_buffer_create(ptr, ctypes.byref(config), ctypes.byref(p)))
+        self._ptr = p.value
+        self.comm = comm
+        self.config = config.copy()
+        self.dtype = DType(config.dtype)
+        self.device = Device(config.device)
+        self.hidden = int(config.hidden)
+        self.num_experts = int(config.num_experts)
+        self.experts_per_rank = self.num_experts // comm.size
+        self.layout = Layout(config.layout)
+        self._payload = _payload_dtypes(self.dtype)
+        self._lock = threading.RLock()
+        self._handles = weakref.WeakSet()
+        with comm._lock:
+            comm._buffers.add(self)
+
+    # -- state ---------------------------------------------------------------
+
+    def _handle_ptr(self, fn):
+        if self._ptr is None:
+            _released(fn, "buffer", "closed; create a new one")
+        return self._ptr
+
+    @property
+    def closed(self):
+        return self._ptr is None
+
+    @property
+    def np_dtype(self):
+        """The numpy dtype of payload arrays (uint16 for bfloat16)."""
+        return _NP_OF_DTYPE[self.dtype]
+
+    @property
+    def max_tokens(self):
+        """Agreed tokens per rank (0 until the first dispatch_layout agrees it)."""
+        v = ctypes.c_int64()
+        _check(lib.epx_buffer_max_tokens(self._handle_ptr("Buffer.max_tokens"), ctypes.byref(v)))
+        return v.value
+
+    def max_recv_rows(self):
+        """Upper bound of any handle's recv rows on this buffer."""
+        v = ctypes.c_int64()
+        _check(lib.epx_buffer_max_recv_rows(self._handle_ptr("Buffer.max_recv_rows"),
+                                            ctypes.byref(v)))
+        return v.value
+
+    def set_stream(self, stream):
+        """The CUDA stream (a cudaStream_t as an int) of later calls."""
+        _check(lib.epx_buffer_set_stream(self._handle_ptr("Buffer.set_stream"), stream))
+
+    def close(self):
+        """Releases the handles this Python code still holds on the buffer,
+        then destroys it (epx_buffer_destroy, not collective). A recorder
+        holding handles keeps it busy: EpxError EPX_ERROR_BUSY, and the buffer
+        stays open until the recorder is closed. Closing twice does nothing."""
+        with self._lock:
+            handles = list(self._handles)
+        for h in handles:
+            h.release()
+        with self._lock:
+            ptr, self._ptr = self._ptr, None
+        if ptr is None:
+            return
+        status = lib.epx_buffer_destroy(ptr)
+        if status == Status.ERROR_BUSY:
+            self._ptr = ptr
+        _check(status)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __repr__(self):
+        return "<epx.Buffer %s H=%d E=%d rank %d of %d%s>" % (
+            self.dtype.name.lower(), self.hidden, self.num_experts, self.comm.rank, self.comm.size,
+            " closed" if self.closed else "")
+
+    def _host(self, fn):
+        if self.device != Device.CPU:
+            _refuse(Status.ERROR_UNSUPPORTED, "%s: the buffer is a CUDA buffer and numpy arrays are "
+                    "host memory; use epx.torch with CUDA tensors", fn)
+
+    # -- pointer level (used by epx.torch; no argument checks here) ----------
+
+    def _layout(self, num_tokens, top_k, idx, w, loc, weighting, recorder):
+        fn = "Buffer.dispatch_layout"
+        r = _lib.Routing(int(num_tokens), int(top_k), idx, w, loc, int(weighting))
+        rec = recorder._handle_ptr(fn) if recorder is not None else None
+        p = ctypes.c_void_p()
+        _check(lib.epx_dispatch_layout(self._handle_ptr(fn), ctypes.byref(r), rec, ctypes.byref(p)))
+        h = Handle(self, p.value, int(num_tokens), int(top_k), Weighting(weighting))
+        if recorder is not None:
+            recorder._buffers.add(self)
+        return h
+
+    def _dispatch(self, handle, x, recv_x, capacity):
+        _check(lib.epx_dispatch(self._handle_ptr("Buffer.dispatch"), handle._use(self, "Buffer.dispatch"),
+                                x, recv_x, int(capacity)))
+
+    def _combine(self, handle, expert_out, out):
+        _check(lib.epx_combine(self._handle_ptr("Buffer.combine"), handle._use(self, "Buffer.combine"),
+                               expert_out, out))
+
+    def _dispatch_backward(self, handle, grad_recv_x, grad_x, x, grad_w):
+        fn = "Buffer.dispatch_backward"
+        _check(lib.epx_dispatch_backward(self._handle_ptr(fn), handle._use(self, fn), grad_recv_x,
+                                         grad_x, x, grad_w))
+
+    def _combine_backward(self, handle, grad_out, expert_out, grad_expert_out, grad_w):
+        fn = "Buffer.combine_backward"
+        _check(lib.epx_combine_backward(self._handle_ptr(fn), handle._use(self, fn), grad_out,
+                                        expert_out, grad_expert_out, grad_w))
+
+    # -- numpy level ---------------------------------------------------------
+
+    def dispatch_layout(self, topk_idx, topk_w=None, locations=None, *,
+                        weighting=Weighting.IN_COMBINE, recorder=None):
+        """The layout of a dispatch (epx_dispatch_layout, collective) -> :class:`Handle`.
+
+        topk_idx [T, K] int32 (or a :class:`RouteResult`, which also gives
+        topk_w and, for the capacity layout, locations); topk_w [T, K] float32
+        (None only with Weighting.NONE); locations [T, K] int32 for
+        Layout.CAPACITY. recorder: a :class:`Recorder` or None.
+        """
+        fn = "Buffer.dispatch_layout"
+        self._host(fn)
+        if isinstance(topk_idx, RouteResult):
+            rr = topk_idx
+            topk_idx = rr.topk_idx
+            if topk_w is None and weighting != Weighting.NONE:
+                topk_w = rr.topk_w
+            if locations is None and self.layout == Layout.CAPACITY:
+                locations = rr.locations
+        if not isinstance(topk_idx, np.ndarray) or topk_idx.ndim != 2:
+            _ptr(topk_idx, fn, "topk_idx", _I32, (None, None))
+        T, K = topk_idx.shape
+        pi = _ptr(topk_idx, fn, "topk_idx", _I32, (T, K))
+        pw = _ptr(topk_w, fn, "topk_w", _F32, (T, K), optional=True)
+        pl = _ptr(locations, fn, "locations", _I32, (T, K), optional=True)
+        return self._layout(T, K, pi, pw, pl, weighting, recorder)
+
+    def _rows_out(self, out, rows, fn, name):
+        """An output [rows, H] payload array: `out` checked, or a new one."""
+        if out is None:
+            return empty((rows, self.hidden), self.np_dtype), rows
+        _ptr(out, fn, name, self._payload, (None,) * max(np.ndim(out), 1), align=PAYLOAD_ALIGNMENT,
+             writable=True)
+        if out.ndim < 2 or out.shape[-1] != self.hidden:
+            _invalid("%s: %s has shape %s; expected [rows, %d]", fn, name, list(out.shape),
+                     self.hidden)
+        return out, int(np.prod(out.shape[:-1], dtype=np.int64))
+
+    def _payload_in(self, a, rows, fn, name):
+        return _ptr(a, fn, name, self._payload, (rows, self.hidden), align=PAYLOAD_ALIGNMENT)
+
+    def dispatch(self, handle, x, out=None):
+        """x [T, H] -> recv_x [N, H] in the buffer's layout (epx_dispatch,
+        collective). out: an array of at least N rows ([..., H], aligned) to
+        fill, or None to allocate; returns its first N rows."""
+        fn = "Buffer.dispatch"
+        self._host(fn)
+        n = handle.recv_rows
+        px = self._payload_in(x, handle.num_tokens, fn, "x")
+        out, capacity = self._rows_out(out, n, fn, "out")
+        self._dispatch(handle, px, out.ctypes.data, capacity)
+        return out if capacity == n and out.ndim == 2 else out.reshape(-1, self.hidden)[:n]
+
+    def combine(self, handle, expert_out, out=None):
+        """expert_out [N, H] -> out [T, H] = sum_k w[t,k] * expert_out(t,k)
+        (epx_combine, collective)."""
+        fn = "Buffer.combine"
+        self._host(fn)
+        pe = self._payload_in(expert_out, handle.recv_rows, fn, "expert_out")
+        if out is None:
+            out = empty((handle.num_tokens, self.hidden), self.np_dtype)
+        po = _ptr(out, fn, "out", self._payload, (handle.num_tokens, self.hidden),
+                  align=PAYLOAD_ALIGNMENT, writable=True)
+        self._combine(handle, pe, po)
+        return out
+
+    def _grad_w(self, handle, grad_w, needed, inputs_given, fn, input_name, weighting_name):
+        """The grad_w array of a backward call (None when not computed)."""
+        if grad_w is False or handle.weighting != needed:
+            if grad_w is not None and grad_w is not False:
+                _invalid("%s: grad_w is given but the handle's weights were not applied in %s; "
+                         "pass grad_w=None", fn, weighting_name)
+            return None
+        if not inputs_given:
+            _invalid("%s: %s is None but the handle's weights were applied in %s, so grad_w "
+                     "needs the forward's %s; pass it (grad_w is what the router learns from), "
+                     "or grad_w=False to skip it", fn, input_name, weighting_name, input_name)
+        if grad_w is None:
+            return empty((handle.num_tokens, handle.top_k), np.float32)
+        _ptr(grad_w, fn, "grad_w", _F32, (handle.num_tokens, handle.top_k), writable=True)
+        return grad_w
+
+    def dispatch_backward(self, handle, grad_recv_x, x=None, *, grad_x=None, grad_w=None):
+        """grad_recv_x [N, H] -> (grad_x [T, H], grad_w [T, K] or None)
+        (epx_dispatch_backward, collective). With Weighting.IN_DISPATCH, grad_w
+        needs x (the forward's input); grad_w=False skips it."""
+        fn = "Buffer.dispatch_backward"
+        self._host(fn)
+        pg = self._payload_in(grad_recv_x, handle.recv_rows, fn, "grad_recv_x")
+        gw = self._grad_w(handle, grad_w, Weighting.IN_DISPATCH, x is not None, fn, "x", "dispatch")
+        if gw is None and x is not None:
+            if handle.weighting != Weighting.IN_DISPATCH:
+                _invalid("%s: x is given but the handle's weights were not applied in dispatch; "
+                         "pass x=None", fn)
+            x = None
+        px = self._payload_in(x, handle.num_tokens, fn, "x") if x is not None else None
+        if grad_x is None:
+            grad_x = empty((handle.num_tokens, self.hidden), self.np_dtype)
+        pgx = _ptr(grad_x, fn, "grad_x", self._payload, (handle.num_tokens, self.hidden),
+                   align=PAYLOAD_ALIGNMENT, writable=True)
+        self._dispatch_backward(handle, pg, pgx, px, gw.ctypes.data if gw is not None else None)
+        return grad_x, gw
+
+    def combine_backward(self, handle, grad_out, expert_out=None, *, grad_expert_out=None,
+                         grad_w=None):
+        """grad_out [T, H] -> (grad_expert_out [N, H], grad_w [T, K] or None)
+        (epx_combine_backward, collective). With Weighting.IN_COMBINE, grad_w
+        needs expert_out (the forward's input): it is what the router learns
+        from; grad_w=False skips it."""
+        fn = "Buffer.combine_backward"
+        self._host(fn)
+        pg = self._payload_in(grad_out, handle.num_tokens, fn, "grad_out")
+        gw = self._grad_w(handle, grad_w, Weighting.IN_COMBINE, expert_out is not None, fn,
+                          "expert_out", "combine")
+        if gw is None and expert_out is not None:
+            if handle.weighting != Weighting.IN_COMBINE:
+                _invalid("%s: expert_out is given but the handle's weights were not applied in "
+                         "combine; pass expert_out=None", fn)
+            expert_out = None
+        pe = (self._payload_in(expert_out, handle.recv_rows, fn, "expert_out")
+              if expert_out is not None else None)
+        if grad_expert_out is None:
+            grad_expert_out = empty((handle.recv_rows, self.hidden), self.np_dtype)
+        pge = _ptr(grad_expert_out, fn, "grad_expert_out", self._payload,
+                   (handle.recv_rows, self.hidden), align=PAYLOAD_ALIGNMENT, writable=True)
+        self._combine_backward(handle, pg, pe, pge, gw.ctypes.data if gw is not None else None)
+        return grad_expert_out, gw
+
+
+class Handle:
+    """The layout of one dispatch (epx_handle_t; one reference of it). It
+    drives dispatch, combine and both backward passes on its buffer.
+    release()/close() drops the reference; using it afterwards raises
+    EpxError EPX_ERROR_INVALID_HANDLE. Closing the buffer releases it too."""
+
+    def __init__(self, buffer, ptr, num_tokens, top_k, weighting):
+        self._ptr = ptr
+        self.buffer = buffer
+        self.num_tokens = num_tokens
+        self.top_k = top_k
+        self.weighting = weighting
+        with buffer._lock:
+            buffer._handles.add(self)
+
+    def _use(self, buffer, fn):
+        if self._ptr is None:
+            _released(fn, "handle", "released (or its buffer closed); keep the Handle open, or "
+                      "retain() it, while you still need it")
+        if buffer is not None and buffer is not self.buffer:
+            _refuse(Status.ERROR_INVALID_HANDLE, "%s: the handle belongs to another buffer; pass "
+                    "the buffer its dispatch_layout was called on", fn)
+        return self._ptr
+
+    @property
+    def released(self):
+        return self._ptr is None
+
+    closed = released
+
+    def release(self):
+        """Drops this reference (epx_handle_release). Releasing twice does nothing."""
+        with self.buffer._lock:
+            ptr, self._ptr = self._ptr, None
+        if ptr is not None:
+            _check(lib.epx_handle_release(ptr))
+
+    close = release
+
+    def retain(self):
+        """Another reference to the same layout (epx_handle_retain), released separately."""
+        ptr = self._use(None, "Handle.retain")
+        _check(lib.epx_handle_retain(ptr))
+        return Handle(self.buffer, ptr, self.num_tokens, self.top_k, self.weighting)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+
+    def __del__(self):
+        try:
+            self.release()
+        except Exception:
+            pass
+
+    def __repr__(self):
+        if self._ptr is None:
+            return "<epx.Handle released>"
+        return "<epx.Handle T=%d K=%d N=%d %s>" % (self.num_tokens, self.top_k, self.recv_rows,
+                                                   self.weighting.name)
+
+    @property
+    def recv_rows(self):
+        """Row count N of the receive layout."""
+        v = ctypes.c_int64()
+        _check(lib.epx_handle_recv_rows(self._use(None, "Handle.recv_rows"), ctypes.byref(v)))
+        return v.value
+
+    def _host(self, fn):
+        self.buffer._host(fn)
+        return self._use(None, fn)
+
+    def expert_counts(self):
+        """(counts [E_local] int64, offsets [E_local + 1] int64): rows per
+        local expert before padding, and each group's first row."""
+        ptr = self._host("Handle.expert_counts")
+        n = self.buffer.experts_per_rank
+        counts, offsets = empty((n,), np.int64), empty((n + 1,), np.int64)
+        _check(lib.epx_handle_expert_counts(ptr, counts.ctypes.data, offsets.ctypes.data))
+        return counts, offsets
+
+    def recv_routing(self):
+        """(recv_expert int32, recv_w float32) of each received row: [N] for
+        the expert-major and capacity layouts, [N, K] for rank-major."""
+        ptr = self._host("Handle.recv_routing")
+        n = self.recv_rows
+        shape = (n, self.top_k) if self.buffer.layout == Layout.RANK_MAJOR else (n,)
+        expert, w = empty(shape, np.int32), empty(shape, np.float32)
+        _check(lib.epx_handle_recv_routing(ptr, expert.ctypes.data, w.ctypes.data))
+        return expert, w
+
+    def recv_source(self):
+        """(src_rank [N] int32, src_token [N] int32) of each received row (-1 for padding)."""
+        ptr = self._host("Handle.recv_source")
+        n = self.recv_rows
+        rank, token = empty((n,), np.int32), empty((n,), np.int32)
+        _check(lib.epx_handle_recv_source(ptr, rank.ctypes.data, token.ctypes.data))
+        return rank, token
+
+    def stats(self):
+        """:class:`HandleStats` of the dispatch."""
+        s = _lib.HandleStatsStruct()
+        _check(lib.epx_handle_stats(self._use(None, "Handle.stats"), ctypes.byref(s)))
+        return HandleStats(s.send_rows, s.recv_rows, s.send_bytes, s.recv_bytes, s.local_rows)
+
+
+class Recorder:
+    """Activation-checkpoint recorder (epx_recorder_t): in RECORD mode each
+    dispatch_layout given it is logged; in REPLAY mode each one returns the
+    next recorded handle with no exchange. validate: replays hash the routing
+    and refuse a difference (EPX_ERROR_REPLAY_MISMATCH, collective)."""
+
+    def __init__(self, validate=True):
+        p = ctypes.c_void_p()
+        _check(lib.epx_recorder_create(1 if validate else 0, ctypes.byref(p)))
+        self._ptr = p.value
+        self.validate = bool(validate)
+        self.mode = RecorderMode.RECORD
+        self._buffers = set()  # strong: the recorded handles keep these buffers busy
+
+    def _handle_ptr(self, fn):
+        if self._ptr is None:
+            _released(fn, "recorder", "closed; create a new one")
+        return self._ptr
+
+    @property
+    def closed(self):
+        return self._ptr is None
+
+    def set_mode(self, mode):
+        """RecorderMode.RECORD or REPLAY (switching to replay rewinds)."""
+        _check(lib.epx_recorder_set_mode(self._handle_ptr("Recorder.set_mode"), int(mode)))
+        self.mode = RecorderMode(mode)
+        return self
+
+    def record(self):
+        return self.set_mode(RecorderMode.RECORD)
+
+    def replay(self):
+        return self.set_mode(RecorderMode.REPLAY)
+
+    def stats(self):
+        s = _lib.RecorderStatsStruct()
+        _check(lib.epx_recorder_stats(self._handle_ptr("Recorder.stats"), ctypes.byref(s)))
+        return RecorderStats(s.records, s.replays, s.fallbacks, s.bytes_held, s.bytes_avoided)
+
+    def close(self):
+        """Releases every handle it holds (epx_recorder_destroy)."""
+        ptr, self._ptr = self._ptr, None
+        if ptr is not None:
+            self._buffers.clear()
+            _check(lib.epx_recorder_destroy(ptr))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+# ---------------------------------------------------------------------------
+# Dense references (the oracle of the tests)
+# ---------------------------------------------------------------------------
+
+
+def _dense(fn, call, dtype, payload, payload_name, payload_shape, out_shape, topk_idx, topk_w,
+           locations, num_experts, capacity, weighting):
+    dtype = _as_dtype(dtype)
+    if not isinstance(topk_idx, np.ndarray) or topk_idx.ndim != 2:
+        _ptr(topk_idx, fn, "topk_idx", _I32, (None, None))
+    T, K = topk_idx.shape
+    H = payload_shape[-1]
+    pi = _ptr(topk_idx, fn, "topk_idx", _I32, (T, K))
+    pw = _ptr(topk_w, fn, "topk_w", _F32, (T, K), optional=True)
+    pl = _ptr(locations, fn, "locations", _I32, (T, K))
+    shape = tuple(T if s == "T" else s for s in payload_shape)
+    px = _ptr(payload, fn, payload_name, _payload_dtypes(dtype), shape, align=PAYLOAD_ALIGNMENT)
+    out = empty(tuple(T if s == "T" else s for s in out_shape), numpy_dtype(dtype))
+    _check(call(int(dtype), T, H, int(num_experts), int(capacity), K, pi, pw, pl, int(weighting),
+                px, out.ctypes.data))
+    return out
+
+
+def reference_dense_dispatch(x, topk_idx, topk_w, locations, num_experts, capacity,
+                             weighting=Weighting.IN_COMBINE, dtype=None):
+    """The dense one-hot dispatch, the einsum `sec,sm->ecm`
+    (epx_reference_dense_dispatch): x [T, H] -> [E, C, H], weighted by topk_w
+    only with Weighting.IN_DISPATCH."""
+    dtype = _as_dtype(x.dtype) if dtype is None else dtype
+    H = np.shape(x)[-1]
+    return _dense("epx.reference_dense_dispatch", lib.epx_reference_dense_dispatch, dtype, x, "x",
+                  ("T", H), (num_experts, capacity, H), topk_idx, topk_w, locations, num_experts,
+                  capacity, weighting)
+
+
+def reference_dense_combine(expert_out, topk_idx, topk_w, locations,
+                            weighting=Weighting.IN_COMBINE, dtype=None):
+    """The dense one-hot combine, the einsum `sec,ecm->sm`
+    (epx_reference_dense_combine): expert_out [E, C, H] -> [T, H], weighted by
+    topk_w only with Weighting.IN_COMBINE."""
+    dtype = _as_dtype(expert_out.dtype) if dtype is None else dtype
+    if np.ndim(expert_out) != 3:
+        _invalid("epx.reference_dense_combine: expert_out has shape %s; expected [E, C, H]",
+                 list(np.shape(expert_out)))
+    E, C, H = expert_out.shape
+    return _dense("epx.reference_dense_combine", lib.epx_reference_dense_combine, dtype,
+                  expert_out, "expert_out", (E, C, H), ("T", H), topk_idx, topk_w, locations, E, C,
+                  weighting)

@@ -1,0 +1,335 @@
+"""Loading libepx and declaring its C signatures (ctypes).
+
+Everything here mirrors include/epx.h one to one: the enums, the config and
+output structs (with the defaults of the C *_INIT macros) and the prototype
+of every public function. The pythonic layer in epx/__init__.py sits on top.
+"""
+import ctypes
+import ctypes.util
+import enum
+import os
+import pathlib
+
+# ---------------------------------------------------------------------------
+# Finding the library
+# ---------------------------------------------------------------------------
+
+_NAMES = ("libepx.so", "libepx.so.0", "libepx.dylib")
+
+
+def _candidates():
+    """Where libepx is looked for, in order: $EPX_LIBRARY, next to the
+    package, the repository's build directory, then the system loader."""
+    env = os.environ.get("EPX_LIBRARY")
+    if env:
+        return [env], True
+    here = pathlib.Path(__file__).resolve().parent
+    dirs = [here, here.parent, here.parent.parent / "build"]
+    paths = [str(d / n) for d in dirs for n in _NAMES]
+    return paths, False
+
+
+def _load():
+    paths, from_env = _candidates()
+    if from_env:
+        try:
+            return ctypes.CDLL(paths[0]), paths[0]
+        except OSError as e:
+            raise ImportError(
+                "epx: EPX_LIBRARY=%s could not be loaded (%s); point it at the libepx.so "
+                "of a build (cmake --build <dir> --target epx)" % (paths[0], e)) from e
+    for p in paths:
+        if os.path.exists(p):
+            return ctypes.CDLL(p), p
+    system = ctypes.util.find_library("epx")
+    for name in ([system] if system else []) + list(_NAMES):
+        try:
+            return ctypes.CDLL(name), name
+        except OSError:
+            continue
+    raise ImportError(
+        "epx: libepx was not found; looked at $EPX_LIBRARY (unset), %s and the system "
+        "loader. Build it (cmake -S . -B build && cmake --build build --target epx) or "
+        "set EPX_LIBRARY to the path of libepx.so" % ", ".join(paths))
+
+
+lib, path = _load()
+
+# ---------------------------------------------------------------------------
+# Enums (values as in epx.h)
+# ---------------------------------------------------------------------------
+
+
+class Status(enum.IntEnum):
+    SUCCESS = 0
+    ERROR_INVALID_ARGUMENT = 1
+    ERROR_OUT_OF_MEMORY = 2
+    ERROR_UNSUPPORTED = 3
+    ERROR_CAPACITY_EXCEEDED = 4
+    ERROR_SHAPE_MISMATCH = 5
+    ERROR_INVALID_HANDLE = 6
+    ERROR_BUSY = 7
+    ERROR_TIMEOUT = 8
+    ERROR_PEER_FAILED = 9
+    ERROR_TRANSPORT = 10
+    ERROR_REPLAY_MISMATCH = 11
+    ERROR_CUDA = 12
+    ERROR_INTERNAL = 13
+
+
+class DType(enum.IntEnum):
+    FLOAT32 = 0
+    BFLOAT16 = 1
+    FLOAT16 = 2
+
+
+class Device(enum.IntEnum):
+    CPU = 0
+    CUDA = 1
+
+
+class ScoreFn(enum.IntEnum):
+    SOFTMAX = 0
+    SIGMOID = 1
+
+
+class QueueOrder(enum.IntEnum):
+    BY_CHOICE = 0
+    BY_TOKEN = 1
+
+
+class DropPolicy(enum.IntEnum):
+    BY_POSITION = 0
+    BY_PROBABILITY = 1
+
+
+class Nonfinite(enum.IntEnum):
+    ERROR = 0
+    DROP = 1
+
+
+class Exchange(enum.IntEnum):
+    DEDUP = 0
+    COLLECTIVE = 1
+
+
+class Layout(enum.IntEnum):
+    EXPERT_MAJOR = 0
+    RANK_MAJOR = 1
+    CAPACITY = 2
+
+
+class Weighting(enum.IntEnum):
+    IN_COMBINE = 0
+    IN_DISPATCH = 1
+    NONE = 2
+
+
+class RecorderMode(enum.IntEnum):
+    RECORD = 0
+    REPLAY = 1
+
+
+CONFIG_VERSION = 1
+VERSION = (0, 1, 0)
+
+# ---------------------------------------------------------------------------
+# Structs
+# ---------------------------------------------------------------------------
+
+_enum = ctypes.c_int
+
+
+class _Config(ctypes.Structure):
+    """A versioned config: struct_size and version are filled in, every other
+    field starts at the C *_INIT macro's value, keyword arguments override."""
+    _defaults = {}
+
+    def __init__(self, **fields):
+        super().__init__()
+        self.struct_size = ctypes.sizeof(self)
+        self.version = CONFIG_VERSION
+        for name, value in self._defaults.items():
+            setattr(self, name, value)
+        names = {f[0] for f in self._fields_}
+        for name, value in fields.items():
+            if name not in names or name in ("struct_size", "version"):
+                raise TypeError("%s has no settable field %r; fields: %s" % (
+                    type(self).__name__, name,
+                    ", ".join(f[0] for f in self._fields_[2:])))
+            setattr(self, name, value)
+
+    def copy(self, **fields):
+        """A copy with some fields changed."""
+        c = type(self)()
+        ctypes.memmove(ctypes.byref(c), ctypes.byref(self), ctypes.sizeof(self))
+        for name, value in fields.items():
+            if name not in {f[0] for f in self._fields_} or name in ("struct_size", "version"):
+                raise TypeError("%s has no settable field %r" % (type(self).__name__, name))
+            setattr(c, name, value)
+        return c
+
+    def __repr__(self):
+        return "%s(%s)" % (type(self).__name__, ", ".join(
+            "%s=%r" % (f[0], getattr(self, f[0])) for f in self._fields_[2:]))
+
+
+class RouteConfig(_Config):
+    """epx_route_config_t; defaults of EPX_ROUTE_CONFIG_INIT."""
+    _fields_ = [
+        ("struct_size", ctypes.c_uint32),
+        ("version", ctypes.c_uint32),
+        ("num_experts", ctypes.c_int32),
+        ("top_k", ctypes.c_int32),
+        ("score_fn", _enum),
+        ("num_groups", ctypes.c_int32),
+        ("topk_groups", ctypes.c_int32),
+        ("renormalize", ctypes.c_int32),
+        ("scaling_factor", ctypes.c_float),
+        ("capacity_mode", ctypes.c_int32),
+        ("capacity_factor", ctypes.c_float),
+        ("min_capacity", ctypes.c_int32),
+        ("queue_order", _enum),
+        ("drop_policy", _enum),
+        ("aux_loss_coeff", ctypes.c_float),
+        ("z_loss_coeff", ctypes.c_float),
+        ("nonfinite", _enum),
+        ("device", _enum),
+        ("stream", ctypes.c_void_p),
+    ]
+    _defaults = dict(num_experts=0, top_k=0, score_fn=ScoreFn.SOFTMAX, num_groups=0, topk_groups=0,
+                     renormalize=1, scaling_factor=1.0, capacity_mode=0, capacity_factor=1.0,
+                     min_capacity=0, queue_order=QueueOrder.BY_CHOICE,
+                     drop_policy=DropPolicy.BY_POSITION, aux_loss_coeff=0.0, z_loss_coeff=0.0,
+                     nonfinite=Nonfinite.ERROR, device=Device.CPU, stream=None)
+
+
+class RouteOutput(ctypes.Structure):
+    """epx_route_output_t (the caller owns every array)."""
+    _fields_ = [
+        ("topk_idx", ctypes.c_void_p),
+        ("topk_w", ctypes.c_void_p),
+        ("locations", ctypes.c_void_p),
+        ("expert_counts", ctypes.c_void_p),
+        ("aux_loss", ctypes.c_void_p),
+        ("z_loss", ctypes.c_void_p),
+        ("capacity", ctypes.c_int32),
+        ("nonfinite_tokens", ctypes.c_int64),
+    ]
+
+
+class CommConfig(_Config):
+    """epx_comm_config_t; defaults of EPX_COMM_CONFIG_INIT."""
+    _fields_ = [
+        ("struct_size", ctypes.c_uint32),
+        ("version", ctypes.c_uint32),
+        ("timeout_seconds", ctypes.c_double),
+    ]
+    _defaults = dict(timeout_seconds=60.0)
+
+
+class BufferConfig(_Config):
+    """epx_buffer_config_t; defaults of EPX_BUFFER_CONFIG_INIT."""
+    _fields_ = [
+        ("struct_size", ctypes.c_uint32),
+        ("version", ctypes.c_uint32),
+        ("device", _enum),
+        ("dtype", _enum),
+        ("hidden", ctypes.c_int64),
+        ("num_experts", ctypes.c_int32),
+        ("max_top_k", ctypes.c_int32),
+        ("max_tokens_per_rank", ctypes.c_int64),
+        ("max_tokens_rounding", ctypes.c_int32),
+        ("exchange", _enum),
+        ("layout", _enum),
+        ("expert_alignment", ctypes.c_int32),
+        ("capacity", ctypes.c_int32),
+        ("worst_case_sizing", ctypes.c_int32),
+        ("stream", ctypes.c_void_p),
+    ]
+    _defaults = dict(device=Device.CPU, dtype=DType.FLOAT32, hidden=0, num_experts=0, max_top_k=0,
+                     max_tokens_per_rank=0, max_tokens_rounding=256, exchange=Exchange.DEDUP,
+                     layout=Layout.EXPERT_MAJOR, expert_alignment=1, capacity=0,
+                     worst_case_sizing=0, stream=None)
+
+
+class Routing(ctypes.Structure):
+    """epx_routing_t."""
+    _fields_ = [
+        ("num_tokens", ctypes.c_int64),
+        ("top_k", ctypes.c_int32),
+        ("topk_idx", ctypes.c_void_p),
+        ("topk_w", ctypes.c_void_p),
+        ("locations", ctypes.c_void_p),
+        ("weighting", _enum),
+    ]
+
+
+class HandleStatsStruct(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_int64) for n in
+                ("send_rows", "recv_rows", "send_bytes", "recv_bytes", "local_rows")]
+
+
+class RecorderStatsStruct(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_int64) for n in
+                ("records", "replays", "fallbacks", "bytes_held", "bytes_avoided")]
+
+
+# ---------------------------------------------------------------------------
+# Prototypes
+# ---------------------------------------------------------------------------
+
+_st = ctypes.c_int
+_p = ctypes.c_void_p
+_pp = ctypes.POINTER(ctypes.c_void_p)
+_i32, _i64, _f32, _f64 = ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_double
+_pi32 = ctypes.POINTER(ctypes.c_int32)
+_pi64 = ctypes.POINTER(ctypes.c_int64)
+
+_PROTOTYPES = {
+    "epx_status_string": (ctypes.c_char_p, [_st]),
+    "epx_last_error": (ctypes.c_char_p, []),
+    "epx_dtype_size": (ctypes.c_size_t, [_enum]),
+    "epx_convert": (_st, [_enum, _p, _enum, _p, _i64]),
+    "epx_has_cuda": (ctypes.c_int, []),
+    "epx_has_mpi": (ctypes.c_int, []),
+    "epx_route": (_st, [ctypes.POINTER(RouteConfig), _i64, _p, _p, ctypes.POINTER(RouteOutput)]),
+    "epx_route_backward": (_st, [ctypes.POINTER(RouteConfig), _i64, _p, _p, _p, _p, _f32, _f32, _p]),
+    "epx_comm_create_self": (_st, [_pp]),
+    "epx_local_world_create": (_st, [_i32, ctypes.POINTER(CommConfig), _pp]),
+    "epx_local_world_destroy": (_st, [_p]),
+    "epx_comm_create_local": (_st, [_p, _i32, _pp]),
+    "epx_comm_create_mpi": (_st, [_p, ctypes.POINTER(CommConfig), _pp]),
+    "epx_comm_destroy": (_st, [_p]),
+    "epx_comm_rank": (_st, [_p, _pi32]),
+    "epx_comm_size": (_st, [_p, _pi32]),
+    "epx_buffer_create": (_st, [_p, ctypes.POINTER(BufferConfig), _pp]),
+    "epx_buffer_destroy": (_st, [_p]),
+    "epx_buffer_max_tokens": (_st, [_p, _pi64]),
+    "epx_buffer_max_recv_rows": (_st, [_p, _pi64]),
+    "epx_buffer_set_stream": (_st, [_p, _p]),
+    "epx_dispatch_layout": (_st, [_p, ctypes.POINTER(Routing), _p, _pp]),
+    "epx_dispatch": (_st, [_p, _p, _p, _p, _i64]),
+    "epx_combine": (_st, [_p, _p, _p, _p]),
+    "epx_dispatch_backward": (_st, [_p, _p, _p, _p, _p, _p]),
+    "epx_combine_backward": (_st, [_p, _p, _p, _p, _p, _p]),
+    "epx_handle_recv_rows": (_st, [_p, _pi64]),
+    "epx_handle_recv_rows_device": (_st, [_p, _pp]),
+    "epx_handle_expert_counts": (_st, [_p, _p, _p]),
+    "epx_handle_recv_routing": (_st, [_p, _p, _p]),
+    "epx_handle_recv_source": (_st, [_p, _p, _p]),
+    "epx_handle_stats": (_st, [_p, ctypes.POINTER(HandleStatsStruct)]),
+    "epx_handle_retain": (_st, [_p]),
+    "epx_handle_release": (_st, [_p]),
+    "epx_recorder_create": (_st, [_i32, _pp]),
+    "epx_recorder_set_mode": (_st, [_p, _enum]),
+    "epx_recorder_stats": (_st, [_p, ctypes.POINTER(RecorderStatsStruct)]),
+    "epx_recorder_destroy": (_st, [_p]),
+    "epx_reference_dense_dispatch": (_st, [_enum, _i64, _i64, _i32, _i32, _i32, _p, _p, _p, _enum, _p, _p]),
+    "epx_reference_dense_combine": (_st, [_enum, _i64, _i64, _i32, _i32, _i32, _p, _p, _p, _enum, _p, _p]),
+}
+
+for _name, (_restype, _argtypes) in _PROTOTYPES.items():
+    _fn = getattr(lib, _name)
+    _fn.restype = _restype
+    _fn.argtypes = _argtypes
