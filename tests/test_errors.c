@@ -284,7 +284,8 @@ static void test_k_above_e(void **state) {
   watch(out_w, sizeof out_w, "topk_w");
   EXPECT_REFUSED(epx_route(&rc, 1, logits, NULL, &ro), EPX_ERROR_INVALID_ARGUMENT, "top_k 9 exceeds num_experts 8");
   unwatch_all();
-  float x[H], out[E * 1 * H];
+  _Alignas(16) float x[H] = {0};
+  _Alignas(16) float out[E * 1 * H];
   int32_t loc[E + 1] = {0};
   tu_poison(out, sizeof out);
   watch(out, sizeof out, "out");
@@ -379,7 +380,7 @@ static void test_negative_and_bad_sizes(void **state) {
   }
 
   /* The references. */
-  float out[E * C * H];
+  _Alignas(16) float out[E * C * H];
   tu_poison(out, sizeof out);
   watch(out, sizeof out, "out");
   watch(f->x, sizeof(float) * T * H, "x");
@@ -443,7 +444,7 @@ static void test_unsupported_dtype_and_weighting(void **state) {
   EXPECT_LAYOUT_REFUSED(f, &r, EPX_ERROR_INVALID_ARGUMENT, "routing.weighting 7 is not an epx_weighting_t");
 
   /* The references check dtype and weighting the same way. */
-  float out[E * C * H];
+  _Alignas(16) float out[E * C * H];
   tu_poison(out, sizeof out);
   watch(out, sizeof out, "reference out");
   EXPECT_REFUSED(epx_reference_dense_dispatch((epx_dtype_t)9, T, H, E, C, K, f->idx, f->w, f->loc, EPX_WEIGHTS_NONE, f->x, out),
