@@ -108,8 +108,8 @@ static epx_status_t check_buffer_config(epx_comm_t comm, const epx_buffer_config
               fn, c->num_experts, comm->size);
   EPX_REQUIRE(c->max_top_k >= 1 && c->max_top_k <= c->num_experts,
               "%s: config.max_top_k is %d; it must be in [1, num_experts = %d]", fn, c->max_top_k, c->num_experts);
-  EPX_REQUIRE(c->max_tokens_per_rank >= 0,
-              "%s: config.max_tokens_per_rank is %lld; pass a count >= 0 (0 agrees it at the first dispatch)",
+  EPX_REQUIRE(c->max_tokens_per_rank >= 0 && c->max_tokens_per_rank <= INT32_MAX,
+              "%s: config.max_tokens_per_rank is %lld; pass a count in [0, 2^31) (0 agrees it at the first dispatch)",
               fn, (long long)c->max_tokens_per_rank);
   EPX_REQUIRE(c->max_tokens_rounding >= 1, "%s: config.max_tokens_rounding is %d; pass >= 1", fn, c->max_tokens_rounding);
   EPX_REQUIRE(c->exchange == EPX_EXCHANGE_DEDUP || c->exchange == EPX_EXCHANGE_COLLECTIVE,
@@ -375,7 +375,8 @@ static epx_status_t check_routing(epx_buffer_t b, const epx_routing_t *r, epx_re
   EPX_REQUIRE(r, "%s: routing is NULL; pass an epx_routing_t", fn);
   if (recorder && !epx_registry_has(recorder, EPX_OBJECT_RECORDER))
     return epx_error(EPX_ERROR_INVALID_HANDLE, "%s: recorder is not a live recorder (destroyed?); pass NULL or a recorder from epx_recorder_create", fn);
-  EPX_REQUIRE(r->num_tokens >= 0, "%s: routing.num_tokens is %lld; pass a count >= 0", fn, (long long)r->num_tokens);
+  EPX_REQUIRE(r->num_tokens >= 0 && r->num_tokens <= INT32_MAX,
+              "%s: routing.num_tokens is %lld; pass a count in [0, 2^31)", fn, (long long)r->num_tokens);
   EPX_REQUIRE(r->top_k >= 1 && r->top_k <= c->max_top_k,
               "%s: routing.top_k is %d; it must be in [1, config.max_top_k = %d]%s", fn, r->top_k,
               c->max_top_k, r->top_k > c->num_experts ? " (and top_k cannot exceed num_experts)" : "");
