@@ -1101,6 +1101,73 @@ static void test_route_gradient_drops(void **state) {
   outs_free(&o);
 }
 
+/* Batches of >= 64K logits are split over threads by blocks of tokens: the
+ * same answers as the reference, each token routed as in a small batch, and
+ * refusals name the first bad token of the whole batch. */
+static void test_route_threaded_batches(void **state) {
+  (void)state;
+  tu_rng_t rng = {1515};
+  const int64_t T = 2000;
+  const int32_t E = 64, K = 6;
+  float *l = random_logits(&rng, T, E, 2.0f);
+  float *bias = random_bias(&rng, E, 0.02f);
+  for (int mode = 0; mode < 3; mode++) {
+    epx_route_config_t c = config_make(E, K);
+    c.capacity_mode = mode > 0;
+    c.capacity_factor = 1.0f;
+    c.drop_policy = mode == 2 ? EPX_DROP_BY_PROBABILITY : EPX_DROP_BY_POSITION;
+    c.aux_loss_coeff = 0.01f;
+    c.z_loss_coeff = 0.001f;
+    check_against_reference(&c, T, l, bias, "threaded batch");
+  }
+  epx_route_config_t c = config_make(E, K);
+  c.score_fn = EPX_SCORE_SIGMOID;
+  outs whole, part;
+  outs_alloc(&whole, T, E, K);
+  outs_alloc(&part, 200, E, K);
+  ROUTE_OK(epx_route(&c, T, l, bias, &whole.out));
+  for (int64_t first = 0; first < T; first += 200) {
+    outs_poison(&part);
+    ROUTE_OK(epx_route(&c, 200, l + first * E, bias, &part.out));
+    assert_memory_equal(part.idx, whole.idx + first * K, sizeof(int32_t) * 200 * K);
+    assert_memory_equal(part.w, whole.w + first * K, sizeof(float) * 200 * K);
+  }
+  outs_free(&part);
+
+  /* Gradients of a threaded batch against central differences. */
+  c = config_make(E, K);
+  c.aux_loss_coeff = 0.3f;
+  c.z_loss_coeff = 0.1f;
+  c.capacity_mode = 1;
+  c.capacity_factor = 0.9f;
+  float *gw = random_logits(&rng, T, K, 1.0f);
+  check_gradient(&c, 1100, l, bias, gw, 0.5f, 0.5f, "threaded gradient");
+
+  /* The first bad token is named, not the first one a thread met. */
+  float *grad = tu_alloc(sizeof(float) * (size_t)(T * E));
+  l[1500 * E + 9] = NAN;
+  l[700 * E + 3] = INFINITY;
+  outs_poison(&whole);
+  TU_ASSERT_STATUS(epx_route(&c, T, l, bias, &whole.out), EPX_ERROR_INVALID_ARGUMENT,
+                   "token 700");
+  assert_outs_untouched(&whole, "threaded nonfinite");
+  l[700 * E + 3] = 0.5f;
+  l[1500 * E + 9] = 0.5f;
+  c.capacity_mode = 0; /* no -1 slots: every change below is a mismatch */
+  ROUTE_OK(epx_route(&c, T, l, bias, &whole.out));
+  whole.idx[1900 * K + 2] = (whole.idx[1900 * K + 2] + 1) % E;
+  whole.idx[1200 * K + 1] = (whole.idx[1200 * K + 1] + 1) % E;
+  tu_poison(grad, sizeof(float) * (size_t)(T * E));
+  TU_ASSERT_STATUS(epx_route_backward(&c, T, l, bias, whole.idx, gw, 0, 0, grad),
+                   EPX_ERROR_INVALID_ARGUMENT, "topk_idx[1200, 1]");
+  assert_true(bytes_poisoned(grad, sizeof(float) * (size_t)(T * E)));
+  outs_free(&whole);
+  tu_free(grad);
+  tu_free(gw);
+  tu_free(bias);
+  tu_free(l);
+}
+
 /* ------------------------------------------------------------------------ */
 /* Bad arguments                                                             */
 /* ------------------------------------------------------------------------ */
@@ -1346,6 +1413,7 @@ int main(void) {
       cmocka_unit_test(test_route_nonfinite),
       cmocka_unit_test(test_route_gradients),
       cmocka_unit_test(test_route_gradient_drops),
+      cmocka_unit_test(test_route_threaded_batches),
       cmocka_unit_test(test_route_bad_arguments),
       cmocka_unit_test(test_route_backward_bad_arguments),
       cmocka_unit_test(test_route_deterministic_and_in_place),

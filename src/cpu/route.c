@@ -2,9 +2,10 @@
  * and the auxiliary losses, and the gradient back to the logits. The public
  * entry points check every argument here, hand CUDA configs to the CUDA
  * backend, and otherwise route on the CPU: one pass over the tokens (scores,
- * selection, weights, loss sums), then one pass over the routes in queue order
- * (locations, drops). Results go to scratch first and reach the caller's
- * arrays only once nothing can fail any more. */
+ * selection, weights, loss sums; split over OpenMP threads by blocks of
+ * tokens), then one pass over the routes in queue order (locations, drops).
+ * Results go to scratch first and reach the caller's arrays only once nothing
+ * can fail any more. Every result is independent of the thread count. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -12,6 +13,23 @@
 
 #include "core/error.h"
 #include "cuda/cuda_backend.h"
+
+#ifdef _OPENMP
+#include <omp.h>
+/* The token loops: a local `threads` (1: no parallel region) sizes the team. */
+#define ROUTE_PARALLEL_FOR                                                              \
+  _Pragma("omp parallel for schedule(static) num_threads(threads) if (threads > 1)")
+static int route_thread(void) { return omp_get_thread_num(); }
+static int route_max_threads(void) { return omp_get_max_threads(); }
+#else
+#define ROUTE_PARALLEL_FOR
+static int route_thread(void) { return 0; }
+static int route_max_threads(void) { return 1; }
+#endif
+
+/* Tokens per block of the token loops. Loss sums are taken per block, then
+ * over the blocks in order, so they do not depend on the thread count. */
+#define ROUTE_BLOCK 128
 
 static int route_misaligned(const void *p) { return ((uintptr_t)p & 3u) != 0; }
 
@@ -122,7 +140,7 @@ static int32_t route_first_nonfinite(const float *row, int32_t num_experts) {
 }
 
 /* What one token's routing needs besides its logits: the config's numbers
- * and per-token scratch, allocated once per call. */
+ * and per-token scratch, allocated once per call and thread. */
 typedef struct route_state {
   int32_t num_experts, top_k;
   int32_t num_groups, group_size, topk_groups; /* num_groups 1: no group limit */
@@ -135,6 +153,10 @@ typedef struct route_state {
   uint8_t *group_kept;/* [num_groups] */
   float *top_score;   /* [K] selection scores of the chosen, best first */
   int32_t *candidate; /* [E] experts that may be among the K best, ascending */
+  float *p;           /* [E] one token's scores */
+  double *grad_p;     /* [E] one token's d loss / d p (backward) */
+  double *grad_row;   /* [E] one token's d loss / d logits (backward) */
+  float *softmax;     /* [E] softmax of one token's logits (sigmoid z loss, backward) */
 } route_state;
 
 static void route_state_free(route_state *s) {
@@ -145,6 +167,10 @@ static void route_state_free(route_state *s) {
   free(s->group_kept);
   free(s->top_score);
   free(s->candidate);
+  free(s->p);
+  free(s->grad_p);
+  free(s->grad_row);
+  free(s->softmax);
 }
 
 static epx_status_t route_state_init(const char *fn, const epx_route_config_t *c,
@@ -164,13 +190,51 @@ static epx_status_t route_state_init(const char *fn, const epx_route_config_t *c
   s->group_top = malloc(sizeof(float) * 2 * (size_t)s->num_groups);
   s->top_score = malloc(sizeof(float) * (size_t)c->top_k);
   s->candidate = malloc(sizeof(int32_t) * (size_t)c->num_experts);
+  s->p = malloc(sizeof(float) * (size_t)c->num_experts);
+  s->grad_p = malloc(sizeof(double) * (size_t)c->num_experts);
+  s->grad_row = malloc(sizeof(double) * (size_t)c->num_experts);
+  s->softmax = malloc(sizeof(float) * (size_t)c->num_experts);
   if ((bias && !s->select) || !s->group_score || !s->group_top || !s->group_best ||
-      !s->group_kept || !s->top_score || !s->candidate) {
+      !s->group_kept || !s->top_score || !s->candidate || !s->p || !s->grad_p ||
+      !s->grad_row || !s->softmax) {
     route_state_free(s);
     return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory for %d experts' scratch; "
                      "free memory or route fewer experts", fn, c->num_experts);
   }
   return EPX_SUCCESS;
+}
+
+static void route_states_free(route_state *states, int threads) {
+  if (!states) return;
+  for (int i = 0; i < threads; i++) route_state_free(&states[i]);
+  free(states);
+}
+
+/* One state per thread of the token loops. */
+static epx_status_t route_states_create(const char *fn, const epx_route_config_t *c,
+                                        const float *bias, int threads, route_state **out) {
+  route_state *states = calloc((size_t)threads, sizeof *states);
+  if (!states)
+    return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory for %d threads' scratch; "
+                     "free memory", fn, threads);
+  for (int i = 0; i < threads; i++) {
+    const epx_status_t status = route_state_init(fn, c, bias, &states[i]);
+    if (status != EPX_SUCCESS) {
+      route_states_free(states, threads);
+      return status;
+    }
+  }
+  *out = states;
+  return EPX_SUCCESS;
+}
+
+/* Threads for T tokens of E experts: one below 64K logits, where a parallel
+ * region costs more than it saves; at most one per block. */
+static int route_threads(int64_t T, int32_t E) {
+  const int64_t blocks = (T + ROUTE_BLOCK - 1) / ROUTE_BLOCK;
+  if (T * E < ((int64_t)1 << 16)) return 1;
+  const int most = route_max_threads();
+  return blocks < most ? (int)blocks : most;
 }
 
 /* Max of n >= 1 values in 8 independent lanes, so it vectorises (max is
@@ -450,48 +514,40 @@ fail:
   return status;
 }
 
-static epx_status_t route_cpu(const epx_route_config_t *c, int64_t T, const float *logits,
-                              const float *bias, epx_route_output_t *out) {
-  epx_status_t status = EPX_SUCCESS;
+/* What a block of tokens hands back to the sequential part of a call. */
+typedef struct route_block {
+  int64_t fault_token; /* first token the call must refuse, or -1 */
+  int32_t fault_slot;  /* -1: that token has a NaN/Inf logit; k: topk_idx[token, k] disagrees */
+  int64_t nonfinite;   /* tokens dropped for NaN/Inf logits */
+  double z_sum;        /* sum over valid tokens of logsumexp^2 */
+} route_block;
+
+/* Routes tokens [begin, end) (spec items 1-5, 9): idx and w [T, K]; the
+ * block's sums in blk, and sum over its tokens of q [E] in prob (or NULL). */
+static void route_tokens(const epx_route_config_t *c, route_state *st, const float *logits,
+                         int64_t begin, int64_t end, int want_z, int32_t *idx, float *w,
+                         route_block *blk, double *prob) {
   const int32_t E = c->num_experts, K = c->top_k;
-  const size_t routes = (size_t)T * (size_t)K;
-  const int want_aux = out->aux_loss != NULL, want_z = out->z_loss != NULL;
-  route_state st;
-  status = route_check_bias("epx_route", E, bias);
-  if (status != EPX_SUCCESS) return status;
-  status = route_state_init("epx_route", c, bias, &st);
-  if (status != EPX_SUCCESS) return status;
-  /* idx, w, loc [T, K] and counts [E]: the outputs until they are copied out. */
-  int32_t *idx = malloc(sizeof(int32_t) * (routes ? routes : 1));
-  float *w = malloc(sizeof(float) * (routes ? routes : 1));
-  int32_t *loc = malloc(sizeof(int32_t) * (routes ? routes : 1));
-  int32_t *counts = malloc(sizeof(int32_t) * (size_t)E);
-  float *p = malloc(sizeof(float) * (size_t)E);    /* [E] one token's scores */
-  double *prob_sum = calloc((size_t)E, sizeof(double)); /* [E] sum over tokens of q */
-  if (!idx || !w || !loc || !counts || !p || !prob_sum)
-    EPX_FAIL(EPX_ERROR_OUT_OF_MEMORY, "epx_route: out of memory for %lld tokens' routing "
-             "scratch; free memory or route fewer tokens", (long long)T);
-  int64_t nonfinite = 0;
-  double z_sum = 0.0;
-  for (int64_t t = 0; t < T; t++) {
+  float *p = st->p;
+  *blk = (route_block){-1, -1, 0, 0.0};
+  if (prob) memset(prob, 0, sizeof(double) * (size_t)E);
+  for (int64_t t = begin; t < end; t++) {
     const float *row = logits + (size_t)t * E;
     int32_t *ti = idx + (size_t)t * K;
     float *tw = w + (size_t)t * K;
-    const int32_t bad = route_first_nonfinite(row, E);
-    if (bad >= 0) {
-      if (c->nonfinite == EPX_NONFINITE_ERROR)
-        EPX_FAIL(EPX_ERROR_INVALID_ARGUMENT,
-                 "epx_route: logits of token %lld are not finite (logits[%lld, %d] is %g); "
-                 "fix the logits or set config->nonfinite = EPX_NONFINITE_DROP",
-                 (long long)t, (long long)t, bad, (double)row[bad]);
+    if (route_first_nonfinite(row, E) >= 0) {
+      if (c->nonfinite == EPX_NONFINITE_ERROR) {
+        blk->fault_token = t;
+        return;
+      }
       for (int32_t k = 0; k < K; k++) {
         ti[k] = -1;
         tw[k] = 0.0f;
       }
-      nonfinite++;
+      blk->nonfinite++;
       continue;
     }
-    const double lse = route_select(&st, row, p, ti);
+    const double lse = route_select(st, row, p, ti);
     const float sum = route_chosen_sum(p, ti, K);
     for (int32_t k = 0; k < K; k++) {
       float v = p[ti[k]];
@@ -500,20 +556,67 @@ static epx_status_t route_cpu(const epx_route_config_t *c, int64_t T, const floa
       if (c->renormalize) v = sum > 0.0f ? v / sum : 0.0f;
       tw[k] = v * c->scaling_factor;
     }
-    if (want_aux) {
-      if (st.sigmoid) {
+    if (prob) {
+      if (st->sigmoid) {
         double total = 0.0;
         for (int32_t e = 0; e < E; e++) total += p[e];
         if (total > 0.0)
-          for (int32_t e = 0; e < E; e++) prob_sum[e] += p[e] / total;
+          for (int32_t e = 0; e < E; e++) prob[e] += p[e] / total;
       } else {
-        for (int32_t e = 0; e < E; e++) prob_sum[e] += p[e];
+        for (int32_t e = 0; e < E; e++) prob[e] += p[e];
       }
     }
     if (want_z) {
-      const double l = st.sigmoid ? route_logsumexp(row, E) : lse;
-      z_sum += l * l;
+      const double l = st->sigmoid ? route_logsumexp(row, E) : lse;
+      blk->z_sum += l * l;
     }
+  }
+}
+
+static epx_status_t route_cpu(const epx_route_config_t *c, int64_t T, const float *logits,
+                              const float *bias, epx_route_output_t *out) {
+  static const char fn[] = "epx_route";
+  epx_status_t status = EPX_SUCCESS;
+  const int32_t E = c->num_experts, K = c->top_k;
+  const size_t routes = (size_t)T * (size_t)K, slots = routes ? routes : 1;
+  const int64_t blocks = (T + ROUTE_BLOCK - 1) / ROUTE_BLOCK;
+  const int want_aux = out->aux_loss != NULL, want_z = out->z_loss != NULL;
+  const int threads = route_threads(T, E);
+  route_state *states = NULL;
+  status = route_check_bias(fn, E, bias);
+  if (status != EPX_SUCCESS) return status;
+  status = route_states_create(fn, c, bias, threads, &states);
+  if (status != EPX_SUCCESS) return status;
+  /* idx, w, loc [T, K] and counts [E]: the outputs until they are copied out. */
+  int32_t *idx = malloc(sizeof(int32_t) * slots);
+  float *w = malloc(sizeof(float) * slots);
+  int32_t *loc = malloc(sizeof(int32_t) * slots);
+  int32_t *counts = malloc(sizeof(int32_t) * (size_t)E);
+  route_block *block = malloc(sizeof(route_block) * (size_t)(blocks ? blocks : 1));
+  /* [blocks, E] each block's sum of q, for the aux loss. */
+  double *prob = want_aux ? malloc(sizeof(double) * (size_t)(blocks ? blocks : 1) * E) : NULL;
+  if (!idx || !w || !loc || !counts || !block || (want_aux && !prob))
+    EPX_FAIL(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory for %lld tokens' routing scratch; "
+             "free memory or route fewer tokens", fn, (long long)T);
+  ROUTE_PARALLEL_FOR
+  for (int64_t b = 0; b < blocks; b++) {
+    const int64_t begin = b * ROUTE_BLOCK, end = begin + ROUTE_BLOCK < T ? begin + ROUTE_BLOCK : T;
+    route_tokens(c, &states[route_thread()], logits, begin, end, want_z, idx, w, &block[b],
+                 prob ? prob + (size_t)b * E : NULL);
+  }
+  int64_t nonfinite = 0;
+  double z_sum = 0.0;
+  for (int64_t b = 0; b < blocks; b++) {
+    const int64_t t = block[b].fault_token;
+    if (t >= 0) {
+      const int32_t e = route_first_nonfinite(logits + (size_t)t * E, E);
+      EPX_FAIL(EPX_ERROR_INVALID_ARGUMENT,
+               "%s: logits of token %lld are not finite (logits[%lld, %d] is %g); fix the "
+               "logits or set config->nonfinite = EPX_NONFINITE_DROP",
+               fn, (long long)t, (long long)t, e, (double)logits[(size_t)t * E + e]);
+    }
+    nonfinite += block[b].nonfinite;
+    z_sum += block[b].z_sum;
   }
   const int32_t capacity = c->capacity_mode ? route_capacity(c, T) : 0;
   EPX_CHECK(route_locate(c, T, idx, w, loc, counts, capacity));
@@ -521,8 +624,11 @@ static epx_status_t route_cpu(const epx_route_config_t *c, int64_t T, const floa
   const int64_t valid = T - nonfinite;
   double aux = 0.0, z = 0.0;
   if (valid > 0) {
-    for (int32_t e = 0; e < E; e++)
-      aux += (double)counts[e] / ((double)valid * K) * (prob_sum[e] / (double)valid);
+    for (int32_t e = 0; e < E && want_aux; e++) {
+      double prob_sum = 0.0;
+      for (int64_t b = 0; b < blocks; b++) prob_sum += prob[(size_t)b * E + e];
+      aux += (double)counts[e] / ((double)valid * K) * (prob_sum / (double)valid);
+    }
     aux *= (double)c->aux_loss_coeff * E;
     z = (double)c->z_loss_coeff * z_sum / (double)valid;
   }
@@ -537,13 +643,13 @@ static epx_status_t route_cpu(const epx_route_config_t *c, int64_t T, const floa
   out->capacity = capacity;
   out->nonfinite_tokens = nonfinite;
 fail:
-  route_state_free(&st);
+  route_states_free(states, threads);
   free(idx);
   free(w);
   free(loc);
   free(counts);
-  free(p);
-  free(prob_sum);
+  free(block);
+  free(prob);
   return status;
 }
 
@@ -577,85 +683,69 @@ epx_status_t epx_route(const epx_route_config_t *config, int64_t num_tokens, con
   return route_cpu(config, num_tokens, logits, bias, output);
 }
 
-/* Gradient (spec item 10). Pass 1 recomputes every token's selection, checks
- * it against the forward's topk_idx and counts routes per expert (f_e of the
- * aux loss needs all tokens); pass 2 writes grad_logits, so a refused call
- * leaves it untouched. */
-static epx_status_t route_backward_cpu(const epx_route_config_t *c, int64_t T,
-                                       const float *logits, const float *bias,
-                                       const int32_t *topk_idx, const float *grad_topk_w,
-                                       float grad_aux_loss, float grad_z_loss,
-                                       float *grad_logits) {
-  static const char fn[] = "epx_route_backward";
-  epx_status_t status = EPX_SUCCESS;
+/* Backward pass 1 over tokens [begin, end): scores p [T, E], the recomputed
+ * selection chosen [T, K] and logsumexp [T] of valid tokens, finite [T];
+ * stops at the block's first token to refuse (a NaN/Inf logit under
+ * EPX_NONFINITE_ERROR, or a topk_idx that is not this routing's). */
+static void route_recompute(const epx_route_config_t *c, route_state *st, const float *logits,
+                            const int32_t *topk_idx, int64_t begin, int64_t end, float *p,
+                            int32_t *chosen, double *lse, uint8_t *finite, route_block *blk) {
   const int32_t E = c->num_experts, K = c->top_k;
-  const size_t rows = (size_t)T ? (size_t)T : 1;
-  const int want_aux = grad_aux_loss != 0.0f && c->aux_loss_coeff != 0.0f;
-  const int want_z = grad_z_loss != 0.0f && c->z_loss_coeff != 0.0f;
-  route_state st;
-  status = route_check_bias(fn, E, bias);
-  if (status != EPX_SUCCESS) return status;
-  status = route_state_init(fn, c, bias, &st);
-  if (status != EPX_SUCCESS) return status;
-  float *p_all = malloc(sizeof(float) * rows * (size_t)E);  /* [T, E] scores */
-  int32_t *chosen = malloc(sizeof(int32_t) * rows * (size_t)K); /* [T, K] recomputed */
-  uint8_t *finite = malloc(rows);                               /* [T] token is valid */
-  double *lse = malloc(sizeof(double) * rows);                  /* [T] logsumexp (softmax) */
-  int32_t *counts = calloc((size_t)E, sizeof(int32_t));         /* [E] before dropping */
-  double *aux_grad = malloc(sizeof(double) * (size_t)E);        /* [E] d loss / d q[t,e] */
-  double *grad_p = malloc(sizeof(double) * (size_t)E);          /* [E] one token's d/dp */
-  double *grad_row = malloc(sizeof(double) * (size_t)E);        /* [E] one token's d/dl */
-  float *softmax = malloc(sizeof(float) * (size_t)E);           /* [E] for sigmoid's z loss */
-  if (!p_all || !chosen || !finite || !lse || !counts || !aux_grad || !grad_p || !grad_row ||
-      !softmax)
-    EPX_FAIL(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory for %lld tokens' scratch; free memory "
-             "or route fewer tokens", fn, (long long)T);
-  int64_t valid = 0;
-  for (int64_t t = 0; t < T; t++) {
+  *blk = (route_block){-1, -1, 0, 0.0};
+  for (int64_t t = begin; t < end; t++) {
     const float *row = logits + (size_t)t * E;
-    const int32_t bad = route_first_nonfinite(row, E);
-    finite[t] = bad < 0;
-    if (bad >= 0) {
-      if (c->nonfinite == EPX_NONFINITE_ERROR)
-        EPX_FAIL(EPX_ERROR_INVALID_ARGUMENT,
-                 "%s: logits of token %lld are not finite (logits[%lld, %d] is %g); fix the "
-                 "logits or set config->nonfinite = EPX_NONFINITE_DROP",
-                 fn, (long long)t, (long long)t, bad, (double)row[bad]);
+    finite[t] = route_first_nonfinite(row, E) < 0;
+    if (!finite[t]) {
+      if (c->nonfinite == EPX_NONFINITE_ERROR) {
+        blk->fault_token = t;
+        return;
+      }
+      blk->nonfinite++;
       continue;
     }
-    valid++;
     int32_t *ch = chosen + (size_t)t * K;
-    lse[t] = route_select(&st, row, p_all + (size_t)t * E, ch);
+    lse[t] = route_select(st, row, p + (size_t)t * E, ch);
     for (int32_t k = 0; k < K; k++) {
       const int32_t fwd = topk_idx[(size_t)t * K + k];
-      if (fwd != -1 && fwd != ch[k])
-        EPX_FAIL(EPX_ERROR_INVALID_ARGUMENT,
-                 "%s: topk_idx[%lld, %d] is %d but the routing recomputed from logits and bias "
-                 "chose expert %d; pass the forward's topk_idx with its logits, bias and config",
-                 fn, (long long)t, k, fwd, ch[k]);
-      counts[ch[k]]++;
+      if (fwd != -1 && fwd != ch[k]) {
+        blk->fault_token = t;
+        blk->fault_slot = k;
+        return;
+      }
     }
   }
-  for (int32_t e = 0; e < E; e++)
-    aux_grad[e] = want_aux && valid > 0
-                      ? (double)grad_aux_loss * c->aux_loss_coeff * E * counts[e] /
-                            ((double)valid * K) / (double)valid
-                      : 0.0;
-  const double z_grad = want_z && valid > 0
-                            ? 2.0 * (double)grad_z_loss * c->z_loss_coeff / (double)valid
-                            : 0.0;
-  for (int64_t t = 0; t < T; t++) {
+}
+
+/* What backward pass 2 needs besides one token's row. */
+typedef struct route_grad_args {
+  const float *p;            /* [T, E] */
+  const int32_t *chosen;     /* [T, K] */
+  const double *lse;         /* [T] */
+  const uint8_t *finite;     /* [T] */
+  const int32_t *topk_idx;   /* [T, K] the forward's */
+  const float *grad_topk_w;  /* [T, K] or NULL */
+  const double *aux_grad;    /* [E] d loss / d q[t, e], or NULL */
+  double z_grad;             /* 2 * grad_z_loss * z_loss_coeff / T_valid, or 0 */
+} route_grad_args;
+
+/* Backward pass 2 over tokens [begin, end) (spec item 10): grad_logits rows. */
+static void route_token_grads(const epx_route_config_t *c, route_state *st,
+                              const float *logits, const route_grad_args *a, int64_t begin,
+                              int64_t end, float *grad_logits) {
+  const int32_t E = c->num_experts, K = c->top_k;
+  double *grad_p = st->grad_p, *grad_row = st->grad_row;
+  for (int64_t t = begin; t < end; t++) {
     float *out = grad_logits + (size_t)t * E;
-    if (!finite[t]) {
+    if (!a->finite[t]) {
       memset(out, 0, sizeof(float) * (size_t)E);
       continue;
     }
-    const float *p = p_all + (size_t)t * E;
-    const int32_t *ch = chosen + (size_t)t * K;
+    const float *p = a->p + (size_t)t * E;
+    const int32_t *ch = a->chosen + (size_t)t * K;
     for (int32_t e = 0; e < E; e++) grad_p[e] = 0.0;
-    if (grad_topk_w) {
-      const int32_t *fwd = topk_idx + (size_t)t * K;
-      const float *gw = grad_topk_w + (size_t)t * K;
+    if (a->grad_topk_w) {
+      const int32_t *fwd = a->topk_idx + (size_t)t * K;
+      const float *gw = a->grad_topk_w + (size_t)t * K;
       const double scale = c->scaling_factor;
       if (c->renormalize) {
         /* w_k = s * a_k / S with S over all K chosen, dropped ones included. */
@@ -671,51 +761,124 @@ static epx_status_t route_backward_cpu(const epx_route_config_t *c, int64_t T,
           if (fwd[k] >= 0) grad_p[ch[k]] += scale * gw[k];
       }
     }
-    if (want_aux) {
-      if (st.sigmoid) {
+    if (a->aux_grad) {
+      const double *h = a->aux_grad;
+      if (st->sigmoid) {
         /* q = p / sum(p): d/dp_j sum_e h_e q_e = (h_j - sum_e h_e q_e) / sum(p). */
         double total = 0.0, hq = 0.0;
         for (int32_t e = 0; e < E; e++) total += p[e];
         if (total > 0.0) {
-          for (int32_t e = 0; e < E; e++) hq += aux_grad[e] * p[e];
+          for (int32_t e = 0; e < E; e++) hq += h[e] * p[e];
           hq /= total;
-          for (int32_t e = 0; e < E; e++) grad_p[e] += (aux_grad[e] - hq) / total;
+          for (int32_t e = 0; e < E; e++) grad_p[e] += (h[e] - hq) / total;
         }
       } else {
-        for (int32_t e = 0; e < E; e++) grad_p[e] += aux_grad[e];
+        for (int32_t e = 0; e < E; e++) grad_p[e] += h[e];
       }
     }
-    if (st.sigmoid) {
+    if (st->sigmoid) {
       for (int32_t e = 0; e < E; e++) grad_row[e] = grad_p[e] * p[e] * (1.0 - p[e]);
     } else {
       double dot = 0.0;
       for (int32_t e = 0; e < E; e++) dot += grad_p[e] * p[e];
       for (int32_t e = 0; e < E; e++) grad_row[e] = p[e] * (grad_p[e] - dot);
     }
-    if (want_z) {
+    if (a->z_grad != 0.0) {
       const float *sm = p;
-      double row_lse = lse[t];
-      if (st.sigmoid) {
-        row_lse = route_softmax(logits + (size_t)t * E, E, softmax);
-        sm = softmax;
+      double row_lse = a->lse[t];
+      if (st->sigmoid) {
+        row_lse = route_softmax(logits + (size_t)t * E, E, st->softmax);
+        sm = st->softmax;
       }
-      const double scale = z_grad * row_lse;
+      const double scale = a->z_grad * row_lse;
       for (int32_t e = 0; e < E; e++) grad_row[e] += scale * sm[e];
     }
     /* Written last: grad_logits may be the logits themselves. */
     for (int32_t e = 0; e < E; e++) out[e] = (float)grad_row[e];
   }
+}
+
+/* Gradient (spec item 10). Pass 1 recomputes every token's selection and
+ * checks it against the forward's topk_idx; the routes per expert (f_e of the
+ * aux loss) need all tokens; pass 2 writes grad_logits, so a refused call
+ * leaves it untouched. */
+static epx_status_t route_backward_cpu(const epx_route_config_t *c, int64_t T,
+                                       const float *logits, const float *bias,
+                                       const int32_t *topk_idx, const float *grad_topk_w,
+                                       float grad_aux_loss, float grad_z_loss,
+                                       float *grad_logits) {
+  static const char fn[] = "epx_route_backward";
+  epx_status_t status = EPX_SUCCESS;
+  const int32_t E = c->num_experts, K = c->top_k;
+  const size_t rows = (size_t)T ? (size_t)T : 1;
+  const int64_t blocks = (T + ROUTE_BLOCK - 1) / ROUTE_BLOCK;
+  const int want_aux = grad_aux_loss != 0.0f && c->aux_loss_coeff != 0.0f;
+  const int want_z = grad_z_loss != 0.0f && c->z_loss_coeff != 0.0f;
+  const int threads = route_threads(T, E);
+  route_state *states = NULL;
+  status = route_check_bias(fn, E, bias);
+  if (status != EPX_SUCCESS) return status;
+  status = route_states_create(fn, c, bias, threads, &states);
+  if (status != EPX_SUCCESS) return status;
+  float *p = malloc(sizeof(float) * rows * (size_t)E);          /* [T, E] scores */
+  int32_t *chosen = malloc(sizeof(int32_t) * rows * (size_t)K); /* [T, K] recomputed */
+  uint8_t *finite = malloc(rows);                               /* [T] token is valid */
+  double *lse = malloc(sizeof(double) * rows);                  /* [T] logsumexp (softmax) */
+  int32_t *counts = calloc((size_t)E, sizeof(int32_t));         /* [E] before dropping */
+  double *aux_grad = malloc(sizeof(double) * (size_t)E);        /* [E] d loss / d q[t,e] */
+  route_block *block = malloc(sizeof(route_block) * (size_t)(blocks ? blocks : 1));
+  if (!p || !chosen || !finite || !lse || !counts || !aux_grad || !block)
+    EPX_FAIL(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory for %lld tokens' scratch; free memory "
+             "or route fewer tokens", fn, (long long)T);
+  ROUTE_PARALLEL_FOR
+  for (int64_t b = 0; b < blocks; b++) {
+    const int64_t begin = b * ROUTE_BLOCK, end = begin + ROUTE_BLOCK < T ? begin + ROUTE_BLOCK : T;
+    route_recompute(c, &states[route_thread()], logits, topk_idx, begin, end, p, chosen, lse,
+                    finite, &block[b]);
+  }
+  int64_t valid = T;
+  for (int64_t b = 0; b < blocks; b++) {
+    const int64_t t = block[b].fault_token;
+    const int32_t k = block[b].fault_slot;
+    if (t >= 0 && k < 0) {
+      const int32_t e = route_first_nonfinite(logits + (size_t)t * E, E);
+      EPX_FAIL(EPX_ERROR_INVALID_ARGUMENT,
+               "%s: logits of token %lld are not finite (logits[%lld, %d] is %g); fix the "
+               "logits or set config->nonfinite = EPX_NONFINITE_DROP",
+               fn, (long long)t, (long long)t, e, (double)logits[(size_t)t * E + e]);
+    }
+    if (t >= 0)
+      EPX_FAIL(EPX_ERROR_INVALID_ARGUMENT,
+               "%s: topk_idx[%lld, %d] is %d but the routing recomputed from logits and bias "
+               "chose expert %d; pass the forward's topk_idx with its logits, bias and config",
+               fn, (long long)t, k, topk_idx[(size_t)t * K + k], chosen[(size_t)t * K + k]);
+    valid -= block[b].nonfinite;
+  }
+  if (want_aux && valid > 0) {
+    for (int64_t t = 0; t < T; t++)
+      if (finite[t])
+        for (int32_t k = 0; k < K; k++) counts[chosen[(size_t)t * K + k]]++;
+    for (int32_t e = 0; e < E; e++)
+      aux_grad[e] = (double)grad_aux_loss * c->aux_loss_coeff * E * counts[e] /
+                    ((double)valid * K) / (double)valid;
+  }
+  const route_grad_args args = {
+      p, chosen, lse, finite, topk_idx, grad_topk_w, want_aux && valid > 0 ? aux_grad : NULL,
+      want_z && valid > 0 ? 2.0 * (double)grad_z_loss * c->z_loss_coeff / (double)valid : 0.0};
+  ROUTE_PARALLEL_FOR
+  for (int64_t b = 0; b < blocks; b++) {
+    const int64_t begin = b * ROUTE_BLOCK, end = begin + ROUTE_BLOCK < T ? begin + ROUTE_BLOCK : T;
+    route_token_grads(c, &states[route_thread()], logits, &args, begin, end, grad_logits);
+  }
 fail:
-  route_state_free(&st);
-  free(p_all);
+  route_states_free(states, threads);
+  free(p);
   free(chosen);
   free(finite);
   free(lse);
   free(counts);
   free(aux_grad);
-  free(grad_p);
-  free(grad_row);
-  free(softmax);
+  free(block);
   return status;
 }
 
