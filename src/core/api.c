@@ -433,19 +433,22 @@ epx_status_t epx_dispatch_layout(epx_buffer_t buffer, const epx_routing_t *routi
   epx_status_t local = check_routing(buffer, routing, recorder, handle);
 
   /* Replay: the recorded handle, no exchange. Validation agrees the verdict
-   * across ranks; without it replay is rank-local. */
-  if (recorder && local == EPX_SUCCESS && epx_recorder_replaying(recorder)) {
+   * across ranks; without it replay is rank-local, and so is a refusal (the
+   * peers are in no collective to be told). */
+  if (recorder && (local == EPX_SUCCESS || epx_registry_has(recorder, EPX_OBJECT_RECORDER)) &&
+      epx_recorder_replaying(recorder)) {
     int64_t call;
     epx_handle_t recorded = epx_recorder_next(recorder, &call);
     if (recorded) {
       if (epx_recorder_validates(recorder)) {
         /* CUDA routing lives on the device: its replays are checked by shape
          * and weighting only (hashing would need a device-to-host copy). */
-        int hashable = buffer->config.device == EPX_DEVICE_CPU && routing->num_tokens;
+        int hashable = local == EPX_SUCCESS && buffer->config.device == EPX_DEVICE_CPU && routing->num_tokens;
         uint64_t hash = hashable ? epx_hash_topk(routing->topk_idx, routing->num_tokens * routing->top_k) : 0;
-        if (recorded->buffer != buffer || recorded->num_tokens != routing->num_tokens ||
-            recorded->top_k != routing->top_k || recorded->routing_hash != hash ||
-            recorded->weighting != routing->weighting)
+        if (local == EPX_SUCCESS &&
+            (recorded->buffer != buffer || recorded->num_tokens != routing->num_tokens ||
+             recorded->top_k != routing->top_k || recorded->routing_hash != hash ||
+             recorded->weighting != routing->weighting))
           local = epx_error(EPX_ERROR_REPLAY_MISMATCH,
                             "%s: replay of call %lld differs from its record (recorded %lld tokens x %d, "
                             "hash %016llx; now %lld x %d, hash %016llx%s); the recomputed routing must equal "
@@ -460,6 +463,8 @@ epx_status_t epx_dispatch_layout(epx_buffer_t buffer, const epx_routing_t *routi
         } else if (local != EPX_SUCCESS) {
           return local;
         }
+      } else if (local != EPX_SUCCESS) {
+        return local;
       }
       status = epx_handle_retain(recorded);
       if (status != EPX_SUCCESS) return status;
