@@ -398,6 +398,71 @@ static void test_replay_mismatch_refused_on_every_rank(void **state) {
   assert_int_equal(tu_run_ranks(4, 10.0, mismatch_rank, &odd), 0);
 }
 
+/* A replay whose routing is invalid (an expert out of range on one rank):
+ * with validation every rank refuses together (that rank with its own
+ * message, the others naming it); without it, replay is rank-local, so only
+ * that rank refuses, at once. Either way no rank waits for a timeout and the
+ * comm stays usable. */
+typedef struct {
+  int32_t odd;
+  int validate;
+} bad_replay_t;
+
+static int bad_replay_rank(epx_comm_t comm, int32_t rank, int32_t world, void *arg) {
+  const bad_replay_t *b = arg;
+  int failures = 0;
+  model_t model, *m = &model;
+  step_t s;
+  epx_recorder_t rec = NULL;
+  layer_t st[2] = {{0}, {0}};
+  if (model_init(m, comm, rank, world, EPX_FLOAT32, 32) || step_alloc(m, &s)) return 1;
+  if (epx_recorder_create(b->validate, &rec) != EPX_SUCCESS) return 1;
+  if (layer_forward(m, 0, rec, s.x0, s.out[0], &st[0]) || layer_forward(m, 1, rec, s.out[0], s.out[1], &st[1])) {
+    failures++;
+    goto done;
+  }
+  layer_free(&st[0]);
+  layer_free(&st[1]);
+  RANK_STATUS(epx_recorder_set_mode(rec, EPX_RECORDER_REPLAY), EPX_SUCCESS, NULL);
+  int32_t saved = m->idx[0][2 * K];
+  if (rank == b->odd) m->idx[0][2 * K] = m->E;
+  epx_routing_t routing = model_routing(m, 0);
+  epx_handle_t poison = (epx_handle_t)(uintptr_t)0xA5A5A5A5u, h = poison;
+  char named[32];
+  snprintf(named, sizeof named, "rank %d", b->odd);
+  double start = now_seconds();
+  if (rank == b->odd)
+    RANK_STATUS(epx_dispatch_layout(m->buffer[0], &routing, rec, &h), EPX_ERROR_INVALID_ARGUMENT, "outside");
+  else if (b->validate)
+    RANK_STATUS(epx_dispatch_layout(m->buffer[0], &routing, rec, &h), EPX_ERROR_PEER_FAILED, named);
+  else
+    RANK_STATUS(epx_dispatch_layout(m->buffer[0], &routing, rec, &h), EPX_SUCCESS, NULL);
+  RANK_EXPECT(now_seconds() - start < 2.0, "the replay took %.2f s", now_seconds() - start);
+  RANK_EXPECT(rank != b->odd || h == poison, "the handle output was written on a refused replay");
+  if (h != poison) epx_handle_release(h);
+  /* The comm still works: a collective layout with good routing. */
+  m->idx[0][2 * K] = saved;
+  routing = model_routing(m, 0);
+  h = NULL;
+  RANK_STATUS(epx_dispatch_layout(m->buffer[0], &routing, NULL, &h), EPX_SUCCESS, NULL);
+  epx_handle_release(h);
+done:
+  layer_free(&st[0]);
+  layer_free(&st[1]);
+  RANK_STATUS(epx_recorder_destroy(rec), EPX_SUCCESS, NULL);
+  model_fini(m);
+  step_free(&s);
+  return failures;
+}
+
+static void test_bad_routing_in_replay(void **state) {
+  (void)state;
+  for (int validate = 0; validate < 2; validate++) {
+    bad_replay_t b = {1, validate};
+    assert_int_equal(tu_run_ranks(3, 5.0, bad_replay_rank, &b), 0);
+  }
+}
+
 /* ------------------------------------------------------------------------ */
 /* Memory: handles and metadata are kept, received rows are not              */
 /* ------------------------------------------------------------------------ */
@@ -454,6 +519,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_replay_is_bit_identical),
       cmocka_unit_test(test_replay_mismatch_refused_on_every_rank),
+      cmocka_unit_test(test_bad_routing_in_replay),
       cmocka_unit_test(test_recorder_keeps_metadata_not_rows),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
