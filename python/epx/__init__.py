@@ -239,7 +239,7 @@ def _ptr(a, fn, name, dtypes, shape, align=4, writable=False, optional=False):
 
 def _bf16_dtypes():
     try:
-        import ml_dtypes  # noqa: F401  (registers numpy's "bfloat16" dtype, when installed)
+        __import__("ml_dtypes")  # registers numpy's "bfloat16" dtype, when installed
         return (np.dtype(np.uint16), np.dtype("bfloat16"))
     except (ImportError, TypeError):
         return (np.dtype(np.uint16),)
@@ -765,7 +765,7 @@ class Buffer:
         if isinstance(topk_idx, RouteResult):
             rr = topk_idx
             topk_idx = rr.topk_idx
-            if topk_w is None and weighting != Weighting.NONE:
+            if topk_w is None:  # also with Weighting.NONE: recv_routing reports them
                 topk_w = rr.topk_w
             if locations is None and self.layout == Layout.CAPACITY:
                 locations = rr.locations

@@ -1,0 +1,549 @@
+"""Tests of the Python binding (python/epx) against float64 numpy references.
+
+Run with libepx.so from a build:
+    EPX_LIBRARY=build/libepx.so PYTHONPATH=python python3 -m pytest tests/python
+Inputs are fresh random numbers each run; EPX_TEST_SEED=<n> repeats a run
+(every failure message names its seed). The torch tests are skipped when
+torch is not installed.
+"""
+import gc
+import os
+import pathlib
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "python"))
+
+import epx  # noqa: E402
+
+SEED = int(os.environ.get("EPX_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
+TIMEOUT = 20.0  # seconds a rank waits for its peers before EPX_ERROR_TIMEOUT
+
+
+@pytest.fixture
+def rng(request):
+    return np.random.default_rng([SEED, sum(map(ord, request.node.name))])
+
+
+def assert_close(got, ref, atol, rtol, what):
+    """|got - ref| <= atol + rtol * |ref| everywhere (ref in float64)."""
+    got = np.asarray(got, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    assert got.shape == ref.shape, "%s: shape %s, expected %s" % (what, got.shape, ref.shape)
+    err = np.abs(got - ref)
+    bad = err > atol + rtol * np.abs(ref)
+    assert not bad.any(), "%s: %d of %d outside atol %g + rtol %g (max err %g) [EPX_TEST_SEED=%d]" % (
+        what, bad.sum(), bad.size, atol, rtol, err.max(), SEED)
+
+
+def payload(rng, rows, hidden, dtype=np.float32):
+    """Random values in (-1, 1) (never zeros) in an aligned array."""
+    a = epx.empty((rows, hidden), np.float32)
+    a[:] = rng.uniform(-1, 1, (rows, hidden))
+    a[a == 0] = 0.5
+    return a if dtype == np.float32 else epx.to_bf16(a)
+
+
+def logits_of(rng, tokens, experts):
+    return rng.standard_normal((tokens, experts)).astype(np.float32)
+
+
+# ---------------------------------------------------------------------------
+# float64 references
+# ---------------------------------------------------------------------------
+
+
+def ref_softmax(logits):
+    l64 = logits.astype(np.float64)
+    e = np.exp(l64 - l64.max(axis=1, keepdims=True))
+    return e / e.sum(axis=1, keepdims=True)
+
+
+def ref_route(logits, K, renormalize):
+    """Softmax top-k (ties to the lower expert): idx, w (float64), p."""
+    p = ref_softmax(logits)
+    idx = np.argsort(-p, axis=1, kind="stable")[:, :K].astype(np.int32)
+    w = np.take_along_axis(p, idx, axis=1)
+    if renormalize:
+        w = w / w.sum(axis=1, keepdims=True)
+    return idx, w, p
+
+
+def ref_route_backward(p, idx, grad_w, renormalize, grad_aux=0.0, aux_coeff=0.0, grad_z=0.0,
+                       z_coeff=0.0, logits=None):
+    """d loss / d logits through softmax top-k (and the aux / z losses)."""
+    T, E = p.shape
+    K = idx.shape[1]
+    g = grad_w.astype(np.float64)
+    pc = np.take_along_axis(p, idx, axis=1)
+    dp = np.zeros_like(p)
+    if renormalize:
+        s = pc.sum(axis=1, keepdims=True)
+        dpc = g / s - (g * pc).sum(axis=1, keepdims=True) / s ** 2
+    else:
+        dpc = g
+    np.put_along_axis(dp, idx, dpc, axis=1)
+    if grad_aux:
+        f = np.bincount(idx.ravel(), minlength=E) / (T * K)
+        dp += grad_aux * aux_coeff * E * f[None, :] / T
+    grad = p * (dp - (dp * p).sum(axis=1, keepdims=True))
+    if grad_z:
+        l64 = logits.astype(np.float64)
+        m = l64.max(axis=1, keepdims=True)
+        lse = m + np.log(np.exp(l64 - m).sum(axis=1, keepdims=True))
+        grad += grad_z * z_coeff * 2.0 * lse * p / T
+    return grad
+
+
+def expert_scale(e, E):
+    """The test's experts: expert e multiplies its rows by 0.5 + e / E."""
+    return np.where(e >= 0, 0.5 + e.astype(np.float64) / E, 0.0)
+
+
+# ---------------------------------------------------------------------------
+# One rank's layer step through the binding
+# ---------------------------------------------------------------------------
+
+
+def layer_step(comm, inputs, E, K, weighting, exchange=epx.Exchange.DEDUP, dtype=epx.DType.FLOAT32,
+               renormalize=0):
+    """route -> dispatch -> experts -> combine -> combine/dispatch backward ->
+    route backward on this rank; returns every array the checks need."""
+    x, logits, grad_out = (a[comm.rank] for a in inputs)
+    T, H = x.shape
+    cfg = epx.RouteConfig(num_experts=E, top_k=K, renormalize=renormalize)
+    r = epx.route(logits, cfg)
+    with comm.buffer(dtype=dtype, hidden=H, num_experts=E, max_top_k=K, max_tokens_per_rank=T,
+                     exchange=exchange) as buf:
+        with buf.dispatch_layout(r, weighting=weighting) as h:
+            recv_x = buf.dispatch(h, x)
+            recv_expert, recv_w = h.recv_routing()
+            src_rank, src_token = h.recv_source()
+            counts, offsets = h.expert_counts()
+            scale = expert_scale(recv_expert, E)[:, None]
+            f32 = epx.from_bf16(recv_x) if dtype == epx.DType.BFLOAT16 else recv_x
+            expert_out = (scale * f32).astype(np.float32)
+            if dtype == epx.DType.BFLOAT16:
+                expert_out = epx.to_bf16(expert_out)
+            out = buf.combine(h, epx.asarray(expert_out))
+            if weighting == epx.Weighting.IN_COMBINE:
+                grad_eo, grad_w = buf.combine_backward(h, grad_out, expert_out=epx.asarray(expert_out))
+            else:
+                grad_eo, gw_none = buf.combine_backward(h, grad_out)
+                assert gw_none is None
+            g32 = epx.from_bf16(grad_eo) if dtype == epx.DType.BFLOAT16 else grad_eo
+            grad_recv_x = (scale * g32).astype(np.float32)
+            if dtype == epx.DType.BFLOAT16:
+                grad_recv_x = epx.to_bf16(grad_recv_x)
+            if weighting == epx.Weighting.IN_DISPATCH:
+                grad_x, grad_w = buf.dispatch_backward(h, epx.asarray(grad_recv_x), x=x)
+            else:
+                grad_x, gw_none = buf.dispatch_backward(h, epx.asarray(grad_recv_x))
+                assert gw_none is None
+            stats = h.stats()
+    grad_logits = epx.route_backward(logits, r, grad_w)
+    return dict(route=r, recv_x=recv_x, recv_expert=recv_expert, recv_w=recv_w, src_rank=src_rank,
+                src_token=src_token, counts=counts, offsets=offsets, out=out, grad_w=grad_w,
+                grad_x=grad_x, grad_expert_out=grad_eo, grad_logits=grad_logits, stats=stats)
+
+
+def make_inputs(rng, W, T, H, E, dtype=np.float32):
+    return ([payload(rng, T, H, dtype) for _ in range(W)], [logits_of(rng, T, E) for _ in range(W)],
+            [payload(rng, T, H, dtype) for _ in range(W)])
+
+
+# ---------------------------------------------------------------------------
+# Tests
+# ---------------------------------------------------------------------------
+
+
+def test_configs_mirror_the_c_init_macros():
+    import ctypes
+    rc, bc, cc = epx.RouteConfig(), epx.BufferConfig(), epx.CommConfig()
+    # sizes on LP64 (the library refuses a config whose struct_size differs)
+    assert (ctypes.sizeof(rc), ctypes.sizeof(bc), ctypes.sizeof(cc)) == (80, 72, 16)
+    assert (rc.struct_size, rc.version) == (80, epx.CONFIG_VERSION)
+    assert (rc.renormalize, rc.scaling_factor, rc.capacity_factor, rc.score_fn) == (1, 1.0, 1.0, 0)
+    assert (rc.nonfinite, rc.device, rc.stream) == (epx.Nonfinite.ERROR, epx.Device.CPU, None)
+    assert (bc.struct_size, bc.dtype, bc.max_tokens_rounding, bc.expert_alignment) == (72, 0, 256, 1)
+    assert (bc.exchange, bc.layout, bc.worst_case_sizing) == (epx.EPX_EXCHANGE_DEDUP,
+                                                              epx.EPX_LAYOUT_EXPERT_MAJOR, 0)
+    assert cc.timeout_seconds == 60.0
+    assert epx.BufferConfig(hidden=64).copy(num_experts=8).hidden == 64
+    with pytest.raises(TypeError):
+        epx.RouteConfig(num_expert=8)
+    assert epx.dtype_size(epx.EPX_BFLOAT16) == 2 and epx.dtype_size("float32") == 4
+
+
+@pytest.mark.parametrize("W,weighting,renormalize", [
+    (1, epx.Weighting.IN_COMBINE, 0),
+    (2, epx.Weighting.IN_COMBINE, 1),
+    (2, epx.Weighting.IN_DISPATCH, 0),
+])
+def test_layer_matches_float64_reference(rng, W, weighting, renormalize):
+    T, H, E, K = 40, 32, 8, 3
+    inputs = make_inputs(rng, W, T, H, E)
+    res = epx.run_local(W, layer_step, inputs, E, K, weighting, renormalize=renormalize,
+                        timeout_seconds=TIMEOUT)
+    xs, logits, grad_outs = inputs
+    for rank, got in enumerate(res):
+        x64, g64 = xs[rank].astype(np.float64), grad_outs[rank].astype(np.float64)
+        idx, w, p = ref_route(logits[rank], K, renormalize)
+        r = got["route"]
+        assert np.array_equal(r.topk_idx, idx), "topk_idx differs [EPX_TEST_SEED=%d]" % SEED
+        assert_close(r.topk_w, w, 1e-6, 1e-5, "topk_w")
+        assert np.array_equal(r.expert_counts, np.bincount(idx.ravel(), minlength=E))
+        s = expert_scale(idx, E)
+        assert_close(got["out"], (w * s).sum(1, keepdims=True) * x64, 1e-5, 1e-5, "out")
+        assert_close(got["grad_x"], (w * s).sum(1, keepdims=True) * g64, 1e-5, 1e-5, "grad_x")
+        grad_w = s * (g64 * x64).sum(1, keepdims=True)
+        assert_close(got["grad_w"], grad_w, 1e-4, 1e-5, "grad_w")
+        assert np.abs(got["grad_w"]).max() > 0  # the router learns
+        assert_close(got["grad_logits"], ref_route_backward(p, idx, grad_w, renormalize),
+                     1e-5, 1e-4, "grad_logits")
+        # Received rows: this rank's experts, grouped by expert, copied from their source.
+        e_lo, e_hi = rank * E // W, (rank + 1) * E // W
+        re = got["recv_expert"]
+        assert np.all((re >= e_lo) & (re < e_hi)) and np.all(np.diff(re) >= 0)
+        assert np.array_equal(got["counts"], np.bincount(re - e_lo, minlength=E // W))
+        assert got["offsets"][-1] == len(re)
+        for src in range(W):
+            rows = got["src_rank"] == src
+            sent = xs[src][got["src_token"][rows]]
+            if weighting == epx.Weighting.IN_DISPATCH:  # row (t, k) = w[t,k] * x[t]
+                sent = got["recv_w"][rows][:, None] * sent.astype(np.float64)
+            assert_close(got["recv_x"][rows], sent, 0, 1e-7, "recv_x from rank %d" % src)
+        assert got["stats"].local_rows + got["stats"].send_rows >= T
+
+
+def test_route_losses_and_backward(rng):
+    T, E, K = 50, 16, 4
+    logits = logits_of(rng, T, E)
+    bias = rng.uniform(-0.1, 0.1, E).astype(np.float32)
+    cfg = epx.RouteConfig(num_experts=E, top_k=K, renormalize=1, aux_loss_coeff=0.01,
+                          z_loss_coeff=0.001)
+    r = epx.route(logits, cfg, bias=bias)
+    p = ref_softmax(logits)
+    idx = np.argsort(-(p + bias), axis=1, kind="stable")[:, :K].astype(np.int32)
+    assert np.array_equal(r.topk_idx, idx)
+    w = np.take_along_axis(p, idx, axis=1)
+    assert_close(r.topk_w, w / w.sum(1, keepdims=True), 1e-6, 1e-5, "topk_w")
+    f = np.bincount(idx.ravel(), minlength=E) / (T * K)
+    assert_close(r.aux_loss, 0.01 * E * (f * p.mean(0)).sum(), 1e-7, 1e-5, "aux_loss")
+    l64 = logits.astype(np.float64)
+    lse = l64.max(1) + np.log(np.exp(l64 - l64.max(1, keepdims=True)).sum(1))
+    assert_close(r.z_loss, 0.001 * (lse ** 2).mean(), 1e-7, 1e-5, "z_loss")
+    assert (r.capacity, r.nonfinite_tokens) == (0, 0)
+    assert r.locations.shape == (T, K) and r.locations.min() >= 0
+    g = rng.uniform(-1, 1, (T, K)).astype(np.float32)
+    got = epx.route_backward(logits, r, g, bias=bias, grad_aux_loss=0.7, grad_z_loss=1.3)
+    ref = ref_route_backward(p, idx, g, 1, grad_aux=0.7, aux_coeff=0.01, grad_z=1.3,
+                             z_coeff=0.001, logits=logits)
+    assert_close(got, ref, 1e-6, 1e-4, "grad_logits")
+    # keyword fields build the config; num_experts comes from the logits
+    assert np.array_equal(epx.route(logits, top_k=K, renormalize=0).topk_idx,
+                          np.argsort(-p, axis=1, kind="stable")[:, :K])
+
+
+def test_capacity_layout_matches_dense_reference(rng):
+    T, H, E, K = 64, 16, 4, 2
+    x = payload(rng, T, H)
+    logits = logits_of(rng, T, E)
+    r = epx.route(logits, top_k=K, capacity_mode=1, capacity_factor=0.75)
+    C = r.capacity
+    assert C == int(np.ceil(K * T / E * 0.75)) and (r.topk_idx == -1).any()
+    with epx.Comm.create_self() as comm, comm.buffer(hidden=H, num_experts=E, max_top_k=K,
+                                                     layout=epx.Layout.CAPACITY, capacity=C) as buf:
+        h = buf.dispatch_layout(r)
+        recv_x = buf.dispatch(h, x).reshape(E, C, H)
+        dense = epx.reference_dense_dispatch(x, r.topk_idx, r.topk_w, r.locations, E, C)
+        assert np.array_equal(recv_x, dense)
+        eo = epx.asarray(recv_x * 1.5)
+        out = buf.combine(h, eo.reshape(E * C, H))
+        assert_close(out, epx.reference_dense_combine(eo, r.topk_idx, r.topk_w, r.locations),
+                     1e-6, 1e-6, "capacity combine")
+
+
+def test_rank_major_layout_weights_in_the_expert(rng):
+    W, T, H, E, K = 2, 24, 16, 8, 3
+    inputs = make_inputs(rng, W, T, H, E)
+
+    def step(comm):
+        x, logits, _ = (a[comm.rank] for a in inputs)
+        r = epx.route(logits, top_k=K)
+        with comm.buffer(hidden=H, num_experts=E, max_top_k=K,
+                         layout=epx.Layout.RANK_MAJOR) as buf:
+            h = buf.dispatch_layout(r, weighting=epx.Weighting.NONE)
+            recv_x = buf.dispatch(h, x)
+            e, w = h.recv_routing()
+            assert e.shape == (h.recv_rows, K) and w.shape == (h.recv_rows, K)
+            gain = (w * expert_scale(e, E)).sum(1, keepdims=True)
+            out = buf.combine(h, epx.asarray((gain * recv_x).astype(np.float32)))
+            return r, out
+
+    for rank, (r, out) in enumerate(epx.run_local(W, step, timeout_seconds=TIMEOUT)):
+        gain = (r.topk_w * expert_scale(r.topk_idx, E)).sum(1, keepdims=True)
+        assert_close(out, gain * inputs[0][rank].astype(np.float64), 1e-5, 1e-5, "rank-major out")
+
+
+@pytest.mark.parametrize("W,dtype", [(2, epx.DType.FLOAT32), (4, epx.DType.FLOAT32),
+                                     (4, epx.DType.BFLOAT16)])
+def test_dedup_and_collective_agree_bit_for_bit(rng, W, dtype):
+    T, H, E, K = 32, 24, 16, 4
+    inputs = make_inputs(rng, W, T, H, E, np.float32 if dtype == epx.DType.FLOAT32 else "bf16")
+
+    def both(comm):
+        return [layer_step(comm, inputs, E, K, epx.Weighting.IN_COMBINE, exchange=x, dtype=dtype)
+                for x in (epx.Exchange.DEDUP, epx.Exchange.COLLECTIVE)]
+
+    for rank, (dedup, coll) in enumerate(epx.run_local(W, both, timeout_seconds=TIMEOUT)):
+        for name in ("recv_x", "out", "grad_w", "grad_x", "grad_expert_out", "grad_logits"):
+            assert dedup[name].dtype == coll[name].dtype
+            assert dedup[name].tobytes() == coll[name].tobytes(), (
+                "rank %d: %s differs between dedup and collective [EPX_TEST_SEED=%d]"
+                % (rank, name, SEED))
+        # dedup sends a token once per destination rank, collective once per expert
+        assert dedup["stats"].send_rows <= coll["stats"].send_rows
+    if dtype == epx.DType.BFLOAT16:
+        out = epx.from_bf16(dedup["out"])
+        r = dedup["route"]
+        x = epx.from_bf16(inputs[0][W - 1]).astype(np.float64)
+        ref = (r.topk_w * expert_scale(r.topk_idx, E)).sum(1, keepdims=True) * x
+        assert_close(out, ref, 1e-2, 2e-2, "bf16 out")
+
+
+def test_bf16_round_trip(rng):
+    bits = rng.integers(0, 1 << 16, 4096, dtype=np.uint16)
+    bits = bits[((bits >> 7) & 0xFF) != 0xFF]  # no Inf/NaN
+    f = epx.from_bf16(bits)
+    assert f.dtype == np.float32
+    assert np.array_equal(f.view(np.uint32), bits.astype(np.uint32) << 16)
+    assert np.array_equal(epx.to_bf16(f), bits)
+    # float32 -> bf16 rounds to nearest even, as numpy does it here with integers
+    x = rng.standard_normal(4096).astype(np.float32) * np.float32(100.0)
+    u = x.view(np.uint32).astype(np.uint64)
+    rne = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    got = epx.to_bf16(x)
+    assert got.dtype == np.uint16 and np.array_equal(got, rne)
+    assert_close(epx.from_bf16(got), x, 0, 2.0 ** -8, "bf16 round trip")
+    # every conversion of epx_convert, shapes kept, outputs aligned
+    h = epx.convert(x.reshape(64, 64), epx.DType.FLOAT16)
+    assert h.dtype == np.float16 and h.shape == (64, 64) and h.ctypes.data % 16 == 0
+    assert np.array_equal(h, x.reshape(64, 64).astype(np.float16))
+
+
+def test_errors_raise_with_the_library_message(rng):
+    logits = logits_of(rng, 8, 4)
+    with pytest.raises(epx.EpxError) as e:
+        epx.route(logits, top_k=5)
+    assert e.value.status == epx.Status.ERROR_INVALID_ARGUMENT
+    assert e.value.status_name == "EPX_ERROR_INVALID_ARGUMENT"
+    assert "epx_route: top_k" in e.value.message and e.value.message in str(e.value)
+
+    T, H, E, K = 16, 16, 4, 2
+    x = payload(rng, T, H)
+    r = epx.route(logits_of(rng, T, E), top_k=K)
+    with epx.Comm.create_self() as comm:
+        with pytest.raises(epx.EpxError) as e:
+            comm.buffer(hidden=12, num_experts=E, max_top_k=K)
+        assert "hidden" in e.value.message
+        buf = comm.buffer(hidden=H, num_experts=E, max_top_k=K, max_tokens_per_rank=T)
+        bad = r.topk_idx.copy()
+        bad[3, 1] = E
+        with pytest.raises(epx.EpxError) as e:
+            buf.dispatch_layout(bad, r.topk_w)
+        assert e.value.status == epx.Status.ERROR_INVALID_ARGUMENT
+        assert "routing.topk_idx[3][1]" in e.value.message
+        big = np.zeros((T + 1, K), np.int32)
+        with pytest.raises(epx.EpxError) as e:
+            buf.dispatch_layout(big, np.ones((T + 1, K), np.float32))
+        assert e.value.status == epx.Status.ERROR_CAPACITY_EXCEEDED
+        assert "max_tokens_per_rank" in e.value.message
+
+        h = buf.dispatch_layout(r)
+        n = h.recv_rows
+        # the library refuses a receive buffer too small; the output is untouched
+        small = epx.empty((n - 1, H), np.float32)
+        small[:] = np.float32(-7.25)
+        with pytest.raises(epx.EpxError) as e:
+            buf.dispatch(h, x, out=small)
+        assert e.value.status == epx.Status.ERROR_CAPACITY_EXCEEDED
+        assert "recv_rows_capacity" in e.value.message and np.all(small == -7.25)
+        # checks made in Python name the argument and the fix
+        with pytest.raises(epx.EpxError, match="x has dtype float64"):
+            buf.dispatch(h, x.astype(np.float64))
+        with pytest.raises(epx.EpxError, match="x has shape"):
+            buf.dispatch(h, x[:-1])
+        with pytest.raises(epx.EpxError, match="not C-contiguous"):
+            buf.dispatch(h, np.asfortranarray(x))
+        misaligned = epx.empty(T * H + 1, np.float32)[1:].reshape(T, H)
+        misaligned[:] = x
+        with pytest.raises(epx.EpxError, match="not 16-byte aligned") as e:
+            buf.dispatch(h, misaligned)
+        assert e.value.status == epx.Status.ERROR_INVALID_ARGUMENT
+        expert_out = buf.dispatch(h, x)
+        with pytest.raises(epx.EpxError, match="grad_w is what the router learns from"):
+            buf.combine_backward(h, x)
+        grad_eo, no_w = buf.combine_backward(h, x, grad_w=False)
+        assert no_w is None and grad_eo.shape == (n, H)
+        with pytest.raises(epx.EpxError, match="not applied in dispatch"):
+            buf.dispatch_backward(h, expert_out, x=x)
+        with epx.Comm.create_self() as comm2, comm2.buffer(hidden=H, num_experts=E,
+                                                           max_top_k=K) as other:
+            with pytest.raises(epx.EpxError, match="another buffer") as e:
+                other.dispatch(h, x)
+            assert e.value.status == epx.Status.ERROR_INVALID_HANDLE
+        buf.close()
+
+
+def test_handle_lifetime(rng):
+    T, H, E, K = 16, 16, 4, 2
+    x = payload(rng, T, H)
+    r = epx.route(logits_of(rng, T, E), top_k=K)
+    comm = epx.Comm.create_self()
+    buf = comm.buffer(hidden=H, num_experts=E, max_top_k=K)
+    h = buf.dispatch_layout(r)
+    h2 = h.retain()
+    h.release()
+    h.release()  # a second release does nothing
+    assert h.released and not h2.released
+    for use in (lambda: buf.dispatch(h, x), lambda: h.recv_rows, lambda: h.expert_counts(),
+                lambda: h.stats(), lambda: buf.combine(h, x)):
+        with pytest.raises(epx.EpxError, match="released") as e:
+            use()
+        assert e.value.status == epx.Status.ERROR_INVALID_HANDLE
+    recv_x = buf.dispatch(h2, x)  # the retained reference still drives the layout
+    with buf.dispatch_layout(r) as h3:
+        assert np.array_equal(buf.dispatch(h3, x), recv_x)
+    assert h3.released
+    # the comm cannot go while it has a buffer; closing the comm closes the
+    # buffer, which releases its handles first
+    h4 = buf.dispatch_layout(r)
+    comm.close()
+    assert comm.closed and buf.closed and h2.released and h4.released
+    with pytest.raises(epx.EpxError) as e:
+        buf.dispatch(h4, x)
+    assert e.value.status == epx.Status.ERROR_INVALID_HANDLE
+    with pytest.raises(epx.EpxError, match="closed"):
+        comm.buffer(hidden=H, num_experts=E, max_top_k=K)
+    # objects left to the garbage collector are released children first
+    for _ in range(3):
+        c = epx.Comm.create_self()
+        b = c.buffer(hidden=H, num_experts=E, max_top_k=K)
+        hs = [b.dispatch_layout(r) for _ in range(2)]
+        del c, b, hs
+    gc.collect()
+
+
+def test_recorder_replays_without_a_new_layout(rng):
+    T, H, E, K = 16, 16, 4, 2
+    x = payload(rng, T, H)
+    r = epx.route(logits_of(rng, T, E), top_k=K)
+    with epx.Comm.create_self() as comm:
+        buf = comm.buffer(hidden=H, num_experts=E, max_top_k=K)
+        rec = epx.Recorder(validate=True)
+        with buf.dispatch_layout(r, recorder=rec) as h:
+            out = buf.dispatch(h, x)
+        rec.replay()
+        with buf.dispatch_layout(r, recorder=rec) as h:
+            assert np.array_equal(buf.dispatch(h, x), out)
+        s = rec.stats()
+        assert (s.records, s.replays, s.fallbacks) == (1, 1, 0) and s.bytes_held > 0
+        rec.replay()
+        other = r.topk_idx.copy()
+        other[0] = other[0][::-1]
+        with pytest.raises(epx.EpxError) as e:
+            buf.dispatch_layout(other, r.topk_w, recorder=rec)
+        assert e.value.status == epx.Status.ERROR_REPLAY_MISMATCH and "call 0" in e.value.message
+        # the recorder keeps its handles alive: the buffer is busy until it closes
+        with pytest.raises(epx.EpxError) as e:
+            buf.close()
+        assert e.value.status == epx.Status.ERROR_BUSY and not buf.closed
+        rec.close()
+        buf.close()
+
+
+def test_run_local_raises_the_failing_ranks_error():
+    def fn(comm):
+        if comm.rank == 1:
+            raise ValueError("rank one failed")
+        return comm.rank
+
+    with pytest.raises(ValueError, match="rank one failed"):
+        epx.run_local(2, fn, timeout_seconds=TIMEOUT)
+    assert epx.run_local(3, lambda comm: (comm.rank, comm.size), timeout_seconds=TIMEOUT) == [
+        (0, 3), (1, 3), (2, 3)]
+
+
+# ---------------------------------------------------------------------------
+# torch (skipped when torch is not installed)
+# ---------------------------------------------------------------------------
+
+
+def torch_step(comm, inputs, E, K, weighting, dtype_name):
+    import torch
+
+    import epx.torch as et
+    dtype = getattr(torch, dtype_name)
+    x_np, logits_np, g_np = (a[comm.rank] for a in inputs)
+    x = torch.from_numpy(x_np.copy()).to(dtype).requires_grad_(True)
+    logits = torch.from_numpy(logits_np.copy()).requires_grad_(True)
+    grad_out = torch.from_numpy(g_np.copy()).to(dtype)
+    T, H = x.shape
+    r = et.route(logits, top_k=K, renormalize=0)
+    with comm.buffer(dtype=et.epx_dtype(dtype), hidden=H, num_experts=E, max_top_k=K) as buf:
+        h = et.dispatch_layout(buf, r.topk_idx, r.topk_w, weighting=weighting)
+        recv_x = et.dispatch(h, x)
+        e, _ = et.recv_routing(h)
+        scale = torch.from_numpy(expert_scale(e.numpy(), E)).to(dtype)[:, None]
+        out = et.combine(h, recv_x * scale)
+        (out.float() * grad_out.float()).sum().backward()
+    return out.detach().float().numpy(), x.grad.float().numpy(), logits.grad.numpy()
+
+
+@pytest.mark.parametrize("W,weighting,dtype_name", [
+    (1, epx.Weighting.IN_COMBINE, "float32"),
+    (2, epx.Weighting.IN_DISPATCH, "float32"),
+    (2, epx.Weighting.IN_COMBINE, "bfloat16"),
+])
+def test_torch_autograd_matches_reference(rng, W, weighting, dtype_name):
+    pytest.importorskip("torch")
+    T, H, E, K = 24, 16, 8, 2
+    bf16 = dtype_name == "bfloat16"
+    inputs = make_inputs(rng, W, T, H, E)
+    if bf16:  # values exactly representable in bf16
+        inputs = ([epx.from_bf16(epx.to_bf16(a)) for a in inputs[0]], inputs[1],
+                  [epx.from_bf16(epx.to_bf16(a)) for a in inputs[2]])
+    res = epx.run_local(W, torch_step, inputs, E, K, weighting, dtype_name, timeout_seconds=TIMEOUT)
+    tol = (2e-2, 2e-2) if bf16 else (1e-5, 1e-4)
+    for rank, (out, grad_x, grad_logits) in enumerate(res):
+        x64, g64 = inputs[0][rank].astype(np.float64), inputs[2][rank].astype(np.float64)
+        idx, w, p = ref_route(inputs[1][rank], K, 0)
+        s = expert_scale(idx, E)
+        assert_close(out, (w * s).sum(1, keepdims=True) * x64, *tol, "torch out")
+        assert_close(grad_x, (w * s).sum(1, keepdims=True) * g64, *tol, "torch grad_x")
+        grad_w = s * (g64 * x64).sum(1, keepdims=True)
+        ref = ref_route_backward(p, idx, grad_w, 0)
+        assert_close(grad_logits, ref, tol[0], tol[1] * 10, "torch grad_logits")
+        assert np.abs(grad_logits).max() > 0  # grad_w reached the router
+
+
+def test_torch_errors_and_handle_lifetime(rng):
+    torch = pytest.importorskip("torch")
+    import epx.torch as et
+    T, H, E, K = 8, 16, 4, 2
+    logits = torch.randn(T, E, requires_grad=True)
+    x = torch.randn(T, H, requires_grad=True)
+    r = et.route(logits, top_k=K)
+    with epx.Comm.create_self() as comm:
+        buf = comm.buffer(hidden=H, num_experts=E, max_top_k=K)
+        h = et.dispatch_layout(buf, r.topk_idx, r.topk_w)
+        with pytest.raises(epx.EpxError, match="x has dtype torch.float64"):
+            et.dispatch(h, x.double())
+        out = et.combine(h, et.dispatch(h, x) * 2)
+        buf.close()  # releases the handle the backward would replay
+        with pytest.raises(epx.EpxError) as e:
+            out.sum().backward()
+        assert e.value.status == epx.Status.ERROR_INVALID_HANDLE
