@@ -187,7 +187,7 @@ static void usage(FILE *f) {
           "  --hidden H            hidden size, a multiple of 8 (1024; --single: 2048)\n"
           "  --experts E           experts, a multiple of the ranks (64; --single: 16)\n"
           "  --topk K              experts per token (6; --single: 3)\n"
-          "  --ffn F               SwiGLU intermediate size (256); 0: a per-expert scale\n"
+          "  --ffn F               SwiGLU intermediate size (128); 0: a per-expert scale\n"
           "                        instead of the FFN (exchange-bound runs)\n"
           "  --ranks W             in-process ranks of the local transport (4)\n"
           "  --dtype f32|bf16|f16  payload dtype (f32; --single: f32 then bf16)\n"
@@ -354,7 +354,7 @@ static void parse_options(int argc, char **argv, options_t *o) {
       exit(2);
     }
   }
-  if (o->ffn < 0) o->ffn = 256;
+  if (o->ffn < 0) o->ffn = 128;
   if (o->hidden % 8) {
     fprintf(stderr, "epx-bench: --hidden %lld: must be a multiple of 8\n", (long long)o->hidden);
     exit(2);
@@ -879,11 +879,16 @@ static void rank_experts_plan(rank_experts_t *re, epx_handle_t h) {
       }
   }
   size_t H = (size_t)re->H, F = (size_t)re->ex->F;
-  re->X = grow(re->X, &re->X_cap, sizeof(float) * n * H);
-  re->Y = grow(re->Y, &re->Y_cap, sizeof(float) * n * H);
-  re->G = grow(re->G, &re->G_cap, sizeof(float) * (n * F + 1));
-  re->U = grow(re->U, &re->U_cap, sizeof(float) * (n * F + 1));
-  re->A = grow(re->A, &re->A_cap, sizeof(float) * (n * F + 1));
+  if (F > 0) {
+    re->X = grow(re->X, &re->X_cap, sizeof(float) * n * H);
+    re->Y = grow(re->Y, &re->Y_cap, sizeof(float) * n * H);
+    re->G = grow(re->G, &re->G_cap, sizeof(float) * n * F);
+    re->U = grow(re->U, &re->U_cap, sizeof(float) * n * F);
+    re->A = grow(re->A, &re->A_cap, sizeof(float) * n * F);
+  } else {
+    re->X = grow(re->X, &re->X_cap, sizeof(float) * H);
+    re->Y = grow(re->Y, &re->Y_cap, sizeof(float) * H);
+  }
   if (re->layout == EPX_LAYOUT_RANK_MAJOR) {
     re->acc = grow(re->acc, &re->acc_cap, sizeof(float) * ((size_t)re->N + 1) * H);
     re->slot_grad_w = grow(re->slot_grad_w, &re->slot_grad_w_cap, sizeof(float) * ((size_t)re->N * K + 1));
@@ -901,13 +906,46 @@ static void zero_padding(const rank_experts_t *re, void *t) {
   }
 }
 
+/* The --ffn 0 expert (y = s_e * x) row by row, so exchange-bound runs at
+ * large shapes need no float copy of the received rows. Forward: in =
+ * recv_x, out = expert_out. Backward: in = grad_expert_out, out =
+ * grad_recv_x, and rank-major rows also get slot_grad_w = s_e * <g, x> with x
+ * from recv_x (still intact: rank-major writes grad_recv_x at the end). */
+static void rank_experts_scale(rank_experts_t *re, const void *in, void *out, const void *recv_x, int backward) {
+  const int64_t H = re->H, K = re->K;
+  const size_t row_bytes = (size_t)H * epx_dtype_size(re->dtype);
+  const int rank_major = re->layout == EPX_LAYOUT_RANK_MAJOR;
+  float *v = re->X, *xr = re->Y;
+  for (int32_t e = 0; e < re->E_local; e++) {
+    float s = expert_scale(re->rank * re->E_local + e, re->ex->E);
+    for (int64_t i = re->first[e]; i < re->first[e + 1]; i++) {
+      int64_t r = re->item_row[i];
+      TRY(epx_convert(EPX_FLOAT32, v, re->dtype, (const char *)in + (size_t)r * row_bytes, H));
+      if (!rank_major) {
+        for (int64_t j = 0; j < H; j++) v[j] *= s;
+        TRY(epx_convert(re->dtype, (char *)out + (size_t)r * row_bytes, EPX_FLOAT32, v, H));
+        continue;
+      }
+      float *acc = re->acc + r * H, ws = re->item_w[i] * s;
+      if (backward) {
+        TRY(epx_convert(EPX_FLOAT32, xr, re->dtype, (const char *)recv_x + (size_t)r * row_bytes, H));
+        double dot = 0.0;
+        for (int64_t j = 0; j < H; j++) dot += (double)v[j] * xr[j];
+        re->slot_grad_w[r * K + re->item_slot[i]] = (float)(s * dot);
+      }
+      for (int64_t j = 0; j < H; j++) acc[j] += ws * v[j];
+    }
+  }
+}
+
 /* recv_x [N, H] -> expert_out [N, H] in the handle's layout. */
 static void rank_experts_forward(rank_experts_t *re, const void *recv_x, void *expert_out) {
   const int64_t H = re->H, F = re->ex->F;
   const size_t row_bytes = (size_t)H * epx_dtype_size(re->dtype);
   const int rank_major = re->layout == EPX_LAYOUT_RANK_MAJOR;
   if (rank_major) memset(re->acc, 0, sizeof(float) * (size_t)(re->N * H));
-  for (int32_t e = 0; e < re->E_local; e++) {
+  if (F == 0) rank_experts_scale(re, recv_x, expert_out, NULL, 0);
+  for (int32_t e = 0; F > 0 && e < re->E_local; e++) {
     int64_t i0 = re->first[e], m = re->first[e + 1] - i0;
     if (m == 0) continue;
     float *X = re->X + i0 * H, *Y = re->Y + i0 * H;
@@ -937,8 +975,8 @@ static void rank_experts_forward(rank_experts_t *re, const void *recv_x, void *e
 /* grad_expert_out [N, H] -> grad_recv_x [N, H] (may alias recv_x: the
  * forward kept what it needs), dW [E_local, 3*H*F]; rank-major also fills
  * slot_grad_w [N, K] with <grad_expert_out row, y_e(row)>. */
-static void rank_experts_backward(rank_experts_t *re, const void *grad_expert_out, void *grad_recv_x,
-                                  float *dW) {
+static void rank_experts_backward(rank_experts_t *re, const void *grad_expert_out, const void *recv_x,
+                                  void *grad_recv_x, float *dW) {
   const int64_t H = re->H, F = re->ex->F, K = re->K;
   const size_t row_bytes = (size_t)H * epx_dtype_size(re->dtype);
   const int rank_major = re->layout == EPX_LAYOUT_RANK_MAJOR;
@@ -946,7 +984,8 @@ static void rank_experts_backward(rank_experts_t *re, const void *grad_expert_ou
     memset(re->acc, 0, sizeof(float) * (size_t)(re->N * H));
     for (int64_t i = 0; i < re->N * K; i++) re->slot_grad_w[i] = 0.0f;
   }
-  for (int32_t e = 0; e < re->E_local; e++) {
+  if (F == 0) rank_experts_scale(re, grad_expert_out, grad_recv_x, recv_x, 1);
+  for (int32_t e = 0; F > 0 && e < re->E_local; e++) {
     int64_t i0 = re->first[e], m = re->first[e + 1] - i0;
     float *dWe = dW ? dW + (size_t)(expert_stride(re->ex) * e) : NULL;
     if (m == 0) {
@@ -1265,7 +1304,7 @@ static void main_job_rank(job_t *job, const world_t *w, epx_comm_t comm) {
       ph[PH_COMBINE_BWD] = now_s() - t0;
 
       timed_begin(w, &t0);
-      rank_experts_backward(&re, grad_expert_out, recv_x, run->dW);
+      rank_experts_backward(&re, grad_expert_out, recv_x, recv_x, run->dW);
       ph[PH_EXPERT_BWD] = now_s() - t0;
 
       if (rank_major) {
