@@ -1,9 +1,12 @@
 /* The exchange over W ranks: dedup and collective give bit-identical outputs
- * and gradients; every received row is where the layout says and came from
- * where epx_handle_recv_source says; counts, offsets and stats equal a plain
- * reference built from every rank's routing; results equal a float64 dense
- * reference; max_tokens_per_rank is agreed once and oversize batches,
- * mismatched shapes, busy destroys and bad routing are refused on every rank.
+ * and gradients (down to the router's, through epx_route_backward); every
+ * received row is where the layout says and came from where
+ * epx_handle_recv_source says; counts, offsets and stats equal a plain
+ * reference built from every rank's routing; results equal a float64
+ * reference, the contract's float32 summation order bit for bit, and (capacity
+ * layout) the dense one-hot einsums; max_tokens_per_rank is agreed once and
+ * oversize batches, mismatched shapes, busy destroys and bad routing are
+ * refused on every rank.
  *
  * Every rank regenerates every rank's routing and payload from a shared seed
  * (a "scene"), so each checks its own rows and outputs without a gather.
@@ -22,6 +25,7 @@
 
 #define MR_MAX_W 8
 #define MR_MAX_T 64
+#define MR_MAX_E 32
 
 typedef enum { KEY_X = 1, KEY_EXPERT_OUT, KEY_GRAD_OUT, KEY_GRAD_RECV, KEY_PAD } mr_key_t;
 
@@ -152,7 +156,7 @@ static int mr_scene_build(mr_scene_t *s) {
 typedef struct {
   int64_t N;
   int32_t slots; /* K for rank-major, else 1 */
-  int64_t counts[MR_MAX_W * 16], offsets[MR_MAX_W * 16 + 1];
+  int64_t counts[MR_MAX_E], offsets[MR_MAX_E + 1];
   int32_t *src, *tok;   /* [N] */
   int32_t *expert;      /* [N * slots] */
   float *weight;        /* [N * slots] */
@@ -561,7 +565,7 @@ static int mr_run_exchange(epx_comm_t comm, int32_t rank, const mr_scene_t *s, e
   }
   MR_CALL(c, epx_buffer_max_recv_rows(buffer, &bound));
   if (res->N > bound) mr_fail(c, "recv rows %lld above epx_buffer_max_recv_rows %lld", (long long)res->N, (long long)bound);
-  int64_t counts[MR_MAX_W * 16], offsets[MR_MAX_W * 16 + 1];
+  int64_t counts[MR_MAX_E], offsets[MR_MAX_E + 1];
   MR_CALL(c, epx_handle_expert_counts(handle, counts, offsets));
   for (int32_t e = 0; e < El; e++)
     if (counts[e] != L->counts[e]) mr_fail(c, "expert_counts[%d] = %lld, expected %lld", e, (long long)counts[e], (long long)L->counts[e]);
