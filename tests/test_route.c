@@ -870,86 +870,6 @@ static void test_route_large_logits(void **state) {
 }
 
 /* ------------------------------------------------------------------------ */
-/* Non-finite logits                                                         */
-/* ------------------------------------------------------------------------ */
-
-static void test_route_nonfinite(void **state) {
-  (void)state;
-  tu_rng_t rng = {808};
-  const int64_t T = 12;
-  const int32_t E = 8, K = 2;
-  float *l = random_logits(&rng, T, E, 1.0f);
-  l[2 * E + 3] = NAN;
-  l[5 * E + 0] = -INFINITY;
-  l[9 * E + 7] = INFINITY;
-  epx_route_config_t c = config_make(E, K);
-  c.aux_loss_coeff = 0.1f;
-  c.z_loss_coeff = 0.01f;
-  outs o;
-  outs_alloc(&o, T, E, K);
-  TU_ASSERT_STATUS(epx_route(&c, T, l, NULL, &o.out), EPX_ERROR_INVALID_ARGUMENT, "token 2");
-  assert_outs_untouched(&o, "nonfinite ERROR");
-
-  float *grad = tu_alloc(sizeof(float) * (size_t)(T * E));
-  int32_t *idx = tu_alloc(sizeof(int32_t) * (size_t)(T * K));
-  float *gw = random_logits(&rng, T, K, 1.0f);
-  for (int64_t i = 0; i < T * K; i++) idx[i] = -1;
-  tu_poison(grad, sizeof(float) * (size_t)(T * E));
-  TU_ASSERT_STATUS(epx_route_backward(&c, T, l, NULL, idx, gw, 1.0f, 1.0f, grad),
-                   EPX_ERROR_INVALID_ARGUMENT, "token 2");
-  assert_true(bytes_poisoned(grad, sizeof(float) * (size_t)(T * E)));
-
-  c.nonfinite = EPX_NONFINITE_DROP;
-  for (int mode = 0; mode < 2; mode++) {
-    c.capacity_mode = mode;
-    c.capacity_factor = 1.0f;
-    check_against_reference(&c, T, l, NULL, "nonfinite DROP");
-    outs_poison(&o);
-    ROUTE_OK(epx_route(&c, T, l, NULL, &o.out));
-    assert_int_equal(o.out.nonfinite_tokens, 3);
-    int64_t total = 0;
-    for (int32_t e = 0; e < E; e++) total += o.counts[e];
-    assert_int_equal(total, (T - 3) * K);
-    for (int t = 0; t < T; t++)
-      for (int k = 0; k < K; k++)
-        if (t == 2 || t == 5 || t == 9) {
-          assert_int_equal(o.idx[t * K + k], -1);
-          assert_int_equal(o.loc[t * K + k], -1);
-          assert_true(o.w[t * K + k] == 0.0f);
-        }
-  }
-  /* The losses are those of the valid tokens alone. */
-  float *kept = tu_alloc(sizeof(float) * (size_t)(T * E));
-  int64_t n = 0;
-  for (int64_t t = 0; t < T; t++)
-    if (t != 2 && t != 5 && t != 9) memcpy(kept + n++ * E, l + t * E, sizeof(float) * E);
-  outs only;
-  outs_alloc(&only, n, E, K);
-  c.capacity_mode = 0;
-  outs_poison(&o);
-  ROUTE_OK(epx_route(&c, T, l, NULL, &o.out));
-  ROUTE_OK(epx_route(&c, n, kept, NULL, &only.out));
-  assert_true(close_enough(*o.aux, *only.aux, W_ATOL, W_RTOL));
-  assert_true(close_enough(*o.z, *only.z, W_ATOL, W_RTOL));
-  for (int32_t e = 0; e < E; e++) assert_int_equal(o.counts[e], only.counts[e]);
-  outs_free(&only);
-
-  /* Backward: dropped rows get zero gradient. */
-  tu_poison(grad, sizeof(float) * (size_t)(T * E));
-  ROUTE_OK(epx_route_backward(&c, T, l, NULL, o.idx, gw, 1.0f, 1.0f, grad));
-  for (int t = 0; t < T; t++)
-    for (int e = 0; e < E; e++)
-      if (t == 2 || t == 5 || t == 9) assert_true(grad[t * E + e] == 0.0f);
-      else assert_true(isfinite(grad[t * E + e]));
-  outs_free(&o);
-  tu_free(kept);
-  tu_free(grad);
-  tu_free(idx);
-  tu_free(gw);
-  tu_free(l);
-}
-
-/* ------------------------------------------------------------------------ */
 /* Gradients against central differences                                     */
 /* ------------------------------------------------------------------------ */
 
@@ -1099,6 +1019,88 @@ static void test_route_gradient_drops(void **state) {
   tu_free(l);
   tu_free(gw);
   outs_free(&o);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Non-finite logits                                                         */
+/* ------------------------------------------------------------------------ */
+
+static void test_route_nonfinite(void **state) {
+  (void)state;
+  tu_rng_t rng = {808};
+  const int64_t T = 12;
+  const int32_t E = 8, K = 2;
+  float *l = random_logits(&rng, T, E, 1.0f);
+  l[2 * E + 3] = NAN;
+  l[5 * E + 0] = -INFINITY;
+  l[9 * E + 7] = INFINITY;
+  epx_route_config_t c = config_make(E, K);
+  c.aux_loss_coeff = 0.1f;
+  c.z_loss_coeff = 0.01f;
+  outs o;
+  outs_alloc(&o, T, E, K);
+  TU_ASSERT_STATUS(epx_route(&c, T, l, NULL, &o.out), EPX_ERROR_INVALID_ARGUMENT, "token 2");
+  assert_outs_untouched(&o, "nonfinite ERROR");
+
+  float *grad = tu_alloc(sizeof(float) * (size_t)(T * E));
+  int32_t *idx = tu_alloc(sizeof(int32_t) * (size_t)(T * K));
+  float *gw = random_logits(&rng, T, K, 1.0f);
+  for (int64_t i = 0; i < T * K; i++) idx[i] = -1;
+  tu_poison(grad, sizeof(float) * (size_t)(T * E));
+  TU_ASSERT_STATUS(epx_route_backward(&c, T, l, NULL, idx, gw, 1.0f, 1.0f, grad),
+                   EPX_ERROR_INVALID_ARGUMENT, "token 2");
+  assert_true(bytes_poisoned(grad, sizeof(float) * (size_t)(T * E)));
+
+  c.nonfinite = EPX_NONFINITE_DROP;
+  for (int mode = 0; mode < 2; mode++) {
+    c.capacity_mode = mode;
+    c.capacity_factor = 1.0f;
+    check_against_reference(&c, T, l, NULL, "nonfinite DROP");
+    outs_poison(&o);
+    ROUTE_OK(epx_route(&c, T, l, NULL, &o.out));
+    assert_int_equal(o.out.nonfinite_tokens, 3);
+    int64_t total = 0;
+    for (int32_t e = 0; e < E; e++) total += o.counts[e];
+    assert_int_equal(total, (T - 3) * K);
+    for (int t = 0; t < T; t++)
+      for (int k = 0; k < K; k++)
+        if (t == 2 || t == 5 || t == 9) {
+          assert_int_equal(o.idx[t * K + k], -1);
+          assert_int_equal(o.loc[t * K + k], -1);
+          assert_true(o.w[t * K + k] == 0.0f);
+        }
+  }
+  /* The losses are those of the valid tokens alone. */
+  float *kept = tu_alloc(sizeof(float) * (size_t)(T * E));
+  int64_t n = 0;
+  for (int64_t t = 0; t < T; t++)
+    if (t != 2 && t != 5 && t != 9) memcpy(kept + n++ * E, l + t * E, sizeof(float) * E);
+  outs only;
+  outs_alloc(&only, n, E, K);
+  c.capacity_mode = 0;
+  outs_poison(&o);
+  ROUTE_OK(epx_route(&c, T, l, NULL, &o.out));
+  ROUTE_OK(epx_route(&c, n, kept, NULL, &only.out));
+  assert_true(close_enough(*o.aux, *only.aux, W_ATOL, W_RTOL));
+  assert_true(close_enough(*o.z, *only.z, W_ATOL, W_RTOL));
+  for (int32_t e = 0; e < E; e++) assert_int_equal(o.counts[e], only.counts[e]);
+  outs_free(&only);
+
+  /* Gradients over the valid tokens alone (T_valid in the aux and z terms). */
+  check_gradient(&c, T, l, NULL, gw, 0.8f, 0.6f, "nonfinite DROP gradient");
+  /* Backward: dropped rows get zero gradient. */
+  tu_poison(grad, sizeof(float) * (size_t)(T * E));
+  ROUTE_OK(epx_route_backward(&c, T, l, NULL, o.idx, gw, 1.0f, 1.0f, grad));
+  for (int t = 0; t < T; t++)
+    for (int e = 0; e < E; e++)
+      if (t == 2 || t == 5 || t == 9) assert_true(grad[t * E + e] == 0.0f);
+      else assert_true(isfinite(grad[t * E + e]));
+  outs_free(&o);
+  tu_free(kept);
+  tu_free(grad);
+  tu_free(idx);
+  tu_free(gw);
+  tu_free(l);
 }
 
 /* Batches of >= 64K logits are split over threads by blocks of tokens: the
