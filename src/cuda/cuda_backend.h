@@ -1,8 +1,8 @@
 /* The CUDA backend as the host library calls it: plain C declarations of
  * functions implemented in src/cuda (host C11 glue in cuda_backend.c, kernels
  * behind extern "C" launchers in .cu files). The public API layer
- * (src/core/api.c) has already checked every argument that can be checked on
- * the host — NULLs, sizes, dtype, alignment, handle ownership — before calling
+ * (src/core/api.c; src/cpu/route.c for routing) has already checked every
+ * argument that can be checked on the host — NULLs, sizes, dtype, alignment, handle ownership — before calling
  * these; they check what only the device can see (routing values).
  *
  * Scope: a comm of one rank (buffer->world_size == 1). All work is enqueued
