@@ -563,15 +563,19 @@ static epx_status_t check_payload(const void *p, int64_t rows, const char *fn, c
   return EPX_SUCCESS;
 }
 
-/* The checks every payload call starts with; a NULL or dead buffer/handle
- * returns at once (there is nothing to agree with). */
+/* The checks every payload call starts with. A NULL or dead buffer returns at
+ * once (there is no comm to agree with); a bad handle on a live CPU buffer is
+ * agreed here, meeting the peers' agree() of the same call, so they refuse it
+ * too instead of pairing their call with this rank's next one. */
 static epx_status_t begin_payload(epx_buffer_t buffer, epx_handle_t handle, const char *fn) {
   epx_error_clear();
   epx_status_t status = check_buffer(buffer, fn);
   if (status != EPX_SUCCESS) return status;
-  status = check_handle(buffer, handle, fn);
+  status = epx_comm_check_alive(buffer->comm, fn);
   if (status != EPX_SUCCESS) return status;
-  return epx_comm_check_alive(buffer->comm, fn);
+  status = check_handle(buffer, handle, fn);
+  if (status != EPX_SUCCESS && buffer->config.device == EPX_DEVICE_CPU) return agree(buffer, status, fn);
+  return status;
 }
 
 epx_status_t epx_dispatch(epx_buffer_t buffer, epx_handle_t handle, const void *x, void *recv_x,
