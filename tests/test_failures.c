@@ -327,11 +327,60 @@ static void test_erring_peer_is_named_everywhere(void **state) {
   assert_int_equal(tu_run_ranks(4, 10.0, erring_rank, &four), 0);
 }
 
+/* A rank that passes a dead handle, or one from another buffer, to a call on
+ * a live buffer: the comm is known, so the refusal is agreed like any bad
+ * argument (epx.h: only a failure before the buffer or comm can be
+ * identified leaves the peers to time out). */
+static int bad_handle_rank(epx_comm_t comm, int32_t rank, int32_t world, void *arg) {
+  (void)world;
+  run_t *run = arg;
+  int failures = 0;
+  state_t s, other;
+  if (state_init(&s, comm, rank) || state_init(&other, comm, rank)) return 1;
+  RANK_STATUS(run_step(&s, STEP_LAYOUT), EPX_SUCCESS, NULL);
+  RANK_STATUS(run_step(&other, STEP_LAYOUT), EPX_SUCCESS, NULL);
+  epx_handle_t dead = NULL;
+  epx_routing_t routing = {T, K, s.idx, s.w, NULL, EPX_WEIGHTS_IN_COMBINE};
+  RANK_STATUS(epx_dispatch_layout(s.buffer, &routing, NULL, &dead), EPX_SUCCESS, NULL);
+  RANK_STATUS(epx_handle_release(dead), EPX_SUCCESS, NULL);
+  epx_handle_t bad = run->variant ? other.handle : dead, good = s.handle;
+  char named[32];
+  snprintf(named, sizeof named, "rank %d", run->odd);
+  double start = now_seconds();
+  if (rank == run->odd) s.handle = bad;
+  epx_status_t status = run_step(&s, run->step);
+  s.handle = good;
+  if (rank == run->odd)
+    RANK_EXPECT(status == EPX_ERROR_INVALID_HANDLE && strstr(epx_last_error(), run->variant ? "another buffer" : "not live"),
+                "a %s handle in %s returned %s: %s", run->variant ? "foreign" : "dead", step_names[run->step],
+                epx_status_string(status), epx_last_error());
+  else
+    RANK_EXPECT(status == EPX_ERROR_PEER_FAILED && strstr(epx_last_error(), named), "%s returned %s: %s (want %s named)",
+                step_names[run->step], epx_status_string(status), epx_last_error(), named);
+  RANK_EXPECT(now_seconds() - start < 1.0, "the refusal took %.3f s", now_seconds() - start);
+  /* The comm still works. */
+  RANK_STATUS(run_step(&s, run->step), EPX_SUCCESS, NULL);
+  state_fini(&other);
+  state_fini(&s);
+  return failures;
+}
+
+static void test_bad_handle_peer_is_named_everywhere(void **state) {
+  (void)state;
+  for (step_t step = STEP_DISPATCH; step < STEPS; step++)
+    for (int variant = 0; variant < 2; variant++) {
+      run_t run = {(int32_t)(step + variant) % 3, step, variant, 0};
+      if (tu_run_ranks(3, 10.0, bad_handle_rank, &run))
+        fail_msg("rank %d passes a %s handle to %s: a rank failed", run.odd, variant ? "foreign" : "dead", step_names[step]);
+    }
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_stopped_peer_times_out),
       cmocka_unit_test(test_null_buffer_peer_times_out),
       cmocka_unit_test(test_erring_peer_is_named_everywhere),
+      cmocka_unit_test(test_bad_handle_peer_is_named_everywhere),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
