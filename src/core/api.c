@@ -167,16 +167,26 @@ epx_status_t epx_buffer_create(epx_comm_t comm, const epx_buffer_config_t *confi
       free(all);
       return epx_error(EPX_ERROR_PEER_FAILED, "%s: rank %d refused its config (its epx_last_error says why)", fn, r);
     }
-    const int64_t *theirs = &all[r].device, *ours = &all[0].device;
-    for (size_t f = 0; f < sizeof mine / sizeof(int64_t) - 1; f++) {
-      if (theirs[f] != ours[f]) {
-        status = epx_error(EPX_ERROR_SHAPE_MISMATCH,
-                           "%s: rank %d has config.%s = %lld but rank 0 has %lld; every rank must "
-                           "create the buffer with the same %s", fn, r, shape_field_names[f + 1],
-                           (long long)theirs[f], (long long)ours[f], shape_field_names[f + 1]);
-        free(all);
-        return status;
-      }
+  }
+  /* Name the rank whose value is the odd one out: compare each rank with the
+   * value most ranks have. */
+  for (size_t f = 0; f < sizeof mine / sizeof(int64_t) - 1; f++) {
+    int64_t common = (&all[0].device)[f];
+    int32_t best = 0;
+    for (int32_t r = 0; r < comm->size; r++) {
+      int32_t votes = 0;
+      for (int32_t q = 0; q < comm->size; q++) votes += (&all[q].device)[f] == (&all[r].device)[f];
+      if (votes > best) best = votes, common = (&all[r].device)[f];
+    }
+    for (int32_t r = 0; r < comm->size; r++) {
+      int64_t theirs = (&all[r].device)[f];
+      if (theirs == common) continue;
+      status = epx_error(EPX_ERROR_SHAPE_MISMATCH,
+                         "%s: rank %d has config.%s = %lld but %d of %d ranks have %lld; every rank "
+                         "must create the buffer with the same %s", fn, r, shape_field_names[f + 1],
+                         (long long)theirs, best, comm->size, (long long)common, shape_field_names[f + 1]);
+      free(all);
+      return status;
     }
   }
   free(all);
