@@ -482,25 +482,52 @@ def test_run_local_raises_the_failing_ranks_error():
 # ---------------------------------------------------------------------------
 
 
-def torch_step(comm, inputs, E, K, weighting, dtype_name):
+def torch_step(comm, inputs, E, K, weighting, dtype_name, device="cpu"):
+    """The layer step of layer_step through epx.torch's autograd functions:
+    returns out, x.grad and logits.grad as float64 numpy arrays."""
     import torch
 
     import epx.torch as et
     dtype = getattr(torch, dtype_name)
     x_np, logits_np, g_np = (a[comm.rank] for a in inputs)
-    x = torch.from_numpy(x_np.copy()).to(dtype).requires_grad_(True)
-    logits = torch.from_numpy(logits_np.copy()).requires_grad_(True)
-    grad_out = torch.from_numpy(g_np.copy()).to(dtype)
+    x = torch.from_numpy(x_np.copy()).to(device=device, dtype=dtype).requires_grad_(True)
+    logits = torch.from_numpy(logits_np.copy()).to(device).requires_grad_(True)
+    grad_out = torch.from_numpy(g_np.copy()).to(device=device, dtype=dtype)
     T, H = x.shape
     r = et.route(logits, top_k=K, renormalize=0)
-    with comm.buffer(dtype=et.epx_dtype(dtype), hidden=H, num_experts=E, max_top_k=K) as buf:
+    epx_device = epx.Device.CUDA if device == "cuda" else epx.Device.CPU
+    with comm.buffer(device=epx_device, dtype=et.epx_dtype(dtype), hidden=H, num_experts=E,
+                     max_top_k=K) as buf:
         h = et.dispatch_layout(buf, r.topk_idx, r.topk_w, weighting=weighting)
         recv_x = et.dispatch(h, x)
         e, _ = et.recv_routing(h)
-        scale = torch.from_numpy(expert_scale(e.numpy(), E)).to(dtype)[:, None]
+        scale = torch.where(e >= 0, 0.5 + e.double() / E, 0.0).to(dtype)[:, None]
         out = et.combine(h, recv_x * scale)
         (out.float() * grad_out.float()).sum().backward()
-    return out.detach().float().numpy(), x.grad.float().numpy(), logits.grad.numpy()
+        counts, offsets = et.expert_counts(h)
+        assert int(counts.sum()) == h.recv_rows == int(offsets[-1])
+        assert counts.device == x.device
+    return [t.detach().double().cpu().numpy() for t in (out, x.grad, logits.grad)]
+
+
+def check_torch_results(res, inputs, E, K, bf16):
+    tol = (2e-2, 2e-2) if bf16 else (1e-5, 1e-4)
+    for rank, (out, grad_x, grad_logits) in enumerate(res):
+        x64, g64 = inputs[0][rank].astype(np.float64), inputs[2][rank].astype(np.float64)
+        idx, w, p = ref_route(inputs[1][rank], K, 0)
+        s = expert_scale(idx, E)
+        assert_close(out, (w * s).sum(1, keepdims=True) * x64, *tol, "torch out")
+        assert_close(grad_x, (w * s).sum(1, keepdims=True) * g64, *tol, "torch grad_x")
+        grad_w = s * (g64 * x64).sum(1, keepdims=True)
+        ref = ref_route_backward(p, idx, grad_w, 0)
+        assert_close(grad_logits, ref, tol[0], tol[1] * 10, "torch grad_logits")
+        assert np.abs(grad_logits).max() > 0  # grad_w reached the router
+
+
+def bf16_exact_inputs(inputs):
+    """The same inputs with payloads rounded to bf16 (so both sides start equal)."""
+    return ([epx.from_bf16(epx.to_bf16(a)) for a in inputs[0]], inputs[1],
+            [epx.from_bf16(epx.to_bf16(a)) for a in inputs[2]])
 
 
 @pytest.mark.parametrize("W,weighting,dtype_name", [
@@ -513,21 +540,32 @@ def test_torch_autograd_matches_reference(rng, W, weighting, dtype_name):
     T, H, E, K = 24, 16, 8, 2
     bf16 = dtype_name == "bfloat16"
     inputs = make_inputs(rng, W, T, H, E)
-    if bf16:  # values exactly representable in bf16
-        inputs = ([epx.from_bf16(epx.to_bf16(a)) for a in inputs[0]], inputs[1],
-                  [epx.from_bf16(epx.to_bf16(a)) for a in inputs[2]])
+    if bf16:
+        inputs = bf16_exact_inputs(inputs)
     res = epx.run_local(W, torch_step, inputs, E, K, weighting, dtype_name, timeout_seconds=TIMEOUT)
-    tol = (2e-2, 2e-2) if bf16 else (1e-5, 1e-4)
-    for rank, (out, grad_x, grad_logits) in enumerate(res):
-        x64, g64 = inputs[0][rank].astype(np.float64), inputs[2][rank].astype(np.float64)
-        idx, w, p = ref_route(inputs[1][rank], K, 0)
-        s = expert_scale(idx, E)
-        assert_close(out, (w * s).sum(1, keepdims=True) * x64, *tol, "torch out")
-        assert_close(grad_x, (w * s).sum(1, keepdims=True) * g64, *tol, "torch grad_x")
-        grad_w = s * (g64 * x64).sum(1, keepdims=True)
-        ref = ref_route_backward(p, idx, grad_w, 0)
-        assert_close(grad_logits, ref, tol[0], tol[1] * 10, "torch grad_logits")
-        assert np.abs(grad_logits).max() > 0  # grad_w reached the router
+    check_torch_results(res, inputs, E, K, bf16)
+
+
+@pytest.mark.parametrize("weighting,dtype_name", [(epx.Weighting.IN_COMBINE, "float32"),
+                                                  (epx.Weighting.IN_DISPATCH, "float32"),
+                                                  (epx.Weighting.IN_COMBINE, "bfloat16")])
+def test_torch_cuda_matches_reference_and_cpu(rng, weighting, dtype_name):
+    torch = pytest.importorskip("torch")
+    if not (torch.cuda.is_available() and epx.has_cuda()):
+        pytest.skip("needs a GPU and a libepx built with EPX_BUILD_CUDA")
+    T, H, E, K = 200, 64, 16, 4
+    bf16 = dtype_name == "bfloat16"
+    inputs = make_inputs(rng, 1, T, H, E)
+    if bf16:
+        inputs = bf16_exact_inputs(inputs)
+    gpu = epx.run_local(1, torch_step, inputs, E, K, weighting, dtype_name, device="cuda")
+    check_torch_results(gpu, inputs, E, K, bf16)
+    cpu = epx.run_local(1, torch_step, inputs, E, K, weighting, dtype_name)
+    # The CUDA route may differ from the CPU's in a weight's last bit, which
+    # can move a bf16 result by one unit (2^-8 relative).
+    tol = (1e-3, 2e-2) if bf16 else (1e-6, 1e-5)
+    for name, g, c in zip(("out", "grad_x", "grad_logits"), gpu[0], cpu[0]):
+        assert_close(g, c, *tol, "cuda vs cpu " + name)
 
 
 def test_torch_errors_and_handle_lifetime(rng):
