@@ -23,8 +23,16 @@ run: build
 single: build
 	$(BUILD)/tools/epx-bench --single
 
+# ctest (C tests, MPI tests, the example, small bench runs), then the Python
+# binding's tests when python3 has numpy and pytest.
 test: build
 	cd $(BUILD) && ctest --output-on-failure
+	@if python3 -c 'import numpy, pytest' 2>/dev/null; then \
+	  echo "EPX_LIBRARY=$(BUILD)/libepx.so PYTHONPATH=python python3 -m pytest -q tests/python"; \
+	  EPX_LIBRARY=$(BUILD)/libepx.so PYTHONPATH=python python3 -m pytest -q tests/python; \
+	else \
+	  echo "make test: tests/python skipped (python3 with numpy and pytest not found: apt-get install python3-numpy python3-pytest)"; \
+	fi
 
 # AddressSanitizer + UBSan build in its own directory, and its tests. OpenMPI's
 # allocations outlive MPI_Finalize, so leak checks are off for the MPI tests.
