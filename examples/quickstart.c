@@ -141,7 +141,8 @@ static void *rank_main(void *arg) {
 int main(void) {
   CHECK(epx_local_world_create(RANKS, NULL, &world));
   pthread_t threads[RANKS];
-  for (intptr_t r = 0; r < RANKS; r++) pthread_create(&threads[r], NULL, rank_main, (void *)r);
+  for (intptr_t r = 0; r < RANKS; r++)
+    if (pthread_create(&threads[r], NULL, rank_main, (void *)r)) return 1;
   for (int r = 0; r < RANKS; r++) pthread_join(threads[r], NULL);
   CHECK(epx_local_world_destroy(world));
   int total = 0;
