@@ -210,12 +210,80 @@ void save_routing(const std::string &dir, const shape_t &sh, const routing_t &r)
   fclose(f);
 }
 
+__global__ void fill_kernel(uint16_t *p, size_t n, uint64_t seed) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+    uint64_t z = seed + 0x9e3779b97f4a7c15ull * (i + 1);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    z ^= z >> 31;
+    const float u = (float)(z >> 40) * (1.0f / 16777216.0f); /* [0, 1) */
+    p[i] = __bfloat16_as_ushort(__float2bfloat16_rn(2.0f * u - 1.0f));
+  }
+}
+
+/* Random bf16 in [-1, 1), drawn on the device. */
 void fill_bf16(void *d, size_t n, uint64_t seed, cudaStream_t s) {
-  std::vector<uint16_t> h(n);
-  rng_t rng{seed};
-  for (size_t i = 0; i < n; i++) h[i] = to_bf16((float)(2.0 * rng.uniform() - 1.0));
-  CK(cudaMemcpyAsync(d, h.data(), n * 2, cudaMemcpyHostToDevice, s));
+  fill_kernel<<<1024, 256, 0, s>>>(static_cast<uint16_t *>(d), n, seed * 0x632be59bd9b4e019ull);
+  CK(cudaGetLastError());
   CK(cudaStreamSynchronize(s));
+}
+
+/* The device arrays of a layout computed with the launcher (for the layout
+ * timings and the kernel sweeps). */
+struct own_layout {
+  epx_cuda_layout_t lay;
+  void *block, *scratch;
+  float *w_copy;
+  int64_t bound;
+};
+
+own_layout make_own_layout(int64_t T, int32_t K, int32_t E, int32_t C) {
+  own_layout o;
+  const size_t tk = (size_t)(T * K);
+  o.bound = C > 0 ? (int64_t)E * C : T * std::min(K, E);
+  CK(cudaMalloc(&o.block, 16 * tk + 4 * (size_t)o.bound + 16 * ((size_t)E + 1) + 256));
+  CK(cudaMalloc(&o.scratch, epx_cuda_layout_scratch_bytes(T, E)));
+  char *p = (char *)o.block;
+  o.lay.result = (epx_cuda_layout_result_t *)p;
+  p += 256;
+  o.lay.idx = (int32_t *)p;
+  p += 4 * tk;
+  o.lay.route_row = (int32_t *)p;
+  p += 4 * tk;
+  o.lay.token_row = (int32_t *)p;
+  p += 4 * tk;
+  o.w_copy = (float *)p;
+  p += 4 * tk;
+  o.lay.counts = (int64_t *)p;
+  p += 8 * (size_t)E;
+  o.lay.offsets = (int64_t *)p;
+  p += 8 * ((size_t)E + 1);
+  o.lay.row_src = (int32_t *)p;
+  return o;
+}
+
+void free_own_layout(own_layout &o) {
+  CK(cudaFree(o.block));
+  CK(cudaFree(o.scratch));
+}
+
+/* Median of graph replays of what `body` enqueues on s (device time without
+ * host launch gaps); -1 when the capture fails. */
+template <class F>
+double graph_median_ms(cudaStream_t s, int reps, F &&body) {
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+  const bool ok = body();
+  const cudaError_t end = cudaStreamEndCapture(s, &graph);
+  if (!ok || end != cudaSuccess || cudaGraphInstantiate(&exec, graph, 0) != cudaSuccess) {
+    cudaGetLastError();
+    return -1;
+  }
+  const double ms = median_ms(s, 5, reps, [&](int) { CK(cudaGraphLaunch(exec, s)); });
+  CK(cudaGraphExecDestroy(exec));
+  CK(cudaGraphDestroy(graph));
+  return ms;
 }
 
 /* Checks dispatch (every row is its source token's row or zeros, each valid
@@ -365,46 +433,54 @@ void bench_shape(const shape_t &sh, const std::string &dir, double copy_gbps, cu
     target("A combine time", t_c, 0.07, false, "ms");
   }
 
-  /* The layout: kernels alone (launcher, device time) and the whole call
-   * as the caller sees it (host clock, with its synchronisation). */
-  epx_cuda_layout_t lay;
-  int64_t bound = sh.C > 0 ? (int64_t)sh.E * sh.C : T * std::min(sh.K, sh.E);
-  void *block, *scratch;
-  const size_t scratch_bytes = epx_cuda_layout_scratch_bytes(T, sh.E);
-  CK(cudaMalloc(&block, 16 * tk + 4 * (size_t)bound + 16 * ((size_t)sh.E + 1) + 256));
-  CK(cudaMalloc(&scratch, scratch_bytes));
-  CK(cudaMemset(scratch, 0, 16));
-  char *p = (char *)block;
-  lay.result = (epx_cuda_layout_result_t *)p;
-  p += 256;
-  lay.idx = (int32_t *)p;
-  p += 4 * tk;
-  lay.route_row = (int32_t *)p;
-  p += 4 * tk;
-  lay.token_row = (int32_t *)p;
-  p += 4 * tk;
-  lay.counts = (int64_t *)p;
-  p += 8 * (size_t)sh.E;
-  lay.offsets = (int64_t *)p;
-  p += 8 * ((size_t)sh.E + 1);
-  lay.row_src = (int32_t *)p;
-  double t_lay = median_ms(s, warm, reps, [&](int) {
-    CK(epx_cuda_layout_launch(d_idx, d_loc, T, sh.K, sh.E, sh.layout, 1, sh.C, &lay, scratch, s));
-  });
+  /* The layout: kernels alone (launcher; a CUDA graph and events), and the
+   * whole call as the caller sees it (host clock, with its synchronisation). */
+  own_layout o = make_own_layout(T, sh.K, sh.E, sh.C);
+  auto layout_once = [&]() {
+    return epx_cuda_layout_launch(d_idx, d_loc, d_w, o.w_copy, T, sh.K, sh.E, sh.layout, 1, sh.C, &o.lay,
+                                  o.scratch, s) == cudaSuccess;
+  };
+  double t_lay = median_ms(s, warm, reps, [&](int) { CK(layout_once() ? cudaSuccess : cudaErrorUnknown); });
+  double g_lay = graph_median_ms(s, reps, layout_once);
   double w_lay = median_wall_us(3, 30, [&](int) {
     epx_handle_t h2;
     EK(epx_dispatch_layout(buf, &routing, nullptr, &h2));
     EK(epx_handle_release(h2));
   });
-  printf("RESULT shape=%s op=layout_kernels us=%.1f (device time, events)\n", sh.name, t_lay * 1e3);
+  printf("RESULT shape=%s op=layout_kernels_graph us=%.1f (device time, CUDA graph)\n", sh.name, g_lay * 1e3);
+  printf("RESULT shape=%s op=layout_kernels_events us=%.1f (events around the launcher; host launch gaps included)\n",
+         sh.name, t_lay * 1e3);
   printf("RESULT shape=%s op=epx_dispatch_layout us=%.1f (host clock, includes the stream synchronisation)\n",
          sh.name, w_lay);
   if (g_results) {
-    fprintf(g_results, "epx %s layout_kernels %.6f 0 0\n", sh.name, t_lay);
+    fprintf(g_results, "epx %s layout_kernels_graph %.6f 0 0\n", sh.name, g_lay);
     fprintf(g_results, "epx %s epx_dispatch_layout_wall %.6f 0 0\n", sh.name, w_lay * 1e-3);
   }
-  CK(cudaFree(block));
-  CK(cudaFree(scratch));
+
+  /* Sweep of warps per token through the launchers (the API uses 0 = auto). */
+  CK(cudaStreamSynchronize(s));
+  int64_t slice = 0;
+  const int auto_shift = epx_cuda_move_split(H * 2 / 16, 0, &slice);
+  printf("SWEEP shape=%s automatic warps_per_token=%d (slice %lld vectors)\n", sh.name, 1 << auto_shift,
+         (long long)slice);
+  for (int wpt = 1; wpt <= 8; wpt *= 2) {
+    double sd = median_ms(s, warm, reps, [&](int i) {
+      CK(epx_cuda_scatter_launch(EPX_BFLOAT16, A[i % P], B[i % P], T, H, o.lay.route_row, sh.K, nullptr, nullptr,
+                                 nullptr, o.lay.row_src, &o.lay.result->rows, o.bound, wpt, s));
+    });
+    double sc = median_ms(s, warm, reps, [&](int i) {
+      CK(epx_cuda_gather_launch(EPX_BFLOAT16, B[i % P], Cc[i % P], T, H, o.lay.route_row, sh.K, o.w_copy, nullptr,
+                                nullptr, wpt, s));
+    });
+    double scb = median_ms(s, warm, reps, [&](int i) {
+      CK(epx_cuda_scatter_launch(EPX_BFLOAT16, A[i % P], D[i % P], T, H, o.lay.route_row, sh.K, o.w_copy, B[i % P],
+                                 d_gw, o.lay.row_src, &o.lay.result->rows, o.bound, wpt, s));
+    });
+    printf("SWEEP shape=%s warps_per_token=%d dispatch %.4f ms (%.3f) combine %.4f ms (%.3f) combine_backward %.4f ms "
+           "(%.3f)\n", sh.name, wpt, sd, d_bytes / (sd * 1e-3) / gb, sc, c_bytes / (sc * 1e-3) / gb, scb,
+           cb_bytes / (scb * 1e-3) / gb);
+  }
+  free_own_layout(o);
 
   EK(epx_handle_release(h));
   EK(epx_buffer_destroy(buf));
@@ -423,10 +499,10 @@ void bench_shape(const shape_t &sh, const std::string &dir, double copy_gbps, cu
 }
 
 /* Routing + layout of 8192 tokens, top-8 of 256: epx_route on the device,
- * then the layout. Three views: a CUDA graph of both (device time, no launch
- * gaps), events around the calls (device time with the gaps), and the host
- * clock around epx_route + epx_dispatch_layout (its synchronisation
- * included). */
+ * then the layout. Views: CUDA graphs of route alone, layout alone and both
+ * (device time, no launch gaps); events around the public calls with a
+ * worst_case_sizing buffer (no synchronisation); the host clock around
+ * epx_route + epx_dispatch_layout (its one synchronisation included). */
 void bench_routing_layout(cudaStream_t s) {
   const int64_t T = 8192;
   const int32_t E = 256, K = 8;
@@ -461,55 +537,20 @@ void bench_routing_layout(cudaStream_t s) {
     CK(cudaMemcpy(d_idx, r.idx.data(), 4 * r.idx.size(), cudaMemcpyHostToDevice));
     CK(cudaMemcpy(d_w, r.w.data(), 4 * r.w.size(), cudaMemcpyHostToDevice));
   }
-
-  epx_cuda_layout_t lay;
-  void *block, *scratch;
-  const size_t tk = (size_t)(T * K);
-  CK(cudaMalloc(&block, 16 * tk + 4 * tk + 16 * ((size_t)E + 1) + 256));
-  CK(cudaMalloc(&scratch, epx_cuda_layout_scratch_bytes(T, E)));
-  CK(cudaMemset(scratch, 0, 16));
-  char *p = (char *)block;
-  lay.result = (epx_cuda_layout_result_t *)p;
-  p += 256;
-  lay.idx = (int32_t *)p;
-  p += 4 * tk;
-  lay.route_row = (int32_t *)p;
-  p += 4 * tk;
-  lay.token_row = (int32_t *)p;
-  p += 4 * tk;
-  lay.counts = (int64_t *)p;
-  p += 8 * (size_t)E;
-  lay.offsets = (int64_t *)p;
-  p += 8 * ((size_t)E + 1);
-  lay.row_src = (int32_t *)p;
-  auto both = [&]() {
-    if (have_route) EK(epx_route(&rc, T, d_logits, nullptr, &ro));
-    CK(epx_cuda_layout_launch(d_idx, nullptr, T, K, E, EPX_LAYOUT_EXPERT_MAJOR, 1, 0, &lay, scratch, s));
+  own_layout o = make_own_layout(T, K, E, 0);
+  auto route_once = [&]() { return !have_route || epx_route(&rc, T, d_logits, nullptr, &ro) == EPX_SUCCESS; };
+  auto layout_once = [&]() {
+    return epx_cuda_layout_launch(d_idx, nullptr, d_w, o.w_copy, T, K, E, EPX_LAYOUT_EXPERT_MAJOR, 1, 0, &o.lay,
+                                  o.scratch, s) == cudaSuccess;
   };
+  const double g_route = have_route ? graph_median_ms(s, 100, route_once) : -1;
+  const double g_layout = graph_median_ms(s, 100, layout_once);
+  const double g_both = graph_median_ms(s, 100, [&]() { return route_once() && layout_once(); });
   const char *what = have_route ? "route+layout" : "layout_only";
-  double t_events = median_ms(s, 5, 100, [&](int) { both(); });
-  printf("RESULT shape=8192x256top8 op=%s_events us=%.1f (device time incl. launch gaps)\n", what, t_events * 1e3);
+  printf("RESULT shape=8192x256top8 op=route_graph us=%.1f (epx_route alone, CUDA graph)\n", g_route * 1e3);
+  printf("RESULT shape=8192x256top8 op=layout_graph us=%.1f (layout kernels alone, CUDA graph)\n", g_layout * 1e3);
+  printf("RESULT shape=8192x256top8 op=%s_graph us=%.1f (CUDA graph, device time)\n", what, g_both * 1e3);
 
-  double t_graph = -1;
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-  if (have_route) st = epx_route(&rc, T, d_logits, nullptr, &ro);
-  cudaError_t lerr = epx_cuda_layout_launch(d_idx, nullptr, T, K, E, EPX_LAYOUT_EXPERT_MAJOR, 1, 0, &lay, scratch, s);
-  cudaError_t cerr = cudaStreamEndCapture(s, &graph);
-  if (st == EPX_SUCCESS && lerr == cudaSuccess && cerr == cudaSuccess &&
-      cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess) {
-    t_graph = median_ms(s, 5, 100, [&](int) { CK(cudaGraphLaunch(exec, s)); });
-    printf("RESULT shape=8192x256top8 op=%s_graph us=%.1f (CUDA graph replay, device time)\n", what, t_graph * 1e3);
-    CK(cudaGraphExecDestroy(exec));
-    CK(cudaGraphDestroy(graph));
-  } else {
-    cudaGetLastError();
-    printf("NOTE graph capture of %s failed (%s / %s / %s)\n", what, epx_status_string(st), cudaGetErrorString(lerr),
-           cudaGetErrorString(cerr));
-  }
-
-  /* The public calls with a worst-case buffer (no synchronisation), events. */
   epx_comm_t comm;
   EK(epx_comm_create_self(&comm));
   epx_buffer_config_t cfg = EPX_BUFFER_CONFIG_INIT;
@@ -543,21 +584,23 @@ void bench_routing_layout(cudaStream_t s) {
   printf("RESULT shape=8192x256top8 op=%s_api_wall us=%.1f (host clock, epx_dispatch_layout synchronises once)\n",
          what, w_api);
   if (g_results) {
-    fprintf(g_results, "epx 8192x256top8 %s_graph %.6f 0 0\n", what, t_graph);
-    fprintf(g_results, "epx 8192x256top8 %s_events %.6f 0 0\n", what, t_events);
+    fprintf(g_results, "epx 8192x256top8 route_graph %.6f 0 0\n", g_route);
+    fprintf(g_results, "epx 8192x256top8 layout_graph %.6f 0 0\n", g_layout);
+    fprintf(g_results, "epx 8192x256top8 %s_graph %.6f 0 0\n", what, g_both);
     fprintf(g_results, "epx 8192x256top8 %s_api_worst_case_events %.6f 0 0\n", what, t_api);
     fprintf(g_results, "epx 8192x256top8 %s_api_wall %.6f 0 0\n", what, w_api * 1e-3);
   }
-  const double headline = t_graph > 0 ? t_graph : t_events;
-  target(std::string(have_route ? "routing+layout" : "layout alone (routing not ready)") +
-             (t_graph > 0 ? " (graph)" : " (events)"),
-         headline * 1e3, 25.0, false, "us");
+  if (g_both > 0)
+    target(std::string(have_route ? "routing+layout" : "layout alone (routing not ready)") + " (graph)", g_both * 1e3,
+           25.0, false, "us");
+  else
+    printf("NOTE graph capture of %s failed; see the events figure\n", what);
+  target("layout alone, 8192x256 top-8 (graph)", g_layout * 1e3, 25.0, false, "us");
   EK(epx_buffer_destroy(wbuf));
   EK(epx_buffer_destroy(sbuf));
   EK(epx_comm_destroy(comm));
   CK(cudaStreamSynchronize(s));
-  CK(cudaFree(block));
-  CK(cudaFree(scratch));
+  free_own_layout(o);
   CK(cudaFree(d_logits));
   CK(cudaFree(d_w));
   CK(cudaFree(d_idx));

@@ -4,9 +4,11 @@
  * the valid k in order, no fused multiply-add), so the result is the same
  * bits on every run and equals the CPU engine's loop.
  *
- * A warp per token; per step of 2 KB of the output row (32 lanes x 4 x 16 B)
- * it reads that step of each of the token's rows, the next row's loads issued
- * before the current row is added.
+ * A token's row is cut into 1, 2, 4 or 8 slices of whole 128-byte lines, a
+ * warp each (the warps of a token share a block); per step of 2 KB of its
+ * slice of the output (32 lanes x 4 x 16 B) a warp reads that step of each of
+ * the token's rows, the next row's loads issued before the current row is
+ * added.
  *
  * Bytes moved (s = dtype size, R = valid routes, T = tokens):
  *   combine:             R*H*s read + T*H*s written
@@ -30,16 +32,18 @@ struct gather_args {
   float *grad_w;       /* [T, K] when computing grad_w */
   int64_t tokens;
   int64_t nvec;
+  int64_t slice; /* vectors per warp's slice of a row (a multiple of 8) */
   int k;
+  int wpt_shift; /* log2 of the warps per token */
 };
 
 template <int n>
-__device__ __forceinline__ void load_step(const uint4 *row, int64_t v0, int64_t nvec, int lane,
+__device__ __forceinline__ void load_step(const uint4 *row, int v0, int v_end, int lane,
                                           uint4 (&v)[n]) {
 #pragma unroll
   for (int u = 0; u < n; u++) {
-    const int64_t i = v0 + u * 32 + lane;
-    v[u] = i < nvec ? __ldcs(row + i) : make_uint4(0u, 0u, 0u, 0u);
+    const int i = v0 + u * 32 + lane;
+    v[u] = i < v_end ? __ldcs(row + i) : make_uint4(0u, 0u, 0u, 0u);
   }
 }
 
@@ -48,80 +52,92 @@ __global__ void __launch_bounds__(kWarps * 32) gather_kernel(const gather_args a
   using vec = epx_vec<T>;
   constexpr int n = vec::n;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t t = (int64_t)blockIdx.x * kWarps + warp;
-  if (t >= a.tokens) return;
+  const int64_t gw = (int64_t)blockIdx.x * kWarps + warp;
+  const int64_t t = gw >> a.wpt_shift;
+  const int part = (int)(gw & ((1 << a.wpt_shift) - 1));
+  const bool active = t < a.tokens;
+  if (!kDot && !active) return;
 
   /* The token's valid slots, compacted in k order: row, slot, weight; and a
-   * dot accumulator per slot. */
+   * dot accumulator per slot (this warp's slice). */
   extern __shared__ int32_t s_table[];
   int32_t *s_row = s_table + (size_t)warp * 4 * a.k;
   int32_t *s_slot = s_row + a.k;
   float *s_w = reinterpret_cast<float *>(s_slot + a.k);
   float *s_dot = s_w + a.k;
-  const unsigned int lanes_below = (1u << lane) - 1u;
-  int valid = 0;
-  for (int k0 = 0; k0 < a.k; k0 += 32) {
-    const int k = k0 + lane;
-    const int32_t row = k < a.k ? a.rows[t * a.k + k] : -1;
-    const unsigned int mask = __ballot_sync(0xffffffffu, row >= 0);
-    if (row >= 0) {
-      const int p = valid + __popc(mask & lanes_below);
-      s_row[p] = row;
-      s_slot[p] = k;
-      if (kWeight) s_w[p] = a.w[t * a.k + k];
+  if (active) {
+    const unsigned int lanes_below = (1u << lane) - 1u;
+    int valid = 0;
+    for (int k0 = 0; k0 < a.k; k0 += 32) {
+      const int k = k0 + lane;
+      const int32_t row = k < a.k ? a.rows[t * a.k + k] : -1;
+      const unsigned int mask = __ballot_sync(0xffffffffu, row >= 0);
+      if (row >= 0) {
+        const int p = valid + __popc(mask & lanes_below);
+        s_row[p] = row;
+        s_slot[p] = k;
+        if (kWeight) s_w[p] = a.w[t * a.k + k];
+      }
+      if (kDot && k < a.k) s_dot[k] = 0.0f;
+      valid += __popc(mask);
     }
-    if (kDot && k < a.k) s_dot[k] = 0.0f;
-    valid += __popc(mask);
-  }
-  __syncwarp();
+    __syncwarp();
 
-  uint4 *dst = a.dst + t * a.nvec;
-  for (int64_t v0 = 0; v0 < a.nvec; v0 += 32 * kVecs) {
-    float acc[kVecs][n];
+    const int v_begin = part * (int)a.slice, v_end = (int)min(a.nvec, (int64_t)v_begin + a.slice);
+    uint4 *dst = a.dst + t * a.nvec;
+    for (int v0 = v_begin; v0 < v_end; v0 += 32 * kVecs) {
+      float acc[kVecs][n];
 #pragma unroll
-    for (int u = 0; u < kVecs; u++)
+      for (int u = 0; u < kVecs; u++)
 #pragma unroll
-      for (int e = 0; e < n; e++) acc[u][e] = 0.0f;
-    float of[kVecs][n];
-    if (kDot) {
-      uint4 ov[kVecs];
-      load_step(a.other + t * a.nvec, v0, a.nvec, lane, ov);
+        for (int e = 0; e < n; e++) acc[u][e] = 0.0f;
+      float of[kVecs][n];
+      if (kDot) {
+        uint4 ov[kVecs];
+        load_step(a.other + t * a.nvec, v0, v_end, lane, ov);
 #pragma unroll
-      for (int u = 0; u < kVecs; u++) vec::unpack(ov[u], of[u]);
-    }
-    uint4 cur[kVecs];
-    if (valid > 0) load_step(a.src + (int64_t)s_row[0] * a.nvec, v0, a.nvec, lane, cur);
-    for (int j = 0; j < valid; j++) {
-      uint4 next[kVecs];
-      if (j + 1 < valid) load_step(a.src + (int64_t)s_row[j + 1] * a.nvec, v0, a.nvec, lane, next);
-      const float w = kWeight ? s_w[j] : 1.0f;
-      float part = 0.0f;
+        for (int u = 0; u < kVecs; u++) vec::unpack(ov[u], of[u]);
+      }
+      uint4 cur[kVecs];
+      if (valid > 0) load_step(a.src + (int64_t)s_row[0] * a.nvec, v0, v_end, lane, cur);
+      for (int j = 0; j < valid; j++) {
+        uint4 next[kVecs];
+        if (j + 1 < valid) load_step(a.src + (int64_t)s_row[j + 1] * a.nvec, v0, v_end, lane, next);
+        const float w = kWeight ? s_w[j] : 1.0f;
+        float part_dot = 0.0f;
+#pragma unroll
+        for (int u = 0; u < kVecs; u++) {
+          float f[n];
+          vec::unpack(cur[u], f);
+#pragma unroll
+          for (int e = 0; e < n; e++) {
+            acc[u][e] = __fadd_rn(acc[u][e], kWeight ? __fmul_rn(w, f[e]) : f[e]);
+            if (kDot) part_dot = __fadd_rn(part_dot, __fmul_rn(f[e], of[u][e]));
+          }
+        }
+        if (kDot) {
+          part_dot = epx_warp_sum(part_dot);
+          if (lane == 0) s_dot[s_slot[j]] += part_dot;
+        }
+#pragma unroll
+        for (int u = 0; u < kVecs; u++) cur[u] = next[u];
+      }
 #pragma unroll
       for (int u = 0; u < kVecs; u++) {
-        float f[n];
-        vec::unpack(cur[u], f);
-#pragma unroll
-        for (int e = 0; e < n; e++) {
-          acc[u][e] = __fadd_rn(acc[u][e], kWeight ? __fmul_rn(w, f[e]) : f[e]);
-          if (kDot) part = __fadd_rn(part, __fmul_rn(f[e], of[u][e]));
-        }
+        const int i = v0 + u * 32 + lane;
+        if (i < v_end) dst[i] = vec::pack(acc[u]);
       }
-      if (kDot) {
-        part = epx_warp_sum(part);
-        if (lane == 0) s_dot[s_slot[j]] += part;
-      }
-#pragma unroll
-      for (int u = 0; u < kVecs; u++) cur[u] = next[u];
-    }
-#pragma unroll
-    for (int u = 0; u < kVecs; u++) {
-      const int64_t i = v0 + u * 32 + lane;
-      if (i < a.nvec) dst[i] = vec::pack(acc[u]);
     }
   }
   if (kDot) {
-    __syncwarp();
-    for (int k = lane; k < a.k; k += 32) a.grad_w[t * a.k + k] = s_dot[k];
+    /* grad_w: the slices' sums added in slice order by the token's first warp */
+    __syncthreads();
+    if (active && part == 0)
+      for (int k = lane; k < a.k; k += 32) {
+        float sum = s_dot[k];
+        for (int p = 1; p < (1 << a.wpt_shift); p++) sum = __fadd_rn(sum, s_dot[(size_t)p * 4 * a.k + k]);
+        a.grad_w[t * a.k + k] = sum;
+      }
   }
 }
 
@@ -142,7 +158,7 @@ extern "C" cudaError_t epx_cuda_gather_launch(epx_dtype_t dtype, const void *src
                                               int64_t num_tokens, int64_t hidden,
                                               const int32_t *rows, int32_t top_k, const float *w,
                                               const void *other, float *grad_w,
-                                              cudaStream_t stream) {
+                                              int32_t warps_per_token, cudaStream_t stream) {
   if (top_k < 1 || top_k > EPX_CUDA_MAX_TOP_K || (grad_w && !other)) return cudaErrorInvalidValue;
   gather_args a;
   a.src = static_cast<const uint4 *>(src);
@@ -154,7 +170,9 @@ extern "C" cudaError_t epx_cuda_gather_launch(epx_dtype_t dtype, const void *src
   a.tokens = num_tokens;
   a.nvec = hidden * (int64_t)epx_dtype_size(dtype) / 16;
   a.k = top_k;
-  const int64_t blocks = (num_tokens + kWarps - 1) / kWarps;
+  a.wpt_shift = epx_cuda_move_split(a.nvec, warps_per_token, &a.slice);
+  if (a.wpt_shift < 0) return cudaErrorInvalidValue;
+  const int64_t blocks = ((num_tokens << a.wpt_shift) + kWarps - 1) / kWarps;
   if (blocks == 0) return cudaSuccess;
   const size_t shared = (size_t)kWarps * 4 * sizeof(int32_t) * (size_t)top_k;
   switch (dtype) {

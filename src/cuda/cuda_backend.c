@@ -28,7 +28,8 @@
 typedef struct cuda_buffer_state {
   void *scratch;          /* layout scratch (device), scratch_bytes long */
   size_t scratch_bytes;
-  cudaEvent_t scratch_free; /* recorded after the last layout that used scratch */
+  cudaStream_t scratch_stream; /* the stream of the last layout that used scratch */
+  cudaEvent_t scratch_free;    /* recorded after that layout; waited on from another stream */
   epx_cuda_layout_result_t *readback; /* pinned host memory for one layout result */
 } cuda_buffer_state_t;
 
@@ -215,25 +216,25 @@ epx_status_t epx_cuda_dispatch_layout(epx_buffer_t buffer, const epx_routing_t *
   h->layout.counts = (int64_t *)(base + at[5]);
   h->layout.offsets = (int64_t *)(base + at[6]);
   h->w = routing->topk_w ? (float *)(base + at[7]) : NULL;
-  if (h->w && routes)
-    CUDA_CHECK(cudaMemcpyAsync(h->w, routing->topk_w, 4 * routes, cudaMemcpyDeviceToDevice, stream),
-               fn, "cudaMemcpyAsync of routing.topk_w");
 
-  /* The scratch may still be in use by a layout on another stream. */
+  /* The scratch may still be in use by the last layout, on another stream:
+   * order this stream after it (nothing to do on the same stream). */
   const size_t need = epx_cuda_layout_scratch_bytes(T, E);
-  CUDA_CHECK(cudaStreamWaitEvent(stream, bs->scratch_free, 0), fn, "cudaStreamWaitEvent");
+  if (bs->scratch && bs->scratch_stream != stream)
+    CUDA_CHECK(cudaStreamWaitEvent(stream, bs->scratch_free, 0), fn, "cudaStreamWaitEvent");
   if (need > bs->scratch_bytes) {
     if (bs->scratch) CUDA_CHECK(cudaFreeAsync(bs->scratch, stream), fn, "cudaFreeAsync");
     bs->scratch = NULL;
     bs->scratch_bytes = 0;
     CUDA_CHECK(cudaMallocAsync(&bs->scratch, need, stream), fn, "cudaMallocAsync of the layout scratch");
-    CUDA_CHECK(cudaMemsetAsync(bs->scratch, 0, 16, stream), fn, "cudaMemsetAsync");
     bs->scratch_bytes = need;
   }
-  CUDA_CHECK(epx_cuda_layout_launch(routing->topk_idx, routing->locations, T, K, E, c->layout,
-                                    c->expert_alignment, c->capacity, &h->layout, bs->scratch, stream),
+  CUDA_CHECK(epx_cuda_layout_launch(routing->topk_idx, routing->locations, routing->topk_w, h->w, T, K, E,
+                                    c->layout, c->expert_alignment, c->capacity, &h->layout, bs->scratch,
+                                    stream),
              fn, "the layout kernels");
   CUDA_CHECK(cudaEventRecord(bs->scratch_free, stream), fn, "cudaEventRecord");
+  bs->scratch_stream = stream;
 
   if (worst) {
     h->row_bound = row_bound;
@@ -268,13 +269,13 @@ epx_status_t epx_cuda_dispatch(epx_buffer_t buffer, epx_handle_t handle, const v
   const epx_cuda_layout_t *l = &h->layout;
   if (c->layout == EPX_LAYOUT_RANK_MAJOR)
     CUDA_CHECK(epx_cuda_scatter_launch(c->dtype, x, recv_x, handle->num_tokens, c->hidden, l->token_row,
-                                       1, NULL, NULL, NULL, NULL, &l->result->rows, 0, stream_of(buffer)),
+                                       1, NULL, NULL, NULL, NULL, &l->result->rows, 0, 0, stream_of(buffer)),
                fn, "the dispatch kernel");
   else
     CUDA_CHECK(epx_cuda_scatter_launch(c->dtype, x, recv_x, handle->num_tokens, c->hidden, l->route_row,
                                        handle->top_k,
                                        handle->weighting == EPX_WEIGHTS_IN_DISPATCH ? h->w : NULL, NULL,
-                                       NULL, l->row_src, &l->result->rows, h->row_bound, stream_of(buffer)),
+                                       NULL, l->row_src, &l->result->rows, h->row_bound, 0, stream_of(buffer)),
                fn, "the dispatch kernel");
 fail:
   return status;
@@ -291,7 +292,7 @@ epx_status_t epx_cuda_combine(epx_buffer_t buffer, epx_handle_t handle, const vo
                                     rank_major ? h->layout.token_row : h->layout.route_row,
                                     rank_major ? 1 : handle->top_k,
                                     handle->weighting == EPX_WEIGHTS_IN_COMBINE ? h->w : NULL, NULL,
-                                    NULL, stream_of(buffer)),
+                                    NULL, 0, stream_of(buffer)),
              fn, "the combine kernel");
 fail:
   return status;
@@ -309,7 +310,7 @@ epx_status_t epx_cuda_dispatch_backward(epx_buffer_t buffer, epx_handle_t handle
   CUDA_CHECK(epx_cuda_gather_launch(c->dtype, grad_recv_x, grad_x, handle->num_tokens, c->hidden,
                                     rank_major ? h->layout.token_row : h->layout.route_row,
                                     rank_major ? 1 : handle->top_k, weighted ? h->w : NULL,
-                                    weighted && grad_w ? x : NULL, weighted ? grad_w : NULL,
+                                    weighted && grad_w ? x : NULL, weighted ? grad_w : NULL, 0,
                                     stream_of(buffer)),
              fn, "the dispatch backward kernel");
 fail:
@@ -328,13 +329,13 @@ epx_status_t epx_cuda_combine_backward(epx_buffer_t buffer, epx_handle_t handle,
   if (c->layout == EPX_LAYOUT_RANK_MAJOR)
     CUDA_CHECK(epx_cuda_scatter_launch(c->dtype, grad_out, grad_expert_out, handle->num_tokens,
                                        c->hidden, l->token_row, 1, NULL, NULL, NULL, NULL,
-                                       &l->result->rows, 0, stream_of(buffer)),
+                                       &l->result->rows, 0, 0, stream_of(buffer)),
                fn, "the combine backward kernel");
   else
     CUDA_CHECK(epx_cuda_scatter_launch(c->dtype, grad_out, grad_expert_out, handle->num_tokens,
                                        c->hidden, l->route_row, handle->top_k, weighted ? h->w : NULL,
                                        weighted && grad_w ? expert_out : NULL, weighted ? grad_w : NULL,
-                                       l->row_src, &l->result->rows, h->row_bound, stream_of(buffer)),
+                                       l->row_src, &l->result->rows, h->row_bound, 0, stream_of(buffer)),
                fn, "the combine backward kernel");
 fail:
   return status;

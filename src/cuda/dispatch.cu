@@ -2,9 +2,12 @@
  * weight) into each of its K recv rows — dispatch, and combine_backward with
  * the routing-weight gradient — plus the zeros of padding and empty rows.
  *
- * A warp per token reads its row once, 2 KB per step (32 lanes x 4 x 16 B,
- * coalesced), and writes that step to each of its rows before the next step;
- * extra blocks after the token blocks zero the rows whose row_src is -1.
+ * A token's row is cut into 1, 2, 4 or 8 slices of whole 128-byte lines, a
+ * warp each (the warps of a token share a block); a warp reads its slice
+ * once, 2 KB per step (32 lanes x 4 x 16 B, coalesced), and writes that step
+ * to each of the token's rows. Slicing to one step per warp keeps enough
+ * independent warps in flight that a token's latency chain is one load deep.
+ * Extra blocks after the token blocks zero the rows whose row_src is -1.
  *
  * Bytes moved (s = dtype size, T_r = tokens with a route, R = valid routes,
  * N = recv rows, Z = padding/empty rows among them):
@@ -32,8 +35,10 @@ struct scatter_args {
   int64_t row_bound;
   int64_t tokens;
   int64_t nvec;          /* 16-byte vectors per row */
+  int64_t slice;         /* vectors per warp's slice of a row (a multiple of 8) */
   int64_t token_blocks;
   int k;
+  int wpt_shift;         /* log2 of the warps per token */
 };
 
 /* Zeroes the rows r < min(*rows_valid, row_bound) with row_src[r] < 0: a warp
@@ -49,7 +54,7 @@ __device__ void zero_rows(const scatter_args &a, int64_t block) {
     const int b = __ffs(empty) - 1;
     empty &= empty - 1;
     uint4 *d = a.dst + (r0 + b) * a.nvec;
-    for (int64_t i = lane; i < a.nvec; i += 32) d[i] = zero;
+    for (int i = lane; i < a.nvec; i += 32) d[i] = zero;
   }
 }
 
@@ -62,46 +67,46 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(const scatter_args
     return;
   }
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t t = (int64_t)blockIdx.x * kWarps + warp;
-  if (t >= a.tokens) return;
+  const int64_t gw = (int64_t)blockIdx.x * kWarps + warp;
+  const int64_t t = gw >> a.wpt_shift;
+  const int part = (int)(gw & ((1 << a.wpt_shift) - 1));
+  const bool active = t < a.tokens;
+  if (!kDot && !active) return;
 
   /* The token's valid slots, compacted in k order: row, slot, weight; and a
-   * dot accumulator per slot. */
+   * dot accumulator per slot (this warp's slice). */
   extern __shared__ int32_t s_table[];
   int32_t *s_row = s_table + (size_t)warp * 4 * a.k;
   int32_t *s_slot = s_row + a.k;
   float *s_w = reinterpret_cast<float *>(s_slot + a.k);
   float *s_dot = s_w + a.k;
-  const unsigned int lanes_below = (1u << lane) - 1u;
-  int valid = 0;
-  for (int k0 = 0; k0 < a.k; k0 += 32) {
-    const int k = k0 + lane;
-    const int32_t row = k < a.k ? a.rows[t * a.k + k] : -1;
-    const unsigned int mask = __ballot_sync(0xffffffffu, row >= 0);
-    if (row >= 0) {
-      const int p = valid + __popc(mask & lanes_below);
-      s_row[p] = row;
-      s_slot[p] = k;
-      if (kScale) s_w[p] = a.w[t * a.k + k];
+  if (active) {
+    const unsigned int lanes_below = (1u << lane) - 1u;
+    int valid = 0;
+    for (int k0 = 0; k0 < a.k; k0 += 32) {
+      const int k = k0 + lane;
+      const int32_t row = k < a.k ? a.rows[t * a.k + k] : -1;
+      const unsigned int mask = __ballot_sync(0xffffffffu, row >= 0);
+      if (row >= 0) {
+        const int p = valid + __popc(mask & lanes_below);
+        s_row[p] = row;
+        s_slot[p] = k;
+        if (kScale) s_w[p] = a.w[t * a.k + k];
+      }
+      if (kDot && k < a.k) s_dot[k] = 0.0f;
+      valid += __popc(mask);
     }
-    if (kDot && k < a.k) s_dot[k] = 0.0f;
-    valid += __popc(mask);
-  }
-  __syncwarp();
+    __syncwarp();
 
-  if (valid > 0) {
+    const int v_begin = part * (int)a.slice, v_end = (int)min(a.nvec, (int64_t)v_begin + a.slice);
     const uint4 *src = a.src + t * a.nvec;
-    for (int64_t v0 = 0; v0 < a.nvec; v0 += 32 * kVecs) {
+    for (int v0 = valid > 0 ? v_begin : v_end; v0 < v_end; v0 += 32 * kVecs) {
       uint4 x[kVecs];
 #pragma unroll
       for (int u = 0; u < kVecs; u++) {
-        const int64_t i = v0 + u * 32 + lane;
-        x[u] = i < a.nvec ? __ldcs(src + i) : make_uint4(0u, 0u, 0u, 0u);
+        const int i = v0 + u * 32 + lane;
+        x[u] = i < v_end ? __ldcs(src + i) : make_uint4(0u, 0u, 0u, 0u);
       }
-      /* float copies for scaling and dots (dead code for plain copies) */
-      float xf[kVecs][n];
-#pragma unroll
-      for (int u = 0; u < kVecs; u++) vec::unpack(x[u], xf[u]);
       for (int j = 0; j < valid; j++) {
         const int64_t row = s_row[j];
         uint4 *dst = a.dst + row * a.nvec;
@@ -109,17 +114,18 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(const scatter_args
           const float w = s_w[j];
 #pragma unroll
           for (int u = 0; u < kVecs; u++) {
-            const int64_t i = v0 + u * 32 + lane;
+            const int i = v0 + u * 32 + lane;
             float y[n];
+            vec::unpack(x[u], y);
 #pragma unroll
-            for (int e = 0; e < n; e++) y[e] = __fmul_rn(w, xf[u][e]);
-            if (i < a.nvec) dst[i] = vec::pack(y);
+            for (int e = 0; e < n; e++) y[e] = __fmul_rn(w, y[e]);
+            if (i < v_end) dst[i] = vec::pack(y);
           }
         } else {
 #pragma unroll
           for (int u = 0; u < kVecs; u++) {
-            const int64_t i = v0 + u * 32 + lane;
-            if (i < a.nvec) dst[i] = x[u];
+            const int i = v0 + u * 32 + lane;
+            if (i < v_end) dst[i] = x[u];
           }
         }
         if (kDot) {
@@ -127,26 +133,33 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(const scatter_args
           uint4 ov[kVecs];
 #pragma unroll
           for (int u = 0; u < kVecs; u++) {
-            const int64_t i = v0 + u * 32 + lane;
-            ov[u] = i < a.nvec ? __ldcs(o + i) : make_uint4(0u, 0u, 0u, 0u);
+            const int i = v0 + u * 32 + lane;
+            ov[u] = i < v_end ? __ldcs(o + i) : make_uint4(0u, 0u, 0u, 0u);
           }
-          float part = 0.0f;
+          float part_dot = 0.0f;
 #pragma unroll
           for (int u = 0; u < kVecs; u++) {
-            float of[n];
+            float xf[n], of[n];
+            vec::unpack(x[u], xf);
             vec::unpack(ov[u], of);
 #pragma unroll
-            for (int e = 0; e < n; e++) part = __fadd_rn(part, __fmul_rn(xf[u][e], of[e]));
+            for (int e = 0; e < n; e++) part_dot = __fadd_rn(part_dot, __fmul_rn(xf[e], of[e]));
           }
-          part = epx_warp_sum(part);
-          if (lane == 0) s_dot[s_slot[j]] += part;
+          part_dot = epx_warp_sum(part_dot);
+          if (lane == 0) s_dot[s_slot[j]] += part_dot;
         }
       }
     }
   }
   if (kDot) {
-    __syncwarp();
-    for (int k = lane; k < a.k; k += 32) a.grad_w[t * a.k + k] = s_dot[k];
+    /* grad_w: the slices' sums added in slice order by the token's first warp */
+    __syncthreads();
+    if (active && part == 0)
+      for (int k = lane; k < a.k; k += 32) {
+        float sum = s_dot[k];
+        for (int p = 1; p < (1 << a.wpt_shift); p++) sum = __fadd_rn(sum, s_dot[(size_t)p * 4 * a.k + k]);
+        a.grad_w[t * a.k + k] = sum;
+      }
   }
 }
 
@@ -168,7 +181,8 @@ extern "C" cudaError_t epx_cuda_scatter_launch(epx_dtype_t dtype, const void *sr
                                                const int32_t *rows, int32_t top_k, const float *w,
                                                const void *other, float *grad_w,
                                                const int32_t *row_src, const int64_t *rows_valid,
-                                               int64_t row_bound, cudaStream_t stream) {
+                                               int64_t row_bound, int32_t warps_per_token,
+                                               cudaStream_t stream) {
   if (top_k < 1 || top_k > EPX_CUDA_MAX_TOP_K || (grad_w && !other)) return cudaErrorInvalidValue;
   scatter_args a;
   a.src = static_cast<const uint4 *>(src);
@@ -182,8 +196,10 @@ extern "C" cudaError_t epx_cuda_scatter_launch(epx_dtype_t dtype, const void *sr
   a.row_bound = row_src ? row_bound : 0;
   a.tokens = num_tokens;
   a.nvec = hidden * (int64_t)epx_dtype_size(dtype) / 16;
-  a.token_blocks = (num_tokens + kWarps - 1) / kWarps;
   a.k = top_k;
+  a.wpt_shift = epx_cuda_move_split(a.nvec, warps_per_token, &a.slice);
+  if (a.wpt_shift < 0) return cudaErrorInvalidValue;
+  a.token_blocks = ((num_tokens << a.wpt_shift) + kWarps - 1) / kWarps;
   const int64_t zero_blocks = (a.row_bound + 32 * kWarps - 1) / (32 * kWarps);
   const int64_t blocks = a.token_blocks + zero_blocks;
   if (blocks == 0) return cudaSuccess;

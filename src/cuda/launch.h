@@ -24,10 +24,10 @@
 extern "C" {
 #endif
 
-/* Limits of the kernels (per-warp shared-memory tables): the layout keeps a
- * counter per expert per warp, the moves a row, slot, weight and dot per
- * k-slot per warp. */
-#define EPX_CUDA_MAX_EXPERTS 49152
+/* Limits of the kernels (shared-memory tables): the layout keeps a counter
+ * per expert per warp and a base, total and offset per expert per block, the
+ * moves a row, slot, weight and dot per k-slot per warp. */
+#define EPX_CUDA_MAX_EXPERTS 8192
 #define EPX_CUDA_MAX_TOP_K 256
 
 /* Validation verdict codes, in the low 3 bits of epx_cuda_layout_result_t.error
@@ -60,45 +60,70 @@ typedef struct epx_cuda_layout {
 } epx_cuda_layout_t;
 
 /* Bytes of the scratch epx_cuda_layout_launch needs for T tokens and E
- * experts. The scratch's first 16 bytes must be zero before its first use;
- * the layout leaves them zero. Scratch may be reused once the launch's work
- * is done (stream order). */
+ * experts (per-chunk counts and errors). Scratch may be reused once the
+ * launch's work is done (stream order). */
 size_t epx_cuda_layout_scratch_bytes(int64_t num_tokens, int32_t num_experts);
 
 /* Computes the layout of topk_idx [T, K] (and locations [T, K] for the
- * capacity layout, C = capacity) into `out`, validating the routing.
- * Expert-major groups are padded to `alignment`; rank-major has a row per
- * token with at least one valid route. row_src must hold the layout's rows
- * (at most T*min(K,E) + E*(alignment-1), T, or E*C). Needs T*K < 2^31 and
- * E <= EPX_CUDA_MAX_EXPERTS. Kernels: memset (capacity only), rank, scan,
- * assign. */
+ * capacity layout, C = capacity) into `out`, validating the routing, and
+ * copies topk_w [T, K] into w_copy when topk_w is not NULL. Expert-major
+ * groups are padded to `alignment`; rank-major has a row per token with at
+ * least one valid route. row_src must hold the layout's rows (at most
+ * T*min(K,E) + E*(alignment-1), T, or E*C). Needs T*K < 2^31, rows < 2^31 and
+ * E <= EPX_CUDA_MAX_EXPERTS. Work: a memset (capacity only) and two kernels. */
 cudaError_t epx_cuda_layout_launch(const int32_t *topk_idx, const int32_t *locations,
-                                   int64_t num_tokens, int32_t top_k, int32_t num_experts,
-                                   epx_layout_t layout, int32_t alignment, int32_t capacity,
+                                   const float *topk_w, float *w_copy, int64_t num_tokens,
+                                   int32_t top_k, int32_t num_experts, epx_layout_t layout,
+                                   int32_t alignment, int32_t capacity,
                                    const epx_cuda_layout_t *out, void *scratch,
                                    cudaStream_t stream);
+
+/* Tuning of the move kernels: warps per block, and 16-byte vectors per lane
+ * per step (32 lanes * 4 * 16 B = 2 KB of a row in flight per warp per step). */
+#define EPX_CUDA_MOVE_WARPS 8
+#define EPX_CUDA_MOVE_VECS 4
+#define EPX_CUDA_MOVE_MAX_WPT_SHIFT 3
+
+/* Warps per token of the move kernels: `requested` (1, 2, 4 or 8), or for 0
+ * the fewest (at most 2^EPX_CUDA_MOVE_MAX_WPT_SHIFT) that leave each warp one
+ * step of the row. Returns log2 of it and sets the vectors of each warp's
+ * slice (whole 128-byte lines); -1 for an invalid request. */
+static inline int epx_cuda_move_split(int64_t nvec, int32_t requested, int64_t *slice) {
+  int shift = 0;
+  if (requested) {
+    while (shift < 3 && (1 << shift) < requested) shift++;
+    if ((1 << shift) != requested) return -1;
+  } else {
+    while (shift < EPX_CUDA_MOVE_MAX_WPT_SHIFT && ((nvec + (1 << shift) - 1) >> shift) > 32 * EPX_CUDA_MOVE_VECS)
+      shift++;
+  }
+  const int64_t per = (nvec + (1 << shift) - 1) >> shift;
+  *slice = (per + 7) / 8 * 8;
+  return shift;
+}
 
 /* Scatter: dst[rows[t, k]] = src[t] for every k with rows[t, k] >= 0, or
  * round(w[t, k] * src[t]) when w is given; src is read once per token.
  * With grad_w: grad_w[t, k] = <src[t], other[rows[t, k]]> in float32 (0 for
  * slots of -1). With row_src: every row r < min(*rows_valid, row_bound) whose
  * row_src[r] < 0 is written with zeros. src [T, H], dst and other
- * [rows, H] of dtype; 16-byte aligned, H % 8 == 0, K <= EPX_CUDA_MAX_TOP_K. */
+ * [rows, H] of dtype; 16-byte aligned, H % 8 == 0, K <= EPX_CUDA_MAX_TOP_K.
+ * warps_per_token: 0 (automatic) or 1, 2, 4, 8 (for benchmarks). */
 cudaError_t epx_cuda_scatter_launch(epx_dtype_t dtype, const void *src, void *dst,
                                     int64_t num_tokens, int64_t hidden, const int32_t *rows,
                                     int32_t top_k, const float *w, const void *other,
                                     float *grad_w, const int32_t *row_src,
                                     const int64_t *rows_valid, int64_t row_bound,
-                                    cudaStream_t stream);
+                                    int32_t warps_per_token, cudaStream_t stream);
 
 /* Gather: dst[t] = round(sum over k in order of w[t, k] * src[rows[t, k]])
  * in float32 (w = 1 when NULL; zeros for a token with no rows). With grad_w:
  * grad_w[t, k] = <src[rows[t, k]], other[t]> in float32 (0 for slots of -1).
- * src [rows, H], dst and other [T, H]. */
+ * src [rows, H], dst and other [T, H]. warps_per_token as for scatter. */
 cudaError_t epx_cuda_gather_launch(epx_dtype_t dtype, const void *src, void *dst,
                                    int64_t num_tokens, int64_t hidden, const int32_t *rows,
                                    int32_t top_k, const float *w, const void *other,
-                                   float *grad_w, cudaStream_t stream);
+                                   float *grad_w, int32_t warps_per_token, cudaStream_t stream);
 
 /* Accessors over rows r < min(*rows_valid, row_bound). recv_routing writes,
  * per row, the expert and weight of its route ([N]; rank-major: [N, K], one
@@ -195,10 +220,6 @@ static __device__ __forceinline__ float epx_warp_sum(float v) {
   return v;
 }
 
-/* Warps per block and 16-byte vectors per lane per step of the move kernels:
- * 32 lanes * 4 * 16 B = 2 KB of a row in flight per warp per step. */
-#define EPX_CUDA_MOVE_WARPS 8
-#define EPX_CUDA_MOVE_VECS 4
 #endif
 
 #endif
