@@ -276,8 +276,8 @@ def convert(src, dst_dtype, src_dtype=None, out=None):
 
 
 def to_bf16(a, out=None):
-    """float32 (or anything numpy can cast to float32) -> bfloat16 carried as
-    uint16, rounded to nearest even by epx_convert."""
+    """float32 -> bfloat16 carried as uint16, rounded to nearest even by
+    epx_convert (other dtypes are cast to float32 first)."""
     a = np.ascontiguousarray(a, dtype=np.float32)
     return convert(a, DType.BFLOAT16, DType.FLOAT32, out)
 
@@ -884,6 +884,9 @@ class Handle:
     drives dispatch, combine and both backward passes on its buffer.
     release()/close() drops the reference; using it afterwards raises
     EpxError EPX_ERROR_INVALID_HANDLE. Closing the buffer releases it too."""
+
+    topk_w = None  # epx.torch: the weights tensor whose gradient combine/dispatch return
+    device = None  # epx.torch: the device of the routing tensors
 
     def __init__(self, buffer, ptr, num_tokens, top_k, weighting):
         self._ptr = ptr

@@ -9,6 +9,8 @@ torch is not installed.
 import gc
 import os
 import pathlib
+import shutil
+import subprocess
 import sys
 
 import numpy as np
@@ -477,6 +479,46 @@ def test_run_local_raises_the_failing_ranks_error():
         (0, 3), (1, 3), (2, 3)]
 
 
+MPI_SHAPE = dict(W=2, T=24, H=16, E=8, K=2)
+
+
+def mpi_inputs(seed):
+    return make_inputs(np.random.default_rng(seed), *(MPI_SHAPE[k] for k in "WTHE"))
+
+
+def mpi_worker(out_dir, seed):
+    """One rank of test_mpi_transport_agrees_with_local, under mpiexec."""
+    from mpi4py import MPI
+    inputs = mpi_inputs(seed)
+    with epx.Comm.from_mpi(MPI.COMM_WORLD, timeout_seconds=TIMEOUT) as comm:
+        assert (comm.rank, comm.size) == (MPI.COMM_WORLD.rank, MPI_SHAPE["W"])
+        got = layer_step(comm, inputs, MPI_SHAPE["E"], MPI_SHAPE["K"], epx.Weighting.IN_COMBINE)
+    np.savez(os.path.join(out_dir, "rank%d.npz" % comm.rank),
+             **{k: got[k] for k in ("recv_x", "out", "grad_w", "grad_x", "grad_logits")})
+
+
+def test_mpi_transport_agrees_with_local(tmp_path):
+    """Comm.from_mpi over mpi4py's COMM_WORLD (2 processes) gives what the
+    local transport gives, bit for bit."""
+    pytest.importorskip("mpi4py")
+    mpiexec = shutil.which("mpiexec")
+    if not (mpiexec and epx.has_mpi()):
+        pytest.skip("needs mpiexec and a libepx built with MPI")
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMPI_MCA_rmaps_base_oversubscribe="1", EPX_LIBRARY=epx.library_path)
+    run = subprocess.run([mpiexec, "-n", str(MPI_SHAPE["W"]), sys.executable, __file__, "mpi-worker",
+                          str(tmp_path), str(SEED)], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, "mpiexec failed:\n%s\n%s" % (run.stdout, run.stderr)
+    local = epx.run_local(MPI_SHAPE["W"], layer_step, mpi_inputs(SEED), MPI_SHAPE["E"],
+                          MPI_SHAPE["K"], epx.Weighting.IN_COMBINE, timeout_seconds=TIMEOUT)
+    for rank, want in enumerate(local):
+        with np.load(tmp_path / ("rank%d.npz" % rank)) as got:
+            for name in got.files:
+                assert got[name].tobytes() == want[name].tobytes(), (
+                    "rank %d: %s differs between MPI and local [EPX_TEST_SEED=%d]" % (rank, name, SEED))
+
+
 # ---------------------------------------------------------------------------
 # torch (skipped when torch is not installed)
 # ---------------------------------------------------------------------------
@@ -585,3 +627,7 @@ def test_torch_errors_and_handle_lifetime(rng):
         with pytest.raises(epx.EpxError) as e:
             out.sum().backward()
         assert e.value.status == epx.Status.ERROR_INVALID_HANDLE
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["mpi-worker"]:
+    mpi_worker(sys.argv[2], int(sys.argv[3]))
