@@ -35,6 +35,11 @@ typedef struct epx_transport_ops {
   epx_status_t (*barrier)(epx_comm_t comm, const char *caller);
   /* Releases the transport's state (after a barrier the caller made). */
   void (*destroy)(epx_comm_t comm);
+  /* 1 when every rank lives in this address space (threads of one process):
+   * a pointer gathered from a peer may be read directly, between the gather
+   * and a later barrier. The exchange then reads peers' rows in place
+   * instead of staging them (one copy instead of three). */
+  int shared_address_space;
 } epx_transport_ops_t;
 
 struct epx_comm {

@@ -370,6 +370,7 @@ static const epx_transport_ops_t local_ops = {
     .allreduce_max_i64 = local_allreduce_max_i64,
     .barrier = local_barrier,
     .destroy = local_destroy,
+    .shared_address_space = 1,
 };
 
 epx_status_t epx_comm_init_local(epx_comm_t comm, epx_local_world_t world, int32_t rank) {

@@ -222,14 +222,27 @@ void epx_rows_accumulate(epx_dtype_t dtype, const void *const *rows, const float
 }
 
 /* Eight interleaved partial sums, added pairwise at the end: vectorisable and
- * the same order on every call. */
+ * the same order on every call and every CPU. */
+#define DEFINE_DOT(name, DTYPE)                                                          \
+  EPX_MULTIVERSION static float name(const void *a, const void *b, int64_t n) {          \
+    float lane[8] = {0};                                                                 \
+    int64_t i = 0;                                                                       \
+    for (; i + 8 <= n; i += 8)                                                           \
+      for (int j = 0; j < 8; j++) lane[j] += LOAD(DTYPE, a, i + j) * LOAD(DTYPE, b, i + j); \
+    for (; i < n; i++) lane[i & 7] += LOAD(DTYPE, a, i) * LOAD(DTYPE, b, i);             \
+    return ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7])); \
+  }
+
+DEFINE_DOT(dot_f32, EPX_FLOAT32)
+DEFINE_DOT(dot_bf16, EPX_BFLOAT16)
+DEFINE_DOT(dot_f16, EPX_FLOAT16)
+
 float epx_row_dot(epx_dtype_t dtype, const void *a, const void *b, int64_t n) {
-  float lane[8] = {0};
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    for (int j = 0; j < 8; j++) lane[j] += epx_load(dtype, a, i + j) * epx_load(dtype, b, i + j);
-  for (; i < n; i++) lane[i & 7] += epx_load(dtype, a, i) * epx_load(dtype, b, i);
-  return ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+  switch (dtype) {
+    case EPX_BFLOAT16: return dot_bf16(a, b, n);
+    case EPX_FLOAT16: return dot_f16(a, b, n);
+    default: return dot_f32(a, b, n);
+  }
 }
 
 epx_status_t epx_convert(epx_dtype_t dst_dtype, void *dst, epx_dtype_t src_dtype,

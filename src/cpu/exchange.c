@@ -457,16 +457,45 @@ static void put_row(const struct epx_cpu_plan *p, const void *src, float weight,
  * busy — measured 25-75 ms per 12-token step on a loaded 2-core machine). */
 static int split_tokens(const struct epx_cpu_plan *p) { return p->W == 1 && p->T * p->H >= ((int64_t)1 << 16); }
 
+/* What a rank shows its peers on a shared-address-space transport. */
+typedef struct {
+  const void *rows;                /* the rows peers read from */
+  const void *partials;            /* dedup combine: the float32 partials it computed */
+  const struct epx_cpu_plan *plan; /* its layout, to find where each row is */
+} published_t;
+
+static int reads_peers_in_place(const struct epx_cpu_plan *p, epx_comm_t comm) {
+  return p->W > 1 && comm->ops->shared_address_space;
+}
+
 /* Sends src's rows to the layout of every rank; weighted: scale each copy by
- * its route's weight. */
+ * its route's weight. item_rows (optional, caller frees): where each staged
+ * item's row is — in this rank's staging, or, read in place, in the
+ * source's src (valid until the source's call returns). */
 static epx_status_t move_forward(epx_buffer_t b, struct epx_cpu_plan *p, const void *src, void *dst,
-                                 int weighted, const char *fn, void **staged) {
+                                 int weighted, const char *fn, const void ***item_rows) {
   epx_status_t status = EPX_SUCCESS;
   epx_comm_t comm = b->comm;
   struct epx_cpu_scratch *s = NULL;
-  EPX_CHECK(scratch(b, fn, &s));
+  published_t *peers = NULL;
   int64_t items = total(p->item_count, p->W), ritems = total(p->ritem_count, p->W);
-  if (p->W > 1) {
+  int in_place = reads_peers_in_place(p, comm);
+  const void **item_src = malloc(sizeof(void *) * (size_t)(ritems ? ritems : 1));
+  if (!item_src) EPX_FAIL(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
+  EPX_CHECK(scratch(b, fn, &s));
+  if (in_place) {
+    peers = malloc(sizeof *peers * (size_t)p->W);
+    if (!peers) EPX_FAIL(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
+    published_t mine = {src, NULL, p};
+    EPX_CHECK(comm->ops->allgather(comm, fn, &mine, peers, sizeof mine));
+    for (int32_t r = 0; r < p->W; r++) {
+      if (r == p->rank) continue;
+      const struct epx_cpu_plan *q = peers[r].plan;
+      const int32_t *tokens = q->item_token + q->item_displ[p->rank];
+      for (int64_t i = 0; i < p->ritem_count[r]; i++)
+        item_src[p->ritem_displ[r] + i] = (const char *)peers[r].rows + (size_t)tokens[i] * p->row_bytes;
+    }
+  } else if (p->W > 1) {
     EPX_CHECK(ensure(&s->send, &s->send_bytes, (size_t)items * p->row_bytes, fn));
     EPX_CHECK(ensure(&s->recv, &s->recv_bytes, (size_t)ritems * p->row_bytes, fn));
     for (int64_t i = 0; i < items; i++)
@@ -474,6 +503,7 @@ static epx_status_t move_forward(epx_buffer_t b, struct epx_cpu_plan *p, const v
              (const char *)src + (size_t)p->item_token[i] * p->row_bytes, p->row_bytes);
     EPX_CHECK(comm->ops->alltoallv(comm, fn, s->send, p->item_count, p->item_displ, s->recv,
                                    p->ritem_count, p->ritem_displ, p->row_bytes));
+    for (int64_t i = 0; i < ritems; i++) item_src[i] = (const char *)s->recv + (size_t)i * p->row_bytes;
   }
   zero_empty_rows(p, dst);
   int rank_major = p->layout == EPX_LAYOUT_RANK_MAJOR;
@@ -490,15 +520,21 @@ static epx_status_t move_forward(epx_buffer_t b, struct epx_cpu_plan *p, const v
     }
   }
   for (int64_t i = 0; i < ritems; i++) {
-    const char *x = (const char *)s->recv + (size_t)i * p->row_bytes;
     for (int64_t j = p->ritem_entry[i]; j < p->ritem_entry[i + 1]; j++) {
       if (rank_major && j > p->ritem_entry[i]) break;
-      put_row(p, x, p->entry_weight[j], weighted, (char *)dst + (size_t)p->entry_row[j] * p->row_bytes);
+      put_row(p, item_src[i], p->entry_weight[j], weighted, (char *)dst + (size_t)p->entry_row[j] * p->row_bytes);
     }
   }
   epx_stream_fence();
-  if (staged) *staged = s->recv;
+  /* Peers may reuse their src once every rank has read it. */
+  if (in_place) EPX_CHECK(comm->ops->barrier(comm, fn));
+  if (item_rows) {
+    *item_rows = item_src;
+    item_src = NULL;
+  }
 fail:
+  free(item_src);
+  free(peers);
   return status;
 }
 
@@ -513,9 +549,8 @@ epx_status_t epx_cpu_dispatch(epx_buffer_t b, epx_handle_t h, const void *x, voi
 
 typedef struct {
   const struct epx_cpu_plan *p;
-  const void *rows;  /* the layout [N, H] */
-  const void *recv;  /* returned rows, per rank from sdispl */
-  size_t unit;       /* bytes of a returned row */
+  const void *rows;         /* the layout [N, H] */
+  const void *const *home;  /* each returned row, per rank from sdispl */
   return_mode_t mode;
   int weighted;
   const void *dot_x; /* [T, H] or NULL */
@@ -541,12 +576,12 @@ static void combine_token(const token_pass_t *c, int64_t t, int64_t *cursor, flo
       if (idx[k] < 0 || idx[k] / p->E_local != r) continue;
       if (r != self && c->mode != RETURN_ROUTES) {
         /* One returned row stands for the pair. */
-        if (n == 0) group_rows[n++] = (const char *)c->recv + (size_t)cursor[r]++ * c->unit;
+        if (n == 0) group_rows[n++] = c->home[cursor[r]++];
         continue;
       }
       if (c->mode == RETURN_PAIRS && n > 0) continue;
       const void *row = r == self ? (const char *)c->rows + (size_t)p->self_row[t * K + k] * p->row_bytes
-                                  : (const char *)c->recv + (size_t)cursor[r]++ * c->unit;
+                                  : c->home[cursor[r]++];
       group_rows[n] = row;
       group_w[n++] = w[k];
       if (c->grad_w) c->grad_w[t * K + k] = epx_row_dot(p->dtype, row, x, H);
@@ -575,12 +610,17 @@ static epx_status_t move_backward(epx_buffer_t b, struct epx_cpu_plan *p, const 
   int64_t *cursor = cursor_stack;
   const void **group_rows = NULL; /* the rows of one P(t, r) */
   float *group_w = NULL;
+  const void **home = NULL;       /* where each row coming home is */
+  published_t *peers = NULL;
+  int in_place = reads_peers_in_place(p, comm);
   EPX_CHECK(scratch(b, fn, &s));
   int32_t W = p->W, K = p->K;
   int64_t H = p->H;
+  /* Reading peers in place, summing a pair on its receiver first would only
+   * add a pass: the token's rank reads the rows themselves (same sums). */
   return_mode_t mode = p->layout == EPX_LAYOUT_RANK_MAJOR ? RETURN_PAIRS
-                       : (p->exchange == EPX_EXCHANGE_COLLECTIVE || grad_w) ? RETURN_ROUTES
-                                                                            : RETURN_PARTIAL;
+                       : (p->exchange == EPX_EXCHANGE_COLLECTIVE || grad_w || in_place) ? RETURN_ROUTES
+                                                                                        : RETURN_PARTIAL;
   size_t unit = mode == RETURN_PARTIAL ? (size_t)H * sizeof(float) : p->row_bytes;
   const int64_t *rcount = mode == RETURN_ROUTES ? p->rroute_count : p->rpair_count;
   const int64_t *rdispl = mode == RETURN_ROUTES ? p->rroute_displ : p->rpair_displ;
@@ -592,19 +632,13 @@ static epx_status_t move_backward(epx_buffer_t b, struct epx_cpu_plan *p, const 
   group_w = malloc(sizeof(float) * (size_t)K);
   if (!cursor || !group_rows || !group_w) EPX_FAIL(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
 
+  home = malloc(sizeof(void *) * (size_t)(home_rows ? home_rows : 1));
+  if (!home) EPX_FAIL(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
   if (W > 1) {
-    /* The receiver's side: what goes back to each source. */
-    EPX_CHECK(ensure(&s->send, &s->send_bytes, (size_t)back_rows * unit, fn));
-    EPX_CHECK(ensure(&s->recv, &s->recv_bytes, (size_t)home_rows * unit, fn));
+    /* The receiver's side: the dedup exchange sums each pair here. */
     int64_t rpairs = total(p->rpair_count, W);
-    if (mode == RETURN_ROUTES) {
-      for (int64_t j = 0; j < back_rows; j++)
-        memcpy((char *)s->send + (size_t)j * unit, (const char *)rows + (size_t)p->entry_row[j] * p->row_bytes, unit);
-    } else if (mode == RETURN_PAIRS) {
-      for (int64_t q = 0; q < rpairs; q++)
-        memcpy((char *)s->send + (size_t)q * unit,
-               (const char *)rows + (size_t)p->entry_row[p->rpair_entry[q]] * p->row_bytes, unit);
-    } else {
+    if (mode == RETURN_PARTIAL) {
+      EPX_CHECK(ensure(&s->send, &s->send_bytes, (size_t)back_rows * unit, fn));
       for (int64_t q = 0; q < rpairs; q++) {
         int32_t n = 0;
         for (int64_t j = p->rpair_entry[q]; j < p->rpair_entry[q + 1]; j++) {
@@ -615,14 +649,47 @@ static epx_status_t move_backward(epx_buffer_t b, struct epx_cpu_plan *p, const 
                             (float *)((char *)s->send + (size_t)q * unit), 1, H);
       }
     }
-    EPX_CHECK(comm->ops->alltoallv(comm, fn, s->send, rcount, rdispl, s->recv, scount, sdispl, unit));
+    if (in_place) {
+      /* Each returned row read where the peer has it: its layout row, or
+       * the partial it just summed (the gather is the sync point). */
+      peers = malloc(sizeof *peers * (size_t)W);
+      if (!peers) EPX_FAIL(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
+      published_t mine = {rows, s->send, p};
+      EPX_CHECK(comm->ops->allgather(comm, fn, &mine, peers, sizeof mine));
+      for (int32_t r = 0; r < W; r++) {
+        if (r == p->rank) continue;
+        const struct epx_cpu_plan *q = peers[r].plan;
+        const char *their_rows = peers[r].rows;
+        for (int64_t j = 0; j < scount[r]; j++) {
+          const void *row;
+          if (mode == RETURN_ROUTES)
+            row = their_rows + (size_t)q->entry_row[q->rroute_displ[p->rank] + j] * p->row_bytes;
+          else if (mode == RETURN_PAIRS)
+            row = their_rows + (size_t)q->entry_row[q->rpair_entry[q->rpair_displ[p->rank] + j]] * p->row_bytes;
+          else
+            row = (const char *)peers[r].partials + (size_t)(q->rpair_displ[p->rank] + j) * unit;
+          home[sdispl[r] + j] = row;
+        }
+      }
+    } else {
+      EPX_CHECK(ensure(&s->recv, &s->recv_bytes, (size_t)home_rows * unit, fn));
+      if (mode != RETURN_PARTIAL) {
+        EPX_CHECK(ensure(&s->send, &s->send_bytes, (size_t)back_rows * unit, fn));
+        for (int64_t j = 0; j < back_rows; j++) {
+          int64_t entry = mode == RETURN_ROUTES ? j : p->rpair_entry[j];
+          memcpy((char *)s->send + (size_t)j * unit, (const char *)rows + (size_t)p->entry_row[entry] * p->row_bytes, unit);
+        }
+      }
+      EPX_CHECK(comm->ops->alltoallv(comm, fn, s->send, rcount, rdispl, s->recv, scount, sdispl, unit));
+      for (int64_t j = 0; j < home_rows; j++) home[j] = (const char *)s->recv + (size_t)j * unit;
+    }
   }
 
   /* The token's side. With one rank every row is local and tokens are
    * independent, so they are split over the cores; otherwise the returned
    * rows are consumed in token order through the per-rank cursors. */
   for (int32_t r = 0; r < W; r++) cursor[r] = sdispl[r];
-  token_pass_t pass = {p, rows, s->recv, unit, mode, weighted, dot_x, grad_w, out};
+  token_pass_t pass = {p, rows, home, mode, weighted, dot_x, grad_w, out};
   if (split_tokens(p)) {
     int failed = 0;
 #pragma omp parallel reduction(| : failed)
@@ -645,10 +712,14 @@ static epx_status_t move_backward(epx_buffer_t b, struct epx_cpu_plan *p, const 
     for (int64_t t = 0; t < p->T; t++) combine_token(&pass, t, cursor, s->rows, group_rows, group_w);
   }
   epx_stream_fence();
+  /* Peers may reuse their rows and partials once every rank has read them. */
+  if (in_place) EPX_CHECK(comm->ops->barrier(comm, fn));
 fail:
   if (cursor != cursor_stack) free(cursor);
   free(group_rows);
   free(group_w);
+  free(home);
+  free(peers);
   return status;
 }
 
@@ -673,10 +744,12 @@ epx_status_t epx_cpu_combine_backward(epx_buffer_t b, epx_handle_t h, const void
   struct epx_cpu_plan *p = h->cpu;
   epx_status_t status = EPX_SUCCESS;
   float *back = NULL, *home = NULL;
-  void *staged = NULL;
+  const void **staged = NULL; /* each received grad_out row (peers' rows stay valid: they
+                                 are in this same call until the exchange below) */
   int64_t cursor_stack[64];
   int64_t *cursor = cursor_stack;
-  EPX_CHECK(move_forward(b, p, grad_out, grad_expert_out, p->weighting == EPX_WEIGHTS_IN_COMBINE, fn, &staged));
+  EPX_CHECK(move_forward(b, p, grad_out, grad_expert_out, p->weighting == EPX_WEIGHTS_IN_COMBINE, fn,
+                         grad_w ? &staged : NULL));
   if (!grad_w) return EPX_SUCCESS;
   int32_t W = p->W, K = p->K;
   int64_t back_count = total(p->rroute_count, W), home_count = total(p->route_count, W);
@@ -685,7 +758,7 @@ epx_status_t epx_cpu_combine_backward(epx_buffer_t b, epx_handle_t h, const void
   if (!back || !home) EPX_FAIL(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
   int64_t ritems = total(p->ritem_count, W);
   for (int64_t i = 0; i < ritems; i++) {
-    const char *g = (const char *)staged + (size_t)i * p->row_bytes;
+    const void *g = staged[i];
     for (int64_t j = p->ritem_entry[i]; j < p->ritem_entry[i + 1]; j++)
       back[j] = epx_row_dot(p->dtype, g, (const char *)expert_out + (size_t)p->entry_row[j] * p->row_bytes, p->H);
   }
@@ -712,6 +785,7 @@ fail:
   if (cursor != cursor_stack) free(cursor);
   free(back);
   free(home);
+  free(staged);
   return status;
 }
 
