@@ -31,6 +31,7 @@ The shortest layer step, on one rank::
         recv_x = buf.dispatch(h, x)
         out = buf.combine(h, recv_x * 2)          # an expert that doubles
 """
+import contextlib
 import ctypes
 import threading
 import weakref
@@ -81,10 +82,12 @@ class EpxError(RuntimeError):
     ``status`` is the :class:`Status`, ``status_name`` its C name
     ("EPX_ERROR_TIMEOUT") and ``message`` the library's epx_last_error() (or,
     for a check made in Python before the call, a message in the same form:
-    the function, the argument, the fix). Nothing the caller owns was changed.
+    the function, the argument, the fix; ``in_library`` tells which). Nothing
+    the caller owns was changed.
     """
 
-    def __init__(self, status, message):
+    def __init__(self, status, message, in_library=False):
+        self.in_library = in_library  # False: refused by a check made in Python
         try:
             self.status = Status(status)
             self.status_name = "EPX_" + self.status.name
@@ -95,14 +98,14 @@ class EpxError(RuntimeError):
         super().__init__("%s: %s" % (self.status_name, message))
 
     def __reduce__(self):
-        return (type(self), (int(self.status), self.message))
+        return (type(self), (int(self.status), self.message, self.in_library))
 
 
 def _check(status):
     if status != 0:
         # The message first: it is valid until this thread's next epx call.
         message = lib.epx_last_error().decode("utf-8", "replace")
-        raise EpxError(status, message)
+        raise EpxError(status, message, in_library=True)
 
 
 def _refuse(status, fmt, *args):
@@ -297,7 +300,7 @@ class RouteResult:
     """What :func:`route` returns. Optional outputs are None when not asked for."""
     topk_idx: np.ndarray                  # [T, K] int32 expert ids, best first; -1 = dropped
     topk_w: np.ndarray                    # [T, K] float32; 0 where dropped
-    locations: Optional[np.ndarray]       # [T, K] int32 slot in the expert's queue; -1 where dropped
+    locations: Optional[np.ndarray]       # [T, K] int32 slot in the expert's queue; -1: dropped
     expert_counts: Optional[np.ndarray]   # [E] int32 routes chosen per expert before dropping
     aux_loss: Optional[float]
     z_loss: Optional[float]
@@ -312,7 +315,8 @@ def _route_config(config, logits_shape, fields):
             fields = dict(fields, num_experts=logits_shape[1])
         return RouteConfig(**fields)
     if not isinstance(config, RouteConfig):
-        raise TypeError("epx.route: config is a %s; pass an epx.RouteConfig" % type(config).__name__)
+        raise TypeError("epx.route: config is a %s; pass an epx.RouteConfig"
+                        % type(config).__name__)
     return config.copy(**fields) if fields else config
 
 
@@ -483,7 +487,8 @@ class Comm:
             pass
 
     def __repr__(self):
-        return "<epx.Comm rank %d of %d%s>" % (self.rank, self.size, " closed" if self.closed else "")
+        return "<epx.Comm rank %d of %d%s>" % (self.rank, self.size,
+                                               " closed" if self.closed else "")
 
 
 class LocalWorld:
@@ -715,15 +720,51 @@ class Buffer:
 
     def _host(self, fn):
         if self.device != Device.CPU:
-            _refuse(Status.ERROR_UNSUPPORTED, "%s: the buffer is a CUDA buffer and numpy arrays are "
-                    "host memory; use epx.torch with CUDA tensors", fn)
+            _refuse(Status.ERROR_UNSUPPORTED, "%s: the buffer is a CUDA buffer and numpy arrays "
+                    "are host memory; use epx.torch with CUDA tensors", fn)
 
     # -- pointer level (used by epx.torch; no argument checks here) ----------
+
+    @contextlib.contextmanager
+    def _together(self, op, handle=None):
+        """Wraps the checks made in Python before collective call `op`. If one
+        refuses, the call is still made, with an address the library refuses
+        before reading anything, so that the peers fail at once with
+        EPX_ERROR_PEER_FAILED naming this rank (as for a refusal made by the
+        library) instead of waiting for this rank until the comm's timeout."""
+        try:
+            yield
+        except EpxError as e:
+            if not e.in_library:
+                self._fail_peers(op, handle)
+            raise
+
+    def _fail_peers(self, op, handle):
+        if self._ptr is None or self.comm.size == 1:
+            return
+        if op == "layout":
+            r = _lib.Routing(-1, 1, None, None, None, int(Weighting.IN_COMBINE))
+            unused = ctypes.c_void_p()
+            lib.epx_dispatch_layout(self._ptr, ctypes.byref(r), None, ctypes.byref(unused))
+            return
+        h = handle._ptr if isinstance(handle, Handle) and handle.buffer is self else None
+        if h is None:
+            return  # a dead or foreign handle: the library returns at once there too
+        bad = 1  # a misaligned payload address, refused first
+        if op == "dispatch":
+            lib.epx_dispatch(self._ptr, h, bad, bad, -1)
+        elif op == "combine":
+            lib.epx_combine(self._ptr, h, bad, bad)
+        elif op == "dispatch_backward":
+            lib.epx_dispatch_backward(self._ptr, h, bad, bad, None, None)
+        else:
+            lib.epx_combine_backward(self._ptr, h, bad, None, bad, None)
 
     def _layout(self, num_tokens, top_k, idx, w, loc, weighting, recorder):
         fn = "Buffer.dispatch_layout"
         r = _lib.Routing(int(num_tokens), int(top_k), idx, w, loc, int(weighting))
-        rec = recorder._handle_ptr(fn) if recorder is not None else None
+        with self._together("layout"):
+            rec = recorder._handle_ptr(fn) if recorder is not None else None
         p = ctypes.c_void_p()
         _check(lib.epx_dispatch_layout(self._handle_ptr(fn), ctypes.byref(r), rec, ctypes.byref(p)))
         h = Handle(self, p.value, int(num_tokens), int(top_k), Weighting(weighting))
@@ -732,12 +773,13 @@ class Buffer:
         return h
 
     def _dispatch(self, handle, x, recv_x, capacity):
-        _check(lib.epx_dispatch(self._handle_ptr("Buffer.dispatch"), handle._use(self, "Buffer.dispatch"),
-                                x, recv_x, int(capacity)))
+        fn = "Buffer.dispatch"
+        _check(lib.epx_dispatch(self._handle_ptr(fn), handle._use(self, fn), x, recv_x,
+                                int(capacity)))
 
     def _combine(self, handle, expert_out, out):
-        _check(lib.epx_combine(self._handle_ptr("Buffer.combine"), handle._use(self, "Buffer.combine"),
-                               expert_out, out))
+        fn = "Buffer.combine"
+        _check(lib.epx_combine(self._handle_ptr(fn), handle._use(self, fn), expert_out, out))
 
     def _dispatch_backward(self, handle, grad_recv_x, grad_x, x, grad_w):
         fn = "Buffer.dispatch_backward"
@@ -761,6 +803,11 @@ class Buffer:
         Layout.CAPACITY. recorder: a :class:`Recorder` or None.
         """
         fn = "Buffer.dispatch_layout"
+        with self._together("layout"):
+            args = self._routing_args(fn, topk_idx, topk_w, locations)
+        return self._layout(*args, weighting, recorder)
+
+    def _routing_args(self, fn, topk_idx, topk_w, locations):
         self._host(fn)
         if isinstance(topk_idx, RouteResult):
             rr = topk_idx
@@ -775,7 +822,7 @@ class Buffer:
         pi = _ptr(topk_idx, fn, "topk_idx", _I32, (T, K))
         pw = _ptr(topk_w, fn, "topk_w", _F32, (T, K), optional=True)
         pl = _ptr(locations, fn, "locations", _I32, (T, K), optional=True)
-        return self._layout(T, K, pi, pw, pl, weighting, recorder)
+        return T, K, pi, pw, pl
 
     def _rows_out(self, out, rows, fn, name):
         """An output [rows, H] payload array: `out` checked, or a new one."""
@@ -796,10 +843,11 @@ class Buffer:
         collective). out: an array of at least N rows ([..., H], aligned) to
         fill, or None to allocate; returns its first N rows."""
         fn = "Buffer.dispatch"
-        self._host(fn)
-        n = handle.recv_rows
-        px = self._payload_in(x, handle.num_tokens, fn, "x")
-        out, capacity = self._rows_out(out, n, fn, "out")
+        with self._together("dispatch", handle):
+            self._host(fn)
+            n = handle.recv_rows
+            px = self._payload_in(x, handle.num_tokens, fn, "x")
+            out, capacity = self._rows_out(out, n, fn, "out")
         self._dispatch(handle, px, out.ctypes.data, capacity)
         return out if capacity == n and out.ndim == 2 else out.reshape(-1, self.hidden)[:n]
 
@@ -807,12 +855,13 @@ class Buffer:
         """expert_out [N, H] -> out [T, H] = sum_k w[t,k] * expert_out(t,k)
         (epx_combine, collective)."""
         fn = "Buffer.combine"
-        self._host(fn)
-        pe = self._payload_in(expert_out, handle.recv_rows, fn, "expert_out")
-        if out is None:
-            out = empty((handle.num_tokens, self.hidden), self.np_dtype)
-        po = _ptr(out, fn, "out", self._payload, (handle.num_tokens, self.hidden),
-                  align=PAYLOAD_ALIGNMENT, writable=True)
+        with self._together("combine", handle):
+            self._host(fn)
+            pe = self._payload_in(expert_out, handle.recv_rows, fn, "expert_out")
+            if out is None:
+                out = empty((handle.num_tokens, self.hidden), self.np_dtype)
+            po = _ptr(out, fn, "out", self._payload, (handle.num_tokens, self.hidden),
+                      align=PAYLOAD_ALIGNMENT, writable=True)
         self._combine(handle, pe, po)
         return out
 
@@ -837,19 +886,21 @@ class Buffer:
         (epx_dispatch_backward, collective). With Weighting.IN_DISPATCH, grad_w
         needs x (the forward's input); grad_w=False skips it."""
         fn = "Buffer.dispatch_backward"
-        self._host(fn)
-        pg = self._payload_in(grad_recv_x, handle.recv_rows, fn, "grad_recv_x")
-        gw = self._grad_w(handle, grad_w, Weighting.IN_DISPATCH, x is not None, fn, "x", "dispatch")
-        if gw is None and x is not None:
-            if handle.weighting != Weighting.IN_DISPATCH:
-                _invalid("%s: x is given but the handle's weights were not applied in dispatch; "
-                         "pass x=None", fn)
-            x = None
-        px = self._payload_in(x, handle.num_tokens, fn, "x") if x is not None else None
-        if grad_x is None:
-            grad_x = empty((handle.num_tokens, self.hidden), self.np_dtype)
-        pgx = _ptr(grad_x, fn, "grad_x", self._payload, (handle.num_tokens, self.hidden),
-                   align=PAYLOAD_ALIGNMENT, writable=True)
+        with self._together("dispatch_backward", handle):
+            self._host(fn)
+            pg = self._payload_in(grad_recv_x, handle.recv_rows, fn, "grad_recv_x")
+            gw = self._grad_w(handle, grad_w, Weighting.IN_DISPATCH, x is not None, fn, "x",
+                              "dispatch")
+            if gw is None and x is not None:
+                if handle.weighting != Weighting.IN_DISPATCH:
+                    _invalid("%s: x is given but the handle's weights were not applied in "
+                             "dispatch; pass x=None", fn)
+                x = None
+            px = self._payload_in(x, handle.num_tokens, fn, "x") if x is not None else None
+            if grad_x is None:
+                grad_x = empty((handle.num_tokens, self.hidden), self.np_dtype)
+            pgx = _ptr(grad_x, fn, "grad_x", self._payload, (handle.num_tokens, self.hidden),
+                       align=PAYLOAD_ALIGNMENT, writable=True)
         self._dispatch_backward(handle, pg, pgx, px, gw.ctypes.data if gw is not None else None)
         return grad_x, gw
 
@@ -860,21 +911,22 @@ class Buffer:
         needs expert_out (the forward's input): it is what the router learns
         from; grad_w=False skips it."""
         fn = "Buffer.combine_backward"
-        self._host(fn)
-        pg = self._payload_in(grad_out, handle.num_tokens, fn, "grad_out")
-        gw = self._grad_w(handle, grad_w, Weighting.IN_COMBINE, expert_out is not None, fn,
-                          "expert_out", "combine")
-        if gw is None and expert_out is not None:
-            if handle.weighting != Weighting.IN_COMBINE:
-                _invalid("%s: expert_out is given but the handle's weights were not applied in "
-                         "combine; pass expert_out=None", fn)
-            expert_out = None
-        pe = (self._payload_in(expert_out, handle.recv_rows, fn, "expert_out")
-              if expert_out is not None else None)
-        if grad_expert_out is None:
-            grad_expert_out = empty((handle.recv_rows, self.hidden), self.np_dtype)
-        pge = _ptr(grad_expert_out, fn, "grad_expert_out", self._payload,
-                   (handle.recv_rows, self.hidden), align=PAYLOAD_ALIGNMENT, writable=True)
+        with self._together("combine_backward", handle):
+            self._host(fn)
+            pg = self._payload_in(grad_out, handle.num_tokens, fn, "grad_out")
+            gw = self._grad_w(handle, grad_w, Weighting.IN_COMBINE, expert_out is not None, fn,
+                              "expert_out", "combine")
+            if gw is None and expert_out is not None:
+                if handle.weighting != Weighting.IN_COMBINE:
+                    _invalid("%s: expert_out is given but the handle's weights were not applied "
+                             "in combine; pass expert_out=None", fn)
+                expert_out = None
+            pe = (self._payload_in(expert_out, handle.recv_rows, fn, "expert_out")
+                  if expert_out is not None else None)
+            if grad_expert_out is None:
+                grad_expert_out = empty((handle.recv_rows, self.hidden), self.np_dtype)
+            pge = _ptr(grad_expert_out, fn, "grad_expert_out", self._payload,
+                       (handle.recv_rows, self.hidden), align=PAYLOAD_ALIGNMENT, writable=True)
         self._combine_backward(handle, pg, pe, pge, gw.ctypes.data if gw is not None else None)
         return grad_expert_out, gw
 

@@ -294,7 +294,8 @@ _PROTOTYPES = {
     "epx_has_cuda": (ctypes.c_int, []),
     "epx_has_mpi": (ctypes.c_int, []),
     "epx_route": (_st, [ctypes.POINTER(RouteConfig), _i64, _p, _p, ctypes.POINTER(RouteOutput)]),
-    "epx_route_backward": (_st, [ctypes.POINTER(RouteConfig), _i64, _p, _p, _p, _p, _f32, _f32, _p]),
+    "epx_route_backward": (_st, [ctypes.POINTER(RouteConfig), _i64, _p, _p, _p, _p, _f32, _f32,
+                                 _p]),
     "epx_comm_create_self": (_st, [_pp]),
     "epx_local_world_create": (_st, [_i32, ctypes.POINTER(CommConfig), _pp]),
     "epx_local_world_destroy": (_st, [_p]),
@@ -325,8 +326,10 @@ _PROTOTYPES = {
     "epx_recorder_set_mode": (_st, [_p, _enum]),
     "epx_recorder_stats": (_st, [_p, ctypes.POINTER(RecorderStatsStruct)]),
     "epx_recorder_destroy": (_st, [_p]),
-    "epx_reference_dense_dispatch": (_st, [_enum, _i64, _i64, _i32, _i32, _i32, _p, _p, _p, _enum, _p, _p]),
-    "epx_reference_dense_combine": (_st, [_enum, _i64, _i64, _i32, _i32, _i32, _p, _p, _p, _enum, _p, _p]),
+    "epx_reference_dense_dispatch": (_st, [_enum, _i64, _i64, _i32, _i32, _i32, _p, _p, _p, _enum,
+                                           _p, _p]),
+    "epx_reference_dense_combine": (_st, [_enum, _i64, _i64, _i32, _i32, _i32, _p, _p, _p, _enum,
+                                          _p, _p]),
 }
 
 for _name, (_restype, _argtypes) in _PROTOTYPES.items():

@@ -40,8 +40,8 @@ _TORCH_OF = {v: k for k, v in _DTYPES.items()}
 def epx_dtype(dtype):
     """The epx DType of a torch dtype (float32, bfloat16, float16)."""
     if dtype not in _DTYPES:
-        raise TypeError("epx.torch: %s is not an epx payload dtype; use float32, bfloat16 or float16"
-                        % dtype)
+        raise TypeError("epx.torch: %s is not an epx payload dtype; use float32, bfloat16 or "
+                        "float16" % dtype)
     return _DTYPES[dtype]
 
 
@@ -53,8 +53,8 @@ def _check_device(t, fn, name, buffer_device):
     want = _device_kind(buffer_device)
     if t.device.type != want:
         if t.device.type == "cuda" and not _epx.has_cuda():
-            _epx._refuse(Status.ERROR_UNSUPPORTED, "%s: %s is a CUDA tensor but this libepx (%s) has "
-                         "no CUDA backend; build it with -DEPX_BUILD_CUDA=ON", fn, name,
+            _epx._refuse(Status.ERROR_UNSUPPORTED, "%s: %s is a CUDA tensor but this libepx (%s) "
+                         "has no CUDA backend; build it with -DEPX_BUILD_CUDA=ON", fn, name,
                          _epx.library_path)
         _epx._invalid("%s: %s is on %s but the buffer is a %s buffer; move it with .to(%r)", fn,
                       name, t.device, want.upper(), want)
@@ -157,8 +157,9 @@ class _Route(_torch.autograd.Function):
         grad_logits = _torch.empty((T, E), dtype=_torch.float32, device=logits.device)
         ga = float(g_aux) if g_aux is not None else 0.0
         gz = float(g_z) if g_z is not None else 0.0
-        _epx._check(_lib_handle.epx_route_backward(ctypes.byref(config), T, _ptr(logits), _ptr(bias),
-                                                   _ptr(idx), _ptr(g_w), ga, gz, _ptr(grad_logits)))
+        _epx._check(_lib_handle.epx_route_backward(ctypes.byref(config), T, _ptr(logits),
+                                                   _ptr(bias), _ptr(idx), _ptr(g_w), ga, gz,
+                                                   _ptr(grad_logits)))
         return grad_logits, None, None, None
 
 
@@ -189,6 +190,16 @@ def route(logits, config=None, *, bias=None, **fields):
 # ---------------------------------------------------------------------------
 
 
+def _routing_tensor(t, fn, name, dtype, shape, buffer_device, optional=False):
+    """A routing tensor of any numeric dtype, as the dtype the library reads."""
+    if t is None and optional:
+        return None
+    if not isinstance(t, _torch.Tensor):
+        _tensor(t, fn, name, dtype, shape, buffer_device)
+    _check_device(t, fn, name, buffer_device)
+    return _tensor(t.detach().to(dtype), fn, name, dtype, shape, buffer_device)
+
+
 def dispatch_layout(buffer, topk_idx, topk_w=None, locations=None, *,
                     weighting=Weighting.IN_COMBINE, recorder=None):
     """The layout of a dispatch (epx_dispatch_layout, collective) -> epx.Handle.
@@ -201,20 +212,11 @@ def dispatch_layout(buffer, topk_idx, topk_w=None, locations=None, *,
     """
     fn = "epx.torch.dispatch_layout"
     dev = buffer.device
-    if not isinstance(topk_idx, _torch.Tensor) or topk_idx.dim() != 2:
-        _tensor(topk_idx, fn, "topk_idx", _torch.int32, (None, None), dev)
-    T, K = topk_idx.shape
-    _check_device(topk_idx, fn, "topk_idx", dev)
-    idx = _tensor(topk_idx.detach().to(_torch.int32), fn, "topk_idx", _torch.int32, (T, K), dev)
-    w = None
-    if topk_w is not None:
-        _check_device(topk_w, fn, "topk_w", dev)
-        w = _tensor(topk_w.detach().to(_torch.float32), fn, "topk_w", _torch.float32, (T, K), dev)
-    loc = None
-    if locations is not None:
-        _check_device(locations, fn, "locations", dev)
-        loc = _tensor(locations.detach().to(_torch.int32), fn, "locations", _torch.int32, (T, K),
-                      dev)
+    with buffer._together("layout"):
+        idx = _routing_tensor(topk_idx, fn, "topk_idx", _torch.int32, (None, None), dev)
+        T, K = idx.shape
+        w = _routing_tensor(topk_w, fn, "topk_w", _torch.float32, (T, K), dev, optional=True)
+        loc = _routing_tensor(locations, fn, "locations", _torch.int32, (T, K), dev, optional=True)
     _on_stream(buffer, topk_idx.device)
     handle = buffer._layout(T, K, _ptr(idx), _ptr(w), _ptr(loc), weighting, recorder)
     handle.topk_w = topk_w
@@ -292,7 +294,8 @@ class _Dispatch(_torch.autograd.Function):
     def forward(ctx, x, topk_w, handle):
         fn = "epx.torch.dispatch"
         b = handle.buffer
-        x = _payload(handle, x, fn, "x", handle.num_tokens)
+        with b._together("dispatch", handle):
+            x = _payload(handle, x, fn, "x", handle.num_tokens)
         n = handle.recv_rows
         recv_x = _torch.empty((n, b.hidden), dtype=x.dtype, device=x.device)
         _on_stream(b, x.device)
@@ -309,7 +312,8 @@ class _Dispatch(_torch.autograd.Function):
         handle = ctx.handle
         b = handle.buffer
         (x,) = ctx.saved_tensors
-        g = _payload(handle, grad_recv_x, fn, "grad_recv_x", handle.recv_rows)
+        with b._together("dispatch_backward", handle):
+            g = _payload(handle, grad_recv_x, fn, "grad_recv_x", handle.recv_rows)
         grad_x = _torch.empty((handle.num_tokens, b.hidden), dtype=g.dtype, device=g.device)
         grad_w = (_torch.empty((handle.num_tokens, handle.top_k), dtype=_torch.float32,
                                device=g.device) if ctx.want_w else None)
@@ -324,7 +328,8 @@ class _Combine(_torch.autograd.Function):
     def forward(ctx, expert_out, topk_w, handle):
         fn = "epx.torch.combine"
         b = handle.buffer
-        e = _payload(handle, expert_out, fn, "expert_out", handle.recv_rows)
+        with b._together("combine", handle):
+            e = _payload(handle, expert_out, fn, "expert_out", handle.recv_rows)
         out = _torch.empty((handle.num_tokens, b.hidden), dtype=e.dtype, device=e.device)
         _on_stream(b, e.device)
         b._combine(handle, _ptr(e), _ptr(out))
@@ -340,7 +345,8 @@ class _Combine(_torch.autograd.Function):
         handle = ctx.handle
         b = handle.buffer
         (e,) = ctx.saved_tensors
-        g = _payload(handle, grad_out, fn, "grad_out", handle.num_tokens)
+        with b._together("combine_backward", handle):
+            g = _payload(handle, grad_out, fn, "grad_out", handle.num_tokens)
         grad_e = _torch.empty((handle.recv_rows, b.hidden), dtype=g.dtype, device=g.device)
         grad_w = (_torch.empty((handle.num_tokens, handle.top_k), dtype=_torch.float32,
                                device=g.device) if ctx.want_w else None)

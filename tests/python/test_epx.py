@@ -36,8 +36,8 @@ def assert_close(got, ref, atol, rtol, what):
     assert got.shape == ref.shape, "%s: shape %s, expected %s" % (what, got.shape, ref.shape)
     err = np.abs(got - ref)
     bad = err > atol + rtol * np.abs(ref)
-    assert not bad.any(), "%s: %d of %d outside atol %g + rtol %g (max err %g) [EPX_TEST_SEED=%d]" % (
-        what, bad.sum(), bad.size, atol, rtol, err.max(), SEED)
+    assert not bad.any(), "%s: %d of %d outside atol %g + rtol %g (max err %g) [EPX_TEST_SEED=%d]" \
+        % (what, bad.sum(), bad.size, atol, rtol, err.max(), SEED)
 
 
 def payload(rng, rows, hidden, dtype=np.float32):
@@ -131,7 +131,8 @@ def layer_step(comm, inputs, E, K, weighting, exchange=epx.Exchange.DEDUP, dtype
                 expert_out = epx.to_bf16(expert_out)
             out = buf.combine(h, epx.asarray(expert_out))
             if weighting == epx.Weighting.IN_COMBINE:
-                grad_eo, grad_w = buf.combine_backward(h, grad_out, expert_out=epx.asarray(expert_out))
+                grad_eo, grad_w = buf.combine_backward(h, grad_out,
+                                                       expert_out=epx.asarray(expert_out))
             else:
                 grad_eo, gw_none = buf.combine_backward(h, grad_out)
                 assert gw_none is None
@@ -169,7 +170,8 @@ def test_configs_mirror_the_c_init_macros():
     assert (rc.struct_size, rc.version) == (80, epx.CONFIG_VERSION)
     assert (rc.renormalize, rc.scaling_factor, rc.capacity_factor, rc.score_fn) == (1, 1.0, 1.0, 0)
     assert (rc.nonfinite, rc.device, rc.stream) == (epx.Nonfinite.ERROR, epx.Device.CPU, None)
-    assert (bc.struct_size, bc.dtype, bc.max_tokens_rounding, bc.expert_alignment) == (72, 0, 256, 1)
+    assert (bc.struct_size, bc.dtype, bc.max_tokens_rounding) == (72, epx.EPX_FLOAT32, 256)
+    assert (bc.expert_alignment, bc.max_tokens_per_rank) == (1, 0)
     assert (bc.exchange, bc.layout, bc.worst_case_sizing) == (epx.EPX_EXCHANGE_DEDUP,
                                                               epx.EPX_LAYOUT_EXPERT_MAJOR, 0)
     assert cc.timeout_seconds == 60.0
@@ -400,6 +402,39 @@ def test_errors_raise_with_the_library_message(rng):
         buf.close()
 
 
+def test_refusal_in_python_fails_the_peers_at_once(rng):
+    """A check made in Python on one rank still reaches the collective, so its
+    peers fail with EPX_ERROR_PEER_FAILED instead of timing out."""
+    W, T, H, E, K = 2, 16, 16, 4, 2
+    inputs = make_inputs(rng, W, T, H, E)
+
+    def step(comm):
+        x, logits, _ = (a[comm.rank] for a in inputs)
+        r = epx.route(logits, top_k=K)
+        seen = []
+        with comm.buffer(hidden=H, num_experts=E, max_top_k=K) as buf:
+            idx = r.topk_idx.astype(np.int64) if comm.rank == 1 else r.topk_idx
+            with pytest.raises(epx.EpxError) as e:
+                buf.dispatch_layout(idx, r.topk_w)
+            seen.append((e.value.status, e.value.in_library))
+            h = buf.dispatch_layout(r)
+            bad_x = x.astype(np.float64) if comm.rank == 0 else x
+            with pytest.raises(epx.EpxError) as e:
+                buf.dispatch(h, bad_x)
+            seen.append((e.value.status, e.value.in_library))
+            # the comm is still good: both ranks go on together
+            assert_close(buf.combine(h, buf.dispatch(h, x)), x, 1e-6, 1e-6, "combine(dispatch(x))")
+        return seen
+
+    import time
+    start = time.monotonic()
+    seen = epx.run_local(W, step, timeout_seconds=TIMEOUT)
+    assert time.monotonic() - start < TIMEOUT / 2
+    invalid, peer = epx.Status.ERROR_INVALID_ARGUMENT, epx.Status.ERROR_PEER_FAILED
+    assert seen[0] == [(peer, True), (invalid, False)]
+    assert seen[1] == [(invalid, False), (peer, True)]
+
+
 def test_handle_lifetime(rng):
     T, H, E, K = 16, 16, 4, 2
     x = payload(rng, T, H)
@@ -506,9 +541,9 @@ def test_mpi_transport_agrees_with_local(tmp_path):
         pytest.skip("needs mpiexec and a libepx built with MPI")
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                OMPI_MCA_rmaps_base_oversubscribe="1", EPX_LIBRARY=epx.library_path)
-    run = subprocess.run([mpiexec, "-n", str(MPI_SHAPE["W"]), sys.executable, __file__, "mpi-worker",
-                          str(tmp_path), str(SEED)], env=env, capture_output=True, text=True,
-                         timeout=120)
+    command = [mpiexec, "-n", str(MPI_SHAPE["W"]), sys.executable, __file__, "mpi-worker",
+               str(tmp_path), str(SEED)]
+    run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, "mpiexec failed:\n%s\n%s" % (run.stdout, run.stderr)
     local = epx.run_local(MPI_SHAPE["W"], layer_step, mpi_inputs(SEED), MPI_SHAPE["E"],
                           MPI_SHAPE["K"], epx.Weighting.IN_COMBINE, timeout_seconds=TIMEOUT)
@@ -516,7 +551,8 @@ def test_mpi_transport_agrees_with_local(tmp_path):
         with np.load(tmp_path / ("rank%d.npz" % rank)) as got:
             for name in got.files:
                 assert got[name].tobytes() == want[name].tobytes(), (
-                    "rank %d: %s differs between MPI and local [EPX_TEST_SEED=%d]" % (rank, name, SEED))
+                    "rank %d: %s differs between MPI and local [EPX_TEST_SEED=%d]"
+                    % (rank, name, SEED))
 
 
 # ---------------------------------------------------------------------------
