@@ -186,7 +186,8 @@ def empty(shape, dtype=np.float32, alignment=64):
     nbytes = int(np.prod(shape, dtype=np.int64)) * nd.itemsize
     raw = np.empty(nbytes + alignment, dtype=np.uint8)
     start = (-raw.ctypes.data) % alignment
-    return raw[start:start + nbytes].view(nd).reshape(shape)
+    # [start:] first: numpy keeps the base address for an empty [a:b] slice.
+    return raw[start:][:nbytes].view(nd).reshape(shape)
 
 
 def zeros(shape, dtype=np.float32, alignment=64):

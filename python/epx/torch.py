@@ -19,6 +19,7 @@ gradient to the router's topk_w; with IN_DISPATCH dispatch's backward does.
 dispatch, combine and their backward passes are collective: every rank must
 run the same graph. This module needs torch; ``import epx`` alone does not.
 """
+import collections
 import ctypes
 
 import torch as _torch
@@ -60,9 +61,9 @@ def _check_device(t, fn, name, buffer_device):
                       name, t.device, want.upper(), want)
 
 
-def _tensor(t, fn, name, dtype, shape, buffer_device, align=4, optional=False, copy_ok=True):
+def _tensor(t, fn, name, dtype, shape, buffer_device, align=4, optional=False):
     """A tensor argument made usable by the library: checked for type, dtype,
-    shape and device; made contiguous and aligned (copying) when copy_ok."""
+    shape and device; made contiguous and aligned (copying) when it is not."""
     if t is None:
         if optional:
             return None
@@ -78,12 +79,8 @@ def _tensor(t, fn, name, dtype, shape, buffer_device, align=4, optional=False, c
         _epx._invalid("%s: %s has shape %s; expected %s", fn, name, list(t.shape),
                       _epx._shape_text(shape))
     if not t.is_contiguous():
-        if not copy_ok:
-            _epx._invalid("%s: %s is not contiguous; pass .contiguous()", fn, name)
         t = t.contiguous()
     if t.numel() and t.data_ptr() % align:
-        if not copy_ok:
-            _epx._invalid("%s: %s is not %d-byte aligned", fn, name, align)
         t = t.clone()
     return t
 
@@ -107,22 +104,13 @@ def _buffer_dtype(buffer):
 # ---------------------------------------------------------------------------
 
 
-class TorchRouteResult(tuple):
-    """(topk_idx int32 [T, K], topk_w float32 [T, K], locations int32 [T, K],
-    expert_counts int32 [E], aux_loss, z_loss (0-d float32), capacity,
-    nonfinite_tokens). topk_w, aux_loss and z_loss are differentiable with
-    respect to the logits."""
-    _names = ("topk_idx", "topk_w", "locations", "expert_counts", "aux_loss", "z_loss", "capacity",
-              "nonfinite_tokens")
-
-    def __new__(cls, values):
-        return super().__new__(cls, values)
-
-    def __getattr__(self, name):
-        try:
-            return self[self._names.index(name)]
-        except ValueError:
-            raise AttributeError(name) from None
+TorchRouteResult = collections.namedtuple("TorchRouteResult", [
+    "topk_idx", "topk_w", "locations", "expert_counts", "aux_loss", "z_loss", "capacity",
+    "nonfinite_tokens"])
+TorchRouteResult.__doc__ = """What :func:`route` returns: topk_idx int32 [T, K], topk_w
+float32 [T, K], locations int32 [T, K], expert_counts int32 [E], aux_loss and
+z_loss (0-d float32), capacity and nonfinite_tokens (ints). topk_w, aux_loss
+and z_loss are differentiable with respect to the logits."""
 
 
 class _Route(_torch.autograd.Function):
@@ -181,8 +169,8 @@ def route(logits, config=None, *, bias=None, **fields):
         bias_c = bias_c.detach()
     info = {}
     idx, w, loc, counts, aux, z = _Route.apply(logits_c, bias_c, config, info)
-    return TorchRouteResult((idx, w, loc, counts, aux, z, info["capacity"],
-                             info["nonfinite_tokens"]))
+    return TorchRouteResult(idx, w, loc, counts, aux, z, info["capacity"],
+                            info["nonfinite_tokens"])
 
 
 # ---------------------------------------------------------------------------

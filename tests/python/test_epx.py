@@ -181,6 +181,22 @@ def test_configs_mirror_the_c_init_macros():
     assert epx.dtype_size(epx.EPX_BFLOAT16) == 2 and epx.dtype_size("float32") == 4
 
 
+def test_aligned_arrays():
+    for shape, dtype in (((0, 8), np.float32), ((3, 5), epx.DType.BFLOAT16), (7, "float16"),
+                         ((2, 3, 4), np.int64)):
+        a = epx.empty(shape, dtype)
+        assert a.ctypes.data % 64 == 0 and a.flags.c_contiguous and a.flags.writeable
+        assert a.dtype == (epx.numpy_dtype(dtype) if not isinstance(dtype, type) else dtype)
+    assert epx.numpy_dtype(epx.EPX_BFLOAT16) == np.uint16
+    z = epx.zeros((4, 8), np.float32)
+    assert not z.any() and epx.asarray(z) is z
+    odd = epx.empty(33, np.float32)[1:].reshape(4, 8)
+    odd[:] = 1.5
+    copy = epx.asarray(odd)
+    assert copy is not odd and copy.ctypes.data % 16 == 0 and np.array_equal(copy, odd)
+    assert epx.asarray([[1, 2]], np.float32).dtype == np.float32
+
+
 @pytest.mark.parametrize("W,weighting,renormalize", [
     (1, epx.Weighting.IN_COMBINE, 0),
     (2, epx.Weighting.IN_COMBINE, 1),
@@ -316,6 +332,32 @@ def test_dedup_and_collective_agree_bit_for_bit(rng, W, dtype):
         x = epx.from_bf16(inputs[0][W - 1]).astype(np.float64)
         ref = (r.topk_w * expert_scale(r.topk_idx, E)).sum(1, keepdims=True) * x
         assert_close(out, ref, 1e-2, 2e-2, "bf16 out")
+
+
+def test_a_rank_with_no_tokens(rng):
+    W, T, H, E, K = 2, 20, 16, 4, 2
+    x0, logits0 = payload(rng, T, H), logits_of(rng, T, E)
+
+    def step(comm):
+        x = x0 if comm.rank == 0 else epx.empty((0, H), np.float32)
+        r = epx.route(logits0 if comm.rank == 0 else epx.empty((0, E), np.float32), top_k=K)
+        with comm.buffer(hidden=H, num_experts=E, max_top_k=K) as buf:
+            h = buf.dispatch_layout(r)
+            out = buf.combine(h, buf.dispatch(h, x))
+            grad_eo, grad_w = buf.combine_backward(h, out, buf.dispatch(h, x))
+            grad_x, _ = buf.dispatch_backward(h, grad_eo)
+            return r, out, grad_w, grad_x, buf.max_tokens
+
+    (r, out, grad_w, grad_x, max_tokens), (r1, out1, grad_w1, grad_x1, _) = epx.run_local(
+        W, step, timeout_seconds=TIMEOUT)
+    assert max_tokens == 256  # T rounded up to max_tokens_rounding, agreed by the first layout
+    assert r1.topk_idx.shape == (0, K) and out1.shape == grad_x1.shape == (0, H)
+    assert grad_w1.shape == (0, K)
+    gain = r.topk_w.sum(1, keepdims=True).astype(np.float64)
+    assert_close(out, gain * x0, 1e-6, 1e-6, "out")
+    assert_close(grad_x, gain * gain * x0, 1e-6, 1e-5, "grad_x")
+    assert_close(grad_w, np.repeat((gain * x0 * x0).sum(1, keepdims=True), K, 1), 1e-5, 1e-5,
+                 "grad_w")
 
 
 def test_bf16_round_trip(rng):
@@ -644,6 +686,24 @@ def test_torch_cuda_matches_reference_and_cpu(rng, weighting, dtype_name):
     tol = (1e-3, 2e-2) if bf16 else (1e-6, 1e-5)
     for name, g, c in zip(("out", "grad_x", "grad_logits"), gpu[0], cpu[0]):
         assert_close(g, c, *tol, "cuda vs cpu " + name)
+
+
+def test_torch_route_losses_reach_the_logits(rng):
+    torch = pytest.importorskip("torch")
+    import epx.torch as et
+    T, E, K = 40, 8, 2
+    logits_np = logits_of(rng, T, E)
+    logits = torch.from_numpy(logits_np.copy()).requires_grad_(True)
+    g = rng.uniform(-1, 1, (T, K)).astype(np.float32)
+    r = et.route(logits, top_k=K, renormalize=1, aux_loss_coeff=0.01, z_loss_coeff=0.001)
+    assert r.topk_idx.dtype == torch.int32 and r.capacity == 0 and r.nonfinite_tokens == 0
+    ((r.topk_w * torch.from_numpy(g)).sum() + 0.7 * r.aux_loss + 1.3 * r.z_loss).backward()
+    p = ref_softmax(logits_np)
+    idx = np.argsort(-p, axis=1, kind="stable")[:, :K]
+    assert np.array_equal(r.topk_idx.numpy(), idx)
+    ref = ref_route_backward(p, idx, g, 1, grad_aux=0.7, aux_coeff=0.01, grad_z=1.3,
+                             z_coeff=0.001, logits=logits_np)
+    assert_close(logits.grad.numpy(), ref, 1e-6, 1e-4, "torch route grad_logits")
 
 
 def test_torch_errors_and_handle_lifetime(rng):
