@@ -43,7 +43,10 @@ constexpr int kMaxTokenWarps = 16; /* warps (tokens) per block of the per-token 
 constexpr int kWarps = 8;          /* warps per block of the per-expert / per-tile kernels */
 constexpr int kPrefetch = 8;       /* routes per lane loaded ahead in assign_kernel */
 constexpr int kMinTileShift = 8;   /* queue tiles of at least 256 routes */
-constexpr size_t kDefaultSmem = 48 * 1024;
+constexpr size_t kDefaultSmem = 48 * 1024; /* static + dynamic, without opting in */
+constexpr size_t kStaticSmem = 1024;       /* bound on the token kernels' static shared memory */
+static_assert(kMaxTokenWarps * (sizeof(int) + sizeof(double)) <= kStaticSmem,
+              "route_tokens_kernel's static shared memory exceeds its reserve");
 
 /* Inputs of the per-token selection, shared by the forward and backward
  * kernels. Each warp owns `words` 4-byte words of dynamic shared memory:
@@ -703,7 +706,7 @@ epx_status_t token_layout(const char *fn, const void *kernel, const epx_route_co
   s->ci = (int)(2 * ep + gp);
   s->cp = (int)(2 * ep + gp + K);
   s->words = (int)words;
-  size_t w = kDefaultSmem / per_warp;
+  size_t w = (kDefaultSmem - kStaticSmem) / per_warp;
   if (w > (size_t)kMaxTokenWarps) w = kMaxTokenWarps;
   if (w >= 1) {
     *warps = (int)w;
@@ -715,12 +718,11 @@ epx_status_t token_layout(const char *fn, const void *kernel, const epx_route_co
   if (err == cudaSuccess)
     err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
   if (err != cudaSuccess) return cuda_failed(fn, err);
-  /* Leave room for the kernels' static shared memory. */
-  if (per_warp + 1024 > (size_t)optin)
+  if (per_warp + kStaticSmem > (size_t)optin)
     return epx_error(EPX_ERROR_UNSUPPORTED,
                      "%s: num_experts %d with top_k %d needs %zu bytes of shared memory per "
                      "token, more than this GPU's %d; route on the CPU",
-                     fn, config->num_experts, config->top_k, per_warp + 1024, optin);
+                     fn, config->num_experts, config->top_k, per_warp + kStaticSmem, optin);
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)per_warp);
   if (err != cudaSuccess) return cuda_failed(fn, err);
   *warps = 1;
