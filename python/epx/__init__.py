@@ -33,6 +33,7 @@ The shortest layer step, on one rank::
 """
 import contextlib
 import ctypes
+import math
 import threading
 import weakref
 from dataclasses import dataclass
@@ -180,10 +181,10 @@ def empty(shape, dtype=np.float32, alignment=64):
     if alignment < 1 or alignment & (alignment - 1):
         raise ValueError("epx.empty: alignment %r is not a power of two" % (alignment,))
     nd = _np_dtype(dtype)
-    shape = (int(shape),) if np.isscalar(shape) else tuple(int(s) for s in shape)
+    shape = tuple(int(s) for s in shape) if hasattr(shape, "__len__") else (int(shape),)
     if any(s < 0 for s in shape):
         raise ValueError("epx.empty: shape %r has a negative dimension" % (shape,))
-    nbytes = int(np.prod(shape, dtype=np.int64)) * nd.itemsize
+    nbytes = math.prod(shape) * nd.itemsize
     raw = np.empty(nbytes + alignment, dtype=np.uint8)
     start = (-raw.ctypes.data) % alignment
     # [start:] first: numpy keeps the base address for an empty [a:b] slice.
@@ -230,15 +231,17 @@ def _ptr(a, fn, name, dtypes, shape, align=4, writable=False, optional=False):
                  fn, name, a.dtype, " or ".join(d.name for d in dtypes), dtypes[0].name)
     if a.ndim != len(shape) or any(s is not None and s != n for s, n in zip(shape, a.shape)):
         _invalid("%s: %s has shape %s; expected %s", fn, name, list(a.shape), _shape_text(shape))
-    if not a.flags.c_contiguous:
+    flags = a.flags
+    if not flags.c_contiguous:
         _invalid("%s: %s is not C-contiguous; pass np.ascontiguousarray(%s) or an epx.empty array",
                  fn, name, name)
-    if a.ctypes.data % align:
+    address = a.ctypes.data
+    if address % align:
         _invalid("%s: %s is not %d-byte aligned; allocate it with epx.empty (or copy with "
                  "epx.asarray)", fn, name, align)
-    if writable and not a.flags.writeable:
+    if writable and not flags.writeable:
         _invalid("%s: %s is read-only; pass a writable array", fn, name)
-    return a.ctypes.data
+    return address
 
 
 def _bf16_dtypes():
@@ -826,15 +829,17 @@ class Buffer:
         return T, K, pi, pw, pl
 
     def _rows_out(self, out, rows, fn, name):
-        """An output [rows, H] payload array: `out` checked, or a new one."""
+        """An output payload array of at least `rows` rows ([..., H]): `out`
+        checked, or a new [rows, H] one. Returns it, its address and its rows."""
         if out is None:
-            return empty((rows, self.hidden), self.np_dtype), rows
-        _ptr(out, fn, name, self._payload, (None,) * max(np.ndim(out), 1), align=PAYLOAD_ALIGNMENT,
-             writable=True)
-        if out.ndim < 2 or out.shape[-1] != self.hidden:
-            _invalid("%s: %s has shape %s; expected [rows, %d]", fn, name, list(out.shape),
+            out = empty((rows, self.hidden), self.np_dtype)
+            return out, out.ctypes.data, rows
+        if not isinstance(out, np.ndarray) or out.ndim < 2 or out.shape[-1] != self.hidden:
+            _invalid("%s: %s has shape %s; expected [rows, %d]", fn, name, list(np.shape(out)),
                      self.hidden)
-        return out, int(np.prod(out.shape[:-1], dtype=np.int64))
+        address = _ptr(out, fn, name, self._payload, out.shape, align=PAYLOAD_ALIGNMENT,
+                       writable=True)
+        return out, address, math.prod(out.shape[:-1])
 
     def _payload_in(self, a, rows, fn, name):
         return _ptr(a, fn, name, self._payload, (rows, self.hidden), align=PAYLOAD_ALIGNMENT)
@@ -848,8 +853,8 @@ class Buffer:
             self._host(fn)
             n = handle.recv_rows
             px = self._payload_in(x, handle.num_tokens, fn, "x")
-            out, capacity = self._rows_out(out, n, fn, "out")
-        self._dispatch(handle, px, out.ctypes.data, capacity)
+            out, po, capacity = self._rows_out(out, n, fn, "out")
+        self._dispatch(handle, px, po, capacity)
         return out if capacity == n and out.ndim == 2 else out.reshape(-1, self.hidden)[:n]
 
     def combine(self, handle, expert_out, out=None):
