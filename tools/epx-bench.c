@@ -1253,7 +1253,10 @@ static void main_job_rank(job_t *job, const world_t *w, epx_comm_t comm) {
     TRY(epx_route(&rc, T, logits, NULL, &ro));
     if (it >= 0) TIME_AT(0, PH_ROUTE, it) = now_s() - t0;
 
-    for (int xi = 0; xi < n_exch; xi++) {
+    /* With both exchanges, alternate which goes first, so neither always
+     * runs right after the route or on the other's warm caches. */
+    for (int j = 0; j < n_exch; j++) {
+      const int xi = n_exch == 2 && step % 2 ? 1 - j : j;
       exchange_run_t *run = &runs[xi];
       epx_buffer_t buf = run->buffer;
       epx_routing_t routing = {T, K, topk_idx, topk_w, layout == EPX_LAYOUT_CAPACITY ? locations : NULL,
@@ -1353,6 +1356,29 @@ static void main_job_rank(job_t *job, const world_t *w, epx_comm_t comm) {
     free(st);
     for (int p = 0; p < NUM_PHASES; p++) med[xi][p] = 1e3 * median(&TIME_AT(p == PH_ROUTE ? 0 : xi, p, 0), o->iters);
   }
+  /* dedup/collective time ratios, paired within an iteration (both ran
+   * back to back on the same routing) and then the median: steadier than a
+   * ratio of medians on a machine whose load changes from second to second. */
+  enum { RATIO_FOUR = NUM_PHASES, RATIO_STEP, NUM_RATIOS };
+  double ratio[NUM_RATIOS] = {0};
+  if (n_exch == 2) {
+    double *r = xalloc(sizeof(double) * (size_t)o->iters);
+    for (int q = PH_LAYOUT; q < NUM_RATIOS; q++) {
+      for (int it = 0; it < o->iters; it++) {
+        double a = 0.0, b = 0.0;
+        for (int p = PH_LAYOUT; p < NUM_PHASES; p++) {
+          int in = q == p || q == RATIO_STEP ||
+                   (q == RATIO_FOUR && (p == PH_DISPATCH || p == PH_COMBINE || p == PH_COMBINE_BWD || p == PH_DISPATCH_BWD));
+          if (!in) continue;
+          a += TIME_AT(0, p, it);
+          b += TIME_AT(1, p, it);
+        }
+        r[it] = b > 0.0 ? a / b : 0.0;
+      }
+      ratio[q] = median(r, o->iters);
+    }
+    free(r);
+  }
 #undef TIME_AT
 
   /* Totals over ranks: cross-rank rows/bytes, local rows, recv rows, items. */
@@ -1425,16 +1451,13 @@ static void main_job_rank(job_t *job, const world_t *w, epx_comm_t comm) {
       else
         printf("%-18s %-10s %10.3f\n", "step", exchange_name(runs[xi].exchange), step_ms[xi]);
     }
-    if (n_exch == 2) {
-      double ex_d = med[0][PH_DISPATCH] + med[0][PH_COMBINE] + med[0][PH_COMBINE_BWD] + med[0][PH_DISPATCH_BWD];
-      double ex_c = med[1][PH_DISPATCH] + med[1][PH_COMBINE] + med[1][PH_COMBINE_BWD] + med[1][PH_DISPATCH_BWD];
-      printf("dedup/collective: cross-rank rows %.3f, bytes %.3f; time: dispatch %.3f, combine %.3f, "
-             "combine_backward %.3f, dispatch_backward %.3f, the four exchanges %.3f, step %.3f\n",
+    if (n_exch == 2)
+      printf("dedup/collective: cross-rank rows %.3f, bytes %.3f; time (median of per-iteration ratios): "
+             "dispatch_layout %.3f, dispatch %.3f, combine %.3f, combine_backward %.3f, dispatch_backward %.3f, "
+             "the four exchanges %.3f, step without route %.3f\n",
              (double)tot[0][0] / (double)(tot[1][0] ? tot[1][0] : 1),
-             (double)tot[0][1] / (double)(tot[1][1] ? tot[1][1] : 1), med[0][PH_DISPATCH] / med[1][PH_DISPATCH],
-             med[0][PH_COMBINE] / med[1][PH_COMBINE], med[0][PH_COMBINE_BWD] / med[1][PH_COMBINE_BWD],
-             med[0][PH_DISPATCH_BWD] / med[1][PH_DISPATCH_BWD], ex_d / ex_c, step_ms[0] / step_ms[1]);
-    }
+             (double)tot[0][1] / (double)(tot[1][1] ? tot[1][1] : 1), ratio[PH_LAYOUT], ratio[PH_DISPATCH],
+             ratio[PH_COMBINE], ratio[PH_COMBINE_BWD], ratio[PH_DISPATCH_BWD], ratio[RATIO_FOUR], ratio[RATIO_STEP]);
     fflush(stdout);
   }
 
