@@ -109,6 +109,18 @@ double median_ms(cudaStream_t s, int warm, int reps, F &&f) {
   return t[reps / 2];
 }
 
+/* Median over repeats of the mean time of `burst` back-to-back calls (one
+ * event pair per burst): the per-call cost in a pipeline, without an event
+ * between every two calls. */
+template <class F>
+double burst_ms(cudaStream_t s, int burst, int reps, F &&f) {
+  int i = 0;
+  return median_ms(s, 1, reps, [&](int) {
+           for (int b = 0; b < burst; b++) f(i++);
+         }) /
+         burst;
+}
+
 template <class F>
 double median_wall_us(int warm, int reps, F &&f) {
   for (int i = 0; i < warm; i++) f(i);
@@ -419,6 +431,12 @@ void bench_shape(const shape_t &sh, const std::string &dir, double copy_gbps, cu
   double t_db = median_ms(s, warm, reps, [&](int i) {
     EK(epx_dispatch_backward(buf, h, D[i % P], Cc[i % P], nullptr, nullptr));
   });
+  double b_d = burst_ms(s, 10, 15, [&](int i) { EK(epx_dispatch(buf, h, A[i % P], B[i % P], N)); });
+  double b_c = burst_ms(s, 10, 15, [&](int i) { EK(epx_combine(buf, h, B[i % P], Cc[i % P])); });
+  printf("RESULT shape=%s op=dispatch_burst10 ms=%.4f copy_fraction=%.3f (mean of 10 back-to-back calls)\n",
+         sh.name, b_d, d_bytes / (b_d * 1e-3) / (copy_gbps * 1e9));
+  printf("RESULT shape=%s op=combine_burst10 ms=%.4f copy_fraction=%.3f (mean of 10 back-to-back calls)\n",
+         sh.name, b_c, c_bytes / (b_c * 1e-3) / (copy_gbps * 1e9));
   result(sh.name, "dispatch", t_d, d_bytes, copy_gbps);
   result(sh.name, "combine", t_c, c_bytes, copy_gbps);
   result(sh.name, "combine_backward+grad_w", t_cb, cb_bytes, copy_gbps);

@@ -4,11 +4,11 @@
  * the valid k in order, no fused multiply-add), so the result is the same
  * bits on every run and equals the CPU engine's loop.
  *
- * A token's row is cut into 1, 2, 4 or 8 slices of whole 128-byte lines, a
- * warp each (the warps of a token share a block); per step of 2 KB of its
- * slice of the output (32 lanes x 4 x 16 B) a warp reads that step of each of
- * the token's rows, the next row's loads issued before the current row is
- * added.
+ * A warp per token (the launcher can cut a row into 2, 4 or 8 slices of whole
+ * 128-byte lines, a warp each; measured slower, so not by default); per step
+ * of 2 KB of the output row (32 lanes x 4 x 16 B) a warp reads that step of
+ * each of the token's rows, the next row's loads issued before the current
+ * row is added.
  *
  * Bytes moved (s = dtype size, R = valid routes, T = tokens):
  *   combine:             R*H*s read + T*H*s written

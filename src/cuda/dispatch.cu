@@ -2,12 +2,12 @@
  * weight) into each of its K recv rows — dispatch, and combine_backward with
  * the routing-weight gradient — plus the zeros of padding and empty rows.
  *
- * A token's row is cut into 1, 2, 4 or 8 slices of whole 128-byte lines, a
- * warp each (the warps of a token share a block); a warp reads its slice
- * once, 2 KB per step (32 lanes x 4 x 16 B, coalesced), and writes that step
- * to each of the token's rows. Slicing to one step per warp keeps enough
- * independent warps in flight that a token's latency chain is one load deep.
- * Extra blocks after the token blocks zero the rows whose row_src is -1.
+ * A warp per token (the launcher can cut a row into 2, 4 or 8 slices of whole
+ * 128-byte lines, a warp each; measured no faster, so not by default) reads
+ * its row once, 2 KB per step (32 lanes x 4 x 16 B, coalesced) — the first
+ * step's loads issued before the token's rows are known — and writes each
+ * step to each of the token's rows. Extra blocks after the token blocks zero
+ * the rows whose row_src is -1.
  *
  * Bytes moved (s = dtype size, T_r = tokens with a route, R = valid routes,
  * N = recv rows, Z = padding/empty rows among them):
@@ -81,6 +81,16 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(const scatter_args
   float *s_w = reinterpret_cast<float *>(s_slot + a.k);
   float *s_dot = s_w + a.k;
   if (active) {
+    /* The first step of the source row does not depend on the routing: its
+     * loads go out before the token's rows are read. */
+    const int v_begin = part * (int)a.slice, v_end = (int)min(a.nvec, (int64_t)v_begin + a.slice);
+    const uint4 *src = a.src + t * a.nvec;
+    uint4 x[kVecs];
+#pragma unroll
+    for (int u = 0; u < kVecs; u++) {
+      const int i = v_begin + u * 32 + lane;
+      x[u] = i < v_end ? __ldcs(src + i) : make_uint4(0u, 0u, 0u, 0u);
+    }
     const unsigned int lanes_below = (1u << lane) - 1u;
     int valid = 0;
     for (int k0 = 0; k0 < a.k; k0 += 32) {
@@ -98,14 +108,13 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(const scatter_args
     }
     __syncwarp();
 
-    const int v_begin = part * (int)a.slice, v_end = (int)min(a.nvec, (int64_t)v_begin + a.slice);
-    const uint4 *src = a.src + t * a.nvec;
     for (int v0 = valid > 0 ? v_begin : v_end; v0 < v_end; v0 += 32 * kVecs) {
-      uint4 x[kVecs];
+      if (v0 != v_begin) {
 #pragma unroll
-      for (int u = 0; u < kVecs; u++) {
-        const int i = v0 + u * 32 + lane;
-        x[u] = i < v_end ? __ldcs(src + i) : make_uint4(0u, 0u, 0u, 0u);
+        for (int u = 0; u < kVecs; u++) {
+          const int i = v0 + u * 32 + lane;
+          x[u] = i < v_end ? __ldcs(src + i) : make_uint4(0u, 0u, 0u, 0u);
+        }
       }
       for (int j = 0; j < valid; j++) {
         const int64_t row = s_row[j];

@@ -78,11 +78,14 @@ cudaError_t epx_cuda_layout_launch(const int32_t *topk_idx, const int32_t *locat
                                    const epx_cuda_layout_t *out, void *scratch,
                                    cudaStream_t stream);
 
-/* Tuning of the move kernels: warps per block, and 16-byte vectors per lane
- * per step (32 lanes * 4 * 16 B = 2 KB of a row in flight per warp per step). */
+/* Tuning of the move kernels: warps per block, 16-byte vectors per lane per
+ * step (32 lanes * 4 * 16 B = 2 KB of a row in flight per warp per step), and
+ * the most warps per token the automatic choice takes (log2). Measured on an
+ * H200 (bench/NOTES-gpu.md): one warp per token is best or equal for bf16 rows
+ * of 2048 and 7168, so the automatic choice is 1. */
 #define EPX_CUDA_MOVE_WARPS 8
 #define EPX_CUDA_MOVE_VECS 4
-#define EPX_CUDA_MOVE_MAX_WPT_SHIFT 3
+#define EPX_CUDA_MOVE_MAX_WPT_SHIFT 0
 
 /* Warps per token of the move kernels: `requested` (1, 2, 4 or 8), or for 0
  * the fewest (at most 2^EPX_CUDA_MOVE_MAX_WPT_SHIFT) that leave each warp one

@@ -2,37 +2,40 @@
  * the recv row of every route (every token for rank-major), and the routing's
  * validation — a chunked counting sort, not a one-hot. Two kernels:
  *
- *   rank:   a warp per chunk of consecutive tokens stages the chunk's routes
- *           in shared memory, validates them, and walks them in (token, slot)
- *           order 32 at a time; __match_any_sync groups the lanes of one
- *           expert, so a route's rank among its expert's routes in the chunk
- *           is a running shared-memory counter plus a popcount. Writes the
- *           sanitised ids, the ranks, per-chunk counts [chunks, E + 1]
+ *   rank:   a block per chunk of consecutive tokens, a warp per run of the
+ *           chunk's tokens. Each warp stages its routes in shared memory,
+ *           validates them, and walks them in (token, slot) order 32 at a
+ *           time; __match_any_sync groups the lanes of one expert, so a
+ *           route's rank among its expert's routes in the warp is a running
+ *           shared-memory counter plus a popcount. The block then turns the
+ *           warps' counters into per-warp bases (a prefix over warps per
+ *           expert) and adds them, so each route holds its rank in the chunk.
+ *           Writes the sanitised ids, per-chunk counts [chunks, E + 1]
  *           (column E: tokens with a route, for rank-major), the chunk's first
  *           error, and copies the weights. Capacity: claims each route's slot
  *           (atomicMin: the smallest route wins).
  *   assign: a block per chunk sums the counts of the chunks before it (its
- *           base) and of all chunks (the totals) in shared memory, scans the
- *           padded totals into offsets (every block the same; block 0 writes
- *           them and N), and writes row = offset + base + rank and row_src.
+ *           base) and of all chunks (the totals), scans the padded totals
+ *           into offsets (every block the same; block 0 writes them and N),
+ *           and writes row = offset + base + rank and row_src.
  *
- * The number of chunks is bounded so that a block's sums read at most about
- * 32K counts. Bytes: the routing read once (4*T*K, + 4*T*K locations, +8*T*K
- * weights copied), ids and rows written (8*T*K) and re-read (8*T*K), row_src
- * written (4*N), the counts 4*chunks*(E+1)*(1 + chunks): under 2 MB at
- * T=8192, K=8, E=256 — the cost is the two launches' latency. */
+ * At most kMaxChunks chunks, and each warp walks at least kWarpRoutes routes.
+ * Bytes: the routing read once (4*T*K, + 4*T*K locations, + 8*T*K weights
+ * copied), ids and rows written (8*T*K), re-read and rewritten (16*T*K),
+ * row_src written (4*N), the counts 4*chunks*(E+1)*(1 + chunks): about 3 MB
+ * at T=8192, K=8, E=256 — the cost is the two launches' latency. */
 #include <cuda_runtime.h>
 
 #include "cuda/launch.h"
 
 namespace {
 
-constexpr int kRankWarps = 4;      /* chunks per block of the rank kernel, at most */
-constexpr int kStageRoutes = 1024; /* routes staged per warp at a time */
+constexpr int kMaxRankWarps = 8;   /* warps per rank block (one chunk), at most */
+constexpr int kWarpRoutes = 256;   /* routes a warp walks, at least (8 rounds) */
+constexpr int kStageRoutes = 512;  /* routes staged per warp at a time */
 constexpr int kAssignThreads = 512;
 constexpr int kThreads = 256;      /* accessor blocks */
-constexpr int64_t kMaxChunks = 256;
-constexpr int64_t kMaxChunkCounts = 32768;
+constexpr int64_t kMaxChunks = 64;
 
 /* Scratch: per chunk its first error, then its counts. */
 struct scratch_view {
@@ -42,22 +45,14 @@ struct scratch_view {
 
 size_t align_up(size_t n) { return (n + 255) / 256 * 256; }
 
-int64_t chunk_tokens_for(int64_t T, int32_t E) {
-  int64_t chunks = kMaxChunkCounts / ((int64_t)E + 1);
-  chunks = chunks < 1 ? 1 : chunks > kMaxChunks ? kMaxChunks : chunks;
-  int64_t per = (T + chunks - 1) / chunks;
-  per = (per + 31) / 32 * 32;
-  return per < 32 ? 32 : per;
-}
-
-scratch_view view_scratch(void *scratch, int64_t chunks) {
+scratch_view view_scratch(void *scratch) {
   char *p = static_cast<char *>(scratch);
   return {reinterpret_cast<unsigned long long *>(p),
-          reinterpret_cast<int32_t *>(p + align_up(8 * (size_t)(chunks > 0 ? chunks : 1)))};
+          reinterpret_cast<int32_t *>(p + align_up(8 * (size_t)kMaxChunks))};
 }
 
 /* Shared memory of one rank warp: E counters, staged ids (and locations). */
-__host__ __device__ size_t rank_warp_bytes(int32_t E, bool capacity) {
+size_t rank_warp_bytes(int32_t E, bool capacity) {
   return 4 * (size_t)E + 4 * (size_t)kStageRoutes * (capacity ? 2 : 1);
 }
 
@@ -77,36 +72,38 @@ struct rank_args {
   float *w_out;            /* [T, K] their copy */
   int64_t T;
   int K, E, layout, C;
-  int64_t chunk_tokens, chunks;
+  int64_t warp_tokens, chunk_tokens, chunks;
   epx_cuda_layout_t out;
   unsigned long long *chunk_error;
   int32_t *chunk_counts;
 };
 
-__global__ void __launch_bounds__(kRankWarps * 32) layout_rank_kernel(const rank_args a) {
-  extern __shared__ int32_t s_mem[];
+__global__ void __launch_bounds__(kMaxRankWarps * 32) layout_rank_kernel(const rank_args a) {
+  extern __shared__ int32_t s_mem[]; /* [warps][E] counters, then [warps] staging */
+  __shared__ int32_t s_active[kMaxRankWarps];
+  __shared__ unsigned long long s_error[kMaxRankWarps];
   const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const bool capacity = a.layout == EPX_LAYOUT_CAPACITY;
+  const bool capacity = a.layout == EPX_LAYOUT_CAPACITY, rank_major = a.layout == EPX_LAYOUT_RANK_MAJOR;
+  const int K = a.K, E = a.E;
   /* the assign kernel accumulates counts and errors into these */
   if (blockIdx.x == 0) {
-    for (int e = threadIdx.x; e < a.E; e += blockDim.x) a.out.counts[e] = 0;
+    for (int e = threadIdx.x; e < E; e += blockDim.x) a.out.counts[e] = 0;
     if (threadIdx.x == 0) a.out.result->error = EPX_CUDA_NO_ERROR;
   }
-  const int64_t chunk = (int64_t)blockIdx.x * warps + warp;
+  const int64_t chunk = blockIdx.x;
   if (chunk >= a.chunks) return;
-  int32_t *count = s_mem + (size_t)warp * (rank_warp_bytes(a.E, capacity) / 4);
-  int32_t *s_idx = count + a.E;
+  int32_t *count = s_mem + (size_t)warp * E;
+  int32_t *s_idx = s_mem + (size_t)warps * E + (size_t)warp * kStageRoutes * (capacity ? 2 : 1);
   int32_t *s_loc = s_idx + kStageRoutes;
-  for (int e = lane; e < a.E; e += 32) count[e] = 0;
+  for (int e = lane; e < E; e += 32) count[e] = 0;
 
-  const int K = a.K;
   const unsigned int lanes_below = (1u << lane) - 1u;
-  const int64_t t0 = chunk * a.chunk_tokens, t1 = min(a.T, t0 + a.chunk_tokens);
-  const int64_t g1 = t1 * K;
+  const int64_t tw0 = chunk * a.chunk_tokens + warp * a.warp_tokens;
+  const int64_t tw1 = min(a.T, tw0 + a.warp_tokens);
   const int64_t seg_routes = (int64_t)(kStageRoutes / K) * K; /* segments start at tokens */
   unsigned long long error = EPX_CUDA_NO_ERROR;
-  for (int64_t seg = t0 * K; seg < g1; seg += seg_routes) {
-    const int n = (int)min(seg_routes, g1 - seg);
+  for (int64_t seg = tw0 * K; seg < tw1 * K; seg += seg_routes) {
+    const int n = (int)min(seg_routes, tw1 * K - seg);
     __syncwarp();
     for (int j = lane; j < n; j += 32) {
       s_idx[j] = a.topk_idx[seg + j];
@@ -121,7 +118,7 @@ __global__ void __launch_bounds__(kRankWarps * 32) layout_rank_kernel(const rank
       if (j < n) {
         const int raw = s_idx[j];
         int code = 0;
-        if (raw < -1 || raw >= a.E) {
+        if (raw < -1 || raw >= E) {
           code = EPX_CUDA_BAD_EXPERT;
         } else if (raw >= 0) {
           const int k = j % K; /* segments start at tokens */
@@ -151,31 +148,71 @@ __global__ void __launch_bounds__(kRankWarps * 32) layout_rank_kernel(const rank
       const int before = e >= 0 ? count[e] : 0;
       __syncwarp();
       if (e >= 0 && lane == 31 - __clz(peers)) count[e] = before + __popc(peers);
-      if (j < n && a.layout != EPX_LAYOUT_RANK_MAJOR)
+      if (j < n && !rank_major)
         a.out.route_row[g] = e < 0 ? -1 : capacity ? slot : before + __popc(peers & lanes_below);
       __syncwarp();
     }
   }
 
   int active = 0;
-  if (a.layout == EPX_LAYOUT_RANK_MAJOR) {
-    /* A row per token with a valid route: rank among such tokens of the chunk. */
-    for (int64_t tb = t0; tb < t1; tb += 32) {
+  if (rank_major) {
+    /* A row per token with a valid route: rank among such tokens of the warp. */
+    for (int64_t tb = tw0; tb < tw1; tb += 32) {
       const int64_t t = tb + lane;
       bool any = false;
-      if (t < t1)
+      if (t < tw1)
         for (int k = 0; k < K; k++) any |= a.out.idx[t * K + k] >= 0;
       const unsigned int mask = __ballot_sync(0xffffffffu, any);
-      if (t < t1) a.out.token_row[t] = any ? active + __popc(mask & lanes_below) : -1;
+      if (t < tw1) a.out.token_row[t] = any ? active + __popc(mask & lanes_below) : -1;
       active += __popc(mask);
     }
   }
-
-  int32_t *out = a.chunk_counts + chunk * (a.E + 1);
-  for (int e = lane; e < a.E; e += 32) out[e] = count[e];
-  if (lane == 0) out[a.E] = active;
   error = warp_min_u64(error);
-  if (lane == 0) a.chunk_error[chunk] = error;
+  if (lane == 0) {
+    s_active[warp] = active;
+    s_error[warp] = error;
+  }
+  __syncthreads();
+
+  /* Per-warp bases: an exclusive prefix over the warps, per expert; the
+   * totals are the chunk's counts. */
+  int32_t *out = a.chunk_counts + chunk * (E + 1);
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    int run = 0;
+    for (int w = 0; w < warps; w++) {
+      const int v = s_mem[(size_t)w * E + e];
+      s_mem[(size_t)w * E + e] = run;
+      run += v;
+    }
+    out[e] = run;
+  }
+  if (threadIdx.x == 0) {
+    int run = 0;
+    unsigned long long first = EPX_CUDA_NO_ERROR;
+    for (int w = 0; w < warps; w++) {
+      const int v = s_active[w];
+      s_active[w] = run;
+      run += v;
+      first = s_error[w] < first ? s_error[w] : first;
+    }
+    out[E] = run;
+    a.chunk_error[chunk] = first;
+  }
+  __syncthreads();
+
+  /* Ranks in the warp -> ranks in the chunk (capacity slots are final). */
+  if (rank_major) {
+    for (int64_t t = tw0 + lane; t < tw1; t += 32) {
+      const int r = a.out.token_row[t];
+      if (r >= 0) a.out.token_row[t] = r + s_active[warp];
+    }
+  } else if (!capacity) {
+#pragma unroll 4
+    for (int64_t g = tw0 * K + lane; g < tw1 * K; g += 32) {
+      const int e = a.out.idx[g];
+      if (e >= 0) a.out.route_row[g] += count[e];
+    }
+  }
 }
 
 struct assign_args {
@@ -197,18 +234,17 @@ __global__ void __launch_bounds__(kAssignThreads) layout_assign_kernel(const ass
   __shared__ unsigned long long s_error[kAssignThreads / 32];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int64_t chunk = blockIdx.x;
-  for (int c = tid; c < cols; c += blockDim.x) s_base[c] = s_total[c] = 0;
-  __syncthreads();
-  /* chunks * cols <= kMaxChunks * (EPX_CUDA_MAX_EXPERTS + 1): int32 */
-  const int n = (int)a.chunks * cols, mine_first = (int)chunk * cols;
-#pragma unroll 4
-  for (int i = tid; i < n; i += kAssignThreads) {
-    const int v = a.chunk_counts[i];
-    if (v) {
-      const int c = i % cols;
-      atomicAdd(&s_total[c], v);
-      if (i < mine_first) atomicAdd(&s_base[c], v);
+  /* A thread per column: its counts over the chunks (independent loads). */
+  for (int col = tid; col < cols; col += blockDim.x) {
+    int base = 0, total = 0;
+#pragma unroll 8
+    for (int64_t c = 0; c < a.chunks; c++) {
+      const int v = a.chunk_counts[c * cols + col];
+      total += v;
+      base += c < chunk ? v : 0;
     }
+    s_base[col] = base;
+    s_total[col] = total;
   }
   __syncthreads();
 
@@ -339,10 +375,8 @@ __global__ void __launch_bounds__(kThreads)
 }  // namespace
 
 extern "C" size_t epx_cuda_layout_scratch_bytes(int64_t num_tokens, int32_t num_experts) {
-  const int64_t per = chunk_tokens_for(num_tokens, num_experts);
-  const int64_t chunks = (num_tokens + per - 1) / per;
-  const size_t c = (size_t)(chunks > 0 ? chunks : 1);
-  return align_up(8 * c) + 4 * c * ((size_t)num_experts + 1);
+  (void)num_tokens; /* at most kMaxChunks chunks whatever T */
+  return align_up(8 * (size_t)kMaxChunks) + 4 * (size_t)kMaxChunks * ((size_t)num_experts + 1);
 }
 
 extern "C" cudaError_t epx_cuda_layout_launch(const int32_t *topk_idx, const int32_t *locations,
@@ -353,10 +387,19 @@ extern "C" cudaError_t epx_cuda_layout_launch(const int32_t *topk_idx, const int
                                               cudaStream_t stream) {
   if (E < 1 || E > EPX_CUDA_MAX_EXPERTS || K < 1 || T * K >= INT32_MAX) return cudaErrorInvalidValue;
   const bool cap = layout == EPX_LAYOUT_CAPACITY;
-  const int64_t chunk_tokens = chunk_tokens_for(T, E);
-  const int64_t chunks = (T + chunk_tokens - 1) / chunk_tokens;
-  const scratch_view s = view_scratch(scratch, chunks);
+  const scratch_view s = view_scratch(scratch);
   cudaError_t err;
+
+  /* Chunks: a block of `warps` warps each, a warp at least kWarpRoutes
+   * routes, at most kMaxChunks chunks. */
+  const size_t warp_bytes = rank_warp_bytes(E, cap);
+  int warps = (int)((48 * 1024) / warp_bytes);
+  warps = warps < 1 ? 1 : warps > kMaxRankWarps ? kMaxRankWarps : warps;
+  int64_t warp_tokens = (kWarpRoutes + K - 1) / K;
+  const int64_t spread = (T + (int64_t)warps * kMaxChunks - 1) / ((int64_t)warps * kMaxChunks);
+  if (spread > warp_tokens) warp_tokens = spread;
+  const int64_t chunk_tokens = warp_tokens * warps;
+  const int64_t chunks = (T + chunk_tokens - 1) / chunk_tokens;
 
   /* Capacity: every slot unclaimed (0xffffffff = -1 = empty) before the rank
    * kernel claims them. */
@@ -374,16 +417,13 @@ extern "C" cudaError_t epx_cuda_layout_launch(const int32_t *topk_idx, const int
   ra.E = E;
   ra.layout = layout;
   ra.C = capacity;
+  ra.warp_tokens = warp_tokens;
   ra.chunk_tokens = chunk_tokens;
   ra.chunks = chunks;
   ra.out = *out;
   ra.chunk_error = s.chunk_error;
   ra.chunk_counts = s.chunk_counts;
-  const size_t warp_bytes = rank_warp_bytes(E, cap);
-  int warps = (int)((48 * 1024) / warp_bytes);
-  warps = warps < 1 ? 1 : warps > kRankWarps ? kRankWarps : warps;
-  const int64_t rank_blocks = chunks > 0 ? (chunks + warps - 1) / warps : 1;
-  layout_rank_kernel<<<(unsigned)rank_blocks, warps * 32, warp_bytes * warps, stream>>>(ra);
+  layout_rank_kernel<<<(unsigned)(chunks > 0 ? chunks : 1), warps * 32, warp_bytes * warps, stream>>>(ra);
   err = cudaGetLastError();
   if (err != cudaSuccess) return err;
 
@@ -409,6 +449,7 @@ extern "C" cudaError_t epx_cuda_layout_launch(const int32_t *topk_idx, const int
   layout_assign_kernel<<<(unsigned)(chunks > 0 ? chunks : 1), kAssignThreads, assign_bytes, stream>>>(aa);
   return cudaGetLastError();
 }
+
 extern "C" cudaError_t epx_cuda_recv_routing_launch(epx_layout_t layout, const epx_cuda_layout_t *lay,
                                                     const float *w, int32_t K, int64_t row_bound,
                                                     int32_t *recv_expert, float *recv_w,

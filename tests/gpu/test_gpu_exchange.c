@@ -408,8 +408,8 @@ static void test_grid(void **state) {
   print_message("%d cases\n", cases);
 }
 
-/* Larger shapes: many chunks, E above one scan block (and above the 256
- * threads of the offsets scan), rows of several 2 KB steps. */
+/* Larger shapes: many chunks, E above the 256 threads of a block, rows of
+ * several 2 KB steps, layout warps with several staged segments. */
 static void test_large(void **state) {
   (void)state;
   require_gpu();
@@ -418,11 +418,15 @@ static void test_large(void **state) {
       {EPX_BFLOAT16, EPX_LAYOUT_CAPACITY, EPX_WEIGHTS_IN_DISPATCH, 64, 3, 1, 5000, 520, 0, 8},
       {EPX_FLOAT32, EPX_LAYOUT_RANK_MAJOR, EPX_WEIGHTS_NONE, 40, 8, 1, 3000, 264, 0, 9},
       {EPX_FLOAT16, EPX_LAYOUT_EXPERT_MAJOR, EPX_WEIGHTS_IN_DISPATCH, 256, 8, 1, 2500, 2048, 0, 10},
+      /* past 32K tokens a layout warp walks its routes in several staged segments */
+      {EPX_BFLOAT16, EPX_LAYOUT_EXPERT_MAJOR, EPX_WEIGHTS_IN_COMBINE, 64, 8, 8, 40000, 8, 0, 11},
+      {EPX_FLOAT32, EPX_LAYOUT_CAPACITY, EPX_WEIGHTS_IN_COMBINE, 64, 8, 1, 40000, 8, 0, 12},
+      {EPX_FLOAT32, EPX_LAYOUT_RANK_MAJOR, EPX_WEIGHTS_NONE, 64, 8, 1, 40000, 8, 1, 13},
   };
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
     if (quick()) {
       cases[i].T /= 8;
-      cases[i].H = 136;
+      cases[i].H = cases[i].H < 136 ? cases[i].H : 136;
     }
     run_case(&cases[i]);
   }
