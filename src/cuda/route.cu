@@ -42,6 +42,7 @@ constexpr unsigned kFull = 0xffffffffu;
 constexpr int kMaxTokenWarps = 16; /* warps (tokens) per block of the per-token kernels */
 constexpr int kWarps = 8;          /* warps per block of the per-expert / per-tile kernels */
 constexpr int kPrefetch = 8;       /* routes per lane loaded ahead in assign_kernel */
+constexpr int kScanAhead = 4;      /* 32-tile chunks loaded ahead in expert_scan_kernel */
 constexpr int kMinTileShift = 8;   /* queue tiles of at least 256 routes */
 constexpr size_t kDefaultSmem = 48 * 1024; /* static + dynamic, without opting in */
 constexpr size_t kStaticSmem = 1024;       /* bound on the token kernels' static shared memory */
@@ -58,6 +59,8 @@ struct SelectArgs {
   int T, E, K, G, TG;
   int sigmoid;  /* score function is EPX_SCORE_SIGMOID */
   int need_lse; /* sigmoid: also compute sum(exp(l - max)) for the z-loss */
+  int glanes;   /* lanes that reduce one group's top-2 together (a power of 2, glanes * G <= 32) */
+  unsigned gmagic; /* e / (E / G) == umulhi(e, gmagic) when nonzero */
   int words, y, g, ci, cp;
 };
 
@@ -107,7 +110,7 @@ struct ScanArgs {
 struct AssignArgs {
   const int *qe;
   const float *qw;
-  int *base; /* used as the running position of each (tile, expert) */
+  const int *base;
   int N, T, K, E, by_token, n_tiles, tile_shift;
   int mode;  /* 0 dropless, 1 drop by position, 2 drop by probability */
   int C;
@@ -177,35 +180,39 @@ __device__ __forceinline__ int warp_inclusive_scan(int v, int lane) {
   return v;
 }
 
-/* Larger value first, lower index on ties. */
-__device__ __forceinline__ bool better(float v, int i, float bv, int bi) {
-  return v > bv || (v == bv && i < bi);
+/* A 32-bit key that orders like the float (larger value, larger key); 0
+ * for removed (NaN) entries, which never win. -0 counts as +0, as it
+ * compares equal. */
+__device__ __forceinline__ unsigned order_key(float v) {
+  const unsigned u = __float_as_uint(v + 0.0f);
+  return isnan(v) ? 0u : ((u & 0x80000000u) ? ~u : (u | 0x80000000u));
 }
 
-/* The best entry among a[lane], a[lane + 32], ... below n; (-inf, INT_MAX)
- * when there is none. Removed (NaN) entries never win. */
-__device__ void lane_best(const float *a, int n, int lane, float &bv, int &bi) {
-  bv = -INFINITY;
+/* The best entry among a[lane], a[lane + 32], ... below n: its key and
+ * index (0, INT_MAX when there is none). Lower index on ties. */
+__device__ void lane_best(const float *a, int n, int lane, unsigned &bk, int &bi) {
+  bk = 0u;
   bi = INT_MAX;
   for (int i = lane; i < n; i += 32) {
-    float v = a[pad(i)];
-    if (better(v, i, bv, bi)) {
-      bv = v;
+    const unsigned k = order_key(a[pad(i)]);
+    if (k > bk) {
+      bk = k;
       bi = i;
     }
   }
 }
 
-/* The best (value, index) over the warp; every lane gets the same pair. */
-__device__ __forceinline__ void warp_argmax(float &v, int &i) {
-  for (int o = 16; o > 0; o >>= 1) {
-    float ov = __shfl_xor_sync(kFull, v, o);
-    int oi = __shfl_xor_sync(kFull, i, o);
-    if (better(ov, oi, v, i)) {
-      v = ov;
-      i = oi;
-    }
-  }
+/* The warp's best entry (larger value, then lower index), the same on every
+ * lane; -1 when no lane has one. */
+__device__ __forceinline__ int warp_argmax(unsigned key, int index) {
+  const unsigned best = __reduce_max_sync(kFull, key);
+  const unsigned win = __reduce_min_sync(kFull, key == best ? (unsigned)index : 0xffffffffu);
+  return best == 0u ? -1 : (int)win;
+}
+
+/* Group of expert e (groups of gs experts). */
+__device__ __forceinline__ int group_of(const SelectArgs &a, int e, int gs) {
+  return a.gmagic ? (int)__umulhi((unsigned)e, a.gmagic) : (gs == 1 ? e : e / gs);
 }
 
 /* Whether every logit of token t is finite (warp-uniform). */
@@ -264,51 +271,63 @@ __device__ bool token_select(const SelectArgs &a, int t, float *X, float *Y, flo
   __syncwarp();
 
   if (a.G > 1) {
-    /* Group score: the sum of its two best s (its best for one expert). */
-    const int gs = E / a.G;
-    for (int g = lane; g < a.G; g += 32) {
+    /* Group score: the sum of its two best s (its best for one expert). The
+     * glanes lanes of a group each take every glanes-th expert, then merge
+     * their top-2 pairs. */
+    const int gs = E / a.G, L = a.glanes, sub = lane & (L - 1);
+    for (int g0 = 0; g0 < a.G; g0 += 32 / L) {
+      const int g = g0 + lane / L;
       float b1 = -INFINITY, b2 = -INFINITY;
-      for (int i = 0; i < gs; ++i) {
-        float v = Y[pad(g * gs + i)];
-        if (v > b1) {
-          b2 = b1;
-          b1 = v;
-        } else if (v > b2) {
-          b2 = v;
+      if (g < a.G) {
+        for (int i = sub; i < gs; i += L) {
+          const float v = Y[pad(g * gs + i)];
+          if (v > b1) {
+            b2 = b1;
+            b1 = v;
+          } else if (v > b2) {
+            b2 = v;
+          }
         }
       }
-      Gs[pad(g)] = gs == 1 ? b1 : b1 + b2;
+      for (int o = L >> 1; o > 0; o >>= 1) {
+        const float c1 = __shfl_xor_sync(kFull, b1, o), c2 = __shfl_xor_sync(kFull, b2, o);
+        const float hi = fmaxf(b1, c1), lo = fmaxf(fminf(b1, c1), fmaxf(b2, c2));
+        b1 = hi;
+        b2 = lo;
+      }
+      if (g < a.G && sub == 0) Gs[pad(g)] = gs == 1 ? b1 : b1 + b2;
     }
     __syncwarp();
-    /* Kept groups are marked removed(); the others' experts are excluded. */
-    float gv;
+    /* The topk_groups best groups: a bit each in `kept` (G <= 32), or
+     * marked removed() in Gs; the other groups' experts are excluded. */
+    unsigned gk, kept = 0u;
     int gi;
-    lane_best(Gs, a.G, lane, gv, gi);
+    lane_best(Gs, a.G, lane, gk, gi);
     for (int r = 0; r < a.TG; ++r) {
-      float v = gv;
-      int i = gi;
-      warp_argmax(v, i);
-      if (i < a.G && lane == (i & 31)) {
-        Gs[pad(i)] = removed();
-        lane_best(Gs, a.G, lane, gv, gi);
+      const int g = warp_argmax(gk, gi);
+      if (g < 0) break;
+      if (a.G <= 32) kept |= 1u << g;
+      if (lane == (g & 31)) {
+        Gs[pad(g)] = removed();
+        lane_best(Gs, a.G, lane, gk, gi);
       }
-      __syncwarp();
     }
-    for (int e = lane; e < E; e += 32)
-      if (!isnan(Gs[pad(e / gs)])) Y[pad(e)] = removed();
+    __syncwarp();
+    for (int e = lane; e < E; e += 32) {
+      const int g = group_of(a, e, gs);
+      const bool keep = a.G <= 32 ? ((kept >> g) & 1u) != 0u : isnan(Gs[pad(g)]);
+      if (!keep) Y[pad(e)] = removed();
+    }
     __syncwarp();
   }
 
   /* K rounds of warp arg-max; a lane rescans only when it loses its best. */
-  float bv;
+  unsigned bk;
   int bi;
-  lane_best(Y, E, lane, bv, bi);
+  lane_best(Y, E, lane, bk, bi);
   float S = 0.f;
   for (int k = 0; k < a.K; ++k) {
-    float v = bv;
-    int i = bi;
-    warp_argmax(v, i);
-    const int e = i < E ? i : -1;
+    const int e = warp_argmax(bk, bi);
     const float pw = e >= 0 ? X[pad(e)] : 0.f;
     S += pw;
     if (lane == 0) {
@@ -317,7 +336,7 @@ __device__ bool token_select(const SelectArgs &a, int t, float *X, float *Y, flo
     }
     if (e >= 0 && lane == (e & 31)) {
       Y[pad(e)] = removed();
-      lane_best(Y, E, lane, bv, bi);
+      lane_best(Y, E, lane, bk, bi);
     }
   }
   __syncwarp();
@@ -451,12 +470,20 @@ static __global__ void __launch_bounds__(kWarps * 32) expert_scan_kernel(ScanArg
   if (e < a.E) {
     const int *h = a.hist + (size_t)e * a.n_tiles;
     int carry = 0;
-    for (int c0 = 0; c0 < a.n_tiles; c0 += 32) {
-      const int i = c0 + lane;
-      const int v = i < a.n_tiles ? h[i] : 0;
-      const int incl = warp_inclusive_scan(v, lane);
-      if (i < a.n_tiles) a.base[(size_t)i * a.E + e] = carry + incl - v;
-      carry += __shfl_sync(kFull, incl, 31);
+    for (int c0 = 0; c0 < a.n_tiles; c0 += 32 * kScanAhead) {
+      int v[kScanAhead];
+#pragma unroll
+      for (int u = 0; u < kScanAhead; ++u) {
+        const int i = c0 + 32 * u + lane;
+        v[u] = i < a.n_tiles ? h[i] : 0;
+      }
+#pragma unroll
+      for (int u = 0; u < kScanAhead; ++u) {
+        const int i = c0 + 32 * u + lane;
+        const int incl = warp_inclusive_scan(v[u], lane);
+        if (i < a.n_tiles) a.base[(size_t)i * a.E + e] = carry + incl - v[u];
+        carry += __shfl_sync(kFull, incl, 31);
+      }
     }
     if (lane == 0) {
       a.counts[e] = carry;
@@ -465,6 +492,7 @@ static __global__ void __launch_bounds__(kWarps * 32) expert_scan_kernel(ScanArg
     if (a.apart) {
       const double *p = a.apart + (size_t)e * a.n_blk;
       double acc = 0.0;
+#pragma unroll 4
       for (int b = lane; b < a.n_blk; b += 32) acc += p[b];
       acc = warp_sum(acc);
       if (lane == 0) a.colsum[e] = acc;
@@ -523,12 +551,17 @@ static __device__ void assign_emit(const AssignArgs &a, int r, int e, float w, i
 
 static __global__ void __launch_bounds__(kWarps * 32) assign_kernel(AssignArgs a) {
   if (a.bad && *a.bad) return;
-  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-  const int tile = blockIdx.x * kWarps + w;
+  extern __shared__ int srun[];
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, W = blockDim.x >> 5;
+  const int tile = blockIdx.x * W + w;
   if (tile >= a.n_tiles) return;
   const int rounds = 1 << (a.tile_shift - 5);
   const long long r0 = (long long)tile << a.tile_shift;
-  int *run = a.base + (size_t)tile * a.E;
+  /* run [E]: the next position of each expert in this tile. */
+  int *run = srun + (size_t)w * a.E;
+  const int *base = a.base + (size_t)tile * a.E;
+  for (int e = lane; e < a.E; e += 32) run[e] = base[e];
+  __syncwarp();
   const unsigned lower = (1u << lane) - 1u;
   for (int g0 = 0; g0 < rounds; g0 += kPrefetch) {
     int ev[kPrefetch];
@@ -687,27 +720,13 @@ P *at(void *base, size_t offset) {
   return reinterpret_cast<P *>(static_cast<char *>(base) + offset);
 }
 
-/* Per-warp shared-memory layout of the per-token kernels, and how many
- * warps (tokens) a block gets. Raises the kernel's dynamic limit when one
- * warp needs more than the default 48 KB. */
-epx_status_t token_layout(const char *fn, const void *kernel, const epx_route_config_t *config,
-                          SelectArgs *s, int *warps, size_t *bytes) {
-  const size_t E = (size_t)config->num_experts, K = (size_t)config->top_k;
-  const size_t G = config->num_groups > 1 ? (size_t)config->num_groups : 0;
-  const size_t ep = E + (E >> 5) + 1, gp = G ? G + (G >> 5) + 1 : 0;
-  const size_t words = 2 * ep + gp + 2 * K;
-  const size_t per_warp = words * 4;
-  if (words > INT_MAX / 4)
-    return epx_error(EPX_ERROR_UNSUPPORTED,
-                     "%s: num_experts %d is too large for the CUDA backend; route on the CPU",
-                     fn, config->num_experts);
-  s->y = (int)ep;
-  s->g = (int)(2 * ep);
-  s->ci = (int)(2 * ep + gp);
-  s->cp = (int)(2 * ep + gp + K);
-  s->words = (int)words;
+/* Warps per block of a kernel whose warps each need per_warp bytes of
+ * dynamic shared memory (at most max_warps), and the block's bytes. Raises
+ * the kernel's dynamic limit when one warp needs more than the default. */
+epx_status_t smem_plan(const char *fn, const void *kernel, size_t per_warp, int max_warps,
+                       const epx_route_config_t *config, int *warps, size_t *bytes) {
   size_t w = (kDefaultSmem - kStaticSmem) / per_warp;
-  if (w > (size_t)kMaxTokenWarps) w = kMaxTokenWarps;
+  if (w > (size_t)max_warps) w = (size_t)max_warps;
   if (w >= 1) {
     *warps = (int)w;
     *bytes = w * per_warp;
@@ -721,13 +740,33 @@ epx_status_t token_layout(const char *fn, const void *kernel, const epx_route_co
   if (per_warp + kStaticSmem > (size_t)optin)
     return epx_error(EPX_ERROR_UNSUPPORTED,
                      "%s: num_experts %d with top_k %d needs %zu bytes of shared memory per "
-                     "token, more than this GPU's %d; route on the CPU",
+                     "warp, more than this GPU's %d; route on the CPU",
                      fn, config->num_experts, config->top_k, per_warp + kStaticSmem, optin);
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)per_warp);
   if (err != cudaSuccess) return cuda_failed(fn, err);
   *warps = 1;
   *bytes = per_warp;
   return EPX_SUCCESS;
+}
+
+/* Per-warp shared-memory layout of the per-token kernels and their block
+ * shape. */
+epx_status_t token_layout(const char *fn, const void *kernel, const epx_route_config_t *config,
+                          SelectArgs *s, int *warps, size_t *bytes) {
+  const size_t E = (size_t)config->num_experts, K = (size_t)config->top_k;
+  const size_t G = config->num_groups > 1 ? (size_t)config->num_groups : 0;
+  const size_t ep = E + (E >> 5) + 1, gp = G ? G + (G >> 5) + 1 : 0;
+  const size_t words = 2 * ep + gp + 2 * K;
+  if (words > INT_MAX / 4)
+    return epx_error(EPX_ERROR_UNSUPPORTED,
+                     "%s: num_experts %d is too large for the CUDA backend; route on the CPU",
+                     fn, config->num_experts);
+  s->y = (int)ep;
+  s->g = (int)(2 * ep);
+  s->ci = (int)(2 * ep + gp);
+  s->cp = (int)(2 * ep + gp + K);
+  s->words = (int)words;
+  return smem_plan(fn, kernel, words * 4, kMaxTokenWarps, config, warps, bytes);
 }
 
 void select_args(const epx_route_config_t *config, int T, const float *logits, const float *bias,
@@ -741,6 +780,12 @@ void select_args(const epx_route_config_t *config, int T, const float *logits, c
   s->TG = config->topk_groups;
   s->sigmoid = config->score_fn == EPX_SCORE_SIGMOID;
   s->need_lse = need_lse;
+  s->glanes = 1;
+  while (s->glanes * 2 * s->G <= 32) s->glanes *= 2;
+  /* umulhi(e, floor((2^32 - 1) / gs) + 1) == e / gs while e * gs < 2^32,
+   * which e < E <= 65536 guarantees. */
+  const int gs = s->E / s->G;
+  s->gmagic = (gs > 1 && s->E <= 65536) ? 0xffffffffu / (unsigned)gs + 1u : 0u;
 }
 
 /* Routes are indexed with int32 on the device (positions are int32 anyway). */
@@ -774,8 +819,9 @@ extern "C" epx_status_t epx_cuda_route(const epx_route_config_t *config, int64_t
   const bool by_prob = capacity && config->drop_policy == EPX_DROP_BY_PROBABILITY;
   const bool check = config->nonfinite == EPX_NONFINITE_ERROR;
   const bool want_aux = output->aux_loss != NULL, want_z = output->z_loss != NULL;
-  int C = 0, T = 0, N = 0, warps = 0, tile_shift = 0, n_tiles = 0, n_blk = 0, h_bad = 0;
-  size_t smem = 0, zero_bytes = 0, total = 0, sort_bytes = 0;
+  int C = 0, T = 0, N = 0, warps = 0, awarps = 0, tile_shift = 0, n_tiles = 0, n_blk = 0;
+  int h_bad = 0;
+  size_t smem = 0, asmem = 0, zero_bytes = 0, total = 0, sort_bytes = 0;
   size_t o_hist = 0, o_valid = 0, o_bad = 0, o_ticket = 0, o_offsets = 0, o_qe = 0, o_qw = 0;
   size_t o_base = 0, o_counts = 0, o_colsum = 0, o_apart = 0, o_zpart = 0, o_keys = 0;
   size_t o_sorted = 0, o_rq = 0, o_flag = 0, o_sort = 0;
@@ -809,6 +855,9 @@ extern "C" epx_status_t epx_cuda_route(const epx_route_config_t *config, int64_t
   select_args(config, T, logits, bias, want_z, &fa.s);
   status = token_layout(fn, reinterpret_cast<const void *>(route_tokens_kernel), config, &fa.s,
                         &warps, &smem);
+  if (status != EPX_SUCCESS) return status;
+  status = smem_plan(fn, reinterpret_cast<const void *>(assign_kernel), sizeof(int) * (size_t)E,
+                     kWarps, config, &awarps, &asmem);
   if (status != EPX_SUCCESS) return status;
   tile_shift = ceil_log2(E);
   if (tile_shift < kMinTileShift) tile_shift = kMinTileShift;
@@ -907,7 +956,7 @@ extern "C" epx_status_t epx_cuda_route(const epx_route_config_t *config, int64_t
   aa.keys = by_prob ? at<unsigned long long>(scratch, o_keys) : NULL;
   aa.rq = by_prob ? at<int>(scratch, o_rq) : NULL;
   aa.bad = sa.bad;
-  assign_kernel<<<(n_tiles + kWarps - 1) / kWarps, kWarps * 32, 0, stream>>>(aa);
+  assign_kernel<<<(n_tiles + awarps - 1) / awarps, awarps * 32, asmem, stream>>>(aa);
   ROUTE_CUDA(cudaGetLastError());
 
   if (by_prob) {
