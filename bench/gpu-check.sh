@@ -9,7 +9,10 @@
 #
 # Needs: nvcc, cmake, a C compiler, python3 with PyTorch (for the baselines),
 # cmocka (system, or a header and libcmocka.so.0 under .gpu-deps/include and
-# .gpu-deps/lib — the GPU machines have no package registry). NCCL and MPI
+# .gpu-deps/lib — the GPU machines have no package registry; on a Debian or
+# Ubuntu host: mkdir -p .gpu-deps/include .gpu-deps/lib && cp /usr/include/cmocka.h
+# .gpu-deps/include && cp -L /usr/lib/x86_64-linux-gnu/libcmocka.so.0 .gpu-deps/lib,
+# then carry .gpu-deps to the device). NCCL and MPI
 # are found the way shared/examples/nccl_lsa_push.sh finds them; the one-rank
 # CUDA backend needs neither, so MPI is built only where mpicc exists.
 set -u
