@@ -1,7 +1,7 @@
 /* Routing on the GPU: epx_cuda_route and epx_cuda_route_backward.
  *
- * Forward pipeline, all on config->stream (one scratch block from
- * cudaMallocAsync, one memset, then):
+ * Forward pipeline, all on config->stream (one scratch block from a
+ * stream-ordered pool, one memset, then):
  *   route_tokens_kernel  a warp per token: scores, group-limited top-k,
  *                        weights; writes each route in queue order (qe, qw),
  *                        counts it into hist[expert][tile of the queue] with
@@ -28,6 +28,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <mutex>
 
 #include <cub/device/device_segmented_radix_sort.cuh>
 
@@ -708,6 +709,48 @@ epx_status_t cuda_failed(const char *fn, cudaError_t err) {
     }                                                                          \
   } while (0)
 
+/* Routing's scratch comes from a stream-ordered pool of its own per device
+ * that keeps up to kPoolKeep bytes reserved across synchronisations (the
+ * default pool returns everything at each one, and EPX_NONFINITE_ERROR
+ * synchronises on every call). Created on first use, kept for the process. */
+constexpr int kMaxDevices = 64;
+constexpr uint64_t kPoolKeep = 64ull << 20;
+std::mutex pool_mutex;
+cudaMemPool_t pools[kMaxDevices];
+
+epx_status_t scratch_alloc(const char *fn, size_t bytes, cudaStream_t stream, void **ptr) {
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return cuda_failed(fn, err);
+  if (device < 0 || device >= kMaxDevices) {
+    err = cudaMallocAsync(ptr, bytes, stream);
+    return err == cudaSuccess ? EPX_SUCCESS : cuda_failed(fn, err);
+  }
+  cudaMemPool_t pool;
+  {
+    std::lock_guard<std::mutex> lock(pool_mutex);
+    if (!pools[device]) {
+      cudaMemPoolProps props = {};
+      props.allocType = cudaMemAllocationTypePinned;
+      props.location.type = cudaMemLocationTypeDevice;
+      props.location.id = device;
+      cudaMemPool_t created;
+      err = cudaMemPoolCreate(&created, &props);
+      if (err != cudaSuccess) return cuda_failed(fn, err);
+      uint64_t keep = kPoolKeep;
+      err = cudaMemPoolSetAttribute(created, cudaMemPoolAttrReleaseThreshold, &keep);
+      if (err != cudaSuccess) {
+        cudaMemPoolDestroy(created);
+        return cuda_failed(fn, err);
+      }
+      pools[device] = created;
+    }
+    pool = pools[device];
+  }
+  err = cudaMallocFromPoolAsync(ptr, bytes, pool, stream);
+  return err == cudaSuccess ? EPX_SUCCESS : cuda_failed(fn, err);
+}
+
 /* Bump allocator over one scratch block; offsets are 256-byte aligned. */
 size_t carve(size_t *cursor, size_t bytes) {
   const size_t at = *cursor;
@@ -892,7 +935,7 @@ extern "C" epx_status_t epx_cuda_route(const epx_route_config_t *config, int64_t
     o_sort = carve(&total, sort_bytes);
   }
 
-  ROUTE_CUDA(cudaMallocAsync(&scratch, total, stream));
+  EPX_CHECK(scratch_alloc(fn, total, stream, &scratch));
   ROUTE_CUDA(cudaMemsetAsync(scratch, 0, zero_bytes, stream));
 
   fa.select = 1;
@@ -1050,7 +1093,7 @@ extern "C" epx_status_t epx_cuda_route_backward(const epx_route_config_t *config
     o_counts = carve(&total, sizeof(int) * (size_t)E);
     o_valid = carve(&total, sizeof(int));
     o_bad = carve(&total, sizeof(int));
-    ROUTE_CUDA(cudaMallocAsync(&scratch, total, stream));
+    EPX_CHECK(scratch_alloc(fn, total, stream, &scratch));
     ROUTE_CUDA(cudaMemsetAsync(scratch, 0, total, stream));
     fa.select = need_counts;
     fa.renorm = config->renormalize != 0;
