@@ -187,25 +187,38 @@ static inline void accumulate_rows(epx_dtype_t dtype, const void *const *rows, c
 #define EPX_MULTIVERSION
 #endif
 
-#define DEFINE_ACCUMULATE(name, DTYPE)                                                       \
-  EPX_MULTIVERSION static void name(const void *const *rows, const float *w, int32_t n_rows, \
-                                    float *acc, int first, int64_t n) {                      \
-    _Alignas(64) float block[BLOCK];                                                         \
-    for (int64_t i0 = 0; i0 < n; i0 += BLOCK) {                                              \
-      int64_t m = n - i0 < BLOCK ? n - i0 : BLOCK;                                           \
-      const void *shifted[4];                                                                \
-      for (int64_t i = 0; i < m; i++) block[i] = 0.0f;                                       \
-      for (int32_t j0 = 0; j0 < n_rows; j0 += 4) {                                           \
-        int32_t count = n_rows - j0 < 4 ? n_rows - j0 : 4;                                   \
-        for (int32_t j = 0; j < count; j++)                                                  \
-          shifted[j] = (const char *)rows[j0 + j] + (size_t)i0 * epx_dtype_size(DTYPE);      \
-        accumulate_rows(DTYPE, shifted, w ? w + j0 : NULL, count, block, m);                 \
-      }                                                                                      \
-      if (first)                                                                             \
-        for (int64_t i = 0; i < m; i++) acc[i0 + i] = block[i];                              \
-      else                                                                                   \
-        for (int64_t i = 0; i < m; i++) acc[i0 + i] += block[i];                             \
-    }                                                                                        \
+/* acc = P (first), acc += P, or — with store — store = round(0 + P) in the
+ * dtype with streaming stores, block by block (one pass, nothing else
+ * written). */
+#define DEFINE_ACCUMULATE(name, DTYPE)                                                        \
+  EPX_MULTIVERSION static void name(const void *const *rows, const float *w, int32_t n_rows,  \
+                                    float *acc, int first, void *store, int64_t n) {          \
+    _Alignas(64) float block[BLOCK];                                                          \
+    _Alignas(64) uint16_t half[BLOCK];                                                        \
+    for (int64_t i0 = 0; i0 < n; i0 += BLOCK) {                                               \
+      int64_t m = n - i0 < BLOCK ? n - i0 : BLOCK;                                            \
+      const void *shifted[4];                                                                 \
+      for (int64_t i = 0; i < m; i++) block[i] = 0.0f;                                        \
+      for (int32_t j0 = 0; j0 < n_rows; j0 += 4) {                                            \
+        int32_t count = n_rows - j0 < 4 ? n_rows - j0 : 4;                                    \
+        for (int32_t j = 0; j < count; j++)                                                   \
+          shifted[j] = (const char *)rows[j0 + j] + (size_t)i0 * epx_dtype_size(DTYPE);       \
+        accumulate_rows(DTYPE, shifted, w ? w + j0 : NULL, count, block, m);                  \
+      }                                                                                       \
+      if (store) {                                                                            \
+        if (DTYPE == EPX_FLOAT32) {                                                           \
+          epx_row_copy_stream((float *)store + i0, block, (size_t)m * sizeof(float));         \
+        } else {                                                                              \
+          for (int64_t i = 0; i < m; i++)                                                     \
+            half[i] = DTYPE == EPX_BFLOAT16 ? epx_f32_to_bf16(block[i]) : epx_f32_to_f16(block[i]); \
+          epx_row_copy_stream((uint16_t *)store + i0, half, (size_t)m * 2);                   \
+        }                                                                                     \
+      } else if (first) {                                                                     \
+        for (int64_t i = 0; i < m; i++) acc[i0 + i] = block[i];                               \
+      } else {                                                                                \
+        for (int64_t i = 0; i < m; i++) acc[i0 + i] += block[i];                              \
+      }                                                                                       \
+    }                                                                                         \
   }
 
 DEFINE_ACCUMULATE(accumulate_f32, EPX_FLOAT32)
@@ -215,9 +228,18 @@ DEFINE_ACCUMULATE(accumulate_f16, EPX_FLOAT16)
 void epx_rows_accumulate(epx_dtype_t dtype, const void *const *rows, const float *w, int32_t n_rows,
                          float *acc, int first, int64_t n) {
   switch (dtype) {
-    case EPX_FLOAT32: accumulate_f32(rows, w, n_rows, acc, first, n); break;
-    case EPX_BFLOAT16: accumulate_bf16(rows, w, n_rows, acc, first, n); break;
-    case EPX_FLOAT16: accumulate_f16(rows, w, n_rows, acc, first, n); break;
+    case EPX_FLOAT32: accumulate_f32(rows, w, n_rows, acc, first, NULL, n); break;
+    case EPX_BFLOAT16: accumulate_bf16(rows, w, n_rows, acc, first, NULL, n); break;
+    case EPX_FLOAT16: accumulate_f16(rows, w, n_rows, acc, first, NULL, n); break;
+  }
+}
+
+void epx_rows_sum_store(epx_dtype_t dtype, const void *const *rows, const float *w, int32_t n_rows,
+                        void *out, int64_t n) {
+  switch (dtype) {
+    case EPX_FLOAT32: accumulate_f32(rows, w, n_rows, NULL, 1, out, n); break;
+    case EPX_BFLOAT16: accumulate_bf16(rows, w, n_rows, NULL, 1, out, n); break;
+    case EPX_FLOAT16: accumulate_f16(rows, w, n_rows, NULL, 1, out, n); break;
   }
 }
 

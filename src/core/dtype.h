@@ -114,6 +114,10 @@ void epx_row_from_f32_stream(epx_dtype_t dtype, const float *src, void *dst, int
  * written to acc; else acc += P. */
 void epx_rows_accumulate(epx_dtype_t dtype, const void *const *rows, const float *w, int32_t n_rows,
                          float *acc, int first, int64_t n);
+/* out = round(0 + sum_j w[j] * rows[j]) in the dtype, streaming stores: the
+ * same value epx_rows_accumulate then epx_row_from_f32 give, in one pass. */
+void epx_rows_sum_store(epx_dtype_t dtype, const void *const *rows, const float *w, int32_t n_rows,
+                        void *out, int64_t n);
 /* <a, b> in float32, in a fixed order (same result wherever it runs) */
 float epx_row_dot(epx_dtype_t dtype, const void *a, const void *b, int64_t n);
 

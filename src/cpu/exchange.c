@@ -570,6 +570,14 @@ static void combine_token(const token_pass_t *c, int64_t t, int64_t *cursor, flo
   int first = 1;
   if (c->grad_w)
     for (int32_t k = 0; k < K; k++) c->grad_w[t * K + k] = 0.0f;
+  /* A token whose routes all sit on one rank (always, with one rank) is one
+   * group: out = round(0 + P) in a single pass. */
+  int32_t only_rank = -1;
+  for (int32_t k = 0; k < K; k++) {
+    if (idx[k] < 0) continue;
+    int32_t r = idx[k] / p->E_local;
+    only_rank = only_rank == -1 || only_rank == r ? r : -2;
+  }
   for (int32_t r = 0; r < p->W; r++) {
     int32_t n = 0;
     for (int32_t k = 0; k < K; k++) {
@@ -587,11 +595,16 @@ static void combine_token(const token_pass_t *c, int64_t t, int64_t *cursor, flo
       if (c->grad_w) c->grad_w[t * K + k] = epx_row_dot(p->dtype, row, x, H);
     }
     if (n == 0) continue;
-    if (r != self && c->mode == RETURN_PARTIAL)
+    const float *weights = c->weighted && c->mode != RETURN_PAIRS ? group_w : NULL;
+    void *out_row = (char *)c->out + (size_t)t * p->row_bytes;
+    if (r != self && c->mode == RETURN_PARTIAL) {
       epx_rows_accumulate(EPX_FLOAT32, group_rows, NULL, 1, acc, first, H);
-    else
-      epx_rows_accumulate(p->dtype, group_rows, c->weighted && c->mode != RETURN_PAIRS ? group_w : NULL, n,
-                          acc, first, H);
+    } else if (only_rank == r) {
+      epx_rows_sum_store(p->dtype, group_rows, weights, n, out_row, H);
+      return;
+    } else {
+      epx_rows_accumulate(p->dtype, group_rows, weights, n, acc, first, H);
+    }
     first = 0;
   }
   if (first) memset(acc, 0, (size_t)H * sizeof(float));
