@@ -29,6 +29,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -72,11 +73,19 @@ static void fatal(const char *fmt, ...) {
       fatal("%s failed: %s: %s", #call, epx_status_string(try_status_), epx_last_error()); \
   } while (0)
 
-/* 64-byte aligned (the payload contract asks for 16), never NULL. */
+/* 64-byte aligned (the payload contract asks for 16), never NULL. Large
+ * tensors are 2 MiB aligned and asked to live on huge pages, as a serving or
+ * training engine's allocator would: rows are read in scattered order, and
+ * with 4 KiB pages nearly every row costs a TLB miss (measured here: f32
+ * combine 22 -> 15 ms at T=8192, H=2048, K=3). The memcpy ceiling uses the
+ * same allocator, so the ratios compare like with like. */
 static void *xalloc(size_t bytes) {
-  size_t rounded = (bytes + 63) / 64 * 64;
-  void *p = aligned_alloc(64, rounded ? rounded : 64);
+  const size_t huge = (size_t)2 << 20;
+  size_t alignment = bytes >= huge ? huge : 64;
+  size_t rounded = (bytes + alignment - 1) / alignment * alignment;
+  void *p = aligned_alloc(alignment, rounded ? rounded : 64);
   if (!p) fatal("out of memory allocating %zu bytes", bytes);
+  if (alignment == huge) madvise(p, rounded, MADV_HUGEPAGE);
   return p;
 }
 
