@@ -6,6 +6,10 @@
 
 #include "epx.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 /* Formats the thread-local message and returns status (so a check reads
  * `return epx_error(EPX_ERROR_INVALID_ARGUMENT, "epx_route: ...")`). */
 epx_status_t epx_error(epx_status_t status, const char *format, ...)
@@ -34,5 +38,9 @@ void epx_error_clear(void);
   do {                                                                         \
     if (!(cond)) return epx_error(EPX_ERROR_INVALID_ARGUMENT, __VA_ARGS__);    \
   } while (0)
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

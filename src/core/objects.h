@@ -8,6 +8,10 @@
 
 #include "epx.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 struct epx_cpu_plan;
 struct epx_cpu_scratch;
 
@@ -37,5 +41,9 @@ struct epx_handle {
 
 /* FNV-1a of the routing's expert ids (a [T, K] int32 array). */
 uint64_t epx_hash_topk(const int32_t *topk_idx, int64_t count);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif
