@@ -71,22 +71,6 @@ void epx_row_add(epx_dtype_t dtype, const void *src, float *acc, int64_t n) {
   }
 }
 
-void epx_row_scale(epx_dtype_t dtype, const void *src, float w, void *dst, int64_t n) {
-  if (dtype == EPX_FLOAT32) {
-    const float *s = src;
-    float *d = dst;
-    for (int64_t i = 0; i < n; i++) d[i] = w * s[i];
-  } else if (dtype == EPX_BFLOAT16) {
-    const uint16_t *s = src;
-    uint16_t *d = dst;
-    for (int64_t i = 0; i < n; i++) d[i] = epx_f32_to_bf16(w * epx_bf16_to_f32(s[i]));
-  } else {
-    const uint16_t *s = src;
-    uint16_t *d = dst;
-    for (int64_t i = 0; i < n; i++) d[i] = epx_f32_to_f16(w * epx_f16_to_f32(s[i]));
-  }
-}
-
 void epx_row_copy_stream(void *dst, const void *src, size_t bytes) {
 #if EPX_HAVE_STREAM
   __m128i *d = dst;
@@ -186,6 +170,23 @@ static inline void accumulate_rows(epx_dtype_t dtype, const void *const *rows, c
 #else
 #define EPX_MULTIVERSION
 #endif
+
+#define DEFINE_SCALE(name, TYPE, TO_F32, FROM_F32)                                     \
+  EPX_MULTIVERSION static void name(const TYPE *s, float w, TYPE *d, int64_t n) {        \
+    for (int64_t i = 0; i < n; i++) d[i] = FROM_F32(w * TO_F32(s[i]));                   \
+  }
+#define IDENTITY(x) (x)
+DEFINE_SCALE(scale_f32, float, IDENTITY, IDENTITY)
+DEFINE_SCALE(scale_bf16, uint16_t, epx_bf16_to_f32, epx_f32_to_bf16)
+DEFINE_SCALE(scale_f16, uint16_t, epx_f16_to_f32, epx_f32_to_f16)
+
+void epx_row_scale(epx_dtype_t dtype, const void *src, float w, void *dst, int64_t n) {
+  switch (dtype) {
+    case EPX_BFLOAT16: scale_bf16(src, w, dst, n); break;
+    case EPX_FLOAT16: scale_f16(src, w, dst, n); break;
+    default: scale_f32(src, w, dst, n); break;
+  }
+}
 
 /* acc = P (first), acc += P, or — with store — store = round(0 + P) in the
  * dtype with streaming stores, block by block (one pass, nothing else

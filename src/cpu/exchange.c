@@ -780,20 +780,24 @@ epx_status_t epx_cpu_combine_backward(epx_buffer_t b, epx_handle_t h, const void
                                       p->route_count, p->route_displ, sizeof(float)));
   if (W > 64) cursor = malloc(sizeof(int64_t) * (size_t)W);
   if (!cursor) EPX_FAIL(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
-  for (int32_t r = 0; r < W; r++) cursor[r] = p->route_displ[r];
+  /* Local routes' dots (independent per token), then the returned ones in
+   * token order through the per-rank cursors. */
+#pragma omp parallel for schedule(static) if (split_tokens(p))
   for (int64_t t = 0; t < p->T; t++) {
     const char *g = (const char *)grad_out + (size_t)t * p->row_bytes;
     for (int32_t k = 0; k < K; k++) {
-      int32_t e = p->topk_idx[t * K + k];
-      float value = 0.0f;
-      if (e >= 0) {
-        int32_t r = e / p->E_local;
-        value = r == p->rank ? epx_row_dot(p->dtype, g, (const char *)expert_out + (size_t)p->self_row[t * K + k] * p->row_bytes, p->H)
-                             : home[cursor[r]++];
-      }
-      grad_w[t * K + k] = value;
+      int32_t row = p->self_row[t * K + k];
+      grad_w[t * K + k] =
+          row >= 0 ? epx_row_dot(p->dtype, g, (const char *)expert_out + (size_t)row * p->row_bytes, p->H) : 0.0f;
     }
   }
+  for (int32_t r = 0; r < W; r++) cursor[r] = p->route_displ[r];
+  if (W > 1)
+    for (int64_t t = 0; t < p->T; t++)
+      for (int32_t k = 0; k < K; k++) {
+        int32_t e = p->topk_idx[t * K + k];
+        if (e >= 0 && e / p->E_local != p->rank) grad_w[t * K + k] = home[cursor[e / p->E_local]++];
+      }
 fail:
   if (cursor != cursor_stack) free(cursor);
   free(back);
