@@ -124,8 +124,8 @@ void epx_row_scale_stream(epx_dtype_t dtype, const void *src, float w, void *dst
 }
 
 /* block[i] = (((block[i] + w0*r0[i]) + w1*r1[i]) + ...) for up to four rows
- * per pass: the same order as one row at a time, a quarter of the traffic
- * through block. */
+ * per pass (three when three are left): the same order as one row at a time,
+ * a fraction of the traffic through block. */
 #define LOAD(dtype, row, i)                                                             \
   ((dtype) == EPX_FLOAT32    ? ((const float *)(row))[i]                                \
    : (dtype) == EPX_BFLOAT16 ? epx_bf16_to_f32(((const uint16_t *)(row))[i])            \
@@ -144,6 +144,17 @@ static inline void accumulate_rows(epx_dtype_t dtype, const void *const *rows, c
     else
       for (int64_t i = 0; i < m; i++)
         block[i] = (((block[i] + LOAD(dtype, r0, i)) + LOAD(dtype, r1, i)) + LOAD(dtype, r2, i)) + LOAD(dtype, r3, i);
+  }
+  if (n_rows - j == 3) {
+    const void *r0 = rows[j], *r1 = rows[j + 1], *r2 = rows[j + 2];
+    float w0 = w ? w[j] : 1.0f, w1 = w ? w[j + 1] : 1.0f, w2 = w ? w[j + 2] : 1.0f;
+    if (w)
+      for (int64_t i = 0; i < m; i++)
+        block[i] = ((block[i] + w0 * LOAD(dtype, r0, i)) + w1 * LOAD(dtype, r1, i)) + w2 * LOAD(dtype, r2, i);
+    else
+      for (int64_t i = 0; i < m; i++)
+        block[i] = ((block[i] + LOAD(dtype, r0, i)) + LOAD(dtype, r1, i)) + LOAD(dtype, r2, i);
+    return;
   }
   for (; j + 2 <= n_rows; j += 2) {
     const void *r0 = rows[j], *r1 = rows[j + 1];
