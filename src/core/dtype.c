@@ -199,6 +199,42 @@ void epx_row_scale(epx_dtype_t dtype, const void *src, float w, void *dst, int64
   }
 }
 
+/* block[i] = 0 + w0*r0[i] + ... in row order for 1 to 4 rows, written once
+ * (no zeroing pass, no read of block): the values accumulate_rows gives from
+ * a zeroed block. */
+static inline void sum_rows_once(epx_dtype_t dtype, const void *const *rows, const float *w,
+                                 int32_t n_rows, float *restrict block, int64_t m) {
+  const void *r0 = rows[0], *r1 = n_rows > 1 ? rows[1] : r0, *r2 = n_rows > 2 ? rows[2] : r0,
+             *r3 = n_rows > 3 ? rows[3] : r0;
+  if (w) {
+    float w0 = w[0], w1 = n_rows > 1 ? w[1] : 0.0f, w2 = n_rows > 2 ? w[2] : 0.0f, w3 = n_rows > 3 ? w[3] : 0.0f;
+    switch (n_rows) {
+      case 1: for (int64_t i = 0; i < m; i++) block[i] = 0.0f + w0 * LOAD(dtype, r0, i); break;
+      case 2: for (int64_t i = 0; i < m; i++) block[i] = (0.0f + w0 * LOAD(dtype, r0, i)) + w1 * LOAD(dtype, r1, i); break;
+      case 3:
+        for (int64_t i = 0; i < m; i++)
+          block[i] = ((0.0f + w0 * LOAD(dtype, r0, i)) + w1 * LOAD(dtype, r1, i)) + w2 * LOAD(dtype, r2, i);
+        break;
+      default:
+        for (int64_t i = 0; i < m; i++)
+          block[i] = (((0.0f + w0 * LOAD(dtype, r0, i)) + w1 * LOAD(dtype, r1, i)) + w2 * LOAD(dtype, r2, i)) +
+                     w3 * LOAD(dtype, r3, i);
+    }
+  } else {
+    switch (n_rows) {
+      case 1: for (int64_t i = 0; i < m; i++) block[i] = 0.0f + LOAD(dtype, r0, i); break;
+      case 2: for (int64_t i = 0; i < m; i++) block[i] = (0.0f + LOAD(dtype, r0, i)) + LOAD(dtype, r1, i); break;
+      case 3:
+        for (int64_t i = 0; i < m; i++)
+          block[i] = ((0.0f + LOAD(dtype, r0, i)) + LOAD(dtype, r1, i)) + LOAD(dtype, r2, i);
+        break;
+      default:
+        for (int64_t i = 0; i < m; i++)
+          block[i] = (((0.0f + LOAD(dtype, r0, i)) + LOAD(dtype, r1, i)) + LOAD(dtype, r2, i)) + LOAD(dtype, r3, i);
+    }
+  }
+}
+
 /* acc = P (first), acc += P, or — with store — store = round(0 + P) in the
  * dtype with streaming stores, block by block (one pass, nothing else
  * written). */
@@ -209,13 +245,20 @@ void epx_row_scale(epx_dtype_t dtype, const void *src, float w, void *dst, int64
     _Alignas(64) uint16_t half[BLOCK];                                                        \
     for (int64_t i0 = 0; i0 < n; i0 += BLOCK) {                                               \
       int64_t m = n - i0 < BLOCK ? n - i0 : BLOCK;                                            \
-      const void *shifted[4];                                                                 \
+      const void *shifted[4] = {NULL, NULL, NULL, NULL};                                      \
+      if (store && n_rows <= 4) {                                                             \
+        /* the common case (a token's routes on one rank, K <= 4): one pass */                \
+        for (int32_t j = 0; j < n_rows; j++)                                                  \
+          shifted[j] = (const char *)rows[j] + (size_t)i0 * epx_dtype_size(DTYPE);            \
+        sum_rows_once(DTYPE, shifted, w, n_rows, block, m);                                   \
+      } else {                                                                                \
       for (int64_t i = 0; i < m; i++) block[i] = 0.0f;                                        \
       for (int32_t j0 = 0; j0 < n_rows; j0 += 4) {                                            \
         int32_t count = n_rows - j0 < 4 ? n_rows - j0 : 4;                                    \
         for (int32_t j = 0; j < count; j++)                                                   \
           shifted[j] = (const char *)rows[j0 + j] + (size_t)i0 * epx_dtype_size(DTYPE);       \
         accumulate_rows(DTYPE, shifted, w ? w + j0 : NULL, count, block, m);                  \
+      }                                                                                       \
       }                                                                                       \
       if (store) {                                                                            \
         if (DTYPE == EPX_FLOAT32) {                                                           \
