@@ -798,12 +798,12 @@ static void test_dedup_equals_collective(void **state) {
     }
 }
 
-/* Large enough (T * H >= 64K) that one rank splits its tokens over threads:
+/* Large enough (T * H >= 1M) that one rank splits its tokens over threads:
  * the same checks, on the parallel path. */
 static void test_large_batch(void **state) {
   (void)state;
   tu_rng_t rng = {0x5eed000a};
-  const int64_t T = 520, H = 128;
+  const int64_t T = 260, H = 4096;
   const int32_t E = 8, K = 2;
   routing_t r = routing_random(&rng, T, E, K, 0.7);
   routing_locate_dropless(&r);
@@ -811,7 +811,7 @@ static void test_large_batch(void **state) {
   check_case(&rng, &r, &em);
   case_t rm = {EPX_FLOAT16, EPX_LAYOUT_RANK_MAJOR, 1, EPX_WEIGHTS_NONE, 1, H};
   check_case(&rng, &r, &rm);
-  routing_locate_capacity(&rng, &r, 150);
+  routing_locate_capacity(&rng, &r, 50);
   case_t cap = {EPX_FLOAT32, EPX_LAYOUT_CAPACITY, 1, EPX_WEIGHTS_IN_DISPATCH, 1, H};
   check_case(&rng, &r, &cap);
   routing_free(&r);
