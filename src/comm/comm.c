@@ -79,6 +79,23 @@ epx_status_t epx_comm_create_local(epx_local_world_t world, int32_t rank, epx_co
   return EPX_SUCCESS;
 }
 
+epx_status_t epx_comm_config_timeout(const char *caller, const epx_comm_config_t *config,
+                                     double *timeout_seconds) {
+  const epx_comm_config_t defaults = EPX_COMM_CONFIG_INIT;
+  if (!config) config = &defaults;
+  EPX_REQUIRE(config->struct_size == sizeof(epx_comm_config_t),
+              "%s: config->struct_size is %u, expected %zu; start from EPX_COMM_CONFIG_INIT",
+              caller, (unsigned)config->struct_size, sizeof(epx_comm_config_t));
+  EPX_REQUIRE(config->version == EPX_CONFIG_VERSION,
+              "%s: config->version is %u, expected %d; start from EPX_COMM_CONFIG_INIT", caller,
+              (unsigned)config->version, EPX_CONFIG_VERSION);
+  EPX_REQUIRE(!isnan(config->timeout_seconds),
+              "%s: config->timeout_seconds is NaN; pass seconds (> 0) or <= 0 to wait forever",
+              caller);
+  *timeout_seconds = config->timeout_seconds;
+  return EPX_SUCCESS;
+}
+
 epx_status_t epx_comm_create_mpi(const void *mpi_comm, const epx_comm_config_t *config,
                                  epx_comm_t *comm) {
   epx_error_clear();
@@ -86,22 +103,12 @@ epx_status_t epx_comm_create_mpi(const void *mpi_comm, const epx_comm_config_t *
   EPX_REQUIRE(mpi_comm,
               "epx_comm_create_mpi: mpi_comm is NULL; pass the address of an MPI_Comm "
               "variable (MPI_Comm world = MPI_COMM_WORLD; ... &world)");
-  const epx_comm_config_t defaults = EPX_COMM_CONFIG_INIT;
-  if (!config) config = &defaults;
-  EPX_REQUIRE(config->struct_size == sizeof(epx_comm_config_t),
-              "epx_comm_create_mpi: config->struct_size is %u, expected %zu; start from "
-              "EPX_COMM_CONFIG_INIT",
-              (unsigned)config->struct_size, sizeof(epx_comm_config_t));
-  EPX_REQUIRE(config->version == EPX_CONFIG_VERSION,
-              "epx_comm_create_mpi: config->version is %u, expected %d; start from "
-              "EPX_COMM_CONFIG_INIT",
-              (unsigned)config->version, EPX_CONFIG_VERSION);
-  EPX_REQUIRE(!isnan(config->timeout_seconds),
-              "epx_comm_create_mpi: config->timeout_seconds is NaN; pass seconds (> 0) or "
-              "<= 0 to wait forever");
+  double timeout_seconds;
+  epx_status_t checked = epx_comm_config_timeout("epx_comm_create_mpi", config, &timeout_seconds);
+  if (checked != EPX_SUCCESS) return checked;
 #if EPX_HAVE_MPI
   epx_comm_t created = NULL;
-  epx_status_t status = comm_new("epx_comm_create_mpi", config->timeout_seconds, &created);
+  epx_status_t status = comm_new("epx_comm_create_mpi", timeout_seconds, &created);
   if (status != EPX_SUCCESS) return status;
   status = epx_comm_init_mpi(created, mpi_comm);
   if (status != EPX_SUCCESS) {

@@ -57,6 +57,10 @@ epx_status_t epx_comm_init_self(epx_comm_t comm);
 epx_status_t epx_comm_init_local(epx_comm_t comm, epx_local_world_t world, int32_t rank);
 epx_status_t epx_comm_init_mpi(epx_comm_t comm, const void *mpi_comm);
 
+/* Checks a comm config (NULL = defaults) and gives its timeout. */
+epx_status_t epx_comm_config_timeout(const char *caller, const epx_comm_config_t *config,
+                                     double *timeout_seconds);
+
 /* Returns EPX_ERROR_PEER_FAILED with a message if the comm has failed. */
 epx_status_t epx_comm_check_alive(epx_comm_t comm, const char *caller);
 

@@ -24,7 +24,6 @@
  * release is their own memcpy, and returning early would let a sender free a
  * buffer that a peer is still reading. */
 #include <errno.h>
-#include <math.h>
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -414,27 +413,16 @@ epx_status_t epx_local_world_create(int32_t world_size, const epx_comm_config_t 
   EPX_REQUIRE(world_size >= 1,
               "epx_local_world_create: world_size is %d; pass the number of ranks (>= 1)",
               world_size);
-  const epx_comm_config_t defaults = EPX_COMM_CONFIG_INIT;
-  if (!config) config = &defaults;
-  EPX_REQUIRE(config->struct_size == sizeof(epx_comm_config_t),
-              "epx_local_world_create: config->struct_size is %u, expected %zu; start from "
-              "EPX_COMM_CONFIG_INIT",
-              (unsigned)config->struct_size, sizeof(epx_comm_config_t));
-  EPX_REQUIRE(config->version == EPX_CONFIG_VERSION,
-              "epx_local_world_create: config->version is %u, expected %d; start from "
-              "EPX_COMM_CONFIG_INIT",
-              (unsigned)config->version, EPX_CONFIG_VERSION);
-  EPX_REQUIRE(!isnan(config->timeout_seconds),
-              "epx_local_world_create: config->timeout_seconds is NaN; pass seconds (> 0) or "
-              "<= 0 to wait forever");
+  double timeout_seconds;
+  epx_status_t status = epx_comm_config_timeout("epx_local_world_create", config, &timeout_seconds);
+  if (status != EPX_SUCCESS) return status;
 
-  epx_status_t status = EPX_SUCCESS;
   int lock_ready = 0, cond_ready = 0;
   pthread_condattr_t attr;
   epx_local_world_t created = calloc(1, sizeof *created);
   if (!created) EPX_FAIL(EPX_ERROR_OUT_OF_MEMORY, "epx_local_world_create: out of memory");
   created->size = world_size;
-  created->timeout_seconds = config->timeout_seconds;
+  created->timeout_seconds = timeout_seconds;
   created->slots = calloc((size_t)world_size, sizeof *created->slots);
   if (!created->slots)
     EPX_FAIL(EPX_ERROR_OUT_OF_MEMORY, "epx_local_world_create: out of memory for %d ranks",
