@@ -24,6 +24,7 @@
  * release is their own memcpy, and returning early would let a sender free a
  * buffer that a peer is still reading. */
 #include <errno.h>
+#include <math.h>
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
