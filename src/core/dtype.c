@@ -45,32 +45,6 @@ void epx_row_from_f32(epx_dtype_t dtype, const float *src, void *dst, int64_t n)
   }
 }
 
-void epx_row_axpy(epx_dtype_t dtype, const void *src, float w, float *acc, int64_t n) {
-  if (dtype == EPX_FLOAT32) {
-    const float *s = src;
-    for (int64_t i = 0; i < n; i++) acc[i] += w * s[i];
-  } else if (dtype == EPX_BFLOAT16) {
-    const uint16_t *s = src;
-    for (int64_t i = 0; i < n; i++) acc[i] += w * epx_bf16_to_f32(s[i]);
-  } else {
-    const uint16_t *s = src;
-    for (int64_t i = 0; i < n; i++) acc[i] += w * epx_f16_to_f32(s[i]);
-  }
-}
-
-void epx_row_add(epx_dtype_t dtype, const void *src, float *acc, int64_t n) {
-  if (dtype == EPX_FLOAT32) {
-    const float *s = src;
-    for (int64_t i = 0; i < n; i++) acc[i] += s[i];
-  } else if (dtype == EPX_BFLOAT16) {
-    const uint16_t *s = src;
-    for (int64_t i = 0; i < n; i++) acc[i] += epx_bf16_to_f32(s[i]);
-  } else {
-    const uint16_t *s = src;
-    for (int64_t i = 0; i < n; i++) acc[i] += epx_f16_to_f32(s[i]);
-  }
-}
-
 void epx_row_copy_stream(void *dst, const void *src, size_t bytes) {
 #if EPX_HAVE_STREAM
   __m128i *d = dst;
@@ -113,15 +87,6 @@ void epx_row_from_f32_stream(epx_dtype_t dtype, const float *src, void *dst, int
   }
 }
 
-void epx_row_scale_stream(epx_dtype_t dtype, const void *src, float w, void *dst, int64_t n) {
-  size_t esize = epx_dtype_size(dtype);
-  _Alignas(64) float block[BLOCK];
-  for (int64_t i0 = 0; i0 < n; i0 += BLOCK) {
-    int64_t m = n - i0 < BLOCK ? n - i0 : BLOCK;
-    epx_row_scale(dtype, (const char *)src + (size_t)i0 * esize, w, block, m);
-    epx_row_copy_stream((char *)dst + (size_t)i0 * esize, block, (size_t)m * esize);
-  }
-}
 
 /* block[i] = (((block[i] + w0*r0[i]) + w1*r1[i]) + ...) for up to four rows
  * per pass (three when three are left): the same order as one row at a time,
@@ -191,11 +156,21 @@ DEFINE_SCALE(scale_f32, float, IDENTITY, IDENTITY)
 DEFINE_SCALE(scale_bf16, uint16_t, epx_bf16_to_f32, epx_f32_to_bf16)
 DEFINE_SCALE(scale_f16, uint16_t, epx_f16_to_f32, epx_f32_to_f16)
 
-void epx_row_scale(epx_dtype_t dtype, const void *src, float w, void *dst, int64_t n) {
+static void row_scale(epx_dtype_t dtype, const void *src, float w, void *dst, int64_t n) {
   switch (dtype) {
     case EPX_BFLOAT16: scale_bf16(src, w, dst, n); break;
     case EPX_FLOAT16: scale_f16(src, w, dst, n); break;
     default: scale_f32(src, w, dst, n); break;
+  }
+}
+
+void epx_row_scale_stream(epx_dtype_t dtype, const void *src, float w, void *dst, int64_t n) {
+  size_t esize = epx_dtype_size(dtype);
+  _Alignas(64) float block[BLOCK];
+  for (int64_t i0 = 0; i0 < n; i0 += BLOCK) {
+    int64_t m = n - i0 < BLOCK ? n - i0 : BLOCK;
+    row_scale(dtype, (const char *)src + (size_t)i0 * esize, w, block, m);
+    epx_row_copy_stream((char *)dst + (size_t)i0 * esize, block, (size_t)m * esize);
   }
 }
 

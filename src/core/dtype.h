@@ -93,12 +93,6 @@ static inline void epx_store(epx_dtype_t dtype, void *row, int64_t i, float v) {
 /* Row kernels (src/core/dtype.c); n elements each. */
 void epx_row_to_f32(epx_dtype_t dtype, const void *src, float *dst, int64_t n);
 void epx_row_from_f32(epx_dtype_t dtype, const float *src, void *dst, int64_t n);
-/* acc[i] += w * src[i], in float32 */
-void epx_row_axpy(epx_dtype_t dtype, const void *src, float w, float *acc, int64_t n);
-/* acc[i] += src[i] */
-void epx_row_add(epx_dtype_t dtype, const void *src, float *acc, int64_t n);
-/* dst = round(w * src) (dst and src may be the same) */
-void epx_row_scale(epx_dtype_t dtype, const void *src, float w, void *dst, int64_t n);
 /* Copies a row with stores that bypass the cache where the CPU has them
  * (x86-64 SSE2): the destination is not read first, which halves the memory
  * traffic of scattered row writes. dst and src 16-byte aligned, bytes a
