@@ -1178,6 +1178,53 @@ static void timed_begin(const world_t *w, double *t0) {
   *t0 = now_s();
 }
 
+/* Activation-checkpoint recompute, as a checkpointed block does it: the
+ * forward's dispatch is recorded, the recompute replays it (no layout, no
+ * count exchange: a cached dispatch), and the rows must equal the forward's
+ * bit for bit. Prints the best of five of a full layout + dispatch and of a
+ * replayed one, and what the recorder keeps against the received rows it
+ * lets the block drop. */
+static int recompute_check(const world_t *w, epx_buffer_t buf, const epx_routing_t *routing, const void *x,
+                           const void *recv_x, int64_t N, size_t row_bytes, const char *exchange) {
+  enum { REPEATS = 5 };
+  epx_recorder_t rec = NULL;
+  epx_handle_t h = NULL;
+  void *rows = xalloc(row_bytes * (size_t)(N + 1));
+  memset(rows, 0, row_bytes * (size_t)(N + 1)); /* first-touch page faults out of the timing */
+  double best[2] = {1e30, 1e30}, t0;
+  TRY(epx_recorder_create(1, &rec));
+  TRY(epx_dispatch_layout(buf, routing, rec, &h)); /* the forward's record */
+  TRY(epx_handle_release(h));
+  for (int r = 0; r < REPEATS; r++) {
+    timed_begin(w, &t0);
+    TRY(epx_dispatch_layout(buf, routing, NULL, &h));
+    TRY(epx_dispatch(buf, h, x, rows, N + 1));
+    best[0] = fmin(best[0], now_s() - t0);
+    TRY(epx_handle_release(h));
+    TRY(epx_recorder_set_mode(rec, EPX_RECORDER_REPLAY)); /* rewinds to the first record */
+    timed_begin(w, &t0);
+    TRY(epx_dispatch_layout(buf, routing, rec, &h));
+    TRY(epx_dispatch(buf, h, x, rows, N + 1));
+    best[1] = fmin(best[1], now_s() - t0);
+    TRY(epx_handle_release(h));
+  }
+  int64_t bad[1] = {memcmp(rows, recv_x, row_bytes * (size_t)N) != 0};
+  epx_recorder_stats_t st;
+  TRY(epx_recorder_stats(rec, &st));
+  int64_t bytes[2] = {st.bytes_held, st.bytes_avoided};
+  world_max_f64(w, best, 2);
+  world_sum_i64(w, bad, 1);
+  world_sum_i64(w, bytes, 2);
+  if (w->rank == 0)
+    printf("recompute %-10s layout+dispatch %.3f ms, replayed from the recorder %.3f ms (%.2fx); recorder "
+           "holds %.2f MB, avoids keeping %.1f MB of received rows; rows %s\n",
+           exchange, best[0] * 1e3, best[1] * 1e3, best[0] / best[1], bytes[0] / 1e6, bytes[1] / 1e6,
+           bad[0] ? "DIFFER" : "bit-identical");
+  TRY(epx_recorder_destroy(rec));
+  free(rows);
+  return bad[0] == 0;
+}
+
 static void main_job_rank(job_t *job, const world_t *w, epx_comm_t comm) {
   const options_t *o = job->o;
   const int64_t T = o->tokens, H = o->hidden;
@@ -1188,6 +1235,7 @@ static void main_job_rank(job_t *job, const world_t *w, epx_comm_t comm) {
   const int rank_major = layout == EPX_LAYOUT_RANK_MAJOR;
   const int n_exch = o->exchange == CHOOSE_BOTH ? 2 : 1;
   const int steps = o->warmup + o->iters;
+  int recompute_failed = 0; /* the recorder's replayed rows differed on this rank */
   progress_t prog = {now_s(), 0.0};
 
   double memcpy_gbps = measure_memcpy(w, (size_t)64 << 20, 5);
@@ -1299,6 +1347,9 @@ static void main_job_rank(job_t *job, const world_t *w, epx_comm_t comm) {
       timed_begin(w, &t0);
       TRY(epx_dispatch(buf, h, x, recv_x, N + 1));
       ph[PH_DISPATCH] = now_s() - t0;
+
+      if (last && !recompute_check(w, buf, &routing, x, recv_x, N, es * (size_t)H, exchange_name(run->exchange)))
+        recompute_failed = 1;
 
       re.flops_fwd = re.flops_bwd = 0.0;
       timed_begin(w, &t0);
@@ -1541,6 +1592,7 @@ static void main_job_rank(job_t *job, const world_t *w, epx_comm_t comm) {
     free(ref.grad_w);
     free(ref.grad_logits);
   }
+  ok &= !recompute_failed;
   if (w->rank == 0) job->ok = ok;
 
   for (int xi = 0; xi < n_exch; xi++) {
