@@ -312,7 +312,11 @@ typedef struct epx_buffer_config {
   int32_t capacity;           /* C per (expert, source rank), capacity layout only */
   /* CUDA: size outputs for the worst case so that neither dispatch_layout nor
    * dispatch synchronises the host (graph capturable); the valid row count is
-   * then read with epx_handle_recv_rows_device. */
+   * then read with epx_handle_recv_rows_device. Routing values are then
+   * checked on the device without waiting: an invalid route (bad expert id,
+   * duplicate, bad capacity location) is dropped (treated as -1), and the
+   * next epx_handle_recv_rows (which synchronises) reports it as
+   * EPX_ERROR_INVALID_ARGUMENT. */
   int32_t worst_case_sizing;
   void *stream;               /* cudaStream_t for EPX_DEVICE_CUDA */
 } epx_buffer_config_t;
