@@ -402,6 +402,16 @@ epx_status_t epx_combine_backward(epx_buffer_t buffer, epx_handle_t handle,
                                   const void *grad_out, const void *expert_out,
                                   void *grad_expert_out, float *grad_w);
 
+/* Gradient of routing weights that the expert applied itself (collective):
+ * with EPX_WEIGHTS_NONE — always so in the rank-major layout — the expert
+ * multiplies its rows by epx_handle_recv_routing's recv_w and computes their
+ * gradient, grad_recv_w, in the same shape as recv_w ([N], or [N, K] for
+ * rank-major). This brings each route's value home: grad_w [T, K] gets it at
+ * the route's source slot, 0 for slots without a route. Use it so the router
+ * learns when the weights are applied outside the library. */
+epx_status_t epx_weights_backward(epx_buffer_t buffer, epx_handle_t handle, const float *grad_recv_w,
+                                  float *grad_w);
+
 /* Row count N of the handle's recv layout (host value). On CUDA with
  * worst_case_sizing this synchronises the stream. */
 epx_status_t epx_handle_recv_rows(epx_handle_t handle, int64_t *rows);

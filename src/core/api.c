@@ -673,3 +673,25 @@ epx_status_t epx_combine_backward(epx_buffer_t buffer, epx_handle_t handle, cons
   if (status != EPX_SUCCESS) return status;
   return epx_cpu_combine_backward(buffer, handle, grad_out, expert_out, grad_expert_out, grad_w);
 }
+
+epx_status_t epx_weights_backward(epx_buffer_t buffer, epx_handle_t handle, const float *grad_recv_w,
+                                  float *grad_w) {
+  const char *fn = "epx_weights_backward";
+  epx_status_t status = begin_payload(buffer, handle, fn);
+  if (status != EPX_SUCCESS) return status;
+  epx_status_t local = EPX_SUCCESS;
+  if (handle->recv_rows > 0 && !grad_recv_w)
+    local = epx_error(EPX_ERROR_INVALID_ARGUMENT,
+                      "%s: grad_recv_w is NULL; pass the gradient of epx_handle_recv_routing's recv_w "
+                      "([recv_rows], or [recv_rows, top_k] for the rank-major layout)", fn);
+  else if (handle->num_tokens > 0 && !grad_w)
+    local = epx_error(EPX_ERROR_INVALID_ARGUMENT, "%s: grad_w is NULL; pass a [num_tokens, top_k] float array", fn);
+  else if (!is_aligned(grad_recv_w, 4) || !is_aligned(grad_w, 4))
+    local = epx_error(EPX_ERROR_INVALID_ARGUMENT, "%s: %s is not 4-byte aligned", fn,
+                      is_aligned(grad_w, 4) ? "grad_recv_w" : "grad_w");
+  if (buffer->config.device == EPX_DEVICE_CUDA)
+    return local != EPX_SUCCESS ? local : epx_cuda_weights_backward(buffer, handle, grad_recv_w, grad_w);
+  status = agree(buffer, local, fn);
+  if (status != EPX_SUCCESS) return status;
+  return epx_cpu_weights_backward(buffer, handle, grad_recv_w, grad_w);
+}

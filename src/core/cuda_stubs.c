@@ -49,6 +49,10 @@ epx_status_t epx_cuda_combine_backward(epx_buffer_t b, epx_handle_t h, const voi
   (void)b, (void)h, (void)g, (void)e, (void)ge, (void)gw;
   return EPX_NO_CUDA("epx_combine_backward");
 }
+epx_status_t epx_cuda_weights_backward(epx_buffer_t b, epx_handle_t h, const float *g, float *gw) {
+  (void)b, (void)h, (void)g, (void)gw;
+  return EPX_NO_CUDA("epx_weights_backward");
+}
 epx_status_t epx_cuda_handle_recv_rows(epx_handle_t h, int64_t *r) {
   (void)h, (void)r;
   return EPX_NO_CUDA("epx_handle_recv_rows");

@@ -26,6 +26,8 @@ epx_status_t epx_cpu_dispatch_backward(epx_buffer_t buffer, epx_handle_t handle,
 epx_status_t epx_cpu_combine_backward(epx_buffer_t buffer, epx_handle_t handle,
                                       const void *grad_out, const void *expert_out,
                                       void *grad_expert_out, float *grad_w);
+epx_status_t epx_cpu_weights_backward(epx_buffer_t buffer, epx_handle_t handle, const float *grad_recv_w,
+                                      float *grad_w);
 epx_status_t epx_cpu_handle_expert_counts(epx_handle_t handle, int64_t *counts, int64_t *offsets);
 epx_status_t epx_cpu_handle_recv_routing(epx_handle_t handle, int32_t *recv_expert, float *recv_w);
 epx_status_t epx_cpu_handle_recv_source(epx_handle_t handle, int32_t *src_rank, int32_t *src_token);

@@ -71,6 +71,7 @@ struct epx_cpu_plan {
   int64_t *rpair_entry;  /* [P + 1] entries of pair p */
   int64_t *entry_row;    /* [M] layout row of each remote entry */
   float *entry_weight;   /* [M] */
+  int32_t *entry_slot;   /* [M] the route's k-slot at its source */
   /* The receive layout: */
   int64_t N;
   int64_t *expert_counts;  /* [E_local] rows before padding */
@@ -188,7 +189,7 @@ void epx_cpu_handle_fini(epx_handle_t handle) {
                     p->route_count, p->route_displ, p->pair_count, p->pair_displ, p->item_token,
                     p->ritem_count, p->ritem_displ, p->rroute_count, p->rroute_displ,
                     p->rpair_count, p->rpair_displ, p->ritem_entry, p->rpair_entry, p->entry_row,
-                    p->entry_weight, p->expert_counts, p->expert_offsets, p->row_src_rank,
+                    p->entry_weight, p->entry_slot, p->expert_counts, p->expert_offsets, p->row_src_rank,
                     p->row_src_token, p->row_expert, p->row_weight};
   for (size_t i = 0; i < sizeof arrays / sizeof arrays[0]; i++) free(arrays[i]);
   free(p);
@@ -318,7 +319,8 @@ epx_status_t epx_cpu_dispatch_layout(epx_buffer_t b, const epx_routing_t *r, epx
   p->ritem_entry = plan_alloc(p, (size_t)(ritems + 1) * sizeof(int64_t));
   p->entry_row = plan_alloc(p, (size_t)(remote_routes ? remote_routes : 1) * sizeof(int64_t));
   p->entry_weight = plan_alloc(p, (size_t)(remote_routes ? remote_routes : 1) * sizeof(float));
-  if (!arrivals || !p->ritem_entry || !p->entry_row || !p->entry_weight)
+  p->entry_slot = plan_alloc(p, (size_t)(remote_routes ? remote_routes : 1) * sizeof(int32_t));
+  if (!arrivals || !p->ritem_entry || !p->entry_row || !p->entry_weight || !p->entry_slot)
     EPX_FAIL(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
   int64_t a = 0, entry = 0;
   for (int32_t s = 0; s < W; s++) {
@@ -421,6 +423,7 @@ epx_status_t epx_cpu_dispatch_layout(epx_buffer_t b, const epx_routing_t *r, epx
       if (new_pair) p->rpair_entry[++rpair] = entry;
       p->entry_row[entry] = row;
       p->entry_weight[entry] = x->weight;
+      p->entry_slot[entry] = x->slot;
       entry++;
     }
   }
@@ -750,6 +753,34 @@ epx_status_t epx_cpu_dispatch_backward(epx_buffer_t b, epx_handle_t h, const voi
                        "epx_dispatch_backward");
 }
 
+/* Sends one float per remote route back to the route's source (back[j] for
+ * this rank's remote entry j) and stores each at grad_w[t, k] of the
+ * source's routes on other ranks, in token order. Local routes' values are
+ * the caller's. */
+static epx_status_t return_route_values(epx_buffer_t b, const struct epx_cpu_plan *p, const float *back,
+                                        float *grad_w, const char *fn) {
+  epx_status_t status = EPX_SUCCESS;
+  int32_t W = p->W, K = p->K;
+  if (W == 1) return EPX_SUCCESS;
+  int64_t home_count = total(p->route_count, W);
+  float *home = malloc(sizeof(float) * (size_t)(home_count ? home_count : 1));
+  int64_t cursor_stack[64];
+  int64_t *cursor = W > 64 ? malloc(sizeof(int64_t) * (size_t)W) : cursor_stack;
+  if (!home || !cursor) EPX_FAIL(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
+  EPX_CHECK(b->comm->ops->alltoallv(b->comm, fn, back, p->rroute_count, p->rroute_displ, home, p->route_count,
+                                    p->route_displ, sizeof(float)));
+  for (int32_t r = 0; r < W; r++) cursor[r] = p->route_displ[r];
+  for (int64_t t = 0; t < p->T; t++)
+    for (int32_t k = 0; k < K; k++) {
+      int32_t e = p->topk_idx[t * K + k];
+      if (e >= 0 && e / p->E_local != p->rank) grad_w[t * K + k] = home[cursor[e / p->E_local]++];
+    }
+fail:
+  if (cursor != cursor_stack) free(cursor);
+  free(home);
+  return status;
+}
+
 /* grad_expert_out(t,k) = w * grad_out[t] (a dispatch of grad_out), and the
  * weight gradient <grad_out[t], expert_out(t,k)> computed where expert_out
  * lives, then returned one float per route. */
@@ -758,32 +789,23 @@ epx_status_t epx_cpu_combine_backward(epx_buffer_t b, epx_handle_t h, const void
   const char *fn = "epx_combine_backward";
   struct epx_cpu_plan *p = h->cpu;
   epx_status_t status = EPX_SUCCESS;
-  float *back = NULL, *home = NULL;
+  float *back = NULL;
   const void **staged = NULL; /* each received grad_out row (peers' rows stay valid: they
                                  are in this same call until the exchange below) */
-  int64_t cursor_stack[64];
-  int64_t *cursor = cursor_stack;
   EPX_CHECK(move_forward(b, p, grad_out, grad_expert_out, p->weighting == EPX_WEIGHTS_IN_COMBINE, fn,
                          grad_w ? &staged : NULL));
   if (!grad_w) return EPX_SUCCESS;
-  int32_t W = p->W, K = p->K;
-  int64_t back_count = total(p->rroute_count, W), home_count = total(p->route_count, W);
+  int32_t K = p->K;
+  int64_t back_count = total(p->rroute_count, p->W);
   back = malloc(sizeof(float) * (size_t)(back_count ? back_count : 1));
-  home = malloc(sizeof(float) * (size_t)(home_count ? home_count : 1));
-  if (!back || !home) EPX_FAIL(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
-  int64_t ritems = total(p->ritem_count, W);
+  if (!back) EPX_FAIL(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
+  int64_t ritems = total(p->ritem_count, p->W);
   for (int64_t i = 0; i < ritems; i++) {
     const void *g = staged[i];
     for (int64_t j = p->ritem_entry[i]; j < p->ritem_entry[i + 1]; j++)
       back[j] = epx_row_dot(p->dtype, g, (const char *)expert_out + (size_t)p->entry_row[j] * p->row_bytes, p->H);
   }
-  if (W > 1)
-    EPX_CHECK(b->comm->ops->alltoallv(b->comm, fn, back, p->rroute_count, p->rroute_displ, home,
-                                      p->route_count, p->route_displ, sizeof(float)));
-  if (W > 64) cursor = malloc(sizeof(int64_t) * (size_t)W);
-  if (!cursor) EPX_FAIL(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
-  /* Local routes' dots (independent per token), then the returned ones in
-   * token order through the per-rank cursors. */
+  /* Local routes' dots (independent per token), then the returned ones. */
 #pragma omp parallel for schedule(static) if (split_tokens(p))
   for (int64_t t = 0; t < p->T; t++) {
     const char *g = (const char *)grad_out + (size_t)t * p->row_bytes;
@@ -793,18 +815,34 @@ epx_status_t epx_cpu_combine_backward(epx_buffer_t b, epx_handle_t h, const void
           row >= 0 ? epx_row_dot(p->dtype, g, (const char *)expert_out + (size_t)row * p->row_bytes, p->H) : 0.0f;
     }
   }
-  for (int32_t r = 0; r < W; r++) cursor[r] = p->route_displ[r];
-  if (W > 1)
-    for (int64_t t = 0; t < p->T; t++)
-      for (int32_t k = 0; k < K; k++) {
-        int32_t e = p->topk_idx[t * K + k];
-        if (e >= 0 && e / p->E_local != p->rank) grad_w[t * K + k] = home[cursor[e / p->E_local]++];
-      }
+  EPX_CHECK(return_route_values(b, p, back, grad_w, fn));
 fail:
-  if (cursor != cursor_stack) free(cursor);
   free(back);
-  free(home);
   free(staged);
+  return status;
+}
+
+/* The gradient of weights the expert applied itself: each route's value
+ * where its row lives ([N] or, rank-major, [N, K] by source slot), returned
+ * to grad_w[t, k] of its source. */
+epx_status_t epx_cpu_weights_backward(epx_buffer_t b, epx_handle_t h, const float *grad_recv_w, float *grad_w) {
+  const char *fn = "epx_weights_backward";
+  struct epx_cpu_plan *p = h->cpu;
+  epx_status_t status = EPX_SUCCESS;
+  int32_t K = p->K, slots = p->row_slots;
+  int64_t back_count = total(p->rroute_count, p->W);
+  float *back = malloc(sizeof(float) * (size_t)(back_count ? back_count : 1));
+  if (!back) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
+  for (int64_t j = 0; j < back_count; j++)
+    back[j] = grad_recv_w[p->entry_row[j] * slots + (slots > 1 ? p->entry_slot[j] : 0)];
+  for (int64_t t = 0; t < p->T; t++)
+    for (int32_t k = 0; k < K; k++) {
+      int32_t row = p->self_row[t * K + k];
+      grad_w[t * K + k] = row >= 0 ? grad_recv_w[(int64_t)row * slots + (slots > 1 ? k : 0)] : 0.0f;
+    }
+  EPX_CHECK(return_route_values(b, p, back, grad_w, fn));
+fail:
+  free(back);
   return status;
 }
 

@@ -341,6 +341,18 @@ fail:
   return status;
 }
 
+epx_status_t epx_cuda_weights_backward(epx_buffer_t buffer, epx_handle_t handle,
+                                       const float *grad_recv_w, float *grad_w) {
+  const char *fn = "epx_weights_backward";
+  epx_status_t status = EPX_SUCCESS;
+  const cuda_handle_state_t *h = handle->cuda;
+  CUDA_CHECK(epx_cuda_weights_back_launch(buffer->config.layout, &h->layout, handle->num_tokens,
+                                          handle->top_k, grad_recv_w, grad_w, stream_of(buffer)),
+             fn, "the weights backward kernel");
+fail:
+  return status;
+}
+
 epx_status_t epx_cuda_handle_recv_rows(epx_handle_t handle, int64_t *rows) {
   const char *fn = "epx_handle_recv_rows";
   epx_status_t status = EPX_SUCCESS;

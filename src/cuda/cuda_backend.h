@@ -47,6 +47,9 @@ epx_status_t epx_cuda_combine_backward(epx_buffer_t buffer, epx_handle_t handle,
                                        const void *grad_out, const void *expert_out,
                                        void *grad_expert_out, float *grad_w);
 
+epx_status_t epx_cuda_weights_backward(epx_buffer_t buffer, epx_handle_t handle,
+                                       const float *grad_recv_w, float *grad_w);
+
 epx_status_t epx_cuda_handle_recv_rows(epx_handle_t handle, int64_t *rows);
 epx_status_t epx_cuda_handle_recv_rows_device(epx_handle_t handle, const int64_t **rows);
 epx_status_t epx_cuda_handle_expert_counts(epx_handle_t handle, int64_t *counts,

@@ -141,6 +141,12 @@ cudaError_t epx_cuda_recv_source_launch(epx_layout_t layout, const epx_cuda_layo
                                         int32_t top_k, int64_t row_bound, int32_t *src_rank,
                                         int32_t *src_token, cudaStream_t stream);
 
+/* grad_w [T, K] from grad_recv_w ([N], rank-major [N, K]): each route's value
+ * at its recv row, 0 for slots without a route (weights.cu). */
+cudaError_t epx_cuda_weights_back_launch(epx_layout_t layout, const epx_cuda_layout_t *lay,
+                                         int64_t num_tokens, int32_t top_k, const float *grad_recv_w,
+                                         float *grad_w, cudaStream_t stream);
+
 #ifdef __cplusplus
 }
 #endif
