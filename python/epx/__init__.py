@@ -761,6 +761,8 @@ class Buffer:
             lib.epx_combine(self._ptr, h, bad, bad)
         elif op == "dispatch_backward":
             lib.epx_dispatch_backward(self._ptr, h, bad, bad, None, None)
+        elif op == "weights_backward":
+            lib.epx_weights_backward(self._ptr, h, bad, bad)
         else:
             lib.epx_combine_backward(self._ptr, h, bad, None, bad, None)
 
@@ -935,6 +937,23 @@ class Buffer:
                        (handle.recv_rows, self.hidden), align=PAYLOAD_ALIGNMENT, writable=True)
         self._combine_backward(handle, pg, pe, pge, gw.ctypes.data if gw is not None else None)
         return grad_expert_out, gw
+
+    def weights_backward(self, handle, grad_recv_w, *, grad_w=None):
+        """grad_recv_w (the shape of Handle.recv_routing's recv_w: [N], or
+        [N, K] for rank-major) -> grad_w [T, K] (epx_weights_backward,
+        collective): the gradient of weights the expert applied itself,
+        brought home to each route's source slot (0 for slots without one)."""
+        fn = "Buffer.weights_backward"
+        with self._together("weights_backward", handle):
+            self._host(fn)
+            shape = ((handle.recv_rows, handle.top_k) if self.layout == Layout.RANK_MAJOR
+                     else (handle.recv_rows,))
+            pg = _ptr(grad_recv_w, fn, "grad_recv_w", _F32, shape)
+            if grad_w is None:
+                grad_w = empty((handle.num_tokens, handle.top_k), np.float32)
+            pw = _ptr(grad_w, fn, "grad_w", _F32, (handle.num_tokens, handle.top_k), writable=True)
+        _check(lib.epx_weights_backward(self._handle_ptr(fn), handle._use(self, fn), pg, pw))
+        return grad_w
 
 
 class Handle:

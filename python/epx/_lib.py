@@ -314,6 +314,7 @@ _PROTOTYPES = {
     "epx_combine": (_st, [_p, _p, _p, _p]),
     "epx_dispatch_backward": (_st, [_p, _p, _p, _p, _p, _p]),
     "epx_combine_backward": (_st, [_p, _p, _p, _p, _p, _p]),
+    "epx_weights_backward": (_st, [_p, _p, _p, _p]),
     "epx_handle_recv_rows": (_st, [_p, _pi64]),
     "epx_handle_recv_rows_device": (_st, [_p, _pp]),
     "epx_handle_expert_counts": (_st, [_p, _p, _p]),

@@ -301,11 +301,21 @@ def test_rank_major_layout_weights_in_the_expert(rng):
             assert e.shape == (h.recv_rows, K) and w.shape == (h.recv_rows, K)
             gain = (w * expert_scale(e, E)).sum(1, keepdims=True)
             out = buf.combine(h, epx.asarray((gain * recv_x).astype(np.float32)))
-            return r, out
+            # L = sum(out): the expert's weight gradient per (row, slot),
+            # brought home to the router by weights_backward
+            grad_rows, _ = buf.combine_backward(h, epx.asarray(np.ones_like(out)))
+            dot = (grad_rows.astype(np.float64) * recv_x).sum(1, keepdims=True)
+            grad_recv_w = np.where(e >= 0, expert_scale(e, E) * dot, 0.0).astype(np.float32)
+            grad_w = buf.weights_backward(h, epx.asarray(grad_recv_w))
+            return r, out, grad_w
 
-    for rank, (r, out) in enumerate(epx.run_local(W, step, timeout_seconds=TIMEOUT)):
+    for rank, (r, out, grad_w) in enumerate(epx.run_local(W, step, timeout_seconds=TIMEOUT)):
+        x = inputs[0][rank].astype(np.float64)
         gain = (r.topk_w * expert_scale(r.topk_idx, E)).sum(1, keepdims=True)
-        assert_close(out, gain * inputs[0][rank].astype(np.float64), 1e-5, 1e-5, "rank-major out")
+        assert_close(out, gain * x, 1e-5, 1e-5, "rank-major out")
+        want = np.where(r.topk_idx >= 0, expert_scale(r.topk_idx, E) * x.sum(1, keepdims=True), 0.0)
+        assert_close(grad_w, want, 1e-5, 1e-5, "rank-major grad_w through weights_backward")
+        assert np.abs(grad_w).max() > 0
 
 
 @pytest.mark.parametrize("W,dtype", [(2, epx.DType.FLOAT32), (4, epx.DType.FLOAT32),
