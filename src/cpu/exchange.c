@@ -10,14 +10,17 @@
  *   arrival  a route as the receiver sees it: (source rank, token, k, expert,
  *            weight, location), ordered by source rank, then token, then k.
  * Rows a rank sends to itself never touch a staging buffer: they are copied
- * straight from x to recv_x (and back in combine).
+ * straight from x to recv_x (and back in combine). On a transport whose ranks
+ * share the address space (the local one) no row is staged at all: a rank
+ * reads its peers' rows in place, between a gather of their pointers and a
+ * barrier; other transports (MPI) pack, exchange and unpack.
  *
  * Combine numerics (the contract in epx.h): per token, acc = 0; for each rank
  * r holding some of its routes, in ascending r: acc += P(t, r), where
  * P(t, r) = 0 + the token's products on r in k order; all float32, rounded
- * once. The dedup exchange computes P on the receiver and returns it in
- * float32; the collective exchange returns each route's row and the sender
- * computes P with the same loop — so both give bit-identical results. */
+ * once. The dedup exchange over MPI computes P on the receiver and returns it
+ * in float32; otherwise each route's row comes back and the token's rank
+ * computes P with the same loop — so every path gives the same bits. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -34,7 +37,7 @@ typedef enum {
 } return_mode_t;
 
 typedef struct {
-  int32_t src, token, slot, expert, location, item;
+  int32_t src, token, slot, expert, location;
   float weight;
 } arrival_t;
 
@@ -43,7 +46,7 @@ struct epx_cpu_scratch {
   size_t send_bytes;
   void *recv;
   size_t recv_bytes;
-  float *rows; /* two float32 rows of H: the accumulator and one partial */
+  float *rows; /* a float32 row of H: the accumulator of a token's sum over ranks */
   size_t rows_bytes;
 };
 
@@ -109,7 +112,7 @@ static epx_status_t scratch(epx_buffer_t b, const char *fn, struct epx_cpu_scrat
     if (!b->cpu) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
   }
   *out = b->cpu;
-  return ensure((void **)&b->cpu->rows, &b->cpu->rows_bytes, 2 * (size_t)b->config.hidden * sizeof(float), fn);
+  return ensure((void **)&b->cpu->rows, &b->cpu->rows_bytes, (size_t)b->config.hidden * sizeof(float), fn);
 }
 
 static void displs(const int64_t *count, int64_t *displ, int32_t n) {
@@ -330,7 +333,7 @@ epx_status_t epx_cpu_dispatch_layout(epx_buffer_t b, const epx_routing_t *r, epx
           int32_t e = p->topk_idx[t * K + k];
           if (e < 0 || e / El != self) continue;
           arrivals[a++] = (arrival_t){s, (int32_t)t, k, e, r->locations ? r->locations[t * K + k] : -1,
-                                      -1, p->topk_w[t * K + k]};
+                                      p->topk_w[t * K + k]};
         }
       continue;
     }
@@ -341,7 +344,7 @@ epx_status_t epx_cpu_dispatch_layout(epx_buffer_t b, const epx_routing_t *r, epx
         if (record[1 + k] < 0) continue;
         float w;
         memcpy(&w, &record[1 + K + k], sizeof w);
-        arrivals[a++] = (arrival_t){s, record[0], k, record[1 + k], record[1 + 2 * K + k], (int32_t)i, w};
+        arrivals[a++] = (arrival_t){s, record[0], k, record[1 + k], record[1 + 2 * K + k], w};
         entry++;
       }
     }
