@@ -83,8 +83,12 @@ cudaError_t epx_cuda_layout_launch(const int32_t *topk_idx, const int32_t *locat
  * the most warps per token the automatic choice takes (log2). Measured on an
  * H200 (bench/NOTES-gpu.md): one warp per token is best or equal for bf16 rows
  * of 2048 and 7168, so the automatic choice is 1. */
+#ifndef EPX_CUDA_MOVE_WARPS /* may be set at build time for a sweep */
 #define EPX_CUDA_MOVE_WARPS 8
+#endif
+#ifndef EPX_CUDA_MOVE_VECS
 #define EPX_CUDA_MOVE_VECS 4
+#endif
 #define EPX_CUDA_MOVE_MAX_WPT_SHIFT 0
 
 /* Warps per token of the move kernels: `requested` (1, 2, 4 or 8), or for 0
