@@ -839,28 +839,6 @@ static void test_parity_w8(void **state) { (void)state; check_parity(8); }
 /* Agreement and refusals                                                   */
 /* ------------------------------------------------------------------------ */
 
-#define RANK_EXPECT(cond, ...)                                         \
-  do {                                                                 \
-    if (!(cond)) {                                                     \
-      fprintf(stderr, "rank %d, line %d: ", rank, __LINE__);           \
-      fprintf(stderr, __VA_ARGS__);                                    \
-      fprintf(stderr, "\n");                                           \
-      failures++;                                                      \
-    }                                                                  \
-  } while (0)
-
-static int message_has(const char *needle) { return !needle || strstr(epx_last_error(), needle); }
-static const char *or_empty(const char *s) { return s ? s : ""; }
-
-/* status == want and the message has `needle` (NULL: any). */
-#define RANK_STATUS(expr, want, needle)                                                             \
-  do {                                                                                              \
-    epx_status_t rs_ = (expr);                                                                      \
-    RANK_EXPECT(rs_ == (want) && message_has(needle),                                               \
-                "%s returned %s (want %s): \"%s\" (want \"%s\")", #expr, epx_status_string(rs_),    \
-                epx_status_string(want), epx_last_error(), or_empty(needle));                   \
-  } while (0)
-
 static epx_buffer_config_t small_config(void) {
   epx_buffer_config_t bc = EPX_BUFFER_CONFIG_INIT;
   bc.hidden = 16;

@@ -17,26 +17,6 @@
 #define E_PER_RANK 4
 #define T_MAX 40
 
-#define RANK_EXPECT(cond, ...)                                 \
-  do {                                                         \
-    if (!(cond)) {                                             \
-      fprintf(stderr, "rank %d, line %d: ", rank, __LINE__);   \
-      fprintf(stderr, __VA_ARGS__);                            \
-      fprintf(stderr, "\n");                                   \
-      failures++;                                              \
-    }                                                          \
-  } while (0)
-
-static int message_has(const char *needle) { return !needle || strstr(epx_last_error(), needle); }
-static const char *or_empty(const char *s) { return s ? s : ""; }
-
-#define RANK_STATUS(expr, want, needle)                                                             \
-  do {                                                                                              \
-    epx_status_t rs_ = (expr);                                                                      \
-    RANK_EXPECT(rs_ == (want) && message_has(needle), "%s returned %s (want %s): \"%s\" (want \"%s\")", \
-                #expr, epx_status_string(rs_), epx_status_string(want), epx_last_error(), or_empty(needle)); \
-  } while (0)
-
 /* Failing calls inside the model end the rank's run (its peers then time out). */
 #define MODEL_CALL(expr)                                                                   \
   do {                                                                                     \

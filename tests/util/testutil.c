@@ -134,3 +134,5 @@ int tu_run_ranks(int32_t world, double timeout_seconds, tu_rank_fn fn, void *arg
   free(args);
   return failures;
 }
+
+int tu_message_has(const char *needle) { return !needle || strstr(epx_last_error(), needle) != NULL; }

@@ -8,6 +8,8 @@
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
+#include <string.h>
 #include <cmocka.h>
 
 #include "epx.h"
@@ -61,5 +63,31 @@ int tu_run_ranks(int32_t world, double timeout_seconds, tu_rank_fn fn, void *arg
   } while (0)
 
 #define TU_OK(expr) TU_ASSERT_STATUS(expr, EPX_SUCCESS, (const char *)NULL)
+
+/* Checks inside a rank's thread (cmocka's asserts are not thread-safe): a
+ * failure prints the rank and line and counts in the caller's `failures`;
+ * `rank` must be in scope. */
+#define RANK_EXPECT(cond, ...)                                 \
+  do {                                                         \
+    if (!(cond)) {                                             \
+      fprintf(stderr, "rank %d, line %d: ", rank, __LINE__);   \
+      fprintf(stderr, __VA_ARGS__);                            \
+      fprintf(stderr, "\n");                                   \
+      failures++;                                              \
+    }                                                          \
+  } while (0)
+
+/* 1 if the last error message contains needle (NULL: any message). */
+int tu_message_has(const char *needle);
+
+/* status == want and the message has `needle` (NULL: any). */
+#define RANK_STATUS(expr, want, needle)                                                          \
+  do {                                                                                           \
+    epx_status_t rs_ = (expr);                                                                   \
+    const char *rs_needle_ = (needle);                                                           \
+    RANK_EXPECT(rs_ == (want) && tu_message_has(rs_needle_),                                     \
+                "%s returned %s (want %s): \"%s\" (want \"%s\")", #expr, epx_status_string(rs_), \
+                epx_status_string(want), epx_last_error(), rs_needle_ ? rs_needle_ : "");        \
+  } while (0)
 
 #endif
