@@ -405,7 +405,35 @@ def _released(fn, what, fix):
     _refuse(Status.ERROR_INVALID_HANDLE, "%s: the %s was %s", fn, what, fix)
 
 
-class Comm:
+class _Closable:
+    """A library object that close() releases: a context manager, with
+    `closed` telling whether it has been."""
+
+    @property
+    def closed(self):
+        return self._ptr is None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _destroy(obj, destroy, lock=None):
+    """Destroys obj's pointer with destroy(ptr); when the library answers
+    EPX_ERROR_BUSY the object stays open (and the error is raised)."""
+    with lock if lock is not None else contextlib.nullcontext():
+        ptr, obj._ptr = obj._ptr, None
+    if ptr is None:
+        return
+    status = destroy(ptr)
+    if status == Status.ERROR_BUSY:
+        obj._ptr = ptr
+    _check(status)
+
+
+class Comm(_Closable):
     """A group of ranks (epx_comm_t). Make one with :meth:`create_self`,
     :meth:`LocalWorld.comm` or :meth:`from_mpi`.
 
@@ -453,10 +481,6 @@ class Comm:
             _released(fn, "comm", "closed; create a new one")
         return self._ptr
 
-    @property
-    def closed(self):
-        return self._ptr is None
-
     def buffer(self, config=None, **fields):
         """A :class:`Buffer` over this comm (collective)."""
         return Buffer(self, config, **fields)
@@ -468,20 +492,7 @@ class Comm:
             buffers = list(self._buffers)
         for b in buffers:
             b.close()
-        with self._lock:
-            ptr, self._ptr = self._ptr, None
-        if ptr is None:
-            return
-        status = lib.epx_comm_destroy(ptr)
-        if status == Status.ERROR_BUSY:
-            self._ptr = ptr
-        _check(status)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
+        _destroy(self, lib.epx_comm_destroy, self._lock)
 
     def __del__(self):
         try:
@@ -495,7 +506,7 @@ class Comm:
                                                " closed" if self.closed else "")
 
 
-class LocalWorld:
+class LocalWorld(_Closable):
     """W ranks as threads of this process (epx_local_world_create). Each
     rank's thread calls :meth:`comm` with its rank; see :func:`run_local`."""
 
@@ -518,26 +529,10 @@ class LocalWorld:
         _check(lib.epx_comm_create_local(self._ptr, int(rank), ctypes.byref(p)))
         return Comm(p.value, self)
 
-    @property
-    def closed(self):
-        return self._ptr is None
-
     def close(self):
         """epx_local_world_destroy: after every comm of the world is closed
         (EpxError EPX_ERROR_BUSY otherwise)."""
-        ptr, self._ptr = self._ptr, None
-        if ptr is None:
-            return
-        status = lib.epx_local_world_destroy(ptr)
-        if status == Status.ERROR_BUSY:
-            self._ptr = ptr
-        _check(status)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
+        _destroy(self, lib.epx_local_world_destroy)
 
     def __del__(self):
         try:
@@ -623,7 +618,7 @@ class RecorderStats:
     bytes_avoided: int
 
 
-class Buffer:
+class Buffer(_Closable):
     """The exchange memory of one MoE layer over a comm (epx_buffer_create,
     collective). config is a :class:`BufferConfig`; keyword arguments set its
     fields (dtype may also be a name or numpy dtype)."""
@@ -661,10 +656,6 @@ class Buffer:
         return self._ptr
 
     @property
-    def closed(self):
-        return self._ptr is None
-
-    @property
     def np_dtype(self):
         """The numpy dtype of payload arrays (uint16 for bfloat16)."""
         return _NP_OF_DTYPE[self.dtype]
@@ -696,20 +687,7 @@ class Buffer:
             handles = list(self._handles)
         for h in handles:
             h.release()
-        with self._lock:
-            ptr, self._ptr = self._ptr, None
-        if ptr is None:
-            return
-        status = lib.epx_buffer_destroy(ptr)
-        if status == Status.ERROR_BUSY:
-            self._ptr = ptr
-        _check(status)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
+        _destroy(self, lib.epx_buffer_destroy, self._lock)
 
     def __del__(self):
         try:
@@ -1067,7 +1045,7 @@ class Handle:
         return HandleStats(s.send_rows, s.recv_rows, s.send_bytes, s.recv_bytes, s.local_rows)
 
 
-class Recorder:
+class Recorder(_Closable):
     """Activation-checkpoint recorder (epx_recorder_t): in RECORD mode each
     dispatch_layout given it is logged; in REPLAY mode each one returns the
     next recorded handle with no exchange. validate: replays hash the routing
@@ -1085,10 +1063,6 @@ class Recorder:
         if self._ptr is None:
             _released(fn, "recorder", "closed; create a new one")
         return self._ptr
-
-    @property
-    def closed(self):
-        return self._ptr is None
 
     def set_mode(self, mode):
         """RecorderMode.RECORD or REPLAY (switching to replay rewinds)."""
@@ -1113,12 +1087,6 @@ class Recorder:
         if ptr is not None:
             self._buffers.clear()
             _check(lib.epx_recorder_destroy(ptr))
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
     def __del__(self):
         try:
