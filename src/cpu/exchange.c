@@ -468,7 +468,6 @@ static int split_tokens(const struct epx_cpu_plan *p) { return p->W == 1 && p->T
 /* What a rank shows its peers on a shared-address-space transport. */
 typedef struct {
   const void *rows;                /* the rows peers read from */
-  const void *partials;            /* dedup combine: the float32 partials it computed */
   const struct epx_cpu_plan *plan; /* its layout, to find where each row is */
 } published_t;
 
@@ -494,7 +493,7 @@ static epx_status_t move_forward(epx_buffer_t b, struct epx_cpu_plan *p, const v
   if (in_place) {
     peers = malloc(sizeof *peers * (size_t)p->W);
     if (!peers) EPX_FAIL(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
-    published_t mine = {src, NULL, p};
+    published_t mine = {src, p};
     EPX_CHECK(comm->ops->allgather(comm, fn, &mine, peers, sizeof mine));
     for (int32_t r = 0; r < p->W; r++) {
       if (r == p->rank) continue;
@@ -671,25 +670,20 @@ static epx_status_t move_backward(epx_buffer_t b, struct epx_cpu_plan *p, const 
       }
     }
     if (in_place) {
-      /* Each returned row read where the peer has it: its layout row, or
-       * the partial it just summed (the gather is the sync point). */
+      /* Each returned row read where the peer has it, in its layout (the
+       * mode is never RETURN_PARTIAL here). */
       peers = malloc(sizeof *peers * (size_t)W);
       if (!peers) EPX_FAIL(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
-      published_t mine = {rows, s->send, p};
+      published_t mine = {rows, p};
       EPX_CHECK(comm->ops->allgather(comm, fn, &mine, peers, sizeof mine));
       for (int32_t r = 0; r < W; r++) {
         if (r == p->rank) continue;
         const struct epx_cpu_plan *q = peers[r].plan;
         const char *their_rows = peers[r].rows;
         for (int64_t j = 0; j < scount[r]; j++) {
-          const void *row;
-          if (mode == RETURN_ROUTES)
-            row = their_rows + (size_t)q->entry_row[q->rroute_displ[p->rank] + j] * p->row_bytes;
-          else if (mode == RETURN_PAIRS)
-            row = their_rows + (size_t)q->entry_row[q->rpair_entry[q->rpair_displ[p->rank] + j]] * p->row_bytes;
-          else
-            row = (const char *)peers[r].partials + (size_t)(q->rpair_displ[p->rank] + j) * unit;
-          home[sdispl[r] + j] = row;
+          int64_t entry = mode == RETURN_ROUTES ? q->rroute_displ[p->rank] + j
+                                                : q->rpair_entry[q->rpair_displ[p->rank] + j];
+          home[sdispl[r] + j] = their_rows + (size_t)q->entry_row[entry] * p->row_bytes;
         }
       }
     } else {
@@ -733,7 +727,7 @@ static epx_status_t move_backward(epx_buffer_t b, struct epx_cpu_plan *p, const 
     for (int64_t t = 0; t < p->T; t++) combine_token(&pass, t, cursor, s->rows, group_rows, group_w);
   }
   epx_stream_fence();
-  /* Peers may reuse their rows and partials once every rank has read them. */
+  /* Peers may reuse their rows once every rank has read them. */
   if (in_place) EPX_CHECK(comm->ops->barrier(comm, fn));
 fail:
   if (cursor != cursor_stack) free(cursor);
