@@ -419,6 +419,22 @@ static epx_status_t check_routing(epx_buffer_t b, const epx_routing_t *r, epx_re
   return EPX_SUCCESS;
 }
 
+/* The agreed tokens per rank: the largest batch, rounded up to
+ * max_tokens_rounding (at least one rounding). */
+static void set_max_tokens(epx_buffer_t buffer, int64_t largest_batch) {
+  int64_t rounding = buffer->config.max_tokens_rounding;
+  buffer->max_tokens = (largest_batch + rounding - 1) / rounding * rounding;
+  if (buffer->max_tokens == 0) buffer->max_tokens = rounding;
+}
+
+/* What a replay is checked against. CUDA routing lives on the device, so
+ * its replays are checked by shape and weighting only (hashing would need a
+ * device-to-host copy): 0. */
+static uint64_t routing_hash(epx_buffer_t buffer, const epx_routing_t *routing) {
+  if (buffer->config.device != EPX_DEVICE_CPU || routing->num_tokens == 0) return 0;
+  return epx_hash_topk(routing->topk_idx, routing->num_tokens * routing->top_k);
+}
+
 static epx_status_t new_handle(epx_buffer_t buffer, const epx_routing_t *routing, epx_handle_t *out) {
   epx_handle_t h = calloc(1, sizeof *h);
   if (!h) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "epx_dispatch_layout: out of memory");
@@ -451,10 +467,7 @@ epx_status_t epx_dispatch_layout(epx_buffer_t buffer, const epx_routing_t *routi
     epx_handle_t recorded = epx_recorder_next(recorder, &call);
     if (recorded) {
       if (epx_recorder_validates(recorder)) {
-        /* CUDA routing lives on the device: its replays are checked by shape
-         * and weighting only (hashing would need a device-to-host copy). */
-        int hashable = local == EPX_SUCCESS && buffer->config.device == EPX_DEVICE_CPU && routing->num_tokens;
-        uint64_t hash = hashable ? epx_hash_topk(routing->topk_idx, routing->num_tokens * routing->top_k) : 0;
+        uint64_t hash = local == EPX_SUCCESS ? routing_hash(buffer, routing) : 0;
         if (local == EPX_SUCCESS &&
             (recorded->buffer != buffer || recorded->num_tokens != routing->num_tokens ||
              recorded->top_k != routing->top_k || recorded->routing_hash != hash ||
@@ -486,11 +499,7 @@ epx_status_t epx_dispatch_layout(epx_buffer_t buffer, const epx_routing_t *routi
   epx_handle_t h = NULL;
   if (buffer->config.device == EPX_DEVICE_CUDA) {
     if (local != EPX_SUCCESS) return local;
-    if (buffer->max_tokens == 0) {
-      int64_t rounding = buffer->config.max_tokens_rounding;
-      buffer->max_tokens = (routing->num_tokens + rounding - 1) / rounding * rounding;
-      if (buffer->max_tokens == 0) buffer->max_tokens = rounding;
-    }
+    if (buffer->max_tokens == 0) set_max_tokens(buffer, routing->num_tokens);
     EPX_CHECK(new_handle(buffer, routing, &h));
     EPX_CHECK(epx_cuda_dispatch_layout(buffer, routing, h));
   } else {
@@ -517,14 +526,10 @@ epx_status_t epx_dispatch_layout(epx_buffer_t buffer, const epx_routing_t *routi
       return epx_error(EPX_ERROR_PEER_FAILED,
                        "%s: rank %lld refused its routing (its epx_last_error says why); nothing "
                        "moved on any rank", fn, (long long)(agreed[0] - 1));
-    if (buffer->max_tokens == 0) {
-      int64_t rounding = buffer->config.max_tokens_rounding;
-      buffer->max_tokens = (agreed[3] + rounding - 1) / rounding * rounding;
-      if (buffer->max_tokens == 0) buffer->max_tokens = rounding;
-    }
+    if (buffer->max_tokens == 0) set_max_tokens(buffer, agreed[3]);
     EPX_CHECK(new_handle(buffer, routing, &h));
     EPX_CHECK(epx_cpu_dispatch_layout(buffer, routing, h));
-    h->routing_hash = routing->num_tokens ? epx_hash_topk(routing->topk_idx, routing->num_tokens * routing->top_k) : 0;
+    h->routing_hash = routing_hash(buffer, routing);
   }
   EPX_CHECK(epx_registry_add(h, EPX_OBJECT_HANDLE));
   __atomic_add_fetch(&buffer->live_handles, 1, __ATOMIC_SEQ_CST);
