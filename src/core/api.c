@@ -18,15 +18,6 @@
 
 static int is_aligned(const void *p, size_t alignment) { return ((uintptr_t)p % alignment) == 0; }
 
-static const char *layout_name(epx_layout_t layout) {
-  switch (layout) {
-    case EPX_LAYOUT_EXPERT_MAJOR: return "EPX_LAYOUT_EXPERT_MAJOR";
-    case EPX_LAYOUT_RANK_MAJOR: return "EPX_LAYOUT_RANK_MAJOR";
-    case EPX_LAYOUT_CAPACITY: return "EPX_LAYOUT_CAPACITY";
-  }
-  return "?";
-}
-
 static epx_status_t check_buffer(epx_buffer_t buffer, const char *caller) {
   if (!buffer)
     return epx_error(EPX_ERROR_INVALID_ARGUMENT, "%s: buffer is NULL; pass a buffer from epx_buffer_create", caller);
@@ -407,9 +398,9 @@ static epx_status_t check_routing(epx_buffer_t b, const epx_routing_t *r, epx_re
   }
   if (c->layout == EPX_LAYOUT_RANK_MAJOR && r->weighting != EPX_WEIGHTS_NONE)
     return epx_error(EPX_ERROR_UNSUPPORTED,
-                     "%s: %s leaves weighting to the expert (a row serves several experts); pass "
-                     "routing.weighting = EPX_WEIGHTS_NONE and apply epx_handle_recv_routing's weights",
-                     fn, layout_name(c->layout));
+                     "%s: EPX_LAYOUT_RANK_MAJOR leaves weighting to the expert (a row serves several "
+                     "experts); pass routing.weighting = EPX_WEIGHTS_NONE, apply epx_handle_recv_routing's "
+                     "weights, and return their gradient with epx_weights_backward", fn);
   if (b->max_tokens > 0 && r->num_tokens > b->max_tokens)
     return epx_error(EPX_ERROR_CAPACITY_EXCEEDED,
                      "%s: routing.num_tokens %lld exceeds the buffer's max_tokens_per_rank %lld; "
