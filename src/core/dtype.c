@@ -88,54 +88,36 @@ void epx_row_from_f32_stream(epx_dtype_t dtype, const float *src, void *dst, int
 }
 
 
-/* block[i] = (((block[i] + w0*r0[i]) + w1*r1[i]) + ...) for up to four rows
- * per pass (three when three are left): the same order as one row at a time,
- * a fraction of the traffic through block. */
+/* block[i] = (((start + w0*r0[i]) + w1*r1[i]) + ...) for one to four rows in
+ * one pass, start = 0 (from_zero: no zeroing pass, no read of block) or
+ * block[i]: the same order and bits as adding one row at a time to a zeroed
+ * block. w NULL: plain sums. */
 #define LOAD(dtype, row, i)                                                             \
   ((dtype) == EPX_FLOAT32    ? ((const float *)(row))[i]                                \
    : (dtype) == EPX_BFLOAT16 ? epx_bf16_to_f32(((const uint16_t *)(row))[i])            \
                              : epx_f16_to_f32(((const uint16_t *)(row))[i]))
+#define START(i) (from_zero ? 0.0f : block[i])
+#define TERM(j, i) (w ? w##j * LOAD(dtype, r##j, i) : LOAD(dtype, r##j, i))
 
 static inline void accumulate_rows(epx_dtype_t dtype, const void *const *rows, const float *w,
-                                   int32_t n_rows, float *restrict block, int64_t m) {
-  int32_t j = 0;
-  for (; j + 4 <= n_rows; j += 4) {
-    const void *r0 = rows[j], *r1 = rows[j + 1], *r2 = rows[j + 2], *r3 = rows[j + 3];
-    float w0 = w ? w[j] : 1.0f, w1 = w ? w[j + 1] : 1.0f, w2 = w ? w[j + 2] : 1.0f, w3 = w ? w[j + 3] : 1.0f;
-    if (w)
+                                   int32_t n_rows, int from_zero, float *restrict block, int64_t m) {
+  const void *r0 = rows[0], *r1 = n_rows > 1 ? rows[1] : r0, *r2 = n_rows > 2 ? rows[2] : r0,
+             *r3 = n_rows > 3 ? rows[3] : r0;
+  float w0 = w ? w[0] : 1.0f, w1 = w && n_rows > 1 ? w[1] : 1.0f, w2 = w && n_rows > 2 ? w[2] : 1.0f,
+        w3 = w && n_rows > 3 ? w[3] : 1.0f;
+  switch (n_rows) {
+    case 1:
+      for (int64_t i = 0; i < m; i++) block[i] = START(i) + TERM(0, i);
+      break;
+    case 2:
+      for (int64_t i = 0; i < m; i++) block[i] = (START(i) + TERM(0, i)) + TERM(1, i);
+      break;
+    case 3:
+      for (int64_t i = 0; i < m; i++) block[i] = ((START(i) + TERM(0, i)) + TERM(1, i)) + TERM(2, i);
+      break;
+    default:
       for (int64_t i = 0; i < m; i++)
-        block[i] = (((block[i] + w0 * LOAD(dtype, r0, i)) + w1 * LOAD(dtype, r1, i)) + w2 * LOAD(dtype, r2, i)) +
-                   w3 * LOAD(dtype, r3, i);
-    else
-      for (int64_t i = 0; i < m; i++)
-        block[i] = (((block[i] + LOAD(dtype, r0, i)) + LOAD(dtype, r1, i)) + LOAD(dtype, r2, i)) + LOAD(dtype, r3, i);
-  }
-  if (n_rows - j == 3) {
-    const void *r0 = rows[j], *r1 = rows[j + 1], *r2 = rows[j + 2];
-    float w0 = w ? w[j] : 1.0f, w1 = w ? w[j + 1] : 1.0f, w2 = w ? w[j + 2] : 1.0f;
-    if (w)
-      for (int64_t i = 0; i < m; i++)
-        block[i] = ((block[i] + w0 * LOAD(dtype, r0, i)) + w1 * LOAD(dtype, r1, i)) + w2 * LOAD(dtype, r2, i);
-    else
-      for (int64_t i = 0; i < m; i++)
-        block[i] = ((block[i] + LOAD(dtype, r0, i)) + LOAD(dtype, r1, i)) + LOAD(dtype, r2, i);
-    return;
-  }
-  for (; j + 2 <= n_rows; j += 2) {
-    const void *r0 = rows[j], *r1 = rows[j + 1];
-    float w0 = w ? w[j] : 1.0f, w1 = w ? w[j + 1] : 1.0f;
-    if (w)
-      for (int64_t i = 0; i < m; i++) block[i] = (block[i] + w0 * LOAD(dtype, r0, i)) + w1 * LOAD(dtype, r1, i);
-    else
-      for (int64_t i = 0; i < m; i++) block[i] = (block[i] + LOAD(dtype, r0, i)) + LOAD(dtype, r1, i);
-  }
-  for (; j < n_rows; j++) {
-    const void *r0 = rows[j];
-    float w0 = w ? w[j] : 1.0f;
-    if (w)
-      for (int64_t i = 0; i < m; i++) block[i] = block[i] + w0 * LOAD(dtype, r0, i);
-    else
-      for (int64_t i = 0; i < m; i++) block[i] = block[i] + LOAD(dtype, r0, i);
+        block[i] = (((START(i) + TERM(0, i)) + TERM(1, i)) + TERM(2, i)) + TERM(3, i);
   }
 }
 
@@ -174,45 +156,9 @@ void epx_row_scale_stream(epx_dtype_t dtype, const void *src, float w, void *dst
   }
 }
 
-/* block[i] = 0 + w0*r0[i] + ... in row order for 1 to 4 rows, written once
- * (no zeroing pass, no read of block): the values accumulate_rows gives from
- * a zeroed block. */
-static inline void sum_rows_once(epx_dtype_t dtype, const void *const *rows, const float *w,
-                                 int32_t n_rows, float *restrict block, int64_t m) {
-  const void *r0 = rows[0], *r1 = n_rows > 1 ? rows[1] : r0, *r2 = n_rows > 2 ? rows[2] : r0,
-             *r3 = n_rows > 3 ? rows[3] : r0;
-  if (w) {
-    float w0 = w[0], w1 = n_rows > 1 ? w[1] : 0.0f, w2 = n_rows > 2 ? w[2] : 0.0f, w3 = n_rows > 3 ? w[3] : 0.0f;
-    switch (n_rows) {
-      case 1: for (int64_t i = 0; i < m; i++) block[i] = 0.0f + w0 * LOAD(dtype, r0, i); break;
-      case 2: for (int64_t i = 0; i < m; i++) block[i] = (0.0f + w0 * LOAD(dtype, r0, i)) + w1 * LOAD(dtype, r1, i); break;
-      case 3:
-        for (int64_t i = 0; i < m; i++)
-          block[i] = ((0.0f + w0 * LOAD(dtype, r0, i)) + w1 * LOAD(dtype, r1, i)) + w2 * LOAD(dtype, r2, i);
-        break;
-      default:
-        for (int64_t i = 0; i < m; i++)
-          block[i] = (((0.0f + w0 * LOAD(dtype, r0, i)) + w1 * LOAD(dtype, r1, i)) + w2 * LOAD(dtype, r2, i)) +
-                     w3 * LOAD(dtype, r3, i);
-    }
-  } else {
-    switch (n_rows) {
-      case 1: for (int64_t i = 0; i < m; i++) block[i] = 0.0f + LOAD(dtype, r0, i); break;
-      case 2: for (int64_t i = 0; i < m; i++) block[i] = (0.0f + LOAD(dtype, r0, i)) + LOAD(dtype, r1, i); break;
-      case 3:
-        for (int64_t i = 0; i < m; i++)
-          block[i] = ((0.0f + LOAD(dtype, r0, i)) + LOAD(dtype, r1, i)) + LOAD(dtype, r2, i);
-        break;
-      default:
-        for (int64_t i = 0; i < m; i++)
-          block[i] = (((0.0f + LOAD(dtype, r0, i)) + LOAD(dtype, r1, i)) + LOAD(dtype, r2, i)) + LOAD(dtype, r3, i);
-    }
-  }
-}
-
 /* acc = P (first), acc += P, or — with store — store = round(0 + P) in the
- * dtype with streaming stores, block by block (one pass, nothing else
- * written). */
+ * dtype with streaming stores, block by block (with up to four rows, one
+ * pass over them and nothing else written). n_rows >= 1. */
 #define DEFINE_ACCUMULATE(name, DTYPE)                                                        \
   EPX_MULTIVERSION static void name(const void *const *rows, const float *w, int32_t n_rows,  \
                                     float *acc, int first, void *store, int64_t n) {          \
@@ -220,20 +166,12 @@ static inline void sum_rows_once(epx_dtype_t dtype, const void *const *rows, con
     _Alignas(64) uint16_t half[BLOCK];                                                        \
     for (int64_t i0 = 0; i0 < n; i0 += BLOCK) {                                               \
       int64_t m = n - i0 < BLOCK ? n - i0 : BLOCK;                                            \
-      const void *shifted[4] = {NULL, NULL, NULL, NULL};                                      \
-      if (store && n_rows <= 4) {                                                             \
-        /* the common case (a token's routes on one rank, K <= 4): one pass */                \
-        for (int32_t j = 0; j < n_rows; j++)                                                  \
-          shifted[j] = (const char *)rows[j] + (size_t)i0 * epx_dtype_size(DTYPE);            \
-        sum_rows_once(DTYPE, shifted, w, n_rows, block, m);                                   \
-      } else {                                                                                \
-      for (int64_t i = 0; i < m; i++) block[i] = 0.0f;                                        \
+      const void *shifted[4];                                                                 \
       for (int32_t j0 = 0; j0 < n_rows; j0 += 4) {                                            \
         int32_t count = n_rows - j0 < 4 ? n_rows - j0 : 4;                                    \
         for (int32_t j = 0; j < count; j++)                                                   \
           shifted[j] = (const char *)rows[j0 + j] + (size_t)i0 * epx_dtype_size(DTYPE);       \
-        accumulate_rows(DTYPE, shifted, w ? w + j0 : NULL, count, block, m);                  \
-      }                                                                                       \
+        accumulate_rows(DTYPE, shifted, w ? w + j0 : NULL, count, j0 == 0, block, m);         \
       }                                                                                       \
       if (store) {                                                                            \
         if (DTYPE == EPX_FLOAT32) {                                                           \
