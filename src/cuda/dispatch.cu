@@ -163,12 +163,7 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(const scatter_args
   if (kDot) {
     /* grad_w: the slices' sums added in slice order by the token's first warp */
     __syncthreads();
-    if (active && part == 0)
-      for (int k = lane; k < a.k; k += 32) {
-        float sum = s_dot[k];
-        for (int p = 1; p < (1 << a.wpt_shift); p++) sum = __fadd_rn(sum, s_dot[(size_t)p * 4 * a.k + k]);
-        a.grad_w[t * a.k + k] = sum;
-      }
+    if (active && part == 0) epx_slices_grad_w(s_dot, a.k, a.wpt_shift, lane, a.grad_w + t * a.k);
   }
 }
 

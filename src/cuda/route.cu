@@ -850,6 +850,13 @@ int ceil_log2(long long v) {
 
 }  // namespace
 
+/* EPX_NONFINITE_ERROR's refusal, naming the first token with a NaN/Inf logit. */
+static epx_status_t refuse_nonfinite(const char *fn, int token) {
+  return epx_error(EPX_ERROR_INVALID_ARGUMENT,
+                   "%s: logits of token %d are not finite (NaN or Inf); fix the logits or set "
+                   "config->nonfinite = EPX_NONFINITE_DROP", fn, token);
+}
+
 extern "C" epx_status_t epx_cuda_route(const epx_route_config_t *config, int64_t num_tokens,
                                        const float *logits, const float *bias,
                                        epx_route_output_t *output) {
@@ -1036,11 +1043,7 @@ extern "C" epx_status_t epx_cuda_route(const epx_route_config_t *config, int64_t
   scratch = NULL;
   if (check) {
     ROUTE_CUDA(cudaStreamSynchronize(stream));
-    if (h_bad > 0)
-      return epx_error(EPX_ERROR_INVALID_ARGUMENT,
-                       "%s: logits of token %d are not finite (NaN or Inf); fix the logits or "
-                       "set config->nonfinite = EPX_NONFINITE_DROP",
-                       fn, T - h_bad);
+    if (h_bad > 0) return refuse_nonfinite(fn, T - h_bad);
   }
   output->capacity = capacity ? C : 0;
   output->nonfinite_tokens = -1;
@@ -1129,11 +1132,7 @@ extern "C" epx_status_t epx_cuda_route_backward(const epx_route_config_t *config
   }
   if (check) {
     ROUTE_CUDA(cudaStreamSynchronize(stream));
-    if (h_bad > 0)
-      return epx_error(EPX_ERROR_INVALID_ARGUMENT,
-                       "%s: logits of token %d are not finite (NaN or Inf); fix the logits or "
-                       "set config->nonfinite = EPX_NONFINITE_DROP",
-                       fn, T - h_bad);
+    if (h_bad > 0) return refuse_nonfinite(fn, T - h_bad);
   }
   return EPX_SUCCESS;
 

@@ -19,57 +19,7 @@
 
 #include "core/dtype.h"
 #include "core/objects.h"
-#include "testutil.h"
-
-#define CU(call)                                                                           \
-  do {                                                                                     \
-    cudaError_t cu_err_ = (call);                                                          \
-    if (cu_err_ != cudaSuccess) fail_msg("%s: %s", #call, cudaGetErrorString(cu_err_));    \
-  } while (0)
-
-/* testutil's TU_OK / TU_ASSERT_STATUS trip gcc's -Wnonnull and -Waddress
- * (a literal NULL or an array as the needle); these check the same. */
-#define GX_OK(expr)                                                                        \
-  do {                                                                                     \
-    epx_status_t gx_status_ = (expr);                                                      \
-    if (gx_status_ != EPX_SUCCESS)                                                         \
-      fail_msg("%s returned %s: %s", #expr, epx_status_string(gx_status_), epx_last_error()); \
-  } while (0)
-
-#define GX_REFUSED(expr, expected, needle)                                                 \
-  do {                                                                                     \
-    epx_status_t gx_status_ = (expr);                                                      \
-    if (gx_status_ != (expected))                                                          \
-      fail_msg("%s returned %s, expected %s: %s", #expr, epx_status_string(gx_status_),    \
-               epx_status_string(expected), epx_last_error());                             \
-    if (!strstr(epx_last_error(), (needle)))                                               \
-      fail_msg("%s: message \"%s\" lacks \"%s\"", #expr, epx_last_error(), (needle));      \
-  } while (0)
-
-static int quick(void) {
-  const char *q = getenv("EPX_GPU_TEST_QUICK");
-  return q && *q && strcmp(q, "0") != 0;
-}
-
-static void *dev_alloc(size_t bytes) {
-  void *p = NULL;
-  CU(cudaMalloc(&p, bytes ? bytes : 16));
-  return p;
-}
-
-static void *dev_copy(const void *host, size_t bytes) {
-  void *p = dev_alloc(bytes);
-  if (bytes) CU(cudaMemcpy(p, host, bytes, cudaMemcpyHostToDevice));
-  return p;
-}
-
-static void *host_copy(const void *dev, size_t bytes) {
-  void *p = tu_alloc(bytes);
-  if (bytes) CU(cudaMemcpy(p, dev, bytes, cudaMemcpyDeviceToHost));
-  return p;
-}
-
-static void dev_poison(void *p, size_t bytes) { CU(cudaMemset(p, 0xA5, bytes ? bytes : 16)); }
+#include "gpu_testutil.h"
 
 static const char *layout_name(epx_layout_t l) {
   return l == EPX_LAYOUT_EXPERT_MAJOR ? "expert-major" : l == EPX_LAYOUT_RANK_MAJOR ? "rank-major" : "capacity";
@@ -159,7 +109,7 @@ static epx_buffer_t make_buffer(epx_comm_t comm, const gpu_case_t *c, int32_t ca
     cfg.stream = stream;
   }
   epx_buffer_t b = NULL;
-  GX_OK(epx_buffer_create(comm, &cfg, &b));
+  TU_OK(epx_buffer_create(comm, &cfg, &b));
   return b;
 }
 
@@ -201,7 +151,7 @@ static void run_case(const gpu_case_t *c) {
   /* NONE weighting: sometimes no weights at all (recv_w is then 0). */
   const int pass_w = c->weighting != EPX_WEIGHTS_NONE || (c->seed & 1);
   epx_comm_t comm = NULL;
-  GX_OK(epx_comm_create_self(&comm));
+  TU_OK(epx_comm_create_self(&comm));
   cudaStream_t stream;
   CU(cudaStreamCreate(&stream));
   epx_buffer_t cpu = make_buffer(comm, c, r.capacity, EPX_DEVICE_CPU, NULL);
@@ -214,21 +164,21 @@ static void run_case(const gpu_case_t *c) {
   epx_routing_t rc = {T, K, r.idx, pass_w ? r.w : NULL, capacity_layout ? r.loc : NULL, c->weighting};
   epx_routing_t rg = {T, K, d_idx, pass_w ? d_w : NULL, capacity_layout ? d_loc : NULL, c->weighting};
   epx_handle_t hc = NULL, hg = NULL;
-  GX_OK(epx_dispatch_layout(cpu, &rc, NULL, &hc));
-  GX_OK(epx_dispatch_layout(gpu, &rg, NULL, &hg));
+  TU_OK(epx_dispatch_layout(cpu, &rc, NULL, &hc));
+  TU_OK(epx_dispatch_layout(gpu, &rg, NULL, &hg));
 
   /* Row counts: with worst_case_sizing the handle reports the bound and the
    * true N is in device memory. */
   int64_t N = -1, Ng = -1, bound = -1, handle_rows = -1;
-  GX_OK(epx_handle_recv_rows(hc, &N));
-  GX_OK(epx_handle_recv_rows(hg, &Ng));
+  TU_OK(epx_handle_recv_rows(hc, &N));
+  TU_OK(epx_handle_recv_rows(hg, &Ng));
   assert_int_equal(N, Ng);
-  GX_OK(epx_buffer_max_recv_rows(gpu, &bound));
+  TU_OK(epx_buffer_max_recv_rows(gpu, &bound));
   handle_rows = hg->recv_rows;
   if (c->worst_case) {
     assert_int_equal(handle_rows, bound);
     const int64_t *d_rows = NULL;
-    GX_OK(epx_handle_recv_rows_device(hg, &d_rows));
+    TU_OK(epx_handle_recv_rows_device(hg, &d_rows));
     int64_t rows_on_device = -1;
     CU(cudaMemcpy(&rows_on_device, d_rows, sizeof rows_on_device, cudaMemcpyDeviceToHost));
     assert_int_equal(rows_on_device, N);
@@ -243,8 +193,8 @@ static void run_case(const gpu_case_t *c) {
   int64_t *d_cnt = dev_alloc(8 * (size_t)E), *d_off = dev_alloc(8 * ((size_t)E + 1));
   dev_poison(d_cnt, 8 * (size_t)E);
   dev_poison(d_off, 8 * ((size_t)E + 1));
-  GX_OK(epx_handle_expert_counts(hc, cnt_c, off_c));
-  GX_OK(epx_handle_expert_counts(hg, d_cnt, d_off));
+  TU_OK(epx_handle_expert_counts(hc, cnt_c, off_c));
+  TU_OK(epx_handle_expert_counts(hg, d_cnt, d_off));
   CU(cudaStreamSynchronize(stream));
   int64_t *cnt_g = host_copy(d_cnt, 8 * (size_t)E), *off_g = host_copy(d_off, 8 * ((size_t)E + 1));
   expect_same_ints("expert counts", c, cnt_g, cnt_c, 8 * (size_t)E);
@@ -254,16 +204,16 @@ static void run_case(const gpu_case_t *c) {
   int32_t *src_rank_c = tu_alloc(4 * nr), *src_tok_c = tu_alloc(4 * nr);
   int32_t *rexp_c = tu_alloc(4 * nr * slots);
   float *rw_c = tu_alloc(4 * nr * slots);
-  GX_OK(epx_handle_recv_source(hc, src_rank_c, src_tok_c));
-  GX_OK(epx_handle_recv_routing(hc, rexp_c, rw_c));
+  TU_OK(epx_handle_recv_source(hc, src_rank_c, src_tok_c));
+  TU_OK(epx_handle_recv_routing(hc, rexp_c, rw_c));
   int32_t *d_src_rank = dev_alloc(4 * nr), *d_src_tok = dev_alloc(4 * nr), *d_rexp = dev_alloc(4 * nr * slots);
   float *d_rw = dev_alloc(4 * nr * slots);
   dev_poison(d_src_rank, 4 * nr);
   dev_poison(d_src_tok, 4 * nr);
   dev_poison(d_rexp, 4 * nr * slots);
   dev_poison(d_rw, 4 * nr * slots);
-  GX_OK(epx_handle_recv_source(hg, d_src_rank, d_src_tok));
-  GX_OK(epx_handle_recv_routing(hg, d_rexp, d_rw));
+  TU_OK(epx_handle_recv_source(hg, d_src_rank, d_src_tok));
+  TU_OK(epx_handle_recv_routing(hg, d_rexp, d_rw));
   CU(cudaStreamSynchronize(stream));
   int32_t *src_rank_g = host_copy(d_src_rank, 4 * nr), *src_tok_g = host_copy(d_src_tok, 4 * nr);
   int32_t *rexp_g = host_copy(d_rexp, 4 * nr * slots);
@@ -281,8 +231,8 @@ static void run_case(const gpu_case_t *c) {
   void *recv_c = tu_alloc(nbytes), *d_recv = dev_alloc(rbytes);
   tu_poison(recv_c, nbytes);
   dev_poison(d_recv, rbytes);
-  GX_OK(epx_dispatch(cpu, hc, x, recv_c, N));
-  GX_OK(epx_dispatch(gpu, hg, d_x, d_recv, R));
+  TU_OK(epx_dispatch(cpu, hc, x, recv_c, N));
+  TU_OK(epx_dispatch(gpu, hg, d_x, d_recv, R));
   CU(cudaStreamSynchronize(stream));
   void *recv_g = host_copy(d_recv, nbytes);
   expect_close("dispatch recv_x", c, c->dtype, recv_g, recv_c, N * H, tu_atol(c->dtype), tu_rtol(c->dtype));
@@ -296,9 +246,9 @@ static void run_case(const gpu_case_t *c) {
   tu_poison(out_c, tbytes);
   dev_poison(d_out, tbytes);
   dev_poison(d_out2, tbytes);
-  GX_OK(epx_combine(cpu, hc, eo, out_c));
-  GX_OK(epx_combine(gpu, hg, d_eo, d_out));
-  GX_OK(epx_combine(gpu, hg, d_eo, d_out2));
+  TU_OK(epx_combine(cpu, hc, eo, out_c));
+  TU_OK(epx_combine(gpu, hg, d_eo, d_out));
+  TU_OK(epx_combine(gpu, hg, d_eo, d_out2));
   CU(cudaStreamSynchronize(stream));
   void *out_g = host_copy(d_out, tbytes), *out_g2 = host_copy(d_out2, tbytes);
   expect_close("combine out", c, c->dtype, out_g, out_c, T * H, tu_atol(c->dtype), tu_rtol(c->dtype));
@@ -315,8 +265,8 @@ static void run_case(const gpu_case_t *c) {
   tu_poison(gw_c, 4 * tk);
   dev_poison(d_geo, rbytes);
   dev_poison(d_gw, 4 * tk);
-  GX_OK(epx_combine_backward(cpu, hc, go, wc ? eo : NULL, geo_c, wc ? gw_c : NULL));
-  GX_OK(epx_combine_backward(gpu, hg, d_go, wc ? d_eo : NULL, d_geo, wc ? d_gw : NULL));
+  TU_OK(epx_combine_backward(cpu, hc, go, wc ? eo : NULL, geo_c, wc ? gw_c : NULL));
+  TU_OK(epx_combine_backward(gpu, hg, d_go, wc ? d_eo : NULL, d_geo, wc ? d_gw : NULL));
   CU(cudaStreamSynchronize(stream));
   void *geo_g = host_copy(d_geo, nbytes);
   expect_close("combine_backward grad_expert_out", c, c->dtype, geo_g, geo_c, N * H, tu_atol(c->dtype),
@@ -338,9 +288,9 @@ static void run_case(const gpu_case_t *c) {
   dev_poison(d_gx, tbytes);
   dev_poison(d_gx2, tbytes);
   dev_poison(d_gw, 4 * tk);
-  GX_OK(epx_dispatch_backward(cpu, hc, grx, gx_c, wd ? x : NULL, wd ? gw_c : NULL));
-  GX_OK(epx_dispatch_backward(gpu, hg, d_grx, d_gx, wd ? d_x : NULL, wd ? d_gw : NULL));
-  GX_OK(epx_dispatch_backward(gpu, hg, d_grx, d_gx2, NULL, NULL));
+  TU_OK(epx_dispatch_backward(cpu, hc, grx, gx_c, wd ? x : NULL, wd ? gw_c : NULL));
+  TU_OK(epx_dispatch_backward(gpu, hg, d_grx, d_gx, wd ? d_x : NULL, wd ? d_gw : NULL));
+  TU_OK(epx_dispatch_backward(gpu, hg, d_grx, d_gx2, NULL, NULL));
   CU(cudaStreamSynchronize(stream));
   void *gx_g = host_copy(d_gx, tbytes), *gx_g2 = host_copy(d_gx2, tbytes);
   expect_close("dispatch_backward grad_x", c, c->dtype, gx_g, gx_c, T * H, tu_atol(c->dtype), tu_rtol(c->dtype));
@@ -351,11 +301,11 @@ static void run_case(const gpu_case_t *c) {
     tu_free(gw_g);
   }
 
-  GX_OK(epx_handle_release(hc));
-  GX_OK(epx_handle_release(hg));
-  GX_OK(epx_buffer_destroy(cpu));
-  GX_OK(epx_buffer_destroy(gpu));
-  GX_OK(epx_comm_destroy(comm));
+  TU_OK(epx_handle_release(hc));
+  TU_OK(epx_handle_release(hg));
+  TU_OK(epx_buffer_destroy(cpu));
+  TU_OK(epx_buffer_destroy(gpu));
+  TU_OK(epx_comm_destroy(comm));
   CU(cudaStreamSynchronize(stream));
   CU(cudaStreamDestroy(stream));
   void *dev[] = {d_idx, d_loc, d_w, d_cnt, d_off, d_src_rank, d_src_tok, d_rexp, d_rw, d_x, d_recv,
@@ -458,28 +408,28 @@ static void test_empty_batch(void **state) {
 
   /* Capacity, T = 0: E*C rows, all written with zeros. */
   epx_comm_t comm = NULL;
-  GX_OK(epx_comm_create_self(&comm));
+  TU_OK(epx_comm_create_self(&comm));
   gpu_case_t c = {EPX_BFLOAT16, EPX_LAYOUT_CAPACITY, EPX_WEIGHTS_IN_COMBINE, 8, 2, 1, 0, 64, 0, 33};
   epx_buffer_t gpu = make_buffer(comm, &c, 5, EPX_DEVICE_CUDA, NULL);
   epx_routing_t rg = {0, 2, NULL, NULL, NULL, EPX_WEIGHTS_IN_COMBINE};
   epx_handle_t hg = NULL;
-  GX_OK(epx_dispatch_layout(gpu, &rg, NULL, &hg));
+  TU_OK(epx_dispatch_layout(gpu, &rg, NULL, &hg));
   int64_t N = -1;
-  GX_OK(epx_handle_recv_rows(hg, &N));
+  TU_OK(epx_handle_recv_rows(hg, &N));
   assert_int_equal(N, 40);
   size_t bytes = (size_t)N * 64 * 2;
   void *d_recv = dev_alloc(bytes);
   dev_poison(d_recv, bytes);
-  GX_OK(epx_dispatch(gpu, hg, NULL, d_recv, N));
+  TU_OK(epx_dispatch(gpu, hg, NULL, d_recv, N));
   CU(cudaDeviceSynchronize());
   unsigned char *h = host_copy(d_recv, bytes);
   for (size_t i = 0; i < bytes; i++)
     if (h[i]) fail_msg("capacity slot byte %zu is %u, not zero", i, h[i]);
   tu_free(h);
   CU(cudaFree(d_recv));
-  GX_OK(epx_handle_release(hg));
-  GX_OK(epx_buffer_destroy(gpu));
-  GX_OK(epx_comm_destroy(comm));
+  TU_OK(epx_handle_release(hg));
+  TU_OK(epx_buffer_destroy(gpu));
+  TU_OK(epx_comm_destroy(comm));
 }
 
 /* Dispatch and combine captured in a CUDA graph and replayed on new inputs
@@ -494,7 +444,7 @@ static void test_graph_capture(void **state) {
     tu_rng_t rng = {c.seed};
     routing_t r = make_routing(&rng, &c);
     epx_comm_t comm = NULL;
-    GX_OK(epx_comm_create_self(&comm));
+    TU_OK(epx_comm_create_self(&comm));
     cudaStream_t stream;
     CU(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     epx_buffer_t cpu = make_buffer(comm, &c, 0, EPX_DEVICE_CPU, NULL);
@@ -505,10 +455,10 @@ static void test_graph_capture(void **state) {
     epx_routing_t rc = {c.T, c.K, r.idx, r.w, NULL, c.weighting};
     epx_routing_t rg = {c.T, c.K, d_idx, d_w, NULL, c.weighting};
     epx_handle_t hc = NULL, hg = NULL;
-    GX_OK(epx_dispatch_layout(cpu, &rc, NULL, &hc));
-    GX_OK(epx_dispatch_layout(gpu, &rg, NULL, &hg));
+    TU_OK(epx_dispatch_layout(cpu, &rc, NULL, &hc));
+    TU_OK(epx_dispatch_layout(gpu, &rg, NULL, &hg));
     int64_t N = 0;
-    GX_OK(epx_handle_recv_rows(hc, &N));
+    TU_OK(epx_handle_recv_rows(hc, &N));
     const int64_t R = hg->recv_rows;
     const size_t row_bytes = (size_t)c.H * 2, tbytes = (size_t)c.T * row_bytes;
     const size_t nbytes = (size_t)N * row_bytes, rbytes = (size_t)R * row_bytes;
@@ -517,8 +467,8 @@ static void test_graph_capture(void **state) {
     cudaGraph_t graph;
     cudaGraphExec_t exec;
     CU(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    GX_OK(epx_dispatch(gpu, hg, d_x, d_recv, R));
-    GX_OK(epx_combine(gpu, hg, d_eo, d_out));
+    TU_OK(epx_dispatch(gpu, hg, d_x, d_recv, R));
+    TU_OK(epx_combine(gpu, hg, d_eo, d_out));
     CU(cudaStreamEndCapture(stream, &graph));
     CU(cudaGraphInstantiate(&exec, graph, 0));
 
@@ -534,8 +484,8 @@ static void test_graph_capture(void **state) {
       CU(cudaStreamSynchronize(stream));
       tu_poison(recv_c, nbytes);
       tu_poison(out_c, tbytes);
-      GX_OK(epx_dispatch(cpu, hc, x, recv_c, N));
-      GX_OK(epx_combine(cpu, hc, eo, out_c));
+      TU_OK(epx_dispatch(cpu, hc, x, recv_c, N));
+      TU_OK(epx_combine(cpu, hc, eo, out_c));
       void *recv_g = host_copy(d_recv, nbytes), *out_g = host_copy(d_out, tbytes);
       expect_close("graph dispatch recv_x", &c, c.dtype, recv_g, recv_c, N * c.H, 0.0, 0.0);
       expect_close("graph combine out", &c, c.dtype, out_g, out_c, c.T * c.H, tu_atol(c.dtype), tu_rtol(c.dtype));
@@ -544,11 +494,11 @@ static void test_graph_capture(void **state) {
     }
     CU(cudaGraphExecDestroy(exec));
     CU(cudaGraphDestroy(graph));
-    GX_OK(epx_handle_release(hc));
-    GX_OK(epx_handle_release(hg));
-    GX_OK(epx_buffer_destroy(cpu));
-    GX_OK(epx_buffer_destroy(gpu));
-    GX_OK(epx_comm_destroy(comm));
+    TU_OK(epx_handle_release(hc));
+    TU_OK(epx_handle_release(hg));
+    TU_OK(epx_buffer_destroy(cpu));
+    TU_OK(epx_buffer_destroy(gpu));
+    TU_OK(epx_comm_destroy(comm));
     CU(cudaStreamSynchronize(stream));
     CU(cudaStreamDestroy(stream));
     void *dev[] = {d_idx, d_w, d_x, d_recv, d_eo, d_out};
@@ -606,7 +556,7 @@ static void check_bad_routing(bad_kind_t kind) {
            (long long)(bad / K));
 
   epx_comm_t comm = NULL;
-  GX_OK(epx_comm_create_self(&comm));
+  TU_OK(epx_comm_create_self(&comm));
   const size_t tk = (size_t)(c.T * K);
   int32_t *d_idx = dev_copy(r.idx, 4 * tk), *d_loc = dev_copy(r.loc, 4 * tk);
   float *d_w = dev_copy(r.w, 4 * tk);
@@ -617,22 +567,22 @@ static void check_bad_routing(bad_kind_t kind) {
   epx_buffer_t cpu = make_buffer(comm, &c, r.capacity, EPX_DEVICE_CPU, NULL);
   epx_buffer_t gpu = make_buffer(comm, &c, r.capacity, EPX_DEVICE_CUDA, NULL);
   epx_handle_t sentinel = (epx_handle_t)(uintptr_t)0x5a5a5a50u, hc = sentinel, hg = sentinel;
-  GX_REFUSED(epx_dispatch_layout(cpu, &rc, NULL, &hc), EPX_ERROR_INVALID_ARGUMENT, wanted);
+  TU_ASSERT_STATUS(epx_dispatch_layout(cpu, &rc, NULL, &hc), EPX_ERROR_INVALID_ARGUMENT, wanted);
   char cpu_message[512];
   snprintf(cpu_message, sizeof cpu_message, "%s", epx_last_error());
-  GX_REFUSED(epx_dispatch_layout(gpu, &rg, NULL, &hg), EPX_ERROR_INVALID_ARGUMENT, wanted);
+  TU_ASSERT_STATUS(epx_dispatch_layout(gpu, &rg, NULL, &hg), EPX_ERROR_INVALID_ARGUMENT, wanted);
   assert_string_equal(epx_last_error(), cpu_message);
   assert_ptr_equal(hc, sentinel);
   assert_ptr_equal(hg, sentinel);
-  GX_OK(epx_buffer_destroy(gpu));
+  TU_OK(epx_buffer_destroy(gpu));
 
   /* worst_case_sizing: accepted, the route dropped, reported later. */
   c.worst_case = 1;
   gpu = make_buffer(comm, &c, r.capacity, EPX_DEVICE_CUDA, NULL);
   hg = NULL;
-  GX_OK(epx_dispatch_layout(gpu, &rg, NULL, &hg));
+  TU_OK(epx_dispatch_layout(gpu, &rg, NULL, &hg));
   int64_t rows = -12345;
-  GX_REFUSED(epx_handle_recv_rows(hg, &rows), EPX_ERROR_INVALID_ARGUMENT, "worst_case_sizing");
+  TU_ASSERT_STATUS(epx_handle_recv_rows(hg, &rows), EPX_ERROR_INVALID_ARGUMENT, "worst_case_sizing");
   assert_int_equal(rows, -12345);
   assert_non_null(strstr(epx_last_error(), wanted));
 
@@ -642,11 +592,11 @@ static void check_bad_routing(bad_kind_t kind) {
   if (kind == TWO_ERRORS) clean[10 * K + 1] = -1;
   epx_routing_t rclean = {c.T, K, clean, r.w, capacity_layout ? r.loc : NULL, c.weighting};
   hc = NULL;
-  GX_OK(epx_dispatch_layout(cpu, &rclean, NULL, &hc));
+  TU_OK(epx_dispatch_layout(cpu, &rclean, NULL, &hc));
   int64_t N = 0, Ng = -1;
-  GX_OK(epx_handle_recv_rows(hc, &N));
+  TU_OK(epx_handle_recv_rows(hc, &N));
   const int64_t *d_rows = NULL;
-  GX_OK(epx_handle_recv_rows_device(hg, &d_rows));
+  TU_OK(epx_handle_recv_rows_device(hg, &d_rows));
   CU(cudaMemcpy(&Ng, d_rows, sizeof Ng, cudaMemcpyDeviceToHost));
   assert_int_equal(Ng, N);
   const size_t row_bytes = (size_t)c.H * 4, tbytes = (size_t)c.T * row_bytes, nbytes = (size_t)N * row_bytes;
@@ -656,17 +606,17 @@ static void check_bad_routing(bad_kind_t kind) {
   tu_poison(recv_c, nbytes);
   void *d_x = dev_copy(x, tbytes), *d_recv = dev_alloc((size_t)R * row_bytes);
   dev_poison(d_recv, (size_t)R * row_bytes);
-  GX_OK(epx_dispatch(cpu, hc, x, recv_c, N));
-  GX_OK(epx_dispatch(gpu, hg, d_x, d_recv, R));
+  TU_OK(epx_dispatch(cpu, hc, x, recv_c, N));
+  TU_OK(epx_dispatch(gpu, hg, d_x, d_recv, R));
   CU(cudaDeviceSynchronize());
   void *recv_g = host_copy(d_recv, nbytes);
   expect_close("dispatch of a dropped bad route", &c, c.dtype, recv_g, recv_c, N * c.H, 0.0, 0.0);
 
-  GX_OK(epx_handle_release(hc));
-  GX_OK(epx_handle_release(hg));
-  GX_OK(epx_buffer_destroy(cpu));
-  GX_OK(epx_buffer_destroy(gpu));
-  GX_OK(epx_comm_destroy(comm));
+  TU_OK(epx_handle_release(hc));
+  TU_OK(epx_handle_release(hg));
+  TU_OK(epx_buffer_destroy(cpu));
+  TU_OK(epx_buffer_destroy(gpu));
+  TU_OK(epx_comm_destroy(comm));
   void *dev[] = {d_idx, d_loc, d_w, d_x, d_recv};
   for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++) CU(cudaFree(dev[i]));
   tu_free(clean);

@@ -30,57 +30,10 @@
 
 #include <cuda_runtime_api.h>
 
-#include "testutil.h"
-
-#define CU(call)                                                                           \
-  do {                                                                                     \
-    cudaError_t cu_err_ = (call);                                                          \
-    if (cu_err_ != cudaSuccess) fail_msg("%s: %s", #call, cudaGetErrorString(cu_err_));    \
-  } while (0)
-
-/* testutil's TU_OK trips gcc's -Wnonnull with its literal NULL needle. */
-#define RT_OK(expr)                                                                        \
-  do {                                                                                     \
-    epx_status_t rt_status_ = (expr);                                                      \
-    if (rt_status_ != EPX_SUCCESS)                                                         \
-      fail_msg("%s returned %s: %s", #expr, epx_status_string(rt_status_), epx_last_error()); \
-  } while (0)
-
-#define RT_REFUSED(expr, expected, needle)                                                 \
-  do {                                                                                     \
-    epx_status_t rt_status_ = (expr);                                                      \
-    if (rt_status_ != (expected))                                                          \
-      fail_msg("%s returned %s, expected %s: %s", #expr, epx_status_string(rt_status_),    \
-               epx_status_string(expected), epx_last_error());                             \
-    if (!strstr(epx_last_error(), (needle)))                                               \
-      fail_msg("%s: message \"%s\" lacks \"%s\"", #expr, epx_last_error(), (needle));      \
-  } while (0)
-
-static int quick(void) {
-  const char *q = getenv("EPX_GPU_TEST_QUICK");
-  return q && *q && strcmp(q, "0") != 0;
-}
+#include "gpu_testutil.h"
 
 static const double W_ATOL = 1e-7, W_RTOL = 1e-5;
 static const double G_ATOL = 1e-5, G_RTOL = 1e-4; /* G_ATOL is relative to max|grad| */
-
-static void *dev_alloc(size_t bytes) {
-  void *p = NULL;
-  CU(cudaMalloc(&p, bytes ? bytes : 16));
-  return p;
-}
-
-static void *dev_copy(const void *host, size_t bytes) {
-  void *p = dev_alloc(bytes);
-  if (bytes) CU(cudaMemcpy(p, host, bytes, cudaMemcpyHostToDevice));
-  return p;
-}
-
-static void to_host(void *host, const void *dev, size_t bytes) {
-  if (bytes) CU(cudaMemcpy(host, dev, bytes, cudaMemcpyDeviceToHost));
-}
-
-static void dev_poison(void *p, size_t bytes) { CU(cudaMemset(p, 0xA5, bytes ? bytes : 16)); }
 
 /* Whether bytes of device memory still hold the poison. */
 static int dev_poisoned(const void *dev, size_t bytes) {
@@ -321,7 +274,7 @@ static void run_case(const route_case_t *c, uint64_t seed, cudaStream_t stream) 
   epx_route_config_t cpu_cfg = case_config(c, EPX_DEVICE_CPU, NULL);
   route_out_t ref = host_out(T, E, K);
   epx_route_output_t ref_out = as_output(c, &ref);
-  RT_OK(epx_route(&cpu_cfg, T, logits, bias, &ref_out));
+  TU_OK(epx_route(&cpu_cfg, T, logits, bias, &ref_out));
 
   /* GPU, twice. */
   epx_route_config_t gpu_cfg = case_config(c, EPX_DEVICE_CUDA, stream);
@@ -333,7 +286,7 @@ static void run_case(const route_case_t *c, uint64_t seed, cudaStream_t stream) 
     got[run] = host_out(T, E, K);
     dev_out_poison(&dev, T, E, K);
     epx_route_output_t out = as_output(c, &dev);
-    RT_OK(epx_route(&gpu_cfg, T, d_logits, d_bias, &out));
+    TU_OK(epx_route(&gpu_cfg, T, d_logits, d_bias, &out));
     CU(cudaStreamSynchronize(stream));
     dev.capacity = out.capacity;
     dev.nonfinite = out.nonfinite_tokens;
@@ -368,14 +321,14 @@ static void run_case(const route_case_t *c, uint64_t seed, cudaStream_t stream) 
     for (size_t i = 0; i < routes; i++) gw[i] = tu_normal(&rng);
   float *ref_grad = tu_alloc(4 * (cells ? cells : 1));
   tu_poison(ref_grad, 4 * cells);
-  RT_OK(epx_route_backward(&cpu_cfg, T, logits, bias, ref.idx, gw, c->ga, c->gz, ref_grad));
+  TU_OK(epx_route_backward(&cpu_cfg, T, logits, bias, ref.idx, gw, c->ga, c->gz, ref_grad));
   float *d_gw = gw ? dev_copy(gw, 4 * routes) : NULL;
   float *d_grad = dev_alloc(4 * cells);
   float *grad[2];
   for (int run = 0; run < 2; run++) {
     grad[run] = tu_alloc(4 * (cells ? cells : 1));
     dev_poison(d_grad, 4 * cells);
-    RT_OK(epx_route_backward(&gpu_cfg, T, d_logits, d_bias, dev.idx, d_gw, c->ga, c->gz, d_grad));
+    TU_OK(epx_route_backward(&gpu_cfg, T, d_logits, d_bias, dev.idx, d_gw, c->ga, c->gz, d_grad));
     CU(cudaStreamSynchronize(stream));
     to_host(grad[run], d_grad, 4 * cells);
   }
@@ -504,7 +457,7 @@ static void test_nonfinite_error(void **state) {
     route_out_t dev = dev_out(T, E, K);
     dev_out_poison(&dev, T, E, K);
     epx_route_output_t out = as_output(&c, &dev);
-    RT_REFUSED(epx_route(&cfg, T, d_logits, NULL, &out), EPX_ERROR_INVALID_ARGUMENT, "token 7 ");
+    TU_ASSERT_STATUS(epx_route(&cfg, T, d_logits, NULL, &out), EPX_ERROR_INVALID_ARGUMENT, "token 7 ");
     CU(cudaDeviceSynchronize());
     if (out.capacity != -7 || out.nonfinite_tokens != -7)
       fail_msg("mode %d: a refused epx_route changed output->capacity or nonfinite_tokens", mode);
@@ -521,7 +474,7 @@ static void test_nonfinite_error(void **state) {
     float *d_grad = dev_alloc(4 * (size_t)(T * E));
     for (int losses = 0; losses < 2; losses++) {
       dev_poison(d_grad, 4 * (size_t)(T * E));
-      RT_REFUSED(epx_route_backward(&cfg, T, d_logits, NULL, d_idx, NULL, losses ? 1.0f : 0.0f,
+      TU_ASSERT_STATUS(epx_route_backward(&cfg, T, d_logits, NULL, d_idx, NULL, losses ? 1.0f : 0.0f,
                                     losses ? 1.0f : 0.0f, d_grad),
                  EPX_ERROR_INVALID_ARGUMENT, "token 7 ");
       if (!dev_poisoned(d_grad, 4 * (size_t)(T * E)))
@@ -547,7 +500,7 @@ static void test_empty(void **state) {
   route_out_t dev = dev_out(1, E, K);
   dev_out_poison(&dev, 1, E, K);
   epx_route_output_t out = as_output(&c, &dev);
-  RT_OK(epx_route(&cfg, 0, NULL, NULL, &out));
+  TU_OK(epx_route(&cfg, 0, NULL, NULL, &out));
   CU(cudaDeviceSynchronize());
   if (out.capacity != 3 || out.nonfinite_tokens != -1)
     fail_msg("empty batch: capacity %d (expected 3), nonfinite_tokens %lld (expected -1)",
@@ -565,9 +518,9 @@ static void test_empty(void **state) {
     fail_msg("empty batch: routes were written");
   c.capacity = 0;
   cfg = case_config(&c, EPX_DEVICE_CUDA, NULL);
-  RT_OK(epx_route(&cfg, 0, NULL, NULL, &out));
+  TU_OK(epx_route(&cfg, 0, NULL, NULL, &out));
   if (out.capacity != 0) fail_msg("empty dropless batch: capacity %d", out.capacity);
-  RT_OK(epx_route_backward(&cfg, 0, NULL, NULL, dev.idx, NULL, 1.0f, 1.0f, dev.w));
+  TU_OK(epx_route_backward(&cfg, 0, NULL, NULL, dev.idx, NULL, 1.0f, 1.0f, dev.w));
   CU(cudaDeviceSynchronize());
   out_free(&dev, 1);
 }
@@ -589,12 +542,12 @@ static void test_backward_in_place(void **state) {
   epx_route_config_t cpu_cfg = case_config(&c, EPX_DEVICE_CPU, NULL);
   route_out_t h = host_out(T, E, K);
   epx_route_output_t out = as_output(&c, &h);
-  RT_OK(epx_route(&cpu_cfg, T, logits, NULL, &out));
-  RT_OK(epx_route_backward(&cpu_cfg, T, logits, NULL, h.idx, gw, 0.5f, 0.5f, ref));
+  TU_OK(epx_route(&cpu_cfg, T, logits, NULL, &out));
+  TU_OK(epx_route_backward(&cpu_cfg, T, logits, NULL, h.idx, gw, 0.5f, 0.5f, ref));
   epx_route_config_t cfg = case_config(&c, EPX_DEVICE_CUDA, NULL);
   float *d_logits = dev_copy(logits, 4 * cells), *d_gw = dev_copy(gw, 4 * routes);
   int32_t *d_idx = dev_copy(h.idx, 4 * routes);
-  RT_OK(epx_route_backward(&cfg, T, d_logits, NULL, d_idx, d_gw, 0.5f, 0.5f, d_logits));
+  TU_OK(epx_route_backward(&cfg, T, d_logits, NULL, d_idx, d_gw, 0.5f, 0.5f, d_logits));
   to_host(got, d_logits, 4 * cells);
   expect_close("in place", "grad_logits", got, ref, (int64_t)cells,
                G_ATOL * max_abs(ref, (int64_t)cells) + 1e-30, G_RTOL);
@@ -636,9 +589,9 @@ static void test_time(void **state) {
     epx_route_config_t cfg = case_config(&c, EPX_DEVICE_CUDA, stream);
     epx_route_output_t out = as_output(&c, &dev);
     const int reps = 200;
-    for (int i = 0; i < 10; i++) RT_OK(epx_route(&cfg, T, d_logits, d_bias, &out));
+    for (int i = 0; i < 10; i++) TU_OK(epx_route(&cfg, T, d_logits, d_bias, &out));
     CU(cudaEventRecord(start, stream));
-    for (int i = 0; i < reps; i++) RT_OK(epx_route(&cfg, T, d_logits, d_bias, &out));
+    for (int i = 0; i < reps; i++) TU_OK(epx_route(&cfg, T, d_logits, d_bias, &out));
     CU(cudaEventRecord(stop, stream));
     CU(cudaEventSynchronize(stop));
     float ms = 0.0f;

@@ -9,27 +9,7 @@
 
 #include <cuda_runtime_api.h>
 
-#include "testutil.h"
-
-#define CU(call)                                                                        \
-  do {                                                                                  \
-    cudaError_t cu_err_ = (call);                                                       \
-    if (cu_err_ != cudaSuccess) fail_msg("%s: %s", #call, cudaGetErrorString(cu_err_)); \
-  } while (0)
-
-#define GW_OK(expr)                                                                           \
-  do {                                                                                        \
-    epx_status_t gw_status_ = (expr);                                                         \
-    if (gw_status_ != EPX_SUCCESS)                                                            \
-      fail_msg("%s returned %s: %s", #expr, epx_status_string(gw_status_), epx_last_error()); \
-  } while (0)
-
-static void *dev_copy(const void *host, size_t bytes) {
-  void *p = NULL;
-  CU(cudaMalloc(&p, bytes ? bytes : 16));
-  if (bytes) CU(cudaMemcpy(p, host, bytes, cudaMemcpyHostToDevice));
-  return p;
-}
+#include "gpu_testutil.h"
 
 /* grad_w of one buffer: recv_routing and recv_source read back from the
  * handle, the gradient of each received (row, slot) set to an encoding of its
@@ -40,7 +20,7 @@ static void weights_back(epx_device_t device, epx_layout_t layout, int64_t T, in
   epx_comm_t comm = NULL;
   epx_buffer_t buf = NULL;
   epx_handle_t h = NULL;
-  GW_OK(epx_comm_create_self(&comm));
+  TU_OK(epx_comm_create_self(&comm));
   epx_buffer_config_t c = EPX_BUFFER_CONFIG_INIT;
   c.device = device;
   c.hidden = H;
@@ -49,16 +29,16 @@ static void weights_back(epx_device_t device, epx_layout_t layout, int64_t T, in
   c.layout = layout;
   c.capacity = capacity;
   c.expert_alignment = 4;
-  GW_OK(epx_buffer_create(comm, &c, &buf));
+  TU_OK(epx_buffer_create(comm, &c, &buf));
   size_t tk = sizeof(int32_t) * (size_t)(T * K);
   const int on_gpu = device == EPX_DEVICE_CUDA;
   const int32_t *r_idx = on_gpu ? dev_copy(idx, tk) : idx;
   const float *r_w = on_gpu ? dev_copy(w, tk) : w;
   const int32_t *r_loc = on_gpu ? dev_copy(loc, tk) : loc;
   epx_routing_t r = {T, K, r_idx, r_w, layout == EPX_LAYOUT_CAPACITY ? r_loc : NULL, EPX_WEIGHTS_NONE};
-  GW_OK(epx_dispatch_layout(buf, &r, NULL, &h));
+  TU_OK(epx_dispatch_layout(buf, &r, NULL, &h));
   int64_t N = 0;
-  GW_OK(epx_handle_recv_rows(h, &N));
+  TU_OK(epx_handle_recv_rows(h, &N));
   const int32_t slots = layout == EPX_LAYOUT_RANK_MAJOR ? K : 1;
   size_t n_rs = (size_t)(N * slots) + 1;
   int32_t *src_token = calloc((size_t)N + 1, sizeof(int32_t)), *recv_expert = calloc(n_rs, sizeof(int32_t));
@@ -67,15 +47,15 @@ static void weights_back(epx_device_t device, epx_layout_t layout, int64_t T, in
     int32_t *d_tok = NULL, *d_exp = NULL;
     CU(cudaMalloc((void **)&d_tok, sizeof(int32_t) * ((size_t)N + 1)));
     CU(cudaMalloc((void **)&d_exp, sizeof(int32_t) * n_rs));
-    GW_OK(epx_handle_recv_source(h, NULL, d_tok));
-    GW_OK(epx_handle_recv_routing(h, d_exp, NULL));
+    TU_OK(epx_handle_recv_source(h, NULL, d_tok));
+    TU_OK(epx_handle_recv_routing(h, d_exp, NULL));
     CU(cudaMemcpy(src_token, d_tok, sizeof(int32_t) * (size_t)N, cudaMemcpyDeviceToHost));
     CU(cudaMemcpy(recv_expert, d_exp, sizeof(int32_t) * (size_t)(N * slots), cudaMemcpyDeviceToHost));
     CU(cudaFree(d_tok));
     CU(cudaFree(d_exp));
   } else {
-    GW_OK(epx_handle_recv_source(h, NULL, src_token));
-    GW_OK(epx_handle_recv_routing(h, recv_expert, NULL));
+    TU_OK(epx_handle_recv_source(h, NULL, src_token));
+    TU_OK(epx_handle_recv_routing(h, recv_expert, NULL));
   }
   for (int64_t i = 0; i < N * slots; i++) {
     int32_t e = recv_expert[i];
@@ -86,7 +66,7 @@ static void weights_back(epx_device_t device, epx_layout_t layout, int64_t T, in
     float *d_grad_recv_w = dev_copy(grad_recv_w, sizeof(float) * n_rs), *d_grad_w = NULL;
     CU(cudaMalloc((void **)&d_grad_w, gw_bytes + 16));
     CU(cudaMemset(d_grad_w, 0xA5, gw_bytes + 16));
-    GW_OK(epx_weights_backward(buf, h, d_grad_recv_w, d_grad_w));
+    TU_OK(epx_weights_backward(buf, h, d_grad_recv_w, d_grad_w));
     CU(cudaMemcpy(grad_w, d_grad_w, gw_bytes, cudaMemcpyDeviceToHost));
     CU(cudaFree(d_grad_recv_w));
     CU(cudaFree(d_grad_w));
@@ -95,11 +75,11 @@ static void weights_back(epx_device_t device, epx_layout_t layout, int64_t T, in
     CU(cudaFree((void *)r_loc));
   } else {
     tu_poison(grad_w, gw_bytes);
-    GW_OK(epx_weights_backward(buf, h, grad_recv_w, grad_w));
+    TU_OK(epx_weights_backward(buf, h, grad_recv_w, grad_w));
   }
-  GW_OK(epx_handle_release(h));
-  GW_OK(epx_buffer_destroy(buf));
-  GW_OK(epx_comm_destroy(comm));
+  TU_OK(epx_handle_release(h));
+  TU_OK(epx_buffer_destroy(buf));
+  TU_OK(epx_comm_destroy(comm));
   free(src_token);
   free(recv_expert);
   free(grad_recv_w);
