@@ -249,6 +249,30 @@ epx_status_t epx_comm_create_local(epx_local_world_t world, int32_t rank, epx_co
 epx_status_t epx_comm_create_mpi(const void *mpi_comm, const epx_comm_config_t *config,
                                  epx_comm_t *comm);
 
+/* The NCCL transport (builds with EPX_BUILD_CUDA and NCCL; else every call
+ * below returns EPX_ERROR_UNSUPPORTED and epx_has_nccl() is 0). One process
+ * per GPU; CUDA buffers over such a comm exchange on the GPU.
+ * epx_nccl_unique_id_t holds the bytes of an ncclUniqueId. */
+int epx_has_nccl(void);
+typedef struct epx_nccl_unique_id {
+  char bytes[128];
+} epx_nccl_unique_id_t;
+/* A fresh id (on one rank; share it with the others, then every rank calls
+ * epx_comm_create_nccl_id). */
+epx_status_t epx_nccl_get_unique_id(epx_nccl_unique_id_t *id);
+/* Collective: creates its own ncclComm_t of `size` ranks on the current CUDA
+ * device. */
+epx_status_t epx_comm_create_nccl_id(const epx_nccl_unique_id_t *id, int32_t rank, int32_t size,
+                                     const epx_comm_config_t *config, epx_comm_t *comm);
+/* Over a caller's ncclComm_t (passed as void *; the caller keeps ownership
+ * and must keep it alive longer than the comm). */
+epx_status_t epx_comm_create_nccl(void *nccl_comm, const epx_comm_config_t *config,
+                                  epx_comm_t *comm);
+/* For C programs under mpirun: rank 0 makes the id, MPI shares it over
+ * *mpi_comm (an MPI_Comm), every rank creates the NCCL comm (collective). */
+epx_status_t epx_comm_create_nccl_mpi(const void *mpi_comm, const epx_comm_config_t *config,
+                                      epx_comm_t *comm);
+
 /* Collective for local and MPI comms (a barrier then release). A failed comm
  * (after a timeout or a peer's failure) is released without synchronising.
  * Once accepted, destroy always releases this rank's comm; it is refused
@@ -287,6 +311,22 @@ typedef enum epx_layout {
   EPX_LAYOUT_CAPACITY = 2
 } epx_layout_t;
 
+/* How dedup combine carries a token's per-rank partial sums
+ * P(t, r) = sum over the token's k-slots on rank r, in k order, of
+ * w[t,k] * expert_out(t,k) (float32). Both are deterministic and give the
+ * same bits in both exchanges (the collective forms and rounds the same
+ * per-rank partials). */
+typedef enum epx_combine_precision {
+  /* P(t, r) travels as float32: exact, the default (the result is rounded
+   * once, so combine equals the dense float32 reference to one rounding),
+   * at twice the bytes of a 16-bit payload. */
+  EPX_COMBINE_PARTIALS_FLOAT32 = 0,
+  /* P(t, r) is rounded once to the payload dtype (DeepEP's bytes), then the
+   * partials are summed over ranks in ascending rank order in float32 and
+   * rounded once more. Same as FLOAT32 for float32 payloads. */
+  EPX_COMBINE_PARTIALS_PAYLOAD = 1
+} epx_combine_precision_t;
+
 typedef enum epx_weighting {
   EPX_WEIGHTS_IN_COMBINE = 0, /* out[t] = sum_k w[t,k] * expert_out(t,k); combine_backward gives grad_w */
   EPX_WEIGHTS_IN_DISPATCH = 1,/* recv row (t,k) = w[t,k] * x[t]; dispatch_backward gives grad_w */
@@ -319,12 +359,14 @@ typedef struct epx_buffer_config {
    * EPX_ERROR_INVALID_ARGUMENT. */
   int32_t worst_case_sizing;
   void *stream;               /* cudaStream_t for EPX_DEVICE_CUDA */
+  epx_combine_precision_t combine_precision;
 } epx_buffer_config_t;
 
 #define EPX_BUFFER_CONFIG_INIT                                                         \
   {                                                                                    \
     sizeof(epx_buffer_config_t), EPX_CONFIG_VERSION, EPX_DEVICE_CPU, EPX_FLOAT32, 0, 0, \
-        0, 0, 256, EPX_EXCHANGE_DEDUP, EPX_LAYOUT_EXPERT_MAJOR, 1, 0, 0, NULL           \
+        0, 0, 256, EPX_EXCHANGE_DEDUP, EPX_LAYOUT_EXPERT_MAJOR, 1, 0, 0, NULL,          \
+        EPX_COMBINE_PARTIALS_FLOAT32                                                   \
   }
 
 /* Creates a buffer over comm (collective). The configs of all ranks are

@@ -246,11 +246,12 @@ class BufferConfig(_Config):
         ("capacity", ctypes.c_int32),
         ("worst_case_sizing", ctypes.c_int32),
         ("stream", ctypes.c_void_p),
+        ("combine_precision", _enum),
     ]
     _defaults = dict(device=Device.CPU, dtype=DType.FLOAT32, hidden=0, num_experts=0, max_top_k=0,
                      max_tokens_per_rank=0, max_tokens_rounding=256, exchange=Exchange.DEDUP,
                      layout=Layout.EXPERT_MAJOR, expert_alignment=1, capacity=0,
-                     worst_case_sizing=0, stream=None)
+                     worst_case_sizing=0, stream=None, combine_precision=0)
 
 
 class Routing(ctypes.Structure):
