@@ -15,7 +15,6 @@
 /* Gradients: float32 results against float64 central differences. */
 #define G_ATOL 1e-6
 #define G_RTOL 1e-4
-#define FD_STEP 1e-5
 
 /* testutil's TU_OK passes a literal NULL needle that gcc's -Wnonnull rejects
  * inside strstr; this one checks success the same way without it. */
@@ -124,11 +123,10 @@ static void assert_spare_untouched(const outs *o, const char *what) {
 }
 
 /* ------------------------------------------------------------------------ */
-/* The float64 reference, written from the spec                              */
+/* The float64 reference of the library (epx_reference_route)                */
 /* ------------------------------------------------------------------------ */
 
 typedef struct ref_t {
-  int32_t *chosen; /* [T, K] selection before dropping; -1 for non-finite tokens */
   int32_t *idx, *loc, *counts;
   double *w;
   double aux, z;
@@ -136,177 +134,36 @@ typedef struct ref_t {
   int64_t nonfinite;
 } ref_t;
 
-static void ref_scores(const epx_route_config_t *c, const double *row, double *p) {
-  const int32_t E = c->num_experts;
-  if (c->score_fn == EPX_SCORE_SIGMOID) {
-    for (int32_t e = 0; e < E; e++) p[e] = 1.0 / (1.0 + exp(-row[e]));
-    return;
-  }
-  double max = row[0], sum = 0;
-  for (int32_t e = 1; e < E; e++) max = fmax(max, row[e]);
-  for (int32_t e = 0; e < E; e++) sum += exp(row[e] - max);
-  for (int32_t e = 0; e < E; e++) p[e] = exp(row[e] - max) / sum;
-}
-
-static double ref_logsumexp(const double *row, int32_t E) {
-  double max = row[0], sum = 0;
-  for (int32_t e = 1; e < E; e++) max = fmax(max, row[e]);
-  for (int32_t e = 0; e < E; e++) sum += exp(row[e] - max);
-  return max + log(sum);
-}
-
-/* q of the aux loss: p for softmax, p / sum(p) for sigmoid. */
-static void ref_aux_q(const epx_route_config_t *c, const double *p, double *q) {
-  double total = 0;
-  for (int32_t e = 0; e < c->num_experts; e++) total += p[e];
-  for (int32_t e = 0; e < c->num_experts; e++)
-    q[e] = c->score_fn == EPX_SCORE_SIGMOID ? p[e] / total : p[e];
-}
-
-/* Index of the largest v[i] among mask[i] (first on ties), or -1. */
-static int32_t ref_argmax(const double *v, const int *mask, int32_t n) {
-  int32_t best = -1;
-  for (int32_t i = 0; i < n; i++)
-    if (mask[i] && (best < 0 || v[i] > v[best])) best = i;
-  return best;
-}
-
-static void ref_select(const epx_route_config_t *c, const double *p, const float *bias,
-                       int32_t *chosen) {
-  const int32_t E = c->num_experts, K = c->top_k;
-  double s[1024], gscore[1024];
-  int allowed[1024], gmask[1024];
-  for (int32_t e = 0; e < E; e++) {
-    s[e] = p[e] + (bias ? bias[e] : 0.0);
-    allowed[e] = 1;
-  }
-  if (c->num_groups > 1) {
-    const int32_t G = c->num_groups, size = E / G;
-    for (int32_t g = 0; g < G; g++) {
-      int in_group[1024] = {0};
-      for (int32_t i = 0; i < size; i++) in_group[g * size + i] = 1;
-      const int32_t first = ref_argmax(s, in_group, E);
-      in_group[first] = 0;
-      const int32_t second = ref_argmax(s, in_group, E);
-      gscore[g] = s[first] + (second >= 0 ? s[second] : 0.0);
-      gmask[g] = 1;
-    }
-    int kept[1024] = {0};
-    for (int32_t i = 0; i < c->topk_groups; i++) {
-      const int32_t g = ref_argmax(gscore, gmask, G);
-      kept[g] = 1;
-      gmask[g] = 0;
-    }
-    for (int32_t e = 0; e < E; e++) allowed[e] = kept[e / size];
-  }
-  for (int32_t k = 0; k < K; k++) {
-    chosen[k] = ref_argmax(s, allowed, E);
-    allowed[chosen[k]] = 0;
-  }
-}
-
 static void ref_route(const epx_route_config_t *c, int64_t T, const float *logits,
                       const float *bias, ref_t *r) {
-  const int32_t E = c->num_experts, K = c->top_k;
-  const int64_t routes = T * K;
-  r->chosen = tu_alloc(sizeof(int32_t) * (size_t)(routes + 1));
+  const int64_t routes = T * c->top_k;
   r->idx = tu_alloc(sizeof(int32_t) * (size_t)(routes + 1));
   r->loc = tu_alloc(sizeof(int32_t) * (size_t)(routes + 1));
   r->w = tu_alloc(sizeof(double) * (size_t)(routes + 1));
-  r->counts = tu_alloc(sizeof(int32_t) * (size_t)E);
-  double row[1024], p[1024], q[1024], qsum[1024] = {0}, zsum = 0;
+  r->counts = tu_alloc(sizeof(int32_t) * (size_t)c->num_experts);
+  ROUTE_OK(epx_reference_route(c, T, logits, bias, r->idx, r->w, r->loc, r->counts, &r->aux,
+                               &r->z, &r->capacity));
   r->nonfinite = 0;
   for (int64_t t = 0; t < T; t++) {
     int finite = 1;
-    for (int32_t e = 0; e < E; e++) {
-      row[e] = logits[t * E + e];
-      finite &= isfinite(row[e]) != 0;
-    }
-    int32_t *ch = r->chosen + t * K;
-    if (!finite) {
-      r->nonfinite++;
-      for (int32_t k = 0; k < K; k++) ch[k] = -1, r->w[t * K + k] = 0;
-      continue;
-    }
-    ref_scores(c, row, p);
-    ref_select(c, p, bias, ch);
-    double sum = 0;
-    for (int32_t k = 0; k < K; k++) sum += p[ch[k]];
-    for (int32_t k = 0; k < K; k++)
-      r->w[t * K + k] = p[ch[k]] / (c->renormalize ? sum : 1.0) * c->scaling_factor;
-    ref_aux_q(c, p, q);
-    for (int32_t e = 0; e < E; e++) qsum[e] += q[e];
-    const double lse = ref_logsumexp(row, E);
-    zsum += lse * lse;
+    for (int32_t e = 0; e < c->num_experts; e++) finite &= isfinite(logits[t * c->num_experts + e]) != 0;
+    r->nonfinite += !finite && (!c->token_mask || c->token_mask[t]);
   }
-  /* Queue order, then positions from a running count per expert. */
-  int64_t *queue = tu_alloc(sizeof(int64_t) * (size_t)(routes + 1));
-  int64_t n = 0;
-  if (c->queue_order == EPX_QUEUE_BY_CHOICE) {
-    for (int32_t k = 0; k < K; k++)
-      for (int64_t t = 0; t < T; t++) queue[n++] = t * K + k;
-  } else {
-    for (int64_t t = 0; t < T; t++)
-      for (int32_t k = 0; k < K; k++) queue[n++] = t * K + k;
-  }
-  memset(r->counts, 0, sizeof(int32_t) * (size_t)E);
-  for (int64_t i = 0; i < routes; i++) {
-    const int64_t route = queue[i];
-    r->idx[route] = r->chosen[route];
-    r->loc[route] = r->chosen[route] < 0 ? -1 : r->counts[r->chosen[route]]++;
-  }
-  r->capacity = 0;
-  if (c->capacity_mode) {
-    double cap = ceil((double)K * (double)T / E * c->capacity_factor);
-    r->capacity = (int32_t)fmax(cap, c->min_capacity);
-    for (int32_t e = 0; e < E; e++) {
-      /* The routes of e in queue order; keep C of them by the drop policy. */
-      int64_t *mine = tu_alloc(sizeof(int64_t) * (size_t)(T + 1));
-      int *keep = tu_alloc(sizeof(int) * (size_t)(T + 1));
-      int64_t m = 0;
-      for (int64_t i = 0; i < routes; i++)
-        if (r->chosen[queue[i]] == e) mine[m++] = queue[i];
-      if (c->drop_policy == EPX_DROP_BY_POSITION) {
-        for (int64_t i = 0; i < m; i++) keep[i] = i < r->capacity;
-      } else {
-        for (int64_t j = 0; j < m && j < r->capacity; j++) {
-          int64_t best = -1;
-          for (int64_t i = 0; i < m; i++)
-            if (!keep[i] && (best < 0 || r->w[mine[i]] > r->w[mine[best]])) best = i;
-          keep[best] = 1;
-        }
-      }
-      int32_t slot = 0;
-      for (int64_t i = 0; i < m; i++) {
-        if (keep[i]) {
-          r->loc[mine[i]] = slot++;
-        } else {
-          r->idx[mine[i]] = -1;
-          r->loc[mine[i]] = -1;
-          r->w[mine[i]] = 0;
-        }
-      }
-      tu_free(mine);
-      tu_free(keep);
-    }
-  }
-  const int64_t valid = T - r->nonfinite;
-  r->aux = r->z = 0;
-  if (valid > 0) {
-    for (int32_t e = 0; e < E; e++)
-      r->aux += (double)r->counts[e] / ((double)valid * K) * qsum[e] / (double)valid;
-    r->aux *= (double)c->aux_loss_coeff * E;
-    r->z = c->z_loss_coeff * zsum / (double)valid;
-  }
-  tu_free(queue);
 }
 
 static void ref_free(ref_t *r) {
-  tu_free(r->chosen);
   tu_free(r->idx);
   tu_free(r->loc);
   tu_free(r->w);
   tu_free(r->counts);
+}
+
+/* softmax of a row in float64, for the hand-worked checks. */
+static void softmax64(const double *row, int32_t E, double *p) {
+  double max = row[0], sum = 0;
+  for (int32_t e = 1; e < E; e++) max = fmax(max, row[e]);
+  for (int32_t e = 0; e < E; e++) sum += exp(row[e] - max);
+  for (int32_t e = 0; e < E; e++) p[e] = exp(row[e] - max) / sum;
 }
 
 static int close_enough(double got, double want, double atol, double rtol) {
@@ -484,7 +341,7 @@ static void test_route_group_limited(void **state) {
   for (int64_t t = 0; t < T; t++) {
     double row[32], p[32], gscore[8];
     for (int32_t e = 0; e < E; e++) row[e] = l[t * E + e];
-    ref_scores(&c, row, p);
+    softmax64(row, c.num_experts, p);
     for (int32_t g = 0; g < G; g++) {
       double s[4];
       for (int32_t i = 0; i < size; i++) s[i] = p[g * size + i] + bias[g * size + i];
@@ -592,7 +449,7 @@ static void check_capacity_case(epx_queue_order_t order, epx_drop_policy_t drop,
                order, drop, i / 2, i % 2, o.idx[i], o.loc[i], want_idx[i], want_loc[i]);
     double row[4], p[4];
     for (int e = 0; e < 4; e++) row[e] = capacity_logits[(i / 2) * 4 + e];
-    ref_scores(&c, row, p);
+    softmax64(row, c.num_experts, p);
     const double w = want_idx[i] < 0 ? 0.0 : p[want_idx[i]];
     if (!close_enough(o.w[i], w, W_ATOL, W_RTOL))
       fail_msg("order %d drop %d: topk_w[%d] is %g, expected %g", order, drop, i, o.w[i], w);
@@ -873,75 +730,81 @@ static void test_route_large_logits(void **state) {
 /* Gradients against central differences                                     */
 /* ------------------------------------------------------------------------ */
 
-/* Token t's part of L = sum_k gw[k] w_k + ga aux + gz z, with the selection
- * fixed (chosen, pre-drop) and f_e of the aux loss constant. */
-static double ref_token_loss(const epx_route_config_t *c, const double *row, const int32_t *chosen,
-                             const int32_t *fwd_idx, const float *gw, const double *f,
-                             int64_t valid, double ga, double gz) {
-  const int32_t E = c->num_experts, K = c->top_k;
-  double p[1024], q[1024], loss = 0;
-  ref_scores(c, row, p);
-  if (gw) {
-    double sum = 0;
-    for (int32_t k = 0; k < K; k++) sum += p[chosen[k]];
-    for (int32_t k = 0; k < K; k++)
-      if (fwd_idx[k] >= 0)
-        loss += gw[k] * c->scaling_factor * p[chosen[k]] / (c->renormalize ? sum : 1.0);
+/* The reference's loss L = sum_t,k gw[t,k] w[t,k] + ga aux + gz z (float64),
+ * the selection recomputed from the perturbed logits; NAN when the step
+ * changed a discrete result (an expert, location or count), where L has no
+ * derivative. */
+static double ref_loss(const epx_route_config_t *c, int64_t T, const float *logits,
+                       const float *bias, const float *gw, double ga, double gz,
+                       const ref_t *base) {
+  ref_t r;
+  ref_route(c, T, logits, bias, &r);
+  double loss = ga * r.aux + gz * r.z;
+  int same = 1;
+  for (int64_t i = 0; i < T * c->top_k; i++) {
+    if (gw) loss += gw[i] * r.w[i];
+    same &= r.idx[i] == base->idx[i] && r.loc[i] == base->loc[i];
   }
-  ref_aux_q(c, p, q);
-  for (int32_t e = 0; e < E; e++)
-    loss += ga * c->aux_loss_coeff * E * f[e] * q[e] / (double)valid;
-  const double lse = ref_logsumexp(row, E);
-  loss += gz * c->z_loss_coeff * lse * lse / (double)valid;
-  return loss;
+  for (int32_t e = 0; e < c->num_experts; e++) same &= r.counts[e] == base->counts[e];
+  ref_free(&r);
+  return same ? loss : NAN;
 }
 
-/* Runs forward and backward, compares grad_logits with central differences;
- * returns max |grad_logits|. */
+/* Runs forward and backward: grad_logits against the reference's gradient,
+ * and the reference's gradient against central differences of its own
+ * forward (float64 logits steps through a float copy, so the step is
+ * float-exact); returns max |grad_logits|. */
 static double check_gradient(const epx_route_config_t *c, int64_t T, const float *logits,
                              const float *bias, const float *gw, float ga, float gz,
                              const char *label) {
-  const int32_t E = c->num_experts, K = c->top_k;
+  const int32_t E = c->num_experts;
   outs o;
-  ref_t r;
-  outs_alloc(&o, T, E, K);
+  outs_alloc(&o, T, E, c->top_k);
   ROUTE_OK(epx_route(c, T, logits, bias, &o.out));
-  ref_route(c, T, logits, bias, &r);
-  for (int64_t i = 0; i < T * K; i++)
-    if (o.idx[i] != r.idx[i]) fail_msg("%s: forward differs from the reference", label);
   float *grad = tu_alloc(sizeof(float) * (size_t)(T * E));
+  double *want = tu_alloc(sizeof(double) * (size_t)(T * E));
+  float *moved = tu_alloc(sizeof(float) * (size_t)(T * E));
+  memcpy(moved, logits, sizeof(float) * (size_t)(T * E));
   tu_poison(grad, sizeof(float) * (size_t)(T * E));
   ROUTE_OK(epx_route_backward(c, T, logits, bias, o.idx, gw, ga, gz, grad));
-  const int64_t valid = T - r.nonfinite;
-  double f[1024], row[1024], worst = 0, largest = 0;
-  for (int32_t e = 0; e < E; e++) f[e] = (double)r.counts[e] / ((double)valid * K);
-  for (int64_t t = 0; t < T; t++) {
-    for (int32_t e = 0; e < E; e++) row[e] = logits[t * E + e];
-    for (int32_t e = 0; e < E; e++) {
-      const float g = grad[t * E + e];
-      largest = fmax(largest, fabs(g));
-      if (r.chosen[t * K] < 0) {
-        if (g != 0.0f) fail_msg("%s: dropped token %lld has gradient %g", label, (long long)t, g);
-        continue;
-      }
-      const double keep = row[e];
-      row[e] = keep + FD_STEP;
-      const double up = ref_token_loss(c, row, r.chosen + t * K, o.idx + t * K,
-                                       gw ? gw + t * K : NULL, f, valid, ga, gz);
-      row[e] = keep - FD_STEP;
-      const double down = ref_token_loss(c, row, r.chosen + t * K, o.idx + t * K,
-                                         gw ? gw + t * K : NULL, f, valid, ga, gz);
-      row[e] = keep;
-      const double fd = (up - down) / (2 * FD_STEP);
-      const double err = fabs(g - fd) / (G_ATOL + G_RTOL * fabs(fd));
-      worst = fmax(worst, isnan(err) ? INFINITY : err);
-      if (!(err <= 1.0))
-        fail_msg("%s: grad_logits[%lld, %d] is %.9g, central difference %.9g", label,
-                 (long long)t, e, g, fd);
-    }
+  ROUTE_OK(epx_reference_route_backward(c, T, logits, bias, o.idx, gw, ga, gz, want));
+  double largest = 0;
+  for (int64_t i = 0; i < T * E; i++) {
+    largest = fmax(largest, fabs(grad[i]));
+    if (!close_enough(grad[i], want[i], G_ATOL, G_RTOL))
+      fail_msg("%s: grad_logits[%lld] is %.9g, the reference %.9g", label, (long long)i, grad[i],
+               want[i]);
   }
+  const float step = 1.0f / 1024; /* exact in float around |l| < 8 */
+  ref_t base;
+  ref_route(c, T, logits, bias, &base);
+  int64_t skipped = 0;
+  /* The reference is checked on small batches (a forward per step). */
+  const int64_t checked = T * E <= 1024 ? T * E : 0;
+  for (int64_t i = 0; i < checked; i++) {
+    const float keep = moved[i];
+    moved[i] = keep + step;
+    const double up = ref_loss(c, T, moved, bias, gw, ga, gz, &base);
+    moved[i] = keep - step;
+    const double down = ref_loss(c, T, moved, bias, gw, ga, gz, &base);
+    moved[i] = keep;
+    const double fd = (up - down) / (2.0 * (double)step);
+    if (isnan(fd)) {
+      skipped++;
+      continue;
+    }
+    /* second-order error of a 1/1024 step: allow 1e-5 absolute. */
+    if (!(fabs(fd - want[i]) <= 1e-5 + 1e-3 * fabs(want[i])))
+      fail_msg("%s: reference gradient [%lld] is %.9g, central difference %.9g", label,
+               (long long)i, want[i], fd);
+  }
+  /* The steps that crossed a selection or drop boundary are few. */
+  if (skipped * 20 > checked) fail_msg("%s: %lld of %lld steps changed the routing", label,
+                                     (long long)skipped, (long long)(T * E));
+  ref_free(&base);
   tu_free(grad);
-  ref_free(&r);
+  tu_free(want);
+  tu_free(moved);
   outs_free(&o);
   return largest;
 }

@@ -21,6 +21,7 @@
 #include <cuda_runtime_api.h>
 
 #include "core/error.h"
+#include "core/route_spec.h"
 #include "cuda/cuda_backend.h"
 #include "cuda/launch.h"
 
@@ -168,21 +169,9 @@ epx_status_t epx_cuda_dispatch_layout(epx_buffer_t buffer, const epx_routing_t *
 
   /* Rows this routing can have, and the bound every handle reports with
    * worst_case_sizing (epx_buffer_max_recv_rows). */
-  int64_t row_bound, buffer_bound;
-  const int64_t kk = K < E ? K : E, max_k = c->max_top_k < E ? c->max_top_k : E;
-  switch (c->layout) {
-    case EPX_LAYOUT_EXPERT_MAJOR:
-      row_bound = T * kk + (int64_t)E * (align - 1);
-      buffer_bound = buffer->max_tokens * max_k + (int64_t)E * (align - 1);
-      break;
-    case EPX_LAYOUT_RANK_MAJOR:
-      row_bound = T;
-      buffer_bound = buffer->max_tokens;
-      break;
-    default:
-      row_bound = buffer_bound = (int64_t)E * C;
-      break;
-  }
+  const int64_t row_bound = epx_recv_rows_bound(c->layout, 1, T, K, E, (int32_t)align, (int32_t)C);
+  const int64_t buffer_bound = epx_recv_rows_bound(c->layout, 1, buffer->max_tokens, c->max_top_k,
+                                                   E, (int32_t)align, (int32_t)C);
   if (T * K >= INT32_MAX || buffer_bound >= INT32_MAX)
     return epx_error(EPX_ERROR_UNSUPPORTED,
                      "%s: %lld routes and up to %lld recv rows; the CUDA backend indexes routes and "
