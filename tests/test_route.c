@@ -849,6 +849,47 @@ static void test_route_gradients(void **state) {
         }
 }
 
+/* The options of the peers: the fast gradient against the reference's, and
+ * the reference's against central differences of its own forward. */
+static void test_route_option_gradients(void **state) {
+  (void)state;
+  tu_rng_t rng = {4242};
+  const int64_t T = 12;
+  const int32_t E = 6, K = 2;
+  uint8_t mask[12];
+  for (int64_t t = 0; t < T; t++) mask[t] = (uint8_t)(t != 5);
+  const float global[6] = {3, 5, 1, 4, 2, 9};
+  for (int score = 0; score < 4; score++)
+    for (int variant = 0; variant < 5; variant++) {
+      epx_route_config_t c = config_make(E, K);
+      c.score_fn = (epx_score_fn_t)score;
+      c.renormalize = variant != 4;
+      c.renormalize_after_drop = variant == 1 || variant == 3;
+      c.capacity_mode = variant == 1 || variant == 3;
+      c.capacity_factor = 0.75f;
+      c.drop_policy = variant == 3 ? EPX_DROP_BY_SCORE : EPX_DROP_BY_POSITION;
+      c.aux_counts = (epx_aux_counts_t)(variant % 3);
+      c.aux_loss_sequences = variant == 2 ? 3 : 0;
+      c.aux_loss_expert_counts = variant == 4 ? global : NULL;
+      c.aux_loss_tokens = 24;
+      c.token_mask = variant == 3 ? mask : NULL;
+      c.num_groups = variant == 4 ? 3 : 0;
+      c.topk_groups = 2;
+      c.group_score_experts = 1;
+      c.aux_loss_coeff = 0.5f;
+      c.z_loss_coeff = 0.2f;
+      c.scaling_factor = 1.5f;
+      float *l = random_logits(&rng, T, E, 1.5f);
+      float *gw = random_logits(&rng, T, K, 1.0f);
+      char label[96];
+      snprintf(label, sizeof label, "option score %d variant %d", score, variant);
+      const double largest = check_gradient(&c, T, l, NULL, gw, 0.7f, -0.9f, label);
+      if (!(largest > 1e-3)) fail_msg("%s: gradient vanished (max %g)", label, largest);
+      tu_free(l);
+      tu_free(gw);
+    }
+}
+
 /* Dropped slots carry no gradient; a NULL grad_topk_w is zeros. */
 static void test_route_gradient_drops(void **state) {
   (void)state;
@@ -1277,6 +1318,7 @@ int main(void) {
       cmocka_unit_test(test_route_large_logits),
       cmocka_unit_test(test_route_nonfinite),
       cmocka_unit_test(test_route_gradients),
+      cmocka_unit_test(test_route_option_gradients),
       cmocka_unit_test(test_route_gradient_drops),
       cmocka_unit_test(test_route_threaded_batches),
       cmocka_unit_test(test_route_bad_arguments),
