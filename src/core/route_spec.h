@@ -116,14 +116,25 @@ EPX_SPEC_FN double epx_route_drop_key(epx_drop_policy_t policy, double weight, d
 /* Denominator D of the aux loss, aux = coeff * E * sum_e P_e * F_e / D,
  * P_e = sum over valid tokens of q[t, e], F_e the counts of aux_counts:
  * K * Tv^2 (Switch: f_e = F_e / (Tv K), P_e / Tv), Tv^2 for first choices
- * only, K * Tv^2 / B for B sequences (the mean over sequences of each
- * sequence's loss, Megatron's S = Tv / B), K * tokens^2 for the global loss. */
+ * only (k_factor 1), K * Tv^2 / B for B sequences (the mean over sequences
+ * of each sequence's loss, Megatron's S = Tv / B), K * tokens^2 for the
+ * global loss (global_tokens > 0). */
+EPX_SPEC_FN double epx_route_aux_denominator_of(double k_factor, double valid, int32_t sequences,
+                                                double global_tokens) {
+  if (global_tokens > 0) return k_factor * global_tokens * global_tokens;
+  if (sequences > 1) return k_factor * valid * valid / (double)sequences;
+  return k_factor * valid * valid;
+}
+
+/* The K factor of D: 1 when only first choices count. */
+EPX_SPEC_FN double epx_route_aux_k_factor(const epx_route_config_t *c) {
+  return c->aux_counts == EPX_AUX_COUNTS_FIRST_CHOICE ? 1.0 : (double)c->top_k;
+}
+
 EPX_SPEC_FN double epx_route_aux_denominator(const epx_route_config_t *c, int64_t valid) {
-  const double k = c->aux_counts == EPX_AUX_COUNTS_FIRST_CHOICE ? 1.0 : (double)c->top_k;
-  if (c->aux_loss_expert_counts) return k * c->aux_loss_tokens * c->aux_loss_tokens;
-  const double tv = (double)valid;
-  if (c->aux_loss_sequences > 1) return k * tv * tv / (double)c->aux_loss_sequences;
-  return k * tv * tv;
+  return epx_route_aux_denominator_of(epx_route_aux_k_factor(c), (double)valid,
+                                      c->aux_loss_sequences,
+                                      c->aux_loss_expert_counts ? c->aux_loss_tokens : 0.0);
 }
 
 /* Upper bound of the recv rows of one handle: W ranks each sending up to
@@ -156,6 +167,19 @@ EPX_SPEC_FN int64_t epx_recv_rows_bound(epx_layout_t layout, int64_t ranks, int6
   "expert %d; pass the forward's topk_idx with its logits, bias and config"
 #define EPX_ROUTE_ERR_OOM "%s: out of memory for %lld tokens' routing scratch; free memory " \
   "or route fewer tokens"
+
+#ifndef __CUDACC__
+#include "core/error.h"
+/* EPX_NONFINITE_ERROR's refusal of token t, whose logits row [E] is in host
+ * memory (the CUDA backend copies it back first). */
+static inline epx_status_t epx_route_refuse_nonfinite(const char *fn, const float *row, int32_t E,
+                                                      int64_t t) {
+  int32_t e = 0;
+  while (e < E - 1 && isfinite(row[e])) e++;
+  return epx_error(EPX_ERROR_INVALID_ARGUMENT, EPX_ROUTE_ERR_NONFINITE, fn, (long long)t,
+                   (long long)t, e, (double)row[e]);
+}
+#endif
 
 #ifdef __cplusplus
 }

@@ -15,13 +15,6 @@
 #include "cpu/cpu.h"
 #include "cpu/route_internal.h"
 
-epx_status_t epx_cpu_route_refuse_nonfinite(const char *fn, const float *logits, int32_t E,
-                                            int64_t t) {
-  const int32_t e = route_first_nonfinite(logits + (size_t)t * E, E);
-  return epx_error(EPX_ERROR_INVALID_ARGUMENT, EPX_ROUTE_ERR_NONFINITE, fn, (long long)t,
-                   (long long)t, e, (double)logits[(size_t)t * E + e]);
-}
-
 /* One candidate of an over-full expert under a ranked drop policy. */
 typedef struct route_candidate {
   float key;         /* the drop key (weight, score or priority); larger stays */
@@ -262,7 +255,8 @@ static epx_status_t route_blocks_verdict(const char *fn, const float *logits, in
   *z_sum = 0.0;
   for (int64_t b = 0; b < blocks; b++) {
     if (block[b].fault_token >= 0)
-      return epx_cpu_route_refuse_nonfinite(fn, logits, E, block[b].fault_token);
+      return epx_route_refuse_nonfinite(fn, logits + (size_t)block[b].fault_token * E, E,
+                                        block[b].fault_token);
     *nonfinite += block[b].nonfinite;
     *valid += block[b].valid;
     *z_sum += block[b].z_sum;

@@ -206,7 +206,7 @@ static epx_status_t route_check_verdict(const char *fn, const epx_route_config_t
     const int64_t t = block[b].fault_token;
     const int32_t k = block[b].fault_slot;
     if (t >= 0 && k < 0)
-      return epx_cpu_route_refuse_nonfinite(fn, logits, c->num_experts, t);
+      return epx_route_refuse_nonfinite(fn, logits + (size_t)t * c->num_experts, c->num_experts, t);
     if (t >= 0)
       return epx_error(EPX_ERROR_INVALID_ARGUMENT, EPX_ROUTE_ERR_MISMATCH, fn, (long long)t, k,
                        topk_idx[(size_t)t * K + k], chosen[(size_t)t * K + k]);

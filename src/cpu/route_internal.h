@@ -60,11 +60,6 @@ epx_status_t route_check_bias(const char *fn, int32_t num_experts, const float *
 /* Index of the first NaN/Inf in row, or -1. */
 int32_t route_first_nonfinite(const float *row, int32_t num_experts);
 
-/* EPX_NONFINITE_ERROR's refusal of token t of logits [T, E] (host memory;
- * the CUDA backend copies the row back to call it). */
-epx_status_t epx_cpu_route_refuse_nonfinite(const char *fn, const float *logits, int32_t E,
-                                            int64_t t);
-
 /* Whether token t is real (the config's token mask). */
 static inline int route_token_real(const epx_route_config_t *c, int64_t t) {
   return !c->token_mask || c->token_mask[t] != 0;

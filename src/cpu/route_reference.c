@@ -183,10 +183,7 @@ static epx_status_t ref_route_tokens(const char *fn, const epx_route_config_t *c
     if (!r->valid[t]) {
       if ((!c->token_mask || c->token_mask[t]) && c->nonfinite == EPX_NONFINITE_ERROR) {
         ref_tokens_free(r);
-        int32_t e = 0;
-        while (isfinite(logits[t * E + e])) e++;
-        return epx_error(EPX_ERROR_INVALID_ARGUMENT, EPX_ROUTE_ERR_NONFINITE, fn, (long long)t,
-                         (long long)t, e, (double)logits[t * E + e]);
+        return epx_route_refuse_nonfinite(fn, logits + t * E, E, t);
       }
       for (int32_t k = 0; k < K; k++) ch[k] = pl[k] = -1, w[k] = b[k] = 0.0;
       continue;

@@ -23,6 +23,7 @@
 #include "core/error.h"
 #include "core/route_spec.h"
 #include "cuda/cuda_backend.h"
+#include "cuda/cuda_check.h"
 #include "cuda/launch.h"
 
 /* buffer->cuda */
@@ -42,22 +43,6 @@ typedef struct cuda_handle_state {
   int64_t row_bound;        /* rows the layout can have: N, or the worst-case bound */
   int64_t rows;             /* N on the host; -1 until known (worst_case_sizing) */
 } cuda_handle_state_t;
-
-static epx_status_t cuda_fail(cudaError_t err, const char *fn, const char *what) {
-  return epx_error(err == cudaErrorMemoryAllocation ? EPX_ERROR_OUT_OF_MEMORY : EPX_ERROR_CUDA,
-                   "%s: %s failed with %s (%s); an error of earlier asynchronous work on the "
-                   "device can also surface here", fn, what, cudaGetErrorName(err),
-                   cudaGetErrorString(err));
-}
-
-#define CUDA_CHECK(call, fn, what)                                                       \
-  do {                                                                                   \
-    cudaError_t cuda_err_ = (call);                                                      \
-    if (cuda_err_ != cudaSuccess) {                                                      \
-      status = cuda_fail(cuda_err_, fn, what);                                           \
-      goto fail;                                                                         \
-    }                                                                                    \
-  } while (0)
 
 static cudaStream_t stream_of(epx_buffer_t buffer) { return (cudaStream_t)buffer->config.stream; }
 
