@@ -409,9 +409,16 @@ static epx_status_t backward_counts(const char *fn, const epx_route_config_t *c,
   int warps = 0, blocks = 0;
   size_t smem = 0, total = 0;
   memset(&fa, 0, sizeof fa);
-  select_args(c, T, logits, bias, 0, &fa.s);
+  /* The plain top-k of softmax-after-top-k's q needs the logits' sumexp. */
+  select_args(c, T, logits, bias,
+              c->score_fn == EPX_SCORE_SOFTMAX_AFTER_TOPK && c->aux_counts == EPX_AUX_COUNTS_PLAIN_TOPK,
+              &fa.s);
   EPX_CHECK(token_layout(fn, 0, c, &fa.s, &warps, &smem, &blocks));
-  const size_t o_counts = carve(&total, sizeof(int) * (size_t)B * c->num_experts);
+  /* hist [E] with every route in tile 0 is the selected routes' count per
+   * expert, F itself for one sequence; otherwise F is auxcnt [B, E]. */
+  const int own = c->aux_counts != EPX_AUX_COUNTS_SELECTED || B > 1;
+  const size_t o_hist = carve(&total, sizeof(int) * (size_t)c->num_experts);
+  const size_t o_counts = own ? carve(&total, sizeof(int) * (size_t)B * c->num_experts) : o_hist;
   const size_t o_valid = carve(&total, sizeof(int));
   const size_t o_bad = carve(&total, sizeof(int));
   CUDA_CHECK(route_scratch_alloc(total, stream, scratch), fn, "the routing scratch");
@@ -420,18 +427,10 @@ static epx_status_t backward_counts(const char *fn, const epx_route_config_t *c,
   fa.scale = c->scaling_factor;
   fa.drop_nonfinite = !check;
   fa.aux_counts = (int)c->aux_counts;
-  /* Selected routes of one sequence batch: hist with every route in tile 0
-   * is the per-expert count; otherwise auxcnt [B, E]. */
-  if (c->aux_counts == EPX_AUX_COUNTS_SELECTED && B == 1) {
-    fa.hist = at(*scratch, o_counts);
-    fa.n_tiles = 1;
-    fa.tile_shift = 31;
-  } else {
-    fa.hist = at(*scratch, o_counts); /* counted too, unused */
-    fa.auxcnt = at(*scratch, o_counts);
-    fa.n_tiles = 1;
-    fa.tile_shift = 31;
-  }
+  fa.hist = at(*scratch, o_hist);
+  fa.auxcnt = own ? at(*scratch, o_counts) : NULL;
+  fa.n_tiles = 1;
+  fa.tile_shift = 31;
   fa.valid = need_valid ? at(*scratch, o_valid) : NULL;
   fa.bad = at(*scratch, o_bad);
   CUDA_CHECK(epx_cuda_route_tokens_launch(&fa, blocks, warps, smem, stream), fn, "route_tokens");
