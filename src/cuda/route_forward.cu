@@ -397,8 +397,10 @@ extern "C" cudaError_t epx_cuda_route_sort_launch(void *temp, size_t *temp_bytes
                                                   const unsigned long long *keys,
                                                   unsigned long long *sorted, int n, int E,
                                                   const int *offsets, cudaStream_t stream) {
+  /* The size query (temp NULL) passes no offsets. */
   return cub::DeviceSegmentedRadixSort::SortKeysDescending(temp, *temp_bytes, keys, sorted, n, E,
-                                                           offsets, offsets + 1, 0, 64, stream);
+                                                           offsets, offsets ? offsets + 1 : nullptr,
+                                                           0, 64, stream);
 }
 
 extern "C" cudaError_t epx_cuda_route_rank_launch(const epx_cuda_route_rank_args_t *a,
