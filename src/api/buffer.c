@@ -7,6 +7,7 @@
 #include "api/api.h"
 #include "api/backends.h"
 #include "core/backend.h"
+#include "core/config.h"
 #include "core/error.h"
 #include "core/objects.h"
 #include "core/registry.h"
@@ -32,13 +33,16 @@ static const char *const shape_field_names[] = {
     "status", "device", "dtype", "hidden", "num_experts", "max_top_k", "max_tokens_per_rank",
     "max_tokens_rounding", "exchange", "layout", "expert_alignment", "capacity"};
 
-static epx_status_t check_buffer_config(epx_comm_t comm, const epx_buffer_config_t *c) {
+/* Reads the caller's config (perhaps from an older, smaller header) over the
+ * defaults into *c, and checks it. */
+static epx_status_t check_buffer_config(epx_comm_t comm, const epx_buffer_config_t *given,
+                                        epx_buffer_config_t *c) {
   const char *fn = "epx_buffer_create";
-  EPX_REQUIRE(c, "%s: config is NULL; pass an epx_buffer_config_t from EPX_BUFFER_CONFIG_INIT", fn);
-  EPX_REQUIRE(c->struct_size == sizeof(epx_buffer_config_t) && c->version == EPX_CONFIG_VERSION,
-              "%s: config.struct_size/version are %u/%u, expected %zu/%d; initialise it with "
-              "EPX_BUFFER_CONFIG_INIT", fn, c->struct_size, c->version, sizeof(epx_buffer_config_t),
-              EPX_CONFIG_VERSION);
+  EPX_REQUIRE(given, "%s: config is NULL; pass an epx_buffer_config_t from epx_buffer_config_init "
+                     "or EPX_BUFFER_CONFIG_INIT", fn);
+  *c = (epx_buffer_config_t)EPX_BUFFER_CONFIG_INIT;
+  epx_status_t status = epx_config_read(fn, "epx_buffer_config_t", given, c, sizeof *c);
+  if (status != EPX_SUCCESS) return status;
   if (!epx_backend_for_device(c->device)) return epx_backend_missing(fn, c->device);
   EPX_REQUIRE(epx_dtype_size(c->dtype), "%s: config.dtype %d is not EPX_FLOAT32, EPX_BFLOAT16 or EPX_FLOAT16", fn, (int)c->dtype);
   EPX_REQUIRE(c->hidden > 0 && c->hidden % 8 == 0,
@@ -130,8 +134,10 @@ epx_status_t epx_buffer_create(epx_comm_t comm, const epx_buffer_config_t *confi
     return epx_error(comm ? EPX_ERROR_INVALID_HANDLE : EPX_ERROR_INVALID_ARGUMENT,
                      "%s: comm is %s; pass a comm from epx_comm_create_*", fn,
                      comm ? "not a live comm (destroyed?)" : "NULL");
-  epx_status_t local = buffer ? check_buffer_config(comm, config)
+  epx_buffer_config_t full;
+  epx_status_t local = buffer ? check_buffer_config(comm, config, &full)
                               : epx_error(EPX_ERROR_INVALID_ARGUMENT, "%s: buffer is NULL; pass the address of an epx_buffer_t", fn);
+  config = &full;
   epx_status_t status = agree_shape(comm, config, local, fn);
   if (status != EPX_SUCCESS) return status;
 

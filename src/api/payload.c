@@ -21,6 +21,17 @@ static epx_status_t check_payload(const void *p, int64_t rows, const char *fn, c
   return EPX_SUCCESS;
 }
 
+/* An output that is the very pointer of one of the call's inputs: the overlap
+ * a caller makes by mistake (epx.h, "Aliasing"). NULL (no rows) aliases
+ * nothing. */
+static epx_status_t check_alias(const void *out, const void *in, const char *fn, const char *out_name,
+                                const char *in_name, const char *shape) {
+  if (out && out == in)
+    return epx_error(EPX_ERROR_INVALID_ARGUMENT, "%s: %s aliases %s; pass a separate %s tensor", fn,
+                     out_name, in_name, shape);
+  return EPX_SUCCESS;
+}
+
 /* The checks every payload call starts with. A NULL or dead buffer returns at
  * once (there is no comm to agree with); a bad handle on a live CPU buffer is
  * agreed here, meeting the peers' agree() of the same call, so they refuse it
@@ -43,6 +54,7 @@ epx_status_t epx_dispatch(epx_buffer_t buffer, epx_handle_t handle, const void *
   if (status != EPX_SUCCESS) return status;
   epx_status_t local = check_payload(x, handle->num_tokens, fn, "x", "[num_tokens, hidden]");
   if (local == EPX_SUCCESS) local = check_payload(recv_x, handle->recv_rows, fn, "recv_x", "[recv_rows, hidden]");
+  if (local == EPX_SUCCESS) local = check_alias(recv_x, x, fn, "recv_x", "x", "[recv_rows, hidden]");
   if (local == EPX_SUCCESS && recv_rows_capacity < handle->recv_rows)
     local = epx_error(EPX_ERROR_CAPACITY_EXCEEDED,
                       "%s: recv_rows_capacity %lld is below the handle's %lld rows; size recv_x with "
@@ -57,8 +69,7 @@ epx_status_t epx_combine(epx_buffer_t buffer, epx_handle_t handle, const void *e
   if (status != EPX_SUCCESS) return status;
   epx_status_t local = check_payload(expert_out, handle->recv_rows, fn, "expert_out", "[recv_rows, hidden]");
   if (local == EPX_SUCCESS) local = check_payload(out, handle->num_tokens, fn, "out", "[num_tokens, hidden]");
-  if (local == EPX_SUCCESS && out && out == expert_out)
-    local = epx_error(EPX_ERROR_INVALID_ARGUMENT, "%s: out aliases expert_out; pass a separate [num_tokens, hidden] tensor", fn);
+  if (local == EPX_SUCCESS) local = check_alias(out, expert_out, fn, "out", "expert_out", "[num_tokens, hidden]");
   return buffer->backend->combine(buffer, handle, local, expert_out, out);
 }
 
@@ -79,6 +90,9 @@ epx_status_t epx_dispatch_backward(epx_buffer_t buffer, epx_handle_t handle, con
     if (local == EPX_SUCCESS && !epx_is_aligned(grad_w, 4))
       local = epx_error(EPX_ERROR_INVALID_ARGUMENT, "%s: grad_w is not 4-byte aligned", fn);
   }
+  if (local == EPX_SUCCESS)
+    local = check_alias(grad_x, grad_recv_x, fn, "grad_x", "grad_recv_x", "[num_tokens, hidden]");
+  if (local == EPX_SUCCESS) local = check_alias(grad_x, x, fn, "grad_x", "x", "[num_tokens, hidden]");
   return buffer->backend->dispatch_backward(buffer, handle, local, grad_recv_x, grad_x, x, grad_w);
 }
 
@@ -101,6 +115,10 @@ epx_status_t epx_combine_backward(epx_buffer_t buffer, epx_handle_t handle, cons
     if (local == EPX_SUCCESS && !epx_is_aligned(grad_w, 4))
       local = epx_error(EPX_ERROR_INVALID_ARGUMENT, "%s: grad_w is not 4-byte aligned", fn);
   }
+  if (local == EPX_SUCCESS)
+    local = check_alias(grad_expert_out, grad_out, fn, "grad_expert_out", "grad_out", "[recv_rows, hidden]");
+  if (local == EPX_SUCCESS)
+    local = check_alias(grad_expert_out, expert_out, fn, "grad_expert_out", "expert_out", "[recv_rows, hidden]");
   return buffer->backend->combine_backward(buffer, handle, local, grad_out, expert_out, grad_expert_out, grad_w);
 }
 
@@ -119,5 +137,7 @@ epx_status_t epx_weights_backward(epx_buffer_t buffer, epx_handle_t handle, cons
   else if (!epx_is_aligned(grad_recv_w, 4) || !epx_is_aligned(grad_w, 4))
     local = epx_error(EPX_ERROR_INVALID_ARGUMENT, "%s: %s is not 4-byte aligned", fn,
                       epx_is_aligned(grad_w, 4) ? "grad_recv_w" : "grad_w");
+  else
+    local = check_alias(grad_w, grad_recv_w, fn, "grad_w", "grad_recv_w", "[num_tokens, top_k] float");
   return buffer->backend->weights_backward(buffer, handle, local, grad_recv_w, grad_w);
 }
