@@ -89,8 +89,9 @@
  *    is EPX_ERROR_UNSUPPORTED at epx_buffer_create); routes and recv rows
  *    below 2^31 per call; epx_route on the GPU needs E's scores in one
  *    thread block's shared memory (larger E: EPX_ERROR_UNSUPPORTED naming
- *    the bytes, route on the CPU). Dispatch, combine and their gradients
- *    give the CPU backend's bits exactly.
+ *    the bytes, route on the CPU). The payloads of dispatch, combine and
+ *    both backward passes are the CPU backend's bits exactly; grad_w, a dot
+ *    product over H summed in another order, agrees to float32 rounding.
  */
 #ifndef EPX_H
 #define EPX_H
@@ -391,6 +392,15 @@ epx_status_t epx_comm_create_nccl_mpi(const void *mpi_comm, const epx_comm_confi
 epx_status_t epx_comm_destroy(epx_comm_t comm);
 epx_status_t epx_comm_rank(epx_comm_t comm, int32_t *rank);
 epx_status_t epx_comm_size(epx_comm_t comm, int32_t *size);
+
+/* The caller's own collectives over the comm's transport, for the program
+ * around the exchange (aligning ranks before a timed region, gathering
+ * results); they are bounded by the comm's timeout like every wait on a peer.
+ * Collective: every rank calls them in the same order as its other collective
+ * calls on the comm. epx_comm_allgather: send [bytes] from every rank lands
+ * in recv [size, bytes], block s from rank s (recv must not overlap send). */
+epx_status_t epx_comm_barrier(epx_comm_t comm);
+epx_status_t epx_comm_allgather(epx_comm_t comm, const void *send, void *recv, size_t bytes);
 
 /* ------------------------------------------------------------------------ */
 /* Buffers, handles and the exchange                                         */
