@@ -210,6 +210,48 @@ static void test_local_inconsistent_counts(void **state) {
   assert_int_equal(tu_run_ranks(3, 10.0, inconsistent_rank, NULL), 0);
 }
 
+/* The caller's collectives (epx_comm_barrier, epx_comm_allgather): each rank
+ * gathers every rank's block, and the barrier holds every rank until the
+ * last arrives. */
+static int caller_collectives_rank(epx_comm_t comm, int32_t rank, int32_t size, void *p) {
+  atomic_int *arrivals = p;
+  int failures = 0;
+  int64_t mine[3] = {rank, 100 + rank, -rank}, all[8 * 3];
+  tu_poison(all, sizeof all);
+  RANK_OK(epx_comm_allgather(comm, mine, all, sizeof mine));
+  for (int32_t r = 0; r < size; r++)
+    RANK_EXPECT(all[3 * r] == r && all[3 * r + 1] == 100 + r && all[3 * r + 2] == -r,
+                "block of rank %d is {%lld, %lld, %lld}", r, (long long)all[3 * r],
+                (long long)all[3 * r + 1], (long long)all[3 * r + 2]);
+  RANK_EXPECT(cc_is_poisoned(all + 3 * size, sizeof all - sizeof mine * (size_t)size),
+              "allgather wrote past the size x bytes of recv");
+  RANK_STATUS(epx_comm_allgather(comm, NULL, all, 8), EPX_ERROR_INVALID_ARGUMENT,
+              "epx_comm_allgather: send is NULL");
+  RANK_STATUS(epx_comm_allgather(comm, all, all, 8), EPX_ERROR_INVALID_ARGUMENT, "recv aliases send");
+  if (rank == size - 1) cc_sleep_seconds(0.05);
+  atomic_fetch_add(arrivals, 1);
+  RANK_OK(epx_comm_barrier(comm));
+  RANK_EXPECT(atomic_load(arrivals) == size, "left the barrier after %d of %d arrivals",
+              atomic_load(arrivals), size);
+  RANK_OK(epx_comm_barrier(comm)); /* nobody adds to arrivals before all have read it */
+  return failures;
+}
+
+static void test_caller_collectives(void **state) {
+  (void)state;
+  for (int32_t world = 1; world <= 4; world += 3) {
+    atomic_int arrivals;
+    atomic_init(&arrivals, 0);
+    assert_int_equal(tu_run_ranks(world, 10.0, caller_collectives_rank, &arrivals), 0);
+  }
+  TU_ASSERT_STATUS(epx_comm_barrier(NULL), EPX_ERROR_INVALID_ARGUMENT, "epx_comm_barrier: comm is NULL");
+  epx_comm_t comm = NULL;
+  TU_OK(epx_comm_create_self(&comm));
+  TU_OK(epx_comm_destroy(comm));
+  TU_ASSERT_STATUS(epx_comm_allgather(comm, NULL, NULL, 0), EPX_ERROR_INVALID_HANDLE,
+                   "epx_comm_allgather: comm is not a live comm");
+}
+
 static void test_world_create_arguments(void **state) {
   (void)state;
   epx_local_world_t world = (epx_local_world_t)(uintptr_t)0xA5A5A5A5;
@@ -361,6 +403,7 @@ int main(void) {
       cmocka_unit_test(test_local_destroy_between_calls),
       cmocka_unit_test(test_local_mismatched_calls),
       cmocka_unit_test(test_local_inconsistent_counts),
+      cmocka_unit_test(test_caller_collectives),
       cmocka_unit_test(test_world_create_arguments),
       cmocka_unit_test(test_create_local_arguments),
       cmocka_unit_test(test_create_local_timeout),
