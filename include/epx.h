@@ -41,8 +41,8 @@
  *    (the threads of a local world) and unrelated objects may be used from
  *    different threads at once.
  *  - epx_route, epx_route_backward, the references, epx_convert and the
- *    *_config_init calls touch no shared state and may run on any number of
- *    threads at once.
+ *    *_config_init calls may run on any number of threads at once (what they
+ *    share, the CUDA router's memory pool, is locked).
  *  - epx_handle_retain / epx_handle_release are atomic: a handle may be
  *    retained on one thread and released on another, as long as the thread
  *    releasing it holds a reference and no other call uses it at the time.
