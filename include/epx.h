@@ -511,8 +511,9 @@ epx_status_t epx_buffer_config_init(epx_buffer_config_t *config, size_t struct_s
 
 /* Creates a buffer over comm (collective). The configs of all ranks are
  * compared; a rank that differs in dtype, hidden, num_experts, max_top_k,
- * max_tokens_per_rank, exchange, layout, expert_alignment or capacity makes
- * every rank fail with EPX_ERROR_SHAPE_MISMATCH naming that rank and value.
+ * max_tokens_per_rank, exchange, layout, expert_alignment, capacity or
+ * combine_precision makes every rank fail with EPX_ERROR_SHAPE_MISMATCH
+ * naming that rank and value.
  * The comm must outlive the buffer. */
 epx_status_t epx_buffer_create(epx_comm_t comm, const epx_buffer_config_t *config,
                                epx_buffer_t *buffer);
