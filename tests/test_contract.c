@@ -231,6 +231,9 @@ static void test_config_newer_or_bad_version(void **state) {
                    "config->version is 2; this library reads versions 1 to 1");
   b.version = 0;
   TU_ASSERT_STATUS(epx_buffer_create(comm, &b, &buffer), EPX_ERROR_INVALID_ARGUMENT, "config->version is 0");
+  b.version = EPX_CONFIG_VERSION, b.combine_precision = (epx_combine_precision_t)7;
+  TU_ASSERT_STATUS(epx_buffer_create(comm, &b, &buffer), EPX_ERROR_INVALID_ARGUMENT,
+                   "config.combine_precision 7 is not");
   assert_null(buffer);
   TU_OK(epx_comm_destroy(comm));
 
