@@ -14,14 +14,6 @@
 #define W_ATOL 1e-6
 #define W_RTOL 1e-5
 
-#define ROUTE_OK(expr)                                                                  \
-  do {                                                                                  \
-    epx_status_t route_status_ = (expr);                                                \
-    if (route_status_ != EPX_SUCCESS)                                                   \
-      fail_msg("%s returned %s: %s", #expr, epx_status_string(route_status_),           \
-               epx_last_error());                                                       \
-  } while (0)
-
 typedef struct routed {
   int32_t idx[64], loc[64], counts[16];
   float w[64], aux, z;
@@ -38,7 +30,7 @@ static epx_route_config_t config_make(int32_t E, int32_t K) {
 static void route(const epx_route_config_t *c, int64_t T, const float *logits, routed *r) {
   memset(r, 0xA5, sizeof *r);
   r->out = (epx_route_output_t){r->idx, r->w, r->loc, r->counts, &r->aux, &r->z, 0, 0};
-  ROUTE_OK(epx_route(c, T, logits, NULL, &r->out));
+  TU_OK(epx_route(c, T, logits, NULL, &r->out));
 }
 
 static void softmax64(const float *row, int32_t E, double *p) {
@@ -89,13 +81,13 @@ static void test_capacity_edges(void **state) {
     int32_t *idx = tu_alloc(sizeof(int32_t) * (size_t)(T * c.top_k));
     float *w = tu_alloc(sizeof(float) * (size_t)(T * c.top_k));
     epx_route_output_t out = {idx, w, NULL, NULL, NULL, NULL, 0, 0};
-    ROUTE_OK(epx_route(&c, T, l, NULL, &out));
+    TU_OK(epx_route(&c, T, l, NULL, &out));
     if (out.capacity != cases[i].ds)
       fail_msg("T %lld E %d K %d factor %g: capacity %d, DeepSpeed's %d", (long long)T,
                c.num_experts, c.top_k, cases[i].factor, out.capacity, cases[i].ds);
     c.capacity_arithmetic = EPX_CAPACITY_FLOAT64;
     c.capacity_factor_f64 = cases[i].factor;
-    ROUTE_OK(epx_route(&c, T, l, NULL, &out));
+    TU_OK(epx_route(&c, T, l, NULL, &out));
     if (out.capacity != cases[i].mg)
       fail_msg("T %lld E %d K %d factor %g: capacity %d, Megatron's %d", (long long)T,
                c.num_experts, c.top_k, cases[i].factor, out.capacity, cases[i].mg);
@@ -388,12 +380,12 @@ static void test_random_priority(void **state) {
   int32_t idx[48], idx2[48], loc[48];
   float w[48];
   epx_route_output_t out = {idx, w, loc, NULL, NULL, NULL, 0, 0};
-  ROUTE_OK(epx_route(&c, T, l, NULL, &out));
+  TU_OK(epx_route(&c, T, l, NULL, &out));
   const int32_t C = out.capacity;
   assert_int_equal(C, 6);
   c.capacity_mode = 0;
   epx_route_output_t all = {idx2, w, NULL, NULL, NULL, NULL, 0, 0};
-  ROUTE_OK(epx_route(&c, T, l, NULL, &all));
+  TU_OK(epx_route(&c, T, l, NULL, &all));
   for (int32_t e = 0; e < 4; e++) {
     /* The kept are the C of the largest priority among e's tokens. */
     int32_t kept = 0, slot = 0;
@@ -414,7 +406,7 @@ static void test_random_priority(void **state) {
   /* Another seed drops other tokens. */
   c.capacity_mode = 1;
   c.random_seed = 43;
-  ROUTE_OK(epx_route(&c, T, l, NULL, &all));
+  TU_OK(epx_route(&c, T, l, NULL, &all));
   int differ = 0;
   for (int64_t t = 0; t < T; t++) differ += idx2[t] != idx[t];
   assert_true(differ > 0);
@@ -460,7 +452,7 @@ static void test_padding_mask(void **state) {
   expect_w("masked z", masked.z, alone.z);
   float grad[60];
   const float gw[24] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12};
-  ROUTE_OK(epx_route_backward(&c, T, l, NULL, masked.idx, gw, 0.5f, 0.5f, grad));
+  TU_OK(epx_route_backward(&c, T, l, NULL, masked.idx, gw, 0.5f, 0.5f, grad));
   for (int64_t t = 0; t < T; t++)
     for (int e = 0; !mask[t] && e < 5; e++) assert_true(grad[t * 5 + e] == 0.0f);
 }
@@ -513,8 +505,8 @@ static void check_option(const epx_route_config_t *c, int64_t T, const float *l,
   float *grad = tu_alloc(sizeof(float) * (size_t)(T * E)), aux, z;
   double *rgrad = tu_alloc(sizeof(double) * (size_t)(T * E));
   epx_route_output_t out = {idx, w, loc, counts, &aux, &z, 0, 0};
-  ROUTE_OK(epx_route(c, T, l, bias, &out));
-  ROUTE_OK(epx_reference_route(c, T, l, bias, ridx, rw, rloc, rcounts, &raux, &rz, &rC));
+  TU_OK(epx_route(c, T, l, bias, &out));
+  TU_OK(epx_reference_route(c, T, l, bias, ridx, rw, rloc, rcounts, &raux, &rz, &rC));
   assert_int_equal(out.capacity, rC);
   for (int64_t i = 0; i < T * K; i++) {
     if (idx[i] != ridx[i] || loc[i] != rloc[i])
@@ -527,8 +519,8 @@ static void check_option(const epx_route_config_t *c, int64_t T, const float *l,
   for (int32_t e = 0; e < E; e++) assert_int_equal(counts[e], rcounts[e]);
   if (!close_enough(aux, raux, W_ATOL, W_RTOL) || !close_enough(z, rz, W_ATOL, W_RTOL))
     fail_msg("%s: aux %.9g z %.9g, reference %.9g %.9g", label, aux, z, raux, rz);
-  ROUTE_OK(epx_route_backward(c, T, l, bias, idx, gw, 0.7f, 0.3f, grad));
-  ROUTE_OK(epx_reference_route_backward(c, T, l, bias, idx, gw, 0.7, 0.3, rgrad));
+  TU_OK(epx_route_backward(c, T, l, bias, idx, gw, 0.7f, 0.3f, grad));
+  TU_OK(epx_reference_route_backward(c, T, l, bias, idx, gw, 0.7, 0.3, rgrad));
   double largest = 0;
   for (int64_t i = 0; i < T * E; i++) largest = fmax(largest, fabs(rgrad[i]));
   for (int64_t i = 0; i < T * E; i++)
