@@ -25,7 +25,7 @@ typedef struct route_check {
  * [T]; stops at the block's first token to refuse. */
 static void route_recompute(const epx_route_config_t *c, route_state *st, const float *logits,
                             const int32_t *topk_idx, int64_t begin, int64_t end, float *p,
-                            int32_t *chosen, int32_t *aux_sel, uint8_t *valid,
+                            int32_t *chosen, int32_t *aux_sel, double *lse, uint8_t *valid,
                             route_check *blk) {
   const int32_t E = c->num_experts, K = c->top_k;
   *blk = (route_check){-1, -1, 0};
@@ -41,7 +41,7 @@ static void route_recompute(const epx_route_config_t *c, route_state *st, const 
     }
     blk->valid++;
     int32_t *ch = chosen + (size_t)t * K;
-    route_select(st, row, p + (size_t)t * E, ch);
+    lse[t] = route_select(st, row, p + (size_t)t * E, ch);
     if (aux_sel) {
       route_aux_scores(st, row, p + (size_t)t * E);
       route_plain_topk(st, st->q, aux_sel + (size_t)t * K);
@@ -61,6 +61,7 @@ static void route_recompute(const epx_route_config_t *c, route_state *st, const 
 typedef struct route_grad_args {
   const float *p;            /* [T, E] */
   const int32_t *chosen;     /* [T, K] */
+  const double *lse;         /* [T] logsumexp of softmax scores (NAN for the others) */
   const uint8_t *valid;      /* [T] */
   const int32_t *topk_idx;   /* [T, K] the forward's */
   const float *grad_topk_w;  /* [T, K] or NULL */
@@ -172,8 +173,11 @@ static void route_token_grad(const epx_route_config_t *c, route_state *st, const
   if (a->aux_grad) route_grad_aux(st, row, p, a->aux_grad + (size_t)(t % B) * E, grad_p, grad_row);
   route_grad_scores(st, row, p, grad_p, grad_row);
   if (a->z_grad != 0.0) {
-    const double lse = route_softmax(row, E, st->q);
-    for (int32_t e = 0; e < E; e++) grad_row[e] += a->z_grad * lse * st->q[e];
+    /* softmax(row) and its logsumexp: the scores themselves for softmax. */
+    const int own = c->score_fn == EPX_SCORE_SOFTMAX;
+    const double lse = own ? a->lse[t] : route_softmax(row, E, st->q);
+    const float *sm = own ? p : st->q;
+    for (int32_t e = 0; e < E; e++) grad_row[e] += a->z_grad * lse * sm[e];
   }
 }
 
@@ -236,15 +240,16 @@ epx_status_t epx_cpu_route_backward(const epx_route_config_t *c, int64_t T, cons
   int32_t *chosen = malloc(sizeof(int32_t) * rows * (size_t)K); /* [T, K] recomputed */
   int32_t *aux_sel = plain ? malloc(sizeof(int32_t) * rows * (size_t)K) : NULL;
   uint8_t *valid = malloc(rows);                                /* [T] token counts */
+  double *lse = malloc(sizeof(double) * rows);                  /* [T] softmax logsumexp */
   double *aux_grad = malloc(sizeof(double) * (size_t)B * E);   /* [B, E] d loss / d q */
   route_check *block = malloc(sizeof(route_check) * (size_t)(blocks ? blocks : 1));
-  if (!p || !chosen || (plain && !aux_sel) || !valid || !aux_grad || !block)
+  if (!p || !chosen || (plain && !aux_sel) || !valid || !lse || !aux_grad || !block)
     EPX_FAIL(EPX_ERROR_OUT_OF_MEMORY, EPX_ROUTE_ERR_OOM, fn, (long long)T);
   ROUTE_PARALLEL_FOR
   for (int64_t b = 0; b < blocks; b++) {
     const int64_t begin = b * ROUTE_BLOCK, end = begin + ROUTE_BLOCK < T ? begin + ROUTE_BLOCK : T;
     route_recompute(c, &states[route_thread()], logits, topk_idx, begin, end, p, chosen, aux_sel,
-                    valid, &block[b]);
+                    lse, valid, &block[b]);
   }
   int64_t nvalid;
   EPX_CHECK(route_check_verdict(fn, c, logits, block, blocks, topk_idx, chosen, &nvalid));
@@ -256,7 +261,7 @@ epx_status_t epx_cpu_route_backward(const epx_route_config_t *c, int64_t T, cons
     for (size_t i = 0; i < (size_t)B * E; i++) aux_grad[i] *= scale;
   }
   const route_grad_args args = {
-      p, chosen, valid, topk_idx, grad_topk_w, want_aux && nvalid > 0 ? aux_grad : NULL,
+      p, chosen, lse, valid, topk_idx, grad_topk_w, want_aux && nvalid > 0 ? aux_grad : NULL,
       want_z && nvalid > 0 ? 2.0 * (double)grad_z_loss * c->z_loss_coeff / (double)nvalid : 0.0};
   ROUTE_PARALLEL_FOR
   for (int64_t b = 0; b < blocks; b++) {
@@ -269,6 +274,7 @@ fail:
   free(chosen);
   free(aux_sel);
   free(valid);
+  free(lse);
   free(aux_grad);
   free(block);
   return status;
