@@ -14,7 +14,7 @@
 #include "epx.h"
 
 typedef struct epx_transport_ops {
-  const char *name; /* "self", "local", "mpi" */
+  const char *name; /* "self", "local", "mpi", "nccl" */
   /* send holds size blocks of `bytes`, block r for rank r; recv gets block
    * s from rank s (its own block too). */
   epx_status_t (*alltoall)(epx_comm_t comm, const char *caller, const void *send, void *recv,
@@ -51,6 +51,12 @@ struct epx_comm {
   int64_t live_buffers;  /* buffers created over this comm and not destroyed */
   void *impl;            /* the transport's own state */
 };
+
+/* A comm allocated, zeroed and registered (timeout set), ready for a
+ * transport's init; epx_comm_free unregisters and frees one whose init
+ * failed (comm.c). */
+epx_status_t epx_comm_new(const char *fn, double timeout_seconds, epx_comm_t *out);
+void epx_comm_free(epx_comm_t comm);
 
 /* Transport constructors (fill ops and impl of a zeroed comm). */
 epx_status_t epx_comm_init_self(epx_comm_t comm);
