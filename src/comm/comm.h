@@ -67,6 +67,11 @@ epx_status_t epx_comm_init_mpi(epx_comm_t comm, const void *mpi_comm);
 epx_status_t epx_comm_config_timeout(const char *caller, const epx_comm_config_t *config,
                                      double *timeout_seconds);
 
+/* Agrees a rank-local verdict across the comm (one all-reduce) so that a
+ * refusal on one rank is a refusal on every rank before anything moves. The
+ * failing rank keeps its own message; the others name it. */
+epx_status_t epx_comm_agree(epx_comm_t comm, epx_status_t local, const char *caller);
+
 /* Returns EPX_ERROR_PEER_FAILED with a message if the comm has failed. */
 epx_status_t epx_comm_check_alive(epx_comm_t comm, const char *caller);
 

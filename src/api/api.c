@@ -1,18 +1,19 @@
-/* The public buffer, handle and exchange calls: argument checks, agreement
- * of errors across ranks, the recorder, and the choice of backend. Every
- * check that can be made on the host is made here, before any data moves, so
- * the backends only see valid calls. */
+/* The public buffer, handle and exchange calls: argument checks, the
+ * recorder, and the backend chosen at buffer creation (core/backend.h). Every
+ * check that can be made on the host is made here, before any data moves;
+ * the backend agrees each rank's verdict with its peers, so the backends only
+ * act on calls valid on every rank. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "api/backends.h"
+#include "api/recorder.h"
 #include "comm/comm.h"
+#include "core/backend.h"
 #include "core/error.h"
 #include "core/objects.h"
-#include "core/recorder.h"
 #include "core/registry.h"
-#include "cpu/cpu.h"
-#include "cuda/cuda_backend.h"
 
 #define PAYLOAD_ALIGNMENT 16
 
@@ -41,31 +42,6 @@ static epx_status_t check_handle(epx_buffer_t buffer, epx_handle_t handle, const
   return EPX_SUCCESS;
 }
 
-/* Agrees a collective call's local verdict across ranks so that a refusal on
- * one rank is a refusal on every rank before anything moves. The failing
- * rank keeps its own message; the others name it. */
-static epx_status_t agree(epx_buffer_t buffer, epx_status_t local, const char *caller) {
-  epx_comm_t comm = buffer->comm;
-  if (comm->size == 1) return local;
-  epx_status_t alive = epx_comm_check_alive(comm, caller);
-  if (alive != EPX_SUCCESS) return alive;
-  char message[1024];
-  strncpy(message, epx_last_error(), sizeof message - 1);
-  message[sizeof message - 1] = '\0';
-  int64_t failed_rank = local != EPX_SUCCESS ? comm->rank + 1 : 0;
-  epx_status_t status = comm->ops->allreduce_max_i64(comm, caller, &failed_rank, 1);
-  if (status != EPX_SUCCESS) return status;
-  if (local != EPX_SUCCESS) {
-    epx_error(local, "%s", message);
-    return local;
-  }
-  if (failed_rank)
-    return epx_error(EPX_ERROR_PEER_FAILED,
-                     "%s: rank %lld refused the call (its epx_last_error says why); nothing was "
-                     "moved on any rank", caller, (long long)(failed_rank - 1));
-  return EPX_SUCCESS;
-}
-
 /* ------------------------------------------------------------------------ */
 /* Buffers                                                                   */
 /* ------------------------------------------------------------------------ */
@@ -88,8 +64,7 @@ static epx_status_t check_buffer_config(epx_comm_t comm, const epx_buffer_config
               "%s: config.struct_size/version are %u/%u, expected %zu/%d; initialise it with "
               "EPX_BUFFER_CONFIG_INIT", fn, c->struct_size, c->version, sizeof(epx_buffer_config_t),
               EPX_CONFIG_VERSION);
-  EPX_REQUIRE(c->device == EPX_DEVICE_CPU || c->device == EPX_DEVICE_CUDA,
-              "%s: config.device %d is not EPX_DEVICE_CPU or EPX_DEVICE_CUDA", fn, (int)c->device);
+  if (!epx_backend_for_device(c->device)) return epx_backend_missing(fn, c->device);
   EPX_REQUIRE(epx_dtype_size(c->dtype), "%s: config.dtype %d is not EPX_FLOAT32, EPX_BFLOAT16 or EPX_FLOAT16", fn, (int)c->dtype);
   EPX_REQUIRE(c->hidden > 0 && c->hidden % 8 == 0,
               "%s: config.hidden is %lld; it must be a positive multiple of 8 (rows are moved in 16-byte vectors)",
@@ -113,10 +88,6 @@ static epx_status_t check_buffer_config(epx_comm_t comm, const epx_buffer_config
               "%s: config.capacity is %d; EPX_LAYOUT_CAPACITY needs the capacity C >= 1 (epx_route_output_t.capacity)",
               fn, c->capacity);
   EPX_REQUIRE(c->capacity >= 0, "%s: config.capacity is %d; pass >= 0", fn, c->capacity);
-  if (c->device == EPX_DEVICE_CUDA && comm->size != 1)
-    return epx_error(EPX_ERROR_UNSUPPORTED,
-                     "%s: the CUDA backend runs on a comm of one rank in this version (comm has %d); "
-                     "use EPX_DEVICE_CPU for several ranks", fn, comm->size);
   return EPX_SUCCESS;
 }
 
@@ -190,16 +161,15 @@ epx_status_t epx_buffer_create(epx_comm_t comm, const epx_buffer_config_t *confi
   b->rank = comm->rank;
   b->experts_per_rank = config->num_experts / comm->size;
   b->max_tokens = config->max_tokens_per_rank;
-  if (config->device == EPX_DEVICE_CUDA) {
-    status = epx_cuda_buffer_init(b);
-    if (status != EPX_SUCCESS) {
-      free(b);
-      return status;
-    }
+  b->backend = epx_backend_for_device(config->device);
+  status = b->backend->buffer_init(b);
+  if (status != EPX_SUCCESS) {
+    free(b);
+    return status;
   }
   status = epx_registry_add(b, EPX_OBJECT_BUFFER);
   if (status != EPX_SUCCESS) {
-    if (config->device == EPX_DEVICE_CUDA) epx_cuda_buffer_fini(b);
+    b->backend->buffer_fini(b);
     free(b);
     return status;
   }
@@ -220,8 +190,7 @@ epx_status_t epx_buffer_destroy(epx_buffer_t buffer) {
                      "may still need them); release them with epx_handle_release or "
                      "epx_recorder_destroy first", (long long)live);
   epx_registry_remove(buffer);
-  if (buffer->config.device == EPX_DEVICE_CUDA) epx_cuda_buffer_fini(buffer);
-  epx_cpu_buffer_fini(buffer);
+  buffer->backend->buffer_fini(buffer);
   __atomic_sub_fetch(&buffer->comm->live_buffers, 1, __ATOMIC_SEQ_CST);
   free(buffer);
   return EPX_SUCCESS;
@@ -267,10 +236,10 @@ epx_status_t epx_buffer_set_stream(epx_buffer_t buffer, void *stream) {
   epx_error_clear();
   epx_status_t status = check_buffer(buffer, "epx_buffer_set_stream");
   if (status != EPX_SUCCESS) return status;
-  if (buffer->config.device != EPX_DEVICE_CUDA)
-    return epx_error(EPX_ERROR_INVALID_ARGUMENT, "epx_buffer_set_stream: the buffer is a CPU buffer; streams are for EPX_DEVICE_CUDA buffers");
-  buffer->config.stream = stream;
-  return EPX_SUCCESS;
+  if (!buffer->backend->set_stream)
+    return epx_error(EPX_ERROR_INVALID_ARGUMENT, "epx_buffer_set_stream: the buffer is a %s buffer; streams are for EPX_DEVICE_CUDA buffers",
+                     buffer->backend->name);
+  return buffer->backend->set_stream(buffer, stream);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -279,8 +248,7 @@ epx_status_t epx_buffer_set_stream(epx_buffer_t buffer, void *stream) {
 
 static void handle_free(epx_handle_t handle) {
   epx_registry_remove(handle);
-  if (handle->cuda) epx_cuda_handle_fini(handle);
-  epx_cpu_handle_fini(handle);
+  handle->buffer->backend->handle_fini(handle);
   __atomic_sub_fetch(&handle->buffer->live_handles, 1, __ATOMIC_SEQ_CST);
   free(handle);
 }
@@ -302,16 +270,14 @@ epx_status_t epx_handle_release(epx_handle_t handle) {
   return EPX_SUCCESS;
 }
 
-static int is_cuda(epx_handle_t handle) { return handle->buffer->config.device == EPX_DEVICE_CUDA; }
+static const epx_backend_t *backend_of(epx_handle_t handle) { return handle->buffer->backend; }
 
 epx_status_t epx_handle_recv_rows(epx_handle_t handle, int64_t *rows) {
   epx_error_clear();
   epx_status_t status = check_handle(NULL, handle, "epx_handle_recv_rows");
   if (status != EPX_SUCCESS) return status;
   EPX_REQUIRE(rows, "epx_handle_recv_rows: rows is NULL; pass an int64_t to fill");
-  if (is_cuda(handle)) return epx_cuda_handle_recv_rows(handle, rows);
-  *rows = handle->recv_rows;
-  return EPX_SUCCESS;
+  return backend_of(handle)->recv_rows(handle, rows);
 }
 
 epx_status_t epx_handle_recv_rows_device(epx_handle_t handle, const int64_t **rows) {
@@ -319,9 +285,10 @@ epx_status_t epx_handle_recv_rows_device(epx_handle_t handle, const int64_t **ro
   epx_status_t status = check_handle(NULL, handle, "epx_handle_recv_rows_device");
   if (status != EPX_SUCCESS) return status;
   EPX_REQUIRE(rows, "epx_handle_recv_rows_device: rows is NULL; pass a const int64_t * to fill");
-  if (!is_cuda(handle))
-    return epx_error(EPX_ERROR_INVALID_ARGUMENT, "epx_handle_recv_rows_device: the handle is from a CPU buffer; use epx_handle_recv_rows");
-  return epx_cuda_handle_recv_rows_device(handle, rows);
+  if (!backend_of(handle)->recv_rows_device)
+    return epx_error(EPX_ERROR_INVALID_ARGUMENT, "epx_handle_recv_rows_device: the handle is from a %s buffer, whose row count is on the host; use epx_handle_recv_rows",
+                     backend_of(handle)->name);
+  return backend_of(handle)->recv_rows_device(handle, rows);
 }
 
 epx_status_t epx_handle_expert_counts(epx_handle_t handle, int64_t *counts, int64_t *offsets) {
@@ -330,8 +297,7 @@ epx_status_t epx_handle_expert_counts(epx_handle_t handle, int64_t *counts, int6
   if (status != EPX_SUCCESS) return status;
   EPX_REQUIRE(counts || offsets, "epx_handle_expert_counts: counts and offsets are both NULL; pass at least one array");
   EPX_REQUIRE(is_aligned(counts, 8) && is_aligned(offsets, 8), "epx_handle_expert_counts: counts/offsets must be 8-byte aligned");
-  return is_cuda(handle) ? epx_cuda_handle_expert_counts(handle, counts, offsets)
-                         : epx_cpu_handle_expert_counts(handle, counts, offsets);
+  return backend_of(handle)->expert_counts(handle, counts, offsets);
 }
 
 epx_status_t epx_handle_recv_routing(epx_handle_t handle, int32_t *recv_expert, float *recv_w) {
@@ -339,8 +305,7 @@ epx_status_t epx_handle_recv_routing(epx_handle_t handle, int32_t *recv_expert, 
   epx_status_t status = check_handle(NULL, handle, "epx_handle_recv_routing");
   if (status != EPX_SUCCESS) return status;
   EPX_REQUIRE(is_aligned(recv_expert, 4) && is_aligned(recv_w, 4), "epx_handle_recv_routing: recv_expert/recv_w must be 4-byte aligned");
-  return is_cuda(handle) ? epx_cuda_handle_recv_routing(handle, recv_expert, recv_w)
-                         : epx_cpu_handle_recv_routing(handle, recv_expert, recv_w);
+  return backend_of(handle)->recv_routing(handle, recv_expert, recv_w);
 }
 
 epx_status_t epx_handle_recv_source(epx_handle_t handle, int32_t *src_rank, int32_t *src_token) {
@@ -348,8 +313,7 @@ epx_status_t epx_handle_recv_source(epx_handle_t handle, int32_t *src_rank, int3
   epx_status_t status = check_handle(NULL, handle, "epx_handle_recv_source");
   if (status != EPX_SUCCESS) return status;
   EPX_REQUIRE(is_aligned(src_rank, 4) && is_aligned(src_token, 4), "epx_handle_recv_source: src_rank/src_token must be 4-byte aligned");
-  return is_cuda(handle) ? epx_cuda_handle_recv_source(handle, src_rank, src_token)
-                         : epx_cpu_handle_recv_source(handle, src_rank, src_token);
+  return backend_of(handle)->recv_source(handle, src_rank, src_token);
 }
 
 epx_status_t epx_handle_stats(epx_handle_t handle, epx_handle_stats_t *stats) {
@@ -357,11 +321,7 @@ epx_status_t epx_handle_stats(epx_handle_t handle, epx_handle_stats_t *stats) {
   epx_status_t status = check_handle(NULL, handle, "epx_handle_stats");
   if (status != EPX_SUCCESS) return status;
   EPX_REQUIRE(stats, "epx_handle_stats: stats is NULL; pass an epx_handle_stats_t to fill");
-  if (is_cuda(handle)) {
-    *stats = (epx_handle_stats_t){0, 0, 0, 0, handle->recv_rows};
-    return EPX_SUCCESS;
-  }
-  return epx_cpu_handle_stats(handle, stats);
+  return backend_of(handle)->stats(handle, stats);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -406,24 +366,7 @@ static epx_status_t check_routing(epx_buffer_t b, const epx_routing_t *r, epx_re
                      "%s: routing.num_tokens %lld exceeds the buffer's max_tokens_per_rank %lld; "
                      "create the buffer with a larger config.max_tokens_per_rank", fn,
                      (long long)r->num_tokens, (long long)b->max_tokens);
-  if (c->device == EPX_DEVICE_CPU) return epx_cpu_validate_routing(b, r);
-  return EPX_SUCCESS;
-}
-
-/* The agreed tokens per rank: the largest batch, rounded up to
- * max_tokens_rounding (at least one rounding). */
-static void set_max_tokens(epx_buffer_t buffer, int64_t largest_batch) {
-  int64_t rounding = buffer->config.max_tokens_rounding;
-  buffer->max_tokens = (largest_batch + rounding - 1) / rounding * rounding;
-  if (buffer->max_tokens == 0) buffer->max_tokens = rounding;
-}
-
-/* What a replay is checked against. CUDA routing lives on the device, so
- * its replays are checked by shape and weighting only (hashing would need a
- * device-to-host copy): 0. */
-static uint64_t routing_hash(epx_buffer_t buffer, const epx_routing_t *routing) {
-  if (buffer->config.device != EPX_DEVICE_CPU || routing->num_tokens == 0) return 0;
-  return epx_hash_topk(routing->topk_idx, routing->num_tokens * routing->top_k);
+  return b->backend->validate_routing ? b->backend->validate_routing(b, r) : EPX_SUCCESS;
 }
 
 static epx_status_t new_handle(epx_buffer_t buffer, const epx_routing_t *routing, epx_handle_t *out) {
@@ -458,7 +401,8 @@ epx_status_t epx_dispatch_layout(epx_buffer_t buffer, const epx_routing_t *routi
     epx_handle_t recorded = epx_recorder_next(recorder, &call);
     if (recorded) {
       if (epx_recorder_validates(recorder)) {
-        uint64_t hash = local == EPX_SUCCESS ? routing_hash(buffer, routing) : 0;
+        uint64_t hash = 0;
+        if (local == EPX_SUCCESS) local = buffer->backend->routing_hash(buffer, routing, &hash);
         if (local == EPX_SUCCESS &&
             (recorded->buffer != buffer || recorded->num_tokens != routing->num_tokens ||
              recorded->top_k != routing->top_k || recorded->routing_hash != hash ||
@@ -471,12 +415,8 @@ epx_status_t epx_dispatch_layout(epx_buffer_t buffer, const epx_routing_t *routi
                             (unsigned long long)recorded->routing_hash, (long long)routing->num_tokens,
                             routing->top_k, (unsigned long long)hash,
                             recorded->buffer != buffer ? ", and another buffer" : "");
-        if (buffer->config.device == EPX_DEVICE_CPU) {
-          status = agree(buffer, local, fn);
-          if (status != EPX_SUCCESS) return status;
-        } else if (local != EPX_SUCCESS) {
-          return local;
-        }
+        status = buffer->backend->agree(buffer, local, fn);
+        if (status != EPX_SUCCESS) return status;
       } else if (local != EPX_SUCCESS) {
         return local;
       }
@@ -488,40 +428,9 @@ epx_status_t epx_dispatch_layout(epx_buffer_t buffer, const epx_routing_t *routi
   }
 
   epx_handle_t h = NULL;
-  if (buffer->config.device == EPX_DEVICE_CUDA) {
-    if (local != EPX_SUCCESS) return local;
-    if (buffer->max_tokens == 0) set_max_tokens(buffer, routing->num_tokens);
-    EPX_CHECK(new_handle(buffer, routing, &h));
-    EPX_CHECK(epx_cuda_dispatch_layout(buffer, routing, h));
-  } else {
-    /* Agree the verdict and, on the first call, max_tokens_per_rank, in one
-     * all-reduce: {failing rank + 1, oversize rank + 1, its tokens, tokens}. */
-    int oversize = local == EPX_ERROR_CAPACITY_EXCEEDED;
-    int64_t agreed[4] = {local != EPX_SUCCESS ? comm->rank + 1 : 0, oversize ? comm->rank + 1 : 0,
-                         oversize ? routing->num_tokens : 0, local == EPX_SUCCESS ? routing->num_tokens : 0};
-    if (comm->size > 1) {
-      char message[1024];
-      strncpy(message, epx_last_error(), sizeof message - 1);
-      message[sizeof message - 1] = '\0';
-      EPX_CHECK(comm->ops->allreduce_max_i64(comm, fn, agreed, 4));
-      if (local != EPX_SUCCESS) epx_error(local, "%s", message);
-    }
-    if (local != EPX_SUCCESS) return local;
-    if (agreed[1])
-      return epx_error(EPX_ERROR_CAPACITY_EXCEEDED,
-                       "%s: rank %lld has %lld tokens, above the buffer's max_tokens_per_rank %lld; "
-                       "nothing moved on any rank; create the buffer with a larger "
-                       "config.max_tokens_per_rank", fn, (long long)(agreed[1] - 1),
-                       (long long)agreed[2], (long long)buffer->max_tokens);
-    if (agreed[0])
-      return epx_error(EPX_ERROR_PEER_FAILED,
-                       "%s: rank %lld refused its routing (its epx_last_error says why); nothing "
-                       "moved on any rank", fn, (long long)(agreed[0] - 1));
-    if (buffer->max_tokens == 0) set_max_tokens(buffer, agreed[3]);
-    EPX_CHECK(new_handle(buffer, routing, &h));
-    EPX_CHECK(epx_cpu_dispatch_layout(buffer, routing, h));
-    h->routing_hash = routing_hash(buffer, routing);
-  }
+  if (local == EPX_SUCCESS) local = new_handle(buffer, routing, &h);
+  status = buffer->backend->dispatch_layout(buffer, routing, local, h);
+  if (status != EPX_SUCCESS) goto fail;
   EPX_CHECK(epx_registry_add(h, EPX_OBJECT_HANDLE));
   __atomic_add_fetch(&buffer->live_handles, 1, __ATOMIC_SEQ_CST);
   if (recorder && !epx_recorder_replaying(recorder)) {
@@ -535,8 +444,7 @@ epx_status_t epx_dispatch_layout(epx_buffer_t buffer, const epx_routing_t *routi
   return EPX_SUCCESS;
 fail:
   if (h) {
-    if (h->cuda) epx_cuda_handle_fini(h);
-    epx_cpu_handle_fini(h);
+    buffer->backend->handle_fini(h);
     free(h);
   }
   return status;
@@ -580,7 +488,7 @@ static epx_status_t begin_payload(epx_buffer_t buffer, epx_handle_t handle, cons
   status = epx_comm_check_alive(buffer->comm, fn);
   if (status != EPX_SUCCESS) return status;
   status = check_handle(buffer, handle, fn);
-  if (status != EPX_SUCCESS && buffer->config.device == EPX_DEVICE_CPU) return agree(buffer, status, fn);
+  if (status != EPX_SUCCESS) return buffer->backend->agree(buffer, status, fn);
   return status;
 }
 
@@ -596,11 +504,7 @@ epx_status_t epx_dispatch(epx_buffer_t buffer, epx_handle_t handle, const void *
                       "%s: recv_rows_capacity %lld is below the handle's %lld rows; size recv_x with "
                       "epx_handle_recv_rows (or epx_buffer_max_recv_rows)", fn,
                       (long long)recv_rows_capacity, (long long)handle->recv_rows);
-  if (buffer->config.device == EPX_DEVICE_CUDA)
-    return local != EPX_SUCCESS ? local : epx_cuda_dispatch(buffer, handle, x, recv_x);
-  status = agree(buffer, local, fn);
-  if (status != EPX_SUCCESS) return status;
-  return epx_cpu_dispatch(buffer, handle, x, recv_x);
+  return buffer->backend->dispatch(buffer, handle, local, x, recv_x);
 }
 
 epx_status_t epx_combine(epx_buffer_t buffer, epx_handle_t handle, const void *expert_out, void *out) {
@@ -611,11 +515,7 @@ epx_status_t epx_combine(epx_buffer_t buffer, epx_handle_t handle, const void *e
   if (local == EPX_SUCCESS) local = check_payload(out, handle->num_tokens, fn, "out", "[num_tokens, hidden]");
   if (local == EPX_SUCCESS && out && out == expert_out)
     local = epx_error(EPX_ERROR_INVALID_ARGUMENT, "%s: out aliases expert_out; pass a separate [num_tokens, hidden] tensor", fn);
-  if (buffer->config.device == EPX_DEVICE_CUDA)
-    return local != EPX_SUCCESS ? local : epx_cuda_combine(buffer, handle, expert_out, out);
-  status = agree(buffer, local, fn);
-  if (status != EPX_SUCCESS) return status;
-  return epx_cpu_combine(buffer, handle, expert_out, out);
+  return buffer->backend->combine(buffer, handle, local, expert_out, out);
 }
 
 epx_status_t epx_dispatch_backward(epx_buffer_t buffer, epx_handle_t handle, const void *grad_recv_x,
@@ -635,12 +535,7 @@ epx_status_t epx_dispatch_backward(epx_buffer_t buffer, epx_handle_t handle, con
     if (local == EPX_SUCCESS && !is_aligned(grad_w, 4))
       local = epx_error(EPX_ERROR_INVALID_ARGUMENT, "%s: grad_w is not 4-byte aligned", fn);
   }
-  if (buffer->config.device == EPX_DEVICE_CUDA)
-    return local != EPX_SUCCESS ? local
-                                : epx_cuda_dispatch_backward(buffer, handle, grad_recv_x, grad_x, x, grad_w);
-  status = agree(buffer, local, fn);
-  if (status != EPX_SUCCESS) return status;
-  return epx_cpu_dispatch_backward(buffer, handle, grad_recv_x, grad_x, x, grad_w);
+  return buffer->backend->dispatch_backward(buffer, handle, local, grad_recv_x, grad_x, x, grad_w);
 }
 
 epx_status_t epx_combine_backward(epx_buffer_t buffer, epx_handle_t handle, const void *grad_out,
@@ -662,12 +557,7 @@ epx_status_t epx_combine_backward(epx_buffer_t buffer, epx_handle_t handle, cons
     if (local == EPX_SUCCESS && !is_aligned(grad_w, 4))
       local = epx_error(EPX_ERROR_INVALID_ARGUMENT, "%s: grad_w is not 4-byte aligned", fn);
   }
-  if (buffer->config.device == EPX_DEVICE_CUDA)
-    return local != EPX_SUCCESS ? local
-                                : epx_cuda_combine_backward(buffer, handle, grad_out, expert_out, grad_expert_out, grad_w);
-  status = agree(buffer, local, fn);
-  if (status != EPX_SUCCESS) return status;
-  return epx_cpu_combine_backward(buffer, handle, grad_out, expert_out, grad_expert_out, grad_w);
+  return buffer->backend->combine_backward(buffer, handle, local, grad_out, expert_out, grad_expert_out, grad_w);
 }
 
 epx_status_t epx_weights_backward(epx_buffer_t buffer, epx_handle_t handle, const float *grad_recv_w,
@@ -685,9 +575,5 @@ epx_status_t epx_weights_backward(epx_buffer_t buffer, epx_handle_t handle, cons
   else if (!is_aligned(grad_recv_w, 4) || !is_aligned(grad_w, 4))
     local = epx_error(EPX_ERROR_INVALID_ARGUMENT, "%s: %s is not 4-byte aligned", fn,
                       is_aligned(grad_w, 4) ? "grad_recv_w" : "grad_w");
-  if (buffer->config.device == EPX_DEVICE_CUDA)
-    return local != EPX_SUCCESS ? local : epx_cuda_weights_backward(buffer, handle, grad_recv_w, grad_w);
-  status = agree(buffer, local, fn);
-  if (status != EPX_SUCCESS) return status;
-  return epx_cpu_weights_backward(buffer, handle, grad_recv_w, grad_w);
+  return buffer->backend->weights_backward(buffer, handle, local, grad_recv_w, grad_w);
 }
