@@ -192,6 +192,7 @@ static void check(bench_t *b, const char *name, epx_layout_t layout, int T, cons
   }
   /* combine: out[t] = (number of ranks the token reached) * x[t] */
   OK(epx_combine(b->buf, b->h, b->recv, b->out));
+  CU(cudaStreamSynchronize(g_stream)); /* the copy below runs on the legacy stream, which does not wait for it */
   uint16_t *out = malloc((size_t)T * rb + 2);
   CU(cudaMemcpy(out, b->out, (size_t)T * rb, cudaMemcpyDeviceToHost));
   const int El = E / g_size;

@@ -41,11 +41,17 @@ int epx_has_nccl(void) { return 1; }
 
 typedef struct nccl_state {
   ncclComm_t comm;
+  /* The host collectives' comm: split from `comm` so that a verdict's
+   * all-reduce is not ordered behind the payload kernels NCCL queued on
+   * `comm` (it would stall the host until they finish); `comm` itself where
+   * the split failed. */
+  ncclComm_t control;
   int owned;            /* epx created it (destroy it), else the caller's */
   int aborted;          /* ncclCommAbort ran: the handle is gone */
   int device;
   cudaStream_t stream;  /* the host collectives' stream */
   void *scratch;        /* device staging of the host collectives */
+  void *mirror;         /* pinned host mirror of scratch (same offsets) */
   size_t scratch_bytes;
   char reason[768];     /* why the comm failed */
 } nccl_state_t;
@@ -56,8 +62,11 @@ static double now_seconds(void) {
   return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-static void pause_briefly(void) {
-  struct timespec ts = {0, 2000};
+/* Between polls: spin at first (a sleep costs the timer slack, about 50 us,
+ * on every short wait), then sleep. */
+static void pause_briefly(int *polls) {
+  if ((*polls)++ < 20000) return;
+  struct timespec ts = {0, 20000};
   nanosleep(&ts, NULL);
 }
 
@@ -66,6 +75,7 @@ static void pause_briefly(void) {
 static epx_status_t fail_comm(epx_comm_t comm, epx_status_t code, const char *caller, const char *what) {
   nccl_state_t *s = comm->impl;
   if (!s->aborted) {
+    if (s->control && s->control != s->comm) ncclCommAbort(s->control);
     ncclCommAbort(s->comm);
     s->aborted = 1;
   }
@@ -100,18 +110,25 @@ static epx_status_t timed_out(epx_comm_t comm, const char *caller, const char *w
   return fail_comm(comm, EPX_ERROR_TIMEOUT, caller, text);
 }
 
-/* Polls the comm's asynchronous state until it leaves ncclInProgress. */
+/* Polls the comms' asynchronous state until both leave ncclInProgress. */
 static epx_status_t settle(epx_comm_t comm, const char *caller, const char *what) {
   nccl_state_t *s = comm->impl;
   double deadline = now_seconds() + comm->timeout_seconds;
+  int polls = 0;
   for (;;) {
-    ncclResult_t state = ncclSuccess;
-    ncclResult_t r = ncclCommGetAsyncError(s->comm, &state);
-    if (r != ncclSuccess) return nccl_error(comm, r, caller, "ncclCommGetAsyncError");
-    if (state == ncclSuccess) return EPX_SUCCESS;
-    if (state != ncclInProgress) return nccl_error(comm, state, caller, what);
+    int busy = 0;
+    for (int i = 0; i < 2; i++) {
+      ncclComm_t c = i ? s->control : s->comm;
+      if (!c || (i && c == s->comm)) continue;
+      ncclResult_t state = ncclSuccess;
+      ncclResult_t r = ncclCommGetAsyncError(c, &state);
+      if (r != ncclSuccess) return nccl_error(comm, r, caller, "ncclCommGetAsyncError");
+      if (state != ncclSuccess && state != ncclInProgress) return nccl_error(comm, state, caller, what);
+      busy |= state == ncclInProgress;
+    }
+    if (!busy) return EPX_SUCCESS;
     if (comm->timeout_seconds > 0 && now_seconds() > deadline) return timed_out(comm, caller, what);
-    pause_briefly();
+    pause_briefly(&polls);
   }
 }
 
@@ -124,20 +141,25 @@ epx_status_t epx_nccl_result(epx_comm_t comm, int result, const char *caller, co
 epx_status_t epx_nccl_wait(epx_comm_t comm, void *stream, const char *caller) {
   nccl_state_t *s = comm->impl;
   double deadline = now_seconds() + comm->timeout_seconds;
+  int polls = 0;
   for (;;) {
     cudaError_t e = cudaStreamQuery((cudaStream_t)stream);
     if (e == cudaSuccess) return EPX_SUCCESS;
     if (e != cudaErrorNotReady)
       return epx_error(EPX_ERROR_CUDA, "%s: waiting for the stream failed with %s (%s)", caller,
                        cudaGetErrorName(e), cudaGetErrorString(e));
-    ncclResult_t state = ncclSuccess;
-    ncclResult_t r = ncclCommGetAsyncError(s->comm, &state);
-    if (r != ncclSuccess) return nccl_error(comm, r, caller, "ncclCommGetAsyncError");
-    if (state != ncclSuccess && state != ncclInProgress)
-      return nccl_error(comm, state, caller, "an NCCL operation of this comm");
+    for (int i = 0; i < 2; i++) {
+      ncclComm_t c = i ? s->control : s->comm;
+      if (!c || (i && c == s->comm)) continue;
+      ncclResult_t state = ncclSuccess;
+      ncclResult_t r = ncclCommGetAsyncError(c, &state);
+      if (r != ncclSuccess) return nccl_error(comm, r, caller, "ncclCommGetAsyncError");
+      if (state != ncclSuccess && state != ncclInProgress)
+        return nccl_error(comm, state, caller, "an NCCL operation of this comm");
+    }
     if (comm->timeout_seconds > 0 && now_seconds() > deadline)
       return timed_out(comm, caller, "the NCCL work on the stream");
-    pause_briefly();
+    pause_briefly(&polls);
   }
 }
 
@@ -148,6 +170,9 @@ int epx_nccl_device(epx_comm_t comm) { return ((nccl_state_t *)comm->impl)->devi
 /* Host collectives                                                          */
 /* ------------------------------------------------------------------------ */
 
+/* Device scratch and its pinned host mirror of `bytes`. Host bytes travel
+ * through the mirror: a copy from pageable memory would block the host
+ * until the stream drains, which is no wait epx could bound. */
 static epx_status_t begin(epx_comm_t comm, const char *caller, size_t bytes) {
   nccl_state_t *s = comm->impl;
   epx_status_t status = check_alive(comm, caller);
@@ -155,24 +180,41 @@ static epx_status_t begin(epx_comm_t comm, const char *caller, size_t bytes) {
   cudaError_t e = cudaSetDevice(s->device);
   if (e == cudaSuccess && bytes > s->scratch_bytes) {
     if (s->scratch) cudaFree(s->scratch);
-    s->scratch = NULL;
+    if (s->mirror) cudaFreeHost(s->mirror);
+    s->scratch = s->mirror = NULL;
     s->scratch_bytes = 0;
     e = cudaMalloc(&s->scratch, bytes);
+    if (e == cudaSuccess) e = cudaMallocHost(&s->mirror, bytes);
     if (e == cudaSuccess) s->scratch_bytes = bytes;
   }
   if (e != cudaSuccess)
     return epx_error(e == cudaErrorMemoryAllocation ? EPX_ERROR_OUT_OF_MEMORY : EPX_ERROR_CUDA,
-                     "%s: %s for the NCCL transport's staging (%zu bytes) failed: %s", caller,
-                     e == cudaErrorMemoryAllocation ? "cudaMalloc" : "cudaSetDevice/cudaMalloc", bytes,
+                     "%s: allocating the NCCL transport's staging (%zu bytes) failed: %s", caller, bytes,
                      cudaGetErrorString(e));
   return EPX_SUCCESS;
 }
 
-static epx_status_t copy(epx_comm_t comm, const char *caller, void *dst, const void *src, size_t bytes,
-                         enum cudaMemcpyKind kind) {
+static char *mirror_of(const nccl_state_t *s, const void *dev) {
+  return (char *)s->mirror + ((const char *)dev - (const char *)s->scratch);
+}
+
+/* Host bytes -> their mirror -> device scratch at dev (enqueued). */
+static epx_status_t copy_in(epx_comm_t comm, const char *caller, void *dev, const void *host, size_t bytes) {
   nccl_state_t *s = comm->impl;
   if (!bytes) return EPX_SUCCESS;
-  cudaError_t e = cudaMemcpyAsync(dst, src, bytes, kind, s->stream);
+  memcpy(mirror_of(s, dev), host, bytes);
+  cudaError_t e = cudaMemcpyAsync(dev, mirror_of(s, dev), bytes, cudaMemcpyHostToDevice, s->stream);
+  if (e != cudaSuccess)
+    return epx_error(EPX_ERROR_CUDA, "%s: cudaMemcpyAsync of the NCCL transport failed: %s", caller,
+                     cudaGetErrorString(e));
+  return EPX_SUCCESS;
+}
+
+/* Device scratch at dev -> its mirror (enqueued; read after the wait). */
+static epx_status_t copy_out(epx_comm_t comm, const char *caller, const void *dev, size_t bytes) {
+  nccl_state_t *s = comm->impl;
+  if (!bytes) return EPX_SUCCESS;
+  cudaError_t e = cudaMemcpyAsync(mirror_of(s, dev), dev, bytes, cudaMemcpyDeviceToHost, s->stream);
   if (e != cudaSuccess)
     return epx_error(EPX_ERROR_CUDA, "%s: cudaMemcpyAsync of the NCCL transport failed: %s", caller,
                      cudaGetErrorString(e));
@@ -188,10 +230,10 @@ static epx_status_t exchange(epx_comm_t comm, const char *caller, const char *se
   epx_status_t status = epx_nccl_result(comm, ncclGroupStart(), caller, "ncclGroupStart");
   for (int32_t r = 0; status == EPX_SUCCESS && r < comm->size; r++) {
     if (send_bytes[r])
-      status = epx_nccl_result(comm, ncclSend(send + send_off[r], send_bytes[r], ncclUint8, r, s->comm, s->stream),
+      status = epx_nccl_result(comm, ncclSend(send + send_off[r], send_bytes[r], ncclUint8, r, s->control, s->stream),
                                caller, "ncclSend");
     if (status == EPX_SUCCESS && recv_bytes[r])
-      status = epx_nccl_result(comm, ncclRecv(recv + recv_off[r], recv_bytes[r], ncclUint8, r, s->comm, s->stream),
+      status = epx_nccl_result(comm, ncclRecv(recv + recv_off[r], recv_bytes[r], ncclUint8, r, s->control, s->stream),
                                caller, "ncclRecv");
   }
   epx_status_t ended = epx_nccl_result(comm, ncclGroupEnd(), caller, "ncclGroupEnd");
@@ -215,11 +257,12 @@ static epx_status_t nccl_alltoallv(epx_comm_t comm, const char *caller, const vo
   epx_status_t status = begin(comm, caller, send_total + recv_total);
   char *dsend = s->scratch, *drecv = (char *)s->scratch + send_total;
   for (size_t r = 0; status == EPX_SUCCESS && r < W; r++)
-    status = copy(comm, caller, dsend + soff[r], (const char *)send + hsoff[r], sbytes[r], cudaMemcpyHostToDevice);
+    status = copy_in(comm, caller, dsend + soff[r], (const char *)send + hsoff[r], sbytes[r]);
   if (status == EPX_SUCCESS) status = exchange(comm, caller, dsend, soff, sbytes, drecv, roff, rbytes);
-  for (size_t r = 0; status == EPX_SUCCESS && r < W; r++)
-    status = copy(comm, caller, (char *)recv + hroff[r], drecv + roff[r], rbytes[r], cudaMemcpyDeviceToHost);
+  if (status == EPX_SUCCESS) status = copy_out(comm, caller, drecv, recv_total);
   if (status == EPX_SUCCESS) status = epx_nccl_wait(comm, s->stream, caller);
+  for (size_t r = 0; status == EPX_SUCCESS && r < W; r++)
+    if (rbytes[r]) memcpy((char *)recv + hroff[r], mirror_of(s, drecv + roff[r]), rbytes[r]);
   free(sizes);
   return status;
 }
@@ -241,12 +284,13 @@ static epx_status_t nccl_allgather(epx_comm_t comm, const char *caller, const vo
   size_t total = bytes * (size_t)comm->size;
   epx_status_t status = begin(comm, caller, bytes + total);
   char *dsend = s->scratch, *drecv = (char *)s->scratch + bytes;
-  if (status == EPX_SUCCESS) status = copy(comm, caller, dsend, send, bytes, cudaMemcpyHostToDevice);
+  if (status == EPX_SUCCESS) status = copy_in(comm, caller, dsend, send, bytes);
   if (status == EPX_SUCCESS)
-    status = epx_nccl_result(comm, ncclAllGather(dsend, drecv, bytes, ncclUint8, s->comm, s->stream), caller,
+    status = epx_nccl_result(comm, ncclAllGather(dsend, drecv, bytes, ncclUint8, s->control, s->stream), caller,
                              "ncclAllGather");
-  if (status == EPX_SUCCESS) status = copy(comm, caller, recv, drecv, total, cudaMemcpyDeviceToHost);
+  if (status == EPX_SUCCESS) status = copy_out(comm, caller, drecv, total);
   if (status == EPX_SUCCESS) status = epx_nccl_wait(comm, s->stream, caller);
+  if (status == EPX_SUCCESS) memcpy(recv, mirror_of(s, drecv), total);
   return status;
 }
 
@@ -254,18 +298,36 @@ static epx_status_t nccl_allreduce_max_i64(epx_comm_t comm, const char *caller, 
   nccl_state_t *s = comm->impl;
   size_t bytes = (size_t)count * sizeof(int64_t);
   epx_status_t status = begin(comm, caller, bytes);
-  if (status == EPX_SUCCESS) status = copy(comm, caller, s->scratch, values, bytes, cudaMemcpyHostToDevice);
+  if (status == EPX_SUCCESS) status = copy_in(comm, caller, s->scratch, values, bytes);
   if (status == EPX_SUCCESS)
-    status = epx_nccl_result(comm, ncclAllReduce(s->scratch, s->scratch, (size_t)count, ncclInt64, ncclMax, s->comm,
+    status = epx_nccl_result(comm, ncclAllReduce(s->scratch, s->scratch, (size_t)count, ncclInt64, ncclMax, s->control,
                                                  s->stream), caller, "ncclAllReduce");
-  if (status == EPX_SUCCESS) status = copy(comm, caller, values, s->scratch, bytes, cudaMemcpyDeviceToHost);
+  if (status == EPX_SUCCESS) status = copy_out(comm, caller, s->scratch, bytes);
   if (status == EPX_SUCCESS) status = epx_nccl_wait(comm, s->stream, caller);
+  if (status == EPX_SUCCESS) memcpy(values, s->mirror, bytes);
   return status;
 }
 
 static epx_status_t nccl_barrier(epx_comm_t comm, const char *caller) {
   int64_t one = 1;
   return nccl_allreduce_max_i64(comm, caller, &one, 1);
+}
+
+/* The control comm is always epx's own (split here), the caller's comm or not. */
+static void destroy_control(epx_comm_t comm) {
+  nccl_state_t *s = comm->impl;
+  if (!s->control || s->control == s->comm) return;
+  if (!s->aborted) {
+    ncclComm_t main_comm = s->comm;
+    s->comm = s->control; /* settle watches it alone */
+    ncclResult_t r = ncclCommFinalize(s->control);
+    if ((r == ncclSuccess || r == ncclInProgress) && settle(comm, "epx_comm_destroy", "ncclCommFinalize") == EPX_SUCCESS)
+      ncclCommDestroy(s->control);
+    else if (!s->aborted)
+      ncclCommAbort(s->control);
+    s->comm = main_comm;
+  }
+  s->control = NULL;
 }
 
 static void nccl_destroy(epx_comm_t comm) {
@@ -282,7 +344,9 @@ static void nccl_destroy(epx_comm_t comm) {
       ncclCommAbort(s->comm);
     }
   }
+  destroy_control(comm);
   if (s->scratch) cudaFree(s->scratch);
+  if (s->mirror) cudaFreeHost(s->mirror);
   if (s->stream) cudaStreamDestroy(s->stream);
   free(s);
   comm->impl = NULL;
@@ -320,6 +384,14 @@ static epx_status_t init_state(epx_comm_t comm, ncclComm_t nc, int owned, const 
   int rank = 0, size = 0, device = 0;
   epx_status_t status = settle(comm, fn, owned ? "ncclCommInitRankConfig" : "the caller's ncclComm_t");
   if (status == EPX_SUCCESS) status = epx_nccl_result(comm, ncclCommUserRank(nc, &rank), fn, "ncclCommUserRank");
+  if (status == EPX_SUCCESS) {
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    ncclComm_t control = NULL;
+    ncclResult_t r = ncclCommSplit(nc, 0, rank, &control, &config);
+    s->control = (r == ncclSuccess || r == ncclInProgress) && control ? control : nc;
+    status = settle(comm, fn, "ncclCommSplit (the control comm)");
+  }
   if (status == EPX_SUCCESS) status = epx_nccl_result(comm, ncclCommCount(nc, &size), fn, "ncclCommCount");
   if (status == EPX_SUCCESS) status = epx_nccl_result(comm, ncclCommCuDevice(nc, &device), fn, "ncclCommCuDevice");
   if (status != EPX_SUCCESS) return status;
@@ -330,7 +402,9 @@ static epx_status_t init_state(epx_comm_t comm, ncclComm_t nc, int owned, const 
   if (e == cudaSuccess) e = cudaStreamCreateWithFlags(&s->stream, cudaStreamNonBlocking);
   if (e != cudaSuccess)
     return epx_error(EPX_ERROR_CUDA, "%s: cudaStreamCreate on device %d failed: %s", fn, device, cudaGetErrorString(e));
-  return EPX_SUCCESS;
+  /* Staging for the small collectives up front: growing it later frees
+   * device memory, which waits for the whole device (no bounded wait). */
+  return begin(comm, fn, 64 * 1024);
 }
 
 static epx_status_t finish_create(epx_comm_t created, ncclComm_t nc, int owned, const char *fn, epx_comm_t *comm) {

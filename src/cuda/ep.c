@@ -489,24 +489,19 @@ epx_status_t epx_cuda_ep_agree(epx_buffer_t b, epx_status_t local, const char *c
 }
 
 /* Grouped send/recv of `unit`-byte rows: this rank's items of kind `skind`
- * to each peer from send, the peers' items of kind `rkind` into recv; the
- * self block is a device copy. */
+ * to each peer from send, the peers' items of kind `rkind` into recv. The
+ * self block goes through NCCL too, which copies it while the remote rows
+ * travel (a separate copy before the group would serialise it). */
 static epx_status_t p2p(epx_buffer_t b, const ep_handle_t *h, int skind, int rkind, const void *send, void *recv,
                         size_t unit, const char *fn) {
   epx_status_t status = EPX_SUCCESS;
   epx_comm_t comm = b->comm;
   ncclComm_t nc = epx_nccl_comm(comm);
   cudaStream_t stream = stream_of(b);
-  const int32_t me = b->rank;
   const char *s = send;
   char *d = recv;
-  if (h->count[skind][me])
-    CUDA_CHECK(cudaMemcpyAsync(d + (size_t)h->displ[rkind][me] * unit, s + (size_t)h->displ[skind][me] * unit,
-                               (size_t)h->count[skind][me] * unit, cudaMemcpyDeviceToDevice, stream),
-               fn, "cudaMemcpyAsync of this rank's own rows");
   NCCL_CHECK(ncclGroupStart(), fn, "ncclGroupStart");
   for (int32_t p = 0; p < h->d.W; p++) {
-    if (p == me) continue;
     if (h->count[skind][p])
       NCCL_CHECK(ncclSend(s + (size_t)h->displ[skind][p] * unit, (size_t)h->count[skind][p] * unit, ncclUint8, p,
                           nc, stream), fn, "ncclSend");

@@ -259,7 +259,9 @@ __global__ void __launch_bounds__(kReduceWarps * 32) reduce_kernel(const epx_cud
   const int64_t chunks = a.hidden / 8;
   const size_t in_row = (size_t)a.hidden * sizeof(Tin), out_row = (size_t)a.hidden * sizeof(Tout);
   const char *src = static_cast<const char *>(a.src);
-  for (int64_t c0 = lane; c0 < chunks; c0 += 32 * kChunks) {
+  /* Every lane walks the same steps (the dot's warp sums need all 32). */
+  for (int64_t step = 0; step < chunks; step += 32 * kChunks) {
+    const int64_t c0 = step + lane;
     float acc[kChunks][8], part[kChunks][8], oth[kChunks][8];
 #pragma unroll
     for (int u = 0; u < kChunks; u++)
