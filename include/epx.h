@@ -412,7 +412,7 @@ epx_status_t epx_comm_create_nccl(void *nccl_comm, const epx_comm_config_t *conf
 epx_status_t epx_comm_create_nccl_mpi(const void *mpi_comm, const epx_comm_config_t *config,
                                       epx_comm_t *comm);
 
-/* Collective for local and MPI comms (a barrier then release). A failed comm
+/* Collective for local, MPI and NCCL comms (a barrier then release). A failed comm
  * (after a timeout or a peer's failure) is released without synchronising.
  * Once accepted, destroy always releases this rank's comm; it is refused
  * (EPX_ERROR_BUSY) while buffers created over the comm are alive. */
