@@ -28,17 +28,25 @@ MPI_COMPILE=$(mpicc --showme:compile)
 MPI_LINK=$(mpicc --showme:link | sed 's/-Wl,/-Xlinker /g; s/,/ -Xlinker /g')
 set -o pipefail
 export LD_LIBRARY_PATH="$NCCL/lib:$NCCL/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-# A binary built elsewhere (EPX_FUSED_PREBUILT) saves the device's time when
-# every library it needs resolves here; otherwise build.
+# A binary built elsewhere (EPX_FUSED_PREBUILT) is used when every library
+# it needs resolves here; otherwise the three units compile in parallel.
+NVCC_FLAGS=(-O3 -arch=sm_90 -std=c++17 -lineinfo -Iinclude -Isrc -I"$NCCL/include" -Xcompiler -fopenmp,-ffp-contract=off)
+build() {
+  cc -O2 -std=c11 -Iinclude -Isrc -c src/core/status.c -o "$BIN/status.o" || return 1
+  local pids=() unit
+  for unit in src/cuda/fused_dispatch.cu src/cuda/fused_combine.cu bench/gpu/fused_standalone.cu; do
+    nvcc "${NVCC_FLAGS[@]}" $MPI_COMPILE -c "$unit" -o "$BIN/$(basename "$unit" .cu).o" &
+    pids+=($!)
+  done
+  for unit in "${pids[@]}"; do wait "$unit" || return 1; done
+  nvcc -arch=sm_90 "$BIN/fused_dispatch.o" "$BIN/fused_combine.o" "$BIN/fused_standalone.o" "$BIN/status.o" \
+    -o "$BIN/fused_standalone" -L"$NCCL/lib" -L"$NCCL/lib64" -lnccl -Xlinker -rpath -Xlinker "$NCCL/lib" \
+    $MPI_LINK -lgomp
+}
 if [ -n "${EPX_FUSED_PREBUILT:-}" ] && [ -x "$EPX_FUSED_PREBUILT" ] && ! ldd "$EPX_FUSED_PREBUILT" | grep -q "not found"; then
   cp "$EPX_FUSED_PREBUILT" "$BIN/fused_standalone"
   echo "using the prebuilt $EPX_FUSED_PREBUILT" | tee -a "$OUTDIR/fused-build.log"
-elif ! { cc -O2 -std=c11 -Iinclude -Isrc -c src/core/status.c -o "$BIN/status.o" &&
-  nvcc -O3 -arch=sm_90 -std=c++17 -lineinfo -Iinclude -Isrc -I"$NCCL/include" $MPI_COMPILE \
-    -Xcompiler -fopenmp,-ffp-contract=off \
-    src/cuda/fused_dispatch.cu src/cuda/fused_combine.cu bench/gpu/fused_standalone.cu "$BIN/status.o" \
-    -o "$BIN/fused_standalone" -L"$NCCL/lib" -L"$NCCL/lib64" -lnccl -Xlinker -rpath -Xlinker "$NCCL/lib" \
-    $MPI_LINK -lgomp; } >>"$OUTDIR/fused-build.log" 2>&1; then
+elif ! build >>"$OUTDIR/fused-build.log" 2>&1; then
   tail -30 "$OUTDIR/fused-build.log"
   echo "build FAILED"
   echo FAILED
