@@ -63,6 +63,9 @@ typedef struct epx_fused_config {
   int32_t max_top_k;       /* 1 <= K <= EPX_FUSED_MAX_TOP_K */
   int64_t max_tokens;      /* tokens per rank per call, equal on every rank */
   double timeout_seconds;  /* bound of every wait on a peer (<= 0: 60 s) */
+  /* 1: senders move whole rows with the bulk copy engine (cp.async.bulk
+   * through shared memory) instead of 16-byte stores by every thread */
+  int32_t bulk_copy;
 } epx_fused_config_t;
 
 /* Collective over nccl_comm (an ncclComm_t): allocates and registers the

@@ -87,9 +87,12 @@ __device__ void warp_partial(char *dst, const uint4 *eo, const int32_t *rows, co
 
 template <typename T, bool kRank>
 __device__ void send_partials(const fused_dev &d, const fused_plan_dev &p, combine_shared &sh, uint32_t seq,
-                              const uint4 *eo, int weighted, int part_f32, int ns) {
+                              const uint4 *eo, int weighted, int part_f32, int ns, char *slots) {
+  __shared__ uint64_t bars[kMaxBulkWarps];
+  uint32_t phase = 0;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t pe = part_f32 ? 4 : (int64_t)sizeof(T);
+  if (kRank && d.bulk_warps > 0 && lane == 0 && warp < d.bulk_warps) bulk_init(bars + warp);
   if (threadIdx.x < d.W && threadIdx.x != d.rank &&
       !wait_flag(d, flag_at(d.local, d.off_cts, threadIdx.x), seq + 1, threadIdx.x, PH_COMBINE_CTS))
     sh.bad = 1;
@@ -103,14 +106,20 @@ __device__ void send_partials(const fused_dev &d, const fused_plan_dev &p, combi
     const int h = (d.rank + 1 + (int)(g % d.W)) % d.W;
     const int64_t n = min((int64_t)kChunk, sh.rcount[h] - j * kChunk);
     if (h == d.rank || n <= 0) continue;
-    for (int64_t i = warp; i < n; i += kWarps) {
-      const int64_t q = sh.rbase[h] + j * kChunk + i;
-      const int64_t t = p.pair_token[q];
-      char *dst = d.peer[h] + d.off_part + ((int64_t)d.rank * d.maxT + t) * d.H * pe;
-      if (kRank)
-        warp_copy<false>(reinterpret_cast<uint4 *>(dst), eo + q * d.nvec, d.nvec, lane);
-      else
-        warp_partial<T>(dst, eo, p.pair_rows + q * p.K, p.pair_w + q * p.K, p.K, weighted, part_f32, d.nvec, lane);
+    const int64_t q0 = sh.rbase[h] + j * kChunk;
+    char *home = d.peer[h] + d.off_part + (int64_t)d.rank * d.maxT * d.H * pe;
+    if (kRank) {
+      /* a rank-major row is its own partial: moved as is */
+      send_chunk(
+          d, n, [&](int64_t i) { return eo + (q0 + i) * d.nvec; },
+          [&](int64_t i) { return reinterpret_cast<uint4 *>(home + (int64_t)p.pair_token[q0 + i] * d.H * pe); }, bars,
+          phase, slots);
+    } else {
+      for (int64_t i = warp; i < n; i += kWarps) {
+        const int64_t q = q0 + i;
+        warp_partial<T>(home + (int64_t)p.pair_token[q] * d.H * pe, eo, p.pair_rows + q * p.K, p.pair_w + q * p.K, p.K,
+                        weighted, part_f32, d.nvec, lane);
+      }
     }
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -205,6 +214,68 @@ __device__ void reduce_token(const fused_dev &d, const fused_plan_dev &p, const 
   }
 }
 
+/* Rank-major: each P(t, r) is a row (this rank's in expert_out, the others'
+ * in the window); the ranks two at a time, so both rows' loads are in flight
+ * before the first add. */
+constexpr int kRankVecs = 6;
+template <typename T>
+__device__ void reduce_token_rank(const fused_dev &d, const uint4 *eo, uint4 *out, int64_t t, unsigned has,
+                                  int64_t q_self, int lane) {
+  using vec = epx_vec<T>;
+  constexpr int n = vec::n, U = kRankVecs;
+  const int64_t row_elems = d.H;
+  for (int64_t v0 = 0; v0 < d.nvec; v0 += 32 * U) {
+    float acc[U][n];
+    bool first = true;
+    for (unsigned m = has; m;) {
+      const int r0 = __ffs(m) - 1;
+      m &= m - 1;
+      const int r1 = m ? __ffs(m) - 1 : -1;
+      if (m) m &= m - 1;
+      const uint4 *s0 = r0 == d.rank ? eo + q_self * d.nvec
+                                     : reinterpret_cast<const uint4 *>(d.local + d.off_part) +
+                                           ((int64_t)r0 * d.maxT + t) * row_elems * (int64_t)sizeof(T) / 16;
+      const uint4 *s1 = r1 < 0 ? nullptr
+                        : r1 == d.rank ? eo + q_self * d.nvec
+                                       : reinterpret_cast<const uint4 *>(d.local + d.off_part) +
+                                             ((int64_t)r1 * d.maxT + t) * row_elems * (int64_t)sizeof(T) / 16;
+      uint4 a[U], b[U];
+#pragma unroll
+      for (int u = 0; u < U; u++) {
+        const int64_t i = v0 + u * 32 + lane;
+        if (i >= d.nvec) continue;
+        a[u] = r0 == d.rank ? ld_stream(s0 + i) : __ldcg(s0 + i);
+        if (s1) b[u] = r1 == d.rank ? ld_stream(s1 + i) : __ldcg(s1 + i);
+      }
+#pragma unroll
+      for (int u = 0; u < U; u++) {
+        float f[n];
+        vec::unpack(a[u], f);
+#pragma unroll
+        for (int e = 0; e < n; e++) {
+          const float p = __fadd_rn(0.0f, f[e]);
+          acc[u][e] = first ? p : __fadd_rn(acc[u][e], p);
+        }
+        if (s1) {
+          vec::unpack(b[u], f);
+#pragma unroll
+          for (int e = 0; e < n; e++) acc[u][e] = __fadd_rn(acc[u][e], __fadd_rn(0.0f, f[e]));
+        }
+      }
+      first = false;
+    }
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+      const int64_t i = v0 + u * 32 + lane;
+      if (i >= d.nvec) continue;
+      if (first)
+#pragma unroll
+        for (int e = 0; e < n; e++) acc[u][e] = 0.0f;
+      out[t * d.nvec + i] = vec::pack(acc[u]);
+    }
+  }
+}
+
 /* Reducer CTAs: chunks of 32 tokens round robin, a warp per token. */
 template <typename T, bool kRank>
 __device__ void reduce_tokens(const fused_dev &d, const fused_plan_dev &p, combine_shared &sh, uint32_t seq,
@@ -226,7 +297,8 @@ __device__ void reduce_tokens(const fused_dev &d, const fused_plan_dev &p, combi
       const unsigned has = __ballot_sync(0xffffffffu, slot >= 0);
       const int32_t slot_self = __shfl_sync(0xffffffffu, slot, d.rank);
       const int64_t q_self = slot_self >= 0 ? sh.rbase[d.rank] + slot_self : -1;
-      reduce_token<T, kRank>(d, p, eo, out, t, has, q_self, weighted, part_f32, lane);
+      if (kRank) reduce_token_rank<T>(d, eo, out, t, has, q_self, lane);
+      else reduce_token<T, kRank>(d, p, eo, out, t, has, q_self, weighted, part_f32, lane);
     }
   }
 }
@@ -236,6 +308,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const fused_dev d,
                                                               const uint4 *eo, uint4 *out, int weighted,
                                                               int part_f32, int ns) {
   __shared__ combine_shared sh;
+  extern __shared__ __align__(128) char slots[]; /* bulk path: a row per copying warp */
   if (failed(d)) return;
   const uint32_t seq = *reinterpret_cast<volatile uint32_t *>(d.ctl + CTL_SEQ);
   const info_index ii = make_info_index(d.W, d.El);
@@ -244,18 +317,27 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const fused_dev d,
   if (threadIdx.x == 0) sh.bad = 0;
   send_cts(d, seq);
   __syncthreads();
-  if ((int)blockIdx.x < ns) send_partials<T, kRank>(d, p, sh, seq, eo, weighted, part_f32, ns);
+  if ((int)blockIdx.x < ns) send_partials<T, kRank>(d, p, sh, seq, eo, weighted, part_f32, ns, slots);
   else reduce_tokens<T, kRank>(d, p, sh, seq, eo, out, weighted, part_f32, ns);
   end_op(d, seq);
 }
 
 template <typename T>
-void launch_typed(epx_fused_t *f, const epx_fused_plan_t *plan, const uint4 *eo, uint4 *out, int weighted,
-                  int part_f32, int n, int ns, cudaStream_t stream) {
-  if (plan->dev.expert_major)
+cudaError_t launch_typed(epx_fused_t *f, const epx_fused_plan_t *plan, const uint4 *eo, uint4 *out, int weighted,
+                         int part_f32, int n, int ns, cudaStream_t stream) {
+  if (plan->dev.expert_major) {
     combine_kernel<T, false><<<n, kThreads, 0, stream>>>(f->dev, plan->dev, eo, out, weighted, part_f32, ns);
-  else
-    combine_kernel<T, true><<<n, kThreads, 0, stream>>>(f->dev, plan->dev, eo, out, weighted, part_f32, ns);
+    return cudaGetLastError();
+  }
+  /* the bulk path's slots (rank-major senders) */
+  const size_t smem = (size_t)f->dev.bulk_warps * (size_t)bulk_slot_bytes(f->dev.row_bytes);
+  if (smem > 0) {
+    const cudaError_t e =
+        cudaFuncSetAttribute(combine_kernel<T, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (e != cudaSuccess) return e;
+  }
+  combine_kernel<T, true><<<n, kThreads, smem, stream>>>(f->dev, plan->dev, eo, out, weighted, part_f32, ns);
+  return cudaGetLastError();
 }
 
 }  // namespace
@@ -275,11 +357,11 @@ extern "C" cudaError_t epx_fused_combine_launch(epx_fused_t *f, const epx_fused_
   const uint4 *eo = static_cast<const uint4 *>(expert_out);
   uint4 *o = static_cast<uint4 *>(out);
   switch (f->config.dtype) {
-    case EPX_FLOAT32: launch_typed<float>(f, plan, eo, o, weighted, part_f32, n, n - nr, stream); break;
-    case EPX_BFLOAT16: launch_typed<__nv_bfloat16>(f, plan, eo, o, weighted, part_f32, n, n - nr, stream); break;
-    case EPX_FLOAT16: launch_typed<__half>(f, plan, eo, o, weighted, part_f32, n, n - nr, stream); break;
+    case EPX_FLOAT32: return launch_typed<float>(f, plan, eo, o, weighted, part_f32, n, n - nr, stream);
+    case EPX_BFLOAT16: return launch_typed<__nv_bfloat16>(f, plan, eo, o, weighted, part_f32, n, n - nr, stream);
+    case EPX_FLOAT16: return launch_typed<__half>(f, plan, eo, o, weighted, part_f32, n, n - nr, stream);
   }
-  return cudaGetLastError();
+  return cudaErrorInvalidValue;
 }
 
 extern "C" cudaError_t epx_fused_dispatch_backward_launch(epx_fused_t *f, const epx_fused_plan_t *plan,

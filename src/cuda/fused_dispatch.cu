@@ -132,6 +132,9 @@ void init_dev(epx_fused_t *f, int W, int rank) {
   d.nvec = d.row_bytes / 16;
   d.max_chunks = (int)((c->max_tokens + kChunk - 1) / kChunk);
   d.meta_stride = (int64_t)align_up((size_t)(1 + 3 * c->max_top_k) * 4, 16);
+  /* the bulk path: as many one-row slots as fit in 200 KB of shared memory */
+  const int64_t fit = ((int64_t)200 << 10) / bulk_slot_bytes(d.row_bytes);
+  d.bulk_warps = c->bulk_copy ? (int)(fit < kMaxBulkWarps ? fit : kMaxBulkWarps) : 0;
   const double seconds = c->timeout_seconds > 0 ? c->timeout_seconds : 60.0;
   d.timeout_ns = (unsigned long long)(seconds * 1e9);
 }
@@ -672,8 +675,10 @@ __device__ int64_t chunks_of(int64_t rows) { return (rows + kChunk - 1) / kChunk
 /* Sender CTAs: (chunk j, destination) pairs round robin, remote ranks first
  * in each round, a warp per row. */
 __device__ void send_rows(const fused_dev &d, const fused_plan_dev &p, dispatch_shared &sh, uint32_t seq,
-                          const uint4 *x, uint4 *recv, int mode, int ns) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+                          const uint4 *x, uint4 *recv, int mode, int ns, char *slots) {
+  __shared__ uint64_t bars[kMaxBulkWarps];
+  uint32_t phase = 0;
+  if (d.bulk_warps > 0 && (threadIdx.x & 31) == 0 && (threadIdx.x >> 5) < d.bulk_warps) bulk_init(bars + (threadIdx.x >> 5));
   if (threadIdx.x < d.W && threadIdx.x != d.rank &&
       !wait_flag(d, flag_at(d.local, d.off_cts, threadIdx.x), seq + 1, threadIdx.x, PH_DISPATCH_CTS))
     sh.bad = 1;
@@ -687,11 +692,11 @@ __device__ void send_rows(const fused_dev &d, const fused_plan_dev &p, dispatch_
     const int64_t n = min((int64_t)kChunk, sh.scount[r] - j * kChunk);
     if (n <= 0 || (mode == MODE_EXPERT && r == d.rank)) continue;
     uint4 *dst = r != d.rank || mode == MODE_RANK_WINDOW ? reinterpret_cast<uint4 *>(d.peer[r] + d.off_pay) : recv;
-    for (int64_t i = warp; i < n; i += kWarps) {
-      const int64_t slot = j * kChunk + i;
-      const int32_t t = p.send_token[(int64_t)r * d.maxT + slot];
-      warp_copy<false>(dst + (sh.sbase[r] + slot) * d.nvec, x + (int64_t)t * d.nvec, d.nvec, lane);
-    }
+    const int32_t *tokens = p.send_token + (int64_t)r * d.maxT + j * kChunk;
+    uint4 *rows = dst + (sh.sbase[r] + j * kChunk) * d.nvec;
+    send_chunk(
+        d, n, [&](int64_t i) { return x + (int64_t)tokens[i] * d.nvec; }, [&](int64_t i) { return rows + i * d.nvec; },
+        bars, phase, slots);
     __syncthreads();
     if (r != d.rank && threadIdx.x == 0) {
       __threadfence_system();
@@ -745,6 +750,18 @@ __device__ void receive_rows(const fused_dev &d, const fused_plan_dev &p, dispat
   }
   int64_t rounds = 0;
   for (int s = 0; s < d.W; s++) rounds = max(rounds, chunks_of(sh.rcount[s]));
+  if (mode == MODE_RANK_WINDOW) {
+    /* nothing to move: every thread waits for chunks of its own, so the
+     * flags' round trips overlap */
+    for (int64_t g = rc + (int64_t)nr * threadIdx.x; g < rounds * d.W; g += (int64_t)nr * blockDim.x) {
+      const int64_t j = g / d.W;
+      const int s = (int)(g % d.W);
+      if (s == d.rank || j * kChunk >= sh.rcount[s]) continue;
+      if (!wait_flag(d, flag_at(d.local, d.off_cflag, (int64_t)s * d.max_chunks + j), seq + 1, s, PH_DISPATCH_ROWS))
+        break;
+    }
+    return;
+  }
   for (int64_t g = rc; g < rounds * d.W; g += nr) {
     const int64_t j = g / d.W;
     const int s = (d.rank + 1 + (int)(g % d.W)) % d.W;
@@ -755,7 +772,6 @@ __device__ void receive_rows(const fused_dev &d, const fused_plan_dev &p, dispat
       sh.bad = 1;
     __syncthreads();
     if (sh.bad) return;
-    if (mode == MODE_RANK_WINDOW) continue;
     for (int64_t i = warp; i < n; i += kWarps) {
       const int64_t q = sh.rbase[s] + j * kChunk + i;
       if (mode == MODE_RANK_COPY) {
@@ -777,6 +793,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const fused_dev d
                                                                const uint4 *x, uint4 *recv, int mode,
                                                                int weighted, int ns) {
   __shared__ dispatch_shared sh;
+  extern __shared__ __align__(128) char slots[]; /* bulk path: a row per copying warp */
   if (failed(d)) return;
   const uint32_t seq = *reinterpret_cast<volatile uint32_t *>(d.ctl + CTL_SEQ);
   const info_index ii = make_info_index(d.W, d.El);
@@ -789,9 +806,21 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const fused_dev d
   if (threadIdx.x == 0) sh.bad = 0;
   send_cts(d, seq);
   __syncthreads();
-  if ((int)blockIdx.x < ns) send_rows(d, p, sh, seq, x, recv, mode, ns);
+  if ((int)blockIdx.x < ns) send_rows(d, p, sh, seq, x, recv, mode, ns, slots);
   else receive_rows<T>(d, p, sh, seq, x, recv, mode, weighted, ns);
   end_op(d, seq);
+}
+
+template <typename T>
+cudaError_t launch_dispatch(const fused_dev &d, const fused_plan_dev &p, const uint4 *x, uint4 *recv, int mode,
+                            int weighted, int n, int ns, size_t smem, cudaStream_t stream) {
+  if (smem > 0) {
+    const cudaError_t e =
+        cudaFuncSetAttribute(dispatch_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (e != cudaSuccess) return e;
+  }
+  dispatch_kernel<T><<<n, kThreads, smem, stream>>>(d, p, x, recv, mode, weighted, ns);
+  return cudaGetLastError();
 }
 
 }  // namespace
@@ -810,12 +839,13 @@ extern "C" cudaError_t epx_fused_dispatch_launch(epx_fused_t *f, const epx_fused
   if (nr > n - 1) nr = n - 1;
   const uint4 *xs = static_cast<const uint4 *>(x);
   uint4 *rs = static_cast<uint4 *>(mode == MODE_RANK_WINDOW ? window : recv_x);
+  const size_t smem = (size_t)d.bulk_warps * (size_t)bulk_slot_bytes(d.row_bytes);
   switch (f->config.dtype) {
-    case EPX_FLOAT32: dispatch_kernel<float><<<n, kThreads, 0, stream>>>(d, plan->dev, xs, rs, mode, weighted, n - nr); break;
-    case EPX_BFLOAT16: dispatch_kernel<__nv_bfloat16><<<n, kThreads, 0, stream>>>(d, plan->dev, xs, rs, mode, weighted, n - nr); break;
-    case EPX_FLOAT16: dispatch_kernel<__half><<<n, kThreads, 0, stream>>>(d, plan->dev, xs, rs, mode, weighted, n - nr); break;
+    case EPX_FLOAT32: return launch_dispatch<float>(d, plan->dev, xs, rs, mode, weighted, n, n - nr, smem, stream);
+    case EPX_BFLOAT16: return launch_dispatch<__nv_bfloat16>(d, plan->dev, xs, rs, mode, weighted, n, n - nr, smem, stream);
+    case EPX_FLOAT16: return launch_dispatch<__half>(d, plan->dev, xs, rs, mode, weighted, n, n - nr, smem, stream);
   }
-  return cudaGetLastError();
+  return cudaErrorInvalidValue;
 }
 
 extern "C" cudaError_t epx_fused_combine_backward_launch(epx_fused_t *f, const epx_fused_plan_t *plan,

@@ -51,6 +51,7 @@ struct fused_dev {
   uint32_t *err;                   /* host-mapped error word */
   unsigned long long timeout_ns;
   int W, rank, E, El, Kmax, max_chunks;
+  int bulk_warps;                  /* > 0: senders move whole rows with the bulk copy engine */
   int64_t maxT, H, nvec, row_bytes, meta_stride;
   size_t off_cts, off_lflag, off_mflag, off_cflag, off_mat, off_hist, off_meta, off_pay, off_part;
 };
@@ -212,6 +213,68 @@ __device__ __forceinline__ void warp_copy(uint4 *dst, const uint4 *src, int64_t 
       if (i < nvec) dst[i] = r[u];
     }
   }
+}
+
+/* ---- whole rows by the bulk copy engine (TMA) ----------------------------- */
+
+/* Shared memory of the bulk path: a slot of one row per copying warp. */
+static inline __host__ __device__ int64_t bulk_slot_bytes(int64_t row_bytes) { return (row_bytes + 127) / 128 * 128; }
+constexpr int kMaxBulkWarps = 12;
+
+__device__ __forceinline__ uint32_t smem_u32(const void *p) {
+  return (uint32_t)__cvta_generic_to_shared(p);
+}
+__device__ __forceinline__ void bulk_init(uint64_t *bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(bar)) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+/* One row src -> dst through `slot` (one thread): waits until the previous
+ * store has read the slot, loads the row (completing on bar), stores it. */
+__device__ __forceinline__ void bulk_row(uint64_t *bar, uint32_t &phase, char *slot, const void *src, void *dst,
+                                         uint32_t bytes) {
+  asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                   smem_u32(slot)),
+               "l"(src), "r"(bytes), "r"(smem_u32(bar))
+               : "memory");
+  uint32_t done = 0;
+  while (!done)
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+        : "=r"(done)
+        : "r"(smem_u32(bar)), "r"(phase)
+        : "memory");
+  phase ^= 1u;
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(smem_u32(slot)), "r"(bytes)
+               : "memory");
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+/* Every store issued by this thread complete and ordered before its later
+ * (generic) accesses. */
+__device__ __forceinline__ void bulk_drain() {
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+
+/* A CTA's senders move rows [0, n) of a chunk: row i from src(i) to dst(i).
+ * The bulk path uses lane 0 of the first d.bulk_warps warps; otherwise a
+ * warp per row. Ends with every row written (the caller then syncs). */
+template <typename Src, typename Dst>
+__device__ __forceinline__ void send_chunk(const fused_dev &d, int64_t n, Src src, Dst dst, uint64_t *bars,
+                                           uint32_t &phase, char *slots) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (d.bulk_warps > 0) {
+    if (lane == 0 && warp < d.bulk_warps) {
+      char *slot = slots + (int64_t)warp * bulk_slot_bytes(d.row_bytes);
+      for (int64_t i = warp; i < n; i += d.bulk_warps)
+        bulk_row(bars + warp, phase, slot, src(i), dst(i), (uint32_t)d.row_bytes);
+      bulk_drain();
+    }
+    return;
+  }
+  for (int64_t i = warp; i < n; i += kWarps) warp_copy<false>(dst(i), src(i), d.nvec, lane);
 }
 
 /* round(w * v) element-wise in the dtype (float32 product, no FMA). */
