@@ -35,6 +35,59 @@ struct combine_shared {
 
 __device__ int64_t chunks_of(int64_t rows) { return (rows + kChunk - 1) / kChunk; }
 
+/* part = 0 + the sum over the valid k-slots (bits of `valid`, ascending k)
+ * of (w_k *) row_k, for the step of vectors at v0, all float32 without FMA;
+ * the next row's loads are issued before the current row is added. */
+template <typename T>
+__device__ __forceinline__ void sum_rows_step(float (&part)[kVecs][epx_vec<T>::n], const uint4 *eo, int64_t nvec,
+                                              int64_t v0, unsigned valid, int32_t my_row, float my_w, int weighted,
+                                              int lane) {
+  using vec = epx_vec<T>;
+  constexpr int n = vec::n;
+#pragma unroll
+  for (int u = 0; u < kVecs; u++)
+#pragma unroll
+    for (int e = 0; e < n; e++) part[u][e] = 0.0f;
+  if (!valid) return;
+  uint4 cur[kVecs], nxt[kVecs];
+  unsigned m = valid;
+  int k = __ffs(m) - 1;
+  m &= m - 1;
+  int64_t row = __shfl_sync(0xffffffffu, my_row, k);
+  float wk = __shfl_sync(0xffffffffu, my_w, k);
+#pragma unroll
+  for (int u = 0; u < kVecs; u++) {
+    const int64_t i = v0 + u * 32 + lane;
+    if (i < nvec) cur[u] = ld_stream(eo + row * nvec + i);
+  }
+  for (;;) {
+    const bool more = m != 0;
+    float w_next = 0.0f;
+    if (more) {
+      k = __ffs(m) - 1;
+      m &= m - 1;
+      row = __shfl_sync(0xffffffffu, my_row, k);
+      w_next = __shfl_sync(0xffffffffu, my_w, k);
+#pragma unroll
+      for (int u = 0; u < kVecs; u++) {
+        const int64_t i = v0 + u * 32 + lane;
+        if (i < nvec) nxt[u] = ld_stream(eo + row * nvec + i);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kVecs; u++) {
+      float f[n];
+      vec::unpack(cur[u], f);
+#pragma unroll
+      for (int e = 0; e < n; e++) part[u][e] = __fadd_rn(part[u][e], weighted ? __fmul_rn(wk, f[e]) : f[e]);
+    }
+    if (!more) break;
+#pragma unroll
+    for (int u = 0; u < kVecs; u++) cur[u] = nxt[u];
+    wk = w_next;
+  }
+}
+
 /* P of one received row over its k-slots into dst (a row of the home window:
  * float32 when part_f32, else the dtype). */
 template <typename T>
@@ -47,28 +100,7 @@ __device__ void warp_partial(char *dst, const uint4 *eo, const int32_t *rows, co
   const unsigned valid = __ballot_sync(0xffffffffu, my_row >= 0);
   for (int64_t v0 = 0; v0 < nvec; v0 += 32 * kVecs) {
     float acc[kVecs][n];
-#pragma unroll
-    for (int u = 0; u < kVecs; u++)
-#pragma unroll
-      for (int e = 0; e < n; e++) acc[u][e] = 0.0f;
-    for (unsigned m = valid; m; m &= m - 1) {
-      const int k = __ffs(m) - 1;
-      const int64_t row = __shfl_sync(0xffffffffu, my_row, k);
-      const float wk = __shfl_sync(0xffffffffu, my_w, k);
-      uint4 v[kVecs];
-#pragma unroll
-      for (int u = 0; u < kVecs; u++) {
-        const int64_t i = v0 + u * 32 + lane;
-        if (i < nvec) v[u] = ld_stream(eo + row * nvec + i);
-      }
-#pragma unroll
-      for (int u = 0; u < kVecs; u++) {
-        float f[n];
-        vec::unpack(v[u], f);
-#pragma unroll
-        for (int e = 0; e < n; e++) acc[u][e] = __fadd_rn(acc[u][e], weighted ? __fmul_rn(wk, f[e]) : f[e]);
-      }
-    }
+    sum_rows_step<T>(acc, eo, nvec, v0, valid, my_row, my_w, weighted, lane);
 #pragma unroll
     for (int u = 0; u < kVecs; u++) {
       const int64_t i = v0 + u * 32 + lane;
@@ -129,9 +161,10 @@ __device__ void send_partials(const fused_dev &d, const fused_plan_dev &p, combi
   }
 }
 
-/* out[t] from this rank's own rows and the peers' partials (see the file
- * comment); has: the token's ranks, q_self: its own rank-major row or -1. */
-template <typename T, bool kRank>
+/* Expert-major: out[t] from this rank's own rows and the peers' partials
+ * (see the file comment); has: the token's ranks, q_self: its own rank-major
+ * row or -1. */
+template <typename T>
 __device__ void reduce_token(const fused_dev &d, const fused_plan_dev &p, const uint4 *eo, uint4 *out, int64_t t,
                              unsigned has, int64_t q_self, int weighted, int part_f32, int lane) {
   using vec = epx_vec<T>;
@@ -140,7 +173,7 @@ __device__ void reduce_token(const fused_dev &d, const fused_plan_dev &p, const 
   const int K = p.K;
   int32_t my_row = -1;
   float my_w = 0.0f;
-  if (!kRank && q_self >= 0 && lane < K) {
+  if (q_self >= 0 && lane < K) {
     my_row = p.pair_rows[q_self * K + lane];
     my_w = p.pair_w[q_self * K + lane];
   }
@@ -151,28 +184,10 @@ __device__ void reduce_token(const fused_dev &d, const fused_plan_dev &p, const 
     for (unsigned m = has; m; m &= m - 1) {
       const int r = __ffs(m) - 1;
       float part[kVecs][n];
-#pragma unroll
-      for (int u = 0; u < kVecs; u++)
-#pragma unroll
-        for (int e = 0; e < n; e++) part[u][e] = 0.0f;
       if (r == d.rank) {
         /* P(t, self) from expert_out, the senders' loop */
-        for (unsigned mk = kRank ? 1u : valid; mk; mk &= mk - 1) {
-          const int k = __ffs(mk) - 1;
-          const int64_t row = kRank ? q_self : (int64_t)__shfl_sync(0xffffffffu, my_row, k);
-          const float wk = kRank ? 1.0f : __shfl_sync(0xffffffffu, my_w, k);
-#pragma unroll
-          for (int u = 0; u < kVecs; u++) {
-            const int64_t i = v0 + u * 32 + lane;
-            if (i >= d.nvec) continue;
-            float f[n];
-            vec::unpack(ld_stream(eo + row * d.nvec + i), f);
-#pragma unroll
-            for (int e = 0; e < n; e++)
-              part[u][e] = __fadd_rn(part[u][e], weighted && !kRank ? __fmul_rn(wk, f[e]) : f[e]);
-          }
-        }
-        if (!kRank && !part_f32)
+        sum_rows_step<T>(part, eo, d.nvec, v0, valid, my_row, my_w, weighted, lane);
+        if (!part_f32)
 #pragma unroll
           for (int u = 0; u < kVecs; u++) vec::unpack(vec::pack(part[u]), part[u]);
       } else {
@@ -180,17 +195,21 @@ __device__ void reduce_token(const fused_dev &d, const fused_plan_dev &p, const 
 #pragma unroll
         for (int u = 0; u < kVecs; u++) {
           const int64_t i = v0 + u * 32 + lane;
-          if (i >= d.nvec) continue;
           float f[n];
-          if (part_f32) {
-            const float4 *s4 = reinterpret_cast<const float4 *>(src) + i * (n / 4);
+          if (i < d.nvec) {
+            if (part_f32) {
+              const float4 *s4 = reinterpret_cast<const float4 *>(src) + i * (n / 4);
 #pragma unroll
-            for (int h = 0; h < n / 4; h++) {
-              const float4 v = __ldcg(s4 + h);
-              f[4 * h] = v.x, f[4 * h + 1] = v.y, f[4 * h + 2] = v.z, f[4 * h + 3] = v.w;
+              for (int h = 0; h < n / 4; h++) {
+                const float4 v = __ldcg(s4 + h);
+                f[4 * h] = v.x, f[4 * h + 1] = v.y, f[4 * h + 2] = v.z, f[4 * h + 3] = v.w;
+              }
+            } else {
+              vec::unpack(__ldcg(reinterpret_cast<const uint4 *>(src) + i), f);
             }
           } else {
-            vec::unpack(__ldcg(reinterpret_cast<const uint4 *>(src) + i), f);
+#pragma unroll
+            for (int e = 0; e < n; e++) f[e] = 0.0f;
           }
 #pragma unroll
           for (int e = 0; e < n; e++) part[u][e] = __fadd_rn(0.0f, f[e]);
@@ -297,8 +316,8 @@ __device__ void reduce_tokens(const fused_dev &d, const fused_plan_dev &p, combi
       const unsigned has = __ballot_sync(0xffffffffu, slot >= 0);
       const int32_t slot_self = __shfl_sync(0xffffffffu, slot, d.rank);
       const int64_t q_self = slot_self >= 0 ? sh.rbase[d.rank] + slot_self : -1;
-      if (kRank) reduce_token_rank<T>(d, eo, out, t, has, q_self, lane);
-      else reduce_token<T, kRank>(d, p, eo, out, t, has, q_self, weighted, part_f32, lane);
+      if constexpr (kRank) reduce_token_rank<T>(d, eo, out, t, has, q_self, lane);
+      else reduce_token<T>(d, p, eo, out, t, has, q_self, weighted, part_f32, lane);
     }
   }
 }

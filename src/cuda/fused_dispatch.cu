@@ -417,12 +417,19 @@ __global__ void __launch_bounds__(kLayoutTokens) layout_count_kernel(const fused
 /* Exclusive prefix over the blocks of each column of a [blocks, n] table, in
  * place; the totals go to total[n] (may be NULL). */
 __device__ void block_prefix(int32_t *table, int64_t blocks, int n, int32_t *total) {
+  constexpr int kBatch = 8; /* independent loads in flight per thread */
   for (int c = threadIdx.x; c < n; c += blockDim.x) {
     int32_t run = 0;
-    for (int64_t b = 0; b < blocks; b++) {
-      const int32_t v = table[b * n + c];
-      table[b * n + c] = run;
-      run += v;
+    for (int64_t b0 = 0; b0 < blocks; b0 += kBatch) {
+      int32_t v[kBatch];
+#pragma unroll
+      for (int u = 0; u < kBatch; u++) v[u] = b0 + u < blocks ? table[(b0 + u) * n + c] : 0;
+#pragma unroll
+      for (int u = 0; u < kBatch; u++)
+        if (b0 + u < blocks) {
+          table[(b0 + u) * n + c] = run;
+          run += v[u];
+        }
     }
     if (total) total[c] = run;
   }
@@ -709,7 +716,7 @@ __device__ void send_rows(const fused_dev &d, const fused_plan_dev &p, dispatch_
 template <typename T, bool kWindow>
 __device__ void warp_expand(uint4 *recv, const uint4 *src, const int32_t *rows, const float *w, int K,
                             int weighted, int64_t nvec, int lane) {
-  constexpr int U = 4;
+  constexpr int U = 8; /* 4 KB of the row in flight per warp */
   const int32_t my_row = lane < K ? rows[lane] : -1;
   const float my_w = lane < K ? w[lane] : 0.0f;
   const unsigned valid = __ballot_sync(0xffffffffu, my_row >= 0);
