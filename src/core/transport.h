@@ -19,7 +19,7 @@
 #include "epx.h"
 
 typedef struct epx_transport_ops {
-  const char *name; /* "self", "local", "mpi" */
+  const char *name; /* "self", "local", "mpi", "nccl" */
   /* send holds size blocks of `bytes`, block r for rank r; recv gets block
    * s from rank s (its own block too). */
   epx_status_t (*alltoall)(epx_comm_t comm, const char *caller, const void *send, void *recv,
