@@ -671,10 +671,14 @@ def run_local(world_size, fn, *args, timeout_seconds=None, **kwargs):
         t.start()
     for t in threads:
         t.join()
-    world.close()
+    failed = [r for r in range(world_size) if errors[r] is not None]
+    try:
+        world.close()
+    except EpxError:
+        if not failed:
+            raise  # else a rank's own error, raised below, is the cause
     # The cause before its echoes: a rank's own error before peers' TIMEOUT/PEER_FAILED.
     echoes = (Status.ERROR_TIMEOUT, Status.ERROR_PEER_FAILED)
-    failed = [r for r in range(world_size) if errors[r] is not None]
     if failed:
         causes = [r for r in failed if getattr(errors[r], "status", None) not in echoes]
         rank = (causes or failed)[0]

@@ -887,33 +887,34 @@ class TokenDispatcher:
 # ---------------------------------------------------------------------------
 
 
-class _CheckpointRecorder:
-    """One recorder for one checkpointed call: its forward records every
-    dispatch's handle, its recompute replays them in order (no layout
-    exchange; validated against the routing), then it is closed."""
+class _RecorderScope:
+    """One side of a checkpointed call: the forward records every dispatch's
+    handle into the recorder, the recompute replays them in order (no layout
+    exchange; validated against the routing) and then closes it. ``stats``
+    is the recorder's epx.RecorderStats (its last, once closed)."""
 
-    def __init__(self, validate):
-        self.recorder = _epx.Recorder(validate=validate)
+    def __init__(self, recorder, mode, close_after):
+        self.recorder, self.mode, self.close_after = recorder, mode, close_after
+        self._last = None
+        self._previous = None
 
-    @contextlib.contextmanager
-    def _ambient(self, mode, close_after):
-        previous = getattr(_ambient, "recorder", None)
+    @property
+    def stats(self):
+        return self._last if self.recorder.closed else self.recorder.stats()
+
+    def __enter__(self):
         rec = self.recorder
         if not rec.closed:
-            rec.set_mode(mode)
+            rec.set_mode(self.mode)
+        self._previous = getattr(_ambient, "recorder", None)
         _ambient.recorder = rec
-        try:
-            yield
-        finally:
-            _ambient.recorder = previous
-            if close_after:
-                rec.close()
+        return self
 
-    def forward(self):
-        return self._ambient(_epx.RecorderMode.RECORD, False)
-
-    def recompute(self):
-        return self._ambient(_epx.RecorderMode.REPLAY, True)
+    def __exit__(self, *exc):
+        _ambient.recorder = self._previous
+        if self.close_after and not self.recorder.closed:
+            self._last = self.recorder.stats()
+            self.recorder.close()
 
 
 def checkpoint_context(validate=True):
@@ -928,8 +929,10 @@ def checkpoint_context(validate=True):
     epx.ReplayMismatchError naming the call). The recorder is closed when the
     recompute ends (a second backward through the same graph lays out
     afresh)."""
-    rec = _CheckpointRecorder(validate)
-    return rec.forward(), rec.recompute()
+    rec = _epx.Recorder(validate=validate)
+    forward = _RecorderScope(rec, _epx.RecorderMode.RECORD, False)
+    recompute = _RecorderScope(rec, _epx.RecorderMode.REPLAY, True)
+    return forward, recompute
 
 
 # ---------------------------------------------------------------------------
