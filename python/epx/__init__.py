@@ -57,8 +57,8 @@ __all__ = [
     "EpxError", "InvalidArgumentError", "OutOfMemoryError", "UnsupportedError",
     "CapacityExceededError", "ShapeMismatchError", "InvalidHandleError", "BusyError",
     "TimeoutError", "PeerFailedError", "TransportError", "ReplayMismatchError", "CudaError",
-    "InternalError", "Status", "DType", "Device", "ScoreFn", "QueueOrder", "DropPolicy", "Nonfinite",
-    "Exchange", "Layout", "Weighting", "RecorderMode", "RouteConfig", "BufferConfig",
+    "InternalError", "Status", "DType", "Device", "ScoreFn", "QueueOrder", "DropPolicy",
+    "Nonfinite", "Exchange", "Layout", "Weighting", "RecorderMode", "RouteConfig", "BufferConfig",
     "CommConfig", "RouteResult", "HandleStats", "RecorderStats", "Comm", "LocalWorld",
     "Buffer", "Handle", "Recorder", "route", "route_backward", "run_local", "empty", "zeros",
     "asarray", "convert", "to_bf16", "from_bf16", "dtype_size", "has_cuda", "has_mpi", "has_nccl",
@@ -165,6 +165,7 @@ ReplayMismatchError = _error_class("ReplayMismatchError", Status.ERROR_REPLAY_MI
 CudaError = _error_class("CudaError", Status.ERROR_CUDA, None, "EPX_ERROR_CUDA.")
 InternalError = _error_class("InternalError", Status.ERROR_INTERNAL, None, "EPX_ERROR_INTERNAL.")
 
+
 def _check(status):
     if status != 0:
         # The message first: it is valid until this thread's next epx call.
@@ -200,7 +201,7 @@ def _as_dtype(dtype):
         return DType(int(dtype))
     if isinstance(dtype, str) and dtype.lower() in _DTYPE_NAMES:
         return _DTYPE_NAMES[dtype.lower()]
-    if type(dtype).__module__ == "torch":  # a torch.dtype ("torch.bfloat16"), torch not imported here
+    if type(dtype).__module__ == "torch":  # a torch.dtype ("torch.bfloat16"); torch not imported
         name = str(dtype).rsplit(".", 1)[-1]
         if name in _DTYPE_NAMES:
             return _DTYPE_NAMES[name]

@@ -33,17 +33,17 @@ def _candidates():
 
 
 def _torch_first(path):
-    """A libepx that links NCCL must bind to the NCCL torch loads, not a
-    second copy: import torch (when installed) before loading such a one,
-    so that the process has one NCCL."""
+    """A libepx that links NCCL (or the CUDA runtime) must bind to the copy
+    torch loads, not a second one: import torch (when installed) before
+    loading such a library, so that the process has one NCCL."""
     if "torch" in sys.modules or importlib.util.find_spec("torch") is None:
         return
     try:
         with open(path, "rb") as f:
-            links_nccl = b"libnccl.so" in f.read()
+            data = f.read()
     except OSError:
         return
-    if links_nccl:
+    if b"libnccl.so" in data or b"libcudart.so" in data:
         import torch  # noqa: F401  (its NCCL, loaded first)
 
 

@@ -33,7 +33,6 @@ the same graph. CUDA tensors need a libepx built with EPX_BUILD_CUDA; every
 call runs on PyTorch's current stream. Importing this module imports torch
 first, so a libepx linked with NCCL binds to torch's NCCL.
 """
-import contextlib
 import ctypes
 import itertools
 import math
@@ -774,9 +773,8 @@ class MoE(_torch.nn.Module):
         self.router = _torch.nn.Linear(H, num_experts, bias=False, **factory)
         with _torch.no_grad():
             self.router.weight.copy_(_torch.randn(num_experts, H, generator=g) / math.sqrt(H))
-        self.w_gate_up = _torch.nn.Parameter(
-            (_torch.randn(El, H, 2 * F, generator=g) / math.sqrt(H)).to(device=device,
-                                                                       dtype=dtype))
+        w1 = _torch.randn(El, H, 2 * F, generator=g) / math.sqrt(H)
+        self.w_gate_up = _torch.nn.Parameter(w1.to(device=device, dtype=dtype))
         self.w_down = _torch.nn.Parameter(
             (_torch.randn(El, F, H, generator=g) / math.sqrt(F)).to(device=device, dtype=dtype))
         self.register_buffer("expert_bias", _torch.zeros(num_experts, device=device)
