@@ -683,14 +683,19 @@ def _grouped_mm_loop(x, w, offsets):
     return out
 
 
+def _strides_16(t):
+    return all((s * t.element_size()) % 16 == 0 for s in t.stride() if s != 1)
+
+
 def grouped_mm(x, w, ends):
     """out[r] = x[r] @ w[e] for the rows r of group e, the groups being
     [ends[e-1], ends[e]) (ends int32 [G], on x's device); rows past ends[-1]
-    are left unspecified. torch._grouped_mm where this torch has it (no host
-    wait), else a loop over the groups."""
+    are left unspecified. w [G, in, out] may be a transposed view of
+    [G, out, in] weights (the layout GPU grouped GEMMs want).
+    torch._grouped_mm where this torch has it (no host wait), else a loop
+    over the groups."""
     gm = getattr(_torch, "_grouped_mm", None)
-    if gm is not None and (x.shape[1] * x.element_size()) % 16 == 0 \
-            and (w.shape[2] * w.element_size()) % 16 == 0:
+    if gm is not None and _strides_16(x) and _strides_16(w):
         return gm(x, w, offs=ends)
     return _grouped_mm_loop(x, w, ends)
 
@@ -716,10 +721,12 @@ class MoE(_torch.nn.Module):
     loss so the router learns balance).
 
     Parameters: router.weight [E, H] float32 (replicated: all-reduce its
-    gradient over data parallel ranks as usual), w_gate_up [E_local, H, 2F]
-    and w_down [E_local, F, H] in `dtype` (this rank's experts, global ids
+    gradient over data parallel ranks as usual), w_gate_up [E_local, 2F, H]
+    (gate rows first, then up) and w_down [E_local, H, F] in `dtype`, laid
+    out [out, in] like nn.Linear (this rank's experts, global ids
     rank*E_local ...), and expert_bias [E] (selection only, no gradient) when
-    expert_bias=True.
+    expert_bias=True. expert_alignment pads each expert's group of rows
+    (default 8 on CUDA, as grouped GEMM kernels like, 1 on CPU).
 
     weighting: where the routing weights are applied (IN_COMBINE default;
     IN_DISPATCH; NONE: the experts scale their activations by recv_w) — the
@@ -730,7 +737,7 @@ class MoE(_torch.nn.Module):
 
     def __init__(self, comm, hidden_size, ffn_hidden_size, num_experts, top_k, *,
                  max_tokens_per_rank, dtype=_F32, device="cpu", weighting=Weighting.IN_COMBINE,
-                 exchange=Exchange.DEDUP, layout=Layout.EXPERT_MAJOR, expert_alignment=1,
+                 exchange=Exchange.DEDUP, layout=Layout.EXPERT_MAJOR, expert_alignment=None,
                  combine_precision=0, score_fn=_epx.ScoreFn.SOFTMAX, num_groups=0, topk_groups=0,
                  renormalize=True, scaling_factor=1.0, capacity_factor=None, min_capacity=0,
                  queue_order=_epx.QueueOrder.BY_CHOICE, drop_policy=_epx.DropPolicy.BY_POSITION,
@@ -758,6 +765,8 @@ class MoE(_torch.nn.Module):
             capacity_factor=capacity_factor if capacity_mode else 1.0, min_capacity=min_capacity,
             queue_order=queue_order, drop_policy=drop_policy, aux_loss_coeff=aux_loss_coeff,
             z_loss_coeff=z_loss_coeff)
+        if expert_alignment is None:
+            expert_alignment = 8 if _torch.device(device).type == "cuda" else 1
         capacity = (_float32_capacity(top_k, max_tokens_per_rank, num_experts, capacity_factor,
                                       min_capacity) if self.layout == Layout.CAPACITY else 0)
         self.buffer = make_buffer(comm, hidden=hidden_size, num_experts=num_experts,
@@ -773,10 +782,10 @@ class MoE(_torch.nn.Module):
         self.router = _torch.nn.Linear(H, num_experts, bias=False, **factory)
         with _torch.no_grad():
             self.router.weight.copy_(_torch.randn(num_experts, H, generator=g) / math.sqrt(H))
-        w1 = _torch.randn(El, H, 2 * F, generator=g) / math.sqrt(H)
+        w1 = _torch.randn(El, 2 * F, H, generator=g) / math.sqrt(H)
         self.w_gate_up = _torch.nn.Parameter(w1.to(device=device, dtype=dtype))
         self.w_down = _torch.nn.Parameter(
-            (_torch.randn(El, F, H, generator=g) / math.sqrt(F)).to(device=device, dtype=dtype))
+            (_torch.randn(El, H, F, generator=g) / math.sqrt(F)).to(device=device, dtype=dtype))
         self.register_buffer("expert_bias", _torch.zeros(num_experts, device=device)
                              if expert_bias else None)
         self.aux_loss = None
@@ -785,12 +794,12 @@ class MoE(_torch.nn.Module):
         """SwiGLU over the expert-major groups of a :class:`Dispatched`:
         [N_max, H] -> [N_max, H]."""
         ends = d.offsets[1:].to(_I32)
-        h = grouped_mm(d.recv_x, self.w_gate_up, ends)
+        h = grouped_mm(d.recv_x, self.w_gate_up.transpose(-2, -1), ends)
         gate, up = h.chunk(2, dim=-1)
         act = _F.silu(gate) * up
         if self.weighting == Weighting.NONE:
             act = act * d.recv_w.unsqueeze(-1).to(act.dtype)
-        return grouped_mm(act, self.w_down, ends)
+        return grouped_mm(act, self.w_down.transpose(-2, -1), ends)
 
     def forward(self, x):
         shape = x.shape
