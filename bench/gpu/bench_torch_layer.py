@@ -86,7 +86,7 @@ class TorchMoE(torch.nn.Module):
         self.W = dist.get_world_size(group)
 
     def forward(self, x):
-        from torch.distributed.nn.functional import all_to_all_single
+        from torch.distributed._functional_collectives import all_to_all_single_autograd as a2a
         m, W = self.moe, self.W
         E, K, El = m.num_experts, m.top_k, m.num_local_experts
         T = x.shape[0]
@@ -103,9 +103,7 @@ class TorchMoE(torch.nn.Module):
         in_splits = counts.view(W, El).sum(1).tolist()
         rc = recv_counts.view(W, El)
         out_splits = rc.sum(1).tolist()
-        recv = all_to_all_single(torch.empty(sum(out_splits), x.shape[1], dtype=x.dtype,
-                                             device=x.device),
-                                 send, out_splits, in_splits, group=self.group)
+        recv = a2a(send, out_splits, in_splits, self.group)
         local = torch.arange(El, device=x.device).repeat(W)
         row_expert = torch.repeat_interleave(local, rc.reshape(-1))
         perm = torch.argsort(row_expert, stable=True)
@@ -116,8 +114,7 @@ class TorchMoE(torch.nn.Module):
         y = torch._grouped_mm(torch.nn.functional.silu(gate) * up, m.w_down.transpose(-2, -1),
                               offs=ends)
         back = torch.empty_like(y).index_copy(0, perm, y)
-        ret = all_to_all_single(torch.empty_like(send), back, in_splits, out_splits,
-                                group=self.group)
+        ret = a2a(back, in_splits, out_splits, self.group)
         wk = w.reshape(-1).index_select(0, order)
         out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
         out = out.index_add(0, tokens, ret.float() * wk[:, None])
@@ -175,7 +172,6 @@ def two_gpu_rank(rank, W, a, port, results):
     if rank == 0:
         results.update(slowest)
         results["err"] = e.item()
-    del moe, plain, x
     comm.close()
     dist.destroy_process_group()
 
@@ -218,12 +214,12 @@ def run_one(a):
         graph = torch.cuda.CUDAGraph()
         for p in params + [x]:
             p.grad = None
-        with torch.cuda.graph(graph):
+        with et.keep_handles() as kept, torch.cuda.graph(graph):
             loss = _graph_body(moe, x, g)
         replay = median_ms(graph.replay, a.iters, a.warmup)
         got = [loss] + [p.grad for p in params]
         same = all(torch.equal(u, v) for u, v in zip(got, want))
-        del graph
+        del graph, kept, loss, got
         moe.buffer.close()
     return dict(eager=eager, graph=replay, same=same)
 

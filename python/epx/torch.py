@@ -51,8 +51,8 @@ from epx import _lib
 from epx import DType, Device, Exchange, Layout, Status, Weighting
 
 __all__ = ["route", "dispatch", "combine", "Dispatched", "TorchRouteResult", "MoE",
-           "TokenDispatcher", "checkpoint_context", "comm_from_process_group", "make_buffer",
-           "grouped_mm", "epx_dtype", "torch_dtype"]
+           "TokenDispatcher", "checkpoint_context", "keep_handles", "comm_from_process_group",
+           "make_buffer", "grouped_mm", "epx_dtype", "torch_dtype"]
 
 lib = _lib.lib
 
@@ -179,11 +179,43 @@ def _token(handle):
     hid = next(_handle_ids)
     _HANDLES[hid] = handle
     handle._autograd = True
+    kept = getattr(_kept, "handles", None)
+    if kept is not None:
+        kept.append(handle)
     raw = _TokenBytes(8)
     raw.handle = handle
     arr = _np.frombuffer(raw, dtype=_np.int64)
     arr[0] = hid
     return _torch.from_numpy(arr)
+
+
+_kept = threading.local()
+
+
+class keep_handles:
+    """Keeps every handle dispatched in this thread inside the ``with``
+    alive afterwards, in the list it yields, for as long as that list lives.
+
+    A CUDA graph replays the kernels of the dispatches it captured, which
+    read and write their handles' device memory; autograd releases a handle
+    once the backward that needs it has run, so a captured step must keep
+    its handles for the graph's lifetime::
+
+        with et.keep_handles() as kept, torch.cuda.graph(graph):
+            loss = step()
+        # keep `kept` as long as `graph` (the buffer stays busy meanwhile)
+    """
+
+    def __enter__(self):
+        self._previous = getattr(_kept, "handles", None)
+        self.handles = []
+        _kept.handles = self.handles
+        return self.handles
+
+    def __exit__(self, *exc):
+        _kept.handles = self._previous
+        if self._previous is not None:
+            self._previous.extend(self.handles)
 
 
 def _handle_of(token, fn):
@@ -370,21 +402,6 @@ def _dispatch_inputs(b, x, topk_idx, topk_w, locations, fn):
     return x, idx, w, loc
 
 
-def _device_rows(handle, device):
-    """The handle's valid row count as a 1-element int64 tensor on `device`,
-    read on the device (CUDA) with no host wait."""
-    if device.type != "cuda":
-        return _torch.tensor([handle.recv_rows], dtype=_I64)
-    p = ctypes.c_void_p()
-    _epx._check(lib.epx_handle_recv_rows_device(handle._use(None, "epx.torch.dispatch"),
-                                                ctypes.byref(p)))
-
-    class _View:  # a zero-copy view of the library's int64 (CUDA array interface)
-        __cuda_array_interface__ = {"shape": (1,), "typestr": "<i8", "data": (p.value, True),
-                                    "version": 2}
-    return _torch.as_tensor(_View(), device=device).clone()
-
-
 @_torch.library.custom_op("epx::dispatch", mutates_args=())
 def _dispatch_op(x: Tensor, topk_idx: Tensor, topk_w: Optional[Tensor],
                  locations: Optional[Tensor], buffer_id: int, weighting: int, recorder_id: int
@@ -411,7 +428,8 @@ def _dispatch_op(x: Tensor, topk_idx: Tensor, topk_w: Optional[Tensor],
     hp = handle._use(b, fn)
     _epx._check(lib.epx_handle_recv_routing(hp, _ptr(recv_expert), _ptr(recv_w)))
     _epx._check(lib.epx_handle_expert_counts(hp, _ptr(counts), _ptr(offsets)))
-    return recv_x, recv_w, recv_expert, counts, offsets, _device_rows(handle, dev), token
+    # offsets[-1] is N in every layout: the row count, read on the device.
+    return recv_x, recv_w, recv_expert, counts, offsets, offsets[-1:].clone(), token
 
 
 @_dispatch_op.register_fake
@@ -741,7 +759,8 @@ class MoE(_torch.nn.Module):
                  combine_precision=0, score_fn=_epx.ScoreFn.SOFTMAX, num_groups=0, topk_groups=0,
                  renormalize=True, scaling_factor=1.0, capacity_factor=None, min_capacity=0,
                  queue_order=_epx.QueueOrder.BY_CHOICE, drop_policy=_epx.DropPolicy.BY_POSITION,
-                 aux_loss_coeff=0.0, z_loss_coeff=0.0, expert_bias=False, generator=None):
+                 aux_loss_coeff=0.0, z_loss_coeff=0.0, nonfinite=None, expert_bias=False,
+                 generator=None):
         super().__init__()
         W = comm.size
         if num_experts % W:
@@ -754,6 +773,11 @@ class MoE(_torch.nn.Module):
         capacity_mode = capacity_factor is not None
         if Layout(layout) == Layout.CAPACITY and not capacity_mode:
             _epx._invalid("epx.torch.MoE: layout CAPACITY needs capacity_factor")
+        on_gpu = _torch.device(device).type == "cuda"
+        if expert_alignment is None:
+            expert_alignment = 8 if on_gpu else 1
+        if nonfinite is None:  # refusing NaN logits costs a host wait per route on CUDA
+            nonfinite = _epx.Nonfinite.DROP if on_gpu else _epx.Nonfinite.ERROR
         self.comm, self.hidden_size, self.ffn_hidden_size = comm, hidden_size, ffn_hidden_size
         self.num_experts, self.top_k = num_experts, top_k
         self.num_local_experts = num_experts // W
@@ -764,9 +788,7 @@ class MoE(_torch.nn.Module):
             scaling_factor=scaling_factor, capacity_mode=int(capacity_mode),
             capacity_factor=capacity_factor if capacity_mode else 1.0, min_capacity=min_capacity,
             queue_order=queue_order, drop_policy=drop_policy, aux_loss_coeff=aux_loss_coeff,
-            z_loss_coeff=z_loss_coeff)
-        if expert_alignment is None:
-            expert_alignment = 8 if _torch.device(device).type == "cuda" else 1
+            z_loss_coeff=z_loss_coeff, nonfinite=nonfinite)
         capacity = (_float32_capacity(top_k, max_tokens_per_rank, num_experts, capacity_factor,
                                       min_capacity) if self.layout == Layout.CAPACITY else 0)
         self.buffer = make_buffer(comm, hidden=hidden_size, num_experts=num_experts,

@@ -356,6 +356,26 @@ def test_errors_are_python_exceptions_of_their_status():
             comm.buffer(hidden=H, num_experts=E, max_top_k=K, dtype=torch.int8)
 
 
+def test_keep_handles_outlives_the_backward():
+    """What a CUDA graph needs: handles dispatched under keep_handles stay
+    alive after the backward that would release them (the buffer stays busy
+    until the list goes)."""
+    T, H, E, K = 8, 16, 4, 2
+    with epx.Comm.create_self() as comm:
+        buf = et.make_buffer(comm, hidden=H, num_experts=E, max_top_k=K, max_tokens_per_rank=T)
+        x = torch.randn(T, H, requires_grad=True)
+        r = et.route(torch.randn(T, E), top_k=K)
+        with et.keep_handles() as kept:
+            d = et.dispatch(buf, x, r.topk_idx, r.topk_w)
+            et.combine(d, d.recv_x).sum().backward()
+        del d
+        assert len(kept) == 1 and not kept[0].released
+        with pytest.raises(epx.BusyError):
+            buf.close()
+        del kept
+        buf.close()
+
+
 def test_a_missing_peer_is_a_timeout_error():
     def rank(comm):
         buf = et.make_buffer(comm, hidden=16, num_experts=4, max_top_k=1, max_tokens_per_rank=4)
@@ -524,8 +544,9 @@ def test_gpu_cuda_graph_replays_a_layer_step_bit_identically():
         graph = torch.cuda.CUDAGraph()
         for q in params + [x]:
             q.grad = None
-        with torch.cuda.graph(graph):
+        with et.keep_handles() as kept, torch.cuda.graph(graph):
             static_loss = step()
+        assert len(kept) == 1
         static = [static_loss] + [q.grad for q in params + [x]]
         for i in range(3):
             with torch.no_grad():
@@ -537,7 +558,7 @@ def test_gpu_cuda_graph_replays_a_layer_step_bit_identically():
             want = eager_result(i)
             for a, b in zip(got, want):
                 assert torch.equal(a, b), "graph replay %d differs from eager" % i
-        del graph, static, static_loss
+        del graph, static, static_loss, kept
         m.buffer.close()
 
 
