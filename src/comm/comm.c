@@ -6,7 +6,9 @@
 
 #include <math.h>
 #include <stdlib.h>
+#include <string.h>
 
+#include "core/config.h"
 #include "core/error.h"
 #include "core/registry.h"
 
@@ -81,14 +83,12 @@ epx_status_t epx_comm_create_local(epx_local_world_t world, int32_t rank, epx_co
 
 epx_status_t epx_comm_config_timeout(const char *caller, const epx_comm_config_t *config,
                                      double *timeout_seconds) {
-  const epx_comm_config_t defaults = EPX_COMM_CONFIG_INIT;
-  if (!config) config = &defaults;
-  EPX_REQUIRE(config->struct_size == sizeof(epx_comm_config_t),
-              "%s: config->struct_size is %u, expected %zu; start from EPX_COMM_CONFIG_INIT",
-              caller, (unsigned)config->struct_size, sizeof(epx_comm_config_t));
-  EPX_REQUIRE(config->version == EPX_CONFIG_VERSION,
-              "%s: config->version is %u, expected %d; start from EPX_COMM_CONFIG_INIT", caller,
-              (unsigned)config->version, EPX_CONFIG_VERSION);
+  epx_comm_config_t full = EPX_COMM_CONFIG_INIT;
+  if (config) {
+    epx_status_t status = epx_config_read(caller, "epx_comm_config_t", config, &full, sizeof full);
+    if (status != EPX_SUCCESS) return status;
+  }
+  config = &full;
   EPX_REQUIRE(!isnan(config->timeout_seconds),
               "%s: config->timeout_seconds is NaN; pass seconds (> 0) or <= 0 to wait forever",
               caller);
@@ -170,4 +170,22 @@ epx_status_t epx_comm_check_alive(epx_comm_t comm, const char *caller) {
                    "%s: the comm failed in an earlier collective (a peer timed out or reported "
                    "an error, named then); destroy the comm and create a new one",
                    caller);
+}
+
+epx_status_t epx_comm_agree(epx_comm_t comm, epx_status_t local, const char *caller) {
+  if (comm->size == 1) return local;
+  epx_status_t alive = epx_comm_check_alive(comm, caller);
+  if (alive != EPX_SUCCESS) return alive;
+  char message[1024];
+  strncpy(message, epx_last_error(), sizeof message - 1);
+  message[sizeof message - 1] = '\0';
+  int64_t failed_rank = local != EPX_SUCCESS ? comm->rank + 1 : 0;
+  epx_status_t status = comm->ops->allreduce_max_i64(comm, caller, &failed_rank, 1);
+  if (status != EPX_SUCCESS) return status;
+  if (local != EPX_SUCCESS) return epx_error(local, "%s", message);
+  if (failed_rank)
+    return epx_error(EPX_ERROR_PEER_FAILED,
+                     "%s: rank %lld refused the call (its epx_last_error says why); nothing was "
+                     "moved on any rank", caller, (long long)(failed_rank - 1));
+  return EPX_SUCCESS;
 }

@@ -1,6 +1,7 @@
 /* The library's objects as every backend sees them. The CPU engine keeps its
  * per-handle layout in `cpu`, the CUDA backend in `cuda`; neither reads the
- * other's. */
+ * other's. `backend` is the buffer's device's operations (core/backend.h),
+ * fixed at creation. */
 #ifndef EPX_CORE_OBJECTS_H
 #define EPX_CORE_OBJECTS_H
 
@@ -15,7 +16,10 @@ extern "C" {
 struct epx_cpu_plan;
 struct epx_cpu_scratch;
 
+struct epx_backend;
+
 struct epx_buffer {
+  const struct epx_backend *backend;
   epx_comm_t comm;
   epx_buffer_config_t config;
   int32_t world_size;
@@ -38,6 +42,15 @@ struct epx_handle {
   struct epx_cpu_plan *cpu;    /* src/cpu/exchange.c */
   void *cuda;                  /* src/cuda */
 };
+
+/* Sets the agreed tokens per rank from the largest batch of the first
+ * layout: rounded up to max_tokens_rounding (at least one rounding). Every
+ * rank calls it with the same value. */
+static inline void epx_buffer_agree_max_tokens(epx_buffer_t buffer, int64_t largest_batch) {
+  int64_t rounding = buffer->config.max_tokens_rounding;
+  buffer->max_tokens = (largest_batch + rounding - 1) / rounding * rounding;
+  if (buffer->max_tokens == 0) buffer->max_tokens = rounding;
+}
 
 /* FNV-1a of the routing's expert ids (a [T, K] int32 array). */
 uint64_t epx_hash_topk(const int32_t *topk_idx, int64_t count);

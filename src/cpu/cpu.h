@@ -7,10 +7,23 @@
 
 /* The exchange engine (src/cpu/exchange.c): any number of ranks over the
  * comm's transport; the one-rank case moves rows directly with no staging.
- * Arguments are checked by src/core/api.c, routing values here. */
+ * Arguments are checked by src/api/, routing values here. The backend table
+ * that the API calls through is epx_cpu_backend (src/cpu/backend.c). */
 /* Checks the routing's values on this rank (expert ids, duplicates,
- * capacity locations); api.c agrees the result across ranks before any
+ * capacity locations); src/api agrees the result across ranks before any
  * exchange. */
+struct epx_backend;
+extern const struct epx_backend epx_cpu_backend;
+
+/* The router (src/cpu/route.c); the public entry points in src/api/route.c
+ * have checked the arguments. */
+epx_status_t epx_cpu_route(const epx_route_config_t *config, int64_t num_tokens, const float *logits,
+                           const float *bias, epx_route_output_t *output);
+epx_status_t epx_cpu_route_backward(const epx_route_config_t *config, int64_t num_tokens,
+                                    const float *logits, const float *bias, const int32_t *topk_idx,
+                                    const float *grad_topk_w, float grad_aux_loss, float grad_z_loss,
+                                    float *grad_logits);
+
 epx_status_t epx_cpu_validate_routing(epx_buffer_t buffer, const epx_routing_t *routing);
 epx_status_t epx_cpu_dispatch_layout(epx_buffer_t buffer, const epx_routing_t *routing,
                                      epx_handle_t handle);

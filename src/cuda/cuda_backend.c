@@ -42,8 +42,6 @@ typedef struct cuda_handle_state {
   int64_t rows;             /* N on the host; -1 until known (worst_case_sizing) */
 } cuda_handle_state_t;
 
-int epx_has_cuda(void) { return 1; }
-
 static epx_status_t cuda_fail(cudaError_t err, const char *fn, const char *what) {
   return epx_error(err == cudaErrorMemoryAllocation ? EPX_ERROR_OUT_OF_MEMORY : EPX_ERROR_CUDA,
                    "%s: %s failed with %s (%s); an error of earlier asynchronous work on the "

@@ -1,14 +1,15 @@
 /* The CUDA backend as the host library calls it: plain C declarations of
  * functions implemented in src/cuda (host C11 glue in cuda_backend.c, kernels
  * behind extern "C" launchers in .cu files). The public API layer
- * (src/core/api.c; src/cpu/route.c for routing) has already checked every
+ * (src/api/) has already checked every
  * argument that can be checked on the host — NULLs, sizes, dtype, alignment, handle ownership — before calling
  * these; they check what only the device can see (routing values).
  *
  * Scope: a comm of one rank (buffer->world_size == 1). All work is enqueued
  * on buffer->config.stream (route: config->stream) and is asynchronous unless
- * stated. When the library is built without CUDA these are stubs returning
- * EPX_ERROR_UNSUPPORTED (src/core/cuda_stubs.c). */
+ * stated. The API reaches them through the table epx_cuda_backend
+ * (cuda_ops.c); a build without CUDA has no such table, and the API refuses
+ * CUDA configs with EPX_ERROR_UNSUPPORTED. */
 #ifndef EPX_CUDA_BACKEND_H
 #define EPX_CUDA_BACKEND_H
 
@@ -18,6 +19,9 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+
+struct epx_backend;
+extern const struct epx_backend epx_cuda_backend;
 
 epx_status_t epx_cuda_route(const epx_route_config_t *config, int64_t num_tokens,
                             const float *logits, const float *bias, epx_route_output_t *output);

@@ -4,9 +4,9 @@
 
 #include "core/error.h"
 #include "core/objects.h"
-#include "core/recorder.h"
+#include "api/recorder.h"
 #include "core/registry.h"
-#include "cpu/cpu.h"
+#include "core/backend.h"
 
 struct epx_recorder {
   int32_t validate;
@@ -61,7 +61,7 @@ epx_status_t epx_recorder_stats(epx_recorder_t recorder, epx_recorder_stats_t *s
   s.bytes_held = (int64_t)(sizeof *recorder + (size_t)recorder->capacity * sizeof(epx_handle_t));
   for (int64_t i = 0; i < recorder->count; i++) {
     epx_handle_t h = recorder->records[i];
-    s.bytes_held += epx_cpu_handle_bytes(h);
+    s.bytes_held += h->buffer->backend->handle_bytes(h);
     s.bytes_avoided += h->recv_rows * h->buffer->config.hidden *
                        (int64_t)epx_dtype_size(h->buffer->config.dtype);
   }

@@ -1,0 +1,121 @@
+/* The CUDA backend's table (core/backend.h) over the functions of
+ * cuda_backend.c and route.cu. */
+#include <cuda_runtime.h>
+
+#include "core/backend.h"
+#include "core/error.h"
+#include "cuda/cuda_backend.h"
+
+/* Every rank has the same config (agreed before this), so every rank refuses
+ * together. */
+static epx_status_t cuda_buffer_init(epx_buffer_t buffer) {
+  if (buffer->world_size != 1)
+    return epx_error(EPX_ERROR_UNSUPPORTED,
+                     "epx_buffer_create: the CUDA backend runs on a comm of one rank in this version "
+                     "(comm has %d); use EPX_DEVICE_CPU for several ranks", buffer->world_size);
+  return epx_cuda_buffer_init(buffer);
+}
+
+static epx_status_t cuda_routing_hash(epx_buffer_t buffer, const epx_routing_t *routing, uint64_t *hash) {
+  (void)buffer, (void)routing;
+  *hash = 0; /* device routing: replays are checked by shape and weighting */
+  return EPX_SUCCESS;
+}
+
+/* One rank: the verdict is this rank's. */
+static epx_status_t cuda_agree(epx_buffer_t buffer, epx_status_t local, const char *caller) {
+  (void)buffer, (void)caller;
+  return local;
+}
+
+/* Later work, frees of memory allocated on the old stream included, must run
+ * after what was enqueued on it: the new stream waits for an event recorded
+ * on the old one. */
+static epx_status_t cuda_set_stream(epx_buffer_t buffer, void *stream) {
+  const char *fn = "epx_buffer_set_stream";
+  cudaStream_t old_stream = (cudaStream_t)buffer->config.stream, new_stream = (cudaStream_t)stream;
+  if (old_stream == new_stream) return EPX_SUCCESS;
+  cudaEvent_t done;
+  cudaError_t err = cudaEventCreateWithFlags(&done, cudaEventDisableTiming);
+  if (err == cudaSuccess) {
+    err = cudaEventRecord(done, old_stream);
+    if (err == cudaSuccess) err = cudaStreamWaitEvent(new_stream, done, 0);
+    cudaEventDestroy(done);
+  }
+  if (err != cudaSuccess)
+    return epx_error(EPX_ERROR_CUDA,
+                     "%s: ordering the new stream after the old one failed with %s (%s); the "
+                     "buffer keeps its old stream", fn, cudaGetErrorName(err), cudaGetErrorString(err));
+  buffer->config.stream = stream;
+  return EPX_SUCCESS;
+}
+
+static epx_status_t cuda_dispatch_layout(epx_buffer_t buffer, const epx_routing_t *routing,
+                                         epx_status_t local, epx_handle_t handle) {
+  if (local != EPX_SUCCESS) return local;
+  if (buffer->max_tokens == 0) epx_buffer_agree_max_tokens(buffer, routing->num_tokens);
+  return epx_cuda_dispatch_layout(buffer, routing, handle);
+}
+
+static epx_status_t cuda_dispatch(epx_buffer_t buffer, epx_handle_t handle, epx_status_t local,
+                                  const void *x, void *recv_x) {
+  return local != EPX_SUCCESS ? local : epx_cuda_dispatch(buffer, handle, x, recv_x);
+}
+
+static epx_status_t cuda_combine(epx_buffer_t buffer, epx_handle_t handle, epx_status_t local,
+                                 const void *expert_out, void *out) {
+  return local != EPX_SUCCESS ? local : epx_cuda_combine(buffer, handle, expert_out, out);
+}
+
+static epx_status_t cuda_dispatch_backward(epx_buffer_t buffer, epx_handle_t handle, epx_status_t local,
+                                           const void *grad_recv_x, void *grad_x, const void *x,
+                                           float *grad_w) {
+  return local != EPX_SUCCESS ? local
+                              : epx_cuda_dispatch_backward(buffer, handle, grad_recv_x, grad_x, x, grad_w);
+}
+
+static epx_status_t cuda_combine_backward(epx_buffer_t buffer, epx_handle_t handle, epx_status_t local,
+                                          const void *grad_out, const void *expert_out,
+                                          void *grad_expert_out, float *grad_w) {
+  return local != EPX_SUCCESS
+             ? local
+             : epx_cuda_combine_backward(buffer, handle, grad_out, expert_out, grad_expert_out, grad_w);
+}
+
+static epx_status_t cuda_weights_backward(epx_buffer_t buffer, epx_handle_t handle, epx_status_t local,
+                                          const float *grad_recv_w, float *grad_w) {
+  return local != EPX_SUCCESS ? local : epx_cuda_weights_backward(buffer, handle, grad_recv_w, grad_w);
+}
+
+static epx_status_t cuda_stats(epx_handle_t handle, epx_handle_stats_t *stats) {
+  *stats = (epx_handle_stats_t){0, 0, 0, 0, handle->recv_rows};
+  return EPX_SUCCESS;
+}
+
+static int64_t cuda_handle_bytes(epx_handle_t handle) { (void)handle; return 0; }
+
+const epx_backend_t epx_cuda_backend = {
+    .name = "cuda",
+    .route = epx_cuda_route,
+    .route_backward = epx_cuda_route_backward,
+    .buffer_init = cuda_buffer_init,
+    .buffer_fini = epx_cuda_buffer_fini,
+    .set_stream = cuda_set_stream,
+    .validate_routing = NULL,
+    .routing_hash = cuda_routing_hash,
+    .agree = cuda_agree,
+    .dispatch_layout = cuda_dispatch_layout,
+    .handle_fini = epx_cuda_handle_fini,
+    .dispatch = cuda_dispatch,
+    .combine = cuda_combine,
+    .dispatch_backward = cuda_dispatch_backward,
+    .combine_backward = cuda_combine_backward,
+    .weights_backward = cuda_weights_backward,
+    .recv_rows = epx_cuda_handle_recv_rows,
+    .recv_rows_device = epx_cuda_handle_recv_rows_device,
+    .expert_counts = epx_cuda_handle_expert_counts,
+    .recv_routing = epx_cuda_handle_recv_routing,
+    .recv_source = epx_cuda_handle_recv_source,
+    .stats = cuda_stats,
+    .handle_bytes = cuda_handle_bytes,
+};
