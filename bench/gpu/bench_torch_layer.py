@@ -214,7 +214,7 @@ def run_one(a):
         graph = torch.cuda.CUDAGraph()
         for p in params + [x]:
             p.grad = None
-        with et.keep_handles() as kept, torch.cuda.graph(graph):
+        with et.keep_handles() as kept, torch.cuda.graph(graph, stream=side):
             loss = _graph_body(moe, x, g)
         replay = median_ms(graph.replay, a.iters, a.warmup)
         got = [loss] + [p.grad for p in params]

@@ -735,6 +735,7 @@ class Buffer(_Closable):
         self.num_experts = int(config.num_experts)
         self.experts_per_rank = self.num_experts // comm.size
         self.layout = Layout(config.layout)
+        self.stream = config.stream  # the CUDA stream of its calls (set_stream changes it)
         self._payload = _payload_dtypes(self.dtype)
         self._lock = threading.RLock()
         self._handles = weakref.WeakSet()
@@ -771,6 +772,7 @@ class Buffer(_Closable):
     def set_stream(self, stream):
         """The CUDA stream (a cudaStream_t as an int) of later calls."""
         _check(lib.epx_buffer_set_stream(self._handle_ptr("Buffer.set_stream"), stream))
+        self.stream = stream
 
     def close(self):
         """Releases the handles this Python code still holds on the buffer,

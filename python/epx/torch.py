@@ -133,9 +133,21 @@ def _ptr(t):
 
 
 def _on_stream(buffer, device):
-    """CUDA buffers run on PyTorch's current stream of the tensors' device."""
-    if buffer.device == Device.CUDA:
-        buffer.set_stream(_torch.cuda.current_stream(device).cuda_stream)
+    """CUDA buffers run on PyTorch's current stream of the tensors' device.
+    Changing a buffer's stream orders the new one after the old one (an
+    event wait), which a stream being captured into a CUDA graph cannot do
+    with an event from outside the capture: refused with the fix."""
+    if buffer.device != Device.CUDA:
+        return
+    stream = _torch.cuda.current_stream(device).cuda_stream
+    if stream == buffer.stream:
+        return
+    if _torch.cuda.is_current_stream_capturing():
+        _epx._refuse(Status.ERROR_UNSUPPORTED, "epx.torch: buffer %d gets a new CUDA stream "
+                     "inside a CUDA graph capture; run a warm-up step on the capture stream "
+                     "first (with torch.cuda.stream(s): step(); then torch.cuda.graph(g, "
+                     "stream=s))", buffer.id)
+    buffer.set_stream(stream)
 
 
 def _buffer(buffer_id, fn):
@@ -201,7 +213,9 @@ class keep_handles:
     once the backward that needs it has run, so a captured step must keep
     its handles for the graph's lifetime::
 
-        with et.keep_handles() as kept, torch.cuda.graph(graph):
+        with torch.cuda.stream(side):
+            step()                      # warm-up on the capture stream
+        with et.keep_handles() as kept, torch.cuda.graph(graph, stream=side):
             loss = step()
         # keep `kept` as long as `graph` (the buffer stays busy meanwhile)
     """

@@ -354,6 +354,11 @@ def test_errors_are_python_exceptions_of_their_status():
             et.dispatch(buf, x.bfloat16(), r.topk_idx, r.topk_w)
         with pytest.raises(TypeError, match="not an epx dtype"):
             comm.buffer(hidden=H, num_experts=E, max_top_k=K, dtype=torch.int8)
+        # a torch dtype wherever an epx dtype goes
+        with comm.buffer(hidden=H, num_experts=E, max_top_k=K, dtype=torch.bfloat16) as b16:
+            assert b16.dtype == epx.DType.BFLOAT16 and b16.np_dtype == np.uint16
+        assert epx.dtype_size(torch.float16) == 2 and et.torch_dtype(epx.DType.FLOAT16) is \
+            torch.float16
 
 
 def test_keep_handles_outlives_the_backward():
@@ -544,7 +549,7 @@ def test_gpu_cuda_graph_replays_a_layer_step_bit_identically():
         graph = torch.cuda.CUDAGraph()
         for q in params + [x]:
             q.grad = None
-        with et.keep_handles() as kept, torch.cuda.graph(graph):
+        with et.keep_handles() as kept, torch.cuda.graph(graph, stream=side):
             static_loss = step()
         assert len(kept) == 1
         static = [static_loss] + [q.grad for q in params + [x]]
