@@ -461,9 +461,9 @@ def mpi_layer_worker(out_dir, seed, W, hide_mpi4py):
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("hide_mpi4py", [False, True])
-def test_layer_over_a_gloo_group_under_mpirun(tmp_path, hide_mpi4py):
-    """comm_from_process_group on a gloo group under mpirun -np 2 (through
+@pytest.mark.parametrize("W,hide_mpi4py", [(2, False), (4, False), (2, True)])
+def test_layer_over_a_gloo_group_under_mpirun(tmp_path, W, hide_mpi4py):
+    """comm_from_process_group on a gloo group under mpirun -np W (through
     mpi4py, and through the MPI libepx links): the same bits as the local
     transport."""
     mpiexec = shutil.which("mpiexec")
@@ -471,7 +471,6 @@ def test_layer_over_a_gloo_group_under_mpirun(tmp_path, hide_mpi4py):
         pytest.skip("needs mpiexec and a libepx built with MPI")
     if not hide_mpi4py:
         pytest.importorskip("mpi4py")
-    W = 2
     command = [mpiexec, "-n", str(W), sys.executable, __file__, "mpi-layer-worker",
                str(tmp_path), str(SEED), str(W), str(int(hide_mpi4py))]
     run = subprocess.run(command, env=_child_env(), capture_output=True, text=True, timeout=300)
