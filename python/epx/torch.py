@@ -362,7 +362,9 @@ def route(logits, config=None, *, bias=None, **fields):
     differentiable: backward runs epx_route_backward with the gradients of
     topk_w, aux_loss and z_loss. logits [T, E] float32 on the CPU, or on a GPU
     with a CUDA libepx. config is an epx.RouteConfig; keyword arguments set
-    its fields (num_experts defaults to E)."""
+    its fields (num_experts defaults to E). On CUDA the default
+    nonfinite=Nonfinite.ERROR waits for the device once per call (the check's
+    verdict); Nonfinite.DROP does not."""
     fn = "epx.torch.route"
     config = _epx._route_config(config, tuple(logits.shape), fields)
     dev = Device.CUDA if logits.device.type == "cuda" else Device.CPU
@@ -719,6 +721,19 @@ def _strides_16(t):
     return all((s * t.element_size()) % 16 == 0 for s in t.stride() if s != 1)
 
 
+def _grouped_mm_on_cpu():
+    """Whether this torch has torch._grouped_mm for CPU tensors (2.9 on)."""
+    try:
+        _torch._grouped_mm(_torch.zeros(4, 8), _torch.zeros(1, 8, 8),
+                           offs=_torch.tensor([4], dtype=_I32))
+        return True
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+
+
+_GROUPED_MM_CPU = _grouped_mm_on_cpu()
+
+
 def grouped_mm(x, w, ends):
     """out[r] = x[r] @ w[e] for the rows r of group e, the groups being
     [ends[e-1], ends[e]) (ends int32 [G], on x's device); rows past ends[-1]
@@ -727,7 +742,7 @@ def grouped_mm(x, w, ends):
     torch._grouped_mm where this torch has it (no host wait), else a loop
     over the groups."""
     gm = getattr(_torch, "_grouped_mm", None)
-    if gm is not None and _strides_16(x) and _strides_16(w):
+    if gm is not None and (x.is_cuda or _GROUPED_MM_CPU) and _strides_16(x) and _strides_16(w):
         return gm(x, w, offs=ends)
     return _grouped_mm_loop(x, w, ends)
 
