@@ -14,7 +14,7 @@ import pathlib
 import shutil
 import subprocess
 import sys
-import time
+import threading
 
 import numpy as np
 import pytest
@@ -382,15 +382,20 @@ def test_keep_handles_outlives_the_backward():
 
 
 def test_a_missing_peer_is_a_timeout_error():
+    timed_out = threading.Event()
+
     def rank(comm):
         buf = et.make_buffer(comm, hidden=16, num_experts=4, max_top_k=1, max_tokens_per_rank=4)
         if comm.rank == 0:
-            et.dispatch(buf, torch.randn(4, 16), torch.zeros(4, 1, dtype=torch.int32),
-                        torch.ones(4, 1))
+            try:
+                et.dispatch(buf, torch.randn(4, 16), torch.zeros(4, 1, dtype=torch.int32),
+                            torch.ones(4, 1))
+            finally:
+                timed_out.set()
         else:
-            time.sleep(3.0)  # alive but not calling: rank 0 waits 1 s, then times out
+            timed_out.wait(60.0)  # alive but not calling until rank 0 has given up
     with pytest.raises(TimeoutError) as e:
-        epx.run_local(2, rank, timeout_seconds=1.0)
+        epx.run_local(2, rank, timeout_seconds=3.0)
     assert isinstance(e.value, epx.TimeoutError) and "rank 1" in e.value.message
 
 
