@@ -14,6 +14,11 @@
 
 #include "testutil.h"
 #include "comm/comm.h"
+#include "core/registry.h"
+
+/* The comm behind a public comm id (core/registry.h): these tests call its
+ * transport directly. */
+static epx_comm_t comm_object(epx_comm_t id) { return epx_registry_get(id, EPX_OBJECT_COMM); }
 
 /* Under -DEPX_SANITIZE=ON: OpenMPI's own allocations outlive MPI_Finalize
  * and would be reported as leaks; epx's are not suppressed. Its components
@@ -96,7 +101,7 @@ static epx_comm_t create(MPI_Comm mpi_comm, double timeout_seconds) {
 /* One round of every collective; send buffers are overwritten as soon as a
  * call returns. */
 static void ops_round(epx_comm_t comm, int32_t size, int round, int big) {
-  const int32_t me = comm->rank; /* of this comm, which may be a sub-communicator */
+  const int32_t me = comm_object(comm)->rank; /* of this comm, which may be a sub-communicator */
   const uint64_t seed = 2000 + (uint64_t)round;
   const size_t unit_words = big ? 1024 : 3, unit = unit_words * 4;
   const int64_t max_count = big ? 64 : 9;
@@ -110,7 +115,7 @@ static void ops_round(epx_comm_t comm, int32_t size, int round, int big) {
   for (int32_t d = 0; d < size; d++)
     fill_units(send + d * block_words, block_words, 1, seed, me, d);
   tu_poison(recv, bytes * (size_t)size);
-  epx_status_t status = comm->ops->alltoall(comm, "test_alltoall", send, recv, bytes);
+  epx_status_t status = comm_object(comm)->ops->alltoall(comm_object(comm), "test_alltoall", send, recv, bytes);
   CHECK(status == EPX_SUCCESS, "alltoall gave %s", epx_status_string(status));
   tu_poison(send, bytes * (size_t)size);
   for (int32_t s = 0; s < size; s++)
@@ -120,7 +125,7 @@ static void ops_round(epx_comm_t comm, int32_t size, int round, int big) {
   /* allgather */
   fill_units(send, block_words, 1, seed, me, -1);
   tu_poison(recv, bytes * (size_t)size);
-  status = comm->ops->allgather(comm, "test_allgather", send, recv, bytes);
+  status = comm_object(comm)->ops->allgather(comm_object(comm), "test_allgather", send, recv, bytes);
   CHECK(status == EPX_SUCCESS, "allgather gave %s", epx_status_string(status));
   for (int32_t s = 0; s < size; s++)
     CHECK(units_match(recv + s * block_words, block_words, 1, seed, s, -1),
@@ -145,7 +150,7 @@ static void ops_round(epx_comm_t comm, int32_t size, int round, int big) {
     fill_units(send + (size_t)send_displs[d] * unit_words, unit_words, send_counts[d], seed, me, d);
   memcpy(copy, send, (size_t)send_units * unit);
   tu_poison(recv, (size_t)recv_units * unit);
-  status = comm->ops->alltoallv(comm, "test_alltoallv", send, send_counts, send_displs, recv,
+  status = comm_object(comm)->ops->alltoallv(comm_object(comm), "test_alltoallv", send, send_counts, send_displs, recv,
                                 recv_counts, recv_displs, unit);
   CHECK(status == EPX_SUCCESS, "alltoallv gave %s", epx_status_string(status));
   CHECK(!memcmp(copy, send, (size_t)send_units * unit), "alltoallv changed its send buffer");
@@ -163,7 +168,7 @@ static void ops_round(epx_comm_t comm, int32_t size, int round, int big) {
   const int32_t count = 3 + round * 37;
   int64_t *values = calloc((size_t)count, sizeof *values);
   for (int32_t i = 0; i < count; i++) values[i] = (int64_t)mix(seed + (uint64_t)me, (uint64_t)i);
-  status = comm->ops->allreduce_max_i64(comm, "test_allreduce", values, count);
+  status = comm_object(comm)->ops->allreduce_max_i64(comm_object(comm), "test_allreduce", values, count);
   CHECK(status == EPX_SUCCESS, "allreduce gave %s", epx_status_string(status));
   for (int32_t i = 0; i < count; i++) {
     int64_t expected = (int64_t)mix(seed, (uint64_t)i);
@@ -179,7 +184,7 @@ static void ops_round(epx_comm_t comm, int32_t size, int round, int big) {
   /* barrier: nobody leaves before the last rank, which arrives 0.1 s late */
   if (me == size - 1) sleep_seconds(0.1);
   double t0 = now_seconds();
-  status = comm->ops->barrier(comm, "test_barrier");
+  status = comm_object(comm)->ops->barrier(comm_object(comm), "test_barrier");
   CHECK(status == EPX_SUCCESS, "barrier gave %s", epx_status_string(status));
   if (me != size - 1)
     CHECK(now_seconds() - t0 > 0.05, "barrier returned after %.3f s, before the late rank",
@@ -200,7 +205,7 @@ static void test_ops(int size) {
   int32_t got = -1;
   CHECK(epx_comm_rank(comm, &got) == EPX_SUCCESS && got == rank, "epx_comm_rank gave %d", got);
   CHECK(epx_comm_size(comm, &got) == EPX_SUCCESS && got == size, "epx_comm_size gave %d", got);
-  CHECK(!strcmp(comm->ops->name, "mpi"), "transport is %s", comm->ops->name);
+  CHECK(!strcmp(comm_object(comm)->ops->name, "mpi"), "transport is %s", comm_object(comm)->ops->name);
   for (int round = 0; round < 5; round++) ops_round(comm, size, round, round == 4);
   CHECK(epx_comm_destroy(comm) == EPX_SUCCESS, "epx_comm_destroy failed");
 
@@ -223,18 +228,18 @@ static void test_errors_return(void) {
   epx_comm_t comm = create(MPI_COMM_WORLD, 30.0);
   if (!comm) return;
   int64_t values[2] = {1, 2};
-  epx_status_t status = comm->ops->allreduce_max_i64(comm, "test_error", values, -1);
+  epx_status_t status = comm_object(comm)->ops->allreduce_max_i64(comm_object(comm), "test_error", values, -1);
   CHECK(status == EPX_ERROR_TRANSPORT, "a negative MPI count gave %s", epx_status_string(status));
   CHECK(strstr(epx_last_error(), "test_error: MPI_Iallreduce returned \""),
         "message lacks MPI's own text");
   CHECK(values[0] == 1 && values[1] == 2, "a failed allreduce changed its values");
   double t0 = now_seconds();
-  status = comm->ops->barrier(comm, "test_after");
+  status = comm_object(comm)->ops->barrier(comm_object(comm), "test_after");
   CHECK(status == EPX_ERROR_PEER_FAILED && now_seconds() - t0 < 0.5,
         "barrier on a failed comm gave %s", epx_status_string(status));
   CHECK(strstr(epx_last_error(), "test_after: the comm failed earlier: MPI_Iallreduce returned"),
         "later message does not say why the comm failed");
-  CHECK(epx_comm_check_alive(comm, "test_alive") == EPX_ERROR_PEER_FAILED,
+  CHECK(epx_comm_check_alive(comm_object(comm), "test_alive") == EPX_ERROR_PEER_FAILED,
         "epx_comm_check_alive missed the failure");
   CHECK(epx_comm_destroy(comm) == EPX_SUCCESS, "destroying a failed comm failed");
 }
@@ -248,7 +253,7 @@ static void test_int_counts(int size) {
   uint32_t send[4], recv[4];
   tu_poison(send, sizeof send);
   tu_poison(recv, sizeof recv);
-  epx_status_t status = comm->ops->alltoallv(comm, "test_counts", send, counts, counts + size, recv,
+  epx_status_t status = comm_object(comm)->ops->alltoallv(comm_object(comm), "test_counts", send, counts, counts + size, recv,
                                              counts + 2 * size, counts + 3 * size, 16);
   CHECK(status == EPX_ERROR_INVALID_ARGUMENT, "a count beyond int gave %s",
         epx_status_string(status));
@@ -257,11 +262,11 @@ static void test_int_counts(int size) {
                "int range"),
         "message does not name the count");
   CHECK(is_poisoned(recv, sizeof recv), "a refused alltoallv wrote its output");
-  status = comm->ops->alltoallv(comm, "test_counts", send, counts + size, counts + size, recv,
+  status = comm_object(comm)->ops->alltoallv(comm_object(comm), "test_counts", send, counts + size, counts + size, recv,
                                 counts + size, counts + size, (size_t)INT_MAX + 1);
   CHECK(status == EPX_ERROR_INVALID_ARGUMENT && strstr(epx_last_error(), "unit is 2147483648"),
         "a unit beyond int gave %s", epx_status_string(status));
-  status = comm->ops->barrier(comm, "test_after");
+  status = comm_object(comm)->ops->barrier(comm_object(comm), "test_after");
   CHECK(status == EPX_SUCCESS, "the comm did not survive a refusal: %s", epx_status_string(status));
   free(counts);
   CHECK(epx_comm_destroy(comm) == EPX_SUCCESS, "epx_comm_destroy failed");
@@ -275,7 +280,7 @@ static void test_timeout(int size) {
   if (!comm) return;
   if (rank != size - 1) {
     double t0 = now_seconds();
-    epx_status_t status = comm->ops->barrier(comm, "test_timeout");
+    epx_status_t status = comm_object(comm)->ops->barrier(comm_object(comm), "test_timeout");
     double elapsed = now_seconds() - t0;
     CHECK(status == EPX_ERROR_TIMEOUT, "a skipped barrier gave %s", epx_status_string(status));
     CHECK(strstr(epx_last_error(),
@@ -289,7 +294,7 @@ static void test_timeout(int size) {
   MPI_Barrier(MPI_COMM_WORLD);
   if (rank != size - 1) {
     double t0 = now_seconds();
-    epx_status_t status = comm->ops->alltoall(comm, "test_after", NULL, NULL, 0);
+    epx_status_t status = comm_object(comm)->ops->alltoall(comm_object(comm), "test_after", NULL, NULL, 0);
     CHECK(status == EPX_ERROR_PEER_FAILED && now_seconds() - t0 < 0.1,
           "a call on the timed-out comm gave %s", epx_status_string(status));
     CHECK(strstr(epx_last_error(),
@@ -320,8 +325,8 @@ static void test_arguments(void) {
     int half_size = 0, half_rank = 0;
     MPI_Comm_size(half, &half_size);
     MPI_Comm_rank(half, &half_rank);
-    CHECK(sub->size == half_size && sub->rank == half_rank, "sub comm is rank %d of %d", sub->rank,
-          sub->size);
+    CHECK(comm_object(sub)->size == half_size && comm_object(sub)->rank == half_rank,
+          "sub comm is rank %d of %d", comm_object(sub)->rank, comm_object(sub)->size);
     ops_round(sub, half_size, 1, 0);
     CHECK(epx_comm_destroy(sub) == EPX_SUCCESS, "epx_comm_destroy failed");
   }

@@ -19,23 +19,32 @@
 
 static int is_aligned(const void *p, size_t alignment) { return ((uintptr_t)p % alignment) == 0; }
 
-static epx_status_t check_buffer(epx_buffer_t buffer, const char *caller) {
-  if (!buffer)
+/* The public values callers hold are registry ids (core/registry.h): each
+ * check below turns the caller's value into the object in place, or refuses
+ * it, so nothing past a check ever sees an id. */
+static epx_status_t check_buffer(epx_buffer_t *buffer, const char *caller) {
+  if (!*buffer)
     return epx_error(EPX_ERROR_INVALID_ARGUMENT, "%s: buffer is NULL; pass a buffer from epx_buffer_create", caller);
-  if (!epx_registry_has(buffer, EPX_OBJECT_BUFFER))
+  epx_buffer_t object = epx_registry_get(*buffer, EPX_OBJECT_BUFFER);
+  if (!object)
     return epx_error(EPX_ERROR_INVALID_HANDLE,
                      "%s: buffer is not a live buffer (destroyed, or not from epx_buffer_create)", caller);
+  *buffer = object;
   return EPX_SUCCESS;
 }
 
-static epx_status_t check_handle(epx_buffer_t buffer, epx_handle_t handle, const char *caller) {
-  if (!handle)
+/* A handle the caller holds no reference to any more is refused even while a
+ * recorder still keeps it alive: the recorder hands it out again on replay. */
+static epx_status_t check_handle(epx_buffer_t buffer, epx_handle_t *handle, const char *caller) {
+  if (!*handle)
     return epx_error(EPX_ERROR_INVALID_ARGUMENT, "%s: handle is NULL; pass the handle from epx_dispatch_layout", caller);
-  if (!epx_registry_has(handle, EPX_OBJECT_HANDLE))
+  epx_handle_t object = epx_registry_get(*handle, EPX_OBJECT_HANDLE);
+  if (!object || __atomic_load_n(&object->caller_refs, __ATOMIC_SEQ_CST) == 0)
     return epx_error(EPX_ERROR_INVALID_HANDLE,
                      "%s: handle is not live (released, or its buffer was destroyed); keep a "
                      "reference with epx_handle_retain while you still need it", caller);
-  if (buffer && handle->buffer != buffer)
+  *handle = object;
+  if (buffer && object->buffer != buffer)
     return epx_error(EPX_ERROR_INVALID_HANDLE,
                      "%s: handle belongs to another buffer; pass the buffer its "
                      "epx_dispatch_layout was called with", caller);
@@ -95,10 +104,12 @@ epx_status_t epx_buffer_create(epx_comm_t comm, const epx_buffer_config_t *confi
                                epx_buffer_t *buffer) {
   const char *fn = "epx_buffer_create";
   epx_error_clear();
-  if (!epx_registry_has(comm, EPX_OBJECT_COMM))
-    return epx_error(comm ? EPX_ERROR_INVALID_HANDLE : EPX_ERROR_INVALID_ARGUMENT,
+  epx_comm_t comm_id = comm;
+  comm = epx_registry_get(comm_id, EPX_OBJECT_COMM);
+  if (!comm)
+    return epx_error(comm_id ? EPX_ERROR_INVALID_HANDLE : EPX_ERROR_INVALID_ARGUMENT,
                      "%s: comm is %s; pass a comm from epx_comm_create_*", fn,
-                     comm ? "not a live comm (destroyed?)" : "NULL");
+                     comm_id ? "not a live comm (destroyed?)" : "NULL");
   epx_status_t local = buffer ? check_buffer_config(comm, config)
                               : epx_error(EPX_ERROR_INVALID_ARGUMENT, "%s: buffer is NULL; pass the address of an epx_buffer_t", fn);
 
@@ -167,21 +178,23 @@ epx_status_t epx_buffer_create(epx_comm_t comm, const epx_buffer_config_t *confi
     free(b);
     return status;
   }
-  status = epx_registry_add(b, EPX_OBJECT_BUFFER);
+  void *id = NULL;
+  status = epx_registry_add(b, EPX_OBJECT_BUFFER, &id);
   if (status != EPX_SUCCESS) {
     b->backend->buffer_fini(b);
     free(b);
     return status;
   }
   __atomic_add_fetch(&comm->live_buffers, 1, __ATOMIC_SEQ_CST);
-  *buffer = b;
+  *buffer = id;
   return EPX_SUCCESS;
 }
 
 epx_status_t epx_buffer_destroy(epx_buffer_t buffer) {
   epx_error_clear();
   if (!buffer) return EPX_SUCCESS;
-  epx_status_t status = check_buffer(buffer, "epx_buffer_destroy");
+  const epx_buffer_t id = buffer;
+  epx_status_t status = check_buffer(&buffer, "epx_buffer_destroy");
   if (status != EPX_SUCCESS) return status;
   int64_t live = __atomic_load_n(&buffer->live_handles, __ATOMIC_SEQ_CST);
   if (live > 0)
@@ -189,7 +202,7 @@ epx_status_t epx_buffer_destroy(epx_buffer_t buffer) {
                      "epx_buffer_destroy: %lld handle(s) from this buffer are still alive (a backward "
                      "may still need them); release them with epx_handle_release or "
                      "epx_recorder_destroy first", (long long)live);
-  epx_registry_remove(buffer);
+  epx_registry_remove(id);
   buffer->backend->buffer_fini(buffer);
   __atomic_sub_fetch(&buffer->comm->live_buffers, 1, __ATOMIC_SEQ_CST);
   free(buffer);
@@ -198,7 +211,7 @@ epx_status_t epx_buffer_destroy(epx_buffer_t buffer) {
 
 epx_status_t epx_buffer_max_tokens(epx_buffer_t buffer, int64_t *max_tokens_per_rank) {
   epx_error_clear();
-  epx_status_t status = check_buffer(buffer, "epx_buffer_max_tokens");
+  epx_status_t status = check_buffer(&buffer, "epx_buffer_max_tokens");
   if (status != EPX_SUCCESS) return status;
   EPX_REQUIRE(max_tokens_per_rank, "epx_buffer_max_tokens: max_tokens_per_rank is NULL; pass an int64_t to fill");
   *max_tokens_per_rank = buffer->max_tokens;
@@ -221,7 +234,7 @@ static int64_t max_recv_rows(epx_buffer_t b) {
 
 epx_status_t epx_buffer_max_recv_rows(epx_buffer_t buffer, int64_t *rows) {
   epx_error_clear();
-  epx_status_t status = check_buffer(buffer, "epx_buffer_max_recv_rows");
+  epx_status_t status = check_buffer(&buffer, "epx_buffer_max_recv_rows");
   if (status != EPX_SUCCESS) return status;
   EPX_REQUIRE(rows, "epx_buffer_max_recv_rows: rows is NULL; pass an int64_t to fill");
   if (buffer->max_tokens == 0 && buffer->config.layout != EPX_LAYOUT_CAPACITY)
@@ -234,7 +247,7 @@ epx_status_t epx_buffer_max_recv_rows(epx_buffer_t buffer, int64_t *rows) {
 
 epx_status_t epx_buffer_set_stream(epx_buffer_t buffer, void *stream) {
   epx_error_clear();
-  epx_status_t status = check_buffer(buffer, "epx_buffer_set_stream");
+  epx_status_t status = check_buffer(&buffer, "epx_buffer_set_stream");
   if (status != EPX_SUCCESS) return status;
   if (!buffer->backend->set_stream)
     return epx_error(EPX_ERROR_INVALID_ARGUMENT, "epx_buffer_set_stream: the buffer is a %s buffer; streams are for EPX_DEVICE_CUDA buffers",
@@ -247,26 +260,50 @@ epx_status_t epx_buffer_set_stream(epx_buffer_t buffer, void *stream) {
 /* ------------------------------------------------------------------------ */
 
 static void handle_free(epx_handle_t handle) {
-  epx_registry_remove(handle);
+  epx_registry_remove(handle->id);
   handle->buffer->backend->handle_fini(handle);
   __atomic_sub_fetch(&handle->buffer->live_handles, 1, __ATOMIC_SEQ_CST);
   free(handle);
 }
 
+/* Drops one reference of either kind; the last one frees the handle. */
+static void handle_unref(epx_handle_t handle) {
+  if (__atomic_sub_fetch(&handle->refcount, 1, __ATOMIC_SEQ_CST) == 0) handle_free(handle);
+}
+
+void epx_handle_hold(epx_handle_t handle, int caller) {
+  if (caller) __atomic_add_fetch(&handle->caller_refs, 1, __ATOMIC_SEQ_CST);
+  __atomic_add_fetch(&handle->refcount, 1, __ATOMIC_SEQ_CST);
+}
+
+void epx_handle_drop_library(epx_handle_t handle) { handle_unref(handle); }
+
 epx_status_t epx_handle_retain(epx_handle_t handle) {
   epx_error_clear();
-  epx_status_t status = check_handle(NULL, handle, "epx_handle_retain");
+  epx_status_t status = check_handle(NULL, &handle, "epx_handle_retain");
   if (status != EPX_SUCCESS) return status;
-  __atomic_add_fetch(&handle->refcount, 1, __ATOMIC_SEQ_CST);
+  epx_handle_hold(handle, 1);
   return EPX_SUCCESS;
 }
 
+/* Takes one of the caller's references and never one of the library's: a
+ * release beyond what the caller holds is refused, so a recorder that still
+ * logs the handle keeps it (and replays it) whatever the caller does. */
 epx_status_t epx_handle_release(epx_handle_t handle) {
   epx_error_clear();
   if (!handle) return EPX_SUCCESS;
-  epx_status_t status = check_handle(NULL, handle, "epx_handle_release");
+  epx_status_t status = check_handle(NULL, &handle, "epx_handle_release");
   if (status != EPX_SUCCESS) return status;
-  if (__atomic_sub_fetch(&handle->refcount, 1, __ATOMIC_SEQ_CST) == 0) handle_free(handle);
+  int64_t held = __atomic_load_n(&handle->caller_refs, __ATOMIC_SEQ_CST);
+  do {
+    if (held == 0)
+      return epx_error(EPX_ERROR_INVALID_HANDLE,
+                       "epx_handle_release: the handle has been released as many times as it was "
+                       "given out (by epx_dispatch_layout or a replay) and retained; release each "
+                       "reference once");
+  } while (!__atomic_compare_exchange_n(&handle->caller_refs, &held, held - 1, 0, __ATOMIC_SEQ_CST,
+                                        __ATOMIC_SEQ_CST));
+  handle_unref(handle);
   return EPX_SUCCESS;
 }
 
@@ -274,7 +311,7 @@ static const epx_backend_t *backend_of(epx_handle_t handle) { return handle->buf
 
 epx_status_t epx_handle_recv_rows(epx_handle_t handle, int64_t *rows) {
   epx_error_clear();
-  epx_status_t status = check_handle(NULL, handle, "epx_handle_recv_rows");
+  epx_status_t status = check_handle(NULL, &handle, "epx_handle_recv_rows");
   if (status != EPX_SUCCESS) return status;
   EPX_REQUIRE(rows, "epx_handle_recv_rows: rows is NULL; pass an int64_t to fill");
   return backend_of(handle)->recv_rows(handle, rows);
@@ -282,7 +319,7 @@ epx_status_t epx_handle_recv_rows(epx_handle_t handle, int64_t *rows) {
 
 epx_status_t epx_handle_recv_rows_device(epx_handle_t handle, const int64_t **rows) {
   epx_error_clear();
-  epx_status_t status = check_handle(NULL, handle, "epx_handle_recv_rows_device");
+  epx_status_t status = check_handle(NULL, &handle, "epx_handle_recv_rows_device");
   if (status != EPX_SUCCESS) return status;
   EPX_REQUIRE(rows, "epx_handle_recv_rows_device: rows is NULL; pass a const int64_t * to fill");
   if (!backend_of(handle)->recv_rows_device)
@@ -293,7 +330,7 @@ epx_status_t epx_handle_recv_rows_device(epx_handle_t handle, const int64_t **ro
 
 epx_status_t epx_handle_expert_counts(epx_handle_t handle, int64_t *counts, int64_t *offsets) {
   epx_error_clear();
-  epx_status_t status = check_handle(NULL, handle, "epx_handle_expert_counts");
+  epx_status_t status = check_handle(NULL, &handle, "epx_handle_expert_counts");
   if (status != EPX_SUCCESS) return status;
   EPX_REQUIRE(counts || offsets, "epx_handle_expert_counts: counts and offsets are both NULL; pass at least one array");
   EPX_REQUIRE(is_aligned(counts, 8) && is_aligned(offsets, 8), "epx_handle_expert_counts: counts/offsets must be 8-byte aligned");
@@ -302,7 +339,7 @@ epx_status_t epx_handle_expert_counts(epx_handle_t handle, int64_t *counts, int6
 
 epx_status_t epx_handle_recv_routing(epx_handle_t handle, int32_t *recv_expert, float *recv_w) {
   epx_error_clear();
-  epx_status_t status = check_handle(NULL, handle, "epx_handle_recv_routing");
+  epx_status_t status = check_handle(NULL, &handle, "epx_handle_recv_routing");
   if (status != EPX_SUCCESS) return status;
   EPX_REQUIRE(is_aligned(recv_expert, 4) && is_aligned(recv_w, 4), "epx_handle_recv_routing: recv_expert/recv_w must be 4-byte aligned");
   return backend_of(handle)->recv_routing(handle, recv_expert, recv_w);
@@ -310,7 +347,7 @@ epx_status_t epx_handle_recv_routing(epx_handle_t handle, int32_t *recv_expert, 
 
 epx_status_t epx_handle_recv_source(epx_handle_t handle, int32_t *src_rank, int32_t *src_token) {
   epx_error_clear();
-  epx_status_t status = check_handle(NULL, handle, "epx_handle_recv_source");
+  epx_status_t status = check_handle(NULL, &handle, "epx_handle_recv_source");
   if (status != EPX_SUCCESS) return status;
   EPX_REQUIRE(is_aligned(src_rank, 4) && is_aligned(src_token, 4), "epx_handle_recv_source: src_rank/src_token must be 4-byte aligned");
   return backend_of(handle)->recv_source(handle, src_rank, src_token);
@@ -318,7 +355,7 @@ epx_status_t epx_handle_recv_source(epx_handle_t handle, int32_t *src_rank, int3
 
 epx_status_t epx_handle_stats(epx_handle_t handle, epx_handle_stats_t *stats) {
   epx_error_clear();
-  epx_status_t status = check_handle(NULL, handle, "epx_handle_stats");
+  epx_status_t status = check_handle(NULL, &handle, "epx_handle_stats");
   if (status != EPX_SUCCESS) return status;
   EPX_REQUIRE(stats, "epx_handle_stats: stats is NULL; pass an epx_handle_stats_t to fill");
   return backend_of(handle)->stats(handle, stats);
@@ -328,13 +365,14 @@ epx_status_t epx_handle_stats(epx_handle_t handle, epx_handle_stats_t *stats) {
 /* Dispatch layout                                                           */
 /* ------------------------------------------------------------------------ */
 
-static epx_status_t check_routing(epx_buffer_t b, const epx_routing_t *r, epx_recorder_t recorder,
-                                  epx_handle_t *handle) {
+/* recorder_id is the caller's value, recorder the object it names (or NULL). */
+static epx_status_t check_routing(epx_buffer_t b, const epx_routing_t *r, epx_recorder_t recorder_id,
+                                  epx_recorder_t recorder, epx_handle_t *handle) {
   const char *fn = "epx_dispatch_layout";
   const epx_buffer_config_t *c = &b->config;
   EPX_REQUIRE(handle, "%s: handle is NULL; pass the address of an epx_handle_t", fn);
   EPX_REQUIRE(r, "%s: routing is NULL; pass an epx_routing_t", fn);
-  if (recorder && !epx_registry_has(recorder, EPX_OBJECT_RECORDER))
+  if (recorder_id && !recorder)
     return epx_error(EPX_ERROR_INVALID_HANDLE, "%s: recorder is not a live recorder (destroyed?); pass NULL or a recorder from epx_recorder_create", fn);
   EPX_REQUIRE(r->num_tokens >= 0 && r->num_tokens <= INT32_MAX,
               "%s: routing.num_tokens is %lld; pass a count in [0, 2^31)", fn, (long long)r->num_tokens);
@@ -374,6 +412,7 @@ static epx_status_t new_handle(epx_buffer_t buffer, const epx_routing_t *routing
   if (!h) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "epx_dispatch_layout: out of memory");
   h->buffer = buffer;
   h->refcount = 1;
+  h->caller_refs = 1;
   h->weighting = routing->weighting;
   h->num_tokens = routing->num_tokens;
   h->top_k = routing->top_k;
@@ -385,18 +424,19 @@ epx_status_t epx_dispatch_layout(epx_buffer_t buffer, const epx_routing_t *routi
                                  epx_recorder_t recorder, epx_handle_t *handle) {
   const char *fn = "epx_dispatch_layout";
   epx_error_clear();
-  epx_status_t status = check_buffer(buffer, fn);
+  epx_status_t status = check_buffer(&buffer, fn);
   if (status != EPX_SUCCESS) return status;
   epx_comm_t comm = buffer->comm;
   status = epx_comm_check_alive(comm, fn);
   if (status != EPX_SUCCESS) return status;
-  epx_status_t local = check_routing(buffer, routing, recorder, handle);
+  const epx_recorder_t recorder_id = recorder;
+  recorder = epx_registry_get(recorder_id, EPX_OBJECT_RECORDER);
+  epx_status_t local = check_routing(buffer, routing, recorder_id, recorder, handle);
 
   /* Replay: the recorded handle, no exchange. Validation agrees the verdict
    * across ranks; without it replay is rank-local, and so is a refusal (the
    * peers are in no collective to be told). */
-  if (recorder && (local == EPX_SUCCESS || epx_registry_has(recorder, EPX_OBJECT_RECORDER)) &&
-      epx_recorder_replaying(recorder)) {
+  if (recorder && epx_recorder_replaying(recorder)) {
     int64_t call;
     epx_handle_t recorded = epx_recorder_next(recorder, &call);
     if (recorded) {
@@ -420,9 +460,8 @@ epx_status_t epx_dispatch_layout(epx_buffer_t buffer, const epx_routing_t *routi
       } else if (local != EPX_SUCCESS) {
         return local;
       }
-      status = epx_handle_retain(recorded);
-      if (status != EPX_SUCCESS) return status;
-      *handle = recorded;
+      epx_handle_hold(recorded, 1);
+      *handle = recorded->id;
       return EPX_SUCCESS;
     }
   }
@@ -431,7 +470,9 @@ epx_status_t epx_dispatch_layout(epx_buffer_t buffer, const epx_routing_t *routi
   if (local == EPX_SUCCESS) local = new_handle(buffer, routing, &h);
   status = buffer->backend->dispatch_layout(buffer, routing, local, h);
   if (status != EPX_SUCCESS) goto fail;
-  EPX_CHECK(epx_registry_add(h, EPX_OBJECT_HANDLE));
+  void *id = NULL;
+  EPX_CHECK(epx_registry_add(h, EPX_OBJECT_HANDLE, &id));
+  h->id = id;
   __atomic_add_fetch(&buffer->live_handles, 1, __ATOMIC_SEQ_CST);
   if (recorder && !epx_recorder_replaying(recorder)) {
     status = epx_recorder_append(recorder, h);
@@ -440,7 +481,7 @@ epx_status_t epx_dispatch_layout(epx_buffer_t buffer, const epx_routing_t *routi
       return status;
     }
   }
-  *handle = h;
+  *handle = h->id;
   return EPX_SUCCESS;
 fail:
   if (h) {
@@ -477,25 +518,26 @@ static epx_status_t check_payload(const void *p, int64_t rows, const char *fn, c
   return EPX_SUCCESS;
 }
 
-/* The checks every payload call starts with. A NULL or dead buffer returns at
+/* The checks every payload call starts with; they turn the caller's buffer
+ * and handle values into the objects. A NULL or dead buffer returns at
  * once (there is no comm to agree with); a bad handle on a live CPU buffer is
  * agreed here, meeting the peers' agree() of the same call, so they refuse it
  * too instead of pairing their call with this rank's next one. */
-static epx_status_t begin_payload(epx_buffer_t buffer, epx_handle_t handle, const char *fn) {
+static epx_status_t begin_payload(epx_buffer_t *buffer, epx_handle_t *handle, const char *fn) {
   epx_error_clear();
   epx_status_t status = check_buffer(buffer, fn);
   if (status != EPX_SUCCESS) return status;
-  status = epx_comm_check_alive(buffer->comm, fn);
+  status = epx_comm_check_alive((*buffer)->comm, fn);
   if (status != EPX_SUCCESS) return status;
-  status = check_handle(buffer, handle, fn);
-  if (status != EPX_SUCCESS) return buffer->backend->agree(buffer, status, fn);
+  status = check_handle(*buffer, handle, fn);
+  if (status != EPX_SUCCESS) return (*buffer)->backend->agree(*buffer, status, fn);
   return status;
 }
 
 epx_status_t epx_dispatch(epx_buffer_t buffer, epx_handle_t handle, const void *x, void *recv_x,
                           int64_t recv_rows_capacity) {
   const char *fn = "epx_dispatch";
-  epx_status_t status = begin_payload(buffer, handle, fn);
+  epx_status_t status = begin_payload(&buffer, &handle, fn);
   if (status != EPX_SUCCESS) return status;
   epx_status_t local = check_payload(x, handle->num_tokens, fn, "x", "[num_tokens, hidden]");
   if (local == EPX_SUCCESS) local = check_payload(recv_x, handle->recv_rows, fn, "recv_x", "[recv_rows, hidden]");
@@ -509,7 +551,7 @@ epx_status_t epx_dispatch(epx_buffer_t buffer, epx_handle_t handle, const void *
 
 epx_status_t epx_combine(epx_buffer_t buffer, epx_handle_t handle, const void *expert_out, void *out) {
   const char *fn = "epx_combine";
-  epx_status_t status = begin_payload(buffer, handle, fn);
+  epx_status_t status = begin_payload(&buffer, &handle, fn);
   if (status != EPX_SUCCESS) return status;
   epx_status_t local = check_payload(expert_out, handle->recv_rows, fn, "expert_out", "[recv_rows, hidden]");
   if (local == EPX_SUCCESS) local = check_payload(out, handle->num_tokens, fn, "out", "[num_tokens, hidden]");
@@ -521,7 +563,7 @@ epx_status_t epx_combine(epx_buffer_t buffer, epx_handle_t handle, const void *e
 epx_status_t epx_dispatch_backward(epx_buffer_t buffer, epx_handle_t handle, const void *grad_recv_x,
                                    void *grad_x, const void *x, float *grad_w) {
   const char *fn = "epx_dispatch_backward";
-  epx_status_t status = begin_payload(buffer, handle, fn);
+  epx_status_t status = begin_payload(&buffer, &handle, fn);
   if (status != EPX_SUCCESS) return status;
   epx_status_t local = check_payload(grad_recv_x, handle->recv_rows, fn, "grad_recv_x", "[recv_rows, hidden]");
   if (local == EPX_SUCCESS) local = check_payload(grad_x, handle->num_tokens, fn, "grad_x", "[num_tokens, hidden]");
@@ -541,7 +583,7 @@ epx_status_t epx_dispatch_backward(epx_buffer_t buffer, epx_handle_t handle, con
 epx_status_t epx_combine_backward(epx_buffer_t buffer, epx_handle_t handle, const void *grad_out,
                                   const void *expert_out, void *grad_expert_out, float *grad_w) {
   const char *fn = "epx_combine_backward";
-  epx_status_t status = begin_payload(buffer, handle, fn);
+  epx_status_t status = begin_payload(&buffer, &handle, fn);
   if (status != EPX_SUCCESS) return status;
   epx_status_t local = check_payload(grad_out, handle->num_tokens, fn, "grad_out", "[num_tokens, hidden]");
   if (local == EPX_SUCCESS)
@@ -563,7 +605,7 @@ epx_status_t epx_combine_backward(epx_buffer_t buffer, epx_handle_t handle, cons
 epx_status_t epx_weights_backward(epx_buffer_t buffer, epx_handle_t handle, const float *grad_recv_w,
                                   float *grad_w) {
   const char *fn = "epx_weights_backward";
-  epx_status_t status = begin_payload(buffer, handle, fn);
+  epx_status_t status = begin_payload(&buffer, &handle, fn);
   if (status != EPX_SUCCESS) return status;
   epx_status_t local = EPX_SUCCESS;
   if (handle->recv_rows > 0 && !grad_recv_w)

@@ -13,32 +13,38 @@
 
 int epx_has_mpi(void) { return EPX_HAVE_MPI; }
 
-/* A comm allocated and registered, ready for a transport's init. */
-static epx_status_t comm_new(const char *fn, double timeout_seconds, epx_comm_t *out) {
+/* A comm allocated and registered, ready for a transport's init; *id is the
+ * value the caller will hold (core/registry.h). */
+static epx_status_t comm_new(const char *fn, double timeout_seconds, epx_comm_t *out, epx_comm_t *id) {
   epx_comm_t comm = calloc(1, sizeof *comm);
   if (!comm) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory allocating a comm", fn);
   comm->timeout_seconds = timeout_seconds;
-  epx_status_t status = epx_registry_add(comm, EPX_OBJECT_COMM);
+  void *registered = NULL;
+  epx_status_t status = epx_registry_add(comm, EPX_OBJECT_COMM, &registered);
   if (status != EPX_SUCCESS) {
     free(comm);
     return status;
   }
   *out = comm;
+  *id = registered;
   return EPX_SUCCESS;
 }
 
-static void comm_free(epx_comm_t comm) {
-  epx_registry_remove(comm);
+static void comm_free(epx_comm_t comm, epx_comm_t id) {
+  epx_registry_remove(id);
   free(comm);
 }
 
-static epx_status_t comm_lookup(const char *fn, epx_comm_t comm) {
-  EPX_REQUIRE(comm, "%s: comm is NULL; pass a comm from epx_comm_create_*", fn);
-  if (!epx_registry_has(comm, EPX_OBJECT_COMM))
+/* Turns the caller's comm id into the comm in place, or refuses it. */
+static epx_status_t comm_lookup(const char *fn, epx_comm_t *comm) {
+  EPX_REQUIRE(*comm, "%s: comm is NULL; pass a comm from epx_comm_create_*", fn);
+  epx_comm_t object = epx_registry_get(*comm, EPX_OBJECT_COMM);
+  if (!object)
     return epx_error(EPX_ERROR_INVALID_HANDLE,
                      "%s: comm is not a live comm (destroyed already?); pass a comm from "
                      "epx_comm_create_* that has not been destroyed",
                      fn);
+  *comm = object;
   return EPX_SUCCESS;
 }
 
@@ -46,15 +52,15 @@ epx_status_t epx_comm_create_self(epx_comm_t *comm) {
   epx_error_clear();
   EPX_REQUIRE(comm, "epx_comm_create_self: comm is NULL; pass the address of an epx_comm_t");
   const epx_comm_config_t defaults = EPX_COMM_CONFIG_INIT;
-  epx_comm_t created = NULL;
-  epx_status_t status = comm_new("epx_comm_create_self", defaults.timeout_seconds, &created);
+  epx_comm_t created = NULL, id = NULL;
+  epx_status_t status = comm_new("epx_comm_create_self", defaults.timeout_seconds, &created, &id);
   if (status != EPX_SUCCESS) return status;
   status = epx_comm_init_self(created);
   if (status != EPX_SUCCESS) {
-    comm_free(created);
+    comm_free(created, id);
     return status;
   }
-  *comm = created;
+  *comm = id;
   return EPX_SUCCESS;
 }
 
@@ -63,20 +69,21 @@ epx_status_t epx_comm_create_local(epx_local_world_t world, int32_t rank, epx_co
   EPX_REQUIRE(comm, "epx_comm_create_local: comm is NULL; pass the address of an epx_comm_t");
   EPX_REQUIRE(world,
               "epx_comm_create_local: world is NULL; create one with epx_local_world_create");
-  if (!epx_registry_has(world, EPX_OBJECT_LOCAL_WORLD))
+  world = epx_registry_get(world, EPX_OBJECT_LOCAL_WORLD);
+  if (!world)
     return epx_error(EPX_ERROR_INVALID_HANDLE,
                      "epx_comm_create_local: world is not a live local world (destroyed "
                      "already?); pass one from epx_local_world_create");
-  epx_comm_t created = NULL;
+  epx_comm_t created = NULL, id = NULL;
   /* The world's timeout replaces this one in epx_comm_init_local. */
-  epx_status_t status = comm_new("epx_comm_create_local", 0.0, &created);
+  epx_status_t status = comm_new("epx_comm_create_local", 0.0, &created, &id);
   if (status != EPX_SUCCESS) return status;
   status = epx_comm_init_local(created, world, rank);
   if (status != EPX_SUCCESS) {
-    comm_free(created);
+    comm_free(created, id);
     return status;
   }
-  *comm = created;
+  *comm = id;
   return EPX_SUCCESS;
 }
 
@@ -108,15 +115,15 @@ epx_status_t epx_comm_create_mpi(const void *mpi_comm, const epx_comm_config_t *
   epx_status_t checked = epx_comm_config_timeout("epx_comm_create_mpi", config, &timeout_seconds);
   if (checked != EPX_SUCCESS) return checked;
 #if EPX_HAVE_MPI
-  epx_comm_t created = NULL;
-  epx_status_t status = comm_new("epx_comm_create_mpi", timeout_seconds, &created);
+  epx_comm_t created = NULL, id = NULL;
+  epx_status_t status = comm_new("epx_comm_create_mpi", timeout_seconds, &created, &id);
   if (status != EPX_SUCCESS) return status;
   status = epx_comm_init_mpi(created, mpi_comm);
   if (status != EPX_SUCCESS) {
-    comm_free(created);
+    comm_free(created, id);
     return status;
   }
-  *comm = created;
+  *comm = id;
   return EPX_SUCCESS;
 #else
   return epx_error(EPX_ERROR_UNSUPPORTED,
@@ -132,7 +139,8 @@ epx_status_t epx_comm_create_mpi(const void *mpi_comm, const epx_comm_config_t *
 epx_status_t epx_comm_destroy(epx_comm_t comm) {
   epx_error_clear();
   if (!comm) return EPX_SUCCESS;
-  epx_status_t status = comm_lookup("epx_comm_destroy", comm);
+  const epx_comm_t id = comm;
+  epx_status_t status = comm_lookup("epx_comm_destroy", &comm);
   if (status != EPX_SUCCESS) return status;
   if (comm->live_buffers > 0)
     return epx_error(EPX_ERROR_BUSY,
@@ -140,7 +148,7 @@ epx_status_t epx_comm_destroy(epx_comm_t comm) {
                      "destroy them with epx_buffer_destroy first",
                      (long long)comm->live_buffers);
   if (!comm->failed) (void)comm->ops->barrier(comm, "epx_comm_destroy");
-  epx_registry_remove(comm);
+  epx_registry_remove(id);
   comm->ops->destroy(comm);
   free(comm);
   epx_error_clear();
@@ -149,7 +157,7 @@ epx_status_t epx_comm_destroy(epx_comm_t comm) {
 
 epx_status_t epx_comm_rank(epx_comm_t comm, int32_t *rank) {
   epx_error_clear();
-  epx_status_t status = comm_lookup("epx_comm_rank", comm);
+  epx_status_t status = comm_lookup("epx_comm_rank", &comm);
   if (status != EPX_SUCCESS) return status;
   EPX_REQUIRE(rank, "epx_comm_rank: rank is NULL; pass the address of an int32_t");
   *rank = comm->rank;
@@ -158,7 +166,7 @@ epx_status_t epx_comm_rank(epx_comm_t comm, int32_t *rank) {
 
 epx_status_t epx_comm_size(epx_comm_t comm, int32_t *size) {
   epx_error_clear();
-  epx_status_t status = comm_lookup("epx_comm_size", comm);
+  epx_status_t status = comm_lookup("epx_comm_size", &comm);
   if (status != EPX_SUCCESS) return status;
   EPX_REQUIRE(size, "epx_comm_size: size is NULL; pass the address of an int32_t");
   *size = comm->size;
