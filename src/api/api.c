@@ -11,6 +11,7 @@
 #include "api/recorder.h"
 #include "comm/comm.h"
 #include "core/backend.h"
+#include "core/checked.h"
 #include "core/error.h"
 #include "core/objects.h"
 #include "core/registry.h"
@@ -66,6 +67,60 @@ static const char *const shape_field_names[] = {
     "status", "device", "dtype", "hidden", "num_experts", "max_top_k", "max_tokens_per_rank",
     "max_tokens_rounding", "exchange", "layout", "expert_alignment", "capacity"};
 
+/* The receive bound of a buffer (epx_buffer_max_recv_rows), every product
+ * checked: a dropless rank receives up to min(k, E_local) rows of each of
+ * W * max_tokens tokens, plus each expert's alignment padding. */
+static epx_status_t recv_rows_bound(const char *fn, const epx_buffer_config_t *c, int64_t W,
+                                    int64_t max_tokens, int64_t *rows) {
+  const int64_t El = c->num_experts / W;
+  const char *tokens = "config.max_tokens_per_rank";
+  int64_t k = c->max_top_k < El ? c->max_top_k : El, padding = 0, data = 0;
+  epx_status_t status = EPX_SUCCESS;
+  switch (c->layout) {
+    case EPX_LAYOUT_EXPERT_MAJOR:
+      status = EPX_CHECKED_PRODUCT(&data, fn, tokens, "world size * max tokens * top_k (the received rows)",
+                                   W, max_tokens, k);
+      if (status == EPX_SUCCESS)
+        status = EPX_CHECKED_PRODUCT(&padding, fn, "config.expert_alignment",
+                                     "experts per rank * (alignment - 1) (the padding rows)", El,
+                                     c->expert_alignment - 1);
+      if (status == EPX_SUCCESS && epx_add_overflows(data, padding, rows))
+        status = epx_error(EPX_ERROR_INVALID_ARGUMENT,
+                           "%s: config.expert_alignment is too large: the received rows with their "
+                           "padding do not fit in 64 bits; pass a smaller config.expert_alignment", fn);
+      return status;
+    case EPX_LAYOUT_RANK_MAJOR:
+      return EPX_CHECKED_PRODUCT(rows, fn, tokens, "world size * max tokens (the received rows)", W, max_tokens);
+    case EPX_LAYOUT_CAPACITY:
+      return EPX_CHECKED_PRODUCT(rows, fn, "config.capacity", "num_experts * world size * capacity (the received rows)",
+                                 El, W, c->capacity);
+  }
+  return epx_error(EPX_ERROR_INVALID_ARGUMENT, "%s: config.layout %d is not an epx_layout_t", fn, (int)c->layout);
+}
+
+/* Every byte count the buffer can reach fits an int64_t: a row, the rows a
+ * rank sends (a copy per selected expert at most) and receives. When the
+ * tokens per rank are agreed later, the largest value the agreement can give
+ * (2^31 - 1 rounded up) is what is checked. */
+static epx_status_t check_buffer_sizes(epx_comm_t comm, const epx_buffer_config_t *c) {
+  const char *fn = "epx_buffer_create";
+  int64_t row_bytes = 0, send_rows = 0, recv_rows = 0, bytes = 0;
+  int64_t rounding = c->max_tokens_rounding;
+  int64_t max_tokens = c->max_tokens_per_rank ? c->max_tokens_per_rank
+                                              : ((int64_t)INT32_MAX + rounding - 1) / rounding * rounding;
+  epx_status_t status = EPX_CHECKED_PRODUCT(&row_bytes, fn, "config.hidden", "hidden * dtype size (a row's bytes)",
+                                            c->hidden, (int64_t)epx_dtype_size(c->dtype));
+  if (status == EPX_SUCCESS)
+    status = EPX_CHECKED_PRODUCT(&send_rows, fn, "config.max_tokens_per_rank",
+                                 "max tokens * max_top_k (the rows a rank sends)", max_tokens, c->max_top_k);
+  if (status == EPX_SUCCESS)
+    status = EPX_CHECKED_PRODUCT(&bytes, fn, "config.hidden", "the bytes a rank sends", send_rows, row_bytes);
+  if (status == EPX_SUCCESS) status = recv_rows_bound(fn, c, comm->size, max_tokens, &recv_rows);
+  if (status == EPX_SUCCESS)
+    status = EPX_CHECKED_PRODUCT(&bytes, fn, "config.hidden", "the bytes a rank receives", recv_rows, row_bytes);
+  return status;
+}
+
 static epx_status_t check_buffer_config(epx_comm_t comm, const epx_buffer_config_t *c) {
   const char *fn = "epx_buffer_create";
   EPX_REQUIRE(c, "%s: config is NULL; pass an epx_buffer_config_t from EPX_BUFFER_CONFIG_INIT", fn);
@@ -97,7 +152,7 @@ static epx_status_t check_buffer_config(epx_comm_t comm, const epx_buffer_config
               "%s: config.capacity is %d; EPX_LAYOUT_CAPACITY needs the capacity C >= 1 (epx_route_output_t.capacity)",
               fn, c->capacity);
   EPX_REQUIRE(c->capacity >= 0, "%s: config.capacity is %d; pass >= 0", fn, c->capacity);
-  return EPX_SUCCESS;
+  return check_buffer_sizes(comm, c);
 }
 
 epx_status_t epx_buffer_create(epx_comm_t comm, const epx_buffer_config_t *config,
@@ -218,20 +273,6 @@ epx_status_t epx_buffer_max_tokens(epx_buffer_t buffer, int64_t *max_tokens_per_
   return EPX_SUCCESS;
 }
 
-static int64_t max_recv_rows(epx_buffer_t b) {
-  const epx_buffer_config_t *c = &b->config;
-  int64_t W = b->world_size, El = b->experts_per_rank;
-  switch (c->layout) {
-    case EPX_LAYOUT_EXPERT_MAJOR: {
-      int64_t k = c->max_top_k < El ? c->max_top_k : El;
-      return W * b->max_tokens * k + El * (c->expert_alignment - 1);
-    }
-    case EPX_LAYOUT_RANK_MAJOR: return W * b->max_tokens;
-    case EPX_LAYOUT_CAPACITY: return El * W * c->capacity;
-  }
-  return 0;
-}
-
 epx_status_t epx_buffer_max_recv_rows(epx_buffer_t buffer, int64_t *rows) {
   epx_error_clear();
   epx_status_t status = check_buffer(&buffer, "epx_buffer_max_recv_rows");
@@ -241,8 +282,8 @@ epx_status_t epx_buffer_max_recv_rows(epx_buffer_t buffer, int64_t *rows) {
     return epx_error(EPX_ERROR_INVALID_ARGUMENT,
                      "epx_buffer_max_recv_rows: max_tokens_per_rank is not agreed yet; set "
                      "config.max_tokens_per_rank or call after the first epx_dispatch_layout");
-  *rows = max_recv_rows(buffer);
-  return EPX_SUCCESS;
+  return recv_rows_bound("epx_buffer_max_recv_rows", &buffer->config, buffer->world_size,
+                         buffer->max_tokens, rows);
 }
 
 epx_status_t epx_buffer_set_stream(epx_buffer_t buffer, void *stream) {

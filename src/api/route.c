@@ -5,6 +5,7 @@
 
 #include "api/backends.h"
 #include "core/backend.h"
+#include "core/checked.h"
 #include "core/error.h"
 
 static int route_misaligned(const void *p) { return ((uintptr_t)p & 3u) != 0; }
@@ -72,14 +73,18 @@ static epx_status_t route_check_config(const char *fn, const epx_route_config_t 
   return EPX_SUCCESS;
 }
 
-/* Locations are int32 and an expert's queue holds up to T routes. */
-static epx_status_t route_check_tokens(const char *fn, int64_t num_tokens) {
+/* Locations are int32 and an expert's queue holds up to T routes; the
+ * logits' byte count must fit as well (core/checked.h). */
+static epx_status_t route_check_tokens(const char *fn, const epx_route_config_t *c,
+                                       int64_t num_tokens) {
   EPX_REQUIRE(num_tokens >= 0, "%s: num_tokens is %lld; pass num_tokens >= 0", fn,
               (long long)num_tokens);
   EPX_REQUIRE(num_tokens <= INT32_MAX,
               "%s: num_tokens is %lld, more than the int32 locations can index; route at "
               "most %d tokens per call", fn, (long long)num_tokens, INT32_MAX);
-  return EPX_SUCCESS;
+  int64_t bytes = 0;
+  return EPX_CHECKED_PRODUCT(&bytes, fn, "num_tokens", "num_tokens * num_experts * 4 (the logits' bytes)",
+                             num_tokens, c->num_experts, (int64_t)sizeof(float));
 }
 
 static epx_status_t route_check_pointer(const char *fn, const char *name, const void *p,
@@ -95,7 +100,7 @@ epx_status_t epx_route(const epx_route_config_t *config, int64_t num_tokens, con
   epx_status_t status;
   epx_error_clear();
   if ((status = route_check_config("epx_route", config)) != EPX_SUCCESS) return status;
-  if ((status = route_check_tokens("epx_route", num_tokens)) != EPX_SUCCESS) return status;
+  if ((status = route_check_tokens("epx_route", config, num_tokens)) != EPX_SUCCESS) return status;
   if ((status = route_check_pointer("epx_route", "logits", logits, num_tokens > 0)) != EPX_SUCCESS)
     return status;
   if ((status = route_check_pointer("epx_route", "bias", bias, 0)) != EPX_SUCCESS) return status;
@@ -128,7 +133,7 @@ epx_status_t epx_route_backward(const epx_route_config_t *config, int64_t num_to
   epx_status_t status;
   epx_error_clear();
   if ((status = route_check_config(fn, config)) != EPX_SUCCESS ||
-      (status = route_check_tokens(fn, num_tokens)) != EPX_SUCCESS)
+      (status = route_check_tokens(fn, config, num_tokens)) != EPX_SUCCESS)
     return status;
   const int has_rows = num_tokens > 0;
   if ((status = route_check_pointer(fn, "logits", logits, has_rows)) != EPX_SUCCESS ||
