@@ -222,7 +222,7 @@ static epx_handle_t handle_value(state_t *s, input_t *in, int *slot, int *from) 
   *from = how % 8 == 0 ? FROM_STALE : how % 8 == 1 ? FROM_MADE_UP : FROM_SLOT;
   if (*from == FROM_STALE) return stale_value(s, in);
   if (*from == FROM_MADE_UP) return made_up_value(in);
-  *slot = how % MAX_HANDLES;
+  *slot = (how / 8) % MAX_HANDLES;
   return s->handles[*slot].id;
 }
 
