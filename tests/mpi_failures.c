@@ -9,8 +9,18 @@
  *  - Through the public API, ranks with different top_k (each within
  *    max_top_k) neither abort nor crash.
  * Plain checks; the failures of all ranks are summed and the exit status is
- * the verdict. */
+ * the verdict.
+ *
+ * With --kill (run under `mpiexec --enable-recovery`, which lets the
+ * survivors of a dead process live on; OpenMPI's default kills them all):
+ * the last rank kills itself with SIGKILL and the others' next collective
+ * must come back as a status naming it within the timeout and a second.
+ * Each survivor prints its verdict, "survivor R verdict OK" or "... verdict
+ * FAILED" (mpiexec
+ * --enable-recovery exits 0 whatever the survivors return, and no
+ * collective over the dead rank can sum them). */
 #include <mpi.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -135,7 +145,7 @@ static void test_silent_ranks(void) {
  * 8 item 2; this transport's part is that a size the ranks disagree on comes
  * back as a status, as it now does.) */
 static void test_per_rank_top_k(void) {
-  epx_comm_t comm = create(10.0);
+  epx_comm_t comm = create(2.0);
   if (!comm) return;
   epx_buffer_config_t c = EPX_BUFFER_CONFIG_INIT;
   c.hidden = 8;
@@ -161,10 +171,40 @@ static void test_per_rank_top_k(void) {
   epx_comm_destroy(comm);
 }
 
+static int test_killed(void) {
+  const double timeout = 2.0;
+  epx_comm_t comm = create(timeout);
+  if (!comm) return 1;
+  MPI_Barrier(MPI_COMM_WORLD);
+  if (rank == size - 1) raise(SIGKILL);
+  epx_buffer_config_t c = EPX_BUFFER_CONFIG_INIT;
+  c.hidden = 8;
+  c.num_experts = size;
+  c.max_top_k = 1;
+  epx_buffer_t b = NULL;
+  double t0 = MPI_Wtime();
+  epx_status_t status = epx_buffer_create(comm, &c, &b);
+  double waited = MPI_Wtime() - t0;
+  char needle[32];
+  snprintf(needle, sizeof needle, "rank %d", size - 1);
+  CHECK(status == EPX_ERROR_TIMEOUT || status == EPX_ERROR_TRANSPORT, "a dead peer gave %s", epx_status_string(status));
+  CHECK(has(needle), "the dead rank is not named");
+  CHECK(waited < timeout + 1.0, "the status came after %.3f s", waited);
+  char message[1024];
+  snprintf(message, sizeof message, "%s", epx_last_error());
+  CHECK(epx_comm_destroy(comm) == EPX_SUCCESS, "destroy failed");
+  printf("survivor %d verdict %s: %s after %.2f s: %s\n", rank, errors ? "FAILED" : "OK", epx_status_string(status),
+         waited, message);
+  fflush(stdout);
+  MPI_Finalize();
+  return errors ? 1 : 0;
+}
+
 int main(int argc, char **argv) {
   MPI_Init(&argc, &argv);
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &size);
+  if (argc > 1 && !strcmp(argv[1], "--kill")) return test_killed();
   test_truncation_returns();
   test_different_collectives();
   test_silent_ranks();
