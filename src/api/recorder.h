@@ -1,5 +1,5 @@
 /* What epx_dispatch_layout needs of a recorder (src/api/recorder.c), and the
- * handle references a recorder takes (src/api/api.c). The recorder here is
+ * handle references a recorder takes (src/api/handle.c). The recorder here is
  * the object, never the caller's id (core/registry.h). */
 #ifndef EPX_API_RECORDER_H
 #define EPX_API_RECORDER_H

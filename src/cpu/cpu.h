@@ -10,7 +10,7 @@
  * Arguments are checked by src/api/, routing values here. The backend table
  * that the API calls through is epx_cpu_backend (src/cpu/backend.c). */
 /* Checks the routing's values on this rank (expert ids, duplicates,
- * capacity locations); api.c agrees the result across ranks before any
+ * capacity locations); src/api agrees the result across ranks before any
  * exchange. */
 struct epx_backend;
 extern const struct epx_backend epx_cpu_backend;

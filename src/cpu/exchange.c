@@ -24,7 +24,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "comm/comm.h"
+#include "core/transport.h"
 #include "core/dtype.h"
 #include "core/error.h"
 #include "cpu/cpu.h"

@@ -1,0 +1,279 @@
+/* The public buffer calls: create (the ranks agree one config), destroy,
+ * the size queries and the stream. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "api/api.h"
+#include "api/backends.h"
+#include "core/backend.h"
+#include "core/checked.h"
+#include "core/config.h"
+#include "core/error.h"
+#include "core/objects.h"
+#include "core/registry.h"
+#include "core/transport.h"
+
+epx_status_t epx_check_buffer(epx_buffer_t *buffer, const char *caller) {
+  if (!*buffer)
+    return epx_error(EPX_ERROR_INVALID_ARGUMENT, "%s: buffer is NULL; pass a buffer from epx_buffer_create", caller);
+  epx_buffer_t object = epx_registry_get(*buffer, EPX_OBJECT_BUFFER);
+  if (!object)
+    return epx_error(EPX_ERROR_INVALID_HANDLE,
+                     "%s: buffer is not a live buffer (destroyed, or not from epx_buffer_create)", caller);
+  *buffer = object;
+  return EPX_SUCCESS;
+}
+
+/* The fields every rank must agree on, gathered at buffer creation. */
+typedef struct {
+  int64_t status;
+  int64_t device, dtype, hidden, num_experts, max_top_k, max_tokens_per_rank,
+      max_tokens_rounding, exchange, layout, expert_alignment, capacity;
+} buffer_shape_t;
+
+static const char *const shape_field_names[] = {
+    "status", "device", "dtype", "hidden", "num_experts", "max_top_k", "max_tokens_per_rank",
+    "max_tokens_rounding", "exchange", "layout", "expert_alignment", "capacity"};
+
+/* The receive bound of a buffer (epx_buffer_max_recv_rows), every product
+ * checked: a dropless rank receives up to min(k, E_local) rows of each of
+ * W * max_tokens tokens, plus each expert's alignment padding. */
+static epx_status_t recv_rows_bound(const char *fn, const epx_buffer_config_t *c, int64_t W,
+                                    int64_t max_tokens, int64_t *rows) {
+  const int64_t El = c->num_experts / W;
+  const char *tokens = "config.max_tokens_per_rank";
+  int64_t k = c->max_top_k < El ? c->max_top_k : El, padding = 0, data = 0;
+  epx_status_t status = EPX_SUCCESS;
+  switch (c->layout) {
+    case EPX_LAYOUT_EXPERT_MAJOR:
+      status = EPX_CHECKED_PRODUCT(&data, fn, tokens, "world size * max tokens * top_k (the received rows)",
+                                   W, max_tokens, k);
+      if (status == EPX_SUCCESS)
+        status = EPX_CHECKED_PRODUCT(&padding, fn, "config.expert_alignment",
+                                     "experts per rank * (alignment - 1) (the padding rows)", El,
+                                     c->expert_alignment - 1);
+      if (status == EPX_SUCCESS && epx_add_overflows(data, padding, rows))
+        status = epx_error(EPX_ERROR_INVALID_ARGUMENT,
+                           "%s: config.expert_alignment is too large: the received rows with their "
+                           "padding do not fit in 64 bits; pass a smaller config.expert_alignment", fn);
+      return status;
+    case EPX_LAYOUT_RANK_MAJOR:
+      return EPX_CHECKED_PRODUCT(rows, fn, tokens, "world size * max tokens (the received rows)", W, max_tokens);
+    case EPX_LAYOUT_CAPACITY:
+      return EPX_CHECKED_PRODUCT(rows, fn, "config.capacity", "num_experts * world size * capacity (the received rows)",
+                                 El, W, c->capacity);
+  }
+  return epx_error(EPX_ERROR_INVALID_ARGUMENT, "%s: config.layout %d is not an epx_layout_t", fn, (int)c->layout);
+}
+
+/* Every byte count the buffer can reach fits an int64_t: a row, the rows a
+ * rank sends (a copy per selected expert at most) and receives. When the
+ * tokens per rank are agreed later, the largest value the agreement can give
+ * (2^31 - 1 rounded up) is what is checked. */
+static epx_status_t check_buffer_sizes(epx_comm_t comm, const epx_buffer_config_t *c) {
+  const char *fn = "epx_buffer_create";
+  int64_t row_bytes = 0, send_rows = 0, recv_rows = 0, bytes = 0;
+  int64_t rounding = c->max_tokens_rounding;
+  int64_t max_tokens = c->max_tokens_per_rank ? c->max_tokens_per_rank
+                                              : ((int64_t)INT32_MAX + rounding - 1) / rounding * rounding;
+  epx_status_t status = EPX_CHECKED_PRODUCT(&row_bytes, fn, "config.hidden", "hidden * dtype size (a row's bytes)",
+                                            c->hidden, (int64_t)epx_dtype_size(c->dtype));
+  if (status == EPX_SUCCESS)
+    status = EPX_CHECKED_PRODUCT(&send_rows, fn, "config.max_tokens_per_rank",
+                                 "max tokens * max_top_k (the rows a rank sends)", max_tokens, c->max_top_k);
+  if (status == EPX_SUCCESS)
+    status = EPX_CHECKED_PRODUCT(&bytes, fn, "config.hidden", "the bytes a rank sends", send_rows, row_bytes);
+  if (status == EPX_SUCCESS) status = recv_rows_bound(fn, c, comm->size, max_tokens, &recv_rows);
+  if (status == EPX_SUCCESS)
+    status = EPX_CHECKED_PRODUCT(&bytes, fn, "config.hidden", "the bytes a rank receives", recv_rows, row_bytes);
+  return status;
+}
+
+/* Reads the caller's config (perhaps from an older, smaller header) over the
+ * defaults into *c, and checks it. */
+static epx_status_t check_buffer_config(epx_comm_t comm, const epx_buffer_config_t *given,
+                                        epx_buffer_config_t *c) {
+  const char *fn = "epx_buffer_create";
+  EPX_REQUIRE(given, "%s: config is NULL; pass an epx_buffer_config_t from epx_buffer_config_init "
+                     "or EPX_BUFFER_CONFIG_INIT", fn);
+  *c = (epx_buffer_config_t)EPX_BUFFER_CONFIG_INIT;
+  epx_status_t status = epx_config_read(fn, "epx_buffer_config_t", given, c, sizeof *c);
+  if (status != EPX_SUCCESS) return status;
+  if (!epx_backend_for_device(c->device)) return epx_backend_missing(fn, c->device);
+  EPX_REQUIRE(epx_dtype_size(c->dtype), "%s: config.dtype %d is not EPX_FLOAT32, EPX_BFLOAT16 or EPX_FLOAT16", fn, (int)c->dtype);
+  EPX_REQUIRE(c->hidden > 0 && c->hidden % 8 == 0,
+              "%s: config.hidden is %lld; it must be a positive multiple of 8 (rows are moved in 16-byte vectors)",
+              fn, (long long)c->hidden);
+  EPX_REQUIRE(c->num_experts >= 1 && c->num_experts % comm->size == 0,
+              "%s: config.num_experts is %d; it must be a positive multiple of the comm size %d",
+              fn, c->num_experts, comm->size);
+  EPX_REQUIRE(c->max_top_k >= 1 && c->max_top_k <= c->num_experts,
+              "%s: config.max_top_k is %d; it must be in [1, num_experts = %d]", fn, c->max_top_k, c->num_experts);
+  EPX_REQUIRE(c->max_tokens_per_rank >= 0 && c->max_tokens_per_rank <= INT32_MAX,
+              "%s: config.max_tokens_per_rank is %lld; pass a count in [0, 2^31) (0 agrees it at the first dispatch)",
+              fn, (long long)c->max_tokens_per_rank);
+  EPX_REQUIRE(c->max_tokens_rounding >= 1, "%s: config.max_tokens_rounding is %d; pass >= 1", fn, c->max_tokens_rounding);
+  EPX_REQUIRE(c->exchange == EPX_EXCHANGE_DEDUP || c->exchange == EPX_EXCHANGE_COLLECTIVE,
+              "%s: config.exchange %d is not EPX_EXCHANGE_DEDUP or EPX_EXCHANGE_COLLECTIVE", fn, (int)c->exchange);
+  EPX_REQUIRE(c->layout == EPX_LAYOUT_EXPERT_MAJOR || c->layout == EPX_LAYOUT_RANK_MAJOR ||
+                  c->layout == EPX_LAYOUT_CAPACITY,
+              "%s: config.layout %d is not an epx_layout_t", fn, (int)c->layout);
+  EPX_REQUIRE(c->expert_alignment >= 1, "%s: config.expert_alignment is %d; pass >= 1 (1 = no padding)", fn, c->expert_alignment);
+  EPX_REQUIRE(c->layout != EPX_LAYOUT_CAPACITY || c->capacity >= 1,
+              "%s: config.capacity is %d; EPX_LAYOUT_CAPACITY needs the capacity C >= 1 (epx_route_output_t.capacity)",
+              fn, c->capacity);
+  EPX_REQUIRE(c->capacity >= 0, "%s: config.capacity is %d; pass >= 0", fn, c->capacity);
+  return check_buffer_sizes(comm, c);
+}
+
+/* Names the rank whose value is the odd one out: compares each rank with the
+ * value most ranks have. */
+static epx_status_t check_same_shape(const buffer_shape_t *all, int32_t size, const char *fn) {
+  for (size_t f = 0; f < sizeof *all / sizeof(int64_t) - 1; f++) {
+    int64_t common = (&all[0].device)[f];
+    int32_t best = 0;
+    for (int32_t r = 0; r < size; r++) {
+      int32_t votes = 0;
+      for (int32_t q = 0; q < size; q++) votes += (&all[q].device)[f] == (&all[r].device)[f];
+      if (votes > best) best = votes, common = (&all[r].device)[f];
+    }
+    for (int32_t r = 0; r < size; r++) {
+      int64_t theirs = (&all[r].device)[f];
+      if (theirs == common) continue;
+      return epx_error(EPX_ERROR_SHAPE_MISMATCH,
+                       "%s: rank %d has config.%s = %lld but %d of %d ranks have %lld; every rank "
+                       "must create the buffer with the same %s", fn, r, shape_field_names[f + 1],
+                       (long long)theirs, best, size, (long long)common, shape_field_names[f + 1]);
+    }
+  }
+  return EPX_SUCCESS;
+}
+
+/* Every rank sends its shape (or its failure `local`) so all refuse together. */
+static epx_status_t agree_shape(epx_comm_t comm, const epx_buffer_config_t *config, epx_status_t local,
+                                const char *fn) {
+  buffer_shape_t mine = {0};
+  mine.status = local;
+  if (local == EPX_SUCCESS)
+    mine = (buffer_shape_t){0, config->device, config->dtype, config->hidden, config->num_experts,
+                            config->max_top_k, config->max_tokens_per_rank, config->max_tokens_rounding,
+                            config->exchange, config->layout, config->expert_alignment, config->capacity};
+  char message[1024];
+  strncpy(message, epx_last_error(), sizeof message - 1);
+  message[sizeof message - 1] = '\0';
+  buffer_shape_t *all = calloc((size_t)comm->size, sizeof *all);
+  if (!all) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
+  epx_status_t status = epx_comm_check_alive(comm, fn);
+  if (status == EPX_SUCCESS) status = comm->ops->allgather(comm, fn, &mine, all, sizeof mine);
+  if (status != EPX_SUCCESS) goto done;
+  if (local != EPX_SUCCESS) {
+    status = epx_error(local, "%s", message);
+    goto done;
+  }
+  for (int32_t r = 0; r < comm->size; r++) {
+    if (all[r].status != EPX_SUCCESS) {
+      status = epx_error(EPX_ERROR_PEER_FAILED, "%s: rank %d refused its config (its epx_last_error says why)", fn, r);
+      goto done;
+    }
+  }
+  status = check_same_shape(all, comm->size, fn);
+done:
+  free(all);
+  return status;
+}
+
+epx_status_t epx_buffer_create(epx_comm_t comm, const epx_buffer_config_t *config,
+                               epx_buffer_t *buffer) {
+  const char *fn = "epx_buffer_create";
+  epx_error_clear();
+  epx_comm_t comm_id = comm;
+  comm = epx_registry_get(comm_id, EPX_OBJECT_COMM);
+  if (!comm)
+    return epx_error(comm_id ? EPX_ERROR_INVALID_HANDLE : EPX_ERROR_INVALID_ARGUMENT,
+                     "%s: comm is %s; pass a comm from epx_comm_create_*", fn,
+                     comm_id ? "not a live comm (destroyed?)" : "NULL");
+  epx_buffer_config_t full;
+  epx_status_t local = buffer ? check_buffer_config(comm, config, &full)
+                              : epx_error(EPX_ERROR_INVALID_ARGUMENT, "%s: buffer is NULL; pass the address of an epx_buffer_t", fn);
+  config = &full;
+  epx_status_t status = agree_shape(comm, config, local, fn);
+  if (status != EPX_SUCCESS) return status;
+
+  epx_buffer_t b = calloc(1, sizeof *b);
+  if (!b) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
+  b->comm = comm;
+  b->config = *config;
+  b->world_size = comm->size;
+  b->rank = comm->rank;
+  b->experts_per_rank = config->num_experts / comm->size;
+  b->max_tokens = config->max_tokens_per_rank;
+  b->backend = epx_backend_for_device(config->device);
+  status = b->backend->buffer_init(b);
+  if (status != EPX_SUCCESS) {
+    free(b);
+    return status;
+  }
+  void *id = NULL;
+  status = epx_registry_add(b, EPX_OBJECT_BUFFER, &id);
+  if (status != EPX_SUCCESS) {
+    b->backend->buffer_fini(b);
+    free(b);
+    return status;
+  }
+  __atomic_add_fetch(&comm->live_buffers, 1, __ATOMIC_SEQ_CST);
+  *buffer = id;
+  return EPX_SUCCESS;
+}
+
+epx_status_t epx_buffer_destroy(epx_buffer_t buffer) {
+  epx_error_clear();
+  if (!buffer) return EPX_SUCCESS;
+  const epx_buffer_t id = buffer;
+  epx_status_t status = epx_check_buffer(&buffer, "epx_buffer_destroy");
+  if (status != EPX_SUCCESS) return status;
+  int64_t live = __atomic_load_n(&buffer->live_handles, __ATOMIC_SEQ_CST);
+  if (live > 0)
+    return epx_error(EPX_ERROR_BUSY,
+                     "epx_buffer_destroy: %lld handle(s) from this buffer are still alive (a backward "
+                     "may still need them); release them with epx_handle_release or "
+                     "epx_recorder_destroy first", (long long)live);
+  epx_registry_remove(id);
+  buffer->backend->buffer_fini(buffer);
+  __atomic_sub_fetch(&buffer->comm->live_buffers, 1, __ATOMIC_SEQ_CST);
+  free(buffer);
+  return EPX_SUCCESS;
+}
+
+epx_status_t epx_buffer_max_tokens(epx_buffer_t buffer, int64_t *max_tokens_per_rank) {
+  epx_error_clear();
+  epx_status_t status = epx_check_buffer(&buffer, "epx_buffer_max_tokens");
+  if (status != EPX_SUCCESS) return status;
+  EPX_REQUIRE(max_tokens_per_rank, "epx_buffer_max_tokens: max_tokens_per_rank is NULL; pass an int64_t to fill");
+  *max_tokens_per_rank = buffer->max_tokens;
+  return EPX_SUCCESS;
+}
+
+epx_status_t epx_buffer_max_recv_rows(epx_buffer_t buffer, int64_t *rows) {
+  epx_error_clear();
+  epx_status_t status = epx_check_buffer(&buffer, "epx_buffer_max_recv_rows");
+  if (status != EPX_SUCCESS) return status;
+  EPX_REQUIRE(rows, "epx_buffer_max_recv_rows: rows is NULL; pass an int64_t to fill");
+  if (buffer->max_tokens == 0 && buffer->config.layout != EPX_LAYOUT_CAPACITY)
+    return epx_error(EPX_ERROR_INVALID_ARGUMENT,
+                     "epx_buffer_max_recv_rows: max_tokens_per_rank is not agreed yet; set "
+                     "config.max_tokens_per_rank or call after the first epx_dispatch_layout");
+  return recv_rows_bound("epx_buffer_max_recv_rows", &buffer->config, buffer->world_size,
+                         buffer->max_tokens, rows);
+}
+
+epx_status_t epx_buffer_set_stream(epx_buffer_t buffer, void *stream) {
+  epx_error_clear();
+  epx_status_t status = epx_check_buffer(&buffer, "epx_buffer_set_stream");
+  if (status != EPX_SUCCESS) return status;
+  if (!buffer->backend->set_stream)
+    return epx_error(EPX_ERROR_INVALID_ARGUMENT, "epx_buffer_set_stream: the buffer is a %s buffer; streams are for EPX_DEVICE_CUDA buffers",
+                     buffer->backend->name);
+  return buffer->backend->set_stream(buffer, stream);
+}
+
