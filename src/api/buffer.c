@@ -29,12 +29,12 @@ epx_status_t epx_check_buffer(epx_buffer_t *buffer, const char *caller) {
 typedef struct {
   int64_t status;
   int64_t device, dtype, hidden, num_experts, max_top_k, max_tokens_per_rank,
-      max_tokens_rounding, exchange, layout, expert_alignment, capacity;
+      max_tokens_rounding, exchange, layout, expert_alignment, capacity, combine_precision;
 } buffer_shape_t;
 
 static const char *const shape_field_names[] = {
     "status", "device", "dtype", "hidden", "num_experts", "max_top_k", "max_tokens_per_rank",
-    "max_tokens_rounding", "exchange", "layout", "expert_alignment", "capacity"};
+    "max_tokens_rounding", "exchange", "layout", "expert_alignment", "capacity", "combine_precision"};
 
 /* The receive bound of a buffer (epx_buffer_max_recv_rows), every product
  * checked: a dropless rank receives up to min(k, E_local) rows of each of
@@ -124,6 +124,10 @@ static epx_status_t check_buffer_config(epx_comm_t comm, const epx_buffer_config
               "%s: config.capacity is %d; EPX_LAYOUT_CAPACITY needs the capacity C >= 1 (epx_route_output_t.capacity)",
               fn, c->capacity);
   EPX_REQUIRE(c->capacity >= 0, "%s: config.capacity is %d; pass >= 0", fn, c->capacity);
+  EPX_REQUIRE(c->combine_precision == EPX_COMBINE_PARTIALS_FLOAT32 ||
+                  c->combine_precision == EPX_COMBINE_PARTIALS_PAYLOAD,
+              "%s: config.combine_precision %d is not EPX_COMBINE_PARTIALS_FLOAT32 or "
+              "EPX_COMBINE_PARTIALS_PAYLOAD", fn, (int)c->combine_precision);
   return check_buffer_sizes(comm, c);
 }
 
@@ -158,7 +162,8 @@ static epx_status_t agree_shape(epx_comm_t comm, const epx_buffer_config_t *conf
   if (local == EPX_SUCCESS)
     mine = (buffer_shape_t){0, config->device, config->dtype, config->hidden, config->num_experts,
                             config->max_top_k, config->max_tokens_per_rank, config->max_tokens_rounding,
-                            config->exchange, config->layout, config->expert_alignment, config->capacity};
+                            config->exchange, config->layout, config->expert_alignment, config->capacity,
+                            config->combine_precision};
   char message[1024];
   strncpy(message, epx_last_error(), sizeof message - 1);
   message[sizeof message - 1] = '\0';
