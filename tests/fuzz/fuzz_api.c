@@ -70,7 +70,7 @@ typedef struct {
 typedef struct {
   epx_recorder_t id;
   int replaying;
-  int records[64]; /* handle slots it holds, in order */
+  int records[MAX_HANDLES]; /* handle slots it holds, in order */
   int count;
 } frecorder_t;
 
@@ -267,11 +267,10 @@ static void op_layout(state_t *s, input_t *in) {
   m.buffer = b;
   m.caller_refs = 1;
   if (epx_handle_recv_rows(id, &m.N) != EPX_SUCCESS) finding("a new handle has no row count", "epx_handle_recv_rows", status);
-  if (rec && !rec->replaying && rec->count < 64) {
+  /* A recorder holds at most MAX_HANDLES live handles: each needs a slot. */
+  if (rec && !rec->replaying) {
     m.recorder_refs = 1;
     rec->records[rec->count++] = hslot;
-  } else if (rec && !rec->replaying) {
-    m.recorder_refs = 1; /* held, but past what the model tracks: never freed before the recorder */
   }
   s->handles[hslot] = m;
 }
