@@ -19,7 +19,7 @@
 #include "epx.h"
 
 typedef struct epx_transport_ops {
-  const char *name; /* "self", "local", "mpi" */
+  const char *name; /* "self", "local", "mpi", "nccl" */
   /* send holds size blocks of `bytes`, block r for rank r; recv gets block
    * s from rank s (its own block too). */
   epx_status_t (*alltoall)(epx_comm_t comm, const char *caller, const void *send, void *recv,
@@ -48,6 +48,7 @@ typedef struct epx_transport_ops {
 } epx_transport_ops_t;
 
 struct epx_comm {
+  epx_comm_t id;         /* the value the caller holds (core/registry.h) */
   const epx_transport_ops_t *ops;
   int32_t rank;
   int32_t size;
