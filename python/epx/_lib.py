@@ -7,8 +7,10 @@ of every public function. The pythonic layer in epx/__init__.py sits on top.
 import ctypes
 import ctypes.util
 import enum
+import importlib.util
 import os
 import pathlib
+import sys
 
 # ---------------------------------------------------------------------------
 # Finding the library
@@ -19,7 +21,8 @@ _NAMES = ("libepx.so", "libepx.so.0", "libepx.dylib")
 
 def _candidates():
     """Where libepx is looked for, in order: $EPX_LIBRARY, next to the
-    package, the repository's build directory, then the system loader."""
+    package (where `pip install ./python` puts it), the repository's build
+    directory (an in-tree checkout), then the system loader."""
     env = os.environ.get("EPX_LIBRARY")
     if env:
         return [env], True
@@ -29,18 +32,38 @@ def _candidates():
     return paths, False
 
 
+def _torch_first(path):
+    """A libepx that links NCCL (or the CUDA runtime) must bind to the copy
+    torch loads, not a second one: import torch (when installed) before
+    loading such a library, so that the process has one NCCL."""
+    if "torch" in sys.modules or importlib.util.find_spec("torch") is None:
+        return
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError:
+        return
+    if b"libnccl.so" in data or b"libcudart.so" in data:
+        import torch  # noqa: F401  (its NCCL, loaded first)
+
+
+def _open(path):
+    _torch_first(path)
+    return ctypes.CDLL(path)
+
+
 def _load():
     paths, from_env = _candidates()
     if from_env:
         try:
-            return ctypes.CDLL(paths[0]), paths[0]
+            return _open(paths[0]), paths[0]
         except OSError as e:
             raise ImportError(
                 "epx: EPX_LIBRARY=%s could not be loaded (%s); point it at the libepx.so "
                 "of a build (cmake --build <dir> --target epx)" % (paths[0], e)) from e
     for p in paths:
         if os.path.exists(p):
-            return ctypes.CDLL(p), p
+            return _open(p), p
     system = ctypes.util.find_library("epx")
     for name in ([system] if system else []) + list(_NAMES):
         try:
@@ -334,7 +357,44 @@ _PROTOTYPES = {
                                           _p, _p]),
 }
 
+
+class NcclUniqueId(ctypes.Structure):
+    """epx_nccl_unique_id_t: the bytes of an ncclUniqueId."""
+    _fields_ = [("bytes", ctypes.c_char * 128)]
+
+
+# Calls a libepx may predate (built before the NCCL transport): bound when
+# present, else replaced by a stand-in with the C contract for a build
+# without NCCL (0 / EPX_ERROR_UNSUPPORTED).
+_OPTIONAL = {
+    "epx_has_nccl": (ctypes.c_int, [], 0),
+    "epx_nccl_get_unique_id": (_st, [ctypes.POINTER(NcclUniqueId)], Status.ERROR_UNSUPPORTED),
+    "epx_comm_create_nccl_id": (_st, [ctypes.POINTER(NcclUniqueId), _i32, _i32,
+                                      ctypes.POINTER(CommConfig), _pp], Status.ERROR_UNSUPPORTED),
+    "epx_comm_create_nccl": (_st, [_p, ctypes.POINTER(CommConfig), _pp], Status.ERROR_UNSUPPORTED),
+}
+
+
+class _Missing:
+    """Stands for a C function this libepx lacks."""
+
+    def __init__(self, name, result):
+        self.__name__ = name
+        self.result = int(result)
+
+    def __call__(self, *args):
+        return self.result
+
+
 for _name, (_restype, _argtypes) in _PROTOTYPES.items():
     _fn = getattr(lib, _name)
+    _fn.restype = _restype
+    _fn.argtypes = _argtypes
+for _name, (_restype, _argtypes, _absent) in _OPTIONAL.items():
+    try:
+        _fn = getattr(lib, _name)
+    except AttributeError:
+        setattr(lib, _name, _Missing(_name, _absent))
+        continue
     _fn.restype = _restype
     _fn.argtypes = _argtypes
