@@ -30,7 +30,15 @@
  *    and its peers time out with EPX_ERROR_TIMEOUT naming it.
  *  - Destroying or releasing NULL is a no-op. Using an object after it was
  *    destroyed or released is detected and refused with
- *    EPX_ERROR_INVALID_HANDLE (objects are looked up in a registry before use).
+ *    EPX_ERROR_INVALID_HANDLE, even when a new object has since taken its
+ *    memory: the values epx_comm_t, epx_buffer_t, epx_handle_t and
+ *    epx_recorder_t hold are ids (a slot and a generation), never
+ *    dereferenced by the caller or the library, and an id is never given out
+ *    twice.
+ *  - Sizes: every product of shape arguments (a row's bytes, the rows a
+ *    buffer sends and receives, the router's logits) is checked; a product
+ *    that does not fit 64 bits is EPX_ERROR_INVALID_ARGUMENT naming the
+ *    argument.
  *  - Enum values are only ever added at the end.
  *
  * Thread safety
@@ -462,10 +470,26 @@ epx_status_t epx_local_world_destroy(epx_local_world_t world);
 epx_status_t epx_comm_create_local(epx_local_world_t world, int32_t rank, epx_comm_t *comm);
 
 /* The MPI transport over a caller's communicator: mpi_comm points to an
- * MPI_Comm (the library duplicates it, so the caller's stays untouched, and
- * sets MPI_ERRORS_RETURN on the duplicate so a failed MPI call becomes
- * EPX_ERROR_TRANSPORT rather than an abort). MPI must be initialised.
- * Collective. EPX_ERROR_UNSUPPORTED when built without MPI. */
+ * MPI_Comm. MPI must be initialised. Collective. EPX_ERROR_UNSUPPORTED when
+ * built without MPI.
+ *  - The library duplicates the communicator (the caller's stays untouched:
+ *    only MPI_Comm_idup runs on it) and sets MPI_ERRORS_RETURN on the
+ *    duplicate. Every later MPI call of the library is on the duplicate, so
+ *    an MPI error — a message longer or shorter than its receive, a failure
+ *    the transport notices — comes back as EPX_ERROR_TRANSPORT naming the
+ *    peer, whatever handler the caller's communicator has.
+ *  - Collectives are point-to-point messages to and from each peer, so the
+ *    timeout (EPX_ERROR_TIMEOUT) names the ranks whose messages did not
+ *    arrive: a rank that failed before the call, is stuck, or is in another
+ *    call. A comm that failed is kept by MPI until the process ends (a few
+ *    hundred bytes): its peers may still send to it.
+ *  - A process that dies (kill -9, a crash): OpenMPI's mpirun, by default,
+ *    then kills every other process of the job, so no call returns at all;
+ *    nothing in a library can change that. Under a runtime that lets the
+ *    survivors live (OpenMPI's `mpiexec --enable-recovery`, ULFM), their
+ *    next collective returns EPX_ERROR_TIMEOUT naming the dead rank (or
+ *    EPX_ERROR_TRANSPORT, where MPI reports the loss first), within the
+ *    comm's timeout. */
 epx_status_t epx_comm_create_mpi(const void *mpi_comm, const epx_comm_config_t *config,
                                  epx_comm_t *comm);
 
@@ -763,8 +787,12 @@ typedef struct epx_handle_stats {
 } epx_handle_stats_t;
 epx_status_t epx_handle_stats(epx_handle_t handle, epx_handle_stats_t *stats);
 
-/* Reference counting: retain adds one, release drops one; the handle is freed
- * at zero. Using a handle after its last release is EPX_ERROR_INVALID_HANDLE. */
+/* Reference counting: retain adds one, release drops one. The caller's
+ * references (the layout's, each retain's, each replay's) are counted apart
+ * from the library's own (a recorder's): once the caller has released all of
+ * its references the handle is refused to it (EPX_ERROR_INVALID_HANDLE) —
+ * another release included, which never takes a recorder's reference — and
+ * the handle is freed when no recorder holds it either. */
 epx_status_t epx_handle_retain(epx_handle_t handle);
 epx_status_t epx_handle_release(epx_handle_t handle);
 

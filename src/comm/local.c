@@ -439,8 +439,9 @@ epx_status_t epx_local_world_create(int32_t world_size, const epx_comm_config_t 
   pthread_condattr_destroy(&attr);
   if (rc) EPX_FAIL(EPX_ERROR_INTERNAL, "epx_local_world_create: pthread_cond_init failed");
   cond_ready = 1;
-  EPX_CHECK(epx_registry_add(created, EPX_OBJECT_LOCAL_WORLD));
-  *world = created;
+  void *id = NULL;
+  EPX_CHECK(epx_registry_add(created, EPX_OBJECT_LOCAL_WORLD, &id));
+  *world = id;
   return EPX_SUCCESS;
 fail:
   if (cond_ready) pthread_cond_destroy(&created->cond);
@@ -453,7 +454,9 @@ fail:
 epx_status_t epx_local_world_destroy(epx_local_world_t world) {
   epx_error_clear();
   if (!world) return EPX_SUCCESS;
-  if (!epx_registry_has(world, EPX_OBJECT_LOCAL_WORLD))
+  const epx_local_world_t id = world;
+  world = epx_registry_get(id, EPX_OBJECT_LOCAL_WORLD);
+  if (!world)
     return epx_error(EPX_ERROR_INVALID_HANDLE,
                      "epx_local_world_destroy: world is not a live local world (destroyed "
                      "already?); pass one from epx_local_world_create");
@@ -467,7 +470,7 @@ epx_status_t epx_local_world_destroy(epx_local_world_t world) {
                      "epx_local_world_destroy: %d comm(s) of this world are alive (rank %d "
                      "first); destroy them with epx_comm_destroy first",
                      attached, first);
-  epx_registry_remove(world);
+  epx_registry_remove(id);
   pthread_cond_destroy(&world->cond);
   pthread_mutex_destroy(&world->lock);
   free(world->slots);

@@ -48,6 +48,7 @@ typedef struct epx_transport_ops {
 } epx_transport_ops_t;
 
 struct epx_comm {
+  epx_comm_t id;         /* the value the caller holds (core/registry.h) */
   const epx_transport_ops_t *ops;
   int32_t rank;
   int32_t size;
