@@ -32,6 +32,65 @@
  *    destroyed or released is detected and refused with
  *    EPX_ERROR_INVALID_HANDLE (objects are looked up in a registry before use).
  *  - Enum values are only ever added at the end.
+ *
+ * Thread safety
+ * -------------
+ *  - A rank's objects (its comm, the buffers over it, their handles and
+ *    recorders) are used by one thread at a time: the calls on one rank are
+ *    ordered, as the collective calls require anyway. Different ranks' objects
+ *    (the threads of a local world) and unrelated objects may be used from
+ *    different threads at once.
+ *  - epx_route, epx_route_backward, the references, epx_convert and the
+ *    *_config_init calls touch no shared state and may run on any number of
+ *    threads at once.
+ *  - epx_handle_retain / epx_handle_release are atomic: a handle may be
+ *    retained on one thread and released on another, as long as the thread
+ *    releasing it holds a reference and no other call uses it at the time.
+ *  - Error messages are per thread (epx_last_error), and so is their lifetime.
+ *
+ * Aliasing
+ * --------
+ *  - An output never overlaps an input or another output of the same call,
+ *    unless the call says so (epx_convert with the same pointer and dtype).
+ *    The payload calls refuse the overlaps a caller makes by mistake — an
+ *    output that is the same pointer as an input of the call (out ==
+ *    expert_out, recv_x == x, ...) is EPX_ERROR_INVALID_ARGUMENT; other
+ *    overlaps are not detected and give undefined results.
+ *  - Inputs may alias each other.
+ *  - Routing arrays (topk_idx, topk_w, locations) are read only during the
+ *    call that takes them; the caller may reuse them afterwards.
+ *
+ * Streams (CUDA buffers and routes)
+ * ---------------------------------
+ *  - Every call on a CUDA buffer enqueues its work on the buffer's stream
+ *    (config.stream at creation, then the last epx_buffer_set_stream; NULL is
+ *    the legacy default stream) and returns without waiting, except where its
+ *    documentation says it synchronises (epx_dispatch_layout without
+ *    worst_case_sizing; epx_handle_recv_rows with it). Inputs must be ready on
+ *    that stream and outputs are ready on it when the call's work completes.
+ *  - epx_route and epx_route_backward with EPX_DEVICE_CUDA enqueue on the
+ *    route config's stream the same way.
+ *  - epx_buffer_set_stream orders: work enqueued later, on the new stream —
+ *    including the release of handles' device memory allocated on the old
+ *    stream — runs after everything already enqueued on the old stream. It
+ *    does not order the caller's own work; make the new stream wait for what
+ *    produced your inputs.
+ *  - Handles keep device memory that is allocated and freed stream-ordered
+ *    (cudaMallocAsync / cudaFreeAsync) on the buffer's stream.
+ *
+ * Backends and their limits
+ * -------------------------
+ *  - EPX_DEVICE_CPU: any number of ranks over the self, local and MPI
+ *    transports; every layout, exchange and dtype; num_experts and top_k up
+ *    to the int32 ranges the arguments allow.
+ *  - EPX_DEVICE_CUDA (builds with EPX_BUILD_CUDA; else EPX_ERROR_UNSUPPORTED):
+ *    buffers over a comm of one rank in this version (several GPUs come with
+ *    the NCCL transport); num_experts <= 8192 and max_top_k <= 256 (larger
+ *    is EPX_ERROR_UNSUPPORTED at epx_buffer_create); routes and recv rows
+ *    below 2^31 per call; epx_route on the GPU needs E's scores in one
+ *    thread block's shared memory (larger E: EPX_ERROR_UNSUPPORTED naming
+ *    the bytes, route on the CPU). Dispatch, combine and their gradients
+ *    give the CPU backend's bits exactly.
  */
 #ifndef EPX_H
 #define EPX_H
@@ -46,7 +105,27 @@ extern "C" {
 #define EPX_VERSION_MAJOR 0
 #define EPX_VERSION_MINOR 1
 #define EPX_VERSION_PATCH 0
-/* Version of the config structs below; stored in their `version` field. */
+/* The version as one number, major * 10000 + minor * 100 + patch (0.1.0 is
+ * 100), as compiled into the header. */
+#define EPX_VERSION_CODE (EPX_VERSION_MAJOR * 10000 + EPX_VERSION_MINOR * 100 + EPX_VERSION_PATCH)
+
+/* The version of the library actually loaded, as EPX_VERSION_CODE: compare the
+ * two to detect a program built against another release's header. */
+int32_t epx_version(void);
+
+/* Versioned configs (epx_route_config_t, epx_comm_config_t,
+ * epx_buffer_config_t) start with struct_size (sizeof the struct in the
+ * header the caller was built with) and version (EPX_CONFIG_VERSION of that
+ * header). Fields are only ever added at the end. The library copies the
+ * struct_size bytes the caller's struct has over its own defaults, so a
+ * program built against an older, smaller struct keeps working and the
+ * fields it does not know keep their defaults. A struct_size below 8 (too
+ * small to hold struct_size and version) or above the library's own struct
+ * (a header newer than the library), or a version outside
+ * [1, EPX_CONFIG_VERSION], is EPX_ERROR_INVALID_ARGUMENT.
+ * Fill a config with its *_config_init call (which writes only struct_size
+ * bytes: pass sizeof the struct you hold) or its EPX_*_CONFIG_INIT macro; the
+ * two give the same defaults. */
 #define EPX_CONFIG_VERSION 1
 
 /* ------------------------------------------------------------------------ */
@@ -175,12 +254,35 @@ typedef struct epx_route_config {
   void *stream;        /* cudaStream_t for EPX_DEVICE_CUDA (NULL = default stream) */
 } epx_route_config_t;
 
+/* The defaults, in field order. num_experts and top_k have none (0 is
+ * refused): set them. */
 #define EPX_ROUTE_CONFIG_INIT                                                          \
   {                                                                                    \
-    sizeof(epx_route_config_t), EPX_CONFIG_VERSION, 0, 0, EPX_SCORE_SOFTMAX, 0, 0, 1,  \
-        1.0f, 0, 1.0f, 0, EPX_QUEUE_BY_CHOICE, EPX_DROP_BY_POSITION, 0.0f, 0.0f,       \
-        EPX_NONFINITE_ERROR, EPX_DEVICE_CPU, NULL                                      \
+    sizeof(epx_route_config_t), /* struct_size */                                      \
+    EPX_CONFIG_VERSION,         /* version */                                          \
+    0,                          /* num_experts: set it */                              \
+    0,                          /* top_k: set it */                                    \
+    EPX_SCORE_SOFTMAX,          /* score_fn */                                         \
+    0,                          /* num_groups: no group-limited selection */           \
+    0,                          /* topk_groups */                                      \
+    1,                          /* renormalize */                                      \
+    1.0f,                       /* scaling_factor */                                   \
+    0,                          /* capacity_mode: dropless */                          \
+    1.0f,                       /* capacity_factor */                                  \
+    0,                          /* min_capacity */                                     \
+    EPX_QUEUE_BY_CHOICE,        /* queue_order */                                      \
+    EPX_DROP_BY_POSITION,       /* drop_policy */                                      \
+    0.0f,                       /* aux_loss_coeff */                                   \
+    0.0f,                       /* z_loss_coeff */                                     \
+    EPX_NONFINITE_ERROR,        /* nonfinite */                                        \
+    EPX_DEVICE_CPU,             /* device */                                           \
+    NULL                        /* stream: the default stream */                       \
   }
+
+/* Fills the first struct_size bytes of *config with EPX_ROUTE_CONFIG_INIT's
+ * defaults and sets struct_size (pass sizeof(epx_route_config_t)). For
+ * bindings that cannot expand the macro (the Python package uses it). */
+epx_status_t epx_route_config_init(epx_route_config_t *config, size_t struct_size);
 
 /* Outputs of epx_route; the caller owns every array. Required: topk_idx,
  * topk_w. Optional (NULL to skip): the rest. */
@@ -226,7 +328,16 @@ typedef struct epx_comm_config {
   double timeout_seconds;
 } epx_comm_config_t;
 
-#define EPX_COMM_CONFIG_INIT { sizeof(epx_comm_config_t), EPX_CONFIG_VERSION, 60.0 }
+#define EPX_COMM_CONFIG_INIT                                                           \
+  {                                                                                    \
+    sizeof(epx_comm_config_t), /* struct_size */                                       \
+    EPX_CONFIG_VERSION,        /* version */                                           \
+    60.0                       /* timeout_seconds */                                   \
+  }
+
+/* Fills the first struct_size bytes of *config with EPX_COMM_CONFIG_INIT's
+ * defaults and sets struct_size (pass sizeof(epx_comm_config_t)). */
+epx_status_t epx_comm_config_init(epx_comm_config_t *config, size_t struct_size);
 
 /* A comm of one rank (no transport). */
 epx_status_t epx_comm_create_self(epx_comm_t *comm);
@@ -362,12 +473,31 @@ typedef struct epx_buffer_config {
   epx_combine_precision_t combine_precision;
 } epx_buffer_config_t;
 
+/* The defaults, in field order. hidden, num_experts and max_top_k have none
+ * (0 is refused): set them. */
 #define EPX_BUFFER_CONFIG_INIT                                                         \
   {                                                                                    \
-    sizeof(epx_buffer_config_t), EPX_CONFIG_VERSION, EPX_DEVICE_CPU, EPX_FLOAT32, 0, 0, \
-        0, 0, 256, EPX_EXCHANGE_DEDUP, EPX_LAYOUT_EXPERT_MAJOR, 1, 0, 0, NULL,          \
-        EPX_COMBINE_PARTIALS_FLOAT32                                                   \
+    sizeof(epx_buffer_config_t),  /* struct_size */                                    \
+    EPX_CONFIG_VERSION,           /* version */                                        \
+    EPX_DEVICE_CPU,               /* device */                                         \
+    EPX_FLOAT32,                  /* dtype */                                          \
+    0,                            /* hidden: set it */                                 \
+    0,                            /* num_experts: set it */                            \
+    0,                            /* max_top_k: set it */                              \
+    0,                            /* max_tokens_per_rank: agreed at the first layout */ \
+    256,                          /* max_tokens_rounding */                            \
+    EPX_EXCHANGE_DEDUP,           /* exchange */                                       \
+    EPX_LAYOUT_EXPERT_MAJOR,      /* layout */                                         \
+    1,                            /* expert_alignment: no padding */                   \
+    0,                            /* capacity: capacity layout only */                 \
+    0,                            /* worst_case_sizing */                              \
+    NULL,                         /* stream: the default stream */                     \
+    EPX_COMBINE_PARTIALS_FLOAT32  /* combine_precision */                              \
   }
+
+/* Fills the first struct_size bytes of *config with EPX_BUFFER_CONFIG_INIT's
+ * defaults and sets struct_size (pass sizeof(epx_buffer_config_t)). */
+epx_status_t epx_buffer_config_init(epx_buffer_config_t *config, size_t struct_size);
 
 /* Creates a buffer over comm (collective). The configs of all ranks are
  * compared; a rank that differs in dtype, hidden, num_experts, max_top_k,
@@ -385,7 +515,11 @@ epx_status_t epx_buffer_max_tokens(epx_buffer_t buffer, int64_t *max_tokens_per_
  * max_tokens_per_rank): W*maxT*min(K,E_local) + E_local*(alignment-1) for
  * expert-major, W*maxT for rank-major, E_local*W*C for capacity. */
 epx_status_t epx_buffer_max_recv_rows(epx_buffer_t buffer, int64_t *rows);
-/* Sets the CUDA stream of later calls (CUDA buffers). */
+/* Sets the CUDA stream of later calls (CUDA buffers; EPX_ERROR_INVALID_ARGUMENT
+ * on a CPU buffer). Work enqueued later on the new stream, handle memory
+ * releases included, runs after the work already enqueued on the old one
+ * (the new stream waits for an event recorded on the old); see "Streams".
+ * Live handles stay valid. */
 epx_status_t epx_buffer_set_stream(epx_buffer_t buffer, void *stream);
 
 /* The routing a dispatch moves by. The arrays are read during

@@ -452,9 +452,9 @@ static void test_world_create_arguments(void **state) {
   TU_ASSERT_STATUS(epx_local_world_create(-3, NULL, &world), EPX_ERROR_INVALID_ARGUMENT,
                    "world_size is -3");
   epx_comm_config_t config = EPX_COMM_CONFIG_INIT;
-  config.struct_size = 8;
+  config.struct_size = 4;
   TU_ASSERT_STATUS(epx_local_world_create(2, &config, &world), EPX_ERROR_INVALID_ARGUMENT,
-                   "config->struct_size is 8");
+                   "config->struct_size is 4, too small");
   config = (epx_comm_config_t)EPX_COMM_CONFIG_INIT;
   config.version = 99;
   TU_ASSERT_STATUS(epx_local_world_create(2, &config, &world), EPX_ERROR_INVALID_ARGUMENT,

@@ -628,6 +628,32 @@ static void test_grad_w_on_wrong_backward(void **state) {
   fx_free(f);
 }
 
+/* An output passed as the very pointer of an input of the same call (epx.h,
+ * "Aliasing") is refused before anything moves. */
+static void test_payload_aliases(void **state) {
+  (void)state;
+  fx_t *f = fx_make(EPX_LAYOUT_EXPERT_MAJOR, EPX_WEIGHTS_IN_COMBINE);
+  EXPECT_REFUSED(epx_dispatch(f->b, f->h, f->x, f->x, f->N), EPX_ERROR_INVALID_ARGUMENT, "recv_x aliases x");
+  EXPECT_REFUSED(epx_combine(f->b, f->h, f->y, f->y), EPX_ERROR_INVALID_ARGUMENT, "out aliases expert_out");
+  EXPECT_REFUSED(epx_dispatch_backward(f->b, f->h, f->y, f->y, NULL, NULL), EPX_ERROR_INVALID_ARGUMENT,
+                 "grad_x aliases grad_recv_x");
+  EXPECT_REFUSED(epx_combine_backward(f->b, f->h, f->out, f->y, f->out, f->gw), EPX_ERROR_INVALID_ARGUMENT,
+                 "grad_expert_out aliases grad_out");
+  EXPECT_REFUSED(epx_combine_backward(f->b, f->h, f->x, f->y, f->y, f->gw), EPX_ERROR_INVALID_ARGUMENT,
+                 "grad_expert_out aliases expert_out");
+  TU_OK(epx_combine_backward(f->b, f->h, f->x, f->y, f->geo, f->gw));
+  fx_free(f);
+  f = fx_make(EPX_LAYOUT_EXPERT_MAJOR, EPX_WEIGHTS_IN_DISPATCH);
+  EXPECT_REFUSED(epx_dispatch_backward(f->b, f->h, f->y, f->x, f->x, f->gw), EPX_ERROR_INVALID_ARGUMENT,
+                 "grad_x aliases x");
+  TU_OK(epx_dispatch_backward(f->b, f->h, f->y, f->gx, f->x, f->gw));
+  fx_free(f);
+  f = fx_make(EPX_LAYOUT_EXPERT_MAJOR, EPX_WEIGHTS_NONE);
+  EXPECT_REFUSED(epx_weights_backward(f->b, f->h, f->gw, f->gw), EPX_ERROR_INVALID_ARGUMENT,
+                 "grad_w aliases grad_recv_w");
+  fx_free(f);
+}
+
 /* ------------------------------------------------------------------------ */
 /* The dense reference's own checks                                          */
 /* ------------------------------------------------------------------------ */
@@ -802,6 +828,7 @@ int main(void) {
       cmocka_unit_test(test_handle_after_release),
       cmocka_unit_test(test_buffer_lifetime),
       cmocka_unit_test(test_grad_w_on_wrong_backward),
+      cmocka_unit_test(test_payload_aliases),
       cmocka_unit_test(test_reference_arguments),
       cmocka_unit_test(test_nonfinite_logits),
   };

@@ -1198,7 +1198,7 @@ static void test_route_bad_arguments(void **state) {
   ROUTE_OK(epx_route(&c, BAD_T, l, bias, &o.out));
 
   expect_refused(NULL, BAD_T, l, bias, &o, &o.out, EPX_ERROR_INVALID_ARGUMENT, "config is NULL");
-  c = good, c.struct_size = 8;
+  c = good, c.struct_size = 4;
   expect_refused(&c, BAD_T, l, bias, &o, &o.out, EPX_ERROR_INVALID_ARGUMENT, "struct_size");
   c = good, c.version = 99;
   expect_refused(&c, BAD_T, l, bias, &o, &o.out, EPX_ERROR_INVALID_ARGUMENT, "version");

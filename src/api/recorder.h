@@ -1,4 +1,4 @@
-/* What epx_dispatch_layout needs of a recorder (src/core/recorder.c). */
+/* What epx_dispatch_layout needs of a recorder (src/api/recorder.c). */
 #ifndef EPX_CORE_RECORDER_H
 #define EPX_CORE_RECORDER_H
 

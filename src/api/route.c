@@ -5,19 +5,20 @@
 
 #include "api/backends.h"
 #include "core/backend.h"
+#include "core/config.h"
 #include "core/error.h"
 
 static int route_misaligned(const void *p) { return ((uintptr_t)p & 3u) != 0; }
 
-static epx_status_t route_check_config(const char *fn, const epx_route_config_t *c) {
-  EPX_REQUIRE(c, "%s: config is NULL; pass an epx_route_config_t initialised with "
-                 "EPX_ROUTE_CONFIG_INIT", fn);
-  EPX_REQUIRE(c->struct_size == sizeof *c,
-              "%s: config->struct_size is %u, expected %zu; initialise the config with "
-              "EPX_ROUTE_CONFIG_INIT", fn, c->struct_size, sizeof *c);
-  EPX_REQUIRE(c->version == EPX_CONFIG_VERSION,
-              "%s: config->version is %u, expected %d; initialise the config with "
-              "EPX_ROUTE_CONFIG_INIT", fn, c->version, EPX_CONFIG_VERSION);
+/* Reads the caller's config (perhaps from an older, smaller header) over the
+ * defaults into *c, and checks it. */
+static epx_status_t route_check_config(const char *fn, const epx_route_config_t *given,
+                                       epx_route_config_t *c) {
+  EPX_REQUIRE(given, "%s: config is NULL; pass an epx_route_config_t initialised with "
+                     "EPX_ROUTE_CONFIG_INIT", fn);
+  *c = (epx_route_config_t)EPX_ROUTE_CONFIG_INIT;
+  epx_status_t status = epx_config_read(fn, "epx_route_config_t", given, c, sizeof *c);
+  if (status != EPX_SUCCESS) return status;
   EPX_REQUIRE(c->num_experts >= 1, "%s: num_experts is %d; pass at least 1 expert", fn,
               c->num_experts);
   EPX_REQUIRE(c->top_k >= 1, "%s: top_k is %d; pass 1 <= top_k <= num_experts", fn, c->top_k);
@@ -93,8 +94,10 @@ static epx_status_t route_check_pointer(const char *fn, const char *name, const 
 epx_status_t epx_route(const epx_route_config_t *config, int64_t num_tokens, const float *logits,
                        const float *bias, epx_route_output_t *output) {
   epx_status_t status;
+  epx_route_config_t full;
   epx_error_clear();
-  if ((status = route_check_config("epx_route", config)) != EPX_SUCCESS) return status;
+  if ((status = route_check_config("epx_route", config, &full)) != EPX_SUCCESS) return status;
+  config = &full;
   if ((status = route_check_tokens("epx_route", num_tokens)) != EPX_SUCCESS) return status;
   if ((status = route_check_pointer("epx_route", "logits", logits, num_tokens > 0)) != EPX_SUCCESS)
     return status;
@@ -126,10 +129,12 @@ epx_status_t epx_route_backward(const epx_route_config_t *config, int64_t num_to
                                 float *grad_logits) {
   static const char fn[] = "epx_route_backward";
   epx_status_t status;
+  epx_route_config_t full;
   epx_error_clear();
-  if ((status = route_check_config(fn, config)) != EPX_SUCCESS ||
+  if ((status = route_check_config(fn, config, &full)) != EPX_SUCCESS ||
       (status = route_check_tokens(fn, num_tokens)) != EPX_SUCCESS)
     return status;
+  config = &full;
   const int has_rows = num_tokens > 0;
   if ((status = route_check_pointer(fn, "logits", logits, has_rows)) != EPX_SUCCESS ||
       (status = route_check_pointer(fn, "bias", bias, 0)) != EPX_SUCCESS ||

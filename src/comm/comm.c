@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/config.h"
 #include "core/error.h"
 #include "core/registry.h"
 
@@ -82,14 +83,12 @@ epx_status_t epx_comm_create_local(epx_local_world_t world, int32_t rank, epx_co
 
 epx_status_t epx_comm_config_timeout(const char *caller, const epx_comm_config_t *config,
                                      double *timeout_seconds) {
-  const epx_comm_config_t defaults = EPX_COMM_CONFIG_INIT;
-  if (!config) config = &defaults;
-  EPX_REQUIRE(config->struct_size == sizeof(epx_comm_config_t),
-              "%s: config->struct_size is %u, expected %zu; start from EPX_COMM_CONFIG_INIT",
-              caller, (unsigned)config->struct_size, sizeof(epx_comm_config_t));
-  EPX_REQUIRE(config->version == EPX_CONFIG_VERSION,
-              "%s: config->version is %u, expected %d; start from EPX_COMM_CONFIG_INIT", caller,
-              (unsigned)config->version, EPX_CONFIG_VERSION);
+  epx_comm_config_t full = EPX_COMM_CONFIG_INIT;
+  if (config) {
+    epx_status_t status = epx_config_read(caller, "epx_comm_config_t", config, &full, sizeof full);
+    if (status != EPX_SUCCESS) return status;
+  }
+  config = &full;
   EPX_REQUIRE(!isnan(config->timeout_seconds),
               "%s: config->timeout_seconds is NaN; pass seconds (> 0) or <= 0 to wait forever",
               caller);

@@ -1,7 +1,7 @@
 /* The backend interface: what a device (CPU, CUDA) implements so that the
  * public API never asks which device it is talking to. One table per backend,
  * chosen once when a buffer is created (from config.device; see
- * src/api/backend.c) and kept in buffer->backend; routing picks its table from
+ * src/api/backends.c) and kept in buffer->backend; routing picks its table from
  * the route config's device the same way.
  *
  * The API layer has checked everything that can be checked on the host (NULLs,

@@ -5,7 +5,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-#include "comm/comm.h"
+#include "core/transport.h"
 #include "core/backend.h"
 #include "core/error.h"
 #include "cpu/cpu.h"

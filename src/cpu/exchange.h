@@ -24,7 +24,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "comm/comm.h"
+#include "core/transport.h"
 #include "core/objects.h"
 #include "epx.h"
 

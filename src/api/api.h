@@ -1,0 +1,32 @@
+/* What the public entry points in src/api share (internal to src/api): the
+ * checks that an argument is a live object of the library, and the one place
+ * a handle's memory is freed. Each src/api file holds one concern: buffer.c
+ * (buffers), handle.c (handle lifetime and queries), layout.c
+ * (epx_dispatch_layout and replay), payload.c (dispatch, combine and their
+ * backward passes), recorder.c, route.c, backends.c (device -> backend). */
+#ifndef EPX_API_API_H
+#define EPX_API_API_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "epx.h"
+
+/* Payload tensors are moved in 16-byte vectors. */
+#define EPX_PAYLOAD_ALIGNMENT 16
+
+static inline int epx_is_aligned(const void *p, size_t alignment) {
+  return ((uintptr_t)p % alignment) == 0;
+}
+
+/* buffer is a live buffer (not NULL, not destroyed); the error names caller. */
+epx_status_t epx_check_buffer(epx_buffer_t buffer, const char *caller);
+
+/* handle is a live handle, and (when buffer is not NULL) one of buffer's. */
+epx_status_t epx_check_handle(epx_buffer_t buffer, epx_handle_t handle, const char *caller);
+
+/* Frees a handle whose last reference is gone: unregisters it, releases the
+ * backend's layout and the buffer's count of live handles. */
+void epx_handle_free(epx_handle_t handle);
+
+#endif

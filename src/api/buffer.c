@@ -1,0 +1,238 @@
+/* The public buffer calls: create (the ranks agree one config), destroy,
+ * the size queries and the stream. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "api/api.h"
+#include "api/backends.h"
+#include "core/backend.h"
+#include "core/config.h"
+#include "core/error.h"
+#include "core/objects.h"
+#include "core/registry.h"
+#include "core/transport.h"
+
+epx_status_t epx_check_buffer(epx_buffer_t buffer, const char *caller) {
+  if (!buffer)
+    return epx_error(EPX_ERROR_INVALID_ARGUMENT, "%s: buffer is NULL; pass a buffer from epx_buffer_create", caller);
+  if (!epx_registry_has(buffer, EPX_OBJECT_BUFFER))
+    return epx_error(EPX_ERROR_INVALID_HANDLE,
+                     "%s: buffer is not a live buffer (destroyed, or not from epx_buffer_create)", caller);
+  return EPX_SUCCESS;
+}
+
+/* The fields every rank must agree on, gathered at buffer creation. */
+typedef struct {
+  int64_t status;
+  int64_t device, dtype, hidden, num_experts, max_top_k, max_tokens_per_rank,
+      max_tokens_rounding, exchange, layout, expert_alignment, capacity, combine_precision;
+} buffer_shape_t;
+
+static const char *const shape_field_names[] = {
+    "status", "device", "dtype", "hidden", "num_experts", "max_top_k", "max_tokens_per_rank",
+    "max_tokens_rounding", "exchange", "layout", "expert_alignment", "capacity",
+    "combine_precision"};
+
+/* Reads the caller's config (perhaps from an older, smaller header) over the
+ * defaults into *c, and checks it. */
+static epx_status_t check_buffer_config(epx_comm_t comm, const epx_buffer_config_t *given,
+                                        epx_buffer_config_t *c) {
+  const char *fn = "epx_buffer_create";
+  EPX_REQUIRE(given, "%s: config is NULL; pass an epx_buffer_config_t from epx_buffer_config_init "
+                     "or EPX_BUFFER_CONFIG_INIT", fn);
+  *c = (epx_buffer_config_t)EPX_BUFFER_CONFIG_INIT;
+  epx_status_t status = epx_config_read(fn, "epx_buffer_config_t", given, c, sizeof *c);
+  if (status != EPX_SUCCESS) return status;
+  if (!epx_backend_for_device(c->device)) return epx_backend_missing(fn, c->device);
+  EPX_REQUIRE(epx_dtype_size(c->dtype), "%s: config.dtype %d is not EPX_FLOAT32, EPX_BFLOAT16 or EPX_FLOAT16", fn, (int)c->dtype);
+  EPX_REQUIRE(c->hidden > 0 && c->hidden % 8 == 0,
+              "%s: config.hidden is %lld; it must be a positive multiple of 8 (rows are moved in 16-byte vectors)",
+              fn, (long long)c->hidden);
+  EPX_REQUIRE(c->num_experts >= 1 && c->num_experts % comm->size == 0,
+              "%s: config.num_experts is %d; it must be a positive multiple of the comm size %d",
+              fn, c->num_experts, comm->size);
+  EPX_REQUIRE(c->max_top_k >= 1 && c->max_top_k <= c->num_experts,
+              "%s: config.max_top_k is %d; it must be in [1, num_experts = %d]", fn, c->max_top_k, c->num_experts);
+  EPX_REQUIRE(c->max_tokens_per_rank >= 0 && c->max_tokens_per_rank <= INT32_MAX,
+              "%s: config.max_tokens_per_rank is %lld; pass a count in [0, 2^31) (0 agrees it at the first dispatch)",
+              fn, (long long)c->max_tokens_per_rank);
+  EPX_REQUIRE(c->max_tokens_rounding >= 1, "%s: config.max_tokens_rounding is %d; pass >= 1", fn, c->max_tokens_rounding);
+  EPX_REQUIRE(c->combine_precision == EPX_COMBINE_PARTIALS_FLOAT32 ||
+                  c->combine_precision == EPX_COMBINE_PARTIALS_PAYLOAD,
+              "%s: config.combine_precision %d is not EPX_COMBINE_PARTIALS_FLOAT32 or "
+              "EPX_COMBINE_PARTIALS_PAYLOAD", fn, (int)c->combine_precision);
+  EPX_REQUIRE(c->exchange == EPX_EXCHANGE_DEDUP || c->exchange == EPX_EXCHANGE_COLLECTIVE,
+              "%s: config.exchange %d is not EPX_EXCHANGE_DEDUP or EPX_EXCHANGE_COLLECTIVE", fn, (int)c->exchange);
+  EPX_REQUIRE(c->layout == EPX_LAYOUT_EXPERT_MAJOR || c->layout == EPX_LAYOUT_RANK_MAJOR ||
+                  c->layout == EPX_LAYOUT_CAPACITY,
+              "%s: config.layout %d is not an epx_layout_t", fn, (int)c->layout);
+  EPX_REQUIRE(c->expert_alignment >= 1, "%s: config.expert_alignment is %d; pass >= 1 (1 = no padding)", fn, c->expert_alignment);
+  EPX_REQUIRE(c->layout != EPX_LAYOUT_CAPACITY || c->capacity >= 1,
+              "%s: config.capacity is %d; EPX_LAYOUT_CAPACITY needs the capacity C >= 1 (epx_route_output_t.capacity)",
+              fn, c->capacity);
+  EPX_REQUIRE(c->capacity >= 0, "%s: config.capacity is %d; pass >= 0", fn, c->capacity);
+  return EPX_SUCCESS;
+}
+
+/* Names the rank whose value is the odd one out: compares each rank with the
+ * value most ranks have. */
+static epx_status_t check_same_shape(const buffer_shape_t *all, int32_t size, const char *fn) {
+  for (size_t f = 0; f < sizeof *all / sizeof(int64_t) - 1; f++) {
+    int64_t common = (&all[0].device)[f];
+    int32_t best = 0;
+    for (int32_t r = 0; r < size; r++) {
+      int32_t votes = 0;
+      for (int32_t q = 0; q < size; q++) votes += (&all[q].device)[f] == (&all[r].device)[f];
+      if (votes > best) best = votes, common = (&all[r].device)[f];
+    }
+    for (int32_t r = 0; r < size; r++) {
+      int64_t theirs = (&all[r].device)[f];
+      if (theirs == common) continue;
+      return epx_error(EPX_ERROR_SHAPE_MISMATCH,
+                       "%s: rank %d has config.%s = %lld but %d of %d ranks have %lld; every rank "
+                       "must create the buffer with the same %s", fn, r, shape_field_names[f + 1],
+                       (long long)theirs, best, size, (long long)common, shape_field_names[f + 1]);
+    }
+  }
+  return EPX_SUCCESS;
+}
+
+/* Every rank sends its shape (or its failure `local`) so all refuse together. */
+static epx_status_t agree_shape(epx_comm_t comm, const epx_buffer_config_t *config, epx_status_t local,
+                                const char *fn) {
+  buffer_shape_t mine = {0};
+  mine.status = local;
+  if (local == EPX_SUCCESS)
+    mine = (buffer_shape_t){0, config->device, config->dtype, config->hidden, config->num_experts,
+                            config->max_top_k, config->max_tokens_per_rank, config->max_tokens_rounding,
+                            config->exchange, config->layout, config->expert_alignment, config->capacity,
+                            config->combine_precision};
+  char message[1024];
+  strncpy(message, epx_last_error(), sizeof message - 1);
+  message[sizeof message - 1] = '\0';
+  buffer_shape_t *all = calloc((size_t)comm->size, sizeof *all);
+  if (!all) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
+  epx_status_t status = epx_comm_check_alive(comm, fn);
+  if (status == EPX_SUCCESS) status = comm->ops->allgather(comm, fn, &mine, all, sizeof mine);
+  if (status != EPX_SUCCESS) goto done;
+  if (local != EPX_SUCCESS) {
+    status = epx_error(local, "%s", message);
+    goto done;
+  }
+  for (int32_t r = 0; r < comm->size; r++) {
+    if (all[r].status != EPX_SUCCESS) {
+      status = epx_error(EPX_ERROR_PEER_FAILED, "%s: rank %d refused its config (its epx_last_error says why)", fn, r);
+      goto done;
+    }
+  }
+  status = check_same_shape(all, comm->size, fn);
+done:
+  free(all);
+  return status;
+}
+
+epx_status_t epx_buffer_create(epx_comm_t comm, const epx_buffer_config_t *config,
+                               epx_buffer_t *buffer) {
+  const char *fn = "epx_buffer_create";
+  epx_error_clear();
+  if (!epx_registry_has(comm, EPX_OBJECT_COMM))
+    return epx_error(comm ? EPX_ERROR_INVALID_HANDLE : EPX_ERROR_INVALID_ARGUMENT,
+                     "%s: comm is %s; pass a comm from epx_comm_create_*", fn,
+                     comm ? "not a live comm (destroyed?)" : "NULL");
+  epx_buffer_config_t full;
+  epx_status_t local = buffer ? check_buffer_config(comm, config, &full)
+                              : epx_error(EPX_ERROR_INVALID_ARGUMENT, "%s: buffer is NULL; pass the address of an epx_buffer_t", fn);
+  config = &full;
+  epx_status_t status = agree_shape(comm, config, local, fn);
+  if (status != EPX_SUCCESS) return status;
+
+  epx_buffer_t b = calloc(1, sizeof *b);
+  if (!b) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
+  b->comm = comm;
+  b->config = *config;
+  b->world_size = comm->size;
+  b->rank = comm->rank;
+  b->experts_per_rank = config->num_experts / comm->size;
+  b->max_tokens = config->max_tokens_per_rank;
+  b->backend = epx_backend_for_device(config->device);
+  status = b->backend->buffer_init(b);
+  if (status != EPX_SUCCESS) {
+    free(b);
+    return status;
+  }
+  status = epx_registry_add(b, EPX_OBJECT_BUFFER);
+  if (status != EPX_SUCCESS) {
+    b->backend->buffer_fini(b);
+    free(b);
+    return status;
+  }
+  __atomic_add_fetch(&comm->live_buffers, 1, __ATOMIC_SEQ_CST);
+  *buffer = b;
+  return EPX_SUCCESS;
+}
+
+epx_status_t epx_buffer_destroy(epx_buffer_t buffer) {
+  epx_error_clear();
+  if (!buffer) return EPX_SUCCESS;
+  epx_status_t status = epx_check_buffer(buffer, "epx_buffer_destroy");
+  if (status != EPX_SUCCESS) return status;
+  int64_t live = __atomic_load_n(&buffer->live_handles, __ATOMIC_SEQ_CST);
+  if (live > 0)
+    return epx_error(EPX_ERROR_BUSY,
+                     "epx_buffer_destroy: %lld handle(s) from this buffer are still alive (a backward "
+                     "may still need them); release them with epx_handle_release or "
+                     "epx_recorder_destroy first", (long long)live);
+  epx_registry_remove(buffer);
+  buffer->backend->buffer_fini(buffer);
+  __atomic_sub_fetch(&buffer->comm->live_buffers, 1, __ATOMIC_SEQ_CST);
+  free(buffer);
+  return EPX_SUCCESS;
+}
+
+epx_status_t epx_buffer_max_tokens(epx_buffer_t buffer, int64_t *max_tokens_per_rank) {
+  epx_error_clear();
+  epx_status_t status = epx_check_buffer(buffer, "epx_buffer_max_tokens");
+  if (status != EPX_SUCCESS) return status;
+  EPX_REQUIRE(max_tokens_per_rank, "epx_buffer_max_tokens: max_tokens_per_rank is NULL; pass an int64_t to fill");
+  *max_tokens_per_rank = buffer->max_tokens;
+  return EPX_SUCCESS;
+}
+
+static int64_t max_recv_rows(epx_buffer_t b) {
+  const epx_buffer_config_t *c = &b->config;
+  int64_t W = b->world_size, El = b->experts_per_rank;
+  switch (c->layout) {
+    case EPX_LAYOUT_EXPERT_MAJOR: {
+      int64_t k = c->max_top_k < El ? c->max_top_k : El;
+      return W * b->max_tokens * k + El * (c->expert_alignment - 1);
+    }
+    case EPX_LAYOUT_RANK_MAJOR: return W * b->max_tokens;
+    case EPX_LAYOUT_CAPACITY: return El * W * c->capacity;
+  }
+  return 0;
+}
+
+epx_status_t epx_buffer_max_recv_rows(epx_buffer_t buffer, int64_t *rows) {
+  epx_error_clear();
+  epx_status_t status = epx_check_buffer(buffer, "epx_buffer_max_recv_rows");
+  if (status != EPX_SUCCESS) return status;
+  EPX_REQUIRE(rows, "epx_buffer_max_recv_rows: rows is NULL; pass an int64_t to fill");
+  if (buffer->max_tokens == 0 && buffer->config.layout != EPX_LAYOUT_CAPACITY)
+    return epx_error(EPX_ERROR_INVALID_ARGUMENT,
+                     "epx_buffer_max_recv_rows: max_tokens_per_rank is not agreed yet; set "
+                     "config.max_tokens_per_rank or call after the first epx_dispatch_layout");
+  *rows = max_recv_rows(buffer);
+  return EPX_SUCCESS;
+}
+
+epx_status_t epx_buffer_set_stream(epx_buffer_t buffer, void *stream) {
+  epx_error_clear();
+  epx_status_t status = epx_check_buffer(buffer, "epx_buffer_set_stream");
+  if (status != EPX_SUCCESS) return status;
+  if (!buffer->backend->set_stream)
+    return epx_error(EPX_ERROR_INVALID_ARGUMENT, "epx_buffer_set_stream: the buffer is a %s buffer; streams are for EPX_DEVICE_CUDA buffers",
+                     buffer->backend->name);
+  return buffer->backend->set_stream(buffer, stream);
+}
+

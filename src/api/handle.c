@@ -1,0 +1,103 @@
+/* The public handle calls: lifetime (retain, release) and the queries of a
+ * handle's layout. */
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "api/api.h"
+#include "core/backend.h"
+#include "core/error.h"
+#include "core/objects.h"
+#include "core/registry.h"
+
+epx_status_t epx_check_handle(epx_buffer_t buffer, epx_handle_t handle, const char *caller) {
+  if (!handle)
+    return epx_error(EPX_ERROR_INVALID_ARGUMENT, "%s: handle is NULL; pass the handle from epx_dispatch_layout", caller);
+  if (!epx_registry_has(handle, EPX_OBJECT_HANDLE))
+    return epx_error(EPX_ERROR_INVALID_HANDLE,
+                     "%s: handle is not live (released, or its buffer was destroyed); keep a "
+                     "reference with epx_handle_retain while you still need it", caller);
+  if (buffer && handle->buffer != buffer)
+    return epx_error(EPX_ERROR_INVALID_HANDLE,
+                     "%s: handle belongs to another buffer; pass the buffer its "
+                     "epx_dispatch_layout was called with", caller);
+  return EPX_SUCCESS;
+}
+
+void epx_handle_free(epx_handle_t handle) {
+  epx_registry_remove(handle);
+  handle->buffer->backend->handle_fini(handle);
+  __atomic_sub_fetch(&handle->buffer->live_handles, 1, __ATOMIC_SEQ_CST);
+  free(handle);
+}
+
+epx_status_t epx_handle_retain(epx_handle_t handle) {
+  epx_error_clear();
+  epx_status_t status = epx_check_handle(NULL, handle, "epx_handle_retain");
+  if (status != EPX_SUCCESS) return status;
+  __atomic_add_fetch(&handle->refcount, 1, __ATOMIC_SEQ_CST);
+  return EPX_SUCCESS;
+}
+
+epx_status_t epx_handle_release(epx_handle_t handle) {
+  epx_error_clear();
+  if (!handle) return EPX_SUCCESS;
+  epx_status_t status = epx_check_handle(NULL, handle, "epx_handle_release");
+  if (status != EPX_SUCCESS) return status;
+  if (__atomic_sub_fetch(&handle->refcount, 1, __ATOMIC_SEQ_CST) == 0) epx_handle_free(handle);
+  return EPX_SUCCESS;
+}
+
+static const epx_backend_t *backend_of(epx_handle_t handle) { return handle->buffer->backend; }
+
+epx_status_t epx_handle_recv_rows(epx_handle_t handle, int64_t *rows) {
+  epx_error_clear();
+  epx_status_t status = epx_check_handle(NULL, handle, "epx_handle_recv_rows");
+  if (status != EPX_SUCCESS) return status;
+  EPX_REQUIRE(rows, "epx_handle_recv_rows: rows is NULL; pass an int64_t to fill");
+  return backend_of(handle)->recv_rows(handle, rows);
+}
+
+epx_status_t epx_handle_recv_rows_device(epx_handle_t handle, const int64_t **rows) {
+  epx_error_clear();
+  epx_status_t status = epx_check_handle(NULL, handle, "epx_handle_recv_rows_device");
+  if (status != EPX_SUCCESS) return status;
+  EPX_REQUIRE(rows, "epx_handle_recv_rows_device: rows is NULL; pass a const int64_t * to fill");
+  if (!backend_of(handle)->recv_rows_device)
+    return epx_error(EPX_ERROR_INVALID_ARGUMENT, "epx_handle_recv_rows_device: the handle is from a %s buffer, whose row count is on the host; use epx_handle_recv_rows",
+                     backend_of(handle)->name);
+  return backend_of(handle)->recv_rows_device(handle, rows);
+}
+
+epx_status_t epx_handle_expert_counts(epx_handle_t handle, int64_t *counts, int64_t *offsets) {
+  epx_error_clear();
+  epx_status_t status = epx_check_handle(NULL, handle, "epx_handle_expert_counts");
+  if (status != EPX_SUCCESS) return status;
+  EPX_REQUIRE(counts || offsets, "epx_handle_expert_counts: counts and offsets are both NULL; pass at least one array");
+  EPX_REQUIRE(epx_is_aligned(counts, 8) && epx_is_aligned(offsets, 8), "epx_handle_expert_counts: counts/offsets must be 8-byte aligned");
+  return backend_of(handle)->expert_counts(handle, counts, offsets);
+}
+
+epx_status_t epx_handle_recv_routing(epx_handle_t handle, int32_t *recv_expert, float *recv_w) {
+  epx_error_clear();
+  epx_status_t status = epx_check_handle(NULL, handle, "epx_handle_recv_routing");
+  if (status != EPX_SUCCESS) return status;
+  EPX_REQUIRE(epx_is_aligned(recv_expert, 4) && epx_is_aligned(recv_w, 4), "epx_handle_recv_routing: recv_expert/recv_w must be 4-byte aligned");
+  return backend_of(handle)->recv_routing(handle, recv_expert, recv_w);
+}
+
+epx_status_t epx_handle_recv_source(epx_handle_t handle, int32_t *src_rank, int32_t *src_token) {
+  epx_error_clear();
+  epx_status_t status = epx_check_handle(NULL, handle, "epx_handle_recv_source");
+  if (status != EPX_SUCCESS) return status;
+  EPX_REQUIRE(epx_is_aligned(src_rank, 4) && epx_is_aligned(src_token, 4), "epx_handle_recv_source: src_rank/src_token must be 4-byte aligned");
+  return backend_of(handle)->recv_source(handle, src_rank, src_token);
+}
+
+epx_status_t epx_handle_stats(epx_handle_t handle, epx_handle_stats_t *stats) {
+  epx_error_clear();
+  epx_status_t status = epx_check_handle(NULL, handle, "epx_handle_stats");
+  if (status != EPX_SUCCESS) return status;
+  EPX_REQUIRE(stats, "epx_handle_stats: stats is NULL; pass an epx_handle_stats_t to fill");
+  return backend_of(handle)->stats(handle, stats);
+}
+
