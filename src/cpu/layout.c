@@ -245,7 +245,11 @@ static epx_status_t then_counts(void *ctx, const void *recv) {
   layout_t *L = ctx;
   const epx_cpu_call_t *peers = recv;
   epx_comm_t comm = L->b->comm;
-  for (int32_t s = 0; s < comm->size; s++)
+  /* Every rank in this layout counts it (the same number everywhere); a
+   * rank alone in it, its peers in other calls, does not. */
+  int all_layout = 1;
+  for (int32_t s = 0; s < comm->size; s++) all_layout &= peers[s].kind == EPX_CALL_LAYOUT;
+  for (int32_t s = 0; s < comm->size && all_layout; s++)
     if (peers[s].layout_id > comm->layouts_made) comm->layouts_made = peers[s].layout_id;
   epx_status_t status = epx_cpu_call_agree(&L->call, peers);
   if (status != EPX_SUCCESS) return status;
