@@ -214,8 +214,10 @@ static int token_scratch_init(token_scratch_t *t, const struct epx_cpu_plan *p) 
   t->acc = malloc(sizeof(float) * (size_t)p->H);
   t->partial = malloc(sizeof(float) * (size_t)p->H);
   t->rounded = malloc(p->row_bytes);
-  t->rows = malloc(sizeof(void *) * (size_t)p->K);
-  t->w = malloc(sizeof(float) * (size_t)p->K);
+  /* A pair received from a peer has up to its top_k routes, at most the
+   * buffer's max_top_k (record_k), more than this rank's K perhaps. */
+  t->rows = malloc(sizeof(void *) * (size_t)p->record_k);
+  t->w = malloc(sizeof(float) * (size_t)p->record_k);
   return t->acc && t->partial && t->rounded && t->rows && t->w;
 }
 
