@@ -36,8 +36,6 @@ struct epx_cpu_scratch {
   size_t send_bytes;
   void *recv;
   size_t recv_bytes;
-  float *rows; /* a float32 row of H: the accumulator of a token's sum over ranks */
-  size_t rows_bytes;
 };
 
 struct epx_cpu_plan {
@@ -152,8 +150,6 @@ const char *epx_cpu_call_name(int32_t kind);
 
 /* Staging of at least `need` bytes in *buf (64-byte aligned). */
 epx_status_t epx_cpu_ensure(void **buf, size_t *have, size_t need, const char *fn);
-/* The buffer's scratch, with its float32 accumulator row. */
-epx_status_t epx_cpu_scratch(epx_buffer_t b, const char *fn, struct epx_cpu_scratch **out);
 void epx_cpu_displs(const int64_t *count, int64_t *displ, int32_t n);
 int64_t epx_cpu_total(const int64_t *count, int32_t n);
 

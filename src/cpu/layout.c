@@ -56,11 +56,6 @@ epx_status_t epx_cpu_ensure(void **buf, size_t *have, size_t need, const char *f
   return EPX_SUCCESS;
 }
 
-epx_status_t epx_cpu_scratch(epx_buffer_t b, const char *fn, struct epx_cpu_scratch **out) {
-  *out = b->cpu;
-  return epx_cpu_ensure((void **)&b->cpu->rows, &b->cpu->rows_bytes, (size_t)b->config.hidden * sizeof(float), fn);
-}
-
 void epx_cpu_displs(const int64_t *count, int64_t *displ, int32_t n) {
   int64_t sum = 0;
   for (int32_t i = 0; i < n; i++) {
@@ -546,7 +541,6 @@ void epx_cpu_buffer_fini(epx_buffer_t buffer) {
   if (!buffer->cpu) return;
   free(buffer->cpu->send);
   free(buffer->cpu->recv);
-  free(buffer->cpu->rows);
   free(buffer->cpu);
   buffer->cpu = NULL;
 }
