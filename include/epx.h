@@ -50,8 +50,8 @@
  *    (the threads of a local world) and unrelated objects may be used from
  *    different threads at once.
  *  - epx_route, epx_route_backward, the references, epx_convert and the
- *    *_config_init calls touch no shared state and may run on any number of
- *    threads at once.
+ *    *_config_init calls may run on any number of threads at once (what they
+ *    share, the CUDA router's memory pool, is locked).
  *  - epx_handle_retain / epx_handle_release are atomic: a handle may be
  *    retained on one thread and released on another, as long as the thread
  *    releasing it holds a reference and no other call uses it at the time.
@@ -98,8 +98,9 @@
  *    is EPX_ERROR_UNSUPPORTED at epx_buffer_create); routes and recv rows
  *    below 2^31 per call; epx_route on the GPU needs E's scores in one
  *    thread block's shared memory (larger E: EPX_ERROR_UNSUPPORTED naming
- *    the bytes, route on the CPU). Dispatch, combine and their gradients
- *    give the CPU backend's bits exactly.
+ *    the bytes, route on the CPU). The payloads of dispatch, combine and
+ *    both backward passes are the CPU backend's bits exactly; grad_w, a dot
+ *    product over H summed in another order, agrees to float32 rounding.
  */
 #ifndef EPX_H
 #define EPX_H
@@ -401,6 +402,15 @@ epx_status_t epx_comm_destroy(epx_comm_t comm);
 epx_status_t epx_comm_rank(epx_comm_t comm, int32_t *rank);
 epx_status_t epx_comm_size(epx_comm_t comm, int32_t *size);
 
+/* The caller's own collectives over the comm's transport, for the program
+ * around the exchange (aligning ranks before a timed region, gathering
+ * results); they are bounded by the comm's timeout like every wait on a peer.
+ * Collective: every rank calls them in the same order as its other collective
+ * calls on the comm. epx_comm_allgather: send [bytes] from every rank lands
+ * in recv [size, bytes], block s from rank s (recv must not overlap send). */
+epx_status_t epx_comm_barrier(epx_comm_t comm);
+epx_status_t epx_comm_allgather(epx_comm_t comm, const void *send, void *recv, size_t bytes);
+
 /* ------------------------------------------------------------------------ */
 /* Buffers, handles and the exchange                                         */
 /* ------------------------------------------------------------------------ */
@@ -526,8 +536,8 @@ epx_status_t epx_buffer_config_init(epx_buffer_config_t *config, size_t struct_s
 /* Creates a buffer over comm (collective). The configs of all ranks are
  * compared; a rank that differs in dtype, hidden, num_experts, max_top_k,
  * max_tokens_per_rank, exchange, layout, expert_alignment, capacity or
- * combine_precision makes
- * every rank fail with EPX_ERROR_SHAPE_MISMATCH naming that rank and value.
+ * combine_precision makes every rank fail with EPX_ERROR_SHAPE_MISMATCH
+ * naming that rank and value.
  * The comm must outlive the buffer. */
 epx_status_t epx_buffer_create(epx_comm_t comm, const epx_buffer_config_t *config,
                                epx_buffer_t *buffer);

@@ -231,6 +231,9 @@ static void test_config_newer_or_bad_version(void **state) {
                    "config->version is 2; this library reads versions 1 to 1");
   b.version = 0;
   TU_ASSERT_STATUS(epx_buffer_create(comm, &b, &buffer), EPX_ERROR_INVALID_ARGUMENT, "config->version is 0");
+  b.version = EPX_CONFIG_VERSION, b.combine_precision = (epx_combine_precision_t)7;
+  TU_ASSERT_STATUS(epx_buffer_create(comm, &b, &buffer), EPX_ERROR_INVALID_ARGUMENT,
+                   "config.combine_precision 7 is not");
   assert_null(buffer);
   TU_OK(epx_comm_destroy(comm));
 
@@ -254,6 +257,24 @@ static void test_config_newer_or_bad_version(void **state) {
   assert_null(world);
 }
 
+/* A CPU buffer has no stream (epx.h, "Streams"); the refusal names the
+ * device, and the buffer stays usable. */
+static void test_set_stream_on_cpu_buffer(void **state) {
+  (void)state;
+  epx_comm_t comm;
+  TU_OK(epx_comm_create_self(&comm));
+  epx_buffer_config_t c = EPX_BUFFER_CONFIG_INIT;
+  c.hidden = 16, c.num_experts = 4, c.max_top_k = 2, c.max_tokens_per_rank = 8;
+  epx_buffer_t buffer = NULL;
+  TU_OK(epx_buffer_create(comm, &c, &buffer));
+  TU_ASSERT_STATUS(epx_buffer_set_stream(buffer, NULL), EPX_ERROR_INVALID_ARGUMENT,
+                   "epx_buffer_set_stream: the buffer is a cpu buffer; streams are for EPX_DEVICE_CUDA buffers");
+  int64_t rows = 0;
+  TU_OK(epx_buffer_max_recv_rows(buffer, &rows));
+  TU_OK(epx_buffer_destroy(buffer));
+  TU_OK(epx_comm_destroy(comm));
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_version),
@@ -264,6 +285,7 @@ int main(void) {
       cmocka_unit_test(test_route_config_older_struct),
       cmocka_unit_test(test_comm_config_older_struct),
       cmocka_unit_test(test_config_newer_or_bad_version),
+      cmocka_unit_test(test_set_stream_on_cpu_buffer),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

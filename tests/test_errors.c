@@ -11,13 +11,6 @@
 
 #include "testutil.h"
 
-#define ER_OK(expr)                                                                           \
-  do {                                                                                        \
-    epx_status_t er_status_ = (expr);                                                         \
-    if (er_status_ != EPX_SUCCESS)                                                            \
-      fail_msg("%s returned %s: %s", #expr, epx_status_string(er_status_), epx_last_error()); \
-  } while (0)
-
 /* ------------------------------------------------------------------------ */
 /* Watched memory: byte copies taken before a refused call                   */
 /* ------------------------------------------------------------------------ */
@@ -91,7 +84,7 @@ static epx_buffer_t buffer_make(epx_comm_t comm, epx_layout_t layout, int64_t ma
   c.layout = layout;
   c.capacity = layout == EPX_LAYOUT_CAPACITY ? C : 0;
   epx_buffer_t b = NULL;
-  ER_OK(epx_buffer_create(comm, &c, &b));
+  TU_OK(epx_buffer_create(comm, &c, &b));
   return b;
 }
 
@@ -116,12 +109,12 @@ static float *payload(tu_rng_t *rng, int64_t rows) {
 static fx_t *fx_make(epx_layout_t layout, epx_weighting_t wt) {
   static tu_rng_t rng = {0xe7707};
   fx_t *f = calloc(1, sizeof *f);
-  ER_OK(epx_comm_create_self(&f->comm));
+  TU_OK(epx_comm_create_self(&f->comm));
   f->b = buffer_make(f->comm, layout, MAXT);
   fx_routing(f);
   epx_routing_t r = {T, K, f->idx, f->w, layout == EPX_LAYOUT_CAPACITY ? f->loc : NULL, wt};
-  ER_OK(epx_dispatch_layout(f->b, &r, NULL, &f->h));
-  ER_OK(epx_handle_recv_rows(f->h, &f->N));
+  TU_OK(epx_dispatch_layout(f->b, &r, NULL, &f->h));
+  TU_OK(epx_handle_recv_rows(f->h, &f->N));
   f->x = payload(&rng, T);
   f->y = payload(&rng, f->N);
   f->recv = payload(&rng, f->N);
@@ -149,9 +142,9 @@ static fx_t *fx_make(epx_layout_t layout, epx_weighting_t wt) {
 
 static void fx_free(fx_t *f) {
   unwatch_all();
-  ER_OK(epx_handle_release(f->h));
-  ER_OK(epx_buffer_destroy(f->b));
-  ER_OK(epx_comm_destroy(f->comm));
+  TU_OK(epx_handle_release(f->h));
+  TU_OK(epx_buffer_destroy(f->b));
+  TU_OK(epx_comm_destroy(f->comm));
   float *bufs[] = {f->x, f->recv, f->y, f->out, f->gx, f->geo};
   for (size_t i = 0; i < 6; i++) tu_free(bufs[i]);
   free(f);
@@ -187,8 +180,8 @@ static void test_expert_out_of_range(void **state) {
   EXPECT_LAYOUT_REFUSED(f, &r, EPX_ERROR_INVALID_ARGUMENT, "outside [-1, num_experts = 8)");
   f->idx[3] = 4;
   epx_handle_t h = NULL;
-  ER_OK(epx_dispatch_layout(f->b, &r, NULL, &h));
-  ER_OK(epx_handle_release(h));
+  TU_OK(epx_dispatch_layout(f->b, &r, NULL, &h));
+  TU_OK(epx_handle_release(h));
   fx_free(f);
 }
 
@@ -226,8 +219,8 @@ static void test_capacity_locations(void **state) {
   f->idx[0] = -1;
   f->loc[0] = 1000;
   epx_handle_t h = NULL;
-  ER_OK(epx_dispatch_layout(f->b, &r, NULL, &h));
-  ER_OK(epx_handle_release(h));
+  TU_OK(epx_dispatch_layout(f->b, &r, NULL, &h));
+  TU_OK(epx_handle_release(h));
   fx_free(f);
 }
 
@@ -238,7 +231,7 @@ static void test_capacity_locations(void **state) {
 static void test_k_above_e(void **state) {
   (void)state;
   epx_comm_t comm = NULL;
-  ER_OK(epx_comm_create_self(&comm));
+  TU_OK(epx_comm_create_self(&comm));
   epx_buffer_config_t c = EPX_BUFFER_CONFIG_INIT;
   c.hidden = H;
   c.num_experts = E;
@@ -251,7 +244,7 @@ static void test_k_above_e(void **state) {
 
   /* A buffer for K = E, then a routing with K = E + 1. */
   c.max_top_k = E;
-  ER_OK(epx_buffer_create(comm, &c, &b));
+  TU_OK(epx_buffer_create(comm, &c, &b));
   int32_t idx[2 * (E + 1)];
   float w[2 * (E + 1)];
   for (int32_t i = 0; i < 2 * (E + 1); i++) {
@@ -267,8 +260,8 @@ static void test_k_above_e(void **state) {
   r.top_k = 0;
   EXPECT_REFUSED(epx_dispatch_layout(b, &r, NULL, &h), EPX_ERROR_INVALID_ARGUMENT, "routing.top_k is 0");
   unwatch_all();
-  ER_OK(epx_buffer_destroy(b));
-  ER_OK(epx_comm_destroy(comm));
+  TU_OK(epx_buffer_destroy(b));
+  TU_OK(epx_comm_destroy(comm));
 
   /* The router and the reference refuse K > E too. */
   epx_route_config_t rc = EPX_ROUTE_CONFIG_INIT;
@@ -309,21 +302,21 @@ static void test_too_many_tokens(void **state) {
   /* Exactly the maximum is fine. */
   r.num_tokens = MAXT;
   epx_handle_t h = NULL;
-  ER_OK(epx_dispatch_layout(f->b, &r, NULL, &h));
-  ER_OK(epx_handle_release(h));
+  TU_OK(epx_dispatch_layout(f->b, &r, NULL, &h));
+  TU_OK(epx_handle_release(h));
   fx_free(f);
 
   /* Agreed at the first layout (5 tokens, rounded up to 8), then refused. */
   epx_comm_t comm = NULL;
-  ER_OK(epx_comm_create_self(&comm));
+  TU_OK(epx_comm_create_self(&comm));
   epx_buffer_t b = buffer_make(comm, EPX_LAYOUT_EXPERT_MAJOR, 0);
   int64_t agreed = -1;
-  ER_OK(epx_buffer_max_tokens(b, &agreed));
+  TU_OK(epx_buffer_max_tokens(b, &agreed));
   assert_int_equal(agreed, 0);
   r.num_tokens = 5;
-  ER_OK(epx_dispatch_layout(b, &r, NULL, &h));
-  ER_OK(epx_handle_release(h));
-  ER_OK(epx_buffer_max_tokens(b, &agreed));
+  TU_OK(epx_dispatch_layout(b, &r, NULL, &h));
+  TU_OK(epx_handle_release(h));
+  TU_OK(epx_buffer_max_tokens(b, &agreed));
   assert_int_equal(agreed, 8);
   r.num_tokens = 9;
   h = SENTINEL_HANDLE;
@@ -331,8 +324,8 @@ static void test_too_many_tokens(void **state) {
   EXPECT_REFUSED(epx_dispatch_layout(b, &r, NULL, &h), EPX_ERROR_CAPACITY_EXCEEDED, "max_tokens_per_rank");
   assert_ptr_equal(h, SENTINEL_HANDLE);
   unwatch_all();
-  ER_OK(epx_buffer_destroy(b));
-  ER_OK(epx_comm_destroy(comm));
+  TU_OK(epx_buffer_destroy(b));
+  TU_OK(epx_comm_destroy(comm));
 }
 
 static void test_negative_and_bad_sizes(void **state) {
@@ -435,9 +428,9 @@ static void test_unsupported_dtype_and_weighting(void **state) {
   EXPECT_REFUSED(epx_dispatch_layout(rm, &r, NULL, &h), EPX_ERROR_UNSUPPORTED, "EPX_LAYOUT_RANK_MAJOR");
   assert_ptr_equal(h, SENTINEL_HANDLE);
   r.weighting = EPX_WEIGHTS_NONE;
-  ER_OK(epx_dispatch_layout(rm, &r, NULL, &h));
-  ER_OK(epx_handle_release(h));
-  ER_OK(epx_buffer_destroy(rm));
+  TU_OK(epx_dispatch_layout(rm, &r, NULL, &h));
+  TU_OK(epx_handle_release(h));
+  TU_OK(epx_buffer_destroy(rm));
 
   /* Not an epx_weighting_t at all. */
   r.weighting = (epx_weighting_t)7;
@@ -523,7 +516,7 @@ static void test_recv_capacity_too_small(void **state) {
   snprintf(needle, sizeof needle, "recv_rows_capacity %lld is below the handle's %lld rows", (long long)(f->N - 1), (long long)f->N);
   EXPECT_REFUSED(epx_dispatch(f->b, f->h, f->x, f->recv, f->N - 1), EPX_ERROR_CAPACITY_EXCEEDED, needle);
   EXPECT_REFUSED(epx_dispatch(f->b, f->h, f->x, f->recv, -1), EPX_ERROR_CAPACITY_EXCEEDED, "recv_rows_capacity -1");
-  ER_OK(epx_dispatch(f->b, f->h, f->x, f->recv, f->N));
+  TU_OK(epx_dispatch(f->b, f->h, f->x, f->recv, f->N));
   fx_free(f);
 }
 
@@ -539,7 +532,7 @@ static void test_handle_of_another_buffer(void **state) {
   EXPECT_REFUSED(epx_combine(other, f->h, f->y, f->out), EPX_ERROR_INVALID_HANDLE, "handle belongs to another buffer");
   EXPECT_REFUSED(epx_dispatch_backward(other, f->h, f->y, f->gx, NULL, NULL), EPX_ERROR_INVALID_HANDLE, "another buffer");
   EXPECT_REFUSED(epx_combine_backward(other, f->h, f->x, f->y, f->geo, f->gw), EPX_ERROR_INVALID_HANDLE, "another buffer");
-  ER_OK(epx_buffer_destroy(other));
+  TU_OK(epx_buffer_destroy(other));
   fx_free(f);
 }
 
@@ -547,12 +540,12 @@ static void test_handle_after_release(void **state) {
   (void)state;
   fx_t *f = fx_make(EPX_LAYOUT_EXPERT_MAJOR, EPX_WEIGHTS_IN_COMBINE);
   /* A retained handle survives one release. */
-  ER_OK(epx_handle_retain(f->h));
-  ER_OK(epx_handle_release(f->h));
-  ER_OK(epx_dispatch(f->b, f->h, f->x, f->recv, f->N));
+  TU_OK(epx_handle_retain(f->h));
+  TU_OK(epx_handle_release(f->h));
+  TU_OK(epx_dispatch(f->b, f->h, f->x, f->recv, f->N));
   tu_poison(f->recv, sizeof(float) * (size_t)((f->N + 1) * H));
   epx_handle_t dead = f->h;
-  ER_OK(epx_handle_release(dead));
+  TU_OK(epx_handle_release(dead));
   EXPECT_REFUSED(epx_dispatch(f->b, dead, f->x, f->recv, f->N), EPX_ERROR_INVALID_HANDLE, "handle is not live");
   EXPECT_REFUSED(epx_combine(f->b, dead, f->y, f->out), EPX_ERROR_INVALID_HANDLE, "handle is not live");
   EXPECT_REFUSED(epx_dispatch_backward(f->b, dead, f->y, f->gx, NULL, NULL), EPX_ERROR_INVALID_HANDLE, "handle is not live");
@@ -563,7 +556,7 @@ static void test_handle_after_release(void **state) {
   EXPECT_REFUSED(epx_handle_retain(dead), EPX_ERROR_INVALID_HANDLE, "not live");
   EXPECT_REFUSED(epx_handle_release(dead), EPX_ERROR_INVALID_HANDLE, "not live");
   /* The buffer has no live handle left. */
-  ER_OK(epx_dispatch_layout(f->b, &(epx_routing_t){T, K, f->idx, f->w, NULL, EPX_WEIGHTS_IN_COMBINE}, NULL, &f->h));
+  TU_OK(epx_dispatch_layout(f->b, &(epx_routing_t){T, K, f->idx, f->w, NULL, EPX_WEIGHTS_IN_COMBINE}, NULL, &f->h));
   fx_free(f);
 }
 
@@ -572,17 +565,17 @@ static void test_buffer_lifetime(void **state) {
   fx_t *f = fx_make(EPX_LAYOUT_EXPERT_MAJOR, EPX_WEIGHTS_IN_COMBINE);
   /* Busy while a handle lives, and still whole afterwards. */
   EXPECT_REFUSED(epx_buffer_destroy(f->b), EPX_ERROR_BUSY, "1 handle(s) from this buffer are still alive");
-  ER_OK(epx_dispatch(f->b, f->h, f->x, f->recv, f->N));
+  TU_OK(epx_dispatch(f->b, f->h, f->x, f->recv, f->N));
   tu_poison(f->recv, sizeof(float) * (size_t)((f->N + 1) * H));
   epx_handle_t extra = NULL;
   epx_routing_t r = {T, K, f->idx, f->w, NULL, EPX_WEIGHTS_IN_COMBINE};
-  ER_OK(epx_dispatch_layout(f->b, &r, NULL, &extra));
+  TU_OK(epx_dispatch_layout(f->b, &r, NULL, &extra));
   EXPECT_REFUSED(epx_buffer_destroy(f->b), EPX_ERROR_BUSY, "2 handle(s)");
-  ER_OK(epx_handle_release(extra));
-  ER_OK(epx_handle_release(f->h));
+  TU_OK(epx_handle_release(extra));
+  TU_OK(epx_handle_release(f->h));
   /* Destroyed: every use is refused. */
   epx_buffer_t dead = f->b;
-  ER_OK(epx_buffer_destroy(dead));
+  TU_OK(epx_buffer_destroy(dead));
   epx_handle_t h = SENTINEL_HANDLE;
   EXPECT_REFUSED(epx_dispatch_layout(dead, &r, NULL, &h), EPX_ERROR_INVALID_HANDLE, "buffer is not a live buffer");
   assert_ptr_equal(h, SENTINEL_HANDLE);
@@ -593,7 +586,7 @@ static void test_buffer_lifetime(void **state) {
   EXPECT_REFUSED(epx_buffer_destroy(dead), EPX_ERROR_INVALID_HANDLE, "not a live buffer");
   /* fx_free expects a live buffer and handle. */
   f->b = buffer_make(f->comm, EPX_LAYOUT_EXPERT_MAJOR, MAXT);
-  ER_OK(epx_dispatch_layout(f->b, &r, NULL, &f->h));
+  TU_OK(epx_dispatch_layout(f->b, &r, NULL, &f->h));
   fx_free(f);
 }
 
@@ -707,7 +700,7 @@ static void test_reference_arguments(void **state) {
   loc[6] = loc[1];
   EXPECT_REFUSED(DD(idx, w, loc, EPX_WEIGHTS_NONE, x, out), EPX_ERROR_INVALID_ARGUMENT, "is taken twice for expert 3");
   loc[6] = dummy.loc[6];
-  ER_OK(DD(idx, w, loc, EPX_WEIGHTS_NONE, x, out));
+  TU_OK(DD(idx, w, loc, EPX_WEIGHTS_NONE, x, out));
 #undef DD
 #undef DC
   unwatch_all();
@@ -763,7 +756,7 @@ static void test_nonfinite_logits(void **state) {
    * route exactly as the finite tokens alone would. */
   logits[1 * E + 0] = NAN;
   rc.nonfinite = EPX_NONFINITE_DROP;
-  ER_OK(epx_route(&rc, RT, logits, NULL, &ro));
+  TU_OK(epx_route(&rc, RT, logits, NULL, &ro));
   assert_int_equal(ro.nonfinite_tokens, 2);
   float finite_logits[(RT - 2) * E];
   int32_t fi[(RT - 2) * K], fl[(RT - 2) * K], fc[E];
@@ -771,7 +764,7 @@ static void test_nonfinite_logits(void **state) {
   for (int32_t t = 0, j = 0; t < RT; t++)
     if (t != 1 && t != 4) memcpy(finite_logits + (j++) * E, logits + t * E, sizeof(float) * E);
   epx_route_output_t fo = {fi, fw, fl, fc, &faux, NULL, 0, 0};
-  ER_OK(epx_route(&rc, RT - 2, finite_logits, NULL, &fo));
+  TU_OK(epx_route(&rc, RT - 2, finite_logits, NULL, &fo));
   assert_int_equal(fo.nonfinite_tokens, 0);
   for (int32_t t = 0, j = 0; t < RT; t++) {
     for (int32_t k = 0; k < K; k++) {
@@ -792,24 +785,24 @@ static void test_nonfinite_logits(void **state) {
   /* Backward: the dropped tokens get zero gradient rows. */
   float gw[RT * K];
   for (int32_t i = 0; i < RT * K; i++) gw[i] = 0.5f;
-  ER_OK(epx_route_backward(&rc, RT, logits, NULL, idx, gw, 0.0f, 0.0f, grad));
+  TU_OK(epx_route_backward(&rc, RT, logits, NULL, idx, gw, 0.0f, 0.0f, grad));
   for (int32_t e = 0; e < E; e++) {
     assert_true(grad[1 * E + e] == 0.0f);
     assert_true(grad[4 * E + e] == 0.0f);
   }
   /* A dropped token moves nothing through the exchange. */
   epx_comm_t comm = NULL;
-  ER_OK(epx_comm_create_self(&comm));
+  TU_OK(epx_comm_create_self(&comm));
   epx_buffer_t b = buffer_make(comm, EPX_LAYOUT_EXPERT_MAJOR, 0);
   epx_routing_t r = {RT, K, idx, w, NULL, EPX_WEIGHTS_IN_COMBINE};
   epx_handle_t h = NULL;
-  ER_OK(epx_dispatch_layout(b, &r, NULL, &h));
+  TU_OK(epx_dispatch_layout(b, &r, NULL, &h));
   int64_t N = 0;
-  ER_OK(epx_handle_recv_rows(h, &N));
+  TU_OK(epx_handle_recv_rows(h, &N));
   assert_int_equal(N, (RT - 2) * K);
-  ER_OK(epx_handle_release(h));
-  ER_OK(epx_buffer_destroy(b));
-  ER_OK(epx_comm_destroy(comm));
+  TU_OK(epx_handle_release(h));
+  TU_OK(epx_buffer_destroy(b));
+  TU_OK(epx_comm_destroy(comm));
 }
 
 int main(void) {

@@ -386,77 +386,44 @@ static void parse_options(int argc, char **argv, options_t *o) {
 /* The world of the ranks: barriers and reductions for timing and checks     */
 /* ------------------------------------------------------------------------ */
 
-enum { WORLD_CHUNK = 256 };
-
-/* Shared by the threads of the local transport. */
-typedef struct local_shared {
-  int32_t size;
-  pthread_barrier_t barrier;
-  double *f64;  /* [size, WORLD_CHUNK] */
-  int64_t *i64; /* [size, WORLD_CHUNK] */
-} local_shared_t;
-
+/* A rank of the bench: its comm (the library's local or MPI transport)
+ * carries the bench's own barriers and reductions too; NULL alone. */
 typedef struct world {
   int32_t rank, size;
-  int mpi;
-  local_shared_t *local;
+  epx_comm_t comm;
 } world_t;
 
 static void world_barrier(const world_t *w) {
-#if EPX_TOOLS_HAVE_MPI
-  if (w->mpi) {
-    MPI_Barrier(MPI_COMM_WORLD);
-    return;
-  }
-#endif
-  if (w->size > 1) pthread_barrier_wait(&w->local->barrier);
+  if (w->size > 1) TRY(epx_comm_barrier(w->comm));
+}
+
+/* Every rank's n values, [size, n] (free it). */
+static void *world_gather(const world_t *w, const void *v, size_t bytes) {
+  void *all = xalloc(bytes * (size_t)w->size);
+  TRY(epx_comm_allgather(w->comm, v, all, bytes));
+  return all;
 }
 
 /* v[i] = max over ranks (in place, every rank gets it). */
 static void world_max_f64(const world_t *w, double *v, int64_t n) {
   if (w->size == 1) return;
-#if EPX_TOOLS_HAVE_MPI
-  if (w->mpi) {
-    MPI_Allreduce(MPI_IN_PLACE, v, (int)n, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
-    return;
-  }
-#endif
-  local_shared_t *ls = w->local;
-  for (int64_t base = 0; base < n; base += WORLD_CHUNK) {
-    int64_t m = n - base < WORLD_CHUNK ? n - base : WORLD_CHUNK;
-    memcpy(ls->f64 + (size_t)w->rank * WORLD_CHUNK, v + base, sizeof(double) * (size_t)m);
-    world_barrier(w);
-    for (int64_t i = 0; i < m; i++) {
-      double x = ls->f64[i];
-      for (int32_t r = 1; r < w->size; r++)
-        if (ls->f64[(size_t)r * WORLD_CHUNK + i] > x) x = ls->f64[(size_t)r * WORLD_CHUNK + i];
-      v[base + i] = x;
-    }
-    world_barrier(w);
-  }
+  double *all = world_gather(w, v, sizeof(double) * (size_t)n);
+  for (int64_t i = 0; i < n; i++)
+    for (int32_t r = 0; r < w->size; r++)
+      if (all[(size_t)r * (size_t)n + (size_t)i] > v[i]) v[i] = all[(size_t)r * (size_t)n + (size_t)i];
+  free(all);
 }
 
 /* v[i] = sum over ranks (in place, every rank gets it). */
 static void world_sum_i64(const world_t *w, int64_t *v, int64_t n) {
   if (w->size == 1) return;
-#if EPX_TOOLS_HAVE_MPI
-  if (w->mpi) {
-    MPI_Allreduce(MPI_IN_PLACE, v, (int)n, MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD);
-    return;
+  int64_t *all = world_gather(w, v, sizeof(int64_t) * (size_t)n);
+  for (int64_t i = 0; i < n; i++) {
+    int64_t x = 0;
+    for (int32_t r = 0; r < w->size; r++) x += all[(size_t)r * (size_t)n + (size_t)i];
+    v[i] = x;
   }
-#endif
-  local_shared_t *ls = w->local;
-  for (int64_t base = 0; base < n; base += WORLD_CHUNK) {
-    int64_t m = n - base < WORLD_CHUNK ? n - base : WORLD_CHUNK;
-    memcpy(ls->i64 + (size_t)w->rank * WORLD_CHUNK, v + base, sizeof(int64_t) * (size_t)m);
-    world_barrier(w);
-    for (int64_t i = 0; i < m; i++) {
-      int64_t x = 0;
-      for (int32_t r = 0; r < w->size; r++) x += ls->i64[(size_t)r * WORLD_CHUNK + i];
-      v[base + i] = x;
-    }
-    world_barrier(w);
-  }
+  free(all);
 }
 
 /* Bandwidth ceiling: every rank copies `bytes` at once, barrier-aligned;
@@ -480,44 +447,35 @@ static double measure_memcpy(const world_t *w, size_t bytes, int reps) {
   return 2.0 * (double)bytes * w->size / median(t, reps) / 1e9;
 }
 
-static void local_shared_init(local_shared_t *ls, int32_t size) {
-  ls->size = size;
-  ls->f64 = xalloc(sizeof(double) * (size_t)size * WORLD_CHUNK);
-  ls->i64 = xalloc(sizeof(int64_t) * (size_t)size * WORLD_CHUNK);
-  if (pthread_barrier_init(&ls->barrier, NULL, (unsigned)size)) fatal("pthread_barrier_init failed");
-}
-
-static void local_shared_free(local_shared_t *ls) {
-  pthread_barrier_destroy(&ls->barrier);
-  free(ls->f64);
-  free(ls->i64);
-}
-
 typedef struct memcpy_thread_arg {
-  world_t w;
+  epx_local_world_t world;
+  int32_t rank, size;
   size_t bytes;
   double gbps;
 } memcpy_thread_arg_t;
 
 static void *memcpy_thread(void *p) {
   memcpy_thread_arg_t *a = p;
-  a->gbps = measure_memcpy(&a->w, a->bytes, 5);
+  world_t w = {a->rank, a->size, NULL};
+  TRY(epx_comm_create_local(a->world, a->rank, &w.comm));
+  a->gbps = measure_memcpy(&w, a->bytes, 5);
+  TRY(epx_comm_destroy(w.comm));
   return NULL;
 }
 
 /* The ceiling of n threads copying `bytes` each at once (aggregate GB/s). */
 static double measure_memcpy_threads(int32_t n, size_t bytes) {
-  local_shared_t ls;
-  local_shared_init(&ls, n);
+  epx_local_world_t lw;
+  TRY(epx_local_world_create(n, NULL, &lw));
   pthread_t *th = xalloc(sizeof(pthread_t) * (size_t)n);
   memcpy_thread_arg_t *args = xalloc(sizeof(memcpy_thread_arg_t) * (size_t)n);
   for (int32_t r = 0; r < n; r++) {
-    args[r] = (memcpy_thread_arg_t){{r, n, 0, &ls}, bytes, 0.0};
+    args[r] = (memcpy_thread_arg_t){lw, r, n, bytes, 0.0};
     if (pthread_create(&th[r], NULL, memcpy_thread, &args[r])) fatal("pthread_create failed");
   }
   for (int32_t r = 0; r < n; r++) pthread_join(th[r], NULL);
   double gbps = args[0].gbps;
-  local_shared_free(&ls);
+  TRY(epx_local_world_destroy(lw));
   free(th);
   free(args);
   return gbps;
@@ -1943,19 +1901,17 @@ static int single_run(const options_t *o, epx_dtype_t dtype, const world_t *w) {
 
 typedef struct rank_thread_arg {
   job_t *job;
-  local_shared_t *shared;
   epx_local_world_t world;
-  int32_t rank;
+  int32_t rank, size;
 } rank_thread_arg_t;
 
 static void *rank_thread(void *p) {
   rank_thread_arg_t *a = p;
   t_rank = a->rank;
-  epx_comm_t comm;
-  TRY(epx_comm_create_local(a->world, a->rank, &comm));
-  world_t w = {a->rank, a->shared->size, 0, a->shared};
-  main_job_rank(a->job, &w, comm);
-  TRY(epx_comm_destroy(comm));
+  world_t w = {a->rank, a->size, NULL};
+  TRY(epx_comm_create_local(a->world, a->rank, &w.comm));
+  main_job_rank(a->job, &w, w.comm);
+  TRY(epx_comm_destroy(w.comm));
   return NULL;
 }
 
@@ -1979,7 +1935,7 @@ int main(int argc, char **argv) {
 
   if (o.single) {
     openblas_set_num_threads((int)sysconf(_SC_NPROCESSORS_ONLN));
-    world_t w = {0, 1, 0, NULL};
+    world_t w = {0, 1, NULL};
     if (o.dtype >= 0) {
       ok &= single_run(&o, (epx_dtype_t)o.dtype, &w);
     } else {
@@ -2013,11 +1969,10 @@ int main(int argc, char **argv) {
       fflush(stdout);
     }
     MPI_Comm world_comm = MPI_COMM_WORLD;
-    epx_comm_t comm;
-    TRY(epx_comm_create_mpi(&world_comm, NULL, &comm));
-    world_t w = {rank, size, 1, NULL};
-    main_job_rank(&job, &w, comm);
-    TRY(epx_comm_destroy(comm));
+    world_t w = {rank, size, NULL};
+    TRY(epx_comm_create_mpi(&world_comm, NULL, &w.comm));
+    main_job_rank(&job, &w, w.comm);
+    TRY(epx_comm_destroy(w.comm));
     int verdict = rank == 0 ? job.ok : 1;
     MPI_Bcast(&verdict, 1, MPI_INT, 0, MPI_COMM_WORLD);
     ok = verdict;
@@ -2039,19 +1994,16 @@ int main(int argc, char **argv) {
   print_header(&o, W);
   fflush(stdout);
 
-  local_shared_t shared;
-  local_shared_init(&shared, W);
   epx_local_world_t lw;
   TRY(epx_local_world_create(W, NULL, &lw));
   pthread_t *threads = xalloc(sizeof(pthread_t) * (size_t)W);
   rank_thread_arg_t *args = xalloc(sizeof(rank_thread_arg_t) * (size_t)W);
   for (int32_t r = 0; r < W; r++) {
-    args[r] = (rank_thread_arg_t){&job, &shared, lw, r};
+    args[r] = (rank_thread_arg_t){&job, lw, r, W};
     if (pthread_create(&threads[r], NULL, rank_thread, &args[r])) fatal("pthread_create failed");
   }
   for (int32_t r = 0; r < W; r++) pthread_join(threads[r], NULL);
   TRY(epx_local_world_destroy(lw));
-  local_shared_free(&shared);
   ok = job.ok;
   printf("%s\n", ok ? "OK" : "FAILED");
   free(threads);

@@ -31,8 +31,7 @@ typedef struct {
 
 static const char *const shape_field_names[] = {
     "status", "device", "dtype", "hidden", "num_experts", "max_top_k", "max_tokens_per_rank",
-    "max_tokens_rounding", "exchange", "layout", "expert_alignment", "capacity",
-    "combine_precision"};
+    "max_tokens_rounding", "exchange", "layout", "expert_alignment", "capacity", "combine_precision"};
 
 /* Reads the caller's config (perhaps from an older, smaller header) over the
  * defaults into *c, and checks it. */
@@ -58,10 +57,6 @@ static epx_status_t check_buffer_config(epx_comm_t comm, const epx_buffer_config
               "%s: config.max_tokens_per_rank is %lld; pass a count in [0, 2^31) (0 agrees it at the first dispatch)",
               fn, (long long)c->max_tokens_per_rank);
   EPX_REQUIRE(c->max_tokens_rounding >= 1, "%s: config.max_tokens_rounding is %d; pass >= 1", fn, c->max_tokens_rounding);
-  EPX_REQUIRE(c->combine_precision == EPX_COMBINE_PARTIALS_FLOAT32 ||
-                  c->combine_precision == EPX_COMBINE_PARTIALS_PAYLOAD,
-              "%s: config.combine_precision %d is not EPX_COMBINE_PARTIALS_FLOAT32 or "
-              "EPX_COMBINE_PARTIALS_PAYLOAD", fn, (int)c->combine_precision);
   EPX_REQUIRE(c->exchange == EPX_EXCHANGE_DEDUP || c->exchange == EPX_EXCHANGE_COLLECTIVE,
               "%s: config.exchange %d is not EPX_EXCHANGE_DEDUP or EPX_EXCHANGE_COLLECTIVE", fn, (int)c->exchange);
   EPX_REQUIRE(c->layout == EPX_LAYOUT_EXPERT_MAJOR || c->layout == EPX_LAYOUT_RANK_MAJOR ||
@@ -72,6 +67,10 @@ static epx_status_t check_buffer_config(epx_comm_t comm, const epx_buffer_config
               "%s: config.capacity is %d; EPX_LAYOUT_CAPACITY needs the capacity C >= 1 (epx_route_output_t.capacity)",
               fn, c->capacity);
   EPX_REQUIRE(c->capacity >= 0, "%s: config.capacity is %d; pass >= 0", fn, c->capacity);
+  EPX_REQUIRE(c->combine_precision == EPX_COMBINE_PARTIALS_FLOAT32 ||
+                  c->combine_precision == EPX_COMBINE_PARTIALS_PAYLOAD,
+              "%s: config.combine_precision %d is not EPX_COMBINE_PARTIALS_FLOAT32 or "
+              "EPX_COMBINE_PARTIALS_PAYLOAD", fn, (int)c->combine_precision);
   return EPX_SUCCESS;
 }
 

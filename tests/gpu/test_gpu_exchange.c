@@ -1,7 +1,9 @@
 /* The CUDA backend against the CPU engine on a comm of one rank: two buffers
  * (CPU, CUDA) with the same config get the same routing and inputs, and must
- * agree — row counts, counts, offsets, recv_source and recv_routing exactly;
- * payloads and grad_w within atol + rtol. Every output is poisoned (0xA5)
+ * agree — row counts, counts, offsets, recv_source, recv_routing and every
+ * payload (dispatch, combine, both backward passes) bit for bit, as the
+ * contract promises; grad_w, a dot product summed in another order, within
+ * atol + rtol. Every output is poisoned (0xA5)
  * first, so an unwritten row shows; inputs are fresh random values; combine
  * and dispatch_backward must give the same bits on every run. Also covered:
  * worst_case_sizing (no host synchronisation; N in device memory), dispatch
@@ -126,6 +128,23 @@ static void expect_close(const char *what, const gpu_case_t *c, epx_dtype_t dtyp
   }
 }
 
+/* The contract promises the CPU backend's bits for every payload (dispatch,
+ * combine and both backward passes: the same float32 operations in the same
+ * k-slot order, rounded once): compared byte for byte, the first differing
+ * element named. */
+static void expect_same_bits(const char *what, const gpu_case_t *c, epx_dtype_t dtype, const void *gpu,
+                             const void *cpu, int64_t n) {
+  const size_t size = epx_dtype_size(dtype);
+  if (memcmp(gpu, cpu, (size_t)n * size) == 0) return;
+  for (int64_t i = 0; i < n; i++)
+    if (memcmp((const char *)gpu + (size_t)i * size, (const char *)cpu + (size_t)i * size, size))
+      fail_msg("%s (%s %s %s K=%d E=%d T=%lld H=%lld align=%d worst=%d): element %lld is %.9g, CPU %.9g "
+               "(the contract promises the same bits)",
+               what, dtype_name(c->dtype), layout_name(c->layout), weighting_name(c->weighting), c->K,
+               c->E, (long long)c->T, (long long)c->H, c->alignment, c->worst_case, (long long)i,
+               epx_load(dtype, gpu, i), epx_load(dtype, cpu, i));
+}
+
 static void expect_same_ints(const char *what, const gpu_case_t *c, const void *gpu, const void *cpu,
                              size_t bytes) {
   if (memcmp(gpu, cpu, bytes) == 0) return;
@@ -134,7 +153,8 @@ static void expect_same_ints(const char *what, const gpu_case_t *c, const void *
 }
 
 /* grad_w is a dot product over H in float32: the CPU and the GPU add in
- * different orders. */
+ * different orders (the contract promises no bits for it), so it is compared
+ * within atol + rtol. */
 static double dot_atol(int64_t H) { return 1e-5 * (double)H + 1e-4; }
 
 /* One case end to end: layout, accessors, dispatch, combine (twice: same
@@ -235,7 +255,7 @@ static void run_case(const gpu_case_t *c) {
   TU_OK(epx_dispatch(gpu, hg, d_x, d_recv, R));
   CU(cudaStreamSynchronize(stream));
   void *recv_g = host_copy(d_recv, nbytes);
-  expect_close("dispatch recv_x", c, c->dtype, recv_g, recv_c, N * H, tu_atol(c->dtype), tu_rtol(c->dtype));
+  expect_same_bits("dispatch recv_x", c, c->dtype, recv_g, recv_c, N * H);
 
   /* Combine, twice: the same bits. */
   void *eo = tu_alloc(nbytes);
@@ -251,7 +271,7 @@ static void run_case(const gpu_case_t *c) {
   TU_OK(epx_combine(gpu, hg, d_eo, d_out2));
   CU(cudaStreamSynchronize(stream));
   void *out_g = host_copy(d_out, tbytes), *out_g2 = host_copy(d_out2, tbytes);
-  expect_close("combine out", c, c->dtype, out_g, out_c, T * H, tu_atol(c->dtype), tu_rtol(c->dtype));
+  expect_same_bits("combine out", c, c->dtype, out_g, out_c, T * H);
   if (memcmp(out_g, out_g2, tbytes) != 0) fail_msg("combine is not bit-identical run to run");
 
   /* Combine backward (grad_w with EPX_WEIGHTS_IN_COMBINE). */
@@ -269,8 +289,7 @@ static void run_case(const gpu_case_t *c) {
   TU_OK(epx_combine_backward(gpu, hg, d_go, wc ? d_eo : NULL, d_geo, wc ? d_gw : NULL));
   CU(cudaStreamSynchronize(stream));
   void *geo_g = host_copy(d_geo, nbytes);
-  expect_close("combine_backward grad_expert_out", c, c->dtype, geo_g, geo_c, N * H, tu_atol(c->dtype),
-               tu_rtol(c->dtype));
+  expect_same_bits("combine_backward grad_expert_out", c, c->dtype, geo_g, geo_c, N * H);
   if (wc) {
     float *gw_g = host_copy(d_gw, 4 * tk);
     expect_close("combine_backward grad_w", c, EPX_FLOAT32, gw_g, gw_c, (int64_t)tk, dot_atol(H), 1e-3);
@@ -293,7 +312,7 @@ static void run_case(const gpu_case_t *c) {
   TU_OK(epx_dispatch_backward(gpu, hg, d_grx, d_gx2, NULL, NULL));
   CU(cudaStreamSynchronize(stream));
   void *gx_g = host_copy(d_gx, tbytes), *gx_g2 = host_copy(d_gx2, tbytes);
-  expect_close("dispatch_backward grad_x", c, c->dtype, gx_g, gx_c, T * H, tu_atol(c->dtype), tu_rtol(c->dtype));
+  expect_same_bits("dispatch_backward grad_x", c, c->dtype, gx_g, gx_c, T * H);
   if (memcmp(gx_g, gx_g2, tbytes) != 0) fail_msg("dispatch_backward is not bit-identical run to run");
   if (wd) {
     float *gw_g = host_copy(d_gw, 4 * tk);
@@ -487,8 +506,8 @@ static void test_graph_capture(void **state) {
       TU_OK(epx_dispatch(cpu, hc, x, recv_c, N));
       TU_OK(epx_combine(cpu, hc, eo, out_c));
       void *recv_g = host_copy(d_recv, nbytes), *out_g = host_copy(d_out, tbytes);
-      expect_close("graph dispatch recv_x", &c, c.dtype, recv_g, recv_c, N * c.H, 0.0, 0.0);
-      expect_close("graph combine out", &c, c.dtype, out_g, out_c, c.T * c.H, tu_atol(c.dtype), tu_rtol(c.dtype));
+      expect_same_bits("graph dispatch recv_x", &c, c.dtype, recv_g, recv_c, N * c.H);
+      expect_same_bits("graph combine out", &c, c.dtype, out_g, out_c, c.T * c.H);
       tu_free(recv_g);
       tu_free(out_g);
     }
@@ -610,7 +629,7 @@ static void check_bad_routing(bad_kind_t kind) {
   TU_OK(epx_dispatch(gpu, hg, d_x, d_recv, R));
   CU(cudaDeviceSynchronize());
   void *recv_g = host_copy(d_recv, nbytes);
-  expect_close("dispatch of a dropped bad route", &c, c.dtype, recv_g, recv_c, N * c.H, 0.0, 0.0);
+  expect_same_bits("dispatch of a dropped bad route", &c, c.dtype, recv_g, recv_c, N * c.H);
 
   TU_OK(epx_handle_release(hc));
   TU_OK(epx_handle_release(hg));
