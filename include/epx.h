@@ -446,9 +446,10 @@ typedef enum epx_layout {
 /* How combine forms a token's sum over ranks. P(t, r) is the token's partial
  * sum on rank r: 0 + w[t,k] * expert_out(t,k) over its k-slots on r, in k
  * order, in float32 (w = 1 unless EPX_WEIGHTS_IN_COMBINE). Then
- * out[t] = round(0 + P'(t, r0) + P'(t, r1) + ...) over the token's ranks in
- * ascending order, in float32, rounded once to the payload dtype, where P' is
- * P itself or P rounded once to the payload dtype. Every partial is formed
+ * out[t] = round(P'(t, r0) + P'(t, r1) + ...) over the token's ranks in
+ * ascending order, summed in float32 from the first partial, rounded once to
+ * the payload dtype, where P' is P itself or P rounded once to the payload
+ * dtype (tokens without routes get zeros). Every partial is formed
  * the same way whichever exchange moves it, the token's own rank's too: the
  * dedup exchange sums a pair's rows on the expert's rank and sends P' (over
  * MPI; on the local transport the token's rank reads the rows in place), the

@@ -861,13 +861,14 @@ static void ag_expert_out(epx_handle_t h, epx_dtype_t dtype, void *rows) {
   free(src), free(tok), free(ex);
 }
 
-/* The contract's combine of this rank's token t, element j: P(t, r) in
- * float32 over k in order, rounded to the dtype with payload partials, summed
- * over r ascending from 0 in float32, rounded once. */
+/* The contract's combine of this rank's token t, element j: P(t, r) = 0 +
+ * the products over k in order in float32, rounded to the dtype with payload
+ * partials, summed over r ascending in float32 from the first partial,
+ * rounded once (0 for a token without routes). */
 static float ag_combine_ref(int32_t rank, int32_t world, epx_dtype_t dtype, int payload, const int32_t *idx,
                             const float *w, int32_t K, int64_t t, int64_t j) {
   float acc = 0.0f;
-  for (int32_t r = 0; r < world; r++) {
+  for (int32_t r = 0, first = 1; r < world; r++) {
     float P = 0.0f;
     int n = 0;
     for (int32_t k = 0; k < K; k++) {
@@ -877,7 +878,9 @@ static float ag_combine_ref(int32_t rank, int32_t world, epx_dtype_t dtype, int 
       n++;
     }
     if (!n) continue;
-    acc = acc + (payload ? ag_round(dtype, P) : P);
+    float partial = payload ? ag_round(dtype, P) : P;
+    acc = first ? partial : acc + partial;
+    first = 0;
   }
   return ag_round(dtype, acc);
 }

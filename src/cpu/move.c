@@ -11,7 +11,7 @@
  * holding some of its routes, in ascending r, the partial
  * P(t, r) = 0 + the token's products on r in k order, in float32; with
  * EPX_COMBINE_PARTIALS_PAYLOAD each P(t, r) is rounded once to the payload
- * dtype; then acc = 0 + P(t, r0) + P(t, r1) + ... in float32, rounded once.
+ * dtype; then acc = P(t, r0) + P(t, r1) + ... in float32, rounded once.
  * The dedup exchange over MPI computes P on the receiver and returns it
  * (float32, or already rounded); otherwise each route's row comes back and
  * the token's rank computes P with the same loop and rounds it the same way —
@@ -233,10 +233,16 @@ typedef struct {
   void *out;          /* [T, H] */
 } token_pass_t;
 
-/* out = round(0 + round(P)) for a 16-bit row already holding round(P): a
- * partial that rounded to -0 adds up to +0. */
-static void positive_zeros(uint16_t *row, int64_t n) {
-  for (int64_t i = 0; i < n; i++) row[i] = row[i] == 0x8000u ? 0 : row[i];
+/* acc = P' (first) or acc += P' for a partial already rounded to the
+ * payload dtype: exactly its value, with no 0 + in front (which would turn a
+ * partial rounded to -0 into +0, and a token on one rank would no longer get
+ * round(P), the same bits as float32 partials). */
+static void add_rounded(epx_dtype_t dtype, const void *row, float *acc, int first, int64_t n) {
+  if (first) {
+    epx_row_to_f32(dtype, row, acc, n);
+    return;
+  }
+  for (int64_t i = 0; i < n; i++) acc[i] += epx_load(dtype, row, i);
 }
 
 /* acc (+)= P(t, r) of one group of rows, rounded first if the partials are. */
@@ -249,8 +255,7 @@ static void add_partial(const token_pass_t *c, token_scratch_t *ts, const void *
   }
   epx_rows_accumulate(p->dtype, rows, w, n, ts->partial, 1, p->H);
   epx_row_from_f32(p->dtype, ts->partial, ts->rounded, p->H);
-  const void *rounded = ts->rounded;
-  epx_rows_accumulate(p->dtype, &rounded, NULL, 1, ts->acc, first, p->H);
+  add_rounded(p->dtype, ts->rounded, ts->acc, first, p->H);
 }
 
 /* The rows of P(t, r) (and grad_w's dots); returns how many. */
@@ -276,7 +281,7 @@ static int32_t group_of(const token_pass_t *c, int64_t t, int32_t r, int64_t *cu
   return n;
 }
 
-/* out[t] = round(0 + sum over ranks in order of P(t, r)). */
+/* out[t] = round(sum over ranks in order of P(t, r)). */
 static void combine_token(const token_pass_t *c, int64_t t, int64_t *cursor, token_scratch_t *ts) {
   const struct epx_cpu_plan *p = c->p;
   int32_t K = p->K;
@@ -299,10 +304,11 @@ static void combine_token(const token_pass_t *c, int64_t t, int64_t *cursor, tok
     const float *weights = c->weighted && c->mode != RETURN_PAIRS ? ts->w : NULL;
     if (r != p->rank && c->mode == RETURN_PARTIAL) {
       /* The receiver's P(t, r), float32 or already rounded. */
-      epx_rows_accumulate(c->round_partials ? p->dtype : EPX_FLOAT32, ts->rows, NULL, 1, ts->acc, first, p->H);
+      if (c->round_partials) add_rounded(p->dtype, ts->rows[0], ts->acc, first, p->H);
+      else epx_rows_accumulate(EPX_FLOAT32, ts->rows, NULL, 1, ts->acc, first, p->H);
     } else if (only_rank == r) {
+      /* round(round(P)) = round(P): the same in both precisions. */
       epx_rows_sum_store(p->dtype, ts->rows, weights, n, out_row, p->H);
-      if (c->round_partials) positive_zeros(out_row, p->H);
       return;
     } else if (c->mode == RETURN_PAIRS) {
       /* P(t, r) = 0 + the pair's row, which rounding leaves as it is. */
