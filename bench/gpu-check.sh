@@ -17,6 +17,8 @@
 # CUDA backend needs neither, so MPI is built only where mpicc exists.
 set -u
 cd "$(dirname "$0")/.."
+# EPX_GPU_CHECK_SECTIONS: "one" (one GPU), "two" (2 GPUs over NCCL), or both.
+SECTIONS=${EPX_GPU_CHECK_SECTIONS:-one two}
 OUTDIR=${OUT:-/tmp/epx-gpu}
 WORK=${EPX_GPU_WORK:-/tmp/epx-gpu-work}
 BUILD=${EPX_GPU_BUILD:-build-gpu-check}
@@ -44,19 +46,28 @@ fi
 # Build: the library and the GPU tests only (the CPU tests and tools are not
 # needed here).
 GPU_TESTS=$(ls tests/gpu/test_gpu_*.c 2>/dev/null | xargs -n1 basename 2>/dev/null | sed 's/\.c$//')
+GPU2_TESTS=""
+case " $SECTIONS " in *" two "*)
+  GPU2_TESTS=$(ls tests/gpu/mpi_gpu_*.c tests/gpu/nccl_gpu_*.c 2>/dev/null | xargs -n1 basename 2>/dev/null | sed 's/\.c$//') ;;
+esac
+case " $SECTIONS " in *" one "*) ;; *) GPU_TESTS="" ;; esac
 BUILD_OK=1
 cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DEPX_BUILD_CUDA=ON -DEPX_CUDA_ARCHITECTURES=90 $MPI_FLAG \
+  -DEPX_NCCL_ROOT="$NCCL" \
   "${CMOCKA_ARGS[@]}" >>"$OUTDIR/build.log" 2>&1 || BUILD_OK=0
 if [ $BUILD_OK = 1 ]; then
   # shellcheck disable=SC2086
-  cmake --build "$BUILD" -j"$JOBS" --target epx epx_static $GPU_TESTS >>"$OUTDIR/build.log" 2>&1 || BUILD_OK=0
+  STATIC=""
+  [ -n "$GPU_TESTS" ] && STATIC=epx_static
+  cmake --build "$BUILD" -j"$JOBS" --target epx $STATIC $GPU_TESTS $GPU2_TESTS >>"$OUTDIR/build.log" 2>&1 || BUILD_OK=0
 fi
 [ $BUILD_OK = 1 ] && verdict "build (cmake -DEPX_BUILD_CUDA=ON, sm_90)" PASS || verdict "build (cmake -DEPX_BUILD_CUDA=ON, sm_90)" FAIL
 
 echo "epx gpu-check: build done ($(date +%T))"
+if [ -n "$GPU_TESTS" ]; then
 # GPU tests.
 if [ $BUILD_OK = 1 ]; then
-  (cd "$BUILD" && ctest -L gpu --output-on-failure --timeout 300) >"$OUTDIR/ctest.log" 2>&1
+  (cd "$BUILD" && ctest -L '^gpu$' --output-on-failure --timeout 300) >"$OUTDIR/ctest.log" 2>&1
   for t in $GPU_TESTS; do
     if grep -Eq "Test +#[0-9]+: $t \.+ +Passed" "$OUTDIR/ctest.log"; then verdict "test $t" PASS
     else verdict "test $t" FAIL; fi
@@ -95,13 +106,62 @@ for tool in memcheck racecheck; do
   done
 done
 
+fi # one GPU
+
+# Two GPUs: the NCCL transport, the W-rank tests (one process per GPU under
+# mpirun; the killed-rank test forks its own two ranks), compute-sanitizer
+# memcheck on the MPI test at trimmed sizes, and the 2-GPU benchmark beside
+# NCCL's and PyTorch's all-to-all of the same rows.
+if [ -n "$GPU2_TESTS" ]; then
+  MPIRUN="mpirun --allow-run-as-root --oversubscribe -np 2 -x NCCL_NVLS_ENABLE -x TORCH_SYMM_MEM_DISABLE_MULTICAST -x NVSHMEM_DISABLE_NVLS -x LD_LIBRARY_PATH"
+  export LD_LIBRARY_PATH="$NCCL/lib:${LD_LIBRARY_PATH:-}"
+  NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
+  : >"$OUTDIR/gpu2.log"
+  if [ "$NGPU" -lt 2 ] || [ $BUILD_OK != 1 ]; then
+    verdict "2-GPU section ($NGPU GPUs, build $BUILD_OK)" SKIPPED
+  else
+    for t in $GPU2_TESTS; do
+      echo "== $t" >>"$OUTDIR/gpu2.log"
+      case $t in
+        mpi_*) timeout "${EPX_GPU2_TEST_TIMEOUT:-300}" $MPIRUN "$BUILD/tests/gpu/$t" >>"$OUTDIR/gpu2.log" 2>&1 ;;
+        *) timeout 200 "$BUILD/tests/gpu/$t" >>"$OUTDIR/gpu2.log" 2>&1 ;;
+      esac
+      rc=$?
+      [ $rc = 0 ] && verdict "test $t (2 GPUs)" PASS || verdict "test $t (2 GPUs)" "FAIL (exit $rc)"
+    done
+    echo "epx gpu-check: 2-GPU tests done ($(date +%T))"
+    SAN=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)
+    if [ -n "$SAN" ] && [ -n "${EPX_GPU2_SANITIZE:-1}" ] && [ "${EPX_GPU2_SANITIZE:-1}" != 0 ]; then
+      EPX_GPU_TEST_QUICK=1 timeout 240 $MPIRUN -x EPX_GPU_TEST_QUICK "$SAN" --tool memcheck --error-exitcode 86 \
+        "$BUILD/tests/gpu/mpi_gpu_exchange" >"$OUTDIR/memcheck2.log" 2>&1
+      rc=$?
+      case $rc in
+        0) verdict "memcheck mpi_gpu_exchange (2 GPUs)" PASS ;;
+        124) verdict "memcheck mpi_gpu_exchange (2 GPUs)" "TIMEOUT (240 s)" ;;
+        *) verdict "memcheck mpi_gpu_exchange (2 GPUs)" "FAIL (exit $rc)" ;;
+      esac
+    fi
+    B2=0
+    if mpicc -O2 -std=c11 -Iinclude -I"$NCCL/include" -I/usr/local/cuda/include bench/gpu/bench_ep.c -o "$WORK/bench_ep" \
+         -L"$BUILD" -lepx -L/usr/local/cuda/lib64 -lcudart -L"$NCCL/lib" -l:libnccl.so.2 -lm \
+         -Wl,-rpath,"$PWD/$BUILD" -Wl,-rpath,"$NCCL/lib" >"$OUTDIR/bench2.log" 2>&1; then
+      timeout "${EPX_GPU2_BENCH_TIMEOUT:-300}" $MPIRUN "$WORK/bench_ep" "$WORK" >>"$OUTDIR/bench2.log" 2>&1 && B2=1
+    fi
+    [ $B2 = 1 ] && verdict "2-GPU benchmark (checked, timings)" PASS || verdict "2-GPU benchmark (checked, timings)" FAIL
+    PYTHONUNBUFFERED=1 timeout 200 $MPIRUN -x PYTHONUNBUFFERED python3 bench/gpu/bench_torch_ep.py "$WORK" \
+      >>"$OUTDIR/bench2.log" 2>&1 && verdict "PyTorch all_to_all_single (2 GPUs)" PASS ||
+      verdict "PyTorch all_to_all_single (2 GPUs)" FAIL
+    echo "epx gpu-check: 2-GPU bench done ($(date +%T))"
+  fi
+fi
+
 {
   echo
   echo "== targets (measured; limit)"
-  grep '^TARGET' "$OUTDIR/bench.log" | sed 's/^TARGET //'
+  grep -h '^TARGET' "$OUTDIR/bench.log" "$OUTDIR/bench2.log" 2>/dev/null | sed 's/^TARGET //'
   echo
   echo "== bench"
-  grep -E '^(DEVICE|SHAPE|CHECK|RESULT|NOTE)' "$OUTDIR/bench.log"
+  grep -hE '^(DEVICE|SHAPE|CHECK|RESULT|NOTE|TORCH)' "$OUTDIR/bench.log" "$OUTDIR/bench2.log" 2>/dev/null
   echo
   grep -E '^(TORCH|\|)' "$OUTDIR/torch.log"
 } >>"$SUMMARY" 2>/dev/null

@@ -372,8 +372,35 @@ epx_status_t epx_comm_create_mpi(const void *mpi_comm, const epx_comm_config_t *
 
 /* The NCCL transport (builds with EPX_BUILD_CUDA and NCCL; else every call
  * below returns EPX_ERROR_UNSUPPORTED and epx_has_nccl() is 0). One process
- * per GPU; CUDA buffers over such a comm exchange on the GPU.
- * epx_nccl_unique_id_t holds the bytes of an ncclUniqueId. */
+ * per GPU; CUDA buffers over such a comm exchange on the GPU with NCCL's
+ * host API on the buffer's stream. epx_nccl_unique_id_t holds the bytes of
+ * an ncclUniqueId.
+ *
+ * One NCCL per process: libepx links libnccl.so.2 dynamically, so where
+ * PyTorch (or the caller) already loaded an NCCL the loader gives epx that
+ * same library. The build looks for NCCL in EPX_NCCL_ROOT, Python's
+ * nvidia-nccl package, then the CUDA toolkit.
+ *
+ * Errors and hangs: every host wait on an NCCL comm polls the stream and
+ * ncclCommGetAsyncError; an NCCL error becomes EPX_ERROR_TRANSPORT with
+ * NCCL's message, and no completion within timeout_seconds becomes
+ * EPX_ERROR_TIMEOUT. Either way the NCCL comm is aborted (ncclCommAbort, which
+ * also stops its kernels on the GPU; a caller's ncclComm_t too: do not use or
+ * destroy it afterwards) and every later call on the epx comm returns
+ * EPX_ERROR_PEER_FAILED. NCCL does not say which peer stopped, so the
+ * messages name this rank and the comm's size only. Work enqueued on a
+ * stream is only watched while epx waits on it: wait through epx (the
+ * layout, epx_handle_recv_rows) or bound your own waits.
+ *
+ * On a CUDA buffer over W > 1 ranks: every collective call first agrees its
+ * host verdict over the comm (one small all-reduce), as on the CPU, and the
+ * layout waits once for the message sizes. With worst_case_sizing none of
+ * that happens (the calls can be captured in a CUDA graph): messages have
+ * their per-peer bound as size, an oversize batch is refused on its own rank
+ * (which still joins the routing exchange, so its peers' layouts complete and
+ * report it from epx_handle_recv_rows), and any other host refusal on one rank
+ * reaches its peers as EPX_ERROR_TIMEOUT of their next bounded wait. Every
+ * rank must use the same routing.top_k. */
 int epx_has_nccl(void);
 typedef struct epx_nccl_unique_id {
   char bytes[128];
@@ -394,7 +421,7 @@ epx_status_t epx_comm_create_nccl(void *nccl_comm, const epx_comm_config_t *conf
 epx_status_t epx_comm_create_nccl_mpi(const void *mpi_comm, const epx_comm_config_t *config,
                                       epx_comm_t *comm);
 
-/* Collective for local and MPI comms (a barrier then release). A failed comm
+/* Collective for local, MPI and NCCL comms (a barrier then release). A failed comm
  * (after a timeout or a peer's failure) is released without synchronising.
  * Once accepted, destroy always releases this rank's comm; it is refused
  * (EPX_ERROR_BUSY) while buffers created over the comm are alive. */
@@ -674,10 +701,10 @@ epx_status_t epx_handle_release(epx_handle_t handle);
  * it falls back to a full epx_dispatch_layout and counts it. With validate on,
  * the replay hashes topk_idx and a difference is EPX_ERROR_REPLAY_MISMATCH
  * naming the call index; validation is collective (one small message: on a
- * CPU buffer the handshake every call starts with), so every rank refuses
- * together. (On a CUDA buffer validation compares the
- * token count, top_k and weighting only: hashing device routing would cost a
- * device-to-host copy.) Received rows are never kept. */
+ * CPU buffer the handshake every call starts with, elsewhere a small
+ * all-reduce), so every rank refuses together. On a CUDA buffer the hash is
+ * computed on the device and read back (one host synchronisation per
+ * validated replay). Received rows are never kept. */
 typedef enum epx_recorder_mode {
   EPX_RECORDER_RECORD = 0,
   EPX_RECORDER_REPLAY = 1

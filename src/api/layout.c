@@ -121,7 +121,12 @@ epx_status_t epx_dispatch_layout(epx_buffer_t buffer, const epx_routing_t *routi
   EPX_CHECK(epx_registry_add(h, EPX_OBJECT_HANDLE));
   __atomic_add_fetch(&buffer->live_handles, 1, __ATOMIC_SEQ_CST);
   if (recorder && !epx_recorder_replaying(recorder)) {
-    status = epx_recorder_append(recorder, h);
+    /* A validating recorder keeps the routing's hash (CUDA computes it on
+     * the device and reads it back: only when recording with validation). */
+    status = epx_recorder_validates(recorder) && !h->routing_hash && routing->num_tokens
+                 ? buffer->backend->routing_hash(buffer, routing, &h->routing_hash)
+                 : EPX_SUCCESS;
+    if (status == EPX_SUCCESS) status = epx_recorder_append(recorder, h);
     if (status != EPX_SUCCESS) {
       epx_handle_free(h);
       return status;

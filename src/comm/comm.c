@@ -15,7 +15,7 @@
 int epx_has_mpi(void) { return EPX_HAVE_MPI; }
 
 /* A comm allocated and registered, ready for a transport's init. */
-static epx_status_t comm_new(const char *fn, double timeout_seconds, epx_comm_t *out) {
+epx_status_t epx_comm_new(const char *fn, double timeout_seconds, epx_comm_t *out) {
   epx_comm_t comm = calloc(1, sizeof *comm);
   if (!comm) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory allocating a comm", fn);
   comm->timeout_seconds = timeout_seconds;
@@ -28,7 +28,7 @@ static epx_status_t comm_new(const char *fn, double timeout_seconds, epx_comm_t 
   return EPX_SUCCESS;
 }
 
-static void comm_free(epx_comm_t comm) {
+void epx_comm_free(epx_comm_t comm) {
   epx_registry_remove(comm);
   free(comm);
 }
@@ -48,11 +48,11 @@ epx_status_t epx_comm_create_self(epx_comm_t *comm) {
   EPX_REQUIRE(comm, "epx_comm_create_self: comm is NULL; pass the address of an epx_comm_t");
   const epx_comm_config_t defaults = EPX_COMM_CONFIG_INIT;
   epx_comm_t created = NULL;
-  epx_status_t status = comm_new("epx_comm_create_self", defaults.timeout_seconds, &created);
+  epx_status_t status = epx_comm_new("epx_comm_create_self", defaults.timeout_seconds, &created);
   if (status != EPX_SUCCESS) return status;
   status = epx_comm_init_self(created);
   if (status != EPX_SUCCESS) {
-    comm_free(created);
+    epx_comm_free(created);
     return status;
   }
   *comm = created;
@@ -70,11 +70,11 @@ epx_status_t epx_comm_create_local(epx_local_world_t world, int32_t rank, epx_co
                      "already?); pass one from epx_local_world_create");
   epx_comm_t created = NULL;
   /* The world's timeout replaces this one in epx_comm_init_local. */
-  epx_status_t status = comm_new("epx_comm_create_local", 0.0, &created);
+  epx_status_t status = epx_comm_new("epx_comm_create_local", 0.0, &created);
   if (status != EPX_SUCCESS) return status;
   status = epx_comm_init_local(created, world, rank);
   if (status != EPX_SUCCESS) {
-    comm_free(created);
+    epx_comm_free(created);
     return status;
   }
   *comm = created;
@@ -108,11 +108,11 @@ epx_status_t epx_comm_create_mpi(const void *mpi_comm, const epx_comm_config_t *
   if (checked != EPX_SUCCESS) return checked;
 #if EPX_HAVE_MPI
   epx_comm_t created = NULL;
-  epx_status_t status = comm_new("epx_comm_create_mpi", timeout_seconds, &created);
+  epx_status_t status = epx_comm_new("epx_comm_create_mpi", timeout_seconds, &created);
   if (status != EPX_SUCCESS) return status;
   status = epx_comm_init_mpi(created, mpi_comm);
   if (status != EPX_SUCCESS) {
-    comm_free(created);
+    epx_comm_free(created);
     return status;
   }
   *comm = created;

@@ -23,7 +23,7 @@
 typedef epx_status_t (*epx_comm_then_fn)(void *ctx, const void *recv);
 
 typedef struct epx_transport_ops {
-  const char *name; /* "self", "local", "mpi" */
+  const char *name; /* "self", "local", "mpi", "nccl" */
   /* send holds size blocks of `bytes`, block r for rank r; recv gets block
    * s from rank s (its own block too). */
   epx_status_t (*alltoall)(epx_comm_t comm, const char *caller, const void *send, void *recv,

@@ -22,6 +22,7 @@
 
 #include "core/error.h"
 #include "cuda/cuda_backend.h"
+#include "cuda/ep.h"
 #include "cuda/launch.h"
 
 /* buffer->cuda */
@@ -109,7 +110,7 @@ void epx_cuda_handle_fini(epx_handle_t handle) {
 
 /* The message of the first invalid route; topk_idx and locations are the
  * caller's device arrays when still available (NULL: the value is not named). */
-static epx_status_t routing_error(const char *fn, uint64_t error, int32_t K, int32_t E, int32_t C,
+epx_status_t epx_cuda_routing_error(const char *fn, uint64_t error, int32_t K, int32_t E, int32_t C,
                                   const int32_t *topk_idx, const int32_t *locations,
                                   const char *note) {
   int64_t route = (int64_t)(error >> 3), t = route / K;
@@ -243,7 +244,7 @@ epx_status_t epx_cuda_dispatch_layout(epx_buffer_t buffer, const epx_routing_t *
                                cudaMemcpyDeviceToHost, stream), fn, "cudaMemcpyAsync of the row count");
     CUDA_CHECK(cudaStreamSynchronize(stream), fn, "cudaStreamSynchronize");
     if (bs->readback->error != EPX_CUDA_NO_ERROR) {
-      status = routing_error(fn, bs->readback->error, K, E, c->capacity, routing->topk_idx,
+      status = epx_cuda_routing_error(fn, bs->readback->error, K, E, c->capacity, routing->topk_idx,
                              c->layout == EPX_LAYOUT_CAPACITY ? routing->locations : NULL, "");
       goto fail;
     }
@@ -363,7 +364,7 @@ epx_status_t epx_cuda_handle_recv_rows(epx_handle_t handle, int64_t *rows) {
                                cudaMemcpyDeviceToHost, stream), fn, "cudaMemcpyAsync of the row count");
     CUDA_CHECK(cudaStreamSynchronize(stream), fn, "cudaStreamSynchronize");
     if (bs->readback->error != EPX_CUDA_NO_ERROR)
-      return routing_error(fn, bs->readback->error, handle->top_k, buffer->experts_per_rank,
+      return epx_cuda_routing_error(fn, bs->readback->error, handle->top_k, buffer->experts_per_rank,
                            buffer->config.capacity, NULL, NULL,
                            " (with worst_case_sizing epx_dispatch_layout does not wait for the "
                            "verdict: the invalid route was dropped, treated as -1)");

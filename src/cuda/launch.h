@@ -151,6 +151,139 @@ cudaError_t epx_cuda_weights_back_launch(epx_layout_t layout, const epx_cuda_lay
                                          int64_t num_tokens, int32_t top_k, const float *grad_recv_w,
                                          float *grad_w, cudaStream_t stream);
 
+/* The accessors above over a layout of several ranks' tokens: the layout's
+ * ids are local (expert_base is added), its routes have K_src slots and its
+ * token g is token g % block_tokens of rank g / block_tokens (ep.c). */
+cudaError_t epx_cuda_recv_routing_ranks_launch(epx_layout_t layout, const epx_cuda_layout_t *lay,
+                                               const float *w, int32_t K, int32_t K_src,
+                                               int32_t expert_base, int64_t row_bound,
+                                               int32_t *recv_expert, float *recv_w,
+                                               cudaStream_t stream);
+cudaError_t epx_cuda_recv_source_ranks_launch(epx_layout_t layout, const epx_cuda_layout_t *lay,
+                                              int32_t K, int64_t block_tokens, int64_t row_bound,
+                                              int32_t *src_rank, int32_t *src_token,
+                                              cudaStream_t stream);
+
+/* ------------------------------------------------------------------------ */
+/* W ranks (ep.cu): the tables of a dispatch over NCCL                       */
+/* ------------------------------------------------------------------------ */
+/*
+ * Every rank gathers every rank's sanitised routing as [W * Tm, Kb] (Tm the
+ * agreed tokens per rank, Kb the buffer's max_top_k; token g = s * Tm + t of
+ * rank s, slots and tokens past a rank's own -1). From it each rank computes,
+ * with one scan over four flag segments, where every row it sends and
+ * receives sits in the staging buffers:
+ *   home (the token's rank), per destination d in rank order:
+ *     pair  (t, d): a row per token with a route to d        (dedup)
+ *     route (t, k): a row per route to d, in (t, k) order    (collective)
+ *   receiver, per source s in rank order: the same items of s, in s's order.
+ * Staging row of an item: compact (prefix over the peers before it) or, with
+ * worst_case_sizing, peer * per-peer bound + index (static message sizes).
+ * The receive layout itself is the one-rank layout of the gathered routing
+ * restricted to this rank's experts (locations s * C + l for capacity). */
+
+/* Segment offsets of the flag/scan array (ints). */
+typedef struct epx_cuda_ep_dims {
+  int32_t W, rank, El, Kb, K; /* K: this rank's top_k (<= Kb) */
+  int64_t Tm, T;              /* agreed tokens per rank; this rank's tokens */
+  int32_t layout, capacity, worst;
+  int64_t Bp, Br;             /* per-peer staging rows with worst_case_sizing */
+} epx_cuda_ep_dims_t;
+
+/* Ints of the flag array (one past the four segments, for the totals). */
+int64_t epx_cuda_ep_flag_count(const epx_cuda_ep_dims_t *d);
+/* Bytes of the scan's temporary storage for that many flags. */
+size_t epx_cuda_ep_scan_bytes(int64_t flags);
+
+/* Header of a rank's gathered routing. */
+enum { EPX_CUDA_EP_HDR_TOKENS = 0, EPX_CUDA_EP_HDR_OVERSIZE = 1, EPX_CUDA_EP_HDR_INVALID = 2,
+       EPX_CUDA_EP_HDR_TOPK = 3, EPX_CUDA_EP_HDR_INTS = 4 };
+
+/* Own routing [T, K] (sanitised ids, weights or NULL, locations or NULL) ->
+ * the send block: idx/w/loc [Tm, Kb] and the header {T, oversize, invalid
+ * (own_result's error), K}. oversize: send no routes. */
+cudaError_t epx_cuda_ep_stage_launch(const epx_cuda_ep_dims_t *d, const int32_t *own_idx,
+                                     const float *own_w, const int32_t *locations,
+                                     const epx_cuda_layout_result_t *own_result, int oversize,
+                                     int32_t *idx, float *w, int32_t *loc, int32_t *hdr,
+                                     cudaStream_t stream);
+
+/* Gathered idx/loc [W*Tm, Kb] and headers [W, 4] -> the receive layout's
+ * routing (local ids, -1 elsewhere; locations s*C + l) and the flags. Any
+ * rank's oversize header empties everything (nothing moves). */
+cudaError_t epx_cuda_ep_flags_launch(const epx_cuda_ep_dims_t *d, const int32_t *gidx,
+                                     const int32_t *gloc, const int32_t *ghdr, int32_t *ridx,
+                                     int32_t *rloc, int32_t *flags, cudaStream_t stream);
+
+/* Exclusive prefix sum of `count` ints (cub). */
+cudaError_t epx_cuda_ep_scan_launch(const int32_t *flags, int32_t *scan, int64_t count, void *temp,
+                                    size_t temp_bytes, cudaStream_t stream);
+
+/* The tables (see ep.c for each array's shape). rp_rows, rr_row, rr_all and
+ * stage_of_row must be -1 (0xff bytes) before. summary [4W + 4W + 2] int64:
+ * send pairs, send routes, recv pairs, recv routes per peer, the headers,
+ * the layout's N, and the first invalid route of this rank (uint64). */
+typedef struct epx_cuda_ep_tables {
+  const int32_t *scan, *gidx, *ridx, *ghdr;
+  const float *gw;
+  const epx_cuda_layout_t *recv;      /* the receive layout (device arrays) */
+  const epx_cuda_layout_result_t *own_result;
+  int32_t *pair_stage;  /* [T, W] home staging row of pair (t, d), -1 none */
+  int32_t *route_stage; /* [T, K] home staging row of route (t, k), -1 none */
+  int32_t *group;       /* [T, K] destination rank of route (t, k), -1 none */
+  int32_t *rp_rows;     /* [pair staging rows, Kb] layout row of each slot of a received pair */
+  float *rp_w;          /* [pair staging rows, Kb] its weight */
+  int32_t *rr_row;      /* [route staging rows] layout row a received route writes (rank-major: the
+                           pair's first local route only) */
+  int32_t *rr_all;      /* [route staging rows] layout row of the route (rank-major: its pair's) */
+  int32_t *rr_slot;     /* [route staging rows] the route's k */
+  float *rr_w;          /* [route staging rows] its weight */
+  int32_t *stage_of_row;/* [row bound] staging row of each layout row: its route (expert-major,
+                           capacity) or its pair (rank-major) */
+  int64_t *summary;
+} epx_cuda_ep_tables_t;
+cudaError_t epx_cuda_ep_tables_launch(const epx_cuda_ep_dims_t *d, const epx_cuda_ep_tables_t *t,
+                                      cudaStream_t stream);
+
+/* Combine's reductions that the one-rank gather does not do: per token,
+ * acc = 0; over its slots sorted by (group, k) (group NULL: one group, k
+ * order): part = 0 + (w *) src[row]; at each group's end acc += part, part
+ * rounded to src_dtype first when round_groups; dst[t] = acc in dst_dtype.
+ * src_dtype != dst_dtype only without grad_w (float32 partials out or in).
+ * With grad_w: grad_w[t, k] = <src[row(t, k)], other[t]> (0 for -1 slots). */
+typedef struct epx_cuda_reduce {
+  epx_dtype_t src_dtype, dst_dtype;
+  const void *src;
+  void *dst;
+  int64_t tokens, hidden;
+  const int32_t *rows; /* [T, K] */
+  const int32_t *group;/* [T, K] or NULL */
+  int32_t top_k;
+  const float *w;      /* [T, K] or NULL */
+  const void *other;   /* [T, H] with grad_w */
+  float *grad_w;       /* [T, K] or NULL */
+  int round_groups;
+} epx_cuda_reduce_t;
+cudaError_t epx_cuda_reduce_launch(const epx_cuda_reduce_t *r, cudaStream_t stream);
+
+/* Home side of a returned value per slot: grad_w[t, k] = back[pair_stage[t,
+ * group[t,k]] * Kb + k] (pairs, dedup) or back[route_stage[t, k]] (routes),
+ * 0 where there is no route. */
+cudaError_t epx_cuda_ep_home_values_launch(const epx_cuda_ep_dims_t *d, int pairs, const int32_t *pair_stage,
+                                           const int32_t *route_stage, const int32_t *group,
+                                           const float *back, float *grad_w, cudaStream_t stream);
+
+/* Receiver side of epx_weights_backward: back[j] = grad_recv_w[rr_all[j] *
+ * slots + (slots > 1 ? rr_slot[j] : 0)] for each route staging row j (0 for
+ * rows of no route). */
+cudaError_t epx_cuda_ep_route_values_launch(int64_t rows, const int32_t *rr_all, const int32_t *rr_slot,
+                                            int32_t slots, const float *grad_recv_w, float *back,
+                                            cudaStream_t stream);
+
+/* A hash of topk_idx [T, K] on the device (order-sensitive, deterministic):
+ * sum over i of mix(i, topk_idx[i]) mod 2^64, written to *hash. */
+cudaError_t epx_cuda_hash_launch(const int32_t *topk_idx, int64_t count, uint64_t *hash, cudaStream_t stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -343,33 +343,36 @@ __global__ void __launch_bounds__(kAssignThreads) layout_assign_kernel(const ass
 __global__ void __launch_bounds__(kThreads)
     recv_routing_kernel(int layout, const int32_t *__restrict__ row_src,
                         const int32_t *__restrict__ idx, const float *__restrict__ w, int K,
-                        const int64_t *rows_valid, int64_t row_bound, int32_t *recv_expert,
-                        float *recv_w) {
+                        int K_src, int expert_base, const int64_t *rows_valid, int64_t row_bound,
+                        int32_t *recv_expert, float *recv_w) {
   const int64_t r = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (r >= min(*rows_valid, row_bound)) return;
   const int32_t src = row_src[r];
   if (layout == EPX_LAYOUT_RANK_MAJOR) {
     for (int k = 0; k < K; k++) {
-      const int e = src >= 0 ? idx[(int64_t)src * K + k] : -1;
-      if (recv_expert) recv_expert[r * K + k] = e;
-      if (recv_w) recv_w[r * K + k] = e >= 0 && w ? w[(int64_t)src * K + k] : 0.0f;
+      const int e = src >= 0 ? idx[(int64_t)src * K_src + k] : -1;
+      if (recv_expert) recv_expert[r * K + k] = e >= 0 ? e + expert_base : -1;
+      if (recv_w) recv_w[r * K + k] = e >= 0 && w ? w[(int64_t)src * K_src + k] : 0.0f;
     }
   } else {
     const int e = src >= 0 ? idx[src] : -1;
-    if (recv_expert) recv_expert[r] = e;
+    if (recv_expert) recv_expert[r] = e >= 0 ? e + expert_base : -1;
     if (recv_w) recv_w[r] = e >= 0 && w ? w[src] : 0.0f;
   }
 }
 
+/* block_tokens: tokens per source rank in the layout's token numbering
+ * (token g of the layout is token g % block_tokens of rank g / block_tokens). */
 __global__ void __launch_bounds__(kThreads)
-    recv_source_kernel(int layout, const int32_t *__restrict__ row_src, int K,
+    recv_source_kernel(int layout, const int32_t *__restrict__ row_src, int K, int64_t block_tokens,
                        const int64_t *rows_valid, int64_t row_bound, int32_t *src_rank,
                        int32_t *src_token) {
   const int64_t r = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (r >= min(*rows_valid, row_bound)) return;
   const int32_t src = row_src[r];
-  if (src_rank) src_rank[r] = src >= 0 ? 0 : -1;
-  if (src_token) src_token[r] = src < 0 ? -1 : layout == EPX_LAYOUT_RANK_MAJOR ? src : src / K;
+  const int64_t g = src < 0 ? -1 : layout == EPX_LAYOUT_RANK_MAJOR ? src : src / K;
+  if (src_rank) src_rank[r] = g < 0 ? -1 : (int32_t)(g / block_tokens);
+  if (src_token) src_token[r] = g < 0 ? -1 : (int32_t)(g % block_tokens);
 }
 
 }  // namespace
@@ -450,21 +453,37 @@ extern "C" cudaError_t epx_cuda_layout_launch(const int32_t *topk_idx, const int
   return cudaGetLastError();
 }
 
+extern "C" cudaError_t epx_cuda_recv_routing_ranks_launch(epx_layout_t layout, const epx_cuda_layout_t *lay,
+                                                          const float *w, int32_t K, int32_t K_src,
+                                                          int32_t expert_base, int64_t row_bound,
+                                                          int32_t *recv_expert, float *recv_w,
+                                                          cudaStream_t stream) {
+  if (row_bound <= 0 || (!recv_expert && !recv_w)) return cudaSuccess;
+  recv_routing_kernel<<<(unsigned)((row_bound + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
+      layout, lay->row_src, lay->idx, w, K, K_src, expert_base, &lay->result->rows, row_bound, recv_expert,
+      recv_w);
+  return cudaGetLastError();
+}
+
 extern "C" cudaError_t epx_cuda_recv_routing_launch(epx_layout_t layout, const epx_cuda_layout_t *lay,
                                                     const float *w, int32_t K, int64_t row_bound,
                                                     int32_t *recv_expert, float *recv_w,
                                                     cudaStream_t stream) {
-  if (row_bound <= 0 || (!recv_expert && !recv_w)) return cudaSuccess;
-  recv_routing_kernel<<<(unsigned)((row_bound + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
-      layout, lay->row_src, lay->idx, w, K, &lay->result->rows, row_bound, recv_expert, recv_w);
+  return epx_cuda_recv_routing_ranks_launch(layout, lay, w, K, K, 0, row_bound, recv_expert, recv_w, stream);
+}
+
+extern "C" cudaError_t epx_cuda_recv_source_ranks_launch(epx_layout_t layout, const epx_cuda_layout_t *lay,
+                                                         int32_t K, int64_t block_tokens, int64_t row_bound,
+                                                         int32_t *src_rank, int32_t *src_token,
+                                                         cudaStream_t stream) {
+  if (row_bound <= 0 || (!src_rank && !src_token)) return cudaSuccess;
+  recv_source_kernel<<<(unsigned)((row_bound + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
+      layout, lay->row_src, K, block_tokens, &lay->result->rows, row_bound, src_rank, src_token);
   return cudaGetLastError();
 }
 
 extern "C" cudaError_t epx_cuda_recv_source_launch(epx_layout_t layout, const epx_cuda_layout_t *lay,
                                                    int32_t K, int64_t row_bound, int32_t *src_rank,
                                                    int32_t *src_token, cudaStream_t stream) {
-  if (row_bound <= 0 || (!src_rank && !src_token)) return cudaSuccess;
-  recv_source_kernel<<<(unsigned)((row_bound + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
-      layout, lay->row_src, K, &lay->result->rows, row_bound, src_rank, src_token);
-  return cudaGetLastError();
+  return epx_cuda_recv_source_ranks_launch(layout, lay, K, INT64_MAX, row_bound, src_rank, src_token, stream);
 }

@@ -1,0 +1,548 @@
+/* The NCCL transport: GPU ranks, one process per GPU.
+ *
+ * The CUDA backend moves rows with NCCL on the buffer's stream (src/cuda);
+ * this file makes and destroys the comm and gives the vtable's host
+ * collectives (buffer creation's shape agreement, the verdicts of collective
+ * calls): each stages its host bytes in device scratch, runs one NCCL
+ * operation on the comm's own stream and waits for it, bounded.
+ *
+ * One NCCL per process: libepx is linked against libnccl.so.2 dynamically
+ * (never statically), so in a process where PyTorch has already loaded its
+ * NCCL the dynamic loader resolves epx's libnccl.so.2 to that same loaded
+ * library (by its soname) and epx, PyTorch and the caller's ncclComm_t share
+ * one copy.
+ *
+ * No hangs: NCCL kernels that wait for a peer never return on their own, so
+ * every host wait polls the stream and ncclCommGetAsyncError; an error, or no
+ * completion within timeout_seconds, aborts the NCCL comm (ncclCommAbort,
+ * which also stops its kernels) and fails the epx comm. NCCL does not say
+ * which peer is missing: the message names the comm's size and this rank
+ * only. Comms epx creates are nonblocking (config.blocking = 0), so
+ * creation and enqueueing never block the host either. */
+#include "comm/nccl.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "comm/comm.h"
+#include "core/error.h"
+#include "core/registry.h"
+
+#if EPX_HAVE_NCCL
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+#if EPX_HAVE_MPI
+#include <mpi.h>
+#endif
+
+int epx_has_nccl(void) { return 1; }
+
+typedef struct nccl_state {
+  ncclComm_t comm;
+  /* The host collectives' comm: split from `comm` so that a verdict's
+   * all-reduce is not ordered behind the payload kernels NCCL queued on
+   * `comm` (it would stall the host until they finish); `comm` itself where
+   * the split failed. */
+  ncclComm_t control;
+  int owned;            /* epx created it (destroy it), else the caller's */
+  int aborted;          /* ncclCommAbort ran: the handle is gone */
+  int device;
+  cudaStream_t stream;  /* the host collectives' stream */
+  void *scratch;        /* device staging of the host collectives */
+  void *mirror;         /* pinned host mirror of scratch (same offsets) */
+  size_t scratch_bytes;
+  char reason[768];     /* why the comm failed */
+} nccl_state_t;
+
+static double now_seconds(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* Between polls: spin at first (a sleep costs the timer slack, about 50 us,
+ * on every short wait), then sleep. */
+static void pause_briefly(int *polls) {
+  if ((*polls)++ < 20000) return;
+  struct timespec ts = {0, 20000};
+  nanosleep(&ts, NULL);
+}
+
+/* Fails the comm once: aborts the NCCL comm so its kernels stop, and keeps
+ * the reason for later calls. */
+static epx_status_t fail_comm(epx_comm_t comm, epx_status_t code, const char *caller, const char *what) {
+  nccl_state_t *s = comm->impl;
+  if (!s->aborted) {
+    if (s->control && s->control != s->comm) ncclCommAbort(s->control);
+    ncclCommAbort(s->comm);
+    s->aborted = 1;
+  }
+  comm->failed = 1;
+  snprintf(s->reason, sizeof s->reason, "%s", what);
+  return epx_error(code,
+                   "%s: %s; the NCCL comm was aborted (a caller's ncclComm_t too: do not use or "
+                   "destroy it); destroy the epx comm and create a new one", caller, what);
+}
+
+static epx_status_t check_alive(epx_comm_t comm, const char *caller) {
+  nccl_state_t *s = comm->impl;
+  if (!comm->failed) return EPX_SUCCESS;
+  return epx_error(EPX_ERROR_PEER_FAILED, "%s: the NCCL comm failed earlier: %s; destroy it and create a new one",
+                   caller, s->reason);
+}
+
+static epx_status_t nccl_error(epx_comm_t comm, ncclResult_t r, const char *caller, const char *what) {
+  nccl_state_t *s = comm->impl;
+  char text[640];
+  snprintf(text, sizeof text, "%s failed on rank %d of %d: %s (%s)", what, comm->rank, comm->size,
+           ncclGetErrorString(r), s->aborted ? "" : ncclGetLastError(s->comm));
+  return fail_comm(comm, EPX_ERROR_TRANSPORT, caller, text);
+}
+
+static epx_status_t timed_out(epx_comm_t comm, const char *caller, const char *what) {
+  char text[512];
+  snprintf(text, sizeof text,
+           "%s did not complete within %.3g s on rank %d of %d (a peer stopped, died, or is in "
+           "another call; NCCL does not say which rank)", what, comm->timeout_seconds, comm->rank,
+           comm->size);
+  return fail_comm(comm, EPX_ERROR_TIMEOUT, caller, text);
+}
+
+/* Polls the comms' asynchronous state until both leave ncclInProgress. */
+static epx_status_t settle(epx_comm_t comm, const char *caller, const char *what) {
+  nccl_state_t *s = comm->impl;
+  double deadline = now_seconds() + comm->timeout_seconds;
+  int polls = 0;
+  for (;;) {
+    int busy = 0;
+    for (int i = 0; i < 2; i++) {
+      ncclComm_t c = i ? s->control : s->comm;
+      if (!c || (i && c == s->comm)) continue;
+      ncclResult_t state = ncclSuccess;
+      ncclResult_t r = ncclCommGetAsyncError(c, &state);
+      if (r != ncclSuccess) return nccl_error(comm, r, caller, "ncclCommGetAsyncError");
+      if (state != ncclSuccess && state != ncclInProgress) return nccl_error(comm, state, caller, what);
+      busy |= state == ncclInProgress;
+    }
+    if (!busy) return EPX_SUCCESS;
+    if (comm->timeout_seconds > 0 && now_seconds() > deadline) return timed_out(comm, caller, what);
+    pause_briefly(&polls);
+  }
+}
+
+epx_status_t epx_nccl_result(epx_comm_t comm, int result, const char *caller, const char *what) {
+  if (result == ncclSuccess) return EPX_SUCCESS;
+  if (result == ncclInProgress) return settle(comm, caller, what);
+  return nccl_error(comm, (ncclResult_t)result, caller, what);
+}
+
+epx_status_t epx_nccl_wait(epx_comm_t comm, void *stream, const char *caller) {
+  nccl_state_t *s = comm->impl;
+  double deadline = now_seconds() + comm->timeout_seconds;
+  int polls = 0;
+  for (;;) {
+    cudaError_t e = cudaStreamQuery((cudaStream_t)stream);
+    if (e == cudaSuccess) return EPX_SUCCESS;
+    if (e != cudaErrorNotReady)
+      return epx_error(EPX_ERROR_CUDA, "%s: waiting for the stream failed with %s (%s)", caller,
+                       cudaGetErrorName(e), cudaGetErrorString(e));
+    for (int i = 0; i < 2; i++) {
+      ncclComm_t c = i ? s->control : s->comm;
+      if (!c || (i && c == s->comm)) continue;
+      ncclResult_t state = ncclSuccess;
+      ncclResult_t r = ncclCommGetAsyncError(c, &state);
+      if (r != ncclSuccess) return nccl_error(comm, r, caller, "ncclCommGetAsyncError");
+      if (state != ncclSuccess && state != ncclInProgress)
+        return nccl_error(comm, state, caller, "an NCCL operation of this comm");
+    }
+    if (comm->timeout_seconds > 0 && now_seconds() > deadline)
+      return timed_out(comm, caller, "the NCCL work on the stream");
+    pause_briefly(&polls);
+  }
+}
+
+void *epx_nccl_comm(epx_comm_t comm) { return ((nccl_state_t *)comm->impl)->comm; }
+int epx_nccl_device(epx_comm_t comm) { return ((nccl_state_t *)comm->impl)->device; }
+
+/* ------------------------------------------------------------------------ */
+/* Host collectives                                                          */
+/* ------------------------------------------------------------------------ */
+
+/* Device scratch and its pinned host mirror of `bytes`. Host bytes travel
+ * through the mirror: a copy from pageable memory would block the host
+ * until the stream drains, which is no wait epx could bound. */
+static epx_status_t begin(epx_comm_t comm, const char *caller, size_t bytes) {
+  nccl_state_t *s = comm->impl;
+  epx_status_t status = check_alive(comm, caller);
+  if (status != EPX_SUCCESS) return status;
+  cudaError_t e = cudaSetDevice(s->device);
+  if (e == cudaSuccess && bytes > s->scratch_bytes) {
+    if (s->scratch) cudaFree(s->scratch);
+    if (s->mirror) cudaFreeHost(s->mirror);
+    s->scratch = s->mirror = NULL;
+    s->scratch_bytes = 0;
+    e = cudaMalloc(&s->scratch, bytes);
+    if (e == cudaSuccess) e = cudaMallocHost(&s->mirror, bytes);
+    if (e == cudaSuccess) s->scratch_bytes = bytes;
+  }
+  if (e != cudaSuccess)
+    return epx_error(e == cudaErrorMemoryAllocation ? EPX_ERROR_OUT_OF_MEMORY : EPX_ERROR_CUDA,
+                     "%s: allocating the NCCL transport's staging (%zu bytes) failed: %s", caller, bytes,
+                     cudaGetErrorString(e));
+  return EPX_SUCCESS;
+}
+
+static char *mirror_of(const nccl_state_t *s, const void *dev) {
+  return (char *)s->mirror + ((const char *)dev - (const char *)s->scratch);
+}
+
+/* Host bytes -> their mirror -> device scratch at dev (enqueued). */
+static epx_status_t copy_in(epx_comm_t comm, const char *caller, void *dev, const void *host, size_t bytes) {
+  nccl_state_t *s = comm->impl;
+  if (!bytes) return EPX_SUCCESS;
+  memcpy(mirror_of(s, dev), host, bytes);
+  cudaError_t e = cudaMemcpyAsync(dev, mirror_of(s, dev), bytes, cudaMemcpyHostToDevice, s->stream);
+  if (e != cudaSuccess)
+    return epx_error(EPX_ERROR_CUDA, "%s: cudaMemcpyAsync of the NCCL transport failed: %s", caller,
+                     cudaGetErrorString(e));
+  return EPX_SUCCESS;
+}
+
+/* Device scratch at dev -> its mirror (enqueued; read after the wait). */
+static epx_status_t copy_out(epx_comm_t comm, const char *caller, const void *dev, size_t bytes) {
+  nccl_state_t *s = comm->impl;
+  if (!bytes) return EPX_SUCCESS;
+  cudaError_t e = cudaMemcpyAsync(mirror_of(s, dev), dev, bytes, cudaMemcpyDeviceToHost, s->stream);
+  if (e != cudaSuccess)
+    return epx_error(EPX_ERROR_CUDA, "%s: cudaMemcpyAsync of the NCCL transport failed: %s", caller,
+                     cudaGetErrorString(e));
+  return EPX_SUCCESS;
+}
+
+/* Runs send/recv pairs: to rank r send_bytes[r] from send + send_off[r],
+ * from rank r recv_bytes[r] into recv + recv_off[r] (device pointers). */
+static epx_status_t exchange(epx_comm_t comm, const char *caller, const char *send, const size_t *send_off,
+                             const size_t *send_bytes, char *recv, const size_t *recv_off,
+                             const size_t *recv_bytes) {
+  nccl_state_t *s = comm->impl;
+  epx_status_t status = epx_nccl_result(comm, ncclGroupStart(), caller, "ncclGroupStart");
+  for (int32_t r = 0; status == EPX_SUCCESS && r < comm->size; r++) {
+    if (send_bytes[r])
+      status = epx_nccl_result(comm, ncclSend(send + send_off[r], send_bytes[r], ncclUint8, r, s->control, s->stream),
+                               caller, "ncclSend");
+    if (status == EPX_SUCCESS && recv_bytes[r])
+      status = epx_nccl_result(comm, ncclRecv(recv + recv_off[r], recv_bytes[r], ncclUint8, r, s->control, s->stream),
+                               caller, "ncclRecv");
+  }
+  epx_status_t ended = epx_nccl_result(comm, ncclGroupEnd(), caller, "ncclGroupEnd");
+  return status != EPX_SUCCESS ? status : ended;
+}
+
+static epx_status_t nccl_alltoallv(epx_comm_t comm, const char *caller, const void *send,
+                                   const int64_t *send_counts, const int64_t *send_displs, void *recv,
+                                   const int64_t *recv_counts, const int64_t *recv_displs, size_t unit) {
+  nccl_state_t *s = comm->impl;
+  size_t W = (size_t)comm->size, send_total = 0, recv_total = 0;
+  size_t *sizes = malloc(6 * W * sizeof(size_t));
+  if (!sizes) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", caller);
+  size_t *soff = sizes, *sbytes = sizes + W, *roff = sizes + 2 * W, *rbytes = sizes + 3 * W;
+  size_t *hsoff = sizes + 4 * W, *hroff = sizes + 5 * W;
+  for (size_t r = 0; r < W; r++) {
+    soff[r] = send_total, sbytes[r] = (size_t)send_counts[r] * unit, hsoff[r] = (size_t)send_displs[r] * unit;
+    roff[r] = recv_total, rbytes[r] = (size_t)recv_counts[r] * unit, hroff[r] = (size_t)recv_displs[r] * unit;
+    send_total += sbytes[r], recv_total += rbytes[r];
+  }
+  epx_status_t status = begin(comm, caller, send_total + recv_total);
+  char *dsend = s->scratch, *drecv = (char *)s->scratch + send_total;
+  for (size_t r = 0; status == EPX_SUCCESS && r < W; r++)
+    status = copy_in(comm, caller, dsend + soff[r], (const char *)send + hsoff[r], sbytes[r]);
+  if (status == EPX_SUCCESS) status = exchange(comm, caller, dsend, soff, sbytes, drecv, roff, rbytes);
+  if (status == EPX_SUCCESS) status = copy_out(comm, caller, drecv, recv_total);
+  if (status == EPX_SUCCESS) status = epx_nccl_wait(comm, s->stream, caller);
+  for (size_t r = 0; status == EPX_SUCCESS && r < W; r++)
+    if (rbytes[r]) memcpy((char *)recv + hroff[r], mirror_of(s, drecv + roff[r]), rbytes[r]);
+  free(sizes);
+  return status;
+}
+
+static epx_status_t nccl_alltoall(epx_comm_t comm, const char *caller, const void *send, void *recv,
+                                  size_t bytes) {
+  int64_t *counts = malloc(2 * (size_t)comm->size * sizeof(int64_t));
+  if (!counts) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", caller);
+  for (int32_t r = 0; r < comm->size; r++) counts[r] = 1, counts[comm->size + r] = r;
+  epx_status_t status =
+      nccl_alltoallv(comm, caller, send, counts, counts + comm->size, recv, counts, counts + comm->size, bytes);
+  free(counts);
+  return status;
+}
+
+static epx_status_t nccl_allgather(epx_comm_t comm, const char *caller, const void *send, void *recv,
+                                   size_t bytes) {
+  nccl_state_t *s = comm->impl;
+  size_t total = bytes * (size_t)comm->size;
+  epx_status_t status = begin(comm, caller, bytes + total);
+  char *dsend = s->scratch, *drecv = (char *)s->scratch + bytes;
+  if (status == EPX_SUCCESS) status = copy_in(comm, caller, dsend, send, bytes);
+  if (status == EPX_SUCCESS)
+    status = epx_nccl_result(comm, ncclAllGather(dsend, drecv, bytes, ncclUint8, s->control, s->stream), caller,
+                             "ncclAllGather");
+  if (status == EPX_SUCCESS) status = copy_out(comm, caller, drecv, total);
+  if (status == EPX_SUCCESS) status = epx_nccl_wait(comm, s->stream, caller);
+  if (status == EPX_SUCCESS) memcpy(recv, mirror_of(s, drecv), total);
+  return status;
+}
+
+static epx_status_t nccl_allreduce_max_i64(epx_comm_t comm, const char *caller, int64_t *values, int32_t count) {
+  nccl_state_t *s = comm->impl;
+  size_t bytes = (size_t)count * sizeof(int64_t);
+  epx_status_t status = begin(comm, caller, bytes);
+  if (status == EPX_SUCCESS) status = copy_in(comm, caller, s->scratch, values, bytes);
+  if (status == EPX_SUCCESS)
+    status = epx_nccl_result(comm, ncclAllReduce(s->scratch, s->scratch, (size_t)count, ncclInt64, ncclMax, s->control,
+                                                 s->stream), caller, "ncclAllReduce");
+  if (status == EPX_SUCCESS) status = copy_out(comm, caller, s->scratch, bytes);
+  if (status == EPX_SUCCESS) status = epx_nccl_wait(comm, s->stream, caller);
+  if (status == EPX_SUCCESS) memcpy(values, s->mirror, bytes);
+  return status;
+}
+
+static epx_status_t nccl_barrier(epx_comm_t comm, const char *caller) {
+  int64_t one = 1;
+  return nccl_allreduce_max_i64(comm, caller, &one, 1);
+}
+
+/* The control comm is always epx's own (split here), the caller's comm or not. */
+static void destroy_control(epx_comm_t comm) {
+  nccl_state_t *s = comm->impl;
+  if (!s->control || s->control == s->comm) return;
+  if (!s->aborted) {
+    ncclComm_t main_comm = s->comm;
+    s->comm = s->control; /* settle watches it alone */
+    ncclResult_t r = ncclCommFinalize(s->control);
+    if ((r == ncclSuccess || r == ncclInProgress) && settle(comm, "epx_comm_destroy", "ncclCommFinalize") == EPX_SUCCESS)
+      ncclCommDestroy(s->control);
+    else if (!s->aborted)
+      ncclCommAbort(s->control);
+    s->comm = main_comm;
+  }
+  s->control = NULL;
+}
+
+static void nccl_destroy(epx_comm_t comm) {
+  nccl_state_t *s = comm->impl;
+  if (!s) return;
+  cudaSetDevice(s->device);
+  if (s->owned && !s->aborted) {
+    /* A failed comm was aborted already; a live one is finished cleanly,
+     * bounded (settle aborts a finalize that does not complete). */
+    ncclResult_t r = ncclCommFinalize(s->comm);
+    if (r == ncclSuccess || r == ncclInProgress) {
+      if (settle(comm, "epx_comm_destroy", "ncclCommFinalize") == EPX_SUCCESS) ncclCommDestroy(s->comm);
+    } else {
+      ncclCommAbort(s->comm);
+    }
+  }
+  destroy_control(comm);
+  if (s->scratch) cudaFree(s->scratch);
+  if (s->mirror) cudaFreeHost(s->mirror);
+  if (s->stream) cudaStreamDestroy(s->stream);
+  free(s);
+  comm->impl = NULL;
+}
+
+static const epx_transport_ops_t nccl_ops = {
+    .name = "nccl",
+    .alltoall = nccl_alltoall,
+    .alltoallv = nccl_alltoallv,
+    .allgather = nccl_allgather,
+    .allreduce_max_i64 = nccl_allreduce_max_i64,
+    .barrier = nccl_barrier,
+    .destroy = nccl_destroy,
+};
+
+int epx_comm_is_nccl(epx_comm_t comm) { return comm && comm->ops == &nccl_ops; }
+
+/* ------------------------------------------------------------------------ */
+/* Creation                                                                  */
+/* ------------------------------------------------------------------------ */
+
+/* Fills a registered comm around an ncclComm_t (made here or the caller's):
+ * waits for a nonblocking creation to finish, then reads rank, size and
+ * device from it. */
+static epx_status_t init_state(epx_comm_t comm, ncclComm_t nc, int owned, const char *fn) {
+  nccl_state_t *s = calloc(1, sizeof *s);
+  if (!s) {
+    if (owned) ncclCommAbort(nc);
+    return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
+  }
+  s->comm = nc;
+  s->owned = owned;
+  comm->impl = s;
+  comm->ops = &nccl_ops;
+  int rank = 0, size = 0, device = 0;
+  epx_status_t status = settle(comm, fn, owned ? "ncclCommInitRankConfig" : "the caller's ncclComm_t");
+  if (status == EPX_SUCCESS) status = epx_nccl_result(comm, ncclCommUserRank(nc, &rank), fn, "ncclCommUserRank");
+  if (status == EPX_SUCCESS) {
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    ncclComm_t control = NULL;
+    ncclResult_t r = ncclCommSplit(nc, 0, rank, &control, &config);
+    s->control = (r == ncclSuccess || r == ncclInProgress) && control ? control : nc;
+    status = settle(comm, fn, "ncclCommSplit (the control comm)");
+  }
+  if (status == EPX_SUCCESS) status = epx_nccl_result(comm, ncclCommCount(nc, &size), fn, "ncclCommCount");
+  if (status == EPX_SUCCESS) status = epx_nccl_result(comm, ncclCommCuDevice(nc, &device), fn, "ncclCommCuDevice");
+  if (status != EPX_SUCCESS) return status;
+  comm->rank = rank;
+  comm->size = size;
+  s->device = device;
+  cudaError_t e = cudaSetDevice(device);
+  if (e == cudaSuccess) e = cudaStreamCreateWithFlags(&s->stream, cudaStreamNonBlocking);
+  if (e != cudaSuccess)
+    return epx_error(EPX_ERROR_CUDA, "%s: cudaStreamCreate on device %d failed: %s", fn, device, cudaGetErrorString(e));
+  /* Staging for the small collectives up front: growing it later frees
+   * device memory, which waits for the whole device (no bounded wait). */
+  return begin(comm, fn, 64 * 1024);
+}
+
+static epx_status_t finish_create(epx_comm_t created, ncclComm_t nc, int owned, const char *fn, epx_comm_t *comm) {
+  epx_status_t status = init_state(created, nc, owned, fn);
+  if (status != EPX_SUCCESS) {
+    if (created->impl) nccl_destroy(created);
+    epx_comm_free(created);
+    return status;
+  }
+  *comm = created;
+  return EPX_SUCCESS;
+}
+
+epx_status_t epx_nccl_get_unique_id(epx_nccl_unique_id_t *id) {
+  epx_error_clear();
+  EPX_REQUIRE(id, "epx_nccl_get_unique_id: id is NULL; pass the address of an epx_nccl_unique_id_t");
+  ncclUniqueId nid;
+  ncclResult_t r = ncclGetUniqueId(&nid);
+  if (r != ncclSuccess)
+    return epx_error(EPX_ERROR_TRANSPORT, "epx_nccl_get_unique_id: ncclGetUniqueId failed: %s (%s)",
+                     ncclGetErrorString(r), ncclGetLastError(NULL));
+  _Static_assert(sizeof nid <= sizeof id->bytes, "an ncclUniqueId fits an epx_nccl_unique_id_t");
+  memset(id, 0, sizeof *id);
+  memcpy(id->bytes, &nid, sizeof nid);
+  return EPX_SUCCESS;
+}
+
+epx_status_t epx_comm_create_nccl_id(const epx_nccl_unique_id_t *id, int32_t rank, int32_t size,
+                                     const epx_comm_config_t *config, epx_comm_t *comm) {
+  const char *fn = "epx_comm_create_nccl_id";
+  epx_error_clear();
+  EPX_REQUIRE(comm, "%s: comm is NULL; pass the address of an epx_comm_t", fn);
+  EPX_REQUIRE(id, "%s: id is NULL; pass the id from epx_nccl_get_unique_id (made on one rank, shared)", fn);
+  EPX_REQUIRE(size >= 1 && rank >= 0 && rank < size, "%s: rank %d and size %d; pass 0 <= rank < size", fn, rank,
+              size);
+  double timeout;
+  epx_status_t status = epx_comm_config_timeout(fn, config, &timeout);
+  if (status != EPX_SUCCESS) return status;
+  epx_comm_t created = NULL;
+  status = epx_comm_new(fn, timeout, &created);
+  if (status != EPX_SUCCESS) return status;
+  ncclUniqueId nid;
+  memcpy(&nid, id->bytes, sizeof nid);
+  ncclConfig_t nconfig = NCCL_CONFIG_INITIALIZER;
+  nconfig.blocking = 0; /* creation and enqueueing return at once; every wait is polled here */
+  ncclComm_t nc = NULL;
+  ncclResult_t r = ncclCommInitRankConfig(&nc, size, nid, rank, &nconfig);
+  if (r != ncclSuccess && r != ncclInProgress) {
+    status = epx_error(EPX_ERROR_TRANSPORT, "%s: ncclCommInitRankConfig (rank %d of %d) failed: %s (%s)", fn, rank,
+                       size, ncclGetErrorString(r), ncclGetLastError(NULL));
+    epx_comm_free(created);
+    return status;
+  }
+  return finish_create(created, nc, 1, fn, comm);
+}
+
+epx_status_t epx_comm_create_nccl(void *nccl_comm, const epx_comm_config_t *config, epx_comm_t *comm) {
+  const char *fn = "epx_comm_create_nccl";
+  epx_error_clear();
+  EPX_REQUIRE(comm, "%s: comm is NULL; pass the address of an epx_comm_t", fn);
+  EPX_REQUIRE(nccl_comm, "%s: nccl_comm is NULL; pass your ncclComm_t (as void *)", fn);
+  double timeout;
+  epx_status_t status = epx_comm_config_timeout(fn, config, &timeout);
+  if (status != EPX_SUCCESS) return status;
+  epx_comm_t created = NULL;
+  status = epx_comm_new(fn, timeout, &created);
+  if (status != EPX_SUCCESS) return status;
+  return finish_create(created, (ncclComm_t)nccl_comm, 0, fn, comm);
+}
+
+epx_status_t epx_comm_create_nccl_mpi(const void *mpi_comm, const epx_comm_config_t *config, epx_comm_t *comm) {
+  const char *fn = "epx_comm_create_nccl_mpi";
+  epx_error_clear();
+  EPX_REQUIRE(comm, "%s: comm is NULL; pass the address of an epx_comm_t", fn);
+  EPX_REQUIRE(mpi_comm, "%s: mpi_comm is NULL; pass the address of an MPI_Comm (MPI_COMM_WORLD, say)", fn);
+#if EPX_HAVE_MPI
+  MPI_Comm mc = *(const MPI_Comm *)mpi_comm;
+  int rank = 0, size = 0;
+  if (MPI_Comm_rank(mc, &rank) != MPI_SUCCESS || MPI_Comm_size(mc, &size) != MPI_SUCCESS)
+    return epx_error(EPX_ERROR_TRANSPORT, "%s: MPI_Comm_rank/MPI_Comm_size failed; is MPI initialised?", fn);
+  /* Rank 0's id, or its failure (all-zero bytes), reaches every rank. */
+  epx_nccl_unique_id_t id;
+  memset(&id, 0, sizeof id);
+  epx_status_t made = rank == 0 ? epx_nccl_get_unique_id(&id) : EPX_SUCCESS;
+  if (MPI_Bcast(&id, (int)sizeof id, MPI_BYTE, 0, mc) != MPI_SUCCESS)
+    return epx_error(EPX_ERROR_TRANSPORT, "%s: MPI_Bcast of the NCCL unique id failed", fn);
+  if (made != EPX_SUCCESS) return made;
+  static const epx_nccl_unique_id_t none;
+  if (!memcmp(&id, &none, sizeof id))
+    return epx_error(EPX_ERROR_PEER_FAILED, "%s: rank 0 could not make the NCCL unique id (its epx_last_error says why)",
+                     fn);
+  return epx_comm_create_nccl_id(&id, rank, size, config, comm);
+#else
+  (void)config;
+  return epx_error(EPX_ERROR_UNSUPPORTED,
+                   "%s: this build of epx has no MPI; share the id of epx_nccl_get_unique_id yourself and call "
+                   "epx_comm_create_nccl_id, or rebuild with MPI", fn);
+#endif
+}
+
+#else /* no NCCL in this build */
+
+#define EPX_NO_NCCL(fn)                                                                          \
+  epx_error(EPX_ERROR_UNSUPPORTED, fn ": this build of epx has no NCCL transport (it needs "      \
+                                      "-DEPX_BUILD_CUDA=ON and NCCL, found under the CUDA toolkit " \
+                                      "or Python's nvidia-nccl package, or given by -DEPX_NCCL_ROOT)")
+
+int epx_has_nccl(void) { return 0; }
+int epx_comm_is_nccl(epx_comm_t comm) { (void)comm; return 0; }
+void *epx_nccl_comm(epx_comm_t comm) { (void)comm; return NULL; }
+int epx_nccl_device(epx_comm_t comm) { (void)comm; return -1; }
+epx_status_t epx_nccl_wait(epx_comm_t comm, void *stream, const char *caller) {
+  (void)comm, (void)stream, (void)caller;
+  return EPX_SUCCESS;
+}
+epx_status_t epx_nccl_result(epx_comm_t comm, int result, const char *caller, const char *what) {
+  (void)comm, (void)result, (void)caller, (void)what;
+  return EPX_SUCCESS;
+}
+epx_status_t epx_nccl_get_unique_id(epx_nccl_unique_id_t *id) {
+  (void)id;
+  epx_error_clear();
+  return EPX_NO_NCCL("epx_nccl_get_unique_id");
+}
+epx_status_t epx_comm_create_nccl_id(const epx_nccl_unique_id_t *id, int32_t rank, int32_t size,
+                                     const epx_comm_config_t *config, epx_comm_t *comm) {
+  (void)id, (void)rank, (void)size, (void)config, (void)comm;
+  epx_error_clear();
+  return EPX_NO_NCCL("epx_comm_create_nccl_id");
+}
+epx_status_t epx_comm_create_nccl(void *nccl_comm, const epx_comm_config_t *config, epx_comm_t *comm) {
+  (void)nccl_comm, (void)config, (void)comm;
+  epx_error_clear();
+  return EPX_NO_NCCL("epx_comm_create_nccl");
+}
+epx_status_t epx_comm_create_nccl_mpi(const void *mpi_comm, const epx_comm_config_t *config, epx_comm_t *comm) {
+  (void)mpi_comm, (void)config, (void)comm;
+  epx_error_clear();
+  return EPX_NO_NCCL("epx_comm_create_nccl_mpi");
+}
+#endif

@@ -1,0 +1,36 @@
+/* What the CUDA backend needs of the NCCL transport (src/comm/nccl.c): the
+ * ncclComm_t behind an epx comm, and the one bounded wait every host
+ * synchronisation on an NCCL comm goes through. Plain C: NCCL and CUDA
+ * types travel as void * so this header needs neither. */
+#ifndef EPX_COMM_NCCL_H
+#define EPX_COMM_NCCL_H
+
+#include "epx.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* 1 when comm is an NCCL comm (its ops are the nccl transport's). */
+int epx_comm_is_nccl(epx_comm_t comm);
+/* The comm's ncclComm_t (an NCCL comm only). */
+void *epx_nccl_comm(epx_comm_t comm);
+/* The CUDA device the comm was created on. */
+int epx_nccl_device(epx_comm_t comm);
+
+/* Waits until the work enqueued on `stream` (a cudaStream_t) so far is done,
+ * polling the stream and ncclCommGetAsyncError. An NCCL error, or no
+ * completion within comm->timeout_seconds, aborts the NCCL comm
+ * (ncclCommAbort frees the GPU of its kernels), fails the epx comm and
+ * returns EPX_ERROR_TRANSPORT or EPX_ERROR_TIMEOUT. */
+epx_status_t epx_nccl_wait(epx_comm_t comm, void *stream, const char *caller);
+
+/* Turns the ncclResult_t of an NCCL call into a status: ncclInProgress (a
+ * nonblocking comm still enqueuing) is polled to completion under the same
+ * bound; an error fails the comm with NCCL's own message. */
+epx_status_t epx_nccl_result(epx_comm_t comm, int result, const char *caller, const char *what);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,850 @@
+/* The CUDA backend on W ranks, one process per GPU, over an NCCL comm: the
+ * layout of a dispatch and the payload moves, on NCCL's host API (grouped
+ * ncclSend/ncclRecv and one ncclAllGather) on the buffer's stream.
+ *
+ * Layout: each rank validates its own routing on its GPU (the one-rank
+ * layout kernel over all E experts; invalid routes become -1), and every
+ * rank all-gathers every rank's sanitised routing [Tm, Kb] with a header
+ * {tokens, oversize, invalid, top_k}. That gather is the count exchange:
+ * from it each rank computes (ep.cu) both sides of every exchange — where
+ * each of its rows goes, and where each row it receives comes from and
+ * lands — so no other metadata moves and no count is read on the host
+ * except to size NCCL's messages.
+ *
+ * Items: the dedup exchange sends a row per (token, destination rank) with a
+ * route there, the collective a row per route, both in token (then k)
+ * order, per peer in rank order. The receiver expands them into its layout
+ * (the one-rank layout of the gathered routing restricted to its experts).
+ * Combine returns, per item, the per-rank partial P(t, r) (dedup, float32 or
+ * payload dtype: combine_precision) or the route's row (collective; the
+ * token's rank forms the same partials), and the token's rank sums the
+ * partials over r in ascending order: the two exchanges give the same bits.
+ * Rank-major rows are pairs already, so they travel as they are both ways.
+ *
+ * Host synchronisation: without worst_case_sizing the layout waits once (a
+ * polled, bounded wait: epx_nccl_wait) to read the message sizes, and every
+ * collective call agrees its host verdict over the comm first (one small
+ * host all-reduce) so that a refusal is a refusal on every rank. With
+ * worst_case_sizing nothing waits: messages have their per-peer bound as
+ * size (Tm rows per peer for pairs, Tm*min(Kb, E_local) for routes), rows
+ * land at peer * bound + index, the receive layout's N stays on the device;
+ * a host refusal on one rank then reaches its peers only as a timeout of
+ * their next bounded wait (documented in epx.h). */
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cuda_runtime_api.h>
+
+#include "comm/comm.h"
+#include "comm/nccl.h"
+#include "core/error.h"
+#include "cuda/ep.h"
+#include "cuda/launch.h"
+
+#if EPX_HAVE_NCCL
+#include <nccl.h>
+
+enum { HOME_PAIRS = 0, HOME_ROUTES = 1, RECV_PAIRS = 2, RECV_ROUTES = 3, KINDS = 4 };
+
+/* buffer->cuda on W ranks */
+typedef struct ep_buffer {
+  void *send, *recv;  /* staging (device), `bytes` each */
+  size_t bytes;
+  int64_t *readback;  /* pinned host copy of a handle's summary */
+  size_t readback_bytes;
+} ep_buffer_t;
+
+/* handle->cuda on W ranks */
+typedef struct ep_handle {
+  void *block; /* one device allocation holding every array below */
+  size_t block_bytes;
+  epx_cuda_ep_dims_t d;
+  int64_t row_bound;  /* rows of the receive layout at most */
+  int64_t pair_rows;  /* receive-side pair staging rows (table size) */
+  int64_t route_rows; /* receive-side route staging rows */
+  epx_cuda_layout_t own;  /* validation of this rank's routing over all experts */
+  epx_cuda_layout_t recv; /* the receive layout over the gathered tokens */
+  float *w;               /* [T, K] this rank's weights (copy) or NULL */
+  int32_t *sidx, *sloc, *shdr, *gidx, *gloc, *ghdr, *ridx, *rloc, *flags, *scan;
+  float *sw, *gw;
+  void *cub, *scratch;
+  size_t cub_bytes;
+  epx_cuda_ep_tables_t tab;
+  int64_t *summary;
+  int64_t *count[KINDS]; /* [W] rows per peer of each item kind (host) */
+  int64_t *displ[KINDS]; /* [W] their first staging row */
+  int64_t total[KINDS];
+  int64_t rows; /* N on the host, -1 until read */
+} ep_handle_t;
+
+static cudaStream_t stream_of(epx_buffer_t b) { return (cudaStream_t)b->config.stream; }
+static size_t round256(size_t n) { return (n + 255) / 256 * 256; }
+static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+static epx_status_t cuda_fail(cudaError_t err, const char *fn, const char *what) {
+  return epx_error(err == cudaErrorMemoryAllocation ? EPX_ERROR_OUT_OF_MEMORY : EPX_ERROR_CUDA,
+                   "%s: %s failed with %s (%s); an error of earlier asynchronous work on the device can "
+                   "also surface here", fn, what, cudaGetErrorName(err), cudaGetErrorString(err));
+}
+
+#define CUDA_CHECK(call, fn, what)                   \
+  do {                                               \
+    cudaError_t cuda_err_ = (call);                  \
+    if (cuda_err_ != cudaSuccess) {                  \
+      status = cuda_fail(cuda_err_, fn, what);       \
+      goto fail;                                     \
+    }                                                \
+  } while (0)
+
+#define NCCL_CHECK(call, fn, what) EPX_CHECK(epx_nccl_result(comm, (int)(call), fn, what))
+
+/* Per-peer sizes of the dims' item kinds with worst_case_sizing. */
+static int64_t kind_bound(const epx_cuda_ep_dims_t *d, int kind) {
+  return kind == HOME_PAIRS || kind == RECV_PAIRS ? d->Bp : d->Br;
+}
+
+/* Items of a kind this rank holds in staging (the tables' row count). */
+static int64_t kind_rows(const ep_handle_t *h, int kind) {
+  return h->d.worst ? h->d.W * kind_bound(&h->d, kind) : h->total[kind];
+}
+
+static int partials_f32(epx_buffer_t b) {
+  return b->config.combine_precision == EPX_COMBINE_PARTIALS_FLOAT32 && b->config.dtype != EPX_FLOAT32;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Buffers                                                                   */
+/* ------------------------------------------------------------------------ */
+
+epx_status_t epx_cuda_ep_buffer_init(epx_buffer_t b) {
+  const char *fn = "epx_buffer_create";
+  if (!epx_comm_is_nccl(b->comm))
+    return epx_error(EPX_ERROR_UNSUPPORTED,
+                     "%s: a CUDA buffer over %d ranks needs an NCCL comm (epx_comm_create_nccl, "
+                     "epx_comm_create_nccl_id or epx_comm_create_nccl_mpi); this comm is %s", fn,
+                     b->world_size, b->comm->ops->name);
+  if (b->world_size > EPX_CUDA_MAX_EXPERTS)
+    return epx_error(EPX_ERROR_UNSUPPORTED, "%s: %d ranks; the CUDA backend takes at most %d", fn,
+                     b->world_size, EPX_CUDA_MAX_EXPERTS);
+  ep_buffer_t *s = calloc(1, sizeof *s);
+  if (!s) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
+  b->cuda = s;
+  return EPX_SUCCESS;
+}
+
+void epx_cuda_ep_buffer_fini(epx_buffer_t b) {
+  ep_buffer_t *s = b->cuda;
+  if (!s) return;
+  if (s->send) cudaFreeAsync(s->send, stream_of(b));
+  if (s->recv) cudaFreeAsync(s->recv, stream_of(b));
+  if (s->readback) cudaFreeHost(s->readback);
+  free(s);
+  b->cuda = NULL;
+}
+
+/* Staging of `bytes` each way (stream-ordered: a later layout's growth
+ * waits for the moves of earlier handles on the same stream). */
+static epx_status_t ensure_staging(epx_buffer_t b, size_t bytes, const char *fn) {
+  epx_status_t status = EPX_SUCCESS;
+  ep_buffer_t *s = b->cuda;
+  if (bytes <= s->bytes) return EPX_SUCCESS;
+  cudaStream_t stream = stream_of(b);
+  if (s->send) CUDA_CHECK(cudaFreeAsync(s->send, stream), fn, "cudaFreeAsync of the staging");
+  if (s->recv) CUDA_CHECK(cudaFreeAsync(s->recv, stream), fn, "cudaFreeAsync of the staging");
+  s->send = s->recv = NULL;
+  s->bytes = 0;
+  CUDA_CHECK(cudaMallocAsync(&s->send, bytes, stream), fn, "cudaMallocAsync of the send staging");
+  CUDA_CHECK(cudaMallocAsync(&s->recv, bytes, stream), fn, "cudaMallocAsync of the receive staging");
+  s->bytes = bytes;
+fail:
+  return status;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Handles                                                                   */
+/* ------------------------------------------------------------------------ */
+
+void epx_cuda_ep_handle_fini(epx_handle_t handle) {
+  ep_handle_t *h = handle->cuda;
+  if (!h) return;
+  if (h->block) cudaFreeAsync(h->block, stream_of(handle->buffer));
+  free(h->count[0]);
+  free(h);
+  handle->cuda = NULL;
+}
+
+int64_t epx_cuda_ep_handle_bytes(epx_handle_t handle) {
+  const ep_handle_t *h = handle->cuda;
+  return h ? (int64_t)(h->block_bytes + sizeof *h) : 0;
+}
+
+/* Carves the handle's block: every array of ep_handle_t, one allocation. */
+static epx_status_t carve(epx_buffer_t b, const epx_routing_t *r, ep_handle_t *h, const char *fn) {
+  epx_status_t status = EPX_SUCCESS;
+  const epx_cuda_ep_dims_t *d = &h->d;
+  const int cap = b->config.layout == EPX_LAYOUT_CAPACITY, rank_major = b->config.layout == EPX_LAYOUT_RANK_MAJOR;
+  const int64_t T = d->T, K = d->K, Kb = d->Kb, W = d->W, G = W * d->Tm, E = b->config.num_experts,
+                El = d->El, C = b->config.capacity;
+  const int64_t own_rows = cap ? E * C : T * min64(K, E);
+  const int64_t nf = epx_cuda_ep_flag_count(d);
+  h->cub_bytes = epx_cuda_ep_scan_bytes(nf);
+  const size_t scratch = max64((int64_t)epx_cuda_layout_scratch_bytes(T, (int32_t)E),
+                               (int64_t)epx_cuda_layout_scratch_bytes(G, (int32_t)El));
+  struct {
+    void **ptr;
+    int64_t bytes;
+  } parts[] = {
+      {(void **)&h->own.idx, 4 * T * K}, {(void **)&h->own.route_row, 4 * T * K},
+      {(void **)&h->own.row_src, 4 * own_rows}, {(void **)&h->own.counts, 8 * E},
+      {(void **)&h->own.offsets, 8 * (E + 1)}, {(void **)&h->own.result, sizeof(epx_cuda_layout_result_t)},
+      {(void **)&h->w, r->topk_w ? 4 * T * K : 0}, {(void **)&h->sidx, 4 * d->Tm * Kb},
+      {(void **)&h->sw, 4 * d->Tm * Kb}, {(void **)&h->sloc, cap ? 4 * d->Tm * Kb : 0},
+      {(void **)&h->shdr, 4 * EPX_CUDA_EP_HDR_INTS}, {(void **)&h->gidx, 4 * G * Kb},
+      {(void **)&h->gw, 4 * G * Kb}, {(void **)&h->gloc, cap ? 4 * G * Kb : 0},
+      {(void **)&h->ghdr, 4 * W * EPX_CUDA_EP_HDR_INTS}, {(void **)&h->ridx, 4 * G * Kb},
+      {(void **)&h->rloc, cap ? 4 * G * Kb : 0}, {(void **)&h->flags, 4 * nf}, {(void **)&h->scan, 4 * nf},
+      {&h->cub, (int64_t)h->cub_bytes}, {&h->scratch, (int64_t)scratch},
+      {(void **)&h->recv.idx, 4 * G * Kb}, {(void **)&h->recv.route_row, 4 * G * Kb},
+      {(void **)&h->recv.token_row, rank_major ? 4 * G : 0}, {(void **)&h->recv.row_src, 4 * h->row_bound},
+      {(void **)&h->recv.counts, 8 * El}, {(void **)&h->recv.offsets, 8 * (El + 1)},
+      {(void **)&h->recv.result, sizeof(epx_cuda_layout_result_t)},
+      {(void **)&h->tab.pair_stage, 4 * T * W}, {(void **)&h->tab.route_stage, 4 * T * K},
+      {(void **)&h->tab.group, 4 * T * K}, {(void **)&h->tab.rp_rows, 4 * h->pair_rows * Kb},
+      {(void **)&h->tab.rp_w, 4 * h->pair_rows * Kb}, {(void **)&h->tab.rr_row, 4 * h->route_rows},
+      {(void **)&h->tab.rr_all, 4 * h->route_rows}, {(void **)&h->tab.rr_slot, 4 * h->route_rows},
+      {(void **)&h->tab.rr_w, 4 * h->route_rows}, {(void **)&h->tab.stage_of_row, 4 * h->row_bound},
+      {(void **)&h->summary, 8 * (8 * W + 2)},
+  };
+  const size_t n = sizeof parts / sizeof parts[0];
+  size_t bytes = 0;
+  for (size_t i = 0; i < n; i++) bytes += round256((size_t)parts[i].bytes);
+  CUDA_CHECK(cudaMallocAsync(&h->block, bytes, stream_of(b)), fn, "cudaMallocAsync of the handle's layout");
+  h->block_bytes = bytes;
+  char *at = h->block;
+  for (size_t i = 0; i < n; i++) {
+    *parts[i].ptr = parts[i].bytes ? at : NULL;
+    at += round256((size_t)parts[i].bytes);
+  }
+  if (!r->topk_w) h->w = NULL;
+  h->tab.scan = h->scan, h->tab.gidx = h->gidx, h->tab.ridx = h->ridx, h->tab.ghdr = h->ghdr;
+  h->tab.gw = h->gw, h->tab.recv = &h->recv, h->tab.own_result = h->own.result, h->tab.summary = h->summary;
+fail:
+  return status;
+}
+
+/* The verdict and, on the first call, max_tokens_per_rank, agreed in one
+ * all-reduce {failing rank + 1, oversize rank + 1, its tokens, tokens}. */
+static epx_status_t agree_layout(epx_buffer_t b, const epx_routing_t *r, epx_status_t local) {
+  const char *fn = "epx_dispatch_layout";
+  epx_comm_t comm = b->comm;
+  const int oversize = local == EPX_ERROR_CAPACITY_EXCEEDED;
+  int64_t agreed[4] = {local != EPX_SUCCESS ? comm->rank + 1 : 0, oversize ? comm->rank + 1 : 0,
+                       oversize ? r->num_tokens : 0, local == EPX_SUCCESS ? r->num_tokens : 0};
+  char message[1024];
+  snprintf(message, sizeof message, "%s", epx_last_error());
+  epx_status_t status = comm->ops->allreduce_max_i64(comm, fn, agreed, 4);
+  if (status != EPX_SUCCESS) return status;
+  if (local != EPX_SUCCESS) return epx_error(local, "%s", message);
+  if (agreed[1])
+    return epx_error(EPX_ERROR_CAPACITY_EXCEEDED,
+                     "%s: rank %lld has %lld tokens, above the buffer's max_tokens_per_rank %lld; nothing "
+                     "moved on any rank; create the buffer with a larger config.max_tokens_per_rank", fn,
+                     (long long)(agreed[1] - 1), (long long)agreed[2], (long long)b->max_tokens);
+  if (agreed[0])
+    return epx_error(EPX_ERROR_PEER_FAILED,
+                     "%s: rank %lld refused its routing (its epx_last_error says why); nothing moved on any rank",
+                     fn, (long long)(agreed[0] - 1));
+  if (b->max_tokens == 0) epx_buffer_agree_max_tokens(b, agreed[3]);
+  return EPX_SUCCESS;
+}
+
+/* The routing all-gather (idx, w, locations, header) on the buffer's stream. */
+static epx_status_t gather_routing(epx_buffer_t b, const epx_cuda_ep_dims_t *d, const int32_t *sidx,
+                                   const float *sw, const int32_t *sloc, const int32_t *shdr, int32_t *gidx,
+                                   float *gw, int32_t *gloc, int32_t *ghdr, const char *fn) {
+  epx_status_t status = EPX_SUCCESS;
+  epx_comm_t comm = b->comm;
+  ncclComm_t nc = epx_nccl_comm(comm);
+  cudaStream_t stream = stream_of(b);
+  const size_t n = (size_t)(d->Tm * d->Kb);
+  NCCL_CHECK(ncclGroupStart(), fn, "ncclGroupStart");
+  NCCL_CHECK(ncclAllGather(sidx, gidx, n, ncclInt32, nc, stream), fn, "ncclAllGather of the routing");
+  NCCL_CHECK(ncclAllGather(sw, gw, n, ncclFloat32, nc, stream), fn, "ncclAllGather of the weights");
+  if (sloc) NCCL_CHECK(ncclAllGather(sloc, gloc, n, ncclInt32, nc, stream), fn, "ncclAllGather of the locations");
+  NCCL_CHECK(ncclAllGather(shdr, ghdr, EPX_CUDA_EP_HDR_INTS, ncclInt32, nc, stream), fn,
+             "ncclAllGather of the headers");
+  NCCL_CHECK(ncclGroupEnd(), fn, "ncclGroupEnd");
+fail:
+  return status;
+}
+
+/* worst_case_sizing, this rank oversize: it still joins the routing gather
+ * (with no routes and its oversize header) so the peers' layouts complete;
+ * their handles are empty and their recv_rows names this rank. */
+static epx_status_t join_oversize(epx_buffer_t b, const epx_cuda_ep_dims_t *d, const char *fn) {
+  epx_status_t status = EPX_SUCCESS;
+  cudaStream_t stream = stream_of(b);
+  const int cap = b->config.layout == EPX_LAYOUT_CAPACITY;
+  const size_t n = (size_t)(d->Tm * d->Kb), G = n * (size_t)d->W;
+  const size_t send = round256(4 * n) * 3 + round256(16), recv = round256(4 * G) * 3 + round256(16 * (size_t)d->W);
+  char *block = NULL;
+  CUDA_CHECK(cudaMallocAsync((void **)&block, send + recv, stream), fn, "cudaMallocAsync");
+  int32_t *sidx = (int32_t *)block, *sloc = (int32_t *)(block + 2 * round256(4 * n));
+  float *sw = (float *)(block + round256(4 * n));
+  int32_t *shdr = (int32_t *)(block + 3 * round256(4 * n));
+  char *g = block + send;
+  CUDA_CHECK(epx_cuda_ep_stage_launch(d, NULL, NULL, NULL, NULL, 1, sidx, sw, cap ? sloc : NULL, shdr, stream), fn,
+             "the routing stage kernel");
+  status = gather_routing(b, d, sidx, sw, cap ? sloc : NULL, shdr, (int32_t *)g, (float *)(g + round256(4 * G)),
+                          (int32_t *)(g + 2 * round256(4 * G)), (int32_t *)(g + 3 * round256(4 * G)), fn);
+fail:
+  if (block) cudaFreeAsync(block, stream);
+  return status;
+}
+
+/* Own routing -> sanitised ids (validation over all experts), send block,
+ * gather, flags, scan, receive layout, tables. All enqueued. */
+static epx_status_t enqueue_layout(epx_buffer_t b, const epx_routing_t *r, ep_handle_t *h, const char *fn) {
+  epx_status_t status = EPX_SUCCESS;
+  const epx_buffer_config_t *c = &b->config;
+  const epx_cuda_ep_dims_t *d = &h->d;
+  cudaStream_t stream = stream_of(b);
+  const int cap = c->layout == EPX_LAYOUT_CAPACITY;
+  const int64_t G = (int64_t)d->W * d->Tm;
+  if (d->T > 0)
+    CUDA_CHECK(epx_cuda_layout_launch(r->topk_idx, cap ? r->locations : NULL, r->topk_w, h->w, d->T, d->K,
+                                      c->num_experts, cap ? EPX_LAYOUT_CAPACITY : EPX_LAYOUT_EXPERT_MAJOR, 1,
+                                      c->capacity, &h->own, h->scratch, stream),
+               fn, "the routing validation kernels");
+  else
+    CUDA_CHECK(cudaMemsetAsync(h->own.result, 0xff, sizeof *h->own.result, stream), fn, "cudaMemsetAsync");
+  CUDA_CHECK(epx_cuda_ep_stage_launch(d, h->own.idx, h->w, cap ? r->locations : NULL, h->own.result, 0, h->sidx,
+                                      h->sw, h->sloc, h->shdr, stream),
+             fn, "the routing stage kernel");
+  EPX_CHECK(gather_routing(b, d, h->sidx, h->sw, h->sloc, h->shdr, h->gidx, h->gw, h->gloc, h->ghdr, fn));
+  CUDA_CHECK(epx_cuda_ep_flags_launch(d, h->gidx, h->gloc, h->ghdr, h->ridx, h->rloc, h->flags, stream), fn,
+             "the flags kernel");
+  CUDA_CHECK(epx_cuda_ep_scan_launch(h->flags, h->scan, epx_cuda_ep_flag_count(d), h->cub, h->cub_bytes, stream),
+             fn, "the scan");
+  CUDA_CHECK(epx_cuda_layout_launch(h->ridx, h->rloc, NULL, NULL, G, d->Kb, d->El, c->layout, c->expert_alignment,
+                                    d->W * c->capacity, &h->recv, h->scratch, stream),
+             fn, "the receive layout kernels");
+  const struct {
+    int32_t *p;
+    int64_t n;
+  } minus_one[] = {{h->tab.rp_rows, h->pair_rows * d->Kb}, {h->tab.rr_row, h->route_rows},
+                   {h->tab.rr_all, h->route_rows}, {h->tab.stage_of_row, h->row_bound}};
+  for (size_t i = 0; i < 4; i++)
+    if (minus_one[i].n)
+      CUDA_CHECK(cudaMemsetAsync(minus_one[i].p, 0xff, 4 * (size_t)minus_one[i].n, stream), fn, "cudaMemsetAsync");
+  CUDA_CHECK(epx_cuda_ep_tables_launch(d, &h->tab, stream), fn, "the tables kernel");
+fail:
+  return status;
+}
+
+/* Host counts per peer: read back (default) or the bounds (worst case). */
+static void set_counts(ep_handle_t *h, const int64_t *summary) {
+  const int32_t W = h->d.W;
+  for (int kind = 0; kind < KINDS; kind++) {
+    int64_t sum = 0;
+    for (int32_t p = 0; p < W; p++) {
+      const int64_t n = summary ? summary[kind * W + p] : kind_bound(&h->d, kind);
+      h->count[kind][p] = n;
+      h->displ[kind][p] = sum;
+      sum += n;
+    }
+    h->total[kind] = sum;
+  }
+}
+
+/* The verdicts in the read-back headers, the same on every rank. */
+static epx_status_t header_verdict(epx_buffer_t b, const ep_handle_t *h, const int64_t *summary, const char *fn,
+                                   const char *note) {
+  const int32_t W = h->d.W;
+  const int64_t *hdr = summary + 4 * W;
+  for (int32_t p = 0; p < W; p++)
+    if (hdr[p * EPX_CUDA_EP_HDR_INTS + EPX_CUDA_EP_HDR_OVERSIZE])
+      return epx_error(EPX_ERROR_CAPACITY_EXCEEDED,
+                       "%s: rank %d had more tokens than the buffer's max_tokens_per_rank %lld, so no row moved "
+                       "on any rank%s", fn, p, (long long)b->max_tokens, note);
+  for (int32_t p = 0; p < W; p++) {
+    if (!hdr[p * EPX_CUDA_EP_HDR_INTS + EPX_CUDA_EP_HDR_INVALID]) continue;
+    if (p == b->rank)
+      return epx_cuda_routing_error(fn, (uint64_t)summary[8 * W + 1], h->d.K, b->config.num_experts,
+                                    b->config.capacity, NULL, NULL, note);
+    return epx_error(EPX_ERROR_PEER_FAILED, "%s: rank %d has an invalid route (its epx_last_error names it)%s", fn,
+                     p, note);
+  }
+  for (int32_t p = 0; p < W; p++)
+    if (hdr[p * EPX_CUDA_EP_HDR_INTS + EPX_CUDA_EP_HDR_TOPK] != h->d.K)
+      return epx_error(EPX_ERROR_INVALID_ARGUMENT,
+                       "%s: rank %d routes with top_k %lld and this rank with %d; a CUDA buffer over several "
+                       "ranks needs the same routing.top_k on every rank", fn, p,
+                       (long long)hdr[p * EPX_CUDA_EP_HDR_INTS + EPX_CUDA_EP_HDR_TOPK], h->d.K);
+  return EPX_SUCCESS;
+}
+
+/* Copies the summary to the host and waits for it (bounded). */
+static epx_status_t read_summary(epx_buffer_t b, ep_handle_t *h, const char *fn, const int64_t **out) {
+  epx_status_t status = EPX_SUCCESS;
+  ep_buffer_t *s = b->cuda;
+  const size_t bytes = 8 * (size_t)(8 * h->d.W + 2);
+  if (bytes > s->readback_bytes) {
+    if (s->readback) cudaFreeHost(s->readback);
+    s->readback = NULL;
+    s->readback_bytes = 0;
+    CUDA_CHECK(cudaMallocHost((void **)&s->readback, bytes), fn, "cudaMallocHost");
+    s->readback_bytes = bytes;
+  }
+  CUDA_CHECK(cudaMemcpyAsync(s->readback, h->summary, bytes, cudaMemcpyDeviceToHost, stream_of(b)), fn,
+             "cudaMemcpyAsync of the counts");
+  EPX_CHECK(epx_nccl_wait(b->comm, stream_of(b), fn));
+  *out = s->readback;
+fail:
+  return status;
+}
+
+static size_t staging_bytes(epx_buffer_t b, const ep_handle_t *h) {
+  const size_t rb = (size_t)b->config.hidden * epx_dtype_size(b->config.dtype);
+  const size_t unit = partials_f32(b) ? 4 * (size_t)b->config.hidden : rb;
+  int64_t rows = 0, pairs = 0;
+  for (int kind = 0; kind < KINDS; kind++) rows = max64(rows, kind_rows(h, kind));
+  pairs = max64(kind_rows(h, HOME_PAIRS), kind_rows(h, RECV_PAIRS));
+  const size_t need = (size_t)rows * (unit > rb ? unit : rb);
+  const size_t floats = (size_t)pairs * (size_t)h->d.Kb * 4;
+  return (need > floats ? need : floats) + 256;
+}
+
+epx_status_t epx_cuda_ep_dispatch_layout(epx_buffer_t b, const epx_routing_t *r, epx_status_t local,
+                                         epx_handle_t handle) {
+  const char *fn = "epx_dispatch_layout";
+  epx_status_t status = EPX_SUCCESS;
+  const epx_buffer_config_t *c = &b->config;
+  const int worst = c->worst_case_sizing != 0;
+  if (!worst || b->max_tokens == 0) {
+    EPX_CHECK(agree_layout(b, r, local));
+  } else if (local != EPX_SUCCESS) {
+    epx_cuda_ep_dims_t d = {b->world_size, b->rank, b->experts_per_rank, c->max_top_k, r->top_k,
+                            b->max_tokens, 0, c->layout, c->capacity, 1, 0, 0};
+    if (local == EPX_ERROR_CAPACITY_EXCEEDED) {
+      char message[1024];
+      snprintf(message, sizeof message, "%s", epx_last_error());
+      status = join_oversize(b, &d, fn);
+      if (status == EPX_SUCCESS) status = epx_error(local, "%s", message);
+      return status;
+    }
+    return local;
+  }
+  const int64_t W = b->world_size, Tm = b->max_tokens, Kb = c->max_top_k, El = b->experts_per_rank;
+  const int64_t G = W * Tm, kk = min64(Kb, El);
+  if (G * Kb >= INT32_MAX / 4)
+    return epx_error(EPX_ERROR_UNSUPPORTED,
+                     "%s: %lld ranks x %lld tokens x top-%lld; the CUDA backend indexes the gathered routes with "
+                     "int32; lower max_tokens_per_rank", fn, (long long)W, (long long)Tm, (long long)Kb);
+  ep_handle_t *h = calloc(1, sizeof *h);
+  if (!h) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
+  handle->cuda = h;
+  h->rows = -1;
+  h->count[0] = malloc(sizeof(int64_t) * 2 * KINDS * (size_t)W);
+  if (!h->count[0]) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
+  for (int kind = 0; kind < KINDS; kind++)
+    h->count[kind] = h->count[0] + kind * W, h->displ[kind] = h->count[0] + (KINDS + kind) * W;
+  h->d = (epx_cuda_ep_dims_t){(int32_t)W, b->rank, (int32_t)El, (int32_t)Kb, r->top_k, Tm, r->num_tokens,
+                              c->layout, c->capacity, worst, Tm, Tm * kk};
+  switch (c->layout) {
+    case EPX_LAYOUT_EXPERT_MAJOR: h->row_bound = G * kk + El * (c->expert_alignment - 1); break;
+    case EPX_LAYOUT_RANK_MAJOR: h->row_bound = G; break;
+    default: h->row_bound = El * W * c->capacity; break;
+  }
+  h->pair_rows = W * h->d.Bp;
+  h->route_rows = W * h->d.Br;
+  EPX_CHECK(carve(b, r, h, fn));
+  EPX_CHECK(enqueue_layout(b, r, h, fn));
+  if (worst) {
+    set_counts(h, NULL);
+    handle->recv_rows = h->row_bound;
+  } else {
+    const int64_t *summary = NULL;
+    EPX_CHECK(read_summary(b, h, fn, &summary));
+    EPX_CHECK(header_verdict(b, h, summary, fn, ""));
+    set_counts(h, summary);
+    h->rows = summary[8 * W];
+    handle->recv_rows = h->rows;
+  }
+  EPX_CHECK(ensure_staging(b, staging_bytes(b, h), fn));
+fail:
+  return status;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Moves                                                                     */
+/* ------------------------------------------------------------------------ */
+
+epx_status_t epx_cuda_ep_agree(epx_buffer_t b, epx_status_t local, const char *caller) {
+  if (b->config.worst_case_sizing) return local; /* no host round trip: see the top of this file */
+  return epx_comm_agree(b->comm, local, caller);
+}
+
+/* Grouped send/recv of `unit`-byte rows: this rank's items of kind `skind`
+ * to each peer from send, the peers' items of kind `rkind` into recv. The
+ * self block goes through NCCL too, which copies it while the remote rows
+ * travel (a separate copy before the group would serialise it). */
+static epx_status_t p2p(epx_buffer_t b, const ep_handle_t *h, int skind, int rkind, const void *send, void *recv,
+                        size_t unit, const char *fn) {
+  epx_status_t status = EPX_SUCCESS;
+  epx_comm_t comm = b->comm;
+  ncclComm_t nc = epx_nccl_comm(comm);
+  cudaStream_t stream = stream_of(b);
+  const char *s = send;
+  char *d = recv;
+  NCCL_CHECK(ncclGroupStart(), fn, "ncclGroupStart");
+  for (int32_t p = 0; p < h->d.W; p++) {
+    if (h->count[skind][p])
+      NCCL_CHECK(ncclSend(s + (size_t)h->displ[skind][p] * unit, (size_t)h->count[skind][p] * unit, ncclUint8, p,
+                          nc, stream), fn, "ncclSend");
+    if (h->count[rkind][p])
+      NCCL_CHECK(ncclRecv(d + (size_t)h->displ[rkind][p] * unit, (size_t)h->count[rkind][p] * unit, ncclUint8, p,
+                          nc, stream), fn, "ncclRecv");
+  }
+  NCCL_CHECK(ncclGroupEnd(), fn, "ncclGroupEnd");
+fail:
+  return status;
+}
+
+/* Forward direction: src [T, H] on the token's rank -> dst [N, H] in the
+ * layout (dispatch; combine_backward with its dots). weighted: the route's
+ * weight scales its row. grad_w / other: the dots of combine_backward. */
+static epx_status_t move_forward(epx_buffer_t b, epx_handle_t handle, const void *src, void *dst, int weighted,
+                                 const void *other, float *grad_w, const char *fn) {
+  epx_status_t status = EPX_SUCCESS;
+  const epx_buffer_config_t *c = &b->config;
+  const ep_handle_t *h = handle->cuda;
+  const ep_buffer_t *s = b->cuda;
+  cudaStream_t stream = stream_of(b);
+  const int dedup = c->exchange == EPX_EXCHANGE_DEDUP;
+  const int hk = dedup ? HOME_PAIRS : HOME_ROUTES, rk = dedup ? RECV_PAIRS : RECV_ROUTES;
+  const size_t rb = (size_t)c->hidden * epx_dtype_size(c->dtype);
+  const int direct = dedup && c->layout == EPX_LAYOUT_RANK_MAJOR && !h->d.worst;
+  CUDA_CHECK(epx_cuda_scatter_launch(c->dtype, src, s->send, h->d.T, c->hidden,
+                                     dedup ? h->tab.pair_stage : h->tab.route_stage, dedup ? h->d.W : h->d.K,
+                                     NULL, NULL, NULL, NULL, NULL, 0, 0, stream),
+             fn, "the pack kernel");
+  /* Rank-major rows are the received pairs in order: they land in place. */
+  EPX_CHECK(p2p(b, h, hk, rk, s->send, direct ? dst : s->recv, rb, fn));
+  if (direct) return EPX_SUCCESS;
+  const int32_t slots = dedup ? h->d.Kb : 1;
+  CUDA_CHECK(epx_cuda_scatter_launch(c->dtype, s->recv, dst, kind_rows(h, rk), c->hidden,
+                                     dedup ? h->tab.rp_rows : h->tab.rr_row, slots,
+                                     weighted ? (dedup ? h->tab.rp_w : h->tab.rr_w) : NULL, grad_w ? other : NULL,
+                                     grad_w ? (float *)s->send : NULL, h->recv.row_src, &h->recv.result->rows,
+                                     h->row_bound, 0, stream),
+             fn, "the expand kernel");
+  if (!grad_w) return EPX_SUCCESS;
+  /* The dots go home: Kb floats per pair, or one per route. */
+  EPX_CHECK(p2p(b, h, rk, hk, s->send, s->recv, 4 * (size_t)slots, fn));
+  CUDA_CHECK(epx_cuda_ep_home_values_launch(&h->d, dedup, h->tab.pair_stage, h->tab.route_stage, h->tab.group,
+                                            (const float *)s->recv, grad_w, stream),
+             fn, "the weight gradient kernel");
+fail:
+  return status;
+}
+
+epx_status_t epx_cuda_ep_dispatch(epx_buffer_t b, epx_handle_t handle, const void *x, void *recv_x) {
+  return move_forward(b, handle, x, recv_x, handle->weighting == EPX_WEIGHTS_IN_DISPATCH, NULL, NULL,
+                      "epx_dispatch");
+}
+
+epx_status_t epx_cuda_ep_combine_backward(epx_buffer_t b, epx_handle_t handle, const void *grad_out,
+                                          const void *expert_out, void *grad_expert_out, float *grad_w) {
+  return move_forward(b, handle, grad_out, grad_expert_out, handle->weighting == EPX_WEIGHTS_IN_COMBINE,
+                      expert_out, grad_w, "epx_combine_backward");
+}
+
+/* Rank-major: each layout row is a pair; it goes home as it is and the
+ * token's rank sums its pairs in rank order. */
+static epx_status_t return_pairs(epx_buffer_t b, epx_handle_t handle, const void *rows, void *out, const char *fn) {
+  epx_status_t status = EPX_SUCCESS;
+  const epx_buffer_config_t *c = &b->config;
+  const ep_handle_t *h = handle->cuda;
+  const ep_buffer_t *s = b->cuda;
+  cudaStream_t stream = stream_of(b);
+  const size_t rb = (size_t)c->hidden * epx_dtype_size(c->dtype);
+  const void *send = rows;
+  if (h->d.worst) {
+    CUDA_CHECK(epx_cuda_scatter_launch(c->dtype, rows, s->send, h->row_bound, c->hidden, h->tab.stage_of_row, 1,
+                                       NULL, NULL, NULL, NULL, NULL, 0, 0, stream),
+               fn, "the pack kernel");
+    send = s->send;
+  }
+  EPX_CHECK(p2p(b, h, RECV_PAIRS, HOME_PAIRS, send, s->recv, rb, fn));
+  CUDA_CHECK(epx_cuda_gather_launch(c->dtype, s->recv, out, h->d.T, c->hidden, h->tab.pair_stage, h->d.W, NULL,
+                                    NULL, NULL, 0, stream),
+             fn, "the sum kernel");
+fail:
+  return status;
+}
+
+/* Backward direction: rows [N, H] in the layout -> out [T, H], the
+ * canonical per-rank partial sums. weighted: w applied; dot_x / grad_w:
+ * grad_w[t, k] = <row(t, k), dot_x[t]> (dispatch_backward; needs the route
+ * rows at home). */
+static epx_status_t move_backward(epx_buffer_t b, epx_handle_t handle, const void *rows, void *out, int weighted,
+                                  const void *dot_x, float *grad_w, const char *fn) {
+  epx_status_t status = EPX_SUCCESS;
+  const epx_buffer_config_t *c = &b->config;
+  const ep_handle_t *h = handle->cuda;
+  const ep_buffer_t *s = b->cuda;
+  cudaStream_t stream = stream_of(b);
+  const size_t rb = (size_t)c->hidden * epx_dtype_size(c->dtype);
+  if (c->layout == EPX_LAYOUT_RANK_MAJOR) return return_pairs(b, handle, rows, out, fn);
+  if (c->exchange == EPX_EXCHANGE_COLLECTIVE || grad_w) {
+    /* Each route's row goes home; the token's rank forms the partials. */
+    const int64_t n = h->d.worst ? h->row_bound : h->rows;
+    CUDA_CHECK(epx_cuda_scatter_launch(c->dtype, rows, s->send, n, c->hidden, h->tab.stage_of_row, 1, NULL, NULL,
+                                       NULL, NULL, NULL, 0, 0, stream),
+               fn, "the pack kernel");
+    EPX_CHECK(p2p(b, h, RECV_ROUTES, HOME_ROUTES, s->send, s->recv, rb, fn));
+    const epx_cuda_reduce_t red = {c->dtype, c->dtype, s->recv, out, h->d.T, c->hidden, h->tab.route_stage,
+                                   h->tab.group, h->d.K, weighted ? h->w : NULL, grad_w ? dot_x : NULL, grad_w,
+                                   c->combine_precision == EPX_COMBINE_PARTIALS_PAYLOAD && c->dtype != EPX_FLOAT32};
+    CUDA_CHECK(epx_cuda_reduce_launch(&red, stream), fn, "the sum kernel");
+    return EPX_SUCCESS;
+  }
+  /* Dedup: the receiver sums each pair's routes, the token's rank the pairs. */
+  const int f32 = partials_f32(b);
+  const int64_t items = kind_rows(h, RECV_PAIRS);
+  const float *w = weighted ? h->tab.rp_w : NULL;
+  if (f32) {
+    const epx_cuda_reduce_t red = {c->dtype, EPX_FLOAT32, rows, s->send, items, c->hidden, h->tab.rp_rows, NULL,
+                                   h->d.Kb, w, NULL, NULL, 0};
+    CUDA_CHECK(epx_cuda_reduce_launch(&red, stream), fn, "the partial sum kernel");
+  } else {
+    CUDA_CHECK(epx_cuda_gather_launch(c->dtype, rows, s->send, items, c->hidden, h->tab.rp_rows, h->d.Kb, w, NULL,
+                                      NULL, 0, stream),
+               fn, "the partial sum kernel");
+  }
+  EPX_CHECK(p2p(b, h, RECV_PAIRS, HOME_PAIRS, s->send, s->recv, f32 ? 4 * (size_t)c->hidden : rb, fn));
+  if (f32) {
+    const epx_cuda_reduce_t red = {EPX_FLOAT32, c->dtype, s->recv, out, h->d.T, c->hidden, h->tab.pair_stage, NULL,
+                                   h->d.W, NULL, NULL, NULL, 0};
+    CUDA_CHECK(epx_cuda_reduce_launch(&red, stream), fn, "the sum kernel");
+  } else {
+    CUDA_CHECK(epx_cuda_gather_launch(c->dtype, s->recv, out, h->d.T, c->hidden, h->tab.pair_stage, h->d.W, NULL,
+                                      NULL, NULL, 0, stream),
+               fn, "the sum kernel");
+  }
+fail:
+  return status;
+}
+
+epx_status_t epx_cuda_ep_combine(epx_buffer_t b, epx_handle_t handle, const void *expert_out, void *out) {
+  return move_backward(b, handle, expert_out, out, handle->weighting == EPX_WEIGHTS_IN_COMBINE, NULL, NULL,
+                       "epx_combine");
+}
+
+epx_status_t epx_cuda_ep_dispatch_backward(epx_buffer_t b, epx_handle_t handle, const void *grad_recv_x,
+                                           void *grad_x, const void *x, float *grad_w) {
+  return move_backward(b, handle, grad_recv_x, grad_x, handle->weighting == EPX_WEIGHTS_IN_DISPATCH, x, grad_w,
+                       "epx_dispatch_backward");
+}
+
+epx_status_t epx_cuda_ep_weights_backward(epx_buffer_t b, epx_handle_t handle, const float *grad_recv_w,
+                                          float *grad_w) {
+  const char *fn = "epx_weights_backward";
+  epx_status_t status = EPX_SUCCESS;
+  const ep_handle_t *h = handle->cuda;
+  const ep_buffer_t *s = b->cuda;
+  cudaStream_t stream = stream_of(b);
+  const int32_t slots = b->config.layout == EPX_LAYOUT_RANK_MAJOR ? handle->top_k : 1;
+  CUDA_CHECK(epx_cuda_ep_route_values_launch(kind_rows(h, RECV_ROUTES), h->tab.rr_all, h->tab.rr_slot, slots,
+                                             grad_recv_w, (float *)s->send, stream),
+             fn, "the weight gradient kernel");
+  EPX_CHECK(p2p(b, h, RECV_ROUTES, HOME_ROUTES, s->send, s->recv, 4, fn));
+  CUDA_CHECK(epx_cuda_ep_home_values_launch(&h->d, 0, h->tab.pair_stage, h->tab.route_stage, h->tab.group,
+                                            (const float *)s->recv, grad_w, stream),
+             fn, "the weight gradient kernel");
+fail:
+  return status;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Queries                                                                   */
+/* ------------------------------------------------------------------------ */
+
+/* worst_case_sizing: the counts, N and the verdicts, read once. */
+static epx_status_t settle_handle(epx_handle_t handle, const char *fn) {
+  epx_status_t status = EPX_SUCCESS;
+  ep_handle_t *h = handle->cuda;
+  if (h->rows >= 0) return EPX_SUCCESS;
+  const int64_t *summary = NULL;
+  EPX_CHECK(read_summary(handle->buffer, h, fn, &summary));
+  EPX_CHECK(header_verdict(handle->buffer, h, summary, fn,
+                           " (with worst_case_sizing epx_dispatch_layout does not wait for the verdict: invalid "
+                           "routes were dropped, treated as -1; an oversize batch moved nothing)"));
+  h->rows = summary[8 * h->d.W];
+fail:
+  return status;
+}
+
+epx_status_t epx_cuda_ep_recv_rows(epx_handle_t handle, int64_t *rows) {
+  epx_status_t status = settle_handle(handle, "epx_handle_recv_rows");
+  if (status == EPX_SUCCESS) *rows = ((ep_handle_t *)handle->cuda)->rows;
+  return status;
+}
+
+epx_status_t epx_cuda_ep_recv_rows_device(epx_handle_t handle, const int64_t **rows) {
+  *rows = &((ep_handle_t *)handle->cuda)->recv.result->rows;
+  return EPX_SUCCESS;
+}
+
+epx_status_t epx_cuda_ep_expert_counts(epx_handle_t handle, int64_t *counts, int64_t *offsets) {
+  const char *fn = "epx_handle_expert_counts";
+  epx_status_t status = EPX_SUCCESS;
+  const ep_handle_t *h = handle->cuda;
+  cudaStream_t stream = stream_of(handle->buffer);
+  const size_t El = (size_t)h->d.El;
+  if (counts)
+    CUDA_CHECK(cudaMemcpyAsync(counts, h->recv.counts, 8 * El, cudaMemcpyDeviceToDevice, stream), fn,
+               "cudaMemcpyAsync of the counts");
+  if (offsets)
+    CUDA_CHECK(cudaMemcpyAsync(offsets, h->recv.offsets, 8 * (El + 1), cudaMemcpyDeviceToDevice, stream), fn,
+               "cudaMemcpyAsync of the offsets");
+fail:
+  return status;
+}
+
+epx_status_t epx_cuda_ep_recv_routing(epx_handle_t handle, int32_t *recv_expert, float *recv_w) {
+  const char *fn = "epx_handle_recv_routing";
+  epx_status_t status = EPX_SUCCESS;
+  const ep_handle_t *h = handle->cuda;
+  CUDA_CHECK(epx_cuda_recv_routing_ranks_launch(handle->buffer->config.layout, &h->recv, h->gw, handle->top_k,
+                                                h->d.Kb, h->d.rank * h->d.El, h->row_bound, recv_expert, recv_w,
+                                                stream_of(handle->buffer)),
+             fn, "the recv routing kernel");
+fail:
+  return status;
+}
+
+epx_status_t epx_cuda_ep_recv_source(epx_handle_t handle, int32_t *src_rank, int32_t *src_token) {
+  const char *fn = "epx_handle_recv_source";
+  epx_status_t status = EPX_SUCCESS;
+  const ep_handle_t *h = handle->cuda;
+  CUDA_CHECK(epx_cuda_recv_source_ranks_launch(handle->buffer->config.layout, &h->recv, h->d.Kb, h->d.Tm,
+                                               h->row_bound, src_rank, src_token, stream_of(handle->buffer)),
+             fn, "the recv source kernel");
+fail:
+  return status;
+}
+
+epx_status_t epx_cuda_ep_stats(epx_handle_t handle, epx_handle_stats_t *stats) {
+  ep_handle_t *h = handle->cuda;
+  epx_buffer_t b = handle->buffer;
+  const int dedup = b->config.exchange == EPX_EXCHANGE_DEDUP;
+  const int hk = dedup ? HOME_PAIRS : HOME_ROUTES, rk = dedup ? RECV_PAIRS : RECV_ROUTES;
+  const int64_t *counts = NULL; /* worst_case_sizing: the true counts, read back */
+  if (h->d.worst) {
+    epx_status_t status = read_summary(b, h, "epx_handle_stats", &counts);
+    if (status != EPX_SUCCESS) return status;
+  }
+  int64_t send = 0, recv = 0, self = 0;
+  for (int32_t p = 0; p < h->d.W; p++) {
+    const int64_t out = counts ? counts[hk * h->d.W + p] : h->count[hk][p];
+    const int64_t in = counts ? counts[rk * h->d.W + p] : h->count[rk][p];
+    if (p == b->rank) self = out;
+    else send += out, recv += in;
+  }
+  const int64_t rb = b->config.hidden * (int64_t)epx_dtype_size(b->config.dtype);
+  *stats = (epx_handle_stats_t){send, recv, send * rb, recv * rb, self};
+  return EPX_SUCCESS;
+}
+
+#else /* a CUDA build without NCCL: one rank only */
+
+epx_status_t epx_cuda_ep_buffer_init(epx_buffer_t b) {
+  return epx_error(EPX_ERROR_UNSUPPORTED,
+                   "epx_buffer_create: this build of epx has no NCCL transport, so the CUDA backend runs on a "
+                   "comm of one rank (comm has %d); rebuild with NCCL (EPX_NCCL_ROOT) or use EPX_DEVICE_CPU",
+                   b->world_size);
+}
+void epx_cuda_ep_buffer_fini(epx_buffer_t b) { (void)b; }
+#define EPX_EP_UNREACHABLE return epx_error(EPX_ERROR_INTERNAL, "the CUDA backend has no W-rank path in this build")
+epx_status_t epx_cuda_ep_dispatch_layout(epx_buffer_t b, const epx_routing_t *r, epx_status_t l, epx_handle_t h) {
+  (void)b, (void)r, (void)l, (void)h;
+  EPX_EP_UNREACHABLE;
+}
+void epx_cuda_ep_handle_fini(epx_handle_t h) { (void)h; }
+epx_status_t epx_cuda_ep_agree(epx_buffer_t b, epx_status_t local, const char *caller) {
+  (void)b, (void)caller;
+  return local;
+}
+epx_status_t epx_cuda_ep_dispatch(epx_buffer_t b, epx_handle_t h, const void *x, void *r) {
+  (void)b, (void)h, (void)x, (void)r;
+  EPX_EP_UNREACHABLE;
+}
+epx_status_t epx_cuda_ep_combine(epx_buffer_t b, epx_handle_t h, const void *e, void *o) {
+  (void)b, (void)h, (void)e, (void)o;
+  EPX_EP_UNREACHABLE;
+}
+epx_status_t epx_cuda_ep_dispatch_backward(epx_buffer_t b, epx_handle_t h, const void *g, void *gx, const void *x,
+                                           float *gw) {
+  (void)b, (void)h, (void)g, (void)gx, (void)x, (void)gw;
+  EPX_EP_UNREACHABLE;
+}
+epx_status_t epx_cuda_ep_combine_backward(epx_buffer_t b, epx_handle_t h, const void *g, const void *e, void *ge,
+                                          float *gw) {
+  (void)b, (void)h, (void)g, (void)e, (void)ge, (void)gw;
+  EPX_EP_UNREACHABLE;
+}
+epx_status_t epx_cuda_ep_weights_backward(epx_buffer_t b, epx_handle_t h, const float *g, float *gw) {
+  (void)b, (void)h, (void)g, (void)gw;
+  EPX_EP_UNREACHABLE;
+}
+epx_status_t epx_cuda_ep_recv_rows(epx_handle_t h, int64_t *r) {
+  (void)h, (void)r;
+  EPX_EP_UNREACHABLE;
+}
+epx_status_t epx_cuda_ep_recv_rows_device(epx_handle_t h, const int64_t **r) {
+  (void)h, (void)r;
+  EPX_EP_UNREACHABLE;
+}
+epx_status_t epx_cuda_ep_expert_counts(epx_handle_t h, int64_t *c, int64_t *o) {
+  (void)h, (void)c, (void)o;
+  EPX_EP_UNREACHABLE;
+}
+epx_status_t epx_cuda_ep_recv_routing(epx_handle_t h, int32_t *e, float *w) {
+  (void)h, (void)e, (void)w;
+  EPX_EP_UNREACHABLE;
+}
+epx_status_t epx_cuda_ep_recv_source(epx_handle_t h, int32_t *r, int32_t *t) {
+  (void)h, (void)r, (void)t;
+  EPX_EP_UNREACHABLE;
+}
+epx_status_t epx_cuda_ep_stats(epx_handle_t h, epx_handle_stats_t *s) {
+  (void)h, (void)s;
+  EPX_EP_UNREACHABLE;
+}
+int64_t epx_cuda_ep_handle_bytes(epx_handle_t h) { (void)h; return 0; }
+#endif
+
+/* Any CUDA buffer: the device routing's hash, read back once. */
+epx_status_t epx_cuda_routing_hash(epx_buffer_t b, const epx_routing_t *r, uint64_t *hash) {
+  const char *fn = "epx_dispatch_layout";
+  epx_status_t status = EPX_SUCCESS;
+  cudaStream_t stream = stream_of(b);
+  uint64_t *dev = NULL, *host = NULL;
+  *hash = 0;
+  CUDA_CHECK(cudaMallocHost((void **)&host, sizeof *host), fn, "cudaMallocHost");
+  CUDA_CHECK(cudaMallocAsync((void **)&dev, sizeof *dev, stream), fn, "cudaMallocAsync");
+  CUDA_CHECK(epx_cuda_hash_launch(r->topk_idx, r->num_tokens * r->top_k, dev, stream), fn, "the hash kernel");
+  CUDA_CHECK(cudaMemcpyAsync(host, dev, sizeof *dev, cudaMemcpyDeviceToHost, stream), fn, "cudaMemcpyAsync");
+  if (b->world_size > 1) EPX_CHECK(epx_nccl_wait(b->comm, stream, fn));
+  else CUDA_CHECK(cudaStreamSynchronize(stream), fn, "cudaStreamSynchronize");
+  *hash = *host;
+fail:
+  if (dev) cudaFreeAsync(dev, stream);
+  if (host) cudaFreeHost(host);
+  return status;
+}

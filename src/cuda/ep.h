@@ -1,0 +1,48 @@
+/* The CUDA backend on W > 1 ranks over an NCCL comm (ep.c): the same calls
+ * as cuda_backend.h, which hands them here when buffer->world_size > 1. */
+#ifndef EPX_CUDA_EP_H
+#define EPX_CUDA_EP_H
+
+#include "core/objects.h"
+#include "epx.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+epx_status_t epx_cuda_ep_buffer_init(epx_buffer_t buffer);
+void epx_cuda_ep_buffer_fini(epx_buffer_t buffer);
+/* local: the API's verdict on this rank; agreed with the peers before
+ * anything moves (except with worst_case_sizing, see ep.c). */
+epx_status_t epx_cuda_ep_dispatch_layout(epx_buffer_t buffer, const epx_routing_t *routing,
+                                         epx_status_t local, epx_handle_t handle);
+void epx_cuda_ep_handle_fini(epx_handle_t handle);
+epx_status_t epx_cuda_ep_agree(epx_buffer_t buffer, epx_status_t local, const char *caller);
+epx_status_t epx_cuda_ep_dispatch(epx_buffer_t buffer, epx_handle_t handle, const void *x, void *recv_x);
+epx_status_t epx_cuda_ep_combine(epx_buffer_t buffer, epx_handle_t handle, const void *expert_out, void *out);
+epx_status_t epx_cuda_ep_dispatch_backward(epx_buffer_t buffer, epx_handle_t handle, const void *grad_recv_x,
+                                           void *grad_x, const void *x, float *grad_w);
+epx_status_t epx_cuda_ep_combine_backward(epx_buffer_t buffer, epx_handle_t handle, const void *grad_out,
+                                          const void *expert_out, void *grad_expert_out, float *grad_w);
+epx_status_t epx_cuda_ep_weights_backward(epx_buffer_t buffer, epx_handle_t handle, const float *grad_recv_w,
+                                          float *grad_w);
+epx_status_t epx_cuda_ep_recv_rows(epx_handle_t handle, int64_t *rows);
+epx_status_t epx_cuda_ep_recv_rows_device(epx_handle_t handle, const int64_t **rows);
+epx_status_t epx_cuda_ep_expert_counts(epx_handle_t handle, int64_t *counts, int64_t *offsets);
+epx_status_t epx_cuda_ep_recv_routing(epx_handle_t handle, int32_t *recv_expert, float *recv_w);
+epx_status_t epx_cuda_ep_recv_source(epx_handle_t handle, int32_t *src_rank, int32_t *src_token);
+epx_status_t epx_cuda_ep_stats(epx_handle_t handle, epx_handle_stats_t *stats);
+int64_t epx_cuda_ep_handle_bytes(epx_handle_t handle);
+
+/* The routing's hash computed on the device (one read-back), for recorder
+ * validation on any CUDA buffer. */
+epx_status_t epx_cuda_routing_hash(epx_buffer_t buffer, const epx_routing_t *routing, uint64_t *hash);
+
+/* The message of a routing verdict of the layout kernel (cuda_backend.c). */
+epx_status_t epx_cuda_routing_error(const char *fn, uint64_t error, int32_t K, int32_t E, int32_t C,
+                                    const int32_t *topk_idx, const int32_t *locations, const char *note);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

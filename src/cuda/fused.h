@@ -1,0 +1,155 @@
+/* The fused NVLink exchange: dedup dispatch and combine in kernels that load
+ * and store straight into the peers' memory, through NCCL 2.28's device API
+ * (a symmetric window from ncclMemAlloc + ncclCommWindowRegister, peer
+ * addresses from ncclDevCommCreate / ncclGetLsaPointer). Every rank of the
+ * comm must reach every other by load/store (one NVLink domain); otherwise
+ * epx_fused_create refuses with EPX_ERROR_UNSUPPORTED and the host-API
+ * exchange is the path.
+ *
+ * Plain C declarations: host code never sees ncclDevComm or a kernel. The
+ * launchers take device pointers, sizes and a stream, enqueue their work and
+ * return the launch's cudaError_t; none synchronises the host. Completion
+ * between ranks is by flags in the window with bounded spin waits: a peer
+ * that does not answer within the timeout sets the error word (host-mapped,
+ * readable at any time with epx_fused_error) naming it, and the waiting
+ * kernel returns; the state is then failed (every later launch returns at
+ * once) and the comm must be torn down.
+ *
+ * Semantics (identical to the CPU backend and the host-API exchange):
+ *  - dispatch: a row per (token, destination rank) holding at least one of
+ *    the token's experts, written by the sender straight into its final row
+ *    of the receiver's rank-major layout in the window (rows by source rank,
+ *    then source token). The expert-major layout (a row per (token, local
+ *    expert), grouped by local expert, inside a group by (source rank, source
+ *    token), groups padded with zero rows to the alignment) is expanded by the
+ *    receiving CTAs from the window as chunks of rows arrive.
+ *  - combine: the expert rank forms P(t, r) = 0 + the token's products on r
+ *    in k order (float32, no fused multiply-add), sends it in float32 or
+ *    rounded once to the payload dtype into the token's home window; the home
+ *    sums its ranks' partials in ascending r in float32 and rounds once.
+ *  - the backward passes are the same kernels: dispatch_backward is a combine
+ *    of grad_recv_x (weighted with EPX_WEIGHTS_IN_DISPATCH), combine_backward
+ *    a dispatch of grad_out (weighted with EPX_WEIGHTS_IN_COMBINE). The
+ *    routing-weight gradients (grad_w) are not computed here.
+ *
+ * Call order: every rank makes the same sequence of layout / dispatch-like /
+ * combine-like launches on one stream per rank (they are collective). A
+ * launch may begin writing a peer's window only once that peer has entered
+ * the same launch (a clear-to-send flag), so a window is never overwritten
+ * while its owner still reads it. */
+#ifndef EPX_CUDA_FUSED_H
+#define EPX_CUDA_FUSED_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <cuda_runtime_api.h>
+
+#include "epx.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define EPX_FUSED_MAX_RANKS 32 /* ranks of one load/store domain (a bit mask per token) */
+#define EPX_FUSED_MAX_TOP_K 32 /* a lane per k-slot */
+
+typedef struct epx_fused epx_fused_t;           /* the window and device comm of one buffer */
+typedef struct epx_fused_plan epx_fused_plan_t; /* the layout of one dispatch (a handle's) */
+
+typedef struct epx_fused_config {
+  epx_dtype_t dtype;       /* payload dtype */
+  int64_t hidden;          /* H, a multiple of 8 */
+  int32_t num_experts;     /* E, a multiple of the comm's size */
+  int32_t max_top_k;       /* 1 <= K <= EPX_FUSED_MAX_TOP_K */
+  int64_t max_tokens;      /* tokens per rank per call, equal on every rank */
+  double timeout_seconds;  /* bound of every wait on a peer (<= 0: 60 s) */
+  /* 1: senders move whole rows with the bulk copy engine (cp.async.bulk
+   * through shared memory) instead of 16-byte stores by every thread */
+  int32_t bulk_copy;
+} epx_fused_config_t;
+
+/* Collective over nccl_comm (an ncclComm_t): allocates and registers the
+ * window (about W*max_tokens*H*(s + 4) bytes plus metadata), creates the
+ * device comm and resolves the peers' addresses. EPX_ERROR_UNSUPPORTED when
+ * some rank is not reachable by load/store (the message says how many are).
+ * The ncclComm_t must outlive the result. */
+epx_status_t epx_fused_create(void *nccl_comm, const epx_fused_config_t *config,
+                              epx_fused_t **fused);
+/* Collective (the window is deregistered). NULL is a no-op. */
+epx_status_t epx_fused_destroy(epx_fused_t *fused);
+
+/* The error word: 0 while no wait timed out; else 1 and the peer that did not
+ * answer and the phase ("layout counts", "dispatch rows", ...). Host-mapped:
+ * no synchronisation. */
+int epx_fused_error(const epx_fused_t *fused, int32_t *peer, const char **phase);
+
+/* The rank-major receive rows in this rank's window ([W * max_tokens, H] of
+ * the dtype; a plan's first N rows are valid after its dispatch). A dispatch
+ * into this address moves each row once; they stay valid until the next
+ * dispatch-like launch. */
+void *epx_fused_recv_window(epx_fused_t *fused);
+
+/* A plan (device arrays for the worst case of max_tokens, K = max_top_k),
+ * for layout EXPERT_MAJOR or RANK_MAJOR (the capacity layout stays on the
+ * host-API path). Not collective. */
+epx_status_t epx_fused_plan_create(epx_fused_t *fused, epx_layout_t layout,
+                                   int32_t expert_alignment, epx_fused_plan_t **plan);
+void epx_fused_plan_destroy(epx_fused_plan_t *plan);
+
+/* What a plan holds for the handle's accessors (device memory, valid after the
+ * layout launch, until the plan is destroyed). */
+typedef struct epx_fused_plan_view {
+  const int64_t *rows;      /* [1] N, the rows of the recv layout */
+  const int64_t *counts;    /* [E_local] rows per local expert before padding */
+  const int64_t *offsets;   /* [E_local + 1] first row of each group (expert-major) */
+  const int32_t *row_src_rank, *row_src_token; /* [row_bound], -1 for padding */
+  const int32_t *row_expert; /* expert-major [row_bound]; rank-major [row_bound, K] (-1 elsewhere) */
+  const float *row_w;        /* as row_expert, 0 where -1 */
+  const unsigned long long *invalid; /* (route << 3) | code of the first invalid route dropped, or ~0 */
+  int64_t row_bound;
+  int32_t top_k;             /* the K of the row_expert / row_w rows in rank-major */
+} epx_fused_plan_view_t;
+void epx_fused_plan_view(const epx_fused_plan_t *plan, epx_fused_plan_view_t *view);
+
+/* Layout (collective): validates topk_idx [T, K] (an out-of-range or
+ * duplicate expert is dropped and recorded in view.invalid), exchanges the
+ * per-(source, destination) row counts and per-(source, expert) route counts
+ * on the GPU, and the routing of every row (token, its experts on the
+ * receiver, weights, position inside each expert's group) into the receivers'
+ * windows, so the plan knows its whole recv layout. topk_w may be NULL
+ * (weights 0). T <= max_tokens, K <= max_top_k. */
+cudaError_t epx_fused_layout_launch(epx_fused_t *fused, epx_fused_plan_t *plan,
+                                    const int32_t *topk_idx, const float *topk_w,
+                                    int64_t num_tokens, int32_t top_k, cudaStream_t stream);
+
+/* Dispatch (collective), x [T, H] -> recv_x. recv_x: NULL or
+ * epx_fused_recv_window() for the rank-major rows in place; another [N, H]
+ * buffer gets them copied out (rank-major) or expanded (expert-major, which
+ * needs one). weighted: expert-major rows get round(w * x). num_ctas: the SM
+ * budget (CTAs of 512 threads, at most the SM count); recv_ctas of them
+ * receive (0: automatic). */
+cudaError_t epx_fused_dispatch_launch(epx_fused_t *fused, const epx_fused_plan_t *plan,
+                                      const void *x, void *recv_x, int weighted,
+                                      int32_t num_ctas, int32_t recv_ctas, cudaStream_t stream);
+
+/* Combine (collective), expert_out [N, H] in the plan's layout -> out [T, H].
+ * weighted: P(t, r) multiplies by w (EPX_WEIGHTS_IN_COMBINE, expert-major).
+ * num_ctas / reduce_ctas as for dispatch. */
+cudaError_t epx_fused_combine_launch(epx_fused_t *fused, const epx_fused_plan_t *plan,
+                                     const void *expert_out, void *out, int weighted,
+                                     epx_combine_precision_t precision, int32_t num_ctas,
+                                     int32_t reduce_ctas, cudaStream_t stream);
+
+/* The backward passes on a forward plan: the same kernels (see above). */
+cudaError_t epx_fused_dispatch_backward_launch(epx_fused_t *fused, const epx_fused_plan_t *plan,
+                                               const void *grad_recv_x, void *grad_x,
+                                               int weighted, epx_combine_precision_t precision,
+                                               int32_t num_ctas, cudaStream_t stream);
+cudaError_t epx_fused_combine_backward_launch(epx_fused_t *fused, const epx_fused_plan_t *plan,
+                                              const void *grad_out, void *grad_expert_out,
+                                              int weighted, int32_t num_ctas, cudaStream_t stream);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

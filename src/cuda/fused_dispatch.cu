@@ -1,0 +1,862 @@
+/* The fused NVLink exchange, part 1: the window and device comm (setup), the
+ * layout (counts and routing records exchanged on the GPU), and dispatch.
+ * See fused.h for the contract and fused_impl.cuh for the window.
+ *
+ * Layout, four kernels on the caller's stream (no host wait):
+ *   count     a block per 256 tokens: validates the routing, each route's
+ *             position among the block's routes to its expert, each token's
+ *             index among the block's tokens to each rank, and the counts;
+ *   exchange  one CTA: prefix sums over the blocks, clear-to-send, this
+ *             rank's row counts (to every rank) and route counts per expert
+ *             (to the expert's rank) into the windows, then from the W x W
+ *             matrix every base: where this rank's rows start in each
+ *             receiver's rank-major layout (an exclusive prefix over source
+ *             ranks), and the expert-major groups;
+ *   records   a warp per token: absolute positions, and the token's routing
+ *             record written into each destination's window at its final row;
+ *   receive   a warp per received row: the plan's tables (per rank-major row:
+ *             token, experts, weights, expert-major rows).
+ * Dispatch, one kernel: sender CTAs copy each token's row once per destination
+ * rank straight into its final rank-major row in the destination's window,
+ * a flag per chunk of 32 rows; receiver CTAs expand chunks into the
+ * expert-major layout as they arrive (and this rank's own rows straight from
+ * x), or, rank-major, wait for them (and copy them out if asked). */
+#include <cuda_runtime.h>
+#include <nccl.h>
+/* NCCL's device headers have unused parameters; -Wextra -Werror stays on for ours */
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wunused-parameter"
+#include <nccl_device.h>
+#pragma GCC diagnostic pop
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/error.h"
+#include "cuda/fused_impl.cuh"
+
+using namespace epx_fused_impl;
+
+namespace {
+
+/* ---- setup ---------------------------------------------------------------- */
+
+__global__ void resolve_peers_kernel(ncclWindow_t win, const int *lsa_of, int W, char **out) {
+  const int r = threadIdx.x;
+  if (r < W) out[r] = static_cast<char *>(ncclGetLsaPointer(win, 0, lsa_of[r]));
+}
+
+size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
+
+/* Offsets of the window's regions (fused_impl.cuh). */
+void window_offsets(fused_dev &d, int64_t part_elem) {
+  const size_t W = (size_t)d.W;
+  size_t o = 0;
+  d.off_cts = o;
+  o += W * 4;
+  d.off_lflag = o;
+  o += W * 4;
+  d.off_mflag = o;
+  o += W * 4;
+  d.off_cflag = o = align_up(o, 128);
+  o += W * (size_t)d.max_chunks * 4;
+  d.off_mat = o = align_up(o, 128);
+  o += W * W * 4;
+  d.off_hist = o = align_up(o, 128);
+  o += W * (size_t)d.El * 4;
+  d.off_meta = o = align_up(o, 256);
+  o += W * (size_t)d.maxT * (size_t)d.meta_stride;
+  d.off_pay = o = align_up(o, 4096);
+  o += W * (size_t)d.maxT * (size_t)d.row_bytes;
+  d.off_part = o = align_up(o, 4096);
+  o += W * (size_t)d.maxT * (size_t)d.H * (size_t)part_elem;
+}
+
+size_t window_bytes(const fused_dev &d, int64_t part_elem) {
+  return align_up(d.off_part + (size_t)d.W * (size_t)d.maxT * (size_t)d.H * (size_t)part_elem,
+                  (size_t)1 << 21);
+}
+
+epx_status_t nccl_fail(const char *fn, const char *what, ncclResult_t r) {
+  return epx_error(EPX_ERROR_TRANSPORT, "%s: %s failed: %s", fn, what, ncclGetErrorString(r));
+}
+epx_status_t cuda_fail(const char *fn, const char *what, cudaError_t e) {
+  return epx_error(EPX_ERROR_CUDA, "%s: %s failed: %s", fn, what, cudaGetErrorString(e));
+}
+
+#define FUSED_NCCL(call, what)                                   \
+  do {                                                           \
+    ncclResult_t r_ = (call);                                    \
+    if (r_ != ncclSuccess) {                                     \
+      status = nccl_fail(fn, what, r_);                          \
+      goto fail;                                                 \
+    }                                                            \
+  } while (0)
+#define FUSED_CUDA(call, what)                                   \
+  do {                                                           \
+    cudaError_t e_ = (call);                                     \
+    if (e_ != cudaSuccess) {                                     \
+      status = cuda_fail(fn, what, e_);                          \
+      goto fail;                                                 \
+    }                                                            \
+  } while (0)
+
+epx_status_t check_config(const epx_fused_config_t *c, int W, const char *fn) {
+  EPX_REQUIRE(c, "%s: config is NULL", fn);
+  EPX_REQUIRE(dtype_bytes(c->dtype) != 0, "%s: config.dtype %d is not a dtype", fn, (int)c->dtype);
+  EPX_REQUIRE(c->hidden > 0 && c->hidden % 8 == 0, "%s: config.hidden %lld is not a positive multiple of 8",
+              fn, (long long)c->hidden);
+  EPX_REQUIRE(c->num_experts > 0 && c->num_experts % W == 0,
+              "%s: config.num_experts %d is not a positive multiple of the %d ranks", fn, c->num_experts, W);
+  EPX_REQUIRE(c->num_experts <= EPX_CUDA_MAX_EXPERTS, "%s: config.num_experts %d is over %d", fn,
+              c->num_experts, EPX_CUDA_MAX_EXPERTS);
+  EPX_REQUIRE(c->max_top_k >= 1 && c->max_top_k <= EPX_FUSED_MAX_TOP_K && c->max_top_k <= c->num_experts,
+              "%s: config.max_top_k %d is outside [1, min(%d, num_experts)]", fn, c->max_top_k,
+              EPX_FUSED_MAX_TOP_K);
+  EPX_REQUIRE(c->max_tokens > 0 && c->max_tokens * W < ((int64_t)1 << 31) / EPX_FUSED_MAX_TOP_K,
+              "%s: config.max_tokens %lld is outside [1, 2^31 / (32 W))", fn, (long long)c->max_tokens);
+  return EPX_SUCCESS;
+}
+
+/* The device state of `f` from its config, comm size and rank. */
+void init_dev(epx_fused_t *f, int W, int rank) {
+  const epx_fused_config_t *c = &f->config;
+  fused_dev &d = f->dev;
+  d.W = W;
+  d.rank = rank;
+  d.E = c->num_experts;
+  d.El = c->num_experts / W;
+  d.Kmax = c->max_top_k;
+  d.maxT = c->max_tokens;
+  d.H = c->hidden;
+  d.row_bytes = c->hidden * dtype_bytes(c->dtype);
+  d.nvec = d.row_bytes / 16;
+  d.max_chunks = (int)((c->max_tokens + kChunk - 1) / kChunk);
+  d.meta_stride = (int64_t)align_up((size_t)(1 + 3 * c->max_top_k) * 4, 16);
+  /* the bulk path: as many one-row slots as fit in 200 KB of shared memory */
+  const int64_t fit = ((int64_t)200 << 10) / bulk_slot_bytes(d.row_bytes);
+  d.bulk_warps = c->bulk_copy ? (int)(fit < kMaxBulkWarps ? fit : kMaxBulkWarps) : 0;
+  const double seconds = c->timeout_seconds > 0 ? c->timeout_seconds : 60.0;
+  d.timeout_ns = (unsigned long long)(seconds * 1e9);
+}
+
+/* Every rank past this point before any writes a peer's flags (they were
+ * just zeroed): a one-word all-reduce. */
+epx_status_t rank_barrier(ncclComm_t comm, const char *fn) {
+  epx_status_t status = EPX_SUCCESS;
+  int *word = NULL;
+  FUSED_CUDA(cudaMalloc(&word, sizeof(int)), "cudaMalloc");
+  FUSED_CUDA(cudaMemset(word, 0, sizeof(int)), "cudaMemset");
+  FUSED_NCCL(ncclAllReduce(word, word, 1, ncclInt32, ncclSum, comm, 0), "ncclAllReduce");
+  FUSED_CUDA(cudaStreamSynchronize(0), "cudaStreamSynchronize");
+fail:
+  cudaFree(word);
+  return status;
+}
+
+/* The peers' window addresses, resolved on the device once. */
+epx_status_t resolve_peers(epx_fused_t *f, ncclComm_t comm, const char *fn) {
+  epx_status_t status = EPX_SUCCESS;
+  const int W = f->dev.W;
+  int lsa_of[EPX_FUSED_MAX_RANKS];
+  int *d_lsa = NULL;
+  char **d_ptrs = NULL;
+  const ncclTeam_t world = ncclTeamWorld(comm);
+  for (int r = 0; r < W; r++) lsa_of[r] = ncclTeamRankToLsa(comm, world, r);
+  FUSED_CUDA(cudaMalloc(&d_lsa, sizeof lsa_of), "cudaMalloc");
+  FUSED_CUDA(cudaMalloc(&d_ptrs, sizeof(char *) * EPX_FUSED_MAX_RANKS), "cudaMalloc");
+  FUSED_CUDA(cudaMemcpy(d_lsa, lsa_of, sizeof(int) * (size_t)W, cudaMemcpyHostToDevice), "cudaMemcpy");
+  resolve_peers_kernel<<<1, 32>>>(static_cast<ncclWindow_t>(f->win), d_lsa, W, d_ptrs);
+  FUSED_CUDA(cudaGetLastError(), "the peer-address kernel");
+  FUSED_CUDA(cudaMemcpy(f->dev.peer, d_ptrs, sizeof(char *) * (size_t)W, cudaMemcpyDeviceToHost), "cudaMemcpy");
+fail:
+  cudaFree(d_lsa);
+  cudaFree(d_ptrs);
+  return status;
+}
+
+}  // namespace
+
+extern "C" epx_status_t epx_fused_create(void *nccl_comm, const epx_fused_config_t *config,
+                                         epx_fused_t **fused) {
+  const char *fn = "epx_fused_create";
+  epx_status_t status = EPX_SUCCESS;
+  EPX_REQUIRE(fused, "%s: fused is NULL", fn);
+  *fused = NULL;
+  EPX_REQUIRE(nccl_comm, "%s: nccl_comm is NULL; pass an ncclComm_t", fn);
+  ncclComm_t comm = static_cast<ncclComm_t>(nccl_comm);
+  int W = 0, rank = 0, lsa_size = 0;
+  ncclDevComm *dc = NULL;
+  if (ncclCommCount(comm, &W) != ncclSuccess || ncclCommUserRank(comm, &rank) != ncclSuccess)
+    return epx_error(EPX_ERROR_TRANSPORT, "%s: nccl_comm is not a usable ncclComm_t", fn);
+  if (W > EPX_FUSED_MAX_RANKS)
+    return epx_error(EPX_ERROR_UNSUPPORTED, "%s: %d ranks, over the fused path's %d; use the host-API exchange",
+                     fn, W, EPX_FUSED_MAX_RANKS);
+  status = check_config(config, W, fn);
+  if (status != EPX_SUCCESS) return status;
+  epx_fused_t *f = static_cast<epx_fused_t *>(calloc(1, sizeof *f));
+  if (!f) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
+  f->config = *config;
+  f->comm = nccl_comm;
+  init_dev(f, W, rank);
+  {
+    const int64_t part_elem = 4; /* float32 partials fit every precision */
+    window_offsets(f->dev, part_elem);
+    f->bytes = window_bytes(f->dev, part_elem);
+    int device = 0;
+    FUSED_CUDA(cudaGetDevice(&device), "cudaGetDevice");
+    FUSED_CUDA(cudaDeviceGetAttribute(&f->num_sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
+    FUSED_NCCL(ncclMemAlloc(&f->base, f->bytes), "ncclMemAlloc of the window");
+    ncclWindow_t win;
+    FUSED_NCCL(ncclCommWindowRegister(comm, f->base, f->bytes, &win, NCCL_WIN_COLL_SYMMETRIC),
+               "ncclCommWindowRegister");
+    f->win = win;
+    dc = static_cast<ncclDevComm *>(calloc(1, sizeof *dc));
+    if (!dc) EPX_FAIL(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
+    ncclDevCommRequirements reqs;
+    memset(&reqs, 0, sizeof reqs);
+    reqs.lsaBarrierCount = 1;
+    if (ncclDevCommCreate(comm, &reqs, dc) != ncclSuccess) {
+      free(dc);
+      EPX_FAIL(EPX_ERROR_TRANSPORT, "%s: ncclDevCommCreate failed (NCCL 2.28 or later with symmetric memory "
+               "support is needed)", fn);
+    }
+    f->devcomm = dc;
+    lsa_size = dc->lsaSize;
+    if (lsa_size != W)
+      EPX_FAIL(EPX_ERROR_UNSUPPORTED,
+               "%s: rank %d reaches %d of the %d ranks by load/store (NVLink); the fused exchange needs all of "
+               "them, so use the host-API exchange", fn, rank, lsa_size, W);
+    EPX_CHECK(resolve_peers(f, comm, fn));
+    f->dev.local = f->dev.peer[rank];
+    FUSED_CUDA(cudaMalloc(&f->dev.ctl, CTL_WORDS * sizeof(uint32_t)), "cudaMalloc");
+    FUSED_CUDA(cudaMemset(f->dev.ctl, 0, CTL_WORDS * sizeof(uint32_t)), "cudaMemset");
+    FUSED_CUDA(cudaHostAlloc(&f->err_host, sizeof(uint32_t), cudaHostAllocMapped), "cudaHostAlloc");
+    *f->err_host = 0;
+    FUSED_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void **>(&f->dev.err), f->err_host, 0),
+               "cudaHostGetDevicePointer");
+    FUSED_CUDA(cudaMemset(f->base, 0, f->dev.off_meta), "cudaMemset of the window's flags");
+    FUSED_CUDA(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+    EPX_CHECK(rank_barrier(comm, fn));
+  }
+  *fused = f;
+  return EPX_SUCCESS;
+fail:
+  epx_fused_destroy(f);
+  return status;
+}
+
+extern "C" epx_status_t epx_fused_destroy(epx_fused_t *f) {
+  if (!f) return EPX_SUCCESS;
+  ncclComm_t comm = static_cast<ncclComm_t>(f->comm);
+  epx_status_t status = EPX_SUCCESS;
+  cudaDeviceSynchronize();
+  if (f->devcomm) {
+    if (ncclDevCommDestroy(comm, static_cast<ncclDevComm *>(f->devcomm)) != ncclSuccess)
+      status = epx_error(EPX_ERROR_TRANSPORT, "epx_fused_destroy: ncclDevCommDestroy failed");
+    free(f->devcomm);
+  }
+  if (f->win && ncclCommWindowDeregister(comm, static_cast<ncclWindow_t>(f->win)) != ncclSuccess)
+    status = epx_error(EPX_ERROR_TRANSPORT, "epx_fused_destroy: ncclCommWindowDeregister failed");
+  if (f->base) ncclMemFree(f->base);
+  cudaFree(f->dev.ctl);
+  if (f->err_host) cudaFreeHost(f->err_host);
+  free(f);
+  return status;
+}
+
+extern "C" int epx_fused_error(const epx_fused_t *f, int32_t *peer, const char **phase) {
+  static const char *const names[] = {"?", "layout clear-to-send", "layout counts", "layout routing records",
+                                      "dispatch clear-to-send", "dispatch rows", "combine clear-to-send",
+                                      "combine partials"};
+  const uint32_t w = *reinterpret_cast<volatile uint32_t *>(f->err_host);
+  if (!w) return 0;
+  const uint32_t ph = (w >> 8) & 0xffu;
+  if (peer) *peer = (int32_t)(w >> 16) - 1;
+  if (phase) *phase = names[ph < sizeof names / sizeof names[0] ? ph : 0];
+  return 1;
+}
+
+extern "C" void *epx_fused_recv_window(epx_fused_t *f) { return f->dev.local + f->dev.off_pay; }
+
+/* ---- plans ------------------------------------------------------------------ */
+
+extern "C" epx_status_t epx_fused_plan_create(epx_fused_t *f, epx_layout_t layout, int32_t alignment,
+                                              epx_fused_plan_t **plan) {
+  const char *fn = "epx_fused_plan_create";
+  EPX_REQUIRE(f && plan, "%s: fused or plan is NULL", fn);
+  EPX_REQUIRE(layout == EPX_LAYOUT_EXPERT_MAJOR || layout == EPX_LAYOUT_RANK_MAJOR,
+              "%s: layout %d is not expert-major or rank-major (the capacity layout uses the host-API exchange)",
+              fn, (int)layout);
+  EPX_REQUIRE(alignment >= 1, "%s: expert_alignment %d is below 1", fn, alignment);
+  const fused_dev &d = f->dev;
+  const int64_t W = d.W, T = d.maxT, K = d.Kmax, E = d.E, El = d.El;
+  const int64_t blocks = (T + kLayoutTokens - 1) / kLayoutTokens;
+  const int64_t pairs = W * T;
+  const int64_t row_bound = layout == EPX_LAYOUT_EXPERT_MAJOR ? pairs * (K < El ? K : El) + El * (alignment - 1)
+                                                              : pairs;
+  const info_index ii = make_info_index((int)W, (int)El);
+  /* int32 words of every array, in the order they are carved below */
+  const int64_t words[] = {T * K, T * K, T * K, T * W, W * T, blocks * E, blocks * W, E,
+                           pairs, pairs * K, pairs * K, pairs * K, row_bound, row_bound, row_bound, row_bound};
+  size_t bytes = (size_t)ii.total * 8 + 64;
+  for (size_t i = 0; i < sizeof words / sizeof words[0]; i++) bytes += align_up((size_t)words[i] * 4, 256);
+  epx_fused_plan_t *p = static_cast<epx_fused_plan_t *>(calloc(1, sizeof *p));
+  if (!p) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
+  cudaError_t e = cudaMalloc(&p->memory, bytes);
+  if (e != cudaSuccess) {
+    free(p);
+    return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: cudaMalloc of %zu bytes failed: %s", fn, bytes,
+                     cudaGetErrorString(e));
+  }
+  char *m = static_cast<char *>(p->memory);
+  fused_plan_dev &pd = p->dev;
+  pd.invalid = reinterpret_cast<unsigned long long *>(m);
+  pd.info = reinterpret_cast<int64_t *>(m + 64);
+  m += 64 + align_up((size_t)ii.total * 8, 256);
+  void **slots[] = {(void **)&pd.idx, (void **)&pd.w, (void **)&pd.pos, (void **)&pd.tok_slot,
+                    (void **)&pd.send_token, (void **)&pd.chunk_hist, (void **)&pd.chunk_dcnt,
+                    (void **)&pd.hist, (void **)&pd.pair_token, (void **)&pd.pair_expert,
+                    (void **)&pd.pair_w, (void **)&pd.pair_rows, (void **)&pd.row_src_rank,
+                    (void **)&pd.row_src_token, (void **)&pd.row_expert, (void **)&pd.row_w};
+  for (size_t i = 0; i < sizeof slots / sizeof slots[0]; i++) {
+    *slots[i] = m;
+    m += align_up((size_t)words[i] * 4, 256);
+  }
+  pd.row_bound = row_bound;
+  pd.expert_major = layout == EPX_LAYOUT_EXPERT_MAJOR;
+  pd.align = alignment;
+  pd.K = (int)K;
+  pd.T = 0;
+  p->fused = f;
+  p->layout = layout;
+  *plan = p;
+  return EPX_SUCCESS;
+}
+
+extern "C" void epx_fused_plan_destroy(epx_fused_plan_t *p) {
+  if (!p) return;
+  cudaFree(p->memory);
+  free(p);
+}
+
+extern "C" void epx_fused_plan_view(const epx_fused_plan_t *p, epx_fused_plan_view_t *v) {
+  const fused_plan_dev &pd = p->dev;
+  const info_index ii = make_info_index(p->fused->dev.W, p->fused->dev.El);
+  v->rows = pd.info + ii.rows;
+  v->counts = pd.info + ii.ecount;
+  v->offsets = pd.info + ii.eoff;
+  v->row_src_rank = pd.row_src_rank;
+  v->row_src_token = pd.row_src_token;
+  v->row_expert = pd.expert_major ? pd.row_expert : pd.pair_expert;
+  v->row_w = pd.expert_major ? pd.row_w : pd.pair_w;
+  v->invalid = pd.invalid;
+  v->row_bound = pd.row_bound;
+  v->top_k = pd.K;
+}
+
+/* ---- layout kernels --------------------------------------------------------- */
+
+namespace {
+
+__device__ void record_invalid(const fused_plan_dev &p, int64_t route, int code) {
+  atomicMin(p.invalid, (unsigned long long)route << 3 | (unsigned long long)code);
+}
+
+/* A block per kLayoutTokens tokens (see the file comment). */
+__global__ void __launch_bounds__(kLayoutTokens) layout_count_kernel(const fused_dev d, const fused_plan_dev p,
+                                                                     const int32_t *topk_idx,
+                                                                     const float *topk_w) {
+  extern __shared__ int32_t s_idx[]; /* [kLayoutTokens * K] */
+  __shared__ uint32_t s_mask[kLayoutTokens];
+  const int K = p.K;
+  const int64_t t0 = (int64_t)blockIdx.x * kLayoutTokens;
+  const int n = (int)min((int64_t)kLayoutTokens, p.T - t0);
+  for (int i = threadIdx.x; i < kLayoutTokens * K; i += blockDim.x) {
+    int32_t e = -1;
+    if (i < n * K) {
+      e = topk_idx[t0 * K + i];
+      if (e < -1 || e >= d.E) {
+        record_invalid(p, t0 * K + i, EPX_CUDA_BAD_EXPERT);
+        e = -1;
+      }
+    }
+    s_idx[i] = e;
+  }
+  __syncthreads();
+  const int tl = threadIdx.x;
+  if (tl < n) {
+    uint32_t mask = 0;
+    for (int k = 0; k < K; k++) {
+      int32_t e = s_idx[tl * K + k];
+      for (int k2 = 0; k2 < k && e >= 0; k2++)
+        if (s_idx[tl * K + k2] == e) {
+          record_invalid(p, (t0 + tl) * K + k, EPX_CUDA_DUPLICATE_EXPERT);
+          e = s_idx[tl * K + k] = -1;
+        }
+      p.idx[(t0 + tl) * K + k] = e;
+      p.w[(t0 + tl) * K + k] = topk_w ? topk_w[(t0 + tl) * K + k] : 0.0f;
+      if (e >= 0) mask |= 1u << (e / d.El);
+    }
+    s_mask[tl] = mask;
+  }
+  __syncthreads();
+  /* A thread per expert walks the block's routes in (token, k) order. */
+  for (int e = threadIdx.x; e < d.E; e += blockDim.x) {
+    int32_t c = 0;
+    for (int i = 0; i < n * K; i++)
+      if (s_idx[i] == e) p.pos[t0 * K + i] = c++;
+    p.chunk_hist[(int64_t)blockIdx.x * d.E + e] = c;
+  }
+  for (int r = threadIdx.x; r < d.W; r += blockDim.x) {
+    int32_t c = 0;
+    for (int i = 0; i < n; i++) p.tok_slot[(t0 + i) * d.W + r] = (s_mask[i] >> r & 1u) ? c++ : -1;
+    p.chunk_dcnt[(int64_t)blockIdx.x * d.W + r] = c;
+  }
+}
+
+/* Exclusive prefix over the blocks of each column of a [blocks, n] table, in
+ * place; the totals go to total[n] (may be NULL). */
+__device__ void block_prefix(int32_t *table, int64_t blocks, int n, int32_t *total) {
+  constexpr int kBatch = 8; /* independent loads in flight per thread */
+  for (int c = threadIdx.x; c < n; c += blockDim.x) {
+    int32_t run = 0;
+    for (int64_t b0 = 0; b0 < blocks; b0 += kBatch) {
+      int32_t v[kBatch];
+#pragma unroll
+      for (int u = 0; u < kBatch; u++) v[u] = b0 + u < blocks ? table[(b0 + u) * n + c] : 0;
+#pragma unroll
+      for (int u = 0; u < kBatch; u++)
+        if (b0 + u < blocks) {
+          table[(b0 + u) * n + c] = run;
+          run += v[u];
+        }
+    }
+    if (total) total[c] = run;
+  }
+}
+
+/* Bases of the layout from the count matrix and route counts in this rank's
+ * window (both complete). */
+__device__ void layout_bases(const fused_dev &d, const fused_plan_dev &p) {
+  const info_index ii = make_info_index(d.W, d.El);
+  /* written by the peers during this op: volatile, never a stale L1 line */
+  const volatile int32_t *mat = reinterpret_cast<const volatile int32_t *>(d.local + d.off_mat);
+  const volatile int32_t *hist = reinterpret_cast<const volatile int32_t *>(d.local + d.off_hist);
+  int64_t *info = p.info;
+  const int W = d.W, El = d.El;
+  if (threadIdx.x == 0) {
+    int64_t run = 0;
+    for (int s = 0; s < W; s++) {
+      info[ii.rbase + s] = run;
+      info[ii.rcount + s] = mat[s * W + d.rank];
+      run += mat[s * W + d.rank];
+    }
+    info[ii.rbase + W] = run;
+    info[ii.pairs] = run;
+    for (int r = 0; r < W; r++) {
+      int64_t base = 0;
+      for (int s = 0; s < d.rank; s++) base += mat[s * W + r];
+      info[ii.sbase + r] = base;
+      info[ii.scount + r] = mat[d.rank * W + r];
+    }
+  }
+  for (int e = threadIdx.x; e < El; e += blockDim.x) {
+    int64_t c = 0;
+    for (int s = 0; s < W; s++) c += hist[s * El + e];
+    info[ii.ecount + e] = c;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int64_t run = 0;
+    for (int e = 0; e < El; e++) {
+      info[ii.eoff + e] = run;
+      const int64_t c = info[ii.ecount + e];
+      run += p.expert_major ? (c + p.align - 1) / p.align * p.align : 0;
+    }
+    info[ii.eoff + El] = p.expert_major ? run : info[ii.pairs];
+    info[ii.rows] = p.expert_major ? run : info[ii.pairs];
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < El; e += blockDim.x) {
+    int64_t run = p.expert_major ? info[ii.eoff + e] : 0;
+    for (int s = 0; s < W; s++) {
+      info[ii.ebase + s * El + e] = run;
+      run += hist[s * El + e];
+    }
+  }
+}
+
+/* One CTA of 1024 threads (see the file comment). */
+__global__ void __launch_bounds__(1024) layout_exchange_kernel(const fused_dev d, const fused_plan_dev p,
+                                                               int64_t blocks) {
+  __shared__ int s_bad;
+  __shared__ int32_t s_cnt[EPX_FUSED_MAX_RANKS];
+  if (failed(d)) return;
+  const uint32_t seq = *reinterpret_cast<volatile uint32_t *>(d.ctl + CTL_SEQ);
+  if (threadIdx.x == 0) s_bad = 0;
+  send_cts(d, seq);
+  block_prefix(p.chunk_hist, blocks, d.E, p.hist);
+  block_prefix(p.chunk_dcnt, blocks, d.W, s_cnt);
+  __syncthreads();
+  if (threadIdx.x < d.W && threadIdx.x != d.rank &&
+      !wait_flag(d, flag_at(d.local, d.off_cts, threadIdx.x), seq + 1, threadIdx.x, PH_LAYOUT_CTS))
+    s_bad = 1;
+  __syncthreads();
+  if (s_bad) return;
+  /* This rank's row counts to every rank's matrix, its route counts to each
+   * expert's rank. */
+  for (int i = threadIdx.x; i < d.W * (d.W + d.El); i += blockDim.x) {
+    const int r = i / (d.W + d.El), j = i % (d.W + d.El);
+    if (j < d.W)
+      reinterpret_cast<int32_t *>(d.peer[r] + d.off_mat)[d.rank * d.W + j] = s_cnt[j];
+    else
+      reinterpret_cast<int32_t *>(d.peer[r] + d.off_hist)[d.rank * d.El + (j - d.W)] = p.hist[r * d.El + (j - d.W)];
+  }
+  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x < d.W) st_release_sys(flag_at(d.peer[threadIdx.x], d.off_lflag, d.rank), seq + 1);
+  if (threadIdx.x < d.W &&
+      !wait_flag(d, flag_at(d.local, d.off_lflag, threadIdx.x), seq + 1, threadIdx.x, PH_LAYOUT_COUNTS))
+    s_bad = 1;
+  __syncthreads();
+  if (s_bad) return;
+  layout_bases(d, p);
+}
+
+/* Record of a rank-major row in the window. */
+struct meta_ref {
+  int32_t *token, *expert, *pos;
+  float *w;
+};
+__device__ __forceinline__ meta_ref meta_at(const fused_dev &d, char *window, int64_t row) {
+  char *base = window + d.off_meta + row * d.meta_stride;
+  meta_ref m;
+  m.token = reinterpret_cast<int32_t *>(base);
+  m.expert = m.token + 1;
+  m.w = reinterpret_cast<float *>(m.expert + d.Kmax);
+  m.pos = reinterpret_cast<int32_t *>(m.w + d.Kmax);
+  return m;
+}
+
+/* A warp per token: absolute positions and slots, and the token's record
+ * into each destination's window; the last CTA raises the records' flags. */
+__global__ void __launch_bounds__(256) layout_records_kernel(const fused_dev d, const fused_plan_dev p) {
+  if (failed(d)) return;
+  const uint32_t seq = *reinterpret_cast<volatile uint32_t *>(d.ctl + CTL_SEQ);
+  const info_index ii = make_info_index(d.W, d.El);
+  const int lane = threadIdx.x & 31, K = p.K;
+  const int64_t t = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  if (t < p.T) {
+    const int64_t b = t / kLayoutTokens;
+    int32_t e = -1, pos = -1;
+    float w = 0.0f;
+    if (lane < K) {
+      e = p.idx[t * K + lane];
+      w = p.w[t * K + lane];
+      if (e >= 0) {
+        pos = p.pos[t * K + lane] + p.chunk_hist[b * d.E + e];
+        p.pos[t * K + lane] = pos;
+      }
+    }
+    int32_t slot = -1;
+    if (lane < d.W) {
+      slot = p.tok_slot[t * d.W + lane];
+      if (slot >= 0) {
+        slot += p.chunk_dcnt[b * d.W + lane];
+        p.tok_slot[t * d.W + lane] = slot;
+        p.send_token[(int64_t)lane * d.maxT + slot] = (int32_t)t;
+      }
+    }
+    for (int r = 0; r < d.W; r++) {
+      const int32_t s = __shfl_sync(0xffffffffu, slot, r);
+      if (s < 0) continue;
+      const meta_ref m = meta_at(d, d.peer[r], p.info[ii.sbase + r] + s);
+      if (lane == 0) *m.token = (int32_t)t;
+      if (lane < K) {
+        const bool mine = e >= 0 && e / d.El == r;
+        m.expert[lane] = mine ? e : -1;
+        m.w[lane] = w;
+        m.pos[lane] = mine ? pos : -1;
+      }
+    }
+  }
+  if (last_cta(d) && threadIdx.x < d.W)
+    st_release_sys(flag_at(d.peer[threadIdx.x], d.off_mflag, d.rank), seq + 1);
+}
+
+/* A warp per received row: the plan's tables; then the padding rows. */
+__global__ void __launch_bounds__(256) layout_receive_kernel(const fused_dev d, const fused_plan_dev p) {
+  __shared__ int s_bad;
+  __shared__ int64_t s_rbase[EPX_FUSED_MAX_RANKS + 1];
+  if (failed(d)) return;
+  const uint32_t seq = *reinterpret_cast<volatile uint32_t *>(d.ctl + CTL_SEQ);
+  const info_index ii = make_info_index(d.W, d.El);
+  if (threadIdx.x == 0) s_bad = 0;
+  if (threadIdx.x <= d.W) s_rbase[threadIdx.x] = p.info[ii.rbase + threadIdx.x];
+  __syncthreads();
+  if (threadIdx.x < d.W &&
+      !wait_flag(d, flag_at(d.local, d.off_mflag, threadIdx.x), seq + 1, threadIdx.x, PH_LAYOUT_META))
+    s_bad = 1;
+  __syncthreads();
+  if (!s_bad) {
+    const int lane = threadIdx.x & 31, K = p.K;
+    const int64_t pairs = s_rbase[d.W];
+    const int64_t warps = (int64_t)gridDim.x * (blockDim.x >> 5);
+    for (int64_t q = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5; q < pairs; q += warps) {
+      int s = 0;
+      while (s + 1 < d.W && s_rbase[s + 1] <= q) s++;
+      const meta_ref m = meta_at(d, d.local, q);
+      const int32_t t = __ldcg(m.token);
+      if (lane == 0) {
+        p.pair_token[q] = t;
+        if (!p.expert_major) {
+          p.row_src_rank[q] = s;
+          p.row_src_token[q] = t;
+        }
+      }
+      if (lane < K) {
+        const int32_t e = __ldcg(m.expert + lane);
+        const float w = e >= 0 ? __ldcg(m.w + lane) : 0.0f;
+        int32_t row = -1;
+        p.pair_expert[q * K + lane] = e;
+        p.pair_w[q * K + lane] = w;
+        if (p.expert_major && e >= 0) {
+          const int le = e - d.rank * d.El;
+          row = (int32_t)(p.info[ii.ebase + s * d.El + le] + __ldcg(m.pos + lane));
+          p.row_src_rank[row] = s;
+          p.row_src_token[row] = t;
+          p.row_expert[row] = e;
+          p.row_w[row] = w;
+        }
+        p.pair_rows[q * K + lane] = row;
+      }
+    }
+    if (p.expert_major)
+      for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < d.El; e += (int64_t)gridDim.x * blockDim.x)
+        for (int64_t r = p.info[ii.eoff + e] + p.info[ii.ecount + e]; r < p.info[ii.eoff + e + 1]; r++) {
+          p.row_src_rank[r] = p.row_src_token[r] = p.row_expert[r] = -1;
+          p.row_w[r] = 0.0f;
+        }
+  }
+  end_op(d, seq);
+}
+
+}  // namespace
+
+extern "C" cudaError_t epx_fused_layout_launch(epx_fused_t *f, epx_fused_plan_t *plan, const int32_t *topk_idx,
+                                               const float *topk_w, int64_t num_tokens, int32_t top_k,
+                                               cudaStream_t stream) {
+  const fused_dev &d = f->dev;
+  if (num_tokens < 0 || num_tokens > d.maxT || top_k < 1 || top_k > d.Kmax || (num_tokens > 0 && !topk_idx))
+    return cudaErrorInvalidValue;
+  fused_plan_dev &p = plan->dev;
+  p.T = num_tokens;
+  p.K = top_k;
+  cudaError_t e = cudaMemsetAsync(p.invalid, 0xff, sizeof(unsigned long long), stream);
+  if (e != cudaSuccess) return e;
+  const int64_t blocks = (num_tokens + kLayoutTokens - 1) / kLayoutTokens;
+  if (blocks > 0)
+    layout_count_kernel<<<(unsigned)blocks, kLayoutTokens, (size_t)kLayoutTokens * top_k * 4, stream>>>(
+        d, p, topk_idx, topk_w);
+  layout_exchange_kernel<<<1, 1024, 0, stream>>>(d, p, blocks);
+  const int64_t record_blocks = num_tokens > 0 ? (num_tokens * 32 + 255) / 256 : 1;
+  layout_records_kernel<<<(unsigned)record_blocks, 256, 0, stream>>>(d, p);
+  layout_receive_kernel<<<(unsigned)f->num_sms, 256, 0, stream>>>(d, p);
+  return cudaGetLastError();
+}
+
+/* ---- dispatch ------------------------------------------------------------- */
+
+namespace {
+
+enum { MODE_RANK_WINDOW = 0, MODE_RANK_COPY = 1, MODE_EXPERT = 2 };
+
+struct dispatch_shared {
+  int64_t sbase[EPX_FUSED_MAX_RANKS], scount[EPX_FUSED_MAX_RANKS];
+  int64_t rbase[EPX_FUSED_MAX_RANKS + 1], rcount[EPX_FUSED_MAX_RANKS];
+  int bad;
+};
+
+__device__ int64_t chunks_of(int64_t rows) { return (rows + kChunk - 1) / kChunk; }
+
+/* Sender CTAs: (chunk j, destination) pairs round robin, remote ranks first
+ * in each round, a warp per row. */
+__device__ void send_rows(const fused_dev &d, const fused_plan_dev &p, dispatch_shared &sh, uint32_t seq,
+                          const uint4 *x, uint4 *recv, int mode, int ns, char *slots) {
+  __shared__ uint64_t bars[kMaxBulkWarps];
+  uint32_t phase = 0;
+  if (d.bulk_warps > 0 && (threadIdx.x & 31) == 0 && (threadIdx.x >> 5) < d.bulk_warps) bulk_init(bars + (threadIdx.x >> 5));
+  if (threadIdx.x < d.W && threadIdx.x != d.rank &&
+      !wait_flag(d, flag_at(d.local, d.off_cts, threadIdx.x), seq + 1, threadIdx.x, PH_DISPATCH_CTS))
+    sh.bad = 1;
+  __syncthreads();
+  if (sh.bad) return;
+  int64_t rounds = 0;
+  for (int r = 0; r < d.W; r++) rounds = max(rounds, chunks_of(sh.scount[r]));
+  for (int64_t g = blockIdx.x; g < rounds * d.W; g += ns) {
+    const int64_t j = g / d.W;
+    const int r = (d.rank + 1 + (int)(g % d.W)) % d.W;
+    const int64_t n = min((int64_t)kChunk, sh.scount[r] - j * kChunk);
+    if (n <= 0 || (mode == MODE_EXPERT && r == d.rank)) continue;
+    uint4 *dst = r != d.rank || mode == MODE_RANK_WINDOW ? reinterpret_cast<uint4 *>(d.peer[r] + d.off_pay) : recv;
+    const int32_t *tokens = p.send_token + (int64_t)r * d.maxT + j * kChunk;
+    uint4 *rows = dst + (sh.sbase[r] + j * kChunk) * d.nvec;
+    send_chunk(
+        d, n, [&](int64_t i) { return x + (int64_t)tokens[i] * d.nvec; }, [&](int64_t i) { return rows + i * d.nvec; },
+        bars, phase, slots);
+    __syncthreads();
+    if (r != d.rank && threadIdx.x == 0) {
+      __threadfence_system();
+      st_release_sys(flag_at(d.peer[r], d.off_cflag, (int64_t)d.rank * d.max_chunks + j), seq + 1);
+    }
+  }
+}
+
+/* One row to each of its expert-major rows (round(w * row) when weighted). */
+template <typename T, bool kWindow>
+__device__ void warp_expand(uint4 *recv, const uint4 *src, const int32_t *rows, const float *w, int K,
+                            int weighted, int64_t nvec, int lane) {
+  constexpr int U = 8; /* 4 KB of the row in flight per warp */
+  const int32_t my_row = lane < K ? rows[lane] : -1;
+  const float my_w = lane < K ? w[lane] : 0.0f;
+  const unsigned valid = __ballot_sync(0xffffffffu, my_row >= 0);
+  for (int64_t v0 = 0; v0 < nvec; v0 += 32 * U) {
+    uint4 v[U];
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+      const int64_t i = v0 + u * 32 + lane;
+      if (i < nvec) v[u] = ld_row<kWindow>(src + i);
+    }
+    for (unsigned m = valid; m; m &= m - 1) {
+      const int k = __ffs(m) - 1;
+      const int64_t row = __shfl_sync(0xffffffffu, my_row, k);
+      const float wk = __shfl_sync(0xffffffffu, my_w, k);
+#pragma unroll
+      for (int u = 0; u < U; u++) {
+        const int64_t i = v0 + u * 32 + lane;
+        if (i < nvec) recv[row * nvec + i] = weighted ? scale_vec<T>(v[u], wk) : v[u];
+      }
+    }
+  }
+}
+
+/* Receiver CTAs: (chunk j, source) pairs round robin; each waits for the
+ * chunk's flag, then expands it (expert-major) or copies it out. */
+template <typename T>
+__device__ void receive_rows(const fused_dev &d, const fused_plan_dev &p, dispatch_shared &sh, uint32_t seq,
+                             const uint4 *x, uint4 *recv, int mode, int weighted, int ns) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int rc = blockIdx.x - ns, nr = gridDim.x - ns;
+  const info_index ii = make_info_index(d.W, d.El);
+  const uint4 *pay = reinterpret_cast<const uint4 *>(d.local + d.off_pay);
+  if (mode == MODE_EXPERT) {
+    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+    for (int e = rc; e < d.El; e += nr)
+      for (int64_t r = p.info[ii.eoff + e] + p.info[ii.ecount + e] + warp; r < p.info[ii.eoff + e + 1]; r += kWarps)
+        for (int64_t i = lane; i < d.nvec; i += 32) recv[r * d.nvec + i] = zero;
+  }
+  int64_t rounds = 0;
+  for (int s = 0; s < d.W; s++) rounds = max(rounds, chunks_of(sh.rcount[s]));
+  if (mode == MODE_RANK_WINDOW) {
+    /* nothing to move: every thread waits for chunks of its own, so the
+     * flags' round trips overlap */
+    for (int64_t g = rc + (int64_t)nr * threadIdx.x; g < rounds * d.W; g += (int64_t)nr * blockDim.x) {
+      const int64_t j = g / d.W;
+      const int s = (int)(g % d.W);
+      if (s == d.rank || j * kChunk >= sh.rcount[s]) continue;
+      if (!wait_flag(d, flag_at(d.local, d.off_cflag, (int64_t)s * d.max_chunks + j), seq + 1, s, PH_DISPATCH_ROWS))
+        break;
+    }
+    return;
+  }
+  for (int64_t g = rc; g < rounds * d.W; g += nr) {
+    const int64_t j = g / d.W;
+    const int s = (d.rank + 1 + (int)(g % d.W)) % d.W;
+    const int64_t n = min((int64_t)kChunk, sh.rcount[s] - j * kChunk);
+    if (n <= 0 || (s == d.rank && mode != MODE_EXPERT)) continue;
+    if (s != d.rank && threadIdx.x == 0 &&
+        !wait_flag(d, flag_at(d.local, d.off_cflag, (int64_t)s * d.max_chunks + j), seq + 1, s, PH_DISPATCH_ROWS))
+      sh.bad = 1;
+    __syncthreads();
+    if (sh.bad) return;
+    for (int64_t i = warp; i < n; i += kWarps) {
+      const int64_t q = sh.rbase[s] + j * kChunk + i;
+      if (mode == MODE_RANK_COPY) {
+        warp_copy<true>(recv + q * d.nvec, pay + q * d.nvec, d.nvec, lane);
+      } else {
+        const int32_t *rows = p.pair_rows + q * p.K;
+        const float *w = p.pair_w + q * p.K;
+        if (s == d.rank)
+          warp_expand<T, false>(recv, x + (int64_t)p.pair_token[q] * d.nvec, rows, w, p.K, weighted, d.nvec, lane);
+        else
+          warp_expand<T, true>(recv, pay + q * d.nvec, rows, w, p.K, weighted, d.nvec, lane);
+      }
+    }
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const fused_dev d, const fused_plan_dev p,
+                                                               const uint4 *x, uint4 *recv, int mode,
+                                                               int weighted, int ns) {
+  __shared__ dispatch_shared sh;
+  extern __shared__ __align__(128) char slots[]; /* bulk path: a row per copying warp */
+  if (failed(d)) return;
+  const uint32_t seq = *reinterpret_cast<volatile uint32_t *>(d.ctl + CTL_SEQ);
+  const info_index ii = make_info_index(d.W, d.El);
+  if (threadIdx.x < d.W) {
+    sh.sbase[threadIdx.x] = p.info[ii.sbase + threadIdx.x];
+    sh.scount[threadIdx.x] = p.info[ii.scount + threadIdx.x];
+    sh.rcount[threadIdx.x] = p.info[ii.rcount + threadIdx.x];
+  }
+  if (threadIdx.x <= d.W) sh.rbase[threadIdx.x] = p.info[ii.rbase + threadIdx.x];
+  if (threadIdx.x == 0) sh.bad = 0;
+  send_cts(d, seq);
+  __syncthreads();
+  if ((int)blockIdx.x < ns) send_rows(d, p, sh, seq, x, recv, mode, ns, slots);
+  else receive_rows<T>(d, p, sh, seq, x, recv, mode, weighted, ns);
+  end_op(d, seq);
+}
+
+template <typename T>
+cudaError_t launch_dispatch(const fused_dev &d, const fused_plan_dev &p, const uint4 *x, uint4 *recv, int mode,
+                            int weighted, int n, int ns, size_t smem, cudaStream_t stream) {
+  if (smem > 0) {
+    const cudaError_t e =
+        cudaFuncSetAttribute(dispatch_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (e != cudaSuccess) return e;
+  }
+  dispatch_kernel<T><<<n, kThreads, smem, stream>>>(d, p, x, recv, mode, weighted, ns);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+extern "C" cudaError_t epx_fused_dispatch_launch(epx_fused_t *f, const epx_fused_plan_t *plan, const void *x,
+                                                 void *recv_x, int weighted, int32_t num_ctas, int32_t recv_ctas,
+                                                 cudaStream_t stream) {
+  const fused_dev &d = f->dev;
+  void *window = epx_fused_recv_window(f);
+  const bool expert = plan->dev.expert_major != 0;
+  if ((expert && (!recv_x || recv_x == window)) || (!x && plan->dev.T > 0) || (!expert && weighted))
+    return cudaErrorInvalidValue;
+  const int mode = expert ? MODE_EXPERT : (!recv_x || recv_x == window) ? MODE_RANK_WINDOW : MODE_RANK_COPY;
+  int n = num_ctas < 2 ? 2 : num_ctas > f->num_sms ? f->num_sms : num_ctas;
+  int nr = recv_ctas > 0 ? recv_ctas : mode == MODE_RANK_WINDOW ? 1 : n / 2;
+  if (nr > n - 1) nr = n - 1;
+  const uint4 *xs = static_cast<const uint4 *>(x);
+  uint4 *rs = static_cast<uint4 *>(mode == MODE_RANK_WINDOW ? window : recv_x);
+  const size_t smem = (size_t)d.bulk_warps * (size_t)bulk_slot_bytes(d.row_bytes);
+  switch (f->config.dtype) {
+    case EPX_FLOAT32: return launch_dispatch<float>(d, plan->dev, xs, rs, mode, weighted, n, n - nr, smem, stream);
+    case EPX_BFLOAT16: return launch_dispatch<__nv_bfloat16>(d, plan->dev, xs, rs, mode, weighted, n, n - nr, smem, stream);
+    case EPX_FLOAT16: return launch_dispatch<__half>(d, plan->dev, xs, rs, mode, weighted, n, n - nr, smem, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+extern "C" cudaError_t epx_fused_combine_backward_launch(epx_fused_t *f, const epx_fused_plan_t *plan,
+                                                         const void *grad_out, void *grad_expert_out, int weighted,
+                                                         int32_t num_ctas, cudaStream_t stream) {
+  return epx_fused_dispatch_launch(f, plan, grad_out, grad_expert_out, weighted, num_ctas, 0, stream);
+}

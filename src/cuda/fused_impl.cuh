@@ -1,0 +1,318 @@
+/* Internals of the fused NVLink exchange shared by fused_dispatch.cu and
+ * fused_combine.cu: the window's regions, the kernels' argument structs, the
+ * flags with bounded waits, and the warp-wide row moves. Not for host C code
+ * (fused.h is its interface).
+ *
+ * The window (symmetric: every rank's has the same offsets), in this order:
+ *   cts   [W] u32        clear-to-send: rank s stores seq+1 here when it
+ *                        enters op seq, so peers may write its other regions
+ *   lflag [W] u32        layout counts from s have arrived (seq+1)
+ *   mflag [W] u32        layout routing records from s have arrived (seq+1)
+ *   cflag [W][chunks] u32  chunk j of rows (or partials) from s has arrived
+ *   mat   [W][W] i32     row counts: mat[s][d] = rows s sends to d
+ *   hist  [W][E_local] i32  routes from s to each local expert
+ *   meta  [W*maxT] records of the rank-major rows: token, then per k-slot
+ *                        the expert (-1 unless on this rank), weight, and the
+ *                        route's position among the source's routes to it
+ *   pay   [W*maxT, H]    rank-major rows (dispatch-like ops)
+ *   part  [W][maxT, H]   partial sums P(t, r) from rank r for token t
+ *                        (combine-like ops; float32 or the dtype)
+ * Ops (layout, dispatch-like, combine-like) are numbered by a device counter
+ * `seq`, equal on every rank since every rank makes the same calls; a flag
+ * holds the number of the op (plus one) that last set it, so flags never need
+ * resetting and a CUDA graph replays them correctly. */
+#ifndef EPX_CUDA_FUSED_IMPL_CUH
+#define EPX_CUDA_FUSED_IMPL_CUH
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "cuda/fused.h"
+#include "cuda/launch.h"
+
+namespace epx_fused_impl {
+
+constexpr int kThreads = 512;       /* threads of the exchange CTAs (16 warps) */
+constexpr int kWarps = kThreads / 32;
+constexpr int kChunk = 32;          /* rows per arrival flag */
+constexpr int kLayoutTokens = 256;  /* tokens per block of the layout count */
+
+/* Phases named by the error word. */
+enum { PH_LAYOUT_CTS = 1, PH_LAYOUT_COUNTS, PH_LAYOUT_META, PH_DISPATCH_CTS, PH_DISPATCH_ROWS,
+       PH_COMBINE_CTS, PH_COMBINE_ROWS };
+
+/* ctl words (device memory of this rank). */
+enum { CTL_SEQ = 0, CTL_DONE = 1, CTL_ABORT = 2, CTL_WORDS = 4 };
+
+struct fused_dev {
+  char *peer[EPX_FUSED_MAX_RANKS]; /* every rank's window base, as this GPU addresses it */
+  char *local;                     /* this rank's window base */
+  uint32_t *ctl;                   /* [CTL_WORDS] */
+  uint32_t *err;                   /* host-mapped error word */
+  unsigned long long timeout_ns;
+  int W, rank, E, El, Kmax, max_chunks;
+  int bulk_warps;                  /* > 0: senders move whole rows with the bulk copy engine */
+  int64_t maxT, H, nvec, row_bytes, meta_stride;
+  size_t off_cts, off_lflag, off_mflag, off_cflag, off_mat, off_hist, off_meta, off_pay, off_part;
+};
+
+/* Index of the small int64 table of a plan (device), from W and E_local. */
+struct info_index {
+  int sbase, scount, rbase, rcount, ebase, ecount, eoff, rows, pairs, total;
+};
+static inline __host__ __device__ info_index make_info_index(int W, int El) {
+  info_index i;
+  i.sbase = 0;
+  i.scount = W;
+  i.rbase = 2 * W;        /* [W + 1] */
+  i.rcount = 3 * W + 1;
+  i.ebase = 4 * W + 1;    /* [W * El]: first row of (source s, local expert e) */
+  i.ecount = i.ebase + W * El;
+  i.eoff = i.ecount + El; /* [El + 1] */
+  i.rows = i.eoff + El + 1;
+  i.pairs = i.rows + 1;
+  i.total = i.pairs + 1;
+  return i;
+}
+
+struct fused_plan_dev {
+  int32_t *idx;        /* [maxT, K] validated routing */
+  float *w;            /* [maxT, K] */
+  int32_t *pos;        /* [maxT, K] position of the route among this rank's routes to its expert */
+  int32_t *tok_slot;   /* [maxT, W] the token's index among this rank's tokens to d, -1 */
+  int32_t *send_token; /* [W, maxT] token of each slot */
+  int32_t *chunk_hist; /* [blocks, E] per-block route counts, then their exclusive prefix */
+  int32_t *chunk_dcnt; /* [blocks, W] per-block row counts, then their exclusive prefix */
+  int32_t *hist;       /* [E] routes per expert from this rank */
+  int64_t *info;       /* info_index */
+  int32_t *pair_token; /* [W*maxT] per rank-major row p: source token */
+  int32_t *pair_expert;/* [W*maxT, K] global expert of slot k on this rank, -1 */
+  float *pair_w;       /* [W*maxT, K] its weight, 0 */
+  int32_t *pair_rows;  /* [W*maxT, K] expert-major row of slot k, -1 */
+  int32_t *row_src_rank, *row_src_token, *row_expert; /* [row_bound] */
+  float *row_w;
+  unsigned long long *invalid;
+  int64_t row_bound;
+  int expert_major, align, K;
+  int64_t T;
+};
+
+/* ---- flags ---------------------------------------------------------------- */
+
+__device__ __forceinline__ void st_release_sys(uint32_t *p, uint32_t v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ uint32_t ld_acquire_sys(const uint32_t *p) {
+  uint32_t v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ uint32_t *flag_at(char *base, size_t off, int64_t i) {
+  return reinterpret_cast<uint32_t *>(base + off) + i;
+}
+__device__ __forceinline__ bool failed(const fused_dev &d) {
+  return *reinterpret_cast<volatile uint32_t *>(d.ctl + CTL_ABORT) != 0;
+}
+
+/* Spins until *flag >= target (wrapping compare); false on timeout (the
+ * error word then names the peer and phase) or when another wait failed.
+ * Out of line, with scalars only, so the kernels keep their arguments in
+ * constant memory. */
+static __device__ __noinline__ bool wait_flag_impl(uint32_t *ctl, uint32_t *err, unsigned long long timeout_ns,
+                                            const uint32_t *flag, uint32_t target, int peer, int phase) {
+  if ((int32_t)(ld_acquire_sys(flag) - target) >= 0) return true;
+  const unsigned long long t0 = global_ns();
+  for (uint32_t spin = 1;; spin++) {
+    if ((int32_t)(ld_acquire_sys(flag) - target) >= 0) return true;
+    if ((spin & 255u) == 0) {
+      if (*reinterpret_cast<volatile uint32_t *>(ctl + CTL_ABORT) != 0) return false;
+      if (global_ns() - t0 > timeout_ns) {
+        atomicExch(ctl + CTL_ABORT, 1u);
+        atomicCAS(err, 0u, 1u | (uint32_t)phase << 8 | (uint32_t)(peer + 1) << 16);
+        __threadfence_system();
+        return false;
+      }
+    }
+  }
+}
+__device__ __forceinline__ bool wait_flag(const fused_dev &d, const uint32_t *flag, uint32_t target, int peer,
+                                          int phase) {
+  return wait_flag_impl(d.ctl, d.err, d.timeout_ns, flag, target, peer, phase);
+}
+
+/* Every CTA calls it once at its end; the last CTA to arrive gets true (with
+ * the others' writes visible to it) and resets the counter. */
+__device__ __forceinline__ bool last_cta(const fused_dev &d) {
+  __shared__ int s_last;
+  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const uint32_t old = atomicAdd(d.ctl + CTL_DONE, 1u);
+    s_last = old == gridDim.x - 1;
+    if (s_last) {
+      __threadfence();
+      d.ctl[CTL_DONE] = 0;
+    }
+  }
+  __syncthreads();
+  return s_last != 0;
+}
+
+/* Ends an op: the last CTA advances the op counter. */
+__device__ __forceinline__ void end_op(const fused_dev &d, uint32_t seq) {
+  if (last_cta(d) && threadIdx.x == 0) {
+    *reinterpret_cast<volatile uint32_t *>(d.ctl + CTL_SEQ) = seq + 1;
+    __threadfence();
+  }
+}
+
+/* Tells every rank this one entered op seq (each CTA may: the same value). */
+__device__ __forceinline__ void send_cts(const fused_dev &d, uint32_t seq) {
+  for (int r = threadIdx.x; r < d.W; r += blockDim.x)
+    st_release_sys(flag_at(d.peer[r], d.off_cts, d.rank), seq + 1);
+}
+
+/* ---- warp-wide row moves -------------------------------------------------- */
+
+/* 16-byte vectors per lane in flight per step. */
+constexpr int kCopyVecs = 8;
+
+__device__ __forceinline__ uint4 ld_stream(const uint4 *p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+/* Loads of memory that peers write during the kernel (the window) bypass
+ * L1 and the read-only path: after the flag's acquire they read L2. */
+template <bool kWindow>
+__device__ __forceinline__ uint4 ld_row(const uint4 *p) {
+  return kWindow ? __ldcg(p) : ld_stream(p);
+}
+
+/* dst[0, nvec) = src[0, nvec), by one warp, kCopyVecs loads in flight per lane. */
+template <bool kWindow>
+__device__ __forceinline__ void warp_copy(uint4 *dst, const uint4 *src, int64_t nvec, int lane) {
+  for (int64_t v0 = 0; v0 < nvec; v0 += 32 * kCopyVecs) {
+    uint4 r[kCopyVecs];
+#pragma unroll
+    for (int u = 0; u < kCopyVecs; u++) {
+      const int64_t i = v0 + u * 32 + lane;
+      if (i < nvec) r[u] = ld_row<kWindow>(src + i);
+    }
+#pragma unroll
+    for (int u = 0; u < kCopyVecs; u++) {
+      const int64_t i = v0 + u * 32 + lane;
+      if (i < nvec) dst[i] = r[u];
+    }
+  }
+}
+
+/* ---- whole rows by the bulk copy engine (TMA) ----------------------------- */
+
+/* Shared memory of the bulk path: a slot of one row per copying warp. */
+static inline __host__ __device__ int64_t bulk_slot_bytes(int64_t row_bytes) { return (row_bytes + 127) / 128 * 128; }
+constexpr int kMaxBulkWarps = 12;
+
+__device__ __forceinline__ uint32_t smem_u32(const void *p) {
+  return (uint32_t)__cvta_generic_to_shared(p);
+}
+__device__ __forceinline__ void bulk_init(uint64_t *bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(bar)) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+/* One row src -> dst through `slot` (one thread): waits until the previous
+ * store has read the slot, loads the row (completing on bar), stores it. */
+__device__ __forceinline__ void bulk_row(uint64_t *bar, uint32_t &phase, char *slot, const void *src, void *dst,
+                                         uint32_t bytes) {
+  asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                   smem_u32(slot)),
+               "l"(src), "r"(bytes), "r"(smem_u32(bar))
+               : "memory");
+  uint32_t done = 0;
+  while (!done)
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+        : "=r"(done)
+        : "r"(smem_u32(bar)), "r"(phase)
+        : "memory");
+  phase ^= 1u;
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(smem_u32(slot)), "r"(bytes)
+               : "memory");
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+/* Every store issued by this thread complete and ordered before its later
+ * (generic) accesses. */
+__device__ __forceinline__ void bulk_drain() {
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+
+/* A CTA's senders move rows [0, n) of a chunk: row i from src(i) to dst(i).
+ * The bulk path uses lane 0 of the first d.bulk_warps warps; otherwise a
+ * warp per row. Ends with every row written (the caller then syncs). */
+template <typename Src, typename Dst>
+__device__ __forceinline__ void send_chunk(const fused_dev &d, int64_t n, Src src, Dst dst, uint64_t *bars,
+                                           uint32_t &phase, char *slots) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (d.bulk_warps > 0) {
+    if (lane == 0 && warp < d.bulk_warps) {
+      char *slot = slots + (int64_t)warp * bulk_slot_bytes(d.row_bytes);
+      for (int64_t i = warp; i < n; i += d.bulk_warps)
+        bulk_row(bars + warp, phase, slot, src(i), dst(i), (uint32_t)d.row_bytes);
+      bulk_drain();
+    }
+    return;
+  }
+  for (int64_t i = warp; i < n; i += kWarps) warp_copy<false>(dst(i), src(i), d.nvec, lane);
+}
+
+/* round(w * v) element-wise in the dtype (float32 product, no FMA). */
+template <typename T>
+__device__ __forceinline__ uint4 scale_vec(const uint4 &v, float w) {
+  using vec = epx_vec<T>;
+  float f[vec::n];
+  vec::unpack(v, f);
+#pragma unroll
+  for (int e = 0; e < vec::n; e++) f[e] = __fmul_rn(w, f[e]);
+  return vec::pack(f);
+}
+
+/* Bytes of one element of a dtype (0 for an unknown one). */
+static inline __host__ __device__ int64_t dtype_bytes(epx_dtype_t t) {
+  return t == EPX_FLOAT32 ? 4 : (t == EPX_BFLOAT16 || t == EPX_FLOAT16) ? 2 : 0;
+}
+
+}  // namespace epx_fused_impl
+
+/* The host-side state; the device state is `dev`, passed to every kernel. */
+struct epx_fused {
+  void *comm;  /* ncclComm_t */
+  void *win;   /* ncclWindow_t */
+  void *devcomm; /* ncclDevComm (heap copy) */
+  void *base;
+  size_t bytes;
+  epx_fused_config_t config;
+  uint32_t *err_host; /* mapped */
+  int num_sms;
+  epx_fused_impl::fused_dev dev;
+};
+
+struct epx_fused_plan {
+  epx_fused_t *fused;
+  void *memory;
+  epx_layout_t layout;
+  epx_fused_impl::fused_plan_dev dev;
+};
+
+#endif

@@ -1,0 +1,771 @@
+/* The CUDA backend on W ranks over NCCL, one process per GPU, under mpirun
+ * (any W; run on 2 GPUs by bench/gpu-check.sh). Exit status is the verdict.
+ *
+ * Every payload is provenance-coded: a row's values are a function of
+ * (its expert, source rank, source token, column) exactly representable in
+ * every dtype, so each rank knows what it must receive without gathering
+ * anything. Every rank can also make every rank's routing (a function of the
+ * rank and the case), which gives two references on each rank:
+ *  - the CPU backend: the same calls over the local transport with W
+ *    threads, compared bit for bit (payloads, layout, sources, counts) and
+ *    grad_w to float32 dot-order tolerance;
+ *  - the contract's formula for combine and dispatch_backward (per-rank
+ *    partials in k order, rounded to the dtype in payload-precision mode,
+ *    summed over ranks in ascending order), bit for bit.
+ * Dedup and collective are compared with each other bit for bit. Then:
+ * skewed routing, a rank with 0 tokens, a capacity refusal on one rank (all
+ * refuse, nothing hangs, the comm stays usable), recorder replay and its
+ * validation, and layout + dispatch + combine + both backward passes
+ * captured in one CUDA graph (worst_case_sizing) equal to the uncaptured
+ * run. */
+#include <math.h>
+#include <mpi.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cuda_runtime_api.h>
+
+#include "core/dtype.h"
+#include "epx.h"
+
+static int g_rank, g_size, g_fail;
+static int g_quick;
+
+#define CHECK(cond, ...)                                                            \
+  do {                                                                              \
+    if (!(cond)) {                                                                  \
+      g_fail++;                                                                     \
+      fprintf(stderr, "rank %d: FAIL %s:%d: ", g_rank, __FILE__, __LINE__);         \
+      fprintf(stderr, __VA_ARGS__);                                                 \
+      fprintf(stderr, "\n");                                                        \
+    }                                                                               \
+  } while (0)
+
+#define OK(call)                                                                                    \
+  do {                                                                                              \
+    epx_status_t s_ = (call);                                                                       \
+    if (s_ != EPX_SUCCESS) {                                                                        \
+      fprintf(stderr, "rank %d: %s:%d: %s -> %s: %s\n", g_rank, __FILE__, __LINE__, #call,          \
+              epx_status_string(s_), epx_last_error());                                             \
+      MPI_Abort(MPI_COMM_WORLD, 2);                                                                 \
+    }                                                                                               \
+  } while (0)
+
+#define CU(call)                                                                                    \
+  do {                                                                                              \
+    cudaError_t e_ = (call);                                                                        \
+    if (e_ != cudaSuccess) {                                                                        \
+      fprintf(stderr, "rank %d: %s:%d: %s: %s\n", g_rank, __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
+      MPI_Abort(MPI_COMM_WORLD, 3);                                                                 \
+    }                                                                                               \
+  } while (0)
+
+enum { H = 64, K = 4, C = 40, ALIGN = 4, TMAX = 96 };
+static int E; /* 8 experts per rank */
+
+typedef struct {
+  epx_layout_t layout;
+  epx_dtype_t dtype;
+  epx_weighting_t weighting;
+  epx_combine_precision_t precision;
+  int worst, skew, zero_rank, seed;
+} case_t;
+
+/* ------------------------------------------------------------------------ */
+/* Coded data                                                                */
+/* ------------------------------------------------------------------------ */
+
+static uint64_t mix(uint64_t z) {
+  z += 0x9e3779b97f4a7c15ull;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+/* Multiples of 1/8 in [-3.75, 3.75]: exact in every dtype. */
+static float code(int a, int b, int c, int h) {
+  return (float)((int)(((unsigned)(a * 37 + b * 101 + c * 13 + h * 7 + 5)) % 61u) - 30) / 8.0f;
+}
+static float x_val(int s, int t, int h) { return code(s + 50, t, 1, h); }
+static float eo_val(int e, int s, int t, int h) { return code(e, s, t, h); }         /* expert_out, expert rows */
+static float eo_pair_val(int r, int s, int t, int h) { return code(r + 300, s, t, h); } /* rank-major rows */
+static float gr_val(int e, int s, int t, int h) { return code(e + 7, s, t, h + 1); }   /* grad_recv_x */
+static float gr_pair_val(int r, int s, int t, int h) { return code(r + 400, s, t, h + 3); }
+static float go_val(int s, int t, int h) { return code(s + 70, t, 2, h); }
+static float gw_val(int e, int s, int t) { return (float)((e * 7 + s * 3 + t) % 17) / 4.0f; }
+
+typedef struct {
+  int64_t T;
+  int32_t idx[TMAX * K], loc[TMAX * K];
+  float w[TMAX * K];
+} routing_t;
+
+static int64_t tokens_of(const case_t *c, int rank) {
+  if (c->zero_rank && rank == g_size - 1) return 0;
+  return 40 + (rank * 17 + c->seed * 5) % 50;
+}
+
+/* Rank `rank`'s routing in case c (the same on every process). */
+static void make_routing(const case_t *c, int rank, routing_t *r) {
+  uint64_t z = mix((uint64_t)c->seed * 1000003u + (uint64_t)rank);
+  r->T = tokens_of(c, rank);
+  int32_t fill[256] = {0};
+  for (int64_t t = 0; t < r->T; t++) {
+    for (int k = 0; k < K; k++) {
+      int e;
+      for (;;) {
+        z = mix(z);
+        e = c->skew && (z >> 40) % 10 < 7 ? (int)((z >> 8) % (uint64_t)(E / g_size)) : (int)((z >> 8) % (uint64_t)E);
+        int dup = 0;
+        for (int j = 0; j < k; j++) dup |= r->idx[t * K + j] == e;
+        if (!dup) break;
+      }
+      z = mix(z);
+      const int drop = (z >> 50) % 10 == 0;
+      r->idx[t * K + k] = drop ? -1 : e;
+      r->w[t * K + k] = drop ? 0.0f : (float)((z >> 20) % 1000 + 1) / 1000.0f;
+      r->loc[t * K + k] = -1;
+      if (!drop && c->layout == EPX_LAYOUT_CAPACITY) {
+        if (fill[e] >= C) r->idx[t * K + k] = -1, r->w[t * K + k] = 0.0f;
+        else r->loc[t * K + k] = fill[e]++;
+      }
+    }
+  }
+}
+
+static void *dev_put(const void *host, size_t bytes) {
+  void *p = NULL;
+  CU(cudaMalloc(&p, bytes ? bytes : 16));
+  if (bytes) CU(cudaMemcpy(p, host, bytes, cudaMemcpyHostToDevice));
+  return p;
+}
+
+static void *host_get(const void *dev, size_t bytes) {
+  void *p = calloc(bytes ? bytes : 1, 1);
+  if (bytes) CU(cudaMemcpy(p, dev, bytes, cudaMemcpyDeviceToHost));
+  return p;
+}
+
+/* float row values -> dtype bytes */
+static void *encode(epx_dtype_t dtype, const float *v, int64_t n) {
+  void *out = calloc((size_t)(n ? n : 1), epx_dtype_size(dtype));
+  OK(epx_convert(dtype, out, EPX_FLOAT32, v, n));
+  return out;
+}
+
+/* ------------------------------------------------------------------------ */
+/* One rank's run of every call (GPU or CPU)                                 */
+/* ------------------------------------------------------------------------ */
+
+typedef struct {
+  int64_t N, T;
+  int slots;
+  void *recv_x, *out, *grad_x, *grad_eo;           /* host, dtype */
+  int32_t *src_rank, *src_token, *recv_expert;     /* host */
+  float *recv_w, *gw_d, *gw_c, *gw_w;              /* host */
+  int64_t *counts, *offsets;
+} result_t;
+
+static void result_free(result_t *r) {
+  void *p[] = {r->recv_x, r->out, r->grad_x, r->grad_eo, r->src_rank, r->src_token, r->recv_expert,
+               r->recv_w, r->gw_d, r->gw_c, r->gw_w, r->counts, r->offsets};
+  for (size_t i = 0; i < sizeof p / sizeof p[0]; i++) free(p[i]);
+  memset(r, 0, sizeof *r);
+}
+
+/* The layout-dependent inputs of a rank, coded by each row's provenance. */
+static void make_row_inputs(const case_t *c, int me, const result_t *r, float *eo, float *gr, float *grw) {
+  const int rm = c->layout == EPX_LAYOUT_RANK_MAJOR;
+  for (int64_t i = 0; i < r->N; i++) {
+    const int s = r->src_rank[i], t = r->src_token[i];
+    const int e = rm ? -1 : r->recv_expert[i];
+    for (int h = 0; h < H; h++) {
+      const int pad = s < 0 || (!rm && e < 0);
+      eo[i * H + h] = pad ? 0.0f : rm ? eo_pair_val(me, s, t, h) : eo_val(e, s, t, h);
+      gr[i * H + h] = pad ? 0.0f : rm ? gr_pair_val(me, s, t, h) : gr_val(e, s, t, h);
+    }
+    for (int k = 0; k < r->slots; k++) {
+      const int ek = r->recv_expert[i * r->slots + k];
+      grw[i * r->slots + k] = ek >= 0 && s >= 0 ? gw_val(ek, s, t) : 0.0f;
+    }
+  }
+}
+
+typedef struct {
+  const case_t *c;
+  epx_exchange_t exchange;
+  epx_comm_t comm;
+  int rank;
+  epx_device_t device;
+  result_t res;
+  void *stream;
+} run_t;
+
+/* Copies n elements of `bytes` each from where the buffer's tensors live. */
+static void *fetch(epx_device_t device, const void *p, size_t bytes) {
+  if (device == EPX_DEVICE_CUDA) return host_get(p, bytes);
+  void *q = malloc(bytes ? bytes : 1);
+  if (bytes) memcpy(q, p, bytes);
+  return q;
+}
+
+static void *place(epx_device_t device, const void *host, size_t bytes) {
+  if (device == EPX_DEVICE_CUDA) return dev_put(host, bytes);
+  void *q = NULL;
+  if (posix_memalign(&q, 64, bytes ? bytes : 64)) abort();
+  if (bytes) memcpy(q, host, bytes);
+  return q;
+}
+
+static void *zeros(epx_device_t device, size_t bytes) {
+  void *host = calloc(1, bytes + 16);
+  void *p = place(device, host, bytes);
+  free(host);
+  return p;
+}
+
+static void release(epx_device_t device, void *p) {
+  if (device == EPX_DEVICE_CUDA) cudaFree(p);
+  else free(p);
+}
+
+static epx_buffer_config_t config_of(const case_t *c, epx_exchange_t exchange, epx_device_t device, void *stream) {
+  epx_buffer_config_t cfg = EPX_BUFFER_CONFIG_INIT;
+  cfg.device = device;
+  cfg.dtype = c->dtype;
+  cfg.hidden = H;
+  cfg.num_experts = E;
+  cfg.max_top_k = K;
+  cfg.max_tokens_per_rank = c->worst ? TMAX : 0;
+  cfg.max_tokens_rounding = 32;
+  cfg.exchange = exchange;
+  cfg.layout = c->layout;
+  cfg.expert_alignment = c->layout == EPX_LAYOUT_EXPERT_MAJOR ? ALIGN : 1;
+  cfg.capacity = c->layout == EPX_LAYOUT_CAPACITY ? C : 0;
+  cfg.worst_case_sizing = device == EPX_DEVICE_CUDA && c->worst;
+  cfg.stream = stream;
+  cfg.combine_precision = device == EPX_DEVICE_CUDA ? c->precision : EPX_COMBINE_PARTIALS_FLOAT32;
+  return cfg;
+}
+
+static void run_rank(run_t *run) {
+  const case_t *c = run->c;
+  const epx_device_t dev = run->device;
+  const size_t es = epx_dtype_size(c->dtype);
+  const int rm = c->layout == EPX_LAYOUT_RANK_MAJOR;
+  result_t *r = &run->res;
+  routing_t rt;
+  make_routing(c, run->rank, &rt);
+  const int64_t T = rt.T;
+  r->T = T;
+  epx_buffer_config_t cfg = config_of(c, run->exchange, dev, run->stream);
+  epx_buffer_t buf;
+  OK(epx_buffer_create(run->comm, &cfg, &buf));
+  int32_t *idx = place(dev, rt.idx, 4 * (size_t)(T * K));
+  float *w = place(dev, rt.w, 4 * (size_t)(T * K));
+  int32_t *loc = place(dev, rt.loc, 4 * (size_t)(T * K));
+  epx_routing_t routing = {T, K, idx, c->weighting == EPX_WEIGHTS_NONE ? NULL : w,
+                           c->layout == EPX_LAYOUT_CAPACITY ? loc : NULL, c->weighting};
+  epx_handle_t h;
+  OK(epx_dispatch_layout(buf, &routing, NULL, &h));
+  int64_t N, cap;
+  OK(epx_handle_recv_rows(h, &N));
+  OK(epx_buffer_max_recv_rows(buf, &cap));
+  if (cap < N) cap = N;
+  r->N = N;
+  r->slots = rm ? K : 1;
+  const int El = E / g_size;
+
+  float *xv = calloc((size_t)(T * H + 1), 4);
+  for (int64_t t = 0; t < T; t++)
+    for (int hh = 0; hh < H; hh++) xv[t * H + hh] = x_val(run->rank, (int)t, hh);
+  void *xh = encode(c->dtype, xv, T * H);
+  void *x = place(dev, xh, (size_t)(T * H) * es);
+  void *recv_x = zeros(dev, (size_t)(cap * H) * es);
+  OK(epx_dispatch(buf, h, x, recv_x, cap));
+  int32_t *srank = zeros(dev, 4 * (size_t)cap);
+  int32_t *stok = zeros(dev, 4 * (size_t)cap);
+  int32_t *rexp = zeros(dev, 4 * (size_t)(cap * r->slots));
+  float *rw = zeros(dev, 4 * (size_t)(cap * r->slots));
+  int64_t *cnt = zeros(dev, 8 * (size_t)El);
+  int64_t *off = zeros(dev, 8 * (size_t)(El + 1));
+  OK(epx_handle_recv_source(h, srank, stok));
+  OK(epx_handle_recv_routing(h, rexp, rw));
+  OK(epx_handle_expert_counts(h, cnt, off));
+  if (dev == EPX_DEVICE_CUDA) CU(cudaDeviceSynchronize());
+  r->recv_x = fetch(dev, recv_x, (size_t)(N * H) * es);
+  r->src_rank = fetch(dev, srank, 4 * (size_t)N);
+  r->src_token = fetch(dev, stok, 4 * (size_t)N);
+  r->recv_expert = fetch(dev, rexp, 4 * (size_t)(N * r->slots));
+  r->recv_w = fetch(dev, rw, 4 * (size_t)(N * r->slots));
+  r->counts = fetch(dev, cnt, 8 * (size_t)El);
+  r->offsets = fetch(dev, off, 8 * (size_t)(El + 1));
+
+  /* The backward inputs, from this rank's own layout. */
+  float *eo = calloc((size_t)(cap * H + 1), 4), *gr = calloc((size_t)(cap * H + 1), 4);
+  float *grw = calloc((size_t)(cap * r->slots + 1), 4), *gov = calloc((size_t)(T * H + 1), 4);
+  make_row_inputs(c, run->rank, r, eo, gr, grw);
+  for (int64_t t = 0; t < T; t++)
+    for (int hh = 0; hh < H; hh++) gov[t * H + hh] = go_val(run->rank, (int)t, hh);
+  void *eoh = encode(c->dtype, eo, cap * H), *grh = encode(c->dtype, gr, cap * H), *goh = encode(c->dtype, gov, T * H);
+  void *eo_d = place(dev, eoh, (size_t)(cap * H) * es), *gr_d = place(dev, grh, (size_t)(cap * H) * es);
+  void *go_d = place(dev, goh, (size_t)(T * H) * es);
+  float *grw_d = place(dev, grw, 4 * (size_t)(cap * r->slots));
+  void *out = zeros(dev, (size_t)(T * H) * es);
+  void *gx = zeros(dev, (size_t)(T * H) * es);
+  void *geo = zeros(dev, (size_t)(cap * H) * es);
+  float *gwd = zeros(dev, 4 * (size_t)(T * K));
+  float *gwc = zeros(dev, 4 * (size_t)(T * K));
+  float *gww = zeros(dev, 4 * (size_t)(T * K));
+  OK(epx_combine(buf, h, eo_d, out));
+  const int in_d = c->weighting == EPX_WEIGHTS_IN_DISPATCH, in_c = c->weighting == EPX_WEIGHTS_IN_COMBINE;
+  OK(epx_dispatch_backward(buf, h, gr_d, gx, in_d ? x : NULL, in_d ? gwd : NULL));
+  OK(epx_combine_backward(buf, h, go_d, in_c ? eo_d : NULL, geo, in_c ? gwc : NULL));
+  if (c->weighting == EPX_WEIGHTS_NONE) OK(epx_weights_backward(buf, h, grw_d, gww));
+  if (dev == EPX_DEVICE_CUDA) CU(cudaDeviceSynchronize());
+  r->out = fetch(dev, out, (size_t)(T * H) * es);
+  r->grad_x = fetch(dev, gx, (size_t)(T * H) * es);
+  r->grad_eo = fetch(dev, geo, (size_t)(N * H) * es);
+  r->gw_d = fetch(dev, gwd, 4 * (size_t)(T * K));
+  r->gw_c = fetch(dev, gwc, 4 * (size_t)(T * K));
+  r->gw_w = fetch(dev, gww, 4 * (size_t)(T * K));
+  OK(epx_handle_release(h));
+  OK(epx_buffer_destroy(buf));
+  void *devs[] = {idx, w, loc, x, recv_x, srank, stok, rexp, rw, cnt, off, eo_d, gr_d, go_d, grw_d, out, gx, geo, gwd, gwc, gww};
+  for (size_t i = 0; i < sizeof devs / sizeof devs[0]; i++) release(dev, devs[i]);
+  void *hosts[] = {xv, xh, eo, gr, grw, gov, eoh, grh, goh};
+  for (size_t i = 0; i < sizeof hosts / sizeof hosts[0]; i++) free(hosts[i]);
+}
+
+/* The CPU backend over W threads: rank `me`'s results. */
+typedef struct {
+  run_t run;
+  epx_local_world_t world;
+} cpu_rank_t;
+
+static void *cpu_thread(void *arg) {
+  cpu_rank_t *cr = arg;
+  OK(epx_comm_create_local(cr->world, cr->run.rank, &cr->run.comm));
+  run_rank(&cr->run);
+  OK(epx_comm_destroy(cr->run.comm));
+  return NULL;
+}
+
+static void run_cpu(const case_t *c, epx_exchange_t exchange, result_t *mine) {
+  cpu_rank_t *ranks = calloc((size_t)g_size, sizeof *ranks);
+  pthread_t *threads = calloc((size_t)g_size, sizeof *threads);
+  epx_local_world_t world;
+  OK(epx_local_world_create(g_size, NULL, &world));
+  for (int q = 0; q < g_size; q++) {
+    ranks[q].run = (run_t){c, exchange, NULL, q, EPX_DEVICE_CPU, {0}, NULL};
+    ranks[q].world = world;
+    pthread_create(&threads[q], NULL, cpu_thread, &ranks[q]);
+  }
+  for (int q = 0; q < g_size; q++) pthread_join(threads[q], NULL);
+  OK(epx_local_world_destroy(world));
+  *mine = ranks[g_rank].run.res;
+  for (int q = 0; q < g_size; q++)
+    if (q != g_rank) result_free(&ranks[q].run.res);
+  free(ranks);
+  free(threads);
+}
+
+/* ------------------------------------------------------------------------ */
+/* References and comparisons                                                */
+/* ------------------------------------------------------------------------ */
+
+static float round_to(epx_dtype_t dtype, float v) {
+  switch (dtype) {
+    case EPX_BFLOAT16: return epx_bf16_to_f32(epx_f32_to_bf16(v));
+    case EPX_FLOAT16: return epx_f16_to_f32(epx_f32_to_f16(v));
+    default: return v;
+  }
+}
+
+/* The contract: out[t] = round(sum over ranks r ascending of P(t, r)), P the
+ * token's routes on r in k order (w-weighted if weighted), rounded to the
+ * dtype first in payload-precision mode. backward: grad_recv_x's values. */
+static void reference_sum(const case_t *c, const routing_t *rt, int weighted, int backward, float *out) {
+  const int El = E / g_size, rm = c->layout == EPX_LAYOUT_RANK_MAJOR;
+  for (int64_t t = 0; t < rt->T; t++)
+    for (int h = 0; h < H; h++) {
+      float acc = 0.0f;
+      for (int r = 0; r < g_size; r++) {
+        float p = 0.0f;
+        int any = 0;
+        for (int k = 0; k < K; k++) {
+          const int e = rt->idx[t * K + k];
+          if (e < 0 || e / El != r) continue;
+          if (rm) {
+            if (!any) p = p + (backward ? gr_pair_val(r, g_rank, (int)t, h) : eo_pair_val(r, g_rank, (int)t, h));
+          } else {
+            const float v = backward ? gr_val(e, g_rank, (int)t, h) : eo_val(e, g_rank, (int)t, h);
+            p = p + (weighted ? rt->w[t * K + k] * v : v);
+          }
+          any = 1;
+        }
+        if (!any) continue;
+        if (c->precision == EPX_COMBINE_PARTIALS_PAYLOAD) p = round_to(c->dtype, p);
+        acc = acc + p;
+      }
+      out[t * H + h] = round_to(c->dtype, acc);
+    }
+}
+
+static int same_bytes(const void *a, const void *b, size_t n) { return n == 0 || memcmp(a, b, n) == 0; }
+
+static int first_diff(epx_dtype_t dtype, const void *a, const void *b, int64_t n) {
+  const size_t es = epx_dtype_size(dtype);
+  for (int64_t i = 0; i < n; i++)
+    if (memcmp((const char *)a + i * es, (const char *)b + i * es, es)) return (int)i;
+  return -1;
+}
+
+static int close_floats(const float *a, const float *b, int64_t n) {
+  for (int64_t i = 0; i < n; i++)
+    if (!(fabsf(a[i] - b[i]) <= 1e-4f * (1.0f + fabsf(b[i])))) return 0;
+  return 1;
+}
+
+static const char *describe(const case_t *c, epx_exchange_t x) {
+  static char text[160];
+  const char *lay[] = {"expert-major", "rank-major", "capacity"}, *dt[] = {"f32", "bf16", "f16"},
+             *wt[] = {"w-in-combine", "w-in-dispatch", "w-none"};
+  snprintf(text, sizeof text, "%s %s %s %s %s%s%s%s seed %d", x == EPX_EXCHANGE_DEDUP ? "dedup" : "collective",
+           lay[c->layout], dt[c->dtype], wt[c->weighting],
+           c->precision == EPX_COMBINE_PARTIALS_PAYLOAD ? "payload-partials" : "f32-partials",
+           c->worst ? " worst-case" : "", c->skew ? " skew" : "", c->zero_rank ? " zero-rank" : "", c->seed);
+  return text;
+}
+
+/* GPU against CPU (layout, dispatch, backward payloads; combine when the
+ * CPU computes the same precision) and against the formula. */
+static void compare(const case_t *c, epx_exchange_t x, const result_t *g, const result_t *cpu) {
+  const char *what = describe(c, x);
+  const size_t es = epx_dtype_size(c->dtype);
+  const int64_t T = g->T, N = g->N;
+  CHECK(g->N == cpu->N, "%s: N %lld, CPU %lld", what, (long long)g->N, (long long)cpu->N);
+  if (g->N != cpu->N) return;
+  CHECK(same_bytes(g->src_rank, cpu->src_rank, 4 * (size_t)N) && same_bytes(g->src_token, cpu->src_token, 4 * (size_t)N),
+        "%s: recv_source differs from the CPU backend", what);
+  CHECK(same_bytes(g->recv_expert, cpu->recv_expert, 4 * (size_t)(N * g->slots)) &&
+            same_bytes(g->recv_w, cpu->recv_w, 4 * (size_t)(N * g->slots)),
+        "%s: recv_routing differs from the CPU backend", what);
+  CHECK(same_bytes(g->counts, cpu->counts, 8 * (size_t)(E / g_size)) &&
+            same_bytes(g->offsets, cpu->offsets, 8 * (size_t)(E / g_size + 1)),
+        "%s: expert counts/offsets differ from the CPU backend", what);
+  CHECK(same_bytes(g->recv_x, cpu->recv_x, (size_t)(N * H) * es), "%s: recv_x differs from the CPU backend (element %d)",
+        what, first_diff(c->dtype, g->recv_x, cpu->recv_x, N * H));
+  CHECK(same_bytes(g->grad_eo, cpu->grad_eo, (size_t)(N * H) * es),
+        "%s: grad_expert_out differs from the CPU backend (element %d)", what,
+        first_diff(c->dtype, g->grad_eo, cpu->grad_eo, N * H));
+  if (c->precision == EPX_COMBINE_PARTIALS_FLOAT32 || c->dtype == EPX_FLOAT32) {
+    CHECK(same_bytes(g->out, cpu->out, (size_t)(T * H) * es), "%s: combine differs from the CPU backend (element %d)",
+          what, first_diff(c->dtype, g->out, cpu->out, T * H));
+    CHECK(same_bytes(g->grad_x, cpu->grad_x, (size_t)(T * H) * es),
+          "%s: dispatch_backward differs from the CPU backend (element %d)", what,
+          first_diff(c->dtype, g->grad_x, cpu->grad_x, T * H));
+  }
+  CHECK(close_floats(g->gw_d, cpu->gw_d, T * K), "%s: dispatch_backward grad_w differs from the CPU backend", what);
+  CHECK(close_floats(g->gw_c, cpu->gw_c, T * K), "%s: combine_backward grad_w differs from the CPU backend", what);
+  CHECK(same_bytes(g->gw_w, cpu->gw_w, 4 * (size_t)(T * K)), "%s: weights_backward differs from the CPU backend", what);
+
+  /* The formula, bit for bit, and provenance of the received rows. */
+  routing_t rt;
+  make_routing(c, g_rank, &rt);
+  float *ref = calloc((size_t)(T * H + 1), 4);
+  reference_sum(c, &rt, c->weighting == EPX_WEIGHTS_IN_COMBINE, 0, ref);
+  void *refh = encode(c->dtype, ref, T * H);
+  CHECK(same_bytes(g->out, refh, (size_t)(T * H) * es), "%s: combine differs from the contract's sum (element %d)",
+        what, first_diff(c->dtype, g->out, refh, T * H));
+  free(refh);
+  reference_sum(c, &rt, c->weighting == EPX_WEIGHTS_IN_DISPATCH, 1, ref);
+  refh = encode(c->dtype, ref, T * H);
+  CHECK(same_bytes(g->grad_x, refh, (size_t)(T * H) * es),
+        "%s: dispatch_backward differs from the contract's sum (element %d)", what,
+        first_diff(c->dtype, g->grad_x, refh, T * H));
+  free(refh);
+  free(ref);
+  int bad = 0;
+  float *row = calloc(H, 4);
+  for (int64_t i = 0; i < N && !bad; i++) {
+    const int s = g->src_rank[i], t = g->src_token[i];
+    if (s < 0) continue;
+    const float wt = c->weighting == EPX_WEIGHTS_IN_DISPATCH ? g->recv_w[i * g->slots] : 1.0f;
+    for (int h = 0; h < H; h++) row[h] = c->weighting == EPX_WEIGHTS_IN_DISPATCH ? wt * x_val(s, t, h) : x_val(s, t, h);
+    void *enc = encode(c->dtype, row, H);
+    bad = !same_bytes((const char *)g->recv_x + (size_t)(i * H) * es, enc, (size_t)H * es);
+    free(enc);
+  }
+  free(row);
+  CHECK(!bad, "%s: a received row is not its source's (provenance)", what);
+}
+
+static void compare_exchanges(const case_t *c, const result_t *d, const result_t *x) {
+  const char *what = describe(c, EPX_EXCHANGE_DEDUP);
+  const size_t es = epx_dtype_size(c->dtype);
+  CHECK(d->N == x->N, "%s: dedup N %lld, collective %lld", what, (long long)d->N, (long long)x->N);
+  if (d->N != x->N) return;
+  const int64_t T = d->T, N = d->N;
+  CHECK(same_bytes(d->recv_x, x->recv_x, (size_t)(N * H) * es) && same_bytes(d->out, x->out, (size_t)(T * H) * es) &&
+            same_bytes(d->grad_x, x->grad_x, (size_t)(T * H) * es) &&
+            same_bytes(d->grad_eo, x->grad_eo, (size_t)(N * H) * es) &&
+            same_bytes(d->gw_d, x->gw_d, 4 * (size_t)(T * K)) && same_bytes(d->gw_c, x->gw_c, 4 * (size_t)(T * K)) &&
+            same_bytes(d->gw_w, x->gw_w, 4 * (size_t)(T * K)),
+        "%s: dedup and collective differ", what);
+}
+
+static void run_case(const case_t *c, epx_comm_t nccl, void *stream) {
+  result_t gpu[2], cpu;
+  for (int xi = 0; xi < 2; xi++) {
+    const epx_exchange_t x = xi ? EPX_EXCHANGE_COLLECTIVE : EPX_EXCHANGE_DEDUP;
+    run_t run = {c, x, nccl, g_rank, EPX_DEVICE_CUDA, {0}, stream};
+    run_rank(&run);
+    gpu[xi] = run.res;
+    run_cpu(c, x, &cpu);
+    compare(c, x, &gpu[xi], &cpu);
+    result_free(&cpu);
+  }
+  compare_exchanges(c, &gpu[0], &gpu[1]);
+  result_free(&gpu[0]);
+  result_free(&gpu[1]);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Refusal, recorder, graph                                                  */
+/* ------------------------------------------------------------------------ */
+
+static epx_buffer_t simple_buffer(epx_comm_t comm, void *stream, int worst) {
+  epx_buffer_config_t cfg = EPX_BUFFER_CONFIG_INIT;
+  cfg.device = EPX_DEVICE_CUDA;
+  cfg.dtype = EPX_BFLOAT16;
+  cfg.hidden = H;
+  cfg.num_experts = E;
+  cfg.max_top_k = K;
+  cfg.max_tokens_per_rank = TMAX;
+  cfg.worst_case_sizing = worst;
+  cfg.stream = stream;
+  epx_buffer_t b;
+  OK(epx_buffer_create(comm, &cfg, &b));
+  return b;
+}
+
+static void test_capacity_refusal(epx_comm_t comm, void *stream) {
+  epx_buffer_t b = simple_buffer(comm, stream, 0);
+  case_t c = {EPX_LAYOUT_EXPERT_MAJOR, EPX_BFLOAT16, EPX_WEIGHTS_IN_COMBINE, 0, 0, 0, 0, 11};
+  routing_t rt;
+  make_routing(&c, g_rank, &rt);
+  int32_t *idx = dev_put(rt.idx, sizeof rt.idx);
+  float *w = dev_put(rt.w, sizeof rt.w);
+  /* the last rank is over the agreed TMAX */
+  epx_routing_t r = {g_rank == g_size - 1 ? TMAX + 1 : rt.T, K, idx, w, NULL, EPX_WEIGHTS_IN_COMBINE};
+  int32_t *big = NULL;
+  if (g_rank == g_size - 1) {
+    CU(cudaMalloc((void **)&big, 4 * (TMAX + 1) * K));
+    CU(cudaMemset(big, 0xff, 4 * (TMAX + 1) * K));
+    r.topk_idx = big;
+    r.topk_w = NULL;
+    r.weighting = EPX_WEIGHTS_NONE;
+  }
+  epx_handle_t h = NULL;
+  epx_status_t s = epx_dispatch_layout(b, &r, NULL, &h);
+  CHECK(s == EPX_ERROR_CAPACITY_EXCEEDED, "capacity refusal: rank %d got %s (%s)", g_rank, epx_status_string(s),
+        epx_last_error());
+  CHECK(h == NULL, "capacity refusal: a handle came back");
+  /* the comm still works */
+  epx_routing_t ok = {rt.T, K, idx, w, NULL, EPX_WEIGHTS_IN_COMBINE};
+  OK(epx_dispatch_layout(b, &ok, NULL, &h));
+  OK(epx_handle_release(h));
+  OK(epx_buffer_destroy(b));
+  cudaFree(idx), cudaFree(w), cudaFree(big);
+}
+
+static void test_recorder(epx_comm_t comm, void *stream) {
+  epx_buffer_t b = simple_buffer(comm, stream, 0);
+  case_t c = {EPX_LAYOUT_EXPERT_MAJOR, EPX_BFLOAT16, EPX_WEIGHTS_IN_COMBINE, 0, 0, 1, 0, 12};
+  routing_t rt;
+  make_routing(&c, g_rank, &rt);
+  int32_t *idx = dev_put(rt.idx, sizeof rt.idx);
+  float *w = dev_put(rt.w, sizeof rt.w);
+  epx_routing_t r = {rt.T, K, idx, w, NULL, EPX_WEIGHTS_IN_COMBINE};
+  epx_recorder_t rec;
+  OK(epx_recorder_create(1, &rec));
+  epx_handle_t h1, h2, h3 = NULL;
+  OK(epx_dispatch_layout(b, &r, rec, &h1));
+  int64_t N, cap;
+  OK(epx_handle_recv_rows(h1, &N));
+  OK(epx_buffer_max_recv_rows(b, &cap));
+  const size_t rb = 2 * H;
+  float *xv = calloc((size_t)(TMAX * H), 4);
+  for (int64_t i = 0; i < rt.T * H; i++) xv[i] = x_val(g_rank, (int)(i / H), (int)(i % H));
+  void *xh = encode(EPX_BFLOAT16, xv, rt.T * H);
+  void *x = dev_put(xh, (size_t)rt.T * rb), *y1, *y2;
+  CU(cudaMalloc(&y1, (size_t)cap * rb + 16));
+  CU(cudaMalloc(&y2, (size_t)cap * rb + 16));
+  CU(cudaMemset(y2, 0x5a, (size_t)cap * rb));
+  OK(epx_dispatch(b, h1, x, y1, cap));
+  OK(epx_recorder_set_mode(rec, EPX_RECORDER_REPLAY));
+  OK(epx_dispatch_layout(b, &r, rec, &h2));
+  CHECK(h2 == h1, "recorder: the replay did not return the recorded handle");
+  OK(epx_dispatch(b, h2, x, y2, cap)); /* cached dispatch */
+  CU(cudaDeviceSynchronize());
+  void *a = host_get(y1, (size_t)N * rb), *bb = host_get(y2, (size_t)N * rb);
+  CHECK(same_bytes(a, bb, (size_t)N * rb), "recorder: the cached dispatch differs from the original");
+  free(a), free(bb);
+  /* a second replay past the log falls back; a different routing on rank 0 is refused everywhere */
+  OK(epx_recorder_set_mode(rec, EPX_RECORDER_REPLAY));
+  if (g_rank == 0 && rt.T > 0) {
+    rt.idx[0] = rt.idx[0] == 0 ? 1 : 0;
+    rt.idx[1] = -1, rt.idx[2] = -1, rt.idx[3] = -1;
+    CU(cudaMemcpy(idx, rt.idx, sizeof rt.idx, cudaMemcpyHostToDevice));
+  }
+  epx_status_t s = epx_dispatch_layout(b, &r, rec, &h3);
+  CHECK(s == (g_rank == 0 ? EPX_ERROR_REPLAY_MISMATCH : EPX_ERROR_PEER_FAILED),
+        "recorder: a changed routing replayed with %s on rank %d (%s)", epx_status_string(s), g_rank, epx_last_error());
+  epx_recorder_stats_t st;
+  OK(epx_recorder_stats(rec, &st));
+  CHECK(st.records == 1 && st.replays >= 1, "recorder: %lld records, %lld replays", (long long)st.records,
+        (long long)st.replays);
+  OK(epx_handle_release(h2));
+  OK(epx_handle_release(h1));
+  OK(epx_recorder_destroy(rec));
+  OK(epx_buffer_destroy(b));
+  cudaFree(idx), cudaFree(w), cudaFree(x), cudaFree(y1), cudaFree(y2);
+  free(xv), free(xh);
+}
+
+/* The whole step once outside and once inside a CUDA graph. */
+typedef struct {
+  void *x, *recv, *eo, *out, *go, *geo, *gx;
+  float *gw;
+  int64_t cap;
+} step_t;
+
+static epx_handle_t step(epx_buffer_t b, const epx_routing_t *r, const step_t *s) {
+  epx_handle_t h;
+  OK(epx_dispatch_layout(b, r, NULL, &h));
+  OK(epx_dispatch(b, h, s->x, s->recv, s->cap));
+  OK(epx_combine(b, h, s->eo, s->out));
+  OK(epx_dispatch_backward(b, h, s->eo, s->gx, NULL, NULL));
+  OK(epx_combine_backward(b, h, s->go, s->eo, s->geo, s->gw));
+  return h;
+}
+
+static void test_graph(epx_comm_t comm, cudaStream_t stream) {
+  epx_buffer_t b = simple_buffer(comm, stream, 1);
+  case_t c = {EPX_LAYOUT_EXPERT_MAJOR, EPX_BFLOAT16, EPX_WEIGHTS_IN_COMBINE, 0, 1, 0, 0, 13};
+  routing_t rt;
+  make_routing(&c, g_rank, &rt);
+  int32_t *idx = dev_put(rt.idx, sizeof rt.idx);
+  float *w = dev_put(rt.w, sizeof rt.w);
+  epx_routing_t r = {rt.T, K, idx, w, NULL, EPX_WEIGHTS_IN_COMBINE};
+  int64_t cap;
+  OK(epx_buffer_max_recv_rows(b, &cap));
+  const size_t rb = 2 * H;
+  step_t s[2];
+  float *v = calloc((size_t)(cap > TMAX ? cap : TMAX) * H, 4);
+  for (int64_t i = 0; i < cap * H; i++) v[i] = code((int)(i % 13), g_rank, (int)(i / H), (int)(i % H));
+  void *vh = encode(EPX_BFLOAT16, v, cap * H);
+  for (int i = 0; i < 2; i++) {
+    s[i].cap = cap;
+    s[i].x = dev_put(vh, (size_t)TMAX * rb);
+    s[i].go = dev_put(vh, (size_t)TMAX * rb);
+    s[i].eo = dev_put(vh, (size_t)cap * rb);
+    void **outs[] = {&s[i].recv, &s[i].out, &s[i].geo, &s[i].gx};
+    const size_t rows[] = {(size_t)cap, TMAX, (size_t)cap, TMAX};
+    for (int j = 0; j < 4; j++) {
+      CU(cudaMalloc(outs[j], rows[j] * rb));
+      CU(cudaMemset(*outs[j], 0x33 * (i + 1), rows[j] * rb));
+    }
+    CU(cudaMalloc((void **)&s[i].gw, 4 * TMAX * K));
+  }
+  epx_handle_t h0 = step(b, &r, &s[0]); /* outside: also sizes the staging */
+  CU(cudaStreamSynchronize(stream));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CU(cudaStreamBeginCapture(stream, cudaStreamCaptureModeRelaxed));
+  epx_handle_t h1 = step(b, &r, &s[1]);
+  CU(cudaStreamEndCapture(stream, &graph));
+  CU(cudaGraphInstantiate(&exec, graph, 0));
+  CU(cudaGraphLaunch(exec, stream));
+  CU(cudaStreamSynchronize(stream));
+  int64_t n0, n1;
+  OK(epx_handle_recv_rows(h0, &n0));
+  OK(epx_handle_recv_rows(h1, &n1));
+  CHECK(n0 == n1, "graph: %lld rows captured, %lld outside", (long long)n1, (long long)n0);
+  const size_t sizes[] = {(size_t)n0 * rb, (size_t)rt.T * rb, (size_t)n0 * rb, (size_t)rt.T * rb, 4 * (size_t)rt.T * K};
+  for (int j = 0; j < 5; j++) {
+    void *p0[] = {s[0].recv, s[0].out, s[0].geo, s[0].gx, s[0].gw}, *p1[] = {s[1].recv, s[1].out, s[1].geo, s[1].gx, s[1].gw};
+    void *a = host_get(p0[j], sizes[j]), *bb = host_get(p1[j], sizes[j]);
+    CHECK(same_bytes(a, bb, sizes[j]), "graph: output %d of the captured step differs from the uncaptured one", j);
+    free(a), free(bb);
+  }
+  OK(epx_handle_release(h0));
+  OK(epx_handle_release(h1));
+  CU(cudaGraphExecDestroy(exec));
+  CU(cudaGraphDestroy(graph));
+  OK(epx_buffer_destroy(b));
+  for (int i = 0; i < 2; i++) {
+    void *p[] = {s[i].x, s[i].go, s[i].eo, s[i].recv, s[i].out, s[i].geo, s[i].gx, s[i].gw};
+    for (int j = 0; j < 8; j++) cudaFree(p[j]);
+  }
+  cudaFree(idx), cudaFree(w);
+  free(v), free(vh);
+}
+
+int main(int argc, char **argv) {
+  MPI_Init(&argc, &argv);
+  MPI_Comm_rank(MPI_COMM_WORLD, &g_rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &g_size);
+  const char *q = getenv("EPX_GPU_TEST_QUICK");
+  g_quick = q && *q && strcmp(q, "0");
+  E = 8 * g_size;
+  int devices = 0;
+  CU(cudaGetDeviceCount(&devices));
+  CU(cudaSetDevice(g_rank % devices));
+  cudaStream_t stream;
+  CU(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  MPI_Comm world = MPI_COMM_WORLD;
+  epx_comm_config_t cc = EPX_COMM_CONFIG_INIT;
+  cc.timeout_seconds = 60;
+  epx_comm_t comm;
+  OK(epx_comm_create_nccl_mpi(&world, &cc, &comm));
+  int32_t rank, size;
+  OK(epx_comm_rank(comm, &rank));
+  OK(epx_comm_size(comm, &size));
+  CHECK(rank == g_rank && size == g_size, "the NCCL comm is rank %d of %d", rank, size);
+
+  int cases = 0, seed = 1;
+  const epx_layout_t layouts[] = {EPX_LAYOUT_EXPERT_MAJOR, EPX_LAYOUT_RANK_MAJOR, EPX_LAYOUT_CAPACITY};
+  const epx_dtype_t dtypes[] = {EPX_BFLOAT16, EPX_FLOAT32, EPX_FLOAT16};
+  for (int li = 0; li < 3; li++)
+    for (int di = 0; di < (g_quick ? 1 : 3); di++)
+      for (int wi = 0; wi < 3; wi++)
+        for (int pi = 0; pi < 2; pi++)
+          for (int worst = 0; worst < 2; worst++) {
+            const epx_weighting_t wt = (epx_weighting_t)wi;
+            if ((layouts[li] == EPX_LAYOUT_RANK_MAJOR) != (wt == EPX_WEIGHTS_NONE)) continue;
+            if (di > 0 && (pi || worst)) continue; /* f32, f16: the default precision, sizing */
+            case_t c = {layouts[li], dtypes[di], wt, pi ? EPX_COMBINE_PARTIALS_PAYLOAD : EPX_COMBINE_PARTIALS_FLOAT32,
+                        worst, seed % 3 == 0, seed % 4 == 1, seed};
+            seed++;
+            run_case(&c, comm, stream);
+            cases++;
+          }
+  test_capacity_refusal(comm, stream);
+  test_recorder(comm, stream);
+  test_graph(comm, stream);
+
+  int failures = 0;
+  MPI_Allreduce(&g_fail, &failures, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
+  OK(epx_comm_destroy(comm));
+  if (g_rank == 0)
+    printf("mpi_gpu_exchange: %d ranks, %d cases x 2 exchanges + refusal, recorder, graph: %d failures: %s\n", g_size,
+           cases, failures, failures ? "FAILED" : "OK");
+  cudaStreamDestroy(stream);
+  MPI_Finalize();
+  return failures ? 1 : 0;
+}

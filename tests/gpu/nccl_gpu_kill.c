@@ -1,0 +1,112 @@
+/* A rank that dies turns into an error on its peer, not a hang: two ranks
+ * forked here (no MPI: under mpirun one rank's death takes the job down
+ * before the survivor can be watched), one per GPU, an NCCL comm from a
+ * unique id shared through a pipe, a CUDA buffer; rank 1 then exits, and
+ * rank 0's dispatch layout must fail (EPX_ERROR_TIMEOUT or
+ * EPX_ERROR_TRANSPORT) within about the comm's timeout. The parent bounds
+ * everything with its own deadline; exit status is the verdict. */
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cuda_runtime_api.h>
+
+#include "epx.h"
+
+enum { TIMEOUT_S = 10, GUARD_S = 120 };
+
+static double now(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+#define STEP(call)                                                                                  \
+  do {                                                                                              \
+    epx_status_t s_ = (call);                                                                       \
+    if (s_ != EPX_SUCCESS) {                                                                        \
+      fprintf(stderr, "rank %d: %s -> %s: %s\n", rank, #call, epx_status_string(s_), epx_last_error()); \
+      _exit(10);                                                                                    \
+    }                                                                                               \
+  } while (0)
+
+static int child(int rank, int fd_read, int fd_write) {
+  epx_nccl_unique_id_t id;
+  if (rank == 0) {
+    STEP(epx_nccl_get_unique_id(&id));
+    if (write(fd_write, &id, sizeof id) != (ssize_t)sizeof id) return 11;
+  } else if (read(fd_read, &id, sizeof id) != (ssize_t)sizeof id) {
+    return 12;
+  }
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices < 2) return 13;
+  cudaSetDevice(rank);
+  epx_comm_config_t cc = EPX_COMM_CONFIG_INIT;
+  cc.timeout_seconds = TIMEOUT_S;
+  epx_comm_t comm;
+  STEP(epx_comm_create_nccl_id(&id, rank, 2, &cc, &comm));
+  epx_buffer_config_t cfg = EPX_BUFFER_CONFIG_INIT;
+  cfg.device = EPX_DEVICE_CUDA;
+  cfg.dtype = EPX_BFLOAT16;
+  cfg.hidden = 64;
+  cfg.num_experts = 8;
+  cfg.max_top_k = 2;
+  cfg.max_tokens_per_rank = 16;
+  epx_buffer_t buf;
+  STEP(epx_buffer_create(comm, &cfg, &buf));
+  if (rank == 1) _exit(0); /* dies without a word */
+  int32_t idx[16 * 2];
+  for (int t = 0; t < 16; t++) idx[2 * t] = t % 8, idx[2 * t + 1] = (t + 3) % 8;
+  int32_t *d_idx = NULL;
+  cudaMalloc((void **)&d_idx, sizeof idx);
+  cudaMemcpy(d_idx, idx, sizeof idx, cudaMemcpyHostToDevice);
+  epx_routing_t r = {16, 2, d_idx, NULL, NULL, EPX_WEIGHTS_NONE};
+  epx_handle_t h = NULL;
+  const double t0 = now();
+  epx_status_t s = epx_dispatch_layout(buf, &r, NULL, &h);
+  const double took = now() - t0;
+  printf("rank 0: dispatch_layout with its peer dead returned %s after %.1f s: %s\n", epx_status_string(s), took,
+         epx_last_error());
+  int ok = (s == EPX_ERROR_TIMEOUT || s == EPX_ERROR_TRANSPORT || s == EPX_ERROR_PEER_FAILED) && took < 3 * TIMEOUT_S;
+  /* the comm is failed now: later calls refuse at once, destroy releases */
+  epx_status_t again = epx_dispatch_layout(buf, &r, NULL, &h);
+  ok = ok && again != EPX_SUCCESS;
+  ok = ok && epx_buffer_destroy(buf) == EPX_SUCCESS && epx_comm_destroy(comm) == EPX_SUCCESS;
+  fflush(stdout);
+  _exit(ok ? 0 : 20);
+}
+
+int main(void) {
+  int fds[2];
+  if (pipe(fds)) return 2;
+  pid_t pids[2];
+  for (int rank = 0; rank < 2; rank++) {
+    pids[rank] = fork();
+    if (pids[rank] == 0) _exit(child(rank, fds[0], fds[1]));
+  }
+  int status0 = -1;
+  const double deadline = now() + GUARD_S;
+  int done[2] = {0, 0}, codes[2] = {-1, -1};
+  while ((!done[0] || !done[1]) && now() < deadline) {
+    for (int r = 0; r < 2; r++) {
+      if (done[r]) continue;
+      int st;
+      if (waitpid(pids[r], &st, WNOHANG) == pids[r]) done[r] = 1, codes[r] = WIFEXITED(st) ? WEXITSTATUS(st) : 128;
+    }
+    usleep(100000);
+  }
+  for (int r = 0; r < 2; r++)
+    if (!done[r]) {
+      kill(pids[r], SIGKILL);
+      waitpid(pids[r], NULL, 0);
+    }
+  status0 = codes[0];
+  const int pass = done[0] && status0 == 0 && done[1] && codes[1] == 0;
+  printf("nccl_gpu_kill: survivor %s (exit %d), dead rank exit %d: %s\n",
+         done[0] ? "returned" : "HUNG (killed after the guard)", status0, codes[1], pass ? "OK" : "FAILED");
+  return pass ? 0 : 1;
+}

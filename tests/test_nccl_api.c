@@ -1,0 +1,83 @@
+/* The NCCL comm calls without a GPU: in a build without NCCL each refuses
+ * with EPX_ERROR_UNSUPPORTED and a message that says how to get it; in a
+ * build with NCCL the argument checks come first (NULLs, rank and size) and
+ * refuse without touching NCCL. A CUDA buffer over several ranks of a
+ * transport that is not NCCL is refused on every rank (local transport). The
+ * NCCL paths themselves run on GPUs (tests/gpu/mpi_gpu_exchange.c,
+ * nccl_gpu_kill.c). */
+#include <pthread.h>
+#include <string.h>
+
+#include "testutil.h"
+
+static void test_without_or_before_nccl(void **state) {
+  (void)state;
+  epx_comm_t comm = NULL;
+  epx_nccl_unique_id_t id;
+  memset(&id, 0, sizeof id);
+  if (!epx_has_nccl()) {
+    assert_int_equal(epx_nccl_get_unique_id(&id), EPX_ERROR_UNSUPPORTED);
+    assert_non_null(strstr(epx_last_error(), "no NCCL transport"));
+    assert_int_equal(epx_comm_create_nccl_id(&id, 0, 1, NULL, &comm), EPX_ERROR_UNSUPPORTED);
+    assert_int_equal(epx_comm_create_nccl((void *)&id, NULL, &comm), EPX_ERROR_UNSUPPORTED);
+    int dummy = 0;
+    assert_int_equal(epx_comm_create_nccl_mpi(&dummy, NULL, &comm), EPX_ERROR_UNSUPPORTED);
+    assert_null(comm);
+    return;
+  }
+  /* with NCCL: refused before NCCL is reached */
+  assert_int_equal(epx_nccl_get_unique_id(NULL), EPX_ERROR_INVALID_ARGUMENT);
+  assert_int_equal(epx_comm_create_nccl_id(NULL, 0, 2, NULL, &comm), EPX_ERROR_INVALID_ARGUMENT);
+  assert_non_null(strstr(epx_last_error(), "id is NULL"));
+  assert_int_equal(epx_comm_create_nccl_id(&id, 2, 2, NULL, &comm), EPX_ERROR_INVALID_ARGUMENT);
+  assert_non_null(strstr(epx_last_error(), "rank 2 and size 2"));
+  assert_int_equal(epx_comm_create_nccl_id(&id, 0, 2, NULL, NULL), EPX_ERROR_INVALID_ARGUMENT);
+  assert_int_equal(epx_comm_create_nccl(NULL, NULL, &comm), EPX_ERROR_INVALID_ARGUMENT);
+  assert_non_null(strstr(epx_last_error(), "nccl_comm is NULL"));
+  assert_int_equal(epx_comm_create_nccl_mpi(NULL, NULL, &comm), EPX_ERROR_INVALID_ARGUMENT);
+  assert_null(comm);
+}
+
+typedef struct {
+  epx_local_world_t world;
+  int32_t rank;
+  epx_status_t status;
+} rank_arg_t;
+
+static void *cuda_over_local(void *p) {
+  rank_arg_t *a = p;
+  epx_comm_t comm;
+  if (epx_comm_create_local(a->world, a->rank, &comm) != EPX_SUCCESS) return NULL;
+  epx_buffer_config_t cfg = EPX_BUFFER_CONFIG_INIT;
+  cfg.device = EPX_DEVICE_CUDA;
+  cfg.dtype = EPX_BFLOAT16;
+  cfg.hidden = 64;
+  cfg.num_experts = 8;
+  cfg.max_top_k = 2;
+  epx_buffer_t buffer = NULL;
+  a->status = epx_buffer_create(comm, &cfg, &buffer);
+  epx_buffer_destroy(buffer);
+  epx_comm_destroy(comm);
+  return NULL;
+}
+
+static void test_cuda_buffer_needs_nccl_comm(void **state) {
+  (void)state;
+  epx_local_world_t world;
+  assert_int_equal(epx_local_world_create(2, NULL, &world), EPX_SUCCESS);
+  rank_arg_t args[2] = {{world, 0, EPX_SUCCESS}, {world, 1, EPX_SUCCESS}};
+  pthread_t threads[2];
+  for (int r = 0; r < 2; r++) pthread_create(&threads[r], NULL, cuda_over_local, &args[r]);
+  for (int r = 0; r < 2; r++) pthread_join(threads[r], NULL);
+  assert_int_equal(epx_local_world_destroy(world), EPX_SUCCESS);
+  /* no CUDA: the device is refused; CUDA: a comm of 2 ranks that is not NCCL is */
+  for (int r = 0; r < 2; r++) assert_int_equal(args[r].status, EPX_ERROR_UNSUPPORTED);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_without_or_before_nccl),
+      cmocka_unit_test(test_cuda_buffer_needs_nccl_comm),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
