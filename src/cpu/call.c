@@ -120,9 +120,8 @@ static epx_status_t refusal(const epx_cpu_call_ctx_t *ctx, const epx_cpu_call_t 
   return EPX_SUCCESS;
 }
 
-epx_status_t epx_cpu_call_agree(epx_cpu_call_ctx_t *ctx, const epx_cpu_call_t *peers) {
+epx_status_t epx_cpu_call_agree(const epx_cpu_call_ctx_t *ctx, const epx_cpu_call_t *peers) {
   int32_t W = ctx->buffer->comm->size;
-  ctx->peers = peers;
   for (int32_t s = 1; s < W; s++)
     if (peers[s].kind != peers[0].kind) return mismatch(ctx, peers, "in different collective calls");
   epx_status_t status = refusal(ctx, peers);

@@ -114,14 +114,13 @@ typedef struct {
   int64_t word[2]; /* layout: items to the receiver; local payload calls: rows, plan */
 } epx_cpu_call_t;
 
-/* A call in progress on one rank: its header, the message of a failed
- * verdict (kept across the exchange), and all ranks' blocks once received. */
+/* A call in progress on one rank: its header and the message of a failed
+ * verdict (kept across the exchange). */
 typedef struct {
   epx_buffer_t buffer;
   const char *fn;
   epx_cpu_call_t mine;
   char message[1024];
-  const epx_cpu_call_t *peers; /* [W] block s from rank s, inside the handshake */
 } epx_cpu_call_ctx_t;
 
 /* Fills ctx for a call of `kind` with verdict `local` (saving its message)
@@ -131,7 +130,7 @@ void epx_cpu_call_begin(epx_cpu_call_ctx_t *ctx, epx_buffer_t buffer, epx_call_k
 /* Checks every rank's block (the same inputs, so the same verdict on every
  * rank): the same call, buffer and handle everywhere, every verdict success,
  * and sane shapes; otherwise the error that every rank returns. */
-epx_status_t epx_cpu_call_agree(epx_cpu_call_ctx_t *ctx, const epx_cpu_call_t *peers);
+epx_status_t epx_cpu_call_agree(const epx_cpu_call_ctx_t *ctx, const epx_cpu_call_t *peers);
 /* The handshake's blocks: [W] copies of ctx->mine to send, then [W] to
  * receive into (malloc'd; NULL when out of memory). */
 epx_cpu_call_t *epx_cpu_call_blocks(const epx_cpu_call_ctx_t *ctx);
