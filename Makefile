@@ -5,7 +5,7 @@ ASAN_BUILD ?= build-asan
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 CMAKE_FLAGS ?=
 
-.PHONY: all build run single test sanitize clean
+.PHONY: all build run single test pyenv sanitize clean
 
 all: build
 
@@ -23,16 +23,27 @@ run: build
 single: build
 	$(BUILD)/tools/epx-bench --single
 
+# The Python the binding's tests run with: a venv over Debian's python3 (its
+# numpy, pytest and mpi4py) holding torch (the package index's Linux wheel,
+# which runs on CPUs) and scikit-build-core (the wheel's build backend), made
+# once by `make pyenv`. PYTHON=/usr/bin/python3 runs the tests without torch
+# (the epx.torch tests then skip).
+PYENV ?= $(BUILD)/pyenv
+PYTHON ?= $(PYENV)/bin/python
+SYSTEM_PYTHON ?= /usr/bin/python3
+
+$(PYENV)/.ready:
+	$(SYSTEM_PYTHON) -m venv --system-site-packages $(PYENV)
+	$(PYENV)/bin/python -m pip install -q --disable-pip-version-check "torch>=2.5" "scikit-build-core>=0.8"
+	touch $@
+
+pyenv: $(PYENV)/.ready
+
 # ctest (C tests, MPI tests, the example, small bench runs), then the Python
-# binding's tests when python3 has numpy and pytest.
-test: build
+# binding's tests (tests/python: numpy, torch, MPI processes, the wheel).
+test: build $(if $(filter $(PYENV)/bin/python,$(PYTHON)),pyenv)
 	cd $(BUILD) && ctest --output-on-failure
-	@if python3 -c 'import numpy, pytest' 2>/dev/null; then \
-	  echo "EPX_LIBRARY=$(BUILD)/libepx.so PYTHONPATH=python python3 -m pytest -q tests/python"; \
-	  EPX_LIBRARY=$(BUILD)/libepx.so PYTHONPATH=python python3 -m pytest -q tests/python; \
-	else \
-	  echo "make test: tests/python skipped (python3 with numpy and pytest not found: apt-get install python3-numpy python3-pytest)"; \
-	fi
+	EPX_LIBRARY=$(BUILD)/libepx.so PYTHONPATH=python $(PYTHON) -m pytest -q tests/python
 
 # AddressSanitizer + UBSan build in its own directory, and its tests. OpenMPI's
 # allocations outlive MPI_Finalize, so leak checks are off for the MPI tests.

@@ -33,6 +33,7 @@ The shortest layer step, on one rank::
 """
 import contextlib
 import ctypes
+import itertools
 import math
 import threading
 import weakref
@@ -53,11 +54,14 @@ CONFIG_VERSION = _lib.CONFIG_VERSION
 PAYLOAD_ALIGNMENT = 16
 
 __all__ = [
-    "EpxError", "Status", "DType", "Device", "ScoreFn", "QueueOrder", "DropPolicy", "Nonfinite",
-    "Exchange", "Layout", "Weighting", "RecorderMode", "RouteConfig", "BufferConfig",
+    "EpxError", "InvalidArgumentError", "OutOfMemoryError", "UnsupportedError",
+    "CapacityExceededError", "ShapeMismatchError", "InvalidHandleError", "BusyError",
+    "TimeoutError", "PeerFailedError", "TransportError", "ReplayMismatchError", "CudaError",
+    "InternalError", "Status", "DType", "Device", "ScoreFn", "QueueOrder", "DropPolicy",
+    "Nonfinite", "Exchange", "Layout", "Weighting", "RecorderMode", "RouteConfig", "BufferConfig",
     "CommConfig", "RouteResult", "HandleStats", "RecorderStats", "Comm", "LocalWorld",
     "Buffer", "Handle", "Recorder", "route", "route_backward", "run_local", "empty", "zeros",
-    "asarray", "convert", "to_bf16", "from_bf16", "dtype_size", "has_cuda", "has_mpi",
+    "asarray", "convert", "to_bf16", "from_bf16", "dtype_size", "has_cuda", "has_mpi", "has_nccl",
     "reference_dense_dispatch", "reference_dense_combine", "numpy_dtype",
 ]
 
@@ -85,7 +89,22 @@ class EpxError(RuntimeError):
     for a check made in Python before the call, a message in the same form:
     the function, the argument, the fix; ``in_library`` tells which). Nothing
     the caller owns was changed.
+
+    Each status raises its own subclass (:class:`InvalidArgumentError`,
+    :class:`TimeoutError`, ...), which also derives from the built-in
+    exception that fits (ValueError, MemoryError, TimeoutError, ...), so
+    ``except ValueError`` catches a bad argument. ``EpxError(status, msg)``
+    itself builds the subclass of that status.
     """
+
+    def __new__(cls, status=Status.ERROR_INTERNAL, message="", in_library=False):
+        if cls is EpxError:
+            cls = _ERROR_CLASSES.get(int(status), EpxError)
+        # The __new__ of the built-in whose memory layout the class has
+        # (OSError's for TimeoutError and ConnectionError).
+        solid = max((b for b in cls.__mro__ if b.__module__ == "builtins"),
+                    key=lambda b: b.__basicsize__)
+        return solid.__new__(cls)
 
     def __init__(self, status, message, in_library=False):
         self.in_library = in_library  # False: refused by a check made in Python
@@ -96,10 +115,55 @@ class EpxError(RuntimeError):
             self.status = int(status)
             self.status_name = lib.epx_status_string(int(status)).decode()
         self.message = message
-        super().__init__("%s: %s" % (self.status_name, message))
+        RuntimeError.__init__(self, "%s: %s" % (self.status_name, message))
+
+    def __str__(self):
+        return "%s: %s" % (self.status_name, self.message)
 
     def __reduce__(self):
-        return (type(self), (int(self.status), self.message, self.in_library))
+        return (EpxError, (int(self.status), self.message, self.in_library))
+
+
+_ERROR_CLASSES = {}
+
+
+def _error_class(name, status, builtin, doc):
+    """The EpxError subclass of one status (also a `builtin` when not None)."""
+    bases = (EpxError,) if builtin is None else (EpxError, builtin)
+    cls = type(name, bases, {"__doc__": doc, "__module__": __name__, "__new__": EpxError.__new__})
+    _ERROR_CLASSES[int(status)] = cls
+    return cls
+
+
+InvalidArgumentError = _error_class("InvalidArgumentError", Status.ERROR_INVALID_ARGUMENT,
+                                    ValueError, "EPX_ERROR_INVALID_ARGUMENT (a ValueError).")
+OutOfMemoryError = _error_class("OutOfMemoryError", Status.ERROR_OUT_OF_MEMORY, MemoryError,
+                                "EPX_ERROR_OUT_OF_MEMORY (a MemoryError).")
+UnsupportedError = _error_class("UnsupportedError", Status.ERROR_UNSUPPORTED, NotImplementedError,
+                                "EPX_ERROR_UNSUPPORTED (a NotImplementedError): this build or "
+                                "this device cannot do it.")
+CapacityExceededError = _error_class("CapacityExceededError", Status.ERROR_CAPACITY_EXCEEDED,
+                                     ValueError, "EPX_ERROR_CAPACITY_EXCEEDED (a ValueError): "
+                                     "more tokens or rows than the buffer holds.")
+ShapeMismatchError = _error_class("ShapeMismatchError", Status.ERROR_SHAPE_MISMATCH, ValueError,
+                                  "EPX_ERROR_SHAPE_MISMATCH (a ValueError): ranks disagree.")
+InvalidHandleError = _error_class("InvalidHandleError", Status.ERROR_INVALID_HANDLE, ValueError,
+                                  "EPX_ERROR_INVALID_HANDLE (a ValueError): a released or "
+                                  "foreign object.")
+BusyError = _error_class("BusyError", Status.ERROR_BUSY, None,
+                         "EPX_ERROR_BUSY: the object is still in use (handles alive).")
+TimeoutError = _error_class("TimeoutError", Status.ERROR_TIMEOUT, TimeoutError,  # noqa: A001
+                            "EPX_ERROR_TIMEOUT (also the built-in TimeoutError): a peer did not "
+                            "answer in time.")
+PeerFailedError = _error_class("PeerFailedError", Status.ERROR_PEER_FAILED, ConnectionError,
+                               "EPX_ERROR_PEER_FAILED (a ConnectionError): another rank failed.")
+TransportError = _error_class("TransportError", Status.ERROR_TRANSPORT, ConnectionError,
+                              "EPX_ERROR_TRANSPORT (a ConnectionError): MPI or NCCL failed.")
+ReplayMismatchError = _error_class("ReplayMismatchError", Status.ERROR_REPLAY_MISMATCH,
+                                   ValueError, "EPX_ERROR_REPLAY_MISMATCH (a ValueError): a "
+                                   "recompute routed differently from its record.")
+CudaError = _error_class("CudaError", Status.ERROR_CUDA, None, "EPX_ERROR_CUDA.")
+InternalError = _error_class("InternalError", Status.ERROR_INTERNAL, None, "EPX_ERROR_INTERNAL.")
 
 
 def _check(status):
@@ -129,14 +193,20 @@ _DTYPE_NAMES = {"float32": DType.FLOAT32, "f32": DType.FLOAT32, "bfloat16": DTyp
 
 
 def _as_dtype(dtype):
-    """An epx DType from a DType, its int, a name ("bf16") or a numpy dtype
-    (uint16 is the carrier of bfloat16)."""
+    """An epx DType from a DType, its int, a name ("bf16"), a torch dtype or a
+    numpy dtype (uint16 is the carrier of bfloat16)."""
     if isinstance(dtype, DType):
         return dtype
     if isinstance(dtype, (int, np.integer)) and not isinstance(dtype, bool):
         return DType(int(dtype))
     if isinstance(dtype, str) and dtype.lower() in _DTYPE_NAMES:
         return _DTYPE_NAMES[dtype.lower()]
+    if type(dtype).__module__ == "torch":  # a torch.dtype ("torch.bfloat16"); torch not imported
+        name = str(dtype).rsplit(".", 1)[-1]
+        if name in _DTYPE_NAMES:
+            return _DTYPE_NAMES[name]
+        raise TypeError("epx: %s is not an epx dtype; use torch.float32, torch.bfloat16 or "
+                        "torch.float16" % (dtype,))
     nd = np.dtype(dtype)
     if nd.name == "bfloat16":
         return DType.BFLOAT16
@@ -172,6 +242,11 @@ def has_cuda():
 def has_mpi():
     """Whether this libepx has the MPI transport."""
     return bool(lib.epx_has_mpi())
+
+
+def has_nccl():
+    """Whether this libepx has the NCCL transport (CUDA builds with NCCL)."""
+    return bool(lib.epx_has_nccl())
 
 
 def empty(shape, dtype=np.float32, alignment=64):
@@ -401,6 +476,20 @@ def route_backward(logits, topk_idx, grad_topk_w=None, config=None, *, bias=None
 # to its children so that close() can release them first.
 
 
+# Buffers and recorders by a small integer id (their `id` attribute): what
+# epx.torch's custom ops take in place of the object (an op's arguments are
+# tensors and numbers). Weak: the id does not keep the object alive.
+_BUFFERS = weakref.WeakValueDictionary()
+_RECORDERS = weakref.WeakValueDictionary()
+_next_id = itertools.count(1)
+
+
+def _register(table, obj):
+    i = next(_next_id)
+    table[i] = obj
+    return i
+
+
 def _released(fn, what, fix):
     _refuse(Status.ERROR_INVALID_HANDLE, "%s: the %s was %s", fn, what, fix)
 
@@ -583,10 +672,14 @@ def run_local(world_size, fn, *args, timeout_seconds=None, **kwargs):
         t.start()
     for t in threads:
         t.join()
-    world.close()
+    failed = [r for r in range(world_size) if errors[r] is not None]
+    try:
+        world.close()
+    except EpxError:
+        if not failed:
+            raise  # else a rank's own error, raised below, is the cause
     # The cause before its echoes: a rank's own error before peers' TIMEOUT/PEER_FAILED.
     echoes = (Status.ERROR_TIMEOUT, Status.ERROR_PEER_FAILED)
-    failed = [r for r in range(world_size) if errors[r] is not None]
     if failed:
         causes = [r for r in failed if getattr(errors[r], "status", None) not in echoes]
         rank = (causes or failed)[0]
@@ -642,11 +735,13 @@ class Buffer(_Closable):
         self.num_experts = int(config.num_experts)
         self.experts_per_rank = self.num_experts // comm.size
         self.layout = Layout(config.layout)
+        self.stream = config.stream  # the CUDA stream of its calls (set_stream changes it)
         self._payload = _payload_dtypes(self.dtype)
         self._lock = threading.RLock()
         self._handles = weakref.WeakSet()
         with comm._lock:
             comm._buffers.add(self)
+        self.id = _register(_BUFFERS, self)
 
     # -- state ---------------------------------------------------------------
 
@@ -677,6 +772,7 @@ class Buffer(_Closable):
     def set_stream(self, stream):
         """The CUDA stream (a cudaStream_t as an int) of later calls."""
         _check(lib.epx_buffer_set_stream(self._handle_ptr("Buffer.set_stream"), stream))
+        self.stream = stream
 
     def close(self):
         """Releases the handles this Python code still holds on the buffer,
@@ -685,6 +781,12 @@ class Buffer(_Closable):
         stays open until the recorder is closed. Closing twice does nothing."""
         with self._lock:
             handles = list(self._handles)
+        held = [h for h in handles if h._autograd and not h.released]
+        if held:
+            _refuse(Status.ERROR_BUSY, "Buffer.close: %d handle(s) of this buffer are held by "
+                    "epx.torch (an autograd graph whose backward has not run yet, or a "
+                    "Dispatched result still referenced), and the backward would replay them; "
+                    "run the backward, or drop those outputs, before closing", len(held))
         for h in handles:
             h.release()
         _destroy(self, lib.epx_buffer_destroy, self._lock)
@@ -940,8 +1042,7 @@ class Handle:
     release()/close() drops the reference; using it afterwards raises
     EpxError EPX_ERROR_INVALID_HANDLE. Closing the buffer releases it too."""
 
-    topk_w = None  # epx.torch: the weights tensor whose gradient combine/dispatch return
-    device = None  # epx.torch: the device of the routing tensors
+    _autograd = False  # epx.torch: an autograd graph may still replay it (Buffer.close refuses)
 
     def __init__(self, buffer, ptr, num_tokens, top_k, weighting):
         self._ptr = ptr
@@ -1058,6 +1159,7 @@ class Recorder(_Closable):
         self.validate = bool(validate)
         self.mode = RecorderMode.RECORD
         self._buffers = set()  # strong: the recorded handles keep these buffers busy
+        self.id = _register(_RECORDERS, self)
 
     def _handle_ptr(self, fn):
         if self._ptr is None:

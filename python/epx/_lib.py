@@ -7,8 +7,10 @@ of every public function. The pythonic layer in epx/__init__.py sits on top.
 import ctypes
 import ctypes.util
 import enum
+import importlib.util
 import os
 import pathlib
+import sys
 
 # ---------------------------------------------------------------------------
 # Finding the library
@@ -19,7 +21,8 @@ _NAMES = ("libepx.so", "libepx.so.0", "libepx.dylib")
 
 def _candidates():
     """Where libepx is looked for, in order: $EPX_LIBRARY, next to the
-    package, the repository's build directory, then the system loader."""
+    package (where `pip install ./python` puts it), the repository's build
+    directory (an in-tree checkout), then the system loader."""
     env = os.environ.get("EPX_LIBRARY")
     if env:
         return [env], True
@@ -29,18 +32,38 @@ def _candidates():
     return paths, False
 
 
+def _torch_first(path):
+    """A libepx that links NCCL (or the CUDA runtime) must bind to the copy
+    torch loads, not a second one: import torch (when installed) before
+    loading such a library, so that the process has one NCCL."""
+    if "torch" in sys.modules or importlib.util.find_spec("torch") is None:
+        return
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError:
+        return
+    if b"libnccl.so" in data or b"libcudart.so" in data:
+        import torch  # noqa: F401  (its NCCL, loaded first)
+
+
+def _open(path):
+    _torch_first(path)
+    return ctypes.CDLL(path)
+
+
 def _load():
     paths, from_env = _candidates()
     if from_env:
         try:
-            return ctypes.CDLL(paths[0]), paths[0]
+            return _open(paths[0]), paths[0]
         except OSError as e:
             raise ImportError(
                 "epx: EPX_LIBRARY=%s could not be loaded (%s); point it at the libepx.so "
                 "of a build (cmake --build <dir> --target epx)" % (paths[0], e)) from e
     for p in paths:
         if os.path.exists(p):
-            return ctypes.CDLL(p), p
+            return _open(p), p
     system = ctypes.util.find_library("epx")
     for name in ([system] if system else []) + list(_NAMES):
         try:
@@ -91,6 +114,8 @@ class Device(enum.IntEnum):
 class ScoreFn(enum.IntEnum):
     SOFTMAX = 0
     SIGMOID = 1
+    SOFTMAX_AFTER_TOPK = 2
+    SQRT_SOFTPLUS = 3
 
 
 class QueueOrder(enum.IntEnum):
@@ -101,6 +126,8 @@ class QueueOrder(enum.IntEnum):
 class DropPolicy(enum.IntEnum):
     BY_POSITION = 0
     BY_PROBABILITY = 1
+    BY_SCORE = 2
+    BY_RANDOM_PRIORITY = 3
 
 
 class Nonfinite(enum.IntEnum):
@@ -196,12 +223,26 @@ class RouteConfig(_Config):
         ("nonfinite", _enum),
         ("device", _enum),
         ("stream", ctypes.c_void_p),
+        ("capacity_arithmetic", _enum),
+        ("capacity_factor_f64", ctypes.c_double),
+        ("renormalize_after_drop", ctypes.c_int32),
+        ("group_score_experts", ctypes.c_int32),
+        ("aux_counts", _enum),
+        ("aux_loss_sequences", ctypes.c_int32),
+        ("aux_loss_expert_counts", ctypes.c_void_p),
+        ("aux_loss_tokens", ctypes.c_double),
+        ("random_seed", ctypes.c_uint64),
+        ("token_mask", ctypes.c_void_p),
     ]
     _defaults = dict(num_experts=0, top_k=0, score_fn=ScoreFn.SOFTMAX, num_groups=0, topk_groups=0,
                      renormalize=1, scaling_factor=1.0, capacity_mode=0, capacity_factor=1.0,
                      min_capacity=0, queue_order=QueueOrder.BY_CHOICE,
                      drop_policy=DropPolicy.BY_POSITION, aux_loss_coeff=0.0, z_loss_coeff=0.0,
-                     nonfinite=Nonfinite.ERROR, device=Device.CPU, stream=None)
+                     nonfinite=Nonfinite.ERROR, device=Device.CPU, stream=None,
+                     capacity_arithmetic=0, capacity_factor_f64=0.0, renormalize_after_drop=0,
+                     group_score_experts=0, aux_counts=0, aux_loss_sequences=0,
+                     aux_loss_expert_counts=None, aux_loss_tokens=0.0, random_seed=0,
+                     token_mask=None)
 
 
 class RouteOutput(ctypes.Structure):
@@ -334,7 +375,44 @@ _PROTOTYPES = {
                                           _p, _p]),
 }
 
+
+class NcclUniqueId(ctypes.Structure):
+    """epx_nccl_unique_id_t: the bytes of an ncclUniqueId."""
+    _fields_ = [("bytes", ctypes.c_char * 128)]
+
+
+# Calls a libepx may predate (built before the NCCL transport): bound when
+# present, else replaced by a stand-in with the C contract for a build
+# without NCCL (0 / EPX_ERROR_UNSUPPORTED).
+_OPTIONAL = {
+    "epx_has_nccl": (ctypes.c_int, [], 0),
+    "epx_nccl_get_unique_id": (_st, [ctypes.POINTER(NcclUniqueId)], Status.ERROR_UNSUPPORTED),
+    "epx_comm_create_nccl_id": (_st, [ctypes.POINTER(NcclUniqueId), _i32, _i32,
+                                      ctypes.POINTER(CommConfig), _pp], Status.ERROR_UNSUPPORTED),
+    "epx_comm_create_nccl": (_st, [_p, ctypes.POINTER(CommConfig), _pp], Status.ERROR_UNSUPPORTED),
+}
+
+
+class _Missing:
+    """Stands for a C function this libepx lacks."""
+
+    def __init__(self, name, result):
+        self.__name__ = name
+        self.result = int(result)
+
+    def __call__(self, *args):
+        return self.result
+
+
 for _name, (_restype, _argtypes) in _PROTOTYPES.items():
     _fn = getattr(lib, _name)
+    _fn.restype = _restype
+    _fn.argtypes = _argtypes
+for _name, (_restype, _argtypes, _absent) in _OPTIONAL.items():
+    try:
+        _fn = getattr(lib, _name)
+    except AttributeError:
+        setattr(lib, _name, _Missing(_name, _absent))
+        continue
     _fn.restype = _restype
     _fn.argtypes = _argtypes

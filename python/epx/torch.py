@@ -1,49 +1,81 @@
-"""epx for PyTorch: routing, dispatch and combine as autograd functions.
+"""epx for PyTorch: routing, dispatch and combine as custom ops with autograd,
+an MoE layer, a Megatron-shaped token dispatcher, torch.distributed comms and
+activation-checkpoint replay.
 
-Tensors are passed by address (``data_ptr``): CPU tensors on a CPU buffer,
-CUDA tensors on a CUDA buffer (a libepx built with EPX_BUILD_CUDA; every call
-runs on PyTorch's current stream). A layer::
+Every library call is a ``torch.library`` custom op (``torch.ops.epx.*``)
+with a fake (meta) implementation, so ``torch.compile`` traces a whole layer
+without graph breaks, and no op waits on the device from the host:
+
+- receive tensors are sized for the buffer's worst case
+  (``epx_buffer_max_recv_rows``; rows past the valid count are zeros), and the
+  valid row count and per-expert counts stay tensors on the buffer's device
+  (:meth:`Dispatched.recv_rows_host` / :meth:`Dispatched.counts_host` ask for
+  host values);
+- the aux- and z-loss gradients reach the router as tensors.
+
+A layer step by hand::
 
     import epx, epx.torch as et
-    r = et.route(logits, top_k=2)                     # differentiable in r.topk_w
-    h = et.dispatch_layout(buffer, r.topk_idx, r.topk_w)
-    recv_x = et.dispatch(h, x)                        # [N, H], grouped by local expert
-    counts, offsets = et.expert_counts(h)
-    expert_out = my_experts(recv_x, counts, offsets)
-    out = et.combine(h, expert_out)                   # sum_k w[t,k] * expert_out(t,k)
-    out.backward(grad)  # -> x.grad, logits.grad (through grad_w: the router learns)
+    r = et.route(logits, top_k=2)                         # differentiable in topk_w, losses
+    d = et.dispatch(buffer, x, r.topk_idx, r.topk_w)      # d.recv_x [N_max, H], by local expert
+    expert_out = my_experts(d.recv_x, d.offsets)          # groups [offsets[e], offsets[e+1])
+    out = et.combine(d, expert_out)                       # sum_k w[t,k] * expert_out(t,k)
+    (out * grad).sum().backward()                         # x.grad, logits.grad (the router learns)
 
-The backward of each function replays the forward's handle (no new layout).
-With Weighting.IN_COMBINE (the default) combine's backward returns the weights'
-gradient to the router's topk_w; with IN_DISPATCH dispatch's backward does.
-dispatch, combine and their backward passes are collective: every rank must
-run the same graph. This module needs torch; ``import epx`` alone does not.
+Where the routing weights are applied is the handle's weighting: in combine
+(default: combine's backward gives their gradient), in dispatch, or by the
+expert (Weighting.NONE): the expert multiplies by ``d.recv_w``, which is an
+autograd output of dispatch whose backward is epx_weights_backward, so the
+router learns whichever side applies the weights.
+
+dispatch, combine and their backward passes are collective: every rank runs
+the same graph. CUDA tensors need a libepx built with EPX_BUILD_CUDA; every
+call runs on PyTorch's current stream. Importing this module imports torch
+first, so a libepx linked with NCCL binds to torch's NCCL.
 """
-import collections
 import ctypes
+import itertools
+import math
+import os
+import threading
+import weakref
+from typing import NamedTuple, Optional, Tuple
 
 import torch as _torch
+import torch.nn.functional as _F
+from torch import Tensor
+import numpy as _np
 
 import epx as _epx
 from epx import _lib
-from epx import DType, Device, Status, Weighting
+from epx import DType, Device, Exchange, Layout, Status, Weighting
 
-__all__ = ["route", "dispatch_layout", "dispatch", "combine", "expert_counts", "recv_routing",
-           "recv_source", "TorchRouteResult", "epx_dtype"]
+__all__ = ["route", "dispatch", "combine", "Dispatched", "TorchRouteResult", "MoE",
+           "TokenDispatcher", "checkpoint_context", "keep_handles", "comm_from_process_group",
+           "make_buffer", "grouped_mm", "epx_dtype", "torch_dtype"]
 
-_lib_handle = _lib.lib
+lib = _lib.lib
 
 _DTYPES = {_torch.float32: DType.FLOAT32, _torch.bfloat16: DType.BFLOAT16,
            _torch.float16: DType.FLOAT16}
 _TORCH_OF = {v: k for k, v in _DTYPES.items()}
+_I32, _I64, _F32 = _torch.int32, _torch.int64, _torch.float32
 
 
 def epx_dtype(dtype):
-    """The epx DType of a torch dtype (float32, bfloat16, float16)."""
-    if dtype not in _DTYPES:
-        raise TypeError("epx.torch: %s is not an epx payload dtype; use float32, bfloat16 or "
-                        "float16" % dtype)
-    return _DTYPES[dtype]
+    """The epx DType of a torch dtype (float32, bfloat16, float16), or of
+    anything epx accepts as a dtype."""
+    return _epx._as_dtype(dtype)
+
+
+def torch_dtype(dtype):
+    """The torch dtype of an epx dtype (or of a torch dtype: itself)."""
+    return _TORCH_OF[_epx._as_dtype(dtype)]
+
+
+# ---------------------------------------------------------------------------
+# Argument checks (in the binding's words: function, argument, fix)
+# ---------------------------------------------------------------------------
 
 
 def _device_kind(buffer_device):
@@ -55,8 +87,8 @@ def _check_device(t, fn, name, buffer_device):
     if t.device.type != want:
         if t.device.type == "cuda" and not _epx.has_cuda():
             _epx._refuse(Status.ERROR_UNSUPPORTED, "%s: %s is a CUDA tensor but this libepx (%s) "
-                         "has no CUDA backend; build it with -DEPX_BUILD_CUDA=ON", fn, name,
-                         _epx.library_path)
+                         "has no CUDA backend; build it with -DEPX_BUILD_CUDA=ON (pip install "
+                         "./python does when nvcc is found)", fn, name, _epx.library_path)
         _epx._invalid("%s: %s is on %s but the buffer is a %s buffer; move it with .to(%r)", fn,
                       name, t.device, want.upper(), want)
 
@@ -78,104 +110,12 @@ def _tensor(t, fn, name, dtype, shape, buffer_device, align=4, optional=False):
     if t.dim() != len(shape) or any(s is not None and s != n for s, n in zip(shape, t.shape)):
         _epx._invalid("%s: %s has shape %s; expected %s", fn, name, list(t.shape),
                       _epx._shape_text(shape))
+    t = t.detach()
     if not t.is_contiguous():
         t = t.contiguous()
     if t.numel() and t.data_ptr() % align:
         t = t.clone()
     return t
-
-
-def _ptr(t):
-    return t.data_ptr() if t is not None and t.numel() else None
-
-
-def _on_stream(buffer, device):
-    """CUDA buffers run on PyTorch's current stream of the tensors' device."""
-    if buffer.device == Device.CUDA:
-        buffer.set_stream(_torch.cuda.current_stream(device).cuda_stream)
-
-
-def _buffer_dtype(buffer):
-    return _TORCH_OF[buffer.dtype]
-
-
-# ---------------------------------------------------------------------------
-# Routing
-# ---------------------------------------------------------------------------
-
-
-TorchRouteResult = collections.namedtuple("TorchRouteResult", [
-    "topk_idx", "topk_w", "locations", "expert_counts", "aux_loss", "z_loss", "capacity",
-    "nonfinite_tokens"])
-TorchRouteResult.__doc__ = """What :func:`route` returns: topk_idx int32 [T, K], topk_w
-float32 [T, K], locations int32 [T, K], expert_counts int32 [E], aux_loss and
-z_loss (0-d float32), capacity and nonfinite_tokens (ints). topk_w, aux_loss
-and z_loss are differentiable with respect to the logits."""
-
-
-class _Route(_torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, bias, config, info):
-        T, E, K = logits.shape[0], int(config.num_experts), int(config.top_k)
-        dev = logits.device
-        i32, f32 = dict(dtype=_torch.int32, device=dev), dict(dtype=_torch.float32, device=dev)
-        idx, w, loc = (_torch.empty((T, max(K, 0)), **i32), _torch.empty((T, max(K, 0)), **f32),
-                       _torch.empty((T, max(K, 0)), **i32))
-        counts = _torch.empty((max(E, 0),), **i32)
-        aux, z = _torch.empty((1,), **f32), _torch.empty((1,), **f32)
-        out = _lib.RouteOutput()
-        out.topk_idx, out.topk_w, out.locations = _ptr(idx), _ptr(w), _ptr(loc)
-        out.expert_counts, out.aux_loss, out.z_loss = _ptr(counts), aux.data_ptr(), z.data_ptr()
-        _epx._check(_lib_handle.epx_route(ctypes.byref(config), T, _ptr(logits), _ptr(bias),
-                                          ctypes.byref(out)))
-        info["capacity"], info["nonfinite_tokens"] = int(out.capacity), int(out.nonfinite_tokens)
-        ctx.config = config
-        ctx.save_for_backward(logits, bias, idx)
-        ctx.mark_non_differentiable(idx, loc, counts)
-        return idx, w, loc, counts, aux.reshape(()), z.reshape(())
-
-    @staticmethod
-    def backward(ctx, g_idx, g_w, g_loc, g_counts, g_aux, g_z):
-        logits, bias, idx = ctx.saved_tensors
-        config = ctx.config
-        T, E = logits.shape
-        fn = "epx.torch.route (backward)"
-        dev = Device(config.device)
-        g_w = _tensor(g_w, fn, "grad_topk_w", _torch.float32, tuple(idx.shape), dev, optional=True)
-        grad_logits = _torch.empty((T, E), dtype=_torch.float32, device=logits.device)
-        ga = float(g_aux) if g_aux is not None else 0.0
-        gz = float(g_z) if g_z is not None else 0.0
-        _epx._check(_lib_handle.epx_route_backward(ctypes.byref(config), T, _ptr(logits),
-                                                   _ptr(bias), _ptr(idx), _ptr(g_w), ga, gz,
-                                                   _ptr(grad_logits)))
-        return grad_logits, None, None, None
-
-
-def route(logits, config=None, *, bias=None, **fields):
-    """Routes T tokens (epx_route) -> :class:`TorchRouteResult`, differentiable:
-    backward runs epx_route_backward with the gradients of topk_w, aux_loss
-    and z_loss. logits [T, E] float32 on the CPU, or on a GPU with a CUDA
-    libepx (the config's device and stream are set from the tensor)."""
-    fn = "epx.torch.route"
-    config = _epx._route_config(config, tuple(logits.shape), fields)
-    is_cuda = logits.device.type == "cuda"
-    dev = Device.CUDA if is_cuda else Device.CPU
-    stream = _torch.cuda.current_stream(logits.device).cuda_stream if is_cuda else None
-    config = config.copy(device=dev, stream=stream)
-    E = int(config.num_experts)
-    logits_c = _tensor(logits, fn, "logits", _torch.float32, (None, E if E > 0 else None), dev)
-    bias_c = _tensor(bias, fn, "bias", _torch.float32, (E,), dev, optional=True)
-    if bias_c is not None:
-        bias_c = bias_c.detach()
-    info = {}
-    idx, w, loc, counts, aux, z = _Route.apply(logits_c, bias_c, config, info)
-    return TorchRouteResult(idx, w, loc, counts, aux, z, info["capacity"],
-                            info["nonfinite_tokens"])
-
-
-# ---------------------------------------------------------------------------
-# Layout and handle metadata
-# ---------------------------------------------------------------------------
 
 
 def _routing_tensor(t, fn, name, dtype, shape, buffer_device, optional=False):
@@ -188,177 +128,993 @@ def _routing_tensor(t, fn, name, dtype, shape, buffer_device, optional=False):
     return _tensor(t.detach().to(dtype), fn, name, dtype, shape, buffer_device)
 
 
-def dispatch_layout(buffer, topk_idx, topk_w=None, locations=None, *,
-                    weighting=Weighting.IN_COMBINE, recorder=None):
-    """The layout of a dispatch (epx_dispatch_layout, collective) -> epx.Handle.
+def _ptr(t):
+    return t.data_ptr() if t is not None and t.numel() else None
 
-    topk_idx [T, K] (any integer dtype; int32 is used), topk_w [T, K] (None
-    only with Weighting.NONE), locations [T, K] for the capacity layout, all
-    on the buffer's device. The handle keeps topk_w (``handle.topk_w``): it is
-    the autograd input through which combine (or dispatch, with IN_DISPATCH)
-    returns the weights' gradient.
+
+def _on_stream(buffer, device):
+    """CUDA buffers run on PyTorch's current stream of the tensors' device.
+    Changing a buffer's stream orders the new one after the old one (an
+    event wait), which a stream being captured into a CUDA graph cannot do
+    with an event from outside the capture: refused with the fix."""
+    if buffer.device != Device.CUDA:
+        return
+    stream = _torch.cuda.current_stream(device).cuda_stream
+    if stream == buffer.stream:
+        return
+    if _torch.cuda.is_current_stream_capturing():
+        _epx._refuse(Status.ERROR_UNSUPPORTED, "epx.torch: buffer %d gets a new CUDA stream "
+                     "inside a CUDA graph capture; run a warm-up step on the capture stream "
+                     "first (with torch.cuda.stream(s): step(); then torch.cuda.graph(g, "
+                     "stream=s))", buffer.id)
+    buffer.set_stream(stream)
+
+
+def _buffer(buffer_id, fn):
+    b = _epx._BUFFERS.get(int(buffer_id))
+    if b is None or b.closed:
+        _epx._refuse(Status.ERROR_INVALID_HANDLE, "%s: buffer %d was closed (or never made); "
+                     "keep the epx.Buffer open while the layer uses it", fn, buffer_id)
+    return b
+
+
+def _max_rows(buffer, fn):
+    """Rows of every receive tensor: the buffer's worst case."""
+    try:
+        return buffer.max_recv_rows()
+    except _epx.EpxError as e:
+        _epx._invalid("%s: the buffer's receive size is not known yet (%s); give the buffer "
+                      "max_tokens_per_rank (epx.torch.make_buffer / MoE(max_tokens_per_rank=...)) "
+                      "so its worst case is known before the first call, as torch.compile needs",
+                      fn, e.message)
+
+
+def _recv_w_shape(buffer, rows, top_k):
+    return (rows, top_k) if buffer.layout == Layout.RANK_MAJOR else (rows,)
+
+
+# ---------------------------------------------------------------------------
+# Handle tokens: a handle travels between ops as a 1-element int64 CPU tensor
+# whose storage owns the epx.Handle, so the handle lives exactly as long as
+# some tensor (an output, or a tensor autograd saved for backward) needs it.
+# ---------------------------------------------------------------------------
+
+_HANDLES = weakref.WeakValueDictionary()
+_handle_ids = itertools.count(1)
+
+
+class _TokenBytes(bytearray):
+    """The 8 bytes of a token tensor; `handle` keeps the epx.Handle alive."""
+
+
+def _token(handle):
+    hid = next(_handle_ids)
+    _HANDLES[hid] = handle
+    handle._autograd = True
+    kept = getattr(_kept, "handles", None)
+    if kept is not None:
+        kept.append(handle)
+    raw = _TokenBytes(8)
+    raw.handle = handle
+    arr = _np.frombuffer(raw, dtype=_np.int64)
+    arr[0] = hid
+    return _torch.from_numpy(arr)
+
+
+_kept = threading.local()
+
+
+class keep_handles:
+    """Keeps every handle dispatched in this thread inside the ``with``
+    alive afterwards, in the list it yields, for as long as that list lives.
+
+    A CUDA graph replays the kernels of the dispatches it captured, which
+    read and write their handles' device memory; autograd releases a handle
+    once the backward that needs it has run, so a captured step must keep
+    its handles for the graph's lifetime::
+
+        with torch.cuda.stream(side):
+            step()                      # warm-up on the capture stream
+        with et.keep_handles() as kept, torch.cuda.graph(graph, stream=side):
+            loss = step()
+        # keep `kept` as long as `graph` (the buffer stays busy meanwhile)
     """
-    fn = "epx.torch.dispatch_layout"
-    dev = buffer.device
-    with buffer._together("layout"):
-        idx = _routing_tensor(topk_idx, fn, "topk_idx", _torch.int32, (None, None), dev)
-        T, K = idx.shape
-        w = _routing_tensor(topk_w, fn, "topk_w", _torch.float32, (T, K), dev, optional=True)
-        loc = _routing_tensor(locations, fn, "locations", _torch.int32, (T, K), dev, optional=True)
-    _on_stream(buffer, topk_idx.device)
-    handle = buffer._layout(T, K, _ptr(idx), _ptr(w), _ptr(loc), weighting, recorder)
-    handle.topk_w = topk_w
-    handle.device = topk_idx.device
+
+    def __enter__(self):
+        self._previous = getattr(_kept, "handles", None)
+        self.handles = []
+        _kept.handles = self.handles
+        return self.handles
+
+    def __exit__(self, *exc):
+        _kept.handles = self._previous
+        if self._previous is not None:
+            self._previous.extend(self.handles)
+
+
+def _handle_of(token, fn):
+    h = _HANDLES.get(int(token[0]))
+    if h is None or h.released:
+        _epx._refuse(Status.ERROR_INVALID_HANDLE, "%s: the dispatch's handle was released; keep "
+                     "the Dispatched result (or the autograd graph) alive until combine and "
+                     "backward have run", fn)
+    return h
+
+
+# ---------------------------------------------------------------------------
+# Routing: epx::route and epx::route_backward
+# ---------------------------------------------------------------------------
+
+_CONFIGS = {}           # id -> RouteConfig, interned by value
+_CONFIG_IDS = {}        # bytes of a RouteConfig -> id
+_config_lock = threading.Lock()
+
+
+def _config_id(config):
+    key = ctypes.string_at(ctypes.addressof(config), ctypes.sizeof(config))
+    with _config_lock:
+        if key not in _CONFIG_IDS:
+            _CONFIG_IDS[key] = len(_CONFIGS) + 1
+            _CONFIGS[_CONFIG_IDS[key]] = config.copy()
+        return _CONFIG_IDS[key]
+
+
+def _route_config_on(config_id, device):
+    is_cuda = device.type == "cuda"
+    stream = _torch.cuda.current_stream(device).cuda_stream if is_cuda else None
+    return _CONFIGS[config_id].copy(device=Device.CUDA if is_cuda else Device.CPU, stream=stream)
+
+
+@_torch.library.custom_op("epx::route", mutates_args=())
+def _route_op(logits: Tensor, bias: Optional[Tensor], config_id: int
+              ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    config = _route_config_on(config_id, logits.device)
+    T, E, K = logits.shape[0], int(config.num_experts), int(config.top_k)
+    dev = logits.device
+    idx, loc = (_torch.empty((T, K), dtype=_I32, device=dev) for _ in range(2))
+    w = _torch.empty((T, K), dtype=_F32, device=dev)
+    counts = _torch.empty((E,), dtype=_I32, device=dev)
+    aux, z = _torch.zeros((), dtype=_F32, device=dev), _torch.zeros((), dtype=_F32, device=dev)
+    out = _lib.RouteOutput()
+    out.topk_idx, out.topk_w, out.locations = _ptr(idx), _ptr(w), _ptr(loc)
+    out.expert_counts, out.aux_loss, out.z_loss = _ptr(counts), aux.data_ptr(), z.data_ptr()
+    _epx._check(lib.epx_route(ctypes.byref(config), T, _ptr(logits), _ptr(bias),
+                              ctypes.byref(out)))
+    info = _torch.tensor([out.capacity, out.nonfinite_tokens], dtype=_I64)
+    return idx, w, loc, counts, aux, z, info
+
+
+@_route_op.register_fake
+def _route_fake(logits, bias, config_id):
+    config = _CONFIGS[config_id]
+    T, E, K = logits.shape[0], int(config.num_experts), int(config.top_k)
+    return (logits.new_empty((T, K), dtype=_I32), logits.new_empty((T, K), dtype=_F32),
+            logits.new_empty((T, K), dtype=_I32), logits.new_empty((E,), dtype=_I32),
+            logits.new_empty((), dtype=_F32), logits.new_empty((), dtype=_F32),
+            _torch.empty((2,), dtype=_I64, device="cpu"))
+
+
+@_torch.library.custom_op("epx::route_backward", mutates_args=())
+def _route_backward_op(logits: Tensor, bias: Optional[Tensor], topk_idx: Tensor,
+                       grad_topk_w: Optional[Tensor], grad_aux: Optional[Tensor],
+                       grad_z: Optional[Tensor], config_id: int) -> Tensor:
+    """d loss / d logits. epx_route_backward takes the losses' gradients as
+    host floats; reading them would wait on the device, so the gradient is
+    assembled from its linear parts instead: the weights' part, plus
+    grad_aux (and grad_z) times the part of a unit loss gradient, with the
+    scaling done on the device."""
+    config = _route_config_on(config_id, logits.device)
+    T, E = logits.shape
+
+    def part(gw, ga, gz):
+        g = _torch.empty((T, E), dtype=_F32, device=logits.device)
+        _epx._check(lib.epx_route_backward(ctypes.byref(config), T, _ptr(logits), _ptr(bias),
+                                           _ptr(topk_idx), _ptr(gw), ga, gz, _ptr(g)))
+        return g
+
+    grad = part(grad_topk_w, 0.0, 0.0)
+    if grad_aux is not None and config.aux_loss_coeff != 0.0:
+        grad += grad_aux.to(_F32) * part(None, 1.0, 0.0)
+    if grad_z is not None and config.z_loss_coeff != 0.0:
+        grad += grad_z.to(_F32) * part(None, 0.0, 1.0)
+    return grad
+
+
+@_route_backward_op.register_fake
+def _route_backward_fake(logits, bias, topk_idx, grad_topk_w, grad_aux, grad_z, config_id):
+    return _torch.empty_like(logits, dtype=_F32)
+
+
+def _route_setup(ctx, inputs, output):
+    logits, bias, config_id = inputs
+    ctx.set_materialize_grads(False)
+    ctx.config_id = config_id
+    ctx.save_for_backward(logits, bias, output[0])
+
+
+def _route_backward(ctx, g_idx, g_w, g_loc, g_counts, g_aux, g_z, g_info):
+    logits, bias, idx = ctx.saved_tensors
+    if g_w is not None:
+        g_w = g_w.contiguous()
+    grad = _torch.ops.epx.route_backward(logits, bias, idx, g_w, g_aux, g_z, ctx.config_id)
+    return grad, None, None
+
+
+_route_op.register_autograd(_route_backward, setup_context=_route_setup)
+
+
+class TorchRouteResult(NamedTuple):
+    """What :func:`route` returns. topk_w, aux_loss and z_loss are
+    differentiable with respect to the logits; capacity and nonfinite_tokens
+    are 0-d int64 CPU tensors (no device wait)."""
+    topk_idx: Tensor         # [T, K] int32 expert ids, best first; -1 = dropped
+    topk_w: Tensor           # [T, K] float32
+    locations: Tensor        # [T, K] int32 slot in the expert's queue (capacity mode)
+    expert_counts: Tensor    # [E] int32 routes chosen per expert
+    aux_loss: Tensor         # 0-d float32 (times aux_loss_coeff)
+    z_loss: Tensor           # 0-d float32 (times z_loss_coeff)
+    capacity: Tensor         # 0-d int64 (CPU): C in capacity mode, 0 otherwise
+    nonfinite_tokens: Tensor  # 0-d int64 (CPU): tokens dropped for NaN/Inf logits
+
+
+def route(logits, config=None, *, bias=None, **fields):
+    """Routes T tokens (epx_route) -> :class:`TorchRouteResult`,
+    differentiable: backward runs epx_route_backward with the gradients of
+    topk_w, aux_loss and z_loss. logits [T, E] float32 on the CPU, or on a GPU
+    with a CUDA libepx. config is an epx.RouteConfig; keyword arguments set
+    its fields (num_experts defaults to E). On CUDA the default
+    nonfinite=Nonfinite.ERROR waits for the device once per call (the check's
+    verdict); Nonfinite.DROP does not."""
+    fn = "epx.torch.route"
+    config = _epx._route_config(config, tuple(logits.shape), fields)
+    dev = Device.CUDA if logits.device.type == "cuda" else Device.CPU
+    E = int(config.num_experts)
+    if (not isinstance(logits, _torch.Tensor) or logits.dtype != _F32 or logits.dim() != 2
+            or (E > 0 and logits.shape[1] != E)):
+        _tensor(logits, fn, "logits", _F32, (None, E if E > 0 else None), dev)
+    _check_device(logits, fn, "logits", dev)
+    if bias is not None:
+        bias = _tensor(bias, fn, "bias", _F32, (E,), dev)
+    outs = _torch.ops.epx.route(logits.contiguous(), bias,
+                                _config_id(config.copy(device=Device.CPU, stream=None)))
+    idx, w, loc, counts, aux, z, info = outs
+    return TorchRouteResult(idx, w, loc, counts, aux, z, info[0], info[1])
+
+
+# ---------------------------------------------------------------------------
+# The ambient recorder (checkpoint_context sets it per thread)
+# ---------------------------------------------------------------------------
+
+_ambient = threading.local()
+RECORDER_AMBIENT = 0   # recorder_id: the checkpoint_context's recorder, if any
+RECORDER_NONE = -1     # recorder_id: never record or replay
+
+
+def _recorder(recorder_id, fn):
+    if recorder_id == RECORDER_NONE:
+        return None
+    if recorder_id == RECORDER_AMBIENT:
+        rec = getattr(_ambient, "recorder", None)
+        return rec if rec is not None and not rec.closed else None
+    rec = _epx._RECORDERS.get(int(recorder_id))
+    if rec is None or rec.closed:
+        _epx._refuse(Status.ERROR_INVALID_HANDLE, "%s: recorder %d was closed; pass an open "
+                     "epx.Recorder", fn, recorder_id)
+    return rec
+
+
+# ---------------------------------------------------------------------------
+# Dispatch: epx::dispatch (layout + payload + metadata) and its backward
+# ---------------------------------------------------------------------------
+
+
+def _dispatch_inputs(b, x, topk_idx, topk_w, locations, fn):
+    dev = b.device
+    idx = _routing_tensor(topk_idx, fn, "topk_idx", _I32, (None, None), dev)
+    T, K = idx.shape
+    w = _routing_tensor(topk_w, fn, "topk_w", _F32, (T, K), dev, optional=True)
+    loc = _routing_tensor(locations, fn, "locations", _I32, (T, K), dev, optional=True)
+    x = _tensor(x, fn, "x", _TORCH_OF[b.dtype], (T, b.hidden), dev, align=_epx.PAYLOAD_ALIGNMENT)
+    return x, idx, w, loc
+
+
+@_torch.library.custom_op("epx::dispatch", mutates_args=())
+def _dispatch_op(x: Tensor, topk_idx: Tensor, topk_w: Optional[Tensor],
+                 locations: Optional[Tensor], buffer_id: int, weighting: int, recorder_id: int
+                 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    fn = "epx.torch.dispatch"
+    b = _buffer(buffer_id, fn)
+    with b._together("layout"):
+        xc, idx, w, loc = _dispatch_inputs(b, x, topk_idx, topk_w, locations, fn)
+        rec = _recorder(recorder_id, fn)
+    T, K = idx.shape
+    _on_stream(b, x.device)
+    handle = b._layout(T, K, _ptr(idx), _ptr(w), _ptr(loc), weighting, rec)
+    token = _token(handle)
+    rows = _max_rows(b, fn)
+    dev = x.device
+    recv_x = _torch.zeros((rows, b.hidden), dtype=xc.dtype, device=dev)
+    b._dispatch(handle, _ptr(xc), _ptr(recv_x), rows)
+    shape = _recv_w_shape(b, rows, K)
+    recv_expert = _torch.full(shape, -1, dtype=_I32, device=dev)
+    recv_w = _torch.zeros(shape, dtype=_F32, device=dev)
+    n = b.experts_per_rank
+    counts = _torch.empty((n,), dtype=_I64, device=dev)
+    offsets = _torch.empty((n + 1,), dtype=_I64, device=dev)
+    hp = handle._use(b, fn)
+    _epx._check(lib.epx_handle_recv_routing(hp, _ptr(recv_expert), _ptr(recv_w)))
+    _epx._check(lib.epx_handle_expert_counts(hp, _ptr(counts), _ptr(offsets)))
+    # offsets[-1] is N in every layout: the row count, read on the device.
+    return recv_x, recv_w, recv_expert, counts, offsets, offsets[-1:].clone(), token
+
+
+@_dispatch_op.register_fake
+def _dispatch_fake(x, topk_idx, topk_w, locations, buffer_id, weighting, recorder_id):
+    b = _buffer(buffer_id, "epx.torch.dispatch")
+    rows = _max_rows(b, "epx.torch.dispatch")
+    shape = _recv_w_shape(b, rows, topk_idx.shape[1])
+    n = b.experts_per_rank
+    return (x.new_empty((rows, b.hidden)), x.new_empty(shape, dtype=_F32),
+            x.new_empty(shape, dtype=_I32), x.new_empty((n,), dtype=_I64),
+            x.new_empty((n + 1,), dtype=_I64), x.new_empty((1,), dtype=_I64),
+            _torch.empty((1,), dtype=_I64, device="cpu"))
+
+
+@_torch.library.custom_op("epx::dispatch_backward", mutates_args=())
+def _dispatch_backward_op(grad_recv_x: Tensor, x: Optional[Tensor], token: Tensor,
+                          num_tokens: int, top_k: int) -> Tuple[Tensor, Tensor]:
+    """grad_recv_x -> (grad_x, grad_w); grad_w is computed (weights applied in
+    dispatch) when x, the forward's input, is given, else zeros."""
+    fn = "epx.torch.dispatch (backward)"
+    h = _handle_of(token, fn)
+    b = h.buffer
+    rows = grad_recv_x.shape[0]
+    with b._together("dispatch_backward", h):
+        g = _tensor(grad_recv_x, fn, "grad_recv_x", _TORCH_OF[b.dtype], (rows, b.hidden),
+                    b.device, align=_epx.PAYLOAD_ALIGNMENT)
+        if x is not None:
+            x = _tensor(x, fn, "x", g.dtype, (num_tokens, b.hidden), b.device,
+                        align=_epx.PAYLOAD_ALIGNMENT)
+    grad_x = _torch.empty((num_tokens, b.hidden), dtype=g.dtype, device=g.device)
+    grad_w = _torch.zeros((num_tokens, top_k), dtype=_F32, device=g.device)
+    _on_stream(b, g.device)
+    b._dispatch_backward(h, _ptr(g), _ptr(grad_x), _ptr(x), _ptr(grad_w) if x is not None
+                         else None)
+    return grad_x, grad_w
+
+
+@_dispatch_backward_op.register_fake
+def _dispatch_backward_fake(grad_recv_x, x, token, num_tokens, top_k):
+    return (grad_recv_x.new_empty((num_tokens, grad_recv_x.shape[1])),
+            grad_recv_x.new_empty((num_tokens, top_k), dtype=_F32))
+
+
+@_torch.library.custom_op("epx::weights_backward", mutates_args=())
+def _weights_backward_op(grad_recv_w: Tensor, token: Tensor, num_tokens: int,
+                         top_k: int) -> Tensor:
+    """The gradient of recv_w (weights the expert applied) -> grad_w [T, K]."""
+    fn = "epx.torch.dispatch (weights backward)"
+    h = _handle_of(token, fn)
+    b = h.buffer
+    with b._together("weights_backward", h):
+        g = _tensor(grad_recv_w, fn, "grad_recv_w", _F32, tuple(grad_recv_w.shape), b.device)
+    grad_w = _torch.empty((num_tokens, top_k), dtype=_F32, device=g.device)
+    _on_stream(b, g.device)
+    _epx._check(lib.epx_weights_backward(b._handle_ptr(fn), h._use(b, fn), _ptr(g),
+                                         _ptr(grad_w)))
+    return grad_w
+
+
+@_weights_backward_op.register_fake
+def _weights_backward_fake(grad_recv_w, token, num_tokens, top_k):
+    return grad_recv_w.new_empty((num_tokens, top_k), dtype=_F32)
+
+
+def _dispatch_setup(ctx, inputs, output):
+    x, topk_idx, topk_w, locations, buffer_id, weighting, recorder_id = inputs
+    ctx.set_materialize_grads(False)
+    ctx.w_grad = topk_w is not None and topk_w.requires_grad
+    ctx.w_in_dispatch = ctx.w_grad and weighting == Weighting.IN_DISPATCH
+    ctx.num_tokens, ctx.top_k = topk_idx.shape
+    ctx.save_for_backward(output[6], x if ctx.w_in_dispatch else None)
+
+
+def _dispatch_backward(ctx, g_recv_x, g_recv_w, *unused):
+    token, x = ctx.saved_tensors
+    grad_x = grad_w = None
+    if g_recv_x is not None:
+        grad_x, gw = _torch.ops.epx.dispatch_backward(g_recv_x.contiguous(), x, token,
+                                                      ctx.num_tokens, ctx.top_k)
+        grad_w = gw if ctx.w_in_dispatch else None
+    if g_recv_w is not None and ctx.w_grad:
+        gw = _torch.ops.epx.weights_backward(g_recv_w.contiguous(), token, ctx.num_tokens,
+                                             ctx.top_k)
+        grad_w = gw if grad_w is None else grad_w + gw
+    return grad_x, None, grad_w, None, None, None, None
+
+
+_dispatch_op.register_autograd(_dispatch_backward, setup_context=_dispatch_setup)
+
+
+# ---------------------------------------------------------------------------
+# Combine: epx::combine and its backward
+# ---------------------------------------------------------------------------
+
+
+@_torch.library.custom_op("epx::combine", mutates_args=())
+def _combine_op(expert_out: Tensor, topk_w: Optional[Tensor], token: Tensor, num_tokens: int,
+                weighting: int) -> Tensor:
+    """expert_out [rows >= N, H] -> out [T, H]. topk_w is only the autograd
+    input through which combine's backward returns the weights' gradient
+    (the handle has its own copy of the weights)."""
+    fn = "epx.torch.combine"
+    h = _handle_of(token, fn)
+    b = h.buffer
+    with b._together("combine", h):
+        e = _tensor(expert_out, fn, "expert_out", _TORCH_OF[b.dtype],
+                    (expert_out.shape[0], b.hidden), b.device, align=_epx.PAYLOAD_ALIGNMENT)
+    out = _torch.empty((num_tokens, b.hidden), dtype=e.dtype, device=e.device)
+    _on_stream(b, e.device)
+    b._combine(h, _ptr(e), _ptr(out))
+    return out
+
+
+@_combine_op.register_fake
+def _combine_fake(expert_out, topk_w, token, num_tokens, weighting):
+    return expert_out.new_empty((num_tokens, expert_out.shape[1]))
+
+
+@_torch.library.custom_op("epx::combine_backward", mutates_args=())
+def _combine_backward_op(grad_out: Tensor, expert_out: Optional[Tensor], token: Tensor,
+                         rows: int, top_k: int) -> Tuple[Tensor, Tensor]:
+    """grad_out -> (grad_expert_out [rows, H], zeros past the valid rows;
+    grad_w [T, K], computed when expert_out, the forward's input, is given)."""
+    fn = "epx.torch.combine (backward)"
+    h = _handle_of(token, fn)
+    b = h.buffer
+    T = grad_out.shape[0]
+    with b._together("combine_backward", h):
+        g = _tensor(grad_out, fn, "grad_out", _TORCH_OF[b.dtype], (T, b.hidden), b.device,
+                    align=_epx.PAYLOAD_ALIGNMENT)
+        if expert_out is not None:
+            expert_out = _tensor(expert_out, fn, "expert_out", g.dtype, (rows, b.hidden),
+                                 b.device, align=_epx.PAYLOAD_ALIGNMENT)
+    grad_e = _torch.zeros((rows, b.hidden), dtype=g.dtype, device=g.device)
+    grad_w = _torch.zeros((T, top_k), dtype=_F32, device=g.device)
+    _on_stream(b, g.device)
+    b._combine_backward(h, _ptr(g), _ptr(expert_out), _ptr(grad_e),
+                        _ptr(grad_w) if expert_out is not None else None)
+    return grad_e, grad_w
+
+
+@_combine_backward_op.register_fake
+def _combine_backward_fake(grad_out, expert_out, token, rows, top_k):
+    return (grad_out.new_empty((rows, grad_out.shape[1])),
+            grad_out.new_empty((grad_out.shape[0], top_k), dtype=_F32))
+
+
+def _combine_setup(ctx, inputs, output):
+    expert_out, topk_w, token, num_tokens, weighting = inputs
+    ctx.set_materialize_grads(False)
+    ctx.w_grad = (topk_w is not None and topk_w.requires_grad
+                  and weighting == Weighting.IN_COMBINE)
+    ctx.rows = expert_out.shape[0]
+    ctx.top_k = topk_w.shape[1] if topk_w is not None else 1
+    ctx.save_for_backward(token, expert_out if ctx.w_grad else None)
+
+
+def _combine_backward(ctx, grad_out):
+    token, expert_out = ctx.saved_tensors
+    if grad_out is None:
+        return None, None, None, None, None
+    grad_e, grad_w = _torch.ops.epx.combine_backward(grad_out.contiguous(), expert_out, token,
+                                                     ctx.rows, ctx.top_k)
+    return grad_e, grad_w if ctx.w_grad else None, None, None, None
+
+
+_combine_op.register_autograd(_combine_backward, setup_context=_combine_setup)
+
+
+# ---------------------------------------------------------------------------
+# The functional API
+# ---------------------------------------------------------------------------
+
+
+class Dispatched(NamedTuple):
+    """What :func:`dispatch` returns; give it to :func:`combine`.
+
+    Every tensor has the buffer's worst-case row count N_max
+    (epx_buffer_max_recv_rows); rows past the valid count N are zeros
+    (recv_expert -1). Counts stay on the buffer's device."""
+    recv_x: Tensor       # [N_max, H] received rows in the buffer's layout
+    recv_w: Tensor       # [N_max] float32 weight of each row ([N_max, K] rank-major);
+    #                      differentiable: its gradient reaches topk_w (epx_weights_backward)
+    recv_expert: Tensor  # [N_max] int32 global expert id of each row, -1 for padding
+    counts: Tensor       # [E_local] int64 rows per local expert (before padding)
+    offsets: Tensor      # [E_local + 1] int64 first row of each expert's group; offsets[-1] = N
+    recv_rows: Tensor    # [1] int64 N, on the buffer's device
+    token: Tensor        # [1] int64 (CPU): the handle, for combine and backward
+    topk_w: Optional[Tensor]
+    num_tokens: int
+    top_k: int
+    weighting: int
+    buffer_id: int
+
+    def handle(self):
+        """The epx.Handle of this dispatch (eager code only)."""
+        return _handle_of(self.token, "Dispatched.handle")
+
+    def recv_rows_host(self):
+        """N as a Python int (waits for the device on CUDA)."""
+        return int(self.recv_rows[0])
+
+    def counts_host(self):
+        """Rows per local expert as a list of ints (waits for the device on CUDA)."""
+        return [int(c) for c in self.counts.tolist()]
+
+
+def dispatch(buffer, x, topk_idx, topk_w=None, locations=None, *,
+             weighting=Weighting.IN_COMBINE, recorder=None):
+    """Layout and payload of a dispatch in one op (epx_dispatch_layout +
+    epx_dispatch, collective): x [T, H] -> :class:`Dispatched`.
+
+    topk_idx [T, K] (any integer dtype), topk_w [T, K] float32 (None only
+    with Weighting.NONE), locations [T, K] for the capacity layout, on the
+    buffer's device. Differentiable in x and in topk_w (through recv_w under
+    every weighting; through dispatch's own backward with IN_DISPATCH).
+    recorder: an epx.Recorder, or None for the :func:`checkpoint_context`
+    one if any (False: never)."""
+    if recorder is None:
+        rid = RECORDER_AMBIENT
+    elif recorder is False:
+        rid = RECORDER_NONE
+    else:
+        rid = recorder.id
+    outs = _torch.ops.epx.dispatch(x, topk_idx, topk_w, locations, buffer.id, int(weighting), rid)
+    T, K = topk_idx.shape
+    return Dispatched(*outs, topk_w, T, K, int(weighting), buffer.id)
+
+
+def combine(d, expert_out):
+    """expert_out [N_max, H] (the rows of ``d.recv_x``, transformed) -> out
+    [T, H] = sum_k w[t,k] * expert_out(t,k) (epx_combine, collective; w = 1
+    unless the weights are applied in combine). Differentiable in expert_out
+    and, with Weighting.IN_COMBINE, in the routing weights: grad_w reaches the
+    router."""
+    w = d.topk_w if d.weighting == Weighting.IN_COMBINE else None
+    return _torch.ops.epx.combine(expert_out, w, d.token, d.num_tokens, d.weighting)
+
+
+def make_buffer(comm, *, hidden, num_experts, max_top_k, max_tokens_per_rank, dtype=_F32,
+                device="cpu", **fields):
+    """An epx.Buffer for the torch ops: dtype may be a torch dtype; device
+    "cuda" makes a CUDA buffer on the current stream with worst_case_sizing
+    (no host waits, CUDA-graph capturable)."""
+    dev = _torch.device(device)
+    if dev.type == "cuda":
+        fields.setdefault("worst_case_sizing", 1)
+        fields.setdefault("stream", _torch.cuda.current_stream(dev).cuda_stream)
+        fields["device"] = Device.CUDA
+    return comm.buffer(hidden=int(hidden), num_experts=int(num_experts),
+                       max_top_k=int(max_top_k), max_tokens_per_rank=int(max_tokens_per_rank),
+                       dtype=epx_dtype(dtype), **fields)
+
+
+# ---------------------------------------------------------------------------
+# Grouped matmul over expert-major groups
+# ---------------------------------------------------------------------------
+
+
+def _grouped_mm_loop(x, w, offsets):
+    """One torch.mm per group (reads the offsets on the host: eager only)."""
+    out = x.new_zeros((x.shape[0], w.shape[2]))
+    ends = offsets.tolist()
+    start = 0
+    for e, end in enumerate(ends):
+        if end > start:
+            out[start:end] = x[start:end] @ w[e]
+        start = end
+    return out
+
+
+def _strides_16(t):
+    return all((s * t.element_size()) % 16 == 0 for s in t.stride() if s != 1)
+
+
+def _grouped_mm_on_cpu():
+    """Whether this torch has torch._grouped_mm for CPU tensors (2.9 on)."""
+    try:
+        _torch._grouped_mm(_torch.zeros(4, 8), _torch.zeros(1, 8, 8),
+                           offs=_torch.tensor([4], dtype=_I32))
+        return True
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+
+
+_GROUPED_MM_CPU = _grouped_mm_on_cpu()
+
+
+def grouped_mm(x, w, ends):
+    """out[r] = x[r] @ w[e] for the rows r of group e, the groups being
+    [ends[e-1], ends[e]) (ends int32 [G], on x's device); rows past ends[-1]
+    are left unspecified. w [G, in, out] may be a transposed view of
+    [G, out, in] weights (the layout GPU grouped GEMMs want).
+    torch._grouped_mm where this torch has it (no host wait), else a loop
+    over the groups."""
+    gm = getattr(_torch, "_grouped_mm", None)
+    if gm is not None and (x.is_cuda or _GROUPED_MM_CPU) and _strides_16(x) and _strides_16(w):
+        return gm(x, w, offs=ends)
+    return _grouped_mm_loop(x, w, ends)
+
+
+# ---------------------------------------------------------------------------
+# The MoE layer
+# ---------------------------------------------------------------------------
+
+
+def _float32_capacity(top_k, tokens, num_experts, factor, min_capacity):
+    """C = max(ceil(k*T/E*factor), min_capacity) in float32 arithmetic, as
+    epx_route computes it."""
+    f32 = _np.float32
+    c = math.ceil(f32(f32(top_k * tokens) / f32(num_experts)) * f32(factor))
+    return max(int(c), int(min_capacity))
+
+
+class MoE(_torch.nn.Module):
+    """A Mixture-of-Experts layer over an epx comm: a float32 router (epx_route
+    with the library's routing options), this rank's E/W SwiGLU experts
+    through grouped matmuls, dispatch and combine. forward(x [..., H]) ->
+    [..., H]; ``self.aux_loss`` is the step's aux + z loss (add it to the
+    loss so the router learns balance).
+
+    Parameters: router.weight [E, H] float32 (replicated: all-reduce its
+    gradient over data parallel ranks as usual), w_gate_up [E_local, 2F, H]
+    (gate rows first, then up) and w_down [E_local, H, F] in `dtype`, laid
+    out [out, in] like nn.Linear (this rank's experts, global ids
+    rank*E_local ...), and expert_bias [E] (selection only, no gradient) when
+    expert_bias=True. expert_alignment pads each expert's group of rows
+    (default 8 on CUDA, as grouped GEMM kernels like, 1 on CPU).
+
+    weighting: where the routing weights are applied (IN_COMBINE default;
+    IN_DISPATCH; NONE: the experts scale their activations by recv_w) — the
+    router gets its gradient in every one. layout EXPERT_MAJOR (dropless,
+    or capacity routing with drops) or CAPACITY ([E_local, W*C, H], needs
+    capacity_factor). max_tokens_per_rank: the most tokens a forward gets
+    (needed: it sizes every receive tensor)."""
+
+    def __init__(self, comm, hidden_size, ffn_hidden_size, num_experts, top_k, *,
+                 max_tokens_per_rank, dtype=_F32, device="cpu", weighting=Weighting.IN_COMBINE,
+                 exchange=Exchange.DEDUP, layout=Layout.EXPERT_MAJOR, expert_alignment=None,
+                 combine_precision=0, score_fn=_epx.ScoreFn.SOFTMAX, num_groups=0, topk_groups=0,
+                 renormalize=True, scaling_factor=1.0, capacity_factor=None, min_capacity=0,
+                 queue_order=_epx.QueueOrder.BY_CHOICE, drop_policy=_epx.DropPolicy.BY_POSITION,
+                 aux_loss_coeff=0.0, z_loss_coeff=0.0, nonfinite=None, expert_bias=False,
+                 generator=None):
+        super().__init__()
+        W = comm.size
+        if num_experts % W:
+            _epx._invalid("epx.torch.MoE: num_experts %d is not a multiple of the comm's %d "
+                          "ranks", num_experts, W)
+        if Layout(layout) == Layout.RANK_MAJOR:
+            _epx._refuse(Status.ERROR_UNSUPPORTED, "epx.torch.MoE: the rank-major layout has no "
+                         "expert groups for a grouped matmul; use EXPERT_MAJOR or CAPACITY (or "
+                         "epx.torch.dispatch with your own experts)")
+        capacity_mode = capacity_factor is not None
+        if Layout(layout) == Layout.CAPACITY and not capacity_mode:
+            _epx._invalid("epx.torch.MoE: layout CAPACITY needs capacity_factor")
+        on_gpu = _torch.device(device).type == "cuda"
+        if expert_alignment is None:
+            expert_alignment = 8 if on_gpu else 1
+        if nonfinite is None:  # refusing NaN logits costs a host wait per route on CUDA
+            nonfinite = _epx.Nonfinite.DROP if on_gpu else _epx.Nonfinite.ERROR
+        self.comm, self.hidden_size, self.ffn_hidden_size = comm, hidden_size, ffn_hidden_size
+        self.num_experts, self.top_k = num_experts, top_k
+        self.num_local_experts = num_experts // W
+        self.weighting, self.layout = Weighting(weighting), Layout(layout)
+        self.route_config = _epx.RouteConfig(
+            num_experts=num_experts, top_k=top_k, score_fn=score_fn, num_groups=num_groups,
+            topk_groups=topk_groups, renormalize=int(bool(renormalize)),
+            scaling_factor=scaling_factor, capacity_mode=int(capacity_mode),
+            capacity_factor=capacity_factor if capacity_mode else 1.0, min_capacity=min_capacity,
+            queue_order=queue_order, drop_policy=drop_policy, aux_loss_coeff=aux_loss_coeff,
+            z_loss_coeff=z_loss_coeff, nonfinite=nonfinite)
+        capacity = (_float32_capacity(top_k, max_tokens_per_rank, num_experts, capacity_factor,
+                                      min_capacity) if self.layout == Layout.CAPACITY else 0)
+        self.buffer = make_buffer(comm, hidden=hidden_size, num_experts=num_experts,
+                                  max_top_k=top_k, max_tokens_per_rank=max_tokens_per_rank,
+                                  dtype=dtype, device=device, exchange=exchange, layout=layout,
+                                  expert_alignment=expert_alignment, capacity=capacity,
+                                  combine_precision=combine_precision)
+        self._buffer_id = self.buffer.id
+        self._config_id = _config_id(self.route_config)
+        factory = dict(device=device)
+        g = generator
+        El, H, F = self.num_local_experts, hidden_size, ffn_hidden_size
+        self.router = _torch.nn.Linear(H, num_experts, bias=False, **factory)
+        with _torch.no_grad():
+            self.router.weight.copy_(_torch.randn(num_experts, H, generator=g) / math.sqrt(H))
+        w1 = _torch.randn(El, 2 * F, H, generator=g) / math.sqrt(H)
+        self.w_gate_up = _torch.nn.Parameter(w1.to(device=device, dtype=dtype))
+        self.w_down = _torch.nn.Parameter(
+            (_torch.randn(El, H, F, generator=g) / math.sqrt(F)).to(device=device, dtype=dtype))
+        self.register_buffer("expert_bias", _torch.zeros(num_experts, device=device)
+                             if expert_bias else None)
+        self.aux_loss = None
+
+    def experts(self, d):
+        """SwiGLU over the expert-major groups of a :class:`Dispatched`:
+        [N_max, H] -> [N_max, H]."""
+        ends = d.offsets[1:].to(_I32)
+        h = grouped_mm(d.recv_x, self.w_gate_up.transpose(-2, -1), ends)
+        gate, up = h.chunk(2, dim=-1)
+        act = _F.silu(gate) * up
+        if self.weighting == Weighting.NONE:
+            act = act * d.recv_w.unsqueeze(-1).to(act.dtype)
+        return grouped_mm(act, self.w_down.transpose(-2, -1), ends)
+
+    def forward(self, x):
+        shape = x.shape
+        x2 = x.reshape(-1, self.hidden_size)
+        logits = _F.linear(x2.float(), self.router.weight.float())
+        outs = _torch.ops.epx.route(logits, self.expert_bias, self._config_id)
+        idx, w, loc, _, aux, z, _ = outs
+        self.aux_loss = aux + z
+        locations = loc if self.layout == Layout.CAPACITY else None
+        d = Dispatched(*_torch.ops.epx.dispatch(x2, idx, w, locations, self._buffer_id,
+                                                int(self.weighting), RECORDER_AMBIENT),
+                       w, x2.shape[0], self.top_k, int(self.weighting), self._buffer_id)
+        return combine(d, self.experts(d)).reshape(shape)
+
+
+# ---------------------------------------------------------------------------
+# A token dispatcher shaped like Megatron-core's MoEAlltoAllTokenDispatcher
+# ---------------------------------------------------------------------------
+
+
+class TokenDispatcher:
+    """Megatron-core's token-dispatcher interface over epx, for porting a
+    Megatron MoE layer: ``token_permutation(hidden_states, probs,
+    routing_map)`` -> (global_input_tokens, tokens_per_expert) and
+    ``token_unpermutation(expert_output)`` -> (output, None), also named
+    dispatch / combine. probs [T, E] (dense router probabilities) and
+    routing_map [T, E] bool (the selected experts) are Megatron's; the
+    weights are applied in combine (Megatron's unpermute), and their
+    gradient flows back into probs.
+
+    global_input_tokens [N_max, H] are grouped by local expert
+    (``self.tokens_per_expert`` rows each, a device tensor: no host wait;
+    :meth:`tokens_per_expert_host` gives a list); rows past the valid count
+    are zeros."""
+
+    def __init__(self, comm, num_experts, hidden_size, top_k, *, max_tokens_per_rank,
+                 dtype=_F32, device="cpu", weighting=Weighting.IN_COMBINE, **buffer_fields):
+        self.num_experts, self.top_k = num_experts, top_k
+        self.num_local_experts = num_experts // comm.size
+        self.local_expert_indices = list(range(comm.rank * self.num_local_experts,
+                                               (comm.rank + 1) * self.num_local_experts))
+        self.weighting = Weighting(weighting)
+        self.buffer = make_buffer(comm, hidden=hidden_size, num_experts=num_experts,
+                                  max_top_k=top_k, max_tokens_per_rank=max_tokens_per_rank,
+                                  dtype=dtype, device=device, **buffer_fields)
+        self._d = None
+        self._shape = None
+        self.tokens_per_expert = None
+
+    def token_permutation(self, hidden_states, probs, routing_map):
+        """hidden_states [..., H], probs [T, E], routing_map [T, E] bool ->
+        (global_input_tokens [N_max, H], tokens_per_expert [E_local])."""
+        self._shape = hidden_states.shape
+        x = hidden_states.reshape(-1, self._shape[-1])
+        E = self.num_experts
+        # The selected experts in ascending id order (Megatron's permutation order).
+        rank_of = (E - _torch.arange(E, device=routing_map.device)).to(_I32)
+        key = routing_map.to(_I32) * rank_of
+        top, idx = _torch.topk(key, self.top_k, dim=1)
+        idx = _torch.where(top > 0, idx, _torch.full_like(idx, -1)).to(_I32)
+        w = _torch.where(top > 0, probs.gather(1, idx.clamp(min=0).long()).float(),
+                         _torch.zeros((), device=probs.device))
+        self._d = dispatch(self.buffer, x, idx, w, weighting=self.weighting)
+        self.tokens_per_expert = self._d.counts
+        return self._d.recv_x, self._d.counts
+
+    dispatch = token_permutation
+
+    def token_unpermutation(self, hidden_states, bias=None):
+        """expert output [N_max, H] -> (output in the shape of the
+        dispatched hidden_states, None). bias is refused (Megatron's
+        mlp_bias path has no epx equivalent yet)."""
+        if bias is not None:
+            _epx._refuse(Status.ERROR_UNSUPPORTED, "TokenDispatcher.token_unpermutation: bias is "
+                         "not supported; add it to the expert output before combine")
+        if self._d is None:
+            _epx._invalid("TokenDispatcher.token_unpermutation: call token_permutation first")
+        out = combine(self._d, hidden_states)
+        self._d = None
+        return out.reshape(self._shape), None
+
+    def combine(self, hidden_states):
+        return self.token_unpermutation(hidden_states)[0]
+
+    def tokens_per_expert_host(self):
+        """tokens_per_expert as a list of ints (waits for the device on CUDA)."""
+        return [int(c) for c in self.tokens_per_expert.tolist()]
+
+
+# ---------------------------------------------------------------------------
+# Activation checkpointing: recompute replays the recorded handles
+# ---------------------------------------------------------------------------
+
+
+class _RecorderScope:
+    """One side of a checkpointed call: the forward records every dispatch's
+    handle into the recorder, the recompute replays them in order (no layout
+    exchange; validated against the routing) and then closes it. ``stats``
+    is the recorder's epx.RecorderStats (its last, once closed)."""
+
+    def __init__(self, recorder, mode, close_after):
+        self.recorder, self.mode, self.close_after = recorder, mode, close_after
+        self._last = None
+        self._previous = None
+
+    @property
+    def stats(self):
+        return self._last if self.recorder.closed else self.recorder.stats()
+
+    def __enter__(self):
+        rec = self.recorder
+        if not rec.closed:
+            rec.set_mode(self.mode)
+        self._previous = getattr(_ambient, "recorder", None)
+        _ambient.recorder = rec
+        return self
+
+    def __exit__(self, *exc):
+        _ambient.recorder = self._previous
+        if self.close_after and not self.recorder.closed:
+            self._last = self.recorder.stats()
+            self.recorder.close()
+
+
+def checkpoint_context(validate=True):
+    """The ``context_fn`` of torch.utils.checkpoint that replays epx handles::
+
+        out = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False,
+                                                context_fn=epx.torch.checkpoint_context)
+
+    The forward records each dispatch's handle; the recompute in backward
+    replays them in order instead of recomputing the layouts (bit-identical
+    results; with validate, a recompute that routes differently raises
+    epx.ReplayMismatchError naming the call). The recorder is closed when the
+    recompute ends (a second backward through the same graph lays out
+    afresh)."""
+    rec = _epx.Recorder(validate=validate)
+    forward = _RecorderScope(rec, _epx.RecorderMode.RECORD, False)
+    recompute = _RecorderScope(rec, _epx.RecorderMode.REPLAY, True)
+    return forward, recompute
+
+
+# ---------------------------------------------------------------------------
+# torch.distributed: a comm from a process group
+# ---------------------------------------------------------------------------
+
+_MPI_LAUNCH_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
+
+
+def _comm_config(timeout_seconds):
+    return _epx.CommConfig() if timeout_seconds is None else \
+        _epx.CommConfig(timeout_seconds=float(timeout_seconds))
+
+
+def _nccl_comm(group, rank, size, config):
+    import torch.distributed as dist
+    fn = "epx.torch.comm_from_process_group"
+    if not _epx.has_nccl():
+        _epx._refuse(Status.ERROR_UNSUPPORTED, "%s: the group is an NCCL group but this libepx "
+                     "(%s) has no NCCL transport; build it with -DEPX_BUILD_CUDA=ON and NCCL "
+                     "(pip install ./python on a machine with nvcc)", fn, _epx.library_path)
+    uid = _lib.NcclUniqueId()
+    if rank == 0:
+        _epx._check(lib.epx_nccl_get_unique_id(ctypes.byref(uid)))
+    dev = _torch.device("cuda", _torch.cuda.current_device())
+    raw = _torch.frombuffer(bytearray(uid.bytes.ljust(128, b"\0")), dtype=_torch.uint8)
+    shared = raw.to(dev)
+    dist.broadcast(shared, src=dist.get_global_rank(group, 0), group=group)
+    ctypes.memmove(ctypes.addressof(uid), bytes(shared.cpu().tolist()), 128)
+    p = ctypes.c_void_p()
+    _epx._check(lib.epx_comm_create_nccl_id(ctypes.byref(uid), rank, size, ctypes.byref(config),
+                                            ctypes.byref(p)))
+    return _epx.Comm(p.value)
+
+
+def _mpi_world_without_mpi4py(fn):
+    """MPI_COMM_WORLD's handle, for an MPI the library links, found with
+    ctypes (Open MPI: &ompi_mpi_comm_world; MPICH: 0x44000000), MPI
+    initialised (and finalised at exit) if it was not."""
+    import atexit
+    import ctypes.util
+    name = ctypes.util.find_library("mpi")
+    if name is None:
+        _epx._refuse(Status.ERROR_UNSUPPORTED, "%s: libmpi was not found; install mpi4py "
+                     "(pip install mpi4py, or apt-get install python3-mpi4py)", fn)
+    mpi = ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
+    flag = ctypes.c_int(0)
+    mpi.MPI_Initialized(ctypes.byref(flag))
+    if not flag.value:
+        provided = ctypes.c_int(0)
+        if mpi.MPI_Init_thread(None, None, 3, ctypes.byref(provided)) != 0:  # MPI_THREAD_MULTIPLE
+            _epx._refuse(Status.ERROR_TRANSPORT, "%s: MPI_Init_thread failed", fn)
+        atexit.register(mpi.MPI_Finalize)
+    try:
+        handle = ctypes.c_void_p(ctypes.addressof(ctypes.c_char.in_dll(mpi, "ompi_mpi_comm_world")))
+    except ValueError:
+        handle = ctypes.c_int(0x44000000)  # MPICH's MPI_COMM_WORLD
     return handle
 
 
-def _meta_device(handle):
-    return getattr(handle, "device", None) or _torch.device(_device_kind(handle.buffer.device))
+def _mpi_comm(group, rank, size, config):
+    import torch.distributed as dist
+    fn = "epx.torch.comm_from_process_group"
+    if not any(v in os.environ for v in _MPI_LAUNCH_VARS):
+        _epx._refuse(Status.ERROR_UNSUPPORTED, "%s: the group's backend is %s (CPU tensors), and "
+                     "epx's CPU transport across processes is MPI, but this process was not "
+                     "started by mpirun; launch with `mpirun -np %d python your_script.py` "
+                     "(torch.distributed initialised as before), or run ranks as threads of one "
+                     "process with epx.run_local", fn, dist.get_backend(group), size)
+    if not _epx.has_mpi():
+        _epx._refuse(Status.ERROR_UNSUPPORTED, "%s: this libepx (%s) has no MPI transport; build "
+                     "it with MPI (the CMake default when libopenmpi-dev is installed; for the "
+                     "wheel: SKBUILD_CMAKE_DEFINE=EPX_BUILD_MPI=ON pip install ./python)", fn,
+                     _epx.library_path)
+    ranks = [dist.get_global_rank(group, r) for r in range(size)]
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        MPI = None
+    if MPI is not None:
+        world = MPI.COMM_WORLD
+        if world.Get_rank() != dist.get_rank():
+            _epx._invalid("%s: torch rank %d is MPI rank %d; initialise torch.distributed with "
+                          "the MPI ranks (rank=OMPI_COMM_WORLD_RANK)", fn, dist.get_rank(),
+                          world.Get_rank())
+        mpi_comm = world if ranks == list(range(world.Get_size())) else \
+            world.Create_group(world.Get_group().Incl(ranks))
+        return _epx.Comm.from_mpi(mpi_comm, config)
+    world = _mpi_world_without_mpi4py(fn)
+    if ranks != list(range(dist.get_world_size())):
+        _epx._refuse(Status.ERROR_UNSUPPORTED, "%s: a sub-group of the world needs mpi4py to "
+                     "make its MPI communicator; install mpi4py", fn)
+    p = ctypes.c_void_p()
+    _epx._check(lib.epx_comm_create_mpi(ctypes.addressof(world), ctypes.byref(config),
+                                        ctypes.byref(p)))
+    comm = _epx.Comm(p.value)
+    if comm.size != size:
+        _epx._invalid("%s: MPI_COMM_WORLD has %d ranks but the group %d; launch as many MPI "
+                      "ranks as torch ranks", fn, comm.size, size)
+    return comm
 
 
-def expert_counts(handle):
-    """(counts [E_local], offsets [E_local + 1]) int64 tensors on the buffer's device."""
-    if handle.buffer.device == Device.CPU:
-        return tuple(_torch.from_numpy(a) for a in handle.expert_counts())
-    dev = _meta_device(handle)
-    n = handle.buffer.experts_per_rank
-    counts = _torch.empty((n,), dtype=_torch.int64, device=dev)
-    offsets = _torch.empty((n + 1,), dtype=_torch.int64, device=dev)
-    _on_stream(handle.buffer, dev)
-    _epx._check(_lib_handle.epx_handle_expert_counts(handle._use(None, "epx.torch.expert_counts"),
-                                                     _ptr(counts), _ptr(offsets)))
-    return counts, offsets
+def comm_from_process_group(group=None, *, timeout_seconds=None):
+    """An epx.Comm over the ranks of a torch.distributed process group (the
+    default group when None), in one call; collective over the group.
 
-
-def recv_routing(handle):
-    """(recv_expert int32, recv_w float32) tensors: [N] per received row, or
-    [N, K] in the rank-major layout."""
-    if handle.buffer.device == Device.CPU:
-        return tuple(_torch.from_numpy(a) for a in handle.recv_routing())
-    dev = _meta_device(handle)
-    n = handle.recv_rows
-    shape = (n, handle.top_k) if handle.buffer.layout == _epx.Layout.RANK_MAJOR else (n,)
-    expert = _torch.empty(shape, dtype=_torch.int32, device=dev)
-    w = _torch.empty(shape, dtype=_torch.float32, device=dev)
-    _on_stream(handle.buffer, dev)
-    if n:
-        _epx._check(_lib_handle.epx_handle_recv_routing(handle._use(None, "epx.torch.recv_routing"),
-                                                        _ptr(expert), _ptr(w)))
-    return expert, w
-
-
-def recv_source(handle):
-    """(src_rank [N], src_token [N]) int32 tensors (-1 for padding)."""
-    if handle.buffer.device == Device.CPU:
-        return tuple(_torch.from_numpy(a) for a in handle.recv_source())
-    dev = _meta_device(handle)
-    n = handle.recv_rows
-    rank = _torch.empty((n,), dtype=_torch.int32, device=dev)
-    token = _torch.empty((n,), dtype=_torch.int32, device=dev)
-    _on_stream(handle.buffer, dev)
-    if n:
-        _epx._check(_lib_handle.epx_handle_recv_source(handle._use(None, "epx.torch.recv_source"),
-                                                       _ptr(rank), _ptr(token)))
-    return rank, token
-
-
-# ---------------------------------------------------------------------------
-# Dispatch and combine
-# ---------------------------------------------------------------------------
-
-
-def _payload(handle, t, fn, name, rows):
-    b = handle.buffer
-    return _tensor(t, fn, name, _buffer_dtype(b), (rows, b.hidden), b.device,
-                   align=_epx.PAYLOAD_ALIGNMENT)
-
-
-def _weights_grad(handle, where, needs):
-    return handle.weighting == where and needs
-
-
-class _Dispatch(_torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, topk_w, handle):
-        fn = "epx.torch.dispatch"
-        b = handle.buffer
-        with b._together("dispatch", handle):
-            x = _payload(handle, x, fn, "x", handle.num_tokens)
-        n = handle.recv_rows
-        recv_x = _torch.empty((n, b.hidden), dtype=x.dtype, device=x.device)
-        _on_stream(b, x.device)
-        b._dispatch(handle, _ptr(x), _ptr(recv_x), n)
-        ctx.handle = handle
-        ctx.want_w = _weights_grad(handle, Weighting.IN_DISPATCH,
-                                   topk_w is not None and ctx.needs_input_grad[1])
-        ctx.save_for_backward(x if ctx.want_w else None)
-        return recv_x
-
-    @staticmethod
-    def backward(ctx, grad_recv_x):
-        fn = "epx.torch.dispatch (backward)"
-        handle = ctx.handle
-        b = handle.buffer
-        (x,) = ctx.saved_tensors
-        with b._together("dispatch_backward", handle):
-            g = _payload(handle, grad_recv_x, fn, "grad_recv_x", handle.recv_rows)
-        grad_x = _torch.empty((handle.num_tokens, b.hidden), dtype=g.dtype, device=g.device)
-        grad_w = (_torch.empty((handle.num_tokens, handle.top_k), dtype=_torch.float32,
-                               device=g.device) if ctx.want_w else None)
-        _on_stream(b, g.device)
-        b._dispatch_backward(handle, _ptr(g), _ptr(grad_x), _ptr(x) if ctx.want_w else None,
-                             _ptr(grad_w))
-        return grad_x, grad_w, None
-
-
-class _Combine(_torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, expert_out, topk_w, handle):
-        fn = "epx.torch.combine"
-        b = handle.buffer
-        with b._together("combine", handle):
-            e = _payload(handle, expert_out, fn, "expert_out", handle.recv_rows)
-        out = _torch.empty((handle.num_tokens, b.hidden), dtype=e.dtype, device=e.device)
-        _on_stream(b, e.device)
-        b._combine(handle, _ptr(e), _ptr(out))
-        ctx.handle = handle
-        ctx.want_w = _weights_grad(handle, Weighting.IN_COMBINE,
-                                   topk_w is not None and ctx.needs_input_grad[1])
-        ctx.save_for_backward(e if ctx.want_w else None)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        fn = "epx.torch.combine (backward)"
-        handle = ctx.handle
-        b = handle.buffer
-        (e,) = ctx.saved_tensors
-        with b._together("combine_backward", handle):
-            g = _payload(handle, grad_out, fn, "grad_out", handle.num_tokens)
-        grad_e = _torch.empty((handle.recv_rows, b.hidden), dtype=g.dtype, device=g.device)
-        grad_w = (_torch.empty((handle.num_tokens, handle.top_k), dtype=_torch.float32,
-                               device=g.device) if ctx.want_w else None)
-        _on_stream(b, g.device)
-        b._combine_backward(handle, _ptr(g), _ptr(e) if ctx.want_w else None, _ptr(grad_e),
-                            _ptr(grad_w))
-        return grad_e, grad_w, None
-
-
-def _weights_input(handle, where):
-    w = getattr(handle, "topk_w", None)
-    return w if handle.weighting == where else None
-
-
-def dispatch(handle, x):
-    """x [T, H] -> recv_x [N, H] (epx_dispatch, collective; differentiable in
-    x, and in the handle's topk_w with Weighting.IN_DISPATCH). The handle
-    comes from :func:`dispatch_layout` (or epx.Buffer.dispatch_layout, whose
-    weights then get no gradient)."""
-    return _Dispatch.apply(x, _weights_input(handle, Weighting.IN_DISPATCH), handle)
-
-
-def combine(handle, expert_out):
-    """expert_out [N, H] -> out [T, H] = sum_k w[t,k] * expert_out(t,k)
-    (epx_combine, collective; differentiable in expert_out, and in the
-    handle's topk_w with Weighting.IN_COMBINE: grad_w reaches the router)."""
-    return _Combine.apply(expert_out, _weights_input(handle, Weighting.IN_COMBINE), handle)
+    - NCCL groups (GPUs; one process per GPU, the current CUDA device set):
+      rank 0 makes an NCCL unique id, the group broadcasts it, every rank
+      creates epx's NCCL comm on its current device.
+    - CPU groups (gloo): the MPI transport over the same processes, which
+      must have been started by mpirun (MPI_COMM_WORLD through mpi4py when
+      installed, else found through the MPI libepx links); otherwise a clear
+      epx.UnsupportedError saying how to launch.
+    """
+    import torch.distributed as dist
+    fn = "epx.torch.comm_from_process_group"
+    if not dist.is_available() or not dist.is_initialized():
+        _epx._invalid("%s: torch.distributed is not initialised; call "
+                      "torch.distributed.init_process_group first", fn)
+    if group is None:
+        group = dist.group.WORLD
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    config = _comm_config(timeout_seconds)
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend:
+        return _nccl_comm(group, rank, size, config)
+    return _mpi_comm(group, rank, size, config)

@@ -1,5 +1,5 @@
 /* The CPU backend as the backend table (src/cpu/backend.c) calls it: the
- * router (route.c) and the exchange engine over any number of ranks on the
+ * router (route*.c) and the exchange engine over any number of ranks on the
  * comm's transport — layout.c (the layout and the handle's accessors),
  * move.c (the payload moves), call.c (the agreement of collective calls),
  * sharing the private cpu/exchange.h. The one-rank case moves rows directly
@@ -21,6 +21,18 @@ epx_status_t epx_cpu_route_backward(const epx_route_config_t *config, int64_t nu
                                     const float *logits, const float *bias, const int32_t *topk_idx,
                                     const float *grad_topk_w, float grad_aux_loss, float grad_z_loss,
                                     float *grad_logits);
+
+/* The float64 routing reference (src/cpu/route_reference.c), behind
+ * epx_reference_route / epx_reference_route_backward. */
+epx_status_t epx_cpu_reference_route(const epx_route_config_t *config, int64_t num_tokens,
+                                     const float *logits, const float *bias, int32_t *topk_idx,
+                                     double *topk_w, int32_t *locations, int32_t *expert_counts,
+                                     double *aux_loss, double *z_loss, int32_t *capacity);
+epx_status_t epx_cpu_reference_route_backward(const epx_route_config_t *config, int64_t num_tokens,
+                                              const float *logits, const float *bias,
+                                              const int32_t *topk_idx, const float *grad_topk_w,
+                                              double grad_aux_loss, double grad_z_loss,
+                                              double *grad_logits);
 
 /* Checks the routing's values on this rank (expert ids, duplicates, capacity
  * locations); the layout agrees the result across ranks. */

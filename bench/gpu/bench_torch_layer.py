@@ -1,0 +1,279 @@
+#!/usr/bin/env python3
+"""One MoE layer step (forward + backward) through epx.torch against the same
+layer in plain PyTorch, on GPUs.
+
+Shape (DeepSeek-V3-like, the issue's): T=8192 tokens per rank, H=7168, 256
+experts, top-8, SwiGLU experts of FFN 2048, bf16 payloads and experts, a
+float32 softmax router with renormalised weights.
+
+  1. 2 GPUs (one process each, an NCCL process group, epx's comm from it):
+     - epx.torch.MoE, eager;
+     - the same layer in plain PyTorch: index ops to permute by expert,
+       all_to_all_single (host split sizes, as Megatron's all-to-all
+       dispatcher does), the same grouped GEMMs (torch._grouped_mm), index_add
+       to combine — and a check that both layers give the same output;
+     - with activation checkpointing: recompute replaying the recorded handles
+       (epx.torch.checkpoint_context) against recompute that lays out again.
+  2. 1 GPU (all 256 experts local): eager against the whole step captured in
+     a CUDA graph and replayed.
+
+Times are CUDA-event medians over --iters steps after --warmup steps; for 2
+GPUs the slower rank's median. Prints a short table; the last line says OK
+when the layers agree (else FAILED, exit 1).
+
+Usage (from the repository root, libepx built with CUDA and NCCL, e.g. by
+`pip install ./python` on the GPU machine, or EPX_LIBRARY=<build>/libepx.so
+with PYTHONPATH=python):
+    python3 bench/gpu/bench_torch_layer.py [--tokens 8192] [--hidden 7168]
+        [--experts 256] [--topk 8] [--ffn 2048] [--iters 10] [--warmup 3]
+        [--skip-two] [--skip-one]
+"""
+import argparse
+import os
+import socket
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
+import epx  # noqa: E402
+import epx.torch as et  # noqa: E402
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+
+
+def median_ms(step, iters, warmup):
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(iters + 1)]
+    ev[0].record()
+    for i in range(iters):
+        step()
+        ev[i + 1].record()
+    torch.cuda.synchronize()
+    t = sorted(ev[i].elapsed_time(ev[i + 1]) for i in range(iters))
+    return t[iters // 2]
+
+
+def fwd_bwd(layer, x, g, params):
+    def step():
+        for p in params + [x]:
+            p.grad = None
+        out = layer(x)
+        loss = (out.float() * g).sum()
+        loss.backward()
+        return loss
+    return step
+
+
+# ---------------------------------------------------------------------------
+# The plain PyTorch layer (the baseline)
+# ---------------------------------------------------------------------------
+
+
+class TorchMoE(torch.nn.Module):
+    """The same layer with index ops and all_to_all_single: tokens permuted
+    by expert, one row per (token, expert) sent, received rows sorted to
+    expert-major, grouped GEMMs, then the way back and a weighted index_add."""
+
+    def __init__(self, moe, group):
+        super().__init__()
+        self.moe, self.group = moe, group
+        self.W = dist.get_world_size(group)
+
+    def forward(self, x):
+        from torch.distributed._functional_collectives import all_to_all_single_autograd as a2a
+        m, W = self.moe, self.W
+        E, K, El = m.num_experts, m.top_k, m.num_local_experts
+        T = x.shape[0]
+        probs = torch.softmax(torch.nn.functional.linear(x.float(), m.router.weight), dim=1)
+        w, idx = torch.topk(probs, K, dim=1)
+        w = w / w.sum(1, keepdim=True)
+        flat = idx.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        tokens = order // K
+        send = x.index_select(0, tokens)
+        counts = torch.bincount(flat, minlength=E)
+        recv_counts = torch.empty_like(counts)
+        dist.all_to_all_single(recv_counts, counts, group=self.group)
+        in_splits = counts.view(W, El).sum(1).tolist()
+        rc = recv_counts.view(W, El)
+        out_splits = rc.sum(1).tolist()
+        recv = a2a(send, out_splits, in_splits, self.group)
+        local = torch.arange(El, device=x.device).repeat(W)
+        row_expert = torch.repeat_interleave(local, rc.reshape(-1))
+        perm = torch.argsort(row_expert, stable=True)
+        ends = torch.cumsum(rc.sum(0), 0).to(torch.int32)
+        h = torch._grouped_mm(recv.index_select(0, perm), m.w_gate_up.transpose(-2, -1),
+                              offs=ends)
+        gate, up = h.chunk(2, dim=-1)
+        y = torch._grouped_mm(torch.nn.functional.silu(gate) * up, m.w_down.transpose(-2, -1),
+                              offs=ends)
+        back = torch.empty_like(y).index_copy(0, perm, y)
+        ret = a2a(back, in_splits, out_splits, self.group)
+        wk = w.reshape(-1).index_select(0, order)
+        out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
+        out = out.index_add(0, tokens, ret.float() * wk[:, None])
+        return out.to(x.dtype)
+
+
+# ---------------------------------------------------------------------------
+# 2 GPUs
+# ---------------------------------------------------------------------------
+
+
+def make_moe(comm, a, device):
+    g = torch.Generator().manual_seed(1234)  # the same router on every rank
+    return et.MoE(comm, a.hidden, a.ffn, a.experts, a.topk, max_tokens_per_rank=a.tokens,
+                  dtype=torch.bfloat16, device=device, generator=g)
+
+
+def two_gpu_rank(rank, W, a, port, results):
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    dist.init_process_group("nccl", init_method="tcp://127.0.0.1:%d" % port, rank=rank,
+                            world_size=W, device_id=dev)
+    comm = et.comm_from_process_group()
+    moe = make_moe(comm, a, dev)
+    params = [moe.router.weight, moe.w_gate_up, moe.w_down]
+    gen = torch.Generator(device=dev).manual_seed(100 + rank)
+    x = torch.randn(a.tokens, a.hidden, device=dev, generator=gen).bfloat16().requires_grad_(True)
+    g = torch.randn(a.tokens, a.hidden, device=dev, generator=gen)
+    plain = TorchMoE(moe, dist.group.WORLD)
+
+    with torch.no_grad():
+        y_epx, y_torch = moe(x).float(), plain(x).float()
+        err = ((y_epx - y_torch).abs().max() / y_torch.abs().max()).item()
+
+    def ckpt(context):
+        def layer(inp):
+            kw = dict(context_fn=context) if context else {}
+            return torch.utils.checkpoint.checkpoint(moe, inp, use_reentrant=False, **kw)
+        return layer
+
+    ms = {
+        "epx": median_ms(fwd_bwd(moe, x, g, params), a.iters, a.warmup),
+        "torch": median_ms(fwd_bwd(plain, x, g, params), a.iters, a.warmup),
+        "ckpt_replay": median_ms(fwd_bwd(ckpt(et.checkpoint_context), x, g, params), a.iters,
+                                 a.warmup),
+        "ckpt_recompute": median_ms(fwd_bwd(ckpt(None), x, g, params), a.iters, a.warmup),
+    }
+    slowest = {}
+    for k, v in ms.items():
+        t = torch.tensor([v], device=dev)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        slowest[k] = t.item()
+    e = torch.tensor([err], device=dev)
+    dist.all_reduce(e, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        results.update(slowest)
+        results["err"] = e.item()
+    comm.close()
+    dist.destroy_process_group()
+
+
+def run_two(a):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(two_gpu_rank, args=(2, a, port, results), nprocs=2, join=True)
+        return dict(results)
+
+
+# ---------------------------------------------------------------------------
+# 1 GPU: eager against CUDA-graph replay
+# ---------------------------------------------------------------------------
+
+
+def run_one(a):
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    with epx.Comm.create_self() as comm:
+        moe = make_moe(comm, a, dev)
+        params = [moe.router.weight, moe.w_gate_up, moe.w_down]
+        gen = torch.Generator(device=dev).manual_seed(7)
+        x = torch.randn(a.tokens, a.hidden, device=dev, generator=gen).bfloat16()
+        x.requires_grad_(True)
+        g = torch.randn(a.tokens, a.hidden, device=dev, generator=gen)
+        step = fwd_bwd(moe, x, g, params)
+        eager = median_ms(step, a.iters, a.warmup)
+        want = [step().detach().clone()] + [p.grad.clone() for p in params]
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        for p in params + [x]:
+            p.grad = None
+        with et.keep_handles() as kept, torch.cuda.graph(graph, stream=side):
+            loss = _graph_body(moe, x, g)
+        replay = median_ms(graph.replay, a.iters, a.warmup)
+        got = [loss] + [p.grad for p in params]
+        same = all(torch.equal(u, v) for u, v in zip(got, want))
+        del graph, kept, loss, got
+        moe.buffer.close()
+    return dict(eager=eager, graph=replay, same=same)
+
+
+def _graph_body(moe, x, g):
+    """The captured step: grads start from None, so backward allocates them
+    in the graph's pool and each replay overwrites them."""
+    loss = (moe(x).float() * g).sum()
+    loss.backward()
+    return loss
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--hidden", type=int, default=7168)
+    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--ffn", type=int, default=2048)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--skip-two", action="store_true")
+    ap.add_argument("--skip-one", action="store_true")
+    a = ap.parse_args()
+    print("torch %s, %s, libepx %s (cuda %d, nccl %d)" % (
+        torch.__version__, torch.cuda.get_device_name(0), epx.library_path, epx.has_cuda(),
+        epx.has_nccl()))
+    print("shape: T=%d/rank H=%d E=%d top-%d FFN=%d bf16, fwd+bwd, median of %d" % (
+        a.tokens, a.hidden, a.experts, a.topk, a.ffn, a.iters))
+    ok = True
+    rows = []
+    if not a.skip_two:
+        r = run_two(a)
+        ok &= r["err"] < 2e-2
+        rows += [("2 GPU  epx.torch.MoE", r["epx"], "%.2fx plain" % (r["torch"] / r["epx"])),
+                 ("2 GPU  plain PyTorch (index ops + all_to_all_single)", r["torch"], ""),
+                 ("2 GPU  checkpointed, recompute replays handles", r["ckpt_replay"],
+                  "%.1f%% faster" % (100 * (1 - r["ckpt_replay"] / r["ckpt_recompute"]))),
+                 ("2 GPU  checkpointed, recompute lays out again", r["ckpt_recompute"], ""),
+                 ("2 GPU  max |epx - plain| / max |plain| (out)", r["err"],
+                  "ok" if r["err"] < 2e-2 else "MISMATCH")]
+    if not a.skip_one:
+        r = run_one(a)
+        ok &= r["same"]
+        rows += [("1 GPU  eager", r["eager"], ""),
+                 ("1 GPU  CUDA graph replay", r["graph"],
+                  "%.2fx eager, %s" % (r["eager"] / r["graph"],
+                                       "bit-identical" if r["same"] else "DIFFERS"))]
+    print("%-56s %10s  %s" % ("case", "ms/step", ""))
+    for name, v, note in rows:
+        print("%-56s %10.3f  %s" % (name, v, note))
+    print("OK" if ok else "FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
