@@ -197,3 +197,12 @@ epx_status_t epx_comm_agree(epx_comm_t comm, epx_status_t local, const char *cal
                      "moved on any rank", caller, (long long)(failed_rank - 1));
   return EPX_SUCCESS;
 }
+
+epx_status_t epx_comm_handshake(epx_comm_t comm, const char *caller, const void *send, void *recv,
+                                size_t bytes, epx_comm_then_fn then, void *ctx) {
+  epx_status_t status = epx_comm_check_alive(comm, caller);
+  if (status != EPX_SUCCESS) return status;
+  if (comm->ops->handshake) return comm->ops->handshake(comm, caller, send, recv, bytes, then, ctx);
+  status = comm->ops->alltoall(comm, caller, send, recv, bytes);
+  return status != EPX_SUCCESS ? status : then(ctx, recv);
+}

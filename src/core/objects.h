@@ -46,7 +46,7 @@ struct epx_handle {
   int32_t top_k;               /* K of the routing */
   int64_t recv_rows;           /* N (CUDA with worst_case_sizing: the bound) */
   uint64_t routing_hash;       /* hash of topk_idx, for recorder validation */
-  struct epx_cpu_plan *cpu;    /* src/cpu/exchange.c */
+  struct epx_cpu_plan *cpu;    /* src/cpu/exchange.h (built by layout.c) */
   void *cuda;                  /* src/cuda */
 };
 
