@@ -59,7 +59,8 @@ sanitize:
 # The fuzzers (clang, ASan + UBSan; tests/fuzz), FUZZ_SECONDS each: libFuzzer
 # on the one-rank API (its corpus kept in $(FUZZ_BUILD)/corpus, a finding's
 # input in $(FUZZ_BUILD)/crash-*), then the seeded multi-rank scenarios from
-# FUZZ_SEED (a finding prints its seed; re-run it with --seed N --count 1).
+# FUZZ_SEED, ranks in different collective calls among them (a finding
+# prints its seed; re-run it with --seed N --count 1).
 fuzz:
 	CC=clang cmake -S . -B $(FUZZ_BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DEPX_BUILD_FUZZERS=ON \
 	  -DEPX_BUILD_TESTS=OFF -DEPX_BUILD_MPI=OFF $(CMAKE_FLAGS)
@@ -67,7 +68,7 @@ fuzz:
 	mkdir -p $(FUZZ_BUILD)/corpus
 	$(FUZZ_BUILD)/tests/fuzz/fuzz_api -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1 \
 	  -artifact_prefix=$(FUZZ_BUILD)/ $(FUZZ_BUILD)/corpus
-	$(FUZZ_BUILD)/tests/fuzz/fuzz_scenarios --seconds $(FUZZ_SECONDS) --seed $(FUZZ_SEED)
+	$(FUZZ_BUILD)/tests/fuzz/fuzz_scenarios --seconds $(FUZZ_SECONDS) --seed $(FUZZ_SEED) --mismatched
 
 clean:
 	rm -rf $(BUILD) $(ASAN_BUILD) $(FUZZ_BUILD)
