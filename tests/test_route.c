@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/route_spec.h"
 #include "testutil.h"
 
 /* Weights and losses: float32 results of float32 scores. */
@@ -401,6 +402,71 @@ static void test_route_ties(void **state) {
     assert_int_equal(o.idx[t * 2 + 1], 3);
   }
   outs_free(&o);
+}
+
+/* bench/gpu/bench_route.cu's inputs (8192 x 256, the same generator): per
+ * token a permutation of uneven logit levels scaled by 0.5 + t/T, and a bias
+ * in steps of 1e-3. Sigmoid plus bias ties there in float32 but not in
+ * float64 (token 7976: experts 26 and 90 both score 1.00171554), which the
+ * spec decides in float32, lower expert first; and near-ties one float32
+ * step apart (token 2122: experts 63 and 78) that a float32 sigmoid of
+ * expf, rounded three times, made ties. The GPU run found 156 routes of
+ * 65536 apart from the reference, which then decided in float64. */
+enum { BENCH_T = 8192, BENCH_E = 256 };
+
+static void bench_inputs(float *logits, float *bias) {
+  uint64_t x = 0x9E3779B97F4A7C15ull;
+  int perm[BENCH_E];
+  for (int64_t t = 0; t < BENCH_T; t++) {
+    for (int e = 0; e < BENCH_E; e++) perm[e] = e;
+    for (int e = BENCH_E - 1; e > 0; e--) {
+      x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+      const int j = (int)(x % (uint64_t)(e + 1)), keep = perm[e];
+      perm[e] = perm[j];
+      perm[j] = keep;
+    }
+    const float scale = 0.5f + (float)t / (float)BENCH_T;
+    for (int e = 0; e < BENCH_E; e++)
+      logits[t * BENCH_E + e] = scale * (-4.0f + 8.0f * powf((float)perm[e] / BENCH_E, 1.3f));
+  }
+  for (int e = 0; e < BENCH_E; e++) bias[e] = 1e-3f * (float)((e * 37) % 11);
+}
+
+static void test_route_float32_ties_of_bench(void **state) {
+  (void)state;
+  float *logits = tu_alloc(sizeof(float) * BENCH_T * BENCH_E), bias[BENCH_E];
+  bench_inputs(logits, bias);
+  const float *row = logits + 7976 * BENCH_E;
+  /* The inputs still hold the tie this test is about. */
+  assert_true(epx_route_sigmoid_f32(row[26]) + bias[26] == epx_route_sigmoid_f32(row[90]) + bias[90]);
+  assert_true(1.0 / (1.0 + exp(-(double)row[26])) + bias[26] !=
+              1.0 / (1.0 + exp(-(double)row[90])) + bias[90]);
+  epx_route_config_t c = config_make(BENCH_E, 8);
+  c.score_fn = EPX_SCORE_SIGMOID;
+  c.num_groups = 8;
+  c.topk_groups = 4;
+  c.scaling_factor = 2.5f;
+  c.aux_loss_coeff = 1e-3f;
+  c.z_loss_coeff = 1e-4f;
+  check_against_reference(&c, BENCH_T, logits, bias, "bench DeepSeek-V3");
+  c.group_score_experts = 4;
+  check_against_reference(&c, BENCH_T, logits, bias, "bench group score of 4");
+  c.group_score_experts = 0;
+  c.aux_counts = EPX_AUX_COUNTS_PLAIN_TOPK;
+  c.aux_loss_sequences = 4;
+  check_against_reference(&c, BENCH_T, logits, bias, "bench plain top-k aux, 4 sequences");
+  /* The tie itself: lower expert first. */
+  outs o;
+  outs_alloc(&o, 1, BENCH_E, 8);
+  c = config_make(BENCH_E, 8);
+  c.score_fn = EPX_SCORE_SIGMOID;
+  c.num_groups = 8;
+  c.topk_groups = 4;
+  TU_OK(epx_route(&c, 1, row, bias, &o.out));
+  assert_int_equal(o.idx[5], 26);
+  assert_int_equal(o.idx[6], 90);
+  outs_free(&o);
+  tu_free(logits);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -1299,6 +1365,7 @@ int main(void) {
       cmocka_unit_test(test_route_bias_selects_not_weights),
       cmocka_unit_test(test_route_group_limited),
       cmocka_unit_test(test_route_ties),
+      cmocka_unit_test(test_route_float32_ties_of_bench),
       cmocka_unit_test(test_route_capacity_by_hand),
       cmocka_unit_test(test_route_dropless),
       cmocka_unit_test(test_route_capacity_formula),

@@ -2,16 +2,28 @@
  * src/cpu/route.c, the CUDA kernels src/cuda/route_*.cu, the float64
  * reference src/cpu/route_reference.c and tools/epx-bench) computes the same
  * way. Usable from C and from CUDA device code (plain inline functions, no
- * library calls but ceil/ceilf).
+ * library calls but ceil/ceilf and the double exp/log1p/sqrt of the scores).
  *
  * Per token t with finite logits l[E] that the token mask keeps:
  *  1. scores p[E]: softmax(l) (EPX_SCORE_SOFTMAX), sigmoid(l), or
- *     sqrt(softplus(l)) with torch's softplus (l > 20: l). Float32 on the
- *     fast paths. EPX_SCORE_SOFTMAX_AFTER_TOPK selects on l itself.
- *  2. selection scores s[e] = p[e] (l[e] after top-k) + bias[e] if a bias.
- *  3. group-limited (num_groups > 1): a group's score is the sum of its
- *     epx_route_group_top() best s (all of them if the group is smaller);
- *     the topk_groups best groups are kept; the others' experts are out.
+ *     sqrt(softplus(l)) with torch's softplus (l > 20: l).
+ *     EPX_SCORE_SOFTMAX_AFTER_TOPK selects on l itself.
+ *  2. selection scores s[e] = p32[e] (l[e] after top-k) + bias[e] if a bias,
+ *     added in float32: selection compares float32 numbers, as the peers
+ *     (torch, float32 scores) do. p32 is the float32 rounding of the exact
+ *     score: sigmoid and sqrt-softplus by epx_route_sigmoid_f32 /
+ *     epx_route_sqrt_softplus_f32 below (double, rounded once, so every
+ *     backend and the reference get the same bits but where the exact score
+ *     lies within 2^-29 of a float32 rounding boundary); softmax's float32
+ *     sum depends on the summation order, so for softmax the backends agree
+ *     with the reference's (float)p only away from float32 ties.
+ *     Why float32: float32 scores tie where float64 ones do not (a sigmoid
+ *     of 0.9454 plus a bias of 0.010 equals one of 0.9514 plus 0.004 in
+ *     float32), and such ties are decided by the rule in step 4 everywhere.
+ *  3. group-limited (num_groups > 1): a group's score is the float32 sum of
+ *     its epx_route_group_top() best s, best first from 0 (all of them if
+ *     the group is smaller); the topk_groups best groups are kept; the
+ *     others' experts are out.
  *  4. top-k of s among the allowed experts, best first. Ties, everywhere in
  *     selection (experts and groups): the lower index wins.
  *  5. base weight b_k: p[chosen k], or for softmax-after-top-k the softmax
@@ -52,6 +64,18 @@ extern "C" {
 /* The softplus of torch (beta 1, threshold 20): above the threshold the
  * identity. */
 #define EPX_SOFTPLUS_THRESHOLD 20.0f
+
+/* Step 1's float32 sigmoid: the exact score rounded once (double exp, then
+ * float32), so the CPU, the GPU and the reference select on the same bits. */
+EPX_SPEC_FN float epx_route_sigmoid_f32(float l) {
+  return (float)(1.0 / (1.0 + exp(-(double)l)));
+}
+
+/* Step 1's float32 sqrt(softplus(l)) with torch's threshold, rounded once. */
+EPX_SPEC_FN float epx_route_sqrt_softplus_f32(float l) {
+  const double x = (double)l;
+  return (float)sqrt(l > EPX_SOFTPLUS_THRESHOLD ? x : log1p(exp(x)));
+}
 
 /* Capacity in float32 as torch computes DeepSpeed's _capacity:
  * ceil(f32(T / E) * f32(capacity_factor * K)), then at least min_capacity.

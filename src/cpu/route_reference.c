@@ -1,4 +1,5 @@
-/* The routing reference: src/core/route_spec.h computed in float64 in the
+/* The routing reference: src/core/route_spec.h computed in float64 (but the
+ * selection's comparisons, which the spec makes in float32) in the
  * plainest way (argmax loops, a queue walked in order), short enough to read
  * in one sitting. It shares nothing with the fast paths but the spec
  * header's formulas (capacity, priority, group size, aux denominator). Host
@@ -85,12 +86,12 @@ static void ref_select(const epx_route_config_t *c, ref_scratch *x, int32_t *cho
     const int32_t G = c->num_groups, size = E / G;
     const int32_t n = epx_route_group_top(c->group_score_experts, size);
     for (int32_t g = 0; g < G; g++) {
-      double sum = 0.0;
+      float sum = 0.0f; /* spec step 3: a float32 sum, best first */
       for (int32_t i = 0; i < size; i++) x->mask[i] = 1; /* the group's members, by offset */
       for (int32_t j = 0; j < n; j++) {
         const int32_t best = ref_argmax(x->s + (size_t)g * size, x->mask, size);
         x->mask[best] = 0;
-        sum += x->s[(size_t)g * size + best];
+        sum += (float)x->s[(size_t)g * size + best];
       }
       x->gscore[g] = sum;
     }
@@ -191,7 +192,9 @@ static epx_status_t ref_route_tokens(const char *fn, const epx_route_config_t *c
     r->nvalid++;
     for (int32_t e = 0; e < E; e++) x->row[e] = logits[t * E + e];
     ref_scores(c, x->row, x->p);
-    for (int32_t e = 0; e < E; e++) x->s[e] = x->p[e] + (bias ? bias[e] : 0.0);
+    /* Spec step 2: selection compares float32 scores plus the bias, added
+     * in float32. */
+    for (int32_t e = 0; e < E; e++) x->s[e] = (double)((float)x->p[e] + (bias ? bias[e] : 0.0f));
     ref_select(c, x, ch);
     ref_base(c, x->p, ch, b);
     double sum = 0.0;

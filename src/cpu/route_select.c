@@ -159,13 +159,10 @@ static double route_scores(const route_state *s, const float *row, float *p) {
   switch (s->config->score_fn) {
     case EPX_SCORE_SOFTMAX: return route_softmax(row, n, p);
     case EPX_SCORE_SIGMOID:
-      /* expf in its own loop so the rest vectorises. */
-      for (int32_t e = 0; e < n; e++) p[e] = expf(-row[e]);
-      for (int32_t e = 0; e < n; e++) p[e] = 1.0f / (1.0f + p[e]);
+      for (int32_t e = 0; e < n; e++) p[e] = epx_route_sigmoid_f32(row[e]);
       return NAN;
     case EPX_SCORE_SQRT_SOFTPLUS:
-      for (int32_t e = 0; e < n; e++)
-        p[e] = sqrtf(row[e] > EPX_SOFTPLUS_THRESHOLD ? row[e] : log1pf(expf(row[e])));
+      for (int32_t e = 0; e < n; e++) p[e] = epx_route_sqrt_softplus_f32(row[e]);
       return NAN;
     case EPX_SCORE_SOFTMAX_AFTER_TOPK: memcpy(p, row, sizeof(float) * (size_t)n); return NAN;
   }

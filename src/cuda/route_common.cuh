@@ -226,10 +226,8 @@ __device__ inline void token_scores(const SelectArgs &a, float *X, float *Y, flo
     float p;
     switch (a.score_fn) {
       case EPX_SCORE_SOFTMAX: p = expf(l - m); sumexp += p; break;
-      case EPX_SCORE_SIGMOID: p = 1.0f / (1.0f + expf(-l)); break;
-      case EPX_SCORE_SQRT_SOFTPLUS:
-        p = sqrtf(l > EPX_SOFTPLUS_THRESHOLD ? l : log1pf(expf(l)));
-        break;
+      case EPX_SCORE_SIGMOID: p = epx_route_sigmoid_f32(l); break;
+      case EPX_SCORE_SQRT_SOFTPLUS: p = epx_route_sqrt_softplus_f32(l); break;
       default: p = l; break;
     }
     if (a.score_fn != EPX_SCORE_SOFTMAX && a.need_lse) sumexp += expf(l - m);
