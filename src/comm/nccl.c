@@ -21,6 +21,7 @@
  * creation and enqueueing never block the host either. */
 #include "comm/nccl.h"
 
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -62,10 +63,19 @@ static double now_seconds(void) {
   return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-/* Between polls: spin at first (a sleep costs the timer slack, about 50 us,
- * on every short wait), then sleep. */
-static void pause_briefly(int *polls) {
-  if ((*polls)++ < 20000) return;
+/* Between the polls of a wait that began at `started`. For its first 2 ms
+ * a wait yields the core, then it sleeps. Neither a sleep (the timer slack,
+ * about 50 us, on every short wait) nor a spin: a nonblocking NCCL comm
+ * launches each call from a thread of its own, and where the launcher binds
+ * each rank to one core (mpirun does for 2 ranks) that thread shares the
+ * waiting thread's core, so a spin starves the very work it waits for (a
+ * 20000-poll spin cost every NCCL call about 1 ms on 2 H200). sched_yield
+ * hands the core to that thread, and returns at once where none is ready. */
+static void pause_briefly(double started) {
+  if (now_seconds() - started < 2e-3) {
+    sched_yield();
+    return;
+  }
   struct timespec ts = {0, 20000};
   nanosleep(&ts, NULL);
 }
@@ -113,8 +123,7 @@ static epx_status_t timed_out(epx_comm_t comm, const char *caller, const char *w
 /* Polls the comms' asynchronous state until both leave ncclInProgress. */
 static epx_status_t settle(epx_comm_t comm, const char *caller, const char *what) {
   nccl_state_t *s = comm->impl;
-  double deadline = now_seconds() + comm->timeout_seconds;
-  int polls = 0;
+  const double started = now_seconds(), deadline = started + comm->timeout_seconds;
   for (;;) {
     int busy = 0;
     for (int i = 0; i < 2; i++) {
@@ -128,7 +137,7 @@ static epx_status_t settle(epx_comm_t comm, const char *caller, const char *what
     }
     if (!busy) return EPX_SUCCESS;
     if (comm->timeout_seconds > 0 && now_seconds() > deadline) return timed_out(comm, caller, what);
-    pause_briefly(&polls);
+    pause_briefly(started);
   }
 }
 
@@ -140,8 +149,7 @@ epx_status_t epx_nccl_result(epx_comm_t comm, int result, const char *caller, co
 
 epx_status_t epx_nccl_wait(epx_comm_t comm, void *stream, const char *caller) {
   nccl_state_t *s = comm->impl;
-  double deadline = now_seconds() + comm->timeout_seconds;
-  int polls = 0;
+  const double started = now_seconds(), deadline = started + comm->timeout_seconds;
   for (;;) {
     cudaError_t e = cudaStreamQuery((cudaStream_t)stream);
     if (e == cudaSuccess) return EPX_SUCCESS;
@@ -159,7 +167,7 @@ epx_status_t epx_nccl_wait(epx_comm_t comm, void *stream, const char *caller) {
     }
     if (comm->timeout_seconds > 0 && now_seconds() > deadline)
       return timed_out(comm, caller, "the NCCL work on the stream");
-    pause_briefly(&polls);
+    pause_briefly(started);
   }
 }
 
