@@ -72,6 +72,12 @@ typedef struct ep_buffer {
   int fused_tried;
   int32_t fused_ctas; /* the SM budget, clamped to the device's SMs */
   epx_fused_plan_t *spare; /* the empty layout of an oversize rank (worst_case_sizing) */
+  /* Plans of released handles, for the next layouts: every plan is sized for
+   * the buffer's worst case, and reusing one needs no cudaMalloc (not in a
+   * CUDA graph capture of global mode) and no cudaFree (which waits for the
+   * device) on handle release. */
+  epx_fused_plan_t *pool[8];
+  int pooled;
 } ep_buffer_t;
 
 /* handle->cuda on W ranks */
@@ -165,6 +171,7 @@ void epx_cuda_ep_buffer_fini(epx_buffer_t b) {
   ep_buffer_t *s = b->cuda;
   if (!s) return;
 #if EPX_HAVE_FUSED
+  while (s->pooled > 0) epx_fused_plan_destroy(s->pool[--s->pooled]);
   if (s->spare) epx_fused_plan_destroy(s->spare);
   if (s->fused) epx_fused_destroy(s->fused); /* collective: the window is deregistered */
 #endif
@@ -261,7 +268,8 @@ static epx_status_t fused_layout(epx_buffer_t b, const epx_routing_t *r, ep_hand
   epx_status_t status = EPX_SUCCESS;
   ep_buffer_t *s = b->cuda;
   EPX_CHECK(fused_alive(s, fn));
-  EPX_CHECK(epx_fused_plan_create(s->fused, b->config.layout, b->config.expert_alignment, &h->plan));
+  if (s->pooled > 0) h->plan = s->pool[--s->pooled];
+  else EPX_CHECK(epx_fused_plan_create(s->fused, b->config.layout, b->config.expert_alignment, &h->plan));
   CUDA_CHECK(epx_fused_layout_launch(s->fused, h->plan, r->topk_idx, r->topk_w, r->num_tokens, r->top_k,
                                      stream_of(b)),
              fn, "the fused layout kernels");
@@ -318,7 +326,9 @@ void epx_cuda_ep_handle_fini(epx_handle_t handle) {
   ep_handle_t *h = handle->cuda;
   if (!h) return;
 #if EPX_HAVE_FUSED
-  if (h->plan) epx_fused_plan_destroy(h->plan);
+  ep_buffer_t *s = handle->buffer->cuda;
+  if (h->plan && s->pooled < (int)(sizeof s->pool / sizeof s->pool[0])) s->pool[s->pooled++] = h->plan;
+  else if (h->plan) epx_fused_plan_destroy(h->plan);
 #endif
   if (h->block) cudaFreeAsync(h->block, stream_of(handle->buffer));
   free(h->count[0]);
