@@ -485,7 +485,16 @@ typedef enum epx_exchange_path {
    * build has the fused module, and every peer is reachable by load/store
    * (one NVLink domain); NCCL's host API (grouped send/recv) otherwise. In
    * this version the choice is all or nothing: if any peer lacks load/store
-   * access, every peer takes the host path. The two paths give the same bits. */
+   * access, every peer takes the host path. The two paths give the same bits.
+   * On the fused path: the fused state (a symmetric window of about
+   * W * max_tokens_per_rank * H * (dtype size + 4) bytes) is made at buffer
+   * creation, or at the first epx_dispatch_layout when max_tokens_per_rank
+   * is agreed there; epx_dispatch, epx_combine and both backward passes run
+   * the fused kernels, except calls that compute grad_w (the weight
+   * gradients are not fused yet: those calls, and epx_weights_backward, take
+   * the host path, same bits); each layout still also builds the host
+   * layout, which serves the handle's queries and those calls; and
+   * epx_buffer_destroy is collective (the window is deregistered). */
   EPX_PATH_AUTO = 0,
   /* NCCL's host API for every peer (the previous path; to compare the two on
    * the same GPUs, or where the fused window's memory is not wanted). */
@@ -537,7 +546,7 @@ typedef struct epx_buffer_config {
    * copy senders as the backend uses them), dispatch / combine in ms:
    * 8 SMs 0.814 / 1.567, 16 SMs 0.396 / 0.817, 24 SMs 0.402 / 0.568,
    * 32 SMs 0.405 / 0.439 (NCCL's send/recv of the same rows: 0.422).
-   * Ignored by the host path. */
+   * Clamped to the device's SM count. Ignored by the host path. */
   int32_t sm_budget;
 } epx_buffer_config_t;
 
@@ -578,7 +587,9 @@ epx_status_t epx_buffer_config_init(epx_buffer_config_t *config, size_t struct_s
 epx_status_t epx_buffer_create(epx_comm_t comm, const epx_buffer_config_t *config,
                                epx_buffer_t *buffer);
 /* EPX_ERROR_BUSY (and nothing released) while handles from it are alive.
- * Not collective. */
+ * Not collective, except for a buffer on the fused path
+ * (epx_buffer_peer_paths reports EPX_PATH_FUSED): every rank of its comm
+ * destroys it, in the same order as its other buffers on that path. */
 epx_status_t epx_buffer_destroy(epx_buffer_t buffer);
 /* Agreed tokens per rank (0 until agreed). */
 epx_status_t epx_buffer_max_tokens(epx_buffer_t buffer, int64_t *max_tokens_per_rank);

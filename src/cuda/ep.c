@@ -29,7 +29,17 @@
  * size (Tm rows per peer for pairs, Tm*min(Kb, E_local) for routes), rows
  * land at peer * bound + index, the receive layout's N stays on the device;
  * a host refusal on one rank then reaches its peers only as a timeout of
- * their next bounded wait (documented in epx.h). */
+ * their next bounded wait (documented in epx.h).
+ *
+ * The fused path (EPX_PATH_AUTO, dedup, expert- or rank-major, every peer
+ * reachable by load/store; fused.h): the buffer holds the fused state, each
+ * handle a fused plan laid out after the host layout above (which still
+ * serves the queries, epx_weights_backward and the calls computing grad_w,
+ * not in the fused module). dispatch / combine_backward are the fused
+ * dispatch, combine / dispatch_backward the fused combine: the same bits as
+ * the host path (P(t, r) in k order in float32 without FMA, rounded once to
+ * the dtype in payload precision — own partial included, as the host path
+ * rounds its self block — summed over r ascending, rounded once). */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
