@@ -85,6 +85,15 @@ fi
   verdict "benchmark (host-checked dispatch/combine, timings)" FAIL
 PYTHONUNBUFFERED=1 timeout 300 python3 bench/gpu/bench_torch.py "$WORK" >"$OUTDIR/torch.log" 2>&1 &&
   verdict "PyTorch baselines" PASS || verdict "PyTorch baselines" FAIL
+# Routing: every option against the float64 reference, then route / layout /
+# route+layout timed as CUDA graphs (issue 9's 25 us target row).
+if [ $BUILD_OK = 1 ] && nvcc -O3 -std=c++17 -arch=sm_90 -Iinclude -Isrc bench/gpu/bench_route.cu -o "$WORK/bench_route" \
+     -L"$BUILD" -lepx -Xlinker -rpath -Xlinker "$PWD/$BUILD" >"$OUTDIR/bench_route.log" 2>&1 &&
+   timeout 120 "$WORK/bench_route" >>"$OUTDIR/bench_route.log" 2>&1; then
+  verdict "routing benchmark (vs float64 reference; target row)" PASS
+else
+  verdict "routing benchmark (vs float64 reference; target row)" FAIL
+fi
 
 echo "epx gpu-check: bench done ($(date +%T))"
 # compute-sanitizer at trimmed sizes.
@@ -160,10 +169,10 @@ fi
 {
   echo
   echo "== targets (measured; limit)"
-  grep -h '^TARGET' "$OUTDIR/bench.log" "$OUTDIR/bench2.log" 2>/dev/null | sed 's/^TARGET //'
+  grep -h '^TARGET' "$OUTDIR/bench.log" "$OUTDIR/bench_route.log" "$OUTDIR/bench2.log" 2>/dev/null | sed 's/^TARGET //'
   echo
   echo "== bench"
-  grep -hE '^(DEVICE|SHAPE|CHECK|RESULT|NOTE|TORCH)' "$OUTDIR/bench.log" "$OUTDIR/bench2.log" 2>/dev/null
+  grep -hE '^(DEVICE|SHAPE|CHECK|RESULT|NOTE|TORCH)' "$OUTDIR/bench.log" "$OUTDIR/bench_route.log" "$OUTDIR/bench2.log" 2>/dev/null
   echo
   grep -E '^(TORCH|\|)' "$OUTDIR/torch.log"
 } >>"$SUMMARY" 2>/dev/null

@@ -189,21 +189,45 @@ int epx_has_mpi(void);
 /* ------------------------------------------------------------------------ */
 /* Routing: logits[T, E] -> topk_idx[T, K], topk_w[T, K], locations, losses  */
 /* ------------------------------------------------------------------------ */
+/* Each option below says which setting of DeepSpeed (deepspeed.moe.
+ * sharded_moe: top1gating, top2gating, topkgating) or Megatron-core
+ * (megatron/core/transformer/moe/router.py, moe_utils.py) it reproduces; the
+ * README's "coming from DeepSpeed / Megatron" table maps their arguments. */
 
 typedef enum epx_score_fn {
-  EPX_SCORE_SOFTMAX = 0, /* p = softmax(logits) over E */
-  EPX_SCORE_SIGMOID = 1  /* p = sigmoid(logits), each expert independently (DeepSeek-V3) */
+  EPX_SCORE_SOFTMAX = 0, /* p = softmax(logits) over E, then top-k of p (DeepSpeed; Megatron
+                            moe_router_pre_softmax=True) */
+  EPX_SCORE_SIGMOID = 1, /* p = sigmoid(logits), each expert independently (Megatron
+                            moe_router_score_function="sigmoid", DeepSeek-V3) */
+  /* top-k of the logits, then the weights are the softmax of the K chosen
+   * logits (Megatron's default, moe_router_pre_softmax=False); groups rank on
+   * the logits too. renormalize is then redundant: leave it 0 to match
+   * Megatron's rounding. */
+  EPX_SCORE_SOFTMAX_AFTER_TOPK = 2,
+  EPX_SCORE_SQRT_SOFTPLUS = 3 /* p = sqrt(softplus(logits)) (Megatron "sqrtsoftplus") */
 } epx_score_fn_t;
 
 typedef enum epx_queue_order {
-  EPX_QUEUE_BY_CHOICE = 0, /* all first choices queue before any second choice (GShard, Tutel) */
-  EPX_QUEUE_BY_TOKEN = 1   /* a token's k choices together, tokens in order (DeepSpeed top-k gating) */
+  EPX_QUEUE_BY_CHOICE = 0, /* all first choices queue before any second choice (GShard, Tutel,
+                              DeepSpeed top2gating) */
+  EPX_QUEUE_BY_TOKEN = 1   /* a token's k choices together, tokens in order (DeepSpeed topkgating) */
 } epx_queue_order_t;
 
 typedef enum epx_drop_policy {
-  EPX_DROP_BY_POSITION = 0,   /* the first C routes of each expert in queue order stay */
-  EPX_DROP_BY_PROBABILITY = 1 /* the C highest-weight routes of each expert stay (ties: queue order),
-                                 located in queue order among themselves */
+  EPX_DROP_BY_POSITION = 0,   /* the first C routes of each expert in queue order stay
+                                 (drop_policy="position") */
+  /* The C routes of each expert with the largest weight before the drop stay
+   * (ties: queue order), located in queue order among themselves (Megatron
+   * moe_token_drop_policy="probs", which ranks by its routing probs). */
+  EPX_DROP_BY_PROBABILITY = 1,
+  /* The same, ranked by the raw gate score of the route (p of the expert;
+   * softmax-after-top-k: the softmax of the chosen logits), before any
+   * renormalisation or scaling (DeepSpeed topkgating drop_policy="probs"). */
+  EPX_DROP_BY_SCORE = 2,
+  /* The same, ranked by a seeded random priority of each route
+   * (config->random_seed; the same on every backend): DeepSpeed's random
+   * token selection (top1gating use_rts=True). */
+  EPX_DROP_BY_RANDOM_PRIORITY = 3
 } epx_drop_policy_t;
 
 typedef enum epx_nonfinite_policy {
@@ -215,6 +239,27 @@ typedef enum epx_nonfinite_policy {
                               counted in epx_route_output_t.nonfinite_tokens */
 } epx_nonfinite_policy_t;
 
+typedef enum epx_capacity_arithmetic {
+  /* C = ceil(f32(T/E) * f32(capacity_factor * K)) in float32, as torch
+   * computes DeepSpeed's _capacity (T=80, E=8, K=1, factor 1.1: C = 11). */
+  EPX_CAPACITY_FLOAT32 = 0,
+  /* C = ceil((T*K/E) * capacity_factor_f64) in double, as Megatron's
+   * get_capacity computes it in Python (the two differ in about 1% of
+   * shapes; the factor is a double here so that 1.1 means Python's 1.1). */
+  EPX_CAPACITY_FLOAT64 = 1
+} epx_capacity_arithmetic_t;
+
+typedef enum epx_aux_counts {
+  /* F_e = every route chosen for e before dropping (Switch; DeepSpeed
+   * top1gating/topkgating) */
+  EPX_AUX_COUNTS_SELECTED = 0,
+  /* F_e = first choices only, f_e = F_e / T (GShard; DeepSpeed top2gating) */
+  EPX_AUX_COUNTS_FIRST_CHOICE = 1,
+  /* F_e = a plain top-k of the aux scores q that ignores groups and bias
+   * (Megatron compute_routing_scores_for_aux_loss) */
+  EPX_AUX_COUNTS_PLAIN_TOPK = 2
+} epx_aux_counts_t;
+
 typedef struct epx_route_config {
   uint32_t struct_size; /* sizeof(epx_route_config_t) */
   uint32_t version;     /* EPX_CONFIG_VERSION */
@@ -222,37 +267,72 @@ typedef struct epx_route_config {
   int32_t top_k;        /* 1 <= K <= E */
   epx_score_fn_t score_fn;
   /* Group-limited selection: experts are split into num_groups equal groups
-   * (E % num_groups == 0); a group's score is the sum of its two best expert
-   * scores (its best if a group has one expert); the topk_groups best groups are kept and
-   * top-k is taken among their experts. num_groups <= 1 disables it. */
+   * (E % num_groups == 0); a group's score is the sum of its
+   * group_score_experts best selection scores (default 2, fewer if the group
+   * is smaller); the topk_groups best groups are kept and top-k is taken
+   * among their experts. num_groups <= 1 disables it. */
   int32_t num_groups;
   int32_t topk_groups;
   /* Selection uses p + bias[e] when the route call gets a bias (aux-loss-free
    * balancing); weights always use p without the bias. */
   int32_t renormalize;    /* 1: w[t,:] = p[t, chosen] / sum(p[t, chosen]) */
   float scaling_factor;   /* w *= scaling_factor (after renormalisation) */
-  /* Capacity mode: C = max(ceil(K*T/E * capacity_factor), min_capacity);
-   * each route gets a location from a running count per expert in
-   * queue_order; routes at location >= C (after drop_policy) are dropped:
-   * topk_idx = -1, topk_w = 0, location = -1. capacity_mode = 0 is dropless:
-   * every route is kept and locations are still written (the rank of the
-   * route in its expert's queue). */
+  /* Capacity mode: C by capacity_arithmetic (at least min_capacity); each
+   * route gets a location from a running count per expert in queue_order;
+   * routes at location >= C (after drop_policy) are dropped: topk_idx = -1,
+   * topk_w = 0, location = -1. capacity_mode = 0 is dropless: every route is
+   * kept and locations are still written (the rank of the route in its
+   * expert's queue); epx_route_agree_capacity then gives DeepSpeed's
+   * drop_tokens=False capacity. */
   int32_t capacity_mode;
   float capacity_factor;
   int32_t min_capacity;
   epx_queue_order_t queue_order;
   epx_drop_policy_t drop_policy;
-  /* Losses (computed when the output pointers are non-NULL):
-   *   aux_loss = aux_loss_coeff * E * sum_e f_e * P_e   (Switch / GShard)
-   *     f_e = (routes chosen for e before dropping) / (T_valid * K)  (no gradient)
-   *     P_e = mean over valid tokens of q[t,e], q = softmax(logits) for softmax,
-   *           q = sigmoid(logits) / sum_e sigmoid(logits) for sigmoid
+  /* Losses (computed when the output pointers are non-NULL), over the valid
+   * tokens (finite logits, not masked out), Tv of them:
+   *   aux_loss = aux_loss_coeff * E * sum_e F_e * P_e / D
+   *     F_e = routes counted for e by aux_counts (no gradient),
+   *     P_e = sum over valid tokens of q[t,e], q = softmax(logits) for the
+   *           softmax scores, q = p / sum_e p for sigmoid and sqrt-softplus,
+   *     D   = K * Tv^2 (Switch / GShard: E * sum_e f_e * mean q_e with
+   *           f_e = F_e / (Tv K)); Tv^2 with EPX_AUX_COUNTS_FIRST_CHOICE;
+   *           see aux_loss_sequences and aux_loss_expert_counts
    *   z_loss = z_loss_coeff * mean over valid tokens of logsumexp(logits[t,:])^2 */
   float aux_loss_coeff;
   float z_loss_coeff;
   epx_nonfinite_policy_t nonfinite;
   epx_device_t device; /* where logits and every output live */
   void *stream;        /* cudaStream_t for EPX_DEVICE_CUDA (NULL = default stream) */
+
+  /* ---- Options added for drop-in parity with DeepSpeed and Megatron ---- */
+  epx_capacity_arithmetic_t capacity_arithmetic; /* EPX_CAPACITY_FLOAT32 */
+  double capacity_factor_f64; /* the factor of EPX_CAPACITY_FLOAT64 (capacity_factor is then unused) */
+  /* 1: renormalise over the routes that survive the drop instead of the K
+   * chosen (DeepSpeed top2gating / topkgating: a token that lost one of its
+   * two routes gets weight 1 on the other). Needs renormalize = 1. */
+  int32_t renormalize_after_drop;
+  /* Experts summed into a group's score; 0 means 2 (DeepSeek-V3). Megatron's
+   * group_limited_topk sums top_k / topk_groups. */
+  int32_t group_score_experts;
+  epx_aux_counts_t aux_counts; /* EPX_AUX_COUNTS_SELECTED */
+  /* Sequence-level aux loss (Megatron seq_aux_loss): B > 1 sequences, token t
+   * in sequence t % B (Megatron's [seq, batch] token order; T % B == 0); the
+   * loss is the mean over sequences of each sequence's aux loss (F and P per
+   * sequence, Megatron's S = Tv / B). 0 or 1: the batch-level loss. */
+  int32_t aux_loss_sequences;
+  /* Global aux loss (Megatron global_aux_loss): F_e are these counts [E]
+   * (the global batch's, e.g. summed over ranks with epx_route_sum_counts),
+   * D = K * aux_loss_tokens^2 with aux_loss_tokens the global batch's
+   * tokens; P stays this rank's. Memory of the config's device; NULL: off. */
+  const float *aux_loss_expert_counts;
+  double aux_loss_tokens;
+  uint64_t random_seed; /* the seed of EPX_DROP_BY_RANDOM_PRIORITY */
+  /* Padding mask [T] (uint8, memory of the config's device): 0 = a padding
+   * token, which routes nowhere (K slots -1, weight 0) and counts in no loss
+   * and no count; NULL: every token is real. Megatron's padding_mask with
+   * the other sense (True = padding there). */
+  const uint8_t *token_mask;
 } epx_route_config_t;
 
 /* The defaults, in field order. num_experts and top_k have none (0 is
@@ -277,7 +357,17 @@ typedef struct epx_route_config {
     0.0f,                       /* z_loss_coeff */                                     \
     EPX_NONFINITE_ERROR,        /* nonfinite */                                        \
     EPX_DEVICE_CPU,             /* device */                                           \
-    NULL                        /* stream: the default stream */                       \
+    NULL,                       /* stream: the default stream */                       \
+    EPX_CAPACITY_FLOAT32,       /* capacity_arithmetic: torch float32 */               \
+    0.0,                        /* capacity_factor_f64 */                              \
+    0,                          /* renormalize_after_drop */                           \
+    0,                          /* group_score_experts: the best 2 */                  \
+    EPX_AUX_COUNTS_SELECTED,    /* aux_counts */                                       \
+    0,                          /* aux_loss_sequences: batch-level */                  \
+    NULL,                       /* aux_loss_expert_counts: no global aux loss */       \
+    0.0,                        /* aux_loss_tokens */                                  \
+    0,                          /* random_seed */                                      \
+    NULL                        /* token_mask: every token real */                     \
   }
 
 /* Fills the first struct_size bytes of *config with EPX_ROUTE_CONFIG_INIT's
@@ -291,7 +381,7 @@ typedef struct epx_route_output {
   int32_t *topk_idx;      /* [T, K] expert ids, best first; -1 = dropped */
   float *topk_w;          /* [T, K] weights; 0 where dropped */
   int32_t *locations;     /* [T, K] slot in the expert's queue; -1 where dropped */
-  int32_t *expert_counts; /* [E] routes chosen per expert before dropping */
+  int32_t *expert_counts; /* [E] routes chosen per expert before dropping (valid tokens) */
   float *aux_loss;        /* scalar */
   float *z_loss;          /* scalar */
   int32_t capacity;       /* out (host): C in capacity mode, 0 in dropless mode */
@@ -307,11 +397,29 @@ epx_status_t epx_route(const epx_route_config_t *config, int64_t num_tokens,
  * [T, K] (NULL = zeros) and the loss gradients (scalars, host values; 0 when
  * unused). The selection is recomputed from logits and bias (deterministic);
  * topk_idx is the forward's output, so dropped routes get no gradient.
- * Renormalisation and scaling are differentiated; bias is not. */
+ * Renormalisation (before or after the drop) and scaling are differentiated;
+ * bias, counts and the drop are not. Masked and dropped tokens get zeros. */
 epx_status_t epx_route_backward(const epx_route_config_t *config, int64_t num_tokens,
                                 const float *logits, const float *bias,
                                 const int32_t *topk_idx, const float *grad_topk_w,
                                 float grad_aux_loss, float grad_z_loss, float *grad_logits);
+
+typedef struct epx_comm *epx_comm_t; /* see Communicators below */
+
+/* The capacity of dropless routing agreed across ranks (collective over
+ * comm): *capacity = the largest expert_counts[e] ([E], host memory, this
+ * rank's epx_route output) on any rank. This is DeepSpeed's
+ * drop_tokens=False (an all-reduce MAX of the per-expert counts); the
+ * dropless locations are then all below it, so the routing feeds the capacity
+ * layout. A separate call because epx_route is rank-local and has no comm. */
+epx_status_t epx_route_agree_capacity(epx_comm_t comm, int32_t num_experts,
+                                      const int32_t *expert_counts, int32_t *capacity);
+
+/* Sums per-expert counts over the ranks of comm (collective): global [E] =
+ * sum over ranks of local [E] (host memory), in rank order; with the tokens'
+ * total it feeds the global aux loss (config->aux_loss_expert_counts). */
+epx_status_t epx_route_sum_counts(epx_comm_t comm, int32_t num_experts, const int32_t *local,
+                                  float *global);
 
 /* ------------------------------------------------------------------------ */
 /* Communicators                                                             */
@@ -762,6 +870,27 @@ epx_status_t epx_reference_dense_combine(epx_dtype_t dtype, int64_t num_tokens, 
                                          const int32_t *topk_idx, const float *topk_w,
                                          const int32_t *locations, epx_weighting_t weighting,
                                          const void *expert_out, void *out);
+
+/* The routing reference: epx_route's spec (src/core/route_spec.h) computed
+ * in float64 from the float32 inputs, host memory only (the config's device,
+ * stream and memory pointers are read as host memory). Every routing test
+ * (CPU, GPU, epx-bench, Python) compares with it: integers exactly, weights
+ * and losses to about 1e-5 relative. Outputs as epx_route's, weights and
+ * losses in double; any output but topk_idx and topk_w may be NULL;
+ * *capacity gets C (0 dropless). Selection near float32 ties may differ from
+ * the fast paths'; tests draw inputs away from ties. */
+epx_status_t epx_reference_route(const epx_route_config_t *config, int64_t num_tokens,
+                                 const float *logits, const float *bias, int32_t *topk_idx,
+                                 double *topk_w, int32_t *locations, int32_t *expert_counts,
+                                 double *aux_loss, double *z_loss, int32_t *capacity);
+/* The gradient of epx_route_backward in float64: grad_logits [T, E] from the
+ * forward's topk_idx, grad_topk_w [T, K] (NULL = zeros) and the loss
+ * gradients. */
+epx_status_t epx_reference_route_backward(const epx_route_config_t *config, int64_t num_tokens,
+                                          const float *logits, const float *bias,
+                                          const int32_t *topk_idx, const float *grad_topk_w,
+                                          double grad_aux_loss, double grad_z_loss,
+                                          double *grad_logits);
 
 #ifdef __cplusplus
 }

@@ -527,62 +527,6 @@ static void make_logits(const options_t *o, int32_t rank, int64_t T, float *logi
   free(perm);
 }
 
-/* The route the bench expects from epx_route with the config of
- * route_config(): p = softmax(logits) over E, the K best experts by p (ties
- * to the lower expert), w = p of the chosen expert (no renormalisation). In
- * capacity mode (capacity > 0) routes are queued first choices before second
- * choices, token by token, and those at location >= capacity are dropped. */
-static void ref_route(int64_t T, int32_t E, int32_t K, int32_t capacity, const float *logits,
-                      int32_t *idx, float *w, double *p /* [T, E] */) {
-  for (int64_t t = 0; t < T; t++) {
-    const float *l = logits + t * E;
-    double *pt = p + t * E, mx = l[0], sum = 0.0;
-    for (int32_t e = 1; e < E; e++) mx = l[e] > mx ? l[e] : mx;
-    for (int32_t e = 0; e < E; e++) sum += (pt[e] = exp((double)l[e] - mx));
-    for (int32_t e = 0; e < E; e++) pt[e] /= sum;
-    for (int32_t k = 0; k < K; k++) {
-      int32_t best = -1;
-      for (int32_t e = 0; e < E; e++) {
-        int taken = 0;
-        for (int32_t j = 0; j < k; j++) taken |= idx[t * K + j] == e;
-        if (!taken && (best < 0 || pt[e] > pt[best])) best = e;
-      }
-      idx[t * K + k] = best;
-      w[t * K + k] = (float)pt[best];
-    }
-  }
-  if (capacity <= 0) return;
-  int64_t *queue = calloc((size_t)E, sizeof(int64_t));
-  if (!queue) fatal("out of memory");
-  for (int32_t k = 0; k < K; k++)
-    for (int64_t t = 0; t < T; t++) {
-      int32_t e = idx[t * K + k];
-      if (queue[e]++ >= capacity) {
-        idx[t * K + k] = -1;
-        w[t * K + k] = 0.0f;
-      }
-    }
-  free(queue);
-}
-
-/* d loss / d logits from d loss / d w through softmax: with g_j the gradient
- * of the kept slot that chose expert j (0 elsewhere),
- * grad[t, j] = p_j * (g_j - sum_k g_k * p_{idx_k}). */
-static void ref_route_backward(int64_t T, int32_t E, int32_t K, const int32_t *idx,
-                               const float *grad_w, const double *p, float *grad_logits) {
-  for (int64_t t = 0; t < T; t++) {
-    const double *pt = p + t * E;
-    double dot = 0.0;
-    for (int32_t k = 0; k < K; k++)
-      if (idx[t * K + k] >= 0) dot += (double)grad_w[t * K + k] * pt[idx[t * K + k]];
-    for (int32_t e = 0; e < E; e++) grad_logits[t * E + e] = (float)(-pt[e] * dot);
-    for (int32_t k = 0; k < K; k++) {
-      int32_t e = idx[t * K + k];
-      if (e >= 0) grad_logits[t * E + e] = (float)(pt[e] * ((double)grad_w[t * K + k] - dot));
-    }
-  }
-}
-
 static epx_route_config_t route_config(const options_t *o, int32_t capacity_mode) {
   epx_route_config_t rc = EPX_ROUTE_CONFIG_INIT;
   rc.num_experts = o->experts;
@@ -594,10 +538,29 @@ static epx_route_config_t route_config(const options_t *o, int32_t capacity_mode
   return rc;
 }
 
-/* C of route_config() at T tokens, as the header defines it. */
-static int32_t capacity_of(const options_t *o, int64_t T) {
-  if (o->capacity_factor <= 0.0) return 0;
-  return (int32_t)ceil((double)o->topk * (double)T / o->experts * (float)o->capacity_factor);
+/* The route the bench expects from epx_route with route_config(): the
+ * library's float64 reference (epx_reference_route), weights rounded to
+ * float; *capacity gets its C. */
+static void ref_route(const options_t *o, int32_t capacity_mode, int64_t T, const float *logits,
+                      int32_t *idx, float *w, int32_t *capacity) {
+  const epx_route_config_t rc = route_config(o, capacity_mode);
+  double *w64 = xalloc(sizeof(double) * (size_t)(T * o->topk + 1));
+  TRY(epx_reference_route(&rc, T, logits, NULL, idx, w64, NULL, NULL, NULL, NULL, capacity));
+  for (int64_t i = 0; i < T * o->topk; i++) w[i] = (float)w64[i];
+  free(w64);
+}
+
+/* d loss / d logits from d loss / d w (grad_w [T, K]) by the library's
+ * float64 reference (epx_reference_route_backward), rounded to float. */
+static void ref_route_backward(const options_t *o, int32_t capacity_mode, int64_t T,
+                               const float *logits, const int32_t *idx, const float *grad_w,
+                               float *grad_logits) {
+  const epx_route_config_t rc = route_config(o, capacity_mode);
+  const int64_t n = T * o->experts;
+  double *g64 = xalloc(sizeof(double) * (size_t)(n + 1));
+  TRY(epx_reference_route_backward(&rc, T, logits, NULL, idx, grad_w, 0.0, 0.0, g64));
+  for (int64_t i = 0; i < n; i++) grad_logits[i] = (float)g64[i];
+  free(g64);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -1029,7 +992,8 @@ typedef struct layer_ref {
  * signal), grad_logits. Straight from the definition, expert by expert over
  * this rank's own tokens; no exchange involved. */
 static void layer_reference(const experts_t *ex, epx_dtype_t dtype, int64_t T, int32_t K, const int32_t *idx,
-                            const float *w, const double *p, const void *x, const void *grad_out,
+                            const float *w, const options_t *o, const float *logits, const void *x,
+                            const void *grad_out,
                             layer_ref_t *ref) {
   const int64_t H = ex->H, F = ex->F;
   const int32_t E = ex->E;
@@ -1075,7 +1039,7 @@ static void layer_reference(const experts_t *ex, epx_dtype_t dtype, int64_t T, i
       for (int64_t i = 0; i < H; i++) gx[i] += dx[i];
     }
   }
-  ref_route_backward(T, E, K, idx, ref->grad_w, p, ref->grad_logits);
+  ref_route_backward(o, o->capacity_factor > 0.0, T, logits, idx, ref->grad_w, ref->grad_logits);
   free(count);
   free(slot);
   free(X);
@@ -1484,11 +1448,10 @@ static void main_job_rank(job_t *job, const world_t *w, epx_comm_t comm) {
     progress_note(w, &prog, "checking against the dense reference");
     double t_ref = now_s();
     tolerance_t tol = tolerance_of(dtype);
-    int32_t C = capacity_of(o, T);
+    int32_t C = 0;
     int32_t *ridx = xalloc(sizeof(int32_t) * (size_t)(T * K));
     float *rw = xalloc(sizeof(float) * (size_t)(T * K));
-    double *p = xalloc(sizeof(double) * (size_t)(T * E));
-    ref_route(T, E, K, C, logits, ridx, rw, p);
+    ref_route(o, o->capacity_factor > 0.0, T, logits, ridx, rw, &C);
     if (w->rank == 0)
       printf("check %-34s epx %d, expected %d: %s\n", "route capacity", (int)capacity, (int)C,
              capacity == C ? "ok" : "FAILED");
@@ -1501,7 +1464,7 @@ static void main_job_rank(job_t *job, const world_t *w, epx_comm_t comm) {
 
     layer_ref_t ref = {xalloc(sizeof(float) * (size_t)(T * H)), xalloc(sizeof(float) * (size_t)(T * H)),
                        xalloc(sizeof(float) * (size_t)(T * K)), xalloc(sizeof(float) * (size_t)(T * E))};
-    layer_reference(&job->ex, dtype, T, K, ridx, rw, p, x, grad_out, &ref);
+    layer_reference(&job->ex, dtype, T, K, ridx, rw, o, logits, x, grad_out, &ref);
     for (int xi = 0; xi < n_exch; xi++) {
       exchange_run_t *run = &runs[xi];
       char what[64];
@@ -1544,7 +1507,6 @@ static void main_job_rank(job_t *job, const world_t *w, epx_comm_t comm) {
     if (w->rank == 0) printf("check took %.2f s\n", ref_s[0]);
     free(ridx);
     free(rw);
-    free(p);
     free(ref.out);
     free(ref.grad_x);
     free(ref.grad_w);
@@ -1795,8 +1757,9 @@ static int single_run(const options_t *o, epx_dtype_t dtype, const world_t *w) {
     /* route against the bench's own softmax/top-k/capacity */
     int32_t *ridx = xalloc(sizeof(int32_t) * (size_t)(T * K));
     float *rw = xalloc(sizeof(float) * (size_t)(T * K)), *rgl = xalloc(sizeof(float) * (size_t)(T * E));
-    double *p = xalloc(sizeof(double) * (size_t)(T * E));
-    ref_route(T, E, K, capacity_of(o, T), logits, ridx, rw, p);
+    int32_t rC = 0;
+    ref_route(o, 1, T, logits, ridx, rw, &rC);
+    ok &= report_count(w, "route capacity", rC != C, 1);
     int64_t bad = 0;
     for (int64_t i = 0; i < T * K; i++) bad += ridx[i] != idx[i];
     ok &= report_count(w, "route topk_idx", bad, T * K);
@@ -1851,12 +1814,11 @@ static int single_run(const options_t *o, epx_dtype_t dtype, const world_t *w) {
       for (int64_t i = 0; i < H; i++) gx[i] += row[i];
     }
     ok &= report_compare(w, "dispatch_backward grad_x", compare_payload(dtype, grad_x, dof, T * H, tol), tol);
-    ref_route_backward(T, E, K, idx, grad_w, p, rgl);
+    ref_route_backward(o, 1, T, logits, idx, grad_w, rgl);
     ok &= report_compare(w, "route_backward grad_logits", compare_f32(grad_logits, rgl, T * E, tol), tol);
     free(ridx);
     free(rw);
     free(rgl);
-    free(p);
     free(dof);
     free(gf);
     free(row);

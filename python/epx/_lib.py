@@ -114,6 +114,8 @@ class Device(enum.IntEnum):
 class ScoreFn(enum.IntEnum):
     SOFTMAX = 0
     SIGMOID = 1
+    SOFTMAX_AFTER_TOPK = 2
+    SQRT_SOFTPLUS = 3
 
 
 class QueueOrder(enum.IntEnum):
@@ -124,6 +126,8 @@ class QueueOrder(enum.IntEnum):
 class DropPolicy(enum.IntEnum):
     BY_POSITION = 0
     BY_PROBABILITY = 1
+    BY_SCORE = 2
+    BY_RANDOM_PRIORITY = 3
 
 
 class Nonfinite(enum.IntEnum):
@@ -219,12 +223,26 @@ class RouteConfig(_Config):
         ("nonfinite", _enum),
         ("device", _enum),
         ("stream", ctypes.c_void_p),
+        ("capacity_arithmetic", _enum),
+        ("capacity_factor_f64", ctypes.c_double),
+        ("renormalize_after_drop", ctypes.c_int32),
+        ("group_score_experts", ctypes.c_int32),
+        ("aux_counts", _enum),
+        ("aux_loss_sequences", ctypes.c_int32),
+        ("aux_loss_expert_counts", ctypes.c_void_p),
+        ("aux_loss_tokens", ctypes.c_double),
+        ("random_seed", ctypes.c_uint64),
+        ("token_mask", ctypes.c_void_p),
     ]
     _defaults = dict(num_experts=0, top_k=0, score_fn=ScoreFn.SOFTMAX, num_groups=0, topk_groups=0,
                      renormalize=1, scaling_factor=1.0, capacity_mode=0, capacity_factor=1.0,
                      min_capacity=0, queue_order=QueueOrder.BY_CHOICE,
                      drop_policy=DropPolicy.BY_POSITION, aux_loss_coeff=0.0, z_loss_coeff=0.0,
-                     nonfinite=Nonfinite.ERROR, device=Device.CPU, stream=None)
+                     nonfinite=Nonfinite.ERROR, device=Device.CPU, stream=None,
+                     capacity_arithmetic=0, capacity_factor_f64=0.0, renormalize_after_drop=0,
+                     group_score_experts=0, aux_counts=0, aux_loss_sequences=0,
+                     aux_loss_expert_counts=None, aux_loss_tokens=0.0, random_seed=0,
+                     token_mask=None)
 
 
 class RouteOutput(ctypes.Structure):

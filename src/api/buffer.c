@@ -11,6 +11,7 @@
 #include "core/error.h"
 #include "core/objects.h"
 #include "core/registry.h"
+#include "core/route_spec.h"
 #include "core/transport.h"
 
 epx_status_t epx_check_buffer(epx_buffer_t buffer, const char *caller) {
@@ -207,16 +208,8 @@ epx_status_t epx_buffer_max_tokens(epx_buffer_t buffer, int64_t *max_tokens_per_
 
 static int64_t max_recv_rows(epx_buffer_t b) {
   const epx_buffer_config_t *c = &b->config;
-  int64_t W = b->world_size, El = b->experts_per_rank;
-  switch (c->layout) {
-    case EPX_LAYOUT_EXPERT_MAJOR: {
-      int64_t k = c->max_top_k < El ? c->max_top_k : El;
-      return W * b->max_tokens * k + El * (c->expert_alignment - 1);
-    }
-    case EPX_LAYOUT_RANK_MAJOR: return W * b->max_tokens;
-    case EPX_LAYOUT_CAPACITY: return El * W * c->capacity;
-  }
-  return 0;
+  return epx_recv_rows_bound(c->layout, b->world_size, b->max_tokens, c->max_top_k,
+                             b->experts_per_rank, c->expert_alignment, c->capacity);
 }
 
 epx_status_t epx_buffer_max_recv_rows(epx_buffer_t buffer, int64_t *rows) {

@@ -24,6 +24,18 @@ epx_status_t epx_cpu_route_backward(const epx_route_config_t *config, int64_t nu
                                     const float *grad_topk_w, float grad_aux_loss, float grad_z_loss,
                                     float *grad_logits);
 
+/* The float64 routing reference (src/cpu/route_reference.c), behind
+ * epx_reference_route / epx_reference_route_backward. */
+epx_status_t epx_cpu_reference_route(const epx_route_config_t *config, int64_t num_tokens,
+                                     const float *logits, const float *bias, int32_t *topk_idx,
+                                     double *topk_w, int32_t *locations, int32_t *expert_counts,
+                                     double *aux_loss, double *z_loss, int32_t *capacity);
+epx_status_t epx_cpu_reference_route_backward(const epx_route_config_t *config, int64_t num_tokens,
+                                              const float *logits, const float *bias,
+                                              const int32_t *topk_idx, const float *grad_topk_w,
+                                              double grad_aux_loss, double grad_z_loss,
+                                              double *grad_logits);
+
 epx_status_t epx_cpu_validate_routing(epx_buffer_t buffer, const epx_routing_t *routing);
 epx_status_t epx_cpu_dispatch_layout(epx_buffer_t buffer, const epx_routing_t *routing,
                                      epx_handle_t handle);

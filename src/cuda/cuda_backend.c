@@ -21,7 +21,9 @@
 #include <cuda_runtime_api.h>
 
 #include "core/error.h"
+#include "core/route_spec.h"
 #include "cuda/cuda_backend.h"
+#include "cuda/cuda_check.h"
 #include "cuda/ep.h"
 #include "cuda/launch.h"
 
@@ -42,22 +44,6 @@ typedef struct cuda_handle_state {
   int64_t row_bound;        /* rows the layout can have: N, or the worst-case bound */
   int64_t rows;             /* N on the host; -1 until known (worst_case_sizing) */
 } cuda_handle_state_t;
-
-static epx_status_t cuda_fail(cudaError_t err, const char *fn, const char *what) {
-  return epx_error(err == cudaErrorMemoryAllocation ? EPX_ERROR_OUT_OF_MEMORY : EPX_ERROR_CUDA,
-                   "%s: %s failed with %s (%s); an error of earlier asynchronous work on the "
-                   "device can also surface here", fn, what, cudaGetErrorName(err),
-                   cudaGetErrorString(err));
-}
-
-#define CUDA_CHECK(call, fn, what)                                                       \
-  do {                                                                                   \
-    cudaError_t cuda_err_ = (call);                                                      \
-    if (cuda_err_ != cudaSuccess) {                                                      \
-      status = cuda_fail(cuda_err_, fn, what);                                           \
-      goto fail;                                                                         \
-    }                                                                                    \
-  } while (0)
 
 static cudaStream_t stream_of(epx_buffer_t buffer) { return (cudaStream_t)buffer->config.stream; }
 
@@ -169,21 +155,9 @@ epx_status_t epx_cuda_dispatch_layout(epx_buffer_t buffer, const epx_routing_t *
 
   /* Rows this routing can have, and the bound every handle reports with
    * worst_case_sizing (epx_buffer_max_recv_rows). */
-  int64_t row_bound, buffer_bound;
-  const int64_t kk = K < E ? K : E, max_k = c->max_top_k < E ? c->max_top_k : E;
-  switch (c->layout) {
-    case EPX_LAYOUT_EXPERT_MAJOR:
-      row_bound = T * kk + (int64_t)E * (align - 1);
-      buffer_bound = buffer->max_tokens * max_k + (int64_t)E * (align - 1);
-      break;
-    case EPX_LAYOUT_RANK_MAJOR:
-      row_bound = T;
-      buffer_bound = buffer->max_tokens;
-      break;
-    default:
-      row_bound = buffer_bound = (int64_t)E * C;
-      break;
-  }
+  const int64_t row_bound = epx_recv_rows_bound(c->layout, 1, T, K, E, (int32_t)align, (int32_t)C);
+  const int64_t buffer_bound = epx_recv_rows_bound(c->layout, 1, buffer->max_tokens, c->max_top_k,
+                                                   E, (int32_t)align, (int32_t)C);
   if (T * K >= INT32_MAX || buffer_bound >= INT32_MAX)
     return epx_error(EPX_ERROR_UNSUPPORTED,
                      "%s: %lld routes and up to %lld recv rows; the CUDA backend indexes routes and "

@@ -1,5 +1,5 @@
 /* The CUDA backend's table (core/backend.h) over the functions of
- * cuda_backend.c and route.cu. */
+ * cuda_backend.c and route.c (routing). */
 #include <cuda_runtime.h>
 
 #include "core/backend.h"

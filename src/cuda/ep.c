@@ -50,6 +50,7 @@
 #include "comm/comm.h"
 #include "comm/nccl.h"
 #include "core/error.h"
+#include "cuda/cuda_check.h"
 #include "cuda/ep.h"
 #include "cuda/launch.h"
 #include "cuda/fused.h"
@@ -118,21 +119,6 @@ static cudaStream_t stream_of(epx_buffer_t b) { return (cudaStream_t)b->config.s
 static size_t round256(size_t n) { return (n + 255) / 256 * 256; }
 static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
-
-static epx_status_t cuda_fail(cudaError_t err, const char *fn, const char *what) {
-  return epx_error(err == cudaErrorMemoryAllocation ? EPX_ERROR_OUT_OF_MEMORY : EPX_ERROR_CUDA,
-                   "%s: %s failed with %s (%s); an error of earlier asynchronous work on the device can "
-                   "also surface here", fn, what, cudaGetErrorName(err), cudaGetErrorString(err));
-}
-
-#define CUDA_CHECK(call, fn, what)                   \
-  do {                                               \
-    cudaError_t cuda_err_ = (call);                  \
-    if (cuda_err_ != cudaSuccess) {                  \
-      status = cuda_fail(cuda_err_, fn, what);       \
-      goto fail;                                     \
-    }                                                \
-  } while (0)
 
 #define NCCL_CHECK(call, fn, what) EPX_CHECK(epx_nccl_result(comm, (int)(call), fn, what))
 

@@ -151,6 +151,164 @@ cudaError_t epx_cuda_weights_back_launch(epx_layout_t layout, const epx_cuda_lay
                                          int64_t num_tokens, int32_t top_k, const float *grad_recv_w,
                                          float *grad_w, cudaStream_t stream);
 
+/* ------------------------------------------------------------------------ */
+/* Routing (route_forward.cu, route_backward.cu; host glue in route.c)       */
+/* ------------------------------------------------------------------------ */
+/* Forward: route_tokens (a warp per token: scores, selection, weights, the
+ * queue entries of its routes, counts per (expert, queue tile), aux and z
+ * partials), expert_scan (a warp per expert: the tiles' exclusive scan,
+ * counts, the losses in its last block), assign (a warp per queue tile:
+ * positions, drops by position), and for a ranked drop a segmented sort of
+ * (key, position) per expert and rank_select (keeps the C best of each
+ * expert); renorm renormalises over the surviving routes. Every reduction
+ * has a fixed order and every atomic is an integer one. */
+
+/* What the per-token kernels share. Each warp owns `words` 4-byte words of
+ * dynamic shared memory: X [pad(E)] scores p (the logits for softmax after
+ * top-k), Y [pad(E)] selection scores, Gs [pad(G)] group scores, CI [K]
+ * chosen experts, CP [K] their base weights. */
+typedef struct epx_cuda_select_args {
+  const float *logits;  /* [T, E] */
+  const float *bias;    /* [E] or NULL */
+  const uint8_t *mask;  /* [T] token mask or NULL */
+  int T, E, K, G, TG;
+  int score_fn;         /* epx_score_fn_t */
+  int need_lse;         /* also compute sum(exp(l - max)) (z loss, aux of softmax after top-k) */
+  int group_top;        /* experts summed into a group's score */
+  int glanes;           /* lanes that reduce one group's top-2 together (a power of 2, glanes * G <= 32) */
+  unsigned gmagic;      /* e / (E / G) == umulhi(e, gmagic) when nonzero */
+  int words, y, g, ci, cp;
+  /* Sequence-aligned blocks (B > 1 sequences of S tokens, token t in
+   * sequence t % B): block j of sequence b holds positions [j W, j W + W). */
+  int seqs, seq_len, seq_blocks;
+} epx_cuda_select_args_t;
+
+typedef struct epx_cuda_route_fwd_args {
+  epx_cuda_select_args_t s;
+  int select;         /* 0: only check finiteness and count valid tokens */
+  int renorm;         /* renormalise over the K chosen (before the drop) */
+  float scale;
+  int by_token;       /* queue order (t, k) instead of (k, t) */
+  int drop_nonfinite; /* 0: flag the first non-finite token in *bad */
+  int drop_policy;    /* epx_drop_policy_t of qkey */
+  unsigned long long seed;
+  int *qe;            /* [N] expert of each route in queue order (-1: none), or NULL */
+  float *qw;          /* [N] its weight before the drop */
+  float *qkey;        /* [N] its drop key, or NULL */
+  float *base;        /* [T, K] base weights (renormalisation after the drop), or NULL */
+  int *hist;          /* [E, n_tiles] routes per (expert, queue tile) */
+  int n_tiles, tile_shift;
+  int aux_counts;     /* epx_aux_counts_t */
+  int *auxcnt;        /* [B, E] F of the aux loss when not hist's counts, or NULL */
+  int *valid;         /* tokens that count in the losses, or NULL */
+  int *bad;           /* max over non-finite tokens of T - t (0: none) */
+  double *apart;      /* [E, gridDim.x] per-block sums of q over valid tokens, or NULL */
+  double *zpart;      /* [gridDim.x] per-block sums of logsumexp^2, or NULL */
+} epx_cuda_route_fwd_args_t;
+
+typedef struct epx_cuda_route_scan_args {
+  const int *hist;
+  int n_tiles, E;
+  int *base;          /* [n_tiles, E] exclusive scan of hist along the queue */
+  int *counts;        /* [E] */
+  int *counts_out;    /* the caller's expert_counts or NULL */
+  const double *apart;
+  int n_blk, seqs, seq_blocks;
+  double *colsum;     /* [B, E] */
+  const int *bad;
+  unsigned *ticket;
+  int finalize;
+  int *offsets;       /* [E + 1] exclusive scan of counts, or NULL */
+  const int *valid;
+  const double *zpart;
+  const int *auxcnt;         /* [B, E] F, or NULL: counts */
+  const float *aux_global;   /* [E] F of the global aux loss, or NULL */
+  double aux_k, aux_tokens;  /* D's K factor and the global tokens (0: not global) */
+  float *aux_out, *z_out;
+  double aux_coeff, z_coeff;
+} epx_cuda_route_scan_args_t;
+
+typedef struct epx_cuda_route_assign_args {
+  const int *qe;
+  const float *qw, *qkey;
+  const int *base;
+  int N, T, K, E, by_token, n_tiles, tile_shift;
+  int mode;  /* 0 dropless, 1 drop by position, 2 ranked drop */
+  int C;
+  int *idx;
+  float *w;
+  int *loc;
+  const int *offsets;
+  unsigned long long *keys; /* [N] sort keys at offsets[e] + position */
+  int *rq;                  /* [N] queue index at offsets[e] + position */
+  const int *bad;
+} epx_cuda_route_assign_args_t;
+
+typedef struct epx_cuda_route_rank_args {
+  const int *counts, *offsets;
+  const unsigned long long *sorted; /* keys, each expert's segment in descending order */
+  const int *rq;
+  const float *qw;
+  int *flag; /* [N] kept marks at offsets[e] + position */
+  int E, T, K, C, by_token;
+  int *idx;
+  float *w;
+  int *loc;
+  const int *bad;
+} epx_cuda_route_rank_args_t;
+
+typedef struct epx_cuda_route_bwd_args {
+  epx_cuda_select_args_t s;
+  int renorm, renorm_after;
+  float scale;
+  const int *topk_idx;  /* the forward's output, or NULL */
+  const float *grad_w;  /* [T, K] or NULL */
+  const int *counts;    /* [B, E] F of the aux loss */
+  const float *aux_global; /* [E] F of the global aux loss, or NULL */
+  double aux_k, aux_tokens;
+  const int *valid;     /* valid tokens (aux, z) */
+  double aux_scale;     /* grad_aux_loss * aux_loss_coeff */
+  double z_scale;       /* grad_z_loss * z_loss_coeff */
+  float *grad;          /* [T, E] */
+  const int *bad;
+} epx_cuda_route_bwd_args_t;
+
+/* Kinds of per-token kernel for epx_cuda_route_token_plan. */
+enum { EPX_CUDA_ROUTE_TOKENS = 0, EPX_CUDA_ROUTE_BACKWARD = 1 };
+#define EPX_CUDA_ROUTE_MAX_TOKEN_WARPS 16 /* warps (tokens) per block of the per-token kernels */
+#define EPX_CUDA_ROUTE_WARPS 8            /* warps per block of the per-expert / per-tile kernels */
+#define EPX_CUDA_ROUTE_MIN_TILE_SHIFT 8   /* queue tiles of at least 256 routes */
+
+/* Warps per block (at most max_warps) of a routing kernel whose warps each
+ * need per_warp bytes of dynamic shared memory, and the block's bytes;
+ * raises the kernel's limit past the default 48 KB when one warp needs it.
+ * cudaErrorInvalidValue when even one warp does not fit the device. kind:
+ * EPX_CUDA_ROUTE_TOKENS or EPX_CUDA_ROUTE_ASSIGN (route_forward.cu), or the
+ * backward kernel (epx_cuda_route_backward_plan, route_backward.cu). */
+enum { EPX_CUDA_ROUTE_ASSIGN = 2 };
+cudaError_t epx_cuda_route_smem_plan(int kind, size_t per_warp, int max_warps, int *warps,
+                                     size_t *bytes);
+cudaError_t epx_cuda_route_backward_plan(size_t per_warp, int max_warps, int *warps, size_t *bytes);
+
+cudaError_t epx_cuda_route_tokens_launch(const epx_cuda_route_fwd_args_t *a, int blocks, int warps,
+                                         size_t smem, cudaStream_t stream);
+cudaError_t epx_cuda_route_scan_launch(const epx_cuda_route_scan_args_t *a, cudaStream_t stream);
+cudaError_t epx_cuda_route_assign_launch(const epx_cuda_route_assign_args_t *a, int warps,
+                                         size_t smem, cudaStream_t stream);
+/* The segmented descending sort of the ranked drop; with temp NULL, sets
+ * *temp_bytes only. */
+cudaError_t epx_cuda_route_sort_launch(void *temp, size_t *temp_bytes,
+                                       const unsigned long long *keys,
+                                       unsigned long long *sorted, int n, int E,
+                                       const int *offsets, cudaStream_t stream);
+cudaError_t epx_cuda_route_rank_launch(const epx_cuda_route_rank_args_t *a, cudaStream_t stream);
+/* w[t, k] = scale * base[t, k] / (sum of base over t's kept slots in k
+ * order) for kept slots (renormalisation after the drop). */
+cudaError_t epx_cuda_route_renorm_launch(const int *idx, const float *base, float *w, int T, int K,
+                                         float scale, const int *bad, cudaStream_t stream);
+cudaError_t epx_cuda_route_backward_launch(const epx_cuda_route_bwd_args_t *a, int blocks,
+                                           int warps, size_t smem, cudaStream_t stream);
+
 /* The accessors above over a layout of several ranks' tokens: the layout's
  * ids are local (expert_base is added), its routes have K_src slots and its
  * token g is token g % block_tokens of rank g / block_tokens (ep.c). */

@@ -1,10 +1,12 @@
-/* epx_route / epx_route_backward on the GPU against the CPU routing.
+/* epx_route / epx_route_backward on the GPU against the float64 routing
+ * reference (epx_reference_route / epx_reference_route_backward).
  *
- * Every case routes fresh random logits on both devices and compares:
- * topk_idx, locations, expert_counts and capacity exactly; topk_w, aux_loss
- * and z_loss within atol 1e-7 + rtol 1e-5; grad_logits within
- * atol 1e-5 * max|grad| + rtol 1e-4. A second GPU run of each call must give
- * the same bits. Device outputs are poisoned (0xA5) before every call.
+ * Every case routes fresh random logits and compares: topk_idx, locations,
+ * expert_counts and capacity exactly; topk_w, aux_loss and z_loss within
+ * atol 1e-6 + rtol 1e-5; grad_logits within atol 1e-5 * max|grad| + rtol
+ * 1e-4. A second GPU run of each call must give the same bits. Device
+ * outputs are poisoned (0xA5) before every call. The option cases set the
+ * DeepSpeed / Megatron routing options (OPTION_CASES).
  *
  * Exact integer agreement needs selections that float rounding cannot flip:
  * CUDA's expf and the CPU's differ in the last bit and the two sum the
@@ -32,7 +34,7 @@
 
 #include "gpu_testutil.h"
 
-static const double W_ATOL = 1e-7, W_RTOL = 1e-5;
+static const double W_ATOL = 1e-6, W_RTOL = 1e-5;
 static const double G_ATOL = 1e-5, G_RTOL = 1e-4; /* G_ATOL is relative to max|grad| */
 
 /* Whether bytes of device memory still hold the poison. */
@@ -232,7 +234,7 @@ static void expect_same_i32(const char *name, const char *what, const int32_t *g
                             const int32_t *cpu, int64_t n, int32_t K) {
   for (int64_t i = 0; i < n; i++)
     if (gpu[i] != cpu[i])
-      fail_msg("%s: %s[%lld] (token %lld, slot %lld) is %d on the GPU, %d on the CPU", name, what,
+      fail_msg("%s: %s[%lld] (token %lld, slot %lld) is %d on the GPU, %d in the reference", name, what,
                (long long)i, (long long)(i / K), (long long)(i % K), gpu[i], cpu[i]);
 }
 
@@ -242,7 +244,7 @@ static void expect_close(const char *name, const char *what, const float *gpu, c
   if (!(err <= 1.0)) {
     for (int64_t i = 0; i < n; i++)
       if (!(fabs((double)gpu[i] - cpu[i]) <= atol + rtol * fabs((double)cpu[i])))
-        fail_msg("%s: %s[%lld] is %.9g on the GPU, %.9g on the CPU (normalised error %.3g)", name,
+        fail_msg("%s: %s[%lld] is %.9g on the GPU, %.9g in the reference (normalised error %.3g)", name,
                  what, (long long)i, (double)gpu[i], (double)cpu[i], err);
   }
 }
@@ -258,8 +260,36 @@ static double max_abs(const float *a, int64_t n) {
   return m;
 }
 
-/* Forward and backward of one case on both devices. */
-static void run_case(const route_case_t *c, uint64_t seed, cudaStream_t stream) {
+/* The float64 reference's forward into a host route_out_t (weights and
+ * losses rounded to float for the comparisons). */
+static void reference_route(const epx_route_config_t *cfg, int64_t T, const float *logits,
+                            const float *bias, route_out_t *r) {
+  const size_t routes = (size_t)T * (size_t)cfg->top_k;
+  double *w = tu_alloc(8 * (routes ? routes : 1)), aux = 0, z = 0;
+  TU_OK(epx_reference_route(cfg, T, logits, bias, r->idx, w, r->loc, r->counts, &aux, &z,
+                            &r->capacity));
+  for (size_t i = 0; i < routes; i++) r->w[i] = (float)w[i];
+  *r->aux = (float)aux;
+  *r->z = (float)z;
+  tu_free(w);
+}
+
+/* The routing options of a case (host pointers), and the GPU config's copy
+ * with its mask and global counts in device memory. */
+typedef void (*route_options_fn)(epx_route_config_t *cfg, int64_t T);
+
+static void options_to_device(epx_route_config_t *gpu, int64_t T, void **d_mask, void **d_counts) {
+  *d_mask = gpu->token_mask ? dev_copy(gpu->token_mask, (size_t)T) : NULL;
+  *d_counts = gpu->aux_loss_expert_counts
+                  ? dev_copy(gpu->aux_loss_expert_counts, 4 * (size_t)gpu->num_experts)
+                  : NULL;
+  gpu->token_mask = *d_mask;
+  gpu->aux_loss_expert_counts = *d_counts;
+}
+
+/* Forward and backward of one case on the GPU, against the reference. */
+static void run_case_with(const route_case_t *c, route_options_fn options, uint64_t seed,
+                          cudaStream_t stream) {
   tu_rng_t rng = {seed};
   const int64_t T = c->T;
   const int32_t E = c->E, K = c->K;
@@ -270,14 +300,22 @@ static void run_case(const route_case_t *c, uint64_t seed, cudaStream_t stream) 
   if (bias) fill_bias(&rng, c->score, E, bias);
   insert_bad(T, E, c->n_bad, logits);
 
-  /* CPU reference. */
+  /* The float64 reference; the CPU fast path for the count of dropped
+   * non-finite tokens (the GPU does not report it). */
   epx_route_config_t cpu_cfg = case_config(c, EPX_DEVICE_CPU, NULL);
-  route_out_t ref = host_out(T, E, K);
-  epx_route_output_t ref_out = as_output(c, &ref);
+  if (options) options(&cpu_cfg, T);
+  route_out_t ref = host_out(T, E, K), cpu = host_out(T, E, K);
+  epx_route_output_t ref_out = as_output(c, &cpu);
   TU_OK(epx_route(&cpu_cfg, T, logits, bias, &ref_out));
+  reference_route(&cpu_cfg, T, logits, bias, &ref);
+  ref_out.capacity = ref.capacity;
 
   /* GPU, twice. */
-  epx_route_config_t gpu_cfg = case_config(c, EPX_DEVICE_CUDA, stream);
+  epx_route_config_t gpu_cfg = cpu_cfg;
+  void *d_mask, *d_counts;
+  gpu_cfg.device = EPX_DEVICE_CUDA;
+  gpu_cfg.stream = stream;
+  options_to_device(&gpu_cfg, T, &d_mask, &d_counts);
   float *d_logits = dev_copy(logits, 4 * cells);
   float *d_bias = bias ? dev_copy(bias, 4 * (size_t)E) : NULL;
   route_out_t dev = dev_out(T, E, K);
@@ -298,7 +336,7 @@ static void run_case(const route_case_t *c, uint64_t seed, cudaStream_t stream) 
   expect_same_i32(c->name, "locations", g->loc, ref.loc, (int64_t)routes, K);
   expect_same_i32(c->name, "expert_counts", g->counts, ref.counts, E, 1);
   if (g->capacity != ref_out.capacity)
-    fail_msg("%s: capacity %d on the GPU, %d on the CPU", c->name, g->capacity, ref_out.capacity);
+    fail_msg("%s: capacity %d on the GPU, %d in the reference", c->name, g->capacity, ref_out.capacity);
   if (g->nonfinite != -1) fail_msg("%s: nonfinite_tokens is %lld on the GPU, expected -1", c->name, (long long)g->nonfinite);
   if (ref_out.nonfinite_tokens != c->n_bad)
     fail_msg("%s: the CPU dropped %lld non-finite tokens, expected %d", c->name,
@@ -320,8 +358,11 @@ static void run_case(const route_case_t *c, uint64_t seed, cudaStream_t stream) 
   if (gw)
     for (size_t i = 0; i < routes; i++) gw[i] = tu_normal(&rng);
   float *ref_grad = tu_alloc(4 * (cells ? cells : 1));
-  tu_poison(ref_grad, 4 * cells);
-  TU_OK(epx_route_backward(&cpu_cfg, T, logits, bias, ref.idx, gw, c->ga, c->gz, ref_grad));
+  double *ref_grad64 = tu_alloc(8 * (cells ? cells : 1));
+  TU_OK(epx_reference_route_backward(&cpu_cfg, T, logits, bias, ref.idx, gw, c->ga, c->gz,
+                                     ref_grad64));
+  for (size_t i = 0; i < cells; i++) ref_grad[i] = (float)ref_grad64[i];
+  tu_free(ref_grad64);
   float *d_gw = gw ? dev_copy(gw, 4 * routes) : NULL;
   float *d_grad = dev_alloc(4 * cells);
   float *grad[2];
@@ -334,7 +375,7 @@ static void run_case(const route_case_t *c, uint64_t seed, cudaStream_t stream) 
   }
   const double gmax = max_abs(ref_grad, (int64_t)cells);
   if (gw && c->n_bad < T && !(gmax > 0.0))
-    fail_msg("%s: the CPU's grad_logits is all zero", c->name);
+    fail_msg("%s: the reference's grad_logits is all zero", c->name);
   expect_close(c->name, "grad_logits", grad[0], ref_grad, (int64_t)cells, G_ATOL * gmax + 1e-30,
                G_RTOL);
   expect_bits(c->name, "grad_logits", grad[0], grad[1], 4 * cells);
@@ -346,7 +387,10 @@ static void run_case(const route_case_t *c, uint64_t seed, cudaStream_t stream) 
     tu_free(grad[run]);
   }
   out_free(&ref, 0);
+  out_free(&cpu, 0);
   out_free(&dev, 1);
+  if (d_mask) CU(cudaFree(d_mask));
+  if (d_counts) CU(cudaFree(d_counts));
   CU(cudaFree(d_logits));
   CU(cudaFree(d_grad));
   if (d_bias) CU(cudaFree(d_bias));
@@ -432,7 +476,111 @@ static void test_cases(void **state) {
   const size_t n = sizeof CASES / sizeof CASES[0];
   for (size_t i = 0; i < n; i++)
     if (!quick() || CASES[i].T * CASES[i].E <= (int64_t)1 << 20)
-      run_case(&CASES[i], 0x5eed0000u + i, i % 2 ? stream : NULL);
+      run_case_with(&CASES[i], NULL, 0x5eed0000u + i, i % 2 ? stream : NULL);
+  CU(cudaStreamDestroy(stream));
+}
+
+/* ------------------------------------------------------------------------ */
+/* The DeepSpeed / Megatron options (tests/test_route_peers.c has each one   */
+/* worked by hand on the CPU)                                                */
+/* ------------------------------------------------------------------------ */
+
+static uint8_t option_mask[8192];
+static float option_counts[512];
+
+/* DeepSpeed top2gating: renormalise after the drop, first choices in f_e. */
+static void opt_top2gating(epx_route_config_t *c, int64_t T) {
+  (void)T;
+  c->renormalize_after_drop = 1;
+  c->aux_counts = EPX_AUX_COUNTS_FIRST_CHOICE;
+}
+/* DeepSpeed topkgating drop_policy="probs": raw gates rank, renormalise after. */
+static void opt_topkgating(epx_route_config_t *c, int64_t T) {
+  (void)T;
+  c->drop_policy = EPX_DROP_BY_SCORE;
+  c->renormalize_after_drop = 1;
+}
+/* DeepSpeed top1gating use_rts. */
+static void opt_random_tokens(epx_route_config_t *c, int64_t T) {
+  (void)T;
+  c->drop_policy = EPX_DROP_BY_RANDOM_PRIORITY;
+  c->random_seed = 0x1234abcdull;
+}
+/* Megatron: softmax after top-k, group score of top_k / topk_groups, aux
+ * counts from a plain top-k, capacity in Python floats. */
+static void opt_megatron_groups(epx_route_config_t *c, int64_t T) {
+  (void)T;
+  c->score_fn = EPX_SCORE_SOFTMAX_AFTER_TOPK;
+  c->renormalize = 0;
+  c->group_score_experts = c->top_k / c->topk_groups;
+  c->aux_counts = EPX_AUX_COUNTS_PLAIN_TOPK;
+  c->capacity_arithmetic = EPX_CAPACITY_FLOAT64;
+  c->capacity_factor_f64 = c->capacity_factor;
+}
+static void opt_sqrt_softplus(epx_route_config_t *c, int64_t T) {
+  (void)T;
+  c->score_fn = EPX_SCORE_SQRT_SOFTPLUS;
+}
+/* Megatron seq_aux_loss over 8 sequences. */
+static void opt_sequences(epx_route_config_t *c, int64_t T) {
+  (void)T;
+  c->aux_loss_sequences = 8;
+  c->aux_counts = EPX_AUX_COUNTS_PLAIN_TOPK;
+}
+/* Megatron global_aux_loss with given global counts. */
+static void opt_global(epx_route_config_t *c, int64_t T) {
+  for (int32_t e = 0; e < c->num_experts; e++) option_counts[e] = (float)((e * 37) % 23 + 1);
+  c->aux_loss_expert_counts = option_counts;
+  c->aux_loss_tokens = 4.0 * (double)T;
+}
+/* Every fifth token padding (none of the case's non-finite tokens, which
+ * are at t % 5 == 2, so the CPU's count of dropped ones stays n_bad). */
+static void opt_mask(epx_route_config_t *c, int64_t T) {
+  for (int64_t t = 0; t < T; t++) option_mask[t] = (uint8_t)(t % 5 != 4);
+  c->token_mask = option_mask;
+  c->renormalize_after_drop = c->renormalize;
+}
+
+typedef struct option_case {
+  route_case_t c;
+  route_options_fn options;
+} option_case_t;
+
+static const option_case_t OPTION_CASES[] = {
+    {{"DeepSpeed top2gating", 1000, 16, 2, 0, 0, EPX_SCORE_SOFTMAX, 1, 1.0f, 1, 1.0f, 0,
+      EPX_QUEUE_BY_CHOICE, EPX_DROP_BY_POSITION, 0, 0.01f, 0.001f, EPX_NONFINITE_ERROR, 0,
+      LOGITS_NORMAL, 1, 0.7f, 1.3f}, opt_top2gating},
+    {{"DeepSpeed topkgating probs", 1024, 32, 4, 0, 0, EPX_SCORE_SOFTMAX, 1, 1.0f, 1, 0.8f, 0,
+      EPX_QUEUE_BY_TOKEN, EPX_DROP_BY_POSITION, 0, 0.01f, 0.0f, EPX_NONFINITE_ERROR, 0,
+      LOGITS_SEPARATED, 1, 0.5f, 0.0f}, opt_topkgating},
+    {{"DeepSpeed top1gating use_rts", 2048, 16, 1, 0, 0, EPX_SCORE_SOFTMAX, 1, 1.0f, 1, 0.5f, 0,
+      EPX_QUEUE_BY_CHOICE, EPX_DROP_BY_POSITION, 0, 0.01f, 0.0f, EPX_NONFINITE_DROP, 3,
+      LOGITS_NORMAL, 1, 1.0f, 0.0f}, opt_random_tokens},
+    {{"Megatron groups softmax after top-k", 512, 64, 6, 8, 2, EPX_SCORE_SOFTMAX, 1, 2.0f, 1,
+      0.9f, 0, EPX_QUEUE_BY_CHOICE, EPX_DROP_BY_PROBABILITY, 1, 0.01f, 0.001f,
+      EPX_NONFINITE_ERROR, 0, LOGITS_SEPARATED, 1, 0.8f, 0.6f}, opt_megatron_groups},
+    {{"Megatron sqrt-softplus bias", 700, 64, 4, 0, 0, EPX_SCORE_SOFTMAX, 1, 1.0f, 0, 1.0f, 0,
+      EPX_QUEUE_BY_CHOICE, EPX_DROP_BY_POSITION, 1, 0.01f, 0.001f, EPX_NONFINITE_ERROR, 0,
+      LOGITS_SEPARATED, 1, 1.0f, 1.0f}, opt_sqrt_softplus},
+    {{"Megatron seq_aux_loss", 1024, 32, 2, 0, 0, EPX_SCORE_SIGMOID, 1, 1.0f, 0, 1.0f, 0,
+      EPX_QUEUE_BY_CHOICE, EPX_DROP_BY_POSITION, 0, 0.01f, 0.0f, EPX_NONFINITE_ERROR, 0,
+      LOGITS_NORMAL, 1, 1.0f, 0.0f}, opt_sequences},
+    {{"Megatron global_aux_loss", 600, 32, 4, 0, 0, EPX_SCORE_SOFTMAX, 1, 1.0f, 0, 1.0f, 0,
+      EPX_QUEUE_BY_CHOICE, EPX_DROP_BY_POSITION, 0, 0.01f, 0.0f, EPX_NONFINITE_ERROR, 0,
+      LOGITS_NORMAL, 1, 1.0f, 0.0f}, opt_global},
+    {{"padding mask, capacity, renormalised after", 900, 16, 2, 0, 0, EPX_SCORE_SOFTMAX, 1, 1.0f,
+      1, 1.0f, 0, EPX_QUEUE_BY_TOKEN, EPX_DROP_BY_POSITION, 0, 0.01f, 0.001f, EPX_NONFINITE_DROP,
+      4, LOGITS_NORMAL, 1, 1.0f, 1.0f}, opt_mask},
+};
+
+static void test_option_cases(void **state) {
+  (void)state;
+  cudaStream_t stream;
+  CU(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const size_t n = sizeof OPTION_CASES / sizeof OPTION_CASES[0];
+  for (size_t i = 0; i < n; i++)
+    run_case_with(&OPTION_CASES[i].c, OPTION_CASES[i].options, 0x0971000u + i,
+                  i % 2 ? stream : NULL);
   CU(cudaStreamDestroy(stream));
 }
 
@@ -622,8 +770,11 @@ int main(void) {
     return 1;
   }
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_cases),      cmocka_unit_test(test_nonfinite_error),
-      cmocka_unit_test(test_empty),      cmocka_unit_test(test_backward_in_place),
+      cmocka_unit_test(test_cases),
+      cmocka_unit_test(test_option_cases),
+      cmocka_unit_test(test_nonfinite_error),
+      cmocka_unit_test(test_empty),
+      cmocka_unit_test(test_backward_in_place),
       cmocka_unit_test(test_time),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

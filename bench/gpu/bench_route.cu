@@ -1,0 +1,318 @@
+/* GPU routing benchmark (issue 9 item 5): epx_route for 8192 tokens x 256
+ * experts, top-8, and the layout of its routes, on one GPU.
+ *
+ * First every configuration's routing is checked against the float64
+ * reference (epx_reference_route: experts and locations exactly, weights
+ * within 1e-6 + 1e-5 relative); then each is timed as a CUDA graph replay
+ * (device time, no launch gaps), median of 200. The target row is
+ * DeepSeek-V3's router (sigmoid scores with a bias, 8 groups of which 4 kept,
+ * renormalised, scaled 2.5) plus the expert-major layout: under 25 us. The
+ * other rows are the cost of each routing option beside it.
+ *
+ * Build and run (bench/gpu-check.sh does):
+ *   nvcc -O3 -std=c++17 -arch=sm_90 -Iinclude -Isrc bench/gpu/bench_route.cu \
+ *        -o bench_route -Lbuild -lepx -Xlinker -rpath -Xlinker $PWD/build
+ *   ./bench_route
+ * Exit status: 0 when every check passed (a missed time target prints MISS
+ * but does not fail). */
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "cuda/launch.h"
+#include "epx.h"
+
+#define CK(call)                                                                            \
+  do {                                                                                      \
+    cudaError_t e_ = (call);                                                                \
+    if (e_ != cudaSuccess) {                                                                \
+      fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
+      exit(1);                                                                              \
+    }                                                                                       \
+  } while (0)
+#define EK(call)                                                                            \
+  do {                                                                                      \
+    epx_status_t s_ = (call);                                                               \
+    if (s_ != EPX_SUCCESS) {                                                                \
+      fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, epx_last_error());       \
+      exit(1);                                                                              \
+    }                                                                                       \
+  } while (0)
+
+namespace {
+
+constexpr int64_t T = 8192;
+constexpr int32_t E = 256, K = 8;
+
+/* Median over reps graph replays of what body enqueues on s, in us; -1 when
+ * the capture fails. */
+template <class F>
+double graph_us(cudaStream_t s, int reps, F &&body) {
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+  const bool ok = body();
+  const cudaError_t end = cudaStreamEndCapture(s, &graph);
+  if (!ok || end != cudaSuccess || cudaGraphInstantiate(&exec, graph, 0) != cudaSuccess) {
+    cudaGetLastError();
+    return -1;
+  }
+  for (int i = 0; i < 10; i++) CK(cudaGraphLaunch(exec, s));
+  std::vector<cudaEvent_t> ev(reps + 1);
+  for (auto &e : ev) CK(cudaEventCreate(&e));
+  CK(cudaEventRecord(ev[0], s));
+  for (int i = 0; i < reps; i++) {
+    CK(cudaGraphLaunch(exec, s));
+    CK(cudaEventRecord(ev[i + 1], s));
+  }
+  CK(cudaStreamSynchronize(s));
+  std::vector<float> ms(reps);
+  for (int i = 0; i < reps; i++) CK(cudaEventElapsedTime(&ms[i], ev[i], ev[i + 1]));
+  for (auto &e : ev) CK(cudaEventDestroy(e));
+  std::sort(ms.begin(), ms.end());
+  CK(cudaGraphExecDestroy(exec));
+  CK(cudaGraphDestroy(graph));
+  return 1e3 * ms[reps / 2];
+}
+
+struct option_row {
+  const char *name;
+  void (*set)(epx_route_config_t *);
+};
+
+/* DeepSeek-V3's router: the target configuration. */
+void deepseek_v3(epx_route_config_t *c) {
+  c->score_fn = EPX_SCORE_SIGMOID;
+  c->num_groups = 8;
+  c->topk_groups = 4;
+  c->scaling_factor = 2.5f;
+}
+void softmax_plain(epx_route_config_t *c) { (void)c; }
+void megatron_groups(epx_route_config_t *c) {
+  c->score_fn = EPX_SCORE_SOFTMAX_AFTER_TOPK;
+  c->renormalize = 0;
+  c->num_groups = 8;
+  c->topk_groups = 4;
+  c->group_score_experts = 2;
+}
+void group_top4(epx_route_config_t *c) {
+  deepseek_v3(c);
+  c->group_score_experts = 4;
+}
+void sqrt_softplus(epx_route_config_t *c) { c->score_fn = EPX_SCORE_SQRT_SOFTPLUS; }
+void capacity_position(epx_route_config_t *c) {
+  c->capacity_mode = 1;
+  c->capacity_factor = 1.0f;
+}
+void capacity_probability(epx_route_config_t *c) {
+  capacity_position(c);
+  c->drop_policy = EPX_DROP_BY_PROBABILITY;
+}
+void capacity_score_renorm_after(epx_route_config_t *c) {
+  capacity_position(c);
+  c->queue_order = EPX_QUEUE_BY_TOKEN;
+  c->drop_policy = EPX_DROP_BY_SCORE;
+  c->renormalize_after_drop = 1;
+}
+void capacity_random(epx_route_config_t *c) {
+  capacity_position(c);
+  c->drop_policy = EPX_DROP_BY_RANDOM_PRIORITY;
+  c->random_seed = 7;
+}
+void losses_plain_topk(epx_route_config_t *c) {
+  deepseek_v3(c);
+  c->aux_counts = EPX_AUX_COUNTS_PLAIN_TOPK;
+}
+void sequence_aux(epx_route_config_t *c) {
+  deepseek_v3(c);
+  c->aux_loss_sequences = 4;
+}
+
+const option_row ROWS[] = {
+    {"DeepSeek-V3: sigmoid, bias, groups 8/4, scale 2.5", deepseek_v3},
+    {"softmax, top-8 (no groups)", softmax_plain},
+    {"Megatron: softmax after top-k, groups 8/4", megatron_groups},
+    {"sigmoid groups 8/4, group score of 4", group_top4},
+    {"sqrt-softplus", sqrt_softplus},
+    {"capacity 1.0, drop by position", capacity_position},
+    {"capacity 1.0, drop by probability", capacity_probability},
+    {"capacity 1.0, by score, renormalised after", capacity_score_renorm_after},
+    {"capacity 1.0, random priority", capacity_random},
+    {"DeepSeek-V3 + aux (plain top-k) + z losses", losses_plain_topk},
+    {"DeepSeek-V3 + sequence aux loss (4)", sequence_aux},
+};
+
+/* The layout's device arrays (expert-major, alignment 1). */
+struct own_layout {
+  epx_cuda_layout_t lay;
+  void *block, *scratch;
+  float *w_copy;
+};
+
+own_layout make_layout() {
+  own_layout o;
+  const size_t tk = (size_t)(T * K);
+  CK(cudaMalloc(&o.block, 16 * tk + 4 * tk + 16 * ((size_t)E + 1) + 256));
+  CK(cudaMalloc(&o.scratch, epx_cuda_layout_scratch_bytes(T, E)));
+  char *p = (char *)o.block;
+  o.lay.result = (epx_cuda_layout_result_t *)p;
+  p += 256;
+  o.lay.idx = (int32_t *)p;
+  p += 4 * tk;
+  o.lay.route_row = (int32_t *)p;
+  p += 4 * tk;
+  o.lay.token_row = (int32_t *)p;
+  p += 4 * tk;
+  o.w_copy = (float *)p;
+  p += 4 * tk;
+  o.lay.counts = (int64_t *)p;
+  p += 8 * (size_t)E;
+  o.lay.offsets = (int64_t *)p;
+  p += 8 * ((size_t)E + 1);
+  o.lay.row_src = (int32_t *)p;
+  return o;
+}
+
+/* The GPU's routing against the float64 reference; returns whether it
+ * agrees. */
+bool check_row(const epx_route_config_t &rc, const std::vector<float> &logits,
+               const std::vector<float> &bias, const float *d_logits, const float *d_bias,
+               cudaStream_t s) {
+  const size_t tk = (size_t)(T * K);
+  int32_t *d_idx, *d_loc;
+  float *d_w, *d_aux, *d_z;
+  CK(cudaMalloc(&d_idx, 4 * tk));
+  CK(cudaMalloc(&d_loc, 4 * tk));
+  CK(cudaMalloc(&d_w, 4 * tk));
+  CK(cudaMalloc(&d_aux, 4));
+  CK(cudaMalloc(&d_z, 4));
+  epx_route_output_t ro = {d_idx, d_w, d_loc, nullptr, d_aux, d_z, 0, 0};
+  EK(epx_route(&rc, T, d_logits, d_bias, &ro));
+  std::vector<int32_t> idx(tk), loc(tk), ridx(tk), rloc(tk);
+  std::vector<float> w(tk);
+  std::vector<double> rw(tk);
+  float aux, z;
+  double raux, rz;
+  int32_t rC;
+  CK(cudaStreamSynchronize(s));
+  CK(cudaMemcpy(idx.data(), d_idx, 4 * tk, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(loc.data(), d_loc, 4 * tk, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(w.data(), d_w, 4 * tk, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(&aux, d_aux, 4, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(&z, d_z, 4, cudaMemcpyDeviceToHost));
+  epx_route_config_t host = rc;
+  host.device = EPX_DEVICE_CPU;
+  host.stream = nullptr;
+  EK(epx_reference_route(&host, T, logits.data(), d_bias ? bias.data() : nullptr, ridx.data(),
+                         rw.data(), rloc.data(), nullptr, &raux, &rz, &rC));
+  int64_t bad_idx = 0, bad_w = 0;
+  for (size_t i = 0; i < tk; i++) {
+    bad_idx += idx[i] != ridx[i] || loc[i] != rloc[i];
+    bad_w += !(std::fabs(w[i] - rw[i]) <= 1e-6 + 1e-5 * std::fabs(rw[i]));
+  }
+  const bool losses = std::fabs(aux - raux) <= 1e-6 + 1e-5 * std::fabs(raux) &&
+                      std::fabs(z - rz) <= 1e-6 + 1e-5 * std::fabs(rz);
+  const bool ok = bad_idx == 0 && bad_w == 0 && losses && ro.capacity == rC;
+  printf("CHECK %-48s experts/locations %lld of %zu differ, weights %lld outside, losses %s, "
+         "capacity %d/%d: %s\n", "", (long long)bad_idx, tk, (long long)bad_w,
+         losses ? "ok" : "differ", ro.capacity, rC, ok ? "ok" : "FAILED");
+  CK(cudaFree(d_idx));
+  CK(cudaFree(d_loc));
+  CK(cudaFree(d_w));
+  CK(cudaFree(d_aux));
+  CK(cudaFree(d_z));
+  return ok;
+}
+
+}  // namespace
+
+int main() {
+  cudaStream_t s;
+  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  /* Logits spaced so that float rounding never flips a decision, so the
+   * integers can be checked exactly: per token a random permutation of
+   * distinct levels (uneven, so that no two pairs sum alike), scaled by 0.5 + t/T so that the weights
+   * of different tokens, which the ranked drops compare, differ by far more
+   * than rounding; and a small bias. */
+  std::vector<float> logits((size_t)(T * E)), bias(E);
+  uint64_t x = 0x9E3779B97F4A7C15ull;
+  auto next = [&]() {
+    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+    return x;
+  };
+  std::vector<int> perm(E);
+  for (int64_t t = 0; t < T; t++) {
+    for (int e = 0; e < E; e++) perm[e] = e;
+    for (int e = E - 1; e > 0; e--) std::swap(perm[e], perm[next() % (uint64_t)(e + 1)]);
+    const float scale = 0.5f + (float)t / (float)T;
+    for (int e = 0; e < E; e++)
+      logits[(size_t)t * E + e] = scale * (-4.0f + 8.0f * std::pow((float)perm[e] / E, 1.3f));
+  }
+  for (int e = 0; e < E; e++) bias[e] = 1e-3f * (float)((e * 37) % 11);
+  float *d_logits, *d_bias, *d_w;
+  int32_t *d_idx;
+  CK(cudaMalloc(&d_logits, 4 * logits.size()));
+  CK(cudaMalloc(&d_bias, 4 * (size_t)E));
+  CK(cudaMalloc(&d_w, 4 * (size_t)(T * K)));
+  CK(cudaMalloc(&d_idx, 4 * (size_t)(T * K)));
+  CK(cudaMemcpy(d_logits, logits.data(), 4 * logits.size(), cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(d_bias, bias.data(), 4 * (size_t)E, cudaMemcpyHostToDevice));
+  own_layout o = make_layout();
+  float *d_aux, *d_z;
+  CK(cudaMalloc(&d_aux, 4));
+  CK(cudaMalloc(&d_z, 4));
+
+  bool ok = true;
+  double target_us = -1;
+  for (size_t i = 0; i < sizeof ROWS / sizeof ROWS[0]; i++) {
+    epx_route_config_t rc = EPX_ROUTE_CONFIG_INIT;
+    rc.num_experts = E;
+    rc.top_k = K;
+    rc.nonfinite = EPX_NONFINITE_DROP; /* no host synchronisation */
+    rc.device = EPX_DEVICE_CUDA;
+    rc.stream = s;
+    ROWS[i].set(&rc);
+    const bool losses = ROWS[i].set == losses_plain_topk || ROWS[i].set == sequence_aux;
+    if (losses) {
+      rc.aux_loss_coeff = 1e-3f;
+      rc.z_loss_coeff = 1e-4f;
+    }
+    const bool use_bias = rc.score_fn == EPX_SCORE_SIGMOID;
+    printf("ROW %s\n", ROWS[i].name);
+    ok &= check_row(rc, logits, bias, d_logits, use_bias ? d_bias : nullptr, s);
+    epx_route_output_t ro = {d_idx, d_w, nullptr, nullptr, losses ? d_aux : nullptr,
+                             losses ? d_z : nullptr, 0, 0};
+    auto route_once = [&]() {
+      return epx_route(&rc, T, d_logits, use_bias ? d_bias : nullptr, &ro) == EPX_SUCCESS;
+    };
+    auto layout_once = [&]() {
+      return epx_cuda_layout_launch(d_idx, nullptr, d_w, o.w_copy, T, K, E, EPX_LAYOUT_EXPERT_MAJOR,
+                                    1, 0, &o.lay, o.scratch, s) == cudaSuccess;
+    };
+    const double route_us = graph_us(s, 200, route_once);
+    const double layout_us = graph_us(s, 200, layout_once);
+    const double both_us = graph_us(s, 200, [&]() { return route_once() && layout_once(); });
+    printf("RESULT shape=8192x256top8 route=\"%s\" route_us=%.1f layout_us=%.1f route+layout_us=%.1f "
+           "(CUDA graph, device time)\n", ROWS[i].name, route_us, layout_us, both_us);
+    if (i == 0) target_us = both_us;
+  }
+  printf("TARGET routing+layout, DeepSeek-V3 router, 8192x256 top-8 < 25 us: %.1f us %s\n",
+         target_us, target_us > 0 && target_us < 25.0 ? "PASS" : "MISS");
+  printf("%s\n", ok ? "OK: every routing agrees with the float64 reference" : "FAILED");
+  CK(cudaFree(o.block));
+  CK(cudaFree(o.scratch));
+  CK(cudaFree(d_logits));
+  CK(cudaFree(d_bias));
+  CK(cudaFree(d_w));
+  CK(cudaFree(d_idx));
+  CK(cudaFree(d_aux));
+  CK(cudaFree(d_z));
+  CK(cudaStreamDestroy(s));
+  return ok ? 0 : 1;
+}

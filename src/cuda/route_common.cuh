@@ -1,0 +1,356 @@
+/* Device helpers of the routing kernels (route_forward.cu, route_backward.cu):
+ * warp reductions, order keys, and the per-token scores and selection
+ * (steps 1-5 of src/core/route_spec.h). Included by .cu files only. */
+#ifndef EPX_CUDA_ROUTE_COMMON_CUH
+#define EPX_CUDA_ROUTE_COMMON_CUH
+
+#include <climits>
+#include <cmath>
+#include <cstdint>
+
+#include "core/route_spec.h"
+#include "cuda/launch.h"
+
+namespace route_dev {
+
+constexpr unsigned kFull = 0xffffffffu;
+constexpr int kTokenWarps = EPX_CUDA_ROUTE_MAX_TOKEN_WARPS;
+constexpr int kWarps = EPX_CUDA_ROUTE_WARPS;
+
+typedef epx_cuda_select_args_t SelectArgs;
+
+struct TokenState {
+  float m;      /* max logit */
+  float sumexp; /* sum_e exp(l - m) (softmax, or with need_lse) */
+  float psum;   /* sum_e p (sigmoid, sqrt-softplus) */
+  float S;      /* sum of the base weights in k order */
+};
+
+/* One pad word every 32 so that lane-strided and group-strided accesses of
+ * a warp's arrays fall in distinct banks. */
+__device__ __forceinline__ int pad(int i) { return i + (i >> 5); }
+
+/* Marks an entry as out of the running: NaN never compares greater or equal. */
+__device__ __forceinline__ float removed() { return __int_as_float(0x7fffffff); }
+
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
+  return v;
+}
+
+__device__ __forceinline__ double warp_sum(double v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFull, v, o));
+  return v;
+}
+
+__device__ __forceinline__ int warp_inclusive_scan(int v, int lane) {
+  for (int o = 1; o < 32; o <<= 1) {
+    int y = __shfl_up_sync(kFull, v, o);
+    if (lane >= o) v += y;
+  }
+  return v;
+}
+
+/* A 32-bit key that orders like the float (larger value, larger key); 0
+ * for removed (NaN) entries, which never win. -0 counts as +0, as it
+ * compares equal. */
+__device__ __forceinline__ unsigned order_key(float v) {
+  const unsigned u = __float_as_uint(v + 0.0f);
+  return isnan(v) ? 0u : ((u & 0x80000000u) ? ~u : (u | 0x80000000u));
+}
+
+/* The best entry among a[lane], a[lane + 32], ... below n: its key and
+ * index (0, INT_MAX when there is none). Lower index on ties. */
+__device__ inline void lane_best(const float *a, int n, int lane, unsigned &bk, int &bi) {
+  bk = 0u;
+  bi = INT_MAX;
+  for (int i = lane; i < n; i += 32) {
+    const unsigned k = order_key(a[pad(i)]);
+    if (k > bk) {
+      bk = k;
+      bi = i;
+    }
+  }
+}
+
+/* The warp's best entry (larger value, then lower index), the same on every
+ * lane; -1 when no lane has one. */
+__device__ __forceinline__ int warp_argmax(unsigned key, int index) {
+  const unsigned best = __reduce_max_sync(kFull, key);
+  const unsigned win = __reduce_min_sync(kFull, key == best ? (unsigned)index : 0xffffffffu);
+  return best == 0u ? -1 : (int)win;
+}
+
+/* Group of expert e (groups of gs experts). */
+__device__ __forceinline__ int group_of(const SelectArgs &a, int e, int gs) {
+  return a.gmagic ? (int)__umulhi((unsigned)e, a.gmagic) : (gs == 1 ? e : e / gs);
+}
+
+/* The token of warp w of this block: blocks in token order, or aligned to
+ * sequences (each block within one sequence). -1: none. */
+__device__ __forceinline__ long long token_of(const SelectArgs &a, int w, int W) {
+  if (a.seqs <= 1) {
+    const long long t = (long long)blockIdx.x * W + w;
+    return t < a.T ? t : -1;
+  }
+  const int b = blockIdx.x / a.seq_blocks, j = blockIdx.x % a.seq_blocks;
+  const long long pos = (long long)j * W + w;
+  return pos < a.seq_len ? pos * a.seqs + b : -1;
+}
+
+/* Whether token t is real and every logit finite (warp-uniform); *real
+ * tells a masked token from a non-finite one. */
+__device__ inline bool row_valid(const SelectArgs &a, int t, int lane, bool *real) {
+  *real = !a.mask || a.mask[t] != 0;
+  if (!*real) return false;
+  const float *row = a.logits + (size_t)t * a.E;
+  int fin = 1;
+  for (int e = lane; e < a.E; e += 32) fin &= isfinite(row[e]) ? 1 : 0;
+  return __all_sync(kFull, fin) != 0;
+}
+
+/* Sum of the n best of Y over group g (value, then lower index), best
+ * first, by one lane: Megatron's group score for n > 2. */
+__device__ inline float group_top_n(const float *Y, int g, int gs, int n) {
+  float sum = 0.f, pv = INFINITY;
+  int pi = -1;
+  for (int j = 0; j < n; ++j) {
+    float bv = -INFINITY;
+    int bi = -1;
+    for (int i = 0; i < gs; ++i) {
+      const float v = Y[pad(g * gs + i)];
+      const bool after = v < pv || (v == pv && i > pi); /* worse than the previous pick */
+      if (after && (bi < 0 || v > bv)) {
+        bv = v;
+        bi = i;
+      }
+    }
+    sum += bv;
+    pv = bv;
+    pi = bi;
+  }
+  return sum;
+}
+
+/* Step 3: group scores into Gs, the topk_groups best kept, the other groups'
+ * experts removed from Y. */
+__device__ inline void select_groups(const SelectArgs &a, float *Y, float *Gs, int lane) {
+  const int E = a.E, gs = E / a.G, L = a.glanes, sub = lane & (L - 1);
+  if (a.group_top <= 2) {
+    /* The glanes lanes of a group each take every glanes-th expert, then
+     * merge their top-2 pairs. */
+    for (int g0 = 0; g0 < a.G; g0 += 32 / L) {
+      const int g = g0 + lane / L;
+      float b1 = -INFINITY, b2 = -INFINITY;
+      if (g < a.G) {
+        for (int i = sub; i < gs; i += L) {
+          const float v = Y[pad(g * gs + i)];
+          if (v > b1) {
+            b2 = b1;
+            b1 = v;
+          } else if (v > b2) {
+            b2 = v;
+          }
+        }
+      }
+      for (int o = L >> 1; o > 0; o >>= 1) {
+        const float c1 = __shfl_xor_sync(kFull, b1, o), c2 = __shfl_xor_sync(kFull, b2, o);
+        const float hi = fmaxf(b1, c1), lo = fmaxf(fminf(b1, c1), fmaxf(b2, c2));
+        b1 = hi;
+        b2 = lo;
+      }
+      if (g < a.G && sub == 0) Gs[pad(g)] = a.group_top == 1 ? b1 : b1 + b2;
+    }
+  } else {
+    for (int g = lane; g < a.G; g += 32) Gs[pad(g)] = group_top_n(Y, g, gs, a.group_top);
+  }
+  __syncwarp();
+  /* The topk_groups best groups: a bit each in `kept` (G <= 32), or marked
+   * removed() in Gs; the other groups' experts are excluded. */
+  unsigned gk, kept = 0u;
+  int gi;
+  lane_best(Gs, a.G, lane, gk, gi);
+  for (int r = 0; r < a.TG; ++r) {
+    const int g = warp_argmax(gk, gi);
+    if (g < 0) break;
+    if (a.G <= 32) kept |= 1u << g;
+    if (lane == (g & 31)) {
+      Gs[pad(g)] = removed();
+      lane_best(Gs, a.G, lane, gk, gi);
+    }
+  }
+  __syncwarp();
+  for (int e = lane; e < E; e += 32) {
+    const int g = group_of(a, e, gs);
+    const bool keep = a.G <= 32 ? ((kept >> g) & 1u) != 0u : isnan(Gs[pad(g)]);
+    if (!keep) Y[pad(e)] = removed();
+  }
+  __syncwarp();
+}
+
+/* The K best of Y (K rounds of warp arg-max; a lane rescans only when it
+ * loses its best), removing them from Y: CI [K] and CP [K] = X of each. */
+__device__ inline void select_topk(const float *X, float *Y, int E, int K, int *CI, float *CP,
+                                   int lane) {
+  unsigned bk;
+  int bi;
+  lane_best(Y, E, lane, bk, bi);
+  for (int k = 0; k < K; ++k) {
+    const int e = warp_argmax(bk, bi);
+    if (lane == 0) {
+      CI[k] = e;
+      CP[k] = e >= 0 ? X[pad(e)] : 0.f;
+    }
+    if (e >= 0 && lane == (e & 31)) {
+      Y[pad(e)] = removed();
+      lane_best(Y, E, lane, bk, bi);
+    }
+  }
+  __syncwarp();
+}
+
+/* Step 1 into X (p; the logits for softmax after top-k) and Y (selection
+ * scores); returns the max logit and fills sumexp / psum. */
+__device__ inline void token_scores(const SelectArgs &a, float *X, float *Y, float m, int lane,
+                                    float &sumexp, float &psum) {
+  const int E = a.E;
+  sumexp = 0.f;
+  psum = 0.f;
+  for (int e = lane; e < E; e += 32) {
+    const float l = X[pad(e)];
+    float p;
+    switch (a.score_fn) {
+      case EPX_SCORE_SOFTMAX: p = expf(l - m); sumexp += p; break;
+      case EPX_SCORE_SIGMOID: p = 1.0f / (1.0f + expf(-l)); break;
+      case EPX_SCORE_SQRT_SOFTPLUS:
+        p = sqrtf(l > EPX_SOFTPLUS_THRESHOLD ? l : log1pf(expf(l)));
+        break;
+      default: p = l; break;
+    }
+    if (a.score_fn != EPX_SCORE_SOFTMAX && a.need_lse) sumexp += expf(l - m);
+    psum += p;
+    X[pad(e)] = p;
+  }
+  sumexp = warp_sum(sumexp);
+  psum = warp_sum(psum);
+  for (int e = lane; e < E; e += 32) {
+    float p = X[pad(e)];
+    if (a.score_fn == EPX_SCORE_SOFTMAX) X[pad(e)] = p = p / sumexp;
+    Y[pad(e)] = a.bias ? p + a.bias[e] : p;
+  }
+  __syncwarp();
+}
+
+/* Step 5's base weights in CP (the softmax of the chosen logits after
+ * top-k) and their sum S in k order; by lane 0, in the CPU's order. */
+__device__ inline float base_weights(const SelectArgs &a, float *CP, int lane) {
+  float S = 0.f;
+  if (lane == 0) {
+    if (a.score_fn == EPX_SCORE_SOFTMAX_AFTER_TOPK) {
+      float mx = CP[0], sum = 0.f;
+      for (int k = 1; k < a.K; ++k) mx = fmaxf(mx, CP[k]);
+      for (int k = 0; k < a.K; ++k) sum += (CP[k] = expf(CP[k] - mx));
+      for (int k = 0; k < a.K; ++k) CP[k] = CP[k] / sum;
+    }
+    for (int k = 0; k < a.K; ++k) S += CP[k];
+  }
+  __syncwarp();
+  return __shfl_sync(kFull, S, 0);
+}
+
+/* Steps 1-5 for token t. Returns false, with nothing else computed, when a
+ * logit is not finite. On return X holds p (logits after top-k), CI/CP the
+ * K choices best first and their base weights, and st the token's sums. */
+__device__ inline bool token_select(const SelectArgs &a, int t, float *X, float *Y, float *Gs,
+                                    int *CI, float *CP, int lane, TokenState &st) {
+  const float *row = a.logits + (size_t)t * a.E;
+  float m = -INFINITY;
+  int fin = 1;
+#pragma unroll 4
+  for (int e = lane; e < a.E; e += 32) {
+    float l = row[e];
+    fin &= isfinite(l) ? 1 : 0;
+    m = fmaxf(m, l);
+    X[pad(e)] = l;
+  }
+  if (!__all_sync(kFull, fin)) return false;
+  m = warp_max(m);
+  token_scores(a, X, Y, m, lane, st.sumexp, st.psum);
+  if (a.G > 1) select_groups(a, Y, Gs, lane);
+  select_topk(X, Y, a.E, a.K, CI, CP, lane);
+  st.m = m;
+  st.S = base_weights(a, CP, lane);
+  return true;
+}
+
+/* q of the aux loss from X into Q: p, p / sum p, or the softmax of the
+ * logits after top-k. */
+__device__ inline void aux_scores(const SelectArgs &a, const float *X, float *Q,
+                                  const TokenState &st, int lane) {
+  for (int e = lane; e < a.E; e += 32) {
+    const float x = X[pad(e)];
+    float q;
+    switch (a.score_fn) {
+      case EPX_SCORE_SOFTMAX: q = x; break;
+      case EPX_SCORE_SOFTMAX_AFTER_TOPK: q = expf(x - st.m) / st.sumexp; break;
+      default: q = st.psum > 0.f ? x / st.psum : 0.f; break;
+    }
+    Q[pad(e)] = q;
+  }
+  __syncwarp();
+}
+
+__device__ __forceinline__ int queue_index(int by_token, int t, int k, int T, int K) {
+  return by_token ? t * K + k : k * T + t;
+}
+
+__device__ __forceinline__ size_t output_index(int by_token, int r, int T, int K) {
+  int t, k;
+  if (by_token) {
+    t = r / K;
+    k = r - t * K;
+  } else {
+    k = r / T;
+    t = r - k * T;
+  }
+  return (size_t)t * K + k;
+}
+
+/* Warps per block (at most max_warps) of a kernel whose warps each need
+ * per_warp bytes of dynamic shared memory, and the block's bytes; raises the
+ * kernel's dynamic limit when one warp needs more than the default 48 KB
+ * (less a 1 KB reserve for the kernels' static shared memory). */
+static inline cudaError_t smem_fit(const void *kernel, size_t per_warp, int max_warps, int *warps,
+                                   size_t *bytes) {
+  const size_t default_smem = 48 * 1024, static_smem = 1024;
+  size_t w = (default_smem - static_smem) / per_warp;
+  if (w > (size_t)max_warps) w = (size_t)max_warps;
+  if (w >= 1) {
+    *warps = (int)w;
+    *bytes = w * per_warp;
+    return cudaSuccess;
+  }
+  int device = 0, optin = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess)
+    err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  if (err != cudaSuccess) return err;
+  if (per_warp + static_smem > (size_t)optin) return cudaErrorInvalidValue;
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)per_warp);
+  if (err != cudaSuccess) return err;
+  *warps = 1;
+  *bytes = per_warp;
+  return cudaSuccess;
+}
+
+static_assert(kTokenWarps * (sizeof(int) + sizeof(double)) <= 1024,
+              "the token kernels' static shared memory exceeds smem_fit's reserve");
+
+}  // namespace route_dev
+
+#endif
