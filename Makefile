@@ -2,10 +2,13 @@
 # Everything it does is plain cmake/ctest; see README.md.
 BUILD ?= build
 ASAN_BUILD ?= build-asan
+FUZZ_BUILD ?= build-fuzz
+FUZZ_SECONDS ?= 600
+FUZZ_SEED ?= 1
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 CMAKE_FLAGS ?=
 
-.PHONY: all build run single test pyenv sanitize clean
+.PHONY: all build run single test pyenv sanitize fuzz clean
 
 all: build
 
@@ -53,5 +56,18 @@ sanitize:
 	cd $(ASAN_BUILD) && ASAN_OPTIONS=detect_leaks=1:halt_on_error=1 ctest --output-on-failure -LE gpu -E mpi
 	cd $(ASAN_BUILD) && ASAN_OPTIONS=detect_leaks=0:halt_on_error=1 ctest --output-on-failure -LE gpu -R mpi
 
+# The fuzzers (clang, ASan + UBSan; tests/fuzz), FUZZ_SECONDS each: libFuzzer
+# on the one-rank API (its corpus kept in $(FUZZ_BUILD)/corpus, a finding's
+# input in $(FUZZ_BUILD)/crash-*), then the seeded multi-rank scenarios from
+# FUZZ_SEED (a finding prints its seed; re-run it with --seed N --count 1).
+fuzz:
+	CC=clang cmake -S . -B $(FUZZ_BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DEPX_BUILD_FUZZERS=ON \
+	  -DEPX_BUILD_TESTS=OFF -DEPX_BUILD_MPI=OFF $(CMAKE_FLAGS)
+	cmake --build $(FUZZ_BUILD) -j$(JOBS) --target fuzz_api fuzz_scenarios
+	mkdir -p $(FUZZ_BUILD)/corpus
+	$(FUZZ_BUILD)/tests/fuzz/fuzz_api -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1 \
+	  -artifact_prefix=$(FUZZ_BUILD)/ $(FUZZ_BUILD)/corpus
+	$(FUZZ_BUILD)/tests/fuzz/fuzz_scenarios --seconds $(FUZZ_SECONDS) --seed $(FUZZ_SEED)
+
 clean:
-	rm -rf $(BUILD) $(ASAN_BUILD)
+	rm -rf $(BUILD) $(ASAN_BUILD) $(FUZZ_BUILD)

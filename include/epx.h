@@ -24,13 +24,30 @@
  *    the buffer's stream unless its documentation says it synchronises.
  *  - "Collective" calls must be made by every rank of the comm, in the same
  *    order. A collective call that fails on one rank fails on all of them (the
- *    failing rank's status travels with the count exchange), so no rank is
- *    left waiting — except when the failure happens before the buffer or comm
- *    can even be identified (a NULL buffer, say): that rank returns at once
- *    and its peers time out with EPX_ERROR_TIMEOUT naming it.
+ *    failing rank's status travels in the call's first message — the count
+ *    exchange of epx_dispatch_layout, the first message of a payload call),
+ *    so no rank is left waiting — except when the failure happens before the
+ *    buffer or comm can even be identified (a NULL buffer, say): that rank
+ *    returns at once and its peers time out with EPX_ERROR_TIMEOUT naming it.
+ *  - CPU buffers: that first message also says what the call is (which
+ *    call, on which buffer and handle — numbered in creation order over the
+ *    comm, so equal on every rank — and its shape). Ranks in different
+ *    calls, on different buffers or handles, or with shapes the exchange
+ *    cannot serve all fail with EPX_ERROR_SHAPE_MISMATCH naming each rank and
+ *    what it called, before anything moves, and the comm stays usable.
+ *    Nothing a peer sends is used as a size or an index before it is checked
+ *    against the shape that peer declared.
  *  - Destroying or releasing NULL is a no-op. Using an object after it was
  *    destroyed or released is detected and refused with
- *    EPX_ERROR_INVALID_HANDLE (objects are looked up in a registry before use).
+ *    EPX_ERROR_INVALID_HANDLE, even when a new object has since taken its
+ *    memory: the values epx_comm_t, epx_buffer_t, epx_handle_t and
+ *    epx_recorder_t hold are ids (a slot and a generation), never
+ *    dereferenced by the caller or the library, and an id is never given out
+ *    twice.
+ *  - Sizes: every product of shape arguments (a row's bytes, the rows a
+ *    buffer sends and receives, the router's logits) is checked; a product
+ *    that does not fit 64 bits is EPX_ERROR_INVALID_ARGUMENT naming the
+ *    argument.
  *  - Enum values are only ever added at the end.
  *
  * Thread safety
@@ -139,7 +156,7 @@ typedef enum epx_status {
   EPX_ERROR_OUT_OF_MEMORY = 2,
   EPX_ERROR_UNSUPPORTED = 3,      /* a valid request this build or path does not do (dtype, layout, backend) */
   EPX_ERROR_CAPACITY_EXCEEDED = 4,/* a batch larger than the buffer's agreed max_tokens_per_rank, or a recv buffer too small */
-  EPX_ERROR_SHAPE_MISMATCH = 5,   /* ranks disagree on hidden, experts, dtype, ... (buffer creation) */
+  EPX_ERROR_SHAPE_MISMATCH = 5,   /* ranks disagree on hidden, experts, dtype, ... (buffer creation), or on the collective call, buffer, handle or shape of a call */
   EPX_ERROR_INVALID_HANDLE = 6,   /* a handle/buffer/comm/recorder that was released, destroyed, or belongs elsewhere */
   EPX_ERROR_BUSY = 7,             /* the object is still in use (a buffer with live handles) */
   EPX_ERROR_TIMEOUT = 8,          /* a peer did not answer within the comm's timeout; the message names the rank */
@@ -462,10 +479,26 @@ epx_status_t epx_local_world_destroy(epx_local_world_t world);
 epx_status_t epx_comm_create_local(epx_local_world_t world, int32_t rank, epx_comm_t *comm);
 
 /* The MPI transport over a caller's communicator: mpi_comm points to an
- * MPI_Comm (the library duplicates it, so the caller's stays untouched, and
- * sets MPI_ERRORS_RETURN on the duplicate so a failed MPI call becomes
- * EPX_ERROR_TRANSPORT rather than an abort). MPI must be initialised.
- * Collective. EPX_ERROR_UNSUPPORTED when built without MPI. */
+ * MPI_Comm. MPI must be initialised. Collective. EPX_ERROR_UNSUPPORTED when
+ * built without MPI.
+ *  - The library duplicates the communicator (the caller's stays untouched:
+ *    only MPI_Comm_idup runs on it) and sets MPI_ERRORS_RETURN on the
+ *    duplicate. Every later MPI call of the library is on the duplicate, so
+ *    an MPI error — a message longer or shorter than its receive, a failure
+ *    the transport notices — comes back as EPX_ERROR_TRANSPORT naming the
+ *    peer, whatever handler the caller's communicator has.
+ *  - Collectives are point-to-point messages to and from each peer, so the
+ *    timeout (EPX_ERROR_TIMEOUT) names the ranks whose messages did not
+ *    arrive: a rank that failed before the call, is stuck, or is in another
+ *    call. A comm that failed is kept by MPI until the process ends (a few
+ *    hundred bytes): its peers may still send to it.
+ *  - A process that dies (kill -9, a crash): OpenMPI's mpirun, by default,
+ *    then kills every other process of the job, so no call returns at all;
+ *    nothing in a library can change that. Under a runtime that lets the
+ *    survivors live (OpenMPI's `mpiexec --enable-recovery`, ULFM), their
+ *    next collective returns EPX_ERROR_TIMEOUT naming the dead rank (or
+ *    EPX_ERROR_TRANSPORT, where MPI reports the loss first), within the
+ *    comm's timeout. */
 epx_status_t epx_comm_create_mpi(const void *mpi_comm, const epx_comm_config_t *config,
                                  epx_comm_t *comm);
 
@@ -559,7 +592,9 @@ typedef enum epx_layout {
    * one local expert, by source rank then token; the row's local experts come
    * from epx_handle_recv_routing ([N, K], -1 elsewhere). The expert computes
    * each row's own weighted sum over its local experts, so weighting must be
-   * EPX_WEIGHTS_NONE in this layout. */
+   * EPX_WEIGHTS_NONE in this layout. Its rows have a slot per k, so every
+   * rank's routing must have the same top_k (pad with -1): a layout with
+   * different top_k is refused on every rank with EPX_ERROR_SHAPE_MISMATCH. */
   EPX_LAYOUT_RANK_MAJOR = 1,
   /* recv_x [E_local, W * C, H]: route (s, t, k) of local expert e, with
    * capacity location l < C from its source rank s, lands at row
@@ -567,21 +602,33 @@ typedef enum epx_layout {
   EPX_LAYOUT_CAPACITY = 2
 } epx_layout_t;
 
-/* How dedup combine carries a token's per-rank partial sums
- * P(t, r) = sum over the token's k-slots on rank r, in k order, of
- * w[t,k] * expert_out(t,k) (float32). Both are deterministic and give the
- * same bits in both exchanges (the collective forms and rounds the same
- * per-rank partials). The default is FLOAT32 because it is exact (one
- * rounding, whatever the number of ranks); PAYLOAD halves combine's bytes
- * for 16-bit payloads at the cost of one more rounding per rank. */
+/* How combine forms a token's sum over ranks. P(t, r) is the token's partial
+ * sum on rank r: 0 + w[t,k] * expert_out(t,k) over its k-slots on r, in k
+ * order, in float32 (w = 1 unless EPX_WEIGHTS_IN_COMBINE). Then
+ * out[t] = round(P'(t, r0) + P'(t, r1) + ...) over the token's ranks in
+ * ascending order, summed in float32 from the first partial, rounded once to
+ * the payload dtype, where P' is P itself or P rounded once to the payload
+ * dtype (tokens without routes get zeros). Every partial is formed
+ * the same way whichever exchange moves it, the token's own rank's too: the
+ * dedup exchange sums a pair's rows on the expert's rank and sends P' (over
+ * MPI; on the local transport the token's rank reads the rows in place), the
+ * collective exchange brings each route's row home and forms and rounds the
+ * same P' there — so both exchanges give identical bits in both modes. The
+ * backward passes are unaffected: dispatch_backward sums the copies'
+ * gradients with float32 partials whatever this says, and
+ * combine_backward's rows and grad_w are exact products. For float32
+ * payloads both modes are the same. Part of the buffer config that every
+ * rank must agree on. */
 typedef enum epx_combine_precision {
-  /* P(t, r) travels as float32: exact, the default (the result is rounded
-   * once, so combine equals the dense float32 reference to one rounding),
-   * at twice the bytes of a 16-bit payload. */
+  /* P' = P, float32: the default, because it is the most accurate and costs
+   * nothing on the local transport (no partial travels; rows are read in
+   * place); combine equals the dense float32 reference to one rounding. A
+   * dedup partial over MPI is then twice the bytes of a 16-bit row. */
   EPX_COMBINE_PARTIALS_FLOAT32 = 0,
-  /* P(t, r) is rounded once to the payload dtype (DeepEP's bytes), then the
-   * partials are summed over ranks in ascending rank order in float32 and
-   * rounded once more. Same as FLOAT32 for float32 payloads. */
+  /* P' = P rounded once to the payload dtype (DeepEP's bytes: a partial
+   * costs one payload row), then summed in float32 as above: at most one
+   * more rounding per rank for tokens spread over several ranks; tokens on
+   * one rank get the same bits as FLOAT32. */
   EPX_COMBINE_PARTIALS_PAYLOAD = 1
 } epx_combine_precision_t;
 
@@ -721,7 +768,7 @@ epx_status_t epx_buffer_peer_paths(epx_buffer_t buffer, int32_t *paths);
  * epx_dispatch_layout only (the handle keeps its own copy). */
 typedef struct epx_routing {
   int64_t num_tokens;        /* T on this rank, 0 <= T <= max_tokens_per_rank */
-  int32_t top_k;             /* K <= buffer's max_top_k */
+  int32_t top_k;             /* K <= buffer's max_top_k; may differ between ranks (not in the rank-major layout) */
   const int32_t *topk_idx;   /* [T, K] expert ids or -1; no duplicates in a row */
   const float *topk_w;       /* [T, K]; may be NULL only with EPX_WEIGHTS_NONE */
   const int32_t *locations;  /* [T, K] capacity slots in [0, C), unique per expert; capacity layout only */
@@ -749,16 +796,21 @@ epx_status_t epx_dispatch(epx_buffer_t buffer, epx_handle_t handle, const void *
  * layout -> out [T, H]. out[t] = sum over the token's ranks r, in ascending r,
  * of P(t, r) = sum over the token's k-slots on r, in k order, of
  * w[t,k] * expert_out(t,k) (w = 1 unless EPX_WEIGHTS_IN_COMBINE), all in
- * float32, rounded once to the dtype: independent of exchange and row order.
+ * float32, rounded once to the dtype (each P(t, r) rounded to the dtype first
+ * with EPX_COMBINE_PARTIALS_PAYLOAD; see epx_combine_precision_t):
+ * independent of exchange and row order.
  * Tokens with no routes get zeros. */
 epx_status_t epx_combine(epx_buffer_t buffer, epx_handle_t handle, const void *expert_out,
                          void *out);
 
 /* Gradient of dispatch (collective): grad_recv_x [N, H] -> grad_x [T, H], the
  * sum of the token's copies' gradients (times w with EPX_WEIGHTS_IN_DISPATCH),
- * in the order of epx_combine. With EPX_WEIGHTS_IN_DISPATCH, grad_w [T, K]
+ * in the order of epx_combine with float32 partials (whatever the buffer's
+ * combine_precision). With EPX_WEIGHTS_IN_DISPATCH, grad_w [T, K]
  * (may be NULL) gets <grad_recv_x(t,k), x[t]>, which needs x (the forward's
- * input); otherwise x and grad_w must be NULL. */
+ * input); otherwise x and grad_w must be NULL. grad_w is given on every rank
+ * or on none (it changes what is exchanged; a CPU buffer refuses a mix on
+ * every rank with EPX_ERROR_SHAPE_MISMATCH). */
 epx_status_t epx_dispatch_backward(epx_buffer_t buffer, epx_handle_t handle,
                                    const void *grad_recv_x, void *grad_x, const void *x,
                                    float *grad_w);
@@ -768,7 +820,8 @@ epx_status_t epx_dispatch_backward(epx_buffer_t buffer, epx_handle_t handle,
  * grad_out[t]; padding rows zero). With EPX_WEIGHTS_IN_COMBINE, grad_w [T, K]
  * (may be NULL) gets <grad_out[t], expert_out(t,k)> (0 for slots of -1), which
  * needs expert_out (the forward's input); otherwise expert_out and grad_w
- * must be NULL. grad_w is what the router learns from: do not drop it. */
+ * must be NULL. grad_w is what the router learns from: do not drop it. It is
+ * given on every rank or on none, as in epx_dispatch_backward. */
 epx_status_t epx_combine_backward(epx_buffer_t buffer, epx_handle_t handle,
                                   const void *grad_out, const void *expert_out,
                                   void *grad_expert_out, float *grad_w);
@@ -810,8 +863,12 @@ typedef struct epx_handle_stats {
 } epx_handle_stats_t;
 epx_status_t epx_handle_stats(epx_handle_t handle, epx_handle_stats_t *stats);
 
-/* Reference counting: retain adds one, release drops one; the handle is freed
- * at zero. Using a handle after its last release is EPX_ERROR_INVALID_HANDLE. */
+/* Reference counting: retain adds one, release drops one. The caller's
+ * references (the layout's, each retain's, each replay's) are counted apart
+ * from the library's own (a recorder's): once the caller has released all of
+ * its references the handle is refused to it (EPX_ERROR_INVALID_HANDLE) —
+ * another release included, which never takes a recorder's reference — and
+ * the handle is freed when no recorder holds it either. */
 epx_status_t epx_handle_retain(epx_handle_t handle);
 epx_status_t epx_handle_release(epx_handle_t handle);
 
@@ -826,10 +883,11 @@ epx_status_t epx_handle_release(epx_handle_t handle);
  * so the following epx_dispatch is a cached dispatch; past the end of the log
  * it falls back to a full epx_dispatch_layout and counts it. With validate on,
  * the replay hashes topk_idx and a difference is EPX_ERROR_REPLAY_MISMATCH
- * naming the call index; validation is collective (one small all-reduce), so
- * every rank refuses together. On a CUDA buffer the hash is computed on the
- * device and read back (one host synchronisation per validated replay).
- * Received rows are never kept. */
+ * naming the call index; validation is collective (one small message: on a
+ * CPU buffer the handshake every call starts with, elsewhere a small
+ * all-reduce), so every rank refuses together. On a CUDA buffer the hash is
+ * computed on the device and read back (one host synchronisation per
+ * validated replay). Received rows are never kept. */
 typedef enum epx_recorder_mode {
   EPX_RECORDER_RECORD = 0,
   EPX_RECORDER_REPLAY = 1

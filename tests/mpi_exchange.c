@@ -2,7 +2,8 @@
  * checks of test_multirank's parity cases — dedup and collective bit-identical,
  * every received row checked against its source, counts, offsets and stats
  * against a plain reference, results against the float64 and the contract's
- * float32 references, the capacity layout against the dense einsums — with
+ * float32 references, the capacity layout against the dense einsums; and its
+ * agreement cases (mismatched calls, per-rank top_k, combine precision) — with
  * ranks as processes. Every rank regenerates every rank's routing from the
  * shared seed. Plain checks; the failures of all ranks are summed, rank 0
  * prints the summary, and the exit status is the verdict. */
@@ -66,6 +67,14 @@ int main(int argc, char **argv) {
     /* A failed case may have failed the comm (a rank left a collective
      * early); later cases would only repeat it. */
     all = failed_cases;
+  }
+  /* Mismatched calls refused on every rank, per-rank top_k, combine
+   * precision against its definition. */
+  if (!all) {
+    long long mine = mr_agreement_cases_rank(comm, rank, size, NULL), agreement = 0;
+    MPI_Allreduce(&mine, &agreement, 1, MPI_LONG_LONG, MPI_SUM, MPI_COMM_WORLD);
+    if (agreement && rank == 0) fprintf(stderr, "mpi_exchange: agreement cases: %lld failure(s)\n", agreement);
+    failures += mine;
   }
   if (comm && epx_comm_destroy(comm) != EPX_SUCCESS) {
     fprintf(stderr, "rank %d: epx_comm_destroy: %s\n", rank, epx_last_error());

@@ -37,7 +37,7 @@ static void test_self_ops(void **state) {
   (void)state;
   epx_comm_t comm = NULL;
   TU_OK(epx_comm_create_self(&comm));
-  assert_string_equal(comm->ops->name, "self");
+  assert_string_equal(COMM(comm)->ops->name, "self");
   atomic_int arrivals;
   atomic_init(&arrivals, 0);
   assert_int_equal(cc_ops(comm, 6, &arrivals), 0);
@@ -103,7 +103,7 @@ static int leave_rank(epx_comm_t comm, int32_t rank, int32_t size, void *p) {
   tu_poison(send, sizeof send);
   tu_poison(recv, sizeof recv);
   double t0 = cc_now_seconds();
-  epx_status_t status = comm->ops->alltoall(comm, "test_leave", send, recv, 4);
+  epx_status_t status = COMM(comm)->ops->alltoall(COMM(comm), "test_leave", send, recv, 4);
   double elapsed = cc_now_seconds() - t0;
   char named[32];
   snprintf(named, sizeof named, "rank %d", arg->leaver);
@@ -112,7 +112,7 @@ static int leave_rank(epx_comm_t comm, int32_t rank, int32_t size, void *p) {
              "message does not name %s in epx_comm_destroy", named);
   RANK_REQUIRE(elapsed < arg->leave_after + 1.5, "took %.3f s to notice", elapsed);
   RANK_REQUIRE(cc_is_poisoned(recv, sizeof recv), "a failed alltoall wrote its output");
-  status = comm->ops->barrier(comm, "test_after");
+  status = COMM(comm)->ops->barrier(COMM(comm), "test_after");
   RANK_REQUIRE(status == EPX_ERROR_PEER_FAILED && strstr(epx_last_error(), named),
              "later barrier gave %s", epx_status_string(status));
 done:
@@ -134,9 +134,9 @@ static int barrier_then_leave_rank(epx_comm_t comm, int32_t rank, int32_t size, 
   int failures = 0;
   (void)size, (void)p;
   if (rank == 1) return 0;
-  RANK_REQUIRE(comm->ops->barrier(comm, "test_barrier") == EPX_SUCCESS, "barrier failed");
+  RANK_REQUIRE(COMM(comm)->ops->barrier(COMM(comm), "test_barrier") == EPX_SUCCESS, "barrier failed");
   double t0 = cc_now_seconds();
-  epx_status_t status = comm->ops->barrier(comm, "test_next");
+  epx_status_t status = COMM(comm)->ops->barrier(COMM(comm), "test_next");
   RANK_REQUIRE(status == EPX_ERROR_PEER_FAILED && cc_now_seconds() - t0 < 1.0, "next barrier gave %s",
              epx_status_string(status));
   RANK_REQUIRE(strstr(epx_last_error(), "rank 1 destroyed its comm"), "message does not name rank 1");
@@ -159,9 +159,9 @@ static int mismatch_rank(epx_comm_t comm, int32_t rank, int32_t size, void *p) {
   tu_poison(recv, sizeof recv);
   epx_status_t status;
   if (kind == 0 || rank == 0)
-    status = comm->ops->alltoall(comm, "test_mismatch", send, recv, rank == 1 ? 8 : 4);
+    status = COMM(comm)->ops->alltoall(COMM(comm), "test_mismatch", send, recv, rank == 1 ? 8 : 4);
   else
-    status = comm->ops->allgather(comm, "test_mismatch", send, recv, 4);
+    status = COMM(comm)->ops->allgather(COMM(comm), "test_mismatch", send, recv, 4);
   RANK_REQUIRE(status == EPX_ERROR_PEER_FAILED, "gave %s", epx_status_string(status));
   RANK_REQUIRE(strstr(epx_last_error(), "every rank must make the same collective calls"),
              "message does not explain the mismatch");
@@ -189,7 +189,7 @@ static int inconsistent_rank(epx_comm_t comm, int32_t rank, int32_t size, void *
   tu_poison(send, sizeof send);
   for (int32_t r = 0; r < size; r++) send_counts[r] = recv_counts[r] = 1, displs[r] = r;
   if (rank == 1) recv_counts[0] = 2;
-  epx_status_t status = comm->ops->alltoallv(comm, "test_counts", send, send_counts, displs, recv,
+  epx_status_t status = COMM(comm)->ops->alltoallv(COMM(comm), "test_counts", send, send_counts, displs, recv,
                                              recv_counts, displs, 4);
   if (rank == 1) {
     RANK_REQUIRE(status == EPX_ERROR_INTERNAL, "gave %s", epx_status_string(status));
@@ -200,7 +200,7 @@ static int inconsistent_rank(epx_comm_t comm, int32_t rank, int32_t size, void *
     RANK_REQUIRE(strstr(epx_last_error(), "rank 1 found the pieces of this alltoallv inconsistent"),
                "message does not name rank 1");
   }
-  RANK_REQUIRE(comm->ops->barrier(comm, "test_after") == EPX_SUCCESS, "comm unusable afterwards");
+  RANK_REQUIRE(COMM(comm)->ops->barrier(COMM(comm), "test_after") == EPX_SUCCESS, "comm unusable afterwards");
 done:
   return failures;
 }
@@ -315,10 +315,10 @@ static void test_create_local_arguments(void **state) {
   /* A world with a live comm cannot go; a comm with live buffers cannot go. */
   TU_ASSERT_STATUS(epx_local_world_destroy(world), EPX_ERROR_BUSY,
                    "epx_local_world_destroy: 1 comm(s) of this world are alive (rank 0 first)");
-  first->live_buffers = 2;
+  COMM(first)->live_buffers = 2;
   TU_ASSERT_STATUS(epx_comm_destroy(first), EPX_ERROR_BUSY,
                    "epx_comm_destroy: 2 buffer(s) created over this comm are alive");
-  first->live_buffers = 0;
+  COMM(first)->live_buffers = 0;
   TU_OK(epx_comm_rank(first, &value));
   assert_int_equal(value, 0);
   TU_OK(epx_comm_destroy(first));

@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/registry.h"
 #include "testutil.h"
 
 /* ------------------------------------------------------------------------ */
@@ -805,6 +806,198 @@ static void test_nonfinite_logits(void **state) {
   TU_OK(epx_comm_destroy(comm));
 }
 
+/* ------------------------------------------------------------------------ */
+/* Lifetimes a stale value cannot fool (issue 8 findings 1, 2 and 6)          */
+/* ------------------------------------------------------------------------ */
+
+/* Finding 2: a released handle whose storage a new, larger handle reuses
+ * was taken for it, and epx_combine wrote the new handle's rows past the old
+ * one's 1-row `out`. The old value must stay refused, whatever the new
+ * object's address. */
+static void test_released_handle_at_reused_slot(void **state) {
+  (void)state;
+  fx_t *f = fx_make(EPX_LAYOUT_EXPERT_MAJOR, EPX_WEIGHTS_IN_COMBINE);
+  epx_handle_t small = NULL;
+  TU_OK(epx_dispatch_layout(f->b, &(epx_routing_t){1, K, f->idx, f->w, NULL, EPX_WEIGHTS_IN_COMBINE}, NULL, &small));
+  assert_non_null(epx_registry_get(small, EPX_OBJECT_HANDLE));
+  TU_OK(epx_handle_release(small));
+  assert_null(epx_registry_get(small, EPX_OBJECT_HANDLE));
+  /* The next objects take the freed slot (and, with glibc, often the freed
+   * memory): neither makes the old value live. */
+  epx_handle_t big = NULL;
+  TU_OK(epx_dispatch_layout(f->b, &(epx_routing_t){T, K, f->idx, f->w, NULL, EPX_WEIGHTS_IN_COMBINE}, NULL, &big));
+  assert_true(big != small);
+  _Alignas(16) float one_row[2 * H];
+  tu_poison(one_row, sizeof one_row);
+  watch(one_row, sizeof one_row, "the 1-row out");
+  EXPECT_REFUSED(epx_combine(f->b, small, f->y, one_row), EPX_ERROR_INVALID_HANDLE, "handle is not live");
+  EXPECT_REFUSED(epx_dispatch(f->b, small, f->x, f->recv, f->N), EPX_ERROR_INVALID_HANDLE, "handle is not live");
+  EXPECT_REFUSED(epx_handle_retain(small), EPX_ERROR_INVALID_HANDLE, "not live");
+  EXPECT_REFUSED(epx_handle_release(small), EPX_ERROR_INVALID_HANDLE, "not live");
+  TU_OK(epx_combine(f->b, big, f->y, f->out));
+  TU_OK(epx_handle_release(big));
+
+  /* The same for buffers, recorders and comms: destroyed, replaced, refused. */
+  epx_buffer_t old_buffer = buffer_make(f->comm, EPX_LAYOUT_EXPERT_MAJOR, MAXT);
+  TU_OK(epx_buffer_destroy(old_buffer));
+  epx_buffer_t new_buffer = buffer_make(f->comm, EPX_LAYOUT_EXPERT_MAJOR, MAXT);
+  assert_true(new_buffer != old_buffer);
+  int64_t m = -7;
+  EXPECT_REFUSED(epx_buffer_max_tokens(old_buffer, &m), EPX_ERROR_INVALID_HANDLE, "not a live buffer");
+  EXPECT_REFUSED(epx_buffer_destroy(old_buffer), EPX_ERROR_INVALID_HANDLE, "not a live buffer");
+  TU_OK(epx_buffer_max_tokens(new_buffer, &m));
+  assert_int_equal(m, MAXT);
+  TU_OK(epx_buffer_destroy(new_buffer));
+  epx_recorder_t old_recorder = NULL, new_recorder = NULL;
+  TU_OK(epx_recorder_create(1, &old_recorder));
+  TU_OK(epx_recorder_destroy(old_recorder));
+  TU_OK(epx_recorder_create(1, &new_recorder));
+  epx_recorder_stats_t stats;
+  EXPECT_REFUSED(epx_recorder_stats(old_recorder, &stats), EPX_ERROR_INVALID_HANDLE, "not a live recorder");
+  EXPECT_REFUSED(epx_recorder_destroy(old_recorder), EPX_ERROR_INVALID_HANDLE, "not a live recorder");
+  TU_OK(epx_recorder_destroy(new_recorder));
+  epx_comm_t old_comm = NULL, new_comm = NULL;
+  TU_OK(epx_comm_create_self(&old_comm));
+  TU_OK(epx_comm_destroy(old_comm));
+  TU_OK(epx_comm_create_self(&new_comm));
+  int32_t rank = -7;
+  EXPECT_REFUSED(epx_comm_rank(old_comm, &rank), EPX_ERROR_INVALID_HANDLE, "not a live comm");
+  assert_int_equal(rank, -7);
+  EXPECT_REFUSED(epx_comm_destroy(old_comm), EPX_ERROR_INVALID_HANDLE, "not a live comm");
+  TU_OK(epx_comm_destroy(new_comm));
+  /* One kind's value is not another's. */
+  EXPECT_REFUSED(epx_buffer_max_tokens((epx_buffer_t)f->h, &m), EPX_ERROR_INVALID_HANDLE, "not a live buffer");
+  EXPECT_REFUSED(epx_handle_retain((epx_handle_t)f->b), EPX_ERROR_INVALID_HANDLE, "not live");
+  fx_free(f);
+}
+
+/* Finding 1: releasing a handle twice while a recorder holds it freed the
+ * recorder's reference; epx_recorder_stats and a validating replay then read
+ * freed memory. The caller can release only the references it holds. */
+static void test_over_release_keeps_the_recorders_reference(void **state) {
+  (void)state;
+  fx_t *f = fx_make(EPX_LAYOUT_EXPERT_MAJOR, EPX_WEIGHTS_IN_COMBINE);
+  epx_recorder_t rec = NULL;
+  TU_OK(epx_recorder_create(1, &rec));
+  epx_routing_t r = {T, K, f->idx, f->w, NULL, EPX_WEIGHTS_IN_COMBINE};
+  epx_handle_t h = NULL;
+  TU_OK(epx_dispatch_layout(f->b, &r, rec, &h));
+  TU_OK(epx_handle_release(h));
+  EXPECT_REFUSED(epx_handle_release(h), EPX_ERROR_INVALID_HANDLE, "handle is not live");
+  EXPECT_REFUSED(epx_handle_retain(h), EPX_ERROR_INVALID_HANDLE, "handle is not live");
+  EXPECT_REFUSED(epx_combine(f->b, h, f->y, f->out), EPX_ERROR_INVALID_HANDLE, "handle is not live");
+  epx_recorder_stats_t stats;
+  TU_OK(epx_recorder_stats(rec, &stats));
+  assert_int_equal(stats.records, 1);
+  assert_int_equal(stats.bytes_avoided, f->N * H * (int64_t)sizeof(float));
+  EXPECT_REFUSED(epx_buffer_destroy(f->b), EPX_ERROR_BUSY, "2 handle(s)");
+  /* The validating replay hands the recorded handle out again, usable. */
+  TU_OK(epx_recorder_set_mode(rec, EPX_RECORDER_REPLAY));
+  epx_handle_t replayed = NULL;
+  TU_OK(epx_dispatch_layout(f->b, &r, rec, &replayed));
+  assert_ptr_equal(replayed, h);
+  TU_OK(epx_combine(f->b, replayed, f->y, f->out));
+  TU_OK(epx_handle_retain(replayed));
+  TU_OK(epx_handle_release(replayed));
+  TU_OK(epx_handle_release(replayed));
+  EXPECT_REFUSED(epx_handle_release(replayed), EPX_ERROR_INVALID_HANDLE, "not live");
+  /* The recorder's destroy drops the last reference; the value dies. */
+  TU_OK(epx_recorder_destroy(rec));
+  assert_null(epx_registry_get(h, EPX_OBJECT_HANDLE));
+  EXPECT_REFUSED(epx_handle_release(h), EPX_ERROR_INVALID_HANDLE, "not live");
+  fx_free(f);
+}
+
+/* Finding 6: the old registry never reclaimed removed entries (20 million
+ * distinct addresses, 8 objects alive at a time, grew it by 262 MB). The
+ * table now follows the most objects alive at once, whatever the
+ * addresses; two million create/destroy pairs must not grow it. */
+static void test_registry_bounded_by_live_objects(void **state) {
+  (void)state;
+  epx_recorder_t alive[8];
+  for (int i = 0; i < 8; i++) TU_OK(epx_recorder_create(0, &alive[i]));
+  const size_t before = epx_registry_capacity();
+  for (int i = 0; i < 2000000; i++) {
+    int slot = i % 8;
+    TU_OK(epx_recorder_destroy(alive[slot]));
+    TU_OK(epx_recorder_create(0, &alive[slot]));
+  }
+  assert_int_equal(epx_registry_capacity(), before);
+  for (int i = 0; i < 8; i++) TU_OK(epx_recorder_destroy(alive[i]));
+}
+
+/* Finding 3: hidden = INT64_MAX - 7 was accepted, and epx_recorder_stats then
+ * overflowed a signed product. Every product of shape arguments is checked
+ * and the argument named. */
+static void test_size_products_overflow(void **state) {
+  (void)state;
+  epx_comm_t comm = NULL;
+  TU_OK(epx_comm_create_self(&comm));
+  static const struct {
+    int64_t hidden, max_tokens;
+    int32_t num_experts, capacity;
+    epx_layout_t layout;
+    const char *needle;
+  } bad[] = {
+      {INT64_MAX - 7, 8, E, 0, EPX_LAYOUT_EXPERT_MAJOR, "config.hidden is too large: hidden * dtype size"},
+      {INT64_MAX / 4 + 1 - ((INT64_MAX / 4 + 1) % 8), 8, E, 0, EPX_LAYOUT_EXPERT_MAJOR, "config.hidden is too large"},
+      {(int64_t)1 << 40, (int64_t)1 << 30, E, 0, EPX_LAYOUT_EXPERT_MAJOR, "config.hidden is too large: the bytes a rank sends"},
+      {(int64_t)1 << 40, 0, E, 0, EPX_LAYOUT_RANK_MAJOR, "config.hidden is too large"},
+      {(int64_t)1 << 32, 8, 1 << 20, INT32_MAX, EPX_LAYOUT_CAPACITY, "config.hidden is too large: the bytes a rank receives"},
+  };
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    epx_buffer_config_t c = EPX_BUFFER_CONFIG_INIT;
+    c.hidden = bad[i].hidden;
+    c.num_experts = bad[i].num_experts;
+    c.max_top_k = K;
+    c.max_tokens_per_rank = bad[i].max_tokens;
+    c.layout = bad[i].layout;
+    c.capacity = bad[i].capacity;
+    epx_buffer_t b = (epx_buffer_t)(uintptr_t)0xb0f;
+    watch(&c, sizeof c, "config");
+    EXPECT_REFUSED(epx_buffer_create(comm, &c, &b), EPX_ERROR_INVALID_ARGUMENT, bad[i].needle);
+    assert_ptr_equal(b, (epx_buffer_t)(uintptr_t)0xb0f);
+    unwatch_all();
+  }
+  /* The largest hidden that fits is accepted, and the recorder's byte counts
+   * of its handles are exact (no payload moves, so nothing is allocated). */
+  epx_buffer_config_t c = EPX_BUFFER_CONFIG_INIT;
+  c.hidden = (int64_t)1 << 40;
+  c.num_experts = E;
+  c.max_top_k = K;
+  c.max_tokens_per_rank = MAXT;
+  epx_buffer_t b = NULL;
+  TU_OK(epx_buffer_create(comm, &c, &b));
+  int64_t rows = 0;
+  TU_OK(epx_buffer_max_recv_rows(b, &rows));
+  assert_int_equal(rows, MAXT * K);
+  epx_recorder_t rec = NULL;
+  TU_OK(epx_recorder_create(0, &rec));
+  int32_t idx[T * K];
+  float w[T * K];
+  for (int i = 0; i < T * K; i++) idx[i] = (i / K + 3 * (i % K)) % E, w[i] = 0.5f;
+  epx_handle_t h = NULL;
+  TU_OK(epx_dispatch_layout(b, &(epx_routing_t){T, K, idx, w, NULL, EPX_WEIGHTS_IN_COMBINE}, rec, &h));
+  int64_t n = 0;
+  TU_OK(epx_handle_recv_rows(h, &n));
+  epx_recorder_stats_t stats;
+  TU_OK(epx_recorder_stats(rec, &stats));
+  assert_int_equal(stats.bytes_avoided, n * ((int64_t)4 << 40));
+  TU_OK(epx_handle_release(h));
+  TU_OK(epx_recorder_destroy(rec));
+  TU_OK(epx_buffer_destroy(b));
+  /* The router: the logits' bytes. */
+  epx_route_config_t rc = EPX_ROUTE_CONFIG_INIT;
+  rc.num_experts = INT32_MAX;
+  rc.top_k = 1;
+  int32_t ri[1];
+  float rw[1], logits[1] = {0};
+  epx_route_output_t ro = {ri, rw, NULL, NULL, NULL, NULL, 0, 0};
+  TU_ASSERT_STATUS(epx_route(&rc, INT32_MAX, logits, NULL, &ro), EPX_ERROR_INVALID_ARGUMENT,
+                   "num_tokens is too large: num_tokens * num_experts * 4");
+  TU_OK(epx_comm_destroy(comm));
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_expert_out_of_range),
@@ -824,6 +1017,10 @@ int main(void) {
       cmocka_unit_test(test_payload_aliases),
       cmocka_unit_test(test_reference_arguments),
       cmocka_unit_test(test_nonfinite_logits),
+      cmocka_unit_test(test_released_handle_at_reused_slot),
+      cmocka_unit_test(test_over_release_keeps_the_recorders_reference),
+      cmocka_unit_test(test_registry_bounded_by_live_objects),
+      cmocka_unit_test(test_size_products_overflow),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -789,6 +789,359 @@ static void mr_scene_init(mr_scene_t *s, const mr_case_t *cs, int i, int32_t W, 
   for (int32_t r = 0; r < W; r++) s->T[r] = r == empty ? 0 : 1 + tu_below(&rng, MR_MAX_T);
 }
 
+/* ------------------------------------------------------------------------ */
+/* The agreement of calls, per-rank top_k, combine precision (any W >= 2,    */
+/* shared with mpi_exchange.c)                                               */
+/* ------------------------------------------------------------------------ */
+
+#define AG_H 32
+#define AG_T 24
+#define AG_EL 4 /* experts per rank */
+#define AG_KMAX 4
+#define AG_ROWS (8 * AG_T * AG_KMAX + 64)
+
+/* expert_out's keyed value for route (source rank, token, expert), element h:
+ * any rank can rebuild it, so the token's rank checks its own outputs. */
+static float ag_value(int32_t src, int32_t t, int32_t e, int64_t h) {
+  uint64_t k = (((uint64_t)src * 1000003u + (uint64_t)t) * 1000033u + (uint64_t)e) * 131u + (uint64_t)h;
+  k ^= k >> 31;
+  k *= 0x9e3779b97f4a7c15ull;
+  k ^= k >> 29;
+  return (float)((double)(k % 4000037u) / 1000000.0 - 2.0);
+}
+
+static float ag_round(epx_dtype_t dtype, float v) {
+  return dtype == EPX_BFLOAT16 ? epx_bf16_to_f32(epx_f32_to_bf16(v))
+         : dtype == EPX_FLOAT16 ? epx_f16_to_f32(epx_f32_to_f16(v))
+                                : v;
+}
+
+/* The bits of v in the dtype (as the library stores it). */
+static uint32_t ag_bits(epx_dtype_t dtype, float v) {
+  uint32_t bits;
+  if (dtype == EPX_BFLOAT16) return epx_f32_to_bf16(v);
+  if (dtype == EPX_FLOAT16) return epx_f32_to_f16(v);
+  memcpy(&bits, &v, sizeof bits);
+  return bits;
+}
+
+static epx_buffer_config_t ag_config(int32_t world, epx_dtype_t dtype, epx_exchange_t exchange, epx_layout_t layout,
+                                     epx_combine_precision_t precision) {
+  epx_buffer_config_t bc = EPX_BUFFER_CONFIG_INIT;
+  bc.dtype = dtype;
+  bc.hidden = AG_H;
+  bc.num_experts = AG_EL * world;
+  bc.max_top_k = AG_KMAX;
+  bc.max_tokens_per_rank = AG_T;
+  bc.exchange = exchange;
+  bc.layout = layout;
+  bc.combine_precision = precision;
+  return bc;
+}
+
+/* Rank r's routing of T tokens and K slots, with some slots dropped (-1). */
+static void ag_routing(int32_t rank, int32_t world, int64_t T, int32_t K, int32_t *idx, float *w) {
+  tu_rng_t rng = {0x5eed00u + (uint64_t)rank * 7919u + (uint64_t)K};
+  tu_random_routing(&rng, T, AG_EL * world, K, 0.0, idx, w);
+  for (int64_t i = 0; i < T * K; i++)
+    if (i % 7 == 3) idx[i] = -1;
+}
+
+/* expert_out [N, H] of a handle: each received row's keyed value. */
+static void ag_expert_out(epx_handle_t h, epx_dtype_t dtype, void *rows) {
+  int64_t N = 0;
+  epx_handle_recv_rows(h, &N);
+  int32_t *src = mr_alloc(sizeof(int32_t) * (size_t)(N + 1)), *tok = mr_alloc(sizeof(int32_t) * (size_t)(N + 1));
+  int32_t *ex = mr_alloc(sizeof(int32_t) * (size_t)(N + 1));
+  epx_handle_recv_source(h, src, tok);
+  epx_handle_recv_routing(h, ex, NULL);
+  for (int64_t i = 0; i < N; i++)
+    for (int64_t j = 0; j < AG_H; j++)
+      epx_store(dtype, rows, i * AG_H + j, src[i] < 0 ? 0.0f : ag_value(src[i], tok[i], ex[i], j));
+  free(src), free(tok), free(ex);
+}
+
+/* The contract's combine of this rank's token t, element j: P(t, r) = 0 +
+ * the products over k in order in float32, rounded to the dtype with payload
+ * partials, summed over r ascending in float32 from the first partial,
+ * rounded once (0 for a token without routes). */
+static float ag_combine_ref(int32_t rank, int32_t world, epx_dtype_t dtype, int payload, const int32_t *idx,
+                            const float *w, int32_t K, int64_t t, int64_t j) {
+  float acc = 0.0f;
+  for (int32_t r = 0, first = 1; r < world; r++) {
+    float P = 0.0f;
+    int n = 0;
+    for (int32_t k = 0; k < K; k++) {
+      int32_t e = idx[t * K + k];
+      if (e < 0 || e / AG_EL != r) continue;
+      P = P + w[t * K + k] * ag_round(dtype, ag_value(rank, (int32_t)t, e, j));
+      n++;
+    }
+    if (!n) continue;
+    float partial = payload ? ag_round(dtype, P) : P;
+    acc = first ? partial : acc + partial;
+    first = 0;
+  }
+  return ag_round(dtype, acc);
+}
+
+typedef struct {
+  epx_dtype_t dtype;
+  epx_exchange_t exchange;
+  epx_combine_precision_t precision;
+} ag_precision_case_t;
+
+/* Combine in both precisions against the definition, bit for bit; with a
+ * 16-bit payload the two definitions differ somewhere (else the test could
+ * not tell them apart). dispatch_backward ignores the precision. */
+static int mr_precision_rank(epx_comm_t comm, int32_t rank, int32_t world, void *arg) {
+  const ag_precision_case_t *c = arg;
+  int failures = 0;
+  size_t esize = c->dtype == EPX_FLOAT32 ? 4 : 2;
+  int64_t T = AG_T - rank % 3, K = AG_KMAX;
+  int32_t idx[AG_T * AG_KMAX];
+  float w[AG_T * AG_KMAX];
+  ag_routing(rank, world, T, (int32_t)K, idx, w);
+  epx_buffer_config_t bc = ag_config(world, c->dtype, c->exchange, EPX_LAYOUT_EXPERT_MAJOR, c->precision);
+  epx_buffer_t buffer = NULL;
+  epx_handle_t h = NULL;
+  void *rows = mr_alloc(AG_ROWS * AG_H * esize), *out = mr_alloc(AG_T * AG_H * esize);
+  void *grad_x = mr_alloc(AG_T * AG_H * esize), *grad_x_f32 = mr_alloc(AG_T * AG_H * esize);
+  epx_routing_t routing = {T, (int32_t)K, idx, w, NULL, EPX_WEIGHTS_IN_COMBINE};
+  RANK_STATUS(epx_buffer_create(comm, &bc, &buffer), EPX_SUCCESS, NULL);
+  RANK_STATUS(epx_dispatch_layout(buffer, &routing, NULL, &h), EPX_SUCCESS, NULL);
+  if (!failures) {
+    ag_expert_out(h, c->dtype, rows);
+    RANK_STATUS(epx_combine(buffer, h, rows, out), EPX_SUCCESS, NULL);
+    int64_t wrong = 0, differ = 0;
+    for (int64_t t = 0; t < T; t++)
+      for (int64_t j = 0; j < AG_H; j++) {
+        float want = ag_combine_ref(rank, world, c->dtype, c->precision == EPX_COMBINE_PARTIALS_PAYLOAD, idx, w,
+                                    (int32_t)K, t, j);
+        float other = ag_combine_ref(rank, world, c->dtype, c->precision != EPX_COMBINE_PARTIALS_PAYLOAD, idx, w,
+                                     (int32_t)K, t, j);
+        uint32_t a = ag_bits(c->dtype, want), b = 0;
+        if (esize == 4) memcpy(&b, (char *)out + (size_t)(t * AG_H + j) * esize, 4);
+        else b = ((const uint16_t *)out)[t * AG_H + j];
+        wrong += a != b;
+        differ += want != other;
+      }
+    RANK_EXPECT(wrong == 0, "%s %s %s: %lld of %lld combined values differ from the definition's bits",
+                mr_dtype_name(c->dtype), c->exchange == EPX_EXCHANGE_DEDUP ? "dedup" : "collective",
+                c->precision == EPX_COMBINE_PARTIALS_PAYLOAD ? "payload partials" : "float32 partials",
+                (long long)wrong, (long long)(T * AG_H));
+    if (c->dtype != EPX_FLOAT32 && world > 1)
+      RANK_EXPECT(differ > 0, "the two precisions' references never differ: the test cannot tell them apart");
+    /* dispatch_backward: the same sums as float32 partials. */
+    RANK_STATUS(epx_dispatch_backward(buffer, h, rows, grad_x, NULL, NULL), EPX_SUCCESS, NULL);
+    int64_t backward_wrong = 0;
+    for (int64_t t = 0; t < T; t++)
+      for (int64_t j = 0; j < AG_H; j++) {
+        float v = 0.0f;
+        for (int32_t r = 0, first = 1; r < world; r++) {
+          float P = 0.0f;
+          int n = 0;
+          for (int32_t k = 0; k < K; k++) {
+            int32_t e = idx[t * K + k];
+            if (e < 0 || e / AG_EL != r) continue;
+            P = P + ag_round(c->dtype, ag_value(rank, (int32_t)t, e, j));
+            n++;
+          }
+          if (n) v = first ? 0.0f + P : v + P, first = 0;
+        }
+        epx_store(c->dtype, grad_x_f32, t * AG_H + j, v);
+      }
+    backward_wrong = memcmp(grad_x, grad_x_f32, (size_t)(T * AG_H) * esize) != 0;
+    RANK_EXPECT(!backward_wrong, "dispatch_backward is not the float32 sum with combine_precision %d",
+                (int)c->precision);
+  }
+  epx_handle_release(h);
+  epx_buffer_destroy(buffer);
+  free(rows), free(out), free(grad_x), free(grad_x_f32);
+  return failures;
+}
+
+/* Everything one layout gives for routing (idx, w) of K slots. */
+typedef struct {
+  int64_t rows;
+  void *recv, *out, *grad_eo, *grad_x;
+  int32_t src[AG_ROWS], tok[AG_ROWS], ex[AG_ROWS];
+  float grad_w[AG_T * AG_KMAX];
+} ag_result_t;
+
+static int ag_run(epx_buffer_t buffer, int32_t rank, int64_t T, int32_t K, const int32_t *idx, const float *w,
+                  const void *x, ag_result_t *res) {
+  int failures = 0;
+  epx_handle_t h = NULL;
+  epx_routing_t routing = {T, K, idx, w, NULL, EPX_WEIGHTS_IN_COMBINE};
+  RANK_STATUS(epx_dispatch_layout(buffer, &routing, NULL, &h), EPX_SUCCESS, NULL);
+  if (failures) return failures;
+  void *expert_out = mr_alloc(AG_ROWS * AG_H * 4);
+  RANK_STATUS(epx_handle_recv_rows(h, &res->rows), EPX_SUCCESS, NULL);
+  RANK_STATUS(epx_handle_recv_source(h, res->src, res->tok), EPX_SUCCESS, NULL);
+  RANK_STATUS(epx_handle_recv_routing(h, res->ex, NULL), EPX_SUCCESS, NULL);
+  ag_expert_out(h, EPX_FLOAT32, expert_out);
+  RANK_STATUS(epx_dispatch(buffer, h, x, res->recv, AG_ROWS), EPX_SUCCESS, NULL);
+  RANK_STATUS(epx_combine(buffer, h, expert_out, res->out), EPX_SUCCESS, NULL);
+  RANK_STATUS(epx_combine_backward(buffer, h, x, expert_out, res->grad_eo, res->grad_w), EPX_SUCCESS, NULL);
+  RANK_STATUS(epx_dispatch_backward(buffer, h, res->recv, res->grad_x, NULL, NULL), EPX_SUCCESS, NULL);
+  epx_handle_release(h);
+  free(expert_out);
+  return failures;
+}
+
+/* Rank r routes with top_k 1 + r % 3 (max_top_k 4): every result equals that
+ * of the same routing padded to top_k 4 with -1 (the path all ranks share),
+ * bit for bit; the rank-major layout, whose rows have a slot per k, refuses
+ * different top_k on every rank, naming them. */
+static int mr_topk_rank(epx_comm_t comm, int32_t rank, int32_t world, void *arg) {
+  const epx_exchange_t *exchange = arg;
+  int failures = 0;
+  int32_t K = 1 + rank % 3;
+  int64_t T = AG_T - rank % 2;
+  int32_t idx[AG_T * AG_KMAX], padded[AG_T * AG_KMAX];
+  float w[AG_T * AG_KMAX], wpad[AG_T * AG_KMAX];
+  ag_routing(rank, world, T, K, idx, w);
+  for (int64_t t = 0; t < T; t++)
+    for (int32_t k = 0; k < AG_KMAX; k++) {
+      padded[t * AG_KMAX + k] = k < K ? idx[t * K + k] : -1;
+      wpad[t * AG_KMAX + k] = k < K ? w[t * K + k] : 0.0f;
+    }
+  void *x = mr_alloc(AG_T * AG_H * 4);
+  tu_rng_t rng = {99 + (uint64_t)rank};
+  tu_fill(&rng, EPX_FLOAT32, x, AG_T * AG_H);
+  ag_result_t *a = calloc(2, sizeof *a), *b = a + 1;
+  for (ag_result_t *res = a; res <= b; res++) {
+    res->recv = mr_alloc(AG_ROWS * AG_H * 4), res->out = mr_alloc(AG_T * AG_H * 4);
+    res->grad_eo = mr_alloc(AG_ROWS * AG_H * 4), res->grad_x = mr_alloc(AG_T * AG_H * 4);
+  }
+  epx_buffer_config_t bc = ag_config(world, EPX_FLOAT32, *exchange, EPX_LAYOUT_EXPERT_MAJOR, 0);
+  epx_buffer_t buffer = NULL;
+  RANK_STATUS(epx_buffer_create(comm, &bc, &buffer), EPX_SUCCESS, NULL);
+  failures += ag_run(buffer, rank, T, K, idx, w, x, a);
+  failures += ag_run(buffer, rank, T, AG_KMAX, padded, wpad, x, b);
+  size_t N = (size_t)a->rows;
+  RANK_EXPECT(a->rows == b->rows, "top_k %d gives %lld rows, padded %lld", K, (long long)a->rows, (long long)b->rows);
+  if (a->rows == b->rows) {
+    RANK_EXPECT(!memcmp(a->src, b->src, N * 4) && !memcmp(a->tok, b->tok, N * 4) && !memcmp(a->ex, b->ex, N * 4),
+                "recv source/routing differ from the padded routing's");
+    RANK_EXPECT(!memcmp(a->recv, b->recv, N * AG_H * 4), "recv_x differs from the padded routing's");
+    RANK_EXPECT(!memcmp(a->grad_eo, b->grad_eo, N * AG_H * 4), "grad_expert_out differs");
+  }
+  RANK_EXPECT(!memcmp(a->out, b->out, (size_t)T * AG_H * 4), "combine's out differs from the padded routing's");
+  RANK_EXPECT(!memcmp(a->grad_x, b->grad_x, (size_t)T * AG_H * 4), "grad_x differs from the padded routing's");
+  int64_t grad_w_wrong = 0;
+  for (int64_t t = 0; t < T; t++)
+    for (int32_t k = 0; k < K; k++) grad_w_wrong += a->grad_w[t * K + k] != b->grad_w[t * AG_KMAX + k];
+  RANK_EXPECT(grad_w_wrong == 0, "%lld grad_w values differ from the padded routing's", (long long)grad_w_wrong);
+  epx_buffer_destroy(buffer);
+
+  /* Rank-major: refused on every rank, naming top_k. */
+  bc = ag_config(world, EPX_FLOAT32, *exchange, EPX_LAYOUT_RANK_MAJOR, 0);
+  RANK_STATUS(epx_buffer_create(comm, &bc, &buffer), EPX_SUCCESS, NULL);
+  epx_handle_t poison = (epx_handle_t)(uintptr_t)0xA5A5A5A5u, h = poison;
+  epx_routing_t routing = {T, K, idx, w, NULL, EPX_WEIGHTS_NONE};
+  if (world > 1) {
+    RANK_STATUS(epx_dispatch_layout(buffer, &routing, NULL, &h), EPX_ERROR_SHAPE_MISMATCH, "different top_k");
+    RANK_EXPECT(tu_message_has("rank 1 in epx_dispatch_layout") && tu_message_has("top_k 2"),
+                "the refusal does not name rank 1 and its top_k: %s", epx_last_error());
+    RANK_EXPECT(h == poison, "the handle output was written on a refused layout");
+  }
+  routing = (epx_routing_t){T, AG_KMAX, padded, wpad, NULL, EPX_WEIGHTS_NONE};
+  h = NULL;
+  RANK_STATUS(epx_dispatch_layout(buffer, &routing, NULL, &h), EPX_SUCCESS, NULL);
+  epx_handle_release(h);
+  epx_buffer_destroy(buffer);
+  for (ag_result_t *res = a; res <= b; res++) free(res->recv), free(res->out), free(res->grad_eo), free(res->grad_x);
+  free(a);
+  free(x);
+  return failures;
+}
+
+/* Ranks in different calls, on different handles or buffers, with grad_w on
+ * some ranks only: every rank fails with EPX_ERROR_SHAPE_MISMATCH naming what
+ * the ranks called, no output is written, and the comm keeps working. */
+static int mr_mismatch_rank(epx_comm_t comm, int32_t rank, int32_t world, void *arg) {
+  const epx_exchange_t *exchange = arg;
+  int failures = 0;
+  int64_t T = AG_T;
+  int32_t idx[AG_T * 2];
+  float w[AG_T * 2];
+  ag_routing(rank, world, T, 2, idx, w);
+  size_t bytes = AG_ROWS * AG_H * 4;
+  void *x = mr_alloc(bytes), *rows = mr_alloc(bytes), *out = mr_alloc(bytes), *copy = mr_alloc(bytes);
+  float grad_w[AG_T * 2];
+  epx_buffer_config_t bc = ag_config(world, EPX_FLOAT32, *exchange, EPX_LAYOUT_EXPERT_MAJOR, 0);
+  epx_buffer_t buffer = NULL, other = NULL;
+  epx_handle_t h1 = NULL, h2 = NULL, hb = NULL, poison = (epx_handle_t)(uintptr_t)0xA5A5A5A5u, h = poison;
+  epx_routing_t routing = {T, 2, idx, w, NULL, EPX_WEIGHTS_IN_COMBINE};
+  RANK_STATUS(epx_buffer_create(comm, &bc, &buffer), EPX_SUCCESS, NULL);
+  RANK_STATUS(epx_buffer_create(comm, &bc, &other), EPX_SUCCESS, NULL);
+  RANK_STATUS(epx_dispatch_layout(buffer, &routing, NULL, &h1), EPX_SUCCESS, NULL);
+  RANK_STATUS(epx_dispatch_layout(buffer, &routing, NULL, &h2), EPX_SUCCESS, NULL);
+  RANK_STATUS(epx_dispatch_layout(other, &routing, NULL, &hb), EPX_SUCCESS, NULL);
+  if (failures) return failures;
+  tu_poison(rows, bytes);
+  tu_poison(out, bytes);
+  memcpy(copy, rows, bytes);
+
+  /* Rank 0 dispatches while the others combine, on the same handle. */
+  if (rank == 0) RANK_STATUS(epx_dispatch(buffer, h1, x, rows, AG_ROWS), EPX_ERROR_SHAPE_MISMATCH, "different collective calls");
+  else RANK_STATUS(epx_combine(buffer, h1, x, out), EPX_ERROR_SHAPE_MISMATCH, "different collective calls");
+  RANK_EXPECT(tu_message_has("rank 0 in epx_dispatch on") && tu_message_has("rank 1 in epx_combine on"),
+              "the refusal does not say what ranks 0 and 1 called: %s", epx_last_error());
+  RANK_EXPECT(!memcmp(rows, copy, bytes) && !memcmp(out, copy, bytes), "an output was written by a refused call");
+
+  /* Rank 0 on another handle of the same buffer. */
+  RANK_STATUS(epx_dispatch(buffer, rank == 0 ? h2 : h1, x, rows, AG_ROWS), EPX_ERROR_SHAPE_MISMATCH, "different handles");
+  RANK_EXPECT(!memcmp(rows, copy, bytes), "recv_x was written by a refused dispatch");
+  /* Rank 0 on a handle of another buffer. */
+  RANK_STATUS(epx_dispatch(rank == 0 ? other : buffer, rank == 0 ? hb : h1, x, rows, AG_ROWS), EPX_ERROR_SHAPE_MISMATCH,
+              "different buffers");
+  RANK_EXPECT(!memcmp(rows, copy, bytes), "recv_x was written by a refused dispatch");
+  /* Rank 0 makes a layout while the others combine. */
+  if (rank == 0) {
+    RANK_STATUS(epx_dispatch_layout(buffer, &routing, NULL, &h), EPX_ERROR_SHAPE_MISMATCH, "rank 1 in epx_combine");
+    RANK_EXPECT(h == poison, "the handle output was written on a refused layout");
+  } else {
+    RANK_STATUS(epx_combine(buffer, h1, x, out), EPX_ERROR_SHAPE_MISMATCH, "rank 0 in epx_dispatch_layout");
+  }
+  /* grad_w on rank 0 only. */
+  RANK_STATUS(epx_combine_backward(buffer, h1, x, rank == 0 ? rows : NULL, out, rank == 0 ? grad_w : NULL),
+              EPX_ERROR_SHAPE_MISMATCH, "grad_w");
+  /* The comm, buffers and handles still work, and layouts stay in step. */
+  RANK_STATUS(epx_dispatch(buffer, h1, x, rows, AG_ROWS), EPX_SUCCESS, NULL);
+  h = NULL;
+  RANK_STATUS(epx_dispatch_layout(buffer, &routing, NULL, &h), EPX_SUCCESS, NULL);
+  RANK_STATUS(epx_combine(buffer, h, rows, out), EPX_SUCCESS, NULL);
+  epx_handle_release(h);
+  epx_handle_release(h1);
+  epx_handle_release(h2);
+  epx_handle_release(hb);
+  epx_buffer_destroy(buffer);
+  epx_buffer_destroy(other);
+  free(x), free(rows), free(out), free(copy);
+  return failures;
+}
+
+/* Every agreement case on one comm; the failures of this rank. */
+static int mr_agreement_cases_rank(epx_comm_t comm, int32_t rank, int32_t world, void *arg) {
+  (void)arg;
+  int failures = 0;
+  epx_exchange_t exchanges[] = {EPX_EXCHANGE_DEDUP, EPX_EXCHANGE_COLLECTIVE};
+  for (int i = 0; i < 2; i++) {
+    if (world > 1) failures += mr_mismatch_rank(comm, rank, world, &exchanges[i]);
+    failures += mr_topk_rank(comm, rank, world, &exchanges[i]);
+    for (int d = 0; d < 3; d++)
+      for (int p = 0; p < 2; p++) {
+        ag_precision_case_t c = {d == 0 ? EPX_FLOAT32 : d == 1 ? EPX_BFLOAT16 : EPX_FLOAT16, exchanges[i],
+                                 (epx_combine_precision_t)p};
+        failures += mr_precision_rank(comm, rank, world, &c);
+      }
+  }
+  return failures;
+}
+
 #ifndef MR_SCENE_ONLY
 
 /* ------------------------------------------------------------------------ */
@@ -1046,6 +1399,13 @@ static int bad_routing_rank(epx_comm_t comm, int32_t rank, int32_t world, void *
   return failures;
 }
 
+/* Mismatched calls refused on every rank, per-rank top_k, and combine
+ * precision (each against its definition), at W = 1, 2, 3 and 4. */
+static void test_agreement_topk_and_precision(void **state) {
+  (void)state;
+  for (int32_t W = 1; W <= 4; W++) assert_int_equal(tu_run_ranks(W, 20.0, mr_agreement_cases_rank, NULL), 0);
+}
+
 static void test_bad_routing_refused_on_every_rank(void **state) {
   (void)state;
   bad_routing_t cases[] = {{2, 0}, {0, 1}, {3, 1}};
@@ -1064,6 +1424,7 @@ int main(void) {
       cmocka_unit_test(test_shape_mismatch_refused_on_every_rank),
       cmocka_unit_test(test_destroy_with_live_handles_is_busy),
       cmocka_unit_test(test_bad_routing_refused_on_every_rank),
+      cmocka_unit_test(test_agreement_topk_and_precision),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -19,14 +19,20 @@ static inline int epx_is_aligned(const void *p, size_t alignment) {
   return ((uintptr_t)p % alignment) == 0;
 }
 
-/* buffer is a live buffer (not NULL, not destroyed); the error names caller. */
-epx_status_t epx_check_buffer(epx_buffer_t buffer, const char *caller);
+/* The values callers hold are registry ids (core/registry.h): each check
+ * turns the caller's value into the object in place, or refuses it, so
+ * nothing past a check ever sees an id. */
 
-/* handle is a live handle, and (when buffer is not NULL) one of buffer's. */
-epx_status_t epx_check_handle(epx_buffer_t buffer, epx_handle_t handle, const char *caller);
+/* *buffer is a live buffer (not NULL, not destroyed); the error names caller. */
+epx_status_t epx_check_buffer(epx_buffer_t *buffer, const char *caller);
 
-/* Frees a handle whose last reference is gone: unregisters it, releases the
- * backend's layout and the buffer's count of live handles. */
+/* *handle is a live handle the caller holds, and (when buffer, an object, is
+ * not NULL) one of buffer's. */
+epx_status_t epx_check_handle(epx_buffer_t buffer, epx_handle_t *handle, const char *caller);
+
+/* Frees a handle whose last reference is gone (the caller's and the
+ * recorders'): retires its id, releases the backend's layout and the
+ * buffer's count of live handles. */
 void epx_handle_free(epx_handle_t handle);
 
 #endif

@@ -7,6 +7,7 @@
 #include "api/api.h"
 #include "api/backends.h"
 #include "core/backend.h"
+#include "core/checked.h"
 #include "core/config.h"
 #include "core/error.h"
 #include "core/objects.h"
@@ -14,12 +15,14 @@
 #include "core/route_spec.h"
 #include "core/transport.h"
 
-epx_status_t epx_check_buffer(epx_buffer_t buffer, const char *caller) {
-  if (!buffer)
+epx_status_t epx_check_buffer(epx_buffer_t *buffer, const char *caller) {
+  if (!*buffer)
     return epx_error(EPX_ERROR_INVALID_ARGUMENT, "%s: buffer is NULL; pass a buffer from epx_buffer_create", caller);
-  if (!epx_registry_has(buffer, EPX_OBJECT_BUFFER))
+  epx_buffer_t object = epx_registry_get(*buffer, EPX_OBJECT_BUFFER);
+  if (!object)
     return epx_error(EPX_ERROR_INVALID_HANDLE,
                      "%s: buffer is not a live buffer (destroyed, or not from epx_buffer_create)", caller);
+  *buffer = object;
   return EPX_SUCCESS;
 }
 
@@ -35,6 +38,68 @@ static const char *const shape_field_names[] = {
     "status", "device", "dtype", "hidden", "num_experts", "max_top_k", "max_tokens_per_rank",
     "max_tokens_rounding", "exchange", "layout", "expert_alignment", "capacity", "combine_precision",
     "exchange_path", "sm_budget"};
+
+/* The receive bound of a buffer (epx_buffer_max_recv_rows), every product
+ * checked: a dropless rank receives up to min(k, E_local) rows of each of
+ * W * max_tokens tokens, plus each expert's alignment padding. */
+/* The receive-row bound of the routing spec (core/route_spec.h), once its
+ * products are known to fit in 64 bits. */
+static epx_status_t recv_rows_bound(const char *fn, const epx_buffer_config_t *c, int64_t W,
+                                    int64_t max_tokens, int64_t *rows) {
+  const int64_t El = c->num_experts / W;
+  const char *tokens = "config.max_tokens_per_rank";
+  int64_t k = c->max_top_k < El ? c->max_top_k : El, padding = 0, data = 0, sum = 0;
+  epx_status_t status = EPX_SUCCESS;
+  switch (c->layout) {
+    case EPX_LAYOUT_EXPERT_MAJOR:
+      status = EPX_CHECKED_PRODUCT(&data, fn, tokens, "world size * max tokens * top_k (the received rows)",
+                                   W, max_tokens, k);
+      if (status == EPX_SUCCESS)
+        status = EPX_CHECKED_PRODUCT(&padding, fn, "config.expert_alignment",
+                                     "experts per rank * (alignment - 1) (the padding rows)", El,
+                                     c->expert_alignment - 1);
+      if (status == EPX_SUCCESS && epx_add_overflows(data, padding, &sum))
+        status = epx_error(EPX_ERROR_INVALID_ARGUMENT,
+                           "%s: config.expert_alignment is too large: the received rows with their "
+                           "padding do not fit in 64 bits; pass a smaller config.expert_alignment", fn);
+      break;
+    case EPX_LAYOUT_RANK_MAJOR:
+      status = EPX_CHECKED_PRODUCT(&sum, fn, tokens, "world size * max tokens (the received rows)", W, max_tokens);
+      break;
+    case EPX_LAYOUT_CAPACITY:
+      status = EPX_CHECKED_PRODUCT(&sum, fn, "config.capacity", "num_experts * world size * capacity (the received rows)",
+                                   El, W, c->capacity);
+      break;
+    default:
+      return epx_error(EPX_ERROR_INVALID_ARGUMENT, "%s: config.layout %d is not an epx_layout_t", fn, (int)c->layout);
+  }
+  if (status == EPX_SUCCESS)
+    *rows = epx_recv_rows_bound(c->layout, W, max_tokens, c->max_top_k, El, c->expert_alignment, c->capacity);
+  return status;
+}
+
+/* Every byte count the buffer can reach fits an int64_t: a row, the rows a
+ * rank sends (a copy per selected expert at most) and receives. When the
+ * tokens per rank are agreed later, the largest value the agreement can give
+ * (2^31 - 1 rounded up) is what is checked. */
+static epx_status_t check_buffer_sizes(epx_comm_t comm, const epx_buffer_config_t *c) {
+  const char *fn = "epx_buffer_create";
+  int64_t row_bytes = 0, send_rows = 0, recv_rows = 0, bytes = 0;
+  int64_t rounding = c->max_tokens_rounding;
+  int64_t max_tokens = c->max_tokens_per_rank ? c->max_tokens_per_rank
+                                              : ((int64_t)INT32_MAX + rounding - 1) / rounding * rounding;
+  epx_status_t status = EPX_CHECKED_PRODUCT(&row_bytes, fn, "config.hidden", "hidden * dtype size (a row's bytes)",
+                                            c->hidden, (int64_t)epx_dtype_size(c->dtype));
+  if (status == EPX_SUCCESS)
+    status = EPX_CHECKED_PRODUCT(&send_rows, fn, "config.max_tokens_per_rank",
+                                 "max tokens * max_top_k (the rows a rank sends)", max_tokens, c->max_top_k);
+  if (status == EPX_SUCCESS)
+    status = EPX_CHECKED_PRODUCT(&bytes, fn, "config.hidden", "the bytes a rank sends", send_rows, row_bytes);
+  if (status == EPX_SUCCESS) status = recv_rows_bound(fn, c, comm->size, max_tokens, &recv_rows);
+  if (status == EPX_SUCCESS)
+    status = EPX_CHECKED_PRODUCT(&bytes, fn, "config.hidden", "the bytes a rank receives", recv_rows, row_bytes);
+  return status;
+}
 
 /* Reads the caller's config (perhaps from an older, smaller header) over the
  * defaults into *c, and checks it. */
@@ -79,7 +144,7 @@ static epx_status_t check_buffer_config(epx_comm_t comm, const epx_buffer_config
   EPX_REQUIRE(c->sm_budget >= 0 && c->sm_budget <= 1024,
               "%s: config.sm_budget is %d; pass the CTAs of the fused kernels in [1, 1024], or 0 for the "
               "default (24)", fn, c->sm_budget);
-  return EPX_SUCCESS;
+  return check_buffer_sizes(comm, c);
 }
 
 /* Names the rank whose value is the odd one out: compares each rank with the
@@ -143,10 +208,12 @@ epx_status_t epx_buffer_create(epx_comm_t comm, const epx_buffer_config_t *confi
                                epx_buffer_t *buffer) {
   const char *fn = "epx_buffer_create";
   epx_error_clear();
-  if (!epx_registry_has(comm, EPX_OBJECT_COMM))
-    return epx_error(comm ? EPX_ERROR_INVALID_HANDLE : EPX_ERROR_INVALID_ARGUMENT,
+  epx_comm_t comm_id = comm;
+  comm = epx_registry_get(comm_id, EPX_OBJECT_COMM);
+  if (!comm)
+    return epx_error(comm_id ? EPX_ERROR_INVALID_HANDLE : EPX_ERROR_INVALID_ARGUMENT,
                      "%s: comm is %s; pass a comm from epx_comm_create_*", fn,
-                     comm ? "not a live comm (destroyed?)" : "NULL");
+                     comm_id ? "not a live comm (destroyed?)" : "NULL");
   epx_buffer_config_t full;
   epx_status_t local = buffer ? check_buffer_config(comm, config, &full)
                               : epx_error(EPX_ERROR_INVALID_ARGUMENT, "%s: buffer is NULL; pass the address of an epx_buffer_t", fn);
@@ -168,21 +235,23 @@ epx_status_t epx_buffer_create(epx_comm_t comm, const epx_buffer_config_t *confi
     free(b);
     return status;
   }
-  status = epx_registry_add(b, EPX_OBJECT_BUFFER);
+  void *id = NULL;
+  status = epx_registry_add(b, EPX_OBJECT_BUFFER, &id);
   if (status != EPX_SUCCESS) {
     b->backend->buffer_fini(b);
     free(b);
     return status;
   }
   __atomic_add_fetch(&comm->live_buffers, 1, __ATOMIC_SEQ_CST);
-  *buffer = b;
+  *buffer = id;
   return EPX_SUCCESS;
 }
 
 epx_status_t epx_buffer_destroy(epx_buffer_t buffer) {
   epx_error_clear();
   if (!buffer) return EPX_SUCCESS;
-  epx_status_t status = epx_check_buffer(buffer, "epx_buffer_destroy");
+  const epx_buffer_t id = buffer;
+  epx_status_t status = epx_check_buffer(&buffer, "epx_buffer_destroy");
   if (status != EPX_SUCCESS) return status;
   int64_t live = __atomic_load_n(&buffer->live_handles, __ATOMIC_SEQ_CST);
   if (live > 0)
@@ -190,7 +259,7 @@ epx_status_t epx_buffer_destroy(epx_buffer_t buffer) {
                      "epx_buffer_destroy: %lld handle(s) from this buffer are still alive (a backward "
                      "may still need them); release them with epx_handle_release or "
                      "epx_recorder_destroy first", (long long)live);
-  epx_registry_remove(buffer);
+  epx_registry_remove(id);
   buffer->backend->buffer_fini(buffer);
   __atomic_sub_fetch(&buffer->comm->live_buffers, 1, __ATOMIC_SEQ_CST);
   free(buffer);
@@ -199,35 +268,29 @@ epx_status_t epx_buffer_destroy(epx_buffer_t buffer) {
 
 epx_status_t epx_buffer_max_tokens(epx_buffer_t buffer, int64_t *max_tokens_per_rank) {
   epx_error_clear();
-  epx_status_t status = epx_check_buffer(buffer, "epx_buffer_max_tokens");
+  epx_status_t status = epx_check_buffer(&buffer, "epx_buffer_max_tokens");
   if (status != EPX_SUCCESS) return status;
   EPX_REQUIRE(max_tokens_per_rank, "epx_buffer_max_tokens: max_tokens_per_rank is NULL; pass an int64_t to fill");
   *max_tokens_per_rank = buffer->max_tokens;
   return EPX_SUCCESS;
 }
 
-static int64_t max_recv_rows(epx_buffer_t b) {
-  const epx_buffer_config_t *c = &b->config;
-  return epx_recv_rows_bound(c->layout, b->world_size, b->max_tokens, c->max_top_k,
-                             b->experts_per_rank, c->expert_alignment, c->capacity);
-}
-
 epx_status_t epx_buffer_max_recv_rows(epx_buffer_t buffer, int64_t *rows) {
   epx_error_clear();
-  epx_status_t status = epx_check_buffer(buffer, "epx_buffer_max_recv_rows");
+  epx_status_t status = epx_check_buffer(&buffer, "epx_buffer_max_recv_rows");
   if (status != EPX_SUCCESS) return status;
   EPX_REQUIRE(rows, "epx_buffer_max_recv_rows: rows is NULL; pass an int64_t to fill");
   if (buffer->max_tokens == 0 && buffer->config.layout != EPX_LAYOUT_CAPACITY)
     return epx_error(EPX_ERROR_INVALID_ARGUMENT,
                      "epx_buffer_max_recv_rows: max_tokens_per_rank is not agreed yet; set "
                      "config.max_tokens_per_rank or call after the first epx_dispatch_layout");
-  *rows = max_recv_rows(buffer);
-  return EPX_SUCCESS;
+  return recv_rows_bound("epx_buffer_max_recv_rows", &buffer->config, buffer->world_size,
+                         buffer->max_tokens, rows);
 }
 
 epx_status_t epx_buffer_set_stream(epx_buffer_t buffer, void *stream) {
   epx_error_clear();
-  epx_status_t status = epx_check_buffer(buffer, "epx_buffer_set_stream");
+  epx_status_t status = epx_check_buffer(&buffer, "epx_buffer_set_stream");
   if (status != EPX_SUCCESS) return status;
   if (!buffer->backend->set_stream)
     return epx_error(EPX_ERROR_INVALID_ARGUMENT, "epx_buffer_set_stream: the buffer is a %s buffer; streams are for EPX_DEVICE_CUDA buffers",

@@ -8,17 +8,20 @@
 #include "core/registry.h"
 #include "core/transport.h"
 
-static epx_status_t check_comm(epx_comm_t comm, const char *fn) {
-  if (!comm) return epx_error(EPX_ERROR_INVALID_ARGUMENT, "%s: comm is NULL; pass a comm from epx_comm_create_*", fn);
-  if (!epx_registry_has(comm, EPX_OBJECT_COMM))
-    return epx_error(EPX_ERROR_INVALID_HANDLE, "%s: comm is not a live comm (destroyed?)", fn);
-  return epx_comm_check_alive(comm, fn);
+/* Turns the caller's comm id into the comm in place (core/registry.h), or
+ * refuses it. */
+static epx_status_t check_comm(epx_comm_t *comm, const char *fn) {
+  if (!*comm) return epx_error(EPX_ERROR_INVALID_ARGUMENT, "%s: comm is NULL; pass a comm from epx_comm_create_*", fn);
+  epx_comm_t object = epx_registry_get(*comm, EPX_OBJECT_COMM);
+  if (!object) return epx_error(EPX_ERROR_INVALID_HANDLE, "%s: comm is not a live comm (destroyed?)", fn);
+  *comm = object;
+  return epx_comm_check_alive(object, fn);
 }
 
 epx_status_t epx_comm_barrier(epx_comm_t comm) {
   const char *fn = "epx_comm_barrier";
   epx_error_clear();
-  epx_status_t status = check_comm(comm, fn);
+  epx_status_t status = check_comm(&comm, fn);
   if (status != EPX_SUCCESS) return status;
   return comm->ops->barrier(comm, fn);
 }
@@ -26,7 +29,7 @@ epx_status_t epx_comm_barrier(epx_comm_t comm) {
 epx_status_t epx_comm_allgather(epx_comm_t comm, const void *send, void *recv, size_t bytes) {
   const char *fn = "epx_comm_allgather";
   epx_error_clear();
-  epx_status_t status = check_comm(comm, fn);
+  epx_status_t status = check_comm(&comm, fn);
   if (status != EPX_SUCCESS) return status;
   EPX_REQUIRE(send || !bytes, "%s: send is NULL; pass the `bytes` bytes this rank contributes", fn);
   EPX_REQUIRE(recv || !bytes, "%s: recv is NULL; pass room for comm size x `bytes` bytes", fn);

@@ -4,19 +4,24 @@
 #include <stdlib.h>
 
 #include "api/api.h"
+#include "api/recorder.h"
 #include "core/backend.h"
 #include "core/error.h"
 #include "core/objects.h"
 #include "core/registry.h"
 
-epx_status_t epx_check_handle(epx_buffer_t buffer, epx_handle_t handle, const char *caller) {
-  if (!handle)
+/* A handle the caller holds no reference to any more is refused even while a
+ * recorder still keeps it alive: the recorder hands it out again on replay. */
+epx_status_t epx_check_handle(epx_buffer_t buffer, epx_handle_t *handle, const char *caller) {
+  if (!*handle)
     return epx_error(EPX_ERROR_INVALID_ARGUMENT, "%s: handle is NULL; pass the handle from epx_dispatch_layout", caller);
-  if (!epx_registry_has(handle, EPX_OBJECT_HANDLE))
+  epx_handle_t object = epx_registry_get(*handle, EPX_OBJECT_HANDLE);
+  if (!object || __atomic_load_n(&object->caller_refs, __ATOMIC_SEQ_CST) == 0)
     return epx_error(EPX_ERROR_INVALID_HANDLE,
                      "%s: handle is not live (released, or its buffer was destroyed); keep a "
                      "reference with epx_handle_retain while you still need it", caller);
-  if (buffer && handle->buffer != buffer)
+  *handle = object;
+  if (buffer && object->buffer != buffer)
     return epx_error(EPX_ERROR_INVALID_HANDLE,
                      "%s: handle belongs to another buffer; pass the buffer its "
                      "epx_dispatch_layout was called with", caller);
@@ -24,26 +29,50 @@ epx_status_t epx_check_handle(epx_buffer_t buffer, epx_handle_t handle, const ch
 }
 
 void epx_handle_free(epx_handle_t handle) {
-  epx_registry_remove(handle);
+  epx_registry_remove(handle->id);
   handle->buffer->backend->handle_fini(handle);
   __atomic_sub_fetch(&handle->buffer->live_handles, 1, __ATOMIC_SEQ_CST);
   free(handle);
 }
 
+/* Drops one reference of either kind; the last one frees the handle. */
+static void handle_unref(epx_handle_t handle) {
+  if (__atomic_sub_fetch(&handle->refcount, 1, __ATOMIC_SEQ_CST) == 0) epx_handle_free(handle);
+}
+
+void epx_handle_hold(epx_handle_t handle, int caller) {
+  if (caller) __atomic_add_fetch(&handle->caller_refs, 1, __ATOMIC_SEQ_CST);
+  __atomic_add_fetch(&handle->refcount, 1, __ATOMIC_SEQ_CST);
+}
+
+void epx_handle_drop_library(epx_handle_t handle) { handle_unref(handle); }
+
 epx_status_t epx_handle_retain(epx_handle_t handle) {
   epx_error_clear();
-  epx_status_t status = epx_check_handle(NULL, handle, "epx_handle_retain");
+  epx_status_t status = epx_check_handle(NULL, &handle, "epx_handle_retain");
   if (status != EPX_SUCCESS) return status;
-  __atomic_add_fetch(&handle->refcount, 1, __ATOMIC_SEQ_CST);
+  epx_handle_hold(handle, 1);
   return EPX_SUCCESS;
 }
 
+/* Takes one of the caller's references and never one of the library's: a
+ * release beyond what the caller holds is refused, so a recorder that still
+ * logs the handle keeps it (and replays it) whatever the caller does. */
 epx_status_t epx_handle_release(epx_handle_t handle) {
   epx_error_clear();
   if (!handle) return EPX_SUCCESS;
-  epx_status_t status = epx_check_handle(NULL, handle, "epx_handle_release");
+  epx_status_t status = epx_check_handle(NULL, &handle, "epx_handle_release");
   if (status != EPX_SUCCESS) return status;
-  if (__atomic_sub_fetch(&handle->refcount, 1, __ATOMIC_SEQ_CST) == 0) epx_handle_free(handle);
+  int64_t held = __atomic_load_n(&handle->caller_refs, __ATOMIC_SEQ_CST);
+  do {
+    if (held == 0)
+      return epx_error(EPX_ERROR_INVALID_HANDLE,
+                       "epx_handle_release: the handle has been released as many times as it was "
+                       "given out (by epx_dispatch_layout or a replay) and retained; release each "
+                       "reference once");
+  } while (!__atomic_compare_exchange_n(&handle->caller_refs, &held, held - 1, 0, __ATOMIC_SEQ_CST,
+                                        __ATOMIC_SEQ_CST));
+  handle_unref(handle);
   return EPX_SUCCESS;
 }
 
@@ -51,7 +80,7 @@ static const epx_backend_t *backend_of(epx_handle_t handle) { return handle->buf
 
 epx_status_t epx_handle_recv_rows(epx_handle_t handle, int64_t *rows) {
   epx_error_clear();
-  epx_status_t status = epx_check_handle(NULL, handle, "epx_handle_recv_rows");
+  epx_status_t status = epx_check_handle(NULL, &handle, "epx_handle_recv_rows");
   if (status != EPX_SUCCESS) return status;
   EPX_REQUIRE(rows, "epx_handle_recv_rows: rows is NULL; pass an int64_t to fill");
   return backend_of(handle)->recv_rows(handle, rows);
@@ -59,7 +88,7 @@ epx_status_t epx_handle_recv_rows(epx_handle_t handle, int64_t *rows) {
 
 epx_status_t epx_handle_recv_rows_device(epx_handle_t handle, const int64_t **rows) {
   epx_error_clear();
-  epx_status_t status = epx_check_handle(NULL, handle, "epx_handle_recv_rows_device");
+  epx_status_t status = epx_check_handle(NULL, &handle, "epx_handle_recv_rows_device");
   if (status != EPX_SUCCESS) return status;
   EPX_REQUIRE(rows, "epx_handle_recv_rows_device: rows is NULL; pass a const int64_t * to fill");
   if (!backend_of(handle)->recv_rows_device)
@@ -70,7 +99,7 @@ epx_status_t epx_handle_recv_rows_device(epx_handle_t handle, const int64_t **ro
 
 epx_status_t epx_handle_expert_counts(epx_handle_t handle, int64_t *counts, int64_t *offsets) {
   epx_error_clear();
-  epx_status_t status = epx_check_handle(NULL, handle, "epx_handle_expert_counts");
+  epx_status_t status = epx_check_handle(NULL, &handle, "epx_handle_expert_counts");
   if (status != EPX_SUCCESS) return status;
   EPX_REQUIRE(counts || offsets, "epx_handle_expert_counts: counts and offsets are both NULL; pass at least one array");
   EPX_REQUIRE(epx_is_aligned(counts, 8) && epx_is_aligned(offsets, 8), "epx_handle_expert_counts: counts/offsets must be 8-byte aligned");
@@ -79,7 +108,7 @@ epx_status_t epx_handle_expert_counts(epx_handle_t handle, int64_t *counts, int6
 
 epx_status_t epx_handle_recv_routing(epx_handle_t handle, int32_t *recv_expert, float *recv_w) {
   epx_error_clear();
-  epx_status_t status = epx_check_handle(NULL, handle, "epx_handle_recv_routing");
+  epx_status_t status = epx_check_handle(NULL, &handle, "epx_handle_recv_routing");
   if (status != EPX_SUCCESS) return status;
   EPX_REQUIRE(epx_is_aligned(recv_expert, 4) && epx_is_aligned(recv_w, 4), "epx_handle_recv_routing: recv_expert/recv_w must be 4-byte aligned");
   return backend_of(handle)->recv_routing(handle, recv_expert, recv_w);
@@ -87,7 +116,7 @@ epx_status_t epx_handle_recv_routing(epx_handle_t handle, int32_t *recv_expert, 
 
 epx_status_t epx_handle_recv_source(epx_handle_t handle, int32_t *src_rank, int32_t *src_token) {
   epx_error_clear();
-  epx_status_t status = epx_check_handle(NULL, handle, "epx_handle_recv_source");
+  epx_status_t status = epx_check_handle(NULL, &handle, "epx_handle_recv_source");
   if (status != EPX_SUCCESS) return status;
   EPX_REQUIRE(epx_is_aligned(src_rank, 4) && epx_is_aligned(src_token, 4), "epx_handle_recv_source: src_rank/src_token must be 4-byte aligned");
   return backend_of(handle)->recv_source(handle, src_rank, src_token);
@@ -95,7 +124,7 @@ epx_status_t epx_handle_recv_source(epx_handle_t handle, int32_t *src_rank, int3
 
 epx_status_t epx_handle_stats(epx_handle_t handle, epx_handle_stats_t *stats) {
   epx_error_clear();
-  epx_status_t status = epx_check_handle(NULL, handle, "epx_handle_stats");
+  epx_status_t status = epx_check_handle(NULL, &handle, "epx_handle_stats");
   if (status != EPX_SUCCESS) return status;
   EPX_REQUIRE(stats, "epx_handle_stats: stats is NULL; pass an epx_handle_stats_t to fill");
   return backend_of(handle)->stats(handle, stats);

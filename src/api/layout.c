@@ -11,13 +11,14 @@
 #include "core/registry.h"
 #include "core/transport.h"
 
-static epx_status_t check_routing(epx_buffer_t b, const epx_routing_t *r, epx_recorder_t recorder,
-                                  epx_handle_t *handle) {
+/* recorder_id is the caller's value, recorder the object it names (or NULL). */
+static epx_status_t check_routing(epx_buffer_t b, const epx_routing_t *r, epx_recorder_t recorder_id,
+                                  epx_recorder_t recorder, epx_handle_t *handle) {
   const char *fn = "epx_dispatch_layout";
   const epx_buffer_config_t *c = &b->config;
   EPX_REQUIRE(handle, "%s: handle is NULL; pass the address of an epx_handle_t", fn);
   EPX_REQUIRE(r, "%s: routing is NULL; pass an epx_routing_t", fn);
-  if (recorder && !epx_registry_has(recorder, EPX_OBJECT_RECORDER))
+  if (recorder_id && !recorder)
     return epx_error(EPX_ERROR_INVALID_HANDLE, "%s: recorder is not a live recorder (destroyed?); pass NULL or a recorder from epx_recorder_create", fn);
   EPX_REQUIRE(r->num_tokens >= 0 && r->num_tokens <= INT32_MAX,
               "%s: routing.num_tokens is %lld; pass a count in [0, 2^31)", fn, (long long)r->num_tokens);
@@ -57,6 +58,7 @@ static epx_status_t new_handle(epx_buffer_t buffer, const epx_routing_t *routing
   if (!h) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "epx_dispatch_layout: out of memory");
   h->buffer = buffer;
   h->refcount = 1;
+  h->caller_refs = 1;
   h->weighting = routing->weighting;
   h->num_tokens = routing->num_tokens;
   h->top_k = routing->top_k;
@@ -72,9 +74,7 @@ static epx_status_t new_handle(epx_buffer_t buffer, const epx_routing_t *routing
 static int replay(epx_buffer_t buffer, const epx_routing_t *routing, epx_recorder_t recorder,
                   epx_status_t local, epx_handle_t *handle, epx_status_t *status) {
   const char *fn = "epx_dispatch_layout";
-  if (!recorder || (local != EPX_SUCCESS && !epx_registry_has(recorder, EPX_OBJECT_RECORDER)) ||
-      !epx_recorder_replaying(recorder))
-    return 0;
+  if (!recorder || !epx_recorder_replaying(recorder)) return 0;
   int64_t call;
   epx_handle_t recorded = epx_recorder_next(recorder, &call);
   if (!recorded) return 0;
@@ -98,8 +98,8 @@ static int replay(epx_buffer_t buffer, const epx_routing_t *routing, epx_recorde
     *status = local;
   }
   if (*status != EPX_SUCCESS) return 1;
-  *status = epx_handle_retain(recorded);
-  if (*status == EPX_SUCCESS) *handle = recorded;
+  epx_handle_hold(recorded, 1);
+  *handle = recorded->id;
   return 1;
 }
 
@@ -107,18 +107,22 @@ epx_status_t epx_dispatch_layout(epx_buffer_t buffer, const epx_routing_t *routi
                                  epx_recorder_t recorder, epx_handle_t *handle) {
   const char *fn = "epx_dispatch_layout";
   epx_error_clear();
-  epx_status_t status = epx_check_buffer(buffer, fn);
+  epx_status_t status = epx_check_buffer(&buffer, fn);
   if (status != EPX_SUCCESS) return status;
   status = epx_comm_check_alive(buffer->comm, fn);
   if (status != EPX_SUCCESS) return status;
-  epx_status_t local = check_routing(buffer, routing, recorder, handle);
+  const epx_recorder_t recorder_id = recorder;
+  recorder = epx_registry_get(recorder_id, EPX_OBJECT_RECORDER);
+  epx_status_t local = check_routing(buffer, routing, recorder_id, recorder, handle);
   if (replay(buffer, routing, recorder, local, handle, &status)) return status;
 
   epx_handle_t h = NULL;
   if (local == EPX_SUCCESS) local = new_handle(buffer, routing, &h);
   status = buffer->backend->dispatch_layout(buffer, routing, local, h);
   if (status != EPX_SUCCESS) goto fail;
-  EPX_CHECK(epx_registry_add(h, EPX_OBJECT_HANDLE));
+  void *id = NULL;
+  EPX_CHECK(epx_registry_add(h, EPX_OBJECT_HANDLE, &id));
+  h->id = id;
   __atomic_add_fetch(&buffer->live_handles, 1, __ATOMIC_SEQ_CST);
   if (recorder && !epx_recorder_replaying(recorder)) {
     /* A validating recorder keeps the routing's hash (CUDA computes it on
@@ -132,7 +136,7 @@ epx_status_t epx_dispatch_layout(epx_buffer_t buffer, const epx_routing_t *routi
       return status;
     }
   }
-  *handle = h;
+  *handle = h->id;
   return EPX_SUCCESS;
 fail:
   if (h) {

@@ -32,25 +32,26 @@ static epx_status_t check_alias(const void *out, const void *in, const char *fn,
   return EPX_SUCCESS;
 }
 
-/* The checks every payload call starts with. A NULL or dead buffer returns at
+/* The checks every payload call starts with; they turn the caller's buffer
+ * and handle values into the objects. A NULL or dead buffer returns at
  * once (there is no comm to agree with); a bad handle on a live CPU buffer is
  * agreed here, meeting the peers' agree() of the same call, so they refuse it
  * too instead of pairing their call with this rank's next one. */
-static epx_status_t begin_payload(epx_buffer_t buffer, epx_handle_t handle, const char *fn) {
+static epx_status_t begin_payload(epx_buffer_t *buffer, epx_handle_t *handle, const char *fn) {
   epx_error_clear();
   epx_status_t status = epx_check_buffer(buffer, fn);
   if (status != EPX_SUCCESS) return status;
-  status = epx_comm_check_alive(buffer->comm, fn);
+  status = epx_comm_check_alive((*buffer)->comm, fn);
   if (status != EPX_SUCCESS) return status;
-  status = epx_check_handle(buffer, handle, fn);
-  if (status != EPX_SUCCESS) return buffer->backend->agree(buffer, status, fn);
+  status = epx_check_handle(*buffer, handle, fn);
+  if (status != EPX_SUCCESS) return (*buffer)->backend->agree(*buffer, status, fn);
   return status;
 }
 
 epx_status_t epx_dispatch(epx_buffer_t buffer, epx_handle_t handle, const void *x, void *recv_x,
                           int64_t recv_rows_capacity) {
   const char *fn = "epx_dispatch";
-  epx_status_t status = begin_payload(buffer, handle, fn);
+  epx_status_t status = begin_payload(&buffer, &handle, fn);
   if (status != EPX_SUCCESS) return status;
   epx_status_t local = check_payload(x, handle->num_tokens, fn, "x", "[num_tokens, hidden]");
   if (local == EPX_SUCCESS) local = check_payload(recv_x, handle->recv_rows, fn, "recv_x", "[recv_rows, hidden]");
@@ -65,7 +66,7 @@ epx_status_t epx_dispatch(epx_buffer_t buffer, epx_handle_t handle, const void *
 
 epx_status_t epx_combine(epx_buffer_t buffer, epx_handle_t handle, const void *expert_out, void *out) {
   const char *fn = "epx_combine";
-  epx_status_t status = begin_payload(buffer, handle, fn);
+  epx_status_t status = begin_payload(&buffer, &handle, fn);
   if (status != EPX_SUCCESS) return status;
   epx_status_t local = check_payload(expert_out, handle->recv_rows, fn, "expert_out", "[recv_rows, hidden]");
   if (local == EPX_SUCCESS) local = check_payload(out, handle->num_tokens, fn, "out", "[num_tokens, hidden]");
@@ -76,7 +77,7 @@ epx_status_t epx_combine(epx_buffer_t buffer, epx_handle_t handle, const void *e
 epx_status_t epx_dispatch_backward(epx_buffer_t buffer, epx_handle_t handle, const void *grad_recv_x,
                                    void *grad_x, const void *x, float *grad_w) {
   const char *fn = "epx_dispatch_backward";
-  epx_status_t status = begin_payload(buffer, handle, fn);
+  epx_status_t status = begin_payload(&buffer, &handle, fn);
   if (status != EPX_SUCCESS) return status;
   epx_status_t local = check_payload(grad_recv_x, handle->recv_rows, fn, "grad_recv_x", "[recv_rows, hidden]");
   if (local == EPX_SUCCESS) local = check_payload(grad_x, handle->num_tokens, fn, "grad_x", "[num_tokens, hidden]");
@@ -99,7 +100,7 @@ epx_status_t epx_dispatch_backward(epx_buffer_t buffer, epx_handle_t handle, con
 epx_status_t epx_combine_backward(epx_buffer_t buffer, epx_handle_t handle, const void *grad_out,
                                   const void *expert_out, void *grad_expert_out, float *grad_w) {
   const char *fn = "epx_combine_backward";
-  epx_status_t status = begin_payload(buffer, handle, fn);
+  epx_status_t status = begin_payload(&buffer, &handle, fn);
   if (status != EPX_SUCCESS) return status;
   epx_status_t local = check_payload(grad_out, handle->num_tokens, fn, "grad_out", "[num_tokens, hidden]");
   if (local == EPX_SUCCESS)
@@ -125,7 +126,7 @@ epx_status_t epx_combine_backward(epx_buffer_t buffer, epx_handle_t handle, cons
 epx_status_t epx_weights_backward(epx_buffer_t buffer, epx_handle_t handle, const float *grad_recv_w,
                                   float *grad_w) {
   const char *fn = "epx_weights_backward";
-  epx_status_t status = begin_payload(buffer, handle, fn);
+  epx_status_t status = begin_payload(&buffer, &handle, fn);
   if (status != EPX_SUCCESS) return status;
   epx_status_t local = EPX_SUCCESS;
   if (handle->recv_rows > 0 && !grad_recv_w)

@@ -10,6 +10,7 @@
 
 #include "api/backends.h"
 #include "core/backend.h"
+#include "core/checked.h"
 #include "core/config.h"
 #include "core/error.h"
 #include "core/registry.h"
@@ -120,7 +121,8 @@ static epx_status_t route_check_options(const char *fn, const epx_route_config_t
   return EPX_SUCCESS;
 }
 
-/* Locations are int32 and an expert's queue holds up to T routes. */
+/* Locations are int32 and an expert's queue holds up to T routes; the
+ * logits' byte count must fit as well (core/checked.h). */
 static epx_status_t route_check_tokens(const char *fn, const epx_route_config_t *c,
                                        int64_t num_tokens) {
   EPX_REQUIRE(num_tokens >= 0, "%s: num_tokens is %lld; pass num_tokens >= 0", fn,
@@ -132,7 +134,9 @@ static epx_status_t route_check_tokens(const char *fn, const epx_route_config_t 
               "%s: num_tokens %lld is not a multiple of aux_loss_sequences %d; pass whole "
               "sequences (token t is in sequence t %% aux_loss_sequences)", fn,
               (long long)num_tokens, c->aux_loss_sequences);
-  return EPX_SUCCESS;
+  int64_t bytes = 0;
+  return EPX_CHECKED_PRODUCT(&bytes, fn, "num_tokens", "num_tokens * num_experts * 4 (the logits' bytes)",
+                             num_tokens, c->num_experts, (int64_t)sizeof(float));
 }
 
 static epx_status_t route_check_pointer(const char *fn, const char *name, const void *p,
@@ -244,12 +248,14 @@ epx_status_t epx_reference_route_backward(const epx_route_config_t *config, int6
 
 /* A comm argument of the routing collectives. A NULL or dead comm returns at
  * once: its peers then time out naming this rank (epx.h's convention). */
-static epx_status_t route_check_comm(const char *fn, epx_comm_t comm) {
-  if (!epx_registry_has(comm, EPX_OBJECT_COMM))
-    return epx_error(comm ? EPX_ERROR_INVALID_HANDLE : EPX_ERROR_INVALID_ARGUMENT,
+static epx_status_t route_check_comm(const char *fn, epx_comm_t *comm) {
+  epx_comm_t object = epx_registry_get(*comm, EPX_OBJECT_COMM);
+  if (!object)
+    return epx_error(*comm ? EPX_ERROR_INVALID_HANDLE : EPX_ERROR_INVALID_ARGUMENT,
                      "%s: comm is %s; pass a comm from epx_comm_create_*", fn,
-                     comm ? "not a live comm (destroyed?)" : "NULL");
-  return epx_comm_check_alive(comm, fn);
+                     *comm ? "not a live comm (destroyed?)" : "NULL");
+  *comm = object;
+  return epx_comm_check_alive(object, fn);
 }
 
 /* One all-reduce MAX of (refused, the largest count): a rank's refusal
@@ -258,7 +264,7 @@ epx_status_t epx_route_agree_capacity(epx_comm_t comm, int32_t num_experts,
                                       const int32_t *expert_counts, int32_t *capacity) {
   static const char fn[] = "epx_route_agree_capacity";
   epx_error_clear();
-  epx_status_t status = route_check_comm(fn, comm);
+  epx_status_t status = route_check_comm(fn, &comm);
   if (status != EPX_SUCCESS) return status;
   epx_status_t local = EPX_SUCCESS;
   if (num_experts < 1 || !expert_counts || !capacity)
@@ -282,7 +288,7 @@ epx_status_t epx_route_sum_counts(epx_comm_t comm, int32_t num_experts, const in
                                   float *global) {
   static const char fn[] = "epx_route_sum_counts";
   epx_error_clear();
-  epx_status_t status = route_check_comm(fn, comm);
+  epx_status_t status = route_check_comm(fn, &comm);
   if (status != EPX_SUCCESS) return status;
   epx_status_t local = EPX_SUCCESS;
   if (num_experts < 1 || !local_counts || !global)

@@ -14,32 +14,38 @@
 
 int epx_has_mpi(void) { return EPX_HAVE_MPI; }
 
-/* A comm allocated and registered, ready for a transport's init. */
+/* A comm allocated and registered, ready for a transport's init; comm->id
+ * is the value the caller will hold (core/registry.h). */
 epx_status_t epx_comm_new(const char *fn, double timeout_seconds, epx_comm_t *out) {
   epx_comm_t comm = calloc(1, sizeof *comm);
   if (!comm) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory allocating a comm", fn);
   comm->timeout_seconds = timeout_seconds;
-  epx_status_t status = epx_registry_add(comm, EPX_OBJECT_COMM);
+  void *registered = NULL;
+  epx_status_t status = epx_registry_add(comm, EPX_OBJECT_COMM, &registered);
   if (status != EPX_SUCCESS) {
     free(comm);
     return status;
   }
+  comm->id = registered;
   *out = comm;
   return EPX_SUCCESS;
 }
 
 void epx_comm_free(epx_comm_t comm) {
-  epx_registry_remove(comm);
+  epx_registry_remove(comm->id);
   free(comm);
 }
 
-static epx_status_t comm_lookup(const char *fn, epx_comm_t comm) {
-  EPX_REQUIRE(comm, "%s: comm is NULL; pass a comm from epx_comm_create_*", fn);
-  if (!epx_registry_has(comm, EPX_OBJECT_COMM))
+/* Turns the caller's comm id into the comm in place, or refuses it. */
+static epx_status_t comm_lookup(const char *fn, epx_comm_t *comm) {
+  EPX_REQUIRE(*comm, "%s: comm is NULL; pass a comm from epx_comm_create_*", fn);
+  epx_comm_t object = epx_registry_get(*comm, EPX_OBJECT_COMM);
+  if (!object)
     return epx_error(EPX_ERROR_INVALID_HANDLE,
                      "%s: comm is not a live comm (destroyed already?); pass a comm from "
                      "epx_comm_create_* that has not been destroyed",
                      fn);
+  *comm = object;
   return EPX_SUCCESS;
 }
 
@@ -55,7 +61,7 @@ epx_status_t epx_comm_create_self(epx_comm_t *comm) {
     epx_comm_free(created);
     return status;
   }
-  *comm = created;
+  *comm = created->id;
   return EPX_SUCCESS;
 }
 
@@ -64,7 +70,8 @@ epx_status_t epx_comm_create_local(epx_local_world_t world, int32_t rank, epx_co
   EPX_REQUIRE(comm, "epx_comm_create_local: comm is NULL; pass the address of an epx_comm_t");
   EPX_REQUIRE(world,
               "epx_comm_create_local: world is NULL; create one with epx_local_world_create");
-  if (!epx_registry_has(world, EPX_OBJECT_LOCAL_WORLD))
+  world = epx_registry_get(world, EPX_OBJECT_LOCAL_WORLD);
+  if (!world)
     return epx_error(EPX_ERROR_INVALID_HANDLE,
                      "epx_comm_create_local: world is not a live local world (destroyed "
                      "already?); pass one from epx_local_world_create");
@@ -77,7 +84,7 @@ epx_status_t epx_comm_create_local(epx_local_world_t world, int32_t rank, epx_co
     epx_comm_free(created);
     return status;
   }
-  *comm = created;
+  *comm = created->id;
   return EPX_SUCCESS;
 }
 
@@ -115,7 +122,7 @@ epx_status_t epx_comm_create_mpi(const void *mpi_comm, const epx_comm_config_t *
     epx_comm_free(created);
     return status;
   }
-  *comm = created;
+  *comm = created->id;
   return EPX_SUCCESS;
 #else
   return epx_error(EPX_ERROR_UNSUPPORTED,
@@ -131,7 +138,8 @@ epx_status_t epx_comm_create_mpi(const void *mpi_comm, const epx_comm_config_t *
 epx_status_t epx_comm_destroy(epx_comm_t comm) {
   epx_error_clear();
   if (!comm) return EPX_SUCCESS;
-  epx_status_t status = comm_lookup("epx_comm_destroy", comm);
+  const epx_comm_t id = comm;
+  epx_status_t status = comm_lookup("epx_comm_destroy", &comm);
   if (status != EPX_SUCCESS) return status;
   if (comm->live_buffers > 0)
     return epx_error(EPX_ERROR_BUSY,
@@ -139,7 +147,7 @@ epx_status_t epx_comm_destroy(epx_comm_t comm) {
                      "destroy them with epx_buffer_destroy first",
                      (long long)comm->live_buffers);
   if (!comm->failed) (void)comm->ops->barrier(comm, "epx_comm_destroy");
-  epx_registry_remove(comm);
+  epx_registry_remove(id);
   comm->ops->destroy(comm);
   free(comm);
   epx_error_clear();
@@ -148,7 +156,7 @@ epx_status_t epx_comm_destroy(epx_comm_t comm) {
 
 epx_status_t epx_comm_rank(epx_comm_t comm, int32_t *rank) {
   epx_error_clear();
-  epx_status_t status = comm_lookup("epx_comm_rank", comm);
+  epx_status_t status = comm_lookup("epx_comm_rank", &comm);
   if (status != EPX_SUCCESS) return status;
   EPX_REQUIRE(rank, "epx_comm_rank: rank is NULL; pass the address of an int32_t");
   *rank = comm->rank;
@@ -157,7 +165,7 @@ epx_status_t epx_comm_rank(epx_comm_t comm, int32_t *rank) {
 
 epx_status_t epx_comm_size(epx_comm_t comm, int32_t *size) {
   epx_error_clear();
-  epx_status_t status = comm_lookup("epx_comm_size", comm);
+  epx_status_t status = comm_lookup("epx_comm_size", &comm);
   if (status != EPX_SUCCESS) return status;
   EPX_REQUIRE(size, "epx_comm_size: size is NULL; pass the address of an int32_t");
   *size = comm->size;
@@ -188,4 +196,13 @@ epx_status_t epx_comm_agree(epx_comm_t comm, epx_status_t local, const char *cal
                      "%s: rank %lld refused the call (its epx_last_error says why); nothing was "
                      "moved on any rank", caller, (long long)(failed_rank - 1));
   return EPX_SUCCESS;
+}
+
+epx_status_t epx_comm_handshake(epx_comm_t comm, const char *caller, const void *send, void *recv,
+                                size_t bytes, epx_comm_then_fn then, void *ctx) {
+  epx_status_t status = epx_comm_check_alive(comm, caller);
+  if (status != EPX_SUCCESS) return status;
+  if (comm->ops->handshake) return comm->ops->handshake(comm, caller, send, recv, bytes, then, ctx);
+  status = comm->ops->alltoall(comm, caller, send, recv, bytes);
+  return status != EPX_SUCCESS ? status : then(ctx, recv);
 }

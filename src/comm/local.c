@@ -13,6 +13,11 @@
  * under the mutex before the gather barrier completes and are read by peers
  * only between the two barriers, when their owner cannot touch them.
  *
+ * A handshake (every collective call's first message) is an alltoall whose
+ * caller-given `then` runs between the two barriers, where peers' memory is
+ * still theirs to read: the exchange moves its rows there, in one
+ * synchronisation.
+ *
  * Failure: a wait at a gather barrier is bounded by timeout_seconds. On expiry
  * the ranks still missing are named, the world is marked failed and every
  * waiter is woken; a failed world answers every later call of every rank at
@@ -42,11 +47,12 @@ typedef enum local_op {
   LOCAL_OP_ALLTOALLV,
   LOCAL_OP_ALLGATHER,
   LOCAL_OP_ALLREDUCE,
-  LOCAL_OP_BARRIER
+  LOCAL_OP_BARRIER,
+  LOCAL_OP_HANDSHAKE
 } local_op_t;
 
-static const char *const local_op_names[] = {"create",    "alltoall",  "alltoallv",
-                                             "allgather", "allreduce", "barrier"};
+static const char *const local_op_names[] = {"create",    "alltoall",  "alltoallv", "allgather",
+                                             "allreduce", "barrier",   "handshake"};
 
 typedef struct local_slot {
   /* Under the world's mutex. */
@@ -55,7 +61,7 @@ typedef struct local_slot {
   local_op_t op;    /* the collective it is in, and its size argument (bytes, */
   size_t arg;       /* unit or count), which must be equal on every rank */
   const char *caller;
-  int error; /* at a release barrier: this rank found its pieces inconsistent */
+  int error; /* at a release barrier: this rank failed (inconsistent pieces, or its `then`) */
   /* Published before the gather barrier; peers read them, and the memory they
    * point to, only until the release barrier. */
   const void *send;
@@ -247,10 +253,14 @@ static epx_status_t local_release(epx_comm_t comm, const char *caller, local_op_
   }
   for (int32_t p = 0; p < world->size && status == EPX_SUCCESS; p++)
     if (world->slots[p].error)
-      status = epx_error(EPX_ERROR_PEER_FAILED,
-                         "%s: rank %d found the pieces of this %s inconsistent (its own error "
-                         "says how); this rank's output is incomplete",
-                         caller, p, local_op_name(op));
+      status = op == LOCAL_OP_HANDSHAKE
+                   ? epx_error(EPX_ERROR_PEER_FAILED,
+                               "%s: rank %d failed in this call (its own error says why); this "
+                               "rank's output is incomplete", caller, p)
+                   : epx_error(EPX_ERROR_PEER_FAILED,
+                               "%s: rank %d found the pieces of this %s inconsistent (its own "
+                               "error says how); this rank's output is incomplete",
+                               caller, p, local_op_name(op));
   pthread_mutex_unlock(&world->lock);
   return status;
 }
@@ -341,6 +351,20 @@ static epx_status_t local_allreduce_max_i64(epx_comm_t comm, const char *caller,
   return status;
 }
 
+/* The alltoall of the blocks, then `then` while every rank is still inside
+ * the call: peers' memory named in the blocks stays valid until the release. */
+static epx_status_t local_handshake(epx_comm_t comm, const char *caller, const void *send,
+                                    void *recv, size_t bytes, epx_comm_then_fn then, void *ctx) {
+  local_slot_t pub = {.send = send};
+  epx_status_t status = local_gather(comm, caller, LOCAL_OP_HANDSHAKE, bytes, &pub);
+  if (status != EPX_SUCCESS) return status;
+  const epx_local_world_t world = comm->impl;
+  for (int32_t s = 0; s < comm->size && bytes; s++)
+    memcpy((char *)recv + (size_t)s * bytes,
+           (const char *)world->slots[s].send + (size_t)comm->rank * bytes, bytes);
+  return local_release(comm, caller, LOCAL_OP_HANDSHAKE, then(ctx, recv));
+}
+
 static epx_status_t local_barrier(epx_comm_t comm, const char *caller) {
   return local_gather(comm, caller, LOCAL_OP_BARRIER, 0, NULL);
 }
@@ -369,6 +393,7 @@ static const epx_transport_ops_t local_ops = {
     .allgather = local_allgather,
     .allreduce_max_i64 = local_allreduce_max_i64,
     .barrier = local_barrier,
+    .handshake = local_handshake,
     .destroy = local_destroy,
     .shared_address_space = 1,
 };
@@ -439,8 +464,9 @@ epx_status_t epx_local_world_create(int32_t world_size, const epx_comm_config_t 
   pthread_condattr_destroy(&attr);
   if (rc) EPX_FAIL(EPX_ERROR_INTERNAL, "epx_local_world_create: pthread_cond_init failed");
   cond_ready = 1;
-  EPX_CHECK(epx_registry_add(created, EPX_OBJECT_LOCAL_WORLD));
-  *world = created;
+  void *id = NULL;
+  EPX_CHECK(epx_registry_add(created, EPX_OBJECT_LOCAL_WORLD, &id));
+  *world = id;
   return EPX_SUCCESS;
 fail:
   if (cond_ready) pthread_cond_destroy(&created->cond);
@@ -453,7 +479,9 @@ fail:
 epx_status_t epx_local_world_destroy(epx_local_world_t world) {
   epx_error_clear();
   if (!world) return EPX_SUCCESS;
-  if (!epx_registry_has(world, EPX_OBJECT_LOCAL_WORLD))
+  const epx_local_world_t id = world;
+  world = epx_registry_get(id, EPX_OBJECT_LOCAL_WORLD);
+  if (!world)
     return epx_error(EPX_ERROR_INVALID_HANDLE,
                      "epx_local_world_destroy: world is not a live local world (destroyed "
                      "already?); pass one from epx_local_world_create");
@@ -467,7 +495,7 @@ epx_status_t epx_local_world_destroy(epx_local_world_t world) {
                      "epx_local_world_destroy: %d comm(s) of this world are alive (rank %d "
                      "first); destroy them with epx_comm_destroy first",
                      attached, first);
-  epx_registry_remove(world);
+  epx_registry_remove(id);
   pthread_cond_destroy(&world->cond);
   pthread_mutex_destroy(&world->lock);
   free(world->slots);

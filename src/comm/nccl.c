@@ -414,7 +414,7 @@ static epx_status_t finish_create(epx_comm_t created, ncclComm_t nc, int owned, 
     epx_comm_free(created);
     return status;
   }
-  *comm = created;
+  *comm = created->id;
   return EPX_SUCCESS;
 }
 

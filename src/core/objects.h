@@ -31,15 +31,22 @@ struct epx_buffer {
   void *cuda;                  /* CUDA backend state (src/cuda) */
 };
 
+/* A handle's references are counted twice: `caller_refs` are the caller's
+ * (the layout call's, epx_handle_retain's, each replay's), `refcount` is
+ * those plus the library's own (a recorder's). The caller can release only
+ * what it holds, so an extra release is refused instead of taking the
+ * recorder's reference; the handle is freed when refcount reaches 0. */
 struct epx_handle {
   epx_buffer_t buffer;
-  int64_t refcount;            /* atomic */
+  epx_handle_t id;             /* the value the caller holds (core/registry.h) */
+  int64_t refcount;            /* atomic: caller_refs + the library's */
+  int64_t caller_refs;         /* atomic */
   epx_weighting_t weighting;
   int64_t num_tokens;          /* T of the routing on this rank */
   int32_t top_k;               /* K of the routing */
   int64_t recv_rows;           /* N (CUDA with worst_case_sizing: the bound) */
   uint64_t routing_hash;       /* hash of topk_idx, for recorder validation */
-  struct epx_cpu_plan *cpu;    /* src/cpu/exchange.c */
+  struct epx_cpu_plan *cpu;    /* src/cpu/exchange.h (built by layout.c) */
   void *cuda;                  /* src/cuda */
 };
 
@@ -50,6 +57,11 @@ static inline void epx_buffer_agree_max_tokens(epx_buffer_t buffer, int64_t larg
   int64_t rounding = buffer->config.max_tokens_rounding;
   buffer->max_tokens = (largest_batch + rounding - 1) / rounding * rounding;
   if (buffer->max_tokens == 0) buffer->max_tokens = rounding;
+}
+
+/* Bytes of one payload row; it fits (epx_buffer_create checked the config). */
+static inline int64_t epx_buffer_row_bytes(epx_buffer_t buffer) {
+  return buffer->config.hidden * (int64_t)epx_dtype_size(buffer->config.dtype);
 }
 
 /* FNV-1a of the routing's expert ids (a [T, K] int32 array). */

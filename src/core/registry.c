@@ -1,5 +1,8 @@
-/* The live-object set: open addressing on the object's address, one mutex.
- * Lookups happen once per public call, far from any per-row loop. */
+/* The live-object table: a growable array of slots, a free list, one mutex.
+ * A public id is (generation << SLOT_BITS) | (slot + 1); removing an object
+ * bumps its slot's generation, so every id given out for the slot before is
+ * refused from then on. Lookups happen once per public call, far from any
+ * per-row loop. */
 #include "core/registry.h"
 
 #include <pthread.h>
@@ -8,82 +11,99 @@
 
 #include "core/error.h"
 
+_Static_assert(sizeof(void *) == 8, "public ids pack a slot and a generation in 64 bits");
+
+#define SLOT_BITS 24
+#define MAX_SLOTS ((1u << SLOT_BITS) - 1)               /* slot + 1 must fit SLOT_BITS */
+#define MAX_GENERATION ((UINT64_C(1) << (64 - SLOT_BITS)) - 1)
+#define NO_SLOT UINT32_MAX
+
 typedef struct {
-  const void *object; /* NULL = empty; TOMBSTONE = removed */
+  void *object;        /* NULL: free (on the free list) or retired */
+  uint64_t generation; /* of the current object, or of the next one when free */
+  uint32_t next_free;
   epx_object_kind_t kind;
 } registry_slot_t;
 
-static const char tombstone_marker;
-#define TOMBSTONE ((const void *)&tombstone_marker)
-
 static pthread_mutex_t registry_lock = PTHREAD_MUTEX_INITIALIZER;
 static registry_slot_t *slots;
-static size_t slot_count; /* a power of two */
-static size_t used;       /* live + tombstones */
+static uint32_t slot_count;
+static uint32_t free_head = NO_SLOT;
 
-static size_t slot_of(const void *object, size_t mask) {
-  uintptr_t h = (uintptr_t)object;
-  h ^= h >> 17;
-  h *= 0x9e3779b97f4a7c15ull;
-  return (size_t)(h >> 7) & mask;
+static void *encode(uint32_t slot, uint64_t generation) {
+  return (void *)(uintptr_t)((generation << SLOT_BITS) | (uint64_t)(slot + 1));
 }
 
+/* The slot an id names if its generation is current, else NULL. Lock held. */
+static registry_slot_t *decode(const void *id) {
+  uint64_t value = (uint64_t)(uintptr_t)id;
+  uint64_t slot = (value & MAX_SLOTS) - 1; /* wraps to huge for slot bits 0 */
+  if (slot >= slot_count) return NULL;
+  registry_slot_t *s = &slots[slot];
+  if (!s->object || s->generation != value >> SLOT_BITS) return NULL;
+  return s;
+}
+
+/* Doubles the table and threads the new slots onto the free list. */
 static int grow(void) {
-  size_t new_count = slot_count ? slot_count * 2 : 256;
-  registry_slot_t *new_slots = calloc(new_count, sizeof *new_slots);
-  if (!new_slots) return 0;
-  size_t live = 0;
-  for (size_t i = 0; i < slot_count; i++) {
-    if (!slots[i].object || slots[i].object == TOMBSTONE) continue;
-    size_t j = slot_of(slots[i].object, new_count - 1);
-    while (new_slots[j].object) j = (j + 1) & (new_count - 1);
-    new_slots[j] = slots[i];
-    live++;
-  }
-  free(slots);
-  slots = new_slots;
+  uint32_t new_count = slot_count ? slot_count * 2 : 64;
+  if (new_count > MAX_SLOTS) new_count = MAX_SLOTS;
+  if (new_count <= slot_count) return 0;
+  registry_slot_t *grown = realloc(slots, (size_t)new_count * sizeof *grown);
+  if (!grown) return 0;
+  for (uint32_t i = slot_count; i < new_count; i++)
+    grown[i] = (registry_slot_t){NULL, 1, i + 1 < new_count ? i + 1 : free_head, 0};
+  free_head = slot_count;
+  slots = grown;
   slot_count = new_count;
-  used = live;
   return 1;
 }
 
-epx_status_t epx_registry_add(const void *object, epx_object_kind_t kind) {
+epx_status_t epx_registry_add(void *object, epx_object_kind_t kind, void **id) {
   pthread_mutex_lock(&registry_lock);
-  if ((used + 1) * 2 > slot_count && !grow()) {
+  if (free_head == NO_SLOT && !grow()) {
     pthread_mutex_unlock(&registry_lock);
-    return epx_error(EPX_ERROR_OUT_OF_MEMORY, "epx: out of memory registering an object");
+    return epx_error(EPX_ERROR_OUT_OF_MEMORY,
+                     "epx: out of memory registering an object (%u objects alive)", slot_count);
   }
-  size_t mask = slot_count - 1;
-  size_t i = slot_of(object, mask);
-  while (slots[i].object && slots[i].object != TOMBSTONE) i = (i + 1) & mask;
-  if (!slots[i].object) used++;
-  slots[i].object = object;
-  slots[i].kind = kind;
+  uint32_t slot = free_head;
+  registry_slot_t *s = &slots[slot];
+  free_head = s->next_free;
+  s->object = object;
+  s->kind = kind;
+  *id = encode(slot, s->generation);
   pthread_mutex_unlock(&registry_lock);
   return EPX_SUCCESS;
 }
 
-static registry_slot_t *find(const void *object) {
-  if (!slot_count) return NULL;
-  size_t mask = slot_count - 1;
-  for (size_t i = slot_of(object, mask);; i = (i + 1) & mask) {
-    if (!slots[i].object) return NULL;
-    if (slots[i].object == object) return &slots[i];
+void *epx_registry_get(const void *id, epx_object_kind_t kind) {
+  if (!id) return NULL;
+  pthread_mutex_lock(&registry_lock);
+  registry_slot_t *s = decode(id);
+  void *object = s && s->kind == kind ? s->object : NULL;
+  pthread_mutex_unlock(&registry_lock);
+  return object;
+}
+
+void epx_registry_remove(const void *id) {
+  if (!id) return;
+  pthread_mutex_lock(&registry_lock);
+  registry_slot_t *s = decode(id);
+  if (s) {
+    s->object = NULL;
+    /* A slot whose generations are spent is retired rather than let an old
+     * id come back to life: one slot lost per 2^40 reuses. */
+    if (++s->generation <= MAX_GENERATION) {
+      s->next_free = free_head;
+      free_head = (uint32_t)(s - slots);
+    }
   }
-}
-
-void epx_registry_remove(const void *object) {
-  pthread_mutex_lock(&registry_lock);
-  registry_slot_t *slot = find(object);
-  if (slot) slot->object = TOMBSTONE;
   pthread_mutex_unlock(&registry_lock);
 }
 
-int epx_registry_has(const void *object, epx_object_kind_t kind) {
-  if (!object) return 0;
+size_t epx_registry_capacity(void) {
   pthread_mutex_lock(&registry_lock);
-  registry_slot_t *slot = find(object);
-  int live = slot && slot->kind == kind;
+  size_t count = slot_count;
   pthread_mutex_unlock(&registry_lock);
-  return live;
+  return count;
 }

@@ -18,6 +18,10 @@
 
 #include "epx.h"
 
+/* What runs inside a handshake once every rank's block is in (see
+ * epx_comm_handshake). */
+typedef epx_status_t (*epx_comm_then_fn)(void *ctx, const void *recv);
+
 typedef struct epx_transport_ops {
   const char *name; /* "self", "local", "mpi", "nccl" */
   /* send holds size blocks of `bytes`, block r for rank r; recv gets block
@@ -38,6 +42,12 @@ typedef struct epx_transport_ops {
   epx_status_t (*allreduce_max_i64)(epx_comm_t comm, const char *caller, int64_t *values,
                                     int32_t count);
   epx_status_t (*barrier)(epx_comm_t comm, const char *caller);
+  /* The transport's own epx_comm_handshake (NULL: the generic one, an
+   * alltoall then `then`). A transport whose ranks share the address space
+   * runs `then` before any rank leaves the call, so that memory named in the
+   * blocks may be read in it. */
+  epx_status_t (*handshake)(epx_comm_t comm, const char *caller, const void *send, void *recv,
+                            size_t bytes, epx_comm_then_fn then, void *ctx);
   /* Releases the transport's state (after a barrier the caller made). */
   void (*destroy)(epx_comm_t comm);
   /* 1 when every rank lives in this address space (threads of one process):
@@ -48,12 +58,18 @@ typedef struct epx_transport_ops {
 } epx_transport_ops_t;
 
 struct epx_comm {
+  epx_comm_t id;         /* the value the caller holds (core/registry.h) */
   const epx_transport_ops_t *ops;
   int32_t rank;
   int32_t size;
   double timeout_seconds;
   int failed;            /* set after a timeout or transport error */
   int64_t live_buffers;  /* buffers created over this comm and not destroyed */
+  /* Sequence numbers of the collective objects made over the comm, equal on
+   * every rank (each is made by a collective call): they name a buffer and a
+   * layout in the first message of every call. */
+  int64_t buffers_made;
+  int64_t layouts_made;
   void *impl;            /* the transport's own state */
 };
 
@@ -63,6 +79,19 @@ struct epx_comm {
  * refusal on one rank is a refusal on every rank before anything moves. The
  * failing rank keeps its own message; the others name it. */
 epx_status_t epx_comm_agree(epx_comm_t comm, epx_status_t local, const char *caller);
+
+/* Every collective call's first message: an all-to-all of `bytes` blocks
+ * (send block r goes to rank r; recv block s comes from rank s), after which
+ * then(ctx, recv) runs on every rank with all blocks and its status is the
+ * call's. The blocks carry what each rank is doing (call, handle, shape, its
+ * verdict), so `then` can check, identically on every rank, that they agree
+ * before anything else moves. On the local transport `then` runs before any
+ * rank leaves the handshake: it may read peers' memory that their blocks
+ * name, until it returns, and a rank whose `then` fails makes the others'
+ * handshake fail naming it. Elsewhere a `then` that fails on one rank only
+ * must be agreed by the caller's next message. One synchronisation. */
+epx_status_t epx_comm_handshake(epx_comm_t comm, const char *caller, const void *send, void *recv,
+                                size_t bytes, epx_comm_then_fn then, void *ctx);
 
 /* Returns EPX_ERROR_PEER_FAILED with a message if the comm has failed. */
 epx_status_t epx_comm_check_alive(epx_comm_t comm, const char *caller);

@@ -1,17 +1,15 @@
-/* The CPU backend as the public API layer calls it. */
+/* The CPU backend as the backend table (src/cpu/backend.c) calls it: the
+ * router (route*.c) and the exchange engine over any number of ranks on the
+ * comm's transport — layout.c (the layout and the handle's accessors),
+ * move.c (the payload moves), call.c (the agreement of collective calls),
+ * sharing the private cpu/exchange.h. The one-rank case moves rows directly
+ * with no staging. Arguments are checked by src/api/; routing values here. */
 #ifndef EPX_CPU_CPU_H
 #define EPX_CPU_CPU_H
 
 #include "epx.h"
 #include "core/objects.h"
 
-/* The exchange engine (src/cpu/exchange.c): any number of ranks over the
- * comm's transport; the one-rank case moves rows directly with no staging.
- * Arguments are checked by src/api/, routing values here. The backend table
- * that the API calls through is epx_cpu_backend (src/cpu/backend.c). */
-/* Checks the routing's values on this rank (expert ids, duplicates,
- * capacity locations); src/api agrees the result across ranks before any
- * exchange. */
 struct epx_backend;
 extern const struct epx_backend epx_cpu_backend;
 
@@ -36,27 +34,41 @@ epx_status_t epx_cpu_reference_route_backward(const epx_route_config_t *config, 
                                               double grad_aux_loss, double grad_z_loss,
                                               double *grad_logits);
 
+/* Checks the routing's values on this rank (expert ids, duplicates, capacity
+ * locations); the layout agrees the result across ranks. */
 epx_status_t epx_cpu_validate_routing(epx_buffer_t buffer, const epx_routing_t *routing);
-epx_status_t epx_cpu_dispatch_layout(epx_buffer_t buffer, const epx_routing_t *routing,
-                                     epx_handle_t handle);
-void epx_cpu_handle_fini(epx_handle_t handle);
+epx_status_t epx_cpu_buffer_init(epx_buffer_t buffer);
 void epx_cpu_buffer_fini(epx_buffer_t buffer);
-epx_status_t epx_cpu_dispatch(epx_buffer_t buffer, epx_handle_t handle, const void *x,
-                              void *recv_x);
-epx_status_t epx_cpu_combine(epx_buffer_t buffer, epx_handle_t handle, const void *expert_out,
-                             void *out);
-epx_status_t epx_cpu_dispatch_backward(epx_buffer_t buffer, epx_handle_t handle,
+void epx_cpu_handle_fini(epx_handle_t handle);
+
+/* Collective calls. Each takes this rank's verdict `local` on its arguments
+ * and agrees it, with the call's identity, in its first message: a call
+ * refused (or mismatched) on one rank fails on every rank before anything
+ * moves; the refusing rank returns `local` with its own message. The layout
+ * also agrees max_tokens_per_rank on its first call. */
+epx_status_t epx_cpu_dispatch_layout(epx_buffer_t buffer, const epx_routing_t *routing,
+                                     epx_status_t local, epx_handle_t handle);
+epx_status_t epx_cpu_dispatch(epx_buffer_t buffer, epx_handle_t handle, epx_status_t local,
+                              const void *x, void *recv_x);
+epx_status_t epx_cpu_combine(epx_buffer_t buffer, epx_handle_t handle, epx_status_t local,
+                             const void *expert_out, void *out);
+epx_status_t epx_cpu_dispatch_backward(epx_buffer_t buffer, epx_handle_t handle, epx_status_t local,
                                        const void *grad_recv_x, void *grad_x, const void *x,
                                        float *grad_w);
-epx_status_t epx_cpu_combine_backward(epx_buffer_t buffer, epx_handle_t handle,
+epx_status_t epx_cpu_combine_backward(epx_buffer_t buffer, epx_handle_t handle, epx_status_t local,
                                       const void *grad_out, const void *expert_out,
                                       void *grad_expert_out, float *grad_w);
-epx_status_t epx_cpu_weights_backward(epx_buffer_t buffer, epx_handle_t handle, const float *grad_recv_w,
-                                      float *grad_w);
+epx_status_t epx_cpu_weights_backward(epx_buffer_t buffer, epx_handle_t handle, epx_status_t local,
+                                      const float *grad_recv_w, float *grad_w);
+/* A verdict agreed with nothing to move (a refused handle, a replay's
+ * validation), meeting the peers' first message of the call `caller` names. */
+epx_status_t epx_cpu_agree(epx_buffer_t buffer, epx_status_t local, const char *caller);
+
+/* Handle queries (rank-local). */
 epx_status_t epx_cpu_handle_expert_counts(epx_handle_t handle, int64_t *counts, int64_t *offsets);
 epx_status_t epx_cpu_handle_recv_routing(epx_handle_t handle, int32_t *recv_expert, float *recv_w);
 epx_status_t epx_cpu_handle_recv_source(epx_handle_t handle, int32_t *src_rank, int32_t *src_token);
-/* Host bytes the handle's layout holds (0 for a CUDA handle). */
+/* Host bytes the handle's layout holds. */
 int64_t epx_cpu_handle_bytes(epx_handle_t handle);
 epx_status_t epx_cpu_handle_stats(epx_handle_t handle, epx_handle_stats_t *stats);
 

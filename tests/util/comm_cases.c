@@ -74,13 +74,13 @@ static int64_t reduce_value(uint64_t seed, int32_t rank, int32_t i) {
  * overwritten as soon as each call returns, so a peer still reading it would
  * see it. */
 static int blocks_round(epx_comm_t comm, uint64_t seed, size_t block_words) {
-  const int32_t rank = comm->rank, size = comm->size;
+  const int32_t rank = COMM(comm)->rank, size = COMM(comm)->size;
   const size_t bytes = block_words * 4;
   int failures = 0;
   uint32_t *send = tu_alloc(bytes * (size_t)size), *recv = tu_alloc(bytes * (size_t)size);
   for (int32_t d = 0; d < size; d++) fill_units(send + d * block_words, block_words, 1, seed, rank, d);
   tu_poison(recv, bytes * (size_t)size);
-  RANK_OK(comm->ops->alltoall(comm, "test_alltoall", send, recv, bytes));
+  RANK_OK(COMM(comm)->ops->alltoall(COMM(comm), "test_alltoall", send, recv, bytes));
   tu_poison(send, bytes * (size_t)size);
   for (int32_t s = 0; s < size; s++)
     RANK_EXPECT(units_match(recv + s * block_words, block_words, 1, seed, s, rank),
@@ -88,7 +88,7 @@ static int blocks_round(epx_comm_t comm, uint64_t seed, size_t block_words) {
 
   fill_units(send, block_words, 1, seed, rank, -1);
   tu_poison(recv, bytes * (size_t)size);
-  RANK_OK(comm->ops->allgather(comm, "test_allgather", send, recv, bytes));
+  RANK_OK(COMM(comm)->ops->allgather(COMM(comm), "test_allgather", send, recv, bytes));
   tu_poison(send, bytes);
   for (int32_t s = 0; s < size; s++)
     RANK_EXPECT(units_match(recv + s * block_words, block_words, 1, seed, s, -1),
@@ -101,7 +101,7 @@ static int blocks_round(epx_comm_t comm, uint64_t seed, size_t block_words) {
 /* alltoallv: random counts with zeros; one unused unit before every piece on
  * both sides, which must stay untouched. */
 static int alltoallv_round(epx_comm_t comm, uint64_t seed, size_t unit_words, int64_t max_count) {
-  const int32_t rank = comm->rank, size = comm->size;
+  const int32_t rank = COMM(comm)->rank, size = COMM(comm)->size;
   const size_t unit = unit_words * 4;
   int failures = 0;
   int64_t *counts = calloc(4 * (size_t)size, sizeof(int64_t));
@@ -122,7 +122,7 @@ static int alltoallv_round(epx_comm_t comm, uint64_t seed, size_t unit_words, in
     fill_units(send + (size_t)send_displs[d] * unit_words, unit_words, send_counts[d], seed, rank, d);
   memcpy(copy, send, (size_t)send_units * unit);
   tu_poison(recv, (size_t)recv_units * unit);
-  RANK_OK(comm->ops->alltoallv(comm, "test_alltoallv", send, send_counts, send_displs, recv,
+  RANK_OK(COMM(comm)->ops->alltoallv(COMM(comm), "test_alltoallv", send, send_counts, send_displs, recv,
                                recv_counts, recv_displs, unit));
   RANK_EXPECT(!memcmp(copy, send, (size_t)send_units * unit), "alltoallv changed its send buffer");
   tu_poison(send, (size_t)send_units * unit);
@@ -141,11 +141,11 @@ static int alltoallv_round(epx_comm_t comm, uint64_t seed, size_t unit_words, in
 
 /* allreduce max over signed values every rank can compute. */
 static int allreduce_round(epx_comm_t comm, uint64_t seed, int32_t count) {
-  const int32_t rank = comm->rank, size = comm->size;
+  const int32_t rank = COMM(comm)->rank, size = COMM(comm)->size;
   int failures = 0;
   int64_t *values = calloc((size_t)count, sizeof *values);
   for (int32_t i = 0; i < count; i++) values[i] = reduce_value(seed, rank, i);
-  RANK_OK(comm->ops->allreduce_max_i64(comm, "test_allreduce", values, count));
+  RANK_OK(COMM(comm)->ops->allreduce_max_i64(COMM(comm), "test_allreduce", values, count));
   for (int32_t i = 0; i < count; i++) {
     int64_t expected = reduce_value(seed, 0, i);
     for (int32_t r = 1; r < size; r++)
@@ -158,11 +158,11 @@ static int allreduce_round(epx_comm_t comm, uint64_t seed, int32_t count) {
 }
 
 static int barrier_round(epx_comm_t comm, int round, atomic_int *arrivals) {
-  const int32_t rank = comm->rank, size = comm->size;
+  const int32_t rank = COMM(comm)->rank, size = COMM(comm)->size;
   int failures = 0;
   if (arrivals) { /* every rank's arrival of this round is visible after it */
     atomic_fetch_add(arrivals, 1);
-    RANK_OK(comm->ops->barrier(comm, "test_barrier"));
+    RANK_OK(COMM(comm)->ops->barrier(COMM(comm), "test_barrier"));
     RANK_EXPECT(atomic_load(arrivals) >= size * (round + 1),
                 "barrier returned after %d arrivals, expected >= %d", atomic_load(arrivals),
                 size * (round + 1));
@@ -171,7 +171,7 @@ static int barrier_round(epx_comm_t comm, int round, atomic_int *arrivals) {
   /* nobody leaves before the last rank, which arrives 0.1 s late */
   if (rank == size - 1) cc_sleep_seconds(0.1);
   double t0 = cc_now_seconds();
-  RANK_OK(comm->ops->barrier(comm, "test_barrier"));
+  RANK_OK(COMM(comm)->ops->barrier(COMM(comm), "test_barrier"));
   if (rank != size - 1)
     RANK_EXPECT(cc_now_seconds() - t0 > 0.05, "barrier returned after %.3f s, before the late rank",
                 cc_now_seconds() - t0);
@@ -188,13 +188,13 @@ int cc_ops_round(epx_comm_t comm, int round, int big, atomic_int *arrivals) {
 }
 
 int cc_ops(epx_comm_t comm, int rounds, atomic_int *arrivals) {
-  int32_t rank = comm->rank, got_rank = -1, got_size = -1;
+  int32_t rank = COMM(comm)->rank, got_rank = -1, got_size = -1;
   int failures = 0;
   RANK_EXPECT(epx_comm_rank(comm, &got_rank) == EPX_SUCCESS && got_rank == rank,
               "epx_comm_rank gave %d", got_rank);
-  RANK_EXPECT(epx_comm_size(comm, &got_size) == EPX_SUCCESS && got_size == comm->size,
+  RANK_EXPECT(epx_comm_size(comm, &got_size) == EPX_SUCCESS && got_size == COMM(comm)->size,
               "epx_comm_size gave %d", got_size);
-  RANK_OK(epx_comm_check_alive(comm, "test"));
+  RANK_OK(epx_comm_check_alive(COMM(comm), "test"));
   /* 12-byte units in most rounds (not a power of two), 4 KiB rows with up to
    * 64 per pair (256 KiB blocks) in the last. */
   for (int round = 0; round < rounds && !failures; round++)
@@ -204,27 +204,27 @@ int cc_ops(epx_comm_t comm, int rounds, atomic_int *arrivals) {
 
 /* The later calls on a comm that failed: at once, saying where. */
 static int after_failure(epx_comm_t comm, const cc_timeout_t *t) {
-  const int32_t rank = comm->rank;
+  const int32_t rank = COMM(comm)->rank;
   int failures = 0;
   double t0 = cc_now_seconds();
-  RANK_STATUS(comm->ops->barrier(comm, "test_after"), EPX_ERROR_PEER_FAILED,
+  RANK_STATUS(COMM(comm)->ops->barrier(COMM(comm), "test_after"), EPX_ERROR_PEER_FAILED,
               "test_after: the comm failed earlier");
   RANK_EXPECT(tu_message_has(t->named), "later message lacks \"%s\"", t->named);
   RANK_EXPECT(cc_now_seconds() - t0 < 0.25 * t->timeout + 0.1, "later barrier took %.3f s",
               cc_now_seconds() - t0);
   int64_t values[2] = {1, 2};
   t0 = cc_now_seconds();
-  RANK_STATUS(comm->ops->allreduce_max_i64(comm, "test_after", values, 2), EPX_ERROR_PEER_FAILED,
+  RANK_STATUS(COMM(comm)->ops->allreduce_max_i64(COMM(comm), "test_after", values, 2), EPX_ERROR_PEER_FAILED,
               "test_after:");
   RANK_EXPECT(cc_now_seconds() - t0 < 0.25 * t->timeout + 0.1, "later allreduce took %.3f s",
               cc_now_seconds() - t0);
   RANK_EXPECT(values[0] == 1 && values[1] == 2, "a refused allreduce changed its values");
-  RANK_STATUS(epx_comm_check_alive(comm, "test_alive"), EPX_ERROR_PEER_FAILED, "test_alive:");
+  RANK_STATUS(epx_comm_check_alive(COMM(comm), "test_alive"), EPX_ERROR_PEER_FAILED, "test_alive:");
   return failures;
 }
 
 int cc_timeout_case(epx_comm_t comm, cc_timeout_t *t) {
-  const int32_t rank = comm->rank;
+  const int32_t rank = COMM(comm)->rank;
   int failures = 0;
   const int skipper = rank >= t->skip_from;
   if (!skipper) {
@@ -232,8 +232,8 @@ int cc_timeout_case(epx_comm_t comm, cc_timeout_t *t) {
     tu_poison(send, sizeof send);
     tu_poison(recv, sizeof recv);
     double t0 = cc_now_seconds();
-    epx_status_t status = t->barrier ? comm->ops->barrier(comm, "test_timeout")
-                                     : comm->ops->alltoall(comm, "test_timeout", send, recv, 4);
+    epx_status_t status = t->barrier ? COMM(comm)->ops->barrier(COMM(comm), "test_timeout")
+                                     : COMM(comm)->ops->alltoall(COMM(comm), "test_timeout", send, recv, 4);
     double elapsed = cc_now_seconds() - t0;
     RANK_STATUS(status, EPX_ERROR_TIMEOUT, t->expected[0]);
     RANK_EXPECT(tu_message_has(t->expected[1]), "timeout message lacks \"%s\"", t->expected[1]);

@@ -11,7 +11,12 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "core/registry.h"
 #include "epx.h"
+
+/* The comm behind a public comm id (core/registry.h): the cases call its
+ * transport's operations directly. */
+#define COMM(id) ((epx_comm_t)epx_registry_get((id), EPX_OBJECT_COMM))
 
 double cc_now_seconds(void);
 void cc_sleep_seconds(double seconds);

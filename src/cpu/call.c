@@ -1,0 +1,173 @@
+/* The agreement of collective calls. Every collective call of the CPU backend
+ * starts with one handshake (epx_comm_handshake) whose block says what the
+ * rank is doing: the call, the buffer and handle (sequence numbers the comm
+ * hands out in the same order on every rank), the shape, and the rank's own
+ * verdict on its arguments. Every rank receives every rank's block and checks
+ * them all the same way, so a refusal, a rank in another call or on another
+ * handle fails on every rank, with the same reasons, before anything moves —
+ * and no extra round trip is spent when all is well. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/error.h"
+#include "cpu/exchange.h"
+
+static const char *const call_names[EPX_CALL_COUNT] = {
+    [EPX_CALL_LAYOUT] = "epx_dispatch_layout",
+    [EPX_CALL_DISPATCH] = "epx_dispatch",
+    [EPX_CALL_COMBINE] = "epx_combine",
+    [EPX_CALL_DISPATCH_BACKWARD] = "epx_dispatch_backward",
+    [EPX_CALL_COMBINE_BACKWARD] = "epx_combine_backward",
+    [EPX_CALL_WEIGHTS_BACKWARD] = "epx_weights_backward",
+    [EPX_CALL_REPLAY] = "epx_dispatch_layout (validated replay)",
+};
+
+const char *epx_cpu_call_name(int32_t kind) {
+  return kind > 0 && kind < EPX_CALL_COUNT ? call_names[kind] : "an unknown call";
+}
+
+epx_call_kind_t epx_cpu_call_kind(const char *fn) {
+  for (int32_t k = EPX_CALL_DISPATCH; k <= EPX_CALL_WEIGHTS_BACKWARD; k++)
+    if (!strcmp(fn, call_names[k])) return (epx_call_kind_t)k;
+  return EPX_CALL_REPLAY;
+}
+
+void epx_cpu_call_begin(epx_cpu_call_ctx_t *ctx, epx_buffer_t buffer, epx_call_kind_t kind,
+                        const char *fn, epx_status_t local, epx_handle_t h) {
+  memset(ctx, 0, sizeof *ctx);
+  ctx->buffer = buffer;
+  ctx->fn = fn;
+  /* The transport may set errors of its own before the verdict is reported. */
+  if (local != EPX_SUCCESS) snprintf(ctx->message, sizeof ctx->message, "%s", epx_last_error());
+  epx_cpu_call_t *m = &ctx->mine;
+  m->kind = kind;
+  m->verdict = local;
+  m->buffer_id = buffer->cpu ? buffer->cpu->buffer_id : 0;
+  m->layout_id = h && h->cpu ? h->cpu->layout_id : 0;
+  m->tokens = h ? h->num_tokens : 0;
+  m->top_k = h ? h->top_k : 0;
+  m->rank = buffer->comm->rank;
+  m->hidden = buffer->config.hidden;
+}
+
+/* "rank 1 in epx_combine on layout #3 (8 tokens, top_k 2)", for up to 8 ranks. */
+static void describe_ranks(const epx_cpu_call_t *peers, int32_t W, char *text, size_t size) {
+  size_t used = 0;
+  text[0] = '\0';
+  for (int32_t s = 0; s < W && used < size; s++) {
+    const epx_cpu_call_t *c = &peers[s];
+    int n = s == 8 ? snprintf(text + used, size - used, "; ... (%d ranks)", W)
+                   : snprintf(text + used, size - used,
+                              "%srank %d in %s on buffer #%lld, layout #%lld (%lld tokens, top_k %d)",
+                              s ? "; " : "", s, epx_cpu_call_name(c->kind), (long long)c->buffer_id,
+                              (long long)c->layout_id, (long long)c->tokens, c->top_k);
+    if (n < 0 || s == 8) break;
+    used += (size_t)n;
+  }
+}
+
+static epx_status_t mismatch(const epx_cpu_call_ctx_t *ctx, const epx_cpu_call_t *peers, const char *what) {
+  char text[768];
+  describe_ranks(peers, ctx->buffer->comm->size, text, sizeof text);
+  return epx_error(EPX_ERROR_SHAPE_MISMATCH,
+                   "%s: the ranks are %s: %s; every rank must make the same collective calls, on "
+                   "the same buffer and handle, in the same order; nothing moved on any rank",
+                   ctx->fn, what, text);
+}
+
+/* A peer's shape the exchange can serve: in range of the buffer's limits
+ * (it is used to size and check what that peer sends). */
+static epx_status_t check_shapes(const epx_cpu_call_ctx_t *ctx, const epx_cpu_call_t *peers) {
+  const epx_buffer_config_t *c = &ctx->buffer->config;
+  int32_t W = ctx->buffer->comm->size;
+  for (int32_t s = 0; s < W; s++) {
+    const epx_cpu_call_t *p = &peers[s];
+    if (p->rank != s || p->hidden != c->hidden || p->tokens < 0 || p->tokens > INT32_MAX ||
+        (p->kind != EPX_CALL_REPLAY && (p->top_k < 1 || p->top_k > c->max_top_k)))
+      return mismatch(ctx, peers, "in calls of shapes this buffer cannot serve (a rank's hidden, "
+                                  "tokens or top_k is not the buffer's)");
+  }
+  /* The rank-major layout has a slot per k of the receiver's routing: a
+   * peer's k-slot must be one of them. */
+  if (peers[0].kind == EPX_CALL_LAYOUT && c->layout == EPX_LAYOUT_RANK_MAJOR)
+    for (int32_t s = 1; s < W; s++)
+      if (peers[s].top_k != peers[0].top_k)
+        return mismatch(ctx, peers, "in a rank-major layout with different top_k (its rows have a "
+                                    "slot per k, the same on every rank; pass the same top_k, "
+                                    "with -1 for unused slots)");
+  return EPX_SUCCESS;
+}
+
+/* A failed verdict: the rank keeps its own message; the others name the first
+ * failing rank (an oversize batch, the layout's most common refusal, by its
+ * numbers). */
+static epx_status_t refusal(const epx_cpu_call_ctx_t *ctx, const epx_cpu_call_t *peers) {
+  int32_t W = ctx->buffer->comm->size;
+  if (ctx->mine.verdict != EPX_SUCCESS) return epx_error(ctx->mine.verdict, "%s", ctx->message);
+  for (int32_t s = 0; s < W; s++)
+    if (peers[s].kind == EPX_CALL_LAYOUT && peers[s].verdict == EPX_ERROR_CAPACITY_EXCEEDED)
+      return epx_error(EPX_ERROR_CAPACITY_EXCEEDED,
+                       "%s: rank %d has %lld tokens, above the buffer's max_tokens_per_rank %lld; "
+                       "nothing moved on any rank; create the buffer with a larger "
+                       "config.max_tokens_per_rank", ctx->fn, s, (long long)peers[s].tokens,
+                       (long long)ctx->buffer->max_tokens);
+  for (int32_t s = 0; s < W; s++)
+    if (peers[s].verdict != EPX_SUCCESS)
+      return epx_error(EPX_ERROR_PEER_FAILED,
+                       "%s: rank %d refused the call (its epx_last_error says why); nothing moved "
+                       "on any rank", ctx->fn, s);
+  return EPX_SUCCESS;
+}
+
+epx_status_t epx_cpu_call_agree(const epx_cpu_call_ctx_t *ctx, const epx_cpu_call_t *peers) {
+  int32_t W = ctx->buffer->comm->size;
+  for (int32_t s = 1; s < W; s++)
+    if (peers[s].kind != peers[0].kind) return mismatch(ctx, peers, "in different collective calls");
+  epx_status_t status = refusal(ctx, peers);
+  if (status != EPX_SUCCESS) return status;
+  for (int32_t s = 1; s < W; s++) {
+    if (peers[s].buffer_id != peers[0].buffer_id) return mismatch(ctx, peers, "on different buffers");
+    if (peers[0].kind != EPX_CALL_REPLAY && peers[s].layout_id != peers[0].layout_id)
+      return mismatch(ctx, peers, peers[0].kind == EPX_CALL_LAYOUT
+                                      ? "out of step (they have made different numbers of layouts)"
+                                      : "on different handles");
+  }
+  for (int32_t s = 1; s < W; s++)
+    if (peers[s].flags != peers[0].flags) {
+      int32_t odd = peers[s].flags & EPX_CALL_GRAD_W ? s : 0;
+      return epx_error(EPX_ERROR_SHAPE_MISMATCH,
+                       "%s: rank %d passes grad_w and rank %d does not; the weight gradient is "
+                       "exchanged, so pass grad_w on every rank or on none; nothing moved on any "
+                       "rank", ctx->fn, odd, odd == s ? 0 : s);
+    }
+  return check_shapes(ctx, peers);
+}
+
+epx_cpu_call_t *epx_cpu_call_blocks(const epx_cpu_call_ctx_t *ctx) {
+  int32_t W = ctx->buffer->comm->size;
+  epx_cpu_call_t *blocks = malloc(sizeof *blocks * 2 * (size_t)W);
+  if (!blocks) return NULL;
+  for (int32_t r = 0; r < W; r++) blocks[r] = ctx->mine;
+  return blocks;
+}
+
+static epx_status_t then_agree(void *ctx, const void *recv) { return epx_cpu_call_agree(ctx, recv); }
+
+epx_status_t epx_cpu_call_exchange(epx_buffer_t buffer, epx_call_kind_t kind, const char *fn,
+                                   epx_status_t local, epx_handle_t h) {
+  epx_comm_t comm = buffer->comm;
+  if (comm->size == 1) return local;
+  epx_cpu_call_ctx_t ctx;
+  epx_cpu_call_begin(&ctx, buffer, kind, fn, local, h);
+  epx_cpu_call_t *blocks = epx_cpu_call_blocks(&ctx);
+  if (!blocks) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
+  epx_status_t status =
+      epx_comm_handshake(comm, fn, blocks, blocks + comm->size, sizeof *blocks, then_agree, &ctx);
+  free(blocks);
+  return status;
+}
+
+epx_status_t epx_cpu_agree(epx_buffer_t buffer, epx_status_t local, const char *caller) {
+  return epx_cpu_call_exchange(buffer, epx_cpu_call_kind(caller), caller, local, NULL);
+}
