@@ -298,10 +298,9 @@ epx_status_t epx_buffer_set_stream(epx_buffer_t buffer, void *stream) {
   return buffer->backend->set_stream(buffer, stream);
 }
 
-
 epx_status_t epx_buffer_peer_paths(epx_buffer_t buffer, int32_t *paths) {
   epx_error_clear();
-  epx_status_t status = epx_check_buffer(buffer, "epx_buffer_peer_paths");
+  epx_status_t status = epx_check_buffer(&buffer, "epx_buffer_peer_paths");
   if (status != EPX_SUCCESS) return status;
   EPX_REQUIRE(paths, "epx_buffer_peer_paths: paths is NULL; pass an int32_t array of the comm's size (%d)",
               buffer->world_size);
