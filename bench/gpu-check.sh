@@ -132,7 +132,9 @@ if [ -n "$GPU2_TESTS" ]; then
     for t in $GPU2_TESTS; do
       echo "== $t" >>"$OUTDIR/gpu2.log"
       case $t in
-        mpi_*) timeout "${EPX_GPU2_TEST_TIMEOUT:-300}" $MPIRUN "$BUILD/tests/gpu/$t" >>"$OUTDIR/gpu2.log" 2>&1 ;;
+        # two H200 over NVLink: the fused path is required where the config allows it
+        mpi_*) EPX_GPU_EXPECT_FUSED=${EPX_GPU_EXPECT_FUSED:-1} timeout "${EPX_GPU2_TEST_TIMEOUT:-300}" \
+                 $MPIRUN -x EPX_GPU_EXPECT_FUSED "$BUILD/tests/gpu/$t" >>"$OUTDIR/gpu2.log" 2>&1 ;;
         *) timeout 200 "$BUILD/tests/gpu/$t" >>"$OUTDIR/gpu2.log" 2>&1 ;;
       esac
       rc=$?

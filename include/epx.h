@@ -632,6 +632,33 @@ typedef enum epx_combine_precision {
   EPX_COMBINE_PARTIALS_PAYLOAD = 1
 } epx_combine_precision_t;
 
+/* How a CUDA buffer over several ranks moves rows to each peer. */
+typedef enum epx_exchange_path {
+  /* The fused NVLink kernels (src/cuda/fused.h: senders store rows straight
+   * into the peers' memory through NCCL 2.28's device API) when the exchange
+   * is EPX_EXCHANGE_DEDUP, the layout is expert-major or rank-major, the
+   * build has the fused module, and every peer is reachable by load/store
+   * (one NVLink domain); NCCL's host API (grouped send/recv) otherwise. In
+   * this version the choice is all or nothing: if any peer lacks load/store
+   * access, every peer takes the host path. The two paths give the same bits.
+   * On the fused path: the fused state (a symmetric window of about
+   * W * max_tokens_per_rank * H * (dtype size + 4) bytes) is made at buffer
+   * creation, or at the first epx_dispatch_layout when max_tokens_per_rank
+   * is agreed there; epx_dispatch, epx_combine and both backward passes run
+   * the fused kernels, except calls that compute grad_w (the weight
+   * gradients are not fused yet: those calls, and epx_weights_backward, take
+   * the host path, same bits); each layout still also builds the host
+   * layout, which serves the handle's queries and those calls; and
+   * epx_buffer_destroy is collective (the window is deregistered). */
+  EPX_PATH_AUTO = 0,
+  /* NCCL's host API for every peer (the previous path; to compare the two on
+   * the same GPUs, or where the fused window's memory is not wanted). */
+  EPX_PATH_HOST = 1,
+  /* Reported by epx_buffer_peer_paths only: this peer is served by the fused
+   * kernels. Not a config value. */
+  EPX_PATH_FUSED = 2
+} epx_exchange_path_t;
+
 typedef enum epx_weighting {
   EPX_WEIGHTS_IN_COMBINE = 0, /* out[t] = sum_k w[t,k] * expert_out(t,k); combine_backward gives grad_w */
   EPX_WEIGHTS_IN_DISPATCH = 1,/* recv row (t,k) = w[t,k] * x[t]; dispatch_backward gives grad_w */
@@ -665,6 +692,17 @@ typedef struct epx_buffer_config {
   int32_t worst_case_sizing;
   void *stream;               /* cudaStream_t for EPX_DEVICE_CUDA */
   epx_combine_precision_t combine_precision;
+  epx_exchange_path_t exchange_path; /* EPX_PATH_AUTO or EPX_PATH_HOST (CUDA, several ranks) */
+  /* CTAs (of 512 threads, about one per SM) the fused kernels run on; 0: the
+   * default 24. The whole-step sweep (dispatch, grouped expert GEMM, combine,
+   * forward and backward) that should choose it is pending. Measured so far,
+   * the exchange alone on 2 H200 (standalone run 2, bench/NOTES-gpu.md:
+   * T=8192, H=7168, top-8 of 256, bf16, rank-major, payload partials, bulk
+   * copy senders as the backend uses them), dispatch / combine in ms:
+   * 8 SMs 0.814 / 1.567, 16 SMs 0.396 / 0.817, 24 SMs 0.402 / 0.568,
+   * 32 SMs 0.405 / 0.439 (NCCL's send/recv of the same rows: 0.422).
+   * Clamped to the device's SM count. Ignored by the host path. */
+  int32_t sm_budget;
 } epx_buffer_config_t;
 
 /* The defaults, in field order. hidden, num_experts and max_top_k have none
@@ -686,7 +724,9 @@ typedef struct epx_buffer_config {
     0,                            /* capacity: capacity layout only */                 \
     0,                            /* worst_case_sizing */                              \
     NULL,                         /* stream: the default stream */                     \
-    EPX_COMBINE_PARTIALS_FLOAT32  /* combine_precision */                              \
+    EPX_COMBINE_PARTIALS_FLOAT32, /* combine_precision */                              \
+    EPX_PATH_AUTO,                /* exchange_path */                                  \
+    0                             /* sm_budget: 0 = 24 CTAs */                         \
   }
 
 /* Fills the first struct_size bytes of *config with EPX_BUFFER_CONFIG_INIT's
@@ -695,14 +735,16 @@ epx_status_t epx_buffer_config_init(epx_buffer_config_t *config, size_t struct_s
 
 /* Creates a buffer over comm (collective). The configs of all ranks are
  * compared; a rank that differs in dtype, hidden, num_experts, max_top_k,
- * max_tokens_per_rank, exchange, layout, expert_alignment, capacity or
- * combine_precision makes every rank fail with EPX_ERROR_SHAPE_MISMATCH
+ * max_tokens_per_rank, exchange, layout, expert_alignment, capacity,
+ * combine_precision, exchange_path or sm_budget makes every rank fail with EPX_ERROR_SHAPE_MISMATCH
  * naming that rank and value.
  * The comm must outlive the buffer. */
 epx_status_t epx_buffer_create(epx_comm_t comm, const epx_buffer_config_t *config,
                                epx_buffer_t *buffer);
 /* EPX_ERROR_BUSY (and nothing released) while handles from it are alive.
- * Not collective. */
+ * Not collective, except for a buffer on the fused path
+ * (epx_buffer_peer_paths reports EPX_PATH_FUSED): every rank of its comm
+ * destroys it, in the same order as its other buffers on that path. */
 epx_status_t epx_buffer_destroy(epx_buffer_t buffer);
 /* Agreed tokens per rank (0 until agreed). */
 epx_status_t epx_buffer_max_tokens(epx_buffer_t buffer, int64_t *max_tokens_per_rank);
@@ -716,6 +758,11 @@ epx_status_t epx_buffer_max_recv_rows(epx_buffer_t buffer, int64_t *rows);
  * (the new stream waits for an event recorded on the old); see "Streams".
  * Live handles stay valid. */
 epx_status_t epx_buffer_set_stream(epx_buffer_t buffer, void *stream);
+/* The path of each peer: paths[W] gets EPX_PATH_FUSED or EPX_PATH_HOST per
+ * rank of the buffer's comm (this rank's own entry says how its self rows
+ * move). EPX_PATH_HOST everywhere on CPU buffers, one-rank buffers and
+ * buffers whose config or build rules the fused path out. Not collective. */
+epx_status_t epx_buffer_peer_paths(epx_buffer_t buffer, int32_t *paths);
 
 /* The routing a dispatch moves by. The arrays are read during
  * epx_dispatch_layout only (the handle keeps its own copy). */

@@ -56,6 +56,8 @@ static void expect_buffer_equal(const epx_buffer_config_t *a, const epx_buffer_c
   assert_int_equal(a->worst_case_sizing, b->worst_case_sizing);
   assert_ptr_equal(a->stream, b->stream);
   assert_int_equal(a->combine_precision, b->combine_precision);
+  assert_int_equal(a->exchange_path, b->exchange_path);
+  assert_int_equal(a->sm_budget, b->sm_budget);
 }
 
 /* The init calls give the macros' defaults. */
@@ -165,6 +167,11 @@ static void test_buffer_config_older_struct(void **state) {
   int64_t rows = 0;
   TU_OK(epx_buffer_max_recv_rows(buffer, &rows));
   assert_int_equal(rows, 8 * 2);
+  /* A CPU buffer moves every row on the host; the query says so. */
+  int32_t paths[1] = {-1};
+  TU_OK(epx_buffer_peer_paths(buffer, paths));
+  assert_int_equal(paths[0], EPX_PATH_HOST);
+  TU_ASSERT_STATUS(epx_buffer_peer_paths(buffer, NULL), EPX_ERROR_INVALID_ARGUMENT, "paths is NULL");
   TU_OK(epx_buffer_destroy(buffer));
   TU_OK(epx_comm_destroy(comm));
   free(old);
@@ -235,6 +242,15 @@ static void test_config_newer_or_bad_version(void **state) {
   TU_ASSERT_STATUS(epx_buffer_create(comm, &b, &buffer), EPX_ERROR_INVALID_ARGUMENT,
                    "config.combine_precision 7 is not");
   assert_null(buffer);
+  b.combine_precision = EPX_COMBINE_PARTIALS_FLOAT32, b.exchange_path = (epx_exchange_path_t)5;
+  TU_ASSERT_STATUS(epx_buffer_create(comm, &b, &buffer), EPX_ERROR_INVALID_ARGUMENT,
+                   "config.exchange_path 5 is not EPX_PATH_AUTO or EPX_PATH_HOST");
+  b.exchange_path = EPX_PATH_FUSED;
+  TU_ASSERT_STATUS(epx_buffer_create(comm, &b, &buffer), EPX_ERROR_INVALID_ARGUMENT, "config.exchange_path 2");
+  b.exchange_path = EPX_PATH_AUTO, b.sm_budget = -1;
+  TU_ASSERT_STATUS(epx_buffer_create(comm, &b, &buffer), EPX_ERROR_INVALID_ARGUMENT, "config.sm_budget is -1");
+  assert_null(buffer);
+  b.sm_budget = 0;
   TU_OK(epx_comm_destroy(comm));
 
   epx_route_config_t r = EPX_ROUTE_CONFIG_INIT;

@@ -17,6 +17,12 @@
  * counts this writes). "GB/s" counts the bytes a GPU receives, its own rows
  * included (DeepEP's convention).
  *
+ * Every dedup buffer runs the default EPX_PATH_AUTO (the fused NVLink
+ * kernels where every peer is reachable by load/store); the rows named
+ * "path=host" force EPX_PATH_HOST, and the fused rank-major rows are swept
+ * over config.sm_budget (8/16/24/32 CTAs) beside them: the fused vs host
+ * comparison in one run. The path each buffer took is printed (path=...).
+ *
  * Usage: mpirun -np 2 bench_ep <workdir>   (RESULT / TARGET / CHECK lines;
  * writes <workdir>/ep_counts.txt for bench_torch_ep.py) */
 #include <math.h>
@@ -38,6 +44,8 @@ static int g_rank, g_size, g_bad;
 static cudaStream_t g_stream;
 static epx_comm_t g_comm;
 static FILE *g_counts;
+static epx_exchange_path_t g_path = EPX_PATH_AUTO; /* config.exchange_path of run()'s buffers */
+static int32_t g_sms;                              /* config.sm_budget (0: the default) */
 
 #define OK(call)                                                                                       \
   do {                                                                                                 \
@@ -218,11 +226,7 @@ static void check(bench_t *b, const char *name, epx_layout_t layout, int T, cons
 
 static void run(int T, int skew, epx_layout_t layout, epx_exchange_t exchange, epx_combine_precision_t precision,
                 ncclComm_t nc) {
-  char name[160];
-  snprintf(name, sizeof name, "T=%d routing=%s layout=%s exchange=%s partials=%s", T, skew ? "skewed" : "uniform",
-           layout == EPX_LAYOUT_RANK_MAJOR ? "rank-major" : "expert-major",
-           exchange == EPX_EXCHANGE_DEDUP ? "dedup" : "collective",
-           precision == EPX_COMBINE_PARTIALS_PAYLOAD ? "payload" : "float32");
+  char name[200];
   bench_t b = {0};
   b.nc = nc;
   int32_t *idx = malloc(4 * (size_t)T * K);
@@ -243,7 +247,18 @@ static void run(int T, int skew, epx_layout_t layout, epx_exchange_t exchange, e
   cfg.layout = layout;
   cfg.stream = g_stream;
   cfg.combine_precision = precision;
+  cfg.exchange_path = g_path;
+  cfg.sm_budget = g_sms;
   OK(epx_buffer_create(g_comm, &cfg, &b.buf));
+  int32_t paths[64] = {0};
+  OK(epx_buffer_peer_paths(b.buf, paths));
+  char sms[32] = "";
+  if (paths[0] == EPX_PATH_FUSED) snprintf(sms, sizeof sms, " sms=%d", g_sms ? g_sms : 24);
+  snprintf(name, sizeof name, "T=%d routing=%s layout=%s exchange=%s partials=%s path=%s%s", T,
+           skew ? "skewed" : "uniform", layout == EPX_LAYOUT_RANK_MAJOR ? "rank-major" : "expert-major",
+           exchange == EPX_EXCHANGE_DEDUP ? "dedup" : "collective",
+           precision == EPX_COMBINE_PARTIALS_PAYLOAD ? "payload" : "float32",
+           paths[0] == EPX_PATH_FUSED ? "fused" : "host", sms);
   OK(epx_buffer_max_recv_rows(b.buf, &b.cap));
   const size_t rb = 2 * H;
   uint16_t *xh = malloc((size_t)T * rb);
@@ -284,7 +299,7 @@ static void run(int T, int skew, epx_layout_t layout, epx_exchange_t exchange, e
            name, dispatch.ms, dispatch.worst_ms, combine.ms, full.ms, layout_t.ms * 1e3, a2a.ms, (long long)recv_total,
            (long long)st.send_rows, bytes, bytes / dispatch.ms / 1e6, bytes / combine.ms / 1e6, dispatch.ms / a2a.ms);
     if (layout == EPX_LAYOUT_RANK_MAJOR && exchange == EPX_EXCHANGE_DEDUP && !skew &&
-        precision == EPX_COMBINE_PARTIALS_PAYLOAD) {
+        precision == EPX_COMBINE_PARTIALS_PAYLOAD && g_path == EPX_PATH_AUTO && g_sms == 0) {
       if (T == 8192) {
         printf("TARGET dedup rank-major dispatch / a2a (8192)            %.3f <= 1.15\n", dispatch.ms / a2a.ms);
         printf("TARGET dedup rank-major combine / a2a (8192)             %.3f <= 1.15\n", combine.ms / a2a.ms);
@@ -368,6 +383,17 @@ int main(int argc, char **argv) {
       run(T, skew, EPX_LAYOUT_EXPERT_MAJOR, EPX_EXCHANGE_DEDUP, EPX_COMBINE_PARTIALS_FLOAT32, nc);
       run(T, skew, EPX_LAYOUT_EXPERT_MAJOR, EPX_EXCHANGE_COLLECTIVE, EPX_COMBINE_PARTIALS_PAYLOAD, nc);
     }
+    /* Fused vs host, rank-major, payload partials (the issue's shape): the
+     * host path, then the fused path at each SM budget. */
+    g_path = EPX_PATH_HOST;
+    run(T, 0, EPX_LAYOUT_RANK_MAJOR, EPX_EXCHANGE_DEDUP, EPX_COMBINE_PARTIALS_PAYLOAD, nc);
+    g_path = EPX_PATH_AUTO;
+    const int32_t budgets[] = {8, 16, 24, 32};
+    for (int si = 0; si < 4; si++) {
+      g_sms = budgets[si];
+      run(T, 0, EPX_LAYOUT_RANK_MAJOR, EPX_EXCHANGE_DEDUP, EPX_COMBINE_PARTIALS_PAYLOAD, nc);
+    }
+    g_sms = 0;
   }
   if (g_counts) fclose(g_counts);
   ncclCommDestroy(nc);

@@ -288,11 +288,14 @@ class BufferConfig(_Config):
         ("worst_case_sizing", ctypes.c_int32),
         ("stream", ctypes.c_void_p),
         ("combine_precision", _enum),
+        ("exchange_path", _enum),
+        ("sm_budget", ctypes.c_int32),
     ]
     _defaults = dict(device=Device.CPU, dtype=DType.FLOAT32, hidden=0, num_experts=0, max_top_k=0,
                      max_tokens_per_rank=0, max_tokens_rounding=256, exchange=Exchange.DEDUP,
                      layout=Layout.EXPERT_MAJOR, expert_alignment=1, capacity=0,
-                     worst_case_sizing=0, stream=None, combine_precision=0)
+                     worst_case_sizing=0, stream=None, combine_precision=0,
+                     exchange_path=0, sm_budget=0)
 
 
 class Routing(ctypes.Structure):
@@ -351,6 +354,7 @@ _PROTOTYPES = {
     "epx_buffer_max_tokens": (_st, [_p, _pi64]),
     "epx_buffer_max_recv_rows": (_st, [_p, _pi64]),
     "epx_buffer_set_stream": (_st, [_p, _p]),
+    "epx_buffer_peer_paths": (_st, [_p, _pi32]),
     "epx_dispatch_layout": (_st, [_p, ctypes.POINTER(Routing), _p, _pp]),
     "epx_dispatch": (_st, [_p, _p, _p, _p, _i64]),
     "epx_combine": (_st, [_p, _p, _p, _p]),

@@ -30,12 +30,14 @@ epx_status_t epx_check_buffer(epx_buffer_t *buffer, const char *caller) {
 typedef struct {
   int64_t status;
   int64_t device, dtype, hidden, num_experts, max_top_k, max_tokens_per_rank,
-      max_tokens_rounding, exchange, layout, expert_alignment, capacity, combine_precision;
+      max_tokens_rounding, exchange, layout, expert_alignment, capacity, combine_precision,
+      exchange_path, sm_budget;
 } buffer_shape_t;
 
 static const char *const shape_field_names[] = {
     "status", "device", "dtype", "hidden", "num_experts", "max_top_k", "max_tokens_per_rank",
-    "max_tokens_rounding", "exchange", "layout", "expert_alignment", "capacity", "combine_precision"};
+    "max_tokens_rounding", "exchange", "layout", "expert_alignment", "capacity", "combine_precision",
+    "exchange_path", "sm_budget"};
 
 /* The receive bound of a buffer (epx_buffer_max_recv_rows), every product
  * checked: a dropless rank receives up to min(k, E_local) rows of each of
@@ -137,6 +139,11 @@ static epx_status_t check_buffer_config(epx_comm_t comm, const epx_buffer_config
                   c->combine_precision == EPX_COMBINE_PARTIALS_PAYLOAD,
               "%s: config.combine_precision %d is not EPX_COMBINE_PARTIALS_FLOAT32 or "
               "EPX_COMBINE_PARTIALS_PAYLOAD", fn, (int)c->combine_precision);
+  EPX_REQUIRE(c->exchange_path == EPX_PATH_AUTO || c->exchange_path == EPX_PATH_HOST,
+              "%s: config.exchange_path %d is not EPX_PATH_AUTO or EPX_PATH_HOST", fn, (int)c->exchange_path);
+  EPX_REQUIRE(c->sm_budget >= 0 && c->sm_budget <= 1024,
+              "%s: config.sm_budget is %d; pass the CTAs of the fused kernels in [1, 1024], or 0 for the "
+              "default (24)", fn, c->sm_budget);
   return check_buffer_sizes(comm, c);
 }
 
@@ -172,7 +179,7 @@ static epx_status_t agree_shape(epx_comm_t comm, const epx_buffer_config_t *conf
     mine = (buffer_shape_t){0, config->device, config->dtype, config->hidden, config->num_experts,
                             config->max_top_k, config->max_tokens_per_rank, config->max_tokens_rounding,
                             config->exchange, config->layout, config->expert_alignment, config->capacity,
-                            config->combine_precision};
+                            config->combine_precision, config->exchange_path, config->sm_budget};
   char message[1024];
   strncpy(message, epx_last_error(), sizeof message - 1);
   message[sizeof message - 1] = '\0';
@@ -291,3 +298,13 @@ epx_status_t epx_buffer_set_stream(epx_buffer_t buffer, void *stream) {
   return buffer->backend->set_stream(buffer, stream);
 }
 
+epx_status_t epx_buffer_peer_paths(epx_buffer_t buffer, int32_t *paths) {
+  epx_error_clear();
+  epx_status_t status = epx_check_buffer(&buffer, "epx_buffer_peer_paths");
+  if (status != EPX_SUCCESS) return status;
+  EPX_REQUIRE(paths, "epx_buffer_peer_paths: paths is NULL; pass an int32_t array of the comm's size (%d)",
+              buffer->world_size);
+  for (int32_t r = 0; r < buffer->world_size; r++) paths[r] = EPX_PATH_HOST;
+  if (buffer->backend->peer_paths) buffer->backend->peer_paths(buffer, paths);
+  return EPX_SUCCESS;
+}

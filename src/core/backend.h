@@ -78,6 +78,9 @@ typedef struct epx_backend {
   epx_status_t (*stats)(epx_handle_t handle, epx_handle_stats_t *stats);
   /* Host and device bytes the handle keeps alive (recorder statistics). */
   int64_t (*handle_bytes)(epx_handle_t handle);
+  /* paths[W]: EPX_PATH_FUSED or EPX_PATH_HOST per peer (NULL: the host path
+   * everywhere). Rank-local. */
+  void (*peer_paths)(epx_buffer_t buffer, int32_t *paths);
 } epx_backend_t;
 
 #ifdef __cplusplus

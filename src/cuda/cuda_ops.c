@@ -135,6 +135,10 @@ static epx_status_t cuda_recv_source(epx_handle_t handle, int32_t *src_rank, int
   CUDA_QUERY(epx_cuda_ep_recv_source, epx_cuda_handle_recv_source, src_rank, src_token);
 }
 
+static void cuda_peer_paths(epx_buffer_t buffer, int32_t *paths) {
+  if (ranks(buffer)) epx_cuda_ep_peer_paths(buffer, paths); /* one rank: the API's host default */
+}
+
 const epx_backend_t epx_cuda_backend = {
     .name = "cuda",
     .route = epx_cuda_route,
@@ -159,4 +163,5 @@ const epx_backend_t epx_cuda_backend = {
     .recv_source = cuda_recv_source,
     .stats = cuda_stats,
     .handle_bytes = cuda_handle_bytes,
+    .peer_paths = cuda_peer_paths,
 };

@@ -29,7 +29,17 @@
  * size (Tm rows per peer for pairs, Tm*min(Kb, E_local) for routes), rows
  * land at peer * bound + index, the receive layout's N stays on the device;
  * a host refusal on one rank then reaches its peers only as a timeout of
- * their next bounded wait (documented in epx.h). */
+ * their next bounded wait (documented in epx.h).
+ *
+ * The fused path (EPX_PATH_AUTO, dedup, expert- or rank-major, every peer
+ * reachable by load/store; fused.h): the buffer holds the fused state, each
+ * handle a fused plan laid out after the host layout above (which still
+ * serves the queries, epx_weights_backward and the calls computing grad_w,
+ * not in the fused module). dispatch / combine_backward are the fused
+ * dispatch, combine / dispatch_backward the fused combine: the same bits as
+ * the host path (P(t, r) in k order in float32 without FMA, rounded once to
+ * the dtype in payload precision — own partial included, as the host path
+ * rounds its self block — summed over r ascending, rounded once). */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -43,9 +53,21 @@
 #include "cuda/cuda_check.h"
 #include "cuda/ep.h"
 #include "cuda/launch.h"
+#include "cuda/fused.h"
 
 #if EPX_HAVE_NCCL
 #include <nccl.h>
+
+/* The fused module (fused_*.cu) is compiled where NCCL has its device API
+ * (nccl_device.h, NCCL >= 2.28): EPX_HAVE_FUSED. Without it the AUTO path is
+ * the host path. */
+#ifndef EPX_HAVE_FUSED
+#define EPX_HAVE_FUSED 0
+#endif
+
+/* The fused senders move whole rows through the bulk copy engine (faster at
+ * 8-32 SMs, equal from 64: bench/NOTES-gpu.md, the fused exchange). */
+enum { EP_FUSED_BULK_COPY = 1, EP_FUSED_DEFAULT_CTAS = 24 };
 
 enum { HOME_PAIRS = 0, HOME_ROUTES = 1, RECV_PAIRS = 2, RECV_ROUTES = 3, KINDS = 4 };
 
@@ -55,6 +77,18 @@ typedef struct ep_buffer {
   size_t bytes;
   int64_t *readback;  /* pinned host copy of a handle's summary */
   size_t readback_bytes;
+  /* The fused NVLink exchange (every peer by load/store) or NULL: the host
+   * path for every peer. `fused_tried`: created or refused once, not again. */
+  epx_fused_t *fused;
+  int fused_tried;
+  int32_t fused_ctas; /* the SM budget, clamped to the device's SMs */
+  epx_fused_plan_t *spare; /* the empty layout of an oversize rank (worst_case_sizing) */
+  /* Plans of released handles, for the next layouts: every plan is sized for
+   * the buffer's worst case, and reusing one needs no cudaMalloc (not in a
+   * CUDA graph capture of global mode) and no cudaFree (which waits for the
+   * device) on handle release. */
+  epx_fused_plan_t *pool[8];
+  int pooled;
 } ep_buffer_t;
 
 /* handle->cuda on W ranks */
@@ -78,6 +112,7 @@ typedef struct ep_handle {
   int64_t *displ[KINDS]; /* [W] their first staging row */
   int64_t total[KINDS];
   int64_t rows; /* N on the host, -1 until read */
+  epx_fused_plan_t *plan; /* the fused layout of this handle, or NULL (host path) */
 } ep_handle_t;
 
 static cudaStream_t stream_of(epx_buffer_t b) { return (cudaStream_t)b->config.stream; }
@@ -105,6 +140,8 @@ static int partials_f32(epx_buffer_t b) {
 /* Buffers                                                                   */
 /* ------------------------------------------------------------------------ */
 
+static epx_status_t ensure_fused(epx_buffer_t b, const char *fn);
+
 epx_status_t epx_cuda_ep_buffer_init(epx_buffer_t b) {
   const char *fn = "epx_buffer_create";
   if (!epx_comm_is_nccl(b->comm))
@@ -118,12 +155,22 @@ epx_status_t epx_cuda_ep_buffer_init(epx_buffer_t b) {
   ep_buffer_t *s = calloc(1, sizeof *s);
   if (!s) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
   b->cuda = s;
-  return EPX_SUCCESS;
+  epx_status_t status = ensure_fused(b, fn);
+  if (status != EPX_SUCCESS) {
+    free(s);
+    b->cuda = NULL;
+  }
+  return status;
 }
 
 void epx_cuda_ep_buffer_fini(epx_buffer_t b) {
   ep_buffer_t *s = b->cuda;
   if (!s) return;
+#if EPX_HAVE_FUSED
+  while (s->pooled > 0) epx_fused_plan_destroy(s->pool[--s->pooled]);
+  if (s->spare) epx_fused_plan_destroy(s->spare);
+  if (s->fused) epx_fused_destroy(s->fused); /* collective: the window is deregistered */
+#endif
   if (s->send) cudaFreeAsync(s->send, stream_of(b));
   if (s->recv) cudaFreeAsync(s->recv, stream_of(b));
   if (s->readback) cudaFreeHost(s->readback);
@@ -150,12 +197,135 @@ fail:
 }
 
 /* ------------------------------------------------------------------------ */
+/* The fused path                                                            */
+/* ------------------------------------------------------------------------ */
+
+/* Whether the config lets the fused kernels serve this buffer: AUTO, dedup,
+ * expert-major or rank-major (the capacity layout stays on the host path),
+ * within the module's rank and top-k bounds, in a build that has it. */
+static int fused_wanted(epx_buffer_t b) {
+  const epx_buffer_config_t *c = &b->config;
+  return EPX_HAVE_FUSED && c->exchange_path == EPX_PATH_AUTO && c->exchange == EPX_EXCHANGE_DEDUP &&
+         c->layout != EPX_LAYOUT_CAPACITY && b->world_size <= EPX_FUSED_MAX_RANKS &&
+         c->max_top_k <= EPX_FUSED_MAX_TOP_K;
+}
+
+/* Collective, once max_tokens_per_rank is known (at buffer creation, or the
+ * first layout that agrees it): creates the fused state. The ranks agree the
+ * outcome, so a refusal on any rank (a peer without load/store access, no
+ * memory for the window, an NCCL without symmetric memory) leaves every rank
+ * on the host path; only a failing comm fails the caller. */
+static epx_status_t ensure_fused(epx_buffer_t b, const char *fn) {
+  ep_buffer_t *s = b->cuda;
+  if (s->fused_tried || !fused_wanted(b) || b->max_tokens == 0) return EPX_SUCCESS;
+  s->fused_tried = 1;
+#if EPX_HAVE_FUSED
+  const epx_buffer_config_t *c = &b->config;
+  const epx_fused_config_t fc = {c->dtype, c->hidden, c->num_experts, c->max_top_k, b->max_tokens,
+                                 b->comm->timeout_seconds, EP_FUSED_BULK_COPY};
+  epx_fused_t *f = NULL;
+  int64_t failed = epx_fused_create(epx_nccl_comm(b->comm), &fc, &f) != EPX_SUCCESS;
+  epx_status_t status = b->comm->ops->allreduce_max_i64(b->comm, fn, &failed, 1);
+  if (status != EPX_SUCCESS || failed) {
+    if (f) epx_fused_destroy(f);
+    if (status == EPX_SUCCESS) epx_error_clear(); /* the refusal only chose the host path */
+    return status;
+  }
+  int device = 0, sms = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
+    sms = EP_FUSED_DEFAULT_CTAS;
+  const int32_t ctas = c->sm_budget > 0 ? c->sm_budget : EP_FUSED_DEFAULT_CTAS;
+  s->fused_ctas = ctas < sms ? ctas : sms;
+  s->fused = f;
+#else
+  (void)fn;
+#endif
+  return EPX_SUCCESS;
+}
+
+#if EPX_HAVE_FUSED
+/* A wait of an earlier fused launch that timed out (the host-mapped error
+ * word, no synchronisation): the fused state is failed for good. */
+static epx_status_t fused_alive(const ep_buffer_t *s, const char *fn) {
+  int32_t peer = -1;
+  const char *phase = "";
+  if (!epx_fused_error(s->fused, &peer, &phase)) return EPX_SUCCESS;
+  return epx_error(EPX_ERROR_TIMEOUT,
+                   "%s: rank %d did not answer the fused exchange (%s) within the comm's timeout; the buffer's "
+                   "fused state has failed: destroy the buffer and the comm", fn, (int)peer, phase ? phase : "?");
+}
+
+/* The handle's fused layout: after the host layout (whose verdicts every
+ * rank has agreed, or, with worst_case_sizing, whose invalid routes the
+ * fused layout drops the same way). The host layout still serves the
+ * handle's queries, epx_weights_backward and the calls with grad_w. */
+static epx_status_t fused_layout(epx_buffer_t b, const epx_routing_t *r, ep_handle_t *h, const char *fn) {
+  epx_status_t status = EPX_SUCCESS;
+  ep_buffer_t *s = b->cuda;
+  EPX_CHECK(fused_alive(s, fn));
+  if (s->pooled > 0) h->plan = s->pool[--s->pooled];
+  else EPX_CHECK(epx_fused_plan_create(s->fused, b->config.layout, b->config.expert_alignment, &h->plan));
+  CUDA_CHECK(epx_fused_layout_launch(s->fused, h->plan, r->topk_idx, r->topk_w, r->num_tokens, r->top_k,
+                                     stream_of(b)),
+             fn, "the fused layout kernels");
+fail:
+  return status;
+}
+
+/* worst_case_sizing, this rank oversize: an empty fused layout keeps the
+ * ranks' sequences of fused launches equal (its peers' layouts complete). */
+static epx_status_t fused_join_oversize(epx_buffer_t b, const char *fn) {
+  epx_status_t status = EPX_SUCCESS;
+  ep_buffer_t *s = b->cuda;
+  if (!s->spare) EPX_CHECK(epx_fused_plan_create(s->fused, b->config.layout, b->config.expert_alignment, &s->spare));
+  CUDA_CHECK(epx_fused_layout_launch(s->fused, s->spare, NULL, NULL, 0, 1, stream_of(b)), fn,
+             "the fused layout kernels");
+fail:
+  return status;
+}
+
+/* The four payload calls on the fused kernels. forward: dispatch-like (x ->
+ * rows), else combine-like (rows -> out). weighted only in expert-major
+ * (rank-major rows carry no weight: the contract's EPX_WEIGHTS_NONE). */
+static epx_status_t fused_move(epx_buffer_t b, epx_handle_t handle, const void *src, void *dst, int forward,
+                               int weighted, const char *fn) {
+  epx_status_t status = EPX_SUCCESS;
+  ep_buffer_t *s = b->cuda;
+  const ep_handle_t *h = handle->cuda;
+  const int expert = b->config.layout == EPX_LAYOUT_EXPERT_MAJOR;
+  cudaStream_t stream = stream_of(b);
+  EPX_CHECK(fused_alive(s, fn));
+  /* An expert-major dispatch needs a destination even with no rows to write
+   * (N = 0, recv_x NULL): any device address, never written then. */
+  if (forward && expert && !dst) dst = h->block;
+  CUDA_CHECK(forward ? epx_fused_dispatch_launch(s->fused, h->plan, src, dst, weighted && expert, s->fused_ctas, 0,
+                                                 stream)
+                     : epx_fused_combine_launch(s->fused, h->plan, src, dst, weighted && expert,
+                                                b->config.combine_precision, s->fused_ctas, 0, stream),
+             fn, forward ? "the fused dispatch kernels" : "the fused combine kernels");
+fail:
+  return status;
+}
+#endif
+
+void epx_cuda_ep_peer_paths(epx_buffer_t b, int32_t *paths) {
+  const ep_buffer_t *s = b->cuda;
+  for (int32_t r = 0; r < b->world_size; r++) paths[r] = s && s->fused ? EPX_PATH_FUSED : EPX_PATH_HOST;
+}
+
+/* ------------------------------------------------------------------------ */
 /* Handles                                                                   */
 /* ------------------------------------------------------------------------ */
 
 void epx_cuda_ep_handle_fini(epx_handle_t handle) {
   ep_handle_t *h = handle->cuda;
   if (!h) return;
+#if EPX_HAVE_FUSED
+  ep_buffer_t *s = handle->buffer->cuda;
+  if (h->plan && s->pooled < (int)(sizeof s->pool / sizeof s->pool[0])) s->pool[s->pooled++] = h->plan;
+  else if (h->plan) epx_fused_plan_destroy(h->plan);
+#endif
   if (h->block) cudaFreeAsync(h->block, stream_of(handle->buffer));
   free(h->count[0]);
   free(h);
@@ -412,6 +582,7 @@ epx_status_t epx_cuda_ep_dispatch_layout(epx_buffer_t b, const epx_routing_t *r,
   const int worst = c->worst_case_sizing != 0;
   if (!worst || b->max_tokens == 0) {
     EPX_CHECK(agree_layout(b, r, local));
+    EPX_CHECK(ensure_fused(b, fn)); /* max_tokens_per_rank may have been agreed just now */
   } else if (local != EPX_SUCCESS) {
     epx_cuda_ep_dims_t d = {b->world_size, b->rank, b->experts_per_rank, c->max_top_k, r->top_k,
                             b->max_tokens, 0, c->layout, c->capacity, 1, 0, 0};
@@ -419,6 +590,9 @@ epx_status_t epx_cuda_ep_dispatch_layout(epx_buffer_t b, const epx_routing_t *r,
       char message[1024];
       snprintf(message, sizeof message, "%s", epx_last_error());
       status = join_oversize(b, &d, fn);
+#if EPX_HAVE_FUSED
+      if (status == EPX_SUCCESS && ((ep_buffer_t *)b->cuda)->fused) status = fused_join_oversize(b, fn);
+#endif
       if (status == EPX_SUCCESS) status = epx_error(local, "%s", message);
       return status;
     }
@@ -461,6 +635,9 @@ epx_status_t epx_cuda_ep_dispatch_layout(epx_buffer_t b, const epx_routing_t *r,
     handle->recv_rows = h->rows;
   }
   EPX_CHECK(ensure_staging(b, staging_bytes(b, h), fn));
+#if EPX_HAVE_FUSED
+  if (((ep_buffer_t *)b->cuda)->fused) EPX_CHECK(fused_layout(b, r, h, fn));
+#endif
 fail:
   return status;
 }
@@ -538,13 +715,28 @@ fail:
   return status;
 }
 
+/* The fused kernels serve a handle with a plan, except the calls that
+ * produce grad_w: the weight gradients are not in the fused module, so
+ * those calls take the host path (equal bits; the host layout is there). */
+#if EPX_HAVE_FUSED
+#define FUSED_SERVES(handle, grad_w) (((const ep_handle_t *)(handle)->cuda)->plan && !(grad_w))
+#else
+#define FUSED_SERVES(handle, grad_w) 0
+#define fused_move(b, handle, src, dst, forward, weighted, fn) EPX_ERROR_INTERNAL
+#endif
+
 epx_status_t epx_cuda_ep_dispatch(epx_buffer_t b, epx_handle_t handle, const void *x, void *recv_x) {
+  if (FUSED_SERVES(handle, NULL))
+    return fused_move(b, handle, x, recv_x, 1, handle->weighting == EPX_WEIGHTS_IN_DISPATCH, "epx_dispatch");
   return move_forward(b, handle, x, recv_x, handle->weighting == EPX_WEIGHTS_IN_DISPATCH, NULL, NULL,
                       "epx_dispatch");
 }
 
 epx_status_t epx_cuda_ep_combine_backward(epx_buffer_t b, epx_handle_t handle, const void *grad_out,
                                           const void *expert_out, void *grad_expert_out, float *grad_w) {
+  if (FUSED_SERVES(handle, grad_w))
+    return fused_move(b, handle, grad_out, grad_expert_out, 1, handle->weighting == EPX_WEIGHTS_IN_COMBINE,
+                      "epx_combine_backward");
   return move_forward(b, handle, grad_out, grad_expert_out, handle->weighting == EPX_WEIGHTS_IN_COMBINE,
                       expert_out, grad_w, "epx_combine_backward");
 }
@@ -627,12 +819,17 @@ fail:
 }
 
 epx_status_t epx_cuda_ep_combine(epx_buffer_t b, epx_handle_t handle, const void *expert_out, void *out) {
+  if (FUSED_SERVES(handle, NULL))
+    return fused_move(b, handle, expert_out, out, 0, handle->weighting == EPX_WEIGHTS_IN_COMBINE, "epx_combine");
   return move_backward(b, handle, expert_out, out, handle->weighting == EPX_WEIGHTS_IN_COMBINE, NULL, NULL,
                        "epx_combine");
 }
 
 epx_status_t epx_cuda_ep_dispatch_backward(epx_buffer_t b, epx_handle_t handle, const void *grad_recv_x,
                                            void *grad_x, const void *x, float *grad_w) {
+  if (FUSED_SERVES(handle, grad_w))
+    return fused_move(b, handle, grad_recv_x, grad_x, 0, handle->weighting == EPX_WEIGHTS_IN_DISPATCH,
+                      "epx_dispatch_backward");
   return move_backward(b, handle, grad_recv_x, grad_x, handle->weighting == EPX_WEIGHTS_IN_DISPATCH, x, grad_w,
                        "epx_dispatch_backward");
 }
@@ -813,6 +1010,9 @@ epx_status_t epx_cuda_ep_stats(epx_handle_t h, epx_handle_stats_t *s) {
   EPX_EP_UNREACHABLE;
 }
 int64_t epx_cuda_ep_handle_bytes(epx_handle_t h) { (void)h; return 0; }
+void epx_cuda_ep_peer_paths(epx_buffer_t b, int32_t *paths) {
+  for (int32_t r = 0; r < b->world_size; r++) paths[r] = EPX_PATH_HOST;
+}
 #endif
 
 /* Any CUDA buffer: the device routing's hash, read back once. */

@@ -33,6 +33,9 @@ epx_status_t epx_cuda_ep_recv_routing(epx_handle_t handle, int32_t *recv_expert,
 epx_status_t epx_cuda_ep_recv_source(epx_handle_t handle, int32_t *src_rank, int32_t *src_token);
 epx_status_t epx_cuda_ep_stats(epx_handle_t handle, epx_handle_stats_t *stats);
 int64_t epx_cuda_ep_handle_bytes(epx_handle_t handle);
+/* paths[W]: EPX_PATH_FUSED for every peer when the buffer runs the fused
+ * NVLink kernels (src/cuda/fused.h), else EPX_PATH_HOST. */
+void epx_cuda_ep_peer_paths(epx_buffer_t buffer, int32_t *paths);
 
 /* The routing's hash computed on the device (one read-back), for recorder
  * validation on any CUDA buffer. */

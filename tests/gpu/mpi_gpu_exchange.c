@@ -12,7 +12,11 @@
  *  - the contract's formula for combine and dispatch_backward (per-rank
  *    partials in k order, rounded to the dtype in payload-precision mode,
  *    summed over ranks in ascending order), bit for bit.
- * Dedup and collective are compared with each other bit for bit. Then:
+ * Dedup and collective are compared with each other bit for bit, and the
+ * dedup buffer's two paths (EPX_PATH_AUTO, which runs the fused NVLink
+ * kernels where every peer is reachable by load/store, and EPX_PATH_HOST)
+ * bit for bit; epx_buffer_peer_paths says which path each buffer took
+ * (EPX_GPU_EXPECT_FUSED=1: the fused path is required). Then:
  * skewed routing, a rank with 0 tokens, a capacity refusal on one rank (all
  * refuse, nothing hangs, the comm stays usable), recorder replay and its
  * validation, and layout + dispatch + combine + both backward passes
@@ -33,6 +37,8 @@
 
 static int g_rank, g_size, g_fail;
 static int g_quick;
+static epx_exchange_path_t g_path = EPX_PATH_AUTO; /* exchange_path of the CUDA buffers of run_rank */
+static int g_expect_fused;                        /* EPX_GPU_EXPECT_FUSED: AUTO must give the fused path */
 
 #define CHECK(cond, ...)                                                            \
   do {                                                                              \
@@ -167,6 +173,7 @@ typedef struct {
   int32_t *src_rank, *src_token, *recv_expert;     /* host */
   float *recv_w, *gw_d, *gw_c, *gw_w;              /* host */
   int64_t *counts, *offsets;
+  int32_t path; /* the buffer's path to every peer (epx_buffer_peer_paths), -1 if they differ */
 } result_t;
 
 static void result_free(result_t *r) {
@@ -248,6 +255,7 @@ static epx_buffer_config_t config_of(const case_t *c, epx_exchange_t exchange, e
   cfg.worst_case_sizing = device == EPX_DEVICE_CUDA && c->worst;
   cfg.stream = stream;
   cfg.combine_precision = device == EPX_DEVICE_CUDA ? c->precision : EPX_COMBINE_PARTIALS_FLOAT32;
+  cfg.exchange_path = device == EPX_DEVICE_CUDA ? g_path : EPX_PATH_AUTO;
   return cfg;
 }
 
@@ -271,6 +279,12 @@ static void run_rank(run_t *run) {
                            c->layout == EPX_LAYOUT_CAPACITY ? loc : NULL, c->weighting};
   epx_handle_t h;
   OK(epx_dispatch_layout(buf, &routing, NULL, &h));
+  /* After the layout: max_tokens_per_rank is agreed, the fused state made. */
+  int32_t paths[64];
+  OK(epx_buffer_peer_paths(buf, paths));
+  r->path = paths[0];
+  for (int q = 1; q < g_size && q < 64; q++)
+    if (paths[q] != paths[0]) r->path = -1;
   int64_t N, cap;
   OK(epx_handle_recv_rows(h, &N));
   OK(epx_buffer_max_recv_rows(buf, &cap));
@@ -504,10 +518,10 @@ static void compare(const case_t *c, epx_exchange_t x, const result_t *g, const 
   CHECK(!bad, "%s: a received row is not its source's (provenance)", what);
 }
 
-static void compare_exchanges(const case_t *c, const result_t *d, const result_t *x) {
+static void compare_exchanges(const case_t *c, const result_t *d, const result_t *x, const char *pair) {
   const char *what = describe(c, EPX_EXCHANGE_DEDUP);
   const size_t es = epx_dtype_size(c->dtype);
-  CHECK(d->N == x->N, "%s: dedup N %lld, collective %lld", what, (long long)d->N, (long long)x->N);
+  CHECK(d->N == x->N, "%s: dedup N %lld, %s %lld", what, (long long)d->N, pair, (long long)x->N);
   if (d->N != x->N) return;
   const int64_t T = d->T, N = d->N;
   CHECK(same_bytes(d->recv_x, x->recv_x, (size_t)(N * H) * es) && same_bytes(d->out, x->out, (size_t)(T * H) * es) &&
@@ -515,7 +529,19 @@ static void compare_exchanges(const case_t *c, const result_t *d, const result_t
             same_bytes(d->grad_eo, x->grad_eo, (size_t)(N * H) * es) &&
             same_bytes(d->gw_d, x->gw_d, 4 * (size_t)(T * K)) && same_bytes(d->gw_c, x->gw_c, 4 * (size_t)(T * K)) &&
             same_bytes(d->gw_w, x->gw_w, 4 * (size_t)(T * K)),
-        "%s: dedup and collective differ", what);
+        "%s: dedup and %s differ", what, pair);
+}
+
+/* The path a buffer of this case took: fused exactly where the config and
+ * build allow it (the same answer for every peer in this version). */
+static void check_path(const case_t *c, epx_exchange_t x, const result_t *g) {
+  const int fused_ok = g_path == EPX_PATH_AUTO && x == EPX_EXCHANGE_DEDUP && c->layout != EPX_LAYOUT_CAPACITY;
+  CHECK(g->path == EPX_PATH_FUSED || g->path == EPX_PATH_HOST, "%s: peers on different paths (%d)",
+        describe(c, x), g->path);
+  if (!fused_ok) CHECK(g->path == EPX_PATH_HOST, "%s: path %d, the host path expected", describe(c, x), g->path);
+  else if (g_expect_fused)
+    CHECK(g->path == EPX_PATH_FUSED, "%s: path %d, the fused path expected (EPX_GPU_EXPECT_FUSED)", describe(c, x),
+          g->path);
 }
 
 static void run_case(const case_t *c, epx_comm_t nccl, void *stream) {
@@ -525,11 +551,23 @@ static void run_case(const case_t *c, epx_comm_t nccl, void *stream) {
     run_t run = {c, x, nccl, g_rank, EPX_DEVICE_CUDA, {0}, stream};
     run_rank(&run);
     gpu[xi] = run.res;
+    check_path(c, x, &gpu[xi]);
     run_cpu(c, x, &cpu);
     compare(c, x, &gpu[xi], &cpu);
     result_free(&cpu);
   }
-  compare_exchanges(c, &gpu[0], &gpu[1]);
+  compare_exchanges(c, &gpu[0], &gpu[1], "collective");
+  if (c->layout != EPX_LAYOUT_CAPACITY) {
+    /* The same dedup buffer forced onto the host path: the same bits. */
+    run_t run = {c, EPX_EXCHANGE_DEDUP, nccl, g_rank, EPX_DEVICE_CUDA, {0}, stream};
+    g_path = EPX_PATH_HOST;
+    run_rank(&run);
+    g_path = EPX_PATH_AUTO;
+    check_path(c, EPX_EXCHANGE_DEDUP, &run.res);
+    CHECK(run.res.path == EPX_PATH_HOST, "EPX_PATH_HOST: path %d", run.res.path);
+    compare_exchanges(c, &gpu[0], &run.res, "the host path (EPX_PATH_HOST)");
+    result_free(&run.res);
+  }
   result_free(&gpu[0]);
   result_free(&gpu[1]);
 }
@@ -722,6 +760,8 @@ int main(int argc, char **argv) {
   MPI_Comm_size(MPI_COMM_WORLD, &g_size);
   const char *q = getenv("EPX_GPU_TEST_QUICK");
   g_quick = q && *q && strcmp(q, "0");
+  const char *xf = getenv("EPX_GPU_EXPECT_FUSED");
+  g_expect_fused = xf && *xf && strcmp(xf, "0");
   E = 8 * g_size;
   int devices = 0;
   CU(cudaGetDeviceCount(&devices));
@@ -763,8 +803,8 @@ int main(int argc, char **argv) {
   MPI_Allreduce(&g_fail, &failures, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
   OK(epx_comm_destroy(comm));
   if (g_rank == 0)
-    printf("mpi_gpu_exchange: %d ranks, %d cases x 2 exchanges + refusal, recorder, graph: %d failures: %s\n", g_size,
-           cases, failures, failures ? "FAILED" : "OK");
+    printf("mpi_gpu_exchange: %d ranks, %d cases x 2 exchanges (+ the host path of dedup), refusal, recorder, graph "
+           "(fused path %s): %d failures: %s\n", g_size, cases, g_expect_fused ? "required" : "where available", failures, failures ? "FAILED" : "OK");
   cudaStreamDestroy(stream);
   MPI_Finalize();
   return failures ? 1 : 0;
