@@ -18,6 +18,8 @@
 set -u
 cd "$(dirname "$0")/.."
 # EPX_GPU_CHECK_SECTIONS: "one" (one GPU), "two" (2 GPUs over NCCL), or both.
+# EPX_GPU_FUSED=ON builds the fused NVLink exchange (off by default) and
+# requires the 2-GPU tests to take it.
 SECTIONS=${EPX_GPU_CHECK_SECTIONS:-one two}
 OUTDIR=${OUT:-/tmp/epx-gpu}
 WORK=${EPX_GPU_WORK:-/tmp/epx-gpu-work}
@@ -53,7 +55,7 @@ esac
 case " $SECTIONS " in *" one "*) ;; *) GPU_TESTS="" ;; esac
 BUILD_OK=1
 cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DEPX_BUILD_CUDA=ON -DEPX_CUDA_ARCHITECTURES=90 $MPI_FLAG \
-  -DEPX_NCCL_ROOT="$NCCL" \
+  -DEPX_NCCL_ROOT="$NCCL" -DEPX_BUILD_FUSED="${EPX_GPU_FUSED:-OFF}" \
   "${CMOCKA_ARGS[@]}" >>"$OUTDIR/build.log" 2>&1 || BUILD_OK=0
 if [ $BUILD_OK = 1 ]; then
   # shellcheck disable=SC2086
@@ -133,7 +135,7 @@ if [ -n "$GPU2_TESTS" ]; then
       echo "== $t" >>"$OUTDIR/gpu2.log"
       case $t in
         # two H200 over NVLink: the fused path is required where the config allows it
-        mpi_*) EPX_GPU_EXPECT_FUSED=${EPX_GPU_EXPECT_FUSED:-1} timeout "${EPX_GPU2_TEST_TIMEOUT:-300}" \
+        mpi_*) EPX_GPU_EXPECT_FUSED=$([ "${EPX_GPU_FUSED:-OFF}" = ON ] && echo 1 || echo 0) timeout "${EPX_GPU2_TEST_TIMEOUT:-300}" \
                  $MPIRUN -x EPX_GPU_EXPECT_FUSED "$BUILD/tests/gpu/$t" >>"$OUTDIR/gpu2.log" 2>&1 ;;
         *) timeout 200 "$BUILD/tests/gpu/$t" >>"$OUTDIR/gpu2.log" 2>&1 ;;
       esac
