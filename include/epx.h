@@ -649,7 +649,10 @@ typedef enum epx_exchange_path {
    * gradients are not fused yet: those calls, and epx_weights_backward, take
    * the host path, same bits); each layout still also builds the host
    * layout, which serves the handle's queries and those calls; and
-   * epx_buffer_destroy is collective (the window is deregistered). */
+   * epx_buffer_destroy is collective (the window is deregistered).
+   * The fused module is built only with -DEPX_BUILD_FUSED=ON (off by
+   * default in this version: its integration is not yet verified on GPUs);
+   * without it AUTO is the host path. */
   EPX_PATH_AUTO = 0,
   /* NCCL's host API for every peer (the previous path; to compare the two on
    * the same GPUs, or where the fused window's memory is not wanted). */
