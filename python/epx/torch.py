@@ -1016,7 +1016,9 @@ def _nccl_comm(group, rank, size, config):
     if rank == 0:
         _epx._check(lib.epx_nccl_get_unique_id(ctypes.byref(uid)))
     dev = _torch.device("cuda", _torch.cuda.current_device())
-    raw = _torch.frombuffer(bytearray(uid.bytes.ljust(128, b"\0")), dtype=_torch.uint8)
+    # All 128 bytes: a c_char array's .bytes value stops at its first NUL, and
+    # an ncclUniqueId has zeros inside (its socket address).
+    raw = _torch.frombuffer(bytearray(ctypes.string_at(ctypes.addressof(uid), 128)), dtype=_torch.uint8)
     shared = raw.to(dev)
     dist.broadcast(shared, src=dist.get_global_rank(group, 0), group=group)
     ctypes.memmove(ctypes.addressof(uid), bytes(shared.cpu().tolist()), 128)
