@@ -147,14 +147,28 @@ static epx_status_t route_check_pointer(const char *fn, const char *name, const 
   return EPX_SUCCESS;
 }
 
+/* What every routing call starts with: the caller's config read over the
+ * defaults into *full (an older, smaller struct_size included) and checked,
+ * and the token count checked against it. */
+static epx_status_t route_begin(const char *fn, const epx_route_config_t *config, int64_t num_tokens,
+                                epx_route_config_t *full) {
+  epx_error_clear();
+  epx_status_t status = route_check_config(fn, config, full);
+  return status != EPX_SUCCESS ? status : route_check_tokens(fn, full, num_tokens);
+}
+
+/* The backend of the config's device, or the error naming the rebuild. */
+static epx_status_t route_backend(const char *fn, epx_device_t device, const epx_backend_t **backend) {
+  *backend = epx_backend_for_device(device);
+  return *backend ? EPX_SUCCESS : epx_backend_missing(fn, device);
+}
+
 epx_status_t epx_route(const epx_route_config_t *config, int64_t num_tokens, const float *logits,
                        const float *bias, epx_route_output_t *output) {
-  epx_status_t status;
   epx_route_config_t full;
-  epx_error_clear();
-  if ((status = route_check_config("epx_route", config, &full)) != EPX_SUCCESS) return status;
+  epx_status_t status = route_begin("epx_route", config, num_tokens, &full);
+  if (status != EPX_SUCCESS) return status;
   config = &full;
-  if ((status = route_check_tokens("epx_route", config, num_tokens)) != EPX_SUCCESS) return status;
   if ((status = route_check_pointer("epx_route", "logits", logits, num_tokens > 0)) != EPX_SUCCESS)
     return status;
   if ((status = route_check_pointer("epx_route", "bias", bias, 0)) != EPX_SUCCESS) return status;
@@ -174,8 +188,8 @@ epx_status_t epx_route(const epx_route_config_t *config, int64_t num_tokens, con
       (status = route_check_pointer("epx_route", "output->z_loss", output->z_loss, 0)) !=
           EPX_SUCCESS)
     return status;
-  const epx_backend_t *backend = epx_backend_for_device(config->device);
-  if (!backend) return epx_backend_missing("epx_route", config->device);
+  const epx_backend_t *backend;
+  if ((status = route_backend("epx_route", config->device, &backend)) != EPX_SUCCESS) return status;
   return backend->route(config, num_tokens, logits, bias, output);
 }
 
@@ -184,12 +198,9 @@ epx_status_t epx_route_backward(const epx_route_config_t *config, int64_t num_to
                                 const float *grad_topk_w, float grad_aux_loss, float grad_z_loss,
                                 float *grad_logits) {
   static const char fn[] = "epx_route_backward";
-  epx_status_t status;
   epx_route_config_t full;
-  epx_error_clear();
-  if ((status = route_check_config(fn, config, &full)) != EPX_SUCCESS ||
-      (status = route_check_tokens(fn, &full, num_tokens)) != EPX_SUCCESS)
-    return status;
+  epx_status_t status = route_begin(fn, config, num_tokens, &full);
+  if (status != EPX_SUCCESS) return status;
   config = &full;
   const int has_rows = num_tokens > 0;
   if ((status = route_check_pointer(fn, "logits", logits, has_rows)) != EPX_SUCCESS ||
@@ -202,8 +213,8 @@ epx_status_t epx_route_backward(const epx_route_config_t *config, int64_t num_to
               (double)grad_aux_loss);
   EPX_REQUIRE(isfinite(grad_z_loss), "%s: grad_z_loss is %g; pass a finite gradient", fn,
               (double)grad_z_loss);
-  const epx_backend_t *backend = epx_backend_for_device(config->device);
-  if (!backend) return epx_backend_missing(fn, config->device);
+  const epx_backend_t *backend;
+  if ((status = route_backend(fn, config->device, &backend)) != EPX_SUCCESS) return status;
   return backend->route_backward(config, num_tokens, logits, bias, topk_idx, grad_topk_w,
                                  grad_aux_loss, grad_z_loss, grad_logits);
 }
@@ -213,12 +224,9 @@ epx_status_t epx_reference_route(const epx_route_config_t *config, int64_t num_t
                                  double *topk_w, int32_t *locations, int32_t *expert_counts,
                                  double *aux_loss, double *z_loss, int32_t *capacity) {
   static const char fn[] = "epx_reference_route";
-  epx_status_t status;
   epx_route_config_t full;
-  epx_error_clear();
-  if ((status = route_check_config(fn, config, &full)) != EPX_SUCCESS ||
-      (status = route_check_tokens(fn, &full, num_tokens)) != EPX_SUCCESS)
-    return status;
+  epx_status_t status = route_begin(fn, config, num_tokens, &full);
+  if (status != EPX_SUCCESS) return status;
   config = &full;
   const int has_rows = num_tokens > 0;
   EPX_REQUIRE(!has_rows || (logits && topk_idx && topk_w),
@@ -233,12 +241,9 @@ epx_status_t epx_reference_route_backward(const epx_route_config_t *config, int6
                                           double grad_aux_loss, double grad_z_loss,
                                           double *grad_logits) {
   static const char fn[] = "epx_reference_route_backward";
-  epx_status_t status;
   epx_route_config_t full;
-  epx_error_clear();
-  if ((status = route_check_config(fn, config, &full)) != EPX_SUCCESS ||
-      (status = route_check_tokens(fn, &full, num_tokens)) != EPX_SUCCESS)
-    return status;
+  epx_status_t status = route_begin(fn, config, num_tokens, &full);
+  if (status != EPX_SUCCESS) return status;
   config = &full;
   EPX_REQUIRE(num_tokens == 0 || (logits && topk_idx && grad_logits),
               "%s: logits, topk_idx and grad_logits must not be NULL; pass host arrays", fn);
