@@ -29,22 +29,7 @@
 #include "cuda/launch.h"
 #include "epx.h"
 
-#define CK(call)                                                                                \
-  do {                                                                                          \
-    cudaError_t e_ = (call);                                                                    \
-    if (e_ != cudaSuccess) {                                                                    \
-      fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_));     \
-      exit(1);                                                                                  \
-    }                                                                                           \
-  } while (0)
-#define EK(call)                                                                                \
-  do {                                                                                          \
-    epx_status_t s_ = (call);                                                                   \
-    if (s_ != EPX_SUCCESS) {                                                                    \
-      fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, epx_last_error());           \
-      exit(1);                                                                                  \
-    }                                                                                           \
-  } while (0)
+#include "bench_check.h"
 
 namespace {
 
