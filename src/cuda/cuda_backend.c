@@ -355,20 +355,27 @@ epx_status_t epx_cuda_handle_recv_rows_device(epx_handle_t handle, const int64_t
   return EPX_SUCCESS;
 }
 
-epx_status_t epx_cuda_handle_expert_counts(epx_handle_t handle, int64_t *counts, int64_t *offsets) {
+epx_status_t epx_cuda_copy_expert_counts(const int64_t *device_counts, const int64_t *device_offsets,
+                                         int64_t experts_local, int64_t *counts, int64_t *offsets,
+                                         void *stream_handle) {
   const char *fn = "epx_handle_expert_counts";
   epx_status_t status = EPX_SUCCESS;
-  const cuda_handle_state_t *h = handle->cuda;
-  cudaStream_t stream = stream_of(handle->buffer);
-  const size_t E = (size_t)handle->buffer->experts_per_rank;
+  cudaStream_t stream = (cudaStream_t)stream_handle;
+  const size_t E = (size_t)experts_local;
   if (counts)
-    CUDA_CHECK(cudaMemcpyAsync(counts, h->layout.counts, 8 * E, cudaMemcpyDeviceToDevice, stream), fn,
+    CUDA_CHECK(cudaMemcpyAsync(counts, device_counts, 8 * E, cudaMemcpyDeviceToDevice, stream), fn,
                "cudaMemcpyAsync of the counts");
   if (offsets)
-    CUDA_CHECK(cudaMemcpyAsync(offsets, h->layout.offsets, 8 * (E + 1), cudaMemcpyDeviceToDevice, stream),
+    CUDA_CHECK(cudaMemcpyAsync(offsets, device_offsets, 8 * (E + 1), cudaMemcpyDeviceToDevice, stream),
                fn, "cudaMemcpyAsync of the offsets");
 fail:
   return status;
+}
+
+epx_status_t epx_cuda_handle_expert_counts(epx_handle_t handle, int64_t *counts, int64_t *offsets) {
+  const cuda_handle_state_t *h = handle->cuda;
+  return epx_cuda_copy_expert_counts(h->layout.counts, h->layout.offsets, handle->buffer->experts_per_rank,
+                                     counts, offsets, handle->buffer->config.stream);
 }
 
 epx_status_t epx_cuda_handle_recv_routing(epx_handle_t handle, int32_t *recv_expert, float *recv_w) {

@@ -32,6 +32,13 @@ epx_status_t epx_cuda_route_backward(const epx_route_config_t *config, int64_t n
 
 /* Per-buffer device state (scratch, counters); called from epx_buffer_create
  * and epx_buffer_destroy. */
+/* Copies a layout's per-expert counts [E_local] and offsets [E_local + 1]
+ * (device int64) into the caller's device arrays (either may be NULL) on
+ * the stream: the one-rank and the W-rank handles share it. */
+epx_status_t epx_cuda_copy_expert_counts(const int64_t *device_counts, const int64_t *device_offsets,
+                                         int64_t experts_local, int64_t *counts, int64_t *offsets,
+                                         void *stream);
+
 epx_status_t epx_cuda_buffer_init(epx_buffer_t buffer);
 void epx_cuda_buffer_fini(epx_buffer_t buffer);
 

@@ -51,6 +51,7 @@
 #include "comm/nccl.h"
 #include "core/error.h"
 #include "cuda/cuda_check.h"
+#include "cuda/cuda_backend.h"
 #include "cuda/ep.h"
 #include "cuda/launch.h"
 #include "cuda/fused.h"
@@ -884,19 +885,9 @@ epx_status_t epx_cuda_ep_recv_rows_device(epx_handle_t handle, const int64_t **r
 }
 
 epx_status_t epx_cuda_ep_expert_counts(epx_handle_t handle, int64_t *counts, int64_t *offsets) {
-  const char *fn = "epx_handle_expert_counts";
-  epx_status_t status = EPX_SUCCESS;
   const ep_handle_t *h = handle->cuda;
-  cudaStream_t stream = stream_of(handle->buffer);
-  const size_t El = (size_t)h->d.El;
-  if (counts)
-    CUDA_CHECK(cudaMemcpyAsync(counts, h->recv.counts, 8 * El, cudaMemcpyDeviceToDevice, stream), fn,
-               "cudaMemcpyAsync of the counts");
-  if (offsets)
-    CUDA_CHECK(cudaMemcpyAsync(offsets, h->recv.offsets, 8 * (El + 1), cudaMemcpyDeviceToDevice, stream), fn,
-               "cudaMemcpyAsync of the offsets");
-fail:
-  return status;
+  return epx_cuda_copy_expert_counts(h->recv.counts, h->recv.offsets, h->d.El, counts, offsets,
+                                     handle->buffer->config.stream);
 }
 
 epx_status_t epx_cuda_ep_recv_routing(epx_handle_t handle, int32_t *recv_expert, float *recv_w) {
