@@ -1010,7 +1010,7 @@ void epx_cuda_ep_peer_paths(epx_buffer_t b, int32_t *paths) {
 epx_status_t epx_cuda_routing_hash(epx_buffer_t b, const epx_routing_t *r, uint64_t *hash) {
   const char *fn = "epx_dispatch_layout";
   epx_status_t status = EPX_SUCCESS;
-  cudaStream_t stream = stream_of(b);
+  cudaStream_t stream = (cudaStream_t)b->config.stream;
   uint64_t *dev = NULL, *host = NULL;
   *hash = 0;
   CUDA_CHECK(cudaMallocHost((void **)&host, sizeof *host), fn, "cudaMallocHost");
