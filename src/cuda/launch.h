@@ -273,6 +273,28 @@ typedef struct epx_cuda_route_bwd_args {
   const int *bad;
 } epx_cuda_route_bwd_args_t;
 
+/* The one-kernel forward (route_fast.cu), for a dropless routing without
+ * locations or losses whose non-finite tokens are dropped, E in {32, 64,
+ * 128, 256, 512}, K <= 32, and G = 1 or a power of two <= 32 with a group
+ * score of at most 2 experts; logits and bias aligned to 4 * min(E / 32, 4)
+ * bytes. A warp per token, everything in registers; writes idx, w and (when
+ * not NULL) adds each route to counts, which the caller zeroes. */
+typedef struct epx_cuda_route_fast_args {
+  const float *logits;  /* [T, E] */
+  const float *bias;    /* [E] or NULL */
+  const uint8_t *mask;  /* [T] or NULL */
+  int T, E, K, G, TG;
+  int group_top;        /* experts summed into a group's score: 1 or 2 */
+  int score_fn;         /* epx_score_fn_t */
+  int renorm;
+  float scale;
+  int32_t *idx;         /* [T, K] */
+  float *w;             /* [T, K] */
+  int32_t *counts;      /* [E] or NULL */
+} epx_cuda_route_fast_args_t;
+
+cudaError_t epx_cuda_route_fast_launch(const epx_cuda_route_fast_args_t *a, cudaStream_t stream);
+
 /* Kinds of per-token kernel for epx_cuda_route_token_plan. */
 enum { EPX_CUDA_ROUTE_TOKENS = 0, EPX_CUDA_ROUTE_BACKWARD = 1 };
 #define EPX_CUDA_ROUTE_MAX_TOKEN_WARPS 16 /* warps (tokens) per block of the per-token kernels */

@@ -348,6 +348,55 @@ static epx_status_t route_forward_plan(const char *fn, const epx_route_config_t 
   return route_carve(fn, c, want_aux, want_z, ranked, own_counts, p, stream);
 }
 
+/* Whether the one-kernel forward (launch.h) computes this routing: it
+ * writes only idx, w and counts, so no capacity, locations or losses; it
+ * writes the routes without waiting for the other tokens, so non-finite
+ * tokens must be dropped rather than refused. */
+static int fast_route(const epx_route_config_t *c, const float *logits, const float *bias,
+                      const epx_route_output_t *out) {
+  const int E = c->num_experts, G = c->num_groups > 1 ? c->num_groups : 1;
+  if (c->capacity_mode || out->locations || out->aux_loss || out->z_loss ||
+      c->nonfinite != EPX_NONFINITE_DROP || c->top_k > 32)
+    return 0;
+  if (E != 32 && E != 64 && E != 128 && E != 256 && E != 512) return 0;
+  if (G > 32 || (G & (G - 1)) != 0) return 0;
+  if (G > 1 && epx_route_group_top(c->group_score_experts, E / G) > 2) return 0;
+  const uintptr_t align = 4u * (uintptr_t)(E / 32 < 4 ? E / 32 : 4);
+  return (uintptr_t)logits % align == 0 && (uintptr_t)bias % align == 0;
+}
+
+/* The one-kernel forward: zeroed counts, then the kernel. */
+static epx_status_t route_fast(const char *fn, const epx_route_config_t *c, int T,
+                               const float *logits, const float *bias, epx_route_output_t *out,
+                               cudaStream_t stream) {
+  epx_status_t status = EPX_SUCCESS;
+  epx_cuda_route_fast_args_t a;
+  memset(&a, 0, sizeof a);
+  a.logits = logits;
+  a.bias = bias;
+  a.mask = c->token_mask;
+  a.T = T;
+  a.E = c->num_experts;
+  a.K = c->top_k;
+  a.G = c->num_groups > 1 ? c->num_groups : 1;
+  a.TG = c->topk_groups;
+  a.group_top = a.G > 1 ? epx_route_group_top(c->group_score_experts, a.E / a.G) : 1;
+  a.score_fn = (int)c->score_fn;
+  a.renorm = c->renormalize != 0;
+  a.scale = c->scaling_factor;
+  a.idx = out->topk_idx;
+  a.w = out->topk_w;
+  a.counts = out->expert_counts;
+  if (a.counts)
+    CUDA_CHECK(cudaMemsetAsync(a.counts, 0, sizeof(int32_t) * (size_t)a.E, stream), fn,
+               "cudaMemsetAsync");
+  CUDA_CHECK(epx_cuda_route_fast_launch(&a, stream), fn, "route_fast");
+  out->capacity = epx_route_capacity(c, T);
+  out->nonfinite_tokens = -1;
+fail:
+  return status;
+}
+
 epx_status_t epx_cuda_route(const epx_route_config_t *c, int64_t num_tokens, const float *logits,
                             const float *bias, epx_route_output_t *out) {
   static const char fn[] = "epx_route";
@@ -362,6 +411,8 @@ epx_status_t epx_cuda_route(const epx_route_config_t *c, int64_t num_tokens, con
   epx_cuda_route_rank_args_t ra;
   if ((status = check_shape(fn, c, num_tokens)) != EPX_SUCCESS) return status;
   if (num_tokens == 0) return route_empty(fn, c, out, stream);
+  if (fast_route(c, logits, bias, out))
+    return route_fast(fn, c, (int)num_tokens, logits, bias, out, stream);
   EPX_CHECK(route_forward_plan(fn, c, num_tokens, logits, bias, out, &p, &fa, stream));
   CUDA_CHECK(route_scratch_alloc(p.total, stream, &scratch), fn, "the routing scratch");
   CUDA_CHECK(cudaMemsetAsync(scratch, 0, p.zero_bytes, stream), fn, "cudaMemsetAsync");

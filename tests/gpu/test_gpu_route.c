@@ -68,6 +68,7 @@ typedef struct route_case {
   logits_kind_t kind;
   int grad_w;   /* backward gets grad_topk_w (else NULL) */
   float ga, gz; /* backward's grad_aux_loss, grad_z_loss */
+  int fast;     /* no locations (the one-kernel forward when the rest allows it) */
 } route_case_t;
 
 static void shuffle(tu_rng_t *rng, int32_t *a, int32_t n) {
@@ -225,7 +226,8 @@ static void out_free(route_out_t *o, int device) {
 
 /* epx_route_output_t over o; the loss pointers only when the case has them. */
 static epx_route_output_t as_output(const route_case_t *c, route_out_t *o) {
-  epx_route_output_t out = {o->idx, o->w, o->loc, o->counts, c->aux != 0.0f ? o->aux : NULL,
+  epx_route_output_t out = {o->idx, o->w, c->fast ? NULL : o->loc, o->counts,
+                            c->aux != 0.0f ? o->aux : NULL,
                             c->z != 0.0f ? o->z : NULL, -7, -7};
   return out;
 }
@@ -348,7 +350,7 @@ static void run_case_with(const route_case_t *c, route_options_fn options, uint6
 
   const route_out_t *g = &got[0];
   expect_same_i32(c->name, "topk_idx", g->idx, ref.idx, (int64_t)routes, K);
-  expect_same_i32(c->name, "locations", g->loc, ref.loc, (int64_t)routes, K);
+  if (!c->fast) expect_same_i32(c->name, "locations", g->loc, ref.loc, (int64_t)routes, K);
   expect_same_i32(c->name, "expert_counts", g->counts, ref.counts, E, 1);
   if (g->capacity != ref_out.capacity)
     fail_msg("%s: capacity %d on the GPU, %d in the reference", c->name, g->capacity, ref_out.capacity);
@@ -361,7 +363,7 @@ static void run_case_with(const route_case_t *c, route_options_fn options, uint6
   if (c->z != 0.0f) expect_close(c->name, "z_loss", g->z, ref.z, 1, W_ATOL, W_RTOL);
   expect_bits(c->name, "topk_idx", got[0].idx, got[1].idx, 4 * routes);
   expect_bits(c->name, "topk_w", got[0].w, got[1].w, 4 * routes);
-  expect_bits(c->name, "locations", got[0].loc, got[1].loc, 4 * routes);
+  if (!c->fast) expect_bits(c->name, "locations", got[0].loc, got[1].loc, 4 * routes);
   expect_bits(c->name, "expert_counts", got[0].counts, got[1].counts, 4 * (size_t)E);
   expect_bits(c->name, "aux_loss", got[0].aux, got[1].aux, c->aux != 0.0f ? 4 : 0);
   expect_bits(c->name, "z_loss", got[0].z, got[1].z, c->z != 0.0f ? 4 : 0);
@@ -421,67 +423,67 @@ static void run_case_with(const route_case_t *c, route_options_fn options, uint6
 static const route_case_t CASES[] = {
     {"softmax dropless by-choice", 1000, 64, 4, 0, 0, EPX_SCORE_SOFTMAX, 1, 1.0f, 0, 1.0f, 0,
      EPX_QUEUE_BY_CHOICE, EPX_DROP_BY_POSITION, 0, 0.01f, 0.001f, EPX_NONFINITE_ERROR, 0,
-     LOGITS_NORMAL, 1, 0.7f, 1.3f},
+     LOGITS_NORMAL, 1, 0.7f, 1.3f, 0},
     {"softmax no-renorm bias by-token", 777, 48, 3, 0, 0, EPX_SCORE_SOFTMAX, 0, 1.5f, 0, 1.0f, 0,
      EPX_QUEUE_BY_TOKEN, EPX_DROP_BY_POSITION, 1, 0.02f, 0.0f, EPX_NONFINITE_DROP, 3,
-     LOGITS_NORMAL, 1, 1.1f, 0.0f},
+     LOGITS_NORMAL, 1, 1.1f, 0.0f, 0},
     {"sigmoid groups bias (DeepSeek-V3)", 256, 256, 8, 8, 4, EPX_SCORE_SIGMOID, 1, 2.5f, 0, 1.0f,
      0, EPX_QUEUE_BY_CHOICE, EPX_DROP_BY_POSITION, 1, 0.001f, 0.001f, EPX_NONFINITE_ERROR, 0,
-     LOGITS_SEPARATED, 1, 0.9f, 0.4f},
+     LOGITS_SEPARATED, 1, 0.9f, 0.4f, 0},
     {"capacity by-position by-choice", 2000, 32, 2, 0, 0, EPX_SCORE_SOFTMAX, 1, 1.0f, 1, 1.0f, 4,
      EPX_QUEUE_BY_CHOICE, EPX_DROP_BY_POSITION, 0, 0.01f, 0.0f, EPX_NONFINITE_ERROR, 0,
-     LOGITS_NORMAL, 1, 1.0f, 0.0f},
+     LOGITS_NORMAL, 1, 1.0f, 0.0f, 0},
     {"capacity by-position by-token drop", 1500, 16, 4, 0, 0, EPX_SCORE_SIGMOID, 1, 1.0f, 1, 0.9f,
      0, EPX_QUEUE_BY_TOKEN, EPX_DROP_BY_POSITION, 0, 0.01f, 0.001f, EPX_NONFINITE_DROP, 5,
-     LOGITS_SEPARATED, 1, 0.6f, 0.8f},
+     LOGITS_SEPARATED, 1, 0.6f, 0.8f, 0},
     {"capacity by-probability by-choice", 1024, 32, 4, 0, 0, EPX_SCORE_SOFTMAX, 1, 1.0f, 1, 0.8f,
      0, EPX_QUEUE_BY_CHOICE, EPX_DROP_BY_PROBABILITY, 0, 0.01f, 0.001f, EPX_NONFINITE_ERROR, 0,
-     LOGITS_SEPARATED, 1, 1.0f, 1.0f},
+     LOGITS_SEPARATED, 1, 1.0f, 1.0f, 0},
     {"capacity by-probability by-token groups", 1024, 64, 6, 8, 3, EPX_SCORE_SOFTMAX, 0, 1.0f, 1,
      0.7f, 0, EPX_QUEUE_BY_TOKEN, EPX_DROP_BY_PROBABILITY, 0, 0.0f, 0.0f, EPX_NONFINITE_DROP, 4,
-     LOGITS_SEPARATED, 1, 0.0f, 0.0f},
+     LOGITS_SEPARATED, 1, 0.0f, 0.0f, 0},
     {"by-probability all weights tie (K=1)", 900, 16, 1, 0, 0, EPX_SCORE_SOFTMAX, 1, 1.0f, 1,
      0.6f, 0, EPX_QUEUE_BY_CHOICE, EPX_DROP_BY_PROBABILITY, 0, 0.01f, 0.0f, EPX_NONFINITE_ERROR,
-     0, LOGITS_NORMAL, 1, 0.5f, 0.0f},
+     0, LOGITS_NORMAL, 1, 0.5f, 0.0f, 0},
     {"min_capacity dominates", 300, 8, 2, 0, 0, EPX_SCORE_SOFTMAX, 1, 1.0f, 1, 0.1f, 50,
      EPX_QUEUE_BY_TOKEN, EPX_DROP_BY_POSITION, 0, 0.0f, 0.01f, EPX_NONFINITE_ERROR, 0,
-     LOGITS_NORMAL, 1, 0.0f, 0.5f},
+     LOGITS_NORMAL, 1, 0.0f, 0.5f, 0},
     {"quantized ties groups", 600, 64, 6, 8, 3, EPX_SCORE_SOFTMAX, 1, 1.0f, 0, 1.0f, 0,
      EPX_QUEUE_BY_CHOICE, EPX_DROP_BY_POSITION, 0, 0.01f, 0.001f, EPX_NONFINITE_ERROR, 0,
-     LOGITS_QUANTIZED, 1, 1.0f, 1.0f},
+     LOGITS_QUANTIZED, 1, 1.0f, 1.0f, 0},
     {"quantized ties capacity by-position", 600, 24, 3, 0, 0, EPX_SCORE_SIGMOID, 1, 1.0f, 1, 1.0f,
      0, EPX_QUEUE_BY_TOKEN, EPX_DROP_BY_POSITION, 0, 0.01f, 0.0f, EPX_NONFINITE_ERROR, 0,
-     LOGITS_QUANTIZED, 1, 1.0f, 0.0f},
+     LOGITS_QUANTIZED, 1, 1.0f, 0.0f, 0},
     {"groups of one expert", 400, 16, 4, 16, 8, EPX_SCORE_SIGMOID, 1, 1.0f, 0, 1.0f, 0,
      EPX_QUEUE_BY_TOKEN, EPX_DROP_BY_POSITION, 0, 0.01f, 0.001f, EPX_NONFINITE_ERROR, 0,
-     LOGITS_SEPARATED, 1, 1.0f, 1.0f},
+     LOGITS_SEPARATED, 1, 1.0f, 1.0f, 0},
     {"more than 32 groups", 256, 512, 8, 64, 8, EPX_SCORE_SIGMOID, 1, 1.0f, 0, 1.0f, 0,
      EPX_QUEUE_BY_CHOICE, EPX_DROP_BY_POSITION, 0, 0.01f, 0.0f, EPX_NONFINITE_ERROR, 0,
-     LOGITS_SEPARATED, 1, 1.0f, 0.0f},
+     LOGITS_SEPARATED, 1, 1.0f, 0.0f, 0},
     {"E not a multiple of 32, groups, bias", 333, 40, 6, 5, 2, EPX_SCORE_SOFTMAX, 1, 1.0f, 0,
      1.0f, 0, EPX_QUEUE_BY_TOKEN, EPX_DROP_BY_POSITION, 1, 0.01f, 0.001f, EPX_NONFINITE_ERROR, 0,
-     LOGITS_SEPARATED, 1, 1.0f, 1.0f},
+     LOGITS_SEPARATED, 1, 1.0f, 1.0f, 0},
     {"E = 2000 (shared memory per token)", 300, 2000, 5, 0, 0, EPX_SCORE_SOFTMAX, 1, 1.0f, 0,
      1.0f, 0, EPX_QUEUE_BY_TOKEN, EPX_DROP_BY_POSITION, 0, 0.01f, 0.001f, EPX_NONFINITE_ERROR, 0,
-     LOGITS_NORMAL, 1, 1.0f, 1.0f},
+     LOGITS_NORMAL, 1, 1.0f, 1.0f, 0},
     {"E = 8000 (opted-in shared memory)", 64, 8000, 4, 0, 0, EPX_SCORE_SOFTMAX, 1, 1.0f, 1, 1.0f,
      0, EPX_QUEUE_BY_CHOICE, EPX_DROP_BY_POSITION, 0, 0.01f, 0.001f, EPX_NONFINITE_ERROR, 0,
-     LOGITS_NORMAL, 1, 1.0f, 1.0f},
+     LOGITS_NORMAL, 1, 1.0f, 1.0f, 0},
     {"K = 40 > 32, capacity by-position", 256, 96, 40, 0, 0, EPX_SCORE_SOFTMAX, 1, 1.0f, 1, 1.0f,
      0, EPX_QUEUE_BY_TOKEN, EPX_DROP_BY_POSITION, 0, 0.01f, 0.001f, EPX_NONFINITE_ERROR, 0,
-     LOGITS_SEPARATED, 1, 1.0f, 1.0f},
+     LOGITS_SEPARATED, 1, 1.0f, 1.0f, 0},
     {"K = E", 200, 8, 8, 0, 0, EPX_SCORE_SIGMOID, 1, 1.0f, 0, 1.0f, 0, EPX_QUEUE_BY_CHOICE,
      EPX_DROP_BY_POSITION, 0, 0.01f, 0.001f, EPX_NONFINITE_ERROR, 0, LOGITS_NORMAL, 1, 1.0f,
-     1.0f},
+     1.0f, 0},
     {"every token non-finite", 6, 8, 2, 0, 0, EPX_SCORE_SOFTMAX, 1, 1.0f, 1, 1.0f, 0,
      EPX_QUEUE_BY_CHOICE, EPX_DROP_BY_POSITION, 0, 0.01f, 0.001f, EPX_NONFINITE_DROP, 6,
-     LOGITS_NORMAL, 1, 1.0f, 1.0f},
+     LOGITS_NORMAL, 1, 1.0f, 1.0f, 0},
     {"losses only in backward", 500, 32, 2, 0, 0, EPX_SCORE_SIGMOID, 0, 1.0f, 0, 1.0f, 0,
      EPX_QUEUE_BY_CHOICE, EPX_DROP_BY_POSITION, 0, 0.01f, 0.01f, EPX_NONFINITE_DROP, 2,
-     LOGITS_NORMAL, 0, 1.0f, 1.0f},
+     LOGITS_NORMAL, 0, 1.0f, 1.0f, 0},
     {"8192 x 256 top-8 groups 8/4", 8192, 256, 8, 8, 4, EPX_SCORE_SOFTMAX, 1, 1.0f, 0, 1.0f, 0,
      EPX_QUEUE_BY_CHOICE, EPX_DROP_BY_POSITION, 0, 0.001f, 0.001f, EPX_NONFINITE_ERROR, 0,
-     LOGITS_SEPARATED, 1, 1.0f, 1.0f},
+     LOGITS_SEPARATED, 1, 1.0f, 1.0f, 0},
 };
 
 static void test_cases(void **state) {
@@ -564,28 +566,28 @@ typedef struct option_case {
 static const option_case_t OPTION_CASES[] = {
     {{"DeepSpeed top2gating", 1000, 16, 2, 0, 0, EPX_SCORE_SOFTMAX, 1, 1.0f, 1, 1.0f, 0,
       EPX_QUEUE_BY_CHOICE, EPX_DROP_BY_POSITION, 0, 0.01f, 0.001f, EPX_NONFINITE_ERROR, 0,
-      LOGITS_NORMAL, 1, 0.7f, 1.3f}, opt_top2gating},
+      LOGITS_NORMAL, 1, 0.7f, 1.3f, 0}, opt_top2gating},
     {{"DeepSpeed topkgating probs", 1024, 32, 4, 0, 0, EPX_SCORE_SOFTMAX, 1, 1.0f, 1, 0.8f, 0,
       EPX_QUEUE_BY_TOKEN, EPX_DROP_BY_POSITION, 0, 0.01f, 0.0f, EPX_NONFINITE_ERROR, 0,
-      LOGITS_SEPARATED, 1, 0.5f, 0.0f}, opt_topkgating},
+      LOGITS_SEPARATED, 1, 0.5f, 0.0f, 0}, opt_topkgating},
     {{"DeepSpeed top1gating use_rts", 2048, 16, 1, 0, 0, EPX_SCORE_SOFTMAX, 1, 1.0f, 1, 0.5f, 0,
       EPX_QUEUE_BY_CHOICE, EPX_DROP_BY_POSITION, 0, 0.01f, 0.0f, EPX_NONFINITE_DROP, 3,
-      LOGITS_NORMAL, 1, 1.0f, 0.0f}, opt_random_tokens},
+      LOGITS_NORMAL, 1, 1.0f, 0.0f, 0}, opt_random_tokens},
     {{"Megatron groups softmax after top-k", 512, 64, 6, 8, 2, EPX_SCORE_SOFTMAX, 1, 2.0f, 1,
       0.9f, 0, EPX_QUEUE_BY_CHOICE, EPX_DROP_BY_PROBABILITY, 1, 0.01f, 0.001f,
-      EPX_NONFINITE_ERROR, 0, LOGITS_SEPARATED, 1, 0.8f, 0.6f}, opt_megatron_groups},
+      EPX_NONFINITE_ERROR, 0, LOGITS_SEPARATED, 1, 0.8f, 0.6f, 0}, opt_megatron_groups},
     {{"Megatron sqrt-softplus bias", 700, 64, 4, 0, 0, EPX_SCORE_SOFTMAX, 1, 1.0f, 0, 1.0f, 0,
       EPX_QUEUE_BY_CHOICE, EPX_DROP_BY_POSITION, 1, 0.01f, 0.001f, EPX_NONFINITE_ERROR, 0,
-      LOGITS_SEPARATED, 1, 1.0f, 1.0f}, opt_sqrt_softplus},
+      LOGITS_SEPARATED, 1, 1.0f, 1.0f, 0}, opt_sqrt_softplus},
     {{"Megatron seq_aux_loss", 1024, 32, 2, 0, 0, EPX_SCORE_SIGMOID, 1, 1.0f, 0, 1.0f, 0,
       EPX_QUEUE_BY_CHOICE, EPX_DROP_BY_POSITION, 0, 0.01f, 0.0f, EPX_NONFINITE_ERROR, 0,
-      LOGITS_NORMAL, 1, 1.0f, 0.0f}, opt_sequences},
+      LOGITS_NORMAL, 1, 1.0f, 0.0f, 0}, opt_sequences},
     {{"Megatron global_aux_loss", 600, 32, 4, 0, 0, EPX_SCORE_SOFTMAX, 1, 1.0f, 0, 1.0f, 0,
       EPX_QUEUE_BY_CHOICE, EPX_DROP_BY_POSITION, 0, 0.01f, 0.0f, EPX_NONFINITE_ERROR, 0,
-      LOGITS_NORMAL, 1, 1.0f, 0.0f}, opt_global},
+      LOGITS_NORMAL, 1, 1.0f, 0.0f, 0}, opt_global},
     {{"padding mask, capacity, renormalised after", 900, 16, 2, 0, 0, EPX_SCORE_SOFTMAX, 1, 1.0f,
       1, 1.0f, 0, EPX_QUEUE_BY_TOKEN, EPX_DROP_BY_POSITION, 0, 0.01f, 0.001f, EPX_NONFINITE_DROP,
-      4, LOGITS_NORMAL, 1, 1.0f, 1.0f}, opt_mask},
+      4, LOGITS_NORMAL, 1, 1.0f, 1.0f, 0}, opt_mask},
 };
 
 static void test_option_cases(void **state) {
@@ -599,6 +601,66 @@ static void test_option_cases(void **state) {
   CU(cudaStreamDestroy(stream));
 }
 
+/* ------------------------------------------------------------------------ */
+/* The one-kernel forward (src/cuda/route_fast.cu): dropless, no locations,  */
+/* no losses, non-finite tokens dropped; E = 32 V, groups of whole lanes     */
+/* ------------------------------------------------------------------------ */
+
+/* Every seventh token padding. */
+static void opt_mask_only(epx_route_config_t *c, int64_t T) {
+  for (int64_t t = 0; t < T; t++) option_mask[t] = (uint8_t)(t % 7 != 3);
+  c->token_mask = option_mask;
+}
+
+static void opt_group_score_one(epx_route_config_t *c, int64_t T) {
+  (void)T;
+  c->group_score_experts = 1;
+}
+
+static const option_case_t FAST_CASES[] = {
+    {{"fast: DeepSeek-V3 sigmoid groups 8/4 bias", 4096, 256, 8, 8, 4, EPX_SCORE_SIGMOID, 1, 2.5f,
+      0, 1.0f, 0, EPX_QUEUE_BY_CHOICE, EPX_DROP_BY_POSITION, 1, 0.0f, 0.0f, EPX_NONFINITE_DROP, 3,
+      LOGITS_SEPARATED, 1, 0.0f, 0.0f, 1}, NULL},
+    {{"fast: softmax E=64 quantized ties", 900, 64, 6, 0, 0, EPX_SCORE_SOFTMAX, 1, 1.0f, 0, 1.0f,
+      0, EPX_QUEUE_BY_CHOICE, EPX_DROP_BY_POSITION, 0, 0.0f, 0.0f, EPX_NONFINITE_DROP, 2,
+      LOGITS_QUANTIZED, 1, 0.0f, 0.0f, 1}, NULL},
+    {{"fast: quantized ties groups 8/3", 600, 64, 6, 8, 3, EPX_SCORE_SOFTMAX, 1, 1.0f, 0, 1.0f, 0,
+      EPX_QUEUE_BY_CHOICE, EPX_DROP_BY_POSITION, 0, 0.0f, 0.0f, EPX_NONFINITE_DROP, 0,
+      LOGITS_QUANTIZED, 1, 0.0f, 0.0f, 1}, NULL},
+    {{"fast: sigmoid quantized ties groups 8/4", 700, 256, 8, 8, 4, EPX_SCORE_SIGMOID, 1, 1.0f, 0,
+      1.0f, 0, EPX_QUEUE_BY_CHOICE, EPX_DROP_BY_POSITION, 0, 0.0f, 0.0f, EPX_NONFINITE_DROP, 0,
+      LOGITS_QUANTIZED, 1, 0.0f, 0.0f, 1}, NULL},
+    {{"fast: softmax after top-k groups 8/2", 800, 128, 4, 8, 2, EPX_SCORE_SOFTMAX_AFTER_TOPK, 0,
+      1.0f, 0, 1.0f, 0, EPX_QUEUE_BY_CHOICE, EPX_DROP_BY_POSITION, 1, 0.0f, 0.0f,
+      EPX_NONFINITE_DROP, 2, LOGITS_SEPARATED, 1, 0.0f, 0.0f, 1}, NULL},
+    {{"fast: sqrt-softplus E=32 bias", 500, 32, 4, 0, 0, EPX_SCORE_SQRT_SOFTPLUS, 1, 1.0f, 0,
+      1.0f, 0, EPX_QUEUE_BY_CHOICE, EPX_DROP_BY_POSITION, 1, 0.0f, 0.0f, EPX_NONFINITE_DROP, 1,
+      LOGITS_SEPARATED, 1, 0.0f, 0.0f, 1}, NULL},
+    {{"fast: sigmoid E=512 groups 16/4 no renorm", 300, 512, 8, 16, 4, EPX_SCORE_SIGMOID, 0, 1.5f,
+      0, 1.0f, 0, EPX_QUEUE_BY_CHOICE, EPX_DROP_BY_POSITION, 1, 0.0f, 0.0f, EPX_NONFINITE_DROP, 0,
+      LOGITS_SEPARATED, 1, 0.0f, 0.0f, 1}, NULL},
+    {{"fast: groups of one expert (E=32, 32/8)", 400, 32, 4, 32, 8, EPX_SCORE_SIGMOID, 1, 1.0f, 0,
+      1.0f, 0, EPX_QUEUE_BY_TOKEN, EPX_DROP_BY_POSITION, 0, 0.0f, 0.0f, EPX_NONFINITE_DROP, 0,
+      LOGITS_SEPARATED, 1, 0.0f, 0.0f, 1}, NULL},
+    {{"fast: group score of 1, K=32", 300, 128, 32, 4, 2, EPX_SCORE_SIGMOID, 1, 1.0f, 0, 1.0f, 0,
+      EPX_QUEUE_BY_CHOICE, EPX_DROP_BY_POSITION, 0, 0.0f, 0.0f, EPX_NONFINITE_DROP, 0,
+      LOGITS_SEPARATED, 1, 0.0f, 0.0f, 1}, opt_group_score_one},
+    {{"fast: padding mask, K=1", 1000, 128, 1, 0, 0, EPX_SCORE_SOFTMAX, 1, 1.0f, 0, 1.0f, 0,
+      EPX_QUEUE_BY_CHOICE, EPX_DROP_BY_POSITION, 0, 0.0f, 0.0f, EPX_NONFINITE_DROP, 2,
+      LOGITS_NORMAL, 1, 0.0f, 0.0f, 1}, opt_mask_only},
+};
+
+static void test_fast_cases(void **state) {
+  (void)state;
+  cudaStream_t stream;
+  CU(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const size_t n = sizeof FAST_CASES / sizeof FAST_CASES[0];
+  for (size_t i = 0; i < n; i++)
+    if (!quick() || FAST_CASES[i].c.T * FAST_CASES[i].c.E <= (int64_t)1 << 20)
+      run_case_with(&FAST_CASES[i].c, FAST_CASES[i].options, 0xfa57000u + i, i % 2 ? stream : NULL);
+  CU(cudaStreamDestroy(stream));
+}
+
 /* A NaN/Inf logit under EPX_NONFINITE_ERROR: refused, naming the first bad
  * token, with every output (device arrays and host fields) untouched. */
 static void test_nonfinite_error(void **state) {
@@ -609,7 +671,7 @@ static void test_nonfinite_error(void **state) {
     route_case_t c = {"nonfinite error", T, E, K, 4, 2, EPX_SCORE_SOFTMAX, 1, 1.0f, mode > 0,
                       0.5f, 0, EPX_QUEUE_BY_CHOICE,
                       mode == 2 ? EPX_DROP_BY_PROBABILITY : EPX_DROP_BY_POSITION, 0, 0.01f,
-                      0.001f, EPX_NONFINITE_ERROR, 0, LOGITS_NORMAL, 1, 1.0f, 1.0f};
+                      0.001f, EPX_NONFINITE_ERROR, 0, LOGITS_NORMAL, 1, 1.0f, 1.0f, 0};
     tu_rng_t rng = {0xbad0u + (uint64_t)mode};
     float *logits = tu_alloc(4 * (size_t)(T * E));
     fill_logits(&rng, LOGITS_NORMAL, T, E, 0, logits);
@@ -658,7 +720,7 @@ static void test_empty(void **state) {
   const int32_t E = 16, K = 2;
   route_case_t c = {"empty", 0, E, K, 0, 0, EPX_SCORE_SOFTMAX, 1, 1.0f, 1, 1.0f, 3,
                     EPX_QUEUE_BY_CHOICE, EPX_DROP_BY_POSITION, 0, 0.01f, 0.001f,
-                    EPX_NONFINITE_ERROR, 0, LOGITS_NORMAL, 1, 1.0f, 1.0f};
+                    EPX_NONFINITE_ERROR, 0, LOGITS_NORMAL, 1, 1.0f, 1.0f, 0};
   epx_route_config_t cfg = case_config(&c, EPX_DEVICE_CUDA, NULL);
   route_out_t dev = dev_out(1, E, K);
   dev_out_poison(&dev, 1, E, K);
@@ -695,7 +757,7 @@ static void test_backward_in_place(void **state) {
   const int32_t E = 64, K = 6;
   route_case_t c = {"in place", T, E, K, 8, 4, EPX_SCORE_SIGMOID, 1, 2.0f, 0, 1.0f, 0,
                     EPX_QUEUE_BY_CHOICE, EPX_DROP_BY_POSITION, 0, 0.01f, 0.001f,
-                    EPX_NONFINITE_ERROR, 0, LOGITS_SEPARATED, 1, 1.0f, 1.0f};
+                    EPX_NONFINITE_ERROR, 0, LOGITS_SEPARATED, 1, 1.0f, 1.0f, 0};
   tu_rng_t rng = {0x1a9e};
   const size_t cells = (size_t)(T * E), routes = (size_t)(T * K);
   float *logits = tu_alloc(4 * cells), *gw = tu_alloc(4 * routes), *ref = tu_alloc(4 * cells);
@@ -734,7 +796,7 @@ static void test_time(void **state) {
   const int32_t E = 256, K = 8;
   route_case_t c = {"time", T, E, K, 8, 4, EPX_SCORE_SIGMOID, 1, 2.5f, 0, 1.0f, 0,
                     EPX_QUEUE_BY_CHOICE, EPX_DROP_BY_POSITION, 1, 0.001f, 0.001f,
-                    EPX_NONFINITE_DROP, 0, LOGITS_SEPARATED, 1, 1.0f, 1.0f};
+                    EPX_NONFINITE_DROP, 0, LOGITS_SEPARATED, 1, 1.0f, 1.0f, 0};
   tu_rng_t rng = {0x7173};
   float *logits = tu_alloc(4 * (size_t)(T * E)), *bias = tu_alloc(4 * (size_t)E);
   fill_logits(&rng, LOGITS_SEPARATED, T, E, c.G, logits);
@@ -788,6 +850,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_cases),
       cmocka_unit_test(test_option_cases),
+      cmocka_unit_test(test_fast_cases),
       cmocka_unit_test(test_nonfinite_error),
       cmocka_unit_test(test_empty),
       cmocka_unit_test(test_backward_in_place),

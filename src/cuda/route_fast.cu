@@ -1,0 +1,249 @@
+/* The one-kernel routing forward (launch.h, "one-kernel forward"): dropless,
+ * no locations, no losses, non-finite tokens dropped. A warp per token holds
+ * the token's E = 32 V scores in registers, lane l experts [l V, l V + V):
+ * scores, the group scores (a group is L = 32 / G whole lanes; its top-2 by
+ * xor shuffles), the kept groups (each lane ranks its group against the G
+ * group scores), K rounds of warp arg-max (redux.sync), and lane k writes
+ * route k. The selection is route_common.cuh's token_select step for step
+ * (the same float32 operations and tie rules, src/core/route_spec.h), so the
+ * routes are those of the queue kernels; only the softmax's float32 sum runs
+ * in another order (the spec allows it: softmax agrees away from ties).
+ *
+ * Why: the queue pipeline (route_tokens + expert_scan + assign, a memset and
+ * the scratch) costs about 40-50 us at 8192 x 256 top-8 where the work is
+ * 8 MB read and 0.5 MB written; without locations nothing needs the scan. */
+#include <cuda_runtime.h>
+
+#include "cuda/route_common.cuh"
+
+using namespace route_dev;
+
+namespace {
+
+constexpr int kFastWarps = 8; /* tokens per block */
+
+typedef epx_cuda_route_fast_args_t FastArgs;
+
+/* V consecutive floats at p (16-byte vectors where V allows; the host
+ * checks the alignment). */
+template <int V>
+__device__ __forceinline__ void load_lane(const float *__restrict__ p, float (&v)[V]) {
+  if constexpr (V % 4 == 0) {
+#pragma unroll
+    for (int j = 0; j < V; j += 4) {
+      const float4 q = __ldg(reinterpret_cast<const float4 *>(p + j));
+      v[j] = q.x;
+      v[j + 1] = q.y;
+      v[j + 2] = q.z;
+      v[j + 3] = q.w;
+    }
+  } else if constexpr (V == 2) {
+    const float2 q = __ldg(reinterpret_cast<const float2 *>(p));
+    v[0] = q.x;
+    v[1] = q.y;
+  } else {
+#pragma unroll
+    for (int j = 0; j < V; ++j) v[j] = __ldg(p + j);
+  }
+}
+
+/* Step 1: x (the logits) -> p (scores; the logits for softmax after top-k). */
+template <int V>
+__device__ __forceinline__ void fast_scores(int score_fn, const float (&x)[V], float (&p)[V]) {
+  if (score_fn == EPX_SCORE_SOFTMAX) {
+    float m = x[0];
+#pragma unroll
+    for (int j = 1; j < V; ++j) m = fmaxf(m, x[j]);
+    m = warp_max(m);
+    float s = 0.f;
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      p[j] = expf(x[j] - m);
+      s += p[j];
+    }
+    s = warp_sum(s);
+#pragma unroll
+    for (int j = 0; j < V; ++j) p[j] = p[j] / s;
+  } else if (score_fn == EPX_SCORE_SIGMOID) {
+#pragma unroll
+    for (int j = 0; j < V; ++j) p[j] = epx_route_sigmoid_f32(x[j]);
+  } else if (score_fn == EPX_SCORE_SQRT_SOFTPLUS) {
+#pragma unroll
+    for (int j = 0; j < V; ++j) p[j] = epx_route_sqrt_softplus_f32(x[j]);
+  } else {
+#pragma unroll
+    for (int j = 0; j < V; ++j) p[j] = x[j];
+  }
+}
+
+/* Step 3: zeroes the keys of this lane's experts unless its group is among
+ * the TG best (select_groups: a group's score is its best, or best two,
+ * summed; groups rank by order_key, the lower index on ties; a NaN score is
+ * never kept). */
+template <int V>
+__device__ __forceinline__ void fast_groups(const FastArgs &a, const float (&y)[V],
+                                            unsigned (&key)[V], int lane) {
+  const int L = 32 / a.G; /* lanes per group, a power of two */
+  float b1 = -INFINITY, b2 = -INFINITY;
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    const float v = y[j];
+    if (v > b1) {
+      b2 = b1;
+      b1 = v;
+    } else if (v > b2) {
+      b2 = v;
+    }
+  }
+  for (int o = L >> 1; o > 0; o >>= 1) {
+    const float c1 = __shfl_xor_sync(kFull, b1, o), c2 = __shfl_xor_sync(kFull, b2, o);
+    const float hi = fmaxf(b1, c1), lo = fmaxf(fminf(b1, c1), fmaxf(b2, c2));
+    b1 = hi;
+    b2 = lo;
+  }
+  const unsigned gk = order_key(a.group_top == 1 ? b1 : b1 + b2);
+  const int g = lane / L;
+  int ahead = 0;
+  for (int h = 0; h < a.G; ++h) {
+    const unsigned hk = __shfl_sync(kFull, gk, h * L);
+    ahead += (hk > gk || (hk == gk && h < g)) ? 1 : 0;
+  }
+  if (gk == 0u || ahead >= a.TG) {
+#pragma unroll
+    for (int j = 0; j < V; ++j) key[j] = 0u;
+  }
+}
+
+/* This lane's best live entry: key (0: none), index j and its score p. */
+template <int V>
+__device__ __forceinline__ void fast_lane_best(const unsigned (&key)[V], const float (&p)[V],
+                                               unsigned &bk, int &bj, float &bp) {
+  bk = 0u;
+  bj = 0;
+  bp = 0.f;
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    if (key[j] > bk) {
+      bk = key[j];
+      bj = j;
+      bp = p[j];
+    }
+  }
+}
+
+/* Steps 4-5: K rounds of warp arg-max over the keys (larger, then lower
+ * expert). Lane k ends with route k's expert (-1: none) and base weight;
+ * returns S, the base weights summed in k order. */
+template <int V>
+__device__ __forceinline__ float fast_topk(const FastArgs &a, unsigned (&key)[V],
+                                           const float (&p)[V], int lane, int &my_e,
+                                           float &my_b) {
+  unsigned bk;
+  int bj;
+  float bp;
+  fast_lane_best<V>(key, p, bk, bj, bp);
+  float S = 0.f;
+  my_e = -1;
+  my_b = 0.f;
+  for (int k = 0; k < a.K; ++k) {
+    const unsigned best = __reduce_max_sync(kFull, bk);
+    const unsigned win =
+        __reduce_min_sync(kFull, bk == best ? (unsigned)(lane * V + bj) : 0xffffffffu);
+    const int e = best == 0u ? -1 : (int)win;
+    const int src = e >= 0 ? e / V : 0;
+    float v = __shfl_sync(kFull, bp, src);
+    if (e < 0) v = 0.f;
+    if (lane == k) {
+      my_e = e;
+      my_b = v;
+    }
+    S += v;
+    if (e >= 0 && lane == src) {
+#pragma unroll
+      for (int j = 0; j < V; ++j)
+        if (j == bj) key[j] = 0u;
+      fast_lane_best<V>(key, p, bk, bj, bp);
+    }
+  }
+  if (a.score_fn == EPX_SCORE_SOFTMAX_AFTER_TOPK) {
+    /* base_weights: the softmax of the K chosen logits, summed in k order. */
+    const float mx = warp_max(lane < a.K ? my_b : -INFINITY);
+    const float ex = expf(my_b - mx);
+    float sum = 0.f;
+    for (int k = 0; k < a.K; ++k) sum += __shfl_sync(kFull, ex, k);
+    my_b = ex / sum;
+    S = 0.f;
+    for (int k = 0; k < a.K; ++k) S += __shfl_sync(kFull, my_b, k);
+  }
+  return S;
+}
+
+template <int V>
+__global__ void __launch_bounds__(kFastWarps * 32) route_fast_kernel(const FastArgs a) {
+  const int lane = threadIdx.x & 31;
+  const long long t = (long long)blockIdx.x * kFastWarps + (threadIdx.x >> 5);
+  if (t >= a.T) return; /* whole warps */
+  int32_t *idx = a.idx + (size_t)t * a.K;
+  float *w = a.w + (size_t)t * a.K;
+  float x[V];
+  load_lane<V>(a.logits + (size_t)t * a.E + (size_t)lane * V, x);
+  bool fin = true;
+#pragma unroll
+  for (int j = 0; j < V; ++j) fin &= isfinite(x[j]) != 0;
+  const bool real = !a.mask || a.mask[t] != 0;
+  if (!__all_sync(kFull, fin) || !real) {
+    /* Masked, or non-finite and dropped: routes nowhere. */
+    if (lane < a.K) {
+      idx[lane] = -1;
+      w[lane] = 0.f;
+    }
+    return;
+  }
+  float p[V];
+  fast_scores<V>(a.score_fn, x, p);
+  unsigned key[V];
+  if (a.bias) {
+    float b[V];
+    load_lane<V>(a.bias + (size_t)lane * V, b);
+#pragma unroll
+    for (int j = 0; j < V; ++j) x[j] = p[j] + b[j];
+  } else {
+#pragma unroll
+    for (int j = 0; j < V; ++j) x[j] = p[j];
+  }
+#pragma unroll
+  for (int j = 0; j < V; ++j) key[j] = order_key(x[j]);
+  if (a.G > 1) fast_groups<V>(a, x, key, lane);
+  int e;
+  float b;
+  const float S = fast_topk<V>(a, key, p, lane, e, b);
+  if (lane < a.K) {
+    /* emit_routes' weight, and assign's -1 / 0 for no expert. */
+    const float wk = (a.renorm ? (S > 0.f ? b / S : 0.f) : b) * a.scale;
+    idx[lane] = e;
+    w[lane] = e >= 0 ? wk : 0.f;
+    if (e >= 0 && a.counts) atomicAdd(a.counts + e, 1);
+  }
+}
+
+template <int V>
+cudaError_t launch_fast(const FastArgs &a, cudaStream_t stream) {
+  const unsigned blocks = (unsigned)((a.T + kFastWarps - 1) / kFastWarps);
+  route_fast_kernel<V><<<blocks, kFastWarps * 32, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+extern "C" cudaError_t epx_cuda_route_fast_launch(const epx_cuda_route_fast_args_t *a,
+                                                  cudaStream_t stream) {
+  if (a->T <= 0) return cudaSuccess;
+  switch (a->E) {
+    case 32: return launch_fast<1>(*a, stream);
+    case 64: return launch_fast<2>(*a, stream);
+    case 128: return launch_fast<4>(*a, stream);
+    case 256: return launch_fast<8>(*a, stream);
+    case 512: return launch_fast<16>(*a, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
