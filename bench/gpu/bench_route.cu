@@ -164,6 +164,44 @@ own_layout make_layout() {
   return o;
 }
 
+/* The expert-major layout (alignment 1) of the routing in d_idx / d_w
+ * against the host's: counts, offsets, each route's row (its expert's
+ * routes in route order), row_src, the ids and weights copied, no error. */
+bool check_layout(const own_layout &o, const int32_t *d_idx, const float *d_w, cudaStream_t s) {
+  const size_t tk = (size_t)(T * K);
+  std::vector<int32_t> idx(tk), lidx(tk), row(tk), src(tk);
+  std::vector<float> w(tk), wc(tk);
+  std::vector<int64_t> counts(E), offsets(E + 1);
+  epx_cuda_layout_result_t res;
+  CK(cudaStreamSynchronize(s));
+  CK(cudaMemcpy(idx.data(), d_idx, 4 * tk, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(w.data(), d_w, 4 * tk, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(lidx.data(), o.lay.idx, 4 * tk, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(row.data(), o.lay.route_row, 4 * tk, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(wc.data(), o.w_copy, 4 * tk, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(counts.data(), o.lay.counts, 8 * (size_t)E, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(offsets.data(), o.lay.offsets, 8 * ((size_t)E + 1), cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(&res, o.lay.result, sizeof res, cudaMemcpyDeviceToHost));
+  std::vector<int64_t> want_counts(E, 0), want_off(E + 1, 0), next(E);
+  for (size_t g = 0; g < tk; g++)
+    if (idx[g] >= 0) want_counts[idx[g]]++;
+  for (int e = 0; e < E; e++) want_off[e + 1] = want_off[e] + want_counts[e];
+  const int64_t rows = want_off[E];
+  if (rows > 0) CK(cudaMemcpy(src.data(), o.lay.row_src, 4 * (size_t)rows, cudaMemcpyDeviceToHost));
+  for (int e = 0; e < E; e++) next[e] = want_off[e];
+  int64_t bad = 0;
+  for (size_t g = 0; g < tk; g++) {
+    const int e = idx[g];
+    const int64_t r = e >= 0 ? next[e]++ : -1;
+    bad += lidx[g] != e || row[g] != r || wc[g] != w[g] || (r >= 0 && src[r] != (int32_t)g);
+  }
+  for (int e = 0; e < E; e++) bad += counts[e] != want_counts[e] || offsets[e] != want_off[e];
+  bad += offsets[E] != rows || res.rows != rows || res.error != EPX_CUDA_NO_ERROR;
+  printf("CHECK %-48s %lld of %zu routes / %d experts differ: %s\n", "(expert-major layout)",
+         (long long)bad, tk, E, bad == 0 ? "ok" : "FAILED");
+  return bad == 0;
+}
+
 /* The GPU's routing against the float64 reference; returns whether it
  * agrees. full: with locations and both losses (the queue kernels);
  * otherwise the outputs the timed rows ask for (no locations, the losses
@@ -296,6 +334,7 @@ int main() {
     printf("RESULT shape=8192x256top8 route=\"%s\" route_us=%.1f layout_us=%.1f route+layout_us=%.1f "
            "(CUDA graph, device time)\n", ROWS[i].name, route_us, layout_us, both_us);
     if (i == 0) target_us = both_us;
+    ok &= check_layout(o, d_idx, d_w, s); /* the last graph: route + layout */
   }
   printf("TARGET routing+layout, DeepSeek-V3 router, 8192x256 top-8 < 25 us: %.1f us %s\n",
          target_us, target_us > 0 && target_us < 25.0 ? "PASS" : "MISS");

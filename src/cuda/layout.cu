@@ -36,6 +36,8 @@ constexpr int kStageRoutes = 512;  /* routes staged per warp at a time */
 constexpr int kAssignThreads = 512;
 constexpr int kThreads = 256;      /* accessor blocks */
 constexpr int64_t kMaxChunks = 64;
+constexpr int kBatch = 8;          /* routes a thread loads before it stores */
+constexpr int kSumBatch = 32;      /* chunk counts a thread loads at a time */
 
 /* Scratch: per chunk its first error, then its counts. */
 struct scratch_view {
@@ -78,6 +80,35 @@ struct rank_args {
   int32_t *chunk_counts;
 };
 
+/* A warp's segment of n routes from seg into shared memory (ids, and
+ * locations for capacity), and the weights' copy: every load of a batch
+ * issued before any store, so the segment costs one or two L2 round trips
+ * rather than one per 32 routes. */
+__device__ __forceinline__ void stage_routes(const rank_args &a, int64_t seg, int n, int lane,
+                                             bool capacity, int32_t *s_idx, int32_t *s_loc) {
+  for (int j0 = 0; j0 < n; j0 += 32 * kBatch) {
+    int iv[kBatch], lv[kBatch];
+    float wv[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; u++) {
+      const int j = j0 + u * 32 + lane;
+      const bool in = j < n;
+      iv[u] = in ? a.topk_idx[seg + j] : 0;
+      lv[u] = in && capacity ? a.locations[seg + j] : 0;
+      wv[u] = in && a.w_in ? a.w_in[seg + j] : 0.0f;
+    }
+#pragma unroll
+    for (int u = 0; u < kBatch; u++) {
+      const int j = j0 + u * 32 + lane;
+      if (j < n) {
+        s_idx[j] = iv[u];
+        if (capacity) s_loc[j] = lv[u];
+        if (a.w_in) a.w_out[seg + j] = wv[u];
+      }
+    }
+  }
+}
+
 __global__ void __launch_bounds__(kMaxRankWarps * 32) layout_rank_kernel(const rank_args a) {
   extern __shared__ int32_t s_mem[]; /* [warps][E] counters, then [warps] staging */
   __shared__ int32_t s_active[kMaxRankWarps];
@@ -105,11 +136,7 @@ __global__ void __launch_bounds__(kMaxRankWarps * 32) layout_rank_kernel(const r
   for (int64_t seg = tw0 * K; seg < tw1 * K; seg += seg_routes) {
     const int n = (int)min(seg_routes, tw1 * K - seg);
     __syncwarp();
-    for (int j = lane; j < n; j += 32) {
-      s_idx[j] = a.topk_idx[seg + j];
-      if (capacity) s_loc[j] = a.locations[seg + j];
-      if (a.w_in) a.w_out[seg + j] = a.w_in[seg + j];
-    }
+    stage_routes(a, seg, n, lane, capacity, s_idx, s_loc);
     __syncwarp();
     for (int base = 0; base < n; base += 32) {
       const int j = base + lane;
@@ -207,10 +234,19 @@ __global__ void __launch_bounds__(kMaxRankWarps * 32) layout_rank_kernel(const r
       if (r >= 0) a.out.token_row[t] = r + s_active[warp];
     }
   } else if (!capacity) {
-#pragma unroll 4
-    for (int64_t g = tw0 * K + lane; g < tw1 * K; g += 32) {
-      const int e = a.out.idx[g];
-      if (e >= 0) a.out.route_row[g] += count[e];
+    /* All of a batch's loads before any store (the stores could alias the
+     * loads, so a plain loop waits one L2 round trip per iteration). */
+    for (int64_t g0 = tw0 * K; g0 < tw1 * K; g0 += 32 * kBatch) {
+      int ev[kBatch], rv[kBatch];
+#pragma unroll
+      for (int u = 0; u < kBatch; u++) {
+        const int64_t g = g0 + u * 32 + lane;
+        ev[u] = g < tw1 * K ? a.out.idx[g] : -1;
+        rv[u] = g < tw1 * K ? a.out.route_row[g] : 0;
+      }
+#pragma unroll
+      for (int u = 0; u < kBatch; u++)
+        if (ev[u] >= 0) a.out.route_row[g0 + u * 32 + lane] = rv[u] + count[ev[u]];
     }
   }
 }
@@ -224,27 +260,79 @@ struct assign_args {
   const int32_t *chunk_counts;
 };
 
+/* Routes [g_begin, g_end) of the block's chunk, expert-major or capacity,
+ * kBatch per thread at a time with every load of a batch before its stores
+ * (the stores could alias the loads, so a plain loop would wait an L2 round
+ * trip per route). Returns the thread's first capacity loser. */
+__device__ __forceinline__ unsigned long long assign_routes(const assign_args &a, int64_t g_begin,
+                                                            int64_t g_end, const int32_t *s_off,
+                                                            const int32_t *s_base) {
+  const bool expert_major = a.layout == EPX_LAYOUT_EXPERT_MAJOR;
+  unsigned long long error = EPX_CUDA_NO_ERROR;
+  for (int64_t g0 = g_begin; g0 < g_end; g0 += (int64_t)blockDim.x * kBatch) {
+    int ev[kBatch], rv[kBatch], owner[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; u++) {
+      const int64_t g = g0 + (int64_t)u * blockDim.x + threadIdx.x;
+      ev[u] = g < g_end ? a.out.idx[g] : -1;
+      rv[u] = g < g_end ? a.out.route_row[g] : -1;
+    }
+    if (!expert_major) {
+      /* capacity: each valid route's slot owner (the smallest claimant) */
+#pragma unroll
+      for (int u = 0; u < kBatch; u++) owner[u] = ev[u] >= 0 ? a.out.row_src[rv[u]] : 0;
+    }
+#pragma unroll
+    for (int u = 0; u < kBatch; u++) {
+      const int64_t g = g0 + (int64_t)u * blockDim.x + threadIdx.x;
+      const int e = ev[u];
+      if (e < 0) continue;
+      if (expert_major) {
+        const int row = s_off[e] + s_base[e] + rv[u];
+        a.out.route_row[g] = row;
+        a.out.row_src[row] = (int32_t)g;
+      } else if (owner[u] != (int32_t)g) {
+        /* capacity: the slot went to a smaller route */
+        a.out.idx[g] = -1;
+        a.out.route_row[g] = -1;
+        atomicAdd(reinterpret_cast<unsigned long long *>(&a.out.counts[e]), ~0ull);
+        const unsigned long long mine = ((unsigned long long)g << 3) | EPX_CUDA_TAKEN_LOCATION;
+        error = mine < error ? mine : error;
+      }
+    }
+  }
+  return error;
+}
+
 /* Block b: chunk b (a block past the last chunk only writes the offsets when
  * there are no tokens). Shared: base, total, offset per column. */
 __global__ void __launch_bounds__(kAssignThreads) layout_assign_kernel(const assign_args a) {
   extern __shared__ int32_t s_mem[];
   const int E = a.E, cols = a.E + 1;
-  int32_t *s_base = s_mem, *s_total = s_mem + cols, *s_off = s_mem + 2 * cols;
+  int32_t *s_base = s_mem, *s_total = s_mem + cols, *s_off = s_mem + 2 * cols, *s_own = s_mem + 3 * cols;
   __shared__ int32_t s_scan[kAssignThreads / 32];
   __shared__ unsigned long long s_error[kAssignThreads / 32];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int64_t chunk = blockIdx.x;
-  /* A thread per column: its counts over the chunks (independent loads). */
+  /* A thread per column: its counts over the chunks, kSumBatch loads in
+   * flight at a time; and this chunk's own (for the counts). */
   for (int col = tid; col < cols; col += blockDim.x) {
-    int base = 0, total = 0;
-#pragma unroll 8
-    for (int64_t c = 0; c < a.chunks; c++) {
-      const int v = a.chunk_counts[c * cols + col];
-      total += v;
-      base += c < chunk ? v : 0;
+    int base = 0, total = 0, own = 0;
+    for (int64_t c0 = 0; c0 < a.chunks; c0 += kSumBatch) {
+      int v[kSumBatch];
+#pragma unroll
+      for (int u = 0; u < kSumBatch; u++)
+        v[u] = c0 + u < a.chunks ? a.chunk_counts[(c0 + u) * cols + col] : 0;
+#pragma unroll
+      for (int u = 0; u < kSumBatch; u++) {
+        total += v[u];
+        base += c0 + u < chunk ? v[u] : 0;
+        own = c0 + u == chunk ? v[u] : own;
+      }
     }
     s_base[col] = base;
     s_total[col] = total;
+    s_own[col] = own;
   }
   __syncthreads();
 
@@ -299,27 +387,11 @@ __global__ void __launch_bounds__(kAssignThreads) layout_assign_kernel(const ass
         }
       }
     } else {
-      for (int64_t g = t0 * K + tid; g < t1 * K; g += blockDim.x) {
-        const int e = a.out.idx[g];
-        if (e < 0) continue;
-        if (a.layout == EPX_LAYOUT_EXPERT_MAJOR) {
-          const int row = s_off[e] + s_base[e] + a.out.route_row[g];
-          a.out.route_row[g] = row;
-          a.out.row_src[row] = (int32_t)g;
-        } else if (a.out.row_src[a.out.route_row[g]] != (int32_t)g) {
-          /* capacity: the slot went to a smaller route */
-          a.out.idx[g] = -1;
-          a.out.route_row[g] = -1;
-          atomicAdd(reinterpret_cast<unsigned long long *>(&a.out.counts[e]), ~0ull);
-          const unsigned long long mine = ((unsigned long long)g << 3) | EPX_CUDA_TAKEN_LOCATION;
-          error = mine < error ? mine : error;
-        }
-      }
+      error = assign_routes(a, t0 * K, t1 * K, s_off, s_base);
     }
     /* this chunk's routes per expert (capacity losers subtracted above) */
-    const int32_t *mine = a.chunk_counts + chunk * cols;
     for (int e = tid; e < E; e += blockDim.x) {
-      const int v = mine[e];
+      const int v = s_own[e];
       if (v) atomicAdd(reinterpret_cast<unsigned long long *>(&a.out.counts[e]), (unsigned long long)v);
     }
     if (tid == 0) error = a.chunk_error[chunk] < error ? a.chunk_error[chunk] : error;
@@ -442,7 +514,7 @@ extern "C" cudaError_t epx_cuda_layout_launch(const int32_t *topk_idx, const int
   aa.out = *out;
   aa.chunk_error = s.chunk_error;
   aa.chunk_counts = s.chunk_counts;
-  const size_t assign_bytes = 3 * sizeof(int32_t) * ((size_t)E + 1);
+  const size_t assign_bytes = 4 * sizeof(int32_t) * ((size_t)E + 1);
   if (assign_bytes > 48 * 1024) {
     /* large expert counts need the opt-in shared memory */
     err = cudaFuncSetAttribute(layout_assign_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
