@@ -31,7 +31,7 @@
 namespace {
 
 constexpr int kMaxRankWarps = 8;   /* warps per rank block (one chunk), at most */
-constexpr int kWarpRoutes = 256;   /* routes a warp walks, at least (8 rounds) */
+constexpr int kWarpRoutes = 128;   /* routes a warp walks, at least (4 rounds) */
 constexpr int kStageRoutes = 512;  /* routes staged per warp at a time */
 constexpr int kAssignThreads = 512;
 constexpr int kThreads = 256;      /* accessor blocks */
