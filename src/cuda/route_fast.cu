@@ -47,10 +47,12 @@ __device__ __forceinline__ void load_lane(const float *__restrict__ p, float (&v
   }
 }
 
-/* Step 1: x (the logits) -> p (scores; the logits for softmax after top-k). */
-template <int V>
-__device__ __forceinline__ void fast_scores(int score_fn, const float (&x)[V], float (&p)[V]) {
-  if (score_fn == EPX_SCORE_SOFTMAX) {
+/* Step 1: x (the logits) -> p (scores; the logits for softmax after top-k).
+ * The score function is a template parameter so that each kernel holds one
+ * function's code and registers (the double-precision ones need many). */
+template <int V, int SCORE>
+__device__ __forceinline__ void fast_scores(const float (&x)[V], float (&p)[V]) {
+  if constexpr (SCORE == EPX_SCORE_SOFTMAX) {
     float m = x[0];
 #pragma unroll
     for (int j = 1; j < V; ++j) m = fmaxf(m, x[j]);
@@ -64,10 +66,10 @@ __device__ __forceinline__ void fast_scores(int score_fn, const float (&x)[V], f
     s = warp_sum(s);
 #pragma unroll
     for (int j = 0; j < V; ++j) p[j] = p[j] / s;
-  } else if (score_fn == EPX_SCORE_SIGMOID) {
+  } else if constexpr (SCORE == EPX_SCORE_SIGMOID) {
 #pragma unroll
     for (int j = 0; j < V; ++j) p[j] = epx_route_sigmoid_f32(x[j]);
-  } else if (score_fn == EPX_SCORE_SQRT_SOFTPLUS) {
+  } else if constexpr (SCORE == EPX_SCORE_SQRT_SOFTPLUS) {
 #pragma unroll
     for (int j = 0; j < V; ++j) p[j] = epx_route_sqrt_softplus_f32(x[j]);
   } else {
@@ -132,9 +134,13 @@ __device__ __forceinline__ void fast_lane_best(const unsigned (&key)[V], const f
 }
 
 /* Steps 4-5: K rounds of warp arg-max over the keys (larger, then lower
- * expert). Lane k ends with route k's expert (-1: none) and base weight;
- * returns S, the base weights summed in k order. */
-template <int V>
+ * expert). The lanes that hold the best key tie only when their experts'
+ * scores are equal, and the lowest such lane holds the lowest expert (lanes
+ * own consecutive experts; a lane's best is its lowest on ties), so a ballot
+ * finds the winner: no second reduction. Lane k ends with route k's expert
+ * (-1: none) and base weight; returns S, the base weights summed in k
+ * order. */
+template <int V, int SCORE>
 __device__ __forceinline__ float fast_topk(const FastArgs &a, unsigned (&key)[V],
                                            const float (&p)[V], int lane, int &my_e,
                                            float &my_b) {
@@ -147,11 +153,10 @@ __device__ __forceinline__ float fast_topk(const FastArgs &a, unsigned (&key)[V]
   my_b = 0.f;
   for (int k = 0; k < a.K; ++k) {
     const unsigned best = __reduce_max_sync(kFull, bk);
-    const unsigned win =
-        __reduce_min_sync(kFull, bk == best ? (unsigned)(lane * V + bj) : 0xffffffffu);
-    const int e = best == 0u ? -1 : (int)win;
-    const int src = e >= 0 ? e / V : 0;
+    const int src = __ffs(__ballot_sync(kFull, bk == best)) - 1;
+    const int j = __shfl_sync(kFull, bj, src);
     float v = __shfl_sync(kFull, bp, src);
+    const int e = best == 0u ? -1 : src * V + j;
     if (e < 0) v = 0.f;
     if (lane == k) {
       my_e = e;
@@ -165,7 +170,7 @@ __device__ __forceinline__ float fast_topk(const FastArgs &a, unsigned (&key)[V]
       fast_lane_best<V>(key, p, bk, bj, bp);
     }
   }
-  if (a.score_fn == EPX_SCORE_SOFTMAX_AFTER_TOPK) {
+  if constexpr (SCORE == EPX_SCORE_SOFTMAX_AFTER_TOPK) {
     /* base_weights: the softmax of the K chosen logits, summed in k order. */
     const float mx = warp_max(lane < a.K ? my_b : -INFINITY);
     const float ex = expf(my_b - mx);
@@ -178,7 +183,7 @@ __device__ __forceinline__ float fast_topk(const FastArgs &a, unsigned (&key)[V]
   return S;
 }
 
-template <int V>
+template <int V, int SCORE>
 __global__ void __launch_bounds__(kFastWarps * 32) route_fast_kernel(const FastArgs a) {
   const int lane = threadIdx.x & 31;
   const long long t = (long long)blockIdx.x * kFastWarps + (threadIdx.x >> 5);
@@ -200,7 +205,7 @@ __global__ void __launch_bounds__(kFastWarps * 32) route_fast_kernel(const FastA
     return;
   }
   float p[V];
-  fast_scores<V>(a.score_fn, x, p);
+  fast_scores<V, SCORE>(x, p);
   unsigned key[V];
   if (a.bias) {
     float b[V];
@@ -216,7 +221,7 @@ __global__ void __launch_bounds__(kFastWarps * 32) route_fast_kernel(const FastA
   if (a.G > 1) fast_groups<V>(a, x, key, lane);
   int e;
   float b;
-  const float S = fast_topk<V>(a, key, p, lane, e, b);
+  const float S = fast_topk<V, SCORE>(a, key, p, lane, e, b);
   if (lane < a.K) {
     /* emit_routes' weight, and assign's -1 / 0 for no expert. */
     const float wk = (a.renorm ? (S > 0.f ? b / S : 0.f) : b) * a.scale;
@@ -226,11 +231,22 @@ __global__ void __launch_bounds__(kFastWarps * 32) route_fast_kernel(const FastA
   }
 }
 
-template <int V>
+template <int V, int SCORE>
 cudaError_t launch_fast(const FastArgs &a, cudaStream_t stream) {
   const unsigned blocks = (unsigned)((a.T + kFastWarps - 1) / kFastWarps);
-  route_fast_kernel<V><<<blocks, kFastWarps * 32, 0, stream>>>(a);
+  route_fast_kernel<V, SCORE><<<blocks, kFastWarps * 32, 0, stream>>>(a);
   return cudaGetLastError();
+}
+
+template <int V>
+cudaError_t launch_fast_v(const FastArgs &a, cudaStream_t stream) {
+  switch (a.score_fn) {
+    case EPX_SCORE_SOFTMAX: return launch_fast<V, EPX_SCORE_SOFTMAX>(a, stream);
+    case EPX_SCORE_SIGMOID: return launch_fast<V, EPX_SCORE_SIGMOID>(a, stream);
+    case EPX_SCORE_SQRT_SOFTPLUS: return launch_fast<V, EPX_SCORE_SQRT_SOFTPLUS>(a, stream);
+    case EPX_SCORE_SOFTMAX_AFTER_TOPK: return launch_fast<V, EPX_SCORE_SOFTMAX_AFTER_TOPK>(a, stream);
+    default: return cudaErrorInvalidValue;
+  }
 }
 
 }  // namespace
@@ -239,11 +255,11 @@ extern "C" cudaError_t epx_cuda_route_fast_launch(const epx_cuda_route_fast_args
                                                   cudaStream_t stream) {
   if (a->T <= 0) return cudaSuccess;
   switch (a->E) {
-    case 32: return launch_fast<1>(*a, stream);
-    case 64: return launch_fast<2>(*a, stream);
-    case 128: return launch_fast<4>(*a, stream);
-    case 256: return launch_fast<8>(*a, stream);
-    case 512: return launch_fast<16>(*a, stream);
+    case 32: return launch_fast_v<1>(*a, stream);
+    case 64: return launch_fast_v<2>(*a, stream);
+    case 128: return launch_fast_v<4>(*a, stream);
+    case 256: return launch_fast_v<8>(*a, stream);
+    case 512: return launch_fast_v<16>(*a, stream);
     default: return cudaErrorInvalidValue;
   }
 }
