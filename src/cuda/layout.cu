@@ -53,10 +53,15 @@ scratch_view view_scratch(void *scratch) {
           reinterpret_cast<int32_t *>(p + align_up(8 * (size_t)kMaxChunks))};
 }
 
-/* Shared memory of one rank warp: E counters, staged ids (and locations). */
-size_t rank_warp_bytes(int32_t E, bool capacity) {
-  return 4 * (size_t)E + 4 * (size_t)kStageRoutes * (capacity ? 2 : 1);
+/* Shared memory of one rank warp: E counters, staged ids, and locations
+ * (capacity) or each route's expert and rank in the warp (expert-major). */
+size_t rank_warp_bytes(int32_t E, epx_layout_t layout) {
+  return 4 * (size_t)E + 4 * (size_t)kStageRoutes * (layout == EPX_LAYOUT_RANK_MAJOR ? 1 : 2);
 }
+
+/* Expert-major, a warp whose routes fit one staging: each route's expert
+ * and rank in the warp, packed (E <= 8192 fits 13 bits), -1 for none. */
+constexpr int kPackShift = 13;
 
 __device__ __forceinline__ unsigned long long warp_min_u64(unsigned long long v) {
 #pragma unroll
@@ -124,14 +129,17 @@ __global__ void __launch_bounds__(kMaxRankWarps * 32) layout_rank_kernel(const r
   const int64_t chunk = blockIdx.x;
   if (chunk >= a.chunks) return;
   int32_t *count = s_mem + (size_t)warp * E;
-  int32_t *s_idx = s_mem + (size_t)warps * E + (size_t)warp * kStageRoutes * (capacity ? 2 : 1);
-  int32_t *s_loc = s_idx + kStageRoutes;
+  int32_t *s_idx = s_mem + (size_t)warps * E + (size_t)warp * kStageRoutes * (rank_major ? 1 : 2);
+  int32_t *s_loc = s_idx + kStageRoutes; /* capacity: locations; expert-major: packed ranks */
   for (int e = lane; e < E; e += 32) count[e] = 0;
 
   const unsigned int lanes_below = (1u << lane) - 1u;
   const int64_t tw0 = chunk * a.chunk_tokens + warp * a.warp_tokens;
   const int64_t tw1 = min(a.T, tw0 + a.warp_tokens);
   const int64_t seg_routes = (int64_t)(kStageRoutes / K) * K; /* segments start at tokens */
+  /* One segment: the ranks stay in shared memory until the warps' bases are
+   * known (no global write and re-read of route_row). */
+  const bool packed = !capacity && !rank_major && (tw1 - tw0) * K <= seg_routes;
   unsigned long long error = EPX_CUDA_NO_ERROR;
   for (int64_t seg = tw0 * K; seg < tw1 * K; seg += seg_routes) {
     const int n = (int)min(seg_routes, tw1 * K - seg);
@@ -175,8 +183,11 @@ __global__ void __launch_bounds__(kMaxRankWarps * 32) layout_rank_kernel(const r
       const int before = e >= 0 ? count[e] : 0;
       __syncwarp();
       if (e >= 0 && lane == 31 - __clz(peers)) count[e] = before + __popc(peers);
-      if (j < n && !rank_major)
-        a.out.route_row[g] = e < 0 ? -1 : capacity ? slot : before + __popc(peers & lanes_below);
+      const int rank = before + __popc(peers & lanes_below);
+      if (j < n && packed)
+        s_loc[j] = e < 0 ? -1 : (rank << kPackShift) | e;
+      else if (j < n && !rank_major)
+        a.out.route_row[g] = e < 0 ? -1 : capacity ? slot : rank;
       __syncwarp();
     }
   }
@@ -233,6 +244,11 @@ __global__ void __launch_bounds__(kMaxRankWarps * 32) layout_rank_kernel(const r
       const int r = a.out.token_row[t];
       if (r >= 0) a.out.token_row[t] = r + s_active[warp];
     }
+  } else if (packed) {
+    for (int64_t j = lane; j < (tw1 - tw0) * K; j += 32) {
+      const int v = s_loc[j];
+      a.out.route_row[tw0 * K + j] = v < 0 ? -1 : (v >> kPackShift) + count[v & ((1 << kPackShift) - 1)];
+    }
   } else if (!capacity) {
     /* All of a batch's loads before any store (the stores could alias the
      * loads, so a plain loop waits one L2 round trip per iteration). */
@@ -260,45 +276,53 @@ struct assign_args {
   const int32_t *chunk_counts;
 };
 
-/* Routes [g_begin, g_end) of the block's chunk, expert-major or capacity,
- * kBatch per thread at a time with every load of a batch before its stores
- * (the stores could alias the loads, so a plain loop would wait an L2 round
- * trip per route). Returns the thread's first capacity loser. */
-__device__ __forceinline__ unsigned long long assign_routes(const assign_args &a, int64_t g_begin,
-                                                            int64_t g_end, const int32_t *s_off,
-                                                            const int32_t *s_base) {
+/* A thread's batch of routes (expert-major or capacity): route g0 + u *
+ * blockDim.x + threadIdx.x in slot u. Loaded before it is used (the first
+ * batch before the column sums, so that its round trip overlaps theirs). */
+struct route_batch {
+  int e[kBatch], row[kBatch];
+};
+
+__device__ __forceinline__ void load_batch(const assign_args &a, int64_t g0, int64_t g_end,
+                                           route_batch &b) {
+#pragma unroll
+  for (int u = 0; u < kBatch; u++) {
+    const int64_t g = g0 + (int64_t)u * blockDim.x + threadIdx.x;
+    b.e[u] = g < g_end ? a.out.idx[g] : -1;
+    b.row[u] = g < g_end ? a.out.route_row[g] : -1;
+  }
+}
+
+/* A loaded batch's rows (expert-major) or slot verdicts (capacity); every
+ * load before any store. Returns the batch's first capacity loser. */
+__device__ __forceinline__ unsigned long long finish_batch(const assign_args &a, int64_t g0,
+                                                           const route_batch &b,
+                                                           const int32_t *s_off,
+                                                           const int32_t *s_base) {
   const bool expert_major = a.layout == EPX_LAYOUT_EXPERT_MAJOR;
   unsigned long long error = EPX_CUDA_NO_ERROR;
-  for (int64_t g0 = g_begin; g0 < g_end; g0 += (int64_t)blockDim.x * kBatch) {
-    int ev[kBatch], rv[kBatch], owner[kBatch];
+  int owner[kBatch];
+  if (!expert_major) {
+    /* capacity: each valid route's slot owner (the smallest claimant) */
 #pragma unroll
-    for (int u = 0; u < kBatch; u++) {
-      const int64_t g = g0 + (int64_t)u * blockDim.x + threadIdx.x;
-      ev[u] = g < g_end ? a.out.idx[g] : -1;
-      rv[u] = g < g_end ? a.out.route_row[g] : -1;
-    }
-    if (!expert_major) {
-      /* capacity: each valid route's slot owner (the smallest claimant) */
+    for (int u = 0; u < kBatch; u++) owner[u] = b.e[u] >= 0 ? a.out.row_src[b.row[u]] : 0;
+  }
 #pragma unroll
-      for (int u = 0; u < kBatch; u++) owner[u] = ev[u] >= 0 ? a.out.row_src[rv[u]] : 0;
-    }
-#pragma unroll
-    for (int u = 0; u < kBatch; u++) {
-      const int64_t g = g0 + (int64_t)u * blockDim.x + threadIdx.x;
-      const int e = ev[u];
-      if (e < 0) continue;
-      if (expert_major) {
-        const int row = s_off[e] + s_base[e] + rv[u];
-        a.out.route_row[g] = row;
-        a.out.row_src[row] = (int32_t)g;
-      } else if (owner[u] != (int32_t)g) {
-        /* capacity: the slot went to a smaller route */
-        a.out.idx[g] = -1;
-        a.out.route_row[g] = -1;
-        atomicAdd(reinterpret_cast<unsigned long long *>(&a.out.counts[e]), ~0ull);
-        const unsigned long long mine = ((unsigned long long)g << 3) | EPX_CUDA_TAKEN_LOCATION;
-        error = mine < error ? mine : error;
-      }
+  for (int u = 0; u < kBatch; u++) {
+    const int64_t g = g0 + (int64_t)u * blockDim.x + threadIdx.x;
+    const int e = b.e[u];
+    if (e < 0) continue;
+    if (expert_major) {
+      const int row = s_off[e] + s_base[e] + b.row[u];
+      a.out.route_row[g] = row;
+      a.out.row_src[row] = (int32_t)g;
+    } else if (owner[u] != (int32_t)g) {
+      /* capacity: the slot went to a smaller route */
+      a.out.idx[g] = -1;
+      a.out.route_row[g] = -1;
+      atomicAdd(reinterpret_cast<unsigned long long *>(&a.out.counts[e]), ~0ull);
+      const unsigned long long mine = ((unsigned long long)g << 3) | EPX_CUDA_TAKEN_LOCATION;
+      error = mine < error ? mine : error;
     }
   }
   return error;
@@ -314,6 +338,11 @@ __global__ void __launch_bounds__(kAssignThreads) layout_assign_kernel(const ass
   __shared__ unsigned long long s_error[kAssignThreads / 32];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int64_t chunk = blockIdx.x;
+  const bool routes = chunk < a.chunks && a.layout != EPX_LAYOUT_RANK_MAJOR;
+  const int64_t g_begin = chunk * a.chunk_tokens * a.K;
+  const int64_t g_end = min(a.T, (chunk + 1) * a.chunk_tokens) * a.K;
+  route_batch first;
+  if (routes) load_batch(a, g_begin, g_end, first);
   /* A thread per column: its counts over the chunks, kSumBatch loads in
    * flight at a time; and this chunk's own (for the counts). */
   for (int col = tid; col < cols; col += blockDim.x) {
@@ -375,7 +404,6 @@ __global__ void __launch_bounds__(kAssignThreads) layout_assign_kernel(const ass
 
   unsigned long long error = EPX_CUDA_NO_ERROR;
   if (chunk < a.chunks) {
-    const int K = a.K;
     const int64_t t0 = chunk * a.chunk_tokens, t1 = min(a.T, t0 + a.chunk_tokens);
     if (a.layout == EPX_LAYOUT_RANK_MAJOR) {
       for (int64_t t = t0 + tid; t < t1; t += blockDim.x) {
@@ -387,7 +415,13 @@ __global__ void __launch_bounds__(kAssignThreads) layout_assign_kernel(const ass
         }
       }
     } else {
-      error = assign_routes(a, t0 * K, t1 * K, s_off, s_base);
+      error = finish_batch(a, g_begin, first, s_off, s_base);
+      for (int64_t g0 = g_begin + (int64_t)blockDim.x * kBatch; g0 < g_end; g0 += (int64_t)blockDim.x * kBatch) {
+        route_batch b;
+        load_batch(a, g0, g_end, b);
+        const unsigned long long more = finish_batch(a, g0, b, s_off, s_base);
+        error = more < error ? more : error;
+      }
     }
     /* this chunk's routes per expert (capacity losers subtracted above) */
     for (int e = tid; e < E; e += blockDim.x) {
@@ -467,8 +501,8 @@ extern "C" cudaError_t epx_cuda_layout_launch(const int32_t *topk_idx, const int
 
   /* Chunks: a block of `warps` warps each, a warp at least kWarpRoutes
    * routes, at most kMaxChunks chunks. */
-  const size_t warp_bytes = rank_warp_bytes(E, cap);
-  int warps = (int)((48 * 1024) / warp_bytes);
+  const size_t warp_bytes = rank_warp_bytes(E, layout);
+  int warps = (int)((47 * 1024) / warp_bytes); /* 1 KB for the static shared memory */
   warps = warps < 1 ? 1 : warps > kMaxRankWarps ? kMaxRankWarps : warps;
   int64_t warp_tokens = (kWarpRoutes + K - 1) / K;
   const int64_t spread = (T + (int64_t)warps * kMaxChunks - 1) / ((int64_t)warps * kMaxChunks);
