@@ -583,16 +583,15 @@ def reference_route_backward(logits, topk_idx, grad_topk_w=None, config=None, *,
     return out
 
 
-def _host_counts(counts, fn, name):
-    """An int32 [E] copy-if-needed of per-expert counts (host memory; torch
-    tensors are brought to the host)."""
+def _host_counts(counts):
+    """Per-expert counts as a flat int32 host array (a torch tensor is
+    brought to the host). Not checked here: the library checks them and,
+    the calls being collective, tells the peers of a refusal (a refusal in
+    Python would leave them waiting until the timeout)."""
     if hasattr(counts, "detach") and hasattr(counts, "cpu"):  # a torch tensor
         counts = counts.detach().cpu().numpy()
-    a = np.ascontiguousarray(counts, dtype=np.int32)
-    if a.ndim != 1 or a.size < 1:
-        _invalid("%s: %s has shape %s; pass the [E] per-expert counts of this rank's route",
-                 fn, name, list(a.shape))
-    return a
+    a = np.ascontiguousarray(counts, dtype=np.int32).reshape(-1)
+    return a, (a.ctypes.data if a.size else None)
 
 
 def route_agree_capacity(comm, expert_counts):
@@ -601,10 +600,9 @@ def route_agree_capacity(comm, expert_counts):
     any rank, as an int. expert_counts [E] is this rank's route output
     (RouteResult.expert_counts). DeepSpeed's drop_tokens=False: the dropless
     locations are all below it, so the routing feeds the capacity layout."""
-    fn = "epx.route_agree_capacity"
-    a = _host_counts(expert_counts, fn, "expert_counts")
+    a, pa = _host_counts(expert_counts)
     cap = ctypes.c_int32(0)
-    _check(lib.epx_route_agree_capacity(comm._handle(fn), a.size, a.ctypes.data,
+    _check(lib.epx_route_agree_capacity(comm._handle("epx.route_agree_capacity"), a.size, pa,
                                         ctypes.byref(cap)))
     return int(cap.value)
 
@@ -614,10 +612,10 @@ def route_sum_counts(comm, local_counts):
     (epx_route_sum_counts, collective): [E] float32, ready for
     aux_loss_expert_counts of the global aux loss (with aux_loss_tokens =
     the global batch's tokens)."""
-    fn = "epx.route_sum_counts"
-    a = _host_counts(local_counts, fn, "local_counts")
-    out = empty((a.size,), np.float32)
-    _check(lib.epx_route_sum_counts(comm._handle(fn), a.size, a.ctypes.data, out.ctypes.data))
+    a, pa = _host_counts(local_counts)
+    out = empty((max(a.size, 1),), np.float32)
+    _check(lib.epx_route_sum_counts(comm._handle("epx.route_sum_counts"), a.size, pa,
+                                    out.ctypes.data))
     return out
 
 

@@ -982,15 +982,24 @@ class MoE(_torch.nn.Module):
         self.aux_loss = None
 
     def _init_parameters(self, device, dtype, g, expert_bias):
+        """Random weights scaled by 1/sqrt(fan-in): drawn from `g` (a CPU
+        generator, the same bits on every rank and device) when given, else
+        from the device's default generator directly in `dtype` (no float32
+        copy on the host: a DeepSeek-sized layer's experts are tens of GB)."""
+        dtype = torch_dtype(dtype)
         El, H, F, E = self.num_local_experts, self.hidden_size, self.ffn_hidden_size, \
             self.num_experts
+
+        def draw(*shape, fan_in, dt):
+            if g is None:
+                return _torch.randn(*shape, device=device, dtype=dt).mul_(1.0 / math.sqrt(fan_in))
+            return (_torch.randn(*shape, generator=g) / math.sqrt(fan_in)).to(device=device,
+                                                                           dtype=dt)
         self.router = _torch.nn.Linear(H, E, bias=False, device=device)
         with _torch.no_grad():
-            self.router.weight.copy_(_torch.randn(E, H, generator=g) / math.sqrt(H))
-        w1 = _torch.randn(El, 2 * F, H, generator=g) / math.sqrt(H)
-        self.w_gate_up = _torch.nn.Parameter(w1.to(device=device, dtype=dtype))
-        self.w_down = _torch.nn.Parameter(
-            (_torch.randn(El, H, F, generator=g) / math.sqrt(F)).to(device=device, dtype=dtype))
+            self.router.weight.copy_(draw(E, H, fan_in=H, dt=_F32))
+        self.w_gate_up = _torch.nn.Parameter(draw(El, 2 * F, H, fan_in=H, dt=dtype))
+        self.w_down = _torch.nn.Parameter(draw(El, H, F, fan_in=F, dt=dtype))
         self.register_buffer("expert_bias", _torch.zeros(E, device=device)
                              if expert_bias else None)
 
