@@ -674,6 +674,40 @@ def test_gpu_cuda_graph_replays_a_layer_step_bit_identically():
         m.buffer.close()
 
 
+@gpu
+@pytest.mark.parametrize("case", [
+    dict(score_fn=epx.ScoreFn.SIGMOID, num_groups=4, topk_groups=2, aux_loss_sequences=2),
+    dict(capacity_mode=1, capacity_arithmetic=epx.CapacityArithmetic.FLOAT64,
+         capacity_factor_f64=1.1, drop_policy=epx.DropPolicy.BY_RANDOM_PRIORITY, random_seed=7,
+         renormalize_after_drop=1, aux_counts=epx.AuxCounts.FIRST_CHOICE),
+])
+def test_gpu_route_options_and_padding_mask_match_the_reference(case):
+    """CUDA routing with the options, a device padding mask and device
+    global-aux counts against the float64 reference, forward and logits.grad."""
+    T, E, K = 64, 16, 2
+    g = torch.Generator().manual_seed(SEED)
+    logits = torch.randn(T, E, generator=g)
+    mask = torch.rand(T, generator=g) > 0.25
+    counts = torch.randint(0, 9, (E,), generator=g).float()
+    fields = dict(case, top_k=K, aux_loss_coeff=0.01, nonfinite=epx.Nonfinite.DROP)
+    lc = logits.cuda().requires_grad_(True)
+    r = et.route(lc, token_mask=mask.cuda(), aux_loss_expert_counts=counts.cuda(),
+                 aux_loss_tokens=2.0 * T, **fields)
+    ref = epx.reference_route(logits.numpy(), token_mask=mask.numpy(),
+                              aux_loss_expert_counts=counts.numpy(), aux_loss_tokens=2.0 * T,
+                              **fields)
+    assert np.array_equal(r.topk_idx.cpu().numpy(), ref.topk_idx)
+    assert_close(r.topk_w.detach().cpu().numpy(), ref.topk_w, 1e-6, 1e-5, "topk_w")
+    assert_close(r.aux_loss.item(), ref.aux_loss, 1e-7, 1e-5, "aux_loss")
+    gw = torch.randn(T, K, generator=g)
+    ((r.topk_w * gw.cuda()).sum() + 2.0 * r.aux_loss).backward()
+    want = epx.reference_route_backward(logits.numpy(), ref.topk_idx, gw.numpy(),
+                                        token_mask=mask.numpy(),
+                                        aux_loss_expert_counts=counts.numpy(),
+                                        aux_loss_tokens=2.0 * T, grad_aux_loss=2.0, **fields)
+    assert_close(lc.grad.cpu().numpy(), want, 1e-6, 1e-4, "logits.grad")
+
+
 def gpu_worker(rank, W, seed, out_dir, port):
     import torch.distributed as dist
     torch.cuda.set_device(rank)
