@@ -942,7 +942,14 @@ class MoE(_torch.nn.Module):
     costs a host wait per step). The two memory fields are forward's
     arguments: token_mask [...] (bool, True = a real token; padding routes
     nowhere and counts in no loss) and aux_loss_expert_counts [E] (the
-    global aux loss's counts, e.g. summed over ranks)."""
+    global aux loss's counts, e.g. summed over ranks).
+
+    ``self.aux_loss`` keeps the last forward's autograd graph alive until
+    the next forward; with it, the parameters' gradient accumulators, whose
+    CUDA stream is the one they were made on. Before a CUDA-graph warm-up
+    on a side stream, after eager steps, set ``layer.aux_loss = None`` (or
+    the capture fails: the accumulators would sync with the default
+    stream)."""
 
     def __init__(self, comm, hidden_size, ffn_hidden_size, num_experts, top_k, *,
                  max_tokens_per_rank, dtype=_F32, device="cpu", weighting=Weighting.IN_COMBINE,

@@ -676,7 +676,8 @@ def test_gpu_cuda_graph_replays_a_layer_step_bit_identically():
 
 @gpu
 @pytest.mark.parametrize("case", [
-    dict(score_fn=epx.ScoreFn.SIGMOID, num_groups=4, topk_groups=2, aux_loss_sequences=2),
+    dict(score_fn=epx.ScoreFn.SIGMOID, num_groups=4, topk_groups=2, scaling_factor=1.5,
+         z_loss_coeff=0.01),
     dict(capacity_mode=1, capacity_arithmetic=epx.CapacityArithmetic.FLOAT64,
          capacity_factor_f64=1.1, drop_policy=epx.DropPolicy.BY_RANDOM_PRIORITY, random_seed=7,
          renormalize_after_drop=1, aux_counts=epx.AuxCounts.FIRST_CHOICE),
