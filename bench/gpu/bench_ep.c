@@ -595,7 +595,7 @@ static void run_step_sweep(int T) {
   experts_t ex;
   experts_init(&ex);
   run_step(&ex, T, EPX_PATH_HOST, 0);
-  const int32_t budgets[] = {8, 16, 24, 32, 48};
+  const int32_t budgets[] = {8, 16, 24, 32};
   int32_t best = 0;
   float best_ms = 0;
   for (size_t i = 0; i < sizeof budgets / sizeof budgets[0]; i++) {
@@ -665,9 +665,10 @@ int main(int argc, char **argv) {
       g_path = EPX_PATH_HOST;
       run(T, 0, EPX_LAYOUT_RANK_MAJOR, EPX_EXCHANGE_DEDUP, EPX_COMBINE_PARTIALS_PAYLOAD, nc);
       g_path = EPX_PATH_AUTO;
-      const int32_t budgets[] = {8, 16, 24, 32, 0};
-      for (int si = 0; si < 5; si++) {
-        if (budgets[si] == 0 && section("main")) continue; /* the main section ran the default */
+      /* 0: the default (DEFAULT_SM_BUDGET), run by the main section if asked */
+      const int32_t budgets[] = {8, 16, 0, 32};
+      for (int si = 0; si < 4; si++) {
+        if (budgets[si] == 0 && section("main")) continue;
         g_sms = budgets[si];
         run(T, 0, EPX_LAYOUT_RANK_MAJOR, EPX_EXCHANGE_DEDUP, EPX_COMBINE_PARTIALS_PAYLOAD, nc);
       }

@@ -215,7 +215,8 @@ static int fused_wanted(epx_buffer_t b) {
  * first layout that agrees it): creates the fused state. The ranks agree the
  * outcome, so a refusal on any rank (a peer without load/store access, no
  * memory for the window, an NCCL without symmetric memory) leaves every rank
- * on the host path; only a failing comm fails the caller. */
+ * on the host path, and epx_last_error() after the (successful) call says
+ * why (epx.h, EPX_PATH_AUTO); only a failing comm fails the caller. */
 static epx_status_t ensure_fused(epx_buffer_t b, const char *fn) {
   ep_buffer_t *s = b->cuda;
   if (s->fused_tried || !fused_wanted(b) || b->max_tokens == 0) return EPX_SUCCESS;
@@ -225,12 +226,22 @@ static epx_status_t ensure_fused(epx_buffer_t b, const char *fn) {
   const epx_fused_config_t fc = {c->dtype, c->hidden, c->num_experts, c->max_top_k, b->max_tokens,
                                  b->comm->timeout_seconds, EP_FUSED_BULK_COPY};
   epx_fused_t *f = NULL;
-  int64_t failed = epx_fused_create(epx_nccl_comm(b->comm), &fc, &f) != EPX_SUCCESS;
-  epx_status_t status = b->comm->ops->allreduce_max_i64(b->comm, fn, &failed, 1);
-  if (status != EPX_SUCCESS || failed) {
+  char reason[768] = "";
+  /* the highest refusing rank + 1, 0 where none refused */
+  int64_t refused = epx_fused_create(epx_nccl_comm(b->comm), &fc, &f) != EPX_SUCCESS ? b->rank + 1 : 0;
+  if (refused) snprintf(reason, sizeof reason, "%s", epx_last_error());
+  epx_status_t status = b->comm->ops->allreduce_max_i64(b->comm, fn, &refused, 1);
+  if (status != EPX_SUCCESS || refused) {
     if (f) epx_fused_destroy(f);
-    if (status == EPX_SUCCESS) epx_error_clear(); /* the refusal only chose the host path */
-    return status;
+    if (status != EPX_SUCCESS) return status;
+    /* not an error: the host path serves the buffer; the reason stays readable */
+    if (reason[0])
+      epx_error(EPX_ERROR_UNSUPPORTED, "%s: the fused path was refused (every peer takes the host path): %s", fn,
+                reason);
+    else
+      epx_error(EPX_ERROR_UNSUPPORTED, "%s: rank %lld refused the fused path (its epx_last_error says why); every "
+                "peer takes the host path", fn, (long long)(refused - 1));
+    return EPX_SUCCESS;
   }
   int device = 0, sms = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||

@@ -79,7 +79,8 @@ size_t window_bytes(const fused_dev &d, int64_t part_elem) {
 }
 
 epx_status_t nccl_fail(const char *fn, const char *what, ncclResult_t r) {
-  return epx_error(EPX_ERROR_TRANSPORT, "%s: %s failed: %s", fn, what, ncclGetErrorString(r));
+  return epx_error(EPX_ERROR_TRANSPORT, "%s: %s failed: %s (%s)", fn, what, ncclGetErrorString(r),
+                   ncclGetLastError(NULL));
 }
 epx_status_t cuda_fail(const char *fn, const char *what, cudaError_t e) {
   return epx_error(EPX_ERROR_CUDA, "%s: %s failed: %s", fn, what, cudaGetErrorString(e));
@@ -304,13 +305,31 @@ extern "C" epx_status_t epx_fused_create(void *nccl_comm, const epx_fused_config
   *fused = NULL;
   EPX_REQUIRE(nccl_comm, "%s: nccl_comm is NULL; pass an ncclComm_t", fn);
   ncclComm_t comm = static_cast<ncclComm_t>(nccl_comm);
+  /* The device API's structs (ncclDevComm, its requirements, the window)
+   * change between NCCL releases, patch releases included (2.28.3 -> 2.28.9):
+   * the NCCL loaded must be the one whose headers this was compiled with. */
+  int version = 0;
+  if (ncclGetVersion(&version) != ncclSuccess || version != NCCL_VERSION_CODE)
+    return epx_error(EPX_ERROR_UNSUPPORTED,
+                     "%s: the NCCL loaded is version %d, the fused module was compiled against NCCL %d's device "
+                     "API; load that NCCL (LD_LIBRARY_PATH) or rebuild epx against this one (EPX_NCCL_ROOT)",
+                     fn, version, NCCL_VERSION_CODE);
   int W = 0, rank = 0;
-  if (ncclCommCount(comm, &W) != ncclSuccess || ncclCommUserRank(comm, &rank) != ncclSuccess)
-    return epx_error(EPX_ERROR_TRANSPORT, "%s: nccl_comm is not a usable ncclComm_t", fn);
+  /* a nonblocking comm must have finished its previous operation (NCCL
+   * refuses every call until then) */
+  epx_status_t status = nccl_settle(comm, ncclSuccess, config && config->timeout_seconds > 0 ? config->timeout_seconds
+                                                                                         : 60.0,
+                                    fn, "the comm's previous operation");
+  if (status != EPX_SUCCESS) return status;
+  ncclResult_t r = ncclCommCount(comm, &W);
+  if (r == ncclSuccess) r = ncclCommUserRank(comm, &rank);
+  if (r != ncclSuccess)
+    return epx_error(EPX_ERROR_TRANSPORT, "%s: nccl_comm is not a usable ncclComm_t (%s: %s)", fn,
+                     ncclGetErrorString(r), ncclGetLastError(comm));
   if (W > EPX_FUSED_MAX_RANKS)
     return epx_error(EPX_ERROR_UNSUPPORTED, "%s: %d ranks, over the fused path's %d; use the host-API exchange",
                      fn, W, EPX_FUSED_MAX_RANKS);
-  epx_status_t status = check_config(config, W, fn);
+  status = check_config(config, W, fn);
   if (status != EPX_SUCCESS) return status;
   epx_fused_t *f = static_cast<epx_fused_t *>(calloc(1, sizeof *f));
   if (!f) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
