@@ -85,9 +85,8 @@ typedef struct ep_buffer {
   int32_t fused_ctas; /* the SM budget, clamped to the device's SMs */
   epx_fused_plan_t *spare; /* the empty layout of an oversize rank (worst_case_sizing) */
   /* Plans of released handles, for the next layouts: every plan is sized for
-   * the buffer's worst case, and reusing one needs no cudaMalloc (not in a
-   * CUDA graph capture of global mode) and no cudaFree (which waits for the
-   * device) on handle release. */
+   * the buffer's worst case, so reusing one saves an allocation and a free
+   * (both stream-ordered, as the handle's block: capturable). */
   epx_fused_plan_t *pool[8];
   int pooled;
 } ep_buffer_t;
@@ -168,9 +167,12 @@ void epx_cuda_ep_buffer_fini(epx_buffer_t b) {
   ep_buffer_t *s = b->cuda;
   if (!s) return;
 #if EPX_HAVE_FUSED
-  while (s->pooled > 0) epx_fused_plan_destroy(s->pool[--s->pooled]);
-  if (s->spare) epx_fused_plan_destroy(s->spare);
-  if (s->fused) epx_fused_destroy(s->fused); /* collective: the window is deregistered */
+  while (s->pooled > 0) epx_fused_plan_destroy(s->pool[--s->pooled], stream_of(b));
+  if (s->spare) epx_fused_plan_destroy(s->spare, stream_of(b));
+  /* collective: the window is deregistered, unless the comm failed (its
+   * NCCL comm was aborted, windows and all) */
+  if (s->fused && !b->comm->failed) epx_fused_destroy(s->fused);
+  else if (s->fused) epx_fused_abandon(s->fused);
 #endif
   if (s->send) cudaFreeAsync(s->send, stream_of(b));
   if (s->recv) cudaFreeAsync(s->recv, stream_of(b));
@@ -277,7 +279,8 @@ static epx_status_t fused_layout(epx_buffer_t b, const epx_routing_t *r, ep_hand
   ep_buffer_t *s = b->cuda;
   EPX_CHECK(fused_alive(s, fn));
   if (s->pooled > 0) h->plan = s->pool[--s->pooled];
-  else EPX_CHECK(epx_fused_plan_create(s->fused, b->config.layout, b->config.expert_alignment, &h->plan));
+  else EPX_CHECK(epx_fused_plan_create(s->fused, b->config.layout, b->config.expert_alignment, stream_of(b),
+                                       &h->plan));
   CUDA_CHECK(epx_fused_layout_launch(s->fused, h->plan, r->topk_idx, r->topk_w, r->num_tokens, r->top_k,
                                      stream_of(b)),
              fn, "the fused layout kernels");
@@ -290,7 +293,8 @@ fail:
 static epx_status_t fused_join_oversize(epx_buffer_t b, const char *fn) {
   epx_status_t status = EPX_SUCCESS;
   ep_buffer_t *s = b->cuda;
-  if (!s->spare) EPX_CHECK(epx_fused_plan_create(s->fused, b->config.layout, b->config.expert_alignment, &s->spare));
+  if (!s->spare)
+    EPX_CHECK(epx_fused_plan_create(s->fused, b->config.layout, b->config.expert_alignment, stream_of(b), &s->spare));
   CUDA_CHECK(epx_fused_layout_launch(s->fused, s->spare, NULL, NULL, 0, 1, stream_of(b)), fn,
              "the fused layout kernels");
 fail:
@@ -336,7 +340,7 @@ void epx_cuda_ep_handle_fini(epx_handle_t handle) {
 #if EPX_HAVE_FUSED
   ep_buffer_t *s = handle->buffer->cuda;
   if (h->plan && s->pooled < (int)(sizeof s->pool / sizeof s->pool[0])) s->pool[s->pooled++] = h->plan;
-  else if (h->plan) epx_fused_plan_destroy(h->plan);
+  else if (h->plan) epx_fused_plan_destroy(h->plan, stream_of(handle->buffer));
 #endif
   if (h->block) cudaFreeAsync(h->block, stream_of(handle->buffer));
   free(h->count[0]);

@@ -382,6 +382,16 @@ extern "C" epx_status_t epx_fused_destroy(epx_fused_t *f) {
   return status;
 }
 
+extern "C" void epx_fused_abandon(epx_fused_t *f) {
+  if (!f) return;
+  cudaDeviceSynchronize(); /* every wait of a fused kernel is bounded */
+  free(f->devcomm);        /* the host copy; the device side went with the comm */
+  if (f->base) ncclMemFree(f->base);
+  cudaFree(f->dev.ctl);
+  if (f->err_host) cudaFreeHost(f->err_host);
+  free(f);
+}
+
 extern "C" int epx_fused_error(const epx_fused_t *f, int32_t *peer, const char **phase) {
   static const char *const names[] = {"?", "layout clear-to-send", "layout counts", "layout routing records",
                                       "dispatch clear-to-send", "dispatch rows", "combine clear-to-send",
@@ -399,7 +409,7 @@ extern "C" void *epx_fused_recv_window(epx_fused_t *f) { return f->dev.local + f
 /* ---- plans ------------------------------------------------------------------ */
 
 extern "C" epx_status_t epx_fused_plan_create(epx_fused_t *f, epx_layout_t layout, int32_t alignment,
-                                              epx_fused_plan_t **plan) {
+                                              cudaStream_t stream, epx_fused_plan_t **plan) {
   const char *fn = "epx_fused_plan_create";
   EPX_REQUIRE(f && plan, "%s: fused or plan is NULL", fn);
   EPX_REQUIRE(layout == EPX_LAYOUT_EXPERT_MAJOR || layout == EPX_LAYOUT_RANK_MAJOR,
@@ -420,10 +430,10 @@ extern "C" epx_status_t epx_fused_plan_create(epx_fused_t *f, epx_layout_t layou
   for (size_t i = 0; i < sizeof words / sizeof words[0]; i++) bytes += align_up((size_t)words[i] * 4, 256);
   epx_fused_plan_t *p = static_cast<epx_fused_plan_t *>(calloc(1, sizeof *p));
   if (!p) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
-  cudaError_t e = cudaMalloc(&p->memory, bytes);
+  cudaError_t e = cudaMallocAsync(&p->memory, bytes, stream);
   if (e != cudaSuccess) {
     free(p);
-    return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: cudaMalloc of %zu bytes failed: %s", fn, bytes,
+    return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: cudaMallocAsync of %zu bytes failed: %s", fn, bytes,
                      cudaGetErrorString(e));
   }
   char *m = static_cast<char *>(p->memory);
@@ -451,9 +461,9 @@ extern "C" epx_status_t epx_fused_plan_create(epx_fused_t *f, epx_layout_t layou
   return EPX_SUCCESS;
 }
 
-extern "C" void epx_fused_plan_destroy(epx_fused_plan_t *p) {
+extern "C" void epx_fused_plan_destroy(epx_fused_plan_t *p, cudaStream_t stream) {
   if (!p) return;
-  cudaFree(p->memory);
+  cudaFreeAsync(p->memory, stream);
   free(p);
 }
 

@@ -535,10 +535,11 @@ static void compare_exchanges(const case_t *c, const result_t *d, const result_t
         "%s: dedup and %s differ", what, pair);
 }
 
-/* The path a buffer of this case took: fused exactly where the config and
- * build allow it (the same answer for every peer in this version). */
-static void check_path(const case_t *c, epx_exchange_t x, const result_t *g) {
-  const int fused_ok = g_path == EPX_PATH_AUTO && x == EPX_EXCHANGE_DEDUP && c->layout != EPX_LAYOUT_CAPACITY;
+/* The path a buffer of this case took, made with exchange_path `asked`:
+ * fused exactly where the config and build allow it (the same answer for
+ * every peer in this version). */
+static void check_path(const case_t *c, epx_exchange_t x, epx_exchange_path_t asked, const result_t *g) {
+  const int fused_ok = asked == EPX_PATH_AUTO && x == EPX_EXCHANGE_DEDUP && c->layout != EPX_LAYOUT_CAPACITY;
   CHECK(g->path == EPX_PATH_FUSED || g->path == EPX_PATH_HOST, "%s: peers on different paths (%d)",
         describe(c, x), g->path);
   if (!fused_ok) CHECK(g->path == EPX_PATH_HOST, "%s: path %d, the host path expected", describe(c, x), g->path);
@@ -554,7 +555,7 @@ static void run_case(const case_t *c, epx_comm_t nccl, void *stream) {
     run_t run = {c, x, nccl, g_rank, EPX_DEVICE_CUDA, {0}, stream};
     run_rank(&run);
     gpu[xi] = run.res;
-    check_path(c, x, &gpu[xi]);
+    check_path(c, x, EPX_PATH_AUTO, &gpu[xi]);
     run_cpu(c, x, &cpu);
     compare(c, x, &gpu[xi], &cpu);
     result_free(&cpu);
@@ -566,7 +567,7 @@ static void run_case(const case_t *c, epx_comm_t nccl, void *stream) {
     g_path = EPX_PATH_HOST;
     run_rank(&run);
     g_path = EPX_PATH_AUTO;
-    check_path(c, EPX_EXCHANGE_DEDUP, &run.res);
+    check_path(c, EPX_EXCHANGE_DEDUP, EPX_PATH_HOST, &run.res);
     CHECK(run.res.path == EPX_PATH_HOST, "EPX_PATH_HOST: path %d", run.res.path);
     compare_exchanges(c, &gpu[0], &run.res, "the host path (EPX_PATH_HOST)");
     result_free(&run.res);
