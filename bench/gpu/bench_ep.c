@@ -58,7 +58,7 @@
 
 enum { H = 7168, E = 256, K = 8, REPS = 20, WARM = 3 };
 /* config.sm_budget 0 means this (epx.h), for the names of the rows */
-enum { DEFAULT_SM_BUDGET = 24 };
+enum { DEFAULT_SM_BUDGET = 32 };
 
 static int g_rank, g_size, g_bad;
 static cudaStream_t g_stream;
@@ -666,7 +666,7 @@ int main(int argc, char **argv) {
       run(T, 0, EPX_LAYOUT_RANK_MAJOR, EPX_EXCHANGE_DEDUP, EPX_COMBINE_PARTIALS_PAYLOAD, nc);
       g_path = EPX_PATH_AUTO;
       /* 0: the default (DEFAULT_SM_BUDGET), run by the main section if asked */
-      const int32_t budgets[] = {8, 16, 0, 32};
+      const int32_t budgets[] = {8, 16, 24, 0};
       for (int si = 0; si < 4; si++) {
         if (budgets[si] == 0 && section("main")) continue;
         g_sms = budgets[si];
