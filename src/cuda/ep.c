@@ -206,8 +206,12 @@ fail:
 /* ------------------------------------------------------------------------ */
 
 /* Whether the config lets the fused kernels serve this buffer: AUTO, dedup,
- * expert-major or rank-major (the capacity layout stays on the host path),
- * within the module's rank and top-k bounds, in a build that has it. */
+ * expert-major or rank-major, within the module's rank and top-k bounds, in
+ * a build that has it. The capacity layout stays on the host path: its rows
+ * sit at the caller's locations (expert, source rank, slot) with every
+ * unfilled slot zeroed, which the fused layout's running positions do not
+ * give (not implemented: the host path moves the same bits); the
+ * collective exchange, one row per route, has no fused form either. */
 static int fused_wanted(epx_buffer_t b) {
   const epx_buffer_config_t *c = &b->config;
   return EPX_HAVE_FUSED && c->exchange_path == EPX_PATH_AUTO && c->exchange == EPX_EXCHANGE_DEDUP &&
