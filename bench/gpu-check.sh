@@ -18,8 +18,8 @@
 set -u
 cd "$(dirname "$0")/.."
 # EPX_GPU_CHECK_SECTIONS: "one" (one GPU), "two" (2 GPUs over NCCL), or both.
-# EPX_GPU_FUSED=ON builds the fused NVLink exchange (off by default) and
-# requires the 2-GPU tests to take it.
+# EPX_GPU_FUSED=ON (the default) builds the fused NVLink exchange and
+# requires the 2-GPU tests to take it; OFF leaves it out.
 SECTIONS=${EPX_GPU_CHECK_SECTIONS:-one two}
 OUTDIR=${OUT:-/tmp/epx-gpu}
 WORK=${EPX_GPU_WORK:-/tmp/epx-gpu-work}
@@ -31,7 +31,8 @@ SUMMARY=$OUTDIR/summary.txt
 : >"$SUMMARY"
 verdict() { printf '%-58s %s\n' "$1" "$2" >>"$SUMMARY"; }
 
-NCCL=$(python3 -c "import nvidia.nccl,os;print(os.path.dirname(nvidia.nccl.__file__))" 2>/dev/null || echo /usr/local/cuda)
+# PyTorch's NCCL (nvidia.nccl is a namespace package: its __path__, not __file__)
+NCCL=$(python3 -c "import nvidia.nccl;print(list(nvidia.nccl.__path__)[0])" 2>/dev/null || echo /usr/local/cuda)
 MPI_FLAG=-DEPX_BUILD_MPI=OFF
 command -v mpicc >/dev/null 2>&1 && MPI_FLAG=-DEPX_BUILD_MPI=ON
 CMOCKA_ARGS=()
@@ -55,7 +56,7 @@ esac
 case " $SECTIONS " in *" one "*) ;; *) GPU_TESTS="" ;; esac
 BUILD_OK=1
 cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DEPX_BUILD_CUDA=ON -DEPX_CUDA_ARCHITECTURES=90 $MPI_FLAG \
-  -DEPX_NCCL_ROOT="$NCCL" -DEPX_BUILD_FUSED="${EPX_GPU_FUSED:-OFF}" \
+  -DEPX_NCCL_ROOT="$NCCL" -DEPX_BUILD_FUSED="${EPX_GPU_FUSED:-ON}" \
   "${CMOCKA_ARGS[@]}" >>"$OUTDIR/build.log" 2>&1 || BUILD_OK=0
 if [ $BUILD_OK = 1 ]; then
   # shellcheck disable=SC2086
@@ -135,7 +136,7 @@ if [ -n "$GPU2_TESTS" ]; then
       echo "== $t" >>"$OUTDIR/gpu2.log"
       case $t in
         # two H200 over NVLink: the fused path is required where the config allows it
-        mpi_*) EPX_GPU_EXPECT_FUSED=$([ "${EPX_GPU_FUSED:-OFF}" = ON ] && echo 1 || echo 0) timeout "${EPX_GPU2_TEST_TIMEOUT:-300}" \
+        mpi_*) EPX_GPU_EXPECT_FUSED=$([ "${EPX_GPU_FUSED:-ON}" = ON ] && echo 1 || echo 0) timeout "${EPX_GPU2_TEST_TIMEOUT:-300}" \
                  $MPIRUN -x EPX_GPU_EXPECT_FUSED "$BUILD/tests/gpu/$t" >>"$OUTDIR/gpu2.log" 2>&1 ;;
         *) timeout 200 "$BUILD/tests/gpu/$t" >>"$OUTDIR/gpu2.log" 2>&1 ;;
       esac
@@ -156,8 +157,8 @@ if [ -n "$GPU2_TESTS" ]; then
     fi
     B2=0
     if mpicc -O2 -std=c11 -Iinclude -I"$NCCL/include" -I/usr/local/cuda/include bench/gpu/bench_ep.c -o "$WORK/bench_ep" \
-         -L"$BUILD" -lepx -L/usr/local/cuda/lib64 -lcudart -L"$NCCL/lib" -l:libnccl.so.2 -lm \
-         -Wl,-rpath,"$PWD/$BUILD" -Wl,-rpath,"$NCCL/lib" >"$OUTDIR/bench2.log" 2>&1; then
+         -L"$BUILD" -lepx -L/usr/local/cuda/lib64 -lcudart -lcublas -L"$NCCL/lib" -l:libnccl.so.2 -lm \
+         -Wl,-rpath,"$PWD/$BUILD" -Wl,-rpath,"$NCCL/lib" -Wl,-rpath,/usr/local/cuda/lib64 >"$OUTDIR/bench2.log" 2>&1; then
       timeout "${EPX_GPU2_BENCH_TIMEOUT:-300}" $MPIRUN "$WORK/bench_ep" "$WORK" >>"$OUTDIR/bench2.log" 2>&1 && B2=1
     fi
     [ $B2 = 1 ] && verdict "2-GPU benchmark (checked, timings)" PASS || verdict "2-GPU benchmark (checked, timings)" FAIL

@@ -650,9 +650,14 @@ typedef enum epx_exchange_path {
    * the host path, same bits); each layout still also builds the host
    * layout, which serves the handle's queries and those calls; and
    * epx_buffer_destroy is collective (the window is deregistered).
-   * The fused module is built only with -DEPX_BUILD_FUSED=ON (off by
-   * default in this version: its integration is not yet verified on GPUs);
-   * without it AUTO is the host path. */
+   * The fused module is built with NCCL's device API (nccl_device.h, NCCL
+   * 2.28 or later; -DEPX_BUILD_FUSED=OFF leaves it out) and used only with
+   * the NCCL release it was compiled against (the device API's structs
+   * change between releases). Where the fused path is refused (that, no
+   * load/store access, no memory for the window), every rank takes the host
+   * path and epx_last_error() after the call that made the fused state
+   * (epx_buffer_create, or the first epx_dispatch_layout) says why, although
+   * the call succeeds. */
   EPX_PATH_AUTO = 0,
   /* NCCL's host API for every peer (the previous path; to compare the two on
    * the same GPUs, or where the fused window's memory is not wanted). */
@@ -697,14 +702,13 @@ typedef struct epx_buffer_config {
   epx_combine_precision_t combine_precision;
   epx_exchange_path_t exchange_path; /* EPX_PATH_AUTO or EPX_PATH_HOST (CUDA, several ranks) */
   /* CTAs (of 512 threads, about one per SM) the fused kernels run on; 0: the
-   * default 24. The whole-step sweep (dispatch, grouped expert GEMM, combine,
-   * forward and backward) that should choose it is pending. Measured so far,
-   * the exchange alone on 2 H200 (standalone run 2, bench/NOTES-gpu.md:
-   * T=8192, H=7168, top-8 of 256, bf16, rank-major, payload partials, bulk
-   * copy senders as the backend uses them), dispatch / combine in ms:
-   * 8 SMs 0.814 / 1.567, 16 SMs 0.396 / 0.817, 24 SMs 0.402 / 0.568,
-   * 32 SMs 0.405 / 0.439 (NCCL's send/recv of the same rows: 0.422).
-   * Clamped to the device's SM count. Ignored by the host path. */
+   * default 32, the fastest whole step of the sweep in bench/NOTES-gpu.md
+   * (2 H200, two pipelined micro-batches of 4096 tokens, H=7168, top-8 of
+   * 256, bf16, expert-major, a cuBLAS expert MLP beside the exchange;
+   * forward + backward ms: 8 SMs 39.0, 16: 32.4, 24: 30.1, 32: 29.6).
+   * Rank-major dispatch / combine alone at T=8192 (ms): 8 SMs 1.53 / 1.55,
+   * 16: 0.80 / 0.81, 24: 0.55 / 0.56, 32: 0.43 / 0.44 (the host path 0.55 /
+   * 0.57). Clamped to the device's SM count. Ignored by the host path. */
   int32_t sm_budget;
 } epx_buffer_config_t;
 
@@ -729,7 +733,7 @@ typedef struct epx_buffer_config {
     NULL,                         /* stream: the default stream */                     \
     EPX_COMBINE_PARTIALS_FLOAT32, /* combine_precision */                              \
     EPX_PATH_AUTO,                /* exchange_path */                                  \
-    0                             /* sm_budget: 0 = 24 CTAs */                         \
+    0                             /* sm_budget: 0 = 32 CTAs */                         \
   }
 
 /* Fills the first struct_size bytes of *config with EPX_BUFFER_CONFIG_INIT's

@@ -23,6 +23,23 @@
  * over config.sm_budget (8/16/24/32 CTAs) beside them: the fused vs host
  * comparison in one run. The path each buffer took is printed (path=...).
  *
+ * The SM-budget sweep of whole steps (section "step"): an expert-major MoE
+ * layer on two micro-batches of T tokens per rank, the exchange on the
+ * buffer's stream and a grouped expert MLP (cuBLAS strided-batched bf16
+ * GEMMs: up [m, H] x [H, 2F], down [m, F] x [F, H] per local expert, F =
+ * 2048 as DeepSeek-V3; backward: the two data and two weight gradients) on a
+ * second stream, pipelined as DeepEP's users overlap them: micro-batch 1's
+ * dispatch runs beside micro-batch 0's GEMMs, and 0's combine beside 1's
+ * GEMMs (backward: combine_backward, GEMMs, dispatch_backward, the same
+ * way). Each budget's step time (forward, backward) is set beside the GEMMs
+ * alone and the exchange alone at that budget (STEP lines); the host path
+ * is the baseline row. The layout is outside the step (made once: a
+ * training step's layout is its own call).
+ *
+ * Sections (EPX_BENCH_EP_SECTIONS, comma-separated; default all): main
+ * (every layout and exchange), sweep (fused vs host, rank-major, per SM
+ * budget), step (the whole-step sweep).
+ *
  * Usage: mpirun -np 2 bench_ep <workdir>   (RESULT / TARGET / CHECK lines;
  * writes <workdir>/ep_counts.txt for bench_torch_ep.py) */
 #include <math.h>
@@ -33,12 +50,15 @@
 #include <string.h>
 #include <time.h>
 
+#include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
 #include "epx.h"
 
 enum { H = 7168, E = 256, K = 8, REPS = 20, WARM = 3 };
+/* config.sm_budget 0 means this (epx.h), for the names of the rows */
+enum { DEFAULT_SM_BUDGET = 32 };
 
 static int g_rank, g_size, g_bad;
 static cudaStream_t g_stream;
@@ -253,7 +273,7 @@ static void run(int T, int skew, epx_layout_t layout, epx_exchange_t exchange, e
   int32_t paths[64] = {0};
   OK(epx_buffer_peer_paths(b.buf, paths));
   char sms[32] = "";
-  if (paths[0] == EPX_PATH_FUSED) snprintf(sms, sizeof sms, " sms=%d", g_sms ? g_sms : 24);
+  if (paths[0] == EPX_PATH_FUSED) snprintf(sms, sizeof sms, " sms=%d", g_sms ? g_sms : DEFAULT_SM_BUDGET);
   snprintf(name, sizeof name, "T=%d routing=%s layout=%s exchange=%s partials=%s path=%s%s", T,
            skew ? "skewed" : "uniform", layout == EPX_LAYOUT_RANK_MAJOR ? "rank-major" : "expert-major",
            exchange == EPX_EXCHANGE_DEDUP ? "dedup" : "collective",
@@ -346,10 +366,263 @@ static void run_worst_layout(int T) {
   cudaFree(d_idx), free(idx), free(w);
 }
 
+/* ------------------------------------------------------------------------ */
+/* Whole steps: the SM-budget sweep                                          */
+/* ------------------------------------------------------------------------ */
+
+enum { FFN = 2048, MB = 2 }; /* the expert MLP's intermediate size; micro-batches per step */
+
+#define CUBLAS(call)                                                                                   \
+  do {                                                                                                 \
+    cublasStatus_t s_ = (call);                                                                        \
+    if (s_ != CUBLAS_STATUS_SUCCESS) {                                                                 \
+      fprintf(stderr, "rank %d: %s:%d: %s: cuBLAS status %d\n", g_rank, __FILE__, __LINE__, #call, (int)s_); \
+      MPI_Abort(MPI_COMM_WORLD, 5);                                                                    \
+    }                                                                                                  \
+  } while (0)
+
+/* The expert weights and their gradients, shared by the micro-batches. */
+typedef struct {
+  cublasHandle_t blas;
+  cudaStream_t gemm;  /* the GEMMs' stream */
+  int El;
+  void *w1, *w2, *dw1, *dw2; /* [El, H, 2F], [El, F, H] bf16 */
+} experts_t;
+
+/* One micro-batch: its handle and activations ([rows, *] bf16, rows = the
+ * buffer's recv bound + El so the uniform expert slices fit). */
+typedef struct {
+  epx_handle_t h;
+  int64_t m; /* rows per expert slice: ceil(N / El) */
+  void *x, *out, *gout, *gx;           /* [T, H] */
+  void *recv, *eo, *geo, *grecv;       /* [rows, H] */
+  void *h1, *gh1;                      /* [rows, 2F] */
+  cudaEvent_t ex_done, gemm_done;
+} micro_t;
+
+typedef struct {
+  epx_buffer_t buf;
+  experts_t *ex;
+  micro_t mb[MB];
+  int64_t cap;
+  int backward;
+} step_t;
+
+/* Row-major C[M x N] = op(A) op(B) for every local expert (strided batches);
+ * lda/ldb/ldc are row strides as stored, sa/sb/sc the experts' strides. */
+static void rm_gemm(experts_t *ex, int ta, int tb, int64_t M, int64_t N, int64_t Kd, const void *A, int64_t lda,
+                    int64_t sa, const void *B, int64_t ldb, int64_t sb, void *C, int64_t ldc, int64_t sc) {
+  const float one = 1.0f, zero = 0.0f;
+  /* column-major: C^T = op(B)^T op(A)^T, the transposes carried over */
+  CUBLAS(cublasGemmStridedBatchedEx(ex->blas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N,
+                                    (int)N, (int)M, (int)Kd, &one, B, CUDA_R_16BF, (int)ldb, sb, A, CUDA_R_16BF,
+                                    (int)lda, sa, &zero, C, CUDA_R_16BF, (int)ldc, sc, ex->El, CUBLAS_COMPUTE_32F,
+                                    CUBLAS_GEMM_DEFAULT));
+}
+
+/* The expert MLP of one micro-batch on the GEMM stream: forward h1 = recv W1,
+ * eo = h1[:, :F] W2; backward gh1[:, :F] = geo W2^T, dW2 = h1[:, :F]^T geo,
+ * grecv = gh1 W1^T, dW1 = recv^T gh1. */
+static void expert_mlp(experts_t *ex, const micro_t *u, int backward) {
+  const int64_t m = u->m, F2 = 2 * FFN;
+  if (!backward) {
+    rm_gemm(ex, 0, 0, m, F2, H, u->recv, H, m * H, ex->w1, F2, (int64_t)H * F2, u->h1, F2, m * F2);
+    rm_gemm(ex, 0, 0, m, H, FFN, u->h1, F2, m * F2, ex->w2, H, (int64_t)FFN * H, u->eo, H, m * H);
+    return;
+  }
+  rm_gemm(ex, 0, 1, m, FFN, H, u->geo, H, m * H, ex->w2, H, (int64_t)FFN * H, u->gh1, F2, m * F2);
+  rm_gemm(ex, 1, 0, FFN, H, m, u->h1, F2, m * F2, u->geo, H, m * H, ex->dw2, H, (int64_t)FFN * H);
+  rm_gemm(ex, 0, 1, m, H, F2, u->gh1, F2, m * F2, ex->w1, F2, (int64_t)H * F2, u->grecv, H, m * H);
+  rm_gemm(ex, 1, 0, H, F2, m, u->recv, H, m * H, u->gh1, F2, m * F2, ex->dw1, F2, (int64_t)H * F2);
+}
+
+/* The exchange into the GEMMs (dispatch, or combine_backward) and out of
+ * them (combine, or dispatch_backward) of micro-batch i. */
+static void exchange_in(step_t *s, int i) {
+  micro_t *u = &s->mb[i];
+  if (!s->backward) OK(epx_dispatch(s->buf, u->h, u->x, u->recv, s->cap));
+  else OK(epx_combine_backward(s->buf, u->h, u->gout, NULL, u->geo, NULL));
+}
+static void exchange_out(step_t *s, int i) {
+  micro_t *u = &s->mb[i];
+  if (!s->backward) OK(epx_combine(s->buf, u->h, u->eo, u->out));
+  else OK(epx_dispatch_backward(s->buf, u->h, u->grecv, u->gx, NULL, NULL));
+}
+
+/* One pipelined step: every exchange on g_stream, every GEMM on ex->gemm;
+ * micro-batch i+1's exchange in overlaps i's GEMMs, i's exchange out
+ * overlaps i+1's GEMMs. Ends on g_stream. */
+static void op_step(void *p) {
+  step_t *s = p;
+  for (int i = 0; i < MB; i++) {
+    exchange_in(s, i);
+    CU(cudaEventRecord(s->mb[i].ex_done, g_stream));
+    CU(cudaStreamWaitEvent(s->ex->gemm, s->mb[i].ex_done, 0));
+    expert_mlp(s->ex, &s->mb[i], s->backward);
+    CU(cudaEventRecord(s->mb[i].gemm_done, s->ex->gemm));
+  }
+  for (int i = 0; i < MB; i++) {
+    CU(cudaStreamWaitEvent(g_stream, s->mb[i].gemm_done, 0));
+    exchange_out(s, i);
+  }
+}
+
+/* The GEMMs alone (the same work, no exchange), timed on g_stream. */
+static void op_gemms(void *p) {
+  step_t *s = p;
+  CU(cudaEventRecord(s->mb[0].ex_done, g_stream));
+  CU(cudaStreamWaitEvent(s->ex->gemm, s->mb[0].ex_done, 0));
+  for (int i = 0; i < MB; i++) expert_mlp(s->ex, &s->mb[i], s->backward);
+  CU(cudaEventRecord(s->mb[0].gemm_done, s->ex->gemm));
+  CU(cudaStreamWaitEvent(g_stream, s->mb[0].gemm_done, 0));
+}
+
+/* The exchanges alone: every micro-batch's in, then out. */
+static void op_exchanges(void *p) {
+  step_t *s = p;
+  for (int i = 0; i < MB; i++) exchange_in(s, i);
+  for (int i = 0; i < MB; i++) exchange_out(s, i);
+}
+
+static void *dev_fill(size_t bytes) {
+  void *p = NULL;
+  CU(cudaMalloc(&p, bytes));
+  CU(cudaMemset(p, 0x3c, bytes)); /* bf16 0x3c3c = 0.0115: finite sums in every GEMM */
+  return p;
+}
+
+static void experts_init(experts_t *ex) {
+  ex->El = E / g_size;
+  const size_t w1 = (size_t)ex->El * H * 2 * FFN * 2, w2 = (size_t)ex->El * FFN * H * 2;
+  ex->w1 = dev_fill(w1), ex->dw1 = dev_fill(w1);
+  ex->w2 = dev_fill(w2), ex->dw2 = dev_fill(w2);
+  CU(cudaStreamCreateWithFlags(&ex->gemm, cudaStreamNonBlocking));
+  CUBLAS(cublasCreate(&ex->blas));
+  CUBLAS(cublasSetStream(ex->blas, ex->gemm));
+}
+
+static void experts_fini(experts_t *ex) {
+  cublasDestroy(ex->blas);
+  cudaStreamDestroy(ex->gemm);
+  cudaFree(ex->w1), cudaFree(ex->w2), cudaFree(ex->dw1), cudaFree(ex->dw2);
+}
+
+/* Micro-batch i of a step buffer: routing (seeded by i), layout, buffers. */
+static void micro_init(step_t *s, int i, int T, int32_t *d_idx, float *d_w) {
+  micro_t *u = &s->mb[i];
+  int32_t *idx = malloc(4 * (size_t)T * K);
+  float *w = malloc(4 * (size_t)T * K);
+  make_routing(T, 0, 1000 + i, idx, w);
+  CU(cudaMemcpy(d_idx, idx, 4 * (size_t)T * K, cudaMemcpyHostToDevice));
+  CU(cudaMemcpy(d_w, w, 4 * (size_t)T * K, cudaMemcpyHostToDevice));
+  const epx_routing_t r = {T, K, d_idx, d_w, NULL, EPX_WEIGHTS_IN_COMBINE};
+  OK(epx_dispatch_layout(s->buf, &r, NULL, &u->h));
+  int64_t N;
+  OK(epx_handle_recv_rows(u->h, &N));
+  const int El = s->ex->El;
+  u->m = (N + El - 1) / El;
+  const size_t rows = (size_t)(s->cap + El), tb = (size_t)T * H * 2;
+  void **tok[] = {&u->x, &u->out, &u->gout, &u->gx}, **row[] = {&u->recv, &u->eo, &u->geo, &u->grecv};
+  for (int j = 0; j < 4; j++) *tok[j] = dev_fill(tb), *row[j] = dev_fill(rows * H * 2);
+  u->h1 = dev_fill(rows * 2 * FFN * 2), u->gh1 = dev_fill(rows * 2 * FFN * 2);
+  CU(cudaEventCreateWithFlags(&u->ex_done, cudaEventDisableTiming));
+  CU(cudaEventCreateWithFlags(&u->gemm_done, cudaEventDisableTiming));
+  free(idx), free(w);
+}
+
+static void micro_fini(micro_t *u) {
+  OK(epx_handle_release(u->h));
+  void *p[] = {u->x, u->out, u->gout, u->gx, u->recv, u->eo, u->geo, u->grecv, u->h1, u->gh1};
+  for (size_t j = 0; j < sizeof p / sizeof p[0]; j++) cudaFree(p[j]);
+  cudaEventDestroy(u->ex_done), cudaEventDestroy(u->gemm_done);
+}
+
+typedef struct {
+  float fwd, bwd;
+} step_times_t;
+
+/* The step sweep's row for one path and budget: the step forward and
+ * backward, the GEMMs alone, the exchanges alone (medians, ms). */
+static step_times_t run_step(experts_t *ex, int T, epx_exchange_path_t path, int32_t sms) {
+  epx_buffer_config_t cfg = EPX_BUFFER_CONFIG_INIT;
+  cfg.device = EPX_DEVICE_CUDA;
+  cfg.dtype = EPX_BFLOAT16;
+  cfg.hidden = H;
+  cfg.num_experts = E;
+  cfg.max_top_k = K;
+  cfg.max_tokens_per_rank = T;
+  cfg.layout = EPX_LAYOUT_EXPERT_MAJOR;
+  cfg.stream = g_stream;
+  cfg.combine_precision = EPX_COMBINE_PARTIALS_PAYLOAD;
+  cfg.exchange_path = path;
+  cfg.sm_budget = sms;
+  step_t s = {0};
+  s.ex = ex;
+  OK(epx_buffer_create(g_comm, &cfg, &s.buf));
+  int32_t paths[64] = {0};
+  OK(epx_buffer_peer_paths(s.buf, paths));
+  OK(epx_buffer_max_recv_rows(s.buf, &s.cap));
+  int32_t *d_idx;
+  float *d_w;
+  CU(cudaMalloc((void **)&d_idx, 4 * (size_t)T * K));
+  CU(cudaMalloc((void **)&d_w, 4 * (size_t)T * K));
+  for (int i = 0; i < MB; i++) micro_init(&s, i, T, d_idx, d_w);
+  timing_t t[6];
+  for (int b = 0; b < 2; b++) {
+    s.backward = b;
+    t[b] = time_op(op_step, &s);
+    t[2 + b] = time_op(op_gemms, &s);
+    t[4 + b] = time_op(op_exchanges, &s);
+  }
+  double flops = 0;
+  for (int i = 0; i < MB; i++) flops += 2.0 * (double)s.mb[i].m * ex->El * (double)H * 3 * FFN;
+  if (g_rank == 0)
+    printf("STEP T=%dx%d layout=expert-major partials=payload path=%s sms=%d fwd_ms=%.3f bwd_ms=%.3f "
+           "gemm_fwd_ms=%.3f gemm_bwd_ms=%.3f exchange_fwd_ms=%.3f exchange_bwd_ms=%.3f exposed_fwd_ms=%.3f "
+           "exposed_bwd_ms=%.3f gemm_TFLOPs=%.0f (slowest rank fwd %.3f bwd %.3f)\n",
+           MB, T, paths[0] == EPX_PATH_FUSED ? "fused" : "host", paths[0] == EPX_PATH_FUSED ? (sms ? sms : DEFAULT_SM_BUDGET) : 0,
+           t[0].ms, t[1].ms, t[2].ms, t[3].ms, t[4].ms, t[5].ms, t[0].ms - t[2].ms, t[1].ms - t[3].ms,
+           flops / t[2].ms / 1e9, t[0].worst_ms, t[1].worst_ms);
+  for (int i = 0; i < MB; i++) micro_fini(&s.mb[i]);
+  OK(epx_buffer_destroy(s.buf));
+  cudaFree(d_idx), cudaFree(d_w);
+  return (step_times_t){t[0].worst_ms, t[1].worst_ms};
+}
+
+/* The sweep: the host path, then the fused path at each budget; the budget
+ * of the fastest step (forward + backward, slowest rank) is printed. */
+static void run_step_sweep(int T) {
+  experts_t ex;
+  experts_init(&ex);
+  run_step(&ex, T, EPX_PATH_HOST, 0);
+  const int32_t budgets[] = {8, 16, 24, 32};
+  int32_t best = 0;
+  float best_ms = 0;
+  for (size_t i = 0; i < sizeof budgets / sizeof budgets[0]; i++) {
+    const step_times_t st = run_step(&ex, T, EPX_PATH_AUTO, budgets[i]);
+    if (!best || st.fwd + st.bwd < best_ms) best = budgets[i], best_ms = st.fwd + st.bwd;
+  }
+  if (g_rank == 0)
+    printf("STEP T=%dx%d fastest step (forward + backward, slowest rank) at sm_budget=%d: %.3f ms\n", MB, T, best,
+           best_ms);
+  experts_fini(&ex);
+}
+
+/* Whether section `name` is asked for (EPX_BENCH_EP_SECTIONS, default all). */
+static int section(const char *name) {
+  const char *s = getenv("EPX_BENCH_EP_SECTIONS");
+  if (!s || !*s || !strcmp(s, "all")) return 1;
+  const size_t n = strlen(name);
+  for (const char *p = s; (p = strstr(p, name)) != NULL; p += n)
+    if ((p == s || p[-1] == ',') && (p[n] == '\0' || p[n] == ',')) return 1;
+  return 0;
+}
+
 int main(int argc, char **argv) {
   MPI_Init(&argc, &argv);
   MPI_Comm_rank(MPI_COMM_WORLD, &g_rank);
   MPI_Comm_size(MPI_COMM_WORLD, &g_size);
+  setvbuf(stdout, NULL, _IOLBF, 0); /* every line out at once: a run cut by its time limit keeps what it measured */
   int devices = 0;
   CU(cudaGetDeviceCount(&devices));
   CU(cudaSetDevice(g_rank % devices));
@@ -375,26 +648,34 @@ int main(int argc, char **argv) {
   const int tokens[] = {8192, 4096};
   for (int ti = 0; ti < 2; ti++) {
     const int T = tokens[ti];
-    run_worst_layout(T);
-    for (int skew = 0; skew < 2; skew++) {
-      run(T, skew, EPX_LAYOUT_RANK_MAJOR, EPX_EXCHANGE_DEDUP, EPX_COMBINE_PARTIALS_PAYLOAD, nc);
-      run(T, skew, EPX_LAYOUT_RANK_MAJOR, EPX_EXCHANGE_COLLECTIVE, EPX_COMBINE_PARTIALS_PAYLOAD, nc);
-      run(T, skew, EPX_LAYOUT_EXPERT_MAJOR, EPX_EXCHANGE_DEDUP, EPX_COMBINE_PARTIALS_PAYLOAD, nc);
-      run(T, skew, EPX_LAYOUT_EXPERT_MAJOR, EPX_EXCHANGE_DEDUP, EPX_COMBINE_PARTIALS_FLOAT32, nc);
-      run(T, skew, EPX_LAYOUT_EXPERT_MAJOR, EPX_EXCHANGE_COLLECTIVE, EPX_COMBINE_PARTIALS_PAYLOAD, nc);
+    if (section("main")) {
+      run_worst_layout(T);
+      for (int skew = 0; skew < 2; skew++) {
+        run(T, skew, EPX_LAYOUT_RANK_MAJOR, EPX_EXCHANGE_DEDUP, EPX_COMBINE_PARTIALS_PAYLOAD, nc);
+        run(T, skew, EPX_LAYOUT_RANK_MAJOR, EPX_EXCHANGE_COLLECTIVE, EPX_COMBINE_PARTIALS_PAYLOAD, nc);
+        run(T, skew, EPX_LAYOUT_EXPERT_MAJOR, EPX_EXCHANGE_DEDUP, EPX_COMBINE_PARTIALS_PAYLOAD, nc);
+        run(T, skew, EPX_LAYOUT_EXPERT_MAJOR, EPX_EXCHANGE_DEDUP, EPX_COMBINE_PARTIALS_FLOAT32, nc);
+        run(T, skew, EPX_LAYOUT_EXPERT_MAJOR, EPX_EXCHANGE_COLLECTIVE, EPX_COMBINE_PARTIALS_PAYLOAD, nc);
+      }
     }
-    /* Fused vs host, rank-major, payload partials (the issue's shape): the
-     * host path, then the fused path at each SM budget. */
-    g_path = EPX_PATH_HOST;
-    run(T, 0, EPX_LAYOUT_RANK_MAJOR, EPX_EXCHANGE_DEDUP, EPX_COMBINE_PARTIALS_PAYLOAD, nc);
-    g_path = EPX_PATH_AUTO;
-    const int32_t budgets[] = {8, 16, 24, 32};
-    for (int si = 0; si < 4; si++) {
-      g_sms = budgets[si];
+    if (section("sweep")) {
+      /* Fused vs host, rank-major, payload partials (the issue's shape):
+       * the host path, then the fused path at each SM budget (0: the
+       * default, which also prints the TARGET lines). */
+      g_path = EPX_PATH_HOST;
       run(T, 0, EPX_LAYOUT_RANK_MAJOR, EPX_EXCHANGE_DEDUP, EPX_COMBINE_PARTIALS_PAYLOAD, nc);
+      g_path = EPX_PATH_AUTO;
+      /* 0: the default (DEFAULT_SM_BUDGET), run by the main section if asked */
+      const int32_t budgets[] = {8, 16, 24, 0};
+      for (int si = 0; si < 4; si++) {
+        if (budgets[si] == 0 && section("main")) continue;
+        g_sms = budgets[si];
+        run(T, 0, EPX_LAYOUT_RANK_MAJOR, EPX_EXCHANGE_DEDUP, EPX_COMBINE_PARTIALS_PAYLOAD, nc);
+      }
+      g_sms = 0;
     }
-    g_sms = 0;
   }
+  if (section("step")) run_step_sweep(4096);
   if (g_counts) fclose(g_counts);
   ncclCommDestroy(nc);
   OK(epx_comm_destroy(g_comm));

@@ -16,7 +16,8 @@ BIN=${EPX_FUSED_BIN:-/tmp/epx-fused-bin}
 mkdir -p "$OUTDIR" "$BIN"
 # NVLink multicast stays off on shared machines.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-NCCL=$(python3 -c "import nvidia.nccl,os;print(os.path.dirname(nvidia.nccl.__file__))" 2>/dev/null || echo /usr/local/cuda)
+# PyTorch's NCCL (nvidia.nccl is a namespace package: its __path__, not __file__)
+NCCL=$(python3 -c "import nvidia.nccl;print(list(nvidia.nccl.__path__)[0])" 2>/dev/null || echo /usr/local/cuda)
 NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
 {
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv

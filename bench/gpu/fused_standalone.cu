@@ -518,7 +518,7 @@ void timing_line(const std::string &s) {
 void run_rank_major(ctx_t &c, const std::string &tag) {
   const shape_t &sh = *c.sh;
   epx_fused_plan_t *plan;
-  EK(epx_fused_plan_create(c.f, EPX_LAYOUT_RANK_MAJOR, 1, &plan));
+  EK(epx_fused_plan_create(c.f, EPX_LAYOUT_RANK_MAJOR, 1, 0, &plan));
   const ref_layout_t L = ref_layout(c.all, g_rank, c.El, sh.K, false, 1);
   dev_ref_t R;
   R.upload(L, false);
@@ -574,7 +574,7 @@ void run_rank_major(ctx_t &c, const std::string &tag) {
         timing_line(line);
       }
   }
-  epx_fused_plan_destroy(plan);
+  epx_fused_plan_destroy(plan, 0);
 }
 
 /* Expert-major: tables, dispatch weighted (in dispatch) and not, combine
@@ -582,7 +582,7 @@ void run_rank_major(ctx_t &c, const std::string &tag) {
 void run_expert_major(ctx_t &c, const std::string &tag) {
   const shape_t &sh = *c.sh;
   epx_fused_plan_t *plan;
-  EK(epx_fused_plan_create(c.f, EPX_LAYOUT_EXPERT_MAJOR, sh.align, &plan));
+  EK(epx_fused_plan_create(c.f, EPX_LAYOUT_EXPERT_MAJOR, sh.align, 0, &plan));
   const ref_layout_t L = ref_layout(c.all, g_rank, c.El, sh.K, true, sh.align);
   dev_ref_t R;
   R.upload(L, true);
@@ -627,7 +627,7 @@ void run_expert_major(ctx_t &c, const std::string &tag) {
       timing_line(line);
     }
   }
-  epx_fused_plan_destroy(plan);
+  epx_fused_plan_destroy(plan, 0);
 }
 
 /* NCCL's grouped send/recv of the same per-rank rows (own rows included),

@@ -143,7 +143,7 @@ static epx_status_t check_buffer_config(epx_comm_t comm, const epx_buffer_config
               "%s: config.exchange_path %d is not EPX_PATH_AUTO or EPX_PATH_HOST", fn, (int)c->exchange_path);
   EPX_REQUIRE(c->sm_budget >= 0 && c->sm_budget <= 1024,
               "%s: config.sm_budget is %d; pass the CTAs of the fused kernels in [1, 1024], or 0 for the "
-              "default (24)", fn, c->sm_budget);
+              "default (32)", fn, c->sm_budget);
   return check_buffer_sizes(comm, c);
 }
 

@@ -67,8 +67,10 @@
 #endif
 
 /* The fused senders move whole rows through the bulk copy engine (faster at
- * 8-32 SMs, equal from 64: bench/NOTES-gpu.md, the fused exchange). */
-enum { EP_FUSED_BULK_COPY = 1, EP_FUSED_DEFAULT_CTAS = 24 };
+ * 8-32 SMs, equal from 64: bench/NOTES-gpu.md, the fused exchange). The
+ * default SM budget is the whole-step sweep's fastest (bench/NOTES-gpu.md,
+ * "the SM budget"). */
+enum { EP_FUSED_BULK_COPY = 1, EP_FUSED_DEFAULT_CTAS = 32 };
 
 enum { HOME_PAIRS = 0, HOME_ROUTES = 1, RECV_PAIRS = 2, RECV_ROUTES = 3, KINDS = 4 };
 
@@ -85,9 +87,8 @@ typedef struct ep_buffer {
   int32_t fused_ctas; /* the SM budget, clamped to the device's SMs */
   epx_fused_plan_t *spare; /* the empty layout of an oversize rank (worst_case_sizing) */
   /* Plans of released handles, for the next layouts: every plan is sized for
-   * the buffer's worst case, and reusing one needs no cudaMalloc (not in a
-   * CUDA graph capture of global mode) and no cudaFree (which waits for the
-   * device) on handle release. */
+   * the buffer's worst case, so reusing one saves an allocation and a free
+   * (both stream-ordered, as the handle's block: capturable). */
   epx_fused_plan_t *pool[8];
   int pooled;
 } ep_buffer_t;
@@ -168,9 +169,12 @@ void epx_cuda_ep_buffer_fini(epx_buffer_t b) {
   ep_buffer_t *s = b->cuda;
   if (!s) return;
 #if EPX_HAVE_FUSED
-  while (s->pooled > 0) epx_fused_plan_destroy(s->pool[--s->pooled]);
-  if (s->spare) epx_fused_plan_destroy(s->spare);
-  if (s->fused) epx_fused_destroy(s->fused); /* collective: the window is deregistered */
+  while (s->pooled > 0) epx_fused_plan_destroy(s->pool[--s->pooled], stream_of(b));
+  if (s->spare) epx_fused_plan_destroy(s->spare, stream_of(b));
+  /* collective: the window is deregistered, unless the comm failed (its
+   * NCCL comm was aborted, windows and all) */
+  if (s->fused && !b->comm->failed) epx_fused_destroy(s->fused);
+  else if (s->fused) epx_fused_abandon(s->fused);
 #endif
   if (s->send) cudaFreeAsync(s->send, stream_of(b));
   if (s->recv) cudaFreeAsync(s->recv, stream_of(b));
@@ -202,8 +206,12 @@ fail:
 /* ------------------------------------------------------------------------ */
 
 /* Whether the config lets the fused kernels serve this buffer: AUTO, dedup,
- * expert-major or rank-major (the capacity layout stays on the host path),
- * within the module's rank and top-k bounds, in a build that has it. */
+ * expert-major or rank-major, within the module's rank and top-k bounds, in
+ * a build that has it. The capacity layout stays on the host path: its rows
+ * sit at the caller's locations (expert, source rank, slot) with every
+ * unfilled slot zeroed, which the fused layout's running positions do not
+ * give (not implemented: the host path moves the same bits); the
+ * collective exchange, one row per route, has no fused form either. */
 static int fused_wanted(epx_buffer_t b) {
   const epx_buffer_config_t *c = &b->config;
   return EPX_HAVE_FUSED && c->exchange_path == EPX_PATH_AUTO && c->exchange == EPX_EXCHANGE_DEDUP &&
@@ -215,7 +223,8 @@ static int fused_wanted(epx_buffer_t b) {
  * first layout that agrees it): creates the fused state. The ranks agree the
  * outcome, so a refusal on any rank (a peer without load/store access, no
  * memory for the window, an NCCL without symmetric memory) leaves every rank
- * on the host path; only a failing comm fails the caller. */
+ * on the host path, and epx_last_error() after the (successful) call says
+ * why (epx.h, EPX_PATH_AUTO); only a failing comm fails the caller. */
 static epx_status_t ensure_fused(epx_buffer_t b, const char *fn) {
   ep_buffer_t *s = b->cuda;
   if (s->fused_tried || !fused_wanted(b) || b->max_tokens == 0) return EPX_SUCCESS;
@@ -225,12 +234,22 @@ static epx_status_t ensure_fused(epx_buffer_t b, const char *fn) {
   const epx_fused_config_t fc = {c->dtype, c->hidden, c->num_experts, c->max_top_k, b->max_tokens,
                                  b->comm->timeout_seconds, EP_FUSED_BULK_COPY};
   epx_fused_t *f = NULL;
-  int64_t failed = epx_fused_create(epx_nccl_comm(b->comm), &fc, &f) != EPX_SUCCESS;
-  epx_status_t status = b->comm->ops->allreduce_max_i64(b->comm, fn, &failed, 1);
-  if (status != EPX_SUCCESS || failed) {
+  char reason[768] = "";
+  /* the highest refusing rank + 1, 0 where none refused */
+  int64_t refused = epx_fused_create(epx_nccl_comm(b->comm), &fc, &f) != EPX_SUCCESS ? b->rank + 1 : 0;
+  if (refused) snprintf(reason, sizeof reason, "%s", epx_last_error());
+  epx_status_t status = b->comm->ops->allreduce_max_i64(b->comm, fn, &refused, 1);
+  if (status != EPX_SUCCESS || refused) {
     if (f) epx_fused_destroy(f);
-    if (status == EPX_SUCCESS) epx_error_clear(); /* the refusal only chose the host path */
-    return status;
+    if (status != EPX_SUCCESS) return status;
+    /* not an error: the host path serves the buffer; the reason stays readable */
+    if (reason[0])
+      epx_error(EPX_ERROR_UNSUPPORTED, "%s: the fused path was refused (every peer takes the host path): %s", fn,
+                reason);
+    else
+      epx_error(EPX_ERROR_UNSUPPORTED, "%s: rank %lld refused the fused path (its epx_last_error says why); every "
+                "peer takes the host path", fn, (long long)(refused - 1));
+    return EPX_SUCCESS;
   }
   int device = 0, sms = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
@@ -266,7 +285,8 @@ static epx_status_t fused_layout(epx_buffer_t b, const epx_routing_t *r, ep_hand
   ep_buffer_t *s = b->cuda;
   EPX_CHECK(fused_alive(s, fn));
   if (s->pooled > 0) h->plan = s->pool[--s->pooled];
-  else EPX_CHECK(epx_fused_plan_create(s->fused, b->config.layout, b->config.expert_alignment, &h->plan));
+  else EPX_CHECK(epx_fused_plan_create(s->fused, b->config.layout, b->config.expert_alignment, stream_of(b),
+                                       &h->plan));
   CUDA_CHECK(epx_fused_layout_launch(s->fused, h->plan, r->topk_idx, r->topk_w, r->num_tokens, r->top_k,
                                      stream_of(b)),
              fn, "the fused layout kernels");
@@ -279,7 +299,8 @@ fail:
 static epx_status_t fused_join_oversize(epx_buffer_t b, const char *fn) {
   epx_status_t status = EPX_SUCCESS;
   ep_buffer_t *s = b->cuda;
-  if (!s->spare) EPX_CHECK(epx_fused_plan_create(s->fused, b->config.layout, b->config.expert_alignment, &s->spare));
+  if (!s->spare)
+    EPX_CHECK(epx_fused_plan_create(s->fused, b->config.layout, b->config.expert_alignment, stream_of(b), &s->spare));
   CUDA_CHECK(epx_fused_layout_launch(s->fused, s->spare, NULL, NULL, 0, 1, stream_of(b)), fn,
              "the fused layout kernels");
 fail:
@@ -325,7 +346,7 @@ void epx_cuda_ep_handle_fini(epx_handle_t handle) {
 #if EPX_HAVE_FUSED
   ep_buffer_t *s = handle->buffer->cuda;
   if (h->plan && s->pooled < (int)(sizeof s->pool / sizeof s->pool[0])) s->pool[s->pooled++] = h->plan;
-  else if (h->plan) epx_fused_plan_destroy(h->plan);
+  else if (h->plan) epx_fused_plan_destroy(h->plan, stream_of(handle->buffer));
 #endif
   if (h->block) cudaFreeAsync(h->block, stream_of(handle->buffer));
   free(h->count[0]);

@@ -77,6 +77,10 @@ epx_status_t epx_fused_create(void *nccl_comm, const epx_fused_config_t *config,
                               epx_fused_t **fused);
 /* Collective (the window is deregistered). NULL is a no-op. */
 epx_status_t epx_fused_destroy(epx_fused_t *fused);
+/* After the NCCL comm was aborted (ncclCommAbort freed it and its windows):
+ * releases this side's memory without calling NCCL on the comm. NULL is a
+ * no-op. */
+void epx_fused_abandon(epx_fused_t *fused);
 
 /* The error word: 0 while no wait timed out; else 1 and the peer that did not
  * answer and the phase ("layout counts", "dispatch rows", ...). Host-mapped:
@@ -91,10 +95,12 @@ void *epx_fused_recv_window(epx_fused_t *fused);
 
 /* A plan (device arrays for the worst case of max_tokens, K = max_top_k),
  * for layout EXPERT_MAJOR or RANK_MAJOR (the capacity layout stays on the
- * host-API path). Not collective. */
-epx_status_t epx_fused_plan_create(epx_fused_t *fused, epx_layout_t layout,
-                                   int32_t expert_alignment, epx_fused_plan_t **plan);
-void epx_fused_plan_destroy(epx_fused_plan_t *plan);
+ * host-API path). Not collective. Its memory is stream-ordered on `stream`
+ * (cudaMallocAsync: allowed inside a CUDA graph capture of any mode), freed
+ * by destroy on the stream it is given. */
+epx_status_t epx_fused_plan_create(epx_fused_t *fused, epx_layout_t layout, int32_t expert_alignment,
+                                   cudaStream_t stream, epx_fused_plan_t **plan);
+void epx_fused_plan_destroy(epx_fused_plan_t *plan, cudaStream_t stream);
 
 /* What a plan holds for the handle's accessors (device memory, valid after the
  * layout launch, until the plan is destroyed). */

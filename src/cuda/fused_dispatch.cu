@@ -28,8 +28,10 @@
 #pragma GCC diagnostic ignored "-Wunused-parameter"
 #include <nccl_device.h>
 #pragma GCC diagnostic pop
+#include <sched.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "core/error.h"
 #include "cuda/fused_impl.cuh"
@@ -77,7 +79,8 @@ size_t window_bytes(const fused_dev &d, int64_t part_elem) {
 }
 
 epx_status_t nccl_fail(const char *fn, const char *what, ncclResult_t r) {
-  return epx_error(EPX_ERROR_TRANSPORT, "%s: %s failed: %s", fn, what, ncclGetErrorString(r));
+  return epx_error(EPX_ERROR_TRANSPORT, "%s: %s failed: %s (%s)", fn, what, ncclGetErrorString(r),
+                   ncclGetLastError(NULL));
 }
 epx_status_t cuda_fail(const char *fn, const char *what, cudaError_t e) {
   return epx_error(EPX_ERROR_CUDA, "%s: %s failed: %s", fn, what, cudaGetErrorString(e));
@@ -139,22 +142,81 @@ void init_dev(epx_fused_t *f, int W, int rank) {
   d.timeout_ns = (unsigned long long)(seconds * 1e9);
 }
 
+/* Seconds since an arbitrary start (the bounded host waits below). */
+double now_seconds() {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* Between two polls: the core goes to the comm's own launch thread (a
+ * nonblocking comm runs each group from a thread that may share this one's
+ * core), then, after 2 ms, a short sleep. */
+void pause_briefly(double started) {
+  if (now_seconds() - started < 2e-3) {
+    sched_yield();
+    return;
+  }
+  struct timespec ts = {0, 20000};
+  nanosleep(&ts, NULL);
+}
+
+/* The result of an NCCL call, waited out where the comm is nonblocking:
+ * epx makes its comms with config.blocking = 0, and there NCCL finishes a
+ * group (ncclCommWindowRegister, ncclDevCommCreate, a collective) on a thread
+ * of its own after the call returns — ncclSuccess or ncclInProgress — and
+ * writes the outputs (the window, the device comm) only then. Polls
+ * ncclCommGetAsyncError until the comm leaves ncclInProgress, at most
+ * `seconds`: EPX_ERROR_TIMEOUT after that (the outputs may still be written
+ * later, so the caller must not free them). */
+epx_status_t nccl_settle(ncclComm_t comm, ncclResult_t r, double seconds, const char *fn, const char *what) {
+  if (r != ncclSuccess && r != ncclInProgress) return nccl_fail(fn, what, r);
+  const double started = now_seconds();
+  for (;;) {
+    ncclResult_t state = ncclSuccess;
+    const ncclResult_t q = ncclCommGetAsyncError(comm, &state);
+    if (q != ncclSuccess) return nccl_fail(fn, "ncclCommGetAsyncError", q);
+    if (state == ncclSuccess) return EPX_SUCCESS;
+    if (state != ncclInProgress) return nccl_fail(fn, what, state);
+    if (now_seconds() - started > seconds)
+      return epx_error(EPX_ERROR_TIMEOUT, "%s: %s did not complete within %.3g s (a peer is not creating the same "
+                       "buffer); the comm is unusable: destroy it", fn, what, seconds);
+    pause_briefly(started);
+  }
+}
+
+/* Waits for the work on `stream`, at most `seconds`. */
+epx_status_t stream_settle(cudaStream_t stream, double seconds, const char *fn, const char *what) {
+  const double started = now_seconds();
+  for (;;) {
+    const cudaError_t e = cudaStreamQuery(stream);
+    if (e == cudaSuccess) return EPX_SUCCESS;
+    if (e != cudaErrorNotReady) return cuda_fail(fn, what, e);
+    if (now_seconds() - started > seconds)
+      return epx_error(EPX_ERROR_TIMEOUT, "%s: %s did not complete within %.3g s (a peer is not creating the same "
+                       "buffer); the comm is unusable: destroy it", fn, what, seconds);
+    pause_briefly(started);
+  }
+}
+
 /* Every rank past this point before any writes a peer's flags (they were
- * just zeroed): a one-word all-reduce. */
-epx_status_t rank_barrier(ncclComm_t comm, const char *fn) {
+ * just zeroed on `stream`): a one-word all-reduce after the zeroing, waited
+ * for (bounded). */
+epx_status_t rank_barrier(ncclComm_t comm, cudaStream_t stream, double seconds, const char *fn) {
   epx_status_t status = EPX_SUCCESS;
   int *word = NULL;
-  FUSED_CUDA(cudaMalloc(&word, sizeof(int)), "cudaMalloc");
-  FUSED_CUDA(cudaMemset(word, 0, sizeof(int)), "cudaMemset");
-  FUSED_NCCL(ncclAllReduce(word, word, 1, ncclInt32, ncclSum, comm, 0), "ncclAllReduce");
-  FUSED_CUDA(cudaStreamSynchronize(0), "cudaStreamSynchronize");
+  FUSED_CUDA(cudaMallocAsync(reinterpret_cast<void **>(&word), sizeof(int), stream), "cudaMallocAsync");
+  FUSED_CUDA(cudaMemsetAsync(word, 0, sizeof(int), stream), "cudaMemsetAsync");
+  EPX_CHECK(nccl_settle(comm, ncclAllReduce(word, word, 1, ncclInt32, ncclSum, comm, stream), seconds, fn,
+                        "ncclAllReduce (the creation barrier)"));
+  EPX_CHECK(stream_settle(stream, seconds, fn, "the creation barrier"));
 fail:
-  cudaFree(word);
+  if (word) cudaFreeAsync(word, stream);
   return status;
 }
 
 /* The peers' window addresses, resolved on the device once. */
-epx_status_t resolve_peers(epx_fused_t *f, ncclComm_t comm, const char *fn) {
+epx_status_t resolve_peers(epx_fused_t *f, ncclComm_t comm, cudaStream_t stream, double seconds, const char *fn) {
   epx_status_t status = EPX_SUCCESS;
   const int W = f->dev.W;
   int lsa_of[EPX_FUSED_MAX_RANKS];
@@ -164,13 +226,73 @@ epx_status_t resolve_peers(epx_fused_t *f, ncclComm_t comm, const char *fn) {
   for (int r = 0; r < W; r++) lsa_of[r] = ncclTeamRankToLsa(comm, world, r);
   FUSED_CUDA(cudaMalloc(&d_lsa, sizeof lsa_of), "cudaMalloc");
   FUSED_CUDA(cudaMalloc(&d_ptrs, sizeof(char *) * EPX_FUSED_MAX_RANKS), "cudaMalloc");
-  FUSED_CUDA(cudaMemcpy(d_lsa, lsa_of, sizeof(int) * (size_t)W, cudaMemcpyHostToDevice), "cudaMemcpy");
-  resolve_peers_kernel<<<1, 32>>>(static_cast<ncclWindow_t>(f->win), d_lsa, W, d_ptrs);
+  FUSED_CUDA(cudaMemcpyAsync(d_lsa, lsa_of, sizeof(int) * (size_t)W, cudaMemcpyHostToDevice, stream), "cudaMemcpyAsync");
+  resolve_peers_kernel<<<1, 32, 0, stream>>>(static_cast<ncclWindow_t>(f->win), d_lsa, W, d_ptrs);
   FUSED_CUDA(cudaGetLastError(), "the peer-address kernel");
-  FUSED_CUDA(cudaMemcpy(f->dev.peer, d_ptrs, sizeof(char *) * (size_t)W, cudaMemcpyDeviceToHost), "cudaMemcpy");
+  FUSED_CUDA(cudaMemcpyAsync(f->dev.peer, d_ptrs, sizeof(char *) * (size_t)W, cudaMemcpyDeviceToHost, stream),
+             "cudaMemcpyAsync");
+  EPX_CHECK(stream_settle(stream, seconds, fn, "the peer-address kernel"));
 fail:
   cudaFree(d_lsa);
   cudaFree(d_ptrs);
+  return status;
+}
+
+/* The window (allocated, registered), the device comm, the peers' addresses,
+ * the control words, zeroed flags and a barrier, in that order. Every NCCL
+ * step is waited out (nccl_settle): on a nonblocking comm NCCL writes the
+ * window and the device comm from its own thread after the call returns.
+ * A step that times out leaves `f` to NCCL (*keep = 1): it may still write
+ * into it. */
+epx_status_t create_steps(epx_fused_t *f, ncclComm_t comm, cudaStream_t stream, double seconds, int *keep,
+                          const char *fn) {
+  epx_status_t status = EPX_SUCCESS;
+  const int W = f->dev.W, rank = f->dev.rank;
+  int device = 0;
+  FUSED_CUDA(cudaGetDevice(&device), "cudaGetDevice");
+  FUSED_CUDA(cudaDeviceGetAttribute(&f->num_sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
+  FUSED_NCCL(ncclMemAlloc(&f->base, f->bytes), "ncclMemAlloc of the window");
+  status = nccl_settle(comm, ncclCommWindowRegister(comm, f->base, f->bytes, reinterpret_cast<ncclWindow_t *>(&f->win),
+                                                    NCCL_WIN_COLL_SYMMETRIC),
+                       seconds, fn, "ncclCommWindowRegister");
+  if (status != EPX_SUCCESS) {
+    *keep = status == EPX_ERROR_TIMEOUT;
+    return status;
+  }
+  if (!f->win)
+    EPX_FAIL(EPX_ERROR_UNSUPPORTED, "%s: NCCL registered no symmetric window (this comm has no symmetric memory "
+             "support: NCCL_WIN_ENABLE=0, no CUDA VMM, or a peer without CUDA P2P); use the host-API exchange", fn);
+  {
+    ncclDevComm *dc = static_cast<ncclDevComm *>(calloc(1, sizeof *dc));
+    if (!dc) EPX_FAIL(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
+    ncclDevCommRequirements reqs;
+    memset(&reqs, 0, sizeof reqs);
+    reqs.lsaBarrierCount = 1;
+    status = nccl_settle(comm, ncclDevCommCreate(comm, &reqs, dc), seconds, fn,
+                         "ncclDevCommCreate (NCCL 2.28 or later with symmetric memory support is needed)");
+    if (status != EPX_SUCCESS) {
+      *keep = status == EPX_ERROR_TIMEOUT;
+      if (!*keep) free(dc);
+      return status;
+    }
+    f->devcomm = dc;
+    if (dc->lsaSize != W)
+      EPX_FAIL(EPX_ERROR_UNSUPPORTED,
+               "%s: rank %d reaches %d of the %d ranks by load/store (NVLink); the fused exchange needs all of "
+               "them, so use the host-API exchange", fn, rank, dc->lsaSize, W);
+  }
+  EPX_CHECK(resolve_peers(f, comm, stream, seconds, fn));
+  f->dev.local = f->dev.peer[rank];
+  FUSED_CUDA(cudaMalloc(&f->dev.ctl, CTL_WORDS * sizeof(uint32_t)), "cudaMalloc");
+  FUSED_CUDA(cudaMemsetAsync(f->dev.ctl, 0, CTL_WORDS * sizeof(uint32_t), stream), "cudaMemsetAsync");
+  FUSED_CUDA(cudaHostAlloc(&f->err_host, sizeof(uint32_t), cudaHostAllocMapped), "cudaHostAlloc");
+  *f->err_host = 0;
+  FUSED_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void **>(&f->dev.err), f->err_host, 0),
+             "cudaHostGetDevicePointer");
+  FUSED_CUDA(cudaMemsetAsync(f->base, 0, f->dev.off_meta, stream), "cudaMemsetAsync of the window's flags");
+  status = rank_barrier(comm, stream, seconds, fn);
+  if (status == EPX_ERROR_TIMEOUT) *keep = 1;
+fail:
   return status;
 }
 
@@ -179,15 +301,31 @@ fail:
 extern "C" epx_status_t epx_fused_create(void *nccl_comm, const epx_fused_config_t *config,
                                          epx_fused_t **fused) {
   const char *fn = "epx_fused_create";
-  epx_status_t status = EPX_SUCCESS;
   EPX_REQUIRE(fused, "%s: fused is NULL", fn);
   *fused = NULL;
   EPX_REQUIRE(nccl_comm, "%s: nccl_comm is NULL; pass an ncclComm_t", fn);
   ncclComm_t comm = static_cast<ncclComm_t>(nccl_comm);
-  int W = 0, rank = 0, lsa_size = 0;
-  ncclDevComm *dc = NULL;
-  if (ncclCommCount(comm, &W) != ncclSuccess || ncclCommUserRank(comm, &rank) != ncclSuccess)
-    return epx_error(EPX_ERROR_TRANSPORT, "%s: nccl_comm is not a usable ncclComm_t", fn);
+  /* The device API's structs (ncclDevComm, its requirements, the window)
+   * change between NCCL releases, patch releases included (2.28.3 -> 2.28.9):
+   * the NCCL loaded must be the one whose headers this was compiled with. */
+  int version = 0;
+  if (ncclGetVersion(&version) != ncclSuccess || version != NCCL_VERSION_CODE)
+    return epx_error(EPX_ERROR_UNSUPPORTED,
+                     "%s: the NCCL loaded is version %d, the fused module was compiled against NCCL %d's device "
+                     "API; load that NCCL (LD_LIBRARY_PATH) or rebuild epx against this one (EPX_NCCL_ROOT)",
+                     fn, version, NCCL_VERSION_CODE);
+  int W = 0, rank = 0;
+  /* a nonblocking comm must have finished its previous operation (NCCL
+   * refuses every call until then) */
+  epx_status_t status = nccl_settle(comm, ncclSuccess, config && config->timeout_seconds > 0 ? config->timeout_seconds
+                                                                                         : 60.0,
+                                    fn, "the comm's previous operation");
+  if (status != EPX_SUCCESS) return status;
+  ncclResult_t r = ncclCommCount(comm, &W);
+  if (r == ncclSuccess) r = ncclCommUserRank(comm, &rank);
+  if (r != ncclSuccess)
+    return epx_error(EPX_ERROR_TRANSPORT, "%s: nccl_comm is not a usable ncclComm_t (%s: %s)", fn,
+                     ncclGetErrorString(r), ncclGetLastError(comm));
   if (W > EPX_FUSED_MAX_RANKS)
     return epx_error(EPX_ERROR_UNSUPPORTED, "%s: %d ranks, over the fused path's %d; use the host-API exchange",
                      fn, W, EPX_FUSED_MAX_RANKS);
@@ -198,50 +336,30 @@ extern "C" epx_status_t epx_fused_create(void *nccl_comm, const epx_fused_config
   f->config = *config;
   f->comm = nccl_comm;
   init_dev(f, W, rank);
-  {
-    const int64_t part_elem = 4; /* float32 partials fit every precision */
-    window_offsets(f->dev, part_elem);
-    f->bytes = window_bytes(f->dev, part_elem);
-    int device = 0;
-    FUSED_CUDA(cudaGetDevice(&device), "cudaGetDevice");
-    FUSED_CUDA(cudaDeviceGetAttribute(&f->num_sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
-    FUSED_NCCL(ncclMemAlloc(&f->base, f->bytes), "ncclMemAlloc of the window");
-    ncclWindow_t win;
-    FUSED_NCCL(ncclCommWindowRegister(comm, f->base, f->bytes, &win, NCCL_WIN_COLL_SYMMETRIC),
-               "ncclCommWindowRegister");
-    f->win = win;
-    dc = static_cast<ncclDevComm *>(calloc(1, sizeof *dc));
-    if (!dc) EPX_FAIL(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
-    ncclDevCommRequirements reqs;
-    memset(&reqs, 0, sizeof reqs);
-    reqs.lsaBarrierCount = 1;
-    if (ncclDevCommCreate(comm, &reqs, dc) != ncclSuccess) {
-      free(dc);
-      EPX_FAIL(EPX_ERROR_TRANSPORT, "%s: ncclDevCommCreate failed (NCCL 2.28 or later with symmetric memory "
-               "support is needed)", fn);
-    }
-    f->devcomm = dc;
-    lsa_size = dc->lsaSize;
-    if (lsa_size != W)
-      EPX_FAIL(EPX_ERROR_UNSUPPORTED,
-               "%s: rank %d reaches %d of the %d ranks by load/store (NVLink); the fused exchange needs all of "
-               "them, so use the host-API exchange", fn, rank, lsa_size, W);
-    EPX_CHECK(resolve_peers(f, comm, fn));
-    f->dev.local = f->dev.peer[rank];
-    FUSED_CUDA(cudaMalloc(&f->dev.ctl, CTL_WORDS * sizeof(uint32_t)), "cudaMalloc");
-    FUSED_CUDA(cudaMemset(f->dev.ctl, 0, CTL_WORDS * sizeof(uint32_t)), "cudaMemset");
-    FUSED_CUDA(cudaHostAlloc(&f->err_host, sizeof(uint32_t), cudaHostAllocMapped), "cudaHostAlloc");
-    *f->err_host = 0;
-    FUSED_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void **>(&f->dev.err), f->err_host, 0),
-               "cudaHostGetDevicePointer");
-    FUSED_CUDA(cudaMemset(f->base, 0, f->dev.off_meta), "cudaMemset of the window's flags");
-    FUSED_CUDA(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
-    EPX_CHECK(rank_barrier(comm, fn));
+  const int64_t part_elem = 4; /* float32 partials fit every precision */
+  window_offsets(f->dev, part_elem);
+  f->bytes = window_bytes(f->dev, part_elem);
+  const double seconds = f->dev.timeout_ns * 1e-9;
+  int keep = 0;
+  cudaStream_t stream = NULL;
+  cudaError_t e = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+  status = e == cudaSuccess ? create_steps(f, comm, stream, seconds, &keep, fn)
+                            : cuda_fail(fn, "cudaStreamCreateWithFlags", e);
+  if (stream) {
+    if (!keep) cudaStreamSynchronize(stream); /* settled already: nothing left but frees */
+    cudaStreamDestroy(stream);
   }
-  *fused = f;
-  return EPX_SUCCESS;
-fail:
-  epx_fused_destroy(f);
+  if (status == EPX_SUCCESS) {
+    *fused = f;
+    return EPX_SUCCESS;
+  }
+  if (!keep) {
+    const epx_status_t kept = status; /* destroy may set its own error; the first one is the answer */
+    char message[1024];
+    snprintf(message, sizeof message, "%s", epx_last_error());
+    epx_fused_destroy(f);
+    status = epx_error(kept, "%s", message);
+  }
   return status;
 }
 
@@ -264,6 +382,16 @@ extern "C" epx_status_t epx_fused_destroy(epx_fused_t *f) {
   return status;
 }
 
+extern "C" void epx_fused_abandon(epx_fused_t *f) {
+  if (!f) return;
+  cudaDeviceSynchronize(); /* every wait of a fused kernel is bounded */
+  free(f->devcomm);        /* the host copy; the device side went with the comm */
+  if (f->base) ncclMemFree(f->base);
+  cudaFree(f->dev.ctl);
+  if (f->err_host) cudaFreeHost(f->err_host);
+  free(f);
+}
+
 extern "C" int epx_fused_error(const epx_fused_t *f, int32_t *peer, const char **phase) {
   static const char *const names[] = {"?", "layout clear-to-send", "layout counts", "layout routing records",
                                       "dispatch clear-to-send", "dispatch rows", "combine clear-to-send",
@@ -281,7 +409,7 @@ extern "C" void *epx_fused_recv_window(epx_fused_t *f) { return f->dev.local + f
 /* ---- plans ------------------------------------------------------------------ */
 
 extern "C" epx_status_t epx_fused_plan_create(epx_fused_t *f, epx_layout_t layout, int32_t alignment,
-                                              epx_fused_plan_t **plan) {
+                                              cudaStream_t stream, epx_fused_plan_t **plan) {
   const char *fn = "epx_fused_plan_create";
   EPX_REQUIRE(f && plan, "%s: fused or plan is NULL", fn);
   EPX_REQUIRE(layout == EPX_LAYOUT_EXPERT_MAJOR || layout == EPX_LAYOUT_RANK_MAJOR,
@@ -302,10 +430,10 @@ extern "C" epx_status_t epx_fused_plan_create(epx_fused_t *f, epx_layout_t layou
   for (size_t i = 0; i < sizeof words / sizeof words[0]; i++) bytes += align_up((size_t)words[i] * 4, 256);
   epx_fused_plan_t *p = static_cast<epx_fused_plan_t *>(calloc(1, sizeof *p));
   if (!p) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
-  cudaError_t e = cudaMalloc(&p->memory, bytes);
+  cudaError_t e = cudaMallocAsync(&p->memory, bytes, stream);
   if (e != cudaSuccess) {
     free(p);
-    return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: cudaMalloc of %zu bytes failed: %s", fn, bytes,
+    return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: cudaMallocAsync of %zu bytes failed: %s", fn, bytes,
                      cudaGetErrorString(e));
   }
   char *m = static_cast<char *>(p->memory);
@@ -333,9 +461,9 @@ extern "C" epx_status_t epx_fused_plan_create(epx_fused_t *f, epx_layout_t layou
   return EPX_SUCCESS;
 }
 
-extern "C" void epx_fused_plan_destroy(epx_fused_plan_t *p) {
+extern "C" void epx_fused_plan_destroy(epx_fused_plan_t *p, cudaStream_t stream) {
   if (!p) return;
-  cudaFree(p->memory);
+  cudaFreeAsync(p->memory, stream);
   free(p);
 }
 

@@ -174,6 +174,7 @@ typedef struct {
   float *recv_w, *gw_d, *gw_c, *gw_w;              /* host */
   int64_t *counts, *offsets;
   int32_t path; /* the buffer's path to every peer (epx_buffer_peer_paths), -1 if they differ */
+  char why[512]; /* epx_last_error after the calls that may set up the fused path: why it was refused */
 } result_t;
 
 static void result_free(result_t *r) {
@@ -272,6 +273,7 @@ static void run_rank(run_t *run) {
   epx_buffer_config_t cfg = config_of(c, run->exchange, dev, run->stream);
   epx_buffer_t buf;
   OK(epx_buffer_create(run->comm, &cfg, &buf));
+  snprintf(r->why, sizeof r->why, "%s", epx_last_error());
   int32_t *idx = place(dev, rt.idx, 4 * (size_t)(T * K));
   float *w = place(dev, rt.w, 4 * (size_t)(T * K));
   int32_t *loc = place(dev, rt.loc, 4 * (size_t)(T * K));
@@ -279,6 +281,7 @@ static void run_rank(run_t *run) {
                            c->layout == EPX_LAYOUT_CAPACITY ? loc : NULL, c->weighting};
   epx_handle_t h;
   OK(epx_dispatch_layout(buf, &routing, NULL, &h));
+  if (epx_last_error()[0]) snprintf(r->why, sizeof r->why, "%s", epx_last_error());
   /* After the layout: max_tokens_per_rank is agreed, the fused state made. */
   int32_t paths[64];
   OK(epx_buffer_peer_paths(buf, paths));
@@ -532,16 +535,17 @@ static void compare_exchanges(const case_t *c, const result_t *d, const result_t
         "%s: dedup and %s differ", what, pair);
 }
 
-/* The path a buffer of this case took: fused exactly where the config and
- * build allow it (the same answer for every peer in this version). */
-static void check_path(const case_t *c, epx_exchange_t x, const result_t *g) {
-  const int fused_ok = g_path == EPX_PATH_AUTO && x == EPX_EXCHANGE_DEDUP && c->layout != EPX_LAYOUT_CAPACITY;
+/* The path a buffer of this case took, made with exchange_path `asked`:
+ * fused exactly where the config and build allow it (the same answer for
+ * every peer in this version). */
+static void check_path(const case_t *c, epx_exchange_t x, epx_exchange_path_t asked, const result_t *g) {
+  const int fused_ok = asked == EPX_PATH_AUTO && x == EPX_EXCHANGE_DEDUP && c->layout != EPX_LAYOUT_CAPACITY;
   CHECK(g->path == EPX_PATH_FUSED || g->path == EPX_PATH_HOST, "%s: peers on different paths (%d)",
         describe(c, x), g->path);
   if (!fused_ok) CHECK(g->path == EPX_PATH_HOST, "%s: path %d, the host path expected", describe(c, x), g->path);
   else if (g_expect_fused)
-    CHECK(g->path == EPX_PATH_FUSED, "%s: path %d, the fused path expected (EPX_GPU_EXPECT_FUSED)", describe(c, x),
-          g->path);
+    CHECK(g->path == EPX_PATH_FUSED, "%s: path %d, the fused path expected (EPX_GPU_EXPECT_FUSED): %s",
+          describe(c, x), g->path, g->why[0] ? g->why : "no reason given");
 }
 
 static void run_case(const case_t *c, epx_comm_t nccl, void *stream) {
@@ -551,7 +555,7 @@ static void run_case(const case_t *c, epx_comm_t nccl, void *stream) {
     run_t run = {c, x, nccl, g_rank, EPX_DEVICE_CUDA, {0}, stream};
     run_rank(&run);
     gpu[xi] = run.res;
-    check_path(c, x, &gpu[xi]);
+    check_path(c, x, EPX_PATH_AUTO, &gpu[xi]);
     run_cpu(c, x, &cpu);
     compare(c, x, &gpu[xi], &cpu);
     result_free(&cpu);
@@ -563,7 +567,7 @@ static void run_case(const case_t *c, epx_comm_t nccl, void *stream) {
     g_path = EPX_PATH_HOST;
     run_rank(&run);
     g_path = EPX_PATH_AUTO;
-    check_path(c, EPX_EXCHANGE_DEDUP, &run.res);
+    check_path(c, EPX_EXCHANGE_DEDUP, EPX_PATH_HOST, &run.res);
     CHECK(run.res.path == EPX_PATH_HOST, "EPX_PATH_HOST: path %d", run.res.path);
     compare_exchanges(c, &gpu[0], &run.res, "the host path (EPX_PATH_HOST)");
     result_free(&run.res);
