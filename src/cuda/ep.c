@@ -373,7 +373,7 @@ static epx_status_t carve(epx_buffer_t b, const epx_routing_t *r, ep_handle_t *h
       {(void **)&h->tab.rp_w, 4 * h->pair_rows * Kb}, {(void **)&h->tab.rr_row, 4 * h->route_rows},
       {(void **)&h->tab.rr_all, 4 * h->route_rows}, {(void **)&h->tab.rr_slot, 4 * h->route_rows},
       {(void **)&h->tab.rr_w, 4 * h->route_rows}, {(void **)&h->tab.stage_of_row, 4 * h->row_bound},
-      {(void **)&h->summary, 8 * (8 * W + 2)},
+      {(void **)&h->summary, 8 * (EPX_CUDA_EP_SUMMARY_ROWS(W) + 2)},
   };
   const size_t n = sizeof parts / sizeof parts[0];
   size_t bytes = 0;
@@ -424,7 +424,7 @@ static epx_status_t gather_routing(epx_buffer_t b, const epx_cuda_ep_dims_t *d, 
                                    float *gw, int32_t *gloc, int32_t *ghdr, const char *fn) {
   epx_status_t status = EPX_SUCCESS;
   epx_comm_t comm = b->comm;
-  ncclComm_t nc = epx_nccl_comm(comm);
+  ncclComm_t nc = epx_nccl_data_comm(comm);
   cudaStream_t stream = stream_of(b);
   const size_t n = (size_t)(d->Tm * d->Kb);
   NCCL_CHECK(ncclGroupStart(), fn, "ncclGroupStart");
@@ -446,7 +446,8 @@ static epx_status_t join_oversize(epx_buffer_t b, const epx_cuda_ep_dims_t *d, c
   cudaStream_t stream = stream_of(b);
   const int cap = b->config.layout == EPX_LAYOUT_CAPACITY;
   const size_t n = (size_t)(d->Tm * d->Kb), G = n * (size_t)d->W;
-  const size_t send = round256(4 * n) * 3 + round256(16), recv = round256(4 * G) * 3 + round256(16 * (size_t)d->W);
+  const size_t hdr = 4 * EPX_CUDA_EP_HDR_INTS;
+  const size_t send = round256(4 * n) * 3 + round256(hdr), recv = round256(4 * G) * 3 + round256(hdr * (size_t)d->W);
   char *block = NULL;
   CUDA_CHECK(cudaMallocAsync((void **)&block, send + recv, stream), fn, "cudaMallocAsync");
   int32_t *sidx = (int32_t *)block, *sloc = (int32_t *)(block + 2 * round256(4 * n));
@@ -517,6 +518,28 @@ static void set_counts(ep_handle_t *h, const int64_t *summary) {
   }
 }
 
+static const char *weighting_name(int64_t w) {
+  return w == EPX_WEIGHTS_IN_COMBINE ? "EPX_WEIGHTS_IN_COMBINE"
+         : w == EPX_WEIGHTS_IN_DISPATCH ? "EPX_WEIGHTS_IN_DISPATCH"
+         : w == EPX_WEIGHTS_NONE ? "EPX_WEIGHTS_NONE" : "an unknown weighting";
+}
+
+/* Every rank's routing.weighting must be rank 0's: the receiver applies the
+ * weights of its peers' routes by its own handle's weighting. */
+static epx_status_t weighting_verdict(const int64_t *hdr, int32_t W, const char *fn, const char *note) {
+  const int64_t first = hdr[EPX_CUDA_EP_HDR_WEIGHTING];
+  for (int32_t p = 1; p < W; p++) {
+    const int64_t theirs = hdr[p * EPX_CUDA_EP_HDR_INTS + EPX_CUDA_EP_HDR_WEIGHTING];
+    if (theirs != first)
+      return epx_error(EPX_ERROR_SHAPE_MISMATCH,
+                       "%s: rank 0 routes with routing.weighting = %s and rank %d with %s; the weights are "
+                       "applied on the side of the exchange the weighting names, for every rank's tokens, so "
+                       "pass the same routing.weighting on every rank%s", fn, weighting_name(first), p,
+                       weighting_name(theirs), note[0] ? note : "; nothing moved on any rank");
+  }
+  return EPX_SUCCESS;
+}
+
 /* The verdicts in the read-back headers, the same on every rank. */
 static epx_status_t header_verdict(epx_buffer_t b, const ep_handle_t *h, const int64_t *summary, const char *fn,
                                    const char *note) {
@@ -530,7 +553,7 @@ static epx_status_t header_verdict(epx_buffer_t b, const ep_handle_t *h, const i
   for (int32_t p = 0; p < W; p++) {
     if (!hdr[p * EPX_CUDA_EP_HDR_INTS + EPX_CUDA_EP_HDR_INVALID]) continue;
     if (p == b->rank)
-      return epx_cuda_routing_error(fn, (uint64_t)summary[8 * W + 1], h->d.K, b->config.num_experts,
+      return epx_cuda_routing_error(fn, (uint64_t)summary[EPX_CUDA_EP_SUMMARY_ROWS(W) + 1], h->d.K, b->config.num_experts,
                                     b->config.capacity, NULL, NULL, note);
     return epx_error(EPX_ERROR_PEER_FAILED, "%s: rank %d has an invalid route (its epx_last_error names it)%s", fn,
                      p, note);
@@ -541,14 +564,14 @@ static epx_status_t header_verdict(epx_buffer_t b, const ep_handle_t *h, const i
                        "%s: rank %d routes with top_k %lld and this rank with %d; a CUDA buffer over several "
                        "ranks needs the same routing.top_k on every rank", fn, p,
                        (long long)hdr[p * EPX_CUDA_EP_HDR_INTS + EPX_CUDA_EP_HDR_TOPK], h->d.K);
-  return EPX_SUCCESS;
+  return weighting_verdict(hdr, W, fn, note);
 }
 
 /* Copies the summary to the host and waits for it (bounded). */
 static epx_status_t read_summary(epx_buffer_t b, ep_handle_t *h, const char *fn, const int64_t **out) {
   epx_status_t status = EPX_SUCCESS;
   ep_buffer_t *s = b->cuda;
-  const size_t bytes = 8 * (size_t)(8 * h->d.W + 2);
+  const size_t bytes = 8 * (size_t)(EPX_CUDA_EP_SUMMARY_ROWS(h->d.W) + 2);
   if (bytes > s->readback_bytes) {
     if (s->readback) cudaFreeHost(s->readback);
     s->readback = NULL;
@@ -586,7 +609,7 @@ epx_status_t epx_cuda_ep_dispatch_layout(epx_buffer_t b, const epx_routing_t *r,
     EPX_CHECK(ensure_fused(b, fn)); /* max_tokens_per_rank may have been agreed just now */
   } else if (local != EPX_SUCCESS) {
     epx_cuda_ep_dims_t d = {b->world_size, b->rank, b->experts_per_rank, c->max_top_k, r->top_k,
-                            b->max_tokens, 0, c->layout, c->capacity, 1, 0, 0};
+                            b->max_tokens, 0, c->layout, c->capacity, 1, 0, 0, (int32_t)r->weighting};
     if (local == EPX_ERROR_CAPACITY_EXCEEDED) {
       char message[1024];
       snprintf(message, sizeof message, "%s", epx_last_error());
@@ -614,7 +637,7 @@ epx_status_t epx_cuda_ep_dispatch_layout(epx_buffer_t b, const epx_routing_t *r,
   for (int kind = 0; kind < KINDS; kind++)
     h->count[kind] = h->count[0] + kind * W, h->displ[kind] = h->count[0] + (KINDS + kind) * W;
   h->d = (epx_cuda_ep_dims_t){(int32_t)W, b->rank, (int32_t)El, (int32_t)Kb, r->top_k, Tm, r->num_tokens,
-                              c->layout, c->capacity, worst, Tm, Tm * kk};
+                              c->layout, c->capacity, worst, Tm, Tm * kk, (int32_t)r->weighting};
   switch (c->layout) {
     case EPX_LAYOUT_EXPERT_MAJOR: h->row_bound = G * kk + El * (c->expert_alignment - 1); break;
     case EPX_LAYOUT_RANK_MAJOR: h->row_bound = G; break;
@@ -632,7 +655,7 @@ epx_status_t epx_cuda_ep_dispatch_layout(epx_buffer_t b, const epx_routing_t *r,
     EPX_CHECK(read_summary(b, h, fn, &summary));
     EPX_CHECK(header_verdict(b, h, summary, fn, ""));
     set_counts(h, summary);
-    h->rows = summary[8 * W];
+    h->rows = summary[EPX_CUDA_EP_SUMMARY_ROWS(W)];
     handle->recv_rows = h->rows;
   }
   EPX_CHECK(ensure_staging(b, staging_bytes(b, h), fn));
@@ -660,7 +683,7 @@ static epx_status_t p2p(epx_buffer_t b, const ep_handle_t *h, int skind, int rki
                         size_t unit, const char *fn) {
   epx_status_t status = EPX_SUCCESS;
   epx_comm_t comm = b->comm;
-  ncclComm_t nc = epx_nccl_comm(comm);
+  ncclComm_t nc = epx_nccl_data_comm(comm);
   cudaStream_t stream = stream_of(b);
   const char *s = send;
   char *d = recv;
@@ -868,7 +891,7 @@ static epx_status_t settle_handle(epx_handle_t handle, const char *fn) {
   EPX_CHECK(header_verdict(handle->buffer, h, summary, fn,
                            " (with worst_case_sizing epx_dispatch_layout does not wait for the verdict: invalid "
                            "routes were dropped, treated as -1; an oversize batch moved nothing)"));
-  h->rows = summary[8 * h->d.W];
+  h->rows = summary[EPX_CUDA_EP_SUMMARY_ROWS(h->d.W)];
 fail:
   return status;
 }

@@ -54,6 +54,7 @@ __global__ void __launch_bounds__(kThreads)
     hdr[EPX_CUDA_EP_HDR_OVERSIZE] = oversize;
     hdr[EPX_CUDA_EP_HDR_INVALID] = own_result && own_result->error != EPX_CUDA_NO_ERROR;
     hdr[EPX_CUDA_EP_HDR_TOPK] = d.K;
+    hdr[EPX_CUDA_EP_HDR_WEIGHTING] = d.weighting;
   }
   if (i >= d.Tm * d.Kb) return;
   const int64_t t = i / d.Kb;
@@ -120,8 +121,8 @@ __global__ void __launch_bounds__(kThreads)
     for (int i = 0; i < EPX_CUDA_EP_HDR_INTS; i++)
       a.summary[4 * W + p * EPX_CUDA_EP_HDR_INTS + i] = a.ghdr[p * EPX_CUDA_EP_HDR_INTS + i];
     if (p == 0) {
-      a.summary[8 * W] = recv.result->rows;
-      a.summary[8 * W + 1] = a.own_result ? (int64_t)a.own_result->error : -1;
+      a.summary[EPX_CUDA_EP_SUMMARY_ROWS(W)] = recv.result->rows;
+      a.summary[EPX_CUDA_EP_SUMMARY_ROWS(W) + 1] = a.own_result ? (int64_t)a.own_result->error : -1;
     }
   }
   if (g >= G) return;

@@ -621,6 +621,44 @@ static void test_capacity_refusal(epx_comm_t comm, void *stream) {
   cudaFree(idx), cudaFree(w), cudaFree(big);
 }
 
+/* The last rank routes with another weighting: refused on every rank with
+ * EPX_ERROR_SHAPE_MISMATCH naming rank 0's weighting and the last rank's.
+ * Default sizing: at the layout, before anything moves, no handle; with
+ * worst_case_sizing the layout does not wait, so epx_handle_recv_rows
+ * reports it on every rank. The buffer keeps working either way. */
+static void test_weighting_mismatch(epx_comm_t comm, void *stream, int worst) {
+  epx_buffer_t b = simple_buffer(comm, stream, worst);
+  case_t c = {EPX_LAYOUT_EXPERT_MAJOR, EPX_BFLOAT16, EPX_WEIGHTS_IN_COMBINE, 0, 0, 0, 0, 13};
+  routing_t rt;
+  make_routing(&c, g_rank, &rt);
+  int32_t *idx = dev_put(rt.idx, sizeof rt.idx);
+  float *w = dev_put(rt.w, sizeof rt.w);
+  epx_routing_t r = {rt.T, K, idx, w, NULL, g_rank == g_size - 1 ? EPX_WEIGHTS_IN_DISPATCH : EPX_WEIGHTS_IN_COMBINE};
+  char named[64];
+  snprintf(named, sizeof named, "rank %d with EPX_WEIGHTS_IN_DISPATCH", g_size - 1);
+  epx_handle_t h = NULL;
+  epx_status_t s = epx_dispatch_layout(b, &r, NULL, &h);
+  if (worst) {
+    CHECK(s == EPX_SUCCESS, "weighting mismatch (worst case): the layout returned %s (%s)", epx_status_string(s),
+          epx_last_error());
+    int64_t rows = 0;
+    s = h ? epx_handle_recv_rows(h, &rows) : EPX_ERROR_INTERNAL;
+  } else {
+    CHECK(h == NULL, "weighting mismatch: a handle came back");
+  }
+  CHECK(s == EPX_ERROR_SHAPE_MISMATCH && strstr(epx_last_error(), named) && strstr(epx_last_error(), "routing.weighting"),
+        "weighting mismatch (worst %d): rank %d got %s (%s)", worst, g_rank, epx_status_string(s), epx_last_error());
+  if (h) OK(epx_handle_release(h));
+  h = NULL;
+  r.weighting = EPX_WEIGHTS_IN_COMBINE;
+  OK(epx_dispatch_layout(b, &r, NULL, &h));
+  int64_t rows = 0;
+  OK(epx_handle_recv_rows(h, &rows));
+  OK(epx_handle_release(h));
+  OK(epx_buffer_destroy(b));
+  cudaFree(idx), cudaFree(w);
+}
+
 static void test_recorder(epx_comm_t comm, void *stream) {
   epx_buffer_t b = simple_buffer(comm, stream, 0);
   case_t c = {EPX_LAYOUT_EXPERT_MAJOR, EPX_BFLOAT16, EPX_WEIGHTS_IN_COMBINE, 0, 0, 1, 0, 12};
@@ -796,6 +834,8 @@ int main(int argc, char **argv) {
             cases++;
           }
   test_capacity_refusal(comm, stream);
+  test_weighting_mismatch(comm, stream, 0);
+  test_weighting_mismatch(comm, stream, 1);
   test_recorder(comm, stream);
   test_graph(comm, stream);
 
@@ -803,7 +843,7 @@ int main(int argc, char **argv) {
   MPI_Allreduce(&g_fail, &failures, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
   OK(epx_comm_destroy(comm));
   if (g_rank == 0)
-    printf("mpi_gpu_exchange: %d ranks, %d cases x 2 exchanges (+ the host path of dedup), refusal, recorder, graph "
+    printf("mpi_gpu_exchange: %d ranks, %d cases x 2 exchanges (+ the host path of dedup), refusals, recorder, graph "
            "(fused path %s): %d failures: %s\n", g_size, cases, g_expect_fused ? "required" : "where available", failures, failures ? "FAILED" : "OK");
   cudaStreamDestroy(stream);
   MPI_Finalize();
