@@ -38,6 +38,14 @@ CMOCKA_ARGS=()
 if ! echo '#include <cmocka.h>' | cc -E -x c - >/dev/null 2>&1 && [ -f .gpu-deps/include/cmocka.h ]; then
   CMOCKA_ARGS=(-DCMOCKA_INCLUDE_DIR="$PWD/.gpu-deps/include" -DCMOCKA_LIBRARY="$PWD/.gpu-deps/lib/libcmocka.so.0")
 fi
+# epx-bench (the 2-GPU main job) needs OpenBLAS; a machine without
+# libopenblas-dev takes a carried copy: .gpu-deps/blas/include/{cblas.h,
+# openblas_config.h} and .gpu-deps/blas/lib/{libopenblas.so.0,
+# libgfortran.so.5, libquadmath.so.0} (from a Debian host's libopenblas0-pthread).
+if ! echo '#include <cblas.h>' | cc -E -x c - >/dev/null 2>&1 && [ -f .gpu-deps/blas/lib/libopenblas.so.0 ]; then
+  CMOCKA_ARGS+=(-DEPX_OPENBLAS_LIBRARY="$PWD/.gpu-deps/blas/lib/libopenblas.so.0"
+                -DEPX_CBLAS_INCLUDE_DIR="$PWD/.gpu-deps/blas/include")
+fi
 
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
@@ -154,6 +162,23 @@ if [ -n "$GPU2_TESTS" ]; then
         *) verdict "memcheck mpi_gpu_exchange (2 GPUs)" "FAIL (exit $rc)" ;;
       esac
     fi
+    # The main job on the GPUs: epx-bench's checked MoE step (route, layout,
+    # dispatch, experts, combine and the whole backward, both exchanges
+    # against each other and a dense reference), CUDA buffers over NCCL.
+    : >"$OUTDIR/epx_bench2.log"
+    EB=0
+    if cmake --build "$BUILD" -j"$JOBS" --target epx-bench >>"$OUTDIR/build.log" 2>&1; then
+      EB=1
+      for args in "" "--layout rank --dtype bf16 --zipf 1.2"; do
+        echo "== epx-bench --device cuda $args" >>"$OUTDIR/epx_bench2.log"
+        # shellcheck disable=SC2086
+        timeout "${EPX_GPU2_MAIN_TIMEOUT:-300}" $MPIRUN "$BUILD/tools/epx-bench" --device cuda $args \
+          >>"$OUTDIR/epx_bench2.log" 2>&1
+        [ "$(tail -n 1 "$OUTDIR/epx_bench2.log")" = OK ] || EB=0
+      done
+    fi
+    [ $EB = 1 ] && verdict "epx-bench --device cuda, main job (2 GPUs): OK" PASS ||
+      verdict "epx-bench --device cuda, main job (2 GPUs)" FAIL
     B2=0
     if mpicc -O2 -std=c11 -Iinclude -I"$NCCL/include" -I/usr/local/cuda/include bench/gpu/bench_ep.c -o "$WORK/bench_ep" \
          -L"$BUILD" -lepx -L/usr/local/cuda/lib64 -lcudart -L"$NCCL/lib" -l:libnccl.so.2 -lm \

@@ -389,14 +389,16 @@ int epx_comm_is_nccl(epx_comm_t comm) { return comm && comm->ops == &nccl_ops; }
 
 static size_t round_up(size_t n) { return (n + 255) / 256 * 256; }
 
-/* A blocking comm split from the main one (the main one where the split
- * fails: it still works, through the nonblocking polls). */
-static ncclComm_t split_blocking(ncclComm_t parent, int rank) {
+/* A blocking comm split from the main one into *child. NCCL runs a split
+ * in the parent's mode: from a nonblocking parent it returns ncclInProgress
+ * and writes *child when done (so child is the state's, not a local); the
+ * caller settles, then falls back to the main comm where no child came. */
+static void split_blocking(ncclComm_t parent, int rank, ncclComm_t *child) {
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking = 1;
-  ncclComm_t child = NULL;
-  ncclResult_t r = ncclCommSplit(parent, 0, rank, &child, &config);
-  return r == ncclSuccess && child ? child : parent;
+  *child = NULL;
+  ncclResult_t r = ncclCommSplit(parent, 0, rank, child, &config);
+  if (r != ncclSuccess && r != ncclInProgress) *child = NULL;
 }
 
 /* One of each operation the split comms carry (grouped send/recv with every
@@ -455,10 +457,11 @@ static epx_status_t init_state(epx_comm_t comm, ncclComm_t nc, int owned, const 
   if (e == cudaSuccess) e = cudaStreamCreateWithFlags(&s->stream, cudaStreamNonBlocking);
   if (e != cudaSuccess)
     return epx_error(EPX_ERROR_CUDA, "%s: cudaStreamCreate on device %d failed: %s", fn, device, cudaGetErrorString(e));
-  s->comms[DATA] = split_blocking(nc, rank);
-  status = settle(comm, fn, "ncclCommSplit (the data comm)");
-  if (status == EPX_SUCCESS) s->comms[CONTROL] = split_blocking(nc, rank);
-  if (status == EPX_SUCCESS) status = settle(comm, fn, "ncclCommSplit (the control comm)");
+  for (int i = DATA; i <= CONTROL && status == EPX_SUCCESS; i++) {
+    split_blocking(nc, rank, &s->comms[i]);
+    status = settle(comm, fn, i == DATA ? "ncclCommSplit (the data comm)" : "ncclCommSplit (the control comm)");
+    if (!s->comms[i]) s->comms[i] = nc;
+  }
   /* Staging for the small collectives up front: growing it later frees
    * device memory, which waits for the whole device (no bounded wait). */
   const size_t warm_bytes = round_up(2 * (size_t)size) + round_up(4 * (size_t)size) + 8;
