@@ -23,8 +23,11 @@
  *
  * Host synchronisation: without worst_case_sizing the layout waits once (a
  * polled, bounded wait: epx_nccl_wait) to read the message sizes, and every
- * collective call agrees its host verdict over the comm first (one small
- * host all-reduce) so that a refusal is a refusal on every rank. With
+ * collective call first all-gathers what each rank is doing (the call, the
+ * buffer, the handle, grad_w and its verdict: one small host all-gather on
+ * the control comm) so that a refusal, or ranks in different calls, fail on
+ * every rank before anything moves. The layout's headers also carry each
+ * rank's top_k and weighting, checked by every rank alike. With
  * worst_case_sizing nothing waits: messages have their per-peer bound as
  * size (Tm rows per peer for pairs, Tm*min(Kb, E_local) for routes), rows
  * land at peer * bound + index, the receive layout's N stays on the device;
@@ -90,6 +93,7 @@ typedef struct ep_buffer {
    * device) on handle release. */
   epx_fused_plan_t *pool[8];
   int pooled;
+  int64_t id; /* 1 + the buffers made over the comm before it (the same on every rank) */
 } ep_buffer_t;
 
 /* handle->cuda on W ranks */
@@ -114,6 +118,7 @@ typedef struct ep_handle {
   int64_t total[KINDS];
   int64_t rows; /* N on the host, -1 until read */
   epx_fused_plan_t *plan; /* the fused layout of this handle, or NULL (host path) */
+  int64_t seq;            /* the comm's layout number (the same on every rank) */
 } ep_handle_t;
 
 static cudaStream_t stream_of(epx_buffer_t b) { return (cudaStream_t)b->config.stream; }
@@ -156,6 +161,7 @@ epx_status_t epx_cuda_ep_buffer_init(epx_buffer_t b) {
   ep_buffer_t *s = calloc(1, sizeof *s);
   if (!s) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
   b->cuda = s;
+  s->id = ++b->comm->buffers_made;
   epx_status_t status = ensure_fused(b, fn);
   if (status != EPX_SUCCESS) {
     free(s);
@@ -392,30 +398,121 @@ fail:
   return status;
 }
 
-/* The verdict and, on the first call, max_tokens_per_rank, agreed in one
- * all-reduce {failing rank + 1, oversize rank + 1, its tokens, tokens}. */
-static epx_status_t agree_layout(epx_buffer_t b, const epx_routing_t *r, epx_status_t local) {
-  const char *fn = "epx_dispatch_layout";
-  epx_comm_t comm = b->comm;
-  const int oversize = local == EPX_ERROR_CAPACITY_EXCEEDED;
-  int64_t agreed[4] = {local != EPX_SUCCESS ? comm->rank + 1 : 0, oversize ? comm->rank + 1 : 0,
-                       oversize ? r->num_tokens : 0, local == EPX_SUCCESS ? r->num_tokens : 0};
-  char message[1024];
-  snprintf(message, sizeof message, "%s", epx_last_error());
-  epx_status_t status = comm->ops->allreduce_max_i64(comm, fn, agreed, 4);
-  if (status != EPX_SUCCESS) return status;
+/* ------------------------------------------------------------------------ */
+/* The agreement of a call (default sizing)                                  */
+/* ------------------------------------------------------------------------ */
+
+/* What a rank is doing, all-gathered before anything moves (one small host
+ * all-gather on the control comm, the same for the layout and the payload
+ * calls, so a rank in another call meets a block it can read rather than
+ * another collective). Every rank checks every block the same way. */
+typedef struct {
+  int64_t verdict; /* epx_status_t */
+  int64_t call;    /* index in call_names */
+  int64_t buffer;  /* ep_buffer_t.id */
+  int64_t handle;  /* ep_handle_t.seq (a layout: the one being made); 0: none */
+  int64_t tokens;  /* the layout's routing.num_tokens */
+  int64_t grad_w;  /* the call asks for grad_w */
+} ep_call_t;
+
+static const char *const call_names[] = {"epx_dispatch_layout", "epx_dispatch", "epx_combine",
+                                         "epx_dispatch_backward", "epx_combine_backward",
+                                         "epx_weights_backward"};
+enum { CALL_LAYOUT = 0, CALLS = sizeof call_names / sizeof call_names[0] };
+
+static int64_t call_of(const char *caller) {
+  for (int64_t i = 0; i < CALLS; i++)
+    if (!strcmp(caller, call_names[i])) return i;
+  return CALLS; /* not reached: every caller is one of them */
+}
+
+/* "rank 0 in epx_dispatch on buffer #1, layout #3; rank 1 ...", up to 8 ranks. */
+static void describe_calls(const ep_call_t *all, int32_t W, char *text, size_t size) {
+  size_t used = 0;
+  text[0] = '\0';
+  for (int32_t p = 0; p < W && used < size; p++) {
+    const ep_call_t *c = &all[p];
+    const int n = p == 8 ? snprintf(text + used, size - used, "; ... (%d ranks)", W)
+                         : snprintf(text + used, size - used, "%srank %d in %s on buffer #%lld, layout #%lld",
+                                    p ? "; " : "", p, c->call < CALLS ? call_names[c->call] : "another call",
+                                    (long long)c->buffer, (long long)c->handle);
+    if (n < 0 || p == 8) break;
+    used += (size_t)n;
+  }
+}
+
+static epx_status_t call_mismatch(const ep_call_t *all, int32_t W, const char *fn, const char *what) {
+  char text[768];
+  describe_calls(all, W, text, sizeof text);
+  return epx_error(EPX_ERROR_SHAPE_MISMATCH,
+                   "%s: the ranks are %s: %s; every rank must make the same collective calls, on the same "
+                   "buffer and handle, in the same order; nothing moved on any rank", fn, what, text);
+}
+
+/* The checks of the gathered blocks (the same on every rank). A failed
+ * verdict names its rank (an oversize batch by its numbers); this rank's own
+ * refusal keeps its message. */
+static epx_status_t check_calls(epx_buffer_t b, const ep_call_t *all, epx_status_t local, const char *message,
+                                const char *fn) {
+  const int32_t W = b->world_size;
+  for (int32_t p = 1; p < W; p++)
+    if (all[p].call != all[0].call) return call_mismatch(all, W, fn, "in different collective calls");
   if (local != EPX_SUCCESS) return epx_error(local, "%s", message);
-  if (agreed[1])
-    return epx_error(EPX_ERROR_CAPACITY_EXCEEDED,
-                     "%s: rank %lld has %lld tokens, above the buffer's max_tokens_per_rank %lld; nothing "
-                     "moved on any rank; create the buffer with a larger config.max_tokens_per_rank", fn,
-                     (long long)(agreed[1] - 1), (long long)agreed[2], (long long)b->max_tokens);
-  if (agreed[0])
-    return epx_error(EPX_ERROR_PEER_FAILED,
-                     "%s: rank %lld refused its routing (its epx_last_error says why); nothing moved on any rank",
-                     fn, (long long)(agreed[0] - 1));
-  if (b->max_tokens == 0) epx_buffer_agree_max_tokens(b, agreed[3]);
+  for (int32_t p = 0; p < W; p++)
+    if (all[p].verdict == EPX_ERROR_CAPACITY_EXCEEDED && all[p].call == CALL_LAYOUT)
+      return epx_error(EPX_ERROR_CAPACITY_EXCEEDED,
+                       "%s: rank %d has %lld tokens, above the buffer's max_tokens_per_rank %lld; nothing "
+                       "moved on any rank; create the buffer with a larger config.max_tokens_per_rank", fn, p,
+                       (long long)all[p].tokens, (long long)b->max_tokens);
+  for (int32_t p = 0; p < W; p++)
+    if (all[p].verdict != EPX_SUCCESS)
+      return epx_error(EPX_ERROR_PEER_FAILED,
+                       "%s: rank %d refused the call (its epx_last_error says why); nothing moved on any rank", fn,
+                       p);
+  for (int32_t p = 1; p < W; p++) {
+    if (all[p].buffer != all[0].buffer) return call_mismatch(all, W, fn, "on different buffers");
+    if (all[p].handle != all[0].handle)
+      return call_mismatch(all, W, fn,
+                           all[0].call == CALL_LAYOUT ? "out of step (they have made different numbers of layouts)"
+                                                      : "on different handles");
+  }
+  for (int32_t p = 1; p < W; p++)
+    if (all[p].grad_w != all[0].grad_w)
+      return epx_error(EPX_ERROR_SHAPE_MISMATCH,
+                       "%s: rank %d passes grad_w and rank %d does not; the weight gradient is exchanged, so "
+                       "pass grad_w on every rank or on none; nothing moved on any rank", fn,
+                       all[p].grad_w ? p : 0, all[p].grad_w ? 0 : p);
   return EPX_SUCCESS;
+}
+
+/* Gathers `mine` from every rank and checks the blocks. *largest (layout,
+ * may be NULL): the largest batch of the ranks. */
+static epx_status_t agree_call(epx_buffer_t b, ep_call_t mine, const char *fn, int64_t *largest) {
+  epx_comm_t comm = b->comm;
+  epx_status_t status = epx_comm_check_alive(comm, fn);
+  if (status != EPX_SUCCESS) return status;
+  const epx_status_t local = (epx_status_t)mine.verdict;
+  char message[1024];
+  snprintf(message, sizeof message, "%s", local != EPX_SUCCESS ? epx_last_error() : "");
+  ep_call_t *all = calloc((size_t)b->world_size, sizeof *all);
+  if (!all) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
+  status = comm->ops->allgather(comm, fn, &mine, all, sizeof mine);
+  if (status == EPX_SUCCESS) status = check_calls(b, all, local, message, fn);
+  for (int32_t p = 0; status == EPX_SUCCESS && largest && p < b->world_size; p++)
+    if (all[p].tokens > *largest) *largest = all[p].tokens;
+  free(all);
+  return status;
+}
+
+/* The layout's agreement: the verdict, and on the first call
+ * max_tokens_per_rank (the largest batch). */
+static epx_status_t agree_layout(epx_buffer_t b, const epx_routing_t *r, epx_status_t local, int64_t seq) {
+  const ep_buffer_t *s = b->cuda;
+  const ep_call_t mine = {local, CALL_LAYOUT, s->id, seq, r ? r->num_tokens : 0, 0};
+  int64_t largest = 0;
+  epx_status_t status = agree_call(b, mine, "epx_dispatch_layout", &largest);
+  if (status == EPX_SUCCESS && b->max_tokens == 0) epx_buffer_agree_max_tokens(b, largest);
+  return status;
 }
 
 /* The routing all-gather (idx, w, locations, header) on the buffer's stream. */
@@ -604,8 +701,9 @@ epx_status_t epx_cuda_ep_dispatch_layout(epx_buffer_t b, const epx_routing_t *r,
   epx_status_t status = EPX_SUCCESS;
   const epx_buffer_config_t *c = &b->config;
   const int worst = c->worst_case_sizing != 0;
+  const int64_t seq = ++b->comm->layouts_made; /* every rank calls, refused or not */
   if (!worst || b->max_tokens == 0) {
-    EPX_CHECK(agree_layout(b, r, local));
+    EPX_CHECK(agree_layout(b, r, local, seq));
     EPX_CHECK(ensure_fused(b, fn)); /* max_tokens_per_rank may have been agreed just now */
   } else if (local != EPX_SUCCESS) {
     epx_cuda_ep_dims_t d = {b->world_size, b->rank, b->experts_per_rank, c->max_top_k, r->top_k,
@@ -632,6 +730,7 @@ epx_status_t epx_cuda_ep_dispatch_layout(epx_buffer_t b, const epx_routing_t *r,
   if (!h) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
   handle->cuda = h;
   h->rows = -1;
+  h->seq = seq;
   h->count[0] = malloc(sizeof(int64_t) * 2 * KINDS * (size_t)W);
   if (!h->count[0]) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
   for (int kind = 0; kind < KINDS; kind++)
@@ -670,9 +769,16 @@ fail:
 /* Moves                                                                     */
 /* ------------------------------------------------------------------------ */
 
-epx_status_t epx_cuda_ep_agree(epx_buffer_t b, epx_status_t local, const char *caller) {
+epx_status_t epx_cuda_ep_agree_call(epx_buffer_t b, epx_handle_t handle, int grad_w, epx_status_t local,
+                                    const char *caller) {
   if (b->config.worst_case_sizing) return local; /* no host round trip: see the top of this file */
-  return epx_comm_agree(b->comm, local, caller);
+  const ep_handle_t *h = handle ? handle->cuda : NULL;
+  const ep_call_t mine = {local, call_of(caller), ((const ep_buffer_t *)b->cuda)->id, h ? h->seq : 0, 0, grad_w != 0};
+  return agree_call(b, mine, caller, NULL);
+}
+
+epx_status_t epx_cuda_ep_agree(epx_buffer_t b, epx_status_t local, const char *caller) {
+  return epx_cuda_ep_agree_call(b, NULL, 0, local, caller);
 }
 
 /* Grouped send/recv of `unit`-byte rows: this rank's items of kind `skind`
@@ -975,6 +1081,11 @@ epx_status_t epx_cuda_ep_dispatch_layout(epx_buffer_t b, const epx_routing_t *r,
 void epx_cuda_ep_handle_fini(epx_handle_t h) { (void)h; }
 epx_status_t epx_cuda_ep_agree(epx_buffer_t b, epx_status_t local, const char *caller) {
   (void)b, (void)caller;
+  return local;
+}
+epx_status_t epx_cuda_ep_agree_call(epx_buffer_t b, epx_handle_t h, int grad_w, epx_status_t local,
+                                    const char *caller) {
+  (void)b, (void)h, (void)grad_w, (void)caller;
   return local;
 }
 epx_status_t epx_cuda_ep_dispatch(epx_buffer_t b, epx_handle_t h, const void *x, void *r) {

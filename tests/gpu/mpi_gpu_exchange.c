@@ -659,6 +659,51 @@ static void test_weighting_mismatch(epx_comm_t comm, void *stream, int worst) {
   cudaFree(idx), cudaFree(w);
 }
 
+/* The last rank calls epx_combine where the others call epx_dispatch (same
+ * handle): every rank gets EPX_ERROR_SHAPE_MISMATCH naming both calls and
+ * nothing moves; then a buffer whose combine_precision differs on the last
+ * rank is refused at creation on every rank, naming it. The comm keeps
+ * working. */
+static void test_call_mismatch(epx_comm_t comm, void *stream) {
+  epx_buffer_t b = simple_buffer(comm, stream, 0);
+  case_t c = {EPX_LAYOUT_EXPERT_MAJOR, EPX_BFLOAT16, EPX_WEIGHTS_IN_COMBINE, 0, 0, 0, 0, 17};
+  routing_t rt;
+  make_routing(&c, g_rank, &rt);
+  int32_t *idx = dev_put(rt.idx, sizeof rt.idx);
+  float *w = dev_put(rt.w, sizeof rt.w);
+  epx_routing_t r = {rt.T, K, idx, w, NULL, EPX_WEIGHTS_IN_COMBINE};
+  epx_handle_t h = NULL;
+  OK(epx_dispatch_layout(b, &r, NULL, &h));
+  int64_t rows = 0, cap = 0;
+  OK(epx_handle_recv_rows(h, &rows));
+  OK(epx_buffer_max_recv_rows(b, &cap));
+  void *x = zeros(EPX_DEVICE_CUDA, 2 * (size_t)TMAX * H), *recv = zeros(EPX_DEVICE_CUDA, 2 * (size_t)cap * H + 16);
+  epx_status_t s = g_rank == g_size - 1 ? epx_combine(b, h, recv, x) : epx_dispatch(b, h, x, recv, cap);
+  CHECK(s == EPX_ERROR_SHAPE_MISMATCH && strstr(epx_last_error(), "different collective calls") &&
+            strstr(epx_last_error(), "epx_combine") && strstr(epx_last_error(), "epx_dispatch"),
+        "call mismatch: rank %d got %s (%s)", g_rank, epx_status_string(s), epx_last_error());
+  OK(epx_dispatch(b, h, x, recv, cap)); /* in step again */
+  OK(epx_handle_release(h));
+  OK(epx_buffer_destroy(b));
+  epx_buffer_config_t cfg = EPX_BUFFER_CONFIG_INIT;
+  cfg.device = EPX_DEVICE_CUDA;
+  cfg.dtype = EPX_BFLOAT16;
+  cfg.hidden = H;
+  cfg.num_experts = E;
+  cfg.max_top_k = K;
+  cfg.max_tokens_per_rank = TMAX;
+  cfg.stream = stream;
+  cfg.combine_precision = g_rank == g_size - 1 ? EPX_COMBINE_PARTIALS_PAYLOAD : EPX_COMBINE_PARTIALS_FLOAT32;
+  epx_buffer_t odd = NULL;
+  char named[32];
+  snprintf(named, sizeof named, "rank %d", g_size - 1);
+  s = epx_buffer_create(comm, &cfg, &odd);
+  CHECK(s == EPX_ERROR_SHAPE_MISMATCH && odd == NULL && strstr(epx_last_error(), named) &&
+            strstr(epx_last_error(), "combine_precision"),
+        "config mismatch: rank %d got %s (%s)", g_rank, epx_status_string(s), epx_last_error());
+  cudaFree(idx), cudaFree(w), cudaFree(x), cudaFree(recv);
+}
+
 static void test_recorder(epx_comm_t comm, void *stream) {
   epx_buffer_t b = simple_buffer(comm, stream, 0);
   case_t c = {EPX_LAYOUT_EXPERT_MAJOR, EPX_BFLOAT16, EPX_WEIGHTS_IN_COMBINE, 0, 0, 1, 0, 12};
@@ -836,6 +881,7 @@ int main(int argc, char **argv) {
   test_capacity_refusal(comm, stream);
   test_weighting_mismatch(comm, stream, 0);
   test_weighting_mismatch(comm, stream, 1);
+  test_call_mismatch(comm, stream);
   test_recorder(comm, stream);
   test_graph(comm, stream);
 
