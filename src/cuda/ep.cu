@@ -66,6 +66,55 @@ __global__ void __launch_bounds__(kThreads)
   if (loc) loc[i] = e >= 0 && locations ? locations[t * d.K + k] : -1;
 }
 
+/* The stage kernel that also validates (expert-major and rank-major: no
+ * capacity slots to claim), in place of the one-rank layout over all E
+ * experts: a thread per send slot (t, k) checks route t * K + k as that
+ * layout does (an id outside [-1, E), or the token's earlier slot naming the
+ * same expert), sends -1 for an invalid route, and records the first one in
+ * result->error (EPX_CUDA_NO_ERROR before) and the header's invalid flag (0
+ * before). w_copy: this rank's weights [T, K] (the layout's copy). */
+__global__ void __launch_bounds__(kThreads)
+    stage_validate_kernel(const epx_cuda_ep_dims_t d, const int32_t *__restrict__ topk_idx,
+                          const float *__restrict__ topk_w, int32_t E, float *w_copy,
+                          epx_cuda_layout_result_t *result, int32_t *idx, float *w, int32_t *hdr) {
+  const int64_t i = (int64_t)blockIdx.x * kThreads + threadIdx.x;
+  if (i == 0) {
+    hdr[EPX_CUDA_EP_HDR_TOKENS] = (int32_t)d.T;
+    hdr[EPX_CUDA_EP_HDR_OVERSIZE] = 0;
+    hdr[EPX_CUDA_EP_HDR_TOPK] = d.K;
+    hdr[EPX_CUDA_EP_HDR_WEIGHTING] = d.weighting;
+  }
+  if (i >= d.Tm * d.Kb) return;
+  const int64_t t = i / d.Kb;
+  const int k = (int)(i % d.Kb);
+  int e = -1;
+  float wv = 0.0f;
+  if (t < d.T && k < d.K) {
+    const int64_t g = t * d.K + k;
+    const int raw = topk_idx[g];
+    int code = 0;
+    if (raw < -1 || raw >= E) {
+      code = EPX_CUDA_BAD_EXPERT;
+    } else if (raw >= 0) {
+      for (int j = 0; j < k; j++)
+        if (topk_idx[t * d.K + j] == raw) code = EPX_CUDA_DUPLICATE_EXPERT;
+    }
+    if (topk_w) {
+      wv = topk_w[g];
+      if (w_copy) w_copy[g] = wv;
+    }
+    if (code) {
+      atomicMin(reinterpret_cast<unsigned long long *>(&result->error),
+                ((unsigned long long)g << 3) | (unsigned long long)code);
+      hdr[EPX_CUDA_EP_HDR_INVALID] = 1;
+    } else {
+      e = raw;
+    }
+  }
+  idx[i] = e;
+  w[i] = e >= 0 ? wv : 0.0f;
+}
+
 /* A thread per gathered token g (its Kb slots; home flags too when g is one
  * of this rank's tokens). */
 __global__ void __launch_bounds__(kThreads)
@@ -382,6 +431,32 @@ __global__ void __launch_bounds__(kThreads) hash_kernel(const int32_t *idx, int6
   if ((threadIdx.x & 31) == 0 && sum) atomicAdd(hash, sum);
 }
 
+/* A warp per token t: its row x[t] (nvec 16-byte vectors) to out[table[t *
+ * W + d] + shift] for the chosen columns d with a row (>= 0): every column
+ * but `skip`, or only column `only` (>= 0). Four vectors in flight per lane. */
+__global__ void __launch_bounds__(kThreads)
+    pack_pairs_kernel(const uint4 *__restrict__ x, int64_t T, int64_t nvec, const int32_t *__restrict__ table,
+                      int W, int skip, int only, uint4 *__restrict__ out, int64_t shift) {
+  const int64_t t = ((int64_t)blockIdx.x * kThreads + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (t >= T) return;
+  const uint4 *row = x + t * nvec;
+  for (int d = only >= 0 ? only : 0; d < (only >= 0 ? only + 1 : W); d++) {
+    const int32_t r = d == skip ? -1 : table[t * W + d];
+    if (r < 0) continue;
+    uint4 *dst = out + ((int64_t)r + shift) * nvec;
+    for (int64_t v = lane; v < nvec; v += 4 * 32) {
+      uint4 a[4];
+#pragma unroll
+      for (int u = 0; u < 4; u++)
+        if (v + u * 32 < nvec) a[u] = row[v + u * 32];
+#pragma unroll
+      for (int u = 0; u < 4; u++)
+        if (v + u * 32 < nvec) dst[v + u * 32] = a[u];
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" int64_t epx_cuda_ep_flag_count(const epx_cuda_ep_dims_t *d) { return segments(*d).o4 + 1; }
@@ -390,6 +465,16 @@ extern "C" size_t epx_cuda_ep_scan_bytes(int64_t flags) {
   size_t bytes = 0;
   cub::DeviceScan::ExclusiveSum(nullptr, bytes, (const int32_t *)nullptr, (int32_t *)nullptr, flags);
   return bytes;
+}
+
+extern "C" cudaError_t epx_cuda_ep_pack_pairs_launch(const void *x, int64_t T, size_t row_bytes,
+                                                     const int32_t *table, int32_t W, int32_t skip, int32_t only,
+                                                     void *out, int64_t shift, cudaStream_t stream) {
+  if (T <= 0) return cudaSuccess;
+  pack_pairs_kernel<<<blocks_for(T * 32), kThreads, 0, stream>>>(static_cast<const uint4 *>(x), T,
+                                                                 (int64_t)(row_bytes / 16), table, W, skip, only,
+                                                                 static_cast<uint4 *>(out), shift);
+  return cudaGetLastError();
 }
 
 extern "C" cudaError_t epx_cuda_ep_scan_launch(const int32_t *flags, int32_t *scan, int64_t count, void *temp,
@@ -405,6 +490,19 @@ extern "C" cudaError_t epx_cuda_ep_stage_launch(const epx_cuda_ep_dims_t *d, con
   const int64_t n = d->Tm * d->Kb;
   stage_kernel<<<blocks_for(n > 0 ? n : 1), kThreads, 0, stream>>>(*d, own_idx, own_w, locations, own_result,
                                                                    oversize, idx, w, loc, hdr);
+  return cudaGetLastError();
+}
+
+extern "C" cudaError_t epx_cuda_ep_stage_validate_launch(const epx_cuda_ep_dims_t *d, const int32_t *topk_idx,
+                                                         const float *topk_w, int32_t num_experts, float *w_copy,
+                                                         epx_cuda_layout_result_t *result, int32_t *idx, float *w,
+                                                         int32_t *hdr, cudaStream_t stream) {
+  cudaError_t e = cudaMemsetAsync(result, 0xff, sizeof *result, stream);
+  if (e == cudaSuccess) e = cudaMemsetAsync(hdr + EPX_CUDA_EP_HDR_INVALID, 0, sizeof *hdr, stream);
+  if (e != cudaSuccess) return e;
+  const int64_t n = d->Tm * d->Kb;
+  stage_validate_kernel<<<blocks_for(n > 0 ? n : 1), kThreads, 0, stream>>>(*d, topk_idx, topk_w, num_experts, w_copy,
+                                                                            result, idx, w, hdr);
   return cudaGetLastError();
 }
 

@@ -369,12 +369,31 @@ cudaError_t epx_cuda_ep_stage_launch(const epx_cuda_ep_dims_t *d, const int32_t 
                                      int32_t *idx, float *w, int32_t *loc, int32_t *hdr,
                                      cudaStream_t stream);
 
+/* The stage launch for the expert-major and rank-major layouts, validating
+ * the raw routing itself (as the one-rank layout would: bad ids, duplicates
+ * within a token; invalid routes sent as -1, the first in result->error, the
+ * header's invalid flag set) and copying topk_w [T, K] to w_copy (either
+ * may be NULL): two small memsets and one kernel in place of that layout's
+ * two kernels over all E experts. */
+cudaError_t epx_cuda_ep_stage_validate_launch(const epx_cuda_ep_dims_t *d, const int32_t *topk_idx,
+                                              const float *topk_w, int32_t num_experts, float *w_copy,
+                                              epx_cuda_layout_result_t *result, int32_t *idx, float *w,
+                                              int32_t *hdr, cudaStream_t stream);
+
 /* Gathered idx/loc [W*Tm, Kb] and headers [W, 4] -> the receive layout's
  * routing (local ids, -1 elsewhere; locations s*C + l) and the flags. Any
  * rank's oversize header empties everything (nothing moves). */
 cudaError_t epx_cuda_ep_flags_launch(const epx_cuda_ep_dims_t *d, const int32_t *gidx,
                                      const int32_t *gloc, const int32_t *ghdr, int32_t *ridx,
                                      int32_t *rloc, int32_t *flags, cudaStream_t stream);
+
+/* Rank-major dedup dispatch, split so the remote rows start moving sooner:
+ * each token's row x[t] ([T, row_bytes], row_bytes a multiple of 16) to
+ * out[table[t * W + d] + shift] for every column d with a row (>= 0) but
+ * `skip`, or (only >= 0) for column `only` alone. */
+cudaError_t epx_cuda_ep_pack_pairs_launch(const void *x, int64_t T, size_t row_bytes, const int32_t *table,
+                                          int32_t W, int32_t skip, int32_t only, void *out, int64_t shift,
+                                          cudaStream_t stream);
 
 /* Exclusive prefix sum of `count` ints (cub). */
 cudaError_t epx_cuda_ep_scan_launch(const int32_t *flags, int32_t *scan, int64_t count, void *temp,

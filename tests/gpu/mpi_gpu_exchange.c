@@ -659,6 +659,57 @@ static void test_weighting_mismatch(epx_comm_t comm, void *stream, int worst) {
   cudaFree(idx), cudaFree(w);
 }
 
+/* An invalid route on one rank (an expert id out of range on the last rank,
+ * or a duplicate on rank 0): that rank gets EPX_ERROR_INVALID_ARGUMENT naming
+ * the route, the others EPX_ERROR_PEER_FAILED naming the rank; no handle at
+ * the layout with default sizing, the same errors from epx_handle_recv_rows
+ * with worst_case_sizing. The buffer keeps working. */
+static void test_invalid_routing(epx_comm_t comm, void *stream, int worst, int duplicate) {
+  epx_buffer_t b = simple_buffer(comm, stream, worst);
+  case_t c = {EPX_LAYOUT_EXPERT_MAJOR, EPX_BFLOAT16, EPX_WEIGHTS_IN_COMBINE, 0, 0, 0, 0, 19};
+  routing_t rt;
+  make_routing(&c, g_rank, &rt);
+  const int bad = duplicate ? 0 : g_size - 1;
+  routing_t wrong = rt;
+  if (g_rank == bad && rt.T > 5) {
+    if (duplicate) wrong.idx[5 * K + 0] = 3, wrong.idx[5 * K + 2] = 3;
+    else wrong.idx[3 * K + 1] = E + 5;
+  }
+  int32_t *idx = dev_put(wrong.idx, sizeof wrong.idx), *good = dev_put(rt.idx, sizeof rt.idx);
+  float *w = dev_put(rt.w, sizeof rt.w);
+  epx_routing_t r = {rt.T, K, idx, w, NULL, EPX_WEIGHTS_IN_COMBINE};
+  epx_handle_t h = NULL;
+  epx_status_t s = epx_dispatch_layout(b, &r, NULL, &h);
+  if (worst) {
+    CHECK(s == EPX_SUCCESS && h, "invalid routing (worst case): the layout returned %s (%s)", epx_status_string(s),
+          epx_last_error());
+    int64_t rows = 0;
+    s = h ? epx_handle_recv_rows(h, &rows) : EPX_ERROR_INTERNAL;
+  } else {
+    CHECK(h == NULL, "invalid routing: a handle came back");
+  }
+  char named[48];
+  snprintf(named, sizeof named, "rank %d", bad);
+  const char *route = duplicate ? "routing.topk_idx[5] names" : "routing.topk_idx[3][1]";
+  if (g_rank == bad)
+    CHECK(s == EPX_ERROR_INVALID_ARGUMENT && strstr(epx_last_error(), route),
+          "invalid routing (worst %d, duplicate %d): rank %d got %s (%s)", worst, duplicate, g_rank,
+          epx_status_string(s), epx_last_error());
+  else
+    CHECK(s == EPX_ERROR_PEER_FAILED && strstr(epx_last_error(), named),
+          "invalid routing (worst %d, duplicate %d): rank %d got %s (%s)", worst, duplicate, g_rank,
+          epx_status_string(s), epx_last_error());
+  if (h) OK(epx_handle_release(h));
+  h = NULL;
+  r.topk_idx = good;
+  OK(epx_dispatch_layout(b, &r, NULL, &h));
+  int64_t rows = 0;
+  OK(epx_handle_recv_rows(h, &rows));
+  OK(epx_handle_release(h));
+  OK(epx_buffer_destroy(b));
+  cudaFree(idx), cudaFree(good), cudaFree(w);
+}
+
 /* The last rank calls epx_combine where the others call epx_dispatch (same
  * handle): every rank gets EPX_ERROR_SHAPE_MISMATCH naming both calls and
  * nothing moves; then a buffer whose combine_precision differs on the last
@@ -882,6 +933,8 @@ int main(int argc, char **argv) {
   test_weighting_mismatch(comm, stream, 0);
   test_weighting_mismatch(comm, stream, 1);
   test_call_mismatch(comm, stream);
+  for (int worst = 0; worst < 2; worst++)
+    for (int dup = 0; dup < 2; dup++) test_invalid_routing(comm, stream, worst, dup);
   test_recorder(comm, stream);
   test_graph(comm, stream);
 
