@@ -367,9 +367,10 @@ static epx_status_t carve(epx_buffer_t b, const epx_routing_t *r, ep_handle_t *h
     void **ptr;
     int64_t bytes;
   } parts[] = {
-      {(void **)&h->own.idx, 4 * T * K}, {(void **)&h->own.route_row, 4 * T * K},
-      {(void **)&h->own.row_src, 4 * own_rows}, {(void **)&h->own.counts, 8 * E},
-      {(void **)&h->own.offsets, 8 * (E + 1)}, {(void **)&h->own.result, sizeof(epx_cuda_layout_result_t)},
+      /* the one-rank layout of this rank's routing: the capacity layout only */
+      {(void **)&h->own.idx, cap ? 4 * T * K : 0}, {(void **)&h->own.route_row, cap ? 4 * T * K : 0},
+      {(void **)&h->own.row_src, cap ? 4 * own_rows : 0}, {(void **)&h->own.counts, cap ? 8 * E : 0},
+      {(void **)&h->own.offsets, cap ? 8 * (E + 1) : 0}, {(void **)&h->own.result, sizeof(epx_cuda_layout_result_t)},
       {(void **)&h->w, r->topk_w ? 4 * T * K : 0}, {(void **)&h->sidx, 4 * d->Tm * Kb},
       {(void **)&h->sw, 4 * d->Tm * Kb}, {(void **)&h->sloc, cap ? 4 * d->Tm * Kb : 0},
       {(void **)&h->shdr, 4 * EPX_CUDA_EP_HDR_INTS}, {(void **)&h->gidx, 4 * G * Kb},
