@@ -179,27 +179,33 @@ static void dev_sync(void) {
 #endif
 }
 
+/* On the buffers' stream and waited for: a cudaMemcpy from pageable memory
+ * may return before its DMA lands, and the buffers' non-blocking stream
+ * would not wait for it (the next epx call could read old rows, and its
+ * timing would include the copy's tail). */
 static void upload(void *dev, const void *host, size_t bytes) {
   if (dev == host || !bytes) return;
 #if EPX_TOOLS_HAVE_CUDA
-  CUDA_TRY(cudaMemcpy(dev, host, bytes, cudaMemcpyHostToDevice));
+  CUDA_TRY(cudaMemcpyAsync(dev, host, bytes, cudaMemcpyHostToDevice, (cudaStream_t)g_stream));
+  dev_sync();
 #endif
 }
 
-/* Waits for the stream first: epx's work on it wrote `dev`. */
+/* After epx's work on the buffers' stream (stream order), and waited for. */
 static void download(void *host, const void *dev, size_t bytes) {
   if (dev == host || !bytes) return;
-  dev_sync();
 #if EPX_TOOLS_HAVE_CUDA
-  CUDA_TRY(cudaMemcpy(host, dev, bytes, cudaMemcpyDeviceToHost));
+  CUDA_TRY(cudaMemcpyAsync(host, dev, bytes, cudaMemcpyDeviceToHost, (cudaStream_t)g_stream));
 #endif
+  dev_sync();
 }
 
 static void poison(void *host, void *dev, size_t bytes) {
   memset(host, 0xff, bytes);
   if (dev == host) return;
 #if EPX_TOOLS_HAVE_CUDA
-  CUDA_TRY(cudaMemset(dev, 0xff, bytes));
+  CUDA_TRY(cudaMemsetAsync(dev, 0xff, bytes, (cudaStream_t)g_stream));
+  dev_sync();
 #endif
 }
 
@@ -558,7 +564,6 @@ static double measure_device_copy(const world_t *w, size_t bytes, int reps) {
   CUDA_TRY(cudaMalloc(&dst, bytes));
   CUDA_TRY(cudaMemset(src, 1, bytes));
   for (int r = 0; r < reps; r++) {
-    dev_sync();
     CUDA_TRY(cudaDeviceSynchronize());
     world_barrier(w);
     double t0 = now_s();

@@ -94,10 +94,6 @@ typedef struct ep_buffer {
   epx_fused_plan_t *pool[8];
   int pooled;
   int64_t id; /* 1 + the buffers made over the comm before it (the same on every rank) */
-  /* Rank-major dedup dispatch copies its self rows on a stream of its own,
-   * beside the remote rows' NCCL transfer (made on first use). */
-  cudaStream_t side;
-  cudaEvent_t fork, join;
 } ep_buffer_t;
 
 /* handle->cuda on W ranks */
@@ -185,9 +181,6 @@ void epx_cuda_ep_buffer_fini(epx_buffer_t b) {
   if (s->send) cudaFreeAsync(s->send, stream_of(b));
   if (s->recv) cudaFreeAsync(s->recv, stream_of(b));
   if (s->readback) cudaFreeHost(s->readback);
-  if (s->fork) cudaEventDestroy(s->fork);
-  if (s->join) cudaEventDestroy(s->join);
-  if (s->side) cudaStreamDestroy(s->side);
   free(s);
   b->cuda = NULL;
 }
@@ -798,11 +791,12 @@ epx_status_t epx_cuda_ep_agree(epx_buffer_t b, epx_status_t local, const char *c
 
 /* Grouped send/recv of `unit`-byte rows: this rank's items of kind `skind`
  * to each peer from send, the peers' items of kind `rkind` into recv. The
- * self block goes through NCCL too (unless skip_self), which copies it while
- * the remote rows travel (a separate copy before the group would serialise
- * it). */
+ * self block goes through NCCL too, which copies it while the remote rows
+ * travel (a separate copy before the group would serialise it; a copy
+ * beside it on a second stream, from x straight into recv_x with only the
+ * remote rows packed first, measured 2% slower: bench/NOTES-gpu.md). */
 static epx_status_t p2p(epx_buffer_t b, const ep_handle_t *h, int skind, int rkind, const void *send, void *recv,
-                        size_t unit, int skip_self, const char *fn) {
+                        size_t unit, const char *fn) {
   epx_status_t status = EPX_SUCCESS;
   epx_comm_t comm = b->comm;
   ncclComm_t nc = epx_nccl_data_comm(comm);
@@ -811,7 +805,6 @@ static epx_status_t p2p(epx_buffer_t b, const ep_handle_t *h, int skind, int rki
   char *d = recv;
   NCCL_CHECK(ncclGroupStart(), fn, "ncclGroupStart");
   for (int32_t p = 0; p < h->d.W; p++) {
-    if (skip_self && p == h->d.rank) continue;
     if (h->count[skind][p])
       NCCL_CHECK(ncclSend(s + (size_t)h->displ[skind][p] * unit, (size_t)h->count[skind][p] * unit, ncclUint8, p,
                           nc, stream), fn, "ncclSend");
@@ -820,46 +813,6 @@ static epx_status_t p2p(epx_buffer_t b, const ep_handle_t *h, int skind, int rki
                           nc, stream), fn, "ncclRecv");
   }
   NCCL_CHECK(ncclGroupEnd(), fn, "ncclGroupEnd");
-fail:
-  return status;
-}
-
-/* The side stream and its events (created once, on the buffer's device). */
-static epx_status_t ensure_side(ep_buffer_t *s, const char *fn) {
-  epx_status_t status = EPX_SUCCESS;
-  if (s->side) return EPX_SUCCESS;
-  CUDA_CHECK(cudaEventCreateWithFlags(&s->fork, cudaEventDisableTiming), fn, "cudaEventCreate");
-  CUDA_CHECK(cudaEventCreateWithFlags(&s->join, cudaEventDisableTiming), fn, "cudaEventCreate");
-  CUDA_CHECK(cudaStreamCreateWithFlags(&s->side, cudaStreamNonBlocking), fn, "cudaStreamCreate");
-fail:
-  return status;
-}
-
-/* Rank-major dedup dispatch, default sizing: the received pairs land in
- * dst in order, the self block at its receive offset. The remote rows are
- * packed first and travel at once; the self rows are copied from x straight
- * into dst on the side stream meanwhile (not packed, not through NCCL): the
- * pack of the self rows no longer delays the transfer. */
-static epx_status_t dispatch_pairs(epx_buffer_t b, const ep_handle_t *h, const void *x, void *dst, const char *fn) {
-  epx_status_t status = EPX_SUCCESS;
-  ep_buffer_t *s = b->cuda;
-  cudaStream_t stream = stream_of(b);
-  const int32_t me = h->d.rank;
-  const size_t rb = (size_t)b->config.hidden * epx_dtype_size(b->config.dtype);
-  const int64_t shift = h->displ[RECV_PAIRS][me] - h->displ[HOME_PAIRS][me];
-  EPX_CHECK(ensure_side(s, fn));
-  CUDA_CHECK(cudaEventRecord(s->fork, stream), fn, "cudaEventRecord");
-  CUDA_CHECK(cudaStreamWaitEvent(s->side, s->fork, 0), fn, "cudaStreamWaitEvent");
-  CUDA_CHECK(epx_cuda_ep_pack_pairs_launch(x, h->d.T, rb, h->tab.pair_stage, h->d.W, me, -1, s->send, 0, stream), fn,
-             "the pack kernel");
-  CUDA_CHECK(epx_cuda_ep_pack_pairs_launch(x, h->d.T, rb, h->tab.pair_stage, h->d.W, -1, me, dst, shift, s->side), fn,
-             "the self copy kernel");
-  CUDA_CHECK(cudaEventRecord(s->join, s->side), fn, "cudaEventRecord");
-  status = p2p(b, h, HOME_PAIRS, RECV_PAIRS, s->send, dst, rb, 1, fn);
-  /* joined even after a failure: the side stream's work is ordered before the caller's next */
-  cudaError_t e = cudaStreamWaitEvent(stream, s->join, 0);
-  if (status == EPX_SUCCESS && e != cudaSuccess)
-    status = epx_error(EPX_ERROR_CUDA, "%s: cudaStreamWaitEvent failed: %s", fn, cudaGetErrorString(e));
 fail:
   return status;
 }
@@ -878,14 +831,12 @@ static epx_status_t move_forward(epx_buffer_t b, epx_handle_t handle, const void
   const int hk = dedup ? HOME_PAIRS : HOME_ROUTES, rk = dedup ? RECV_PAIRS : RECV_ROUTES;
   const size_t rb = (size_t)c->hidden * epx_dtype_size(c->dtype);
   const int direct = dedup && c->layout == EPX_LAYOUT_RANK_MAJOR && !h->d.worst;
-  if (direct && !grad_w && (rb % 16) == 0 && h->count[HOME_PAIRS][h->d.rank] > 0)
-    return dispatch_pairs(b, h, src, dst, fn);
   CUDA_CHECK(epx_cuda_scatter_launch(c->dtype, src, s->send, h->d.T, c->hidden,
                                      dedup ? h->tab.pair_stage : h->tab.route_stage, dedup ? h->d.W : h->d.K,
                                      NULL, NULL, NULL, NULL, NULL, 0, 0, stream),
              fn, "the pack kernel");
   /* Rank-major rows are the received pairs in order: they land in place. */
-  EPX_CHECK(p2p(b, h, hk, rk, s->send, direct ? dst : s->recv, rb, 0, fn));
+  EPX_CHECK(p2p(b, h, hk, rk, s->send, direct ? dst : s->recv, rb, fn));
   if (direct) return EPX_SUCCESS;
   const int32_t slots = dedup ? h->d.Kb : 1;
   CUDA_CHECK(epx_cuda_scatter_launch(c->dtype, s->recv, dst, kind_rows(h, rk), c->hidden,
@@ -896,7 +847,7 @@ static epx_status_t move_forward(epx_buffer_t b, epx_handle_t handle, const void
              fn, "the expand kernel");
   if (!grad_w) return EPX_SUCCESS;
   /* The dots go home: Kb floats per pair, or one per route. */
-  EPX_CHECK(p2p(b, h, rk, hk, s->send, s->recv, 4 * (size_t)slots, 0, fn));
+  EPX_CHECK(p2p(b, h, rk, hk, s->send, s->recv, 4 * (size_t)slots, fn));
   CUDA_CHECK(epx_cuda_ep_home_values_launch(&h->d, dedup, h->tab.pair_stage, h->tab.route_stage, h->tab.group,
                                             (const float *)s->recv, grad_w, stream),
              fn, "the weight gradient kernel");
@@ -946,7 +897,7 @@ static epx_status_t return_pairs(epx_buffer_t b, epx_handle_t handle, const void
                fn, "the pack kernel");
     send = s->send;
   }
-  EPX_CHECK(p2p(b, h, RECV_PAIRS, HOME_PAIRS, send, s->recv, rb, 0, fn));
+  EPX_CHECK(p2p(b, h, RECV_PAIRS, HOME_PAIRS, send, s->recv, rb, fn));
   CUDA_CHECK(epx_cuda_gather_launch(c->dtype, s->recv, out, h->d.T, c->hidden, h->tab.pair_stage, h->d.W, NULL,
                                     NULL, NULL, 0, stream),
              fn, "the sum kernel");
@@ -973,7 +924,7 @@ static epx_status_t move_backward(epx_buffer_t b, epx_handle_t handle, const voi
     CUDA_CHECK(epx_cuda_scatter_launch(c->dtype, rows, s->send, n, c->hidden, h->tab.stage_of_row, 1, NULL, NULL,
                                        NULL, NULL, NULL, 0, 0, stream),
                fn, "the pack kernel");
-    EPX_CHECK(p2p(b, h, RECV_ROUTES, HOME_ROUTES, s->send, s->recv, rb, 0, fn));
+    EPX_CHECK(p2p(b, h, RECV_ROUTES, HOME_ROUTES, s->send, s->recv, rb, fn));
     const epx_cuda_reduce_t red = {c->dtype, c->dtype, s->recv, out, h->d.T, c->hidden, h->tab.route_stage,
                                    h->tab.group, h->d.K, weighted ? h->w : NULL, grad_w ? dot_x : NULL, grad_w,
                                    c->combine_precision == EPX_COMBINE_PARTIALS_PAYLOAD && c->dtype != EPX_FLOAT32};
@@ -993,7 +944,7 @@ static epx_status_t move_backward(epx_buffer_t b, epx_handle_t handle, const voi
                                       NULL, 0, stream),
                fn, "the partial sum kernel");
   }
-  EPX_CHECK(p2p(b, h, RECV_PAIRS, HOME_PAIRS, s->send, s->recv, f32 ? 4 * (size_t)c->hidden : rb, 0, fn));
+  EPX_CHECK(p2p(b, h, RECV_PAIRS, HOME_PAIRS, s->send, s->recv, f32 ? 4 * (size_t)c->hidden : rb, fn));
   if (f32) {
     const epx_cuda_reduce_t red = {EPX_FLOAT32, c->dtype, s->recv, out, h->d.T, c->hidden, h->tab.pair_stage, NULL,
                                    h->d.W, NULL, NULL, NULL, 0};
@@ -1034,7 +985,7 @@ epx_status_t epx_cuda_ep_weights_backward(epx_buffer_t b, epx_handle_t handle, c
   CUDA_CHECK(epx_cuda_ep_route_values_launch(kind_rows(h, RECV_ROUTES), h->tab.rr_all, h->tab.rr_slot, slots,
                                              grad_recv_w, (float *)s->send, stream),
              fn, "the weight gradient kernel");
-  EPX_CHECK(p2p(b, h, RECV_ROUTES, HOME_ROUTES, s->send, s->recv, 4, 0, fn));
+  EPX_CHECK(p2p(b, h, RECV_ROUTES, HOME_ROUTES, s->send, s->recv, 4, fn));
   CUDA_CHECK(epx_cuda_ep_home_values_launch(&h->d, 0, h->tab.pair_stage, h->tab.route_stage, h->tab.group,
                                             (const float *)s->recv, grad_w, stream),
              fn, "the weight gradient kernel");

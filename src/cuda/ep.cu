@@ -431,32 +431,6 @@ __global__ void __launch_bounds__(kThreads) hash_kernel(const int32_t *idx, int6
   if ((threadIdx.x & 31) == 0 && sum) atomicAdd(hash, sum);
 }
 
-/* A warp per token t: its row x[t] (nvec 16-byte vectors) to out[table[t *
- * W + d] + shift] for the chosen columns d with a row (>= 0): every column
- * but `skip`, or only column `only` (>= 0). Four vectors in flight per lane. */
-__global__ void __launch_bounds__(kThreads)
-    pack_pairs_kernel(const uint4 *__restrict__ x, int64_t T, int64_t nvec, const int32_t *__restrict__ table,
-                      int W, int skip, int only, uint4 *__restrict__ out, int64_t shift) {
-  const int64_t t = ((int64_t)blockIdx.x * kThreads + threadIdx.x) / 32;
-  const int lane = threadIdx.x % 32;
-  if (t >= T) return;
-  const uint4 *row = x + t * nvec;
-  for (int d = only >= 0 ? only : 0; d < (only >= 0 ? only + 1 : W); d++) {
-    const int32_t r = d == skip ? -1 : table[t * W + d];
-    if (r < 0) continue;
-    uint4 *dst = out + ((int64_t)r + shift) * nvec;
-    for (int64_t v = lane; v < nvec; v += 4 * 32) {
-      uint4 a[4];
-#pragma unroll
-      for (int u = 0; u < 4; u++)
-        if (v + u * 32 < nvec) a[u] = row[v + u * 32];
-#pragma unroll
-      for (int u = 0; u < 4; u++)
-        if (v + u * 32 < nvec) dst[v + u * 32] = a[u];
-    }
-  }
-}
-
 }  // namespace
 
 extern "C" int64_t epx_cuda_ep_flag_count(const epx_cuda_ep_dims_t *d) { return segments(*d).o4 + 1; }
@@ -465,16 +439,6 @@ extern "C" size_t epx_cuda_ep_scan_bytes(int64_t flags) {
   size_t bytes = 0;
   cub::DeviceScan::ExclusiveSum(nullptr, bytes, (const int32_t *)nullptr, (int32_t *)nullptr, flags);
   return bytes;
-}
-
-extern "C" cudaError_t epx_cuda_ep_pack_pairs_launch(const void *x, int64_t T, size_t row_bytes,
-                                                     const int32_t *table, int32_t W, int32_t skip, int32_t only,
-                                                     void *out, int64_t shift, cudaStream_t stream) {
-  if (T <= 0) return cudaSuccess;
-  pack_pairs_kernel<<<blocks_for(T * 32), kThreads, 0, stream>>>(static_cast<const uint4 *>(x), T,
-                                                                 (int64_t)(row_bytes / 16), table, W, skip, only,
-                                                                 static_cast<uint4 *>(out), shift);
-  return cudaGetLastError();
 }
 
 extern "C" cudaError_t epx_cuda_ep_scan_launch(const int32_t *flags, int32_t *scan, int64_t count, void *temp,

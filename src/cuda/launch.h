@@ -387,14 +387,6 @@ cudaError_t epx_cuda_ep_flags_launch(const epx_cuda_ep_dims_t *d, const int32_t 
                                      const int32_t *gloc, const int32_t *ghdr, int32_t *ridx,
                                      int32_t *rloc, int32_t *flags, cudaStream_t stream);
 
-/* Rank-major dedup dispatch, split so the remote rows start moving sooner:
- * each token's row x[t] ([T, row_bytes], row_bytes a multiple of 16) to
- * out[table[t * W + d] + shift] for every column d with a row (>= 0) but
- * `skip`, or (only >= 0) for column `only` alone. */
-cudaError_t epx_cuda_ep_pack_pairs_launch(const void *x, int64_t T, size_t row_bytes, const int32_t *table,
-                                          int32_t W, int32_t skip, int32_t only, void *out, int64_t shift,
-                                          cudaStream_t stream);
-
 /* Exclusive prefix sum of `count` ints (cub). */
 cudaError_t epx_cuda_ep_scan_launch(const int32_t *flags, int32_t *scan, int64_t count, void *temp,
                                     size_t temp_bytes, cudaStream_t stream);
