@@ -34,23 +34,23 @@ verdict() { printf '%-58s %s\n' "$1" "$2" >>"$SUMMARY"; }
 NCCL=$(python3 -c "import nvidia.nccl,os;print(os.path.dirname(nvidia.nccl.__file__))" 2>/dev/null || echo /usr/local/cuda)
 MPI_FLAG=-DEPX_BUILD_MPI=OFF
 command -v mpicc >/dev/null 2>&1 && MPI_FLAG=-DEPX_BUILD_MPI=ON
-CMOCKA_ARGS=()
+DEP_ARGS=()
 if ! echo '#include <cmocka.h>' | cc -E -x c - >/dev/null 2>&1 && [ -f .gpu-deps/include/cmocka.h ]; then
-  CMOCKA_ARGS=(-DCMOCKA_INCLUDE_DIR="$PWD/.gpu-deps/include" -DCMOCKA_LIBRARY="$PWD/.gpu-deps/lib/libcmocka.so.0")
+  DEP_ARGS=(-DCMOCKA_INCLUDE_DIR="$PWD/.gpu-deps/include" -DCMOCKA_LIBRARY="$PWD/.gpu-deps/lib/libcmocka.so.0")
 fi
 # epx-bench (the 2-GPU main job) needs OpenBLAS; a machine without
 # libopenblas-dev takes a carried copy: .gpu-deps/blas/include/{cblas.h,
 # openblas_config.h} and .gpu-deps/blas/lib/{libopenblas.so.0,
 # libgfortran.so.5, libquadmath.so.0} (from a Debian host's libopenblas0-pthread).
 if ! echo '#include <cblas.h>' | cc -E -x c - >/dev/null 2>&1 && [ -f .gpu-deps/blas/lib/libopenblas.so.0 ]; then
-  CMOCKA_ARGS+=(-DEPX_OPENBLAS_LIBRARY="$PWD/.gpu-deps/blas/lib/libopenblas.so.0"
+  DEP_ARGS+=(-DEPX_OPENBLAS_LIBRARY="$PWD/.gpu-deps/blas/lib/libopenblas.so.0"
                 -DEPX_CBLAS_INCLUDE_DIR="$PWD/.gpu-deps/blas/include")
 fi
 
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
   nvcc --version | tail -2
-  echo "NCCL (unused by the one-rank checks): $NCCL; MPI: $MPI_FLAG; cmocka: ${CMOCKA_ARGS[*]:-system}"
+  echo "NCCL (unused by the one-rank checks): $NCCL; MPI: $MPI_FLAG; cmocka, OpenBLAS: ${DEP_ARGS[*]:-system}"
 } >"$OUTDIR/build.log" 2>&1
 
 # Build: the library and the GPU tests only (the CPU tests and tools are not
@@ -64,7 +64,7 @@ case " $SECTIONS " in *" one "*) ;; *) GPU_TESTS="" ;; esac
 BUILD_OK=1
 cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DEPX_BUILD_CUDA=ON -DEPX_CUDA_ARCHITECTURES=90 $MPI_FLAG \
   -DEPX_NCCL_ROOT="$NCCL" -DEPX_BUILD_FUSED="${EPX_GPU_FUSED:-OFF}" \
-  "${CMOCKA_ARGS[@]}" >>"$OUTDIR/build.log" 2>&1 || BUILD_OK=0
+  "${DEP_ARGS[@]}" >>"$OUTDIR/build.log" 2>&1 || BUILD_OK=0
 if [ $BUILD_OK = 1 ]; then
   # shellcheck disable=SC2086
   STATIC=""
