@@ -2,10 +2,12 @@
  * layout of a dispatch and the payload moves, on NCCL's host API (grouped
  * ncclSend/ncclRecv and one ncclAllGather) on the buffer's stream.
  *
- * Layout: each rank validates its own routing on its GPU (the one-rank
- * layout kernel over all E experts; invalid routes become -1), and every
- * rank all-gathers every rank's sanitised routing [Tm, Kb] with a header
- * {tokens, oversize, invalid, top_k}. That gather is the count exchange:
+ * Layout: each rank validates its own routing on its GPU (in the kernel that
+ * stages its send block; the capacity layout, whose slots must be claimed,
+ * by the one-rank layout over all E experts; invalid routes become -1), and
+ * every rank all-gathers every rank's sanitised routing [Tm, Kb] with a
+ * header {tokens, oversize, invalid, top_k, weighting}. That gather is the
+ * count exchange:
  * from it each rank computes (ep.cu) both sides of every exchange — where
  * each of its rows goes, and where each row it receives comes from and
  * lands — so no other metadata moves and no count is read on the host
