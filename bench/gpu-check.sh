@@ -195,6 +195,18 @@ if [ -n "$GPU2_TESTS" ]; then
     PYTHONUNBUFFERED=1 timeout 200 $MPIRUN -x PYTHONUNBUFFERED python3 bench/gpu/bench_torch_ep.py "$WORK" \
       >>"$OUTDIR/bench2.log" 2>&1 && verdict "PyTorch all_to_all_single (2 GPUs)" PASS ||
       verdict "PyTorch all_to_all_single (2 GPUs)" FAIL
+    # epx.torch (issue 12): the Python GPU tests (1 and 2 GPUs, CUDA-graph
+    # capture), then one MoE layer step against the same layer in plain
+    # PyTorch (bench/gpu/bench_torch_layer.py, about a minute); the speedup's
+    # verdict against the 2x target.
+    PYRUN=(env EPX_LIBRARY="$PWD/$BUILD/libepx.so" PYTHONPATH=python PYTHONUNBUFFERED=1)
+    "${PYRUN[@]}" timeout 300 python3 -m pytest -q -k gpu tests/python >"$OUTDIR/torch_layer.log" 2>&1 &&
+      verdict "epx.torch GPU tests (pytest -k gpu)" PASS || verdict "epx.torch GPU tests (pytest -k gpu)" FAIL
+    "${PYRUN[@]}" timeout 240 python3 bench/gpu/bench_torch_layer.py >>"$OUTDIR/torch_layer.log" 2>&1 &&
+      verdict "epx.torch MoE layer step (checked; graph bit-identical)" PASS ||
+      verdict "epx.torch MoE layer step (checked; graph bit-identical)" FAIL
+    SPEEDUP=$(sed -n 's/^TARGET epx.torch MoE layer step vs plain PyTorch (2 GPUs): //p' "$OUTDIR/torch_layer.log")
+    verdict "epx.torch layer vs plain PyTorch, 2 GPUs (>= 2x)" "${SPEEDUP:-MISSED (no result)}"
     echo "epx gpu-check: 2-GPU bench done ($(date +%T))"
   fi
 fi

@@ -43,8 +43,9 @@ from typing import Optional
 import numpy as np
 
 from . import _lib
-from ._lib import (BufferConfig, CommConfig, DType, Device, DropPolicy, Exchange, Layout,
-                   Nonfinite, QueueOrder, RecorderMode, RouteConfig, ScoreFn, Status, Weighting)
+from ._lib import (AuxCounts, BufferConfig, CapacityArithmetic, CombinePrecision, CommConfig,
+                   DType, Device, DropPolicy, Exchange, ExchangePath, Layout, Nonfinite,
+                   QueueOrder, RecorderMode, RouteConfig, ScoreFn, Status, Weighting)
 
 lib = _lib.lib
 library_path = _lib.path
@@ -58,17 +59,21 @@ __all__ = [
     "CapacityExceededError", "ShapeMismatchError", "InvalidHandleError", "BusyError",
     "TimeoutError", "PeerFailedError", "TransportError", "ReplayMismatchError", "CudaError",
     "InternalError", "Status", "DType", "Device", "ScoreFn", "QueueOrder", "DropPolicy",
-    "Nonfinite", "Exchange", "Layout", "Weighting", "RecorderMode", "RouteConfig", "BufferConfig",
+    "Nonfinite", "CapacityArithmetic", "AuxCounts", "CombinePrecision", "ExchangePath",
+    "Exchange", "Layout", "Weighting", "RecorderMode", "RouteConfig", "BufferConfig",
     "CommConfig", "RouteResult", "HandleStats", "RecorderStats", "Comm", "LocalWorld",
     "Buffer", "Handle", "Recorder", "route", "route_backward", "run_local", "empty", "zeros",
     "asarray", "convert", "to_bf16", "from_bf16", "dtype_size", "has_cuda", "has_mpi", "has_nccl",
-    "reference_dense_dispatch", "reference_dense_combine", "numpy_dtype",
+    "reference_dense_dispatch", "reference_dense_combine", "numpy_dtype", "library_version",
+    "reference_route", "reference_route_backward", "route_agree_capacity", "route_sum_counts",
 ]
 
 # The C enumerators under their C names (epx.EPX_BFLOAT16, epx.EPX_WEIGHTS_IN_COMBINE, ...).
 for _enum, _prefix in ((Status, "EPX_"), (DType, "EPX_"), (Device, "EPX_DEVICE_"),
                        (ScoreFn, "EPX_SCORE_"), (QueueOrder, "EPX_QUEUE_"),
                        (DropPolicy, "EPX_DROP_"), (Nonfinite, "EPX_NONFINITE_"),
+                       (CapacityArithmetic, "EPX_CAPACITY_"), (AuxCounts, "EPX_AUX_COUNTS_"),
+                       (CombinePrecision, "EPX_COMBINE_"), (ExchangePath, "EPX_PATH_"),
                        (Exchange, "EPX_EXCHANGE_"), (Layout, "EPX_LAYOUT_"),
                        (Weighting, "EPX_WEIGHTS_"), (RecorderMode, "EPX_RECORDER_")):
     for _member in _enum:
@@ -249,6 +254,16 @@ def has_nccl():
     return bool(lib.epx_has_nccl())
 
 
+def library_version():
+    """The loaded libepx's version (epx_version) as (major, minor, patch);
+    the binding was written for epx.VERSION."""
+    code = int(lib.epx_version())
+    return (code // 10000, code // 100 % 100, code % 100)
+
+
+VERSION = _lib.VERSION
+
+
 def empty(shape, dtype=np.float32, alignment=64):
     """An uninitialised C-contiguous array whose data is `alignment`-byte
     aligned (payloads need 16). dtype may be a numpy dtype or an epx DType
@@ -376,16 +391,21 @@ def from_bf16(a, out=None):
 
 @dataclass
 class RouteResult:
-    """What :func:`route` returns. Optional outputs are None when not asked for."""
+    """What :func:`route` (and :func:`reference_route`) returns. Optional
+    outputs are None when not asked for."""
     topk_idx: np.ndarray                  # [T, K] int32 expert ids, best first; -1 = dropped
-    topk_w: np.ndarray                    # [T, K] float32; 0 where dropped
+    topk_w: np.ndarray                    # [T, K] float32 (float64 from the reference); 0 dropped
     locations: Optional[np.ndarray]       # [T, K] int32 slot in the expert's queue; -1: dropped
     expert_counts: Optional[np.ndarray]   # [E] int32 routes chosen per expert before dropping
     aux_loss: Optional[float]
     z_loss: Optional[float]
     capacity: int                         # C in capacity mode, 0 in dropless mode
-    nonfinite_tokens: int                 # tokens dropped for NaN/Inf logits
+    nonfinite_tokens: int                 # tokens dropped for NaN/Inf logits (-1: not counted)
     config: RouteConfig                   # the config it was routed with
+    # The arrays config.token_mask / config.aux_loss_expert_counts point to
+    # (kept alive with the config, for route_backward).
+    token_mask: Optional[np.ndarray] = None
+    aux_loss_expert_counts: Optional[np.ndarray] = None
 
 
 def _route_config(config, logits_shape, fields):
@@ -405,13 +425,55 @@ def _host_config(config, fn):
                 "host memory: use epx.torch.route for device tensors", fn)
 
 
-def route(logits, config=None, *, bias=None, locations=True, expert_counts=True, losses=True,
-          **fields):
+def _route_arrays(config, fn, T, token_mask, aux_loss_expert_counts):
+    """The config's two memory fields from arrays: token_mask [T] (bool or
+    uint8, nonzero = a real token) and aux_loss_expert_counts [E] (float32,
+    e.g. from route_sum_counts). Returns the config (a copy pointing at the
+    arrays when any is given) and the arrays it points to."""
+    if token_mask is None and aux_loss_expert_counts is None:
+        return config, None, None
+    fields = {}
+    if token_mask is not None:
+        if isinstance(token_mask, np.ndarray) and token_mask.dtype == np.bool_:
+            token_mask = token_mask.view(np.uint8)
+        token_mask = asarray(token_mask, np.uint8, 1) if isinstance(token_mask, np.ndarray) \
+            else token_mask
+        fields["token_mask"] = _ptr(token_mask, fn, "token_mask", (np.dtype(np.uint8),), (T,),
+                                    align=1)
+    if aux_loss_expert_counts is not None:
+        E = int(config.num_experts)
+        if isinstance(aux_loss_expert_counts, np.ndarray):
+            aux_loss_expert_counts = asarray(aux_loss_expert_counts, np.float32, 4)
+        fields["aux_loss_expert_counts"] = _ptr(aux_loss_expert_counts, fn,
+                                                "aux_loss_expert_counts", _F32, (E,))
+    return config.copy(**fields), token_mask, aux_loss_expert_counts
+
+
+def _route_outputs(T, K, E, locations, expert_counts, losses, w_dtype):
+    Kc = max(K, 0)
+    idx, w = empty((T, Kc), np.int32), empty((T, Kc), w_dtype)
+    loc = empty((T, Kc), np.int32) if locations else None
+    counts = empty((max(E, 0),), np.int32) if expert_counts else None
+    aux, z = (empty((1,), w_dtype), empty((1,), w_dtype)) if losses else (None, None)
+    return idx, w, loc, counts, aux, z
+
+
+def _data(a):
+    return a.ctypes.data if a is not None else None
+
+
+def route(logits, config=None, *, bias=None, token_mask=None, aux_loss_expert_counts=None,
+          locations=True, expert_counts=True, losses=True, **fields):
     """Routes T tokens (epx_route): logits [T, E] float32 -> :class:`RouteResult`.
 
     config is a :class:`RouteConfig`; keyword arguments set its fields (with
-    no config, num_experts defaults to E). bias [E] float32 shifts selection
-    only. locations / expert_counts / losses=False skip those outputs.
+    no config, num_experts defaults to E), every routing option included
+    (score_fn, num_groups, capacity_arithmetic, renormalize_after_drop,
+    aux_counts, aux_loss_sequences, aux_loss_tokens, random_seed, ...).
+    bias [E] float32 shifts selection only. token_mask [T] (bool/uint8, 0 =
+    padding) and aux_loss_expert_counts [E] float32 (the global aux loss's
+    counts, from :func:`route_sum_counts`) fill the config's two memory
+    fields. locations / expert_counts / losses=False skip those outputs.
     """
     fn = "epx.route"
     config = _route_config(config, np.shape(logits), fields)
@@ -420,49 +482,140 @@ def route(logits, config=None, *, bias=None, locations=True, expert_counts=True,
     pl = _ptr(logits, fn, "logits", _F32, (None, E if E > 0 else None))
     pb = _ptr(bias, fn, "bias", _F32, (E,), optional=True)
     T = logits.shape[0]
-    Kc = max(K, 0)
-    idx, w = empty((T, Kc), np.int32), empty((T, Kc), np.float32)
-    loc = empty((T, Kc), np.int32) if locations else None
-    counts = empty((max(E, 0),), np.int32) if expert_counts else None
-    aux, z = (empty((1,), np.float32), empty((1,), np.float32)) if losses else (None, None)
+    config, mask, gcounts = _route_arrays(config, fn, T, token_mask, aux_loss_expert_counts)
+    idx, w, loc, counts, aux, z = _route_outputs(T, K, E, locations, expert_counts, losses,
+                                                 np.float32)
     out = _lib.RouteOutput()
-    out.topk_idx, out.topk_w = idx.ctypes.data, w.ctypes.data
-    out.locations = loc.ctypes.data if loc is not None else None
-    out.expert_counts = counts.ctypes.data if counts is not None else None
-    out.aux_loss = aux.ctypes.data if aux is not None else None
-    out.z_loss = z.ctypes.data if z is not None else None
+    out.topk_idx, out.topk_w, out.locations = idx.ctypes.data, w.ctypes.data, _data(loc)
+    out.expert_counts, out.aux_loss, out.z_loss = _data(counts), _data(aux), _data(z)
     _check(lib.epx_route(ctypes.byref(config), T, pl, pb, ctypes.byref(out)))
     return RouteResult(idx, w, loc, counts, float(aux[0]) if losses else None,
                        float(z[0]) if losses else None, int(out.capacity),
-                       int(out.nonfinite_tokens), config.copy())
+                       int(out.nonfinite_tokens), config.copy(), mask, gcounts)
 
 
-def route_backward(logits, topk_idx, grad_topk_w=None, config=None, *, bias=None,
-                   grad_aux_loss=0.0, grad_z_loss=0.0, out=None, **fields):
-    """Gradient of :func:`route` (epx_route_backward): returns grad_logits [T, E].
+def reference_route(logits, config=None, *, bias=None, token_mask=None,
+                    aux_loss_expert_counts=None, **fields):
+    """The routing reference (epx_reference_route): epx_route's spec in
+    float64, host memory, with the same arguments as :func:`route`. Returns a
+    :class:`RouteResult` whose topk_w is float64 and nonfinite_tokens -1 (the
+    reference does not count them). The oracle of the routing tests: integers
+    agree with :func:`route` exactly, weights and losses to about 1e-5
+    relative (inputs away from float32 ties)."""
+    fn = "epx.reference_route"
+    config = _route_config(config, np.shape(logits), fields)
+    _host_config(config, fn)
+    E, K = int(config.num_experts), int(config.top_k)
+    pl = _ptr(logits, fn, "logits", _F32, (None, E if E > 0 else None))
+    pb = _ptr(bias, fn, "bias", _F32, (E,), optional=True)
+    T = logits.shape[0]
+    config, mask, gcounts = _route_arrays(config, fn, T, token_mask, aux_loss_expert_counts)
+    idx, w, loc, counts, aux, z = _route_outputs(T, K, E, True, True, True, np.float64)
+    cap = ctypes.c_int32(0)
+    _check(lib.epx_reference_route(ctypes.byref(config), T, pl, pb, idx.ctypes.data,
+                                   w.ctypes.data, loc.ctypes.data, counts.ctypes.data,
+                                   aux.ctypes.data, z.ctypes.data, ctypes.byref(cap)))
+    return RouteResult(idx, w, loc, counts, float(aux[0]), float(z[0]), int(cap.value), -1,
+                       config.copy(), mask, gcounts)
 
-    topk_idx is the forward's [T, K] output, or its RouteResult (whose config
-    is then used unless one is given). grad_topk_w [T, K] float32 (None =
-    zeros); grad_aux_loss / grad_z_loss are the losses' gradients.
-    """
-    fn = "epx.route_backward"
+
+def _backward_args(fn, logits, topk_idx, grad_topk_w, config, bias, token_mask,
+                   aux_loss_expert_counts, fields):
+    """The checked arguments of the two route backward calls."""
     if isinstance(topk_idx, RouteResult):
+        r = topk_idx
         if config is None:
-            config = topk_idx.config
-        topk_idx = topk_idx.topk_idx
+            config = r.config
+        token_mask = r.token_mask if token_mask is None else token_mask
+        if aux_loss_expert_counts is None:
+            aux_loss_expert_counts = r.aux_loss_expert_counts
+        topk_idx = r.topk_idx
     config = _route_config(config, np.shape(logits), fields)
     _host_config(config, fn)
     E, K = int(config.num_experts), int(config.top_k)
     pl = _ptr(logits, fn, "logits", _F32, (None, E if E > 0 else None))
     T = logits.shape[0]
+    config, mask, gcounts = _route_arrays(config, fn, T, token_mask, aux_loss_expert_counts)
     pb = _ptr(bias, fn, "bias", _F32, (E,), optional=True)
     pi = _ptr(topk_idx, fn, "topk_idx", _I32, (T, K))
     pg = _ptr(grad_topk_w, fn, "grad_topk_w", _F32, (T, K), optional=True)
+    return config, (mask, gcounts), T, E, pl, pb, pi, pg
+
+
+def route_backward(logits, topk_idx, grad_topk_w=None, config=None, *, bias=None,
+                   grad_aux_loss=0.0, grad_z_loss=0.0, token_mask=None,
+                   aux_loss_expert_counts=None, out=None, **fields):
+    """Gradient of :func:`route` (epx_route_backward): returns grad_logits [T, E].
+
+    topk_idx is the forward's [T, K] output, or its RouteResult (whose config,
+    token_mask and aux_loss_expert_counts are then used unless given).
+    grad_topk_w [T, K] float32 (None = zeros); grad_aux_loss / grad_z_loss
+    are the losses' gradients.
+    """
+    fn = "epx.route_backward"
+    config, kept, T, E, pl, pb, pi, pg = _backward_args(
+        fn, logits, topk_idx, grad_topk_w, config, bias, token_mask, aux_loss_expert_counts,
+        fields)
     if out is None:
         out = empty((T, max(E, 0)), np.float32)
     po = _ptr(out, fn, "out", _F32, (T, E), writable=True)
     _check(lib.epx_route_backward(ctypes.byref(config), T, pl, pb, pi, pg, float(grad_aux_loss),
                                   float(grad_z_loss), po))
+    del kept
+    return out
+
+
+def reference_route_backward(logits, topk_idx, grad_topk_w=None, config=None, *, bias=None,
+                             grad_aux_loss=0.0, grad_z_loss=0.0, token_mask=None,
+                             aux_loss_expert_counts=None, **fields):
+    """The float64 gradient of :func:`route_backward`
+    (epx_reference_route_backward), same arguments: grad_logits [T, E]
+    float64."""
+    fn = "epx.reference_route_backward"
+    config, kept, T, E, pl, pb, pi, pg = _backward_args(
+        fn, logits, topk_idx, grad_topk_w, config, bias, token_mask, aux_loss_expert_counts,
+        fields)
+    out = empty((T, max(E, 0)), np.float64)
+    _check(lib.epx_reference_route_backward(ctypes.byref(config), T, pl, pb, pi, pg,
+                                            float(grad_aux_loss), float(grad_z_loss),
+                                            out.ctypes.data))
+    del kept
+    return out
+
+
+def _host_counts(counts):
+    """Per-expert counts as a flat int32 host array (a torch tensor is
+    brought to the host). Not checked here: the library checks them and,
+    the calls being collective, tells the peers of a refusal (a refusal in
+    Python would leave them waiting until the timeout)."""
+    if hasattr(counts, "detach") and hasattr(counts, "cpu"):  # a torch tensor
+        counts = counts.detach().cpu().numpy()
+    a = np.ascontiguousarray(counts, dtype=np.int32).reshape(-1)
+    return a, (a.ctypes.data if a.size else None)
+
+
+def route_agree_capacity(comm, expert_counts):
+    """The capacity of dropless routing agreed across the comm's ranks
+    (epx_route_agree_capacity, collective): the largest expert_counts[e] on
+    any rank, as an int. expert_counts [E] is this rank's route output
+    (RouteResult.expert_counts). DeepSpeed's drop_tokens=False: the dropless
+    locations are all below it, so the routing feeds the capacity layout."""
+    a, pa = _host_counts(expert_counts)
+    cap = ctypes.c_int32(0)
+    _check(lib.epx_route_agree_capacity(comm._handle("epx.route_agree_capacity"), a.size, pa,
+                                        ctypes.byref(cap)))
+    return int(cap.value)
+
+
+def route_sum_counts(comm, local_counts):
+    """Per-expert counts summed over the comm's ranks in rank order
+    (epx_route_sum_counts, collective): [E] float32, ready for
+    aux_loss_expert_counts of the global aux loss (with aux_loss_tokens =
+    the global batch's tokens)."""
+    a, pa = _host_counts(local_counts)
+    out = empty((max(a.size, 1),), np.float32)
+    _check(lib.epx_route_sum_counts(comm._handle("epx.route_sum_counts"), a.size, pa,
+                                    out.ctypes.data))
     return out
 
 
@@ -573,6 +726,29 @@ class Comm(_Closable):
     def buffer(self, config=None, **fields):
         """A :class:`Buffer` over this comm (collective)."""
         return Buffer(self, config, **fields)
+
+    def barrier(self):
+        """epx_comm_barrier (collective; bounded by the comm's timeout)."""
+        _check(lib.epx_comm_barrier(self._handle("Comm.barrier")))
+
+    def allgather(self, send):
+        """epx_comm_allgather (collective): every rank's array `send` (the
+        same shape and dtype on every rank; any numpy array) -> [size, *shape]
+        with block s from rank s."""
+        fn = "Comm.allgather"
+        a = np.ascontiguousarray(send)
+        recv = empty((self.size,) + a.shape, a.dtype)
+        _check(lib.epx_comm_allgather(self._handle(fn), a.ctypes.data if a.nbytes else None,
+                                      recv.ctypes.data if recv.nbytes else None, a.nbytes))
+        return recv
+
+    def route_agree_capacity(self, expert_counts):
+        """:func:`route_agree_capacity` over this comm."""
+        return route_agree_capacity(self, expert_counts)
+
+    def route_sum_counts(self, local_counts):
+        """:func:`route_sum_counts` over this comm."""
+        return route_sum_counts(self, local_counts)
 
     def close(self):
         """Closes the comm's buffers (and their handles), then the comm

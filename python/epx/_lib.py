@@ -135,6 +135,17 @@ class Nonfinite(enum.IntEnum):
     DROP = 1
 
 
+class CapacityArithmetic(enum.IntEnum):
+    FLOAT32 = 0
+    FLOAT64 = 1
+
+
+class AuxCounts(enum.IntEnum):
+    SELECTED = 0
+    FIRST_CHOICE = 1
+    PLAIN_TOPK = 2
+
+
 class Exchange(enum.IntEnum):
     DEDUP = 0
     COLLECTIVE = 1
@@ -144,6 +155,17 @@ class Layout(enum.IntEnum):
     EXPERT_MAJOR = 0
     RANK_MAJOR = 1
     CAPACITY = 2
+
+
+class CombinePrecision(enum.IntEnum):
+    PARTIALS_FLOAT32 = 0
+    PARTIALS_PAYLOAD = 1
+
+
+class ExchangePath(enum.IntEnum):
+    AUTO = 0
+    HOST = 1
+    FUSED = 2
 
 
 class Weighting(enum.IntEnum):
@@ -239,8 +261,9 @@ class RouteConfig(_Config):
                      min_capacity=0, queue_order=QueueOrder.BY_CHOICE,
                      drop_policy=DropPolicy.BY_POSITION, aux_loss_coeff=0.0, z_loss_coeff=0.0,
                      nonfinite=Nonfinite.ERROR, device=Device.CPU, stream=None,
-                     capacity_arithmetic=0, capacity_factor_f64=0.0, renormalize_after_drop=0,
-                     group_score_experts=0, aux_counts=0, aux_loss_sequences=0,
+                     capacity_arithmetic=CapacityArithmetic.FLOAT32, capacity_factor_f64=0.0,
+                     renormalize_after_drop=0, group_score_experts=0,
+                     aux_counts=AuxCounts.SELECTED, aux_loss_sequences=0,
                      aux_loss_expert_counts=None, aux_loss_tokens=0.0, random_seed=0,
                      token_mask=None)
 
@@ -294,8 +317,9 @@ class BufferConfig(_Config):
     _defaults = dict(device=Device.CPU, dtype=DType.FLOAT32, hidden=0, num_experts=0, max_top_k=0,
                      max_tokens_per_rank=0, max_tokens_rounding=256, exchange=Exchange.DEDUP,
                      layout=Layout.EXPERT_MAJOR, expert_alignment=1, capacity=0,
-                     worst_case_sizing=0, stream=None, combine_precision=0,
-                     exchange_path=0, sm_budget=0)
+                     worst_case_sizing=0, stream=None,
+                     combine_precision=CombinePrecision.PARTIALS_FLOAT32,
+                     exchange_path=ExchangePath.AUTO, sm_budget=0)
 
 
 class Routing(ctypes.Structure):
@@ -330,6 +354,7 @@ _pp = ctypes.POINTER(ctypes.c_void_p)
 _i32, _i64, _f32, _f64 = ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_double
 _pi32 = ctypes.POINTER(ctypes.c_int32)
 _pi64 = ctypes.POINTER(ctypes.c_int64)
+_size = ctypes.c_size_t
 
 _PROTOTYPES = {
     "epx_status_string": (ctypes.c_char_p, [_st]),
@@ -338,9 +363,15 @@ _PROTOTYPES = {
     "epx_convert": (_st, [_enum, _p, _enum, _p, _i64]),
     "epx_has_cuda": (ctypes.c_int, []),
     "epx_has_mpi": (ctypes.c_int, []),
+    "epx_version": (ctypes.c_int32, []),
+    "epx_route_config_init": (_st, [ctypes.POINTER(RouteConfig), _size]),
+    "epx_comm_config_init": (_st, [ctypes.POINTER(CommConfig), _size]),
+    "epx_buffer_config_init": (_st, [ctypes.POINTER(BufferConfig), _size]),
     "epx_route": (_st, [ctypes.POINTER(RouteConfig), _i64, _p, _p, ctypes.POINTER(RouteOutput)]),
     "epx_route_backward": (_st, [ctypes.POINTER(RouteConfig), _i64, _p, _p, _p, _p, _f32, _f32,
                                  _p]),
+    "epx_route_agree_capacity": (_st, [_p, _i32, _p, _pi32]),
+    "epx_route_sum_counts": (_st, [_p, _i32, _p, _p]),
     "epx_comm_create_self": (_st, [_pp]),
     "epx_local_world_create": (_st, [_i32, ctypes.POINTER(CommConfig), _pp]),
     "epx_local_world_destroy": (_st, [_p]),
@@ -349,6 +380,8 @@ _PROTOTYPES = {
     "epx_comm_destroy": (_st, [_p]),
     "epx_comm_rank": (_st, [_p, _pi32]),
     "epx_comm_size": (_st, [_p, _pi32]),
+    "epx_comm_barrier": (_st, [_p]),
+    "epx_comm_allgather": (_st, [_p, _p, _p, _size]),
     "epx_buffer_create": (_st, [_p, ctypes.POINTER(BufferConfig), _pp]),
     "epx_buffer_destroy": (_st, [_p]),
     "epx_buffer_max_tokens": (_st, [_p, _pi64]),
@@ -377,6 +410,10 @@ _PROTOTYPES = {
                                            _p, _p]),
     "epx_reference_dense_combine": (_st, [_enum, _i64, _i64, _i32, _i32, _i32, _p, _p, _p, _enum,
                                           _p, _p]),
+    "epx_reference_route": (_st, [ctypes.POINTER(RouteConfig), _i64, _p, _p, _p, _p, _p, _p, _p,
+                                  _p, _pi32]),
+    "epx_reference_route_backward": (_st, [ctypes.POINTER(RouteConfig), _i64, _p, _p, _p, _p,
+                                           _f64, _f64, _p]),
 }
 
 
@@ -394,6 +431,8 @@ _OPTIONAL = {
     "epx_comm_create_nccl_id": (_st, [ctypes.POINTER(NcclUniqueId), _i32, _i32,
                                       ctypes.POINTER(CommConfig), _pp], Status.ERROR_UNSUPPORTED),
     "epx_comm_create_nccl": (_st, [_p, ctypes.POINTER(CommConfig), _pp], Status.ERROR_UNSUPPORTED),
+    "epx_comm_create_nccl_mpi": (_st, [_p, ctypes.POINTER(CommConfig), _pp],
+                                 Status.ERROR_UNSUPPORTED),
 }
 
 

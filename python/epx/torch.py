@@ -259,16 +259,21 @@ def _config_id(config):
         return _CONFIG_IDS[key]
 
 
-def _route_config_on(config_id, device):
+def _route_config_on(config_id, device, token_mask=None, aux_counts=None):
+    """The interned config on the tensors' device and current stream, its
+    memory fields pointing at this call's token_mask / aux counts."""
     is_cuda = device.type == "cuda"
     stream = _torch.cuda.current_stream(device).cuda_stream if is_cuda else None
-    return _CONFIGS[config_id].copy(device=Device.CUDA if is_cuda else Device.CPU, stream=stream)
+    return _CONFIGS[config_id].copy(device=Device.CUDA if is_cuda else Device.CPU, stream=stream,
+                                    token_mask=_ptr(token_mask),
+                                    aux_loss_expert_counts=_ptr(aux_counts))
 
 
 @_torch.library.custom_op("epx::route", mutates_args=())
-def _route_op(logits: Tensor, bias: Optional[Tensor], config_id: int
+def _route_op(logits: Tensor, bias: Optional[Tensor], token_mask: Optional[Tensor],
+              aux_counts: Optional[Tensor], config_id: int
               ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    config = _route_config_on(config_id, logits.device)
+    config = _route_config_on(config_id, logits.device, token_mask, aux_counts)
     T, E, K = logits.shape[0], int(config.num_experts), int(config.top_k)
     dev = logits.device
     idx, loc = (_torch.empty((T, K), dtype=_I32, device=dev) for _ in range(2))
@@ -285,7 +290,7 @@ def _route_op(logits: Tensor, bias: Optional[Tensor], config_id: int
 
 
 @_route_op.register_fake
-def _route_fake(logits, bias, config_id):
+def _route_fake(logits, bias, token_mask, aux_counts, config_id):
     config = _CONFIGS[config_id]
     T, E, K = logits.shape[0], int(config.num_experts), int(config.top_k)
     return (logits.new_empty((T, K), dtype=_I32), logits.new_empty((T, K), dtype=_F32),
@@ -295,7 +300,8 @@ def _route_fake(logits, bias, config_id):
 
 
 @_torch.library.custom_op("epx::route_backward", mutates_args=())
-def _route_backward_op(logits: Tensor, bias: Optional[Tensor], topk_idx: Tensor,
+def _route_backward_op(logits: Tensor, bias: Optional[Tensor], token_mask: Optional[Tensor],
+                       aux_counts: Optional[Tensor], topk_idx: Tensor,
                        grad_topk_w: Optional[Tensor], grad_aux: Optional[Tensor],
                        grad_z: Optional[Tensor], config_id: int) -> Tensor:
     """d loss / d logits. epx_route_backward takes the losses' gradients as
@@ -303,7 +309,7 @@ def _route_backward_op(logits: Tensor, bias: Optional[Tensor], topk_idx: Tensor,
     assembled from its linear parts instead: the weights' part, plus
     grad_aux (and grad_z) times the part of a unit loss gradient, with the
     scaling done on the device."""
-    config = _route_config_on(config_id, logits.device)
+    config = _route_config_on(config_id, logits.device, token_mask, aux_counts)
     T, E = logits.shape
 
     def part(gw, ga, gz):
@@ -321,23 +327,25 @@ def _route_backward_op(logits: Tensor, bias: Optional[Tensor], topk_idx: Tensor,
 
 
 @_route_backward_op.register_fake
-def _route_backward_fake(logits, bias, topk_idx, grad_topk_w, grad_aux, grad_z, config_id):
+def _route_backward_fake(logits, bias, token_mask, aux_counts, topk_idx, grad_topk_w, grad_aux,
+                         grad_z, config_id):
     return _torch.empty_like(logits, dtype=_F32)
 
 
 def _route_setup(ctx, inputs, output):
-    logits, bias, config_id = inputs
+    logits, bias, token_mask, aux_counts, config_id = inputs
     ctx.set_materialize_grads(False)
     ctx.config_id = config_id
-    ctx.save_for_backward(logits, bias, output[0])
+    ctx.save_for_backward(logits, bias, token_mask, aux_counts, output[0])
 
 
 def _route_backward(ctx, g_idx, g_w, g_loc, g_counts, g_aux, g_z, g_info):
-    logits, bias, idx = ctx.saved_tensors
+    logits, bias, token_mask, aux_counts, idx = ctx.saved_tensors
     if g_w is not None:
         g_w = g_w.contiguous()
-    grad = _torch.ops.epx.route_backward(logits, bias, idx, g_w, g_aux, g_z, ctx.config_id)
-    return grad, None, None
+    grad = _torch.ops.epx.route_backward(logits, bias, token_mask, aux_counts, idx, g_w, g_aux,
+                                         g_z, ctx.config_id)
+    return grad, None, None, None, None
 
 
 _route_op.register_autograd(_route_backward, setup_context=_route_setup)
@@ -357,16 +365,53 @@ class TorchRouteResult(NamedTuple):
     nonfinite_tokens: Tensor  # 0-d int64 (CPU): tokens dropped for NaN/Inf logits
 
 
-def route(logits, config=None, *, bias=None, **fields):
+_MEMORY_FIELDS = ("token_mask", "aux_loss_expert_counts", "stream")
+
+
+def _route_tensors(fn, T, E, dev, token_mask, aux_loss_expert_counts):
+    """token_mask [T] (bool or uint8, nonzero = a real token) as uint8 and
+    aux_loss_expert_counts [E] as float32, on the logits' device."""
+    if token_mask is not None:
+        if not isinstance(token_mask, _torch.Tensor) or token_mask.shape != (T,):
+            _tensor(token_mask, fn, "token_mask", _torch.uint8, (T,), dev)
+        _check_device(token_mask, fn, "token_mask", dev)
+        token_mask = token_mask.detach().to(_torch.uint8).contiguous()
+    if aux_loss_expert_counts is not None:
+        aux_loss_expert_counts = _routing_tensor(aux_loss_expert_counts, fn,
+                                                 "aux_loss_expert_counts", _F32, (E,), dev)
+    return token_mask, aux_loss_expert_counts
+
+
+def _route_fields_config(config, shape, fields, fn):
+    """The config of a route call, its memory fields cleared (the op passes
+    those as tensors; the interned config holds none)."""
+    for name in _MEMORY_FIELDS:
+        if name in fields:
+            _epx._invalid("%s: %s is memory, not a number: pass it as a tensor keyword (%s=...)"
+                          " rather than a config field", fn, name,
+                          name if name != "stream" else "the current torch stream is used;"
+                          " stream")
+    config = _epx._route_config(config, shape, fields)
+    if config.token_mask or config.aux_loss_expert_counts:
+        _epx._invalid("%s: config.token_mask / aux_loss_expert_counts are set; pass them as "
+                      "tensors (token_mask=..., aux_loss_expert_counts=...) instead", fn)
+    return config.copy(device=Device.CPU, stream=None)
+
+
+def route(logits, config=None, *, bias=None, token_mask=None, aux_loss_expert_counts=None,
+          **fields):
     """Routes T tokens (epx_route) -> :class:`TorchRouteResult`,
     differentiable: backward runs epx_route_backward with the gradients of
     topk_w, aux_loss and z_loss. logits [T, E] float32 on the CPU, or on a GPU
     with a CUDA libepx. config is an epx.RouteConfig; keyword arguments set
-    its fields (num_experts defaults to E). On CUDA the default
-    nonfinite=Nonfinite.ERROR waits for the device once per call (the check's
-    verdict); Nonfinite.DROP does not."""
+    its fields (num_experts defaults to E), every routing option included.
+    token_mask [T] (bool/uint8, 0 = padding: routes nowhere, in no loss) and
+    aux_loss_expert_counts [E] (the global aux loss's counts; with the
+    aux_loss_tokens field) are tensors on the logits' device. On CUDA the
+    default nonfinite=Nonfinite.ERROR waits for the device once per call
+    (the check's verdict); Nonfinite.DROP does not."""
     fn = "epx.torch.route"
-    config = _epx._route_config(config, tuple(logits.shape), fields)
+    config = _route_fields_config(config, tuple(logits.shape), fields, fn)
     dev = Device.CUDA if logits.device.type == "cuda" else Device.CPU
     E = int(config.num_experts)
     if (not isinstance(logits, _torch.Tensor) or logits.dtype != _F32 or logits.dim() != 2
@@ -375,8 +420,8 @@ def route(logits, config=None, *, bias=None, **fields):
     _check_device(logits, fn, "logits", dev)
     if bias is not None:
         bias = _tensor(bias, fn, "bias", _F32, (E,), dev)
-    outs = _torch.ops.epx.route(logits.contiguous(), bias,
-                                _config_id(config.copy(device=Device.CPU, stream=None)))
+    mask, counts = _route_tensors(fn, logits.shape[0], E, dev, token_mask, aux_loss_expert_counts)
+    outs = _torch.ops.epx.route(logits.contiguous(), bias, mask, counts, _config_id(config))
     idx, w, loc, counts, aux, z, info = outs
     return TorchRouteResult(idx, w, loc, counts, aux, z, info[0], info[1])
 
@@ -705,16 +750,64 @@ def make_buffer(comm, *, hidden, num_experts, max_top_k, max_tokens_per_rank, dt
 # ---------------------------------------------------------------------------
 
 
-def _grouped_mm_loop(x, w, offsets):
-    """One torch.mm per group (reads the offsets on the host: eager only)."""
+def _group_bounds(ends):
+    return [0] + [int(e) for e in ends.tolist()]
+
+
+@_torch.library.custom_op("epx::grouped_mm_loop", mutates_args=())
+def _grouped_mm_loop_op(x: Tensor, w: Tensor, ends: Tensor) -> Tensor:
+    """One torch.mm per group; rows past ends[-1] are zeros. It reads the
+    group ends on the host (a device wait on CUDA), inside the op, so
+    torch.compile traces through it without a graph break."""
     out = x.new_zeros((x.shape[0], w.shape[2]))
-    ends = offsets.tolist()
-    start = 0
-    for e, end in enumerate(ends):
+    bounds = _group_bounds(ends)
+    for e in range(w.shape[0]):
+        start, end = bounds[e], bounds[e + 1]
         if end > start:
             out[start:end] = x[start:end] @ w[e]
-        start = end
     return out
+
+
+@_grouped_mm_loop_op.register_fake
+def _grouped_mm_loop_fake(x, w, ends):
+    return x.new_empty((x.shape[0], w.shape[2]))
+
+
+@_torch.library.custom_op("epx::grouped_mm_weight_grad", mutates_args=())
+def _grouped_mm_weight_grad_op(x: Tensor, grad_out: Tensor, ends: Tensor) -> Tensor:
+    """grad_w[e] = x[group e]^T @ grad_out[group e] -> [G, in, out]."""
+    G = ends.shape[0]
+    out = x.new_zeros((G, x.shape[1], grad_out.shape[1]))
+    bounds = _group_bounds(ends)
+    for e in range(G):
+        start, end = bounds[e], bounds[e + 1]
+        if end > start:
+            out[e] = x[start:end].t() @ grad_out[start:end]
+    return out
+
+
+@_grouped_mm_weight_grad_op.register_fake
+def _grouped_mm_weight_grad_fake(x, grad_out, ends):
+    return x.new_empty((ends.shape[0], x.shape[1], grad_out.shape[1]))
+
+
+def _grouped_mm_loop_setup(ctx, inputs, output):
+    x, w, ends = inputs
+    ctx.save_for_backward(x, w, ends)
+
+
+def _grouped_mm_loop_backward(ctx, grad_out):
+    x, w, ends = ctx.saved_tensors
+    grad_x = grad_w = None
+    if ctx.needs_input_grad[0]:
+        grad_x = _torch.ops.epx.grouped_mm_loop(grad_out, w.transpose(-2, -1), ends)
+    if ctx.needs_input_grad[1]:
+        grad_w = _torch.ops.epx.grouped_mm_weight_grad(x, grad_out, ends).to(w.dtype)
+    return grad_x, grad_w, None
+
+
+_grouped_mm_loop_op.register_autograd(_grouped_mm_loop_backward,
+                                      setup_context=_grouped_mm_loop_setup)
 
 
 def _strides_16(t):
@@ -722,9 +815,11 @@ def _strides_16(t):
 
 
 def _grouped_mm_on_cpu():
-    """Whether this torch has torch._grouped_mm for CPU tensors (2.9 on)."""
+    """Whether this torch has torch._grouped_mm for bfloat16 CPU tensors
+    (2.9 on)."""
     try:
-        _torch._grouped_mm(_torch.zeros(4, 8), _torch.zeros(1, 8, 8),
+        bf16 = _torch.bfloat16
+        _torch._grouped_mm(_torch.zeros(4, 8, dtype=bf16), _torch.zeros(1, 8, 8, dtype=bf16),
                            offs=_torch.tensor([4], dtype=_I32))
         return True
     except (AttributeError, RuntimeError, NotImplementedError):
@@ -734,17 +829,31 @@ def _grouped_mm_on_cpu():
 _GROUPED_MM_CPU = _grouped_mm_on_cpu()
 
 
+def _compiling():
+    is_compiling = getattr(getattr(_torch, "compiler", None), "is_compiling", None)
+    return bool(is_compiling and is_compiling())
+
+
 def grouped_mm(x, w, ends):
     """out[r] = x[r] @ w[e] for the rows r of group e, the groups being
     [ends[e-1], ends[e]) (ends int32 [G], on x's device); rows past ends[-1]
     are left unspecified. w [G, in, out] may be a transposed view of
     [G, out, in] weights (the layout GPU grouped GEMMs want).
-    torch._grouped_mm where this torch has it (no host wait), else a loop
-    over the groups."""
+
+    torch._grouped_mm (no host wait, CUDA-graph capturable) for bfloat16,
+    and on CUDA for other dtypes in eager code; otherwise the custom op
+    epx::grouped_mm_loop (one mm per group, the group ends read on the
+    host). Some torch versions (2.11) trace torch._grouped_mm only for
+    bfloat16 (its fake kernel refuses float32) even where the eager kernel
+    takes float32; CPU float32 takes the loop compiled or not, so eager and
+    compiled runs give the same bits."""
     gm = getattr(_torch, "_grouped_mm", None)
-    if gm is not None and (x.is_cuda or _GROUPED_MM_CPU) and _strides_16(x) and _strides_16(w):
+    native = gm is not None and _strides_16(x) and _strides_16(w) and (
+        (x.dtype == _torch.bfloat16 and (x.is_cuda or _GROUPED_MM_CPU))
+        or (x.is_cuda and not _compiling()))
+    if native:
         return gm(x, w, offs=ends)
-    return _grouped_mm_loop(x, w, ends)
+    return _torch.ops.epx.grouped_mm_loop(x, w, ends)
 
 
 # ---------------------------------------------------------------------------
@@ -752,20 +861,60 @@ def grouped_mm(x, w, ends):
 # ---------------------------------------------------------------------------
 
 
-def _float32_capacity(top_k, tokens, num_experts, factor, min_capacity):
-    """C = max(ceil(k*T/E*factor), min_capacity) in float32 arithmetic, as
-    epx_route computes it."""
-    f32 = _np.float32
-    c = math.ceil(f32(f32(top_k * tokens) / f32(num_experts)) * f32(factor))
-    return max(int(c), int(min_capacity))
+def _route_capacity(config, tokens):
+    """C of a capacity-mode config for T tokens, as epx_route computes it
+    (src/core/route_spec.h): float32 (DeepSpeed's torch arithmetic) or
+    float64 (Megatron's), then at least min_capacity."""
+    K, E = int(config.top_k), int(config.num_experts)
+    if config.capacity_arithmetic == _epx.CapacityArithmetic.FLOAT64:
+        c = math.ceil(float(tokens * K) / E * float(config.capacity_factor_f64))
+    else:
+        f32 = _np.float32
+        product = f32(float(tokens) / E) * f32(float(config.capacity_factor) * K)
+        c = math.ceil(float(product))
+    return max(min(int(c), 2 ** 31 - 1), int(config.min_capacity))
+
+
+_MOE_FIXED = ("num_experts", "top_k", "capacity_mode", "device", "stream", "token_mask",
+              "aux_loss_expert_counts")
+
+
+def _moe_route_config(num_experts, top_k, capacity_factor, on_gpu, route_config, options):
+    """The MoE router's RouteConfig: route_config (or the defaults) with
+    the keyword routing options set; capacity mode when capacity_factor is
+    given (into capacity_factor_f64 under CapacityArithmetic.FLOAT64)."""
+    fn = "epx.torch.MoE"
+    for name in _MOE_FIXED:
+        if name in options:
+            _epx._invalid("%s: %s is not a routing option of the layer (%s)", fn, name,
+                          "set by the layer" if name in _MOE_FIXED[:4] else
+                          "memory: pass it to forward()" if name != "stream" else
+                          "the current torch stream is used")
+    if route_config is not None and not isinstance(route_config, _epx.RouteConfig):
+        raise TypeError("%s: route_config is a %s; pass an epx.RouteConfig"
+                        % (fn, type(route_config).__name__))
+    config = route_config.copy() if route_config is not None else _epx.RouteConfig()
+    if route_config is None and "nonfinite" not in options:
+        # refusing NaN logits costs a host wait per route on CUDA
+        options = dict(options, nonfinite=_epx.Nonfinite.DROP if on_gpu else _epx.Nonfinite.ERROR)
+    options = {k: int(v) if isinstance(v, bool) else v for k, v in options.items()}
+    config = config.copy(num_experts=num_experts, top_k=top_k, device=Device.CPU, stream=None,
+                         token_mask=None, aux_loss_expert_counts=None, **options)
+    if capacity_factor is not None:
+        field = ("capacity_factor_f64"
+                 if config.capacity_arithmetic == _epx.CapacityArithmetic.FLOAT64
+                 else "capacity_factor")
+        config = config.copy(capacity_mode=1, **{field: capacity_factor})
+    return config
 
 
 class MoE(_torch.nn.Module):
     """A Mixture-of-Experts layer over an epx comm: a float32 router (epx_route
     with the library's routing options), this rank's E/W SwiGLU experts
-    through grouped matmuls, dispatch and combine. forward(x [..., H]) ->
-    [..., H]; ``self.aux_loss`` is the step's aux + z loss (add it to the
-    loss so the router learns balance).
+    through grouped matmuls, dispatch and combine. forward(x [..., H],
+    token_mask=None, aux_loss_expert_counts=None) -> [..., H];
+    ``self.aux_loss`` is the step's aux + z loss (add it to the loss so the
+    router learns balance).
 
     Parameters: router.weight [E, H] float32 (replicated: all-reduce its
     gradient over data parallel ranks as usual), w_gate_up [E_local, 2F, H]
@@ -780,16 +929,33 @@ class MoE(_torch.nn.Module):
     router gets its gradient in every one. layout EXPERT_MAJOR (dropless,
     or capacity routing with drops) or CAPACITY ([E_local, W*C, H], needs
     capacity_factor). max_tokens_per_rank: the most tokens a forward gets
-    (needed: it sizes every receive tensor)."""
+    (needed: it sizes every receive tensor).
+
+    The router: every field of epx.RouteConfig is a keyword argument
+    (score_fn, num_groups, topk_groups, group_score_experts, renormalize,
+    renormalize_after_drop, scaling_factor, min_capacity, queue_order,
+    drop_policy, random_seed, capacity_arithmetic, aux_counts,
+    aux_loss_coeff, z_loss_coeff, aux_loss_sequences, aux_loss_tokens,
+    nonfinite), or pass a whole ``route_config`` (the keywords override
+    it). capacity_factor turns capacity mode on (a double under
+    CapacityArithmetic.FLOAT64). nonfinite defaults to DROP on CUDA (ERROR
+    costs a host wait per step). The two memory fields are forward's
+    arguments: token_mask [...] (bool, True = a real token; padding routes
+    nowhere and counts in no loss) and aux_loss_expert_counts [E] (the
+    global aux loss's counts, e.g. summed over ranks).
+
+    ``self.aux_loss`` keeps the last forward's autograd graph alive until
+    the next forward; with it, the parameters' gradient accumulators, whose
+    CUDA stream is the one they were made on. Before a CUDA-graph warm-up
+    on a side stream, after eager steps, set ``layer.aux_loss = None`` (or
+    the capture fails: the accumulators would sync with the default
+    stream)."""
 
     def __init__(self, comm, hidden_size, ffn_hidden_size, num_experts, top_k, *,
                  max_tokens_per_rank, dtype=_F32, device="cpu", weighting=Weighting.IN_COMBINE,
                  exchange=Exchange.DEDUP, layout=Layout.EXPERT_MAJOR, expert_alignment=None,
-                 combine_precision=0, score_fn=_epx.ScoreFn.SOFTMAX, num_groups=0, topk_groups=0,
-                 renormalize=True, scaling_factor=1.0, capacity_factor=None, min_capacity=0,
-                 queue_order=_epx.QueueOrder.BY_CHOICE, drop_policy=_epx.DropPolicy.BY_POSITION,
-                 aux_loss_coeff=0.0, z_loss_coeff=0.0, nonfinite=None, expert_bias=False,
-                 generator=None):
+                 combine_precision=0, capacity_factor=None, expert_bias=False, generator=None,
+                 route_config=None, **route_options):
         super().__init__()
         W = comm.size
         if num_experts % W:
@@ -799,27 +965,19 @@ class MoE(_torch.nn.Module):
             _epx._refuse(Status.ERROR_UNSUPPORTED, "epx.torch.MoE: the rank-major layout has no "
                          "expert groups for a grouped matmul; use EXPERT_MAJOR or CAPACITY (or "
                          "epx.torch.dispatch with your own experts)")
-        capacity_mode = capacity_factor is not None
-        if Layout(layout) == Layout.CAPACITY and not capacity_mode:
-            _epx._invalid("epx.torch.MoE: layout CAPACITY needs capacity_factor")
         on_gpu = _torch.device(device).type == "cuda"
+        self.route_config = _moe_route_config(num_experts, top_k, capacity_factor, on_gpu,
+                                              route_config, route_options)
+        if Layout(layout) == Layout.CAPACITY and not self.route_config.capacity_mode:
+            _epx._invalid("epx.torch.MoE: layout CAPACITY needs capacity_factor")
         if expert_alignment is None:
             expert_alignment = 8 if on_gpu else 1
-        if nonfinite is None:  # refusing NaN logits costs a host wait per route on CUDA
-            nonfinite = _epx.Nonfinite.DROP if on_gpu else _epx.Nonfinite.ERROR
         self.comm, self.hidden_size, self.ffn_hidden_size = comm, hidden_size, ffn_hidden_size
         self.num_experts, self.top_k = num_experts, top_k
         self.num_local_experts = num_experts // W
         self.weighting, self.layout = Weighting(weighting), Layout(layout)
-        self.route_config = _epx.RouteConfig(
-            num_experts=num_experts, top_k=top_k, score_fn=score_fn, num_groups=num_groups,
-            topk_groups=topk_groups, renormalize=int(bool(renormalize)),
-            scaling_factor=scaling_factor, capacity_mode=int(capacity_mode),
-            capacity_factor=capacity_factor if capacity_mode else 1.0, min_capacity=min_capacity,
-            queue_order=queue_order, drop_policy=drop_policy, aux_loss_coeff=aux_loss_coeff,
-            z_loss_coeff=z_loss_coeff, nonfinite=nonfinite)
-        capacity = (_float32_capacity(top_k, max_tokens_per_rank, num_experts, capacity_factor,
-                                      min_capacity) if self.layout == Layout.CAPACITY else 0)
+        capacity = (_route_capacity(self.route_config, max_tokens_per_rank)
+                    if self.layout == Layout.CAPACITY else 0)
         self.buffer = make_buffer(comm, hidden=hidden_size, num_experts=num_experts,
                                   max_top_k=top_k, max_tokens_per_rank=max_tokens_per_rank,
                                   dtype=dtype, device=device, exchange=exchange, layout=layout,
@@ -827,19 +985,30 @@ class MoE(_torch.nn.Module):
                                   combine_precision=combine_precision)
         self._buffer_id = self.buffer.id
         self._config_id = _config_id(self.route_config)
-        factory = dict(device=device)
-        g = generator
-        El, H, F = self.num_local_experts, hidden_size, ffn_hidden_size
-        self.router = _torch.nn.Linear(H, num_experts, bias=False, **factory)
-        with _torch.no_grad():
-            self.router.weight.copy_(_torch.randn(num_experts, H, generator=g) / math.sqrt(H))
-        w1 = _torch.randn(El, 2 * F, H, generator=g) / math.sqrt(H)
-        self.w_gate_up = _torch.nn.Parameter(w1.to(device=device, dtype=dtype))
-        self.w_down = _torch.nn.Parameter(
-            (_torch.randn(El, H, F, generator=g) / math.sqrt(F)).to(device=device, dtype=dtype))
-        self.register_buffer("expert_bias", _torch.zeros(num_experts, device=device)
-                             if expert_bias else None)
+        self._init_parameters(device, dtype, generator, expert_bias)
         self.aux_loss = None
+
+    def _init_parameters(self, device, dtype, g, expert_bias):
+        """Random weights scaled by 1/sqrt(fan-in): drawn from `g` (a CPU
+        generator, the same bits on every rank and device) when given, else
+        from the device's default generator directly in `dtype` (no float32
+        copy on the host: a DeepSeek-sized layer's experts are tens of GB)."""
+        dtype = torch_dtype(dtype)
+        El, H, F, E = self.num_local_experts, self.hidden_size, self.ffn_hidden_size, \
+            self.num_experts
+
+        def draw(*shape, fan_in, dt):
+            if g is None:
+                return _torch.randn(*shape, device=device, dtype=dt).mul_(1.0 / math.sqrt(fan_in))
+            return (_torch.randn(*shape, generator=g) / math.sqrt(fan_in)).to(device=device,
+                                                                           dtype=dt)
+        self.router = _torch.nn.Linear(H, E, bias=False, device=device)
+        with _torch.no_grad():
+            self.router.weight.copy_(draw(E, H, fan_in=H, dt=_F32))
+        self.w_gate_up = _torch.nn.Parameter(draw(El, 2 * F, H, fan_in=H, dt=dtype))
+        self.w_down = _torch.nn.Parameter(draw(El, H, F, fan_in=F, dt=dtype))
+        self.register_buffer("expert_bias", _torch.zeros(E, device=device)
+                             if expert_bias else None)
 
     def experts(self, d):
         """SwiGLU over the expert-major groups of a :class:`Dispatched`:
@@ -852,11 +1021,16 @@ class MoE(_torch.nn.Module):
             act = act * d.recv_w.unsqueeze(-1).to(act.dtype)
         return grouped_mm(act, self.w_down.transpose(-2, -1), ends)
 
-    def forward(self, x):
+    def forward(self, x, token_mask=None, aux_loss_expert_counts=None):
         shape = x.shape
         x2 = x.reshape(-1, self.hidden_size)
         logits = _F.linear(x2.float(), self.router.weight.float())
-        outs = _torch.ops.epx.route(logits, self.expert_bias, self._config_id)
+        dev = Device.CUDA if x.is_cuda else Device.CPU
+        if token_mask is not None:
+            token_mask = token_mask.reshape(-1)
+        mask, counts = _route_tensors("epx.torch.MoE.forward", x2.shape[0], self.num_experts, dev,
+                                      token_mask, aux_loss_expert_counts)
+        outs = _torch.ops.epx.route(logits, self.expert_bias, mask, counts, self._config_id)
         idx, w, loc, _, aux, z, _ = outs
         self.aux_loss = aux + z
         locations = loc if self.layout == Layout.CAPACITY else None

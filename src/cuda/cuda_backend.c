@@ -141,6 +141,41 @@ epx_status_t epx_cuda_routing_error(const char *fn, uint64_t error, int32_t K, i
   }
 }
 
+/* The buffer's layout scratch made ready on `stream` for T tokens.
+ * The scratch may still be in use by the last layout, on another stream:
+ * this stream is ordered after it (nothing to do on the same stream). Under
+ * stream capture (a CUDA graph; *capturing set) nothing runs now and the
+ * replays are ordered by the stream they are launched on, like all captured
+ * work: an event recorded in the capture could not be waited on outside it
+ * (cudaErrorInvalidValue at the next eager layout on another stream), so the
+ * caller records no event and the wait is not made; scratch_stream stays the
+ * last eager layout's. Growing the scratch in a capture would free memory
+ * made outside it: refused (warm up at this size first). */
+static epx_status_t layout_scratch(cuda_buffer_state_t *bs, cudaStream_t stream, int64_t T,
+                                   int32_t E, int *capturing, const char *fn) {
+  epx_status_t status = EPX_SUCCESS;
+  const size_t need = epx_cuda_layout_scratch_bytes(T, E);
+  enum cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  CUDA_CHECK(cudaStreamIsCapturing(stream, &capture), fn, "cudaStreamIsCapturing");
+  *capturing = capture != cudaStreamCaptureStatusNone;
+  if (*capturing && need > bs->scratch_bytes)
+    return epx_error(EPX_ERROR_UNSUPPORTED,
+                     "%s: the layout scratch must grow (%zu bytes for %lld tokens) while the "
+                     "stream is captured into a CUDA graph; run one step of at least this size "
+                     "eagerly on the capture stream before capturing", fn, need, (long long)T);
+  if (bs->scratch && bs->scratch_stream != stream && !*capturing)
+    CUDA_CHECK(cudaStreamWaitEvent(stream, bs->scratch_free, 0), fn, "cudaStreamWaitEvent");
+  if (need > bs->scratch_bytes) {
+    if (bs->scratch) CUDA_CHECK(cudaFreeAsync(bs->scratch, stream), fn, "cudaFreeAsync");
+    bs->scratch = NULL;
+    bs->scratch_bytes = 0;
+    CUDA_CHECK(cudaMallocAsync(&bs->scratch, need, stream), fn, "cudaMallocAsync of the layout scratch");
+    bs->scratch_bytes = need;
+  }
+fail:
+  return status;
+}
+
 epx_status_t epx_cuda_dispatch_layout(epx_buffer_t buffer, const epx_routing_t *routing,
                                       epx_handle_t handle) {
   const char *fn = "epx_dispatch_layout";
@@ -190,24 +225,17 @@ epx_status_t epx_cuda_dispatch_layout(epx_buffer_t buffer, const epx_routing_t *
   h->layout.offsets = (int64_t *)(base + at[6]);
   h->w = routing->topk_w ? (float *)(base + at[7]) : NULL;
 
-  /* The scratch may still be in use by the last layout, on another stream:
-   * order this stream after it (nothing to do on the same stream). */
-  const size_t need = epx_cuda_layout_scratch_bytes(T, E);
-  if (bs->scratch && bs->scratch_stream != stream)
-    CUDA_CHECK(cudaStreamWaitEvent(stream, bs->scratch_free, 0), fn, "cudaStreamWaitEvent");
-  if (need > bs->scratch_bytes) {
-    if (bs->scratch) CUDA_CHECK(cudaFreeAsync(bs->scratch, stream), fn, "cudaFreeAsync");
-    bs->scratch = NULL;
-    bs->scratch_bytes = 0;
-    CUDA_CHECK(cudaMallocAsync(&bs->scratch, need, stream), fn, "cudaMallocAsync of the layout scratch");
-    bs->scratch_bytes = need;
-  }
+  int capturing = 0;
+  status = layout_scratch(bs, stream, T, E, &capturing, fn);
+  if (status != EPX_SUCCESS) goto fail;
   CUDA_CHECK(epx_cuda_layout_launch(routing->topk_idx, routing->locations, routing->topk_w, h->w, T, K, E,
                                     c->layout, c->expert_alignment, c->capacity, &h->layout, bs->scratch,
                                     stream),
              fn, "the layout kernels");
-  CUDA_CHECK(cudaEventRecord(bs->scratch_free, stream), fn, "cudaEventRecord");
-  bs->scratch_stream = stream;
+  if (!capturing) {
+    CUDA_CHECK(cudaEventRecord(bs->scratch_free, stream), fn, "cudaEventRecord");
+    bs->scratch_stream = stream;
+  }
 
   if (worst) {
     h->row_bound = row_bound;

@@ -182,6 +182,37 @@ def test_configs_mirror_the_c_init_macros():
     assert epx.dtype_size(epx.EPX_BFLOAT16) == 2 and epx.dtype_size("float32") == 4
 
 
+def test_every_public_function_of_the_header_is_bound():
+    """Each function include/epx.h declares has a ctypes prototype (a
+    binding that silently lacks one is how routing options went missing)."""
+    import re
+    from epx import _lib
+    header = (pathlib.Path(__file__).resolve().parents[2] / "include" / "epx.h").read_text()
+    declared = set(re.findall(r"^(?:epx_status_t|int|int32_t|size_t|const char \*)\s*"
+                              r"(epx_\w+)\(", header, re.M))
+    assert len(declared) > 50
+    bound = set(_lib._PROTOTYPES) | set(_lib._OPTIONAL)
+    assert declared - bound == set(), "unbound: %s" % sorted(declared - bound)
+    for name in declared:
+        assert callable(getattr(epx.lib, name))
+    assert epx.library_version() == epx.VERSION
+
+
+def test_config_init_functions_agree_with_the_python_defaults():
+    """epx_*_config_init fills the C macros' defaults: the same bytes as the
+    Python configs' defaults."""
+    import ctypes
+    for cls, init in ((epx.RouteConfig, epx.lib.epx_route_config_init),
+                      (epx.BufferConfig, epx.lib.epx_buffer_config_init),
+                      (epx.CommConfig, epx.lib.epx_comm_config_init)):
+        from_c = cls()
+        ctypes.memset(ctypes.byref(from_c), 0x5A, ctypes.sizeof(from_c))
+        epx._check(init(ctypes.byref(from_c), ctypes.sizeof(from_c)))
+        want = cls()
+        assert ctypes.string_at(ctypes.byref(from_c), ctypes.sizeof(from_c)) == \
+            ctypes.string_at(ctypes.byref(want), ctypes.sizeof(want)), cls.__name__
+
+
 def test_aligned_arrays():
     for shape, dtype in (((0, 8), np.float32), ((3, 5), epx.DType.BFLOAT16), (7, "float16"),
                          ((2, 3, 4), np.int64)):
@@ -606,6 +637,108 @@ def test_mpi_transport_agrees_with_local(tmp_path):
                 assert got[name].tobytes() == want[name].tobytes(), (
                     "rank %d: %s differs between MPI and local [EPX_TEST_SEED=%d]"
                     % (rank, name, SEED))
+
+
+# ---------------------------------------------------------------------------
+# Routing options (issue 9) and the routing collectives, from Python
+# ---------------------------------------------------------------------------
+
+ROUTING_CASES = [
+    dict(),
+    dict(score_fn=epx.ScoreFn.SIGMOID, num_groups=4, topk_groups=2, scaling_factor=2.5),
+    dict(score_fn=epx.ScoreFn.SOFTMAX_AFTER_TOPK, renormalize=0, num_groups=4, topk_groups=2,
+         group_score_experts=1),
+    dict(score_fn=epx.ScoreFn.SQRT_SOFTPLUS, aux_counts=epx.AuxCounts.PLAIN_TOPK),
+    dict(capacity_mode=1, capacity_factor=1.1, queue_order=epx.QueueOrder.BY_TOKEN,
+         drop_policy=epx.DropPolicy.BY_PROBABILITY, renormalize_after_drop=1),
+    dict(capacity_mode=1, capacity_arithmetic=epx.CapacityArithmetic.FLOAT64,
+         capacity_factor_f64=0.6, drop_policy=epx.DropPolicy.BY_SCORE, min_capacity=2),
+    dict(capacity_mode=1, capacity_factor=0.7, drop_policy=epx.DropPolicy.BY_RANDOM_PRIORITY,
+         random_seed=12345, aux_counts=epx.AuxCounts.FIRST_CHOICE),
+    dict(aux_loss_sequences=4, z_loss_coeff=0.01),
+]
+
+
+@pytest.mark.parametrize("case", range(len(ROUTING_CASES)))
+def test_every_routing_option_matches_the_reference(rng, case):
+    """epx.route with each routing option (and a padding mask) against
+    epx.reference_route, the float64 spec: integers exactly, weights and
+    losses to 1e-5; route_backward against reference_route_backward."""
+    T, E, K = 48, 16, 3
+    logits = logits_of(rng, T, E)
+    bias = rng.uniform(-0.05, 0.05, E).astype(np.float32)
+    mask = rng.uniform(size=T) > 0.2
+    fields = dict(ROUTING_CASES[case], top_k=K, aux_loss_coeff=0.01)
+    r = epx.route(logits, bias=bias, token_mask=mask, **fields)
+    ref = epx.reference_route(logits, bias=bias, token_mask=mask, **fields)
+    for name in ("topk_idx", "locations", "expert_counts"):
+        assert np.array_equal(getattr(r, name), getattr(ref, name)), \
+            "%s differs (case %d) [EPX_TEST_SEED=%d]" % (name, case, SEED)
+    assert r.capacity == ref.capacity and ref.topk_w.dtype == np.float64
+    assert np.all(r.topk_idx[~mask] == -1) and np.all(r.topk_w[~mask] == 0)
+    assert_close(r.topk_w, ref.topk_w, 1e-6, 1e-5, "topk_w")
+    assert_close(r.aux_loss, ref.aux_loss, 1e-7, 1e-5, "aux_loss")
+    assert_close(r.z_loss, ref.z_loss, 1e-7, 1e-5, "z_loss")
+    g = rng.uniform(-1, 1, (T, K)).astype(np.float32)
+    got = epx.route_backward(logits, r, g, bias=bias, grad_aux_loss=0.7, grad_z_loss=1.3)
+    want = epx.reference_route_backward(logits, r, g, bias=bias, grad_aux_loss=0.7,
+                                        grad_z_loss=1.3)
+    assert want.dtype == np.float64 and np.abs(want).max() > 0
+    assert_close(got, want, 1e-6, 1e-4, "grad_logits")
+
+
+def test_capacity_arithmetic_edge_cases():
+    """T=80, E=8, K=1, factor 1.1: C = 11 in DeepSpeed's float32 and in
+    Megatron's float64 (issue 9's off-by-one)."""
+    logits = np.zeros((80, 8), np.float32)
+    logits[np.arange(80), np.arange(80) % 8] = 1.0
+    r32 = epx.route(logits, top_k=1, capacity_mode=1, capacity_factor=1.1)
+    r64 = epx.route(logits, top_k=1, capacity_mode=1, capacity_factor_f64=1.1,
+                    capacity_arithmetic=epx.EPX_CAPACITY_FLOAT64)
+    assert (r32.capacity, r64.capacity) == (11, 11)
+
+
+def counts_rank(comm, E):
+    """Different per-expert counts on each rank, then both routing
+    collectives, and the global aux loss from the summed counts."""
+    rng = np.random.default_rng([SEED, comm.rank])
+    logits = logits_of(rng, 20 + 4 * comm.rank, E)
+    r = epx.route(logits, top_k=2)
+    cap = epx.route_agree_capacity(comm, r.expert_counts)
+    total = comm.route_sum_counts(r.expert_counts)
+    tokens = comm.allgather(np.array([logits.shape[0]], np.int64)).sum()
+    g = epx.route(logits, top_k=2, aux_loss_coeff=0.1, aux_loss_expert_counts=total,
+                  aux_loss_tokens=float(tokens))
+    ref = epx.reference_route(logits, top_k=2, aux_loss_coeff=0.1, aux_loss_expert_counts=total,
+                              aux_loss_tokens=float(tokens))
+    comm.barrier()
+    return dict(counts=r.expert_counts, cap=cap, total=total, tokens=tokens, aux=g.aux_loss,
+                ref_aux=ref.aux_loss, cap_self=comm.route_agree_capacity(r.expert_counts))
+
+
+def test_route_agree_capacity_sum_counts_and_the_global_aux_loss():
+    E, W = 8, 3
+    res = epx.run_local(W, counts_rank, E, timeout_seconds=TIMEOUT)
+    counts = np.stack([r["counts"] for r in res])
+    for r in res:
+        assert r["cap"] == r["cap_self"] == counts.max()
+        assert r["total"].dtype == np.float32 and np.array_equal(r["total"], counts.sum(0))
+        assert r["tokens"] == 20 + 24 + 28
+        assert_close(r["aux"], r["ref_aux"], 1e-7, 1e-5, "global aux loss")
+    gathered = epx.run_local(2, lambda c: c.allgather(np.full((2, 3), c.rank, np.int16)))
+    assert gathered[0].shape == (2, 2, 3) and np.array_equal(gathered[0][1], np.ones((2, 3)))
+
+
+def test_a_refused_routing_collective_fails_the_peers():
+    """Counts of the wrong kind on one rank: that rank gets the library's
+    InvalidArgumentError, its peer PeerFailedError at once (not a timeout)."""
+    def rank_main(comm):
+        try:
+            epx.route_agree_capacity(comm, [] if comm.rank == 0 else [1, 2])
+        except epx.EpxError as e:
+            return type(e)
+    got = epx.run_local(2, rank_main, timeout_seconds=TIMEOUT)
+    assert got == [epx.InvalidArgumentError, epx.PeerFailedError]
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["mpi-worker"]:

@@ -490,6 +490,109 @@ def test_layer_over_a_gloo_group_under_mpirun(tmp_path, W, hide_mpi4py):
 
 
 # ---------------------------------------------------------------------------
+# The routing options through epx.torch (issue 9's, from the layer's router)
+# ---------------------------------------------------------------------------
+
+
+def test_torch_route_takes_every_option_and_the_memory_fields_as_tensors():
+    """et.route with group-limited sigmoid scores, a sequence-level aux
+    loss, a padding mask and the global aux loss's counts (tensors), against
+    the float64 reference: forward and logits.grad."""
+    T, E, K = 32, 16, 4
+    g = torch.Generator().manual_seed(SEED)
+    logits = torch.randn(T, E, generator=g).requires_grad_(True)
+    mask = torch.rand(T, generator=g) > 0.25
+    counts = torch.randint(0, 9, (E,), generator=g).float()
+    fields = dict(top_k=K, score_fn=epx.ScoreFn.SIGMOID, num_groups=4, topk_groups=2,
+                  group_score_experts=2, aux_loss_coeff=0.01, aux_loss_sequences=2,
+                  renormalize_after_drop=0, capacity_mode=1,
+                  capacity_arithmetic=epx.CapacityArithmetic.FLOAT64, capacity_factor_f64=1.3,
+                  drop_policy=epx.DropPolicy.BY_SCORE)
+    r = et.route(logits, token_mask=mask, **fields)
+    ref = epx.reference_route(logits.detach().numpy(), token_mask=mask.numpy(), **fields)
+    assert np.array_equal(r.topk_idx.numpy(), ref.topk_idx) and int(r.capacity) == ref.capacity
+    assert_close(r.topk_w.detach().numpy(), ref.topk_w, 1e-6, 1e-5, "topk_w")
+    assert_close(r.aux_loss.item(), ref.aux_loss, 1e-7, 1e-5, "aux_loss")
+    gw = torch.randn(T, K, generator=g)
+    ((r.topk_w * gw).sum() + 3.0 * r.aux_loss).backward()
+    want = epx.reference_route_backward(logits.detach().numpy(), ref.topk_idx,
+                                        gw.numpy(), token_mask=mask.numpy(),
+                                        grad_aux_loss=3.0, **fields)
+    assert_close(logits.grad.numpy(), want, 1e-6, 1e-4, "logits.grad")
+    assert logits.grad[~mask].abs().max() == 0  # padding gets no gradient
+    # The global aux loss: the counts as a tensor, aux_loss_tokens a field.
+    glob = et.route(logits.detach(), top_k=K, aux_loss_coeff=0.1, aux_loss_expert_counts=counts,
+                    aux_loss_tokens=4.0 * T)
+    gref = epx.reference_route(logits.detach().numpy(), top_k=K, aux_loss_coeff=0.1,
+                               aux_loss_expert_counts=counts.numpy(), aux_loss_tokens=4.0 * T)
+    assert_close(float(glob.aux_loss), gref.aux_loss, 1e-7, 1e-5, "global aux_loss")
+    with pytest.raises(ValueError, match="stream is memory"):
+        et.route(logits, top_k=K, stream=0)
+    with pytest.raises(ValueError, match="token_mask / aux_loss_expert_counts are set"):
+        et.route(logits, epx.RouteConfig(num_experts=E, top_k=K, token_mask=1024))
+
+
+def test_moe_router_takes_every_route_config_field():
+    """Each field of epx.RouteConfig but those the layer sets is a keyword of
+    epx.torch.MoE (or comes in route_config); the memory fields are
+    forward's arguments."""
+    fixed = ("struct_size", "version") + et._MOE_FIXED
+    names = [f[0] for f in epx.RouteConfig._fields_ if f[0] not in fixed]
+    values = dict(score_fn=epx.ScoreFn.SIGMOID, num_groups=4, topk_groups=2, renormalize=True,
+                  scaling_factor=2.0, min_capacity=3, queue_order=epx.QueueOrder.BY_TOKEN,
+                  drop_policy=epx.DropPolicy.BY_RANDOM_PRIORITY, aux_loss_coeff=2.0 ** -6,
+                  z_loss_coeff=2.0 ** -9, nonfinite=epx.Nonfinite.DROP,
+                  capacity_arithmetic=epx.CapacityArithmetic.FLOAT64, capacity_factor=1.5,
+                  capacity_factor_f64=2.5, renormalize_after_drop=1, group_score_experts=1,
+                  aux_counts=epx.AuxCounts.FIRST_CHOICE, aux_loss_sequences=2,
+                  aux_loss_tokens=64.0, random_seed=99)
+    assert sorted(names) == sorted(values)
+    with epx.Comm.create_self() as comm:
+        kw = {k: v for k, v in values.items() if k not in ("capacity_factor", "capacity_factor_f64")}
+        m = et.MoE(comm, 16, 8, 8, 2, max_tokens_per_rank=16, capacity_factor=2.5,
+                   layout=epx.Layout.CAPACITY, **kw)
+        c = m.route_config
+        for k, v in kw.items():
+            assert getattr(c, k) == v, k
+        # capacity_factor goes where the arithmetic reads it; the buffer's C is route's
+        assert (c.capacity_mode, c.capacity_factor_f64, c.capacity_factor) == (1, 2.5, 1.0)
+        assert m.buffer.config.capacity == epx.route(np.zeros((16, 8), np.float32), c).capacity
+        base = epx.RouteConfig(num_experts=8, top_k=2, score_fn=epx.ScoreFn.SQRT_SOFTPLUS,
+                               z_loss_coeff=0.5)
+        m2 = et.MoE(comm, 16, 8, 8, 2, max_tokens_per_rank=16, route_config=base,
+                    z_loss_coeff=0.25)
+        assert (m2.route_config.score_fn, m2.route_config.z_loss_coeff) == (
+            epx.ScoreFn.SQRT_SOFTPLUS, 0.25)
+        with pytest.raises(TypeError, match="no settable field"):
+            et.MoE(comm, 16, 8, 8, 2, max_tokens_per_rank=16, score_function=1)
+        with pytest.raises(ValueError, match="pass it to forward"):
+            et.MoE(comm, 16, 8, 8, 2, max_tokens_per_rank=16, token_mask=None)
+        for layer in (m, m2):
+            layer.buffer.close()
+
+
+def test_moe_forward_with_a_padding_mask():
+    """Padding tokens (token_mask False) route nowhere: zero output, no
+    gradient, no aux loss share; the real tokens as without padding."""
+    p = Problem(SEED, 1, T=24, H=16, F=8, E=8, K=2)
+    with epx.Comm.create_self() as comm:
+        m = make_layer(comm, p, W_.IN_COMBINE, aux_loss_coeff=0.01)
+        mask = torch.arange(p.T) % 4 != 1
+        x = p.x[0].float().requires_grad_(True)
+        out = m(x, token_mask=mask)
+        aux = m.aux_loss
+        (out.sum() + aux).backward()
+        assert out[~mask].abs().max() == 0 and x.grad[~mask].abs().max() == 0
+        xs = p.x[0].float()[mask].requires_grad_(True)
+        alone = m(xs)
+        assert torch.allclose(out[mask], alone, atol=1e-6, rtol=1e-5)
+        assert aux.item() > 0 and torch.allclose(aux, m.aux_loss, rtol=1e-5)
+        (alone.sum() + m.aux_loss).backward()
+        assert torch.allclose(x.grad[mask], xs.grad, atol=1e-6, rtol=1e-5)
+        m.buffer.close()
+
+
+# ---------------------------------------------------------------------------
 # GPU (skipped without a GPU and a CUDA libepx)
 # ---------------------------------------------------------------------------
 
@@ -569,6 +672,41 @@ def test_gpu_cuda_graph_replays_a_layer_step_bit_identically():
                 assert torch.equal(a, b), "graph replay %d differs from eager" % i
         del graph, static, static_loss, kept
         m.buffer.close()
+
+
+@gpu
+@pytest.mark.parametrize("case", [
+    dict(score_fn=epx.ScoreFn.SIGMOID, num_groups=4, topk_groups=2, scaling_factor=1.5,
+         z_loss_coeff=0.01),
+    dict(capacity_mode=1, capacity_arithmetic=epx.CapacityArithmetic.FLOAT64,
+         capacity_factor_f64=1.1, drop_policy=epx.DropPolicy.BY_RANDOM_PRIORITY, random_seed=7,
+         renormalize_after_drop=1, aux_counts=epx.AuxCounts.FIRST_CHOICE),
+])
+def test_gpu_route_options_and_padding_mask_match_the_reference(case):
+    """CUDA routing with the options, a device padding mask and device
+    global-aux counts against the float64 reference, forward and logits.grad."""
+    T, E, K = 64, 16, 2
+    g = torch.Generator().manual_seed(SEED)
+    logits = torch.randn(T, E, generator=g)
+    mask = torch.rand(T, generator=g) > 0.25
+    counts = torch.randint(0, 9, (E,), generator=g).float()
+    fields = dict(case, top_k=K, aux_loss_coeff=0.01, nonfinite=epx.Nonfinite.DROP)
+    lc = logits.cuda().requires_grad_(True)
+    r = et.route(lc, token_mask=mask.cuda(), aux_loss_expert_counts=counts.cuda(),
+                 aux_loss_tokens=2.0 * T, **fields)
+    ref = epx.reference_route(logits.numpy(), token_mask=mask.numpy(),
+                              aux_loss_expert_counts=counts.numpy(), aux_loss_tokens=2.0 * T,
+                              **fields)
+    assert np.array_equal(r.topk_idx.cpu().numpy(), ref.topk_idx)
+    assert_close(r.topk_w.detach().cpu().numpy(), ref.topk_w, 1e-6, 1e-5, "topk_w")
+    assert_close(r.aux_loss.item(), ref.aux_loss, 1e-7, 1e-5, "aux_loss")
+    gw = torch.randn(T, K, generator=g)
+    ((r.topk_w * gw.cuda()).sum() + 2.0 * r.aux_loss).backward()
+    want = epx.reference_route_backward(logits.numpy(), ref.topk_idx, gw.numpy(),
+                                        token_mask=mask.numpy(),
+                                        aux_loss_expert_counts=counts.numpy(),
+                                        aux_loss_tokens=2.0 * T, grad_aux_loss=2.0, **fields)
+    assert_close(lc.grad.cpu().numpy(), want, 1e-6, 1e-4, "logits.grad")
 
 
 def gpu_worker(rank, W, seed, out_dir, port):
