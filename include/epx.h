@@ -525,14 +525,18 @@ epx_status_t epx_comm_create_mpi(const void *mpi_comm, const epx_comm_config_t *
  * layout, epx_handle_recv_rows) or bound your own waits.
  *
  * On a CUDA buffer over W > 1 ranks: every collective call first agrees its
- * host verdict over the comm (one small all-reduce), as on the CPU, and the
- * layout waits once for the message sizes. With worst_case_sizing none of
+ * host verdict over the comm (one small all-gather of each rank's call,
+ * buffer, handle, grad_w and verdict: ranks in different calls fail with
+ * EPX_ERROR_SHAPE_MISMATCH), as on the CPU, and the layout waits once for the
+ * message sizes. With worst_case_sizing none of
  * that happens (the calls can be captured in a CUDA graph): messages have
  * their per-peer bound as size, an oversize batch is refused on its own rank
  * (which still joins the routing exchange, so its peers' layouts complete and
  * report it from epx_handle_recv_rows), and any other host refusal on one rank
  * reaches its peers as EPX_ERROR_TIMEOUT of their next bounded wait. Every
- * rank must use the same routing.top_k. */
+ * rank must use the same routing.top_k and routing.weighting (a different
+ * weighting is EPX_ERROR_SHAPE_MISMATCH on every rank: at the layout, or with
+ * worst_case_sizing from epx_handle_recv_rows). */
 int epx_has_nccl(void);
 typedef struct epx_nccl_unique_id {
   char bytes[128];

@@ -173,6 +173,41 @@ static void test_per_rank_top_k(void) {
   epx_comm_destroy(comm);
 }
 
+/* The last rank routes with another weighting: over the MPI transport too,
+ * every rank refuses the layout with EPX_ERROR_SHAPE_MISMATCH naming it, no
+ * handle is written, and the next (agreeing) layout works. */
+static void test_weighting_mismatch(void) {
+  epx_comm_t comm = create(5.0);
+  if (!comm) return;
+  epx_buffer_config_t c = EPX_BUFFER_CONFIG_INIT;
+  c.hidden = 8;
+  c.num_experts = 2 * size;
+  c.max_top_k = 2;
+  c.max_tokens_per_rank = 4;
+  epx_buffer_t b = NULL;
+  CHECK(epx_buffer_create(comm, &c, &b) == EPX_SUCCESS, "buffer create failed");
+  int32_t idx[4 * 2];
+  float w[4 * 2];
+  for (int t = 0; t < 4; t++)
+    for (int k = 0; k < 2; k++) idx[t * 2 + k] = (rank + t + k * size) % (2 * size), w[t * 2 + k] = 0.5f;
+  epx_routing_t r = {4, 2, idx, w, NULL, rank == size - 1 ? EPX_WEIGHTS_IN_DISPATCH : EPX_WEIGHTS_IN_COMBINE};
+  epx_handle_t poison = (epx_handle_t)(uintptr_t)0xA5A5A5A5u, h = poison;
+  epx_status_t status = b ? epx_dispatch_layout(b, &r, NULL, &h) : EPX_ERROR_INVALID_HANDLE;
+  char needle[64];
+  snprintf(needle, sizeof needle, "rank %d with EPX_WEIGHTS_IN_DISPATCH", size - 1);
+  if (size > 1) {
+    CHECK(status == EPX_ERROR_SHAPE_MISMATCH && has(needle), "a weighting mismatch gave %s", epx_status_string(status));
+    CHECK(h == poison, "the handle output was written on a refused layout");
+  }
+  r.weighting = EPX_WEIGHTS_IN_COMBINE;
+  h = NULL;
+  status = b ? epx_dispatch_layout(b, &r, NULL, &h) : EPX_ERROR_INVALID_HANDLE;
+  CHECK(status == EPX_SUCCESS, "the agreeing layout after it gave %s", epx_status_string(status));
+  if (h && h != poison) epx_handle_release(h);
+  if (b) epx_buffer_destroy(b);
+  epx_comm_destroy(comm);
+}
+
 static int test_killed(void) {
   const double timeout = 2.0;
   epx_comm_t comm = create(timeout);
@@ -212,6 +247,7 @@ int main(int argc, char **argv) {
   test_different_collectives();
   test_silent_ranks();
   test_per_rank_top_k();
+  test_weighting_mismatch();
   int total = 0;
   MPI_Allreduce(&errors, &total, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
   if (rank == 0)

@@ -1292,6 +1292,8 @@ static int shape_rank(epx_comm_t comm, int32_t rank, int32_t world, void *arg) {
     if (!strcmp(sc->field, "dtype")) bc.dtype = (epx_dtype_t)sc->value;
     if (!strcmp(sc->field, "max_tokens_per_rank")) bc.max_tokens_per_rank = sc->value;
     if (!strcmp(sc->field, "exchange")) bc.exchange = (epx_exchange_t)sc->value;
+    if (!strcmp(sc->field, "layout")) bc.layout = (epx_layout_t)sc->value;
+    if (!strcmp(sc->field, "combine_precision")) bc.combine_precision = (epx_combine_precision_t)sc->value;
   }
   epx_buffer_t poison = (epx_buffer_t)(uintptr_t)0xA5A5A5A5u, buffer = poison;
   char rank_name[32], field_value[64];
@@ -1311,10 +1313,60 @@ static int shape_rank(epx_comm_t comm, int32_t rank, int32_t world, void *arg) {
 static void test_shape_mismatch_refused_on_every_rank(void **state) {
   (void)state;
   shape_case_t cases[] = {{"hidden", 24}, {"num_experts", 24}, {"dtype", EPX_BFLOAT16},
-                          {"max_tokens_per_rank", 64}, {"exchange", EPX_EXCHANGE_COLLECTIVE}};
+                          {"max_tokens_per_rank", 64}, {"exchange", EPX_EXCHANGE_COLLECTIVE},
+                          {"layout", EPX_LAYOUT_RANK_MAJOR},
+                          {"combine_precision", EPX_COMBINE_PARTIALS_PAYLOAD}};
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
     assert_int_equal(tu_run_ranks(3, 10.0, shape_rank, &cases[i]), 0);
     assert_int_equal(tu_run_ranks(2, 10.0, shape_rank, &cases[i]), 0);
+  }
+}
+
+/* One rank (`odd`) routes with another weighting: every rank refuses the
+ * layout with EPX_ERROR_SHAPE_MISMATCH naming rank 0's weighting and the odd
+ * rank's, no handle is written, and the next (agreeing) layout works. */
+typedef struct {
+  int32_t odd;
+  epx_weighting_t common, theirs;
+} weighting_case_t;
+
+static int weighting_rank(epx_comm_t comm, int32_t rank, int32_t world, void *arg) {
+  (void)world;
+  const weighting_case_t *wc = arg;
+  int failures = 0;
+  epx_buffer_config_t bc = small_config();
+  epx_buffer_t buffer = NULL;
+  epx_handle_t poison = (epx_handle_t)(uintptr_t)0xA5A5A5A5u, handle = poison;
+  int32_t idx[2 * 8];
+  float w[2 * 8];
+  small_routing(rank, 8, 12, idx, w);
+  if (epx_buffer_create(comm, &bc, &buffer) != EPX_SUCCESS) return 1;
+  epx_routing_t routing = {8, 2, idx, w, NULL, rank == wc->odd ? wc->theirs : wc->common};
+  /* The message compares rank 0 with the first rank that differs from it. */
+  const epx_weighting_t named_w = wc->odd == 0 ? wc->common : wc->theirs;
+  char named[64];
+  snprintf(named, sizeof named, "rank %d with %s", wc->odd == 0 ? 1 : wc->odd,
+           named_w == EPX_WEIGHTS_NONE ? "EPX_WEIGHTS_NONE"
+           : named_w == EPX_WEIGHTS_IN_DISPATCH ? "EPX_WEIGHTS_IN_DISPATCH" : "EPX_WEIGHTS_IN_COMBINE");
+  RANK_STATUS(epx_dispatch_layout(buffer, &routing, NULL, &handle), EPX_ERROR_SHAPE_MISMATCH, named);
+  RANK_EXPECT(tu_message_has("routing.weighting"), "the refusal does not name the field: %s", epx_last_error());
+  RANK_EXPECT(handle == poison, "the handle output was written on a refused layout");
+  routing.weighting = wc->common;
+  handle = NULL;
+  RANK_STATUS(epx_dispatch_layout(buffer, &routing, NULL, &handle), EPX_SUCCESS, NULL);
+  epx_handle_release(handle);
+  RANK_STATUS(epx_buffer_destroy(buffer), EPX_SUCCESS, NULL);
+  return failures;
+}
+
+static void test_weighting_mismatch_refused_on_every_rank(void **state) {
+  (void)state;
+  weighting_case_t cases[] = {{1, EPX_WEIGHTS_IN_COMBINE, EPX_WEIGHTS_IN_DISPATCH},
+                              {2, EPX_WEIGHTS_IN_DISPATCH, EPX_WEIGHTS_NONE},
+                              {0, EPX_WEIGHTS_IN_COMBINE, EPX_WEIGHTS_NONE}};
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    assert_int_equal(tu_run_ranks(3, 10.0, weighting_rank, &cases[i]), 0);
+    if (cases[i].odd < 2) assert_int_equal(tu_run_ranks(2, 10.0, weighting_rank, &cases[i]), 0);
   }
 }
 
@@ -1422,6 +1474,7 @@ int main(void) {
       cmocka_unit_test(test_parity_w8),
       cmocka_unit_test(test_max_tokens_agreed_and_oversize_refused),
       cmocka_unit_test(test_shape_mismatch_refused_on_every_rank),
+      cmocka_unit_test(test_weighting_mismatch_refused_on_every_rank),
       cmocka_unit_test(test_destroy_with_live_handles_is_busy),
       cmocka_unit_test(test_bad_routing_refused_on_every_rank),
       cmocka_unit_test(test_agreement_topk_and_precision),

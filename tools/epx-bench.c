@@ -17,7 +17,12 @@
  * memcpy and the dense one-hot reference (epx_reference_dense_*).
  *
  * Under mpirun (or --transport mpi) each process is one rank of an MPI comm
- * and rank 0 prints. The last line printed is OK or FAILED; the exit status
+ * and rank 0 prints. With --device cuda (under mpirun, one process per GPU)
+ * the buffers are CUDA buffers over an NCCL comm made from a unique id shared
+ * over MPI (epx_comm_create_nccl_mpi), routing and its backward run on the
+ * GPU, and the experts stay on the host: each phase copies its inputs to the
+ * GPU and its outputs back outside the timed region, so the same checks
+ * apply unchanged and the times are the epx calls (stream synchronised). The last line printed is OK or FAILED; the exit status
  * matches it. Performance targets are reported as met/missed and do not
  * change the verdict, which is about correctness.
  */
@@ -37,6 +42,12 @@
 
 #if EPX_TOOLS_HAVE_MPI
 #include <mpi.h>
+#endif
+#ifndef EPX_TOOLS_HAVE_CUDA
+#define EPX_TOOLS_HAVE_CUDA 0
+#endif
+#if EPX_TOOLS_HAVE_CUDA
+#include <cuda_runtime_api.h>
 #endif
 
 /* ------------------------------------------------------------------------ */
@@ -118,6 +129,87 @@ static double median(const double *v, int n) {
 }
 
 /* ------------------------------------------------------------------------ */
+/* Device memory (--device cuda): mirrors of the host arrays epx reads/writes */
+/* ------------------------------------------------------------------------ */
+
+/* On the CPU a mirror is the host array itself and every copy is a no-op; on
+ * CUDA it is device memory of the same size, filled and read back around the
+ * epx calls (outside the timed regions). */
+static int g_cuda;
+static void *g_stream; /* cudaStream_t of the CUDA buffers and routes */
+
+#if EPX_TOOLS_HAVE_CUDA
+#define CUDA_TRY(call)                                                               \
+  do {                                                                               \
+    cudaError_t cuda_try_ = (call);                                                  \
+    if (cuda_try_ != cudaSuccess) fatal("%s failed: %s", #call, cudaGetErrorString(cuda_try_)); \
+  } while (0)
+#endif
+
+static void *mirror_of(void *host, size_t bytes) {
+  if (!g_cuda) return host;
+  void *d = NULL;
+#if EPX_TOOLS_HAVE_CUDA
+  CUDA_TRY(cudaMalloc(&d, bytes ? bytes : 16));
+#else
+  (void)bytes;
+#endif
+  return d;
+}
+
+static void mirror_free(void *host, void *dev) {
+  if (dev == host) return;
+#if EPX_TOOLS_HAVE_CUDA
+  cudaFree(dev);
+#endif
+}
+
+/* A device mirror grown with its host array (grow()'s contract). */
+static void *mirror_grow(void *host, void *dev, size_t *cap, size_t need) {
+  if (!g_cuda) return host;
+  if (dev && need <= *cap) return dev;
+  mirror_free(NULL, dev);
+  *cap = need;
+  return mirror_of(NULL, need);
+}
+
+static void dev_sync(void) {
+#if EPX_TOOLS_HAVE_CUDA
+  if (g_cuda) CUDA_TRY(cudaStreamSynchronize((cudaStream_t)g_stream));
+#endif
+}
+
+/* On the buffers' stream and waited for: a cudaMemcpy from pageable memory
+ * may return before its DMA lands, and the buffers' non-blocking stream
+ * would not wait for it (the next epx call could read old rows, and its
+ * timing would include the copy's tail). */
+static void upload(void *dev, const void *host, size_t bytes) {
+  if (dev == host || !bytes) return;
+#if EPX_TOOLS_HAVE_CUDA
+  CUDA_TRY(cudaMemcpyAsync(dev, host, bytes, cudaMemcpyHostToDevice, (cudaStream_t)g_stream));
+  dev_sync();
+#endif
+}
+
+/* After epx's work on the buffers' stream (stream order), and waited for. */
+static void download(void *host, const void *dev, size_t bytes) {
+  if (dev == host || !bytes) return;
+#if EPX_TOOLS_HAVE_CUDA
+  CUDA_TRY(cudaMemcpyAsync(host, dev, bytes, cudaMemcpyDeviceToHost, (cudaStream_t)g_stream));
+#endif
+  dev_sync();
+}
+
+static void poison(void *host, void *dev, size_t bytes) {
+  memset(host, 0xff, bytes);
+  if (dev == host) return;
+#if EPX_TOOLS_HAVE_CUDA
+  CUDA_TRY(cudaMemsetAsync(dev, 0xff, bytes, (cudaStream_t)g_stream));
+  dev_sync();
+#endif
+}
+
+/* ------------------------------------------------------------------------ */
 /* Random numbers (splitmix64: reproducible per (seed, stream))              */
 /* ------------------------------------------------------------------------ */
 
@@ -174,6 +266,7 @@ typedef struct options {
   double capacity_factor; /* 0: dropless; < 0: the mode's default */
   int single, check, csv;
   uint64_t seed;
+  int cuda; /* --device cuda */
 } options_t;
 
 static const char *dtype_name(epx_dtype_t d) {
@@ -203,6 +296,8 @@ static void usage(FILE *f) {
           "  --exchange dedup|collective|both   (both)\n"
           "  --layout expert|rank|capacity      receive layout (expert)\n"
           "  --transport local|mpi (local; mpi when started by mpirun)\n"
+          "  --device cpu|cuda     the buffers' device (cpu); cuda: under mpirun, one process\n"
+          "                        per GPU over NCCL, routing on the GPU, experts on the host\n"
           "  --iters N             timed iterations, the median is reported (3; --single: 10)\n"
           "  --warmup N            untimed iterations first (1; --single: 2)\n"
           "  --zipf S              routing skew: expert popularity follows Zipf(S) (0: uniform)\n"
@@ -250,7 +345,7 @@ static const char *env_nonempty(const char *name) {
 
 static void parse_options(int argc, char **argv, options_t *o) {
   *o = (options_t){-1, -1, -1, -1, -1, -1, -1, CHOOSE_BOTH, EPX_LAYOUT_EXPERT_MAJOR, 0,
-                   -1, -1, 0.0, -1.0, 0, 1, 0, 1};
+                   -1, -1, 0.0, -1.0, 0, 1, 0, 1, 0};
   o->mpi = env_nonempty("OMPI_COMM_WORLD_SIZE") || env_nonempty("PMI_SIZE") ||
            env_nonempty("PMIX_RANK");
   for (int i = 1; i < argc; i++) {
@@ -327,6 +422,13 @@ static void parse_options(int argc, char **argv, options_t *o) {
         fprintf(stderr, "epx-bench: --layout %s: expected expert, rank or capacity\n", val);
         exit(2);
       }
+    } else if (!strcmp(name, "--device")) {
+      if (!strcmp(val, "cuda")) o->cuda = 1;
+      else if (!strcmp(val, "cpu")) o->cuda = 0;
+      else {
+        fprintf(stderr, "epx-bench: --device %s: expected cpu or cuda\n", val);
+        exit(2);
+      }
     } else if (!strcmp(name, "--transport")) {
       if (!strcmp(val, "mpi")) o->mpi = 1;
       else if (!strcmp(val, "local")) o->mpi = 0;
@@ -374,6 +476,10 @@ static void parse_options(int argc, char **argv, options_t *o) {
   }
   if (o->layout == EPX_LAYOUT_RANK_MAJOR && o->topk > o->hidden) {
     fprintf(stderr, "epx-bench: --layout rank returns grad_w through a combine of [N, H] rows: needs --topk <= --hidden\n");
+    exit(2);
+  }
+  if (o->cuda && (o->single || !o->mpi)) {
+    fprintf(stderr, "epx-bench: --device cuda runs the main job under mpirun (one process per GPU)\n");
     exit(2);
   }
   if (o->single && o->layout == EPX_LAYOUT_RANK_MAJOR) {
@@ -444,6 +550,33 @@ static double measure_memcpy(const world_t *w, size_t bytes, int reps) {
   world_max_f64(w, t, reps);
   free(src);
   free(dst);
+  return 2.0 * (double)bytes * w->size / median(t, reps) / 1e9;
+}
+
+/* The ceiling on a GPU (--device cuda): a device-to-device copy of `bytes`
+ * on every rank's GPU at once; aggregate (read + write) GB/s of the median. */
+static double measure_device_copy(const world_t *w, size_t bytes, int reps) {
+  double t[16];
+  if (reps > 16) reps = 16;
+#if EPX_TOOLS_HAVE_CUDA
+  void *src = NULL, *dst = NULL;
+  CUDA_TRY(cudaMalloc(&src, bytes));
+  CUDA_TRY(cudaMalloc(&dst, bytes));
+  CUDA_TRY(cudaMemset(src, 1, bytes));
+  for (int r = 0; r < reps; r++) {
+    CUDA_TRY(cudaDeviceSynchronize());
+    world_barrier(w);
+    double t0 = now_s();
+    CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, (cudaStream_t)g_stream));
+    dev_sync();
+    t[r] = now_s() - t0;
+  }
+  cudaFree(src);
+  cudaFree(dst);
+#else
+  for (int r = 0; r < reps; r++) t[r] = 1.0;
+#endif
+  world_max_f64(w, t, reps);
   return 2.0 * (double)bytes * w->size / median(t, reps) / 1e9;
 }
 
@@ -764,14 +897,30 @@ typedef struct rank_experts {
   double flops_fwd, flops_bwd;
 } rank_experts_t;
 
+/* The handle's queries into host arrays (on CUDA they write device memory:
+ * through a mirror). */
+static void query_layout(rank_experts_t *re, epx_handle_t h, int64_t per_row) {
+  const size_t El = (size_t)re->E_local, n = (size_t)(re->N * per_row + 1);
+  int64_t *counts = mirror_of(re->counts, 8 * El), *offsets = mirror_of(re->offsets, 8 * (El + 1));
+  int32_t *expert = mirror_of(re->recv_expert, 4 * n);
+  float *w = mirror_of(re->recv_w, 4 * n);
+  TRY(epx_handle_expert_counts(h, counts, offsets));
+  TRY(epx_handle_recv_routing(h, expert, w));
+  download(re->counts, counts, 8 * El);
+  download(re->offsets, offsets, 8 * (El + 1));
+  download(re->recv_expert, expert, 4 * n);
+  download(re->recv_w, w, 4 * n);
+  mirror_free(re->counts, counts), mirror_free(re->offsets, offsets);
+  mirror_free(re->recv_expert, expert), mirror_free(re->recv_w, w);
+}
+
 static void rank_experts_plan(rank_experts_t *re, epx_handle_t h) {
   const int32_t El = re->E_local, K = re->K;
   TRY(epx_handle_recv_rows(h, &re->N));
-  TRY(epx_handle_expert_counts(h, re->counts, re->offsets));
   int64_t per_row = re->layout == EPX_LAYOUT_RANK_MAJOR ? K : 1;
   re->recv_expert = grow(re->recv_expert, &re->recv_expert_cap, sizeof(int32_t) * (size_t)(re->N * per_row + 1));
   re->recv_w = grow(re->recv_w, &re->recv_w_cap, sizeof(float) * (size_t)(re->N * per_row + 1));
-  TRY(epx_handle_recv_routing(h, re->recv_expert, re->recv_w));
+  query_layout(re, h, per_row);
   int64_t first_expert = (int64_t)re->rank * El;
   for (int32_t e = 0; e <= El; e++) re->first[e] = 0;
   if (re->layout == EPX_LAYOUT_RANK_MAJOR) {
@@ -1081,6 +1230,8 @@ typedef struct exchange_run {
   float *grad_w;             /* [T, K] */
   float *grad_logits;        /* [T, E] */
   float *dW;                 /* [E_local, 3*H*F] */
+  void *d_out, *d_grad_x;    /* their mirrors (--device cuda) */
+  float *d_grad_w, *d_grad_logits;
   epx_handle_stats_t stats;  /* of the last step */
   int64_t recv_rows, items;
   double flops_fwd, flops_bwd; /* of the last step */
@@ -1100,6 +1251,12 @@ static void timed_begin(const world_t *w, double *t0) {
   *t0 = now_s();
 }
 
+/* Seconds since t0, once the GPU's work (if any) is done. */
+static double timed_end(double t0) {
+  dev_sync();
+  return now_s() - t0;
+}
+
 /* Activation-checkpoint recompute, as a checkpointed block does it: the
  * forward's dispatch is recorded, the recompute replays it (no layout, no
  * count exchange: a cached dispatch), and the rows must equal the forward's
@@ -1111,8 +1268,10 @@ static int recompute_check(const world_t *w, epx_buffer_t buf, const epx_routing
   enum { REPEATS = 5 };
   epx_recorder_t rec = NULL;
   epx_handle_t h = NULL;
-  void *rows = xalloc(row_bytes * (size_t)(N + 1));
-  memset(rows, 0, row_bytes * (size_t)(N + 1)); /* first-touch page faults out of the timing */
+  void *host_rows = xalloc(row_bytes * (size_t)(N + 1));
+  memset(host_rows, 0, row_bytes * (size_t)(N + 1)); /* first-touch page faults out of the timing */
+  void *rows = mirror_of(host_rows, row_bytes * (size_t)(N + 1));
+  upload(rows, host_rows, row_bytes * (size_t)(N + 1));
   double best[2] = {1e30, 1e30}, t0;
   TRY(epx_recorder_create(1, &rec));
   TRY(epx_dispatch_layout(buf, routing, rec, &h)); /* the forward's record */
@@ -1121,16 +1280,17 @@ static int recompute_check(const world_t *w, epx_buffer_t buf, const epx_routing
     timed_begin(w, &t0);
     TRY(epx_dispatch_layout(buf, routing, NULL, &h));
     TRY(epx_dispatch(buf, h, x, rows, N + 1));
-    best[0] = fmin(best[0], now_s() - t0);
+    best[0] = fmin(best[0], timed_end(t0));
     TRY(epx_handle_release(h));
     TRY(epx_recorder_set_mode(rec, EPX_RECORDER_REPLAY)); /* rewinds to the first record */
     timed_begin(w, &t0);
     TRY(epx_dispatch_layout(buf, routing, rec, &h));
     TRY(epx_dispatch(buf, h, x, rows, N + 1));
-    best[1] = fmin(best[1], now_s() - t0);
+    best[1] = fmin(best[1], timed_end(t0));
     TRY(epx_handle_release(h));
   }
-  int64_t bad[1] = {memcmp(rows, recv_x, row_bytes * (size_t)N) != 0};
+  download(host_rows, rows, row_bytes * (size_t)N);
+  int64_t bad[1] = {memcmp(host_rows, recv_x, row_bytes * (size_t)N) != 0};
   epx_recorder_stats_t st;
   TRY(epx_recorder_stats(rec, &st));
   int64_t bytes[2] = {st.bytes_held, st.bytes_avoided};
@@ -1143,7 +1303,8 @@ static int recompute_check(const world_t *w, epx_buffer_t buf, const epx_routing
            exchange, best[0] * 1e3, best[1] * 1e3, best[0] / best[1], bytes[0] / 1e6, bytes[1] / 1e6,
            bad[0] ? "DIFFER" : "bit-identical");
   TRY(epx_recorder_destroy(rec));
-  free(rows);
+  mirror_free(host_rows, rows);
+  free(host_rows);
   return bad[0] == 0;
 }
 
@@ -1160,7 +1321,7 @@ static void main_job_rank(job_t *job, const world_t *w, epx_comm_t comm) {
   int recompute_failed = 0; /* the recorder's replayed rows differed on this rank */
   progress_t prog = {now_s(), 0.0};
 
-  double memcpy_gbps = measure_memcpy(w, (size_t)64 << 20, 5);
+  double memcpy_gbps = g_cuda ? measure_device_copy(w, (size_t)256 << 20, 5) : measure_memcpy(w, (size_t)64 << 20, 5);
   if (w->rank == 0) job->memcpy_gbps = memcpy_gbps;
 
   /* This rank's inputs. */
@@ -1170,12 +1331,23 @@ static void main_job_rank(job_t *job, const world_t *w, epx_comm_t comm) {
   fill_payload(dtype, grad_out, T * H, &rg);
   float *logits = xalloc(sizeof(float) * (size_t)(T * E));
   make_logits(o, w->rank, T, logits);
+  /* The mirrors epx reads (the host arrays themselves on the CPU). */
+  void *d_x = mirror_of(x, es * (size_t)(T * H)), *d_grad_out = mirror_of(grad_out, es * (size_t)(T * H));
+  float *d_logits = mirror_of(logits, sizeof(float) * (size_t)(T * E));
+  upload(d_x, x, es * (size_t)(T * H));
+  upload(d_grad_out, grad_out, es * (size_t)(T * H));
+  upload(d_logits, logits, sizeof(float) * (size_t)(T * E));
 
   epx_route_config_t rc = route_config(o, o->capacity_factor > 0.0);
-  int32_t *topk_idx = xalloc(sizeof(int32_t) * (size_t)(T * K)), *locations = xalloc(sizeof(int32_t) * (size_t)(T * K));
-  float *topk_w = xalloc(sizeof(float) * (size_t)(T * K));
-  epx_route_output_t ro = {topk_idx, topk_w, locations, NULL, NULL, NULL, 0, 0};
-  TRY(epx_route(&rc, T, logits, NULL, &ro));
+  if (g_cuda) rc.device = EPX_DEVICE_CUDA, rc.stream = g_stream;
+  const size_t tk4 = 4 * (size_t)(T * K);
+  int32_t *topk_idx = xalloc(tk4), *locations = xalloc(tk4);
+  float *topk_w = xalloc(tk4);
+  int32_t *d_idx = mirror_of(topk_idx, tk4), *d_loc = mirror_of(locations, tk4);
+  float *d_w = mirror_of(topk_w, tk4);
+  epx_route_output_t ro = {d_idx, d_w, d_loc, NULL, NULL, NULL, 0, 0};
+  TRY(epx_route(&rc, T, d_logits, NULL, &ro));
+  download(topk_idx, d_idx, tk4), download(topk_w, d_w, tk4), download(locations, d_loc, tk4);
   const int32_t capacity = ro.capacity;
 
   exchange_run_t runs[2];
@@ -1192,11 +1364,16 @@ static void main_job_rank(job_t *job, const world_t *w, epx_comm_t comm) {
     bc.exchange = run->exchange;
     bc.layout = layout;
     bc.capacity = layout == EPX_LAYOUT_CAPACITY ? capacity : 0;
+    if (g_cuda) bc.device = EPX_DEVICE_CUDA, bc.stream = g_stream;
     TRY(epx_buffer_create(comm, &bc, &run->buffer));
     run->out = xalloc(es * (size_t)(T * H));
     run->grad_x = xalloc(es * (size_t)(T * H));
     run->grad_w = xalloc(sizeof(float) * (size_t)(T * K));
     run->grad_logits = xalloc(sizeof(float) * (size_t)(T * E));
+    run->d_out = mirror_of(run->out, es * (size_t)(T * H));
+    run->d_grad_x = mirror_of(run->grad_x, es * (size_t)(T * H));
+    run->d_grad_w = mirror_of(run->grad_w, sizeof(float) * (size_t)(T * K));
+    run->d_grad_logits = mirror_of(run->grad_logits, sizeof(float) * (size_t)(T * E));
     run->dW = o->ffn ? xalloc(sizeof(float) * (size_t)(expert_stride(&job->ex) * El)) : NULL;
   }
 
@@ -1218,6 +1395,10 @@ static void main_job_rank(job_t *job, const world_t *w, epx_comm_t comm) {
   void *recv_x = NULL, *expert_out = NULL, *grad_expert_out = NULL, *gw_rows = NULL, *gw_out = NULL;
   size_t recv_cap = 0, eo_cap = 0, geo_cap = 0, gw_rows_cap = 0;
   if (rank_major) gw_out = xalloc(es * (size_t)(T * H));
+  /* and their mirrors */
+  void *d_recv_x = NULL, *d_expert_out = NULL, *d_grad_expert_out = NULL, *d_gw_rows = NULL;
+  void *d_gw_out = rank_major ? mirror_of(gw_out, es * (size_t)(T * H)) : NULL;
+  size_t d_recv_cap = 0, d_eo_cap = 0, d_geo_cap = 0, d_gw_rows_cap = 0;
 
   /* times[xi][phase][iteration] of this rank, seconds */
   double *times = calloc((size_t)(2 * NUM_PHASES * o->iters), sizeof(double));
@@ -1229,8 +1410,8 @@ static void main_job_rank(job_t *job, const world_t *w, epx_comm_t comm) {
     double t0;
     progress_note(w, &prog, "step %d of %d%s", step + 1, steps, step < o->warmup ? " (warm-up)" : "");
     timed_begin(w, &t0);
-    TRY(epx_route(&rc, T, logits, NULL, &ro));
-    if (it >= 0) TIME_AT(0, PH_ROUTE, it) = now_s() - t0;
+    TRY(epx_route(&rc, T, d_logits, NULL, &ro));
+    if (it >= 0) TIME_AT(0, PH_ROUTE, it) = timed_end(t0);
 
     /* With both exchanges, alternate which goes first, so neither always
      * runs right after the route or on the other's warm caches. */
@@ -1238,14 +1419,14 @@ static void main_job_rank(job_t *job, const world_t *w, epx_comm_t comm) {
       const int xi = n_exch == 2 && step % 2 ? 1 - j : j;
       exchange_run_t *run = &runs[xi];
       epx_buffer_t buf = run->buffer;
-      epx_routing_t routing = {T, K, topk_idx, topk_w, layout == EPX_LAYOUT_CAPACITY ? locations : NULL,
+      epx_routing_t routing = {T, K, d_idx, d_w, layout == EPX_LAYOUT_CAPACITY ? d_loc : NULL,
                                rank_major ? EPX_WEIGHTS_NONE : EPX_WEIGHTS_IN_COMBINE};
       epx_handle_t h = NULL;
       double ph[NUM_PHASES] = {0};
 
       timed_begin(w, &t0);
       TRY(epx_dispatch_layout(buf, &routing, NULL, &h));
-      ph[PH_LAYOUT] = now_s() - t0;
+      ph[PH_LAYOUT] = timed_end(t0);
 
       int64_t N;
       TRY(epx_handle_recv_rows(h, &N));
@@ -1254,23 +1435,29 @@ static void main_job_rank(job_t *job, const world_t *w, epx_comm_t comm) {
       expert_out = grow(expert_out, &eo_cap, rows_bytes);
       grad_expert_out = grow(grad_expert_out, &geo_cap, rows_bytes);
       if (rank_major) gw_rows = grow(gw_rows, &gw_rows_cap, rows_bytes);
+      d_recv_x = mirror_grow(recv_x, d_recv_x, &d_recv_cap, rows_bytes);
+      d_expert_out = mirror_grow(expert_out, d_expert_out, &d_eo_cap, rows_bytes);
+      d_grad_expert_out = mirror_grow(grad_expert_out, d_grad_expert_out, &d_geo_cap, rows_bytes);
+      if (rank_major) d_gw_rows = mirror_grow(gw_rows, d_gw_rows, &d_gw_rows_cap, rows_bytes);
+      const size_t n_bytes = es * (size_t)(N * H), th = es * (size_t)(T * H), tk = 4 * (size_t)(T * K);
       if (last && o->check) {
         /* NaN everywhere, so a row the library forgot to write cannot pass
          * for one the previous exchange wrote. */
-        memset(recv_x, 0xff, rows_bytes);
-        memset(expert_out, 0xff, rows_bytes);
-        memset(grad_expert_out, 0xff, rows_bytes);
-        memset(run->out, 0xff, es * (size_t)(T * H));
-        memset(run->grad_x, 0xff, es * (size_t)(T * H));
-        memset(run->grad_w, 0xff, sizeof(float) * (size_t)(T * K));
-        memset(run->grad_logits, 0xff, sizeof(float) * (size_t)(T * E));
+        poison(recv_x, d_recv_x, rows_bytes);
+        poison(expert_out, d_expert_out, rows_bytes);
+        poison(grad_expert_out, d_grad_expert_out, rows_bytes);
+        poison(run->out, run->d_out, th);
+        poison(run->grad_x, run->d_grad_x, th);
+        poison(run->grad_w, run->d_grad_w, tk);
+        poison(run->grad_logits, run->d_grad_logits, sizeof(float) * (size_t)(T * E));
       }
 
       timed_begin(w, &t0);
-      TRY(epx_dispatch(buf, h, x, recv_x, N + 1));
-      ph[PH_DISPATCH] = now_s() - t0;
+      TRY(epx_dispatch(buf, h, d_x, d_recv_x, N + 1));
+      ph[PH_DISPATCH] = timed_end(t0);
+      download(recv_x, d_recv_x, n_bytes);
 
-      if (last && !recompute_check(w, buf, &routing, x, recv_x, N, es * (size_t)H, exchange_name(run->exchange)))
+      if (last && !recompute_check(w, buf, &routing, d_x, recv_x, N, es * (size_t)H, exchange_name(run->exchange)))
         recompute_failed = 1;
 
       re.flops_fwd = re.flops_bwd = 0.0;
@@ -1278,19 +1465,24 @@ static void main_job_rank(job_t *job, const world_t *w, epx_comm_t comm) {
       rank_experts_plan(&re, h);
       rank_experts_forward(&re, recv_x, expert_out);
       ph[PH_EXPERT_FWD] = now_s() - t0;
+      upload(d_expert_out, expert_out, n_bytes);
 
       timed_begin(w, &t0);
-      TRY(epx_combine(buf, h, expert_out, run->out));
-      ph[PH_COMBINE] = now_s() - t0;
+      TRY(epx_combine(buf, h, d_expert_out, run->d_out));
+      ph[PH_COMBINE] = timed_end(t0);
+      download(run->out, run->d_out, th);
 
       timed_begin(w, &t0);
-      if (rank_major) TRY(epx_combine_backward(buf, h, grad_out, NULL, grad_expert_out, NULL));
-      else TRY(epx_combine_backward(buf, h, grad_out, expert_out, grad_expert_out, run->grad_w));
-      ph[PH_COMBINE_BWD] = now_s() - t0;
+      if (rank_major) TRY(epx_combine_backward(buf, h, d_grad_out, NULL, d_grad_expert_out, NULL));
+      else TRY(epx_combine_backward(buf, h, d_grad_out, d_expert_out, d_grad_expert_out, run->d_grad_w));
+      ph[PH_COMBINE_BWD] = timed_end(t0);
+      download(grad_expert_out, d_grad_expert_out, n_bytes);
+      if (!rank_major) download(run->grad_w, run->d_grad_w, tk);
 
       timed_begin(w, &t0);
       rank_experts_backward(&re, grad_expert_out, recv_x, recv_x, run->dW);
       ph[PH_EXPERT_BWD] = now_s() - t0;
+      upload(d_recv_x, recv_x, n_bytes);
 
       if (rank_major) {
         /* Rank-major rows carry no weights through the exchange, so grad_w
@@ -1300,19 +1492,24 @@ static void main_job_rank(job_t *job, const world_t *w, epx_comm_t comm) {
         memset(gw_rows, 0, es * (size_t)(N * H));
         for (int64_t r = 0; r < N; r++)
           TRY(epx_convert(dtype, (char *)gw_rows + (size_t)(r * H) * es, EPX_FLOAT32, re.slot_grad_w + r * K, K));
-        TRY(epx_combine(buf, h, gw_rows, gw_out));
+        upload(d_gw_rows, gw_rows, n_bytes);
+        TRY(epx_combine(buf, h, d_gw_rows, d_gw_out));
+        download(gw_out, d_gw_out, th);
         for (int64_t t = 0; t < T; t++)
           TRY(epx_convert(EPX_FLOAT32, run->grad_w + t * K, dtype, (char *)gw_out + (size_t)(t * H) * es, K));
         ph[PH_GRAD_W_RETURN] = now_s() - t0;
       }
 
       timed_begin(w, &t0);
-      TRY(epx_dispatch_backward(buf, h, recv_x, run->grad_x, NULL, NULL));
-      ph[PH_DISPATCH_BWD] = now_s() - t0;
+      TRY(epx_dispatch_backward(buf, h, d_recv_x, run->d_grad_x, NULL, NULL));
+      ph[PH_DISPATCH_BWD] = timed_end(t0);
+      download(run->grad_x, run->d_grad_x, th);
 
+      upload(run->d_grad_w, run->grad_w, tk); /* rank-major: computed here, on the host */
       timed_begin(w, &t0);
-      TRY(epx_route_backward(&rc, T, logits, NULL, topk_idx, run->grad_w, 0.0f, 0.0f, run->grad_logits));
-      ph[PH_ROUTE_BWD] = now_s() - t0;
+      TRY(epx_route_backward(&rc, T, d_logits, NULL, d_idx, run->d_grad_w, 0.0f, 0.0f, run->d_grad_logits));
+      ph[PH_ROUTE_BWD] = timed_end(t0);
+      download(run->grad_logits, run->d_grad_logits, sizeof(float) * (size_t)(T * E));
 
       TRY(epx_handle_stats(h, &run->stats));
       run->recv_rows = N;
@@ -1517,6 +1714,8 @@ static void main_job_rank(job_t *job, const world_t *w, epx_comm_t comm) {
 
   for (int xi = 0; xi < n_exch; xi++) {
     TRY(epx_buffer_destroy(runs[xi].buffer));
+    mirror_free(runs[xi].out, runs[xi].d_out), mirror_free(runs[xi].grad_x, runs[xi].d_grad_x);
+    mirror_free(runs[xi].grad_w, runs[xi].d_grad_w), mirror_free(runs[xi].grad_logits, runs[xi].d_grad_logits);
     free(runs[xi].out);
     free(runs[xi].grad_x);
     free(runs[xi].grad_w);
@@ -1524,6 +1723,10 @@ static void main_job_rank(job_t *job, const world_t *w, epx_comm_t comm) {
     free(runs[xi].dW);
   }
   rank_experts_free(&re);
+  mirror_free(recv_x, d_recv_x), mirror_free(expert_out, d_expert_out);
+  mirror_free(grad_expert_out, d_grad_expert_out), mirror_free(gw_rows, d_gw_rows), mirror_free(gw_out, d_gw_out);
+  mirror_free(x, d_x), mirror_free(grad_out, d_grad_out), mirror_free(logits, d_logits);
+  mirror_free(topk_idx, d_idx), mirror_free(topk_w, d_w), mirror_free(locations, d_loc);
   free(times);
   free(recv_x);
   free(expert_out);
@@ -1877,10 +2080,39 @@ static void *rank_thread(void *p) {
   return NULL;
 }
 
+#if EPX_TOOLS_HAVE_MPI
+/* --device cuda: this process's GPU (its local rank's, among the visible
+ * ones), the stream of its buffers and routes, and the NCCL comm, made from
+ * a unique id that rank 0 shares over MPI. */
+static epx_comm_t cuda_comm(int rank, MPI_Comm *world_comm) {
+#if EPX_TOOLS_HAVE_CUDA
+  if (!epx_has_nccl()) fatal("this libepx was built without NCCL: --device cuda needs the nccl transport");
+  const char *local = env_nonempty("OMPI_COMM_WORLD_LOCAL_RANK");
+  if (!local) local = env_nonempty("MPI_LOCALRANKID");
+  int devices = 0;
+  CUDA_TRY(cudaGetDeviceCount(&devices));
+  if (devices < 1) fatal("--device cuda: no CUDA device");
+  CUDA_TRY(cudaSetDevice((local ? atoi(local) : rank) % devices));
+  cudaStream_t stream;
+  CUDA_TRY(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  g_stream = stream;
+  g_cuda = 1;
+  epx_comm_t comm = NULL;
+  TRY(epx_comm_create_nccl_mpi(world_comm, NULL, &comm));
+  return comm;
+#else
+  (void)rank, (void)world_comm;
+  fatal("epx-bench was built without CUDA (configure with -DEPX_BUILD_CUDA=ON)");
+  return NULL;
+#endif
+}
+#endif
+
 static void print_header(const options_t *o, int32_t W) {
-  printf("epx-bench %d.%d.%d: MoE layer step on %d ranks (%s transport): T=%lld tokens per rank, H=%lld, "
+  printf("epx-bench %d.%d.%d: MoE layer step on %d ranks (%s): T=%lld tokens per rank, H=%lld, "
          "E=%d, top-%d, ",
-         EPX_VERSION_MAJOR, EPX_VERSION_MINOR, EPX_VERSION_PATCH, (int)W, o->mpi ? "mpi" : "local",
+         EPX_VERSION_MAJOR, EPX_VERSION_MINOR, EPX_VERSION_PATCH, (int)W,
+         o->cuda ? "CUDA buffers over NCCL, one GPU per MPI process" : o->mpi ? "mpi transport" : "local transport",
          (long long)o->tokens, (long long)o->hidden, (int)o->experts, (int)o->topk);
   if (o->ffn) printf("SwiGLU FFN %d on OpenBLAS, ", (int)o->ffn);
   else printf("per-expert scale (no FFN), ");
@@ -1933,7 +2165,10 @@ int main(int argc, char **argv) {
     MPI_Comm world_comm = MPI_COMM_WORLD;
     world_t w = {rank, size, NULL};
     TRY(epx_comm_create_mpi(&world_comm, NULL, &w.comm));
-    main_job_rank(&job, &w, w.comm);
+    /* The bench's own barriers and sums stay on MPI; the buffers use NCCL. */
+    epx_comm_t comm = o.cuda ? cuda_comm(rank, &world_comm) : w.comm;
+    main_job_rank(&job, &w, comm);
+    if (comm != w.comm) TRY(epx_comm_destroy(comm));
     TRY(epx_comm_destroy(w.comm));
     int verdict = rank == 0 ? job.ok : 1;
     MPI_Bcast(&verdict, 1, MPI_INT, 0, MPI_COMM_WORLD);

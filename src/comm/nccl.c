@@ -17,8 +17,22 @@
  * completion within timeout_seconds, aborts the NCCL comm (ncclCommAbort,
  * which also stops its kernels) and fails the epx comm. NCCL does not say
  * which peer is missing: the message names the comm's size and this rank
- * only. Comms epx creates are nonblocking (config.blocking = 0), so
- * creation and enqueueing never block the host either. */
+ * only.
+ *
+ * Three NCCL comms per epx comm. The main one (epx's own, created
+ * nonblocking so that creation is bounded, or the caller's) serves creation
+ * and the fused kernels' windows. Two blocking comms split from it at
+ * creation carry the traffic: `data` the host path's payload moves and
+ * routing gather, `control` the host collectives (split apart so a verdict's
+ * all-reduce is not ordered behind payload kernels queued on `data`). They
+ * are blocking because a nonblocking comm launches every NCCL group from a
+ * thread of its own (pthread_create per ncclGroupEnd, then polled): about
+ * 50-100 us of host time per call on 2 H200, more than a layout's kernels.
+ * What blocking costs is the right to block the host while enqueueing; NCCL
+ * blocks there only to connect peers (done here at creation, by one warm-up
+ * of every operation the comms carry, while every rank is known to be in
+ * the same call) or when its work queue is full. Host waits stay polled and
+ * bounded (ncclCommAbort works on blocking comms too). */
 #include "comm/nccl.h"
 
 #include <sched.h>
@@ -40,13 +54,12 @@
 
 int epx_has_nccl(void) { return 1; }
 
+enum { MAIN = 0, DATA = 1, CONTROL = 2, COMMS = 3 };
+
 typedef struct nccl_state {
-  ncclComm_t comm;
-  /* The host collectives' comm: split from `comm` so that a verdict's
-   * all-reduce is not ordered behind the payload kernels NCCL queued on
-   * `comm` (it would stall the host until they finish); `comm` itself where
-   * the split failed. */
-  ncclComm_t control;
+  /* [MAIN] creation and the fused windows; [DATA] the host path's moves;
+   * [CONTROL] the host collectives. A split that failed is the main comm. */
+  ncclComm_t comms[COMMS];
   int owned;            /* epx created it (destroy it), else the caller's */
   int aborted;          /* ncclCommAbort ran: the handle is gone */
   int device;
@@ -85,8 +98,8 @@ static void pause_briefly(double started) {
 static epx_status_t fail_comm(epx_comm_t comm, epx_status_t code, const char *caller, const char *what) {
   nccl_state_t *s = comm->impl;
   if (!s->aborted) {
-    if (s->control && s->control != s->comm) ncclCommAbort(s->control);
-    ncclCommAbort(s->comm);
+    for (int i = COMMS - 1; i >= 0; i--)
+      if (s->comms[i] && (i == MAIN || s->comms[i] != s->comms[MAIN])) ncclCommAbort(s->comms[i]);
     s->aborted = 1;
   }
   comm->failed = 1;
@@ -107,7 +120,7 @@ static epx_status_t nccl_error(epx_comm_t comm, ncclResult_t r, const char *call
   nccl_state_t *s = comm->impl;
   char text[640];
   snprintf(text, sizeof text, "%s failed on rank %d of %d: %s (%s)", what, comm->rank, comm->size,
-           ncclGetErrorString(r), s->aborted ? "" : ncclGetLastError(s->comm));
+           ncclGetErrorString(r), s->aborted ? "" : ncclGetLastError(s->comms[MAIN]));
   return fail_comm(comm, EPX_ERROR_TRANSPORT, caller, text);
 }
 
@@ -120,22 +133,30 @@ static epx_status_t timed_out(epx_comm_t comm, const char *caller, const char *w
   return fail_comm(comm, EPX_ERROR_TIMEOUT, caller, text);
 }
 
-/* Polls the comms' asynchronous state until both leave ncclInProgress. */
-static epx_status_t settle(epx_comm_t comm, const char *caller, const char *what) {
+/* Reads the async state of each distinct comm: an error fails the epx comm
+ * (returned); *busy says whether any is still ncclInProgress. */
+static epx_status_t poll_comms(epx_comm_t comm, const char *caller, const char *what, int *busy) {
   nccl_state_t *s = comm->impl;
+  *busy = 0;
+  for (int i = 0; i < COMMS; i++) {
+    ncclComm_t c = s->comms[i];
+    if (!c || (i != MAIN && c == s->comms[MAIN]) || (i == CONTROL && c == s->comms[DATA])) continue;
+    ncclResult_t state = ncclSuccess;
+    ncclResult_t r = ncclCommGetAsyncError(c, &state);
+    if (r != ncclSuccess) return nccl_error(comm, r, caller, "ncclCommGetAsyncError");
+    if (state != ncclSuccess && state != ncclInProgress) return nccl_error(comm, state, caller, what);
+    *busy |= state == ncclInProgress;
+  }
+  return EPX_SUCCESS;
+}
+
+/* Polls the comms' asynchronous state until none is ncclInProgress. */
+static epx_status_t settle(epx_comm_t comm, const char *caller, const char *what) {
   const double started = now_seconds(), deadline = started + comm->timeout_seconds;
   for (;;) {
     int busy = 0;
-    for (int i = 0; i < 2; i++) {
-      ncclComm_t c = i ? s->control : s->comm;
-      if (!c || (i && c == s->comm)) continue;
-      ncclResult_t state = ncclSuccess;
-      ncclResult_t r = ncclCommGetAsyncError(c, &state);
-      if (r != ncclSuccess) return nccl_error(comm, r, caller, "ncclCommGetAsyncError");
-      if (state != ncclSuccess && state != ncclInProgress) return nccl_error(comm, state, caller, what);
-      busy |= state == ncclInProgress;
-    }
-    if (!busy) return EPX_SUCCESS;
+    epx_status_t status = poll_comms(comm, caller, what, &busy);
+    if (status != EPX_SUCCESS || !busy) return status;
     if (comm->timeout_seconds > 0 && now_seconds() > deadline) return timed_out(comm, caller, what);
     pause_briefly(started);
   }
@@ -148,7 +169,6 @@ epx_status_t epx_nccl_result(epx_comm_t comm, int result, const char *caller, co
 }
 
 epx_status_t epx_nccl_wait(epx_comm_t comm, void *stream, const char *caller) {
-  nccl_state_t *s = comm->impl;
   const double started = now_seconds(), deadline = started + comm->timeout_seconds;
   for (;;) {
     cudaError_t e = cudaStreamQuery((cudaStream_t)stream);
@@ -156,22 +176,17 @@ epx_status_t epx_nccl_wait(epx_comm_t comm, void *stream, const char *caller) {
     if (e != cudaErrorNotReady)
       return epx_error(EPX_ERROR_CUDA, "%s: waiting for the stream failed with %s (%s)", caller,
                        cudaGetErrorName(e), cudaGetErrorString(e));
-    for (int i = 0; i < 2; i++) {
-      ncclComm_t c = i ? s->control : s->comm;
-      if (!c || (i && c == s->comm)) continue;
-      ncclResult_t state = ncclSuccess;
-      ncclResult_t r = ncclCommGetAsyncError(c, &state);
-      if (r != ncclSuccess) return nccl_error(comm, r, caller, "ncclCommGetAsyncError");
-      if (state != ncclSuccess && state != ncclInProgress)
-        return nccl_error(comm, state, caller, "an NCCL operation of this comm");
-    }
+    int busy = 0;
+    epx_status_t status = poll_comms(comm, caller, "an NCCL operation of this comm", &busy);
+    if (status != EPX_SUCCESS) return status;
     if (comm->timeout_seconds > 0 && now_seconds() > deadline)
       return timed_out(comm, caller, "the NCCL work on the stream");
     pause_briefly(started);
   }
 }
 
-void *epx_nccl_comm(epx_comm_t comm) { return ((nccl_state_t *)comm->impl)->comm; }
+void *epx_nccl_comm(epx_comm_t comm) { return ((nccl_state_t *)comm->impl)->comms[MAIN]; }
+void *epx_nccl_data_comm(epx_comm_t comm) { return ((nccl_state_t *)comm->impl)->comms[DATA]; }
 int epx_nccl_device(epx_comm_t comm) { return ((nccl_state_t *)comm->impl)->device; }
 
 /* ------------------------------------------------------------------------ */
@@ -238,10 +253,10 @@ static epx_status_t exchange(epx_comm_t comm, const char *caller, const char *se
   epx_status_t status = epx_nccl_result(comm, ncclGroupStart(), caller, "ncclGroupStart");
   for (int32_t r = 0; status == EPX_SUCCESS && r < comm->size; r++) {
     if (send_bytes[r])
-      status = epx_nccl_result(comm, ncclSend(send + send_off[r], send_bytes[r], ncclUint8, r, s->control, s->stream),
+      status = epx_nccl_result(comm, ncclSend(send + send_off[r], send_bytes[r], ncclUint8, r, s->comms[CONTROL], s->stream),
                                caller, "ncclSend");
     if (status == EPX_SUCCESS && recv_bytes[r])
-      status = epx_nccl_result(comm, ncclRecv(recv + recv_off[r], recv_bytes[r], ncclUint8, r, s->control, s->stream),
+      status = epx_nccl_result(comm, ncclRecv(recv + recv_off[r], recv_bytes[r], ncclUint8, r, s->comms[CONTROL], s->stream),
                                caller, "ncclRecv");
   }
   epx_status_t ended = epx_nccl_result(comm, ncclGroupEnd(), caller, "ncclGroupEnd");
@@ -294,7 +309,7 @@ static epx_status_t nccl_allgather(epx_comm_t comm, const char *caller, const vo
   char *dsend = s->scratch, *drecv = (char *)s->scratch + bytes;
   if (status == EPX_SUCCESS) status = copy_in(comm, caller, dsend, send, bytes);
   if (status == EPX_SUCCESS)
-    status = epx_nccl_result(comm, ncclAllGather(dsend, drecv, bytes, ncclUint8, s->control, s->stream), caller,
+    status = epx_nccl_result(comm, ncclAllGather(dsend, drecv, bytes, ncclUint8, s->comms[CONTROL], s->stream), caller,
                              "ncclAllGather");
   if (status == EPX_SUCCESS) status = copy_out(comm, caller, drecv, total);
   if (status == EPX_SUCCESS) status = epx_nccl_wait(comm, s->stream, caller);
@@ -308,7 +323,7 @@ static epx_status_t nccl_allreduce_max_i64(epx_comm_t comm, const char *caller, 
   epx_status_t status = begin(comm, caller, bytes);
   if (status == EPX_SUCCESS) status = copy_in(comm, caller, s->scratch, values, bytes);
   if (status == EPX_SUCCESS)
-    status = epx_nccl_result(comm, ncclAllReduce(s->scratch, s->scratch, (size_t)count, ncclInt64, ncclMax, s->control,
+    status = epx_nccl_result(comm, ncclAllReduce(s->scratch, s->scratch, (size_t)count, ncclInt64, ncclMax, s->comms[CONTROL],
                                                  s->stream), caller, "ncclAllReduce");
   if (status == EPX_SUCCESS) status = copy_out(comm, caller, s->scratch, bytes);
   if (status == EPX_SUCCESS) status = epx_nccl_wait(comm, s->stream, caller);
@@ -321,38 +336,34 @@ static epx_status_t nccl_barrier(epx_comm_t comm, const char *caller) {
   return nccl_allreduce_max_i64(comm, caller, &one, 1);
 }
 
-/* The control comm is always epx's own (split here), the caller's comm or not. */
-static void destroy_control(epx_comm_t comm) {
-  nccl_state_t *s = comm->impl;
-  if (!s->control || s->control == s->comm) return;
-  if (!s->aborted) {
-    ncclComm_t main_comm = s->comm;
-    s->comm = s->control; /* settle watches it alone */
-    ncclResult_t r = ncclCommFinalize(s->control);
-    if ((r == ncclSuccess || r == ncclInProgress) && settle(comm, "epx_comm_destroy", "ncclCommFinalize") == EPX_SUCCESS)
-      ncclCommDestroy(s->control);
-    else if (!s->aborted)
-      ncclCommAbort(s->control);
-    s->comm = main_comm;
+/* The splits are always epx's own, the caller's comm or not. Blocking:
+ * finalize returns once their work is done, which it will be, the peers
+ * being alive and in destroy too (epx_comm_destroy's barrier passed). */
+static void destroy_splits(nccl_state_t *s) {
+  for (int i = CONTROL; i >= DATA; i--) {
+    ncclComm_t c = s->comms[i];
+    s->comms[i] = NULL;
+    if (!c || c == s->comms[MAIN] || s->aborted) continue;
+    if (ncclCommFinalize(c) == ncclSuccess) ncclCommDestroy(c);
+    else ncclCommAbort(c);
   }
-  s->control = NULL;
 }
 
 static void nccl_destroy(epx_comm_t comm) {
   nccl_state_t *s = comm->impl;
   if (!s) return;
   cudaSetDevice(s->device);
+  destroy_splits(s);
   if (s->owned && !s->aborted) {
     /* A failed comm was aborted already; a live one is finished cleanly,
      * bounded (settle aborts a finalize that does not complete). */
-    ncclResult_t r = ncclCommFinalize(s->comm);
+    ncclResult_t r = ncclCommFinalize(s->comms[MAIN]);
     if (r == ncclSuccess || r == ncclInProgress) {
-      if (settle(comm, "epx_comm_destroy", "ncclCommFinalize") == EPX_SUCCESS) ncclCommDestroy(s->comm);
+      if (settle(comm, "epx_comm_destroy", "ncclCommFinalize") == EPX_SUCCESS) ncclCommDestroy(s->comms[MAIN]);
     } else {
-      ncclCommAbort(s->comm);
+      ncclCommAbort(s->comms[MAIN]);
     }
   }
-  destroy_control(comm);
   if (s->scratch) cudaFree(s->scratch);
   if (s->mirror) cudaFreeHost(s->mirror);
   if (s->stream) cudaStreamDestroy(s->stream);
@@ -376,30 +387,66 @@ int epx_comm_is_nccl(epx_comm_t comm) { return comm && comm->ops == &nccl_ops; }
 /* Creation                                                                  */
 /* ------------------------------------------------------------------------ */
 
+static size_t round_up(size_t n) { return (n + 255) / 256 * 256; }
+
+/* A blocking comm split from the main one into *child. NCCL runs a split
+ * in the parent's mode: from a nonblocking parent it returns ncclInProgress
+ * and writes *child when done (so child is the state's, not a local); the
+ * caller settles, then falls back to the main comm where no child came. */
+static void split_blocking(ncclComm_t parent, int rank, ncclComm_t *child) {
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 1;
+  *child = NULL;
+  ncclResult_t r = ncclCommSplit(parent, 0, rank, child, &config);
+  if (r != ncclSuccess && r != ncclInProgress) *child = NULL;
+}
+
+/* One of each operation the split comms carry (grouped send/recv with every
+ * rank, the all-gathers, the all-reduce), so that NCCL connects their peers
+ * now, while every rank is in this call, rather than in a later enqueue a
+ * blocking comm could not leave. */
+static epx_status_t warm_up(epx_comm_t comm, const char *fn) {
+  nccl_state_t *s = comm->impl;
+  const size_t W = (size_t)comm->size, gathered = round_up(2 * W), reduced = gathered + round_up(4 * W);
+  char *d = s->scratch; /* [W] bytes to send, [W] to receive, then [W] int32 gathered, one int64 */
+  epx_status_t status = EPX_SUCCESS;
+  for (int i = DATA; i <= CONTROL && status == EPX_SUCCESS; i++) {
+    ncclComm_t c = s->comms[i];
+    status = epx_nccl_result(comm, ncclGroupStart(), fn, "ncclGroupStart");
+    for (int32_t r = 0; status == EPX_SUCCESS && r < comm->size; r++) {
+      status = epx_nccl_result(comm, ncclSend(d + r, 1, ncclUint8, r, c, s->stream), fn, "ncclSend (warm-up)");
+      if (status == EPX_SUCCESS)
+        status = epx_nccl_result(comm, ncclRecv(d + W + r, 1, ncclUint8, r, c, s->stream), fn, "ncclRecv (warm-up)");
+    }
+    epx_status_t ended = epx_nccl_result(comm, ncclGroupEnd(), fn, "ncclGroupEnd");
+    if (status == EPX_SUCCESS) status = ended;
+    if (status == EPX_SUCCESS)
+      status = epx_nccl_result(comm, ncclAllGather(d, d + gathered, 1, ncclInt32, c, s->stream), fn,
+                               "ncclAllGather (warm-up)");
+    if (status == EPX_SUCCESS)
+      status = epx_nccl_result(comm, ncclAllReduce(d + reduced, d + reduced, 1, ncclInt64, ncclMax, c, s->stream), fn,
+                               "ncclAllReduce (warm-up)");
+  }
+  if (status == EPX_SUCCESS) status = epx_nccl_wait(comm, s->stream, fn);
+  return status;
+}
+
 /* Fills a registered comm around an ncclComm_t (made here or the caller's):
- * waits for a nonblocking creation to finish, then reads rank, size and
- * device from it. */
+ * waits for a nonblocking creation to finish, reads rank, size and device
+ * from it, splits the blocking data and control comms and warms them up. */
 static epx_status_t init_state(epx_comm_t comm, ncclComm_t nc, int owned, const char *fn) {
   nccl_state_t *s = calloc(1, sizeof *s);
   if (!s) {
     if (owned) ncclCommAbort(nc);
     return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
   }
-  s->comm = nc;
+  s->comms[MAIN] = nc;
   s->owned = owned;
   comm->impl = s;
   comm->ops = &nccl_ops;
   int rank = 0, size = 0, device = 0;
   epx_status_t status = settle(comm, fn, owned ? "ncclCommInitRankConfig" : "the caller's ncclComm_t");
   if (status == EPX_SUCCESS) status = epx_nccl_result(comm, ncclCommUserRank(nc, &rank), fn, "ncclCommUserRank");
-  if (status == EPX_SUCCESS) {
-    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-    config.blocking = 0;
-    ncclComm_t control = NULL;
-    ncclResult_t r = ncclCommSplit(nc, 0, rank, &control, &config);
-    s->control = (r == ncclSuccess || r == ncclInProgress) && control ? control : nc;
-    status = settle(comm, fn, "ncclCommSplit (the control comm)");
-  }
   if (status == EPX_SUCCESS) status = epx_nccl_result(comm, ncclCommCount(nc, &size), fn, "ncclCommCount");
   if (status == EPX_SUCCESS) status = epx_nccl_result(comm, ncclCommCuDevice(nc, &device), fn, "ncclCommCuDevice");
   if (status != EPX_SUCCESS) return status;
@@ -410,9 +457,17 @@ static epx_status_t init_state(epx_comm_t comm, ncclComm_t nc, int owned, const 
   if (e == cudaSuccess) e = cudaStreamCreateWithFlags(&s->stream, cudaStreamNonBlocking);
   if (e != cudaSuccess)
     return epx_error(EPX_ERROR_CUDA, "%s: cudaStreamCreate on device %d failed: %s", fn, device, cudaGetErrorString(e));
+  for (int i = DATA; i <= CONTROL && status == EPX_SUCCESS; i++) {
+    split_blocking(nc, rank, &s->comms[i]);
+    status = settle(comm, fn, i == DATA ? "ncclCommSplit (the data comm)" : "ncclCommSplit (the control comm)");
+    if (!s->comms[i]) s->comms[i] = nc;
+  }
   /* Staging for the small collectives up front: growing it later frees
    * device memory, which waits for the whole device (no bounded wait). */
-  return begin(comm, fn, 64 * 1024);
+  const size_t warm_bytes = round_up(2 * (size_t)size) + round_up(4 * (size_t)size) + 8;
+  if (status == EPX_SUCCESS) status = begin(comm, fn, warm_bytes > 64 * 1024 ? warm_bytes : 64 * 1024);
+  if (status == EPX_SUCCESS) status = warm_up(comm, fn);
+  return status;
 }
 
 static epx_status_t finish_create(epx_comm_t created, ncclComm_t nc, int owned, const char *fn, epx_comm_t *comm) {
@@ -523,6 +578,7 @@ epx_status_t epx_comm_create_nccl_mpi(const void *mpi_comm, const epx_comm_confi
 int epx_has_nccl(void) { return 0; }
 int epx_comm_is_nccl(epx_comm_t comm) { (void)comm; return 0; }
 void *epx_nccl_comm(epx_comm_t comm) { (void)comm; return NULL; }
+void *epx_nccl_data_comm(epx_comm_t comm) { (void)comm; return NULL; }
 int epx_nccl_device(epx_comm_t comm) { (void)comm; return -1; }
 epx_status_t epx_nccl_wait(epx_comm_t comm, void *stream, const char *caller) {
   (void)comm, (void)stream, (void)caller;

@@ -13,8 +13,12 @@ extern "C" {
 
 /* 1 when comm is an NCCL comm (its ops are the nccl transport's). */
 int epx_comm_is_nccl(epx_comm_t comm);
-/* The comm's ncclComm_t (an NCCL comm only). */
+/* The comm's ncclComm_t (an NCCL comm only): epx's own or the caller's; the
+ * fused kernels' windows live on it. */
 void *epx_nccl_comm(epx_comm_t comm);
+/* The blocking comm split from it for the host path's moves (nccl.c says
+ * why blocking). */
+void *epx_nccl_data_comm(epx_comm_t comm);
 /* The CUDA device the comm was created on. */
 int epx_nccl_device(epx_comm_t comm);
 

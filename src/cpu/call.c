@@ -49,6 +49,7 @@ void epx_cpu_call_begin(epx_cpu_call_ctx_t *ctx, epx_buffer_t buffer, epx_call_k
   m->top_k = h ? h->top_k : 0;
   m->rank = buffer->comm->rank;
   m->hidden = buffer->config.hidden;
+  m->weighting = h ? (int32_t)h->weighting : 0;
 }
 
 /* "rank 1 in epx_combine on layout #3 (8 tokens, top_k 2)", for up to 8 ranks. */
@@ -120,6 +121,28 @@ static epx_status_t refusal(const epx_cpu_call_ctx_t *ctx, const epx_cpu_call_t 
   return EPX_SUCCESS;
 }
 
+static const char *weighting_name(int32_t w) {
+  return w == EPX_WEIGHTS_IN_COMBINE ? "EPX_WEIGHTS_IN_COMBINE"
+         : w == EPX_WEIGHTS_IN_DISPATCH ? "EPX_WEIGHTS_IN_DISPATCH"
+         : w == EPX_WEIGHTS_NONE ? "EPX_WEIGHTS_NONE" : "an unknown weighting";
+}
+
+/* The weighting says on which side of the exchange a route's weight is
+ * applied (by the rank that receives the rows, for its peers' tokens too):
+ * ranks that disagree would weight some routes twice and others never. */
+static epx_status_t check_weighting(const epx_cpu_call_ctx_t *ctx, const epx_cpu_call_t *peers) {
+  int32_t W = ctx->buffer->comm->size;
+  for (int32_t s = 1; s < W; s++)
+    if (peers[s].weighting != peers[0].weighting)
+      return epx_error(EPX_ERROR_SHAPE_MISMATCH,
+                       "%s: rank 0 routes with routing.weighting = %s and rank %d with %s; the "
+                       "weights are applied on the side of the exchange the weighting names, for "
+                       "every rank's tokens, so pass the same routing.weighting on every rank; "
+                       "nothing moved on any rank", ctx->fn, weighting_name(peers[0].weighting), s,
+                       weighting_name(peers[s].weighting));
+  return EPX_SUCCESS;
+}
+
 epx_status_t epx_cpu_call_agree(const epx_cpu_call_ctx_t *ctx, const epx_cpu_call_t *peers) {
   int32_t W = ctx->buffer->comm->size;
   for (int32_t s = 1; s < W; s++)
@@ -141,7 +164,8 @@ epx_status_t epx_cpu_call_agree(const epx_cpu_call_ctx_t *ctx, const epx_cpu_cal
                        "exchanged, so pass grad_w on every rank or on none; nothing moved on any "
                        "rank", ctx->fn, odd, odd == s ? 0 : s);
     }
-  return check_shapes(ctx, peers);
+  status = check_weighting(ctx, peers);
+  return status != EPX_SUCCESS ? status : check_shapes(ctx, peers);
 }
 
 epx_cpu_call_t *epx_cpu_call_blocks(const epx_cpu_call_ctx_t *ctx) {

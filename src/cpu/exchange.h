@@ -109,8 +109,8 @@ typedef struct {
   int32_t top_k;     /* K of the routing or handle */
   int32_t rank;      /* the sender */
   int64_t hidden;
-  int32_t flags;   /* EPX_CALL_GRAD_W: the call asks for grad_w */
-  int32_t unused;
+  int32_t flags;     /* EPX_CALL_GRAD_W: the call asks for grad_w */
+  int32_t weighting; /* the routing's or handle's epx_weighting_t (layout: set by layout.c) */
   int64_t word[2]; /* layout: items to the receiver; local payload calls: rows, plan */
 } epx_cpu_call_t;
 

@@ -274,6 +274,7 @@ static epx_status_t exchange_counts(layout_t *L, epx_status_t local, epx_handle_
   L->call.mine.layout_id = comm->layouts_made + 1;
   L->call.mine.tokens = L->r ? L->r->num_tokens : 0;
   L->call.mine.top_k = L->r ? L->r->top_k : 0;
+  L->call.mine.weighting = L->r ? (int32_t)L->r->weighting : 0;
   if (W == 1) {
     comm->layouts_made++;
     L->largest_batch = L->call.mine.tokens;

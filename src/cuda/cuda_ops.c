@@ -26,9 +26,14 @@ static epx_status_t cuda_routing_hash(epx_buffer_t buffer, const epx_routing_t *
   return epx_cuda_routing_hash(buffer, routing, hash);
 }
 
-/* One rank: the verdict is this rank's; several: ep.c agrees it. */
+/* One rank: the verdict is this rank's; several: ep.c agrees it (a payload
+ * call with its handle and grad_w). */
 static epx_status_t cuda_agree(epx_buffer_t buffer, epx_status_t local, const char *caller) {
   return ranks(buffer) ? epx_cuda_ep_agree(buffer, local, caller) : local;
+}
+static epx_status_t cuda_agree_call(epx_buffer_t buffer, epx_handle_t handle, const float *grad_w,
+                                    epx_status_t local, const char *caller) {
+  return ranks(buffer) ? epx_cuda_ep_agree_call(buffer, handle, grad_w != NULL, local, caller) : local;
 }
 
 /* Later work, frees of memory allocated on the old stream included, must run
@@ -68,14 +73,14 @@ static void cuda_handle_fini(epx_handle_t handle) {
 
 static epx_status_t cuda_dispatch(epx_buffer_t buffer, epx_handle_t handle, epx_status_t local,
                                   const void *x, void *recv_x) {
-  local = cuda_agree(buffer, local, "epx_dispatch");
+  local = cuda_agree_call(buffer, handle, NULL, local, "epx_dispatch");
   if (local != EPX_SUCCESS) return local;
   return ranks(buffer) ? epx_cuda_ep_dispatch(buffer, handle, x, recv_x) : epx_cuda_dispatch(buffer, handle, x, recv_x);
 }
 
 static epx_status_t cuda_combine(epx_buffer_t buffer, epx_handle_t handle, epx_status_t local,
                                  const void *expert_out, void *out) {
-  local = cuda_agree(buffer, local, "epx_combine");
+  local = cuda_agree_call(buffer, handle, NULL, local, "epx_combine");
   if (local != EPX_SUCCESS) return local;
   return ranks(buffer) ? epx_cuda_ep_combine(buffer, handle, expert_out, out)
                        : epx_cuda_combine(buffer, handle, expert_out, out);
@@ -84,7 +89,7 @@ static epx_status_t cuda_combine(epx_buffer_t buffer, epx_handle_t handle, epx_s
 static epx_status_t cuda_dispatch_backward(epx_buffer_t buffer, epx_handle_t handle, epx_status_t local,
                                            const void *grad_recv_x, void *grad_x, const void *x,
                                            float *grad_w) {
-  local = cuda_agree(buffer, local, "epx_dispatch_backward");
+  local = cuda_agree_call(buffer, handle, grad_w, local, "epx_dispatch_backward");
   if (local != EPX_SUCCESS) return local;
   return ranks(buffer) ? epx_cuda_ep_dispatch_backward(buffer, handle, grad_recv_x, grad_x, x, grad_w)
                        : epx_cuda_dispatch_backward(buffer, handle, grad_recv_x, grad_x, x, grad_w);
@@ -93,7 +98,7 @@ static epx_status_t cuda_dispatch_backward(epx_buffer_t buffer, epx_handle_t han
 static epx_status_t cuda_combine_backward(epx_buffer_t buffer, epx_handle_t handle, epx_status_t local,
                                           const void *grad_out, const void *expert_out,
                                           void *grad_expert_out, float *grad_w) {
-  local = cuda_agree(buffer, local, "epx_combine_backward");
+  local = cuda_agree_call(buffer, handle, grad_w, local, "epx_combine_backward");
   if (local != EPX_SUCCESS) return local;
   return ranks(buffer) ? epx_cuda_ep_combine_backward(buffer, handle, grad_out, expert_out, grad_expert_out, grad_w)
                        : epx_cuda_combine_backward(buffer, handle, grad_out, expert_out, grad_expert_out, grad_w);
@@ -101,7 +106,7 @@ static epx_status_t cuda_combine_backward(epx_buffer_t buffer, epx_handle_t hand
 
 static epx_status_t cuda_weights_backward(epx_buffer_t buffer, epx_handle_t handle, epx_status_t local,
                                           const float *grad_recv_w, float *grad_w) {
-  local = cuda_agree(buffer, local, "epx_weights_backward");
+  local = cuda_agree_call(buffer, handle, NULL, local, "epx_weights_backward");
   if (local != EPX_SUCCESS) return local;
   return ranks(buffer) ? epx_cuda_ep_weights_backward(buffer, handle, grad_recv_w, grad_w)
                        : epx_cuda_weights_backward(buffer, handle, grad_recv_w, grad_w);

@@ -2,10 +2,12 @@
  * layout of a dispatch and the payload moves, on NCCL's host API (grouped
  * ncclSend/ncclRecv and one ncclAllGather) on the buffer's stream.
  *
- * Layout: each rank validates its own routing on its GPU (the one-rank
- * layout kernel over all E experts; invalid routes become -1), and every
- * rank all-gathers every rank's sanitised routing [Tm, Kb] with a header
- * {tokens, oversize, invalid, top_k}. That gather is the count exchange:
+ * Layout: each rank validates its own routing on its GPU (in the kernel that
+ * stages its send block; the capacity layout, whose slots must be claimed,
+ * by the one-rank layout over all E experts; invalid routes become -1), and
+ * every rank all-gathers every rank's sanitised routing [Tm, Kb] with a
+ * header {tokens, oversize, invalid, top_k, weighting}. That gather is the
+ * count exchange:
  * from it each rank computes (ep.cu) both sides of every exchange — where
  * each of its rows goes, and where each row it receives comes from and
  * lands — so no other metadata moves and no count is read on the host
@@ -23,8 +25,11 @@
  *
  * Host synchronisation: without worst_case_sizing the layout waits once (a
  * polled, bounded wait: epx_nccl_wait) to read the message sizes, and every
- * collective call agrees its host verdict over the comm first (one small
- * host all-reduce) so that a refusal is a refusal on every rank. With
+ * collective call first all-gathers what each rank is doing (the call, the
+ * buffer, the handle, grad_w and its verdict: one small host all-gather on
+ * the control comm) so that a refusal, or ranks in different calls, fail on
+ * every rank before anything moves. The layout's headers also carry each
+ * rank's top_k and weighting, checked by every rank alike. With
  * worst_case_sizing nothing waits: messages have their per-peer bound as
  * size (Tm rows per peer for pairs, Tm*min(Kb, E_local) for routes), rows
  * land at peer * bound + index, the receive layout's N stays on the device;
@@ -91,6 +96,7 @@ typedef struct ep_buffer {
    * (both stream-ordered, as the handle's block: capturable). */
   epx_fused_plan_t *pool[8];
   int pooled;
+  int64_t id; /* 1 + the buffers made over the comm before it (the same on every rank) */
 } ep_buffer_t;
 
 /* handle->cuda on W ranks */
@@ -115,6 +121,7 @@ typedef struct ep_handle {
   int64_t total[KINDS];
   int64_t rows; /* N on the host, -1 until read */
   epx_fused_plan_t *plan; /* the fused layout of this handle, or NULL (host path) */
+  int64_t seq;            /* the comm's layout number (the same on every rank) */
 } ep_handle_t;
 
 static cudaStream_t stream_of(epx_buffer_t b) { return (cudaStream_t)b->config.stream; }
@@ -157,6 +164,7 @@ epx_status_t epx_cuda_ep_buffer_init(epx_buffer_t b) {
   ep_buffer_t *s = calloc(1, sizeof *s);
   if (!s) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
   b->cuda = s;
+  s->id = ++b->comm->buffers_made;
   epx_status_t status = ensure_fused(b, fn);
   if (status != EPX_SUCCESS) {
     free(s);
@@ -375,9 +383,10 @@ static epx_status_t carve(epx_buffer_t b, const epx_routing_t *r, ep_handle_t *h
     void **ptr;
     int64_t bytes;
   } parts[] = {
-      {(void **)&h->own.idx, 4 * T * K}, {(void **)&h->own.route_row, 4 * T * K},
-      {(void **)&h->own.row_src, 4 * own_rows}, {(void **)&h->own.counts, 8 * E},
-      {(void **)&h->own.offsets, 8 * (E + 1)}, {(void **)&h->own.result, sizeof(epx_cuda_layout_result_t)},
+      /* the one-rank layout of this rank's routing: the capacity layout only */
+      {(void **)&h->own.idx, cap ? 4 * T * K : 0}, {(void **)&h->own.route_row, cap ? 4 * T * K : 0},
+      {(void **)&h->own.row_src, cap ? 4 * own_rows : 0}, {(void **)&h->own.counts, cap ? 8 * E : 0},
+      {(void **)&h->own.offsets, cap ? 8 * (E + 1) : 0}, {(void **)&h->own.result, sizeof(epx_cuda_layout_result_t)},
       {(void **)&h->w, r->topk_w ? 4 * T * K : 0}, {(void **)&h->sidx, 4 * d->Tm * Kb},
       {(void **)&h->sw, 4 * d->Tm * Kb}, {(void **)&h->sloc, cap ? 4 * d->Tm * Kb : 0},
       {(void **)&h->shdr, 4 * EPX_CUDA_EP_HDR_INTS}, {(void **)&h->gidx, 4 * G * Kb},
@@ -394,7 +403,7 @@ static epx_status_t carve(epx_buffer_t b, const epx_routing_t *r, ep_handle_t *h
       {(void **)&h->tab.rp_w, 4 * h->pair_rows * Kb}, {(void **)&h->tab.rr_row, 4 * h->route_rows},
       {(void **)&h->tab.rr_all, 4 * h->route_rows}, {(void **)&h->tab.rr_slot, 4 * h->route_rows},
       {(void **)&h->tab.rr_w, 4 * h->route_rows}, {(void **)&h->tab.stage_of_row, 4 * h->row_bound},
-      {(void **)&h->summary, 8 * (8 * W + 2)},
+      {(void **)&h->summary, 8 * (EPX_CUDA_EP_SUMMARY_ROWS(W) + 2)},
   };
   const size_t n = sizeof parts / sizeof parts[0];
   size_t bytes = 0;
@@ -413,30 +422,121 @@ fail:
   return status;
 }
 
-/* The verdict and, on the first call, max_tokens_per_rank, agreed in one
- * all-reduce {failing rank + 1, oversize rank + 1, its tokens, tokens}. */
-static epx_status_t agree_layout(epx_buffer_t b, const epx_routing_t *r, epx_status_t local) {
-  const char *fn = "epx_dispatch_layout";
-  epx_comm_t comm = b->comm;
-  const int oversize = local == EPX_ERROR_CAPACITY_EXCEEDED;
-  int64_t agreed[4] = {local != EPX_SUCCESS ? comm->rank + 1 : 0, oversize ? comm->rank + 1 : 0,
-                       oversize ? r->num_tokens : 0, local == EPX_SUCCESS ? r->num_tokens : 0};
-  char message[1024];
-  snprintf(message, sizeof message, "%s", epx_last_error());
-  epx_status_t status = comm->ops->allreduce_max_i64(comm, fn, agreed, 4);
-  if (status != EPX_SUCCESS) return status;
+/* ------------------------------------------------------------------------ */
+/* The agreement of a call (default sizing)                                  */
+/* ------------------------------------------------------------------------ */
+
+/* What a rank is doing, all-gathered before anything moves (one small host
+ * all-gather on the control comm, the same for the layout and the payload
+ * calls, so a rank in another call meets a block it can read rather than
+ * another collective). Every rank checks every block the same way. */
+typedef struct {
+  int64_t verdict; /* epx_status_t */
+  int64_t call;    /* index in call_names */
+  int64_t buffer;  /* ep_buffer_t.id */
+  int64_t handle;  /* ep_handle_t.seq (a layout: the one being made); 0: none */
+  int64_t tokens;  /* the layout's routing.num_tokens */
+  int64_t grad_w;  /* the call asks for grad_w */
+} ep_call_t;
+
+static const char *const call_names[] = {"epx_dispatch_layout", "epx_dispatch", "epx_combine",
+                                         "epx_dispatch_backward", "epx_combine_backward",
+                                         "epx_weights_backward"};
+enum { CALL_LAYOUT = 0, CALLS = sizeof call_names / sizeof call_names[0] };
+
+static int64_t call_of(const char *caller) {
+  for (int64_t i = 0; i < CALLS; i++)
+    if (!strcmp(caller, call_names[i])) return i;
+  return CALLS; /* not reached: every caller is one of them */
+}
+
+/* "rank 0 in epx_dispatch on buffer #1, layout #3; rank 1 ...", up to 8 ranks. */
+static void describe_calls(const ep_call_t *all, int32_t W, char *text, size_t size) {
+  size_t used = 0;
+  text[0] = '\0';
+  for (int32_t p = 0; p < W && used < size; p++) {
+    const ep_call_t *c = &all[p];
+    const int n = p == 8 ? snprintf(text + used, size - used, "; ... (%d ranks)", W)
+                         : snprintf(text + used, size - used, "%srank %d in %s on buffer #%lld, layout #%lld",
+                                    p ? "; " : "", p, c->call < CALLS ? call_names[c->call] : "another call",
+                                    (long long)c->buffer, (long long)c->handle);
+    if (n < 0 || p == 8) break;
+    used += (size_t)n;
+  }
+}
+
+static epx_status_t call_mismatch(const ep_call_t *all, int32_t W, const char *fn, const char *what) {
+  char text[768];
+  describe_calls(all, W, text, sizeof text);
+  return epx_error(EPX_ERROR_SHAPE_MISMATCH,
+                   "%s: the ranks are %s: %s; every rank must make the same collective calls, on the same "
+                   "buffer and handle, in the same order; nothing moved on any rank", fn, what, text);
+}
+
+/* The checks of the gathered blocks (the same on every rank). A failed
+ * verdict names its rank (an oversize batch by its numbers); this rank's own
+ * refusal keeps its message. */
+static epx_status_t check_calls(epx_buffer_t b, const ep_call_t *all, epx_status_t local, const char *message,
+                                const char *fn) {
+  const int32_t W = b->world_size;
+  for (int32_t p = 1; p < W; p++)
+    if (all[p].call != all[0].call) return call_mismatch(all, W, fn, "in different collective calls");
   if (local != EPX_SUCCESS) return epx_error(local, "%s", message);
-  if (agreed[1])
-    return epx_error(EPX_ERROR_CAPACITY_EXCEEDED,
-                     "%s: rank %lld has %lld tokens, above the buffer's max_tokens_per_rank %lld; nothing "
-                     "moved on any rank; create the buffer with a larger config.max_tokens_per_rank", fn,
-                     (long long)(agreed[1] - 1), (long long)agreed[2], (long long)b->max_tokens);
-  if (agreed[0])
-    return epx_error(EPX_ERROR_PEER_FAILED,
-                     "%s: rank %lld refused its routing (its epx_last_error says why); nothing moved on any rank",
-                     fn, (long long)(agreed[0] - 1));
-  if (b->max_tokens == 0) epx_buffer_agree_max_tokens(b, agreed[3]);
+  for (int32_t p = 0; p < W; p++)
+    if (all[p].verdict == EPX_ERROR_CAPACITY_EXCEEDED && all[p].call == CALL_LAYOUT)
+      return epx_error(EPX_ERROR_CAPACITY_EXCEEDED,
+                       "%s: rank %d has %lld tokens, above the buffer's max_tokens_per_rank %lld; nothing "
+                       "moved on any rank; create the buffer with a larger config.max_tokens_per_rank", fn, p,
+                       (long long)all[p].tokens, (long long)b->max_tokens);
+  for (int32_t p = 0; p < W; p++)
+    if (all[p].verdict != EPX_SUCCESS)
+      return epx_error(EPX_ERROR_PEER_FAILED,
+                       "%s: rank %d refused the call (its epx_last_error says why); nothing moved on any rank", fn,
+                       p);
+  for (int32_t p = 1; p < W; p++) {
+    if (all[p].buffer != all[0].buffer) return call_mismatch(all, W, fn, "on different buffers");
+    if (all[p].handle != all[0].handle)
+      return call_mismatch(all, W, fn,
+                           all[0].call == CALL_LAYOUT ? "out of step (they have made different numbers of layouts)"
+                                                      : "on different handles");
+  }
+  for (int32_t p = 1; p < W; p++)
+    if (all[p].grad_w != all[0].grad_w)
+      return epx_error(EPX_ERROR_SHAPE_MISMATCH,
+                       "%s: rank %d passes grad_w and rank %d does not; the weight gradient is exchanged, so "
+                       "pass grad_w on every rank or on none; nothing moved on any rank", fn,
+                       all[p].grad_w ? p : 0, all[p].grad_w ? 0 : p);
   return EPX_SUCCESS;
+}
+
+/* Gathers `mine` from every rank and checks the blocks. *largest (layout,
+ * may be NULL): the largest batch of the ranks. */
+static epx_status_t agree_call(epx_buffer_t b, ep_call_t mine, const char *fn, int64_t *largest) {
+  epx_comm_t comm = b->comm;
+  epx_status_t status = epx_comm_check_alive(comm, fn);
+  if (status != EPX_SUCCESS) return status;
+  const epx_status_t local = (epx_status_t)mine.verdict;
+  char message[1024];
+  snprintf(message, sizeof message, "%s", local != EPX_SUCCESS ? epx_last_error() : "");
+  ep_call_t *all = calloc((size_t)b->world_size, sizeof *all);
+  if (!all) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
+  status = comm->ops->allgather(comm, fn, &mine, all, sizeof mine);
+  if (status == EPX_SUCCESS) status = check_calls(b, all, local, message, fn);
+  for (int32_t p = 0; status == EPX_SUCCESS && largest && p < b->world_size; p++)
+    if (all[p].tokens > *largest) *largest = all[p].tokens;
+  free(all);
+  return status;
+}
+
+/* The layout's agreement: the verdict, and on the first call
+ * max_tokens_per_rank (the largest batch). */
+static epx_status_t agree_layout(epx_buffer_t b, const epx_routing_t *r, epx_status_t local, int64_t seq) {
+  const ep_buffer_t *s = b->cuda;
+  const ep_call_t mine = {local, CALL_LAYOUT, s->id, seq, r ? r->num_tokens : 0, 0};
+  int64_t largest = 0;
+  epx_status_t status = agree_call(b, mine, "epx_dispatch_layout", &largest);
+  if (status == EPX_SUCCESS && b->max_tokens == 0) epx_buffer_agree_max_tokens(b, largest);
+  return status;
 }
 
 /* The routing all-gather (idx, w, locations, header) on the buffer's stream. */
@@ -445,7 +545,7 @@ static epx_status_t gather_routing(epx_buffer_t b, const epx_cuda_ep_dims_t *d, 
                                    float *gw, int32_t *gloc, int32_t *ghdr, const char *fn) {
   epx_status_t status = EPX_SUCCESS;
   epx_comm_t comm = b->comm;
-  ncclComm_t nc = epx_nccl_comm(comm);
+  ncclComm_t nc = epx_nccl_data_comm(comm);
   cudaStream_t stream = stream_of(b);
   const size_t n = (size_t)(d->Tm * d->Kb);
   NCCL_CHECK(ncclGroupStart(), fn, "ncclGroupStart");
@@ -467,7 +567,8 @@ static epx_status_t join_oversize(epx_buffer_t b, const epx_cuda_ep_dims_t *d, c
   cudaStream_t stream = stream_of(b);
   const int cap = b->config.layout == EPX_LAYOUT_CAPACITY;
   const size_t n = (size_t)(d->Tm * d->Kb), G = n * (size_t)d->W;
-  const size_t send = round256(4 * n) * 3 + round256(16), recv = round256(4 * G) * 3 + round256(16 * (size_t)d->W);
+  const size_t hdr = 4 * EPX_CUDA_EP_HDR_INTS;
+  const size_t send = round256(4 * n) * 3 + round256(hdr), recv = round256(4 * G) * 3 + round256(hdr * (size_t)d->W);
   char *block = NULL;
   CUDA_CHECK(cudaMallocAsync((void **)&block, send + recv, stream), fn, "cudaMallocAsync");
   int32_t *sidx = (int32_t *)block, *sloc = (int32_t *)(block + 2 * round256(4 * n));
@@ -483,8 +584,10 @@ fail:
   return status;
 }
 
-/* Own routing -> sanitised ids (validation over all experts), send block,
- * gather, flags, scan, receive layout, tables. All enqueued. */
+/* Own routing -> sanitised ids and the send block (validated by the stage
+ * kernel itself; the capacity layout, whose slots must be claimed, by the
+ * one-rank layout over all experts first), gather, flags, scan, receive
+ * layout, tables. All enqueued. */
 static epx_status_t enqueue_layout(epx_buffer_t b, const epx_routing_t *r, ep_handle_t *h, const char *fn) {
   epx_status_t status = EPX_SUCCESS;
   const epx_buffer_config_t *c = &b->config;
@@ -492,16 +595,21 @@ static epx_status_t enqueue_layout(epx_buffer_t b, const epx_routing_t *r, ep_ha
   cudaStream_t stream = stream_of(b);
   const int cap = c->layout == EPX_LAYOUT_CAPACITY;
   const int64_t G = (int64_t)d->W * d->Tm;
-  if (d->T > 0)
-    CUDA_CHECK(epx_cuda_layout_launch(r->topk_idx, cap ? r->locations : NULL, r->topk_w, h->w, d->T, d->K,
-                                      c->num_experts, cap ? EPX_LAYOUT_CAPACITY : EPX_LAYOUT_EXPERT_MAJOR, 1,
-                                      c->capacity, &h->own, h->scratch, stream),
+  if (!cap)
+    CUDA_CHECK(epx_cuda_ep_stage_validate_launch(d, d->T > 0 ? r->topk_idx : NULL, d->T > 0 ? r->topk_w : NULL,
+                                                 c->num_experts, h->w, h->own.result, h->sidx, h->sw, h->shdr,
+                                                 stream),
+               fn, "the routing stage kernel");
+  else if (d->T > 0)
+    CUDA_CHECK(epx_cuda_layout_launch(r->topk_idx, r->locations, r->topk_w, h->w, d->T, d->K, c->num_experts,
+                                      EPX_LAYOUT_CAPACITY, 1, c->capacity, &h->own, h->scratch, stream),
                fn, "the routing validation kernels");
   else
     CUDA_CHECK(cudaMemsetAsync(h->own.result, 0xff, sizeof *h->own.result, stream), fn, "cudaMemsetAsync");
-  CUDA_CHECK(epx_cuda_ep_stage_launch(d, h->own.idx, h->w, cap ? r->locations : NULL, h->own.result, 0, h->sidx,
-                                      h->sw, h->sloc, h->shdr, stream),
-             fn, "the routing stage kernel");
+  if (cap)
+    CUDA_CHECK(epx_cuda_ep_stage_launch(d, h->own.idx, h->w, r->locations, h->own.result, 0, h->sidx, h->sw,
+                                        h->sloc, h->shdr, stream),
+               fn, "the routing stage kernel");
   EPX_CHECK(gather_routing(b, d, h->sidx, h->sw, h->sloc, h->shdr, h->gidx, h->gw, h->gloc, h->ghdr, fn));
   CUDA_CHECK(epx_cuda_ep_flags_launch(d, h->gidx, h->gloc, h->ghdr, h->ridx, h->rloc, h->flags, stream), fn,
              "the flags kernel");
@@ -538,6 +646,28 @@ static void set_counts(ep_handle_t *h, const int64_t *summary) {
   }
 }
 
+static const char *weighting_name(int64_t w) {
+  return w == EPX_WEIGHTS_IN_COMBINE ? "EPX_WEIGHTS_IN_COMBINE"
+         : w == EPX_WEIGHTS_IN_DISPATCH ? "EPX_WEIGHTS_IN_DISPATCH"
+         : w == EPX_WEIGHTS_NONE ? "EPX_WEIGHTS_NONE" : "an unknown weighting";
+}
+
+/* Every rank's routing.weighting must be rank 0's: the receiver applies the
+ * weights of its peers' routes by its own handle's weighting. */
+static epx_status_t weighting_verdict(const int64_t *hdr, int32_t W, const char *fn, const char *note) {
+  const int64_t first = hdr[EPX_CUDA_EP_HDR_WEIGHTING];
+  for (int32_t p = 1; p < W; p++) {
+    const int64_t theirs = hdr[p * EPX_CUDA_EP_HDR_INTS + EPX_CUDA_EP_HDR_WEIGHTING];
+    if (theirs != first)
+      return epx_error(EPX_ERROR_SHAPE_MISMATCH,
+                       "%s: rank 0 routes with routing.weighting = %s and rank %d with %s; the weights are "
+                       "applied on the side of the exchange the weighting names, for every rank's tokens, so "
+                       "pass the same routing.weighting on every rank%s", fn, weighting_name(first), p,
+                       weighting_name(theirs), note[0] ? note : "; nothing moved on any rank");
+  }
+  return EPX_SUCCESS;
+}
+
 /* The verdicts in the read-back headers, the same on every rank. */
 static epx_status_t header_verdict(epx_buffer_t b, const ep_handle_t *h, const int64_t *summary, const char *fn,
                                    const char *note) {
@@ -551,7 +681,7 @@ static epx_status_t header_verdict(epx_buffer_t b, const ep_handle_t *h, const i
   for (int32_t p = 0; p < W; p++) {
     if (!hdr[p * EPX_CUDA_EP_HDR_INTS + EPX_CUDA_EP_HDR_INVALID]) continue;
     if (p == b->rank)
-      return epx_cuda_routing_error(fn, (uint64_t)summary[8 * W + 1], h->d.K, b->config.num_experts,
+      return epx_cuda_routing_error(fn, (uint64_t)summary[EPX_CUDA_EP_SUMMARY_ROWS(W) + 1], h->d.K, b->config.num_experts,
                                     b->config.capacity, NULL, NULL, note);
     return epx_error(EPX_ERROR_PEER_FAILED, "%s: rank %d has an invalid route (its epx_last_error names it)%s", fn,
                      p, note);
@@ -562,14 +692,14 @@ static epx_status_t header_verdict(epx_buffer_t b, const ep_handle_t *h, const i
                        "%s: rank %d routes with top_k %lld and this rank with %d; a CUDA buffer over several "
                        "ranks needs the same routing.top_k on every rank", fn, p,
                        (long long)hdr[p * EPX_CUDA_EP_HDR_INTS + EPX_CUDA_EP_HDR_TOPK], h->d.K);
-  return EPX_SUCCESS;
+  return weighting_verdict(hdr, W, fn, note);
 }
 
 /* Copies the summary to the host and waits for it (bounded). */
 static epx_status_t read_summary(epx_buffer_t b, ep_handle_t *h, const char *fn, const int64_t **out) {
   epx_status_t status = EPX_SUCCESS;
   ep_buffer_t *s = b->cuda;
-  const size_t bytes = 8 * (size_t)(8 * h->d.W + 2);
+  const size_t bytes = 8 * (size_t)(EPX_CUDA_EP_SUMMARY_ROWS(h->d.W) + 2);
   if (bytes > s->readback_bytes) {
     if (s->readback) cudaFreeHost(s->readback);
     s->readback = NULL;
@@ -602,12 +732,13 @@ epx_status_t epx_cuda_ep_dispatch_layout(epx_buffer_t b, const epx_routing_t *r,
   epx_status_t status = EPX_SUCCESS;
   const epx_buffer_config_t *c = &b->config;
   const int worst = c->worst_case_sizing != 0;
+  const int64_t seq = ++b->comm->layouts_made; /* every rank calls, refused or not */
   if (!worst || b->max_tokens == 0) {
-    EPX_CHECK(agree_layout(b, r, local));
+    EPX_CHECK(agree_layout(b, r, local, seq));
     EPX_CHECK(ensure_fused(b, fn)); /* max_tokens_per_rank may have been agreed just now */
   } else if (local != EPX_SUCCESS) {
     epx_cuda_ep_dims_t d = {b->world_size, b->rank, b->experts_per_rank, c->max_top_k, r->top_k,
-                            b->max_tokens, 0, c->layout, c->capacity, 1, 0, 0};
+                            b->max_tokens, 0, c->layout, c->capacity, 1, 0, 0, (int32_t)r->weighting};
     if (local == EPX_ERROR_CAPACITY_EXCEEDED) {
       char message[1024];
       snprintf(message, sizeof message, "%s", epx_last_error());
@@ -630,12 +761,13 @@ epx_status_t epx_cuda_ep_dispatch_layout(epx_buffer_t b, const epx_routing_t *r,
   if (!h) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
   handle->cuda = h;
   h->rows = -1;
+  h->seq = seq;
   h->count[0] = malloc(sizeof(int64_t) * 2 * KINDS * (size_t)W);
   if (!h->count[0]) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
   for (int kind = 0; kind < KINDS; kind++)
     h->count[kind] = h->count[0] + kind * W, h->displ[kind] = h->count[0] + (KINDS + kind) * W;
   h->d = (epx_cuda_ep_dims_t){(int32_t)W, b->rank, (int32_t)El, (int32_t)Kb, r->top_k, Tm, r->num_tokens,
-                              c->layout, c->capacity, worst, Tm, Tm * kk};
+                              c->layout, c->capacity, worst, Tm, Tm * kk, (int32_t)r->weighting};
   switch (c->layout) {
     case EPX_LAYOUT_EXPERT_MAJOR: h->row_bound = G * kk + El * (c->expert_alignment - 1); break;
     case EPX_LAYOUT_RANK_MAJOR: h->row_bound = G; break;
@@ -653,7 +785,7 @@ epx_status_t epx_cuda_ep_dispatch_layout(epx_buffer_t b, const epx_routing_t *r,
     EPX_CHECK(read_summary(b, h, fn, &summary));
     EPX_CHECK(header_verdict(b, h, summary, fn, ""));
     set_counts(h, summary);
-    h->rows = summary[8 * W];
+    h->rows = summary[EPX_CUDA_EP_SUMMARY_ROWS(W)];
     handle->recv_rows = h->rows;
   }
   EPX_CHECK(ensure_staging(b, staging_bytes(b, h), fn));
@@ -668,20 +800,29 @@ fail:
 /* Moves                                                                     */
 /* ------------------------------------------------------------------------ */
 
-epx_status_t epx_cuda_ep_agree(epx_buffer_t b, epx_status_t local, const char *caller) {
+epx_status_t epx_cuda_ep_agree_call(epx_buffer_t b, epx_handle_t handle, int grad_w, epx_status_t local,
+                                    const char *caller) {
   if (b->config.worst_case_sizing) return local; /* no host round trip: see the top of this file */
-  return epx_comm_agree(b->comm, local, caller);
+  const ep_handle_t *h = handle ? handle->cuda : NULL;
+  const ep_call_t mine = {local, call_of(caller), ((const ep_buffer_t *)b->cuda)->id, h ? h->seq : 0, 0, grad_w != 0};
+  return agree_call(b, mine, caller, NULL);
+}
+
+epx_status_t epx_cuda_ep_agree(epx_buffer_t b, epx_status_t local, const char *caller) {
+  return epx_cuda_ep_agree_call(b, NULL, 0, local, caller);
 }
 
 /* Grouped send/recv of `unit`-byte rows: this rank's items of kind `skind`
  * to each peer from send, the peers' items of kind `rkind` into recv. The
  * self block goes through NCCL too, which copies it while the remote rows
- * travel (a separate copy before the group would serialise it). */
+ * travel (a separate copy before the group would serialise it; a copy
+ * beside it on a second stream, from x straight into recv_x with only the
+ * remote rows packed first, measured 2% slower: bench/NOTES-gpu.md). */
 static epx_status_t p2p(epx_buffer_t b, const ep_handle_t *h, int skind, int rkind, const void *send, void *recv,
                         size_t unit, const char *fn) {
   epx_status_t status = EPX_SUCCESS;
   epx_comm_t comm = b->comm;
-  ncclComm_t nc = epx_nccl_comm(comm);
+  ncclComm_t nc = epx_nccl_data_comm(comm);
   cudaStream_t stream = stream_of(b);
   const char *s = send;
   char *d = recv;
@@ -889,7 +1030,7 @@ static epx_status_t settle_handle(epx_handle_t handle, const char *fn) {
   EPX_CHECK(header_verdict(handle->buffer, h, summary, fn,
                            " (with worst_case_sizing epx_dispatch_layout does not wait for the verdict: invalid "
                            "routes were dropped, treated as -1; an oversize batch moved nothing)"));
-  h->rows = summary[8 * h->d.W];
+  h->rows = summary[EPX_CUDA_EP_SUMMARY_ROWS(h->d.W)];
 fail:
   return status;
 }
@@ -973,6 +1114,11 @@ epx_status_t epx_cuda_ep_dispatch_layout(epx_buffer_t b, const epx_routing_t *r,
 void epx_cuda_ep_handle_fini(epx_handle_t h) { (void)h; }
 epx_status_t epx_cuda_ep_agree(epx_buffer_t b, epx_status_t local, const char *caller) {
   (void)b, (void)caller;
+  return local;
+}
+epx_status_t epx_cuda_ep_agree_call(epx_buffer_t b, epx_handle_t h, int grad_w, epx_status_t local,
+                                    const char *caller) {
+  (void)b, (void)h, (void)grad_w, (void)caller;
   return local;
 }
 epx_status_t epx_cuda_ep_dispatch(epx_buffer_t b, epx_handle_t h, const void *x, void *r) {

@@ -54,6 +54,7 @@ __global__ void __launch_bounds__(kThreads)
     hdr[EPX_CUDA_EP_HDR_OVERSIZE] = oversize;
     hdr[EPX_CUDA_EP_HDR_INVALID] = own_result && own_result->error != EPX_CUDA_NO_ERROR;
     hdr[EPX_CUDA_EP_HDR_TOPK] = d.K;
+    hdr[EPX_CUDA_EP_HDR_WEIGHTING] = d.weighting;
   }
   if (i >= d.Tm * d.Kb) return;
   const int64_t t = i / d.Kb;
@@ -63,6 +64,55 @@ __global__ void __launch_bounds__(kThreads)
   idx[i] = e;
   w[i] = e >= 0 && own_w ? own_w[t * d.K + k] : 0.0f;
   if (loc) loc[i] = e >= 0 && locations ? locations[t * d.K + k] : -1;
+}
+
+/* The stage kernel that also validates (expert-major and rank-major: no
+ * capacity slots to claim), in place of the one-rank layout over all E
+ * experts: a thread per send slot (t, k) checks route t * K + k as that
+ * layout does (an id outside [-1, E), or the token's earlier slot naming the
+ * same expert), sends -1 for an invalid route, and records the first one in
+ * result->error (EPX_CUDA_NO_ERROR before) and the header's invalid flag (0
+ * before). w_copy: this rank's weights [T, K] (the layout's copy). */
+__global__ void __launch_bounds__(kThreads)
+    stage_validate_kernel(const epx_cuda_ep_dims_t d, const int32_t *__restrict__ topk_idx,
+                          const float *__restrict__ topk_w, int32_t E, float *w_copy,
+                          epx_cuda_layout_result_t *result, int32_t *idx, float *w, int32_t *hdr) {
+  const int64_t i = (int64_t)blockIdx.x * kThreads + threadIdx.x;
+  if (i == 0) {
+    hdr[EPX_CUDA_EP_HDR_TOKENS] = (int32_t)d.T;
+    hdr[EPX_CUDA_EP_HDR_OVERSIZE] = 0;
+    hdr[EPX_CUDA_EP_HDR_TOPK] = d.K;
+    hdr[EPX_CUDA_EP_HDR_WEIGHTING] = d.weighting;
+  }
+  if (i >= d.Tm * d.Kb) return;
+  const int64_t t = i / d.Kb;
+  const int k = (int)(i % d.Kb);
+  int e = -1;
+  float wv = 0.0f;
+  if (t < d.T && k < d.K) {
+    const int64_t g = t * d.K + k;
+    const int raw = topk_idx[g];
+    int code = 0;
+    if (raw < -1 || raw >= E) {
+      code = EPX_CUDA_BAD_EXPERT;
+    } else if (raw >= 0) {
+      for (int j = 0; j < k; j++)
+        if (topk_idx[t * d.K + j] == raw) code = EPX_CUDA_DUPLICATE_EXPERT;
+    }
+    if (topk_w) {
+      wv = topk_w[g];
+      if (w_copy) w_copy[g] = wv;
+    }
+    if (code) {
+      atomicMin(reinterpret_cast<unsigned long long *>(&result->error),
+                ((unsigned long long)g << 3) | (unsigned long long)code);
+      hdr[EPX_CUDA_EP_HDR_INVALID] = 1;
+    } else {
+      e = raw;
+    }
+  }
+  idx[i] = e;
+  w[i] = e >= 0 ? wv : 0.0f;
 }
 
 /* A thread per gathered token g (its Kb slots; home flags too when g is one
@@ -120,8 +170,8 @@ __global__ void __launch_bounds__(kThreads)
     for (int i = 0; i < EPX_CUDA_EP_HDR_INTS; i++)
       a.summary[4 * W + p * EPX_CUDA_EP_HDR_INTS + i] = a.ghdr[p * EPX_CUDA_EP_HDR_INTS + i];
     if (p == 0) {
-      a.summary[8 * W] = recv.result->rows;
-      a.summary[8 * W + 1] = a.own_result ? (int64_t)a.own_result->error : -1;
+      a.summary[EPX_CUDA_EP_SUMMARY_ROWS(W)] = recv.result->rows;
+      a.summary[EPX_CUDA_EP_SUMMARY_ROWS(W) + 1] = a.own_result ? (int64_t)a.own_result->error : -1;
     }
   }
   if (g >= G) return;
@@ -404,6 +454,19 @@ extern "C" cudaError_t epx_cuda_ep_stage_launch(const epx_cuda_ep_dims_t *d, con
   const int64_t n = d->Tm * d->Kb;
   stage_kernel<<<blocks_for(n > 0 ? n : 1), kThreads, 0, stream>>>(*d, own_idx, own_w, locations, own_result,
                                                                    oversize, idx, w, loc, hdr);
+  return cudaGetLastError();
+}
+
+extern "C" cudaError_t epx_cuda_ep_stage_validate_launch(const epx_cuda_ep_dims_t *d, const int32_t *topk_idx,
+                                                         const float *topk_w, int32_t num_experts, float *w_copy,
+                                                         epx_cuda_layout_result_t *result, int32_t *idx, float *w,
+                                                         int32_t *hdr, cudaStream_t stream) {
+  cudaError_t e = cudaMemsetAsync(result, 0xff, sizeof *result, stream);
+  if (e == cudaSuccess) e = cudaMemsetAsync(hdr + EPX_CUDA_EP_HDR_INVALID, 0, sizeof *hdr, stream);
+  if (e != cudaSuccess) return e;
+  const int64_t n = d->Tm * d->Kb;
+  stage_validate_kernel<<<blocks_for(n > 0 ? n : 1), kThreads, 0, stream>>>(*d, topk_idx, topk_w, num_experts, w_copy,
+                                                                            result, idx, w, hdr);
   return cudaGetLastError();
 }
 

@@ -18,6 +18,12 @@ epx_status_t epx_cuda_ep_dispatch_layout(epx_buffer_t buffer, const epx_routing_
                                          epx_status_t local, epx_handle_t handle);
 void epx_cuda_ep_handle_fini(epx_handle_t handle);
 epx_status_t epx_cuda_ep_agree(epx_buffer_t buffer, epx_status_t local, const char *caller);
+/* A payload call's agreement: the verdict with the call, the buffer, the
+ * handle and whether grad_w is asked for, all-gathered and checked alike on
+ * every rank (EPX_ERROR_SHAPE_MISMATCH naming the ranks' calls when they
+ * differ). Nothing with worst_case_sizing. */
+epx_status_t epx_cuda_ep_agree_call(epx_buffer_t buffer, epx_handle_t handle, int grad_w, epx_status_t local,
+                                    const char *caller);
 epx_status_t epx_cuda_ep_dispatch(epx_buffer_t buffer, epx_handle_t handle, const void *x, void *recv_x);
 epx_status_t epx_cuda_ep_combine(epx_buffer_t buffer, epx_handle_t handle, const void *expert_out, void *out);
 epx_status_t epx_cuda_ep_dispatch_backward(epx_buffer_t buffer, epx_handle_t handle, const void *grad_recv_x,

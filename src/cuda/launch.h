@@ -368,6 +368,7 @@ typedef struct epx_cuda_ep_dims {
   int64_t Tm, T;              /* agreed tokens per rank; this rank's tokens */
   int32_t layout, capacity, worst;
   int64_t Bp, Br;             /* per-peer staging rows with worst_case_sizing */
+  int32_t weighting;          /* this rank's routing.weighting (its header carries it) */
 } epx_cuda_ep_dims_t;
 
 /* Ints of the flag array (one past the four segments, for the totals). */
@@ -377,16 +378,29 @@ size_t epx_cuda_ep_scan_bytes(int64_t flags);
 
 /* Header of a rank's gathered routing. */
 enum { EPX_CUDA_EP_HDR_TOKENS = 0, EPX_CUDA_EP_HDR_OVERSIZE = 1, EPX_CUDA_EP_HDR_INVALID = 2,
-       EPX_CUDA_EP_HDR_TOPK = 3, EPX_CUDA_EP_HDR_INTS = 4 };
+       EPX_CUDA_EP_HDR_TOPK = 3, EPX_CUDA_EP_HDR_WEIGHTING = 4, EPX_CUDA_EP_HDR_INTS = 5 };
+/* The summary's N: after the 4W counts and the W headers. */
+#define EPX_CUDA_EP_SUMMARY_ROWS(W) ((4 + EPX_CUDA_EP_HDR_INTS) * (int64_t)(W))
 
 /* Own routing [T, K] (sanitised ids, weights or NULL, locations or NULL) ->
  * the send block: idx/w/loc [Tm, Kb] and the header {T, oversize, invalid
- * (own_result's error), K}. oversize: send no routes. */
+ * (own_result's error), K, weighting}. oversize: send no routes. */
 cudaError_t epx_cuda_ep_stage_launch(const epx_cuda_ep_dims_t *d, const int32_t *own_idx,
                                      const float *own_w, const int32_t *locations,
                                      const epx_cuda_layout_result_t *own_result, int oversize,
                                      int32_t *idx, float *w, int32_t *loc, int32_t *hdr,
                                      cudaStream_t stream);
+
+/* The stage launch for the expert-major and rank-major layouts, validating
+ * the raw routing itself (as the one-rank layout would: bad ids, duplicates
+ * within a token; invalid routes sent as -1, the first in result->error, the
+ * header's invalid flag set) and copying topk_w [T, K] to w_copy (either
+ * may be NULL): two small memsets and one kernel in place of that layout's
+ * two kernels over all E experts. */
+cudaError_t epx_cuda_ep_stage_validate_launch(const epx_cuda_ep_dims_t *d, const int32_t *topk_idx,
+                                              const float *topk_w, int32_t num_experts, float *w_copy,
+                                              epx_cuda_layout_result_t *result, int32_t *idx, float *w,
+                                              int32_t *hdr, cudaStream_t stream);
 
 /* Gathered idx/loc [W*Tm, Kb] and headers [W, 4] -> the receive layout's
  * routing (local ids, -1 elsewhere; locations s*C + l) and the flags. Any
@@ -400,7 +414,7 @@ cudaError_t epx_cuda_ep_scan_launch(const int32_t *flags, int32_t *scan, int64_t
                                     size_t temp_bytes, cudaStream_t stream);
 
 /* The tables (see ep.c for each array's shape). rp_rows, rr_row, rr_all and
- * stage_of_row must be -1 (0xff bytes) before. summary [4W + 4W + 2] int64:
+ * stage_of_row must be -1 (0xff bytes) before. summary [4W + W*HDR_INTS + 2] int64:
  * send pairs, send routes, recv pairs, recv routes per peer, the headers,
  * the layout's N, and the first invalid route of this rank (uint64). */
 typedef struct epx_cuda_ep_tables {

@@ -625,6 +625,140 @@ static void test_capacity_refusal(epx_comm_t comm, void *stream) {
   cudaFree(idx), cudaFree(w), cudaFree(big);
 }
 
+/* The last rank routes with another weighting: refused on every rank with
+ * EPX_ERROR_SHAPE_MISMATCH naming rank 0's weighting and the last rank's.
+ * Default sizing: at the layout, before anything moves, no handle; with
+ * worst_case_sizing the layout does not wait, so epx_handle_recv_rows
+ * reports it on every rank. The buffer keeps working either way. */
+static void test_weighting_mismatch(epx_comm_t comm, void *stream, int worst) {
+  epx_buffer_t b = simple_buffer(comm, stream, worst);
+  case_t c = {EPX_LAYOUT_EXPERT_MAJOR, EPX_BFLOAT16, EPX_WEIGHTS_IN_COMBINE, 0, 0, 0, 0, 13};
+  routing_t rt;
+  make_routing(&c, g_rank, &rt);
+  int32_t *idx = dev_put(rt.idx, sizeof rt.idx);
+  float *w = dev_put(rt.w, sizeof rt.w);
+  epx_routing_t r = {rt.T, K, idx, w, NULL, g_rank == g_size - 1 ? EPX_WEIGHTS_IN_DISPATCH : EPX_WEIGHTS_IN_COMBINE};
+  char named[64];
+  snprintf(named, sizeof named, "rank %d with EPX_WEIGHTS_IN_DISPATCH", g_size - 1);
+  epx_handle_t h = NULL;
+  epx_status_t s = epx_dispatch_layout(b, &r, NULL, &h);
+  if (worst) {
+    CHECK(s == EPX_SUCCESS, "weighting mismatch (worst case): the layout returned %s (%s)", epx_status_string(s),
+          epx_last_error());
+    int64_t rows = 0;
+    s = h ? epx_handle_recv_rows(h, &rows) : EPX_ERROR_INTERNAL;
+  } else {
+    CHECK(h == NULL, "weighting mismatch: a handle came back");
+  }
+  CHECK(s == EPX_ERROR_SHAPE_MISMATCH && strstr(epx_last_error(), named) && strstr(epx_last_error(), "routing.weighting"),
+        "weighting mismatch (worst %d): rank %d got %s (%s)", worst, g_rank, epx_status_string(s), epx_last_error());
+  if (h) OK(epx_handle_release(h));
+  h = NULL;
+  r.weighting = EPX_WEIGHTS_IN_COMBINE;
+  OK(epx_dispatch_layout(b, &r, NULL, &h));
+  int64_t rows = 0;
+  OK(epx_handle_recv_rows(h, &rows));
+  OK(epx_handle_release(h));
+  OK(epx_buffer_destroy(b));
+  cudaFree(idx), cudaFree(w);
+}
+
+/* An invalid route on one rank (an expert id out of range on the last rank,
+ * or a duplicate on rank 0): that rank gets EPX_ERROR_INVALID_ARGUMENT naming
+ * the route, the others EPX_ERROR_PEER_FAILED naming the rank; no handle at
+ * the layout with default sizing, the same errors from epx_handle_recv_rows
+ * with worst_case_sizing. The buffer keeps working. */
+static void test_invalid_routing(epx_comm_t comm, void *stream, int worst, int duplicate) {
+  epx_buffer_t b = simple_buffer(comm, stream, worst);
+  case_t c = {EPX_LAYOUT_EXPERT_MAJOR, EPX_BFLOAT16, EPX_WEIGHTS_IN_COMBINE, 0, 0, 0, 0, 19};
+  routing_t rt;
+  make_routing(&c, g_rank, &rt);
+  const int bad = duplicate ? 0 : g_size - 1;
+  routing_t wrong = rt;
+  if (g_rank == bad && rt.T > 5) {
+    if (duplicate) wrong.idx[5 * K + 0] = 3, wrong.idx[5 * K + 2] = 3;
+    else wrong.idx[3 * K + 1] = E + 5;
+  }
+  int32_t *idx = dev_put(wrong.idx, sizeof wrong.idx), *good = dev_put(rt.idx, sizeof rt.idx);
+  float *w = dev_put(rt.w, sizeof rt.w);
+  epx_routing_t r = {rt.T, K, idx, w, NULL, EPX_WEIGHTS_IN_COMBINE};
+  epx_handle_t h = NULL;
+  epx_status_t s = epx_dispatch_layout(b, &r, NULL, &h);
+  if (worst) {
+    CHECK(s == EPX_SUCCESS && h, "invalid routing (worst case): the layout returned %s (%s)", epx_status_string(s),
+          epx_last_error());
+    int64_t rows = 0;
+    s = h ? epx_handle_recv_rows(h, &rows) : EPX_ERROR_INTERNAL;
+  } else {
+    CHECK(h == NULL, "invalid routing: a handle came back");
+  }
+  char named[48];
+  snprintf(named, sizeof named, "rank %d", bad);
+  const char *route = duplicate ? "routing.topk_idx[5] names" : "routing.topk_idx[3][1]";
+  if (g_rank == bad)
+    CHECK(s == EPX_ERROR_INVALID_ARGUMENT && strstr(epx_last_error(), route),
+          "invalid routing (worst %d, duplicate %d): rank %d got %s (%s)", worst, duplicate, g_rank,
+          epx_status_string(s), epx_last_error());
+  else
+    CHECK(s == EPX_ERROR_PEER_FAILED && strstr(epx_last_error(), named),
+          "invalid routing (worst %d, duplicate %d): rank %d got %s (%s)", worst, duplicate, g_rank,
+          epx_status_string(s), epx_last_error());
+  if (h) OK(epx_handle_release(h));
+  h = NULL;
+  r.topk_idx = good;
+  OK(epx_dispatch_layout(b, &r, NULL, &h));
+  int64_t rows = 0;
+  OK(epx_handle_recv_rows(h, &rows));
+  OK(epx_handle_release(h));
+  OK(epx_buffer_destroy(b));
+  cudaFree(idx), cudaFree(good), cudaFree(w);
+}
+
+/* The last rank calls epx_combine where the others call epx_dispatch (same
+ * handle): every rank gets EPX_ERROR_SHAPE_MISMATCH naming both calls and
+ * nothing moves; then a buffer whose combine_precision differs on the last
+ * rank is refused at creation on every rank, naming it. The comm keeps
+ * working. */
+static void test_call_mismatch(epx_comm_t comm, void *stream) {
+  epx_buffer_t b = simple_buffer(comm, stream, 0);
+  case_t c = {EPX_LAYOUT_EXPERT_MAJOR, EPX_BFLOAT16, EPX_WEIGHTS_IN_COMBINE, 0, 0, 0, 0, 17};
+  routing_t rt;
+  make_routing(&c, g_rank, &rt);
+  int32_t *idx = dev_put(rt.idx, sizeof rt.idx);
+  float *w = dev_put(rt.w, sizeof rt.w);
+  epx_routing_t r = {rt.T, K, idx, w, NULL, EPX_WEIGHTS_IN_COMBINE};
+  epx_handle_t h = NULL;
+  OK(epx_dispatch_layout(b, &r, NULL, &h));
+  int64_t rows = 0, cap = 0;
+  OK(epx_handle_recv_rows(h, &rows));
+  OK(epx_buffer_max_recv_rows(b, &cap));
+  void *x = zeros(EPX_DEVICE_CUDA, 2 * (size_t)TMAX * H), *recv = zeros(EPX_DEVICE_CUDA, 2 * (size_t)cap * H + 16);
+  epx_status_t s = g_rank == g_size - 1 ? epx_combine(b, h, recv, x) : epx_dispatch(b, h, x, recv, cap);
+  CHECK(s == EPX_ERROR_SHAPE_MISMATCH && strstr(epx_last_error(), "different collective calls") &&
+            strstr(epx_last_error(), "epx_combine") && strstr(epx_last_error(), "epx_dispatch"),
+        "call mismatch: rank %d got %s (%s)", g_rank, epx_status_string(s), epx_last_error());
+  OK(epx_dispatch(b, h, x, recv, cap)); /* in step again */
+  OK(epx_handle_release(h));
+  OK(epx_buffer_destroy(b));
+  epx_buffer_config_t cfg = EPX_BUFFER_CONFIG_INIT;
+  cfg.device = EPX_DEVICE_CUDA;
+  cfg.dtype = EPX_BFLOAT16;
+  cfg.hidden = H;
+  cfg.num_experts = E;
+  cfg.max_top_k = K;
+  cfg.max_tokens_per_rank = TMAX;
+  cfg.stream = stream;
+  cfg.combine_precision = g_rank == g_size - 1 ? EPX_COMBINE_PARTIALS_PAYLOAD : EPX_COMBINE_PARTIALS_FLOAT32;
+  epx_buffer_t odd = NULL;
+  char named[32];
+  snprintf(named, sizeof named, "rank %d", g_size - 1);
+  s = epx_buffer_create(comm, &cfg, &odd);
+  CHECK(s == EPX_ERROR_SHAPE_MISMATCH && odd == NULL && strstr(epx_last_error(), named) &&
+            strstr(epx_last_error(), "combine_precision"),
+        "config mismatch: rank %d got %s (%s)", g_rank, epx_status_string(s), epx_last_error());
+  cudaFree(idx), cudaFree(w), cudaFree(x), cudaFree(recv);
+}
+
 static void test_recorder(epx_comm_t comm, void *stream) {
   epx_buffer_t b = simple_buffer(comm, stream, 0);
   case_t c = {EPX_LAYOUT_EXPERT_MAJOR, EPX_BFLOAT16, EPX_WEIGHTS_IN_COMBINE, 0, 0, 1, 0, 12};
@@ -800,6 +934,11 @@ int main(int argc, char **argv) {
             cases++;
           }
   test_capacity_refusal(comm, stream);
+  test_weighting_mismatch(comm, stream, 0);
+  test_weighting_mismatch(comm, stream, 1);
+  test_call_mismatch(comm, stream);
+  for (int worst = 0; worst < 2; worst++)
+    for (int dup = 0; dup < 2; dup++) test_invalid_routing(comm, stream, worst, dup);
   test_recorder(comm, stream);
   test_graph(comm, stream);
 
@@ -807,7 +946,7 @@ int main(int argc, char **argv) {
   MPI_Allreduce(&g_fail, &failures, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
   OK(epx_comm_destroy(comm));
   if (g_rank == 0)
-    printf("mpi_gpu_exchange: %d ranks, %d cases x 2 exchanges (+ the host path of dedup), refusal, recorder, graph "
+    printf("mpi_gpu_exchange: %d ranks, %d cases x 2 exchanges (+ the host path of dedup), refusals, recorder, graph "
            "(fused path %s): %d failures: %s\n", g_size, cases, g_expect_fused ? "required" : "where available", failures, failures ? "FAILED" : "OK");
   cudaStreamDestroy(stream);
   MPI_Finalize();
