@@ -638,36 +638,45 @@ typedef enum epx_combine_precision {
 
 /* How a CUDA buffer over several ranks moves rows to each peer. */
 typedef enum epx_exchange_path {
-  /* The fused NVLink kernels (src/cuda/fused.h: senders store rows straight
-   * into the peers' memory through NCCL 2.28's device API) when the exchange
-   * is EPX_EXCHANGE_DEDUP, the layout is expert-major or rank-major, the
-   * build has the fused module, and every peer is reachable by load/store
-   * (one NVLink domain); NCCL's host API (grouped send/recv) otherwise. In
-   * this version the choice is all or nothing: if any peer lacks load/store
-   * access, every peer takes the host path. The two paths give the same bits.
-   * On the fused path: the fused state (a symmetric window of about
-   * W * max_tokens_per_rank * H * (dtype size + 4) bytes) is made at buffer
-   * creation, or at the first epx_dispatch_layout when max_tokens_per_rank
-   * is agreed there; epx_dispatch, epx_combine and both backward passes run
-   * the fused kernels, except calls that compute grad_w (the weight
-   * gradients are not fused yet: those calls, and epx_weights_backward, take
-   * the host path, same bits); each layout still also builds the host
-   * layout, which serves the handle's queries and those calls; and
-   * epx_buffer_destroy is collective (the window is deregistered).
-   * The fused module is built with NCCL's device API (nccl_device.h, NCCL
-   * 2.28 or later; -DEPX_BUILD_FUSED=OFF leaves it out) and used only with
-   * the NCCL release it was compiled against (the device API's structs
-   * change between releases). Where the fused path is refused (that, no
-   * load/store access, no memory for the window), every rank takes the host
-   * path and epx_last_error() after the call that made the fused state
+  /* The faster path for the buffer as measured on 2 H200 (bench/NOTES-gpu.md,
+   * "The SM budget: whole steps"): the fused NVLink kernels for the
+   * rank-major layout (dispatch / combine at T=8192: 0.43 / 0.44 ms at 32
+   * SMs against 0.51 / 0.52 on the host path), NCCL's host API for the
+   * expert-major layout (whose fused form expands every row into expert
+   * order on the receiver: a whole step 29.6 ms fused against 27.8 on the
+   * host path) and for everything EPX_PATH_FUSED cannot serve. */
+  EPX_PATH_AUTO = 0,
+  /* NCCL's host API for every peer (to compare the paths on the same GPUs,
+   * or where the fused window's memory is not wanted). */
+  EPX_PATH_HOST = 1,
+  /* As a config value: the fused NVLink kernels wherever they can serve the
+   * buffer, expert-major included; the host path where they cannot.
+   * Reported by epx_buffer_peer_paths for a peer the fused kernels serve.
+   *
+   * The fused kernels (src/cuda/fused.h: senders store rows straight into
+   * the peers' memory through NCCL 2.28's device API) serve a buffer when
+   * the exchange is EPX_EXCHANGE_DEDUP, the layout is expert-major or
+   * rank-major, the build has the fused module, and every peer is reachable
+   * by load/store (one NVLink domain). In this version the choice is all or
+   * nothing: if any peer lacks load/store access, every peer takes the host
+   * path. The two paths give the same bits. On the fused path: the fused
+   * state (a symmetric window of about W * max_tokens_per_rank * H * (dtype
+   * size + 4) bytes) is made at buffer creation, or at the first
+   * epx_dispatch_layout when max_tokens_per_rank is agreed there;
+   * epx_dispatch, epx_combine and both backward passes run the fused
+   * kernels, except calls that compute grad_w (the weight gradients are not
+   * fused yet: those calls, and epx_weights_backward, take the host path,
+   * same bits); each layout still also builds the host layout, which serves
+   * the handle's queries and those calls; and epx_buffer_destroy is
+   * collective (the window is deregistered). The fused module is built with
+   * NCCL's device API (nccl_device.h, NCCL 2.28 or later;
+   * -DEPX_BUILD_FUSED=OFF leaves it out) and used only with the NCCL release
+   * it was compiled against (the device API's structs change between
+   * releases). Where the fused path is refused (that, no load/store access,
+   * no memory for the window), every rank takes the host path and
+   * epx_last_error() after the call that made the fused state
    * (epx_buffer_create, or the first epx_dispatch_layout) says why, although
    * the call succeeds. */
-  EPX_PATH_AUTO = 0,
-  /* NCCL's host API for every peer (the previous path; to compare the two on
-   * the same GPUs, or where the fused window's memory is not wanted). */
-  EPX_PATH_HOST = 1,
-  /* Reported by epx_buffer_peer_paths only: this peer is served by the fused
-   * kernels. Not a config value. */
   EPX_PATH_FUSED = 2
 } epx_exchange_path_t;
 
@@ -704,7 +713,7 @@ typedef struct epx_buffer_config {
   int32_t worst_case_sizing;
   void *stream;               /* cudaStream_t for EPX_DEVICE_CUDA */
   epx_combine_precision_t combine_precision;
-  epx_exchange_path_t exchange_path; /* EPX_PATH_AUTO or EPX_PATH_HOST (CUDA, several ranks) */
+  epx_exchange_path_t exchange_path; /* EPX_PATH_AUTO, _HOST or _FUSED (CUDA, several ranks) */
   /* CTAs (of 512 threads, about one per SM) the fused kernels run on; 0: the
    * default 32, the fastest whole step of the sweep in bench/NOTES-gpu.md
    * (2 H200, two pipelined micro-batches of 4096 tokens, H=7168, top-8 of

@@ -17,8 +17,9 @@
  * counts this writes). "GB/s" counts the bytes a GPU receives, its own rows
  * included (DeepEP's convention).
  *
- * Every dedup buffer runs the default EPX_PATH_AUTO (the fused NVLink
- * kernels where every peer is reachable by load/store); the rows named
+ * Every dedup buffer runs EPX_PATH_FUSED (the fused NVLink kernels where
+ * every peer is reachable by load/store, expert-major too; AUTO takes them
+ * for rank-major only); the rows named
  * "path=host" force EPX_PATH_HOST, and the fused rank-major rows are swept
  * over config.sm_budget (8/16/24/32 CTAs) beside them: the fused vs host
  * comparison in one run. The path each buffer took is printed (path=...).
@@ -65,7 +66,7 @@ static int g_rank, g_size, g_bad;
 static cudaStream_t g_stream;
 static epx_comm_t g_comm;
 static FILE *g_counts;
-static epx_exchange_path_t g_path = EPX_PATH_AUTO; /* config.exchange_path of run()'s buffers */
+static epx_exchange_path_t g_path = EPX_PATH_FUSED; /* config.exchange_path of run()'s buffers */
 static int32_t g_sms;                              /* config.sm_budget (0: the default) */
 
 #define OK(call)                                                                                       \
@@ -320,7 +321,7 @@ static void run(int T, int skew, epx_layout_t layout, epx_exchange_t exchange, e
            name, dispatch.ms, dispatch.worst_ms, combine.ms, full.ms, layout_t.ms * 1e3, a2a.ms, (long long)recv_total,
            (long long)st.send_rows, bytes, bytes / dispatch.ms / 1e6, bytes / combine.ms / 1e6, dispatch.ms / a2a.ms);
     if (layout == EPX_LAYOUT_RANK_MAJOR && exchange == EPX_EXCHANGE_DEDUP && !skew &&
-        precision == EPX_COMBINE_PARTIALS_PAYLOAD && g_path == EPX_PATH_AUTO && g_sms == 0) {
+        precision == EPX_COMBINE_PARTIALS_PAYLOAD && g_path == EPX_PATH_FUSED && g_sms == 0) {
       if (T == 8192) {
         printf("TARGET dedup rank-major dispatch / a2a (8192)            %.3f <= 1.15\n", dispatch.ms / a2a.ms);
         printf("TARGET dedup rank-major combine / a2a (8192)             %.3f <= 1.15\n", combine.ms / a2a.ms);
@@ -610,7 +611,7 @@ static void run_step_sweep(int T) {
   int32_t best = 0;
   float best_ms = 0;
   for (size_t i = 0; i < sizeof budgets / sizeof budgets[0]; i++) {
-    const step_times_t st = run_step(&ex, T, EPX_PATH_AUTO, budgets[i]);
+    const step_times_t st = run_step(&ex, T, EPX_PATH_FUSED, budgets[i]);
     if (!best || st.fwd + st.bwd < best_ms) best = budgets[i], best_ms = st.fwd + st.bwd;
   }
   if (g_rank == 0)
@@ -675,7 +676,7 @@ int main(int argc, char **argv) {
        * default, which also prints the TARGET lines). */
       g_path = EPX_PATH_HOST;
       run(T, 0, EPX_LAYOUT_RANK_MAJOR, EPX_EXCHANGE_DEDUP, EPX_COMBINE_PARTIALS_PAYLOAD, nc);
-      g_path = EPX_PATH_AUTO;
+      g_path = EPX_PATH_FUSED;
       /* 0: the default (DEFAULT_SM_BUDGET), run by the main section if asked */
       const int32_t budgets[] = {8, 16, 24, 0};
       for (int si = 0; si < 4; si++) {

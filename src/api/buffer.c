@@ -139,8 +139,10 @@ static epx_status_t check_buffer_config(epx_comm_t comm, const epx_buffer_config
                   c->combine_precision == EPX_COMBINE_PARTIALS_PAYLOAD,
               "%s: config.combine_precision %d is not EPX_COMBINE_PARTIALS_FLOAT32 or "
               "EPX_COMBINE_PARTIALS_PAYLOAD", fn, (int)c->combine_precision);
-  EPX_REQUIRE(c->exchange_path == EPX_PATH_AUTO || c->exchange_path == EPX_PATH_HOST,
-              "%s: config.exchange_path %d is not EPX_PATH_AUTO or EPX_PATH_HOST", fn, (int)c->exchange_path);
+  EPX_REQUIRE(c->exchange_path == EPX_PATH_AUTO || c->exchange_path == EPX_PATH_HOST ||
+                  c->exchange_path == EPX_PATH_FUSED,
+              "%s: config.exchange_path %d is not EPX_PATH_AUTO, EPX_PATH_HOST or EPX_PATH_FUSED", fn,
+              (int)c->exchange_path);
   EPX_REQUIRE(c->sm_budget >= 0 && c->sm_budget <= 1024,
               "%s: config.sm_budget is %d; pass the CTAs of the fused kernels in [1, 1024], or 0 for the "
               "default (32)", fn, c->sm_budget);

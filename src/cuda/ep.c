@@ -36,7 +36,7 @@
  * a host refusal on one rank then reaches its peers only as a timeout of
  * their next bounded wait (documented in epx.h).
  *
- * The fused path (EPX_PATH_AUTO, dedup, expert- or rank-major, every peer
+ * The fused path (EPX_PATH_FUSED, or AUTO for rank-major; dedup, every peer
  * reachable by load/store; fused.h): the buffer holds the fused state, each
  * handle a fused plan laid out after the host layout above (which still
  * serves the queries, epx_weights_backward and the calls computing grad_w,
@@ -213,8 +213,8 @@ fail:
 /* The fused path                                                            */
 /* ------------------------------------------------------------------------ */
 
-/* Whether the config lets the fused kernels serve this buffer: AUTO, dedup,
- * expert-major or rank-major, within the module's rank and top-k bounds, in
+/* Whether the config lets the fused kernels serve this buffer: FUSED (or
+ * AUTO, rank-major), dedup, expert-major or rank-major, within the module's rank and top-k bounds, in
  * a build that has it. The capacity layout stays on the host path: its rows
  * sit at the caller's locations (expert, source rank, slot) with every
  * unfilled slot zeroed, which the fused layout's running positions do not
@@ -222,7 +222,11 @@ fail:
  * collective exchange, one row per route, has no fused form either. */
 static int fused_wanted(epx_buffer_t b) {
   const epx_buffer_config_t *c = &b->config;
-  return EPX_HAVE_FUSED && c->exchange_path == EPX_PATH_AUTO && c->exchange == EPX_EXCHANGE_DEDUP &&
+  /* AUTO takes the fused kernels where they are the faster (rank-major:
+   * the expert-major expansion makes its whole step slower, epx.h). */
+  const int asked = c->exchange_path == EPX_PATH_FUSED ||
+                    (c->exchange_path == EPX_PATH_AUTO && c->layout == EPX_LAYOUT_RANK_MAJOR);
+  return EPX_HAVE_FUSED && asked && c->exchange == EPX_EXCHANGE_DEDUP &&
          c->layout != EPX_LAYOUT_CAPACITY && b->world_size <= EPX_FUSED_MAX_RANKS &&
          c->max_top_k <= EPX_FUSED_MAX_TOP_K;
 }

@@ -13,7 +13,7 @@
  *    partials in k order, rounded to the dtype in payload-precision mode,
  *    summed over ranks in ascending order), bit for bit.
  * Dedup and collective are compared with each other bit for bit, and the
- * dedup buffer's two paths (EPX_PATH_AUTO, which runs the fused NVLink
+ * dedup buffer's two paths (EPX_PATH_FUSED, which runs the fused NVLink
  * kernels where every peer is reachable by load/store, and EPX_PATH_HOST)
  * bit for bit; epx_buffer_peer_paths says which path each buffer took
  * (EPX_GPU_EXPECT_FUSED=1: the fused path is required). Then:
@@ -37,7 +37,7 @@
 
 static int g_rank, g_size, g_fail;
 static int g_quick;
-static epx_exchange_path_t g_path = EPX_PATH_AUTO; /* exchange_path of the CUDA buffers of run_rank */
+static epx_exchange_path_t g_path = EPX_PATH_FUSED; /* exchange_path of the CUDA buffers of run_rank */
 static int g_expect_fused;                        /* EPX_GPU_EXPECT_FUSED: AUTO must give the fused path */
 
 #define CHECK(cond, ...)                                                            \
@@ -539,7 +539,8 @@ static void compare_exchanges(const case_t *c, const result_t *d, const result_t
  * fused exactly where the config and build allow it (the same answer for
  * every peer in this version). */
 static void check_path(const case_t *c, epx_exchange_t x, epx_exchange_path_t asked, const result_t *g) {
-  const int fused_ok = asked == EPX_PATH_AUTO && x == EPX_EXCHANGE_DEDUP && c->layout != EPX_LAYOUT_CAPACITY;
+  const int fused_ok = (asked == EPX_PATH_FUSED || (asked == EPX_PATH_AUTO && c->layout == EPX_LAYOUT_RANK_MAJOR)) &&
+                       x == EPX_EXCHANGE_DEDUP && c->layout != EPX_LAYOUT_CAPACITY;
   CHECK(g->path == EPX_PATH_FUSED || g->path == EPX_PATH_HOST, "%s: peers on different paths (%d)",
         describe(c, x), g->path);
   if (!fused_ok) CHECK(g->path == EPX_PATH_HOST, "%s: path %d, the host path expected", describe(c, x), g->path);
@@ -555,7 +556,7 @@ static void run_case(const case_t *c, epx_comm_t nccl, void *stream) {
     run_t run = {c, x, nccl, g_rank, EPX_DEVICE_CUDA, {0}, stream};
     run_rank(&run);
     gpu[xi] = run.res;
-    check_path(c, x, EPX_PATH_AUTO, &gpu[xi]);
+    check_path(c, x, g_path, &gpu[xi]);
     run_cpu(c, x, &cpu);
     compare(c, x, &gpu[xi], &cpu);
     result_free(&cpu);
@@ -566,7 +567,7 @@ static void run_case(const case_t *c, epx_comm_t nccl, void *stream) {
     run_t run = {c, EPX_EXCHANGE_DEDUP, nccl, g_rank, EPX_DEVICE_CUDA, {0}, stream};
     g_path = EPX_PATH_HOST;
     run_rank(&run);
-    g_path = EPX_PATH_AUTO;
+    g_path = EPX_PATH_FUSED;
     check_path(c, EPX_EXCHANGE_DEDUP, EPX_PATH_HOST, &run.res);
     CHECK(run.res.path == EPX_PATH_HOST, "EPX_PATH_HOST: path %d", run.res.path);
     compare_exchanges(c, &gpu[0], &run.res, "the host path (EPX_PATH_HOST)");
