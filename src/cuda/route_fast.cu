@@ -2,12 +2,13 @@
  * no locations, no losses, non-finite tokens dropped. A warp per token holds
  * the token's E = 32 V scores in registers, lane l experts [l V, l V + V):
  * scores, the group scores (a group is L = 32 / G whole lanes; its top-2 by
- * xor shuffles), the kept groups (each lane ranks its group against the G
- * group scores), K rounds of warp arg-max (redux.sync), and lane k writes
- * route k. The selection is route_common.cuh's token_select step for step
- * (the same float32 operations and tie rules, src/core/route_spec.h), so the
- * routes are those of the queue kernels; only the softmax's float32 sum runs
- * in another order (the spec allows it: softmax agrees away from ties).
+ * xor shuffles of each lane's top-2 candidates), the kept groups (each lane
+ * ranks its group against the G group scores), K rounds of warp arg-max
+ * (redux.sync) over the lanes' best candidates, and lane k writes route k.
+ * The selection is route_common.cuh's token_select step for step (the same
+ * float32 operations and tie rules, src/core/route_spec.h), so the routes
+ * are those of the queue kernels; only the softmax's float32 sum runs in
+ * another order (the spec allows it: softmax agrees away from ties).
  *
  * Why: the queue pipeline (route_tokens + expert_scan + assign, a memset and
  * the scratch) costs about 40-50 us at 8192 x 256 top-8 where the work is
@@ -78,28 +79,53 @@ __device__ __forceinline__ void fast_scores(const float (&x)[V], float (&p)[V]) 
   }
 }
 
-/* Step 3: zeroes the keys of this lane's experts unless its group is among
- * the TG best (select_groups: a group's score is its best, or best two,
- * summed; groups rank by order_key, the lower index on ties; a NaN score is
- * never kept). */
-template <int V>
-__device__ __forceinline__ void fast_groups(const FastArgs &a, const float (&y)[V],
-                                            unsigned (&key)[V], int lane) {
-  const int L = 32 / a.G; /* lanes per group, a power of two */
-  float b1 = -INFINITY, b2 = -INFINITY;
+/* A lane's candidate: an entry's key (0: none), index j and score p. */
+struct Cand {
+  unsigned k;
+  int j;
+  float p;
+};
+
+/* The float a non-zero order_key came from (-0 comes back as +0, which
+ * compares and adds alike); -inf for 0 (no entry), as the group scan's
+ * start value. */
+__device__ __forceinline__ float key_value(unsigned k) {
+  const unsigned u = (k & 0x80000000u) ? (k & 0x7fffffffu) : ~k;
+  return k == 0u ? -INFINITY : __uint_as_float(u);
+}
+
+/* This lane's best two entries (key, then lower j), c1 before c2; with
+ * BOUNDED only those after (lk, lj) in that order, i.e. the entries this
+ * lane has not given out yet (a lane gives out its entries best first). */
+template <int V, bool BOUNDED>
+__device__ __forceinline__ void fast_lane_top2(const unsigned (&key)[V], const float (&p)[V],
+                                               unsigned lk, int lj, Cand &c1, Cand &c2) {
+  c1 = Cand{0u, 0, 0.f};
+  c2 = Cand{0u, 0, 0.f};
 #pragma unroll
   for (int j = 0; j < V; ++j) {
-    const float v = y[j];
-    if (v > b1) {
-      b2 = b1;
-      b1 = v;
-    } else if (v > b2) {
-      b2 = v;
+    const unsigned kj = key[j];
+    const bool live = !BOUNDED || kj < lk || (kj == lk && j > lj);
+    if (live && kj > c1.k) {
+      c2 = c1;
+      c1 = Cand{kj, j, p[j]};
+    } else if (live && kj > c2.k) {
+      c2 = Cand{kj, j, p[j]};
     }
   }
+}
+
+/* Step 3: whether this lane's group is among the TG best (select_groups: a
+ * group's score is its best, or best two, summed; groups rank by order_key,
+ * the lower index on ties; a NaN score is never kept). The lane's best two
+ * selection scores are those of its top-2 candidates (c1, c2). */
+__device__ __forceinline__ bool fast_group_kept(const FastArgs &a, const Cand &c1, const Cand &c2,
+                                                int lane) {
+  const int L = 32 / a.G; /* lanes per group, a power of two */
+  float b1 = key_value(c1.k), b2 = key_value(c2.k);
   for (int o = L >> 1; o > 0; o >>= 1) {
-    const float c1 = __shfl_xor_sync(kFull, b1, o), c2 = __shfl_xor_sync(kFull, b2, o);
-    const float hi = fmaxf(b1, c1), lo = fmaxf(fminf(b1, c1), fmaxf(b2, c2));
+    const float d1 = __shfl_xor_sync(kFull, b1, o), d2 = __shfl_xor_sync(kFull, b2, o);
+    const float hi = fmaxf(b1, d1), lo = fmaxf(fminf(b1, d1), fmaxf(b2, d2));
     b1 = hi;
     b2 = lo;
   }
@@ -110,52 +136,32 @@ __device__ __forceinline__ void fast_groups(const FastArgs &a, const float (&y)[
     const unsigned hk = __shfl_sync(kFull, gk, h * L);
     ahead += (hk > gk || (hk == gk && h < g)) ? 1 : 0;
   }
-  if (gk == 0u || ahead >= a.TG) {
-#pragma unroll
-    for (int j = 0; j < V; ++j) key[j] = 0u;
-  }
+  return gk != 0u && ahead < a.TG;
 }
 
-/* This lane's best live entry: key (0: none), index j and its score p. */
-template <int V>
-__device__ __forceinline__ void fast_lane_best(const unsigned (&key)[V], const float (&p)[V],
-                                               unsigned &bk, int &bj, float &bp) {
-  bk = 0u;
-  bj = 0;
-  bp = 0.f;
-#pragma unroll
-  for (int j = 0; j < V; ++j) {
-    if (key[j] > bk) {
-      bk = key[j];
-      bj = j;
-      bp = p[j];
-    }
-  }
-}
-
-/* Steps 4-5: K rounds of warp arg-max over the keys (larger, then lower
- * expert). The lanes that hold the best key tie only when their experts'
- * scores are equal, and the lowest such lane holds the lowest expert (lanes
- * own consecutive experts; a lane's best is its lowest on ties), so a ballot
- * finds the winner: no second reduction. Lane k ends with route k's expert
- * (-1: none) and base weight; returns S, the base weights summed in k
- * order. */
+/* Steps 4-5: K rounds of warp arg-max over the lanes' best candidates
+ * (larger key, then lower expert). The lanes that hold the best key tie
+ * only when their experts' scores are equal, and the lowest such lane
+ * holds the lowest expert (lanes own consecutive experts; a lane's best is
+ * its lowest on ties), so a ballot finds the winner: no second reduction.
+ * The winner moves its second candidate up and rescans (for its next two)
+ * only when it has no second known, at its 3rd, 5th, ... win: a rescan at
+ * every win was most of a round's instructions. Lane k ends with route k's
+ * expert (-1: none) and base weight; returns S, the base weights summed in
+ * k order. */
 template <int V, int SCORE>
-__device__ __forceinline__ float fast_topk(const FastArgs &a, unsigned (&key)[V],
-                                           const float (&p)[V], int lane, int &my_e,
-                                           float &my_b) {
-  unsigned bk;
-  int bj;
-  float bp;
-  fast_lane_best<V>(key, p, bk, bj, bp);
+__device__ __forceinline__ float fast_topk(const FastArgs &a, const unsigned (&key)[V],
+                                           const float (&p)[V], Cand c1, Cand c2, int lane,
+                                           int &my_e, float &my_b) {
+  bool have2 = true; /* c2 is this lane's next entry (or none: k 0) */
   float S = 0.f;
   my_e = -1;
   my_b = 0.f;
   for (int k = 0; k < a.K; ++k) {
-    const unsigned best = __reduce_max_sync(kFull, bk);
-    const int src = __ffs(__ballot_sync(kFull, bk == best)) - 1;
-    const int j = __shfl_sync(kFull, bj, src);
-    float v = __shfl_sync(kFull, bp, src);
+    const unsigned best = __reduce_max_sync(kFull, c1.k);
+    const int src = __ffs(__ballot_sync(kFull, c1.k == best)) - 1;
+    const int j = __shfl_sync(kFull, c1.j, src);
+    float v = __shfl_sync(kFull, c1.p, src);
     const int e = best == 0u ? -1 : src * V + j;
     if (e < 0) v = 0.f;
     if (lane == k) {
@@ -164,10 +170,13 @@ __device__ __forceinline__ float fast_topk(const FastArgs &a, unsigned (&key)[V]
     }
     S += v;
     if (e >= 0 && lane == src) {
-#pragma unroll
-      for (int j = 0; j < V; ++j)
-        if (j == bj) key[j] = 0u;
-      fast_lane_best<V>(key, p, bk, bj, bp);
+      if (have2) {
+        c1 = c2;
+        have2 = false;
+      } else {
+        fast_lane_top2<V, true>(key, p, c1.k, c1.j, c1, c2);
+        have2 = true;
+      }
     }
   }
   if constexpr (SCORE == EPX_SCORE_SOFTMAX_AFTER_TOPK) {
@@ -218,10 +227,16 @@ __global__ void __launch_bounds__(kFastWarps * 32) route_fast_kernel(const FastA
   }
 #pragma unroll
   for (int j = 0; j < V; ++j) key[j] = order_key(x[j]);
-  if (a.G > 1) fast_groups<V>(a, x, key, lane);
+  Cand c1, c2;
+  fast_lane_top2<V, false>(key, p, 0u, 0, c1, c2);
+  if (a.G > 1 && !fast_group_kept(a, c1, c2, lane)) {
+    /* The lane's group is out: it never wins, so never rescans its keys. */
+    c1.k = 0u;
+    c2.k = 0u;
+  }
   int e;
   float b;
-  const float S = fast_topk<V, SCORE>(a, key, p, lane, e, b);
+  const float S = fast_topk<V, SCORE>(a, key, p, c1, c2, lane, e, b);
   if (lane < a.K) {
     /* emit_routes' weight, and assign's -1 / 0 for no expert. */
     const float wk = (a.renorm ? (S > 0.f ? b / S : 0.f) : b) * a.scale;
