@@ -328,6 +328,40 @@ __device__ __forceinline__ unsigned long long finish_batch(const assign_args &a,
   return error;
 }
 
+/* Per column of the chunk counts [chunks, cols] (a thread each): base,
+ * the sum over the chunks before chunk `me`; total, over all; own, chunk
+ * me's (0 past the last chunk). kSumBatch loads in flight at a time. The
+ * indices are 32-bit (chunks * cols < 2^31, asserted below): with 64-bit
+ * ones the index arithmetic was most of the assign kernel's instructions. */
+__device__ __forceinline__ void column_sums(const int32_t *__restrict__ counts, int chunks,
+                                            int cols, int me, int tid, int threads,
+                                            int32_t *s_base, int32_t *s_total, int32_t *s_own) {
+  for (int col = tid; col < cols; col += threads) {
+    const int32_t *row = counts + col; /* chunk c0's count of col */
+    const int own = me < chunks ? row[(unsigned)(me * cols)] : 0;
+    int base = 0, total = 0;
+    for (int c0 = 0; c0 < chunks; c0 += kSumBatch) {
+      const int n = min(kSumBatch, chunks - c0), below = me - c0;
+      int v[kSumBatch];
+#pragma unroll
+      for (int u = 0; u < kSumBatch; u++) {
+        v[u] = u < n ? row[0] : 0;
+        row += u < n ? cols : 0; /* never past the last chunk */
+      }
+#pragma unroll
+      for (int u = 0; u < kSumBatch; u++) {
+        total += v[u];
+        if (u < below) base += v[u];
+      }
+    }
+    s_base[col] = base;
+    s_total[col] = total;
+    s_own[col] = own;
+  }
+}
+static_assert(kMaxChunks * (EPX_CUDA_MAX_EXPERTS + 1) < 2147483647LL,
+              "column_sums' 32-bit indices overflow");
+
 /* Block b: chunk b (a block past the last chunk only writes the offsets when
  * there are no tokens). Shared: base, total, offset per column. */
 __global__ void __launch_bounds__(kAssignThreads) layout_assign_kernel(const assign_args a) {
@@ -343,26 +377,8 @@ __global__ void __launch_bounds__(kAssignThreads) layout_assign_kernel(const ass
   const int64_t g_end = min(a.T, (chunk + 1) * a.chunk_tokens) * a.K;
   route_batch first;
   if (routes) load_batch(a, g_begin, g_end, first);
-  /* A thread per column: its counts over the chunks, kSumBatch loads in
-   * flight at a time; and this chunk's own (for the counts). */
-  for (int col = tid; col < cols; col += blockDim.x) {
-    int base = 0, total = 0, own = 0;
-    for (int64_t c0 = 0; c0 < a.chunks; c0 += kSumBatch) {
-      int v[kSumBatch];
-#pragma unroll
-      for (int u = 0; u < kSumBatch; u++)
-        v[u] = c0 + u < a.chunks ? a.chunk_counts[(c0 + u) * cols + col] : 0;
-#pragma unroll
-      for (int u = 0; u < kSumBatch; u++) {
-        total += v[u];
-        base += c0 + u < chunk ? v[u] : 0;
-        own = c0 + u == chunk ? v[u] : own;
-      }
-    }
-    s_base[col] = base;
-    s_total[col] = total;
-    s_own[col] = own;
-  }
+  column_sums(a.chunk_counts, (int)a.chunks, cols, (int)chunk, tid, blockDim.x, s_base, s_total,
+              s_own);
   __syncthreads();
 
   /* Offsets: expert-major scans the padded totals (a thread per run of
