@@ -645,6 +645,12 @@ static const option_case_t FAST_CASES[] = {
     {{"fast: group score of 1, K=32", 300, 128, 32, 4, 2, EPX_SCORE_SIGMOID, 1, 1.0f, 0, 1.0f, 0,
       EPX_QUEUE_BY_CHOICE, EPX_DROP_BY_POSITION, 0, 0.0f, 0.0f, EPX_NONFINITE_DROP, 0,
       LOGITS_SEPARATED, 1, 0.0f, 0.0f, 1}, opt_group_score_one},
+    /* A lane holds 16 experts on 8 logit levels: it wins many rounds on tied
+     * keys, so its top-2 cache runs out and rescans (route_fast's
+     * fast_lane_top2 past the entries it gave out). */
+    {{"fast: sigmoid E=512 K=32 quantized ties bias", 400, 512, 32, 0, 0, EPX_SCORE_SIGMOID, 1,
+      1.0f, 0, 1.0f, 0, EPX_QUEUE_BY_CHOICE, EPX_DROP_BY_POSITION, 1, 0.0f, 0.0f,
+      EPX_NONFINITE_DROP, 1, LOGITS_QUANTIZED, 1, 0.0f, 0.0f, 1}, NULL},
     {{"fast: padding mask, K=1", 1000, 128, 1, 0, 0, EPX_SCORE_SOFTMAX, 1, 1.0f, 0, 1.0f, 0,
       EPX_QUEUE_BY_CHOICE, EPX_DROP_BY_POSITION, 0, 0.0f, 0.0f, EPX_NONFINITE_DROP, 2,
       LOGITS_NORMAL, 1, 0.0f, 0.0f, 1}, opt_mask_only},
