@@ -192,8 +192,18 @@ __device__ __forceinline__ float fast_topk(const FastArgs &a, const unsigned (&k
   return S;
 }
 
+/* Blocks per SM asked of ptxas: 5 (at most 48 registers: 40 warps) at E =
+ * 256, where the top-2 cache took softmax after top-k from 40 to 59
+ * registers (32 warps) and the other scores fit without spilling; not for
+ * sqrt-softplus (its double log1p would spill) nor E = 512 (it spills). */
 template <int V, int SCORE>
-__global__ void __launch_bounds__(kFastWarps * 32) route_fast_kernel(const FastArgs a) {
+constexpr int fast_min_blocks() {
+  return V == 8 && SCORE != EPX_SCORE_SQRT_SOFTPLUS ? 5 : 1;
+}
+
+template <int V, int SCORE>
+__global__ void __launch_bounds__(kFastWarps * 32, (fast_min_blocks<V, SCORE>()))
+    route_fast_kernel(const FastArgs a) {
   const int lane = threadIdx.x & 31;
   const long long t = (long long)blockIdx.x * kFastWarps + (threadIdx.x >> 5);
   if (t >= a.T) return; /* whole warps */
