@@ -641,7 +641,7 @@ typedef enum epx_exchange_path {
   /* The faster path for the buffer as measured on 2 H200 (bench/NOTES-gpu.md,
    * "The SM budget: whole steps"): the fused NVLink kernels for the
    * rank-major layout (dispatch / combine at T=8192: 0.43 / 0.44 ms at 32
-   * SMs against 0.51 / 0.52 on the host path), NCCL's host API for the
+   * SMs against 0.51-0.55 / 0.52-0.57 on the host path), NCCL's host API for the
    * expert-major layout (whose fused form expands every row into expert
    * order on the receiver: a whole step 29.6 ms fused against 27.8 on the
    * host path) and for everything EPX_PATH_FUSED cannot serve. */
