@@ -17,9 +17,17 @@
 # CUDA backend needs neither, so MPI is built only where mpicc exists.
 set -u
 cd "$(dirname "$0")/.."
-# EPX_GPU_CHECK_SECTIONS: "one" (one GPU), "two" (2 GPUs over NCCL), or both.
+# EPX_GPU_CHECK_SECTIONS: "one" (one GPU), "two" (2 GPUs over NCCL, under
+# mpirun: mpi_gpu_exchange, nccl_gpu_kill, memcheck, epx-bench --device cuda,
+# bench_ep beside PyTorch's all_to_all_single, the epx.torch GPU tests and
+# layer benchmark), or both.
 # EPX_GPU_FUSED=ON (the default) builds the fused NVLink exchange and
 # requires the 2-GPU tests to take it; OFF leaves it out.
+# Also: EPX_GPU_BUILD (build folder), EPX_GPU2_SANITIZE=0 (no 2-GPU memcheck),
+# EPX_GPU2_TEST_TIMEOUT / EPX_GPU2_MAIN_TIMEOUT / EPX_GPU2_BENCH_TIMEOUT
+# (seconds per 2-GPU test / epx-bench run / bench_ep), EPX_BENCH_EP_SECTIONS
+# (bench_ep's sections: main,sweep,step). epx-bench needs OpenBLAS: a machine
+# without it takes a copy under .gpu-deps/blas (see DEP_ARGS below).
 SECTIONS=${EPX_GPU_CHECK_SECTIONS:-one two}
 OUTDIR=${OUT:-/tmp/epx-gpu}
 WORK=${EPX_GPU_WORK:-/tmp/epx-gpu-work}
