@@ -176,6 +176,13 @@ epx_status_t epx_cuda_ep_buffer_init(epx_buffer_t b) {
 void epx_cuda_ep_buffer_fini(epx_buffer_t b) {
   ep_buffer_t *s = b->cuda;
   if (!s) return;
+  /* With worst_case_sizing a host refusal on one rank reaches its peers only
+   * as a timeout of their next bounded wait; a peer that destroys the buffer
+   * instead could leave a transfer on the stream that no rank will match,
+   * and NCCL's blocking finalize at epx_comm_destroy would wait for it for
+   * ever. A bounded wait here turns that into EPX_ERROR_TIMEOUT, which
+   * aborts the comm (its kernels too). */
+  if (b->config.worst_case_sizing && !b->comm->failed) (void)epx_nccl_wait(b->comm, stream_of(b), "epx_buffer_destroy");
 #if EPX_HAVE_FUSED
   while (s->pooled > 0) epx_fused_plan_destroy(s->pool[--s->pooled], stream_of(b));
   if (s->spare) epx_fused_plan_destroy(s->spare, stream_of(b));
@@ -252,7 +259,9 @@ static epx_status_t ensure_fused(epx_buffer_t b, const char *fn) {
   if (refused) snprintf(reason, sizeof reason, "%s", epx_last_error());
   epx_status_t status = b->comm->ops->allreduce_max_i64(b->comm, fn, &refused, 1);
   if (status != EPX_SUCCESS || refused) {
-    if (f) epx_fused_destroy(f);
+    /* a failed all-reduce aborted the NCCL comm, windows and all: no NCCL calls then */
+    if (f && b->comm->failed) epx_fused_abandon(f);
+    else if (f) epx_fused_destroy(f);
     if (status != EPX_SUCCESS) return status;
     /* not an error: the host path serves the buffer; the reason stays readable */
     if (reason[0])
@@ -525,6 +534,15 @@ static epx_status_t agree_call(epx_buffer_t b, ep_call_t mine, const char *fn, i
   ep_call_t *all = calloc((size_t)b->world_size, sizeof *all);
   if (!all) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
   status = comm->ops->allgather(comm, fn, &mine, all, sizeof mine);
+  if (status == EPX_SUCCESS && mine.call == CALL_LAYOUT) {
+    /* Ranks out of step fail this layout (check_calls) and make the next
+     * one in step: every rank in a layout takes the largest number, as the
+     * CPU layouts do. */
+    int all_layouts = 1;
+    int64_t top = 0;
+    for (int32_t p = 0; p < b->world_size; p++) all_layouts &= all[p].call == CALL_LAYOUT, top = max64(top, all[p].handle);
+    if (all_layouts && top > comm->layouts_made) comm->layouts_made = top;
+  }
   if (status == EPX_SUCCESS) status = check_calls(b, all, local, message, fn);
   for (int32_t p = 0; status == EPX_SUCCESS && largest && p < b->world_size; p++)
     if (all[p].tokens > *largest) *largest = all[p].tokens;
@@ -741,9 +759,11 @@ epx_status_t epx_cuda_ep_dispatch_layout(epx_buffer_t b, const epx_routing_t *r,
     EPX_CHECK(agree_layout(b, r, local, seq));
     EPX_CHECK(ensure_fused(b, fn)); /* max_tokens_per_rank may have been agreed just now */
   } else if (local != EPX_SUCCESS) {
-    epx_cuda_ep_dims_t d = {b->world_size, b->rank, b->experts_per_rank, c->max_top_k, r->top_k,
-                            b->max_tokens, 0, c->layout, c->capacity, 1, 0, 0, (int32_t)r->weighting};
-    if (local == EPX_ERROR_CAPACITY_EXCEEDED) {
+    /* only an oversize batch joins (its routing is valid); any other refusal
+     * may come with no routing at all */
+    if (local == EPX_ERROR_CAPACITY_EXCEEDED && r) {
+      epx_cuda_ep_dims_t d = {b->world_size, b->rank, b->experts_per_rank, c->max_top_k, r->top_k,
+                              b->max_tokens, 0, c->layout, c->capacity, 1, 0, 0, (int32_t)r->weighting};
       char message[1024];
       snprintf(message, sizeof message, "%s", epx_last_error());
       status = join_oversize(b, &d, fn);
