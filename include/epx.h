@@ -764,7 +764,11 @@ epx_status_t epx_buffer_create(epx_comm_t comm, const epx_buffer_config_t *confi
 /* EPX_ERROR_BUSY (and nothing released) while handles from it are alive.
  * Not collective, except for a buffer on the fused path
  * (epx_buffer_peer_paths reports EPX_PATH_FUSED): every rank of its comm
- * destroys it, in the same order as its other buffers on that path. */
+ * destroys it, in the same order as its other buffers on that path. A CUDA
+ * buffer over several ranks with worst_case_sizing first waits for its
+ * stream, bounded by the comm's timeout (a transfer no peer will match, left
+ * by a refusal its peers could not see, then fails the comm with
+ * EPX_ERROR_TIMEOUT instead of hanging epx_comm_destroy). */
 epx_status_t epx_buffer_destroy(epx_buffer_t buffer);
 /* Agreed tokens per rank (0 until agreed). */
 epx_status_t epx_buffer_max_tokens(epx_buffer_t buffer, int64_t *max_tokens_per_rank);
