@@ -357,7 +357,11 @@ int main() {
       target_us = both_us;
       target1_us = both1;
     }
-    ok &= check_layout(o, d_idx, d_w, s); /* the last graph: route + layout */
+    /* a capture that failed (-1) timed nothing and ran nothing: not a pass */
+    const bool timed = route1 > 0 && layout1 > 0 && both1 > 0 && route_us > 0 && layout_us > 0 && both_us > 0;
+    if (!timed) printf("CHECK %s: a CUDA graph capture failed: FAILED\n", ROWS[i].name);
+    ok &= timed;
+    ok &= timed && check_layout(o, d_idx, d_w, s); /* the last graph: route + layout */
   }
   printf("TARGET routing+layout, DeepSeek-V3 router, 8192x256 top-8 < 25 us: %.1f us device time "
          "(%d per graph) %s; one per graph (host launch included) %.1f us\n", target_us, kCopies,

@@ -19,7 +19,7 @@ float32 softmax router with renormalised weights.
 
 Times are CUDA-event medians over --iters steps after --warmup steps; for 2
 GPUs the slower rank's median. Weights are drawn on the GPUs (no host copy of
-the ~22 GB of experts), so the whole run takes about a minute. Prints a
+the ~22 GB of experts), so the whole run takes about 25 s. Prints a
 short table, a TARGET line (epx against plain PyTorch, the issue's >= 2x),
 and last OK when the layers agree and the graph replays bit-identically
 (else FAILED, exit 1). The output check compares the tokens both routers
@@ -319,7 +319,10 @@ def main():
     if not a.skip_two:
         r = run_two(a)
         log("2 GPUs done")
-        ok &= r["err"] < 2e-2
+        # near-ties are rare: many tokens routed differently would hide a
+        # wrong router behind an error measured over the others
+        near_ties_ok = r["differ"] <= max(8, a.tokens // 100)
+        ok &= r["err"] < 2e-2 and near_ties_ok
         speedup = r["torch"] / r["epx"]
         rows += [("2 GPU  epx.torch.MoE", r["epx"], "%.2fx plain" % (r["torch"] / r["epx"])),
                  ("2 GPU  plain PyTorch (index ops + all_to_all_single)", r["torch"], ""),
@@ -330,7 +333,7 @@ def main():
                   "%.1f%% faster" % (100 * (1 - r["ckpt_replay"] / r["ckpt_recompute"]))),
                  ("2 GPU  checkpointed, recompute lays out again", r["ckpt_recompute"], ""),
                  ("2 GPU  max |epx - plain| / max |plain| (out)", r["err"],
-                  ("ok" if r["err"] < 2e-2 else "MISMATCH") +
+                  ("ok" if r["err"] < 2e-2 and near_ties_ok else "MISMATCH") +
                   " (%d tokens routed differently by a near-tie, left out)" % r["differ"])]
         target = "TARGET epx.torch MoE layer step vs plain PyTorch (2 GPUs): %.2fx (limit >= 2x) %s" \
             % (speedup, "MET" if speedup >= 2 else "MISSED")

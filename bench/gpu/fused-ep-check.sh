@@ -80,4 +80,4 @@ if [ -n "$SYS" ]; then
   echo "exit $?"
   grep -v "^ *$" "$OUTDIR/test-sys.log" | head -6
 fi
-[ "$TEST_RC" = 0 ] && [ "$BENCH_RC" = 0 ] && echo "fused-ep-check: OK (${SECONDS}s)" || echo "fused-ep-check: FAILED"
+if [ "$TEST_RC" = 0 ] && [ "$BENCH_RC" = 0 ]; then echo "fused-ep-check: OK (${SECONDS}s)"; else echo "fused-ep-check: FAILED"; exit 1; fi

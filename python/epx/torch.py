@@ -377,8 +377,12 @@ def _route_tensors(fn, T, E, dev, token_mask, aux_loss_expert_counts):
         _check_device(token_mask, fn, "token_mask", dev)
         token_mask = token_mask.detach().to(_torch.uint8).contiguous()
     if aux_loss_expert_counts is not None:
-        aux_loss_expert_counts = _routing_tensor(aux_loss_expert_counts, fn,
-                                                 "aux_loss_expert_counts", _F32, (E,), dev)
+        # as the mask: checked by shape and device only (no data_ptr, which a
+        # torch.compile trace's fake tensor does not have)
+        if not isinstance(aux_loss_expert_counts, _torch.Tensor) or aux_loss_expert_counts.shape != (E,):
+            _tensor(aux_loss_expert_counts, fn, "aux_loss_expert_counts", _F32, (E,), dev)
+        _check_device(aux_loss_expert_counts, fn, "aux_loss_expert_counts", dev)
+        aux_loss_expert_counts = aux_loss_expert_counts.detach().to(_F32).contiguous()
     return token_mask, aux_loss_expert_counts
 
 
@@ -939,7 +943,9 @@ class MoE(_torch.nn.Module):
     nonfinite), or pass a whole ``route_config`` (the keywords override
     it). capacity_factor turns capacity mode on (a double under
     CapacityArithmetic.FLOAT64). nonfinite defaults to DROP on CUDA (ERROR
-    costs a host wait per step). The two memory fields are forward's
+    costs a host wait per step and cannot be captured in a CUDA graph); a
+    route_config keeps its own nonfinite (epx.RouteConfig() has ERROR: on
+    CUDA set nonfinite=DROP there or as a keyword). The two memory fields are forward's
     arguments: token_mask [...] (bool, True = a real token; padding routes
     nowhere and counts in no loss) and aux_loss_expert_counts [E] (the
     global aux loss's counts, e.g. summed over ranks).

@@ -313,6 +313,30 @@ def test_compile_traces_the_layer_without_graph_breaks():
         assert torch.equal(eager[0][k], compiled[0][k]), "%s differs when compiled" % k
 
 
+def test_compile_traces_the_memory_fields_too():
+    """The padding mask and the global aux loss's counts, given to forward as
+    tensors, trace without a graph break and give the eager bits."""
+    p = Problem(SEED, 1, T=24, H=16, F=8, E=8, K=2)
+    mask = torch.arange(p.T) % 4 != 1
+    counts = torch.arange(1, p.E + 1, dtype=torch.float32) * 3
+    with epx.Comm.create_self() as comm:
+        m = make_layer(comm, p, W_.IN_COMBINE, aux_loss_coeff=0.01, aux_loss_tokens=4.0 * p.T)
+        x = p.x[0].float()
+
+        def step(inp):
+            out = m(inp, token_mask=mask, aux_loss_expert_counts=counts)
+            return out, m.aux_loss
+
+        want = step(x)
+        torch._dynamo.reset()
+        got = torch.compile(step, fullgraph=True, backend="aot_eager")(x)
+        assert want[1].item() > 0
+        assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+        del want, got  # their autograd graphs hold the handles
+        m.aux_loss = None
+        m.buffer.close()
+
+
 # ---------------------------------------------------------------------------
 # Errors
 # ---------------------------------------------------------------------------
