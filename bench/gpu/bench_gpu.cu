@@ -30,6 +30,7 @@
 #include "epx.h"
 
 #include "bench_check.h"
+#include "bench_layout.h"
 
 namespace {
 
@@ -223,45 +224,6 @@ void fill_bf16(void *d, size_t n, uint64_t seed, cudaStream_t s) {
   fill_kernel<<<1024, 256, 0, s>>>(static_cast<uint16_t *>(d), n, seed * 0x632be59bd9b4e019ull);
   CK(cudaGetLastError());
   CK(cudaStreamSynchronize(s));
-}
-
-/* The device arrays of a layout computed with the launcher (for the layout
- * timings and the kernel sweeps). */
-struct own_layout {
-  epx_cuda_layout_t lay;
-  void *block, *scratch;
-  float *w_copy;
-  int64_t bound;
-};
-
-own_layout make_own_layout(int64_t T, int32_t K, int32_t E, int32_t C) {
-  own_layout o;
-  const size_t tk = (size_t)(T * K);
-  o.bound = C > 0 ? (int64_t)E * C : T * std::min(K, E);
-  CK(cudaMalloc(&o.block, 16 * tk + 4 * (size_t)o.bound + 16 * ((size_t)E + 1) + 256));
-  CK(cudaMalloc(&o.scratch, epx_cuda_layout_scratch_bytes(T, E)));
-  char *p = (char *)o.block;
-  o.lay.result = (epx_cuda_layout_result_t *)p;
-  p += 256;
-  o.lay.idx = (int32_t *)p;
-  p += 4 * tk;
-  o.lay.route_row = (int32_t *)p;
-  p += 4 * tk;
-  o.lay.token_row = (int32_t *)p;
-  p += 4 * tk;
-  o.w_copy = (float *)p;
-  p += 4 * tk;
-  o.lay.counts = (int64_t *)p;
-  p += 8 * (size_t)E;
-  o.lay.offsets = (int64_t *)p;
-  p += 8 * ((size_t)E + 1);
-  o.lay.row_src = (int32_t *)p;
-  return o;
-}
-
-void free_own_layout(own_layout &o) {
-  CK(cudaFree(o.block));
-  CK(cudaFree(o.scratch));
 }
 
 /* Median of graph replays of what `body` enqueues on s (device time without

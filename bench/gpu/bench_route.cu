@@ -33,6 +33,7 @@
 #include "epx.h"
 
 #include "bench_check.h"
+#include "bench_layout.h"
 
 namespace {
 
@@ -145,39 +146,6 @@ const option_row ROWS[] = {
 };
 
 /* The layout's device arrays (expert-major, alignment 1). */
-struct own_layout {
-  epx_cuda_layout_t lay;
-  void *block, *scratch;
-  float *w_copy;
-};
-
-own_layout make_layout() {
-  own_layout o;
-  const size_t tk = (size_t)(T * K);
-  CK(cudaMalloc(&o.block, 16 * tk + 4 * tk + 16 * ((size_t)E + 1) + 256));
-  CK(cudaMalloc(&o.scratch, epx_cuda_layout_scratch_bytes(T, E)));
-  char *p = (char *)o.block;
-  o.lay.result = (epx_cuda_layout_result_t *)p;
-  p += 256;
-  o.lay.idx = (int32_t *)p;
-  p += 4 * tk;
-  o.lay.route_row = (int32_t *)p;
-  p += 4 * tk;
-  o.lay.token_row = (int32_t *)p;
-  p += 4 * tk;
-  o.w_copy = (float *)p;
-  p += 4 * tk;
-  o.lay.counts = (int64_t *)p;
-  p += 8 * (size_t)E;
-  o.lay.offsets = (int64_t *)p;
-  p += 8 * ((size_t)E + 1);
-  o.lay.row_src = (int32_t *)p;
-  return o;
-}
-
-/* The expert-major layout (alignment 1) of the routing in d_idx / d_w
- * against the host's: counts, offsets, each route's row (its expert's
- * routes in route order), row_src, the ids and weights copied, no error. */
 bool check_layout(const own_layout &o, const int32_t *d_idx, const float *d_w, cudaStream_t s) {
   const size_t tk = (size_t)(T * K);
   std::vector<int32_t> idx(tk), lidx(tk), row(tk), src(tk);
@@ -306,7 +274,7 @@ int main() {
   CK(cudaMalloc(&d_idx, 4 * (size_t)(T * K)));
   CK(cudaMemcpy(d_logits, logits.data(), 4 * logits.size(), cudaMemcpyHostToDevice));
   CK(cudaMemcpy(d_bias, bias.data(), 4 * (size_t)E, cudaMemcpyHostToDevice));
-  own_layout o = make_layout();
+  own_layout o = make_own_layout(T, K, E, 0);
   float *d_aux, *d_z;
   CK(cudaMalloc(&d_aux, 4));
   CK(cudaMalloc(&d_z, 4));
@@ -367,8 +335,7 @@ int main() {
          "(%d per graph) %s; one per graph (host launch included) %.1f us\n", target_us, kCopies,
          target_us > 0 && target_us < 25.0 ? "PASS" : "MISS", target1_us);
   printf("%s\n", ok ? "OK: every routing agrees with the float64 reference" : "FAILED");
-  CK(cudaFree(o.block));
-  CK(cudaFree(o.scratch));
+  free_own_layout(o);
   CK(cudaFree(d_logits));
   CK(cudaFree(d_bias));
   CK(cudaFree(d_w));
