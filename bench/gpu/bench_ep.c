@@ -57,6 +57,7 @@
 #include <nccl.h>
 
 #include "epx.h"
+#include "../../tests/gpu/mpi_gpu_check.h"
 
 enum { H = 7168, E = 256, K = 8, REPS = 20, WARM = 3 };
 /* config.sm_budget 0 means this (epx.h), for the names of the rows */
@@ -68,31 +69,6 @@ static epx_comm_t g_comm;
 static FILE *g_counts;
 static epx_exchange_path_t g_path = EPX_PATH_FUSED; /* config.exchange_path of run()'s buffers */
 static int32_t g_sms;                              /* config.sm_budget (0: the default) */
-
-#define OK(call)                                                                                       \
-  do {                                                                                                 \
-    epx_status_t s_ = (call);                                                                          \
-    if (s_ != EPX_SUCCESS) {                                                                           \
-      fprintf(stderr, "rank %d: %s:%d: %s -> %s: %s\n", g_rank, __FILE__, __LINE__, #call,             \
-              epx_status_string(s_), epx_last_error());                                                \
-      MPI_Abort(MPI_COMM_WORLD, 2);                                                                    \
-    }                                                                                                  \
-  } while (0)
-#define CU(call)                                                                                       \
-  do {                                                                                                 \
-    cudaError_t e_ = (call);                                                                           \
-    if (e_ != cudaSuccess) {                                                                           \
-      fprintf(stderr, "rank %d: %s:%d: %s: %s\n", g_rank, __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-      MPI_Abort(MPI_COMM_WORLD, 3);                                                                    \
-    }                                                                                                  \
-  } while (0)
-
-static uint64_t mix(uint64_t z) {
-  z += 0x9e3779b97f4a7c15ull;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
 
 /* bf16 of small multiples of 1/4 (exact), coded by (rank, token, column). */
 static uint16_t x_bits(int s, int t, int h) {

@@ -34,6 +34,7 @@
 
 #include "core/dtype.h"
 #include "epx.h"
+#include "mpi_gpu_check.h"
 
 static int g_rank, g_size, g_fail;
 static int g_quick;
@@ -50,25 +51,6 @@ static int g_expect_fused;                        /* EPX_GPU_EXPECT_FUSED: the f
     }                                                                               \
   } while (0)
 
-#define OK(call)                                                                                    \
-  do {                                                                                              \
-    epx_status_t s_ = (call);                                                                       \
-    if (s_ != EPX_SUCCESS) {                                                                        \
-      fprintf(stderr, "rank %d: %s:%d: %s -> %s: %s\n", g_rank, __FILE__, __LINE__, #call,          \
-              epx_status_string(s_), epx_last_error());                                             \
-      MPI_Abort(MPI_COMM_WORLD, 2);                                                                 \
-    }                                                                                               \
-  } while (0)
-
-#define CU(call)                                                                                    \
-  do {                                                                                              \
-    cudaError_t e_ = (call);                                                                        \
-    if (e_ != cudaSuccess) {                                                                        \
-      fprintf(stderr, "rank %d: %s:%d: %s: %s\n", g_rank, __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-      MPI_Abort(MPI_COMM_WORLD, 3);                                                                 \
-    }                                                                                               \
-  } while (0)
-
 enum { H = 64, K = 4, C = 40, ALIGN = 4, TMAX = 96 };
 static int E; /* 8 experts per rank */
 
@@ -83,13 +65,6 @@ typedef struct {
 /* ------------------------------------------------------------------------ */
 /* Coded data                                                                */
 /* ------------------------------------------------------------------------ */
-
-static uint64_t mix(uint64_t z) {
-  z += 0x9e3779b97f4a7c15ull;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
 
 /* Multiples of 1/8 in [-3.75, 3.75]: exact in every dtype. */
 static float code(int a, int b, int c, int h) {
