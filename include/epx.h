@@ -666,9 +666,12 @@ typedef enum epx_exchange_path {
    * epx_dispatch, epx_combine and both backward passes run the fused
    * kernels, except calls that compute grad_w (the weight gradients are not
    * fused yet: those calls, and epx_weights_backward, take the host path,
-   * same bits); each layout still also builds the host layout, which serves
-   * the handle's queries and those calls; and epx_buffer_destroy is
-   * collective (the window is deregistered). The fused module is built with
+   * same bits); the layout is the fused one alone (counts, every rank's
+   * verdict and the routing exchanged on the GPU), which answers the
+   * handle's queries with the host path's values; the host layout those
+   * calls need is made at the first of them on the handle (collective, like
+   * the calls themselves); and epx_buffer_destroy is collective (the window
+   * is deregistered). The fused module is built with
    * NCCL's device API (nccl_device.h, NCCL 2.28 or later;
    * -DEPX_BUILD_FUSED=OFF leaves it out) and used only with the NCCL release
    * it was compiled against (the device API's structs change between

@@ -38,13 +38,26 @@
  *
  * The fused path (EPX_PATH_FUSED, or AUTO for rank-major; dedup, every peer
  * reachable by load/store; fused.h): the buffer holds the fused state, each
- * handle a fused plan laid out after the host layout above (which still
- * serves the queries, epx_weights_backward and the calls computing grad_w,
- * not in the fused module). dispatch / combine_backward are the fused
- * dispatch, combine / dispatch_backward the fused combine: the same bits as
- * the host path (P(t, r) in k order in float32 without FMA, rounded once to
- * the dtype in payload precision — own partial included, as the host path
- * rounds its self block — summed over r ascending, rounded once). */
+ * handle a fused plan, and the layout is the fused layout alone (three
+ * kernels, no NCCL call, no memset): it validates the routing as the stage
+ * kernel does, exchanges the counts and every rank's header {tokens,
+ * oversize, invalid, top_k, weighting} through the window, and lays out both
+ * sides. The handle's queries read the plan (rows, counts, offsets, sources,
+ * routing) and its verdicts and stats its read-back (the summary's format,
+ * the same values as the tables kernel's; with default sizing read once at
+ * the layout, as on the host path). An oversize rank (worst_case_sizing)
+ * joins with an empty fused layout and its header, which empties every
+ * rank's plan, as its gather header empties the host layout. The calls that
+ * compute grad_w (not in the fused module) and epx_weights_backward take the
+ * host path on the host layout above, made at the first of them on the
+ * handle from the plan's copy of the routing (the stage kernel's send block,
+ * bit for bit; collective, and every rank makes it there since those calls
+ * are collective and grad_w is on every rank or none; no host wait).
+ * dispatch / combine_backward are the fused dispatch, combine /
+ * dispatch_backward the fused combine: the same bits as the host path
+ * (P(t, r) in k order in float32 without FMA, rounded once to the dtype in
+ * payload precision — own partial included, as the host path rounds its self
+ * block — summed over r ascending, rounded once). */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -122,6 +135,11 @@ typedef struct ep_handle {
   int64_t rows; /* N on the host, -1 until read */
   epx_fused_plan_t *plan; /* the fused layout of this handle, or NULL (host path) */
   int64_t seq;            /* the comm's layout number (the same on every rank) */
+  int has_w;              /* the routing came with weights (the host layout keeps a copy) */
+  /* The host layout (block, tables, counts) is made: at the layout on the
+   * host path; on a fused handle at its first call with grad_w (block NULL
+   * until then). */
+  int host_ready;
 } ep_handle_t;
 
 static cudaStream_t stream_of(epx_buffer_t b) { return (cudaStream_t)b->config.stream; }
@@ -297,10 +315,10 @@ static epx_status_t fused_alive(const ep_buffer_t *s, const char *fn) {
                    "fused state has failed: destroy the buffer and the comm", fn, (int)peer, phase ? phase : "?");
 }
 
-/* The handle's fused layout: after the host layout (whose verdicts every
- * rank has agreed, or, with worst_case_sizing, whose invalid routes the
- * fused layout drops the same way). The host layout still serves the
- * handle's queries, epx_weights_backward and the calls with grad_w. */
+/* The handle's fused layout, the only layout a fused handle makes up front:
+ * it validates the routing, exchanges counts and every rank's header on the
+ * GPU and lays out both sides; the handle's queries and verdicts read its
+ * plan (the host layout is made only for a call with grad_w). */
 static epx_status_t fused_layout(epx_buffer_t b, const epx_routing_t *r, ep_handle_t *h, const char *fn) {
   epx_status_t status = EPX_SUCCESS;
   ep_buffer_t *s = b->cuda;
@@ -308,21 +326,22 @@ static epx_status_t fused_layout(epx_buffer_t b, const epx_routing_t *r, ep_hand
   if (s->pooled > 0) h->plan = s->pool[--s->pooled];
   else EPX_CHECK(epx_fused_plan_create(s->fused, b->config.layout, b->config.expert_alignment, stream_of(b),
                                        &h->plan));
-  CUDA_CHECK(epx_fused_layout_launch(s->fused, h->plan, r->topk_idx, r->topk_w, r->num_tokens, r->top_k,
-                                     stream_of(b)),
+  CUDA_CHECK(epx_fused_layout_launch(s->fused, h->plan, r->topk_idx, r->topk_w, r->num_tokens, r->top_k, 0,
+                                     (int32_t)r->weighting, stream_of(b)),
              fn, "the fused layout kernels");
 fail:
   return status;
 }
 
-/* worst_case_sizing, this rank oversize: an empty fused layout keeps the
- * ranks' sequences of fused launches equal (its peers' layouts complete). */
-static epx_status_t fused_join_oversize(epx_buffer_t b, const char *fn) {
+/* worst_case_sizing, this rank oversize: an empty fused layout with its
+ * oversize header keeps the ranks' sequences of fused launches equal; its
+ * peers' layouts come out empty and their recv_rows names this rank. */
+static epx_status_t fused_join_oversize(epx_buffer_t b, int32_t weighting, const char *fn) {
   epx_status_t status = EPX_SUCCESS;
   ep_buffer_t *s = b->cuda;
   if (!s->spare)
     EPX_CHECK(epx_fused_plan_create(s->fused, b->config.layout, b->config.expert_alignment, stream_of(b), &s->spare));
-  CUDA_CHECK(epx_fused_layout_launch(s->fused, s->spare, NULL, NULL, 0, 1, stream_of(b)), fn,
+  CUDA_CHECK(epx_fused_layout_launch(s->fused, s->spare, NULL, NULL, 0, 1, 1, weighting, stream_of(b)), fn,
              "the fused layout kernels");
 fail:
   return status;
@@ -341,7 +360,11 @@ static epx_status_t fused_move(epx_buffer_t b, epx_handle_t handle, const void *
   EPX_CHECK(fused_alive(s, fn));
   /* An expert-major dispatch needs a destination even with no rows to write
    * (N = 0, recv_x NULL): any device address, never written then. */
-  if (forward && expert && !dst) dst = h->block;
+  if (forward && expert && !dst) {
+    epx_fused_plan_view_t v;
+    epx_fused_plan_view(h->plan, &v);
+    dst = (void *)v.row_w;
+  }
   CUDA_CHECK(forward ? epx_fused_dispatch_launch(s->fused, h->plan, src, dst, weighted && expert, s->fused_ctas, 0,
                                                  stream)
                      : epx_fused_combine_launch(s->fused, h->plan, src, dst, weighted && expert,
@@ -381,7 +404,7 @@ int64_t epx_cuda_ep_handle_bytes(epx_handle_t handle) {
 }
 
 /* Carves the handle's block: every array of ep_handle_t, one allocation. */
-static epx_status_t carve(epx_buffer_t b, const epx_routing_t *r, ep_handle_t *h, const char *fn) {
+static epx_status_t carve(epx_buffer_t b, ep_handle_t *h, const char *fn) {
   epx_status_t status = EPX_SUCCESS;
   const epx_cuda_ep_dims_t *d = &h->d;
   const int cap = b->config.layout == EPX_LAYOUT_CAPACITY, rank_major = b->config.layout == EPX_LAYOUT_RANK_MAJOR;
@@ -400,7 +423,7 @@ static epx_status_t carve(epx_buffer_t b, const epx_routing_t *r, ep_handle_t *h
       {(void **)&h->own.idx, cap ? 4 * T * K : 0}, {(void **)&h->own.route_row, cap ? 4 * T * K : 0},
       {(void **)&h->own.row_src, cap ? 4 * own_rows : 0}, {(void **)&h->own.counts, cap ? 8 * E : 0},
       {(void **)&h->own.offsets, cap ? 8 * (E + 1) : 0}, {(void **)&h->own.result, sizeof(epx_cuda_layout_result_t)},
-      {(void **)&h->w, r->topk_w ? 4 * T * K : 0}, {(void **)&h->sidx, 4 * d->Tm * Kb},
+      {(void **)&h->w, h->has_w ? 4 * T * K : 0}, {(void **)&h->sidx, 4 * d->Tm * Kb},
       {(void **)&h->sw, 4 * d->Tm * Kb}, {(void **)&h->sloc, cap ? 4 * d->Tm * Kb : 0},
       {(void **)&h->shdr, 4 * EPX_CUDA_EP_HDR_INTS}, {(void **)&h->gidx, 4 * G * Kb},
       {(void **)&h->gw, 4 * G * Kb}, {(void **)&h->gloc, cap ? 4 * G * Kb : 0},
@@ -428,7 +451,7 @@ static epx_status_t carve(epx_buffer_t b, const epx_routing_t *r, ep_handle_t *h
     *parts[i].ptr = parts[i].bytes ? at : NULL;
     at += round256((size_t)parts[i].bytes);
   }
-  if (!r->topk_w) h->w = NULL;
+  if (!h->has_w) h->w = NULL;
   h->tab.scan = h->scan, h->tab.gidx = h->gidx, h->tab.ridx = h->ridx, h->tab.ghdr = h->ghdr;
   h->tab.gw = h->gw, h->tab.recv = &h->recv, h->tab.own_result = h->own.result, h->tab.summary = h->summary;
 fail:
@@ -606,6 +629,8 @@ fail:
   return status;
 }
 
+static epx_status_t enqueue_exchange(epx_buffer_t b, ep_handle_t *h, const char *fn);
+
 /* Own routing -> sanitised ids and the send block (validated by the stage
  * kernel itself; the capacity layout, whose slots must be claimed, by the
  * one-rank layout over all experts first), gather, flags, scan, receive
@@ -616,7 +641,6 @@ static epx_status_t enqueue_layout(epx_buffer_t b, const epx_routing_t *r, ep_ha
   const epx_cuda_ep_dims_t *d = &h->d;
   cudaStream_t stream = stream_of(b);
   const int cap = c->layout == EPX_LAYOUT_CAPACITY;
-  const int64_t G = (int64_t)d->W * d->Tm;
   if (!cap)
     CUDA_CHECK(epx_cuda_ep_stage_validate_launch(d, d->T > 0 ? r->topk_idx : NULL, d->T > 0 ? r->topk_w : NULL,
                                                  c->num_experts, h->w, h->own.result, h->sidx, h->sw, h->shdr,
@@ -632,6 +656,19 @@ static epx_status_t enqueue_layout(epx_buffer_t b, const epx_routing_t *r, ep_ha
     CUDA_CHECK(epx_cuda_ep_stage_launch(d, h->own.idx, h->w, r->locations, h->own.result, 0, h->sidx, h->sw,
                                         h->sloc, h->shdr, stream),
                fn, "the routing stage kernel");
+  EPX_CHECK(enqueue_exchange(b, h, fn));
+fail:
+  return status;
+}
+
+/* From the staged send block on (collective: the routing gather), all
+ * enqueued: gather, flags, scan, receive layout, tables. */
+static epx_status_t enqueue_exchange(epx_buffer_t b, ep_handle_t *h, const char *fn) {
+  epx_status_t status = EPX_SUCCESS;
+  const epx_buffer_config_t *c = &b->config;
+  const epx_cuda_ep_dims_t *d = &h->d;
+  cudaStream_t stream = stream_of(b);
+  const int64_t G = (int64_t)d->W * d->Tm;
   EPX_CHECK(gather_routing(b, d, h->sidx, h->sw, h->sloc, h->shdr, h->gidx, h->gw, h->gloc, h->ghdr, fn));
   CUDA_CHECK(epx_cuda_ep_flags_launch(d, h->gidx, h->gloc, h->ghdr, h->ridx, h->rloc, h->flags, stream), fn,
              "the flags kernel");
@@ -717,21 +754,63 @@ static epx_status_t header_verdict(epx_buffer_t b, const ep_handle_t *h, const i
   return weighting_verdict(hdr, W, fn, note);
 }
 
-/* Copies the summary to the host and waits for it (bounded). */
+#if EPX_HAVE_FUSED
+/* The fused plan's own copy of what the tables kernel summarises (the same
+ * layout of the summary: counts of every kind per peer, every rank's header
+ * as it exchanged them, N, this rank's first invalid route), from its
+ * read-back `raw`. */
+_Static_assert((int)EPX_FUSED_HDR_INTS == (int)EPX_CUDA_EP_HDR_INTS &&
+                   (int)EPX_FUSED_HDR_TOKENS == (int)EPX_CUDA_EP_HDR_TOKENS &&
+                   (int)EPX_FUSED_HDR_OVERSIZE == (int)EPX_CUDA_EP_HDR_OVERSIZE &&
+                   (int)EPX_FUSED_HDR_INVALID == (int)EPX_CUDA_EP_HDR_INVALID &&
+                   (int)EPX_FUSED_HDR_TOPK == (int)EPX_CUDA_EP_HDR_TOPK &&
+                   (int)EPX_FUSED_HDR_WEIGHTING == (int)EPX_CUDA_EP_HDR_WEIGHTING,
+               "the fused header is the host layout's");
+static void fused_summary(const ep_handle_t *h, const void *raw, int64_t *summary) {
+  const int32_t W = h->d.W;
+  epx_fused_plan_summary_t f;
+  epx_fused_plan_summary(h->plan, raw, &f);
+  for (int32_t p = 0; p < W; p++) {
+    summary[HOME_PAIRS * W + p] = f.send_pairs[p];
+    summary[HOME_ROUTES * W + p] = f.send_routes[p];
+    summary[RECV_PAIRS * W + p] = f.recv_pairs[p];
+    summary[RECV_ROUTES * W + p] = f.recv_routes[p];
+  }
+  for (int64_t i = 0; i < (int64_t)W * EPX_CUDA_EP_HDR_INTS; i++) summary[KINDS * W + i] = f.headers[i];
+  summary[EPX_CUDA_EP_SUMMARY_ROWS(W)] = f.rows;
+  summary[EPX_CUDA_EP_SUMMARY_ROWS(W) + 1] = (int64_t)f.invalid;
+}
+#endif
+
+/* Copies the summary to the host and waits for it (bounded): the tables
+ * kernel's, or on a fused handle the plan's. */
 static epx_status_t read_summary(epx_buffer_t b, ep_handle_t *h, const char *fn, const int64_t **out) {
   epx_status_t status = EPX_SUCCESS;
   ep_buffer_t *s = b->cuda;
   const size_t bytes = 8 * (size_t)(EPX_CUDA_EP_SUMMARY_ROWS(h->d.W) + 2);
-  if (bytes > s->readback_bytes) {
+  size_t raw = 0; /* the fused plan's read-back, after the summary */
+#if EPX_HAVE_FUSED
+  if (h->plan) raw = epx_fused_plan_readback_bytes(h->plan);
+#endif
+  if (bytes + raw > s->readback_bytes) {
     if (s->readback) cudaFreeHost(s->readback);
     s->readback = NULL;
     s->readback_bytes = 0;
-    CUDA_CHECK(cudaMallocHost((void **)&s->readback, bytes), fn, "cudaMallocHost");
-    s->readback_bytes = bytes;
+    CUDA_CHECK(cudaMallocHost((void **)&s->readback, bytes + raw), fn, "cudaMallocHost");
+    s->readback_bytes = bytes + raw;
   }
-  CUDA_CHECK(cudaMemcpyAsync(s->readback, h->summary, bytes, cudaMemcpyDeviceToHost, stream_of(b)), fn,
-             "cudaMemcpyAsync of the counts");
+#if EPX_HAVE_FUSED
+  if (h->plan)
+    CUDA_CHECK(epx_fused_plan_readback_launch(h->plan, (char *)s->readback + bytes, stream_of(b)), fn,
+               "cudaMemcpyAsync of the counts");
+#endif
+  if (!raw)
+    CUDA_CHECK(cudaMemcpyAsync(s->readback, h->summary, bytes, cudaMemcpyDeviceToHost, stream_of(b)), fn,
+               "cudaMemcpyAsync of the counts");
   EPX_CHECK(epx_nccl_wait(b->comm, stream_of(b), fn));
+#if EPX_HAVE_FUSED
+  if (h->plan) fused_summary(h, (const char *)s->readback + bytes, s->readback);
+#endif
   *out = s->readback;
 fail:
   return status;
@@ -766,10 +845,12 @@ epx_status_t epx_cuda_ep_dispatch_layout(epx_buffer_t b, const epx_routing_t *r,
                               b->max_tokens, 0, c->layout, c->capacity, 1, 0, 0, (int32_t)r->weighting};
       char message[1024];
       snprintf(message, sizeof message, "%s", epx_last_error());
-      status = join_oversize(b, &d, fn);
 #if EPX_HAVE_FUSED
-      if (status == EPX_SUCCESS && ((ep_buffer_t *)b->cuda)->fused) status = fused_join_oversize(b, fn);
+      /* a fused buffer's layouts are fused only: the peers gather nothing */
+      if (((ep_buffer_t *)b->cuda)->fused) status = fused_join_oversize(b, (int32_t)r->weighting, fn);
+      else
 #endif
+        status = join_oversize(b, &d, fn);
       if (status == EPX_SUCCESS) status = epx_error(local, "%s", message);
       return status;
     }
@@ -799,8 +880,15 @@ epx_status_t epx_cuda_ep_dispatch_layout(epx_buffer_t b, const epx_routing_t *r,
   }
   h->pair_rows = W * h->d.Bp;
   h->route_rows = W * h->d.Br;
-  EPX_CHECK(carve(b, r, h, fn));
-  EPX_CHECK(enqueue_layout(b, r, h, fn));
+  h->has_w = r->topk_w != NULL;
+  const int fused = ((ep_buffer_t *)b->cuda)->fused != NULL;
+#if EPX_HAVE_FUSED
+  if (fused) EPX_CHECK(fused_layout(b, r, h, fn));
+#endif
+  if (!fused) {
+    EPX_CHECK(carve(b, h, fn));
+    EPX_CHECK(enqueue_layout(b, r, h, fn));
+  }
   if (worst) {
     set_counts(h, NULL);
     handle->recv_rows = h->row_bound;
@@ -812,10 +900,37 @@ epx_status_t epx_cuda_ep_dispatch_layout(epx_buffer_t b, const epx_routing_t *r,
     h->rows = summary[EPX_CUDA_EP_SUMMARY_ROWS(W)];
     handle->recv_rows = h->rows;
   }
-  EPX_CHECK(ensure_staging(b, staging_bytes(b, h), fn));
+  if (!fused) {
+    EPX_CHECK(ensure_staging(b, staging_bytes(b, h), fn));
+    h->host_ready = 1;
+  }
+fail:
+  return status;
+}
+
+/* A fused handle's host layout, for the calls that compute grad_w (not in
+ * the fused module): made at the first such call. It is collective (the
+ * routing gather), and every rank makes it at the same point: those calls
+ * are collective and grad_w is passed on every rank or on none (checked with
+ * default sizing; the header's rule with worst_case_sizing). Its send block
+ * comes from the plan's copy of the routing, so the caller's routing need
+ * not outlive the layout; its counts are the plan's (set at the layout). No
+ * host wait: capturable with worst_case_sizing. */
+static epx_status_t host_layout(epx_buffer_t b, epx_handle_t handle, const char *fn) {
+  epx_status_t status = EPX_SUCCESS;
+  ep_handle_t *h = handle->cuda;
+  if (h->host_ready) return EPX_SUCCESS;
 #if EPX_HAVE_FUSED
-  if (((ep_buffer_t *)b->cuda)->fused) EPX_CHECK(fused_layout(b, r, h, fn));
+  epx_fused_plan_view_t v;
+  epx_fused_plan_view(h->plan, &v);
+  if (!h->block) EPX_CHECK(carve(b, h, fn));
+  CUDA_CHECK(epx_cuda_ep_stage_plan_launch(&h->d, v.idx, v.w, v.invalid, h->w, h->own.result, h->sidx, h->sw,
+                                           h->shdr, stream_of(b)),
+             fn, "the routing stage kernel");
 #endif
+  EPX_CHECK(enqueue_exchange(b, h, fn));
+  EPX_CHECK(ensure_staging(b, staging_bytes(b, h), fn));
+  h->host_ready = 1;
 fail:
   return status;
 }
@@ -904,7 +1019,8 @@ fail:
 
 /* The fused kernels serve a handle with a plan, except the calls that
  * produce grad_w: the weight gradients are not in the fused module, so
- * those calls take the host path (equal bits; the host layout is there). */
+ * those calls take the host path (equal bits), on the host layout made at
+ * the first of them (host_layout). */
 #if EPX_HAVE_FUSED
 #define FUSED_SERVES(handle, grad_w) (((const ep_handle_t *)(handle)->cuda)->plan && !(grad_w))
 #else
@@ -924,6 +1040,8 @@ epx_status_t epx_cuda_ep_combine_backward(epx_buffer_t b, epx_handle_t handle, c
   if (FUSED_SERVES(handle, grad_w))
     return fused_move(b, handle, grad_out, grad_expert_out, 1, handle->weighting == EPX_WEIGHTS_IN_COMBINE,
                       "epx_combine_backward");
+  const epx_status_t status = host_layout(b, handle, "epx_combine_backward");
+  if (status != EPX_SUCCESS) return status;
   return move_forward(b, handle, grad_out, grad_expert_out, handle->weighting == EPX_WEIGHTS_IN_COMBINE,
                       expert_out, grad_w, "epx_combine_backward");
 }
@@ -1017,6 +1135,8 @@ epx_status_t epx_cuda_ep_dispatch_backward(epx_buffer_t b, epx_handle_t handle, 
   if (FUSED_SERVES(handle, grad_w))
     return fused_move(b, handle, grad_recv_x, grad_x, 0, handle->weighting == EPX_WEIGHTS_IN_DISPATCH,
                       "epx_dispatch_backward");
+  const epx_status_t status = host_layout(b, handle, "epx_dispatch_backward");
+  if (status != EPX_SUCCESS) return status;
   return move_backward(b, handle, grad_recv_x, grad_x, handle->weighting == EPX_WEIGHTS_IN_DISPATCH, x, grad_w,
                        "epx_dispatch_backward");
 }
@@ -1028,6 +1148,7 @@ epx_status_t epx_cuda_ep_weights_backward(epx_buffer_t b, epx_handle_t handle, c
   const ep_handle_t *h = handle->cuda;
   const ep_buffer_t *s = b->cuda;
   cudaStream_t stream = stream_of(b);
+  EPX_CHECK(host_layout(b, handle, fn));
   const int32_t slots = b->config.layout == EPX_LAYOUT_RANK_MAJOR ? handle->top_k : 1;
   CUDA_CHECK(epx_cuda_ep_route_values_launch(kind_rows(h, RECV_ROUTES), h->tab.rr_all, h->tab.rr_slot, slots,
                                              grad_recv_w, (float *)s->send, stream),
@@ -1065,13 +1186,30 @@ epx_status_t epx_cuda_ep_recv_rows(epx_handle_t handle, int64_t *rows) {
   return status;
 }
 
+/* A fused handle's queries read its plan (the same arrays and values as the
+ * host layout's: tested against it and the CPU backend on 2 GPUs). */
+static int plan_view(const ep_handle_t *h, epx_fused_plan_view_t *v) {
+#if EPX_HAVE_FUSED
+  if (h->plan) epx_fused_plan_view(h->plan, v);
+  return h->plan != NULL;
+#else
+  (void)h, (void)v;
+  return 0;
+#endif
+}
+
 epx_status_t epx_cuda_ep_recv_rows_device(epx_handle_t handle, const int64_t **rows) {
-  *rows = &((ep_handle_t *)handle->cuda)->recv.result->rows;
+  const ep_handle_t *h = handle->cuda;
+  epx_fused_plan_view_t v;
+  *rows = plan_view(h, &v) ? v.rows : &h->recv.result->rows;
   return EPX_SUCCESS;
 }
 
 epx_status_t epx_cuda_ep_expert_counts(epx_handle_t handle, int64_t *counts, int64_t *offsets) {
   const ep_handle_t *h = handle->cuda;
+  epx_fused_plan_view_t v;
+  if (plan_view(h, &v))
+    return epx_cuda_copy_expert_counts(v.counts, v.offsets, h->d.El, counts, offsets, handle->buffer->config.stream);
   return epx_cuda_copy_expert_counts(h->recv.counts, h->recv.offsets, h->d.El, counts, offsets,
                                      handle->buffer->config.stream);
 }
@@ -1080,6 +1218,17 @@ epx_status_t epx_cuda_ep_recv_routing(epx_handle_t handle, int32_t *recv_expert,
   const char *fn = "epx_handle_recv_routing";
   epx_status_t status = EPX_SUCCESS;
   const ep_handle_t *h = handle->cuda;
+  epx_fused_plan_view_t v;
+  if (plan_view(h, &v)) {
+    /* rank-major rows hold top_k slots (the plan's K is the routing's) */
+    const int32_t words = handle->buffer->config.layout == EPX_LAYOUT_RANK_MAJOR ? v.top_k : 1;
+    CUDA_CHECK(epx_cuda_ep_copy_rows_launch(v.row_expert, recv_expert, words, v.rows, h->row_bound,
+                                            stream_of(handle->buffer)),
+               fn, "the recv routing copy");
+    CUDA_CHECK(epx_cuda_ep_copy_rows_launch(v.row_w, recv_w, words, v.rows, h->row_bound, stream_of(handle->buffer)),
+               fn, "the recv routing copy");
+    return EPX_SUCCESS;
+  }
   CUDA_CHECK(epx_cuda_recv_routing_ranks_launch(handle->buffer->config.layout, &h->recv, h->gw, handle->top_k,
                                                 h->d.Kb, h->d.rank * h->d.El, h->row_bound, recv_expert, recv_w,
                                                 stream_of(handle->buffer)),
@@ -1092,6 +1241,16 @@ epx_status_t epx_cuda_ep_recv_source(epx_handle_t handle, int32_t *src_rank, int
   const char *fn = "epx_handle_recv_source";
   epx_status_t status = EPX_SUCCESS;
   const ep_handle_t *h = handle->cuda;
+  epx_fused_plan_view_t v;
+  if (plan_view(h, &v)) {
+    CUDA_CHECK(epx_cuda_ep_copy_rows_launch(v.row_src_rank, src_rank, 1, v.rows, h->row_bound,
+                                            stream_of(handle->buffer)),
+               fn, "the recv source copy");
+    CUDA_CHECK(epx_cuda_ep_copy_rows_launch(v.row_src_token, src_token, 1, v.rows, h->row_bound,
+                                            stream_of(handle->buffer)),
+               fn, "the recv source copy");
+    return EPX_SUCCESS;
+  }
   CUDA_CHECK(epx_cuda_recv_source_ranks_launch(handle->buffer->config.layout, &h->recv, h->d.Kb, h->d.Tm,
                                                h->row_bound, src_rank, src_token, stream_of(handle->buffer)),
              fn, "the recv source kernel");

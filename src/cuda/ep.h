@@ -3,7 +3,10 @@
 #ifndef EPX_CUDA_EP_H
 #define EPX_CUDA_EP_H
 
+#include <cuda_runtime_api.h>
+
 #include "core/objects.h"
+#include "cuda/launch.h"
 #include "epx.h"
 
 #ifdef __cplusplus
@@ -46,6 +49,20 @@ void epx_cuda_ep_peer_paths(epx_buffer_t buffer, int32_t *paths);
 /* The routing's hash computed on the device (one read-back), for recorder
  * validation on any CUDA buffer. */
 epx_status_t epx_cuda_routing_hash(epx_buffer_t buffer, const epx_routing_t *routing, uint64_t *hash);
+
+/* Kernels of ep.cu that serve the handles of the fused path (launch.h has
+ * the host path's). The send block, header and weight copy of a fused
+ * handle's host layout from its plan's routing (idx/w [T, K] as the fused
+ * layout validated them, its first invalid route): the stage_validate
+ * launch's outputs, bit for bit, without reading the caller's routing again. */
+cudaError_t epx_cuda_ep_stage_plan_launch(const epx_cuda_ep_dims_t *d, const int32_t *plan_idx,
+                                          const float *plan_w, const unsigned long long *plan_invalid,
+                                          float *w_copy, epx_cuda_layout_result_t *result, int32_t *idx,
+                                          float *w, int32_t *hdr, cudaStream_t stream);
+/* dst[r] = src[r] (rows of `words` 4-byte words) for r < min(*rows, row_bound)
+ * (*rows on the device); dst NULL: nothing. */
+cudaError_t epx_cuda_ep_copy_rows_launch(const void *src, void *dst, int32_t words, const int64_t *rows,
+                                         int64_t row_bound, cudaStream_t stream);
 
 /* The message of a routing verdict of the layout kernel (cuda_backend.c). */
 epx_status_t epx_cuda_routing_error(const char *fn, uint64_t error, int32_t K, int32_t E, int32_t C,

@@ -30,7 +30,10 @@
  *  - the backward passes are the same kernels: dispatch_backward is a combine
  *    of grad_recv_x (weighted with EPX_WEIGHTS_IN_DISPATCH), combine_backward
  *    a dispatch of grad_out (weighted with EPX_WEIGHTS_IN_COMBINE). The
- *    routing-weight gradients (grad_w) are not computed here.
+ *    routing-weight gradients (grad_w) are not computed here (ep.c makes
+ *    the host layout for them from the plan's routing: view.idx, view.w).
+ *  - layout: the plan answers a handle's queries (view) and verdicts (every
+ *    rank's header, epx_fused_plan_summary) by itself.
  *
  * Call order: every rank makes the same sequence of layout / dispatch-like /
  * combine-like launches on one stream per rank (they are collective). A
@@ -112,21 +115,50 @@ typedef struct epx_fused_plan_view {
   const int32_t *row_expert; /* expert-major [row_bound]; rank-major [row_bound, K] (-1 elsewhere) */
   const float *row_w;        /* as row_expert, 0 where -1 */
   const unsigned long long *invalid; /* (route << 3) | code of the first invalid route dropped, or ~0 */
+  const int32_t *idx;        /* [T, top_k] this rank's routing as laid out: invalid routes -1 */
+  const float *w;            /* [T, top_k] its weights as given (0 without topk_w) */
   int64_t row_bound;
   int32_t top_k;             /* the K of the row_expert / row_w rows in rank-major */
 } epx_fused_plan_view_t;
 void epx_fused_plan_view(const epx_fused_plan_t *plan, epx_fused_plan_view_t *view);
 
+/* A rank's header, exchanged by the layout with the counts (every rank's
+ * reaches every plan): its tokens, whether its batch was refused as oversize
+ * (then every rank's layout is empty: nothing moves), whether it dropped an
+ * invalid route, its top_k and its weighting. */
+enum { EPX_FUSED_HDR_TOKENS = 0, EPX_FUSED_HDR_OVERSIZE = 1, EPX_FUSED_HDR_INVALID = 2, EPX_FUSED_HDR_TOPK = 3,
+       EPX_FUSED_HDR_WEIGHTING = 4, EPX_FUSED_HDR_INTS = 5 };
+
+/* The plan's small tables on the host, for the handle's verdicts and counts:
+ * epx_fused_plan_readback_launch copies `readback_bytes` to host memory on
+ * `stream` (no wait: the caller waits for the stream), then
+ * epx_fused_plan_summary reads that copy (pointers into it). */
+typedef struct epx_fused_plan_summary {
+  int64_t rows;                 /* N */
+  const int64_t *send_pairs;    /* [W] rows this rank sends to each rank */
+  const int64_t *send_routes;   /* [W] its routes to each rank's experts */
+  const int64_t *recv_pairs;    /* [W] rows each rank sends here */
+  const int64_t *recv_routes;   /* [W] routes of each rank to this rank's experts */
+  const int64_t *headers;       /* [W][EPX_FUSED_HDR_INTS] */
+  uint64_t invalid;             /* this rank's first invalid route, as view.invalid */
+} epx_fused_plan_summary_t;
+size_t epx_fused_plan_readback_bytes(const epx_fused_plan_t *plan);
+cudaError_t epx_fused_plan_readback_launch(const epx_fused_plan_t *plan, void *host, cudaStream_t stream);
+void epx_fused_plan_summary(const epx_fused_plan_t *plan, const void *host, epx_fused_plan_summary_t *summary);
+
 /* Layout (collective): validates topk_idx [T, K] (an out-of-range or
  * duplicate expert is dropped and recorded in view.invalid), exchanges the
- * per-(source, destination) row counts and per-(source, expert) route counts
- * on the GPU, and the routing of every row (token, its experts on the
- * receiver, weights, position inside each expert's group) into the receivers'
- * windows, so the plan knows its whole recv layout. topk_w may be NULL
- * (weights 0). T <= max_tokens, K <= max_top_k. */
+ * per-(source, destination) row counts, per-(source, expert) route counts and
+ * the ranks' headers on the GPU, and the routing of every row (token, its
+ * experts on the receiver, weights, position inside each expert's group) into
+ * the receivers' windows, so the plan knows its whole recv layout. topk_w may
+ * be NULL (weights 0). T <= max_tokens, K <= max_top_k. oversize: this rank's
+ * batch was refused (pass T = 0): every rank's layout comes out empty.
+ * weighting: this rank's routing.weighting, carried in its header. */
 cudaError_t epx_fused_layout_launch(epx_fused_t *fused, epx_fused_plan_t *plan,
                                     const int32_t *topk_idx, const float *topk_w,
-                                    int64_t num_tokens, int32_t top_k, cudaStream_t stream);
+                                    int64_t num_tokens, int32_t top_k, int32_t oversize,
+                                    int32_t weighting, cudaStream_t stream);
 
 /* Dispatch (collective), x [T, H] -> recv_x. recv_x: NULL or
  * epx_fused_recv_window() for the rank-major rows in place; another [N, H]

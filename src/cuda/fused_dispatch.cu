@@ -2,14 +2,18 @@
  * layout (counts and routing records exchanged on the GPU), and dispatch.
  * See fused.h for the contract and fused_impl.cuh for the window.
  *
- * Layout, four kernels on the caller's stream (no host wait):
- *   count     a block per 256 tokens: validates the routing, each route's
- *             position among the block's routes to its expert, each token's
- *             index among the block's tokens to each rank, and the counts;
- *   exchange  one CTA: prefix sums over the blocks, clear-to-send, this
- *             rank's row counts (to every rank) and route counts per expert
- *             (to the expert's rank) into the windows, then from the W x W
- *             matrix every base: where this rank's rows start in each
+ * Layout, three kernels on the caller's stream (no host wait, no memset):
+ *   count     a block per 256 tokens: validates the routing (its first
+ *             invalid route per block), each route's position among the
+ *             block's routes to its expert (per-warp byte counters, not a
+ *             walk over the block's routes per expert), each token's index
+ *             among the block's tokens to each rank (ballots), and the counts;
+ *             then the last block to finish runs the exchange:
+ *   exchange  prefix sums over the blocks, clear-to-send, this rank's row
+ *             counts (to every rank), route counts per expert (to the
+ *             expert's rank) and header (tokens, oversize, invalid, top_k,
+ *             weighting: to every rank) into the windows, then from the
+ *             W x W matrix every base: where this rank's rows start in each
  *             receiver's rank-major layout (an exclusive prefix over source
  *             ranks), and the expert-major groups;
  *   records   a warp per token: absolute positions, and the token's routing
@@ -65,6 +69,8 @@ void window_offsets(fused_dev &d, int64_t part_elem) {
   o += W * W * 4;
   d.off_hist = o = align_up(o, 128);
   o += W * (size_t)d.El * 4;
+  d.off_hdr = o = align_up(o, 128);
+  o += W * EPX_FUSED_HDR_INTS * 4;
   d.off_meta = o = align_up(o, 256);
   o += W * (size_t)d.maxT * (size_t)d.meta_stride;
   d.off_pay = o = align_up(o, 4096);
@@ -424,7 +430,7 @@ extern "C" epx_status_t epx_fused_plan_create(epx_fused_t *f, epx_layout_t layou
                                                               : pairs;
   const info_index ii = make_info_index((int)W, (int)El);
   /* int32 words of every array, in the order they are carved below */
-  const int64_t words[] = {T * K, T * K, T * K, T * W, W * T, blocks * E, blocks * W, E,
+  const int64_t words[] = {T * K, T * K, T * K, T * W, W * T, blocks * E, blocks * W, 2 * blocks, E,
                            pairs, pairs * K, pairs * K, pairs * K, row_bound, row_bound, row_bound, row_bound};
   size_t bytes = (size_t)ii.total * 8 + 64;
   for (size_t i = 0; i < sizeof words / sizeof words[0]; i++) bytes += align_up((size_t)words[i] * 4, 256);
@@ -443,7 +449,7 @@ extern "C" epx_status_t epx_fused_plan_create(epx_fused_t *f, epx_layout_t layou
   m += 64 + align_up((size_t)ii.total * 8, 256);
   void **slots[] = {(void **)&pd.idx, (void **)&pd.w, (void **)&pd.pos, (void **)&pd.tok_slot,
                     (void **)&pd.send_token, (void **)&pd.chunk_hist, (void **)&pd.chunk_dcnt,
-                    (void **)&pd.hist, (void **)&pd.pair_token, (void **)&pd.pair_expert,
+                    (void **)&pd.chunk_invalid, (void **)&pd.hist, (void **)&pd.pair_token, (void **)&pd.pair_expert,
                     (void **)&pd.pair_w, (void **)&pd.pair_rows, (void **)&pd.row_src_rank,
                     (void **)&pd.row_src_token, (void **)&pd.row_expert, (void **)&pd.row_w};
   for (size_t i = 0; i < sizeof slots / sizeof slots[0]; i++) {
@@ -478,33 +484,75 @@ extern "C" void epx_fused_plan_view(const epx_fused_plan_t *p, epx_fused_plan_vi
   v->row_expert = pd.expert_major ? pd.row_expert : pd.pair_expert;
   v->row_w = pd.expert_major ? pd.row_w : pd.pair_w;
   v->invalid = pd.invalid;
+  v->idx = pd.idx;
+  v->w = pd.w;
   v->row_bound = pd.row_bound;
   v->top_k = pd.K;
+}
+
+/* The readback: the invalid word and the info table's head, contiguous in
+ * the plan's memory (invalid at 0, info at 64). */
+extern "C" size_t epx_fused_plan_readback_bytes(const epx_fused_plan_t *p) {
+  return 64 + 8 * (size_t)make_info_index(p->fused->dev.W, p->fused->dev.El).head;
+}
+
+extern "C" cudaError_t epx_fused_plan_readback_launch(const epx_fused_plan_t *p, void *host, cudaStream_t stream) {
+  return cudaMemcpyAsync(host, p->memory, epx_fused_plan_readback_bytes(p), cudaMemcpyDeviceToHost, stream);
+}
+
+extern "C" void epx_fused_plan_summary(const epx_fused_plan_t *p, const void *host, epx_fused_plan_summary_t *s) {
+  const info_index ii = make_info_index(p->fused->dev.W, p->fused->dev.El);
+  const int64_t *info = reinterpret_cast<const int64_t *>(static_cast<const char *>(host) + 64);
+  s->rows = info[ii.rows];
+  s->send_pairs = info + ii.scount;
+  s->send_routes = info + ii.sroutes;
+  s->recv_pairs = info + ii.rcount;
+  s->recv_routes = info + ii.rroutes;
+  s->headers = info + ii.hdr;
+  s->invalid = *static_cast<const uint64_t *>(host);
 }
 
 /* ---- layout kernels --------------------------------------------------------- */
 
 namespace {
 
-__device__ void record_invalid(const fused_plan_dev &p, int64_t route, int code) {
-  atomicMin(p.invalid, (unsigned long long)route << 3 | (unsigned long long)code);
+constexpr int kLayoutWarps = kLayoutTokens / 32;
+
+__device__ void layout_exchange(const fused_dev &d, const fused_plan_dev &p, int64_t blocks);
+
+/* The first invalid route of the block (the smaller key wins). */
+__device__ __forceinline__ void note_invalid(unsigned long long *first, int64_t route, int code) {
+  atomicMin(first, (unsigned long long)route << 3 | (unsigned long long)code);
 }
 
-/* A block per kLayoutTokens tokens (see the file comment). */
+/* A block per kLayoutTokens tokens, a thread per token (see the file
+ * comment). A route's position among the block's routes to its expert, in
+ * (token, k) order, is its rank among its warp's routes to that expert (lane
+ * k walks the warp's 32 tokens in order; a token names an expert at most
+ * once, so no two lanes of a step share a counter) plus the counts of the
+ * warps before; a token's slot among the block's tokens to a rank is a
+ * ballot's prefix plus the warps before. Shared: the ids [kLayoutTokens, K],
+ * then a byte counter per (warp, expert) (a warp has at most 32 routes to an
+ * expert). */
 __global__ void __launch_bounds__(kLayoutTokens) layout_count_kernel(const fused_dev d, const fused_plan_dev p,
                                                                      const int32_t *topk_idx,
                                                                      const float *topk_w) {
-  extern __shared__ int32_t s_idx[]; /* [kLayoutTokens * K] */
-  __shared__ uint32_t s_mask[kLayoutTokens];
-  const int K = p.K;
+  extern __shared__ int32_t s_idx[];
+  __shared__ int32_t s_dcnt[kLayoutWarps][EPX_FUSED_MAX_RANKS];
+  __shared__ unsigned long long s_invalid;
+  const int K = p.K, E = d.E, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  uint8_t *s_cnt = reinterpret_cast<uint8_t *>(s_idx + kLayoutTokens * K);
   const int64_t t0 = (int64_t)blockIdx.x * kLayoutTokens;
   const int n = (int)min((int64_t)kLayoutTokens, p.T - t0);
+  if (threadIdx.x == 0) s_invalid = ~0ull;
+  for (int i = threadIdx.x; i < kLayoutWarps * E; i += blockDim.x) s_cnt[i] = 0;
+  __syncthreads();
   for (int i = threadIdx.x; i < kLayoutTokens * K; i += blockDim.x) {
     int32_t e = -1;
     if (i < n * K) {
       e = topk_idx[t0 * K + i];
-      if (e < -1 || e >= d.E) {
-        record_invalid(p, t0 * K + i, EPX_CUDA_BAD_EXPERT);
+      if (e < -1 || e >= E) {
+        note_invalid(&s_invalid, t0 * K + i, EPX_CUDA_BAD_EXPERT);
         e = -1;
       }
     }
@@ -512,34 +560,64 @@ __global__ void __launch_bounds__(kLayoutTokens) layout_count_kernel(const fused
   }
   __syncthreads();
   const int tl = threadIdx.x;
+  uint32_t mask = 0;
   if (tl < n) {
-    uint32_t mask = 0;
     for (int k = 0; k < K; k++) {
       int32_t e = s_idx[tl * K + k];
       for (int k2 = 0; k2 < k && e >= 0; k2++)
         if (s_idx[tl * K + k2] == e) {
-          record_invalid(p, (t0 + tl) * K + k, EPX_CUDA_DUPLICATE_EXPERT);
+          note_invalid(&s_invalid, (t0 + tl) * K + k, EPX_CUDA_DUPLICATE_EXPERT);
           e = s_idx[tl * K + k] = -1;
         }
       p.idx[(t0 + tl) * K + k] = e;
       p.w[(t0 + tl) * K + k] = topk_w ? topk_w[(t0 + tl) * K + k] : 0.0f;
       if (e >= 0) mask |= 1u << (e / d.El);
     }
-    s_mask[tl] = mask;
   }
   __syncthreads();
-  /* A thread per expert walks the block's routes in (token, k) order. */
-  for (int e = threadIdx.x; e < d.E; e += blockDim.x) {
-    int32_t c = 0;
-    for (int i = 0; i < n * K; i++)
-      if (s_idx[i] == e) p.pos[t0 * K + i] = c++;
-    p.chunk_hist[(int64_t)blockIdx.x * d.E + e] = c;
+  for (int r = 0; r < d.W; r++) {
+    const unsigned has = __ballot_sync(0xffffffffu, mask >> r & 1u);
+    if (lane == 0) s_dcnt[warp][r] = __popc(has);
   }
-  for (int r = threadIdx.x; r < d.W; r += blockDim.x) {
-    int32_t c = 0;
-    for (int i = 0; i < n; i++) p.tok_slot[(t0 + i) * d.W + r] = (s_mask[i] >> r & 1u) ? c++ : -1;
-    p.chunk_dcnt[(int64_t)blockIdx.x * d.W + r] = c;
+  int32_t rank_in_warp[32];
+#pragma unroll
+  for (int j = 0; j < 32; j++) {
+    const int t = warp * 32 + j;
+    const int32_t e = lane < K && t < n ? s_idx[t * K + lane] : -1;
+    rank_in_warp[j] = e >= 0 ? s_cnt[warp * E + e]++ : -1;
+    __syncwarp();
   }
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    int32_t c = 0;
+    for (int w = 0; w < kLayoutWarps; w++) c += s_cnt[w * E + e];
+    p.chunk_hist[(int64_t)blockIdx.x * E + e] = c;
+  }
+  if (threadIdx.x < d.W) {
+    int32_t c = 0;
+    for (int w = 0; w < kLayoutWarps; w++) c += s_dcnt[w][threadIdx.x];
+    p.chunk_dcnt[(int64_t)blockIdx.x * d.W + threadIdx.x] = c;
+  }
+#pragma unroll
+  for (int j = 0; j < 32; j++) {
+    if (rank_in_warp[j] < 0) continue;
+    const int t = warp * 32 + j;
+    const int32_t e = s_idx[t * K + lane];
+    int32_t base = 0;
+    for (int w = 0; w < warp; w++) base += s_cnt[w * E + e];
+    p.pos[(t0 + t) * K + lane] = rank_in_warp[j] + base;
+  }
+  for (int r = 0; r < d.W; r++) {
+    const unsigned has = __ballot_sync(0xffffffffu, mask >> r & 1u);
+    int32_t base = 0;
+    for (int w = 0; w < warp; w++) base += s_dcnt[w][r];
+    if (tl < n)
+      p.tok_slot[(t0 + tl) * d.W + r] = (has >> lane & 1u) ? base + __popc(has & ((1u << lane) - 1u)) : -1;
+  }
+  if (threadIdx.x == 0) p.chunk_invalid[blockIdx.x] = s_invalid;
+  /* The last block to finish (every block's counts visible to it) runs the
+   * exchange: one launch fewer than a kernel of its own. */
+  if (last_cta(d)) layout_exchange(d, p, gridDim.x);
 }
 
 /* Exclusive prefix over the blocks of each column of a [blocks, n] table, in
@@ -551,7 +629,7 @@ __device__ void block_prefix(int32_t *table, int64_t blocks, int n, int32_t *tot
     for (int64_t b0 = 0; b0 < blocks; b0 += kBatch) {
       int32_t v[kBatch];
 #pragma unroll
-      for (int u = 0; u < kBatch; u++) v[u] = b0 + u < blocks ? table[(b0 + u) * n + c] : 0;
+      for (int u = 0; u < kBatch; u++) v[u] = b0 + u < blocks ? __ldcg(table + (b0 + u) * n + c) : 0;
 #pragma unroll
       for (int u = 0; u < kBatch; u++)
         if (b0 + u < blocks) {
@@ -563,34 +641,53 @@ __device__ void block_prefix(int32_t *table, int64_t blocks, int n, int32_t *tot
   }
 }
 
-/* Bases of the layout from the count matrix and route counts in this rank's
- * window (both complete). */
+/* Bases of the layout from the count matrix, route counts and headers in
+ * this rank's window (all complete). A rank's oversize header empties the
+ * layout on every rank (nothing moves, as on the host path). */
 __device__ void layout_bases(const fused_dev &d, const fused_plan_dev &p) {
+  __shared__ int s_empty;
   const info_index ii = make_info_index(d.W, d.El);
   /* written by the peers during this op: volatile, never a stale L1 line */
   const volatile int32_t *mat = reinterpret_cast<const volatile int32_t *>(d.local + d.off_mat);
   const volatile int32_t *hist = reinterpret_cast<const volatile int32_t *>(d.local + d.off_hist);
+  const volatile int32_t *hdr = reinterpret_cast<const volatile int32_t *>(d.local + d.off_hdr);
   int64_t *info = p.info;
   const int W = d.W, El = d.El;
   if (threadIdx.x == 0) {
+    int empty = 0;
+    for (int s = 0; s < W; s++) empty |= hdr[s * EPX_FUSED_HDR_INTS + EPX_FUSED_HDR_OVERSIZE] != 0;
+    s_empty = empty;
+    info[ii.empty] = empty;
+  }
+  for (int i = threadIdx.x; i < W * EPX_FUSED_HDR_INTS; i += blockDim.x) info[ii.hdr + i] = hdr[i];
+  __syncthreads();
+  const int keep = !s_empty; /* 0: every count is 0 */
+  if (threadIdx.x == 0) {
     int64_t run = 0;
     for (int s = 0; s < W; s++) {
+      const int64_t c = keep * mat[s * W + d.rank];
       info[ii.rbase + s] = run;
-      info[ii.rcount + s] = mat[s * W + d.rank];
-      run += mat[s * W + d.rank];
+      info[ii.rcount + s] = c;
+      run += c;
     }
     info[ii.rbase + W] = run;
     info[ii.pairs] = run;
     for (int r = 0; r < W; r++) {
       int64_t base = 0;
-      for (int s = 0; s < d.rank; s++) base += mat[s * W + r];
+      for (int s = 0; s < d.rank; s++) base += keep * mat[s * W + r];
       info[ii.sbase + r] = base;
-      info[ii.scount + r] = mat[d.rank * W + r];
+      info[ii.scount + r] = keep * mat[d.rank * W + r];
     }
+  }
+  for (int r = threadIdx.x; r < W; r += blockDim.x) {
+    int64_t out = 0, in = 0;
+    for (int e = 0; e < El; e++) out += p.hist[r * El + e], in += hist[r * El + e];
+    info[ii.sroutes + r] = keep * out;
+    info[ii.rroutes + r] = keep * in;
   }
   for (int e = threadIdx.x; e < El; e += blockDim.x) {
     int64_t c = 0;
-    for (int s = 0; s < W; s++) c += hist[s * El + e];
+    for (int s = 0; s < W; s++) c += keep * hist[s * El + e];
     info[ii.ecount + e] = c;
   }
   __syncthreads();
@@ -609,20 +706,36 @@ __device__ void layout_bases(const fused_dev &d, const fused_plan_dev &p) {
     int64_t run = p.expert_major ? info[ii.eoff + e] : 0;
     for (int s = 0; s < W; s++) {
       info[ii.ebase + s * El + e] = run;
-      run += hist[s * El + e];
+      run += keep * hist[s * El + e];
     }
   }
 }
 
-/* One CTA of 1024 threads (see the file comment). */
-__global__ void __launch_bounds__(1024) layout_exchange_kernel(const fused_dev d, const fused_plan_dev p,
-                                                               int64_t blocks) {
+/* This rank's header; its first invalid route is the blocks' minimum (warp 0). */
+__device__ void layout_header(const fused_plan_dev &p, int64_t blocks, int32_t *s_hdr) {
+  if (threadIdx.x >= 32) return;
+  unsigned long long first = ~0ull;
+  for (int64_t b = threadIdx.x; b < blocks; b += 32) first = min(first, __ldcg(p.chunk_invalid + b));
+  for (int o = 16; o > 0; o >>= 1) first = min(first, __shfl_xor_sync(0xffffffffu, first, o));
+  if (threadIdx.x != 0) return;
+  *p.invalid = first;
+  s_hdr[EPX_FUSED_HDR_TOKENS] = (int32_t)p.T;
+  s_hdr[EPX_FUSED_HDR_OVERSIZE] = p.oversize;
+  s_hdr[EPX_FUSED_HDR_INVALID] = first != ~0ull;
+  s_hdr[EPX_FUSED_HDR_TOPK] = p.K;
+  s_hdr[EPX_FUSED_HDR_WEIGHTING] = p.weighting;
+}
+
+/* The last count block (see the file comment). */
+__device__ void layout_exchange(const fused_dev &d, const fused_plan_dev &p, int64_t blocks) {
   __shared__ int s_bad;
   __shared__ int32_t s_cnt[EPX_FUSED_MAX_RANKS];
+  __shared__ int32_t s_hdr[EPX_FUSED_HDR_INTS];
   if (failed(d)) return;
   const uint32_t seq = *reinterpret_cast<volatile uint32_t *>(d.ctl + CTL_SEQ);
   if (threadIdx.x == 0) s_bad = 0;
   send_cts(d, seq);
+  layout_header(p, blocks, s_hdr);
   block_prefix(p.chunk_hist, blocks, d.E, p.hist);
   block_prefix(p.chunk_dcnt, blocks, d.W, s_cnt);
   __syncthreads();
@@ -632,13 +745,17 @@ __global__ void __launch_bounds__(1024) layout_exchange_kernel(const fused_dev d
   __syncthreads();
   if (s_bad) return;
   /* This rank's row counts to every rank's matrix, its route counts to each
-   * expert's rank. */
-  for (int i = threadIdx.x; i < d.W * (d.W + d.El); i += blockDim.x) {
-    const int r = i / (d.W + d.El), j = i % (d.W + d.El);
+   * expert's rank, its header to every rank. */
+  const int per = d.W + d.El + EPX_FUSED_HDR_INTS;
+  for (int i = threadIdx.x; i < d.W * per; i += blockDim.x) {
+    const int r = i / per, j = i % per;
     if (j < d.W)
       reinterpret_cast<int32_t *>(d.peer[r] + d.off_mat)[d.rank * d.W + j] = s_cnt[j];
-    else
+    else if (j < d.W + d.El)
       reinterpret_cast<int32_t *>(d.peer[r] + d.off_hist)[d.rank * d.El + (j - d.W)] = p.hist[r * d.El + (j - d.W)];
+    else
+      reinterpret_cast<int32_t *>(d.peer[r] + d.off_hdr)[d.rank * EPX_FUSED_HDR_INTS + (j - d.W - d.El)] =
+          s_hdr[j - d.W - d.El];
   }
   __threadfence_system();
   __syncthreads();
@@ -688,8 +805,11 @@ __global__ void __launch_bounds__(256) layout_records_kernel(const fused_dev d, 
     }
     int32_t slot = -1;
     if (lane < d.W) {
-      slot = p.tok_slot[t * d.W + lane];
-      if (slot >= 0) {
+      /* an empty layout (a rank was oversize): no token goes anywhere */
+      slot = p.info[ii.empty] ? -1 : p.tok_slot[t * d.W + lane];
+      if (slot < 0) {
+        p.tok_slot[t * d.W + lane] = -1;
+      } else {
         slot += p.chunk_dcnt[b * d.W + lane];
         p.tok_slot[t * d.W + lane] = slot;
         p.send_token[(int64_t)lane * d.maxT + slot] = (int32_t)t;
@@ -773,20 +893,25 @@ __global__ void __launch_bounds__(256) layout_receive_kernel(const fused_dev d, 
 
 extern "C" cudaError_t epx_fused_layout_launch(epx_fused_t *f, epx_fused_plan_t *plan, const int32_t *topk_idx,
                                                const float *topk_w, int64_t num_tokens, int32_t top_k,
-                                               cudaStream_t stream) {
+                                               int32_t oversize, int32_t weighting, cudaStream_t stream) {
   const fused_dev &d = f->dev;
-  if (num_tokens < 0 || num_tokens > d.maxT || top_k < 1 || top_k > d.Kmax || (num_tokens > 0 && !topk_idx))
+  if (num_tokens < 0 || num_tokens > d.maxT || top_k < 1 || top_k > d.Kmax || (num_tokens > 0 && !topk_idx) ||
+      (oversize && num_tokens > 0))
     return cudaErrorInvalidValue;
   fused_plan_dev &p = plan->dev;
   p.T = num_tokens;
   p.K = top_k;
-  cudaError_t e = cudaMemsetAsync(p.invalid, 0xff, sizeof(unsigned long long), stream);
-  if (e != cudaSuccess) return e;
-  const int64_t blocks = (num_tokens + kLayoutTokens - 1) / kLayoutTokens;
-  if (blocks > 0)
-    layout_count_kernel<<<(unsigned)blocks, kLayoutTokens, (size_t)kLayoutTokens * top_k * 4, stream>>>(
-        d, p, topk_idx, topk_w);
-  layout_exchange_kernel<<<1, 1024, 0, stream>>>(d, p, blocks);
+  p.oversize = oversize != 0;
+  p.weighting = weighting;
+  /* at least one block: the last one runs the exchange (no tokens: an empty block) */
+  const int64_t blocks = num_tokens > 0 ? (num_tokens + kLayoutTokens - 1) / kLayoutTokens : 1;
+  const size_t smem = (size_t)kLayoutTokens * (size_t)top_k * 4 + (size_t)kLayoutWarps * (size_t)d.E;
+  if (smem > 48 * 1024) {
+    const cudaError_t e =
+        cudaFuncSetAttribute(layout_count_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (e != cudaSuccess) return e;
+  }
+  layout_count_kernel<<<(unsigned)blocks, kLayoutTokens, smem, stream>>>(d, p, topk_idx, topk_w);
   const int64_t record_blocks = num_tokens > 0 ? (num_tokens * 32 + 255) / 256 : 1;
   layout_records_kernel<<<(unsigned)record_blocks, 256, 0, stream>>>(d, p);
   layout_receive_kernel<<<(unsigned)f->num_sms, 256, 0, stream>>>(d, p);

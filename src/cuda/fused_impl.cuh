@@ -11,6 +11,8 @@
  *   cflag [W][chunks] u32  chunk j of rows (or partials) from s has arrived
  *   mat   [W][W] i32     row counts: mat[s][d] = rows s sends to d
  *   hist  [W][E_local] i32  routes from s to each local expert
+ *   hdr   [W][EPX_FUSED_HDR_INTS] i32  rank s's header (tokens, oversize,
+ *                        invalid, top_k, weighting), sent with the counts
  *   meta  [W*maxT] records of the rank-major rows: token, then per k-slot
  *                        the expert (-1 unless on this rank), weight, and the
  *                        route's position among the source's routes to it
@@ -53,12 +55,14 @@ struct fused_dev {
   int W, rank, E, El, Kmax, max_chunks;
   int bulk_warps;                  /* > 0: senders move whole rows with the bulk copy engine */
   int64_t maxT, H, nvec, row_bytes, meta_stride;
-  size_t off_cts, off_lflag, off_mflag, off_cflag, off_mat, off_hist, off_meta, off_pay, off_part;
+  size_t off_cts, off_lflag, off_mflag, off_cflag, off_mat, off_hist, off_hdr, off_meta, off_pay, off_part;
 };
 
-/* Index of the small int64 table of a plan (device), from W and E_local. */
+/* Index of the small int64 table of a plan (device), from W and E_local.
+ * Everything the host reads back (epx_fused_plan_summary) sits in its first
+ * `head` words; the per-(source, expert) bases follow. */
 struct info_index {
-  int sbase, scount, rbase, rcount, ebase, ecount, eoff, rows, pairs, total;
+  int sbase, scount, rbase, rcount, sroutes, rroutes, hdr, ecount, eoff, rows, pairs, empty, head, ebase, total;
 };
 static inline __host__ __device__ info_index make_info_index(int W, int El) {
   info_index i;
@@ -66,12 +70,17 @@ static inline __host__ __device__ info_index make_info_index(int W, int El) {
   i.scount = W;
   i.rbase = 2 * W;        /* [W + 1] */
   i.rcount = 3 * W + 1;
-  i.ebase = 4 * W + 1;    /* [W * El]: first row of (source s, local expert e) */
-  i.ecount = i.ebase + W * El;
+  i.sroutes = 4 * W + 1;  /* [W] routes this rank sends to each rank's experts */
+  i.rroutes = 5 * W + 1;  /* [W] routes each rank sends to this rank's experts */
+  i.hdr = 6 * W + 1;      /* [W][EPX_FUSED_HDR_INTS] every rank's header */
+  i.ecount = i.hdr + W * EPX_FUSED_HDR_INTS;
   i.eoff = i.ecount + El; /* [El + 1] */
   i.rows = i.eoff + El + 1;
   i.pairs = i.rows + 1;
-  i.total = i.pairs + 1;
+  i.empty = i.pairs + 1;  /* 1: some rank was oversize, the layout is empty */
+  i.head = i.empty + 1;
+  i.ebase = i.head;       /* [W * El]: first row of (source s, local expert e) */
+  i.total = i.ebase + W * El;
   return i;
 }
 
@@ -83,6 +92,7 @@ struct fused_plan_dev {
   int32_t *send_token; /* [W, maxT] token of each slot */
   int32_t *chunk_hist; /* [blocks, E] per-block route counts, then their exclusive prefix */
   int32_t *chunk_dcnt; /* [blocks, W] per-block row counts, then their exclusive prefix */
+  unsigned long long *chunk_invalid; /* [blocks] each block's first invalid route, or ~0 */
   int32_t *hist;       /* [E] routes per expert from this rank */
   int64_t *info;       /* info_index */
   int32_t *pair_token; /* [W*maxT] per rank-major row p: source token */
@@ -95,6 +105,7 @@ struct fused_plan_dev {
   int64_t row_bound;
   int expert_major, align, K;
   int64_t T;
+  int32_t oversize, weighting; /* this rank's header words of the current layout */
 };
 
 /* ---- flags ---------------------------------------------------------------- */

@@ -148,6 +148,8 @@ typedef struct {
   int32_t *src_rank, *src_token, *recv_expert;     /* host */
   float *recv_w, *gw_d, *gw_c, *gw_w;              /* host */
   int64_t *counts, *offsets;
+  epx_handle_stats_t stats;
+  int64_t rows_device; /* epx_handle_recv_rows_device's N (CUDA; the CPU backend: N) */
   int32_t path; /* the buffer's path to every peer (epx_buffer_peer_paths), -1 if they differ */
   char why[512]; /* epx_last_error after the calls that may set up the fused path: why it was refused */
 } result_t;
@@ -268,6 +270,13 @@ static void run_rank(run_t *run) {
   OK(epx_buffer_max_recv_rows(buf, &cap));
   if (cap < N) cap = N;
   r->N = N;
+  OK(epx_handle_stats(h, &r->stats));
+  r->rows_device = N;
+  if (dev == EPX_DEVICE_CUDA) {
+    const int64_t *d_rows = NULL;
+    OK(epx_handle_recv_rows_device(h, &d_rows));
+    CU(cudaMemcpy(&r->rows_device, d_rows, sizeof r->rows_device, cudaMemcpyDeviceToHost));
+  }
   r->slots = rm ? K : 1;
   const int El = E / g_size;
 
@@ -440,6 +449,8 @@ static void compare(const case_t *c, epx_exchange_t x, const result_t *g, const 
   const size_t es = epx_dtype_size(c->dtype);
   const int64_t T = g->T, N = g->N;
   CHECK(g->N == cpu->N, "%s: N %lld, CPU %lld", what, (long long)g->N, (long long)cpu->N);
+  CHECK(g->rows_device == g->N, "%s: recv_rows_device %lld, recv_rows %lld", what, (long long)g->rows_device,
+        (long long)g->N);
   if (g->N != cpu->N) return;
   CHECK(same_bytes(g->src_rank, cpu->src_rank, 4 * (size_t)N) && same_bytes(g->src_token, cpu->src_token, 4 * (size_t)N),
         "%s: recv_source differs from the CPU backend", what);
@@ -510,6 +521,27 @@ static void compare_exchanges(const case_t *c, const result_t *d, const result_t
         "%s: dedup and %s differ", what, pair);
 }
 
+/* The same dedup layout on two paths (fused, host, AUTO): every query the
+ * same (the fused path answers them from its plan, the host path from its
+ * layout), the stats too. */
+static void compare_queries(const case_t *c, const result_t *a, const result_t *x, const char *pair) {
+  const char *what = describe(c, EPX_EXCHANGE_DEDUP);
+  const int El = E / g_size;
+  CHECK(a->N == x->N && a->rows_device == x->rows_device, "%s: N %lld / %lld (device), %s %lld / %lld", what,
+        (long long)a->N, (long long)a->rows_device, pair, (long long)x->N, (long long)x->rows_device);
+  if (a->N != x->N) return;
+  const size_t N = (size_t)a->N;
+  CHECK(same_bytes(a->src_rank, x->src_rank, 4 * N) && same_bytes(a->src_token, x->src_token, 4 * N) &&
+            same_bytes(a->recv_expert, x->recv_expert, 4 * N * (size_t)a->slots) &&
+            same_bytes(a->recv_w, x->recv_w, 4 * N * (size_t)a->slots) &&
+            same_bytes(a->counts, x->counts, 8 * (size_t)El) && same_bytes(a->offsets, x->offsets, 8 * (size_t)(El + 1)),
+        "%s: the handle's queries differ from %s", what, pair);
+  CHECK(!memcmp(&a->stats, &x->stats, sizeof a->stats),
+        "%s: stats (send %lld, recv %lld, local %lld) differ from %s (%lld, %lld, %lld)", what,
+        (long long)a->stats.send_rows, (long long)a->stats.recv_rows, (long long)a->stats.local_rows, pair,
+        (long long)x->stats.send_rows, (long long)x->stats.recv_rows, (long long)x->stats.local_rows);
+}
+
 /* The path a buffer of this case took, made with exchange_path `asked`:
  * fused exactly where the config and build allow it (the same answer for
  * every peer in this version). */
@@ -546,6 +578,7 @@ static void run_case(const case_t *c, epx_comm_t nccl, void *stream) {
     check_path(c, EPX_EXCHANGE_DEDUP, EPX_PATH_HOST, &run.res);
     CHECK(run.res.path == EPX_PATH_HOST, "EPX_PATH_HOST: path %d", run.res.path);
     compare_exchanges(c, &gpu[0], &run.res, "the host path (EPX_PATH_HOST)");
+    compare_queries(c, &gpu[0], &run.res, "the host path (EPX_PATH_HOST)");
     result_free(&run.res);
     /* The default, AUTO: the fused kernels for rank-major, the host path for
      * expert-major (epx.h); the same bits either way. */
@@ -555,6 +588,7 @@ static void run_case(const case_t *c, epx_comm_t nccl, void *stream) {
     g_path = EPX_PATH_FUSED;
     check_path(c, EPX_EXCHANGE_DEDUP, EPX_PATH_AUTO, &automatic.res);
     compare_exchanges(c, &gpu[0], &automatic.res, "the default path (EPX_PATH_AUTO)");
+    compare_queries(c, &gpu[0], &automatic.res, "the default path (EPX_PATH_AUTO)");
     result_free(&automatic.res);
   }
   result_free(&gpu[0]);
@@ -575,13 +609,18 @@ static epx_buffer_t simple_buffer(epx_comm_t comm, void *stream, int worst) {
   cfg.max_tokens_per_rank = TMAX;
   cfg.worst_case_sizing = worst;
   cfg.stream = stream;
+  cfg.exchange_path = g_path; /* main runs these tests on the fused path and on the host path */
   epx_buffer_t b;
   OK(epx_buffer_create(comm, &cfg, &b));
   return b;
 }
 
-static void test_capacity_refusal(epx_comm_t comm, void *stream) {
-  epx_buffer_t b = simple_buffer(comm, stream, 0);
+/* The last rank's batch is over max_tokens_per_rank. Default sizing: every
+ * rank refuses the layout, no handle. worst_case_sizing: the last rank
+ * refuses, its peers get a handle that moved nothing (recv_rows_device 0)
+ * and whose recv_rows names the rank. The comm keeps working either way. */
+static void test_capacity_refusal(epx_comm_t comm, void *stream, int worst) {
+  epx_buffer_t b = simple_buffer(comm, stream, worst);
   case_t c = {EPX_LAYOUT_EXPERT_MAJOR, EPX_BFLOAT16, EPX_WEIGHTS_IN_COMBINE, 0, 0, 0, 0, 11};
   routing_t rt;
   make_routing(&c, g_rank, &rt);
@@ -599,9 +638,29 @@ static void test_capacity_refusal(epx_comm_t comm, void *stream) {
   }
   epx_handle_t h = NULL;
   epx_status_t s = epx_dispatch_layout(b, &r, NULL, &h);
-  CHECK(s == EPX_ERROR_CAPACITY_EXCEEDED, "capacity refusal: rank %d got %s (%s)", g_rank, epx_status_string(s),
-        epx_last_error());
-  CHECK(h == NULL, "capacity refusal: a handle came back");
+  if (worst && g_rank != g_size - 1) {
+    CHECK(s == EPX_SUCCESS && h, "capacity refusal (worst case): rank %d got %s (%s)", g_rank, epx_status_string(s),
+          epx_last_error());
+    if (h) {
+      const int64_t *d_rows = NULL;
+      int64_t rows = -1;
+      OK(epx_handle_recv_rows_device(h, &d_rows));
+      CU(cudaMemcpy(&rows, d_rows, sizeof rows, cudaMemcpyDeviceToHost));
+      CHECK(rows == 0, "capacity refusal (worst case): rank %d laid out %lld rows", g_rank, (long long)rows);
+      char named[32];
+      snprintf(named, sizeof named, "rank %d", g_size - 1);
+      s = epx_handle_recv_rows(h, &rows);
+      CHECK(s == EPX_ERROR_CAPACITY_EXCEEDED && strstr(epx_last_error(), named),
+            "capacity refusal (worst case): recv_rows on rank %d got %s (%s)", g_rank, epx_status_string(s),
+            epx_last_error());
+      OK(epx_handle_release(h));
+      h = NULL;
+    }
+  } else {
+    CHECK(s == EPX_ERROR_CAPACITY_EXCEEDED, "capacity refusal (worst %d): rank %d got %s (%s)", worst, g_rank,
+          epx_status_string(s), epx_last_error());
+    CHECK(h == NULL, "capacity refusal: a handle came back");
+  }
   /* the comm still works */
   epx_routing_t ok = {rt.T, K, idx, w, NULL, EPX_WEIGHTS_IN_COMBINE};
   OK(epx_dispatch_layout(b, &ok, NULL, &h));
@@ -920,14 +979,21 @@ int main(int argc, char **argv) {
             run_case(&c, comm, stream);
             cases++;
           }
-  test_capacity_refusal(comm, stream);
-  test_weighting_mismatch(comm, stream, 0);
-  test_weighting_mismatch(comm, stream, 1);
-  test_call_mismatch(comm, stream);
-  for (int worst = 0; worst < 2; worst++)
-    for (int dup = 0; dup < 2; dup++) test_invalid_routing(comm, stream, worst, dup);
-  test_recorder(comm, stream);
-  test_graph(comm, stream);
+  /* The refusals, the recorder and the graph on both paths (expert-major:
+   * AUTO would take the host path). */
+  const epx_exchange_path_t paths[] = {EPX_PATH_FUSED, EPX_PATH_HOST};
+  for (int pi = 0; pi < 2; pi++) {
+    g_path = paths[pi];
+    for (int worst = 0; worst < 2; worst++) {
+      test_capacity_refusal(comm, stream, worst);
+      test_weighting_mismatch(comm, stream, worst);
+      for (int dup = 0; dup < 2; dup++) test_invalid_routing(comm, stream, worst, dup);
+    }
+    test_call_mismatch(comm, stream);
+    test_recorder(comm, stream);
+    test_graph(comm, stream);
+  }
+  g_path = EPX_PATH_FUSED;
 
   int failures = 0;
   MPI_Allreduce(&g_fail, &failures, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
