@@ -432,7 +432,7 @@ extern "C" epx_status_t epx_fused_plan_create(epx_fused_t *f, epx_layout_t layou
   /* int32 words of every array, in the order they are carved below */
   const int64_t words[] = {T * K, T * K, T * K, T * W, W * T, blocks * E, blocks * W, 2 * blocks, E,
                            pairs, pairs * K, pairs * K, pairs * K, row_bound, row_bound, row_bound, row_bound};
-  size_t bytes = (size_t)ii.total * 8 + 64;
+  size_t bytes = 64 + align_up((size_t)ii.total * 8, 256); /* invalid, then info, as carved below */
   for (size_t i = 0; i < sizeof words / sizeof words[0]; i++) bytes += align_up((size_t)words[i] * 4, 256);
   epx_fused_plan_t *p = static_cast<epx_fused_plan_t *>(calloc(1, sizeof *p));
   if (!p) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
