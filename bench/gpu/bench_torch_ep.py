@@ -32,10 +32,14 @@ LOCAL_EXPERTS = 128  # 256 experts on 2 ranks
 DEEPEP_DISPATCH_MS = {8192: 0.658, 4096: 0.344}
 
 
-def median_ms(fn, reps=20, warm=3):
+def median_ms(fn, reps=20, warm=3, barrier=None):
+    """Median CUDA-event time of fn over reps calls after warm ones (barrier:
+    called between, so that ranks start the timed calls together)."""
     for _ in range(warm):
         fn()
     torch.cuda.synchronize()
+    if barrier is not None:
+        barrier()
     ev = [torch.cuda.Event(enable_timing=True) for _ in range(reps + 1)]
     ev[0].record()
     for i in range(reps):
@@ -91,17 +95,7 @@ def main():
         seen.add(key)
         send = torch.randn(sum(splits), H, device="cuda", dtype=torch.bfloat16)
         recv = torch.empty(sum(splits), H, device="cuda", dtype=torch.bfloat16)
-        for _ in range(3):
-            dist.all_to_all_single(recv, send, splits, splits)
-        torch.cuda.synchronize()
-        dist.barrier()
-        ev = [torch.cuda.Event(enable_timing=True) for _ in range(21)]
-        ev[0].record()
-        for i in range(20):
-            dist.all_to_all_single(recv, send, splits, splits)
-            ev[i + 1].record()
-        torch.cuda.synchronize()
-        t = sorted(ev[i].elapsed_time(ev[i + 1]) for i in range(20))[10]
+        t = median_ms(lambda: dist.all_to_all_single(recv, send, splits, splits), barrier=dist.barrier)
         if rank == 0:
             gbps = sum(splits) * H * 2 / t / 1e6
             print(f"TORCH all_to_all_single rows_per_peer={splits} ms={t:.4f} GBps={gbps:.0f} (as in: {name})",
