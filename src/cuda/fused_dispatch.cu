@@ -623,7 +623,7 @@ __global__ void __launch_bounds__(kLayoutTokens) layout_count_kernel(const fused
 /* Exclusive prefix over the blocks of each column of a [blocks, n] table, in
  * place; the totals go to total[n] (may be NULL). */
 __device__ void block_prefix(int32_t *table, int64_t blocks, int n, int32_t *total) {
-  constexpr int kBatch = 8; /* independent loads in flight per thread */
+  constexpr int kBatch = 32; /* independent loads in flight per thread (T = 8192: one batch) */
   for (int c = threadIdx.x; c < n; c += blockDim.x) {
     int32_t run = 0;
     for (int64_t b0 = 0; b0 < blocks; b0 += kBatch) {
@@ -641,72 +641,115 @@ __device__ void block_prefix(int32_t *table, int64_t blocks, int n, int32_t *tot
   }
 }
 
+/* An exclusive scan of one value per thread over the block (blockDim.x a
+ * multiple of 32); *total gets the sum. Every thread must call it. */
+__device__ int64_t block_scan(int64_t v, int64_t *total) {
+  __shared__ int64_t s_warp[32];
+  __shared__ int64_t s_total;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int64_t inc = v;
+  for (int o = 1; o < 32; o <<= 1) {
+    const int64_t n = __shfl_up_sync(0xffffffffu, inc, o);
+    if (lane >= o) inc += n;
+  }
+  if (lane == 31) s_warp[warp] = inc;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int64_t run = 0;
+    for (int w = 0; w < (int)(blockDim.x >> 5); w++) {
+      const int64_t t = s_warp[w];
+      s_warp[w] = run;
+      run += t;
+    }
+    s_total = run;
+  }
+  __syncthreads();
+  *total = s_total;
+  return s_warp[warp] + inc - v;
+}
+
 /* Bases of the layout from the count matrix, route counts and headers in
  * this rank's window (all complete). A rank's oversize header empties the
- * layout on every rank (nothing moves, as on the host path). */
+ * layout on every rank (nothing moves, as on the host path). No thread walks
+ * a chain of dependent global loads: per-rank values by a thread per rank,
+ * sums by shared atomics, the expert groups' offsets by a block scan over
+ * runs of experts (a serial walk over E_local = 128 experts cost ~128 L2
+ * round trips). */
 __device__ void layout_bases(const fused_dev &d, const fused_plan_dev &p) {
   __shared__ int s_empty;
+  __shared__ int32_t s_in[EPX_FUSED_MAX_RANKS], s_routes_out[EPX_FUSED_MAX_RANKS], s_routes_in[EPX_FUSED_MAX_RANKS];
   const info_index ii = make_info_index(d.W, d.El);
   /* written by the peers during this op: volatile, never a stale L1 line */
   const volatile int32_t *mat = reinterpret_cast<const volatile int32_t *>(d.local + d.off_mat);
   const volatile int32_t *hist = reinterpret_cast<const volatile int32_t *>(d.local + d.off_hist);
   const volatile int32_t *hdr = reinterpret_cast<const volatile int32_t *>(d.local + d.off_hdr);
   int64_t *info = p.info;
-  const int W = d.W, El = d.El;
-  if (threadIdx.x == 0) {
+  const int W = d.W, El = d.El, t = threadIdx.x;
+  if (t == 0) {
     int empty = 0;
     for (int s = 0; s < W; s++) empty |= hdr[s * EPX_FUSED_HDR_INTS + EPX_FUSED_HDR_OVERSIZE] != 0;
     s_empty = empty;
     info[ii.empty] = empty;
   }
-  for (int i = threadIdx.x; i < W * EPX_FUSED_HDR_INTS; i += blockDim.x) info[ii.hdr + i] = hdr[i];
+  for (int i = t; i < W * EPX_FUSED_HDR_INTS; i += blockDim.x) info[ii.hdr + i] = hdr[i];
+  if (t < W) s_routes_out[t] = s_routes_in[t] = 0;
   __syncthreads();
   const int keep = !s_empty; /* 0: every count is 0 */
-  if (threadIdx.x == 0) {
-    int64_t run = 0;
-    for (int s = 0; s < W; s++) {
-      const int64_t c = keep * mat[s * W + d.rank];
-      info[ii.rbase + s] = run;
-      info[ii.rcount + s] = c;
-      run += c;
-    }
-    info[ii.rbase + W] = run;
-    info[ii.pairs] = run;
-    for (int r = 0; r < W; r++) {
-      int64_t base = 0;
-      for (int s = 0; s < d.rank; s++) base += keep * mat[s * W + r];
-      info[ii.sbase + r] = base;
-      info[ii.scount + r] = keep * mat[d.rank * W + r];
-    }
+  if (t < W) {
+    int64_t base = 0;
+    for (int s = 0; s < d.rank; s++) base += mat[s * W + t];
+    info[ii.sbase + t] = keep * base;
+    info[ii.scount + t] = keep * mat[d.rank * W + t];
+    s_in[t] = keep * mat[t * W + d.rank];
+    info[ii.rcount + t] = s_in[t];
   }
-  for (int r = threadIdx.x; r < W; r += blockDim.x) {
-    int64_t out = 0, in = 0;
-    for (int e = 0; e < El; e++) out += p.hist[r * El + e], in += hist[r * El + e];
-    info[ii.sroutes + r] = keep * out;
-    info[ii.rroutes + r] = keep * in;
+  for (int i = t; i < W * El; i += blockDim.x) {
+    atomicAdd(&s_routes_out[i / El], p.hist[i]);
+    atomicAdd(&s_routes_in[i / El], hist[i]);
   }
-  for (int e = threadIdx.x; e < El; e += blockDim.x) {
+  /* a run of experts per thread: counts, then the padded groups' offsets */
+  const int per = (El + (int)blockDim.x - 1) / (int)blockDim.x;
+  const int e0 = min(El, t * per), e1 = min(El, e0 + per);
+  int64_t mine = 0;
+  for (int e = e0; e < e1; e++) {
     int64_t c = 0;
     for (int s = 0; s < W; s++) c += keep * hist[s * El + e];
     info[ii.ecount + e] = c;
+    mine += p.expert_major ? (c + p.align - 1) / p.align * p.align : 0;
   }
   __syncthreads();
-  if (threadIdx.x == 0) {
+  int64_t pairs = 0;
+  for (int s = 0; s < W; s++) pairs += s_in[s];
+  if (t == 0) {
     int64_t run = 0;
-    for (int e = 0; e < El; e++) {
-      info[ii.eoff + e] = run;
-      const int64_t c = info[ii.ecount + e];
-      run += p.expert_major ? (c + p.align - 1) / p.align * p.align : 0;
+    for (int s = 0; s < W; s++) {
+      info[ii.rbase + s] = run;
+      run += s_in[s];
     }
-    info[ii.eoff + El] = p.expert_major ? run : info[ii.pairs];
-    info[ii.rows] = p.expert_major ? run : info[ii.pairs];
+    info[ii.rbase + W] = pairs;
+    info[ii.pairs] = pairs;
+  }
+  if (t < W) {
+    info[ii.sroutes + t] = keep * s_routes_out[t];
+    info[ii.rroutes + t] = keep * s_routes_in[t];
+  }
+  int64_t total = 0;
+  int64_t run = block_scan(mine, &total);
+  for (int e = e0; e < e1; e++) {
+    info[ii.eoff + e] = run;
+    const int64_t c = info[ii.ecount + e];
+    run += p.expert_major ? (c + p.align - 1) / p.align * p.align : 0;
+  }
+  if (t == 0) {
+    info[ii.eoff + El] = p.expert_major ? total : pairs;
+    info[ii.rows] = p.expert_major ? total : pairs;
   }
   __syncthreads();
-  for (int e = threadIdx.x; e < El; e += blockDim.x) {
-    int64_t run = p.expert_major ? info[ii.eoff + e] : 0;
+  for (int e = t; e < El; e += blockDim.x) {
+    int64_t at = p.expert_major ? info[ii.eoff + e] : 0;
     for (int s = 0; s < W; s++) {
-      info[ii.ebase + s * El + e] = run;
-      run += keep * hist[s * El + e];
+      info[ii.ebase + s * El + e] = at;
+      at += keep * hist[s * El + e];
     }
   }
 }
