@@ -900,10 +900,10 @@ epx_status_t epx_cuda_ep_dispatch_layout(epx_buffer_t b, const epx_routing_t *r,
     h->rows = summary[EPX_CUDA_EP_SUMMARY_ROWS(W)];
     handle->recv_rows = h->rows;
   }
-  if (!fused) {
-    EPX_CHECK(ensure_staging(b, staging_bytes(b, h), fn));
-    h->host_ready = 1;
-  }
+  /* The staging is sized here on the fused path too (the host layout of a
+   * call with grad_w uses it): a captured step then never grows it. */
+  EPX_CHECK(ensure_staging(b, staging_bytes(b, h), fn));
+  h->host_ready = !fused;
 fail:
   return status;
 }
@@ -914,8 +914,8 @@ fail:
  * are collective and grad_w is passed on every rank or on none (checked with
  * default sizing; the header's rule with worst_case_sizing). Its send block
  * comes from the plan's copy of the routing, so the caller's routing need
- * not outlive the layout; its counts are the plan's (set at the layout). No
- * host wait: capturable with worst_case_sizing. */
+ * not outlive the layout; its counts are the plan's and its staging was sized
+ * at the layout. No host wait: capturable with worst_case_sizing. */
 static epx_status_t host_layout(epx_buffer_t b, epx_handle_t handle, const char *fn) {
   epx_status_t status = EPX_SUCCESS;
   ep_handle_t *h = handle->cuda;
@@ -929,7 +929,6 @@ static epx_status_t host_layout(epx_buffer_t b, epx_handle_t handle, const char 
              fn, "the routing stage kernel");
 #endif
   EPX_CHECK(enqueue_exchange(b, h, fn));
-  EPX_CHECK(ensure_staging(b, staging_bytes(b, h), fn));
   h->host_ready = 1;
 fail:
   return status;
