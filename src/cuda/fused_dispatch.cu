@@ -673,8 +673,8 @@ __device__ int64_t block_scan(int64_t v, int64_t *total) {
  * layout on every rank (nothing moves, as on the host path). No thread walks
  * a chain of dependent global loads: per-rank values by a thread per rank,
  * sums by shared atomics, the expert groups' offsets by a block scan over
- * runs of experts (a serial walk over E_local = 128 experts cost ~128 L2
- * round trips). */
+ * runs of experts (serial walks over the E_local experts took ~6 us of the
+ * layout at T = 8192 on 2 H200: 77.6 -> 71.5 us). */
 __device__ void layout_bases(const fused_dev &d, const fused_plan_dev &p) {
   __shared__ int s_empty;
   __shared__ int32_t s_in[EPX_FUSED_MAX_RANKS], s_routes_out[EPX_FUSED_MAX_RANKS], s_routes_in[EPX_FUSED_MAX_RANKS];

@@ -645,6 +645,9 @@ static void test_capacity_refusal(epx_comm_t comm, void *stream, int worst) {
       const int64_t *d_rows = NULL;
       int64_t rows = -1;
       OK(epx_handle_recv_rows_device(h, &d_rows));
+      /* the layout did not wait (worst_case_sizing), and the buffer's stream
+       * does not synchronise with cudaMemcpy's */
+      CU(cudaStreamSynchronize(stream));
       CU(cudaMemcpy(&rows, d_rows, sizeof rows, cudaMemcpyDeviceToHost));
       CHECK(rows == 0, "capacity refusal (worst case): rank %d laid out %lld rows", g_rank, (long long)rows);
       char named[32];
