@@ -78,6 +78,15 @@ cudaError_t epx_cuda_layout_launch(const int32_t *topk_idx, const int32_t *locat
                                    const epx_cuda_layout_t *out, void *scratch,
                                    cudaStream_t stream);
 
+/* The layout's two kernels and the one-kernel routing forward are launched
+ * with programmatic dependent launch on sm_90+ (src/cuda/pdl.cuh: each may
+ * start before the kernel ahead of it ends and waits for it before touching
+ * memory; stream order is kept). epx_cuda_set_pdl(0) turns that off for the
+ * whole process (for the routing bench's comparison and the tests of both
+ * launches), 1 back on (the default). */
+void epx_cuda_set_pdl(int on);
+int epx_cuda_pdl_enabled(void);
+
 /* Tuning of the move kernels: warps per block, 16-byte vectors per lane per
  * step (32 lanes * 4 * 16 B = 2 KB of a row in flight per warp per step), and
  * the most warps per token the automatic choice takes (log2). Measured on an

@@ -26,7 +26,10 @@
  * at T=8192, K=8, E=256 — the cost is the two launches' latency. */
 #include <cuda_runtime.h>
 
+#include <atomic>
+
 #include "cuda/launch.h"
+#include "cuda/pdl.cuh"
 
 namespace {
 
@@ -121,6 +124,7 @@ __global__ void __launch_bounds__(kMaxRankWarps * 32) layout_rank_kernel(const r
   const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const bool capacity = a.layout == EPX_LAYOUT_CAPACITY, rank_major = a.layout == EPX_LAYOUT_RANK_MAJOR;
   const int K = a.K, E = a.E;
+  pdl_begin();
   /* the assign kernel accumulates counts and errors into these */
   if (blockIdx.x == 0) {
     for (int e = threadIdx.x; e < E; e += blockDim.x) a.out.counts[e] = 0;
@@ -371,6 +375,7 @@ __global__ void __launch_bounds__(kAssignThreads) layout_assign_kernel(const ass
   __shared__ int32_t s_scan[kAssignThreads / 32];
   __shared__ unsigned long long s_error[kAssignThreads / 32];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  pdl_begin();
   const int64_t chunk = blockIdx.x;
   const bool routes = chunk < a.chunks && a.layout != EPX_LAYOUT_RANK_MAJOR;
   const int64_t g_begin = chunk * a.chunk_tokens * a.K;
@@ -548,8 +553,8 @@ extern "C" cudaError_t epx_cuda_layout_launch(const int32_t *topk_idx, const int
   ra.out = *out;
   ra.chunk_error = s.chunk_error;
   ra.chunk_counts = s.chunk_counts;
-  layout_rank_kernel<<<(unsigned)(chunks > 0 ? chunks : 1), warps * 32, warp_bytes * warps, stream>>>(ra);
-  err = cudaGetLastError();
+  err = launch_pdl(layout_rank_kernel, (unsigned)(chunks > 0 ? chunks : 1), warps * 32,
+                   warp_bytes * warps, stream, ra);
   if (err != cudaSuccess) return err;
 
   assign_args aa;
@@ -571,9 +576,17 @@ extern "C" cudaError_t epx_cuda_layout_launch(const int32_t *topk_idx, const int
                                (int)assign_bytes);
     if (err != cudaSuccess) return err;
   }
-  layout_assign_kernel<<<(unsigned)(chunks > 0 ? chunks : 1), kAssignThreads, assign_bytes, stream>>>(aa);
-  return cudaGetLastError();
+  return launch_pdl(layout_assign_kernel, (unsigned)(chunks > 0 ? chunks : 1), kAssignThreads,
+                    assign_bytes, stream, aa);
 }
+
+/* Programmatic dependent launch of the routing and layout kernels (pdl.cuh):
+ * on unless turned off (the routing bench times both). */
+static std::atomic<int> g_pdl{1};
+
+extern "C" void epx_cuda_set_pdl(int on) { g_pdl.store(on ? 1 : 0, std::memory_order_relaxed); }
+
+extern "C" int epx_cuda_pdl_enabled(void) { return g_pdl.load(std::memory_order_relaxed); }
 
 extern "C" cudaError_t epx_cuda_recv_routing_ranks_launch(epx_layout_t layout, const epx_cuda_layout_t *lay,
                                                           const float *w, int32_t K, int32_t K_src,
