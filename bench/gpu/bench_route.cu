@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "cuda/launch.h"
+#include "cuda/route_common.cuh"
 #include "epx.h"
 
 #include "bench_check.h"
@@ -77,6 +78,65 @@ double graph_us(cudaStream_t s, int reps, int copies, F &&body) {
 }
 
 constexpr int kCopies = 20; /* bodies per graph for the device-time figures */
+
+/* Every float bit pattern from `first` on, a thread per pattern: the fast
+ * float32 sigmoid (route_dev::sigmoid_f32_try, then the exact expression
+ * where it says redo, as route_fast does) against epx_route_sigmoid_f32, bit
+ * for bit. Counts differing patterns (the first in *first_bad) and redos. */
+__global__ void sigmoid_exhaustive_kernel(unsigned first, unsigned long long *bad,
+                                          unsigned long long *redos, unsigned *first_bad) {
+  const unsigned u = first + blockIdx.x * blockDim.x + threadIdx.x;
+  const float l = __uint_as_float(u);
+  bool redo;
+  float f = route_dev::sigmoid_f32_try(l, redo);
+  if (redo) f = epx_route_sigmoid_f32(l);
+  const float want = epx_route_sigmoid_f32(l);
+  const bool differ = __float_as_uint(f) != __float_as_uint(want);
+  const unsigned nb = __popc(__ballot_sync(0xffffffffu, differ));
+  const unsigned nr = __popc(__ballot_sync(0xffffffffu, redo));
+  if ((threadIdx.x & 31) == 0) {
+    if (nb) atomicAdd(bad, nb);
+    if (nr) atomicAdd(redos, nr);
+  }
+  if (differ) atomicMin(first_bad, u);
+}
+
+/* All 2^32 inputs of the routing's float32 sigmoid (issue 9 item 5: the
+ * fast one must give the spec's bits everywhere); returns whether none
+ * differs. */
+bool check_sigmoid_exhaustive() {
+  unsigned long long *d_cnt;
+  unsigned *d_first;
+  CK(cudaMalloc(&d_cnt, 16));
+  CK(cudaMalloc(&d_first, 4));
+  CK(cudaMemset(d_cnt, 0, 16));
+  CK(cudaMemset(d_first, 0xff, 4));
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  CK(cudaEventRecord(e0));
+  const unsigned per = 1u << 30; /* patterns per launch: 2^22 blocks of 256 */
+  for (unsigned part = 0; part < 4; part++)
+    sigmoid_exhaustive_kernel<<<per / 256, 256>>>(part * per, d_cnt, d_cnt + 1, d_first);
+  CK(cudaGetLastError());
+  CK(cudaEventRecord(e1));
+  CK(cudaEventSynchronize(e1));
+  float ms = 0.f;
+  CK(cudaEventElapsedTime(&ms, e0, e1));
+  unsigned long long cnt[2];
+  unsigned first_bad;
+  CK(cudaMemcpy(cnt, d_cnt, 16, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(&first_bad, d_first, 4, cudaMemcpyDeviceToHost));
+  printf("CHECK %-48s %llu of 2^32 differ (first 0x%08x), %llu took the exact fallback "
+         "(%.2e of all), %.1f ms: %s\n", "(sigmoid: every float input, bit for bit)", cnt[0],
+         cnt[0] ? first_bad : 0u, cnt[1], (double)cnt[1] / 4294967296.0, ms,
+         cnt[0] == 0 ? "ok" : "FAILED");
+  CK(cudaEventDestroy(e0));
+  CK(cudaEventDestroy(e1));
+  CK(cudaFree(d_cnt));
+  CK(cudaFree(d_first));
+  return cnt[0] == 0;
+}
 
 struct option_row {
   const char *name;
@@ -279,7 +339,7 @@ int main() {
   CK(cudaMalloc(&d_aux, 4));
   CK(cudaMalloc(&d_z, 4));
 
-  bool ok = true;
+  bool ok = check_sigmoid_exhaustive();
   double target_us = -1, target1_us = -1;
   /* EPX_BENCH_ROUTE_ROWS=n: the first n rows only (for a profiler run). */
   const char *rows_env = getenv("EPX_BENCH_ROUTE_ROWS");
@@ -324,6 +384,17 @@ int main() {
     if (i == 0) {
       target_us = both_us;
       target1_us = both1;
+    }
+    if (i < 2) {
+      /* the same without programmatic dependent launch (src/cuda/pdl.cuh) */
+      epx_cuda_set_pdl(0);
+      const double r0 = graph_us(s, 50, kCopies, route_once), l0 = graph_us(s, 50, kCopies, layout_once),
+                   b0 = graph_us(s, 50, kCopies, both_once), b01 = graph_us(s, 200, 1, both_once);
+      epx_cuda_set_pdl(1);
+      printf("RESULT shape=8192x256top8 route=\"%s\" without PDL: route_us=%.1f layout_us=%.1f "
+             "route+layout_us=%.1f (%d per graph); one per graph: %.1f\n", ROWS[i].name, r0, l0, b0,
+             kCopies, b01);
+      ok &= r0 > 0 && l0 > 0 && b0 > 0 && b01 > 0;
     }
     /* a capture that failed (-1) timed nothing and ran nothing: not a pass */
     const bool timed = route1 > 0 && layout1 > 0 && both1 > 0 && route_us > 0 && layout_us > 0 && both_us > 0;
