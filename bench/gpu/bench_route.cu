@@ -241,6 +241,71 @@ bool check_layout(const own_layout &o, const int32_t *d_idx, const float *d_w, c
   return bad == 0;
 }
 
+/* The expert-major layout (alignment 1) of a random routing of T x K over E
+ * experts (about 10% of routes -1) under launch flags `flags`, against the
+ * host's: counts, offsets, every route's row and every row's route. The
+ * launch choices change the layout's chunks (EPX_CUDA_LAYOUT_NARROW) and
+ * launches, never its result; these shapes take the one-segment and the
+ * staged paths. */
+bool check_layout_shape(int64_t t_n, int32_t k_n, int32_t e_n, int flags, uint64_t seed,
+                        cudaStream_t s) {
+  const size_t tk = (size_t)(t_n * k_n);
+  std::vector<int32_t> idx(tk), lidx(tk), row(tk), src(tk);
+  std::vector<float> w(tk), wc(tk);
+  std::vector<int> perm(e_n);
+  for (int e = 0; e < e_n; e++) perm[e] = e;
+  for (int64_t t = 0; t < t_n; t++) {
+    for (int k = 0; k < k_n; k++) { /* a partial shuffle: K distinct experts */
+      seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+      const int j = k + (int)((seed >> 33) % (uint64_t)(e_n - k));
+      std::swap(perm[k], perm[j]);
+      idx[(size_t)t * k_n + k] = ((seed >> 20) & 1023) < 100 ? -1 : perm[k];
+      w[(size_t)t * k_n + k] = (float)((seed >> 40) & 0xffff) / 65536.0f;
+    }
+  }
+  own_layout o = make_own_layout(t_n, k_n, e_n, 0);
+  int32_t *d_idx;
+  float *d_w;
+  CK(cudaMalloc(&d_idx, 4 * tk));
+  CK(cudaMalloc(&d_w, 4 * tk));
+  CK(cudaMemcpy(d_idx, idx.data(), 4 * tk, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(d_w, w.data(), 4 * tk, cudaMemcpyHostToDevice));
+  epx_cuda_set_launch_flags(flags);
+  CK(epx_cuda_layout_launch(d_idx, nullptr, d_w, o.w_copy, t_n, k_n, e_n, EPX_LAYOUT_EXPERT_MAJOR, 1, 0,
+                            &o.lay, o.scratch, s));
+  epx_cuda_set_launch_flags(EPX_CUDA_LAUNCH_DEFAULT);
+  CK(cudaStreamSynchronize(s));
+  std::vector<int64_t> counts(e_n), offsets(e_n + 1), want(e_n, 0), next(e_n);
+  epx_cuda_layout_result_t res;
+  CK(cudaMemcpy(lidx.data(), o.lay.idx, 4 * tk, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(row.data(), o.lay.route_row, 4 * tk, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(wc.data(), o.w_copy, 4 * tk, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(counts.data(), o.lay.counts, 8 * (size_t)e_n, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(offsets.data(), o.lay.offsets, 8 * ((size_t)e_n + 1), cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(&res, o.lay.result, sizeof res, cudaMemcpyDeviceToHost));
+  for (size_t g = 0; g < tk; g++)
+    if (idx[g] >= 0) want[idx[g]]++;
+  int64_t rows = 0, bad = 0;
+  for (int e = 0; e < e_n; e++) {
+    bad += counts[e] != want[e] || offsets[e] != rows;
+    next[e] = rows;
+    rows += want[e];
+  }
+  bad += offsets[e_n] != rows || res.rows != rows || res.error != EPX_CUDA_NO_ERROR;
+  if (rows > 0) CK(cudaMemcpy(src.data(), o.lay.row_src, 4 * (size_t)rows, cudaMemcpyDeviceToHost));
+  for (size_t g = 0; g < tk; g++) {
+    const int e = idx[g];
+    const int64_t r = e >= 0 ? next[e]++ : -1;
+    bad += lidx[g] != e || row[g] != r || wc[g] != w[g] || (r >= 0 && src[r] != (int32_t)g);
+  }
+  printf("CHECK %-48s T=%lld K=%d E=%d flags %2d: %lld differ: %s\n", "(expert-major layout, shape)",
+         (long long)t_n, k_n, e_n, flags, (long long)bad, bad == 0 ? "ok" : "FAILED");
+  CK(cudaFree(d_idx));
+  CK(cudaFree(d_w));
+  free_own_layout(o);
+  return bad == 0;
+}
+
 /* The GPU's routing against the float64 reference; returns whether it
  * agrees. full: with locations and both losses (the queue kernels);
  * otherwise the outputs the timed rows ask for (no locations, the losses
@@ -340,6 +405,17 @@ int main() {
   CK(cudaMalloc(&d_z, 4));
 
   bool ok = check_sigmoid_exhaustive();
+  {
+    static const int64_t kShapes[][3] = {{1000, 6, 64}, {4097, 2, 512}, {100000, 8, 256}, {100, 1, 8},
+                                         {8192, 8, 256}, {3, 4, 4096}};
+    static const int kLayoutFlags[] = {0, EPX_CUDA_LAUNCH_DEFAULT, EPX_CUDA_LAYOUT_NARROW,
+                                       EPX_CUDA_PDL_LAUNCH | EPX_CUDA_PDL_LAYOUT_EARLY |
+                                           EPX_CUDA_RANK_ALONE | EPX_CUDA_LAYOUT_NARROW};
+    uint64_t seed = 99;
+    for (const auto &sh : kShapes)
+      for (int f : kLayoutFlags)
+        ok &= check_layout_shape(sh[0], (int32_t)sh[1], (int32_t)sh[2], f, seed++, s);
+  }
   double target_us = -1, target1_us = -1;
   /* EPX_BENCH_ROUTE_ROWS=n: the first n rows only (for a profiler run). */
   const char *rows_env = getenv("EPX_BENCH_ROUTE_ROWS");
@@ -386,15 +462,28 @@ int main() {
       target1_us = both1;
     }
     if (i < 2) {
-      /* the same without programmatic dependent launch (src/cuda/pdl.cuh) */
-      epx_cuda_set_pdl(0);
-      const double r0 = graph_us(s, 50, kCopies, route_once), l0 = graph_us(s, 50, kCopies, layout_once),
-                   b0 = graph_us(s, 50, kCopies, both_once), b01 = graph_us(s, 200, 1, both_once);
-      epx_cuda_set_pdl(1);
-      printf("RESULT shape=8192x256top8 route=\"%s\" without PDL: route_us=%.1f layout_us=%.1f "
-             "route+layout_us=%.1f (%d per graph); one per graph: %.1f\n", ROWS[i].name, r0, l0, b0,
-             kCopies, b01);
-      ok &= r0 > 0 && l0 > 0 && b0 > 0 && b01 > 0;
+      /* the same under the other launch choices (launch.h's flags), each
+       * layout checked after its route + layout graph */
+      static const int kFlagSets[] = {
+          0, EPX_CUDA_LAYOUT_NARROW, EPX_CUDA_PDL_LAUNCH, EPX_CUDA_PDL_LAUNCH | EPX_CUDA_PDL_LAYOUT_EARLY,
+          EPX_CUDA_PDL_LAUNCH | EPX_CUDA_PDL_LAYOUT_EARLY | EPX_CUDA_PDL_ROUTE_EARLY,
+          EPX_CUDA_PDL_LAUNCH | EPX_CUDA_PDL_LAYOUT_EARLY | EPX_CUDA_RANK_ALONE,
+          EPX_CUDA_PDL_LAUNCH | EPX_CUDA_PDL_LAYOUT_EARLY | EPX_CUDA_PDL_ROUTE_EARLY | EPX_CUDA_RANK_ALONE,
+          EPX_CUDA_PDL_LAUNCH | EPX_CUDA_PDL_LAYOUT_EARLY | EPX_CUDA_LAYOUT_NARROW,
+          EPX_CUDA_PDL_LAUNCH | EPX_CUDA_PDL_LAYOUT_EARLY | EPX_CUDA_LAYOUT_NARROW | EPX_CUDA_RANK_ALONE,
+          EPX_CUDA_PDL_LAUNCH | EPX_CUDA_PDL_LAYOUT_EARLY | EPX_CUDA_PDL_ROUTE_EARLY |
+              EPX_CUDA_LAYOUT_NARROW | EPX_CUDA_RANK_ALONE};
+      for (int f : kFlagSets) {
+        epx_cuda_set_launch_flags(f);
+        const double r0 = graph_us(s, 50, kCopies, route_once), l0 = graph_us(s, 50, kCopies, layout_once),
+                     b0 = graph_us(s, 50, kCopies, both_once), b01 = graph_us(s, 200, 1, both_once);
+        printf("RESULT shape=8192x256top8 route=\"%s\" launch flags %2d%s: route_us=%.1f layout_us=%.1f "
+               "route+layout_us=%.1f (%d per graph); one per graph: %.1f\n", ROWS[i].name, f,
+               f == EPX_CUDA_LAUNCH_DEFAULT ? " (default)" : "", r0, l0, b0, kCopies, b01);
+        const bool t = r0 > 0 && l0 > 0 && b0 > 0 && b01 > 0;
+        ok &= t && check_layout(o, d_idx, d_w, s);
+      }
+      epx_cuda_set_launch_flags(EPX_CUDA_LAUNCH_DEFAULT);
     }
     /* a capture that failed (-1) timed nothing and ran nothing: not a pass */
     const bool timed = route1 > 0 && layout1 > 0 && both1 > 0 && route_us > 0 && layout_us > 0 && both_us > 0;

@@ -5,10 +5,10 @@
  * memory access: the order of the stream is kept, and what is overlapped is
  * the launch of the next grid (its blocks are resident and waiting when the
  * last block of the one ahead ends), about a microsecond a kernel, which is
- * most of the layout's two short kernels. A kernel lets the next one launch
- * once it runs (pdl_begin), so the next one's blocks only take the slots
- * that the running grid's last wave leaves free. Included by .cu files
- * only. */
+ * most of the layout's two short kernels. A kernel that lets the next one
+ * launch once it runs (pdl_begin's early) has all its blocks running by
+ * then, so the next one's blocks only take the slots its last wave leaves
+ * free. Included by .cu files only. */
 #ifndef EPX_CUDA_PDL_CUH
 #define EPX_CUDA_PDL_CUH
 
@@ -19,21 +19,24 @@
 #include "cuda/launch.h"
 
 /* First thing in a kernel launched by launch_pdl: wait for the grid ahead
- * (a no-op when it was launched without the attribute or has none), then
- * allow the next one to launch. Nothing before it may touch global memory. */
-__device__ __forceinline__ void pdl_begin() {
+ * (a no-op when it was launched without the attribute or has none), then,
+ * with early, allow the next one to launch (else it may when this one
+ * ends). Nothing before it may touch global memory. */
+__device__ __forceinline__ void pdl_begin(bool early) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  if (early) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#else
+  (void)early;
 #endif
 }
 
 /* Whether the current device takes programmatic dependent launch (compute
- * capability 9.0 or later) and epx_cuda_set_pdl has not turned it off;
+ * capability 9.0 or later) and the launch flags ask for it (launch.h);
  * otherwise the kernels launch as <<<>>> does. */
 inline bool pdl_supported() {
   int dev = 0, major = 0;
-  if (!epx_cuda_pdl_enabled()) return false;
+  if (!(epx_cuda_launch_flags() & EPX_CUDA_PDL_LAUNCH)) return false;
   if (cudaGetDevice(&dev) != cudaSuccess ||
       cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
     cudaGetLastError(); /* not this launch's error */

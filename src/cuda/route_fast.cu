@@ -203,8 +203,8 @@ constexpr int fast_min_blocks() {
 
 template <int V, int SCORE>
 __global__ void __launch_bounds__(kFastWarps * 32, (fast_min_blocks<V, SCORE>()))
-    route_fast_kernel(const FastArgs a) {
-  pdl_begin();
+    route_fast_kernel(const FastArgs a, int pdl_early) {
+  pdl_begin(pdl_early != 0);
   const int lane = threadIdx.x & 31;
   const long long t = (long long)blockIdx.x * kFastWarps + (threadIdx.x >> 5);
   if (t >= a.T) return; /* whole warps */
@@ -260,7 +260,8 @@ __global__ void __launch_bounds__(kFastWarps * 32, (fast_min_blocks<V, SCORE>())
 template <int V, int SCORE>
 cudaError_t launch_fast(const FastArgs &a, cudaStream_t stream) {
   const unsigned blocks = (unsigned)((a.T + kFastWarps - 1) / kFastWarps);
-  return launch_pdl(route_fast_kernel<V, SCORE>, blocks, kFastWarps * 32, 0, stream, a);
+  const int early = (epx_cuda_launch_flags() & EPX_CUDA_PDL_ROUTE_EARLY) != 0;
+  return launch_pdl(route_fast_kernel<V, SCORE>, blocks, kFastWarps * 32, 0, stream, a, early);
 }
 
 template <int V>

@@ -20,7 +20,7 @@
  * tested. The others are plain normal logits.
  *
  * The one-kernel forward's cases also run with programmatic dependent
- * launch turned off (epx_cuda_set_pdl). Also: NaN/Inf tokens dropped or
+ * launch turned off (epx_cuda_set_launch_flags). Also: NaN/Inf tokens dropped or
  * refused (outputs untouched, message naming the first bad token), an empty
  * batch, grad_logits aliasing logits, and the time of one routing call of
  * 8192 tokens x 256 experts, top-8.
@@ -674,12 +674,12 @@ static void test_fast_cases(void **state) {
  * by programmatic dependent launch (src/cuda/pdl.cuh): the same results. */
 static void test_fast_cases_without_pdl(void **state) {
   (void)state;
-  epx_cuda_set_pdl(0);
+  epx_cuda_set_launch_flags(0);
   const size_t n = sizeof FAST_CASES / sizeof FAST_CASES[0];
   for (size_t i = 0; i < n; i++)
     if (FAST_CASES[i].c.T * FAST_CASES[i].c.E <= (int64_t)1 << 20)
       run_case_with(&FAST_CASES[i].c, FAST_CASES[i].options, 0xfa58000u + i, NULL);
-  epx_cuda_set_pdl(1);
+  epx_cuda_set_launch_flags(EPX_CUDA_LAUNCH_DEFAULT);
 }
 
 /* A NaN/Inf logit under EPX_NONFINITE_ERROR: refused, naming the first bad
