@@ -1,7 +1,7 @@
 /* The expert-parallel exchange on W GPUs (one process per GPU, under
  * mpirun), side by side with NCCL's all-to-all of the same rows in the same
  * run. Shapes of the issue: T = 8192 and 4096 tokens per rank, H = 7168,
- * 256 experts, top-8, bf16, uniform and skewed routing; every layout and
+ * 256 experts, top-8, bf16, uniform and Zipf-skewed routing; every layout and
  * both exchanges; payload-dtype and float32 combine partials.
  *
  * Before timing, each configuration is checked: x is provenance-coded, so
@@ -19,10 +19,15 @@
  *
  * Every dedup buffer runs EPX_PATH_FUSED (the fused NVLink kernels where
  * every peer is reachable by load/store, expert-major too; AUTO takes them
- * for rank-major only); the rows named
- * "path=host" force EPX_PATH_HOST, and the fused rank-major rows are swept
- * over config.sm_budget (8/16/24/32 CTAs) beside them: the fused vs host
- * comparison in one run. The path each buffer took is printed (path=...).
+ * for rank-major only), and the expert-major dedup rows once more on AUTO
+ * (the host path: the default's choice); the sweep's "path=host" rows force
+ * EPX_PATH_HOST, and the fused rank-major rows are swept over
+ * config.sm_budget (8/16/24/32/48/64/132 CTAs) beside them: the fused vs
+ * host comparison in one run. The path each buffer took is printed
+ * (path=...). Each row also times the backward passes (no grad_w) and sets
+ * the exchange beside the NVLink floor (the remote rows at 450 GB/s). The
+ * expert-major dedup rows are written to <workdir>/ep_permute.txt, for
+ * bench_torch_ep.py's PyTorch permute baseline.
  *
  * The SM-budget sweep of whole steps (section "step"): an expert-major MoE
  * layer on two micro-batches of T tokens per rank, the exchange on the
@@ -42,7 +47,7 @@
  * budget), step (the whole-step sweep).
  *
  * Usage: mpirun -np 2 bench_ep <workdir>   (RESULT / TARGET / CHECK lines;
- * writes <workdir>/ep_counts.txt for bench_torch_ep.py) */
+ * writes <workdir>/ep_counts.txt and ep_permute.txt for bench_torch_ep.py) */
 #define _POSIX_C_SOURCE 200809L
 #include <math.h>
 #include <mpi.h>
@@ -67,6 +72,7 @@ static int g_rank, g_size, g_bad;
 static cudaStream_t g_stream;
 static epx_comm_t g_comm;
 static FILE *g_counts;
+static FILE *g_permute; /* <workdir>/ep_permute.txt: the expert-major rows for bench_torch_ep.py */
 static epx_exchange_path_t g_path = EPX_PATH_FUSED; /* config.exchange_path of run()'s buffers */
 static int32_t g_sms;                              /* config.sm_budget (0: the default) */
 
@@ -78,16 +84,27 @@ static uint16_t x_bits(int s, int t, int h) {
   return (uint16_t)(b >> 16);
 }
 
-/* Top-8 of 256 distinct per token; skew: 60% of picks among the first 32
- * experts (rank 0's hottest), the rest uniform. */
+/* Top-8 of 256 distinct per token; skew: experts drawn from a Zipf(1.2)
+ * law (expert e with weight (e + 1)^-1.2: the hottest on rank 0), else
+ * uniform. */
+enum { ZIPF_S_TENTHS = 12 };
 static void make_routing(int T, int skew, int seed, int32_t *idx, float *w) {
+  static double cdf[E];
+  double total = 0;
+  for (int e = 0; e < E; e++) total += pow(e + 1.0, -ZIPF_S_TENTHS / 10.0), cdf[e] = total;
   uint64_t z = mix((uint64_t)seed * 7919u + (uint64_t)g_rank);
   for (int t = 0; t < T; t++)
     for (int k = 0; k < K; k++) {
       int e, dup;
       do {
         z = mix(z);
-        e = skew && (z >> 50) % 10 < 6 ? (int)((z >> 8) % 32) : (int)((z >> 8) % E);
+        if (skew) {
+          const double u = (double)(z >> 11) * 0x1p-53 * total;
+          e = 0;
+          while (e < E - 1 && cdf[e] <= u) e++;
+        } else {
+          e = (int)((z >> 8) % E);
+        }
         dup = 0;
         for (int j = 0; j < k; j++) dup |= idx[t * K + j] == e;
       } while (dup);
@@ -134,6 +151,7 @@ typedef struct {
   epx_handle_t h;
   epx_routing_t routing;
   void *x, *recv, *out;
+  void *grad_recv, *grad_x; /* the backward passes' outputs */
   int64_t cap;
   /* baseline */
   ncclComm_t nc;
@@ -148,6 +166,16 @@ static void op_dispatch(void *p) {
 static void op_combine(void *p) {
   bench_t *b = p;
   OK(epx_combine(b->buf, b->h, b->recv, b->out));
+}
+/* The backward passes (no grad_w): dispatch_backward is the fused combine's
+ * kernels, combine_backward the fused dispatch's (fused.h). */
+static void op_dispatch_backward(void *p) {
+  bench_t *b = p;
+  OK(epx_dispatch_backward(b->buf, b->h, b->recv, b->grad_x, NULL, NULL));
+}
+static void op_combine_backward(void *p) {
+  bench_t *b = p;
+  OK(epx_combine_backward(b->buf, b->h, b->out, b->recv, b->grad_recv, NULL));
 }
 static void op_layout(void *p) {
   bench_t *b = p;
@@ -222,8 +250,14 @@ static void check(bench_t *b, const char *name, epx_layout_t layout, int T, cons
   cudaFree(src), cudaFree(tok);
 }
 
-static void run(int T, int skew, epx_layout_t layout, epx_exchange_t exchange, epx_combine_precision_t precision,
-                ncclComm_t nc) {
+/* What run() measured, for the skew comparison: rank 0's medians and the
+ * most bytes any rank received. */
+typedef struct {
+  double dispatch_ms, combine_ms, max_bytes_in;
+} run_result_t;
+
+static run_result_t run(int T, int skew, epx_layout_t layout, epx_exchange_t exchange,
+                        epx_combine_precision_t precision, ncclComm_t nc) {
   char name[200];
   bench_t b = {0};
   b.nc = nc;
@@ -253,7 +287,7 @@ static void run(int T, int skew, epx_layout_t layout, epx_exchange_t exchange, e
   char sms[32] = "";
   if (paths[0] == EPX_PATH_FUSED) snprintf(sms, sizeof sms, " sms=%d", g_sms ? g_sms : DEFAULT_SM_BUDGET);
   snprintf(name, sizeof name, "T=%d routing=%s layout=%s exchange=%s partials=%s path=%s%s", T,
-           skew ? "skewed" : "uniform", layout == EPX_LAYOUT_RANK_MAJOR ? "rank-major" : "expert-major",
+           skew ? "zipf1.2" : "uniform", layout == EPX_LAYOUT_RANK_MAJOR ? "rank-major" : "expert-major",
            exchange == EPX_EXCHANGE_DEDUP ? "dedup" : "collective",
            precision == EPX_COMBINE_PARTIALS_PAYLOAD ? "payload" : "float32",
            paths[0] == EPX_PATH_FUSED ? "fused" : "host", sms);
@@ -266,6 +300,8 @@ static void run(int T, int skew, epx_layout_t layout, epx_exchange_t exchange, e
   CU(cudaMemcpy(b.x, xh, (size_t)T * rb, cudaMemcpyHostToDevice));
   CU(cudaMalloc(&b.recv, (size_t)b.cap * rb));
   CU(cudaMalloc(&b.out, (size_t)T * rb));
+  CU(cudaMalloc(&b.grad_recv, (size_t)b.cap * rb));
+  CU(cudaMalloc(&b.grad_x, (size_t)T * rb));
   OK(epx_dispatch_layout(b.buf, &b.routing, NULL, &b.h));
   OK(epx_dispatch(b.buf, b.h, b.x, b.recv, b.cap));
   check(&b, name, layout, T, idx);
@@ -288,14 +324,31 @@ static void run(int T, int skew, epx_layout_t layout, epx_exchange_t exchange, e
   }
 
   const timing_t dispatch = time_op(op_dispatch, &b), combine = time_op(op_combine, &b),
-                 full = time_op(op_full, &b), layout_t = time_op(op_layout, &b), a2a = time_op(op_a2a, &b);
+                 full = time_op(op_full, &b), layout_t = time_op(op_layout, &b), a2a = time_op(op_a2a, &b),
+                 dispatch_bwd = time_op(op_dispatch_backward, &b), combine_bwd = time_op(op_combine_backward, &b);
   const double bytes = (double)recv_total * (double)rb;
+  run_result_t result = {dispatch.ms, combine.ms, 0};
+  MPI_Allreduce(&bytes, &result.max_bytes_in, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+  /* The NVLink floor: the remote rows at 450 GB/s, one direction of the
+   * H200's 18 links (shared/PERFORMANCE.md). */
+  const double floor_ms = (double)st.send_bytes / 450e9 * 1e3;
   if (g_rank == 0) {
     printf("RESULT %s dispatch_ms=%.4f (slowest %.4f) combine_ms=%.4f full_dispatch_ms=%.4f layout_us=%.1f "
            "nccl_a2a_ms=%.4f rows_in=%lld remote_rows_out=%lld bytes_in=%.0f dispatch_GBps=%.0f combine_GBps=%.0f "
-           "dispatch/a2a=%.3f\n",
+           "dispatch/a2a=%.3f dispatch_backward_ms=%.4f combine_backward_ms=%.4f nvlink_floor_ms=%.4f "
+           "dispatch/floor=%.2f combine/floor=%.2f\n",
            name, dispatch.ms, dispatch.worst_ms, combine.ms, full.ms, layout_t.ms * 1e3, a2a.ms, (long long)recv_total,
-           (long long)st.send_rows, bytes, bytes / dispatch.ms / 1e6, bytes / combine.ms / 1e6, dispatch.ms / a2a.ms);
+           (long long)st.send_rows, bytes, bytes / dispatch.ms / 1e6, bytes / combine.ms / 1e6, dispatch.ms / a2a.ms,
+           dispatch_bwd.ms, combine_bwd.ms, floor_ms, dispatch.ms / floor_ms, combine.ms / floor_ms);
+    /* the expert-major dispatch against a rank-major exchange plus a
+     * PyTorch permute of the same rows (bench_torch_ep.py times it) */
+    if (g_permute && layout == EPX_LAYOUT_EXPERT_MAJOR && exchange == EPX_EXCHANGE_DEDUP &&
+        precision == EPX_COMBINE_PARTIALS_PAYLOAD) {
+      int64_t N = 0;
+      OK(epx_handle_recv_rows(b.h, &N));
+      fprintf(g_permute, "%s rows_in=%lld expanded_rows=%lld dispatch_ms=%.4f T=%d\n", name, (long long)recv_total,
+              (long long)N, dispatch.ms, T);
+    }
     if (layout == EPX_LAYOUT_RANK_MAJOR && exchange == EPX_EXCHANGE_DEDUP && !skew &&
         precision == EPX_COMBINE_PARTIALS_PAYLOAD && g_path == EPX_PATH_FUSED && g_sms == 0) {
       if (T == 8192) {
@@ -305,12 +358,18 @@ static void run(int T, int skew, epx_layout_t layout, epx_exchange_t exchange, e
       }
       if (T == 4096)
         printf("TARGET cached dispatch / full dispatch (4096)            %.3f <= 0.85\n", dispatch.ms / full.ms);
+      printf("TARGET backward within 10%%: dispatch_backward / combine (%d) %.3f <= 1.10\n", T,
+             dispatch_bwd.ms / combine.ms);
+      printf("TARGET backward within 10%%: combine_backward / dispatch (%d) %.3f <= 1.10\n", T,
+             combine_bwd.ms / dispatch.ms);
     }
   }
   OK(epx_handle_release(b.h));
   OK(epx_buffer_destroy(b.buf));
   cudaFree(b.x), cudaFree(b.recv), cudaFree(b.out), cudaFree(b.a2a_send), cudaFree(b.a2a_recv), cudaFree(d_idx);
+  cudaFree(b.grad_recv), cudaFree(b.grad_x);
   free(idx), free(w), free(xh), free(b.send_rows), free(b.recv_rows);
+  return result;
 }
 
 /* The layout with worst_case_sizing: no host wait, events around it. */
@@ -627,6 +686,8 @@ int main(int argc, char **argv) {
     char path[512];
     snprintf(path, sizeof path, "%s/ep_counts.txt", argv[1]);
     g_counts = fopen(path, "w");
+    snprintf(path, sizeof path, "%s/ep_permute.txt", argv[1]);
+    g_permute = fopen(path, "w");
   }
   if (g_rank == 0) {
     int version = 0;
@@ -638,12 +699,25 @@ int main(int argc, char **argv) {
     const int T = tokens[ti];
     if (section("main")) {
       run_worst_layout(T);
+      run_result_t dedup[2];
       for (int skew = 0; skew < 2; skew++) {
-        run(T, skew, EPX_LAYOUT_RANK_MAJOR, EPX_EXCHANGE_DEDUP, EPX_COMBINE_PARTIALS_PAYLOAD, nc);
+        dedup[skew] = run(T, skew, EPX_LAYOUT_RANK_MAJOR, EPX_EXCHANGE_DEDUP, EPX_COMBINE_PARTIALS_PAYLOAD, nc);
         run(T, skew, EPX_LAYOUT_RANK_MAJOR, EPX_EXCHANGE_COLLECTIVE, EPX_COMBINE_PARTIALS_PAYLOAD, nc);
         run(T, skew, EPX_LAYOUT_EXPERT_MAJOR, EPX_EXCHANGE_DEDUP, EPX_COMBINE_PARTIALS_PAYLOAD, nc);
         run(T, skew, EPX_LAYOUT_EXPERT_MAJOR, EPX_EXCHANGE_DEDUP, EPX_COMBINE_PARTIALS_FLOAT32, nc);
+        /* the default's choice for expert-major (AUTO: the host path) */
+        g_path = EPX_PATH_AUTO;
+        run(T, skew, EPX_LAYOUT_EXPERT_MAJOR, EPX_EXCHANGE_DEDUP, EPX_COMBINE_PARTIALS_PAYLOAD, nc);
+        g_path = EPX_PATH_FUSED;
         run(T, skew, EPX_LAYOUT_EXPERT_MAJOR, EPX_EXCHANGE_COLLECTIVE, EPX_COMBINE_PARTIALS_PAYLOAD, nc);
+      }
+      /* Zipf skew: time may grow by no more than the busiest rank's bytes */
+      const double grow = dedup[1].max_bytes_in / dedup[0].max_bytes_in;
+      if (g_rank == 0) {
+        printf("TARGET skewed / uniform dispatch time (%d) vs bytes      %.3f <= %.3f\n", T,
+               dedup[1].dispatch_ms / dedup[0].dispatch_ms, grow);
+        printf("TARGET skewed / uniform combine time (%d) vs bytes       %.3f <= %.3f\n", T,
+               dedup[1].combine_ms / dedup[0].combine_ms, grow);
       }
     }
     if (section("sweep")) {
@@ -653,9 +727,10 @@ int main(int argc, char **argv) {
       g_path = EPX_PATH_HOST;
       run(T, 0, EPX_LAYOUT_RANK_MAJOR, EPX_EXCHANGE_DEDUP, EPX_COMBINE_PARTIALS_PAYLOAD, nc);
       g_path = EPX_PATH_FUSED;
-      /* 0: the default (DEFAULT_SM_BUDGET), run by the main section if asked */
-      const int32_t budgets[] = {8, 16, 24, 0};
-      for (int si = 0; si < 4; si++) {
+      /* 0: the default (DEFAULT_SM_BUDGET), run by the main section if
+       * asked; 48 / 64 / 132 (every SM of an H200): what the targets need */
+      const int32_t budgets[] = {8, 16, 24, 0, 48, 64, 132};
+      for (int si = 0; si < 7; si++) {
         if (budgets[si] == 0 && section("main")) continue;
         g_sms = budgets[si];
         run(T, 0, EPX_LAYOUT_RANK_MAJOR, EPX_EXCHANGE_DEDUP, EPX_COMBINE_PARTIALS_PAYLOAD, nc);
@@ -665,6 +740,7 @@ int main(int argc, char **argv) {
   }
   if (section("step")) run_step_sweep(4096);
   if (g_counts) fclose(g_counts);
+  if (g_permute) fclose(g_permute);
   ncclCommDestroy(nc);
   OK(epx_comm_destroy(g_comm));
   if (g_rank == 0) printf("bench_ep: %s\n", g_bad ? "FAILED" : "OK");
