@@ -19,7 +19,9 @@
  *           into offsets (every block the same; block 0 writes them and N),
  *           and writes row = offset + base + rank and row_src.
  *
- * At most kMaxChunks chunks, and each warp walks at least kWarpRoutes routes.
+ * At most kMaxChunks chunks, and each warp walks at least kWarpRoutes routes
+ * in blocks of up to 8 warps (expert-major with EPX_CUDA_LAYOUT_NARROW:
+ * kNarrowRoutes in blocks of up to 16, half the rounds per warp).
  * Bytes: the routing read once (4*T*K, + 4*T*K locations, + 8*T*K weights
  * copied), ids and rows written (8*T*K), re-read and rewritten (16*T*K),
  * row_src written (4*N), the counts 4*chunks*(E+1)*(1 + chunks): about 3 MB
@@ -33,7 +35,7 @@
 
 namespace {
 
-constexpr int kMaxRankWarps = 16;  /* warps per rank block (one chunk), at most */
+constexpr int kMaxRankWarps = 16;  /* warps per rank block (one chunk), at most (narrow) */
 constexpr int kWarpRoutes = 128;   /* routes a warp walks, at least (4 rounds) */
 constexpr int kNarrowWarps = 16;   /* EPX_CUDA_LAYOUT_NARROW: up to 16 warps of 64 routes */
 constexpr int kNarrowRoutes = 64;
@@ -537,7 +539,7 @@ extern "C" cudaError_t epx_cuda_layout_launch(const int32_t *topk_idx, const int
    * routes (kNarrowRoutes with EPX_CUDA_LAYOUT_NARROW), at most kMaxChunks
    * chunks. */
   const int flags = epx_cuda_launch_flags();
-  const bool narrow = (flags & EPX_CUDA_LAYOUT_NARROW) != 0;
+  const bool narrow = (flags & EPX_CUDA_LAYOUT_NARROW) != 0 && layout == EPX_LAYOUT_EXPERT_MAJOR;
   int smem_sm = 0, smem_optin = 0, sms = 0, dev = 0;
   err = cudaGetDevice(&dev);
   if (err == cudaSuccess)
