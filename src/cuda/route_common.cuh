@@ -84,21 +84,22 @@ static __device__ const double kExp2Sixtyfourths[64] = {
     0x1.ea4afa2a490dap+0, 0x1.efa1bee615a27p+0, 0x1.f50765b6e4540p+0, 0x1.fa7c1819e90d8p+0,
 };
 
-/* Step 1's float32 sigmoid, epx_route_sigmoid_f32(l) bit for bit, at about
- * a third of its cost (that double exp and division were ~30% of
- * route_fast's instructions). Returns the float32 rounding of y, an
- * approximation of the sigmoid, and sets redo when y lies within kNear
- * double ulps of a float32 rounding midpoint or below float32's normal range
- * (or l is NaN); then the caller must take epx_route_sigmoid_f32(l) instead.
- * Otherwise the two agree: y and the exact sigmoid differ by < 2^-44 y
- * (< 2^9 ulps of y: e^r by Taylor to r^4 on |r| <= 0.00547, < 4.1e-14;
- * c3 = 1/6 to 21 bits, < 6.6e-15; r from ln2/64 rounded, < 9.2e-15; the
- * reciprocal's cubic step, e0^3 with rcp.approx's error e0 (it reads the
- * high word, |e0| ~ 2^-20) ~ 2^-60; and roundings), epx_route_sigmoid_f32's double by < 4 ulps (CUDA's exp is
- * within 1 ulp, the add and division round once), so no midpoint lies
- * between them and both round to the same float. bench/gpu/bench_route.cu
- * checks all 2^32 inputs against epx_route_sigmoid_f32. Expected redo rate
- * 2 kNear / 2^29 = 2^-16 per score.
+/* Step 1's float32 sigmoid, epx_route_sigmoid_f32(l) bit for bit, in about
+ * half its instructions (~33 in SASS, was ~70; that double exp and division
+ * were ~30% of route_fast's instructions). Returns the float32 rounding of
+ * y, an approximation of the sigmoid, and sets redo when y lies within
+ * kNear double ulps of a float32 rounding midpoint or below float32's
+ * normal range (or l is NaN); then the caller must take
+ * epx_route_sigmoid_f32(l) instead. Otherwise the two agree: y and the
+ * exact sigmoid differ by < 2^-44 y, i.e. < 2^9 ulps of y (e^r by Taylor to
+ * r^4 on |r| <= 0.00547, < 4.1e-14; c3 = 1/6 to 21 bits, < 6.6e-15; r from
+ * ln2/64 rounded, < 9.2e-15; the reciprocal's cubic step, e0^3 with
+ * rcp.approx's error e0, ~2^-20 as it reads the high word; roundings), and
+ * epx_route_sigmoid_f32's double and the exact one by < 4 ulps (CUDA's exp
+ * is within 1 ulp, the add and the division round once), so no midpoint
+ * lies between y and that double: both round to the same float.
+ * bench/gpu/bench_route.cu checks all 2^32 inputs (0 differ on an H200).
+ * Redo rate: at most 2 kNear / 2^29 = 2^-16 per score in (-87, 60).
  * Clamping l to [-105, 60] keeps every result: sigmoid(60) rounds to 1 and
  * sigmoid(-105) < 2^-150 to 0 (taken by redo, as below 2^-126); NaN clamps
  * to -105 and takes redo too. */
@@ -131,7 +132,7 @@ __device__ __forceinline__ float sigmoid_f32_try(float l, bool &redo) {
 
 /* epx_route_sigmoid_f32 of V scores: sigmoid_f32_try, then the exact
  * double expression for the few it cannot vouch for (a branch that a
- * warp takes for ~1 token in 250 at E = 256). */
+ * warp takes for at most ~1 token in 250 at E = 256). */
 template <int V>
 __device__ __forceinline__ void sigmoid_f32_v(const float (&x)[V], float (&p)[V]) {
   unsigned redo = 0u;
