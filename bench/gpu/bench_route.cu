@@ -8,10 +8,13 @@
  * replays: 20 bodies per graph back to back (device time; median of 50
  * replays / 20), and one body per graph (median of 200, which includes the
  * host's launch of each replay). After the timing the layout of the last
- * routing is checked against the host's. The target row is
- * DeepSeek-V3's router (sigmoid scores with a bias, 8 groups of which 4 kept,
- * renormalised, scaled 2.5) plus the expert-major layout: under 25 us. The
- * other rows are the cost of each routing option beside it.
+ * routing is checked against the host's. Before the rows: the fast float32
+ * sigmoid of the one-kernel routing against the spec's on all 2^32 inputs,
+ * and the expert-major layout of a few shapes under the launch flags
+ * (launch.h); the first two rows are also timed under each flag set. The
+ * target row is DeepSeek-V3's router (sigmoid scores with a bias, 8 groups
+ * of which 4 kept, renormalised, scaled 2.5) plus the expert-major layout:
+ * under 25 us. The other rows are the cost of each routing option beside it.
  *
  * Build and run (bench/gpu-check.sh does):
  *   nvcc -O3 -std=c++17 -arch=sm_90 -Iinclude -Isrc bench/gpu/bench_route.cu \
@@ -30,6 +33,7 @@
 #include <vector>
 
 #include "cuda/launch.h"
+#include "cuda/route_common.cuh"
 #include "epx.h"
 
 #include "bench_check.h"
@@ -77,6 +81,65 @@ double graph_us(cudaStream_t s, int reps, int copies, F &&body) {
 }
 
 constexpr int kCopies = 20; /* bodies per graph for the device-time figures */
+
+/* Every float bit pattern from `first` on, a thread per pattern: the fast
+ * float32 sigmoid (route_dev::sigmoid_f32_try, then the exact expression
+ * where it says redo, as route_fast does) against epx_route_sigmoid_f32, bit
+ * for bit. Counts differing patterns (the first in *first_bad) and redos. */
+__global__ void sigmoid_exhaustive_kernel(unsigned first, unsigned long long *bad,
+                                          unsigned long long *redos, unsigned *first_bad) {
+  const unsigned u = first + blockIdx.x * blockDim.x + threadIdx.x;
+  const float l = __uint_as_float(u);
+  bool redo;
+  float f = route_dev::sigmoid_f32_try(l, redo);
+  if (redo) f = epx_route_sigmoid_f32(l);
+  const float want = epx_route_sigmoid_f32(l);
+  const bool differ = __float_as_uint(f) != __float_as_uint(want);
+  const unsigned nb = __popc(__ballot_sync(0xffffffffu, differ));
+  const unsigned nr = __popc(__ballot_sync(0xffffffffu, redo));
+  if ((threadIdx.x & 31) == 0) {
+    if (nb) atomicAdd(bad, nb);
+    if (nr) atomicAdd(redos, nr);
+  }
+  if (differ) atomicMin(first_bad, u);
+}
+
+/* All 2^32 inputs of the routing's float32 sigmoid (issue 9 item 5: the
+ * fast one must give the spec's bits everywhere); returns whether none
+ * differs. */
+bool check_sigmoid_exhaustive() {
+  unsigned long long *d_cnt;
+  unsigned *d_first;
+  CK(cudaMalloc(&d_cnt, 16));
+  CK(cudaMalloc(&d_first, 4));
+  CK(cudaMemset(d_cnt, 0, 16));
+  CK(cudaMemset(d_first, 0xff, 4));
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  CK(cudaEventRecord(e0));
+  const unsigned per = 1u << 30; /* patterns per launch: 2^22 blocks of 256 */
+  for (unsigned part = 0; part < 4; part++)
+    sigmoid_exhaustive_kernel<<<per / 256, 256>>>(part * per, d_cnt, d_cnt + 1, d_first);
+  CK(cudaGetLastError());
+  CK(cudaEventRecord(e1));
+  CK(cudaEventSynchronize(e1));
+  float ms = 0.f;
+  CK(cudaEventElapsedTime(&ms, e0, e1));
+  unsigned long long cnt[2];
+  unsigned first_bad;
+  CK(cudaMemcpy(cnt, d_cnt, 16, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(&first_bad, d_first, 4, cudaMemcpyDeviceToHost));
+  printf("CHECK %-48s %llu of 2^32 differ (first 0x%08x), %llu took the exact fallback "
+         "(%.2e of all), %.1f ms: %s\n", "(sigmoid: every float input, bit for bit)", cnt[0],
+         cnt[0] ? first_bad : 0u, cnt[1], (double)cnt[1] / 4294967296.0, ms,
+         cnt[0] == 0 ? "ok" : "FAILED");
+  CK(cudaEventDestroy(e0));
+  CK(cudaEventDestroy(e1));
+  CK(cudaFree(d_cnt));
+  CK(cudaFree(d_first));
+  return cnt[0] == 0;
+}
 
 struct option_row {
   const char *name;
@@ -181,6 +244,71 @@ bool check_layout(const own_layout &o, const int32_t *d_idx, const float *d_w, c
   return bad == 0;
 }
 
+/* The expert-major layout (alignment 1) of a random routing of T x K over E
+ * experts (about 10% of routes -1) under launch flags `flags`, against the
+ * host's: counts, offsets, every route's row and every row's route. The
+ * launch choices change the layout's chunks (EPX_CUDA_LAYOUT_NARROW) and
+ * launches, never its result; these shapes take the one-segment and the
+ * staged paths. */
+bool check_layout_shape(int64_t t_n, int32_t k_n, int32_t e_n, int flags, uint64_t seed,
+                        cudaStream_t s) {
+  const size_t tk = (size_t)(t_n * k_n);
+  std::vector<int32_t> idx(tk), lidx(tk), row(tk), src(tk);
+  std::vector<float> w(tk), wc(tk);
+  std::vector<int> perm(e_n);
+  for (int e = 0; e < e_n; e++) perm[e] = e;
+  for (int64_t t = 0; t < t_n; t++) {
+    for (int k = 0; k < k_n; k++) { /* a partial shuffle: K distinct experts */
+      seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+      const int j = k + (int)((seed >> 33) % (uint64_t)(e_n - k));
+      std::swap(perm[k], perm[j]);
+      idx[(size_t)t * k_n + k] = ((seed >> 20) & 1023) < 100 ? -1 : perm[k];
+      w[(size_t)t * k_n + k] = (float)((seed >> 40) & 0xffff) / 65536.0f;
+    }
+  }
+  own_layout o = make_own_layout(t_n, k_n, e_n, 0);
+  int32_t *d_idx;
+  float *d_w;
+  CK(cudaMalloc(&d_idx, 4 * tk));
+  CK(cudaMalloc(&d_w, 4 * tk));
+  CK(cudaMemcpy(d_idx, idx.data(), 4 * tk, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(d_w, w.data(), 4 * tk, cudaMemcpyHostToDevice));
+  epx_cuda_set_launch_flags(flags);
+  CK(epx_cuda_layout_launch(d_idx, nullptr, d_w, o.w_copy, t_n, k_n, e_n, EPX_LAYOUT_EXPERT_MAJOR, 1, 0,
+                            &o.lay, o.scratch, s));
+  epx_cuda_set_launch_flags(EPX_CUDA_LAUNCH_DEFAULT);
+  CK(cudaStreamSynchronize(s));
+  std::vector<int64_t> counts(e_n), offsets(e_n + 1), want(e_n, 0), next(e_n);
+  epx_cuda_layout_result_t res;
+  CK(cudaMemcpy(lidx.data(), o.lay.idx, 4 * tk, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(row.data(), o.lay.route_row, 4 * tk, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(wc.data(), o.w_copy, 4 * tk, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(counts.data(), o.lay.counts, 8 * (size_t)e_n, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(offsets.data(), o.lay.offsets, 8 * ((size_t)e_n + 1), cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(&res, o.lay.result, sizeof res, cudaMemcpyDeviceToHost));
+  for (size_t g = 0; g < tk; g++)
+    if (idx[g] >= 0) want[idx[g]]++;
+  int64_t rows = 0, bad = 0;
+  for (int e = 0; e < e_n; e++) {
+    bad += counts[e] != want[e] || offsets[e] != rows;
+    next[e] = rows;
+    rows += want[e];
+  }
+  bad += offsets[e_n] != rows || res.rows != rows || res.error != EPX_CUDA_NO_ERROR;
+  if (rows > 0) CK(cudaMemcpy(src.data(), o.lay.row_src, 4 * (size_t)rows, cudaMemcpyDeviceToHost));
+  for (size_t g = 0; g < tk; g++) {
+    const int e = idx[g];
+    const int64_t r = e >= 0 ? next[e]++ : -1;
+    bad += lidx[g] != e || row[g] != r || wc[g] != w[g] || (r >= 0 && src[r] != (int32_t)g);
+  }
+  printf("CHECK %-48s T=%lld K=%d E=%d flags %2d: %lld differ: %s\n", "(expert-major layout, shape)",
+         (long long)t_n, k_n, e_n, flags, (long long)bad, bad == 0 ? "ok" : "FAILED");
+  CK(cudaFree(d_idx));
+  CK(cudaFree(d_w));
+  free_own_layout(o);
+  return bad == 0;
+}
+
 /* The GPU's routing against the float64 reference; returns whether it
  * agrees. full: with locations and both losses (the queue kernels);
  * otherwise the outputs the timed rows ask for (no locations, the losses
@@ -279,7 +407,18 @@ int main() {
   CK(cudaMalloc(&d_aux, 4));
   CK(cudaMalloc(&d_z, 4));
 
-  bool ok = true;
+  bool ok = check_sigmoid_exhaustive();
+  {
+    static const int64_t kShapes[][3] = {{1000, 6, 64}, {4097, 2, 512}, {100000, 8, 256}, {100, 1, 8},
+                                         {8192, 8, 256}, {3, 4, 4096}};
+    static const int kLayoutFlags[] = {
+        0, EPX_CUDA_PDL_LAUNCH | EPX_CUDA_PDL_LAYOUT_EARLY | EPX_CUDA_RANK_ALONE, EPX_CUDA_LAYOUT_NARROW,
+        EPX_CUDA_PDL_LAUNCH | EPX_CUDA_PDL_LAYOUT_EARLY | EPX_CUDA_RANK_ALONE | EPX_CUDA_LAYOUT_NARROW};
+    uint64_t seed = 99;
+    for (const auto &sh : kShapes)
+      for (int f : kLayoutFlags)
+        ok &= check_layout_shape(sh[0], (int32_t)sh[1], (int32_t)sh[2], f, seed++, s);
+  }
   double target_us = -1, target1_us = -1;
   /* EPX_BENCH_ROUTE_ROWS=n: the first n rows only (for a profiler run). */
   const char *rows_env = getenv("EPX_BENCH_ROUTE_ROWS");
@@ -324,6 +463,30 @@ int main() {
     if (i == 0) {
       target_us = both_us;
       target1_us = both1;
+    }
+    if (i < 2) {
+      /* the same under the other launch choices (launch.h's flags), each
+       * layout checked after its route + layout graph */
+      static const int kFlagSets[] = {
+          0, EPX_CUDA_LAYOUT_NARROW, EPX_CUDA_PDL_LAUNCH, EPX_CUDA_PDL_LAUNCH | EPX_CUDA_PDL_LAYOUT_EARLY,
+          EPX_CUDA_PDL_LAUNCH | EPX_CUDA_PDL_LAYOUT_EARLY | EPX_CUDA_PDL_ROUTE_EARLY,
+          EPX_CUDA_PDL_LAUNCH | EPX_CUDA_PDL_LAYOUT_EARLY | EPX_CUDA_RANK_ALONE,
+          EPX_CUDA_PDL_LAUNCH | EPX_CUDA_PDL_LAYOUT_EARLY | EPX_CUDA_PDL_ROUTE_EARLY | EPX_CUDA_RANK_ALONE,
+          EPX_CUDA_PDL_LAUNCH | EPX_CUDA_PDL_LAYOUT_EARLY | EPX_CUDA_LAYOUT_NARROW,
+          EPX_CUDA_PDL_LAUNCH | EPX_CUDA_PDL_LAYOUT_EARLY | EPX_CUDA_LAYOUT_NARROW | EPX_CUDA_RANK_ALONE,
+          EPX_CUDA_PDL_LAUNCH | EPX_CUDA_PDL_LAYOUT_EARLY | EPX_CUDA_PDL_ROUTE_EARLY |
+              EPX_CUDA_LAYOUT_NARROW | EPX_CUDA_RANK_ALONE};
+      for (int f : kFlagSets) {
+        epx_cuda_set_launch_flags(f);
+        const double r0 = graph_us(s, 50, kCopies, route_once), l0 = graph_us(s, 50, kCopies, layout_once),
+                     b0 = graph_us(s, 50, kCopies, both_once), b01 = graph_us(s, 200, 1, both_once);
+        printf("RESULT shape=8192x256top8 route=\"%s\" launch flags %2d%s: route_us=%.1f layout_us=%.1f "
+               "route+layout_us=%.1f (%d per graph); one per graph: %.1f\n", ROWS[i].name, f,
+               f == EPX_CUDA_LAUNCH_DEFAULT ? " (default)" : "", r0, l0, b0, kCopies, b01);
+        const bool t = r0 > 0 && l0 > 0 && b0 > 0 && b01 > 0;
+        ok &= t && check_layout(o, d_idx, d_w, s);
+      }
+      epx_cuda_set_launch_flags(EPX_CUDA_LAUNCH_DEFAULT);
     }
     /* a capture that failed (-1) timed nothing and ran nothing: not a pass */
     const bool timed = route1 > 0 && layout1 > 0 && both1 > 0 && route_us > 0 && layout_us > 0 && both_us > 0;

@@ -78,6 +78,34 @@ cudaError_t epx_cuda_layout_launch(const int32_t *topk_idx, const int32_t *locat
                                    const epx_cuda_layout_t *out, void *scratch,
                                    cudaStream_t stream);
 
+/* How the layout's two kernels and the one-kernel routing forward are
+ * launched, for the whole process: EPX_CUDA_LAUNCH_DEFAULT unless
+ * epx_cuda_set_launch_flags (the routing bench compares the choices, the
+ * tests run without programmatic dependent launch too). Every choice gives
+ * the same results. Bits:
+ *   EPX_CUDA_PDL_LAUNCH: programmatic dependent launch on sm_90+
+ *     (src/cuda/pdl.cuh: a kernel may start before the one ahead of it in
+ *     the stream ends, and waits for it before touching memory);
+ *   EPX_CUDA_PDL_ROUTE_EARLY, EPX_CUDA_PDL_LAYOUT_EARLY: the routing's /
+ *     layout's kernels let the next kernel launch as soon as they run (else
+ *     when they end);
+ *   EPX_CUDA_RANK_ALONE: one layout rank block per SM (shared memory);
+ *   EPX_CUDA_LAYOUT_NARROW: expert-major rank blocks of up to 16 warps of
+ *     64 routes (else 8 of 128).
+ * The default is the fastest at 8192 x 256 top-8 on an H200 (bench/NOTES-gpu.md,
+ * branch h16-route): route + layout 24.3 us against 26.0 with none. Early
+ * routing kernels gained nothing there, and without EPX_CUDA_RANK_ALONE
+ * they cost 4 us (rank blocks piled onto the first SMs to empty). */
+#define EPX_CUDA_PDL_LAUNCH 1
+#define EPX_CUDA_PDL_ROUTE_EARLY 2
+#define EPX_CUDA_PDL_LAYOUT_EARLY 4
+#define EPX_CUDA_RANK_ALONE 8
+#define EPX_CUDA_LAYOUT_NARROW 16
+#define EPX_CUDA_LAUNCH_DEFAULT \
+  (EPX_CUDA_PDL_LAUNCH | EPX_CUDA_PDL_LAYOUT_EARLY | EPX_CUDA_RANK_ALONE | EPX_CUDA_LAYOUT_NARROW)
+void epx_cuda_set_launch_flags(int flags);
+int epx_cuda_launch_flags(void);
+
 /* Tuning of the move kernels: warps per block, 16-byte vectors per lane per
  * step (32 lanes * 4 * 16 B = 2 KB of a row in flight per warp per step), and
  * the most warps per token the automatic choice takes (log2). Measured on an

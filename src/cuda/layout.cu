@@ -19,25 +19,32 @@
  *           into offsets (every block the same; block 0 writes them and N),
  *           and writes row = offset + base + rank and row_src.
  *
- * At most kMaxChunks chunks, and each warp walks at least kWarpRoutes routes.
+ * At most kMaxChunks chunks, and each warp walks at least kWarpRoutes routes
+ * in blocks of up to 8 warps (expert-major with EPX_CUDA_LAYOUT_NARROW:
+ * kNarrowRoutes in blocks of up to 16, half the rounds per warp).
  * Bytes: the routing read once (4*T*K, + 4*T*K locations, + 8*T*K weights
  * copied), ids and rows written (8*T*K), re-read and rewritten (16*T*K),
  * row_src written (4*N), the counts 4*chunks*(E+1)*(1 + chunks): about 3 MB
  * at T=8192, K=8, E=256 — the cost is the two launches' latency. */
 #include <cuda_runtime.h>
 
+#include <atomic>
+
 #include "cuda/launch.h"
+#include "cuda/pdl.cuh"
 
 namespace {
 
-constexpr int kMaxRankWarps = 8;   /* warps per rank block (one chunk), at most */
+constexpr int kMaxRankWarps = 16;  /* warps per rank block (one chunk), at most (narrow) */
 constexpr int kWarpRoutes = 128;   /* routes a warp walks, at least (4 rounds) */
+constexpr int kNarrowWarps = 16;   /* EPX_CUDA_LAYOUT_NARROW: up to 16 warps of 64 routes */
+constexpr int kNarrowRoutes = 64;
 constexpr int kStageRoutes = 512;  /* routes staged per warp at a time */
 constexpr int kAssignThreads = 512;
 constexpr int kThreads = 256;      /* accessor blocks */
 constexpr int64_t kMaxChunks = 64;
 constexpr int kBatch = 8;          /* routes a thread loads before it stores */
-constexpr int kSumBatch = 32;      /* chunk counts a thread loads at a time */
+constexpr int kSumBatch = 64;      /* chunk counts a thread loads at a time: all */
 
 /* Scratch: per chunk its first error, then its counts. */
 struct scratch_view {
@@ -83,6 +90,7 @@ struct rank_args {
   epx_cuda_layout_t out;
   unsigned long long *chunk_error;
   int32_t *chunk_counts;
+  int pdl_early; /* let the next kernel launch once this one runs (pdl.cuh) */
 };
 
 /* A warp's segment of n routes from seg into shared memory (ids, and
@@ -121,6 +129,7 @@ __global__ void __launch_bounds__(kMaxRankWarps * 32) layout_rank_kernel(const r
   const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const bool capacity = a.layout == EPX_LAYOUT_CAPACITY, rank_major = a.layout == EPX_LAYOUT_RANK_MAJOR;
   const int K = a.K, E = a.E;
+  pdl_begin(a.pdl_early);
   /* the assign kernel accumulates counts and errors into these */
   if (blockIdx.x == 0) {
     for (int e = threadIdx.x; e < E; e += blockDim.x) a.out.counts[e] = 0;
@@ -216,22 +225,31 @@ __global__ void __launch_bounds__(kMaxRankWarps * 32) layout_rank_kernel(const r
    * totals are the chunk's counts. */
   int32_t *out = a.chunk_counts + chunk * (E + 1);
   for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    int v[kMaxRankWarps]; /* every load before the stores (one shared-memory round trip) */
+#pragma unroll
+    for (int w = 0; w < kMaxRankWarps; w++) v[w] = w < warps ? s_mem[(size_t)w * E + e] : 0;
     int run = 0;
-    for (int w = 0; w < warps; w++) {
-      const int v = s_mem[(size_t)w * E + e];
-      s_mem[(size_t)w * E + e] = run;
-      run += v;
+#pragma unroll
+    for (int w = 0; w < kMaxRankWarps; w++) {
+      if (w < warps) s_mem[(size_t)w * E + e] = run;
+      run += v[w];
     }
     out[e] = run;
   }
-  if (threadIdx.x == 0) {
-    int run = 0;
+  if (threadIdx.x == blockDim.x - 1) {
+    int v[kMaxRankWarps];
     unsigned long long first = EPX_CUDA_NO_ERROR;
-    for (int w = 0; w < warps; w++) {
-      const int v = s_active[w];
-      s_active[w] = run;
-      run += v;
-      first = s_error[w] < first ? s_error[w] : first;
+#pragma unroll
+    for (int w = 0; w < kMaxRankWarps; w++) {
+      v[w] = w < warps ? s_active[w] : 0;
+      const unsigned long long ew = w < warps ? s_error[w] : EPX_CUDA_NO_ERROR;
+      first = ew < first ? ew : first;
+    }
+    int run = 0;
+#pragma unroll
+    for (int w = 0; w < kMaxRankWarps; w++) {
+      if (w < warps) s_active[w] = run;
+      run += v[w];
     }
     out[E] = run;
     a.chunk_error[chunk] = first;
@@ -274,6 +292,7 @@ struct assign_args {
   epx_cuda_layout_t out;
   const unsigned long long *chunk_error;
   const int32_t *chunk_counts;
+  int pdl_early;
 };
 
 /* A thread's batch of routes (expert-major or capacity): route g0 + u *
@@ -371,6 +390,7 @@ __global__ void __launch_bounds__(kAssignThreads) layout_assign_kernel(const ass
   __shared__ int32_t s_scan[kAssignThreads / 32];
   __shared__ unsigned long long s_error[kAssignThreads / 32];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  pdl_begin(a.pdl_early);
   const int64_t chunk = blockIdx.x;
   const bool routes = chunk < a.chunks && a.layout != EPX_LAYOUT_RANK_MAJOR;
   const int64_t g_begin = chunk * a.chunk_tokens * a.K;
@@ -516,11 +536,24 @@ extern "C" cudaError_t epx_cuda_layout_launch(const int32_t *topk_idx, const int
   cudaError_t err;
 
   /* Chunks: a block of `warps` warps each, a warp at least kWarpRoutes
-   * routes, at most kMaxChunks chunks. */
+   * routes (kNarrowRoutes with EPX_CUDA_LAYOUT_NARROW), at most kMaxChunks
+   * chunks. */
+  const int flags = epx_cuda_launch_flags();
+  const bool narrow = (flags & EPX_CUDA_LAYOUT_NARROW) != 0 && layout == EPX_LAYOUT_EXPERT_MAJOR;
+  int smem_sm = 0, smem_optin = 0, sms = 0, dev = 0;
+  err = cudaGetDevice(&dev);
+  if (err == cudaSuccess)
+    err = cudaDeviceGetAttribute(&smem_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev);
+  if (err == cudaSuccess)
+    err = cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  if (err != cudaSuccess) return err;
   const size_t warp_bytes = rank_warp_bytes(E, layout);
-  int warps = (int)((47 * 1024) / warp_bytes); /* 1 KB for the static shared memory */
-  warps = warps < 1 ? 1 : warps > kMaxRankWarps ? kMaxRankWarps : warps;
-  int64_t warp_tokens = (kWarpRoutes + K - 1) / K;
+  const size_t budget = narrow ? (size_t)smem_optin - 1024 : 47 * 1024; /* 1 KB for the static shared memory */
+  int warps = (int)(budget / warp_bytes);
+  const int max_warps = narrow ? kNarrowWarps : 8;
+  warps = warps < 1 ? 1 : warps > max_warps ? max_warps : warps;
+  int64_t warp_tokens = ((narrow ? kNarrowRoutes : kWarpRoutes) + K - 1) / K;
   const int64_t spread = (T + (int64_t)warps * kMaxChunks - 1) / ((int64_t)warps * kMaxChunks);
   if (spread > warp_tokens) warp_tokens = spread;
   const int64_t chunk_tokens = warp_tokens * warps;
@@ -548,8 +581,22 @@ extern "C" cudaError_t epx_cuda_layout_launch(const int32_t *topk_idx, const int
   ra.out = *out;
   ra.chunk_error = s.chunk_error;
   ra.chunk_counts = s.chunk_counts;
-  layout_rank_kernel<<<(unsigned)(chunks > 0 ? chunks : 1), warps * 32, warp_bytes * warps, stream>>>(ra);
-  err = cudaGetLastError();
+  ra.pdl_early = (flags & EPX_CUDA_PDL_LAYOUT_EARLY) != 0;
+  /* EPX_CUDA_RANK_ALONE: half an SM's shared memory, so that two rank
+   * blocks never share an SM (launched early, next to the last blocks of a
+   * routing kernel, they would pile onto the SMs that empty first); only
+   * where every chunk still has an SM of its own. */
+  size_t rank_bytes = warp_bytes * warps;
+  if ((flags & EPX_CUDA_RANK_ALONE) && chunks <= sms && (size_t)smem_sm / 2 > rank_bytes &&
+      (size_t)smem_sm / 2 <= (size_t)smem_optin)
+    rank_bytes = (size_t)smem_sm / 2;
+  if (rank_bytes > 48 * 1024) {
+    err = cudaFuncSetAttribute(layout_rank_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               (int)rank_bytes);
+    if (err != cudaSuccess) return err;
+  }
+  err = launch_pdl(layout_rank_kernel, (unsigned)(chunks > 0 ? chunks : 1), warps * 32, rank_bytes,
+                   stream, ra);
   if (err != cudaSuccess) return err;
 
   assign_args aa;
@@ -564,6 +611,7 @@ extern "C" cudaError_t epx_cuda_layout_launch(const int32_t *topk_idx, const int
   aa.out = *out;
   aa.chunk_error = s.chunk_error;
   aa.chunk_counts = s.chunk_counts;
+  aa.pdl_early = (flags & EPX_CUDA_PDL_LAYOUT_EARLY) != 0;
   const size_t assign_bytes = 4 * sizeof(int32_t) * ((size_t)E + 1);
   if (assign_bytes > 48 * 1024) {
     /* large expert counts need the opt-in shared memory */
@@ -571,9 +619,18 @@ extern "C" cudaError_t epx_cuda_layout_launch(const int32_t *topk_idx, const int
                                (int)assign_bytes);
     if (err != cudaSuccess) return err;
   }
-  layout_assign_kernel<<<(unsigned)(chunks > 0 ? chunks : 1), kAssignThreads, assign_bytes, stream>>>(aa);
-  return cudaGetLastError();
+  return launch_pdl(layout_assign_kernel, (unsigned)(chunks > 0 ? chunks : 1), kAssignThreads,
+                    assign_bytes, stream, aa);
 }
+
+/* How the routing and layout kernels are launched (launch.h). */
+static std::atomic<int> g_launch_flags{EPX_CUDA_LAUNCH_DEFAULT};
+
+extern "C" void epx_cuda_set_launch_flags(int flags) {
+  g_launch_flags.store(flags, std::memory_order_relaxed);
+}
+
+extern "C" int epx_cuda_launch_flags(void) { return g_launch_flags.load(std::memory_order_relaxed); }
 
 extern "C" cudaError_t epx_cuda_recv_routing_ranks_launch(epx_layout_t layout, const epx_cuda_layout_t *lay,
                                                           const float *w, int32_t K, int32_t K_src,

@@ -64,6 +64,91 @@ __device__ __forceinline__ unsigned order_key(float v) {
   return isnan(v) ? 0u : ((u & 0x80000000u) ? ~u : (u | 0x80000000u));
 }
 
+/* 2^(i/64), i = 0..63, rounded to double (sigmoid_f32_try's table). */
+static __device__ const double kExp2Sixtyfourths[64] = {
+    0x1.0000000000000p+0, 0x1.02c9a3e778061p+0, 0x1.059b0d3158574p+0, 0x1.0874518759bc8p+0,
+    0x1.0b5586cf9890fp+0, 0x1.0e3ec32d3d1a2p+0, 0x1.11301d0125b51p+0, 0x1.1429aaea92de0p+0,
+    0x1.172b83c7d517bp+0, 0x1.1a35beb6fcb75p+0, 0x1.1d4873168b9aap+0, 0x1.2063b88628cd6p+0,
+    0x1.2387a6e756238p+0, 0x1.26b4565e27cddp+0, 0x1.29e9df51fdee1p+0, 0x1.2d285a6e4030bp+0,
+    0x1.306fe0a31b715p+0, 0x1.33c08b26416ffp+0, 0x1.371a7373aa9cbp+0, 0x1.3a7db34e59ff7p+0,
+    0x1.3dea64c123422p+0, 0x1.4160a21f72e2ap+0, 0x1.44e086061892dp+0, 0x1.486a2b5c13cd0p+0,
+    0x1.4bfdad5362a27p+0, 0x1.4f9b2769d2ca7p+0, 0x1.5342b569d4f82p+0, 0x1.56f4736b527dap+0,
+    0x1.5ab07dd485429p+0, 0x1.5e76f15ad2148p+0, 0x1.6247eb03a5585p+0, 0x1.6623882552225p+0,
+    0x1.6a09e667f3bcdp+0, 0x1.6dfb23c651a2fp+0, 0x1.71f75e8ec5f74p+0, 0x1.75feb564267c9p+0,
+    0x1.7a11473eb0187p+0, 0x1.7e2f336cf4e62p+0, 0x1.82589994cce13p+0, 0x1.868d99b4492edp+0,
+    0x1.8ace5422aa0dbp+0, 0x1.8f1ae99157736p+0, 0x1.93737b0cdc5e5p+0, 0x1.97d829fde4e50p+0,
+    0x1.9c49182a3f090p+0, 0x1.a0c667b5de565p+0, 0x1.a5503b23e255dp+0, 0x1.a9e6b5579fdbfp+0,
+    0x1.ae89f995ad3adp+0, 0x1.b33a2b84f15fbp+0, 0x1.b7f76f2fb5e47p+0, 0x1.bcc1e904bc1d2p+0,
+    0x1.c199bdd85529cp+0, 0x1.c67f12e57d14bp+0, 0x1.cb720dcef9069p+0, 0x1.d072d4a07897cp+0,
+    0x1.d5818dcfba487p+0, 0x1.da9e603db3285p+0, 0x1.dfc97337b9b5fp+0, 0x1.e502ee78b3ff6p+0,
+    0x1.ea4afa2a490dap+0, 0x1.efa1bee615a27p+0, 0x1.f50765b6e4540p+0, 0x1.fa7c1819e90d8p+0,
+};
+
+/* Step 1's float32 sigmoid, epx_route_sigmoid_f32(l) bit for bit, in about
+ * half its instructions (~33 in SASS, was ~70; that double exp and division
+ * were ~30% of route_fast's instructions). Returns the float32 rounding of
+ * y, an approximation of the sigmoid, and sets redo when y lies within
+ * kNear double ulps of a float32 rounding midpoint or below float32's
+ * normal range (or l is NaN); then the caller must take
+ * epx_route_sigmoid_f32(l) instead. Otherwise the two agree: y and the
+ * exact sigmoid differ by < 2^-44 y, i.e. < 2^9 ulps of y (e^r by Taylor to
+ * r^4 on |r| <= 0.00547, < 4.1e-14; c3 = 1/6 to 21 bits, < 6.6e-15; r from
+ * ln2/64 rounded, < 9.2e-15; the reciprocal's cubic step, e0^3 with
+ * rcp.approx's error e0, ~2^-20 as it reads the high word; roundings), and
+ * epx_route_sigmoid_f32's double and the exact one by < 4 ulps (CUDA's exp
+ * is within 1 ulp, the add and the division round once), so no midpoint
+ * lies between y and that double: both round to the same float.
+ * bench/gpu/bench_route.cu checks all 2^32 inputs (0 differ on an H200).
+ * Redo rate: at most 2 kNear / 2^29 = 2^-16 per score in (-87, 60).
+ * Clamping l to [-105, 60] keeps every result: sigmoid(60) rounds to 1 and
+ * sigmoid(-105) < 2^-150 to 0 (taken by redo, as below 2^-126); NaN clamps
+ * to -105 and takes redo too. */
+constexpr unsigned kNear = 4096u;
+
+__device__ __forceinline__ float sigmoid_f32_try(float l, bool &redo) {
+  const double z = -(double)fminf(fmaxf(l, -105.0f), 60.0f);
+  /* n = rint(z 64 / ln2) (the factor to 21 bits: n may be off by one from
+   * the nearest, which |r| <= 0.00547 allows), r = z - n ln2 / 64 */
+  const double t = fma(z, 0x1.71547p+6, 0x1.8p52);
+  const int n = __double2loint(t);
+  const double r = fma(t - 0x1.8p52, -0x1.62e42fefa39efp-7, z);
+  /* e^z = 2^(n >> 6) 2^((n & 63) / 64) e^r; n >> 6 in [-87, 151] */
+  const double tab = __ldg(kExp2Sixtyfourths + (n & 63));
+  const double s = __hiloint2double(__double2hiint(tab) + (n >> 6) * (1 << 20), __double2loint(tab));
+  const double er = fma(fma(fma(fma(0x1.55555p-5, r, 0x1.55555p-3), r, 0.5), r, 1.0), r, 1.0);
+  const double d = fma(er, s, 1.0); /* 1 + e^z in [1, 2^152] */
+  double y0;
+  asm("rcp.approx.ftz.f64 %0, %1;" : "=d"(y0) : "d"(d));
+  double e = fma(-d, y0, 1.0); /* y = y0 (1 + e + e^2): error e^3 */
+  e = fma(e, e, e);
+  const double y = fma(e, y0, y0);
+  /* float32 rounding by bits: the 29 bits below float32's last one against
+   * the midpoint 2^28 (y > 0; the exponent rebiased 1023 -> 127) */
+  const unsigned long long bits = (unsigned long long)__double_as_longlong(y);
+  const unsigned lo = (unsigned)bits, hi = (unsigned)(bits >> 32);
+  redo = ((lo + (kNear - 0x10000000u)) & 0x1fffffffu) < 2u * kNear || hi < 0x38100000u;
+  return __uint_as_float((unsigned)((bits + 0x10000000ull - 0x3800000000000000ull) >> 29));
+}
+
+/* epx_route_sigmoid_f32 of V scores: sigmoid_f32_try, then the exact
+ * double expression for the few it cannot vouch for (a branch that a
+ * warp takes for at most ~1 token in 250 at E = 256). */
+template <int V>
+__device__ __forceinline__ void sigmoid_f32_v(const float (&x)[V], float (&p)[V]) {
+  unsigned redo = 0u;
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    bool r;
+    p[j] = sigmoid_f32_try(x[j], r);
+    redo |= r ? 1u << j : 0u;
+  }
+  if (redo) {
+#pragma unroll
+    for (int j = 0; j < V; ++j)
+      if (redo & (1u << j)) p[j] = epx_route_sigmoid_f32(x[j]);
+  }
+}
+
 /* The best entry among a[lane], a[lane + 32], ... below n: its key and
  * index (0, INT_MAX when there is none). Lower index on ties. */
 __device__ inline void lane_best(const float *a, int n, int lane, unsigned &bk, int &bi) {

@@ -15,6 +15,7 @@
  * 8 MB read and 0.5 MB written; without locations nothing needs the scan. */
 #include <cuda_runtime.h>
 
+#include "cuda/pdl.cuh"
 #include "cuda/route_common.cuh"
 
 using namespace route_dev;
@@ -68,8 +69,7 @@ __device__ __forceinline__ void fast_scores(const float (&x)[V], float (&p)[V]) 
 #pragma unroll
     for (int j = 0; j < V; ++j) p[j] = p[j] / s;
   } else if constexpr (SCORE == EPX_SCORE_SIGMOID) {
-#pragma unroll
-    for (int j = 0; j < V; ++j) p[j] = epx_route_sigmoid_f32(x[j]);
+    sigmoid_f32_v<V>(x, p);
   } else if constexpr (SCORE == EPX_SCORE_SQRT_SOFTPLUS) {
 #pragma unroll
     for (int j = 0; j < V; ++j) p[j] = epx_route_sqrt_softplus_f32(x[j]);
@@ -203,7 +203,8 @@ constexpr int fast_min_blocks() {
 
 template <int V, int SCORE>
 __global__ void __launch_bounds__(kFastWarps * 32, (fast_min_blocks<V, SCORE>()))
-    route_fast_kernel(const FastArgs a) {
+    route_fast_kernel(const FastArgs a, int pdl_early) {
+  pdl_begin(pdl_early != 0);
   const int lane = threadIdx.x & 31;
   const long long t = (long long)blockIdx.x * kFastWarps + (threadIdx.x >> 5);
   if (t >= a.T) return; /* whole warps */
@@ -259,8 +260,8 @@ __global__ void __launch_bounds__(kFastWarps * 32, (fast_min_blocks<V, SCORE>())
 template <int V, int SCORE>
 cudaError_t launch_fast(const FastArgs &a, cudaStream_t stream) {
   const unsigned blocks = (unsigned)((a.T + kFastWarps - 1) / kFastWarps);
-  route_fast_kernel<V, SCORE><<<blocks, kFastWarps * 32, 0, stream>>>(a);
-  return cudaGetLastError();
+  const int early = (epx_cuda_launch_flags() & EPX_CUDA_PDL_ROUTE_EARLY) != 0;
+  return launch_pdl(route_fast_kernel<V, SCORE>, blocks, kFastWarps * 32, 0, stream, a, early);
 }
 
 template <int V>

@@ -19,9 +19,11 @@
  * equal scores on each device) and the tie-breaking rules are what is
  * tested. The others are plain normal logits.
  *
- * Also: NaN/Inf tokens dropped or refused (outputs untouched, message naming
- * the first bad token), an empty batch, grad_logits aliasing logits, and the
- * time of one routing call of 8192 tokens x 256 experts, top-8.
+ * The one-kernel forward's cases also run with programmatic dependent
+ * launch turned off (epx_cuda_set_launch_flags). Also: NaN/Inf tokens dropped or
+ * refused (outputs untouched, message naming the first bad token), an empty
+ * batch, grad_logits aliasing logits, and the time of one routing call of
+ * 8192 tokens x 256 experts, top-8.
  *
  * EPX_GPU_TEST_QUICK=1 skips the large cases and the timing (for
  * compute-sanitizer runs). */
@@ -32,6 +34,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include "cuda/launch.h"
 #include "gpu_testutil.h"
 
 static const double W_ATOL = 1e-6, W_RTOL = 1e-5;
@@ -667,6 +670,18 @@ static void test_fast_cases(void **state) {
   CU(cudaStreamDestroy(stream));
 }
 
+/* The one-kernel cases again with the kernel launched plainly rather than
+ * by programmatic dependent launch (src/cuda/pdl.cuh): the same results. */
+static void test_fast_cases_without_pdl(void **state) {
+  (void)state;
+  epx_cuda_set_launch_flags(0);
+  const size_t n = sizeof FAST_CASES / sizeof FAST_CASES[0];
+  for (size_t i = 0; i < n; i++)
+    if (FAST_CASES[i].c.T * FAST_CASES[i].c.E <= (int64_t)1 << 20)
+      run_case_with(&FAST_CASES[i].c, FAST_CASES[i].options, 0xfa58000u + i, NULL);
+  epx_cuda_set_launch_flags(EPX_CUDA_LAUNCH_DEFAULT);
+}
+
 /* A NaN/Inf logit under EPX_NONFINITE_ERROR: refused, naming the first bad
  * token, with every output (device arrays and host fields) untouched. */
 static void test_nonfinite_error(void **state) {
@@ -857,6 +872,7 @@ int main(void) {
       cmocka_unit_test(test_cases),
       cmocka_unit_test(test_option_cases),
       cmocka_unit_test(test_fast_cases),
+      cmocka_unit_test(test_fast_cases_without_pdl),
       cmocka_unit_test(test_nonfinite_error),
       cmocka_unit_test(test_empty),
       cmocka_unit_test(test_backward_in_place),
