@@ -555,9 +555,12 @@ void bench_routing_layout(cudaStream_t s) {
     fprintf(g_results, "epx 8192x256top8 %s_api_worst_case_events %.6f 0 0\n", what, t_api);
     fprintf(g_results, "epx 8192x256top8 %s_api_wall %.6f 0 0\n", what, w_api * 1e-3);
   }
+  /* Not a target line: this is softmax top-8 with one graph per launch (the
+   * launch gap between graphs included); issue 9's target, the DeepSeek-V3
+   * router in device time (20 per graph, back to back), is bench_route's. */
   if (g_both > 0)
-    target(std::string(have_route ? "routing+layout" : "layout alone (routing not ready)") + " (graph)", g_both * 1e3,
-           25.0, false, "us");
+    printf("NOTE %s, softmax top-8, one CUDA graph per launch: %.1f us (the routing target is bench_route's "
+           "TARGET line)\n", what, g_both * 1e3);
   else
     printf("NOTE graph capture of %s failed; see the events figure\n", what);
   target("layout alone, 8192x256 top-8 (graph)", g_layout * 1e3, 25.0, false, "us");
