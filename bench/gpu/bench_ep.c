@@ -175,7 +175,7 @@ static void op_dispatch_backward(void *p) {
 }
 static void op_combine_backward(void *p) {
   bench_t *b = p;
-  OK(epx_combine_backward(b->buf, b->h, b->out, b->recv, b->grad_recv, NULL));
+  OK(epx_combine_backward(b->buf, b->h, b->out, NULL, b->grad_recv, NULL));
 }
 static void op_layout(void *p) {
   bench_t *b = p;
