@@ -162,6 +162,11 @@ static epx_status_t settle(epx_comm_t comm, const char *caller, const char *what
   }
 }
 
+epx_status_t epx_nccl_fail_timeout(epx_comm_t comm, const char *caller, const char *what) {
+  if (comm->failed) return check_alive(comm, caller);
+  return fail_comm(comm, EPX_ERROR_TIMEOUT, caller, what);
+}
+
 epx_status_t epx_nccl_result(epx_comm_t comm, int result, const char *caller, const char *what) {
   if (result == ncclSuccess) return EPX_SUCCESS;
   if (result == ncclInProgress) return settle(comm, caller, what);
@@ -587,6 +592,10 @@ epx_status_t epx_nccl_wait(epx_comm_t comm, void *stream, const char *caller) {
 epx_status_t epx_nccl_result(epx_comm_t comm, int result, const char *caller, const char *what) {
   (void)comm, (void)result, (void)caller, (void)what;
   return EPX_SUCCESS;
+}
+epx_status_t epx_nccl_fail_timeout(epx_comm_t comm, const char *caller, const char *what) {
+  (void)comm, (void)what;
+  return epx_error(EPX_ERROR_INTERNAL, "%s: no NCCL transport in this build", caller);
 }
 epx_status_t epx_nccl_get_unique_id(epx_nccl_unique_id_t *id) {
   (void)id;

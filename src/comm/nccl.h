@@ -34,6 +34,12 @@ epx_status_t epx_nccl_wait(epx_comm_t comm, void *stream, const char *caller);
  * bound; an error fails the comm with NCCL's own message. */
 epx_status_t epx_nccl_result(epx_comm_t comm, int result, const char *caller, const char *what);
 
+/* A wait that epx bounds itself (a fused kernel's on a peer's flag) ran out:
+ * aborts the NCCL comm (its windows go with it; no collective teardown is
+ * then attempted), fails the epx comm and returns EPX_ERROR_TIMEOUT naming
+ * `what`, as a timed-out epx_nccl_wait does. */
+epx_status_t epx_nccl_fail_timeout(epx_comm_t comm, const char *caller, const char *what);
+
 #ifdef __cplusplus
 }
 #endif

@@ -168,6 +168,9 @@ static int partials_f32(epx_buffer_t b) {
 /* ------------------------------------------------------------------------ */
 
 static epx_status_t ensure_fused(epx_buffer_t b, const char *fn);
+#if EPX_HAVE_FUSED
+static epx_status_t fused_alive(epx_buffer_t b, const char *fn);
+#endif
 
 epx_status_t epx_cuda_ep_buffer_init(epx_buffer_t b) {
   const char *fn = "epx_buffer_create";
@@ -202,6 +205,9 @@ void epx_cuda_ep_buffer_fini(epx_buffer_t b) {
    * aborts the comm (its kernels too). */
   if (b->config.worst_case_sizing && !b->comm->failed) (void)epx_nccl_wait(b->comm, stream_of(b), "epx_buffer_destroy");
 #if EPX_HAVE_FUSED
+  /* a fused wait that timed out (no call since reported it) fails the comm
+   * first: then the window is abandoned, not deregistered collectively */
+  if (s->fused && !b->comm->failed) (void)fused_alive(b, "epx_buffer_destroy");
   while (s->pooled > 0) epx_fused_plan_destroy(s->pool[--s->pooled], stream_of(b));
   if (s->spare) epx_fused_plan_destroy(s->spare, stream_of(b));
   /* collective: the window is deregistered, unless the comm failed (its
@@ -268,8 +274,12 @@ static epx_status_t ensure_fused(epx_buffer_t b, const char *fn) {
   s->fused_tried = 1;
 #if EPX_HAVE_FUSED
   const epx_buffer_config_t *c = &b->config;
+  /* The kernels' waits on a peer give up a little before the host's
+   * bounded waits that enclose them, so a dead peer is reported by the
+   * fused error word (naming the peer and the phase) and the comm is
+   * aborted only after the kernels have returned. */
   const epx_fused_config_t fc = {c->dtype, c->hidden, c->num_experts, c->max_top_k, b->max_tokens,
-                                 b->comm->timeout_seconds, EP_FUSED_BULK_COPY};
+                                 0.9 * b->comm->timeout_seconds, EP_FUSED_BULK_COPY};
   epx_fused_t *f = NULL;
   char reason[768] = "";
   /* the highest refusing rank + 1, 0 where none refused */
@@ -306,13 +316,18 @@ static epx_status_t ensure_fused(epx_buffer_t b, const char *fn) {
 #if EPX_HAVE_FUSED
 /* A wait of an earlier fused launch that timed out (the host-mapped error
  * word, no synchronisation): the fused state is failed for good. */
-static epx_status_t fused_alive(const ep_buffer_t *s, const char *fn) {
+static epx_status_t fused_alive(epx_buffer_t b, const char *fn) {
+  const ep_buffer_t *s = b->cuda;
   int32_t peer = -1;
   const char *phase = "";
   if (!epx_fused_error(s->fused, &peer, &phase)) return EPX_SUCCESS;
-  return epx_error(EPX_ERROR_TIMEOUT,
-                   "%s: rank %d did not answer the fused exchange (%s) within the comm's timeout; the buffer's "
-                   "fused state has failed: destroy the buffer and the comm", fn, (int)peer, phase ? phase : "?");
+  /* The comm fails as on a host-path timeout: its NCCL comm is aborted
+   * (windows and all), so destroying the buffer attempts no collective
+   * deregistration with a peer that no longer answers. */
+  char what[256];
+  snprintf(what, sizeof what, "rank %d did not answer the fused exchange (%s) within the comm's timeout; the "
+           "buffer's fused state has failed", (int)peer, phase ? phase : "?");
+  return epx_nccl_fail_timeout(b->comm, fn, what);
 }
 
 /* The handle's fused layout, the only layout a fused handle makes up front:
@@ -322,7 +337,7 @@ static epx_status_t fused_alive(const ep_buffer_t *s, const char *fn) {
 static epx_status_t fused_layout(epx_buffer_t b, const epx_routing_t *r, ep_handle_t *h, const char *fn) {
   epx_status_t status = EPX_SUCCESS;
   ep_buffer_t *s = b->cuda;
-  EPX_CHECK(fused_alive(s, fn));
+  EPX_CHECK(fused_alive(b, fn));
   if (s->pooled > 0) h->plan = s->pool[--s->pooled];
   else EPX_CHECK(epx_fused_plan_create(s->fused, b->config.layout, b->config.expert_alignment, stream_of(b),
                                        &h->plan));
@@ -357,7 +372,7 @@ static epx_status_t fused_move(epx_buffer_t b, epx_handle_t handle, const void *
   const ep_handle_t *h = handle->cuda;
   const int expert = b->config.layout == EPX_LAYOUT_EXPERT_MAJOR;
   cudaStream_t stream = stream_of(b);
-  EPX_CHECK(fused_alive(s, fn));
+  EPX_CHECK(fused_alive(b, fn));
   /* An expert-major dispatch needs a destination even with no rows to write
    * (N = 0, recv_x NULL): any device address, never written then. */
   if (forward && expert && !dst) {
@@ -593,14 +608,18 @@ static epx_status_t gather_routing(epx_buffer_t b, const epx_cuda_ep_dims_t *d, 
   ncclComm_t nc = epx_nccl_data_comm(comm);
   cudaStream_t stream = stream_of(b);
   const size_t n = (size_t)(d->Tm * d->Kb);
+  int grouped = 0; /* a failed call inside the group still ends it (else this thread's group stays open) */
   NCCL_CHECK(ncclGroupStart(), fn, "ncclGroupStart");
+  grouped = 1;
   NCCL_CHECK(ncclAllGather(sidx, gidx, n, ncclInt32, nc, stream), fn, "ncclAllGather of the routing");
   NCCL_CHECK(ncclAllGather(sw, gw, n, ncclFloat32, nc, stream), fn, "ncclAllGather of the weights");
   if (sloc) NCCL_CHECK(ncclAllGather(sloc, gloc, n, ncclInt32, nc, stream), fn, "ncclAllGather of the locations");
   NCCL_CHECK(ncclAllGather(shdr, ghdr, EPX_CUDA_EP_HDR_INTS, ncclInt32, nc, stream), fn,
              "ncclAllGather of the headers");
+  grouped = 0; /* ncclGroupEnd ends the group whatever it returns */
   NCCL_CHECK(ncclGroupEnd(), fn, "ncclGroupEnd");
 fail:
+  if (grouped) ncclGroupEnd(); /* the error above is the one reported */
   return status;
 }
 
@@ -809,6 +828,8 @@ static epx_status_t read_summary(epx_buffer_t b, ep_handle_t *h, const char *fn,
                "cudaMemcpyAsync of the counts");
   EPX_CHECK(epx_nccl_wait(b->comm, stream_of(b), fn));
 #if EPX_HAVE_FUSED
+  /* a fused layout whose wait on a peer timed out left no valid counts */
+  if (h->plan) EPX_CHECK(fused_alive(b, fn));
   if (h->plan) fused_summary(h, (const char *)s->readback + bytes, s->readback);
 #endif
   *out = s->readback;
@@ -964,7 +985,9 @@ static epx_status_t p2p(epx_buffer_t b, const ep_handle_t *h, int skind, int rki
   cudaStream_t stream = stream_of(b);
   const char *s = send;
   char *d = recv;
+  int grouped = 0; /* as in gather_routing */
   NCCL_CHECK(ncclGroupStart(), fn, "ncclGroupStart");
+  grouped = 1;
   for (int32_t p = 0; p < h->d.W; p++) {
     if (h->count[skind][p])
       NCCL_CHECK(ncclSend(s + (size_t)h->displ[skind][p] * unit, (size_t)h->count[skind][p] * unit, ncclUint8, p,
@@ -973,8 +996,10 @@ static epx_status_t p2p(epx_buffer_t b, const ep_handle_t *h, int skind, int rki
       NCCL_CHECK(ncclRecv(d + (size_t)h->displ[rkind][p] * unit, (size_t)h->count[rkind][p] * unit, ncclUint8, p,
                           nc, stream), fn, "ncclRecv");
   }
+  grouped = 0;
   NCCL_CHECK(ncclGroupEnd(), fn, "ncclGroupEnd");
 fail:
+  if (grouped) ncclGroupEnd();
   return status;
 }
 

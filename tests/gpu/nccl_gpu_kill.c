@@ -3,8 +3,16 @@
  * before the survivor can be watched), one per GPU, an NCCL comm from a
  * unique id shared through a pipe, a CUDA buffer; rank 1 then exits, and
  * rank 0's dispatch layout must fail (EPX_ERROR_TIMEOUT or
- * EPX_ERROR_TRANSPORT) within about the comm's timeout. The parent bounds
- * everything with its own deadline; exit status is the verdict. */
+ * EPX_ERROR_TRANSPORT) within about the comm's timeout. Two scenarios:
+ * "host", the default buffer (expert-major: the host-API path, whose layout
+ * agreement meets the dead peer), and "fused", a rank-major buffer with
+ * worst_case_sizing on the fused NVLink path where the build has it: the
+ * layout only enqueues, its kernel's bounded wait on the dead peer runs out,
+ * and the next call that reads the layout (epx_handle_recv_rows) must fail
+ * and fail the comm, so that destroying the buffer abandons the window
+ * instead of deregistering it with a peer that is gone. Either way, later
+ * calls refuse at once and destroy returns. The parent bounds everything
+ * with its own deadline; exit status is the verdict. */
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -34,7 +42,7 @@ static double now(void) {
     }                                                                                               \
   } while (0)
 
-static int child(int rank, int fd_read, int fd_write) {
+static int child(int rank, int fused, int fd_read, int fd_write) {
   epx_nccl_unique_id_t id;
   if (rank == 0) {
     STEP(epx_nccl_get_unique_id(&id));
@@ -56,8 +64,14 @@ static int child(int rank, int fd_read, int fd_write) {
   cfg.num_experts = 8;
   cfg.max_top_k = 2;
   cfg.max_tokens_per_rank = 16;
+  if (fused) {
+    cfg.layout = EPX_LAYOUT_RANK_MAJOR;
+    cfg.worst_case_sizing = 1;
+  }
   epx_buffer_t buf;
   STEP(epx_buffer_create(comm, &cfg, &buf));
+  int32_t paths[2] = {0, 0};
+  STEP(epx_buffer_peer_paths(buf, paths));
   if (rank == 1) _exit(0); /* dies without a word */
   int32_t idx[16 * 2];
   for (int t = 0; t < 16; t++) idx[2 * t] = t % 8, idx[2 * t + 1] = (t + 3) % 8;
@@ -68,26 +82,39 @@ static int child(int rank, int fd_read, int fd_write) {
   epx_handle_t h = NULL;
   const double t0 = now();
   epx_status_t s = epx_dispatch_layout(buf, &r, NULL, &h);
+  if (s == EPX_SUCCESS && fused) {
+    /* worst_case_sizing: enqueued only; reading the layout meets the timeout */
+    int64_t rows = 0;
+    s = epx_handle_recv_rows(h, &rows);
+  }
   const double took = now() - t0;
-  printf("rank 0: dispatch_layout with its peer dead returned %s after %.1f s: %s\n", epx_status_string(s), took,
-         epx_last_error());
+  printf("rank 0 (%s, peer 1 on the %s path): dispatch_layout with its peer dead: %s after %.1f s: %s\n",
+         fused ? "rank-major, worst_case_sizing" : "default buffer", paths[1] == EPX_PATH_FUSED ? "fused" : "host",
+         epx_status_string(s), took, epx_last_error());
   int ok = (s == EPX_ERROR_TIMEOUT || s == EPX_ERROR_TRANSPORT || s == EPX_ERROR_PEER_FAILED) && took < 3 * TIMEOUT_S;
   /* the comm is failed now: later calls refuse at once, destroy releases */
-  epx_status_t again = epx_dispatch_layout(buf, &r, NULL, &h);
+  epx_handle_t h2 = NULL;
+  epx_status_t again = epx_dispatch_layout(buf, &r, NULL, &h2);
   ok = ok && again != EPX_SUCCESS;
+  if (h) ok = ok && epx_handle_release(h) == EPX_SUCCESS;
+  const double t1 = now();
   ok = ok && epx_buffer_destroy(buf) == EPX_SUCCESS && epx_comm_destroy(comm) == EPX_SUCCESS;
+  printf("rank 0: buffer and comm destroyed in %.1f s\n", now() - t1);
   fflush(stdout);
   _exit(ok ? 0 : 20);
 }
 
-int main(void) {
+/* One scenario: both ranks forked, watched under the guard. */
+static int scenario(int fused) {
   int fds[2];
-  if (pipe(fds)) return 2;
+  if (pipe(fds)) return 0;
   pid_t pids[2];
   for (int rank = 0; rank < 2; rank++) {
     pids[rank] = fork();
-    if (pids[rank] == 0) _exit(child(rank, fds[0], fds[1]));
+    if (pids[rank] == 0) _exit(child(rank, fused, fds[0], fds[1]));
   }
+  close(fds[0]);
+  close(fds[1]);
   int status0 = -1;
   const double deadline = now() + GUARD_S;
   int done[2] = {0, 0}, codes[2] = {-1, -1};
@@ -106,7 +133,14 @@ int main(void) {
     }
   status0 = codes[0];
   const int pass = done[0] && status0 == 0 && done[1] && codes[1] == 0;
-  printf("nccl_gpu_kill: survivor %s (exit %d), dead rank exit %d: %s\n",
+  printf("nccl_gpu_kill (%s): survivor %s (exit %d), dead rank exit %d: %s\n", fused ? "fused" : "host",
          done[0] ? "returned" : "HUNG (killed after the guard)", status0, codes[1], pass ? "OK" : "FAILED");
-  return pass ? 0 : 1;
+  fflush(stdout);
+  return pass;
+}
+
+int main(void) {
+  const int host = scenario(0), fused = scenario(1);
+  printf("nccl_gpu_kill: %s\n", host && fused ? "OK" : "FAILED");
+  return host && fused ? 0 : 1;
 }
