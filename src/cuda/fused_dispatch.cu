@@ -205,19 +205,69 @@ epx_status_t stream_settle(cudaStream_t stream, double seconds, const char *fn, 
   }
 }
 
-/* Every rank past this point before any writes a peer's flags (they were
- * just zeroed on `stream`): a one-word all-reduce after the zeroing, waited
- * for (bounded). */
-epx_status_t rank_barrier(ncclComm_t comm, cudaStream_t stream, double seconds, const char *fn) {
+/* The ranks' agreement at a step of the creation, which is also its
+ * barrier: a one-word max all-reduce of `mine` (this rank + 1 where it
+ * refuses, else 0), waited for (bounded); *top gets the largest (0: every
+ * rank goes on). Every rank reaches each agreement whatever its own
+ * verdict, so a rank that refuses (no memory for the window, no symmetric
+ * window, a peer out of its load/store reach) makes its peers refuse with
+ * it there, instead of leaving them waiting in the next collective step. */
+epx_status_t rank_agree(ncclComm_t comm, cudaStream_t stream, double seconds, const char *fn, int mine, int *top) {
   epx_status_t status = EPX_SUCCESS;
   int *word = NULL;
+  int value = mine;
   FUSED_CUDA(cudaMallocAsync(reinterpret_cast<void **>(&word), sizeof(int), stream), "cudaMallocAsync");
-  FUSED_CUDA(cudaMemsetAsync(word, 0, sizeof(int), stream), "cudaMemsetAsync");
-  EPX_CHECK(nccl_settle(comm, ncclAllReduce(word, word, 1, ncclInt32, ncclSum, comm, stream), seconds, fn,
-                        "ncclAllReduce (the creation barrier)"));
-  EPX_CHECK(stream_settle(stream, seconds, fn, "the creation barrier"));
+  FUSED_CUDA(cudaMemcpyAsync(word, &value, sizeof(int), cudaMemcpyHostToDevice, stream), "cudaMemcpyAsync");
+  EPX_CHECK(nccl_settle(comm, ncclAllReduce(word, word, 1, ncclInt32, ncclMax, comm, stream), seconds, fn,
+                        "ncclAllReduce (the creation's agreement)"));
+  EPX_CHECK(stream_settle(stream, seconds, fn, "the creation's agreement"));
+  /* the stream is idle: this copy from pageable memory does not wait */
+  FUSED_CUDA(cudaMemcpyAsync(&value, word, sizeof(int), cudaMemcpyDeviceToHost, stream), "cudaMemcpyAsync");
+  EPX_CHECK(stream_settle(stream, seconds, fn, "the creation's agreement"));
+  *top = value;
 fail:
   if (word) cudaFreeAsync(word, stream);
+  return status;
+}
+
+/* One agreement of create_steps: `local` is this rank's verdict on the step
+ * (its error message is the last error). Every rank returns the same way:
+ * on, or refused (this rank's own error where it refused, else one naming
+ * the refusing rank). A timed-out agreement leaves `f` to NCCL (*keep). */
+epx_status_t agree_step(ncclComm_t comm, cudaStream_t stream, double seconds, int rank, epx_status_t local,
+                        const char *step, int *keep, const char *fn) {
+  char message[1024] = "";
+  if (local != EPX_SUCCESS) snprintf(message, sizeof message, "%s", epx_last_error());
+  int top = 0;
+  const epx_status_t agreed = rank_agree(comm, stream, seconds, fn, local != EPX_SUCCESS ? rank + 1 : 0, &top);
+  if (agreed != EPX_SUCCESS) {
+    *keep = agreed == EPX_ERROR_TIMEOUT;
+    return agreed;
+  }
+  if (!top) return EPX_SUCCESS;
+  if (local != EPX_SUCCESS) return epx_error(local, "%s", message);
+  return epx_error(EPX_ERROR_UNSUPPORTED,
+                   "%s: rank %d refused the fused path %s (its epx_last_error says why); every rank refuses it", fn,
+                   top - 1, step);
+}
+
+/* The creation's steps of this rank alone (nothing waits on a peer): the
+ * device's SM count, the window's memory, the control words, the error
+ * word. */
+epx_status_t local_steps(epx_fused_t *f, cudaStream_t stream, const char *fn) {
+  epx_status_t status = EPX_SUCCESS;
+  int device = 0;
+  FUSED_CUDA(cudaGetDevice(&device), "cudaGetDevice");
+  FUSED_CUDA(cudaDeviceGetAttribute(&f->num_sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
+  FUSED_NCCL(ncclMemAlloc(&f->base, f->bytes), "ncclMemAlloc of the window");
+  FUSED_CUDA(cudaMalloc(&f->dev.ctl, CTL_WORDS * sizeof(uint32_t)), "cudaMalloc");
+  FUSED_CUDA(cudaMemsetAsync(f->dev.ctl, 0, CTL_WORDS * sizeof(uint32_t), stream), "cudaMemsetAsync");
+  FUSED_CUDA(cudaHostAlloc(&f->err_host, sizeof(uint32_t), cudaHostAllocMapped), "cudaHostAlloc");
+  *f->err_host = 0;
+  FUSED_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void **>(&f->dev.err), f->err_host, 0),
+             "cudaHostGetDevicePointer");
+fail:
+  if (status != EPX_SUCCESS && f->base && ncclMemFree(f->base) == ncclSuccess) f->base = NULL;
   return status;
 }
 
@@ -244,20 +294,19 @@ fail:
   return status;
 }
 
-/* The window (allocated, registered), the device comm, the peers' addresses,
- * the control words, zeroed flags and a barrier, in that order. Every NCCL
- * step is waited out (nccl_settle): on a nonblocking comm NCCL writes the
- * window and the device comm from its own thread after the call returns.
- * A step that times out leaves `f` to NCCL (*keep = 1): it may still write
- * into it. */
-epx_status_t create_steps(epx_fused_t *f, ncclComm_t comm, cudaStream_t stream, double seconds, int *keep,
-                          const char *fn) {
+/* The creation: this rank's checks and allocations (`local` is its verdict
+ * on what the caller checked; f is NULL where that failed), then the
+ * window's registration, the device comm, the peers' addresses, zeroed flags
+ * and a barrier, in that order, with an agreement of every rank after each
+ * step that may refuse on one rank alone (agree_step). Every NCCL step is
+ * waited out (nccl_settle): on a nonblocking comm NCCL writes the window and
+ * the device comm from its own thread after the call returns. A step that
+ * times out leaves `f` to NCCL (*keep = 1): it may still write into it. */
+epx_status_t create_steps(epx_fused_t *f, epx_status_t local, ncclComm_t comm, cudaStream_t stream, int W,
+                          int rank, double seconds, int *keep, const char *fn) {
   epx_status_t status = EPX_SUCCESS;
-  const int W = f->dev.W, rank = f->dev.rank;
-  int device = 0;
-  FUSED_CUDA(cudaGetDevice(&device), "cudaGetDevice");
-  FUSED_CUDA(cudaDeviceGetAttribute(&f->num_sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
-  FUSED_NCCL(ncclMemAlloc(&f->base, f->bytes), "ncclMemAlloc of the window");
+  if (local == EPX_SUCCESS) local = local_steps(f, stream, fn);
+  EPX_CHECK(agree_step(comm, stream, seconds, rank, local, "while allocating its window", keep, fn));
   status = nccl_settle(comm, ncclCommWindowRegister(comm, f->base, f->bytes, reinterpret_cast<ncclWindow_t *>(&f->win),
                                                     NCCL_WIN_COLL_SYMMETRIC),
                        seconds, fn, "ncclCommWindowRegister");
@@ -265,9 +314,20 @@ epx_status_t create_steps(epx_fused_t *f, ncclComm_t comm, cudaStream_t stream, 
     *keep = status == EPX_ERROR_TIMEOUT;
     return status;
   }
-  if (!f->win)
-    EPX_FAIL(EPX_ERROR_UNSUPPORTED, "%s: NCCL registered no symmetric window (this comm has no symmetric memory "
-             "support: NCCL_WIN_ENABLE=0, no CUDA VMM, or a peer without CUDA P2P); use the host-API exchange", fn);
+  local = f->win ? EPX_SUCCESS
+                 : epx_error(EPX_ERROR_UNSUPPORTED, "%s: NCCL registered no symmetric window (this comm has no "
+                             "symmetric memory support: NCCL_WIN_ENABLE=0, no CUDA VMM, or a peer without CUDA P2P); "
+                             "use the host-API exchange", fn);
+  /* Refused here, a rank that has a window keeps it registered (its
+   * deregistration is collective and some rank has none); the comm's
+   * destruction releases it. */
+  if (local == EPX_SUCCESS) {
+    status = agree_step(comm, stream, seconds, rank, local, "at the window's registration", keep, fn);
+    if (status != EPX_SUCCESS) f->win = NULL, f->base = NULL;
+    EPX_CHECK(status);
+  } else {
+    EPX_CHECK(agree_step(comm, stream, seconds, rank, local, "at the window's registration", keep, fn));
+  }
   {
     ncclDevComm *dc = static_cast<ncclDevComm *>(calloc(1, sizeof *dc));
     if (!dc) EPX_FAIL(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
@@ -282,22 +342,24 @@ epx_status_t create_steps(epx_fused_t *f, ncclComm_t comm, cudaStream_t stream, 
       return status;
     }
     f->devcomm = dc;
-    if (dc->lsaSize != W)
-      EPX_FAIL(EPX_ERROR_UNSUPPORTED,
-               "%s: rank %d reaches %d of the %d ranks by load/store (NVLink); the fused exchange needs all of "
-               "them, so use the host-API exchange", fn, rank, dc->lsaSize, W);
+    local = dc->lsaSize == W
+                ? EPX_SUCCESS
+                : epx_error(EPX_ERROR_UNSUPPORTED, "%s: rank %d reaches %d of the %d ranks by load/store (NVLink); "
+                            "the fused exchange needs all of them, so use the host-API exchange", fn, rank,
+                            dc->lsaSize, W);
+    /* every rank has its window and device comm: a refusal here tears both
+     * down collectively (epx_fused_destroy) */
+    EPX_CHECK(agree_step(comm, stream, seconds, rank, local, "at the device comm (load/store reach)", keep, fn));
   }
   EPX_CHECK(resolve_peers(f, comm, stream, seconds, fn));
   f->dev.local = f->dev.peer[rank];
-  FUSED_CUDA(cudaMalloc(&f->dev.ctl, CTL_WORDS * sizeof(uint32_t)), "cudaMalloc");
-  FUSED_CUDA(cudaMemsetAsync(f->dev.ctl, 0, CTL_WORDS * sizeof(uint32_t), stream), "cudaMemsetAsync");
-  FUSED_CUDA(cudaHostAlloc(&f->err_host, sizeof(uint32_t), cudaHostAllocMapped), "cudaHostAlloc");
-  *f->err_host = 0;
-  FUSED_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void **>(&f->dev.err), f->err_host, 0),
-             "cudaHostGetDevicePointer");
   FUSED_CUDA(cudaMemsetAsync(f->base, 0, f->dev.off_meta, stream), "cudaMemsetAsync of the window's flags");
-  status = rank_barrier(comm, stream, seconds, fn);
-  if (status == EPX_ERROR_TIMEOUT) *keep = 1;
+  /* the barrier: every rank past this point before any writes a peer's flags */
+  {
+    int top = 0;
+    status = rank_agree(comm, stream, seconds, fn, 0, &top);
+    if (status == EPX_ERROR_TIMEOUT) *keep = 1;
+  }
 fail:
   return status;
 }
@@ -315,12 +377,9 @@ extern "C" epx_status_t epx_fused_create(void *nccl_comm, const epx_fused_config
    * change between NCCL releases, patch releases included (2.28.3 -> 2.28.9):
    * the NCCL loaded must be the one whose headers this was compiled with. */
   int version = 0;
-  if (ncclGetVersion(&version) != ncclSuccess || version != NCCL_VERSION_CODE)
-    return epx_error(EPX_ERROR_UNSUPPORTED,
-                     "%s: the NCCL loaded is version %d, the fused module was compiled against NCCL %d's device "
-                     "API; load that NCCL (LD_LIBRARY_PATH) or rebuild epx against this one (EPX_NCCL_ROOT)",
-                     fn, version, NCCL_VERSION_CODE);
+  const int same_nccl = ncclGetVersion(&version) == ncclSuccess && version == NCCL_VERSION_CODE;
   int W = 0, rank = 0;
+  epx_status_t local = EPX_SUCCESS; /* this rank's own checks: the ranks agree on them below */
   /* a nonblocking comm must have finished its previous operation (NCCL
    * refuses every call until then) */
   epx_status_t status = nccl_settle(comm, ncclSuccess, config && config->timeout_seconds > 0 ? config->timeout_seconds
@@ -332,24 +391,38 @@ extern "C" epx_status_t epx_fused_create(void *nccl_comm, const epx_fused_config
   if (r != ncclSuccess)
     return epx_error(EPX_ERROR_TRANSPORT, "%s: nccl_comm is not a usable ncclComm_t (%s: %s)", fn,
                      ncclGetErrorString(r), ncclGetLastError(comm));
-  if (W > EPX_FUSED_MAX_RANKS)
-    return epx_error(EPX_ERROR_UNSUPPORTED, "%s: %d ranks, over the fused path's %d; use the host-API exchange",
-                     fn, W, EPX_FUSED_MAX_RANKS);
-  status = check_config(config, W, fn);
-  if (status != EPX_SUCCESS) return status;
-  epx_fused_t *f = static_cast<epx_fused_t *>(calloc(1, sizeof *f));
-  if (!f) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
-  f->config = *config;
-  f->comm = nccl_comm;
-  init_dev(f, W, rank);
-  const int64_t part_elem = 4; /* float32 partials fit every precision */
-  window_offsets(f->dev, part_elem);
-  f->bytes = window_bytes(f->dev, part_elem);
-  const double seconds = f->dev.timeout_ns * 1e-9;
+  /* The host API (the agreements) works whatever the NCCL release; the
+   * device API's structs do not. */
+  if (!same_nccl)
+    local = epx_error(EPX_ERROR_UNSUPPORTED,
+                      "%s: the NCCL loaded is version %d, the fused module was compiled against NCCL %d's device "
+                      "API; load that NCCL (LD_LIBRARY_PATH) or rebuild epx against this one (EPX_NCCL_ROOT)",
+                      fn, version, NCCL_VERSION_CODE);
+  else if (W > EPX_FUSED_MAX_RANKS)
+    local = epx_error(EPX_ERROR_UNSUPPORTED, "%s: %d ranks, over the fused path's %d; use the host-API exchange",
+                      fn, W, EPX_FUSED_MAX_RANKS);
+  else
+    local = check_config(config, W, fn);
+  epx_fused_t *f = NULL;
+  if (local == EPX_SUCCESS) {
+    f = static_cast<epx_fused_t *>(calloc(1, sizeof *f));
+    if (!f) local = epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
+  }
+  if (f) {
+    f->config = *config;
+    f->comm = nccl_comm;
+    init_dev(f, W, rank);
+    const int64_t part_elem = 4; /* float32 partials fit every precision */
+    window_offsets(f->dev, part_elem);
+    f->bytes = window_bytes(f->dev, part_elem);
+  }
+  const double seconds = config && config->timeout_seconds > 0 ? config->timeout_seconds : 60.0;
   int keep = 0;
   cudaStream_t stream = NULL;
   cudaError_t e = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
-  status = e == cudaSuccess ? create_steps(f, comm, stream, seconds, &keep, fn)
+  /* without a stream this rank cannot take part in the agreements: its
+   * peers' first one times out */
+  status = e == cudaSuccess ? create_steps(f, local, comm, stream, W, rank, seconds, &keep, fn)
                             : cuda_fail(fn, "cudaStreamCreateWithFlags", e);
   if (stream) {
     if (!keep) cudaStreamSynchronize(stream); /* settled already: nothing left but frees */

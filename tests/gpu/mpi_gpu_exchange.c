@@ -941,6 +941,64 @@ static void test_graph(epx_comm_t comm, cudaStream_t stream) {
   free(v), free(vh);
 }
 
+/* The fused path refused on one rank only (the last has no memory for its
+ * window): every rank agrees at creation and takes the host path (epx.h,
+ * EPX_PATH_AUTO), instead of its peers waiting for it in the window's
+ * registration until the comm times out. The buffer is created on every
+ * rank and works; the last rank's reason names the allocation, its peers'
+ * name the rank. With the fused module only (EPX_GPU_EXPECT_FUSED). */
+static void test_fused_refused_on_one_rank(epx_comm_t comm, void *stream) {
+  enum { BIG_H = 7168, BIG_T = 4096 }; /* a window of about W * 4096 * 7168 * 6 bytes: 352 MB on 2 ranks */
+  const int last = g_rank == g_size - 1;
+  void *hog = NULL;
+  if (last) {
+    /* all but 128 MB of the GPU: less than the window, enough for the rest */
+    size_t free_bytes = 0, total = 0, step = (size_t)64 << 20, spare = (size_t)128 << 20;
+    CU(cudaMemGetInfo(&free_bytes, &total));
+    for (size_t take = free_bytes > spare ? free_bytes - spare : 0; take > step && !hog; take -= step)
+      if (cudaMalloc(&hog, take) != cudaSuccess) hog = NULL, (void)cudaGetLastError();
+    CHECK(hog != NULL, "fused refusal: rank %d could not take the GPU's memory", g_rank);
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  epx_buffer_config_t cfg = EPX_BUFFER_CONFIG_INIT;
+  cfg.device = EPX_DEVICE_CUDA;
+  cfg.dtype = EPX_BFLOAT16;
+  cfg.hidden = BIG_H;
+  cfg.num_experts = E;
+  cfg.max_top_k = K;
+  cfg.max_tokens_per_rank = BIG_T;
+  cfg.layout = EPX_LAYOUT_RANK_MAJOR;
+  cfg.stream = stream;
+  cfg.exchange_path = EPX_PATH_AUTO;
+  epx_buffer_t b = NULL;
+  const epx_status_t s = epx_buffer_create(comm, &cfg, &b);
+  char why[1024];
+  snprintf(why, sizeof why, "%s", epx_last_error());
+  CHECK(s == EPX_SUCCESS, "fused refusal: epx_buffer_create on rank %d got %s (%s)", g_rank, epx_status_string(s),
+        why);
+  if (s == EPX_SUCCESS) {
+    int32_t paths[64] = {0};
+    OK(epx_buffer_peer_paths(b, paths));
+    for (int p = 0; p < g_size && p < 64; p++)
+      CHECK(paths[p] == EPX_PATH_HOST, "fused refusal: rank %d's path to %d is %d, not the host path", g_rank, p,
+            (int)paths[p]);
+    char named[32];
+    snprintf(named, sizeof named, "rank %d", g_size - 1);
+    CHECK(strstr(why, "refused") && strstr(why, last ? "ncclMemAlloc" : named),
+          "fused refusal: rank %d's reason does not say who or why: %s", g_rank, why);
+    case_t c = {EPX_LAYOUT_RANK_MAJOR, EPX_BFLOAT16, EPX_WEIGHTS_NONE, 0, 0, 0, 0, 17};
+    routing_t rt;
+    make_routing(&c, g_rank, &rt);
+    int32_t *idx = dev_put(rt.idx, sizeof rt.idx);
+    epx_routing_t r = {rt.T, K, idx, NULL, NULL, EPX_WEIGHTS_NONE};
+    layout_still_works(b, &r);
+    OK(epx_buffer_destroy(b));
+    cudaFree(idx);
+  }
+  if (hog) cudaFree(hog);
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
 int main(int argc, char **argv) {
   MPI_Init(&argc, &argv);
   MPI_Comm_rank(MPI_COMM_WORLD, &g_rank);
@@ -997,6 +1055,7 @@ int main(int argc, char **argv) {
     test_graph(comm, stream);
   }
   g_path = EPX_PATH_FUSED;
+  if (g_expect_fused) test_fused_refused_on_one_rank(comm, stream);
 
   int failures = 0;
   MPI_Allreduce(&g_fail, &failures, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
