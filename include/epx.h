@@ -675,11 +675,18 @@ typedef enum epx_exchange_path {
    * NCCL's device API (nccl_device.h, NCCL 2.28 or later;
    * -DEPX_BUILD_FUSED=OFF leaves it out) and used only with the NCCL release
    * it was compiled against (the device API's structs change between
-   * releases). Where the fused path is refused (that, no load/store access,
-   * no memory for the window), every rank takes the host path and
+   * releases). Where the fused path is refused on any rank (that, no
+   * load/store access, no memory for the window), every rank takes the host
+   * path (the ranks agree after each step of the fused state's creation, so
+   * one rank's refusal is not a timeout for the others) and
    * epx_last_error() after the call that made the fused state
-   * (epx_buffer_create, or the first epx_dispatch_layout) says why, although
-   * the call succeeds. */
+   * (epx_buffer_create, or the first epx_dispatch_layout) says why, naming
+   * the refusing rank, although the call succeeds. A fused kernel's wait on
+   * a peer is bounded by 0.9 of the comm's timeout; when one runs out, the
+   * next call on the buffer (or its destruction) fails the comm as a
+   * host-path timeout does (EPX_ERROR_TIMEOUT naming the peer and the
+   * phase; the NCCL comm is aborted), and destroying the buffer then
+   * releases the window without a collective call. */
   EPX_PATH_FUSED = 2
 } epx_exchange_path_t;
 
