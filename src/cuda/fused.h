@@ -75,7 +75,12 @@ typedef struct epx_fused_config {
  * window (about W*max_tokens*H*(s + 4) bytes plus metadata), creates the
  * device comm and resolves the peers' addresses. EPX_ERROR_UNSUPPORTED when
  * some rank is not reachable by load/store (the message says how many are).
- * The ncclComm_t must outlive the result. */
+ * Every rank returns the same verdict: the ranks agree (a one-word
+ * all-reduce) after each step that may refuse on one rank alone (its own
+ * checks and the window's allocation, the registration, the device comm's
+ * reach), so a refusing rank's peers refuse with it, naming it, instead of
+ * waiting for it in the next collective step. The ncclComm_t must outlive
+ * the result. */
 epx_status_t epx_fused_create(void *nccl_comm, const epx_fused_config_t *config,
                               epx_fused_t **fused);
 /* Collective (the window is deregistered). NULL is a no-op. */
