@@ -318,9 +318,11 @@ epx_status_t create_steps(epx_fused_t *f, epx_status_t local, ncclComm_t comm, c
                  : epx_error(EPX_ERROR_UNSUPPORTED, "%s: NCCL registered no symmetric window (this comm has no "
                              "symmetric memory support: NCCL_WIN_ENABLE=0, no CUDA VMM, or a peer without CUDA P2P); "
                              "use the host-API exchange", fn);
-  /* Refused here, a rank that has a window keeps it registered (its
-   * deregistration is collective and some rank has none); the comm's
-   * destruction releases it. */
+  /* Refused here, a rank that has a window leaves it registered and
+   * allocated: its deregistration is collective and some rank has none.
+   * The comm's destruction ends the registration; the memory stays until
+   * the process ends (one window, in a case no NCCL release is known to
+   * produce: registration succeeds or fails on every rank alike). */
   if (local == EPX_SUCCESS) {
     status = agree_step(comm, stream, seconds, rank, local, "at the window's registration", keep, fn);
     if (status != EPX_SUCCESS) f->win = NULL, f->base = NULL;
