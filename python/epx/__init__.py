@@ -902,6 +902,10 @@ class Buffer(_Closable):
         ptr = comm._handle("Buffer")
         p = ctypes.c_void_p()
         _check(lib.epx_buffer_create(ptr, ctypes.byref(config), ctypes.byref(p)))
+        # A successful creation may still leave a note: why the fused path
+        # was refused (every peer then takes the host path; epx.h,
+        # EPX_PATH_AUTO). Empty where there is none.
+        self.creation_note = lib.epx_last_error().decode("utf-8", "replace")
         self._ptr = p.value
         self.comm = comm
         self.config = config.copy()
@@ -944,6 +948,18 @@ class Buffer(_Closable):
         _check(lib.epx_buffer_max_recv_rows(self._handle_ptr("Buffer.max_recv_rows"),
                                             ctypes.byref(v)))
         return v.value
+
+    def peer_paths(self):
+        """How this buffer moves rows to each rank of its comm
+        (epx_buffer_peer_paths, not collective): a list of
+        :class:`ExchangePath` (FUSED or HOST), one per rank, this rank's own
+        entry included. HOST everywhere on CPU buffers and one-rank buffers;
+        where the fused path was refused at creation, ``creation_note`` says
+        why."""
+        n = self.comm.size
+        paths = (ctypes.c_int32 * n)()
+        _check(lib.epx_buffer_peer_paths(self._handle_ptr("Buffer.peer_paths"), paths))
+        return [ExchangePath(v) for v in paths]
 
     def set_stream(self, stream):
         """The CUDA stream (a cudaStream_t as an int) of later calls."""

@@ -402,6 +402,19 @@ def test_a_rank_with_no_tokens(rng):
                  "grad_w")
 
 
+def test_peer_paths_of_cpu_buffers_are_the_host_path():
+    """Buffer.peer_paths (epx_buffer_peer_paths): one entry per rank; a CPU
+    buffer moves every peer's rows on the host path and its creation leaves
+    no note (no fused path was asked of it, none refused)."""
+    def step(comm):
+        with comm.buffer(hidden=16, num_experts=6, max_top_k=2, exchange_path=epx.ExchangePath.FUSED) as buf:
+            return buf.peer_paths(), buf.creation_note
+
+    for paths, note in epx.run_local(3, step, timeout_seconds=TIMEOUT):
+        assert paths == [epx.ExchangePath.HOST] * 3
+        assert note == ""
+
+
 def test_bf16_round_trip(rng):
     bits = rng.integers(0, 1 << 16, 4096, dtype=np.uint16)
     bits = bits[((bits >> 7) & 0xFF) != 0xFF]  # no Inf/NaN
