@@ -599,7 +599,15 @@ static epx_status_t agree_layout(epx_buffer_t b, const epx_routing_t *r, epx_sta
   return status;
 }
 
-/* The routing all-gather (idx, w, locations, header) on the buffer's stream. */
+/* Whether an NCCL call inside a group went through (ncclInProgress: a
+ * nonblocking comm's call, enqueued). */
+static int nccl_went(ncclResult_t r) { return r == ncclSuccess || r == ncclInProgress; }
+
+/* The routing all-gather (idx, w, locations, header) on the buffer's stream.
+ * A call that fails inside the group still ends it before the comm is
+ * failed (epx_nccl_result aborts the NCCL comm: a group ended after that
+ * would touch the freed comm, and one left open would hold this thread's
+ * later NCCL calls, any library's, in it). */
 static epx_status_t gather_routing(epx_buffer_t b, const epx_cuda_ep_dims_t *d, const int32_t *sidx,
                                    const float *sw, const int32_t *sloc, const int32_t *shdr, int32_t *gidx,
                                    float *gw, int32_t *gloc, int32_t *ghdr, const char *fn) {
@@ -608,18 +616,22 @@ static epx_status_t gather_routing(epx_buffer_t b, const epx_cuda_ep_dims_t *d, 
   ncclComm_t nc = epx_nccl_data_comm(comm);
   cudaStream_t stream = stream_of(b);
   const size_t n = (size_t)(d->Tm * d->Kb);
-  int grouped = 0; /* a failed call inside the group still ends it (else this thread's group stays open) */
-  NCCL_CHECK(ncclGroupStart(), fn, "ncclGroupStart");
-  grouped = 1;
-  NCCL_CHECK(ncclAllGather(sidx, gidx, n, ncclInt32, nc, stream), fn, "ncclAllGather of the routing");
-  NCCL_CHECK(ncclAllGather(sw, gw, n, ncclFloat32, nc, stream), fn, "ncclAllGather of the weights");
-  if (sloc) NCCL_CHECK(ncclAllGather(sloc, gloc, n, ncclInt32, nc, stream), fn, "ncclAllGather of the locations");
-  NCCL_CHECK(ncclAllGather(shdr, ghdr, EPX_CUDA_EP_HDR_INTS, ncclInt32, nc, stream), fn,
-             "ncclAllGather of the headers");
-  grouped = 0; /* ncclGroupEnd ends the group whatever it returns */
-  NCCL_CHECK(ncclGroupEnd(), fn, "ncclGroupEnd");
+  const char *what = "ncclGroupStart";
+  ncclResult_t r = ncclGroupStart();
+  if (r == ncclSuccess) {
+    what = "ncclAllGather of the routing";
+    r = ncclAllGather(sidx, gidx, n, ncclInt32, nc, stream);
+    if (nccl_went(r)) what = "ncclAllGather of the weights", r = ncclAllGather(sw, gw, n, ncclFloat32, nc, stream);
+    if (nccl_went(r) && sloc)
+      what = "ncclAllGather of the locations", r = ncclAllGather(sloc, gloc, n, ncclInt32, nc, stream);
+    if (nccl_went(r))
+      what = "ncclAllGather of the headers",
+      r = ncclAllGather(shdr, ghdr, EPX_CUDA_EP_HDR_INTS, ncclInt32, nc, stream);
+    const ncclResult_t ended = ncclGroupEnd();
+    if (nccl_went(r)) what = "ncclGroupEnd", r = ended;
+  }
+  NCCL_CHECK(r, fn, what);
 fail:
-  if (grouped) ncclGroupEnd(); /* the error above is the one reported */
   return status;
 }
 
@@ -985,21 +997,23 @@ static epx_status_t p2p(epx_buffer_t b, const ep_handle_t *h, int skind, int rki
   cudaStream_t stream = stream_of(b);
   const char *s = send;
   char *d = recv;
-  int grouped = 0; /* as in gather_routing */
-  NCCL_CHECK(ncclGroupStart(), fn, "ncclGroupStart");
-  grouped = 1;
-  for (int32_t p = 0; p < h->d.W; p++) {
-    if (h->count[skind][p])
-      NCCL_CHECK(ncclSend(s + (size_t)h->displ[skind][p] * unit, (size_t)h->count[skind][p] * unit, ncclUint8, p,
-                          nc, stream), fn, "ncclSend");
-    if (h->count[rkind][p])
-      NCCL_CHECK(ncclRecv(d + (size_t)h->displ[rkind][p] * unit, (size_t)h->count[rkind][p] * unit, ncclUint8, p,
-                          nc, stream), fn, "ncclRecv");
+  /* a failed call still ends the group before the comm fails (gather_routing) */
+  const char *what = "ncclGroupStart";
+  ncclResult_t r = ncclGroupStart();
+  if (r == ncclSuccess) {
+    for (int32_t p = 0; p < h->d.W && nccl_went(r); p++) {
+      if (h->count[skind][p])
+        what = "ncclSend", r = ncclSend(s + (size_t)h->displ[skind][p] * unit, (size_t)h->count[skind][p] * unit,
+                                        ncclUint8, p, nc, stream);
+      if (nccl_went(r) && h->count[rkind][p])
+        what = "ncclRecv", r = ncclRecv(d + (size_t)h->displ[rkind][p] * unit, (size_t)h->count[rkind][p] * unit,
+                                        ncclUint8, p, nc, stream);
+    }
+    const ncclResult_t ended = ncclGroupEnd();
+    if (nccl_went(r)) what = "ncclGroupEnd", r = ended;
   }
-  grouped = 0;
-  NCCL_CHECK(ncclGroupEnd(), fn, "ncclGroupEnd");
+  NCCL_CHECK(r, fn, what);
 fail:
-  if (grouped) ncclGroupEnd();
   return status;
 }
 
