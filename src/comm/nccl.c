@@ -162,6 +162,14 @@ static epx_status_t settle(epx_comm_t comm, const char *caller, const char *what
   }
 }
 
+int epx_nccl_went(int result) { return result == ncclSuccess || result == ncclInProgress; }
+
+epx_status_t epx_nccl_group_end(epx_comm_t comm, int first, const char *caller, const char *what) {
+  const ncclResult_t ended = ncclGroupEnd();
+  if (!epx_nccl_went(first)) return epx_nccl_result(comm, first, caller, what);
+  return epx_nccl_result(comm, ended, caller, "ncclGroupEnd");
+}
+
 epx_status_t epx_nccl_fail_timeout(epx_comm_t comm, const char *caller, const char *what) {
   if (comm->failed) return check_alive(comm, caller);
   return fail_comm(comm, EPX_ERROR_TIMEOUT, caller, what);
@@ -255,17 +263,16 @@ static epx_status_t exchange(epx_comm_t comm, const char *caller, const char *se
                              const size_t *send_bytes, char *recv, const size_t *recv_off,
                              const size_t *recv_bytes) {
   nccl_state_t *s = comm->impl;
-  epx_status_t status = epx_nccl_result(comm, ncclGroupStart(), caller, "ncclGroupStart");
-  for (int32_t r = 0; status == EPX_SUCCESS && r < comm->size; r++) {
-    if (send_bytes[r])
-      status = epx_nccl_result(comm, ncclSend(send + send_off[r], send_bytes[r], ncclUint8, r, s->comms[CONTROL], s->stream),
-                               caller, "ncclSend");
-    if (status == EPX_SUCCESS && recv_bytes[r])
-      status = epx_nccl_result(comm, ncclRecv(recv + recv_off[r], recv_bytes[r], ncclUint8, r, s->comms[CONTROL], s->stream),
-                               caller, "ncclRecv");
+  ncclComm_t c = s->comms[CONTROL];
+  ncclResult_t r = ncclGroupStart();
+  if (r != ncclSuccess) return epx_nccl_result(comm, r, caller, "ncclGroupStart");
+  const char *what = "ncclGroupStart";
+  for (int32_t p = 0; epx_nccl_went(r) && p < comm->size; p++) {
+    if (send_bytes[p]) what = "ncclSend", r = ncclSend(send + send_off[p], send_bytes[p], ncclUint8, p, c, s->stream);
+    if (epx_nccl_went(r) && recv_bytes[p])
+      what = "ncclRecv", r = ncclRecv(recv + recv_off[p], recv_bytes[p], ncclUint8, p, c, s->stream);
   }
-  epx_status_t ended = epx_nccl_result(comm, ncclGroupEnd(), caller, "ncclGroupEnd");
-  return status != EPX_SUCCESS ? status : ended;
+  return epx_nccl_group_end(comm, r, caller, what);
 }
 
 static epx_status_t nccl_alltoallv(epx_comm_t comm, const char *caller, const void *send,
@@ -417,14 +424,14 @@ static epx_status_t warm_up(epx_comm_t comm, const char *fn) {
   epx_status_t status = EPX_SUCCESS;
   for (int i = DATA; i <= CONTROL && status == EPX_SUCCESS; i++) {
     ncclComm_t c = s->comms[i];
-    status = epx_nccl_result(comm, ncclGroupStart(), fn, "ncclGroupStart");
-    for (int32_t r = 0; status == EPX_SUCCESS && r < comm->size; r++) {
-      status = epx_nccl_result(comm, ncclSend(d + r, 1, ncclUint8, r, c, s->stream), fn, "ncclSend (warm-up)");
-      if (status == EPX_SUCCESS)
-        status = epx_nccl_result(comm, ncclRecv(d + W + r, 1, ncclUint8, r, c, s->stream), fn, "ncclRecv (warm-up)");
+    ncclResult_t r = ncclGroupStart();
+    if (r != ncclSuccess) return epx_nccl_result(comm, r, fn, "ncclGroupStart");
+    const char *what = "ncclGroupStart";
+    for (int32_t p = 0; epx_nccl_went(r) && p < comm->size; p++) {
+      what = "ncclSend (warm-up)", r = ncclSend(d + p, 1, ncclUint8, p, c, s->stream);
+      if (epx_nccl_went(r)) what = "ncclRecv (warm-up)", r = ncclRecv(d + W + p, 1, ncclUint8, p, c, s->stream);
     }
-    epx_status_t ended = epx_nccl_result(comm, ncclGroupEnd(), fn, "ncclGroupEnd");
-    if (status == EPX_SUCCESS) status = ended;
+    status = epx_nccl_group_end(comm, r, fn, what);
     if (status == EPX_SUCCESS)
       status = epx_nccl_result(comm, ncclAllGather(d, d + gathered, 1, ncclInt32, c, s->stream), fn,
                                "ncclAllGather (warm-up)");

@@ -34,6 +34,18 @@ epx_status_t epx_nccl_wait(epx_comm_t comm, void *stream, const char *caller);
  * bound; an error fails the comm with NCCL's own message. */
 epx_status_t epx_nccl_result(epx_comm_t comm, int result, const char *caller, const char *what);
 
+/* Whether an NCCL call inside a group went through (ncclSuccess, or
+ * ncclInProgress on a nonblocking comm): the group goes on. */
+int epx_nccl_went(int result);
+
+/* Ends a group of NCCL calls (the caller's ncclGroupStart succeeded):
+ * `first` is the first failed call's result (or the last call's where none
+ * failed), `what` names that call. The group is ended before a failure
+ * fails the comm: epx_nccl_result aborts the NCCL comm, and a group ended
+ * after that would touch the freed comm, one never ended would hold this
+ * thread's later NCCL calls (any library's) in it. */
+epx_status_t epx_nccl_group_end(epx_comm_t comm, int first, const char *caller, const char *what);
+
 /* A wait that epx bounds itself (a fused kernel's on a peer's flag) ran out:
  * aborts the NCCL comm (its windows go with it; no collective teardown is
  * then attempted), fails the epx comm and returns EPX_ERROR_TIMEOUT naming

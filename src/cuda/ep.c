@@ -263,11 +263,14 @@ static int fused_wanted(epx_buffer_t b) {
 }
 
 /* Collective, once max_tokens_per_rank is known (at buffer creation, or the
- * first layout that agrees it): creates the fused state. The ranks agree the
- * outcome, so a refusal on any rank (a peer without load/store access, no
- * memory for the window, an NCCL without symmetric memory) leaves every rank
- * on the host path, and epx_last_error() after the (successful) call says
- * why (epx.h, EPX_PATH_AUTO); only a failing comm fails the caller. */
+ * first layout that agrees it): creates the fused state. epx_fused_create
+ * agrees every step that may refuse on one rank alone (a peer without
+ * load/store access, no memory for the window, an NCCL without symmetric
+ * memory); the all-reduce here also covers what fails before its first
+ * agreement (a comm busy past the timeout, no stream), so every rank leaves
+ * on the same path: a refusal anywhere leaves every rank on the host path,
+ * and epx_last_error() after the (successful) call says why (epx.h,
+ * EPX_PATH_AUTO); only a failing comm fails the caller. */
 static epx_status_t ensure_fused(epx_buffer_t b, const char *fn) {
   ep_buffer_t *s = b->cuda;
   if (s->fused_tried || !fused_wanted(b) || b->max_tokens == 0) return EPX_SUCCESS;
@@ -599,15 +602,8 @@ static epx_status_t agree_layout(epx_buffer_t b, const epx_routing_t *r, epx_sta
   return status;
 }
 
-/* Whether an NCCL call inside a group went through (ncclInProgress: a
- * nonblocking comm's call, enqueued). */
-static int nccl_went(ncclResult_t r) { return r == ncclSuccess || r == ncclInProgress; }
-
-/* The routing all-gather (idx, w, locations, header) on the buffer's stream.
- * A call that fails inside the group still ends it before the comm is
- * failed (epx_nccl_result aborts the NCCL comm: a group ended after that
- * would touch the freed comm, and one left open would hold this thread's
- * later NCCL calls, any library's, in it). */
+/* The routing all-gather (idx, w, locations, header) on the buffer's stream
+ * (a failed call still ends the group first: epx_nccl_group_end). */
 static epx_status_t gather_routing(epx_buffer_t b, const epx_cuda_ep_dims_t *d, const int32_t *sidx,
                                    const float *sw, const int32_t *sloc, const int32_t *shdr, int32_t *gidx,
                                    float *gw, int32_t *gloc, int32_t *ghdr, const char *fn) {
@@ -616,21 +612,16 @@ static epx_status_t gather_routing(epx_buffer_t b, const epx_cuda_ep_dims_t *d, 
   ncclComm_t nc = epx_nccl_data_comm(comm);
   cudaStream_t stream = stream_of(b);
   const size_t n = (size_t)(d->Tm * d->Kb);
-  const char *what = "ncclGroupStart";
   ncclResult_t r = ncclGroupStart();
-  if (r == ncclSuccess) {
-    what = "ncclAllGather of the routing";
-    r = ncclAllGather(sidx, gidx, n, ncclInt32, nc, stream);
-    if (nccl_went(r)) what = "ncclAllGather of the weights", r = ncclAllGather(sw, gw, n, ncclFloat32, nc, stream);
-    if (nccl_went(r) && sloc)
-      what = "ncclAllGather of the locations", r = ncclAllGather(sloc, gloc, n, ncclInt32, nc, stream);
-    if (nccl_went(r))
-      what = "ncclAllGather of the headers",
-      r = ncclAllGather(shdr, ghdr, EPX_CUDA_EP_HDR_INTS, ncclInt32, nc, stream);
-    const ncclResult_t ended = ncclGroupEnd();
-    if (nccl_went(r)) what = "ncclGroupEnd", r = ended;
-  }
-  NCCL_CHECK(r, fn, what);
+  NCCL_CHECK(r, fn, "ncclGroupStart");
+  const char *what = "ncclAllGather of the routing";
+  r = ncclAllGather(sidx, gidx, n, ncclInt32, nc, stream);
+  if (epx_nccl_went(r)) what = "ncclAllGather of the weights", r = ncclAllGather(sw, gw, n, ncclFloat32, nc, stream);
+  if (epx_nccl_went(r) && sloc)
+    what = "ncclAllGather of the locations", r = ncclAllGather(sloc, gloc, n, ncclInt32, nc, stream);
+  if (epx_nccl_went(r))
+    what = "ncclAllGather of the headers", r = ncclAllGather(shdr, ghdr, EPX_CUDA_EP_HDR_INTS, ncclInt32, nc, stream);
+  EPX_CHECK(epx_nccl_group_end(comm, r, fn, what));
 fail:
   return status;
 }
@@ -997,22 +988,19 @@ static epx_status_t p2p(epx_buffer_t b, const ep_handle_t *h, int skind, int rki
   cudaStream_t stream = stream_of(b);
   const char *s = send;
   char *d = recv;
-  /* a failed call still ends the group before the comm fails (gather_routing) */
-  const char *what = "ncclGroupStart";
   ncclResult_t r = ncclGroupStart();
-  if (r == ncclSuccess) {
-    for (int32_t p = 0; p < h->d.W && nccl_went(r); p++) {
-      if (h->count[skind][p])
-        what = "ncclSend", r = ncclSend(s + (size_t)h->displ[skind][p] * unit, (size_t)h->count[skind][p] * unit,
-                                        ncclUint8, p, nc, stream);
-      if (nccl_went(r) && h->count[rkind][p])
-        what = "ncclRecv", r = ncclRecv(d + (size_t)h->displ[rkind][p] * unit, (size_t)h->count[rkind][p] * unit,
-                                        ncclUint8, p, nc, stream);
-    }
-    const ncclResult_t ended = ncclGroupEnd();
-    if (nccl_went(r)) what = "ncclGroupEnd", r = ended;
+  NCCL_CHECK(r, fn, "ncclGroupStart");
+  const char *what = "ncclGroupStart";
+  for (int32_t p = 0; p < h->d.W && epx_nccl_went(r); p++) {
+    if (h->count[skind][p])
+      what = "ncclSend", r = ncclSend(s + (size_t)h->displ[skind][p] * unit, (size_t)h->count[skind][p] * unit,
+                                      ncclUint8, p, nc, stream);
+    if (epx_nccl_went(r) && h->count[rkind][p])
+      what = "ncclRecv", r = ncclRecv(d + (size_t)h->displ[rkind][p] * unit, (size_t)h->count[rkind][p] * unit,
+                                      ncclUint8, p, nc, stream);
   }
-  NCCL_CHECK(r, fn, what);
+  /* a failed call still ends the group first (epx_nccl_group_end) */
+  EPX_CHECK(epx_nccl_group_end(comm, r, fn, what));
 fail:
   return status;
 }
