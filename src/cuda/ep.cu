@@ -45,17 +45,24 @@ __device__ bool any_oversize(const int32_t *hdr, int W) {
   return false;
 }
 
+/* The send block's header, but its invalid flag (each stage kernel sets
+ * that its own way): this rank's tokens, whether it is oversize, top_k and
+ * weighting. */
+__device__ __forceinline__ void stage_header(const epx_cuda_ep_dims_t &d, int oversize, int32_t *hdr) {
+  hdr[EPX_CUDA_EP_HDR_TOKENS] = (int32_t)d.T;
+  hdr[EPX_CUDA_EP_HDR_OVERSIZE] = oversize;
+  hdr[EPX_CUDA_EP_HDR_TOPK] = d.K;
+  hdr[EPX_CUDA_EP_HDR_WEIGHTING] = d.weighting;
+}
+
 __global__ void __launch_bounds__(kThreads)
     stage_kernel(const epx_cuda_ep_dims_t d, const int32_t *own_idx, const float *own_w,
                  const int32_t *locations, const epx_cuda_layout_result_t *own_result, int oversize,
                  int32_t *idx, float *w, int32_t *loc, int32_t *hdr) {
   const int64_t i = (int64_t)blockIdx.x * kThreads + threadIdx.x;
   if (i == 0) {
-    hdr[EPX_CUDA_EP_HDR_TOKENS] = (int32_t)d.T;
-    hdr[EPX_CUDA_EP_HDR_OVERSIZE] = oversize;
+    stage_header(d, oversize, hdr);
     hdr[EPX_CUDA_EP_HDR_INVALID] = own_result && own_result->error != EPX_CUDA_NO_ERROR;
-    hdr[EPX_CUDA_EP_HDR_TOPK] = d.K;
-    hdr[EPX_CUDA_EP_HDR_WEIGHTING] = d.weighting;
   }
   if (i >= d.Tm * d.Kb) return;
   const int64_t t = i / d.Kb;
@@ -79,12 +86,7 @@ __global__ void __launch_bounds__(kThreads)
                           const float *__restrict__ topk_w, int32_t E, float *w_copy,
                           epx_cuda_layout_result_t *result, int32_t *idx, float *w, int32_t *hdr) {
   const int64_t i = (int64_t)blockIdx.x * kThreads + threadIdx.x;
-  if (i == 0) {
-    hdr[EPX_CUDA_EP_HDR_TOKENS] = (int32_t)d.T;
-    hdr[EPX_CUDA_EP_HDR_OVERSIZE] = 0;
-    hdr[EPX_CUDA_EP_HDR_TOPK] = d.K;
-    hdr[EPX_CUDA_EP_HDR_WEIGHTING] = d.weighting;
-  }
+  if (i == 0) stage_header(d, 0, hdr); /* the invalid flag: zeroed before, set per route below */
   if (i >= d.Tm * d.Kb) return;
   const int64_t t = i / d.Kb;
   const int k = (int)(i % d.Kb);
@@ -129,11 +131,8 @@ __global__ void __launch_bounds__(kThreads)
   if (i == 0) {
     const unsigned long long first = *plan_invalid;
     result->error = first;
-    hdr[EPX_CUDA_EP_HDR_TOKENS] = (int32_t)d.T;
-    hdr[EPX_CUDA_EP_HDR_OVERSIZE] = 0;
+    stage_header(d, 0, hdr);
     hdr[EPX_CUDA_EP_HDR_INVALID] = first != EPX_CUDA_NO_ERROR;
-    hdr[EPX_CUDA_EP_HDR_TOPK] = d.K;
-    hdr[EPX_CUDA_EP_HDR_WEIGHTING] = d.weighting;
   }
   if (i >= d.Tm * d.Kb) return;
   const int64_t t = i / d.Kb;
