@@ -462,6 +462,20 @@ def _data(a):
     return a.ctypes.data if a is not None else None
 
 
+def _route_inputs(fn, logits, config, fields, bias, token_mask, aux_loss_expert_counts):
+    """What :func:`route` and :func:`reference_route` check and pass alike:
+    the host config (the two memory fields filled), the logits' and bias'
+    pointers, the mask and the global counts arrays kept alive."""
+    config = _route_config(config, np.shape(logits), fields)
+    _host_config(config, fn)
+    E = int(config.num_experts)
+    pl = _ptr(logits, fn, "logits", _F32, (None, E if E > 0 else None))
+    pb = _ptr(bias, fn, "bias", _F32, (E,), optional=True)
+    config, mask, gcounts = _route_arrays(config, fn, logits.shape[0], token_mask,
+                                          aux_loss_expert_counts)
+    return config, pl, pb, mask, gcounts
+
+
 def route(logits, config=None, *, bias=None, token_mask=None, aux_loss_expert_counts=None,
           locations=True, expert_counts=True, losses=True, **fields):
     """Routes T tokens (epx_route): logits [T, E] float32 -> :class:`RouteResult`.
@@ -476,13 +490,9 @@ def route(logits, config=None, *, bias=None, token_mask=None, aux_loss_expert_co
     fields. locations / expert_counts / losses=False skip those outputs.
     """
     fn = "epx.route"
-    config = _route_config(config, np.shape(logits), fields)
-    _host_config(config, fn)
-    E, K = int(config.num_experts), int(config.top_k)
-    pl = _ptr(logits, fn, "logits", _F32, (None, E if E > 0 else None))
-    pb = _ptr(bias, fn, "bias", _F32, (E,), optional=True)
-    T = logits.shape[0]
-    config, mask, gcounts = _route_arrays(config, fn, T, token_mask, aux_loss_expert_counts)
+    config, pl, pb, mask, gcounts = _route_inputs(fn, logits, config, fields, bias, token_mask,
+                                                  aux_loss_expert_counts)
+    T, E, K = logits.shape[0], int(config.num_experts), int(config.top_k)
     idx, w, loc, counts, aux, z = _route_outputs(T, K, E, locations, expert_counts, losses,
                                                  np.float32)
     out = _lib.RouteOutput()
@@ -503,13 +513,9 @@ def reference_route(logits, config=None, *, bias=None, token_mask=None,
     agree with :func:`route` exactly, weights and losses to about 1e-5
     relative (inputs away from float32 ties)."""
     fn = "epx.reference_route"
-    config = _route_config(config, np.shape(logits), fields)
-    _host_config(config, fn)
-    E, K = int(config.num_experts), int(config.top_k)
-    pl = _ptr(logits, fn, "logits", _F32, (None, E if E > 0 else None))
-    pb = _ptr(bias, fn, "bias", _F32, (E,), optional=True)
-    T = logits.shape[0]
-    config, mask, gcounts = _route_arrays(config, fn, T, token_mask, aux_loss_expert_counts)
+    config, pl, pb, mask, gcounts = _route_inputs(fn, logits, config, fields, bias, token_mask,
+                                                  aux_loss_expert_counts)
+    T, E, K = logits.shape[0], int(config.num_experts), int(config.top_k)
     idx, w, loc, counts, aux, z = _route_outputs(T, K, E, True, True, True, np.float64)
     cap = ctypes.c_int32(0)
     _check(lib.epx_reference_route(ctypes.byref(config), T, pl, pb, idx.ctypes.data,
