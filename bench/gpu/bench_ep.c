@@ -113,6 +113,34 @@ static void make_routing(int T, int skew, int seed, int32_t *idx, float *w) {
     }
 }
 
+/* Rank g_rank's routing of T tokens (make_routing) on the device, its ids
+ * also in idx [T, K] for the checks; the weights are not kept (these rows
+ * move unweighted). */
+static int32_t *device_routing(int T, int skew, int seed, int32_t *idx) {
+  float *w = malloc(4 * (size_t)T * K);
+  make_routing(T, skew, seed, idx, w);
+  free(w);
+  int32_t *d_idx;
+  CU(cudaMalloc((void **)&d_idx, 4 * (size_t)T * K));
+  CU(cudaMemcpy(d_idx, idx, 4 * (size_t)T * K, cudaMemcpyHostToDevice));
+  return d_idx;
+}
+
+/* A buffer config of the bench's shape (bf16, H, E, top-K, T tokens per
+ * rank) and layout, on the bench's stream; the callers set the rest. */
+static epx_buffer_config_t bench_config(int T, epx_layout_t layout) {
+  epx_buffer_config_t cfg = EPX_BUFFER_CONFIG_INIT;
+  cfg.device = EPX_DEVICE_CUDA;
+  cfg.dtype = EPX_BFLOAT16;
+  cfg.hidden = H;
+  cfg.num_experts = E;
+  cfg.max_top_k = K;
+  cfg.max_tokens_per_rank = T;
+  cfg.layout = layout;
+  cfg.stream = g_stream;
+  return cfg;
+}
+
 typedef struct {
   float ms, worst_ms; /* rank 0's median, the slowest rank's */
 } timing_t;
@@ -262,22 +290,10 @@ static run_result_t run(int T, int skew, epx_layout_t layout, epx_exchange_t exc
   bench_t b = {0};
   b.nc = nc;
   int32_t *idx = malloc(4 * (size_t)T * K);
-  float *w = malloc(4 * (size_t)T * K);
-  make_routing(T, skew, T + skew, idx, w);
-  int32_t *d_idx;
-  CU(cudaMalloc((void **)&d_idx, 4 * (size_t)T * K));
-  CU(cudaMemcpy(d_idx, idx, 4 * (size_t)T * K, cudaMemcpyHostToDevice));
+  int32_t *d_idx = device_routing(T, skew, T + skew, idx);
   b.routing = (epx_routing_t){T, K, d_idx, NULL, NULL, EPX_WEIGHTS_NONE};
-  epx_buffer_config_t cfg = EPX_BUFFER_CONFIG_INIT;
-  cfg.device = EPX_DEVICE_CUDA;
-  cfg.dtype = EPX_BFLOAT16;
-  cfg.hidden = H;
-  cfg.num_experts = E;
-  cfg.max_top_k = K;
-  cfg.max_tokens_per_rank = T;
+  epx_buffer_config_t cfg = bench_config(T, layout);
   cfg.exchange = exchange;
-  cfg.layout = layout;
-  cfg.stream = g_stream;
   cfg.combine_precision = precision;
   cfg.exchange_path = g_path;
   cfg.sm_budget = g_sms;
@@ -368,30 +384,18 @@ static run_result_t run(int T, int skew, epx_layout_t layout, epx_exchange_t exc
   OK(epx_buffer_destroy(b.buf));
   cudaFree(b.x), cudaFree(b.recv), cudaFree(b.out), cudaFree(b.a2a_send), cudaFree(b.a2a_recv), cudaFree(d_idx);
   cudaFree(b.grad_recv), cudaFree(b.grad_x);
-  free(idx), free(w), free(xh), free(b.send_rows), free(b.recv_rows);
+  free(idx), free(xh), free(b.send_rows), free(b.recv_rows);
   return result;
 }
 
 /* The layout with worst_case_sizing: no host wait, events around it. */
 static void run_worst_layout(int T) {
-  epx_buffer_config_t cfg = EPX_BUFFER_CONFIG_INIT;
-  cfg.device = EPX_DEVICE_CUDA;
-  cfg.dtype = EPX_BFLOAT16;
-  cfg.hidden = H;
-  cfg.num_experts = E;
-  cfg.max_top_k = K;
-  cfg.max_tokens_per_rank = T;
-  cfg.layout = EPX_LAYOUT_RANK_MAJOR;
+  epx_buffer_config_t cfg = bench_config(T, EPX_LAYOUT_RANK_MAJOR);
   cfg.worst_case_sizing = 1;
-  cfg.stream = g_stream;
   bench_t b = {0};
   OK(epx_buffer_create(g_comm, &cfg, &b.buf));
   int32_t *idx = malloc(4 * (size_t)T * K);
-  float *w = malloc(4 * (size_t)T * K);
-  make_routing(T, 0, T, idx, w);
-  int32_t *d_idx;
-  CU(cudaMalloc((void **)&d_idx, 4 * (size_t)T * K));
-  CU(cudaMemcpy(d_idx, idx, 4 * (size_t)T * K, cudaMemcpyHostToDevice));
+  int32_t *d_idx = device_routing(T, 0, T, idx);
   b.routing = (epx_routing_t){T, K, d_idx, NULL, NULL, EPX_WEIGHTS_NONE};
   const timing_t t = time_op(op_layout, &b);
   /* The host's side: wall time per call of the same loop, enqueueing only
@@ -410,7 +414,7 @@ static void run_worst_layout(int T) {
     if (T == 8192) printf("TARGET layout + count exchange (8192, worst case)      %.1f us <= 40\n", t.ms * 1e3);
   }
   OK(epx_buffer_destroy(b.buf));
-  cudaFree(d_idx), free(idx), free(w);
+  cudaFree(d_idx), free(idx);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -591,15 +595,7 @@ typedef struct {
 /* The step sweep's row for one path and budget: the step forward and
  * backward, the GEMMs alone, the exchanges alone (medians, ms). */
 static step_times_t run_step(experts_t *ex, int T, epx_exchange_path_t path, int32_t sms) {
-  epx_buffer_config_t cfg = EPX_BUFFER_CONFIG_INIT;
-  cfg.device = EPX_DEVICE_CUDA;
-  cfg.dtype = EPX_BFLOAT16;
-  cfg.hidden = H;
-  cfg.num_experts = E;
-  cfg.max_top_k = K;
-  cfg.max_tokens_per_rank = T;
-  cfg.layout = EPX_LAYOUT_EXPERT_MAJOR;
-  cfg.stream = g_stream;
+  epx_buffer_config_t cfg = bench_config(T, EPX_LAYOUT_EXPERT_MAJOR);
   cfg.combine_precision = EPX_COMBINE_PARTIALS_PAYLOAD;
   cfg.exchange_path = path;
   cfg.sm_budget = sms;

@@ -599,7 +599,9 @@ static void run_case(const case_t *c, epx_comm_t nccl, void *stream) {
 /* Refusal, recorder, graph                                                  */
 /* ------------------------------------------------------------------------ */
 
-static epx_buffer_t simple_buffer(epx_comm_t comm, void *stream, int worst) {
+/* The config of the refusal and mismatch tests' buffers (bf16, expert-major,
+ * the test's shape) on the path main sets. */
+static epx_buffer_config_t simple_config(void *stream, int worst) {
   epx_buffer_config_t cfg = EPX_BUFFER_CONFIG_INIT;
   cfg.device = EPX_DEVICE_CUDA;
   cfg.dtype = EPX_BFLOAT16;
@@ -610,6 +612,11 @@ static epx_buffer_t simple_buffer(epx_comm_t comm, void *stream, int worst) {
   cfg.worst_case_sizing = worst;
   cfg.stream = stream;
   cfg.exchange_path = g_path; /* main runs these tests on the fused path and on the host path */
+  return cfg;
+}
+
+static epx_buffer_t simple_buffer(epx_comm_t comm, void *stream, int worst) {
+  const epx_buffer_config_t cfg = simple_config(stream, worst);
   epx_buffer_t b;
   OK(epx_buffer_create(comm, &cfg, &b));
   return b;
@@ -789,14 +796,8 @@ static void test_call_mismatch(epx_comm_t comm, void *stream) {
   OK(epx_dispatch(b, h, x, recv, cap)); /* in step again */
   OK(epx_handle_release(h));
   OK(epx_buffer_destroy(b));
-  epx_buffer_config_t cfg = EPX_BUFFER_CONFIG_INIT;
-  cfg.device = EPX_DEVICE_CUDA;
-  cfg.dtype = EPX_BFLOAT16;
-  cfg.hidden = H;
-  cfg.num_experts = E;
-  cfg.max_top_k = K;
-  cfg.max_tokens_per_rank = TMAX;
-  cfg.stream = stream;
+  epx_buffer_config_t cfg = simple_config(stream, 0);
+  cfg.exchange_path = EPX_PATH_AUTO;
   cfg.combine_precision = g_rank == g_size - 1 ? EPX_COMBINE_PARTIALS_PAYLOAD : EPX_COMBINE_PARTIALS_FLOAT32;
   epx_buffer_t odd = NULL;
   char named[32];
@@ -960,15 +961,10 @@ static void test_fused_refused_on_one_rank(epx_comm_t comm, void *stream) {
     CHECK(hog != NULL, "fused refusal: rank %d could not take the GPU's memory", g_rank);
   }
   MPI_Barrier(MPI_COMM_WORLD);
-  epx_buffer_config_t cfg = EPX_BUFFER_CONFIG_INIT;
-  cfg.device = EPX_DEVICE_CUDA;
-  cfg.dtype = EPX_BFLOAT16;
+  epx_buffer_config_t cfg = simple_config(stream, 0);
   cfg.hidden = BIG_H;
-  cfg.num_experts = E;
-  cfg.max_top_k = K;
   cfg.max_tokens_per_rank = BIG_T;
   cfg.layout = EPX_LAYOUT_RANK_MAJOR;
-  cfg.stream = stream;
   cfg.exchange_path = EPX_PATH_AUTO;
   epx_buffer_t b = NULL;
   const epx_status_t s = epx_buffer_create(comm, &cfg, &b);
