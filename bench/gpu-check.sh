@@ -154,7 +154,8 @@ if [ -n "$GPU2_TESTS" ]; then
         # two H200 over NVLink: the fused path is required where the config allows it
         mpi_*) EPX_GPU_EXPECT_FUSED=$([ "${EPX_GPU_FUSED:-ON}" = ON ] && echo 1 || echo 0) timeout "${EPX_GPU2_TEST_TIMEOUT:-300}" \
                  $MPIRUN -x EPX_GPU_EXPECT_FUSED "$BUILD/tests/gpu/$t" >>"$OUTDIR/gpu2.log" 2>&1 ;;
-        *) timeout 200 "$BUILD/tests/gpu/$t" >>"$OUTDIR/gpu2.log" 2>&1 ;;
+        *) EPX_GPU_EXPECT_FUSED=$([ "${EPX_GPU_FUSED:-ON}" = ON ] && echo 1 || echo 0) \
+             timeout 200 "$BUILD/tests/gpu/$t" >>"$OUTDIR/gpu2.log" 2>&1 ;;
       esac
       rc=$?
       [ $rc = 0 ] && verdict "test $t (2 GPUs)" PASS || verdict "test $t (2 GPUs)" "FAIL (exit $rc)"

@@ -10,8 +10,10 @@
  * layout only enqueues, its kernel's bounded wait on the dead peer runs out,
  * and the next call that reads the layout (epx_handle_recv_rows) must fail
  * and fail the comm, so that destroying the buffer abandons the window
- * instead of deregistering it with a peer that is gone. Either way, later
- * calls refuse at once and destroy returns. The parent bounds everything
+ * instead of deregistering it with a peer that is gone (with
+ * EPX_GPU_EXPECT_FUSED=1 the buffer must be on the fused path, else the
+ * scenario would test the host path twice). Either way, later calls refuse
+ * at once and destroy returns. The parent bounds everything
  * with its own deadline; exit status is the verdict. */
 #include <signal.h>
 #include <stdio.h>
@@ -92,6 +94,11 @@ static int child(int rank, int fused, int fd_read, int fd_write) {
          fused ? "rank-major, worst_case_sizing" : "default buffer", paths[1] == EPX_PATH_FUSED ? "fused" : "host",
          epx_status_string(s), took, epx_last_error());
   int ok = (s == EPX_ERROR_TIMEOUT || s == EPX_ERROR_TRANSPORT || s == EPX_ERROR_PEER_FAILED) && took < 3 * TIMEOUT_S;
+  const char *expect = getenv("EPX_GPU_EXPECT_FUSED");
+  if (fused && expect && strcmp(expect, "0") && *expect && paths[1] != EPX_PATH_FUSED) {
+    printf("rank 0: the fused scenario's buffer is not on the fused path (EPX_GPU_EXPECT_FUSED)\n");
+    ok = 0;
+  }
   /* the comm is failed now: later calls refuse at once, destroy releases */
   epx_handle_t h2 = NULL;
   epx_status_t again = epx_dispatch_layout(buf, &r, NULL, &h2);
