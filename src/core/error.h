@@ -18,6 +18,15 @@ epx_status_t epx_error(epx_status_t status, const char *format, ...)
 /* Clears the thread-local message (successful public calls start with it). */
 void epx_error_clear(void);
 
+/* The refusal of ranks whose routing.weighting differs (every backend's
+ * layout agreement): EPX_ERROR_SHAPE_MISMATCH naming rank 0's weighting and
+ * rank `rank`'s. The weighting says on which side of the exchange a route's
+ * weight is applied, for every rank's tokens: ranks that disagree would
+ * weight some routes twice and others never. `tail` ends the message ("",
+ * "; nothing moved on any rank" by default). */
+epx_status_t epx_weighting_mismatch(const char *fn, int64_t first, int32_t rank, int64_t theirs,
+                                    const char *tail);
+
 /* Runs a call returning epx_status_t; on failure jumps to the function's
  * single cleanup label `fail` with `status` set. */
 #define EPX_CHECK(call)                                                        \

@@ -37,3 +37,20 @@ const char *epx_status_string(epx_status_t status) {
   }
   return "EPX_STATUS_UNKNOWN";
 }
+
+static const char *weighting_name(int64_t w) {
+  return w == EPX_WEIGHTS_IN_COMBINE    ? "EPX_WEIGHTS_IN_COMBINE"
+         : w == EPX_WEIGHTS_IN_DISPATCH ? "EPX_WEIGHTS_IN_DISPATCH"
+         : w == EPX_WEIGHTS_NONE        ? "EPX_WEIGHTS_NONE"
+                                        : "an unknown weighting";
+}
+
+epx_status_t epx_weighting_mismatch(const char *fn, int64_t first, int32_t rank, int64_t theirs,
+                                    const char *tail) {
+  return epx_error(EPX_ERROR_SHAPE_MISMATCH,
+                   "%s: rank 0 routes with routing.weighting = %s and rank %d with %s; the weights are "
+                   "applied on the side of the exchange the weighting names, for every rank's tokens, so "
+                   "pass the same routing.weighting on every rank%s",
+                   fn, weighting_name(first), rank, weighting_name(theirs),
+                   tail && tail[0] ? tail : "; nothing moved on any rank");
+}

@@ -121,25 +121,12 @@ static epx_status_t refusal(const epx_cpu_call_ctx_t *ctx, const epx_cpu_call_t 
   return EPX_SUCCESS;
 }
 
-static const char *weighting_name(int32_t w) {
-  return w == EPX_WEIGHTS_IN_COMBINE ? "EPX_WEIGHTS_IN_COMBINE"
-         : w == EPX_WEIGHTS_IN_DISPATCH ? "EPX_WEIGHTS_IN_DISPATCH"
-         : w == EPX_WEIGHTS_NONE ? "EPX_WEIGHTS_NONE" : "an unknown weighting";
-}
-
-/* The weighting says on which side of the exchange a route's weight is
- * applied (by the rank that receives the rows, for its peers' tokens too):
- * ranks that disagree would weight some routes twice and others never. */
+/* Every rank's routing.weighting must be rank 0's (epx_weighting_mismatch). */
 static epx_status_t check_weighting(const epx_cpu_call_ctx_t *ctx, const epx_cpu_call_t *peers) {
   int32_t W = ctx->buffer->comm->size;
   for (int32_t s = 1; s < W; s++)
     if (peers[s].weighting != peers[0].weighting)
-      return epx_error(EPX_ERROR_SHAPE_MISMATCH,
-                       "%s: rank 0 routes with routing.weighting = %s and rank %d with %s; the "
-                       "weights are applied on the side of the exchange the weighting names, for "
-                       "every rank's tokens, so pass the same routing.weighting on every rank; "
-                       "nothing moved on any rank", ctx->fn, weighting_name(peers[0].weighting), s,
-                       weighting_name(peers[s].weighting));
+      return epx_weighting_mismatch(ctx->fn, peers[0].weighting, s, peers[s].weighting, "");
   return EPX_SUCCESS;
 }
 

@@ -727,24 +727,13 @@ static void set_counts(ep_handle_t *h, const int64_t *summary) {
   }
 }
 
-static const char *weighting_name(int64_t w) {
-  return w == EPX_WEIGHTS_IN_COMBINE ? "EPX_WEIGHTS_IN_COMBINE"
-         : w == EPX_WEIGHTS_IN_DISPATCH ? "EPX_WEIGHTS_IN_DISPATCH"
-         : w == EPX_WEIGHTS_NONE ? "EPX_WEIGHTS_NONE" : "an unknown weighting";
-}
-
 /* Every rank's routing.weighting must be rank 0's: the receiver applies the
  * weights of its peers' routes by its own handle's weighting. */
 static epx_status_t weighting_verdict(const int64_t *hdr, int32_t W, const char *fn, const char *note) {
   const int64_t first = hdr[EPX_CUDA_EP_HDR_WEIGHTING];
   for (int32_t p = 1; p < W; p++) {
     const int64_t theirs = hdr[p * EPX_CUDA_EP_HDR_INTS + EPX_CUDA_EP_HDR_WEIGHTING];
-    if (theirs != first)
-      return epx_error(EPX_ERROR_SHAPE_MISMATCH,
-                       "%s: rank 0 routes with routing.weighting = %s and rank %d with %s; the weights are "
-                       "applied on the side of the exchange the weighting names, for every rank's tokens, so "
-                       "pass the same routing.weighting on every rank%s", fn, weighting_name(first), p,
-                       weighting_name(theirs), note[0] ? note : "; nothing moved on any rank");
+    if (theirs != first) return epx_weighting_mismatch(fn, first, p, theirs, note);
   }
   return EPX_SUCCESS;
 }
