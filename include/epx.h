@@ -410,6 +410,13 @@ typedef struct epx_route_output {
 epx_status_t epx_route(const epx_route_config_t *config, int64_t num_tokens,
                        const float *logits, const float *bias, epx_route_output_t *output);
 
+/* The capacity C that epx_route reports for num_tokens tokens under config
+ * (its capacity_arithmetic, at least min_capacity; 0 in dropless mode),
+ * without routing: e.g. to size a capacity-layout buffer for
+ * max_tokens_per_rank. Host only, not collective. */
+epx_status_t epx_route_capacity_of(const epx_route_config_t *config, int64_t num_tokens,
+                                   int32_t *capacity);
+
 /* Gradient of the route: grad_logits[T, E] (overwritten) from grad_topk_w
  * [T, K] (NULL = zeros) and the loss gradients (scalars, host values; 0 when
  * unused). The selection is recomputed from logits and bias (deterministic);

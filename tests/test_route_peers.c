@@ -82,19 +82,31 @@ static void test_capacity_edges(void **state) {
     float *w = tu_alloc(sizeof(float) * (size_t)(T * c.top_k));
     epx_route_output_t out = {idx, w, NULL, NULL, NULL, NULL, 0, 0};
     TU_OK(epx_route(&c, T, l, NULL, &out));
-    if (out.capacity != cases[i].ds)
-      fail_msg("T %lld E %d K %d factor %g: capacity %d, DeepSpeed's %d", (long long)T,
-               c.num_experts, c.top_k, cases[i].factor, out.capacity, cases[i].ds);
+    int32_t queried = -1; /* the public query without routing: the same C */
+    TU_OK(epx_route_capacity_of(&c, T, &queried));
+    if (out.capacity != cases[i].ds || queried != cases[i].ds)
+      fail_msg("T %lld E %d K %d factor %g: capacity %d (queried %d), DeepSpeed's %d", (long long)T,
+               c.num_experts, c.top_k, cases[i].factor, out.capacity, queried, cases[i].ds);
     c.capacity_arithmetic = EPX_CAPACITY_FLOAT64;
     c.capacity_factor_f64 = cases[i].factor;
     TU_OK(epx_route(&c, T, l, NULL, &out));
-    if (out.capacity != cases[i].mg)
-      fail_msg("T %lld E %d K %d factor %g: capacity %d, Megatron's %d", (long long)T,
-               c.num_experts, c.top_k, cases[i].factor, out.capacity, cases[i].mg);
+    TU_OK(epx_route_capacity_of(&c, T, &queried));
+    if (out.capacity != cases[i].mg || queried != cases[i].mg)
+      fail_msg("T %lld E %d K %d factor %g: capacity %d (queried %d), Megatron's %d", (long long)T,
+               c.num_experts, c.top_k, cases[i].factor, out.capacity, queried, cases[i].mg);
     tu_free(l);
     tu_free(idx);
     tu_free(w);
   }
+  /* dropless: 0; bad arguments refused by name */
+  epx_route_config_t c = config_make(8, 2);
+  int32_t queried = -1;
+  TU_OK(epx_route_capacity_of(&c, 100, &queried));
+  assert_int_equal(queried, 0);
+  assert_int_equal(epx_route_capacity_of(&c, 100, NULL), EPX_ERROR_INVALID_ARGUMENT);
+  assert_non_null(strstr(epx_last_error(), "capacity is NULL"));
+  assert_int_equal(epx_route_capacity_of(&c, -1, &queried), EPX_ERROR_INVALID_ARGUMENT);
+  assert_non_null(strstr(epx_last_error(), "num_tokens"));
 }
 
 /* ------------------------------------------------------------------------ */

@@ -65,7 +65,7 @@ __all__ = [
     "Buffer", "Handle", "Recorder", "route", "route_backward", "run_local", "empty", "zeros",
     "asarray", "convert", "to_bf16", "from_bf16", "dtype_size", "has_cuda", "has_mpi", "has_nccl",
     "reference_dense_dispatch", "reference_dense_combine", "numpy_dtype", "library_version",
-    "reference_route", "reference_route_backward", "route_agree_capacity", "route_sum_counts",
+    "reference_route", "reference_route_backward", "route_agree_capacity", "route_capacity", "route_sum_counts",
 ]
 
 # The C enumerators under their C names (epx.EPX_BFLOAT16, epx.EPX_WEIGHTS_IN_COMBINE, ...).
@@ -598,6 +598,18 @@ def _host_counts(counts):
         counts = counts.detach().cpu().numpy()
     a = np.ascontiguousarray(counts, dtype=np.int32).reshape(-1)
     return a, (a.ctypes.data if a.size else None)
+
+
+def route_capacity(num_tokens, config=None, **fields):
+    """The capacity C that :func:`route` reports for num_tokens tokens under
+    config (or a RouteConfig of the keyword fields), without routing
+    (epx_route_capacity_of): capacity_arithmetic's C, at least
+    min_capacity; 0 in dropless mode. E.g. the capacity of a buffer sized
+    for max_tokens_per_rank."""
+    config = _route_config(config, (), fields)
+    cap = ctypes.c_int32(0)
+    _check(lib.epx_route_capacity_of(ctypes.byref(config), int(num_tokens), ctypes.byref(cap)))
+    return int(cap.value)
 
 
 def route_agree_capacity(comm, expert_counts):

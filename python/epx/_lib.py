@@ -371,6 +371,7 @@ _PROTOTYPES = {
     "epx_route_backward": (_st, [ctypes.POINTER(RouteConfig), _i64, _p, _p, _p, _p, _f32, _f32,
                                  _p]),
     "epx_route_agree_capacity": (_st, [_p, _i32, _p, _pi32]),
+    "epx_route_capacity_of": (_st, [ctypes.POINTER(RouteConfig), _i64, _pi32]),
     "epx_route_sum_counts": (_st, [_p, _i32, _p, _p]),
     "epx_comm_create_self": (_st, [_pp]),
     "epx_local_world_create": (_st, [_i32, ctypes.POINTER(CommConfig), _pp]),

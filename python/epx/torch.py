@@ -865,20 +865,6 @@ def grouped_mm(x, w, ends):
 # ---------------------------------------------------------------------------
 
 
-def _route_capacity(config, tokens):
-    """C of a capacity-mode config for T tokens, as epx_route computes it
-    (src/core/route_spec.h): float32 (DeepSpeed's torch arithmetic) or
-    float64 (Megatron's), then at least min_capacity."""
-    K, E = int(config.top_k), int(config.num_experts)
-    if config.capacity_arithmetic == _epx.CapacityArithmetic.FLOAT64:
-        c = math.ceil(float(tokens * K) / E * float(config.capacity_factor_f64))
-    else:
-        f32 = _np.float32
-        product = f32(float(tokens) / E) * f32(float(config.capacity_factor) * K)
-        c = math.ceil(float(product))
-    return max(min(int(c), 2 ** 31 - 1), int(config.min_capacity))
-
-
 _MOE_FIXED = ("num_experts", "top_k", "capacity_mode", "device", "stream", "token_mask",
               "aux_loss_expert_counts")
 
@@ -982,7 +968,7 @@ class MoE(_torch.nn.Module):
         self.num_experts, self.top_k = num_experts, top_k
         self.num_local_experts = num_experts // W
         self.weighting, self.layout = Weighting(weighting), Layout(layout)
-        capacity = (_route_capacity(self.route_config, max_tokens_per_rank)
+        capacity = (_epx.route_capacity(max_tokens_per_rank, self.route_config)
                     if self.layout == Layout.CAPACITY else 0)
         self.buffer = make_buffer(comm, hidden=hidden_size, num_experts=num_experts,
                                   max_top_k=top_k, max_tokens_per_rank=max_tokens_per_rank,

@@ -14,6 +14,7 @@
 #include "core/config.h"
 #include "core/error.h"
 #include "core/registry.h"
+#include "core/route_spec.h"
 #include "core/transport.h"
 #include "cpu/cpu.h"
 
@@ -217,6 +218,19 @@ epx_status_t epx_route_backward(const epx_route_config_t *config, int64_t num_to
   if ((status = route_backend(fn, config->device, &backend)) != EPX_SUCCESS) return status;
   return backend->route_backward(config, num_tokens, logits, bias, topk_idx, grad_topk_w,
                                  grad_aux_loss, grad_z_loss, grad_logits);
+}
+
+epx_status_t epx_route_capacity_of(const epx_route_config_t *config, int64_t num_tokens,
+                                   int32_t *capacity) {
+  static const char fn[] = "epx_route_capacity_of";
+  epx_error_clear();
+  EPX_REQUIRE(capacity, "%s: capacity is NULL; pass an int32_t to write C to", fn);
+  epx_route_config_t full;
+  epx_status_t status = route_check_config(fn, config, &full);
+  if (status != EPX_SUCCESS) return status;
+  EPX_REQUIRE(num_tokens >= 0, "%s: num_tokens is %lld; pass num_tokens >= 0", fn, (long long)num_tokens);
+  *capacity = epx_route_capacity(&full, num_tokens);
+  return EPX_SUCCESS;
 }
 
 epx_status_t epx_reference_route(const epx_route_config_t *config, int64_t num_tokens,

@@ -402,6 +402,23 @@ def test_a_rank_with_no_tokens(rng):
                  "grad_w")
 
 
+def test_route_capacity_is_the_routes_capacity(rng):
+    """epx.route_capacity (epx_route_capacity_of) reports the C that
+    epx.route reports, in both arithmetics (the T=80, E=8, factor 1.1 edge:
+    11 in float32 as DeepSpeed), and 0 in dropless mode."""
+    logits = rng.standard_normal((80, 8)).astype(np.float32)
+    for fields in (dict(capacity_factor=1.1),
+                   dict(capacity_arithmetic=epx.CapacityArithmetic.FLOAT64, capacity_factor_f64=1.1),
+                   dict(capacity_factor=0.3, min_capacity=5)):
+        config = epx.RouteConfig(num_experts=8, top_k=1, capacity_mode=1, **fields)
+        routed = epx.route(logits, config)
+        assert epx.route_capacity(80, config) == routed.capacity
+    assert epx.route_capacity(80, num_experts=8, top_k=1, capacity_mode=1, capacity_factor=1.1) == 11
+    assert epx.route_capacity(80, num_experts=8, top_k=2) == 0
+    with pytest.raises(ValueError, match="num_tokens"):
+        epx.route_capacity(-1, num_experts=8, top_k=2)
+
+
 def test_peer_paths_of_cpu_buffers_are_the_host_path():
     """Buffer.peer_paths (epx_buffer_peer_paths): one entry per rank; a CPU
     buffer moves every peer's rows on the host path and its creation leaves
