@@ -21,7 +21,14 @@
  * refuse, nothing hangs, the comm stays usable), recorder replay and its
  * validation, and layout + dispatch + combine + both backward passes
  * captured in one CUDA graph (worst_case_sizing) equal to the uncaptured
- * run. */
+ * run.
+ *
+ * With ONE rank (mpirun -np 1, a machine with one GPU) the W-rank backend is
+ * forced onto the one-rank NCCL comm (epx_cuda_ep_at_one_rank, a test hook)
+ * so that every case still runs ep.c and the fused kernels: the exchanges
+ * are then self sends and the window is this rank's own. Only the tests
+ * that need a second rank (a peer in another call or with another
+ * weighting or config) are skipped, with a note. */
 #include <math.h>
 #include <mpi.h>
 #include <pthread.h>
@@ -33,6 +40,7 @@
 #include <cuda_runtime_api.h>
 
 #include "core/dtype.h"
+#include "cuda/cuda_backend.h"
 #include "epx.h"
 #include "mpi_gpu_check.h"
 
@@ -622,19 +630,40 @@ static epx_buffer_t simple_buffer(epx_comm_t comm, void *stream, int worst) {
   return b;
 }
 
+/* This rank's seeded routing for the tests below, on the device: the host
+ * copy, its ids and weights, and the epx_routing_t over them (no weights
+ * with EPX_WEIGHTS_NONE). */
+typedef struct {
+  routing_t rt;
+  int32_t *idx;
+  float *w;
+  epx_routing_t r;
+} test_routing_t;
+
+static void test_routing(epx_layout_t layout, epx_weighting_t weighting, int skew, int seed, test_routing_t *t) {
+  const case_t c = {layout, EPX_BFLOAT16, weighting, 0, 0, skew, 0, seed};
+  make_routing(&c, g_rank, &t->rt);
+  t->idx = dev_put(t->rt.idx, sizeof t->rt.idx);
+  t->w = dev_put(t->rt.w, sizeof t->rt.w);
+  t->r = (epx_routing_t){t->rt.T, K, t->idx, weighting == EPX_WEIGHTS_NONE ? NULL : t->w, NULL, weighting};
+}
+
+static void test_routing_free(test_routing_t *t) {
+  cudaFree(t->idx);
+  cudaFree(t->w);
+}
+
 /* The last rank's batch is over max_tokens_per_rank. Default sizing: every
  * rank refuses the layout, no handle. worst_case_sizing: the last rank
  * refuses, its peers get a handle that moved nothing (recv_rows_device 0)
  * and whose recv_rows names the rank. The comm keeps working either way. */
 static void test_capacity_refusal(epx_comm_t comm, void *stream, int worst) {
   epx_buffer_t b = simple_buffer(comm, stream, worst);
-  case_t c = {EPX_LAYOUT_EXPERT_MAJOR, EPX_BFLOAT16, EPX_WEIGHTS_IN_COMBINE, 0, 0, 0, 0, 11};
-  routing_t rt;
-  make_routing(&c, g_rank, &rt);
-  int32_t *idx = dev_put(rt.idx, sizeof rt.idx);
-  float *w = dev_put(rt.w, sizeof rt.w);
+  test_routing_t tr;
+  test_routing(EPX_LAYOUT_EXPERT_MAJOR, EPX_WEIGHTS_IN_COMBINE, 0, 11, &tr);
   /* the last rank is over the agreed TMAX */
-  epx_routing_t r = {g_rank == g_size - 1 ? TMAX + 1 : rt.T, K, idx, w, NULL, EPX_WEIGHTS_IN_COMBINE};
+  epx_routing_t r = tr.r;
+  if (g_rank == g_size - 1) r.num_tokens = TMAX + 1;
   int32_t *big = NULL;
   if (g_rank == g_size - 1) {
     CU(cudaMalloc((void **)&big, 4 * (TMAX + 1) * K));
@@ -672,11 +701,11 @@ static void test_capacity_refusal(epx_comm_t comm, void *stream, int worst) {
     CHECK(h == NULL, "capacity refusal: a handle came back");
   }
   /* the comm still works */
-  epx_routing_t ok = {rt.T, K, idx, w, NULL, EPX_WEIGHTS_IN_COMBINE};
-  OK(epx_dispatch_layout(b, &ok, NULL, &h));
+  OK(epx_dispatch_layout(b, &tr.r, NULL, &h));
   OK(epx_handle_release(h));
   OK(epx_buffer_destroy(b));
-  cudaFree(idx), cudaFree(w), cudaFree(big);
+  test_routing_free(&tr);
+  cudaFree(big);
 }
 
 /* After a refused layout the buffer and comm keep working: an agreeing
@@ -696,12 +725,10 @@ static void layout_still_works(epx_buffer_t b, const epx_routing_t *r) {
  * reports it on every rank. The buffer keeps working either way. */
 static void test_weighting_mismatch(epx_comm_t comm, void *stream, int worst) {
   epx_buffer_t b = simple_buffer(comm, stream, worst);
-  case_t c = {EPX_LAYOUT_EXPERT_MAJOR, EPX_BFLOAT16, EPX_WEIGHTS_IN_COMBINE, 0, 0, 0, 0, 13};
-  routing_t rt;
-  make_routing(&c, g_rank, &rt);
-  int32_t *idx = dev_put(rt.idx, sizeof rt.idx);
-  float *w = dev_put(rt.w, sizeof rt.w);
-  epx_routing_t r = {rt.T, K, idx, w, NULL, g_rank == g_size - 1 ? EPX_WEIGHTS_IN_DISPATCH : EPX_WEIGHTS_IN_COMBINE};
+  test_routing_t tr;
+  test_routing(EPX_LAYOUT_EXPERT_MAJOR, EPX_WEIGHTS_IN_COMBINE, 0, 13, &tr);
+  epx_routing_t r = tr.r;
+  if (g_rank == g_size - 1) r.weighting = EPX_WEIGHTS_IN_DISPATCH;
   char named[64];
   snprintf(named, sizeof named, "rank %d with EPX_WEIGHTS_IN_DISPATCH", g_size - 1);
   epx_handle_t h = NULL;
@@ -717,10 +744,9 @@ static void test_weighting_mismatch(epx_comm_t comm, void *stream, int worst) {
   CHECK(s == EPX_ERROR_SHAPE_MISMATCH && strstr(epx_last_error(), named) && strstr(epx_last_error(), "routing.weighting"),
         "weighting mismatch (worst %d): rank %d got %s (%s)", worst, g_rank, epx_status_string(s), epx_last_error());
   if (h) OK(epx_handle_release(h));
-  r.weighting = EPX_WEIGHTS_IN_COMBINE;
-  layout_still_works(b, &r);
+  layout_still_works(b, &tr.r);
   OK(epx_buffer_destroy(b));
-  cudaFree(idx), cudaFree(w);
+  test_routing_free(&tr);
 }
 
 /* An invalid route on one rank (an expert id out of range on the last rank,
@@ -730,18 +756,17 @@ static void test_weighting_mismatch(epx_comm_t comm, void *stream, int worst) {
  * with worst_case_sizing. The buffer keeps working. */
 static void test_invalid_routing(epx_comm_t comm, void *stream, int worst, int duplicate) {
   epx_buffer_t b = simple_buffer(comm, stream, worst);
-  case_t c = {EPX_LAYOUT_EXPERT_MAJOR, EPX_BFLOAT16, EPX_WEIGHTS_IN_COMBINE, 0, 0, 0, 0, 19};
-  routing_t rt;
-  make_routing(&c, g_rank, &rt);
+  test_routing_t tr;
+  test_routing(EPX_LAYOUT_EXPERT_MAJOR, EPX_WEIGHTS_IN_COMBINE, 0, 19, &tr);
   const int bad = duplicate ? 0 : g_size - 1;
-  routing_t wrong = rt;
-  if (g_rank == bad && rt.T > 5) {
+  routing_t wrong = tr.rt;
+  if (g_rank == bad && tr.rt.T > 5) {
     if (duplicate) wrong.idx[5 * K + 0] = 3, wrong.idx[5 * K + 2] = 3;
     else wrong.idx[3 * K + 1] = E + 5;
   }
-  int32_t *idx = dev_put(wrong.idx, sizeof wrong.idx), *good = dev_put(rt.idx, sizeof rt.idx);
-  float *w = dev_put(rt.w, sizeof rt.w);
-  epx_routing_t r = {rt.T, K, idx, w, NULL, EPX_WEIGHTS_IN_COMBINE};
+  int32_t *idx = dev_put(wrong.idx, sizeof wrong.idx);
+  epx_routing_t r = tr.r;
+  r.topk_idx = idx;
   epx_handle_t h = NULL;
   epx_status_t s = epx_dispatch_layout(b, &r, NULL, &h);
   if (worst) {
@@ -764,10 +789,10 @@ static void test_invalid_routing(epx_comm_t comm, void *stream, int worst, int d
           "invalid routing (worst %d, duplicate %d): rank %d got %s (%s)", worst, duplicate, g_rank,
           epx_status_string(s), epx_last_error());
   if (h) OK(epx_handle_release(h));
-  r.topk_idx = good;
-  layout_still_works(b, &r);
+  layout_still_works(b, &tr.r);
   OK(epx_buffer_destroy(b));
-  cudaFree(idx), cudaFree(good), cudaFree(w);
+  test_routing_free(&tr);
+  cudaFree(idx);
 }
 
 /* The last rank calls epx_combine where the others call epx_dispatch (same
@@ -777,14 +802,10 @@ static void test_invalid_routing(epx_comm_t comm, void *stream, int worst, int d
  * working. */
 static void test_call_mismatch(epx_comm_t comm, void *stream) {
   epx_buffer_t b = simple_buffer(comm, stream, 0);
-  case_t c = {EPX_LAYOUT_EXPERT_MAJOR, EPX_BFLOAT16, EPX_WEIGHTS_IN_COMBINE, 0, 0, 0, 0, 17};
-  routing_t rt;
-  make_routing(&c, g_rank, &rt);
-  int32_t *idx = dev_put(rt.idx, sizeof rt.idx);
-  float *w = dev_put(rt.w, sizeof rt.w);
-  epx_routing_t r = {rt.T, K, idx, w, NULL, EPX_WEIGHTS_IN_COMBINE};
+  test_routing_t tr;
+  test_routing(EPX_LAYOUT_EXPERT_MAJOR, EPX_WEIGHTS_IN_COMBINE, 0, 17, &tr);
   epx_handle_t h = NULL;
-  OK(epx_dispatch_layout(b, &r, NULL, &h));
+  OK(epx_dispatch_layout(b, &tr.r, NULL, &h));
   int64_t rows = 0, cap = 0;
   OK(epx_handle_recv_rows(h, &rows));
   OK(epx_buffer_max_recv_rows(b, &cap));
@@ -806,21 +827,29 @@ static void test_call_mismatch(epx_comm_t comm, void *stream) {
   CHECK(s == EPX_ERROR_SHAPE_MISMATCH && odd == NULL && strstr(epx_last_error(), named) &&
             strstr(epx_last_error(), "combine_precision"),
         "config mismatch: rank %d got %s (%s)", g_rank, epx_status_string(s), epx_last_error());
-  cudaFree(idx), cudaFree(w), cudaFree(x), cudaFree(recv);
+  test_routing_free(&tr);
+  cudaFree(x), cudaFree(recv);
 }
 
 static void test_recorder(epx_comm_t comm, void *stream) {
   epx_buffer_t b = simple_buffer(comm, stream, 0);
-  case_t c = {EPX_LAYOUT_EXPERT_MAJOR, EPX_BFLOAT16, EPX_WEIGHTS_IN_COMBINE, 0, 0, 1, 0, 12};
-  routing_t rt;
-  make_routing(&c, g_rank, &rt);
-  int32_t *idx = dev_put(rt.idx, sizeof rt.idx);
-  float *w = dev_put(rt.w, sizeof rt.w);
-  epx_routing_t r = {rt.T, K, idx, w, NULL, EPX_WEIGHTS_IN_COMBINE};
+  test_routing_t tr;
+  test_routing(EPX_LAYOUT_EXPERT_MAJOR, EPX_WEIGHTS_IN_COMBINE, 1, 12, &tr);
+  routing_t rt = tr.rt;
+  int32_t *idx = tr.idx;
+  const epx_routing_t r = tr.r;
   epx_recorder_t rec;
   OK(epx_recorder_create(1, &rec));
+  epx_recorder_stats_t before, held;
+  OK(epx_recorder_stats(rec, &before));
   epx_handle_t h1, h2, h3 = NULL;
   OK(epx_dispatch_layout(b, &r, rec, &h1));
+  /* A recorded handle of the W-rank backend holds its layout (the one-GPU
+   * backend's reports none): proof that the W-rank code ran, one rank
+   * included (epx_cuda_ep_at_one_rank). */
+  OK(epx_recorder_stats(rec, &held));
+  CHECK(held.bytes_held > before.bytes_held, "recorder: the handle holds no W-rank layout (%lld bytes, %lld before)",
+        (long long)held.bytes_held, (long long)before.bytes_held);
   int64_t N, cap;
   OK(epx_handle_recv_rows(h1, &N));
   OK(epx_buffer_max_recv_rows(b, &cap));
@@ -859,7 +888,8 @@ static void test_recorder(epx_comm_t comm, void *stream) {
   OK(epx_handle_release(h1));
   OK(epx_recorder_destroy(rec));
   OK(epx_buffer_destroy(b));
-  cudaFree(idx), cudaFree(w), cudaFree(x), cudaFree(y1), cudaFree(y2);
+  test_routing_free(&tr);
+  cudaFree(x), cudaFree(y1), cudaFree(y2);
   free(xv), free(xh);
 }
 
@@ -882,12 +912,10 @@ static epx_handle_t step(epx_buffer_t b, const epx_routing_t *r, const step_t *s
 
 static void test_graph(epx_comm_t comm, cudaStream_t stream) {
   epx_buffer_t b = simple_buffer(comm, stream, 1);
-  case_t c = {EPX_LAYOUT_EXPERT_MAJOR, EPX_BFLOAT16, EPX_WEIGHTS_IN_COMBINE, 0, 1, 0, 0, 13};
-  routing_t rt;
-  make_routing(&c, g_rank, &rt);
-  int32_t *idx = dev_put(rt.idx, sizeof rt.idx);
-  float *w = dev_put(rt.w, sizeof rt.w);
-  epx_routing_t r = {rt.T, K, idx, w, NULL, EPX_WEIGHTS_IN_COMBINE};
+  test_routing_t tr;
+  test_routing(EPX_LAYOUT_EXPERT_MAJOR, EPX_WEIGHTS_IN_COMBINE, 0, 13, &tr);
+  const routing_t rt = tr.rt;
+  const epx_routing_t r = tr.r;
   int64_t cap;
   OK(epx_buffer_max_recv_rows(b, &cap));
   const size_t rb = 2 * H;
@@ -938,7 +966,7 @@ static void test_graph(epx_comm_t comm, cudaStream_t stream) {
     void *p[] = {s[i].x, s[i].go, s[i].eo, s[i].recv, s[i].out, s[i].geo, s[i].gx, s[i].gw};
     for (int j = 0; j < 8; j++) cudaFree(p[j]);
   }
-  cudaFree(idx), cudaFree(w);
+  test_routing_free(&tr);
   free(v), free(vh);
 }
 
@@ -982,14 +1010,11 @@ static void test_fused_refused_on_one_rank(epx_comm_t comm, void *stream) {
     snprintf(named, sizeof named, "rank %d", g_size - 1);
     CHECK(strstr(why, "refused") && strstr(why, last ? "ncclMemAlloc" : named),
           "fused refusal: rank %d's reason does not say who or why: %s", g_rank, why);
-    case_t c = {EPX_LAYOUT_RANK_MAJOR, EPX_BFLOAT16, EPX_WEIGHTS_NONE, 0, 0, 0, 0, 17};
-    routing_t rt;
-    make_routing(&c, g_rank, &rt);
-    int32_t *idx = dev_put(rt.idx, sizeof rt.idx);
-    epx_routing_t r = {rt.T, K, idx, NULL, NULL, EPX_WEIGHTS_NONE};
-    layout_still_works(b, &r);
+    test_routing_t tr;
+    test_routing(EPX_LAYOUT_RANK_MAJOR, EPX_WEIGHTS_NONE, 0, 17, &tr);
+    layout_still_works(b, &tr.r);
     OK(epx_buffer_destroy(b));
-    cudaFree(idx);
+    test_routing_free(&tr);
   }
   if (hog) cudaFree(hog);
   MPI_Barrier(MPI_COMM_WORLD);
@@ -1018,6 +1043,10 @@ int main(int argc, char **argv) {
   OK(epx_comm_rank(comm, &rank));
   OK(epx_comm_size(comm, &size));
   CHECK(rank == g_rank && size == g_size, "the NCCL comm is rank %d of %d", rank, size);
+  /* One rank: every buffer below takes the W-rank backend anyway (the test
+   * hook), so a one-GPU machine checks ep.c and the fused kernels. */
+  const int one = g_size == 1;
+  if (one) epx_cuda_ep_at_one_rank(1);
 
   int cases = 0, seed = 1;
   const epx_layout_t layouts[] = {EPX_LAYOUT_EXPERT_MAJOR, EPX_LAYOUT_RANK_MAJOR, EPX_LAYOUT_CAPACITY};
@@ -1043,22 +1072,29 @@ int main(int argc, char **argv) {
     g_path = paths[pi];
     for (int worst = 0; worst < 2; worst++) {
       test_capacity_refusal(comm, stream, worst);
-      test_weighting_mismatch(comm, stream, worst);
+      if (!one) test_weighting_mismatch(comm, stream, worst);
       for (int dup = 0; dup < 2; dup++) test_invalid_routing(comm, stream, worst, dup);
     }
-    test_call_mismatch(comm, stream);
+    if (!one) test_call_mismatch(comm, stream);
     test_recorder(comm, stream);
     test_graph(comm, stream);
   }
   g_path = EPX_PATH_FUSED;
+  /* One rank: the refusing rank's own side (it takes the host path and
+   * works); its peers' side needs a second rank. */
   if (g_expect_fused) test_fused_refused_on_one_rank(comm, stream);
+  if (one)
+    printf("mpi_gpu_exchange: one rank (the W-rank backend forced on by epx_cuda_ep_at_one_rank): skipped, as they "
+           "need a second rank: the weighting mismatch (2 sizings x 2 paths), the call and config mismatch (2 "
+           "paths), and the fused refusal's peer side\n");
 
   int failures = 0;
   MPI_Allreduce(&g_fail, &failures, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
   OK(epx_comm_destroy(comm));
   if (g_rank == 0)
-    printf("mpi_gpu_exchange: %d ranks, %d cases x 2 exchanges (+ the host path of dedup), refusals, recorder, graph "
-           "(fused path %s): %d failures: %s\n", g_size, cases, g_expect_fused ? "required" : "where available", failures, failures ? "FAILED" : "OK");
+    printf("mpi_gpu_exchange: %d rank%s%s, %d cases x 2 exchanges (+ the host path of dedup), refusals, recorder, "
+           "graph (fused path %s): %d failures: %s\n", g_size, one ? "" : "s", one ? " (W-rank backend)" : "", cases,
+           g_expect_fused ? "required" : "where available", failures, failures ? "FAILED" : "OK");
   cudaStreamDestroy(stream);
   MPI_Finalize();
   return failures ? 1 : 0;
