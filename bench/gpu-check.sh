@@ -4,8 +4,10 @@
 # (ctest -L gpu), compute-sanitizer memcheck and racecheck on them (trimmed
 # sizes: EPX_GPU_TEST_QUICK=1), the benchmark (bench/gpu/bench_gpu.cu) and the
 # PyTorch baselines (bench/gpu/bench_torch.py), and prints a verdict table
-# last. Logs go to ${OUT:-/tmp/epx-gpu} (seven files); scratch (routing files,
-# results) to ${EPX_GPU_WORK:-/tmp/epx-gpu-work}.
+# last. Where NCCL and mpirun exist, the one-GPU section also runs the W-rank
+# backend (ep.c, the fused kernels) on one rank: tests/gpu/mpi_gpu_exchange
+# under mpirun -np 1, and its memcheck. Logs go to ${OUT:-/tmp/epx-gpu};
+# scratch (routing files, results) to ${EPX_GPU_WORK:-/tmp/epx-gpu-work}.
 #
 # Needs: nvcc, cmake, a C compiler, python3 with PyTorch (for the baselines),
 # cmocka (system, or a header and libcmocka.so.0 under .gpu-deps/include and
@@ -93,6 +95,28 @@ if [ $BUILD_OK = 1 ]; then
   done
 fi
 
+# The W-rank backend on this one GPU: mpi_gpu_exchange on one rank takes it
+# anyway (its test hook, epx_cuda_ep_at_one_rank), so every case runs ep.c
+# over a one-rank NCCL comm and, in a fused build, the fused kernels (then
+# required: EPX_GPU_EXPECT_FUSED=1); only the tests that need a second rank
+# are skipped (it says which). Needs NCCL and MPI (mpirun).
+ONE_RANK=0
+MPIRUN1=(mpirun --allow-run-as-root -np 1 -x NCCL_NVLS_ENABLE -x LD_LIBRARY_PATH -x EPX_GPU_EXPECT_FUSED
+         -x EPX_GPU_TEST_QUICK)
+ONE_FUSED=$([ "${EPX_GPU_FUSED:-ON}" = ON ] && echo 1 || echo 0)
+if [ $BUILD_OK != 1 ] || [ "$MPI_FLAG" != -DEPX_BUILD_MPI=ON ] || ! command -v mpirun >/dev/null 2>&1; then
+  verdict "test mpi_gpu_exchange (1 rank, W-rank backend)" "SKIPPED (no build, MPI or mpirun)"
+elif ! cmake --build "$BUILD" -j"$JOBS" --target mpi_gpu_exchange >>"$OUTDIR/build.log" 2>&1; then
+  verdict "test mpi_gpu_exchange (1 rank, W-rank backend)" "FAIL (build; NCCL at $NCCL?)"
+else
+  ONE_RANK=1
+  EPX_GPU_EXPECT_FUSED=$ONE_FUSED EPX_GPU_TEST_QUICK=0 LD_LIBRARY_PATH="$NCCL/lib:${LD_LIBRARY_PATH:-}" \
+    timeout 300 "${MPIRUN1[@]}" "$BUILD/tests/gpu/mpi_gpu_exchange" >"$OUTDIR/onerank.log" 2>&1
+  rc=$?
+  [ $rc = 0 ] && verdict "test mpi_gpu_exchange (1 rank, W-rank backend)" PASS ||
+    verdict "test mpi_gpu_exchange (1 rank, W-rank backend)" "FAIL (exit $rc)"
+fi
+
 echo "epx gpu-check: tests done ($(date +%T))"
 # Benchmark and PyTorch baselines.
 BENCH_OK=0
@@ -133,6 +157,19 @@ for tool in memcheck racecheck; do
     esac
   done
 done
+# memcheck of the W-rank backend on one rank, with the 2-GPU memcheck's flags
+# (--report-api-errors no: see there).
+if [ $ONE_RANK = 1 ] && [ -n "$SAN" ]; then
+  EPX_GPU_EXPECT_FUSED=0 EPX_GPU_TEST_QUICK=1 LD_LIBRARY_PATH="$NCCL/lib:${LD_LIBRARY_PATH:-}" \
+    timeout 240 "${MPIRUN1[@]}" "$SAN" --tool memcheck --report-api-errors no --error-exitcode 86 \
+    "$BUILD/tests/gpu/mpi_gpu_exchange" >"$OUTDIR/memcheck1.log" 2>&1
+  rc=$?
+  case $rc in
+    0) verdict "memcheck mpi_gpu_exchange (1 rank, W-rank backend)" PASS ;;
+    124) verdict "memcheck mpi_gpu_exchange (1 rank, W-rank backend)" "TIMEOUT (240 s)" ;;
+    *) verdict "memcheck mpi_gpu_exchange (1 rank, W-rank backend)" "FAIL (exit $rc)" ;;
+  esac
+fi
 
 fi # one GPU
 
