@@ -17,6 +17,7 @@
 
 #include <utility>
 
+#include "cuda/device_cache.h"
 #include "cuda/launch.h"
 
 /* First thing in a kernel launched by launch_pdl: wait for the grid ahead
@@ -36,14 +37,14 @@ __device__ __forceinline__ void pdl_begin(bool early) {
  * capability 9.0 or later) and the launch flags ask for it (launch.h);
  * otherwise the kernels launch as <<<>>> does. */
 inline bool pdl_supported() {
-  int dev = 0, major = 0;
+  int dev = 0;
+  epx_cuda_device_info_t info; /* cached per device: one cudaGetDevice per launch */
   if (!(epx_cuda_launch_flags() & EPX_CUDA_PDL_LAUNCH)) return false;
-  if (cudaGetDevice(&dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
+  if (epx_cuda_device_info(&dev, &info) != cudaSuccess) {
     cudaGetLastError(); /* not this launch's error */
     return false;
   }
-  return major >= 9;
+  return info.cc_major >= 9;
 }
 
 /* kernel<<<grid, block, smem, stream>>>(args...), allowed to start early

@@ -29,9 +29,12 @@
 static pthread_mutex_t route_pool_mutex = PTHREAD_MUTEX_INITIALIZER;
 static cudaMemPool_t route_pools[ROUTE_MAX_DEVICES];
 
-/* The device's pool, created on first use. */
+/* The device's pool, created on first use (under the lock; once made, read
+ * without it: a routing call takes no lock). */
 static cudaError_t route_pool(int device, cudaMemPool_t *pool) {
   cudaError_t err = cudaSuccess;
+  *pool = __atomic_load_n(&route_pools[device], __ATOMIC_ACQUIRE);
+  if (*pool) return cudaSuccess;
   pthread_mutex_lock(&route_pool_mutex);
   if (!route_pools[device]) {
     struct cudaMemPoolProps props;
@@ -44,7 +47,7 @@ static cudaError_t route_pool(int device, cudaMemPool_t *pool) {
     if (err == cudaSuccess) {
       uint64_t keep = ROUTE_POOL_KEEP;
       err = cudaMemPoolSetAttribute(created, cudaMemPoolAttrReleaseThreshold, &keep);
-      if (err == cudaSuccess) route_pools[device] = created;
+      if (err == cudaSuccess) __atomic_store_n(&route_pools[device], created, __ATOMIC_RELEASE);
       else cudaMemPoolDestroy(created);
     }
   }

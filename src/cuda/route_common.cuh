@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "core/route_spec.h"
+#include "cuda/device_cache.h"
 #include "cuda/launch.h"
 
 namespace route_dev {
@@ -418,13 +419,12 @@ static inline cudaError_t smem_fit(const void *kernel, size_t per_warp, int max_
     *bytes = w * per_warp;
     return cudaSuccess;
   }
-  int device = 0, optin = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err == cudaSuccess)
-    err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  int device = 0;
+  epx_cuda_device_info_t info; /* both cached per device (device_cache.h) */
+  cudaError_t err = epx_cuda_device_info(&device, &info);
   if (err != cudaSuccess) return err;
-  if (per_warp + static_smem > (size_t)optin) return cudaErrorInvalidValue;
-  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)per_warp);
+  if (per_warp + static_smem > (size_t)info.smem_optin) return cudaErrorInvalidValue;
+  err = epx_cuda_kernel_smem(kernel, device, per_warp);
   if (err != cudaSuccess) return err;
   *warps = 1;
   *bytes = per_warp;
