@@ -27,26 +27,11 @@ import sys
 import torch
 import torch.distributed as dist
 
+from bench_timing import median_ms
+
 H = 7168
 LOCAL_EXPERTS = 128  # 256 experts on 2 ranks
 DEEPEP_DISPATCH_MS = {8192: 0.658, 4096: 0.344}
-
-
-def median_ms(fn, reps=20, warm=3, barrier=None):
-    """Median CUDA-event time of fn over reps calls after warm ones (barrier:
-    called between, so that ranks start the timed calls together)."""
-    for _ in range(warm):
-        fn()
-    torch.cuda.synchronize()
-    if barrier is not None:
-        barrier()
-    ev = [torch.cuda.Event(enable_timing=True) for _ in range(reps + 1)]
-    ev[0].record()
-    for i in range(reps):
-        fn()
-        ev[i + 1].record()
-    torch.cuda.synchronize()
-    return sorted(ev[i].elapsed_time(ev[i + 1]) for i in range(reps))[reps // 2]
 
 
 def permute_lines(workdir, rank):

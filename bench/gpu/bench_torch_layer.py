@@ -46,6 +46,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
 import epx  # noqa: E402
 import epx.torch as et  # noqa: E402
+from bench_timing import median_ms  # noqa: E402  (beside this script)
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
@@ -56,20 +57,6 @@ T0 = time.time()
 
 def log(msg):
     print("[%5.1f s] %s" % (time.time() - T0, msg), flush=True)
-
-
-def median_ms(step, iters, warmup):
-    for _ in range(warmup):
-        step()
-    torch.cuda.synchronize()
-    ev = [torch.cuda.Event(enable_timing=True) for _ in range(iters + 1)]
-    ev[0].record()
-    for i in range(iters):
-        step()
-        ev[i + 1].record()
-    torch.cuda.synchronize()
-    t = sorted(ev[i].elapsed_time(ev[i + 1]) for i in range(iters))
-    return t[iters // 2]
 
 
 def fwd_bwd(layer, x, g, params):
