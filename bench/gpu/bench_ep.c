@@ -24,7 +24,8 @@
  * EPX_PATH_HOST, and the fused rank-major rows are swept over
  * config.sm_budget (8/16/24/32/48/64/132 CTAs) beside them: the fused vs
  * host comparison in one run. The path each buffer took is printed
- * (path=...). Each row also times the backward passes (no grad_w) and sets
+ * (path=...). Each row also times the backward passes (no grad_w) and
+ * epx_weights_backward (the routing-weight gradients home), and sets
  * the exchange beside the NVLink floor (the remote rows at 450 GB/s). The
  * expert-major dedup rows are written to <workdir>/ep_permute.txt, for
  * bench_torch_ep.py's PyTorch permute baseline.
@@ -181,6 +182,7 @@ typedef struct {
   epx_routing_t routing;
   void *x, *recv, *out;
   void *grad_recv, *grad_x; /* the backward passes' outputs */
+  float *grad_recv_w, *grad_w; /* epx_weights_backward's input [cap, K] and output [T, K] */
   int64_t cap;
   /* baseline */
   ncclComm_t nc;
@@ -205,6 +207,10 @@ static void op_dispatch_backward(void *p) {
 static void op_combine_backward(void *p) {
   bench_t *b = p;
   OK(epx_combine_backward(b->buf, b->h, b->out, NULL, b->grad_recv, NULL));
+}
+static void op_weights_backward(void *p) {
+  bench_t *b = p;
+  OK(epx_weights_backward(b->buf, b->h, b->grad_recv_w, b->grad_w));
 }
 static void op_layout(void *p) {
   bench_t *b = p;
@@ -319,6 +325,9 @@ static run_result_t run(int T, int skew, epx_layout_t layout, epx_exchange_t exc
   CU(cudaMalloc(&b.out, (size_t)T * rb));
   CU(cudaMalloc(&b.grad_recv, (size_t)b.cap * rb));
   CU(cudaMalloc(&b.grad_x, (size_t)T * rb));
+  CU(cudaMalloc((void **)&b.grad_recv_w, 4 * (size_t)b.cap * K));
+  CU(cudaMemset(b.grad_recv_w, 0, 4 * (size_t)b.cap * K));
+  CU(cudaMalloc((void **)&b.grad_w, 4 * (size_t)T * K));
   OK(epx_dispatch_layout(b.buf, &b.routing, NULL, &b.h));
   OK(epx_dispatch(b.buf, b.h, b.x, b.recv, b.cap));
   check(&b, name, layout, T, idx);
@@ -342,7 +351,8 @@ static run_result_t run(int T, int skew, epx_layout_t layout, epx_exchange_t exc
 
   const timing_t dispatch = time_op(op_dispatch, &b), combine = time_op(op_combine, &b),
                  full = time_op(op_full, &b), layout_t = time_op(op_layout, &b), a2a = time_op(op_a2a, &b),
-                 dispatch_bwd = time_op(op_dispatch_backward, &b), combine_bwd = time_op(op_combine_backward, &b);
+                 dispatch_bwd = time_op(op_dispatch_backward, &b), combine_bwd = time_op(op_combine_backward, &b),
+                 weights_bwd = time_op(op_weights_backward, &b);
   const double bytes = (double)recv_total * (double)rb;
   run_result_t result = {dispatch.ms, combine.ms, 0};
   MPI_Allreduce(&bytes, &result.max_bytes_in, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
@@ -353,10 +363,11 @@ static run_result_t run(int T, int skew, epx_layout_t layout, epx_exchange_t exc
     printf("RESULT %s dispatch_ms=%.4f (slowest %.4f) combine_ms=%.4f full_dispatch_ms=%.4f layout_us=%.1f "
            "nccl_a2a_ms=%.4f rows_in=%lld remote_rows_out=%lld bytes_in=%.0f dispatch_GBps=%.0f combine_GBps=%.0f "
            "dispatch/a2a=%.3f dispatch_backward_ms=%.4f combine_backward_ms=%.4f nvlink_floor_ms=%.4f "
-           "dispatch/floor=%.2f combine/floor=%.2f\n",
+           "dispatch/floor=%.2f combine/floor=%.2f weights_backward_us=%.1f\n",
            name, dispatch.ms, dispatch.worst_ms, combine.ms, full.ms, layout_t.ms * 1e3, a2a.ms, (long long)recv_total,
            (long long)st.send_rows, bytes, bytes / dispatch.ms / 1e6, bytes / combine.ms / 1e6, dispatch.ms / a2a.ms,
-           dispatch_bwd.ms, combine_bwd.ms, floor_ms, dispatch.ms / floor_ms, combine.ms / floor_ms);
+           dispatch_bwd.ms, combine_bwd.ms, floor_ms, dispatch.ms / floor_ms, combine.ms / floor_ms,
+           weights_bwd.ms * 1e3);
     /* the expert-major dispatch against a rank-major exchange plus a
      * PyTorch permute of the same rows (bench_torch_ep.py times it) */
     if (g_permute && layout == EPX_LAYOUT_EXPERT_MAJOR && exchange == EPX_EXCHANGE_DEDUP &&
@@ -384,7 +395,7 @@ static run_result_t run(int T, int skew, epx_layout_t layout, epx_exchange_t exc
   OK(epx_handle_release(b.h));
   OK(epx_buffer_destroy(b.buf));
   cudaFree(b.x), cudaFree(b.recv), cudaFree(b.out), cudaFree(b.a2a_send), cudaFree(b.a2a_recv), cudaFree(d_idx);
-  cudaFree(b.grad_recv), cudaFree(b.grad_x);
+  cudaFree(b.grad_recv), cudaFree(b.grad_x), cudaFree(b.grad_recv_w), cudaFree(b.grad_w);
   free(idx), free(xh), free(b.send_rows), free(b.recv_rows);
   return result;
 }

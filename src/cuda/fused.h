@@ -29,9 +29,14 @@
  *    sums its ranks' partials in ascending r in float32 and rounds once.
  *  - the backward passes are the same kernels: dispatch_backward is a combine
  *    of grad_recv_x (weighted with EPX_WEIGHTS_IN_DISPATCH), combine_backward
- *    a dispatch of grad_out (weighted with EPX_WEIGHTS_IN_COMBINE). The
- *    routing-weight gradients (grad_w) are not computed here (ep.c makes
- *    the host layout for them from the plan's routing: view.idx, view.w).
+ *    a dispatch of grad_out (weighted with EPX_WEIGHTS_IN_COMBINE).
+ *  - routing-weight gradients (epx_fused_values_home_launch): a value per
+ *    route formed on the expert's rank (epx_weights_backward's grad_recv_w,
+ *    or combine_backward's dot <grad_out[t], expert_out(t, k)>, in the host
+ *    path's order) goes to grad_w [T, K] on the token's rank. The gradient
+ *    of EPX_WEIGHTS_IN_DISPATCH (<grad_recv_x(t, k), x[t]>, formed on the
+ *    token's rank from the route rows) is not fused: ep.c makes the host
+ *    layout for it from the plan's routing (view.idx, view.w).
  *  - layout: the plan answers a handle's queries (view) and verdicts (every
  *    rank's header, epx_fused_plan_summary) by itself.
  *
@@ -192,6 +197,25 @@ cudaError_t epx_fused_combine_backward_launch(epx_fused_t *fused, const epx_fuse
                                               const void *grad_out, void *grad_expert_out,
                                               int weighted, int32_t num_ctas, cudaStream_t stream);
 
+/* What the values of epx_fused_values_home_launch are. */
+enum {
+  EPX_FUSED_VALUES_PER_SLOT = 0, /* rank-major: values [N, K], a value per recv row and k-slot */
+  EPX_FUSED_VALUES_PER_ROW = 1,  /* expert-major: values [N], a value per recv row */
+  /* expert-major: the dot <grad_out[t], expert_out(t, k)> (values is
+   * expert_out [N, H] in the plan's layout; grad_out [T, H] this rank's),
+   * formed from the grad_out rows that the epx_fused_combine_backward_launch
+   * just before it on this plan left in the window: no other dispatch-like
+   * launch of this fused state may come between them */
+  EPX_FUSED_VALUES_DOTS = 2
+};
+/* Routing-weight gradients home (collective, a combine-like launch): each
+ * route's value, on its expert's rank, to grad_w [T, K] on its token's
+ * rank; 0 for slots without a route (-1, invalid, or an empty layout).
+ * Values are moved, not summed (a route lives on one rank): the bits are
+ * the host path's. num_ctas: the sending CTAs (at most the SM count). */
+cudaError_t epx_fused_values_home_launch(epx_fused_t *fused, const epx_fused_plan_t *plan, int mode,
+                                         const void *values, const void *grad_out, float *grad_w,
+                                         int32_t num_ctas, cudaStream_t stream);
 #ifdef __cplusplus
 }
 #endif

@@ -63,6 +63,8 @@ void window_offsets(fused_dev &d, int64_t part_elem) {
   o += W * 4;
   d.off_mflag = o;
   o += W * 4;
+  d.off_vflag = o;
+  o += W * 4;
   d.off_cflag = o = align_up(o, 128);
   o += W * (size_t)d.max_chunks * 4;
   d.off_mat = o = align_up(o, 128);
@@ -71,6 +73,8 @@ void window_offsets(fused_dev &d, int64_t part_elem) {
   o += W * (size_t)d.El * 4;
   d.off_hdr = o = align_up(o, 128);
   o += W * EPX_FUSED_HDR_INTS * 4;
+  d.off_back = o = align_up(o, 128);
+  o += W * (size_t)d.maxT * (size_t)d.Kmax * 4;
   d.off_meta = o = align_up(o, 256);
   o += W * (size_t)d.maxT * (size_t)d.meta_stride;
   d.off_pay = o = align_up(o, 4096);
@@ -476,7 +480,8 @@ extern "C" void epx_fused_abandon(epx_fused_t *f) {
 extern "C" int epx_fused_error(const epx_fused_t *f, int32_t *peer, const char **phase) {
   static const char *const names[] = {"?", "layout clear-to-send", "layout counts", "layout routing records",
                                       "dispatch clear-to-send", "dispatch rows", "combine clear-to-send",
-                                      "combine partials"};
+                                      "combine partials", "weight gradients clear-to-send",
+                                      "weight gradients"};
   const uint32_t w = *reinterpret_cast<volatile uint32_t *>(f->err_host);
   if (!w) return 0;
   const uint32_t ph = (w >> 8) & 0xffu;

@@ -8,11 +8,14 @@
  *                        enters op seq, so peers may write its other regions
  *   lflag [W] u32        layout counts from s have arrived (seq+1)
  *   mflag [W] u32        layout routing records from s have arrived (seq+1)
+ *   vflag [W] u32        routing-weight gradients from s have arrived (seq+1)
  *   cflag [W][chunks] u32  chunk j of rows (or partials) from s has arrived
  *   mat   [W][W] i32     row counts: mat[s][d] = rows s sends to d
  *   hist  [W][E_local] i32  routes from s to each local expert
  *   hdr   [W][EPX_FUSED_HDR_INTS] i32  rank s's header (tokens, oversize,
  *                        invalid, top_k, weighting), sent with the counts
+ *   back  [W][maxT][Kmax] f32  routing-weight gradients from s, per token of
+ *                        this rank and k-slot (fused_values.cu)
  *   meta  [W*maxT] records of the rank-major rows: token, then per k-slot
  *                        the expert (-1 unless on this rank), weight, and the
  *                        route's position among the source's routes to it
@@ -41,7 +44,7 @@ constexpr int kLayoutTokens = 256;  /* tokens per block of the layout count */
 
 /* Phases named by the error word. */
 enum { PH_LAYOUT_CTS = 1, PH_LAYOUT_COUNTS, PH_LAYOUT_META, PH_DISPATCH_CTS, PH_DISPATCH_ROWS,
-       PH_COMBINE_CTS, PH_COMBINE_ROWS };
+       PH_COMBINE_CTS, PH_COMBINE_ROWS, PH_VALUES_CTS, PH_VALUES };
 
 /* ctl words (device memory of this rank). */
 enum { CTL_SEQ = 0, CTL_DONE = 1, CTL_ABORT = 2, CTL_WORDS = 4 };
@@ -55,7 +58,8 @@ struct fused_dev {
   int W, rank, E, El, Kmax, max_chunks;
   int bulk_warps;                  /* > 0: senders move whole rows with the bulk copy engine */
   int64_t maxT, H, nvec, row_bytes, meta_stride;
-  size_t off_cts, off_lflag, off_mflag, off_cflag, off_mat, off_hist, off_hdr, off_meta, off_pay, off_part;
+  size_t off_cts, off_lflag, off_mflag, off_vflag, off_cflag, off_mat, off_hist, off_hdr, off_back, off_meta,
+      off_pay, off_part;
 };
 
 /* Index of the small int64 table of a plan (device), from W and E_local.
