@@ -77,6 +77,12 @@ static FILE *g_counts;
 static FILE *g_permute; /* <workdir>/ep_permute.txt: the expert-major rows for bench_torch_ep.py */
 static epx_exchange_path_t g_path = EPX_PATH_FUSED; /* config.exchange_path of run()'s buffers */
 static int32_t g_sms;                              /* config.sm_budget (0: the default) */
+/* The library's launch flags (src/cuda/launch.h, not in epx.h): the fused
+ * expert-major rows run once with each expansion (" expand=apart" in their
+ * names where EPX_CUDA_FUSED_EXPAND_APART is set). */
+void epx_cuda_set_launch_flags(int flags);
+int epx_cuda_launch_flags(void);
+enum { FUSED_EXPAND_APART = 32 }; /* EPX_CUDA_FUSED_EXPAND_APART */
 
 /* bf16 of small multiples of 1/4 (exact), coded by (rank, token, column). */
 static uint16_t x_bits(int s, int t, int h) {
@@ -307,8 +313,11 @@ static run_result_t run(int T, int skew, epx_layout_t layout, epx_exchange_t exc
   OK(epx_buffer_create(g_comm, &cfg, &b.buf));
   int32_t paths[64] = {0};
   OK(epx_buffer_peer_paths(b.buf, paths));
-  char sms[32] = "";
+  char sms[48] = "";
   if (paths[0] == EPX_PATH_FUSED) snprintf(sms, sizeof sms, " sms=%d", g_sms ? g_sms : DEFAULT_SM_BUDGET);
+  if (paths[0] == EPX_PATH_FUSED && layout == EPX_LAYOUT_EXPERT_MAJOR)
+    snprintf(sms + strlen(sms), sizeof sms - strlen(sms), " expand=%s",
+             epx_cuda_launch_flags() & FUSED_EXPAND_APART ? "apart" : "arrival");
   snprintf(name, sizeof name, "T=%d routing=%s layout=%s exchange=%s partials=%s path=%s%s", T,
            skew ? "zipf1.2" : "uniform", layout == EPX_LAYOUT_RANK_MAJOR ? "rank-major" : "expert-major",
            exchange == EPX_EXCHANGE_DEDUP ? "dedup" : "collective",
@@ -744,6 +753,11 @@ int main(int argc, char **argv) {
         dedup[skew] = run(T, skew, EPX_LAYOUT_RANK_MAJOR, EPX_EXCHANGE_DEDUP, EPX_COMBINE_PARTIALS_PAYLOAD, nc);
         run(T, skew, EPX_LAYOUT_RANK_MAJOR, EPX_EXCHANGE_COLLECTIVE, EPX_COMBINE_PARTIALS_PAYLOAD, nc);
         run(T, skew, EPX_LAYOUT_EXPERT_MAJOR, EPX_EXCHANGE_DEDUP, EPX_COMBINE_PARTIALS_PAYLOAD, nc);
+        /* the other expansion of the fused expert-major rows */
+        const int flags = epx_cuda_launch_flags();
+        epx_cuda_set_launch_flags(flags ^ FUSED_EXPAND_APART);
+        run(T, skew, EPX_LAYOUT_EXPERT_MAJOR, EPX_EXCHANGE_DEDUP, EPX_COMBINE_PARTIALS_PAYLOAD, nc);
+        epx_cuda_set_launch_flags(flags);
         run(T, skew, EPX_LAYOUT_EXPERT_MAJOR, EPX_EXCHANGE_DEDUP, EPX_COMBINE_PARTIALS_FLOAT32, nc);
         /* the default's choice for expert-major (AUTO: the host path) */
         g_path = EPX_PATH_AUTO;

@@ -1045,7 +1045,11 @@ extern "C" cudaError_t epx_fused_layout_launch(epx_fused_t *f, epx_fused_plan_t 
 
 namespace {
 
-enum { MODE_RANK_WINDOW = 0, MODE_RANK_COPY = 1, MODE_EXPERT = 2 };
+/* MODE_EXPERT: the receiving CTAs expand rows as they arrive;
+ * MODE_EXPERT_APART: the remote rows stay in the window (as MODE_RANK_WINDOW
+ * leaves them) and expand_kernel expands every row after the exchange, over
+ * every SM (EPX_CUDA_FUSED_EXPAND_APART). */
+enum { MODE_RANK_WINDOW = 0, MODE_RANK_COPY = 1, MODE_EXPERT = 2, MODE_EXPERT_APART = 3 };
 
 struct dispatch_shared {
   int64_t sbase[EPX_FUSED_MAX_RANKS], scount[EPX_FUSED_MAX_RANKS];
@@ -1073,7 +1077,7 @@ __device__ void send_rows(const fused_dev &d, const fused_plan_dev &p, dispatch_
     const int64_t j = g / d.W;
     const int r = (d.rank + 1 + (int)(g % d.W)) % d.W;
     const int64_t n = min((int64_t)kChunk, sh.scount[r] - j * kChunk);
-    if (n <= 0 || (mode == MODE_EXPERT && r == d.rank)) continue;
+    if (n <= 0 || ((mode == MODE_EXPERT || mode == MODE_EXPERT_APART) && r == d.rank)) continue;
     uint4 *dst = r != d.rank || mode == MODE_RANK_WINDOW ? reinterpret_cast<uint4 *>(d.peer[r] + d.off_pay) : recv;
     const int32_t *tokens = p.send_token + (int64_t)r * d.maxT + j * kChunk;
     uint4 *rows = dst + (sh.sbase[r] + j * kChunk) * d.nvec;
@@ -1133,7 +1137,7 @@ __device__ void receive_rows(const fused_dev &d, const fused_plan_dev &p, dispat
   }
   int64_t rounds = 0;
   for (int s = 0; s < d.W; s++) rounds = max(rounds, chunks_of(sh.rcount[s]));
-  if (mode == MODE_RANK_WINDOW) {
+  if (mode == MODE_RANK_WINDOW || mode == MODE_EXPERT_APART) {
     /* nothing to move: every thread waits for chunks of its own, so the
      * flags' round trips overlap */
     for (int64_t g = rc + (int64_t)nr * threadIdx.x; g < rounds * d.W; g += (int64_t)nr * blockDim.x) {
@@ -1194,15 +1198,49 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const fused_dev d
   end_op(d, seq);
 }
 
+/* MODE_EXPERT_APART, after the exchange (every row has arrived: the
+ * dispatch kernel's receiver waited for each chunk): the padding rows
+ * zeroed, then a warp per rank-major row expands it into its expert-major
+ * rows, this rank's own rows from x. The window's rows stay valid until this
+ * rank's next dispatch-like launch (peers write them only after its
+ * clear-to-send). */
+template <typename T>
+__global__ void __launch_bounds__(kThreads) expand_kernel(const fused_dev d, const fused_plan_dev p, const uint4 *x,
+                                                          uint4 *recv, int weighted) {
+  __shared__ int64_t s_rbase[EPX_FUSED_MAX_RANKS + 1];
+  if (failed(d)) return; /* a wait ran out: rows are missing, the error word says which */
+  const info_index ii = make_info_index(d.W, d.El);
+  if (threadIdx.x <= d.W) s_rbase[threadIdx.x] = p.info[ii.rbase + threadIdx.x];
+  __syncthreads();
+  const int lane = threadIdx.x & 31;
+  const int64_t warps = (int64_t)gridDim.x * kWarps, gw = (int64_t)blockIdx.x * kWarps + (threadIdx.x >> 5);
+  const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+  for (int e = 0; e < d.El; e++)
+    for (int64_t r = p.info[ii.eoff + e] + p.info[ii.ecount + e] + gw; r < p.info[ii.eoff + e + 1]; r += warps)
+      for (int64_t i = lane; i < d.nvec; i += 32) recv[r * d.nvec + i] = zero;
+  const uint4 *pay = reinterpret_cast<const uint4 *>(d.local + d.off_pay);
+  for (int64_t q = gw; q < s_rbase[d.W]; q += warps) {
+    int s = 0;
+    while (s + 1 < d.W && s_rbase[s + 1] <= q) s++;
+    const int32_t *rows = p.pair_rows + q * p.K;
+    const float *w = p.pair_w + q * p.K;
+    if (s == d.rank)
+      warp_expand<T, false>(recv, x + (int64_t)p.pair_token[q] * d.nvec, rows, w, p.K, weighted, d.nvec, lane);
+    else
+      warp_expand<T, true>(recv, pay + q * d.nvec, rows, w, p.K, weighted, d.nvec, lane);
+  }
+}
+
 template <typename T>
 cudaError_t launch_dispatch(const fused_dev &d, const fused_plan_dev &p, const uint4 *x, uint4 *recv, int mode,
-                            int weighted, int n, int ns, size_t smem, cudaStream_t stream) {
+                            int weighted, int n, int ns, int expand_ctas, size_t smem, cudaStream_t stream) {
   if (smem > 0) {
     const cudaError_t e =
         cudaFuncSetAttribute(dispatch_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     if (e != cudaSuccess) return e;
   }
   dispatch_kernel<T><<<n, kThreads, smem, stream>>>(d, p, x, recv, mode, weighted, ns);
+  if (mode == MODE_EXPERT_APART) expand_kernel<T><<<expand_ctas, kThreads, 0, stream>>>(d, p, x, recv, weighted);
   return cudaGetLastError();
 }
 
@@ -1216,17 +1254,21 @@ extern "C" cudaError_t epx_fused_dispatch_launch(epx_fused_t *f, const epx_fused
   const bool expert = plan->dev.expert_major != 0;
   if ((expert && (!recv_x || recv_x == window)) || (!x && plan->dev.T > 0) || (!expert && weighted))
     return cudaErrorInvalidValue;
-  const int mode = expert ? MODE_EXPERT : (!recv_x || recv_x == window) ? MODE_RANK_WINDOW : MODE_RANK_COPY;
+  const bool apart = expert && (epx_cuda_launch_flags() & EPX_CUDA_FUSED_EXPAND_APART);
+  const int mode = expert ? (apart ? MODE_EXPERT_APART : MODE_EXPERT)
+                          : (!recv_x || recv_x == window) ? MODE_RANK_WINDOW : MODE_RANK_COPY;
   int n = num_ctas < 2 ? 2 : num_ctas > f->num_sms ? f->num_sms : num_ctas;
-  int nr = recv_ctas > 0 ? recv_ctas : mode == MODE_RANK_WINDOW ? 1 : n / 2;
+  int nr = recv_ctas > 0 ? recv_ctas : mode == MODE_RANK_WINDOW || mode == MODE_EXPERT_APART ? 1 : n / 2;
   if (nr > n - 1) nr = n - 1;
   const uint4 *xs = static_cast<const uint4 *>(x);
   uint4 *rs = static_cast<uint4 *>(mode == MODE_RANK_WINDOW ? window : recv_x);
   const size_t smem = (size_t)d.bulk_warps * (size_t)bulk_slot_bytes(d.row_bytes);
+  const int ex = 2 * f->num_sms; /* the expansion apart: two CTAs of 16 warps per SM */
   switch (f->config.dtype) {
-    case EPX_FLOAT32: return launch_dispatch<float>(d, plan->dev, xs, rs, mode, weighted, n, n - nr, smem, stream);
-    case EPX_BFLOAT16: return launch_dispatch<__nv_bfloat16>(d, plan->dev, xs, rs, mode, weighted, n, n - nr, smem, stream);
-    case EPX_FLOAT16: return launch_dispatch<__half>(d, plan->dev, xs, rs, mode, weighted, n, n - nr, smem, stream);
+    case EPX_FLOAT32: return launch_dispatch<float>(d, plan->dev, xs, rs, mode, weighted, n, n - nr, ex, smem, stream);
+    case EPX_BFLOAT16:
+      return launch_dispatch<__nv_bfloat16>(d, plan->dev, xs, rs, mode, weighted, n, n - nr, ex, smem, stream);
+    case EPX_FLOAT16: return launch_dispatch<__half>(d, plan->dev, xs, rs, mode, weighted, n, n - nr, ex, smem, stream);
   }
   return cudaErrorInvalidValue;
 }
