@@ -649,21 +649,24 @@ typedef enum epx_exchange_path {
    * "The SM budget: whole steps"): the fused NVLink kernels for the
    * rank-major layout (dispatch / combine at T=8192: 0.43 / 0.44 ms at 32
    * SMs against 0.51-0.55 / 0.52-0.57 on the host path), NCCL's host API for the
-   * expert-major layout (whose fused form expands every row into expert
-   * order on the receiver: a whole step 29.6 ms fused against 27.8 on the
-   * host path) and for everything EPX_PATH_FUSED cannot serve. */
+   * expert-major and capacity layouts (whose fused form expands every row
+   * into expert order on the receiver: a whole step 29.6 ms fused against
+   * 27.8 on the host path, measured before the expansion apart of
+   * src/cuda/launch.h) and for everything EPX_PATH_FUSED cannot serve. */
   EPX_PATH_AUTO = 0,
   /* NCCL's host API for every peer (to compare the paths on the same GPUs,
    * or where the fused window's memory is not wanted). */
   EPX_PATH_HOST = 1,
   /* As a config value: the fused NVLink kernels wherever they can serve the
-   * buffer, expert-major included; the host path where they cannot.
+   * buffer, expert-major and capacity included; the host path where they
+   * cannot.
    * Reported by epx_buffer_peer_paths for a peer the fused kernels serve.
    *
    * The fused kernels (src/cuda/fused.h: senders store rows straight into
    * the peers' memory through NCCL 2.28's device API) serve a buffer when
-   * the exchange is EPX_EXCHANGE_DEDUP, the layout is expert-major or
-   * rank-major, the build has the fused module, and every peer is reachable
+   * the exchange is EPX_EXCHANGE_DEDUP (any layout; the capacity layout's
+   * slots are validated and claimed on the GPU as on the host path), the
+   * build has the fused module, and every peer is reachable
    * by load/store (one NVLink domain). In this version the choice is all or
    * nothing: if any peer lacks load/store access, every peer takes the host
    * path. The two paths give the same bits. On the fused path: the fused

@@ -248,20 +248,16 @@ fail:
 /* ------------------------------------------------------------------------ */
 
 /* Whether the config lets the fused kernels serve this buffer: FUSED (or
- * AUTO, rank-major), dedup, expert-major or rank-major, within the module's rank and top-k bounds, in
- * a build that has it. The capacity layout stays on the host path: its rows
- * sit at the caller's locations (expert, source rank, slot) with every
- * unfilled slot zeroed, which the fused layout's running positions do not
- * give (not implemented: the host path moves the same bits); the
- * collective exchange, one row per route, has no fused form either. */
+ * AUTO, rank-major), dedup, within the module's rank and top-k bounds, in a
+ * build that has it. The collective exchange, one row per route, has no
+ * fused form. */
 static int fused_wanted(epx_buffer_t b) {
   const epx_buffer_config_t *c = &b->config;
   /* AUTO takes the fused kernels where they are the faster (rank-major:
    * the expert-major expansion makes its whole step slower, epx.h). */
   const int asked = c->exchange_path == EPX_PATH_FUSED ||
                     (c->exchange_path == EPX_PATH_AUTO && c->layout == EPX_LAYOUT_RANK_MAJOR);
-  return EPX_HAVE_FUSED && asked && c->exchange == EPX_EXCHANGE_DEDUP &&
-         c->layout != EPX_LAYOUT_CAPACITY && b->world_size <= EPX_FUSED_MAX_RANKS &&
+  return EPX_HAVE_FUSED && asked && c->exchange == EPX_EXCHANGE_DEDUP && b->world_size <= EPX_FUSED_MAX_RANKS &&
          c->max_top_k <= EPX_FUSED_MAX_TOP_K;
 }
 
@@ -345,10 +341,10 @@ static epx_status_t fused_layout(epx_buffer_t b, const epx_routing_t *r, ep_hand
   ep_buffer_t *s = b->cuda;
   EPX_CHECK(fused_alive(b, fn));
   if (s->pooled > 0) h->plan = s->pool[--s->pooled];
-  else EPX_CHECK(epx_fused_plan_create(s->fused, b->config.layout, b->config.expert_alignment, stream_of(b),
-                                       &h->plan));
-  CUDA_CHECK(epx_fused_layout_launch(s->fused, h->plan, r->topk_idx, r->topk_w, r->num_tokens, r->top_k, 0,
-                                     (int32_t)r->weighting, stream_of(b)),
+  else EPX_CHECK(epx_fused_plan_create(s->fused, b->config.layout, b->config.expert_alignment, b->config.capacity,
+                                       stream_of(b), &h->plan));
+  CUDA_CHECK(epx_fused_layout_launch(s->fused, h->plan, r->topk_idx, r->topk_w, r->locations, r->num_tokens,
+                                     r->top_k, 0, (int32_t)r->weighting, stream_of(b)),
              fn, "the fused layout kernels");
 fail:
   return status;
@@ -361,8 +357,9 @@ static epx_status_t fused_join_oversize(epx_buffer_t b, int32_t weighting, const
   epx_status_t status = EPX_SUCCESS;
   ep_buffer_t *s = b->cuda;
   if (!s->spare)
-    EPX_CHECK(epx_fused_plan_create(s->fused, b->config.layout, b->config.expert_alignment, stream_of(b), &s->spare));
-  CUDA_CHECK(epx_fused_layout_launch(s->fused, s->spare, NULL, NULL, 0, 1, 1, weighting, stream_of(b)), fn,
+    EPX_CHECK(epx_fused_plan_create(s->fused, b->config.layout, b->config.expert_alignment, b->config.capacity,
+                                    stream_of(b), &s->spare));
+  CUDA_CHECK(epx_fused_layout_launch(s->fused, s->spare, NULL, NULL, NULL, 0, 1, 1, weighting, stream_of(b)), fn,
              "the fused layout kernels");
 fail:
   return status;
@@ -376,7 +373,7 @@ static epx_status_t fused_move(epx_buffer_t b, epx_handle_t handle, const void *
   epx_status_t status = EPX_SUCCESS;
   ep_buffer_t *s = b->cuda;
   const ep_handle_t *h = handle->cuda;
-  const int expert = b->config.layout == EPX_LAYOUT_EXPERT_MAJOR;
+  const int expert = b->config.layout != EPX_LAYOUT_RANK_MAJOR; /* expert-major or capacity: rows per route */
   cudaStream_t stream = stream_of(b);
   EPX_CHECK(fused_alive(b, fn));
   /* An expert-major dispatch needs a destination even with no rows to write
@@ -941,8 +938,8 @@ static epx_status_t host_layout(epx_buffer_t b, epx_handle_t handle, const char 
   epx_fused_plan_view_t v;
   epx_fused_plan_view(h->plan, &v);
   if (!h->block) EPX_CHECK(carve(b, h, fn));
-  CUDA_CHECK(epx_cuda_ep_stage_plan_launch(&h->d, v.idx, v.w, v.invalid, h->w, h->own.result, h->sidx, h->sw,
-                                           h->shdr, stream_of(b)),
+  CUDA_CHECK(epx_cuda_ep_stage_plan_launch(&h->d, v.idx, v.w, v.loc, v.invalid, h->w, h->own.result, h->sidx,
+                                           h->sw, h->sloc, h->shdr, stream_of(b)),
              fn, "the routing stage kernel");
 #endif
   EPX_CHECK(enqueue_exchange(b, h, fn));

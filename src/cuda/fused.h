@@ -22,7 +22,11 @@
  *    then source token). The expert-major layout (a row per (token, local
  *    expert), grouped by local expert, inside a group by (source rank, source
  *    token), groups padded with zero rows to the alignment) is expanded by the
- *    receiving CTAs from the window as chunks of rows arrive.
+ *    receiving CTAs from the window as chunks of rows arrive, or by a kernel
+ *    of its own after the exchange (EPX_CUDA_FUSED_EXPAND_APART). The
+ *    capacity layout (route (s, t, k) of local expert e at row
+ *    e * W * C + s * C + location, every other row zero) is expanded apart
+ *    always.
  *  - combine: the expert rank forms P(t, r) = 0 + the token's products on r
  *    in k order (float32, no fused multiply-add), sends it in float32 or
  *    rounded once to the payload dtype into the token's home window; the home
@@ -107,12 +111,13 @@ int epx_fused_error(const epx_fused_t *fused, int32_t *peer, const char **phase)
 void *epx_fused_recv_window(epx_fused_t *fused);
 
 /* A plan (device arrays for the worst case of max_tokens, K = max_top_k),
- * for layout EXPERT_MAJOR or RANK_MAJOR (the capacity layout stays on the
- * host-API path). Not collective. Its memory is stream-ordered on `stream`
- * (cudaMallocAsync: allowed inside a CUDA graph capture of any mode), freed
+ * for any layout: expert_alignment for EXPERT_MAJOR, capacity (C, slots per
+ * expert and source rank) for CAPACITY. Not collective. Its memory is
+ * stream-ordered on `stream` (cudaMallocAsync and, for CAPACITY, a memset of
+ * its slot claims: allowed inside a CUDA graph capture of any mode), freed
  * by destroy on the stream it is given. */
 epx_status_t epx_fused_plan_create(epx_fused_t *fused, epx_layout_t layout, int32_t expert_alignment,
-                                   cudaStream_t stream, epx_fused_plan_t **plan);
+                                   int64_t capacity, cudaStream_t stream, epx_fused_plan_t **plan);
 void epx_fused_plan_destroy(epx_fused_plan_t *plan, cudaStream_t stream);
 
 /* What a plan holds for the handle's accessors (device memory, valid after the
@@ -127,6 +132,7 @@ typedef struct epx_fused_plan_view {
   const unsigned long long *invalid; /* (route << 3) | code of the first invalid route dropped, or ~0 */
   const int32_t *idx;        /* [T, top_k] this rank's routing as laid out: invalid routes -1 */
   const float *w;            /* [T, top_k] its weights as given (0 without topk_w) */
+  const int32_t *loc;        /* capacity: [T, top_k] the locations of its valid routes; NULL otherwise */
   int64_t row_bound;
   int32_t top_k;             /* the K of the row_expert / row_w rows in rank-major */
 } epx_fused_plan_view_t;
@@ -157,7 +163,10 @@ cudaError_t epx_fused_plan_readback_launch(const epx_fused_plan_t *plan, void *h
 void epx_fused_plan_summary(const epx_fused_plan_t *plan, const void *host, epx_fused_plan_summary_t *summary);
 
 /* Layout (collective): validates topk_idx [T, K] (an out-of-range or
- * duplicate expert is dropped and recorded in view.invalid), exchanges the
+ * duplicate expert is dropped and recorded in view.invalid; in the capacity
+ * layout also a location outside [0, C) and a slot (expert, location) that a
+ * smaller route index of this rank claimed, as the one-GPU layout does:
+ * locations [T, K] is then required), exchanges the
  * per-(source, destination) row counts, per-(source, expert) route counts and
  * the ranks' headers on the GPU, and the routing of every row (token, its
  * experts on the receiver, weights, position inside each expert's group) into
@@ -167,8 +176,8 @@ void epx_fused_plan_summary(const epx_fused_plan_t *plan, const void *host, epx_
  * weighting: this rank's routing.weighting, carried in its header. */
 cudaError_t epx_fused_layout_launch(epx_fused_t *fused, epx_fused_plan_t *plan,
                                     const int32_t *topk_idx, const float *topk_w,
-                                    int64_t num_tokens, int32_t top_k, int32_t oversize,
-                                    int32_t weighting, cudaStream_t stream);
+                                    const int32_t *locations, int64_t num_tokens, int32_t top_k,
+                                    int32_t oversize, int32_t weighting, cudaStream_t stream);
 
 /* Dispatch (collective), x [T, H] -> recv_x. recv_x: NULL or
  * epx_fused_recv_window() for the rank-major rows in place; another [N, H]

@@ -495,23 +495,28 @@ extern "C" void *epx_fused_recv_window(epx_fused_t *f) { return f->dev.local + f
 /* ---- plans ------------------------------------------------------------------ */
 
 extern "C" epx_status_t epx_fused_plan_create(epx_fused_t *f, epx_layout_t layout, int32_t alignment,
-                                              cudaStream_t stream, epx_fused_plan_t **plan) {
+                                              int64_t capacity, cudaStream_t stream, epx_fused_plan_t **plan) {
   const char *fn = "epx_fused_plan_create";
   EPX_REQUIRE(f && plan, "%s: fused or plan is NULL", fn);
-  EPX_REQUIRE(layout == EPX_LAYOUT_EXPERT_MAJOR || layout == EPX_LAYOUT_RANK_MAJOR,
-              "%s: layout %d is not expert-major or rank-major (the capacity layout uses the host-API exchange)",
-              fn, (int)layout);
+  EPX_REQUIRE(layout == EPX_LAYOUT_EXPERT_MAJOR || layout == EPX_LAYOUT_RANK_MAJOR || layout == EPX_LAYOUT_CAPACITY,
+              "%s: layout %d is not a layout", fn, (int)layout);
   EPX_REQUIRE(alignment >= 1, "%s: expert_alignment %d is below 1", fn, alignment);
+  const bool cap = layout == EPX_LAYOUT_CAPACITY;
   const fused_dev &d = f->dev;
   const int64_t W = d.W, T = d.maxT, K = d.Kmax, E = d.E, El = d.El;
+  EPX_REQUIRE(!cap || (capacity >= 1 && El * W * capacity < INT32_MAX),
+              "%s: capacity %lld is outside [1, 2^31 / (E_local * W))", fn, (long long)capacity);
   const int64_t blocks = (T + kLayoutTokens - 1) / kLayoutTokens;
   const int64_t pairs = W * T;
-  const int64_t row_bound = layout == EPX_LAYOUT_EXPERT_MAJOR ? pairs * (K < El ? K : El) + El * (alignment - 1)
-                                                              : pairs;
+  const int64_t row_bound = cap ? El * W * capacity
+                            : layout == EPX_LAYOUT_EXPERT_MAJOR ? pairs * (K < El ? K : El) + El * (alignment - 1)
+                                                                : pairs;
+  const int64_t claims = cap ? E * capacity : 0;
   const info_index ii = make_info_index((int)W, (int)El);
   /* int32 words of every array, in the order they are carved below */
   const int64_t words[] = {T * K, T * K, T * K, T * W, W * T, blocks * E, blocks * W, 2 * blocks, E,
-                           pairs, pairs * K, pairs * K, pairs * K, row_bound, row_bound, row_bound, row_bound};
+                           pairs, pairs * K, pairs * K, pairs * K, row_bound, row_bound, row_bound, row_bound,
+                           2 * claims};
   size_t bytes = 64 + align_up((size_t)ii.total * 8, 256); /* invalid, then info, as carved below */
   for (size_t i = 0; i < sizeof words / sizeof words[0]; i++) bytes += align_up((size_t)words[i] * 4, 256);
   epx_fused_plan_t *p = static_cast<epx_fused_plan_t *>(calloc(1, sizeof *p));
@@ -531,13 +536,21 @@ extern "C" epx_status_t epx_fused_plan_create(epx_fused_t *f, epx_layout_t layou
                     (void **)&pd.send_token, (void **)&pd.chunk_hist, (void **)&pd.chunk_dcnt,
                     (void **)&pd.chunk_invalid, (void **)&pd.hist, (void **)&pd.pair_token, (void **)&pd.pair_expert,
                     (void **)&pd.pair_w, (void **)&pd.pair_rows, (void **)&pd.row_src_rank,
-                    (void **)&pd.row_src_token, (void **)&pd.row_expert, (void **)&pd.row_w};
+                    (void **)&pd.row_src_token, (void **)&pd.row_expert, (void **)&pd.row_w, (void **)&pd.claim};
   for (size_t i = 0; i < sizeof slots / sizeof slots[0]; i++) {
     *slots[i] = m;
     m += align_up((size_t)words[i] * 4, 256);
   }
+  /* every slot unclaimed: a claim carries its layout's op number + 1 (> 0),
+   * so a later layout's claims outrank an earlier one's and need no reset */
+  if (cap && (e = cudaMemsetAsync(pd.claim, 0, (size_t)claims * 8, stream)) != cudaSuccess) {
+    cudaFreeAsync(p->memory, stream);
+    free(p);
+    return epx_error(EPX_ERROR_CUDA, "%s: cudaMemsetAsync of the slot claims failed: %s", fn, cudaGetErrorString(e));
+  }
   pd.row_bound = row_bound;
-  pd.expert_major = layout == EPX_LAYOUT_EXPERT_MAJOR;
+  pd.C = cap ? capacity : 0;
+  pd.expert_major = layout != EPX_LAYOUT_RANK_MAJOR;
   pd.align = alignment;
   pd.K = (int)K;
   pd.T = 0;
@@ -566,6 +579,7 @@ extern "C" void epx_fused_plan_view(const epx_fused_plan_t *p, epx_fused_plan_vi
   v->invalid = pd.invalid;
   v->idx = pd.idx;
   v->w = pd.w;
+  v->loc = pd.C ? pd.pos : nullptr;
   v->row_bound = pd.row_bound;
   v->top_k = pd.K;
 }
@@ -605,6 +619,35 @@ __device__ __forceinline__ void note_invalid(unsigned long long *first, int64_t 
   atomicMin(first, (unsigned long long)route << 3 | (unsigned long long)code);
 }
 
+/* A capacity slot's claim by route g in op seq: a later op's claims outrank
+ * an earlier one's, and within an op the smaller route wins (atomicMax). */
+__device__ __forceinline__ unsigned long long claim_tag(uint32_t seq, int64_t g) {
+  return (unsigned long long)(seq + 1u) << 32 | (0xffffffffu - (uint32_t)g);
+}
+
+/* Capacity: a thread per route claims its slot (expert, location), so the
+ * count kernel can tell each slot's owner, the smallest route of this rank
+ * naming it (the one-GPU layout's rule). Routes the count kernel drops for
+ * another reason (an expert out of range, a duplicate, a location outside
+ * [0, C)) claim nothing. */
+__global__ void __launch_bounds__(256) layout_claim_kernel(const fused_dev d, const fused_plan_dev p,
+                                                           const int32_t *topk_idx, const int32_t *locations) {
+  if (failed(d)) return;
+  const uint32_t seq = *reinterpret_cast<volatile uint32_t *>(d.ctl + CTL_SEQ);
+  const int64_t g = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (g >= p.T * p.K) return;
+  const int K = p.K;
+  const int64_t t = g / K;
+  const int k = (int)(g % K);
+  const int32_t e = topk_idx[g];
+  if (e < 0 || e >= d.E) return;
+  for (int j = 0; j < k; j++)
+    if (topk_idx[t * K + j] == e) return;
+  const int32_t l = locations[g];
+  if (l < 0 || l >= p.C) return;
+  atomicMax(p.claim + (int64_t)e * p.C + l, claim_tag(seq, g));
+}
+
 /* A block per kLayoutTokens tokens, a thread per token (see the file
  * comment). A route's position among the block's routes to its expert, in
  * (token, k) order, is its rank among its warp's routes to that expert (lane
@@ -616,7 +659,8 @@ __device__ __forceinline__ void note_invalid(unsigned long long *first, int64_t 
  * expert). */
 __global__ void __launch_bounds__(kLayoutTokens) layout_count_kernel(const fused_dev d, const fused_plan_dev p,
                                                                      const int32_t *topk_idx,
-                                                                     const float *topk_w) {
+                                                                     const float *topk_w,
+                                                                     const int32_t *locations) {
   extern __shared__ int32_t s_idx[];
   __shared__ int32_t s_dcnt[kLayoutWarps][EPX_FUSED_MAX_RANKS];
   __shared__ unsigned long long s_invalid;
@@ -640,6 +684,7 @@ __global__ void __launch_bounds__(kLayoutTokens) layout_count_kernel(const fused
   }
   __syncthreads();
   const int tl = threadIdx.x;
+  const uint32_t seq = *reinterpret_cast<volatile uint32_t *>(d.ctl + CTL_SEQ);
   uint32_t mask = 0;
   if (tl < n) {
     for (int k = 0; k < K; k++) {
@@ -649,6 +694,21 @@ __global__ void __launch_bounds__(kLayoutTokens) layout_count_kernel(const fused
           note_invalid(&s_invalid, (t0 + tl) * K + k, EPX_CUDA_DUPLICATE_EXPERT);
           e = s_idx[tl * K + k] = -1;
         }
+      if (p.C && e >= 0) {
+        /* capacity: the location in range, and the slot this route's (the
+         * claim kernel's verdict); the position is the location */
+        const int64_t g = (t0 + tl) * K + k;
+        const int32_t l = locations[g];
+        const int code = l < 0 || l >= p.C                                      ? EPX_CUDA_BAD_LOCATION
+                         : p.claim[(int64_t)e * p.C + l] != claim_tag(seq, g) ? EPX_CUDA_TAKEN_LOCATION
+                                                                                : 0;
+        if (code) {
+          note_invalid(&s_invalid, g, code);
+          e = s_idx[tl * K + k] = -1;
+        } else {
+          p.pos[g] = l;
+        }
+      }
       p.idx[(t0 + tl) * K + k] = e;
       p.w[(t0 + tl) * K + k] = topk_w ? topk_w[(t0 + tl) * K + k] : 0.0f;
       if (e >= 0) mask |= 1u << (e / d.El);
@@ -680,7 +740,7 @@ __global__ void __launch_bounds__(kLayoutTokens) layout_count_kernel(const fused
   }
 #pragma unroll
   for (int j = 0; j < 32; j++) {
-    if (rank_in_warp[j] < 0) continue;
+    if (rank_in_warp[j] < 0 || p.C) continue; /* capacity: the position is the location */
     const int t = warp * 32 + j;
     const int32_t e = s_idx[t * K + lane];
     int32_t base = 0;
@@ -748,6 +808,13 @@ __device__ int64_t block_scan(int64_t v, int64_t *total) {
   return s_warp[warp] + inc - v;
 }
 
+/* Rows of a local expert's group with c routes: c padded to the alignment
+ * (expert-major), W * C (capacity), none (rank-major: rows are pairs). */
+__device__ __forceinline__ int64_t group_rows(const fused_plan_dev &p, int W, int64_t c) {
+  if (p.C) return (int64_t)W * p.C;
+  return p.expert_major ? (c + p.align - 1) / p.align * p.align : 0;
+}
+
 /* Bases of the layout from the count matrix, route counts and headers in
  * this rank's window (all complete). A rank's oversize header empties the
  * layout on every rank (nothing moves, as on the host path). No thread walks
@@ -787,7 +854,8 @@ __device__ void layout_bases(const fused_dev &d, const fused_plan_dev &p) {
     atomicAdd(&s_routes_out[i / El], p.hist[i]);
     atomicAdd(&s_routes_in[i / El], hist[i]);
   }
-  /* a run of experts per thread: counts, then the padded groups' offsets */
+  /* a run of experts per thread: counts, then the padded groups' offsets
+   * (capacity: W * C rows per expert, whatever its count) */
   const int per = (El + (int)blockDim.x - 1) / (int)blockDim.x;
   const int e0 = min(El, t * per), e1 = min(El, e0 + per);
   int64_t mine = 0;
@@ -795,7 +863,7 @@ __device__ void layout_bases(const fused_dev &d, const fused_plan_dev &p) {
     int64_t c = 0;
     for (int s = 0; s < W; s++) c += keep * hist[s * El + e];
     info[ii.ecount + e] = c;
-    mine += p.expert_major ? (c + p.align - 1) / p.align * p.align : 0;
+    mine += group_rows(p, W, c);
   }
   __syncthreads();
   int64_t pairs = 0;
@@ -817,8 +885,7 @@ __device__ void layout_bases(const fused_dev &d, const fused_plan_dev &p) {
   int64_t run = block_scan(mine, &total);
   for (int e = e0; e < e1; e++) {
     info[ii.eoff + e] = run;
-    const int64_t c = info[ii.ecount + e];
-    run += p.expert_major ? (c + p.align - 1) / p.align * p.align : 0;
+    run += group_rows(p, W, info[ii.ecount + e]);
   }
   if (t == 0) {
     info[ii.eoff + El] = p.expert_major ? total : pairs;
@@ -829,7 +896,7 @@ __device__ void layout_bases(const fused_dev &d, const fused_plan_dev &p) {
     int64_t at = p.expert_major ? info[ii.eoff + e] : 0;
     for (int s = 0; s < W; s++) {
       info[ii.ebase + s * El + e] = at;
-      at += keep * hist[s * El + e];
+      at += p.C ? p.C : keep * hist[s * El + e]; /* capacity: row e*W*C + s*C + location */
     }
   }
 }
@@ -913,6 +980,14 @@ __global__ void __launch_bounds__(256) layout_records_kernel(const fused_dev d, 
   const uint32_t seq = *reinterpret_cast<volatile uint32_t *>(d.ctl + CTL_SEQ);
   const info_index ii = make_info_index(d.W, d.El);
   const int lane = threadIdx.x & 31, K = p.K;
+  /* capacity: every slot's row empty before the receive kernel fills the
+   * claimed ones (they are scattered, not a prefix of each group) */
+  if (p.C)
+    for (int64_t r = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; r < p.row_bound;
+         r += (int64_t)gridDim.x * blockDim.x) {
+      p.row_src_rank[r] = p.row_src_token[r] = p.row_expert[r] = -1;
+      p.row_w[r] = 0.0f;
+    }
   const int64_t t = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
   if (t < p.T) {
     const int64_t b = t / kLayoutTokens;
@@ -921,7 +996,9 @@ __global__ void __launch_bounds__(256) layout_records_kernel(const fused_dev d, 
     if (lane < K) {
       e = p.idx[t * K + lane];
       w = p.w[t * K + lane];
-      if (e >= 0) {
+      if (e >= 0 && p.C) {
+        pos = p.pos[t * K + lane]; /* capacity: the location */
+      } else if (e >= 0) {
         pos = p.pos[t * K + lane] + p.chunk_hist[b * d.E + e];
         p.pos[t * K + lane] = pos;
       }
@@ -1002,7 +1079,7 @@ __global__ void __launch_bounds__(256) layout_receive_kernel(const fused_dev d, 
         p.pair_rows[q * K + lane] = row;
       }
     }
-    if (p.expert_major)
+    if (p.expert_major && !p.C) /* (capacity: emptied by the records kernel) */
       for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < d.El; e += (int64_t)gridDim.x * blockDim.x)
         for (int64_t r = p.info[ii.eoff + e] + p.info[ii.ecount + e]; r < p.info[ii.eoff + e + 1]; r++) {
           p.row_src_rank[r] = p.row_src_token[r] = p.row_expert[r] = -1;
@@ -1015,11 +1092,12 @@ __global__ void __launch_bounds__(256) layout_receive_kernel(const fused_dev d, 
 }  // namespace
 
 extern "C" cudaError_t epx_fused_layout_launch(epx_fused_t *f, epx_fused_plan_t *plan, const int32_t *topk_idx,
-                                               const float *topk_w, int64_t num_tokens, int32_t top_k,
-                                               int32_t oversize, int32_t weighting, cudaStream_t stream) {
+                                               const float *topk_w, const int32_t *locations, int64_t num_tokens,
+                                               int32_t top_k, int32_t oversize, int32_t weighting,
+                                               cudaStream_t stream) {
   const fused_dev &d = f->dev;
   if (num_tokens < 0 || num_tokens > d.maxT || top_k < 1 || top_k > d.Kmax || (num_tokens > 0 && !topk_idx) ||
-      (oversize && num_tokens > 0))
+      (oversize && num_tokens > 0) || (plan->dev.C && num_tokens > 0 && !locations))
     return cudaErrorInvalidValue;
   fused_plan_dev &p = plan->dev;
   p.T = num_tokens;
@@ -1034,7 +1112,9 @@ extern "C" cudaError_t epx_fused_layout_launch(epx_fused_t *f, epx_fused_plan_t 
         cudaFuncSetAttribute(layout_count_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     if (e != cudaSuccess) return e;
   }
-  layout_count_kernel<<<(unsigned)blocks, kLayoutTokens, smem, stream>>>(d, p, topk_idx, topk_w);
+  if (p.C && num_tokens > 0)
+    layout_claim_kernel<<<(unsigned)((num_tokens * top_k + 255) / 256), 256, 0, stream>>>(d, p, topk_idx, locations);
+  layout_count_kernel<<<(unsigned)blocks, kLayoutTokens, smem, stream>>>(d, p, topk_idx, topk_w, locations);
   const int64_t record_blocks = num_tokens > 0 ? (num_tokens * 32 + 255) / 256 : 1;
   layout_records_kernel<<<(unsigned)record_blocks, 256, 0, stream>>>(d, p);
   layout_receive_kernel<<<(unsigned)f->num_sms, 256, 0, stream>>>(d, p);
@@ -1215,9 +1295,16 @@ __global__ void __launch_bounds__(kThreads) expand_kernel(const fused_dev d, con
   const int lane = threadIdx.x & 31;
   const int64_t warps = (int64_t)gridDim.x * kWarps, gw = (int64_t)blockIdx.x * kWarps + (threadIdx.x >> 5);
   const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
-  for (int e = 0; e < d.El; e++)
-    for (int64_t r = p.info[ii.eoff + e] + p.info[ii.ecount + e] + gw; r < p.info[ii.eoff + e + 1]; r += warps)
-      for (int64_t i = lane; i < d.nvec; i += 32) recv[r * d.nvec + i] = zero;
+  if (p.C) {
+    /* capacity: every slot no route claimed (scattered over the groups) */
+    for (int64_t r = gw; r < p.row_bound; r += warps)
+      if (p.row_src_rank[r] < 0)
+        for (int64_t i = lane; i < d.nvec; i += 32) recv[r * d.nvec + i] = zero;
+  } else {
+    for (int e = 0; e < d.El; e++)
+      for (int64_t r = p.info[ii.eoff + e] + p.info[ii.ecount + e] + gw; r < p.info[ii.eoff + e + 1]; r += warps)
+        for (int64_t i = lane; i < d.nvec; i += 32) recv[r * d.nvec + i] = zero;
+  }
   const uint4 *pay = reinterpret_cast<const uint4 *>(d.local + d.off_pay);
   for (int64_t q = gw; q < s_rbase[d.W]; q += warps) {
     int s = 0;
@@ -1254,7 +1341,8 @@ extern "C" cudaError_t epx_fused_dispatch_launch(epx_fused_t *f, const epx_fused
   const bool expert = plan->dev.expert_major != 0;
   if ((expert && (!recv_x || recv_x == window)) || (!x && plan->dev.T > 0) || (!expert && weighted))
     return cudaErrorInvalidValue;
-  const bool apart = expert && (epx_cuda_launch_flags() & EPX_CUDA_FUSED_EXPAND_APART);
+  /* capacity rows are always expanded apart (its empty slots are zeroed there) */
+  const bool apart = expert && (plan->dev.C || (epx_cuda_launch_flags() & EPX_CUDA_FUSED_EXPAND_APART));
   const int mode = expert ? (apart ? MODE_EXPERT_APART : MODE_EXPERT)
                           : (!recv_x || recv_x == window) ? MODE_RANK_WINDOW : MODE_RANK_COPY;
   int n = num_ctas < 2 ? 2 : num_ctas > f->num_sms ? f->num_sms : num_ctas;

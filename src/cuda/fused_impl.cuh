@@ -91,7 +91,8 @@ static inline __host__ __device__ info_index make_info_index(int W, int El) {
 struct fused_plan_dev {
   int32_t *idx;        /* [maxT, K] validated routing */
   float *w;            /* [maxT, K] */
-  int32_t *pos;        /* [maxT, K] position of the route among this rank's routes to its expert */
+  int32_t *pos;        /* [maxT, K] position of the route among this rank's routes to its expert
+                          (capacity: its location) */
   int32_t *tok_slot;   /* [maxT, W] the token's index among this rank's tokens to d, -1 */
   int32_t *send_token; /* [W, maxT] token of each slot */
   int32_t *chunk_hist; /* [blocks, E] per-block route counts, then their exclusive prefix */
@@ -106,8 +107,10 @@ struct fused_plan_dev {
   int32_t *row_src_rank, *row_src_token, *row_expert; /* [row_bound] */
   float *row_w;
   unsigned long long *invalid;
+  unsigned long long *claim; /* capacity: [E, C] each slot's claim, (seq + 1) << 32 | ~route (atomicMax) */
   int64_t row_bound;
-  int expert_major, align, K;
+  int64_t C;           /* capacity: slots per (local expert, source rank); 0 otherwise */
+  int expert_major, align, K; /* expert_major: also 1 in the capacity layout (rows per route) */
   int64_t T;
   int32_t oversize, weighting; /* this rank's header words of the current layout */
 };
