@@ -33,6 +33,7 @@
 #include <cuda_runtime_api.h>
 
 #include "core/dtype.h"
+#include "cuda/launch.h" /* epx_cuda_set_launch_flags: the fused expansion's two forms */
 #include "epx.h"
 #include "mpi_gpu_check.h"
 
@@ -547,7 +548,7 @@ static void compare_queries(const case_t *c, const result_t *a, const result_t *
  * every peer in this version). */
 static void check_path(const case_t *c, epx_exchange_t x, epx_exchange_path_t asked, const result_t *g) {
   const int fused_ok = (asked == EPX_PATH_FUSED || (asked == EPX_PATH_AUTO && c->layout == EPX_LAYOUT_RANK_MAJOR)) &&
-                       x == EPX_EXCHANGE_DEDUP && c->layout != EPX_LAYOUT_CAPACITY;
+                       x == EPX_EXCHANGE_DEDUP;
   CHECK(g->path == EPX_PATH_FUSED || g->path == EPX_PATH_HOST, "%s: peers on different paths (%d)",
         describe(c, x), g->path);
   if (!fused_ok) CHECK(g->path == EPX_PATH_HOST, "%s: path %d, the host path expected", describe(c, x), g->path);
@@ -569,7 +570,20 @@ static void run_case(const case_t *c, epx_comm_t nccl, void *stream) {
     result_free(&cpu);
   }
   compare_exchanges(c, &gpu[0], &gpu[1], "collective");
-  if (c->layout != EPX_LAYOUT_CAPACITY) {
+  if (c->layout != EPX_LAYOUT_RANK_MAJOR) {
+    /* The fused rows expanded into expert order the other way (the
+     * receiving CTAs as rows arrive, or a kernel of its own after the
+     * exchange; the capacity layout always the latter): the same bits. */
+    const int flags = epx_cuda_launch_flags();
+    epx_cuda_set_launch_flags(flags ^ EPX_CUDA_FUSED_EXPAND_APART);
+    run_t other = {c, EPX_EXCHANGE_DEDUP, nccl, g_rank, EPX_DEVICE_CUDA, {0}, stream};
+    run_rank(&other);
+    epx_cuda_set_launch_flags(flags);
+    compare_exchanges(c, &gpu[0], &other.res, "the other fused expansion (EPX_CUDA_FUSED_EXPAND_APART)");
+    compare_queries(c, &gpu[0], &other.res, "the other fused expansion (EPX_CUDA_FUSED_EXPAND_APART)");
+    result_free(&other.res);
+  }
+  {
     /* The same dedup buffer forced onto the host path: the same bits. */
     run_t run = {c, EPX_EXCHANGE_DEDUP, nccl, g_rank, EPX_DEVICE_CUDA, {0}, stream};
     g_path = EPX_PATH_HOST;
@@ -581,7 +595,7 @@ static void run_case(const case_t *c, epx_comm_t nccl, void *stream) {
     compare_queries(c, &gpu[0], &run.res, "the host path (EPX_PATH_HOST)");
     result_free(&run.res);
     /* The default, AUTO: the fused kernels for rank-major, the host path for
-     * expert-major (epx.h); the same bits either way. */
+     * expert-major and capacity (epx.h); the same bits either way. */
     run_t automatic = {c, EPX_EXCHANGE_DEDUP, nccl, g_rank, EPX_DEVICE_CUDA, {0}, stream};
     g_path = EPX_PATH_AUTO;
     run_rank(&automatic);
@@ -768,6 +782,63 @@ static void test_invalid_routing(epx_comm_t comm, void *stream, int worst, int d
   layout_still_works(b, &r);
   OK(epx_buffer_destroy(b));
   cudaFree(idx), cudaFree(good), cudaFree(w);
+}
+
+/* Capacity slots (the capacity layout): on the last rank, a route's location
+ * outside [0, C) (bad_location) or a slot an earlier route of the same
+ * expert took: that rank gets EPX_ERROR_INVALID_ARGUMENT naming the
+ * route's routing.locations entry, the others EPX_ERROR_PEER_FAILED naming
+ * the rank, as for an invalid expert (test_invalid_routing); the earlier
+ * route keeps its slot. The buffer keeps working. */
+static void test_capacity_slots(epx_comm_t comm, void *stream, int worst, int bad_location) {
+  epx_buffer_config_t cfg = simple_config(stream, worst);
+  cfg.layout = EPX_LAYOUT_CAPACITY;
+  cfg.capacity = C;
+  epx_buffer_t b;
+  OK(epx_buffer_create(comm, &cfg, &b));
+  case_t c = {EPX_LAYOUT_CAPACITY, EPX_BFLOAT16, EPX_WEIGHTS_IN_COMBINE, 0, 0, 0, 0, 23};
+  routing_t rt;
+  make_routing(&c, g_rank, &rt);
+  const int bad = g_size - 1;
+  routing_t wrong = rt;
+  /* the first route of the last rank's token 4 or later whose expert an
+   * earlier route of this rank also fills (that route took location 0) */
+  int64_t at = -1;
+  for (int64_t i = 4 * K; i < rt.T * K && at < 0 && g_rank == bad; i++)
+    if (rt.idx[i] >= 0 && rt.loc[i] > 0) at = i;
+  if (at >= 0) wrong.loc[at] = bad_location ? C + 2 : 0;
+  int32_t *idx = dev_put(rt.idx, sizeof rt.idx), *loc = dev_put(wrong.loc, sizeof wrong.loc),
+          *good = dev_put(rt.loc, sizeof rt.loc);
+  float *w = dev_put(rt.w, sizeof rt.w);
+  epx_routing_t r = {rt.T, K, idx, w, loc, EPX_WEIGHTS_IN_COMBINE};
+  epx_handle_t h = NULL;
+  epx_status_t s = epx_dispatch_layout(b, &r, NULL, &h);
+  if (worst) {
+    CHECK(s == EPX_SUCCESS && h, "capacity slots (worst case): the layout returned %s (%s)", epx_status_string(s),
+          epx_last_error());
+    int64_t rows = 0;
+    s = h ? epx_handle_recv_rows(h, &rows) : EPX_ERROR_INTERNAL;
+  } else {
+    CHECK(h == NULL, "capacity slots: a handle came back");
+  }
+  char named[48], entry[64];
+  snprintf(named, sizeof named, "rank %d", bad);
+  snprintf(entry, sizeof entry, "routing.locations[%lld][%d]", (long long)(at / K), (int)(at % K));
+  const char *why = bad_location ? "outside the capacity" : "taken twice";
+  if (g_rank == bad)
+    CHECK(at >= 0 && s == EPX_ERROR_INVALID_ARGUMENT && strstr(epx_last_error(), entry) &&
+              strstr(epx_last_error(), why),
+          "capacity slots (worst %d, bad location %d): rank %d got %s (%s)", worst, bad_location, g_rank,
+          epx_status_string(s), epx_last_error());
+  else
+    CHECK(s == EPX_ERROR_PEER_FAILED && strstr(epx_last_error(), named),
+          "capacity slots (worst %d, bad location %d): rank %d got %s (%s)", worst, bad_location, g_rank,
+          epx_status_string(s), epx_last_error());
+  if (h) OK(epx_handle_release(h));
+  r.locations = good;
+  layout_still_works(b, &r);
+  OK(epx_buffer_destroy(b));
+  cudaFree(idx), cudaFree(loc), cudaFree(good), cudaFree(w);
 }
 
 /* The last rank calls epx_combine where the others call epx_dispatch (same
@@ -1045,6 +1116,8 @@ int main(int argc, char **argv) {
       test_capacity_refusal(comm, stream, worst);
       test_weighting_mismatch(comm, stream, worst);
       for (int dup = 0; dup < 2; dup++) test_invalid_routing(comm, stream, worst, dup);
+      for (int bad_location = 0; bad_location < 2; bad_location++)
+        test_capacity_slots(comm, stream, worst, bad_location);
     }
     test_call_mismatch(comm, stream);
     test_recorder(comm, stream);
