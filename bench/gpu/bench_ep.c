@@ -46,7 +46,8 @@
  * Sections (EPX_BENCH_EP_SECTIONS, comma-separated; default all): main
  * (every layout and exchange), layout (the worst-case layout alone: event,
  * host and graph-replay times; main runs it too), sweep (fused vs host, rank-major, per SM
- * budget), step (the whole-step sweep).
+ * budget), split (the fused rank-major rows with a quarter and an eighth of
+ * the budget receiving, at 8/16/24/32 SMs), step (the whole-step sweep).
  *
  * Usage: mpirun -np 2 bench_ep <workdir>   (RESULT / TARGET / CHECK lines;
  * writes <workdir>/ep_counts.txt and ep_permute.txt for bench_torch_ep.py) */
@@ -82,7 +83,7 @@ static int32_t g_sms;                              /* config.sm_budget (0: the d
  * names where EPX_CUDA_FUSED_EXPAND_APART is set). */
 void epx_cuda_set_launch_flags(int flags);
 int epx_cuda_launch_flags(void);
-enum { FUSED_EXPAND_APART = 32 }; /* EPX_CUDA_FUSED_EXPAND_APART */
+enum { FUSED_EXPAND_APART = 32, FUSED_RECV_QUARTER = 64, FUSED_RECV_EIGHTH = 128 }; /* EPX_CUDA_FUSED_* */
 
 /* bf16 of small multiples of 1/4 (exact), coded by (rank, token, column). */
 static uint16_t x_bits(int s, int t, int h) {
@@ -314,7 +315,11 @@ static run_result_t run(int T, int skew, epx_layout_t layout, epx_exchange_t exc
   int32_t paths[64] = {0};
   OK(epx_buffer_peer_paths(b.buf, paths));
   char sms[48] = "";
-  if (paths[0] == EPX_PATH_FUSED) snprintf(sms, sizeof sms, " sms=%d", g_sms ? g_sms : DEFAULT_SM_BUDGET);
+  if (paths[0] == EPX_PATH_FUSED) {
+    const int f = epx_cuda_launch_flags();
+    snprintf(sms, sizeof sms, " sms=%d%s", g_sms ? g_sms : DEFAULT_SM_BUDGET,
+             f & FUSED_RECV_EIGHTH ? " receivers=1/8" : f & FUSED_RECV_QUARTER ? " receivers=1/4" : "");
+  }
   if (paths[0] == EPX_PATH_FUSED && layout == EPX_LAYOUT_EXPERT_MAJOR)
     snprintf(sms + strlen(sms), sizeof sms - strlen(sms), " expand=%s",
              epx_cuda_launch_flags() & FUSED_EXPAND_APART ? "apart" : "arrival");
@@ -789,6 +794,22 @@ int main(int argc, char **argv) {
         g_sms = budgets[si];
         run(T, 0, EPX_LAYOUT_RANK_MAJOR, EPX_EXCHANGE_DEDUP, EPX_COMBINE_PARTIALS_PAYLOAD, nc);
       }
+      g_sms = 0;
+    }
+    if (section("split")) {
+      /* The budget's split between sending and receiving CTAs (half
+       * receives by default; a quarter, an eighth): rank-major, payload
+       * partials, at the budgets the targets name. */
+      const int32_t budgets[] = {8, 16, 24, 32};
+      const int shares[] = {FUSED_RECV_QUARTER, FUSED_RECV_EIGHTH};
+      const int flags = epx_cuda_launch_flags();
+      for (int si = 0; si < 4; si++)
+        for (int hi = 0; hi < 2; hi++) {
+          epx_cuda_set_launch_flags(flags | shares[hi]);
+          g_sms = budgets[si];
+          run(T, 0, EPX_LAYOUT_RANK_MAJOR, EPX_EXCHANGE_DEDUP, EPX_COMBINE_PARTIALS_PAYLOAD, nc);
+        }
+      epx_cuda_set_launch_flags(flags);
       g_sms = 0;
     }
   }

@@ -1346,7 +1346,9 @@ extern "C" cudaError_t epx_fused_dispatch_launch(epx_fused_t *f, const epx_fused
   const int mode = expert ? (apart ? MODE_EXPERT_APART : MODE_EXPERT)
                           : (!recv_x || recv_x == window) ? MODE_RANK_WINDOW : MODE_RANK_COPY;
   int n = num_ctas < 2 ? 2 : num_ctas > f->num_sms ? f->num_sms : num_ctas;
-  int nr = recv_ctas > 0 ? recv_ctas : mode == MODE_RANK_WINDOW || mode == MODE_EXPERT_APART ? 1 : n / 2;
+  int nr = recv_ctas > 0 ? recv_ctas
+           : mode == MODE_RANK_WINDOW || mode == MODE_EXPERT_APART ? 1
+                                                                    : epx_fused_receivers(n);
   if (nr > n - 1) nr = n - 1;
   const uint4 *xs = static_cast<const uint4 *>(x);
   uint4 *rs = static_cast<uint4 *>(mode == MODE_RANK_WINDOW ? window : recv_x);

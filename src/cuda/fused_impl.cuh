@@ -306,6 +306,15 @@ __device__ __forceinline__ uint4 scale_vec(const uint4 &v, float w) {
   return vec::pack(f);
 }
 
+/* The receiving (dispatch) or reducing (combine) CTAs of a budget of n:
+ * half, a quarter or an eighth (launch flags EPX_CUDA_FUSED_RECV_QUARTER /
+ * _EIGHTH, for the sweep of the split), at least one. */
+static inline int epx_fused_receivers(int n) {
+  const int flags = epx_cuda_launch_flags();
+  const int share = flags & EPX_CUDA_FUSED_RECV_EIGHTH ? n / 8 : flags & EPX_CUDA_FUSED_RECV_QUARTER ? n / 4 : n / 2;
+  return share > 1 ? share : 1;
+}
+
 /* Bytes of one element of a dtype (0 for an unknown one). */
 static inline __host__ __device__ int64_t dtype_bytes(epx_dtype_t t) {
   return t == EPX_FLOAT32 ? 4 : (t == EPX_BFLOAT16 || t == EPX_FLOAT16) ? 2 : 0;
