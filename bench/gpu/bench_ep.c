@@ -83,6 +83,9 @@ static int32_t g_sms;                              /* config.sm_budget (0: the d
  * names where EPX_CUDA_FUSED_EXPAND_APART is set). */
 void epx_cuda_set_launch_flags(int flags);
 int epx_cuda_launch_flags(void);
+/* src/cuda/cuda_backend.h: one rank served by the W-rank backend (the bench
+ * then times the fused and host paths on one GPU, every row its own) */
+void epx_cuda_ep_at_one_rank(int on);
 enum { FUSED_EXPAND_APART = 32, FUSED_RECV_QUARTER = 64, FUSED_RECV_EIGHTH = 128 }; /* EPX_CUDA_FUSED_* */
 
 /* bf16 of small multiples of 1/4 (exact), coded by (rank, token, column). */
@@ -724,6 +727,7 @@ int main(int argc, char **argv) {
   MPI_Comm_rank(MPI_COMM_WORLD, &g_rank);
   MPI_Comm_size(MPI_COMM_WORLD, &g_size);
   setvbuf(stdout, NULL, _IOLBF, 0); /* every line out at once: a run cut by its time limit keeps what it measured */
+  if (g_size == 1) epx_cuda_ep_at_one_rank(1);
   int devices = 0;
   CU(cudaGetDeviceCount(&devices));
   CU(cudaSetDevice(g_rank % devices));

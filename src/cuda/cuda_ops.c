@@ -8,11 +8,18 @@
 #include "cuda/ep.h"
 
 /* A comm of several ranks runs the W-rank backend of ep.c (NCCL); one rank
- * the one-GPU backend of cuda_backend.c. Every rank has the same config
- * (agreed before this), so every rank refuses together. */
-static int ranks(epx_buffer_t buffer) { return buffer->world_size > 1; }
+ * the one-GPU backend of cuda_backend.c, unless epx_cuda_ep_at_one_rank
+ * asked for the W-rank one. Every rank has the same config (agreed before
+ * this), so every rank refuses together. The choice is made at buffer
+ * creation and kept. */
+static _Atomic int g_ep_at_one_rank;
+
+void epx_cuda_ep_at_one_rank(int on) { g_ep_at_one_rank = on != 0; }
+
+static int ranks(epx_buffer_t buffer) { return buffer->cuda_ranks; }
 
 static epx_status_t cuda_buffer_init(epx_buffer_t buffer) {
+  buffer->cuda_ranks = buffer->world_size > 1 || g_ep_at_one_rank;
   return ranks(buffer) ? epx_cuda_ep_buffer_init(buffer) : epx_cuda_buffer_init(buffer);
 }
 
