@@ -86,6 +86,9 @@ int epx_cuda_launch_flags(void);
 /* src/cuda/cuda_backend.h: one rank served by the W-rank backend (the bench
  * then times the fused and host paths on one GPU, every row its own) */
 void epx_cuda_ep_at_one_rank(int on);
+/* A library built with -DEPX_FUSED_LAYOUT_TRACE has this (the fused
+ * layout's stage times); others do not. */
+extern int epx_fused_layout_trace(unsigned long long *out) __attribute__((weak));
 enum { FUSED_EXPAND_APART = 32, FUSED_RECV_QUARTER = 64, FUSED_RECV_EIGHTH = 128 }; /* EPX_CUDA_FUSED_* */
 
 /* bf16 of small multiples of 1/4 (exact), coded by (rank, token, column). */
@@ -417,6 +420,24 @@ static run_result_t run(int T, int skew, epx_layout_t layout, epx_exchange_t exc
   return result;
 }
 
+/* The stages of the fused layouts just run (a trace build): per stage the
+ * median over the traced layouts of its time since the layout began. */
+static void print_layout_trace(int T) {
+  static const char *const stages[] = {"count-start", "count-block0-done", "exchange-start", "header", "prefix",
+                                       "cts-in", "counts-written", "counts-in", "bases", "records-start",
+                                       "records-last", "receive-start", "meta-in", "receive-end"};
+  unsigned long long tr[64][16];
+  if (epx_fused_layout_trace(&tr[0][0]) != 0) return;
+  for (int st = 0; st < 14; st++) {
+    float v[64];
+    int n = 0;
+    for (int i = 0; i < 64; i++)
+      if (tr[i][0] && tr[i][13] > tr[i][0] && tr[i][st] >= tr[i][0]) v[n++] = (float)(tr[i][st] - tr[i][0]) * 1e-3f;
+    qsort(v, (size_t)n, sizeof v[0], cmp_float);
+    if (n) printf("TRACE T=%d %-18s median %7.2f us (n=%d)\n", T, stages[st], v[n / 2], n);
+  }
+}
+
 /* The layout with worst_case_sizing: no host wait, events around it. */
 static void run_worst_layout(int T) {
   epx_buffer_config_t cfg = bench_config(T, EPX_LAYOUT_RANK_MAJOR);
@@ -437,6 +458,7 @@ static void run_worst_layout(int T) {
   clock_gettime(CLOCK_MONOTONIC, &a1);
   const double host_us = ((double)(a1.tv_sec - a0.tv_sec) * 1e6 + (double)(a1.tv_nsec - a0.tv_nsec) * 1e-3) / REPS;
   CU(cudaStreamSynchronize(g_stream));
+  if (epx_fused_layout_trace && g_rank == 0) print_layout_trace(T);
   /* The device's side alone: REPS layouts captured in one graph and
    * replayed (no host work between them); the event time above is the
    * larger of this and the host's. */

@@ -612,15 +612,18 @@ namespace {
 
 constexpr int kLayoutWarps = kLayoutTokens / 32;
 
-/* A diagnostic build (-DEPX_FUSED_LAYOUT_TRACE) prints the global timer at
- * the layout's stages (thread 0 of the CTA that passes), to place its time. */
+/* A diagnostic build (-DEPX_FUSED_LAYOUT_TRACE) keeps the global timer at
+ * the layout's stages (thread 0 of the CTA that passes; the last 64 layouts
+ * by op number), read by epx_fused_layout_trace, to place its time. */
 #ifdef EPX_FUSED_LAYOUT_TRACE
-#define LAYOUT_TRACE(label)                                                          \
-  do {                                                                               \
-    if (threadIdx.x == 0) printf("epx-trace %s %llu\n", label, global_ns());        \
+__device__ unsigned long long g_layout_trace[64][16];
+#define LAYOUT_TRACE(stage)                                                                           \
+  do {                                                                                                \
+    if (threadIdx.x == 0)                                                                             \
+      g_layout_trace[*reinterpret_cast<volatile uint32_t *>(d.ctl + CTL_SEQ) & 63][stage] = global_ns(); \
   } while (0)
 #else
-#define LAYOUT_TRACE(label) \
+#define LAYOUT_TRACE(stage) \
   do {                      \
   } while (0)
 #endif
@@ -679,7 +682,7 @@ __global__ void __launch_bounds__(kLayoutTokens) layout_count_kernel(const fused
   __shared__ unsigned long long s_invalid;
   const int K = p.K, E = d.E, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   uint8_t *s_cnt = reinterpret_cast<uint8_t *>(s_idx + kLayoutTokens * K);
-  if (blockIdx.x == 0) LAYOUT_TRACE("count-start");
+  if (blockIdx.x == 0) LAYOUT_TRACE(0);
   const int64_t t0 = (int64_t)blockIdx.x * kLayoutTokens;
   const int n = (int)min((int64_t)kLayoutTokens, p.T - t0);
   if (threadIdx.x == 0) s_invalid = ~0ull;
@@ -769,7 +772,7 @@ __global__ void __launch_bounds__(kLayoutTokens) layout_count_kernel(const fused
       p.tok_slot[(t0 + tl) * d.W + r] = (has >> lane & 1u) ? base + __popc(has & ((1u << lane) - 1u)) : -1;
   }
   if (threadIdx.x == 0) p.chunk_invalid[blockIdx.x] = s_invalid;
-  if (blockIdx.x == 0) LAYOUT_TRACE("count-block0-done");
+  if (blockIdx.x == 0) LAYOUT_TRACE(1);
   /* The last block to finish (every block's counts visible to it) runs the
    * exchange: one launch fewer than a kernel of its own. */
   if (last_cta(d)) layout_exchange(d, p, gridDim.x);
@@ -937,21 +940,21 @@ __device__ void layout_exchange(const fused_dev &d, const fused_plan_dev &p, int
   __shared__ int32_t s_cnt[EPX_FUSED_MAX_RANKS];
   __shared__ int32_t s_hdr[EPX_FUSED_HDR_INTS];
   if (failed(d)) return;
-  LAYOUT_TRACE("exchange-start");
+  LAYOUT_TRACE(2);
   const uint32_t seq = *reinterpret_cast<volatile uint32_t *>(d.ctl + CTL_SEQ);
   if (threadIdx.x == 0) s_bad = 0;
   send_cts(d, seq);
   layout_header(p, blocks, s_hdr);
-  LAYOUT_TRACE("header");
+  LAYOUT_TRACE(3);
   block_prefix(p.chunk_hist, blocks, d.E, p.hist);
   block_prefix(p.chunk_dcnt, blocks, d.W, s_cnt);
   __syncthreads();
-  LAYOUT_TRACE("prefix");
+  LAYOUT_TRACE(4);
   if (threadIdx.x < d.W && threadIdx.x != d.rank &&
       !wait_flag(d, flag_at(d.local, d.off_cts, threadIdx.x), seq + 1, threadIdx.x, PH_LAYOUT_CTS))
     s_bad = 1;
   __syncthreads();
-  LAYOUT_TRACE("cts-in");
+  LAYOUT_TRACE(5);
   if (s_bad) return;
   /* This rank's row counts to every rank's matrix, its route counts to each
    * expert's rank, its header to every rank. */
@@ -968,16 +971,16 @@ __device__ void layout_exchange(const fused_dev &d, const fused_plan_dev &p, int
   }
   __threadfence_system();
   __syncthreads();
-  LAYOUT_TRACE("counts-written");
+  LAYOUT_TRACE(6);
   if (threadIdx.x < d.W) st_release_sys(flag_at(d.peer[threadIdx.x], d.off_lflag, d.rank), seq + 1);
   if (threadIdx.x < d.W &&
       !wait_flag(d, flag_at(d.local, d.off_lflag, threadIdx.x), seq + 1, threadIdx.x, PH_LAYOUT_COUNTS))
     s_bad = 1;
   __syncthreads();
-  LAYOUT_TRACE("counts-in");
+  LAYOUT_TRACE(7);
   if (s_bad) return;
   layout_bases(d, p);
-  LAYOUT_TRACE("bases");
+  LAYOUT_TRACE(8);
 }
 
 /* Record of a rank-major row in the window. */
@@ -999,7 +1002,7 @@ __device__ __forceinline__ meta_ref meta_at(const fused_dev &d, char *window, in
  * into each destination's window; the last CTA raises the records' flags. */
 __global__ void __launch_bounds__(256) layout_records_kernel(const fused_dev d, const fused_plan_dev p) {
   if (failed(d)) return;
-  if (blockIdx.x == 0) LAYOUT_TRACE("records-start");
+  if (blockIdx.x == 0) LAYOUT_TRACE(9);
   const uint32_t seq = *reinterpret_cast<volatile uint32_t *>(d.ctl + CTL_SEQ);
   const info_index ii = make_info_index(d.W, d.El);
   const int lane = threadIdx.x & 31, K = p.K;
@@ -1052,7 +1055,7 @@ __global__ void __launch_bounds__(256) layout_records_kernel(const fused_dev d, 
     }
   }
   if (last_cta(d)) {
-    LAYOUT_TRACE("records-last");
+    LAYOUT_TRACE(10);
     if (threadIdx.x < d.W) st_release_sys(flag_at(d.peer[threadIdx.x], d.off_mflag, d.rank), seq + 1);
   }
 }
@@ -1066,13 +1069,13 @@ __global__ void __launch_bounds__(256) layout_receive_kernel(const fused_dev d, 
   const info_index ii = make_info_index(d.W, d.El);
   if (threadIdx.x == 0) s_bad = 0;
   if (threadIdx.x <= d.W) s_rbase[threadIdx.x] = p.info[ii.rbase + threadIdx.x];
-  if (blockIdx.x == 0) LAYOUT_TRACE("receive-start");
+  if (blockIdx.x == 0) LAYOUT_TRACE(11);
   __syncthreads();
   if (threadIdx.x < d.W &&
       !wait_flag(d, flag_at(d.local, d.off_mflag, threadIdx.x), seq + 1, threadIdx.x, PH_LAYOUT_META))
     s_bad = 1;
   __syncthreads();
-  if (blockIdx.x == 0) LAYOUT_TRACE("meta-in");
+  if (blockIdx.x == 0) LAYOUT_TRACE(12);
   if (!s_bad) {
     const int lane = threadIdx.x & 31, K = p.K;
     const int64_t pairs = s_rbase[d.W];
@@ -1113,11 +1116,19 @@ __global__ void __launch_bounds__(256) layout_receive_kernel(const fused_dev d, 
           p.row_w[r] = 0.0f;
         }
   }
-  if (blockIdx.x == 0) LAYOUT_TRACE("receive-end");
+  if (blockIdx.x == 0) LAYOUT_TRACE(13);
   end_op(d, seq);
 }
 
 }  // namespace
+
+#ifdef EPX_FUSED_LAYOUT_TRACE
+/* The diagnostic build's stage times: out [64][16] (ns of the global timer,
+ * by op number mod 64, stage: see the LAYOUT_TRACE calls). */
+extern "C" cudaError_t epx_fused_layout_trace(unsigned long long *out) {
+  return cudaMemcpyFromSymbol(out, g_layout_trace, sizeof g_layout_trace);
+}
+#endif
 
 extern "C" cudaError_t epx_fused_layout_launch(epx_fused_t *f, epx_fused_plan_t *plan, const int32_t *topk_idx,
                                                const float *topk_w, const int32_t *locations, int64_t num_tokens,
