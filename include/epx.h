@@ -649,36 +649,41 @@ typedef enum epx_exchange_path {
    * "The SM budget: whole steps"): the fused NVLink kernels for the
    * rank-major layout (dispatch / combine at T=8192: 0.43 / 0.44 ms at 32
    * SMs against 0.51-0.55 / 0.52-0.57 on the host path), NCCL's host API for the
-   * expert-major layout (whose fused form expands every row into expert
-   * order on the receiver: a whole step 29.6 ms fused against 27.8 on the
-   * host path) and for everything EPX_PATH_FUSED cannot serve. */
+   * expert-major and capacity layouts (whose fused form expands every row
+   * into expert order on the receiver: a whole step 29.6 ms fused against
+   * 27.8 on the host path, measured before the expansion apart of
+   * src/cuda/launch.h) and for everything EPX_PATH_FUSED cannot serve. */
   EPX_PATH_AUTO = 0,
   /* NCCL's host API for every peer (to compare the paths on the same GPUs,
    * or where the fused window's memory is not wanted). */
   EPX_PATH_HOST = 1,
   /* As a config value: the fused NVLink kernels wherever they can serve the
-   * buffer, expert-major included; the host path where they cannot.
+   * buffer, expert-major and capacity included; the host path where they
+   * cannot.
    * Reported by epx_buffer_peer_paths for a peer the fused kernels serve.
    *
    * The fused kernels (src/cuda/fused.h: senders store rows straight into
    * the peers' memory through NCCL 2.28's device API) serve a buffer when
-   * the exchange is EPX_EXCHANGE_DEDUP, the layout is expert-major or
-   * rank-major, the build has the fused module, and every peer is reachable
+   * the exchange is EPX_EXCHANGE_DEDUP (any layout; the capacity layout's
+   * slots are validated and claimed on the GPU as on the host path), the
+   * build has the fused module, and every peer is reachable
    * by load/store (one NVLink domain). In this version the choice is all or
    * nothing: if any peer lacks load/store access, every peer takes the host
    * path. The two paths give the same bits. On the fused path: the fused
    * state (a symmetric window of about W * max_tokens_per_rank * H * (dtype
    * size + 4) bytes) is made at buffer creation, or at the first
    * epx_dispatch_layout when max_tokens_per_rank is agreed there;
-   * epx_dispatch, epx_combine and both backward passes run the fused
-   * kernels, except calls that compute grad_w (the weight gradients are not
-   * fused yet: those calls, and epx_weights_backward, take the host path,
-   * same bits); the layout is the fused one alone (counts, every rank's
-   * verdict and the routing exchanged on the GPU), which answers the
-   * handle's queries with the host path's values; the host layout those
-   * calls need is made at the first of them on the handle (collective, like
-   * the calls themselves); and epx_buffer_destroy is collective (the window
-   * is deregistered). The fused module is built with
+   * epx_dispatch, epx_combine, both backward passes and
+   * epx_weights_backward run the fused kernels (combine_backward's grad_w
+   * too: each route's dot is formed on its expert's rank and goes home
+   * through the window), except epx_dispatch_backward with grad_w
+   * (EPX_WEIGHTS_IN_DISPATCH: its dots are formed on the token's rank from
+   * the route rows), which takes the host path, same bits; the layout is the
+   * fused one alone (counts, every rank's verdict and the routing exchanged
+   * on the GPU), which answers the handle's queries with the host path's
+   * values; the host layout that call needs is made at its first call on
+   * the handle (collective, like the call itself); and epx_buffer_destroy is
+   * collective (the window is deregistered). The fused module is built with
    * NCCL's device API (nccl_device.h, NCCL 2.28 or later;
    * -DEPX_BUILD_FUSED=OFF leaves it out) and used only with the NCCL release
    * it was compiled against (the device API's structs change between

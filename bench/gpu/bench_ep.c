@@ -24,7 +24,8 @@
  * EPX_PATH_HOST, and the fused rank-major rows are swept over
  * config.sm_budget (8/16/24/32/48/64/132 CTAs) beside them: the fused vs
  * host comparison in one run. The path each buffer took is printed
- * (path=...). Each row also times the backward passes (no grad_w) and sets
+ * (path=...). Each row also times the backward passes (no grad_w) and
+ * epx_weights_backward (the routing-weight gradients home), and sets
  * the exchange beside the NVLink floor (the remote rows at 450 GB/s). The
  * expert-major dedup rows are written to <workdir>/ep_permute.txt, for
  * bench_torch_ep.py's PyTorch permute baseline.
@@ -45,7 +46,8 @@
  * Sections (EPX_BENCH_EP_SECTIONS, comma-separated; default all): main
  * (every layout and exchange), layout (the worst-case layout alone: event,
  * host and graph-replay times; main runs it too), sweep (fused vs host, rank-major, per SM
- * budget), step (the whole-step sweep).
+ * budget), split (the fused rank-major rows with a quarter and an eighth of
+ * the budget receiving, at 8/16/24/32 SMs), step (the whole-step sweep).
  *
  * Usage: mpirun -np 2 bench_ep <workdir>   (RESULT / TARGET / CHECK lines;
  * writes <workdir>/ep_counts.txt and ep_permute.txt for bench_torch_ep.py) */
@@ -76,6 +78,18 @@ static FILE *g_counts;
 static FILE *g_permute; /* <workdir>/ep_permute.txt: the expert-major rows for bench_torch_ep.py */
 static epx_exchange_path_t g_path = EPX_PATH_FUSED; /* config.exchange_path of run()'s buffers */
 static int32_t g_sms;                              /* config.sm_budget (0: the default) */
+/* The library's launch flags (src/cuda/launch.h, not in epx.h): the fused
+ * expert-major rows run once with each expansion (" expand=apart" in their
+ * names where EPX_CUDA_FUSED_EXPAND_APART is set). */
+void epx_cuda_set_launch_flags(int flags);
+int epx_cuda_launch_flags(void);
+/* src/cuda/cuda_backend.h: one rank served by the W-rank backend (the bench
+ * then times the fused and host paths on one GPU, every row its own) */
+void epx_cuda_ep_at_one_rank(int on);
+/* A library built with -DEPX_FUSED_LAYOUT_TRACE has this (the fused
+ * layout's stage times); others do not. */
+extern int epx_fused_layout_trace(unsigned long long *out) __attribute__((weak));
+enum { FUSED_EXPAND_APART = 32, FUSED_RECV_QUARTER = 64, FUSED_RECV_EIGHTH = 128 }; /* EPX_CUDA_FUSED_* */
 
 /* bf16 of small multiples of 1/4 (exact), coded by (rank, token, column). */
 static uint16_t x_bits(int s, int t, int h) {
@@ -181,6 +195,7 @@ typedef struct {
   epx_routing_t routing;
   void *x, *recv, *out;
   void *grad_recv, *grad_x; /* the backward passes' outputs */
+  float *grad_recv_w, *grad_w; /* epx_weights_backward's input [cap, K] and output [T, K] */
   int64_t cap;
   /* baseline */
   ncclComm_t nc;
@@ -205,6 +220,10 @@ static void op_dispatch_backward(void *p) {
 static void op_combine_backward(void *p) {
   bench_t *b = p;
   OK(epx_combine_backward(b->buf, b->h, b->out, NULL, b->grad_recv, NULL));
+}
+static void op_weights_backward(void *p) {
+  bench_t *b = p;
+  OK(epx_weights_backward(b->buf, b->h, b->grad_recv_w, b->grad_w));
 }
 static void op_layout(void *p) {
   bench_t *b = p;
@@ -301,8 +320,15 @@ static run_result_t run(int T, int skew, epx_layout_t layout, epx_exchange_t exc
   OK(epx_buffer_create(g_comm, &cfg, &b.buf));
   int32_t paths[64] = {0};
   OK(epx_buffer_peer_paths(b.buf, paths));
-  char sms[32] = "";
-  if (paths[0] == EPX_PATH_FUSED) snprintf(sms, sizeof sms, " sms=%d", g_sms ? g_sms : DEFAULT_SM_BUDGET);
+  char sms[48] = "";
+  if (paths[0] == EPX_PATH_FUSED) {
+    const int f = epx_cuda_launch_flags();
+    snprintf(sms, sizeof sms, " sms=%d%s", g_sms ? g_sms : DEFAULT_SM_BUDGET,
+             f & FUSED_RECV_EIGHTH ? " receivers=1/8" : f & FUSED_RECV_QUARTER ? " receivers=1/4" : "");
+  }
+  if (paths[0] == EPX_PATH_FUSED && layout == EPX_LAYOUT_EXPERT_MAJOR)
+    snprintf(sms + strlen(sms), sizeof sms - strlen(sms), " expand=%s",
+             epx_cuda_launch_flags() & FUSED_EXPAND_APART ? "apart" : "arrival");
   snprintf(name, sizeof name, "T=%d routing=%s layout=%s exchange=%s partials=%s path=%s%s", T,
            skew ? "zipf1.2" : "uniform", layout == EPX_LAYOUT_RANK_MAJOR ? "rank-major" : "expert-major",
            exchange == EPX_EXCHANGE_DEDUP ? "dedup" : "collective",
@@ -319,6 +345,9 @@ static run_result_t run(int T, int skew, epx_layout_t layout, epx_exchange_t exc
   CU(cudaMalloc(&b.out, (size_t)T * rb));
   CU(cudaMalloc(&b.grad_recv, (size_t)b.cap * rb));
   CU(cudaMalloc(&b.grad_x, (size_t)T * rb));
+  CU(cudaMalloc((void **)&b.grad_recv_w, 4 * (size_t)b.cap * K));
+  CU(cudaMemset(b.grad_recv_w, 0, 4 * (size_t)b.cap * K));
+  CU(cudaMalloc((void **)&b.grad_w, 4 * (size_t)T * K));
   OK(epx_dispatch_layout(b.buf, &b.routing, NULL, &b.h));
   OK(epx_dispatch(b.buf, b.h, b.x, b.recv, b.cap));
   check(&b, name, layout, T, idx);
@@ -342,7 +371,8 @@ static run_result_t run(int T, int skew, epx_layout_t layout, epx_exchange_t exc
 
   const timing_t dispatch = time_op(op_dispatch, &b), combine = time_op(op_combine, &b),
                  full = time_op(op_full, &b), layout_t = time_op(op_layout, &b), a2a = time_op(op_a2a, &b),
-                 dispatch_bwd = time_op(op_dispatch_backward, &b), combine_bwd = time_op(op_combine_backward, &b);
+                 dispatch_bwd = time_op(op_dispatch_backward, &b), combine_bwd = time_op(op_combine_backward, &b),
+                 weights_bwd = time_op(op_weights_backward, &b);
   const double bytes = (double)recv_total * (double)rb;
   run_result_t result = {dispatch.ms, combine.ms, 0};
   MPI_Allreduce(&bytes, &result.max_bytes_in, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
@@ -353,10 +383,11 @@ static run_result_t run(int T, int skew, epx_layout_t layout, epx_exchange_t exc
     printf("RESULT %s dispatch_ms=%.4f (slowest %.4f) combine_ms=%.4f full_dispatch_ms=%.4f layout_us=%.1f "
            "nccl_a2a_ms=%.4f rows_in=%lld remote_rows_out=%lld bytes_in=%.0f dispatch_GBps=%.0f combine_GBps=%.0f "
            "dispatch/a2a=%.3f dispatch_backward_ms=%.4f combine_backward_ms=%.4f nvlink_floor_ms=%.4f "
-           "dispatch/floor=%.2f combine/floor=%.2f\n",
+           "dispatch/floor=%.2f combine/floor=%.2f weights_backward_us=%.1f\n",
            name, dispatch.ms, dispatch.worst_ms, combine.ms, full.ms, layout_t.ms * 1e3, a2a.ms, (long long)recv_total,
            (long long)st.send_rows, bytes, bytes / dispatch.ms / 1e6, bytes / combine.ms / 1e6, dispatch.ms / a2a.ms,
-           dispatch_bwd.ms, combine_bwd.ms, floor_ms, dispatch.ms / floor_ms, combine.ms / floor_ms);
+           dispatch_bwd.ms, combine_bwd.ms, floor_ms, dispatch.ms / floor_ms, combine.ms / floor_ms,
+           weights_bwd.ms * 1e3);
     /* the expert-major dispatch against a rank-major exchange plus a
      * PyTorch permute of the same rows (bench_torch_ep.py times it) */
     if (g_permute && layout == EPX_LAYOUT_EXPERT_MAJOR && exchange == EPX_EXCHANGE_DEDUP &&
@@ -384,9 +415,27 @@ static run_result_t run(int T, int skew, epx_layout_t layout, epx_exchange_t exc
   OK(epx_handle_release(b.h));
   OK(epx_buffer_destroy(b.buf));
   cudaFree(b.x), cudaFree(b.recv), cudaFree(b.out), cudaFree(b.a2a_send), cudaFree(b.a2a_recv), cudaFree(d_idx);
-  cudaFree(b.grad_recv), cudaFree(b.grad_x);
+  cudaFree(b.grad_recv), cudaFree(b.grad_x), cudaFree(b.grad_recv_w), cudaFree(b.grad_w);
   free(idx), free(xh), free(b.send_rows), free(b.recv_rows);
   return result;
+}
+
+/* The stages of the fused layouts just run (a trace build): per stage the
+ * median over the traced layouts of its time since the layout began. */
+static void print_layout_trace(int T) {
+  static const char *const stages[] = {"count-start", "count-block0-done", "exchange-start", "header", "prefix",
+                                       "cts-in", "counts-written", "counts-in", "bases", "records-start",
+                                       "records-last", "receive-start", "meta-in", "receive-end"};
+  unsigned long long tr[64][16];
+  if (epx_fused_layout_trace(&tr[0][0]) != 0) return;
+  for (int st = 0; st < 14; st++) {
+    float v[64];
+    int n = 0;
+    for (int i = 0; i < 64; i++)
+      if (tr[i][0] && tr[i][13] > tr[i][0] && tr[i][st] >= tr[i][0]) v[n++] = (float)(tr[i][st] - tr[i][0]) * 1e-3f;
+    qsort(v, (size_t)n, sizeof v[0], cmp_float);
+    if (n) printf("TRACE T=%d %-18s median %7.2f us (n=%d)\n", T, stages[st], v[n / 2], n);
+  }
 }
 
 /* The layout with worst_case_sizing: no host wait, events around it. */
@@ -409,6 +458,7 @@ static void run_worst_layout(int T) {
   clock_gettime(CLOCK_MONOTONIC, &a1);
   const double host_us = ((double)(a1.tv_sec - a0.tv_sec) * 1e6 + (double)(a1.tv_nsec - a0.tv_nsec) * 1e-3) / REPS;
   CU(cudaStreamSynchronize(g_stream));
+  if (epx_fused_layout_trace && g_rank == 0) print_layout_trace(T);
   /* The device's side alone: REPS layouts captured in one graph and
    * replayed (no host work between them); the event time above is the
    * larger of this and the host's. */
@@ -699,6 +749,7 @@ int main(int argc, char **argv) {
   MPI_Comm_rank(MPI_COMM_WORLD, &g_rank);
   MPI_Comm_size(MPI_COMM_WORLD, &g_size);
   setvbuf(stdout, NULL, _IOLBF, 0); /* every line out at once: a run cut by its time limit keeps what it measured */
+  if (g_size == 1) epx_cuda_ep_at_one_rank(1);
   int devices = 0;
   CU(cudaGetDeviceCount(&devices));
   CU(cudaSetDevice(g_rank % devices));
@@ -733,6 +784,11 @@ int main(int argc, char **argv) {
         dedup[skew] = run(T, skew, EPX_LAYOUT_RANK_MAJOR, EPX_EXCHANGE_DEDUP, EPX_COMBINE_PARTIALS_PAYLOAD, nc);
         run(T, skew, EPX_LAYOUT_RANK_MAJOR, EPX_EXCHANGE_COLLECTIVE, EPX_COMBINE_PARTIALS_PAYLOAD, nc);
         run(T, skew, EPX_LAYOUT_EXPERT_MAJOR, EPX_EXCHANGE_DEDUP, EPX_COMBINE_PARTIALS_PAYLOAD, nc);
+        /* the other expansion of the fused expert-major rows */
+        const int flags = epx_cuda_launch_flags();
+        epx_cuda_set_launch_flags(flags ^ FUSED_EXPAND_APART);
+        run(T, skew, EPX_LAYOUT_EXPERT_MAJOR, EPX_EXCHANGE_DEDUP, EPX_COMBINE_PARTIALS_PAYLOAD, nc);
+        epx_cuda_set_launch_flags(flags);
         run(T, skew, EPX_LAYOUT_EXPERT_MAJOR, EPX_EXCHANGE_DEDUP, EPX_COMBINE_PARTIALS_FLOAT32, nc);
         /* the default's choice for expert-major (AUTO: the host path) */
         g_path = EPX_PATH_AUTO;
@@ -764,6 +820,22 @@ int main(int argc, char **argv) {
         g_sms = budgets[si];
         run(T, 0, EPX_LAYOUT_RANK_MAJOR, EPX_EXCHANGE_DEDUP, EPX_COMBINE_PARTIALS_PAYLOAD, nc);
       }
+      g_sms = 0;
+    }
+    if (section("split")) {
+      /* The budget's split between sending and receiving CTAs (half
+       * receives by default; a quarter, an eighth): rank-major, payload
+       * partials, at the budgets the targets name. */
+      const int32_t budgets[] = {8, 16, 24, 32};
+      const int shares[] = {FUSED_RECV_QUARTER, FUSED_RECV_EIGHTH};
+      const int flags = epx_cuda_launch_flags();
+      for (int si = 0; si < 4; si++)
+        for (int hi = 0; hi < 2; hi++) {
+          epx_cuda_set_launch_flags(flags | shares[hi]);
+          g_sms = budgets[si];
+          run(T, 0, EPX_LAYOUT_RANK_MAJOR, EPX_EXCHANGE_DEDUP, EPX_COMBINE_PARTIALS_PAYLOAD, nc);
+        }
+      epx_cuda_set_launch_flags(flags);
       g_sms = 0;
     }
   }

@@ -29,6 +29,7 @@ struct epx_buffer {
   int64_t live_handles;        /* handles not yet released (atomic) */
   struct epx_cpu_scratch *cpu; /* CPU staging buffers, grown on demand */
   void *cuda;                  /* CUDA backend state (src/cuda) */
+  int32_t cuda_ranks;          /* the CUDA backend serving it: 1 the W-rank one (ep.c), 0 the one-GPU one */
 };
 
 /* A handle's references are counted twice: `caller_refs` are the caller's

@@ -5,8 +5,7 @@
  * argument that can be checked on the host — NULLs, sizes, dtype, alignment, handle ownership — before calling
  * these; they check what only the device can see (routing values).
  *
- * Scope: a comm of one rank (buffer->world_size == 1; see
- * epx_cuda_ep_at_one_rank for the exception). All work is enqueued
+ * Scope: a comm of one rank (buffer->world_size == 1). All work is enqueued
  * on buffer->config.stream (route: config->stream) and is asynchronous unless
  * stated. The API reaches them through the table epx_cuda_backend
  * (cuda_ops.c); a build without CUDA has no such table, and the API refuses
@@ -23,17 +22,6 @@ extern "C" {
 
 struct epx_backend;
 extern const struct epx_backend epx_cuda_backend;
-
-/* Test hook, not public API: on (1), a CUDA buffer created afterwards on an
- * NCCL comm of ONE rank takes the W-rank backend (ep.c: the NCCL transport,
- * the fused NVLink kernels) instead of this one-GPU backend; off (0, the
- * default) restores the choice by comm size. It exists so that the W-rank
- * backend's code (agreement, routing gather, self send/receive, the fused
- * window, plans and kernels) can be checked on a machine with one GPU
- * (tests/gpu/mpi_gpu_exchange.c run with one rank). Process-wide and
- * thread-safe; each buffer reads it once, when it is created, and keeps its
- * backend. */
-void epx_cuda_ep_at_one_rank(int on);
 
 epx_status_t epx_cuda_route(const epx_route_config_t *config, int64_t num_tokens,
                             const float *logits, const float *bias, epx_route_output_t *output);
@@ -52,6 +40,13 @@ epx_status_t epx_cuda_copy_expert_counts(const int64_t *device_counts, const int
                                          void *stream);
 
 epx_status_t epx_cuda_buffer_init(epx_buffer_t buffer);
+/* For tests and benchmarks on one GPU (not in epx.h): on, a CUDA buffer
+ * created later over a one-rank comm is served by the W-rank backend of
+ * ep.c (an NCCL comm: the host-API exchange, the fused kernels) instead of
+ * the one-GPU backend, so that backend's paths can be checked and timed
+ * where no second GPU is at hand. Process-wide; buffers keep the backend
+ * they were created with. */
+void epx_cuda_ep_at_one_rank(int on);
 void epx_cuda_buffer_fini(epx_buffer_t buffer);
 
 /* Fills handle->cuda and handle->recv_rows from device routing arrays. */

@@ -3,40 +3,24 @@
 #include <cuda_runtime.h>
 
 #include "core/backend.h"
-#include "comm/nccl.h"
 #include "core/error.h"
 #include "cuda/cuda_backend.h"
 #include "cuda/ep.h"
 
-/* The test hook epx_cuda_ep_at_one_rank (cuda_backend.h): while on, a CUDA
- * buffer created on a one-rank NCCL comm takes the W-rank backend. Read once
- * per buffer, at its creation (the buffer then keeps the table below), so
- * turning it off later leaves the buffers it made on their backend. Atomic:
- * any thread may create a buffer. */
-static int ep_at_one_rank;
-
-void epx_cuda_ep_at_one_rank(int on) { __atomic_store_n(&ep_at_one_rank, on != 0, __ATOMIC_SEQ_CST); }
-
-/* The table of a one-rank buffer on the W-rank backend: epx_cuda_backend's
- * operations, a different address (defined at the end of this file). */
-static const epx_backend_t cuda_ep_one_rank_backend;
-
 /* A comm of several ranks runs the W-rank backend of ep.c (NCCL); one rank
- * the one-GPU backend of cuda_backend.c, unless the buffer was made with the
- * test hook on (its table says so). Every rank has the same config (agreed
- * before this), so every rank refuses together. */
-static int ranks(epx_buffer_t buffer) {
-  return buffer->world_size > 1 || buffer->backend == &cuda_ep_one_rank_backend;
-}
+ * the one-GPU backend of cuda_backend.c, unless epx_cuda_ep_at_one_rank
+ * asked for the W-rank one. Every rank has the same config (agreed before
+ * this), so every rank refuses together. The choice is made at buffer
+ * creation and kept. */
+static _Atomic int g_ep_at_one_rank;
+
+void epx_cuda_ep_at_one_rank(int on) { g_ep_at_one_rank = on != 0; }
+
+static int ranks(epx_buffer_t buffer) { return buffer->cuda_ranks; }
 
 static epx_status_t cuda_buffer_init(epx_buffer_t buffer) {
-  /* The hook serves NCCL comms only: another one-rank comm keeps the
-   * one-GPU backend (ep.c would refuse it). */
-  if (buffer->world_size == 1 && __atomic_load_n(&ep_at_one_rank, __ATOMIC_SEQ_CST) && epx_comm_is_nccl(buffer->comm))
-    buffer->backend = &cuda_ep_one_rank_backend;
-  const epx_status_t status = ranks(buffer) ? epx_cuda_ep_buffer_init(buffer) : epx_cuda_buffer_init(buffer);
-  if (status != EPX_SUCCESS) buffer->backend = &epx_cuda_backend; /* the API frees it: no fini */
-  return status;
+  buffer->cuda_ranks = buffer->world_size > 1 || g_ep_at_one_rank;
+  return ranks(buffer) ? epx_cuda_ep_buffer_init(buffer) : epx_cuda_buffer_init(buffer);
 }
 
 static void cuda_buffer_fini(epx_buffer_t buffer) {
@@ -167,32 +151,29 @@ static void cuda_peer_paths(epx_buffer_t buffer, int32_t *paths) {
   if (ranks(buffer)) epx_cuda_ep_peer_paths(buffer, paths); /* one rank: the API's host default */
 }
 
-/* One list of operations, two tables (see ranks()). */
-#define EPX_CUDA_OPS                             \
-    .name = "cuda",                              \
-    .route = epx_cuda_route,                     \
-    .route_backward = epx_cuda_route_backward,   \
-    .buffer_init = cuda_buffer_init,             \
-    .buffer_fini = cuda_buffer_fini,             \
-    .set_stream = cuda_set_stream,               \
-    .validate_routing = NULL,                    \
-    .routing_hash = cuda_routing_hash,           \
-    .agree = cuda_agree,                         \
-    .dispatch_layout = cuda_dispatch_layout,     \
-    .handle_fini = cuda_handle_fini,             \
-    .dispatch = cuda_dispatch,                   \
-    .combine = cuda_combine,                     \
-    .dispatch_backward = cuda_dispatch_backward, \
-    .combine_backward = cuda_combine_backward,   \
-    .weights_backward = cuda_weights_backward,   \
-    .recv_rows = cuda_recv_rows,                 \
-    .recv_rows_device = cuda_recv_rows_device,   \
-    .expert_counts = cuda_expert_counts,         \
-    .recv_routing = cuda_recv_routing,           \
-    .recv_source = cuda_recv_source,             \
-    .stats = cuda_stats,                         \
-    .handle_bytes = cuda_handle_bytes,           \
+const epx_backend_t epx_cuda_backend = {
+    .name = "cuda",
+    .route = epx_cuda_route,
+    .route_backward = epx_cuda_route_backward,
+    .buffer_init = cuda_buffer_init,
+    .buffer_fini = cuda_buffer_fini,
+    .set_stream = cuda_set_stream,
+    .validate_routing = NULL,
+    .routing_hash = cuda_routing_hash,
+    .agree = cuda_agree,
+    .dispatch_layout = cuda_dispatch_layout,
+    .handle_fini = cuda_handle_fini,
+    .dispatch = cuda_dispatch,
+    .combine = cuda_combine,
+    .dispatch_backward = cuda_dispatch_backward,
+    .combine_backward = cuda_combine_backward,
+    .weights_backward = cuda_weights_backward,
+    .recv_rows = cuda_recv_rows,
+    .recv_rows_device = cuda_recv_rows_device,
+    .expert_counts = cuda_expert_counts,
+    .recv_routing = cuda_recv_routing,
+    .recv_source = cuda_recv_source,
+    .stats = cuda_stats,
+    .handle_bytes = cuda_handle_bytes,
     .peer_paths = cuda_peer_paths,
-
-const epx_backend_t epx_cuda_backend = {EPX_CUDA_OPS};
-static const epx_backend_t cuda_ep_one_rank_backend = {EPX_CUDA_OPS};
+};

@@ -47,12 +47,15 @@
  * the same values as the tables kernel's; with default sizing read once at
  * the layout, as on the host path). An oversize rank (worst_case_sizing)
  * joins with an empty fused layout and its header, which empties every
- * rank's plan, as its gather header empties the host layout. The calls that
- * compute grad_w (not in the fused module) and epx_weights_backward take the
- * host path on the host layout above, made at the first of them on the
- * handle from the plan's copy of the routing (the stage kernel's send block,
- * bit for bit; collective, and every rank makes it there since those calls
- * are collective and grad_w is on every rank or none; no host wait).
+ * rank's plan, as its gather header empties the host layout. The routing
+ * weights' gradients of combine_backward and epx_weights_backward are fused
+ * too (each route's value formed on its expert's rank goes home through the
+ * window, fused_values.cu); dispatch_backward's grad_w
+ * (EPX_WEIGHTS_IN_DISPATCH, formed at home from the route rows) takes the
+ * host path on the host layout above, made at its first call on the handle
+ * from the plan's copy of the routing (the stage kernel's send block, bit
+ * for bit; collective, and every rank makes it there since the call is
+ * collective and grad_w is on every rank or none; no host wait).
  * dispatch / combine_backward are the fused dispatch, combine /
  * dispatch_backward the fused combine: the same bits as the host path
  * (P(t, r) in k order in float32 without FMA, rounded once to the dtype in
@@ -137,8 +140,8 @@ typedef struct ep_handle {
   int64_t seq;            /* the comm's layout number (the same on every rank) */
   int has_w;              /* the routing came with weights (the host layout keeps a copy) */
   /* The host layout (block, tables, counts) is made: at the layout on the
-   * host path; on a fused handle at its first call with grad_w (block NULL
-   * until then). */
+   * host path; on a fused handle at its first dispatch_backward with grad_w
+   * (block NULL until then). */
   int host_ready;
 } ep_handle_t;
 
@@ -245,20 +248,16 @@ fail:
 /* ------------------------------------------------------------------------ */
 
 /* Whether the config lets the fused kernels serve this buffer: FUSED (or
- * AUTO, rank-major), dedup, expert-major or rank-major, within the module's rank and top-k bounds, in
- * a build that has it. The capacity layout stays on the host path: its rows
- * sit at the caller's locations (expert, source rank, slot) with every
- * unfilled slot zeroed, which the fused layout's running positions do not
- * give (not implemented: the host path moves the same bits); the
- * collective exchange, one row per route, has no fused form either. */
+ * AUTO, rank-major), dedup, within the module's rank and top-k bounds, in a
+ * build that has it. The collective exchange, one row per route, has no
+ * fused form. */
 static int fused_wanted(epx_buffer_t b) {
   const epx_buffer_config_t *c = &b->config;
   /* AUTO takes the fused kernels where they are the faster (rank-major:
    * the expert-major expansion makes its whole step slower, epx.h). */
   const int asked = c->exchange_path == EPX_PATH_FUSED ||
                     (c->exchange_path == EPX_PATH_AUTO && c->layout == EPX_LAYOUT_RANK_MAJOR);
-  return EPX_HAVE_FUSED && asked && c->exchange == EPX_EXCHANGE_DEDUP &&
-         c->layout != EPX_LAYOUT_CAPACITY && b->world_size <= EPX_FUSED_MAX_RANKS &&
+  return EPX_HAVE_FUSED && asked && c->exchange == EPX_EXCHANGE_DEDUP && b->world_size <= EPX_FUSED_MAX_RANKS &&
          c->max_top_k <= EPX_FUSED_MAX_TOP_K;
 }
 
@@ -336,16 +335,16 @@ static epx_status_t fused_alive(epx_buffer_t b, const char *fn) {
 /* The handle's fused layout, the only layout a fused handle makes up front:
  * it validates the routing, exchanges counts and every rank's header on the
  * GPU and lays out both sides; the handle's queries and verdicts read its
- * plan (the host layout is made only for a call with grad_w). */
+ * plan (the host layout is made only for a dispatch_backward with grad_w). */
 static epx_status_t fused_layout(epx_buffer_t b, const epx_routing_t *r, ep_handle_t *h, const char *fn) {
   epx_status_t status = EPX_SUCCESS;
   ep_buffer_t *s = b->cuda;
   EPX_CHECK(fused_alive(b, fn));
   if (s->pooled > 0) h->plan = s->pool[--s->pooled];
-  else EPX_CHECK(epx_fused_plan_create(s->fused, b->config.layout, b->config.expert_alignment, stream_of(b),
-                                       &h->plan));
-  CUDA_CHECK(epx_fused_layout_launch(s->fused, h->plan, r->topk_idx, r->topk_w, r->num_tokens, r->top_k, 0,
-                                     (int32_t)r->weighting, stream_of(b)),
+  else EPX_CHECK(epx_fused_plan_create(s->fused, b->config.layout, b->config.expert_alignment, b->config.capacity,
+                                       stream_of(b), &h->plan));
+  CUDA_CHECK(epx_fused_layout_launch(s->fused, h->plan, r->topk_idx, r->topk_w, r->locations, r->num_tokens,
+                                     r->top_k, 0, (int32_t)r->weighting, stream_of(b)),
              fn, "the fused layout kernels");
 fail:
   return status;
@@ -358,8 +357,9 @@ static epx_status_t fused_join_oversize(epx_buffer_t b, int32_t weighting, const
   epx_status_t status = EPX_SUCCESS;
   ep_buffer_t *s = b->cuda;
   if (!s->spare)
-    EPX_CHECK(epx_fused_plan_create(s->fused, b->config.layout, b->config.expert_alignment, stream_of(b), &s->spare));
-  CUDA_CHECK(epx_fused_layout_launch(s->fused, s->spare, NULL, NULL, 0, 1, 1, weighting, stream_of(b)), fn,
+    EPX_CHECK(epx_fused_plan_create(s->fused, b->config.layout, b->config.expert_alignment, b->config.capacity,
+                                    stream_of(b), &s->spare));
+  CUDA_CHECK(epx_fused_layout_launch(s->fused, s->spare, NULL, NULL, NULL, 0, 1, 1, weighting, stream_of(b)), fn,
              "the fused layout kernels");
 fail:
   return status;
@@ -373,7 +373,7 @@ static epx_status_t fused_move(epx_buffer_t b, epx_handle_t handle, const void *
   epx_status_t status = EPX_SUCCESS;
   ep_buffer_t *s = b->cuda;
   const ep_handle_t *h = handle->cuda;
-  const int expert = b->config.layout == EPX_LAYOUT_EXPERT_MAJOR;
+  const int expert = b->config.layout != EPX_LAYOUT_RANK_MAJOR; /* expert-major or capacity: rows per route */
   cudaStream_t stream = stream_of(b);
   EPX_CHECK(fused_alive(b, fn));
   /* An expert-major dispatch needs a destination even with no rows to write
@@ -914,17 +914,18 @@ epx_status_t epx_cuda_ep_dispatch_layout(epx_buffer_t b, const epx_routing_t *r,
     handle->recv_rows = h->rows;
   }
   /* The staging is sized here on the fused path too (the host layout of a
-   * call with grad_w uses it): a captured step then never grows it. */
+   * dispatch_backward with grad_w uses it): a captured step then never
+   * grows it. */
   EPX_CHECK(ensure_staging(b, staging_bytes(b, h), fn));
   h->host_ready = !fused;
 fail:
   return status;
 }
 
-/* A fused handle's host layout, for the calls that compute grad_w (not in
- * the fused module): made at the first such call. It is collective (the
- * routing gather), and every rank makes it at the same point: those calls
- * are collective and grad_w is passed on every rank or on none (checked with
+/* A fused handle's host layout, for dispatch_backward's grad_w (not in the
+ * fused module): made at the first such call. It is collective (the
+ * routing gather), and every rank makes it at the same point: the call is
+ * collective and grad_w is passed on every rank or on none (checked with
  * default sizing; the header's rule with worst_case_sizing). Its send block
  * comes from the plan's copy of the routing, so the caller's routing need
  * not outlive the layout; its counts are the plan's and its staging was sized
@@ -937,8 +938,8 @@ static epx_status_t host_layout(epx_buffer_t b, epx_handle_t handle, const char 
   epx_fused_plan_view_t v;
   epx_fused_plan_view(h->plan, &v);
   if (!h->block) EPX_CHECK(carve(b, h, fn));
-  CUDA_CHECK(epx_cuda_ep_stage_plan_launch(&h->d, v.idx, v.w, v.invalid, h->w, h->own.result, h->sidx, h->sw,
-                                           h->shdr, stream_of(b)),
+  CUDA_CHECK(epx_cuda_ep_stage_plan_launch(&h->d, v.idx, v.w, v.loc, v.invalid, h->w, h->own.result, h->sidx,
+                                           h->sw, h->sloc, h->shdr, stream_of(b)),
              fn, "the routing stage kernel");
 #endif
   EPX_CHECK(enqueue_exchange(b, h, fn));
@@ -1032,19 +1033,35 @@ fail:
   return status;
 }
 
-/* The fused kernels serve a handle with a plan, except the calls that
- * produce grad_w: the weight gradients are not in the fused module, so
- * those calls take the host path (equal bits), on the host layout made at
- * the first of them (host_layout). */
+/* The fused kernels serve a handle with a plan, except dispatch_backward's
+ * grad_w (EPX_WEIGHTS_IN_DISPATCH: its dots are formed on the token's rank
+ * from the route rows, which the fused combine does not bring home): that
+ * call takes the host path (equal bits), on the host layout made at its
+ * first call (host_layout). */
 #if EPX_HAVE_FUSED
-#define FUSED_SERVES(handle, grad_w) (((const ep_handle_t *)(handle)->cuda)->plan && !(grad_w))
+#define FUSED_SERVES(handle) (((const ep_handle_t *)(handle)->cuda)->plan != NULL)
+/* Each route's value from its expert's rank to grad_w on its token's rank
+ * (epx_fused_values_home_launch's mode: values per slot or row, or the dots
+ * of combine_backward). */
+static epx_status_t fused_values_home(epx_buffer_t b, epx_handle_t handle, int mode, const void *values,
+                                      const void *grad_out, float *grad_w, const char *fn) {
+  epx_status_t status = EPX_SUCCESS;
+  const ep_buffer_t *s = b->cuda;
+  EPX_CHECK(fused_alive(b, fn));
+  CUDA_CHECK(epx_fused_values_home_launch(s->fused, ((const ep_handle_t *)handle->cuda)->plan, mode, values,
+                                          grad_out, grad_w, s->fused_ctas, stream_of(b)),
+             fn, "the fused weight gradient kernels");
+fail:
+  return status;
+}
 #else
-#define FUSED_SERVES(handle, grad_w) 0
+#define FUSED_SERVES(handle) 0
 #define fused_move(b, handle, src, dst, forward, weighted, fn) EPX_ERROR_INTERNAL
+#define fused_values_home(b, handle, mode, values, grad_out, grad_w, fn) EPX_ERROR_INTERNAL
 #endif
 
 epx_status_t epx_cuda_ep_dispatch(epx_buffer_t b, epx_handle_t handle, const void *x, void *recv_x) {
-  if (FUSED_SERVES(handle, NULL))
+  if (FUSED_SERVES(handle))
     return fused_move(b, handle, x, recv_x, 1, handle->weighting == EPX_WEIGHTS_IN_DISPATCH, "epx_dispatch");
   return move_forward(b, handle, x, recv_x, handle->weighting == EPX_WEIGHTS_IN_DISPATCH, NULL, NULL,
                       "epx_dispatch");
@@ -1052,9 +1069,14 @@ epx_status_t epx_cuda_ep_dispatch(epx_buffer_t b, epx_handle_t handle, const voi
 
 epx_status_t epx_cuda_ep_combine_backward(epx_buffer_t b, epx_handle_t handle, const void *grad_out,
                                           const void *expert_out, void *grad_expert_out, float *grad_w) {
-  if (FUSED_SERVES(handle, grad_w))
-    return fused_move(b, handle, grad_out, grad_expert_out, 1, handle->weighting == EPX_WEIGHTS_IN_COMBINE,
-                      "epx_combine_backward");
+  if (FUSED_SERVES(handle)) {
+    /* the dots read the grad_out rows this dispatch leaves in the window */
+    const epx_status_t status = fused_move(b, handle, grad_out, grad_expert_out, 1,
+                                           handle->weighting == EPX_WEIGHTS_IN_COMBINE, "epx_combine_backward");
+    if (status != EPX_SUCCESS || !grad_w) return status;
+    return fused_values_home(b, handle, EPX_FUSED_VALUES_DOTS, expert_out, grad_out, grad_w,
+                             "epx_combine_backward");
+  }
   const epx_status_t status = host_layout(b, handle, "epx_combine_backward");
   if (status != EPX_SUCCESS) return status;
   return move_forward(b, handle, grad_out, grad_expert_out, handle->weighting == EPX_WEIGHTS_IN_COMBINE,
@@ -1139,7 +1161,7 @@ fail:
 }
 
 epx_status_t epx_cuda_ep_combine(epx_buffer_t b, epx_handle_t handle, const void *expert_out, void *out) {
-  if (FUSED_SERVES(handle, NULL))
+  if (FUSED_SERVES(handle))
     return fused_move(b, handle, expert_out, out, 0, handle->weighting == EPX_WEIGHTS_IN_COMBINE, "epx_combine");
   return move_backward(b, handle, expert_out, out, handle->weighting == EPX_WEIGHTS_IN_COMBINE, NULL, NULL,
                        "epx_combine");
@@ -1147,7 +1169,7 @@ epx_status_t epx_cuda_ep_combine(epx_buffer_t b, epx_handle_t handle, const void
 
 epx_status_t epx_cuda_ep_dispatch_backward(epx_buffer_t b, epx_handle_t handle, const void *grad_recv_x,
                                            void *grad_x, const void *x, float *grad_w) {
-  if (FUSED_SERVES(handle, grad_w))
+  if (FUSED_SERVES(handle) && !grad_w)
     return fused_move(b, handle, grad_recv_x, grad_x, 0, handle->weighting == EPX_WEIGHTS_IN_DISPATCH,
                       "epx_dispatch_backward");
   const epx_status_t status = host_layout(b, handle, "epx_dispatch_backward");
@@ -1163,6 +1185,11 @@ epx_status_t epx_cuda_ep_weights_backward(epx_buffer_t b, epx_handle_t handle, c
   const ep_handle_t *h = handle->cuda;
   const ep_buffer_t *s = b->cuda;
   cudaStream_t stream = stream_of(b);
+  if (FUSED_SERVES(handle))
+    return fused_values_home(b, handle,
+                             b->config.layout == EPX_LAYOUT_RANK_MAJOR ? EPX_FUSED_VALUES_PER_SLOT
+                                                                       : EPX_FUSED_VALUES_PER_ROW,
+                             grad_recv_w, NULL, grad_w, fn);
   EPX_CHECK(host_layout(b, handle, fn));
   const int32_t slots = b->config.layout == EPX_LAYOUT_RANK_MAJOR ? handle->top_k : 1;
   CUDA_CHECK(epx_cuda_ep_route_values_launch(kind_rows(h, RECV_ROUTES), h->tab.rr_all, h->tab.rr_slot, slots,

@@ -22,16 +22,25 @@
  *    then source token). The expert-major layout (a row per (token, local
  *    expert), grouped by local expert, inside a group by (source rank, source
  *    token), groups padded with zero rows to the alignment) is expanded by the
- *    receiving CTAs from the window as chunks of rows arrive.
+ *    receiving CTAs from the window as chunks of rows arrive, or by a kernel
+ *    of its own after the exchange (EPX_CUDA_FUSED_EXPAND_APART). The
+ *    capacity layout (route (s, t, k) of local expert e at row
+ *    e * W * C + s * C + location, every other row zero) is expanded apart
+ *    always.
  *  - combine: the expert rank forms P(t, r) = 0 + the token's products on r
  *    in k order (float32, no fused multiply-add), sends it in float32 or
  *    rounded once to the payload dtype into the token's home window; the home
  *    sums its ranks' partials in ascending r in float32 and rounds once.
  *  - the backward passes are the same kernels: dispatch_backward is a combine
  *    of grad_recv_x (weighted with EPX_WEIGHTS_IN_DISPATCH), combine_backward
- *    a dispatch of grad_out (weighted with EPX_WEIGHTS_IN_COMBINE). The
- *    routing-weight gradients (grad_w) are not computed here (ep.c makes
- *    the host layout for them from the plan's routing: view.idx, view.w).
+ *    a dispatch of grad_out (weighted with EPX_WEIGHTS_IN_COMBINE).
+ *  - routing-weight gradients (epx_fused_values_home_launch): a value per
+ *    route formed on the expert's rank (epx_weights_backward's grad_recv_w,
+ *    or combine_backward's dot <grad_out[t], expert_out(t, k)>, in the host
+ *    path's order) goes to grad_w [T, K] on the token's rank. The gradient
+ *    of EPX_WEIGHTS_IN_DISPATCH (<grad_recv_x(t, k), x[t]>, formed on the
+ *    token's rank from the route rows) is not fused: ep.c makes the host
+ *    layout for it from the plan's routing (view.idx, view.w).
  *  - layout: the plan answers a handle's queries (view) and verdicts (every
  *    rank's header, epx_fused_plan_summary) by itself.
  *
@@ -102,12 +111,13 @@ int epx_fused_error(const epx_fused_t *fused, int32_t *peer, const char **phase)
 void *epx_fused_recv_window(epx_fused_t *fused);
 
 /* A plan (device arrays for the worst case of max_tokens, K = max_top_k),
- * for layout EXPERT_MAJOR or RANK_MAJOR (the capacity layout stays on the
- * host-API path). Not collective. Its memory is stream-ordered on `stream`
- * (cudaMallocAsync: allowed inside a CUDA graph capture of any mode), freed
+ * for any layout: expert_alignment for EXPERT_MAJOR, capacity (C, slots per
+ * expert and source rank) for CAPACITY. Not collective. Its memory is
+ * stream-ordered on `stream` (cudaMallocAsync and, for CAPACITY, a memset of
+ * its slot claims: allowed inside a CUDA graph capture of any mode), freed
  * by destroy on the stream it is given. */
 epx_status_t epx_fused_plan_create(epx_fused_t *fused, epx_layout_t layout, int32_t expert_alignment,
-                                   cudaStream_t stream, epx_fused_plan_t **plan);
+                                   int64_t capacity, cudaStream_t stream, epx_fused_plan_t **plan);
 void epx_fused_plan_destroy(epx_fused_plan_t *plan, cudaStream_t stream);
 
 /* What a plan holds for the handle's accessors (device memory, valid after the
@@ -122,6 +132,7 @@ typedef struct epx_fused_plan_view {
   const unsigned long long *invalid; /* (route << 3) | code of the first invalid route dropped, or ~0 */
   const int32_t *idx;        /* [T, top_k] this rank's routing as laid out: invalid routes -1 */
   const float *w;            /* [T, top_k] its weights as given (0 without topk_w) */
+  const int32_t *loc;        /* capacity: [T, top_k] the locations of its valid routes; NULL otherwise */
   int64_t row_bound;
   int32_t top_k;             /* the K of the row_expert / row_w rows in rank-major */
 } epx_fused_plan_view_t;
@@ -152,7 +163,10 @@ cudaError_t epx_fused_plan_readback_launch(const epx_fused_plan_t *plan, void *h
 void epx_fused_plan_summary(const epx_fused_plan_t *plan, const void *host, epx_fused_plan_summary_t *summary);
 
 /* Layout (collective): validates topk_idx [T, K] (an out-of-range or
- * duplicate expert is dropped and recorded in view.invalid), exchanges the
+ * duplicate expert is dropped and recorded in view.invalid; in the capacity
+ * layout also a location outside [0, C) and a slot (expert, location) that a
+ * smaller route index of this rank claimed, as the one-GPU layout does:
+ * locations [T, K] is then required), exchanges the
  * per-(source, destination) row counts, per-(source, expert) route counts and
  * the ranks' headers on the GPU, and the routing of every row (token, its
  * experts on the receiver, weights, position inside each expert's group) into
@@ -162,8 +176,8 @@ void epx_fused_plan_summary(const epx_fused_plan_t *plan, const void *host, epx_
  * weighting: this rank's routing.weighting, carried in its header. */
 cudaError_t epx_fused_layout_launch(epx_fused_t *fused, epx_fused_plan_t *plan,
                                     const int32_t *topk_idx, const float *topk_w,
-                                    int64_t num_tokens, int32_t top_k, int32_t oversize,
-                                    int32_t weighting, cudaStream_t stream);
+                                    const int32_t *locations, int64_t num_tokens, int32_t top_k,
+                                    int32_t oversize, int32_t weighting, cudaStream_t stream);
 
 /* Dispatch (collective), x [T, H] -> recv_x. recv_x: NULL or
  * epx_fused_recv_window() for the rank-major rows in place; another [N, H]
@@ -192,6 +206,25 @@ cudaError_t epx_fused_combine_backward_launch(epx_fused_t *fused, const epx_fuse
                                               const void *grad_out, void *grad_expert_out,
                                               int weighted, int32_t num_ctas, cudaStream_t stream);
 
+/* What the values of epx_fused_values_home_launch are. */
+enum {
+  EPX_FUSED_VALUES_PER_SLOT = 0, /* rank-major: values [N, K], a value per recv row and k-slot */
+  EPX_FUSED_VALUES_PER_ROW = 1,  /* expert-major: values [N], a value per recv row */
+  /* expert-major: the dot <grad_out[t], expert_out(t, k)> (values is
+   * expert_out [N, H] in the plan's layout; grad_out [T, H] this rank's),
+   * formed from the grad_out rows that the epx_fused_combine_backward_launch
+   * just before it on this plan left in the window: no other dispatch-like
+   * launch of this fused state may come between them */
+  EPX_FUSED_VALUES_DOTS = 2
+};
+/* Routing-weight gradients home (collective, a combine-like launch): each
+ * route's value, on its expert's rank, to grad_w [T, K] on its token's
+ * rank; 0 for slots without a route (-1, invalid, or an empty layout).
+ * Values are moved, not summed (a route lives on one rank): the bits are
+ * the host path's. num_ctas: the sending CTAs (at most the SM count). */
+cudaError_t epx_fused_values_home_launch(epx_fused_t *fused, const epx_fused_plan_t *plan, int mode,
+                                         const void *values, const void *grad_out, float *grad_w,
+                                         int32_t num_ctas, cudaStream_t stream);
 #ifdef __cplusplus
 }
 #endif

@@ -63,6 +63,8 @@ void window_offsets(fused_dev &d, int64_t part_elem) {
   o += W * 4;
   d.off_mflag = o;
   o += W * 4;
+  d.off_vflag = o;
+  o += W * 4;
   d.off_cflag = o = align_up(o, 128);
   o += W * (size_t)d.max_chunks * 4;
   d.off_mat = o = align_up(o, 128);
@@ -71,6 +73,8 @@ void window_offsets(fused_dev &d, int64_t part_elem) {
   o += W * (size_t)d.El * 4;
   d.off_hdr = o = align_up(o, 128);
   o += W * EPX_FUSED_HDR_INTS * 4;
+  d.off_back = o = align_up(o, 128);
+  o += W * (size_t)d.maxT * (size_t)d.Kmax * 4;
   d.off_meta = o = align_up(o, 256);
   o += W * (size_t)d.maxT * (size_t)d.meta_stride;
   d.off_pay = o = align_up(o, 4096);
@@ -476,7 +480,8 @@ extern "C" void epx_fused_abandon(epx_fused_t *f) {
 extern "C" int epx_fused_error(const epx_fused_t *f, int32_t *peer, const char **phase) {
   static const char *const names[] = {"?", "layout clear-to-send", "layout counts", "layout routing records",
                                       "dispatch clear-to-send", "dispatch rows", "combine clear-to-send",
-                                      "combine partials"};
+                                      "combine partials", "weight gradients clear-to-send",
+                                      "weight gradients"};
   const uint32_t w = *reinterpret_cast<volatile uint32_t *>(f->err_host);
   if (!w) return 0;
   const uint32_t ph = (w >> 8) & 0xffu;
@@ -490,23 +495,28 @@ extern "C" void *epx_fused_recv_window(epx_fused_t *f) { return f->dev.local + f
 /* ---- plans ------------------------------------------------------------------ */
 
 extern "C" epx_status_t epx_fused_plan_create(epx_fused_t *f, epx_layout_t layout, int32_t alignment,
-                                              cudaStream_t stream, epx_fused_plan_t **plan) {
+                                              int64_t capacity, cudaStream_t stream, epx_fused_plan_t **plan) {
   const char *fn = "epx_fused_plan_create";
   EPX_REQUIRE(f && plan, "%s: fused or plan is NULL", fn);
-  EPX_REQUIRE(layout == EPX_LAYOUT_EXPERT_MAJOR || layout == EPX_LAYOUT_RANK_MAJOR,
-              "%s: layout %d is not expert-major or rank-major (the capacity layout uses the host-API exchange)",
-              fn, (int)layout);
+  EPX_REQUIRE(layout == EPX_LAYOUT_EXPERT_MAJOR || layout == EPX_LAYOUT_RANK_MAJOR || layout == EPX_LAYOUT_CAPACITY,
+              "%s: layout %d is not a layout", fn, (int)layout);
   EPX_REQUIRE(alignment >= 1, "%s: expert_alignment %d is below 1", fn, alignment);
+  const bool cap = layout == EPX_LAYOUT_CAPACITY;
   const fused_dev &d = f->dev;
   const int64_t W = d.W, T = d.maxT, K = d.Kmax, E = d.E, El = d.El;
+  EPX_REQUIRE(!cap || (capacity >= 1 && El * W * capacity < INT32_MAX),
+              "%s: capacity %lld is outside [1, 2^31 / (E_local * W))", fn, (long long)capacity);
   const int64_t blocks = (T + kLayoutTokens - 1) / kLayoutTokens;
   const int64_t pairs = W * T;
-  const int64_t row_bound = layout == EPX_LAYOUT_EXPERT_MAJOR ? pairs * (K < El ? K : El) + El * (alignment - 1)
-                                                              : pairs;
+  const int64_t row_bound = cap ? El * W * capacity
+                            : layout == EPX_LAYOUT_EXPERT_MAJOR ? pairs * (K < El ? K : El) + El * (alignment - 1)
+                                                                : pairs;
+  const int64_t claims = cap ? E * capacity : 0;
   const info_index ii = make_info_index((int)W, (int)El);
   /* int32 words of every array, in the order they are carved below */
   const int64_t words[] = {T * K, T * K, T * K, T * W, W * T, blocks * E, blocks * W, 2 * blocks, E,
-                           pairs, pairs * K, pairs * K, pairs * K, row_bound, row_bound, row_bound, row_bound};
+                           pairs, pairs * K, pairs * K, pairs * K, row_bound, row_bound, row_bound, row_bound,
+                           2 * claims};
   size_t bytes = 64 + align_up((size_t)ii.total * 8, 256); /* invalid, then info, as carved below */
   for (size_t i = 0; i < sizeof words / sizeof words[0]; i++) bytes += align_up((size_t)words[i] * 4, 256);
   epx_fused_plan_t *p = static_cast<epx_fused_plan_t *>(calloc(1, sizeof *p));
@@ -526,13 +536,21 @@ extern "C" epx_status_t epx_fused_plan_create(epx_fused_t *f, epx_layout_t layou
                     (void **)&pd.send_token, (void **)&pd.chunk_hist, (void **)&pd.chunk_dcnt,
                     (void **)&pd.chunk_invalid, (void **)&pd.hist, (void **)&pd.pair_token, (void **)&pd.pair_expert,
                     (void **)&pd.pair_w, (void **)&pd.pair_rows, (void **)&pd.row_src_rank,
-                    (void **)&pd.row_src_token, (void **)&pd.row_expert, (void **)&pd.row_w};
+                    (void **)&pd.row_src_token, (void **)&pd.row_expert, (void **)&pd.row_w, (void **)&pd.claim};
   for (size_t i = 0; i < sizeof slots / sizeof slots[0]; i++) {
     *slots[i] = m;
     m += align_up((size_t)words[i] * 4, 256);
   }
+  /* every slot unclaimed: a claim carries its layout's op number + 1 (> 0),
+   * so a later layout's claims outrank an earlier one's and need no reset */
+  if (cap && (e = cudaMemsetAsync(pd.claim, 0, (size_t)claims * 8, stream)) != cudaSuccess) {
+    cudaFreeAsync(p->memory, stream);
+    free(p);
+    return epx_error(EPX_ERROR_CUDA, "%s: cudaMemsetAsync of the slot claims failed: %s", fn, cudaGetErrorString(e));
+  }
   pd.row_bound = row_bound;
-  pd.expert_major = layout == EPX_LAYOUT_EXPERT_MAJOR;
+  pd.C = cap ? capacity : 0;
+  pd.expert_major = layout != EPX_LAYOUT_RANK_MAJOR;
   pd.align = alignment;
   pd.K = (int)K;
   pd.T = 0;
@@ -561,6 +579,7 @@ extern "C" void epx_fused_plan_view(const epx_fused_plan_t *p, epx_fused_plan_vi
   v->invalid = pd.invalid;
   v->idx = pd.idx;
   v->w = pd.w;
+  v->loc = pd.C ? pd.pos : nullptr;
   v->row_bound = pd.row_bound;
   v->top_k = pd.K;
 }
@@ -593,11 +612,56 @@ namespace {
 
 constexpr int kLayoutWarps = kLayoutTokens / 32;
 
+/* A diagnostic build (-DEPX_FUSED_LAYOUT_TRACE) keeps the global timer at
+ * the layout's stages (thread 0 of the CTA that passes; the last 64 layouts
+ * by op number), read by epx_fused_layout_trace, to place its time. */
+#ifdef EPX_FUSED_LAYOUT_TRACE
+__device__ unsigned long long g_layout_trace[64][16];
+#define LAYOUT_TRACE(stage)                                                                           \
+  do {                                                                                                \
+    if (threadIdx.x == 0)                                                                             \
+      g_layout_trace[*reinterpret_cast<volatile uint32_t *>(d.ctl + CTL_SEQ) & 63][stage] = global_ns(); \
+  } while (0)
+#else
+#define LAYOUT_TRACE(stage) \
+  do {                      \
+  } while (0)
+#endif
+
 __device__ void layout_exchange(const fused_dev &d, const fused_plan_dev &p, int64_t blocks);
 
 /* The first invalid route of the block (the smaller key wins). */
 __device__ __forceinline__ void note_invalid(unsigned long long *first, int64_t route, int code) {
   atomicMin(first, (unsigned long long)route << 3 | (unsigned long long)code);
+}
+
+/* A capacity slot's claim by route g in op seq: a later op's claims outrank
+ * an earlier one's, and within an op the smaller route wins (atomicMax). */
+__device__ __forceinline__ unsigned long long claim_tag(uint32_t seq, int64_t g) {
+  return (unsigned long long)(seq + 1u) << 32 | (0xffffffffu - (uint32_t)g);
+}
+
+/* Capacity: a thread per route claims its slot (expert, location), so the
+ * count kernel can tell each slot's owner, the smallest route of this rank
+ * naming it (the one-GPU layout's rule). Routes the count kernel drops for
+ * another reason (an expert out of range, a duplicate, a location outside
+ * [0, C)) claim nothing. */
+__global__ void __launch_bounds__(256) layout_claim_kernel(const fused_dev d, const fused_plan_dev p,
+                                                           const int32_t *topk_idx, const int32_t *locations) {
+  if (failed(d)) return;
+  const uint32_t seq = *reinterpret_cast<volatile uint32_t *>(d.ctl + CTL_SEQ);
+  const int64_t g = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (g >= p.T * p.K) return;
+  const int K = p.K;
+  const int64_t t = g / K;
+  const int k = (int)(g % K);
+  const int32_t e = topk_idx[g];
+  if (e < 0 || e >= d.E) return;
+  for (int j = 0; j < k; j++)
+    if (topk_idx[t * K + j] == e) return;
+  const int32_t l = locations[g];
+  if (l < 0 || l >= p.C) return;
+  atomicMax(p.claim + (int64_t)e * p.C + l, claim_tag(seq, g));
 }
 
 /* A block per kLayoutTokens tokens, a thread per token (see the file
@@ -611,12 +675,14 @@ __device__ __forceinline__ void note_invalid(unsigned long long *first, int64_t 
  * expert). */
 __global__ void __launch_bounds__(kLayoutTokens) layout_count_kernel(const fused_dev d, const fused_plan_dev p,
                                                                      const int32_t *topk_idx,
-                                                                     const float *topk_w) {
+                                                                     const float *topk_w,
+                                                                     const int32_t *locations) {
   extern __shared__ int32_t s_idx[];
   __shared__ int32_t s_dcnt[kLayoutWarps][EPX_FUSED_MAX_RANKS];
   __shared__ unsigned long long s_invalid;
   const int K = p.K, E = d.E, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   uint8_t *s_cnt = reinterpret_cast<uint8_t *>(s_idx + kLayoutTokens * K);
+  if (blockIdx.x == 0) LAYOUT_TRACE(0);
   const int64_t t0 = (int64_t)blockIdx.x * kLayoutTokens;
   const int n = (int)min((int64_t)kLayoutTokens, p.T - t0);
   if (threadIdx.x == 0) s_invalid = ~0ull;
@@ -635,6 +701,7 @@ __global__ void __launch_bounds__(kLayoutTokens) layout_count_kernel(const fused
   }
   __syncthreads();
   const int tl = threadIdx.x;
+  const uint32_t seq = *reinterpret_cast<volatile uint32_t *>(d.ctl + CTL_SEQ);
   uint32_t mask = 0;
   if (tl < n) {
     for (int k = 0; k < K; k++) {
@@ -644,6 +711,21 @@ __global__ void __launch_bounds__(kLayoutTokens) layout_count_kernel(const fused
           note_invalid(&s_invalid, (t0 + tl) * K + k, EPX_CUDA_DUPLICATE_EXPERT);
           e = s_idx[tl * K + k] = -1;
         }
+      if (p.C && e >= 0) {
+        /* capacity: the location in range, and the slot this route's (the
+         * claim kernel's verdict); the position is the location */
+        const int64_t g = (t0 + tl) * K + k;
+        const int32_t l = locations[g];
+        const int code = l < 0 || l >= p.C                                      ? EPX_CUDA_BAD_LOCATION
+                         : p.claim[(int64_t)e * p.C + l] != claim_tag(seq, g) ? EPX_CUDA_TAKEN_LOCATION
+                                                                                : 0;
+        if (code) {
+          note_invalid(&s_invalid, g, code);
+          e = s_idx[tl * K + k] = -1;
+        } else {
+          p.pos[g] = l;
+        }
+      }
       p.idx[(t0 + tl) * K + k] = e;
       p.w[(t0 + tl) * K + k] = topk_w ? topk_w[(t0 + tl) * K + k] : 0.0f;
       if (e >= 0) mask |= 1u << (e / d.El);
@@ -675,7 +757,7 @@ __global__ void __launch_bounds__(kLayoutTokens) layout_count_kernel(const fused
   }
 #pragma unroll
   for (int j = 0; j < 32; j++) {
-    if (rank_in_warp[j] < 0) continue;
+    if (rank_in_warp[j] < 0 || p.C) continue; /* capacity: the position is the location */
     const int t = warp * 32 + j;
     const int32_t e = s_idx[t * K + lane];
     int32_t base = 0;
@@ -690,6 +772,7 @@ __global__ void __launch_bounds__(kLayoutTokens) layout_count_kernel(const fused
       p.tok_slot[(t0 + tl) * d.W + r] = (has >> lane & 1u) ? base + __popc(has & ((1u << lane) - 1u)) : -1;
   }
   if (threadIdx.x == 0) p.chunk_invalid[blockIdx.x] = s_invalid;
+  if (blockIdx.x == 0) LAYOUT_TRACE(1);
   /* The last block to finish (every block's counts visible to it) runs the
    * exchange: one launch fewer than a kernel of its own. */
   if (last_cta(d)) layout_exchange(d, p, gridDim.x);
@@ -743,6 +826,13 @@ __device__ int64_t block_scan(int64_t v, int64_t *total) {
   return s_warp[warp] + inc - v;
 }
 
+/* Rows of a local expert's group with c routes: c padded to the alignment
+ * (expert-major), W * C (capacity), none (rank-major: rows are pairs). */
+__device__ __forceinline__ int64_t group_rows(const fused_plan_dev &p, int W, int64_t c) {
+  if (p.C) return (int64_t)W * p.C;
+  return p.expert_major ? (c + p.align - 1) / p.align * p.align : 0;
+}
+
 /* Bases of the layout from the count matrix, route counts and headers in
  * this rank's window (all complete). A rank's oversize header empties the
  * layout on every rank (nothing moves, as on the host path). No thread walks
@@ -782,7 +872,8 @@ __device__ void layout_bases(const fused_dev &d, const fused_plan_dev &p) {
     atomicAdd(&s_routes_out[i / El], p.hist[i]);
     atomicAdd(&s_routes_in[i / El], hist[i]);
   }
-  /* a run of experts per thread: counts, then the padded groups' offsets */
+  /* a run of experts per thread: counts, then the padded groups' offsets
+   * (capacity: W * C rows per expert, whatever its count) */
   const int per = (El + (int)blockDim.x - 1) / (int)blockDim.x;
   const int e0 = min(El, t * per), e1 = min(El, e0 + per);
   int64_t mine = 0;
@@ -790,7 +881,7 @@ __device__ void layout_bases(const fused_dev &d, const fused_plan_dev &p) {
     int64_t c = 0;
     for (int s = 0; s < W; s++) c += keep * hist[s * El + e];
     info[ii.ecount + e] = c;
-    mine += p.expert_major ? (c + p.align - 1) / p.align * p.align : 0;
+    mine += group_rows(p, W, c);
   }
   __syncthreads();
   int64_t pairs = 0;
@@ -812,8 +903,7 @@ __device__ void layout_bases(const fused_dev &d, const fused_plan_dev &p) {
   int64_t run = block_scan(mine, &total);
   for (int e = e0; e < e1; e++) {
     info[ii.eoff + e] = run;
-    const int64_t c = info[ii.ecount + e];
-    run += p.expert_major ? (c + p.align - 1) / p.align * p.align : 0;
+    run += group_rows(p, W, info[ii.ecount + e]);
   }
   if (t == 0) {
     info[ii.eoff + El] = p.expert_major ? total : pairs;
@@ -824,7 +914,7 @@ __device__ void layout_bases(const fused_dev &d, const fused_plan_dev &p) {
     int64_t at = p.expert_major ? info[ii.eoff + e] : 0;
     for (int s = 0; s < W; s++) {
       info[ii.ebase + s * El + e] = at;
-      at += keep * hist[s * El + e];
+      at += p.C ? p.C : keep * hist[s * El + e]; /* capacity: row e*W*C + s*C + location */
     }
   }
 }
@@ -850,17 +940,21 @@ __device__ void layout_exchange(const fused_dev &d, const fused_plan_dev &p, int
   __shared__ int32_t s_cnt[EPX_FUSED_MAX_RANKS];
   __shared__ int32_t s_hdr[EPX_FUSED_HDR_INTS];
   if (failed(d)) return;
+  LAYOUT_TRACE(2);
   const uint32_t seq = *reinterpret_cast<volatile uint32_t *>(d.ctl + CTL_SEQ);
   if (threadIdx.x == 0) s_bad = 0;
   send_cts(d, seq);
   layout_header(p, blocks, s_hdr);
+  LAYOUT_TRACE(3);
   block_prefix(p.chunk_hist, blocks, d.E, p.hist);
   block_prefix(p.chunk_dcnt, blocks, d.W, s_cnt);
   __syncthreads();
+  LAYOUT_TRACE(4);
   if (threadIdx.x < d.W && threadIdx.x != d.rank &&
       !wait_flag(d, flag_at(d.local, d.off_cts, threadIdx.x), seq + 1, threadIdx.x, PH_LAYOUT_CTS))
     s_bad = 1;
   __syncthreads();
+  LAYOUT_TRACE(5);
   if (s_bad) return;
   /* This rank's row counts to every rank's matrix, its route counts to each
    * expert's rank, its header to every rank. */
@@ -877,13 +971,16 @@ __device__ void layout_exchange(const fused_dev &d, const fused_plan_dev &p, int
   }
   __threadfence_system();
   __syncthreads();
+  LAYOUT_TRACE(6);
   if (threadIdx.x < d.W) st_release_sys(flag_at(d.peer[threadIdx.x], d.off_lflag, d.rank), seq + 1);
   if (threadIdx.x < d.W &&
       !wait_flag(d, flag_at(d.local, d.off_lflag, threadIdx.x), seq + 1, threadIdx.x, PH_LAYOUT_COUNTS))
     s_bad = 1;
   __syncthreads();
+  LAYOUT_TRACE(7);
   if (s_bad) return;
   layout_bases(d, p);
+  LAYOUT_TRACE(8);
 }
 
 /* Record of a rank-major row in the window. */
@@ -905,9 +1002,18 @@ __device__ __forceinline__ meta_ref meta_at(const fused_dev &d, char *window, in
  * into each destination's window; the last CTA raises the records' flags. */
 __global__ void __launch_bounds__(256) layout_records_kernel(const fused_dev d, const fused_plan_dev p) {
   if (failed(d)) return;
+  if (blockIdx.x == 0) LAYOUT_TRACE(9);
   const uint32_t seq = *reinterpret_cast<volatile uint32_t *>(d.ctl + CTL_SEQ);
   const info_index ii = make_info_index(d.W, d.El);
   const int lane = threadIdx.x & 31, K = p.K;
+  /* capacity: every slot's row empty before the receive kernel fills the
+   * claimed ones (they are scattered, not a prefix of each group) */
+  if (p.C)
+    for (int64_t r = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; r < p.row_bound;
+         r += (int64_t)gridDim.x * blockDim.x) {
+      p.row_src_rank[r] = p.row_src_token[r] = p.row_expert[r] = -1;
+      p.row_w[r] = 0.0f;
+    }
   const int64_t t = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
   if (t < p.T) {
     const int64_t b = t / kLayoutTokens;
@@ -916,7 +1022,9 @@ __global__ void __launch_bounds__(256) layout_records_kernel(const fused_dev d, 
     if (lane < K) {
       e = p.idx[t * K + lane];
       w = p.w[t * K + lane];
-      if (e >= 0) {
+      if (e >= 0 && p.C) {
+        pos = p.pos[t * K + lane]; /* capacity: the location */
+      } else if (e >= 0) {
         pos = p.pos[t * K + lane] + p.chunk_hist[b * d.E + e];
         p.pos[t * K + lane] = pos;
       }
@@ -946,8 +1054,10 @@ __global__ void __launch_bounds__(256) layout_records_kernel(const fused_dev d, 
       }
     }
   }
-  if (last_cta(d) && threadIdx.x < d.W)
-    st_release_sys(flag_at(d.peer[threadIdx.x], d.off_mflag, d.rank), seq + 1);
+  if (last_cta(d)) {
+    LAYOUT_TRACE(10);
+    if (threadIdx.x < d.W) st_release_sys(flag_at(d.peer[threadIdx.x], d.off_mflag, d.rank), seq + 1);
+  }
 }
 
 /* A warp per received row: the plan's tables; then the padding rows. */
@@ -959,11 +1069,13 @@ __global__ void __launch_bounds__(256) layout_receive_kernel(const fused_dev d, 
   const info_index ii = make_info_index(d.W, d.El);
   if (threadIdx.x == 0) s_bad = 0;
   if (threadIdx.x <= d.W) s_rbase[threadIdx.x] = p.info[ii.rbase + threadIdx.x];
+  if (blockIdx.x == 0) LAYOUT_TRACE(11);
   __syncthreads();
   if (threadIdx.x < d.W &&
       !wait_flag(d, flag_at(d.local, d.off_mflag, threadIdx.x), seq + 1, threadIdx.x, PH_LAYOUT_META))
     s_bad = 1;
   __syncthreads();
+  if (blockIdx.x == 0) LAYOUT_TRACE(12);
   if (!s_bad) {
     const int lane = threadIdx.x & 31, K = p.K;
     const int64_t pairs = s_rbase[d.W];
@@ -997,24 +1109,34 @@ __global__ void __launch_bounds__(256) layout_receive_kernel(const fused_dev d, 
         p.pair_rows[q * K + lane] = row;
       }
     }
-    if (p.expert_major)
+    if (p.expert_major && !p.C) /* (capacity: emptied by the records kernel) */
       for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < d.El; e += (int64_t)gridDim.x * blockDim.x)
         for (int64_t r = p.info[ii.eoff + e] + p.info[ii.ecount + e]; r < p.info[ii.eoff + e + 1]; r++) {
           p.row_src_rank[r] = p.row_src_token[r] = p.row_expert[r] = -1;
           p.row_w[r] = 0.0f;
         }
   }
+  if (blockIdx.x == 0) LAYOUT_TRACE(13);
   end_op(d, seq);
 }
 
 }  // namespace
 
+#ifdef EPX_FUSED_LAYOUT_TRACE
+/* The diagnostic build's stage times: out [64][16] (ns of the global timer,
+ * by op number mod 64, stage: see the LAYOUT_TRACE calls). */
+extern "C" cudaError_t epx_fused_layout_trace(unsigned long long *out) {
+  return cudaMemcpyFromSymbol(out, g_layout_trace, sizeof g_layout_trace);
+}
+#endif
+
 extern "C" cudaError_t epx_fused_layout_launch(epx_fused_t *f, epx_fused_plan_t *plan, const int32_t *topk_idx,
-                                               const float *topk_w, int64_t num_tokens, int32_t top_k,
-                                               int32_t oversize, int32_t weighting, cudaStream_t stream) {
+                                               const float *topk_w, const int32_t *locations, int64_t num_tokens,
+                                               int32_t top_k, int32_t oversize, int32_t weighting,
+                                               cudaStream_t stream) {
   const fused_dev &d = f->dev;
   if (num_tokens < 0 || num_tokens > d.maxT || top_k < 1 || top_k > d.Kmax || (num_tokens > 0 && !topk_idx) ||
-      (oversize && num_tokens > 0))
+      (oversize && num_tokens > 0) || (plan->dev.C && num_tokens > 0 && !locations))
     return cudaErrorInvalidValue;
   fused_plan_dev &p = plan->dev;
   p.T = num_tokens;
@@ -1029,7 +1151,9 @@ extern "C" cudaError_t epx_fused_layout_launch(epx_fused_t *f, epx_fused_plan_t 
         cudaFuncSetAttribute(layout_count_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     if (e != cudaSuccess) return e;
   }
-  layout_count_kernel<<<(unsigned)blocks, kLayoutTokens, smem, stream>>>(d, p, topk_idx, topk_w);
+  if (p.C && num_tokens > 0)
+    layout_claim_kernel<<<(unsigned)((num_tokens * top_k + 255) / 256), 256, 0, stream>>>(d, p, topk_idx, locations);
+  layout_count_kernel<<<(unsigned)blocks, kLayoutTokens, smem, stream>>>(d, p, topk_idx, topk_w, locations);
   const int64_t record_blocks = num_tokens > 0 ? (num_tokens * 32 + 255) / 256 : 1;
   layout_records_kernel<<<(unsigned)record_blocks, 256, 0, stream>>>(d, p);
   layout_receive_kernel<<<(unsigned)f->num_sms, 256, 0, stream>>>(d, p);
@@ -1040,7 +1164,11 @@ extern "C" cudaError_t epx_fused_layout_launch(epx_fused_t *f, epx_fused_plan_t 
 
 namespace {
 
-enum { MODE_RANK_WINDOW = 0, MODE_RANK_COPY = 1, MODE_EXPERT = 2 };
+/* MODE_EXPERT: the receiving CTAs expand rows as they arrive;
+ * MODE_EXPERT_APART: the remote rows stay in the window (as MODE_RANK_WINDOW
+ * leaves them) and expand_kernel expands every row after the exchange, over
+ * every SM (EPX_CUDA_FUSED_EXPAND_APART). */
+enum { MODE_RANK_WINDOW = 0, MODE_RANK_COPY = 1, MODE_EXPERT = 2, MODE_EXPERT_APART = 3 };
 
 struct dispatch_shared {
   int64_t sbase[EPX_FUSED_MAX_RANKS], scount[EPX_FUSED_MAX_RANKS];
@@ -1068,7 +1196,7 @@ __device__ void send_rows(const fused_dev &d, const fused_plan_dev &p, dispatch_
     const int64_t j = g / d.W;
     const int r = (d.rank + 1 + (int)(g % d.W)) % d.W;
     const int64_t n = min((int64_t)kChunk, sh.scount[r] - j * kChunk);
-    if (n <= 0 || (mode == MODE_EXPERT && r == d.rank)) continue;
+    if (n <= 0 || ((mode == MODE_EXPERT || mode == MODE_EXPERT_APART) && r == d.rank)) continue;
     uint4 *dst = r != d.rank || mode == MODE_RANK_WINDOW ? reinterpret_cast<uint4 *>(d.peer[r] + d.off_pay) : recv;
     const int32_t *tokens = p.send_token + (int64_t)r * d.maxT + j * kChunk;
     uint4 *rows = dst + (sh.sbase[r] + j * kChunk) * d.nvec;
@@ -1128,7 +1256,7 @@ __device__ void receive_rows(const fused_dev &d, const fused_plan_dev &p, dispat
   }
   int64_t rounds = 0;
   for (int s = 0; s < d.W; s++) rounds = max(rounds, chunks_of(sh.rcount[s]));
-  if (mode == MODE_RANK_WINDOW) {
+  if (mode == MODE_RANK_WINDOW || mode == MODE_EXPERT_APART) {
     /* nothing to move: every thread waits for chunks of its own, so the
      * flags' round trips overlap */
     for (int64_t g = rc + (int64_t)nr * threadIdx.x; g < rounds * d.W; g += (int64_t)nr * blockDim.x) {
@@ -1189,15 +1317,56 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const fused_dev d
   end_op(d, seq);
 }
 
+/* MODE_EXPERT_APART, after the exchange (every row has arrived: the
+ * dispatch kernel's receiver waited for each chunk): the padding rows
+ * zeroed, then a warp per rank-major row expands it into its expert-major
+ * rows, this rank's own rows from x. The window's rows stay valid until this
+ * rank's next dispatch-like launch (peers write them only after its
+ * clear-to-send). */
+template <typename T>
+__global__ void __launch_bounds__(kThreads) expand_kernel(const fused_dev d, const fused_plan_dev p, const uint4 *x,
+                                                          uint4 *recv, int weighted) {
+  __shared__ int64_t s_rbase[EPX_FUSED_MAX_RANKS + 1];
+  if (failed(d)) return; /* a wait ran out: rows are missing, the error word says which */
+  const info_index ii = make_info_index(d.W, d.El);
+  if (threadIdx.x <= d.W) s_rbase[threadIdx.x] = p.info[ii.rbase + threadIdx.x];
+  __syncthreads();
+  const int lane = threadIdx.x & 31;
+  const int64_t warps = (int64_t)gridDim.x * kWarps, gw = (int64_t)blockIdx.x * kWarps + (threadIdx.x >> 5);
+  const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+  if (p.C) {
+    /* capacity: every slot no route claimed (scattered over the groups) */
+    for (int64_t r = gw; r < p.row_bound; r += warps)
+      if (p.row_src_rank[r] < 0)
+        for (int64_t i = lane; i < d.nvec; i += 32) recv[r * d.nvec + i] = zero;
+  } else {
+    for (int e = 0; e < d.El; e++)
+      for (int64_t r = p.info[ii.eoff + e] + p.info[ii.ecount + e] + gw; r < p.info[ii.eoff + e + 1]; r += warps)
+        for (int64_t i = lane; i < d.nvec; i += 32) recv[r * d.nvec + i] = zero;
+  }
+  const uint4 *pay = reinterpret_cast<const uint4 *>(d.local + d.off_pay);
+  for (int64_t q = gw; q < s_rbase[d.W]; q += warps) {
+    int s = 0;
+    while (s + 1 < d.W && s_rbase[s + 1] <= q) s++;
+    const int32_t *rows = p.pair_rows + q * p.K;
+    const float *w = p.pair_w + q * p.K;
+    if (s == d.rank)
+      warp_expand<T, false>(recv, x + (int64_t)p.pair_token[q] * d.nvec, rows, w, p.K, weighted, d.nvec, lane);
+    else
+      warp_expand<T, true>(recv, pay + q * d.nvec, rows, w, p.K, weighted, d.nvec, lane);
+  }
+}
+
 template <typename T>
 cudaError_t launch_dispatch(const fused_dev &d, const fused_plan_dev &p, const uint4 *x, uint4 *recv, int mode,
-                            int weighted, int n, int ns, size_t smem, cudaStream_t stream) {
+                            int weighted, int n, int ns, int expand_ctas, size_t smem, cudaStream_t stream) {
   if (smem > 0) {
     const cudaError_t e =
         cudaFuncSetAttribute(dispatch_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     if (e != cudaSuccess) return e;
   }
   dispatch_kernel<T><<<n, kThreads, smem, stream>>>(d, p, x, recv, mode, weighted, ns);
+  if (mode == MODE_EXPERT_APART) expand_kernel<T><<<expand_ctas, kThreads, 0, stream>>>(d, p, x, recv, weighted);
   return cudaGetLastError();
 }
 
@@ -1211,17 +1380,24 @@ extern "C" cudaError_t epx_fused_dispatch_launch(epx_fused_t *f, const epx_fused
   const bool expert = plan->dev.expert_major != 0;
   if ((expert && (!recv_x || recv_x == window)) || (!x && plan->dev.T > 0) || (!expert && weighted))
     return cudaErrorInvalidValue;
-  const int mode = expert ? MODE_EXPERT : (!recv_x || recv_x == window) ? MODE_RANK_WINDOW : MODE_RANK_COPY;
+  /* capacity rows are always expanded apart (its empty slots are zeroed there) */
+  const bool apart = expert && (plan->dev.C || (epx_cuda_launch_flags() & EPX_CUDA_FUSED_EXPAND_APART));
+  const int mode = expert ? (apart ? MODE_EXPERT_APART : MODE_EXPERT)
+                          : (!recv_x || recv_x == window) ? MODE_RANK_WINDOW : MODE_RANK_COPY;
   int n = num_ctas < 2 ? 2 : num_ctas > f->num_sms ? f->num_sms : num_ctas;
-  int nr = recv_ctas > 0 ? recv_ctas : mode == MODE_RANK_WINDOW ? 1 : n / 2;
+  int nr = recv_ctas > 0 ? recv_ctas
+           : mode == MODE_RANK_WINDOW || mode == MODE_EXPERT_APART ? 1
+                                                                    : epx_fused_receivers(n);
   if (nr > n - 1) nr = n - 1;
   const uint4 *xs = static_cast<const uint4 *>(x);
   uint4 *rs = static_cast<uint4 *>(mode == MODE_RANK_WINDOW ? window : recv_x);
   const size_t smem = (size_t)d.bulk_warps * (size_t)bulk_slot_bytes(d.row_bytes);
+  const int ex = 2 * f->num_sms; /* the expansion apart: two CTAs of 16 warps per SM */
   switch (f->config.dtype) {
-    case EPX_FLOAT32: return launch_dispatch<float>(d, plan->dev, xs, rs, mode, weighted, n, n - nr, smem, stream);
-    case EPX_BFLOAT16: return launch_dispatch<__nv_bfloat16>(d, plan->dev, xs, rs, mode, weighted, n, n - nr, smem, stream);
-    case EPX_FLOAT16: return launch_dispatch<__half>(d, plan->dev, xs, rs, mode, weighted, n, n - nr, smem, stream);
+    case EPX_FLOAT32: return launch_dispatch<float>(d, plan->dev, xs, rs, mode, weighted, n, n - nr, ex, smem, stream);
+    case EPX_BFLOAT16:
+      return launch_dispatch<__nv_bfloat16>(d, plan->dev, xs, rs, mode, weighted, n, n - nr, ex, smem, stream);
+    case EPX_FLOAT16: return launch_dispatch<__half>(d, plan->dev, xs, rs, mode, weighted, n, n - nr, ex, smem, stream);
   }
   return cudaErrorInvalidValue;
 }

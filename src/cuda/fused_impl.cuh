@@ -8,11 +8,14 @@
  *                        enters op seq, so peers may write its other regions
  *   lflag [W] u32        layout counts from s have arrived (seq+1)
  *   mflag [W] u32        layout routing records from s have arrived (seq+1)
+ *   vflag [W] u32        routing-weight gradients from s have arrived (seq+1)
  *   cflag [W][chunks] u32  chunk j of rows (or partials) from s has arrived
  *   mat   [W][W] i32     row counts: mat[s][d] = rows s sends to d
  *   hist  [W][E_local] i32  routes from s to each local expert
  *   hdr   [W][EPX_FUSED_HDR_INTS] i32  rank s's header (tokens, oversize,
  *                        invalid, top_k, weighting), sent with the counts
+ *   back  [W][maxT][Kmax] f32  routing-weight gradients from s, per token of
+ *                        this rank and k-slot (fused_values.cu)
  *   meta  [W*maxT] records of the rank-major rows: token, then per k-slot
  *                        the expert (-1 unless on this rank), weight, and the
  *                        route's position among the source's routes to it
@@ -41,7 +44,7 @@ constexpr int kLayoutTokens = 256;  /* tokens per block of the layout count */
 
 /* Phases named by the error word. */
 enum { PH_LAYOUT_CTS = 1, PH_LAYOUT_COUNTS, PH_LAYOUT_META, PH_DISPATCH_CTS, PH_DISPATCH_ROWS,
-       PH_COMBINE_CTS, PH_COMBINE_ROWS };
+       PH_COMBINE_CTS, PH_COMBINE_ROWS, PH_VALUES_CTS, PH_VALUES };
 
 /* ctl words (device memory of this rank). */
 enum { CTL_SEQ = 0, CTL_DONE = 1, CTL_ABORT = 2, CTL_WORDS = 4 };
@@ -55,7 +58,8 @@ struct fused_dev {
   int W, rank, E, El, Kmax, max_chunks;
   int bulk_warps;                  /* > 0: senders move whole rows with the bulk copy engine */
   int64_t maxT, H, nvec, row_bytes, meta_stride;
-  size_t off_cts, off_lflag, off_mflag, off_cflag, off_mat, off_hist, off_hdr, off_meta, off_pay, off_part;
+  size_t off_cts, off_lflag, off_mflag, off_vflag, off_cflag, off_mat, off_hist, off_hdr, off_back, off_meta,
+      off_pay, off_part;
 };
 
 /* Index of the small int64 table of a plan (device), from W and E_local.
@@ -87,7 +91,8 @@ static inline __host__ __device__ info_index make_info_index(int W, int El) {
 struct fused_plan_dev {
   int32_t *idx;        /* [maxT, K] validated routing */
   float *w;            /* [maxT, K] */
-  int32_t *pos;        /* [maxT, K] position of the route among this rank's routes to its expert */
+  int32_t *pos;        /* [maxT, K] position of the route among this rank's routes to its expert
+                          (capacity: its location) */
   int32_t *tok_slot;   /* [maxT, W] the token's index among this rank's tokens to d, -1 */
   int32_t *send_token; /* [W, maxT] token of each slot */
   int32_t *chunk_hist; /* [blocks, E] per-block route counts, then their exclusive prefix */
@@ -102,8 +107,10 @@ struct fused_plan_dev {
   int32_t *row_src_rank, *row_src_token, *row_expert; /* [row_bound] */
   float *row_w;
   unsigned long long *invalid;
+  unsigned long long *claim; /* capacity: [E, C] each slot's claim, (seq + 1) << 32 | ~route (atomicMax) */
   int64_t row_bound;
-  int expert_major, align, K;
+  int64_t C;           /* capacity: slots per (local expert, source rank); 0 otherwise */
+  int expert_major, align, K; /* expert_major: also 1 in the capacity layout (rows per route) */
   int64_t T;
   int32_t oversize, weighting; /* this rank's header words of the current layout */
 };
@@ -297,6 +304,15 @@ __device__ __forceinline__ uint4 scale_vec(const uint4 &v, float w) {
 #pragma unroll
   for (int e = 0; e < vec::n; e++) f[e] = __fmul_rn(w, f[e]);
   return vec::pack(f);
+}
+
+/* The receiving (dispatch) or reducing (combine) CTAs of a budget of n:
+ * half, a quarter or an eighth (launch flags EPX_CUDA_FUSED_RECV_QUARTER /
+ * _EIGHTH, for the sweep of the split), at least one. */
+static inline int epx_fused_receivers(int n) {
+  const int flags = epx_cuda_launch_flags();
+  const int share = flags & EPX_CUDA_FUSED_RECV_EIGHTH ? n / 8 : flags & EPX_CUDA_FUSED_RECV_QUARTER ? n / 4 : n / 2;
+  return share > 1 ? share : 1;
 }
 
 /* Bytes of one element of a dtype (0 for an unknown one). */

@@ -91,7 +91,16 @@ cudaError_t epx_cuda_layout_launch(const int32_t *topk_idx, const int32_t *locat
  *     when they end);
  *   EPX_CUDA_RANK_ALONE: one layout rank block per SM (shared memory);
  *   EPX_CUDA_LAYOUT_NARROW: expert-major rank blocks of up to 16 warps of
- *     64 routes (else 8 of 128).
+ *     64 routes (else 8 of 128);
+ *   EPX_CUDA_FUSED_EXPAND_APART: the fused expert-major dispatch (and
+ *     combine_backward) leaves the remote rows in the window, all of the SM
+ *     budget sending, and expands every row in a kernel of its own over every
+ *     SM (a local copy, as the host path's expansion is); else the budget's
+ *     receiving half expands rows as they arrive;
+ *   EPX_CUDA_FUSED_RECV_QUARTER, EPX_CUDA_FUSED_RECV_EIGHTH: a quarter or an
+ *     eighth of the fused kernels' SM budget receives (dispatch: waits for
+ *     and copies or expands the rows; combine: sums the partials), the rest
+ *     sends; else half (the 2-GPU benchmark sweeps the split).
  * The default is the fastest at 8192 x 256 top-8 on an H200 (bench/NOTES-gpu.md,
  * branch h16-route): route + layout 24.3 us against 26.0 with none. Early
  * routing kernels gained nothing there, and without EPX_CUDA_RANK_ALONE
@@ -101,6 +110,9 @@ cudaError_t epx_cuda_layout_launch(const int32_t *topk_idx, const int32_t *locat
 #define EPX_CUDA_PDL_LAYOUT_EARLY 4
 #define EPX_CUDA_RANK_ALONE 8
 #define EPX_CUDA_LAYOUT_NARROW 16
+#define EPX_CUDA_FUSED_EXPAND_APART 32
+#define EPX_CUDA_FUSED_RECV_QUARTER 64
+#define EPX_CUDA_FUSED_RECV_EIGHTH 128
 #define EPX_CUDA_LAUNCH_DEFAULT \
   (EPX_CUDA_PDL_LAUNCH | EPX_CUDA_PDL_LAYOUT_EARLY | EPX_CUDA_RANK_ALONE | EPX_CUDA_LAYOUT_NARROW)
 void epx_cuda_set_launch_flags(int flags);

@@ -40,7 +40,8 @@
 #include <cuda_runtime_api.h>
 
 #include "core/dtype.h"
-#include "cuda/cuda_backend.h"
+#include "cuda/cuda_backend.h" /* epx_cuda_ep_at_one_rank */
+#include "cuda/launch.h" /* epx_cuda_set_launch_flags: the fused expansion's two forms */
 #include "epx.h"
 #include "mpi_gpu_check.h"
 
@@ -555,7 +556,7 @@ static void compare_queries(const case_t *c, const result_t *a, const result_t *
  * every peer in this version). */
 static void check_path(const case_t *c, epx_exchange_t x, epx_exchange_path_t asked, const result_t *g) {
   const int fused_ok = (asked == EPX_PATH_FUSED || (asked == EPX_PATH_AUTO && c->layout == EPX_LAYOUT_RANK_MAJOR)) &&
-                       x == EPX_EXCHANGE_DEDUP && c->layout != EPX_LAYOUT_CAPACITY;
+                       x == EPX_EXCHANGE_DEDUP;
   CHECK(g->path == EPX_PATH_FUSED || g->path == EPX_PATH_HOST, "%s: peers on different paths (%d)",
         describe(c, x), g->path);
   if (!fused_ok) CHECK(g->path == EPX_PATH_HOST, "%s: path %d, the host path expected", describe(c, x), g->path);
@@ -577,7 +578,20 @@ static void run_case(const case_t *c, epx_comm_t nccl, void *stream) {
     result_free(&cpu);
   }
   compare_exchanges(c, &gpu[0], &gpu[1], "collective");
-  if (c->layout != EPX_LAYOUT_CAPACITY) {
+  if (c->layout != EPX_LAYOUT_RANK_MAJOR) {
+    /* The fused rows expanded into expert order the other way (the
+     * receiving CTAs as rows arrive, or a kernel of its own after the
+     * exchange; the capacity layout always the latter): the same bits. */
+    const int flags = epx_cuda_launch_flags();
+    epx_cuda_set_launch_flags(flags ^ EPX_CUDA_FUSED_EXPAND_APART);
+    run_t other = {c, EPX_EXCHANGE_DEDUP, nccl, g_rank, EPX_DEVICE_CUDA, {0}, stream};
+    run_rank(&other);
+    epx_cuda_set_launch_flags(flags);
+    compare_exchanges(c, &gpu[0], &other.res, "the other fused expansion (EPX_CUDA_FUSED_EXPAND_APART)");
+    compare_queries(c, &gpu[0], &other.res, "the other fused expansion (EPX_CUDA_FUSED_EXPAND_APART)");
+    result_free(&other.res);
+  }
+  {
     /* The same dedup buffer forced onto the host path: the same bits. */
     run_t run = {c, EPX_EXCHANGE_DEDUP, nccl, g_rank, EPX_DEVICE_CUDA, {0}, stream};
     g_path = EPX_PATH_HOST;
@@ -589,7 +603,7 @@ static void run_case(const case_t *c, epx_comm_t nccl, void *stream) {
     compare_queries(c, &gpu[0], &run.res, "the host path (EPX_PATH_HOST)");
     result_free(&run.res);
     /* The default, AUTO: the fused kernels for rank-major, the host path for
-     * expert-major (epx.h); the same bits either way. */
+     * expert-major and capacity (epx.h); the same bits either way. */
     run_t automatic = {c, EPX_EXCHANGE_DEDUP, nccl, g_rank, EPX_DEVICE_CUDA, {0}, stream};
     g_path = EPX_PATH_AUTO;
     run_rank(&automatic);
@@ -631,11 +645,11 @@ static epx_buffer_t simple_buffer(epx_comm_t comm, void *stream, int worst) {
 }
 
 /* This rank's seeded routing for the tests below, on the device: the host
- * copy, its ids and weights, and the epx_routing_t over them (no weights
- * with EPX_WEIGHTS_NONE). */
+ * copy, its ids, weights and locations, and the epx_routing_t over them (no
+ * weights with EPX_WEIGHTS_NONE, locations with the capacity layout only). */
 typedef struct {
   routing_t rt;
-  int32_t *idx;
+  int32_t *idx, *loc;
   float *w;
   epx_routing_t r;
 } test_routing_t;
@@ -644,12 +658,15 @@ static void test_routing(epx_layout_t layout, epx_weighting_t weighting, int ske
   const case_t c = {layout, EPX_BFLOAT16, weighting, 0, 0, skew, 0, seed};
   make_routing(&c, g_rank, &t->rt);
   t->idx = dev_put(t->rt.idx, sizeof t->rt.idx);
+  t->loc = dev_put(t->rt.loc, sizeof t->rt.loc);
   t->w = dev_put(t->rt.w, sizeof t->rt.w);
-  t->r = (epx_routing_t){t->rt.T, K, t->idx, weighting == EPX_WEIGHTS_NONE ? NULL : t->w, NULL, weighting};
+  t->r = (epx_routing_t){t->rt.T, K, t->idx, weighting == EPX_WEIGHTS_NONE ? NULL : t->w,
+                         layout == EPX_LAYOUT_CAPACITY ? t->loc : NULL, weighting};
 }
 
 static void test_routing_free(test_routing_t *t) {
   cudaFree(t->idx);
+  cudaFree(t->loc);
   cudaFree(t->w);
 }
 
@@ -793,6 +810,62 @@ static void test_invalid_routing(epx_comm_t comm, void *stream, int worst, int d
   OK(epx_buffer_destroy(b));
   test_routing_free(&tr);
   cudaFree(idx);
+}
+
+/* Capacity slots (the capacity layout): on the last rank, a route's location
+ * outside [0, C) (bad_location) or a slot an earlier route of the same
+ * expert took: that rank gets EPX_ERROR_INVALID_ARGUMENT naming the
+ * route's routing.locations entry, the others EPX_ERROR_PEER_FAILED naming
+ * the rank, as for an invalid expert (test_invalid_routing); the earlier
+ * route keeps its slot. The buffer keeps working. */
+static void test_capacity_slots(epx_comm_t comm, void *stream, int worst, int bad_location) {
+  epx_buffer_config_t cfg = simple_config(stream, worst);
+  cfg.layout = EPX_LAYOUT_CAPACITY;
+  cfg.capacity = C;
+  epx_buffer_t b;
+  OK(epx_buffer_create(comm, &cfg, &b));
+  test_routing_t tr;
+  test_routing(EPX_LAYOUT_CAPACITY, EPX_WEIGHTS_IN_COMBINE, 0, 23, &tr);
+  const routing_t rt = tr.rt;
+  const int bad = g_size - 1;
+  routing_t wrong = rt;
+  /* the first route of the last rank's token 4 or later whose expert an
+   * earlier route of this rank also fills (that route took location 0) */
+  int64_t at = -1;
+  for (int64_t i = 4 * K; i < rt.T * K && at < 0 && g_rank == bad; i++)
+    if (rt.idx[i] >= 0 && rt.loc[i] > 0) at = i;
+  if (at >= 0) wrong.loc[at] = bad_location ? C + 2 : 0;
+  int32_t *loc = dev_put(wrong.loc, sizeof wrong.loc);
+  epx_routing_t r = tr.r;
+  r.locations = loc;
+  epx_handle_t h = NULL;
+  epx_status_t s = epx_dispatch_layout(b, &r, NULL, &h);
+  if (worst) {
+    CHECK(s == EPX_SUCCESS && h, "capacity slots (worst case): the layout returned %s (%s)", epx_status_string(s),
+          epx_last_error());
+    int64_t rows = 0;
+    s = h ? epx_handle_recv_rows(h, &rows) : EPX_ERROR_INTERNAL;
+  } else {
+    CHECK(h == NULL, "capacity slots: a handle came back");
+  }
+  char named[48], entry[64];
+  snprintf(named, sizeof named, "rank %d", bad);
+  snprintf(entry, sizeof entry, "routing.locations[%lld][%d]", (long long)(at / K), (int)(at % K));
+  const char *why = bad_location ? "outside the capacity" : "taken twice";
+  if (g_rank == bad)
+    CHECK(at >= 0 && s == EPX_ERROR_INVALID_ARGUMENT && strstr(epx_last_error(), entry) &&
+              strstr(epx_last_error(), why),
+          "capacity slots (worst %d, bad location %d): rank %d got %s (%s)", worst, bad_location, g_rank,
+          epx_status_string(s), epx_last_error());
+  else
+    CHECK(s == EPX_ERROR_PEER_FAILED && strstr(epx_last_error(), named),
+          "capacity slots (worst %d, bad location %d): rank %d got %s (%s)", worst, bad_location, g_rank,
+          epx_status_string(s), epx_last_error());
+  if (h) OK(epx_handle_release(h));
+  layout_still_works(b, &tr.r);
+  OK(epx_buffer_destroy(b));
+  test_routing_free(&tr);
+  cudaFree(loc);
 }
 
 /* The last rank calls epx_combine where the others call epx_dispatch (same
@@ -1029,6 +1102,10 @@ int main(int argc, char **argv) {
   const char *xf = getenv("EPX_GPU_EXPECT_FUSED");
   g_expect_fused = xf && *xf && strcmp(xf, "0");
   E = 8 * g_size;
+  /* One rank (one GPU): the W-rank backend all the same (NCCL, the fused
+   * kernels), so its paths are checked where no second GPU is at hand; the
+   * tests of one rank against another are left out. */
+  if (g_size == 1) epx_cuda_ep_at_one_rank(1);
   int devices = 0;
   CU(cudaGetDeviceCount(&devices));
   CU(cudaSetDevice(g_rank % devices));
@@ -1043,10 +1120,7 @@ int main(int argc, char **argv) {
   OK(epx_comm_rank(comm, &rank));
   OK(epx_comm_size(comm, &size));
   CHECK(rank == g_rank && size == g_size, "the NCCL comm is rank %d of %d", rank, size);
-  /* One rank: every buffer below takes the W-rank backend anyway (the test
-   * hook), so a one-GPU machine checks ep.c and the fused kernels. */
-  const int one = g_size == 1;
-  if (one) epx_cuda_ep_at_one_rank(1);
+  const int one = g_size == 1; /* the W-rank backend all the same (above) */
 
   int cases = 0, seed = 1;
   const epx_layout_t layouts[] = {EPX_LAYOUT_EXPERT_MAJOR, EPX_LAYOUT_RANK_MAJOR, EPX_LAYOUT_CAPACITY};
@@ -1074,6 +1148,8 @@ int main(int argc, char **argv) {
       test_capacity_refusal(comm, stream, worst);
       if (!one) test_weighting_mismatch(comm, stream, worst);
       for (int dup = 0; dup < 2; dup++) test_invalid_routing(comm, stream, worst, dup);
+      for (int bad_location = 0; bad_location < 2; bad_location++)
+        test_capacity_slots(comm, stream, worst, bad_location);
     }
     if (!one) test_call_mismatch(comm, stream);
     test_recorder(comm, stream);

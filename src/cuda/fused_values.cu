@@ -1,0 +1,176 @@
+/* The fused NVLink exchange, part 3: the routing-weight gradients. A route's
+ * gradient is formed on its expert's rank (a value the caller computed per
+ * recv row, or the dot of combine_backward) and belongs to its token's rank:
+ * grad_w [T, K]. One combine-like op of two kernels, K floats per received
+ * row (see fused.h, epx_fused_values_home_launch):
+ *   send   a warp per received rank-major row: the row's values for its
+ *          k-slots on this rank, written into the source rank's window
+ *          (back[this rank][token][k]); the last CTA raises each rank's flag;
+ *   home   a thread per (token, k): waits for every rank's flag, then reads
+ *          the value of the rank that holds the route's expert (0 for a slot
+ *          without a route, and everywhere in an empty layout).
+ * The dots of combine_backward are formed exactly as the host path's expand
+ * kernel forms them (src/cuda/dispatch.cu, kDot: per lane a float32 sum over
+ * EPX_CUDA_MOVE_VECS vectors per step, the warp's butterfly sum per step,
+ * the steps added in order from 0), so both paths give the same bits. */
+#include <cuda_runtime.h>
+
+#include "cuda/fused_impl.cuh"
+
+using namespace epx_fused_impl;
+
+namespace {
+
+constexpr int kValuesThreads = 256;
+
+/* <a, b> over one row of nvec 16-byte vectors, by one warp, in the host
+ * path's order (see the file comment). kWindowA: a is window memory. */
+template <typename T, bool kWindowA>
+__device__ float warp_dot(const uint4 *a, const uint4 *b, int64_t nvec, int lane) {
+  using vec = epx_vec<T>;
+  constexpr int n = vec::n;
+  constexpr int U = EPX_CUDA_MOVE_VECS;
+  const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+  float acc = 0.0f;
+  for (int64_t v0 = 0; v0 < nvec; v0 += 32 * U) {
+    uint4 av[U], bv[U];
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+      const int64_t i = v0 + u * 32 + lane;
+      av[u] = i < nvec ? ld_row<kWindowA>(a + i) : zero;
+      bv[u] = i < nvec ? ld_stream(b + i) : zero;
+    }
+    float part = 0.0f;
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+      float af[n], bf[n];
+      vec::unpack(av[u], af);
+      vec::unpack(bv[u], bf);
+#pragma unroll
+      for (int e = 0; e < n; e++) part = __fadd_rn(part, __fmul_rn(af[e], bf[e]));
+    }
+    acc = __fadd_rn(acc, epx_warp_sum(part));
+  }
+  return acc;
+}
+
+struct values_args {
+  int mode;            /* EPX_FUSED_VALUES_* */
+  const float *values; /* PER_SLOT [N, K], PER_ROW [N] */
+  const uint4 *expert_out, *grad_out; /* DOTS: [N, H] in the layout, [T, H] */
+  float *grad_w;       /* [T, K] */
+};
+
+__device__ __forceinline__ float *back_at(const fused_dev &d, char *window, int from, int64_t t) {
+  return reinterpret_cast<float *>(window + d.off_back) + ((int64_t)from * d.maxT + t) * d.Kmax;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kValuesThreads) values_send_kernel(const fused_dev d, const fused_plan_dev p,
+                                                                     const values_args a) {
+  __shared__ int s_bad;
+  __shared__ int64_t s_rbase[EPX_FUSED_MAX_RANKS + 1];
+  if (failed(d)) return;
+  const uint32_t seq = *reinterpret_cast<volatile uint32_t *>(d.ctl + CTL_SEQ);
+  const info_index ii = make_info_index(d.W, d.El);
+  if (blockIdx.x == 0) send_cts(d, seq);
+  if (threadIdx.x == 0) s_bad = 0;
+  if (threadIdx.x <= d.W) s_rbase[threadIdx.x] = p.info[ii.rbase + threadIdx.x];
+  __syncthreads();
+  /* a source's back region is free once it entered this op */
+  if (threadIdx.x < d.W && threadIdx.x != d.rank &&
+      !wait_flag(d, flag_at(d.local, d.off_cts, threadIdx.x), seq + 1, threadIdx.x, PH_VALUES_CTS))
+    s_bad = 1;
+  __syncthreads();
+  if (!s_bad) {
+    const int lane = threadIdx.x & 31, K = p.K;
+    const uint4 *pay = reinterpret_cast<const uint4 *>(d.local + d.off_pay);
+    const int64_t pairs = s_rbase[d.W];
+    const int64_t warps = (int64_t)gridDim.x * (blockDim.x >> 5);
+    for (int64_t q = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5; q < pairs; q += warps) {
+      int s = 0;
+      while (s + 1 < d.W && s_rbase[s + 1] <= q) s++;
+      const int32_t t = p.pair_token[q];
+      float *home = back_at(d, d.peer[s], d.rank, t);
+      if (a.mode == EPX_FUSED_VALUES_PER_SLOT) {
+        if (lane < K && p.pair_expert[q * K + lane] >= 0) home[lane] = a.values[q * K + lane];
+      } else if (a.mode == EPX_FUSED_VALUES_PER_ROW) {
+        const int32_t row = lane < K ? p.pair_rows[q * K + lane] : -1;
+        if (row >= 0) home[lane] = a.values[row];
+      } else {
+        /* the grad_out row as it arrived (this rank's own rows never went
+         * through the window: read at home) against each slot's expert row */
+        const int32_t my_row = lane < K ? p.pair_rows[q * K + lane] : -1;
+        for (unsigned m = __ballot_sync(0xffffffffu, my_row >= 0); m; m &= m - 1) {
+          const int k = __ffs(m) - 1;
+          const int64_t row = __shfl_sync(0xffffffffu, my_row, k);
+          const uint4 *eo = a.expert_out + row * d.nvec;
+          const float dot = s == d.rank ? warp_dot<T, false>(a.grad_out + (int64_t)t * d.nvec, eo, d.nvec, lane)
+                                        : warp_dot<T, true>(pay + q * d.nvec, eo, d.nvec, lane);
+          if (lane == 0) home[k] = dot;
+        }
+      }
+    }
+  }
+  if (last_cta(d) && threadIdx.x < d.W) st_release_sys(flag_at(d.peer[threadIdx.x], d.off_vflag, d.rank), seq + 1);
+}
+
+__global__ void __launch_bounds__(kValuesThreads) values_home_kernel(const fused_dev d, const fused_plan_dev p,
+                                                                     float *grad_w) {
+  __shared__ int s_bad;
+  if (failed(d)) return;
+  const uint32_t seq = *reinterpret_cast<volatile uint32_t *>(d.ctl + CTL_SEQ);
+  const info_index ii = make_info_index(d.W, d.El);
+  if (threadIdx.x == 0) s_bad = 0;
+  __syncthreads();
+  if (threadIdx.x < d.W &&
+      !wait_flag(d, flag_at(d.local, d.off_vflag, threadIdx.x), seq + 1, threadIdx.x, PH_VALUES))
+    s_bad = 1;
+  __syncthreads();
+  const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (!s_bad && i < p.T * p.K) {
+    const int64_t t = i / p.K;
+    const int k = (int)(i % p.K);
+    const int32_t e = p.idx[i];
+    /* an empty layout (a rank was oversize) moved nothing: no route has a value */
+    grad_w[i] = e >= 0 && !p.info[ii.empty] ? __ldcg(back_at(d, d.local, e / d.El, t) + k) : 0.0f;
+  }
+  end_op(d, seq);
+}
+
+template <typename T>
+cudaError_t launch_values(epx_fused_t *f, const epx_fused_plan_t *plan, const values_args &a, int n,
+                          cudaStream_t stream) {
+  const fused_plan_dev &p = plan->dev;
+  values_send_kernel<T><<<n, kValuesThreads, 0, stream>>>(f->dev, p, a);
+  const int64_t home_blocks = (p.T * p.K + kValuesThreads - 1) / kValuesThreads;
+  values_home_kernel<<<(unsigned)(home_blocks > 0 ? home_blocks : 1), kValuesThreads, 0, stream>>>(f->dev, p,
+                                                                                                   a.grad_w);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+extern "C" cudaError_t epx_fused_values_home_launch(epx_fused_t *f, const epx_fused_plan_t *plan, int mode,
+                                                    const void *values, const void *grad_out, float *grad_w,
+                                                    int32_t num_ctas, cudaStream_t stream) {
+  const fused_plan_dev &p = plan->dev;
+  const bool dots = mode == EPX_FUSED_VALUES_DOTS;
+  if ((mode != EPX_FUSED_VALUES_PER_SLOT && mode != EPX_FUSED_VALUES_PER_ROW && !dots) ||
+      (mode == EPX_FUSED_VALUES_PER_SLOT && p.expert_major) || (mode != EPX_FUSED_VALUES_PER_SLOT && !p.expert_major) ||
+      (!grad_w && p.T > 0) || (dots && !grad_out && p.T > 0))
+    return cudaErrorInvalidValue;
+  values_args a;
+  a.mode = mode;
+  a.values = dots ? nullptr : static_cast<const float *>(values);
+  a.expert_out = dots ? static_cast<const uint4 *>(values) : nullptr;
+  a.grad_out = static_cast<const uint4 *>(grad_out);
+  a.grad_w = grad_w;
+  const int n = num_ctas < 1 ? 1 : num_ctas > f->num_sms ? f->num_sms : num_ctas;
+  switch (f->config.dtype) {
+    case EPX_FLOAT32: return launch_values<float>(f, plan, a, n, stream);
+    case EPX_BFLOAT16: return launch_values<__nv_bfloat16>(f, plan, a, n, stream);
+    case EPX_FLOAT16: return launch_values<__half>(f, plan, a, n, stream);
+  }
+  return cudaErrorInvalidValue;
+}
