@@ -104,7 +104,10 @@ cudaError_t epx_cuda_layout_launch(const int32_t *topk_idx, const int32_t *locat
  * The default is the fastest at 8192 x 256 top-8 on an H200 (bench/NOTES-gpu.md,
  * branch h16-route): route + layout 24.3 us against 26.0 with none. Early
  * routing kernels gained nothing there, and without EPX_CUDA_RANK_ALONE
- * they cost 4 us (rank blocks piled onto the first SMs to empty). */
+ * they cost 4 us (rank blocks piled onto the first SMs to empty). The
+ * expansion apart: the fused expert-major dispatch at one rank (every row
+ * expanded, none over NVLink) 0.353 ms against 1.004 with the budget's
+ * receiving half expanding (bench/NOTES-gpu.md, session 17). */
 #define EPX_CUDA_PDL_LAUNCH 1
 #define EPX_CUDA_PDL_ROUTE_EARLY 2
 #define EPX_CUDA_PDL_LAYOUT_EARLY 4
@@ -113,8 +116,9 @@ cudaError_t epx_cuda_layout_launch(const int32_t *topk_idx, const int32_t *locat
 #define EPX_CUDA_FUSED_EXPAND_APART 32
 #define EPX_CUDA_FUSED_RECV_QUARTER 64
 #define EPX_CUDA_FUSED_RECV_EIGHTH 128
-#define EPX_CUDA_LAUNCH_DEFAULT \
-  (EPX_CUDA_PDL_LAUNCH | EPX_CUDA_PDL_LAYOUT_EARLY | EPX_CUDA_RANK_ALONE | EPX_CUDA_LAYOUT_NARROW)
+#define EPX_CUDA_LAUNCH_DEFAULT                                                                  \
+  (EPX_CUDA_PDL_LAUNCH | EPX_CUDA_PDL_LAYOUT_EARLY | EPX_CUDA_RANK_ALONE | EPX_CUDA_LAYOUT_NARROW | \
+   EPX_CUDA_FUSED_EXPAND_APART)
 void epx_cuda_set_launch_flags(int flags);
 int epx_cuda_launch_flags(void);
 
