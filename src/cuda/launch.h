@@ -95,8 +95,11 @@ cudaError_t epx_cuda_layout_launch(const int32_t *topk_idx, const int32_t *locat
  *   EPX_CUDA_FUSED_EXPAND_APART: the fused expert-major dispatch (and
  *     combine_backward) leaves the remote rows in the window, all of the SM
  *     budget sending, and expands every row in a kernel of its own over every
- *     SM (a local copy, as the host path's expansion is); else the budget's
- *     receiving half expands rows as they arrive;
+ *     SM (a local copy, as the host path's expansion is); the fused
+ *     expert-major combine (and dispatch_backward) with payload-dtype
+ *     partials forms every received row's partial in such a kernel first,
+ *     and the budget's CTAs only move and sum them; else the budget's CTAs
+ *     expand rows as they arrive and form partials as they send;
  *   EPX_CUDA_FUSED_RECV_QUARTER, EPX_CUDA_FUSED_RECV_EIGHTH: a quarter or an
  *     eighth of the fused kernels' SM budget receives (dispatch: waits for
  *     and copies or expands the rows; combine: sums the partials), the rest
