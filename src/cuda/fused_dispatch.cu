@@ -688,16 +688,34 @@ __global__ void __launch_bounds__(kLayoutTokens) layout_count_kernel(const fused
   if (threadIdx.x == 0) s_invalid = ~0ull;
   for (int i = threadIdx.x; i < kLayoutWarps * E; i += blockDim.x) s_cnt[i] = 0;
   __syncthreads();
-  for (int i = threadIdx.x; i < kLayoutTokens * K; i += blockDim.x) {
-    int32_t e = -1;
-    if (i < n * K) {
-      e = topk_idx[t0 * K + i];
-      if (e < -1 || e >= E) {
-        note_invalid(&s_invalid, t0 * K + i, EPX_CUDA_BAD_EXPERT);
-        e = -1;
-      }
+  /* The block's routes (and the copy of their weights), kU loads in flight
+   * per thread: one at a time, each waited for before the next, they were
+   * most of the block's time. */
+  constexpr int kU = 8;
+  for (int i0 = threadIdx.x; i0 < kLayoutTokens * K; i0 += kU * kLayoutTokens) {
+    int32_t v[kU];
+    float wv[kU];
+#pragma unroll
+    for (int u = 0; u < kU; u++) {
+      const int i = i0 + u * kLayoutTokens;
+      const bool in = i < n * K;
+      v[u] = in ? __ldg(topk_idx + t0 * K + i) : -1;
+      wv[u] = in && topk_w ? __ldg(topk_w + t0 * K + i) : 0.0f;
     }
-    s_idx[i] = e;
+#pragma unroll
+    for (int u = 0; u < kU; u++) {
+      const int i = i0 + u * kLayoutTokens;
+      if (i >= kLayoutTokens * K) break;
+      int32_t e = v[u];
+      if (i < n * K) {
+        if (e < -1 || e >= E) {
+          note_invalid(&s_invalid, t0 * K + i, EPX_CUDA_BAD_EXPERT);
+          e = -1;
+        }
+        p.w[t0 * K + i] = wv[u];
+      }
+      s_idx[i] = e;
+    }
   }
   __syncthreads();
   const int tl = threadIdx.x;
@@ -727,7 +745,6 @@ __global__ void __launch_bounds__(kLayoutTokens) layout_count_kernel(const fused
         }
       }
       p.idx[(t0 + tl) * K + k] = e;
-      p.w[(t0 + tl) * K + k] = topk_w ? topk_w[(t0 + tl) * K + k] : 0.0f;
       if (e >= 0) mask |= 1u << (e / d.El);
     }
   }
@@ -775,7 +792,7 @@ __global__ void __launch_bounds__(kLayoutTokens) layout_count_kernel(const fused
   if (blockIdx.x == 0) LAYOUT_TRACE(1);
   /* The last block to finish (every block's counts visible to it) runs the
    * exchange: one launch fewer than a kernel of its own. */
-  if (last_cta(d)) layout_exchange(d, p, gridDim.x);
+  if (last_cta(d, false)) layout_exchange(d, p, gridDim.x); /* (its writes were this GPU's) */
 }
 
 /* Exclusive prefix over the blocks of each column of a [blocks, n] table, in
@@ -1054,7 +1071,7 @@ __global__ void __launch_bounds__(256) layout_records_kernel(const fused_dev d, 
       }
     }
   }
-  if (last_cta(d)) {
+  if (last_cta(d, true)) { /* the records went to the peers' windows */
     LAYOUT_TRACE(10);
     if (threadIdx.x < d.W) st_release_sys(flag_at(d.peer[threadIdx.x], d.off_mflag, d.rank), seq + 1);
   }

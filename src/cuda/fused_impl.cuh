@@ -164,12 +164,17 @@ __device__ __forceinline__ bool wait_flag(const fused_dev &d, const uint32_t *fl
 }
 
 /* Every CTA calls it once at its end; the last CTA to arrive gets true (with
- * the others' writes visible to it) and resets the counter. */
-__device__ __forceinline__ bool last_cta(const fused_dev &d) {
+ * the others' writes visible to it) and resets the counter. system: the CTAs
+ * wrote to peers' windows and the last CTA then raises a flag there, so
+ * every thread fences at system scope first; else (writes to this GPU's
+ * memory only) one GPU-scope fence per CTA, by thread 0 after the CTA's
+ * barrier, which orders the CTA's writes before it (fences are cumulative). */
+__device__ __forceinline__ bool last_cta(const fused_dev &d, bool system) {
   __shared__ int s_last;
-  __threadfence_system();
+  if (system) __threadfence_system();
   __syncthreads();
   if (threadIdx.x == 0) {
+    if (!system) __threadfence();
     const uint32_t old = atomicAdd(d.ctl + CTL_DONE, 1u);
     s_last = old == gridDim.x - 1;
     if (s_last) {
@@ -181,9 +186,10 @@ __device__ __forceinline__ bool last_cta(const fused_dev &d) {
   return s_last != 0;
 }
 
-/* Ends an op: the last CTA advances the op counter. */
+/* Ends an op: the last CTA advances the op counter (the next kernel reads
+ * it; what peers may see of this op was flagged to them already). */
 __device__ __forceinline__ void end_op(const fused_dev &d, uint32_t seq) {
-  if (last_cta(d) && threadIdx.x == 0) {
+  if (last_cta(d, false) && threadIdx.x == 0) {
     *reinterpret_cast<volatile uint32_t *>(d.ctl + CTL_SEQ) = seq + 1;
     __threadfence();
   }

@@ -95,8 +95,11 @@ cudaError_t epx_cuda_layout_launch(const int32_t *topk_idx, const int32_t *locat
  *   EPX_CUDA_FUSED_EXPAND_APART: the fused expert-major dispatch (and
  *     combine_backward) leaves the remote rows in the window, all of the SM
  *     budget sending, and expands every row in a kernel of its own over every
- *     SM (a local copy, as the host path's expansion is); else the budget's
- *     receiving half expands rows as they arrive;
+ *     SM (a local copy, as the host path's expansion is); the fused
+ *     expert-major combine (and dispatch_backward) with payload-dtype
+ *     partials forms every received row's partial in such a kernel first,
+ *     and the budget's CTAs only move and sum them; else the budget's CTAs
+ *     expand rows as they arrive and form partials as they send;
  *   EPX_CUDA_FUSED_RECV_QUARTER, EPX_CUDA_FUSED_RECV_EIGHTH: a quarter or an
  *     eighth of the fused kernels' SM budget receives (dispatch: waits for
  *     and copies or expands the rows; combine: sums the partials), the rest
@@ -104,7 +107,10 @@ cudaError_t epx_cuda_layout_launch(const int32_t *topk_idx, const int32_t *locat
  * The default is the fastest at 8192 x 256 top-8 on an H200 (bench/NOTES-gpu.md,
  * branch h16-route): route + layout 24.3 us against 26.0 with none. Early
  * routing kernels gained nothing there, and without EPX_CUDA_RANK_ALONE
- * they cost 4 us (rank blocks piled onto the first SMs to empty). */
+ * they cost 4 us (rank blocks piled onto the first SMs to empty). The
+ * expansion apart: the fused expert-major dispatch at one rank (every row
+ * expanded, none over NVLink) 0.353 ms against 1.004 with the budget's
+ * receiving half expanding (bench/NOTES-gpu.md, session 17). */
 #define EPX_CUDA_PDL_LAUNCH 1
 #define EPX_CUDA_PDL_ROUTE_EARLY 2
 #define EPX_CUDA_PDL_LAYOUT_EARLY 4
@@ -113,8 +119,9 @@ cudaError_t epx_cuda_layout_launch(const int32_t *topk_idx, const int32_t *locat
 #define EPX_CUDA_FUSED_EXPAND_APART 32
 #define EPX_CUDA_FUSED_RECV_QUARTER 64
 #define EPX_CUDA_FUSED_RECV_EIGHTH 128
-#define EPX_CUDA_LAUNCH_DEFAULT \
-  (EPX_CUDA_PDL_LAUNCH | EPX_CUDA_PDL_LAYOUT_EARLY | EPX_CUDA_RANK_ALONE | EPX_CUDA_LAYOUT_NARROW)
+#define EPX_CUDA_LAUNCH_DEFAULT                                                                  \
+  (EPX_CUDA_PDL_LAUNCH | EPX_CUDA_PDL_LAYOUT_EARLY | EPX_CUDA_RANK_ALONE | EPX_CUDA_LAYOUT_NARROW | \
+   EPX_CUDA_FUSED_EXPAND_APART)
 void epx_cuda_set_launch_flags(int flags);
 int epx_cuda_launch_flags(void);
 
