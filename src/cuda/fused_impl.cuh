@@ -32,6 +32,7 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "cuda/device_cache.h"
 #include "cuda/fused.h"
 #include "cuda/launch.h"
 

@@ -112,7 +112,8 @@ __global__ void __launch_bounds__(kValuesThreads) values_send_kernel(const fused
       }
     }
   }
-  if (last_cta(d, true) && threadIdx.x < d.W) st_release_sys(flag_at(d.peer[threadIdx.x], d.off_vflag, d.rank), seq + 1);
+  if (last_cta(d, true) && threadIdx.x < d.W) /* the values went to the sources' windows */
+    st_release_sys(flag_at(d.peer[threadIdx.x], d.off_vflag, d.rank), seq + 1);
 }
 
 __global__ void __launch_bounds__(kValuesThreads) values_home_kernel(const fused_dev d, const fused_plan_dev p,

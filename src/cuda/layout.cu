@@ -633,7 +633,9 @@ extern "C" int epx_cuda_launch_flags(void) { return g_launch_flags.load(std::mem
 namespace {
 
 constexpr int kCachedDevices = 64; /* device ids past it are served uncached */
-constexpr int kCachedKernels = 16; /* kernels whose limit is raised (5 today); more: uncached */
+/* kernels whose limit is raised (12 today: the routing and layout kernels,
+ * the fused ones); more: uncached */
+constexpr int kCachedKernels = 16;
 
 /* A device's attributes: state 0 unset, 1 being filled by the thread that
  * claimed it, 2 ready (info is then read-only). A thread that finds it
