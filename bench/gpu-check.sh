@@ -115,6 +115,19 @@ else
   rc=$?
   [ $rc = 0 ] && verdict "test mpi_gpu_exchange (1 rank, W-rank backend)" PASS ||
     verdict "test mpi_gpu_exchange (1 rank, W-rank backend)" "FAIL (exit $rc)"
+  # bench_ep on one rank (the same hook): the fused and host paths' local
+  # work timed (layout stages, expansion, reduction; nothing crosses NVLink),
+  # each configuration checked first. Its RESULT lines go to onerank_bench.log.
+  if mpicc -O2 -std=c11 -Iinclude -I"$NCCL/include" -I/usr/local/cuda/include bench/gpu/bench_ep.c \
+       -o "$WORK/bench_ep1" -L"$BUILD" -lepx -L/usr/local/cuda/lib64 -lcudart -lcublas -L"$NCCL/lib" -l:libnccl.so.2 \
+       -lm -Wl,-rpath,"$PWD/$BUILD" -Wl,-rpath,"$NCCL/lib" -Wl,-rpath,/usr/local/cuda/lib64 \
+       >"$OUTDIR/onerank_bench.log" 2>&1 &&
+     EPX_BENCH_EP_SECTIONS=layout,main LD_LIBRARY_PATH="$NCCL/lib:${LD_LIBRARY_PATH:-}" \
+       timeout 200 "${MPIRUN1[@]}" -x EPX_BENCH_EP_SECTIONS "$WORK/bench_ep1" "$WORK" >>"$OUTDIR/onerank_bench.log" 2>&1; then
+    verdict "bench_ep (1 rank, W-rank backend; checked, timings)" PASS
+  else
+    verdict "bench_ep (1 rank, W-rank backend; checked, timings)" FAIL
+  fi
 fi
 
 echo "epx gpu-check: tests done ($(date +%T))"
