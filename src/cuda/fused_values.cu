@@ -3,9 +3,10 @@
  * recv row, or the dot of combine_backward) and belongs to its token's rank:
  * grad_w [T, K]. One combine-like op of two kernels, K floats per received
  * row (see fused.h, epx_fused_values_home_launch):
- *   send   a warp per received rank-major row: the row's values for its
- *          k-slots on this rank, written into the source rank's window
- *          (back[this rank][token][k]); the last CTA raises each rank's flag;
+ *   send   a thread per received rank-major row and k-slot (a warp per row
+ *          for the dots): the slot's value, if its expert is on this rank,
+ *          written into the source rank's window (back[this rank][token][k]);
+ *          the last CTA raises each rank's flag;
  *   home   a thread per (token, k): waits for every rank's flag, then reads
  *          the value of the rank that holds the route's expert (0 for a slot
  *          without a route, and everywhere in an empty layout).
@@ -82,33 +83,40 @@ __global__ void __launch_bounds__(kValuesThreads) values_send_kernel(const fused
       !wait_flag(d, flag_at(d.local, d.off_cts, threadIdx.x), seq + 1, threadIdx.x, PH_VALUES_CTS))
     s_bad = 1;
   __syncthreads();
-  if (!s_bad) {
-    const int lane = threadIdx.x & 31, K = p.K;
+  const int K = p.K;
+  const int64_t pairs = s_rbase[d.W];
+  if (!s_bad && a.mode != EPX_FUSED_VALUES_DOTS) {
+    /* a thread per (row, k-slot): a few bytes each, latency-bound */
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < pairs * K;
+         i += (int64_t)gridDim.x * blockDim.x) {
+      const int64_t q = i / K;
+      const int k = (int)(i % K);
+      int s = 0;
+      while (s + 1 < d.W && s_rbase[s + 1] <= q) s++;
+      int32_t at = -1; /* where the slot's value is, -1: no route of this rank */
+      if (a.mode == EPX_FUSED_VALUES_PER_SLOT) at = p.pair_expert[i] >= 0 ? (int32_t)i : -1;
+      else at = p.pair_rows[i];
+      if (at >= 0) back_at(d, d.peer[s], d.rank, p.pair_token[q])[k] = a.values[at];
+    }
+  } else if (!s_bad) {
+    const int lane = threadIdx.x & 31;
     const uint4 *pay = reinterpret_cast<const uint4 *>(d.local + d.off_pay);
-    const int64_t pairs = s_rbase[d.W];
     const int64_t warps = (int64_t)gridDim.x * (blockDim.x >> 5);
     for (int64_t q = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5; q < pairs; q += warps) {
       int s = 0;
       while (s + 1 < d.W && s_rbase[s + 1] <= q) s++;
       const int32_t t = p.pair_token[q];
       float *home = back_at(d, d.peer[s], d.rank, t);
-      if (a.mode == EPX_FUSED_VALUES_PER_SLOT) {
-        if (lane < K && p.pair_expert[q * K + lane] >= 0) home[lane] = a.values[q * K + lane];
-      } else if (a.mode == EPX_FUSED_VALUES_PER_ROW) {
-        const int32_t row = lane < K ? p.pair_rows[q * K + lane] : -1;
-        if (row >= 0) home[lane] = a.values[row];
-      } else {
-        /* the grad_out row as it arrived (this rank's own rows never went
-         * through the window: read at home) against each slot's expert row */
-        const int32_t my_row = lane < K ? p.pair_rows[q * K + lane] : -1;
-        for (unsigned m = __ballot_sync(0xffffffffu, my_row >= 0); m; m &= m - 1) {
-          const int k = __ffs(m) - 1;
-          const int64_t row = __shfl_sync(0xffffffffu, my_row, k);
-          const uint4 *eo = a.expert_out + row * d.nvec;
-          const float dot = s == d.rank ? warp_dot<T, false>(a.grad_out + (int64_t)t * d.nvec, eo, d.nvec, lane)
-                                        : warp_dot<T, true>(pay + q * d.nvec, eo, d.nvec, lane);
-          if (lane == 0) home[k] = dot;
-        }
+      /* the grad_out row as it arrived (this rank's own rows never went
+       * through the window: read at home) against each slot's expert row */
+      const int32_t my_row = lane < K ? p.pair_rows[q * K + lane] : -1;
+      for (unsigned m = __ballot_sync(0xffffffffu, my_row >= 0); m; m &= m - 1) {
+        const int k = __ffs(m) - 1;
+        const int64_t row = __shfl_sync(0xffffffffu, my_row, k);
+        const uint4 *eo = a.expert_out + row * d.nvec;
+        const float dot = s == d.rank ? warp_dot<T, false>(a.grad_out + (int64_t)t * d.nvec, eo, d.nvec, lane)
+                                      : warp_dot<T, true>(pay + q * d.nvec, eo, d.nvec, lane);
+        if (lane == 0) home[k] = dot;
       }
     }
   }
@@ -167,7 +175,11 @@ extern "C" cudaError_t epx_fused_values_home_launch(epx_fused_t *f, const epx_fu
   a.expert_out = dots ? static_cast<const uint4 *>(values) : nullptr;
   a.grad_out = static_cast<const uint4 *>(grad_out);
   a.grad_w = grad_w;
-  const int n = num_ctas < 1 ? 1 : num_ctas > f->num_sms ? f->num_sms : num_ctas;
+  /* The dots read every expert row (the SM budget's CTAs); moving values is
+   * a few bytes per route and bound by latency: every SM, briefly (the
+   * budget's 32 CTAs took 60 us on 2 H200, every SM 34 us). */
+  int n = dots ? num_ctas : f->num_sms;
+  n = n < 1 ? 1 : n > f->num_sms ? f->num_sms : n;
   switch (f->config.dtype) {
     case EPX_FLOAT32: return launch_values<float>(f, plan, a, n, stream);
     case EPX_BFLOAT16: return launch_values<__nv_bfloat16>(f, plan, a, n, stream);
