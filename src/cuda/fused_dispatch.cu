@@ -1258,6 +1258,20 @@ __device__ void warp_expand(uint4 *recv, const uint4 *src, const int32_t *rows, 
   }
 }
 
+/* Received row q (from source s) into its expert-major rows: this rank's
+ * own rows from x (they never go through the window), the others' from it. */
+template <typename T>
+__device__ __forceinline__ void expand_pair(const fused_dev &d, const fused_plan_dev &p, const uint4 *x, uint4 *recv,
+                                            int64_t q, int s, int weighted, int lane) {
+  const int32_t *rows = p.pair_rows + q * p.K;
+  const float *w = p.pair_w + q * p.K;
+  if (s == d.rank)
+    warp_expand<T, false>(recv, x + (int64_t)p.pair_token[q] * d.nvec, rows, w, p.K, weighted, d.nvec, lane);
+  else
+    warp_expand<T, true>(recv, reinterpret_cast<const uint4 *>(d.local + d.off_pay) + q * d.nvec, rows, w, p.K,
+                         weighted, d.nvec, lane);
+}
+
 /* Receiver CTAs: (chunk j, source) pairs round robin; each waits for the
  * chunk's flag, then expands it (expert-major) or copies it out. */
 template <typename T>
@@ -1299,16 +1313,8 @@ __device__ void receive_rows(const fused_dev &d, const fused_plan_dev &p, dispat
     if (sh.bad) return;
     for (int64_t i = warp; i < n; i += kWarps) {
       const int64_t q = sh.rbase[s] + j * kChunk + i;
-      if (mode == MODE_RANK_COPY) {
-        warp_copy<true>(recv + q * d.nvec, pay + q * d.nvec, d.nvec, lane);
-      } else {
-        const int32_t *rows = p.pair_rows + q * p.K;
-        const float *w = p.pair_w + q * p.K;
-        if (s == d.rank)
-          warp_expand<T, false>(recv, x + (int64_t)p.pair_token[q] * d.nvec, rows, w, p.K, weighted, d.nvec, lane);
-        else
-          warp_expand<T, true>(recv, pay + q * d.nvec, rows, w, p.K, weighted, d.nvec, lane);
-      }
+      if (mode == MODE_RANK_COPY) warp_copy<true>(recv + q * d.nvec, pay + q * d.nvec, d.nvec, lane);
+      else expand_pair<T>(d, p, x, recv, q, s, weighted, lane);
     }
   }
 }
@@ -1363,16 +1369,10 @@ __global__ void __launch_bounds__(kThreads) expand_kernel(const fused_dev d, con
       for (int64_t r = p.info[ii.eoff + e] + p.info[ii.ecount + e] + gw; r < p.info[ii.eoff + e + 1]; r += warps)
         for (int64_t i = lane; i < d.nvec; i += 32) recv[r * d.nvec + i] = zero;
   }
-  const uint4 *pay = reinterpret_cast<const uint4 *>(d.local + d.off_pay);
   for (int64_t q = gw; q < s_rbase[d.W]; q += warps) {
     int s = 0;
     while (s + 1 < d.W && s_rbase[s + 1] <= q) s++;
-    const int32_t *rows = p.pair_rows + q * p.K;
-    const float *w = p.pair_w + q * p.K;
-    if (s == d.rank)
-      warp_expand<T, false>(recv, x + (int64_t)p.pair_token[q] * d.nvec, rows, w, p.K, weighted, d.nvec, lane);
-    else
-      warp_expand<T, true>(recv, pay + q * d.nvec, rows, w, p.K, weighted, d.nvec, lane);
+    expand_pair<T>(d, p, x, recv, q, s, weighted, lane);
   }
 }
 
