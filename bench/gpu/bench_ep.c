@@ -46,7 +46,9 @@
  *
  * Sections (EPX_BENCH_EP_SECTIONS, comma-separated; default all): main
  * (every layout and exchange), layout (the worst-case layout alone: event,
- * host and graph-replay times; main runs it too), sweep (fused vs host, rank-major, per SM
+ * host and graph-replay times; main runs it too), expert (the expert-major
+ * dedup rows alone: fused, host, float32 partials; main runs them too),
+ * sweep (fused vs host, rank-major, per SM
  * budget), split (the fused rank-major rows with a quarter and an eighth of
  * the budget receiving, at 8/16/24/32 SMs), step (the whole-step sweep).
  *
@@ -846,6 +848,15 @@ int main(int argc, char **argv) {
         printf("TARGET skewed / uniform combine time (%d) vs bytes       %.3f <= %.3f\n", T,
                dedup[1].combine_ms / dedup[0].combine_ms, grow);
       }
+    }
+    if (section("expert") && !section("main")) {
+      /* The expert-major dedup rows alone (uniform routing): fused, host,
+       * fused with float32 partials. */
+      run(T, 0, EPX_LAYOUT_EXPERT_MAJOR, EPX_EXCHANGE_DEDUP, EPX_COMBINE_PARTIALS_PAYLOAD, nc);
+      g_path = EPX_PATH_HOST;
+      run(T, 0, EPX_LAYOUT_EXPERT_MAJOR, EPX_EXCHANGE_DEDUP, EPX_COMBINE_PARTIALS_PAYLOAD, nc);
+      g_path = EPX_PATH_FUSED;
+      run(T, 0, EPX_LAYOUT_EXPERT_MAJOR, EPX_EXCHANGE_DEDUP, EPX_COMBINE_PARTIALS_FLOAT32, nc);
     }
     if (section("sweep")) {
       /* Fused vs host, rank-major, payload partials (the issue's shape):
