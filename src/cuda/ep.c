@@ -1009,7 +1009,7 @@ static epx_status_t fused_values_home(epx_buffer_t b, epx_handle_t handle, int m
   const ep_buffer_t *s = b->cuda;
   EPX_CHECK(fused_alive(b, fn));
   CUDA_CHECK(epx_fused_values_home_launch(s->fused, ((const ep_handle_t *)handle->cuda)->plan, mode, values,
-                                          home_rows, grad_w, s->fused_ctas, stream_of(b)),
+                                          home_rows, grad_w, stream_of(b)),
              fn, "the fused weight gradient kernels");
 fail:
   return status;

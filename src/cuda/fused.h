@@ -226,10 +226,11 @@ enum {
  * route's value, on its expert's rank, to grad_w [T, K] on its token's
  * rank; 0 for slots without a route (-1, invalid, or an empty layout).
  * Values are moved, not summed (a route lives on one rank): the bits are
- * the host path's. num_ctas: the sending CTAs (at most the SM count). */
+ * the host path's. It runs on every SM, briefly, as the expansion apart
+ * does (the SM budget bounds the exchanges that overlap the GEMMs). */
 cudaError_t epx_fused_values_home_launch(epx_fused_t *fused, const epx_fused_plan_t *plan, int mode,
                                          const void *values, const void *home_rows, float *grad_w,
-                                         int32_t num_ctas, cudaStream_t stream);
+                                         cudaStream_t stream);
 #ifdef __cplusplus
 }
 #endif
