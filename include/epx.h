@@ -675,15 +675,13 @@ typedef enum epx_exchange_path {
    * size + 4) bytes) is made at buffer creation, or at the first
    * epx_dispatch_layout when max_tokens_per_rank is agreed there;
    * epx_dispatch, epx_combine, both backward passes and
-   * epx_weights_backward run the fused kernels (combine_backward's grad_w
-   * too: each route's dot is formed on its expert's rank and goes home
-   * through the window), except epx_dispatch_backward with grad_w
-   * (EPX_WEIGHTS_IN_DISPATCH: its dots are formed on the token's rank from
-   * the route rows), which takes the host path, same bits; the layout is the
-   * fused one alone (counts, every rank's verdict and the routing exchanged
-   * on the GPU), which answers the handle's queries with the host path's
-   * values; the host layout that call needs is made at its first call on
-   * the handle (collective, like the call itself); and epx_buffer_destroy is
+   * epx_weights_backward run the fused kernels (the routing-weight
+   * gradients too: each route's value or dot is formed on its expert's
+   * rank, in the host path's order, and goes home through the window;
+   * epx_dispatch_backward with grad_w sends x to the experts' ranks again
+   * for its dots); the layout is the fused one alone (counts, every rank's
+   * verdict and the routing exchanged on the GPU), which answers the
+   * handle's queries with the host path's values; and epx_buffer_destroy is
    * collective (the window is deregistered). The fused module is built with
    * NCCL's device API (nccl_device.h, NCCL 2.28 or later;
    * -DEPX_BUILD_FUSED=OFF leaves it out) and used only with the NCCL release

@@ -25,7 +25,8 @@
  * config.sm_budget (8/16/24/32/48/64/132 CTAs) beside them: the fused vs
  * host comparison in one run. The path each buffer took is printed
  * (path=...). Each row also times the backward passes (no grad_w) and
- * epx_weights_backward (the routing-weight gradients home), and sets
+ * epx_weights_backward (the routing-weight gradients home), the
+ * expert-major dedup rows the backward passes with grad_w (GRADW), and sets
  * the exchange beside the NVLink floor (the remote rows at 450 GB/s). The
  * expert-major dedup rows are written to <workdir>/ep_permute.txt, for
  * bench_torch_ep.py's PyTorch permute baseline.
@@ -221,6 +222,16 @@ static void op_combine_backward(void *p) {
   bench_t *b = p;
   OK(epx_combine_backward(b->buf, b->h, b->out, NULL, b->grad_recv, NULL));
 }
+/* With the routing-weight gradients (a handle weighted in dispatch or in
+ * combine): dispatch_backward's dots need x, combine_backward's expert_out. */
+static void op_dispatch_backward_grad_w(void *p) {
+  bench_t *b = p;
+  OK(epx_dispatch_backward(b->buf, b->h, b->recv, b->grad_x, b->x, b->grad_w));
+}
+static void op_combine_backward_grad_w(void *p) {
+  bench_t *b = p;
+  OK(epx_combine_backward(b->buf, b->h, b->out, b->recv, b->grad_recv, b->grad_w));
+}
 static void op_weights_backward(void *p) {
   bench_t *b = p;
   OK(epx_weights_backward(b->buf, b->h, b->grad_recv_w, b->grad_w));
@@ -296,6 +307,34 @@ static void check(bench_t *b, const char *name, epx_layout_t layout, int T, cons
   g_bad += all != 0;
   free(rows), free(hs), free(ht), free(out);
   cudaFree(src), cudaFree(tok);
+}
+
+/* The backward passes with grad_w (expert-major and capacity layouts: the
+ * weightings in dispatch and in combine need rows per route), on handles of
+ * the same routing weighted 1/8 each way: a GRADW line beside the RESULT
+ * line's passes without grad_w. */
+static void time_grad_w(const bench_t *b, const char *name, int T) {
+  float *w = NULL;
+  float *wh = malloc(4 * (size_t)T * K);
+  for (int i = 0; i < T * K; i++) wh[i] = 0.125f;
+  CU(cudaMalloc((void **)&w, 4 * (size_t)T * K));
+  CU(cudaMemcpy(w, wh, 4 * (size_t)T * K, cudaMemcpyHostToDevice));
+  timing_t t[2];
+  const epx_weighting_t weightings[2] = {EPX_WEIGHTS_IN_DISPATCH, EPX_WEIGHTS_IN_COMBINE};
+  for (int i = 0; i < 2; i++) {
+    bench_t g = *b;
+    g.routing.topk_w = w;
+    g.routing.weighting = weightings[i];
+    OK(epx_dispatch_layout(g.buf, &g.routing, NULL, &g.h));
+    OK(epx_dispatch(g.buf, g.h, g.x, g.recv, g.cap));
+    t[i] = time_op(i == 0 ? op_dispatch_backward_grad_w : op_combine_backward_grad_w, &g);
+    OK(epx_handle_release(g.h));
+  }
+  if (g_rank == 0)
+    printf("GRADW %s dispatch_backward_grad_w_ms=%.4f (slowest %.4f) combine_backward_grad_w_ms=%.4f (slowest %.4f)\n",
+           name, t[0].ms, t[0].worst_ms, t[1].ms, t[1].worst_ms);
+  cudaFree(w);
+  free(wh);
 }
 
 /* What run() measured, for the skew comparison: rank 0's medians and the
@@ -412,6 +451,9 @@ static run_result_t run(int T, int skew, epx_layout_t layout, epx_exchange_t exc
              combine_bwd.ms / dispatch.ms);
     }
   }
+  if (layout != EPX_LAYOUT_RANK_MAJOR && exchange == EPX_EXCHANGE_DEDUP && precision == EPX_COMBINE_PARTIALS_PAYLOAD &&
+      !skew)
+    time_grad_w(&b, name, T);
   OK(epx_handle_release(b.h));
   OK(epx_buffer_destroy(b.buf));
   cudaFree(b.x), cudaFree(b.recv), cudaFree(b.out), cudaFree(b.a2a_send), cudaFree(b.a2a_recv), cudaFree(d_idx);

@@ -48,14 +48,10 @@
  * the layout, as on the host path). An oversize rank (worst_case_sizing)
  * joins with an empty fused layout and its header, which empties every
  * rank's plan, as its gather header empties the host layout. The routing
- * weights' gradients of combine_backward and epx_weights_backward are fused
- * too (each route's value formed on its expert's rank goes home through the
- * window, fused_values.cu); dispatch_backward's grad_w
- * (EPX_WEIGHTS_IN_DISPATCH, formed at home from the route rows) takes the
- * host path on the host layout above, made at its first call on the handle
- * from the plan's copy of the routing (the stage kernel's send block, bit
- * for bit; collective, and every rank makes it there since the call is
- * collective and grad_w is on every rank or none; no host wait).
+ * weights' gradients are fused too (each route's value formed on its
+ * expert's rank goes home through the window, fused_values.cu;
+ * dispatch_backward's <grad_recv_x(t, k), x[t]> after a dispatch of x into
+ * the window), so a fused handle never makes the host layout.
  * dispatch / combine_backward are the fused dispatch, combine /
  * dispatch_backward the fused combine: the same bits as the host path
  * (P(t, r) in k order in float32 without FMA, rounded once to the dtype in
@@ -139,10 +135,6 @@ typedef struct ep_handle {
   epx_fused_plan_t *plan; /* the fused layout of this handle, or NULL (host path) */
   int64_t seq;            /* the comm's layout number (the same on every rank) */
   int has_w;              /* the routing came with weights (the host layout keeps a copy) */
-  /* The host layout (block, tables, counts) is made: at the layout on the
-   * host path; on a fused handle at its first dispatch_backward with grad_w
-   * (block NULL until then). */
-  int host_ready;
 } ep_handle_t;
 
 static cudaStream_t stream_of(epx_buffer_t b) { return (cudaStream_t)b->config.stream; }
@@ -335,7 +327,7 @@ static epx_status_t fused_alive(epx_buffer_t b, const char *fn) {
 /* The handle's fused layout, the only layout a fused handle makes up front:
  * it validates the routing, exchanges counts and every rank's header on the
  * GPU and lays out both sides; the handle's queries and verdicts read its
- * plan (the host layout is made only for a dispatch_backward with grad_w). */
+ * plan. */
 static epx_status_t fused_layout(epx_buffer_t b, const epx_routing_t *r, ep_handle_t *h, const char *fn) {
   epx_status_t status = EPX_SUCCESS;
   ep_buffer_t *s = b->cuda;
@@ -913,37 +905,9 @@ epx_status_t epx_cuda_ep_dispatch_layout(epx_buffer_t b, const epx_routing_t *r,
     h->rows = summary[EPX_CUDA_EP_SUMMARY_ROWS(W)];
     handle->recv_rows = h->rows;
   }
-  /* The staging is sized here on the fused path too (the host layout of a
-   * dispatch_backward with grad_w uses it): a captured step then never
-   * grows it. */
-  EPX_CHECK(ensure_staging(b, staging_bytes(b, h), fn));
-  h->host_ready = !fused;
-fail:
-  return status;
-}
-
-/* A fused handle's host layout, for dispatch_backward's grad_w (not in the
- * fused module): made at the first such call. It is collective (the
- * routing gather), and every rank makes it at the same point: the call is
- * collective and grad_w is passed on every rank or on none (checked with
- * default sizing; the header's rule with worst_case_sizing). Its send block
- * comes from the plan's copy of the routing, so the caller's routing need
- * not outlive the layout; its counts are the plan's and its staging was sized
- * at the layout. No host wait: capturable with worst_case_sizing. */
-static epx_status_t host_layout(epx_buffer_t b, epx_handle_t handle, const char *fn) {
-  epx_status_t status = EPX_SUCCESS;
-  ep_handle_t *h = handle->cuda;
-  if (h->host_ready) return EPX_SUCCESS;
-#if EPX_HAVE_FUSED
-  epx_fused_plan_view_t v;
-  epx_fused_plan_view(h->plan, &v);
-  if (!h->block) EPX_CHECK(carve(b, h, fn));
-  CUDA_CHECK(epx_cuda_ep_stage_plan_launch(&h->d, v.idx, v.w, v.loc, v.invalid, h->w, h->own.result, h->sidx,
-                                           h->sw, h->sloc, h->shdr, stream_of(b)),
-             fn, "the routing stage kernel");
-#endif
-  EPX_CHECK(enqueue_exchange(b, h, fn));
-  h->host_ready = 1;
+  /* The staging, sized at the layout: a captured step never grows it (the
+   * fused path stages nothing). */
+  if (!fused) EPX_CHECK(ensure_staging(b, staging_bytes(b, h), fn));
 fail:
   return status;
 }
@@ -1033,31 +997,45 @@ fail:
   return status;
 }
 
-/* The fused kernels serve a handle with a plan, except dispatch_backward's
- * grad_w (EPX_WEIGHTS_IN_DISPATCH: its dots are formed on the token's rank
- * from the route rows, which the fused combine does not bring home): that
- * call takes the host path (equal bits), on the host layout made at its
- * first call (host_layout). */
+/* The fused kernels serve every call on a handle with a plan. */
 #if EPX_HAVE_FUSED
 #define FUSED_SERVES(handle) (((const ep_handle_t *)(handle)->cuda)->plan != NULL)
 /* Each route's value from its expert's rank to grad_w on its token's rank
  * (epx_fused_values_home_launch's mode: values per slot or row, or the dots
- * of combine_backward). */
+ * of combine_backward or dispatch_backward). */
 static epx_status_t fused_values_home(epx_buffer_t b, epx_handle_t handle, int mode, const void *values,
-                                      const void *grad_out, float *grad_w, const char *fn) {
+                                      const void *home_rows, float *grad_w, const char *fn) {
   epx_status_t status = EPX_SUCCESS;
   const ep_buffer_t *s = b->cuda;
   EPX_CHECK(fused_alive(b, fn));
   CUDA_CHECK(epx_fused_values_home_launch(s->fused, ((const ep_handle_t *)handle->cuda)->plan, mode, values,
-                                          grad_out, grad_w, s->fused_ctas, stream_of(b)),
+                                          home_rows, grad_w, s->fused_ctas, stream_of(b)),
              fn, "the fused weight gradient kernels");
+fail:
+  return status;
+}
+
+/* dispatch_backward's grad_w: x goes to the experts' ranks again, into the
+ * window only (this rank's own rows stay in x), where each route's dot
+ * <grad_recv_x(t, k), x[t]> is formed and sent home. The host path brings
+ * every route row home instead (K rows per token, not one per rank). */
+static epx_status_t fused_dispatch_dots(epx_buffer_t b, epx_handle_t handle, const void *grad_recv_x, const void *x,
+                                        float *grad_w, const char *fn) {
+  epx_status_t status = EPX_SUCCESS;
+  ep_buffer_t *s = b->cuda;
+  EPX_CHECK(fused_alive(b, fn));
+  CUDA_CHECK(epx_fused_dispatch_launch(s->fused, ((const ep_handle_t *)handle->cuda)->plan, x,
+                                       epx_fused_recv_window(s->fused), 0, s->fused_ctas, 0, stream_of(b)),
+             fn, "the fused dispatch kernels");
+  EPX_CHECK(fused_values_home(b, handle, EPX_FUSED_VALUES_DISPATCH_DOTS, grad_recv_x, x, grad_w, fn));
 fail:
   return status;
 }
 #else
 #define FUSED_SERVES(handle) 0
 #define fused_move(b, handle, src, dst, forward, weighted, fn) EPX_ERROR_INTERNAL
-#define fused_values_home(b, handle, mode, values, grad_out, grad_w, fn) EPX_ERROR_INTERNAL
+#define fused_values_home(b, handle, mode, values, home_rows, grad_w, fn) EPX_ERROR_INTERNAL
+#define fused_dispatch_dots(b, handle, grad_recv_x, x, grad_w, fn) EPX_ERROR_INTERNAL
 #endif
 
 epx_status_t epx_cuda_ep_dispatch(epx_buffer_t b, epx_handle_t handle, const void *x, void *recv_x) {
@@ -1074,11 +1052,9 @@ epx_status_t epx_cuda_ep_combine_backward(epx_buffer_t b, epx_handle_t handle, c
     const epx_status_t status = fused_move(b, handle, grad_out, grad_expert_out, 1,
                                            handle->weighting == EPX_WEIGHTS_IN_COMBINE, "epx_combine_backward");
     if (status != EPX_SUCCESS || !grad_w) return status;
-    return fused_values_home(b, handle, EPX_FUSED_VALUES_DOTS, expert_out, grad_out, grad_w,
+    return fused_values_home(b, handle, EPX_FUSED_VALUES_COMBINE_DOTS, expert_out, grad_out, grad_w,
                              "epx_combine_backward");
   }
-  const epx_status_t status = host_layout(b, handle, "epx_combine_backward");
-  if (status != EPX_SUCCESS) return status;
   return move_forward(b, handle, grad_out, grad_expert_out, handle->weighting == EPX_WEIGHTS_IN_COMBINE,
                       expert_out, grad_w, "epx_combine_backward");
 }
@@ -1169,11 +1145,14 @@ epx_status_t epx_cuda_ep_combine(epx_buffer_t b, epx_handle_t handle, const void
 
 epx_status_t epx_cuda_ep_dispatch_backward(epx_buffer_t b, epx_handle_t handle, const void *grad_recv_x,
                                            void *grad_x, const void *x, float *grad_w) {
-  if (FUSED_SERVES(handle) && !grad_w)
+  if (FUSED_SERVES(handle)) {
+    if (grad_w) {
+      const epx_status_t status = fused_dispatch_dots(b, handle, grad_recv_x, x, grad_w, "epx_dispatch_backward");
+      if (status != EPX_SUCCESS) return status;
+    }
     return fused_move(b, handle, grad_recv_x, grad_x, 0, handle->weighting == EPX_WEIGHTS_IN_DISPATCH,
                       "epx_dispatch_backward");
-  const epx_status_t status = host_layout(b, handle, "epx_dispatch_backward");
-  if (status != EPX_SUCCESS) return status;
+  }
   return move_backward(b, handle, grad_recv_x, grad_x, handle->weighting == EPX_WEIGHTS_IN_DISPATCH, x, grad_w,
                        "epx_dispatch_backward");
 }
@@ -1190,7 +1169,6 @@ epx_status_t epx_cuda_ep_weights_backward(epx_buffer_t b, epx_handle_t handle, c
                              b->config.layout == EPX_LAYOUT_RANK_MAJOR ? EPX_FUSED_VALUES_PER_SLOT
                                                                        : EPX_FUSED_VALUES_PER_ROW,
                              grad_recv_w, NULL, grad_w, fn);
-  EPX_CHECK(host_layout(b, handle, fn));
   const int32_t slots = b->config.layout == EPX_LAYOUT_RANK_MAJOR ? handle->top_k : 1;
   CUDA_CHECK(epx_cuda_ep_route_values_launch(kind_rows(h, RECV_ROUTES), h->tab.rr_all, h->tab.rr_slot, slots,
                                              grad_recv_w, (float *)s->send, stream),

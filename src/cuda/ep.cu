@@ -118,39 +118,6 @@ __global__ void __launch_bounds__(kThreads)
   w[i] = e >= 0 ? wv : 0.0f;
 }
 
-/* The send block from a fused plan's routing (a fused handle's host layout,
- * made at its first dispatch_backward with grad_w): the plan holds this
- * rank's routing as its layout validated it (idx [T, K], invalid routes -1;
- * w as given; capacity: the locations of its valid routes) and its
- * first invalid route, so the block, the header and the copy of the weights
- * are the stage_validate kernel's, bit for bit. */
-__global__ void __launch_bounds__(kThreads)
-    stage_plan_kernel(const epx_cuda_ep_dims_t d, const int32_t *__restrict__ plan_idx,
-                      const float *__restrict__ plan_w, const int32_t *__restrict__ plan_loc,
-                      const unsigned long long *plan_invalid, float *w_copy, epx_cuda_layout_result_t *result,
-                      int32_t *idx, float *w, int32_t *loc, int32_t *hdr) {
-  const int64_t i = (int64_t)blockIdx.x * kThreads + threadIdx.x;
-  if (i == 0) {
-    const unsigned long long first = *plan_invalid;
-    result->error = first;
-    stage_header(d, 0, hdr);
-    hdr[EPX_CUDA_EP_HDR_INVALID] = first != EPX_CUDA_NO_ERROR;
-  }
-  if (i >= d.Tm * d.Kb) return;
-  const int64_t t = i / d.Kb;
-  const int k = (int)(i % d.Kb);
-  int e = -1;
-  float wv = 0.0f;
-  if (t < d.T && k < d.K) {
-    e = plan_idx[t * d.K + k];
-    wv = plan_w[t * d.K + k];
-    if (w_copy) w_copy[t * d.K + k] = wv;
-  }
-  idx[i] = e;
-  w[i] = e >= 0 ? wv : 0.0f;
-  if (loc) loc[i] = e >= 0 ? plan_loc[t * d.K + k] : -1;
-}
-
 /* dst[r, :] = src[r, :] for rows r < min(*rows, row_bound), `words` 4-byte
  * words per row (a fused plan's per-row tables into the caller's arrays). */
 __global__ void __launch_bounds__(kThreads)
@@ -512,18 +479,6 @@ extern "C" cudaError_t epx_cuda_ep_stage_validate_launch(const epx_cuda_ep_dims_
   const int64_t n = d->Tm * d->Kb;
   stage_validate_kernel<<<blocks_for(n > 0 ? n : 1), kThreads, 0, stream>>>(*d, topk_idx, topk_w, num_experts, w_copy,
                                                                             result, idx, w, hdr);
-  return cudaGetLastError();
-}
-
-extern "C" cudaError_t epx_cuda_ep_stage_plan_launch(const epx_cuda_ep_dims_t *d, const int32_t *plan_idx,
-                                                     const float *plan_w, const int32_t *plan_loc,
-                                                     const unsigned long long *plan_invalid, float *w_copy,
-                                                     epx_cuda_layout_result_t *result, int32_t *idx, float *w,
-                                                     int32_t *loc, int32_t *hdr, cudaStream_t stream) {
-  const int64_t n = d->Tm * d->Kb;
-  if (loc && !plan_loc) return cudaErrorInvalidValue;
-  stage_plan_kernel<<<blocks_for(n > 0 ? n : 1), kThreads, 0, stream>>>(*d, plan_idx, plan_w, plan_loc, plan_invalid,
-                                                                        w_copy, result, idx, w, loc, hdr);
   return cudaGetLastError();
 }
 

@@ -52,15 +52,7 @@ void epx_cuda_ep_peer_paths(epx_buffer_t buffer, int32_t *paths);
 epx_status_t epx_cuda_routing_hash(epx_buffer_t buffer, const epx_routing_t *routing, uint64_t *hash);
 
 /* Kernels of ep.cu that serve the handles of the fused path (launch.h has
- * the host path's). The send block, header and weight copy of a fused
- * handle's host layout from its plan's routing (idx/w [T, K] as the fused
- * layout validated them, its first invalid route): the stage_validate
- * launch's outputs, bit for bit, without reading the caller's routing again. */
-cudaError_t epx_cuda_ep_stage_plan_launch(const epx_cuda_ep_dims_t *d, const int32_t *plan_idx,
-                                          const float *plan_w, const int32_t *plan_loc,
-                                          const unsigned long long *plan_invalid, float *w_copy,
-                                          epx_cuda_layout_result_t *result, int32_t *idx, float *w,
-                                          int32_t *loc, int32_t *hdr, cudaStream_t stream);
+ * the host path's). */
 /* dst[r] = src[r] (rows of `words` 4-byte words) for r < min(*rows, row_bound)
  * (*rows on the device); dst NULL: nothing. */
 cudaError_t epx_cuda_ep_copy_rows_launch(const void *src, void *dst, int32_t words, const int64_t *rows,

@@ -36,11 +36,10 @@
  *    a dispatch of grad_out (weighted with EPX_WEIGHTS_IN_COMBINE).
  *  - routing-weight gradients (epx_fused_values_home_launch): a value per
  *    route formed on the expert's rank (epx_weights_backward's grad_recv_w,
- *    or combine_backward's dot <grad_out[t], expert_out(t, k)>, in the host
- *    path's order) goes to grad_w [T, K] on the token's rank. The gradient
- *    of EPX_WEIGHTS_IN_DISPATCH (<grad_recv_x(t, k), x[t]>, formed on the
- *    token's rank from the route rows) is not fused: ep.c makes the host
- *    layout for it from the plan's routing (view.idx, view.w).
+ *    combine_backward's dot <grad_out[t], expert_out(t, k)>, or
+ *    dispatch_backward's <grad_recv_x(t, k), x[t]> with x dispatched to the
+ *    expert's rank first, each dot in the host path's order) goes to grad_w
+ *    [T, K] on the token's rank.
  *  - layout: the plan answers a handle's queries (view) and verdicts (every
  *    rank's header, epx_fused_plan_summary) by itself.
  *
@@ -130,9 +129,6 @@ typedef struct epx_fused_plan_view {
   const int32_t *row_expert; /* expert-major [row_bound]; rank-major [row_bound, K] (-1 elsewhere) */
   const float *row_w;        /* as row_expert, 0 where -1 */
   const unsigned long long *invalid; /* (route << 3) | code of the first invalid route dropped, or ~0 */
-  const int32_t *idx;        /* [T, top_k] this rank's routing as laid out: invalid routes -1 */
-  const float *w;            /* [T, top_k] its weights as given (0 without topk_w) */
-  const int32_t *loc;        /* capacity: [T, top_k] the locations of its valid routes; NULL otherwise */
   int64_t row_bound;
   int32_t top_k;             /* the K of the row_expert / row_w rows in rank-major */
 } epx_fused_plan_view_t;
@@ -182,7 +178,10 @@ cudaError_t epx_fused_layout_launch(epx_fused_t *fused, epx_fused_plan_t *plan,
 /* Dispatch (collective), x [T, H] -> recv_x. recv_x: NULL or
  * epx_fused_recv_window() for the rank-major rows in place; another [N, H]
  * buffer gets them copied out (rank-major) or expanded (expert-major, which
- * needs one). weighted: expert-major rows get round(w * x). num_ctas: the SM
+ * needs one). An expert-major or capacity plan given the window moves the
+ * other ranks' rows into it, unweighted, and expands nothing (this rank's
+ * own rows stay in x): the home rows of EPX_FUSED_VALUES_DISPATCH_DOTS.
+ * weighted: expert-major rows get round(w * x). num_ctas: the SM
  * budget (CTAs of 512 threads, at most the SM count); recv_ctas of them
  * receive (0: automatic). */
 cudaError_t epx_fused_dispatch_launch(epx_fused_t *fused, const epx_fused_plan_t *plan,
@@ -210,12 +209,18 @@ cudaError_t epx_fused_combine_backward_launch(epx_fused_t *fused, const epx_fuse
 enum {
   EPX_FUSED_VALUES_PER_SLOT = 0, /* rank-major: values [N, K], a value per recv row and k-slot */
   EPX_FUSED_VALUES_PER_ROW = 1,  /* expert-major: values [N], a value per recv row */
-  /* expert-major: the dot <grad_out[t], expert_out(t, k)> (values is
-   * expert_out [N, H] in the plan's layout; grad_out [T, H] this rank's),
-   * formed from the grad_out rows that the epx_fused_combine_backward_launch
-   * just before it on this plan left in the window: no other dispatch-like
-   * launch of this fused state may come between them */
-  EPX_FUSED_VALUES_DOTS = 2
+  /* expert-major: the dot <home_rows[t], values(t, k)> (values: rows [N, H]
+   * in the plan's layout; home_rows [T, H] this rank's), formed from the
+   * home rows that the dispatch-like launch just before it on this plan
+   * left in the window: no other dispatch-like launch of this fused state
+   * may come between them. COMBINE_DOTS: combine_backward's
+   * <grad_out[t], expert_out(t, k)> after epx_fused_combine_backward_launch
+   * of grad_out, summed in the order of the host path's expand kernel;
+   * DISPATCH_DOTS: dispatch_backward's <grad_recv_x(t, k), x[t]> after
+   * epx_fused_dispatch_launch of x into the window, in the order of the
+   * host path's sum kernel */
+  EPX_FUSED_VALUES_COMBINE_DOTS = 2,
+  EPX_FUSED_VALUES_DISPATCH_DOTS = 3
 };
 /* Routing-weight gradients home (collective, a combine-like launch): each
  * route's value, on its expert's rank, to grad_w [T, K] on its token's
@@ -223,7 +228,7 @@ enum {
  * Values are moved, not summed (a route lives on one rank): the bits are
  * the host path's. num_ctas: the sending CTAs (at most the SM count). */
 cudaError_t epx_fused_values_home_launch(epx_fused_t *fused, const epx_fused_plan_t *plan, int mode,
-                                         const void *values, const void *grad_out, float *grad_w,
+                                         const void *values, const void *home_rows, float *grad_w,
                                          int32_t num_ctas, cudaStream_t stream);
 #ifdef __cplusplus
 }

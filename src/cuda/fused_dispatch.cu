@@ -577,9 +577,6 @@ extern "C" void epx_fused_plan_view(const epx_fused_plan_t *p, epx_fused_plan_vi
   v->row_expert = pd.expert_major ? pd.row_expert : pd.pair_expert;
   v->row_w = pd.expert_major ? pd.row_w : pd.pair_w;
   v->invalid = pd.invalid;
-  v->idx = pd.idx;
-  v->w = pd.w;
-  v->loc = pd.C ? pd.pos : nullptr;
   v->row_bound = pd.row_bound;
   v->top_k = pd.K;
 }
@@ -1186,8 +1183,17 @@ namespace {
 /* MODE_EXPERT: the receiving CTAs expand rows as they arrive;
  * MODE_EXPERT_APART: the remote rows stay in the window (as MODE_RANK_WINDOW
  * leaves them) and expand_kernel expands every row after the exchange, over
- * every SM (EPX_CUDA_FUSED_EXPAND_APART). */
-enum { MODE_RANK_WINDOW = 0, MODE_RANK_COPY = 1, MODE_EXPERT = 2, MODE_EXPERT_APART = 3 };
+ * every SM (EPX_CUDA_FUSED_EXPAND_APART); MODE_EXPERT_WINDOW: the same
+ * without the expansion (an expert-major plan's rows only in the window, for
+ * the dots of dispatch_backward's grad_w). The three expert modes leave
+ * this rank's own rows in x. */
+enum { MODE_RANK_WINDOW = 0, MODE_RANK_COPY = 1, MODE_EXPERT = 2, MODE_EXPERT_APART = 3, MODE_EXPERT_WINDOW = 4 };
+
+__device__ __forceinline__ bool remote_rows_only(int mode) { return mode >= MODE_EXPERT; }
+/* the receivers only wait for the rows: they stay in the window */
+__host__ __device__ __forceinline__ bool rows_stay(int mode) {
+  return mode == MODE_RANK_WINDOW || mode == MODE_EXPERT_APART || mode == MODE_EXPERT_WINDOW;
+}
 
 struct dispatch_shared {
   int64_t sbase[EPX_FUSED_MAX_RANKS], scount[EPX_FUSED_MAX_RANKS];
@@ -1215,7 +1221,7 @@ __device__ void send_rows(const fused_dev &d, const fused_plan_dev &p, dispatch_
     const int64_t j = g / d.W;
     const int r = (d.rank + 1 + (int)(g % d.W)) % d.W;
     const int64_t n = min((int64_t)kChunk, sh.scount[r] - j * kChunk);
-    if (n <= 0 || ((mode == MODE_EXPERT || mode == MODE_EXPERT_APART) && r == d.rank)) continue;
+    if (n <= 0 || (remote_rows_only(mode) && r == d.rank)) continue;
     uint4 *dst = r != d.rank || mode == MODE_RANK_WINDOW ? reinterpret_cast<uint4 *>(d.peer[r] + d.off_pay) : recv;
     const int32_t *tokens = p.send_token + (int64_t)r * d.maxT + j * kChunk;
     uint4 *rows = dst + (sh.sbase[r] + j * kChunk) * d.nvec;
@@ -1289,7 +1295,7 @@ __device__ void receive_rows(const fused_dev &d, const fused_plan_dev &p, dispat
   }
   int64_t rounds = 0;
   for (int s = 0; s < d.W; s++) rounds = max(rounds, chunks_of(sh.rcount[s]));
-  if (mode == MODE_RANK_WINDOW || mode == MODE_EXPERT_APART) {
+  if (rows_stay(mode)) {
     /* nothing to move: every thread waits for chunks of its own, so the
      * flags' round trips overlap */
     for (int64_t g = rc + (int64_t)nr * threadIdx.x; g < rounds * d.W; g += (int64_t)nr * blockDim.x) {
@@ -1399,19 +1405,18 @@ extern "C" cudaError_t epx_fused_dispatch_launch(epx_fused_t *f, const epx_fused
   const fused_dev &d = f->dev;
   void *window = epx_fused_recv_window(f);
   const bool expert = plan->dev.expert_major != 0;
-  if ((expert && (!recv_x || recv_x == window)) || (!x && plan->dev.T > 0) || (!expert && weighted))
+  const bool in_window = !recv_x || recv_x == window;
+  if ((expert && (!recv_x || (in_window && weighted))) || (!x && plan->dev.T > 0) || (!expert && weighted))
     return cudaErrorInvalidValue;
   /* capacity rows are always expanded apart (its empty slots are zeroed there) */
   const bool apart = expert && (plan->dev.C || (epx_cuda_launch_flags() & EPX_CUDA_FUSED_EXPAND_APART));
-  const int mode = expert ? (apart ? MODE_EXPERT_APART : MODE_EXPERT)
-                          : (!recv_x || recv_x == window) ? MODE_RANK_WINDOW : MODE_RANK_COPY;
+  const int mode = expert ? (in_window ? MODE_EXPERT_WINDOW : apart ? MODE_EXPERT_APART : MODE_EXPERT)
+                          : in_window ? MODE_RANK_WINDOW : MODE_RANK_COPY;
   int n = num_ctas < 2 ? 2 : num_ctas > f->num_sms ? f->num_sms : num_ctas;
-  int nr = recv_ctas > 0 ? recv_ctas
-           : mode == MODE_RANK_WINDOW || mode == MODE_EXPERT_APART ? 1
-                                                                    : epx_fused_receivers(n);
+  int nr = recv_ctas > 0 ? recv_ctas : rows_stay(mode) ? 1 : epx_fused_receivers(n);
   if (nr > n - 1) nr = n - 1;
   const uint4 *xs = static_cast<const uint4 *>(x);
-  uint4 *rs = static_cast<uint4 *>(mode == MODE_RANK_WINDOW ? window : recv_x);
+  uint4 *rs = static_cast<uint4 *>(in_window ? window : recv_x);
   const size_t smem = (size_t)d.bulk_warps * (size_t)bulk_slot_bytes(d.row_bytes);
   const int ex = 2 * f->num_sms; /* the expansion apart: two CTAs of 16 warps per SM */
   switch (f->config.dtype) {

@@ -10,10 +10,15 @@
  *   home   a thread per (token, k): waits for every rank's flag, then reads
  *          the value of the rank that holds the route's expert (0 for a slot
  *          without a route, and everywhere in an empty layout).
- * The dots of combine_backward are formed exactly as the host path's expand
- * kernel forms them (src/cuda/dispatch.cu, kDot: per lane a float32 sum over
- * EPX_CUDA_MOVE_VECS vectors per step, the warp's butterfly sum per step,
- * the steps added in order from 0), so both paths give the same bits. */
+ * The dots are formed exactly as the host path forms them, so both paths
+ * give the same bits: combine_backward's as its expand kernel does
+ * (src/cuda/dispatch.cu, kDot: per lane a float32 sum over
+ * EPX_CUDA_MOVE_VECS 16-byte vectors per step), dispatch_backward's as its
+ * sum kernel does (src/cuda/ep.cu, reduce_kernel's kDot: per lane a float32
+ * sum over 2 chunks of 8 elements per step, chunk c0 = step + lane then
+ * c0 + 32); in both the warp's butterfly sum per step, the steps added in
+ * order from 0. tests/gpu/mpi_gpu_exchange.c (test_dot_order) checks the
+ * bits with inexact data, where another order would show. */
 #include <cuda_runtime.h>
 
 #include "cuda/fused_impl.cuh"
@@ -55,10 +60,48 @@ __device__ float warp_dot(const uint4 *a, const uint4 *b, int64_t nvec, int lane
   return acc;
 }
 
+/* <a, b> in the order of the host path's sum kernel (see the file comment):
+ * chunks of 8 elements, 16 bytes (bf16, f16) or 32 (float32). */
+template <typename T, bool kWindowA>
+__device__ float warp_dot_chunks(const uint4 *a, const uint4 *b, int64_t nvec, int lane) {
+  using vec = epx_vec<T>;
+  constexpr int per_chunk = 8 / vec::n; /* vectors per chunk */
+  constexpr int kChunks = 2;
+  const int64_t chunks = nvec / per_chunk;
+  float acc = 0.0f;
+  for (int64_t step = 0; step < chunks; step += 32 * kChunks) {
+    float part = 0.0f;
+#pragma unroll
+    for (int u = 0; u < kChunks; u++) {
+      const int64_t c = step + u * 32 + lane;
+      if (c >= chunks) continue;
+#pragma unroll
+      for (int v = 0; v < per_chunk; v++) {
+        float af[vec::n], bf[vec::n];
+        vec::unpack(ld_row<kWindowA>(a + c * per_chunk + v), af);
+        vec::unpack(ld_stream(b + c * per_chunk + v), bf);
+#pragma unroll
+        for (int e = 0; e < vec::n; e++) part = __fadd_rn(part, __fmul_rn(af[e], bf[e]));
+      }
+    }
+    acc = __fadd_rn(acc, epx_warp_sum(part));
+  }
+  return acc;
+}
+
+/* One route's dot in the order of the host path that forms it. */
+template <typename T, bool kWindowA>
+__device__ __forceinline__ float route_dot(int mode, const uint4 *a, const uint4 *b, int64_t nvec, int lane) {
+  return mode == EPX_FUSED_VALUES_DISPATCH_DOTS ? warp_dot_chunks<T, kWindowA>(a, b, nvec, lane)
+                                                : warp_dot<T, kWindowA>(a, b, nvec, lane);
+}
+
 struct values_args {
   int mode;            /* EPX_FUSED_VALUES_* */
   const float *values; /* PER_SLOT [N, K], PER_ROW [N] */
-  const uint4 *expert_out, *grad_out; /* DOTS: [N, H] in the layout, [T, H] */
+  /* the dots: rows [N, H] in the layout (expert_out, grad_recv_x) and
+   * [T, H] at home (grad_out, x) */
+  const uint4 *route_rows, *home_rows;
   float *grad_w;       /* [T, K] */
 };
 
@@ -85,7 +128,8 @@ __global__ void __launch_bounds__(kValuesThreads) values_send_kernel(const fused
   __syncthreads();
   const int K = p.K;
   const int64_t pairs = s_rbase[d.W];
-  if (!s_bad && a.mode != EPX_FUSED_VALUES_DOTS) {
+  const bool dots = a.mode == EPX_FUSED_VALUES_COMBINE_DOTS || a.mode == EPX_FUSED_VALUES_DISPATCH_DOTS;
+  if (!s_bad && !dots) {
     /* a thread per (row, k-slot): a few bytes each, latency-bound */
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < pairs * K;
          i += (int64_t)gridDim.x * blockDim.x) {
@@ -107,15 +151,16 @@ __global__ void __launch_bounds__(kValuesThreads) values_send_kernel(const fused
       while (s + 1 < d.W && s_rbase[s + 1] <= q) s++;
       const int32_t t = p.pair_token[q];
       float *home = back_at(d, d.peer[s], d.rank, t);
-      /* the grad_out row as it arrived (this rank's own rows never went
-       * through the window: read at home) against each slot's expert row */
+      /* the home row as it arrived (this rank's own rows never went
+       * through the window: read at home) against each slot's route row */
       const int32_t my_row = lane < K ? p.pair_rows[q * K + lane] : -1;
       for (unsigned m = __ballot_sync(0xffffffffu, my_row >= 0); m; m &= m - 1) {
         const int k = __ffs(m) - 1;
         const int64_t row = __shfl_sync(0xffffffffu, my_row, k);
-        const uint4 *eo = a.expert_out + row * d.nvec;
-        const float dot = s == d.rank ? warp_dot<T, false>(a.grad_out + (int64_t)t * d.nvec, eo, d.nvec, lane)
-                                      : warp_dot<T, true>(pay + q * d.nvec, eo, d.nvec, lane);
+        const uint4 *rr = a.route_rows + row * d.nvec;
+        const float dot = s == d.rank
+                              ? route_dot<T, false>(a.mode, a.home_rows + (int64_t)t * d.nvec, rr, d.nvec, lane)
+                              : route_dot<T, true>(a.mode, pay + q * d.nvec, rr, d.nvec, lane);
         if (lane == 0) home[k] = dot;
       }
     }
@@ -161,19 +206,19 @@ cudaError_t launch_values(epx_fused_t *f, const epx_fused_plan_t *plan, const va
 }  // namespace
 
 extern "C" cudaError_t epx_fused_values_home_launch(epx_fused_t *f, const epx_fused_plan_t *plan, int mode,
-                                                    const void *values, const void *grad_out, float *grad_w,
+                                                    const void *values, const void *home_rows, float *grad_w,
                                                     int32_t num_ctas, cudaStream_t stream) {
   const fused_plan_dev &p = plan->dev;
-  const bool dots = mode == EPX_FUSED_VALUES_DOTS;
+  const bool dots = mode == EPX_FUSED_VALUES_COMBINE_DOTS || mode == EPX_FUSED_VALUES_DISPATCH_DOTS;
   if ((mode != EPX_FUSED_VALUES_PER_SLOT && mode != EPX_FUSED_VALUES_PER_ROW && !dots) ||
       (mode == EPX_FUSED_VALUES_PER_SLOT && p.expert_major) || (mode != EPX_FUSED_VALUES_PER_SLOT && !p.expert_major) ||
-      (!grad_w && p.T > 0) || (dots && !grad_out && p.T > 0))
+      (!grad_w && p.T > 0) || (dots && !home_rows && p.T > 0))
     return cudaErrorInvalidValue;
   values_args a;
   a.mode = mode;
   a.values = dots ? nullptr : static_cast<const float *>(values);
-  a.expert_out = dots ? static_cast<const uint4 *>(values) : nullptr;
-  a.grad_out = static_cast<const uint4 *>(grad_out);
+  a.route_rows = dots ? static_cast<const uint4 *>(values) : nullptr;
+  a.home_rows = static_cast<const uint4 *>(home_rows);
   a.grad_w = grad_w;
   /* The dots read every expert row (the SM budget's CTAs); moving values is
    * a few bytes per route and bound by latency: every SM, briefly (on 2
