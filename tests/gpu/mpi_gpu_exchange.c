@@ -21,7 +21,9 @@
  * refuse, nothing hangs, the comm stays usable), recorder replay and its
  * validation, and layout + dispatch + combine + both backward passes
  * captured in one CUDA graph (worst_case_sizing) equal to the uncaptured
- * run.
+ * run; and grad_w's dots with inexact payloads (H = 1544), where a change
+ * of summation order would show, fused equal to host path bit for bit and
+ * both within tolerance of a float64 reference (test_dot_order).
  *
  * With ONE rank (mpirun -np 1, a machine with one GPU) the W-rank backend is
  * forced onto the one-rank NCCL comm (epx_cuda_ep_at_one_rank, a test hook)
@@ -1086,6 +1088,268 @@ static void test_fused_refused_on_one_rank(epx_comm_t comm, void *stream) {
   MPI_Barrier(MPI_COMM_WORLD);
 }
 
+/* ------------------------------------------------------------------------ */
+/* The summation order of grad_w's dots                                      */
+/* ------------------------------------------------------------------------ */
+
+/* The coded payloads above make every dot of grad_w exact whatever its
+ * order, so they cannot tell a fused kernel that sums a dot in another order
+ * than the host path. Here the payloads are inexact: pseudo-random values in
+ * [-1, 1) rounded to the dtype, each row still a pure function of its
+ * provenance (salt, expert or rank, source rank, source token), so every rank
+ * forms the reference of its own tokens' dots without communication. H =
+ * 1544: 193 chunks of 8, more than one 512-element step and a partial last
+ * one. */
+enum { DOT_H = 1544, DOT_X = 1, DOT_GO = 2, DOT_EO = 3, DOT_GR = 4 };
+
+static uint64_t dot_row_key(int salt, int a, int b, int c) {
+  return mix(mix(mix((uint64_t)salt) ^ (uint64_t)(uint32_t)a) ^ ((uint64_t)(uint32_t)b << 32 | (uint32_t)c));
+}
+
+/* 24 bits of the row's hash at column h, mapped exactly to [-1, 1) in
+ * float32, then rounded to the dtype. */
+static float dot_val(epx_dtype_t dtype, uint64_t row, int h) {
+  const uint32_t bits = (uint32_t)(mix(row + (uint64_t)h) >> 40);
+  return round_to(dtype, (float)bits / 8388608.0f - 1.0f);
+}
+
+/* Per-token rows [T, DOT_H] of this rank (x or grad_out), as floats. */
+static float *dot_token_rows(epx_dtype_t dtype, int salt, int64_t T) {
+  float *v = calloc((size_t)(T * DOT_H + 1), 4);
+  for (int64_t t = 0; t < T; t++) {
+    const uint64_t row = dot_row_key(salt, g_rank, (int)t, 0);
+    for (int h = 0; h < DOT_H; h++) v[t * DOT_H + h] = dot_val(dtype, row, h);
+  }
+  return v;
+}
+
+/* Per-recv-row inputs [N, DOT_H] (expert_out or grad_recv_x), on the device
+ * in the dtype: row i is a function of (its expert, source rank, source
+ * token); padding rows and empty slots are zeros. */
+static void *dot_recv_rows(epx_dtype_t dtype, int salt, int64_t N, const int32_t *src_rank, const int32_t *src_token,
+                           const int32_t *recv_expert) {
+  float *v = calloc((size_t)(N * DOT_H + 1), 4);
+  for (int64_t i = 0; i < N; i++) {
+    if (src_rank[i] < 0 || recv_expert[i] < 0) continue;
+    const uint64_t row = dot_row_key(salt, recv_expert[i], src_rank[i], src_token[i]);
+    for (int h = 0; h < DOT_H; h++) v[i * DOT_H + h] = dot_val(dtype, row, h);
+  }
+  void *enc = encode(dtype, v, N * DOT_H);
+  void *d = dev_put(enc, (size_t)(N * DOT_H) * epx_dtype_size(dtype));
+  free(enc);
+  free(v);
+  return d;
+}
+
+static void *dev_alloc_poisoned(size_t bytes) {
+  void *p = NULL;
+  CU(cudaMalloc(&p, bytes ? bytes : 16));
+  CU(cudaMemset(p, 0xA5, bytes ? bytes : 16));
+  return p;
+}
+
+/* What one dedup buffer gave (host copies; recv rows N). */
+typedef struct {
+  int64_t N;
+  int32_t path; /* its path to every peer, -1 if they differ */
+  int32_t *src_rank, *src_token, *recv_expert; /* [N] */
+  void *recv_x, *out, *grad_x, *grad_eo;       /* dtype: [N, H], [T, H], [T, H], [N, H] */
+  float *gw;                                   /* [T, K]: the weighting's backward pass */
+} dot_run_t;
+
+static void dot_run_free(dot_run_t *r) {
+  void *p[] = {r->src_rank, r->src_token, r->recv_expert, r->recv_x, r->out, r->grad_x, r->grad_eo, r->gw};
+  for (size_t i = 0; i < sizeof p / sizeof p[0]; i++) free(p[i]);
+  memset(r, 0, sizeof *r);
+}
+
+/* combine, then both backward passes, grad_w from the weighting's one (the
+ * other gets NULL x / expert_out and grad_w, as the contract requires);
+ * x_d and go_d are [T, DOT_H] on the device. */
+static void dot_backward(epx_buffer_t b, epx_handle_t h, const case_t *c, int64_t T, const void *x_d,
+                         const void *go_d, dot_run_t *r) {
+  const size_t es = epx_dtype_size(c->dtype), tb = (size_t)(T * DOT_H) * es, nb = (size_t)(r->N * DOT_H) * es;
+  void *eo = dot_recv_rows(c->dtype, DOT_EO, r->N, r->src_rank, r->src_token, r->recv_expert);
+  void *gr = dot_recv_rows(c->dtype, DOT_GR, r->N, r->src_rank, r->src_token, r->recv_expert);
+  void *out = zeros(EPX_DEVICE_CUDA, tb), *gx = zeros(EPX_DEVICE_CUDA, tb), *geo = zeros(EPX_DEVICE_CUDA, nb);
+  float *gw = dev_alloc_poisoned(4 * (size_t)(T * K)); /* slots without a route must be written with 0 */
+  CU(cudaDeviceSynchronize()); /* the inputs were put through the legacy stream; the buffer's does not wait for it */
+  const int in_d = c->weighting == EPX_WEIGHTS_IN_DISPATCH, in_c = c->weighting == EPX_WEIGHTS_IN_COMBINE;
+  OK(epx_combine(b, h, eo, out));
+  OK(epx_dispatch_backward(b, h, gr, gx, in_d ? x_d : NULL, in_d ? gw : NULL));
+  OK(epx_combine_backward(b, h, go_d, in_c ? eo : NULL, geo, in_c ? gw : NULL));
+  CU(cudaDeviceSynchronize());
+  r->out = host_get(out, tb);
+  r->grad_x = host_get(gx, tb);
+  r->grad_eo = host_get(geo, nb);
+  r->gw = host_get(gw, 4 * (size_t)(T * K));
+  void *devs[] = {eo, gr, out, gx, geo, gw};
+  for (size_t i = 0; i < sizeof devs / sizeof devs[0]; i++) cudaFree(devs[i]);
+}
+
+/* One dedup buffer on `path` (made, used, destroyed): layout, dispatch, the
+ * handle's queries, then dot_backward. */
+static void dot_run(epx_comm_t comm, void *stream, const case_t *c, epx_exchange_path_t path, const epx_routing_t *rt,
+                    const void *x_d, const void *go_d, dot_run_t *r) {
+  epx_buffer_config_t cfg = simple_config(stream, 0);
+  cfg.dtype = c->dtype;
+  cfg.hidden = DOT_H;
+  cfg.layout = c->layout;
+  cfg.expert_alignment = c->layout == EPX_LAYOUT_EXPERT_MAJOR ? ALIGN : 1;
+  cfg.capacity = c->layout == EPX_LAYOUT_CAPACITY ? C : 0;
+  cfg.exchange_path = path;
+  epx_buffer_t b;
+  OK(epx_buffer_create(comm, &cfg, &b));
+  epx_handle_t h;
+  OK(epx_dispatch_layout(b, rt, NULL, &h));
+  int32_t paths[64];
+  OK(epx_buffer_peer_paths(b, paths));
+  r->path = paths[0];
+  for (int q = 1; q < g_size && q < 64; q++)
+    if (paths[q] != paths[0]) r->path = -1;
+  int64_t cap;
+  OK(epx_handle_recv_rows(h, &r->N));
+  OK(epx_buffer_max_recv_rows(b, &cap));
+  if (cap < r->N) cap = r->N;
+  const size_t es = epx_dtype_size(c->dtype);
+  void *recv = zeros(EPX_DEVICE_CUDA, (size_t)(cap * DOT_H) * es);
+  int32_t *srank = zeros(EPX_DEVICE_CUDA, 4 * (size_t)cap), *stok = zeros(EPX_DEVICE_CUDA, 4 * (size_t)cap);
+  int32_t *rexp = zeros(EPX_DEVICE_CUDA, 4 * (size_t)cap);
+  OK(epx_dispatch(b, h, x_d, recv, cap));
+  OK(epx_handle_recv_source(h, srank, stok));
+  OK(epx_handle_recv_routing(h, rexp, NULL));
+  CU(cudaDeviceSynchronize());
+  r->recv_x = host_get(recv, (size_t)(r->N * DOT_H) * es);
+  r->src_rank = host_get(srank, 4 * (size_t)r->N);
+  r->src_token = host_get(stok, 4 * (size_t)r->N);
+  r->recv_expert = host_get(rexp, 4 * (size_t)r->N);
+  dot_backward(b, h, c, rt->num_tokens, x_d, go_d, r);
+  OK(epx_handle_release(h));
+  OK(epx_buffer_destroy(b));
+  cudaFree(recv), cudaFree(srank), cudaFree(stok), cudaFree(rexp);
+}
+
+/* The fused buffer's results against the host path's, bit for bit. */
+static void dot_compare_paths(const case_t *c, int64_t T, const dot_run_t *f, const dot_run_t *hp) {
+  const char *what = describe(c, EPX_EXCHANGE_DEDUP);
+  CHECK(f->N == hp->N, "dot order %s: N %lld fused, %lld host path", what, (long long)f->N, (long long)hp->N);
+  if (f->N != hp->N) return;
+  const int64_t N = f->N;
+  const int32_t *qf[] = {f->src_rank, f->src_token, f->recv_expert};
+  const int32_t *qh[] = {hp->src_rank, hp->src_token, hp->recv_expert};
+  for (int q = 0; q < 3; q++)
+    CHECK(same_bytes(qf[q], qh[q], 4 * (size_t)N), "dot order %s: recv_%s differs between the paths (row %d)", what,
+          q == 0 ? "source's src_rank" : q == 1 ? "source's src_token" : "routing's expert",
+          first_diff(EPX_FLOAT32, qf[q], qh[q], N));
+  const struct {
+    const char *name;
+    const void *a, *b;
+    epx_dtype_t dt;
+    int64_t n;
+  } outs[] = {{"recv_x", f->recv_x, hp->recv_x, c->dtype, N * DOT_H},
+              {"combine's out", f->out, hp->out, c->dtype, T * DOT_H},
+              {"grad_x", f->grad_x, hp->grad_x, c->dtype, T * DOT_H},
+              {"grad_expert_out", f->grad_eo, hp->grad_eo, c->dtype, N * DOT_H},
+              {"grad_w", f->gw, hp->gw, EPX_FLOAT32, T * K}};
+  for (size_t i = 0; i < sizeof outs / sizeof outs[0]; i++)
+    CHECK(same_bytes(outs[i].a, outs[i].b, (size_t)outs[i].n * epx_dtype_size(outs[i].dt)),
+          "dot order %s: %s differs between the fused and the host path (element %d)", what, outs[i].name,
+          first_diff(outs[i].dt, outs[i].a, outs[i].b, outs[i].n));
+}
+
+static float dot_pairwise(const float *p, int n) {
+  return n == 1 ? p[0] : dot_pairwise(p, n / 2) + dot_pairwise(p + n / 2, n - n / 2);
+}
+
+/* grad_w against the float64 dot of the same rounded inputs: route (t, k)
+ * to expert e pairs this rank's token row `tok` (x or grad_out) with the
+ * recv row (salt, e, this rank, t). The tolerance is relative to
+ * sum |a_h b_h|, so any order passes and only wrong values fail. Slots
+ * without a route are exactly 0. For the first routes, the dot in float32
+ * sequentially and pairwise: counted in *reordered where they differ (the
+ * inputs are inexact enough that an order change would show). */
+static void dot_check_reference(const case_t *c, const routing_t *rt, int salt, const float *tok, const float *gw,
+                                int *reordered) {
+  const char *what = describe(c, EPX_EXCHANGE_DEDUP);
+  int64_t bad = -1;
+  double bad_ref = 0.0;
+  float prod[DOT_H];
+  for (int64_t i = 0; i < rt->T * K && bad < 0; i++) {
+    const int e = rt->idx[i], t = (int)(i / K);
+    if (e < 0) {
+      if (gw[i] != 0.0f) bad = i;
+      continue;
+    }
+    const uint64_t row = dot_row_key(salt, e, g_rank, t);
+    double ref = 0.0, mag = 0.0;
+    float seq = 0.0f;
+    for (int h = 0; h < DOT_H; h++) {
+      const float a = dot_val(c->dtype, row, h), x = tok[(int64_t)t * DOT_H + h];
+      ref += (double)a * x;
+      mag += fabs((double)a * x);
+      prod[h] = a * x;
+      seq += prod[h];
+    }
+    if (i < 8 * K && seq != dot_pairwise(prod, DOT_H)) (*reordered)++;
+    if (!(fabs(gw[i] - ref) <= 1e-3 * (1.0 + mag))) bad = i, bad_ref = ref;
+  }
+  CHECK(bad < 0, "dot order %s: grad_w[%lld][%lld] = %.9g, the float64 reference %.9g (slot expert %d)", what,
+        (long long)(bad / K), (long long)(bad % K), bad >= 0 ? gw[bad] : 0.0, bad_ref, bad >= 0 ? rt->idx[bad] : 0);
+}
+
+/* One case of test_dot_order: the same routing and inputs on a fused and a
+ * host-path buffer. */
+static void dot_case(epx_comm_t comm, void *stream, const case_t *c, int *reordered) {
+  const char *what = describe(c, EPX_EXCHANGE_DEDUP);
+  test_routing_t tr;
+  test_routing(c->layout, c->weighting, 0, c->seed, &tr);
+  const int64_t T = tr.rt.T;
+  const size_t tb = (size_t)(T * DOT_H) * epx_dtype_size(c->dtype);
+  float *xv = dot_token_rows(c->dtype, DOT_X, T), *gov = dot_token_rows(c->dtype, DOT_GO, T);
+  void *xh = encode(c->dtype, xv, T * DOT_H), *goh = encode(c->dtype, gov, T * DOT_H);
+  void *x_d = dev_put(xh, tb), *go_d = dev_put(goh, tb);
+  CU(cudaDeviceSynchronize()); /* before the buffers' non-blocking stream reads them */
+  dot_run_t fused = {0}, host = {0};
+  dot_run(comm, stream, c, EPX_PATH_FUSED, &tr.r, x_d, go_d, &fused);
+  dot_run(comm, stream, c, EPX_PATH_HOST, &tr.r, x_d, go_d, &host);
+  CHECK(fused.path == EPX_PATH_FUSED || fused.path == EPX_PATH_HOST, "dot order %s: peers on different paths (%d)",
+        what, fused.path);
+  if (g_expect_fused)
+    CHECK(fused.path == EPX_PATH_FUSED, "dot order %s: path %d, the fused path expected (EPX_GPU_EXPECT_FUSED)", what,
+          fused.path);
+  CHECK(host.path == EPX_PATH_HOST, "dot order %s: EPX_PATH_HOST took path %d", what, host.path);
+  dot_compare_paths(c, T, &fused, &host);
+  const int in_d = c->weighting == EPX_WEIGHTS_IN_DISPATCH;
+  /* dispatch_backward: <grad_recv_x(t,k), x[t]>; combine_backward: <grad_out[t], expert_out(t,k)> */
+  dot_check_reference(c, &tr.rt, in_d ? DOT_GR : DOT_EO, in_d ? xv : gov, fused.gw, reordered);
+  dot_check_reference(c, &tr.rt, in_d ? DOT_GR : DOT_EO, in_d ? xv : gov, host.gw, reordered);
+  dot_run_free(&fused);
+  dot_run_free(&host);
+  cudaFree(x_d), cudaFree(go_d);
+  free(xv), free(gov), free(xh), free(goh);
+  test_routing_free(&tr);
+}
+
+/* grad_w's dots with inexact payloads (above): the fused path (where it is
+ * taken; compared all the same where it is not and not required) equal to
+ * the host path bit for bit, and both within the float64 reference's
+ * tolerance, for the expert-major and capacity layouts, both weightings
+ * with a grad_w and each dtype (float16 not in quick mode). */
+static void test_dot_order(epx_comm_t comm, void *stream) {
+  const epx_layout_t layouts[] = {EPX_LAYOUT_EXPERT_MAJOR, EPX_LAYOUT_CAPACITY};
+  const epx_weighting_t weightings[] = {EPX_WEIGHTS_IN_DISPATCH, EPX_WEIGHTS_IN_COMBINE};
+  const epx_dtype_t dtypes[] = {EPX_FLOAT32, EPX_BFLOAT16, EPX_FLOAT16};
+  int reordered = 0, seed = 40;
+  for (int li = 0; li < 2; li++)
+    for (int wi = 0; wi < 2; wi++)
+      for (int di = 0; di < (g_quick ? 2 : 3); di++) {
+        const case_t c = {layouts[li], dtypes[di], weightings[wi], EPX_COMBINE_PARTIALS_FLOAT32, 0, 0, 0, seed++};
+        dot_case(comm, stream, &c, &reordered);
+      }
+  CHECK(reordered > 0, "dot order: no dot of the test changes in float32 from sequential to pairwise order, so the "
+        "test could not see a fused kernel summing in another order");
+}
+
 int main(int argc, char **argv) {
   MPI_Init(&argc, &argv);
   MPI_Comm_rank(MPI_COMM_WORLD, &g_rank);
@@ -1149,6 +1413,7 @@ int main(int argc, char **argv) {
     test_graph(comm, stream);
   }
   g_path = EPX_PATH_FUSED;
+  test_dot_order(comm, stream);
   /* One rank: the refusing rank's own side (it takes the host path and
    * works); its peers' side needs a second rank. */
   if (g_expect_fused) test_fused_refused_on_one_rank(comm, stream);
