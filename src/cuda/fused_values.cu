@@ -29,64 +29,77 @@ namespace {
 
 constexpr int kValuesThreads = 256;
 
-/* <a, b> over one row of nvec 16-byte vectors, by one warp, in the host
- * path's order (see the file comment). kWindowA: a is window memory. */
-template <typename T, bool kWindowA>
-__device__ float warp_dot(const uint4 *a, const uint4 *b, int64_t nvec, int lane) {
+/* <a, b> by one warp, in steps: per step each lane sums the products of its
+ * S 16-byte vectors of a and b (slot order, elements in order; vec_of(step,
+ * s) names slot s's vector, -1 for none) in float32 without FMA, and the
+ * warp's butterfly sum of that is added to the total in step order. A
+ * slot without a vector adds zeros (kSkipEmpty false: the host expand
+ * kernel's zero loads) or nothing (true: the host sum kernel's skipped
+ * chunks), so a signed zero comes out as the host path's. The next step's
+ * loads are in flight while this step is summed. kWindowA: a is window
+ * memory. */
+template <typename T, bool kWindowA, int S, bool kSkipEmpty, typename VecOf>
+__device__ float warp_dot_steps(const uint4 *a, const uint4 *b, int64_t steps, VecOf vec_of) {
   using vec = epx_vec<T>;
   constexpr int n = vec::n;
-  constexpr int U = EPX_CUDA_MOVE_VECS;
   const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
-  float acc = 0.0f;
-  for (int64_t v0 = 0; v0 < nvec; v0 += 32 * U) {
-    uint4 av[U], bv[U];
+  uint4 av[S], bv[S], an[S], bn[S];
+  auto load = [&](int64_t step, uint4 (&x)[S], uint4 (&y)[S]) {
 #pragma unroll
-    for (int u = 0; u < U; u++) {
-      const int64_t i = v0 + u * 32 + lane;
-      av[u] = i < nvec ? ld_row<kWindowA>(a + i) : zero;
-      bv[u] = i < nvec ? ld_stream(b + i) : zero;
+    for (int s = 0; s < S; s++) {
+      const int64_t i = vec_of(step, s);
+      x[s] = i >= 0 ? ld_row<kWindowA>(a + i) : zero;
+      y[s] = i >= 0 ? ld_stream(b + i) : zero;
     }
+  };
+  float acc = 0.0f;
+  if (steps > 0) load(0, av, bv);
+  for (int64_t step = 0; step < steps; step++) {
+    const bool more = step + 1 < steps;
+    if (more) load(step + 1, an, bn);
     float part = 0.0f;
 #pragma unroll
-    for (int u = 0; u < U; u++) {
+    for (int s = 0; s < S; s++) {
+      if (kSkipEmpty && vec_of(step, s) < 0) continue;
       float af[n], bf[n];
-      vec::unpack(av[u], af);
-      vec::unpack(bv[u], bf);
+      vec::unpack(av[s], af);
+      vec::unpack(bv[s], bf);
 #pragma unroll
       for (int e = 0; e < n; e++) part = __fadd_rn(part, __fmul_rn(af[e], bf[e]));
     }
     acc = __fadd_rn(acc, epx_warp_sum(part));
+    if (more) {
+#pragma unroll
+      for (int s = 0; s < S; s++) av[s] = an[s], bv[s] = bn[s];
+    }
   }
   return acc;
 }
 
-/* <a, b> in the order of the host path's sum kernel (see the file comment):
- * chunks of 8 elements, 16 bytes (bf16, f16) or 32 (float32). */
+/* The host expand kernel's order (see the file comment): per step, lane l's
+ * vectors v0 + u * 32 + l for u < EPX_CUDA_MOVE_VECS. */
+template <typename T, bool kWindowA>
+__device__ float warp_dot(const uint4 *a, const uint4 *b, int64_t nvec, int lane) {
+  constexpr int U = EPX_CUDA_MOVE_VECS;
+  const int64_t steps = (nvec + 32 * U - 1) / (32 * U);
+  return warp_dot_steps<T, kWindowA, U, false>(a, b, steps, [&](int64_t step, int u) -> int64_t {
+    const int64_t i = step * 32 * U + u * 32 + lane;
+    return i < nvec ? i : -1;
+  });
+}
+
+/* The host sum kernel's order (see the file comment): chunks of 8 elements,
+ * 16 bytes (bf16, f16) or 32 (float32); per step, lane l's chunks
+ * c0 = step + l and c0 + 32, each in element order. */
 template <typename T, bool kWindowA>
 __device__ float warp_dot_chunks(const uint4 *a, const uint4 *b, int64_t nvec, int lane) {
-  using vec = epx_vec<T>;
-  constexpr int per_chunk = 8 / vec::n; /* vectors per chunk */
+  constexpr int per_chunk = 8 / epx_vec<T>::n; /* vectors per chunk */
   constexpr int kChunks = 2;
-  const int64_t chunks = nvec / per_chunk;
-  float acc = 0.0f;
-  for (int64_t step = 0; step < chunks; step += 32 * kChunks) {
-    float part = 0.0f;
-#pragma unroll
-    for (int u = 0; u < kChunks; u++) {
-      const int64_t c = step + u * 32 + lane;
-      if (c >= chunks) continue;
-#pragma unroll
-      for (int v = 0; v < per_chunk; v++) {
-        float af[vec::n], bf[vec::n];
-        vec::unpack(ld_row<kWindowA>(a + c * per_chunk + v), af);
-        vec::unpack(ld_stream(b + c * per_chunk + v), bf);
-#pragma unroll
-        for (int e = 0; e < vec::n; e++) part = __fadd_rn(part, __fmul_rn(af[e], bf[e]));
-      }
-    }
-    acc = __fadd_rn(acc, epx_warp_sum(part));
-  }
-  return acc;
+  const int64_t chunks = nvec / per_chunk, steps = (chunks + 32 * kChunks - 1) / (32 * kChunks);
+  return warp_dot_steps<T, kWindowA, kChunks * per_chunk, true>(a, b, steps, [&](int64_t step, int s) -> int64_t {
+    const int64_t c = step * 32 * kChunks + (s / per_chunk) * 32 + lane;
+    return c < chunks ? c * per_chunk + s % per_chunk : -1;
+  });
 }
 
 /* One route's dot in the order of the host path that forms it. */
