@@ -38,8 +38,8 @@
  * 2048 as DeepSeek-V3; backward: the two data and two weight gradients) on a
  * second stream, pipelined as DeepEP's users overlap them: micro-batch 1's
  * dispatch runs beside micro-batch 0's GEMMs, and 0's combine beside 1's
- * GEMMs (backward: combine_backward, GEMMs, dispatch_backward, the same
- * way). Each budget's step time (forward, backward) is set beside the GEMMs
+ * GEMMs (backward: combine_backward with the router's grad_w, GEMMs,
+ * dispatch_backward, the same way). Each budget's step time (forward, backward) is set beside the GEMMs
  * alone and the exchange alone at that budget (STEP lines); the host path
  * is the baseline row. The layout is outside the step (made once: a
  * training step's layout is its own call).
@@ -575,6 +575,7 @@ typedef struct {
   void *x, *out, *gout, *gx;           /* [T, H] */
   void *recv, *eo, *geo, *grecv;       /* [rows, H] */
   void *h1, *gh1;                      /* [rows, 2F] */
+  float *gw;                           /* [T, K] the routing weights' gradient */
   cudaEvent_t ex_done, gemm_done;
 } micro_t;
 
@@ -619,7 +620,7 @@ static void expert_mlp(experts_t *ex, const micro_t *u, int backward) {
 static void exchange_in(step_t *s, int i) {
   micro_t *u = &s->mb[i];
   if (!s->backward) OK(epx_dispatch(s->buf, u->h, u->x, u->recv, s->cap));
-  else OK(epx_combine_backward(s->buf, u->h, u->gout, NULL, u->geo, NULL));
+  else OK(epx_combine_backward(s->buf, u->h, u->gout, u->eo, u->geo, u->gw)); /* the router's gradient too */
 }
 static void exchange_out(step_t *s, int i) {
   micro_t *u = &s->mb[i];
@@ -703,6 +704,7 @@ static void micro_init(step_t *s, int i, int T, int32_t *d_idx, float *d_w) {
   void **tok[] = {&u->x, &u->out, &u->gout, &u->gx}, **row[] = {&u->recv, &u->eo, &u->geo, &u->grecv};
   for (int j = 0; j < 4; j++) *tok[j] = dev_fill(tb), *row[j] = dev_fill(rows * H * 2);
   u->h1 = dev_fill(rows * 2 * FFN * 2), u->gh1 = dev_fill(rows * 2 * FFN * 2);
+  u->gw = dev_fill(4 * (size_t)T * K);
   CU(cudaEventCreateWithFlags(&u->ex_done, cudaEventDisableTiming));
   CU(cudaEventCreateWithFlags(&u->gemm_done, cudaEventDisableTiming));
   free(idx), free(w);
@@ -710,7 +712,7 @@ static void micro_init(step_t *s, int i, int T, int32_t *d_idx, float *d_w) {
 
 static void micro_fini(micro_t *u) {
   OK(epx_handle_release(u->h));
-  void *p[] = {u->x, u->out, u->gout, u->gx, u->recv, u->eo, u->geo, u->grecv, u->h1, u->gh1};
+  void *p[] = {u->x, u->out, u->gout, u->gx, u->recv, u->eo, u->geo, u->grecv, u->h1, u->gh1, u->gw};
   for (size_t j = 0; j < sizeof p / sizeof p[0]; j++) cudaFree(p[j]);
   cudaEventDestroy(u->ex_done), cudaEventDestroy(u->gemm_done);
 }
