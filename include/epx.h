@@ -649,11 +649,12 @@ typedef enum epx_exchange_path {
    * "The SM budget: whole steps"): the fused NVLink kernels for the
    * rank-major layout (dispatch / combine at T=8192: 0.43 / 0.44 ms at 32
    * SMs against 0.51-0.55 / 0.52-0.57 on the host path), NCCL's host API for the
-   * expert-major and capacity layouts (their fused dispatch is the faster,
-   * 0.70 against 0.84 ms, but their fused combine the slower, 1.10 against
-   * 0.85 with payload partials and 2.03 with float32 ones; a whole step
-   * measured 29.6 ms fused against 27.8 on the host path before the fused
-   * expansion moved apart) and for everything EPX_PATH_FUSED cannot serve. */
+   * expert-major and capacity layouts (alone, their fused exchanges are the
+   * faster with payload partials: dispatch 0.70 against 0.83 ms, combine
+   * 0.77 against 0.85; 1.85 with float32 partials; but in a whole training
+   * step, its exchanges beside the expert GEMMs, fused and host measured
+   * the same: 28.05 against 27.94 ms on 2 H200, bench/NOTES-gpu.md) and for
+   * everything EPX_PATH_FUSED cannot serve. */
   EPX_PATH_AUTO = 0,
   /* NCCL's host API for every peer (to compare the paths on the same GPUs,
    * or where the fused window's memory is not wanted). */
