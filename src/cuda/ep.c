@@ -359,11 +359,9 @@ fail:
 
 /* The four payload calls on the fused kernels. forward: dispatch-like (x ->
  * rows), else combine-like (rows -> out). weighted only in expert-major
- * (rank-major rows carry no weight: the contract's EPX_WEIGHTS_NONE).
- * dot_rows: combine_backward's expert_out, when its grad_w is asked for (the
- * expansion forms the dots). */
+ * (rank-major rows carry no weight: the contract's EPX_WEIGHTS_NONE). */
 static epx_status_t fused_move(epx_buffer_t b, epx_handle_t handle, const void *src, void *dst, int forward,
-                               int weighted, const void *dot_rows, const char *fn) {
+                               int weighted, const char *fn) {
   epx_status_t status = EPX_SUCCESS;
   ep_buffer_t *s = b->cuda;
   const ep_handle_t *h = handle->cuda;
@@ -377,8 +375,8 @@ static epx_status_t fused_move(epx_buffer_t b, epx_handle_t handle, const void *
     epx_fused_plan_view(h->plan, &v);
     dst = (void *)v.row_w;
   }
-  CUDA_CHECK(forward ? epx_fused_combine_backward_launch(s->fused, h->plan, src, dst, weighted && expert, dot_rows,
-                                                          s->fused_ctas, stream)
+  CUDA_CHECK(forward ? epx_fused_dispatch_launch(s->fused, h->plan, src, dst, weighted && expert, s->fused_ctas, 0,
+                                                 stream)
                      : epx_fused_combine_launch(s->fused, h->plan, src, dst, weighted && expert,
                                                 b->config.combine_precision, s->fused_ctas, 0, stream),
              fn, forward ? "the fused dispatch kernels" : "the fused combine kernels");
@@ -1035,14 +1033,14 @@ fail:
 }
 #else
 #define FUSED_SERVES(handle) 0
-#define fused_move(b, handle, src, dst, forward, weighted, dot_rows, fn) EPX_ERROR_INTERNAL
+#define fused_move(b, handle, src, dst, forward, weighted, fn) EPX_ERROR_INTERNAL
 #define fused_values_home(b, handle, mode, values, home_rows, grad_w, fn) EPX_ERROR_INTERNAL
 #define fused_dispatch_dots(b, handle, grad_recv_x, x, grad_w, fn) EPX_ERROR_INTERNAL
 #endif
 
 epx_status_t epx_cuda_ep_dispatch(epx_buffer_t b, epx_handle_t handle, const void *x, void *recv_x) {
   if (FUSED_SERVES(handle))
-    return fused_move(b, handle, x, recv_x, 1, handle->weighting == EPX_WEIGHTS_IN_DISPATCH, NULL, "epx_dispatch");
+    return fused_move(b, handle, x, recv_x, 1, handle->weighting == EPX_WEIGHTS_IN_DISPATCH, "epx_dispatch");
   return move_forward(b, handle, x, recv_x, handle->weighting == EPX_WEIGHTS_IN_DISPATCH, NULL, NULL,
                       "epx_dispatch");
 }
@@ -1050,12 +1048,12 @@ epx_status_t epx_cuda_ep_dispatch(epx_buffer_t b, epx_handle_t handle, const voi
 epx_status_t epx_cuda_ep_combine_backward(epx_buffer_t b, epx_handle_t handle, const void *grad_out,
                                           const void *expert_out, void *grad_expert_out, float *grad_w) {
   if (FUSED_SERVES(handle)) {
-    /* the dots are formed as the rows are expanded, then go home */
+    /* the dots read the grad_out rows this dispatch leaves in the window */
     const epx_status_t status = fused_move(b, handle, grad_out, grad_expert_out, 1,
-                                           handle->weighting == EPX_WEIGHTS_IN_COMBINE, grad_w ? expert_out : NULL,
-                                           "epx_combine_backward");
+                                           handle->weighting == EPX_WEIGHTS_IN_COMBINE, "epx_combine_backward");
     if (status != EPX_SUCCESS || !grad_w) return status;
-    return fused_values_home(b, handle, EPX_FUSED_VALUES_COMBINE_DOTS, NULL, NULL, grad_w, "epx_combine_backward");
+    return fused_values_home(b, handle, EPX_FUSED_VALUES_COMBINE_DOTS, expert_out, grad_out, grad_w,
+                             "epx_combine_backward");
   }
   return move_forward(b, handle, grad_out, grad_expert_out, handle->weighting == EPX_WEIGHTS_IN_COMBINE,
                       expert_out, grad_w, "epx_combine_backward");
@@ -1140,8 +1138,7 @@ fail:
 
 epx_status_t epx_cuda_ep_combine(epx_buffer_t b, epx_handle_t handle, const void *expert_out, void *out) {
   if (FUSED_SERVES(handle))
-    return fused_move(b, handle, expert_out, out, 0, handle->weighting == EPX_WEIGHTS_IN_COMBINE, NULL,
-                      "epx_combine");
+    return fused_move(b, handle, expert_out, out, 0, handle->weighting == EPX_WEIGHTS_IN_COMBINE, "epx_combine");
   return move_backward(b, handle, expert_out, out, handle->weighting == EPX_WEIGHTS_IN_COMBINE, NULL, NULL,
                        "epx_combine");
 }
@@ -1154,7 +1151,7 @@ epx_status_t epx_cuda_ep_dispatch_backward(epx_buffer_t b, epx_handle_t handle, 
       if (status != EPX_SUCCESS) return status;
     }
     return fused_move(b, handle, grad_recv_x, grad_x, 0, handle->weighting == EPX_WEIGHTS_IN_DISPATCH,
-                      NULL, "epx_dispatch_backward");
+                      "epx_dispatch_backward");
   }
   return move_backward(b, handle, grad_recv_x, grad_x, handle->weighting == EPX_WEIGHTS_IN_DISPATCH, x, grad_w,
                        "epx_dispatch_backward");

@@ -201,29 +201,25 @@ cudaError_t epx_fused_dispatch_backward_launch(epx_fused_t *fused, const epx_fus
                                                const void *grad_recv_x, void *grad_x,
                                                int weighted, epx_combine_precision_t precision,
                                                int32_t num_ctas, cudaStream_t stream);
-/* expert_out (or NULL): [N, H] in the plan's layout, an expert-major plan's;
- * the expansion then forms each route's dot <grad_out[t], expert_out(t, k)>
- * in the order of the host path's expand kernel, for an
- * EPX_FUSED_VALUES_COMBINE_DOTS launch to bring home. */
 cudaError_t epx_fused_combine_backward_launch(epx_fused_t *fused, const epx_fused_plan_t *plan,
                                               const void *grad_out, void *grad_expert_out,
-                                              int weighted, const void *expert_out, int32_t num_ctas,
-                                              cudaStream_t stream);
+                                              int weighted, int32_t num_ctas, cudaStream_t stream);
 
 /* What the values of epx_fused_values_home_launch are. */
 enum {
   EPX_FUSED_VALUES_PER_SLOT = 0, /* rank-major: values [N, K], a value per recv row and k-slot */
   EPX_FUSED_VALUES_PER_ROW = 1,  /* expert-major: values [N], a value per recv row */
-  /* expert-major: combine_backward's <grad_out[t], expert_out(t, k)>, which
-   * the epx_fused_combine_backward_launch with expert_out just before it on
-   * this plan formed (values, home_rows: NULL) */
+  /* expert-major: the dot <home_rows[t], values(t, k)> (values: rows [N, H]
+   * in the plan's layout; home_rows [T, H] this rank's), formed from the
+   * home rows that the dispatch-like launch just before it on this plan
+   * left in the window: no other dispatch-like launch of this fused state
+   * may come between them. COMBINE_DOTS: combine_backward's
+   * <grad_out[t], expert_out(t, k)> after epx_fused_combine_backward_launch
+   * of grad_out, summed in the order of the host path's expand kernel;
+   * DISPATCH_DOTS: dispatch_backward's <grad_recv_x(t, k), x[t]> after
+   * epx_fused_dispatch_launch of x into the window, in the order of the
+   * host path's sum kernel */
   EPX_FUSED_VALUES_COMBINE_DOTS = 2,
-  /* expert-major: dispatch_backward's <grad_recv_x(t, k), x[t]> (values:
-   * grad_recv_x [N, H] in the plan's layout; home_rows: x [T, H]), formed
-   * here from the x rows that the epx_fused_dispatch_launch of x into the
-   * window just before it left there, in the order of the host path's sum
-   * kernel. No other dispatch-like launch of this fused state may come
-   * between those launches and this one. */
   EPX_FUSED_VALUES_DISPATCH_DOTS = 3
 };
 /* Routing-weight gradients home (collective, a combine-like launch): each

@@ -514,10 +514,9 @@ extern "C" epx_status_t epx_fused_plan_create(epx_fused_t *f, epx_layout_t layou
   const int64_t claims = cap ? E * capacity : 0;
   const info_index ii = make_info_index((int)W, (int)El);
   /* int32 words of every array, in the order they are carved below */
-  const int64_t dots = layout != EPX_LAYOUT_RANK_MAJOR ? pairs * K : 0;
   const int64_t words[] = {T * K, T * K, T * K, T * W, W * T, blocks * E, blocks * W, 2 * blocks, E,
                            pairs, pairs * K, pairs * K, pairs * K, row_bound, row_bound, row_bound, row_bound,
-                           2 * claims, dots};
+                           2 * claims};
   size_t bytes = 64 + align_up((size_t)ii.total * 8, 256); /* invalid, then info, as carved below */
   for (size_t i = 0; i < sizeof words / sizeof words[0]; i++) bytes += align_up((size_t)words[i] * 4, 256);
   epx_fused_plan_t *p = static_cast<epx_fused_plan_t *>(calloc(1, sizeof *p));
@@ -537,8 +536,7 @@ extern "C" epx_status_t epx_fused_plan_create(epx_fused_t *f, epx_layout_t layou
                     (void **)&pd.send_token, (void **)&pd.chunk_hist, (void **)&pd.chunk_dcnt,
                     (void **)&pd.chunk_invalid, (void **)&pd.hist, (void **)&pd.pair_token, (void **)&pd.pair_expert,
                     (void **)&pd.pair_w, (void **)&pd.pair_rows, (void **)&pd.row_src_rank,
-                    (void **)&pd.row_src_token, (void **)&pd.row_expert, (void **)&pd.row_w, (void **)&pd.claim,
-                    (void **)&pd.pair_dot};
+                    (void **)&pd.row_src_token, (void **)&pd.row_expert, (void **)&pd.row_w, (void **)&pd.claim};
   for (size_t i = 0; i < sizeof slots / sizeof slots[0]; i++) {
     *slots[i] = m;
     m += align_up((size_t)words[i] * 4, 256);
@@ -1238,64 +1236,20 @@ __device__ void send_rows(const fused_dev &d, const fused_plan_dev &p, dispatch_
   }
 }
 
-/* How rows are expanded: weighted (round(w * row)), and with dot_rows
- * ([N, H] in the plan's layout, or NULL) each route's dot <row, dot_rows(t,
- * k)> into the plan's pair_dot: combine_backward's grad_w. */
-struct expand_args {
-  int weighted;
-  const uint4 *dot_rows;
-};
-
-/* The dot's part of one expansion step, as the host path's expand kernel
- * forms it (src/cuda/dispatch.cu, kDot): per host step of
- * EPX_CUDA_MOVE_VECS vectors per lane, the lane's float32 sum of products
- * (zeros past the row's end), the warp's butterfly sum, added into lane k's
- * dot in step order. An expansion step is two host steps; the second exists
- * only where the row reaches it. */
-template <typename T, int U>
-__device__ __forceinline__ void step_dot(const uint4 (&v)[U], const uint4 *o, int64_t v0, int64_t nvec, int k,
-                                         int lane, float &my_dot) {
-  constexpr int HU = EPX_CUDA_MOVE_VECS, n = epx_vec<T>::n;
-  static_assert(U == 2 * HU, "an expansion step is two host steps");
-  uint4 ov[U];
-#pragma unroll
-  for (int u = 0; u < U; u++) {
-    const int64_t i = v0 + u * 32 + lane;
-    ov[u] = i < nvec ? ld_stream(o + i) : make_uint4(0u, 0u, 0u, 0u);
-  }
-#pragma unroll
-  for (int h = 0; h < 2; h++) {
-    if (h == 1 && v0 + 32 * HU >= nvec) break;
-    float part = 0.0f;
-#pragma unroll
-    for (int u = h * HU; u < (h + 1) * HU; u++) {
-      float xf[n], of[n];
-      epx_vec<T>::unpack(v[u], xf);
-      epx_vec<T>::unpack(ov[u], of);
-#pragma unroll
-      for (int e = 0; e < n; e++) part = __fadd_rn(part, __fmul_rn(xf[e], of[e]));
-    }
-    part = epx_warp_sum(part);
-    if (lane == k) my_dot = __fadd_rn(my_dot, part);
-  }
-}
-
-/* One row to each of its expert-major rows (see expand_args); dots: the
- * pair's [K] of pair_dot when dot_rows is given. */
+/* One row to each of its expert-major rows (round(w * row) when weighted). */
 template <typename T, bool kWindow>
 __device__ void warp_expand(uint4 *recv, const uint4 *src, const int32_t *rows, const float *w, int K,
-                            const expand_args &ea, float *dots, int64_t nvec, int lane) {
+                            int weighted, int64_t nvec, int lane) {
   constexpr int U = 8; /* 4 KB of the row in flight per warp */
   const int32_t my_row = lane < K ? rows[lane] : -1;
   const float my_w = lane < K ? w[lane] : 0.0f;
   const unsigned valid = __ballot_sync(0xffffffffu, my_row >= 0);
-  float my_dot = 0.0f; /* lane k: slot k's dot */
   for (int64_t v0 = 0; v0 < nvec; v0 += 32 * U) {
     uint4 v[U];
 #pragma unroll
     for (int u = 0; u < U; u++) {
       const int64_t i = v0 + u * 32 + lane;
-      v[u] = i < nvec ? ld_row<kWindow>(src + i) : make_uint4(0u, 0u, 0u, 0u);
+      if (i < nvec) v[u] = ld_row<kWindow>(src + i);
     }
     for (unsigned m = valid; m; m &= m - 1) {
       const int k = __ffs(m) - 1;
@@ -1304,34 +1258,31 @@ __device__ void warp_expand(uint4 *recv, const uint4 *src, const int32_t *rows, 
 #pragma unroll
       for (int u = 0; u < U; u++) {
         const int64_t i = v0 + u * 32 + lane;
-        if (i < nvec) recv[row * nvec + i] = ea.weighted ? scale_vec<T>(v[u], wk) : v[u];
+        if (i < nvec) recv[row * nvec + i] = weighted ? scale_vec<T>(v[u], wk) : v[u];
       }
-      if (ea.dot_rows) step_dot<T, U>(v, ea.dot_rows + row * nvec, v0, nvec, k, lane, my_dot);
     }
   }
-  if (ea.dot_rows && my_row >= 0) dots[lane] = my_dot;
 }
 
 /* Received row q (from source s) into its expert-major rows: this rank's
  * own rows from x (they never go through the window), the others' from it. */
 template <typename T>
 __device__ __forceinline__ void expand_pair(const fused_dev &d, const fused_plan_dev &p, const uint4 *x, uint4 *recv,
-                                            int64_t q, int s, const expand_args &ea, int lane) {
+                                            int64_t q, int s, int weighted, int lane) {
   const int32_t *rows = p.pair_rows + q * p.K;
   const float *w = p.pair_w + q * p.K;
-  float *dots = p.pair_dot + q * p.K;
   if (s == d.rank)
-    warp_expand<T, false>(recv, x + (int64_t)p.pair_token[q] * d.nvec, rows, w, p.K, ea, dots, d.nvec, lane);
+    warp_expand<T, false>(recv, x + (int64_t)p.pair_token[q] * d.nvec, rows, w, p.K, weighted, d.nvec, lane);
   else
-    warp_expand<T, true>(recv, reinterpret_cast<const uint4 *>(d.local + d.off_pay) + q * d.nvec, rows, w, p.K, ea,
-                         dots, d.nvec, lane);
+    warp_expand<T, true>(recv, reinterpret_cast<const uint4 *>(d.local + d.off_pay) + q * d.nvec, rows, w, p.K,
+                         weighted, d.nvec, lane);
 }
 
 /* Receiver CTAs: (chunk j, source) pairs round robin; each waits for the
  * chunk's flag, then expands it (expert-major) or copies it out. */
 template <typename T>
 __device__ void receive_rows(const fused_dev &d, const fused_plan_dev &p, dispatch_shared &sh, uint32_t seq,
-                             const uint4 *x, uint4 *recv, int mode, const expand_args ea, int ns) {
+                             const uint4 *x, uint4 *recv, int mode, int weighted, int ns) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int rc = blockIdx.x - ns, nr = gridDim.x - ns;
   const info_index ii = make_info_index(d.W, d.El);
@@ -1369,7 +1320,7 @@ __device__ void receive_rows(const fused_dev &d, const fused_plan_dev &p, dispat
     for (int64_t i = warp; i < n; i += kWarps) {
       const int64_t q = sh.rbase[s] + j * kChunk + i;
       if (mode == MODE_RANK_COPY) warp_copy<true>(recv + q * d.nvec, pay + q * d.nvec, d.nvec, lane);
-      else expand_pair<T>(d, p, x, recv, q, s, ea, lane);
+      else expand_pair<T>(d, p, x, recv, q, s, weighted, lane);
     }
   }
 }
@@ -1377,7 +1328,7 @@ __device__ void receive_rows(const fused_dev &d, const fused_plan_dev &p, dispat
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const fused_dev d, const fused_plan_dev p,
                                                                const uint4 *x, uint4 *recv, int mode,
-                                                               const expand_args ea, int ns) {
+                                                               int weighted, int ns) {
   __shared__ dispatch_shared sh;
   extern __shared__ __align__(128) char slots[]; /* bulk path: a row per copying warp */
   if (failed(d)) return;
@@ -1393,7 +1344,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const fused_dev d
   send_cts(d, seq);
   __syncthreads();
   if ((int)blockIdx.x < ns) send_rows(d, p, sh, seq, x, recv, mode, ns, slots);
-  else receive_rows<T>(d, p, sh, seq, x, recv, mode, ea, ns);
+  else receive_rows<T>(d, p, sh, seq, x, recv, mode, weighted, ns);
   end_op(d, seq);
 }
 
@@ -1405,7 +1356,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const fused_dev d
  * clear-to-send). */
 template <typename T>
 __global__ void __launch_bounds__(kThreads) expand_kernel(const fused_dev d, const fused_plan_dev p, const uint4 *x,
-                                                          uint4 *recv, const expand_args ea) {
+                                                          uint4 *recv, int weighted) {
   __shared__ int64_t s_rbase[EPX_FUSED_MAX_RANKS + 1];
   if (failed(d)) return; /* a wait ran out: rows are missing, the error word says which */
   const info_index ii = make_info_index(d.W, d.El);
@@ -1427,13 +1378,13 @@ __global__ void __launch_bounds__(kThreads) expand_kernel(const fused_dev d, con
   for (int64_t q = gw; q < s_rbase[d.W]; q += warps) {
     int s = 0;
     while (s + 1 < d.W && s_rbase[s + 1] <= q) s++;
-    expand_pair<T>(d, p, x, recv, q, s, ea, lane);
+    expand_pair<T>(d, p, x, recv, q, s, weighted, lane);
   }
 }
 
 template <typename T>
 cudaError_t launch_dispatch(const fused_dev &d, const fused_plan_dev &p, const uint4 *x, uint4 *recv, int mode,
-                            const expand_args &ea, int n, int ns, int expand_ctas, size_t smem, cudaStream_t stream) {
+                            int weighted, int n, int ns, int expand_ctas, size_t smem, cudaStream_t stream) {
   if (smem > 0) {
     int device = 0;
     cudaError_t e = cudaGetDevice(&device);
@@ -1441,24 +1392,21 @@ cudaError_t launch_dispatch(const fused_dev &d, const fused_plan_dev &p, const u
     if (e == cudaSuccess) e = epx_cuda_kernel_smem((const void *)dispatch_kernel<T>, device, smem);
     if (e != cudaSuccess) return e;
   }
-  dispatch_kernel<T><<<n, kThreads, smem, stream>>>(d, p, x, recv, mode, ea, ns);
-  if (mode == MODE_EXPERT_APART) expand_kernel<T><<<expand_ctas, kThreads, 0, stream>>>(d, p, x, recv, ea);
+  dispatch_kernel<T><<<n, kThreads, smem, stream>>>(d, p, x, recv, mode, weighted, ns);
+  if (mode == MODE_EXPERT_APART) expand_kernel<T><<<expand_ctas, kThreads, 0, stream>>>(d, p, x, recv, weighted);
   return cudaGetLastError();
 }
 
 }  // namespace
 
-/* The dispatch launch, with combine_backward's dots formed by the
- * expansion when dot_rows is given (an expert-major plan into recv_x). */
-static cudaError_t dispatch_launch(epx_fused_t *f, const epx_fused_plan_t *plan, const void *x, void *recv_x,
-                                   int weighted, const void *dot_rows, int32_t num_ctas, int32_t recv_ctas,
-                                   cudaStream_t stream) {
+extern "C" cudaError_t epx_fused_dispatch_launch(epx_fused_t *f, const epx_fused_plan_t *plan, const void *x,
+                                                 void *recv_x, int weighted, int32_t num_ctas, int32_t recv_ctas,
+                                                 cudaStream_t stream) {
   const fused_dev &d = f->dev;
   void *window = epx_fused_recv_window(f);
   const bool expert = plan->dev.expert_major != 0;
   const bool in_window = !recv_x || recv_x == window;
-  if ((expert && (!recv_x || (in_window && (weighted || dot_rows)))) || (!x && plan->dev.T > 0) ||
-      (!expert && (weighted || dot_rows)))
+  if ((expert && (!recv_x || (in_window && weighted))) || (!x && plan->dev.T > 0) || (!expert && weighted))
     return cudaErrorInvalidValue;
   /* capacity rows are always expanded apart (its empty slots are zeroed there) */
   const bool apart = expert && (plan->dev.C || (epx_cuda_launch_flags() & EPX_CUDA_FUSED_EXPAND_APART));
@@ -1471,25 +1419,17 @@ static cudaError_t dispatch_launch(epx_fused_t *f, const epx_fused_plan_t *plan,
   uint4 *rs = static_cast<uint4 *>(in_window ? window : recv_x);
   const size_t smem = (size_t)d.bulk_warps * (size_t)bulk_slot_bytes(d.row_bytes);
   const int ex = 2 * f->num_sms; /* the expansion apart: two CTAs of 16 warps per SM */
-  const expand_args ea = {weighted, static_cast<const uint4 *>(dot_rows)};
   switch (f->config.dtype) {
-    case EPX_FLOAT32: return launch_dispatch<float>(d, plan->dev, xs, rs, mode, ea, n, n - nr, ex, smem, stream);
+    case EPX_FLOAT32: return launch_dispatch<float>(d, plan->dev, xs, rs, mode, weighted, n, n - nr, ex, smem, stream);
     case EPX_BFLOAT16:
-      return launch_dispatch<__nv_bfloat16>(d, plan->dev, xs, rs, mode, ea, n, n - nr, ex, smem, stream);
-    case EPX_FLOAT16: return launch_dispatch<__half>(d, plan->dev, xs, rs, mode, ea, n, n - nr, ex, smem, stream);
+      return launch_dispatch<__nv_bfloat16>(d, plan->dev, xs, rs, mode, weighted, n, n - nr, ex, smem, stream);
+    case EPX_FLOAT16: return launch_dispatch<__half>(d, plan->dev, xs, rs, mode, weighted, n, n - nr, ex, smem, stream);
   }
   return cudaErrorInvalidValue;
 }
 
-extern "C" cudaError_t epx_fused_dispatch_launch(epx_fused_t *f, const epx_fused_plan_t *plan, const void *x,
-                                                 void *recv_x, int weighted, int32_t num_ctas, int32_t recv_ctas,
-                                                 cudaStream_t stream) {
-  return dispatch_launch(f, plan, x, recv_x, weighted, nullptr, num_ctas, recv_ctas, stream);
-}
-
 extern "C" cudaError_t epx_fused_combine_backward_launch(epx_fused_t *f, const epx_fused_plan_t *plan,
                                                          const void *grad_out, void *grad_expert_out, int weighted,
-                                                         const void *expert_out, int32_t num_ctas,
-                                                         cudaStream_t stream) {
-  return dispatch_launch(f, plan, grad_out, grad_expert_out, weighted, expert_out, num_ctas, 0, stream);
+                                                         int32_t num_ctas, cudaStream_t stream) {
+  return epx_fused_dispatch_launch(f, plan, grad_out, grad_expert_out, weighted, num_ctas, 0, stream);
 }

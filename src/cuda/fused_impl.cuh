@@ -105,7 +105,6 @@ struct fused_plan_dev {
   int32_t *pair_expert;/* [W*maxT, K] global expert of slot k on this rank, -1 */
   float *pair_w;       /* [W*maxT, K] its weight, 0 */
   int32_t *pair_rows;  /* [W*maxT, K] expert-major row of slot k, -1 */
-  float *pair_dot;     /* [W*maxT, K] expert-major: slot k's dot of combine_backward (its expansion's) */
   int32_t *row_src_rank, *row_src_token, *row_expert; /* [row_bound] */
   float *row_w;
   unsigned long long *invalid;

@@ -1,23 +1,24 @@
 /* The fused NVLink exchange, part 3: the routing-weight gradients. A route's
  * gradient is formed on its expert's rank (a value the caller computed per
- * recv row, or a dot) and belongs to its token's rank: grad_w [T, K]. One
- * combine-like op of two kernels, K floats per received row (see fused.h,
- * epx_fused_values_home_launch):
- *   send   a thread per received rank-major row and k-slot (a warp each for
- *          dispatch_backward's dots): the slot's value, if its expert is on
- *          this rank, written into the source rank's window
- *          (back[this rank][token][k]); the last CTA raises each rank's flag;
+ * recv row, or the dot of combine_backward) and belongs to its token's rank:
+ * grad_w [T, K]. One combine-like op of two kernels, K floats per received
+ * row (see fused.h, epx_fused_values_home_launch):
+ *   send   a thread per received rank-major row and k-slot (a warp each
+ *          for the dots): the slot's value, if its expert is on this rank,
+ *          written into the source rank's window (back[this rank][token][k]);
+ *          the last CTA raises each rank's flag;
  *   home   a thread per (token, k): waits for every rank's flag, then reads
  *          the value of the rank that holds the route's expert (0 for a slot
  *          without a route, and everywhere in an empty layout).
  * The dots are formed exactly as the host path forms them, so both paths
- * give the same bits: combine_backward's by the expansion of its dispatch
- * (fused_dispatch.cu, step_dot), dispatch_backward's here as the host sum
- * kernel does (src/cuda/ep.cu, reduce_kernel's kDot: per lane a float32 sum
- * over 2 chunks of 8 elements per step, chunk c0 = step + lane then
- * c0 + 32, the warp's butterfly sum per step, the steps added in order from
- * 0). tests/gpu/mpi_gpu_exchange.c (test_dot_order) checks the bits with
- * inexact data, where another order would show. */
+ * give the same bits: combine_backward's as its expand kernel does
+ * (src/cuda/dispatch.cu, kDot: per lane a float32 sum over
+ * EPX_CUDA_MOVE_VECS 16-byte vectors per step), dispatch_backward's as its
+ * sum kernel does (src/cuda/ep.cu, reduce_kernel's kDot: per lane a float32
+ * sum over 2 chunks of 8 elements per step, chunk c0 = step + lane then
+ * c0 + 32); in both the warp's butterfly sum per step, the steps added in
+ * order from 0. tests/gpu/mpi_gpu_exchange.c (test_dot_order) checks the
+ * bits with inexact data, where another order would show. */
 #include <cuda_runtime.h>
 
 #include "cuda/fused_impl.cuh"
@@ -28,21 +29,19 @@ namespace {
 
 constexpr int kValuesThreads = 256;
 
-/* <a, b> by one warp in the host sum kernel's order (see the file comment):
- * chunks of 8 elements, 16 bytes (bf16, f16) or 32 (float32), float32
- * without FMA; a chunk past the row's end adds nothing (the host kernel
- * skips it, so a signed zero comes out as there). The next step's loads are
- * in flight while this step is summed. kWindowA: a is window memory. */
-template <typename T, bool kWindowA>
-__device__ float warp_dot_chunks(const uint4 *a, const uint4 *b, int64_t nvec, int lane) {
+/* <a, b> by one warp, in steps: per step each lane sums the products of its
+ * S 16-byte vectors of a and b (slot order, elements in order; vec_of(step,
+ * s) names slot s's vector, -1 for none) in float32 without FMA, and the
+ * warp's butterfly sum of that is added to the total in step order. A
+ * slot without a vector adds zeros (kSkipEmpty false: the host expand
+ * kernel's zero loads) or nothing (true: the host sum kernel's skipped
+ * chunks), so a signed zero comes out as the host path's. The next step's
+ * loads are in flight while this step is summed. kWindowA: a is window
+ * memory. */
+template <typename T, bool kWindowA, int S, bool kSkipEmpty, typename VecOf>
+__device__ float warp_dot_steps(const uint4 *a, const uint4 *b, int64_t steps, VecOf vec_of) {
   using vec = epx_vec<T>;
-  constexpr int n = vec::n, per_chunk = 8 / n, kChunks = 2, S = kChunks * per_chunk;
-  const int64_t chunks = nvec / per_chunk, steps = (chunks + 32 * kChunks - 1) / (32 * kChunks);
-  /* slot s of a step: the vector of chunk (step, s / per_chunk), -1 past the end */
-  auto vec_of = [&](int64_t step, int s) -> int64_t {
-    const int64_t c = step * 32 * kChunks + (s / per_chunk) * 32 + lane;
-    return c < chunks ? c * per_chunk + s % per_chunk : -1;
-  };
+  constexpr int n = vec::n;
   const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
   uint4 av[S], bv[S], an[S], bn[S];
   auto load = [&](int64_t step, uint4 (&x)[S], uint4 (&y)[S]) {
@@ -61,7 +60,7 @@ __device__ float warp_dot_chunks(const uint4 *a, const uint4 *b, int64_t nvec, i
     float part = 0.0f;
 #pragma unroll
     for (int s = 0; s < S; s++) {
-      if (vec_of(step, s) < 0) continue;
+      if (kSkipEmpty && vec_of(step, s) < 0) continue;
       float af[n], bf[n];
       vec::unpack(av[s], af);
       vec::unpack(bv[s], bf);
@@ -77,10 +76,44 @@ __device__ float warp_dot_chunks(const uint4 *a, const uint4 *b, int64_t nvec, i
   return acc;
 }
 
+/* The host expand kernel's order (see the file comment): per step, lane l's
+ * vectors v0 + u * 32 + l for u < EPX_CUDA_MOVE_VECS. */
+template <typename T, bool kWindowA>
+__device__ float warp_dot(const uint4 *a, const uint4 *b, int64_t nvec, int lane) {
+  constexpr int U = EPX_CUDA_MOVE_VECS;
+  const int64_t steps = (nvec + 32 * U - 1) / (32 * U);
+  return warp_dot_steps<T, kWindowA, U, false>(a, b, steps, [&](int64_t step, int u) -> int64_t {
+    const int64_t i = step * 32 * U + u * 32 + lane;
+    return i < nvec ? i : -1;
+  });
+}
+
+/* The host sum kernel's order (see the file comment): chunks of 8 elements,
+ * 16 bytes (bf16, f16) or 32 (float32); per step, lane l's chunks
+ * c0 = step + l and c0 + 32, each in element order. */
+template <typename T, bool kWindowA>
+__device__ float warp_dot_chunks(const uint4 *a, const uint4 *b, int64_t nvec, int lane) {
+  constexpr int per_chunk = 8 / epx_vec<T>::n; /* vectors per chunk */
+  constexpr int kChunks = 2;
+  const int64_t chunks = nvec / per_chunk, steps = (chunks + 32 * kChunks - 1) / (32 * kChunks);
+  return warp_dot_steps<T, kWindowA, kChunks * per_chunk, true>(a, b, steps, [&](int64_t step, int s) -> int64_t {
+    const int64_t c = step * 32 * kChunks + (s / per_chunk) * 32 + lane;
+    return c < chunks ? c * per_chunk + s % per_chunk : -1;
+  });
+}
+
+/* One route's dot in the order of the host path that forms it. */
+template <typename T, bool kWindowA>
+__device__ __forceinline__ float route_dot(int mode, const uint4 *a, const uint4 *b, int64_t nvec, int lane) {
+  return mode == EPX_FUSED_VALUES_DISPATCH_DOTS ? warp_dot_chunks<T, kWindowA>(a, b, nvec, lane)
+                                                : warp_dot<T, kWindowA>(a, b, nvec, lane);
+}
+
 struct values_args {
   int mode;            /* EPX_FUSED_VALUES_* */
   const float *values; /* PER_SLOT [N, K], PER_ROW [N] */
-  /* DISPATCH_DOTS: grad_recv_x [N, H] in the layout, x [T, H] at home */
+  /* the dots: rows [N, H] in the layout (expert_out, grad_recv_x) and
+   * [T, H] at home (grad_out, x) */
   const uint4 *route_rows, *home_rows;
   float *grad_w;       /* [T, K] */
 };
@@ -108,7 +141,8 @@ __global__ void __launch_bounds__(kValuesThreads) values_send_kernel(const fused
   __syncthreads();
   const int K = p.K;
   const int64_t pairs = s_rbase[d.W];
-  if (!s_bad && a.mode != EPX_FUSED_VALUES_DISPATCH_DOTS) {
+  const bool dots = a.mode == EPX_FUSED_VALUES_COMBINE_DOTS || a.mode == EPX_FUSED_VALUES_DISPATCH_DOTS;
+  if (!s_bad && !dots) {
     /* a thread per (row, k-slot): a few bytes each, latency-bound */
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < pairs * K;
          i += (int64_t)gridDim.x * blockDim.x) {
@@ -116,17 +150,14 @@ __global__ void __launch_bounds__(kValuesThreads) values_send_kernel(const fused
       const int k = (int)(i % K);
       int s = 0;
       while (s + 1 < d.W && s_rbase[s + 1] <= q) s++;
-      /* the slot's value, if it is a route of this rank */
-      if (a.mode == EPX_FUSED_VALUES_PER_SLOT) {
-        if (p.pair_expert[i] >= 0) back_at(d, d.peer[s], d.rank, p.pair_token[q])[k] = a.values[i];
-      } else if (p.pair_rows[i] >= 0) {
-        back_at(d, d.peer[s], d.rank, p.pair_token[q])[k] =
-            a.mode == EPX_FUSED_VALUES_PER_ROW ? a.values[p.pair_rows[i]] : p.pair_dot[i];
-      }
+      int32_t at = -1; /* where the slot's value is, -1: no route of this rank */
+      if (a.mode == EPX_FUSED_VALUES_PER_SLOT) at = p.pair_expert[i] >= 0 ? (int32_t)i : -1;
+      else at = p.pair_rows[i];
+      if (at >= 0) back_at(d, d.peer[s], d.rank, p.pair_token[q])[k] = a.values[at];
     }
   } else if (!s_bad) {
-    /* dispatch_backward's dots, a warp per (row, k-slot): each route's dot
-     * is a warp's, so every warp of the grid has one in flight */
+    /* a warp per (row, k-slot): each route's dot is a warp's, so every
+     * warp of the grid has one in flight */
     const int lane = threadIdx.x & 31;
     const uint4 *pay = reinterpret_cast<const uint4 *>(d.local + d.off_pay);
     const int64_t warps = (int64_t)gridDim.x * (blockDim.x >> 5);
@@ -140,8 +171,9 @@ __global__ void __launch_bounds__(kValuesThreads) values_send_kernel(const fused
       /* the home row as it arrived (this rank's own rows never went
        * through the window: read at home) against the slot's route row */
       const uint4 *rr = a.route_rows + (int64_t)row * d.nvec;
-      const float dot = s == d.rank ? warp_dot_chunks<T, false>(a.home_rows + (int64_t)t * d.nvec, rr, d.nvec, lane)
-                                    : warp_dot_chunks<T, true>(pay + q * d.nvec, rr, d.nvec, lane);
+      const float dot = s == d.rank
+                            ? route_dot<T, false>(a.mode, a.home_rows + (int64_t)t * d.nvec, rr, d.nvec, lane)
+                            : route_dot<T, true>(a.mode, pay + q * d.nvec, rr, d.nvec, lane);
       if (lane == 0) back_at(d, d.peer[s], d.rank, t)[i % K] = dot;
     }
   }
@@ -189,16 +221,14 @@ extern "C" cudaError_t epx_fused_values_home_launch(epx_fused_t *f, const epx_fu
                                                     const void *values, const void *home_rows, float *grad_w,
                                                     cudaStream_t stream) {
   const fused_plan_dev &p = plan->dev;
-  const bool dots = mode == EPX_FUSED_VALUES_DISPATCH_DOTS;
-  if ((mode != EPX_FUSED_VALUES_PER_SLOT && mode != EPX_FUSED_VALUES_PER_ROW &&
-       mode != EPX_FUSED_VALUES_COMBINE_DOTS && !dots) ||
+  const bool dots = mode == EPX_FUSED_VALUES_COMBINE_DOTS || mode == EPX_FUSED_VALUES_DISPATCH_DOTS;
+  if ((mode != EPX_FUSED_VALUES_PER_SLOT && mode != EPX_FUSED_VALUES_PER_ROW && !dots) ||
       (mode == EPX_FUSED_VALUES_PER_SLOT && p.expert_major) || (mode != EPX_FUSED_VALUES_PER_SLOT && !p.expert_major) ||
       (!grad_w && p.T > 0) || (dots && !home_rows && p.T > 0))
     return cudaErrorInvalidValue;
   values_args a;
   a.mode = mode;
-  a.values = mode == EPX_FUSED_VALUES_PER_SLOT || mode == EPX_FUSED_VALUES_PER_ROW ? static_cast<const float *>(values)
-                                                                                   : nullptr;
+  a.values = dots ? nullptr : static_cast<const float *>(values);
   a.route_rows = dots ? static_cast<const uint4 *>(values) : nullptr;
   a.home_rows = static_cast<const uint4 *>(home_rows);
   a.grad_w = grad_w;
@@ -207,9 +237,8 @@ extern "C" cudaError_t epx_fused_values_home_launch(epx_fused_t *f, const epx_fu
    * budget's 32 CTAs took 60 us; a thread per slot on every SM 43-48 us,
    * whatever the budget); the dots read two rows per route, bound by the
    * loads in flight (a warp per row, its slots in turn, on the budget's 32
-   * CTAs: combine_backward with grad_w, its dots formed here then, took
-   * 4.06 ms at T=8192, H=7168, top-8 on 2 H200, against 0.70 without; a
-   * warp per slot on one CTA per SM 1.30, on four 1.14). */
+   * CTAs: combine_backward with grad_w took 4.06 ms at T=8192, H=7168,
+   * top-8 on 2 H200, against 0.70 without). */
   const int n = dots ? 4 * f->num_sms : f->num_sms;
   switch (f->config.dtype) {
     case EPX_FLOAT32: return launch_values<float>(f, plan, a, n, stream);
