@@ -272,8 +272,11 @@ static epx_status_t ensure_fused(epx_buffer_t b, const char *fn) {
    * bounded waits that enclose them, so a dead peer is reported by the
    * fused error word (naming the peer and the phase) and the comm is
    * aborted only after the kernels have returned. */
+  /* the expert-major combine stages its float32 partials in the window's
+   * payload rows: they are float32 rows then */
+  const int f32_rows = c->layout != EPX_LAYOUT_RANK_MAJOR && c->combine_precision == EPX_COMBINE_PARTIALS_FLOAT32;
   const epx_fused_config_t fc = {c->dtype, c->hidden, c->num_experts, c->max_top_k, b->max_tokens,
-                                 0.9 * b->comm->timeout_seconds, EP_FUSED_BULK_COPY};
+                                 0.9 * b->comm->timeout_seconds, EP_FUSED_BULK_COPY, f32_rows};
   epx_fused_t *f = NULL;
   char reason[768] = "";
   /* the highest refusing rank + 1, 0 where none refused */

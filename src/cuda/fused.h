@@ -77,10 +77,15 @@ typedef struct epx_fused_config {
   /* 1: senders move whole rows with the bulk copy engine (cp.async.bulk
    * through shared memory) instead of 16-byte stores by every thread */
   int32_t bulk_copy;
+  /* 1: the payload rows of the window hold float32 rows (H * 4 bytes each,
+   * not H * dtype size): room for the expert-major combine to stage float32
+   * partials apart (EPX_CUDA_FUSED_EXPAND_APART) as it stages payload ones */
+  int32_t f32_rows;
 } epx_fused_config_t;
 
 /* Collective over nccl_comm (an ncclComm_t): allocates and registers the
- * window (about W*max_tokens*H*(s + 4) bytes plus metadata), creates the
+ * window (about W*max_tokens*H*(s + 4) bytes plus metadata, s the dtype's
+ * size, or 4 with f32_rows), creates the
  * device comm and resolves the peers' addresses. EPX_ERROR_UNSUPPORTED when
  * some rank is not reachable by load/store (the message says how many are).
  * Every rank returns the same verdict: the ranks agree (a one-word

@@ -117,7 +117,7 @@ __device__ void warp_partial(char *dst, const uint4 *eo, const int32_t *rows, co
   }
 }
 
-template <typename T, bool kRank>
+template <typename T, bool kRank, bool kF32>
 __device__ void send_partials(const fused_dev &d, const fused_plan_dev &p, combine_shared &sh, uint32_t seq,
                               const uint4 *eo, int weighted, int part_f32, int ns, char *slots) {
   __shared__ uint64_t bars[kMaxBulkWarps];
@@ -140,7 +140,14 @@ __device__ void send_partials(const fused_dev &d, const fused_plan_dev &p, combi
     if (h == d.rank || n <= 0) continue;
     const int64_t q0 = sh.rbase[h] + j * kChunk;
     char *home = d.peer[h] + d.off_part + (int64_t)d.rank * d.maxT * d.H * pe;
-    if (kRank) {
+    if (kRank && kF32) {
+      /* staged float32 partials: rows of H floats, moved by the warps (the
+       * bulk path's slots hold rows of the dtype) */
+      const int64_t nv = d.H * 4 / 16;
+      for (int64_t i = warp; i < n; i += kWarps)
+        warp_copy<false>(reinterpret_cast<uint4 *>(home + (int64_t)p.pair_token[q0 + i] * d.H * pe),
+                         eo + (q0 + i) * nv, nv, lane);
+    } else if (kRank) {
       /* a rank-major row (or a staged expert-major partial) is its own
        * partial: moved as is */
       send_chunk(
@@ -236,14 +243,17 @@ __device__ void reduce_token(const fused_dev &d, const fused_plan_dev &p, const 
 
 /* Rank-major: each P(t, r) is a row (this rank's in expert_out, the others'
  * in the window); the ranks two at a time, so both rows' loads are in flight
- * before the first add. */
+ * before the first add. kF32: the rows are float32 (staged expert-major
+ * partials of a 16-bit dtype: two 16-byte vectors per vector of out). */
 constexpr int kRankVecs = 6;
-template <typename T>
+template <typename T, bool kF32>
 __device__ void reduce_token_rank(const fused_dev &d, const uint4 *eo, uint4 *out, int64_t t, unsigned has,
                                   int64_t q_self, int lane) {
   using vec = epx_vec<T>;
-  constexpr int n = vec::n, U = kRankVecs;
-  const int64_t row_elems = d.H;
+  constexpr int n = vec::n, U = kRankVecs, R = kF32 ? 2 : 1; /* row vectors per out vector */
+  static_assert(!kF32 || n == 8, "float32 rows stand for 16-bit dtypes");
+  const int64_t row_vecs = d.nvec * R;
+  const uint4 *part = reinterpret_cast<const uint4 *>(d.local + d.off_part);
   for (int64_t v0 = 0; v0 < d.nvec; v0 += 32 * U) {
     float acc[U][n];
     bool first = true;
@@ -252,32 +262,42 @@ __device__ void reduce_token_rank(const fused_dev &d, const uint4 *eo, uint4 *ou
       m &= m - 1;
       const int r1 = m ? __ffs(m) - 1 : -1;
       if (m) m &= m - 1;
-      const uint4 *s0 = r0 == d.rank ? eo + q_self * d.nvec
-                                     : reinterpret_cast<const uint4 *>(d.local + d.off_part) +
-                                           ((int64_t)r0 * d.maxT + t) * row_elems * (int64_t)sizeof(T) / 16;
+      const uint4 *s0 = r0 == d.rank ? eo + q_self * row_vecs : part + ((int64_t)r0 * d.maxT + t) * row_vecs;
       const uint4 *s1 = r1 < 0 ? nullptr
-                        : r1 == d.rank ? eo + q_self * d.nvec
-                                       : reinterpret_cast<const uint4 *>(d.local + d.off_part) +
-                                             ((int64_t)r1 * d.maxT + t) * row_elems * (int64_t)sizeof(T) / 16;
-      uint4 a[U], b[U];
+                        : r1 == d.rank ? eo + q_self * row_vecs
+                                       : part + ((int64_t)r1 * d.maxT + t) * row_vecs;
+      uint4 a[U][R], b[U][R];
 #pragma unroll
       for (int u = 0; u < U; u++) {
         const int64_t i = v0 + u * 32 + lane;
         if (i >= d.nvec) continue;
-        a[u] = r0 == d.rank ? ld_stream(s0 + i) : __ldcg(s0 + i);
-        if (s1) b[u] = r1 == d.rank ? ld_stream(s1 + i) : __ldcg(s1 + i);
+#pragma unroll
+        for (int j = 0; j < R; j++) {
+          a[u][j] = r0 == d.rank ? ld_stream(s0 + i * R + j) : __ldcg(s0 + i * R + j);
+          if (s1) b[u][j] = r1 == d.rank ? ld_stream(s1 + i * R + j) : __ldcg(s1 + i * R + j);
+        }
       }
+      /* a row's vector as n floats */
+      auto unpack = [](const uint4 (&v)[R], float (&f)[n]) {
+        if constexpr (kF32) {
+          const uint32_t w[8] = {v[0].x, v[0].y, v[0].z, v[0].w, v[1].x, v[1].y, v[1].z, v[1].w};
+#pragma unroll
+          for (int e = 0; e < 8; e++) f[e] = __uint_as_float(w[e]);
+        } else {
+          vec::unpack(v[0], f);
+        }
+      };
 #pragma unroll
       for (int u = 0; u < U; u++) {
         float f[n];
-        vec::unpack(a[u], f);
+        unpack(a[u], f);
 #pragma unroll
         for (int e = 0; e < n; e++) {
           const float p = __fadd_rn(0.0f, f[e]);
           acc[u][e] = first ? p : __fadd_rn(acc[u][e], p);
         }
         if (s1) {
-          vec::unpack(b[u], f);
+          unpack(b[u], f);
 #pragma unroll
           for (int e = 0; e < n; e++) acc[u][e] = __fadd_rn(acc[u][e], __fadd_rn(0.0f, f[e]));
         }
@@ -297,7 +317,7 @@ __device__ void reduce_token_rank(const fused_dev &d, const uint4 *eo, uint4 *ou
 }
 
 /* Reducer CTAs: chunks of 32 tokens round robin, a warp per token. */
-template <typename T, bool kRank>
+template <typename T, bool kRank, bool kF32>
 __device__ void reduce_tokens(const fused_dev &d, const fused_plan_dev &p, combine_shared &sh, uint32_t seq,
                               const uint4 *eo, uint4 *out, int weighted, int part_f32, int ns) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -317,13 +337,13 @@ __device__ void reduce_tokens(const fused_dev &d, const fused_plan_dev &p, combi
       const unsigned has = __ballot_sync(0xffffffffu, slot >= 0);
       const int32_t slot_self = __shfl_sync(0xffffffffu, slot, d.rank);
       const int64_t q_self = slot_self >= 0 ? sh.rbase[d.rank] + slot_self : -1;
-      if constexpr (kRank) reduce_token_rank<T>(d, eo, out, t, has, q_self, lane);
+      if constexpr (kRank) reduce_token_rank<T, kF32>(d, eo, out, t, has, q_self, lane);
       else reduce_token<T>(d, p, eo, out, t, has, q_self, weighted, part_f32, lane);
     }
   }
 }
 
-template <typename T, bool kRank>
+template <typename T, bool kRank, bool kF32>
 __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const fused_dev d, const fused_plan_dev p,
                                                               const uint4 *eo, uint4 *out, int weighted,
                                                               int part_f32, int ns) {
@@ -337,8 +357,8 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const fused_dev d,
   if (threadIdx.x == 0) sh.bad = 0;
   send_cts(d, seq);
   __syncthreads();
-  if ((int)blockIdx.x < ns) send_partials<T, kRank>(d, p, sh, seq, eo, weighted, part_f32, ns, slots);
-  else reduce_tokens<T, kRank>(d, p, sh, seq, eo, out, weighted, part_f32, ns);
+  if ((int)blockIdx.x < ns) send_partials<T, kRank, kF32>(d, p, sh, seq, eo, weighted, part_f32, ns, slots);
+  else reduce_tokens<T, kRank, kF32>(d, p, sh, seq, eo, out, weighted, part_f32, ns);
   end_op(d, seq);
 }
 
@@ -354,7 +374,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const fused_dev d,
  * ms at T=8192 on 2 H200 against the host path's 0.85). */
 template <typename T>
 __global__ void __launch_bounds__(kThreads) stage_partials_kernel(const fused_dev d, const fused_plan_dev p,
-                                                                  const uint4 *eo, int weighted) {
+                                                                  const uint4 *eo, int weighted, int part_f32) {
   __shared__ int64_t s_pairs;
   if (failed(d)) return;
   const info_index ii = make_info_index(d.W, d.El);
@@ -362,23 +382,34 @@ __global__ void __launch_bounds__(kThreads) stage_partials_kernel(const fused_de
   __syncthreads();
   const int lane = threadIdx.x & 31;
   char *pay = d.local + d.off_pay;
+  const int64_t stride = part_f32 ? d.H * 4 : d.row_bytes;
   for (int64_t q = (int64_t)blockIdx.x * kWarps + (threadIdx.x >> 5); q < s_pairs; q += (int64_t)gridDim.x * kWarps)
-    warp_partial<T>(pay + q * d.row_bytes, eo, p.pair_rows + q * p.K, p.pair_w + q * p.K, p.K, weighted, 0, d.nvec,
-                    lane);
+    warp_partial<T>(pay + q * stride, eo, p.pair_rows + q * p.K, p.pair_w + q * p.K, p.K, weighted, part_f32,
+                    d.nvec, lane);
 }
 
 template <typename T>
 cudaError_t launch_typed(epx_fused_t *f, const epx_fused_plan_t *plan, const uint4 *eo, uint4 *out, int weighted,
                          int part_f32, int n, int ns, cudaStream_t stream) {
   if (plan->dev.expert_major) {
-    if (part_f32 || !(epx_cuda_launch_flags() & EPX_CUDA_FUSED_EXPAND_APART)) {
-      combine_kernel<T, false><<<n, kThreads, 0, stream>>>(f->dev, plan->dev, eo, out, weighted, part_f32, ns);
+    /* float32 partials are staged where the window's payload rows are
+     * float32 rows (epx_fused_config_t.f32_rows) */
+    const bool stage = (epx_cuda_launch_flags() & EPX_CUDA_FUSED_EXPAND_APART) &&
+                       (!part_f32 || f->dev.pay_row_bytes >= f->dev.H * 4);
+    if (!stage) {
+      combine_kernel<T, false, false><<<n, kThreads, 0, stream>>>(f->dev, plan->dev, eo, out, weighted, part_f32, ns);
       return cudaGetLastError();
     }
-    stage_partials_kernel<T><<<2 * f->num_sms, kThreads, 0, stream>>>(f->dev, plan->dev, eo, weighted);
+    stage_partials_kernel<T><<<2 * f->num_sms, kThreads, 0, stream>>>(f->dev, plan->dev, eo, weighted, part_f32);
     /* from here the partials are the expert_out of a rank-major combine */
     eo = reinterpret_cast<const uint4 *>(f->dev.local + f->dev.off_pay);
     weighted = 0;
+    if constexpr (sizeof(T) == 2) { /* float32 partials differ from the dtype's only for 16-bit dtypes */
+      if (part_f32) {
+        combine_kernel<T, true, true><<<n, kThreads, 0, stream>>>(f->dev, plan->dev, eo, out, 0, 1, ns);
+        return cudaGetLastError();
+      }
+    }
   }
   /* the bulk path's slots (rank-major senders) */
   const size_t smem = (size_t)f->dev.bulk_warps * (size_t)bulk_slot_bytes(f->dev.row_bytes);
@@ -386,10 +417,10 @@ cudaError_t launch_typed(epx_fused_t *f, const epx_fused_plan_t *plan, const uin
     int device = 0;
     cudaError_t e = cudaGetDevice(&device);
     /* set once per device */
-    if (e == cudaSuccess) e = epx_cuda_kernel_smem((const void *)combine_kernel<T, true>, device, smem);
+    if (e == cudaSuccess) e = epx_cuda_kernel_smem((const void *)combine_kernel<T, true, false>, device, smem);
     if (e != cudaSuccess) return e;
   }
-  combine_kernel<T, true><<<n, kThreads, smem, stream>>>(f->dev, plan->dev, eo, out, weighted, part_f32, ns);
+  combine_kernel<T, true, false><<<n, kThreads, smem, stream>>>(f->dev, plan->dev, eo, out, weighted, part_f32, ns);
   return cudaGetLastError();
 }
 

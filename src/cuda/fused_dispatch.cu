@@ -78,7 +78,7 @@ void window_offsets(fused_dev &d, int64_t part_elem) {
   d.off_meta = o = align_up(o, 256);
   o += W * (size_t)d.maxT * (size_t)d.meta_stride;
   d.off_pay = o = align_up(o, 4096);
-  o += W * (size_t)d.maxT * (size_t)d.row_bytes;
+  o += W * (size_t)d.maxT * (size_t)d.pay_row_bytes;
   d.off_part = o = align_up(o, 4096);
   o += W * (size_t)d.maxT * (size_t)d.H * (size_t)part_elem;
 }
@@ -143,6 +143,7 @@ void init_dev(epx_fused_t *f, int W, int rank) {
   d.H = c->hidden;
   d.row_bytes = c->hidden * dtype_bytes(c->dtype);
   d.nvec = d.row_bytes / 16;
+  d.pay_row_bytes = c->f32_rows && d.row_bytes < c->hidden * 4 ? c->hidden * 4 : d.row_bytes;
   d.max_chunks = (int)((c->max_tokens + kChunk - 1) / kChunk);
   d.meta_stride = (int64_t)align_up((size_t)(1 + 3 * c->max_top_k) * 4, 16);
   /* the bulk path: as many one-row slots as fit in 200 KB of shared memory */

@@ -59,6 +59,7 @@ struct fused_dev {
   int W, rank, E, El, Kmax, max_chunks;
   int bulk_warps;                  /* > 0: senders move whole rows with the bulk copy engine */
   int64_t maxT, H, nvec, row_bytes, meta_stride;
+  int64_t pay_row_bytes; /* the window's payload rows: row_bytes, or H * 4 (config f32_rows) */
   size_t off_cts, off_lflag, off_mflag, off_vflag, off_cflag, off_mat, off_hist, off_hdr, off_back, off_meta,
       off_pay, off_part;
 };
