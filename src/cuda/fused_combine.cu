@@ -250,7 +250,9 @@ template <typename T, bool kF32>
 __device__ void reduce_token_rank(const fused_dev &d, const uint4 *eo, uint4 *out, int64_t t, unsigned has,
                                   int64_t q_self, int lane) {
   using vec = epx_vec<T>;
-  constexpr int n = vec::n, U = kRankVecs, R = kF32 ? 2 : 1; /* row vectors per out vector */
+  /* R row vectors per out vector; the same bytes in flight either way (a
+   * float32 row at kRankVecs vectors spilled registers) */
+  constexpr int R = kF32 ? 2 : 1, n = vec::n, U = kRankVecs / R;
   static_assert(!kF32 || n == 8, "float32 rows stand for 16-bit dtypes");
   const int64_t row_vecs = d.nvec * R;
   const uint4 *part = reinterpret_cast<const uint4 *>(d.local + d.off_part);
