@@ -674,8 +674,8 @@ typedef enum epx_exchange_path {
    * path. The two paths give the same bits. On the fused path: the fused
    * state (a symmetric window of about W * max_tokens_per_rank * H * (dtype
    * size + 4) bytes; 8 instead of dtype size + 4 for the expert-major and
-   * capacity layouts with float32 partials, whose combine stages them
-   * there) is made at buffer creation, or at the first
+   * capacity layouts, whose combine stages float32 partials there) is made
+   * at buffer creation, or at the first
    * epx_dispatch_layout when max_tokens_per_rank is agreed there;
    * epx_dispatch, epx_combine, both backward passes and
    * epx_weights_backward run the fused kernels (the routing-weight

@@ -157,6 +157,9 @@ static int64_t kind_rows(const ep_handle_t *h, int kind) {
 static int partials_f32(epx_buffer_t b) {
   return b->config.combine_precision == EPX_COMBINE_PARTIALS_FLOAT32 && b->config.dtype != EPX_FLOAT32;
 }
+/* dispatch_backward's partials are float32 whatever the combine_precision
+ * (epx.h): they differ from the dtype's only for a 16-bit dtype. */
+static int backward_partials_f32(epx_buffer_t b) { return b->config.dtype != EPX_FLOAT32; }
 
 /* ------------------------------------------------------------------------ */
 /* Buffers                                                                   */
@@ -272,9 +275,10 @@ static epx_status_t ensure_fused(epx_buffer_t b, const char *fn) {
    * bounded waits that enclose them, so a dead peer is reported by the
    * fused error word (naming the peer and the phase) and the comm is
    * aborted only after the kernels have returned. */
-  /* the expert-major combine stages its float32 partials in the window's
+  /* the expert-major combine stages float32 partials (dispatch_backward's
+   * always, combine's with EPX_COMBINE_PARTIALS_FLOAT32) in the window's
    * payload rows: they are float32 rows then */
-  const int f32_rows = c->layout != EPX_LAYOUT_RANK_MAJOR && c->combine_precision == EPX_COMBINE_PARTIALS_FLOAT32;
+  const int f32_rows = c->layout != EPX_LAYOUT_RANK_MAJOR;
   const epx_fused_config_t fc = {c->dtype, c->hidden, c->num_experts, c->max_top_k, b->max_tokens,
                                  0.9 * b->comm->timeout_seconds, EP_FUSED_BULK_COPY, f32_rows};
   epx_fused_t *f = NULL;
@@ -361,10 +365,11 @@ fail:
 }
 
 /* The four payload calls on the fused kernels. forward: dispatch-like (x ->
- * rows), else combine-like (rows -> out). weighted only in expert-major
- * (rank-major rows carry no weight: the contract's EPX_WEIGHTS_NONE). */
+ * rows), else combine-like (rows -> out) with partials of `precision`.
+ * weighted only in expert-major (rank-major rows carry no weight: the
+ * contract's EPX_WEIGHTS_NONE). */
 static epx_status_t fused_move(epx_buffer_t b, epx_handle_t handle, const void *src, void *dst, int forward,
-                               int weighted, const char *fn) {
+                               int weighted, epx_combine_precision_t precision, const char *fn) {
   epx_status_t status = EPX_SUCCESS;
   ep_buffer_t *s = b->cuda;
   const ep_handle_t *h = handle->cuda;
@@ -380,8 +385,8 @@ static epx_status_t fused_move(epx_buffer_t b, epx_handle_t handle, const void *
   }
   CUDA_CHECK(forward ? epx_fused_dispatch_launch(s->fused, h->plan, src, dst, weighted && expert, s->fused_ctas, 0,
                                                  stream)
-                     : epx_fused_combine_launch(s->fused, h->plan, src, dst, weighted && expert,
-                                                b->config.combine_precision, s->fused_ctas, 0, stream),
+                     : epx_fused_combine_launch(s->fused, h->plan, src, dst, weighted && expert, precision,
+                                                s->fused_ctas, 0, stream),
              fn, forward ? "the fused dispatch kernels" : "the fused combine kernels");
 fail:
   return status;
@@ -826,7 +831,11 @@ fail:
 
 static size_t staging_bytes(epx_buffer_t b, const ep_handle_t *h) {
   const size_t rb = (size_t)b->config.hidden * epx_dtype_size(b->config.dtype);
-  const size_t unit = partials_f32(b) ? 4 * (size_t)b->config.hidden : rb;
+  /* a float32 partial per pair: combine's with float32 partials,
+   * dispatch_backward's always (expert-major and capacity; a rank-major
+   * row is its rank's partial) */
+  const int f32 = partials_f32(b) || (backward_partials_f32(b) && b->config.layout != EPX_LAYOUT_RANK_MAJOR);
+  const size_t unit = f32 ? 4 * (size_t)b->config.hidden : rb;
   int64_t rows = 0, pairs = 0;
   for (int kind = 0; kind < KINDS; kind++) rows = max64(rows, kind_rows(h, kind));
   pairs = max64(kind_rows(h, HOME_PAIRS), kind_rows(h, RECV_PAIRS));
@@ -1036,14 +1045,15 @@ fail:
 }
 #else
 #define FUSED_SERVES(handle) 0
-#define fused_move(b, handle, src, dst, forward, weighted, fn) EPX_ERROR_INTERNAL
+#define fused_move(b, handle, src, dst, forward, weighted, precision, fn) EPX_ERROR_INTERNAL
 #define fused_values_home(b, handle, mode, values, home_rows, grad_w, fn) EPX_ERROR_INTERNAL
 #define fused_dispatch_dots(b, handle, grad_recv_x, x, grad_w, fn) EPX_ERROR_INTERNAL
 #endif
 
 epx_status_t epx_cuda_ep_dispatch(epx_buffer_t b, epx_handle_t handle, const void *x, void *recv_x) {
   if (FUSED_SERVES(handle))
-    return fused_move(b, handle, x, recv_x, 1, handle->weighting == EPX_WEIGHTS_IN_DISPATCH, "epx_dispatch");
+    return fused_move(b, handle, x, recv_x, 1, handle->weighting == EPX_WEIGHTS_IN_DISPATCH,
+                      b->config.combine_precision, "epx_dispatch");
   return move_forward(b, handle, x, recv_x, handle->weighting == EPX_WEIGHTS_IN_DISPATCH, NULL, NULL,
                       "epx_dispatch");
 }
@@ -1053,7 +1063,8 @@ epx_status_t epx_cuda_ep_combine_backward(epx_buffer_t b, epx_handle_t handle, c
   if (FUSED_SERVES(handle)) {
     /* the dots read the grad_out rows this dispatch leaves in the window */
     const epx_status_t status = fused_move(b, handle, grad_out, grad_expert_out, 1,
-                                           handle->weighting == EPX_WEIGHTS_IN_COMBINE, "epx_combine_backward");
+                                           handle->weighting == EPX_WEIGHTS_IN_COMBINE, b->config.combine_precision,
+                                           "epx_combine_backward");
     if (status != EPX_SUCCESS || !grad_w) return status;
     return fused_values_home(b, handle, EPX_FUSED_VALUES_COMBINE_DOTS, expert_out, grad_out, grad_w,
                              "epx_combine_backward");
@@ -1087,11 +1098,12 @@ fail:
 }
 
 /* Backward direction: rows [N, H] in the layout -> out [T, H], the
- * canonical per-rank partial sums. weighted: w applied; dot_x / grad_w:
+ * canonical per-rank partial sums, float32 or rounded to the dtype
+ * (f32_partials). weighted: w applied; dot_x / grad_w:
  * grad_w[t, k] = <row(t, k), dot_x[t]> (dispatch_backward; needs the route
  * rows at home). */
 static epx_status_t move_backward(epx_buffer_t b, epx_handle_t handle, const void *rows, void *out, int weighted,
-                                  const void *dot_x, float *grad_w, const char *fn) {
+                                  int f32_partials, const void *dot_x, float *grad_w, const char *fn) {
   epx_status_t status = EPX_SUCCESS;
   const epx_buffer_config_t *c = &b->config;
   const ep_handle_t *h = handle->cuda;
@@ -1108,12 +1120,12 @@ static epx_status_t move_backward(epx_buffer_t b, epx_handle_t handle, const voi
     EPX_CHECK(p2p(b, h, RECV_ROUTES, HOME_ROUTES, s->send, s->recv, rb, fn));
     const epx_cuda_reduce_t red = {c->dtype, c->dtype, s->recv, out, h->d.T, c->hidden, h->tab.route_stage,
                                    h->tab.group, h->d.K, weighted ? h->w : NULL, grad_w ? dot_x : NULL, grad_w,
-                                   c->combine_precision == EPX_COMBINE_PARTIALS_PAYLOAD && c->dtype != EPX_FLOAT32};
+                                   !f32_partials && c->dtype != EPX_FLOAT32};
     CUDA_CHECK(epx_cuda_reduce_launch(&red, stream), fn, "the sum kernel");
     return EPX_SUCCESS;
   }
   /* Dedup: the receiver sums each pair's routes, the token's rank the pairs. */
-  const int f32 = partials_f32(b);
+  const int f32 = f32_partials && c->dtype != EPX_FLOAT32;
   const int64_t items = kind_rows(h, RECV_PAIRS);
   const float *w = weighted ? h->tab.rp_w : NULL;
   if (f32) {
@@ -1141,9 +1153,10 @@ fail:
 
 epx_status_t epx_cuda_ep_combine(epx_buffer_t b, epx_handle_t handle, const void *expert_out, void *out) {
   if (FUSED_SERVES(handle))
-    return fused_move(b, handle, expert_out, out, 0, handle->weighting == EPX_WEIGHTS_IN_COMBINE, "epx_combine");
-  return move_backward(b, handle, expert_out, out, handle->weighting == EPX_WEIGHTS_IN_COMBINE, NULL, NULL,
-                       "epx_combine");
+    return fused_move(b, handle, expert_out, out, 0, handle->weighting == EPX_WEIGHTS_IN_COMBINE,
+                      b->config.combine_precision, "epx_combine");
+  return move_backward(b, handle, expert_out, out, handle->weighting == EPX_WEIGHTS_IN_COMBINE, partials_f32(b),
+                       NULL, NULL, "epx_combine");
 }
 
 epx_status_t epx_cuda_ep_dispatch_backward(epx_buffer_t b, epx_handle_t handle, const void *grad_recv_x,
@@ -1153,11 +1166,12 @@ epx_status_t epx_cuda_ep_dispatch_backward(epx_buffer_t b, epx_handle_t handle, 
       const epx_status_t status = fused_dispatch_dots(b, handle, grad_recv_x, x, grad_w, "epx_dispatch_backward");
       if (status != EPX_SUCCESS) return status;
     }
+    /* float32 partials whatever the combine_precision (epx.h) */
     return fused_move(b, handle, grad_recv_x, grad_x, 0, handle->weighting == EPX_WEIGHTS_IN_DISPATCH,
-                      "epx_dispatch_backward");
+                      EPX_COMBINE_PARTIALS_FLOAT32, "epx_dispatch_backward");
   }
-  return move_backward(b, handle, grad_recv_x, grad_x, handle->weighting == EPX_WEIGHTS_IN_DISPATCH, x, grad_w,
-                       "epx_dispatch_backward");
+  return move_backward(b, handle, grad_recv_x, grad_x, handle->weighting == EPX_WEIGHTS_IN_DISPATCH,
+                       backward_partials_f32(b), x, grad_w, "epx_dispatch_backward");
 }
 
 epx_status_t epx_cuda_ep_weights_backward(epx_buffer_t b, epx_handle_t handle, const float *grad_recv_w,
