@@ -32,8 +32,9 @@
  *    rounded once to the payload dtype into the token's home window; the home
  *    sums its ranks' partials in ascending r in float32 and rounds once.
  *  - the backward passes are the same kernels: dispatch_backward is a combine
- *    of grad_recv_x (weighted with EPX_WEIGHTS_IN_DISPATCH), combine_backward
- *    a dispatch of grad_out (weighted with EPX_WEIGHTS_IN_COMBINE).
+ *    of grad_recv_x with float32 partials (weighted with
+ *    EPX_WEIGHTS_IN_DISPATCH), combine_backward a dispatch of grad_out
+ *    (weighted with EPX_WEIGHTS_IN_COMBINE).
  *  - routing-weight gradients (epx_fused_values_home_launch): a value per
  *    route formed on the expert's rank (epx_weights_backward's grad_recv_w,
  *    combine_backward's dot <grad_out[t], expert_out(t, k)>, or
