@@ -650,11 +650,11 @@ typedef enum epx_exchange_path {
    * rank-major layout (dispatch / combine at T=8192: 0.43 / 0.44 ms at 32
    * SMs against 0.51-0.55 / 0.52-0.57 on the host path), NCCL's host API for the
    * expert-major and capacity layouts (alone, their fused exchanges are the
-   * faster with payload partials: dispatch 0.70 against 0.83 ms, combine
-   * 0.77 against 0.85; 1.85 with float32 partials; but in a whole training
-   * step, its exchanges beside the expert GEMMs, fused and host measured
-   * the same: 28.05 against 27.94 ms on 2 H200, bench/NOTES-gpu.md) and for
-   * everything EPX_PATH_FUSED cannot serve. */
+   * faster: dispatch 0.70 against 0.84 ms at T=8192, combine 0.78 against
+   * 0.85 with payload partials, 1.26 with float32 ones; but in a whole
+   * training step, its exchanges beside the expert GEMMs, fused and host
+   * measured the same: 28.47 against 28.46 ms on 2 H200,
+   * bench/NOTES-gpu.md) and for everything EPX_PATH_FUSED cannot serve. */
   EPX_PATH_AUTO = 0,
   /* NCCL's host API for every peer (to compare the paths on the same GPUs,
    * or where the fused window's memory is not wanted). */
