@@ -1,6 +1,7 @@
 /* The fused NVLink exchange, part 3: the routing-weight gradients. A route's
  * gradient is formed on its expert's rank (a value the caller computed per
- * recv row, or the dot of combine_backward) and belongs to its token's rank:
+ * recv row, or the dot of combine_backward or dispatch_backward) and
+ * belongs to its token's rank:
  * grad_w [T, K]. One combine-like op of two kernels, K floats per received
  * row (see fused.h, epx_fused_values_home_launch):
  *   send   a thread per received rank-major row and k-slot (a warp each
