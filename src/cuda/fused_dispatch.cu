@@ -1096,8 +1096,7 @@ __global__ void __launch_bounds__(256) layout_receive_kernel(const fused_dev d, 
     const int64_t pairs = s_rbase[d.W];
     const int64_t warps = (int64_t)gridDim.x * (blockDim.x >> 5);
     for (int64_t q = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5; q < pairs; q += warps) {
-      int s = 0;
-      while (s + 1 < d.W && s_rbase[s + 1] <= q) s++;
+      const int s = source_of_row(s_rbase, d.W, q);
       const meta_ref m = meta_at(d, d.local, q);
       const int32_t t = __ldcg(m.token);
       if (lane == 0) {
@@ -1377,8 +1376,7 @@ __global__ void __launch_bounds__(kThreads) expand_kernel(const fused_dev d, con
         for (int64_t i = lane; i < d.nvec; i += 32) recv[r * d.nvec + i] = zero;
   }
   for (int64_t q = gw; q < s_rbase[d.W]; q += warps) {
-    int s = 0;
-    while (s + 1 < d.W && s_rbase[s + 1] <= q) s++;
+    const int s = source_of_row(s_rbase, d.W, q);
     expand_pair<T>(d, p, x, recv, q, s, weighted, lane);
   }
 }

@@ -132,6 +132,14 @@ __device__ __forceinline__ unsigned long long global_ns() {
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
 }
+/* The source rank of received rank-major row q: the s with rbase[s] <= q <
+ * rbase[s + 1] (rbase: the plan's W + 1 row bases, in shared memory). */
+__device__ __forceinline__ int source_of_row(const int64_t *rbase, int W, int64_t q) {
+  int s = 0;
+  while (s + 1 < W && rbase[s + 1] <= q) s++;
+  return s;
+}
+
 __device__ __forceinline__ uint32_t *flag_at(char *base, size_t off, int64_t i) {
   return reinterpret_cast<uint32_t *>(base + off) + i;
 }

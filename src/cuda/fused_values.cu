@@ -149,8 +149,7 @@ __global__ void __launch_bounds__(kValuesThreads) values_send_kernel(const fused
          i += (int64_t)gridDim.x * blockDim.x) {
       const int64_t q = i / K;
       const int k = (int)(i % K);
-      int s = 0;
-      while (s + 1 < d.W && s_rbase[s + 1] <= q) s++;
+      const int s = source_of_row(s_rbase, d.W, q);
       int32_t at = -1; /* where the slot's value is, -1: no route of this rank */
       if (a.mode == EPX_FUSED_VALUES_PER_SLOT) at = p.pair_expert[i] >= 0 ? (int32_t)i : -1;
       else at = p.pair_rows[i];
@@ -166,8 +165,7 @@ __global__ void __launch_bounds__(kValuesThreads) values_send_kernel(const fused
       const int32_t row = p.pair_rows[i];
       if (row < 0) continue; /* the slot's expert is elsewhere, or no route */
       const int64_t q = i / K;
-      int s = 0;
-      while (s + 1 < d.W && s_rbase[s + 1] <= q) s++;
+      const int s = source_of_row(s_rbase, d.W, q);
       const int32_t t = p.pair_token[q];
       /* the home row as it arrived (this rank's own rows never went
        * through the window: read at home) against the slot's route row */
