@@ -1,5 +1,5 @@
 /* The device attributes and kernel limits the routing and layout launches
- * need, cached per device (layout.cu): a launch then costs one
+ * need, cached per device (device_cache.cu): a launch then costs one
  * cudaGetDevice on the host instead of three or four attribute queries and
  * a cudaFuncSetAttribute. Thread-safe (a process may drive several devices
  * from several threads); a device id past the table is served uncached. */
@@ -31,6 +31,8 @@ cudaError_t epx_cuda_device_info(int *device, epx_cuda_device_info_t *info);
  * unaffected: it is a bound, not a reservation), and every raise is made
  * under a lock so the recorded limit is always the one set. */
 cudaError_t epx_cuda_kernel_smem(const void *kernel, int device, size_t bytes);
+/* The same on the current device. */
+cudaError_t epx_cuda_kernel_smem_here(const void *kernel, size_t bytes);
 
 #ifdef __cplusplus
 }

@@ -416,10 +416,8 @@ cudaError_t launch_typed(epx_fused_t *f, const epx_fused_plan_t *plan, const uin
   /* the bulk path's slots (rank-major senders) */
   const size_t smem = (size_t)f->dev.bulk_warps * (size_t)bulk_slot_bytes(f->dev.row_bytes);
   if (smem > 0) {
-    int device = 0;
-    cudaError_t e = cudaGetDevice(&device);
     /* set once per device */
-    if (e == cudaSuccess) e = epx_cuda_kernel_smem((const void *)combine_kernel<T, true, false>, device, smem);
+    const cudaError_t e = epx_cuda_kernel_smem_here((const void *)combine_kernel<T, true, false>, smem);
     if (e != cudaSuccess) return e;
   }
   combine_kernel<T, true, false><<<n, kThreads, smem, stream>>>(f->dev, plan->dev, eo, out, weighted, part_f32, ns);

@@ -1161,10 +1161,8 @@ extern "C" cudaError_t epx_fused_layout_launch(epx_fused_t *f, epx_fused_plan_t 
   const int64_t blocks = num_tokens > 0 ? (num_tokens + kLayoutTokens - 1) / kLayoutTokens : 1;
   const size_t smem = (size_t)kLayoutTokens * (size_t)top_k * 4 + (size_t)kLayoutWarps * (size_t)d.E;
   if (smem > 48 * 1024) {
-    int device = 0;
-    cudaError_t e = cudaGetDevice(&device);
     /* set once per device */
-    if (e == cudaSuccess) e = epx_cuda_kernel_smem((const void *)layout_count_kernel, device, smem);
+    const cudaError_t e = epx_cuda_kernel_smem_here((const void *)layout_count_kernel, smem);
     if (e != cudaSuccess) return e;
   }
   if (p.C && num_tokens > 0)
@@ -1385,10 +1383,8 @@ template <typename T>
 cudaError_t launch_dispatch(const fused_dev &d, const fused_plan_dev &p, const uint4 *x, uint4 *recv, int mode,
                             int weighted, int n, int ns, int expand_ctas, size_t smem, cudaStream_t stream) {
   if (smem > 0) {
-    int device = 0;
-    cudaError_t e = cudaGetDevice(&device);
     /* set once per device */
-    if (e == cudaSuccess) e = epx_cuda_kernel_smem((const void *)dispatch_kernel<T>, device, smem);
+    const cudaError_t e = epx_cuda_kernel_smem_here((const void *)dispatch_kernel<T>, smem);
     if (e != cudaSuccess) return e;
   }
   dispatch_kernel<T><<<n, kThreads, smem, stream>>>(d, p, x, recv, mode, weighted, ns);
