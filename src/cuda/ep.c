@@ -154,12 +154,12 @@ static int64_t kind_rows(const ep_handle_t *h, int kind) {
   return h->d.worst ? h->d.W * kind_bound(&h->d, kind) : h->total[kind];
 }
 
-static int partials_f32(epx_buffer_t b) {
-  return b->config.combine_precision == EPX_COMBINE_PARTIALS_FLOAT32 && b->config.dtype != EPX_FLOAT32;
+/* Whether partials of `precision` travel as float32 rows: they differ from
+ * the dtype's only for a 16-bit dtype. combine takes the buffer's
+ * combine_precision, dispatch_backward float32 always (epx.h). */
+static int f32_partials(epx_buffer_t b, epx_combine_precision_t precision) {
+  return precision == EPX_COMBINE_PARTIALS_FLOAT32 && b->config.dtype != EPX_FLOAT32;
 }
-/* dispatch_backward's partials are float32 whatever the combine_precision
- * (epx.h): they differ from the dtype's only for a 16-bit dtype. */
-static int backward_partials_f32(epx_buffer_t b) { return b->config.dtype != EPX_FLOAT32; }
 
 /* ------------------------------------------------------------------------ */
 /* Buffers                                                                   */
@@ -834,7 +834,8 @@ static size_t staging_bytes(epx_buffer_t b, const ep_handle_t *h) {
   /* a float32 partial per pair: combine's with float32 partials,
    * dispatch_backward's always (expert-major and capacity; a rank-major
    * row is its rank's partial) */
-  const int f32 = partials_f32(b) || (backward_partials_f32(b) && b->config.layout != EPX_LAYOUT_RANK_MAJOR);
+  const int f32 = f32_partials(b, b->config.combine_precision) ||
+                  (f32_partials(b, EPX_COMBINE_PARTIALS_FLOAT32) && b->config.layout != EPX_LAYOUT_RANK_MAJOR);
   const size_t unit = f32 ? 4 * (size_t)b->config.hidden : rb;
   int64_t rows = 0, pairs = 0;
   for (int kind = 0; kind < KINDS; kind++) rows = max64(rows, kind_rows(h, kind));
@@ -1098,12 +1099,13 @@ fail:
 }
 
 /* Backward direction: rows [N, H] in the layout -> out [T, H], the
- * canonical per-rank partial sums, float32 or rounded to the dtype
- * (f32_partials). weighted: w applied; dot_x / grad_w:
+ * canonical per-rank partial sums with partials of `precision`. weighted: w
+ * applied; dot_x / grad_w:
  * grad_w[t, k] = <row(t, k), dot_x[t]> (dispatch_backward; needs the route
  * rows at home). */
 static epx_status_t move_backward(epx_buffer_t b, epx_handle_t handle, const void *rows, void *out, int weighted,
-                                  int f32_partials, const void *dot_x, float *grad_w, const char *fn) {
+                                  epx_combine_precision_t precision, const void *dot_x, float *grad_w,
+                                  const char *fn) {
   epx_status_t status = EPX_SUCCESS;
   const epx_buffer_config_t *c = &b->config;
   const ep_handle_t *h = handle->cuda;
@@ -1120,12 +1122,12 @@ static epx_status_t move_backward(epx_buffer_t b, epx_handle_t handle, const voi
     EPX_CHECK(p2p(b, h, RECV_ROUTES, HOME_ROUTES, s->send, s->recv, rb, fn));
     const epx_cuda_reduce_t red = {c->dtype, c->dtype, s->recv, out, h->d.T, c->hidden, h->tab.route_stage,
                                    h->tab.group, h->d.K, weighted ? h->w : NULL, grad_w ? dot_x : NULL, grad_w,
-                                   !f32_partials && c->dtype != EPX_FLOAT32};
+                                   precision == EPX_COMBINE_PARTIALS_PAYLOAD && c->dtype != EPX_FLOAT32};
     CUDA_CHECK(epx_cuda_reduce_launch(&red, stream), fn, "the sum kernel");
     return EPX_SUCCESS;
   }
   /* Dedup: the receiver sums each pair's routes, the token's rank the pairs. */
-  const int f32 = f32_partials && c->dtype != EPX_FLOAT32;
+  const int f32 = f32_partials(b, precision);
   const int64_t items = kind_rows(h, RECV_PAIRS);
   const float *w = weighted ? h->tab.rp_w : NULL;
   if (f32) {
@@ -1155,8 +1157,8 @@ epx_status_t epx_cuda_ep_combine(epx_buffer_t b, epx_handle_t handle, const void
   if (FUSED_SERVES(handle))
     return fused_move(b, handle, expert_out, out, 0, handle->weighting == EPX_WEIGHTS_IN_COMBINE,
                       b->config.combine_precision, "epx_combine");
-  return move_backward(b, handle, expert_out, out, handle->weighting == EPX_WEIGHTS_IN_COMBINE, partials_f32(b),
-                       NULL, NULL, "epx_combine");
+  return move_backward(b, handle, expert_out, out, handle->weighting == EPX_WEIGHTS_IN_COMBINE,
+                       b->config.combine_precision, NULL, NULL, "epx_combine");
 }
 
 epx_status_t epx_cuda_ep_dispatch_backward(epx_buffer_t b, epx_handle_t handle, const void *grad_recv_x,
@@ -1171,7 +1173,7 @@ epx_status_t epx_cuda_ep_dispatch_backward(epx_buffer_t b, epx_handle_t handle, 
                       EPX_COMBINE_PARTIALS_FLOAT32, "epx_dispatch_backward");
   }
   return move_backward(b, handle, grad_recv_x, grad_x, handle->weighting == EPX_WEIGHTS_IN_DISPATCH,
-                       backward_partials_f32(b), x, grad_w, "epx_dispatch_backward");
+                       EPX_COMBINE_PARTIALS_FLOAT32, x, grad_w, "epx_dispatch_backward");
 }
 
 epx_status_t epx_cuda_ep_weights_backward(epx_buffer_t b, epx_handle_t handle, const float *grad_recv_w,
