@@ -68,6 +68,9 @@
 #include <nccl.h>
 
 #include "epx.h"
+/* the library's launch flags and one-GPU hook (not in epx.h):
+ * epx_cuda_set_launch_flags, EPX_CUDA_FUSED_*, epx_cuda_ep_at_one_rank */
+#include "../../src/cuda/launch.h"
 #include "../../tests/gpu/mpi_gpu_check.h"
 
 enum { H = 7168, E = 256, K = 8, REPS = 20, WARM = 3 };
@@ -81,18 +84,9 @@ static FILE *g_counts;
 static FILE *g_permute; /* <workdir>/ep_permute.txt: the expert-major rows for bench_torch_ep.py */
 static epx_exchange_path_t g_path = EPX_PATH_FUSED; /* config.exchange_path of run()'s buffers */
 static int32_t g_sms;                              /* config.sm_budget (0: the default) */
-/* The library's launch flags (src/cuda/launch.h, not in epx.h): the fused
- * expert-major rows run once with each expansion (" expand=apart" in their
- * names where EPX_CUDA_FUSED_EXPAND_APART is set). */
-void epx_cuda_set_launch_flags(int flags);
-int epx_cuda_launch_flags(void);
-/* src/cuda/cuda_backend.h: one rank served by the W-rank backend (the bench
- * then times the fused and host paths on one GPU, every row its own) */
-void epx_cuda_ep_at_one_rank(int on);
 /* A library built with -DEPX_FUSED_LAYOUT_TRACE has this (the fused
  * layout's stage times); others do not. */
 extern int epx_fused_layout_trace(unsigned long long *out) __attribute__((weak));
-enum { FUSED_EXPAND_APART = 32, FUSED_RECV_QUARTER = 64, FUSED_RECV_EIGHTH = 128 }; /* EPX_CUDA_FUSED_* */
 
 /* bf16 of small multiples of 1/4 (exact), coded by (rank, token, column). */
 static uint16_t x_bits(int s, int t, int h) {
@@ -365,11 +359,13 @@ static run_result_t run(int T, int skew, epx_layout_t layout, epx_exchange_t exc
   if (paths[0] == EPX_PATH_FUSED) {
     const int f = epx_cuda_launch_flags();
     snprintf(sms, sizeof sms, " sms=%d%s", g_sms ? g_sms : DEFAULT_SM_BUDGET,
-             f & FUSED_RECV_EIGHTH ? " receivers=1/8" : f & FUSED_RECV_QUARTER ? " receivers=1/4" : "");
+             f & EPX_CUDA_FUSED_RECV_EIGHTH    ? " receivers=1/8"
+             : f & EPX_CUDA_FUSED_RECV_QUARTER ? " receivers=1/4"
+                                               : "");
   }
   if (paths[0] == EPX_PATH_FUSED && layout == EPX_LAYOUT_EXPERT_MAJOR)
     snprintf(sms + strlen(sms), sizeof sms - strlen(sms), " expand=%s",
-             epx_cuda_launch_flags() & FUSED_EXPAND_APART ? "apart" : "arrival");
+             epx_cuda_launch_flags() & EPX_CUDA_FUSED_EXPAND_APART ? "apart" : "arrival");
   snprintf(name, sizeof name, "T=%d routing=%s layout=%s exchange=%s partials=%s path=%s%s", T,
            skew ? "zipf1.2" : "uniform", layout == EPX_LAYOUT_RANK_MAJOR ? "rank-major" : "expert-major",
            exchange == EPX_EXCHANGE_DEDUP ? "dedup" : "collective",
@@ -832,7 +828,7 @@ int main(int argc, char **argv) {
         run(T, skew, EPX_LAYOUT_EXPERT_MAJOR, EPX_EXCHANGE_DEDUP, EPX_COMBINE_PARTIALS_PAYLOAD, nc);
         /* the other expansion of the fused expert-major rows */
         const int flags = epx_cuda_launch_flags();
-        epx_cuda_set_launch_flags(flags ^ FUSED_EXPAND_APART);
+        epx_cuda_set_launch_flags(flags ^ EPX_CUDA_FUSED_EXPAND_APART);
         run(T, skew, EPX_LAYOUT_EXPERT_MAJOR, EPX_EXCHANGE_DEDUP, EPX_COMBINE_PARTIALS_PAYLOAD, nc);
         epx_cuda_set_launch_flags(flags);
         run(T, skew, EPX_LAYOUT_EXPERT_MAJOR, EPX_EXCHANGE_DEDUP, EPX_COMBINE_PARTIALS_FLOAT32, nc);
@@ -882,7 +878,7 @@ int main(int argc, char **argv) {
        * receives by default; a quarter, an eighth): rank-major, payload
        * partials, at the budgets the targets name. */
       const int32_t budgets[] = {8, 16, 24, 32};
-      const int shares[] = {FUSED_RECV_QUARTER, FUSED_RECV_EIGHTH};
+      const int shares[] = {EPX_CUDA_FUSED_RECV_QUARTER, EPX_CUDA_FUSED_RECV_EIGHTH};
       const int flags = epx_cuda_launch_flags();
       for (int si = 0; si < 4; si++)
         for (int hi = 0; hi < 2; hi++) {

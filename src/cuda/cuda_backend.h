@@ -40,13 +40,6 @@ epx_status_t epx_cuda_copy_expert_counts(const int64_t *device_counts, const int
                                          void *stream);
 
 epx_status_t epx_cuda_buffer_init(epx_buffer_t buffer);
-/* For tests and benchmarks on one GPU (not in epx.h): on, a CUDA buffer
- * created later over a one-rank comm is served by the W-rank backend of
- * ep.c (an NCCL comm: the host-API exchange, the fused kernels) instead of
- * the one-GPU backend, so that backend's paths can be checked and timed
- * where no second GPU is at hand. Process-wide; buffers keep the backend
- * they were created with. */
-void epx_cuda_ep_at_one_rank(int on);
 void epx_cuda_buffer_fini(epx_buffer_t buffer);
 
 /* Fills handle->cuda and handle->recv_rows from device routing arrays. */

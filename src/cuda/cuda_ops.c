@@ -6,6 +6,7 @@
 #include "core/error.h"
 #include "cuda/cuda_backend.h"
 #include "cuda/ep.h"
+#include "cuda/launch.h"
 
 /* A comm of several ranks runs the W-rank backend of ep.c (NCCL); one rank
  * the one-GPU backend of cuda_backend.c, unless epx_cuda_ep_at_one_rank

@@ -124,6 +124,13 @@ cudaError_t epx_cuda_layout_launch(const int32_t *topk_idx, const int32_t *locat
    EPX_CUDA_FUSED_EXPAND_APART)
 void epx_cuda_set_launch_flags(int flags);
 int epx_cuda_launch_flags(void);
+/* For tests and benchmarks on one GPU (not in epx.h; cuda_ops.c): on, a
+ * CUDA buffer created later over a one-rank comm is served by the W-rank
+ * backend of ep.c (an NCCL comm: the host-API exchange, the fused kernels)
+ * instead of the one-GPU backend, so that backend's paths can be checked and
+ * timed where no second GPU is at hand. Process-wide; buffers keep the
+ * backend they were created with. */
+void epx_cuda_ep_at_one_rank(int on);
 
 /* Tuning of the move kernels: warps per block, 16-byte vectors per lane per
  * step (32 lanes * 4 * 16 B = 2 KB of a row in flight per warp per step), and

@@ -42,8 +42,7 @@
 #include <cuda_runtime_api.h>
 
 #include "core/dtype.h"
-#include "cuda/cuda_backend.h" /* epx_cuda_ep_at_one_rank */
-#include "cuda/launch.h" /* epx_cuda_set_launch_flags: the fused expansion's two forms */
+#include "cuda/launch.h" /* epx_cuda_set_launch_flags (the fused expansion's two forms), epx_cuda_ep_at_one_rank */
 #include "epx.h"
 #include "mpi_gpu_check.h"
 
