@@ -1,7 +1,9 @@
 /* The fused NVLink exchange, part 2: combine (and dispatch_backward, the same
  * kernel). See fused.h for the contract and fused_impl.cuh for the window.
  *
- * One kernel. Sender CTAs walk the rows this rank received, a chunk of 32
+ * The combine kernel (the expert-major layout with EPX_CUDA_FUSED_EXPAND_APART
+ * first stages its partials, below stage_partials_kernel, and then runs the
+ * rank-major form of it). Sender CTAs walk the rows this rank received, a chunk of 32
  * rank-major rows at a time, round robin over (chunk, source rank), a warp per
  * row: P(t, r) = 0 + the row's expert outputs in k order (times w when
  * weighted; float32, no fused multiply-add) — in the rank-major layout the
@@ -364,16 +366,17 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const fused_dev d,
   end_op(d, seq);
 }
 
-/* Expert-major, reduced apart (EPX_CUDA_FUSED_EXPAND_APART, payload-dtype
- * partials): before the combine kernel, every SM forms each received row's
- * P(t, r) rounded to the dtype (warp_partial: the senders' own loop, so the
- * same bits) into this rank's window rows, which no peer writes before this
- * rank's next dispatch-like launch (its clear-to-send). Those rows are a
- * rank-major layout's rows (a row per received pair, its own partial), so
- * the rank-major combine kernel moves and sums them as they are: its bulk
- * senders and its reducers, which load two ranks' rows at a time (the
- * expert-major reducer, one rank at a time, took the apart combine to 1.10
- * ms at T=8192 on 2 H200 against the host path's 0.85). */
+/* Expert-major, reduced apart (EPX_CUDA_FUSED_EXPAND_APART; float32
+ * partials where the window's payload rows are float32 rows, config
+ * f32_rows): before the combine kernel, every SM forms each received row's
+ * P(t, r), rounded to the dtype or in float32 (warp_partial: the senders'
+ * own loop, so the same bits), into this rank's window rows, which no peer
+ * writes before this rank's next dispatch-like launch (its clear-to-send).
+ * Those rows are a rank-major layout's rows (a row per received pair, its
+ * own partial), so the rank-major combine kernel moves and sums them as they
+ * are: its senders and its reducers, which load two ranks' rows at a time
+ * (the expert-major reducer, one rank at a time, took the apart combine to
+ * 1.10 ms at T=8192 on 2 H200 against the host path's 0.85). */
 template <typename T>
 __global__ void __launch_bounds__(kThreads) stage_partials_kernel(const fused_dev d, const fused_plan_dev p,
                                                                   const uint4 *eo, int weighted, int part_f32) {

@@ -96,9 +96,10 @@ cudaError_t epx_cuda_layout_launch(const int32_t *topk_idx, const int32_t *locat
  *     combine_backward) leaves the remote rows in the window, all of the SM
  *     budget sending, and expands every row in a kernel of its own over every
  *     SM (a local copy, as the host path's expansion is); the fused
- *     expert-major combine (and dispatch_backward) with payload-dtype
- *     partials forms every received row's partial in such a kernel first,
- *     and the budget's CTAs only move and sum them; else the budget's CTAs
+ *     expert-major combine (and dispatch_backward) forms every received
+ *     row's partial in such a kernel first (float32 partials where the
+ *     window has room for them: fused.h, f32_rows), and the budget's CTAs
+ *     only move and sum them; else the budget's CTAs
  *     expand rows as they arrive and form partials as they send;
  *   EPX_CUDA_FUSED_RECV_QUARTER, EPX_CUDA_FUSED_RECV_EIGHTH: a quarter or an
  *     eighth of the fused kernels' SM budget receives (dispatch: waits for
