@@ -1,6 +1,6 @@
 /* The CUDA backend on W > 1 ranks over an NCCL comm (ep.c): the same calls
- * as cuda_backend.h, which hands them here when buffer->world_size > 1 (or, for one-GPU checks,
- * after epx_cuda_ep_at_one_rank). */
+ * as cuda_backend.h, which hands them here when buffer->world_size > 1 (or,
+ * for one-GPU checks, after epx_cuda_ep_at_one_rank). */
 #ifndef EPX_CUDA_EP_H
 #define EPX_CUDA_EP_H
 
