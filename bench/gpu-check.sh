@@ -43,6 +43,13 @@ verdict() { printf '%-58s %s\n' "$1" "$2" >>"$SUMMARY"; }
 
 # PyTorch's NCCL (nvidia.nccl is a namespace package: its __path__, not __file__)
 NCCL=$(python3 -c "import nvidia.nccl;print(list(nvidia.nccl.__path__)[0])" 2>/dev/null || echo /usr/local/cuda)
+# bench/gpu/bench_ep.c against the build's library: build_bench_ep OUT LOG
+# (the compiler's output goes to LOG, overwritten).
+build_bench_ep() {
+  mpicc -O2 -std=c11 -Iinclude -I"$NCCL/include" -I/usr/local/cuda/include bench/gpu/bench_ep.c -o "$1" \
+    -L"$BUILD" -lepx -L/usr/local/cuda/lib64 -lcudart -lcublas -L"$NCCL/lib" -l:libnccl.so.2 -lm \
+    -Wl,-rpath,"$PWD/$BUILD" -Wl,-rpath,"$NCCL/lib" -Wl,-rpath,/usr/local/cuda/lib64 >"$2" 2>&1
+}
 MPI_FLAG=-DEPX_BUILD_MPI=OFF
 command -v mpicc >/dev/null 2>&1 && MPI_FLAG=-DEPX_BUILD_MPI=ON
 DEP_ARGS=()
@@ -118,10 +125,7 @@ else
   # bench_ep on one rank (the same hook): the fused and host paths' local
   # work timed (layout stages, expansion, reduction; nothing crosses NVLink),
   # each configuration checked first. Its RESULT lines go to onerank_bench.log.
-  if mpicc -O2 -std=c11 -Iinclude -I"$NCCL/include" -I/usr/local/cuda/include bench/gpu/bench_ep.c \
-       -o "$WORK/bench_ep1" -L"$BUILD" -lepx -L/usr/local/cuda/lib64 -lcudart -lcublas -L"$NCCL/lib" -l:libnccl.so.2 \
-       -lm -Wl,-rpath,"$PWD/$BUILD" -Wl,-rpath,"$NCCL/lib" -Wl,-rpath,/usr/local/cuda/lib64 \
-       >"$OUTDIR/onerank_bench.log" 2>&1 &&
+  if build_bench_ep "$WORK/bench_ep1" "$OUTDIR/onerank_bench.log" &&
      EPX_BENCH_EP_SECTIONS=layout,main LD_LIBRARY_PATH="$NCCL/lib:${LD_LIBRARY_PATH:-}" \
        timeout 200 "${MPIRUN1[@]}" -x EPX_BENCH_EP_SECTIONS "$WORK/bench_ep1" "$WORK" >>"$OUTDIR/onerank_bench.log" 2>&1; then
     verdict "bench_ep (1 rank, W-rank backend; checked, timings)" PASS
@@ -250,9 +254,7 @@ if [ -n "$GPU2_TESTS" ]; then
     [ $EB = 1 ] && verdict "epx-bench --device cuda, main job (2 GPUs)" PASS ||
       verdict "epx-bench --device cuda, main job (2 GPUs)" FAIL
     B2=0
-    if mpicc -O2 -std=c11 -Iinclude -I"$NCCL/include" -I/usr/local/cuda/include bench/gpu/bench_ep.c -o "$WORK/bench_ep" \
-         -L"$BUILD" -lepx -L/usr/local/cuda/lib64 -lcudart -lcublas -L"$NCCL/lib" -l:libnccl.so.2 -lm \
-         -Wl,-rpath,"$PWD/$BUILD" -Wl,-rpath,"$NCCL/lib" -Wl,-rpath,/usr/local/cuda/lib64 >"$OUTDIR/bench2.log" 2>&1; then
+    if build_bench_ep "$WORK/bench_ep" "$OUTDIR/bench2.log"; then
       timeout "${EPX_GPU2_BENCH_TIMEOUT:-300}" $MPIRUN "$WORK/bench_ep" "$WORK" >>"$OUTDIR/bench2.log" 2>&1 && B2=1
     fi
     [ $B2 = 1 ] && verdict "2-GPU benchmark (checked, timings)" PASS || verdict "2-GPU benchmark (checked, timings)" FAIL
