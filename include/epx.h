@@ -667,11 +667,19 @@ typedef enum epx_exchange_path {
    * The fused kernels (src/cuda/fused.h: senders store rows straight into
    * the peers' memory through NCCL 2.28's device API) serve a buffer when
    * the exchange is EPX_EXCHANGE_DEDUP (any layout; the capacity layout's
-   * slots are validated and claimed on the GPU as on the host path), the
-   * build has the fused module, and every peer is reachable
-   * by load/store (one NVLink domain). In this version the choice is all or
-   * nothing: if any peer lacks load/store access, every peer takes the host
-   * path. The two paths give the same bits. On the fused path: the fused
+   * slots are validated and claimed on the GPU as on the host path) and
+   * the build has the fused module. The choice is per peer and automatic:
+   * the peers this rank reaches by load/store (its NVLink domain, NCCL's
+   * LSA team) are served by the fused kernels, the others (other nodes,
+   * PCIe without P2P) by NCCL's host API inside the same calls (the fused
+   * kernels leave those peers' rows, records, partials and values in an
+   * outbox, and grouped ncclSend/ncclRecv on the buffer's stream move them
+   * between the kernels, with each peer's bound of max_tokens_per_rank rows
+   * as size, so nothing waits on the host; about max_tokens_per_rank * H *
+   * (8 + dtype size) bytes more per such peer); epx_buffer_peer_paths
+   * reports EPX_PATH_FUSED or EPX_PATH_HOST per peer. EPX_PATH_HOST in the
+   * config forces the host path for every peer. The paths give the same
+   * bits. On the fused path: the fused
    * state (a symmetric window of about W * max_tokens_per_rank * H * (dtype
    * size + 4) bytes; 8 instead of dtype size + 4 for the expert-major and
    * capacity layouts, whose combine stages float32 partials there) is made
@@ -690,7 +698,7 @@ typedef enum epx_exchange_path {
    * -DEPX_BUILD_FUSED=OFF leaves it out) and used only with the NCCL release
    * it was compiled against (the device API's structs change between
    * releases). Where the fused path is refused on any rank (that, no
-   * load/store access, no memory for the window), every rank takes the host
+   * symmetric window, no memory for the window), every rank takes the host
    * path (the ranks agree after each step of the fused state's creation, so
    * one rank's refusal is not a timeout for the others) and
    * epx_last_error() after the call that made the fused state
@@ -808,8 +816,10 @@ epx_status_t epx_buffer_max_recv_rows(epx_buffer_t buffer, int64_t *rows);
 epx_status_t epx_buffer_set_stream(epx_buffer_t buffer, void *stream);
 /* The path of each peer: paths[W] gets EPX_PATH_FUSED or EPX_PATH_HOST per
  * rank of the buffer's comm (this rank's own entry says how its self rows
- * move). EPX_PATH_HOST everywhere on CPU buffers, one-rank buffers and
- * buffers whose config or build rules the fused path out. Not collective. */
+ * move): on the fused path EPX_PATH_FUSED for the peers reached by
+ * load/store and EPX_PATH_HOST for the others (see EPX_PATH_FUSED).
+ * EPX_PATH_HOST everywhere on CPU buffers, one-rank buffers and buffers
+ * whose config or build rules the fused path out. Not collective. */
 epx_status_t epx_buffer_peer_paths(epx_buffer_t buffer, int32_t *paths);
 
 /* The routing a dispatch moves by. The arrays are read during

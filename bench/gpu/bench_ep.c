@@ -17,9 +17,9 @@
  * counts this writes). "GB/s" counts the bytes a GPU receives, its own rows
  * included (DeepEP's convention).
  *
- * Every dedup buffer runs EPX_PATH_FUSED (the fused NVLink kernels where
- * every peer is reachable by load/store, expert-major too; AUTO takes them
- * for rank-major only), and the expert-major dedup rows once more on AUTO
+ * Every dedup buffer runs EPX_PATH_FUSED (the fused NVLink kernels for the
+ * peers reachable by load/store, expert-major too; AUTO takes them for
+ * rank-major only), and the expert-major dedup rows once more on AUTO
  * (the host path: the default's choice); the sweep's "path=host" rows force
  * EPX_PATH_HOST, and the fused rank-major rows are swept over
  * config.sm_budget (8/16/24/32/48/64/132 CTAs) beside them: the fused vs
@@ -29,7 +29,10 @@
  * expert-major dedup rows the backward passes with grad_w (GRADW), and sets
  * the exchange beside the NVLink floor (the remote rows at 450 GB/s). The
  * expert-major dedup rows are written to <workdir>/ep_permute.txt, for
- * bench_torch_ep.py's PyTorch permute baseline.
+ * bench_torch_ep.py's PyTorch permute baseline. Section "relay": the fused
+ * path with every peer relayed through NCCL's host API (path=fused+relay,
+ * the test flag EPX_CUDA_FUSED_RELAY), what a peer without load/store
+ * access costs, beside the host path.
  *
  * The SM-budget sweep of whole steps (section "step"): an expert-major MoE
  * layer on two micro-batches of T tokens per rank, the exchange on the
@@ -355,22 +358,27 @@ static run_result_t run(int T, int skew, epx_layout_t layout, epx_exchange_t exc
   OK(epx_buffer_create(g_comm, &cfg, &b.buf));
   int32_t paths[64] = {0};
   OK(epx_buffer_peer_paths(b.buf, paths));
+  /* this rank's own path, and whether some peer is relayed through the
+   * host API (EPX_CUDA_FUSED_RELAY: every other peer) */
+  const int fused = paths[g_rank] == EPX_PATH_FUSED;
+  int relayed = 0;
+  for (int q = 0; q < g_size && q < 64; q++) relayed |= fused && paths[q] == EPX_PATH_HOST;
   char sms[48] = "";
-  if (paths[0] == EPX_PATH_FUSED) {
+  if (fused) {
     const int f = epx_cuda_launch_flags();
     snprintf(sms, sizeof sms, " sms=%d%s", g_sms ? g_sms : DEFAULT_SM_BUDGET,
              f & EPX_CUDA_FUSED_RECV_EIGHTH    ? " receivers=1/8"
              : f & EPX_CUDA_FUSED_RECV_QUARTER ? " receivers=1/4"
                                                : "");
   }
-  if (paths[0] == EPX_PATH_FUSED && layout == EPX_LAYOUT_EXPERT_MAJOR)
+  if (fused && layout == EPX_LAYOUT_EXPERT_MAJOR)
     snprintf(sms + strlen(sms), sizeof sms - strlen(sms), " expand=%s",
              epx_cuda_launch_flags() & EPX_CUDA_FUSED_EXPAND_APART ? "apart" : "arrival");
   snprintf(name, sizeof name, "T=%d routing=%s layout=%s exchange=%s partials=%s path=%s%s", T,
            skew ? "zipf1.2" : "uniform", layout == EPX_LAYOUT_RANK_MAJOR ? "rank-major" : "expert-major",
            exchange == EPX_EXCHANGE_DEDUP ? "dedup" : "collective",
            precision == EPX_COMBINE_PARTIALS_PAYLOAD ? "payload" : "float32",
-           paths[0] == EPX_PATH_FUSED ? "fused" : "host", sms);
+           relayed ? "fused+relay" : fused ? "fused" : "host", sms);
   OK(epx_buffer_max_recv_rows(b.buf, &b.cap));
   const size_t rb = 2 * H;
   uint16_t *xh = malloc((size_t)T * rb);
@@ -428,14 +436,14 @@ static run_result_t run(int T, int skew, epx_layout_t layout, epx_exchange_t exc
     /* the expert-major dispatch against a rank-major exchange plus a
      * PyTorch permute of the same rows (bench_torch_ep.py times it) */
     if (g_permute && layout == EPX_LAYOUT_EXPERT_MAJOR && exchange == EPX_EXCHANGE_DEDUP &&
-        precision == EPX_COMBINE_PARTIALS_PAYLOAD) {
+        precision == EPX_COMBINE_PARTIALS_PAYLOAD && !relayed) {
       int64_t N = 0;
       OK(epx_handle_recv_rows(b.h, &N));
       fprintf(g_permute, "%s rows_in=%lld expanded_rows=%lld dispatch_ms=%.4f T=%d\n", name, (long long)recv_total,
               (long long)N, dispatch.ms, T);
     }
     if (layout == EPX_LAYOUT_RANK_MAJOR && exchange == EPX_EXCHANGE_DEDUP && !skew &&
-        precision == EPX_COMBINE_PARTIALS_PAYLOAD && g_path == EPX_PATH_FUSED && g_sms == 0) {
+        precision == EPX_COMBINE_PARTIALS_PAYLOAD && g_path == EPX_PATH_FUSED && g_sms == 0 && !relayed) {
       if (T == 8192) {
         printf("TARGET dedup rank-major dispatch / a2a (8192)            %.3f <= 1.15\n", dispatch.ms / a2a.ms);
         printf("TARGET dedup rank-major combine / a2a (8192)             %.3f <= 1.15\n", combine.ms / a2a.ms);
@@ -845,6 +853,22 @@ int main(int argc, char **argv) {
                dedup[1].dispatch_ms / dedup[0].dispatch_ms, grow);
         printf("TARGET skewed / uniform combine time (%d) vs bytes       %.3f <= %.3f\n", T,
                dedup[1].combine_ms / dedup[0].combine_ms, grow);
+      }
+    }
+    if (section("relay") && g_size > 1) {
+      /* The mixed path: the fused kernels with every peer relayed through
+       * NCCL's host API (EPX_CUDA_FUSED_RELAY, as peers without load/store
+       * access are: path=fused+relay), beside the host path (uniform
+       * routing, payload partials; the fused rows are the main section's). */
+      const int flags = epx_cuda_launch_flags();
+      const epx_layout_t layouts[] = {EPX_LAYOUT_RANK_MAJOR, EPX_LAYOUT_EXPERT_MAJOR};
+      for (int li = 0; li < 2; li++) {
+        g_path = EPX_PATH_HOST;
+        if (!section("main")) run(T, 0, layouts[li], EPX_EXCHANGE_DEDUP, EPX_COMBINE_PARTIALS_PAYLOAD, nc);
+        g_path = EPX_PATH_FUSED;
+        epx_cuda_set_launch_flags(flags | EPX_CUDA_FUSED_RELAY);
+        run(T, 0, layouts[li], EPX_EXCHANGE_DEDUP, EPX_COMBINE_PARTIALS_PAYLOAD, nc);
+        epx_cuda_set_launch_flags(flags);
       }
     }
     if (section("expert") && !section("main")) {

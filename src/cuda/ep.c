@@ -36,8 +36,9 @@
  * a host refusal on one rank then reaches its peers only as a timeout of
  * their next bounded wait (documented in epx.h).
  *
- * The fused path (EPX_PATH_FUSED, or AUTO for rank-major; dedup, every peer
- * reachable by load/store; fused.h): the buffer holds the fused state, each
+ * The fused path (EPX_PATH_FUSED, or AUTO for rank-major; dedup; fused.h;
+ * peers without load/store access relayed through NCCL's host API between
+ * the fused kernels, fused_relay.cu): the buffer holds the fused state, each
  * handle a fused plan, and the layout is the fused layout alone (three
  * kernels, no NCCL call, no memset): it validates the routing as the stage
  * kernel does, exchanges the counts and every rank's header {tokens,
@@ -97,7 +98,7 @@ typedef struct ep_buffer {
   size_t bytes;
   int64_t *readback;  /* pinned host copy of a handle's summary */
   size_t readback_bytes;
-  /* The fused NVLink exchange (every peer by load/store) or NULL: the host
+  /* The fused NVLink exchange (peers without load/store access relayed) or NULL: the host
    * path for every peer. `fused_tried`: created or refused once, not again. */
   epx_fused_t *fused;
   int fused_tried;
@@ -257,10 +258,10 @@ static int fused_wanted(epx_buffer_t b) {
 }
 
 /* Collective, once max_tokens_per_rank is known (at buffer creation, or the
- * first layout that agrees it): creates the fused state. epx_fused_create
- * agrees every step that may refuse on one rank alone (a peer without
- * load/store access, no memory for the window, an NCCL without symmetric
- * memory); the all-reduce here also covers what fails before its first
+ * first layout that agrees it): creates the fused state (peers without
+ * load/store access relayed through NCCL's host API: fused_relay.cu).
+ * epx_fused_create agrees every step that may refuse on one rank alone (no
+ * memory for the window or the relay, an NCCL without symmetric memory); the all-reduce here also covers what fails before its first
  * agreement (a comm busy past the timeout, no stream), so every rank leaves
  * on the same path: a refusal anywhere leaves every rank on the host path,
  * and epx_last_error() after the (successful) call says why (epx.h,
@@ -326,8 +327,8 @@ static epx_status_t fused_alive(epx_buffer_t b, const char *fn) {
    * (windows and all), so destroying the buffer attempts no collective
    * deregistration with a peer that no longer answers. */
   char what[256];
-  snprintf(what, sizeof what, "rank %d did not answer the fused exchange (%s) within the comm's timeout; the "
-           "buffer's fused state has failed", (int)peer, phase ? phase : "?");
+  snprintf(what, sizeof what, "rank %d did not answer the fused exchange (%s) within the comm's timeout, or the "
+           "host-API relay to it failed; the buffer's fused state has failed", (int)peer, phase ? phase : "?");
   return epx_nccl_fail_timeout(b->comm, fn, what);
 }
 
@@ -395,7 +396,10 @@ fail:
 
 void epx_cuda_ep_peer_paths(epx_buffer_t b, int32_t *paths) {
   const ep_buffer_t *s = b->cuda;
-  for (int32_t r = 0; r < b->world_size; r++) paths[r] = s && s->fused ? EPX_PATH_FUSED : EPX_PATH_HOST;
+  /* a relayed peer (no load/store access) is served by NCCL's host API */
+  const uint32_t relayed = s && s->fused ? epx_fused_relayed_peers(s->fused) : 0;
+  for (int32_t r = 0; r < b->world_size; r++)
+    paths[r] = s && s->fused && !(relayed >> r & 1u) ? EPX_PATH_FUSED : EPX_PATH_HOST;
 }
 
 /* ------------------------------------------------------------------------ */
@@ -917,6 +921,11 @@ epx_status_t epx_cuda_ep_dispatch_layout(epx_buffer_t b, const epx_routing_t *r,
     set_counts(h, summary);
     h->rows = summary[EPX_CUDA_EP_SUMMARY_ROWS(W)];
     handle->recv_rows = h->rows;
+#if EPX_HAVE_FUSED
+    /* every rank reads its counts here: the relay's messages to peers
+     * without load/store access take their sizes from them */
+    if (h->plan) epx_fused_plan_host_counts(h->plan, summary + HOME_PAIRS * W, summary + RECV_PAIRS * W);
+#endif
   }
   /* The staging, sized at the layout: a captured step never grows it (the
    * fused path stages nothing). */

@@ -1,10 +1,11 @@
 /* The fused NVLink exchange: dedup dispatch and combine in kernels that load
  * and store straight into the peers' memory, through NCCL 2.28's device API
  * (a symmetric window from ncclMemAlloc + ncclCommWindowRegister, peer
- * addresses from ncclDevCommCreate / ncclGetLsaPointer). Every rank of the
- * comm must reach every other by load/store (one NVLink domain); otherwise
- * epx_fused_create refuses with EPX_ERROR_UNSUPPORTED and the host-API
- * exchange is the path.
+ * addresses from ncclDevCommCreate / ncclGetLsaPointer). Peers outside this
+ * rank's load/store team (NCCL's LSA team: other nodes, PCIe without P2P)
+ * are reached through NCCL's host API inside the same launches: grouped
+ * ncclSend/ncclRecv on the stream between an op's kernels
+ * (fused_relay.cu); epx_fused_relayed_peers names them.
  *
  * Plain C declarations: host code never sees ncclDevComm or a kernel. The
  * launchers take device pointers, sizes and a stream, enqueue their work and
@@ -87,9 +88,10 @@ typedef struct epx_fused_config {
 /* Collective over nccl_comm (an ncclComm_t): allocates and registers the
  * window (about W*max_tokens*H*(s + 4) bytes plus metadata, s the dtype's
  * size, or 4 with f32_rows), creates the
- * device comm and resolves the peers' addresses. EPX_ERROR_UNSUPPORTED when
- * some rank is not reachable by load/store (the message says how many are).
- * Every rank returns the same verdict: the ranks agree (a one-word
+ * device comm and resolves the addresses of the peers it reaches by
+ * load/store; for each other peer, an outbox and an inbox (about
+ * max_tokens*H*(4 + s) bytes). EPX_ERROR_UNSUPPORTED without a symmetric
+ * window. Every rank returns the same verdict: the ranks agree (a one-word
  * all-reduce) after each step that may refuse on one rank alone (its own
  * checks and the window's allocation, the registration, the device comm's
  * reach), so a refusing rank's peers refuse with it, naming it, instead of
@@ -103,6 +105,10 @@ epx_status_t epx_fused_destroy(epx_fused_t *fused);
  * releases this side's memory without calling NCCL on the comm. NULL is a
  * no-op. */
 void epx_fused_abandon(epx_fused_t *fused);
+
+/* Bit r: peer r is reached through NCCL's host API (no load/store access,
+ * or the test flag EPX_CUDA_FUSED_RELAY at creation). */
+uint32_t epx_fused_relayed_peers(const epx_fused_t *fused);
 
 /* The error word: 0 while no wait timed out; else 1 and the peer that did not
  * answer and the phase ("layout counts", "dispatch rows", ...). Host-mapped:
@@ -161,6 +167,13 @@ typedef struct epx_fused_plan_summary {
   uint64_t invalid;             /* this rank's first invalid route, as view.invalid */
 } epx_fused_plan_summary_t;
 size_t epx_fused_plan_readback_bytes(const epx_fused_plan_t *plan);
+/* The rows this rank sends to and receives from each peer, read from the
+ * summary after the plan's layout: the relay's messages to peers without
+ * load/store access then have these sizes instead of their bound. Every
+ * rank must say it of the same layouts (the sizes of a message must match on
+ * both sides): ep.c does so at every layout with default sizing, never with
+ * worst_case_sizing. The next layout launch on the plan forgets them. */
+void epx_fused_plan_host_counts(epx_fused_plan_t *plan, const int64_t *send_pairs, const int64_t *recv_pairs);
 cudaError_t epx_fused_plan_readback_launch(const epx_fused_plan_t *plan, void *host, cudaStream_t stream);
 void epx_fused_plan_summary(const epx_fused_plan_t *plan, const void *host, epx_fused_plan_summary_t *summary);
 

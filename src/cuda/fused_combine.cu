@@ -127,7 +127,7 @@ __device__ void send_partials(const fused_dev &d, const fused_plan_dev &p, combi
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t pe = part_f32 ? 4 : (int64_t)sizeof(T);
   if (kRank && d.bulk_warps > 0 && lane == 0 && warp < d.bulk_warps) bulk_init(bars + warp);
-  if (threadIdx.x < d.W && threadIdx.x != d.rank &&
+  if (threadIdx.x < d.W && threadIdx.x != d.rank && !relayed(d, threadIdx.x) &&
       !wait_flag(d, flag_at(d.local, d.off_cts, threadIdx.x), seq + 1, threadIdx.x, PH_COMBINE_CTS))
     sh.bad = 1;
   __syncthreads();
@@ -141,30 +141,33 @@ __device__ void send_partials(const fused_dev &d, const fused_plan_dev &p, combi
     const int64_t n = min((int64_t)kChunk, sh.rcount[h] - j * kChunk);
     if (h == d.rank || n <= 0) continue;
     const int64_t q0 = sh.rbase[h] + j * kChunk;
-    char *home = d.peer[h] + d.off_part + (int64_t)d.rank * d.maxT * d.H * pe;
+    /* row q's partial: at its token in the home's window, or, for a
+     * relayed home, at the row's index among the rows from it in this
+     * rank's outbox to it */
+    const bool out = relayed(d, h);
+    char *home = out ? d.relay[h] + d.relay_off_rows : d.peer[h] + d.off_part + (int64_t)d.rank * d.maxT * d.H * pe;
+    auto part_of = [&](int64_t q) { return home + (out ? q - sh.rbase[h] : (int64_t)p.pair_token[q]) * d.H * pe; };
     if (kRank && kF32) {
       /* staged float32 partials: rows of H floats, moved by the warps (the
        * bulk path's slots hold rows of the dtype) */
       const int64_t nv = d.H * 4 / 16;
       for (int64_t i = warp; i < n; i += kWarps)
-        warp_copy<false>(reinterpret_cast<uint4 *>(home + (int64_t)p.pair_token[q0 + i] * d.H * pe),
-                         eo + (q0 + i) * nv, nv, lane);
+        warp_copy<false>(reinterpret_cast<uint4 *>(part_of(q0 + i)), eo + (q0 + i) * nv, nv, lane);
     } else if (kRank) {
       /* a rank-major row (or a staged expert-major partial) is its own
        * partial: moved as is */
       send_chunk(
           d, n, [&](int64_t i) { return eo + (q0 + i) * d.nvec; },
-          [&](int64_t i) { return reinterpret_cast<uint4 *>(home + (int64_t)p.pair_token[q0 + i] * d.H * pe); }, bars,
-          phase, slots);
+          [&](int64_t i) { return reinterpret_cast<uint4 *>(part_of(q0 + i)); }, bars, phase, slots);
     } else {
       for (int64_t i = warp; i < n; i += kWarps) {
         const int64_t q = q0 + i;
-        warp_partial<T>(home + (int64_t)p.pair_token[q] * d.H * pe, eo, p.pair_rows + q * p.K, p.pair_w + q * p.K, p.K,
-                        weighted, part_f32, d.nvec, lane);
+        warp_partial<T>(part_of(q), eo, p.pair_rows + q * p.K, p.pair_w + q * p.K, p.K, weighted, part_f32, d.nvec,
+                        lane);
       }
     }
     __syncthreads();
-    if (threadIdx.x == 0) {
+    if (threadIdx.x == 0 && !relayed(d, h)) {
       __threadfence_system();
       st_release_sys(flag_at(d.peer[h], d.off_cflag, (int64_t)d.rank * d.max_chunks + j), seq + 1);
     }
@@ -331,7 +334,9 @@ __device__ void reduce_tokens(const fused_dev &d, const fused_plan_dev &p, combi
     for (int64_t t = tc * kChunk + warp; t < min(p.T, (tc + 1) * kChunk); t += kWarps) {
       const int32_t slot = lane < d.W ? p.tok_slot[t * d.W + lane] : -1;
       bool bad = false;
-      if (slot >= 0 && lane != d.rank && slot / kChunk > seen) {
+      /* (a relayed rank's partials are in the window already: the relay
+       * step ran between this op's two launches) */
+      if (slot >= 0 && lane != d.rank && !relayed(d, lane) && slot / kChunk > seen) {
         seen = slot / kChunk;
         bad = !wait_flag(d, flag_at(d.local, d.off_cflag, (int64_t)lane * d.max_chunks + seen), seq + 1, lane,
                          PH_COMBINE_ROWS);
@@ -347,10 +352,15 @@ __device__ void reduce_tokens(const fused_dev &d, const fused_plan_dev &p, combi
   }
 }
 
+/* Which part of the op a launch of combine_kernel runs: both (ns senders,
+ * the rest reducing), or, with relayed peers, the senders (every CTA; the
+ * op goes on) and then, after the relay step, the reducers (every CTA). */
+enum { PHASE_BOTH = 0, PHASE_SEND = 1, PHASE_REDUCE = 2 };
+
 template <typename T, bool kRank, bool kF32>
 __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const fused_dev d, const fused_plan_dev p,
                                                               const uint4 *eo, uint4 *out, int weighted,
-                                                              int part_f32, int ns) {
+                                                              int part_f32, int ns, int phase) {
   __shared__ combine_shared sh;
   extern __shared__ __align__(128) char slots[]; /* bulk path: a row per copying warp */
   if (failed(d)) return;
@@ -361,9 +371,30 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const fused_dev d,
   if (threadIdx.x == 0) sh.bad = 0;
   send_cts(d, seq);
   __syncthreads();
+  if (phase == PHASE_SEND) ns = gridDim.x;
+  if (phase == PHASE_REDUCE) ns = 0;
   if ((int)blockIdx.x < ns) send_partials<T, kRank, kF32>(d, p, sh, seq, eo, weighted, part_f32, ns, slots);
   else reduce_tokens<T, kRank, kF32>(d, p, sh, seq, eo, out, weighted, part_f32, ns);
-  end_op(d, seq);
+  if (phase != PHASE_SEND) end_op(d, seq);
+}
+
+/* The combine kernel's launch: one, or with relayed peers its senders, the
+ * relay step of the partials (element size pe) and its reducers. */
+template <typename T, bool kRank, bool kF32>
+cudaError_t launch_combine(epx_fused_t *f, const epx_fused_plan_t *plan, const uint4 *eo, uint4 *out, int weighted,
+                           int part_f32, int n, int ns, size_t smem, int64_t pe, cudaStream_t stream) {
+  if (!f->dev.relay_mask) {
+    combine_kernel<T, kRank, kF32><<<n, kThreads, smem, stream>>>(f->dev, plan->dev, eo, out, weighted, part_f32, ns,
+                                                                  PHASE_BOTH);
+    return cudaGetLastError();
+  }
+  combine_kernel<T, kRank, kF32><<<n, kThreads, smem, stream>>>(f->dev, plan->dev, eo, out, weighted, part_f32, ns,
+                                                                PHASE_SEND);
+  const cudaError_t e = epx_fused_relay_partials_in(f, plan, pe, stream);
+  if (e != cudaSuccess) return e;
+  combine_kernel<T, kRank, kF32><<<n, kThreads, smem, stream>>>(f->dev, plan->dev, eo, out, weighted, part_f32, ns,
+                                                                PHASE_REDUCE);
+  return cudaGetLastError();
 }
 
 /* Expert-major, reduced apart (EPX_CUDA_FUSED_EXPAND_APART; float32
@@ -401,19 +432,15 @@ cudaError_t launch_typed(epx_fused_t *f, const epx_fused_plan_t *plan, const uin
      * float32 rows (epx_fused_config_t.f32_rows) */
     const bool stage = (epx_cuda_launch_flags() & EPX_CUDA_FUSED_EXPAND_APART) &&
                        (!part_f32 || f->dev.pay_row_bytes >= f->dev.H * 4);
-    if (!stage) {
-      combine_kernel<T, false, false><<<n, kThreads, 0, stream>>>(f->dev, plan->dev, eo, out, weighted, part_f32, ns);
-      return cudaGetLastError();
-    }
+    if (!stage)
+      return launch_combine<T, false, false>(f, plan, eo, out, weighted, part_f32, n, ns, 0,
+                                             part_f32 ? 4 : (int64_t)sizeof(T), stream);
     stage_partials_kernel<T><<<2 * f->num_sms, kThreads, 0, stream>>>(f->dev, plan->dev, eo, weighted, part_f32);
     /* from here the partials are the expert_out of a rank-major combine */
     eo = reinterpret_cast<const uint4 *>(f->dev.local + f->dev.off_pay);
     weighted = 0;
     if constexpr (sizeof(T) == 2) { /* float32 partials differ from the dtype's only for 16-bit dtypes */
-      if (part_f32) {
-        combine_kernel<T, true, true><<<n, kThreads, 0, stream>>>(f->dev, plan->dev, eo, out, 0, 1, ns);
-        return cudaGetLastError();
-      }
+      if (part_f32) return launch_combine<T, true, true>(f, plan, eo, out, 0, 1, n, ns, 0, 4, stream);
     }
   }
   /* the bulk path's slots (rank-major senders) */
@@ -423,8 +450,8 @@ cudaError_t launch_typed(epx_fused_t *f, const epx_fused_plan_t *plan, const uin
     const cudaError_t e = epx_cuda_kernel_smem_here((const void *)combine_kernel<T, true, false>, smem);
     if (e != cudaSuccess) return e;
   }
-  combine_kernel<T, true, false><<<n, kThreads, smem, stream>>>(f->dev, plan->dev, eo, out, weighted, part_f32, ns);
-  return cudaGetLastError();
+  return launch_combine<T, true, false>(f, plan, eo, out, weighted, part_f32, n, ns, smem,
+                                        part_f32 ? 4 : (int64_t)sizeof(T), stream);
 }
 
 }  // namespace

@@ -48,7 +48,7 @@ namespace {
 
 __global__ void resolve_peers_kernel(ncclWindow_t win, const int *lsa_of, int W, char **out) {
   const int r = threadIdx.x;
-  if (r < W) out[r] = static_cast<char *>(ncclGetLsaPointer(win, 0, lsa_of[r]));
+  if (r < W) out[r] = lsa_of[r] >= 0 ? static_cast<char *>(ncclGetLsaPointer(win, 0, lsa_of[r])) : nullptr;
 }
 
 size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
@@ -196,6 +196,14 @@ epx_status_t nccl_settle(ncclComm_t comm, ncclResult_t r, double seconds, const 
   }
 }
 
+}  // namespace
+
+epx_status_t epx_fused_nccl_settle(void *comm, int result, double seconds, const char *fn, const char *what) {
+  return nccl_settle(static_cast<ncclComm_t>(comm), static_cast<ncclResult_t>(result), seconds, fn, what);
+}
+
+namespace {
+
 /* Waits for the work on `stream`, at most `seconds`. */
 epx_status_t stream_settle(cudaStream_t stream, double seconds, const char *fn, const char *what) {
   const double started = now_seconds();
@@ -276,7 +284,8 @@ fail:
   return status;
 }
 
-/* The peers' window addresses, resolved on the device once. */
+/* The peers' window addresses, resolved on the device once (NULL for a
+ * relayed peer). */
 epx_status_t resolve_peers(epx_fused_t *f, ncclComm_t comm, cudaStream_t stream, double seconds, const char *fn) {
   epx_status_t status = EPX_SUCCESS;
   const int W = f->dev.W;
@@ -284,7 +293,7 @@ epx_status_t resolve_peers(epx_fused_t *f, ncclComm_t comm, cudaStream_t stream,
   int *d_lsa = NULL;
   char **d_ptrs = NULL;
   const ncclTeam_t world = ncclTeamWorld(comm);
-  for (int r = 0; r < W; r++) lsa_of[r] = ncclTeamRankToLsa(comm, world, r);
+  for (int r = 0; r < W; r++) lsa_of[r] = relayed(f->dev, r) ? -1 : ncclTeamRankToLsa(comm, world, r);
   FUSED_CUDA(cudaMalloc(&d_lsa, sizeof lsa_of), "cudaMalloc");
   FUSED_CUDA(cudaMalloc(&d_ptrs, sizeof(char *) * EPX_FUSED_MAX_RANKS), "cudaMalloc");
   FUSED_CUDA(cudaMemcpyAsync(d_lsa, lsa_of, sizeof(int) * (size_t)W, cudaMemcpyHostToDevice, stream), "cudaMemcpyAsync");
@@ -349,14 +358,19 @@ epx_status_t create_steps(epx_fused_t *f, epx_status_t local, ncclComm_t comm, c
       return status;
     }
     f->devcomm = dc;
-    local = dc->lsaSize == W
-                ? EPX_SUCCESS
-                : epx_error(EPX_ERROR_UNSUPPORTED, "%s: rank %d reaches %d of the %d ranks by load/store (NVLink); "
-                            "the fused exchange needs all of them, so use the host-API exchange", fn, rank,
-                            dc->lsaSize, W);
+    /* The peers outside this rank's load/store team (or every peer, under
+     * the test flag EPX_CUDA_FUSED_RELAY) are reached through the relay
+     * (fused_relay.cu). The relation is symmetric: a team is a clique. */
+    const ncclTeam_t team = ncclTeamLsa(*dc), world = ncclTeamWorld(comm);
+    const bool relay_all = (epx_cuda_launch_flags() & EPX_CUDA_FUSED_RELAY) != 0;
+    uint32_t mask = 0;
+    for (int r = 0; r < W; r++)
+      if (r != rank && (relay_all || !ncclTeamRankIsMember(team, world, r))) mask |= 1u << r;
+    local = epx_fused_relay_create(f, mask, fn);
     /* every rank has its window and device comm: a refusal here tears both
      * down collectively (epx_fused_destroy) */
-    EPX_CHECK(agree_step(comm, stream, seconds, rank, local, "at the device comm (load/store reach)", keep, fn));
+    EPX_CHECK(agree_step(comm, stream, seconds, rank, local, "at the relay's memory (peers without load/store "
+                         "access)", keep, fn));
   }
   EPX_CHECK(resolve_peers(f, comm, stream, seconds, fn));
   f->dev.local = f->dev.peer[rank];
@@ -462,6 +476,7 @@ extern "C" epx_status_t epx_fused_destroy(epx_fused_t *f) {
   if (f->win && ncclCommWindowDeregister(comm, static_cast<ncclWindow_t>(f->win)) != ncclSuccess)
     status = epx_error(EPX_ERROR_TRANSPORT, "epx_fused_destroy: ncclCommWindowDeregister failed");
   if (f->base) ncclMemFree(f->base);
+  epx_fused_relay_free(f);
   cudaFree(f->dev.ctl);
   if (f->err_host) cudaFreeHost(f->err_host);
   free(f);
@@ -473,6 +488,7 @@ extern "C" void epx_fused_abandon(epx_fused_t *f) {
   cudaDeviceSynchronize(); /* every wait of a fused kernel is bounded */
   free(f->devcomm);        /* the host copy; the device side went with the comm */
   if (f->base) ncclMemFree(f->base);
+  epx_fused_relay_free(f);
   cudaFree(f->dev.ctl);
   if (f->err_host) cudaFreeHost(f->err_host);
   free(f);
@@ -482,7 +498,7 @@ extern "C" int epx_fused_error(const epx_fused_t *f, int32_t *peer, const char *
   static const char *const names[] = {"?", "layout clear-to-send", "layout counts", "layout routing records",
                                       "dispatch clear-to-send", "dispatch rows", "combine clear-to-send",
                                       "combine partials", "weight gradients clear-to-send",
-                                      "weight gradients"};
+                                      "weight gradients", "host-API relay (ncclSend/ncclRecv)"};
   const uint32_t w = *reinterpret_cast<volatile uint32_t *>(f->err_host);
   if (!w) return 0;
   const uint32_t ph = (w >> 8) & 0xffu;
@@ -965,17 +981,19 @@ __device__ void layout_exchange(const fused_dev &d, const fused_plan_dev &p, int
   block_prefix(p.chunk_dcnt, blocks, d.W, s_cnt);
   __syncthreads();
   LAYOUT_TRACE(4);
-  if (threadIdx.x < d.W && threadIdx.x != d.rank &&
+  if (threadIdx.x < d.W && threadIdx.x != d.rank && !relayed(d, threadIdx.x) &&
       !wait_flag(d, flag_at(d.local, d.off_cts, threadIdx.x), seq + 1, threadIdx.x, PH_LAYOUT_CTS))
     s_bad = 1;
   __syncthreads();
   LAYOUT_TRACE(5);
   if (s_bad) return;
   /* This rank's row counts to every rank's matrix, its route counts to each
-   * expert's rank, its header to every rank. */
+   * expert's rank, its header to every rank (a relayed peer gets them by
+   * the relay step after this kernel: this rank's own rows of the three). */
   const int per = d.W + d.El + EPX_FUSED_HDR_INTS;
   for (int i = threadIdx.x; i < d.W * per; i += blockDim.x) {
     const int r = i / per, j = i % per;
+    if (relayed(d, r)) continue;
     if (j < d.W)
       reinterpret_cast<int32_t *>(d.peer[r] + d.off_mat)[d.rank * d.W + j] = s_cnt[j];
     else if (j < d.W + d.El)
@@ -987,14 +1005,15 @@ __device__ void layout_exchange(const fused_dev &d, const fused_plan_dev &p, int
   __threadfence_system();
   __syncthreads();
   LAYOUT_TRACE(6);
-  if (threadIdx.x < d.W) st_release_sys(flag_at(d.peer[threadIdx.x], d.off_lflag, d.rank), seq + 1);
-  if (threadIdx.x < d.W &&
-      !wait_flag(d, flag_at(d.local, d.off_lflag, threadIdx.x), seq + 1, threadIdx.x, PH_LAYOUT_COUNTS))
-    s_bad = 1;
+  if (threadIdx.x < d.W && !relayed(d, threadIdx.x)) {
+    st_release_sys(flag_at(d.peer[threadIdx.x], d.off_lflag, d.rank), seq + 1);
+    if (!wait_flag(d, flag_at(d.local, d.off_lflag, threadIdx.x), seq + 1, threadIdx.x, PH_LAYOUT_COUNTS)) s_bad = 1;
+  }
   __syncthreads();
   LAYOUT_TRACE(7);
   if (s_bad) return;
-  layout_bases(d, p);
+  /* with relayed peers the bases wait for their counts: layout_bases_kernel */
+  if (!d.relay_mask) layout_bases(d, p);
   LAYOUT_TRACE(8);
 }
 
@@ -1003,14 +1022,22 @@ struct meta_ref {
   int32_t *token, *expert, *pos;
   float *w;
 };
-__device__ __forceinline__ meta_ref meta_at(const fused_dev &d, char *window, int64_t row) {
-  char *base = window + d.off_meta + row * d.meta_stride;
+__device__ __forceinline__ meta_ref meta_row(const fused_dev &d, char *records, int64_t row) {
+  char *base = records + row * d.meta_stride;
   meta_ref m;
   m.token = reinterpret_cast<int32_t *>(base);
   m.expert = m.token + 1;
   m.w = reinterpret_cast<float *>(m.expert + d.Kmax);
   m.pos = reinterpret_cast<int32_t *>(m.w + d.Kmax);
   return m;
+}
+__device__ __forceinline__ meta_ref meta_at(const fused_dev &d, char *window, int64_t row) {
+  return meta_row(d, window + d.off_meta, row);
+}
+
+/* With relayed peers: the bases once their counts came (the relay step). */
+__global__ void __launch_bounds__(kLayoutTokens) layout_bases_kernel(const fused_dev d, const fused_plan_dev p) {
+  if (!failed(d)) layout_bases(d, p);
 }
 
 /* A warp per token: absolute positions and slots, and the token's record
@@ -1059,7 +1086,8 @@ __global__ void __launch_bounds__(256) layout_records_kernel(const fused_dev d, 
     for (int r = 0; r < d.W; r++) {
       const int32_t s = __shfl_sync(0xffffffffu, slot, r);
       if (s < 0) continue;
-      const meta_ref m = meta_at(d, d.peer[r], p.info[ii.sbase + r] + s);
+      /* a relayed peer's record: this rank's outbox to it, at the row's index */
+      const meta_ref m = relayed(d, r) ? meta_row(d, d.relay[r], s) : meta_at(d, d.peer[r], p.info[ii.sbase + r] + s);
       if (lane == 0) *m.token = (int32_t)t;
       if (lane < K) {
         const bool mine = e >= 0 && e / d.El == r;
@@ -1071,7 +1099,8 @@ __global__ void __launch_bounds__(256) layout_records_kernel(const fused_dev d, 
   }
   if (last_cta(d, true)) { /* the records went to the peers' windows */
     LAYOUT_TRACE(10);
-    if (threadIdx.x < d.W) st_release_sys(flag_at(d.peer[threadIdx.x], d.off_mflag, d.rank), seq + 1);
+    if (threadIdx.x < d.W && !relayed(d, threadIdx.x))
+      st_release_sys(flag_at(d.peer[threadIdx.x], d.off_mflag, d.rank), seq + 1);
   }
 }
 
@@ -1086,7 +1115,7 @@ __global__ void __launch_bounds__(256) layout_receive_kernel(const fused_dev d, 
   if (threadIdx.x <= d.W) s_rbase[threadIdx.x] = p.info[ii.rbase + threadIdx.x];
   if (blockIdx.x == 0) LAYOUT_TRACE(11);
   __syncthreads();
-  if (threadIdx.x < d.W &&
+  if (threadIdx.x < d.W && !relayed(d, threadIdx.x) &&
       !wait_flag(d, flag_at(d.local, d.off_mflag, threadIdx.x), seq + 1, threadIdx.x, PH_LAYOUT_META))
     s_bad = 1;
   __syncthreads();
@@ -1097,7 +1126,8 @@ __global__ void __launch_bounds__(256) layout_receive_kernel(const fused_dev d, 
     const int64_t warps = (int64_t)gridDim.x * (blockDim.x >> 5);
     for (int64_t q = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5; q < pairs; q += warps) {
       const int s = source_of_row(s_rbase, d.W, q);
-      const meta_ref m = meta_at(d, d.local, q);
+      /* a relayed source's records came to its inbox (the relay step) */
+      const meta_ref m = relayed(d, s) ? meta_row(d, d.inbox[s], q - s_rbase[s]) : meta_at(d, d.local, q);
       const int32_t t = __ldcg(m.token);
       if (lane == 0) {
         p.pair_token[q] = t;
@@ -1153,6 +1183,7 @@ extern "C" cudaError_t epx_fused_layout_launch(epx_fused_t *f, epx_fused_plan_t 
       (oversize && num_tokens > 0) || (plan->dev.C && num_tokens > 0 && !locations))
     return cudaErrorInvalidValue;
   fused_plan_dev &p = plan->dev;
+  plan->counts_known = 0;
   p.T = num_tokens;
   p.K = top_k;
   p.oversize = oversize != 0;
@@ -1168,8 +1199,17 @@ extern "C" cudaError_t epx_fused_layout_launch(epx_fused_t *f, epx_fused_plan_t 
   if (p.C && num_tokens > 0)
     layout_claim_kernel<<<(unsigned)((num_tokens * top_k + 255) / 256), 256, 0, stream>>>(d, p, topk_idx, locations);
   layout_count_kernel<<<(unsigned)blocks, kLayoutTokens, smem, stream>>>(d, p, topk_idx, topk_w, locations);
+  if (d.relay_mask) {
+    cudaError_t e = epx_fused_relay_step(f, plan, RELAY_COUNTS, 0, stream);
+    if (e != cudaSuccess) return e;
+    layout_bases_kernel<<<1, kLayoutTokens, 0, stream>>>(d, p);
+  }
   const int64_t record_blocks = num_tokens > 0 ? (num_tokens * 32 + 255) / 256 : 1;
   layout_records_kernel<<<(unsigned)record_blocks, 256, 0, stream>>>(d, p);
+  if (d.relay_mask) {
+    const cudaError_t e = epx_fused_relay_step(f, plan, RELAY_RECORDS, 0, stream);
+    if (e != cudaSuccess) return e;
+  }
   layout_receive_kernel<<<(unsigned)f->num_sms, 256, 0, stream>>>(d, p);
   return cudaGetLastError();
 }
@@ -1208,7 +1248,7 @@ __device__ void send_rows(const fused_dev &d, const fused_plan_dev &p, dispatch_
   __shared__ uint64_t bars[kMaxBulkWarps];
   uint32_t phase = 0;
   if (d.bulk_warps > 0 && (threadIdx.x & 31) == 0 && (threadIdx.x >> 5) < d.bulk_warps) bulk_init(bars + (threadIdx.x >> 5));
-  if (threadIdx.x < d.W && threadIdx.x != d.rank &&
+  if (threadIdx.x < d.W && threadIdx.x != d.rank && !relayed(d, threadIdx.x) &&
       !wait_flag(d, flag_at(d.local, d.off_cts, threadIdx.x), seq + 1, threadIdx.x, PH_DISPATCH_CTS))
     sh.bad = 1;
   __syncthreads();
@@ -1222,12 +1262,14 @@ __device__ void send_rows(const fused_dev &d, const fused_plan_dev &p, dispatch_
     if (n <= 0 || (remote_rows_only(mode) && r == d.rank)) continue;
     uint4 *dst = r != d.rank || mode == MODE_RANK_WINDOW ? reinterpret_cast<uint4 *>(d.peer[r] + d.off_pay) : recv;
     const int32_t *tokens = p.send_token + (int64_t)r * d.maxT + j * kChunk;
-    uint4 *rows = dst + (sh.sbase[r] + j * kChunk) * d.nvec;
+    /* a relayed peer's rows: this rank's outbox to it, at their indices */
+    uint4 *rows = relayed(d, r) ? reinterpret_cast<uint4 *>(d.relay[r] + d.relay_off_rows) + j * kChunk * d.nvec
+                                : dst + (sh.sbase[r] + j * kChunk) * d.nvec;
     send_chunk(
         d, n, [&](int64_t i) { return x + (int64_t)tokens[i] * d.nvec; }, [&](int64_t i) { return rows + i * d.nvec; },
         bars, phase, slots);
     __syncthreads();
-    if (r != d.rank && threadIdx.x == 0) {
+    if (r != d.rank && !relayed(d, r) && threadIdx.x == 0) {
       __threadfence_system();
       st_release_sys(flag_at(d.peer[r], d.off_cflag, (int64_t)d.rank * d.max_chunks + j), seq + 1);
     }
@@ -1299,7 +1341,7 @@ __device__ void receive_rows(const fused_dev &d, const fused_plan_dev &p, dispat
     for (int64_t g = rc + (int64_t)nr * threadIdx.x; g < rounds * d.W; g += (int64_t)nr * blockDim.x) {
       const int64_t j = g / d.W;
       const int s = (int)(g % d.W);
-      if (s == d.rank || j * kChunk >= sh.rcount[s]) continue;
+      if (s == d.rank || relayed(d, s) || j * kChunk >= sh.rcount[s]) continue;
       if (!wait_flag(d, flag_at(d.local, d.off_cflag, (int64_t)s * d.max_chunks + j), seq + 1, s, PH_DISPATCH_ROWS))
         break;
     }
@@ -1309,7 +1351,8 @@ __device__ void receive_rows(const fused_dev &d, const fused_plan_dev &p, dispat
     const int64_t j = g / d.W;
     const int s = (d.rank + 1 + (int)(g % d.W)) % d.W;
     const int64_t n = min((int64_t)kChunk, sh.rcount[s] - j * kChunk);
-    if (n <= 0 || (s == d.rank && mode != MODE_EXPERT)) continue;
+    /* (a relayed source's rows come after the kernel: relay_rows_in) */
+    if (n <= 0 || (s == d.rank && mode != MODE_EXPERT) || relayed(d, s)) continue;
     if (s != d.rank && threadIdx.x == 0 &&
         !wait_flag(d, flag_at(d.local, d.off_cflag, (int64_t)s * d.max_chunks + j), seq + 1, s, PH_DISPATCH_ROWS))
       sh.bad = 1;
@@ -1380,14 +1423,23 @@ __global__ void __launch_bounds__(kThreads) expand_kernel(const fused_dev d, con
 }
 
 template <typename T>
-cudaError_t launch_dispatch(const fused_dev &d, const fused_plan_dev &p, const uint4 *x, uint4 *recv, int mode,
+cudaError_t launch_dispatch(epx_fused_t *f, const epx_fused_plan_t *plan, const uint4 *x, uint4 *recv, int mode,
                             int weighted, int n, int ns, int expand_ctas, size_t smem, cudaStream_t stream) {
+  const fused_dev &d = f->dev;
+  const fused_plan_dev &p = plan->dev;
   if (smem > 0) {
     /* set once per device */
     const cudaError_t e = epx_cuda_kernel_smem_here((const void *)dispatch_kernel<T>, smem);
     if (e != cudaSuccess) return e;
   }
   dispatch_kernel<T><<<n, kThreads, smem, stream>>>(d, p, x, recv, mode, weighted, ns);
+  if (d.relay_mask) {
+    /* the relayed sources' rows: into recv_x (copied out) or the window's rows */
+    const cudaError_t e = epx_fused_relay_rows_in(f, plan, mode == MODE_RANK_COPY ? (void *)recv
+                                                                                  : (void *)(d.local + d.off_pay),
+                                                  stream);
+    if (e != cudaSuccess) return e;
+  }
   if (mode == MODE_EXPERT_APART) expand_kernel<T><<<expand_ctas, kThreads, 0, stream>>>(d, p, x, recv, weighted);
   return cudaGetLastError();
 }
@@ -1403,8 +1455,10 @@ extern "C" cudaError_t epx_fused_dispatch_launch(epx_fused_t *f, const epx_fused
   const bool in_window = !recv_x || recv_x == window;
   if ((expert && (!recv_x || (in_window && weighted))) || (!x && plan->dev.T > 0) || (!expert && weighted))
     return cudaErrorInvalidValue;
-  /* capacity rows are always expanded apart (its empty slots are zeroed there) */
-  const bool apart = expert && (plan->dev.C || (epx_cuda_launch_flags() & EPX_CUDA_FUSED_EXPAND_APART));
+  /* capacity rows are always expanded apart (its empty slots are zeroed
+   * there), and so are rows of relayed sources (they come after the kernel) */
+  const bool apart =
+      expert && (plan->dev.C || d.relay_mask || (epx_cuda_launch_flags() & EPX_CUDA_FUSED_EXPAND_APART));
   const int mode = expert ? (in_window ? MODE_EXPERT_WINDOW : apart ? MODE_EXPERT_APART : MODE_EXPERT)
                           : in_window ? MODE_RANK_WINDOW : MODE_RANK_COPY;
   int n = num_ctas < 2 ? 2 : num_ctas > f->num_sms ? f->num_sms : num_ctas;
@@ -1415,10 +1469,10 @@ extern "C" cudaError_t epx_fused_dispatch_launch(epx_fused_t *f, const epx_fused
   const size_t smem = (size_t)d.bulk_warps * (size_t)bulk_slot_bytes(d.row_bytes);
   const int ex = 2 * f->num_sms; /* the expansion apart: two CTAs of 16 warps per SM */
   switch (f->config.dtype) {
-    case EPX_FLOAT32: return launch_dispatch<float>(d, plan->dev, xs, rs, mode, weighted, n, n - nr, ex, smem, stream);
+    case EPX_FLOAT32: return launch_dispatch<float>(f, plan, xs, rs, mode, weighted, n, n - nr, ex, smem, stream);
     case EPX_BFLOAT16:
-      return launch_dispatch<__nv_bfloat16>(d, plan->dev, xs, rs, mode, weighted, n, n - nr, ex, smem, stream);
-    case EPX_FLOAT16: return launch_dispatch<__half>(d, plan->dev, xs, rs, mode, weighted, n, n - nr, ex, smem, stream);
+      return launch_dispatch<__nv_bfloat16>(f, plan, xs, rs, mode, weighted, n, n - nr, ex, smem, stream);
+    case EPX_FLOAT16: return launch_dispatch<__half>(f, plan, xs, rs, mode, weighted, n, n - nr, ex, smem, stream);
   }
   return cudaErrorInvalidValue;
 }

@@ -22,6 +22,14 @@
  *   pay   [W*maxT, H]    rank-major rows (dispatch-like ops)
  *   part  [W][maxT, H]   partial sums P(t, r) from rank r for token t
  *                        (combine-like ops; float32 or the dtype)
+ * Peers without load/store access (fused_relay.cu): the kernels write what
+ * such a peer r would get into this rank's relay block for r (relay[r];
+ * rows and records at the row's index among this rank's rows to r,
+ * partials and values at r's token), never raise its flags nor wait for
+ * them; between the op's kernels a grouped ncclSend/ncclRecv on the stream
+ * moves each relay block to its peer (into the window, or into this rank's
+ * inbox for r where the place depends on counts the host does not know),
+ * and the kernel after it reads what came (stream order, no flag).
  * Ops (layout, dispatch-like, combine-like) are numbered by a device counter
  * `seq`, equal on every rank since every rank makes the same calls; a flag
  * holds the number of the op (plus one) that last set it, so flags never need
@@ -45,7 +53,7 @@ constexpr int kLayoutTokens = 256;  /* tokens per block of the layout count */
 
 /* Phases named by the error word. */
 enum { PH_LAYOUT_CTS = 1, PH_LAYOUT_COUNTS, PH_LAYOUT_META, PH_DISPATCH_CTS, PH_DISPATCH_ROWS,
-       PH_COMBINE_CTS, PH_COMBINE_ROWS, PH_VALUES_CTS, PH_VALUES };
+       PH_COMBINE_CTS, PH_COMBINE_ROWS, PH_VALUES_CTS, PH_VALUES, PH_RELAY };
 
 /* ctl words (device memory of this rank). */
 enum { CTL_SEQ = 0, CTL_DONE = 1, CTL_ABORT = 2, CTL_WORDS = 4 };
@@ -62,7 +70,20 @@ struct fused_dev {
   int64_t pay_row_bytes; /* the window's payload rows: row_bytes, or H * 4 (config f32_rows) */
   size_t off_cts, off_lflag, off_mflag, off_vflag, off_cflag, off_mat, off_hist, off_hdr, off_back, off_meta,
       off_pay, off_part;
+  /* bit r: peer r is reached through the relay (no load/store access, or
+   * the test flag EPX_CUDA_FUSED_RELAY); peer[r] is then NULL */
+  uint32_t relay_mask;
+  /* per relayed peer r, this rank's outbox to r: records [maxT] (meta_stride
+   * each) at 0, rows at relay_off_rows ([maxT] of max(row_bytes, H * 4):
+   * dispatch rows and partials, each at its row's index among the rows
+   * between the two ranks), values at relay_off_back ([maxT][Kmax] f32, by
+   * r's token); and its inbox from r, records at 0 and rows at
+   * inbox_off_rows, as the outbox */
+  char *relay[EPX_FUSED_MAX_RANKS], *inbox[EPX_FUSED_MAX_RANKS];
+  size_t relay_off_rows, relay_off_back, inbox_off_rows;
 };
+
+__host__ __device__ __forceinline__ bool relayed(const fused_dev &d, int r) { return (d.relay_mask >> r) & 1u; }
 
 /* Index of the small int64 table of a plan (device), from W and E_local.
  * Everything the host reads back (epx_fused_plan_summary) sits in its first
@@ -208,7 +229,7 @@ __device__ __forceinline__ void end_op(const fused_dev &d, uint32_t seq) {
 /* Tells every rank this one entered op seq (each CTA may: the same value). */
 __device__ __forceinline__ void send_cts(const fused_dev &d, uint32_t seq) {
   for (int r = threadIdx.x; r < d.W; r += blockDim.x)
-    st_release_sys(flag_at(d.peer[r], d.off_cts, d.rank), seq + 1);
+    if (!relayed(d, r)) st_release_sys(flag_at(d.peer[r], d.off_cts, d.rank), seq + 1);
 }
 
 /* ---- warp-wide row moves -------------------------------------------------- */
@@ -336,7 +357,41 @@ static inline __host__ __device__ int64_t dtype_bytes(epx_dtype_t t) {
   return t == EPX_FLOAT32 ? 4 : (t == EPX_BFLOAT16 || t == EPX_FLOAT16) ? 2 : 0;
 }
 
+/* ---- the relay (fused_relay.cu) ------------------------------------------- */
+
+/* What a relay step moves to and from every relayed peer r. */
+enum relay_kind {
+  RELAY_COUNTS,   /* this rank's row counts, header and route counts to r -> r's window */
+  RELAY_RECORDS,  /* the records of this rank's rows to r -> r's inbox */
+  RELAY_ROWS,     /* this rank's rows to r -> r's inbox, or its rows where counts are known */
+  RELAY_PARTIALS, /* partials of the rows from r -> r's inbox */
+  RELAY_VALUES    /* values for r's tokens -> r's window (back) */
+};
+
 }  // namespace epx_fused_impl
+
+struct epx_fused;
+struct epx_fused_plan;
+/* One relay step on the stream (a group of ncclSend/ncclRecv, nothing where
+ * no peer is relayed); part_elem: the partials' element size. On an NCCL
+ * error the state fails (error word and abort) and cudaErrorUnknown comes
+ * back. */
+cudaError_t epx_fused_relay_step(epx_fused *f, const epx_fused_plan *plan, epx_fused_impl::relay_kind kind,
+                                 int64_t part_elem, cudaStream_t stream);
+/* RELAY_ROWS into dst's rank-major rows (the window's or recv_x): straight
+ * there where the plan's counts are known on the host, else through the
+ * inbox and a copy. */
+cudaError_t epx_fused_relay_rows_in(epx_fused *f, const epx_fused_plan *plan, void *dst, cudaStream_t stream);
+/* RELAY_PARTIALS (element size pe), then each into the window's partials
+ * at its token. */
+cudaError_t epx_fused_relay_partials_in(epx_fused *f, const epx_fused_plan *plan, int64_t pe, cudaStream_t stream);
+/* At creation: the peers of `mask` are relayed; their outboxes and inboxes
+ * (about max_tokens * H * 4 bytes and max_tokens * H * s each). */
+epx_status_t epx_fused_relay_create(epx_fused *f, uint32_t mask, const char *fn);
+void epx_fused_relay_free(epx_fused *f);
+/* An NCCL call's result waited out on a nonblocking comm (an ncclComm_t),
+ * at most `seconds` (fused_dispatch.cu). */
+epx_status_t epx_fused_nccl_settle(void *comm, int result, double seconds, const char *fn, const char *what);
 
 /* The host-side state; the device state is `dev`, passed to every kernel. */
 struct epx_fused {
@@ -348,6 +403,7 @@ struct epx_fused {
   epx_fused_config_t config;
   uint32_t *err_host; /* mapped */
   int num_sms;
+  void *relay_memory; /* the relay blocks and inboxes (fused_relay.cu), or NULL */
   epx_fused_impl::fused_dev dev;
 };
 
@@ -355,6 +411,10 @@ struct epx_fused_plan {
   epx_fused_t *fused;
   void *memory;
   epx_layout_t layout;
+  /* 1: the rows between this rank and each peer are known on the host
+   * (epx_fused_plan_host_counts), the relay's messages have their sizes */
+  int counts_known;
+  int64_t send_pairs[EPX_FUSED_MAX_RANKS], recv_pairs[EPX_FUSED_MAX_RANKS];
   epx_fused_impl::fused_plan_dev dev;
 };
 

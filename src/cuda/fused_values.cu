@@ -122,6 +122,12 @@ struct values_args {
 __device__ __forceinline__ float *back_at(const fused_dev &d, char *window, int from, int64_t t) {
   return reinterpret_cast<float *>(window + d.off_back) + ((int64_t)from * d.maxT + t) * d.Kmax;
 }
+/* Where this rank's value for token t of rank s goes: s's window, or this
+ * rank's outbox to a relayed s. */
+__device__ __forceinline__ float *back_to(const fused_dev &d, int s, int64_t t) {
+  return relayed(d, s) ? reinterpret_cast<float *>(d.relay[s] + d.relay_off_back) + t * d.Kmax
+                       : back_at(d, d.peer[s], d.rank, t);
+}
 
 template <typename T>
 __global__ void __launch_bounds__(kValuesThreads) values_send_kernel(const fused_dev d, const fused_plan_dev p,
@@ -136,7 +142,7 @@ __global__ void __launch_bounds__(kValuesThreads) values_send_kernel(const fused
   if (threadIdx.x <= d.W) s_rbase[threadIdx.x] = p.info[ii.rbase + threadIdx.x];
   __syncthreads();
   /* a source's back region is free once it entered this op */
-  if (threadIdx.x < d.W && threadIdx.x != d.rank &&
+  if (threadIdx.x < d.W && threadIdx.x != d.rank && !relayed(d, threadIdx.x) &&
       !wait_flag(d, flag_at(d.local, d.off_cts, threadIdx.x), seq + 1, threadIdx.x, PH_VALUES_CTS))
     s_bad = 1;
   __syncthreads();
@@ -153,7 +159,7 @@ __global__ void __launch_bounds__(kValuesThreads) values_send_kernel(const fused
       int32_t at = -1; /* where the slot's value is, -1: no route of this rank */
       if (a.mode == EPX_FUSED_VALUES_PER_SLOT) at = p.pair_expert[i] >= 0 ? (int32_t)i : -1;
       else at = p.pair_rows[i];
-      if (at >= 0) back_at(d, d.peer[s], d.rank, p.pair_token[q])[k] = a.values[at];
+      if (at >= 0) back_to(d, s, p.pair_token[q])[k] = a.values[at];
     }
   } else if (!s_bad) {
     /* a warp per (row, k-slot): each route's dot is a warp's, so every
@@ -173,10 +179,10 @@ __global__ void __launch_bounds__(kValuesThreads) values_send_kernel(const fused
       const float dot = s == d.rank
                             ? route_dot<T, false>(a.mode, a.home_rows + (int64_t)t * d.nvec, rr, d.nvec, lane)
                             : route_dot<T, true>(a.mode, pay + q * d.nvec, rr, d.nvec, lane);
-      if (lane == 0) back_at(d, d.peer[s], d.rank, t)[i % K] = dot;
+      if (lane == 0) back_to(d, s, t)[i % K] = dot;
     }
   }
-  if (last_cta(d, true) && threadIdx.x < d.W) /* the values went to the sources' windows */
+  if (last_cta(d, true) && threadIdx.x < d.W && !relayed(d, threadIdx.x)) /* the values went to the sources' windows */
     st_release_sys(flag_at(d.peer[threadIdx.x], d.off_vflag, d.rank), seq + 1);
 }
 
@@ -188,7 +194,7 @@ __global__ void __launch_bounds__(kValuesThreads) values_home_kernel(const fused
   const info_index ii = make_info_index(d.W, d.El);
   if (threadIdx.x == 0) s_bad = 0;
   __syncthreads();
-  if (threadIdx.x < d.W &&
+  if (threadIdx.x < d.W && !relayed(d, threadIdx.x) && /* (relayed: came by the relay step) */
       !wait_flag(d, flag_at(d.local, d.off_vflag, threadIdx.x), seq + 1, threadIdx.x, PH_VALUES))
     s_bad = 1;
   __syncthreads();
@@ -208,6 +214,10 @@ cudaError_t launch_values(epx_fused_t *f, const epx_fused_plan_t *plan, const va
                           cudaStream_t stream) {
   const fused_plan_dev &p = plan->dev;
   values_send_kernel<T><<<n, kValuesThreads, 0, stream>>>(f->dev, p, a);
+  if (f->dev.relay_mask) {
+    const cudaError_t e = epx_fused_relay_step(f, plan, RELAY_VALUES, 0, stream);
+    if (e != cudaSuccess) return e;
+  }
   const int64_t home_blocks = (p.T * p.K + kValuesThreads - 1) / kValuesThreads;
   values_home_kernel<<<(unsigned)(home_blocks > 0 ? home_blocks : 1), kValuesThreads, 0, stream>>>(f->dev, p,
                                                                                                    a.grad_w);

@@ -50,6 +50,10 @@ static int g_rank, g_size, g_fail;
 static int g_quick;
 static epx_exchange_path_t g_path = EPX_PATH_FUSED; /* exchange_path of the CUDA buffers of run_rank */
 static int g_expect_fused;                        /* EPX_GPU_EXPECT_FUSED: the fused path is required where asked */
+/* 1 while buffers are made with every peer relayed through NCCL's host API
+ * (the test flag EPX_CUDA_FUSED_RELAY: the mixed path on GPUs that all
+ * have load/store access) */
+static int g_relay;
 
 #define CHECK(cond, ...)                                                            \
   do {                                                                              \
@@ -160,9 +164,23 @@ typedef struct {
   int64_t *counts, *offsets;
   epx_handle_stats_t stats;
   int64_t rows_device; /* epx_handle_recv_rows_device's N (CUDA; the CPU backend: N) */
-  int32_t path; /* the buffer's path to every peer (epx_buffer_peer_paths), -1 if they differ */
+  /* the buffer's path (epx_buffer_peer_paths): every peer's, -1 if they
+   * differ; under g_relay EPX_PATH_FUSED means this rank's own rows fused
+   * and every other peer on the host path, as it must be */
+  int32_t path;
   char why[512]; /* epx_last_error after the calls that may set up the fused path: why it was refused */
 } result_t;
+
+/* result_t.path of buffer b. */
+static int32_t read_paths(epx_buffer_t b) {
+  int32_t paths[64];
+  OK(epx_buffer_peer_paths(b, paths));
+  const int32_t self = paths[g_rank];
+  const int32_t others = g_relay && self == EPX_PATH_FUSED ? EPX_PATH_HOST : self;
+  for (int q = 0; q < g_size && q < 64; q++)
+    if (q != g_rank && paths[q] != others) return -1;
+  return self;
+}
 
 static void result_free(result_t *r) {
   void *p[] = {r->recv_x, r->out, r->grad_x, r->grad_eo, r->src_rank, r->src_token, r->recv_expert,
@@ -270,11 +288,7 @@ static void run_rank(run_t *run) {
   OK(epx_dispatch_layout(buf, &routing, NULL, &h));
   if (epx_last_error()[0]) snprintf(r->why, sizeof r->why, "%s", epx_last_error());
   /* After the layout: max_tokens_per_rank is agreed, the fused state made. */
-  int32_t paths[64];
-  OK(epx_buffer_peer_paths(buf, paths));
-  r->path = paths[0];
-  for (int q = 1; q < g_size && q < 64; q++)
-    if (paths[q] != paths[0]) r->path = -1;
+  r->path = read_paths(buf);
   int64_t N, cap;
   OK(epx_handle_recv_rows(h, &N));
   OK(epx_buffer_max_recv_rows(buf, &cap));
@@ -552,6 +566,16 @@ static void compare_queries(const case_t *c, const result_t *a, const result_t *
         (long long)x->stats.send_rows, (long long)x->stats.recv_rows, (long long)x->stats.local_rows);
 }
 
+/* Buffers made between the two are relayed (g_relay). */
+static void relay_begin(void) {
+  epx_cuda_set_launch_flags(epx_cuda_launch_flags() | EPX_CUDA_FUSED_RELAY);
+  g_relay = 1;
+}
+static void relay_end(void) {
+  epx_cuda_set_launch_flags(epx_cuda_launch_flags() & ~EPX_CUDA_FUSED_RELAY);
+  g_relay = 0;
+}
+
 /* The path a buffer of this case took, made with exchange_path `asked`:
  * fused exactly where the config and build allow it (the same answer for
  * every peer in this version). */
@@ -591,6 +615,19 @@ static void run_case(const case_t *c, epx_comm_t nccl, void *stream) {
     compare_exchanges(c, &gpu[0], &other.res, "the other fused expansion (EPX_CUDA_FUSED_EXPAND_APART)");
     compare_queries(c, &gpu[0], &other.res, "the other fused expansion (EPX_CUDA_FUSED_EXPAND_APART)");
     result_free(&other.res);
+  }
+  {
+    /* The mixed path: the fused kernels with every other peer relayed
+     * through NCCL's host API, as peers without load/store access are
+     * (reported EPX_PATH_HOST per peer): the same bits. */
+    run_t mixed = {c, EPX_EXCHANGE_DEDUP, nccl, g_rank, EPX_DEVICE_CUDA, {0}, stream};
+    relay_begin();
+    run_rank(&mixed);
+    check_path(c, EPX_EXCHANGE_DEDUP, EPX_PATH_FUSED, &mixed.res);
+    relay_end();
+    compare_exchanges(c, &gpu[0], &mixed.res, "the relayed peers (EPX_CUDA_FUSED_RELAY)");
+    compare_queries(c, &gpu[0], &mixed.res, "the relayed peers (EPX_CUDA_FUSED_RELAY)");
+    result_free(&mixed.res);
   }
   {
     /* The same dedup buffer forced onto the host path: the same bits. */
@@ -1201,11 +1238,7 @@ static void dot_run(epx_comm_t comm, void *stream, const case_t *c, epx_exchange
   OK(epx_buffer_create(comm, &cfg, &b));
   epx_handle_t h;
   OK(epx_dispatch_layout(b, rt, NULL, &h));
-  int32_t paths[64];
-  OK(epx_buffer_peer_paths(b, paths));
-  r->path = paths[0];
-  for (int q = 1; q < g_size && q < 64; q++)
-    if (paths[q] != paths[0]) r->path = -1;
+  r->path = read_paths(b);
   int64_t cap;
   OK(epx_handle_recv_rows(h, &r->N));
   OK(epx_buffer_max_recv_rows(b, &cap));
@@ -1308,9 +1341,12 @@ static void dot_case(epx_comm_t comm, void *stream, const case_t *c, int *reorde
   void *xh = encode(c->dtype, xv, T * DOT_H), *goh = encode(c->dtype, gov, T * DOT_H);
   void *x_d = dev_put(xh, tb), *go_d = dev_put(goh, tb);
   CU(cudaDeviceSynchronize()); /* before the buffers' non-blocking stream reads them */
-  dot_run_t fused = {0}, host = {0};
+  dot_run_t fused = {0}, host = {0}, mixed = {0};
   dot_run(comm, stream, c, EPX_PATH_FUSED, &tr.r, x_d, go_d, &fused);
   dot_run(comm, stream, c, EPX_PATH_HOST, &tr.r, x_d, go_d, &host);
+  relay_begin();
+  dot_run(comm, stream, c, EPX_PATH_FUSED, &tr.r, x_d, go_d, &mixed);
+  relay_end();
   CHECK(fused.path == EPX_PATH_FUSED || fused.path == EPX_PATH_HOST, "dot order %s: peers on different paths (%d)",
         what, fused.path);
   if (g_expect_fused)
@@ -1318,12 +1354,16 @@ static void dot_case(epx_comm_t comm, void *stream, const case_t *c, int *reorde
           fused.path);
   CHECK(host.path == EPX_PATH_HOST, "dot order %s: EPX_PATH_HOST took path %d", what, host.path);
   dot_compare_paths(c, T, &fused, &host);
+  CHECK(mixed.path == fused.path, "dot order %s: with every peer relayed, path %d against %d", what, mixed.path,
+        fused.path);
+  dot_compare_paths(c, T, &mixed, &host);
   const int in_d = c->weighting == EPX_WEIGHTS_IN_DISPATCH;
   /* dispatch_backward: <grad_recv_x(t,k), x[t]>; combine_backward: <grad_out[t], expert_out(t,k)> */
   dot_check_reference(c, &tr.rt, in_d ? DOT_GR : DOT_EO, in_d ? xv : gov, fused.gw, reordered);
   dot_check_reference(c, &tr.rt, in_d ? DOT_GR : DOT_EO, in_d ? xv : gov, host.gw, reordered);
   dot_run_free(&fused);
   dot_run_free(&host);
+  dot_run_free(&mixed);
   cudaFree(x_d), cudaFree(go_d);
   free(xv), free(gov), free(xh), free(goh);
   test_routing_free(&tr);
@@ -1395,11 +1435,13 @@ int main(int argc, char **argv) {
             run_case(&c, comm, stream);
             cases++;
           }
-  /* The refusals, the recorder and the graph on both paths (expert-major:
-   * AUTO would take the host path). */
-  const epx_exchange_path_t paths[] = {EPX_PATH_FUSED, EPX_PATH_HOST};
-  for (int pi = 0; pi < 2; pi++) {
+  /* The refusals, the recorder and the graph on both paths, and on the
+   * fused path with every peer relayed (expert-major: AUTO would take the
+   * host path). */
+  const epx_exchange_path_t paths[] = {EPX_PATH_FUSED, EPX_PATH_HOST, EPX_PATH_FUSED};
+  for (int pi = 0; pi < 3; pi++) {
     g_path = paths[pi];
+    if (pi == 2) relay_begin();
     for (int worst = 0; worst < 2; worst++) {
       test_capacity_refusal(comm, stream, worst);
       if (!one) test_weighting_mismatch(comm, stream, worst);
@@ -1410,6 +1452,7 @@ int main(int argc, char **argv) {
     if (!one) test_call_mismatch(comm, stream);
     test_recorder(comm, stream);
     test_graph(comm, stream);
+    if (pi == 2) relay_end();
   }
   g_path = EPX_PATH_FUSED;
   test_dot_order(comm, stream);
