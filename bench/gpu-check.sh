@@ -24,12 +24,15 @@ cd "$(dirname "$0")/.."
 # bench_ep beside PyTorch's all_to_all_single, the epx.torch GPU tests and
 # layer benchmark), or both.
 # EPX_GPU_FUSED=ON (the default) builds the fused NVLink exchange and
-# requires the 2-GPU tests to take it; OFF leaves it out.
+# requires the 2-GPU tests to take it (mpi_gpu_exchange also runs every case
+# with every peer relayed through NCCL's host API, as peers without
+# load/store access are: EPX_CUDA_FUSED_RELAY); OFF leaves it out.
 # Also: EPX_GPU_BUILD (build folder), EPX_GPU2_SANITIZE=0 (no 2-GPU memcheck),
 # EPX_GPU2_TEST_TIMEOUT / EPX_GPU2_MAIN_TIMEOUT / EPX_GPU2_BENCH_TIMEOUT
 # (seconds per 2-GPU test / epx-bench run / bench_ep), EPX_BENCH_EP_SECTIONS
-# (bench_ep's sections: main,sweep,step). epx-bench needs OpenBLAS: a machine
-# without it takes a copy under .gpu-deps/blas (see DEP_ARGS below).
+# (bench_ep's sections: main,sweep,split,relay,step; all by default).
+# epx-bench needs OpenBLAS: a machine without it takes a copy under
+# .gpu-deps/blas (see DEP_ARGS below).
 SECTIONS=${EPX_GPU_CHECK_SECTIONS:-one two}
 OUTDIR=${OUT:-/tmp/epx-gpu}
 WORK=${EPX_GPU_WORK:-/tmp/epx-gpu-work}
