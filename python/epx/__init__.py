@@ -971,7 +971,10 @@ class Buffer(_Closable):
         """How this buffer moves rows to each rank of its comm
         (epx_buffer_peer_paths, not collective): a list of
         :class:`ExchangePath` (FUSED or HOST), one per rank, this rank's own
-        entry included. HOST everywhere on CPU buffers and one-rank buffers;
+        entry included: on the fused path FUSED for the ranks reached by
+        load/store (NVLink) and HOST for the others, which NCCL's host API
+        serves inside the same calls. HOST everywhere on CPU buffers and
+        one-rank buffers;
         where the fused path was refused at creation, ``creation_note`` says
         why."""
         n = self.comm.size
