@@ -332,6 +332,19 @@ static epx_status_t fused_alive(epx_buffer_t b, const char *fn) {
   return epx_nccl_fail_timeout(b->comm, fn, what);
 }
 
+/* A fused launch's result: where a relay step to a peer without load/store
+ * access failed (the error word names the peer), the comm fails as on a
+ * timed-out wait (fused_alive); any other error is the CUDA error. */
+#define FUSED_CHECK(call, fn, what)                                                   \
+  do {                                                                                \
+    const cudaError_t fused_err_ = (call);                                            \
+    if (fused_err_ != cudaSuccess) {                                                  \
+      status = fused_alive(b, fn);                                                    \
+      if (status == EPX_SUCCESS) status = epx_cuda_fail(fused_err_, fn, what);        \
+      goto fail;                                                                      \
+    }                                                                                 \
+  } while (0)
+
 /* The handle's fused layout, the only layout a fused handle makes up front:
  * it validates the routing, exchanges counts and every rank's header on the
  * GPU and lays out both sides; the handle's queries and verdicts read its
@@ -343,7 +356,7 @@ static epx_status_t fused_layout(epx_buffer_t b, const epx_routing_t *r, ep_hand
   if (s->pooled > 0) h->plan = s->pool[--s->pooled];
   else EPX_CHECK(epx_fused_plan_create(s->fused, b->config.layout, b->config.expert_alignment, b->config.capacity,
                                        stream_of(b), &h->plan));
-  CUDA_CHECK(epx_fused_layout_launch(s->fused, h->plan, r->topk_idx, r->topk_w, r->locations, r->num_tokens,
+  FUSED_CHECK(epx_fused_layout_launch(s->fused, h->plan, r->topk_idx, r->topk_w, r->locations, r->num_tokens,
                                      r->top_k, 0, (int32_t)r->weighting, stream_of(b)),
              fn, "the fused layout kernels");
 fail:
@@ -359,7 +372,7 @@ static epx_status_t fused_join_oversize(epx_buffer_t b, int32_t weighting, const
   if (!s->spare)
     EPX_CHECK(epx_fused_plan_create(s->fused, b->config.layout, b->config.expert_alignment, b->config.capacity,
                                     stream_of(b), &s->spare));
-  CUDA_CHECK(epx_fused_layout_launch(s->fused, s->spare, NULL, NULL, NULL, 0, 1, 1, weighting, stream_of(b)), fn,
+  FUSED_CHECK(epx_fused_layout_launch(s->fused, s->spare, NULL, NULL, NULL, 0, 1, 1, weighting, stream_of(b)), fn,
              "the fused layout kernels");
 fail:
   return status;
@@ -384,7 +397,7 @@ static epx_status_t fused_move(epx_buffer_t b, epx_handle_t handle, const void *
     epx_fused_plan_view(h->plan, &v);
     dst = (void *)v.row_w;
   }
-  CUDA_CHECK(forward ? epx_fused_dispatch_launch(s->fused, h->plan, src, dst, weighted && expert, s->fused_ctas, 0,
+  FUSED_CHECK(forward ? epx_fused_dispatch_launch(s->fused, h->plan, src, dst, weighted && expert, s->fused_ctas, 0,
                                                  stream)
                      : epx_fused_combine_launch(s->fused, h->plan, src, dst, weighted && expert, precision,
                                                 s->fused_ctas, 0, stream),
@@ -1030,7 +1043,7 @@ static epx_status_t fused_values_home(epx_buffer_t b, epx_handle_t handle, int m
   epx_status_t status = EPX_SUCCESS;
   const ep_buffer_t *s = b->cuda;
   EPX_CHECK(fused_alive(b, fn));
-  CUDA_CHECK(epx_fused_values_home_launch(s->fused, ((const ep_handle_t *)handle->cuda)->plan, mode, values,
+  FUSED_CHECK(epx_fused_values_home_launch(s->fused, ((const ep_handle_t *)handle->cuda)->plan, mode, values,
                                           home_rows, grad_w, stream_of(b)),
              fn, "the fused weight gradient kernels");
 fail:
@@ -1046,7 +1059,7 @@ static epx_status_t fused_dispatch_dots(epx_buffer_t b, epx_handle_t handle, con
   epx_status_t status = EPX_SUCCESS;
   ep_buffer_t *s = b->cuda;
   EPX_CHECK(fused_alive(b, fn));
-  CUDA_CHECK(epx_fused_dispatch_launch(s->fused, ((const ep_handle_t *)handle->cuda)->plan, x,
+  FUSED_CHECK(epx_fused_dispatch_launch(s->fused, ((const ep_handle_t *)handle->cuda)->plan, x,
                                        epx_fused_recv_window(s->fused), 0, s->fused_ctas, 0, stream_of(b)),
              fn, "the fused dispatch kernels");
   EPX_CHECK(fused_values_home(b, handle, EPX_FUSED_VALUES_DISPATCH_DOTS, grad_recv_x, x, grad_w, fn));

@@ -1459,8 +1459,12 @@ extern "C" cudaError_t epx_fused_dispatch_launch(epx_fused_t *f, const epx_fused
    * there), and so are rows of relayed sources (they come after the kernel) */
   const bool apart =
       expert && (plan->dev.C || d.relay_mask || (epx_cuda_launch_flags() & EPX_CUDA_FUSED_EXPAND_APART));
+  /* rank-major rows copied out by the copy engine: the kernel leaves every
+   * row in the window, then one device-to-device copy of the first N rows
+   * (the bound W * max_tokens where N is not known on the host) */
+  const bool engine = !expert && !in_window && (epx_cuda_launch_flags() & EPX_CUDA_FUSED_COPY_ENGINE);
   const int mode = expert ? (in_window ? MODE_EXPERT_WINDOW : apart ? MODE_EXPERT_APART : MODE_EXPERT)
-                          : in_window ? MODE_RANK_WINDOW : MODE_RANK_COPY;
+                          : in_window || engine ? MODE_RANK_WINDOW : MODE_RANK_COPY;
   int n = num_ctas < 2 ? 2 : num_ctas > f->num_sms ? f->num_sms : num_ctas;
   int nr = recv_ctas > 0 ? recv_ctas : rows_stay(mode) ? 1 : epx_fused_receivers(n);
   if (nr > n - 1) nr = n - 1;
@@ -1469,16 +1473,24 @@ extern "C" cudaError_t epx_fused_dispatch_launch(epx_fused_t *f, const epx_fused
   const uint32_t others = (uint32_t)(((uint64_t)1 << d.W) - 1) & ~(1u << d.rank);
   if (d.W > 1 && d.relay_mask == others) nr = 0;
   const uint4 *xs = static_cast<const uint4 *>(x);
-  uint4 *rs = static_cast<uint4 *>(in_window ? window : recv_x);
+  uint4 *rs = static_cast<uint4 *>(in_window || engine ? window : recv_x);
   const size_t smem = (size_t)d.bulk_warps * (size_t)bulk_slot_bytes(d.row_bytes);
   const int ex = 2 * f->num_sms; /* the expansion apart: two CTAs of 16 warps per SM */
+  cudaError_t e = cudaErrorInvalidValue;
   switch (f->config.dtype) {
-    case EPX_FLOAT32: return launch_dispatch<float>(f, plan, xs, rs, mode, weighted, n, n - nr, ex, smem, stream);
+    case EPX_FLOAT32: e = launch_dispatch<float>(f, plan, xs, rs, mode, weighted, n, n - nr, ex, smem, stream); break;
     case EPX_BFLOAT16:
-      return launch_dispatch<__nv_bfloat16>(f, plan, xs, rs, mode, weighted, n, n - nr, ex, smem, stream);
-    case EPX_FLOAT16: return launch_dispatch<__half>(f, plan, xs, rs, mode, weighted, n, n - nr, ex, smem, stream);
+      e = launch_dispatch<__nv_bfloat16>(f, plan, xs, rs, mode, weighted, n, n - nr, ex, smem, stream);
+      break;
+    case EPX_FLOAT16: e = launch_dispatch<__half>(f, plan, xs, rs, mode, weighted, n, n - nr, ex, smem, stream); break;
   }
-  return cudaErrorInvalidValue;
+  if (e != cudaSuccess || !engine) return e;
+  int64_t rows = (int64_t)d.W * d.maxT;
+  if (plan->counts_known) {
+    rows = 0;
+    for (int s = 0; s < d.W; s++) rows += plan->recv_pairs[s];
+  }
+  return cudaMemcpyAsync(recv_x, window, (size_t)rows * (size_t)d.row_bytes, cudaMemcpyDeviceToDevice, stream);
 }
 
 extern "C" cudaError_t epx_fused_combine_backward_launch(epx_fused_t *f, const epx_fused_plan_t *plan,

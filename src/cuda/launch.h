@@ -108,7 +108,11 @@ cudaError_t epx_cuda_layout_launch(const int32_t *topk_idx, const int32_t *locat
  *   EPX_CUDA_FUSED_RELAY (a test hook, off by default): a fused state
  *     created while it is set reaches every other rank through NCCL's
  *     host API (fused_relay.cu), as peers without load/store access are,
- *     so the mixed path runs on GPUs that all have it.
+ *     so the mixed path runs on GPUs that all have it;
+ *   EPX_CUDA_FUSED_COPY_ENGINE: the fused rank-major dispatch into a
+ *     buffer of the caller's leaves the rows in the window (the whole SM
+ *     budget sending) and the copy engine copies them out, instead of the
+ *     budget's receiving CTAs.
  * The default is the fastest at 8192 x 256 top-8 on an H200 (bench/NOTES-gpu.md,
  * branch h16-route): route + layout 24.3 us against 26.0 with none. Early
  * routing kernels gained nothing there, and without EPX_CUDA_RANK_ALONE
@@ -125,6 +129,7 @@ cudaError_t epx_cuda_layout_launch(const int32_t *topk_idx, const int32_t *locat
 #define EPX_CUDA_FUSED_RECV_QUARTER 64
 #define EPX_CUDA_FUSED_RECV_EIGHTH 128
 #define EPX_CUDA_FUSED_RELAY 256
+#define EPX_CUDA_FUSED_COPY_ENGINE 512
 #define EPX_CUDA_LAUNCH_DEFAULT                                                                  \
   (EPX_CUDA_PDL_LAUNCH | EPX_CUDA_PDL_LAYOUT_EARLY | EPX_CUDA_RANK_ALONE | EPX_CUDA_LAYOUT_NARROW | \
    EPX_CUDA_FUSED_EXPAND_APART)

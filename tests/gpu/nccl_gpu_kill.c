@@ -12,7 +12,11 @@
  * and fail the comm, so that destroying the buffer abandons the window
  * instead of deregistering it with a peer that is gone (with
  * EPX_GPU_EXPECT_FUSED=1 the buffer must be on the fused path, else the
- * scenario would test the host path twice). Either way, later calls refuse
+ * scenario would test the host path twice); and "relay", that buffer with
+ * its peer relayed through NCCL's host API (the test flag
+ * EPX_CUDA_FUSED_RELAY, as a peer without load/store access is): the
+ * layout's relay step meets the dead peer, and either it or the next call
+ * that reads the layout must fail the comm. Either way, later calls refuse
  * at once and destroy returns. The parent bounds everything
  * with its own deadline; exit status is the verdict. */
 #include <signal.h>
@@ -25,7 +29,10 @@
 
 #include <cuda_runtime_api.h>
 
+#include "cuda/launch.h" /* EPX_CUDA_FUSED_RELAY */
 #include "epx.h"
+
+enum { SCENARIO_HOST = 0, SCENARIO_FUSED = 1, SCENARIO_RELAY = 2 };
 
 enum { TIMEOUT_S = 10, GUARD_S = 120 };
 
@@ -44,7 +51,9 @@ static double now(void) {
     }                                                                                               \
   } while (0)
 
-static int child(int rank, int fused, int fd_read, int fd_write) {
+static int child(int rank, int scenario, int fd_read, int fd_write) {
+  const int fused = scenario != SCENARIO_HOST;
+  if (scenario == SCENARIO_RELAY) epx_cuda_set_launch_flags(epx_cuda_launch_flags() | EPX_CUDA_FUSED_RELAY);
   epx_nccl_unique_id_t id;
   if (rank == 0) {
     STEP(epx_nccl_get_unique_id(&id));
@@ -91,12 +100,17 @@ static int child(int rank, int fused, int fd_read, int fd_write) {
   }
   const double took = now() - t0;
   printf("rank 0 (%s, peer 1 on the %s path): dispatch_layout with its peer dead: %s after %.1f s: %s\n",
-         fused ? "rank-major, worst_case_sizing" : "default buffer", paths[1] == EPX_PATH_FUSED ? "fused" : "host",
+         fused ? "rank-major, worst_case_sizing" : "default buffer",
+         scenario == SCENARIO_RELAY ? "relayed host-API" : paths[1] == EPX_PATH_FUSED ? "fused" : "host",
          epx_status_string(s), took, epx_last_error());
   int ok = (s == EPX_ERROR_TIMEOUT || s == EPX_ERROR_TRANSPORT || s == EPX_ERROR_PEER_FAILED) && took < 3 * TIMEOUT_S;
   const char *expect = getenv("EPX_GPU_EXPECT_FUSED");
-  if (fused && expect && strcmp(expect, "0") && *expect && paths[1] != EPX_PATH_FUSED) {
-    printf("rank 0: the fused scenario's buffer is not on the fused path (EPX_GPU_EXPECT_FUSED)\n");
+  /* the fused path: peer 1 fused, or relayed (this rank's own rows fused) */
+  const int on_path = scenario == SCENARIO_RELAY ? paths[0] == EPX_PATH_FUSED && paths[1] == EPX_PATH_HOST
+                                                 : paths[1] == EPX_PATH_FUSED;
+  if (fused && expect && strcmp(expect, "0") && *expect && !on_path) {
+    printf("rank 0: the %s scenario's buffer is not on its path (EPX_GPU_EXPECT_FUSED)\n",
+           scenario == SCENARIO_RELAY ? "relay" : "fused");
     ok = 0;
   }
   /* the comm is failed now: later calls refuse at once, destroy releases */
@@ -111,14 +125,16 @@ static int child(int rank, int fused, int fd_read, int fd_write) {
   _exit(ok ? 0 : 20);
 }
 
+static const char *const scenario_names[] = {"host", "fused", "relay"};
+
 /* One scenario: both ranks forked, watched under the guard. */
-static int scenario(int fused) {
+static int scenario(int which) {
   int fds[2];
   if (pipe(fds)) return 0;
   pid_t pids[2];
   for (int rank = 0; rank < 2; rank++) {
     pids[rank] = fork();
-    if (pids[rank] == 0) _exit(child(rank, fused, fds[0], fds[1]));
+    if (pids[rank] == 0) _exit(child(rank, which, fds[0], fds[1]));
   }
   close(fds[0]);
   close(fds[1]);
@@ -140,14 +156,14 @@ static int scenario(int fused) {
     }
   status0 = codes[0];
   const int pass = done[0] && status0 == 0 && done[1] && codes[1] == 0;
-  printf("nccl_gpu_kill (%s): survivor %s (exit %d), dead rank exit %d: %s\n", fused ? "fused" : "host",
+  printf("nccl_gpu_kill (%s): survivor %s (exit %d), dead rank exit %d: %s\n", scenario_names[which],
          done[0] ? "returned" : "HUNG (killed after the guard)", status0, codes[1], pass ? "OK" : "FAILED");
   fflush(stdout);
   return pass;
 }
 
 int main(void) {
-  const int host = scenario(0), fused = scenario(1);
-  printf("nccl_gpu_kill: %s\n", host && fused ? "OK" : "FAILED");
-  return host && fused ? 0 : 1;
+  const int host = scenario(SCENARIO_HOST), fused = scenario(SCENARIO_FUSED), relay = scenario(SCENARIO_RELAY);
+  printf("nccl_gpu_kill: %s\n", host && fused && relay ? "OK" : "FAILED");
+  return host && fused && relay ? 0 : 1;
 }
