@@ -367,7 +367,8 @@ static run_result_t run(int T, int skew, epx_layout_t layout, epx_exchange_t exc
   if (fused) {
     const int f = epx_cuda_launch_flags();
     snprintf(sms, sizeof sms, " sms=%d%s", g_sms ? g_sms : DEFAULT_SM_BUDGET,
-             f & EPX_CUDA_FUSED_RECV_EIGHTH    ? " receivers=1/8"
+             f & EPX_CUDA_FUSED_COPY_ENGINE    ? " copy-out=engine"
+             : f & EPX_CUDA_FUSED_RECV_EIGHTH  ? " receivers=1/8"
              : f & EPX_CUDA_FUSED_RECV_QUARTER ? " receivers=1/4"
                                                : "");
   }
@@ -895,6 +896,19 @@ int main(int argc, char **argv) {
         g_sms = budgets[si];
         run(T, 0, EPX_LAYOUT_RANK_MAJOR, EPX_EXCHANGE_DEDUP, EPX_COMBINE_PARTIALS_PAYLOAD, nc);
       }
+      g_sms = 0;
+    }
+    if (section("engine")) {
+      /* The rank-major copy-out by the copy engine
+       * (EPX_CUDA_FUSED_COPY_ENGINE) at the budgets the targets name. */
+      const int32_t budgets[] = {16, 24, 32};
+      const int flags = epx_cuda_launch_flags();
+      epx_cuda_set_launch_flags(flags | EPX_CUDA_FUSED_COPY_ENGINE);
+      for (int si = 0; si < 3; si++) {
+        g_sms = budgets[si];
+        run(T, 0, EPX_LAYOUT_RANK_MAJOR, EPX_EXCHANGE_DEDUP, EPX_COMBINE_PARTIALS_PAYLOAD, nc);
+      }
+      epx_cuda_set_launch_flags(flags);
       g_sms = 0;
     }
     if (section("split")) {

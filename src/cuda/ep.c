@@ -261,8 +261,9 @@ static int fused_wanted(epx_buffer_t b) {
  * first layout that agrees it): creates the fused state (peers without
  * load/store access relayed through NCCL's host API: fused_relay.cu).
  * epx_fused_create agrees every step that may refuse on one rank alone (no
- * memory for the window or the relay, an NCCL without symmetric memory); the all-reduce here also covers what fails before its first
- * agreement (a comm busy past the timeout, no stream), so every rank leaves
+ * memory for the window or the relay, an NCCL without symmetric memory);
+ * the all-reduce here also covers what fails before its first agreement (a
+ * comm busy past the timeout, no stream), so every rank leaves
  * on the same path: a refusal anywhere leaves every rank on the host path,
  * and epx_last_error() after the (successful) call says why (epx.h,
  * EPX_PATH_AUTO); only a failing comm fails the caller. */

@@ -1224,13 +1224,19 @@ namespace {
  * every SM (EPX_CUDA_FUSED_EXPAND_APART); MODE_EXPERT_WINDOW: the same
  * without the expansion (an expert-major plan's rows only in the window, for
  * the dots of dispatch_backward's grad_w). The three expert modes leave
- * this rank's own rows in x. */
-enum { MODE_RANK_WINDOW = 0, MODE_RANK_COPY = 1, MODE_EXPERT = 2, MODE_EXPERT_APART = 3, MODE_EXPERT_WINDOW = 4 };
+ * this rank's own rows in x. MODE_RANK_ENGINE: rank-major into recv_x, this
+ * rank's own rows straight there, the others' left in the window for the
+ * copy engine (EPX_CUDA_FUSED_COPY_ENGINE). */
+enum { MODE_RANK_WINDOW = 0, MODE_RANK_COPY = 1, MODE_EXPERT = 2, MODE_EXPERT_APART = 3, MODE_EXPERT_WINDOW = 4,
+       MODE_RANK_ENGINE = 5 };
 
-__device__ __forceinline__ bool remote_rows_only(int mode) { return mode >= MODE_EXPERT; }
+__device__ __forceinline__ bool remote_rows_only(int mode) {
+  return mode == MODE_EXPERT || mode == MODE_EXPERT_APART || mode == MODE_EXPERT_WINDOW;
+}
 /* the receivers only wait for the rows: they stay in the window */
 __host__ __device__ __forceinline__ bool rows_stay(int mode) {
-  return mode == MODE_RANK_WINDOW || mode == MODE_EXPERT_APART || mode == MODE_EXPERT_WINDOW;
+  return mode == MODE_RANK_WINDOW || mode == MODE_EXPERT_APART || mode == MODE_EXPERT_WINDOW ||
+         mode == MODE_RANK_ENGINE;
 }
 
 struct dispatch_shared {
@@ -1435,9 +1441,9 @@ cudaError_t launch_dispatch(epx_fused_t *f, const epx_fused_plan_t *plan, const 
   dispatch_kernel<T><<<n, kThreads, smem, stream>>>(d, p, x, recv, mode, weighted, ns);
   if (d.relay_mask) {
     /* the relayed sources' rows: into recv_x (copied out) or the window's rows */
-    const cudaError_t e = epx_fused_relay_rows_in(f, plan, mode == MODE_RANK_COPY ? (void *)recv
-                                                                                  : (void *)(d.local + d.off_pay),
-                                                  stream);
+    const bool to_recv = mode == MODE_RANK_COPY || mode == MODE_RANK_ENGINE;
+    const cudaError_t e =
+        epx_fused_relay_rows_in(f, plan, to_recv ? (void *)recv : (void *)(d.local + d.off_pay), stream);
     if (e != cudaSuccess) return e;
   }
   if (mode == MODE_EXPERT_APART) expand_kernel<T><<<expand_ctas, kThreads, 0, stream>>>(d, p, x, recv, weighted);
@@ -1459,13 +1465,25 @@ extern "C" cudaError_t epx_fused_dispatch_launch(epx_fused_t *f, const epx_fused
    * there), and so are rows of relayed sources (they come after the kernel) */
   const bool apart =
       expert && (plan->dev.C || d.relay_mask || (epx_cuda_launch_flags() & EPX_CUDA_FUSED_EXPAND_APART));
-  /* rank-major rows copied out by the copy engine: the kernel leaves every
-   * row in the window, then one device-to-device copy of the first N rows
-   * (the bound W * max_tokens where N is not known on the host) */
-  const bool engine = !expert && !in_window && (epx_cuda_launch_flags() & EPX_CUDA_FUSED_COPY_ENGINE);
-  const int mode = expert ? (in_window ? MODE_EXPERT_WINDOW : apart ? MODE_EXPERT_APART : MODE_EXPERT)
-                          : in_window || engine ? MODE_RANK_WINDOW : MODE_RANK_COPY;
   int n = num_ctas < 2 ? 2 : num_ctas > f->num_sms ? f->num_sms : num_ctas;
+  /* Rank-major rows copied out by the copy engine: where the counts are
+   * known on the host, the kernel writes this rank's own rows into recv_x
+   * and leaves the peers' in the window, then a device-to-device copy per
+   * run of peers; else (only under EPX_CUDA_FUSED_COPY_ENGINE) it leaves
+   * every row in the window and the copy takes the bound's W * max_tokens
+   * rows. Taken at budgets of up to kEngineCtas, where the receiving CTAs'
+   * copy-out is what bounds the dispatch: at T=8192 on 2 H200, 0.46 ms at
+   * 16, 24 and 32 CTAs against 0.81, 0.56 and 0.43 (bench/NOTES-gpu.md). */
+  constexpr int kEngineCtas = 24;
+  const bool engine = !expert && !in_window &&
+                      ((epx_cuda_launch_flags() & EPX_CUDA_FUSED_COPY_ENGINE) ||
+                       (n <= kEngineCtas && plan->counts_known));
+  const bool known = engine && plan->counts_known;
+  const int mode = expert      ? (in_window ? MODE_EXPERT_WINDOW : apart ? MODE_EXPERT_APART : MODE_EXPERT)
+                   : in_window ? MODE_RANK_WINDOW
+                   : known     ? MODE_RANK_ENGINE
+                   : engine    ? MODE_RANK_WINDOW
+                               : MODE_RANK_COPY;
   int nr = recv_ctas > 0 ? recv_ctas : rows_stay(mode) ? 1 : epx_fused_receivers(n);
   if (nr > n - 1) nr = n - 1;
   /* every peer relayed: no row comes through the window, every CTA sends
@@ -1473,7 +1491,7 @@ extern "C" cudaError_t epx_fused_dispatch_launch(epx_fused_t *f, const epx_fused
   const uint32_t others = (uint32_t)(((uint64_t)1 << d.W) - 1) & ~(1u << d.rank);
   if (d.W > 1 && d.relay_mask == others) nr = 0;
   const uint4 *xs = static_cast<const uint4 *>(x);
-  uint4 *rs = static_cast<uint4 *>(in_window || engine ? window : recv_x);
+  uint4 *rs = static_cast<uint4 *>(in_window || (engine && !known) ? window : recv_x);
   const size_t smem = (size_t)d.bulk_warps * (size_t)bulk_slot_bytes(d.row_bytes);
   const int ex = 2 * f->num_sms; /* the expansion apart: two CTAs of 16 warps per SM */
   cudaError_t e = cudaErrorInvalidValue;
@@ -1485,12 +1503,24 @@ extern "C" cudaError_t epx_fused_dispatch_launch(epx_fused_t *f, const epx_fused
     case EPX_FLOAT16: e = launch_dispatch<__half>(f, plan, xs, rs, mode, weighted, n, n - nr, ex, smem, stream); break;
   }
   if (e != cudaSuccess || !engine) return e;
-  int64_t rows = (int64_t)d.W * d.maxT;
-  if (plan->counts_known) {
-    rows = 0;
-    for (int s = 0; s < d.W; s++) rows += plan->recv_pairs[s];
+  char *to = static_cast<char *>(recv_x);
+  const char *from = static_cast<const char *>(window);
+  const size_t rb = (size_t)d.row_bytes;
+  if (!known) return cudaMemcpyAsync(to, from, (size_t)d.W * (size_t)d.maxT * rb, cudaMemcpyDeviceToDevice, stream);
+  /* each run of consecutive sources whose rows came through the window */
+  size_t at = 0, run = 0, len = 0;
+  for (int s = 0; s <= d.W && e == cudaSuccess; s++) {
+    const bool through = s < d.W && s != d.rank && !relayed(d, s);
+    if (through) {
+      if (!len) run = at;
+      len += (size_t)plan->recv_pairs[s];
+    } else if (len) {
+      e = cudaMemcpyAsync(to + run * rb, from + run * rb, len * rb, cudaMemcpyDeviceToDevice, stream);
+      len = 0;
+    }
+    if (s < d.W) at += (size_t)plan->recv_pairs[s];
   }
-  return cudaMemcpyAsync(recv_x, window, (size_t)rows * (size_t)d.row_bytes, cudaMemcpyDeviceToDevice, stream);
+  return e;
 }
 
 extern "C" cudaError_t epx_fused_combine_backward_launch(epx_fused_t *f, const epx_fused_plan_t *plan,

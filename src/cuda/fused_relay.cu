@@ -165,7 +165,8 @@ cudaError_t relay_step(epx_fused_t *f, const epx_fused_plan_t *plan, relay_kind 
       case RELAY_COUNTS:
         src[0] = local + d.off_mat + me * W * 4, dst[0] = local + d.off_mat + P * W * 4;
         sbytes[0] = rbytes[0] = W * 4;
-        src[1] = local + d.off_hdr + me * EPX_FUSED_HDR_INTS * 4, dst[1] = local + d.off_hdr + P * EPX_FUSED_HDR_INTS * 4;
+        src[1] = local + d.off_hdr + me * EPX_FUSED_HDR_INTS * 4;
+        dst[1] = local + d.off_hdr + P * EPX_FUSED_HDR_INTS * 4;
         sbytes[1] = rbytes[1] = EPX_FUSED_HDR_INTS * 4;
         src[2] = plan->dev.hist + P * El, dst[2] = local + d.off_hist + P * El * 4;
         sbytes[2] = rbytes[2] = El * 4;

@@ -110,9 +110,10 @@ cudaError_t epx_cuda_layout_launch(const int32_t *topk_idx, const int32_t *locat
  *     host API (fused_relay.cu), as peers without load/store access are,
  *     so the mixed path runs on GPUs that all have it;
  *   EPX_CUDA_FUSED_COPY_ENGINE: the fused rank-major dispatch into a
- *     buffer of the caller's leaves the rows in the window (the whole SM
- *     budget sending) and the copy engine copies them out, instead of the
- *     budget's receiving CTAs.
+ *     buffer of the caller's leaves the peers' rows in the window (the whole
+ *     SM budget sending) and the copy engine copies them out, instead of the
+ *     budget's receiving CTAs, at any budget (without it: at budgets of up
+ *     to 24 CTAs, where the counts are known on the host).
  * The default is the fastest at 8192 x 256 top-8 on an H200 (bench/NOTES-gpu.md,
  * branch h16-route): route + layout 24.3 us against 26.0 with none. Early
  * routing kernels gained nothing there, and without EPX_CUDA_RANK_ALONE

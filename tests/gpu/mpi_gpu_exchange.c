@@ -616,6 +616,18 @@ static void run_case(const case_t *c, epx_comm_t nccl, void *stream) {
     compare_queries(c, &gpu[0], &other.res, "the other fused expansion (EPX_CUDA_FUSED_EXPAND_APART)");
     result_free(&other.res);
   }
+  if (c->layout == EPX_LAYOUT_RANK_MAJOR) {
+    /* The rank-major rows copied out by the copy engine (forced at any SM
+     * budget; with worst_case_sizing the whole bound): the same bits. */
+    const int flags = epx_cuda_launch_flags();
+    epx_cuda_set_launch_flags(flags | EPX_CUDA_FUSED_COPY_ENGINE);
+    run_t engine = {c, EPX_EXCHANGE_DEDUP, nccl, g_rank, EPX_DEVICE_CUDA, {0}, stream};
+    run_rank(&engine);
+    epx_cuda_set_launch_flags(flags);
+    compare_exchanges(c, &gpu[0], &engine.res, "the copy-out by the copy engine (EPX_CUDA_FUSED_COPY_ENGINE)");
+    compare_queries(c, &gpu[0], &engine.res, "the copy-out by the copy engine (EPX_CUDA_FUSED_COPY_ENGINE)");
+    result_free(&engine.res);
+  }
   {
     /* The mixed path: the fused kernels with every other peer relayed
      * through NCCL's host API, as peers without load/store access are
