@@ -78,9 +78,9 @@ struct fused_dev {
    * dispatch rows and partials, each at its row's index among the rows
    * between the two ranks), values at relay_off_back ([maxT][Kmax] f32, by
    * r's token); and its inbox from r, records at 0 and rows at
-   * inbox_off_rows, as the outbox */
+   * relay_off_rows, as the outbox */
   char *relay[EPX_FUSED_MAX_RANKS], *inbox[EPX_FUSED_MAX_RANKS];
-  size_t relay_off_rows, relay_off_back, inbox_off_rows;
+  size_t relay_off_rows, relay_off_back;
 };
 
 __host__ __device__ __forceinline__ bool relayed(const fused_dev &d, int r) { return (d.relay_mask >> r) & 1u; }

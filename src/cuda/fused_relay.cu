@@ -44,17 +44,17 @@ using namespace epx_fused_impl;
 
 namespace {
 
-/* Outbox and inbox sizes of one relayed peer (offsets in fused_dev). */
-size_t relay_layout(fused_dev &d) {
+size_t page_up(size_t v) { return (v + 4095) / 4096 * 4096; }
+
+/* The offsets of one relayed peer's outbox and inbox (fused_dev); *outbox
+ * gets the outbox's bytes (the inbox follows it), the result both's. */
+size_t relay_layout(fused_dev &d, size_t *outbox) {
   const size_t T = (size_t)d.maxT;
-  const size_t records = T * (size_t)d.meta_stride;
   const size_t row = (size_t)(d.row_bytes > d.H * 4 ? d.row_bytes : d.H * 4);
-  d.relay_off_rows = (records + 4095) / 4096 * 4096;
+  d.relay_off_rows = page_up(T * (size_t)d.meta_stride);
   d.relay_off_back = d.relay_off_rows + T * row;
-  d.inbox_off_rows = d.relay_off_rows;
-  const size_t outbox = d.relay_off_back + T * (size_t)d.Kmax * 4;
-  const size_t inbox = d.inbox_off_rows + T * row;
-  return (outbox + 4095) / 4096 * 4096 + (inbox + 4095) / 4096 * 4096;
+  *outbox = page_up(d.relay_off_back + T * (size_t)d.Kmax * 4);
+  return *outbox + page_up(d.relay_off_rows + T * row);
 }
 
 /* A warp per row: each relayed source's rows [0, rcount) from its inbox to
@@ -68,7 +68,7 @@ __global__ void __launch_bounds__(kThreads) relay_rows_in_kernel(const fused_dev
   for (int s = 0; s < d.W; s++) {
     if (!relayed(d, s)) continue;
     const int64_t n = p.info[ii.rcount + s], base = p.info[ii.rbase + s];
-    const uint4 *in = reinterpret_cast<const uint4 *>(d.inbox[s] + d.inbox_off_rows);
+    const uint4 *in = reinterpret_cast<const uint4 *>(d.inbox[s] + d.relay_off_rows);
     for (int64_t i = gw; i < n; i += warps) warp_copy<false>(dst + (base + i) * d.nvec, in + i * d.nvec, d.nvec, lane);
   }
 }
@@ -87,7 +87,7 @@ __global__ void __launch_bounds__(kThreads) relay_partials_in_kernel(const fused
   for (int s = 0; s < d.W; s++) {
     if (!relayed(d, s)) continue;
     const int64_t n = p.info[ii.scount + s];
-    const uint4 *in = reinterpret_cast<const uint4 *>(d.inbox[s] + d.inbox_off_rows);
+    const uint4 *in = reinterpret_cast<const uint4 *>(d.inbox[s] + d.relay_off_rows);
     const int32_t *tokens = p.send_token + (int64_t)s * d.maxT;
     for (int64_t i = gw; i < n; i += warps)
       warp_copy<false>(part + ((int64_t)s * d.maxT + tokens[i]) * nvec, in + i * nvec, nvec, lane);
@@ -110,9 +110,9 @@ epx_status_t epx_fused_relay_create(epx_fused_t *f, uint32_t mask, const char *f
   fused_dev &d = f->dev;
   d.relay_mask = mask;
   if (!mask) return EPX_SUCCESS;
-  const size_t each = relay_layout(d);
-  int peers = 0;
-  for (int r = 0; r < d.W; r++) peers += (int)(mask >> r & 1u);
+  size_t outbox = 0;
+  const size_t each = relay_layout(d, &outbox);
+  const int peers = __builtin_popcount(mask);
   const cudaError_t e = cudaMalloc(&f->relay_memory, each * (size_t)peers);
   if (e != cudaSuccess) {
     f->relay_memory = NULL;
@@ -121,9 +121,8 @@ epx_status_t epx_fused_relay_create(epx_fused_t *f, uint32_t mask, const char *f
                      cudaGetErrorString(e));
   }
   char *m = static_cast<char *>(f->relay_memory);
-  const size_t outbox = (d.relay_off_back + (size_t)d.maxT * (size_t)d.Kmax * 4 + 4095) / 4096 * 4096;
   for (int r = 0; r < d.W; r++) {
-    if (!(mask >> r & 1u)) continue;
+    if (!relayed(d, r)) continue;
     d.relay[r] = m;
     d.inbox[r] = m + outbox;
     m += each;
@@ -177,12 +176,12 @@ cudaError_t relay_step(epx_fused_t *f, const epx_fused_plan_t *plan, relay_kind 
         break;
       case RELAY_ROWS:
         src[0] = d.relay[p] + d.relay_off_rows;
-        dst[0] = known ? rows_dst + rbase[p] * (size_t)d.row_bytes : d.inbox[p] + d.inbox_off_rows;
+        dst[0] = known ? rows_dst + rbase[p] * (size_t)d.row_bytes : d.inbox[p] + d.relay_off_rows;
         sbytes[0] = (known ? (size_t)plan->send_pairs[p] : T) * (size_t)d.row_bytes;
         rbytes[0] = (known ? (size_t)plan->recv_pairs[p] : T) * (size_t)d.row_bytes;
         break;
       case RELAY_PARTIALS: /* the partials of the rows from p, for the rows to p */
-        src[0] = d.relay[p] + d.relay_off_rows, dst[0] = d.inbox[p] + d.inbox_off_rows;
+        src[0] = d.relay[p] + d.relay_off_rows, dst[0] = d.inbox[p] + d.relay_off_rows;
         sbytes[0] = (known ? (size_t)plan->recv_pairs[p] : T) * (size_t)d.H * (size_t)part_elem;
         rbytes[0] = (known ? (size_t)plan->send_pairs[p] : T) * (size_t)d.H * (size_t)part_elem;
         break;

@@ -590,6 +590,20 @@ static void check_path(const case_t *c, epx_exchange_t x, epx_exchange_path_t as
           describe(c, x), g->path, g->why[0] ? g->why : "no reason given");
 }
 
+/* The dedup run of case c with launch flag `flag` toggled, compared bit for
+ * bit with `fused` (the same case without it). */
+static void compare_flagged(const case_t *c, epx_comm_t nccl, void *stream, const result_t *fused, int flag,
+                            const char *what) {
+  const int flags = epx_cuda_launch_flags();
+  epx_cuda_set_launch_flags(flags ^ flag);
+  run_t run = {c, EPX_EXCHANGE_DEDUP, nccl, g_rank, EPX_DEVICE_CUDA, {0}, stream};
+  run_rank(&run);
+  epx_cuda_set_launch_flags(flags);
+  compare_exchanges(c, fused, &run.res, what);
+  compare_queries(c, fused, &run.res, what);
+  result_free(&run.res);
+}
+
 static void run_case(const case_t *c, epx_comm_t nccl, void *stream) {
   result_t gpu[2], cpu;
   for (int xi = 0; xi < 2; xi++) {
@@ -603,31 +617,17 @@ static void run_case(const case_t *c, epx_comm_t nccl, void *stream) {
     result_free(&cpu);
   }
   compare_exchanges(c, &gpu[0], &gpu[1], "collective");
-  if (c->layout != EPX_LAYOUT_RANK_MAJOR) {
-    /* The fused rows expanded into expert order the other way (the
-     * receiving CTAs as rows arrive, or a kernel of its own after the
-     * exchange; the capacity layout always the latter): the same bits. */
-    const int flags = epx_cuda_launch_flags();
-    epx_cuda_set_launch_flags(flags ^ EPX_CUDA_FUSED_EXPAND_APART);
-    run_t other = {c, EPX_EXCHANGE_DEDUP, nccl, g_rank, EPX_DEVICE_CUDA, {0}, stream};
-    run_rank(&other);
-    epx_cuda_set_launch_flags(flags);
-    compare_exchanges(c, &gpu[0], &other.res, "the other fused expansion (EPX_CUDA_FUSED_EXPAND_APART)");
-    compare_queries(c, &gpu[0], &other.res, "the other fused expansion (EPX_CUDA_FUSED_EXPAND_APART)");
-    result_free(&other.res);
-  }
-  if (c->layout == EPX_LAYOUT_RANK_MAJOR) {
-    /* The rank-major rows copied out by the copy engine (forced at any SM
-     * budget; with worst_case_sizing the whole bound): the same bits. */
-    const int flags = epx_cuda_launch_flags();
-    epx_cuda_set_launch_flags(flags | EPX_CUDA_FUSED_COPY_ENGINE);
-    run_t engine = {c, EPX_EXCHANGE_DEDUP, nccl, g_rank, EPX_DEVICE_CUDA, {0}, stream};
-    run_rank(&engine);
-    epx_cuda_set_launch_flags(flags);
-    compare_exchanges(c, &gpu[0], &engine.res, "the copy-out by the copy engine (EPX_CUDA_FUSED_COPY_ENGINE)");
-    compare_queries(c, &gpu[0], &engine.res, "the copy-out by the copy engine (EPX_CUDA_FUSED_COPY_ENGINE)");
-    result_free(&engine.res);
-  }
+  /* Expert-major and capacity: the fused rows expanded into expert order
+   * the other way (the receiving CTAs as rows arrive, or a kernel of its
+   * own after the exchange; the capacity layout always the latter).
+   * Rank-major: the rows copied out by the copy engine (forced at any SM
+   * budget; with worst_case_sizing the whole bound). The same bits. */
+  if (c->layout != EPX_LAYOUT_RANK_MAJOR)
+    compare_flagged(c, nccl, stream, &gpu[0], EPX_CUDA_FUSED_EXPAND_APART,
+                    "the other fused expansion (EPX_CUDA_FUSED_EXPAND_APART)");
+  else
+    compare_flagged(c, nccl, stream, &gpu[0], EPX_CUDA_FUSED_COPY_ENGINE,
+                    "the copy-out by the copy engine (EPX_CUDA_FUSED_COPY_ENGINE)");
   {
     /* The mixed path: the fused kernels with every other peer relayed
      * through NCCL's host API, as peers without load/store access are
