@@ -177,18 +177,20 @@ for tool in memcheck racecheck; do
     esac
   done
 done
-# memcheck of the W-rank backend on one rank, with the 2-GPU memcheck's flags
-# (--report-api-errors no: see there).
+# memcheck and racecheck of the W-rank backend on one rank, with the 2-GPU
+# runs' flags (--report-api-errors no: see there).
 if [ $ONE_RANK = 1 ] && [ -n "$SAN" ]; then
-  EPX_GPU_EXPECT_FUSED=0 EPX_GPU_TEST_QUICK=1 LD_LIBRARY_PATH="$NCCL/lib:${LD_LIBRARY_PATH:-}" \
-    timeout 240 "${MPIRUN1[@]}" "$SAN" --tool memcheck --report-api-errors no --error-exitcode 86 \
-    "$BUILD/tests/gpu/mpi_gpu_exchange" >"$OUTDIR/memcheck1.log" 2>&1
-  rc=$?
-  case $rc in
-    0) verdict "memcheck mpi_gpu_exchange (1 rank, W-rank backend)" PASS ;;
-    124) verdict "memcheck mpi_gpu_exchange (1 rank, W-rank backend)" "TIMEOUT (240 s)" ;;
-    *) verdict "memcheck mpi_gpu_exchange (1 rank, W-rank backend)" "FAIL (exit $rc)" ;;
-  esac
+  for tool in memcheck racecheck; do
+    EPX_GPU_EXPECT_FUSED=0 EPX_GPU_TEST_QUICK=1 LD_LIBRARY_PATH="$NCCL/lib:${LD_LIBRARY_PATH:-}" \
+      timeout 240 "${MPIRUN1[@]}" "$SAN" --tool $tool --report-api-errors no --error-exitcode 86 \
+      "$BUILD/tests/gpu/mpi_gpu_exchange" >"$OUTDIR/${tool}1.log" 2>&1
+    rc=$?
+    case $rc in
+      0) verdict "$tool mpi_gpu_exchange (1 rank, W-rank backend)" PASS ;;
+      124) verdict "$tool mpi_gpu_exchange (1 rank, W-rank backend)" "TIMEOUT (240 s)" ;;
+      *) verdict "$tool mpi_gpu_exchange (1 rank, W-rank backend)" "FAIL (exit $rc)" ;;
+    esac
+  done
 fi
 
 fi # one GPU
@@ -225,15 +227,20 @@ if [ -n "$GPU2_TESTS" ]; then
       # handled inside NCCL), which memcheck counts as errors (24 per rank: 8 per
       # NCCL comm, the main one and its two splits);
       # memory-access errors are still reported.
-      EPX_GPU_TEST_QUICK=1 timeout 240 $MPIRUN -x EPX_GPU_TEST_QUICK "$SAN" --tool memcheck --report-api-errors no \
-        --error-exitcode 86 \
-        "$BUILD/tests/gpu/mpi_gpu_exchange" >"$OUTDIR/memcheck2.log" 2>&1
-      rc=$?
-      case $rc in
-        0) verdict "memcheck mpi_gpu_exchange (2 GPUs)" PASS ;;
-        124) verdict "memcheck mpi_gpu_exchange (2 GPUs)" "TIMEOUT (240 s)" ;;
-        *) verdict "memcheck mpi_gpu_exchange (2 GPUs)" "FAIL (exit $rc)" ;;
-      esac
+      # racecheck too: the fused kernels' shared memory (bulk slots,
+      # flags' bookkeeping) on both ranks, relayed and copy-engine runs
+      # included (the test runs them in every pass)
+      for tool in memcheck racecheck; do
+        EPX_GPU_TEST_QUICK=1 timeout 300 $MPIRUN -x EPX_GPU_TEST_QUICK "$SAN" --tool $tool --report-api-errors no \
+          --error-exitcode 86 \
+          "$BUILD/tests/gpu/mpi_gpu_exchange" >"$OUTDIR/${tool}2.log" 2>&1
+        rc=$?
+        case $rc in
+          0) verdict "$tool mpi_gpu_exchange (2 GPUs)" PASS ;;
+          124) verdict "$tool mpi_gpu_exchange (2 GPUs)" "TIMEOUT (300 s)" ;;
+          *) verdict "$tool mpi_gpu_exchange (2 GPUs)" "FAIL (exit $rc)" ;;
+        esac
+      done
     fi
     # The main job on the GPUs: epx-bench's checked MoE step (route, layout,
     # dispatch, experts, combine and the whole backward, both exchanges
