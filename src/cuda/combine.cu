@@ -6,9 +6,9 @@
  *
  * A warp per token (the launcher can cut a row into 2, 4 or 8 slices of whole
  * 128-byte lines, a warp each; measured slower, so not by default); per step
- * of 2 KB of the output row (32 lanes x 4 x 16 B) a warp reads that step of
- * each of the token's rows, the next row's loads issued before the current
- * row is added.
+ * of 1 KB of the output row (32 lanes x 2 x 16 B; 2 KB where it forms dots,
+ * see launch.h) a warp reads that step of each of the token's rows, the next
+ * row's loads issued before the current row is added.
  *
  * Bytes moved (s = dtype size, R = valid routes, T = tokens):
  *   combine:             R*H*s read + T*H*s written
@@ -21,7 +21,7 @@
 namespace {
 
 constexpr int kWarps = EPX_CUDA_MOVE_WARPS;
-constexpr int kVecs = EPX_CUDA_MOVE_VECS;
+static_assert(kWarps >= 8, "a token's slices (up to 8 warps) share one block");
 
 struct gather_args {
   const uint4 *src;    /* [rows, nvec] */
@@ -51,6 +51,8 @@ template <typename T, bool kWeight, bool kDot>
 __global__ void __launch_bounds__(kWarps * 32) gather_kernel(const gather_args a) {
   using vec = epx_vec<T>;
   constexpr int n = vec::n;
+  /* the dots' order is fixed by EPX_CUDA_MOVE_VECS (see launch.h) */
+  constexpr int kVecs = kDot ? EPX_CUDA_MOVE_VECS : EPX_CUDA_GATHER_VECS;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t gw = (int64_t)blockIdx.x * kWarps + warp;
   const int64_t t = gw >> a.wpt_shift;

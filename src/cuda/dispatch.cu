@@ -4,10 +4,10 @@
  *
  * A warp per token (the launcher can cut a row into 2, 4 or 8 slices of whole
  * 128-byte lines, a warp each; measured no faster, so not by default) reads
- * its row once, 2 KB per step (32 lanes x 4 x 16 B, coalesced) — the first
- * step's loads issued before the token's rows are known — and writes each
- * step to each of the token's rows. Extra blocks after the token blocks zero
- * the rows whose row_src is -1.
+ * its row once, 512 B per step (32 lanes x 16 B, coalesced; 2 KB where it
+ * forms dots, see launch.h) — the first step's loads issued before the
+ * token's rows are known — and writes each step to each of the token's rows.
+ * Extra blocks after the token blocks zero the rows whose row_src is -1.
  *
  * Bytes moved (s = dtype size, T_r = tokens with a route, R = valid routes,
  * N = recv rows, Z = padding/empty rows among them):
@@ -21,7 +21,7 @@
 namespace {
 
 constexpr int kWarps = EPX_CUDA_MOVE_WARPS;
-constexpr int kVecs = EPX_CUDA_MOVE_VECS;
+static_assert(kWarps >= 8, "a token's slices (up to 8 warps) share one block");
 
 struct scatter_args {
   const uint4 *src;      /* [T, nvec] */
@@ -62,6 +62,8 @@ template <typename T, bool kScale, bool kDot>
 __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(const scatter_args a) {
   using vec = epx_vec<T>;
   constexpr int n = vec::n;
+  /* the dots' order is fixed by EPX_CUDA_MOVE_VECS (see launch.h) */
+  constexpr int kVecs = kDot ? EPX_CUDA_MOVE_VECS : EPX_CUDA_SCATTER_VECS;
   if (blockIdx.x >= a.token_blocks) {
     zero_rows(a, (int64_t)blockIdx.x - a.token_blocks);
     return;

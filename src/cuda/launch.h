@@ -144,16 +144,30 @@ int epx_cuda_launch_flags(void);
  * backend they were created with. */
 void epx_cuda_ep_at_one_rank(int on);
 
-/* Tuning of the move kernels: warps per block, 16-byte vectors per lane per
- * step (32 lanes * 4 * 16 B = 2 KB of a row in flight per warp per step), and
- * the most warps per token the automatic choice takes (log2). Measured on an
- * H200 (bench/NOTES-gpu.md): one warp per token is best or equal for bf16 rows
- * of 2048 and 7168, so the automatic choice is 1. */
+/* Tuning of the move kernels: warps per block (at least 8: a token's slices,
+ * up to 8 warps, share one block's dot sums), 16-byte vectors per lane per
+ * step, and the most warps per token the automatic choice takes (log2).
+ * Measured on an H200 (bench/NOTES-gpu.md): one warp per token is best or
+ * equal for bf16 rows of 2048 and 7168, so the automatic choice is 1.
+ * Vectors per step: the kernels that form dots (combine_backward's and
+ * dispatch_backward's grad_w) take EPX_CUDA_MOVE_VECS, which fixes their
+ * summation order (the fused path forms the same dots in the same order, so
+ * it is part of the bits); the plain moves take fewer, measured on an H200
+ * (session 20, bench_gpu's shapes A-C against 4): the scatter 1 (512 B of a
+ * row per warp per step; rows of 2048: 4% faster with K=1, equal with K=3
+ * and for rows of 7168), the gather 2 (3-5% faster for rows of 2048 and
+ * equal for 7168; 1 was 10-20% slower). */
 #ifndef EPX_CUDA_MOVE_WARPS /* may be set at build time for a sweep */
 #define EPX_CUDA_MOVE_WARPS 8
 #endif
 #ifndef EPX_CUDA_MOVE_VECS
 #define EPX_CUDA_MOVE_VECS 4
+#endif
+#ifndef EPX_CUDA_SCATTER_VECS
+#define EPX_CUDA_SCATTER_VECS 1
+#endif
+#ifndef EPX_CUDA_GATHER_VECS
+#define EPX_CUDA_GATHER_VECS 2
 #endif
 #define EPX_CUDA_MOVE_MAX_WPT_SHIFT 0
 
