@@ -474,10 +474,11 @@ static run_result_t run(int T, int skew, epx_layout_t layout, epx_exchange_t exc
 static void print_layout_trace(int T) {
   static const char *const stages[] = {"count-start", "count-block0-done", "exchange-start", "header", "prefix",
                                        "cts-in", "counts-written", "counts-in", "bases", "records-start",
-                                       "records-last", "receive-start", "meta-in", "receive-end"};
+                                       "records-last", "receive-start", "meta-in", "receive-end",
+                                       "count-b0-loaded", "count-b0-deduped"};
   unsigned long long tr[64][16];
   if (epx_fused_layout_trace(&tr[0][0]) != 0) return;
-  for (int st = 0; st < 14; st++) {
+  for (int st = 0; st < 16; st++) {
     float v[64];
     int n = 0;
     for (int i = 0; i < 64; i++)

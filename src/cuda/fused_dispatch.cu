@@ -39,6 +39,7 @@
 
 #include "core/error.h"
 #include "cuda/fused_impl.cuh"
+#include "cuda/pdl.cuh"
 
 using namespace epx_fused_impl;
 
@@ -680,20 +681,22 @@ __global__ void __launch_bounds__(256) layout_claim_kernel(const fused_dev d, co
 
 /* A block per kLayoutTokens tokens, a thread per token (see the file
  * comment). A route's position among the block's routes to its expert, in
- * (token, k) order, is its rank among its warp's routes to that expert (lane
- * k walks the warp's 32 tokens in order; a token names an expert at most
- * once, so no two lanes of a step share a counter) plus the counts of the
- * warps before; a token's slot among the block's tokens to a rank is a
- * ballot's prefix plus the warps before. Shared: the ids [kLayoutTokens, K],
+ * (token, k) order, is its rank among its warp's routes to that expert (the
+ * warp walks its 32 tokens' routes 32 at a time, the lanes of an expert found
+ * by __match_any_sync, their writes of pos coalesced: against 32 steps of a
+ * lane per slot k, the last count block started 6 us earlier at one rank)
+ * plus the counts of the warps before; a token's slot among the block's
+ * tokens to a rank is a ballot's prefix plus the warps before. Shared: the ids [kLayoutTokens, K],
  * then a byte counter per (warp, expert) (a warp has at most 32 routes to an
  * expert). */
 __global__ void __launch_bounds__(kLayoutTokens) layout_count_kernel(const fused_dev d, const fused_plan_dev p,
                                                                      const int32_t *topk_idx,
                                                                      const float *topk_w,
-                                                                     const int32_t *locations) {
+                                                                     const int32_t *locations, int early) {
   extern __shared__ int32_t s_idx[];
   __shared__ int32_t s_dcnt[kLayoutWarps][EPX_FUSED_MAX_RANKS];
   __shared__ unsigned long long s_invalid;
+  pdl_begin(early);
   const int K = p.K, E = d.E, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   uint8_t *s_cnt = reinterpret_cast<uint8_t *>(s_idx + kLayoutTokens * K);
   if (blockIdx.x == 0) LAYOUT_TRACE(0);
@@ -732,6 +735,7 @@ __global__ void __launch_bounds__(kLayoutTokens) layout_count_kernel(const fused
     }
   }
   __syncthreads();
+  if (blockIdx.x == 0) LAYOUT_TRACE(14);
   const int tl = threadIdx.x;
   const uint32_t seq = *reinterpret_cast<volatile uint32_t *>(d.ctl + CTL_SEQ);
   uint32_t mask = 0;
@@ -763,17 +767,31 @@ __global__ void __launch_bounds__(kLayoutTokens) layout_count_kernel(const fused
     }
   }
   __syncthreads();
+  if (blockIdx.x == 0) LAYOUT_TRACE(15);
   for (int r = 0; r < d.W; r++) {
     const unsigned has = __ballot_sync(0xffffffffu, mask >> r & 1u);
     if (lane == 0) s_dcnt[warp][r] = __popc(has);
   }
+  /* The warp's 32 * K routes in (token, k) order, 32 at a time (lane l:
+   * route c * 32 + l of the warp): the lanes naming the same expert are
+   * found by one match; the first of them reads and advances the warp's
+   * counter for it, the others count the lanes below. (Tokens past n have
+   * only -1 in s_idx.) */
   int32_t rank_in_warp[32];
+  const unsigned lanes_below = (1u << lane) - 1u;
 #pragma unroll
-  for (int j = 0; j < 32; j++) {
-    const int t = warp * 32 + j;
-    const int32_t e = lane < K && t < n ? s_idx[t * K + lane] : -1;
-    rank_in_warp[j] = e >= 0 ? s_cnt[warp * E + e]++ : -1;
-    __syncwarp();
+  for (int c = 0; c < 32; c++) {
+    if (c >= K) break;
+    const int32_t e = s_idx[warp * 32 * K + c * 32 + lane];
+    const unsigned same = __match_any_sync(0xffffffffu, e);
+    const int first = __ffs(same) - 1;
+    int32_t base = 0;
+    if (e >= 0 && lane == first) {
+      base = s_cnt[warp * E + e];
+      s_cnt[warp * E + e] = (uint8_t)(base + __popc(same));
+    }
+    base = __shfl_sync(0xffffffffu, base, first);
+    rank_in_warp[c] = e >= 0 ? base + __popc(same & lanes_below) : -1;
   }
   __syncthreads();
   for (int e = threadIdx.x; e < E; e += blockDim.x) {
@@ -787,13 +805,14 @@ __global__ void __launch_bounds__(kLayoutTokens) layout_count_kernel(const fused
     p.chunk_dcnt[(int64_t)blockIdx.x * d.W + threadIdx.x] = c;
   }
 #pragma unroll
-  for (int j = 0; j < 32; j++) {
-    if (rank_in_warp[j] < 0 || p.C) continue; /* capacity: the position is the location */
-    const int t = warp * 32 + j;
-    const int32_t e = s_idx[t * K + lane];
+  for (int c = 0; c < 32; c++) {
+    if (c >= K) break;
+    if (rank_in_warp[c] < 0 || p.C) continue; /* capacity: the position is the location */
+    const int i = warp * 32 * K + c * 32 + lane;
+    const int32_t e = s_idx[i];
     int32_t base = 0;
     for (int w = 0; w < warp; w++) base += s_cnt[w * E + e];
-    p.pos[(t0 + t) * K + lane] = rank_in_warp[j] + base;
+    p.pos[t0 * K + i] = rank_in_warp[c] + base;
   }
   for (int r = 0; r < d.W; r++) {
     const unsigned has = __ballot_sync(0xffffffffu, mask >> r & 1u);
@@ -1042,7 +1061,8 @@ __global__ void __launch_bounds__(kLayoutTokens) layout_bases_kernel(const fused
 
 /* A warp per token: absolute positions and slots, and the token's record
  * into each destination's window; the last CTA raises the records' flags. */
-__global__ void __launch_bounds__(256) layout_records_kernel(const fused_dev d, const fused_plan_dev p) {
+__global__ void __launch_bounds__(256) layout_records_kernel(const fused_dev d, const fused_plan_dev p, int early) {
+  pdl_begin(early);
   if (failed(d)) return;
   if (blockIdx.x == 0) LAYOUT_TRACE(9);
   const uint32_t seq = *reinterpret_cast<volatile uint32_t *>(d.ctl + CTL_SEQ);
@@ -1105,9 +1125,10 @@ __global__ void __launch_bounds__(256) layout_records_kernel(const fused_dev d, 
 }
 
 /* A warp per received row: the plan's tables; then the padding rows. */
-__global__ void __launch_bounds__(256) layout_receive_kernel(const fused_dev d, const fused_plan_dev p) {
+__global__ void __launch_bounds__(256) layout_receive_kernel(const fused_dev d, const fused_plan_dev p, int early) {
   __shared__ int s_bad;
   __shared__ int64_t s_rbase[EPX_FUSED_MAX_RANKS + 1];
+  pdl_begin(early);
   if (failed(d)) return;
   const uint32_t seq = *reinterpret_cast<volatile uint32_t *>(d.ctl + CTL_SEQ);
   const info_index ii = make_info_index(d.W, d.El);
@@ -1196,21 +1217,33 @@ extern "C" cudaError_t epx_fused_layout_launch(epx_fused_t *f, epx_fused_plan_t 
     const cudaError_t e = epx_cuda_kernel_smem_here((const void *)layout_count_kernel, smem);
     if (e != cudaSuccess) return e;
   }
+  /* Programmatic dependent launch (pdl.cuh): a kernel's blocks launch as the
+   * one ahead ends and wait for its memory, not after it (one rank: the
+   * receive kernel began 1 us sooner). Only the records kernel lets the next
+   * launch early: the count kernel's last block may wait long for the
+   * peers' counts, and early blocks waiting behind it would hold every SM
+   * from the caller's other streams meanwhile. */
+  const int early = (epx_cuda_launch_flags() & EPX_CUDA_PDL_LAYOUT_EARLY) != 0;
+  cudaError_t e = cudaSuccess;
   if (p.C && num_tokens > 0)
     layout_claim_kernel<<<(unsigned)((num_tokens * top_k + 255) / 256), 256, 0, stream>>>(d, p, topk_idx, locations);
-  layout_count_kernel<<<(unsigned)blocks, kLayoutTokens, smem, stream>>>(d, p, topk_idx, topk_w, locations);
+  e = launch_pdl(layout_count_kernel, (unsigned)blocks, kLayoutTokens, smem, stream, d, p, topk_idx, topk_w,
+                 locations, 0);
+  if (e != cudaSuccess) return e;
   if (d.relay_mask) {
-    cudaError_t e = epx_fused_relay_step(f, plan, RELAY_COUNTS, 0, stream);
+    e = epx_fused_relay_step(f, plan, RELAY_COUNTS, 0, stream);
     if (e != cudaSuccess) return e;
     layout_bases_kernel<<<1, kLayoutTokens, 0, stream>>>(d, p);
   }
   const int64_t record_blocks = num_tokens > 0 ? (num_tokens * 32 + 255) / 256 : 1;
-  layout_records_kernel<<<(unsigned)record_blocks, 256, 0, stream>>>(d, p);
+  e = launch_pdl(layout_records_kernel, (unsigned)record_blocks, 256, 0, stream, d, p, early);
+  if (e != cudaSuccess) return e;
   if (d.relay_mask) {
-    const cudaError_t e = epx_fused_relay_step(f, plan, RELAY_RECORDS, 0, stream);
+    e = epx_fused_relay_step(f, plan, RELAY_RECORDS, 0, stream);
     if (e != cudaSuccess) return e;
   }
-  layout_receive_kernel<<<(unsigned)f->num_sms, 256, 0, stream>>>(d, p);
+  e = launch_pdl(layout_receive_kernel, (unsigned)f->num_sms, 256, 0, stream, d, p, 0);
+  if (e != cudaSuccess) return e;
   return cudaGetLastError();
 }
 
