@@ -792,6 +792,7 @@ __global__ void __launch_bounds__(kLayoutTokens) layout_count_kernel(const fused
     }
     base = __shfl_sync(0xffffffffu, base, first);
     rank_in_warp[c] = e >= 0 ? base + __popc(same & lanes_below) : -1;
+    __syncwarp(); /* the counter's write seen by the next step's reader */
   }
   __syncthreads();
   for (int e = threadIdx.x; e < E; e += blockDim.x) {
