@@ -6,7 +6,7 @@
 # PyTorch baselines (bench/gpu/bench_torch.py), and prints a verdict table
 # last. Where NCCL and mpirun exist, the one-GPU section also runs the W-rank
 # backend (ep.c, the fused kernels) on one rank: tests/gpu/mpi_gpu_exchange
-# under mpirun -np 1, and its memcheck. Logs go to ${OUT:-/tmp/epx-gpu};
+# under mpirun -np 1, its memcheck and racecheck. Logs go to ${OUT:-/tmp/epx-gpu};
 # scratch (routing files, results) to ${EPX_GPU_WORK:-/tmp/epx-gpu-work}.
 #
 # Needs: nvcc, cmake, a C compiler, python3 with PyTorch (for the baselines),
@@ -20,14 +20,16 @@
 set -u
 cd "$(dirname "$0")/.."
 # EPX_GPU_CHECK_SECTIONS: "one" (one GPU), "two" (2 GPUs over NCCL, under
-# mpirun: mpi_gpu_exchange, nccl_gpu_kill, memcheck, epx-bench --device cuda,
+# mpirun: mpi_gpu_exchange, nccl_gpu_kill, memcheck and racecheck, epx-bench --device cuda,
 # bench_ep beside PyTorch's all_to_all_single, the epx.torch GPU tests and
 # layer benchmark), or both.
 # EPX_GPU_FUSED=ON (the default) builds the fused NVLink exchange and
 # requires the 2-GPU tests to take it (mpi_gpu_exchange also runs every case
 # with every peer relayed through NCCL's host API, as peers without
 # load/store access are: EPX_CUDA_FUSED_RELAY); OFF leaves it out.
-# Also: EPX_GPU_BUILD (build folder), EPX_GPU2_SANITIZE=0 (no 2-GPU memcheck),
+# Also: EPX_GPU_BUILD (build folder), EPX_GPU2_SANITIZE=0 (no 2-GPU memcheck
+# or racecheck: together up to 10 minutes, more than a device call's limit
+# beside the rest; run them in a call of their own),
 # EPX_GPU2_TEST_TIMEOUT / EPX_GPU2_MAIN_TIMEOUT / EPX_GPU2_BENCH_TIMEOUT
 # (seconds per 2-GPU test / epx-bench run / bench_ep), EPX_BENCH_EP_SECTIONS
 # (bench_ep's sections: main,sweep,split,relay,step; all by default).

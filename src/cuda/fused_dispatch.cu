@@ -686,9 +686,9 @@ __global__ void __launch_bounds__(256) layout_claim_kernel(const fused_dev d, co
  * by __match_any_sync, their writes of pos coalesced: against 32 steps of a
  * lane per slot k, the last count block started 6 us earlier at one rank)
  * plus the counts of the warps before; a token's slot among the block's
- * tokens to a rank is a ballot's prefix plus the warps before. Shared: the ids [kLayoutTokens, K],
- * then a byte counter per (warp, expert) (a warp has at most 32 routes to an
- * expert). */
+ * tokens to a rank is a ballot's prefix plus the warps before. Shared: the
+ * ids [kLayoutTokens, K], then a byte counter per (warp, expert) (a warp has
+ * at most 32 routes to an expert). */
 __global__ void __launch_bounds__(kLayoutTokens) layout_count_kernel(const fused_dev d, const fused_plan_dev p,
                                                                      const int32_t *topk_idx,
                                                                      const float *topk_w,

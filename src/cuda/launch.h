@@ -151,8 +151,9 @@ void epx_cuda_ep_at_one_rank(int on);
  * equal for bf16 rows of 2048 and 7168, so the automatic choice is 1.
  * Vectors per step: the kernels that form dots (combine_backward's and
  * dispatch_backward's grad_w) take EPX_CUDA_MOVE_VECS, which fixes their
- * summation order (the fused path forms the same dots in the same order, so
- * it is part of the bits); the plain moves take fewer, measured on an H200
+ * summation order (combine_backward's is the fused path's order too, so it
+ * is part of the bits; dispatch_backward's keeps its results as they were);
+ * the plain moves take fewer, measured on an H200
  * (session 20, bench_gpu's shapes A-C against 4): the scatter 1 (512 B of a
  * row per warp per step; rows of 2048: 4% faster with K=1, equal with K=3
  * and for rows of 7168), the gather 2 (3-5% faster for rows of 2048 and
