@@ -55,7 +55,9 @@
 /* ------------------------------------------------------------------------ */
 
 static pthread_mutex_t g_fatal_lock = PTHREAD_MUTEX_INITIALIZER;
+#if EPX_TOOLS_HAVE_MPI
 static int g_mpi_active;
+#endif
 static _Thread_local int32_t t_rank;
 
 /* Any failure of the tool itself (an epx call, an allocation) ends the run:
