@@ -411,14 +411,16 @@ fail:
 void epx_cuda_ep_peer_paths(epx_buffer_t b, int32_t *paths) {
   const ep_buffer_t *s = b->cuda;
   /* a relayed peer (no load/store access) is served by NCCL's host API */
-#if EPX_HAVE_FUSED
-  const uint32_t relayed = s && s->fused ? epx_fused_relayed_peers(s->fused) : 0;
-  for (int32_t r = 0; r < b->world_size; r++)
-    paths[r] = s && s->fused && !(relayed >> r & 1u) ? EPX_PATH_FUSED : EPX_PATH_HOST;
+  int fused = 0;
+  uint32_t relayed = 0;
+#if EPX_HAVE_FUSED /* (a build without the module has no fused state) */
+  fused = s && s->fused;
+  if (fused) relayed = epx_fused_relayed_peers(s->fused);
 #else
   (void)s;
-  for (int32_t r = 0; r < b->world_size; r++) paths[r] = EPX_PATH_HOST;
 #endif
+  for (int32_t r = 0; r < b->world_size; r++)
+    paths[r] = fused && !(relayed >> r & 1u) ? EPX_PATH_FUSED : EPX_PATH_HOST;
 }
 
 /* ------------------------------------------------------------------------ */

@@ -52,8 +52,6 @@ __global__ void resolve_peers_kernel(ncclWindow_t win, const int *lsa_of, int W,
   if (r < W) out[r] = lsa_of[r] >= 0 ? static_cast<char *>(ncclGetLsaPointer(win, 0, lsa_of[r])) : nullptr;
 }
 
-size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
-
 /* Offsets of the window's regions (fused_impl.cuh). */
 void window_offsets(fused_dev &d, int64_t part_elem) {
   const size_t W = (size_t)d.W;
@@ -1225,10 +1223,9 @@ extern "C" cudaError_t epx_fused_layout_launch(epx_fused_t *f, epx_fused_plan_t 
    * peers' counts, and early blocks waiting behind it would hold every SM
    * from the caller's other streams meanwhile. */
   const int early = (epx_cuda_launch_flags() & EPX_CUDA_PDL_LAYOUT_EARLY) != 0;
-  cudaError_t e = cudaSuccess;
   if (p.C && num_tokens > 0)
     layout_claim_kernel<<<(unsigned)((num_tokens * top_k + 255) / 256), 256, 0, stream>>>(d, p, topk_idx, locations);
-  e = launch_pdl(layout_count_kernel, (unsigned)blocks, kLayoutTokens, smem, stream, d, p, topk_idx, topk_w,
+  cudaError_t e = launch_pdl(layout_count_kernel, (unsigned)blocks, kLayoutTokens, smem, stream, d, p, topk_idx, topk_w,
                  locations, 0);
   if (e != cudaSuccess) return e;
   if (d.relay_mask) {

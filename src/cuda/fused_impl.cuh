@@ -85,6 +85,9 @@ struct fused_dev {
 
 __host__ __device__ __forceinline__ bool relayed(const fused_dev &d, int r) { return (d.relay_mask >> r) & 1u; }
 
+/* v rounded up to a multiple of a (the window's and the relay blocks' offsets). */
+static inline size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
+
 /* Index of the small int64 table of a plan (device), from W and E_local.
  * Everything the host reads back (epx_fused_plan_summary) sits in its first
  * `head` words; the per-(source, expert) bases follow. */

@@ -44,17 +44,15 @@ using namespace epx_fused_impl;
 
 namespace {
 
-size_t page_up(size_t v) { return (v + 4095) / 4096 * 4096; }
-
 /* The offsets of one relayed peer's outbox and inbox (fused_dev); *outbox
  * gets the outbox's bytes (the inbox follows it), the result both's. */
 size_t relay_layout(fused_dev &d, size_t *outbox) {
   const size_t T = (size_t)d.maxT;
   const size_t row = (size_t)(d.row_bytes > d.H * 4 ? d.row_bytes : d.H * 4);
-  d.relay_off_rows = page_up(T * (size_t)d.meta_stride);
+  d.relay_off_rows = align_up(T * (size_t)d.meta_stride, 4096);
   d.relay_off_back = d.relay_off_rows + T * row;
-  *outbox = page_up(d.relay_off_back + T * (size_t)d.Kmax * 4);
-  return *outbox + page_up(d.relay_off_rows + T * row);
+  *outbox = align_up(d.relay_off_back + T * (size_t)d.Kmax * 4, 4096);
+  return *outbox + align_up(d.relay_off_rows + T * row, 4096);
 }
 
 /* A warp per row: each relayed source's rows [0, rcount) from its inbox to
