@@ -32,7 +32,8 @@ cd "$(dirname "$0")/.."
 # beside the rest; run them in a call of their own),
 # EPX_GPU2_TEST_TIMEOUT / EPX_GPU2_MAIN_TIMEOUT / EPX_GPU2_BENCH_TIMEOUT
 # (seconds per 2-GPU test / epx-bench run / bench_ep), EPX_BENCH_EP_SECTIONS
-# (bench_ep's sections: main,sweep,split,relay,step; all by default).
+# (bench_ep's sections: main,layout,expert,sweep,relay,engine,split,step;
+# all by default).
 # epx-bench needs OpenBLAS: a machine without it takes a copy under
 # .gpu-deps/blas (see DEP_ARGS below).
 SECTIONS=${EPX_GPU_CHECK_SECTIONS:-one two}
@@ -45,6 +46,16 @@ JOBS=$(nproc 2>/dev/null || echo 8)
 SUMMARY=$OUTDIR/summary.txt
 : >"$SUMMARY"
 verdict() { printf '%-58s %s\n' "$1" "$2" >>"$SUMMARY"; }
+# The verdict of a compute-sanitizer run: sanitizer_verdict NAME EXIT SECONDS
+# (the runs pass --error-exitcode 86; 124: timeout's).
+sanitizer_verdict() {
+  case $2 in
+    0) verdict "$1" PASS ;;
+    124) verdict "$1" "TIMEOUT ($3 s)" ;;
+    86) verdict "$1" "FAIL (errors found)" ;;
+    *) verdict "$1" "FAIL (exit $2)" ;;
+  esac
+}
 
 # PyTorch's NCCL (nvidia.nccl is a namespace package: its __path__, not __file__)
 NCCL=$(python3 -c "import nvidia.nccl;print(list(nvidia.nccl.__path__)[0])" 2>/dev/null || echo /usr/local/cuda)
@@ -170,13 +181,7 @@ for tool in memcheck racecheck; do
     if [ $BUILD_OK != 1 ] || [ -z "$SAN" ]; then verdict "$tool $t" SKIPPED; continue; fi
     echo "== $tool $t" >>"$log"
     EPX_GPU_TEST_QUICK=1 timeout 100 "$SAN" --tool "$tool" --error-exitcode 86 "$BUILD/tests/gpu/$t" >>"$log" 2>&1
-    rc=$?
-    case $rc in
-      0) verdict "$tool $t" PASS ;;
-      124) verdict "$tool $t" "TIMEOUT (100 s)" ;;
-      86) verdict "$tool $t" "FAIL (errors found)" ;;
-      *) verdict "$tool $t" "FAIL (exit $rc)" ;;
-    esac
+    sanitizer_verdict "$tool $t" $? 100
   done
 done
 # memcheck and racecheck of the W-rank backend on one rank, with the 2-GPU
@@ -186,12 +191,7 @@ if [ $ONE_RANK = 1 ] && [ -n "$SAN" ]; then
     EPX_GPU_EXPECT_FUSED=0 EPX_GPU_TEST_QUICK=1 LD_LIBRARY_PATH="$NCCL/lib:${LD_LIBRARY_PATH:-}" \
       timeout 240 "${MPIRUN1[@]}" "$SAN" --tool $tool --report-api-errors no --error-exitcode 86 \
       "$BUILD/tests/gpu/mpi_gpu_exchange" >"$OUTDIR/${tool}1.log" 2>&1
-    rc=$?
-    case $rc in
-      0) verdict "$tool mpi_gpu_exchange (1 rank, W-rank backend)" PASS ;;
-      124) verdict "$tool mpi_gpu_exchange (1 rank, W-rank backend)" "TIMEOUT (240 s)" ;;
-      *) verdict "$tool mpi_gpu_exchange (1 rank, W-rank backend)" "FAIL (exit $rc)" ;;
-    esac
+    sanitizer_verdict "$tool mpi_gpu_exchange (1 rank, W-rank backend)" $? 240
   done
 fi
 
@@ -236,12 +236,7 @@ if [ -n "$GPU2_TESTS" ]; then
         EPX_GPU_TEST_QUICK=1 timeout 300 $MPIRUN -x EPX_GPU_TEST_QUICK "$SAN" --tool $tool --report-api-errors no \
           --error-exitcode 86 \
           "$BUILD/tests/gpu/mpi_gpu_exchange" >"$OUTDIR/${tool}2.log" 2>&1
-        rc=$?
-        case $rc in
-          0) verdict "$tool mpi_gpu_exchange (2 GPUs)" PASS ;;
-          124) verdict "$tool mpi_gpu_exchange (2 GPUs)" "TIMEOUT (300 s)" ;;
-          *) verdict "$tool mpi_gpu_exchange (2 GPUs)" "FAIL (exit $rc)" ;;
-        esac
+        sanitizer_verdict "$tool mpi_gpu_exchange (2 GPUs)" $? 300
       done
     fi
     # The main job on the GPUs: epx-bench's checked MoE step (route, layout,
