@@ -44,6 +44,7 @@
 #include "comm/comm.h"
 #include "core/error.h"
 #include "core/registry.h"
+#include "core/wait.h"
 
 #if EPX_HAVE_NCCL
 #include <cuda_runtime_api.h>
@@ -69,29 +70,6 @@ typedef struct nccl_state {
   size_t scratch_bytes;
   char reason[768];     /* why the comm failed */
 } nccl_state_t;
-
-static double now_seconds(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
-/* Between the polls of a wait that began at `started`. For its first 2 ms
- * a wait yields the core, then it sleeps. Neither a sleep (the timer slack,
- * about 50 us, on every short wait) nor a spin: a nonblocking NCCL comm
- * launches each call from a thread of its own, and where the launcher binds
- * each rank to one core (mpirun does for 2 ranks) that thread shares the
- * waiting thread's core, so a spin starves the very work it waits for (a
- * 20000-poll spin cost every NCCL call about 1 ms on 2 H200). sched_yield
- * hands the core to that thread, and returns at once where none is ready. */
-static void pause_briefly(double started) {
-  if (now_seconds() - started < 2e-3) {
-    sched_yield();
-    return;
-  }
-  struct timespec ts = {0, 20000};
-  nanosleep(&ts, NULL);
-}
 
 /* Fails the comm once: aborts the NCCL comm so its kernels stop, and keeps
  * the reason for later calls. */
@@ -152,13 +130,13 @@ static epx_status_t poll_comms(epx_comm_t comm, const char *caller, const char *
 
 /* Polls the comms' asynchronous state until none is ncclInProgress. */
 static epx_status_t settle(epx_comm_t comm, const char *caller, const char *what) {
-  const double started = now_seconds(), deadline = started + comm->timeout_seconds;
+  const double started = epx_now_seconds(), deadline = started + comm->timeout_seconds;
   for (;;) {
     int busy = 0;
     epx_status_t status = poll_comms(comm, caller, what, &busy);
     if (status != EPX_SUCCESS || !busy) return status;
-    if (comm->timeout_seconds > 0 && now_seconds() > deadline) return timed_out(comm, caller, what);
-    pause_briefly(started);
+    if (comm->timeout_seconds > 0 && epx_now_seconds() > deadline) return timed_out(comm, caller, what);
+    epx_wait_pause(started);
   }
 }
 
@@ -182,7 +160,7 @@ epx_status_t epx_nccl_result(epx_comm_t comm, int result, const char *caller, co
 }
 
 epx_status_t epx_nccl_wait(epx_comm_t comm, void *stream, const char *caller) {
-  const double started = now_seconds(), deadline = started + comm->timeout_seconds;
+  const double started = epx_now_seconds(), deadline = started + comm->timeout_seconds;
   for (;;) {
     cudaError_t e = cudaStreamQuery((cudaStream_t)stream);
     if (e == cudaSuccess) return EPX_SUCCESS;
@@ -192,9 +170,9 @@ epx_status_t epx_nccl_wait(epx_comm_t comm, void *stream, const char *caller) {
     int busy = 0;
     epx_status_t status = poll_comms(comm, caller, "an NCCL operation of this comm", &busy);
     if (status != EPX_SUCCESS) return status;
-    if (comm->timeout_seconds > 0 && now_seconds() > deadline)
+    if (comm->timeout_seconds > 0 && epx_now_seconds() > deadline)
       return timed_out(comm, caller, "the NCCL work on the stream");
-    pause_briefly(started);
+    epx_wait_pause(started);
   }
 }
 

@@ -4,6 +4,7 @@
 #include "core/dtype.h"
 
 #include "core/error.h"
+#include "core/payload.h"
 
 #if defined(__x86_64__) || defined(__SSE2__)
 #include <emmintrin.h>
@@ -12,14 +13,7 @@
 #define EPX_HAVE_STREAM 0
 #endif
 
-size_t epx_dtype_size(epx_dtype_t dtype) {
-  switch (dtype) {
-    case EPX_FLOAT32: return 4;
-    case EPX_BFLOAT16: return 2;
-    case EPX_FLOAT16: return 2;
-  }
-  return 0;
-}
+size_t epx_dtype_size(epx_dtype_t dtype) { return (size_t)epx_dtype_bytes(dtype); }
 
 void epx_row_to_f32(epx_dtype_t dtype, const void *src, float *dst, int64_t n) {
   if (dtype == EPX_FLOAT32) {

@@ -7,6 +7,7 @@
 
 #include <stdint.h>
 
+#include "core/payload.h"
 #include "epx.h"
 
 #ifdef __cplusplus
@@ -60,9 +61,10 @@ static inline void epx_buffer_agree_max_tokens(epx_buffer_t buffer, int64_t larg
   if (buffer->max_tokens == 0) buffer->max_tokens = rounding;
 }
 
-/* Bytes of one payload row; it fits (epx_buffer_create checked the config). */
+/* Bytes of one payload row (core/payload.h); it fits (epx_buffer_create
+ * checked the config). */
 static inline int64_t epx_buffer_row_bytes(epx_buffer_t buffer) {
-  return buffer->config.hidden * (int64_t)epx_dtype_size(buffer->config.dtype);
+  return epx_payload_row_bytes(buffer->config.dtype, buffer->config.hidden);
 }
 
 /* FNV-1a of the routing's expert ids (a [T, K] int32 array). */

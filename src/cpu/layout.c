@@ -136,7 +136,7 @@ static epx_status_t plan_new(layout_t *L, epx_handle_t handle) {
   p->record_k = b->config.max_top_k;
   p->T = r->num_tokens, p->H = b->config.hidden;
   p->dtype = b->config.dtype;
-  p->row_bytes = (size_t)p->H * epx_dtype_size(p->dtype);
+  p->row_bytes = (size_t)epx_buffer_row_bytes(b);
   p->layout = b->config.layout;
   p->exchange = b->config.exchange;
   p->weighting = r->weighting;

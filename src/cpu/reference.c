@@ -16,6 +16,7 @@
 
 #include "core/dtype.h"
 #include "core/error.h"
+#include "core/payload.h"
 
 static int misaligned(const void *p, uintptr_t alignment) { return ((uintptr_t)p % alignment) != 0; }
 
@@ -114,7 +115,7 @@ static epx_status_t to_f32(const char *fn, epx_dtype_t dtype, const void *rows, 
   size_t count = (size_t)n * (size_t)H;
   float *f = malloc((count ? count : 1) * sizeof(float));
   if (!f) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory for %lld rows", fn, (long long)n);
-  size_t row_bytes = (size_t)H * epx_dtype_size(dtype);
+  size_t row_bytes = (size_t)epx_payload_row_bytes(dtype, H);
   for (int64_t i = 0; i < n; i++)
     epx_row_to_f32(dtype, (const char *)rows + (size_t)i * row_bytes, f + (size_t)i * H, H);
   *out = f;
@@ -139,7 +140,7 @@ epx_status_t epx_reference_dense_dispatch(epx_dtype_t dtype, int64_t num_tokens,
   acc = malloc((size_t)H * sizeof(float));
   if (!acc) EPX_FAIL(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
   /* out[e, c, :] = sum_t mask[t, e, c] * x[t, :] */
-  size_t row_bytes = (size_t)H * epx_dtype_size(dtype);
+  size_t row_bytes = (size_t)epx_payload_row_bytes(dtype, H);
   for (int64_t e = 0; e < E; e++) {
     for (int64_t c = 0; c < C; c++) {
       for (int64_t h = 0; h < H; h++) acc[h] = 0.0f;
@@ -177,7 +178,7 @@ epx_status_t epx_reference_dense_combine(epx_dtype_t dtype, int64_t num_tokens, 
   acc = malloc((size_t)H * sizeof(float));
   if (!acc) EPX_FAIL(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
   /* out[t, :] = sum_{e, c} mask[t, e, c] * expert_out[e, c, :] */
-  size_t row_bytes = (size_t)H * epx_dtype_size(dtype);
+  size_t row_bytes = (size_t)epx_payload_row_bytes(dtype, H);
   for (int64_t t = 0; t < T; t++) {
     for (int64_t h = 0; h < H; h++) acc[h] = 0.0f;
     for (int64_t e = 0; e < E; e++) {

@@ -165,17 +165,14 @@ extern "C" cudaError_t epx_cuda_gather_launch(epx_dtype_t dtype, const void *src
   a.other = static_cast<const uint4 *>(other);
   a.grad_w = grad_w;
   a.tokens = num_tokens;
-  a.nvec = hidden * (int64_t)epx_dtype_size(dtype) / 16;
+  a.nvec = epx_payload_row_vectors(dtype, hidden);
   a.k = top_k;
   a.wpt_shift = epx_cuda_move_split(a.nvec, warps_per_token, &a.slice);
   if (a.wpt_shift < 0) return cudaErrorInvalidValue;
   const int64_t blocks = ((num_tokens << a.wpt_shift) + kWarps - 1) / kWarps;
   if (blocks == 0) return cudaSuccess;
   const size_t shared = (size_t)kWarps * 4 * sizeof(int32_t) * (size_t)top_k;
-  switch (dtype) {
-    case EPX_FLOAT32: return launch_typed<float>(a, (unsigned int)blocks, shared, stream);
-    case EPX_BFLOAT16: return launch_typed<__nv_bfloat16>(a, (unsigned int)blocks, shared, stream);
-    case EPX_FLOAT16: return launch_typed<__half>(a, (unsigned int)blocks, shared, stream);
-  }
-  return cudaErrorInvalidValue;
+  return epx_payload_visit(dtype, [&](auto tag) {
+    return launch_typed<typename decltype(tag)::type>(a, (unsigned int)blocks, shared, stream);
+  });
 }

@@ -68,6 +68,7 @@
 #include "comm/comm.h"
 #include "comm/nccl.h"
 #include "core/error.h"
+#include "core/route_spec.h"
 #include "cuda/cuda_check.h"
 #include "cuda/cuda_backend.h"
 #include "cuda/ep.h"
@@ -855,7 +856,7 @@ fail:
 }
 
 static size_t staging_bytes(epx_buffer_t b, const ep_handle_t *h) {
-  const size_t rb = (size_t)b->config.hidden * epx_dtype_size(b->config.dtype);
+  const size_t rb = (size_t)epx_buffer_row_bytes(b);
   /* a float32 partial per pair: combine's with float32 partials,
    * dispatch_backward's always (expert-major and capacity; a rank-major
    * row is its rank's partial) */
@@ -916,11 +917,7 @@ epx_status_t epx_cuda_ep_dispatch_layout(epx_buffer_t b, const epx_routing_t *r,
     h->count[kind] = h->count[0] + kind * W, h->displ[kind] = h->count[0] + (KINDS + kind) * W;
   h->d = (epx_cuda_ep_dims_t){(int32_t)W, b->rank, (int32_t)El, (int32_t)Kb, r->top_k, Tm, r->num_tokens,
                               c->layout, c->capacity, worst, Tm, Tm * kk, (int32_t)r->weighting};
-  switch (c->layout) {
-    case EPX_LAYOUT_EXPERT_MAJOR: h->row_bound = G * kk + El * (c->expert_alignment - 1); break;
-    case EPX_LAYOUT_RANK_MAJOR: h->row_bound = G; break;
-    default: h->row_bound = El * W * c->capacity; break;
-  }
+  h->row_bound = epx_recv_rows_bound(c->layout, W, Tm, (int32_t)Kb, El, c->expert_alignment, c->capacity);
   h->pair_rows = W * h->d.Bp;
   h->route_rows = W * h->d.Br;
   h->has_w = r->topk_w != NULL;
@@ -1014,7 +1011,7 @@ static epx_status_t move_forward(epx_buffer_t b, epx_handle_t handle, const void
   cudaStream_t stream = stream_of(b);
   const int dedup = c->exchange == EPX_EXCHANGE_DEDUP;
   const int hk = dedup ? HOME_PAIRS : HOME_ROUTES, rk = dedup ? RECV_PAIRS : RECV_ROUTES;
-  const size_t rb = (size_t)c->hidden * epx_dtype_size(c->dtype);
+  const size_t rb = (size_t)epx_buffer_row_bytes(b);
   const int direct = dedup && c->layout == EPX_LAYOUT_RANK_MAJOR && !h->d.worst;
   CUDA_CHECK(epx_cuda_scatter_launch(c->dtype, src, s->send, h->d.T, c->hidden,
                                      dedup ? h->tab.pair_stage : h->tab.route_stage, dedup ? h->d.W : h->d.K,
@@ -1112,7 +1109,7 @@ static epx_status_t return_pairs(epx_buffer_t b, epx_handle_t handle, const void
   const ep_handle_t *h = handle->cuda;
   const ep_buffer_t *s = b->cuda;
   cudaStream_t stream = stream_of(b);
-  const size_t rb = (size_t)c->hidden * epx_dtype_size(c->dtype);
+  const size_t rb = (size_t)epx_buffer_row_bytes(b);
   const void *send = rows;
   if (h->d.worst) {
     CUDA_CHECK(epx_cuda_scatter_launch(c->dtype, rows, s->send, h->row_bound, c->hidden, h->tab.stage_of_row, 1,
@@ -1141,7 +1138,7 @@ static epx_status_t move_backward(epx_buffer_t b, epx_handle_t handle, const voi
   const ep_handle_t *h = handle->cuda;
   const ep_buffer_t *s = b->cuda;
   cudaStream_t stream = stream_of(b);
-  const size_t rb = (size_t)c->hidden * epx_dtype_size(c->dtype);
+  const size_t rb = (size_t)epx_buffer_row_bytes(b);
   if (c->layout == EPX_LAYOUT_RANK_MAJOR) return return_pairs(b, handle, rows, out, fn);
   if (c->exchange == EPX_EXCHANGE_COLLECTIVE || grad_w) {
     /* Each route's row goes home; the token's rank forms the partials. */
@@ -1344,7 +1341,7 @@ epx_status_t epx_cuda_ep_stats(epx_handle_t handle, epx_handle_stats_t *stats) {
     if (p == b->rank) self = out;
     else send += out, recv += in;
   }
-  const int64_t rb = b->config.hidden * (int64_t)epx_dtype_size(b->config.dtype);
+  const int64_t rb = epx_buffer_row_bytes(b);
   *stats = (epx_handle_stats_t){send, recv, send * rb, recv * rb, self};
   return EPX_SUCCESS;
 }

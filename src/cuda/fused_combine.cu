@@ -470,12 +470,9 @@ extern "C" cudaError_t epx_fused_combine_launch(epx_fused_t *f, const epx_fused_
   const int part_f32 = expert && precision == EPX_COMBINE_PARTIALS_FLOAT32 && f->config.dtype != EPX_FLOAT32;
   const uint4 *eo = static_cast<const uint4 *>(expert_out);
   uint4 *o = static_cast<uint4 *>(out);
-  switch (f->config.dtype) {
-    case EPX_FLOAT32: return launch_typed<float>(f, plan, eo, o, weighted, part_f32, n, n - nr, stream);
-    case EPX_BFLOAT16: return launch_typed<__nv_bfloat16>(f, plan, eo, o, weighted, part_f32, n, n - nr, stream);
-    case EPX_FLOAT16: return launch_typed<__half>(f, plan, eo, o, weighted, part_f32, n, n - nr, stream);
-  }
-  return cudaErrorInvalidValue;
+  return epx_payload_visit(f->config.dtype, [&](auto tag) {
+    return launch_typed<typename decltype(tag)::type>(f, plan, eo, o, weighted, part_f32, n, n - nr, stream);
+  });
 }
 
 extern "C" cudaError_t epx_fused_dispatch_backward_launch(epx_fused_t *f, const epx_fused_plan_t *plan,

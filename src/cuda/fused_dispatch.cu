@@ -38,6 +38,8 @@
 #include <time.h>
 
 #include "core/error.h"
+#include "core/route_spec.h"
+#include "core/wait.h"
 #include "cuda/fused_impl.cuh"
 #include "cuda/pdl.cuh"
 
@@ -114,7 +116,7 @@ epx_status_t cuda_fail(const char *fn, const char *what, cudaError_t e) {
 
 epx_status_t check_config(const epx_fused_config_t *c, int W, const char *fn) {
   EPX_REQUIRE(c, "%s: config is NULL", fn);
-  EPX_REQUIRE(dtype_bytes(c->dtype) != 0, "%s: config.dtype %d is not a dtype", fn, (int)c->dtype);
+  EPX_REQUIRE(epx_dtype_bytes(c->dtype) != 0, "%s: config.dtype %d is not a dtype", fn, (int)c->dtype);
   EPX_REQUIRE(c->hidden > 0 && c->hidden % 8 == 0, "%s: config.hidden %lld is not a positive multiple of 8",
               fn, (long long)c->hidden);
   EPX_REQUIRE(c->num_experts > 0 && c->num_experts % W == 0,
@@ -140,7 +142,7 @@ void init_dev(epx_fused_t *f, int W, int rank) {
   d.Kmax = c->max_top_k;
   d.maxT = c->max_tokens;
   d.H = c->hidden;
-  d.row_bytes = c->hidden * dtype_bytes(c->dtype);
+  d.row_bytes = epx_payload_row_bytes(c->dtype, c->hidden);
   d.nvec = d.row_bytes / 16;
   d.pay_row_bytes = c->f32_rows && d.row_bytes < c->hidden * 4 ? c->hidden * 4 : d.row_bytes;
   d.max_chunks = (int)((c->max_tokens + kChunk - 1) / kChunk);
@@ -148,27 +150,8 @@ void init_dev(epx_fused_t *f, int W, int rank) {
   /* the bulk path: as many one-row slots as fit in 200 KB of shared memory */
   const int64_t fit = ((int64_t)200 << 10) / bulk_slot_bytes(d.row_bytes);
   d.bulk_warps = c->bulk_copy ? (int)(fit < kMaxBulkWarps ? fit : kMaxBulkWarps) : 0;
-  const double seconds = c->timeout_seconds > 0 ? c->timeout_seconds : 60.0;
+  const double seconds = epx_wait_bound(c->timeout_seconds);
   d.timeout_ns = (unsigned long long)(seconds * 1e9);
-}
-
-/* Seconds since an arbitrary start (the bounded host waits below). */
-double now_seconds() {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
-/* Between two polls: the core goes to the comm's own launch thread (a
- * nonblocking comm runs each group from a thread that may share this one's
- * core), then, after 2 ms, a short sleep. */
-void pause_briefly(double started) {
-  if (now_seconds() - started < 2e-3) {
-    sched_yield();
-    return;
-  }
-  struct timespec ts = {0, 20000};
-  nanosleep(&ts, NULL);
 }
 
 /* The result of an NCCL call, waited out where the comm is nonblocking:
@@ -181,17 +164,17 @@ void pause_briefly(double started) {
  * later, so the caller must not free them). */
 epx_status_t nccl_settle(ncclComm_t comm, ncclResult_t r, double seconds, const char *fn, const char *what) {
   if (r != ncclSuccess && r != ncclInProgress) return nccl_fail(fn, what, r);
-  const double started = now_seconds();
+  const double started = epx_now_seconds();
   for (;;) {
     ncclResult_t state = ncclSuccess;
     const ncclResult_t q = ncclCommGetAsyncError(comm, &state);
     if (q != ncclSuccess) return nccl_fail(fn, "ncclCommGetAsyncError", q);
     if (state == ncclSuccess) return EPX_SUCCESS;
     if (state != ncclInProgress) return nccl_fail(fn, what, state);
-    if (now_seconds() - started > seconds)
+    if (epx_now_seconds() - started > seconds)
       return epx_error(EPX_ERROR_TIMEOUT, "%s: %s did not complete within %.3g s (a peer is not creating the same "
                        "buffer); the comm is unusable: destroy it", fn, what, seconds);
-    pause_briefly(started);
+    epx_wait_pause(started);
   }
 }
 
@@ -205,15 +188,15 @@ namespace {
 
 /* Waits for the work on `stream`, at most `seconds`. */
 epx_status_t stream_settle(cudaStream_t stream, double seconds, const char *fn, const char *what) {
-  const double started = now_seconds();
+  const double started = epx_now_seconds();
   for (;;) {
     const cudaError_t e = cudaStreamQuery(stream);
     if (e == cudaSuccess) return EPX_SUCCESS;
     if (e != cudaErrorNotReady) return cuda_fail(fn, what, e);
-    if (now_seconds() - started > seconds)
+    if (epx_now_seconds() - started > seconds)
       return epx_error(EPX_ERROR_TIMEOUT, "%s: %s did not complete within %.3g s (a peer is not creating the same "
                        "buffer); the comm is unusable: destroy it", fn, what, seconds);
-    pause_briefly(started);
+    epx_wait_pause(started);
   }
 }
 
@@ -402,8 +385,7 @@ extern "C" epx_status_t epx_fused_create(void *nccl_comm, const epx_fused_config
   epx_status_t local = EPX_SUCCESS; /* this rank's own checks: the ranks agree on them below */
   /* a nonblocking comm must have finished its previous operation (NCCL
    * refuses every call until then) */
-  epx_status_t status = nccl_settle(comm, ncclSuccess, config && config->timeout_seconds > 0 ? config->timeout_seconds
-                                                                                         : 60.0,
+  epx_status_t status = nccl_settle(comm, ncclSuccess, epx_wait_bound(config ? config->timeout_seconds : 0),
                                     fn, "the comm's previous operation");
   if (status != EPX_SUCCESS) return status;
   ncclResult_t r = ncclCommCount(comm, &W);
@@ -436,7 +418,7 @@ extern "C" epx_status_t epx_fused_create(void *nccl_comm, const epx_fused_config
     window_offsets(f->dev, part_elem);
     f->bytes = window_bytes(f->dev, part_elem);
   }
-  const double seconds = config && config->timeout_seconds > 0 ? config->timeout_seconds : 60.0;
+  const double seconds = epx_wait_bound(config ? config->timeout_seconds : 0);
   int keep = 0;
   cudaStream_t stream = NULL;
   cudaError_t e = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
@@ -524,9 +506,7 @@ extern "C" epx_status_t epx_fused_plan_create(epx_fused_t *f, epx_layout_t layou
               "%s: capacity %lld is outside [1, 2^31 / (E_local * W))", fn, (long long)capacity);
   const int64_t blocks = (T + kLayoutTokens - 1) / kLayoutTokens;
   const int64_t pairs = W * T;
-  const int64_t row_bound = cap ? El * W * capacity
-                            : layout == EPX_LAYOUT_EXPERT_MAJOR ? pairs * (K < El ? K : El) + El * (alignment - 1)
-                                                                : pairs;
+  const int64_t row_bound = epx_recv_rows_bound(layout, W, T, (int32_t)K, El, alignment, (int32_t)capacity);
   const int64_t claims = cap ? E * capacity : 0;
   const info_index ii = make_info_index((int)W, (int)El);
   /* int32 words of every array, in the order they are carved below */
@@ -1525,14 +1505,9 @@ extern "C" cudaError_t epx_fused_dispatch_launch(epx_fused_t *f, const epx_fused
   uint4 *rs = static_cast<uint4 *>(in_window || (engine && !known) ? window : recv_x);
   const size_t smem = (size_t)d.bulk_warps * (size_t)bulk_slot_bytes(d.row_bytes);
   const int ex = 2 * f->num_sms; /* the expansion apart: two CTAs of 16 warps per SM */
-  cudaError_t e = cudaErrorInvalidValue;
-  switch (f->config.dtype) {
-    case EPX_FLOAT32: e = launch_dispatch<float>(f, plan, xs, rs, mode, weighted, n, n - nr, ex, smem, stream); break;
-    case EPX_BFLOAT16:
-      e = launch_dispatch<__nv_bfloat16>(f, plan, xs, rs, mode, weighted, n, n - nr, ex, smem, stream);
-      break;
-    case EPX_FLOAT16: e = launch_dispatch<__half>(f, plan, xs, rs, mode, weighted, n, n - nr, ex, smem, stream); break;
-  }
+  cudaError_t e = epx_payload_visit(f->config.dtype, [&](auto tag) {
+    return launch_dispatch<typename decltype(tag)::type>(f, plan, xs, rs, mode, weighted, n, n - nr, ex, smem, stream);
+  });
   if (e != cudaSuccess || !engine) return e;
   char *to = static_cast<char *>(recv_x);
   const char *from = static_cast<const char *>(window);

@@ -355,11 +355,6 @@ static inline int epx_fused_receivers(int n) {
   return share > 1 ? share : 1;
 }
 
-/* Bytes of one element of a dtype (0 for an unknown one). */
-static inline __host__ __device__ int64_t dtype_bytes(epx_dtype_t t) {
-  return t == EPX_FLOAT32 ? 4 : (t == EPX_BFLOAT16 || t == EPX_FLOAT16) ? 2 : 0;
-}
-
 /* ---- the relay (fused_relay.cu) ------------------------------------------- */
 
 /* What a relay step moves to and from every relayed peer r. */

@@ -38,6 +38,7 @@
 #include <nccl.h>
 
 #include "core/error.h"
+#include "core/wait.h"
 #include "cuda/fused_impl.cuh"
 
 using namespace epx_fused_impl;
@@ -196,7 +197,7 @@ cudaError_t relay_step(epx_fused_t *f, const epx_fused_plan_t *plan, relay_kind 
   }
   const ncclResult_t ended = ncclGroupEnd();
   if (r == ncclSuccess || r == ncclInProgress) r = ended;
-  const double seconds = f->config.timeout_seconds > 0 ? f->config.timeout_seconds : 60.0;
+  const double seconds = epx_wait_bound(f->config.timeout_seconds);
   if (epx_fused_nccl_settle(f->comm, r, seconds, "the fused exchange's relay", "ncclSend/ncclRecv") != EPX_SUCCESS)
     return relay_failed(f, peer, stream);
   return cudaSuccess;

@@ -249,10 +249,6 @@ extern "C" cudaError_t epx_fused_values_home_launch(epx_fused_t *f, const epx_fu
    * CTAs: combine_backward with grad_w took 4.06 ms at T=8192, H=7168,
    * top-8 on 2 H200, against 0.70 without). */
   const int n = dots ? 4 * f->num_sms : f->num_sms;
-  switch (f->config.dtype) {
-    case EPX_FLOAT32: return launch_values<float>(f, plan, a, n, stream);
-    case EPX_BFLOAT16: return launch_values<__nv_bfloat16>(f, plan, a, n, stream);
-    case EPX_FLOAT16: return launch_values<__half>(f, plan, a, n, stream);
-  }
-  return cudaErrorInvalidValue;
+  return epx_payload_visit(f->config.dtype,
+                           [&](auto tag) { return launch_values<typename decltype(tag)::type>(f, plan, a, n, stream); });
 }

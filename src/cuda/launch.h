@@ -18,6 +18,7 @@
 #include <stdint.h>
 #include <cuda_runtime_api.h>
 
+#include "core/payload.h"
 #include "epx.h"
 
 #ifdef __cplusplus
@@ -563,76 +564,9 @@ cudaError_t epx_cuda_hash_launch(const int32_t *topk_idx, int64_t count, uint64_
 }
 #endif
 
-/* Device helpers shared by the kernel files: a 16-byte payload vector as
- * float32 values and back (round to nearest even). */
+/* Device helpers shared by the kernel files. */
 #ifdef __CUDACC__
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
-template <typename T>
-struct epx_vec;
-
-template <>
-struct epx_vec<float> {
-  static constexpr int n = 4;
-  static __device__ __forceinline__ void unpack(const uint4 &v, float *f) {
-    f[0] = __uint_as_float(v.x);
-    f[1] = __uint_as_float(v.y);
-    f[2] = __uint_as_float(v.z);
-    f[3] = __uint_as_float(v.w);
-  }
-  static __device__ __forceinline__ uint4 pack(const float *f) {
-    return make_uint4(__float_as_uint(f[0]), __float_as_uint(f[1]), __float_as_uint(f[2]),
-                      __float_as_uint(f[3]));
-  }
-};
-
-template <>
-struct epx_vec<__nv_bfloat16> {
-  static constexpr int n = 8;
-  static __device__ __forceinline__ void unpack(const uint4 &v, float *f) {
-    const unsigned int w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-      /* bf16 -> f32 is a shift: exact */
-      f[2 * i] = __uint_as_float(w[i] << 16);
-      f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-    }
-  }
-  static __device__ __forceinline__ uint4 pack(const float *f) {
-    unsigned int w[4];
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-      __nv_bfloat162 h = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
-      w[i] = *reinterpret_cast<unsigned int *>(&h);
-    }
-    return make_uint4(w[0], w[1], w[2], w[3]);
-  }
-};
-
-template <>
-struct epx_vec<__half> {
-  static constexpr int n = 8;
-  static __device__ __forceinline__ void unpack(const uint4 &v, float *f) {
-    const unsigned int w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-      __half2 h = *reinterpret_cast<const __half2 *>(&w[i]);
-      float2 p = __half22float2(h);
-      f[2 * i] = p.x;
-      f[2 * i + 1] = p.y;
-    }
-  }
-  static __device__ __forceinline__ uint4 pack(const float *f) {
-    unsigned int w[4];
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-      __half2 h = __floats2half2_rn(f[2 * i], f[2 * i + 1]);
-      w[i] = *reinterpret_cast<unsigned int *>(&h);
-    }
-    return make_uint4(w[0], w[1], w[2], w[3]);
-  }
-};
+#include "cuda/common/payload.cuh"
 
 /* grad_w [K] of a token whose row the move kernels cut into 2^shift slices,
  * a warp each: the slices' dot sums (s_dot of the token's first warp; each
