@@ -105,6 +105,19 @@ fail:
   return status;
 }
 
+/* Spec step 8: each token's kept weights renormalised over its kept routes. */
+static void route_renormalize_kept(const epx_route_config_t *c, int64_t T, const int32_t *idx,
+                                   float *w, const float *base) {
+  const int32_t K = c->top_k;
+  for (int64_t t = 0; t < T; t++) {
+    const float sum = route_weight_sum(base + t * K, idx + t * K, K);
+    for (int32_t k = 0; k < K; k++) {
+      const int64_t r = t * K + k;
+      if (idx[r] >= 0) w[r] = (sum > 0.0f ? base[r] / sum : 0.0f) * c->scaling_factor;
+    }
+  }
+}
+
 /* Locations and drops (spec steps 6-8): idx [T, K] (-1 = no route), w and
  * base [T, K] in, loc [T, K] and counts [E] out; dropped routes get -1 / 0 /
  * -1; with renormalize_after_drop the kept weights are renormalised. */
@@ -120,28 +133,25 @@ static epx_status_t route_locate(const epx_route_config_t *c, int64_t T, int32_t
     for (int32_t k = 0; k < K; k++)
       for (int64_t r = k; r < routes; r += K) loc[r] = idx[r] < 0 ? -1 : counts[idx[r]]++;
   }
-  if (!c->capacity_mode) return EPX_SUCCESS;
-  if (c->drop_policy == EPX_DROP_BY_POSITION) {
-    for (int64_t r = 0; r < routes; r++)
-      if (loc[r] >= capacity) idx[r] = -1;
-  } else {
-    const epx_status_t status = route_drop_ranked(c, T, idx, w, base, loc, counts, capacity);
-    if (status != EPX_SUCCESS) return status;
-  }
-  for (int64_t r = 0; r < routes; r++) {
-    if (idx[r] < 0) {
-      w[r] = 0.0f;
-      loc[r] = -1;
+  if (c->capacity_mode) {
+    if (c->drop_policy == EPX_DROP_BY_POSITION) {
+      for (int64_t r = 0; r < routes; r++)
+        if (loc[r] >= capacity) idx[r] = -1;
+    } else {
+      const epx_status_t status = route_drop_ranked(c, T, idx, w, base, loc, counts, capacity);
+      if (status != EPX_SUCCESS) return status;
+    }
+    for (int64_t r = 0; r < routes; r++) {
+      if (idx[r] < 0) {
+        w[r] = 0.0f;
+        loc[r] = -1;
+      }
     }
   }
-  if (!c->renormalize_after_drop) return EPX_SUCCESS;
-  for (int64_t t = 0; t < T; t++) {
-    const float sum = route_weight_sum(base + t * K, idx + t * K, K);
-    for (int32_t k = 0; k < K; k++) {
-      const int64_t r = t * K + k;
-      if (idx[r] >= 0) w[r] = (sum > 0.0f ? base[r] / sum : 0.0f) * c->scaling_factor;
-    }
-  }
+  /* Dropless too: the token pass left the weights unnormalised (spec step
+   * 5), so step 8 is what renormalises them; nothing was dropped, so it is
+   * over the K chosen. */
+  if (c->renormalize_after_drop) route_renormalize_kept(c, T, idx, w, base);
   return EPX_SUCCESS;
 }
 
