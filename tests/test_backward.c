@@ -117,11 +117,11 @@ static epx_buffer_t setup_buffer(const setup_t *s, epx_weighting_t wt, epx_handl
   c.expert_alignment = s->align;
   c.capacity = s->layout == EPX_LAYOUT_CAPACITY ? s->C : 0;
   epx_buffer_t b = NULL;
-  TU_OK(epx_buffer_create(g_comm, &c, &b));
+  EXPECT_OK(epx_buffer_create(g_comm, &c, &b));
   epx_routing_t r = {s->T, s->K, s->idx, s->w, s->layout == EPX_LAYOUT_CAPACITY ? s->loc : NULL, wt};
-  TU_OK(epx_dispatch_layout(b, &r, NULL, h));
+  EXPECT_OK(epx_dispatch_layout(b, &r, NULL, h));
   int64_t n = -1;
-  TU_OK(epx_handle_recv_rows(*h, &n));
+  EXPECT_OK(epx_handle_recv_rows(*h, &n));
   assert_int_equal(n, s->N);
   return b;
 }
@@ -151,8 +151,8 @@ static void check_dispatch_gradients(tu_rng_t *rng, epx_layout_t layout, int32_t
   float *grad_x = tu_alloc(sizeof(float) * (size_t)(T * H)), *grad_w = tu_alloc(sizeof(float) * (size_t)TK);
   tu_poison(grad_x, sizeof(float) * (size_t)(T * H));
   tu_poison(grad_w, sizeof(float) * (size_t)TK);
-  TU_OK(epx_dispatch(b, h, x, recv, N));
-  TU_OK(epx_dispatch_backward(b, h, g, grad_x, weighted ? x : NULL, weighted ? grad_w : NULL));
+  EXPECT_OK(epx_dispatch(b, h, x, recv, N));
+  EXPECT_OK(epx_dispatch_backward(b, h, g, grad_x, weighted ? x : NULL, weighted ? grad_w : NULL));
 
   double *x64 = to_f64(x, T * H), *w64 = to_f64(s.w, TK), *g64 = to_f64(g, N * H);
   double *dense = tu_alloc(sizeof(double) * (size_t)(s.E * s.C * H + 1));
@@ -187,8 +187,8 @@ static void check_dispatch_gradients(tu_rng_t *rng, epx_layout_t layout, int32_t
     for (int64_t i = 0; i < TK; i++) nonzero |= s.idx[i] >= 0 && fabs(fd[i]) > 1e-3;
     assert_true(nonzero);
   }
-  TU_OK(epx_handle_release(h));
-  TU_OK(epx_buffer_destroy(b));
+  EXPECT_OK(epx_handle_release(h));
+  EXPECT_OK(epx_buffer_destroy(b));
   void *bufs[] = {x, g, recv, grad_x, grad_w, x64, w64, g64, dense, fd};
   for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) tu_free(bufs[i]);
   setup_free(&s);
@@ -232,8 +232,8 @@ static void check_combine_gradients(tu_rng_t *rng, epx_layout_t layout, int32_t 
   float *grad_y = tu_alloc(sizeof(float) * (size_t)(N * H + 1)), *grad_w = tu_alloc(sizeof(float) * (size_t)TK);
   tu_poison(grad_y, sizeof(float) * (size_t)(N * H));
   tu_poison(grad_w, sizeof(float) * (size_t)TK);
-  TU_OK(epx_combine(b, h, y, out));
-  TU_OK(epx_combine_backward(b, h, g, weighted ? y : NULL, grad_y, weighted ? grad_w : NULL));
+  EXPECT_OK(epx_combine(b, h, y, out));
+  EXPECT_OK(epx_combine_backward(b, h, g, weighted ? y : NULL, grad_y, weighted ? grad_w : NULL));
 
   double *y64 = to_f64(y, N * H), *w64 = to_f64(s.w, TK), *g64 = to_f64(g, T * H);
   double *dense = tu_alloc(sizeof(double) * (size_t)(s.E * s.C * H + 1)), *out64 = tu_alloc(sizeof(double) * (size_t)(T * H));
@@ -268,8 +268,8 @@ static void check_combine_gradients(tu_rng_t *rng, epx_layout_t layout, int32_t 
     for (int64_t i = 0; i < TK; i++) nonzero |= s.idx[i] >= 0 && fabs(fd[i]) > 1e-3;
     assert_true(nonzero);
   }
-  TU_OK(epx_handle_release(h));
-  TU_OK(epx_buffer_destroy(b));
+  EXPECT_OK(epx_handle_release(h));
+  EXPECT_OK(epx_buffer_destroy(b));
   void *bufs[] = {y, g, out, grad_y, grad_w, y64, w64, g64, dense, out64, fd};
   for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) tu_free(bufs[i]);
   setup_free(&s);
@@ -368,7 +368,7 @@ static void check_route_end_to_end(tu_rng_t *rng, const route_case_t *rc) {
   int32_t *idx = tu_alloc(sizeof(int32_t) * (size_t)(T * K)), *loc = tu_alloc(sizeof(int32_t) * (size_t)(T * K));
   float *w = tu_alloc(sizeof(float) * (size_t)(T * K));
   epx_route_output_t ro = {idx, w, loc, NULL, NULL, NULL, 0, 0};
-  TU_OK(epx_route(&cfg, T, logits, NULL, &ro));
+  EXPECT_OK(epx_route(&cfg, T, logits, NULL, &ro));
   int dropped = 0;
   for (int64_t i = 0; i < T * K; i++) {
     if (idx[i] >= 0) assert_int_equal(idx[i], chosen[i]);
@@ -384,25 +384,25 @@ static void check_route_end_to_end(tu_rng_t *rng, const route_case_t *rc) {
   bc.expert_alignment = 4;
   bc.capacity = ro.capacity;
   epx_buffer_t b = NULL;
-  TU_OK(epx_buffer_create(g_comm, &bc, &b));
+  EXPECT_OK(epx_buffer_create(g_comm, &bc, &b));
   epx_routing_t routing = {T, K, idx, w, rc->capacity_mode ? loc : NULL, rc->weighting};
   epx_handle_t h = NULL;
-  TU_OK(epx_dispatch_layout(b, &routing, NULL, &h));
+  EXPECT_OK(epx_dispatch_layout(b, &routing, NULL, &h));
   int64_t N = 0;
-  TU_OK(epx_handle_recv_rows(h, &N));
+  EXPECT_OK(epx_handle_recv_rows(h, &N));
   int32_t *recv_expert = tu_alloc(sizeof(int32_t) * (size_t)(N + 1));
-  TU_OK(epx_handle_recv_routing(h, recv_expert, NULL));
+  EXPECT_OK(epx_handle_recv_routing(h, recv_expert, NULL));
 
   /* Forward. */
   int in_dispatch = rc->weighting == EPX_WEIGHTS_IN_DISPATCH;
   float *x = random_f32(rng, T * H), *g = random_f32(rng, T * H);
   float *recv = tu_alloc(sizeof(float) * (size_t)(N * H + 1)), *y = tu_alloc(sizeof(float) * (size_t)(N * H + 1));
   float *out = tu_alloc(sizeof(float) * (size_t)(T * H));
-  TU_OK(epx_dispatch(b, h, x, recv, N));
+  EXPECT_OK(epx_dispatch(b, h, x, recv, N));
   for (int64_t i = 0; i < N; i++)
     for (int64_t j = 0; j < H; j++)
       y[i * H + j] = recv_expert[i] < 0 ? 0.0f : (float)expert_scale(recv_expert[i]) * recv[i * H + j];
-  TU_OK(epx_combine(b, h, y, out));
+  EXPECT_OK(epx_combine(b, h, y, out));
 
   /* Backward: combine, the expert, dispatch, then the route. */
   float *grad_y = tu_alloc(sizeof(float) * (size_t)(N * H + 1)), *grad_recv = tu_alloc(sizeof(float) * (size_t)(N * H + 1));
@@ -410,12 +410,12 @@ static void check_route_end_to_end(tu_rng_t *rng, const route_case_t *rc) {
   float *grad_logits = tu_alloc(sizeof(float) * (size_t)(T * E));
   tu_poison(grad_w, sizeof(float) * (size_t)(T * K));
   tu_poison(grad_logits, sizeof(float) * (size_t)(T * E));
-  TU_OK(epx_combine_backward(b, h, g, in_dispatch ? NULL : y, grad_y, in_dispatch ? NULL : grad_w));
+  EXPECT_OK(epx_combine_backward(b, h, g, in_dispatch ? NULL : y, grad_y, in_dispatch ? NULL : grad_w));
   for (int64_t i = 0; i < N; i++)
     for (int64_t j = 0; j < H; j++)
       grad_recv[i * H + j] = recv_expert[i] < 0 ? 0.0f : (float)expert_scale(recv_expert[i]) * grad_y[i * H + j];
-  TU_OK(epx_dispatch_backward(b, h, grad_recv, grad_x, in_dispatch ? x : NULL, in_dispatch ? grad_w : NULL));
-  TU_OK(epx_route_backward(&cfg, T, logits, NULL, idx, grad_w, 0.0f, 0.0f, grad_logits));
+  EXPECT_OK(epx_dispatch_backward(b, h, grad_recv, grad_x, in_dispatch ? x : NULL, in_dispatch ? grad_w : NULL));
+  EXPECT_OK(epx_route_backward(&cfg, T, logits, NULL, idx, grad_w, 0.0f, 0.0f, grad_logits));
 
   /* The float64 loss and its central differences. */
   double *l64 = to_f64(logits, T * E), *x64 = to_f64(x, T * H), *g64 = to_f64(g, T * H);
@@ -452,8 +452,8 @@ static void check_route_end_to_end(tu_rng_t *rng, const route_case_t *rc) {
   snprintf(what, sizeof what, "%s: grad_x", rc->name);
   assert_grad(grad_x, fd, T * H, G_ATOL, G_RTOL, what);
 
-  TU_OK(epx_handle_release(h));
-  TU_OK(epx_buffer_destroy(b));
+  EXPECT_OK(epx_handle_release(h));
+  EXPECT_OK(epx_buffer_destroy(b));
   void *bufs[] = {logits, chosen, idx, loc, w, recv_expert, x, g, recv, y, out, grad_y, grad_recv, grad_x,
                   grad_w, grad_logits, l64, x64, g64, fd};
   for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) tu_free(bufs[i]);

@@ -36,12 +36,12 @@ static void test_local_ops_w8(void **state) { (void)state, run_local_ops(8); }
 static void test_self_ops(void **state) {
   (void)state;
   epx_comm_t comm = NULL;
-  TU_OK(epx_comm_create_self(&comm));
+  EXPECT_OK(epx_comm_create_self(&comm));
   assert_string_equal(COMM(comm)->ops->name, "self");
   atomic_int arrivals;
   atomic_init(&arrivals, 0);
   assert_int_equal(cc_ops(comm, 6, &arrivals), 0);
-  TU_OK(epx_comm_destroy(comm));
+  EXPECT_OK(epx_comm_destroy(comm));
 }
 
 /* The skippers wait until the others have timed out, then find the comm
@@ -244,101 +244,101 @@ static void test_caller_collectives(void **state) {
     atomic_init(&arrivals, 0);
     assert_int_equal(tu_run_ranks(world, 10.0, caller_collectives_rank, &arrivals), 0);
   }
-  TU_ASSERT_STATUS(epx_comm_barrier(NULL), EPX_ERROR_INVALID_ARGUMENT, "epx_comm_barrier: comm is NULL");
+  EXPECT_STATUS(epx_comm_barrier(NULL), EPX_ERROR_INVALID_ARGUMENT, "epx_comm_barrier: comm is NULL");
   epx_comm_t comm = NULL;
-  TU_OK(epx_comm_create_self(&comm));
-  TU_OK(epx_comm_destroy(comm));
-  TU_ASSERT_STATUS(epx_comm_allgather(comm, NULL, NULL, 0), EPX_ERROR_INVALID_HANDLE,
-                   "epx_comm_allgather: comm is not a live comm");
+  EXPECT_OK(epx_comm_create_self(&comm));
+  EXPECT_OK(epx_comm_destroy(comm));
+  EXPECT_STATUS(epx_comm_allgather(comm, NULL, NULL, 0), EPX_ERROR_INVALID_HANDLE,
+                "epx_comm_allgather: comm is not a live comm");
 }
 
 static void test_world_create_arguments(void **state) {
   (void)state;
   epx_local_world_t world = (epx_local_world_t)(uintptr_t)0xA5A5A5A5;
   const epx_local_world_t poisoned = world;
-  TU_ASSERT_STATUS(epx_local_world_create(2, NULL, NULL), EPX_ERROR_INVALID_ARGUMENT,
-                   "epx_local_world_create: world is NULL");
-  TU_ASSERT_STATUS(epx_local_world_create(0, NULL, &world), EPX_ERROR_INVALID_ARGUMENT,
-                   "epx_local_world_create: world_size is 0; pass the number of ranks (>= 1)");
-  TU_ASSERT_STATUS(epx_local_world_create(-3, NULL, &world), EPX_ERROR_INVALID_ARGUMENT,
-                   "world_size is -3");
+  EXPECT_STATUS(epx_local_world_create(2, NULL, NULL), EPX_ERROR_INVALID_ARGUMENT,
+                "epx_local_world_create: world is NULL");
+  EXPECT_STATUS(epx_local_world_create(0, NULL, &world), EPX_ERROR_INVALID_ARGUMENT,
+                "epx_local_world_create: world_size is 0; pass the number of ranks (>= 1)");
+  EXPECT_STATUS(epx_local_world_create(-3, NULL, &world), EPX_ERROR_INVALID_ARGUMENT,
+                "world_size is -3");
   epx_comm_config_t config = EPX_COMM_CONFIG_INIT;
   config.struct_size = 4;
-  TU_ASSERT_STATUS(epx_local_world_create(2, &config, &world), EPX_ERROR_INVALID_ARGUMENT,
-                   "config->struct_size is 4, too small");
+  EXPECT_STATUS(epx_local_world_create(2, &config, &world), EPX_ERROR_INVALID_ARGUMENT,
+                "config->struct_size is 4, too small");
   config = (epx_comm_config_t)EPX_COMM_CONFIG_INIT;
   config.version = 99;
-  TU_ASSERT_STATUS(epx_local_world_create(2, &config, &world), EPX_ERROR_INVALID_ARGUMENT,
-                   "config->version is 99");
+  EXPECT_STATUS(epx_local_world_create(2, &config, &world), EPX_ERROR_INVALID_ARGUMENT,
+                "config->version is 99");
   config = (epx_comm_config_t)EPX_COMM_CONFIG_INIT;
   config.timeout_seconds = NAN;
-  TU_ASSERT_STATUS(epx_local_world_create(2, &config, &world), EPX_ERROR_INVALID_ARGUMENT,
-                   "timeout_seconds is NaN");
+  EXPECT_STATUS(epx_local_world_create(2, &config, &world), EPX_ERROR_INVALID_ARGUMENT,
+                "timeout_seconds is NaN");
   assert_ptr_equal(world, poisoned);
-  TU_OK(epx_local_world_destroy(NULL));
-  TU_OK(epx_comm_destroy(NULL));
+  EXPECT_OK(epx_local_world_destroy(NULL));
+  EXPECT_OK(epx_comm_destroy(NULL));
 }
 
 static void test_create_local_arguments(void **state) {
   (void)state;
   epx_local_world_t world = NULL;
-  TU_OK(epx_local_world_create(1, NULL, &world));
+  EXPECT_OK(epx_local_world_create(1, NULL, &world));
   epx_comm_t comm = (epx_comm_t)(uintptr_t)0xA5A5A5A5;
   const epx_comm_t poisoned = comm;
-  TU_ASSERT_STATUS(epx_comm_create_local(world, 0, NULL), EPX_ERROR_INVALID_ARGUMENT,
-                   "epx_comm_create_local: comm is NULL");
-  TU_ASSERT_STATUS(epx_comm_create_local(NULL, 0, &comm), EPX_ERROR_INVALID_ARGUMENT,
-                   "epx_comm_create_local: world is NULL; create one with epx_local_world_create");
-  TU_ASSERT_STATUS(epx_comm_create_local(world, 1, &comm), EPX_ERROR_INVALID_ARGUMENT,
-                   "epx_comm_create_local: rank is 1; pass 0 <= rank < 1");
-  TU_ASSERT_STATUS(epx_comm_create_local(world, -1, &comm), EPX_ERROR_INVALID_ARGUMENT,
-                   "rank is -1");
+  EXPECT_STATUS(epx_comm_create_local(world, 0, NULL), EPX_ERROR_INVALID_ARGUMENT,
+                "epx_comm_create_local: comm is NULL");
+  EXPECT_STATUS(epx_comm_create_local(NULL, 0, &comm), EPX_ERROR_INVALID_ARGUMENT,
+                "epx_comm_create_local: world is NULL; create one with epx_local_world_create");
+  EXPECT_STATUS(epx_comm_create_local(world, 1, &comm), EPX_ERROR_INVALID_ARGUMENT,
+                "epx_comm_create_local: rank is 1; pass 0 <= rank < 1");
+  EXPECT_STATUS(epx_comm_create_local(world, -1, &comm), EPX_ERROR_INVALID_ARGUMENT,
+                "rank is -1");
   assert_ptr_equal(comm, poisoned);
 
   /* The same rank twice. */
   epx_comm_t first = NULL;
-  TU_OK(epx_comm_create_local(world, 0, &first));
-  TU_ASSERT_STATUS(epx_comm_create_local(world, 0, &comm), EPX_ERROR_INVALID_ARGUMENT,
-                   "rank 0 already has a live comm on this world");
+  EXPECT_OK(epx_comm_create_local(world, 0, &first));
+  EXPECT_STATUS(epx_comm_create_local(world, 0, &comm), EPX_ERROR_INVALID_ARGUMENT,
+                "rank 0 already has a live comm on this world");
   assert_ptr_equal(comm, poisoned);
 
   /* Outputs of rank and size. */
   int32_t value = -7;
-  TU_ASSERT_STATUS(epx_comm_rank(first, NULL), EPX_ERROR_INVALID_ARGUMENT,
-                   "epx_comm_rank: rank is NULL");
-  TU_ASSERT_STATUS(epx_comm_size(first, NULL), EPX_ERROR_INVALID_ARGUMENT,
-                   "epx_comm_size: size is NULL");
-  TU_ASSERT_STATUS(epx_comm_rank(NULL, &value), EPX_ERROR_INVALID_ARGUMENT,
-                   "epx_comm_rank: comm is NULL");
+  EXPECT_STATUS(epx_comm_rank(first, NULL), EPX_ERROR_INVALID_ARGUMENT,
+                "epx_comm_rank: rank is NULL");
+  EXPECT_STATUS(epx_comm_size(first, NULL), EPX_ERROR_INVALID_ARGUMENT,
+                "epx_comm_size: size is NULL");
+  EXPECT_STATUS(epx_comm_rank(NULL, &value), EPX_ERROR_INVALID_ARGUMENT,
+                "epx_comm_rank: comm is NULL");
   assert_int_equal(value, -7);
 
   /* A world with a live comm cannot go; a comm with live buffers cannot go. */
-  TU_ASSERT_STATUS(epx_local_world_destroy(world), EPX_ERROR_BUSY,
-                   "epx_local_world_destroy: 1 comm(s) of this world are alive (rank 0 first)");
+  EXPECT_STATUS(epx_local_world_destroy(world), EPX_ERROR_BUSY,
+                "epx_local_world_destroy: 1 comm(s) of this world are alive (rank 0 first)");
   COMM(first)->live_buffers = 2;
-  TU_ASSERT_STATUS(epx_comm_destroy(first), EPX_ERROR_BUSY,
-                   "epx_comm_destroy: 2 buffer(s) created over this comm are alive");
+  EXPECT_STATUS(epx_comm_destroy(first), EPX_ERROR_BUSY,
+                "epx_comm_destroy: 2 buffer(s) created over this comm are alive");
   COMM(first)->live_buffers = 0;
-  TU_OK(epx_comm_rank(first, &value));
+  EXPECT_OK(epx_comm_rank(first, &value));
   assert_int_equal(value, 0);
-  TU_OK(epx_comm_destroy(first));
+  EXPECT_OK(epx_comm_destroy(first));
 
   /* Use after destroy. */
-  TU_ASSERT_STATUS(epx_comm_rank(first, &value), EPX_ERROR_INVALID_HANDLE,
-                   "epx_comm_rank: comm is not a live comm");
-  TU_ASSERT_STATUS(epx_comm_size(first, &value), EPX_ERROR_INVALID_HANDLE,
-                   "epx_comm_size: comm is not a live comm");
-  TU_ASSERT_STATUS(epx_comm_destroy(first), EPX_ERROR_INVALID_HANDLE,
-                   "epx_comm_destroy: comm is not a live comm");
+  EXPECT_STATUS(epx_comm_rank(first, &value), EPX_ERROR_INVALID_HANDLE,
+                "epx_comm_rank: comm is not a live comm");
+  EXPECT_STATUS(epx_comm_size(first, &value), EPX_ERROR_INVALID_HANDLE,
+                "epx_comm_size: comm is not a live comm");
+  EXPECT_STATUS(epx_comm_destroy(first), EPX_ERROR_INVALID_HANDLE,
+                "epx_comm_destroy: comm is not a live comm");
 
   /* The world can be used again once its comms are gone. */
-  TU_OK(epx_comm_create_local(world, 0, &first));
-  TU_OK(epx_comm_destroy(first));
-  TU_OK(epx_local_world_destroy(world));
-  TU_ASSERT_STATUS(epx_comm_create_local(world, 0, &comm), EPX_ERROR_INVALID_HANDLE,
-                   "epx_comm_create_local: world is not a live local world");
-  TU_ASSERT_STATUS(epx_local_world_destroy(world), EPX_ERROR_INVALID_HANDLE,
-                   "epx_local_world_destroy: world is not a live local world");
+  EXPECT_OK(epx_comm_create_local(world, 0, &first));
+  EXPECT_OK(epx_comm_destroy(first));
+  EXPECT_OK(epx_local_world_destroy(world));
+  EXPECT_STATUS(epx_comm_create_local(world, 0, &comm), EPX_ERROR_INVALID_HANDLE,
+                "epx_comm_create_local: world is not a live local world");
+  EXPECT_STATUS(epx_local_world_destroy(world), EPX_ERROR_INVALID_HANDLE,
+                "epx_local_world_destroy: world is not a live local world");
   assert_ptr_equal(comm, poisoned);
 }
 
@@ -349,18 +349,18 @@ static void test_create_local_timeout(void **state) {
   epx_comm_config_t config = EPX_COMM_CONFIG_INIT;
   config.timeout_seconds = 0.2;
   epx_local_world_t world = NULL;
-  TU_OK(epx_local_world_create(2, &config, &world));
+  EXPECT_OK(epx_local_world_create(2, &config, &world));
   epx_comm_t comm = (epx_comm_t)(uintptr_t)0xA5A5A5A5;
   const epx_comm_t poisoned = comm;
   double t0 = cc_now_seconds();
-  TU_ASSERT_STATUS(epx_comm_create_local(world, 0, &comm), EPX_ERROR_TIMEOUT,
-                   "epx_comm_create_local: rank 1 did not arrive within 0.2 s");
+  EXPECT_STATUS(epx_comm_create_local(world, 0, &comm), EPX_ERROR_TIMEOUT,
+                "epx_comm_create_local: rank 1 did not arrive within 0.2 s");
   assert_true(cc_now_seconds() - t0 < 2.0);
   assert_ptr_equal(comm, poisoned);
-  TU_ASSERT_STATUS(epx_comm_create_local(world, 1, &comm), EPX_ERROR_PEER_FAILED,
-                   "epx_comm_create_local: the world failed earlier");
+  EXPECT_STATUS(epx_comm_create_local(world, 1, &comm), EPX_ERROR_PEER_FAILED,
+                "epx_comm_create_local: the world failed earlier");
   assert_ptr_equal(comm, poisoned);
-  TU_OK(epx_local_world_destroy(world));
+  EXPECT_OK(epx_local_world_destroy(world));
 }
 
 static void test_create_mpi_arguments(void **state) {
@@ -368,25 +368,25 @@ static void test_create_mpi_arguments(void **state) {
   epx_comm_t comm = (epx_comm_t)(uintptr_t)0xA5A5A5A5;
   const epx_comm_t poisoned = comm;
   int64_t fake_mpi_comm = 0;
-  TU_ASSERT_STATUS(epx_comm_create_mpi(&fake_mpi_comm, NULL, NULL), EPX_ERROR_INVALID_ARGUMENT,
-                   "epx_comm_create_mpi: comm is NULL");
-  TU_ASSERT_STATUS(epx_comm_create_mpi(NULL, NULL, &comm), EPX_ERROR_INVALID_ARGUMENT,
-                   "epx_comm_create_mpi: mpi_comm is NULL");
+  EXPECT_STATUS(epx_comm_create_mpi(&fake_mpi_comm, NULL, NULL), EPX_ERROR_INVALID_ARGUMENT,
+                "epx_comm_create_mpi: comm is NULL");
+  EXPECT_STATUS(epx_comm_create_mpi(NULL, NULL, &comm), EPX_ERROR_INVALID_ARGUMENT,
+                "epx_comm_create_mpi: mpi_comm is NULL");
   epx_comm_config_t config = EPX_COMM_CONFIG_INIT;
   config.version = 0;
-  TU_ASSERT_STATUS(epx_comm_create_mpi(&fake_mpi_comm, &config, &comm), EPX_ERROR_INVALID_ARGUMENT,
-                   "epx_comm_create_mpi: config->version is 0");
+  EXPECT_STATUS(epx_comm_create_mpi(&fake_mpi_comm, &config, &comm), EPX_ERROR_INVALID_ARGUMENT,
+                "epx_comm_create_mpi: config->version is 0");
   if (epx_has_mpi()) /* This process never called MPI_Init. */
-    TU_ASSERT_STATUS(epx_comm_create_mpi(&fake_mpi_comm, NULL, &comm), EPX_ERROR_INVALID_ARGUMENT,
-                     "epx_comm_create_mpi: MPI is not initialised");
+    EXPECT_STATUS(epx_comm_create_mpi(&fake_mpi_comm, NULL, &comm), EPX_ERROR_INVALID_ARGUMENT,
+                  "epx_comm_create_mpi: MPI is not initialised");
   else
-    TU_ASSERT_STATUS(epx_comm_create_mpi(&fake_mpi_comm, NULL, &comm), EPX_ERROR_UNSUPPORTED,
-                     "epx_comm_create_mpi: this build of epx has no MPI transport");
+    EXPECT_STATUS(epx_comm_create_mpi(&fake_mpi_comm, NULL, &comm), EPX_ERROR_UNSUPPORTED,
+                  "epx_comm_create_mpi: this build of epx has no MPI transport");
   assert_ptr_equal(comm, poisoned);
-  TU_OK(epx_comm_create_self(&comm));
-  TU_OK(epx_comm_destroy(comm));
-  TU_ASSERT_STATUS(epx_comm_create_self(NULL), EPX_ERROR_INVALID_ARGUMENT,
-                   "epx_comm_create_self: comm is NULL");
+  EXPECT_OK(epx_comm_create_self(&comm));
+  EXPECT_OK(epx_comm_destroy(comm));
+  EXPECT_STATUS(epx_comm_create_self(NULL), EPX_ERROR_INVALID_ARGUMENT,
+                "epx_comm_create_self: comm is NULL");
 }
 
 int main(void) {

@@ -66,13 +66,13 @@ static void test_config_init_matches_macros(void **state) {
   const epx_route_config_t route_macro = EPX_ROUTE_CONFIG_INIT;
   epx_route_config_t route;
   tu_poison(&route, sizeof route);
-  TU_OK(epx_route_config_init(&route, sizeof route));
+  EXPECT_OK(epx_route_config_init(&route, sizeof route));
   expect_route_equal(&route, &route_macro);
 
   const epx_comm_config_t comm_macro = EPX_COMM_CONFIG_INIT;
   epx_comm_config_t comm;
   tu_poison(&comm, sizeof comm);
-  TU_OK(epx_comm_config_init(&comm, sizeof comm));
+  EXPECT_OK(epx_comm_config_init(&comm, sizeof comm));
   assert_int_equal(comm.struct_size, comm_macro.struct_size);
   assert_int_equal(comm.version, comm_macro.version);
   assert_true(comm.timeout_seconds == comm_macro.timeout_seconds);
@@ -80,7 +80,7 @@ static void test_config_init_matches_macros(void **state) {
   const epx_buffer_config_t buffer_macro = EPX_BUFFER_CONFIG_INIT;
   epx_buffer_config_t buffer;
   tu_poison(&buffer, sizeof buffer);
-  TU_OK(epx_buffer_config_init(&buffer, sizeof buffer));
+  EXPECT_OK(epx_buffer_config_init(&buffer, sizeof buffer));
   expect_buffer_equal(&buffer, &buffer_macro);
 }
 
@@ -90,7 +90,7 @@ static void test_config_init_older_struct(void **state) {
   const size_t old_size = offsetof(epx_buffer_config_t, combine_precision);
   unsigned char bytes[sizeof(epx_buffer_config_t) + 16];
   tu_poison(bytes, sizeof bytes);
-  TU_OK(epx_buffer_config_init((epx_buffer_config_t *)(void *)bytes, old_size));
+  EXPECT_OK(epx_buffer_config_init((epx_buffer_config_t *)(void *)bytes, old_size));
   const epx_buffer_config_t *c = (const epx_buffer_config_t *)(const void *)bytes;
   assert_int_equal(c->struct_size, old_size);
   assert_int_equal(c->version, EPX_CONFIG_VERSION);
@@ -101,16 +101,16 @@ static void test_config_init_older_struct(void **state) {
 static void test_config_init_refusals(void **state) {
   (void)state;
   epx_route_config_t route;
-  TU_ASSERT_STATUS(epx_route_config_init(NULL, sizeof route), EPX_ERROR_INVALID_ARGUMENT,
-                   "epx_route_config_init: config is NULL");
-  TU_ASSERT_STATUS(epx_route_config_init(&route, 4), EPX_ERROR_INVALID_ARGUMENT,
-                   "struct_size is 4, too small to hold struct_size and version");
+  EXPECT_STATUS(epx_route_config_init(NULL, sizeof route), EPX_ERROR_INVALID_ARGUMENT,
+                "epx_route_config_init: config is NULL");
+  EXPECT_STATUS(epx_route_config_init(&route, 4), EPX_ERROR_INVALID_ARGUMENT,
+                "struct_size is 4, too small to hold struct_size and version");
   epx_comm_config_t comm;
-  TU_ASSERT_STATUS(epx_comm_config_init(&comm, sizeof comm + 8), EPX_ERROR_INVALID_ARGUMENT,
-                   "newer epx.h than the library");
+  EXPECT_STATUS(epx_comm_config_init(&comm, sizeof comm + 8), EPX_ERROR_INVALID_ARGUMENT,
+                "newer epx.h than the library");
   epx_buffer_config_t buffer;
-  TU_ASSERT_STATUS(epx_buffer_config_init(&buffer, 0), EPX_ERROR_INVALID_ARGUMENT,
-                   "epx_buffer_config_init: config->struct_size is 0");
+  EXPECT_STATUS(epx_buffer_config_init(&buffer, 0), EPX_ERROR_INVALID_ARGUMENT,
+                "epx_buffer_config_init: config->struct_size is 0");
 }
 
 /* The buffer config as a program built before combine_precision declared it
@@ -154,26 +154,26 @@ static void test_buffer_config_older_struct(void **state) {
   (void)state;
   older_buffer_config_t *old = malloc(sizeof *old);
   assert_non_null(old);
-  TU_OK(epx_buffer_config_init((epx_buffer_config_t *)(void *)old, sizeof *old));
+  EXPECT_OK(epx_buffer_config_init((epx_buffer_config_t *)(void *)old, sizeof *old));
   assert_int_equal(old->max_tokens_rounding, 256);
   old->hidden = 16;
   old->num_experts = 4;
   old->max_top_k = 2;
   old->max_tokens_per_rank = 8;
   epx_comm_t comm;
-  TU_OK(epx_comm_create_self(&comm));
+  EXPECT_OK(epx_comm_create_self(&comm));
   epx_buffer_t buffer = NULL;
-  TU_OK(epx_buffer_create(comm, (const epx_buffer_config_t *)(const void *)old, &buffer));
+  EXPECT_OK(epx_buffer_create(comm, (const epx_buffer_config_t *)(const void *)old, &buffer));
   int64_t rows = 0;
-  TU_OK(epx_buffer_max_recv_rows(buffer, &rows));
+  EXPECT_OK(epx_buffer_max_recv_rows(buffer, &rows));
   assert_int_equal(rows, 8 * 2);
   /* A CPU buffer moves every row on the host; the query says so. */
   int32_t paths[1] = {-1};
-  TU_OK(epx_buffer_peer_paths(buffer, paths));
+  EXPECT_OK(epx_buffer_peer_paths(buffer, paths));
   assert_int_equal(paths[0], EPX_PATH_HOST);
-  TU_ASSERT_STATUS(epx_buffer_peer_paths(buffer, NULL), EPX_ERROR_INVALID_ARGUMENT, "paths is NULL");
-  TU_OK(epx_buffer_destroy(buffer));
-  TU_OK(epx_comm_destroy(comm));
+  EXPECT_STATUS(epx_buffer_peer_paths(buffer, NULL), EPX_ERROR_INVALID_ARGUMENT, "paths is NULL");
+  EXPECT_OK(epx_buffer_destroy(buffer));
+  EXPECT_OK(epx_comm_destroy(comm));
   free(old);
 }
 
@@ -184,7 +184,7 @@ static void test_route_config_older_struct(void **state) {
   enum { T = 5, E = 8, K = 2 };
   older_route_config_t *old = malloc(sizeof *old);
   assert_non_null(old);
-  TU_OK(epx_route_config_init((epx_route_config_t *)(void *)old, sizeof *old));
+  EXPECT_OK(epx_route_config_init((epx_route_config_t *)(void *)old, sizeof *old));
   old->num_experts = E;
   old->top_k = K;
   old->capacity_mode = 1;
@@ -199,8 +199,8 @@ static void test_route_config_older_struct(void **state) {
   float w_old[T * K], w_full[T * K];
   epx_route_output_t out_old = {idx_old, w_old, NULL, NULL, NULL, NULL, 0, 0};
   epx_route_output_t out_full = {idx_full, w_full, NULL, NULL, NULL, NULL, 0, 0};
-  TU_OK(epx_route((const epx_route_config_t *)(const void *)old, T, logits, NULL, &out_old));
-  TU_OK(epx_route(&full, T, logits, NULL, &out_full));
+  EXPECT_OK(epx_route((const epx_route_config_t *)(const void *)old, T, logits, NULL, &out_old));
+  EXPECT_OK(epx_route(&full, T, logits, NULL, &out_full));
   assert_memory_equal(idx_old, idx_full, sizeof idx_old);
   assert_memory_equal(w_old, w_full, sizeof w_old);
   assert_int_equal(out_old.capacity, out_full.capacity);
@@ -214,10 +214,10 @@ static void test_comm_config_older_struct(void **state) {
     uint32_t struct_size, version;
   } *old = malloc(8);
   assert_non_null(old);
-  TU_OK(epx_comm_config_init((epx_comm_config_t *)(void *)old, 8));
+  EXPECT_OK(epx_comm_config_init((epx_comm_config_t *)(void *)old, 8));
   epx_local_world_t world = NULL;
-  TU_OK(epx_local_world_create(2, (const epx_comm_config_t *)(const void *)old, &world));
-  TU_OK(epx_local_world_destroy(world));
+  EXPECT_OK(epx_local_world_create(2, (const epx_comm_config_t *)(const void *)old, &world));
+  EXPECT_OK(epx_local_world_destroy(world));
   free(old);
 }
 
@@ -225,40 +225,40 @@ static void test_comm_config_older_struct(void **state) {
 static void test_config_newer_or_bad_version(void **state) {
   (void)state;
   epx_comm_t comm;
-  TU_OK(epx_comm_create_self(&comm));
+  EXPECT_OK(epx_comm_create_self(&comm));
   epx_buffer_config_t b = EPX_BUFFER_CONFIG_INIT;
   b.hidden = 16, b.num_experts = 4, b.max_top_k = 2;
   epx_buffer_t buffer = NULL;
   b.struct_size = sizeof b + 8;
-  TU_ASSERT_STATUS(epx_buffer_create(comm, &b, &buffer), EPX_ERROR_INVALID_ARGUMENT,
-                   "epx_buffer_create: config->struct_size is");
+  EXPECT_STATUS(epx_buffer_create(comm, &b, &buffer), EPX_ERROR_INVALID_ARGUMENT,
+                "epx_buffer_create: config->struct_size is");
   assert_true(tu_message_has("newer epx.h than the library"));
   b.struct_size = sizeof b, b.version = EPX_CONFIG_VERSION + 1;
-  TU_ASSERT_STATUS(epx_buffer_create(comm, &b, &buffer), EPX_ERROR_INVALID_ARGUMENT,
-                   "config->version is 2; this library reads versions 1 to 1");
+  EXPECT_STATUS(epx_buffer_create(comm, &b, &buffer), EPX_ERROR_INVALID_ARGUMENT,
+                "config->version is 2; this library reads versions 1 to 1");
   b.version = 0;
-  TU_ASSERT_STATUS(epx_buffer_create(comm, &b, &buffer), EPX_ERROR_INVALID_ARGUMENT, "config->version is 0");
+  EXPECT_STATUS(epx_buffer_create(comm, &b, &buffer), EPX_ERROR_INVALID_ARGUMENT, "config->version is 0");
   b.version = EPX_CONFIG_VERSION, b.combine_precision = (epx_combine_precision_t)7;
-  TU_ASSERT_STATUS(epx_buffer_create(comm, &b, &buffer), EPX_ERROR_INVALID_ARGUMENT,
-                   "config.combine_precision 7 is not");
+  EXPECT_STATUS(epx_buffer_create(comm, &b, &buffer), EPX_ERROR_INVALID_ARGUMENT,
+                "config.combine_precision 7 is not");
   assert_null(buffer);
   b.combine_precision = EPX_COMBINE_PARTIALS_FLOAT32, b.exchange_path = (epx_exchange_path_t)5;
-  TU_ASSERT_STATUS(epx_buffer_create(comm, &b, &buffer), EPX_ERROR_INVALID_ARGUMENT,
-                   "config.exchange_path 5 is not EPX_PATH_AUTO, EPX_PATH_HOST or EPX_PATH_FUSED");
+  EXPECT_STATUS(epx_buffer_create(comm, &b, &buffer), EPX_ERROR_INVALID_ARGUMENT,
+                "config.exchange_path 5 is not EPX_PATH_AUTO, EPX_PATH_HOST or EPX_PATH_FUSED");
   /* FUSED asks for the fused kernels where they can serve; a CPU buffer has
    * none, so it is made and reports the host path. */
   b.exchange_path = EPX_PATH_FUSED;
-  TU_OK(epx_buffer_create(comm, &b, &buffer));
+  EXPECT_OK(epx_buffer_create(comm, &b, &buffer));
   int32_t path = -1; /* one rank: a self comm */
-  TU_OK(epx_buffer_peer_paths(buffer, &path));
+  EXPECT_OK(epx_buffer_peer_paths(buffer, &path));
   assert_int_equal(path, EPX_PATH_HOST);
-  TU_OK(epx_buffer_destroy(buffer));
+  EXPECT_OK(epx_buffer_destroy(buffer));
   buffer = NULL;
   b.exchange_path = EPX_PATH_AUTO, b.sm_budget = -1;
-  TU_ASSERT_STATUS(epx_buffer_create(comm, &b, &buffer), EPX_ERROR_INVALID_ARGUMENT, "config.sm_budget is -1");
+  EXPECT_STATUS(epx_buffer_create(comm, &b, &buffer), EPX_ERROR_INVALID_ARGUMENT, "config.sm_budget is -1");
   assert_null(buffer);
   b.sm_budget = 0;
-  TU_OK(epx_comm_destroy(comm));
+  EXPECT_OK(epx_comm_destroy(comm));
 
   epx_route_config_t r = EPX_ROUTE_CONFIG_INIT;
   r.num_experts = 4, r.top_k = 2;
@@ -267,16 +267,16 @@ static void test_config_newer_or_bad_version(void **state) {
   int32_t idx[2];
   float w[2];
   epx_route_output_t out = {idx, w, NULL, NULL, NULL, NULL, 0, 0};
-  TU_ASSERT_STATUS(epx_route(&r, 1, logits, NULL, &out), EPX_ERROR_INVALID_ARGUMENT,
-                   "epx_route: config->struct_size is");
+  EXPECT_STATUS(epx_route(&r, 1, logits, NULL, &out), EPX_ERROR_INVALID_ARGUMENT,
+                "epx_route: config->struct_size is");
   r.struct_size = 7;
-  TU_ASSERT_STATUS(epx_route(&r, 1, logits, NULL, &out), EPX_ERROR_INVALID_ARGUMENT, "too small");
+  EXPECT_STATUS(epx_route(&r, 1, logits, NULL, &out), EPX_ERROR_INVALID_ARGUMENT, "too small");
 
   epx_comm_config_t c = EPX_COMM_CONFIG_INIT;
   c.struct_size = sizeof c + 8;
   epx_local_world_t world = NULL;
-  TU_ASSERT_STATUS(epx_local_world_create(2, &c, &world), EPX_ERROR_INVALID_ARGUMENT,
-                   "newer epx.h than the library");
+  EXPECT_STATUS(epx_local_world_create(2, &c, &world), EPX_ERROR_INVALID_ARGUMENT,
+                "newer epx.h than the library");
   assert_null(world);
 }
 
@@ -285,17 +285,17 @@ static void test_config_newer_or_bad_version(void **state) {
 static void test_set_stream_on_cpu_buffer(void **state) {
   (void)state;
   epx_comm_t comm;
-  TU_OK(epx_comm_create_self(&comm));
+  EXPECT_OK(epx_comm_create_self(&comm));
   epx_buffer_config_t c = EPX_BUFFER_CONFIG_INIT;
   c.hidden = 16, c.num_experts = 4, c.max_top_k = 2, c.max_tokens_per_rank = 8;
   epx_buffer_t buffer = NULL;
-  TU_OK(epx_buffer_create(comm, &c, &buffer));
-  TU_ASSERT_STATUS(epx_buffer_set_stream(buffer, NULL), EPX_ERROR_INVALID_ARGUMENT,
-                   "epx_buffer_set_stream: the buffer is a cpu buffer; streams are for EPX_DEVICE_CUDA buffers");
+  EXPECT_OK(epx_buffer_create(comm, &c, &buffer));
+  EXPECT_STATUS(epx_buffer_set_stream(buffer, NULL), EPX_ERROR_INVALID_ARGUMENT,
+                "epx_buffer_set_stream: the buffer is a cpu buffer; streams are for EPX_DEVICE_CUDA buffers");
   int64_t rows = 0;
-  TU_OK(epx_buffer_max_recv_rows(buffer, &rows));
-  TU_OK(epx_buffer_destroy(buffer));
-  TU_OK(epx_comm_destroy(comm));
+  EXPECT_OK(epx_buffer_max_recv_rows(buffer, &rows));
+  EXPECT_OK(epx_buffer_destroy(buffer));
+  EXPECT_OK(epx_comm_destroy(comm));
 }
 
 int main(void) {

@@ -53,7 +53,7 @@ static void unwatch_all(void) {
 #define EXPECT_REFUSED(call, status, needle) \
   do {                                       \
     snapshot();                              \
-    TU_ASSERT_STATUS(call, status, needle);  \
+    EXPECT_STATUS(call, status, needle);  \
     unchanged(#call);                        \
   } while (0)
 
@@ -85,7 +85,7 @@ static epx_buffer_t buffer_make(epx_comm_t comm, epx_layout_t layout, int64_t ma
   c.layout = layout;
   c.capacity = layout == EPX_LAYOUT_CAPACITY ? C : 0;
   epx_buffer_t b = NULL;
-  TU_OK(epx_buffer_create(comm, &c, &b));
+  EXPECT_OK(epx_buffer_create(comm, &c, &b));
   return b;
 }
 
@@ -110,12 +110,12 @@ static float *payload(tu_rng_t *rng, int64_t rows) {
 static fx_t *fx_make(epx_layout_t layout, epx_weighting_t wt) {
   static tu_rng_t rng = {0xe7707};
   fx_t *f = calloc(1, sizeof *f);
-  TU_OK(epx_comm_create_self(&f->comm));
+  EXPECT_OK(epx_comm_create_self(&f->comm));
   f->b = buffer_make(f->comm, layout, MAXT);
   fx_routing(f);
   epx_routing_t r = {T, K, f->idx, f->w, layout == EPX_LAYOUT_CAPACITY ? f->loc : NULL, wt};
-  TU_OK(epx_dispatch_layout(f->b, &r, NULL, &f->h));
-  TU_OK(epx_handle_recv_rows(f->h, &f->N));
+  EXPECT_OK(epx_dispatch_layout(f->b, &r, NULL, &f->h));
+  EXPECT_OK(epx_handle_recv_rows(f->h, &f->N));
   f->x = payload(&rng, T);
   f->y = payload(&rng, f->N);
   f->recv = payload(&rng, f->N);
@@ -143,9 +143,9 @@ static fx_t *fx_make(epx_layout_t layout, epx_weighting_t wt) {
 
 static void fx_free(fx_t *f) {
   unwatch_all();
-  TU_OK(epx_handle_release(f->h));
-  TU_OK(epx_buffer_destroy(f->b));
-  TU_OK(epx_comm_destroy(f->comm));
+  EXPECT_OK(epx_handle_release(f->h));
+  EXPECT_OK(epx_buffer_destroy(f->b));
+  EXPECT_OK(epx_comm_destroy(f->comm));
   float *bufs[] = {f->x, f->recv, f->y, f->out, f->gx, f->geo};
   for (size_t i = 0; i < 6; i++) tu_free(bufs[i]);
   free(f);
@@ -181,8 +181,8 @@ static void test_expert_out_of_range(void **state) {
   EXPECT_LAYOUT_REFUSED(f, &r, EPX_ERROR_INVALID_ARGUMENT, "outside [-1, num_experts = 8)");
   f->idx[3] = 4;
   epx_handle_t h = NULL;
-  TU_OK(epx_dispatch_layout(f->b, &r, NULL, &h));
-  TU_OK(epx_handle_release(h));
+  EXPECT_OK(epx_dispatch_layout(f->b, &r, NULL, &h));
+  EXPECT_OK(epx_handle_release(h));
   fx_free(f);
 }
 
@@ -220,8 +220,8 @@ static void test_capacity_locations(void **state) {
   f->idx[0] = -1;
   f->loc[0] = 1000;
   epx_handle_t h = NULL;
-  TU_OK(epx_dispatch_layout(f->b, &r, NULL, &h));
-  TU_OK(epx_handle_release(h));
+  EXPECT_OK(epx_dispatch_layout(f->b, &r, NULL, &h));
+  EXPECT_OK(epx_handle_release(h));
   fx_free(f);
 }
 
@@ -232,7 +232,7 @@ static void test_capacity_locations(void **state) {
 static void test_k_above_e(void **state) {
   (void)state;
   epx_comm_t comm = NULL;
-  TU_OK(epx_comm_create_self(&comm));
+  EXPECT_OK(epx_comm_create_self(&comm));
   epx_buffer_config_t c = EPX_BUFFER_CONFIG_INIT;
   c.hidden = H;
   c.num_experts = E;
@@ -245,7 +245,7 @@ static void test_k_above_e(void **state) {
 
   /* A buffer for K = E, then a routing with K = E + 1. */
   c.max_top_k = E;
-  TU_OK(epx_buffer_create(comm, &c, &b));
+  EXPECT_OK(epx_buffer_create(comm, &c, &b));
   int32_t idx[2 * (E + 1)];
   float w[2 * (E + 1)];
   for (int32_t i = 0; i < 2 * (E + 1); i++) {
@@ -261,8 +261,8 @@ static void test_k_above_e(void **state) {
   r.top_k = 0;
   EXPECT_REFUSED(epx_dispatch_layout(b, &r, NULL, &h), EPX_ERROR_INVALID_ARGUMENT, "routing.top_k is 0");
   unwatch_all();
-  TU_OK(epx_buffer_destroy(b));
-  TU_OK(epx_comm_destroy(comm));
+  EXPECT_OK(epx_buffer_destroy(b));
+  EXPECT_OK(epx_comm_destroy(comm));
 
   /* The router and the reference refuse K > E too. */
   epx_route_config_t rc = EPX_ROUTE_CONFIG_INIT;
@@ -303,21 +303,21 @@ static void test_too_many_tokens(void **state) {
   /* Exactly the maximum is fine. */
   r.num_tokens = MAXT;
   epx_handle_t h = NULL;
-  TU_OK(epx_dispatch_layout(f->b, &r, NULL, &h));
-  TU_OK(epx_handle_release(h));
+  EXPECT_OK(epx_dispatch_layout(f->b, &r, NULL, &h));
+  EXPECT_OK(epx_handle_release(h));
   fx_free(f);
 
   /* Agreed at the first layout (5 tokens, rounded up to 8), then refused. */
   epx_comm_t comm = NULL;
-  TU_OK(epx_comm_create_self(&comm));
+  EXPECT_OK(epx_comm_create_self(&comm));
   epx_buffer_t b = buffer_make(comm, EPX_LAYOUT_EXPERT_MAJOR, 0);
   int64_t agreed = -1;
-  TU_OK(epx_buffer_max_tokens(b, &agreed));
+  EXPECT_OK(epx_buffer_max_tokens(b, &agreed));
   assert_int_equal(agreed, 0);
   r.num_tokens = 5;
-  TU_OK(epx_dispatch_layout(b, &r, NULL, &h));
-  TU_OK(epx_handle_release(h));
-  TU_OK(epx_buffer_max_tokens(b, &agreed));
+  EXPECT_OK(epx_dispatch_layout(b, &r, NULL, &h));
+  EXPECT_OK(epx_handle_release(h));
+  EXPECT_OK(epx_buffer_max_tokens(b, &agreed));
   assert_int_equal(agreed, 8);
   r.num_tokens = 9;
   h = SENTINEL_HANDLE;
@@ -325,8 +325,8 @@ static void test_too_many_tokens(void **state) {
   EXPECT_REFUSED(epx_dispatch_layout(b, &r, NULL, &h), EPX_ERROR_CAPACITY_EXCEEDED, "max_tokens_per_rank");
   assert_ptr_equal(h, SENTINEL_HANDLE);
   unwatch_all();
-  TU_OK(epx_buffer_destroy(b));
-  TU_OK(epx_comm_destroy(comm));
+  EXPECT_OK(epx_buffer_destroy(b));
+  EXPECT_OK(epx_comm_destroy(comm));
 }
 
 static void test_negative_and_bad_sizes(void **state) {
@@ -394,7 +394,7 @@ static void test_negative_and_bad_sizes(void **state) {
   int32_t ri[K];
   float rw[K], logits[E] = {0};
   epx_route_output_t ro = {ri, rw, NULL, NULL, NULL, NULL, 0, 0};
-  TU_ASSERT_STATUS(epx_route(&rc, -1, logits, NULL, &ro), EPX_ERROR_INVALID_ARGUMENT, "num_tokens is -1");
+  EXPECT_STATUS(epx_route(&rc, -1, logits, NULL, &ro), EPX_ERROR_INVALID_ARGUMENT, "num_tokens is -1");
   fx_free(f);
 }
 
@@ -429,9 +429,9 @@ static void test_unsupported_dtype_and_weighting(void **state) {
   EXPECT_REFUSED(epx_dispatch_layout(rm, &r, NULL, &h), EPX_ERROR_UNSUPPORTED, "EPX_LAYOUT_RANK_MAJOR");
   assert_ptr_equal(h, SENTINEL_HANDLE);
   r.weighting = EPX_WEIGHTS_NONE;
-  TU_OK(epx_dispatch_layout(rm, &r, NULL, &h));
-  TU_OK(epx_handle_release(h));
-  TU_OK(epx_buffer_destroy(rm));
+  EXPECT_OK(epx_dispatch_layout(rm, &r, NULL, &h));
+  EXPECT_OK(epx_handle_release(h));
+  EXPECT_OK(epx_buffer_destroy(rm));
 
   /* Not an epx_weighting_t at all. */
   r.weighting = (epx_weighting_t)7;
@@ -517,7 +517,7 @@ static void test_recv_capacity_too_small(void **state) {
   snprintf(needle, sizeof needle, "recv_rows_capacity %lld is below the handle's %lld rows", (long long)(f->N - 1), (long long)f->N);
   EXPECT_REFUSED(epx_dispatch(f->b, f->h, f->x, f->recv, f->N - 1), EPX_ERROR_CAPACITY_EXCEEDED, needle);
   EXPECT_REFUSED(epx_dispatch(f->b, f->h, f->x, f->recv, -1), EPX_ERROR_CAPACITY_EXCEEDED, "recv_rows_capacity -1");
-  TU_OK(epx_dispatch(f->b, f->h, f->x, f->recv, f->N));
+  EXPECT_OK(epx_dispatch(f->b, f->h, f->x, f->recv, f->N));
   fx_free(f);
 }
 
@@ -533,7 +533,7 @@ static void test_handle_of_another_buffer(void **state) {
   EXPECT_REFUSED(epx_combine(other, f->h, f->y, f->out), EPX_ERROR_INVALID_HANDLE, "handle belongs to another buffer");
   EXPECT_REFUSED(epx_dispatch_backward(other, f->h, f->y, f->gx, NULL, NULL), EPX_ERROR_INVALID_HANDLE, "another buffer");
   EXPECT_REFUSED(epx_combine_backward(other, f->h, f->x, f->y, f->geo, f->gw), EPX_ERROR_INVALID_HANDLE, "another buffer");
-  TU_OK(epx_buffer_destroy(other));
+  EXPECT_OK(epx_buffer_destroy(other));
   fx_free(f);
 }
 
@@ -541,12 +541,12 @@ static void test_handle_after_release(void **state) {
   (void)state;
   fx_t *f = fx_make(EPX_LAYOUT_EXPERT_MAJOR, EPX_WEIGHTS_IN_COMBINE);
   /* A retained handle survives one release. */
-  TU_OK(epx_handle_retain(f->h));
-  TU_OK(epx_handle_release(f->h));
-  TU_OK(epx_dispatch(f->b, f->h, f->x, f->recv, f->N));
+  EXPECT_OK(epx_handle_retain(f->h));
+  EXPECT_OK(epx_handle_release(f->h));
+  EXPECT_OK(epx_dispatch(f->b, f->h, f->x, f->recv, f->N));
   tu_poison(f->recv, sizeof(float) * (size_t)((f->N + 1) * H));
   epx_handle_t dead = f->h;
-  TU_OK(epx_handle_release(dead));
+  EXPECT_OK(epx_handle_release(dead));
   EXPECT_REFUSED(epx_dispatch(f->b, dead, f->x, f->recv, f->N), EPX_ERROR_INVALID_HANDLE, "handle is not live");
   EXPECT_REFUSED(epx_combine(f->b, dead, f->y, f->out), EPX_ERROR_INVALID_HANDLE, "handle is not live");
   EXPECT_REFUSED(epx_dispatch_backward(f->b, dead, f->y, f->gx, NULL, NULL), EPX_ERROR_INVALID_HANDLE, "handle is not live");
@@ -557,7 +557,7 @@ static void test_handle_after_release(void **state) {
   EXPECT_REFUSED(epx_handle_retain(dead), EPX_ERROR_INVALID_HANDLE, "not live");
   EXPECT_REFUSED(epx_handle_release(dead), EPX_ERROR_INVALID_HANDLE, "not live");
   /* The buffer has no live handle left. */
-  TU_OK(epx_dispatch_layout(f->b, &(epx_routing_t){T, K, f->idx, f->w, NULL, EPX_WEIGHTS_IN_COMBINE}, NULL, &f->h));
+  EXPECT_OK(epx_dispatch_layout(f->b, &(epx_routing_t){T, K, f->idx, f->w, NULL, EPX_WEIGHTS_IN_COMBINE}, NULL, &f->h));
   fx_free(f);
 }
 
@@ -566,17 +566,17 @@ static void test_buffer_lifetime(void **state) {
   fx_t *f = fx_make(EPX_LAYOUT_EXPERT_MAJOR, EPX_WEIGHTS_IN_COMBINE);
   /* Busy while a handle lives, and still whole afterwards. */
   EXPECT_REFUSED(epx_buffer_destroy(f->b), EPX_ERROR_BUSY, "1 handle(s) from this buffer are still alive");
-  TU_OK(epx_dispatch(f->b, f->h, f->x, f->recv, f->N));
+  EXPECT_OK(epx_dispatch(f->b, f->h, f->x, f->recv, f->N));
   tu_poison(f->recv, sizeof(float) * (size_t)((f->N + 1) * H));
   epx_handle_t extra = NULL;
   epx_routing_t r = {T, K, f->idx, f->w, NULL, EPX_WEIGHTS_IN_COMBINE};
-  TU_OK(epx_dispatch_layout(f->b, &r, NULL, &extra));
+  EXPECT_OK(epx_dispatch_layout(f->b, &r, NULL, &extra));
   EXPECT_REFUSED(epx_buffer_destroy(f->b), EPX_ERROR_BUSY, "2 handle(s)");
-  TU_OK(epx_handle_release(extra));
-  TU_OK(epx_handle_release(f->h));
+  EXPECT_OK(epx_handle_release(extra));
+  EXPECT_OK(epx_handle_release(f->h));
   /* Destroyed: every use is refused. */
   epx_buffer_t dead = f->b;
-  TU_OK(epx_buffer_destroy(dead));
+  EXPECT_OK(epx_buffer_destroy(dead));
   epx_handle_t h = SENTINEL_HANDLE;
   EXPECT_REFUSED(epx_dispatch_layout(dead, &r, NULL, &h), EPX_ERROR_INVALID_HANDLE, "buffer is not a live buffer");
   assert_ptr_equal(h, SENTINEL_HANDLE);
@@ -587,7 +587,7 @@ static void test_buffer_lifetime(void **state) {
   EXPECT_REFUSED(epx_buffer_destroy(dead), EPX_ERROR_INVALID_HANDLE, "not a live buffer");
   /* fx_free expects a live buffer and handle. */
   f->b = buffer_make(f->comm, EPX_LAYOUT_EXPERT_MAJOR, MAXT);
-  TU_OK(epx_dispatch_layout(f->b, &r, NULL, &f->h));
+  EXPECT_OK(epx_dispatch_layout(f->b, &r, NULL, &f->h));
   fx_free(f);
 }
 
@@ -635,12 +635,12 @@ static void test_payload_aliases(void **state) {
                  "grad_expert_out aliases grad_out");
   EXPECT_REFUSED(epx_combine_backward(f->b, f->h, f->x, f->y, f->y, f->gw), EPX_ERROR_INVALID_ARGUMENT,
                  "grad_expert_out aliases expert_out");
-  TU_OK(epx_combine_backward(f->b, f->h, f->x, f->y, f->geo, f->gw));
+  EXPECT_OK(epx_combine_backward(f->b, f->h, f->x, f->y, f->geo, f->gw));
   fx_free(f);
   f = fx_make(EPX_LAYOUT_EXPERT_MAJOR, EPX_WEIGHTS_IN_DISPATCH);
   EXPECT_REFUSED(epx_dispatch_backward(f->b, f->h, f->y, f->x, f->x, f->gw), EPX_ERROR_INVALID_ARGUMENT,
                  "grad_x aliases x");
-  TU_OK(epx_dispatch_backward(f->b, f->h, f->y, f->gx, f->x, f->gw));
+  EXPECT_OK(epx_dispatch_backward(f->b, f->h, f->y, f->gx, f->x, f->gw));
   fx_free(f);
   f = fx_make(EPX_LAYOUT_EXPERT_MAJOR, EPX_WEIGHTS_NONE);
   EXPECT_REFUSED(epx_weights_backward(f->b, f->h, f->gw, f->gw), EPX_ERROR_INVALID_ARGUMENT,
@@ -701,7 +701,7 @@ static void test_reference_arguments(void **state) {
   loc[6] = loc[1];
   EXPECT_REFUSED(DD(idx, w, loc, EPX_WEIGHTS_NONE, x, out), EPX_ERROR_INVALID_ARGUMENT, "is taken twice for expert 3");
   loc[6] = dummy.loc[6];
-  TU_OK(DD(idx, w, loc, EPX_WEIGHTS_NONE, x, out));
+  EXPECT_OK(DD(idx, w, loc, EPX_WEIGHTS_NONE, x, out));
 #undef DD
 #undef DC
   unwatch_all();
@@ -757,7 +757,7 @@ static void test_nonfinite_logits(void **state) {
    * route exactly as the finite tokens alone would. */
   logits[1 * E + 0] = NAN;
   rc.nonfinite = EPX_NONFINITE_DROP;
-  TU_OK(epx_route(&rc, RT, logits, NULL, &ro));
+  EXPECT_OK(epx_route(&rc, RT, logits, NULL, &ro));
   assert_int_equal(ro.nonfinite_tokens, 2);
   float finite_logits[(RT - 2) * E];
   int32_t fi[(RT - 2) * K], fl[(RT - 2) * K], fc[E];
@@ -765,7 +765,7 @@ static void test_nonfinite_logits(void **state) {
   for (int32_t t = 0, j = 0; t < RT; t++)
     if (t != 1 && t != 4) memcpy(finite_logits + (j++) * E, logits + t * E, sizeof(float) * E);
   epx_route_output_t fo = {fi, fw, fl, fc, &faux, NULL, 0, 0};
-  TU_OK(epx_route(&rc, RT - 2, finite_logits, NULL, &fo));
+  EXPECT_OK(epx_route(&rc, RT - 2, finite_logits, NULL, &fo));
   assert_int_equal(fo.nonfinite_tokens, 0);
   for (int32_t t = 0, j = 0; t < RT; t++) {
     for (int32_t k = 0; k < K; k++) {
@@ -786,24 +786,24 @@ static void test_nonfinite_logits(void **state) {
   /* Backward: the dropped tokens get zero gradient rows. */
   float gw[RT * K];
   for (int32_t i = 0; i < RT * K; i++) gw[i] = 0.5f;
-  TU_OK(epx_route_backward(&rc, RT, logits, NULL, idx, gw, 0.0f, 0.0f, grad));
+  EXPECT_OK(epx_route_backward(&rc, RT, logits, NULL, idx, gw, 0.0f, 0.0f, grad));
   for (int32_t e = 0; e < E; e++) {
     assert_true(grad[1 * E + e] == 0.0f);
     assert_true(grad[4 * E + e] == 0.0f);
   }
   /* A dropped token moves nothing through the exchange. */
   epx_comm_t comm = NULL;
-  TU_OK(epx_comm_create_self(&comm));
+  EXPECT_OK(epx_comm_create_self(&comm));
   epx_buffer_t b = buffer_make(comm, EPX_LAYOUT_EXPERT_MAJOR, 0);
   epx_routing_t r = {RT, K, idx, w, NULL, EPX_WEIGHTS_IN_COMBINE};
   epx_handle_t h = NULL;
-  TU_OK(epx_dispatch_layout(b, &r, NULL, &h));
+  EXPECT_OK(epx_dispatch_layout(b, &r, NULL, &h));
   int64_t N = 0;
-  TU_OK(epx_handle_recv_rows(h, &N));
+  EXPECT_OK(epx_handle_recv_rows(h, &N));
   assert_int_equal(N, (RT - 2) * K);
-  TU_OK(epx_handle_release(h));
-  TU_OK(epx_buffer_destroy(b));
-  TU_OK(epx_comm_destroy(comm));
+  EXPECT_OK(epx_handle_release(h));
+  EXPECT_OK(epx_buffer_destroy(b));
+  EXPECT_OK(epx_comm_destroy(comm));
 }
 
 /* ------------------------------------------------------------------------ */
@@ -818,14 +818,14 @@ static void test_released_handle_at_reused_slot(void **state) {
   (void)state;
   fx_t *f = fx_make(EPX_LAYOUT_EXPERT_MAJOR, EPX_WEIGHTS_IN_COMBINE);
   epx_handle_t small = NULL;
-  TU_OK(epx_dispatch_layout(f->b, &(epx_routing_t){1, K, f->idx, f->w, NULL, EPX_WEIGHTS_IN_COMBINE}, NULL, &small));
+  EXPECT_OK(epx_dispatch_layout(f->b, &(epx_routing_t){1, K, f->idx, f->w, NULL, EPX_WEIGHTS_IN_COMBINE}, NULL, &small));
   assert_non_null(epx_registry_get(small, EPX_OBJECT_HANDLE));
-  TU_OK(epx_handle_release(small));
+  EXPECT_OK(epx_handle_release(small));
   assert_null(epx_registry_get(small, EPX_OBJECT_HANDLE));
   /* The next objects take the freed slot (and, with glibc, often the freed
    * memory): neither makes the old value live. */
   epx_handle_t big = NULL;
-  TU_OK(epx_dispatch_layout(f->b, &(epx_routing_t){T, K, f->idx, f->w, NULL, EPX_WEIGHTS_IN_COMBINE}, NULL, &big));
+  EXPECT_OK(epx_dispatch_layout(f->b, &(epx_routing_t){T, K, f->idx, f->w, NULL, EPX_WEIGHTS_IN_COMBINE}, NULL, &big));
   assert_true(big != small);
   _Alignas(16) float one_row[2 * H];
   tu_poison(one_row, sizeof one_row);
@@ -834,37 +834,37 @@ static void test_released_handle_at_reused_slot(void **state) {
   EXPECT_REFUSED(epx_dispatch(f->b, small, f->x, f->recv, f->N), EPX_ERROR_INVALID_HANDLE, "handle is not live");
   EXPECT_REFUSED(epx_handle_retain(small), EPX_ERROR_INVALID_HANDLE, "not live");
   EXPECT_REFUSED(epx_handle_release(small), EPX_ERROR_INVALID_HANDLE, "not live");
-  TU_OK(epx_combine(f->b, big, f->y, f->out));
-  TU_OK(epx_handle_release(big));
+  EXPECT_OK(epx_combine(f->b, big, f->y, f->out));
+  EXPECT_OK(epx_handle_release(big));
 
   /* The same for buffers, recorders and comms: destroyed, replaced, refused. */
   epx_buffer_t old_buffer = buffer_make(f->comm, EPX_LAYOUT_EXPERT_MAJOR, MAXT);
-  TU_OK(epx_buffer_destroy(old_buffer));
+  EXPECT_OK(epx_buffer_destroy(old_buffer));
   epx_buffer_t new_buffer = buffer_make(f->comm, EPX_LAYOUT_EXPERT_MAJOR, MAXT);
   assert_true(new_buffer != old_buffer);
   int64_t m = -7;
   EXPECT_REFUSED(epx_buffer_max_tokens(old_buffer, &m), EPX_ERROR_INVALID_HANDLE, "not a live buffer");
   EXPECT_REFUSED(epx_buffer_destroy(old_buffer), EPX_ERROR_INVALID_HANDLE, "not a live buffer");
-  TU_OK(epx_buffer_max_tokens(new_buffer, &m));
+  EXPECT_OK(epx_buffer_max_tokens(new_buffer, &m));
   assert_int_equal(m, MAXT);
-  TU_OK(epx_buffer_destroy(new_buffer));
+  EXPECT_OK(epx_buffer_destroy(new_buffer));
   epx_recorder_t old_recorder = NULL, new_recorder = NULL;
-  TU_OK(epx_recorder_create(1, &old_recorder));
-  TU_OK(epx_recorder_destroy(old_recorder));
-  TU_OK(epx_recorder_create(1, &new_recorder));
+  EXPECT_OK(epx_recorder_create(1, &old_recorder));
+  EXPECT_OK(epx_recorder_destroy(old_recorder));
+  EXPECT_OK(epx_recorder_create(1, &new_recorder));
   epx_recorder_stats_t stats;
   EXPECT_REFUSED(epx_recorder_stats(old_recorder, &stats), EPX_ERROR_INVALID_HANDLE, "not a live recorder");
   EXPECT_REFUSED(epx_recorder_destroy(old_recorder), EPX_ERROR_INVALID_HANDLE, "not a live recorder");
-  TU_OK(epx_recorder_destroy(new_recorder));
+  EXPECT_OK(epx_recorder_destroy(new_recorder));
   epx_comm_t old_comm = NULL, new_comm = NULL;
-  TU_OK(epx_comm_create_self(&old_comm));
-  TU_OK(epx_comm_destroy(old_comm));
-  TU_OK(epx_comm_create_self(&new_comm));
+  EXPECT_OK(epx_comm_create_self(&old_comm));
+  EXPECT_OK(epx_comm_destroy(old_comm));
+  EXPECT_OK(epx_comm_create_self(&new_comm));
   int32_t rank = -7;
   EXPECT_REFUSED(epx_comm_rank(old_comm, &rank), EPX_ERROR_INVALID_HANDLE, "not a live comm");
   assert_int_equal(rank, -7);
   EXPECT_REFUSED(epx_comm_destroy(old_comm), EPX_ERROR_INVALID_HANDLE, "not a live comm");
-  TU_OK(epx_comm_destroy(new_comm));
+  EXPECT_OK(epx_comm_destroy(new_comm));
   /* One kind's value is not another's. */
   EXPECT_REFUSED(epx_buffer_max_tokens((epx_buffer_t)f->h, &m), EPX_ERROR_INVALID_HANDLE, "not a live buffer");
   EXPECT_REFUSED(epx_handle_retain((epx_handle_t)f->b), EPX_ERROR_INVALID_HANDLE, "not live");
@@ -878,31 +878,31 @@ static void test_over_release_keeps_the_recorders_reference(void **state) {
   (void)state;
   fx_t *f = fx_make(EPX_LAYOUT_EXPERT_MAJOR, EPX_WEIGHTS_IN_COMBINE);
   epx_recorder_t rec = NULL;
-  TU_OK(epx_recorder_create(1, &rec));
+  EXPECT_OK(epx_recorder_create(1, &rec));
   epx_routing_t r = {T, K, f->idx, f->w, NULL, EPX_WEIGHTS_IN_COMBINE};
   epx_handle_t h = NULL;
-  TU_OK(epx_dispatch_layout(f->b, &r, rec, &h));
-  TU_OK(epx_handle_release(h));
+  EXPECT_OK(epx_dispatch_layout(f->b, &r, rec, &h));
+  EXPECT_OK(epx_handle_release(h));
   EXPECT_REFUSED(epx_handle_release(h), EPX_ERROR_INVALID_HANDLE, "handle is not live");
   EXPECT_REFUSED(epx_handle_retain(h), EPX_ERROR_INVALID_HANDLE, "handle is not live");
   EXPECT_REFUSED(epx_combine(f->b, h, f->y, f->out), EPX_ERROR_INVALID_HANDLE, "handle is not live");
   epx_recorder_stats_t stats;
-  TU_OK(epx_recorder_stats(rec, &stats));
+  EXPECT_OK(epx_recorder_stats(rec, &stats));
   assert_int_equal(stats.records, 1);
   assert_int_equal(stats.bytes_avoided, f->N * H * (int64_t)sizeof(float));
   EXPECT_REFUSED(epx_buffer_destroy(f->b), EPX_ERROR_BUSY, "2 handle(s)");
   /* The validating replay hands the recorded handle out again, usable. */
-  TU_OK(epx_recorder_set_mode(rec, EPX_RECORDER_REPLAY));
+  EXPECT_OK(epx_recorder_set_mode(rec, EPX_RECORDER_REPLAY));
   epx_handle_t replayed = NULL;
-  TU_OK(epx_dispatch_layout(f->b, &r, rec, &replayed));
+  EXPECT_OK(epx_dispatch_layout(f->b, &r, rec, &replayed));
   assert_ptr_equal(replayed, h);
-  TU_OK(epx_combine(f->b, replayed, f->y, f->out));
-  TU_OK(epx_handle_retain(replayed));
-  TU_OK(epx_handle_release(replayed));
-  TU_OK(epx_handle_release(replayed));
+  EXPECT_OK(epx_combine(f->b, replayed, f->y, f->out));
+  EXPECT_OK(epx_handle_retain(replayed));
+  EXPECT_OK(epx_handle_release(replayed));
+  EXPECT_OK(epx_handle_release(replayed));
   EXPECT_REFUSED(epx_handle_release(replayed), EPX_ERROR_INVALID_HANDLE, "not live");
   /* The recorder's destroy drops the last reference; the value dies. */
-  TU_OK(epx_recorder_destroy(rec));
+  EXPECT_OK(epx_recorder_destroy(rec));
   assert_null(epx_registry_get(h, EPX_OBJECT_HANDLE));
   EXPECT_REFUSED(epx_handle_release(h), EPX_ERROR_INVALID_HANDLE, "not live");
   fx_free(f);
@@ -915,15 +915,15 @@ static void test_over_release_keeps_the_recorders_reference(void **state) {
 static void test_registry_bounded_by_live_objects(void **state) {
   (void)state;
   epx_recorder_t alive[8];
-  for (int i = 0; i < 8; i++) TU_OK(epx_recorder_create(0, &alive[i]));
+  for (int i = 0; i < 8; i++) EXPECT_OK(epx_recorder_create(0, &alive[i]));
   const size_t before = epx_registry_capacity();
   for (int i = 0; i < 2000000; i++) {
     int slot = i % 8;
-    TU_OK(epx_recorder_destroy(alive[slot]));
-    TU_OK(epx_recorder_create(0, &alive[slot]));
+    EXPECT_OK(epx_recorder_destroy(alive[slot]));
+    EXPECT_OK(epx_recorder_create(0, &alive[slot]));
   }
   assert_int_equal(epx_registry_capacity(), before);
-  for (int i = 0; i < 8; i++) TU_OK(epx_recorder_destroy(alive[i]));
+  for (int i = 0; i < 8; i++) EXPECT_OK(epx_recorder_destroy(alive[i]));
 }
 
 /* Finding 3: hidden = INT64_MAX - 7 was accepted, and epx_recorder_stats then
@@ -932,7 +932,7 @@ static void test_registry_bounded_by_live_objects(void **state) {
 static void test_size_products_overflow(void **state) {
   (void)state;
   epx_comm_t comm = NULL;
-  TU_OK(epx_comm_create_self(&comm));
+  EXPECT_OK(epx_comm_create_self(&comm));
   static const struct {
     int64_t hidden, max_tokens;
     int32_t num_experts, capacity;
@@ -967,25 +967,25 @@ static void test_size_products_overflow(void **state) {
   c.max_top_k = K;
   c.max_tokens_per_rank = MAXT;
   epx_buffer_t b = NULL;
-  TU_OK(epx_buffer_create(comm, &c, &b));
+  EXPECT_OK(epx_buffer_create(comm, &c, &b));
   int64_t rows = 0;
-  TU_OK(epx_buffer_max_recv_rows(b, &rows));
+  EXPECT_OK(epx_buffer_max_recv_rows(b, &rows));
   assert_int_equal(rows, MAXT * K);
   epx_recorder_t rec = NULL;
-  TU_OK(epx_recorder_create(0, &rec));
+  EXPECT_OK(epx_recorder_create(0, &rec));
   int32_t idx[T * K];
   float w[T * K];
   for (int i = 0; i < T * K; i++) idx[i] = (i / K + 3 * (i % K)) % E, w[i] = 0.5f;
   epx_handle_t h = NULL;
-  TU_OK(epx_dispatch_layout(b, &(epx_routing_t){T, K, idx, w, NULL, EPX_WEIGHTS_IN_COMBINE}, rec, &h));
+  EXPECT_OK(epx_dispatch_layout(b, &(epx_routing_t){T, K, idx, w, NULL, EPX_WEIGHTS_IN_COMBINE}, rec, &h));
   int64_t n = 0;
-  TU_OK(epx_handle_recv_rows(h, &n));
+  EXPECT_OK(epx_handle_recv_rows(h, &n));
   epx_recorder_stats_t stats;
-  TU_OK(epx_recorder_stats(rec, &stats));
+  EXPECT_OK(epx_recorder_stats(rec, &stats));
   assert_int_equal(stats.bytes_avoided, n * ((int64_t)4 << 40));
-  TU_OK(epx_handle_release(h));
-  TU_OK(epx_recorder_destroy(rec));
-  TU_OK(epx_buffer_destroy(b));
+  EXPECT_OK(epx_handle_release(h));
+  EXPECT_OK(epx_recorder_destroy(rec));
+  EXPECT_OK(epx_buffer_destroy(b));
   /* The router: the logits' bytes. */
   epx_route_config_t rc = EPX_ROUTE_CONFIG_INIT;
   rc.num_experts = INT32_MAX;
@@ -993,9 +993,9 @@ static void test_size_products_overflow(void **state) {
   int32_t ri[1];
   float rw[1], logits[1] = {0};
   epx_route_output_t ro = {ri, rw, NULL, NULL, NULL, NULL, 0, 0};
-  TU_ASSERT_STATUS(epx_route(&rc, INT32_MAX, logits, NULL, &ro), EPX_ERROR_INVALID_ARGUMENT,
-                   "num_tokens is too large: num_tokens * num_experts * 4");
-  TU_OK(epx_comm_destroy(comm));
+  EXPECT_STATUS(epx_route(&rc, INT32_MAX, logits, NULL, &ro), EPX_ERROR_INVALID_ARGUMENT,
+                "num_tokens is too large: num_tokens * num_experts * 4");
+  EXPECT_OK(epx_comm_destroy(comm));
 }
 
 int main(void) {

@@ -185,7 +185,7 @@ static epx_buffer_t buffer_make(epx_dtype_t dtype, int64_t H, int32_t E, int32_t
   c.expert_alignment = align;
   c.capacity = layout == EPX_LAYOUT_CAPACITY ? C : 0;
   epx_buffer_t b = NULL;
-  TU_OK(epx_buffer_create(g_comm, &c, &b));
+  EXPECT_OK(epx_buffer_create(g_comm, &c, &b));
   return b;
 }
 
@@ -314,14 +314,14 @@ static results_t run_exchange(const routing_t *r, const case_t *c, const expecte
   epx_routing_t routing = {T, K, r->idx, c->pass_w ? r->w : NULL,
                            c->layout == EPX_LAYOUT_CAPACITY ? r->loc : NULL, c->weighting};
   epx_handle_t h = NULL;
-  TU_OK(epx_dispatch_layout(b, &routing, NULL, &h));
+  EXPECT_OK(epx_dispatch_layout(b, &routing, NULL, &h));
 
   /* Integers, exactly. */
   int64_t rows = -1;
-  TU_OK(epx_handle_recv_rows(h, &rows));
+  EXPECT_OK(epx_handle_recv_rows(h, &rows));
   if (rows != N) fail_msg("%s: recv rows %lld, expected %lld", what, (long long)rows, (long long)N);
   int64_t *counts = poisoned(sizeof(int64_t) * (size_t)E), *offsets = poisoned(sizeof(int64_t) * (size_t)(E + 1));
-  TU_OK(epx_handle_expert_counts(h, counts, offsets));
+  EXPECT_OK(epx_handle_expert_counts(h, counts, offsets));
   for (int32_t e = 0; e < E; e++)
     if (counts[e] != x->counts[e]) fail_msg("%s: counts[%d] = %lld, expected %lld", what, e, (long long)counts[e], (long long)x->counts[e]);
   for (int32_t e = 0; e <= E; e++)
@@ -330,8 +330,8 @@ static results_t run_exchange(const routing_t *r, const case_t *c, const expecte
   int32_t *src_rank = poisoned(sizeof(int32_t) * (size_t)(N + 1)), *src_token = poisoned(sizeof(int32_t) * (size_t)(N + 1));
   int32_t *recv_expert = poisoned(sizeof(int32_t) * (cells + 1));
   float *recv_w = poisoned(sizeof(float) * (cells + 1));
-  TU_OK(epx_handle_recv_source(h, src_rank, src_token));
-  TU_OK(epx_handle_recv_routing(h, recv_expert, recv_w));
+  EXPECT_OK(epx_handle_recv_source(h, src_rank, src_token));
+  EXPECT_OK(epx_handle_recv_routing(h, recv_expert, recv_w));
   for (int64_t i = 0; i < N; i++) {
     if (src_token[i] != x->row_token[i] || src_rank[i] != (x->row_token[i] < 0 ? -1 : 0))
       fail_msg("%s: row %lld comes from (rank %d, token %d), expected token %d", what, (long long)i, src_rank[i],
@@ -344,7 +344,7 @@ static results_t run_exchange(const routing_t *r, const case_t *c, const expecte
   if (!is_poison(src_token + N, sizeof(int32_t)) || !is_poison(recv_expert + cells, sizeof(int32_t)))
     fail_msg("%s: the recv accessors wrote past N", what);
   epx_handle_stats_t stats;
-  TU_OK(epx_handle_stats(h, &stats));
+  EXPECT_OK(epx_handle_stats(h, &stats));
   int64_t routes = 0, pairs = 0;
   for (int32_t e = 0; e < E; e++) routes += x->counts[e];
   for (int64_t t = 0; t < T; t++) pairs += x->token_row[t] >= 0;
@@ -355,7 +355,7 @@ static results_t run_exchange(const routing_t *r, const case_t *c, const expecte
   /* Dispatch: every row is x[t] (times w in dispatch), padding zero, nothing past N. */
   results_t res;
   res.recv_x = poisoned((size_t)(N + GUARD_ROWS) * row_bytes);
-  TU_OK(epx_dispatch(b, h, in->x, res.recv_x, N + GUARD_ROWS));
+  EXPECT_OK(epx_dispatch(b, h, in->x, res.recv_x, N + GUARD_ROWS));
   for (int64_t i = 0; i < N; i++) {
     const char *row = (const char *)res.recv_x + (size_t)i * row_bytes;
     if (x->row_token[i] < 0) {
@@ -374,7 +374,7 @@ static results_t run_exchange(const routing_t *r, const case_t *c, const expecte
 
   /* Combine. */
   res.out = poisoned((size_t)(T ? T : 1) * row_bytes);
-  TU_OK(epx_combine(b, h, in->ys, res.out));
+  EXPECT_OK(epx_combine(b, h, in->ys, res.out));
   assert_close(dt, res.out, in->ref_out, T * H, what, "combine vs dense combine");
   for (int64_t t = 0; t < T; t++)
     if (x->token_row[t] < 0 && !is_zero((char *)res.out + (size_t)t * row_bytes, row_bytes))
@@ -384,7 +384,7 @@ static results_t run_exchange(const routing_t *r, const case_t *c, const expecte
   int in_dispatch = c->weighting == EPX_WEIGHTS_IN_DISPATCH, in_combine = c->weighting == EPX_WEIGHTS_IN_COMBINE;
   res.grad_x = poisoned((size_t)(T ? T : 1) * row_bytes);
   res.gw_dispatch = poisoned(sizeof(float) * (size_t)(T * K + 1));
-  TU_OK(epx_dispatch_backward(b, h, in->gs, res.grad_x, in_dispatch ? in->x : NULL, in_dispatch ? res.gw_dispatch : NULL));
+  EXPECT_OK(epx_dispatch_backward(b, h, in->gs, res.grad_x, in_dispatch ? in->x : NULL, in_dispatch ? res.gw_dispatch : NULL));
   if (c->layout == EPX_LAYOUT_RANK_MAJOR) {
     for (int64_t t = 0; t < T; t++) {
       const char *got = (const char *)res.grad_x + (size_t)t * row_bytes;
@@ -422,7 +422,7 @@ static results_t run_exchange(const routing_t *r, const case_t *c, const expecte
   /* Combine backward: the transpose of combine, grad_w = <grad_out, expert_out>. */
   res.grad_eo = poisoned((size_t)(N + GUARD_ROWS) * row_bytes);
   res.gw_combine = poisoned(sizeof(float) * (size_t)(T * K + 1));
-  TU_OK(epx_combine_backward(b, h, in->gout, in_combine ? in->ys : NULL, res.grad_eo, in_combine ? res.gw_combine : NULL));
+  EXPECT_OK(epx_combine_backward(b, h, in->gout, in_combine ? in->ys : NULL, res.grad_eo, in_combine ? res.gw_combine : NULL));
   for (int64_t i = 0; i < N; i++) {
     const char *row = (const char *)res.grad_eo + (size_t)i * row_bytes;
     if (x->row_token[i] < 0) {
@@ -457,8 +457,8 @@ static results_t run_exchange(const routing_t *r, const case_t *c, const expecte
     fail_msg("%s: grad_w written without EPX_WEIGHTS_IN_COMBINE", what);
   }
 
-  TU_OK(epx_handle_release(h));
-  TU_OK(epx_buffer_destroy(b));
+  EXPECT_OK(epx_handle_release(h));
+  EXPECT_OK(epx_buffer_destroy(b));
   tu_free(counts);
   tu_free(offsets);
   tu_free(src_rank);
@@ -513,13 +513,13 @@ static void check_case(tu_rng_t *rng, const routing_t *r, const case_t *c) {
   size_t dense_bytes = (size_t)(D ? D : 1) * row_bytes, token_bytes = (size_t)(T ? T : 1) * row_bytes;
   void *ref_recv = poisoned(dense_bytes), *ref_geo = poisoned(dense_bytes);
   void *ref_out = poisoned(token_bytes), *ref_gx = poisoned(token_bytes);
-  TU_OK(epx_reference_dense_dispatch(dt, T, H, E, C, K, r->idx, w, r->loc, wt, xs, ref_recv));
-  TU_OK(epx_reference_dense_combine(dt, T, H, E, C, K, r->idx, w, r->loc,
-                                    rank_major && c->pass_w ? EPX_WEIGHTS_IN_COMBINE : wt, yd, ref_out));
-  TU_OK(epx_reference_dense_combine(dt, T, H, E, C, K, r->idx, w, r->loc,
-                                    wt == EPX_WEIGHTS_IN_DISPATCH ? EPX_WEIGHTS_IN_COMBINE : EPX_WEIGHTS_NONE, gd, ref_gx));
-  TU_OK(epx_reference_dense_dispatch(dt, T, H, E, C, K, r->idx, w, r->loc,
-                                     wt == EPX_WEIGHTS_IN_COMBINE ? EPX_WEIGHTS_IN_DISPATCH : EPX_WEIGHTS_NONE, gout, ref_geo));
+  EXPECT_OK(epx_reference_dense_dispatch(dt, T, H, E, C, K, r->idx, w, r->loc, wt, xs, ref_recv));
+  EXPECT_OK(epx_reference_dense_combine(dt, T, H, E, C, K, r->idx, w, r->loc,
+                                        rank_major && c->pass_w ? EPX_WEIGHTS_IN_COMBINE : wt, yd, ref_out));
+  EXPECT_OK(epx_reference_dense_combine(dt, T, H, E, C, K, r->idx, w, r->loc,
+                                        wt == EPX_WEIGHTS_IN_DISPATCH ? EPX_WEIGHTS_IN_COMBINE : EPX_WEIGHTS_NONE, gd, ref_gx));
+  EXPECT_OK(epx_reference_dense_dispatch(dt, T, H, E, C, K, r->idx, w, r->loc,
+                                         wt == EPX_WEIGHTS_IN_COMBINE ? EPX_WEIGHTS_IN_DISPATCH : EPX_WEIGHTS_NONE, gout, ref_geo));
   in = (inputs_t){xs, ys, gs, yd, gd, gout, ref_recv, ref_out, ref_gx, ref_geo};
 
   char label[300];
@@ -600,37 +600,37 @@ static void test_zero_tokens(void **state) {
     epx_buffer_t b = buffer_make(EPX_BFLOAT16, H, E, K, 0, EPX_EXCHANGE_DEDUP, layout, layouts[l].align, C);
     epx_routing_t routing = {0, K, NULL, NULL, NULL, layout == EPX_LAYOUT_RANK_MAJOR ? EPX_WEIGHTS_NONE : EPX_WEIGHTS_IN_COMBINE};
     epx_handle_t h = NULL;
-    TU_OK(epx_dispatch_layout(b, &routing, NULL, &h));
+    EXPECT_OK(epx_dispatch_layout(b, &routing, NULL, &h));
     int64_t N = -1, max_tokens = -1;
-    TU_OK(epx_handle_recv_rows(h, &N));
+    EXPECT_OK(epx_handle_recv_rows(h, &N));
     int64_t expected_n = layout == EPX_LAYOUT_CAPACITY ? (int64_t)E * C : 0;
     assert_int_equal(N, expected_n);
-    TU_OK(epx_buffer_max_tokens(b, &max_tokens));
+    EXPECT_OK(epx_buffer_max_tokens(b, &max_tokens));
     assert_int_equal(max_tokens, 8); /* 0 tokens rounded up to max_tokens_rounding */
     int64_t counts[8], offsets[9];
     tu_poison(counts, sizeof counts);
     tu_poison(offsets, sizeof offsets);
-    TU_OK(epx_handle_expert_counts(h, counts, offsets));
+    EXPECT_OK(epx_handle_expert_counts(h, counts, offsets));
     for (int32_t e = 0; e < E; e++) assert_int_equal(counts[e], 0);
     for (int32_t e = 0; e <= E; e++) assert_int_equal(offsets[e], layout == EPX_LAYOUT_CAPACITY ? (int64_t)e * C : 0);
     size_t bytes = (size_t)(N ? N : 1) * (size_t)H * 2;
     void *recv = poisoned(bytes), *geo = poisoned(bytes);
-    TU_OK(epx_dispatch(b, h, NULL, N ? recv : NULL, N));
+    EXPECT_OK(epx_dispatch(b, h, NULL, N ? recv : NULL, N));
     if (N) assert_true(is_zero(recv, bytes));
-    TU_OK(epx_combine(b, h, N ? recv : NULL, NULL));
-    TU_OK(epx_dispatch_backward(b, h, N ? recv : NULL, NULL, NULL, NULL));
-    TU_OK(epx_combine_backward(b, h, NULL, NULL, N ? geo : NULL, NULL));
+    EXPECT_OK(epx_combine(b, h, N ? recv : NULL, NULL));
+    EXPECT_OK(epx_dispatch_backward(b, h, N ? recv : NULL, NULL, NULL, NULL));
+    EXPECT_OK(epx_combine_backward(b, h, NULL, NULL, N ? geo : NULL, NULL));
     if (N) assert_true(is_zero(geo, bytes));
-    TU_OK(epx_handle_release(h));
-    TU_OK(epx_buffer_destroy(b));
+    EXPECT_OK(epx_handle_release(h));
+    EXPECT_OK(epx_buffer_destroy(b));
     tu_free(recv);
     tu_free(geo);
   }
   /* The references with no tokens: empty slots are zero rows. */
   void *out = poisoned((size_t)E * C * H * 4);
-  TU_OK(epx_reference_dense_dispatch(EPX_FLOAT32, 0, H, E, C, K, NULL, NULL, NULL, EPX_WEIGHTS_NONE, NULL, out));
+  EXPECT_OK(epx_reference_dense_dispatch(EPX_FLOAT32, 0, H, E, C, K, NULL, NULL, NULL, EPX_WEIGHTS_NONE, NULL, out));
   assert_true(is_zero(out, (size_t)E * C * H * 4));
-  TU_OK(epx_reference_dense_combine(EPX_FLOAT32, 0, H, E, C, K, NULL, NULL, NULL, EPX_WEIGHTS_IN_COMBINE, out, NULL));
+  EXPECT_OK(epx_reference_dense_combine(EPX_FLOAT32, 0, H, E, C, K, NULL, NULL, NULL, EPX_WEIGHTS_IN_COMBINE, out, NULL));
   tu_free(out);
 }
 
@@ -669,9 +669,9 @@ static void test_unchosen_experts(void **state) {
   epx_buffer_t b = buffer_make(EPX_FLOAT32, 16, E, K, T, EPX_EXCHANGE_DEDUP, EPX_LAYOUT_EXPERT_MAJOR, 4, 0);
   epx_routing_t routing = {T, K, base.idx, base.w, NULL, EPX_WEIGHTS_IN_COMBINE};
   epx_handle_t h = NULL;
-  TU_OK(epx_dispatch_layout(b, &routing, NULL, &h));
+  EXPECT_OK(epx_dispatch_layout(b, &routing, NULL, &h));
   int64_t counts[8], offsets[9];
-  TU_OK(epx_handle_expert_counts(h, counts, offsets));
+  EXPECT_OK(epx_handle_expert_counts(h, counts, offsets));
   assert_int_equal(counts[0], 0);
   assert_int_equal(counts[3], 0);
   assert_int_equal(counts[7], 0);
@@ -680,8 +680,8 @@ static void test_unchosen_experts(void **state) {
   assert_int_equal(offsets[4], offsets[3]);
   assert_int_equal(offsets[8], offsets[7]);
   for (int32_t e = 0; e < E; e++) assert_int_equal(offsets[e + 1] - offsets[e], (counts[e] + 3) / 4 * 4);
-  TU_OK(epx_handle_release(h));
-  TU_OK(epx_buffer_destroy(b));
+  EXPECT_OK(epx_handle_release(h));
+  EXPECT_OK(epx_buffer_destroy(b));
   routing_free(&base);
 }
 
@@ -737,38 +737,38 @@ static void test_repeatable(void **state) {
       epx_buffer_t b = buffer_make(dt, H, E, K, T, EPX_EXCHANGE_DEDUP, layout, layouts[l].align, 12);
       epx_routing_t routing = {T, K, r.idx, r.w, layout == EPX_LAYOUT_CAPACITY ? r.loc : NULL, wt};
       epx_handle_t h = NULL;
-      TU_OK(epx_dispatch_layout(b, &routing, NULL, &h));
+      EXPECT_OK(epx_dispatch_layout(b, &routing, NULL, &h));
       int64_t N = 0;
-      TU_OK(epx_handle_recv_rows(h, &N));
+      EXPECT_OK(epx_handle_recv_rows(h, &N));
       size_t row_bytes = (size_t)H * epx_dtype_size(dt), nb = (size_t)(N ? N : 1) * row_bytes, tb = (size_t)T * row_bytes;
       void *x = payload(&rng, dt, T, H), *y = payload(&rng, dt, N, H), *g = payload(&rng, dt, T, H);
       void *r1 = poisoned(nb), *r2 = poisoned(nb), *o1 = poisoned(tb), *o2 = poisoned(tb);
       void *gx1 = poisoned(tb), *gx2 = poisoned(tb), *ge1 = poisoned(nb), *ge2 = poisoned(nb);
       float *gw1 = poisoned(sizeof(float) * (size_t)(T * K)), *gw2 = poisoned(sizeof(float) * (size_t)(T * K));
       int wc = wt == EPX_WEIGHTS_IN_COMBINE;
-      TU_OK(epx_dispatch(b, h, x, r1, N));
-      TU_OK(epx_dispatch(b, h, x, r2, N));
+      EXPECT_OK(epx_dispatch(b, h, x, r1, N));
+      EXPECT_OK(epx_dispatch(b, h, x, r2, N));
       assert_memory_equal(r1, r2, (size_t)N * row_bytes);
-      TU_OK(epx_combine(b, h, y, o1));
-      TU_OK(epx_combine(b, h, y, o2));
+      EXPECT_OK(epx_combine(b, h, y, o1));
+      EXPECT_OK(epx_combine(b, h, y, o2));
       assert_memory_equal(o1, o2, tb);
-      TU_OK(epx_dispatch_backward(b, h, y, gx1, NULL, NULL));
-      TU_OK(epx_dispatch_backward(b, h, y, gx2, NULL, NULL));
+      EXPECT_OK(epx_dispatch_backward(b, h, y, gx1, NULL, NULL));
+      EXPECT_OK(epx_dispatch_backward(b, h, y, gx2, NULL, NULL));
       assert_memory_equal(gx1, gx2, tb);
-      TU_OK(epx_combine_backward(b, h, g, wc ? y : NULL, ge1, wc ? gw1 : NULL));
-      TU_OK(epx_combine_backward(b, h, g, wc ? y : NULL, ge2, wc ? gw2 : NULL));
+      EXPECT_OK(epx_combine_backward(b, h, g, wc ? y : NULL, ge1, wc ? gw1 : NULL));
+      EXPECT_OK(epx_combine_backward(b, h, g, wc ? y : NULL, ge2, wc ? gw2 : NULL));
       assert_memory_equal(ge1, ge2, (size_t)N * row_bytes);
       if (wc) assert_memory_equal(gw1, gw2, sizeof(float) * (size_t)(T * K));
       /* A cached dispatch of new inputs moves the new payload. */
       void *x2 = payload(&rng, dt, T, H), *r3 = poisoned(nb);
-      TU_OK(epx_dispatch(b, h, x2, r3, N));
+      EXPECT_OK(epx_dispatch(b, h, x2, r3, N));
       int32_t *tok = tu_alloc(sizeof(int32_t) * (size_t)(N ? N : 1));
-      TU_OK(epx_handle_recv_source(h, NULL, tok));
+      EXPECT_OK(epx_handle_recv_source(h, NULL, tok));
       for (int64_t i = 0; i < N; i++)
         if (tok[i] >= 0)
           assert_memory_equal((char *)r3 + (size_t)i * row_bytes, (char *)x2 + (size_t)tok[i] * row_bytes, row_bytes);
-      TU_OK(epx_handle_release(h));
-      TU_OK(epx_buffer_destroy(b));
+      EXPECT_OK(epx_handle_release(h));
+      EXPECT_OK(epx_buffer_destroy(b));
       void *bufs[] = {x, y, g, r1, r2, o1, o2, gx1, gx2, ge1, ge2, gw1, gw2, x2, r3, tok};
       for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) tu_free(bufs[i]);
       routing_free(&r);
@@ -863,7 +863,7 @@ static void test_capacity_by_hand(void **state) {
     int32_t idx[8], loc[8], counts[4];
     float w[8];
     epx_route_output_t out = {idx, w, loc, counts, NULL, NULL, 0, 0};
-    TU_OK(epx_route(&rc, 4, logits, NULL, &out));
+    EXPECT_OK(epx_route(&rc, 4, logits, NULL, &out));
     assert_int_equal(out.capacity, 2);
     assert_memory_equal(idx, cases[i].idx, sizeof idx);
     assert_memory_equal(loc, cases[i].loc, sizeof loc);
@@ -875,21 +875,21 @@ static void test_capacity_by_hand(void **state) {
     epx_buffer_t b = buffer_make(EPX_FLOAT32, 8, 4, 2, 4, EPX_EXCHANGE_DEDUP, EPX_LAYOUT_CAPACITY, 1, out.capacity);
     epx_routing_t routing = {4, 2, idx, w, loc, EPX_WEIGHTS_IN_COMBINE};
     epx_handle_t h = NULL;
-    TU_OK(epx_dispatch_layout(b, &routing, NULL, &h));
+    EXPECT_OK(epx_dispatch_layout(b, &routing, NULL, &h));
     int64_t N = 0;
-    TU_OK(epx_handle_recv_rows(h, &N));
+    EXPECT_OK(epx_handle_recv_rows(h, &N));
     assert_int_equal(N, 8);
     int32_t src_token[8], src_rank[8], recv_expert[8];
     float recv_w[8];
-    TU_OK(epx_handle_recv_source(h, src_rank, src_token));
-    TU_OK(epx_handle_recv_routing(h, recv_expert, recv_w));
+    EXPECT_OK(epx_handle_recv_source(h, src_rank, src_token));
+    EXPECT_OK(epx_handle_recv_routing(h, recv_expert, recv_w));
     assert_memory_equal(src_token, cases[i].occupancy, sizeof src_token);
     for (int32_t s = 0; s < 8; s++) {
       assert_int_equal(recv_expert[s], src_token[s] < 0 ? -1 : s / 2);
       assert_int_equal(src_rank[s], src_token[s] < 0 ? -1 : 0);
     }
     int64_t ecounts[4], offsets[5];
-    TU_OK(epx_handle_expert_counts(h, ecounts, offsets));
+    EXPECT_OK(epx_handle_expert_counts(h, ecounts, offsets));
     for (int32_t e = 0; e < 4; e++) {
       int64_t filled = (cases[i].occupancy[e][0] >= 0) + (cases[i].occupancy[e][1] >= 0);
       assert_int_equal(ecounts[e], filled);
@@ -897,14 +897,14 @@ static void test_capacity_by_hand(void **state) {
     }
     assert_int_equal(offsets[4], 8);
     float *x = payload(&rng, EPX_FLOAT32, 4, 8), *recv = poisoned(8 * 8 * sizeof(float));
-    TU_OK(epx_dispatch(b, h, x, recv, 8));
+    EXPECT_OK(epx_dispatch(b, h, x, recv, 8));
     for (int32_t s = 0; s < 8; s++) {
       int32_t t = cases[i].occupancy[s / 2][s % 2];
       if (t < 0) assert_true(is_zero(recv + s * 8, 8 * sizeof(float)));
       else assert_memory_equal(recv + s * 8, x + t * 8, 8 * sizeof(float));
     }
-    TU_OK(epx_handle_release(h));
-    TU_OK(epx_buffer_destroy(b));
+    EXPECT_OK(epx_handle_release(h));
+    EXPECT_OK(epx_buffer_destroy(b));
     tu_free(x);
     tu_free(recv);
   }
@@ -958,15 +958,15 @@ static void test_tensor_parallel_slicing(void **state) {
   epx_buffer_t b = buffer_make(EPX_FLOAT32, H, E, K, T, EPX_EXCHANGE_DEDUP, EPX_LAYOUT_CAPACITY, 1, C);
   epx_routing_t routing = {T, K, r.idx, r.w, r.loc, EPX_WEIGHTS_IN_COMBINE};
   epx_handle_t h = NULL;
-  TU_OK(epx_dispatch_layout(b, &routing, NULL, &h));
+  EXPECT_OK(epx_dispatch_layout(b, &routing, NULL, &h));
   size_t bytes = sizeof(float) * (size_t)(rows * H);
   float *x = payload(&rng, EPX_FLOAT32, T, H), *recv = poisoned(bytes), *full = poisoned(bytes);
-  TU_OK(epx_dispatch(b, h, x, recv, rows));
+  EXPECT_OK(epx_dispatch(b, h, x, recv, rows));
   run_expert(m, 0, E, C, H, recv, full);
   float *out_full = poisoned(sizeof(float) * (size_t)(T * H)), *out_tp = poisoned(sizeof(float) * (size_t)(T * H));
-  TU_OK(epx_combine(b, h, full, out_full));
+  EXPECT_OK(epx_combine(b, h, full, out_full));
   int32_t recv_expert[32];
-  TU_OK(epx_handle_recv_routing(h, recv_expert, NULL));
+  EXPECT_OK(epx_handle_recv_routing(h, recv_expert, NULL));
 
   const int32_t tps[] = {2, 4};
   for (size_t i = 0; i < 2; i++) {
@@ -981,7 +981,7 @@ static void test_tensor_parallel_slicing(void **state) {
       unslice_dim1(part_out, E, C, H, tp, p, joined);
     }
     assert_memory_equal(joined, full, bytes);
-    TU_OK(epx_combine(b, h, joined, out_tp));
+    EXPECT_OK(epx_combine(b, h, joined, out_tp));
     assert_memory_equal(out_tp, out_full, sizeof(float) * (size_t)(T * H));
 
     /* Wrong: the flat [E*C, H] buffer cut into tp row chunks. Chunk p holds
@@ -1001,7 +1001,7 @@ static void test_tensor_parallel_slicing(void **state) {
     }
     assert_true(mixed);
     assert_true(memcmp(joined, full, bytes) != 0);
-    TU_OK(epx_combine(b, h, joined, out_tp));
+    EXPECT_OK(epx_combine(b, h, joined, out_tp));
     assert_true(memcmp(out_tp, out_full, sizeof(float) * (size_t)(T * H)) != 0);
 
     /* Wrong: "slice along dim 1" of the flat [E*C, H] view cuts H, not C.
@@ -1017,8 +1017,8 @@ static void test_tensor_parallel_slicing(void **state) {
     tu_free(part_out);
     tu_free(joined);
   }
-  TU_OK(epx_handle_release(h));
-  TU_OK(epx_buffer_destroy(b));
+  EXPECT_OK(epx_handle_release(h));
+  EXPECT_OK(epx_buffer_destroy(b));
   void *bufs[] = {m, x, recv, full, out_full, out_tp};
   for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) tu_free(bufs[i]);
   routing_free(&r);

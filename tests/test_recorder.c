@@ -17,17 +17,6 @@
 #define E_PER_RANK 4
 #define T_MAX 40
 
-/* Failing calls inside the model end the rank's run (its peers then time out). */
-#define MODEL_CALL(expr)                                                                   \
-  do {                                                                                     \
-    epx_status_t mc_ = (expr);                                                             \
-    if (mc_ != EPX_SUCCESS) {                                                              \
-      fprintf(stderr, "rank %d, line %d: %s returned %s: %s\n", m->rank, __LINE__, #expr,  \
-              epx_status_string(mc_), epx_last_error());                                   \
-      return 1;                                                                            \
-    }                                                                                      \
-  } while (0)
-
 static void *alloc_zero(size_t bytes) {
   void *p = NULL;
   if (posix_memalign(&p, 64, bytes ? bytes : 64)) return NULL;
@@ -76,6 +65,7 @@ static void layer_free(layer_t *l) {
 static float expert_scale(int32_t e) { return 1.0f + 0.25f * (float)(e % 4); }
 
 static int model_init(model_t *m, epx_comm_t comm, int32_t rank, int32_t W, epx_dtype_t dtype, int64_t H) {
+  int failures = 0; /* a failing call ends the rank's run (its peers then time out) */
   memset(m, 0, sizeof *m);
   m->rank = rank, m->W = W, m->E = E_PER_RANK * W, m->H = H, m->dtype = dtype;
   m->T = 12 + 7 * rank;
@@ -89,9 +79,10 @@ static int model_init(model_t *m, epx_comm_t comm, int32_t rank, int32_t W, epx_
   for (int l = 0; l < 2; l++) {
     tu_rng_t rng = {1000 + (uint64_t)(rank * 2 + l)};
     tu_random_routing(&rng, m->T, m->E, K, l ? 1.5 : 0.0, m->idx[l], m->w[l]);
-    MODEL_CALL(epx_buffer_create(comm, &bc, &m->buffer[l]));
+    RANK_REQUIRE_OK(epx_buffer_create(comm, &bc, &m->buffer[l]));
   }
-  return 0;
+done:
+  return failures;
 }
 
 static void model_fini(model_t *m) {
@@ -104,24 +95,27 @@ static epx_routing_t model_routing(const model_t *m, int l) {
 
 /* layout (through the recorder, or not), dispatch, expert, combine. */
 static int layer_forward(model_t *m, int l, epx_recorder_t recorder, const void *x, void *out, layer_t *st) {
+  const int32_t rank = m->rank;
+  int failures = 0;
   epx_routing_t routing = model_routing(m, l);
   memset(st, 0, sizeof *st);
-  MODEL_CALL(epx_dispatch_layout(m->buffer[l], &routing, recorder, &st->handle));
-  MODEL_CALL(epx_handle_recv_rows(st->handle, &st->N));
+  RANK_REQUIRE_OK(epx_dispatch_layout(m->buffer[l], &routing, recorder, &st->handle));
+  RANK_REQUIRE_OK(epx_handle_recv_rows(st->handle, &st->N));
   st->recv = alloc_zero((size_t)st->N * m->rb);
   st->expert_out = alloc_zero((size_t)st->N * m->rb);
   st->expert = alloc_zero(sizeof(int32_t) * (size_t)st->N);
   if (!st->recv || !st->expert_out || !st->expert) return 1;
-  MODEL_CALL(epx_dispatch(m->buffer[l], st->handle, x, st->recv, st->N));
-  MODEL_CALL(epx_handle_recv_routing(st->handle, st->expert, NULL));
+  RANK_REQUIRE_OK(epx_dispatch(m->buffer[l], st->handle, x, st->recv, st->N));
+  RANK_REQUIRE_OK(epx_handle_recv_routing(st->handle, st->expert, NULL));
   for (int64_t i = 0; i < st->N; i++) {
     const char *v = (const char *)st->recv + (size_t)i * m->rb;
     char *y = (char *)st->expert_out + (size_t)i * m->rb;
     for (int64_t h = 0; h < m->H; h++)
       epx_store(m->dtype, y, h, expert_scale(st->expert[i]) * epx_load(m->dtype, v, h) + 0.0625f * (float)(h % 5));
   }
-  MODEL_CALL(epx_combine(m->buffer[l], st->handle, st->expert_out, out));
-  return 0;
+  RANK_REQUIRE_OK(epx_combine(m->buffer[l], st->handle, st->expert_out, out));
+done:
+  return failures;
 }
 
 /* combine_backward (with the router's grad_w), expert backward,
@@ -193,6 +187,8 @@ typedef struct {
  * outputs; the backward recomputes each block's forward by replay, then runs
  * its backward. */
 static int step_checkpointed(model_t *m, const rec_case_t *rc, epx_recorder_t rec[2], step_t *s, void *recomputed[2]) {
+  const int32_t rank = m->rank;
+  int failures = 0;
   layer_t st[2] = {{0}, {0}};
   epx_recorder_t for_layer[2] = {rec[0], rc->two_recorders ? rec[1] : rec[0]};
   int bad = layer_forward(m, 0, for_layer[0], s->x0, s->out[0], &st[0]);
@@ -200,7 +196,8 @@ static int step_checkpointed(model_t *m, const rec_case_t *rc, epx_recorder_t re
   bad = bad || layer_forward(m, 1, rc->fallback ? NULL : for_layer[1], s->out[0], s->out[1], &st[1]);
   layer_free(&st[1]);
   if (bad) return 1;
-  for (int r = 0; r < (rc->two_recorders ? 2 : 1); r++) MODEL_CALL(epx_recorder_set_mode(rec[r], EPX_RECORDER_REPLAY));
+  for (int r = 0; r < (rc->two_recorders ? 2 : 1); r++)
+    RANK_REQUIRE_OK(epx_recorder_set_mode(rec[r], EPX_RECORDER_REPLAY));
   if (rc->two_recorders) {
     bad = layer_forward(m, 1, for_layer[1], s->out[0], recomputed[1], &st[1]) ||
           layer_backward(m, 1, &st[1], s->grad_out1, s->grad_x[1], s->grad_w[1]) ||
@@ -215,6 +212,8 @@ static int step_checkpointed(model_t *m, const rec_case_t *rc, epx_recorder_t re
   layer_free(&st[0]);
   layer_free(&st[1]);
   return bad;
+done:
+  return failures;
 }
 
 /* Shared between the ranks of a run: how many have finished their collective

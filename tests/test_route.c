@@ -132,8 +132,8 @@ static void ref_route(const epx_route_config_t *c, int64_t T, const float *logit
   r->loc = tu_alloc(sizeof(int32_t) * (size_t)(routes + 1));
   r->w = tu_alloc(sizeof(double) * (size_t)(routes + 1));
   r->counts = tu_alloc(sizeof(int32_t) * (size_t)c->num_experts);
-  TU_OK(epx_reference_route(c, T, logits, bias, r->idx, r->w, r->loc, r->counts, &r->aux,
-                               &r->z, &r->capacity));
+  EXPECT_OK(epx_reference_route(c, T, logits, bias, r->idx, r->w, r->loc, r->counts, &r->aux,
+                                   &r->z, &r->capacity));
   r->nonfinite = 0;
   for (int64_t t = 0; t < T; t++) {
     int finite = 1;
@@ -167,7 +167,7 @@ static void check_against_reference(const epx_route_config_t *c, int64_t T, cons
   outs o;
   ref_t r;
   outs_alloc(&o, T, c->num_experts, c->top_k);
-  TU_OK(epx_route(c, T, logits, bias, &o.out));
+  EXPECT_OK(epx_route(c, T, logits, bias, &o.out));
   assert_spare_untouched(&o, label);
   ref_route(c, T, logits, bias, &r);
   for (int64_t i = 0; i < T * c->top_k; i++) {
@@ -273,11 +273,11 @@ static void test_route_bias_selects_not_weights(void **state) {
   c.renormalize = 0;
   outs o;
   outs_alloc(&o, 1, 4, 1);
-  TU_OK(epx_route(&c, 1, logits, NULL, &o.out));
+  EXPECT_OK(epx_route(&c, 1, logits, NULL, &o.out));
   assert_int_equal(o.idx[0], 0);
   assert_true(close_enough(o.w[0], p[0], W_ATOL, W_RTOL));
   outs_poison(&o);
-  TU_OK(epx_route(&c, 1, logits, bias, &o.out));
+  EXPECT_OK(epx_route(&c, 1, logits, bias, &o.out));
   assert_int_equal(o.idx[0], 1);
   assert_true(close_enough(o.w[0], p[1], W_ATOL, W_RTOL));
   /* Renormalised top-2 with the bias: experts 1 then 0, weights p / (p0 + p1). */
@@ -286,7 +286,7 @@ static void test_route_bias_selects_not_weights(void **state) {
   c.scaling_factor = 3.0f;
   outs_free(&o);
   outs_alloc(&o, 1, 4, 2);
-  TU_OK(epx_route(&c, 1, logits, bias, &o.out));
+  EXPECT_OK(epx_route(&c, 1, logits, bias, &o.out));
   assert_int_equal(o.idx[0], 1);
   assert_int_equal(o.idx[1], 0);
   assert_true(close_enough(o.w[0], 3.0 * p[1] / (p[0] + p[1]), W_ATOL, W_RTOL));
@@ -302,18 +302,18 @@ static void test_route_group_limited(void **state) {
   c.score_fn = EPX_SCORE_SIGMOID;
   outs o;
   outs_alloc(&o, 1, 8, 2);
-  TU_OK(epx_route(&c, 1, logits, NULL, &o.out));
+  EXPECT_OK(epx_route(&c, 1, logits, NULL, &o.out));
   assert_int_equal(o.idx[0], 0);
   assert_int_equal(o.idx[1], 2);
   c.num_groups = 4;
   c.topk_groups = 1;
   outs_poison(&o);
-  TU_OK(epx_route(&c, 1, logits, NULL, &o.out));
+  EXPECT_OK(epx_route(&c, 1, logits, NULL, &o.out));
   assert_int_equal(o.idx[0], 2);
   assert_int_equal(o.idx[1], 3);
   c.topk_groups = 2;
   outs_poison(&o);
-  TU_OK(epx_route(&c, 1, logits, NULL, &o.out));
+  EXPECT_OK(epx_route(&c, 1, logits, NULL, &o.out));
   assert_int_equal(o.idx[0], 0);
   assert_int_equal(o.idx[1], 2);
   outs_free(&o);
@@ -328,7 +328,7 @@ static void test_route_group_limited(void **state) {
   float *l = random_logits(&rng, T, E, 2.0f);
   float *bias = random_bias(&rng, E, 0.05f);
   outs_alloc(&o, T, E, K);
-  TU_OK(epx_route(&c, T, l, bias, &o.out));
+  EXPECT_OK(epx_route(&c, T, l, bias, &o.out));
   for (int64_t t = 0; t < T; t++) {
     double row[32], p[32], gscore[8];
     for (int32_t e = 0; e < E; e++) row[e] = l[t * E + e];
@@ -365,14 +365,14 @@ static void test_route_ties(void **state) {
   epx_route_config_t c = config_make(8, 3);
   outs o;
   outs_alloc(&o, 2, 8, 3);
-  TU_OK(epx_route(&c, 2, logits, NULL, &o.out));
+  EXPECT_OK(epx_route(&c, 2, logits, NULL, &o.out));
   for (int t = 0; t < 2; t++)
     for (int k = 0; k < 3; k++) assert_int_equal(o.idx[t * 3 + k], k);
   c.num_groups = 4;
   c.topk_groups = 2;
   const float bias[8] = {0, 0, 0.5f, 0, 0, 0, 0, 0.5f};
   outs_poison(&o);
-  TU_OK(epx_route(&c, 2, logits, bias, &o.out));
+  EXPECT_OK(epx_route(&c, 2, logits, bias, &o.out));
   /* Groups 1 and 3 tie on score and beat 0 and 2; experts 2 and 7 tie. */
   const int32_t want[3] = {2, 7, 3};
   for (int t = 0; t < 2; t++)
@@ -385,7 +385,7 @@ static void test_route_ties(void **state) {
     c6.num_groups = 3;
     c6.topk_groups = 2;
     outs_alloc(&o, 2, 6, 2);
-    TU_OK(epx_route(&c6, 2, logits, bias6, &o.out));
+    EXPECT_OK(epx_route(&c6, 2, logits, bias6, &o.out));
     for (int t = 0; t < 2; t++) {
       assert_int_equal(o.idx[t * 2], 4);
       assert_int_equal(o.idx[t * 2 + 1], 0);
@@ -396,7 +396,7 @@ static void test_route_ties(void **state) {
   c.top_k = 2;
   c.topk_groups = 1;
   outs_alloc(&o, 2, 8, 2);
-  TU_OK(epx_route(&c, 2, logits, bias, &o.out));
+  EXPECT_OK(epx_route(&c, 2, logits, bias, &o.out));
   for (int t = 0; t < 2; t++) {
     assert_int_equal(o.idx[t * 2], 2);
     assert_int_equal(o.idx[t * 2 + 1], 3);
@@ -462,7 +462,7 @@ static void test_route_float32_ties_of_bench(void **state) {
   c.score_fn = EPX_SCORE_SIGMOID;
   c.num_groups = 8;
   c.topk_groups = 4;
-  TU_OK(epx_route(&c, 1, row, bias, &o.out));
+  EXPECT_OK(epx_route(&c, 1, row, bias, &o.out));
   assert_int_equal(o.idx[5], 26);
   assert_int_equal(o.idx[6], 90);
   outs_free(&o);
@@ -494,7 +494,7 @@ static void check_capacity_case(epx_queue_order_t order, epx_drop_policy_t drop,
   c.drop_policy = drop;
   outs o;
   outs_alloc(&o, 4, 4, 2);
-  TU_OK(epx_route(&c, 4, capacity_logits, NULL, &o.out));
+  EXPECT_OK(epx_route(&c, 4, capacity_logits, NULL, &o.out));
   assert_int_equal(o.out.capacity, 2);
   assert_int_equal(o.out.nonfinite_tokens, 0);
   const int32_t want_counts[4] = {4, 2, 2, 0}; /* before dropping */
@@ -551,7 +551,7 @@ static void test_route_dropless(void **state) {
   for (int order = 0; order < 2; order++) {
     c.queue_order = order ? EPX_QUEUE_BY_TOKEN : EPX_QUEUE_BY_CHOICE;
     outs_poison(&o);
-    TU_OK(epx_route(&c, 4, capacity_logits, NULL, &o.out));
+    EXPECT_OK(epx_route(&c, 4, capacity_logits, NULL, &o.out));
     assert_int_equal(o.out.capacity, 0);
     for (int i = 0; i < 8; i++) {
       assert_int_equal(o.idx[i], idx[i]);
@@ -570,7 +570,7 @@ static void test_route_dropless(void **state) {
   float *l = random_logits(&rng, T, E, 3.0f);
   c = config_make(E, K);
   outs_alloc(&o, T, E, K);
-  TU_OK(epx_route(&c, T, l, NULL, &o.out));
+  EXPECT_OK(epx_route(&c, T, l, NULL, &o.out));
   int64_t total = 0;
   for (int32_t e = 0; e < E; e++) {
     total += o.counts[e];
@@ -606,7 +606,7 @@ static void test_route_capacity_formula(void **state) {
     float *l = random_logits(&rng, cases[i].T > 0 ? cases[i].T : 1, cases[i].E, 1.0f);
     outs o;
     outs_alloc(&o, cases[i].T, cases[i].E, cases[i].K);
-    TU_OK(epx_route(&c, cases[i].T, l, NULL, &o.out));
+    EXPECT_OK(epx_route(&c, cases[i].T, l, NULL, &o.out));
     if (o.out.capacity != cases[i].want)
       fail_msg("case %zu: capacity %d, expected %d", i, o.out.capacity, cases[i].want);
     int32_t fullest = 0;
@@ -615,7 +615,7 @@ static void test_route_capacity_formula(void **state) {
     assert_true(fullest <= cases[i].want);
     c.capacity_mode = 0;
     outs_poison(&o);
-    TU_OK(epx_route(&c, cases[i].T, l, NULL, &o.out));
+    EXPECT_OK(epx_route(&c, cases[i].T, l, NULL, &o.out));
     assert_int_equal(o.out.capacity, 0);
     outs_free(&o);
     tu_free(l);
@@ -635,15 +635,15 @@ static void test_route_no_tokens(void **state) {
   c.z_loss_coeff = 0.01f;
   outs o;
   outs_alloc(&o, 0, 8, 2);
-  TU_OK(epx_route(&c, 0, NULL, NULL, &o.out));
+  EXPECT_OK(epx_route(&c, 0, NULL, NULL, &o.out));
   for (int e = 0; e < 8; e++) assert_int_equal(o.counts[e], 0);
   assert_true(*o.aux == 0.0f && *o.z == 0.0f);
   assert_int_equal(o.out.capacity, 3);
   assert_int_equal(o.out.nonfinite_tokens, 0);
   assert_spare_untouched(&o, "T = 0");
   epx_route_output_t bare = {NULL, NULL, NULL, NULL, NULL, NULL, 0, 0};
-  TU_OK(epx_route(&c, 0, NULL, NULL, &bare));
-  TU_OK(epx_route_backward(&c, 0, NULL, NULL, NULL, NULL, 1.0f, 1.0f, NULL));
+  EXPECT_OK(epx_route(&c, 0, NULL, NULL, &bare));
+  EXPECT_OK(epx_route_backward(&c, 0, NULL, NULL, NULL, NULL, 1.0f, 1.0f, NULL));
   outs_free(&o);
 }
 
@@ -660,7 +660,7 @@ static void test_route_all_experts(void **state) {
     check_against_reference(&c, T, l, NULL, "K = E");
     outs o;
     outs_alloc(&o, T, E, E);
-    TU_OK(epx_route(&c, T, l, NULL, &o.out));
+    EXPECT_OK(epx_route(&c, T, l, NULL, &o.out));
     for (int64_t t = 0; t < T; t++) {
       double sum = 0;
       int seen[6] = {0};
@@ -690,7 +690,7 @@ static void test_route_unchosen_and_one_expert(void **state) {
   check_against_reference(&c, T, l, NULL, "expert 3 unchosen");
   outs o;
   outs_alloc(&o, T, E, 1);
-  TU_OK(epx_route(&c, T, l, NULL, &o.out));
+  EXPECT_OK(epx_route(&c, T, l, NULL, &o.out));
   assert_int_equal(o.counts[3], 0);
   assert_int_equal(o.counts[0] + o.counts[1] + o.counts[2], T);
 
@@ -703,7 +703,7 @@ static void test_route_unchosen_and_one_expert(void **state) {
       c.queue_order = order ? EPX_QUEUE_BY_TOKEN : EPX_QUEUE_BY_CHOICE;
       check_against_reference(&c, T, l, NULL, "all to expert 0");
       outs_poison(&o);
-      TU_OK(epx_route(&c, T, l, NULL, &o.out));
+      EXPECT_OK(epx_route(&c, T, l, NULL, &o.out));
       assert_int_equal(o.out.capacity, 3);
       assert_int_equal(o.counts[0], T);
       int kept = 0;
@@ -753,7 +753,7 @@ static void test_route_large_logits(void **state) {
     c1.z_loss_coeff = 1.0f;
     outs o1;
     outs_alloc(&o1, E, E, 1);
-    TU_OK(epx_route(&c1, E, spikes, NULL, &o1.out));
+    EXPECT_OK(epx_route(&c1, E, spikes, NULL, &o1.out));
     for (int t = 0; t < E; t++) {
       assert_int_equal(o1.idx[t], t);
       assert_true(o1.w[t] == 1.0f);
@@ -767,14 +767,14 @@ static void test_route_large_logits(void **state) {
   c.score_fn = EPX_SCORE_SIGMOID;
   outs o;
   outs_alloc(&o, T, E, K);
-  TU_OK(epx_route(&c, T, l, NULL, &o.out));
+  EXPECT_OK(epx_route(&c, T, l, NULL, &o.out));
   for (int64_t i = 0; i < T * K; i++) {
     assert_true(o.idx[i] >= 0 && o.idx[i] < E);
     assert_true(o.w[i] == 0.0f);
   }
   float *grad = tu_alloc(sizeof(float) * (size_t)(T * E));
   float *gw = random_logits(&rng, T, K, 1.0f);
-  TU_OK(epx_route_backward(&c, T, l, NULL, o.idx, gw, 0.0f, 0.0f, grad));
+  EXPECT_OK(epx_route_backward(&c, T, l, NULL, o.idx, gw, 0.0f, 0.0f, grad));
   for (int64_t i = 0; i < T * E; i++) assert_true(grad[i] == 0.0f);
   outs_free(&o);
   tu_free(grad);
@@ -816,14 +816,14 @@ static double check_gradient(const epx_route_config_t *c, int64_t T, const float
   const int32_t E = c->num_experts;
   outs o;
   outs_alloc(&o, T, E, c->top_k);
-  TU_OK(epx_route(c, T, logits, bias, &o.out));
+  EXPECT_OK(epx_route(c, T, logits, bias, &o.out));
   float *grad = tu_alloc(sizeof(float) * (size_t)(T * E));
   double *want = tu_alloc(sizeof(double) * (size_t)(T * E));
   float *moved = tu_alloc(sizeof(float) * (size_t)(T * E));
   memcpy(moved, logits, sizeof(float) * (size_t)(T * E));
   tu_poison(grad, sizeof(float) * (size_t)(T * E));
-  TU_OK(epx_route_backward(c, T, logits, bias, o.idx, gw, ga, gz, grad));
-  TU_OK(epx_reference_route_backward(c, T, logits, bias, o.idx, gw, ga, gz, want));
+  EXPECT_OK(epx_route_backward(c, T, logits, bias, o.idx, gw, ga, gz, grad));
+  EXPECT_OK(epx_reference_route_backward(c, T, logits, bias, o.idx, gw, ga, gz, want));
   double largest = 0;
   for (int64_t i = 0; i < T * E; i++) {
     largest = fmax(largest, fabs(grad[i]));
@@ -946,6 +946,43 @@ static void test_route_option_gradients(void **state) {
     }
 }
 
+/* renormalize_after_drop in dropless mode (DeepSpeed drop_tokens=False):
+ * nothing is dropped, so the weights are renormalised over the K chosen, as
+ * the reference and the backward have it (the forward once returned them
+ * unnormalised, and its backward differentiated the normalised ones). */
+static void test_route_renormalize_after_drop_dropless(void **state) {
+  (void)state;
+  tu_rng_t rng = {11020};
+  const int64_t T = 16;
+  const int32_t E = 4, K = 2;
+  for (int score = 0; score < 4; score++)
+    for (int order = 0; order < 2; order++) {
+      epx_route_config_t c = config_make(E, K);
+      c.score_fn = (epx_score_fn_t)score;
+      c.queue_order = order ? EPX_QUEUE_BY_TOKEN : EPX_QUEUE_BY_CHOICE;
+      c.renormalize_after_drop = 1;
+      c.scaling_factor = score == 1 ? 2.5f : 1.0f;
+      float *l = random_logits(&rng, T, E, 1.0f);
+      float *gw = random_logits(&rng, T, K, 1.0f);
+      char label[64];
+      snprintf(label, sizeof label, "dropless renorm-after-drop score %d order %d", score, order);
+      check_against_reference(&c, T, l, NULL, label);
+      outs o;
+      outs_alloc(&o, T, E, K);
+      EXPECT_OK(epx_route(&c, T, l, NULL, &o.out));
+      for (int64_t t = 0; t < T; t++) {
+        assert_true(o.idx[t * K] >= 0 && o.idx[t * K + 1] >= 0);
+        if (!close_enough((double)o.w[t * K] + o.w[t * K + 1], c.scaling_factor, W_ATOL, W_RTOL))
+          fail_msg("%s: token %lld weights %.9g + %.9g, expected a sum of %g", label,
+                   (long long)t, o.w[t * K], o.w[t * K + 1], (double)c.scaling_factor);
+      }
+      check_gradient(&c, T, l, NULL, gw, 0.0f, 0.0f, label);
+      outs_free(&o);
+      tu_free(l);
+      tu_free(gw);
+    }
+}
+
 /* Dropped slots carry no gradient; a NULL grad_topk_w is zeros. */
 static void test_route_gradient_drops(void **state) {
   (void)state;
@@ -960,7 +997,7 @@ static void test_route_gradient_drops(void **state) {
   c.capacity_factor = 0.5f;
   outs o;
   outs_alloc(&o, T, E, K);
-  TU_OK(epx_route(&c, T, l, NULL, &o.out));
+  EXPECT_OK(epx_route(&c, T, l, NULL, &o.out));
   int dropped = 0;
   for (int64_t i = 0; i < T * K; i++) dropped += o.idx[i] < 0;
   assert_true(dropped > 0);
@@ -968,12 +1005,12 @@ static void test_route_gradient_drops(void **state) {
   /* A token with every slot dropped and no renormalisation gets zero gradient. */
   float *grad = tu_alloc(sizeof(float) * (size_t)(T * E));
   tu_poison(grad, sizeof(float) * (size_t)(T * E));
-  TU_OK(epx_route_backward(&c, T, l, NULL, o.idx, gw, 0.0f, 0.0f, grad));
+  EXPECT_OK(epx_route_backward(&c, T, l, NULL, o.idx, gw, 0.0f, 0.0f, grad));
   for (int64_t t = 0; t < T; t++)
     if (o.idx[t * K] < 0 && o.idx[t * K + 1] < 0)
       for (int32_t e = 0; e < E; e++) assert_true(grad[t * E + e] == 0.0f);
   tu_poison(grad, sizeof(float) * (size_t)(T * E));
-  TU_OK(epx_route_backward(&c, T, l, NULL, o.idx, NULL, 0.0f, 0.0f, grad));
+  EXPECT_OK(epx_route_backward(&c, T, l, NULL, o.idx, NULL, 0.0f, 0.0f, grad));
   for (int64_t i = 0; i < T * E; i++) assert_true(grad[i] == 0.0f);
   tu_free(grad);
   tu_free(l);
@@ -999,7 +1036,7 @@ static void test_route_nonfinite(void **state) {
   c.z_loss_coeff = 0.01f;
   outs o;
   outs_alloc(&o, T, E, K);
-  TU_ASSERT_STATUS(epx_route(&c, T, l, NULL, &o.out), EPX_ERROR_INVALID_ARGUMENT, "token 2");
+  EXPECT_STATUS(epx_route(&c, T, l, NULL, &o.out), EPX_ERROR_INVALID_ARGUMENT, "token 2");
   assert_outs_untouched(&o, "nonfinite ERROR");
 
   float *grad = tu_alloc(sizeof(float) * (size_t)(T * E));
@@ -1007,8 +1044,8 @@ static void test_route_nonfinite(void **state) {
   float *gw = random_logits(&rng, T, K, 1.0f);
   for (int64_t i = 0; i < T * K; i++) idx[i] = -1;
   tu_poison(grad, sizeof(float) * (size_t)(T * E));
-  TU_ASSERT_STATUS(epx_route_backward(&c, T, l, NULL, idx, gw, 1.0f, 1.0f, grad),
-                   EPX_ERROR_INVALID_ARGUMENT, "token 2");
+  EXPECT_STATUS(epx_route_backward(&c, T, l, NULL, idx, gw, 1.0f, 1.0f, grad),
+                EPX_ERROR_INVALID_ARGUMENT, "token 2");
   assert_true(bytes_poisoned(grad, sizeof(float) * (size_t)(T * E)));
 
   c.nonfinite = EPX_NONFINITE_DROP;
@@ -1017,7 +1054,7 @@ static void test_route_nonfinite(void **state) {
     c.capacity_factor = 1.0f;
     check_against_reference(&c, T, l, NULL, "nonfinite DROP");
     outs_poison(&o);
-    TU_OK(epx_route(&c, T, l, NULL, &o.out));
+    EXPECT_OK(epx_route(&c, T, l, NULL, &o.out));
     assert_int_equal(o.out.nonfinite_tokens, 3);
     int64_t total = 0;
     for (int32_t e = 0; e < E; e++) total += o.counts[e];
@@ -1039,8 +1076,8 @@ static void test_route_nonfinite(void **state) {
   outs_alloc(&only, n, E, K);
   c.capacity_mode = 0;
   outs_poison(&o);
-  TU_OK(epx_route(&c, T, l, NULL, &o.out));
-  TU_OK(epx_route(&c, n, kept, NULL, &only.out));
+  EXPECT_OK(epx_route(&c, T, l, NULL, &o.out));
+  EXPECT_OK(epx_route(&c, n, kept, NULL, &only.out));
   assert_true(close_enough(*o.aux, *only.aux, W_ATOL, W_RTOL));
   assert_true(close_enough(*o.z, *only.z, W_ATOL, W_RTOL));
   for (int32_t e = 0; e < E; e++) assert_int_equal(o.counts[e], only.counts[e]);
@@ -1050,7 +1087,7 @@ static void test_route_nonfinite(void **state) {
   check_gradient(&c, T, l, NULL, gw, 0.8f, 0.6f, "nonfinite DROP gradient");
   /* Backward: dropped rows get zero gradient. */
   tu_poison(grad, sizeof(float) * (size_t)(T * E));
-  TU_OK(epx_route_backward(&c, T, l, NULL, o.idx, gw, 1.0f, 1.0f, grad));
+  EXPECT_OK(epx_route_backward(&c, T, l, NULL, o.idx, gw, 1.0f, 1.0f, grad));
   for (int t = 0; t < T; t++)
     for (int e = 0; e < E; e++)
       if (t == 2 || t == 5 || t == 9) assert_true(grad[t * E + e] == 0.0f);
@@ -1087,10 +1124,10 @@ static void test_route_threaded_batches(void **state) {
   outs whole, part;
   outs_alloc(&whole, T, E, K);
   outs_alloc(&part, 200, E, K);
-  TU_OK(epx_route(&c, T, l, bias, &whole.out));
+  EXPECT_OK(epx_route(&c, T, l, bias, &whole.out));
   for (int64_t first = 0; first < T; first += 200) {
     outs_poison(&part);
-    TU_OK(epx_route(&c, 200, l + first * E, bias, &part.out));
+    EXPECT_OK(epx_route(&c, 200, l + first * E, bias, &part.out));
     assert_memory_equal(part.idx, whole.idx + first * K, sizeof(int32_t) * 200 * K);
     assert_memory_equal(part.w, whole.w + first * K, sizeof(float) * 200 * K);
   }
@@ -1110,18 +1147,18 @@ static void test_route_threaded_batches(void **state) {
   l[1500 * E + 9] = NAN;
   l[700 * E + 3] = INFINITY;
   outs_poison(&whole);
-  TU_ASSERT_STATUS(epx_route(&c, T, l, bias, &whole.out), EPX_ERROR_INVALID_ARGUMENT,
-                   "token 700");
+  EXPECT_STATUS(epx_route(&c, T, l, bias, &whole.out), EPX_ERROR_INVALID_ARGUMENT,
+                "token 700");
   assert_outs_untouched(&whole, "threaded nonfinite");
   l[700 * E + 3] = 0.5f;
   l[1500 * E + 9] = 0.5f;
   c.capacity_mode = 0; /* no -1 slots: every change below is a mismatch */
-  TU_OK(epx_route(&c, T, l, bias, &whole.out));
+  EXPECT_OK(epx_route(&c, T, l, bias, &whole.out));
   whole.idx[1900 * K + 2] = (whole.idx[1900 * K + 2] + 1) % E;
   whole.idx[1200 * K + 1] = (whole.idx[1200 * K + 1] + 1) % E;
   tu_poison(grad, sizeof(float) * (size_t)(T * E));
-  TU_ASSERT_STATUS(epx_route_backward(&c, T, l, bias, whole.idx, gw, 0, 0, grad),
-                   EPX_ERROR_INVALID_ARGUMENT, "topk_idx[1200, 1]");
+  EXPECT_STATUS(epx_route_backward(&c, T, l, bias, whole.idx, gw, 0, 0, grad),
+                EPX_ERROR_INVALID_ARGUMENT, "topk_idx[1200, 1]");
   assert_true(bytes_poisoned(grad, sizeof(float) * (size_t)(T * E)));
   outs_free(&whole);
   tu_free(grad);
@@ -1140,7 +1177,7 @@ static void expect_refused(const epx_route_config_t *c, int64_t T, const float *
                            const float *bias, outs *o, epx_route_output_t *out,
                            epx_status_t status, const char *needle) {
   outs_poison(o);
-  TU_ASSERT_STATUS(epx_route(c, T, logits, bias, out), status, needle);
+  EXPECT_STATUS(epx_route(c, T, logits, bias, out), status, needle);
   assert_outs_untouched(o, needle);
 }
 
@@ -1155,7 +1192,7 @@ static void test_route_bad_arguments(void **state) {
   outs_alloc(&o, BAD_T, BAD_E, BAD_K);
   const epx_route_config_t good = config_make(BAD_E, BAD_K);
   epx_route_config_t c = good;
-  TU_OK(epx_route(&c, BAD_T, l, bias, &o.out));
+  EXPECT_OK(epx_route(&c, BAD_T, l, bias, &o.out));
 
   expect_refused(NULL, BAD_T, l, bias, &o, &o.out, EPX_ERROR_INVALID_ARGUMENT, "config is NULL");
   c = good, c.struct_size = 4;
@@ -1180,8 +1217,8 @@ static void test_route_bad_arguments(void **state) {
   expect_refused(&c, BAD_T, l, (const float *)((const char *)bias + 1), &o, &o.out,
                  EPX_ERROR_INVALID_ARGUMENT, "bias");
   outs_poison(&o);
-  TU_ASSERT_STATUS(epx_route(&c, BAD_T, l, bias, NULL), EPX_ERROR_INVALID_ARGUMENT,
-                   "output is NULL");
+  EXPECT_STATUS(epx_route(&c, BAD_T, l, bias, NULL), EPX_ERROR_INVALID_ARGUMENT,
+                "output is NULL");
   assert_outs_untouched(&o, "output NULL");
 
   /* Output arrays: NULL where required, and misaligned. */
@@ -1244,7 +1281,7 @@ static void test_route_bad_arguments(void **state) {
   /* Capacity settings are ignored in dropless mode. */
   c = good, c.capacity_factor = 0.0f, c.min_capacity = -1;
   outs_poison(&o);
-  TU_OK(epx_route(&c, BAD_T, l, bias, &o.out));
+  EXPECT_OK(epx_route(&c, BAD_T, l, bias, &o.out));
   c = good;
   bias[1] = NAN;
   expect_refused(&c, BAD_T, l, bias, &o, &o.out, EPX_ERROR_INVALID_ARGUMENT, "bias[1]");
@@ -1274,13 +1311,13 @@ static void test_route_backward_bad_arguments(void **state) {
   outs_alloc(&o, BAD_T, BAD_E, BAD_K);
   const epx_route_config_t good = config_make(BAD_E, BAD_K);
   epx_route_config_t c = good;
-  TU_OK(epx_route(&c, BAD_T, l, NULL, &o.out));
-  TU_OK(epx_route_backward(&c, BAD_T, l, NULL, o.idx, gw, 0.0f, 0.0f, grad));
+  EXPECT_OK(epx_route(&c, BAD_T, l, NULL, &o.out));
+  EXPECT_OK(epx_route_backward(&c, BAD_T, l, NULL, o.idx, gw, 0.0f, 0.0f, grad));
   const size_t bytes = sizeof(float) * BAD_T * BAD_E;
 #define EXPECT_BACKWARD_REFUSED(call, code, needle)                                             \
   do {                                                                                          \
     tu_poison(grad, bytes);                                                                     \
-    TU_ASSERT_STATUS(call, code, needle);                                                       \
+    EXPECT_STATUS(call, code, needle);                                                       \
     if (!bytes_poisoned(grad, bytes)) fail_msg("%s: grad_logits was written", needle);          \
   } while (0)
   EXPECT_BACKWARD_REFUSED(epx_route_backward(NULL, BAD_T, l, NULL, o.idx, gw, 0, 0, grad),
@@ -1295,8 +1332,8 @@ static void test_route_backward_bad_arguments(void **state) {
                           EPX_ERROR_INVALID_ARGUMENT, "logits is NULL");
   EXPECT_BACKWARD_REFUSED(epx_route_backward(&c, BAD_T, l, NULL, NULL, gw, 0, 0, grad),
                           EPX_ERROR_INVALID_ARGUMENT, "topk_idx is NULL");
-  TU_ASSERT_STATUS(epx_route_backward(&c, BAD_T, l, NULL, o.idx, gw, 0, 0, NULL),
-                   EPX_ERROR_INVALID_ARGUMENT, "grad_logits is NULL");
+  EXPECT_STATUS(epx_route_backward(&c, BAD_T, l, NULL, o.idx, gw, 0, 0, NULL),
+                EPX_ERROR_INVALID_ARGUMENT, "grad_logits is NULL");
   EXPECT_BACKWARD_REFUSED(epx_route_backward(&c, BAD_T, l, NULL, o.idx,
                                              (const float *)((const char *)gw + 1), 0, 0, grad),
                           EPX_ERROR_INVALID_ARGUMENT, "grad_topk_w");
@@ -1305,9 +1342,9 @@ static void test_route_backward_bad_arguments(void **state) {
   EXPECT_BACKWARD_REFUSED(epx_route_backward(&c, BAD_T, l, NULL, o.idx, gw, 0, INFINITY, grad),
                           EPX_ERROR_INVALID_ARGUMENT, "grad_z_loss");
   tu_poison(grad, bytes);
-  TU_ASSERT_STATUS(epx_route_backward(&c, BAD_T, l, NULL, o.idx, gw, 0, 0,
-                                      (float *)((char *)grad + 2)),
-                   EPX_ERROR_INVALID_ARGUMENT, "grad_logits");
+  EXPECT_STATUS(epx_route_backward(&c, BAD_T, l, NULL, o.idx, gw, 0, 0,
+                                   (float *)((char *)grad + 2)),
+                EPX_ERROR_INVALID_ARGUMENT, "grad_logits");
   assert_true(bytes_poisoned(grad, bytes));
   /* A topk_idx that is not this routing's. */
   const int32_t keep = o.idx[3];
@@ -1342,14 +1379,14 @@ static void test_route_deterministic_and_in_place(void **state) {
   outs a, b;
   outs_alloc(&a, T, E, K);
   outs_alloc(&b, T, E, K);
-  TU_OK(epx_route(&c, T, l, NULL, &a.out));
-  TU_OK(epx_route(&c, T, l, NULL, &b.out));
+  EXPECT_OK(epx_route(&c, T, l, NULL, &a.out));
+  EXPECT_OK(epx_route(&c, T, l, NULL, &b.out));
   assert_memory_equal(a.idx, b.idx, sizeof(int32_t) * (size_t)(T * K));
   assert_memory_equal(a.w, b.w, sizeof(float) * (size_t)(T * K));
   assert_memory_equal(a.aux, b.aux, sizeof(float));
   float *grad = tu_alloc(sizeof(float) * (size_t)(T * E));
-  TU_OK(epx_route_backward(&c, T, l, NULL, a.idx, gw, 0.5f, 0.5f, grad));
-  TU_OK(epx_route_backward(&c, T, l, NULL, a.idx, gw, 0.5f, 0.5f, l));
+  EXPECT_OK(epx_route_backward(&c, T, l, NULL, a.idx, gw, 0.5f, 0.5f, grad));
+  EXPECT_OK(epx_route_backward(&c, T, l, NULL, a.idx, gw, 0.5f, 0.5f, l));
   assert_memory_equal(grad, l, sizeof(float) * (size_t)(T * E));
   outs_free(&a);
   outs_free(&b);
@@ -1377,6 +1414,7 @@ int main(void) {
       cmocka_unit_test(test_route_gradients),
       cmocka_unit_test(test_route_option_gradients),
       cmocka_unit_test(test_route_gradient_drops),
+      cmocka_unit_test(test_route_renormalize_after_drop_dropless),
       cmocka_unit_test(test_route_threaded_batches),
       cmocka_unit_test(test_route_bad_arguments),
       cmocka_unit_test(test_route_backward_bad_arguments),

@@ -30,7 +30,7 @@ static epx_route_config_t config_make(int32_t E, int32_t K) {
 static void route(const epx_route_config_t *c, int64_t T, const float *logits, routed *r) {
   memset(r, 0xA5, sizeof *r);
   r->out = (epx_route_output_t){r->idx, r->w, r->loc, r->counts, &r->aux, &r->z, 0, 0};
-  TU_OK(epx_route(c, T, logits, NULL, &r->out));
+  EXPECT_OK(epx_route(c, T, logits, NULL, &r->out));
 }
 
 static void softmax64(const float *row, int32_t E, double *p) {
@@ -81,16 +81,16 @@ static void test_capacity_edges(void **state) {
     int32_t *idx = tu_alloc(sizeof(int32_t) * (size_t)(T * c.top_k));
     float *w = tu_alloc(sizeof(float) * (size_t)(T * c.top_k));
     epx_route_output_t out = {idx, w, NULL, NULL, NULL, NULL, 0, 0};
-    TU_OK(epx_route(&c, T, l, NULL, &out));
+    EXPECT_OK(epx_route(&c, T, l, NULL, &out));
     int32_t queried = -1; /* the public query without routing: the same C */
-    TU_OK(epx_route_capacity_of(&c, T, &queried));
+    EXPECT_OK(epx_route_capacity_of(&c, T, &queried));
     if (out.capacity != cases[i].ds || queried != cases[i].ds)
       fail_msg("T %lld E %d K %d factor %g: capacity %d (queried %d), DeepSpeed's %d", (long long)T,
                c.num_experts, c.top_k, cases[i].factor, out.capacity, queried, cases[i].ds);
     c.capacity_arithmetic = EPX_CAPACITY_FLOAT64;
     c.capacity_factor_f64 = cases[i].factor;
-    TU_OK(epx_route(&c, T, l, NULL, &out));
-    TU_OK(epx_route_capacity_of(&c, T, &queried));
+    EXPECT_OK(epx_route(&c, T, l, NULL, &out));
+    EXPECT_OK(epx_route_capacity_of(&c, T, &queried));
     if (out.capacity != cases[i].mg || queried != cases[i].mg)
       fail_msg("T %lld E %d K %d factor %g: capacity %d (queried %d), Megatron's %d", (long long)T,
                c.num_experts, c.top_k, cases[i].factor, out.capacity, queried, cases[i].mg);
@@ -101,7 +101,7 @@ static void test_capacity_edges(void **state) {
   /* dropless: 0; bad arguments refused by name */
   epx_route_config_t c = config_make(8, 2);
   int32_t queried = -1;
-  TU_OK(epx_route_capacity_of(&c, 100, &queried));
+  EXPECT_OK(epx_route_capacity_of(&c, 100, &queried));
   assert_int_equal(queried, 0);
   assert_int_equal(epx_route_capacity_of(&c, 100, NULL), EPX_ERROR_INVALID_ARGUMENT);
   assert_non_null(strstr(epx_last_error(), "capacity is NULL"));
@@ -346,8 +346,8 @@ static void test_sequence_aux_loss(void **state) {
   expect_w("seq_aux_loss", r.aux, loss);
   c.aux_loss_sequences = 3;
   epx_route_output_t out = r.out;
-  TU_ASSERT_STATUS(epx_route(&c, 4, l, NULL, &out), EPX_ERROR_INVALID_ARGUMENT,
-                   "not a multiple of aux_loss_sequences");
+  EXPECT_STATUS(epx_route(&c, 4, l, NULL, &out), EPX_ERROR_INVALID_ARGUMENT,
+                "not a multiple of aux_loss_sequences");
 }
 
 /* _apply_global_aux_loss: tokens_per_expert of the global batch (here given),
@@ -392,12 +392,12 @@ static void test_random_priority(void **state) {
   int32_t idx[48], idx2[48], loc[48];
   float w[48];
   epx_route_output_t out = {idx, w, loc, NULL, NULL, NULL, 0, 0};
-  TU_OK(epx_route(&c, T, l, NULL, &out));
+  EXPECT_OK(epx_route(&c, T, l, NULL, &out));
   const int32_t C = out.capacity;
   assert_int_equal(C, 6);
   c.capacity_mode = 0;
   epx_route_output_t all = {idx2, w, NULL, NULL, NULL, NULL, 0, 0};
-  TU_OK(epx_route(&c, T, l, NULL, &all));
+  EXPECT_OK(epx_route(&c, T, l, NULL, &all));
   for (int32_t e = 0; e < 4; e++) {
     /* The kept are the C of the largest priority among e's tokens. */
     int32_t kept = 0, slot = 0;
@@ -418,7 +418,7 @@ static void test_random_priority(void **state) {
   /* Another seed drops other tokens. */
   c.capacity_mode = 1;
   c.random_seed = 43;
-  TU_OK(epx_route(&c, T, l, NULL, &all));
+  EXPECT_OK(epx_route(&c, T, l, NULL, &all));
   int differ = 0;
   for (int64_t t = 0; t < T; t++) differ += idx2[t] != idx[t];
   assert_true(differ > 0);
@@ -464,7 +464,7 @@ static void test_padding_mask(void **state) {
   expect_w("masked z", masked.z, alone.z);
   float grad[60];
   const float gw[24] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12};
-  TU_OK(epx_route_backward(&c, T, l, NULL, masked.idx, gw, 0.5f, 0.5f, grad));
+  EXPECT_OK(epx_route_backward(&c, T, l, NULL, masked.idx, gw, 0.5f, 0.5f, grad));
   for (int64_t t = 0; t < T; t++)
     for (int e = 0; !mask[t] && e < 5; e++) assert_true(grad[t * 5 + e] == 0.0f);
 }
@@ -494,8 +494,8 @@ static void test_agree_capacity(void **state) {
   assert_int_equal(a.got[0], 11);
   assert_int_equal(a.got[1], 11);
   int32_t C;
-  TU_ASSERT_STATUS(epx_route_agree_capacity(NULL, 4, a.counts[0], &C), EPX_ERROR_INVALID_ARGUMENT,
-                   "comm is NULL");
+  EXPECT_STATUS(epx_route_agree_capacity(NULL, 4, a.counts[0], &C), EPX_ERROR_INVALID_ARGUMENT,
+                "comm is NULL");
 }
 
 /* ------------------------------------------------------------------------ */
@@ -517,8 +517,8 @@ static void check_option(const epx_route_config_t *c, int64_t T, const float *l,
   float *grad = tu_alloc(sizeof(float) * (size_t)(T * E)), aux, z;
   double *rgrad = tu_alloc(sizeof(double) * (size_t)(T * E));
   epx_route_output_t out = {idx, w, loc, counts, &aux, &z, 0, 0};
-  TU_OK(epx_route(c, T, l, bias, &out));
-  TU_OK(epx_reference_route(c, T, l, bias, ridx, rw, rloc, rcounts, &raux, &rz, &rC));
+  EXPECT_OK(epx_route(c, T, l, bias, &out));
+  EXPECT_OK(epx_reference_route(c, T, l, bias, ridx, rw, rloc, rcounts, &raux, &rz, &rC));
   assert_int_equal(out.capacity, rC);
   for (int64_t i = 0; i < T * K; i++) {
     if (idx[i] != ridx[i] || loc[i] != rloc[i])
@@ -531,8 +531,8 @@ static void check_option(const epx_route_config_t *c, int64_t T, const float *l,
   for (int32_t e = 0; e < E; e++) assert_int_equal(counts[e], rcounts[e]);
   if (!close_enough(aux, raux, W_ATOL, W_RTOL) || !close_enough(z, rz, W_ATOL, W_RTOL))
     fail_msg("%s: aux %.9g z %.9g, reference %.9g %.9g", label, aux, z, raux, rz);
-  TU_OK(epx_route_backward(c, T, l, bias, idx, gw, 0.7f, 0.3f, grad));
-  TU_OK(epx_reference_route_backward(c, T, l, bias, idx, gw, 0.7, 0.3, rgrad));
+  EXPECT_OK(epx_route_backward(c, T, l, bias, idx, gw, 0.7f, 0.3f, grad));
+  EXPECT_OK(epx_reference_route_backward(c, T, l, bias, idx, gw, 0.7, 0.3, rgrad));
   double largest = 0;
   for (int64_t i = 0; i < T * E; i++) largest = fmax(largest, fabs(rgrad[i]));
   for (int64_t i = 0; i < T * E; i++)

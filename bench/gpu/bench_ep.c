@@ -136,8 +136,8 @@ static int32_t *device_routing(int T, int skew, int seed, int32_t *idx) {
   make_routing(T, skew, seed, idx, w);
   free(w);
   int32_t *d_idx;
-  CU(cudaMalloc((void **)&d_idx, 4 * (size_t)T * K));
-  CU(cudaMemcpy(d_idx, idx, 4 * (size_t)T * K, cudaMemcpyHostToDevice));
+  FATAL_UNLESS_CUDA_OK(cudaMalloc((void **)&d_idx, 4 * (size_t)T * K));
+  FATAL_UNLESS_CUDA_OK(cudaMemcpy(d_idx, idx, 4 * (size_t)T * K, cudaMemcpyHostToDevice));
   return d_idx;
 }
 
@@ -169,18 +169,18 @@ static int cmp_float(const void *a, const void *b) {
 typedef void (*op_fn)(void *);
 static timing_t time_op(op_fn fn, void *arg) {
   cudaEvent_t ev[REPS + 1];
-  for (int i = 0; i <= REPS; i++) CU(cudaEventCreate(&ev[i]));
+  for (int i = 0; i <= REPS; i++) FATAL_UNLESS_CUDA_OK(cudaEventCreate(&ev[i]));
   for (int i = 0; i < WARM; i++) fn(arg);
-  CU(cudaStreamSynchronize(g_stream));
+  FATAL_UNLESS_CUDA_OK(cudaStreamSynchronize(g_stream));
   MPI_Barrier(MPI_COMM_WORLD);
-  CU(cudaEventRecord(ev[0], g_stream));
+  FATAL_UNLESS_CUDA_OK(cudaEventRecord(ev[0], g_stream));
   for (int i = 0; i < REPS; i++) {
     fn(arg);
-    CU(cudaEventRecord(ev[i + 1], g_stream));
+    FATAL_UNLESS_CUDA_OK(cudaEventRecord(ev[i + 1], g_stream));
   }
-  CU(cudaStreamSynchronize(g_stream));
+  FATAL_UNLESS_CUDA_OK(cudaStreamSynchronize(g_stream));
   float t[REPS];
-  for (int i = 0; i < REPS; i++) CU(cudaEventElapsedTime(&t[i], ev[i], ev[i + 1]));
+  for (int i = 0; i < REPS; i++) FATAL_UNLESS_CUDA_OK(cudaEventElapsedTime(&t[i], ev[i], ev[i + 1]));
   for (int i = 0; i <= REPS; i++) cudaEventDestroy(ev[i]);
   qsort(t, REPS, sizeof t[0], cmp_float);
   timing_t r = {t[REPS / 2], 0};
@@ -205,48 +205,48 @@ typedef struct {
 
 static void op_dispatch(void *p) {
   bench_t *b = p;
-  OK(epx_dispatch(b->buf, b->h, b->x, b->recv, b->cap));
+  FATAL_UNLESS_OK(epx_dispatch(b->buf, b->h, b->x, b->recv, b->cap));
 }
 static void op_combine(void *p) {
   bench_t *b = p;
-  OK(epx_combine(b->buf, b->h, b->recv, b->out));
+  FATAL_UNLESS_OK(epx_combine(b->buf, b->h, b->recv, b->out));
 }
 /* The backward passes (no grad_w): dispatch_backward is the fused combine's
  * kernels, combine_backward the fused dispatch's (fused.h). */
 static void op_dispatch_backward(void *p) {
   bench_t *b = p;
-  OK(epx_dispatch_backward(b->buf, b->h, b->recv, b->grad_x, NULL, NULL));
+  FATAL_UNLESS_OK(epx_dispatch_backward(b->buf, b->h, b->recv, b->grad_x, NULL, NULL));
 }
 static void op_combine_backward(void *p) {
   bench_t *b = p;
-  OK(epx_combine_backward(b->buf, b->h, b->out, NULL, b->grad_recv, NULL));
+  FATAL_UNLESS_OK(epx_combine_backward(b->buf, b->h, b->out, NULL, b->grad_recv, NULL));
 }
 /* With the routing-weight gradients (a handle weighted in dispatch or in
  * combine): dispatch_backward's dots need x, combine_backward's expert_out. */
 static void op_dispatch_backward_grad_w(void *p) {
   bench_t *b = p;
-  OK(epx_dispatch_backward(b->buf, b->h, b->recv, b->grad_x, b->x, b->grad_w));
+  FATAL_UNLESS_OK(epx_dispatch_backward(b->buf, b->h, b->recv, b->grad_x, b->x, b->grad_w));
 }
 static void op_combine_backward_grad_w(void *p) {
   bench_t *b = p;
-  OK(epx_combine_backward(b->buf, b->h, b->out, b->recv, b->grad_recv, b->grad_w));
+  FATAL_UNLESS_OK(epx_combine_backward(b->buf, b->h, b->out, b->recv, b->grad_recv, b->grad_w));
 }
 static void op_weights_backward(void *p) {
   bench_t *b = p;
-  OK(epx_weights_backward(b->buf, b->h, b->grad_recv_w, b->grad_w));
+  FATAL_UNLESS_OK(epx_weights_backward(b->buf, b->h, b->grad_recv_w, b->grad_w));
 }
 static void op_layout(void *p) {
   bench_t *b = p;
   epx_handle_t h;
-  OK(epx_dispatch_layout(b->buf, &b->routing, NULL, &h));
-  OK(epx_handle_release(h));
+  FATAL_UNLESS_OK(epx_dispatch_layout(b->buf, &b->routing, NULL, &h));
+  FATAL_UNLESS_OK(epx_handle_release(h));
 }
 static void op_full(void *p) {
   bench_t *b = p;
   epx_handle_t h;
-  OK(epx_dispatch_layout(b->buf, &b->routing, NULL, &h));
-  OK(epx_dispatch(b->buf, h, b->x, b->recv, b->cap));
-  OK(epx_handle_release(h));
+  FATAL_UNLESS_OK(epx_dispatch_layout(b->buf, &b->routing, NULL, &h));
+  FATAL_UNLESS_OK(epx_dispatch(b->buf, h, b->x, b->recv, b->cap));
+  FATAL_UNLESS_OK(epx_handle_release(h));
 }
 static void op_a2a(void *p) {
   bench_t *b = p;
@@ -265,28 +265,28 @@ static void op_a2a(void *p) {
  * none, expert_out = recv_x) against the token's row times its ranks. */
 static void check(bench_t *b, const char *name, epx_layout_t layout, int T, const int32_t *idx) {
   int64_t N;
-  OK(epx_handle_recv_rows(b->h, &N));
+  FATAL_UNLESS_OK(epx_handle_recv_rows(b->h, &N));
   const size_t rb = 2 * H;
   int32_t *src = NULL, *tok = NULL;
-  CU(cudaMalloc((void **)&src, 4 * (size_t)b->cap + 4));
-  CU(cudaMalloc((void **)&tok, 4 * (size_t)b->cap + 4));
-  OK(epx_handle_recv_source(b->h, src, tok));
-  CU(cudaStreamSynchronize(g_stream));
+  FATAL_UNLESS_CUDA_OK(cudaMalloc((void **)&src, 4 * (size_t)b->cap + 4));
+  FATAL_UNLESS_CUDA_OK(cudaMalloc((void **)&tok, 4 * (size_t)b->cap + 4));
+  FATAL_UNLESS_OK(epx_handle_recv_source(b->h, src, tok));
+  FATAL_UNLESS_CUDA_OK(cudaStreamSynchronize(g_stream));
   uint16_t *rows = malloc((size_t)N * rb + 2);
   int32_t *hs = malloc(4 * (size_t)N + 4), *ht = malloc(4 * (size_t)N + 4);
-  CU(cudaMemcpy(rows, b->recv, (size_t)N * rb, cudaMemcpyDeviceToHost));
-  CU(cudaMemcpy(hs, src, 4 * (size_t)N, cudaMemcpyDeviceToHost));
-  CU(cudaMemcpy(ht, tok, 4 * (size_t)N, cudaMemcpyDeviceToHost));
+  FATAL_UNLESS_CUDA_OK(cudaMemcpy(rows, b->recv, (size_t)N * rb, cudaMemcpyDeviceToHost));
+  FATAL_UNLESS_CUDA_OK(cudaMemcpy(hs, src, 4 * (size_t)N, cudaMemcpyDeviceToHost));
+  FATAL_UNLESS_CUDA_OK(cudaMemcpy(ht, tok, 4 * (size_t)N, cudaMemcpyDeviceToHost));
   int64_t wrong = 0;
   for (int64_t i = 0; i < N; i++) {
     if (hs[i] < 0) continue;
     for (int h = 0; h < H; h += 61) wrong += rows[i * H + h] != x_bits(hs[i], ht[i], h);
   }
   /* combine: out[t] = (number of ranks the token reached) * x[t] */
-  OK(epx_combine(b->buf, b->h, b->recv, b->out));
-  CU(cudaStreamSynchronize(g_stream)); /* the copy below runs on the legacy stream, which does not wait for it */
+  FATAL_UNLESS_OK(epx_combine(b->buf, b->h, b->recv, b->out));
+  FATAL_UNLESS_CUDA_OK(cudaStreamSynchronize(g_stream)); /* the copy below runs on the legacy stream, which does not wait for it */
   uint16_t *out = malloc((size_t)T * rb + 2);
-  CU(cudaMemcpy(out, b->out, (size_t)T * rb, cudaMemcpyDeviceToHost));
+  FATAL_UNLESS_CUDA_OK(cudaMemcpy(out, b->out, (size_t)T * rb, cudaMemcpyDeviceToHost));
   const int El = E / g_size;
   for (int t = 0; t < T; t++) {
     int ranks = 0, reach[64] = {0};
@@ -316,18 +316,18 @@ static void time_grad_w(const bench_t *b, const char *name, int T) {
   float *w = NULL;
   float *wh = malloc(4 * (size_t)T * K);
   for (int i = 0; i < T * K; i++) wh[i] = 0.125f;
-  CU(cudaMalloc((void **)&w, 4 * (size_t)T * K));
-  CU(cudaMemcpy(w, wh, 4 * (size_t)T * K, cudaMemcpyHostToDevice));
+  FATAL_UNLESS_CUDA_OK(cudaMalloc((void **)&w, 4 * (size_t)T * K));
+  FATAL_UNLESS_CUDA_OK(cudaMemcpy(w, wh, 4 * (size_t)T * K, cudaMemcpyHostToDevice));
   timing_t t[2];
   const epx_weighting_t weightings[2] = {EPX_WEIGHTS_IN_DISPATCH, EPX_WEIGHTS_IN_COMBINE};
   for (int i = 0; i < 2; i++) {
     bench_t g = *b;
     g.routing.topk_w = w;
     g.routing.weighting = weightings[i];
-    OK(epx_dispatch_layout(g.buf, &g.routing, NULL, &g.h));
-    OK(epx_dispatch(g.buf, g.h, g.x, g.recv, g.cap));
+    FATAL_UNLESS_OK(epx_dispatch_layout(g.buf, &g.routing, NULL, &g.h));
+    FATAL_UNLESS_OK(epx_dispatch(g.buf, g.h, g.x, g.recv, g.cap));
     t[i] = time_op(i == 0 ? op_dispatch_backward_grad_w : op_combine_backward_grad_w, &g);
-    OK(epx_handle_release(g.h));
+    FATAL_UNLESS_OK(epx_handle_release(g.h));
   }
   if (g_rank == 0)
     printf("GRADW %s dispatch_backward_grad_w_ms=%.4f (slowest %.4f) combine_backward_grad_w_ms=%.4f (slowest %.4f)\n",
@@ -355,9 +355,9 @@ static run_result_t run(int T, int skew, epx_layout_t layout, epx_exchange_t exc
   cfg.combine_precision = precision;
   cfg.exchange_path = g_path;
   cfg.sm_budget = g_sms;
-  OK(epx_buffer_create(g_comm, &cfg, &b.buf));
+  FATAL_UNLESS_OK(epx_buffer_create(g_comm, &cfg, &b.buf));
   int32_t paths[64] = {0};
-  OK(epx_buffer_peer_paths(b.buf, paths));
+  FATAL_UNLESS_OK(epx_buffer_peer_paths(b.buf, paths));
   /* this rank's own path, and whether some peer is relayed through the
    * host API (EPX_CUDA_FUSED_RELAY: every other peer) */
   const int fused = paths[g_rank] == EPX_PATH_FUSED;
@@ -380,35 +380,35 @@ static run_result_t run(int T, int skew, epx_layout_t layout, epx_exchange_t exc
            exchange == EPX_EXCHANGE_DEDUP ? "dedup" : "collective",
            precision == EPX_COMBINE_PARTIALS_PAYLOAD ? "payload" : "float32",
            relayed ? "fused+relay" : fused ? "fused" : "host", sms);
-  OK(epx_buffer_max_recv_rows(b.buf, &b.cap));
+  FATAL_UNLESS_OK(epx_buffer_max_recv_rows(b.buf, &b.cap));
   const size_t rb = 2 * H;
   uint16_t *xh = malloc((size_t)T * rb);
   for (int t = 0; t < T; t++)
     for (int h = 0; h < H; h++) xh[(size_t)t * H + h] = x_bits(g_rank, t, h);
-  CU(cudaMalloc(&b.x, (size_t)T * rb));
-  CU(cudaMemcpy(b.x, xh, (size_t)T * rb, cudaMemcpyHostToDevice));
-  CU(cudaMalloc(&b.recv, (size_t)b.cap * rb));
-  CU(cudaMalloc(&b.out, (size_t)T * rb));
-  CU(cudaMalloc(&b.grad_recv, (size_t)b.cap * rb));
-  CU(cudaMalloc(&b.grad_x, (size_t)T * rb));
-  CU(cudaMalloc((void **)&b.grad_recv_w, 4 * (size_t)b.cap * K));
-  CU(cudaMemset(b.grad_recv_w, 0, 4 * (size_t)b.cap * K));
-  CU(cudaMalloc((void **)&b.grad_w, 4 * (size_t)T * K));
-  OK(epx_dispatch_layout(b.buf, &b.routing, NULL, &b.h));
-  OK(epx_dispatch(b.buf, b.h, b.x, b.recv, b.cap));
+  FATAL_UNLESS_CUDA_OK(cudaMalloc(&b.x, (size_t)T * rb));
+  FATAL_UNLESS_CUDA_OK(cudaMemcpy(b.x, xh, (size_t)T * rb, cudaMemcpyHostToDevice));
+  FATAL_UNLESS_CUDA_OK(cudaMalloc(&b.recv, (size_t)b.cap * rb));
+  FATAL_UNLESS_CUDA_OK(cudaMalloc(&b.out, (size_t)T * rb));
+  FATAL_UNLESS_CUDA_OK(cudaMalloc(&b.grad_recv, (size_t)b.cap * rb));
+  FATAL_UNLESS_CUDA_OK(cudaMalloc(&b.grad_x, (size_t)T * rb));
+  FATAL_UNLESS_CUDA_OK(cudaMalloc((void **)&b.grad_recv_w, 4 * (size_t)b.cap * K));
+  FATAL_UNLESS_CUDA_OK(cudaMemset(b.grad_recv_w, 0, 4 * (size_t)b.cap * K));
+  FATAL_UNLESS_CUDA_OK(cudaMalloc((void **)&b.grad_w, 4 * (size_t)T * K));
+  FATAL_UNLESS_OK(epx_dispatch_layout(b.buf, &b.routing, NULL, &b.h));
+  FATAL_UNLESS_OK(epx_dispatch(b.buf, b.h, b.x, b.recv, b.cap));
   check(&b, name, layout, T, idx);
 
   /* the same rows through NCCL alone */
   epx_handle_stats_t st;
-  OK(epx_handle_stats(b.h, &st));
+  FATAL_UNLESS_OK(epx_handle_stats(b.h, &st));
   b.send_rows = calloc((size_t)g_size, 8);
   b.recv_rows = calloc((size_t)g_size, 8);
   for (int q = 0; q < g_size; q++) b.send_rows[q] = q == g_rank ? st.local_rows : st.send_rows / (g_size - 1);
   MPI_Alltoall(b.send_rows, 1, MPI_INT64_T, b.recv_rows, 1, MPI_INT64_T, MPI_COMM_WORLD);
   int64_t send_total = 0, recv_total = 0;
   for (int q = 0; q < g_size; q++) send_total += b.send_rows[q], recv_total += b.recv_rows[q];
-  CU(cudaMalloc(&b.a2a_send, (size_t)send_total * rb + 16));
-  CU(cudaMalloc(&b.a2a_recv, (size_t)recv_total * rb + 16));
+  FATAL_UNLESS_CUDA_OK(cudaMalloc(&b.a2a_send, (size_t)send_total * rb + 16));
+  FATAL_UNLESS_CUDA_OK(cudaMalloc(&b.a2a_recv, (size_t)recv_total * rb + 16));
   if (g_counts && g_rank == 0) {
     fprintf(g_counts, "%s", name);
     for (int q = 0; q < g_size; q++) fprintf(g_counts, " %lld", (long long)b.send_rows[q]);
@@ -439,7 +439,7 @@ static run_result_t run(int T, int skew, epx_layout_t layout, epx_exchange_t exc
     if (g_permute && layout == EPX_LAYOUT_EXPERT_MAJOR && exchange == EPX_EXCHANGE_DEDUP &&
         precision == EPX_COMBINE_PARTIALS_PAYLOAD && !relayed) {
       int64_t N = 0;
-      OK(epx_handle_recv_rows(b.h, &N));
+      FATAL_UNLESS_OK(epx_handle_recv_rows(b.h, &N));
       fprintf(g_permute, "%s rows_in=%lld expanded_rows=%lld dispatch_ms=%.4f T=%d\n", name, (long long)recv_total,
               (long long)N, dispatch.ms, T);
     }
@@ -461,8 +461,8 @@ static run_result_t run(int T, int skew, epx_layout_t layout, epx_exchange_t exc
   if (layout != EPX_LAYOUT_RANK_MAJOR && exchange == EPX_EXCHANGE_DEDUP && precision == EPX_COMBINE_PARTIALS_PAYLOAD &&
       !skew)
     time_grad_w(&b, name, T);
-  OK(epx_handle_release(b.h));
-  OK(epx_buffer_destroy(b.buf));
+  FATAL_UNLESS_OK(epx_handle_release(b.h));
+  FATAL_UNLESS_OK(epx_buffer_destroy(b.buf));
   cudaFree(b.x), cudaFree(b.recv), cudaFree(b.out), cudaFree(b.a2a_send), cudaFree(b.a2a_recv), cudaFree(d_idx);
   cudaFree(b.grad_recv), cudaFree(b.grad_x), cudaFree(b.grad_recv_w), cudaFree(b.grad_w);
   free(idx), free(xh), free(b.send_rows), free(b.recv_rows);
@@ -493,60 +493,60 @@ static void run_worst_layout(int T) {
   epx_buffer_config_t cfg = bench_config(T, EPX_LAYOUT_RANK_MAJOR);
   cfg.worst_case_sizing = 1;
   bench_t b = {0};
-  OK(epx_buffer_create(g_comm, &cfg, &b.buf));
+  FATAL_UNLESS_OK(epx_buffer_create(g_comm, &cfg, &b.buf));
   int32_t *idx = malloc(4 * (size_t)T * K);
   int32_t *d_idx = device_routing(T, 0, T, idx);
   b.routing = (epx_routing_t){T, K, d_idx, NULL, NULL, EPX_WEIGHTS_NONE};
   const timing_t t = time_op(op_layout, &b);
   /* The host's side: wall time per call of the same loop, enqueueing only
    * (the device time above is this where the host is the bottleneck). */
-  CU(cudaStreamSynchronize(g_stream));
+  FATAL_UNLESS_CUDA_OK(cudaStreamSynchronize(g_stream));
   MPI_Barrier(MPI_COMM_WORLD);
   struct timespec a0, a1;
   clock_gettime(CLOCK_MONOTONIC, &a0);
   for (int i = 0; i < REPS; i++) op_layout(&b);
   clock_gettime(CLOCK_MONOTONIC, &a1);
   const double host_us = ((double)(a1.tv_sec - a0.tv_sec) * 1e6 + (double)(a1.tv_nsec - a0.tv_nsec) * 1e-3) / REPS;
-  CU(cudaStreamSynchronize(g_stream));
+  FATAL_UNLESS_CUDA_OK(cudaStreamSynchronize(g_stream));
   if (epx_fused_layout_trace && g_rank == 0) print_layout_trace(T);
   /* The device's side alone: REPS layouts captured in one graph and
    * replayed (no host work between them); the event time above is the
    * larger of this and the host's. */
   cudaGraph_t graph;
   cudaGraphExec_t exec;
-  CU(cudaStreamBeginCapture(g_stream, cudaStreamCaptureModeThreadLocal));
+  FATAL_UNLESS_CUDA_OK(cudaStreamBeginCapture(g_stream, cudaStreamCaptureModeThreadLocal));
   for (int i = 0; i < REPS; i++) op_layout(&b);
-  CU(cudaStreamEndCapture(g_stream, &graph));
-  CU(cudaGraphInstantiate(&exec, graph, 0));
+  FATAL_UNLESS_CUDA_OK(cudaStreamEndCapture(g_stream, &graph));
+  FATAL_UNLESS_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
   timing_t g = {0, 0};
   {
     cudaEvent_t e0, e1;
-    CU(cudaEventCreate(&e0));
-    CU(cudaEventCreate(&e1));
+    FATAL_UNLESS_CUDA_OK(cudaEventCreate(&e0));
+    FATAL_UNLESS_CUDA_OK(cudaEventCreate(&e1));
     float best = 0;
     for (int i = 0; i < 4; i++) {
       MPI_Barrier(MPI_COMM_WORLD);
-      CU(cudaEventRecord(e0, g_stream));
-      CU(cudaGraphLaunch(exec, g_stream));
-      CU(cudaEventRecord(e1, g_stream));
-      CU(cudaStreamSynchronize(g_stream));
+      FATAL_UNLESS_CUDA_OK(cudaEventRecord(e0, g_stream));
+      FATAL_UNLESS_CUDA_OK(cudaGraphLaunch(exec, g_stream));
+      FATAL_UNLESS_CUDA_OK(cudaEventRecord(e1, g_stream));
+      FATAL_UNLESS_CUDA_OK(cudaStreamSynchronize(g_stream));
       float ms;
-      CU(cudaEventElapsedTime(&ms, e0, e1));
+      FATAL_UNLESS_CUDA_OK(cudaEventElapsedTime(&ms, e0, e1));
       if (i > 0 && (best == 0 || ms < best)) best = ms; /* the first replay warms up */
     }
     g.ms = best / REPS;
     MPI_Allreduce(&g.ms, &g.worst_ms, 1, MPI_FLOAT, MPI_MAX, MPI_COMM_WORLD);
     cudaEventDestroy(e0), cudaEventDestroy(e1);
   }
-  CU(cudaGraphExecDestroy(exec));
-  CU(cudaGraphDestroy(graph));
+  FATAL_UNLESS_CUDA_OK(cudaGraphExecDestroy(exec));
+  FATAL_UNLESS_CUDA_OK(cudaGraphDestroy(graph));
   if (g_rank == 0) {
     printf("RESULT T=%d layout+count exchange (worst_case_sizing, no host wait) us=%.1f (slowest %.1f) "
            "host_us_per_call=%.1f graph_replay_us=%.1f (slowest %.1f)\n", T, t.ms * 1e3, t.worst_ms * 1e3,
            host_us, g.ms * 1e3, g.worst_ms * 1e3);
     if (T == 8192) printf("TARGET layout + count exchange (8192, worst case)      %.1f us <= 40\n", t.ms * 1e3);
   }
-  OK(epx_buffer_destroy(b.buf));
+  FATAL_UNLESS_OK(epx_buffer_destroy(b.buf));
   cudaFree(d_idx), free(idx);
 }
 
@@ -625,13 +625,13 @@ static void expert_mlp(experts_t *ex, const micro_t *u, int backward) {
  * them (combine, or dispatch_backward) of micro-batch i. */
 static void exchange_in(step_t *s, int i) {
   micro_t *u = &s->mb[i];
-  if (!s->backward) OK(epx_dispatch(s->buf, u->h, u->x, u->recv, s->cap));
-  else OK(epx_combine_backward(s->buf, u->h, u->gout, u->eo, u->geo, u->gw)); /* the router's gradient too */
+  if (!s->backward) FATAL_UNLESS_OK(epx_dispatch(s->buf, u->h, u->x, u->recv, s->cap));
+  else FATAL_UNLESS_OK(epx_combine_backward(s->buf, u->h, u->gout, u->eo, u->geo, u->gw)); /* the router's gradient too */
 }
 static void exchange_out(step_t *s, int i) {
   micro_t *u = &s->mb[i];
-  if (!s->backward) OK(epx_combine(s->buf, u->h, u->eo, u->out));
-  else OK(epx_dispatch_backward(s->buf, u->h, u->grecv, u->gx, NULL, NULL));
+  if (!s->backward) FATAL_UNLESS_OK(epx_combine(s->buf, u->h, u->eo, u->out));
+  else FATAL_UNLESS_OK(epx_dispatch_backward(s->buf, u->h, u->grecv, u->gx, NULL, NULL));
 }
 
 /* One pipelined step: every exchange on g_stream, every GEMM on ex->gemm;
@@ -641,13 +641,13 @@ static void op_step(void *p) {
   step_t *s = p;
   for (int i = 0; i < MB; i++) {
     exchange_in(s, i);
-    CU(cudaEventRecord(s->mb[i].ex_done, g_stream));
-    CU(cudaStreamWaitEvent(s->ex->gemm, s->mb[i].ex_done, 0));
+    FATAL_UNLESS_CUDA_OK(cudaEventRecord(s->mb[i].ex_done, g_stream));
+    FATAL_UNLESS_CUDA_OK(cudaStreamWaitEvent(s->ex->gemm, s->mb[i].ex_done, 0));
     expert_mlp(s->ex, &s->mb[i], s->backward);
-    CU(cudaEventRecord(s->mb[i].gemm_done, s->ex->gemm));
+    FATAL_UNLESS_CUDA_OK(cudaEventRecord(s->mb[i].gemm_done, s->ex->gemm));
   }
   for (int i = 0; i < MB; i++) {
-    CU(cudaStreamWaitEvent(g_stream, s->mb[i].gemm_done, 0));
+    FATAL_UNLESS_CUDA_OK(cudaStreamWaitEvent(g_stream, s->mb[i].gemm_done, 0));
     exchange_out(s, i);
   }
 }
@@ -655,11 +655,11 @@ static void op_step(void *p) {
 /* The GEMMs alone (the same work, no exchange), timed on g_stream. */
 static void op_gemms(void *p) {
   step_t *s = p;
-  CU(cudaEventRecord(s->mb[0].ex_done, g_stream));
-  CU(cudaStreamWaitEvent(s->ex->gemm, s->mb[0].ex_done, 0));
+  FATAL_UNLESS_CUDA_OK(cudaEventRecord(s->mb[0].ex_done, g_stream));
+  FATAL_UNLESS_CUDA_OK(cudaStreamWaitEvent(s->ex->gemm, s->mb[0].ex_done, 0));
   for (int i = 0; i < MB; i++) expert_mlp(s->ex, &s->mb[i], s->backward);
-  CU(cudaEventRecord(s->mb[0].gemm_done, s->ex->gemm));
-  CU(cudaStreamWaitEvent(g_stream, s->mb[0].gemm_done, 0));
+  FATAL_UNLESS_CUDA_OK(cudaEventRecord(s->mb[0].gemm_done, s->ex->gemm));
+  FATAL_UNLESS_CUDA_OK(cudaStreamWaitEvent(g_stream, s->mb[0].gemm_done, 0));
 }
 
 /* The exchanges alone: every micro-batch's in, then out. */
@@ -671,8 +671,8 @@ static void op_exchanges(void *p) {
 
 static void *dev_fill(size_t bytes) {
   void *p = NULL;
-  CU(cudaMalloc(&p, bytes));
-  CU(cudaMemset(p, 0x3c, bytes)); /* bf16 0x3c3c = 0.0115: finite sums in every GEMM */
+  FATAL_UNLESS_CUDA_OK(cudaMalloc(&p, bytes));
+  FATAL_UNLESS_CUDA_OK(cudaMemset(p, 0x3c, bytes)); /* bf16 0x3c3c = 0.0115: finite sums in every GEMM */
   return p;
 }
 
@@ -681,7 +681,7 @@ static void experts_init(experts_t *ex) {
   const size_t w1 = (size_t)ex->El * H * 2 * FFN * 2, w2 = (size_t)ex->El * FFN * H * 2;
   ex->w1 = dev_fill(w1), ex->dw1 = dev_fill(w1);
   ex->w2 = dev_fill(w2), ex->dw2 = dev_fill(w2);
-  CU(cudaStreamCreateWithFlags(&ex->gemm, cudaStreamNonBlocking));
+  FATAL_UNLESS_CUDA_OK(cudaStreamCreateWithFlags(&ex->gemm, cudaStreamNonBlocking));
   CUBLAS(cublasCreate(&ex->blas));
   CUBLAS(cublasSetStream(ex->blas, ex->gemm));
 }
@@ -698,12 +698,12 @@ static void micro_init(step_t *s, int i, int T, int32_t *d_idx, float *d_w) {
   int32_t *idx = malloc(4 * (size_t)T * K);
   float *w = malloc(4 * (size_t)T * K);
   make_routing(T, 0, 1000 + i, idx, w);
-  CU(cudaMemcpy(d_idx, idx, 4 * (size_t)T * K, cudaMemcpyHostToDevice));
-  CU(cudaMemcpy(d_w, w, 4 * (size_t)T * K, cudaMemcpyHostToDevice));
+  FATAL_UNLESS_CUDA_OK(cudaMemcpy(d_idx, idx, 4 * (size_t)T * K, cudaMemcpyHostToDevice));
+  FATAL_UNLESS_CUDA_OK(cudaMemcpy(d_w, w, 4 * (size_t)T * K, cudaMemcpyHostToDevice));
   const epx_routing_t r = {T, K, d_idx, d_w, NULL, EPX_WEIGHTS_IN_COMBINE};
-  OK(epx_dispatch_layout(s->buf, &r, NULL, &u->h));
+  FATAL_UNLESS_OK(epx_dispatch_layout(s->buf, &r, NULL, &u->h));
   int64_t N;
-  OK(epx_handle_recv_rows(u->h, &N));
+  FATAL_UNLESS_OK(epx_handle_recv_rows(u->h, &N));
   const int El = s->ex->El;
   u->m = (N + El - 1) / El;
   const size_t rows = (size_t)(s->cap + El), tb = (size_t)T * H * 2;
@@ -711,13 +711,13 @@ static void micro_init(step_t *s, int i, int T, int32_t *d_idx, float *d_w) {
   for (int j = 0; j < 4; j++) *tok[j] = dev_fill(tb), *row[j] = dev_fill(rows * H * 2);
   u->h1 = dev_fill(rows * 2 * FFN * 2), u->gh1 = dev_fill(rows * 2 * FFN * 2);
   u->gw = dev_fill(4 * (size_t)T * K);
-  CU(cudaEventCreateWithFlags(&u->ex_done, cudaEventDisableTiming));
-  CU(cudaEventCreateWithFlags(&u->gemm_done, cudaEventDisableTiming));
+  FATAL_UNLESS_CUDA_OK(cudaEventCreateWithFlags(&u->ex_done, cudaEventDisableTiming));
+  FATAL_UNLESS_CUDA_OK(cudaEventCreateWithFlags(&u->gemm_done, cudaEventDisableTiming));
   free(idx), free(w);
 }
 
 static void micro_fini(micro_t *u) {
-  OK(epx_handle_release(u->h));
+  FATAL_UNLESS_OK(epx_handle_release(u->h));
   void *p[] = {u->x, u->out, u->gout, u->gx, u->recv, u->eo, u->geo, u->grecv, u->h1, u->gh1, u->gw};
   for (size_t j = 0; j < sizeof p / sizeof p[0]; j++) cudaFree(p[j]);
   cudaEventDestroy(u->ex_done), cudaEventDestroy(u->gemm_done);
@@ -736,14 +736,14 @@ static step_times_t run_step(experts_t *ex, int T, epx_exchange_path_t path, int
   cfg.sm_budget = sms;
   step_t s = {0};
   s.ex = ex;
-  OK(epx_buffer_create(g_comm, &cfg, &s.buf));
+  FATAL_UNLESS_OK(epx_buffer_create(g_comm, &cfg, &s.buf));
   int32_t paths[64] = {0};
-  OK(epx_buffer_peer_paths(s.buf, paths));
-  OK(epx_buffer_max_recv_rows(s.buf, &s.cap));
+  FATAL_UNLESS_OK(epx_buffer_peer_paths(s.buf, paths));
+  FATAL_UNLESS_OK(epx_buffer_max_recv_rows(s.buf, &s.cap));
   int32_t *d_idx;
   float *d_w;
-  CU(cudaMalloc((void **)&d_idx, 4 * (size_t)T * K));
-  CU(cudaMalloc((void **)&d_w, 4 * (size_t)T * K));
+  FATAL_UNLESS_CUDA_OK(cudaMalloc((void **)&d_idx, 4 * (size_t)T * K));
+  FATAL_UNLESS_CUDA_OK(cudaMalloc((void **)&d_w, 4 * (size_t)T * K));
   for (int i = 0; i < MB; i++) micro_init(&s, i, T, d_idx, d_w);
   timing_t t[6];
   for (int b = 0; b < 2; b++) {
@@ -762,7 +762,7 @@ static step_times_t run_step(experts_t *ex, int T, epx_exchange_path_t path, int
            t[0].ms, t[1].ms, t[2].ms, t[3].ms, t[4].ms, t[5].ms, t[0].ms - t[2].ms, t[1].ms - t[3].ms,
            flops / t[2].ms / 1e9, t[0].worst_ms, t[1].worst_ms);
   for (int i = 0; i < MB; i++) micro_fini(&s.mb[i]);
-  OK(epx_buffer_destroy(s.buf));
+  FATAL_UNLESS_OK(epx_buffer_destroy(s.buf));
   cudaFree(d_idx), cudaFree(d_w);
   return (step_times_t){t[0].worst_ms, t[1].worst_ms};
 }
@@ -803,11 +803,11 @@ int main(int argc, char **argv) {
   setvbuf(stdout, NULL, _IOLBF, 0); /* every line out at once: a run cut by its time limit keeps what it measured */
   if (g_size == 1) epx_cuda_ep_at_one_rank(1);
   int devices = 0;
-  CU(cudaGetDeviceCount(&devices));
-  CU(cudaSetDevice(g_rank % devices));
-  CU(cudaStreamCreateWithFlags(&g_stream, cudaStreamNonBlocking));
+  FATAL_UNLESS_CUDA_OK(cudaGetDeviceCount(&devices));
+  FATAL_UNLESS_CUDA_OK(cudaSetDevice(g_rank % devices));
+  FATAL_UNLESS_CUDA_OK(cudaStreamCreateWithFlags(&g_stream, cudaStreamNonBlocking));
   MPI_Comm world = MPI_COMM_WORLD;
-  OK(epx_comm_create_nccl_mpi(&world, NULL, &g_comm));
+  FATAL_UNLESS_OK(epx_comm_create_nccl_mpi(&world, NULL, &g_comm));
   /* the baseline's own NCCL comm (the same library, the same GPUs) */
   ncclUniqueId id;
   if (g_rank == 0) ncclGetUniqueId(&id);
@@ -933,7 +933,7 @@ int main(int argc, char **argv) {
   if (g_counts) fclose(g_counts);
   if (g_permute) fclose(g_permute);
   ncclCommDestroy(nc);
-  OK(epx_comm_destroy(g_comm));
+  FATAL_UNLESS_OK(epx_comm_destroy(g_comm));
   if (g_rank == 0) printf("bench_ep: %s\n", g_bad ? "FAILED" : "OK");
   MPI_Finalize();
   return g_bad ? 1 : 0;

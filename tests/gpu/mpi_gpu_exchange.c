@@ -44,6 +44,7 @@
 #include "core/dtype.h"
 #include "cuda/launch.h" /* epx_cuda_set_launch_flags (the fused expansion's two forms), epx_cuda_ep_at_one_rank */
 #include "epx.h"
+#define CHECK_FAILURES g_fail /* check.h's RANK_EXPECT counts here */
 #include "mpi_gpu_check.h"
 
 static int g_rank, g_size, g_fail;
@@ -54,16 +55,6 @@ static int g_expect_fused;                        /* EPX_GPU_EXPECT_FUSED: the f
  * (the test flag EPX_CUDA_FUSED_RELAY: the mixed path on GPUs that all
  * have load/store access) */
 static int g_relay;
-
-#define CHECK(cond, ...)                                                            \
-  do {                                                                              \
-    if (!(cond)) {                                                                  \
-      g_fail++;                                                                     \
-      fprintf(stderr, "rank %d: FAIL %s:%d: ", g_rank, __FILE__, __LINE__);         \
-      fprintf(stderr, __VA_ARGS__);                                                 \
-      fprintf(stderr, "\n");                                                        \
-    }                                                                               \
-  } while (0)
 
 enum { H = 64, K = 4, C = 40, ALIGN = 4, TMAX = 96 };
 static int E; /* 8 experts per rank */
@@ -133,21 +124,21 @@ static void make_routing(const case_t *c, int rank, routing_t *r) {
 
 static void *dev_put(const void *host, size_t bytes) {
   void *p = NULL;
-  CU(cudaMalloc(&p, bytes ? bytes : 16));
-  if (bytes) CU(cudaMemcpy(p, host, bytes, cudaMemcpyHostToDevice));
+  FATAL_UNLESS_CUDA_OK(cudaMalloc(&p, bytes ? bytes : 16));
+  if (bytes) FATAL_UNLESS_CUDA_OK(cudaMemcpy(p, host, bytes, cudaMemcpyHostToDevice));
   return p;
 }
 
 static void *host_get(const void *dev, size_t bytes) {
   void *p = calloc(bytes ? bytes : 1, 1);
-  if (bytes) CU(cudaMemcpy(p, dev, bytes, cudaMemcpyDeviceToHost));
+  if (bytes) FATAL_UNLESS_CUDA_OK(cudaMemcpy(p, dev, bytes, cudaMemcpyDeviceToHost));
   return p;
 }
 
 /* float row values -> dtype bytes */
 static void *encode(epx_dtype_t dtype, const float *v, int64_t n) {
   void *out = calloc((size_t)(n ? n : 1), epx_dtype_size(dtype));
-  OK(epx_convert(dtype, out, EPX_FLOAT32, v, n));
+  FATAL_UNLESS_OK(epx_convert(dtype, out, EPX_FLOAT32, v, n));
   return out;
 }
 
@@ -174,7 +165,7 @@ typedef struct {
 /* result_t.path of buffer b. */
 static int32_t read_paths(epx_buffer_t b) {
   int32_t paths[64];
-  OK(epx_buffer_peer_paths(b, paths));
+  FATAL_UNLESS_OK(epx_buffer_peer_paths(b, paths));
   const int32_t self = paths[g_rank];
   const int32_t others = g_relay && self == EPX_PATH_FUSED ? EPX_PATH_HOST : self;
   for (int q = 0; q < g_size && q < 64; q++)
@@ -277,7 +268,7 @@ static void run_rank(run_t *run) {
   r->T = T;
   epx_buffer_config_t cfg = config_of(c, run->exchange, dev, run->stream);
   epx_buffer_t buf;
-  OK(epx_buffer_create(run->comm, &cfg, &buf));
+  FATAL_UNLESS_OK(epx_buffer_create(run->comm, &cfg, &buf));
   snprintf(r->why, sizeof r->why, "%s", epx_last_error());
   int32_t *idx = place(dev, rt.idx, 4 * (size_t)(T * K));
   float *w = place(dev, rt.w, 4 * (size_t)(T * K));
@@ -285,21 +276,21 @@ static void run_rank(run_t *run) {
   epx_routing_t routing = {T, K, idx, c->weighting == EPX_WEIGHTS_NONE ? NULL : w,
                            c->layout == EPX_LAYOUT_CAPACITY ? loc : NULL, c->weighting};
   epx_handle_t h;
-  OK(epx_dispatch_layout(buf, &routing, NULL, &h));
+  FATAL_UNLESS_OK(epx_dispatch_layout(buf, &routing, NULL, &h));
   if (epx_last_error()[0]) snprintf(r->why, sizeof r->why, "%s", epx_last_error());
   /* After the layout: max_tokens_per_rank is agreed, the fused state made. */
   r->path = read_paths(buf);
   int64_t N, cap;
-  OK(epx_handle_recv_rows(h, &N));
-  OK(epx_buffer_max_recv_rows(buf, &cap));
+  FATAL_UNLESS_OK(epx_handle_recv_rows(h, &N));
+  FATAL_UNLESS_OK(epx_buffer_max_recv_rows(buf, &cap));
   if (cap < N) cap = N;
   r->N = N;
-  OK(epx_handle_stats(h, &r->stats));
+  FATAL_UNLESS_OK(epx_handle_stats(h, &r->stats));
   r->rows_device = N;
   if (dev == EPX_DEVICE_CUDA) {
     const int64_t *d_rows = NULL;
-    OK(epx_handle_recv_rows_device(h, &d_rows));
-    CU(cudaMemcpy(&r->rows_device, d_rows, sizeof r->rows_device, cudaMemcpyDeviceToHost));
+    FATAL_UNLESS_OK(epx_handle_recv_rows_device(h, &d_rows));
+    FATAL_UNLESS_CUDA_OK(cudaMemcpy(&r->rows_device, d_rows, sizeof r->rows_device, cudaMemcpyDeviceToHost));
   }
   r->slots = rm ? K : 1;
   const int El = E / g_size;
@@ -310,17 +301,17 @@ static void run_rank(run_t *run) {
   void *xh = encode(c->dtype, xv, T * H);
   void *x = place(dev, xh, (size_t)(T * H) * es);
   void *recv_x = zeros(dev, (size_t)(cap * H) * es);
-  OK(epx_dispatch(buf, h, x, recv_x, cap));
+  FATAL_UNLESS_OK(epx_dispatch(buf, h, x, recv_x, cap));
   int32_t *srank = zeros(dev, 4 * (size_t)cap);
   int32_t *stok = zeros(dev, 4 * (size_t)cap);
   int32_t *rexp = zeros(dev, 4 * (size_t)(cap * r->slots));
   float *rw = zeros(dev, 4 * (size_t)(cap * r->slots));
   int64_t *cnt = zeros(dev, 8 * (size_t)El);
   int64_t *off = zeros(dev, 8 * (size_t)(El + 1));
-  OK(epx_handle_recv_source(h, srank, stok));
-  OK(epx_handle_recv_routing(h, rexp, rw));
-  OK(epx_handle_expert_counts(h, cnt, off));
-  if (dev == EPX_DEVICE_CUDA) CU(cudaDeviceSynchronize());
+  FATAL_UNLESS_OK(epx_handle_recv_source(h, srank, stok));
+  FATAL_UNLESS_OK(epx_handle_recv_routing(h, rexp, rw));
+  FATAL_UNLESS_OK(epx_handle_expert_counts(h, cnt, off));
+  if (dev == EPX_DEVICE_CUDA) FATAL_UNLESS_CUDA_OK(cudaDeviceSynchronize());
   r->recv_x = fetch(dev, recv_x, (size_t)(N * H) * es);
   r->src_rank = fetch(dev, srank, 4 * (size_t)N);
   r->src_token = fetch(dev, stok, 4 * (size_t)N);
@@ -345,20 +336,20 @@ static void run_rank(run_t *run) {
   float *gwd = zeros(dev, 4 * (size_t)(T * K));
   float *gwc = zeros(dev, 4 * (size_t)(T * K));
   float *gww = zeros(dev, 4 * (size_t)(T * K));
-  OK(epx_combine(buf, h, eo_d, out));
+  FATAL_UNLESS_OK(epx_combine(buf, h, eo_d, out));
   const int in_d = c->weighting == EPX_WEIGHTS_IN_DISPATCH, in_c = c->weighting == EPX_WEIGHTS_IN_COMBINE;
-  OK(epx_dispatch_backward(buf, h, gr_d, gx, in_d ? x : NULL, in_d ? gwd : NULL));
-  OK(epx_combine_backward(buf, h, go_d, in_c ? eo_d : NULL, geo, in_c ? gwc : NULL));
-  if (c->weighting == EPX_WEIGHTS_NONE) OK(epx_weights_backward(buf, h, grw_d, gww));
-  if (dev == EPX_DEVICE_CUDA) CU(cudaDeviceSynchronize());
+  FATAL_UNLESS_OK(epx_dispatch_backward(buf, h, gr_d, gx, in_d ? x : NULL, in_d ? gwd : NULL));
+  FATAL_UNLESS_OK(epx_combine_backward(buf, h, go_d, in_c ? eo_d : NULL, geo, in_c ? gwc : NULL));
+  if (c->weighting == EPX_WEIGHTS_NONE) FATAL_UNLESS_OK(epx_weights_backward(buf, h, grw_d, gww));
+  if (dev == EPX_DEVICE_CUDA) FATAL_UNLESS_CUDA_OK(cudaDeviceSynchronize());
   r->out = fetch(dev, out, (size_t)(T * H) * es);
   r->grad_x = fetch(dev, gx, (size_t)(T * H) * es);
   r->grad_eo = fetch(dev, geo, (size_t)(N * H) * es);
   r->gw_d = fetch(dev, gwd, 4 * (size_t)(T * K));
   r->gw_c = fetch(dev, gwc, 4 * (size_t)(T * K));
   r->gw_w = fetch(dev, gww, 4 * (size_t)(T * K));
-  OK(epx_handle_release(h));
-  OK(epx_buffer_destroy(buf));
+  FATAL_UNLESS_OK(epx_handle_release(h));
+  FATAL_UNLESS_OK(epx_buffer_destroy(buf));
   void *devs[] = {idx, w, loc, x, recv_x, srank, stok, rexp, rw, cnt, off, eo_d, gr_d, go_d, grw_d, out, gx, geo, gwd, gwc, gww};
   for (size_t i = 0; i < sizeof devs / sizeof devs[0]; i++) release(dev, devs[i]);
   void *hosts[] = {xv, xh, eo, gr, grw, gov, eoh, grh, goh};
@@ -373,9 +364,9 @@ typedef struct {
 
 static void *cpu_thread(void *arg) {
   cpu_rank_t *cr = arg;
-  OK(epx_comm_create_local(cr->world, cr->run.rank, &cr->run.comm));
+  FATAL_UNLESS_OK(epx_comm_create_local(cr->world, cr->run.rank, &cr->run.comm));
   run_rank(&cr->run);
-  OK(epx_comm_destroy(cr->run.comm));
+  FATAL_UNLESS_OK(epx_comm_destroy(cr->run.comm));
   return NULL;
 }
 
@@ -383,14 +374,14 @@ static void run_cpu(const case_t *c, epx_exchange_t exchange, result_t *mine) {
   cpu_rank_t *ranks = calloc((size_t)g_size, sizeof *ranks);
   pthread_t *threads = calloc((size_t)g_size, sizeof *threads);
   epx_local_world_t world;
-  OK(epx_local_world_create(g_size, NULL, &world));
+  FATAL_UNLESS_OK(epx_local_world_create(g_size, NULL, &world));
   for (int q = 0; q < g_size; q++) {
     ranks[q].run = (run_t){c, exchange, NULL, q, EPX_DEVICE_CPU, {0}, NULL};
     ranks[q].world = world;
     pthread_create(&threads[q], NULL, cpu_thread, &ranks[q]);
   }
   for (int q = 0; q < g_size; q++) pthread_join(threads[q], NULL);
-  OK(epx_local_world_destroy(world));
+  FATAL_UNLESS_OK(epx_local_world_destroy(world));
   *mine = ranks[g_rank].run.res;
   for (int q = 0; q < g_size; q++)
     if (q != g_rank) result_free(&ranks[q].run.res);
@@ -473,32 +464,32 @@ static void compare(const case_t *c, epx_exchange_t x, const result_t *g, const 
   const char *what = describe(c, x);
   const size_t es = epx_dtype_size(c->dtype);
   const int64_t T = g->T, N = g->N;
-  CHECK(g->N == cpu->N, "%s: N %lld, CPU %lld", what, (long long)g->N, (long long)cpu->N);
-  CHECK(g->rows_device == g->N, "%s: recv_rows_device %lld, recv_rows %lld", what, (long long)g->rows_device,
-        (long long)g->N);
+  RANK_EXPECT(g->N == cpu->N, "%s: N %lld, CPU %lld", what, (long long)g->N, (long long)cpu->N);
+  RANK_EXPECT(g->rows_device == g->N, "%s: recv_rows_device %lld, recv_rows %lld", what, (long long)g->rows_device,
+              (long long)g->N);
   if (g->N != cpu->N) return;
-  CHECK(same_bytes(g->src_rank, cpu->src_rank, 4 * (size_t)N) && same_bytes(g->src_token, cpu->src_token, 4 * (size_t)N),
-        "%s: recv_source differs from the CPU backend", what);
-  CHECK(same_bytes(g->recv_expert, cpu->recv_expert, 4 * (size_t)(N * g->slots)) &&
-            same_bytes(g->recv_w, cpu->recv_w, 4 * (size_t)(N * g->slots)),
-        "%s: recv_routing differs from the CPU backend", what);
-  CHECK(same_bytes(g->counts, cpu->counts, 8 * (size_t)(E / g_size)) &&
-            same_bytes(g->offsets, cpu->offsets, 8 * (size_t)(E / g_size + 1)),
-        "%s: expert counts/offsets differ from the CPU backend", what);
-  CHECK(same_bytes(g->recv_x, cpu->recv_x, (size_t)(N * H) * es), "%s: recv_x differs from the CPU backend (element %d)",
-        what, first_diff(c->dtype, g->recv_x, cpu->recv_x, N * H));
-  CHECK(same_bytes(g->grad_eo, cpu->grad_eo, (size_t)(N * H) * es),
-        "%s: grad_expert_out differs from the CPU backend (element %d)", what,
-        first_diff(c->dtype, g->grad_eo, cpu->grad_eo, N * H));
-  CHECK(same_bytes(g->out, cpu->out, (size_t)(T * H) * es), "%s: combine differs from the CPU backend (element %d)",
-        what, first_diff(c->dtype, g->out, cpu->out, T * H));
+  RANK_EXPECT(same_bytes(g->src_rank, cpu->src_rank, 4 * (size_t)N) && same_bytes(g->src_token, cpu->src_token, 4 * (size_t)N),
+              "%s: recv_source differs from the CPU backend", what);
+  RANK_EXPECT(same_bytes(g->recv_expert, cpu->recv_expert, 4 * (size_t)(N * g->slots)) &&
+                  same_bytes(g->recv_w, cpu->recv_w, 4 * (size_t)(N * g->slots)),
+              "%s: recv_routing differs from the CPU backend", what);
+  RANK_EXPECT(same_bytes(g->counts, cpu->counts, 8 * (size_t)(E / g_size)) &&
+                  same_bytes(g->offsets, cpu->offsets, 8 * (size_t)(E / g_size + 1)),
+              "%s: expert counts/offsets differ from the CPU backend", what);
+  RANK_EXPECT(same_bytes(g->recv_x, cpu->recv_x, (size_t)(N * H) * es), "%s: recv_x differs from the CPU backend (element %d)",
+              what, first_diff(c->dtype, g->recv_x, cpu->recv_x, N * H));
+  RANK_EXPECT(same_bytes(g->grad_eo, cpu->grad_eo, (size_t)(N * H) * es),
+              "%s: grad_expert_out differs from the CPU backend (element %d)", what,
+              first_diff(c->dtype, g->grad_eo, cpu->grad_eo, N * H));
+  RANK_EXPECT(same_bytes(g->out, cpu->out, (size_t)(T * H) * es), "%s: combine differs from the CPU backend (element %d)",
+              what, first_diff(c->dtype, g->out, cpu->out, T * H));
   /* float32 partials in every precision (epx.h): the CPU backend's bits */
-  CHECK(same_bytes(g->grad_x, cpu->grad_x, (size_t)(T * H) * es),
-        "%s: dispatch_backward differs from the CPU backend (element %d)", what,
-        first_diff(c->dtype, g->grad_x, cpu->grad_x, T * H));
-  CHECK(close_floats(g->gw_d, cpu->gw_d, T * K), "%s: dispatch_backward grad_w differs from the CPU backend", what);
-  CHECK(close_floats(g->gw_c, cpu->gw_c, T * K), "%s: combine_backward grad_w differs from the CPU backend", what);
-  CHECK(same_bytes(g->gw_w, cpu->gw_w, 4 * (size_t)(T * K)), "%s: weights_backward differs from the CPU backend", what);
+  RANK_EXPECT(same_bytes(g->grad_x, cpu->grad_x, (size_t)(T * H) * es),
+              "%s: dispatch_backward differs from the CPU backend (element %d)", what,
+              first_diff(c->dtype, g->grad_x, cpu->grad_x, T * H));
+  RANK_EXPECT(close_floats(g->gw_d, cpu->gw_d, T * K), "%s: dispatch_backward grad_w differs from the CPU backend", what);
+  RANK_EXPECT(close_floats(g->gw_c, cpu->gw_c, T * K), "%s: combine_backward grad_w differs from the CPU backend", what);
+  RANK_EXPECT(same_bytes(g->gw_w, cpu->gw_w, 4 * (size_t)(T * K)), "%s: weights_backward differs from the CPU backend", what);
 
   /* The formula, bit for bit, and provenance of the received rows. */
   routing_t rt;
@@ -506,14 +497,14 @@ static void compare(const case_t *c, epx_exchange_t x, const result_t *g, const 
   float *ref = calloc((size_t)(T * H + 1), 4);
   reference_sum(c, &rt, c->weighting == EPX_WEIGHTS_IN_COMBINE, 0, ref);
   void *refh = encode(c->dtype, ref, T * H);
-  CHECK(same_bytes(g->out, refh, (size_t)(T * H) * es), "%s: combine differs from the contract's sum (element %d)",
-        what, first_diff(c->dtype, g->out, refh, T * H));
+  RANK_EXPECT(same_bytes(g->out, refh, (size_t)(T * H) * es), "%s: combine differs from the contract's sum (element %d)",
+              what, first_diff(c->dtype, g->out, refh, T * H));
   free(refh);
   reference_sum(c, &rt, c->weighting == EPX_WEIGHTS_IN_DISPATCH, 1, ref);
   refh = encode(c->dtype, ref, T * H);
-  CHECK(same_bytes(g->grad_x, refh, (size_t)(T * H) * es),
-        "%s: dispatch_backward differs from the contract's sum (element %d)", what,
-        first_diff(c->dtype, g->grad_x, refh, T * H));
+  RANK_EXPECT(same_bytes(g->grad_x, refh, (size_t)(T * H) * es),
+              "%s: dispatch_backward differs from the contract's sum (element %d)", what,
+              first_diff(c->dtype, g->grad_x, refh, T * H));
   free(refh);
   free(ref);
   int bad = 0;
@@ -528,21 +519,21 @@ static void compare(const case_t *c, epx_exchange_t x, const result_t *g, const 
     free(enc);
   }
   free(row);
-  CHECK(!bad, "%s: a received row is not its source's (provenance)", what);
+  RANK_EXPECT(!bad, "%s: a received row is not its source's (provenance)", what);
 }
 
 static void compare_exchanges(const case_t *c, const result_t *d, const result_t *x, const char *pair) {
   const char *what = describe(c, EPX_EXCHANGE_DEDUP);
   const size_t es = epx_dtype_size(c->dtype);
-  CHECK(d->N == x->N, "%s: dedup N %lld, %s %lld", what, (long long)d->N, pair, (long long)x->N);
+  RANK_EXPECT(d->N == x->N, "%s: dedup N %lld, %s %lld", what, (long long)d->N, pair, (long long)x->N);
   if (d->N != x->N) return;
   const int64_t T = d->T, N = d->N;
-  CHECK(same_bytes(d->recv_x, x->recv_x, (size_t)(N * H) * es) && same_bytes(d->out, x->out, (size_t)(T * H) * es) &&
-            same_bytes(d->grad_x, x->grad_x, (size_t)(T * H) * es) &&
-            same_bytes(d->grad_eo, x->grad_eo, (size_t)(N * H) * es) &&
-            same_bytes(d->gw_d, x->gw_d, 4 * (size_t)(T * K)) && same_bytes(d->gw_c, x->gw_c, 4 * (size_t)(T * K)) &&
-            same_bytes(d->gw_w, x->gw_w, 4 * (size_t)(T * K)),
-        "%s: dedup and %s differ", what, pair);
+  RANK_EXPECT(same_bytes(d->recv_x, x->recv_x, (size_t)(N * H) * es) && same_bytes(d->out, x->out, (size_t)(T * H) * es) &&
+                  same_bytes(d->grad_x, x->grad_x, (size_t)(T * H) * es) &&
+                  same_bytes(d->grad_eo, x->grad_eo, (size_t)(N * H) * es) &&
+                  same_bytes(d->gw_d, x->gw_d, 4 * (size_t)(T * K)) && same_bytes(d->gw_c, x->gw_c, 4 * (size_t)(T * K)) &&
+                  same_bytes(d->gw_w, x->gw_w, 4 * (size_t)(T * K)),
+              "%s: dedup and %s differ", what, pair);
 }
 
 /* The same dedup layout on two paths (fused, host, AUTO): every query the
@@ -551,19 +542,19 @@ static void compare_exchanges(const case_t *c, const result_t *d, const result_t
 static void compare_queries(const case_t *c, const result_t *a, const result_t *x, const char *pair) {
   const char *what = describe(c, EPX_EXCHANGE_DEDUP);
   const int El = E / g_size;
-  CHECK(a->N == x->N && a->rows_device == x->rows_device, "%s: N %lld / %lld (device), %s %lld / %lld", what,
-        (long long)a->N, (long long)a->rows_device, pair, (long long)x->N, (long long)x->rows_device);
+  RANK_EXPECT(a->N == x->N && a->rows_device == x->rows_device, "%s: N %lld / %lld (device), %s %lld / %lld", what,
+              (long long)a->N, (long long)a->rows_device, pair, (long long)x->N, (long long)x->rows_device);
   if (a->N != x->N) return;
   const size_t N = (size_t)a->N;
-  CHECK(same_bytes(a->src_rank, x->src_rank, 4 * N) && same_bytes(a->src_token, x->src_token, 4 * N) &&
-            same_bytes(a->recv_expert, x->recv_expert, 4 * N * (size_t)a->slots) &&
-            same_bytes(a->recv_w, x->recv_w, 4 * N * (size_t)a->slots) &&
-            same_bytes(a->counts, x->counts, 8 * (size_t)El) && same_bytes(a->offsets, x->offsets, 8 * (size_t)(El + 1)),
-        "%s: the handle's queries differ from %s", what, pair);
-  CHECK(!memcmp(&a->stats, &x->stats, sizeof a->stats),
-        "%s: stats (send %lld, recv %lld, local %lld) differ from %s (%lld, %lld, %lld)", what,
-        (long long)a->stats.send_rows, (long long)a->stats.recv_rows, (long long)a->stats.local_rows, pair,
-        (long long)x->stats.send_rows, (long long)x->stats.recv_rows, (long long)x->stats.local_rows);
+  RANK_EXPECT(same_bytes(a->src_rank, x->src_rank, 4 * N) && same_bytes(a->src_token, x->src_token, 4 * N) &&
+                  same_bytes(a->recv_expert, x->recv_expert, 4 * N * (size_t)a->slots) &&
+                  same_bytes(a->recv_w, x->recv_w, 4 * N * (size_t)a->slots) &&
+                  same_bytes(a->counts, x->counts, 8 * (size_t)El) && same_bytes(a->offsets, x->offsets, 8 * (size_t)(El + 1)),
+              "%s: the handle's queries differ from %s", what, pair);
+  RANK_EXPECT(!memcmp(&a->stats, &x->stats, sizeof a->stats),
+              "%s: stats (send %lld, recv %lld, local %lld) differ from %s (%lld, %lld, %lld)", what,
+              (long long)a->stats.send_rows, (long long)a->stats.recv_rows, (long long)a->stats.local_rows, pair,
+              (long long)x->stats.send_rows, (long long)x->stats.recv_rows, (long long)x->stats.local_rows);
 }
 
 /* Buffers made between the two are relayed (g_relay). */
@@ -582,12 +573,12 @@ static void relay_end(void) {
 static void check_path(const case_t *c, epx_exchange_t x, epx_exchange_path_t asked, const result_t *g) {
   const int fused_ok = (asked == EPX_PATH_FUSED || (asked == EPX_PATH_AUTO && c->layout == EPX_LAYOUT_RANK_MAJOR)) &&
                        x == EPX_EXCHANGE_DEDUP;
-  CHECK(g->path == EPX_PATH_FUSED || g->path == EPX_PATH_HOST, "%s: peers on different paths (%d)",
-        describe(c, x), g->path);
-  if (!fused_ok) CHECK(g->path == EPX_PATH_HOST, "%s: path %d, the host path expected", describe(c, x), g->path);
+  RANK_EXPECT(g->path == EPX_PATH_FUSED || g->path == EPX_PATH_HOST, "%s: peers on different paths (%d)",
+              describe(c, x), g->path);
+  if (!fused_ok) RANK_EXPECT(g->path == EPX_PATH_HOST, "%s: path %d, the host path expected", describe(c, x), g->path);
   else if (g_expect_fused)
-    CHECK(g->path == EPX_PATH_FUSED, "%s: path %d, the fused path expected (EPX_GPU_EXPECT_FUSED): %s",
-          describe(c, x), g->path, g->why[0] ? g->why : "no reason given");
+    RANK_EXPECT(g->path == EPX_PATH_FUSED, "%s: path %d, the fused path expected (EPX_GPU_EXPECT_FUSED): %s",
+                describe(c, x), g->path, g->why[0] ? g->why : "no reason given");
 }
 
 /* The dedup run of case c with launch flag `flag` toggled, compared bit for
@@ -648,7 +639,7 @@ static void run_case(const case_t *c, epx_comm_t nccl, void *stream) {
     run_rank(&run);
     g_path = EPX_PATH_FUSED;
     check_path(c, EPX_EXCHANGE_DEDUP, EPX_PATH_HOST, &run.res);
-    CHECK(run.res.path == EPX_PATH_HOST, "EPX_PATH_HOST: path %d", run.res.path);
+    RANK_EXPECT(run.res.path == EPX_PATH_HOST, "EPX_PATH_HOST: path %d", run.res.path);
     compare_exchanges(c, &gpu[0], &run.res, "the host path (EPX_PATH_HOST)");
     compare_queries(c, &gpu[0], &run.res, "the host path (EPX_PATH_HOST)");
     result_free(&run.res);
@@ -690,7 +681,7 @@ static epx_buffer_config_t simple_config(void *stream, int worst) {
 static epx_buffer_t simple_buffer(epx_comm_t comm, void *stream, int worst) {
   const epx_buffer_config_t cfg = simple_config(stream, worst);
   epx_buffer_t b;
-  OK(epx_buffer_create(comm, &cfg, &b));
+  FATAL_UNLESS_OK(epx_buffer_create(comm, &cfg, &b));
   return b;
 }
 
@@ -733,8 +724,8 @@ static void test_capacity_refusal(epx_comm_t comm, void *stream, int worst) {
   if (g_rank == g_size - 1) r.num_tokens = TMAX + 1;
   int32_t *big = NULL;
   if (g_rank == g_size - 1) {
-    CU(cudaMalloc((void **)&big, 4 * (TMAX + 1) * K));
-    CU(cudaMemset(big, 0xff, 4 * (TMAX + 1) * K));
+    FATAL_UNLESS_CUDA_OK(cudaMalloc((void **)&big, 4 * (TMAX + 1) * K));
+    FATAL_UNLESS_CUDA_OK(cudaMemset(big, 0xff, 4 * (TMAX + 1) * K));
     r.topk_idx = big;
     r.topk_w = NULL;
     r.weighting = EPX_WEIGHTS_NONE;
@@ -742,35 +733,35 @@ static void test_capacity_refusal(epx_comm_t comm, void *stream, int worst) {
   epx_handle_t h = NULL;
   epx_status_t s = epx_dispatch_layout(b, &r, NULL, &h);
   if (worst && g_rank != g_size - 1) {
-    CHECK(s == EPX_SUCCESS && h, "capacity refusal (worst case): rank %d got %s (%s)", g_rank, epx_status_string(s),
-          epx_last_error());
+    RANK_EXPECT(s == EPX_SUCCESS && h, "capacity refusal (worst case): rank %d got %s (%s)", g_rank, epx_status_string(s),
+                epx_last_error());
     if (h) {
       const int64_t *d_rows = NULL;
       int64_t rows = -1;
-      OK(epx_handle_recv_rows_device(h, &d_rows));
+      FATAL_UNLESS_OK(epx_handle_recv_rows_device(h, &d_rows));
       /* the layout did not wait (worst_case_sizing), and the buffer's stream
        * does not synchronise with cudaMemcpy's */
-      CU(cudaStreamSynchronize(stream));
-      CU(cudaMemcpy(&rows, d_rows, sizeof rows, cudaMemcpyDeviceToHost));
-      CHECK(rows == 0, "capacity refusal (worst case): rank %d laid out %lld rows", g_rank, (long long)rows);
+      FATAL_UNLESS_CUDA_OK(cudaStreamSynchronize(stream));
+      FATAL_UNLESS_CUDA_OK(cudaMemcpy(&rows, d_rows, sizeof rows, cudaMemcpyDeviceToHost));
+      RANK_EXPECT(rows == 0, "capacity refusal (worst case): rank %d laid out %lld rows", g_rank, (long long)rows);
       char named[32];
       snprintf(named, sizeof named, "rank %d", g_size - 1);
       s = epx_handle_recv_rows(h, &rows);
-      CHECK(s == EPX_ERROR_CAPACITY_EXCEEDED && strstr(epx_last_error(), named),
-            "capacity refusal (worst case): recv_rows on rank %d got %s (%s)", g_rank, epx_status_string(s),
-            epx_last_error());
-      OK(epx_handle_release(h));
+      RANK_EXPECT(s == EPX_ERROR_CAPACITY_EXCEEDED && strstr(epx_last_error(), named),
+                  "capacity refusal (worst case): recv_rows on rank %d got %s (%s)", g_rank, epx_status_string(s),
+                  epx_last_error());
+      FATAL_UNLESS_OK(epx_handle_release(h));
       h = NULL;
     }
   } else {
-    CHECK(s == EPX_ERROR_CAPACITY_EXCEEDED, "capacity refusal (worst %d): rank %d got %s (%s)", worst, g_rank,
-          epx_status_string(s), epx_last_error());
-    CHECK(h == NULL, "capacity refusal: a handle came back");
+    RANK_EXPECT(s == EPX_ERROR_CAPACITY_EXCEEDED, "capacity refusal (worst %d): rank %d got %s (%s)", worst, g_rank,
+                epx_status_string(s), epx_last_error());
+    RANK_EXPECT(h == NULL, "capacity refusal: a handle came back");
   }
   /* the comm still works */
-  OK(epx_dispatch_layout(b, &tr.r, NULL, &h));
-  OK(epx_handle_release(h));
-  OK(epx_buffer_destroy(b));
+  FATAL_UNLESS_OK(epx_dispatch_layout(b, &tr.r, NULL, &h));
+  FATAL_UNLESS_OK(epx_handle_release(h));
+  FATAL_UNLESS_OK(epx_buffer_destroy(b));
   test_routing_free(&tr);
   cudaFree(big);
 }
@@ -780,9 +771,9 @@ static void test_capacity_refusal(epx_comm_t comm, void *stream, int worst) {
 static void layout_still_works(epx_buffer_t b, const epx_routing_t *r) {
   epx_handle_t h = NULL;
   int64_t rows = 0;
-  OK(epx_dispatch_layout(b, r, NULL, &h));
-  OK(epx_handle_recv_rows(h, &rows));
-  OK(epx_handle_release(h));
+  FATAL_UNLESS_OK(epx_dispatch_layout(b, r, NULL, &h));
+  FATAL_UNLESS_OK(epx_handle_recv_rows(h, &rows));
+  FATAL_UNLESS_OK(epx_handle_release(h));
 }
 
 /* The layout of a routing some rank refuses: with default sizing no handle
@@ -794,15 +785,15 @@ static epx_status_t refused_layout(epx_buffer_t b, const epx_routing_t *r, int w
   epx_handle_t h = NULL;
   epx_status_t s = epx_dispatch_layout(b, r, NULL, &h);
   if (worst) {
-    CHECK(s == EPX_SUCCESS && h, "%s (worst case): the layout returned %s (%s)", what, epx_status_string(s),
-          epx_last_error());
+    RANK_EXPECT(s == EPX_SUCCESS && h, "%s (worst case): the layout returned %s (%s)", what, epx_status_string(s),
+                epx_last_error());
     int64_t rows = 0;
     s = h ? epx_handle_recv_rows(h, &rows) : EPX_ERROR_INTERNAL;
   } else {
-    CHECK(h == NULL, "%s: a handle came back", what);
+    RANK_EXPECT(h == NULL, "%s: a handle came back", what);
   }
   snprintf(why, why_size, "%s", epx_last_error());
-  if (h) OK(epx_handle_release(h));
+  if (h) FATAL_UNLESS_OK(epx_handle_release(h));
   return s;
 }
 
@@ -814,11 +805,11 @@ static void check_one_rank_refused(epx_status_t s, const char *why, int bad, con
   char named[48];
   snprintf(named, sizeof named, "rank %d", bad);
   if (g_rank == bad)
-    CHECK(s == EPX_ERROR_INVALID_ARGUMENT && strstr(why, route) && (!reason || strstr(why, reason)),
-          "%s: rank %d got %s (%s)", what, g_rank, epx_status_string(s), why);
+    RANK_EXPECT(s == EPX_ERROR_INVALID_ARGUMENT && strstr(why, route) && (!reason || strstr(why, reason)),
+                "%s: rank %d got %s (%s)", what, g_rank, epx_status_string(s), why);
   else
-    CHECK(s == EPX_ERROR_PEER_FAILED && strstr(why, named), "%s: rank %d got %s (%s)", what, g_rank,
-          epx_status_string(s), why);
+    RANK_EXPECT(s == EPX_ERROR_PEER_FAILED && strstr(why, named), "%s: rank %d got %s (%s)", what, g_rank,
+                epx_status_string(s), why);
 }
 
 /* The last rank routes with another weighting: refused on every rank with
@@ -836,10 +827,10 @@ static void test_weighting_mismatch(epx_comm_t comm, void *stream, int worst) {
   snprintf(named, sizeof named, "rank %d with EPX_WEIGHTS_IN_DISPATCH", g_size - 1);
   char why[1024];
   const epx_status_t s = refused_layout(b, &r, worst, "weighting mismatch", why, sizeof why);
-  CHECK(s == EPX_ERROR_SHAPE_MISMATCH && strstr(why, named) && strstr(why, "routing.weighting"),
-        "weighting mismatch (worst %d): rank %d got %s (%s)", worst, g_rank, epx_status_string(s), why);
+  RANK_EXPECT(s == EPX_ERROR_SHAPE_MISMATCH && strstr(why, named) && strstr(why, "routing.weighting"),
+              "weighting mismatch (worst %d): rank %d got %s (%s)", worst, g_rank, epx_status_string(s), why);
   layout_still_works(b, &tr.r);
-  OK(epx_buffer_destroy(b));
+  FATAL_UNLESS_OK(epx_buffer_destroy(b));
   test_routing_free(&tr);
 }
 
@@ -867,7 +858,7 @@ static void test_invalid_routing(epx_comm_t comm, void *stream, int worst, int d
   check_one_rank_refused(s, why, bad, duplicate ? "routing.topk_idx[5] names" : "routing.topk_idx[3][1]", NULL,
                          what);
   layout_still_works(b, &tr.r);
-  OK(epx_buffer_destroy(b));
+  FATAL_UNLESS_OK(epx_buffer_destroy(b));
   test_routing_free(&tr);
   cudaFree(idx);
 }
@@ -883,7 +874,7 @@ static void test_capacity_slots(epx_comm_t comm, void *stream, int worst, int ba
   cfg.layout = EPX_LAYOUT_CAPACITY;
   cfg.capacity = C;
   epx_buffer_t b;
-  OK(epx_buffer_create(comm, &cfg, &b));
+  FATAL_UNLESS_OK(epx_buffer_create(comm, &cfg, &b));
   test_routing_t tr;
   test_routing(EPX_LAYOUT_CAPACITY, EPX_WEIGHTS_IN_COMBINE, 0, 23, &tr);
   const routing_t rt = tr.rt;
@@ -902,11 +893,11 @@ static void test_capacity_slots(epx_comm_t comm, void *stream, int worst, int ba
   snprintf(what, sizeof what, "capacity slots (worst %d, bad location %d)", worst, bad_location);
   const epx_status_t s = refused_layout(b, &r, worst, what, why, sizeof why);
   /* the bad rank found a route to spoil (else the test would test nothing) */
-  CHECK(g_rank != bad || at >= 0, "%s: rank %d has no route of a filled expert to spoil", what, g_rank);
+  RANK_EXPECT(g_rank != bad || at >= 0, "%s: rank %d has no route of a filled expert to spoil", what, g_rank);
   snprintf(entry, sizeof entry, "routing.locations[%lld][%d]", (long long)(at / K), (int)(at % K));
   check_one_rank_refused(s, why, bad, entry, bad_location ? "outside the capacity" : "taken twice", what);
   layout_still_works(b, &tr.r);
-  OK(epx_buffer_destroy(b));
+  FATAL_UNLESS_OK(epx_buffer_destroy(b));
   test_routing_free(&tr);
   cudaFree(loc);
 }
@@ -921,18 +912,18 @@ static void test_call_mismatch(epx_comm_t comm, void *stream) {
   test_routing_t tr;
   test_routing(EPX_LAYOUT_EXPERT_MAJOR, EPX_WEIGHTS_IN_COMBINE, 0, 17, &tr);
   epx_handle_t h = NULL;
-  OK(epx_dispatch_layout(b, &tr.r, NULL, &h));
+  FATAL_UNLESS_OK(epx_dispatch_layout(b, &tr.r, NULL, &h));
   int64_t rows = 0, cap = 0;
-  OK(epx_handle_recv_rows(h, &rows));
-  OK(epx_buffer_max_recv_rows(b, &cap));
+  FATAL_UNLESS_OK(epx_handle_recv_rows(h, &rows));
+  FATAL_UNLESS_OK(epx_buffer_max_recv_rows(b, &cap));
   void *x = zeros(EPX_DEVICE_CUDA, 2 * (size_t)TMAX * H), *recv = zeros(EPX_DEVICE_CUDA, 2 * (size_t)cap * H + 16);
   epx_status_t s = g_rank == g_size - 1 ? epx_combine(b, h, recv, x) : epx_dispatch(b, h, x, recv, cap);
-  CHECK(s == EPX_ERROR_SHAPE_MISMATCH && strstr(epx_last_error(), "different collective calls") &&
-            strstr(epx_last_error(), "epx_combine") && strstr(epx_last_error(), "epx_dispatch"),
-        "call mismatch: rank %d got %s (%s)", g_rank, epx_status_string(s), epx_last_error());
-  OK(epx_dispatch(b, h, x, recv, cap)); /* in step again */
-  OK(epx_handle_release(h));
-  OK(epx_buffer_destroy(b));
+  RANK_EXPECT(s == EPX_ERROR_SHAPE_MISMATCH && strstr(epx_last_error(), "different collective calls") &&
+                  strstr(epx_last_error(), "epx_combine") && strstr(epx_last_error(), "epx_dispatch"),
+              "call mismatch: rank %d got %s (%s)", g_rank, epx_status_string(s), epx_last_error());
+  FATAL_UNLESS_OK(epx_dispatch(b, h, x, recv, cap)); /* in step again */
+  FATAL_UNLESS_OK(epx_handle_release(h));
+  FATAL_UNLESS_OK(epx_buffer_destroy(b));
   epx_buffer_config_t cfg = simple_config(stream, 0);
   cfg.exchange_path = EPX_PATH_AUTO;
   cfg.combine_precision = g_rank == g_size - 1 ? EPX_COMBINE_PARTIALS_PAYLOAD : EPX_COMBINE_PARTIALS_FLOAT32;
@@ -940,9 +931,9 @@ static void test_call_mismatch(epx_comm_t comm, void *stream) {
   char named[32];
   snprintf(named, sizeof named, "rank %d", g_size - 1);
   s = epx_buffer_create(comm, &cfg, &odd);
-  CHECK(s == EPX_ERROR_SHAPE_MISMATCH && odd == NULL && strstr(epx_last_error(), named) &&
-            strstr(epx_last_error(), "combine_precision"),
-        "config mismatch: rank %d got %s (%s)", g_rank, epx_status_string(s), epx_last_error());
+  RANK_EXPECT(s == EPX_ERROR_SHAPE_MISMATCH && odd == NULL && strstr(epx_last_error(), named) &&
+                  strstr(epx_last_error(), "combine_precision"),
+              "config mismatch: rank %d got %s (%s)", g_rank, epx_status_string(s), epx_last_error());
   test_routing_free(&tr);
   cudaFree(x), cudaFree(recv);
 }
@@ -955,55 +946,55 @@ static void test_recorder(epx_comm_t comm, void *stream) {
   int32_t *idx = tr.idx;
   const epx_routing_t r = tr.r;
   epx_recorder_t rec;
-  OK(epx_recorder_create(1, &rec));
+  FATAL_UNLESS_OK(epx_recorder_create(1, &rec));
   epx_recorder_stats_t before, held;
-  OK(epx_recorder_stats(rec, &before));
+  FATAL_UNLESS_OK(epx_recorder_stats(rec, &before));
   epx_handle_t h1, h2, h3 = NULL;
-  OK(epx_dispatch_layout(b, &r, rec, &h1));
+  FATAL_UNLESS_OK(epx_dispatch_layout(b, &r, rec, &h1));
   /* A recorded handle of the W-rank backend holds its layout (the one-GPU
    * backend's reports none): proof that the W-rank code ran, one rank
    * included (epx_cuda_ep_at_one_rank). */
-  OK(epx_recorder_stats(rec, &held));
-  CHECK(held.bytes_held > before.bytes_held, "recorder: the handle holds no W-rank layout (%lld bytes, %lld before)",
-        (long long)held.bytes_held, (long long)before.bytes_held);
+  FATAL_UNLESS_OK(epx_recorder_stats(rec, &held));
+  RANK_EXPECT(held.bytes_held > before.bytes_held, "recorder: the handle holds no W-rank layout (%lld bytes, %lld before)",
+              (long long)held.bytes_held, (long long)before.bytes_held);
   int64_t N, cap;
-  OK(epx_handle_recv_rows(h1, &N));
-  OK(epx_buffer_max_recv_rows(b, &cap));
+  FATAL_UNLESS_OK(epx_handle_recv_rows(h1, &N));
+  FATAL_UNLESS_OK(epx_buffer_max_recv_rows(b, &cap));
   const size_t rb = 2 * H;
   float *xv = calloc((size_t)(TMAX * H), 4);
   for (int64_t i = 0; i < rt.T * H; i++) xv[i] = x_val(g_rank, (int)(i / H), (int)(i % H));
   void *xh = encode(EPX_BFLOAT16, xv, rt.T * H);
   void *x = dev_put(xh, (size_t)rt.T * rb), *y1, *y2;
-  CU(cudaMalloc(&y1, (size_t)cap * rb + 16));
-  CU(cudaMalloc(&y2, (size_t)cap * rb + 16));
-  CU(cudaMemset(y2, 0x5a, (size_t)cap * rb));
-  OK(epx_dispatch(b, h1, x, y1, cap));
-  OK(epx_recorder_set_mode(rec, EPX_RECORDER_REPLAY));
-  OK(epx_dispatch_layout(b, &r, rec, &h2));
-  CHECK(h2 == h1, "recorder: the replay did not return the recorded handle");
-  OK(epx_dispatch(b, h2, x, y2, cap)); /* cached dispatch */
-  CU(cudaDeviceSynchronize());
+  FATAL_UNLESS_CUDA_OK(cudaMalloc(&y1, (size_t)cap * rb + 16));
+  FATAL_UNLESS_CUDA_OK(cudaMalloc(&y2, (size_t)cap * rb + 16));
+  FATAL_UNLESS_CUDA_OK(cudaMemset(y2, 0x5a, (size_t)cap * rb));
+  FATAL_UNLESS_OK(epx_dispatch(b, h1, x, y1, cap));
+  FATAL_UNLESS_OK(epx_recorder_set_mode(rec, EPX_RECORDER_REPLAY));
+  FATAL_UNLESS_OK(epx_dispatch_layout(b, &r, rec, &h2));
+  RANK_EXPECT(h2 == h1, "recorder: the replay did not return the recorded handle");
+  FATAL_UNLESS_OK(epx_dispatch(b, h2, x, y2, cap)); /* cached dispatch */
+  FATAL_UNLESS_CUDA_OK(cudaDeviceSynchronize());
   void *a = host_get(y1, (size_t)N * rb), *bb = host_get(y2, (size_t)N * rb);
-  CHECK(same_bytes(a, bb, (size_t)N * rb), "recorder: the cached dispatch differs from the original");
+  RANK_EXPECT(same_bytes(a, bb, (size_t)N * rb), "recorder: the cached dispatch differs from the original");
   free(a), free(bb);
   /* a second replay past the log falls back; a different routing on rank 0 is refused everywhere */
-  OK(epx_recorder_set_mode(rec, EPX_RECORDER_REPLAY));
+  FATAL_UNLESS_OK(epx_recorder_set_mode(rec, EPX_RECORDER_REPLAY));
   if (g_rank == 0 && rt.T > 0) {
     rt.idx[0] = rt.idx[0] == 0 ? 1 : 0;
     rt.idx[1] = -1, rt.idx[2] = -1, rt.idx[3] = -1;
-    CU(cudaMemcpy(idx, rt.idx, sizeof rt.idx, cudaMemcpyHostToDevice));
+    FATAL_UNLESS_CUDA_OK(cudaMemcpy(idx, rt.idx, sizeof rt.idx, cudaMemcpyHostToDevice));
   }
   epx_status_t s = epx_dispatch_layout(b, &r, rec, &h3);
-  CHECK(s == (g_rank == 0 ? EPX_ERROR_REPLAY_MISMATCH : EPX_ERROR_PEER_FAILED),
-        "recorder: a changed routing replayed with %s on rank %d (%s)", epx_status_string(s), g_rank, epx_last_error());
+  RANK_EXPECT(s == (g_rank == 0 ? EPX_ERROR_REPLAY_MISMATCH : EPX_ERROR_PEER_FAILED),
+              "recorder: a changed routing replayed with %s on rank %d (%s)", epx_status_string(s), g_rank, epx_last_error());
   epx_recorder_stats_t st;
-  OK(epx_recorder_stats(rec, &st));
-  CHECK(st.records == 1 && st.replays >= 1, "recorder: %lld records, %lld replays", (long long)st.records,
-        (long long)st.replays);
-  OK(epx_handle_release(h2));
-  OK(epx_handle_release(h1));
-  OK(epx_recorder_destroy(rec));
-  OK(epx_buffer_destroy(b));
+  FATAL_UNLESS_OK(epx_recorder_stats(rec, &st));
+  RANK_EXPECT(st.records == 1 && st.replays >= 1, "recorder: %lld records, %lld replays", (long long)st.records,
+              (long long)st.replays);
+  FATAL_UNLESS_OK(epx_handle_release(h2));
+  FATAL_UNLESS_OK(epx_handle_release(h1));
+  FATAL_UNLESS_OK(epx_recorder_destroy(rec));
+  FATAL_UNLESS_OK(epx_buffer_destroy(b));
   test_routing_free(&tr);
   cudaFree(x), cudaFree(y1), cudaFree(y2);
   free(xv), free(xh);
@@ -1018,11 +1009,11 @@ typedef struct {
 
 static epx_handle_t step(epx_buffer_t b, const epx_routing_t *r, const step_t *s) {
   epx_handle_t h;
-  OK(epx_dispatch_layout(b, r, NULL, &h));
-  OK(epx_dispatch(b, h, s->x, s->recv, s->cap));
-  OK(epx_combine(b, h, s->eo, s->out));
-  OK(epx_dispatch_backward(b, h, s->eo, s->gx, NULL, NULL));
-  OK(epx_combine_backward(b, h, s->go, s->eo, s->geo, s->gw));
+  FATAL_UNLESS_OK(epx_dispatch_layout(b, r, NULL, &h));
+  FATAL_UNLESS_OK(epx_dispatch(b, h, s->x, s->recv, s->cap));
+  FATAL_UNLESS_OK(epx_combine(b, h, s->eo, s->out));
+  FATAL_UNLESS_OK(epx_dispatch_backward(b, h, s->eo, s->gx, NULL, NULL));
+  FATAL_UNLESS_OK(epx_combine_backward(b, h, s->go, s->eo, s->geo, s->gw));
   return h;
 }
 
@@ -1033,7 +1024,7 @@ static void test_graph(epx_comm_t comm, cudaStream_t stream) {
   const routing_t rt = tr.rt;
   const epx_routing_t r = tr.r;
   int64_t cap;
-  OK(epx_buffer_max_recv_rows(b, &cap));
+  FATAL_UNLESS_OK(epx_buffer_max_recv_rows(b, &cap));
   const size_t rb = 2 * H;
   step_t s[2];
   float *v = calloc((size_t)(cap > TMAX ? cap : TMAX) * H, 4);
@@ -1047,37 +1038,37 @@ static void test_graph(epx_comm_t comm, cudaStream_t stream) {
     void **outs[] = {&s[i].recv, &s[i].out, &s[i].geo, &s[i].gx};
     const size_t rows[] = {(size_t)cap, TMAX, (size_t)cap, TMAX};
     for (int j = 0; j < 4; j++) {
-      CU(cudaMalloc(outs[j], rows[j] * rb));
-      CU(cudaMemset(*outs[j], 0x33 * (i + 1), rows[j] * rb));
+      FATAL_UNLESS_CUDA_OK(cudaMalloc(outs[j], rows[j] * rb));
+      FATAL_UNLESS_CUDA_OK(cudaMemset(*outs[j], 0x33 * (i + 1), rows[j] * rb));
     }
-    CU(cudaMalloc((void **)&s[i].gw, 4 * TMAX * K));
+    FATAL_UNLESS_CUDA_OK(cudaMalloc((void **)&s[i].gw, 4 * TMAX * K));
   }
   epx_handle_t h0 = step(b, &r, &s[0]); /* outside: also sizes the staging */
-  CU(cudaStreamSynchronize(stream));
+  FATAL_UNLESS_CUDA_OK(cudaStreamSynchronize(stream));
   cudaGraph_t graph;
   cudaGraphExec_t exec;
-  CU(cudaStreamBeginCapture(stream, cudaStreamCaptureModeRelaxed));
+  FATAL_UNLESS_CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeRelaxed));
   epx_handle_t h1 = step(b, &r, &s[1]);
-  CU(cudaStreamEndCapture(stream, &graph));
-  CU(cudaGraphInstantiate(&exec, graph, 0));
-  CU(cudaGraphLaunch(exec, stream));
-  CU(cudaStreamSynchronize(stream));
+  FATAL_UNLESS_CUDA_OK(cudaStreamEndCapture(stream, &graph));
+  FATAL_UNLESS_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  FATAL_UNLESS_CUDA_OK(cudaGraphLaunch(exec, stream));
+  FATAL_UNLESS_CUDA_OK(cudaStreamSynchronize(stream));
   int64_t n0, n1;
-  OK(epx_handle_recv_rows(h0, &n0));
-  OK(epx_handle_recv_rows(h1, &n1));
-  CHECK(n0 == n1, "graph: %lld rows captured, %lld outside", (long long)n1, (long long)n0);
+  FATAL_UNLESS_OK(epx_handle_recv_rows(h0, &n0));
+  FATAL_UNLESS_OK(epx_handle_recv_rows(h1, &n1));
+  RANK_EXPECT(n0 == n1, "graph: %lld rows captured, %lld outside", (long long)n1, (long long)n0);
   const size_t sizes[] = {(size_t)n0 * rb, (size_t)rt.T * rb, (size_t)n0 * rb, (size_t)rt.T * rb, 4 * (size_t)rt.T * K};
   for (int j = 0; j < 5; j++) {
     void *p0[] = {s[0].recv, s[0].out, s[0].geo, s[0].gx, s[0].gw}, *p1[] = {s[1].recv, s[1].out, s[1].geo, s[1].gx, s[1].gw};
     void *a = host_get(p0[j], sizes[j]), *bb = host_get(p1[j], sizes[j]);
-    CHECK(same_bytes(a, bb, sizes[j]), "graph: output %d of the captured step differs from the uncaptured one", j);
+    RANK_EXPECT(same_bytes(a, bb, sizes[j]), "graph: output %d of the captured step differs from the uncaptured one", j);
     free(a), free(bb);
   }
-  OK(epx_handle_release(h0));
-  OK(epx_handle_release(h1));
-  CU(cudaGraphExecDestroy(exec));
-  CU(cudaGraphDestroy(graph));
-  OK(epx_buffer_destroy(b));
+  FATAL_UNLESS_OK(epx_handle_release(h0));
+  FATAL_UNLESS_OK(epx_handle_release(h1));
+  FATAL_UNLESS_CUDA_OK(cudaGraphExecDestroy(exec));
+  FATAL_UNLESS_CUDA_OK(cudaGraphDestroy(graph));
+  FATAL_UNLESS_OK(epx_buffer_destroy(b));
   for (int i = 0; i < 2; i++) {
     void *p[] = {s[i].x, s[i].go, s[i].eo, s[i].recv, s[i].out, s[i].geo, s[i].gx, s[i].gw};
     for (int j = 0; j < 8; j++) cudaFree(p[j]);
@@ -1099,10 +1090,10 @@ static void test_fused_refused_on_one_rank(epx_comm_t comm, void *stream) {
   if (last) {
     /* all but 128 MB of the GPU: less than the window, enough for the rest */
     size_t free_bytes = 0, total = 0, step = (size_t)64 << 20, spare = (size_t)128 << 20;
-    CU(cudaMemGetInfo(&free_bytes, &total));
+    FATAL_UNLESS_CUDA_OK(cudaMemGetInfo(&free_bytes, &total));
     for (size_t take = free_bytes > spare ? free_bytes - spare : 0; take > step && !hog; take -= step)
       if (cudaMalloc(&hog, take) != cudaSuccess) hog = NULL, (void)cudaGetLastError();
-    CHECK(hog != NULL, "fused refusal: rank %d could not take the GPU's memory", g_rank);
+    RANK_EXPECT(hog != NULL, "fused refusal: rank %d could not take the GPU's memory", g_rank);
   }
   MPI_Barrier(MPI_COMM_WORLD);
   epx_buffer_config_t cfg = simple_config(stream, 0);
@@ -1114,22 +1105,22 @@ static void test_fused_refused_on_one_rank(epx_comm_t comm, void *stream) {
   const epx_status_t s = epx_buffer_create(comm, &cfg, &b);
   char why[1024];
   snprintf(why, sizeof why, "%s", epx_last_error());
-  CHECK(s == EPX_SUCCESS, "fused refusal: epx_buffer_create on rank %d got %s (%s)", g_rank, epx_status_string(s),
-        why);
+  RANK_EXPECT(s == EPX_SUCCESS, "fused refusal: epx_buffer_create on rank %d got %s (%s)", g_rank, epx_status_string(s),
+              why);
   if (s == EPX_SUCCESS) {
     int32_t paths[64] = {0};
-    OK(epx_buffer_peer_paths(b, paths));
+    FATAL_UNLESS_OK(epx_buffer_peer_paths(b, paths));
     for (int p = 0; p < g_size && p < 64; p++)
-      CHECK(paths[p] == EPX_PATH_HOST, "fused refusal: rank %d's path to %d is %d, not the host path", g_rank, p,
-            (int)paths[p]);
+      RANK_EXPECT(paths[p] == EPX_PATH_HOST, "fused refusal: rank %d's path to %d is %d, not the host path", g_rank, p,
+                  (int)paths[p]);
     char named[32];
     snprintf(named, sizeof named, "rank %d", g_size - 1);
-    CHECK(strstr(why, "refused") && strstr(why, last ? "ncclMemAlloc" : named),
-          "fused refusal: rank %d's reason does not say who or why: %s", g_rank, why);
+    RANK_EXPECT(strstr(why, "refused") && strstr(why, last ? "ncclMemAlloc" : named),
+                "fused refusal: rank %d's reason does not say who or why: %s", g_rank, why);
     test_routing_t tr;
     test_routing(EPX_LAYOUT_RANK_MAJOR, EPX_WEIGHTS_NONE, 0, 17, &tr);
     layout_still_works(b, &tr.r);
-    OK(epx_buffer_destroy(b));
+    FATAL_UNLESS_OK(epx_buffer_destroy(b));
     test_routing_free(&tr);
   }
   if (hog) cudaFree(hog);
@@ -1191,8 +1182,8 @@ static void *dot_recv_rows(epx_dtype_t dtype, int salt, int64_t N, const int32_t
 
 static void *dev_alloc_poisoned(size_t bytes) {
   void *p = NULL;
-  CU(cudaMalloc(&p, bytes ? bytes : 16));
-  CU(cudaMemset(p, 0xA5, bytes ? bytes : 16));
+  FATAL_UNLESS_CUDA_OK(cudaMalloc(&p, bytes ? bytes : 16));
+  FATAL_UNLESS_CUDA_OK(cudaMemset(p, 0xA5, bytes ? bytes : 16));
   return p;
 }
 
@@ -1221,12 +1212,12 @@ static void dot_backward(epx_buffer_t b, epx_handle_t h, const case_t *c, int64_
   void *gr = dot_recv_rows(c->dtype, DOT_GR, r->N, r->src_rank, r->src_token, r->recv_expert);
   void *out = zeros(EPX_DEVICE_CUDA, tb), *gx = zeros(EPX_DEVICE_CUDA, tb), *geo = zeros(EPX_DEVICE_CUDA, nb);
   float *gw = dev_alloc_poisoned(4 * (size_t)(T * K)); /* slots without a route must be written with 0 */
-  CU(cudaDeviceSynchronize()); /* the inputs were put through the legacy stream; the buffer's does not wait for it */
+  FATAL_UNLESS_CUDA_OK(cudaDeviceSynchronize()); /* the inputs were put through the legacy stream; the buffer's does not wait for it */
   const int in_d = c->weighting == EPX_WEIGHTS_IN_DISPATCH, in_c = c->weighting == EPX_WEIGHTS_IN_COMBINE;
-  OK(epx_combine(b, h, eo, out));
-  OK(epx_dispatch_backward(b, h, gr, gx, in_d ? x_d : NULL, in_d ? gw : NULL));
-  OK(epx_combine_backward(b, h, go_d, in_c ? eo : NULL, geo, in_c ? gw : NULL));
-  CU(cudaDeviceSynchronize());
+  FATAL_UNLESS_OK(epx_combine(b, h, eo, out));
+  FATAL_UNLESS_OK(epx_dispatch_backward(b, h, gr, gx, in_d ? x_d : NULL, in_d ? gw : NULL));
+  FATAL_UNLESS_OK(epx_combine_backward(b, h, go_d, in_c ? eo : NULL, geo, in_c ? gw : NULL));
+  FATAL_UNLESS_CUDA_OK(cudaDeviceSynchronize());
   r->out = host_get(out, tb);
   r->grad_x = host_get(gx, tb);
   r->grad_eo = host_get(geo, nb);
@@ -1247,44 +1238,44 @@ static void dot_run(epx_comm_t comm, void *stream, const case_t *c, epx_exchange
   cfg.capacity = c->layout == EPX_LAYOUT_CAPACITY ? C : 0;
   cfg.exchange_path = path;
   epx_buffer_t b;
-  OK(epx_buffer_create(comm, &cfg, &b));
+  FATAL_UNLESS_OK(epx_buffer_create(comm, &cfg, &b));
   epx_handle_t h;
-  OK(epx_dispatch_layout(b, rt, NULL, &h));
+  FATAL_UNLESS_OK(epx_dispatch_layout(b, rt, NULL, &h));
   r->path = read_paths(b);
   int64_t cap;
-  OK(epx_handle_recv_rows(h, &r->N));
-  OK(epx_buffer_max_recv_rows(b, &cap));
+  FATAL_UNLESS_OK(epx_handle_recv_rows(h, &r->N));
+  FATAL_UNLESS_OK(epx_buffer_max_recv_rows(b, &cap));
   if (cap < r->N) cap = r->N;
   const size_t es = epx_dtype_size(c->dtype);
   void *recv = zeros(EPX_DEVICE_CUDA, (size_t)(cap * DOT_H) * es);
   int32_t *srank = zeros(EPX_DEVICE_CUDA, 4 * (size_t)cap), *stok = zeros(EPX_DEVICE_CUDA, 4 * (size_t)cap);
   int32_t *rexp = zeros(EPX_DEVICE_CUDA, 4 * (size_t)cap);
-  OK(epx_dispatch(b, h, x_d, recv, cap));
-  OK(epx_handle_recv_source(h, srank, stok));
-  OK(epx_handle_recv_routing(h, rexp, NULL));
-  CU(cudaDeviceSynchronize());
+  FATAL_UNLESS_OK(epx_dispatch(b, h, x_d, recv, cap));
+  FATAL_UNLESS_OK(epx_handle_recv_source(h, srank, stok));
+  FATAL_UNLESS_OK(epx_handle_recv_routing(h, rexp, NULL));
+  FATAL_UNLESS_CUDA_OK(cudaDeviceSynchronize());
   r->recv_x = host_get(recv, (size_t)(r->N * DOT_H) * es);
   r->src_rank = host_get(srank, 4 * (size_t)r->N);
   r->src_token = host_get(stok, 4 * (size_t)r->N);
   r->recv_expert = host_get(rexp, 4 * (size_t)r->N);
   dot_backward(b, h, c, rt->num_tokens, x_d, go_d, r);
-  OK(epx_handle_release(h));
-  OK(epx_buffer_destroy(b));
+  FATAL_UNLESS_OK(epx_handle_release(h));
+  FATAL_UNLESS_OK(epx_buffer_destroy(b));
   cudaFree(recv), cudaFree(srank), cudaFree(stok), cudaFree(rexp);
 }
 
 /* The fused buffer's results against the host path's, bit for bit. */
 static void dot_compare_paths(const case_t *c, int64_t T, const dot_run_t *f, const dot_run_t *hp) {
   const char *what = describe(c, EPX_EXCHANGE_DEDUP);
-  CHECK(f->N == hp->N, "dot order %s: N %lld fused, %lld host path", what, (long long)f->N, (long long)hp->N);
+  RANK_EXPECT(f->N == hp->N, "dot order %s: N %lld fused, %lld host path", what, (long long)f->N, (long long)hp->N);
   if (f->N != hp->N) return;
   const int64_t N = f->N;
   const int32_t *qf[] = {f->src_rank, f->src_token, f->recv_expert};
   const int32_t *qh[] = {hp->src_rank, hp->src_token, hp->recv_expert};
   for (int q = 0; q < 3; q++)
-    CHECK(same_bytes(qf[q], qh[q], 4 * (size_t)N), "dot order %s: recv_%s differs between the paths (row %d)", what,
-          q == 0 ? "source's src_rank" : q == 1 ? "source's src_token" : "routing's expert",
-          first_diff(EPX_FLOAT32, qf[q], qh[q], N));
+    RANK_EXPECT(same_bytes(qf[q], qh[q], 4 * (size_t)N), "dot order %s: recv_%s differs between the paths (row %d)", what,
+                q == 0 ? "source's src_rank" : q == 1 ? "source's src_token" : "routing's expert",
+                first_diff(EPX_FLOAT32, qf[q], qh[q], N));
   const struct {
     const char *name;
     const void *a, *b;
@@ -1296,9 +1287,9 @@ static void dot_compare_paths(const case_t *c, int64_t T, const dot_run_t *f, co
               {"grad_expert_out", f->grad_eo, hp->grad_eo, c->dtype, N * DOT_H},
               {"grad_w", f->gw, hp->gw, EPX_FLOAT32, T * K}};
   for (size_t i = 0; i < sizeof outs / sizeof outs[0]; i++)
-    CHECK(same_bytes(outs[i].a, outs[i].b, (size_t)outs[i].n * epx_dtype_size(outs[i].dt)),
-          "dot order %s: %s differs between the fused and the host path (element %d)", what, outs[i].name,
-          first_diff(outs[i].dt, outs[i].a, outs[i].b, outs[i].n));
+    RANK_EXPECT(same_bytes(outs[i].a, outs[i].b, (size_t)outs[i].n * epx_dtype_size(outs[i].dt)),
+                "dot order %s: %s differs between the fused and the host path (element %d)", what, outs[i].name,
+                first_diff(outs[i].dt, outs[i].a, outs[i].b, outs[i].n));
 }
 
 static float dot_pairwise(const float *p, int n) {
@@ -1337,8 +1328,8 @@ static void dot_check_reference(const case_t *c, const routing_t *rt, int salt, 
     if (i < 8 * K && seq != dot_pairwise(prod, DOT_H)) (*reordered)++;
     if (!(fabs(gw[i] - ref) <= 1e-3 * (1.0 + mag))) bad = i, bad_ref = ref;
   }
-  CHECK(bad < 0, "dot order %s: grad_w[%lld][%lld] = %.9g, the float64 reference %.9g (slot expert %d)", what,
-        (long long)(bad / K), (long long)(bad % K), bad >= 0 ? gw[bad] : 0.0, bad_ref, bad >= 0 ? rt->idx[bad] : 0);
+  RANK_EXPECT(bad < 0, "dot order %s: grad_w[%lld][%lld] = %.9g, the float64 reference %.9g (slot expert %d)", what,
+              (long long)(bad / K), (long long)(bad % K), bad >= 0 ? gw[bad] : 0.0, bad_ref, bad >= 0 ? rt->idx[bad] : 0);
 }
 
 /* One case of test_dot_order: the same routing and inputs on a fused and a
@@ -1352,22 +1343,22 @@ static void dot_case(epx_comm_t comm, void *stream, const case_t *c, int *reorde
   float *xv = dot_token_rows(c->dtype, DOT_X, T), *gov = dot_token_rows(c->dtype, DOT_GO, T);
   void *xh = encode(c->dtype, xv, T * DOT_H), *goh = encode(c->dtype, gov, T * DOT_H);
   void *x_d = dev_put(xh, tb), *go_d = dev_put(goh, tb);
-  CU(cudaDeviceSynchronize()); /* before the buffers' non-blocking stream reads them */
+  FATAL_UNLESS_CUDA_OK(cudaDeviceSynchronize()); /* before the buffers' non-blocking stream reads them */
   dot_run_t fused = {0}, host = {0}, mixed = {0};
   dot_run(comm, stream, c, EPX_PATH_FUSED, &tr.r, x_d, go_d, &fused);
   dot_run(comm, stream, c, EPX_PATH_HOST, &tr.r, x_d, go_d, &host);
   relay_begin();
   dot_run(comm, stream, c, EPX_PATH_FUSED, &tr.r, x_d, go_d, &mixed);
   relay_end();
-  CHECK(fused.path == EPX_PATH_FUSED || fused.path == EPX_PATH_HOST, "dot order %s: peers on different paths (%d)",
-        what, fused.path);
+  RANK_EXPECT(fused.path == EPX_PATH_FUSED || fused.path == EPX_PATH_HOST, "dot order %s: peers on different paths (%d)",
+              what, fused.path);
   if (g_expect_fused)
-    CHECK(fused.path == EPX_PATH_FUSED, "dot order %s: path %d, the fused path expected (EPX_GPU_EXPECT_FUSED)", what,
-          fused.path);
-  CHECK(host.path == EPX_PATH_HOST, "dot order %s: EPX_PATH_HOST took path %d", what, host.path);
+    RANK_EXPECT(fused.path == EPX_PATH_FUSED, "dot order %s: path %d, the fused path expected (EPX_GPU_EXPECT_FUSED)", what,
+                fused.path);
+  RANK_EXPECT(host.path == EPX_PATH_HOST, "dot order %s: EPX_PATH_HOST took path %d", what, host.path);
   dot_compare_paths(c, T, &fused, &host);
-  CHECK(mixed.path == fused.path, "dot order %s: with every peer relayed, path %d against %d", what, mixed.path,
-        fused.path);
+  RANK_EXPECT(mixed.path == fused.path, "dot order %s: with every peer relayed, path %d against %d", what, mixed.path,
+              fused.path);
   dot_compare_paths(c, T, &mixed, &host);
   const int in_d = c->weighting == EPX_WEIGHTS_IN_DISPATCH;
   /* dispatch_backward: <grad_recv_x(t,k), x[t]>; combine_backward: <grad_out[t], expert_out(t,k)> */
@@ -1397,8 +1388,8 @@ static void test_dot_order(epx_comm_t comm, void *stream) {
         const case_t c = {layouts[li], dtypes[di], weightings[wi], EPX_COMBINE_PARTIALS_FLOAT32, 0, 0, 0, seed++};
         dot_case(comm, stream, &c, &reordered);
       }
-  CHECK(reordered > 0, "dot order: no dot of the test changes in float32 from sequential to pairwise order, so the "
-        "test could not see a fused kernel summing in another order");
+  RANK_EXPECT(reordered > 0, "dot order: no dot of the test changes in float32 from sequential to pairwise order, so the "
+              "test could not see a fused kernel summing in another order");
 }
 
 int main(int argc, char **argv) {
@@ -1415,19 +1406,19 @@ int main(int argc, char **argv) {
    * tests of one rank against another are left out. */
   if (g_size == 1) epx_cuda_ep_at_one_rank(1);
   int devices = 0;
-  CU(cudaGetDeviceCount(&devices));
-  CU(cudaSetDevice(g_rank % devices));
+  FATAL_UNLESS_CUDA_OK(cudaGetDeviceCount(&devices));
+  FATAL_UNLESS_CUDA_OK(cudaSetDevice(g_rank % devices));
   cudaStream_t stream;
-  CU(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  FATAL_UNLESS_CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   MPI_Comm world = MPI_COMM_WORLD;
   epx_comm_config_t cc = EPX_COMM_CONFIG_INIT;
   cc.timeout_seconds = 60;
   epx_comm_t comm;
-  OK(epx_comm_create_nccl_mpi(&world, &cc, &comm));
+  FATAL_UNLESS_OK(epx_comm_create_nccl_mpi(&world, &cc, &comm));
   int32_t rank, size;
-  OK(epx_comm_rank(comm, &rank));
-  OK(epx_comm_size(comm, &size));
-  CHECK(rank == g_rank && size == g_size, "the NCCL comm is rank %d of %d", rank, size);
+  FATAL_UNLESS_OK(epx_comm_rank(comm, &rank));
+  FATAL_UNLESS_OK(epx_comm_size(comm, &size));
+  RANK_EXPECT(rank == g_rank && size == g_size, "the NCCL comm is rank %d of %d", rank, size);
   const int one = g_size == 1; /* the W-rank backend all the same (above) */
 
   int cases = 0, seed = 1;
@@ -1478,7 +1469,7 @@ int main(int argc, char **argv) {
 
   int failures = 0;
   MPI_Allreduce(&g_fail, &failures, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
-  OK(epx_comm_destroy(comm));
+  FATAL_UNLESS_OK(epx_comm_destroy(comm));
   if (g_rank == 0)
     printf("mpi_gpu_exchange: %d rank%s%s, %d cases x 2 exchanges (+ the host path of dedup), refusals, recorder, "
            "graph (fused path %s): %d failures: %s\n", g_size, one ? "" : "s", one ? " (W-rank backend)" : "", cases,

@@ -31,6 +31,7 @@
 
 #include "cuda/launch.h" /* EPX_CUDA_FUSED_RELAY */
 #include "epx.h"
+#include "../util/check.h" /* FATAL_UNLESS_OK: a failed setup call ends the child (exit 2) */
 
 enum { SCENARIO_HOST = 0, SCENARIO_FUSED = 1, SCENARIO_RELAY = 2 };
 
@@ -42,21 +43,12 @@ static double now(void) {
   return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-#define STEP(call)                                                                                  \
-  do {                                                                                              \
-    epx_status_t s_ = (call);                                                                       \
-    if (s_ != EPX_SUCCESS) {                                                                        \
-      fprintf(stderr, "rank %d: %s -> %s: %s\n", rank, #call, epx_status_string(s_), epx_last_error()); \
-      _exit(10);                                                                                    \
-    }                                                                                               \
-  } while (0)
-
 static int child(int rank, int scenario, int fd_read, int fd_write) {
   const int fused = scenario != SCENARIO_HOST;
   if (scenario == SCENARIO_RELAY) epx_cuda_set_launch_flags(epx_cuda_launch_flags() | EPX_CUDA_FUSED_RELAY);
   epx_nccl_unique_id_t id;
   if (rank == 0) {
-    STEP(epx_nccl_get_unique_id(&id));
+    FATAL_UNLESS_OK(epx_nccl_get_unique_id(&id));
     if (write(fd_write, &id, sizeof id) != (ssize_t)sizeof id) return 11;
   } else if (read(fd_read, &id, sizeof id) != (ssize_t)sizeof id) {
     return 12;
@@ -67,7 +59,7 @@ static int child(int rank, int scenario, int fd_read, int fd_write) {
   epx_comm_config_t cc = EPX_COMM_CONFIG_INIT;
   cc.timeout_seconds = TIMEOUT_S;
   epx_comm_t comm;
-  STEP(epx_comm_create_nccl_id(&id, rank, 2, &cc, &comm));
+  FATAL_UNLESS_OK(epx_comm_create_nccl_id(&id, rank, 2, &cc, &comm));
   epx_buffer_config_t cfg = EPX_BUFFER_CONFIG_INIT;
   cfg.device = EPX_DEVICE_CUDA;
   cfg.dtype = EPX_BFLOAT16;
@@ -80,9 +72,9 @@ static int child(int rank, int scenario, int fd_read, int fd_write) {
     cfg.worst_case_sizing = 1;
   }
   epx_buffer_t buf;
-  STEP(epx_buffer_create(comm, &cfg, &buf));
+  FATAL_UNLESS_OK(epx_buffer_create(comm, &cfg, &buf));
   int32_t paths[2] = {0, 0};
-  STEP(epx_buffer_peer_paths(buf, paths));
+  FATAL_UNLESS_OK(epx_buffer_peer_paths(buf, paths));
   if (rank == 1) _exit(0); /* dies without a word */
   int32_t idx[16 * 2];
   for (int t = 0; t < 16; t++) idx[2 * t] = t % 8, idx[2 * t + 1] = (t + 3) % 8;

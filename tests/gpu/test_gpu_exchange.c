@@ -110,7 +110,7 @@ static epx_buffer_t make_buffer(epx_comm_t comm, const gpu_case_t *c, int32_t ca
     cfg.stream = stream;
   }
   epx_buffer_t b = NULL;
-  TU_OK(epx_buffer_create(comm, &cfg, &b));
+  EXPECT_OK(epx_buffer_create(comm, &cfg, &b));
   return b;
 }
 
@@ -170,9 +170,9 @@ static void run_case(const gpu_case_t *c) {
   /* NONE weighting: sometimes no weights at all (recv_w is then 0). */
   const int pass_w = c->weighting != EPX_WEIGHTS_NONE || (c->seed & 1);
   epx_comm_t comm = NULL;
-  TU_OK(epx_comm_create_self(&comm));
+  EXPECT_OK(epx_comm_create_self(&comm));
   cudaStream_t stream;
-  CU(cudaStreamCreate(&stream));
+  CUDA_OK(cudaStreamCreate(&stream));
   epx_buffer_t cpu = make_buffer(comm, c, r.capacity, EPX_DEVICE_CPU, NULL);
   epx_buffer_t gpu = make_buffer(comm, c, r.capacity, EPX_DEVICE_CUDA, stream);
 
@@ -183,24 +183,24 @@ static void run_case(const gpu_case_t *c) {
   epx_routing_t rc = {T, K, r.idx, pass_w ? r.w : NULL, capacity_layout ? r.loc : NULL, c->weighting};
   epx_routing_t rg = {T, K, d_idx, pass_w ? d_w : NULL, capacity_layout ? d_loc : NULL, c->weighting};
   epx_handle_t hc = NULL, hg = NULL;
-  TU_OK(epx_dispatch_layout(cpu, &rc, NULL, &hc));
-  TU_OK(epx_dispatch_layout(gpu, &rg, NULL, &hg));
+  EXPECT_OK(epx_dispatch_layout(cpu, &rc, NULL, &hc));
+  EXPECT_OK(epx_dispatch_layout(gpu, &rg, NULL, &hg));
 
   /* Row counts: with worst_case_sizing the handle reports the bound and the
    * true N is in device memory. */
   int64_t N = -1, Ng = -1, bound = -1, handle_rows = -1;
-  TU_OK(epx_handle_recv_rows(hc, &N));
-  TU_OK(epx_handle_recv_rows(hg, &Ng));
+  EXPECT_OK(epx_handle_recv_rows(hc, &N));
+  EXPECT_OK(epx_handle_recv_rows(hg, &Ng));
   assert_int_equal(N, Ng);
-  TU_OK(epx_buffer_max_recv_rows(gpu, &bound));
+  EXPECT_OK(epx_buffer_max_recv_rows(gpu, &bound));
   /* The rows the GPU tensors are allocated with: the buffer's bound with
    * worst_case_sizing (the handle's N then lives on the device), else N. */
   handle_rows = c->worst_case ? bound : Ng;
   if (c->worst_case) {
     const int64_t *d_rows = NULL;
-    TU_OK(epx_handle_recv_rows_device(hg, &d_rows));
+    EXPECT_OK(epx_handle_recv_rows_device(hg, &d_rows));
     int64_t rows_on_device = -1;
-    CU(cudaMemcpy(&rows_on_device, d_rows, sizeof rows_on_device, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(&rows_on_device, d_rows, sizeof rows_on_device, cudaMemcpyDeviceToHost));
     assert_int_equal(rows_on_device, N);
   }
   assert_true(N <= bound);
@@ -211,9 +211,9 @@ static void run_case(const gpu_case_t *c) {
   int64_t *d_cnt = dev_alloc(8 * (size_t)E), *d_off = dev_alloc(8 * ((size_t)E + 1));
   dev_poison(d_cnt, 8 * (size_t)E);
   dev_poison(d_off, 8 * ((size_t)E + 1));
-  TU_OK(epx_handle_expert_counts(hc, cnt_c, off_c));
-  TU_OK(epx_handle_expert_counts(hg, d_cnt, d_off));
-  CU(cudaStreamSynchronize(stream));
+  EXPECT_OK(epx_handle_expert_counts(hc, cnt_c, off_c));
+  EXPECT_OK(epx_handle_expert_counts(hg, d_cnt, d_off));
+  CUDA_OK(cudaStreamSynchronize(stream));
   int64_t *cnt_g = host_copy(d_cnt, 8 * (size_t)E), *off_g = host_copy(d_off, 8 * ((size_t)E + 1));
   expect_same_ints("expert counts", c, cnt_g, cnt_c, 8 * (size_t)E);
   expect_same_ints("expert offsets", c, off_g, off_c, 8 * ((size_t)E + 1));
@@ -222,17 +222,17 @@ static void run_case(const gpu_case_t *c) {
   int32_t *src_rank_c = tu_alloc(4 * nr), *src_tok_c = tu_alloc(4 * nr);
   int32_t *rexp_c = tu_alloc(4 * nr * slots);
   float *rw_c = tu_alloc(4 * nr * slots);
-  TU_OK(epx_handle_recv_source(hc, src_rank_c, src_tok_c));
-  TU_OK(epx_handle_recv_routing(hc, rexp_c, rw_c));
+  EXPECT_OK(epx_handle_recv_source(hc, src_rank_c, src_tok_c));
+  EXPECT_OK(epx_handle_recv_routing(hc, rexp_c, rw_c));
   int32_t *d_src_rank = dev_alloc(4 * nr), *d_src_tok = dev_alloc(4 * nr), *d_rexp = dev_alloc(4 * nr * slots);
   float *d_rw = dev_alloc(4 * nr * slots);
   dev_poison(d_src_rank, 4 * nr);
   dev_poison(d_src_tok, 4 * nr);
   dev_poison(d_rexp, 4 * nr * slots);
   dev_poison(d_rw, 4 * nr * slots);
-  TU_OK(epx_handle_recv_source(hg, d_src_rank, d_src_tok));
-  TU_OK(epx_handle_recv_routing(hg, d_rexp, d_rw));
-  CU(cudaStreamSynchronize(stream));
+  EXPECT_OK(epx_handle_recv_source(hg, d_src_rank, d_src_tok));
+  EXPECT_OK(epx_handle_recv_routing(hg, d_rexp, d_rw));
+  CUDA_OK(cudaStreamSynchronize(stream));
   int32_t *src_rank_g = host_copy(d_src_rank, 4 * nr), *src_tok_g = host_copy(d_src_tok, 4 * nr);
   int32_t *rexp_g = host_copy(d_rexp, 4 * nr * slots);
   float *rw_g = host_copy(d_rw, 4 * nr * slots);
@@ -249,9 +249,9 @@ static void run_case(const gpu_case_t *c) {
   void *recv_c = tu_alloc(nbytes), *d_recv = dev_alloc(rbytes);
   tu_poison(recv_c, nbytes);
   dev_poison(d_recv, rbytes);
-  TU_OK(epx_dispatch(cpu, hc, x, recv_c, N));
-  TU_OK(epx_dispatch(gpu, hg, d_x, d_recv, R));
-  CU(cudaStreamSynchronize(stream));
+  EXPECT_OK(epx_dispatch(cpu, hc, x, recv_c, N));
+  EXPECT_OK(epx_dispatch(gpu, hg, d_x, d_recv, R));
+  CUDA_OK(cudaStreamSynchronize(stream));
   void *recv_g = host_copy(d_recv, nbytes);
   expect_same_bits("dispatch recv_x", c, c->dtype, recv_g, recv_c, N * H);
 
@@ -259,15 +259,15 @@ static void run_case(const gpu_case_t *c) {
   void *eo = tu_alloc(nbytes);
   tu_fill(&rng, c->dtype, eo, N * H);
   void *d_eo = dev_alloc(rbytes);
-  if (nbytes) CU(cudaMemcpy(d_eo, eo, nbytes, cudaMemcpyHostToDevice));
+  if (nbytes) CUDA_OK(cudaMemcpy(d_eo, eo, nbytes, cudaMemcpyHostToDevice));
   void *out_c = tu_alloc(tbytes), *d_out = dev_alloc(tbytes), *d_out2 = dev_alloc(tbytes);
   tu_poison(out_c, tbytes);
   dev_poison(d_out, tbytes);
   dev_poison(d_out2, tbytes);
-  TU_OK(epx_combine(cpu, hc, eo, out_c));
-  TU_OK(epx_combine(gpu, hg, d_eo, d_out));
-  TU_OK(epx_combine(gpu, hg, d_eo, d_out2));
-  CU(cudaStreamSynchronize(stream));
+  EXPECT_OK(epx_combine(cpu, hc, eo, out_c));
+  EXPECT_OK(epx_combine(gpu, hg, d_eo, d_out));
+  EXPECT_OK(epx_combine(gpu, hg, d_eo, d_out2));
+  CUDA_OK(cudaStreamSynchronize(stream));
   void *out_g = host_copy(d_out, tbytes), *out_g2 = host_copy(d_out2, tbytes);
   expect_same_bits("combine out", c, c->dtype, out_g, out_c, T * H);
   if (memcmp(out_g, out_g2, tbytes) != 0) fail_msg("combine is not bit-identical run to run");
@@ -283,9 +283,9 @@ static void run_case(const gpu_case_t *c) {
   tu_poison(gw_c, 4 * tk);
   dev_poison(d_geo, rbytes);
   dev_poison(d_gw, 4 * tk);
-  TU_OK(epx_combine_backward(cpu, hc, go, wc ? eo : NULL, geo_c, wc ? gw_c : NULL));
-  TU_OK(epx_combine_backward(gpu, hg, d_go, wc ? d_eo : NULL, d_geo, wc ? d_gw : NULL));
-  CU(cudaStreamSynchronize(stream));
+  EXPECT_OK(epx_combine_backward(cpu, hc, go, wc ? eo : NULL, geo_c, wc ? gw_c : NULL));
+  EXPECT_OK(epx_combine_backward(gpu, hg, d_go, wc ? d_eo : NULL, d_geo, wc ? d_gw : NULL));
+  CUDA_OK(cudaStreamSynchronize(stream));
   void *geo_g = host_copy(d_geo, nbytes);
   expect_same_bits("combine_backward grad_expert_out", c, c->dtype, geo_g, geo_c, N * H);
   if (wc) {
@@ -298,17 +298,17 @@ static void run_case(const gpu_case_t *c) {
   void *grx = tu_alloc(nbytes);
   tu_fill(&rng, c->dtype, grx, N * H);
   void *d_grx = dev_alloc(rbytes);
-  if (nbytes) CU(cudaMemcpy(d_grx, grx, nbytes, cudaMemcpyHostToDevice));
+  if (nbytes) CUDA_OK(cudaMemcpy(d_grx, grx, nbytes, cudaMemcpyHostToDevice));
   void *gx_c = tu_alloc(tbytes), *d_gx = dev_alloc(tbytes), *d_gx2 = dev_alloc(tbytes);
   tu_poison(gx_c, tbytes);
   tu_poison(gw_c, 4 * tk);
   dev_poison(d_gx, tbytes);
   dev_poison(d_gx2, tbytes);
   dev_poison(d_gw, 4 * tk);
-  TU_OK(epx_dispatch_backward(cpu, hc, grx, gx_c, wd ? x : NULL, wd ? gw_c : NULL));
-  TU_OK(epx_dispatch_backward(gpu, hg, d_grx, d_gx, wd ? d_x : NULL, wd ? d_gw : NULL));
-  TU_OK(epx_dispatch_backward(gpu, hg, d_grx, d_gx2, NULL, NULL));
-  CU(cudaStreamSynchronize(stream));
+  EXPECT_OK(epx_dispatch_backward(cpu, hc, grx, gx_c, wd ? x : NULL, wd ? gw_c : NULL));
+  EXPECT_OK(epx_dispatch_backward(gpu, hg, d_grx, d_gx, wd ? d_x : NULL, wd ? d_gw : NULL));
+  EXPECT_OK(epx_dispatch_backward(gpu, hg, d_grx, d_gx2, NULL, NULL));
+  CUDA_OK(cudaStreamSynchronize(stream));
   void *gx_g = host_copy(d_gx, tbytes), *gx_g2 = host_copy(d_gx2, tbytes);
   expect_same_bits("dispatch_backward grad_x", c, c->dtype, gx_g, gx_c, T * H);
   if (memcmp(gx_g, gx_g2, tbytes) != 0) fail_msg("dispatch_backward is not bit-identical run to run");
@@ -318,16 +318,16 @@ static void run_case(const gpu_case_t *c) {
     tu_free(gw_g);
   }
 
-  TU_OK(epx_handle_release(hc));
-  TU_OK(epx_handle_release(hg));
-  TU_OK(epx_buffer_destroy(cpu));
-  TU_OK(epx_buffer_destroy(gpu));
-  TU_OK(epx_comm_destroy(comm));
-  CU(cudaStreamSynchronize(stream));
-  CU(cudaStreamDestroy(stream));
+  EXPECT_OK(epx_handle_release(hc));
+  EXPECT_OK(epx_handle_release(hg));
+  EXPECT_OK(epx_buffer_destroy(cpu));
+  EXPECT_OK(epx_buffer_destroy(gpu));
+  EXPECT_OK(epx_comm_destroy(comm));
+  CUDA_OK(cudaStreamSynchronize(stream));
+  CUDA_OK(cudaStreamDestroy(stream));
   void *dev[] = {d_idx, d_loc, d_w, d_cnt, d_off, d_src_rank, d_src_tok, d_rexp, d_rw, d_x, d_recv,
                  d_eo, d_out, d_out2, d_go, d_geo, d_gw, d_grx, d_gx, d_gx2};
-  for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++) CU(cudaFree(dev[i]));
+  for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++) CUDA_OK(cudaFree(dev[i]));
   void *host[] = {cnt_c, off_c, cnt_g, off_g, src_rank_c, src_tok_c, rexp_c, rw_c, src_rank_g, src_tok_g,
                   rexp_g, rw_g, x, recv_c, recv_g, eo, out_c, out_g, out_g2, go, geo_c, gw_c, geo_g,
                   grx, gx_c, gx_g, gx_g2};
@@ -425,28 +425,28 @@ static void test_empty_batch(void **state) {
 
   /* Capacity, T = 0: E*C rows, all written with zeros. */
   epx_comm_t comm = NULL;
-  TU_OK(epx_comm_create_self(&comm));
+  EXPECT_OK(epx_comm_create_self(&comm));
   gpu_case_t c = {EPX_BFLOAT16, EPX_LAYOUT_CAPACITY, EPX_WEIGHTS_IN_COMBINE, 8, 2, 1, 0, 64, 0, 33};
   epx_buffer_t gpu = make_buffer(comm, &c, 5, EPX_DEVICE_CUDA, NULL);
   epx_routing_t rg = {0, 2, NULL, NULL, NULL, EPX_WEIGHTS_IN_COMBINE};
   epx_handle_t hg = NULL;
-  TU_OK(epx_dispatch_layout(gpu, &rg, NULL, &hg));
+  EXPECT_OK(epx_dispatch_layout(gpu, &rg, NULL, &hg));
   int64_t N = -1;
-  TU_OK(epx_handle_recv_rows(hg, &N));
+  EXPECT_OK(epx_handle_recv_rows(hg, &N));
   assert_int_equal(N, 40);
   size_t bytes = (size_t)N * 64 * 2;
   void *d_recv = dev_alloc(bytes);
   dev_poison(d_recv, bytes);
-  TU_OK(epx_dispatch(gpu, hg, NULL, d_recv, N));
-  CU(cudaDeviceSynchronize());
+  EXPECT_OK(epx_dispatch(gpu, hg, NULL, d_recv, N));
+  CUDA_OK(cudaDeviceSynchronize());
   unsigned char *h = host_copy(d_recv, bytes);
   for (size_t i = 0; i < bytes; i++)
     if (h[i]) fail_msg("capacity slot byte %zu is %u, not zero", i, h[i]);
   tu_free(h);
-  CU(cudaFree(d_recv));
-  TU_OK(epx_handle_release(hg));
-  TU_OK(epx_buffer_destroy(gpu));
-  TU_OK(epx_comm_destroy(comm));
+  CUDA_OK(cudaFree(d_recv));
+  EXPECT_OK(epx_handle_release(hg));
+  EXPECT_OK(epx_buffer_destroy(gpu));
+  EXPECT_OK(epx_comm_destroy(comm));
 }
 
 /* Dispatch and combine captured in a CUDA graph and replayed on new inputs
@@ -461,9 +461,9 @@ static void test_graph_capture(void **state) {
     tu_rng_t rng = {c.seed};
     routing_t r = make_routing(&rng, &c);
     epx_comm_t comm = NULL;
-    TU_OK(epx_comm_create_self(&comm));
+    EXPECT_OK(epx_comm_create_self(&comm));
     cudaStream_t stream;
-    CU(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     epx_buffer_t cpu = make_buffer(comm, &c, 0, EPX_DEVICE_CPU, NULL);
     epx_buffer_t gpu = make_buffer(comm, &c, 0, EPX_DEVICE_CUDA, stream);
     const size_t tk = (size_t)(c.T * c.K);
@@ -472,55 +472,55 @@ static void test_graph_capture(void **state) {
     epx_routing_t rc = {c.T, c.K, r.idx, r.w, NULL, c.weighting};
     epx_routing_t rg = {c.T, c.K, d_idx, d_w, NULL, c.weighting};
     epx_handle_t hc = NULL, hg = NULL;
-    TU_OK(epx_dispatch_layout(cpu, &rc, NULL, &hc));
-    TU_OK(epx_dispatch_layout(gpu, &rg, NULL, &hg));
+    EXPECT_OK(epx_dispatch_layout(cpu, &rc, NULL, &hc));
+    EXPECT_OK(epx_dispatch_layout(gpu, &rg, NULL, &hg));
     int64_t N = 0;
-    TU_OK(epx_handle_recv_rows(hc, &N));
+    EXPECT_OK(epx_handle_recv_rows(hc, &N));
     int64_t R = N; /* the GPU handle's rows: the buffer's bound with worst_case_sizing */
-    if (worst) TU_OK(epx_buffer_max_recv_rows(gpu, &R));
+    if (worst) EXPECT_OK(epx_buffer_max_recv_rows(gpu, &R));
     const size_t row_bytes = (size_t)c.H * 2, tbytes = (size_t)c.T * row_bytes;
     const size_t nbytes = (size_t)N * row_bytes, rbytes = (size_t)R * row_bytes;
     void *d_x = dev_alloc(tbytes), *d_recv = dev_alloc(rbytes), *d_eo = dev_alloc(rbytes), *d_out = dev_alloc(tbytes);
 
     cudaGraph_t graph;
     cudaGraphExec_t exec;
-    CU(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    TU_OK(epx_dispatch(gpu, hg, d_x, d_recv, R));
-    TU_OK(epx_combine(gpu, hg, d_eo, d_out));
-    CU(cudaStreamEndCapture(stream, &graph));
-    CU(cudaGraphInstantiate(&exec, graph, 0));
+    CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    EXPECT_OK(epx_dispatch(gpu, hg, d_x, d_recv, R));
+    EXPECT_OK(epx_combine(gpu, hg, d_eo, d_out));
+    CUDA_OK(cudaStreamEndCapture(stream, &graph));
+    CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
 
     void *x = tu_alloc(tbytes), *eo = tu_alloc(nbytes), *recv_c = tu_alloc(nbytes), *out_c = tu_alloc(tbytes);
     for (int rep = 0; rep < 3; rep++) {
       tu_fill(&rng, c.dtype, x, c.T * c.H);
       tu_fill(&rng, c.dtype, eo, N * c.H);
-      CU(cudaMemcpy(d_x, x, tbytes, cudaMemcpyHostToDevice));
-      CU(cudaMemcpy(d_eo, eo, nbytes, cudaMemcpyHostToDevice));
+      CUDA_OK(cudaMemcpy(d_x, x, tbytes, cudaMemcpyHostToDevice));
+      CUDA_OK(cudaMemcpy(d_eo, eo, nbytes, cudaMemcpyHostToDevice));
       dev_poison(d_recv, rbytes);
       dev_poison(d_out, tbytes);
-      CU(cudaGraphLaunch(exec, stream));
-      CU(cudaStreamSynchronize(stream));
+      CUDA_OK(cudaGraphLaunch(exec, stream));
+      CUDA_OK(cudaStreamSynchronize(stream));
       tu_poison(recv_c, nbytes);
       tu_poison(out_c, tbytes);
-      TU_OK(epx_dispatch(cpu, hc, x, recv_c, N));
-      TU_OK(epx_combine(cpu, hc, eo, out_c));
+      EXPECT_OK(epx_dispatch(cpu, hc, x, recv_c, N));
+      EXPECT_OK(epx_combine(cpu, hc, eo, out_c));
       void *recv_g = host_copy(d_recv, nbytes), *out_g = host_copy(d_out, tbytes);
       expect_same_bits("graph dispatch recv_x", &c, c.dtype, recv_g, recv_c, N * c.H);
       expect_same_bits("graph combine out", &c, c.dtype, out_g, out_c, c.T * c.H);
       tu_free(recv_g);
       tu_free(out_g);
     }
-    CU(cudaGraphExecDestroy(exec));
-    CU(cudaGraphDestroy(graph));
-    TU_OK(epx_handle_release(hc));
-    TU_OK(epx_handle_release(hg));
-    TU_OK(epx_buffer_destroy(cpu));
-    TU_OK(epx_buffer_destroy(gpu));
-    TU_OK(epx_comm_destroy(comm));
-    CU(cudaStreamSynchronize(stream));
-    CU(cudaStreamDestroy(stream));
+    CUDA_OK(cudaGraphExecDestroy(exec));
+    CUDA_OK(cudaGraphDestroy(graph));
+    EXPECT_OK(epx_handle_release(hc));
+    EXPECT_OK(epx_handle_release(hg));
+    EXPECT_OK(epx_buffer_destroy(cpu));
+    EXPECT_OK(epx_buffer_destroy(gpu));
+    EXPECT_OK(epx_comm_destroy(comm));
+    CUDA_OK(cudaStreamSynchronize(stream));
+    CUDA_OK(cudaStreamDestroy(stream));
     void *dev[] = {d_idx, d_w, d_x, d_recv, d_eo, d_out};
-    for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++) CU(cudaFree(dev[i]));
+    for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++) CUDA_OK(cudaFree(dev[i]));
     tu_free(x);
     tu_free(eo);
     tu_free(recv_c);
@@ -574,7 +574,7 @@ static void check_bad_routing(bad_kind_t kind) {
            (long long)(bad / K));
 
   epx_comm_t comm = NULL;
-  TU_OK(epx_comm_create_self(&comm));
+  EXPECT_OK(epx_comm_create_self(&comm));
   const size_t tk = (size_t)(c.T * K);
   int32_t *d_idx = dev_copy(r.idx, 4 * tk), *d_loc = dev_copy(r.loc, 4 * tk);
   float *d_w = dev_copy(r.w, 4 * tk);
@@ -585,22 +585,22 @@ static void check_bad_routing(bad_kind_t kind) {
   epx_buffer_t cpu = make_buffer(comm, &c, r.capacity, EPX_DEVICE_CPU, NULL);
   epx_buffer_t gpu = make_buffer(comm, &c, r.capacity, EPX_DEVICE_CUDA, NULL);
   epx_handle_t sentinel = (epx_handle_t)(uintptr_t)0x5a5a5a50u, hc = sentinel, hg = sentinel;
-  TU_ASSERT_STATUS(epx_dispatch_layout(cpu, &rc, NULL, &hc), EPX_ERROR_INVALID_ARGUMENT, wanted);
+  EXPECT_STATUS(epx_dispatch_layout(cpu, &rc, NULL, &hc), EPX_ERROR_INVALID_ARGUMENT, wanted);
   char cpu_message[512];
   snprintf(cpu_message, sizeof cpu_message, "%s", epx_last_error());
-  TU_ASSERT_STATUS(epx_dispatch_layout(gpu, &rg, NULL, &hg), EPX_ERROR_INVALID_ARGUMENT, wanted);
+  EXPECT_STATUS(epx_dispatch_layout(gpu, &rg, NULL, &hg), EPX_ERROR_INVALID_ARGUMENT, wanted);
   assert_string_equal(epx_last_error(), cpu_message);
   assert_ptr_equal(hc, sentinel);
   assert_ptr_equal(hg, sentinel);
-  TU_OK(epx_buffer_destroy(gpu));
+  EXPECT_OK(epx_buffer_destroy(gpu));
 
   /* worst_case_sizing: accepted, the route dropped, reported later. */
   c.worst_case = 1;
   gpu = make_buffer(comm, &c, r.capacity, EPX_DEVICE_CUDA, NULL);
   hg = NULL;
-  TU_OK(epx_dispatch_layout(gpu, &rg, NULL, &hg));
+  EXPECT_OK(epx_dispatch_layout(gpu, &rg, NULL, &hg));
   int64_t rows = -12345;
-  TU_ASSERT_STATUS(epx_handle_recv_rows(hg, &rows), EPX_ERROR_INVALID_ARGUMENT, "worst_case_sizing");
+  EXPECT_STATUS(epx_handle_recv_rows(hg, &rows), EPX_ERROR_INVALID_ARGUMENT, "worst_case_sizing");
   assert_int_equal(rows, -12345);
   assert_non_null(strstr(epx_last_error(), wanted));
 
@@ -610,34 +610,34 @@ static void check_bad_routing(bad_kind_t kind) {
   if (kind == TWO_ERRORS) clean[10 * K + 1] = -1;
   epx_routing_t rclean = {c.T, K, clean, r.w, capacity_layout ? r.loc : NULL, c.weighting};
   hc = NULL;
-  TU_OK(epx_dispatch_layout(cpu, &rclean, NULL, &hc));
+  EXPECT_OK(epx_dispatch_layout(cpu, &rclean, NULL, &hc));
   int64_t N = 0, Ng = -1;
-  TU_OK(epx_handle_recv_rows(hc, &N));
+  EXPECT_OK(epx_handle_recv_rows(hc, &N));
   const int64_t *d_rows = NULL;
-  TU_OK(epx_handle_recv_rows_device(hg, &d_rows));
-  CU(cudaMemcpy(&Ng, d_rows, sizeof Ng, cudaMemcpyDeviceToHost));
+  EXPECT_OK(epx_handle_recv_rows_device(hg, &d_rows));
+  CUDA_OK(cudaMemcpy(&Ng, d_rows, sizeof Ng, cudaMemcpyDeviceToHost));
   assert_int_equal(Ng, N);
   const size_t row_bytes = (size_t)c.H * 4, tbytes = (size_t)c.T * row_bytes, nbytes = (size_t)N * row_bytes;
   int64_t R = 0; /* worst_case_sizing: the GPU handle's rows are the buffer's bound */
-  TU_OK(epx_buffer_max_recv_rows(gpu, &R));
+  EXPECT_OK(epx_buffer_max_recv_rows(gpu, &R));
   void *x = tu_alloc(tbytes), *recv_c = tu_alloc(nbytes);
   tu_fill(&rng, c.dtype, x, c.T * c.H);
   tu_poison(recv_c, nbytes);
   void *d_x = dev_copy(x, tbytes), *d_recv = dev_alloc((size_t)R * row_bytes);
   dev_poison(d_recv, (size_t)R * row_bytes);
-  TU_OK(epx_dispatch(cpu, hc, x, recv_c, N));
-  TU_OK(epx_dispatch(gpu, hg, d_x, d_recv, R));
-  CU(cudaDeviceSynchronize());
+  EXPECT_OK(epx_dispatch(cpu, hc, x, recv_c, N));
+  EXPECT_OK(epx_dispatch(gpu, hg, d_x, d_recv, R));
+  CUDA_OK(cudaDeviceSynchronize());
   void *recv_g = host_copy(d_recv, nbytes);
   expect_same_bits("dispatch of a dropped bad route", &c, c.dtype, recv_g, recv_c, N * c.H);
 
-  TU_OK(epx_handle_release(hc));
-  TU_OK(epx_handle_release(hg));
-  TU_OK(epx_buffer_destroy(cpu));
-  TU_OK(epx_buffer_destroy(gpu));
-  TU_OK(epx_comm_destroy(comm));
+  EXPECT_OK(epx_handle_release(hc));
+  EXPECT_OK(epx_handle_release(hg));
+  EXPECT_OK(epx_buffer_destroy(cpu));
+  EXPECT_OK(epx_buffer_destroy(gpu));
+  EXPECT_OK(epx_comm_destroy(comm));
   void *dev[] = {d_idx, d_loc, d_w, d_x, d_recv};
-  for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++) CU(cudaFree(dev[i]));
+  for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++) CUDA_OK(cudaFree(dev[i]));
   tu_free(clean);
   tu_free(x);
   tu_free(recv_c);

@@ -221,7 +221,7 @@ static void out_free(route_out_t *o, int device) {
   void *p[6] = {o->idx, o->loc, o->w, o->counts, o->aux, o->z};
   for (int i = 0; i < 6; i++) {
     if (device)
-      CU(cudaFree(p[i]));
+      CUDA_OK(cudaFree(p[i]));
     else
       tu_free(p[i]);
   }
@@ -286,8 +286,8 @@ static void reference_route(const epx_route_config_t *cfg, int64_t T, const floa
                             const float *bias, route_out_t *r) {
   const size_t routes = (size_t)T * (size_t)cfg->top_k;
   double *w = tu_alloc(8 * (routes ? routes : 1)), aux = 0, z = 0;
-  TU_OK(epx_reference_route(cfg, T, logits, bias, r->idx, w, r->loc, r->counts, &aux, &z,
-                            &r->capacity));
+  EXPECT_OK(epx_reference_route(cfg, T, logits, bias, r->idx, w, r->loc, r->counts, &aux, &z,
+                                &r->capacity));
   for (size_t i = 0; i < routes; i++) r->w[i] = (float)w[i];
   *r->aux = (float)aux;
   *r->z = (float)z;
@@ -326,7 +326,7 @@ static void run_case_with(const route_case_t *c, route_options_fn options, uint6
   if (options) options(&cpu_cfg, T);
   route_out_t ref = host_out(T, E, K), cpu = host_out(T, E, K);
   epx_route_output_t ref_out = as_output(c, &cpu);
-  TU_OK(epx_route(&cpu_cfg, T, logits, bias, &ref_out));
+  EXPECT_OK(epx_route(&cpu_cfg, T, logits, bias, &ref_out));
   reference_route(&cpu_cfg, T, logits, bias, &ref);
   ref_out.capacity = ref.capacity;
 
@@ -344,8 +344,8 @@ static void run_case_with(const route_case_t *c, route_options_fn options, uint6
     got[run] = host_out(T, E, K);
     dev_out_poison(&dev, T, E, K);
     epx_route_output_t out = as_output(c, &dev);
-    TU_OK(epx_route(&gpu_cfg, T, d_logits, d_bias, &out));
-    CU(cudaStreamSynchronize(stream));
+    EXPECT_OK(epx_route(&gpu_cfg, T, d_logits, d_bias, &out));
+    CUDA_OK(cudaStreamSynchronize(stream));
     dev.capacity = out.capacity;
     dev.nonfinite = out.nonfinite_tokens;
     dev_out_fetch(&dev, &got[run], T, E, K);
@@ -379,8 +379,8 @@ static void run_case_with(const route_case_t *c, route_options_fn options, uint6
     for (size_t i = 0; i < routes; i++) gw[i] = tu_normal(&rng);
   float *ref_grad = tu_alloc(4 * (cells ? cells : 1));
   double *ref_grad64 = tu_alloc(8 * (cells ? cells : 1));
-  TU_OK(epx_reference_route_backward(&cpu_cfg, T, logits, bias, ref.idx, gw, c->ga, c->gz,
-                                     ref_grad64));
+  EXPECT_OK(epx_reference_route_backward(&cpu_cfg, T, logits, bias, ref.idx, gw, c->ga, c->gz,
+                                         ref_grad64));
   for (size_t i = 0; i < cells; i++) ref_grad[i] = (float)ref_grad64[i];
   tu_free(ref_grad64);
   float *d_gw = gw ? dev_copy(gw, 4 * routes) : NULL;
@@ -389,8 +389,8 @@ static void run_case_with(const route_case_t *c, route_options_fn options, uint6
   for (int run = 0; run < 2; run++) {
     grad[run] = tu_alloc(4 * (cells ? cells : 1));
     dev_poison(d_grad, 4 * cells);
-    TU_OK(epx_route_backward(&gpu_cfg, T, d_logits, d_bias, dev.idx, d_gw, c->ga, c->gz, d_grad));
-    CU(cudaStreamSynchronize(stream));
+    EXPECT_OK(epx_route_backward(&gpu_cfg, T, d_logits, d_bias, dev.idx, d_gw, c->ga, c->gz, d_grad));
+    CUDA_OK(cudaStreamSynchronize(stream));
     to_host(grad[run], d_grad, 4 * cells);
   }
   const double gmax = max_abs(ref_grad, (int64_t)cells);
@@ -409,12 +409,12 @@ static void run_case_with(const route_case_t *c, route_options_fn options, uint6
   out_free(&ref, 0);
   out_free(&cpu, 0);
   out_free(&dev, 1);
-  if (d_mask) CU(cudaFree(d_mask));
-  if (d_counts) CU(cudaFree(d_counts));
-  CU(cudaFree(d_logits));
-  CU(cudaFree(d_grad));
-  if (d_bias) CU(cudaFree(d_bias));
-  if (d_gw) CU(cudaFree(d_gw));
+  if (d_mask) CUDA_OK(cudaFree(d_mask));
+  if (d_counts) CUDA_OK(cudaFree(d_counts));
+  CUDA_OK(cudaFree(d_logits));
+  CUDA_OK(cudaFree(d_grad));
+  if (d_bias) CUDA_OK(cudaFree(d_bias));
+  if (d_gw) CUDA_OK(cudaFree(d_gw));
   tu_free(logits);
   tu_free(bias);
   tu_free(gw);
@@ -492,12 +492,12 @@ static const route_case_t CASES[] = {
 static void test_cases(void **state) {
   (void)state;
   cudaStream_t stream;
-  CU(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   const size_t n = sizeof CASES / sizeof CASES[0];
   for (size_t i = 0; i < n; i++)
     if (!quick() || CASES[i].T * CASES[i].E <= (int64_t)1 << 20)
       run_case_with(&CASES[i], NULL, 0x5eed0000u + i, i % 2 ? stream : NULL);
-  CU(cudaStreamDestroy(stream));
+  CUDA_OK(cudaStreamDestroy(stream));
 }
 
 /* ------------------------------------------------------------------------ */
@@ -596,12 +596,12 @@ static const option_case_t OPTION_CASES[] = {
 static void test_option_cases(void **state) {
   (void)state;
   cudaStream_t stream;
-  CU(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   const size_t n = sizeof OPTION_CASES / sizeof OPTION_CASES[0];
   for (size_t i = 0; i < n; i++)
     run_case_with(&OPTION_CASES[i].c, OPTION_CASES[i].options, 0x0971000u + i,
                   i % 2 ? stream : NULL);
-  CU(cudaStreamDestroy(stream));
+  CUDA_OK(cudaStreamDestroy(stream));
 }
 
 /* ------------------------------------------------------------------------ */
@@ -662,12 +662,12 @@ static const option_case_t FAST_CASES[] = {
 static void test_fast_cases(void **state) {
   (void)state;
   cudaStream_t stream;
-  CU(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   const size_t n = sizeof FAST_CASES / sizeof FAST_CASES[0];
   for (size_t i = 0; i < n; i++)
     if (!quick() || FAST_CASES[i].c.T * FAST_CASES[i].c.E <= (int64_t)1 << 20)
       run_case_with(&FAST_CASES[i].c, FAST_CASES[i].options, 0xfa57000u + i, i % 2 ? stream : NULL);
-  CU(cudaStreamDestroy(stream));
+  CUDA_OK(cudaStreamDestroy(stream));
 }
 
 /* The one-kernel cases again with the kernel launched plainly rather than
@@ -703,8 +703,8 @@ static void test_nonfinite_error(void **state) {
     route_out_t dev = dev_out(T, E, K);
     dev_out_poison(&dev, T, E, K);
     epx_route_output_t out = as_output(&c, &dev);
-    TU_ASSERT_STATUS(epx_route(&cfg, T, d_logits, NULL, &out), EPX_ERROR_INVALID_ARGUMENT, "token 7 ");
-    CU(cudaDeviceSynchronize());
+    EXPECT_STATUS(epx_route(&cfg, T, d_logits, NULL, &out), EPX_ERROR_INVALID_ARGUMENT, "token 7 ");
+    CUDA_OK(cudaDeviceSynchronize());
     if (out.capacity != -7 || out.nonfinite_tokens != -7)
       fail_msg("mode %d: a refused epx_route changed output->capacity or nonfinite_tokens", mode);
     const size_t routes = (size_t)(T * K);
@@ -720,16 +720,16 @@ static void test_nonfinite_error(void **state) {
     float *d_grad = dev_alloc(4 * (size_t)(T * E));
     for (int losses = 0; losses < 2; losses++) {
       dev_poison(d_grad, 4 * (size_t)(T * E));
-      TU_ASSERT_STATUS(epx_route_backward(&cfg, T, d_logits, NULL, d_idx, NULL, losses ? 1.0f : 0.0f,
-                                    losses ? 1.0f : 0.0f, d_grad),
-                 EPX_ERROR_INVALID_ARGUMENT, "token 7 ");
+      EXPECT_STATUS(epx_route_backward(&cfg, T, d_logits, NULL, d_idx, NULL, losses ? 1.0f : 0.0f,
+                                 losses ? 1.0f : 0.0f, d_grad),
+              EPX_ERROR_INVALID_ARGUMENT, "token 7 ");
       if (!dev_poisoned(d_grad, 4 * (size_t)(T * E)))
         fail_msg("mode %d: a refused epx_route_backward wrote grad_logits", mode);
     }
     out_free(&dev, 1);
-    CU(cudaFree(d_logits));
-    CU(cudaFree(d_idx));
-    CU(cudaFree(d_grad));
+    CUDA_OK(cudaFree(d_logits));
+    CUDA_OK(cudaFree(d_idx));
+    CUDA_OK(cudaFree(d_grad));
     tu_free(logits);
     tu_free(idx);
   }
@@ -746,8 +746,8 @@ static void test_empty(void **state) {
   route_out_t dev = dev_out(1, E, K);
   dev_out_poison(&dev, 1, E, K);
   epx_route_output_t out = as_output(&c, &dev);
-  TU_OK(epx_route(&cfg, 0, NULL, NULL, &out));
-  CU(cudaDeviceSynchronize());
+  EXPECT_OK(epx_route(&cfg, 0, NULL, NULL, &out));
+  CUDA_OK(cudaDeviceSynchronize());
   if (out.capacity != 3 || out.nonfinite_tokens != -1)
     fail_msg("empty batch: capacity %d (expected 3), nonfinite_tokens %lld (expected -1)",
              out.capacity, (long long)out.nonfinite_tokens);
@@ -764,10 +764,10 @@ static void test_empty(void **state) {
     fail_msg("empty batch: routes were written");
   c.capacity = 0;
   cfg = case_config(&c, EPX_DEVICE_CUDA, NULL);
-  TU_OK(epx_route(&cfg, 0, NULL, NULL, &out));
+  EXPECT_OK(epx_route(&cfg, 0, NULL, NULL, &out));
   if (out.capacity != 0) fail_msg("empty dropless batch: capacity %d", out.capacity);
-  TU_OK(epx_route_backward(&cfg, 0, NULL, NULL, dev.idx, NULL, 1.0f, 1.0f, dev.w));
-  CU(cudaDeviceSynchronize());
+  EXPECT_OK(epx_route_backward(&cfg, 0, NULL, NULL, dev.idx, NULL, 1.0f, 1.0f, dev.w));
+  CUDA_OK(cudaDeviceSynchronize());
   out_free(&dev, 1);
 }
 
@@ -788,20 +788,20 @@ static void test_backward_in_place(void **state) {
   epx_route_config_t cpu_cfg = case_config(&c, EPX_DEVICE_CPU, NULL);
   route_out_t h = host_out(T, E, K);
   epx_route_output_t out = as_output(&c, &h);
-  TU_OK(epx_route(&cpu_cfg, T, logits, NULL, &out));
-  TU_OK(epx_route_backward(&cpu_cfg, T, logits, NULL, h.idx, gw, 0.5f, 0.5f, ref));
+  EXPECT_OK(epx_route(&cpu_cfg, T, logits, NULL, &out));
+  EXPECT_OK(epx_route_backward(&cpu_cfg, T, logits, NULL, h.idx, gw, 0.5f, 0.5f, ref));
   epx_route_config_t cfg = case_config(&c, EPX_DEVICE_CUDA, NULL);
   float *d_logits = dev_copy(logits, 4 * cells), *d_gw = dev_copy(gw, 4 * routes);
   int32_t *d_idx = dev_copy(h.idx, 4 * routes);
-  TU_OK(epx_route_backward(&cfg, T, d_logits, NULL, d_idx, d_gw, 0.5f, 0.5f, d_logits));
+  EXPECT_OK(epx_route_backward(&cfg, T, d_logits, NULL, d_idx, d_gw, 0.5f, 0.5f, d_logits));
   to_host(got, d_logits, 4 * cells);
   expect_close("in place", "grad_logits", got, ref, (int64_t)cells,
                G_ATOL * grad_scale(max_abs(ref, (int64_t)cells), gw, routes, c.scale) + 1e-30,
                G_RTOL);
   out_free(&h, 0);
-  CU(cudaFree(d_logits));
-  CU(cudaFree(d_gw));
-  CU(cudaFree(d_idx));
+  CUDA_OK(cudaFree(d_logits));
+  CUDA_OK(cudaFree(d_gw));
+  CUDA_OK(cudaFree(d_idx));
   tu_free(logits);
   tu_free(gw);
   tu_free(ref);
@@ -826,9 +826,9 @@ static void test_time(void **state) {
   route_out_t dev = dev_out(T, E, K);
   cudaStream_t stream;
   cudaEvent_t start, stop;
-  CU(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  CU(cudaEventCreate(&start));
-  CU(cudaEventCreate(&stop));
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  CUDA_OK(cudaEventCreate(&start));
+  CUDA_OK(cudaEventCreate(&stop));
   for (int variant = 0; variant < 3; variant++) {
     c.nonfinite = variant == 1 ? EPX_NONFINITE_ERROR : EPX_NONFINITE_DROP;
     c.capacity = variant == 2;
@@ -836,24 +836,24 @@ static void test_time(void **state) {
     epx_route_config_t cfg = case_config(&c, EPX_DEVICE_CUDA, stream);
     epx_route_output_t out = as_output(&c, &dev);
     const int reps = 200;
-    for (int i = 0; i < 10; i++) TU_OK(epx_route(&cfg, T, d_logits, d_bias, &out));
-    CU(cudaEventRecord(start, stream));
-    for (int i = 0; i < reps; i++) TU_OK(epx_route(&cfg, T, d_logits, d_bias, &out));
-    CU(cudaEventRecord(stop, stream));
-    CU(cudaEventSynchronize(stop));
+    for (int i = 0; i < 10; i++) EXPECT_OK(epx_route(&cfg, T, d_logits, d_bias, &out));
+    CUDA_OK(cudaEventRecord(start, stream));
+    for (int i = 0; i < reps; i++) EXPECT_OK(epx_route(&cfg, T, d_logits, d_bias, &out));
+    CUDA_OK(cudaEventRecord(stop, stream));
+    CUDA_OK(cudaEventSynchronize(stop));
     float ms = 0.0f;
-    CU(cudaEventElapsedTime(&ms, start, stop));
+    CUDA_OK(cudaEventElapsedTime(&ms, start, stop));
     const char *what[3] = {"dropless, nonfinite DROP", "dropless, nonfinite ERROR (host sync)",
                            "capacity 1.25 by position, DROP"};
     print_message("route 8192 x 256 top-8 (sigmoid, groups 8/4, bias, losses), %s: %.1f us/call\n",
                   what[variant], 1000.0 * ms / reps);
   }
-  CU(cudaEventDestroy(start));
-  CU(cudaEventDestroy(stop));
-  CU(cudaStreamDestroy(stream));
+  CUDA_OK(cudaEventDestroy(start));
+  CUDA_OK(cudaEventDestroy(stop));
+  CUDA_OK(cudaStreamDestroy(stream));
   out_free(&dev, 1);
-  CU(cudaFree(d_logits));
-  CU(cudaFree(d_bias));
+  CUDA_OK(cudaFree(d_logits));
+  CUDA_OK(cudaFree(d_bias));
   tu_free(logits);
   tu_free(bias);
 }

@@ -50,26 +50,26 @@ static epx_buffer_t make_buffer(epx_comm_t comm, epx_device_t device, void *stre
   c.max_top_k = K;
   c.stream = stream;
   epx_buffer_t b = NULL;
-  TU_OK(epx_buffer_create(comm, &c, &b));
+  EXPECT_OK(epx_buffer_create(comm, &c, &b));
   return b;
 }
 
 /* The CPU backend's out = combine(dispatch(x)), expert_out = recv_x. */
 static void cpu_round_trip(const epx_routing_t *r, const float *x, float *out) {
   epx_comm_t comm = NULL;
-  TU_OK(epx_comm_create_self(&comm));
+  EXPECT_OK(epx_comm_create_self(&comm));
   epx_buffer_t b = make_buffer(comm, EPX_DEVICE_CPU, NULL);
   epx_handle_t h = NULL;
-  TU_OK(epx_dispatch_layout(b, r, NULL, &h));
+  EXPECT_OK(epx_dispatch_layout(b, r, NULL, &h));
   int64_t N = 0;
-  TU_OK(epx_handle_recv_rows(h, &N));
+  EXPECT_OK(epx_handle_recv_rows(h, &N));
   float *recv = tu_alloc(sizeof(float) * (size_t)(N * H + 1));
-  TU_OK(epx_dispatch(b, h, x, recv, N));
-  TU_OK(epx_combine(b, h, recv, out));
+  EXPECT_OK(epx_dispatch(b, h, x, recv, N));
+  EXPECT_OK(epx_combine(b, h, recv, out));
   tu_free(recv);
-  TU_OK(epx_handle_release(h));
-  TU_OK(epx_buffer_destroy(b));
-  TU_OK(epx_comm_destroy(comm));
+  EXPECT_OK(epx_handle_release(h));
+  EXPECT_OK(epx_buffer_destroy(b));
+  EXPECT_OK(epx_comm_destroy(comm));
 }
 
 static void test_set_stream_orders_after_old_stream(void **state) {
@@ -85,59 +85,59 @@ static void test_set_stream_orders_after_old_stream(void **state) {
   cpu_round_trip(&host_routing, x, want);
 
   cudaStream_t a, b;
-  CU(cudaStreamCreateWithFlags(&a, cudaStreamNonBlocking));
-  CU(cudaStreamCreateWithFlags(&b, cudaStreamNonBlocking));
+  CUDA_OK(cudaStreamCreateWithFlags(&a, cudaStreamNonBlocking));
+  CUDA_OK(cudaStreamCreateWithFlags(&b, cudaStreamNonBlocking));
   epx_comm_t comm = NULL;
-  TU_OK(epx_comm_create_self(&comm));
+  EXPECT_OK(epx_comm_create_self(&comm));
   epx_buffer_t buf = make_buffer(comm, EPX_DEVICE_CUDA, a);
   int32_t *d_idx = dev_copy(idx, sizeof idx);
   float *d_w = dev_copy(w, sizeof w), *d_x = dev_copy(x, sizeof(float) * T * H);
   epx_routing_t r = {T, K, d_idx, d_w, NULL, EPX_WEIGHTS_IN_COMBINE};
   epx_handle_t h = NULL;
-  TU_OK(epx_dispatch_layout(buf, &r, NULL, &h)); /* synchronises A: N is on the host */
+  EXPECT_OK(epx_dispatch_layout(buf, &r, NULL, &h)); /* synchronises A: N is on the host */
   int64_t N = 0;
-  TU_OK(epx_handle_recv_rows(h, &N));
+  EXPECT_OK(epx_handle_recv_rows(h, &N));
   float *d_recv = dev_alloc(sizeof(float) * (size_t)(N * H));
   float *d_out = dev_alloc(sizeof(float) * T * H);
   dev_poison(d_recv, sizeof(float) * (size_t)(N * H));
   dev_poison(d_out, sizeof(float) * T * H);
-  CU(cudaDeviceSynchronize());
+  CUDA_OK(cudaDeviceSynchronize());
 
   atomic_store(&gate_open, 0);
   pthread_t opener;
   assert_int_equal(pthread_create(&opener, NULL, open_gate_later, NULL), 0);
-  CU(cudaLaunchHostFunc(a, wait_for_gate, NULL));
-  TU_OK(epx_dispatch(buf, h, d_x, d_recv, N));
-  TU_OK(epx_buffer_set_stream(buf, b));
-  TU_OK(epx_combine(buf, h, d_recv, d_out));
-  TU_OK(epx_handle_release(h)); /* frees the layout on B, behind A's dispatch */
+  CUDA_OK(cudaLaunchHostFunc(a, wait_for_gate, NULL));
+  EXPECT_OK(epx_dispatch(buf, h, d_x, d_recv, N));
+  EXPECT_OK(epx_buffer_set_stream(buf, b));
+  EXPECT_OK(epx_combine(buf, h, d_recv, d_out));
+  EXPECT_OK(epx_handle_release(h)); /* frees the layout on B, behind A's dispatch */
   /* While A is shut, B must not finish. */
   int b_finished_early = 0;
   for (int i = 0; i < 50 && !atomic_load(&gate_open); i++) {
     cudaError_t q = cudaStreamQuery(b);
     if (q == cudaSuccess && !atomic_load(&gate_open)) b_finished_early = 1;
-    else if (q != cudaErrorNotReady && q != cudaSuccess) CU(q);
+    else if (q != cudaErrorNotReady && q != cudaSuccess) CUDA_OK(q);
     sleep_ms(2);
   }
-  CU(cudaStreamSynchronize(b));
+  CUDA_OK(cudaStreamSynchronize(b));
   assert_int_equal(pthread_join(opener, NULL), 0);
   if (b_finished_early) fail_msg("stream B finished while stream A was still shut: set_stream did not order B after A");
   float *got = host_copy(d_out, sizeof(float) * T * H);
   assert_memory_equal(got, want, sizeof(float) * T * H);
 
   /* Setting the stream it already has, and back to A, are fine. */
-  TU_OK(epx_buffer_set_stream(buf, b));
-  TU_OK(epx_buffer_set_stream(buf, a));
-  TU_OK(epx_buffer_destroy(buf));
-  TU_OK(epx_comm_destroy(comm));
-  CU(cudaStreamSynchronize(a));
-  CU(cudaStreamDestroy(a));
-  CU(cudaStreamDestroy(b));
-  CU(cudaFree(d_idx));
-  CU(cudaFree(d_w));
-  CU(cudaFree(d_x));
-  CU(cudaFree(d_recv));
-  CU(cudaFree(d_out));
+  EXPECT_OK(epx_buffer_set_stream(buf, b));
+  EXPECT_OK(epx_buffer_set_stream(buf, a));
+  EXPECT_OK(epx_buffer_destroy(buf));
+  EXPECT_OK(epx_comm_destroy(comm));
+  CUDA_OK(cudaStreamSynchronize(a));
+  CUDA_OK(cudaStreamDestroy(a));
+  CUDA_OK(cudaStreamDestroy(b));
+  CUDA_OK(cudaFree(d_idx));
+  CUDA_OK(cudaFree(d_w));
+  CUDA_OK(cudaFree(d_x));
+  CUDA_OK(cudaFree(d_recv));
+  CUDA_OK(cudaFree(d_out));
   tu_free(got);
   tu_free(want);
   tu_free(x);
@@ -147,12 +147,12 @@ static void test_set_stream_orders_after_old_stream(void **state) {
 static void test_set_stream_on_cpu_buffer(void **state) {
   (void)state;
   epx_comm_t comm = NULL;
-  TU_OK(epx_comm_create_self(&comm));
+  EXPECT_OK(epx_comm_create_self(&comm));
   epx_buffer_t buf = make_buffer(comm, EPX_DEVICE_CPU, NULL);
-  TU_ASSERT_STATUS(epx_buffer_set_stream(buf, NULL), EPX_ERROR_INVALID_ARGUMENT,
-                   "streams are for EPX_DEVICE_CUDA buffers");
-  TU_OK(epx_buffer_destroy(buf));
-  TU_OK(epx_comm_destroy(comm));
+  EXPECT_STATUS(epx_buffer_set_stream(buf, NULL), EPX_ERROR_INVALID_ARGUMENT,
+                "streams are for EPX_DEVICE_CUDA buffers");
+  EXPECT_OK(epx_buffer_destroy(buf));
+  EXPECT_OK(epx_comm_destroy(comm));
 }
 
 int main(void) {

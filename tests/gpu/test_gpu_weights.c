@@ -20,7 +20,7 @@ static void weights_back(epx_device_t device, epx_layout_t layout, int64_t T, in
   epx_comm_t comm = NULL;
   epx_buffer_t buf = NULL;
   epx_handle_t h = NULL;
-  TU_OK(epx_comm_create_self(&comm));
+  EXPECT_OK(epx_comm_create_self(&comm));
   epx_buffer_config_t c = EPX_BUFFER_CONFIG_INIT;
   c.device = device;
   c.hidden = H;
@@ -29,33 +29,33 @@ static void weights_back(epx_device_t device, epx_layout_t layout, int64_t T, in
   c.layout = layout;
   c.capacity = capacity;
   c.expert_alignment = 4;
-  TU_OK(epx_buffer_create(comm, &c, &buf));
+  EXPECT_OK(epx_buffer_create(comm, &c, &buf));
   size_t tk = sizeof(int32_t) * (size_t)(T * K);
   const int on_gpu = device == EPX_DEVICE_CUDA;
   const int32_t *r_idx = on_gpu ? dev_copy(idx, tk) : idx;
   const float *r_w = on_gpu ? dev_copy(w, tk) : w;
   const int32_t *r_loc = on_gpu ? dev_copy(loc, tk) : loc;
   epx_routing_t r = {T, K, r_idx, r_w, layout == EPX_LAYOUT_CAPACITY ? r_loc : NULL, EPX_WEIGHTS_NONE};
-  TU_OK(epx_dispatch_layout(buf, &r, NULL, &h));
+  EXPECT_OK(epx_dispatch_layout(buf, &r, NULL, &h));
   int64_t N = 0;
-  TU_OK(epx_handle_recv_rows(h, &N));
+  EXPECT_OK(epx_handle_recv_rows(h, &N));
   const int32_t slots = layout == EPX_LAYOUT_RANK_MAJOR ? K : 1;
   size_t n_rs = (size_t)(N * slots) + 1;
   int32_t *src_token = calloc((size_t)N + 1, sizeof(int32_t)), *recv_expert = calloc(n_rs, sizeof(int32_t));
   float *grad_recv_w = calloc(n_rs, sizeof(float));
   if (on_gpu) {
     int32_t *d_tok = NULL, *d_exp = NULL;
-    CU(cudaMalloc((void **)&d_tok, sizeof(int32_t) * ((size_t)N + 1)));
-    CU(cudaMalloc((void **)&d_exp, sizeof(int32_t) * n_rs));
-    TU_OK(epx_handle_recv_source(h, NULL, d_tok));
-    TU_OK(epx_handle_recv_routing(h, d_exp, NULL));
-    CU(cudaMemcpy(src_token, d_tok, sizeof(int32_t) * (size_t)N, cudaMemcpyDeviceToHost));
-    CU(cudaMemcpy(recv_expert, d_exp, sizeof(int32_t) * (size_t)(N * slots), cudaMemcpyDeviceToHost));
-    CU(cudaFree(d_tok));
-    CU(cudaFree(d_exp));
+    CUDA_OK(cudaMalloc((void **)&d_tok, sizeof(int32_t) * ((size_t)N + 1)));
+    CUDA_OK(cudaMalloc((void **)&d_exp, sizeof(int32_t) * n_rs));
+    EXPECT_OK(epx_handle_recv_source(h, NULL, d_tok));
+    EXPECT_OK(epx_handle_recv_routing(h, d_exp, NULL));
+    CUDA_OK(cudaMemcpy(src_token, d_tok, sizeof(int32_t) * (size_t)N, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(recv_expert, d_exp, sizeof(int32_t) * (size_t)(N * slots), cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaFree(d_tok));
+    CUDA_OK(cudaFree(d_exp));
   } else {
-    TU_OK(epx_handle_recv_source(h, NULL, src_token));
-    TU_OK(epx_handle_recv_routing(h, recv_expert, NULL));
+    EXPECT_OK(epx_handle_recv_source(h, NULL, src_token));
+    EXPECT_OK(epx_handle_recv_routing(h, recv_expert, NULL));
   }
   for (int64_t i = 0; i < N * slots; i++) {
     int32_t e = recv_expert[i];
@@ -64,22 +64,22 @@ static void weights_back(epx_device_t device, epx_layout_t layout, int64_t T, in
   size_t gw_bytes = sizeof(float) * (size_t)(T * K);
   if (on_gpu) {
     float *d_grad_recv_w = dev_copy(grad_recv_w, sizeof(float) * n_rs), *d_grad_w = NULL;
-    CU(cudaMalloc((void **)&d_grad_w, gw_bytes + 16));
-    CU(cudaMemset(d_grad_w, 0xA5, gw_bytes + 16));
-    TU_OK(epx_weights_backward(buf, h, d_grad_recv_w, d_grad_w));
-    CU(cudaMemcpy(grad_w, d_grad_w, gw_bytes, cudaMemcpyDeviceToHost));
-    CU(cudaFree(d_grad_recv_w));
-    CU(cudaFree(d_grad_w));
-    CU(cudaFree((void *)r_idx));
-    CU(cudaFree((void *)r_w));
-    CU(cudaFree((void *)r_loc));
+    CUDA_OK(cudaMalloc((void **)&d_grad_w, gw_bytes + 16));
+    CUDA_OK(cudaMemset(d_grad_w, 0xA5, gw_bytes + 16));
+    EXPECT_OK(epx_weights_backward(buf, h, d_grad_recv_w, d_grad_w));
+    CUDA_OK(cudaMemcpy(grad_w, d_grad_w, gw_bytes, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaFree(d_grad_recv_w));
+    CUDA_OK(cudaFree(d_grad_w));
+    CUDA_OK(cudaFree((void *)r_idx));
+    CUDA_OK(cudaFree((void *)r_w));
+    CUDA_OK(cudaFree((void *)r_loc));
   } else {
     tu_poison(grad_w, gw_bytes);
-    TU_OK(epx_weights_backward(buf, h, grad_recv_w, grad_w));
+    EXPECT_OK(epx_weights_backward(buf, h, grad_recv_w, grad_w));
   }
-  TU_OK(epx_handle_release(h));
-  TU_OK(epx_buffer_destroy(buf));
-  TU_OK(epx_comm_destroy(comm));
+  EXPECT_OK(epx_handle_release(h));
+  EXPECT_OK(epx_buffer_destroy(buf));
+  EXPECT_OK(epx_comm_destroy(comm));
   free(src_token);
   free(recv_expert);
   free(grad_recv_w);
