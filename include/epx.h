@@ -257,8 +257,11 @@ typedef enum epx_nonfinite_policy {
 } epx_nonfinite_policy_t;
 
 typedef enum epx_capacity_arithmetic {
-  /* C = ceil(f32(T/E) * f32(capacity_factor * K)) in float32, as torch
-   * computes DeepSpeed's _capacity (T=80, E=8, K=1, factor 1.1: C = 11). */
+  /* C = ceil(f32(T/E) * f32(factor * K)) in float32, as torch computes
+   * DeepSpeed's _capacity (T=80, E=8, K=1, factor 1.1: C = 11). factor * K
+   * is formed in double: the factor is capacity_factor_f64 when set (> 0;
+   * DeepSpeed's factor is a Python float, a double: set this field to match
+   * it for every K), else the float capacity_factor. */
   EPX_CAPACITY_FLOAT32 = 0,
   /* C = ceil((T*K/E) * capacity_factor_f64) in double, as Megatron's
    * get_capacity computes it in Python (the two differ in about 1% of
@@ -324,7 +327,9 @@ typedef struct epx_route_config {
 
   /* ---- Options added for drop-in parity with DeepSpeed and Megatron ---- */
   epx_capacity_arithmetic_t capacity_arithmetic; /* EPX_CAPACITY_FLOAT32 */
-  double capacity_factor_f64; /* the factor of EPX_CAPACITY_FLOAT64 (capacity_factor is then unused) */
+  /* The factor as a double: EPX_CAPACITY_FLOAT64's (required there), and
+   * EPX_CAPACITY_FLOAT32's when > 0; capacity_factor is then unused. */
+  double capacity_factor_f64;
   /* 1: renormalise over the routes that survive the drop instead of the K
    * chosen (DeepSpeed top2gating / topkgating: a token that lost one of its
    * two routes gets weight 1 on the other). Needs renormalize = 1. */
