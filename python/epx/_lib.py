@@ -267,6 +267,15 @@ class RouteConfig(_Config):
                      aux_loss_expert_counts=None, aux_loss_tokens=0.0, random_seed=0,
                      token_mask=None)
 
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+        if name == "capacity_factor":
+            # The factor is a Python float, a double, as DeepSpeed's is: the
+            # library forms factor * K from capacity_factor_f64 (the float32
+            # field alone rounds first, and K = 3 then differs), so setting
+            # capacity_factor sets both.
+            super().__setattr__("capacity_factor_f64", float(value))
+
 
 class RouteOutput(ctypes.Structure):
     """epx_route_output_t (the caller owns every array)."""
@@ -378,6 +387,7 @@ _PROTOTYPES = {
     "epx_local_world_destroy": (_st, [_p]),
     "epx_comm_create_local": (_st, [_p, _i32, _pp]),
     "epx_comm_create_mpi": (_st, [_p, ctypes.POINTER(CommConfig), _pp]),
+    "epx_comm_create_shm": (_st, [ctypes.c_char_p, _i32, _i32, ctypes.POINTER(CommConfig), _pp]),
     "epx_comm_destroy": (_st, [_p]),
     "epx_comm_rank": (_st, [_p, _pi32]),
     "epx_comm_size": (_st, [_p, _pi32]),

@@ -72,9 +72,11 @@ static epx_status_t route_check_config(const char *fn, const epx_route_config_t 
               "%s: capacity_arithmetic is %d; pass EPX_CAPACITY_FLOAT32 or EPX_CAPACITY_FLOAT64",
               fn, (int)c->capacity_arithmetic);
   if (c->capacity_mode && c->capacity_arithmetic == EPX_CAPACITY_FLOAT32)
-    EPX_REQUIRE(c->capacity_factor > 0 && isfinite(c->capacity_factor),
-                "%s: capacity_factor is %g; pass a finite capacity_factor > 0 in capacity mode",
-                fn, (double)c->capacity_factor);
+    EPX_REQUIRE(isfinite(epx_route_capacity_factor(c)) && epx_route_capacity_factor(c) > 0 &&
+                    c->capacity_factor_f64 >= 0,
+                "%s: capacity_factor is %g and capacity_factor_f64 %g; pass a finite factor > 0 "
+                "in capacity mode (capacity_factor_f64 when set, else capacity_factor)",
+                fn, (double)c->capacity_factor, c->capacity_factor_f64);
   if (c->capacity_mode && c->capacity_arithmetic == EPX_CAPACITY_FLOAT64)
     EPX_REQUIRE(c->capacity_factor_f64 > 0 && isfinite(c->capacity_factor_f64),
                 "%s: capacity_factor_f64 is %g; pass a finite capacity_factor_f64 > 0 with "

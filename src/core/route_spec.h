@@ -77,14 +77,17 @@ EPX_SPEC_FN float epx_route_sqrt_softplus_f32(float l) {
   return (float)sqrt(l > EPX_SOFTPLUS_THRESHOLD ? x : log1p(exp(x)));
 }
 
-/* Capacity in float32 as torch computes DeepSpeed's _capacity:
- * ceil(f32(T / E) * f32(capacity_factor * K)), then at least min_capacity.
- * T/E and factor*K are formed in double and rounded once to float32 (a
- * Python float times a float32 tensor), the product and ceil in float32. */
+/* Capacity in float32 as torch computes DeepSpeed's _capacity,
+ * torch.ceil((T / E) * torch.tensor(capacity_factor * K)): T/E and
+ * factor*K are formed in double and each rounded once to float32 (a Python
+ * float times a float32 tensor), the product and ceil in float32; then at
+ * least min_capacity. The factor is a double, as the Python float is: a
+ * float32 factor times K differs from it where K is not a power of two
+ * (T=30, E=4, K=3, factor 1.2: f32(1.2 * 3) gives 27, f32(f32(1.2) * 3) 28). */
 EPX_SPEC_FN int32_t epx_route_capacity_f32(int64_t num_tokens, int32_t num_experts, int32_t top_k,
-                                           float capacity_factor, int32_t min_capacity) {
+                                           double capacity_factor, int32_t min_capacity) {
   const float per_expert = (float)((double)num_tokens / (double)num_experts);
-  const float factor = (float)((double)capacity_factor * (double)top_k);
+  const float factor = (float)(capacity_factor * (double)top_k);
   const float product = per_expert * factor;
   const float cap = ceilf(product);
   int64_t c = cap >= 2147483647.0f ? INT32_MAX : (int64_t)cap;
@@ -100,14 +103,20 @@ EPX_SPEC_FN int32_t epx_route_capacity_f64(int64_t num_tokens, int32_t num_exper
   return (int32_t)(c < min_capacity ? min_capacity : c);
 }
 
+/* The factor of a config: capacity_factor_f64 when set (> 0; the only one
+ * EPX_CAPACITY_FLOAT64 reads), else the float capacity_factor. */
+EPX_SPEC_FN double epx_route_capacity_factor(const epx_route_config_t *c) {
+  return c->capacity_factor_f64 > 0 ? c->capacity_factor_f64 : (double)c->capacity_factor;
+}
+
 /* C of a config in capacity mode (0 in dropless mode). */
 EPX_SPEC_FN int32_t epx_route_capacity(const epx_route_config_t *c, int64_t num_tokens) {
   if (!c->capacity_mode) return 0;
   if (c->capacity_arithmetic == EPX_CAPACITY_FLOAT64)
     return epx_route_capacity_f64(num_tokens, c->num_experts, c->top_k, c->capacity_factor_f64,
                                   c->min_capacity);
-  return epx_route_capacity_f32(num_tokens, c->num_experts, c->top_k, c->capacity_factor,
-                                c->min_capacity);
+  return epx_route_capacity_f32(num_tokens, c->num_experts, c->top_k,
+                                epx_route_capacity_factor(c), c->min_capacity);
 }
 
 /* Experts summed into a group's score (step 3). */

@@ -560,6 +560,18 @@ static void opt_mask(epx_route_config_t *c, int64_t T) {
   c->token_mask = option_mask;
   c->renormalize_after_drop = c->renormalize;
 }
+/* DeepSpeed drop_tokens=False: dropless, renormalised after the (empty) drop. */
+static void opt_dropless_renormalized(epx_route_config_t *c, int64_t T) {
+  (void)T;
+  c->renormalize_after_drop = 1;
+}
+/* DeepSpeed topkgating's factor, a Python float: T=30, E=4, K=3, 1.2 gives
+ * C = 27 (the float32 field alone 28). */
+static void opt_factor_double(epx_route_config_t *c, int64_t T) {
+  (void)T;
+  c->capacity_factor_f64 = 1.2;
+  c->renormalize_after_drop = 1;
+}
 
 typedef struct option_case {
   route_case_t c;
@@ -591,6 +603,12 @@ static const option_case_t OPTION_CASES[] = {
     {{"padding mask, capacity, renormalised after", 900, 16, 2, 0, 0, EPX_SCORE_SOFTMAX, 1, 1.0f,
       1, 1.0f, 0, EPX_QUEUE_BY_TOKEN, EPX_DROP_BY_POSITION, 0, 0.01f, 0.001f, EPX_NONFINITE_DROP,
       4, LOGITS_NORMAL, 1, 1.0f, 1.0f, 0}, opt_mask},
+    {{"DeepSpeed drop_tokens=False renormalised", 16, 4, 2, 0, 0, EPX_SCORE_SOFTMAX, 1, 1.0f, 0,
+      1.0f, 0, EPX_QUEUE_BY_TOKEN, EPX_DROP_BY_POSITION, 0, 0.0f, 0.0f, EPX_NONFINITE_ERROR, 0,
+      LOGITS_NORMAL, 1, 0.0f, 0.0f, 0}, opt_dropless_renormalized},
+    {{"DeepSpeed topkgating factor 1.2 K=3", 30, 4, 3, 0, 0, EPX_SCORE_SOFTMAX, 1, 1.0f, 1, 1.2f,
+      0, EPX_QUEUE_BY_TOKEN, EPX_DROP_BY_POSITION, 0, 0.0f, 0.0f, EPX_NONFINITE_ERROR, 0,
+      LOGITS_NORMAL, 1, 0.0f, 0.0f, 0}, opt_factor_double},
 };
 
 static void test_option_cases(void **state) {
