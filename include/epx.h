@@ -514,6 +514,26 @@ epx_status_t epx_comm_create_local(epx_local_world_t world, int32_t rank, epx_co
 epx_status_t epx_comm_create_mpi(const void *mpi_comm, const epx_comm_config_t *config,
                                  epx_comm_t *comm);
 
+/* The shm transport: W ranks as processes of one host (launched by torchrun,
+ * mpirun or anything else), meeting in POSIX shared memory; no MPI needed.
+ * Every rank calls it with the same `name` (1 to 200 characters of
+ * [A-Za-z0-9._-], unique to the job and new for every comm: rank 0 picks it
+ * and tells the others, e.g. through torch.distributed's store), its rank and
+ * the world size. Collective. Rank 0 creates the segment /dev/shm/<name>; the
+ * others wait for it up to config->timeout_seconds (EPX_ERROR_TIMEOUT naming
+ * rank 0). Every wait on a peer is bounded and names the rank that did not
+ * arrive, as with the local transport.
+ *  - Memory: each rank stages what it sends in a segment of its own, the
+ *    size of its largest send (the exchange's send rows, about its send
+ *    tensors' size); /dev/shm must hold the ranks' segments together
+ *    (EPX_ERROR_OUT_OF_MEMORY naming /dev/shm otherwise; docker's default
+ *    is 64 MiB, --shm-size raises it). No name is left in /dev/shm once
+ *    every rank is past create and each segment's first collective.
+ *  - A process that dies: its peers' next collective returns
+ *    EPX_ERROR_TIMEOUT naming it within the timeout. */
+epx_status_t epx_comm_create_shm(const char *name, int32_t rank, int32_t size,
+                                 const epx_comm_config_t *config, epx_comm_t *comm);
+
 /* The NCCL transport (builds with EPX_BUILD_CUDA and NCCL; else every call
  * below returns EPX_ERROR_UNSUPPORTED and epx_has_nccl() is 0). One process
  * per GPU; CUDA buffers over such a comm exchange on the GPU with NCCL's
@@ -723,6 +743,46 @@ typedef enum epx_weighting {
   EPX_WEIGHTS_NONE = 2        /* weights are neither applied nor differentiated */
 } epx_weighting_t;
 
+/* FP8 dispatch formats (epx_dispatch_fp8, epx_dispatch_quantize): rows of
+ * e4m3fn bytes (1 sign, 4 exponent bits of bias 7, 3 mantissa bits; largest
+ * 448, no infinities, 0x7f / 0xff NaN) with one scale per block of each
+ * row's channels; a row's value is e4m3(q) * scale, block by block. The
+ * scales of a tensor of R rows are [R, H / block] scale entries, row-major,
+ * a row's scales beside its row wherever the row goes. The quantizers are
+ * the peers' formulas, bit for bit (epx_quantize; amax = the largest |x| of
+ * the block; e4m3 rounding to nearest even, saturating at +-448):
+ *  - EPX_FP8_E4M3_F32_128 (DeepEP's per_token_cast_to_fp8): float32 scales
+ *    per 128 channels, [R, H/128] float. amax clamped below at 1e-4f,
+ *    q = e4m3(x * ((1 / amax) * 448)), scale = amax / 448, each step in
+ *    float32 as eager PyTorch computes it. (DeepEP's low-latency kernel
+ *    divides, 448 / amax, and stores amax * (1 / 448): its scales can differ
+ *    in the last bit.) A block holding a NaN gets a NaN scale and NaN
+ *    values; one holding an infinity an infinite scale, NaN at the infinity
+ *    and zeros elsewhere: both dequantize to NaN, as PyTorch's formula gives.
+ *  - EPX_FP8_E4M3_UE8M0_128 (DeepEP's use_ue8m0 / DeepGEMM's ceil_to_ue8m0):
+ *    the same with the scale rounded up to a power of two, 2^ceil(log2(amax
+ *    / 448)) computed exactly from the bits, q = e4m3(x * 2^-e); stored as
+ *    its exponent byte e + 127, four blocks per 32-bit word: [R, H/512]
+ *    int32, block 4j+i in byte i (bits 8i..8i+7) of word j — DeepEP's
+ *    packed UE8M0 layout. H must be a multiple of 512. Byte 255 (NaN or
+ *    infinite scale) decodes to infinity, as DeepEP's per_token_cast_back.
+ *  - EPX_FP8_MXFP8 (OCP MX; TransformerEngine's MXFP8 quantizer): e8m0
+ *    scales per 32 channels, [R, H/32] uint8, the scale's exponent rounded up
+ *    as TransformerEngine rounds it: s = amax * (1 / 448) (float32), the
+ *    byte is s's biased exponent plus one unless s is a power of two (0 for
+ *    s = 0; subnormal s up to 2^-127 keep byte 0), q = e4m3(x * 2^(127 -
+ *    byte)). (The OCP spec's floor(log2(amax)) - 8 would clip the block's
+ *    largest values instead.) NaNs are left out of amax and stay NaN; an
+ *    infinite amax gives byte 254 and the infinity saturates to +-448; byte
+ *    255 decodes to NaN, byte 0 to 2^-127.
+ * Hidden sizes must be a multiple of the block (of 512 for UE8M0). */
+typedef enum epx_fp8_format {
+  EPX_FP8_NONE = 0,           /* the buffer dispatches rows of its dtype only */
+  EPX_FP8_E4M3_F32_128 = 1,
+  EPX_FP8_E4M3_UE8M0_128 = 2,
+  EPX_FP8_MXFP8 = 3
+} epx_fp8_format_t;
+
 typedef struct epx_buffer_config {
   uint32_t struct_size;
   uint32_t version;
@@ -760,6 +820,12 @@ typedef struct epx_buffer_config {
    * 16: 0.80 / 0.81, 24: 0.55 / 0.56, 32: 0.43 / 0.44 (the host path 0.55 /
    * 0.57). Clamped to the device's SM count. Ignored by the host path. */
   int32_t sm_budget;
+  /* The format epx_dispatch_fp8 and epx_dispatch_quantize move rows in
+   * (EPX_FP8_NONE: neither is available). dtype stays the dtype of every
+   * other payload: epx_dispatch's rows, combine's inputs and outputs (bf16
+   * or f32 with an fp8 format) and both backward passes, which never use
+   * fp8. CPU buffers only in this version (CUDA: EPX_ERROR_UNSUPPORTED). */
+  epx_fp8_format_t fp8_format;
 } epx_buffer_config_t;
 
 /* The defaults, in field order. hidden, num_experts and max_top_k have none
@@ -783,7 +849,8 @@ typedef struct epx_buffer_config {
     NULL,                         /* stream: the default stream */                     \
     EPX_COMBINE_PARTIALS_FLOAT32, /* combine_precision */                              \
     EPX_PATH_AUTO,                /* exchange_path */                                  \
-    0                             /* sm_budget: 0 = 32 CTAs */                         \
+    0,                            /* sm_budget: 0 = 32 CTAs */                         \
+    EPX_FP8_NONE                  /* fp8_format */                                     \
   }
 
 /* Fills the first struct_size bytes of *config with EPX_BUFFER_CONFIG_INIT's
@@ -793,7 +860,8 @@ epx_status_t epx_buffer_config_init(epx_buffer_config_t *config, size_t struct_s
 /* Creates a buffer over comm (collective). The configs of all ranks are
  * compared; a rank that differs in dtype, hidden, num_experts, max_top_k,
  * max_tokens_per_rank, exchange, layout, expert_alignment, capacity,
- * combine_precision, exchange_path or sm_budget makes every rank fail with EPX_ERROR_SHAPE_MISMATCH
+ * combine_precision, exchange_path, sm_budget or fp8_format makes every rank fail with
+ * EPX_ERROR_SHAPE_MISMATCH
  * naming that rank and value.
  * The comm must outlive the buffer. */
 epx_status_t epx_buffer_create(epx_comm_t comm, const epx_buffer_config_t *config,
@@ -970,6 +1038,56 @@ epx_status_t epx_recorder_set_mode(epx_recorder_t recorder, epx_recorder_mode_t 
 epx_status_t epx_recorder_stats(epx_recorder_t recorder, epx_recorder_stats_t *stats);
 /* Releases every handle it holds. */
 epx_status_t epx_recorder_destroy(epx_recorder_t recorder);
+
+/* ------------------------------------------------------------------------ */
+/* FP8 dispatch (see epx_fp8_format_t)                                       */
+/* ------------------------------------------------------------------------ */
+
+/* The scales of one row in `format`: *scale_cols entries of *scale_bytes
+ * bytes each (H/128 floats, H/512 int32 words, H/32 bytes).
+ * EPX_ERROR_INVALID_ARGUMENT for EPX_FP8_NONE, an unknown format, or a hidden
+ * that is not a positive multiple of the format's block (the message names
+ * the multiple). Host, not collective. */
+epx_status_t epx_fp8_scale_shape(epx_fp8_format_t format, int64_t hidden, int64_t *scale_cols,
+                                 size_t *scale_bytes);
+
+/* The quantizer of the format, on the host (any number of threads): x [rows,
+ * H] of dtype (f32, bf16 or f16) -> x_q [rows, H] e4m3fn bytes and x_scales
+ * [rows, scale_cols] (epx_fp8_scale_shape); bit for bit the peers' formula
+ * (epx_fp8_format_t). epx_dequantize is its inverse as the peers compute it:
+ * x [rows, H] of dtype = round(float32(e4m3(q)) * scale). No alignment
+ * needed; outputs must not overlap inputs. */
+epx_status_t epx_quantize(epx_fp8_format_t format, epx_dtype_t dtype, int64_t rows, int64_t hidden,
+                          const void *x, void *x_q, void *x_scales);
+epx_status_t epx_dequantize(epx_fp8_format_t format, epx_dtype_t dtype, int64_t rows, int64_t hidden,
+                            const void *x_q, const void *x_scales, void *x);
+
+/* Moves fp8 rows with their scales (collective; the buffer's fp8_format,
+ * else EPX_ERROR_INVALID_ARGUMENT): x_q [T, H] e4m3fn bytes and x_scales
+ * [T, scale_cols] -> recv_x_q [N, H] and recv_scales [N, scale_cols] in the
+ * buffer's layout, each received row's scales in the same row of
+ * recv_scales; N and recv_rows_capacity as in epx_dispatch, padding rows and
+ * unfilled capacity slots zero in both. The bytes are moved, never
+ * recomputed: a row arrives bit for bit as sent, whatever the exchange
+ * (dedup and collective give the same bytes). Cached dispatch and recorder
+ * replays work as for epx_dispatch. The handle's weighting must not be
+ * EPX_WEIGHTS_IN_DISPATCH (fp8 rows are not scaled on the way; apply the
+ * weights in combine or in the expert). x_q, recv_x_q 16-byte aligned;
+ * x_scales, recv_scales aligned to their entry size. A rank in
+ * epx_dispatch_fp8 and another in epx_dispatch or epx_dispatch_quantize is
+ * EPX_ERROR_SHAPE_MISMATCH on every rank. Combine, epx_dispatch_backward and
+ * epx_combine_backward are unchanged: their rows have the buffer's dtype
+ * (bf16 or f32) on an fp8 buffer too; the gradient of a dispatch is taken
+ * as that of the dequantized rows (straight through the quantizer). */
+epx_status_t epx_dispatch_fp8(epx_buffer_t buffer, epx_handle_t handle, const void *x_q,
+                              const void *x_scales, void *recv_x_q, void *recv_scales,
+                              int64_t recv_rows_capacity);
+
+/* The same from rows of the buffer's dtype (x [T, H], 16-byte aligned),
+ * quantized on the way with epx_quantize's formula, once per token: the
+ * received bytes are those of epx_quantize then epx_dispatch_fp8. */
+epx_status_t epx_dispatch_quantize(epx_buffer_t buffer, epx_handle_t handle, const void *x,
+                                   void *recv_x_q, void *recv_scales, int64_t recv_rows_capacity);
 
 /* ------------------------------------------------------------------------ */
 /* References (plain C, host memory; the oracle of the tests)                */

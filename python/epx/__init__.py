@@ -736,6 +736,20 @@ class Comm(_Closable):
         _check(lib.epx_comm_create_mpi(address, ctypes.byref(config), ctypes.byref(p)))
         return cls(p.value)
 
+    @classmethod
+    def from_shm(cls, name, rank, size, config=None, **fields):
+        """The shm transport (epx_comm_create_shm): `size` processes of one
+        host meeting in POSIX shared memory under `name` (the same on every
+        rank, new for every comm); collective. No MPI needed."""
+        if config is None:
+            config = CommConfig(**fields)
+        elif fields:
+            config = config.copy(**fields)
+        p = ctypes.c_void_p()
+        _check(lib.epx_comm_create_shm(str(name).encode(), int(rank), int(size),
+                                       ctypes.byref(config), ctypes.byref(p)))
+        return cls(p.value)
+
     def _handle(self, fn):
         if self._ptr is None:
             _released(fn, "comm", "closed; create a new one")

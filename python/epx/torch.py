@@ -52,6 +52,7 @@ from epx import DType, Device, Exchange, Layout, Status, Weighting
 
 __all__ = ["route", "dispatch", "combine", "Dispatched", "TorchRouteResult", "MoE",
            "TokenDispatcher", "checkpoint_context", "keep_handles", "comm_from_process_group",
+           "init_process_group", "launch_env",
            "make_buffer", "grouped_mm", "epx_dtype", "torch_dtype"]
 
 lib = _lib.lib
@@ -156,6 +157,17 @@ def _buffer(buffer_id, fn):
         _epx._refuse(Status.ERROR_INVALID_HANDLE, "%s: buffer %d was closed (or never made); "
                      "keep the epx.Buffer open while the layer uses it", fn, buffer_id)
     return b
+
+
+def _sized_buffer(buffer, fn):
+    """The ops size their receive tensors for the buffer's worst case before
+    any exchange (torch.compile's fake tensors need it), so a buffer made
+    without max_tokens_per_rank is refused in eager code as in compiled."""
+    if not buffer.config.max_tokens_per_rank:
+        _epx._invalid("%s: buffer %d was made without max_tokens_per_rank, so its receive size "
+                      "is not known before the first exchange; make it with "
+                      "epx.torch.make_buffer(..., max_tokens_per_rank=...) (or "
+                      "comm.buffer(max_tokens_per_rank=...))", fn, buffer.id)
 
 
 def _max_rows(buffer, fn):
@@ -459,6 +471,7 @@ def _recorder(recorder_id, fn):
 
 def _dispatch_inputs(b, x, topk_idx, topk_w, locations, fn):
     dev = b.device
+    _sized_buffer(b, fn)
     idx = _routing_tensor(topk_idx, fn, "topk_idx", _I32, (None, None), dev)
     T, K = idx.shape
     w = _routing_tensor(topk_w, fn, "topk_w", _F32, (T, K), dev, optional=True)
@@ -500,6 +513,7 @@ def _dispatch_op(x: Tensor, topk_idx: Tensor, topk_w: Optional[Tensor],
 @_dispatch_op.register_fake
 def _dispatch_fake(x, topk_idx, topk_w, locations, buffer_id, weighting, recorder_id):
     b = _buffer(buffer_id, "epx.torch.dispatch")
+    _sized_buffer(b, "epx.torch.dispatch")
     rows = _max_rows(b, "epx.torch.dispatch")
     shape = _recv_w_shape(b, rows, topk_idx.shape[1])
     n = b.experts_per_rank
@@ -682,7 +696,8 @@ class Dispatched(NamedTuple):
     counts: Tensor       # [E_local] int64 rows per local expert (before padding)
     offsets: Tensor      # [E_local + 1] int64 first row of each expert's group; offsets[-1] = N
     recv_rows: Tensor    # [1] int64 N, on the buffer's device
-    token: Tensor        # [1] int64 (CPU): the handle, for combine and backward
+    handle_id: Tensor    # [1] int64 (CPU): the id of the dispatch's handle, for combine and
+    #                      backward (not a token index: recv_source() gives those)
     topk_w: Optional[Tensor]
     num_tokens: int
     top_k: int
@@ -691,7 +706,22 @@ class Dispatched(NamedTuple):
 
     def handle(self):
         """The epx.Handle of this dispatch (eager code only)."""
-        return _handle_of(self.token, "Dispatched.handle")
+        return _handle_of(self.handle_id, "Dispatched.handle")
+
+    def recv_source(self):
+        """(src_rank, src_token): the source rank and token of each received
+        row, [N_max] int32 each on the buffer's device, -1 for padding and
+        past the valid rows (epx_handle_recv_source; on CUDA too, with no
+        host wait)."""
+        fn = "Dispatched.recv_source"
+        h = _handle_of(self.handle_id, fn)
+        b = h.buffer
+        rows, dev = self.recv_x.shape[0], self.recv_x.device
+        rank = _torch.full((rows,), -1, dtype=_I32, device=dev)
+        token = _torch.full((rows,), -1, dtype=_I32, device=dev)
+        _on_stream(b, dev)
+        _epx._check(lib.epx_handle_recv_source(h._use(b, fn), _ptr(rank), _ptr(token)))
+        return rank, token
 
     def recv_rows_host(self):
         """N as a Python int (waits for the device on CUDA)."""
@@ -731,7 +761,7 @@ def combine(d, expert_out):
     and, with Weighting.IN_COMBINE, in the routing weights: grad_w reaches the
     router."""
     w = d.topk_w if d.weighting == Weighting.IN_COMBINE else None
-    return _torch.ops.epx.combine(expert_out, w, d.token, d.num_tokens, d.weighting)
+    return _torch.ops.epx.combine(expert_out, w, d.handle_id, d.num_tokens, d.weighting)
 
 
 def make_buffer(comm, *, hidden, num_experts, max_top_k, max_tokens_per_rank, dtype=_F32,
@@ -1105,6 +1135,24 @@ class TokenDispatcher:
         """tokens_per_expert as a list of ints (waits for the device on CUDA)."""
         return [int(c) for c in self.tokens_per_expert.tolist()]
 
+    def close(self):
+        """Closes the dispatcher's buffer (not collective). A dispatch whose
+        combine or backward has not run still holds it: epx.BusyError, as
+        Buffer.close. Closing twice does nothing."""
+        self._d = None
+        self.tokens_per_expert = None
+        self.buffer.close()
+
+    @property
+    def closed(self):
+        return self.buffer.closed
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
 
 # ---------------------------------------------------------------------------
 # Activation checkpointing: recompute replays the recorded handles
@@ -1223,16 +1271,14 @@ def _mpi_comm(group, rank, size, config):
     import torch.distributed as dist
     fn = "epx.torch.comm_from_process_group"
     if not any(v in os.environ for v in _MPI_LAUNCH_VARS):
-        _epx._refuse(Status.ERROR_UNSUPPORTED, "%s: the group's backend is %s (CPU tensors), and "
-                     "epx's CPU transport across processes is MPI, but this process was not "
-                     "started by mpirun; launch with `mpirun -np %d python your_script.py` "
-                     "(torch.distributed initialised as before), or run ranks as threads of one "
-                     "process with epx.run_local", fn, dist.get_backend(group), size)
+        _epx._refuse(Status.ERROR_UNSUPPORTED, "%s: transport 'mpi' needs processes started by "
+                     "mpirun; launch with `mpirun -np %d python your_script.py`, or use "
+                     "transport='shm' for processes of one host", fn, size)
     if not _epx.has_mpi():
-        _epx._refuse(Status.ERROR_UNSUPPORTED, "%s: this libepx (%s) has no MPI transport; build "
-                     "it with MPI (the CMake default when libopenmpi-dev is installed; for the "
-                     "wheel: SKBUILD_CMAKE_DEFINE=EPX_BUILD_MPI=ON pip install ./python)", fn,
-                     _epx.library_path)
+        _epx._refuse(Status.ERROR_UNSUPPORTED, "%s: this libepx (%s) was built without MPI "
+                     "(a CMake build has it when MPI is found at configure time; the wheel only "
+                     "when built with SKBUILD_CMAKE_DEFINE=EPX_BUILD_MPI=ON). Processes of one "
+                     "host need no MPI: transport='shm'", fn, _epx.library_path)
     ranks = [dist.get_global_rank(group, r) for r in range(size)]
     try:
         from mpi4py import MPI
@@ -1261,28 +1307,176 @@ def _mpi_comm(group, rank, size, config):
     return comm
 
 
-def comm_from_process_group(group=None, *, timeout_seconds=None):
-    """An epx.Comm over the ranks of a torch.distributed process group (the
-    default group when None), in one call; collective over the group.
+def _shm_comm(group, rank, size, config):
+    """The shm transport over the group's processes: they gather their hosts
+    and rank 0's fresh segment name through the group (one all_gather_object),
+    then meet in /dev/shm."""
+    import secrets
+    import socket
+    import torch.distributed as dist
+    fn = "epx.torch.comm_from_process_group"
+    mine = (socket.gethostname(), "epx-%d-%s" % (os.getpid(), secrets.token_hex(8)))
+    every = [None] * size
+    dist.all_gather_object(every, mine, group=group)
+    hosts = sorted({h for h, _ in every})
+    if len(hosts) > 1:
+        _epx._refuse(Status.ERROR_UNSUPPORTED, "%s: the group spans %d hosts (%s); transport "
+                     "'shm' joins processes of one host only; across hosts use transport='mpi' "
+                     "under mpirun, or an NCCL group", fn, len(hosts), ", ".join(hosts[:4]))
+    return _epx.Comm.from_shm(every[0][1], rank, size, config)
 
-    - NCCL groups (GPUs; one process per GPU, the current CUDA device set):
-      rank 0 makes an NCCL unique id, the group broadcasts it, every rank
-      creates epx's NCCL comm on its current device.
-    - CPU groups (gloo): the MPI transport over the same processes, which
-      must have been started by mpirun (MPI_COMM_WORLD through mpi4py when
-      installed, else found through the MPI libepx links); otherwise a clear
-      epx.UnsupportedError saying how to launch.
+
+_TRANSPORTS = ("shm", "mpi", "nccl")
+
+
+def _transport_of(group, transport, fn):
+    import torch.distributed as dist
+    if transport is not None:
+        if transport not in _TRANSPORTS:
+            _epx._invalid("%s: transport is %r; pass None (chosen from the group) or one of %s",
+                          fn, transport, ", ".join(map(repr, _TRANSPORTS)))
+        return transport
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend:
+        return "nccl"
+    return "shm" if _one_host() else "mpi"
+
+
+def _one_host():
+    """Whether the launcher says every process is on this host (torchrun's
+    LOCAL_WORLD_SIZE, mpirun's local size); unknown counts as one host, which
+    the shm transport then checks."""
+    size = os.environ.get("WORLD_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE")
+    local = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE")
+    return size is None or local is None or size == local
+
+
+def comm_from_process_group(group=None, *, timeout_seconds=None, transport=None):
+    """An epx.Comm over the ranks of a torch.distributed process group (the
+    default group when None), in one call; collective over the group. No
+    rebuild and no environment mapping: the launcher (torchrun, mpirun) is
+    whatever started torch.distributed.
+
+    transport (None: chosen from the group):
+
+    - ``"nccl"`` (NCCL groups; GPUs, one process per GPU, the current CUDA
+      device set): rank 0 makes an NCCL unique id, the group broadcasts it,
+      every rank creates epx's NCCL comm on its current device.
+    - ``"shm"`` (CPU groups, e.g. gloo under torchrun, every process on one
+      host): the processes meet in POSIX shared memory (epx_comm_create_shm),
+      the segment's name passed through the group; needs no MPI.
+    - ``"mpi"`` (CPU groups across hosts): the MPI transport over the same
+      processes, which mpirun must have started (MPI_COMM_WORLD through mpi4py
+      when installed, else found through the MPI libepx links); needs a libepx
+      built with MPI.
     """
     import torch.distributed as dist
     fn = "epx.torch.comm_from_process_group"
     if not dist.is_available() or not dist.is_initialized():
         _epx._invalid("%s: torch.distributed is not initialised; call "
-                      "torch.distributed.init_process_group first", fn)
+                      "torch.distributed.init_process_group (or epx.torch.init_process_group) "
+                      "first", fn)
     if group is None:
         group = dist.group.WORLD
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     config = _comm_config(timeout_seconds)
-    backend = str(dist.get_backend(group)).lower()
-    if "nccl" in backend:
+    chosen = _transport_of(group, transport, fn)
+    if chosen == "nccl":
         return _nccl_comm(group, rank, size, config)
+    if chosen == "shm":
+        return _shm_comm(group, rank, size, config)
     return _mpi_comm(group, rank, size, config)
+
+
+# Each launcher's rank, size, local rank and local size, in torch's names.
+_LAUNCHERS = (
+    ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),                      # torchrun
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+     "OMPI_COMM_WORLD_LOCAL_SIZE"),                                                 # Open MPI
+    ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),               # MPICH, Intel
+    ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),    # srun
+)
+_JOB_IDS = ("TORCHELASTIC_RUN_ID", "PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid", "PMI_KVSNAME",
+            "SLURM_JOB_ID")
+
+
+def launch_env():
+    """(rank, world_size, local_rank, local_world_size) from whichever
+    launcher started this process (torchrun's variables first, then mpirun's
+    OMPI_COMM_WORLD_*, MPICH's PMI_*, srun's SLURM_*); None if none did."""
+    for names in _LAUNCHERS:
+        if names[0] in os.environ and names[1] in os.environ:
+            rank, size = int(os.environ[names[0]]), int(os.environ[names[1]])
+            local_rank = int(os.environ.get(names[2], rank))
+            local_size = os.environ.get(names[3], str(size)).split("(")[0].split(",")[0]
+            return rank, size, local_rank, int(local_size)
+    return None
+
+
+def _job_store(job, rank, size, timeout):
+    """A TCPStore for the ranks of one host: rank 0 serves it on a free port
+    and writes the port to a file named after the job id, which the others
+    read; rank 0 removes the file once every rank has joined."""
+    import datetime
+    import tempfile
+    import time
+    import torch.distributed as dist
+    fn = "epx.torch.init_process_group"
+    timeout = timeout or datetime.timedelta(minutes=5)
+    path = os.path.join(tempfile.gettempdir(), "epx-torch-%s.port" % job)
+    deadline = time.monotonic() + timeout.total_seconds()
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, size, True, timeout, wait_for_workers=False)
+        with open(path + ".%d" % os.getpid(), "w") as f:
+            f.write(str(store.port))
+        os.replace(path + ".%d" % os.getpid(), path)
+        try:
+            while store.add("epx/joined", 0) < size - 1:
+                if time.monotonic() > deadline:
+                    _epx._refuse(Status.ERROR_TIMEOUT, "%s: %d of %d ranks joined rank 0's store "
+                                 "within %s", fn, store.add("epx/joined", 0) + 1, size, timeout)
+                time.sleep(0.01)
+        finally:
+            os.remove(path)
+        return store
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            _epx._refuse(Status.ERROR_TIMEOUT, "%s: rank 0 did not publish its store (%s) within "
+                         "%s; is rank 0 running?", fn, path, timeout)
+        time.sleep(0.01)
+    with open(path) as f:
+        port = int(f.read())
+    store = dist.TCPStore("127.0.0.1", port, size, False, timeout)
+    store.add("epx/joined", 1)
+    return store
+
+
+def init_process_group(backend=None, **kwargs):
+    """torch.distributed.init_process_group for a process started by
+    torchrun, mpirun, mpiexec (MPICH) or srun, with no variables to map: the
+    rank and size come from the launcher (:func:`launch_env`), and where
+    MASTER_ADDR/MASTER_PORT are unset and every rank is on this host, rank 0
+    serves a TCPStore on a free port that it tells the others through a file
+    named after the launcher's job id (removed once all have joined). backend
+    None: "nccl" where torch sees a GPU, else "gloo". Other keyword arguments
+    go to torch.distributed.init_process_group."""
+    import torch.distributed as dist
+    fn = "epx.torch.init_process_group"
+    env = launch_env()
+    if env is None:
+        _epx._invalid("%s: no launcher's variables found (RANK/WORLD_SIZE of torchrun, "
+                      "OMPI_COMM_WORLD_* of mpirun, PMI_* of mpiexec, SLURM_* of srun); "
+                      "launch with one of them", fn)
+    rank, size, _, local_size = env
+    if backend is None:
+        backend = "nccl" if _torch.cuda.is_available() else "gloo"
+    kwargs.setdefault("rank", rank)
+    kwargs.setdefault("world_size", size)
+    if "init_method" not in kwargs and "store" not in kwargs and not (
+            "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ):
+        job = next((os.environ[v] for v in _JOB_IDS if v in os.environ), None)
+        if local_size != size or job is None:
+            _epx._invalid("%s: set MASTER_ADDR and MASTER_PORT (rank 0's host and a free port): "
+                          "the ranks span hosts, or the launcher gives no job id", fn)
+        kwargs["store"] = _job_store(job, rank, size, kwargs.get("timeout"))
+    dist.init_process_group(backend, **kwargs)

@@ -439,8 +439,9 @@ def test_replay_mismatch_raises_its_class():
         buf.close()
 
 
-def test_comm_from_process_group_needs_mpirun_for_cpu_groups(tmp_path):
-    """A gloo group not started by mpirun gets a clear error saying how to launch."""
+def test_comm_from_process_group_on_a_gloo_group_without_mpirun(tmp_path):
+    """A gloo group not started by mpirun gets the shm transport; transport
+    'mpi' there is refused saying how to launch, an unknown one by name."""
     code = (
         "import os, torch.distributed as dist, epx, epx.torch as et\n"
         "for v in %r: os.environ.pop(v, None)\n"
@@ -448,14 +449,19 @@ def test_comm_from_process_group_needs_mpirun_for_cpu_groups(tmp_path):
         "    et.comm_from_process_group()\n"
         "except epx.InvalidArgumentError as e: print('uninit', 'init_process_group' in str(e))\n"
         "dist.init_process_group('gloo', init_method='file://%s', rank=0, world_size=1)\n"
+        "c = et.comm_from_process_group(); print('shm', c.size); c.close()\n"
         "try:\n"
-        "    et.comm_from_process_group()\n"
-        "except epx.UnsupportedError as e: print('gloo', 'mpirun -np 1' in str(e))\n"
+        "    et.comm_from_process_group(transport='mpi')\n"
+        "except epx.UnsupportedError as e: print('mpi', 'mpirun -np 1' in str(e))\n"
+        "try:\n"
+        "    et.comm_from_process_group(transport='tcp')\n"
+        "except epx.InvalidArgumentError as e: print('tcp', \"'shm'\" in str(e))\n"
         "dist.destroy_process_group()\n" % (et._MPI_LAUNCH_VARS, tmp_path / "store"))
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, env=_child_env())
     assert run.returncode == 0, run.stderr
-    assert run.stdout.split() == ["uninit", "True", "gloo", "True"], run.stdout + run.stderr
+    assert run.stdout.split() == ["uninit", "True", "shm", "1", "mpi", "True", "tcp", "True"], \
+        run.stdout + run.stderr
 
 
 # ---------------------------------------------------------------------------
@@ -477,10 +483,9 @@ def mpi_layer_worker(out_dir, seed, W, hide_mpi4py):
     import torch.distributed as dist
     if hide_mpi4py:
         sys.modules["mpi4py"] = None  # the ctypes path to MPI_COMM_WORLD
-    rank = int(os.environ["OMPI_COMM_WORLD_RANK"])
-    dist.init_process_group("gloo", init_method="file://" + os.path.join(out_dir, "store"),
-                            rank=rank, world_size=W)
-    comm = et.comm_from_process_group(timeout_seconds=TIMEOUT)
+    et.init_process_group("gloo")  # the rank and size from mpirun's variables
+    rank = dist.get_rank()
+    comm = et.comm_from_process_group(timeout_seconds=TIMEOUT, transport="mpi")
     assert (comm.rank, comm.size) == (rank, W)
     p = Problem(seed, W, T=24, H=16, F=8, E=8, K=2)
     res = layer_step(comm, p, W_.NONE, aux_loss_coeff=0.01)
@@ -492,9 +497,10 @@ def mpi_layer_worker(out_dir, seed, W, hide_mpi4py):
 
 @pytest.mark.parametrize("W,hide_mpi4py", [(2, False), (4, False), (2, True)])
 def test_layer_over_a_gloo_group_under_mpirun(tmp_path, W, hide_mpi4py):
-    """comm_from_process_group on a gloo group under mpirun -np W (through
-    mpi4py, and through the MPI libepx links): the same bits as the local
-    transport."""
+    """comm_from_process_group(transport="mpi") on a gloo group under mpirun
+    -np W, initialised by et.init_process_group with no variables mapped
+    (through mpi4py, and through the MPI libepx links): the same bits as the
+    local transport."""
     mpiexec = shutil.which("mpiexec")
     if not (mpiexec and epx.has_mpi()):
         pytest.skip("needs mpiexec and a libepx built with MPI")

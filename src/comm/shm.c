@@ -1,0 +1,685 @@
+/* The shm transport: W ranks as processes of one host, meeting in POSIX
+ * shared memory (torchrun's or any launcher's processes, no MPI needed).
+ *
+ * A control segment (shm_open(name), created by rank 0, opened by the others,
+ * unlinked once every rank holds it) carries a process-shared mutex and
+ * condition variable, a generation-counted barrier and one slot per rank: the
+ * same rendezvous as the local transport's threads, without pointers. Each
+ * rank also owns a data segment where it stages what it sends; a collective
+ * copies the rank's send side in, meets its peers at a "gather" barrier, maps
+ * the peers' data segments it has not mapped yet, copies its own pieces out
+ * of them, and meets them again at a "release" barrier, so that no rank
+ * writes its data segment again while a peer may still read it. A data
+ * segment grows by replacement: a new name (rank and sequence number), which
+ * the owner unlinks after the release of the collective that published it,
+ * when every peer has mapped it; /dev/shm keeps no name once the ranks are
+ * past it, and the memory goes when the last process unmaps it.
+ *
+ * Failure: every wait (both barriers, and a rank's wait for rank 0's segment
+ * at create) is bounded by timeout_seconds. On expiry the ranks still missing
+ * are named, the world is marked failed and every waiter is woken; a failed
+ * world answers every later call at once with EPX_ERROR_PEER_FAILED. The
+ * release wait is bounded too (unlike the local transport's): peers read the
+ * staged copy, never the caller's buffer, so a rank may leave a failed
+ * collective early. A process that ends holding the mutex (robust mutex)
+ * fails the world. */
+#include <errno.h>
+#include <fcntl.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "comm/comm.h"
+#include "core/error.h"
+
+/* "epxshm02": the layout below; a rank built from another layout refuses. */
+#define SHM_MAGIC 0x65707873686d3032ULL
+#define SHM_NAME_MAX 200
+#define SHM_MIN_DATA ((size_t)1 << 16)
+
+typedef enum shm_op {
+  SHM_OP_CREATE = 0,
+  SHM_OP_ALLTOALL,
+  SHM_OP_ALLTOALLV,
+  SHM_OP_ALLGATHER,
+  SHM_OP_ALLREDUCE,
+  SHM_OP_BARRIER
+} shm_op_t;
+
+static const char *const shm_op_names[] = {"create",    "alltoall",  "alltoallv",
+                                           "allgather", "allreduce", "barrier"};
+
+typedef struct shm_slot {
+  /* Under the world's mutex. */
+  int32_t attached; /* a comm of this rank is alive */
+  int32_t op;       /* the collective it is in (shm_op_t) and its size argument, */
+  uint64_t arg;     /* which must be equal on every rank */
+  uint64_t arrived; /* 1 + the generation of the barrier it last reached */
+  int32_t error;    /* at a release barrier: this rank failed */
+  char caller[48];
+  /* Its data segment: sequence number (0: none yet) and size; read by peers
+   * between the gather and the release. */
+  uint64_t data_seq;
+  uint64_t data_bytes;
+} shm_slot_t;
+
+typedef struct shm_world {
+  _Atomic uint64_t magic; /* stored last by rank 0, once the rest is ready */
+  int32_t size;
+  double timeout_seconds;
+  pthread_mutex_t lock;
+  pthread_cond_t cond;
+  /* Under lock. */
+  uint64_t generation;
+  int32_t arrived;
+  int32_t attached;
+  int32_t failed;
+  int32_t fail_status;
+  uint64_t fail_generation;
+  char fail_caller[64];
+  char fail_reason[448];
+  shm_slot_t slots[]; /* [size] */
+} shm_world_t;
+
+/* A data segment mapped into this process. */
+typedef struct shm_map {
+  uint64_t seq;
+  size_t bytes;
+  char *base;
+} shm_map_t;
+
+/* This process's side of the comm (comm->impl). */
+typedef struct shm_state {
+  shm_world_t *world;
+  size_t world_bytes;
+  char name[SHM_NAME_MAX + 2];
+  shm_map_t *maps; /* [size]; maps[rank] is the own data segment */
+  int own_linked;  /* the own data segment's name is still in /dev/shm */
+} shm_state_t;
+
+static size_t shm_world_bytes(int32_t size) {
+  return sizeof(shm_world_t) + sizeof(shm_slot_t) * (size_t)size;
+}
+
+static void shm_data_name(char *out, size_t cap, const shm_state_t *st, int32_t rank,
+                          uint64_t seq) {
+  snprintf(out, cap, "%s.%d.%llu", st->name, rank, (unsigned long long)seq);
+}
+
+static void shm_fail_locked(shm_world_t *w, uint64_t generation, epx_status_t status,
+                            const char *caller, const char *format, ...)
+    __attribute__((format(printf, 5, 6)));
+static void shm_fail_locked(shm_world_t *w, uint64_t generation, epx_status_t status,
+                            const char *caller, const char *format, ...) {
+  va_list args;
+  va_start(args, format);
+  vsnprintf(w->fail_reason, sizeof w->fail_reason, format, args);
+  va_end(args);
+  snprintf(w->fail_caller, sizeof w->fail_caller, "%s", caller);
+  w->failed = 1;
+  w->fail_generation = generation;
+  w->fail_status = status;
+  pthread_cond_broadcast(&w->cond);
+}
+
+/* Locks the world; a peer process that ended holding the lock fails it. */
+static void shm_lock(shm_world_t *w, const char *caller) {
+  if (pthread_mutex_lock(&w->lock) != EOWNERDEAD) return;
+  pthread_mutex_consistent(&w->lock);
+  if (!w->failed)
+    shm_fail_locked(w, w->generation, EPX_ERROR_PEER_FAILED, caller,
+                    "a rank's process ended inside an epx call (it held the shared lock)");
+}
+
+static epx_status_t shm_failed_error_locked(epx_comm_t comm, const char *caller,
+                                            uint64_t generation) {
+  shm_world_t *w = ((shm_state_t *)comm->impl)->world;
+  comm->failed = 1;
+  if (generation != w->fail_generation)
+    return epx_error(EPX_ERROR_PEER_FAILED,
+                     "%s: the comm failed earlier, in %s: %s; destroy it and create a new one",
+                     caller, w->fail_caller, w->fail_reason);
+  if (w->fail_status == EPX_ERROR_TIMEOUT)
+    return epx_error(EPX_ERROR_TIMEOUT,
+                     "%s: %s; a missing rank failed before this collective or is stuck. The "
+                     "comm is now failed (later calls return EPX_ERROR_PEER_FAILED); destroy it",
+                     caller, w->fail_reason);
+  return epx_error((epx_status_t)w->fail_status, "%s: %s; the comm is now failed, destroy it",
+                   caller, w->fail_reason);
+}
+
+static void shm_fail_timeout_locked(shm_world_t *w, uint64_t generation, const char *caller) {
+  char ranks[256];
+  size_t used = 0;
+  int32_t missing = 0, named = 0;
+  for (int32_t p = 0; p < w->size; p++) {
+    if (w->slots[p].arrived == generation + 1) continue;
+    missing++;
+    if (named < 16 && used < sizeof ranks) {
+      int n = snprintf(ranks + used, sizeof ranks - used, "%s%d", named ? ", " : "", p);
+      if (n > 0) used += (size_t)n;
+      named++;
+    }
+  }
+  if (missing > named && used < sizeof ranks)
+    snprintf(ranks + used, sizeof ranks - used, ", ... (%d in all)", missing);
+  shm_fail_locked(w, generation, EPX_ERROR_TIMEOUT, caller,
+                  "rank%s %s did not arrive within %g s (comm timeout_seconds)",
+                  missing > 1 ? "s" : "", ranks, w->timeout_seconds);
+}
+
+static int shm_bounded(double timeout_seconds) {
+  return timeout_seconds > 0 && timeout_seconds < 1e9;
+}
+
+static struct timespec shm_deadline(double timeout_seconds) {
+  struct timespec deadline;
+  clock_gettime(CLOCK_MONOTONIC, &deadline);
+  double whole = floor(timeout_seconds);
+  deadline.tv_sec += (time_t)whole;
+  deadline.tv_nsec += (long)((timeout_seconds - whole) * 1e9);
+  if (deadline.tv_nsec >= 1000000000L) {
+    deadline.tv_sec++;
+    deadline.tv_nsec -= 1000000000L;
+  }
+  return deadline;
+}
+
+/* Waits (under lock) until the barrier of `generation` completes, the world
+ * fails, or the timeout passes. */
+static epx_status_t shm_wait_locked(epx_comm_t comm, const char *caller, uint64_t generation) {
+  shm_world_t *w = ((shm_state_t *)comm->impl)->world;
+  int bounded = shm_bounded(w->timeout_seconds);
+  struct timespec deadline = shm_deadline(bounded ? w->timeout_seconds : 0);
+  while (w->generation == generation && !w->failed) {
+    int rc = bounded ? pthread_cond_timedwait(&w->cond, &w->lock, &deadline)
+                     : pthread_cond_wait(&w->cond, &w->lock);
+    if (rc == EOWNERDEAD) {
+      pthread_mutex_consistent(&w->lock);
+      if (!w->failed)
+        shm_fail_locked(w, generation, EPX_ERROR_PEER_FAILED, caller,
+                        "a rank's process ended inside an epx call (it held the shared lock)");
+    }
+    if (rc == ETIMEDOUT && w->generation == generation && !w->failed)
+      shm_fail_timeout_locked(w, generation, caller);
+  }
+  if (w->generation != generation) return EPX_SUCCESS;
+  return shm_failed_error_locked(comm, caller, generation);
+}
+
+/* Arrives at the current barrier (under lock) and waits for the others. */
+static epx_status_t shm_arrive_locked(epx_comm_t comm, const char *caller) {
+  shm_world_t *w = ((shm_state_t *)comm->impl)->world;
+  uint64_t generation = w->generation;
+  w->slots[comm->rank].arrived = generation + 1;
+  if (++w->arrived == w->size) {
+    w->arrived = 0;
+    w->generation++;
+    pthread_cond_broadcast(&w->cond);
+    return EPX_SUCCESS;
+  }
+  return shm_wait_locked(comm, caller, generation);
+}
+
+/* Checks that every peer waiting at this barrier is in the same collective
+ * with the same size, and that none has gone (under lock). */
+static epx_status_t shm_check_peers_locked(epx_comm_t comm, const char *caller, shm_op_t op,
+                                           uint64_t arg) {
+  shm_world_t *w = ((shm_state_t *)comm->impl)->world;
+  uint64_t generation = w->generation;
+  for (int32_t p = 0; p < w->size; p++) {
+    const shm_slot_t *peer = &w->slots[p];
+    if (p == comm->rank) continue;
+    if (op != SHM_OP_CREATE && !peer->attached) {
+      shm_fail_locked(w, generation, EPX_ERROR_PEER_FAILED, caller,
+                      "rank %d destroyed its comm while rank %d is in %s (%s)", p, comm->rank,
+                      caller, shm_op_names[op]);
+      return shm_failed_error_locked(comm, caller, generation);
+    }
+    if (peer->arrived == generation + 1 && (peer->op != (int32_t)op || peer->arg != arg)) {
+      shm_fail_locked(w, generation, EPX_ERROR_PEER_FAILED, caller,
+                      "rank %d is in %s (%s, size %llu) while rank %d is in %s (%s, size %llu); "
+                      "every rank must make the same collective calls with the same sizes in "
+                      "the same order",
+                      comm->rank, caller, shm_op_names[op], (unsigned long long)arg, p,
+                      peer->caller, shm_op_names[peer->op], (unsigned long long)peer->arg);
+      return shm_failed_error_locked(comm, caller, generation);
+    }
+  }
+  return EPX_SUCCESS;
+}
+
+/* Publishes the rank's data segment and waits for every peer to reach the
+ * same collective. */
+static epx_status_t shm_gather(epx_comm_t comm, const char *caller, shm_op_t op, uint64_t arg) {
+  shm_state_t *st = comm->impl;
+  shm_world_t *w = st->world;
+  shm_slot_t *mine = &w->slots[comm->rank];
+  shm_lock(w, caller);
+  epx_status_t status = w->failed ? shm_failed_error_locked(comm, caller, UINT64_MAX)
+                                  : shm_check_peers_locked(comm, caller, op, arg);
+  if (status == EPX_SUCCESS) {
+    mine->op = (int32_t)op;
+    mine->arg = arg;
+    snprintf(mine->caller, sizeof mine->caller, "%s", caller);
+    mine->data_seq = st->maps[comm->rank].seq;
+    mine->data_bytes = st->maps[comm->rank].bytes;
+    status = shm_arrive_locked(comm, caller);
+  }
+  pthread_mutex_unlock(&w->lock);
+  return status;
+}
+
+/* Waits until every peer is done reading this collective's data; a rank that
+ * failed (`status`) makes the others fail naming it. The own data segment's
+ * name goes once every peer has mapped it. */
+static epx_status_t shm_release(epx_comm_t comm, const char *caller, shm_op_t op,
+                                epx_status_t status) {
+  shm_state_t *st = comm->impl;
+  shm_world_t *w = st->world;
+  shm_lock(w, caller);
+  w->slots[comm->rank].error = status != EPX_SUCCESS;
+  epx_status_t waited = w->failed ? shm_failed_error_locked(comm, caller, UINT64_MAX)
+                                  : shm_arrive_locked(comm, caller);
+  if (status == EPX_SUCCESS) status = waited;
+  for (int32_t p = 0; p < w->size && status == EPX_SUCCESS; p++)
+    if (w->slots[p].error)
+      status = epx_error(EPX_ERROR_PEER_FAILED,
+                         "%s: rank %d failed in this %s (its own error says why); this rank's "
+                         "output is incomplete",
+                         caller, p, shm_op_names[op]);
+  pthread_mutex_unlock(&w->lock);
+  if (st->own_linked) {
+    char name[SHM_NAME_MAX + 48];
+    shm_data_name(name, sizeof name, st, comm->rank, st->maps[comm->rank].seq);
+    shm_unlink(name);
+    st->own_linked = 0;
+  }
+  return status;
+}
+
+/* Maps `bytes` of the shared object `name`, creating it (and reserving its
+ * memory, so that a full /dev/shm is an error here and not a SIGBUS later)
+ * when `create`. */
+static epx_status_t shm_map_object(const char *caller, const char *name, size_t bytes, int create,
+                                   char **out) {
+  int fd = shm_open(name, create ? O_CREAT | O_EXCL | O_RDWR : O_RDWR, 0600);
+  if (fd < 0)
+    return epx_error(EPX_ERROR_TRANSPORT, "%s: shm_open(\"%s\") failed: %s", caller, name,
+                     strerror(errno));
+  int rc = create ? posix_fallocate(fd, 0, (off_t)bytes) : 0;
+  if (rc) {
+    close(fd);
+    shm_unlink(name);
+    return epx_error(EPX_ERROR_OUT_OF_MEMORY,
+                     "%s: cannot reserve %zu bytes of shared memory for \"%s\" (%s); /dev/shm is "
+                     "too small: enlarge it (docker run --shm-size=...)",
+                     caller, bytes, name, strerror(rc));
+  }
+  void *base = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  int mmap_errno = errno;
+  close(fd);
+  if (base == MAP_FAILED) {
+    if (create) shm_unlink(name);
+    return epx_error(EPX_ERROR_TRANSPORT, "%s: mmap of \"%s\" (%zu bytes) failed: %s", caller,
+                     name, bytes, strerror(mmap_errno));
+  }
+  *out = base;
+  return EPX_SUCCESS;
+}
+
+/* The own data segment, at least `bytes` large (a new, larger one if not);
+ * called before the gather, when no peer reads it. */
+static epx_status_t shm_stage(epx_comm_t comm, const char *caller, size_t bytes, char **block) {
+  shm_state_t *st = comm->impl;
+  shm_map_t *own = &st->maps[comm->rank];
+  if (own->bytes < bytes) {
+    size_t page = (size_t)sysconf(_SC_PAGESIZE);
+    size_t want = bytes > 2 * own->bytes ? bytes : 2 * own->bytes;
+    if (want < SHM_MIN_DATA) want = SHM_MIN_DATA;
+    want = (want + page - 1) / page * page;
+    char name[SHM_NAME_MAX + 48], *base = NULL;
+    shm_data_name(name, sizeof name, st, comm->rank, own->seq + 1);
+    epx_status_t status = shm_map_object(caller, name, want, 1, &base);
+    if (status != EPX_SUCCESS) return status;
+    if (own->base) munmap(own->base, own->bytes);
+    own->base = base;
+    own->bytes = want;
+    own->seq++;
+    st->own_linked = 1;
+  }
+  *block = own->base;
+  return EPX_SUCCESS;
+}
+
+/* Maps every peer's current data segment (after the gather). */
+static epx_status_t shm_map_peers(epx_comm_t comm, const char *caller) {
+  shm_state_t *st = comm->impl;
+  for (int32_t p = 0; p < comm->size; p++) {
+    const shm_slot_t *slot = &st->world->slots[p];
+    shm_map_t *map = &st->maps[p];
+    if (p == comm->rank || slot->data_seq == map->seq) continue;
+    char name[SHM_NAME_MAX + 48], *base = NULL;
+    shm_data_name(name, sizeof name, st, p, slot->data_seq);
+    epx_status_t status = shm_map_object(caller, name, (size_t)slot->data_bytes, 0, &base);
+    if (status != EPX_SUCCESS) return status;
+    if (map->base) munmap(map->base, map->bytes);
+    map->base = base;
+    map->bytes = (size_t)slot->data_bytes;
+    map->seq = slot->data_seq;
+  }
+  return EPX_SUCCESS;
+}
+
+/* Stages `bytes` from `send` (may be NULL: the caller fills the block after)
+ * and meets the peers; on success every peer's block is mapped. */
+static epx_status_t shm_publish(epx_comm_t comm, const char *caller, shm_op_t op, uint64_t arg,
+                                const void *send, size_t bytes, char **block) {
+  char *own = NULL;
+  epx_status_t status = shm_stage(comm, caller, bytes, &own);
+  if (status != EPX_SUCCESS) return status;
+  if (send && bytes) memcpy(own, send, bytes);
+  if (block) *block = own;
+  return shm_gather(comm, caller, op, arg);
+}
+
+static epx_status_t shm_alltoall(epx_comm_t comm, const char *caller, const void *send,
+                                 void *recv, size_t bytes) {
+  size_t total = bytes * (size_t)comm->size;
+  epx_status_t status = shm_publish(comm, caller, SHM_OP_ALLTOALL, bytes, send, total, NULL);
+  if (status != EPX_SUCCESS) return status;
+  shm_state_t *st = comm->impl;
+  status = shm_map_peers(comm, caller);
+  for (int32_t i = 0; i < comm->size && bytes && status == EPX_SUCCESS; i++) {
+    int32_t s = (comm->rank + i) % comm->size;
+    memcpy((char *)recv + (size_t)s * bytes, st->maps[s].base + (size_t)comm->rank * bytes,
+           bytes);
+  }
+  return shm_release(comm, caller, SHM_OP_ALLTOALL, status);
+}
+
+/* The alltoallv block: counts[size] and byte offsets[size] (int64), then each
+ * destination's units packed in rank order. */
+static epx_status_t shm_alltoallv(epx_comm_t comm, const char *caller, const void *send,
+                                  const int64_t *send_counts, const int64_t *send_displs,
+                                  void *recv, const int64_t *recv_counts,
+                                  const int64_t *recv_displs, size_t unit) {
+  const int32_t size = comm->size, rank = comm->rank;
+  size_t head = sizeof(int64_t) * 2 * (size_t)size, total = head;
+  for (int32_t r = 0; r < size; r++) total += (size_t)send_counts[r] * unit;
+  char *block = NULL;
+  epx_status_t status = shm_stage(comm, caller, total, &block);
+  if (status != EPX_SUCCESS) return status;
+  int64_t *counts = (int64_t *)block, *offsets = counts + size;
+  size_t at = head;
+  for (int32_t r = 0; r < size; r++) {
+    size_t piece = (size_t)send_counts[r] * unit;
+    counts[r] = send_counts[r];
+    offsets[r] = (int64_t)at;
+    if (piece) memcpy(block + at, (const char *)send + (size_t)send_displs[r] * unit, piece);
+    at += piece;
+  }
+  status = shm_gather(comm, caller, SHM_OP_ALLTOALLV, unit);
+  if (status != EPX_SUCCESS) return status;
+  shm_state_t *st = comm->impl;
+  status = shm_map_peers(comm, caller);
+  for (int32_t i = 0; i < size && status == EPX_SUCCESS; i++) {
+    int32_t s = (rank + i) % size;
+    const int64_t *peer = (const int64_t *)st->maps[s].base;
+    int64_t count = peer[rank];
+    if (count != recv_counts[s] || count < 0) {
+      status = epx_error(EPX_ERROR_INTERNAL,
+                         "%s: rank %d sends %lld units to rank %d, which expects %lld "
+                         "(recv_counts[%d]); the count exchange before this alltoallv is "
+                         "inconsistent",
+                         caller, s, (long long)count, rank, (long long)recv_counts[s], s);
+      break;
+    }
+    if (count)
+      memcpy((char *)recv + (size_t)recv_displs[s] * unit, st->maps[s].base + peer[size + rank],
+             (size_t)count * unit);
+  }
+  return shm_release(comm, caller, SHM_OP_ALLTOALLV, status);
+}
+
+static epx_status_t shm_allgather(epx_comm_t comm, const char *caller, const void *send,
+                                  void *recv, size_t bytes) {
+  epx_status_t status = shm_publish(comm, caller, SHM_OP_ALLGATHER, bytes, send, bytes, NULL);
+  if (status != EPX_SUCCESS) return status;
+  shm_state_t *st = comm->impl;
+  status = shm_map_peers(comm, caller);
+  for (int32_t s = 0; s < comm->size && bytes && status == EPX_SUCCESS; s++)
+    memcpy((char *)recv + (size_t)s * bytes, st->maps[s].base, bytes);
+  return shm_release(comm, caller, SHM_OP_ALLGATHER, status);
+}
+
+static epx_status_t shm_allreduce_max_i64(epx_comm_t comm, const char *caller, int64_t *values,
+                                          int32_t count) {
+  size_t bytes = sizeof(int64_t) * (size_t)count;
+  epx_status_t status =
+      shm_publish(comm, caller, SHM_OP_ALLREDUCE, (uint64_t)count, values, bytes, NULL);
+  if (status != EPX_SUCCESS) return status;
+  shm_state_t *st = comm->impl;
+  status = shm_map_peers(comm, caller);
+  for (int32_t s = 0; s < comm->size && status == EPX_SUCCESS; s++) {
+    const int64_t *peer = (const int64_t *)st->maps[s].base;
+    for (int32_t i = 0; i < count; i++)
+      if (peer[i] > values[i]) values[i] = peer[i];
+  }
+  return shm_release(comm, caller, SHM_OP_ALLREDUCE, status);
+}
+
+static epx_status_t shm_barrier(epx_comm_t comm, const char *caller) {
+  return shm_gather(comm, caller, SHM_OP_BARRIER, 0);
+}
+
+static void shm_close(shm_state_t *st, int32_t size) {
+  for (int32_t p = 0; p < size && st->maps; p++)
+    if (st->maps[p].base) munmap(st->maps[p].base, st->maps[p].bytes);
+  if (st->world) munmap(st->world, st->world_bytes);
+  free(st->maps);
+  free(st);
+}
+
+static void shm_destroy(epx_comm_t comm) {
+  shm_state_t *st = comm->impl;
+  shm_world_t *w = st->world;
+  shm_lock(w, "epx_comm_destroy");
+  w->slots[comm->rank].attached = 0;
+  w->attached--;
+  /* A peer that already waits in its next collective would wait in vain. */
+  for (int32_t p = 0; p < w->size && !w->failed; p++) {
+    const shm_slot_t *peer = &w->slots[p];
+    if (peer->attached && peer->arrived == w->generation + 1 && peer->op != SHM_OP_CREATE)
+      shm_fail_locked(w, w->generation, EPX_ERROR_PEER_FAILED, peer->caller,
+                      "rank %d destroyed its comm while rank %d is in %s (%s)", comm->rank, p,
+                      peer->caller, shm_op_names[peer->op]);
+  }
+  pthread_mutex_unlock(&w->lock);
+  if (st->own_linked) {
+    char name[SHM_NAME_MAX + 48];
+    shm_data_name(name, sizeof name, st, comm->rank, st->maps[comm->rank].seq);
+    shm_unlink(name);
+  }
+  shm_close(st, comm->size);
+  comm->impl = NULL;
+}
+
+static const epx_transport_ops_t shm_ops = {
+    .name = "shm",
+    .alltoall = shm_alltoall,
+    .alltoallv = shm_alltoallv,
+    .allgather = shm_allgather,
+    .allreduce_max_i64 = shm_allreduce_max_i64,
+    .barrier = shm_barrier,
+    .destroy = shm_destroy,
+};
+
+/* Rank 0: the control segment, its lock and condition variable shared
+ * between processes, the magic stored last. */
+static epx_status_t shm_world_init(shm_state_t *st, int32_t size, double timeout_seconds) {
+  const char *fn = "epx_comm_create_shm";
+  char *base = NULL;
+  epx_status_t status = shm_map_object(fn, st->name, st->world_bytes, 1, &base);
+  if (status != EPX_SUCCESS) return status;
+  shm_world_t *w = (shm_world_t *)base;
+  w->size = size;
+  w->timeout_seconds = timeout_seconds;
+  pthread_mutexattr_t mattr;
+  pthread_condattr_t cattr;
+  int rc = pthread_mutexattr_init(&mattr);
+  if (!rc) rc = pthread_mutexattr_setpshared(&mattr, PTHREAD_PROCESS_SHARED);
+  if (!rc) rc = pthread_mutexattr_setrobust(&mattr, PTHREAD_MUTEX_ROBUST);
+  if (!rc) rc = pthread_mutex_init(&w->lock, &mattr);
+  pthread_mutexattr_destroy(&mattr);
+  /* A monotonic clock, so that setting the wall clock cannot stretch a timeout. */
+  if (!rc) rc = pthread_condattr_init(&cattr);
+  if (!rc) rc = pthread_condattr_setpshared(&cattr, PTHREAD_PROCESS_SHARED);
+  if (!rc) rc = pthread_condattr_setclock(&cattr, CLOCK_MONOTONIC);
+  if (!rc) rc = pthread_cond_init(&w->cond, &cattr);
+  pthread_condattr_destroy(&cattr);
+  st->world = w;
+  if (rc) {
+    shm_unlink(st->name);
+    return epx_error(EPX_ERROR_INTERNAL,
+                     "%s: process-shared mutex or condition variable init failed (%s)", fn,
+                     strerror(rc));
+  }
+  atomic_store_explicit(&w->magic, SHM_MAGIC, memory_order_release);
+  return EPX_SUCCESS;
+}
+
+/* Maps the control segment if rank 0 has made it and finished its init
+ * (NULL if not yet). */
+static shm_world_t *shm_world_try(const shm_state_t *st) {
+  int fd = shm_open(st->name, O_RDWR, 0600);
+  if (fd < 0) return NULL;
+  struct stat info;
+  void *base = MAP_FAILED;
+  if (fstat(fd, &info) == 0 && (size_t)info.st_size >= st->world_bytes)
+    base = mmap(NULL, st->world_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  if (base == MAP_FAILED) return NULL;
+  shm_world_t *w = base;
+  if (atomic_load_explicit(&w->magic, memory_order_acquire) == SHM_MAGIC) return w;
+  munmap(base, st->world_bytes);
+  return NULL;
+}
+
+/* Ranks > 0: opens rank 0's control segment, waiting for it to appear and be
+ * initialised, up to the timeout. */
+static epx_status_t shm_world_open(shm_state_t *st, int32_t size, double timeout_seconds) {
+  const char *fn = "epx_comm_create_shm";
+  int bounded = shm_bounded(timeout_seconds);
+  struct timespec deadline = shm_deadline(bounded ? timeout_seconds : 0);
+  const struct timespec pause = {0, 1000000L};
+  while (!(st->world = shm_world_try(st))) {
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    if (bounded && (now.tv_sec > deadline.tv_sec ||
+                    (now.tv_sec == deadline.tv_sec && now.tv_nsec >= deadline.tv_nsec)))
+      return epx_error(EPX_ERROR_TIMEOUT,
+                       "%s: rank 0 did not create the shared segment \"%s\" of a %d-rank world "
+                       "within %g s (comm timeout_seconds); is rank 0 running, with the same "
+                       "name and size?",
+                       fn, st->name, size, timeout_seconds);
+    nanosleep(&pause, NULL);
+  }
+  if (st->world->size != size)
+    return epx_error(EPX_ERROR_INVALID_ARGUMENT,
+                     "%s: size is %d but rank 0 created \"%s\" for %d ranks; pass the same size "
+                     "on every rank",
+                     fn, size, st->name, st->world->size);
+  return EPX_SUCCESS;
+}
+
+/* Takes the rank's slot (a second live comm of the same rank is refused). */
+static epx_status_t shm_attach(epx_comm_t comm) {
+  shm_world_t *w = ((shm_state_t *)comm->impl)->world;
+  const char *fn = "epx_comm_create_shm";
+  epx_status_t status = EPX_SUCCESS;
+  shm_lock(w, fn);
+  if (w->failed)
+    status = epx_error(EPX_ERROR_PEER_FAILED, "%s: the world failed earlier, in %s: %s", fn,
+                       w->fail_caller, w->fail_reason);
+  else if (w->slots[comm->rank].attached)
+    status = epx_error(EPX_ERROR_INVALID_ARGUMENT,
+                       "%s: rank %d already has a live comm on \"%s\"; every rank passes its "
+                       "own rank (and a new name for each new comm)",
+                       fn, comm->rank, ((shm_state_t *)comm->impl)->name);
+  if (status == EPX_SUCCESS) {
+    w->slots[comm->rank].attached = 1;
+    w->attached++;
+  }
+  pthread_mutex_unlock(&w->lock);
+  return status;
+}
+
+static int shm_name_ok(const char *name) {
+  size_t n = strlen(name);
+  if (n == 0 || n > SHM_NAME_MAX) return 0;
+  for (size_t i = 0; i < n; i++) {
+    char c = name[i];
+    int ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+             c == '-' || c == '_' || c == '.';
+    if (!ok) return 0;
+  }
+  return 1;
+}
+
+epx_status_t epx_comm_create_shm(const char *name, int32_t rank, int32_t size,
+                                 const epx_comm_config_t *config, epx_comm_t *comm) {
+  const char *fn = "epx_comm_create_shm";
+  epx_error_clear();
+  EPX_REQUIRE(comm, "%s: comm is NULL; pass the address of an epx_comm_t", fn);
+  EPX_REQUIRE(name && shm_name_ok(name),
+              "%s: name is %s; pass the job's name for the comm, 1 to %d characters of "
+              "[A-Za-z0-9._-], the same on every rank and new for every comm",
+              fn, name ? "not such a name" : "NULL", SHM_NAME_MAX);
+  EPX_REQUIRE(size >= 1, "%s: size is %d; pass the number of ranks (>= 1)", fn, size);
+  EPX_REQUIRE(rank >= 0 && rank < size, "%s: rank is %d; pass 0 <= rank < %d (size)", fn, rank,
+              size);
+  double timeout_seconds;
+  epx_status_t status = epx_comm_config_timeout(fn, config, &timeout_seconds);
+  if (status != EPX_SUCCESS) return status;
+  epx_comm_t created = NULL;
+  shm_state_t *st = calloc(1, sizeof *st);
+  if (st) st->maps = calloc((size_t)size, sizeof *st->maps);
+  if (!st || !st->maps) {
+    if (st) free(st);
+    return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory for %d ranks", fn, size);
+  }
+  snprintf(st->name, sizeof st->name, "/%s", name);
+  st->world_bytes = shm_world_bytes(size);
+  EPX_CHECK(rank == 0 ? shm_world_init(st, size, timeout_seconds)
+                      : shm_world_open(st, size, timeout_seconds));
+  EPX_CHECK(epx_comm_new(fn, timeout_seconds, &created));
+  created->ops = &shm_ops;
+  created->rank = rank;
+  created->size = size;
+  created->impl = st;
+  EPX_CHECK(shm_attach(created));
+  status = shm_gather(created, fn, SHM_OP_CREATE, 0);
+  /* Every rank holds the control segment now (or gave up): its name can go. */
+  if (rank == 0) shm_unlink(st->name);
+  if (status != EPX_SUCCESS) {
+    shm_destroy(created);
+    epx_comm_free(created);
+    return status;
+  }
+  *comm = created->id;
+  return EPX_SUCCESS;
+fail:
+  if (rank == 0 && st->world) shm_unlink(st->name);
+  shm_close(st, size);
+  if (created) epx_comm_free(created);
+  return status;
+}
