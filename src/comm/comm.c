@@ -128,7 +128,8 @@ epx_status_t epx_comm_create_mpi(const void *mpi_comm, const epx_comm_config_t *
   return epx_error(EPX_ERROR_UNSUPPORTED,
                    "epx_comm_create_mpi: this build of epx has no MPI transport (MPI was not "
                    "found when it was configured); install MPI and rebuild with "
-                   "-DEPX_BUILD_MPI=ON, or use epx_local_world_create for ranks as threads");
+                   "-DEPX_BUILD_MPI=ON, or use epx_comm_create_shm for processes of one host "
+                   "or epx_local_world_create for ranks as threads");
 #endif
 }
 
