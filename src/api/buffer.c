@@ -10,6 +10,7 @@
 #include "core/checked.h"
 #include "core/config.h"
 #include "core/error.h"
+#include "core/fp8.h"
 #include "core/objects.h"
 #include "core/registry.h"
 #include "core/route_spec.h"
@@ -31,13 +32,13 @@ typedef struct {
   int64_t status;
   int64_t device, dtype, hidden, num_experts, max_top_k, max_tokens_per_rank,
       max_tokens_rounding, exchange, layout, expert_alignment, capacity, combine_precision,
-      exchange_path, sm_budget;
+      exchange_path, sm_budget, fp8_format;
 } buffer_shape_t;
 
 static const char *const shape_field_names[] = {
     "status", "device", "dtype", "hidden", "num_experts", "max_top_k", "max_tokens_per_rank",
     "max_tokens_rounding", "exchange", "layout", "expert_alignment", "capacity", "combine_precision",
-    "exchange_path", "sm_budget"};
+    "exchange_path", "sm_budget", "fp8_format"};
 
 /* The receive bound of a buffer (epx_buffer_max_recv_rows), every product
  * checked: a dropless rank receives up to min(k, E_local) rows of each of
@@ -101,6 +102,29 @@ static epx_status_t check_buffer_sizes(epx_comm_t comm, const epx_buffer_config_
   return status;
 }
 
+/* An fp8 format: a known one, on a backend with an fp8 path, over a combine
+ * dtype of bf16 or f32, with hidden a multiple of its block. */
+static epx_status_t check_fp8_format(const epx_buffer_config_t *c) {
+  const char *fn = "epx_buffer_create";
+  if (c->fp8_format == EPX_FP8_NONE) return EPX_SUCCESS;
+  int32_t multiple = epx_fp8_hidden_multiple(c->fp8_format);
+  EPX_REQUIRE(multiple, "%s: config.fp8_format %d is not an epx_fp8_format_t", fn, (int)c->fp8_format);
+  if (!epx_backend_for_device(c->device)->dispatch_fp8)
+    return epx_error(EPX_ERROR_UNSUPPORTED,
+                     "%s: config.fp8_format is not supported on this device in this version; use a CPU "
+                     "buffer for fp8 dispatch, or EPX_FP8_NONE", fn);
+  EPX_REQUIRE(c->dtype == EPX_BFLOAT16 || c->dtype == EPX_FLOAT32,
+              "%s: config.dtype %d with an fp8 format: the dtype is what combine and the backward "
+              "passes use; pass EPX_BFLOAT16 or EPX_FLOAT32", fn, (int)c->dtype);
+  EPX_REQUIRE(c->hidden % multiple == 0,
+              "%s: config.hidden is %lld, not a multiple of %d, which config.fp8_format %d needs "
+              "(%s); pad the hidden size or pick another format", fn, (long long)c->hidden, multiple,
+              (int)c->fp8_format,
+              c->fp8_format == EPX_FP8_E4M3_UE8M0_128 ? "a scale per 128 channels, four to an int32 word"
+                                                       : "a scale per block of that many channels");
+  return EPX_SUCCESS;
+}
+
 /* Reads the caller's config (perhaps from an older, smaller header) over the
  * defaults into *c, and checks it. */
 static epx_status_t check_buffer_config(epx_comm_t comm, const epx_buffer_config_t *given,
@@ -146,7 +170,8 @@ static epx_status_t check_buffer_config(epx_comm_t comm, const epx_buffer_config
   EPX_REQUIRE(c->sm_budget >= 0 && c->sm_budget <= 1024,
               "%s: config.sm_budget is %d; pass the CTAs of the fused kernels in [1, 1024], or 0 for the "
               "default (32)", fn, c->sm_budget);
-  return check_buffer_sizes(comm, c);
+  status = check_fp8_format(c);
+  return status != EPX_SUCCESS ? status : check_buffer_sizes(comm, c);
 }
 
 /* Names the rank whose value is the odd one out: compares each rank with the
@@ -181,7 +206,8 @@ static epx_status_t agree_shape(epx_comm_t comm, const epx_buffer_config_t *conf
     mine = (buffer_shape_t){0, config->device, config->dtype, config->hidden, config->num_experts,
                             config->max_top_k, config->max_tokens_per_rank, config->max_tokens_rounding,
                             config->exchange, config->layout, config->expert_alignment, config->capacity,
-                            config->combine_precision, config->exchange_path, config->sm_budget};
+                            config->combine_precision, config->exchange_path, config->sm_budget,
+                            config->fp8_format};
   char message[1024];
   strncpy(message, epx_last_error(), sizeof message - 1);
   message[sizeof message - 1] = '\0';

@@ -32,6 +32,16 @@ static epx_status_t check_alias(const void *out, const void *in, const char *fn,
   return EPX_SUCCESS;
 }
 
+/* recv tensors that hold the handle's rows. */
+static epx_status_t check_recv_capacity(epx_handle_t handle, int64_t recv_rows_capacity, const char *fn,
+                                        const char *names) {
+  if (recv_rows_capacity >= handle->recv_rows) return EPX_SUCCESS;
+  return epx_error(EPX_ERROR_CAPACITY_EXCEEDED,
+                   "%s: recv_rows_capacity %lld is below the handle's %lld rows; size %s with "
+                   "epx_handle_recv_rows (or epx_buffer_max_recv_rows)", fn, (long long)recv_rows_capacity,
+                   (long long)handle->recv_rows, names);
+}
+
 /* The checks every payload call starts with; they turn the caller's buffer
  * and handle values into the objects. A NULL or dead buffer returns at
  * once (there is no comm to agree with); a bad handle on a live CPU buffer is
@@ -56,12 +66,66 @@ epx_status_t epx_dispatch(epx_buffer_t buffer, epx_handle_t handle, const void *
   epx_status_t local = check_payload(x, handle->num_tokens, fn, "x", "[num_tokens, hidden]");
   if (local == EPX_SUCCESS) local = check_payload(recv_x, handle->recv_rows, fn, "recv_x", "[recv_rows, hidden]");
   if (local == EPX_SUCCESS) local = check_alias(recv_x, x, fn, "recv_x", "x", "[recv_rows, hidden]");
-  if (local == EPX_SUCCESS && recv_rows_capacity < handle->recv_rows)
-    local = epx_error(EPX_ERROR_CAPACITY_EXCEEDED,
-                      "%s: recv_rows_capacity %lld is below the handle's %lld rows; size recv_x with "
-                      "epx_handle_recv_rows (or epx_buffer_max_recv_rows)", fn,
-                      (long long)recv_rows_capacity, (long long)handle->recv_rows);
+  if (local == EPX_SUCCESS) local = check_recv_capacity(handle, recv_rows_capacity, fn, "recv_x");
   return buffer->backend->dispatch(buffer, handle, local, x, recv_x);
+}
+
+/* A scales tensor of the buffer's fp8 format: NULL only without rows,
+ * aligned to its entries (float32 and packed UE8M0 words: 4 bytes). */
+static epx_status_t check_scales(epx_buffer_t buffer, const void *p, int64_t rows, const char *fn, const char *name) {
+  size_t align = buffer->config.fp8_format == EPX_FP8_MXFP8 ? 1 : 4;
+  if (rows > 0 && !p)
+    return epx_error(EPX_ERROR_INVALID_ARGUMENT, "%s: %s is NULL; pass a [rows, scale_cols] tensor "
+                     "(epx_fp8_scale_shape)", fn, name);
+  if (!epx_is_aligned(p, align))
+    return epx_error(EPX_ERROR_INVALID_ARGUMENT, "%s: %s is not %zu-byte aligned; align it to its entries",
+                     fn, name, align);
+  return EPX_SUCCESS;
+}
+
+/* The checks of both fp8 dispatches; x_scales is NULL when quantizing. */
+static epx_status_t check_fp8_dispatch(epx_buffer_t buffer, epx_handle_t handle, const char *fn, const void *x,
+                                       const void *x_scales, int quantize, void *recv_x_q, void *recv_scales,
+                                       int64_t recv_rows_capacity) {
+  const int64_t T = handle->num_tokens, N = handle->recv_rows;
+  if (buffer->config.fp8_format == EPX_FP8_NONE)
+    return epx_error(EPX_ERROR_INVALID_ARGUMENT, "%s: the buffer's config.fp8_format is EPX_FP8_NONE; create "
+                     "the buffer with an fp8 format, or move rows of its dtype with epx_dispatch", fn);
+  if (handle->weighting == EPX_WEIGHTS_IN_DISPATCH)
+    return epx_error(EPX_ERROR_INVALID_ARGUMENT, "%s: the handle's weighting is EPX_WEIGHTS_IN_DISPATCH, but "
+                     "fp8 rows are moved unscaled; lay out with EPX_WEIGHTS_IN_COMBINE or EPX_WEIGHTS_NONE", fn);
+  epx_status_t status = quantize ? check_payload(x, T, fn, "x", "[num_tokens, hidden] (the buffer's dtype)")
+                                 : check_payload(x, T, fn, "x_q", "[num_tokens, hidden] e4m3");
+  if (status == EPX_SUCCESS && !quantize) status = check_scales(buffer, x_scales, T, fn, "x_scales");
+  if (status == EPX_SUCCESS) status = check_payload(recv_x_q, N, fn, "recv_x_q", "[recv_rows, hidden] e4m3");
+  if (status == EPX_SUCCESS) status = check_scales(buffer, recv_scales, N, fn, "recv_scales");
+  if (status == EPX_SUCCESS) status = check_alias(recv_x_q, x, fn, "recv_x_q", quantize ? "x" : "x_q", "[recv_rows, hidden]");
+  if (status == EPX_SUCCESS) status = check_alias(recv_scales, x_scales, fn, "recv_scales", "x_scales", "[recv_rows, scale_cols]");
+  if (status == EPX_SUCCESS) status = check_alias(recv_scales, recv_x_q, fn, "recv_scales", "recv_x_q", "[recv_rows, scale_cols]");
+  if (status == EPX_SUCCESS) status = check_recv_capacity(handle, recv_rows_capacity, fn, "recv_x_q and recv_scales");
+  return status;
+}
+
+epx_status_t epx_dispatch_fp8(epx_buffer_t buffer, epx_handle_t handle, const void *x_q, const void *x_scales,
+                              void *recv_x_q, void *recv_scales, int64_t recv_rows_capacity) {
+  const char *fn = "epx_dispatch_fp8";
+  epx_status_t status = begin_payload(&buffer, &handle, fn);
+  if (status != EPX_SUCCESS) return status;
+  epx_status_t local = check_fp8_dispatch(buffer, handle, fn, x_q, x_scales, 0, recv_x_q, recv_scales,
+                                          recv_rows_capacity);
+  if (!buffer->backend->dispatch_fp8) return buffer->backend->agree(buffer, local, fn); /* refused: no fp8 format */
+  return buffer->backend->dispatch_fp8(buffer, handle, local, x_q, x_scales, 0, recv_x_q, recv_scales);
+}
+
+epx_status_t epx_dispatch_quantize(epx_buffer_t buffer, epx_handle_t handle, const void *x, void *recv_x_q,
+                                   void *recv_scales, int64_t recv_rows_capacity) {
+  const char *fn = "epx_dispatch_quantize";
+  epx_status_t status = begin_payload(&buffer, &handle, fn);
+  if (status != EPX_SUCCESS) return status;
+  epx_status_t local = check_fp8_dispatch(buffer, handle, fn, x, NULL, 1, recv_x_q, recv_scales,
+                                          recv_rows_capacity);
+  if (!buffer->backend->dispatch_fp8) return buffer->backend->agree(buffer, local, fn); /* refused: no fp8 format */
+  return buffer->backend->dispatch_fp8(buffer, handle, local, x, NULL, 1, recv_x_q, recv_scales);
 }
 
 epx_status_t epx_combine(epx_buffer_t buffer, epx_handle_t handle, const void *expert_out, void *out) {

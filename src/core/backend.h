@@ -57,6 +57,13 @@ typedef struct epx_backend {
   /* Collective payload calls on a handle of this backend. */
   epx_status_t (*dispatch)(epx_buffer_t buffer, epx_handle_t handle, epx_status_t local,
                            const void *x, void *recv_x);
+  /* fp8 rows in the buffer's fp8_format (epx.h, epx_fp8_format_t): x_q
+   * [T, H] with x_scales, or, with quantize, x [T, H] of the buffer's dtype
+   * (x_scales NULL) quantized once per token. NULL where the device has no
+   * fp8 path: buffers with an fp8 format are then refused at creation. */
+  epx_status_t (*dispatch_fp8)(epx_buffer_t buffer, epx_handle_t handle, epx_status_t local,
+                               const void *x, const void *x_scales, int quantize, void *recv_x_q,
+                               void *recv_scales);
   epx_status_t (*combine)(epx_buffer_t buffer, epx_handle_t handle, epx_status_t local,
                           const void *expert_out, void *out);
   epx_status_t (*dispatch_backward)(epx_buffer_t buffer, epx_handle_t handle, epx_status_t local,

@@ -41,6 +41,7 @@ const epx_backend_t epx_cpu_backend = {
     .dispatch_layout = cpu_dispatch_layout,
     .handle_fini = epx_cpu_handle_fini,
     .dispatch = epx_cpu_dispatch,
+    .dispatch_fp8 = epx_cpu_dispatch_fp8,
     .combine = epx_cpu_combine,
     .dispatch_backward = epx_cpu_dispatch_backward,
     .combine_backward = epx_cpu_combine_backward,

@@ -21,6 +21,8 @@ static const char *const call_names[EPX_CALL_COUNT] = {
     [EPX_CALL_COMBINE_BACKWARD] = "epx_combine_backward",
     [EPX_CALL_WEIGHTS_BACKWARD] = "epx_weights_backward",
     [EPX_CALL_REPLAY] = "epx_dispatch_layout (validated replay)",
+    [EPX_CALL_DISPATCH_FP8] = "epx_dispatch_fp8",
+    [EPX_CALL_DISPATCH_QUANTIZE] = "epx_dispatch_quantize",
 };
 
 const char *epx_cpu_call_name(int32_t kind) {
@@ -28,8 +30,8 @@ const char *epx_cpu_call_name(int32_t kind) {
 }
 
 epx_call_kind_t epx_cpu_call_kind(const char *fn) {
-  for (int32_t k = EPX_CALL_DISPATCH; k <= EPX_CALL_WEIGHTS_BACKWARD; k++)
-    if (!strcmp(fn, call_names[k])) return (epx_call_kind_t)k;
+  for (int32_t k = EPX_CALL_DISPATCH; k < EPX_CALL_COUNT; k++)
+    if (k != EPX_CALL_REPLAY && !strcmp(fn, call_names[k])) return (epx_call_kind_t)k;
   return EPX_CALL_REPLAY;
 }
 

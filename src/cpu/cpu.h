@@ -50,6 +50,11 @@ epx_status_t epx_cpu_dispatch_layout(epx_buffer_t buffer, const epx_routing_t *r
                                      epx_status_t local, epx_handle_t handle);
 epx_status_t epx_cpu_dispatch(epx_buffer_t buffer, epx_handle_t handle, epx_status_t local,
                               const void *x, void *recv_x);
+/* fp8 rows with their scales (src/cpu/fp8.c), packed one row and its
+ * scales together and moved as opaque rows of that many bytes. */
+epx_status_t epx_cpu_dispatch_fp8(epx_buffer_t buffer, epx_handle_t handle, epx_status_t local,
+                                  const void *x, const void *x_scales, int quantize, void *recv_x_q,
+                                  void *recv_scales);
 epx_status_t epx_cpu_combine(epx_buffer_t buffer, epx_handle_t handle, epx_status_t local,
                              const void *expert_out, void *out);
 epx_status_t epx_cpu_dispatch_backward(epx_buffer_t buffer, epx_handle_t handle, epx_status_t local,

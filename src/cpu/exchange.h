@@ -91,6 +91,8 @@ typedef enum {
   EPX_CALL_COMBINE_BACKWARD,
   EPX_CALL_WEIGHTS_BACKWARD,
   EPX_CALL_REPLAY, /* a recorder's validated replay of a layout */
+  EPX_CALL_DISPATCH_FP8,
+  EPX_CALL_DISPATCH_QUANTIZE,
   EPX_CALL_COUNT
 } epx_call_kind_t;
 
@@ -142,6 +144,12 @@ epx_status_t epx_cpu_call_exchange(epx_buffer_t buffer, epx_call_kind_t kind, co
  * validation, which is the only agreement made outside a move). */
 epx_call_kind_t epx_cpu_call_kind(const char *fn);
 const char *epx_cpu_call_name(int32_t kind);
+
+/* The moves of epx_dispatch (move.c) for rows of row_bytes bytes each
+ * (16-byte aligned, a multiple of 16), unweighted, as the call `kind` of the
+ * public function fn: the fp8 dispatches move a row and its scales as one. */
+epx_status_t epx_cpu_dispatch_rows(epx_buffer_t b, epx_handle_t h, epx_status_t local, const char *fn,
+                                   epx_call_kind_t kind, const void *rows, void *recv_rows, size_t row_bytes);
 
 /* ------------------------------------------------------------------------ */
 /* Shared helpers (layout.c)                                                 */

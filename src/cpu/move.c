@@ -62,6 +62,7 @@ struct move {
   const char *fn;
   int in_place;
   move_fn work; /* the moves themselves: peers is NULL unless read in place */
+  size_t row_bytes; /* forward moves: a row's bytes (the payload's, or a packed fp8 row's) */
   /* The call's arguments. */
   const void *src;
   void *dst;
@@ -105,15 +106,15 @@ static epx_status_t run_call(move_t *m, epx_call_kind_t kind, epx_status_t local
 /* Forward moves: x [T, H] -> layout [N, H]                                  */
 /* ------------------------------------------------------------------------ */
 
-static void zero_empty_rows(const struct epx_cpu_plan *p, void *rows) {
+static void zero_empty_rows(const struct epx_cpu_plan *p, void *rows, size_t row_bytes) {
   for (int64_t i = 0; i < p->N; i++)
-    if (p->row_src_rank[i] < 0) memset((char *)rows + (size_t)i * p->row_bytes, 0, p->row_bytes);
+    if (p->row_src_rank[i] < 0) memset((char *)rows + (size_t)i * row_bytes, 0, row_bytes);
 }
 
 /* Copies (or scales by the route's weight) one row into the layout. */
-static void put_row(const struct epx_cpu_plan *p, const void *src, float weight, int weighted, void *dst) {
-  if (weighted) epx_row_scale_stream(p->dtype, src, weight, dst, p->H);
-  else epx_row_copy_stream(dst, src, p->row_bytes);
+static void put_row(const move_t *m, const void *src, float weight, void *dst) {
+  if (m->weighted) epx_row_scale_stream(m->p->dtype, src, weight, dst, m->p->H);
+  else epx_row_copy_stream(dst, src, m->row_bytes);
 }
 
 /* Where each received item's row is: in the peers' src (read in place) or in
@@ -126,7 +127,7 @@ static epx_status_t forward_sources(move_t *m, const epx_cpu_call_t *peers, cons
       const struct epx_cpu_plan *q = peer_plan(&peers[r]);
       const int32_t *tokens = q->item_token + q->item_displ[p->rank];
       for (int64_t i = 0; i < p->ritem_count[r]; i++)
-        item_src[p->ritem_displ[r] + i] = (const char *)peer_rows(&peers[r]) + (size_t)tokens[i] * p->row_bytes;
+        item_src[p->ritem_displ[r] + i] = (const char *)peer_rows(&peers[r]) + (size_t)tokens[i] * m->row_bytes;
     }
     return EPX_SUCCESS;
   }
@@ -134,15 +135,15 @@ static epx_status_t forward_sources(move_t *m, const epx_cpu_call_t *peers, cons
   epx_comm_t comm = m->b->comm;
   struct epx_cpu_scratch *s = m->b->cpu;
   int64_t items = epx_cpu_total(p->item_count, p->W), ritems = epx_cpu_total(p->ritem_count, p->W);
-  epx_status_t status = epx_cpu_ensure(&s->send, &s->send_bytes, (size_t)items * p->row_bytes, m->fn);
-  if (status == EPX_SUCCESS) status = epx_cpu_ensure(&s->recv, &s->recv_bytes, (size_t)ritems * p->row_bytes, m->fn);
+  epx_status_t status = epx_cpu_ensure(&s->send, &s->send_bytes, (size_t)items * m->row_bytes, m->fn);
+  if (status == EPX_SUCCESS) status = epx_cpu_ensure(&s->recv, &s->recv_bytes, (size_t)ritems * m->row_bytes, m->fn);
   if (status != EPX_SUCCESS) return status;
   for (int64_t i = 0; i < items; i++)
-    memcpy((char *)s->send + (size_t)i * p->row_bytes, (const char *)m->src + (size_t)p->item_token[i] * p->row_bytes,
-           p->row_bytes);
+    memcpy((char *)s->send + (size_t)i * m->row_bytes, (const char *)m->src + (size_t)p->item_token[i] * m->row_bytes,
+           m->row_bytes);
   status = comm->ops->alltoallv(comm, m->fn, s->send, p->item_count, p->item_displ, s->recv, p->ritem_count,
-                                p->ritem_displ, p->row_bytes);
-  for (int64_t i = 0; i < ritems; i++) item_src[i] = (const char *)s->recv + (size_t)i * p->row_bytes;
+                                p->ritem_displ, m->row_bytes);
+  for (int64_t i = 0; i < ritems; i++) item_src[i] = (const char *)s->recv + (size_t)i * m->row_bytes;
   return status;
 }
 
@@ -160,24 +161,24 @@ static epx_status_t forward_work(move_t *m, const epx_cpu_call_t *peers) {
     free(item_src);
     return status;
   }
-  zero_empty_rows(p, m->dst);
+  zero_empty_rows(p, m->dst, m->row_bytes);
   int rank_major = p->layout == EPX_LAYOUT_RANK_MAJOR;
   /* Tokens are independent; one rank alone may use every core. */
 #pragma omp parallel for schedule(static) if (split_tokens(p))
   for (int64_t t = 0; t < p->T; t++) {
-    const char *x = (const char *)m->src + (size_t)t * p->row_bytes;
+    const char *x = (const char *)m->src + (size_t)t * m->row_bytes;
     int32_t written = -1;
     for (int32_t k = 0; k < p->K; k++) {
       int32_t row = p->self_row[t * p->K + k];
       if (row < 0 || (rank_major && row == written)) continue;
-      put_row(p, x, p->topk_w[t * p->K + k], m->weighted, (char *)m->dst + (size_t)row * p->row_bytes);
+      put_row(m, x, p->topk_w[t * p->K + k], (char *)m->dst + (size_t)row * m->row_bytes);
       written = row;
     }
   }
   for (int64_t i = 0; i < ritems; i++) {
     for (int64_t j = p->ritem_entry[i]; j < p->ritem_entry[i + 1]; j++) {
       if (rank_major && j > p->ritem_entry[i]) break;
-      put_row(p, item_src[i], p->entry_weight[j], m->weighted, (char *)m->dst + (size_t)p->entry_row[j] * p->row_bytes);
+      put_row(m, item_src[i], p->entry_weight[j], (char *)m->dst + (size_t)p->entry_row[j] * m->row_bytes);
     }
   }
   epx_stream_fence();
@@ -187,8 +188,16 @@ static epx_status_t forward_work(move_t *m, const epx_cpu_call_t *peers) {
 
 epx_status_t epx_cpu_dispatch(epx_buffer_t b, epx_handle_t h, epx_status_t local, const void *x, void *recv_x) {
   move_t m = {.b = b, .fn = "epx_dispatch", .work = forward_work, .src = x, .dst = recv_x,
-              .weighted = h->cpu->weighting == EPX_WEIGHTS_IN_DISPATCH};
+              .row_bytes = h->cpu->row_bytes, .weighted = h->cpu->weighting == EPX_WEIGHTS_IN_DISPATCH};
   epx_status_t status = run_call(&m, EPX_CALL_DISPATCH, local, h);
+  free(m.item_rows);
+  return status;
+}
+
+epx_status_t epx_cpu_dispatch_rows(epx_buffer_t b, epx_handle_t h, epx_status_t local, const char *fn,
+                                   epx_call_kind_t kind, const void *rows, void *recv_rows, size_t row_bytes) {
+  move_t m = {.b = b, .fn = fn, .work = forward_work, .src = rows, .dst = recv_rows, .row_bytes = row_bytes};
+  epx_status_t status = run_call(&m, kind, local, h);
   free(m.item_rows);
   return status;
 }
@@ -495,7 +504,7 @@ fail:
 epx_status_t epx_cpu_combine_backward(epx_buffer_t b, epx_handle_t h, epx_status_t local, const void *grad_out,
                                       const void *expert_out, void *grad_expert_out, float *grad_w) {
   move_t m = {.b = b, .fn = "epx_combine_backward", .work = forward_work, .src = grad_out, .dst = grad_expert_out,
-              .weighted = h->cpu->weighting == EPX_WEIGHTS_IN_COMBINE, .grad_w = grad_w};
+              .row_bytes = h->cpu->row_bytes, .weighted = h->cpu->weighting == EPX_WEIGHTS_IN_COMBINE, .grad_w = grad_w};
   float *back = NULL;
   epx_status_t status = run_call(&m, EPX_CALL_COMBINE_BACKWARD, local, h);
   if (status != EPX_SUCCESS || !grad_w) goto fail;

@@ -1,0 +1,69 @@
+/* The public host calls of the fp8 formats: their scale shapes and the
+ * quantizer and dequantizer (core/fp8.h holds the formulas). The fp8
+ * dispatches are with the other payload calls, in payload.c. */
+#include <stdint.h>
+
+#include "core/error.h"
+#include "core/fp8.h"
+
+/* A format and hidden size the calls can serve. */
+static epx_status_t check_format(const char *fn, epx_fp8_format_t format, int64_t hidden) {
+  int32_t multiple = epx_fp8_hidden_multiple(format);
+  EPX_REQUIRE(multiple, "%s: format %d is not an fp8 format; pass EPX_FP8_E4M3_F32_128, "
+              "EPX_FP8_E4M3_UE8M0_128 or EPX_FP8_MXFP8", fn, (int)format);
+  EPX_REQUIRE(hidden > 0 && hidden % multiple == 0,
+              "%s: hidden is %lld; the format needs a positive multiple of %d", fn, (long long)hidden, multiple);
+  return EPX_SUCCESS;
+}
+
+epx_status_t epx_fp8_scale_shape(epx_fp8_format_t format, int64_t hidden, int64_t *scale_cols,
+                                 size_t *scale_bytes) {
+  const char *fn = "epx_fp8_scale_shape";
+  epx_error_clear();
+  epx_status_t status = check_format(fn, format, hidden);
+  if (status != EPX_SUCCESS) return status;
+  EPX_REQUIRE(scale_cols && scale_bytes, "%s: %s is NULL; pass where to write it", fn,
+              scale_cols ? "scale_bytes" : "scale_cols");
+  /* UE8M0 bytes are counted in the int32 words that carry them. */
+  *scale_bytes = format == EPX_FP8_MXFP8 ? 1 : 4;
+  *scale_cols = epx_fp8_scale_row_bytes(format, hidden) / (int64_t)*scale_bytes;
+  return EPX_SUCCESS;
+}
+
+static epx_status_t check_rows(const char *fn, epx_fp8_format_t format, epx_dtype_t dtype, int64_t rows,
+                               int64_t hidden, const void *a, const void *b, const void *c) {
+  epx_status_t status = check_format(fn, format, hidden);
+  if (status != EPX_SUCCESS) return status;
+  EPX_REQUIRE(dtype == EPX_FLOAT32 || dtype == EPX_BFLOAT16 || dtype == EPX_FLOAT16,
+              "%s: dtype %d is not EPX_FLOAT32, EPX_BFLOAT16 or EPX_FLOAT16", fn, (int)dtype);
+  EPX_REQUIRE(rows >= 0, "%s: rows is %lld; pass a count >= 0", fn, (long long)rows);
+  EPX_REQUIRE(rows == 0 || (a && b && c), "%s: a tensor is NULL; pass x, x_q and x_scales of %lld rows", fn,
+              (long long)rows);
+  return EPX_SUCCESS;
+}
+
+epx_status_t epx_quantize(epx_fp8_format_t format, epx_dtype_t dtype, int64_t rows, int64_t hidden,
+                          const void *x, void *x_q, void *x_scales) {
+  const char *fn = "epx_quantize";
+  epx_error_clear();
+  epx_status_t status = check_rows(fn, format, dtype, rows, hidden, x, x_q, x_scales);
+  if (status != EPX_SUCCESS) return status;
+  const size_t x_row = (size_t)hidden * epx_dtype_size(dtype), s_row = (size_t)epx_fp8_scale_row_bytes(format, hidden);
+  for (int64_t r = 0; r < rows; r++)
+    epx_fp8_quantize_row(format, dtype, (const char *)x + (size_t)r * x_row, hidden,
+                         (uint8_t *)x_q + (size_t)r * (size_t)hidden, (char *)x_scales + (size_t)r * s_row);
+  return EPX_SUCCESS;
+}
+
+epx_status_t epx_dequantize(epx_fp8_format_t format, epx_dtype_t dtype, int64_t rows, int64_t hidden,
+                            const void *x_q, const void *x_scales, void *x) {
+  const char *fn = "epx_dequantize";
+  epx_error_clear();
+  epx_status_t status = check_rows(fn, format, dtype, rows, hidden, x, x_q, x_scales);
+  if (status != EPX_SUCCESS) return status;
+  const size_t x_row = (size_t)hidden * epx_dtype_size(dtype), s_row = (size_t)epx_fp8_scale_row_bytes(format, hidden);
+  for (int64_t r = 0; r < rows; r++)
+    epx_fp8_dequantize_row(format, dtype, (const uint8_t *)x_q + (size_t)r * (size_t)hidden,
+                           (const char *)x_scales + (size_t)r * s_row, hidden, (char *)x + (size_t)r * x_row);
+  return EPX_SUCCESS;
+}

@@ -1,0 +1,62 @@
+/* The fp8 dispatch scenes of test_fp8.c over the MPI transport (run under
+ * mpiexec -np 2 and 4): every rank builds every rank's inputs from the
+ * scene's seed and checks its received rows and scales against their
+ * sources. The failures of all ranks are summed, rank 0 prints the summary,
+ * and the exit status is the verdict. */
+#include <mpi.h>
+
+#define FP8_SCENE_ONLY
+#include "test_fp8.c"
+
+/* OpenMPI's own allocations outlive MPI_Finalize (as in mpi_exchange.c). */
+const char *__asan_default_options(void) { return "fast_unwind_on_malloc=0"; }
+const char *__lsan_default_suppressions(void) {
+  return "leak:libmpi.so\nleak:libopen-pal.so\nleak:libopen-rte.so\nleak:mca_\n"
+         "leak:libhwloc.so\nleak:libevent\nleak:libpmix.so\n";
+}
+
+int main(int argc, char **argv) {
+  MPI_Init(&argc, &argv);
+  int rank = 0, size = 1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  long long failures = 0, failed_scenes = 0;
+  epx_comm_t comm = NULL;
+  epx_comm_config_t config = EPX_COMM_CONFIG_INIT;
+  config.timeout_seconds = 20.0;
+  MPI_Comm world = MPI_COMM_WORLD;
+  if (size > FP8_MAX_W) {
+    if (rank == 0) fprintf(stderr, "mpi_fp8: at most %d ranks\n", FP8_MAX_W);
+    failures = 1;
+  } else if (epx_comm_create_mpi(&world, &config, &comm) != EPX_SUCCESS) {
+    fprintf(stderr, "rank %d: epx_comm_create_mpi: %s\n", rank, epx_last_error());
+    failures = 1;
+  }
+  long long all = 0;
+  MPI_Allreduce(&failures, &all, 1, MPI_LONG_LONG, MPI_SUM, MPI_COMM_WORLD);
+  static fp8_scene_t scenes[64];
+  int n = all ? 0 : fp8_scenes(scenes, size);
+  for (int i = 0; i < n && !failed_scenes; i++) {
+    fp8_scene_t *s = &scenes[i];
+    long long mine = fp8_scene_build(s) ? 1 : 0, scene_failures = 0;
+    if (!mine) mine = fp8_scene_rank(comm, rank, s);
+    MPI_Allreduce(&mine, &scene_failures, 1, MPI_LONG_LONG, MPI_SUM, MPI_COMM_WORLD);
+    if (scene_failures && rank == 0) {
+      char d[256];
+      fp8_describe(s, d, sizeof d);
+      fprintf(stderr, "mpi_fp8: scene %d [%s]: %lld failure(s)\n", i, d, scene_failures);
+    }
+    failures += mine;
+    /* A failed scene may have failed the comm; later ones would repeat it. */
+    failed_scenes += scene_failures > 0;
+    fp8_scene_free(s);
+  }
+  if (comm && epx_comm_destroy(comm) != EPX_SUCCESS) {
+    fprintf(stderr, "rank %d: epx_comm_destroy: %s\n", rank, epx_last_error());
+    failures++;
+  }
+  MPI_Allreduce(&failures, &all, 1, MPI_LONG_LONG, MPI_SUM, MPI_COMM_WORLD);
+  if (rank == 0) printf("mpi_fp8: %d ranks, %d scenes: %s\n", size, n, all ? "FAILED" : "OK");
+  MPI_Finalize();
+  return all ? 1 : 0;
+}
