@@ -35,6 +35,7 @@ import contextlib
 import ctypes
 import itertools
 import math
+import sys
 import threading
 import weakref
 from dataclasses import dataclass
@@ -680,9 +681,23 @@ class _Closable:
         self.close()
 
 
+def _busy(message):
+    """EPX_ERROR_BUSY from a close(), unless an exception is already
+    propagating through that close (a ``finally`` block, a ``with`` exit, an
+    ``except`` block): raising would replace it, so the message becomes a
+    note on it instead, and the object stays open (to be closed later, or by
+    garbage collection)."""
+    unwinding = sys.exc_info()[1]
+    if unwinding is None:
+        _refuse(Status.ERROR_BUSY, message)
+    if hasattr(unwinding, "add_note"):
+        unwinding.add_note("(epx: EPX_ERROR_BUSY: %s; it stays open)" % message)
+
+
 def _destroy(obj, destroy, lock=None):
     """Destroys obj's pointer with destroy(ptr); when the library answers
-    EPX_ERROR_BUSY the object stays open (and the error is raised)."""
+    EPX_ERROR_BUSY the object stays open (and the error is raised, see
+    _busy)."""
     with lock if lock is not None else contextlib.nullcontext():
         ptr, obj._ptr = obj._ptr, None
     if ptr is None:
@@ -690,6 +705,8 @@ def _destroy(obj, destroy, lock=None):
     status = destroy(ptr)
     if status == Status.ERROR_BUSY:
         obj._ptr = ptr
+        _busy(lib.epx_last_error().decode("utf-8", "replace"))
+        return
     _check(status)
 
 
@@ -1005,15 +1022,18 @@ class Buffer(_Closable):
         """Releases the handles this Python code still holds on the buffer,
         then destroys it (epx_buffer_destroy, not collective). A recorder
         holding handles keeps it busy: EpxError EPX_ERROR_BUSY, and the buffer
-        stays open until the recorder is closed. Closing twice does nothing."""
+        stays open until the recorder is closed (where an exception is already
+        propagating through the close, the BUSY becomes a note on it rather
+        than replacing it). Closing twice does nothing."""
         with self._lock:
             handles = list(self._handles)
         held = [h for h in handles if h._autograd and not h.released]
         if held:
-            _refuse(Status.ERROR_BUSY, "Buffer.close: %d handle(s) of this buffer are held by "
-                    "epx.torch (an autograd graph whose backward has not run yet, or a "
-                    "Dispatched result still referenced), and the backward would replay them; "
-                    "run the backward, or drop those outputs, before closing", len(held))
+            _busy("Buffer.close: %d handle(s) of this buffer are held by epx.torch (an autograd "
+                  "graph whose backward has not run yet, or a Dispatched result still "
+                  "referenced), and the backward would replay them; run the backward, or drop "
+                  "those outputs, before closing" % len(held))
+            return
         for h in handles:
             h.release()
         _destroy(self, lib.epx_buffer_destroy, self._lock)

@@ -170,6 +170,17 @@ def _sized_buffer(buffer, fn):
                       "comm.buffer(max_tokens_per_rank=...))", fn, buffer.id)
 
 
+def _sized_buffer(buffer, fn):
+    """The ops size their receive tensors for the buffer's worst case before
+    any exchange (torch.compile's fake tensors need it), so a buffer made
+    without max_tokens_per_rank is refused in eager code as in compiled."""
+    if not buffer.config.max_tokens_per_rank:
+        _epx._invalid("%s: buffer %d was made without max_tokens_per_rank, so its receive size "
+                      "is not known before the first exchange; make it with "
+                      "epx.torch.make_buffer(..., max_tokens_per_rank=...) (or "
+                      "comm.buffer(max_tokens_per_rank=...))", fn, buffer.id)
+
+
 def _max_rows(buffer, fn):
     """Rows of every receive tensor: the buffer's worst case."""
     try:
@@ -365,15 +376,15 @@ _route_op.register_autograd(_route_backward, setup_context=_route_setup)
 
 class TorchRouteResult(NamedTuple):
     """What :func:`route` returns. topk_w, aux_loss and z_loss are
-    differentiable with respect to the logits; capacity and nonfinite_tokens
-    are 0-d int64 CPU tensors (no device wait)."""
+    differentiable with respect to the logits; capacity is an int and
+    nonfinite_tokens a 0-d int64 CPU tensor (neither waits for the device)."""
     topk_idx: Tensor         # [T, K] int32 expert ids, best first; -1 = dropped
     topk_w: Tensor           # [T, K] float32
     locations: Tensor        # [T, K] int32 slot in the expert's queue (capacity mode)
     expert_counts: Tensor    # [E] int32 routes chosen per expert
     aux_loss: Tensor         # 0-d float32 (times aux_loss_coeff)
     z_loss: Tensor           # 0-d float32 (times z_loss_coeff)
-    capacity: Tensor         # 0-d int64 (CPU): C in capacity mode, 0 otherwise
+    capacity: int            # C in capacity mode, 0 otherwise (an int, as epx.route's)
     nonfinite_tokens: Tensor  # 0-d int64 (CPU): tokens dropped for NaN/Inf logits
 
 
@@ -427,9 +438,13 @@ def route(logits, config=None, *, bias=None, token_mask=None, aux_loss_expert_co
     default nonfinite=Nonfinite.ERROR waits for the device once per call
     (the check's verdict); Nonfinite.DROP does not."""
     fn = "epx.torch.route"
+    if not isinstance(logits, _torch.Tensor):
+        _epx._invalid("%s: logits is a %s; pass a float32 torch.Tensor [T, E]", fn,
+                      type(logits).__name__)
     config = _route_fields_config(config, tuple(logits.shape), fields, fn)
     dev = Device.CUDA if logits.device.type == "cuda" else Device.CPU
     E = int(config.num_experts)
+    capacity = _route_capacity(config, logits.shape[0] if logits.dim() else 0)
     if (not isinstance(logits, _torch.Tensor) or logits.dtype != _F32 or logits.dim() != 2
             or (E > 0 and logits.shape[1] != E)):
         _tensor(logits, fn, "logits", _F32, (None, E if E > 0 else None), dev)
@@ -439,7 +454,20 @@ def route(logits, config=None, *, bias=None, token_mask=None, aux_loss_expert_co
     mask, counts = _route_tensors(fn, logits.shape[0], E, dev, token_mask, aux_loss_expert_counts)
     outs = _torch.ops.epx.route(logits.contiguous(), bias, mask, counts, _config_id(config))
     idx, w, loc, counts, aux, z, info = outs
-    return TorchRouteResult(idx, w, loc, counts, aux, z, info[0], info[1])
+    return TorchRouteResult(idx, w, loc, counts, aux, z, capacity, info[1])
+
+
+def _route_capacity(config, num_tokens):
+    """C of config for num_tokens tokens, a host int (no device wait: it
+    depends on the config and T only). epx_route_capacity_of checks the
+    whole config first, so a bad one (top_k=-1, renormalize_after_drop
+    without renormalize) is refused in epx's words before any tensor is
+    sized from it. Dropless configs leave T alone (a traced T stays
+    symbolic)."""
+    cap = ctypes.c_int32(0)
+    tokens = int(num_tokens) if config.capacity_mode else 0
+    _epx._check(lib.epx_route_capacity_of(ctypes.byref(config), tokens, ctypes.byref(cap)))
+    return cap.value
 
 
 # ---------------------------------------------------------------------------
@@ -471,6 +499,7 @@ def _recorder(recorder_id, fn):
 
 def _dispatch_inputs(b, x, topk_idx, topk_w, locations, fn):
     dev = b.device
+    _sized_buffer(b, fn)
     _sized_buffer(b, fn)
     idx = _routing_tensor(topk_idx, fn, "topk_idx", _I32, (None, None), dev)
     T, K = idx.shape
@@ -513,6 +542,7 @@ def _dispatch_op(x: Tensor, topk_idx: Tensor, topk_w: Optional[Tensor],
 @_dispatch_op.register_fake
 def _dispatch_fake(x, topk_idx, topk_w, locations, buffer_id, weighting, recorder_id):
     b = _buffer(buffer_id, "epx.torch.dispatch")
+    _sized_buffer(b, "epx.torch.dispatch")
     _sized_buffer(b, "epx.torch.dispatch")
     rows = _max_rows(b, "epx.torch.dispatch")
     shape = _recv_w_shape(b, rows, topk_idx.shape[1])
@@ -925,6 +955,7 @@ def _moe_route_config(num_experts, top_k, capacity_factor, on_gpu, route_config,
                  if config.capacity_arithmetic == _epx.CapacityArithmetic.FLOAT64
                  else "capacity_factor")
         config = config.copy(capacity_mode=1, **{field: capacity_factor})
+    _route_capacity(config, 0)  # a bad config is refused here, not at the first forward
     return config
 
 
@@ -1134,6 +1165,24 @@ class TokenDispatcher:
     def tokens_per_expert_host(self):
         """tokens_per_expert as a list of ints (waits for the device on CUDA)."""
         return [int(c) for c in self.tokens_per_expert.tolist()]
+
+    def close(self):
+        """Closes the dispatcher's buffer (not collective). A dispatch whose
+        combine or backward has not run still holds it: epx.BusyError, as
+        Buffer.close. Closing twice does nothing."""
+        self._d = None
+        self.tokens_per_expert = None
+        self.buffer.close()
+
+    @property
+    def closed(self):
+        return self.buffer.closed
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
     def close(self):
         """Closes the dispatcher's buffer (not collective). A dispatch whose

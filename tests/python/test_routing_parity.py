@@ -190,3 +190,119 @@ def test_capacity_in_the_moe_layer():
         assert m.buffer.config.capacity == 27
         del m
         gc.collect()
+
+
+# ---------------------------------------------------------------------------
+# epx.torch's sharp edges
+# ---------------------------------------------------------------------------
+
+
+def _self_buffer(comm, device="cpu", T=8, H=16, E=4, K=2):
+    return et.make_buffer(comm, hidden=H, num_experts=E, max_top_k=K, max_tokens_per_rank=T,
+                          device=device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dispatched_recv_source(device):
+    """The source query of a Dispatched, on CUDA as on the CPU; the handle's
+    id is named as such (not a token index)."""
+    T, H, E, K = 8, 16, 4, 2
+    assert "token" not in et.Dispatched._fields and "handle_id" in et.Dispatched._fields
+    with epx.Comm.create_self() as comm:
+        buf = _self_buffer(comm, device)
+        x = torch.randn(T, H, device=device)
+        r = et.route(torch.randn(T, E, device=device), top_k=K)
+        d = et.dispatch(buf, x, r.topk_idx, r.topk_w)
+        rank, token = d.recv_source()
+        n = d.recv_rows_host()
+        assert rank.shape == (d.recv_x.shape[0],) and rank.device == d.recv_x.device
+        assert (rank[:n] == 0).all() and (rank[n:] == -1).all() and (token[n:] == -1).all()
+        # each row is its source token's x, and each token reaches its K experts
+        assert torch.equal(d.recv_x[:n], x[token[:n].long()])
+        assert sorted(token[:n].tolist()) == sorted(list(range(T)) * K)
+        if device == "cpu":
+            h_rank, h_token = d.handle().recv_source()
+            assert np.array_equal(h_token, token[:n].numpy())
+        et.combine(d, d.recv_x).sum()
+        del d
+        gc.collect()
+        buf.close()
+
+
+def test_close_does_not_mask_an_exception_in_flight():
+    """Buffer.close (and Comm.close) in a finally block or a with exit, while
+    a dispatch still holds the buffer: the exception in flight propagates
+    (with a note saying why the buffer stays open), not EPX_ERROR_BUSY."""
+    T, E, K = 8, 4, 2
+    comm = epx.Comm.create_self()
+    buf = _self_buffer(comm)
+    r = et.route(torch.randn(T, E), top_k=K)
+    d = et.dispatch(buf, torch.randn(T, 16), r.topk_idx, r.topk_w)
+    with pytest.raises(KeyError) as e:
+        try:
+            raise KeyError("the user's error")
+        finally:
+            buf.close()
+    assert any("EPX_ERROR_BUSY" in n for n in getattr(e.value, "__notes__", []))
+    assert not buf.closed
+    with pytest.raises(ZeroDivisionError):
+        with comm:
+            1 / 0
+    assert not buf.closed and not comm.closed
+    # with nothing in flight, close still refuses by raising
+    with pytest.raises(epx.BusyError, match="run the backward"):
+        buf.close()
+    del d
+    gc.collect()
+    buf.close()
+    comm.close()
+    assert buf.closed and comm.closed
+
+
+def test_token_dispatcher_close():
+    T, H, E, K = 8, 16, 4, 2
+    with epx.Comm.create_self() as comm:
+        with et.TokenDispatcher(comm, E, H, K, max_tokens_per_rank=T) as disp:
+            probs = torch.softmax(torch.randn(T, E), 1)
+            top = probs.topk(K, dim=1).indices
+            routing_map = torch.zeros(T, E, dtype=torch.bool).scatter_(1, top, True)
+            out, _ = disp.token_unpermutation(disp.token_permutation(torch.randn(T, H), probs,
+                                                                     routing_map)[0])
+            assert out.shape == (T, H)
+            buf = disp.buffer
+        assert disp.closed and buf.closed
+        disp.close()  # twice: nothing
+
+
+def test_dispatch_refuses_a_buffer_without_max_tokens():
+    """comm.buffer() may leave max_tokens_per_rank to the first exchange;
+    epx.torch sizes its receive tensors before it, so it refuses such a
+    buffer up front, naming the fix (eager as compiled)."""
+    with epx.Comm.create_self() as comm, comm.buffer(hidden=16, num_experts=4, max_top_k=2) as b:
+        r = et.route(torch.randn(8, 4), top_k=2)
+        with pytest.raises(epx.InvalidArgumentError, match="max_tokens_per_rank"):
+            et.dispatch(b, torch.randn(8, 16), r.topk_idx, r.topk_w)
+
+
+def test_torch_route_capacity_is_an_int():
+    logits = torch.randn(30, 4)
+    for fields in (dict(top_k=3, capacity_mode=1, capacity_factor=1.2), dict(top_k=2)):
+        r = et.route(logits, **fields)
+        assert type(r.capacity) is int
+        assert r.capacity == epx.route(logits.numpy(), **fields).capacity
+
+
+def test_renormalize_after_drop_needs_renormalize():
+    """renormalize_after_drop without renormalize is refused, by name, in
+    every entry point (it would otherwise do nothing)."""
+    logits = torch.randn(8, 4)
+    fields = dict(top_k=2, renormalize=0, renormalize_after_drop=1)
+    match = "renormalize_after_drop is 1 but renormalize is 0"
+    with pytest.raises(epx.InvalidArgumentError, match=match):
+        epx.route(logits.numpy(), **fields)
+    with pytest.raises(epx.InvalidArgumentError, match=match):
+        et.route(logits, **fields)
+    with epx.Comm.create_self() as comm:
+        with pytest.raises(epx.InvalidArgumentError, match=match):
+            et.MoE(comm, 8, 4, 4, 2, max_tokens_per_rank=8, renormalize=0,
+                   renormalize_after_drop=1)
