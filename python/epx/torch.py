@@ -170,17 +170,6 @@ def _sized_buffer(buffer, fn):
                       "comm.buffer(max_tokens_per_rank=...))", fn, buffer.id)
 
 
-def _sized_buffer(buffer, fn):
-    """The ops size their receive tensors for the buffer's worst case before
-    any exchange (torch.compile's fake tensors need it), so a buffer made
-    without max_tokens_per_rank is refused in eager code as in compiled."""
-    if not buffer.config.max_tokens_per_rank:
-        _epx._invalid("%s: buffer %d was made without max_tokens_per_rank, so its receive size "
-                      "is not known before the first exchange; make it with "
-                      "epx.torch.make_buffer(..., max_tokens_per_rank=...) (or "
-                      "comm.buffer(max_tokens_per_rank=...))", fn, buffer.id)
-
-
 def _max_rows(buffer, fn):
     """Rows of every receive tensor: the buffer's worst case."""
     try:
@@ -500,7 +489,6 @@ def _recorder(recorder_id, fn):
 def _dispatch_inputs(b, x, topk_idx, topk_w, locations, fn):
     dev = b.device
     _sized_buffer(b, fn)
-    _sized_buffer(b, fn)
     idx = _routing_tensor(topk_idx, fn, "topk_idx", _I32, (None, None), dev)
     T, K = idx.shape
     w = _routing_tensor(topk_w, fn, "topk_w", _F32, (T, K), dev, optional=True)
@@ -542,7 +530,6 @@ def _dispatch_op(x: Tensor, topk_idx: Tensor, topk_w: Optional[Tensor],
 @_dispatch_op.register_fake
 def _dispatch_fake(x, topk_idx, topk_w, locations, buffer_id, weighting, recorder_id):
     b = _buffer(buffer_id, "epx.torch.dispatch")
-    _sized_buffer(b, "epx.torch.dispatch")
     _sized_buffer(b, "epx.torch.dispatch")
     rows = _max_rows(b, "epx.torch.dispatch")
     shape = _recv_w_shape(b, rows, topk_idx.shape[1])
@@ -1165,24 +1152,6 @@ class TokenDispatcher:
     def tokens_per_expert_host(self):
         """tokens_per_expert as a list of ints (waits for the device on CUDA)."""
         return [int(c) for c in self.tokens_per_expert.tolist()]
-
-    def close(self):
-        """Closes the dispatcher's buffer (not collective). A dispatch whose
-        combine or backward has not run still holds it: epx.BusyError, as
-        Buffer.close. Closing twice does nothing."""
-        self._d = None
-        self.tokens_per_expert = None
-        self.buffer.close()
-
-    @property
-    def closed(self):
-        return self.buffer.closed
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
     def close(self):
         """Closes the dispatcher's buffer (not collective). A dispatch whose
