@@ -62,7 +62,7 @@ NCCL=$(python3 -c "import nvidia.nccl;print(list(nvidia.nccl.__path__)[0])" 2>/d
 # bench/gpu/bench_ep.c against the build's library: build_bench_ep OUT LOG
 # (the compiler's output goes to LOG, overwritten).
 build_bench_ep() {
-  mpicc -O2 -std=c11 -Iinclude -I"$NCCL/include" -I/usr/local/cuda/include bench/gpu/bench_ep.c -o "$1" \
+  mpicc -O2 -std=c11 -Iinclude -Isrc -I"$NCCL/include" -I/usr/local/cuda/include bench/gpu/bench_ep.c -o "$1" \
     -L"$BUILD" -lepx -L/usr/local/cuda/lib64 -lcudart -lcublas -L"$NCCL/lib" -l:libnccl.so.2 -lm \
     -Wl,-rpath,"$PWD/$BUILD" -Wl,-rpath,"$NCCL/lib" -Wl,-rpath,/usr/local/cuda/lib64 >"$2" 2>&1
 }
@@ -97,7 +97,7 @@ esac
 case " $SECTIONS " in *" one "*) ;; *) GPU_TESTS="" ;; esac
 BUILD_OK=1
 cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DEPX_BUILD_CUDA=ON -DEPX_CUDA_ARCHITECTURES=90 $MPI_FLAG \
-  -DEPX_NCCL_ROOT="$NCCL" -DEPX_BUILD_FUSED="${EPX_GPU_FUSED:-ON}" \
+  -DEPX_NCCL_ROOT="$NCCL" -DEPX_BUILD_FUSED="${EPX_GPU_FUSED:-ON}" -DEPX_TEST_HOOKS=ON \
   "${DEP_ARGS[@]}" >>"$OUTDIR/build.log" 2>&1 || BUILD_OK=0
 if [ $BUILD_OK = 1 ]; then
   # shellcheck disable=SC2086
@@ -119,7 +119,8 @@ if [ $BUILD_OK = 1 ]; then
 fi
 
 # The W-rank backend on this one GPU: mpi_gpu_exchange on one rank takes it
-# anyway (its test hook, epx_cuda_ep_at_one_rank), so every case runs ep.c
+# anyway (its test hook, epx_cuda_ep_at_one_rank: the build above has
+# -DEPX_TEST_HOOKS=ON), so every case runs src/cuda/ep
 # over a one-rank NCCL comm and, in a fused build, the fused kernels (then
 # required: EPX_GPU_EXPECT_FUSED=1); only the tests that need a second rank
 # are skipped (it says which). Needs NCCL and MPI (mpirun).

@@ -33,7 +33,7 @@
 #include <vector>
 
 #include "cuda/launch.h"
-#include "cuda/route_common.cuh"
+#include "cuda/route/common.cuh"
 #include "epx.h"
 
 #include "bench_check.h"

@@ -30,7 +30,7 @@ step() { echo "== $1 ($(date +%T))"; }
 SYS=${EPX_FUSED_EP_SYSTEM_NCCL:-}
 if [ -n "$SYS" ]; then
   ( timeout "${EPX_FUSED_EP_BUILD_TIMEOUT:-240}" cmake -S . -B "$BUILD-sys" -DCMAKE_BUILD_TYPE=Release -DEPX_BUILD_CUDA=ON \
-      -DEPX_CUDA_ARCHITECTURES=90 -DEPX_BUILD_MPI=ON -DEPX_BUILD_FUSED=ON -DEPX_NCCL_LIBRARY="$SYS" \
+      -DEPX_CUDA_ARCHITECTURES=90 -DEPX_BUILD_MPI=ON -DEPX_BUILD_FUSED=ON -DEPX_TEST_HOOKS=ON -DEPX_NCCL_LIBRARY="$SYS" \
       -DEPX_NCCL_INCLUDE_DIR="$(dirname "$SYS")/../../include" "${CMOCKA_ARGS[@]}" &&
     timeout "${EPX_FUSED_EP_BUILD_TIMEOUT:-240}" cmake --build "$BUILD-sys" -j"$(nproc)" --target epx mpi_gpu_exchange
   ) >"$OUTDIR/build-sys.log" 2>&1 &
@@ -40,11 +40,12 @@ fi
 step build
 {
   timeout "${EPX_FUSED_EP_BUILD_TIMEOUT:-240}" cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DEPX_BUILD_CUDA=ON \
-    -DEPX_CUDA_ARCHITECTURES=90 -DEPX_BUILD_MPI=ON -DEPX_NCCL_ROOT="$NCCL" -DEPX_BUILD_FUSED=ON "${CMOCKA_ARGS[@]}" &&
+    -DEPX_CUDA_ARCHITECTURES=90 -DEPX_BUILD_MPI=ON -DEPX_NCCL_ROOT="$NCCL" -DEPX_BUILD_FUSED=ON -DEPX_TEST_HOOKS=ON \
+    "${CMOCKA_ARGS[@]}" &&
     timeout "${EPX_FUSED_EP_BUILD_TIMEOUT:-240}" cmake --build "$BUILD" -j"$(nproc)" --target epx mpi_gpu_exchange
 } >"$OUTDIR/build.log" 2>&1 || { tail -40 "$OUTDIR/build.log"; echo "build FAILED"; exit 1; }
 grep -q "EPX_HAVE_FUSED=1" "$BUILD/CMakeFiles/epx.dir/flags.make" || { echo "the fused module was not built"; exit 1; }
-mpicc -O2 -std=c11 -Iinclude -I"$NCCL/include" -I/usr/local/cuda/include bench/gpu/bench_ep.c -o "$BUILD/bench_ep" \
+mpicc -O2 -std=c11 -Iinclude -Isrc -I"$NCCL/include" -I/usr/local/cuda/include bench/gpu/bench_ep.c -o "$BUILD/bench_ep" \
   -L"$BUILD" -lepx -L/usr/local/cuda/lib64 -lcudart -lcublas -L"$NCCL/lib" -l:libnccl.so.2 -lm \
   -Wl,-rpath,"$BUILD" -Wl,-rpath,"$NCCL/lib" -Wl,-rpath,/usr/local/cuda/lib64 >>"$OUTDIR/build.log" 2>&1 || { tail -20 "$OUTDIR/build.log"; echo "bench build FAILED"; exit 1; }
 echo "built in ${SECONDS}s"

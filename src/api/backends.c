@@ -3,7 +3,7 @@
 #include "core/error.h"
 #include "cpu/cpu.h"
 #if EPX_HAVE_CUDA
-#include "cuda/cuda_backend.h"
+#include "cuda/backend.h"
 #endif
 
 const epx_backend_t *epx_backend_for_device(epx_device_t device) {

@@ -33,7 +33,7 @@
  * of every operation the comms carry, while every rank is known to be in
  * the same call) or when its work queue is full. Host waits stay polled and
  * bounded (ncclCommAbort works on blocking comms too). */
-#include "comm/nccl.h"
+#include "core/nccl.h"
 
 #include <sched.h>
 #include <stdio.h>

@@ -2,7 +2,10 @@
  * public API never asks which device it is talking to. One table per backend,
  * chosen once when a buffer is created (from config.device; see
  * src/api/backends.c) and kept in buffer->backend; routing picks its table from
- * the route config's device the same way.
+ * the route config's device the same way. A device may serve buffers with
+ * more than one table (CUDA: one GPU, W ranks): its buffer_init then sets
+ * buffer->backend to the table that serves this buffer, once, before anything
+ * else is called on it.
  *
  * The API layer has checked everything that can be checked on the host (NULLs,
  * sizes, alignment, handle ownership) before calling an operation. Collective
@@ -32,8 +35,8 @@ typedef struct epx_backend {
                                  const float *grad_topk_w, float grad_aux_loss, float grad_z_loss,
                                  float *grad_logits);
 
-  /* Buffers: per-buffer state (buffer->backend_state), created after the
-   * ranks agreed the config. set_stream orders the change after the work
+  /* Buffers: per-buffer state (buffer->backend_state, core/objects.h),
+   * created after the ranks agreed the config. set_stream orders the change after the work
    * already enqueued (CUDA); NULL when the device has no streams. */
   epx_status_t (*buffer_init)(epx_buffer_t buffer);
   void (*buffer_fini)(epx_buffer_t buffer);

@@ -1,7 +1,7 @@
-/* The library's objects as every backend sees them. The CPU engine keeps its
- * per-handle layout in `cpu`, the CUDA backend in `cuda`; neither reads the
- * other's. `backend` is the buffer's device's operations (core/backend.h),
- * fixed at creation. */
+/* The library's objects as every backend sees them. `backend` is the
+ * operations serving the buffer (core/backend.h), fixed at its creation;
+ * `backend_state` is that backend's own per-buffer and per-handle state,
+ * which nothing else reads (the CPU engine names it by its type, `cpu`). */
 #ifndef EPX_CORE_OBJECTS_H
 #define EPX_CORE_OBJECTS_H
 
@@ -28,9 +28,10 @@ struct epx_buffer {
   int32_t experts_per_rank;    /* E_local */
   int64_t max_tokens;          /* agreed tokens per rank; 0 until agreed */
   int64_t live_handles;        /* handles not yet released (atomic) */
-  struct epx_cpu_scratch *cpu; /* CPU staging buffers, grown on demand */
-  void *cuda;                  /* CUDA backend state (src/cuda) */
-  int32_t cuda_ranks;          /* the CUDA backend serving it: 1 the W-rank one (ep.c), 0 the one-GPU one */
+  union {
+    void *backend_state;         /* the backend's: src/cuda/one, src/cuda/ep */
+    struct epx_cpu_scratch *cpu; /* the CPU engine's staging buffers, grown on demand */
+  };
 };
 
 /* A handle's references are counted twice: `caller_refs` are the caller's
@@ -48,8 +49,10 @@ struct epx_handle {
   int32_t top_k;               /* K of the routing */
   int64_t recv_rows;           /* N (CUDA with worst_case_sizing: the bound) */
   uint64_t routing_hash;       /* hash of topk_idx, for recorder validation */
-  struct epx_cpu_plan *cpu;    /* src/cpu/exchange.h (built by layout.c) */
-  void *cuda;                  /* src/cuda */
+  union {
+    void *backend_state;       /* the backend's: src/cuda/one, src/cuda/ep */
+    struct epx_cpu_plan *cpu;  /* the CPU engine's layout (src/cpu/exchange.h, built by layout.c) */
+  };
 };
 
 /* Sets the agreed tokens per rank from the largest batch of the first

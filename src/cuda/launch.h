@@ -1,4 +1,4 @@
-/* The CUDA backend's kernels as the host glue (cuda_backend.c) and the
+/* The CUDA backend's kernels as the host glue (one/one.c) and the
  * benchmarks call them: extern "C" launchers taking plain device pointers,
  * sizes and a stream. Each enqueues its work on the stream and returns the
  * launch's cudaError_t; none synchronises. One rank: every expert is local.
@@ -19,6 +19,7 @@
 #include <cuda_runtime_api.h>
 
 #include "core/payload.h"
+#include "cuda/common/launch_flags.h"
 #include "epx.h"
 
 #ifdef __cplusplus
@@ -78,72 +79,6 @@ cudaError_t epx_cuda_layout_launch(const int32_t *topk_idx, const int32_t *locat
                                    int32_t alignment, int32_t capacity,
                                    const epx_cuda_layout_t *out, void *scratch,
                                    cudaStream_t stream);
-
-/* How the layout's two kernels and the one-kernel routing forward are
- * launched, for the whole process: EPX_CUDA_LAUNCH_DEFAULT unless
- * epx_cuda_set_launch_flags (the routing bench compares the choices, the
- * tests run without programmatic dependent launch too). Every choice gives
- * the same results. Bits:
- *   EPX_CUDA_PDL_LAUNCH: programmatic dependent launch on sm_90+
- *     (src/cuda/pdl.cuh: a kernel may start before the one ahead of it in
- *     the stream ends, and waits for it before touching memory);
- *   EPX_CUDA_PDL_ROUTE_EARLY, EPX_CUDA_PDL_LAYOUT_EARLY: the routing's /
- *     layout's kernels let the next kernel launch as soon as they run (else
- *     when they end);
- *   EPX_CUDA_RANK_ALONE: one layout rank block per SM (shared memory);
- *   EPX_CUDA_LAYOUT_NARROW: expert-major rank blocks of up to 16 warps of
- *     64 routes (else 8 of 128);
- *   EPX_CUDA_FUSED_EXPAND_APART: the fused expert-major dispatch (and
- *     combine_backward) leaves the remote rows in the window, all of the SM
- *     budget sending, and expands every row in a kernel of its own over every
- *     SM (a local copy, as the host path's expansion is); the fused
- *     expert-major combine (and dispatch_backward) forms every received
- *     row's partial in such a kernel first (float32 partials where the
- *     window has room for them: fused.h, f32_rows), and the budget's CTAs
- *     only move and sum them; else the budget's CTAs
- *     expand rows as they arrive and form partials as they send;
- *   EPX_CUDA_FUSED_RECV_QUARTER, EPX_CUDA_FUSED_RECV_EIGHTH: a quarter or an
- *     eighth of the fused kernels' SM budget receives (dispatch: waits for
- *     and copies or expands the rows; combine: sums the partials), the rest
- *     sends; else half (the 2-GPU benchmark sweeps the split);
- *   EPX_CUDA_FUSED_RELAY (a test hook, off by default): a fused state
- *     created while it is set reaches every other rank through NCCL's
- *     host API (fused_relay.cu), as peers without load/store access are,
- *     so the mixed path runs on GPUs that all have it;
- *   EPX_CUDA_FUSED_COPY_ENGINE: the fused rank-major dispatch into a
- *     buffer of the caller's leaves the peers' rows in the window (the whole
- *     SM budget sending) and the copy engine copies them out, instead of the
- *     budget's receiving CTAs, at any budget (without it: at budgets of up
- *     to 24 CTAs, where the counts are known on the host).
- * The default is the fastest at 8192 x 256 top-8 on an H200 (bench/NOTES-gpu.md,
- * branch h16-route): route + layout 24.3 us against 26.0 with none. Early
- * routing kernels gained nothing there, and without EPX_CUDA_RANK_ALONE
- * they cost 4 us (rank blocks piled onto the first SMs to empty). The
- * expansion apart: the fused expert-major dispatch at one rank (every row
- * expanded, none over NVLink) 0.353 ms against 1.004 with the budget's
- * receiving half expanding (bench/NOTES-gpu.md, session 17). */
-#define EPX_CUDA_PDL_LAUNCH 1
-#define EPX_CUDA_PDL_ROUTE_EARLY 2
-#define EPX_CUDA_PDL_LAYOUT_EARLY 4
-#define EPX_CUDA_RANK_ALONE 8
-#define EPX_CUDA_LAYOUT_NARROW 16
-#define EPX_CUDA_FUSED_EXPAND_APART 32
-#define EPX_CUDA_FUSED_RECV_QUARTER 64
-#define EPX_CUDA_FUSED_RECV_EIGHTH 128
-#define EPX_CUDA_FUSED_RELAY 256
-#define EPX_CUDA_FUSED_COPY_ENGINE 512
-#define EPX_CUDA_LAUNCH_DEFAULT                                                                  \
-  (EPX_CUDA_PDL_LAUNCH | EPX_CUDA_PDL_LAYOUT_EARLY | EPX_CUDA_RANK_ALONE | EPX_CUDA_LAYOUT_NARROW | \
-   EPX_CUDA_FUSED_EXPAND_APART)
-void epx_cuda_set_launch_flags(int flags);
-int epx_cuda_launch_flags(void);
-/* For tests and benchmarks on one GPU (not in epx.h; cuda_ops.c): on, a
- * CUDA buffer created later over a one-rank comm is served by the W-rank
- * backend of ep.c (an NCCL comm: the host-API exchange, the fused kernels)
- * instead of the one-GPU backend, so that backend's paths can be checked and
- * timed where no second GPU is at hand. Process-wide; buffers keep the
- * backend they were created with. */
-void epx_cuda_ep_at_one_rank(int on);
 
 /* Tuning of the move kernels: warps per block (at least 8: a token's slices,
  * up to 8 warps, share one block's dot sums), 16-byte vectors per lane per
@@ -234,7 +169,7 @@ cudaError_t epx_cuda_weights_back_launch(epx_layout_t layout, const epx_cuda_lay
                                          float *grad_w, cudaStream_t stream);
 
 /* ------------------------------------------------------------------------ */
-/* Routing (route_forward.cu, route_backward.cu; host glue in route.c)       */
+/* Routing (route/forward.cu, route/backward.cu; host glue in route.c)       */
 /* ------------------------------------------------------------------------ */
 /* Forward: route_tokens (a warp per token: scores, selection, weights, the
  * queue entries of its routes, counts per (expert, queue tile), aux and z
@@ -355,7 +290,7 @@ typedef struct epx_cuda_route_bwd_args {
   const int *bad;
 } epx_cuda_route_bwd_args_t;
 
-/* The one-kernel forward (route_fast.cu), for a dropless routing without
+/* The one-kernel forward (route/fast.cu), for a dropless routing without
  * locations or losses whose non-finite tokens are dropped, E in {32, 64,
  * 128, 256, 512}, K <= 32, and G = 1 or a power of two <= 32 with a group
  * score of at most 2 experts; logits and bias aligned to 4 * min(E / 32, 4)
@@ -387,8 +322,8 @@ enum { EPX_CUDA_ROUTE_TOKENS = 0, EPX_CUDA_ROUTE_BACKWARD = 1 };
  * need per_warp bytes of dynamic shared memory, and the block's bytes;
  * raises the kernel's limit past the default 48 KB when one warp needs it.
  * cudaErrorInvalidValue when even one warp does not fit the device. kind:
- * EPX_CUDA_ROUTE_TOKENS or EPX_CUDA_ROUTE_ASSIGN (route_forward.cu), or the
- * backward kernel (epx_cuda_route_backward_plan, route_backward.cu). */
+ * EPX_CUDA_ROUTE_TOKENS or EPX_CUDA_ROUTE_ASSIGN (route/forward.cu), or the
+ * backward kernel (epx_cuda_route_backward_plan, route/backward.cu). */
 enum { EPX_CUDA_ROUTE_ASSIGN = 2 };
 cudaError_t epx_cuda_route_smem_plan(int kind, size_t per_warp, int max_warps, int *warps,
                                      size_t *bytes);
@@ -427,7 +362,7 @@ cudaError_t epx_cuda_recv_source_ranks_launch(epx_layout_t layout, const epx_cud
                                               cudaStream_t stream);
 
 /* ------------------------------------------------------------------------ */
-/* W ranks (ep.cu): the tables of a dispatch over NCCL                       */
+/* W ranks (ep/tables.cu): the tables of a dispatch over NCCL                       */
 /* ------------------------------------------------------------------------ */
 /*
  * Every rank gathers every rank's sanitised routing as [W * Tm, Kb] (Tm the
@@ -562,32 +497,6 @@ cudaError_t epx_cuda_hash_launch(const int32_t *topk_idx, int64_t count, uint64_
 
 #ifdef __cplusplus
 }
-#endif
-
-/* Device helpers shared by the kernel files. */
-#ifdef __CUDACC__
-#include "cuda/common/payload.cuh"
-
-/* grad_w [K] of a token whose row the move kernels cut into 2^shift slices,
- * a warp each: the slices' dot sums (s_dot of the token's first warp; each
- * warp's table is 4*K words after the previous one's) added in slice order
- * by the first warp. */
-static __device__ __forceinline__ void epx_slices_grad_w(const float *s_dot, int k_count, int shift,
-                                                         int lane, float *grad_w) {
-  for (int k = lane; k < k_count; k += 32) {
-    float sum = s_dot[k];
-    for (int p = 1; p < (1 << shift); p++) sum = __fadd_rn(sum, s_dot[(size_t)p * 4 * k_count + k]);
-    grad_w[k] = sum;
-  }
-}
-
-/* Sum over the warp by a fixed butterfly: the same bits on every run. */
-static __device__ __forceinline__ float epx_warp_sum(float v) {
-#pragma unroll
-  for (int m = 16; m >= 1; m >>= 1) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, m));
-  return v;
-}
-
 #endif
 
 #endif

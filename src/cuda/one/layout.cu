@@ -28,11 +28,10 @@
  * at T=8192, K=8, E=256 — the cost is the two launches' latency. */
 #include <cuda_runtime.h>
 
-#include <atomic>
 
-#include "cuda/device_cache.h"
+#include "cuda/common/device_cache.h"
 #include "cuda/launch.h"
-#include "cuda/pdl.cuh"
+#include "cuda/common/pdl.cuh"
 
 namespace {
 
@@ -618,15 +617,6 @@ extern "C" cudaError_t epx_cuda_layout_launch(const int32_t *topk_idx, const int
   return launch_pdl(layout_assign_kernel, (unsigned)(chunks > 0 ? chunks : 1), kAssignThreads,
                     assign_bytes, stream, aa);
 }
-
-/* How the routing and layout kernels are launched (launch.h). */
-static std::atomic<int> g_launch_flags{EPX_CUDA_LAUNCH_DEFAULT};
-
-extern "C" void epx_cuda_set_launch_flags(int flags) {
-  g_launch_flags.store(flags, std::memory_order_relaxed);
-}
-
-extern "C" int epx_cuda_launch_flags(void) { return g_launch_flags.load(std::memory_order_relaxed); }
 
 extern "C" cudaError_t epx_cuda_recv_routing_ranks_launch(epx_layout_t layout, const epx_cuda_layout_t *lay,
                                                           const float *w, int32_t K, int32_t K_src,

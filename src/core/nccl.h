@@ -1,9 +1,11 @@
-/* What the CUDA backend needs of the NCCL transport (src/comm/nccl.c): the
- * ncclComm_t behind an epx comm, and the one bounded wait every host
- * synchronisation on an NCCL comm goes through. Plain C: NCCL and CUDA
+/* What the CUDA backend needs of the NCCL transport: the ncclComm_t behind
+ * an epx comm, and the one bounded wait every host synchronisation on an
+ * NCCL comm goes through. Declared here, in core, and implemented by
+ * src/comm/nccl.c, as core/transport.h is by every transport: the backend
+ * includes core only. Plain C: NCCL and CUDA
  * types travel as void * so this header needs neither. */
-#ifndef EPX_COMM_NCCL_H
-#define EPX_COMM_NCCL_H
+#ifndef EPX_CORE_NCCL_H
+#define EPX_CORE_NCCL_H
 
 #include "epx.h"
 

@@ -22,12 +22,12 @@
 
 #include "core/error.h"
 #include "core/route_spec.h"
-#include "cuda/cuda_backend.h"
-#include "cuda/cuda_check.h"
-#include "cuda/ep.h"
+#include "cuda/backend.h"
+#include "cuda/common/check.h"
+#include "cuda/ep/ep.h"
 #include "cuda/launch.h"
 
-/* buffer->cuda */
+/* buffer->backend_state */
 typedef struct cuda_buffer_state {
   void *scratch;          /* layout scratch (device), scratch_bytes long */
   size_t scratch_bytes;
@@ -36,7 +36,7 @@ typedef struct cuda_buffer_state {
   epx_cuda_layout_result_t *readback; /* pinned host memory for one layout result */
 } cuda_buffer_state_t;
 
-/* handle->cuda */
+/* handle->backend_state */
 typedef struct cuda_handle_state {
   void *block;              /* one device allocation holding every array below */
   epx_cuda_layout_t layout; /* pointers into block */
@@ -65,7 +65,7 @@ epx_status_t epx_cuda_buffer_init(epx_buffer_t buffer) {
   if (!s) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
   CUDA_CHECK(cudaEventCreateWithFlags(&s->scratch_free, cudaEventDisableTiming), fn, "cudaEventCreate");
   CUDA_CHECK(cudaMallocHost((void **)&s->readback, sizeof *s->readback), fn, "cudaMallocHost");
-  buffer->cuda = s;
+  buffer->backend_state = s;
   return EPX_SUCCESS;
 fail:
   if (s->scratch_free) cudaEventDestroy(s->scratch_free);
@@ -74,7 +74,7 @@ fail:
 }
 
 void epx_cuda_buffer_fini(epx_buffer_t buffer) {
-  cuda_buffer_state_t *s = buffer->cuda;
+  cuda_buffer_state_t *s = buffer->backend_state;
   if (!s) return;
   if (s->scratch) {
     cudaStreamWaitEvent(stream_of(buffer), s->scratch_free, 0);
@@ -83,15 +83,15 @@ void epx_cuda_buffer_fini(epx_buffer_t buffer) {
   cudaEventDestroy(s->scratch_free);
   cudaFreeHost(s->readback);
   free(s);
-  buffer->cuda = NULL;
+  buffer->backend_state = NULL;
 }
 
 void epx_cuda_handle_fini(epx_handle_t handle) {
-  cuda_handle_state_t *h = handle->cuda;
+  cuda_handle_state_t *h = handle->backend_state;
   if (!h) return;
   if (h->block) cudaFreeAsync(h->block, stream_of(handle->buffer));
   free(h);
-  handle->cuda = NULL;
+  handle->backend_state = NULL;
 }
 
 /* The message of the first invalid route; topk_idx and locations are the
@@ -180,7 +180,7 @@ epx_status_t epx_cuda_dispatch_layout(epx_buffer_t buffer, const epx_routing_t *
                                       epx_handle_t handle) {
   const char *fn = "epx_dispatch_layout";
   epx_status_t status = EPX_SUCCESS;
-  cuda_buffer_state_t *bs = buffer->cuda;
+  cuda_buffer_state_t *bs = buffer->backend_state;
   const epx_buffer_config_t *c = &buffer->config;
   cudaStream_t stream = stream_of(buffer);
   const int64_t T = routing->num_tokens;
@@ -253,7 +253,7 @@ epx_status_t epx_cuda_dispatch_layout(epx_buffer_t buffer, const epx_routing_t *
     h->rows = h->row_bound = bs->readback->rows;
     handle->recv_rows = h->rows;
   }
-  handle->cuda = h;
+  handle->backend_state = h;
   return EPX_SUCCESS;
 fail:
   if (h->block) cudaFreeAsync(h->block, stream);
@@ -265,7 +265,7 @@ epx_status_t epx_cuda_dispatch(epx_buffer_t buffer, epx_handle_t handle, const v
                                void *recv_x) {
   const char *fn = "epx_dispatch";
   epx_status_t status = EPX_SUCCESS;
-  const cuda_handle_state_t *h = handle->cuda;
+  const cuda_handle_state_t *h = handle->backend_state;
   const epx_buffer_config_t *c = &buffer->config;
   const epx_cuda_layout_t *l = &h->layout;
   if (c->layout == EPX_LAYOUT_RANK_MAJOR)
@@ -286,7 +286,7 @@ epx_status_t epx_cuda_combine(epx_buffer_t buffer, epx_handle_t handle, const vo
                               void *out) {
   const char *fn = "epx_combine";
   epx_status_t status = EPX_SUCCESS;
-  const cuda_handle_state_t *h = handle->cuda;
+  const cuda_handle_state_t *h = handle->backend_state;
   const epx_buffer_config_t *c = &buffer->config;
   const int rank_major = c->layout == EPX_LAYOUT_RANK_MAJOR;
   CUDA_CHECK(epx_cuda_gather_launch(c->dtype, expert_out, out, handle->num_tokens, c->hidden,
@@ -304,7 +304,7 @@ epx_status_t epx_cuda_dispatch_backward(epx_buffer_t buffer, epx_handle_t handle
                                         float *grad_w) {
   const char *fn = "epx_dispatch_backward";
   epx_status_t status = EPX_SUCCESS;
-  const cuda_handle_state_t *h = handle->cuda;
+  const cuda_handle_state_t *h = handle->backend_state;
   const epx_buffer_config_t *c = &buffer->config;
   const int rank_major = c->layout == EPX_LAYOUT_RANK_MAJOR;
   const int weighted = handle->weighting == EPX_WEIGHTS_IN_DISPATCH;
@@ -323,7 +323,7 @@ epx_status_t epx_cuda_combine_backward(epx_buffer_t buffer, epx_handle_t handle,
                                        void *grad_expert_out, float *grad_w) {
   const char *fn = "epx_combine_backward";
   epx_status_t status = EPX_SUCCESS;
-  const cuda_handle_state_t *h = handle->cuda;
+  const cuda_handle_state_t *h = handle->backend_state;
   const epx_buffer_config_t *c = &buffer->config;
   const epx_cuda_layout_t *l = &h->layout;
   const int weighted = handle->weighting == EPX_WEIGHTS_IN_COMBINE;
@@ -346,7 +346,7 @@ epx_status_t epx_cuda_weights_backward(epx_buffer_t buffer, epx_handle_t handle,
                                        const float *grad_recv_w, float *grad_w) {
   const char *fn = "epx_weights_backward";
   epx_status_t status = EPX_SUCCESS;
-  const cuda_handle_state_t *h = handle->cuda;
+  const cuda_handle_state_t *h = handle->backend_state;
   CUDA_CHECK(epx_cuda_weights_back_launch(buffer->config.layout, &h->layout, handle->num_tokens,
                                           handle->top_k, grad_recv_w, grad_w, stream_of(buffer)),
              fn, "the weights backward kernel");
@@ -357,9 +357,9 @@ fail:
 epx_status_t epx_cuda_handle_recv_rows(epx_handle_t handle, int64_t *rows) {
   const char *fn = "epx_handle_recv_rows";
   epx_status_t status = EPX_SUCCESS;
-  cuda_handle_state_t *h = handle->cuda;
+  cuda_handle_state_t *h = handle->backend_state;
   epx_buffer_t buffer = handle->buffer;
-  cuda_buffer_state_t *bs = buffer->cuda;
+  cuda_buffer_state_t *bs = buffer->backend_state;
   if (h->rows < 0) {
     cudaStream_t stream = stream_of(buffer);
     CUDA_CHECK(cudaMemcpyAsync(bs->readback, h->layout.result, sizeof *bs->readback,
@@ -378,7 +378,7 @@ fail:
 }
 
 epx_status_t epx_cuda_handle_recv_rows_device(epx_handle_t handle, const int64_t **rows) {
-  const cuda_handle_state_t *h = handle->cuda;
+  const cuda_handle_state_t *h = handle->backend_state;
   *rows = &h->layout.result->rows;
   return EPX_SUCCESS;
 }
@@ -401,7 +401,7 @@ fail:
 }
 
 epx_status_t epx_cuda_handle_expert_counts(epx_handle_t handle, int64_t *counts, int64_t *offsets) {
-  const cuda_handle_state_t *h = handle->cuda;
+  const cuda_handle_state_t *h = handle->backend_state;
   return epx_cuda_copy_expert_counts(h->layout.counts, h->layout.offsets, handle->buffer->experts_per_rank,
                                      counts, offsets, handle->buffer->config.stream);
 }
@@ -409,7 +409,7 @@ epx_status_t epx_cuda_handle_expert_counts(epx_handle_t handle, int64_t *counts,
 epx_status_t epx_cuda_handle_recv_routing(epx_handle_t handle, int32_t *recv_expert, float *recv_w) {
   const char *fn = "epx_handle_recv_routing";
   epx_status_t status = EPX_SUCCESS;
-  const cuda_handle_state_t *h = handle->cuda;
+  const cuda_handle_state_t *h = handle->backend_state;
   CUDA_CHECK(epx_cuda_recv_routing_launch(handle->buffer->config.layout, &h->layout, h->w, handle->top_k,
                                           h->row_bound, recv_expert, recv_w, stream_of(handle->buffer)),
              fn, "the recv routing kernel");
@@ -420,7 +420,7 @@ fail:
 epx_status_t epx_cuda_handle_recv_source(epx_handle_t handle, int32_t *src_rank, int32_t *src_token) {
   const char *fn = "epx_handle_recv_source";
   epx_status_t status = EPX_SUCCESS;
-  const cuda_handle_state_t *h = handle->cuda;
+  const cuda_handle_state_t *h = handle->backend_state;
   CUDA_CHECK(epx_cuda_recv_source_launch(handle->buffer->config.layout, &h->layout, handle->top_k,
                                          h->row_bound, src_rank, src_token, stream_of(handle->buffer)),
              fn, "the recv source kernel");

@@ -17,7 +17,7 @@
 
 #include <utility>
 
-#include "cuda/device_cache.h"
+#include "cuda/common/device_cache.h"
 #include "cuda/launch.h"
 
 /* First thing in a kernel launched by launch_pdl: wait for the grid ahead

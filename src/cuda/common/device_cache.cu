@@ -4,7 +4,7 @@
 #include <atomic>
 #include <mutex>
 
-#include "cuda/device_cache.h"
+#include "cuda/common/device_cache.h"
 
 namespace {
 

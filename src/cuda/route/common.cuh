@@ -1,4 +1,4 @@
-/* Device helpers of the routing kernels (route_forward.cu, route_backward.cu):
+/* Device helpers of the routing kernels (route/forward.cu, route/backward.cu):
  * warp reductions, order keys, and the per-token scores and selection
  * (steps 1-5 of src/core/route_spec.h). Included by .cu files only. */
 #ifndef EPX_CUDA_ROUTE_COMMON_CUH
@@ -9,7 +9,7 @@
 #include <cstdint>
 
 #include "core/route_spec.h"
-#include "cuda/device_cache.h"
+#include "cuda/common/device_cache.h"
 #include "cuda/launch.h"
 
 namespace route_dev {

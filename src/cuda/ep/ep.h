@@ -1,6 +1,7 @@
-/* The CUDA backend on W > 1 ranks over an NCCL comm (ep.c): the same calls
- * as cuda_backend.h, which hands them here when buffer->world_size > 1 (or,
- * for one-GPU checks, after epx_cuda_ep_at_one_rank). */
+/* The CUDA backend on W ranks over an NCCL comm (ep.c): the same calls as
+ * the one-GPU backend of cuda/backend.h, behind the W-rank table (ops.c)
+ * that a buffer over more than one rank gets at creation (or, in a test
+ * build, one over a single rank after epx_cuda_ep_at_one_rank). */
 #ifndef EPX_CUDA_EP_H
 #define EPX_CUDA_EP_H
 
@@ -44,21 +45,17 @@ epx_status_t epx_cuda_ep_recv_source(epx_handle_t handle, int32_t *src_rank, int
 epx_status_t epx_cuda_ep_stats(epx_handle_t handle, epx_handle_stats_t *stats);
 int64_t epx_cuda_ep_handle_bytes(epx_handle_t handle);
 /* paths[W]: EPX_PATH_FUSED for every peer when the buffer runs the fused
- * NVLink kernels (src/cuda/fused.h), else EPX_PATH_HOST. */
+ * NVLink kernels (src/cuda/fused/fused.h), else EPX_PATH_HOST. */
 void epx_cuda_ep_peer_paths(epx_buffer_t buffer, int32_t *paths);
 
-/* The routing's hash computed on the device (one read-back), for recorder
- * validation on any CUDA buffer. */
-epx_status_t epx_cuda_routing_hash(epx_buffer_t buffer, const epx_routing_t *routing, uint64_t *hash);
-
-/* Kernels of ep.cu that serve the handles of the fused path (launch.h has
+/* Kernels of ep/tables.cu that serve the handles of the fused path (launch.h has
  * the host path's). */
 /* dst[r] = src[r] (rows of `words` 4-byte words) for r < min(*rows, row_bound)
  * (*rows on the device); dst NULL: nothing. */
 cudaError_t epx_cuda_ep_copy_rows_launch(const void *src, void *dst, int32_t words, const int64_t *rows,
                                          int64_t row_bound, cudaStream_t stream);
 
-/* The message of a routing verdict of the layout kernel (cuda_backend.c). */
+/* The message of a routing verdict of the layout kernel (one/one.c). */
 epx_status_t epx_cuda_routing_error(const char *fn, uint64_t error, int32_t K, int32_t E, int32_t C,
                                     const int32_t *topk_idx, const int32_t *locations, const char *note);
 

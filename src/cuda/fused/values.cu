@@ -13,16 +13,16 @@
  *          without a route, and everywhere in an empty layout).
  * The dots are formed exactly as the host path forms them, so both paths
  * give the same bits: combine_backward's as its expand kernel does
- * (src/cuda/dispatch.cu, kDot: per lane a float32 sum over
+ * (src/cuda/one/dispatch.cu, kDot: per lane a float32 sum over
  * EPX_CUDA_MOVE_VECS 16-byte vectors per step), dispatch_backward's as its
- * sum kernel does (src/cuda/ep.cu, reduce_kernel's kDot: per lane a float32
+ * sum kernel does (src/cuda/ep/tables.cu, reduce_kernel's kDot: per lane a float32
  * sum over 2 chunks of 8 elements per step, chunk c0 = step + lane then
  * c0 + 32); in both the warp's butterfly sum per step, the steps added in
  * order from 0. tests/gpu/mpi_gpu_exchange.c (test_dot_order) checks the
  * bits with inexact data, where another order would show. */
 #include <cuda_runtime.h>
 
-#include "cuda/fused_impl.cuh"
+#include "cuda/fused/impl.cuh"
 
 using namespace epx_fused_impl;
 

@@ -5,7 +5,7 @@
  * rank's load/store team (NCCL's LSA team: other nodes, PCIe without P2P)
  * are reached through NCCL's host API inside the same launches: grouped
  * ncclSend/ncclRecv on the stream between an op's kernels
- * (fused_relay.cu); epx_fused_relayed_peers names them.
+ * (fused/relay.cu); epx_fused_relayed_peers names them.
  *
  * Plain C declarations: host code never sees ncclDevComm or a kernel. The
  * launchers take device pointers, sizes and a stream, enqueue their work and

@@ -1,11 +1,11 @@
 /* The routing backward kernel behind launch.h: a warp per token recomputes
- * the selection (route_common.cuh) and writes the token's grad_logits row
+ * the selection (route/common.cuh) and writes the token's grad_logits row
  * through the weights (renormalised before or after the drop, scaled), the
  * aux loss (F fixed) and the z loss. The counts F and the valid tokens come
  * from a forward-kernel pass the host glue (route.c) runs first. */
 #include <cuda_runtime.h>
 
-#include "cuda/route_common.cuh"
+#include "cuda/route/common.cuh"
 
 using namespace route_dev;
 

@@ -16,7 +16,8 @@
 #include <cub/cub.cuh>
 #include <cuda_runtime.h>
 
-#include "cuda/ep.h"
+#include "cuda/ep/ep.h"
+#include "cuda/common/device.cuh"
 #include "cuda/launch.h"
 
 namespace {

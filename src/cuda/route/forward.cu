@@ -8,7 +8,7 @@
 
 #include <cub/device/device_segmented_radix_sort.cuh>
 
-#include "cuda/route_common.cuh"
+#include "cuda/route/common.cuh"
 
 using namespace route_dev;
 

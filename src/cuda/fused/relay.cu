@@ -39,7 +39,7 @@
 
 #include "core/error.h"
 #include "core/wait.h"
-#include "cuda/fused_impl.cuh"
+#include "cuda/fused/impl.cuh"
 
 using namespace epx_fused_impl;
 

@@ -1,5 +1,5 @@
 /* The fused NVLink exchange, part 2: combine (and dispatch_backward, the same
- * kernel). See fused.h for the contract and fused_impl.cuh for the window.
+ * kernel). See fused.h for the contract and fused/impl.cuh for the window.
  *
  * The combine kernel (the expert-major layout with EPX_CUDA_FUSED_EXPAND_APART
  * first stages its partials, below stage_partials_kernel, and then runs the
@@ -22,7 +22,7 @@
  * written by the reducers. */
 #include <cuda_runtime.h>
 
-#include "cuda/fused_impl.cuh"
+#include "cuda/fused/impl.cuh"
 
 using namespace epx_fused_impl;
 

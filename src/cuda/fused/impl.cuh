@@ -1,5 +1,5 @@
-/* Internals of the fused NVLink exchange shared by fused_dispatch.cu and
- * fused_combine.cu: the window's regions, the kernels' argument structs, the
+/* Internals of the fused NVLink exchange shared by fused/dispatch.cu and
+ * fused/combine.cu: the window's regions, the kernels' argument structs, the
  * flags with bounded waits, and the warp-wide row moves. Not for host C code
  * (fused.h is its interface).
  *
@@ -15,14 +15,14 @@
  *   hdr   [W][EPX_FUSED_HDR_INTS] i32  rank s's header (tokens, oversize,
  *                        invalid, top_k, weighting), sent with the counts
  *   back  [W][maxT][Kmax] f32  routing-weight gradients from s, per token of
- *                        this rank and k-slot (fused_values.cu)
+ *                        this rank and k-slot (fused/values.cu)
  *   meta  [W*maxT] records of the rank-major rows: token, then per k-slot
  *                        the expert (-1 unless on this rank), weight, and the
  *                        route's position among the source's routes to it
  *   pay   [W*maxT, H]    rank-major rows (dispatch-like ops)
  *   part  [W][maxT, H]   partial sums P(t, r) from rank r for token t
  *                        (combine-like ops; float32 or the dtype)
- * Peers without load/store access (fused_relay.cu): the kernels write what
+ * Peers without load/store access (fused/relay.cu): the kernels write what
  * such a peer r would get into this rank's relay block for r (relay[r];
  * rows and records at the row's index among this rank's rows to r,
  * partials and values at r's token), never raise its flags nor wait for
@@ -40,8 +40,9 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-#include "cuda/device_cache.h"
-#include "cuda/fused.h"
+#include "cuda/common/device_cache.h"
+#include "cuda/fused/fused.h"
+#include "cuda/common/device.cuh"
 #include "cuda/launch.h"
 
 namespace epx_fused_impl {
@@ -347,15 +348,14 @@ __device__ __forceinline__ uint4 scale_vec(const uint4 &v, float w) {
 }
 
 /* The receiving (dispatch) or reducing (combine) CTAs of a budget of n:
- * half, a quarter or an eighth (launch flags EPX_CUDA_FUSED_RECV_QUARTER /
- * _EIGHTH, for the sweep of the split), at least one. */
+ * half (a test build sweeps other splits: common/test_hooks.h), at least
+ * one. */
 static inline int epx_fused_receivers(int n) {
-  const int flags = epx_cuda_launch_flags();
-  const int share = flags & EPX_CUDA_FUSED_RECV_EIGHTH ? n / 8 : flags & EPX_CUDA_FUSED_RECV_QUARTER ? n / 4 : n / 2;
+  const int share = epx_cuda_receiver_share(n, epx_cuda_launch_flags());
   return share > 1 ? share : 1;
 }
 
-/* ---- the relay (fused_relay.cu) ------------------------------------------- */
+/* ---- the relay (fused/relay.cu) ------------------------------------------- */
 
 /* What a relay step moves to and from every relayed peer r. */
 enum relay_kind {
@@ -388,7 +388,7 @@ cudaError_t epx_fused_relay_partials_in(epx_fused *f, const epx_fused_plan *plan
 epx_status_t epx_fused_relay_create(epx_fused *f, uint32_t mask, const char *fn);
 void epx_fused_relay_free(epx_fused *f);
 /* An NCCL call's result waited out on a nonblocking comm (an ncclComm_t),
- * at most `seconds` (fused_dispatch.cu). */
+ * at most `seconds` (fused/dispatch.cu). */
 epx_status_t epx_fused_nccl_settle(void *comm, int result, double seconds, const char *fn, const char *what);
 
 /* The host-side state; the device state is `dev`, passed to every kernel. */
@@ -401,7 +401,7 @@ struct epx_fused {
   epx_fused_config_t config;
   uint32_t *err_host; /* mapped */
   int num_sms;
-  void *relay_memory; /* the relay blocks and inboxes (fused_relay.cu), or NULL */
+  void *relay_memory; /* the relay blocks and inboxes (fused/relay.cu), or NULL */
   epx_fused_impl::fused_dev dev;
 };
 

@@ -16,6 +16,7 @@
  *   plus 4*T*K route rows (+ 4*T*K weights): under 1%. */
 #include <cuda_runtime.h>
 
+#include "cuda/common/device.cuh"
 #include "cuda/launch.h"
 
 namespace {

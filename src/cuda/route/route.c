@@ -1,6 +1,6 @@
 /* Routing on the GPU, host glue: epx_cuda_route and epx_cuda_route_backward
  * plan one scratch block, fill the launchers' arguments (launch.h, Routing)
- * and enqueue the kernels of route_forward.cu / route_backward.cu on
+ * and enqueue the kernels of route/forward.cu / route/backward.cu on
  * config->stream. The only host synchronisation is EPX_NONFINITE_ERROR's
  * read of the non-finite flag (and, on a refusal, of the token's row for the
  * message).
@@ -19,8 +19,8 @@
 
 #include "core/error.h"
 #include "core/route_spec.h"
-#include "cuda/cuda_backend.h"
-#include "cuda/cuda_check.h"
+#include "cuda/backend.h"
+#include "cuda/common/check.h"
 #include "cuda/launch.h"
 
 #define ROUTE_MAX_DEVICES 64

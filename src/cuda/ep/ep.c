@@ -8,7 +8,7 @@
  * every rank all-gathers every rank's sanitised routing [Tm, Kb] with a
  * header {tokens, oversize, invalid, top_k, weighting}. That gather is the
  * count exchange:
- * from it each rank computes (ep.cu) both sides of every exchange — where
+ * from it each rank computes (ep/tables.cu) both sides of every exchange — where
  * each of its rows goes, and where each row it receives comes from and
  * lands — so no other metadata moves and no count is read on the host
  * except to size NCCL's messages.
@@ -38,7 +38,7 @@
  *
  * The fused path (EPX_PATH_FUSED, or AUTO for rank-major; dedup; fused.h;
  * peers without load/store access relayed through NCCL's host API between
- * the fused kernels, fused_relay.cu): the buffer holds the fused state, each
+ * the fused kernels, fused/relay.cu): the buffer holds the fused state, each
  * handle a fused plan, and the layout is the fused layout alone (three
  * kernels, no NCCL call, no memset): it validates the routing as the stage
  * kernel does, exchanges the counts and every rank's header {tokens,
@@ -50,7 +50,7 @@
  * joins with an empty fused layout and its header, which empties every
  * rank's plan, as its gather header empties the host layout. The routing
  * weights' gradients are fused too (each route's value formed on its
- * expert's rank goes home through the window, fused_values.cu;
+ * expert's rank goes home through the window, fused/values.cu;
  * dispatch_backward's <grad_recv_x(t, k), x[t]> after a dispatch of x into
  * the window), so a fused handle never makes the host layout.
  * dispatch / combine_backward are the fused dispatch, combine /
@@ -65,20 +65,20 @@
 
 #include <cuda_runtime_api.h>
 
-#include "comm/comm.h"
-#include "comm/nccl.h"
 #include "core/error.h"
+#include "core/nccl.h"
 #include "core/route_spec.h"
-#include "cuda/cuda_check.h"
-#include "cuda/cuda_backend.h"
-#include "cuda/ep.h"
+#include "core/transport.h"
+#include "cuda/common/check.h"
+#include "cuda/backend.h"
+#include "cuda/ep/ep.h"
 #include "cuda/launch.h"
-#include "cuda/fused.h"
+#include "cuda/fused/fused.h"
 
 #if EPX_HAVE_NCCL
 #include <nccl.h>
 
-/* The fused module (fused_*.cu) is compiled where NCCL has its device API
+/* The fused module (fused/) is compiled where NCCL has its device API
  * (nccl_device.h, NCCL >= 2.28): EPX_HAVE_FUSED. Without it the AUTO path is
  * the host path. */
 #ifndef EPX_HAVE_FUSED
@@ -93,7 +93,7 @@ enum { EP_FUSED_BULK_COPY = 1, EP_FUSED_DEFAULT_CTAS = 32 };
 
 enum { HOME_PAIRS = 0, HOME_ROUTES = 1, RECV_PAIRS = 2, RECV_ROUTES = 3, KINDS = 4 };
 
-/* buffer->cuda on W ranks */
+/* buffer->backend_state on W ranks */
 typedef struct ep_buffer {
   void *send, *recv;  /* staging (device), `bytes` each */
   size_t bytes;
@@ -113,7 +113,7 @@ typedef struct ep_buffer {
   int64_t id; /* 1 + the buffers made over the comm before it (the same on every rank) */
 } ep_buffer_t;
 
-/* handle->cuda on W ranks */
+/* handle->backend_state on W ranks */
 typedef struct ep_handle {
   void *block; /* one device allocation holding every array below */
   size_t block_bytes;
@@ -184,18 +184,18 @@ epx_status_t epx_cuda_ep_buffer_init(epx_buffer_t b) {
                      b->world_size, EPX_CUDA_MAX_EXPERTS);
   ep_buffer_t *s = calloc(1, sizeof *s);
   if (!s) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
-  b->cuda = s;
+  b->backend_state = s;
   s->id = ++b->comm->buffers_made;
   epx_status_t status = ensure_fused(b, fn);
   if (status != EPX_SUCCESS) {
     free(s);
-    b->cuda = NULL;
+    b->backend_state = NULL;
   }
   return status;
 }
 
 void epx_cuda_ep_buffer_fini(epx_buffer_t b) {
-  ep_buffer_t *s = b->cuda;
+  ep_buffer_t *s = b->backend_state;
   if (!s) return;
   /* With worst_case_sizing a host refusal on one rank reaches its peers only
    * as a timeout of their next bounded wait; a peer that destroys the buffer
@@ -219,14 +219,14 @@ void epx_cuda_ep_buffer_fini(epx_buffer_t b) {
   if (s->recv) cudaFreeAsync(s->recv, stream_of(b));
   if (s->readback) cudaFreeHost(s->readback);
   free(s);
-  b->cuda = NULL;
+  b->backend_state = NULL;
 }
 
 /* Staging of `bytes` each way (stream-ordered: a later layout's growth
  * waits for the moves of earlier handles on the same stream). */
 static epx_status_t ensure_staging(epx_buffer_t b, size_t bytes, const char *fn) {
   epx_status_t status = EPX_SUCCESS;
-  ep_buffer_t *s = b->cuda;
+  ep_buffer_t *s = b->backend_state;
   if (bytes <= s->bytes) return EPX_SUCCESS;
   cudaStream_t stream = stream_of(b);
   if (s->send) CUDA_CHECK(cudaFreeAsync(s->send, stream), fn, "cudaFreeAsync of the staging");
@@ -260,7 +260,7 @@ static int fused_wanted(epx_buffer_t b) {
 
 /* Collective, once max_tokens_per_rank is known (at buffer creation, or the
  * first layout that agrees it): creates the fused state (peers without
- * load/store access relayed through NCCL's host API: fused_relay.cu).
+ * load/store access relayed through NCCL's host API: fused/relay.cu).
  * epx_fused_create agrees every step that may refuse on one rank alone (no
  * memory for the window or the relay, an NCCL without symmetric memory);
  * the all-reduce here also covers what fails before its first agreement (a
@@ -269,7 +269,7 @@ static int fused_wanted(epx_buffer_t b) {
  * and epx_last_error() after the (successful) call says why (epx.h,
  * EPX_PATH_AUTO); only a failing comm fails the caller. */
 static epx_status_t ensure_fused(epx_buffer_t b, const char *fn) {
-  ep_buffer_t *s = b->cuda;
+  ep_buffer_t *s = b->backend_state;
   if (s->fused_tried || !fused_wanted(b) || b->max_tokens == 0) return EPX_SUCCESS;
   s->fused_tried = 1;
 #if EPX_HAVE_FUSED
@@ -321,7 +321,7 @@ static epx_status_t ensure_fused(epx_buffer_t b, const char *fn) {
 /* A wait of an earlier fused launch that timed out (the host-mapped error
  * word, no synchronisation): the fused state is failed for good. */
 static epx_status_t fused_alive(epx_buffer_t b, const char *fn) {
-  const ep_buffer_t *s = b->cuda;
+  const ep_buffer_t *s = b->backend_state;
   int32_t peer = -1;
   const char *phase = "";
   if (!epx_fused_error(s->fused, &peer, &phase)) return EPX_SUCCESS;
@@ -353,7 +353,7 @@ static epx_status_t fused_alive(epx_buffer_t b, const char *fn) {
  * plan. */
 static epx_status_t fused_layout(epx_buffer_t b, const epx_routing_t *r, ep_handle_t *h, const char *fn) {
   epx_status_t status = EPX_SUCCESS;
-  ep_buffer_t *s = b->cuda;
+  ep_buffer_t *s = b->backend_state;
   EPX_CHECK(fused_alive(b, fn));
   if (s->pooled > 0) h->plan = s->pool[--s->pooled];
   else EPX_CHECK(epx_fused_plan_create(s->fused, b->config.layout, b->config.expert_alignment, b->config.capacity,
@@ -370,7 +370,7 @@ fail:
  * peers' layouts come out empty and their recv_rows names this rank. */
 static epx_status_t fused_join_oversize(epx_buffer_t b, int32_t weighting, const char *fn) {
   epx_status_t status = EPX_SUCCESS;
-  ep_buffer_t *s = b->cuda;
+  ep_buffer_t *s = b->backend_state;
   if (!s->spare)
     EPX_CHECK(epx_fused_plan_create(s->fused, b->config.layout, b->config.expert_alignment, b->config.capacity,
                                     stream_of(b), &s->spare));
@@ -387,8 +387,8 @@ fail:
 static epx_status_t fused_move(epx_buffer_t b, epx_handle_t handle, const void *src, void *dst, int forward,
                                int weighted, epx_combine_precision_t precision, const char *fn) {
   epx_status_t status = EPX_SUCCESS;
-  ep_buffer_t *s = b->cuda;
-  const ep_handle_t *h = handle->cuda;
+  ep_buffer_t *s = b->backend_state;
+  const ep_handle_t *h = handle->backend_state;
   const int expert = b->config.layout != EPX_LAYOUT_RANK_MAJOR; /* expert-major or capacity: rows per route */
   cudaStream_t stream = stream_of(b);
   EPX_CHECK(fused_alive(b, fn));
@@ -410,7 +410,7 @@ fail:
 #endif
 
 void epx_cuda_ep_peer_paths(epx_buffer_t b, int32_t *paths) {
-  const ep_buffer_t *s = b->cuda;
+  const ep_buffer_t *s = b->backend_state;
   /* a relayed peer (no load/store access) is served by NCCL's host API */
   int fused = 0;
   uint32_t relayed = 0;
@@ -429,21 +429,21 @@ void epx_cuda_ep_peer_paths(epx_buffer_t b, int32_t *paths) {
 /* ------------------------------------------------------------------------ */
 
 void epx_cuda_ep_handle_fini(epx_handle_t handle) {
-  ep_handle_t *h = handle->cuda;
+  ep_handle_t *h = handle->backend_state;
   if (!h) return;
 #if EPX_HAVE_FUSED
-  ep_buffer_t *s = handle->buffer->cuda;
+  ep_buffer_t *s = handle->buffer->backend_state;
   if (h->plan && s->pooled < (int)(sizeof s->pool / sizeof s->pool[0])) s->pool[s->pooled++] = h->plan;
   else if (h->plan) epx_fused_plan_destroy(h->plan, stream_of(handle->buffer));
 #endif
   if (h->block) cudaFreeAsync(h->block, stream_of(handle->buffer));
   free(h->count[0]);
   free(h);
-  handle->cuda = NULL;
+  handle->backend_state = NULL;
 }
 
 int64_t epx_cuda_ep_handle_bytes(epx_handle_t handle) {
-  const ep_handle_t *h = handle->cuda;
+  const ep_handle_t *h = handle->backend_state;
   return h ? (int64_t)(h->block_bytes + sizeof *h) : 0;
 }
 
@@ -620,7 +620,7 @@ static epx_status_t agree_call(epx_buffer_t b, ep_call_t mine, const char *fn, i
 /* The layout's agreement: the verdict, and on the first call
  * max_tokens_per_rank (the largest batch). */
 static epx_status_t agree_layout(epx_buffer_t b, const epx_routing_t *r, epx_status_t local, int64_t seq) {
-  const ep_buffer_t *s = b->cuda;
+  const ep_buffer_t *s = b->backend_state;
   const ep_call_t mine = {local, CALL_LAYOUT, s->id, seq, r ? r->num_tokens : 0, 0};
   int64_t largest = 0;
   epx_status_t status = agree_call(b, mine, "epx_dispatch_layout", &largest);
@@ -823,7 +823,7 @@ static void fused_summary(const ep_handle_t *h, const void *raw, int64_t *summar
  * kernel's, or on a fused handle the plan's. */
 static epx_status_t read_summary(epx_buffer_t b, ep_handle_t *h, const char *fn, const int64_t **out) {
   epx_status_t status = EPX_SUCCESS;
-  ep_buffer_t *s = b->cuda;
+  ep_buffer_t *s = b->backend_state;
   const size_t bytes = 8 * (size_t)(EPX_CUDA_EP_SUMMARY_ROWS(h->d.W) + 2);
   size_t raw = 0; /* the fused plan's read-back, after the summary */
 #if EPX_HAVE_FUSED
@@ -891,7 +891,7 @@ epx_status_t epx_cuda_ep_dispatch_layout(epx_buffer_t b, const epx_routing_t *r,
       snprintf(message, sizeof message, "%s", epx_last_error());
 #if EPX_HAVE_FUSED
       /* a fused buffer's layouts are fused only: the peers gather nothing */
-      if (((ep_buffer_t *)b->cuda)->fused) status = fused_join_oversize(b, (int32_t)r->weighting, fn);
+      if (((ep_buffer_t *)b->backend_state)->fused) status = fused_join_oversize(b, (int32_t)r->weighting, fn);
       else
 #endif
         status = join_oversize(b, &d, fn);
@@ -908,7 +908,7 @@ epx_status_t epx_cuda_ep_dispatch_layout(epx_buffer_t b, const epx_routing_t *r,
                      "int32; lower max_tokens_per_rank", fn, (long long)W, (long long)Tm, (long long)Kb);
   ep_handle_t *h = calloc(1, sizeof *h);
   if (!h) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
-  handle->cuda = h;
+  handle->backend_state = h;
   h->rows = -1;
   h->seq = seq;
   h->count[0] = malloc(sizeof(int64_t) * 2 * KINDS * (size_t)W);
@@ -921,7 +921,7 @@ epx_status_t epx_cuda_ep_dispatch_layout(epx_buffer_t b, const epx_routing_t *r,
   h->pair_rows = W * h->d.Bp;
   h->route_rows = W * h->d.Br;
   h->has_w = r->topk_w != NULL;
-  const int fused = ((ep_buffer_t *)b->cuda)->fused != NULL;
+  const int fused = ((ep_buffer_t *)b->backend_state)->fused != NULL;
 #if EPX_HAVE_FUSED
   if (fused) EPX_CHECK(fused_layout(b, r, h, fn));
 #endif
@@ -959,8 +959,8 @@ fail:
 epx_status_t epx_cuda_ep_agree_call(epx_buffer_t b, epx_handle_t handle, int grad_w, epx_status_t local,
                                     const char *caller) {
   if (b->config.worst_case_sizing) return local; /* no host round trip: see the top of this file */
-  const ep_handle_t *h = handle ? handle->cuda : NULL;
-  const ep_call_t mine = {local, call_of(caller), ((const ep_buffer_t *)b->cuda)->id, h ? h->seq : 0, 0, grad_w != 0};
+  const ep_handle_t *h = handle ? handle->backend_state : NULL;
+  const ep_call_t mine = {local, call_of(caller), ((const ep_buffer_t *)b->backend_state)->id, h ? h->seq : 0, 0, grad_w != 0};
   return agree_call(b, mine, caller, NULL);
 }
 
@@ -1006,8 +1006,8 @@ static epx_status_t move_forward(epx_buffer_t b, epx_handle_t handle, const void
                                  const void *other, float *grad_w, const char *fn) {
   epx_status_t status = EPX_SUCCESS;
   const epx_buffer_config_t *c = &b->config;
-  const ep_handle_t *h = handle->cuda;
-  const ep_buffer_t *s = b->cuda;
+  const ep_handle_t *h = handle->backend_state;
+  const ep_buffer_t *s = b->backend_state;
   cudaStream_t stream = stream_of(b);
   const int dedup = c->exchange == EPX_EXCHANGE_DEDUP;
   const int hk = dedup ? HOME_PAIRS : HOME_ROUTES, rk = dedup ? RECV_PAIRS : RECV_ROUTES;
@@ -1039,16 +1039,16 @@ fail:
 
 /* The fused kernels serve every call on a handle with a plan. */
 #if EPX_HAVE_FUSED
-#define FUSED_SERVES(handle) (((const ep_handle_t *)(handle)->cuda)->plan != NULL)
+#define FUSED_SERVES(handle) (((const ep_handle_t *)(handle)->backend_state)->plan != NULL)
 /* Each route's value from its expert's rank to grad_w on its token's rank
  * (epx_fused_values_home_launch's mode: values per slot or row, or the dots
  * of combine_backward or dispatch_backward). */
 static epx_status_t fused_values_home(epx_buffer_t b, epx_handle_t handle, int mode, const void *values,
                                       const void *home_rows, float *grad_w, const char *fn) {
   epx_status_t status = EPX_SUCCESS;
-  const ep_buffer_t *s = b->cuda;
+  const ep_buffer_t *s = b->backend_state;
   EPX_CHECK(fused_alive(b, fn));
-  FUSED_CHECK(epx_fused_values_home_launch(s->fused, ((const ep_handle_t *)handle->cuda)->plan, mode, values,
+  FUSED_CHECK(epx_fused_values_home_launch(s->fused, ((const ep_handle_t *)handle->backend_state)->plan, mode, values,
                                           home_rows, grad_w, stream_of(b)),
              fn, "the fused weight gradient kernels");
 fail:
@@ -1062,9 +1062,9 @@ fail:
 static epx_status_t fused_dispatch_dots(epx_buffer_t b, epx_handle_t handle, const void *grad_recv_x, const void *x,
                                         float *grad_w, const char *fn) {
   epx_status_t status = EPX_SUCCESS;
-  ep_buffer_t *s = b->cuda;
+  ep_buffer_t *s = b->backend_state;
   EPX_CHECK(fused_alive(b, fn));
-  FUSED_CHECK(epx_fused_dispatch_launch(s->fused, ((const ep_handle_t *)handle->cuda)->plan, x,
+  FUSED_CHECK(epx_fused_dispatch_launch(s->fused, ((const ep_handle_t *)handle->backend_state)->plan, x,
                                        epx_fused_recv_window(s->fused), 0, s->fused_ctas, 0, stream_of(b)),
              fn, "the fused dispatch kernels");
   EPX_CHECK(fused_values_home(b, handle, EPX_FUSED_VALUES_DISPATCH_DOTS, grad_recv_x, x, grad_w, fn));
@@ -1106,8 +1106,8 @@ epx_status_t epx_cuda_ep_combine_backward(epx_buffer_t b, epx_handle_t handle, c
 static epx_status_t return_pairs(epx_buffer_t b, epx_handle_t handle, const void *rows, void *out, const char *fn) {
   epx_status_t status = EPX_SUCCESS;
   const epx_buffer_config_t *c = &b->config;
-  const ep_handle_t *h = handle->cuda;
-  const ep_buffer_t *s = b->cuda;
+  const ep_handle_t *h = handle->backend_state;
+  const ep_buffer_t *s = b->backend_state;
   cudaStream_t stream = stream_of(b);
   const size_t rb = (size_t)epx_buffer_row_bytes(b);
   const void *send = rows;
@@ -1135,8 +1135,8 @@ static epx_status_t move_backward(epx_buffer_t b, epx_handle_t handle, const voi
                                   const char *fn) {
   epx_status_t status = EPX_SUCCESS;
   const epx_buffer_config_t *c = &b->config;
-  const ep_handle_t *h = handle->cuda;
-  const ep_buffer_t *s = b->cuda;
+  const ep_handle_t *h = handle->backend_state;
+  const ep_buffer_t *s = b->backend_state;
   cudaStream_t stream = stream_of(b);
   const size_t rb = (size_t)epx_buffer_row_bytes(b);
   if (c->layout == EPX_LAYOUT_RANK_MAJOR) return return_pairs(b, handle, rows, out, fn);
@@ -1207,8 +1207,8 @@ epx_status_t epx_cuda_ep_weights_backward(epx_buffer_t b, epx_handle_t handle, c
                                           float *grad_w) {
   const char *fn = "epx_weights_backward";
   epx_status_t status = EPX_SUCCESS;
-  const ep_handle_t *h = handle->cuda;
-  const ep_buffer_t *s = b->cuda;
+  const ep_handle_t *h = handle->backend_state;
+  const ep_buffer_t *s = b->backend_state;
   cudaStream_t stream = stream_of(b);
   if (FUSED_SERVES(handle))
     return fused_values_home(b, handle,
@@ -1234,7 +1234,7 @@ fail:
 /* worst_case_sizing: the counts, N and the verdicts, read once. */
 static epx_status_t settle_handle(epx_handle_t handle, const char *fn) {
   epx_status_t status = EPX_SUCCESS;
-  ep_handle_t *h = handle->cuda;
+  ep_handle_t *h = handle->backend_state;
   if (h->rows >= 0) return EPX_SUCCESS;
   const int64_t *summary = NULL;
   EPX_CHECK(read_summary(handle->buffer, h, fn, &summary));
@@ -1248,7 +1248,7 @@ fail:
 
 epx_status_t epx_cuda_ep_recv_rows(epx_handle_t handle, int64_t *rows) {
   epx_status_t status = settle_handle(handle, "epx_handle_recv_rows");
-  if (status == EPX_SUCCESS) *rows = ((ep_handle_t *)handle->cuda)->rows;
+  if (status == EPX_SUCCESS) *rows = ((ep_handle_t *)handle->backend_state)->rows;
   return status;
 }
 
@@ -1265,14 +1265,14 @@ static int plan_view(const ep_handle_t *h, epx_fused_plan_view_t *v) {
 }
 
 epx_status_t epx_cuda_ep_recv_rows_device(epx_handle_t handle, const int64_t **rows) {
-  const ep_handle_t *h = handle->cuda;
+  const ep_handle_t *h = handle->backend_state;
   epx_fused_plan_view_t v;
   *rows = plan_view(h, &v) ? v.rows : &h->recv.result->rows;
   return EPX_SUCCESS;
 }
 
 epx_status_t epx_cuda_ep_expert_counts(epx_handle_t handle, int64_t *counts, int64_t *offsets) {
-  const ep_handle_t *h = handle->cuda;
+  const ep_handle_t *h = handle->backend_state;
   epx_fused_plan_view_t v;
   if (plan_view(h, &v))
     return epx_cuda_copy_expert_counts(v.counts, v.offsets, h->d.El, counts, offsets, handle->buffer->config.stream);
@@ -1283,7 +1283,7 @@ epx_status_t epx_cuda_ep_expert_counts(epx_handle_t handle, int64_t *counts, int
 epx_status_t epx_cuda_ep_recv_routing(epx_handle_t handle, int32_t *recv_expert, float *recv_w) {
   const char *fn = "epx_handle_recv_routing";
   epx_status_t status = EPX_SUCCESS;
-  const ep_handle_t *h = handle->cuda;
+  const ep_handle_t *h = handle->backend_state;
   epx_fused_plan_view_t v;
   if (plan_view(h, &v)) {
     /* rank-major rows hold top_k slots (the plan's K is the routing's) */
@@ -1306,7 +1306,7 @@ fail:
 epx_status_t epx_cuda_ep_recv_source(epx_handle_t handle, int32_t *src_rank, int32_t *src_token) {
   const char *fn = "epx_handle_recv_source";
   epx_status_t status = EPX_SUCCESS;
-  const ep_handle_t *h = handle->cuda;
+  const ep_handle_t *h = handle->backend_state;
   epx_fused_plan_view_t v;
   if (plan_view(h, &v)) {
     CUDA_CHECK(epx_cuda_ep_copy_rows_launch(v.row_src_rank, src_rank, 1, v.rows, h->row_bound,
@@ -1325,7 +1325,7 @@ fail:
 }
 
 epx_status_t epx_cuda_ep_stats(epx_handle_t handle, epx_handle_stats_t *stats) {
-  ep_handle_t *h = handle->cuda;
+  ep_handle_t *h = handle->backend_state;
   epx_buffer_t b = handle->buffer;
   const int dedup = b->config.exchange == EPX_EXCHANGE_DEDUP;
   const int hk = dedup ? HOME_PAIRS : HOME_ROUTES, rk = dedup ? RECV_PAIRS : RECV_ROUTES;
@@ -1421,23 +1421,3 @@ void epx_cuda_ep_peer_paths(epx_buffer_t b, int32_t *paths) {
   for (int32_t r = 0; r < b->world_size; r++) paths[r] = EPX_PATH_HOST;
 }
 #endif
-
-/* Any CUDA buffer: the device routing's hash, read back once. */
-epx_status_t epx_cuda_routing_hash(epx_buffer_t b, const epx_routing_t *r, uint64_t *hash) {
-  const char *fn = "epx_dispatch_layout";
-  epx_status_t status = EPX_SUCCESS;
-  cudaStream_t stream = (cudaStream_t)b->config.stream;
-  uint64_t *dev = NULL, *host = NULL;
-  *hash = 0;
-  CUDA_CHECK(cudaMallocHost((void **)&host, sizeof *host), fn, "cudaMallocHost");
-  CUDA_CHECK(cudaMallocAsync((void **)&dev, sizeof *dev, stream), fn, "cudaMallocAsync");
-  CUDA_CHECK(epx_cuda_hash_launch(r->topk_idx, r->num_tokens * r->top_k, dev, stream), fn, "the hash kernel");
-  CUDA_CHECK(cudaMemcpyAsync(host, dev, sizeof *dev, cudaMemcpyDeviceToHost, stream), fn, "cudaMemcpyAsync");
-  if (b->world_size > 1) EPX_CHECK(epx_nccl_wait(b->comm, stream, fn));
-  else CUDA_CHECK(cudaStreamSynchronize(stream), fn, "cudaStreamSynchronize");
-  *hash = *host;
-fail:
-  if (dev) cudaFreeAsync(dev, stream);
-  if (host) cudaFreeHost(host);
-  return status;
-}

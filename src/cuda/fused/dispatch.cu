@@ -1,6 +1,6 @@
 /* The fused NVLink exchange, part 1: the window and device comm (setup), the
  * layout (counts and routing records exchanged on the GPU), and dispatch.
- * See fused.h for the contract and fused_impl.cuh for the window.
+ * See fused.h for the contract and fused/impl.cuh for the window.
  *
  * Layout, three kernels on the caller's stream (no host wait, no memset):
  *   count     a block per 256 tokens: validates the routing (its first
@@ -40,8 +40,8 @@
 #include "core/error.h"
 #include "core/route_spec.h"
 #include "core/wait.h"
-#include "cuda/fused_impl.cuh"
-#include "cuda/pdl.cuh"
+#include "cuda/fused/impl.cuh"
+#include "cuda/common/pdl.cuh"
 
 using namespace epx_fused_impl;
 
@@ -54,7 +54,7 @@ __global__ void resolve_peers_kernel(ncclWindow_t win, const int *lsa_of, int W,
   if (r < W) out[r] = lsa_of[r] >= 0 ? static_cast<char *>(ncclGetLsaPointer(win, 0, lsa_of[r])) : nullptr;
 }
 
-/* Offsets of the window's regions (fused_impl.cuh). */
+/* Offsets of the window's regions (fused/impl.cuh). */
 void window_offsets(fused_dev &d, int64_t part_elem) {
   const size_t W = (size_t)d.W;
   size_t o = 0;
@@ -342,7 +342,7 @@ epx_status_t create_steps(epx_fused_t *f, epx_status_t local, ncclComm_t comm, c
     f->devcomm = dc;
     /* The peers outside this rank's load/store team (or every peer, under
      * the test flag EPX_CUDA_FUSED_RELAY) are reached through the relay
-     * (fused_relay.cu). The relation is symmetric: a team is a clique. */
+     * (fused/relay.cu). The relation is symmetric: a team is a clique. */
     const ncclTeam_t team = ncclTeamLsa(*dc), world = ncclTeamWorld(comm);
     const bool relay_all = (epx_cuda_launch_flags() & EPX_CUDA_FUSED_RELAY) != 0;
     uint32_t mask = 0;

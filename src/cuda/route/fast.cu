@@ -5,7 +5,7 @@
  * xor shuffles of each lane's top-2 candidates), the kept groups (each lane
  * ranks its group against the G group scores), K rounds of warp arg-max
  * (redux.sync) over the lanes' best candidates, and lane k writes route k.
- * The selection is route_common.cuh's token_select step for step (the same
+ * The selection is route/common.cuh's token_select step for step (the same
  * float32 operations and tie rules, src/core/route_spec.h), so the routes
  * are those of the queue kernels; only the softmax's float32 sum runs in
  * another order (the spec allows it: softmax agrees away from ties).
@@ -15,8 +15,8 @@
  * 8 MB read and 0.5 MB written; without locations nothing needs the scan. */
 #include <cuda_runtime.h>
 
-#include "cuda/pdl.cuh"
-#include "cuda/route_common.cuh"
+#include "cuda/common/pdl.cuh"
+#include "cuda/route/common.cuh"
 
 using namespace route_dev;
 

@@ -1,0 +1,77 @@
+/* The CUDA backend's entry (core/backend.h): the routing of route/ and the
+ * choice, once per buffer at its creation, of the table that serves it:
+ * one/ (one GPU: every expert local) for a comm of one rank, ep/ (W ranks
+ * over an NCCL comm) otherwise. Every rank has the same config and comm size
+ * (agreed before this), so every rank picks the same table. What both
+ * tables share (the stream, the routing's hash) is here too. */
+#include <cuda_runtime.h>
+
+#include "core/backend.h"
+#include "core/error.h"
+#include "cuda/backend.h"
+#include "cuda/common/check.h"
+#include "cuda/launch.h"
+
+#if EPX_TEST_HOOKS
+static _Atomic int g_ep_at_one_rank;
+
+void epx_cuda_ep_at_one_rank(int on) { g_ep_at_one_rank = on != 0; }
+
+static int ep_at_one_rank(void) { return g_ep_at_one_rank; }
+#else
+static int ep_at_one_rank(void) { return 0; }
+#endif
+
+static epx_status_t cuda_buffer_init(epx_buffer_t buffer) {
+  buffer->backend = buffer->world_size > 1 || ep_at_one_rank() ? &epx_cuda_ep_backend : &epx_cuda_one_backend;
+  return buffer->backend->buffer_init(buffer);
+}
+
+/* A buffer's calls go to the table cuda_buffer_init chose; this one only
+ * routes and creates. */
+const epx_backend_t epx_cuda_backend = {
+    .name = "cuda",
+    .route = epx_cuda_route,
+    .route_backward = epx_cuda_route_backward,
+    .buffer_init = cuda_buffer_init,
+};
+
+/* Later work, frees of memory allocated on the old stream included, must run
+ * after what was enqueued on it: the new stream waits for an event recorded
+ * on the old one. */
+epx_status_t epx_cuda_set_stream(epx_buffer_t buffer, void *stream) {
+  const char *fn = "epx_buffer_set_stream";
+  cudaStream_t old_stream = (cudaStream_t)buffer->config.stream, new_stream = (cudaStream_t)stream;
+  if (old_stream == new_stream) return EPX_SUCCESS;
+  cudaEvent_t done;
+  cudaError_t err = cudaEventCreateWithFlags(&done, cudaEventDisableTiming);
+  if (err == cudaSuccess) {
+    err = cudaEventRecord(done, old_stream);
+    if (err == cudaSuccess) err = cudaStreamWaitEvent(new_stream, done, 0);
+    cudaEventDestroy(done);
+  }
+  if (err != cudaSuccess)
+    return epx_error(EPX_ERROR_CUDA,
+                     "%s: ordering the new stream after the old one failed with %s (%s); the "
+                     "buffer keeps its old stream", fn, cudaGetErrorName(err), cudaGetErrorString(err));
+  buffer->config.stream = stream;
+  return EPX_SUCCESS;
+}
+
+epx_status_t epx_cuda_routing_hash(epx_buffer_t b, const epx_routing_t *r, uint64_t *hash, epx_cuda_wait_fn wait) {
+  const char *fn = "epx_dispatch_layout";
+  epx_status_t status = EPX_SUCCESS;
+  cudaStream_t stream = (cudaStream_t)b->config.stream;
+  uint64_t *dev = NULL, *host = NULL;
+  *hash = 0;
+  CUDA_CHECK(cudaMallocHost((void **)&host, sizeof *host), fn, "cudaMallocHost");
+  CUDA_CHECK(cudaMallocAsync((void **)&dev, sizeof *dev, stream), fn, "cudaMallocAsync");
+  CUDA_CHECK(epx_cuda_hash_launch(r->topk_idx, r->num_tokens * r->top_k, dev, stream), fn, "the hash kernel");
+  CUDA_CHECK(cudaMemcpyAsync(host, dev, sizeof *dev, cudaMemcpyDeviceToHost, stream), fn, "cudaMemcpyAsync");
+  EPX_CHECK(wait(b, fn));
+  *hash = *host;
+fail:
+  if (dev) cudaFreeAsync(dev, stream);
+  if (host) cudaFreeHost(host);
+  return status;
+}

@@ -1,0 +1,78 @@
+/* The W-rank backend's table (core/backend.h): a comm of W ranks over NCCL
+ * (ep.c). Every payload call first agrees the ranks' verdicts and calls
+ * (epx_cuda_ep_agree_call), then runs the handle's path. A CUDA buffer over
+ * several ranks gets it at creation (cuda/backend.c). */
+#include "core/backend.h"
+#include "core/nccl.h"
+#include "cuda/backend.h"
+#include "cuda/ep/ep.h"
+
+static epx_status_t ep_wait(epx_buffer_t buffer, const char *fn) {
+  return epx_nccl_wait(buffer->comm, buffer->config.stream, fn);
+}
+
+/* The device routing's hash (one read-back: recorder validation only). */
+static epx_status_t ep_routing_hash(epx_buffer_t buffer, const epx_routing_t *routing, uint64_t *hash) {
+  return epx_cuda_routing_hash(buffer, routing, hash, ep_wait);
+}
+
+static epx_status_t ep_dispatch(epx_buffer_t buffer, epx_handle_t handle, epx_status_t local, const void *x,
+                                void *recv_x) {
+  local = epx_cuda_ep_agree_call(buffer, handle, 0, local, "epx_dispatch");
+  return local != EPX_SUCCESS ? local : epx_cuda_ep_dispatch(buffer, handle, x, recv_x);
+}
+
+static epx_status_t ep_combine(epx_buffer_t buffer, epx_handle_t handle, epx_status_t local,
+                               const void *expert_out, void *out) {
+  local = epx_cuda_ep_agree_call(buffer, handle, 0, local, "epx_combine");
+  return local != EPX_SUCCESS ? local : epx_cuda_ep_combine(buffer, handle, expert_out, out);
+}
+
+static epx_status_t ep_dispatch_backward(epx_buffer_t buffer, epx_handle_t handle, epx_status_t local,
+                                         const void *grad_recv_x, void *grad_x, const void *x, float *grad_w) {
+  local = epx_cuda_ep_agree_call(buffer, handle, grad_w != NULL, local, "epx_dispatch_backward");
+  return local != EPX_SUCCESS ? local
+                              : epx_cuda_ep_dispatch_backward(buffer, handle, grad_recv_x, grad_x, x, grad_w);
+}
+
+static epx_status_t ep_combine_backward(epx_buffer_t buffer, epx_handle_t handle, epx_status_t local,
+                                        const void *grad_out, const void *expert_out, void *grad_expert_out,
+                                        float *grad_w) {
+  local = epx_cuda_ep_agree_call(buffer, handle, grad_w != NULL, local, "epx_combine_backward");
+  return local != EPX_SUCCESS
+             ? local
+             : epx_cuda_ep_combine_backward(buffer, handle, grad_out, expert_out, grad_expert_out, grad_w);
+}
+
+static epx_status_t ep_weights_backward(epx_buffer_t buffer, epx_handle_t handle, epx_status_t local,
+                                        const float *grad_recv_w, float *grad_w) {
+  local = epx_cuda_ep_agree_call(buffer, handle, 0, local, "epx_weights_backward");
+  return local != EPX_SUCCESS ? local : epx_cuda_ep_weights_backward(buffer, handle, grad_recv_w, grad_w);
+}
+
+const epx_backend_t epx_cuda_ep_backend = {
+    .name = "cuda",
+    .route = epx_cuda_route,
+    .route_backward = epx_cuda_route_backward,
+    .buffer_init = epx_cuda_ep_buffer_init,
+    .buffer_fini = epx_cuda_ep_buffer_fini,
+    .set_stream = epx_cuda_set_stream,
+    .validate_routing = NULL,
+    .routing_hash = ep_routing_hash,
+    .agree = epx_cuda_ep_agree,
+    .dispatch_layout = epx_cuda_ep_dispatch_layout,
+    .handle_fini = epx_cuda_ep_handle_fini,
+    .dispatch = ep_dispatch,
+    .combine = ep_combine,
+    .dispatch_backward = ep_dispatch_backward,
+    .combine_backward = ep_combine_backward,
+    .weights_backward = ep_weights_backward,
+    .recv_rows = epx_cuda_ep_recv_rows,
+    .recv_rows_device = epx_cuda_ep_recv_rows_device,
+    .expert_counts = epx_cuda_ep_expert_counts,
+    .recv_routing = epx_cuda_ep_recv_routing,
+    .recv_source = epx_cuda_ep_recv_source,
+    .stats = epx_cuda_ep_stats,
+    .handle_bytes = epx_cuda_ep_handle_bytes,
+    .peer_paths = epx_cuda_ep_peer_paths,
+};
