@@ -1,0 +1,466 @@
+/* The fused NVLink exchange's setup (fused.h: epx_fused_create, destroy,
+ * abandon, error, recv_window): the window's regions and bytes, its
+ * allocation and registration, the device comm, the peers' load/store
+ * addresses and which peers the relay reaches instead (NCCL's host API:
+ * relay.cu), each step that may refuse on one rank followed by the ranks'
+ * one-word agreement. See fused/impl.cuh for the window. */
+#include <cuda_runtime.h>
+#include <nccl.h>
+/* NCCL's device headers have unused parameters; -Wextra -Werror stays on for ours */
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wunused-parameter"
+#include <nccl_device.h>
+#pragma GCC diagnostic pop
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/error.h"
+#include "core/wait.h"
+#include "cuda/fused/impl.cuh"
+
+using namespace epx_fused_impl;
+
+namespace {
+
+/* ---- setup ---------------------------------------------------------------- */
+
+__global__ void resolve_peers_kernel(ncclWindow_t win, const int *lsa_of, int W, char **out) {
+  const int r = threadIdx.x;
+  if (r < W) out[r] = lsa_of[r] >= 0 ? static_cast<char *>(ncclGetLsaPointer(win, 0, lsa_of[r])) : nullptr;
+}
+
+/* Offsets of the window's regions (fused/impl.cuh). */
+void window_offsets(fused_dev &d, int64_t part_elem) {
+  const size_t W = (size_t)d.W;
+  size_t o = 0;
+  d.off_cts = o;
+  o += W * 4;
+  d.off_lflag = o;
+  o += W * 4;
+  d.off_mflag = o;
+  o += W * 4;
+  d.off_vflag = o;
+  o += W * 4;
+  d.off_cflag = o = align_up(o, 128);
+  o += W * (size_t)d.max_chunks * 4;
+  d.off_mat = o = align_up(o, 128);
+  o += W * W * 4;
+  d.off_hist = o = align_up(o, 128);
+  o += W * (size_t)d.El * 4;
+  d.off_hdr = o = align_up(o, 128);
+  o += W * EPX_FUSED_HDR_INTS * 4;
+  d.off_back = o = align_up(o, 128);
+  o += W * (size_t)d.maxT * (size_t)d.Kmax * 4;
+  d.off_meta = o = align_up(o, 256);
+  o += W * (size_t)d.maxT * (size_t)d.meta_stride;
+  d.off_pay = o = align_up(o, 4096);
+  o += W * (size_t)d.maxT * (size_t)d.pay_row_bytes;
+  d.off_part = o = align_up(o, 4096);
+  o += W * (size_t)d.maxT * (size_t)d.H * (size_t)part_elem;
+}
+
+size_t window_bytes(const fused_dev &d, int64_t part_elem) {
+  return align_up(d.off_part + (size_t)d.W * (size_t)d.maxT * (size_t)d.H * (size_t)part_elem,
+                  (size_t)1 << 21);
+}
+
+epx_status_t nccl_fail(const char *fn, const char *what, ncclResult_t r) {
+  return epx_error(EPX_ERROR_TRANSPORT, "%s: %s failed: %s (%s)", fn, what, ncclGetErrorString(r),
+                   ncclGetLastError(NULL));
+}
+epx_status_t cuda_fail(const char *fn, const char *what, cudaError_t e) {
+  return epx_error(EPX_ERROR_CUDA, "%s: %s failed: %s", fn, what, cudaGetErrorString(e));
+}
+
+#define FUSED_NCCL(call, what)                                   \
+  do {                                                           \
+    ncclResult_t r_ = (call);                                    \
+    if (r_ != ncclSuccess) {                                     \
+      status = nccl_fail(fn, what, r_);                          \
+      goto fail;                                                 \
+    }                                                            \
+  } while (0)
+#define FUSED_CUDA(call, what)                                   \
+  do {                                                           \
+    cudaError_t e_ = (call);                                     \
+    if (e_ != cudaSuccess) {                                     \
+      status = cuda_fail(fn, what, e_);                          \
+      goto fail;                                                 \
+    }                                                            \
+  } while (0)
+
+epx_status_t check_config(const epx_fused_config_t *c, int W, const char *fn) {
+  EPX_REQUIRE(c, "%s: config is NULL", fn);
+  EPX_REQUIRE(epx_dtype_bytes(c->dtype) != 0, "%s: config.dtype %d is not a dtype", fn, (int)c->dtype);
+  EPX_REQUIRE(c->hidden > 0 && c->hidden % 8 == 0, "%s: config.hidden %lld is not a positive multiple of 8",
+              fn, (long long)c->hidden);
+  EPX_REQUIRE(c->num_experts > 0 && c->num_experts % W == 0,
+              "%s: config.num_experts %d is not a positive multiple of the %d ranks", fn, c->num_experts, W);
+  EPX_REQUIRE(c->num_experts <= EPX_CUDA_MAX_EXPERTS, "%s: config.num_experts %d is over %d", fn,
+              c->num_experts, EPX_CUDA_MAX_EXPERTS);
+  EPX_REQUIRE(c->max_top_k >= 1 && c->max_top_k <= EPX_FUSED_MAX_TOP_K && c->max_top_k <= c->num_experts,
+              "%s: config.max_top_k %d is outside [1, min(%d, num_experts)]", fn, c->max_top_k,
+              EPX_FUSED_MAX_TOP_K);
+  EPX_REQUIRE(c->max_tokens > 0 && c->max_tokens * W < ((int64_t)1 << 31) / EPX_FUSED_MAX_TOP_K,
+              "%s: config.max_tokens %lld is outside [1, 2^31 / (32 W))", fn, (long long)c->max_tokens);
+  return EPX_SUCCESS;
+}
+
+/* The device state of `f` from its config, comm size and rank. */
+void init_dev(epx_fused_t *f, int W, int rank) {
+  const epx_fused_config_t *c = &f->config;
+  fused_dev &d = f->dev;
+  d.W = W;
+  d.rank = rank;
+  d.E = c->num_experts;
+  d.El = c->num_experts / W;
+  d.Kmax = c->max_top_k;
+  d.maxT = c->max_tokens;
+  d.H = c->hidden;
+  d.row_bytes = epx_payload_row_bytes(c->dtype, c->hidden);
+  d.nvec = d.row_bytes / 16;
+  d.pay_row_bytes = c->f32_rows && d.row_bytes < c->hidden * 4 ? c->hidden * 4 : d.row_bytes;
+  d.max_chunks = (int)((c->max_tokens + kChunk - 1) / kChunk);
+  d.meta_stride = (int64_t)align_up((size_t)(1 + 3 * c->max_top_k) * 4, 16);
+  /* the bulk path: as many one-row slots as fit in 200 KB of shared memory */
+  const int64_t fit = ((int64_t)200 << 10) / bulk_slot_bytes(d.row_bytes);
+  d.bulk_warps = c->bulk_copy ? (int)(fit < kMaxBulkWarps ? fit : kMaxBulkWarps) : 0;
+  const double seconds = epx_wait_bound(c->timeout_seconds);
+  d.timeout_ns = (unsigned long long)(seconds * 1e9);
+}
+
+/* The result of an NCCL call, waited out where the comm is nonblocking:
+ * epx makes its comms with config.blocking = 0, and there NCCL finishes a
+ * group (ncclCommWindowRegister, ncclDevCommCreate, a collective) on a thread
+ * of its own after the call returns — ncclSuccess or ncclInProgress — and
+ * writes the outputs (the window, the device comm) only then. Polls
+ * ncclCommGetAsyncError until the comm leaves ncclInProgress, at most
+ * `seconds`: EPX_ERROR_TIMEOUT after that (the outputs may still be written
+ * later, so the caller must not free them). */
+epx_status_t nccl_settle(ncclComm_t comm, ncclResult_t r, double seconds, const char *fn, const char *what) {
+  if (r != ncclSuccess && r != ncclInProgress) return nccl_fail(fn, what, r);
+  const double started = epx_now_seconds();
+  for (;;) {
+    ncclResult_t state = ncclSuccess;
+    const ncclResult_t q = ncclCommGetAsyncError(comm, &state);
+    if (q != ncclSuccess) return nccl_fail(fn, "ncclCommGetAsyncError", q);
+    if (state == ncclSuccess) return EPX_SUCCESS;
+    if (state != ncclInProgress) return nccl_fail(fn, what, state);
+    if (epx_now_seconds() - started > seconds)
+      return epx_error(EPX_ERROR_TIMEOUT, "%s: %s did not complete within %.3g s (a peer is not creating the same "
+                       "buffer); the comm is unusable: destroy it", fn, what, seconds);
+    epx_wait_pause(started);
+  }
+}
+
+}  // namespace
+
+epx_status_t epx_fused_nccl_settle(void *comm, int result, double seconds, const char *fn, const char *what) {
+  return nccl_settle(static_cast<ncclComm_t>(comm), static_cast<ncclResult_t>(result), seconds, fn, what);
+}
+
+namespace {
+
+/* Waits for the work on `stream`, at most `seconds`. */
+epx_status_t stream_settle(cudaStream_t stream, double seconds, const char *fn, const char *what) {
+  const double started = epx_now_seconds();
+  for (;;) {
+    const cudaError_t e = cudaStreamQuery(stream);
+    if (e == cudaSuccess) return EPX_SUCCESS;
+    if (e != cudaErrorNotReady) return cuda_fail(fn, what, e);
+    if (epx_now_seconds() - started > seconds)
+      return epx_error(EPX_ERROR_TIMEOUT, "%s: %s did not complete within %.3g s (a peer is not creating the same "
+                       "buffer); the comm is unusable: destroy it", fn, what, seconds);
+    epx_wait_pause(started);
+  }
+}
+
+/* The ranks' agreement at a step of the creation, which is also its
+ * barrier: a one-word max all-reduce of `mine` (this rank + 1 where it
+ * refuses, else 0), waited for (bounded); *top gets the largest (0: every
+ * rank goes on). Every rank reaches each agreement whatever its own
+ * verdict, so a rank that refuses (no memory for the window, no symmetric
+ * window, a peer out of its load/store reach) makes its peers refuse with
+ * it there, instead of leaving them waiting in the next collective step. */
+epx_status_t rank_agree(ncclComm_t comm, cudaStream_t stream, double seconds, const char *fn, int mine, int *top) {
+  epx_status_t status = EPX_SUCCESS;
+  int *word = NULL;
+  int value = mine;
+  FUSED_CUDA(cudaMallocAsync(reinterpret_cast<void **>(&word), sizeof(int), stream), "cudaMallocAsync");
+  FUSED_CUDA(cudaMemcpyAsync(word, &value, sizeof(int), cudaMemcpyHostToDevice, stream), "cudaMemcpyAsync");
+  EPX_CHECK(nccl_settle(comm, ncclAllReduce(word, word, 1, ncclInt32, ncclMax, comm, stream), seconds, fn,
+                        "ncclAllReduce (the creation's agreement)"));
+  EPX_CHECK(stream_settle(stream, seconds, fn, "the creation's agreement"));
+  /* the stream is idle: this copy from pageable memory does not wait */
+  FUSED_CUDA(cudaMemcpyAsync(&value, word, sizeof(int), cudaMemcpyDeviceToHost, stream), "cudaMemcpyAsync");
+  EPX_CHECK(stream_settle(stream, seconds, fn, "the creation's agreement"));
+  *top = value;
+fail:
+  if (word) cudaFreeAsync(word, stream);
+  return status;
+}
+
+/* One agreement of create_steps: `local` is this rank's verdict on the step
+ * (its error message is the last error). Every rank returns the same way:
+ * on, or refused (this rank's own error where it refused, else one naming
+ * the refusing rank). A timed-out agreement leaves `f` to NCCL (*keep). */
+epx_status_t agree_step(ncclComm_t comm, cudaStream_t stream, double seconds, int rank, epx_status_t local,
+                        const char *step, int *keep, const char *fn) {
+  char message[1024] = "";
+  if (local != EPX_SUCCESS) snprintf(message, sizeof message, "%s", epx_last_error());
+  int top = 0;
+  const epx_status_t agreed = rank_agree(comm, stream, seconds, fn, local != EPX_SUCCESS ? rank + 1 : 0, &top);
+  if (agreed != EPX_SUCCESS) {
+    *keep = agreed == EPX_ERROR_TIMEOUT;
+    return agreed;
+  }
+  if (!top) return EPX_SUCCESS;
+  if (local != EPX_SUCCESS) return epx_error(local, "%s", message);
+  return epx_error(EPX_ERROR_UNSUPPORTED,
+                   "%s: rank %d refused the fused path %s (its epx_last_error says why); every rank refuses it", fn,
+                   top - 1, step);
+}
+
+/* The creation's steps of this rank alone (nothing waits on a peer): the
+ * device's SM count, the window's memory, the control words, the error
+ * word. */
+epx_status_t local_steps(epx_fused_t *f, cudaStream_t stream, const char *fn) {
+  epx_status_t status = EPX_SUCCESS;
+  int device = 0;
+  FUSED_CUDA(cudaGetDevice(&device), "cudaGetDevice");
+  FUSED_CUDA(cudaDeviceGetAttribute(&f->num_sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
+  FUSED_NCCL(ncclMemAlloc(&f->base, f->bytes), "ncclMemAlloc of the window");
+  FUSED_CUDA(cudaMalloc(&f->dev.ctl, CTL_WORDS * sizeof(uint32_t)), "cudaMalloc");
+  FUSED_CUDA(cudaMemsetAsync(f->dev.ctl, 0, CTL_WORDS * sizeof(uint32_t), stream), "cudaMemsetAsync");
+  FUSED_CUDA(cudaHostAlloc(&f->err_host, sizeof(uint32_t), cudaHostAllocMapped), "cudaHostAlloc");
+  *f->err_host = 0;
+  FUSED_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void **>(&f->dev.err), f->err_host, 0),
+             "cudaHostGetDevicePointer");
+fail:
+  if (status != EPX_SUCCESS && f->base && ncclMemFree(f->base) == ncclSuccess) f->base = NULL;
+  return status;
+}
+
+/* The peers' window addresses, resolved on the device once (NULL for a
+ * relayed peer). */
+epx_status_t resolve_peers(epx_fused_t *f, ncclComm_t comm, cudaStream_t stream, double seconds, const char *fn) {
+  epx_status_t status = EPX_SUCCESS;
+  const int W = f->dev.W;
+  int lsa_of[EPX_FUSED_MAX_RANKS];
+  int *d_lsa = NULL;
+  char **d_ptrs = NULL;
+  const ncclTeam_t world = ncclTeamWorld(comm);
+  for (int r = 0; r < W; r++) lsa_of[r] = relayed(f->dev, r) ? -1 : ncclTeamRankToLsa(comm, world, r);
+  FUSED_CUDA(cudaMalloc(&d_lsa, sizeof lsa_of), "cudaMalloc");
+  FUSED_CUDA(cudaMalloc(&d_ptrs, sizeof(char *) * EPX_FUSED_MAX_RANKS), "cudaMalloc");
+  FUSED_CUDA(cudaMemcpyAsync(d_lsa, lsa_of, sizeof(int) * (size_t)W, cudaMemcpyHostToDevice, stream), "cudaMemcpyAsync");
+  resolve_peers_kernel<<<1, 32, 0, stream>>>(static_cast<ncclWindow_t>(f->win), d_lsa, W, d_ptrs);
+  FUSED_CUDA(cudaGetLastError(), "the peer-address kernel");
+  FUSED_CUDA(cudaMemcpyAsync(f->dev.peer, d_ptrs, sizeof(char *) * (size_t)W, cudaMemcpyDeviceToHost, stream),
+             "cudaMemcpyAsync");
+  EPX_CHECK(stream_settle(stream, seconds, fn, "the peer-address kernel"));
+fail:
+  cudaFree(d_lsa);
+  cudaFree(d_ptrs);
+  return status;
+}
+
+/* The creation: this rank's checks and allocations (`local` is its verdict
+ * on what the caller checked; f is NULL where that failed), then the
+ * window's registration, the device comm, the peers' addresses, zeroed flags
+ * and a barrier, in that order, with an agreement of every rank after each
+ * step that may refuse on one rank alone (agree_step). Every NCCL step is
+ * waited out (nccl_settle): on a nonblocking comm NCCL writes the window and
+ * the device comm from its own thread after the call returns. A step that
+ * times out leaves `f` to NCCL (*keep = 1): it may still write into it. */
+epx_status_t create_steps(epx_fused_t *f, epx_status_t local, ncclComm_t comm, cudaStream_t stream, int W,
+                          int rank, double seconds, int *keep, const char *fn) {
+  epx_status_t status = EPX_SUCCESS;
+  if (local == EPX_SUCCESS) local = local_steps(f, stream, fn);
+  EPX_CHECK(agree_step(comm, stream, seconds, rank, local, "while allocating its window", keep, fn));
+  status = nccl_settle(comm, ncclCommWindowRegister(comm, f->base, f->bytes, reinterpret_cast<ncclWindow_t *>(&f->win),
+                                                    NCCL_WIN_COLL_SYMMETRIC),
+                       seconds, fn, "ncclCommWindowRegister");
+  if (status != EPX_SUCCESS) {
+    *keep = status == EPX_ERROR_TIMEOUT;
+    return status;
+  }
+  local = f->win ? EPX_SUCCESS
+                 : epx_error(EPX_ERROR_UNSUPPORTED, "%s: NCCL registered no symmetric window (this comm has no "
+                             "symmetric memory support: NCCL_WIN_ENABLE=0, no CUDA VMM, or a peer without CUDA P2P); "
+                             "use the host-API exchange", fn);
+  /* Refused here, a rank that has a window leaves it registered and
+   * allocated: its deregistration is collective and some rank has none.
+   * The comm's destruction ends the registration; the memory stays until
+   * the process ends (one window, in a case no NCCL release is known to
+   * produce: registration succeeds or fails on every rank alike). */
+  if (local == EPX_SUCCESS) {
+    status = agree_step(comm, stream, seconds, rank, local, "at the window's registration", keep, fn);
+    if (status != EPX_SUCCESS) f->win = NULL, f->base = NULL;
+    EPX_CHECK(status);
+  } else {
+    EPX_CHECK(agree_step(comm, stream, seconds, rank, local, "at the window's registration", keep, fn));
+  }
+  {
+    ncclDevComm *dc = static_cast<ncclDevComm *>(calloc(1, sizeof *dc));
+    if (!dc) EPX_FAIL(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
+    ncclDevCommRequirements reqs;
+    memset(&reqs, 0, sizeof reqs);
+    reqs.lsaBarrierCount = 1;
+    status = nccl_settle(comm, ncclDevCommCreate(comm, &reqs, dc), seconds, fn,
+                         "ncclDevCommCreate (NCCL 2.28 or later with symmetric memory support is needed)");
+    if (status != EPX_SUCCESS) {
+      *keep = status == EPX_ERROR_TIMEOUT;
+      if (!*keep) free(dc);
+      return status;
+    }
+    f->devcomm = dc;
+    /* The peers outside this rank's load/store team (or every peer, under
+     * the test flag EPX_CUDA_FUSED_RELAY) are reached through the relay
+     * (fused/relay.cu). The relation is symmetric: a team is a clique. */
+    const ncclTeam_t team = ncclTeamLsa(*dc), world = ncclTeamWorld(comm);
+    const bool relay_all = (epx_cuda_launch_flags() & EPX_CUDA_FUSED_RELAY) != 0;
+    uint32_t mask = 0;
+    for (int r = 0; r < W; r++)
+      if (r != rank && (relay_all || !ncclTeamRankIsMember(team, world, r))) mask |= 1u << r;
+    local = epx_fused_relay_create(f, mask, fn);
+    /* every rank has its window and device comm: a refusal here tears both
+     * down collectively (epx_fused_destroy) */
+    EPX_CHECK(agree_step(comm, stream, seconds, rank, local, "at the relay's memory (peers without load/store "
+                         "access)", keep, fn));
+  }
+  EPX_CHECK(resolve_peers(f, comm, stream, seconds, fn));
+  f->dev.local = f->dev.peer[rank];
+  FUSED_CUDA(cudaMemsetAsync(f->base, 0, f->dev.off_meta, stream), "cudaMemsetAsync of the window's flags");
+  /* the barrier: every rank past this point before any writes a peer's flags */
+  {
+    int top = 0;
+    status = rank_agree(comm, stream, seconds, fn, 0, &top);
+    if (status == EPX_ERROR_TIMEOUT) *keep = 1;
+  }
+fail:
+  return status;
+}
+
+}  // namespace
+
+extern "C" epx_status_t epx_fused_create(void *nccl_comm, const epx_fused_config_t *config,
+                                         epx_fused_t **fused) {
+  const char *fn = "epx_fused_create";
+  EPX_REQUIRE(fused, "%s: fused is NULL", fn);
+  *fused = NULL;
+  EPX_REQUIRE(nccl_comm, "%s: nccl_comm is NULL; pass an ncclComm_t", fn);
+  ncclComm_t comm = static_cast<ncclComm_t>(nccl_comm);
+  /* The device API's structs (ncclDevComm, its requirements, the window)
+   * change between NCCL releases, patch releases included (2.28.3 -> 2.28.9):
+   * the NCCL loaded must be the one whose headers this was compiled with. */
+  int version = 0;
+  const int same_nccl = ncclGetVersion(&version) == ncclSuccess && version == NCCL_VERSION_CODE;
+  int W = 0, rank = 0;
+  epx_status_t local = EPX_SUCCESS; /* this rank's own checks: the ranks agree on them below */
+  /* a nonblocking comm must have finished its previous operation (NCCL
+   * refuses every call until then) */
+  epx_status_t status = nccl_settle(comm, ncclSuccess, epx_wait_bound(config ? config->timeout_seconds : 0),
+                                    fn, "the comm's previous operation");
+  if (status != EPX_SUCCESS) return status;
+  ncclResult_t r = ncclCommCount(comm, &W);
+  if (r == ncclSuccess) r = ncclCommUserRank(comm, &rank);
+  if (r != ncclSuccess)
+    return epx_error(EPX_ERROR_TRANSPORT, "%s: nccl_comm is not a usable ncclComm_t (%s: %s)", fn,
+                     ncclGetErrorString(r), ncclGetLastError(comm));
+  /* The host API (the agreements) works whatever the NCCL release; the
+   * device API's structs do not. */
+  if (!same_nccl)
+    local = epx_error(EPX_ERROR_UNSUPPORTED,
+                      "%s: the NCCL loaded is version %d, the fused module was compiled against NCCL %d's device "
+                      "API; load that NCCL (LD_LIBRARY_PATH) or rebuild epx against this one (EPX_NCCL_ROOT)",
+                      fn, version, NCCL_VERSION_CODE);
+  else if (W > EPX_FUSED_MAX_RANKS)
+    local = epx_error(EPX_ERROR_UNSUPPORTED, "%s: %d ranks, over the fused path's %d; use the host-API exchange",
+                      fn, W, EPX_FUSED_MAX_RANKS);
+  else
+    local = check_config(config, W, fn);
+  epx_fused_t *f = NULL;
+  if (local == EPX_SUCCESS) {
+    f = static_cast<epx_fused_t *>(calloc(1, sizeof *f));
+    if (!f) local = epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
+  }
+  if (f) {
+    f->config = *config;
+    f->comm = nccl_comm;
+    init_dev(f, W, rank);
+    const int64_t part_elem = 4; /* float32 partials fit every precision */
+    window_offsets(f->dev, part_elem);
+    f->bytes = window_bytes(f->dev, part_elem);
+  }
+  const double seconds = epx_wait_bound(config ? config->timeout_seconds : 0);
+  int keep = 0;
+  cudaStream_t stream = NULL;
+  cudaError_t e = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+  /* without a stream this rank cannot take part in the agreements: its
+   * peers' first one times out */
+  status = e == cudaSuccess ? create_steps(f, local, comm, stream, W, rank, seconds, &keep, fn)
+                            : cuda_fail(fn, "cudaStreamCreateWithFlags", e);
+  if (stream) {
+    if (!keep) cudaStreamSynchronize(stream); /* settled already: nothing left but frees */
+    cudaStreamDestroy(stream);
+  }
+  if (status == EPX_SUCCESS) {
+    *fused = f;
+    return EPX_SUCCESS;
+  }
+  if (!keep) {
+    const epx_status_t kept = status; /* destroy may set its own error; the first one is the answer */
+    char message[1024];
+    snprintf(message, sizeof message, "%s", epx_last_error());
+    epx_fused_destroy(f);
+    status = epx_error(kept, "%s", message);
+  }
+  return status;
+}
+
+extern "C" epx_status_t epx_fused_destroy(epx_fused_t *f) {
+  if (!f) return EPX_SUCCESS;
+  ncclComm_t comm = static_cast<ncclComm_t>(f->comm);
+  epx_status_t status = EPX_SUCCESS;
+  cudaDeviceSynchronize();
+  if (f->devcomm) {
+    if (ncclDevCommDestroy(comm, static_cast<ncclDevComm *>(f->devcomm)) != ncclSuccess)
+      status = epx_error(EPX_ERROR_TRANSPORT, "epx_fused_destroy: ncclDevCommDestroy failed");
+    free(f->devcomm);
+  }
+  if (f->win && ncclCommWindowDeregister(comm, static_cast<ncclWindow_t>(f->win)) != ncclSuccess)
+    status = epx_error(EPX_ERROR_TRANSPORT, "epx_fused_destroy: ncclCommWindowDeregister failed");
+  if (f->base) ncclMemFree(f->base);
+  epx_fused_relay_free(f);
+  cudaFree(f->dev.ctl);
+  if (f->err_host) cudaFreeHost(f->err_host);
+  free(f);
+  return status;
+}
+
+extern "C" void epx_fused_abandon(epx_fused_t *f) {
+  if (!f) return;
+  cudaDeviceSynchronize(); /* every wait of a fused kernel is bounded */
+  free(f->devcomm);        /* the host copy; the device side went with the comm */
+  if (f->base) ncclMemFree(f->base);
+  epx_fused_relay_free(f);
+  cudaFree(f->dev.ctl);
+  if (f->err_host) cudaFreeHost(f->err_host);
+  free(f);
+}
+
+extern "C" int epx_fused_error(const epx_fused_t *f, int32_t *peer, const char **phase) {
+  static const char *const names[] = {"?", "layout clear-to-send", "layout counts", "layout routing records",
+                                      "dispatch clear-to-send", "dispatch rows", "combine clear-to-send",
+                                      "combine partials", "weight gradients clear-to-send",
+                                      "weight gradients", "host-API relay (ncclSend/ncclRecv)"};
+  const uint32_t w = *reinterpret_cast<volatile uint32_t *>(f->err_host);
+  if (!w) return 0;
+  const uint32_t ph = (w >> 8) & 0xffu;
+  if (peer) *peer = (int32_t)(w >> 16) - 1;
+  if (phase) *phase = names[ph < sizeof names / sizeof names[0] ? ph : 0];
+  return 1;
+}
+
+extern "C" void *epx_fused_recv_window(epx_fused_t *f) { return f->dev.local + f->dev.off_pay; }
