@@ -1,0 +1,285 @@
+"""epx as Megatron-core's token dispatcher.
+
+:class:`EpxTokenDispatcher` is a ``MoETokenDispatcher`` with Megatron's
+six-method interface (``dispatch_preprocess``, ``token_dispatch``,
+``dispatch_postprocess``, ``combine_preprocess``, ``token_combine``,
+``combine_postprocess``); its outputs are those of Megatron's
+``MoEAlltoAllTokenDispatcher`` on the same routing: the permuted tokens in
+the same order (by local expert, then source rank, then token), the same
+``tokens_per_expert`` (int64, on the CPU), ``permuted_probs`` (which the
+experts apply, as Megatron's do) and the same combined output. The exchange
+across the expert-parallel group is epx's dispatch and combine; with expert
+tensor parallelism the tokens are gathered over the expert-TP group as
+Megatron does (all-gather after dispatch, reduce-scatter before combine).
+
+Plug it into a built model (``MoELayer`` makes its own dispatcher from
+``config.moe_token_dispatcher_type``; keep "alltoall" there)::
+
+    import epx.megatron
+    model = build_your_megatron_model(...)
+    epx.megatron.install(model)            # every MoELayer now dispatches through epx
+
+or one layer by hand: ``layer.token_dispatcher = EpxTokenDispatcher(
+layer.num_local_experts, layer.local_expert_indices, config=layer.config,
+pg_collection=pg_collection)``.
+
+The epx comm of the expert-parallel group is made from the group (one rank:
+a comm of its own; more: :func:`epx.torch.comm_from_process_group`) unless
+``comm`` is given; its buffer is made at the first dispatch, sized for that
+call's tokens unless ``max_tokens_per_rank`` says more. Two host reads per
+step, as Megatron's own dispatcher makes: the routing check before the
+exchange, the counts after it (the experts take exact-size inputs).
+
+Not supported (refused at construction, naming the setting):
+``moe_pad_expert_input_to_capacity``, ``moe_router_padding_for_quantization``
+and ``moe_shared_expert_overlap`` (the MoELayer then runs its shared experts
+itself).
+"""
+from types import SimpleNamespace
+
+import torch
+
+from megatron.core import utils as _mutils
+from megatron.core.tensor_parallel import (gather_from_sequence_parallel_region,
+                                           reduce_scatter_to_sequence_parallel_region)
+from megatron.core.transformer.moe.moe_utils import sort_chunks_by_idxs
+from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
+
+import epx as _epx
+import epx.torch as _et
+from epx import Exchange, Status, Weighting
+
+__all__ = ["EpxTokenDispatcher", "install"]
+
+_UNSUPPORTED = (
+    ("moe_pad_expert_input_to_capacity", "epx's expert-major layout is dropless here; capacity "
+     "drops come from the router (moe_expert_capacity_factor without padding works)"),
+    ("moe_router_padding_for_quantization", "the experts get exact-size groups"),
+    ("moe_shared_expert_overlap", "set it False: the MoELayer then computes its shared experts "
+     "itself"),
+)
+
+
+def _default_pg_collection():
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+    return get_default_pg_collection()
+
+
+def _comm_of(group, timeout_seconds):
+    """An epx comm over the ranks of a torch process group."""
+    if _mutils.get_pg_size(group) == 1:
+        return _epx.Comm.create_self()
+    return _et.comm_from_process_group(group, timeout_seconds=timeout_seconds)
+
+
+class EpxTokenDispatcher(MoETokenDispatcher):
+    """Megatron's token dispatcher over epx (see the module's docstring).
+
+    num_local_experts, local_expert_indices, config and pg_collection are
+    those of Megatron's dispatchers (pg_collection None: Megatron's global
+    parallel state). comm: an epx.Comm over the expert-parallel group (its
+    rank order the group's); None makes one (closed by :meth:`close`).
+    max_tokens_per_rank: the most tokens a step gives (default: the first
+    step's). exchange: epx.Exchange.DEDUP (a token sent once per rank) or
+    COLLECTIVE (once per expert)."""
+
+    def __init__(self, num_local_experts, local_expert_indices, config, pg_collection=None, *,
+                 comm=None, max_tokens_per_rank=None, exchange=Exchange.DEDUP,
+                 timeout_seconds=None):
+        if pg_collection is None:
+            pg_collection = _default_pg_collection()
+        super().__init__(config=config, pg_collection=pg_collection)
+        fn = "epx.megatron.EpxTokenDispatcher"
+        for name, why in _UNSUPPORTED:
+            if getattr(config, name, False):
+                _epx._refuse(Status.ERROR_UNSUPPORTED, "%s: config.%s is not supported (%s)",
+                             fn, name, why)
+        self.num_experts = config.num_moe_experts
+        self.num_local_experts = num_local_experts
+        self.local_expert_indices = list(local_expert_indices)
+        self.top_k = config.moe_router_topk
+        ep_rank = _mutils.get_pg_rank(self.ep_group)
+        if (self.num_experts != num_local_experts * self.ep_size or self.local_expert_indices
+                != list(range(ep_rank * num_local_experts, (ep_rank + 1) * num_local_experts))):
+            _epx._invalid("%s: local_expert_indices %s are not rank %d's block of %d of the %d "
+                          "experts; epx places expert e on expert-parallel rank e // %d, as "
+                          "Megatron's MoELayer does", fn, self.local_expert_indices, ep_rank,
+                          num_local_experts, self.num_experts, num_local_experts)
+        self._own_comm = comm is None
+        self.comm = _comm_of(self.ep_group, timeout_seconds) if comm is None else comm
+        if (self.comm.rank, self.comm.size) != (ep_rank, self.ep_size):
+            _epx._invalid("%s: comm is rank %d of %d but the expert-parallel group's rank %d of "
+                          "%d; pass a comm over the same ranks in the same order", fn,
+                          self.comm.rank, self.comm.size, ep_rank, self.ep_size)
+        self.max_tokens_per_rank = max_tokens_per_rank
+        self.exchange = Exchange(exchange)
+        self.buffer = None
+        self._step = None
+
+    @classmethod
+    def replacing(cls, dispatcher, **options):
+        """An EpxTokenDispatcher for the layer of `dispatcher` (any of
+        Megatron's), over the same process groups."""
+        groups = SimpleNamespace(ep=dispatcher.ep_group, expt_tp=dispatcher.tp_group,
+                                 tp_ep=dispatcher.tp_ep_group)
+        return cls(dispatcher.num_local_experts, dispatcher.local_expert_indices,
+                   dispatcher.config, groups, **options)
+
+    def set_shared_experts(self, shared_experts):
+        _epx._refuse(Status.ERROR_UNSUPPORTED, "epx.megatron.EpxTokenDispatcher: shared-expert "
+                     "overlap is not supported; set config.moe_shared_expert_overlap=False (the "
+                     "MoELayer computes its shared experts itself)")
+
+    def close(self):
+        """Closes the buffer, and the comm when this dispatcher made it."""
+        if self.buffer is not None:
+            self.buffer.close()
+            self.buffer = None
+        if self._own_comm:
+            self.comm.close()
+
+    # -- the buffer ---------------------------------------------------------
+
+    def _buffer_for(self, x):
+        fn = "epx.megatron.EpxTokenDispatcher"
+        T, H = x.shape
+        if self.buffer is None:
+            self.buffer = _et.make_buffer(
+                self.comm, hidden=H, num_experts=self.num_experts, max_top_k=self.top_k,
+                max_tokens_per_rank=max(T, self.max_tokens_per_rank or 0), dtype=x.dtype,
+                device=x.device, exchange=self.exchange, expert_alignment=1)
+            self.max_tokens_per_rank = max(T, self.max_tokens_per_rank or 0)
+        b = self.buffer
+        if T > self.max_tokens_per_rank:
+            _epx._invalid("%s: %d tokens but the buffer was made for %d; pass "
+                          "max_tokens_per_rank=%d (or more) to the dispatcher", fn, T,
+                          self.max_tokens_per_rank, T)
+        if (_et.epx_dtype(x.dtype), H) != (b.dtype, b.hidden):
+            _epx._invalid("%s: tokens [%d, %d] %s but the buffer was made for hidden %d, %s; "
+                          "use one dispatcher per layer shape", fn, T, H, x.dtype, b.hidden,
+                          _et.torch_dtype(b.dtype))
+        return b
+
+    # -- dispatch -----------------------------------------------------------
+
+    def dispatch_preprocess(self, tokens, routing_map, probs):
+        """tokens [..., H], routing_map [T, E] bool, probs [T, E] -> (tokens
+        [T, H], the selected probs [T, K]); local only (one host read: the
+        check that no token chose more than top_k experts)."""
+        fn = "epx.megatron.EpxTokenDispatcher.dispatch_preprocess"
+        E, K = self.num_experts, self.top_k
+        if routing_map.dtype != torch.bool or routing_map.dim() != 2 or routing_map.shape[1] != E:
+            _epx._invalid("%s: routing_map is %s %s; expected a bool [T, %d] tensor", fn,
+                          routing_map.dtype, list(routing_map.shape), E)
+        if probs.shape != routing_map.shape:
+            _epx._invalid("%s: probs has shape %s but routing_map %s; pass the router's [T, E] "
+                          "probabilities", fn, list(probs.shape), list(routing_map.shape))
+        self.hidden_shape = tokens.shape
+        x = tokens.reshape(-1, tokens.shape[-1])
+        if x.shape[0] != routing_map.shape[0]:
+            _epx._invalid("%s: %d tokens but routing_map has %d rows", fn, x.shape[0],
+                          routing_map.shape[0])
+        most = int(routing_map.sum(dim=1).max()) if x.shape[0] else 0
+        if most > K:
+            _epx._invalid("%s: a routing_map row selects %d experts, more than "
+                          "config.moe_router_topk=%d", fn, most, K)
+        # The selected experts in ascending id order (the order Megatron permutes in).
+        rank_of = E - torch.arange(E, device=routing_map.device, dtype=torch.int32)
+        top, idx = torch.topk(routing_map.to(torch.int32) * rank_of, K, dim=1)
+        chosen = top > 0
+        self._topk_idx = torch.where(chosen, idx, -1).to(torch.int32)
+        w = probs.gather(1, idx).float() * chosen
+        self._probs_dtype = probs.dtype
+        return x, w
+
+    def token_dispatch(self, hidden_states, probs):
+        """The exchange over the expert-parallel group (epx's dispatch) ->
+        (received tokens [N_max, H], their probs [N_max])."""
+        d = _et.dispatch(self._buffer_for(hidden_states), hidden_states, self._topk_idx, probs,
+                         weighting=Weighting.NONE)
+        self._step = SimpleNamespace(d=d)
+        return d.recv_x, d.recv_w
+
+    def dispatch_postprocess(self, hidden_states, probs):
+        """-> (tokens [N, H] by local expert, tokens_per_expert [E_local]
+        int64 on the CPU, permuted_probs [N]); with expert tensor
+        parallelism, every expert-TP rank's tokens, as Megatron's all-to-all
+        dispatcher orders them."""
+        step = self._step
+        counts = step.d.counts.cpu()
+        n = int(counts.sum())
+        tokens, probs = hidden_states[:n], probs[:n].to(self._probs_dtype)
+        step.rows = n
+        if self.tp_size > 1:
+            tokens, counts, probs = self._gather_tp(step, tokens, counts, probs)
+        return tokens, counts, probs
+
+    def _gather_tp(self, step, tokens, counts, probs):
+        """All-gather over the expert-TP group, then sort the chunks
+        [tp rank, local expert] to [local expert, tp rank]."""
+        tp, El = self.tp_size, self.num_local_experts
+        # The counts travel on the tokens' device (an NCCL group's).
+        per_rank = step.d.counts.new_empty((tp * El,))
+        torch.distributed.all_gather_into_tensor(per_rank, step.d.counts, group=self.tp_group)
+        per_rank = per_rank.reshape(tp, El).cpu()
+        step.tp_rows = per_rank.sum(dim=1).tolist()
+        tokens = gather_from_sequence_parallel_region(tokens, group=self.tp_group,
+                                                      output_split_sizes=step.tp_rows)
+        probs = gather_from_sequence_parallel_region(probs, group=self.tp_group,
+                                                     output_split_sizes=step.tp_rows)
+        step.per_rank = per_rank
+        chunks = torch.arange(tp * El)
+        tokens, probs = sort_chunks_by_idxs(tokens, per_rank.ravel(),
+                                            chunks.reshape(tp, El).T.ravel(), probs=probs)
+        return tokens, per_rank.sum(dim=0), probs
+
+    # -- combine ------------------------------------------------------------
+
+    def combine_preprocess(self, hidden_states):
+        """Expert output [N, H] -> this rank's rows (with expert tensor
+        parallelism: unsorted, then reduce-scattered over the expert-TP
+        group)."""
+        if self.tp_size == 1:
+            return hidden_states
+        step, tp, El = self._step, self.tp_size, self.num_local_experts
+        chunks = torch.arange(tp * El)
+        hidden_states, _ = sort_chunks_by_idxs(hidden_states, step.per_rank.T.ravel(),
+                                               chunks.reshape(El, tp).T.ravel())
+        return reduce_scatter_to_sequence_parallel_region(
+            hidden_states.to(self._probs_dtype), group=self.tp_group,
+            input_split_sizes=step.tp_rows).to(hidden_states.dtype)
+
+    def token_combine(self, hidden_states):
+        """The exchange back (epx's combine: each token's rows summed) -> [T, H]."""
+        step, self._step = self._step, None
+        if step is None:
+            _epx._invalid("epx.megatron.EpxTokenDispatcher.token_combine: no dispatch to "
+                          "combine; call the dispatch methods first")
+        return _et.combine(step.d, hidden_states)
+
+    def combine_postprocess(self, hidden_states):
+        """-> the output in the shape of the dispatched tokens."""
+        return hidden_states.view(self.hidden_shape)
+
+
+def install(module, **options):
+    """Replaces the token dispatcher of every Megatron MoE layer inside
+    `module` (itself included) by an :class:`EpxTokenDispatcher` over the
+    same groups; the layers of one expert-parallel group share one epx comm
+    unless options give `comm`. Returns the new dispatchers."""
+    from megatron.core.transformer.moe.moe_layer import BaseMoELayer
+    comms = {}
+    made = []
+    for m in module.modules():
+        if not isinstance(m, BaseMoELayer) or m.token_dispatcher is None:
+            continue
+        old = m.token_dispatcher
+        opts = dict(options)
+        if "comm" not in opts:
+            key = id(old.ep_group)
+            if key not in comms:
+                comms[key] = _comm_of(old.ep_group, opts.get("timeout_seconds"))
+            opts["comm"] = comms[key]
+        m.token_dispatcher = EpxTokenDispatcher.replacing(old, **opts)
+        made.append(m.token_dispatcher)
+    return made

@@ -1,0 +1,302 @@
+"""epx.megatron against Megatron-core's MoEAlltoAllTokenDispatcher (the
+megatron-core package, on the CPU): the same routing through both gives the
+same permuted tokens in the same order, the same tokens_per_expert and
+permuted_probs, the same output and the same gradients. One rank in this
+process (a gloo group of one); 2 ranks under mpirun (expert parallel 2) and
+4 (expert tensor parallel 2 x expert parallel 2). Skips when megatron-core
+is not installed.
+
+Run: EPX_LIBRARY=build/libepx.so PYTHONPATH=python python -m pytest tests/python/test_megatron.py
+"""
+import contextlib
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install "
+                    "megatron-core; `make pyenv` does)")
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "python"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+import epx  # noqa: E402
+import epx.megatron as em  # noqa: E402
+from megatron.core import parallel_state  # noqa: E402
+from megatron.core.process_groups_config import ProcessGroupCollection  # noqa: E402
+from megatron.core.transformer.moe import moe_utils  # noqa: E402
+from megatron.core.transformer.moe import token_dispatcher as mtd  # noqa: E402
+from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+from test_epx import SEED, TIMEOUT  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+class _HostStream:
+    """Stands in for the CUDA stream and event Megatron's all-to-all
+    dispatcher copies its counts on: on the CPU every copy is already done."""
+
+    def wait_stream(self, other):
+        pass
+
+    def record_event(self):
+        return self
+
+    def synchronize(self):
+        pass
+
+
+def _padded(t, rows):
+    return torch.cat([t, t.new_zeros((rows - t.shape[0],) + tuple(t.shape[1:]))])
+
+
+def _uneven(all_gather, reduce_scatter):
+    """gloo's all_gather and reduce_scatter take blocks of one size; NCCL's
+    (which Megatron's expert-TP gather meets on GPUs) any: blocks padded to
+    the largest."""
+    def gather(tensor_list, tensor, group=None, async_op=False):
+        rows = max(t.shape[0] for t in tensor_list)
+        full = [_padded(t, rows) for t in tensor_list]
+        all_gather(full, _padded(tensor, rows), group=group)
+        for t, f in zip(tensor_list, full):
+            t.copy_(f[:t.shape[0]])
+
+    def scatter(output, input_list, group=None, async_op=False, **kw):
+        rows = max(t.shape[0] for t in input_list)
+        out = _padded(output, rows)
+        reduce_scatter(out, [_padded(t, rows) for t in input_list], group=group, **kw)
+        output.copy_(out[:output.shape[0]])
+    return gather, scatter
+
+
+@contextlib.contextmanager
+def megatron_on_cpu():
+    """Megatron with its CUDA streams stubbed out and the CPU as its current
+    device (its all-to-all dispatcher copies counts on a side stream, its
+    router moves its weight to the current device), gloo's collectives
+    taking uneven blocks."""
+    cuda, dist = torch.cuda, torch.distributed
+    saved = (cuda.current_stream, cuda.stream, cuda.current_device,
+             mtd.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream, mtd.maybe_move_tensor_to_cpu,
+             dist.all_gather, dist.reduce_scatter)
+    dist.all_gather, dist.reduce_scatter = _uneven(dist.all_gather, dist.reduce_scatter)
+    stream = _HostStream()
+    cuda.current_stream = lambda *a: stream
+    cuda.stream = lambda s: contextlib.nullcontext()
+    cuda.current_device = lambda: "cpu"
+    mtd.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = stream
+    # The split sizes as numpy arrays, as the GPU copy makes them (all_to_all_single
+    # takes those, not tensors).
+    mtd.maybe_move_tensor_to_cpu = lambda t, as_numpy=False, record_stream=False: (
+        t.numpy() if as_numpy and torch.is_tensor(t) else t)
+    # megatron-core 0.16 without Transformer Engine leaves this name undefined
+    # where its router's gating linear tests it for None.
+    moe_utils.__dict__.setdefault("te_general_gemm", None)
+    try:
+        yield
+    finally:
+        (cuda.current_stream, cuda.stream, cuda.current_device,
+         mtd.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream, mtd.maybe_move_tensor_to_cpu,
+         dist.all_gather, dist.reduce_scatter) = saved
+
+
+def config(E, K, H, **kw):
+    return TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=4,
+                             num_moe_experts=E, moe_router_topk=K, use_cpu_initialization=True,
+                             moe_token_dispatcher_type="alltoall", moe_router_pre_softmax=True,
+                             **kw)
+
+
+def problem(seed, T, H, E, K, drop=0.0):
+    """hidden [T, H], router logits [T, E], routing_map with K experts per
+    token (a fraction `drop` of the routes removed, as capacity drops do),
+    expert weights [E, H, H] and the output's gradient."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(T, H, generator=g)
+    logits = torch.randn(T, E, generator=g)
+    top = torch.topk(logits, K, dim=1).indices
+    routing_map = torch.zeros(T, E, dtype=torch.bool).scatter(1, top, True)
+    if drop:
+        routing_map &= torch.rand(T, E, generator=g) >= drop
+    weights = torch.randn(E, H, H, generator=g) / H ** 0.5
+    grad = torch.randn(T, H, generator=g)
+    return hidden, logits, routing_map, weights, grad
+
+
+def step(disp, hidden, logits, routing_map, weights, grad):
+    """One forward and backward through the six methods, the experts
+    applying permuted_probs as Megatron's do."""
+    hidden = hidden.clone().requires_grad_(True)
+    logits = logits.clone().requires_grad_(True)
+    probs = torch.softmax(logits, dim=1) * routing_map
+    x, p = disp.dispatch_preprocess(hidden, routing_map, probs)
+    x, p = disp.token_dispatch(x, p)
+    tokens, tokens_per_expert, permuted_probs = disp.dispatch_postprocess(x, p)
+    outs = [torch.tanh(chunk @ weights[e]) for e, chunk in
+            zip(disp.local_expert_indices, torch.split(tokens, tokens_per_expert.tolist()))]
+    expert_out = torch.cat(outs) * permuted_probs[:, None]
+    y = disp.combine_postprocess(disp.token_combine(disp.combine_preprocess(expert_out)))
+    (y * grad).sum().backward()
+    return dict(tokens=tokens.detach(), tokens_per_expert=tokens_per_expert,
+                probs=permuted_probs.detach(), out=y.detach(), grad_hidden=hidden.grad,
+                grad_logits=logits.grad)
+
+
+def compare(ours, theirs, what=""):
+    assert ours["tokens_per_expert"].dtype == torch.int64
+    assert ours["tokens_per_expert"].device.type == "cpu"
+    assert torch.equal(ours["tokens_per_expert"], theirs["tokens_per_expert"]), what
+    # The permutation moves rows: bit for bit.
+    assert torch.equal(ours["tokens"], theirs["tokens"]), what
+    assert torch.equal(ours["probs"], theirs["probs"]), what
+    for k in ("out", "grad_hidden", "grad_logits"):
+        torch.testing.assert_close(
+            ours[k], theirs[k], atol=1e-6, rtol=1e-5,
+            msg=lambda m: "%s %s: %s [EPX_TEST_SEED=%d]" % (what, k, m, SEED))
+
+
+def both(cfg, pgs, data):
+    """The step through Megatron's all-to-all dispatcher and through epx's."""
+    ep_rank = pgs.ep.rank()
+    El = cfg.num_moe_experts // pgs.ep.size()
+    local = list(range(ep_rank * El, (ep_rank + 1) * El))
+    with megatron_on_cpu():
+        theirs = step(mtd.MoEAlltoAllTokenDispatcher(El, local, cfg, pgs), *data)
+        ours_disp = em.EpxTokenDispatcher(El, local, cfg, pgs, timeout_seconds=TIMEOUT)
+        ours = step(ours_disp, *data)
+    ours_disp.close()
+    return ours, theirs
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory):
+    """torch.distributed and Megatron's parallel state over a gloo group of one."""
+    import torch.distributed as dist
+    store = tmp_path_factory.mktemp("megatron") / "store"
+    dist.init_process_group("gloo", init_method="file://%s" % store, rank=0, world_size=1)
+    parallel_state.initialize_model_parallel()
+    yield ProcessGroupCollection.use_mpu_process_groups()
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("E,K,drop", [(8, 2, 0.0), (6, 3, 0.0), (8, 2, 0.3), (4, 1, 0.0),
+                                      (1, 1, 0.0)])
+def test_matches_megatrons_alltoall_dispatcher(one_rank, E, K, drop):
+    data = problem(SEED + E + K, T=12, H=16, E=E, K=K, drop=drop)
+    ours, theirs = both(config(E, K, 16), one_rank, data)
+    compare(ours, theirs)
+
+
+def test_install_replaces_every_moe_layers_dispatcher(one_rank):
+    """epx.megatron.install on a model holding a Megatron MoELayer: the layer's
+    forward and backward give what they gave with its own dispatcher."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+    from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    E, K, H = 4, 2, 16
+    cfg = config(E, K, H, ffn_hidden_size=32, moe_ffn_hidden_size=32, add_bias_linear=False)
+    experts = ModuleSpec(module=SequentialMLP, submodules=MLPSubmodules(
+        linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear))
+    torch.manual_seed(SEED)
+    with megatron_on_cpu():
+        layer = MoELayer(cfg, MoESubmodules(experts=experts, router=TopKRouter),
+                         pg_collection=one_rank)
+    model = torch.nn.Sequential(layer)
+    x = torch.randn(3, 4, H, generator=torch.Generator().manual_seed(SEED))
+
+    def run():
+        layer.zero_grad()
+        xx = x.clone().requires_grad_(True)
+        out, bias = model(xx)
+        (out * torch.cos(torch.arange(H).float())).sum().backward()
+        return out.detach(), xx.grad, {n: p.grad.clone() for n, p in layer.named_parameters()}
+
+    with megatron_on_cpu():
+        theirs = run()
+        made = em.install(model, timeout_seconds=TIMEOUT)
+        assert len(made) == 1 and layer.token_dispatcher is made[0]
+        assert isinstance(layer.token_dispatcher, em.EpxTokenDispatcher)
+        ours = run()
+    torch.testing.assert_close(ours[0], theirs[0], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(ours[1], theirs[1], atol=1e-6, rtol=1e-5)
+    assert ours[2].keys() == theirs[2].keys()
+    for name in ours[2]:
+        torch.testing.assert_close(ours[2][name], theirs[2][name], atol=1e-6, rtol=1e-5,
+                                   msg=lambda m: "%s: %s" % (name, m))
+    made[0].close()
+    made[0].comm.close()
+
+
+def test_refusals_name_the_setting(one_rank):
+    El = 4
+    with pytest.raises(epx.UnsupportedError, match="moe_pad_expert_input_to_capacity"):
+        em.EpxTokenDispatcher(El, range(El), config(4, 2, 16, moe_expert_capacity_factor=1.0,
+                                                    moe_pad_expert_input_to_capacity=True),
+                              one_rank)
+    with pytest.raises(epx.InvalidArgumentError, match="local_expert_indices"):
+        em.EpxTokenDispatcher(2, [1, 2], config(2, 1, 16), one_rank)
+    disp = em.EpxTokenDispatcher(El, range(El), config(4, 2, 16), one_rank)
+    hidden, logits, _, _, _ = problem(SEED, T=5, H=16, E=4, K=2)
+    too_many = torch.ones(5, 4, dtype=torch.bool)
+    with pytest.raises(epx.InvalidArgumentError, match="selects 4 experts, more than"):
+        disp.dispatch_preprocess(hidden, too_many, torch.softmax(logits, 1))
+    with pytest.raises(epx.InvalidArgumentError, match="bool"):
+        disp.dispatch_preprocess(hidden, too_many.float(), torch.softmax(logits, 1))
+    disp.close()
+
+
+# ---------------------------------------------------------------------------
+# 2 ranks: MPI processes with a gloo group (expert parallel 2; expert TP 2)
+# ---------------------------------------------------------------------------
+
+
+def mpi_worker(out_dir, seed, tp):
+    """One rank: both dispatchers on the same routing, compared here."""
+    import torch.distributed as dist
+    rank, W = int(os.environ["OMPI_COMM_WORLD_RANK"]), int(os.environ["OMPI_COMM_WORLD_SIZE"])
+    dist.init_process_group("gloo", init_method="file://" + os.path.join(out_dir, "store"),
+                            rank=rank, world_size=W)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, expert_model_parallel_size=W // tp,
+        expert_tensor_parallel_size=tp)
+    pgs = ProcessGroupCollection.use_mpu_process_groups()
+    E, K = 8, 2
+    for T, drop in ((12, 0.0), (9, 0.25)):
+        data = problem(seed + rank, T=T, H=16, E=E, K=K, drop=drop)
+        cfg = config(E, K, 16, tensor_model_parallel_size=tp, expert_tensor_parallel_size=tp,
+                     expert_model_parallel_size=W // tp, sequence_parallel=tp > 1,
+                     add_bias_linear=False)
+        ours, theirs = both(cfg, pgs, data)
+        compare(ours, theirs, "rank %d T %d" % (rank, T))
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+    print("rank %d OK" % rank)
+
+
+@pytest.mark.parametrize("W,tp", [(2, 1), (4, 2)], ids=["ep2", "etp2xep2"])
+def test_ranks_match_megatron_under_mpirun(tmp_path, W, tp):
+    mpiexec = shutil.which("mpiexec")
+    if not (mpiexec and epx.has_mpi()):
+        pytest.skip("needs mpiexec and a libepx built with MPI")
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMPI_MCA_rmaps_base_oversubscribe="1", EPX_LIBRARY=epx.library_path,
+               PYTHONPATH=os.pathsep.join([str(pathlib.Path(epx.__file__).parents[1]),
+                                           os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([mpiexec, "-n", str(W), sys.executable, __file__, "mpi-worker",
+                          str(tmp_path), str(SEED), str(tp)], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, "mpiexec failed:\n%s\n%s" % (run.stdout[-3000:], run.stderr[-6000:])
+    done = sorted(line for line in run.stdout.splitlines() if line.endswith(" OK"))
+    assert done == ["rank %d OK" % r for r in range(W)], run.stdout
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["mpi-worker"]:
+    mpi_worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
