@@ -826,6 +826,11 @@ typedef struct epx_buffer_config {
    * or f32 with an fp8 format) and both backward passes, which never use
    * fp8. CPU buffers only in this version (CUDA: EPX_ERROR_UNSUPPORTED). */
   epx_fp8_format_t fp8_format;
+  /* 1: the low-latency decode mode (see "Low-latency decode" below): the
+   * buffer serves the epx_ll_* calls only, max_tokens_per_rank is fixed at
+   * creation (0 means EPX_LL_DEFAULT_MAX_TOKENS) and the receive memory is
+   * the worst case. 0: the normal calls. */
+  int32_t low_latency;
 } epx_buffer_config_t;
 
 /* The defaults, in field order. hidden, num_experts and max_top_k have none
@@ -850,7 +855,8 @@ typedef struct epx_buffer_config {
     EPX_COMBINE_PARTIALS_FLOAT32, /* combine_precision */                              \
     EPX_PATH_AUTO,                /* exchange_path */                                  \
     0,                            /* sm_budget: 0 = 32 CTAs */                         \
-    EPX_FP8_NONE                  /* fp8_format */                                     \
+    EPX_FP8_NONE,                 /* fp8_format */                                     \
+    0                             /* low_latency: the normal mode */                   \
   }
 
 /* Fills the first struct_size bytes of *config with EPX_BUFFER_CONFIG_INIT's
@@ -860,7 +866,7 @@ epx_status_t epx_buffer_config_init(epx_buffer_config_t *config, size_t struct_s
 /* Creates a buffer over comm (collective). The configs of all ranks are
  * compared; a rank that differs in dtype, hidden, num_experts, max_top_k,
  * max_tokens_per_rank, exchange, layout, expert_alignment, capacity,
- * combine_precision, exchange_path, sm_budget or fp8_format makes every rank fail with
+ * combine_precision, exchange_path, sm_budget, fp8_format or low_latency makes every rank fail with
  * EPX_ERROR_SHAPE_MISMATCH
  * naming that rank and value.
  * The comm must outlive the buffer. */
@@ -1088,6 +1094,96 @@ epx_status_t epx_dispatch_fp8(epx_buffer_t buffer, epx_handle_t handle, const vo
  * received bytes are those of epx_quantize then epx_dispatch_fp8. */
 epx_status_t epx_dispatch_quantize(epx_buffer_t buffer, epx_handle_t handle, const void *x,
                                    void *recv_x_q, void *recv_scales, int64_t recv_rows_capacity);
+
+/* ------------------------------------------------------------------------ */
+/* Low-latency decode (config.low_latency = 1)                               */
+/* ------------------------------------------------------------------------ */
+
+/* A decode step moves 1 to a few hundred tokens per rank, where the normal
+ * exchange's separate layout call dominates. A low-latency buffer
+ * (config.low_latency = 1, DeepEP's low_latency_dispatch / _combine) has:
+ *  - max_tokens_per_rank fixed at creation, the same on every rank (0 in the
+ *    config means EPX_LL_DEFAULT_MAX_TOKENS); a step of more tokens is
+ *    EPX_ERROR_CAPACITY_EXCEEDED naming max_tokens_per_rank, on every rank;
+ *  - fixed worst-case receive tensors, whatever the routing:
+ *      EPX_LAYOUT_EXPERT_MAJOR: recv_x [E_local, W * max_tokens, H] (DeepEP's
+ *        shape); expert e's rows are the first recv_count[e] rows of its
+ *        block, ordered by (source rank, source token) — the rows, in the
+ *        order, of the normal expert-major layout;
+ *      EPX_LAYOUT_RANK_MAJOR: recv_x [W, max_tokens, H]; the rows from source
+ *        rank s are the first recv_count[s] of its block, a row per token of
+ *        s that chose a local expert, in token order (the normal rank-major
+ *        rows); weighting EPX_WEIGHTS_NONE, as in that layout.
+ *    Rows past the counts are not part of the result (unspecified; the CPU
+ *    backend writes zeros). expert_alignment must be 1; the capacity layout
+ *    is refused;
+ *  - one call each way: epx_ll_dispatch makes the layout and moves the rows
+ *    (no epx_dispatch_layout), returning the handle that epx_ll_combine
+ *    replays. The handle answers the usual queries over the fixed shape:
+ *    epx_handle_recv_rows gives N = E_local * W * max_tokens (rank-major
+ *    W * max_tokens), epx_handle_recv_source each row's (rank, token) [N]
+ *    (DeepEP's src_info; -1 past the counts), epx_handle_recv_routing its
+ *    expert and weight, epx_handle_expert_counts the counts and offsets
+ *    (expert-major: e * W * max_tokens);
+ *  - combine weights in combine (EPX_WEIGHTS_IN_COMBINE: out[t] = the sum of
+ *    epx_combine, the same bits: in float32, per rank in k order, ranks
+ *    ascending, rounded once to the buffer's dtype) or not at all
+ *    (EPX_WEIGHTS_NONE); EPX_WEIGHTS_IN_DISPATCH is refused;
+ *  - no backward: epx_dispatch_backward, epx_combine_backward and
+ *    epx_weights_backward on it are EPX_ERROR_UNSUPPORTED naming the mode
+ *    (decode has none; train on a normal buffer), and so are
+ *    epx_dispatch_layout and the normal payload calls (use the epx_ll_*
+ *    calls), on every rank together.
+ * Bit-identical to the normal exchange with the same config on the same
+ * routing: the same rows, in the same order within each expert (or source
+ * rank), and the same combine sums.
+ *
+ * Two phases: epx_ll_dispatch_send / epx_ll_combine_send start the exchange
+ * and return; epx_ll_complete(handle) finishes it. Between the two the
+ * caller may run other work (attention, the other micro-batch's exchange on
+ * another handle); the send's inputs must stay unchanged and its outputs are
+ * not ready until complete returns. Every send is completed before the next
+ * LL call on the same handle (EPX_ERROR_INVALID_ARGUMENT otherwise, naming
+ * the pending call). epx_ll_dispatch and epx_ll_combine are send then
+ * complete. On a CPU buffer the whole exchange runs inside the send (the
+ * calling thread has nothing to overlap it with; complete only closes it)
+ * and, like the normal CPU calls, the dispatch agrees every rank's call and
+ * counts in its first message; the rows follow in a second.
+ *
+ * Token counts: num_tokens, when not NULL, points to the step's token count
+ * (int32, memory of the buffer's device: a device value on a GPU, so that a
+ * captured graph replays with new counts; host memory on a CPU buffer, read
+ * during the send call); routing->num_tokens is then the rows x and the
+ * routing arrays hold (<= max_tokens_per_rank), and *num_tokens must be in
+ * [0, routing->num_tokens]. NULL: routing->num_tokens is the count.
+ *
+ * Low-latency buffers are CPU buffers in this version (a CUDA one is
+ * EPX_ERROR_UNSUPPORTED at epx_buffer_create). */
+#define EPX_LL_DEFAULT_MAX_TOKENS 256
+
+/* Dispatch of one decode step (collective): x [T, H] -> recv_x (the fixed
+ * shape above, 16-byte aligned) and recv_count (int32, [E_local] expert-major
+ * or [W] rank-major, memory of the buffer's device; may be NULL), and a new
+ * handle (refcount 1; release it with epx_handle_release). routing as for
+ * epx_dispatch_layout (its arrays are read during the send only). */
+epx_status_t epx_ll_dispatch(epx_buffer_t buffer, const epx_routing_t *routing,
+                             const int32_t *num_tokens, const void *x, void *recv_x,
+                             int32_t *recv_count, epx_handle_t *handle);
+epx_status_t epx_ll_dispatch_send(epx_buffer_t buffer, const epx_routing_t *routing,
+                                  const int32_t *num_tokens, const void *x, void *recv_x,
+                                  int32_t *recv_count, epx_handle_t *handle);
+
+/* Combine of the step (collective): expert_out (recv_x's shape; rows past
+ * the counts are not read) -> out [T, H], T the dispatch's count. */
+epx_status_t epx_ll_combine(epx_buffer_t buffer, epx_handle_t handle, const void *expert_out,
+                            void *out);
+epx_status_t epx_ll_combine_send(epx_buffer_t buffer, epx_handle_t handle, const void *expert_out,
+                                 void *out);
+
+/* Finishes the handle's pending send (dispatch or combine). Every rank
+ * completes each of its sends. EPX_ERROR_INVALID_ARGUMENT when nothing is
+ * pending on the handle. */
+epx_status_t epx_ll_complete(epx_buffer_t buffer, epx_handle_t handle);
 
 /* ------------------------------------------------------------------------ */
 /* References (plain C, host memory; the oracle of the tests)                */

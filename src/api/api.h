@@ -30,6 +30,10 @@ epx_status_t epx_check_buffer(epx_buffer_t *buffer, const char *caller);
  * not NULL) one of buffer's. */
 epx_status_t epx_check_handle(epx_buffer_t buffer, epx_handle_t *handle, const char *caller);
 
+/* The routing of a layout on buffer b (shape, pointers, the batch against
+ * max_tokens_per_rank, the backend's value checks); errors name fn. */
+epx_status_t epx_check_routing(epx_buffer_t b, const epx_routing_t *r, const char *fn);
+
 /* Frees a handle whose last reference is gone (the caller's and the
  * recorders'): retires its id, releases the backend's layout and the
  * buffer's count of live handles. */

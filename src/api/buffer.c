@@ -6,6 +6,7 @@
 
 #include "api/api.h"
 #include "api/backends.h"
+#include "api/ll.h"
 #include "core/backend.h"
 #include "core/checked.h"
 #include "core/config.h"
@@ -32,13 +33,13 @@ typedef struct {
   int64_t status;
   int64_t device, dtype, hidden, num_experts, max_top_k, max_tokens_per_rank,
       max_tokens_rounding, exchange, layout, expert_alignment, capacity, combine_precision,
-      exchange_path, sm_budget, fp8_format;
+      exchange_path, sm_budget, fp8_format, low_latency;
 } buffer_shape_t;
 
 static const char *const shape_field_names[] = {
     "status", "device", "dtype", "hidden", "num_experts", "max_top_k", "max_tokens_per_rank",
     "max_tokens_rounding", "exchange", "layout", "expert_alignment", "capacity", "combine_precision",
-    "exchange_path", "sm_budget", "fp8_format"};
+    "exchange_path", "sm_budget", "fp8_format", "low_latency"};
 
 /* The receive bound of a buffer (epx_buffer_max_recv_rows), every product
  * checked: a dropless rank receives up to min(k, E_local) rows of each of
@@ -47,6 +48,7 @@ static const char *const shape_field_names[] = {
  * products are known to fit in 64 bits. */
 static epx_status_t recv_rows_bound(const char *fn, const epx_buffer_config_t *c, int64_t W,
                                     int64_t max_tokens, int64_t *rows) {
+  if (c->low_latency) return epx_ll_recv_rows_bound(fn, c, W, max_tokens, rows);
   const int64_t El = c->num_experts / W;
   const char *tokens = "config.max_tokens_per_rank";
   int64_t k = c->max_top_k < El ? c->max_top_k : El, padding = 0, data = 0, sum = 0;
@@ -171,6 +173,7 @@ static epx_status_t check_buffer_config(epx_comm_t comm, const epx_buffer_config
               "%s: config.sm_budget is %d; pass the CTAs of the fused kernels in [1, 1024], or 0 for the "
               "default (32)", fn, c->sm_budget);
   status = check_fp8_format(c);
+  if (status == EPX_SUCCESS) status = epx_ll_check_config(c);
   return status != EPX_SUCCESS ? status : check_buffer_sizes(comm, c);
 }
 
@@ -207,7 +210,7 @@ static epx_status_t agree_shape(epx_comm_t comm, const epx_buffer_config_t *conf
                             config->max_top_k, config->max_tokens_per_rank, config->max_tokens_rounding,
                             config->exchange, config->layout, config->expert_alignment, config->capacity,
                             config->combine_precision, config->exchange_path, config->sm_budget,
-                            config->fp8_format};
+                            config->fp8_format, config->low_latency};
   char message[1024];
   strncpy(message, epx_last_error(), sizeof message - 1);
   message[sizeof message - 1] = '\0';

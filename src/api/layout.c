@@ -4,6 +4,7 @@
 #include <stdlib.h>
 
 #include "api/api.h"
+#include "api/ll.h"
 #include "api/recorder.h"
 #include "core/backend.h"
 #include "core/error.h"
@@ -11,15 +12,9 @@
 #include "core/registry.h"
 #include "core/transport.h"
 
-/* recorder_id is the caller's value, recorder the object it names (or NULL). */
-static epx_status_t check_routing(epx_buffer_t b, const epx_routing_t *r, epx_recorder_t recorder_id,
-                                  epx_recorder_t recorder, epx_handle_t *handle) {
-  const char *fn = "epx_dispatch_layout";
+epx_status_t epx_check_routing(epx_buffer_t b, const epx_routing_t *r, const char *fn) {
   const epx_buffer_config_t *c = &b->config;
-  EPX_REQUIRE(handle, "%s: handle is NULL; pass the address of an epx_handle_t", fn);
   EPX_REQUIRE(r, "%s: routing is NULL; pass an epx_routing_t", fn);
-  if (recorder_id && !recorder)
-    return epx_error(EPX_ERROR_INVALID_HANDLE, "%s: recorder is not a live recorder (destroyed?); pass NULL or a recorder from epx_recorder_create", fn);
   EPX_REQUIRE(r->num_tokens >= 0 && r->num_tokens <= INT32_MAX,
               "%s: routing.num_tokens is %lld; pass a count in [0, 2^31)", fn, (long long)r->num_tokens);
   EPX_REQUIRE(r->top_k >= 1 && r->top_k <= c->max_top_k,
@@ -51,6 +46,17 @@ static epx_status_t check_routing(epx_buffer_t b, const epx_routing_t *r, epx_re
                      "create the buffer with a larger config.max_tokens_per_rank", fn,
                      (long long)r->num_tokens, (long long)b->max_tokens);
   return b->backend->validate_routing ? b->backend->validate_routing(b, r) : EPX_SUCCESS;
+}
+
+/* recorder_id is the caller's value, recorder the object it names (or NULL). */
+static epx_status_t check_routing(epx_buffer_t b, const epx_routing_t *r, epx_recorder_t recorder_id,
+                                  epx_recorder_t recorder, epx_handle_t *handle) {
+  const char *fn = "epx_dispatch_layout";
+  EPX_REQUIRE(handle, "%s: handle is NULL; pass the address of an epx_handle_t", fn);
+  if (recorder_id && !recorder)
+    return epx_error(EPX_ERROR_INVALID_HANDLE, "%s: recorder is not a live recorder (destroyed?); pass NULL or a recorder from epx_recorder_create", fn);
+  epx_status_t status = epx_ll_refuse(b, fn);
+  return status != EPX_SUCCESS ? status : epx_check_routing(b, r, fn);
 }
 
 static epx_status_t new_handle(epx_buffer_t buffer, const epx_routing_t *routing, epx_handle_t *out) {

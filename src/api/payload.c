@@ -5,6 +5,7 @@
 #include <stdint.h>
 
 #include "api/api.h"
+#include "api/ll.h"
 #include "core/backend.h"
 #include "core/error.h"
 #include "core/objects.h"
@@ -46,7 +47,8 @@ static epx_status_t check_recv_capacity(epx_handle_t handle, int64_t recv_rows_c
  * and handle values into the objects. A NULL or dead buffer returns at
  * once (there is no comm to agree with); a bad handle on a live CPU buffer is
  * agreed here, meeting the peers' agree() of the same call, so they refuse it
- * too instead of pairing their call with this rank's next one. */
+ * too instead of pairing their call with this rank's next one; so is any
+ * payload call on a low-latency buffer (it serves the epx_ll_* calls). */
 static epx_status_t begin_payload(epx_buffer_t *buffer, epx_handle_t *handle, const char *fn) {
   epx_error_clear();
   epx_status_t status = epx_check_buffer(buffer, fn);
@@ -54,6 +56,7 @@ static epx_status_t begin_payload(epx_buffer_t *buffer, epx_handle_t *handle, co
   status = epx_comm_check_alive((*buffer)->comm, fn);
   if (status != EPX_SUCCESS) return status;
   status = epx_check_handle(*buffer, handle, fn);
+  if (status == EPX_SUCCESS) status = epx_ll_refuse(*buffer, fn);
   if (status != EPX_SUCCESS) return (*buffer)->backend->agree(*buffer, status, fn);
   return status;
 }

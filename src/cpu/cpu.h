@@ -12,6 +12,9 @@
 
 struct epx_backend;
 extern const struct epx_backend epx_cpu_backend;
+/* The low-latency decode mode on the CPU (ll.c; core/ll.h). */
+struct epx_ll_backend;
+extern const struct epx_ll_backend epx_cpu_ll_backend;
 
 /* The router (src/cpu/route.c); the public entry points in src/api/route.c
  * have checked the arguments. */

@@ -76,6 +76,7 @@ struct epx_cpu_plan {
   int32_t row_slots;                     /* K for rank-major, else 1 */
   int64_t self_items;                    /* rows this rank sends itself (stats) */
   int64_t bytes;                         /* host bytes held by the plan */
+  int32_t ll_pending;                    /* low-latency mode: the epx_ll_phase_t awaiting completion (ll.c) */
 };
 
 /* ------------------------------------------------------------------------ */
@@ -150,6 +151,13 @@ const char *epx_cpu_call_name(int32_t kind);
  * public function fn: the fp8 dispatches move a row and its scales as one. */
 epx_status_t epx_cpu_dispatch_rows(epx_buffer_t b, epx_handle_t h, epx_status_t local, const char *fn,
                                    epx_call_kind_t kind, const void *rows, void *recv_rows, size_t row_bytes);
+
+/* The layout and combine of the public calls, for another public function
+ * fn (its errors name fn): the low-latency mode's (ll.c). */
+epx_status_t epx_cpu_layout_as(epx_buffer_t b, const epx_routing_t *r, epx_status_t local, epx_handle_t handle,
+                               const char *fn);
+epx_status_t epx_cpu_combine_as(epx_buffer_t b, epx_handle_t h, epx_status_t local, const void *expert_out, void *out,
+                                const char *fn);
 
 /* ------------------------------------------------------------------------ */
 /* Shared helpers (layout.c)                                                 */

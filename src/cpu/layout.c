@@ -497,7 +497,12 @@ static epx_status_t receive_layout(layout_t *L) {
 
 epx_status_t epx_cpu_dispatch_layout(epx_buffer_t b, const epx_routing_t *r, epx_status_t local,
                                      epx_handle_t handle) {
-  layout_t L = {.b = b, .r = r, .fn = "epx_dispatch_layout", .rec = 1 + 3 * (size_t)b->config.max_top_k};
+  return epx_cpu_layout_as(b, r, local, handle, "epx_dispatch_layout");
+}
+
+epx_status_t epx_cpu_layout_as(epx_buffer_t b, const epx_routing_t *r, epx_status_t local, epx_handle_t handle,
+                               const char *fn) {
+  layout_t L = {.b = b, .r = r, .fn = fn, .rec = 1 + 3 * (size_t)b->config.max_top_k};
   if (local == EPX_SUCCESS) local = plan_new(&L, handle);
   if (local == EPX_SUCCESS) local = build_records(&L);
   epx_status_t status = exchange_counts(&L, local, handle);

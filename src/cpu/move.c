@@ -444,7 +444,12 @@ static epx_status_t backward_work(move_t *m, const epx_cpu_call_t *peers) {
 }
 
 epx_status_t epx_cpu_combine(epx_buffer_t b, epx_handle_t h, epx_status_t local, const void *expert_out, void *out) {
-  move_t m = {.b = b, .fn = "epx_combine", .work = backward_work, .src = expert_out, .dst = out,
+  return epx_cpu_combine_as(b, h, local, expert_out, out, "epx_combine");
+}
+
+epx_status_t epx_cpu_combine_as(epx_buffer_t b, epx_handle_t h, epx_status_t local, const void *expert_out, void *out,
+                                const char *fn) {
+  move_t m = {.b = b, .fn = fn, .work = backward_work, .src = expert_out, .dst = out,
               .weighted = h->cpu->weighting == EPX_WEIGHTS_IN_COMBINE, .precision = h->cpu->precision};
   return run_call(&m, EPX_CALL_COMBINE, local, h);
 }

@@ -1,0 +1,262 @@
+/* The low-latency decode calls (epx.h, "Low-latency decode"): their argument
+ * checks, the handle each dispatch makes, the order of the two phases, and
+ * the rules a low-latency buffer follows in the rest of src/api (api/ll.h).
+ * The device's epx_ll_backend_t (core/ll.h) does the exchange. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "api/api.h"
+#include "api/ll.h"
+#include "core/backend.h"
+#include "core/checked.h"
+#include "core/error.h"
+#include "core/ll.h"
+#include "core/objects.h"
+#include "core/registry.h"
+#include "core/transport.h"
+#include "cpu/cpu.h"
+
+/* The device's implementation of the mode, or NULL where it has none. */
+static const epx_ll_backend_t *ll_backend(epx_device_t device) {
+  return device == EPX_DEVICE_CPU ? &epx_cpu_ll_backend : NULL;
+}
+
+epx_status_t epx_ll_check_config(epx_buffer_config_t *c) {
+  const char *fn = "epx_buffer_create";
+  if (c->low_latency == 0) return EPX_SUCCESS;
+  EPX_REQUIRE(c->low_latency == 1, "%s: config.low_latency is %d; pass 0 (the normal mode) or 1 (low-latency decode)",
+              fn, c->low_latency);
+  if (!ll_backend(c->device))
+    return epx_error(EPX_ERROR_UNSUPPORTED,
+                     "%s: config.low_latency = 1 is served on EPX_DEVICE_CPU buffers only in this version; use a "
+                     "CPU buffer, or the normal mode with worst_case_sizing (graph capturable) on the GPU", fn);
+  if (c->layout != EPX_LAYOUT_EXPERT_MAJOR && c->layout != EPX_LAYOUT_RANK_MAJOR)
+    return epx_error(EPX_ERROR_UNSUPPORTED,
+                     "%s: config.low_latency = 1 with config.layout %d: the low-latency mode has the fixed shapes "
+                     "of EPX_LAYOUT_EXPERT_MAJOR ([E_local, W * max_tokens, H]) and EPX_LAYOUT_RANK_MAJOR "
+                     "([W, max_tokens, H]); pass one of them", fn, (int)c->layout);
+  EPX_REQUIRE(c->expert_alignment == 1,
+              "%s: config.expert_alignment is %d with config.low_latency = 1; every expert has a fixed block of "
+              "W * max_tokens rows there, unpadded: pass 1", fn, c->expert_alignment);
+  if (c->fp8_format != EPX_FP8_NONE)
+    return epx_error(EPX_ERROR_UNSUPPORTED,
+                     "%s: config.fp8_format with config.low_latency = 1: the low-latency calls move rows of the "
+                     "buffer's dtype in this version; pass EPX_FP8_NONE", fn);
+  if (c->max_tokens_per_rank == 0) c->max_tokens_per_rank = EPX_LL_DEFAULT_MAX_TOKENS;
+  return EPX_SUCCESS;
+}
+
+epx_status_t epx_ll_recv_rows_bound(const char *fn, const epx_buffer_config_t *c, int64_t W, int64_t max_tokens,
+                                    int64_t *rows) {
+  const char *tokens = "config.max_tokens_per_rank";
+  int64_t sum = 0;
+  epx_status_t status =
+      c->layout == EPX_LAYOUT_RANK_MAJOR
+          ? EPX_CHECKED_PRODUCT(&sum, fn, tokens, "world size * max tokens (the low-latency receive rows)", W,
+                                max_tokens)
+          : EPX_CHECKED_PRODUCT(&sum, fn, tokens,
+                                "experts per rank * world size * max tokens (the low-latency receive rows)",
+                                c->num_experts / W, W, max_tokens);
+  if (status != EPX_SUCCESS) return status;
+  /* The layout's rows are int32 indices. */
+  if (sum > INT32_MAX)
+    return epx_error(EPX_ERROR_INVALID_ARGUMENT,
+                     "%s: config.max_tokens_per_rank %lld gives %lld low-latency receive rows per rank, above "
+                     "2^31 - 1; pass a smaller config.max_tokens_per_rank", fn, (long long)max_tokens,
+                     (long long)sum);
+  *rows = sum;
+  return EPX_SUCCESS;
+}
+
+static int is_backward(const char *fn) {
+  return !strcmp(fn, "epx_dispatch_backward") || !strcmp(fn, "epx_combine_backward") ||
+         !strcmp(fn, "epx_weights_backward");
+}
+
+epx_status_t epx_ll_refuse(epx_buffer_t buffer, const char *fn) {
+  if (!buffer->config.low_latency) return EPX_SUCCESS;
+  if (is_backward(fn))
+    return epx_error(EPX_ERROR_UNSUPPORTED,
+                     "%s: the buffer is in the low-latency decode mode (config.low_latency = 1), which has no "
+                     "backward pass; train on a buffer created with config.low_latency = 0", fn);
+  return epx_error(EPX_ERROR_UNSUPPORTED,
+                   "%s: the buffer is in the low-latency decode mode (config.low_latency = 1), which serves the "
+                   "epx_ll_* calls only; use epx_ll_dispatch and epx_ll_combine (or a buffer with "
+                   "config.low_latency = 0 for the normal calls)", fn);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Dispatch                                                                  */
+/* ------------------------------------------------------------------------ */
+
+/* The step's routing: *routing with num_tokens read from *num_tokens (host
+ * memory on the CPU, the only device of the mode in this version). */
+static epx_status_t step_routing(const char *fn, epx_buffer_t b, const epx_routing_t *routing,
+                                 const int32_t *num_tokens, epx_routing_t *step) {
+  EPX_REQUIRE(routing, "%s: routing is NULL; pass an epx_routing_t", fn);
+  *step = *routing;
+  if (!num_tokens) return EPX_SUCCESS;
+  if (routing->num_tokens > b->max_tokens)
+    return epx_error(EPX_ERROR_CAPACITY_EXCEEDED,
+                     "%s: routing.num_tokens %lld (the rows of x and the routing) exceeds the buffer's "
+                     "max_tokens_per_rank %lld; create the buffer with a larger config.max_tokens_per_rank", fn,
+                     (long long)routing->num_tokens, (long long)b->max_tokens);
+  EPX_REQUIRE(epx_is_aligned(num_tokens, 4), "%s: num_tokens is not 4-byte aligned", fn);
+  EPX_REQUIRE(*num_tokens >= 0 && *num_tokens <= routing->num_tokens,
+              "%s: *num_tokens is %d; pass a count in [0, routing.num_tokens = %lld]", fn, *num_tokens,
+              (long long)routing->num_tokens);
+  step->num_tokens = *num_tokens;
+  return EPX_SUCCESS;
+}
+
+static epx_status_t check_dispatch(const char *fn, epx_buffer_t b, const epx_routing_t *routing,
+                                   const int32_t *num_tokens, const void *x, void *recv_x, const int32_t *recv_count,
+                                   epx_handle_t *handle, epx_routing_t *step) {
+  EPX_REQUIRE(handle, "%s: handle is NULL; pass the address of an epx_handle_t", fn);
+  EPX_REQUIRE(b->config.low_latency,
+              "%s: the buffer is not a low-latency buffer (config.low_latency = 0); create it with "
+              "config.low_latency = 1, or use epx_dispatch_layout and epx_dispatch", fn);
+  epx_status_t status = step_routing(fn, b, routing, num_tokens, step);
+  if (status != EPX_SUCCESS) return status;
+  if (step->weighting == EPX_WEIGHTS_IN_DISPATCH)
+    return epx_error(EPX_ERROR_UNSUPPORTED,
+                     "%s: routing.weighting is EPX_WEIGHTS_IN_DISPATCH; the low-latency mode applies the weights "
+                     "in combine (EPX_WEIGHTS_IN_COMBINE) or leaves them to the expert (EPX_WEIGHTS_NONE)", fn);
+  status = epx_check_routing(b, step, fn);
+  if (status != EPX_SUCCESS) return status;
+  EPX_REQUIRE(x || step->num_tokens == 0, "%s: x is NULL; pass a [num_tokens, hidden] tensor", fn);
+  EPX_REQUIRE(recv_x, "%s: recv_x is NULL; pass the %s tensor", fn,
+              b->config.layout == EPX_LAYOUT_RANK_MAJOR ? "[W, max_tokens, hidden]" : "[E_local, W * max_tokens, hidden]");
+  EPX_REQUIRE(epx_is_aligned(x, EPX_PAYLOAD_ALIGNMENT) && epx_is_aligned(recv_x, EPX_PAYLOAD_ALIGNMENT),
+              "%s: %s is not 16-byte aligned; allocate it with 16-byte alignment", fn,
+              epx_is_aligned(x, EPX_PAYLOAD_ALIGNMENT) ? "recv_x" : "x");
+  EPX_REQUIRE(recv_x != x, "%s: recv_x aliases x; pass a separate receive tensor", fn);
+  EPX_REQUIRE(epx_is_aligned(recv_count, 4), "%s: recv_count is not 4-byte aligned", fn);
+  return EPX_SUCCESS;
+}
+
+static epx_status_t new_handle(const char *fn, epx_buffer_t buffer, const epx_routing_t *step, epx_handle_t *out) {
+  epx_handle_t h = calloc(1, sizeof *h);
+  if (!h) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
+  h->buffer = buffer;
+  h->refcount = 1;
+  h->caller_refs = 1;
+  h->weighting = step->weighting;
+  h->num_tokens = step->num_tokens;
+  h->top_k = step->top_k;
+  *out = h;
+  return EPX_SUCCESS;
+}
+
+/* A handle whose layout failed never reached the registry. */
+static void drop_unpublished(epx_handle_t h) {
+  if (!h) return;
+  h->buffer->backend->handle_fini(h);
+  free(h);
+}
+
+static epx_status_t ll_dispatch(const char *fn, epx_buffer_t buffer, const epx_routing_t *routing,
+                                const int32_t *num_tokens, const void *x, void *recv_x, int32_t *recv_count,
+                                epx_handle_t *handle, int complete) {
+  epx_error_clear();
+  epx_status_t status = epx_check_buffer(&buffer, fn);
+  if (status != EPX_SUCCESS) return status;
+  status = epx_comm_check_alive(buffer->comm, fn);
+  if (status != EPX_SUCCESS) return status;
+  const epx_ll_backend_t *ll = ll_backend(buffer->config.device);
+  epx_routing_t step;
+  epx_status_t local = check_dispatch(fn, buffer, routing, num_tokens, x, recv_x, recv_count, handle, &step);
+  if (!ll) return buffer->backend->agree(buffer, local, fn); /* refused: not a low-latency buffer */
+  epx_handle_t h = NULL;
+  if (local == EPX_SUCCESS) local = new_handle(fn, buffer, &step, &h);
+  status = ll->dispatch_send(buffer, &step, local, h, x, recv_x, recv_count);
+  void *id = NULL;
+  if (status == EPX_SUCCESS) status = epx_registry_add(h, EPX_OBJECT_HANDLE, &id);
+  if (status != EPX_SUCCESS) {
+    drop_unpublished(h);
+    return status;
+  }
+  h->id = id;
+  __atomic_add_fetch(&buffer->live_handles, 1, __ATOMIC_SEQ_CST);
+  *handle = id;
+  return complete ? ll->complete(buffer, h) : EPX_SUCCESS;
+}
+
+epx_status_t epx_ll_dispatch(epx_buffer_t buffer, const epx_routing_t *routing, const int32_t *num_tokens,
+                             const void *x, void *recv_x, int32_t *recv_count, epx_handle_t *handle) {
+  return ll_dispatch("epx_ll_dispatch", buffer, routing, num_tokens, x, recv_x, recv_count, handle, 1);
+}
+
+epx_status_t epx_ll_dispatch_send(epx_buffer_t buffer, const epx_routing_t *routing, const int32_t *num_tokens,
+                                  const void *x, void *recv_x, int32_t *recv_count, epx_handle_t *handle) {
+  return ll_dispatch("epx_ll_dispatch_send", buffer, routing, num_tokens, x, recv_x, recv_count, handle, 0);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Combine and completion                                                    */
+/* ------------------------------------------------------------------------ */
+
+static const char *phase_name(epx_ll_phase_t phase) {
+  return phase == EPX_LL_DISPATCH ? "epx_ll_dispatch_send" : "epx_ll_combine_send";
+}
+
+static epx_status_t check_combine(const char *fn, const epx_ll_backend_t *ll, epx_handle_t h, const void *expert_out,
+                                  void *out) {
+  epx_ll_phase_t pending = ll->pending(h);
+  if (pending != EPX_LL_NONE)
+    return epx_error(EPX_ERROR_INVALID_ARGUMENT,
+                     "%s: the handle's %s is not completed; call epx_ll_complete on it first", fn,
+                     phase_name(pending));
+  EPX_REQUIRE(expert_out, "%s: expert_out is NULL; pass the expert outputs in recv_x's shape", fn);
+  EPX_REQUIRE(out || h->num_tokens == 0, "%s: out is NULL; pass a [num_tokens, hidden] tensor", fn);
+  EPX_REQUIRE(epx_is_aligned(expert_out, EPX_PAYLOAD_ALIGNMENT) && epx_is_aligned(out, EPX_PAYLOAD_ALIGNMENT),
+              "%s: %s is not 16-byte aligned; allocate it with 16-byte alignment", fn,
+              epx_is_aligned(out, EPX_PAYLOAD_ALIGNMENT) ? "expert_out" : "out");
+  EPX_REQUIRE(out != expert_out, "%s: out aliases expert_out; pass a separate [num_tokens, hidden] tensor", fn);
+  return EPX_SUCCESS;
+}
+
+static epx_status_t ll_combine(const char *fn, epx_buffer_t buffer, epx_handle_t handle, const void *expert_out,
+                               void *out, int complete) {
+  epx_error_clear();
+  epx_status_t status = epx_check_buffer(&buffer, fn);
+  if (status != EPX_SUCCESS) return status;
+  status = epx_comm_check_alive(buffer->comm, fn);
+  if (status != EPX_SUCCESS) return status;
+  const epx_ll_backend_t *ll = ll_backend(buffer->config.device);
+  epx_status_t local = epx_check_handle(buffer, &handle, fn);
+  if (local == EPX_SUCCESS && (!ll || !buffer->config.low_latency))
+    local = epx_error(EPX_ERROR_INVALID_ARGUMENT,
+                      "%s: the buffer is not a low-latency buffer (config.low_latency = 0); its handles are "
+                      "combined with epx_combine", fn);
+  /* A refusal before the handle is known meets the peers' combine. */
+  if (local != EPX_SUCCESS) return buffer->backend->agree(buffer, local, "epx_combine");
+  local = check_combine(fn, ll, handle, expert_out, out);
+  status = ll->combine_send(buffer, handle, local, expert_out, out);
+  if (status != EPX_SUCCESS || !complete) return status;
+  return ll->complete(buffer, handle);
+}
+
+epx_status_t epx_ll_combine(epx_buffer_t buffer, epx_handle_t handle, const void *expert_out, void *out) {
+  return ll_combine("epx_ll_combine", buffer, handle, expert_out, out, 1);
+}
+
+epx_status_t epx_ll_combine_send(epx_buffer_t buffer, epx_handle_t handle, const void *expert_out, void *out) {
+  return ll_combine("epx_ll_combine_send", buffer, handle, expert_out, out, 0);
+}
+
+epx_status_t epx_ll_complete(epx_buffer_t buffer, epx_handle_t handle) {
+  const char *fn = "epx_ll_complete";
+  epx_error_clear();
+  epx_status_t status = epx_check_buffer(&buffer, fn);
+  if (status == EPX_SUCCESS) status = epx_check_handle(buffer, &handle, fn);
+  if (status != EPX_SUCCESS) return status;
+  const epx_ll_backend_t *ll = ll_backend(buffer->config.device);
+  EPX_REQUIRE(ll && buffer->config.low_latency,
+              "%s: the buffer is not a low-latency buffer (config.low_latency = 0); nothing to complete", fn);
+  EPX_REQUIRE(ll->pending(handle) != EPX_LL_NONE,
+              "%s: nothing is pending on the handle; epx_ll_complete follows epx_ll_dispatch_send or "
+              "epx_ll_combine_send, once", fn);
+  return ll->complete(buffer, handle);
+}
