@@ -33,11 +33,15 @@ the same graph. CUDA tensors need a libepx built with EPX_BUILD_CUDA; every
 call runs on PyTorch's current stream. Importing this module imports torch
 first, so a libepx linked with NCCL binds to torch's NCCL.
 """
+import contextlib
+import collections
 import ctypes
+import functools
 import itertools
 import math
 import os
 import threading
+import time
 import weakref
 from typing import NamedTuple, Optional, Tuple
 
@@ -119,14 +123,49 @@ def _tensor(t, fn, name, dtype, shape, buffer_device, align=4, optional=False):
     return t
 
 
-def _routing_tensor(t, fn, name, dtype, shape, buffer_device, optional=False):
-    """A routing tensor of any numeric dtype, as the dtype the library reads."""
+def _routing_tensor(t, fn, name, dtype, shape, buffer_device, optional=False, high=None):
+    """A routing tensor as the dtype the library reads: weights of any
+    numeric dtype; expert ids and locations (dtype int32) of an integer
+    dtype, checked in that dtype before the conversion (_ids; high: E for
+    ids)."""
     if t is None and optional:
         return None
     if not isinstance(t, _torch.Tensor):
         _tensor(t, fn, name, dtype, shape, buffer_device)
     _check_device(t, fn, name, buffer_device)
-    return _tensor(t.detach().to(dtype), fn, name, dtype, shape, buffer_device)
+    t = t.detach()
+    if dtype == _I32:
+        t = _ids(t, fn, name, high)
+    return _tensor(t.to(dtype), fn, name, dtype, shape, buffer_device)
+
+
+_INT32_MAX = 2 ** 31 - 1
+
+
+def _ids(t, fn, name, high):
+    """Ids or locations in the caller's dtype, before they become the int32
+    the library reads (a cast would send the id 2**32 + 1 to expert 1 and
+    1.9 to 1): a non-integer dtype is refused; so is, on the CPU, a value
+    outside [-1, high) (high None: int32's range; the library checks
+    locations against C itself), naming it. On CUDA reading the values would
+    wait for the device, so values past int32 become INT32_MAX, which the
+    library refuses (with worst_case_sizing: drops and reports) as the
+    out-of-range route it is."""
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == _torch.bool:
+        _epx._invalid("%s: %s has dtype %s; pass an integer tensor (int32 or int64)", fn, name,
+                      t.dtype)
+    if t.dtype == _I32 or t.numel() == 0:
+        return t
+    top = _INT32_MAX if high is None else high - 1
+    if t.device.type == "cuda":
+        return _torch.where((t >= -1) & (t <= _INT32_MAX), t, _torch.full_like(t, _INT32_MAX))
+    bad = ((t < -1) | (t > top)).nonzero()
+    if len(bad):
+        at = tuple(int(i) for i in bad[0])
+        _epx._invalid("%s: %s%s is %d, outside [-1, %d]; pass %s", fn, name, list(at),
+                      int(t[at]), top, "expert ids of the buffer's %d experts (-1: none)" % high
+                      if high is not None else "values that fit int32")
+    return t
 
 
 def _ptr(t):
@@ -181,8 +220,210 @@ def _max_rows(buffer, fn):
                       fn, e.message)
 
 
+def _handle_rows(h, b, fn):
+    """The fewest rows a tensor of handle h's receive layout must have: N
+    where the host knows it (CPU buffers), else the worst case N_max that
+    dispatch returned (on CUDA N lives on the device, and reading it would
+    wait for it)."""
+    return h.recv_rows if b.device == Device.CPU else _max_rows(b, fn)
+
+
+def _check_handle_rows(rows, h, b, fn, name):
+    """A tensor's rows against the handle before any C call: the library
+    reads (or writes) N rows of it, so fewer would be out of bounds (and,
+    over several ranks, one rank's garbage would reach another's tokens)."""
+    need = _handle_rows(h, b, fn)
+    if rows < need:
+        _epx._invalid("%s: %s has %d rows but the dispatch received %d; pass a row for every row "
+                      "of the Dispatched's recv_x (%d, as dispatch returned it)", fn, name, rows,
+                      need, _max_rows(b, fn))
+
+
+def _check_handle_shape(h, fn, num_tokens, top_k=None):
+    """The numbers an op got beside its handle (from a Dispatched) against
+    the handle's own."""
+    if num_tokens != h.num_tokens or (top_k is not None and top_k != h.top_k):
+        _epx._invalid("%s: the dispatch had %d tokens and top_k %d, not %d and %s; pass the "
+                      "Dispatched that dispatch returned, unchanged", fn, h.num_tokens, h.top_k,
+                      num_tokens, top_k if top_k is not None else h.top_k)
+
+
 def _recv_w_shape(buffer, rows, top_k):
     return (rows, top_k) if buffer.layout == Layout.RANK_MAJOR else (rows,)
+
+
+# ---------------------------------------------------------------------------
+# Profiler ranges and call statistics: every epx op is a torch.profiler range
+# (record_function) and, on CUDA, an NVTX range of the same name, and counts
+# in stats()
+# ---------------------------------------------------------------------------
+
+_STATS = {}
+_stats_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _op_range(name, device):
+    cuda = device is not None and device.type == "cuda"
+    start = time.perf_counter()
+    with _torch.profiler.record_function(name):
+        if cuda:
+            _torch.cuda.nvtx.range_push(name)
+        try:
+            yield
+        finally:
+            if cuda:
+                _torch.cuda.nvtx.range_pop()
+            seconds = time.perf_counter() - start
+            with _stats_lock:
+                entry = _STATS.setdefault(name, {"calls": 0, "host_seconds": 0.0})
+                entry["calls"] += 1
+                entry["host_seconds"] += seconds
+
+
+def _ranged(name):
+    """The decorator of every custom op's implementation: its profiler range
+    and its count in stats() (the schema comes from the wrapped function)."""
+    def wrap(f):
+        @functools.wraps(f)
+        def op(*args, **kwargs):
+            dev = next((a.device for a in args if isinstance(a, Tensor)), None)
+            with _op_range(name, dev):
+                return f(*args, **kwargs)
+        return op
+    return wrap
+
+
+def stats(reset=False):
+    """Calls and host seconds of each epx op in this process since import (or
+    the last reset): ``{"epx::dispatch": {"calls": 3, "host_seconds": 0.01},
+    ...}``. On CUDA the host seconds are launch (and, with exact-size
+    outputs, sync) time; the device time is in a torch.profiler trace or an
+    Nsight Systems timeline, under the same names (record_function and NVTX
+    ranges)."""
+    with _stats_lock:
+        out = {k: dict(v) for k, v in _STATS.items()}
+        if reset:
+            _STATS.clear()
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Overlap: ops on a communication stream, ordered by events (DeepEP's
+# previous_event / async_finish / EventOverlap)
+# ---------------------------------------------------------------------------
+
+
+class EventOverlap:
+    """The completion of an epx op, as DeepEP's EventOverlap: a CUDA event
+    recorded on the stream the op ran on (None on CPU, where every op has
+    finished when it returns), and the tensors to keep alive until it is
+    waited on.
+
+    ``event.current_stream_wait()`` makes the current stream wait for the op
+    (the caller triggers the completion of an ``async_finish`` op);
+    ``with event:`` does so at the end of the block, so work issued inside it
+    overlaps the op; ``synchronize()`` waits on the host."""
+
+    def __init__(self, event=None, extra_tensors=()):
+        self.event = event
+        self.extra_tensors = tuple(extra_tensors)
+
+    def current_stream_wait(self):
+        if self.event is not None:
+            _torch.cuda.current_stream().wait_event(self.event)
+        self.extra_tensors = ()
+
+    def synchronize(self):
+        if self.event is not None:
+            self.event.synchronize()
+
+    def query(self):
+        """Whether the op has finished (True on CPU)."""
+        return self.event is None or self.event.query()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.current_stream_wait()
+
+
+def current_event():
+    """An :class:`EventOverlap` of the work issued so far on the current
+    CUDA stream (None-event on a machine without CUDA): pass it as an op's
+    previous_event."""
+    if not _torch.cuda.is_available():
+        return EventOverlap()
+    event = _torch.cuda.Event()
+    event.record(_torch.cuda.current_stream())
+    return EventOverlap(event)
+
+
+_COMM_STREAMS = {}
+
+
+def _comm_stream(dev):
+    """epx's communication stream of a CUDA device (one per device, made on
+    first use), where async and event-ordered ops run."""
+    index = dev.index if dev.index is not None else _torch.cuda.current_device()
+    if index not in _COMM_STREAMS:
+        _COMM_STREAMS[index] = _torch.cuda.Stream(device=index)
+    return _COMM_STREAMS[index]
+
+
+def _tensors_of(value):
+    if isinstance(value, Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors_of(v)]
+    return []
+
+
+def _overlapped(fn, dev, previous_event, async_finish, comm_stream, inputs, call):
+    """Runs call() (epx ops on tensors of `dev`) and returns (its result, an
+    EventOverlap). Without previous_event, async_finish or comm_stream it runs
+    on the current stream, as every op does by default (graph-friendly).
+    Otherwise on comm_stream (default: epx's stream of the device), after
+    previous_event (default: the current stream's work so far); the current
+    stream waits for it at once unless async_finish, when the caller does
+    (``event.current_stream_wait()``). Inputs are marked as used on the comm
+    stream and outputs on the current one, so the caching allocator reuses
+    neither early."""
+    if previous_event is not None and not isinstance(previous_event, EventOverlap):
+        raise TypeError("%s: previous_event is a %s; pass an epx.torch.EventOverlap (from an "
+                        "op's event, or epx.torch.current_event())"
+                        % (fn, type(previous_event).__name__))
+    if dev.type != "cuda":
+        if comm_stream is not None:
+            _epx._invalid("%s: comm_stream is given but the tensors are on %s; streams are for "
+                          "CUDA tensors", fn, dev)
+        result = call()
+        return result, EventOverlap()
+    compute = _torch.cuda.current_stream(dev)
+    if comm_stream is None and previous_event is None and not async_finish:
+        result = call()
+        event = _torch.cuda.Event()
+        event.record(compute)
+        return result, EventOverlap(event)
+    side = comm_stream if comm_stream is not None else _comm_stream(dev)
+    if previous_event is not None and previous_event.event is not None:
+        side.wait_event(previous_event.event)
+    else:
+        side.wait_stream(compute)
+    with _torch.cuda.stream(side):
+        result = call()
+    outputs = [t for t in _tensors_of(result) if t.is_cuda]
+    for t in _tensors_of(inputs):
+        if t.is_cuda:
+            t.record_stream(side)
+    for t in outputs:
+        t.record_stream(compute)
+    event = _torch.cuda.Event()
+    event.record(side)
+    if not async_finish:
+        compute.wait_event(event)
+    return result, EventOverlap(event, _tensors_of(inputs) + outputs)
 
 
 # ---------------------------------------------------------------------------
@@ -257,18 +498,33 @@ def _handle_of(token, fn):
 # Routing: epx::route and epx::route_backward
 # ---------------------------------------------------------------------------
 
-_CONFIGS = {}           # id -> RouteConfig, interned by value
-_CONFIG_IDS = {}        # bytes of a RouteConfig -> id
+# A route config travels to the ops as its id: the struct's bytes in hex (a
+# str, which an op takes as an argument and torch.compile keeps as a
+# constant). The id holds the whole config, so any op can rebuild it; the
+# cache below only saves the decoding, and is bounded: a value that changes
+# every step (an annealed aux_loss_coeff, the step's aux_loss_tokens) makes
+# a new id every call, and an unbounded table grew by each.
+_CONFIGS = collections.OrderedDict()  # id -> RouteConfig, least recently used first
+_CONFIGS_KEPT = 256
 _config_lock = threading.Lock()
 
 
 def _config_id(config):
-    key = ctypes.string_at(ctypes.addressof(config), ctypes.sizeof(config))
+    return ctypes.string_at(ctypes.addressof(config), ctypes.sizeof(config)).hex()
+
+
+def _config_of(config_id):
+    """The RouteConfig of an id (from the cache, or decoded into it)."""
     with _config_lock:
-        if key not in _CONFIG_IDS:
-            _CONFIG_IDS[key] = len(_CONFIGS) + 1
-            _CONFIGS[_CONFIG_IDS[key]] = config.copy()
-        return _CONFIG_IDS[key]
+        config = _CONFIGS.get(config_id)
+        if config is not None:
+            _CONFIGS.move_to_end(config_id)
+            return config
+        config = _lib.RouteConfig.from_buffer_copy(bytes.fromhex(config_id))
+        _CONFIGS[config_id] = config
+        if len(_CONFIGS) > _CONFIGS_KEPT:
+            _CONFIGS.popitem(last=False)
+        return config
 
 
 def _route_config_on(config_id, device, token_mask=None, aux_counts=None):
@@ -276,14 +532,15 @@ def _route_config_on(config_id, device, token_mask=None, aux_counts=None):
     memory fields pointing at this call's token_mask / aux counts."""
     is_cuda = device.type == "cuda"
     stream = _torch.cuda.current_stream(device).cuda_stream if is_cuda else None
-    return _CONFIGS[config_id].copy(device=Device.CUDA if is_cuda else Device.CPU, stream=stream,
-                                    token_mask=_ptr(token_mask),
-                                    aux_loss_expert_counts=_ptr(aux_counts))
+    return _config_of(config_id).copy(device=Device.CUDA if is_cuda else Device.CPU,
+                                      stream=stream, token_mask=_ptr(token_mask),
+                                      aux_loss_expert_counts=_ptr(aux_counts))
 
 
 @_torch.library.custom_op("epx::route", mutates_args=())
+@_ranged("epx::route")
 def _route_op(logits: Tensor, bias: Optional[Tensor], token_mask: Optional[Tensor],
-              aux_counts: Optional[Tensor], config_id: int
+              aux_counts: Optional[Tensor], config_id: str
               ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     config = _route_config_on(config_id, logits.device, token_mask, aux_counts)
     T, E, K = logits.shape[0], int(config.num_experts), int(config.top_k)
@@ -303,7 +560,7 @@ def _route_op(logits: Tensor, bias: Optional[Tensor], token_mask: Optional[Tenso
 
 @_route_op.register_fake
 def _route_fake(logits, bias, token_mask, aux_counts, config_id):
-    config = _CONFIGS[config_id]
+    config = _config_of(config_id)
     T, E, K = logits.shape[0], int(config.num_experts), int(config.top_k)
     return (logits.new_empty((T, K), dtype=_I32), logits.new_empty((T, K), dtype=_F32),
             logits.new_empty((T, K), dtype=_I32), logits.new_empty((E,), dtype=_I32),
@@ -312,10 +569,11 @@ def _route_fake(logits, bias, token_mask, aux_counts, config_id):
 
 
 @_torch.library.custom_op("epx::route_backward", mutates_args=())
+@_ranged("epx::route_backward")
 def _route_backward_op(logits: Tensor, bias: Optional[Tensor], token_mask: Optional[Tensor],
                        aux_counts: Optional[Tensor], topk_idx: Tensor,
                        grad_topk_w: Optional[Tensor], grad_aux: Optional[Tensor],
-                       grad_z: Optional[Tensor], config_id: int) -> Tensor:
+                       grad_z: Optional[Tensor], config_id: str) -> Tensor:
     """d loss / d logits. epx_route_backward takes the losses' gradients as
     host floats; reading them would wait on the device, so the gradient is
     assembled from its linear parts instead: the weights' part, plus
@@ -486,18 +744,36 @@ def _recorder(recorder_id, fn):
 # ---------------------------------------------------------------------------
 
 
-def _dispatch_inputs(b, x, topk_idx, topk_w, locations, fn):
+def _dispatch_inputs(b, x, topk_idx, topk_w, locations, fn, x_dtype=None):
     dev = b.device
     _sized_buffer(b, fn)
-    idx = _routing_tensor(topk_idx, fn, "topk_idx", _I32, (None, None), dev)
+    idx = _routing_tensor(topk_idx, fn, "topk_idx", _I32, (None, None), dev,
+                          high=b.num_experts)
     T, K = idx.shape
     w = _routing_tensor(topk_w, fn, "topk_w", _F32, (T, K), dev, optional=True)
     loc = _routing_tensor(locations, fn, "locations", _I32, (T, K), dev, optional=True)
-    x = _tensor(x, fn, "x", _TORCH_OF[b.dtype], (T, b.hidden), dev, align=_epx.PAYLOAD_ALIGNMENT)
+    x = _tensor(x, fn, "x", x_dtype or _TORCH_OF[b.dtype], (T, b.hidden), dev,
+                align=_epx.PAYLOAD_ALIGNMENT)
     return x, idx, w, loc
 
 
+def _recv_metadata(b, handle, rows, K, dev, fn):
+    """(recv_w, recv_expert, counts, offsets, N) of a dispatch's handle."""
+    shape = _recv_w_shape(b, rows, K)
+    recv_expert = _torch.full(shape, -1, dtype=_I32, device=dev)
+    recv_w = _torch.zeros(shape, dtype=_F32, device=dev)
+    n = b.experts_per_rank
+    counts = _torch.empty((n,), dtype=_I64, device=dev)
+    offsets = _torch.empty((n + 1,), dtype=_I64, device=dev)
+    hp = handle._use(b, fn)
+    _epx._check(lib.epx_handle_recv_routing(hp, _ptr(recv_expert), _ptr(recv_w)))
+    _epx._check(lib.epx_handle_expert_counts(hp, _ptr(counts), _ptr(offsets)))
+    # offsets[-1] is N in every layout: the row count, read on the device.
+    return recv_w, recv_expert, counts, offsets, offsets[-1:].clone()
+
+
 @_torch.library.custom_op("epx::dispatch", mutates_args=())
+@_ranged("epx::dispatch")
 def _dispatch_op(x: Tensor, topk_idx: Tensor, topk_w: Optional[Tensor],
                  locations: Optional[Tensor], buffer_id: int, weighting: int, recorder_id: int
                  ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -514,17 +790,7 @@ def _dispatch_op(x: Tensor, topk_idx: Tensor, topk_w: Optional[Tensor],
     dev = x.device
     recv_x = _torch.zeros((rows, b.hidden), dtype=xc.dtype, device=dev)
     b._dispatch(handle, _ptr(xc), _ptr(recv_x), rows)
-    shape = _recv_w_shape(b, rows, K)
-    recv_expert = _torch.full(shape, -1, dtype=_I32, device=dev)
-    recv_w = _torch.zeros(shape, dtype=_F32, device=dev)
-    n = b.experts_per_rank
-    counts = _torch.empty((n,), dtype=_I64, device=dev)
-    offsets = _torch.empty((n + 1,), dtype=_I64, device=dev)
-    hp = handle._use(b, fn)
-    _epx._check(lib.epx_handle_recv_routing(hp, _ptr(recv_expert), _ptr(recv_w)))
-    _epx._check(lib.epx_handle_expert_counts(hp, _ptr(counts), _ptr(offsets)))
-    # offsets[-1] is N in every layout: the row count, read on the device.
-    return recv_x, recv_w, recv_expert, counts, offsets, offsets[-1:].clone(), token
+    return (recv_x,) + _recv_metadata(b, handle, rows, K, dev, fn) + (token,)
 
 
 @_dispatch_op.register_fake
@@ -541,6 +807,7 @@ def _dispatch_fake(x, topk_idx, topk_w, locations, buffer_id, weighting, recorde
 
 
 @_torch.library.custom_op("epx::dispatch_backward", mutates_args=())
+@_ranged("epx::dispatch_backward")
 def _dispatch_backward_op(grad_recv_x: Tensor, x: Optional[Tensor], token: Tensor,
                           num_tokens: int, top_k: int) -> Tuple[Tensor, Tensor]:
     """grad_recv_x -> (grad_x, grad_w); grad_w is computed (weights applied in
@@ -550,8 +817,10 @@ def _dispatch_backward_op(grad_recv_x: Tensor, x: Optional[Tensor], token: Tenso
     b = h.buffer
     rows = grad_recv_x.shape[0]
     with b._together("dispatch_backward", h):
+        _check_handle_shape(h, fn, num_tokens, top_k)
         g = _tensor(grad_recv_x, fn, "grad_recv_x", _TORCH_OF[b.dtype], (rows, b.hidden),
                     b.device, align=_epx.PAYLOAD_ALIGNMENT)
+        _check_handle_rows(g.shape[0], h, b, fn, "grad_recv_x")
         if x is not None:
             x = _tensor(x, fn, "x", g.dtype, (num_tokens, b.hidden), b.device,
                         align=_epx.PAYLOAD_ALIGNMENT)
@@ -570,6 +839,7 @@ def _dispatch_backward_fake(grad_recv_x, x, token, num_tokens, top_k):
 
 
 @_torch.library.custom_op("epx::weights_backward", mutates_args=())
+@_ranged("epx::weights_backward")
 def _weights_backward_op(grad_recv_w: Tensor, token: Tensor, num_tokens: int,
                          top_k: int) -> Tensor:
     """The gradient of recv_w (weights the expert applied) -> grad_w [T, K]."""
@@ -577,7 +847,11 @@ def _weights_backward_op(grad_recv_w: Tensor, token: Tensor, num_tokens: int,
     h = _handle_of(token, fn)
     b = h.buffer
     with b._together("weights_backward", h):
-        g = _tensor(grad_recv_w, fn, "grad_recv_w", _F32, tuple(grad_recv_w.shape), b.device)
+        _check_handle_shape(h, fn, num_tokens, top_k)
+        rows = grad_recv_w.shape[0] if grad_recv_w.dim() else 0
+        g = _tensor(grad_recv_w, fn, "grad_recv_w", _F32, _recv_w_shape(b, rows, top_k),
+                    b.device)
+        _check_handle_rows(g.shape[0], h, b, fn, "grad_recv_w")
     grad_w = _torch.empty((num_tokens, top_k), dtype=_F32, device=g.device)
     _on_stream(b, g.device)
     _epx._check(lib.epx_weights_backward(b._handle_ptr(fn), h._use(b, fn), _ptr(g),
@@ -617,11 +891,98 @@ _dispatch_op.register_autograd(_dispatch_backward, setup_context=_dispatch_setup
 
 
 # ---------------------------------------------------------------------------
+# FP8 dispatch: epx::dispatch_fp8 (e4m3 rows with their scales)
+# ---------------------------------------------------------------------------
+
+_FP8 = getattr(_torch, "float8_e4m3fn", None)
+_SCALE_DTYPE = {_epx.FP8Format.E4M3_F32_128: _F32, _epx.FP8Format.E4M3_UE8M0_128: _I32,
+                _epx.FP8Format.MXFP8: _torch.uint8}
+
+
+def _fp8_format(b, fn):
+    fmt = _epx.FP8Format(b.config.fp8_format)
+    if fmt == _epx.FP8Format.NONE or _FP8 is None:
+        _epx._invalid("%s: the buffer has no fp8 format (config.fp8_format is NONE)%s; create it "
+                      "with fp8_format=epx.FP8Format...", fn,
+                      "" if _FP8 is not None else " or this torch has no float8_e4m3fn")
+    cols, _ = _epx.fp8_scale_shape(fmt, b.hidden)
+    return fmt, cols
+
+
+@_torch.library.custom_op("epx::dispatch_fp8", mutates_args=())
+@_ranged("epx::dispatch_fp8")
+def _dispatch_fp8_op(x: Tensor, x_scales: Optional[Tensor], topk_idx: Tensor,
+                     topk_w: Optional[Tensor], locations: Optional[Tensor], buffer_id: int,
+                     weighting: int, recorder_id: int
+                     ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """x_q with x_scales (epx_dispatch_fp8), or x of the buffer's dtype
+    quantized on the way when x_scales is None (epx_dispatch_quantize)."""
+    fn = "epx.torch.dispatch"
+    b = _buffer(buffer_id, fn)
+    with b._together("layout"):
+        fmt, cols = _fp8_format(b, fn)
+        quantize = x_scales is None
+        xc, idx, w, loc = _dispatch_inputs(b, x if quantize else x.view(_torch.uint8), topk_idx,
+                                           topk_w, locations, fn, _TORCH_OF[b.dtype] if quantize
+                                           else _torch.uint8)
+        T, K = idx.shape
+        sc = None if quantize else _tensor(x_scales, fn, "x_scales", _SCALE_DTYPE[fmt], (T, cols),
+                                           b.device)
+        rec = _recorder(recorder_id, fn)
+    _on_stream(b, x.device)
+    handle = b._layout(T, K, _ptr(idx), _ptr(w), _ptr(loc), weighting, rec)
+    token = _token(handle)
+    rows = _max_rows(b, fn)
+    recv_q = _torch.zeros((rows, b.hidden), dtype=_FP8, device=x.device)
+    recv_s = _torch.zeros((rows, cols), dtype=_SCALE_DTYPE[fmt], device=x.device)
+    b._dispatch_fp8(handle, _ptr(xc), _ptr(sc), _ptr(recv_q), _ptr(recv_s), rows)
+    return (recv_q, recv_s) + _recv_metadata(b, handle, rows, K, x.device, fn) + (token,)
+
+
+@_dispatch_fp8_op.register_fake
+def _dispatch_fp8_fake(x, x_scales, topk_idx, topk_w, locations, buffer_id, weighting,
+                       recorder_id):
+    fn = "epx.torch.dispatch"
+    b = _buffer(buffer_id, fn)
+    _sized_buffer(b, fn)
+    fmt, cols = _fp8_format(b, fn)
+    rows = _max_rows(b, fn)
+    shape = _recv_w_shape(b, rows, topk_idx.shape[1])
+    n = b.experts_per_rank
+    return (x.new_empty((rows, b.hidden), dtype=_FP8), x.new_empty((rows, cols), dtype=_SCALE_DTYPE[fmt]),
+            x.new_empty(shape, dtype=_F32), x.new_empty(shape, dtype=_I32),
+            x.new_empty((n,), dtype=_I64), x.new_empty((n + 1,), dtype=_I64),
+            x.new_empty((1,), dtype=_I64), _torch.empty((1,), dtype=_I64, device="cpu"))
+
+
+def _dispatch_fp8_setup(ctx, inputs, output):
+    topk_idx, topk_w = inputs[2], inputs[3]
+    ctx.set_materialize_grads(False)
+    ctx.w_grad = topk_w is not None and topk_w.requires_grad
+    ctx.num_tokens, ctx.top_k = topk_idx.shape
+    ctx.save_for_backward(output[7])
+
+
+def _dispatch_fp8_backward(ctx, g_q, g_s, g_recv_w, *unused):
+    """fp8 rows carry no gradient; recv_w's reaches topk_w as in dispatch."""
+    token, = ctx.saved_tensors
+    grad_w = None
+    if g_recv_w is not None and ctx.w_grad:
+        grad_w = _torch.ops.epx.weights_backward(g_recv_w.contiguous(), token, ctx.num_tokens,
+                                                 ctx.top_k)
+    return None, None, None, grad_w, None, None, None, None
+
+
+_dispatch_fp8_op.register_autograd(_dispatch_fp8_backward, setup_context=_dispatch_fp8_setup)
+
+
+# ---------------------------------------------------------------------------
 # Combine: epx::combine and its backward
 # ---------------------------------------------------------------------------
 
 
 @_torch.library.custom_op("epx::combine", mutates_args=())
+@_ranged("epx::combine")
 def _combine_op(expert_out: Tensor, topk_w: Optional[Tensor], token: Tensor, num_tokens: int,
                 weighting: int) -> Tensor:
     """expert_out [rows >= N, H] -> out [T, H]. topk_w is only the autograd
@@ -631,8 +992,11 @@ def _combine_op(expert_out: Tensor, topk_w: Optional[Tensor], token: Tensor, num
     h = _handle_of(token, fn)
     b = h.buffer
     with b._together("combine", h):
-        e = _tensor(expert_out, fn, "expert_out", _TORCH_OF[b.dtype],
-                    (expert_out.shape[0], b.hidden), b.device, align=_epx.PAYLOAD_ALIGNMENT)
+        _check_handle_shape(h, fn, num_tokens)
+        rows = expert_out.shape[0] if isinstance(expert_out, Tensor) and expert_out.dim() else 0
+        e = _tensor(expert_out, fn, "expert_out", _TORCH_OF[b.dtype], (rows, b.hidden),
+                    b.device, align=_epx.PAYLOAD_ALIGNMENT)
+        _check_handle_rows(e.shape[0], h, b, fn, "expert_out")
     out = _torch.empty((num_tokens, b.hidden), dtype=e.dtype, device=e.device)
     _on_stream(b, e.device)
     b._combine(h, _ptr(e), _ptr(out))
@@ -645,6 +1009,7 @@ def _combine_fake(expert_out, topk_w, token, num_tokens, weighting):
 
 
 @_torch.library.custom_op("epx::combine_backward", mutates_args=())
+@_ranged("epx::combine_backward")
 def _combine_backward_op(grad_out: Tensor, expert_out: Optional[Tensor], token: Tensor,
                          rows: int, top_k: int) -> Tuple[Tensor, Tensor]:
     """grad_out -> (grad_expert_out [rows, H], zeros past the valid rows;
@@ -654,8 +1019,10 @@ def _combine_backward_op(grad_out: Tensor, expert_out: Optional[Tensor], token: 
     b = h.buffer
     T = grad_out.shape[0]
     with b._together("combine_backward", h):
+        _check_handle_shape(h, fn, T)
         g = _tensor(grad_out, fn, "grad_out", _TORCH_OF[b.dtype], (T, b.hidden), b.device,
                     align=_epx.PAYLOAD_ALIGNMENT)
+        _check_handle_rows(rows, h, b, fn, "grad_expert_out")
         if expert_out is not None:
             expert_out = _tensor(expert_out, fn, "expert_out", g.dtype, (rows, b.hidden),
                                  b.device, align=_epx.PAYLOAD_ALIGNMENT)
@@ -696,6 +1063,89 @@ _combine_op.register_autograd(_combine_backward, setup_context=_combine_setup)
 
 
 # ---------------------------------------------------------------------------
+# Exact-size dispatch (epx::dispatch_exact) and dispatch again on a handle
+# (epx::dispatch_cached)
+# ---------------------------------------------------------------------------
+
+
+@_torch.library.custom_op("epx::dispatch_exact", mutates_args=())
+@_ranged("epx::dispatch_exact")
+def _dispatch_exact_op(x: Tensor, topk_idx: Tensor, topk_w: Optional[Tensor],
+                       locations: Optional[Tensor], buffer_id: int, weighting: int,
+                       recorder_id: int
+                       ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """epx::dispatch with receive tensors of exactly N rows: the layout's row
+    count is read on the host (one host sync on CUDA) before they are made."""
+    fn = "epx.torch.dispatch"
+    b = _buffer(buffer_id, fn)
+    with b._together("layout"):
+        xc, idx, w, loc = _dispatch_inputs(b, x, topk_idx, topk_w, locations, fn)
+        rec = _recorder(recorder_id, fn)
+    T, K = idx.shape
+    _on_stream(b, x.device)
+    handle = b._layout(T, K, _ptr(idx), _ptr(w), _ptr(loc), weighting, rec)
+    token = _token(handle)
+    rows = handle.recv_rows
+    recv_x = _torch.zeros((rows, b.hidden), dtype=xc.dtype, device=x.device)
+    b._dispatch(handle, _ptr(xc), _ptr(recv_x), rows)
+    return (recv_x,) + _recv_metadata(b, handle, rows, K, x.device, fn) + (token,)
+
+
+@_dispatch_exact_op.register_fake
+def _dispatch_exact_fake(x, topk_idx, topk_w, locations, buffer_id, weighting, recorder_id):
+    b = _buffer(buffer_id, "epx.torch.dispatch")
+    rows = _torch.library.get_ctx().new_dynamic_size()
+    shape = _recv_w_shape(b, rows, topk_idx.shape[1])
+    n = b.experts_per_rank
+    return (x.new_empty((rows, b.hidden)), x.new_empty(shape, dtype=_F32),
+            x.new_empty(shape, dtype=_I32), x.new_empty((n,), dtype=_I64),
+            x.new_empty((n + 1,), dtype=_I64), x.new_empty((1,), dtype=_I64),
+            _torch.empty((1,), dtype=_I64, device="cpu"))
+
+
+_dispatch_exact_op.register_autograd(_dispatch_backward, setup_context=_dispatch_setup)
+
+
+@_torch.library.custom_op("epx::dispatch_cached", mutates_args=())
+@_ranged("epx::dispatch_cached")
+def _dispatch_cached_op(x: Tensor, token: Tensor, rows: int, top_k: int) -> Tensor:
+    """x [T, H] -> recv_x [rows, H] along an earlier dispatch's layout
+    (epx_dispatch on its handle: no layout, no count exchange)."""
+    fn = "epx.torch.dispatch (on a handle)"
+    h = _handle_of(token, fn)
+    b = h.buffer
+    with b._together("dispatch", h):
+        xc = _tensor(x, fn, "x", _TORCH_OF[b.dtype], (h.num_tokens, b.hidden), b.device,
+                     align=_epx.PAYLOAD_ALIGNMENT)
+    recv_x = _torch.zeros((rows, b.hidden), dtype=xc.dtype, device=x.device)
+    _on_stream(b, x.device)
+    b._dispatch(h, _ptr(xc), _ptr(recv_x), rows)
+    return recv_x
+
+
+@_dispatch_cached_op.register_fake
+def _dispatch_cached_fake(x, token, rows, top_k):
+    return x.new_empty((rows, x.shape[1]))
+
+
+def _dispatch_cached_setup(ctx, inputs, output):
+    x, token, rows, top_k = inputs
+    ctx.num_tokens, ctx.top_k = x.shape[0], top_k
+    ctx.save_for_backward(token)
+
+
+def _dispatch_cached_backward(ctx, g_recv_x):
+    token, = ctx.saved_tensors
+    grad_x, _ = _torch.ops.epx.dispatch_backward(g_recv_x.contiguous(), None, token,
+                                                 ctx.num_tokens, ctx.top_k)
+    return grad_x, None, None, None
+
+
+_dispatch_cached_op.register_autograd(_dispatch_cached_backward,
+                                      setup_context=_dispatch_cached_setup)
+
+
+# ---------------------------------------------------------------------------
 # The functional API
 # ---------------------------------------------------------------------------
 
@@ -705,7 +1155,8 @@ class Dispatched(NamedTuple):
 
     Every tensor has the buffer's worst-case row count N_max
     (epx_buffer_max_recv_rows); rows past the valid count N are zeros
-    (recv_expert -1). Counts stay on the buffer's device."""
+    (recv_expert -1). Counts stay on the buffer's device. With
+    ``dispatch(..., exact_size=True)`` they have exactly N rows instead."""
     recv_x: Tensor       # [N_max, H] received rows in the buffer's layout
     recv_w: Tensor       # [N_max] float32 weight of each row ([N_max, K] rank-major);
     #                      differentiable: its gradient reaches topk_w (epx_weights_backward)
@@ -720,6 +1171,10 @@ class Dispatched(NamedTuple):
     top_k: int
     weighting: int
     buffer_id: int
+    recv_scales: Optional[Tensor] = None  # fp8 dispatch: [N_max, scale_cols] scales of recv_x's
+    #                                       rows (recv_x is then float8_e4m3fn), else None
+    event: Optional["EventOverlap"] = None  # an overlapped dispatch's completion (previous_event,
+    #                                         async_finish or comm_stream), else None
 
     def handle(self):
         """The epx.Handle of this dispatch (eager code only)."""
@@ -749,8 +1204,57 @@ class Dispatched(NamedTuple):
         return [int(c) for c in self.counts.tolist()]
 
 
-def dispatch(buffer, x, topk_idx, topk_w=None, locations=None, *,
-             weighting=Weighting.IN_COMBINE, recorder=None):
+def _dispatch_fresh(buffer, x, topk_idx, topk_w, locations, weighting, recorder, x_scales,
+                    quantize, exact_size):
+    """A layout and its payload (see :func:`dispatch`)."""
+    if recorder is None:
+        rid = RECORDER_AMBIENT
+    elif recorder is False:
+        rid = RECORDER_NONE
+    else:
+        rid = recorder.id
+    T, K = topk_idx.shape
+    if quantize or (_FP8 is not None and isinstance(x, Tensor) and x.dtype == _FP8):
+        if quantize and x_scales is not None:
+            _epx._invalid("epx.torch.dispatch: x_scales is given with quantize=True; quantizing "
+                          "makes the scales (pass x of the buffer's dtype)")
+        if not quantize and x_scales is None:
+            _epx._invalid("epx.torch.dispatch: x is float8_e4m3fn but x_scales is None; pass its "
+                          "scales (epx.fp8_scale_shape), or x of the buffer's dtype with quantize=True")
+        outs = _torch.ops.epx.dispatch_fp8(x, x_scales, topk_idx, topk_w, locations, buffer.id,
+                                           int(weighting), rid)
+        return Dispatched(outs[0], *outs[2:], topk_w, T, K, int(weighting), buffer.id, outs[1])
+    if x_scales is not None:
+        _epx._invalid("epx.torch.dispatch: x_scales is given but x is %s; pass x as "
+                      "torch.float8_e4m3fn", getattr(x, "dtype", type(x).__name__))
+    op = _torch.ops.epx.dispatch_exact if exact_size else _torch.ops.epx.dispatch
+    outs = op(x, topk_idx, topk_w, locations, buffer.id, int(weighting), rid)
+    return Dispatched(*outs, topk_w, T, K, int(weighting), buffer.id)
+
+
+def _dispatch_again(buffer, d, x, extra):
+    """x along the layout of an earlier dispatch `d` (epx::dispatch_cached)."""
+    fn = "epx.torch.dispatch"
+    if not isinstance(d, Dispatched):
+        raise TypeError("%s: handle is a %s; pass the Dispatched of an earlier dispatch on this "
+                        "buffer" % (fn, type(d).__name__))
+    if extra:
+        _epx._invalid("%s: %s given with handle=; a dispatch on a handle takes only x (the "
+                      "routing, weights and sizes are the handle's)", fn, ", ".join(extra))
+    if d.buffer_id != buffer.id:
+        _epx._invalid("%s: the handle's dispatch was on buffer %d, not on buffer %d; pass the "
+                      "buffer it was made on", fn, d.buffer_id, buffer.id)
+    if d.recv_scales is not None:
+        _epx._refuse(Status.ERROR_UNSUPPORTED, "%s: dispatching again on an fp8 dispatch's "
+                     "handle is not offered; dispatch afresh", fn)
+    recv_x = _torch.ops.epx.dispatch_cached(x, d.handle_id, d.recv_x.shape[0], d.top_k)
+    return d._replace(recv_x=recv_x, event=None)
+
+
+def dispatch(buffer, x, topk_idx=None, topk_w=None, locations=None, *,
+             weighting=Weighting.IN_COMBINE, recorder=None, x_scales=None, quantize=False,
+             handle=None, exact_size=False, previous_event=None, async_finish=False,
+             comm_stream=None):
     """Layout and payload of a dispatch in one op (epx_dispatch_layout +
     epx_dispatch, collective): x [T, H] -> :class:`Dispatched`.
 
@@ -759,26 +1263,91 @@ def dispatch(buffer, x, topk_idx, topk_w=None, locations=None, *,
     buffer's device. Differentiable in x and in topk_w (through recv_w under
     every weighting; through dispatch's own backward with IN_DISPATCH).
     recorder: an epx.Recorder, or None for the :func:`checkpoint_context`
-    one if any (False: never)."""
-    if recorder is None:
-        rid = RECORDER_AMBIENT
-    elif recorder is False:
-        rid = RECORDER_NONE
+    one if any (False: never).
+
+    FP8 (a buffer with an fp8_format): x float8_e4m3fn [T, H] with x_scales
+    [T, scale_cols] (float32 per 128, int32 words of 4 UE8M0 bytes per 512,
+    uint8 E8M0 per 32: epx.fp8_scale_shape), or x of the buffer's dtype with
+    quantize=True (quantized on the way, epx_dispatch_quantize); recv_x is
+    then float8_e4m3fn and recv_scales its scales, each row's beside it.
+    The fp8 rows get no gradient (combine and the backward passes stay in
+    the buffer's dtype); recv_w's still reaches topk_w.
+
+    handle: a :class:`Dispatched` of an earlier dispatch on this buffer:
+    dispatch x [T, H] again along its layout (epx_dispatch on the same
+    handle: no layout, no count exchange; DeepEP's cached dispatch), e.g. a
+    second activation of the same tokens. Only x is given then; the result
+    shares the handle (combine either). Differentiable in x; the routing
+    weights get no second gradient through it.
+
+    exact_size: receive tensors of exactly N rows (the rows this rank
+    receives) instead of the worst case N_max, at the cost of one host sync
+    (the layout's row count is read on the host before they are made);
+    the values are the same. Memory per mode, for H-wide rows of b bytes:
+    worst case (default) N_max * (H*b + 8) bytes per dispatch, N_max =
+    epx_buffer_max_recv_rows = W * max_tokens_per_rank * min(top_k, E_local)
+    for expert-major, always allocated, no host sync, capturable in a CUDA
+    graph and traced by torch.compile with static shapes; exact N * (H*b + 8)
+    bytes (N is the actual count, typically about T * top_k for balanced
+    routing), one host sync per dispatch (torch.compile traces it with a
+    data-dependent row count; not capturable in a CUDA graph).
+
+    Overlap (DeepEP's previous_event / async_finish): with any of
+    previous_event (an :class:`EventOverlap` to wait for instead of the
+    current stream's work), async_finish (the current stream does not wait
+    for the dispatch; call ``d.event.current_stream_wait()`` before using
+    its outputs) or comm_stream (default: epx's stream of the device), the
+    dispatch runs on the communication stream and ``d.event`` is its
+    completion; work issued on the current stream after the call overlaps
+    it. Without them it runs on the current stream and ``d.event`` is None.
+    On CPU every op is done when it returns (the event is a no-op)."""
+    fn = "epx.torch.dispatch"
+    if handle is not None:
+        extra = [name for name, v in (("topk_idx", topk_idx), ("topk_w", topk_w),
+                                      ("locations", locations), ("x_scales", x_scales),
+                                      ("quantize", quantize or None),
+                                      ("exact_size", exact_size or None)) if v is not None]
+
+        def call():
+            return _dispatch_again(buffer, handle, x, extra)
     else:
-        rid = recorder.id
-    outs = _torch.ops.epx.dispatch(x, topk_idx, topk_w, locations, buffer.id, int(weighting), rid)
-    T, K = topk_idx.shape
-    return Dispatched(*outs, topk_w, T, K, int(weighting), buffer.id)
+        if topk_idx is None:
+            _epx._invalid("%s: topk_idx is None; pass the routing [T, K], or handle= an earlier "
+                          "Dispatched to dispatch again along its layout", fn)
+        if exact_size and (quantize or x_scales is not None):
+            _epx._refuse(Status.ERROR_UNSUPPORTED, "%s: exact_size with an fp8 dispatch is not "
+                         "offered; drop exact_size", fn)
+
+        def call():
+            return _dispatch_fresh(buffer, x, topk_idx, topk_w, locations, weighting, recorder,
+                                   x_scales, quantize, exact_size)
+    if previous_event is None and not async_finish and comm_stream is None:
+        return call()
+    d, event = _overlapped(fn, x.device, previous_event, async_finish, comm_stream,
+                           (x, topk_idx, topk_w, locations, x_scales), call)
+    return d._replace(event=event)
 
 
-def combine(d, expert_out):
+def combine(d, expert_out, *, previous_event=None, async_finish=False, comm_stream=None,
+            return_event=None):
     """expert_out [N_max, H] (the rows of ``d.recv_x``, transformed) -> out
     [T, H] = sum_k w[t,k] * expert_out(t,k) (epx_combine, collective; w = 1
     unless the weights are applied in combine). Differentiable in expert_out
     and, with Weighting.IN_COMBINE, in the routing weights: grad_w reaches the
-    router."""
+    router.
+
+    Overlap as :func:`dispatch`: previous_event, async_finish, comm_stream;
+    then (out, event) is returned when return_event (default: async_finish),
+    else out."""
     w = d.topk_w if d.weighting == Weighting.IN_COMBINE else None
-    return _torch.ops.epx.combine(expert_out, w, d.handle_id, d.num_tokens, d.weighting)
+
+    def call():
+        return _torch.ops.epx.combine(expert_out, w, d.handle_id, d.num_tokens, d.weighting)
+    if previous_event is None and not async_finish and comm_stream is None:
+        return (call(), EventOverlap()) if return_event else call()
+    out, event = _overlapped("epx.torch.combine", expert_out.device, previous_event, async_finish,
+                             comm_stream, (expert_out, w), call)
+    return (out, event) if (async_finish if return_event is None else return_event) else out
 
 
 def make_buffer(comm, *, hidden, num_experts, max_top_k, max_tokens_per_rank, dtype=_F32,
@@ -806,6 +1375,7 @@ def _group_bounds(ends):
 
 
 @_torch.library.custom_op("epx::grouped_mm_loop", mutates_args=())
+@_ranged("epx::grouped_mm_loop")
 def _grouped_mm_loop_op(x: Tensor, w: Tensor, ends: Tensor) -> Tensor:
     """One torch.mm per group; rows past ends[-1] are zeros. It reads the
     group ends on the host (a device wait on CUDA), inside the op, so
@@ -825,6 +1395,7 @@ def _grouped_mm_loop_fake(x, w, ends):
 
 
 @_torch.library.custom_op("epx::grouped_mm_weight_grad", mutates_args=())
+@_ranged("epx::grouped_mm_weight_grad")
 def _grouped_mm_weight_grad_op(x: Tensor, grad_out: Tensor, ends: Tensor) -> Tensor:
     """grad_w[e] = x[group e]^T @ grad_out[group e] -> [G, in, out]."""
     G = ends.shape[0]
@@ -967,7 +1538,12 @@ class MoE(_torch.nn.Module):
     router gets its gradient in every one. layout EXPERT_MAJOR (dropless,
     or capacity routing with drops) or CAPACITY ([E_local, W*C, H], needs
     capacity_factor). max_tokens_per_rank: the most tokens a forward gets
-    (needed: it sizes every receive tensor).
+    (needed: it sizes every receive tensor). exact_size: the experts get
+    exactly the N received rows instead of the worst case (one host sync per
+    forward; see :func:`dispatch` for the memory of each mode). generator: a
+    CPU torch.Generator for the initial weights (each rank keeps its own
+    experts' draws, so global expert e starts the same whatever the rank
+    count).
 
     The router: every field of epx.RouteConfig is a keyword argument
     (score_fn, num_groups, topk_groups, group_score_experts, renormalize,
@@ -995,8 +1571,9 @@ class MoE(_torch.nn.Module):
                  max_tokens_per_rank, dtype=_F32, device="cpu", weighting=Weighting.IN_COMBINE,
                  exchange=Exchange.DEDUP, layout=Layout.EXPERT_MAJOR, expert_alignment=None,
                  combine_precision=0, capacity_factor=None, expert_bias=False, generator=None,
-                 route_config=None, **route_options):
+                 exact_size=False, route_config=None, **route_options):
         super().__init__()
+        self.exact_size = bool(exact_size)
         W = comm.size
         if num_experts % W:
             _epx._invalid("epx.torch.MoE: num_experts %d is not a multiple of the comm's %d "
@@ -1029,24 +1606,40 @@ class MoE(_torch.nn.Module):
         self.aux_loss = None
 
     def _init_parameters(self, device, dtype, g, expert_bias):
-        """Random weights scaled by 1/sqrt(fan-in): drawn from `g` (a CPU
-        generator, the same bits on every rank and device) when given, else
-        from the device's default generator directly in `dtype` (no float32
-        copy on the host: a DeepSeek-sized layer's experts are tens of GB)."""
+        """Random weights scaled by 1/sqrt(fan-in). From `g` (a CPU
+        generator) when given: the router, then every global expert's
+        gate/up, then every expert's down weights, in expert order, each rank
+        keeping its own experts', so global expert e has the same weights
+        whatever the rank count (every rank draws all E, one expert at a
+        time). Ranks that are threads of one process (epx.run_local) would
+        share torch's global generator, in a racy order: without `g` they
+        draw as from a generator seeded with torch.initial_seed(). Else from
+        the device's default generator directly in `dtype` (no float32 copy
+        on the host: a DeepSeek-sized layer's experts are tens of GB)."""
         dtype = torch_dtype(dtype)
         El, H, F, E = self.num_local_experts, self.hidden_size, self.ffn_hidden_size, \
             self.num_experts
+        if g is None and getattr(self.comm, "_world", None) is not None:
+            g = _torch.Generator().manual_seed(_torch.initial_seed())
+        first = self.comm.rank * El
 
         def draw(*shape, fan_in, dt):
             if g is None:
                 return _torch.randn(*shape, device=device, dtype=dt).mul_(1.0 / math.sqrt(fan_in))
             return (_torch.randn(*shape, generator=g) / math.sqrt(fan_in)).to(device=device,
                                                                            dtype=dt)
+
+        def draw_experts(*shape, fan_in):
+            if g is None:
+                return draw(El, *shape, fan_in=fan_in, dt=dtype)
+            mine = [w for e, w in ((e, draw(*shape, fan_in=fan_in, dt=dtype)) for e in range(E))
+                    if first <= e < first + El]
+            return _torch.stack(mine)
         self.router = _torch.nn.Linear(H, E, bias=False, device=device)
         with _torch.no_grad():
             self.router.weight.copy_(draw(E, H, fan_in=H, dt=_F32))
-        self.w_gate_up = _torch.nn.Parameter(draw(El, 2 * F, H, fan_in=H, dt=dtype))
-        self.w_down = _torch.nn.Parameter(draw(El, H, F, fan_in=F, dt=dtype))
+        self.w_gate_up = _torch.nn.Parameter(draw_experts(2 * F, H, fan_in=H))
+        self.w_down = _torch.nn.Parameter(draw_experts(H, F, fan_in=F))
         self.register_buffer("expert_bias", _torch.zeros(E, device=device)
                              if expert_bias else None)
 
@@ -1061,7 +1654,29 @@ class MoE(_torch.nn.Module):
             act = act * d.recv_w.unsqueeze(-1).to(act.dtype)
         return grouped_mm(act, self.w_down.transpose(-2, -1), ends)
 
-    def forward(self, x, token_mask=None, aux_loss_expert_counts=None):
+    def _check_input(self, x):
+        fn = "epx.torch.MoE.forward"
+        if not isinstance(x, Tensor):
+            raise TypeError("%s: x is a %s; pass a tensor [..., %d]"
+                            % (fn, type(x).__name__, self.hidden_size))
+        if x.dim() < 1 or x.shape[-1] != self.hidden_size:
+            _epx._invalid("%s: x has shape %s but the layer's hidden size is %d; pass x "
+                          "[..., %d]", fn, tuple(x.shape), self.hidden_size, self.hidden_size)
+        want = self.w_gate_up.dtype
+        if x.dtype != want:
+            _epx._invalid("%s: x is %s but the layer's experts are %s; pass x.to(%s)", fn,
+                          x.dtype, want, want)
+        if x.device != self.w_gate_up.device:
+            _epx._invalid("%s: x is on %s but the layer is on %s; move one of them", fn,
+                          x.device, self.w_gate_up.device)
+
+    def forward(self, x, token_mask=None, aux_loss_expert_counts=None, return_counts=False):
+        """x [..., H] -> out [..., H]; with return_counts, (out, expert_counts)
+        where expert_counts [E] int32 are the tokens this rank routed to each
+        expert (DeepSpeed's exp_counts; on the device, no host wait). Also
+        kept: ``self.expert_counts`` and ``self.tokens_per_expert`` ([E_local]
+        int64 rows this rank's experts received)."""
+        self._check_input(x)
         shape = x.shape
         x2 = x.reshape(-1, self.hidden_size)
         logits = _F.linear(x2.float(), self.router.weight.float())
@@ -1071,13 +1686,17 @@ class MoE(_torch.nn.Module):
         mask, counts = _route_tensors("epx.torch.MoE.forward", x2.shape[0], self.num_experts, dev,
                                       token_mask, aux_loss_expert_counts)
         outs = _torch.ops.epx.route(logits, self.expert_bias, mask, counts, self._config_id)
-        idx, w, loc, _, aux, z, _ = outs
+        idx, w, loc, expert_counts, aux, z, _ = outs
         self.aux_loss = aux + z
+        self.expert_counts = expert_counts
         locations = loc if self.layout == Layout.CAPACITY else None
-        d = Dispatched(*_torch.ops.epx.dispatch(x2, idx, w, locations, self._buffer_id,
-                                                int(self.weighting), RECORDER_AMBIENT),
+        op = _torch.ops.epx.dispatch_exact if self.exact_size else _torch.ops.epx.dispatch
+        d = Dispatched(*op(x2, idx, w, locations, self._buffer_id, int(self.weighting),
+                           RECORDER_AMBIENT),
                        w, x2.shape[0], self.top_k, int(self.weighting), self._buffer_id)
-        return combine(d, self.experts(d)).reshape(shape)
+        self.tokens_per_expert = d.counts
+        out = combine(d, self.experts(d)).reshape(shape)
+        return (out, expert_counts) if return_counts else out
 
 
 # ---------------------------------------------------------------------------
@@ -1098,11 +1717,18 @@ class TokenDispatcher:
     global_input_tokens [N_max, H] are grouped by local expert
     (``self.tokens_per_expert`` rows each, a device tensor: no host wait;
     :meth:`tokens_per_expert_host` gives a list); rows past the valid count
-    are zeros."""
+    are zeros. exact_size=True: [N, H], the received rows only, as Megatron
+    returns (one host sync per dispatch; see :func:`dispatch` for each mode's
+    memory). validate (default True): routing_map rows with more than top_k
+    experts, and selected experts whose probability is not positive and
+    finite, are refused (a host read of the map per call; False skips it,
+    e.g. inside a CUDA graph)."""
 
     def __init__(self, comm, num_experts, hidden_size, top_k, *, max_tokens_per_rank,
-                 dtype=_F32, device="cpu", weighting=Weighting.IN_COMBINE, **buffer_fields):
+                 dtype=_F32, device="cpu", weighting=Weighting.IN_COMBINE, validate=True,
+                 exact_size=False, **buffer_fields):
         self.num_experts, self.top_k = num_experts, top_k
+        self.validate, self.exact_size = bool(validate), bool(exact_size)
         self.num_local_experts = num_experts // comm.size
         self.local_expert_indices = list(range(comm.rank * self.num_local_experts,
                                                (comm.rank + 1) * self.num_local_experts))
@@ -1117,6 +1743,9 @@ class TokenDispatcher:
     def token_permutation(self, hidden_states, probs, routing_map):
         """hidden_states [..., H], probs [T, E], routing_map [T, E] bool ->
         (global_input_tokens [N_max, H], tokens_per_expert [E_local])."""
+        self._check_permutation_inputs(hidden_states, probs, routing_map)
+        if self.validate:
+            self._check_routing(hidden_states, probs, routing_map)
         self._shape = hidden_states.shape
         x = hidden_states.reshape(-1, self._shape[-1])
         E = self.num_experts
@@ -1127,11 +1756,70 @@ class TokenDispatcher:
         idx = _torch.where(top > 0, idx, _torch.full_like(idx, -1)).to(_I32)
         w = _torch.where(top > 0, probs.gather(1, idx.clamp(min=0).long()).float(),
                          _torch.zeros((), device=probs.device))
-        self._d = dispatch(self.buffer, x, idx, w, weighting=self.weighting)
+        self._d = dispatch(self.buffer, x, idx, w, weighting=self.weighting,
+                           exact_size=self.exact_size)
         self.tokens_per_expert = self._d.counts
         return self._d.recv_x, self._d.counts
 
     dispatch = token_permutation
+
+    def _check_permutation_inputs(self, hidden_states, probs, routing_map):
+        fn = "TokenDispatcher.token_permutation"
+        H, E = self.buffer.hidden, self.num_experts
+        if not isinstance(hidden_states, Tensor) or hidden_states.dim() < 1 or \
+                hidden_states.shape[-1] != H:
+            _epx._invalid("%s: hidden_states has shape %s; expected [..., %d] (a torch.Tensor)",
+                          fn, list(getattr(hidden_states, "shape", [])), H)
+        T = hidden_states.numel() // H
+        for name, t in (("probs", probs), ("routing_map", routing_map)):
+            if not isinstance(t, Tensor) or tuple(t.shape) != (T, E):
+                _epx._invalid("%s: %s has shape %s; expected [%d, %d] (tokens, experts)", fn,
+                              name, list(getattr(t, "shape", [])), T, E)
+        if not probs.dtype.is_floating_point:
+            _epx._invalid("%s: probs has dtype %s; pass the router's float probabilities", fn,
+                          probs.dtype)
+        if routing_map.dtype.is_floating_point or routing_map.dtype.is_complex:
+            _epx._invalid("%s: routing_map has dtype %s; pass Megatron's bool map", fn,
+                          routing_map.dtype)
+
+    def _check_routing(self, hidden_states, probs, routing_map):
+        """What the dispatch would otherwise get wrong silently: rows of
+        routing_map with more than top_k experts (the extra ones would be
+        dropped), selected experts without a positive finite probability
+        (probs and map that disagree: Megatron's sparse probs from another
+        routing, or another token order), tokens of another dtype or device
+        than the buffer's. probs may be dense (only the selected entries are
+        read) or Megatron's sparse ones. Reads the map on the host (a device
+        wait on CUDA; validate=False skips)."""
+        fn = "TokenDispatcher.token_permutation"
+        want = torch_dtype(self.buffer.dtype)
+        if hidden_states.dtype != want:
+            _epx._invalid("%s: hidden_states is %s but the dispatcher's buffer is %s; pass "
+                          "hidden_states.to(%s) (or make the dispatcher with dtype=%s)", fn,
+                          hidden_states.dtype, want, want, hidden_states.dtype)
+        dev_kind = "cuda" if self.buffer.device == Device.CUDA else "cpu"
+        for name, t in (("hidden_states", hidden_states), ("probs", probs),
+                        ("routing_map", routing_map)):
+            if t.device.type != dev_kind:
+                _epx._invalid("%s: %s is on %s but the dispatcher's buffer is on %s; move it",
+                              fn, name, t.device, dev_kind)
+        chosen = routing_map != 0
+        per_row = chosen.sum(dim=1)
+        worst = int(per_row.max()) if per_row.numel() else 0
+        if worst > self.top_k:
+            row = int(_torch.argmax((per_row > self.top_k).to(_I32)))
+            _epx._invalid("%s: routing_map row %d selects %d experts but top_k is %d; every "
+                          "token may go to at most top_k experts (make the dispatcher with "
+                          "top_k=%d, or fix the router)", fn, row, int(per_row[row]), self.top_k,
+                          worst)
+        weightless = chosen & ~(probs > 0) & ~_torch.isinf(probs)
+        weightless |= chosen & ~_torch.isfinite(probs)
+        if bool(weightless.any()):
+            t, e = (int(v) for v in weightless.nonzero()[0])
+            _epx._invalid("%s: routing_map[%d, %d] selects expert %d but probs[%d, %d] is %g; "
+                          "every selected expert needs a positive, finite probability (are probs "
+                          "and routing_map from the same router call, in the same token "
+                          "order?)", fn, t, e, e, t, e, float(probs[t, e]))
 
     def token_unpermutation(self, hidden_states, bias=None):
         """expert output [N_max, H] -> (output in the shape of the
