@@ -58,6 +58,7 @@ static void expect_buffer_equal(const epx_buffer_config_t *a, const epx_buffer_c
   assert_int_equal(a->combine_precision, b->combine_precision);
   assert_int_equal(a->exchange_path, b->exchange_path);
   assert_int_equal(a->sm_budget, b->sm_budget);
+  assert_int_equal(a->low_latency, b->low_latency);
 }
 
 /* The init calls give the macros' defaults. */
