@@ -464,13 +464,20 @@ typedef struct epx_comm_config {
    * into EPX_ERROR_TIMEOUT naming it; the comm is then failed and every later
    * collective call on it returns EPX_ERROR_PEER_FAILED. <= 0: wait forever. */
   double timeout_seconds;
+  /* Which ranks share a node (see epx_comm_topology). 0: as the transport
+   * finds it (MPI: MPI_Comm_split_type shared; NCCL: the host's name; threads
+   * and shm: one node). N > 0: ranks [0, N) are node 0, [N, 2N) node 1, ...
+   * whatever the machine, so that one host can pose as several nodes (tests,
+   * byte counts); the comm's size must be a multiple of N. */
+  int32_t ranks_per_node;
 } epx_comm_config_t;
 
 #define EPX_COMM_CONFIG_INIT                                                           \
   {                                                                                    \
     sizeof(epx_comm_config_t), /* struct_size */                                       \
     EPX_CONFIG_VERSION,        /* version */                                           \
-    60.0                       /* timeout_seconds */                                   \
+    60.0,                      /* timeout_seconds */                                   \
+    0                          /* ranks_per_node: as the transport finds it */         \
   }
 
 /* Fills the first struct_size bytes of *config with EPX_COMM_CONFIG_INIT's
@@ -596,6 +603,14 @@ epx_status_t epx_comm_create_nccl_mpi(const void *mpi_comm, const epx_comm_confi
 epx_status_t epx_comm_destroy(epx_comm_t comm);
 epx_status_t epx_comm_rank(epx_comm_t comm, int32_t *rank);
 epx_status_t epx_comm_size(epx_comm_t comm, int32_t *size);
+/* Which ranks share a node (rank-local, no communication): the comm's nodes,
+ * the ranks of each node (0 when nodes differ in size), this rank's node and
+ * its index among its node's ranks. Nodes are numbered in the order of their
+ * lowest rank; a node's ranks are indexed in ascending rank order. Combine
+ * sums in this order (epx_combine_precision_t) and the hierarchical exchange
+ * moves rows along it. Any pointer may be NULL. */
+epx_status_t epx_comm_topology(epx_comm_t comm, int32_t *num_nodes, int32_t *ranks_per_node,
+                               int32_t *node, int32_t *local_rank);
 
 /* The caller's own collectives over the comm's transport, for the program
  * around the exchange (aligning ranks before a timed region, gathering

@@ -32,6 +32,7 @@ epx_status_t epx_comm_new(const char *fn, double timeout_seconds, epx_comm_t *ou
 }
 
 void epx_comm_free(epx_comm_t comm) {
+  epx_comm_topology_free(comm);
   epx_registry_remove(comm->id);
   free(comm);
 }
@@ -57,6 +58,7 @@ epx_status_t epx_comm_create_self(epx_comm_t *comm) {
   epx_status_t status = epx_comm_new("epx_comm_create_self", defaults.timeout_seconds, &created);
   if (status != EPX_SUCCESS) return status;
   status = epx_comm_init_self(created);
+  if (status == EPX_SUCCESS) status = epx_comm_topology_init(created, "epx_comm_create_self", 0, NULL);
   if (status != EPX_SUCCESS) {
     epx_comm_free(created);
     return status;
@@ -111,7 +113,9 @@ epx_status_t epx_comm_create_mpi(const void *mpi_comm, const epx_comm_config_t *
               "epx_comm_create_mpi: mpi_comm is NULL; pass the address of an MPI_Comm "
               "variable (MPI_Comm world = MPI_COMM_WORLD; ... &world)");
   double timeout_seconds;
+  int32_t ranks_per_node = 0;
   epx_status_t checked = epx_comm_config_timeout("epx_comm_create_mpi", config, &timeout_seconds);
+  if (checked == EPX_SUCCESS) checked = epx_comm_config_ranks_per_node("epx_comm_create_mpi", config, &ranks_per_node);
   if (checked != EPX_SUCCESS) return checked;
 #if EPX_HAVE_MPI
   epx_comm_t created = NULL;
@@ -119,6 +123,14 @@ epx_status_t epx_comm_create_mpi(const void *mpi_comm, const epx_comm_config_t *
   if (status != EPX_SUCCESS) return status;
   status = epx_comm_init_mpi(created, mpi_comm);
   if (status != EPX_SUCCESS) {
+    epx_comm_free(created);
+    return status;
+  }
+  int64_t host_key = 0;
+  if (ranks_per_node == 0) status = epx_comm_mpi_host_key(created, &host_key);
+  if (status == EPX_SUCCESS) status = epx_comm_topology_init(created, "epx_comm_create_mpi", ranks_per_node, &host_key);
+  if (status != EPX_SUCCESS) {
+    created->ops->destroy(created);
     epx_comm_free(created);
     return status;
   }
@@ -150,6 +162,7 @@ epx_status_t epx_comm_destroy(epx_comm_t comm) {
   if (!comm->failed) (void)comm->ops->barrier(comm, "epx_comm_destroy");
   epx_registry_remove(id);
   comm->ops->destroy(comm);
+  epx_comm_topology_free(comm);
   free(comm);
   epx_error_clear();
   return EPX_SUCCESS;

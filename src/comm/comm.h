@@ -16,9 +16,24 @@ void epx_comm_free(epx_comm_t comm);
 epx_status_t epx_comm_init_self(epx_comm_t comm);
 epx_status_t epx_comm_init_local(epx_comm_t comm, epx_local_world_t world, int32_t rank);
 epx_status_t epx_comm_init_mpi(epx_comm_t comm, const void *mpi_comm);
+/* A key equal on the ranks of one node (MPI_Comm_split_type shared): the
+ * lowest rank of this rank's node. */
+epx_status_t epx_comm_mpi_host_key(epx_comm_t comm, int64_t *key);
 
 /* Checks a comm config (NULL = defaults) and gives its timeout. */
 epx_status_t epx_comm_config_timeout(const char *caller, const epx_comm_config_t *config,
                                      double *timeout_seconds);
+
+/* The topology (topology.c). The config's ranks_per_node (0 when NULL),
+ * checked. */
+epx_status_t epx_comm_config_ranks_per_node(const char *caller, const epx_comm_config_t *config,
+                                            int32_t *ranks_per_node);
+/* Fills the comm's node arrays once its transport is up: ranks_per_node > 0
+ * poses nodes of that many ranks; else, with host_key, the ranks whose keys
+ * are equal share a node (one allgather); else all ranks are one node.
+ * Collective when it gathers. */
+epx_status_t epx_comm_topology_init(epx_comm_t comm, const char *caller, int32_t ranks_per_node,
+                                    const int64_t *host_key);
+void epx_comm_topology_free(epx_comm_t comm);
 
 #endif

@@ -73,6 +73,7 @@ typedef struct local_slot {
 struct epx_local_world {
   int32_t size;
   double timeout_seconds; /* <= 0 or not finite: gather waits are unbounded */
+  int32_t ranks_per_node; /* the config's: posed nodes, or 0 (all one node) */
   pthread_mutex_t lock;
   pthread_cond_t cond;
   /* Under lock. */
@@ -426,6 +427,7 @@ epx_status_t epx_comm_init_local(epx_comm_t comm, epx_local_world_t world, int32
   comm->timeout_seconds = world->timeout_seconds;
   comm->impl = world;
   status = local_gather(comm, "epx_comm_create_local", LOCAL_OP_CREATE, 0, NULL);
+  if (status == EPX_SUCCESS) status = epx_comm_topology_init(comm, "epx_comm_create_local", world->ranks_per_node, NULL);
   if (status != EPX_SUCCESS) local_destroy(comm);
   return status;
 }
@@ -441,7 +443,12 @@ epx_status_t epx_local_world_create(int32_t world_size, const epx_comm_config_t 
               world_size);
   double timeout_seconds;
   epx_status_t status = epx_comm_config_timeout("epx_local_world_create", config, &timeout_seconds);
+  int32_t ranks_per_node = 0;
+  if (status == EPX_SUCCESS) status = epx_comm_config_ranks_per_node("epx_local_world_create", config, &ranks_per_node);
   if (status != EPX_SUCCESS) return status;
+  EPX_REQUIRE(ranks_per_node == 0 || world_size % ranks_per_node == 0,
+              "epx_local_world_create: config->ranks_per_node is %d, which does not divide world_size "
+              "%d; pass a divisor of it, or 0", ranks_per_node, world_size);
 
   int lock_ready = 0, cond_ready = 0;
   pthread_condattr_t attr;
@@ -449,6 +456,7 @@ epx_status_t epx_local_world_create(int32_t world_size, const epx_comm_config_t 
   if (!created) EPX_FAIL(EPX_ERROR_OUT_OF_MEMORY, "epx_local_world_create: out of memory");
   created->size = world_size;
   created->timeout_seconds = timeout_seconds;
+  created->ranks_per_node = ranks_per_node;
   created->slots = calloc((size_t)world_size, sizeof *created->slots);
   if (!created->slots)
     EPX_FAIL(EPX_ERROR_OUT_OF_MEMORY, "epx_local_world_create: out of memory for %d ranks",

@@ -509,3 +509,24 @@ fail:
   comm->failed = 0;
   return status;
 }
+
+/* MPI_Comm_split_type runs once, at creation, right after the duplicate
+ * completed on every rank (so no rank is missing from it); the node's lowest
+ * rank is read from the groups, with no further message. */
+epx_status_t epx_comm_mpi_host_key(epx_comm_t comm, int64_t *key) {
+  const char *fn = "epx_comm_create_mpi";
+  mpi_state_t *state = comm->impl;
+  MPI_Comm node = MPI_COMM_NULL;
+  MPI_Group node_group = MPI_GROUP_NULL, all_group = MPI_GROUP_NULL;
+  int leader = 0, lowest = 0;
+  int code = MPI_Comm_split_type(state->comm, MPI_COMM_TYPE_SHARED, comm->rank, MPI_INFO_NULL, &node);
+  if (code == MPI_SUCCESS) code = MPI_Comm_group(node, &node_group);
+  if (code == MPI_SUCCESS) code = MPI_Comm_group(state->comm, &all_group);
+  if (code == MPI_SUCCESS) code = MPI_Group_translate_ranks(node_group, 1, &leader, all_group, &lowest);
+  if (node_group != MPI_GROUP_NULL) MPI_Group_free(&node_group);
+  if (all_group != MPI_GROUP_NULL) MPI_Group_free(&all_group);
+  if (node != MPI_COMM_NULL) MPI_Comm_free(&node);
+  if (code != MPI_SUCCESS) return mpi_fail(comm, fn, "MPI_Comm_split_type", code);
+  *key = lowest;
+  return EPX_SUCCESS;
+}

@@ -40,6 +40,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "comm/comm.h"
 #include "core/error.h"
@@ -460,8 +461,23 @@ static epx_status_t init_state(epx_comm_t comm, ncclComm_t nc, int owned, const 
   return status;
 }
 
-static epx_status_t finish_create(epx_comm_t created, ncclComm_t nc, int owned, const char *fn, epx_comm_t *comm) {
-  epx_status_t status = init_state(created, nc, owned, fn);
+/* The host's key: a hash of its name (FNV-1a), as NCCL's own host hash
+ * tells nodes apart. */
+static int64_t host_key(void) {
+  char name[256] = {0};
+  gethostname(name, sizeof name - 1);
+  uint64_t h = 1469598103934665603ull;
+  for (const char *c = name; *c; c++) h = (h ^ (uint8_t)*c) * 1099511628211ull;
+  return (int64_t)(h >> 1);
+}
+
+static epx_status_t finish_create(epx_comm_t created, ncclComm_t nc, int owned, const char *fn,
+                                  const epx_comm_config_t *config, epx_comm_t *comm) {
+  int32_t ranks_per_node = 0;
+  int64_t key = host_key();
+  epx_status_t status = epx_comm_config_ranks_per_node(fn, config, &ranks_per_node);
+  if (status == EPX_SUCCESS) status = init_state(created, nc, owned, fn);
+  if (status == EPX_SUCCESS) status = epx_comm_topology_init(created, fn, ranks_per_node, &key);
   if (status != EPX_SUCCESS) {
     if (created->impl) nccl_destroy(created);
     epx_comm_free(created);
@@ -511,7 +527,7 @@ epx_status_t epx_comm_create_nccl_id(const epx_nccl_unique_id_t *id, int32_t ran
     epx_comm_free(created);
     return status;
   }
-  return finish_create(created, nc, 1, fn, comm);
+  return finish_create(created, nc, 1, fn, config, comm);
 }
 
 epx_status_t epx_comm_create_nccl(void *nccl_comm, const epx_comm_config_t *config, epx_comm_t *comm) {
@@ -525,7 +541,7 @@ epx_status_t epx_comm_create_nccl(void *nccl_comm, const epx_comm_config_t *conf
   epx_comm_t created = NULL;
   status = epx_comm_new(fn, timeout, &created);
   if (status != EPX_SUCCESS) return status;
-  return finish_create(created, (ncclComm_t)nccl_comm, 0, fn, comm);
+  return finish_create(created, (ncclComm_t)nccl_comm, 0, fn, config, comm);
 }
 
 epx_status_t epx_comm_create_nccl_mpi(const void *mpi_comm, const epx_comm_config_t *config, epx_comm_t *comm) {

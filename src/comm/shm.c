@@ -649,7 +649,12 @@ epx_status_t epx_comm_create_shm(const char *name, int32_t rank, int32_t size,
               size);
   double timeout_seconds;
   epx_status_t status = epx_comm_config_timeout(fn, config, &timeout_seconds);
+  int32_t ranks_per_node = 0;
+  if (status == EPX_SUCCESS) status = epx_comm_config_ranks_per_node(fn, config, &ranks_per_node);
   if (status != EPX_SUCCESS) return status;
+  EPX_REQUIRE(ranks_per_node == 0 || size % ranks_per_node == 0,
+              "%s: config->ranks_per_node is %d, which does not divide size %d; pass a divisor of "
+              "it, or 0", fn, ranks_per_node, size);
   epx_comm_t created = NULL;
   shm_state_t *st = calloc(1, sizeof *st);
   if (st) st->maps = calloc((size_t)size, sizeof *st->maps);
@@ -670,6 +675,7 @@ epx_status_t epx_comm_create_shm(const char *name, int32_t rank, int32_t size,
   status = shm_gather(created, fn, SHM_OP_CREATE, 0);
   /* Every rank holds the control segment now (or gave up): its name can go. */
   if (rank == 0) shm_unlink(st->name);
+  if (status == EPX_SUCCESS) status = epx_comm_topology_init(created, fn, ranks_per_node, NULL);
   if (status != EPX_SUCCESS) {
     shm_destroy(created);
     epx_comm_free(created);

@@ -70,6 +70,13 @@ struct epx_comm {
    * layout in the first message of every call. */
   int64_t buffers_made;
   int64_t layouts_made;
+  /* The nodes (src/comm/topology.c, equal on every rank): node_of[r] is rank
+   * r's node, numbered by each node's lowest rank; node_ranks lists the ranks
+   * node by node, ascending inside a node, node n's from node_first[n];
+   * local_of[r] is r's index inside its node. ranks_per_node is 0 when nodes
+   * differ in size. */
+  int32_t num_nodes, ranks_per_node;
+  int32_t *node_of, *local_of, *node_ranks, *node_first; /* [size] x3, [num_nodes + 1] */
   void *impl;            /* the transport's own state */
 };
 
