@@ -630,8 +630,20 @@ typedef struct epx_handle *epx_handle_t;
 typedef struct epx_recorder *epx_recorder_t;
 
 typedef enum epx_exchange {
-  EPX_EXCHANGE_DEDUP = 0,     /* one row per (token, destination rank); the receiver expands */
-  EPX_EXCHANGE_COLLECTIVE = 1 /* one row per (token, selected expert) */
+  EPX_EXCHANGE_DEDUP = 0,      /* one row per (token, destination rank); the receiver expands */
+  EPX_EXCHANGE_COLLECTIVE = 1, /* one row per (token, selected expert) */
+  /* One row per (token, destination node) over the network, to the rank of
+   * the same local index there, which forwards it to the node's ranks that
+   * hold the token's experts; combine mirrors it (the node's partials summed
+   * on that rank, one row home per node). Needs nodes of equal size
+   * (epx_comm_topology). CPU buffers in this version. The rank-major layout's
+   * combine and the passes that return one value or row per route (grad_w,
+   * weights_backward) move as the dedup exchange does. */
+  EPX_EXCHANGE_HIERARCHICAL = 2,
+  /* EPX_EXCHANGE_HIERARCHICAL when the comm spans several nodes of equal size
+   * with more than one rank each and the buffer is a CPU buffer; otherwise
+   * EPX_EXCHANGE_DEDUP. Resolved once, at epx_buffer_create. */
+  EPX_EXCHANGE_AUTO = 3
 } epx_exchange_t;
 
 typedef enum epx_layout {
@@ -659,7 +671,12 @@ typedef enum epx_layout {
  * out[t] = round(P'(t, r0) + P'(t, r1) + ...) over the token's ranks in
  * ascending order, summed in float32 from the first partial, rounded once to
  * the payload dtype, where P' is P itself or P rounded once to the payload
- * dtype (tokens without routes get zeros). Every partial is formed
+ * dtype (tokens without routes get zeros). On a comm of several nodes with
+ * more than one rank each (epx_comm_topology) the sum has two levels: each
+ * node's Q(t, n) = P'(t, r0) + P'(t, r1) + ... over its ranks in ascending
+ * order, Q' = Q or Q rounded once as P' is, then out[t] = round(Q'(t, n0) +
+ * Q'(t, n1) + ...) over the nodes in ascending order — on one node, or one
+ * rank per node, this is the sum above. Every partial is formed
  * the same way whichever exchange moves it, the token's own rank's too: the
  * dedup exchange sums a pair's rows on the expert's rank and sends P' (over
  * MPI; on the local transport the token's rank reads the rows in place), the
@@ -861,7 +878,7 @@ typedef struct epx_buffer_config {
     0,                            /* max_top_k: set it */                              \
     0,                            /* max_tokens_per_rank: agreed at the first layout */ \
     256,                          /* max_tokens_rounding */                            \
-    EPX_EXCHANGE_DEDUP,           /* exchange */                                       \
+    EPX_EXCHANGE_AUTO,            /* exchange */                                       \
     EPX_LAYOUT_EXPERT_MAJOR,      /* layout */                                         \
     1,                            /* expert_alignment: no padding */                   \
     0,                            /* capacity: capacity layout only */                 \
@@ -1014,6 +1031,19 @@ typedef struct epx_handle_stats {
   int64_t local_rows; /* rows this rank sends to itself */
 } epx_handle_stats_t;
 epx_status_t epx_handle_stats(epx_handle_t handle, epx_handle_stats_t *stats);
+/* The rows this rank sends in a dispatch on the handle by link class: to
+ * other ranks of its node (rows it forwards for the hierarchical exchange
+ * included) and across node boundaries (epx_comm_topology), with their
+ * payload bytes. Combine sends the same rows back (a float32 partial's bytes
+ * with EPX_COMBINE_PARTIALS_FLOAT32 on a 16-bit payload). CPU buffers in this
+ * version (EPX_ERROR_UNSUPPORTED otherwise). */
+typedef struct epx_handle_traffic {
+  int64_t same_node_rows;
+  int64_t same_node_bytes;
+  int64_t other_node_rows;
+  int64_t other_node_bytes;
+} epx_handle_traffic_t;
+epx_status_t epx_handle_traffic(epx_handle_t handle, epx_handle_traffic_t *traffic);
 
 /* Reference counting: retain adds one, release drops one. The caller's
  * references (the layout's, each retain's, each replay's) are counted apart

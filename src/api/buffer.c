@@ -127,6 +127,25 @@ static epx_status_t check_fp8_format(const epx_buffer_config_t *c) {
   return EPX_SUCCESS;
 }
 
+/* EPX_EXCHANGE_AUTO's rule (epx.h), the same on every rank (the topology is),
+ * and what the hierarchical exchange needs. */
+static epx_status_t resolve_exchange(epx_comm_t comm, epx_buffer_config_t *c) {
+  const char *fn = "epx_buffer_create";
+  int spans_nodes = comm->num_nodes > 1 && comm->ranks_per_node > 1;
+  if (c->exchange == EPX_EXCHANGE_AUTO)
+    c->exchange = spans_nodes && c->device == EPX_DEVICE_CPU ? EPX_EXCHANGE_HIERARCHICAL : EPX_EXCHANGE_DEDUP;
+  if (c->exchange != EPX_EXCHANGE_HIERARCHICAL) return EPX_SUCCESS;
+  if (c->device != EPX_DEVICE_CPU)
+    return epx_error(EPX_ERROR_UNSUPPORTED,
+                     "%s: config.exchange EPX_EXCHANGE_HIERARCHICAL is for CPU buffers in this version; "
+                     "use EPX_EXCHANGE_DEDUP or EPX_EXCHANGE_AUTO", fn);
+  EPX_REQUIRE(comm->ranks_per_node > 0,
+              "%s: config.exchange EPX_EXCHANGE_HIERARCHICAL needs nodes of equal size, and the comm's "
+              "nodes differ (epx_comm_topology); use EPX_EXCHANGE_DEDUP, or pose equal nodes with "
+              "epx_comm_config_t.ranks_per_node", fn);
+  return EPX_SUCCESS;
+}
+
 /* Reads the caller's config (perhaps from an older, smaller header) over the
  * defaults into *c, and checks it. */
 static epx_status_t check_buffer_config(epx_comm_t comm, const epx_buffer_config_t *given,
@@ -151,8 +170,11 @@ static epx_status_t check_buffer_config(epx_comm_t comm, const epx_buffer_config
               "%s: config.max_tokens_per_rank is %lld; pass a count in [0, 2^31) (0 agrees it at the first dispatch)",
               fn, (long long)c->max_tokens_per_rank);
   EPX_REQUIRE(c->max_tokens_rounding >= 1, "%s: config.max_tokens_rounding is %d; pass >= 1", fn, c->max_tokens_rounding);
-  EPX_REQUIRE(c->exchange == EPX_EXCHANGE_DEDUP || c->exchange == EPX_EXCHANGE_COLLECTIVE,
-              "%s: config.exchange %d is not EPX_EXCHANGE_DEDUP or EPX_EXCHANGE_COLLECTIVE", fn, (int)c->exchange);
+  EPX_REQUIRE(c->exchange >= EPX_EXCHANGE_DEDUP && c->exchange <= EPX_EXCHANGE_AUTO,
+              "%s: config.exchange %d is not EPX_EXCHANGE_DEDUP, _COLLECTIVE, _HIERARCHICAL or _AUTO", fn,
+              (int)c->exchange);
+  status = resolve_exchange(comm, c);
+  if (status != EPX_SUCCESS) return status;
   EPX_REQUIRE(c->layout == EPX_LAYOUT_EXPERT_MAJOR || c->layout == EPX_LAYOUT_RANK_MAJOR ||
                   c->layout == EPX_LAYOUT_CAPACITY,
               "%s: config.layout %d is not an epx_layout_t", fn, (int)c->layout);

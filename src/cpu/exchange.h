@@ -46,7 +46,8 @@ struct epx_cpu_plan {
   size_t row_bytes;
   epx_dtype_t dtype;
   epx_layout_t layout;
-  epx_exchange_t exchange;
+  epx_exchange_t exchange; /* DEDUP or COLLECTIVE: how items are formed */
+  struct epx_cpu_hier *hier; /* the hierarchical exchange's two hops (hier.c), or NULL */
   epx_weighting_t weighting;
   epx_combine_precision_t precision; /* FLOAT32 whenever the payload is float32 */
   int32_t *topk_idx; /* [T, K] copy of the routing */

@@ -13,6 +13,7 @@
 #include "core/error.h"
 #include "cpu/cpu.h"
 #include "cpu/exchange.h"
+#include "cpu/hier.h"
 
 typedef struct {
   int32_t src, token, slot, expert, location;
@@ -138,7 +139,8 @@ static epx_status_t plan_new(layout_t *L, epx_handle_t handle) {
   p->dtype = b->config.dtype;
   p->row_bytes = (size_t)epx_buffer_row_bytes(b);
   p->layout = b->config.layout;
-  p->exchange = b->config.exchange;
+  /* The hierarchical exchange's items are dedup's; hier.c moves them. */
+  p->exchange = b->config.exchange == EPX_EXCHANGE_COLLECTIVE ? EPX_EXCHANGE_COLLECTIVE : EPX_EXCHANGE_DEDUP;
   p->weighting = r->weighting;
   p->precision = p->dtype == EPX_FLOAT32 ? EPX_COMBINE_PARTIALS_FLOAT32 : b->config.combine_precision;
   p->row_slots = p->layout == EPX_LAYOUT_RANK_MAJOR ? p->K : 1;
@@ -508,6 +510,8 @@ epx_status_t epx_cpu_layout_as(epx_buffer_t b, const epx_routing_t *r, epx_statu
   epx_status_t status = exchange_counts(&L, local, handle);
   if (status == EPX_SUCCESS && b->max_tokens == 0) epx_buffer_agree_max_tokens(b, L.largest_batch);
   if (status == EPX_SUCCESS) status = receive_layout(&L);
+  if (status == EPX_SUCCESS && b->config.exchange == EPX_EXCHANGE_HIERARCHICAL && b->world_size > 1)
+    status = epx_cpu_hier_layout(b, L.p, L.fn);
   if (status == EPX_SUCCESS) handle->recv_rows = L.p->N;
   free(L.send_records);
   free(L.recv_records);
@@ -539,6 +543,7 @@ void epx_cpu_handle_fini(epx_handle_t handle) {
                     p->entry_weight, p->entry_slot, p->expert_counts, p->expert_offsets, p->row_src_rank,
                     p->row_src_token, p->row_expert, p->row_weight};
   for (size_t i = 0; i < sizeof arrays / sizeof arrays[0]; i++) free(arrays[i]);
+  epx_cpu_hier_free(p->hier);
   free(p);
   handle->cpu = NULL;
 }

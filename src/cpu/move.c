@@ -24,6 +24,7 @@
 #include "core/error.h"
 #include "cpu/cpu.h"
 #include "cpu/exchange.h"
+#include "cpu/hier.h"
 
 #define OOM(fn) EPX_FAIL(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn)
 
@@ -42,8 +43,10 @@ typedef enum {
  * (4 MB of f32 rows) a call takes a millisecond or more alone. */
 static int split_tokens(const struct epx_cpu_plan *p) { return p->W == 1 && p->T * p->H >= ((int64_t)1 << 20); }
 
+/* The hierarchical exchange stages its two hops on every transport: its
+ * point is the rows each hop moves. */
 static int reads_peers_in_place(const struct epx_cpu_plan *p, epx_comm_t comm) {
-  return p->W > 1 && comm->ops->shared_address_space;
+  return p->W > 1 && comm->ops->shared_address_space && !p->hier;
 }
 
 /* What a rank shows its peers in the handshake on a shared address space. */
@@ -132,6 +135,7 @@ static epx_status_t forward_sources(move_t *m, const epx_cpu_call_t *peers, cons
     return EPX_SUCCESS;
   }
   if (p->W == 1) return EPX_SUCCESS;
+  if (p->hier) return epx_cpu_hier_forward(m->b, p, m->src, m->row_bytes, item_src, m->fn);
   epx_comm_t comm = m->b->comm;
   struct epx_cpu_scratch *s = m->b->cpu;
   int64_t items = epx_cpu_total(p->item_count, p->W), ritems = epx_cpu_total(p->ritem_count, p->W);
@@ -209,25 +213,26 @@ epx_status_t epx_cpu_dispatch_rows(epx_buffer_t b, epx_handle_t h, epx_status_t 
 /* A thread's rows for one token: the float32 accumulator, a partial and its
  * rounding to the payload dtype, and one P(t, r)'s inputs. */
 typedef struct {
-  float *acc, *partial;
+  float *acc, *partial, *node_acc; /* node_acc: a node's Q(t, n) (two-level sums) */
   void *rounded;
   const void **rows;
   float *w;
 } token_scratch_t;
 
 static void token_scratch_free(token_scratch_t *t) {
-  free(t->acc), free(t->partial), free(t->rounded), free(t->rows), free(t->w);
+  free(t->acc), free(t->partial), free(t->node_acc), free(t->rounded), free(t->rows), free(t->w);
 }
 
 static int token_scratch_init(token_scratch_t *t, const struct epx_cpu_plan *p) {
   t->acc = malloc(sizeof(float) * (size_t)p->H);
   t->partial = malloc(sizeof(float) * (size_t)p->H);
+  t->node_acc = malloc(sizeof(float) * (size_t)p->H);
   t->rounded = malloc(p->row_bytes);
   /* A pair received from a peer has up to its top_k routes, at most the
    * buffer's max_top_k (record_k), more than this rank's K perhaps. */
   t->rows = malloc(sizeof(void *) * (size_t)p->record_k);
   t->w = malloc(sizeof(float) * (size_t)p->record_k);
-  return t->acc && t->partial && t->rounded && t->rows && t->w;
+  return t->acc && t->partial && t->node_acc && t->rounded && t->rows && t->w;
 }
 
 typedef struct {
@@ -240,6 +245,7 @@ typedef struct {
   const void *dot_x;  /* [T, H] or NULL */
   float *grad_w;      /* [T, K] or NULL */
   void *out;          /* [T, H] */
+  epx_comm_t topo;    /* the comm: the nodes the sum goes by */
 } token_pass_t;
 
 /* acc = P' (first) or acc += P' for a partial already rounded to the
@@ -256,15 +262,15 @@ static void add_rounded(epx_dtype_t dtype, const void *row, float *acc, int firs
 
 /* acc (+)= P(t, r) of one group of rows, rounded first if the partials are. */
 static void add_partial(const token_pass_t *c, token_scratch_t *ts, const void **rows, const float *w, int32_t n,
-                        int first) {
+                        float *acc, int first) {
   const struct epx_cpu_plan *p = c->p;
   if (!c->round_partials) {
-    epx_rows_accumulate(p->dtype, rows, w, n, ts->acc, first, p->H);
+    epx_rows_accumulate(p->dtype, rows, w, n, acc, first, p->H);
     return;
   }
   epx_rows_accumulate(p->dtype, rows, w, n, ts->partial, 1, p->H);
   epx_row_from_f32(p->dtype, ts->partial, ts->rounded, p->H);
-  add_rounded(p->dtype, ts->rounded, ts->acc, first, p->H);
+  add_rounded(p->dtype, ts->rounded, acc, first, p->H);
 }
 
 /* The rows of P(t, r) (and grad_w's dots); returns how many. */
@@ -290,7 +296,9 @@ static int32_t group_of(const token_pass_t *c, int64_t t, int32_t r, int64_t *cu
   return n;
 }
 
-/* out[t] = round(sum over ranks in order of P(t, r)). */
+/* out[t] = round(sum over ranks in order of P(t, r)); on a comm of several
+ * nodes of more than one rank, the sum over the nodes in order of each
+ * node's sum Q(t, n) (epx.h; the hierarchical exchange forms the same). */
 static void combine_token(const token_pass_t *c, int64_t t, int64_t *cursor, token_scratch_t *ts) {
   const struct epx_cpu_plan *p = c->p;
   int32_t K = p->K;
@@ -307,25 +315,40 @@ static void combine_token(const token_pass_t *c, int64_t t, int64_t *cursor, tok
     int32_t r = idx[k] / p->E_local;
     only_rank = only_rank == -1 || only_rank == r ? r : -2;
   }
-  for (int32_t r = 0; r < p->W; r++) {
-    int32_t n = group_of(c, t, r, cursor, ts);
-    if (n == 0) continue;
-    const float *weights = c->weighted && c->mode != RETURN_PAIRS ? ts->w : NULL;
-    if (r != p->rank && c->mode == RETURN_PARTIAL) {
-      /* The receiver's P(t, r), float32 or already rounded. */
-      if (c->round_partials) add_rounded(p->dtype, ts->rows[0], ts->acc, first, p->H);
-      else epx_rows_accumulate(EPX_FLOAT32, ts->rows, NULL, 1, ts->acc, first, p->H);
-    } else if (only_rank == r) {
-      /* round(round(P)) = round(P): the same in both precisions. */
-      epx_rows_sum_store(p->dtype, ts->rows, weights, n, out_row, p->H);
-      return;
-    } else if (c->mode == RETURN_PAIRS) {
-      /* P(t, r) = 0 + the pair's row, which rounding leaves as it is. */
-      epx_rows_accumulate(p->dtype, ts->rows, NULL, n, ts->acc, first, p->H);
-    } else {
-      add_partial(c, ts, ts->rows, weights, n, first);
+  const struct epx_comm *topo = c->topo;
+  int two_level = topo->num_nodes > 1 && topo->num_nodes < p->W;
+  float *sum = two_level ? ts->node_acc : ts->acc;
+  for (int32_t g = 0; g < topo->num_nodes; g++) {
+    int node_first = 1;
+    for (int32_t i = topo->node_first[g]; i < topo->node_first[g + 1]; i++) {
+      int32_t r = topo->node_ranks[i];
+      int32_t n = group_of(c, t, r, cursor, ts);
+      if (n == 0) continue;
+      int into_first = two_level ? node_first : first;
+      const float *weights = c->weighted && c->mode != RETURN_PAIRS ? ts->w : NULL;
+      if (r != p->rank && c->mode == RETURN_PARTIAL) {
+        /* The receiver's P(t, r), float32 or already rounded. */
+        epx_cpu_add_partial(p->dtype, ts->rows[0], c->round_partials, sum, into_first, p->H);
+      } else if (only_rank == r) {
+        /* round(round(P)) = round(P): the same in both precisions. */
+        epx_rows_sum_store(p->dtype, ts->rows, weights, n, out_row, p->H);
+        return;
+      } else if (c->mode == RETURN_PAIRS) {
+        /* P(t, r) = 0 + the pair's row, which rounding leaves as it is. */
+        epx_rows_accumulate(p->dtype, ts->rows, NULL, n, sum, into_first, p->H);
+      } else {
+        add_partial(c, ts, ts->rows, weights, n, sum, into_first);
+      }
+      node_first = 0;
+      if (!two_level) first = 0;
     }
-    first = 0;
+    if (two_level && !node_first) {
+      /* Q'(t, n) into the sum, as the hierarchical exchange's relay sends it. */
+      if (c->round_partials) epx_row_from_f32(p->dtype, sum, ts->rounded, p->H);
+      epx_cpu_add_partial(p->dtype, c->round_partials ? ts->rounded : (const void *)sum, c->round_partials, ts->acc,
+                          first, p->H);
+      first = 0;
+    }
   }
   if (first) memset(ts->acc, 0, (size_t)p->H * sizeof(float));
   epx_row_from_f32_stream(p->dtype, ts->acc, out_row, p->H);
@@ -430,7 +453,9 @@ static epx_status_t backward_work(move_t *m, const epx_cpu_call_t *peers) {
                                                                                                 : RETURN_PARTIAL;
   token_pass_t c = {p, m->src, NULL, mode, m->weighted,
                     m->precision == EPX_COMBINE_PARTIALS_PAYLOAD && p->dtype != EPX_FLOAT32, m->dot_x, m->grad_w,
-                    m->dst};
+                    m->dst, m->b->comm};
+  if (p->hier && mode == RETURN_PARTIAL)
+    return epx_cpu_hier_combine(m->b, p, m->src, m->dst, m->weighted, c.round_partials, m->fn);
   const int64_t *scount = mode == RETURN_ROUTES ? p->route_count : p->pair_count;
   const int64_t *sdispl = mode == RETURN_ROUTES ? p->route_displ : p->pair_displ;
   int64_t home_count = epx_cpu_total(scount, p->W);
