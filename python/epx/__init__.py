@@ -45,7 +45,7 @@ import numpy as np
 
 from . import _lib
 from ._lib import (AuxCounts, BufferConfig, CapacityArithmetic, CombinePrecision, CommConfig,
-                   DType, Device, DropPolicy, Exchange, ExchangePath, Layout, Nonfinite,
+                   DType, Device, DropPolicy, Exchange, ExchangePath, FP8Format, Layout, Nonfinite,
                    QueueOrder, RecorderMode, RouteConfig, ScoreFn, Status, Weighting)
 
 lib = _lib.lib
@@ -67,6 +67,7 @@ __all__ = [
     "asarray", "convert", "to_bf16", "from_bf16", "dtype_size", "has_cuda", "has_mpi", "has_nccl",
     "reference_dense_dispatch", "reference_dense_combine", "numpy_dtype", "library_version",
     "reference_route", "reference_route_backward", "route_agree_capacity", "route_capacity", "route_sum_counts",
+    "FP8Format", "fp8_scale_shape", "quantize", "dequantize",
 ]
 
 # The C enumerators under their C names (epx.EPX_BFLOAT16, epx.EPX_WEIGHTS_IN_COMBINE, ...).
@@ -76,7 +77,8 @@ for _enum, _prefix in ((Status, "EPX_"), (DType, "EPX_"), (Device, "EPX_DEVICE_"
                        (CapacityArithmetic, "EPX_CAPACITY_"), (AuxCounts, "EPX_AUX_COUNTS_"),
                        (CombinePrecision, "EPX_COMBINE_"), (ExchangePath, "EPX_PATH_"),
                        (Exchange, "EPX_EXCHANGE_"), (Layout, "EPX_LAYOUT_"),
-                       (Weighting, "EPX_WEIGHTS_"), (RecorderMode, "EPX_RECORDER_")):
+                       (Weighting, "EPX_WEIGHTS_"), (RecorderMode, "EPX_RECORDER_"),
+                       (FP8Format, "EPX_FP8_")):
     for _member in _enum:
         globals()[_prefix + _member.name] = _member
         __all__.append(_prefix + _member.name)
@@ -388,6 +390,48 @@ def from_bf16(a, out=None):
 # ---------------------------------------------------------------------------
 # Routing
 # ---------------------------------------------------------------------------
+
+
+def fp8_scale_shape(format, hidden):
+    """(scale_cols, numpy dtype) of one row's scales in an fp8 format
+    (epx_fp8_scale_shape): float32 per 128, int32 words of 4 UE8M0 bytes per
+    512, uint8 E8M0 per 32."""
+    cols, size = ctypes.c_int64(), ctypes.c_size_t()
+    _check(lib.epx_fp8_scale_shape(int(FP8Format(format)), int(hidden), ctypes.byref(cols),
+                                   ctypes.byref(size)))
+    dt = np.uint8 if FP8Format(format) == FP8Format.MXFP8 else (
+        np.float32 if FP8Format(format) == FP8Format.E4M3_F32_128 else np.int32)
+    return int(cols.value), np.dtype(dt)
+
+
+def quantize(x, format, dtype=None):
+    """x [rows, H] (float32, bfloat16 as uint16 or named, float16) -> (x_q
+    [rows, H] uint8 e4m3fn bytes, x_scales [rows, scale_cols]) with the
+    format's quantizer, bit for bit the peers' formula (epx_quantize)."""
+    src_dtype = _as_dtype(dtype if dtype is not None else x.dtype)
+    x = np.ascontiguousarray(x)
+    rows, hidden = x.shape
+    cols, sdt = fp8_scale_shape(format, hidden)
+    q = np.empty((rows, hidden), np.uint8)
+    scales = np.empty((rows, cols), sdt)
+    _check(lib.epx_quantize(int(format), int(src_dtype), rows, hidden, x.ctypes.data,
+                            q.ctypes.data, scales.ctypes.data))
+    return q, scales
+
+
+def dequantize(x_q, x_scales, format, dtype=DType.FLOAT32):
+    """(x_q, x_scales) -> x [rows, H] of dtype (epx_dequantize)."""
+    dtype = _as_dtype(dtype)
+    x_q, x_scales = np.ascontiguousarray(x_q), np.ascontiguousarray(x_scales)
+    rows, hidden = x_q.shape
+    cols, sdt = fp8_scale_shape(format, hidden)
+    if x_scales.shape != (rows, cols) or x_scales.dtype.itemsize != sdt.itemsize:
+        _invalid("dequantize: x_scales is %s %s; pass [%d, %d] %s", x_scales.dtype,
+                 _shape_text(x_scales.shape), rows, cols, sdt)
+    out = empty((rows, hidden), numpy_dtype(dtype))
+    _check(lib.epx_dequantize(int(format), int(dtype), rows, hidden, x_q.ctypes.data,
+                              x_scales.ctypes.data, out.ctypes.data))
+    return out
 
 
 @dataclass
@@ -1084,6 +1128,10 @@ class Buffer(_Closable):
         bad = 1  # a misaligned payload address, refused first
         if op == "dispatch":
             lib.epx_dispatch(self._ptr, h, bad, bad, -1)
+        elif op == "dispatch_fp8":
+            lib.epx_dispatch_fp8(self._ptr, h, bad, bad, bad, bad, -1)
+        elif op == "dispatch_quantize":
+            lib.epx_dispatch_quantize(self._ptr, h, bad, bad, bad, -1)
         elif op == "combine":
             lib.epx_combine(self._ptr, h, bad, bad)
         elif op == "dispatch_backward":
@@ -1109,6 +1157,16 @@ class Buffer(_Closable):
         fn = "Buffer.dispatch"
         _check(lib.epx_dispatch(self._handle_ptr(fn), handle._use(self, fn), x, recv_x,
                                 int(capacity)))
+
+    def _dispatch_fp8(self, handle, x, x_scales, recv_q, recv_scales, capacity):
+        """epx_dispatch_fp8, or epx_dispatch_quantize when x_scales is None."""
+        fn = "Buffer.dispatch_fp8"
+        if x_scales is None:
+            _check(lib.epx_dispatch_quantize(self._handle_ptr(fn), handle._use(self, fn), x, recv_q,
+                                             recv_scales, int(capacity)))
+        else:
+            _check(lib.epx_dispatch_fp8(self._handle_ptr(fn), handle._use(self, fn), x, x_scales,
+                                        recv_q, recv_scales, int(capacity)))
 
     def _combine(self, handle, expert_out, out):
         fn = "Buffer.combine"

@@ -168,6 +168,13 @@ class ExchangePath(enum.IntEnum):
     FUSED = 2
 
 
+class FP8Format(enum.IntEnum):
+    NONE = 0
+    E4M3_F32_128 = 1
+    E4M3_UE8M0_128 = 2
+    MXFP8 = 3
+
+
 class Weighting(enum.IntEnum):
     IN_COMBINE = 0
     IN_DISPATCH = 1
@@ -322,13 +329,14 @@ class BufferConfig(_Config):
         ("combine_precision", _enum),
         ("exchange_path", _enum),
         ("sm_budget", ctypes.c_int32),
+        ("fp8_format", _enum),
     ]
     _defaults = dict(device=Device.CPU, dtype=DType.FLOAT32, hidden=0, num_experts=0, max_top_k=0,
                      max_tokens_per_rank=0, max_tokens_rounding=256, exchange=Exchange.DEDUP,
                      layout=Layout.EXPERT_MAJOR, expert_alignment=1, capacity=0,
                      worst_case_sizing=0, stream=None,
                      combine_precision=CombinePrecision.PARTIALS_FLOAT32,
-                     exchange_path=ExchangePath.AUTO, sm_budget=0)
+                     exchange_path=ExchangePath.AUTO, sm_budget=0, fp8_format=FP8Format.NONE)
 
 
 class Routing(ctypes.Structure):
@@ -401,6 +409,11 @@ _PROTOTYPES = {
     "epx_buffer_peer_paths": (_st, [_p, _pi32]),
     "epx_dispatch_layout": (_st, [_p, ctypes.POINTER(Routing), _p, _pp]),
     "epx_dispatch": (_st, [_p, _p, _p, _p, _i64]),
+    "epx_dispatch_fp8": (_st, [_p, _p, _p, _p, _p, _p, _i64]),
+    "epx_dispatch_quantize": (_st, [_p, _p, _p, _p, _p, _i64]),
+    "epx_fp8_scale_shape": (_st, [_enum, _i64, _pi64, ctypes.POINTER(_size)]),
+    "epx_quantize": (_st, [_enum, _enum, _i64, _i64, _p, _p, _p]),
+    "epx_dequantize": (_st, [_enum, _enum, _i64, _i64, _p, _p, _p]),
     "epx_combine": (_st, [_p, _p, _p, _p]),
     "epx_dispatch_backward": (_st, [_p, _p, _p, _p, _p, _p]),
     "epx_combine_backward": (_st, [_p, _p, _p, _p, _p, _p]),
