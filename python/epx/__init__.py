@@ -189,6 +189,17 @@ def _invalid(fmt, *args):
     _refuse(Status.ERROR_INVALID_ARGUMENT, fmt, *args)
 
 
+_lib.refuse_invalid = _invalid  # config fields out of their C range: an InvalidArgumentError
+
+
+def _c_int(value, ctype, fn, name):
+    """value as the int a C parameter of ctype (ctypes.c_int32, c_int64)
+    gets, refused by name when outside its range (ctypes would wrap it:
+    2**32 + 1 ranks are 1)."""
+    _lib.check_int_range(value, ctype, "%s: %s" % (fn, name))
+    return int(value)
+
+
 # ---------------------------------------------------------------------------
 # Numbers and arrays
 # ---------------------------------------------------------------------------
@@ -653,7 +664,8 @@ def route_capacity(num_tokens, config=None, **fields):
     for max_tokens_per_rank."""
     config = _route_config(config, (), fields)
     cap = ctypes.c_int32(0)
-    _check(lib.epx_route_capacity_of(ctypes.byref(config), int(num_tokens), ctypes.byref(cap)))
+    tokens = _c_int(num_tokens, ctypes.c_int64, "epx.route_capacity", "num_tokens")
+    _check(lib.epx_route_capacity_of(ctypes.byref(config), tokens, ctypes.byref(cap)))
     return int(cap.value)
 
 
@@ -807,8 +819,10 @@ class Comm(_Closable):
         elif fields:
             config = config.copy(**fields)
         p = ctypes.c_void_p()
-        _check(lib.epx_comm_create_shm(str(name).encode(), int(rank), int(size),
-                                       ctypes.byref(config), ctypes.byref(p)))
+        rank = _c_int(rank, ctypes.c_int32, "Comm.from_shm", "rank")
+        size = _c_int(size, ctypes.c_int32, "Comm.from_shm", "size")
+        _check(lib.epx_comm_create_shm(str(name).encode(), rank, size, ctypes.byref(config),
+                                       ctypes.byref(p)))
         return cls(p.value)
 
     def _handle(self, fn):
@@ -874,7 +888,8 @@ class LocalWorld(_Closable):
         elif fields:
             config = config.copy(**fields)
         p = ctypes.c_void_p()
-        _check(lib.epx_local_world_create(int(size), ctypes.byref(config), ctypes.byref(p)))
+        size = _c_int(size, ctypes.c_int32, "LocalWorld", "size")
+        _check(lib.epx_local_world_create(size, ctypes.byref(config), ctypes.byref(p)))
         self._ptr = p.value
         self.size = int(size)
         self.config = config.copy()
@@ -884,7 +899,8 @@ class LocalWorld(_Closable):
         if self._ptr is None:
             _released("LocalWorld.comm", "local world", "closed; create a new one")
         p = ctypes.c_void_p()
-        _check(lib.epx_comm_create_local(self._ptr, int(rank), ctypes.byref(p)))
+        rank = _c_int(rank, ctypes.c_int32, "LocalWorld.comm", "rank")
+        _check(lib.epx_comm_create_local(self._ptr, rank, ctypes.byref(p)))
         return Comm(p.value, self)
 
     def close(self):
@@ -1510,6 +1526,11 @@ class Recorder(_Closable):
 def _dense(fn, call, dtype, payload, payload_name, payload_shape, out_shape, topk_idx, topk_w,
            locations, num_experts, capacity, weighting):
     dtype = _as_dtype(dtype)
+    num_experts = _c_int(num_experts, ctypes.c_int32, fn, "num_experts")
+    capacity = _c_int(capacity, ctypes.c_int32, fn, "capacity")
+    if num_experts < 1 or capacity < 0:
+        _invalid("%s: num_experts is %d and capacity %d; pass num_experts >= 1 and capacity >= 0",
+                 fn, num_experts, capacity)
     if not isinstance(topk_idx, np.ndarray) or topk_idx.ndim != 2:
         _ptr(topk_idx, fn, "topk_idx", _I32, (None, None))
     T, K = topk_idx.shape
@@ -1520,7 +1541,9 @@ def _dense(fn, call, dtype, payload, payload_name, payload_shape, out_shape, top
     shape = tuple(T if s == "T" else s for s in payload_shape)
     px = _ptr(payload, fn, payload_name, _payload_dtypes(dtype), shape, align=PAYLOAD_ALIGNMENT)
     out = empty(tuple(T if s == "T" else s for s in out_shape), numpy_dtype(dtype))
-    _check(call(int(dtype), T, H, int(num_experts), int(capacity), K, pi, pw, pl, int(weighting),
+    num_experts = _c_int(num_experts, ctypes.c_int32, fn, "num_experts")
+    capacity = _c_int(capacity, ctypes.c_int32, fn, "capacity")
+    _check(call(int(dtype), T, H, num_experts, capacity, K, pi, pw, pl, int(weighting),
                 px, out.ctypes.data))
     return out
 

@@ -8,6 +8,7 @@ import ctypes
 import ctypes.util
 import enum
 import importlib.util
+import operator
 import os
 import pathlib
 import sys
@@ -195,6 +196,45 @@ VERSION = (0, 1, 0)
 
 _enum = ctypes.c_int
 
+# The range of each integer C type a Python int is stored into: ctypes
+# wraps silently (2**32 + 2 into an int32_t is 2, 2**70 into an int64_t 0).
+_INT_RANGES = {ctypes.c_int32: ("int32_t", -2 ** 31, 2 ** 31 - 1),
+               ctypes.c_uint32: ("uint32_t", 0, 2 ** 32 - 1),
+               ctypes.c_int64: ("int64_t", -2 ** 63, 2 ** 63 - 1),
+               ctypes.c_uint64: ("uint64_t", 0, 2 ** 64 - 1),
+               ctypes.c_void_p: ("a pointer", 0, 2 ** 64 - 1)}
+
+
+def refuse_invalid(fmt, *args):
+    """How an out-of-range field is refused; epx/__init__.py replaces it with
+    its own (an epx.InvalidArgumentError, a ValueError as this is)."""
+    raise ValueError(fmt % args)
+
+
+def _out_of_range(value, ctype):
+    """(value, C type name, low, high) when value is an integer outside
+    ctype's range, else None (non-integers are left to ctypes, which
+    refuses them itself)."""
+    bounds = _INT_RANGES.get(ctype)
+    if bounds is None or value is None or isinstance(value, float):
+        return None
+    try:
+        v = operator.index(value)
+    except TypeError:
+        return None
+    return None if bounds[1] <= v <= bounds[2] else (v,) + bounds
+
+
+def check_int_range(value, ctype, what):
+    """Refuses, naming `what`, an integer value outside ctype's range."""
+    bad = _out_of_range(value, ctype)
+    if bad is not None:
+        refuse_invalid("%s is %d, outside the range of its C type %s [%d, %d]; pass a value "
+                       "in range", what, *bad)
+
+
+_FIELD_TYPES = {}  # config class -> {field: ctype}
+
 
 class _Config(ctypes.Structure):
     """A versioned config: struct_size and version are filled in, every other
@@ -224,6 +264,13 @@ class _Config(ctypes.Structure):
                 raise TypeError("%s has no settable field %r" % (type(self).__name__, name))
             setattr(c, name, value)
         return c
+
+    def __setattr__(self, name, value):
+        types = _FIELD_TYPES.get(type(self))
+        if types is None:
+            types = _FIELD_TYPES[type(self)] = dict((f[0], f[1]) for f in self._fields_)
+        check_int_range(value, types.get(name), "%s.%s" % (type(self).__name__, name))
+        super().__setattr__(name, value)
 
     def __repr__(self):
         return "%s(%s)" % (type(self).__name__, ", ".join(
@@ -471,10 +518,28 @@ class _Missing:
         return self.result
 
 
+class _RangeChecked:
+    """A C function whose integer arguments are range-checked before the
+    call (ctypes would wrap them): the net under the binding's own checks,
+    which name the argument; this one names its position."""
+
+    def __init__(self, name, fn, argtypes):
+        self.__name__ = name
+        self._fn = fn
+        self._ints = [(i, t) for i, t in enumerate(argtypes) if t in (_i32, _i64)]
+
+    def __call__(self, *args):
+        for i, t in self._ints:
+            if i < len(args) and _out_of_range(args[i], t) is not None:
+                check_int_range(args[i], t, "%s: argument %d" % (self.__name__, i + 1))
+        return self._fn(*args)
+
+
 for _name, (_restype, _argtypes) in _PROTOTYPES.items():
     _fn = getattr(lib, _name)
     _fn.restype = _restype
     _fn.argtypes = _argtypes
+    setattr(lib, _name, _RangeChecked(_name, _fn, _argtypes))
 for _name, (_restype, _argtypes, _absent) in _OPTIONAL.items():
     try:
         _fn = getattr(lib, _name)
@@ -483,3 +548,4 @@ for _name, (_restype, _argtypes, _absent) in _OPTIONAL.items():
         continue
     _fn.restype = _restype
     _fn.argtypes = _argtypes
+    setattr(lib, _name, _RangeChecked(_name, _fn, _argtypes))

@@ -157,9 +157,11 @@ def _ids(t, fn, name, high):
     if t.dtype == _I32 or t.numel() == 0:
         return t
     top = _INT32_MAX if high is None else high - 1
+    unsigned = _torch.iinfo(t.dtype).min == 0  # (compared with -1, -1 would become 255)
     if t.device.type == "cuda":
-        return _torch.where((t >= -1) & (t <= _INT32_MAX), t, _torch.full_like(t, _INT32_MAX))
-    bad = ((t < -1) | (t > top)).nonzero()
+        fits = t <= _INT32_MAX if unsigned else (t >= -1) & (t <= _INT32_MAX)
+        return _torch.where(fits, t, _torch.full_like(t, _INT32_MAX))
+    bad = (t > top if unsigned else (t < -1) | (t > top)).nonzero()
     if len(bad):
         at = tuple(int(i) for i in bad[0])
         _epx._invalid("%s: %s%s is %d, outside [-1, %d]; pass %s", fn, name, list(at),

@@ -263,9 +263,10 @@ def test_token_dispatcher_close():
     T, H, E, K = 8, 16, 4, 2
     with epx.Comm.create_self() as comm:
         with et.TokenDispatcher(comm, E, H, K, max_tokens_per_rank=T) as disp:
-            probs = torch.softmax(torch.randn(T, E), 1)
-            top = probs.topk(K, dim=1).indices
+            scores = torch.softmax(torch.randn(T, E), 1)
+            top = scores.topk(K, dim=1).indices
             routing_map = torch.zeros(T, E, dtype=torch.bool).scatter_(1, top, True)
+            probs = scores * routing_map
             out, _ = disp.token_unpermutation(disp.token_permutation(torch.randn(T, H), probs,
                                                                      routing_map)[0])
             assert out.shape == (T, H)
