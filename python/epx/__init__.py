@@ -1541,8 +1541,6 @@ def _dense(fn, call, dtype, payload, payload_name, payload_shape, out_shape, top
     shape = tuple(T if s == "T" else s for s in payload_shape)
     px = _ptr(payload, fn, payload_name, _payload_dtypes(dtype), shape, align=PAYLOAD_ALIGNMENT)
     out = empty(tuple(T if s == "T" else s for s in out_shape), numpy_dtype(dtype))
-    num_experts = _c_int(num_experts, ctypes.c_int32, fn, "num_experts")
-    capacity = _c_int(capacity, ctypes.c_int32, fn, "capacity")
     _check(call(int(dtype), T, H, num_experts, capacity, K, pi, pw, pl, int(weighting),
                 px, out.ctypes.data))
     return out
