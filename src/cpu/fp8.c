@@ -11,6 +11,7 @@
 #include "core/fp8.h"
 #include "cpu/cpu.h"
 #include "cpu/exchange.h"
+#include "cpu/omp.h"
 
 typedef struct {
   int64_t hidden;       /* H: a row's e4m3 bytes */
@@ -39,7 +40,7 @@ static void pack(epx_buffer_t b, const packing_t *k, int64_t T, const void *x, c
   const epx_fp8_format_t format = b->config.fp8_format;
   const epx_dtype_t dtype = b->config.dtype;
   const size_t x_row = quantize ? (size_t)k->hidden * epx_dtype_size(dtype) : (size_t)k->hidden;
-#pragma omp parallel for schedule(static) if (quantize && T * k->hidden >= ((int64_t)1 << 20))
+  EPX_OMP(parallel for schedule(static) if (quantize && T * k->hidden >= ((int64_t)1 << 20)))
   for (int64_t t = 0; t < T; t++) {
     char *row = send + (size_t)t * k->packed;
     const char *src = (const char *)x + (size_t)t * x_row;

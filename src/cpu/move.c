@@ -25,6 +25,7 @@
 #include "cpu/cpu.h"
 #include "cpu/exchange.h"
 #include "cpu/hier.h"
+#include "cpu/omp.h"
 
 #define OOM(fn) EPX_FAIL(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn)
 
@@ -41,7 +42,9 @@ typedef enum {
  * busy — measured 25-75 ms per 12-token step, and 20 ms for a 0.1 ms
  * dispatch of 1024 x 256, on a loaded 2-core machine). From 1M elements
  * (4 MB of f32 rows) a call takes a millisecond or more alone. */
+#ifdef _OPENMP
 static int split_tokens(const struct epx_cpu_plan *p) { return p->W == 1 && p->T * p->H >= ((int64_t)1 << 20); }
+#endif
 
 /* The hierarchical exchange stages its two hops on every transport: its
  * point is the rows each hop moves. */
@@ -168,7 +171,7 @@ static epx_status_t forward_work(move_t *m, const epx_cpu_call_t *peers) {
   zero_empty_rows(p, m->dst, m->row_bytes);
   int rank_major = p->layout == EPX_LAYOUT_RANK_MAJOR;
   /* Tokens are independent; one rank alone may use every core. */
-#pragma omp parallel for schedule(static) if (split_tokens(p))
+  EPX_OMP(parallel for schedule(static) if (split_tokens(p)))
   for (int64_t t = 0; t < p->T; t++) {
     const char *x = (const char *)m->src + (size_t)t * m->row_bytes;
     int32_t written = -1;
@@ -364,13 +367,13 @@ static epx_status_t token_pass(const token_pass_t *c, const int64_t *sdispl, con
   if (!cursor) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
   for (int32_t r = 0; r < p->W; r++) cursor[r] = sdispl[r];
   int failed = 0;
-#pragma omp parallel reduction(| : failed) if (split_tokens(p))
+  EPX_OMP(parallel reduction(| : failed) if (split_tokens(p)))
   {
     token_scratch_t ts = {0};
     failed = !token_scratch_init(&ts, p);
     /* Every thread must reach the worksharing loop (a thread that skips it
      * leaves the others at its barrier); one without scratch idles. */
-#pragma omp for schedule(static)
+    EPX_OMP(for schedule(static))
     for (int64_t t = 0; t < p->T; t++)
       if (!failed) combine_token(c, t, cursor, &ts);
     token_scratch_free(&ts);
@@ -549,7 +552,7 @@ epx_status_t epx_cpu_combine_backward(epx_buffer_t b, epx_handle_t h, epx_status
     for (int64_t j = p->ritem_entry[i]; j < p->ritem_entry[i + 1]; j++)
       back[j] = epx_row_dot(p->dtype, m.item_rows[i], (const char *)expert_out + (size_t)p->entry_row[j] * p->row_bytes, p->H);
   /* Local routes' dots (independent per token), then the returned ones. */
-#pragma omp parallel for schedule(static) if (split_tokens(p))
+  EPX_OMP(parallel for schedule(static) if (split_tokens(p)))
   for (int64_t t = 0; t < p->T; t++) {
     const char *g = (const char *)grad_out + (size_t)t * p->row_bytes;
     for (int32_t k = 0; k < K; k++) {
