@@ -3,8 +3,9 @@
  * The e4m3 conversion against a brute-force nearest-value search over the
  * 253 finite e4m3 values (round to nearest even, saturating at +-448), the
  * scale encodings on values worked by hand, and the fp8 dispatches (every
- * format x layout x exchange, self and local transports; tests/mpi_fp8.c
- * runs the same scenes over MPI) against two oracles: every received row
+ * format x layout x exchange, self and local transports, the hierarchical
+ * exchange on threads posed as 2 x 2 and 2 x 4 nodes; tests/mpi_fp8.c runs
+ * the same scenes over MPI) against two oracles: every received row
  * and its scales are bit for bit the source token's (found through
  * epx_handle_recv_source; padding zero), and dequantizing what arrived
  * equals epx_dispatch of the dequantized rows (bit for bit, the whole recv
@@ -14,6 +15,7 @@
  * buffer in its dtype. The bits against the peers' PyTorch formulas are in
  * tests/python/test_fp8.py. */
 #include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -54,7 +56,7 @@ static const char *format_name(epx_fp8_format_t f) {
 static void fp8_describe(const fp8_scene_t *s, char *text, size_t size) {
   snprintf(text, size, "%s %s %s %s W=%d T=%lld H=%lld E=%d K=%d%s%s", format_name(s->format),
            s->layout == EPX_LAYOUT_EXPERT_MAJOR ? "expert-major" : s->layout == EPX_LAYOUT_RANK_MAJOR ? "rank-major" : "capacity",
-           s->exchange == EPX_EXCHANGE_DEDUP ? "dedup" : "collective", s->dtype == EPX_BFLOAT16 ? "bf16" : "f32", s->W,
+           s->exchange == EPX_EXCHANGE_DEDUP ? "dedup" : s->exchange == EPX_EXCHANGE_COLLECTIVE ? "collective" : "hierarchical", s->dtype == EPX_BFLOAT16 ? "bf16" : "f32", s->W,
            (long long)s->T, (long long)s->H, s->E, s->K, s->quantize ? " quantize" : "", s->nonfinite ? " nan/inf" : "");
 }
 
@@ -421,14 +423,60 @@ static int scene_rank_main(epx_comm_t comm, int32_t rank, int32_t world, void *a
   return fp8_scene_rank(comm, rank, arg);
 }
 
-static void run_scenes(int32_t W) {
+/* W threads posed as nodes of L ranks (epx_comm_config_t.ranks_per_node),
+ * for the hierarchical exchange. */
+typedef struct {
+  epx_local_world_t world;
+  int32_t rank;
+  const fp8_scene_t *scene;
+  int failures;
+} node_thread_t;
+
+static void *node_thread(void *arg) {
+  node_thread_t *a = arg;
+  epx_comm_t comm = NULL;
+  int failures = 0, rank = a->rank;
+  RANK_REQUIRE_OK(epx_comm_create_local(a->world, a->rank, &comm));
+  failures += fp8_scene_rank(comm, a->rank, a->scene);
+done:
+  if (comm) RANK_OK(epx_comm_destroy(comm));
+  a->failures = failures;
+  return NULL;
+}
+
+static int run_on_nodes(const fp8_scene_t *s, int32_t L) {
+  epx_comm_config_t config = EPX_COMM_CONFIG_INIT;
+  config.timeout_seconds = 20.0;
+  config.ranks_per_node = L;
+  epx_local_world_t world = NULL;
+  if (epx_local_world_create(s->W, &config, &world) != EPX_SUCCESS) return 1;
+  pthread_t threads[FP8_MAX_W];
+  node_thread_t args[FP8_MAX_W];
+  for (int32_t r = 0; r < s->W; r++) {
+    args[r] = (node_thread_t){world, r, s, 0};
+    pthread_create(&threads[r], NULL, node_thread, &args[r]);
+  }
+  int failures = 0;
+  for (int32_t r = 0; r < s->W; r++) {
+    pthread_join(threads[r], NULL);
+    failures += args[r].failures;
+  }
+  return failures + (epx_local_world_destroy(world) != EPX_SUCCESS);
+}
+
+/* Every scene on W ranks; L > 0: as nodes of L ranks, each scene with the
+ * hierarchical exchange. */
+static void run_scenes(int32_t W, int32_t L) {
   static fp8_scene_t scenes[64];
   int n = fp8_scenes(scenes, W), failed = 0;
   for (int i = 0; i < n; i++) {
     fp8_scene_t *s = &scenes[i];
+    if (L) s->exchange = EPX_EXCHANGE_HIERARCHICAL;
     assert_int_equal(fp8_scene_build(s), 0);
     int failures;
-    if (W == 1) {
+    if (L) {
+      failures = run_on_nodes(s, L);
+    } else if (W == 1) {
       epx_comm_t comm;
       EXPECT_OK(epx_comm_create_self(&comm));
       failures = fp8_scene_rank(comm, 0, s);
@@ -449,14 +497,20 @@ static void run_scenes(int32_t W) {
 
 static void test_dispatch_self(void **state) {
   (void)state;
-  run_scenes(1);
+  run_scenes(1, 0);
 }
 
 static void test_dispatch_local(void **state) {
   (void)state;
-  run_scenes(2);
-  run_scenes(3);
-  run_scenes(4);
+  run_scenes(2, 0);
+  run_scenes(3, 0);
+  run_scenes(4, 0);
+}
+
+static void test_dispatch_hierarchical(void **state) {
+  (void)state;
+  run_scenes(4, 2);
+  run_scenes(8, 4);
 }
 
 int main(void) {
@@ -464,6 +518,7 @@ int main(void) {
       cmocka_unit_test(test_e4m3_decode),   cmocka_unit_test(test_e4m3_encode),
       cmocka_unit_test(test_scales_by_hand), cmocka_unit_test(test_refusals),
       cmocka_unit_test(test_dispatch_self), cmocka_unit_test(test_dispatch_local),
+      cmocka_unit_test(test_dispatch_hierarchical),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
