@@ -5,6 +5,7 @@ CMake in the Python that runs it (make test's venv has them).
 """
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -65,3 +66,40 @@ def _pip_has_python_option():
 def _site_packages(py):
     return subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           capture_output=True, text=True, check=True).stdout.strip()
+
+
+def _configure_wheel(tmp_path, python, *defines):
+    """Configures python/CMakeLists.txt (no build) with `python` as the
+    building Python; returns CMake's output."""
+    run = subprocess.run(["cmake", "-S", str(REPO / "python"), "-B", str(tmp_path / "build"),
+                          "-DPython_EXECUTABLE=%s" % python] + list(defines),
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return run.stdout + run.stderr
+
+
+def test_wheel_cuda_backend_follows_the_building_torch(tmp_path):
+    """Without EPX_BUILD_CUDA, the wheel has the CUDA backend only where the
+    building Python's torch has CUDA and nvcc is of the same major version;
+    a Python without torch (pip's isolated build) gives a CPU wheel."""
+    if not shutil.which("cmake"):
+        pytest.skip("needs cmake")
+    fake = tmp_path / "python-with-cuda-99"
+    fake.write_text("#!/bin/sh\necho 99.1\n")
+    fake.chmod(0o755)
+    out = _configure_wheel(tmp_path / "a", fake)
+    assert "EPX_BUILD_CUDA=OFF (torch CUDA: '99.1')" in out, out[-2000:]
+    nvcc = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc"
+                                    if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
+    if nvcc:
+        assert "torch uses CUDA 99.1 but nvcc is CUDA" in out, out[-2000:]
+    none = tmp_path / "python-without-torch"
+    none.write_text("#!/bin/sh\nexit 1\n")
+    none.chmod(0o755)
+    assert "EPX_BUILD_CUDA=OFF (torch CUDA: '')" in _configure_wheel(tmp_path / "b", none)
+    torch = pytest.importorskip("torch")
+    if nvcc and torch.version.cuda:
+        release = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
+        if "release %s." % torch.version.cuda.split(".")[0] in release:
+            out = _configure_wheel(tmp_path / "c", sys.executable)
+            assert "EPX_BUILD_CUDA=ON (torch CUDA: '%s')" % torch.version.cuda in out, out[-2000:]
