@@ -8,26 +8,17 @@
 #include <math.h>
 
 #include "core/dtype.h"
+#include "core/payload.h"
 
-int32_t epx_fp8_block(epx_fp8_format_t format) {
-  switch (format) {
-    case EPX_FP8_E4M3_F32_128:
-    case EPX_FP8_E4M3_UE8M0_128: return 128;
-    case EPX_FP8_MXFP8: return 32;
-    default: return 0;
-  }
-}
+int32_t epx_fp8_block(epx_fp8_format_t format) { return epx_payload_fp8(format, EPX_FLOAT32, 0).scale_block; }
 
 /* Four UE8M0 bytes share an int32 word, so the words need 4 whole blocks. */
 int32_t epx_fp8_hidden_multiple(epx_fp8_format_t format) {
   return format == EPX_FP8_E4M3_UE8M0_128 ? 512 : epx_fp8_block(format);
 }
 
-static int64_t scale_entry_bytes(epx_fp8_format_t format) { return format == EPX_FP8_E4M3_F32_128 ? 4 : 1; }
-
 int64_t epx_fp8_scale_row_bytes(epx_fp8_format_t format, int64_t hidden) {
-  int32_t block = epx_fp8_block(format);
-  return block ? hidden / block * scale_entry_bytes(format) : 0;
+  return epx_payload_fp8(format, EPX_FLOAT32, hidden).scale_bytes;
 }
 
 /* The largest |x| of n elements from i0. DeepEP's formula takes it with

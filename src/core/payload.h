@@ -21,7 +21,15 @@
  *     take it from there;
  *  5. the CPU side: its conversions in src/core/dtype.h (epx_load/epx_store,
  *     the row kernels of dtype.c).
- * Nothing else switches on the element dtype's size. */
+ * Nothing else switches on the element dtype's size.
+ *
+ * The fp8 formats (epx.h, epx_fp8_format_t) are rows of e4m3 bytes with a
+ * scale per block, the scales beside the row: epx_payload_fp8 gives their
+ * format (elem_bytes 1, a scale kind, block and scale bytes; `dtype` stays
+ * the payload dtype the rows are quantized from and combine returns). They
+ * are not an epx_dtype_t: a buffer's dtype is what combine and the backward
+ * passes use, and only its dispatch moves fp8 (config.fp8_format). The
+ * quantizers and scale encodings are in core/fp8.h. */
 #ifndef EPX_CORE_PAYLOAD_H
 #define EPX_CORE_PAYLOAD_H
 
@@ -45,7 +53,10 @@ extern "C" {
 
 /* How a row's elements are scaled (none for the plain float formats). */
 typedef enum epx_scale_kind {
-  EPX_SCALES_NONE = 0
+  EPX_SCALES_NONE = 0,
+  EPX_SCALES_F32 = 1,   /* a float32 per block (DeepEP's per-128 scales) */
+  EPX_SCALES_UE8M0 = 2, /* an exponent byte per block, four to a word (DeepEP's UE8M0: 255 is infinite) */
+  EPX_SCALES_E8M0 = 3   /* an OCP E8M0 byte per block (MXFP8: 255 is NaN, 0 is 2^-127) */
 } epx_scale_kind_t;
 
 typedef struct epx_payload_format {
@@ -58,6 +69,7 @@ typedef struct epx_payload_format {
   int32_t scale_block;         /* elements per scale (0: no scales) */
   int64_t scale_bytes;         /* bytes of a row's scales (0: no scales) */
   epx_dtype_t combine_dtype;   /* what combine's partials and sums accumulate in */
+  epx_fp8_format_t fp8;        /* EPX_FP8_NONE, or the rows are e4m3 bytes of this format */
 } epx_payload_format_t;
 
 /* Bytes of one element of a payload dtype, 0 for a value that is not one:
@@ -83,6 +95,28 @@ static inline EPX_HD epx_payload_format_t epx_payload_format(epx_dtype_t dtype, 
   f.scale_block = 0;
   f.scale_bytes = 0;
   f.combine_dtype = EPX_FLOAT32;
+  f.fp8 = EPX_FP8_NONE;
+  return f;
+}
+
+/* The fp8 rows of `format` quantized from rows of `dtype` (hidden a
+ * multiple of the format's block; see epx_fp8_hidden_multiple): H e4m3
+ * bytes, then H / block scales. An unknown format gives no scales and
+ * scale_block 0. */
+static inline EPX_HD epx_payload_format_t epx_payload_fp8(epx_fp8_format_t format, epx_dtype_t dtype,
+                                                          int64_t hidden) {
+  epx_payload_format_t f = epx_payload_format(dtype, hidden);
+  f.elem_bytes = 1;
+  f.vec_elems = EPX_PAYLOAD_VECTOR_BYTES;
+  f.row_bytes = hidden;
+  f.fp8 = format;
+  switch (format) {
+    case EPX_FP8_E4M3_F32_128: f.scale_kind = EPX_SCALES_F32, f.scale_block = 128; break;
+    case EPX_FP8_E4M3_UE8M0_128: f.scale_kind = EPX_SCALES_UE8M0, f.scale_block = 128; break;
+    case EPX_FP8_MXFP8: f.scale_kind = EPX_SCALES_E8M0, f.scale_block = 32; break;
+    default: f.scale_kind = EPX_SCALES_NONE, f.scale_block = 0; break;
+  }
+  f.scale_bytes = f.scale_block ? hidden / f.scale_block * (f.scale_kind == EPX_SCALES_F32 ? 4 : 1) : 0;
   return f;
 }
 

@@ -9,6 +9,7 @@
 
 #include "core/error.h"
 #include "core/fp8.h"
+#include "core/payload.h"
 #include "cpu/cpu.h"
 #include "cpu/exchange.h"
 #include "cpu/omp.h"
@@ -20,10 +21,12 @@ typedef struct {
 } packing_t;
 
 static packing_t packing_of(epx_buffer_t b) {
+  epx_payload_format_t f = epx_payload_fp8(b->config.fp8_format, b->config.dtype, b->config.hidden);
   packing_t k;
-  k.hidden = b->config.hidden;
-  k.scale_bytes = epx_fp8_scale_row_bytes(b->config.fp8_format, k.hidden);
-  k.packed = (size_t)(k.hidden + k.scale_bytes + 15) / 16 * 16;
+  k.hidden = f.row_bytes;
+  k.scale_bytes = f.scale_bytes;
+  k.packed = (size_t)(f.row_bytes + f.scale_bytes + EPX_PAYLOAD_VECTOR_BYTES - 1) / EPX_PAYLOAD_VECTOR_BYTES *
+             EPX_PAYLOAD_VECTOR_BYTES;
   return k;
 }
 
