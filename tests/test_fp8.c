@@ -414,6 +414,45 @@ static void test_refusals(void **state) {
   EXPECT_OK(epx_comm_destroy(comm));
 }
 
+/* A recorder's replayed handle moves the recorded dispatch's bytes (the
+ * layout is not made again). */
+static void test_recorder_replay(void **state) {
+  (void)state;
+  fp8_scene_t s = {EPX_FP8_MXFP8, EPX_LAYOUT_EXPERT_MAJOR, EPX_EXCHANGE_DEDUP, EPX_BFLOAT16, .T = 10, .H = 256,
+                   .E = 8, .K = 2, .W = 1, .quantize = 1, .seed = 77};
+  assert_int_equal(fp8_scene_build(&s), 0);
+  epx_comm_t comm;
+  epx_buffer_t b;
+  epx_recorder_t rec;
+  epx_handle_t h[2];
+  EXPECT_OK(epx_comm_create_self(&comm));
+  EXPECT_OK(scene_buffer(&s, comm, &b));
+  EXPECT_OK(epx_recorder_create(1, &rec));
+  epx_routing_t routing = {s.T, s.K, s.idx[0], s.w[0], NULL, EPX_WEIGHTS_IN_COMBINE};
+  uint8_t *q[2], *sc[2];
+  int64_t N = 0;
+  for (int pass = 0; pass < 2; pass++) {
+    if (pass) EXPECT_OK(epx_recorder_set_mode(rec, EPX_RECORDER_REPLAY));
+    EXPECT_OK(epx_dispatch_layout(b, &routing, rec, &h[pass]));
+    EXPECT_OK(epx_handle_recv_rows(h[pass], &N));
+    q[pass] = tu_alloc((size_t)((N + 1) * s.H)), sc[pass] = tu_alloc((size_t)((N + 1) * s.scale_bytes));
+    EXPECT_OK(epx_dispatch_quantize(b, h[pass], s.x[0], q[pass], sc[pass], N));
+  }
+  assert_memory_equal(q[0], q[1], (size_t)(N * s.H));
+  assert_memory_equal(sc[0], sc[1], (size_t)(N * s.scale_bytes));
+  epx_recorder_stats_t stats;
+  EXPECT_OK(epx_recorder_stats(rec, &stats));
+  assert_int_equal(stats.replays, 1);
+  for (int pass = 0; pass < 2; pass++) {
+    EXPECT_OK(epx_handle_release(h[pass]));
+    tu_free(q[pass]), tu_free(sc[pass]);
+  }
+  EXPECT_OK(epx_recorder_destroy(rec));
+  EXPECT_OK(epx_buffer_destroy(b));
+  EXPECT_OK(epx_comm_destroy(comm));
+  fp8_scene_free(&s);
+}
+
 /* ------------------------------------------------------------------------ */
 /* Dispatch scenes over the self and local transports                        */
 /* ------------------------------------------------------------------------ */
@@ -518,7 +557,7 @@ int main(void) {
       cmocka_unit_test(test_e4m3_decode),   cmocka_unit_test(test_e4m3_encode),
       cmocka_unit_test(test_scales_by_hand), cmocka_unit_test(test_refusals),
       cmocka_unit_test(test_dispatch_self), cmocka_unit_test(test_dispatch_local),
-      cmocka_unit_test(test_dispatch_hierarchical),
+      cmocka_unit_test(test_dispatch_hierarchical), cmocka_unit_test(test_recorder_replay),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
