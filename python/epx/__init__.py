@@ -1138,10 +1138,18 @@ class Buffer(_Closable):
             unused = ctypes.c_void_p()
             lib.epx_dispatch_layout(self._ptr, ctypes.byref(r), None, ctypes.byref(unused))
             return
+        if op == "ll_dispatch":
+            r = _lib.Routing(-1, 1, None, None, None, int(Weighting.IN_COMBINE))
+            unused = ctypes.c_void_p()
+            lib.epx_ll_dispatch(self._ptr, ctypes.byref(r), None, None, None, None, ctypes.byref(unused))
+            return
         h = handle._ptr if isinstance(handle, Handle) and handle.buffer is self else None
         if h is None:
             return  # a dead or foreign handle: the library returns at once there too
         bad = 1  # a misaligned payload address, refused first
+        if op == "ll_combine":
+            lib.epx_ll_combine(self._ptr, h, bad, bad)
+            return
         if op == "dispatch":
             lib.epx_dispatch(self._ptr, h, bad, bad, -1)
         elif op == "dispatch_fp8":
@@ -1156,6 +1164,88 @@ class Buffer(_Closable):
             lib.epx_weights_backward(self._ptr, h, bad, bad)
         else:
             lib.epx_combine_backward(self._ptr, h, bad, None, bad, None)
+
+    # -- low-latency decode (config.low_latency = 1; epx.h, "Low-latency decode")
+
+    def ll_shape(self):
+        """The fixed receive shape of the low-latency calls: (E_local, W *
+        max_tokens, H) expert-major (DeepEP's), (W, max_tokens, H) rank-major;
+        recv_count has its first dimension."""
+        W, m = self.comm.size, self.max_tokens
+        if self.layout == Layout.RANK_MAJOR:
+            return (W, m, self.hidden)
+        return (self.experts_per_rank, W * m, self.hidden)
+
+    def _ll_dispatch(self, step_tokens, top_k, idx, w, weighting, num_tokens, x, recv_x, recv_count,
+                     send_only, rows=None):
+        """epx_ll_dispatch(_send) on addresses; num_tokens an address or None,
+        rows the routing's rows when num_tokens is given."""
+        fn = "Buffer.ll_dispatch"
+        r = _lib.Routing(int(step_tokens if rows is None else rows), int(top_k), idx, w, None,
+                         int(weighting))
+        p = ctypes.c_void_p()
+        call = lib.epx_ll_dispatch_send if send_only else lib.epx_ll_dispatch
+        _check(call(self._handle_ptr(fn), ctypes.byref(r), num_tokens, x, recv_x, recv_count,
+                    ctypes.byref(p)))
+        return Handle(self, p.value, int(step_tokens), int(top_k), Weighting(weighting))
+
+    def ll_dispatch(self, x, topk_idx, topk_w=None, *, num_tokens=None,
+                    weighting=Weighting.IN_COMBINE, out=None, recv_count=None, send_only=False):
+        """One decode step's dispatch (epx_ll_dispatch, collective; DeepEP's
+        low_latency_dispatch) -> (recv_x, recv_count, handle).
+
+        x [T, H], topk_idx [T, K] int32, topk_w [T, K] float32; num_tokens:
+        the step's count when x and the routing hold more rows (T is then
+        their rows). recv_x has the fixed shape ll_shape(): expert e's rows
+        are recv_x[e, :recv_count[e]] (rank-major: source rank s's), in the
+        normal layout's order; handle.recv_source() gives each row's (rank,
+        token) over the flattened rows. send_only: epx_ll_dispatch_send;
+        call ll_complete(handle) before reading recv_x and recv_count."""
+        fn = "Buffer.ll_dispatch"
+        with self._together("ll_dispatch"):
+            T, K, pi, pw, _ = self._routing_args(fn, topk_idx, topk_w, None)
+            count, step = None, T
+            if num_tokens is not None:
+                step = int(num_tokens)
+                if not 0 <= step <= T:
+                    _invalid("%s: num_tokens is %d; pass a count in [0, %d] (the rows of topk_idx)",
+                             fn, step, T)
+                count = ctypes.c_int32(step)
+            px = self._payload_in(x, T, fn, "x")
+            shape = self.ll_shape()
+            if out is None:
+                out = empty(shape, self.np_dtype)
+            po = _ptr(out, fn, "out", self._payload, shape, align=PAYLOAD_ALIGNMENT, writable=True)
+            if recv_count is None:
+                recv_count = empty((shape[0],), np.int32)
+            pc = _ptr(recv_count, fn, "recv_count", _I32, (shape[0],), writable=True)
+        h = self._ll_dispatch(step, K, pi, pw, weighting,
+                              ctypes.addressof(count) if count is not None else None, px, po, pc,
+                              send_only, rows=T)
+        return out, recv_count, h
+
+    def ll_combine(self, handle, expert_out, out=None, *, send_only=False):
+        """The step's combine (epx_ll_combine, collective; DeepEP's
+        low_latency_combine): expert_out in ll_shape() -> out [T, H], the
+        normal combine's sums. send_only: epx_ll_combine_send; call
+        ll_complete(handle) before reading out."""
+        fn = "Buffer.ll_combine"
+        with self._together("ll_combine", handle):
+            self._host(fn)
+            pe = _ptr(expert_out, fn, "expert_out", self._payload, self.ll_shape(),
+                      align=PAYLOAD_ALIGNMENT)
+            if out is None:
+                out = empty((handle.num_tokens, self.hidden), self.np_dtype)
+            po = _ptr(out, fn, "out", self._payload, (handle.num_tokens, self.hidden),
+                      align=PAYLOAD_ALIGNMENT, writable=True)
+        call = lib.epx_ll_combine_send if send_only else lib.epx_ll_combine
+        _check(call(self._handle_ptr(fn), handle._use(self, fn), pe, po))
+        return out
+
+    def ll_complete(self, handle):
+        """Finishes the handle's pending ll_dispatch / ll_combine send (epx_ll_complete)."""
+        fn = "Buffer.ll_complete"
+        _check(lib.epx_ll_complete(self._handle_ptr(fn), handle._use(self, fn)))
 
     def _layout(self, num_tokens, top_k, idx, w, loc, weighting, recorder):
         fn = "Buffer.dispatch_layout"

@@ -377,13 +377,15 @@ class BufferConfig(_Config):
         ("exchange_path", _enum),
         ("sm_budget", ctypes.c_int32),
         ("fp8_format", _enum),
+        ("low_latency", ctypes.c_int32),
     ]
     _defaults = dict(device=Device.CPU, dtype=DType.FLOAT32, hidden=0, num_experts=0, max_top_k=0,
                      max_tokens_per_rank=0, max_tokens_rounding=256, exchange=Exchange.DEDUP,
                      layout=Layout.EXPERT_MAJOR, expert_alignment=1, capacity=0,
                      worst_case_sizing=0, stream=None,
                      combine_precision=CombinePrecision.PARTIALS_FLOAT32,
-                     exchange_path=ExchangePath.AUTO, sm_budget=0, fp8_format=FP8Format.NONE)
+                     exchange_path=ExchangePath.AUTO, sm_budget=0, fp8_format=FP8Format.NONE,
+                     low_latency=0)
 
 
 class Routing(ctypes.Structure):
@@ -462,6 +464,11 @@ _PROTOTYPES = {
     "epx_quantize": (_st, [_enum, _enum, _i64, _i64, _p, _p, _p]),
     "epx_dequantize": (_st, [_enum, _enum, _i64, _i64, _p, _p, _p]),
     "epx_combine": (_st, [_p, _p, _p, _p]),
+    "epx_ll_dispatch": (_st, [_p, ctypes.POINTER(Routing), _p, _p, _p, _p, _pp]),
+    "epx_ll_dispatch_send": (_st, [_p, ctypes.POINTER(Routing), _p, _p, _p, _p, _pp]),
+    "epx_ll_combine": (_st, [_p, _p, _p, _p]),
+    "epx_ll_combine_send": (_st, [_p, _p, _p, _p]),
+    "epx_ll_complete": (_st, [_p, _p]),
     "epx_dispatch_backward": (_st, [_p, _p, _p, _p, _p, _p]),
     "epx_combine_backward": (_st, [_p, _p, _p, _p, _p, _p]),
     "epx_weights_backward": (_st, [_p, _p, _p, _p]),

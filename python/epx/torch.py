@@ -57,7 +57,7 @@ from epx import DType, Device, Exchange, Layout, Status, Weighting
 __all__ = ["route", "dispatch", "combine", "Dispatched", "TorchRouteResult", "MoE",
            "TokenDispatcher", "checkpoint_context", "keep_handles", "comm_from_process_group",
            "init_process_group", "launch_env",
-           "make_buffer", "grouped_mm", "epx_dtype", "torch_dtype"]
+           "make_buffer", "grouped_mm", "epx_dtype", "torch_dtype", "ll_dispatch", "ll_combine"]
 
 lib = _lib.lib
 
@@ -1350,6 +1350,74 @@ def combine(d, expert_out, *, previous_event=None, async_finish=False, comm_stre
     out, event = _overlapped("epx.torch.combine", expert_out.device, previous_event, async_finish,
                              comm_stream, (expert_out, w), call)
     return (out, event) if (async_finish if return_event is None else return_event) else out
+
+
+# ---------------------------------------------------------------------------
+# Low-latency decode (a buffer made with low_latency=1; epx.h, "Low-latency
+# decode"). Inference only: no autograd (the library refuses backward there).
+# ---------------------------------------------------------------------------
+
+
+def _ll_hook(buffer, handle, send_only):
+    return (lambda: buffer.ll_complete(handle)) if send_only else None
+
+
+def ll_dispatch(buffer, x, topk_idx, topk_w=None, *, num_tokens=None,
+                weighting=Weighting.IN_COMBINE, return_recv_hook=False):
+    """DeepEP's low_latency_dispatch on a low-latency buffer
+    (make_buffer(..., low_latency=1)): x [T, H] -> (recv_x, recv_count,
+    handle, hook). recv_x has buffer.ll_shape() ([E_local, W * max_tokens, H]
+    expert-major; [W, max_tokens, H] rank-major, with weighting NONE) in the
+    buffer's dtype; recv_count [E_local] int32 (rank-major: rows per source
+    rank); expert e's rows are recv_x[e, :recv_count[e]], in the normal
+    exchange's order. handle (an epx.Handle) drives ll_combine and gives
+    recv_source(); release it when done. num_tokens: the step's count when x
+    and the routing hold more rows. return_recv_hook: the send runs now and
+    hook() completes it (epx_ll_complete); read recv_x after hook(); else
+    hook is None. CPU tensors (the mode's device in this version)."""
+    fn = "epx.torch.ll_dispatch"
+    b = buffer
+    dt = torch_dtype(b.dtype)
+    if not isinstance(x, _torch.Tensor) or x.dim() != 2:
+        _tensor(x, fn, "x", dt, (None, b.hidden), b.device)
+    T = x.shape[0]
+    x = _tensor(x, fn, "x", dt, (T, b.hidden), b.device, align=16)
+    idx = _routing_tensor(topk_idx, fn, "topk_idx", _I32, (T, None), b.device, high=b.num_experts)
+    K = idx.shape[1]
+    w = _routing_tensor(topk_w, fn, "topk_w", _F32, (T, K), b.device,
+                        optional=weighting == Weighting.NONE)
+    step = T if num_tokens is None else int(num_tokens)
+    if not 0 <= step <= T:
+        _epx._invalid("%s: num_tokens is %d; pass a count in [0, %d] (the rows of x)", fn, step, T)
+    count = ctypes.c_int32(step)
+    shape = b.ll_shape()
+    recv_x = _torch.empty(shape, dtype=dt)
+    recv_count = _torch.empty((shape[0],), dtype=_I32)
+    h = b._ll_dispatch(step, K, _ptr(idx), _ptr(w), weighting,
+                       ctypes.addressof(count) if num_tokens is not None else None, _ptr(x),
+                       recv_x.data_ptr(), recv_count.data_ptr(), return_recv_hook, rows=T)
+    return recv_x, recv_count, h, _ll_hook(b, h, return_recv_hook)
+
+
+def ll_combine(buffer, x, handle, *, out=None, return_recv_hook=False):
+    """DeepEP's low_latency_combine: x (the expert outputs, buffer.ll_shape())
+    -> (combined [T, H], hook): each token's weighted sum, the bits of the
+    normal combine on the same routing. return_recv_hook as in ll_dispatch."""
+    fn = "epx.torch.ll_combine"
+    b = buffer
+    dt = torch_dtype(b.dtype)
+    x = _tensor(x, fn, "x", dt, b.ll_shape(), b.device, align=16)
+    T = handle.num_tokens
+    if out is None:
+        out = _torch.empty((T, b.hidden), dtype=dt)
+    else:
+        _tensor(out, fn, "out", dt, (T, b.hidden), b.device, align=16)
+        if not out.is_contiguous() or (out.numel() and out.data_ptr() % 16):
+            _epx._invalid("%s: out must be contiguous and 16-byte aligned", fn)
+    _epx._check(lib.epx_ll_combine_send(b._handle_ptr(fn), handle._use(b, fn), _ptr(x), _ptr(out))
+                if return_recv_hook else
+                lib.epx_ll_combine(b._handle_ptr(fn), handle._use(b, fn), _ptr(x), _ptr(out)))
+    return out, _ll_hook(b, handle, return_recv_hook)
 
 
 def make_buffer(comm, *, hidden, num_experts, max_top_k, max_tokens_per_rank, dtype=_F32,
