@@ -710,6 +710,10 @@ void main_job_rank(job_t *job, const world_t *w, epx_comm_t comm) {
   setup_route(&j);
   setup_runs(&j, comm);
   setup_work(&j);
+  int32_t nodes = 0, per_node = 0;
+  if (epx_comm_topology(comm, &nodes, &per_node, NULL, NULL) == EPX_SUCCESS && w->rank == 0)
+    printf("topology: %d node%s of %d rank%s (epx_comm_topology)\n", (int)nodes, nodes == 1 ? "" : "s", (int)per_node,
+           per_node == 1 ? "" : "s");
 
   for (int step = 0; step < j.steps; step++) run_step(&j, step);
 
