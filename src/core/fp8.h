@@ -1,8 +1,11 @@
 /* FP8 rows: e4m3fn conversions, the scale encodings (float32, DeepEP's
  * UE8M0, OCP's E8M0) and the per-block quantizers of the epx_fp8_format_t
  * formats, bit for bit the peers' formulas (epx.h says which and how they
- * treat NaN and infinities). Plain C on the host; the CPU backend, the
- * public epx_quantize / epx_dequantize and the tests' references use them. */
+ * treat NaN and infinities). The scalar steps are inline and usable from
+ * CUDA too (EPX_HD), so the GPU's quantizer is this one: each step is one
+ * IEEE float32 operation (nvcc's default division is the correctly rounded
+ * one, and no step is a multiply-add it could fuse). The row functions
+ * (fp8.c) serve the CPU backend and epx_quantize / epx_dequantize. */
 #ifndef EPX_CORE_FP8_H
 #define EPX_CORE_FP8_H
 
@@ -10,20 +13,32 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "core/payload.h"
 #include "epx.h"
 
 #ifdef __cplusplus
 extern "C" {
 #endif
 
+static inline EPX_HD uint32_t epx_fp8_bits(float f) {
+  uint32_t bits;
+  memcpy(&bits, &f, sizeof bits);
+  return bits;
+}
+
+static inline EPX_HD float epx_fp8_float(uint32_t bits) {
+  float f;
+  memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
 #define EPX_E4M3_MAX 448.0f
 #define EPX_E4M3_NAN 0x7fu /* the NaN a conversion writes, as CUDA's satfinite cvt */
 
 /* float32 -> e4m3fn, rounding to nearest even; finite values beyond 448
  * and infinities saturate to +-448 (CUDA's __NV_SATFINITE); NaN -> 0x7f. */
-static inline uint8_t epx_f32_to_e4m3(float f) {
-  uint32_t bits;
-  memcpy(&bits, &f, sizeof bits);
+static inline EPX_HD uint8_t epx_f32_to_e4m3(float f) {
+  uint32_t bits = epx_fp8_bits(f);
   uint8_t sign = (uint8_t)((bits >> 24) & 0x80u);
   uint32_t abs = bits & 0x7fffffffu;
   if (abs > 0x7f800000u) return EPX_E4M3_NAN;
@@ -45,20 +60,80 @@ static inline uint8_t epx_f32_to_e4m3(float f) {
   return sign | (uint8_t)m;
 }
 
-static inline float epx_e4m3_to_f32(uint8_t q) {
-  uint32_t sign = (uint32_t)(q & 0x80u) << 24, exp = (q >> 3) & 0xfu, man = q & 7u, bits;
-  if (exp == 0xf && man == 7) {
-    bits = sign | 0x7fc00000u;
-  } else if (exp == 0) {
-    float v = (float)man * 0x1p-9f;
-    memcpy(&bits, &v, sizeof bits);
-    bits |= sign;
-  } else {
-    bits = sign | ((exp + 120u) << 23) | (man << 20);
+static inline EPX_HD float epx_e4m3_to_f32(uint8_t q) {
+  uint32_t sign = (uint32_t)(q & 0x80u) << 24, exp = (q >> 3) & 0xfu, man = q & 7u;
+  if (exp == 0xf && man == 7) return epx_fp8_float(sign | 0x7fc00000u);
+  if (exp == 0) return epx_fp8_float(epx_fp8_bits((float)man * 0x1p-9f) | sign);
+  return epx_fp8_float(sign | ((exp + 120u) << 23) | (man << 20));
+}
+
+/* A block's quantization from its amax: the multiplier of its values and
+ * the scale as stored (float32 bits, or the exponent byte). amax is taken
+ * with NaN propagating for DeepEP's formats (torch.amax) and skipping NaN
+ * for MXFP8 (TransformerEngine's fmaxf). */
+typedef struct {
+  float mult;
+  uint32_t stored;
+} epx_fp8_block_scale_t;
+
+static inline EPX_HD int epx_fp8_nonfinite(float f) { return (epx_fp8_bits(f) & 0x7fffffffu) >= 0x7f800000u; }
+
+/* 2^ceil(log2(s)) from the bits (DeepGEMM's ceil_to_ue8m0 computes it with
+ * log2, which agrees for every amax of bf16 rows). s is a positive normal,
+ * an infinity or NaN; the latter two are returned as they are. */
+static inline EPX_HD float epx_fp8_ceil_pow2(float s) {
+  uint32_t bits = epx_fp8_bits(s);
+  if (epx_fp8_nonfinite(s)) return s;
+  return epx_fp8_float(((bits >> 23) + ((bits & 0x7fffffu) != 0)) << 23);
+}
+
+/* TransformerEngine's float_to_e8m0 (the pre-Blackwell branch; Blackwell's
+ * cvt.rp.satfinite.ue8m0x2 gives the same): the exponent rounded up. */
+static inline EPX_HD uint8_t epx_fp8_te_e8m0(float v) {
+  uint32_t bits = epx_fp8_bits(v);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return 0xff;
+  if ((bits & 0x7fffffffu) == 0x7f800000u) return 0xfe;
+  if (v == 0.0f) return 0;
+  uint32_t exp = bits >> 23, man = bits & 0x7fffffu;
+  if (man > 0 && exp != 0xfe && !(exp == 0 && man <= 0x400000u)) exp++;
+  return (uint8_t)exp;
+}
+
+/* 2^(127 - b), TransformerEngine's exp2f_rcp: the multiplier of a block. */
+static inline EPX_HD float epx_fp8_te_exp2f_rcp(uint8_t b) {
+  if (b == 255) return epx_fp8_float(0x7fffffffu);
+  if (b == 254) return epx_fp8_float(0x00400000u);
+  return epx_fp8_float((uint32_t)(254 - b) << 23);
+}
+
+static inline EPX_HD epx_fp8_block_scale_t epx_fp8_block_scale(epx_fp8_format_t format, float amax) {
+  epx_fp8_block_scale_t s;
+  if (format == EPX_FP8_MXFP8) {
+    uint8_t e = epx_fp8_te_e8m0(amax * (float)(1.0 / 448.0)); /* TE's max_norm_rcp */
+    s.mult = epx_fp8_te_exp2f_rcp(e);
+    s.stored = e;
+    return s;
   }
-  float f;
-  memcpy(&f, &bits, sizeof f);
-  return f;
+  amax = amax < 1e-4f ? 1e-4f : amax; /* DeepEP's clamp (NaN stays NaN, as torch.clamp keeps it) */
+  if (format == EPX_FP8_E4M3_F32_128) {
+    s.mult = (1.0f / amax) * EPX_E4M3_MAX; /* eager torch: 448.0 / t is t.reciprocal() * 448 */
+    s.stored = epx_fp8_bits(amax / EPX_E4M3_MAX);
+    return s;
+  }
+  float scale = epx_fp8_ceil_pow2(amax / EPX_E4M3_MAX);
+  s.mult = 1.0f / scale;
+  s.stored = epx_fp8_nonfinite(scale) ? 0xffu : epx_fp8_bits(scale) >> 23;
+  return s;
+}
+
+/* A stored scale as the float32 multiplier of its block's e4m3 values (the
+ * peers' dequantizers: DeepEP's per_token_cast_back shifts a UE8M0 byte into
+ * the exponent, so 255 is infinity; OCP E8M0 255 is NaN, 0 is 2^-127). */
+static inline EPX_HD float epx_fp8_scale_value(epx_fp8_format_t format, uint32_t stored) {
+  if (format == EPX_FP8_E4M3_F32_128) return epx_fp8_float(stored);
+  if (format == EPX_FP8_E4M3_UE8M0_128) return epx_fp8_float(stored << 23);
+  if (stored == 255) return epx_fp8_float(0x7fffffffu);
+  return epx_fp8_float(stored == 0 ? 0x00400000u : stored << 23);
 }
 
 /* The format's block of channels per scale (0: not an fp8 format), the
