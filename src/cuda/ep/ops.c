@@ -3,9 +3,12 @@
  * (epx_cuda_ep_agree_call), then runs the handle's path. A CUDA buffer over
  * several ranks gets it at creation (cuda/backend.c). */
 #include "core/backend.h"
+#include "core/error.h"
 #include "core/nccl.h"
 #include "cuda/backend.h"
 #include "cuda/ep/ep.h"
+
+#if EPX_HAVE_NCCL
 
 static epx_status_t ep_wait(epx_buffer_t buffer, const char *fn) {
   return epx_nccl_wait(buffer->comm, buffer->config.stream, fn);
@@ -76,3 +79,21 @@ const epx_backend_t epx_cuda_ep_backend = {
     .handle_bytes = epx_cuda_ep_handle_bytes,
     .peer_paths = epx_cuda_ep_peer_paths,
 };
+
+#else /* a CUDA build without NCCL: one rank only, so no buffer gets this table past its creation */
+
+static epx_status_t ep_refuse(epx_buffer_t b) {
+  return epx_error(EPX_ERROR_UNSUPPORTED,
+                   "epx_buffer_create: this build of epx has no NCCL transport, so the CUDA backend runs on a "
+                   "comm of one rank (comm has %d); rebuild with NCCL (EPX_NCCL_ROOT) or use EPX_DEVICE_CPU",
+                   b->world_size);
+}
+
+const epx_backend_t epx_cuda_ep_backend = {
+    .name = "cuda",
+    .route = epx_cuda_route,
+    .route_backward = epx_cuda_route_backward,
+    .buffer_init = ep_refuse,
+};
+
+#endif
