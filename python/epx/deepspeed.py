@@ -1,0 +1,195 @@
+"""epx as DeepSpeed's MoE layer.
+
+:class:`MoE` is ``deepspeed.moe.layer.MoE`` (a subclass: DeepSpeed's engine
+finds it, ``set_deepspeed_parallelism`` gives it its expert-parallel group,
+``use_residual`` works) with the same arguments and the same return,
+``(output, l_aux, exp_counts)``; its gate (``deepspeed_moe.gate.wg``) and
+experts (``deepspeed_moe.experts``, your ``expert`` copied
+``num_experts / ep_size`` times, each parameter tagged ``allreduce = False``
+and ``group_name = "ep_size_<ep_size>"`` for the expert-data-parallel
+all-reduce) are DeepSpeed's own, so checkpoints load unchanged. Only the
+exchange differs: epx routes the tokens (``epx.torch.route`` with DeepSpeed's
+gating: top-1, top-2, top-k, capacity, drop order, gate renormalisation,
+l_aux) and moves them with its dispatch and combine, dropless of padding::
+
+    from epx.deepspeed import MoE          # was: from deepspeed.moe.layer import MoE
+    moe = MoE(hidden_size, expert, num_experts=8, ep_size=2, k=2,
+              top2_2nd_expert_sampling=False)
+    out, l_aux, exp_counts = moe(x)
+
+Each local expert gets its own tokens as one 2-D ``[n, hidden]`` tensor
+(DeepSpeed gives it a ``[ep_size, 1, capacity, hidden]`` block padded with
+zero rows): experts that act row by row, an MLP, compute the same.
+
+Not reproduced, refused with the fix: the random gates
+(``noisy_gate_policy`` "Jitter"/"RSample", ``top2_2nd_expert_sampling=True``
+with k=2), ``used_token``, Tutel, expert tensor parallelism. ``use_rts=True``
+(top-1 with drops) becomes epx's seeded random priority
+(``epx.DropPolicy.BY_RANDOM_PRIORITY``, seed ``rts_seed``), not torch's random
+stream.
+"""
+import torch
+import torch.nn.functional as F
+from deepspeed.moe.layer import MoE as _DeepSpeedMoE
+from deepspeed.utils import groups as _groups
+from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
+
+import epx as _epx
+import epx.torch as _et
+from epx import AuxCounts, DropPolicy, Exchange, QueueOrder, Status
+
+__all__ = ["MoE", "MOELayer"]
+
+
+def _unsupported(fmt, *args):
+    _epx._refuse(Status.ERROR_UNSUPPORTED, fmt, *args)
+
+
+def gate_options(k, capacity_factor, min_capacity, drop_tokens, use_rts, rts_seed):
+    """The epx.RouteConfig fields of DeepSpeed's top1gating / top2gating /
+    topkgating(drop_policy="probs") with these arguments."""
+    fields = dict(top_k=k, renormalize=int(k > 1), renormalize_after_drop=int(k > 1),
+                  aux_loss_coeff=1.0, min_capacity=min_capacity,
+                  aux_counts=AuxCounts.FIRST_CHOICE if k == 2 else AuxCounts.SELECTED,
+                  queue_order=QueueOrder.BY_TOKEN if k > 2 else QueueOrder.BY_CHOICE)
+    if not drop_tokens:
+        return dict(fields, capacity_mode=0)
+    policy = {1: DropPolicy.BY_RANDOM_PRIORITY if use_rts else DropPolicy.BY_POSITION,
+              2: DropPolicy.BY_POSITION}.get(k, DropPolicy.BY_SCORE)
+    return dict(fields, capacity_mode=1, capacity_factor_f64=float(capacity_factor),
+                drop_policy=policy, random_seed=rts_seed)
+
+
+class MOELayer(torch.nn.Module):
+    """``deepspeed.moe.sharded_moe.MOELayer`` over epx: DeepSpeed's gate and
+    experts modules, epx's routing and exchange. forward(x [..., H]) -> the
+    output; ``l_aux`` and ``exp_counts`` (int64 [E], routes chosen per
+    expert before the capacity drop) are kept as attributes, as DeepSpeed's
+    are."""
+
+    def __init__(self, gate, experts, ep_group_name, ep_size, num_local_experts, *,
+                 use_rts=True, rts_seed=0, max_tokens_per_rank=None, exchange=Exchange.DEDUP,
+                 timeout_seconds=None):
+        super().__init__()
+        self.gate, self.experts = gate, experts
+        self.ep_group, self.ep_group_name = None, ep_group_name
+        self.ep_size, self.num_local_experts = ep_size, num_local_experts
+        self.num_experts = ep_size * num_local_experts
+        self.use_rts, self.rts_seed = use_rts, rts_seed
+        self.max_tokens_per_rank = max_tokens_per_rank
+        self.exchange, self.timeout_seconds = Exchange(exchange), timeout_seconds
+        self.comm = self.buffer = None
+        self.l_aux = self.exp_counts = None
+
+    def _set_ep_group(self, ep_group):
+        self.ep_group = ep_group
+        self.gate._set_ep_group(ep_group)
+
+    def _comm_now(self):
+        if self.comm is None:
+            if self.ep_group is None and self.ep_size > 1:
+                _epx._invalid("epx.deepspeed.MoE: ep_size is %d but the layer has no expert-"
+                              "parallel group yet; call moe.set_deepspeed_parallelism() (or "
+                              "deepspeed.initialize, which does) before the first forward",
+                              self.ep_size)
+            if self.ep_group is None or self.ep_group.size() == 1:
+                self.comm = _epx.Comm.create_self()
+            else:
+                self.comm = _et.comm_from_process_group(self.ep_group,
+                                                        timeout_seconds=self.timeout_seconds)
+        return self.comm
+
+    def _buffer_for(self, x):
+        T, H = x.shape
+        if self.buffer is None:
+            self.max_tokens_per_rank = max(T, self.max_tokens_per_rank or 0)
+            self.buffer = _et.make_buffer(
+                self._comm_now(), hidden=H, num_experts=self.num_experts,
+                max_top_k=self.gate.k, max_tokens_per_rank=self.max_tokens_per_rank,
+                dtype=x.dtype, device=x.device, exchange=self.exchange, expert_alignment=1)
+        b = self.buffer
+        if T > self.max_tokens_per_rank or (_et.epx_dtype(x.dtype), H) != (b.dtype, b.hidden):
+            _epx._invalid("epx.deepspeed.MoE: tokens [%d, %d] %s but the layer's buffer was made "
+                          "for up to %d tokens of hidden %d, %s; pass max_tokens_per_rank=%d",
+                          T, H, x.dtype, self.max_tokens_per_rank, b.hidden,
+                          _et.torch_dtype(b.dtype), T)
+        return b
+
+    def close(self):
+        """Closes the buffer and the comm (made at the first forward)."""
+        if self.buffer is not None:
+            self.buffer.close()
+        if self.comm is not None:
+            self.comm.close()
+        self.comm = self.buffer = None
+
+    def _route(self, x):
+        g = self.gate
+        factor = g.capacity_factor if self.training else g.eval_capacity_factor
+        options = gate_options(g.k, factor, g.min_capacity, g.drop_tokens, self.use_rts,
+                               self.rts_seed)
+        logits = F.linear(x.float(), g.wg.weight.float())
+        return _et.route(logits, num_experts=self.num_experts, **options)
+
+    def _run_experts(self, d):
+        """Each local expert on its rows of the dispatch -> [N, H]."""
+        outs, start = [], 0
+        for expert, n in zip(self.experts.deepspeed_experts, d.counts_host()):
+            out = expert(d.recv_x[start:start + n])
+            outs.append(out[0] if isinstance(out, tuple) else out)
+            start += n
+        return torch.cat(outs)
+
+    def forward(self, *input, **kwargs):
+        x = input[0]
+        if len(input) > 1 and input[1] is not None:
+            _unsupported("epx.deepspeed.MoE: used_token is not supported; mask padding out of "
+                         "the loss instead")
+        if bwc_tensor_model_parallel_world_size(_groups.mpu) > 1:
+            _unsupported("epx.deepspeed.MoE: tensor-parallel models (groups.mpu with more than "
+                         "one rank) are not supported")
+        x2 = x.reshape(-1, x.shape[-1])
+        r = self._route(x2)
+        d = _et.dispatch(self._buffer_for(x2), x2, r.topk_idx, r.topk_w)
+        out = _et.combine(d, self._run_experts(d))
+        self.l_aux, self.exp_counts = r.aux_loss, r.expert_counts.to(torch.int64)
+        return out.reshape(x.shape)
+
+
+class MoE(_DeepSpeedMoE):
+    """``deepspeed.moe.layer.MoE`` with epx's exchange (see the module's
+    docstring). The arguments are DeepSpeed's; the keyword-only ones are
+    epx's: rts_seed (the seed of use_rts), max_tokens_per_rank (default:
+    the first forward's tokens), exchange (epx.Exchange.DEDUP: a token sent
+    once per rank; COLLECTIVE: once per expert), timeout_seconds."""
+
+    def __init__(self, hidden_size, expert, num_experts=1, ep_size=1, k=1, capacity_factor=1.0,
+                 eval_capacity_factor=1.0, min_capacity=4, use_residual=False,
+                 noisy_gate_policy=None, drop_tokens=True, use_rts=True, use_tutel=False,
+                 enable_expert_tensor_parallelism=False, top2_2nd_expert_sampling=True, *,
+                 rts_seed=0, max_tokens_per_rank=None, exchange=Exchange.DEDUP,
+                 timeout_seconds=None):
+        fn = "epx.deepspeed.MoE"
+        if noisy_gate_policy not in (None, "None"):
+            _unsupported("%s: noisy_gate_policy=%r is not supported; pass None", fn,
+                         noisy_gate_policy)
+        if k == 2 and top2_2nd_expert_sampling:
+            _unsupported("%s: top2_2nd_expert_sampling=True (a Gumbel-sampled second expert) is "
+                         "not supported; pass top2_2nd_expert_sampling=False (the second best "
+                         "expert)", fn)
+        if use_tutel or enable_expert_tensor_parallelism:
+            _unsupported("%s: use_tutel and enable_expert_tensor_parallelism are not supported; "
+                         "pass False", fn)
+        super().__init__(hidden_size, expert, num_experts, ep_size, k, capacity_factor,
+                         eval_capacity_factor, min_capacity, use_residual, noisy_gate_policy,
+                         drop_tokens, use_rts, use_tutel, enable_expert_tensor_parallelism,
+                         top2_2nd_expert_sampling)
+        ds = self.deepspeed_moe
+        self.deepspeed_moe = MOELayer(ds.gate, ds.experts, ds.ep_group_name, ep_size,
+                                      self.num_local_experts, use_rts=use_rts, rts_seed=rts_seed,
+                                      max_tokens_per_rank=max_tokens_per_rank, exchange=exchange,
+                                      timeout_seconds=timeout_seconds)
+
+    def close(self):
+        """Closes the layer's epx buffer and comm."""
+        self.deepspeed_moe.close()

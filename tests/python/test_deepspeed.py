@@ -1,0 +1,184 @@
+"""epx.deepspeed.MoE against deepspeed.moe.layer.MoE (the deepspeed package,
+on the CPU): loaded with DeepSpeed's own state dict, the same input gives the
+same output, l_aux and exp_counts, and the same gradients of the input, the
+gate and every expert parameter; top-1, top-2 and top-k gating, with and
+without the capacity drop, training and eval capacity. The expert
+parameters carry DeepSpeed's tags. One rank in this process; 2 ranks
+(ep_size 2) under mpirun. Skips when deepspeed is not installed.
+
+Run: EPX_LIBRARY=build/libepx.so PYTHONPATH=python python -m pytest tests/python/test_deepspeed.py
+"""
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed on a machine without a GPU
+pytest.importorskip("deepspeed", reason="deepspeed is not installed (DS_BUILD_OPS=0 pip install "
+                    "deepspeed; `make pyenv` does)")
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "python"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+import deepspeed  # noqa: E402
+import deepspeed.moe.layer as dsl  # noqa: E402
+
+import epx  # noqa: E402
+import epx.deepspeed as eds  # noqa: E402
+from test_epx import SEED, TIMEOUT  # noqa: E402
+
+torch.set_num_threads(1)
+H, F_ = 16, 24
+
+
+def expert():
+    return torch.nn.Sequential(torch.nn.Linear(H, F_), torch.nn.GELU(), torch.nn.Linear(F_, H))
+
+
+def pair(seed, E, k, ep_size=1, **kw):
+    """DeepSpeed's layer and epx's, the second loaded with the first's state dict."""
+    torch.manual_seed(seed)
+    args = dict(num_experts=E, ep_size=ep_size, k=k, use_rts=False, min_capacity=2,
+                top2_2nd_expert_sampling=False, **kw)
+    theirs = dsl.MoE(H, expert(), **args)
+    ours = eds.MoE(H, expert(), timeout_seconds=TIMEOUT, **args)
+    missing = ours.load_state_dict(theirs.state_dict())
+    assert not missing.missing_keys and not missing.unexpected_keys
+    return theirs, ours
+
+
+def step(layer, x, g, train=True):
+    layer.train(train)
+    layer.zero_grad()
+    x = x.clone().requires_grad_(True)
+    out, l_aux, exp_counts = layer(x)
+    ((out * g).sum() + 0.1 * l_aux).backward()
+    grads = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
+    return dict(out=out.detach(), l_aux=l_aux.detach(), exp_counts=exp_counts, x=x.grad,
+                grads=grads)
+
+
+def compare(ours, theirs, what):
+    assert ours["exp_counts"].dtype == torch.int64, what
+    assert torch.equal(ours["exp_counts"], theirs["exp_counts"]), what
+    msg = "%s [EPX_TEST_SEED=%d]" % (what, SEED)
+    for k in ("out", "l_aux", "x"):
+        torch.testing.assert_close(ours[k], theirs[k], atol=1e-5, rtol=1e-5,
+                                   msg=lambda m: "%s %s: %s" % (msg, k, m))
+    assert ours["grads"].keys() == theirs["grads"].keys(), msg
+    for name, grad in ours["grads"].items():
+        torch.testing.assert_close(grad, theirs["grads"][name], atol=1e-5, rtol=1e-5,
+                                   msg=lambda m: "%s %s: %s" % (msg, name, m))
+
+
+def inputs(seed, shape):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, H, generator=g), torch.randn(*shape, H, generator=g)
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory):
+    """deepspeed.comm over a gloo group of one (DeepSpeed's gates ask it)."""
+    import torch.distributed as dist
+    store = tmp_path_factory.mktemp("deepspeed") / "store"
+    dist.init_process_group("gloo", init_method="file://%s" % store, rank=0, world_size=1)
+    deepspeed.init_distributed(dist_backend="gloo")
+    yield
+    dist.destroy_process_group()
+
+
+CASES = [  # E, k, capacity_factor, drop_tokens
+    (4, 1, 4.0, True), (4, 1, 1.0, False), (8, 2, 1.0, True), (8, 2, 0.5, True),
+    (8, 2, 1.0, False), (8, 3, 1.0, True), (6, 4, 0.75, True), (8, 3, 1.0, False)]
+
+
+@pytest.mark.parametrize("E,k,factor,drop", CASES)
+def test_matches_deepspeeds_moe(one_rank, E, k, factor, drop):
+    theirs, ours = pair(SEED, E, k, capacity_factor=factor, eval_capacity_factor=factor / 2,
+                        drop_tokens=drop)
+    x, g = inputs(SEED + 1, (3, 10))
+    for train in (True, False):
+        compare(step(ours, x, g, train), step(theirs, x, g, train), "train=%s" % train)
+    ours.close()
+
+
+def test_expert_parameters_are_tagged_as_deepspeed_tags_them(one_rank):
+    theirs, ours = pair(SEED, 4, 1)
+    assert isinstance(ours, dsl.MoE)
+    tagged = {n: (p.allreduce, p.group_name) for n, p in ours.named_parameters()
+              if hasattr(p, "allreduce")}
+    assert tagged == {n: (p.allreduce, p.group_name) for n, p in theirs.named_parameters()
+                      if hasattr(p, "allreduce")}
+    assert len(tagged) == 4 * 4 and set(tagged.values()) == {(False, "ep_size_1")}
+    assert not hasattr(ours.deepspeed_moe.gate.wg.weight, "allreduce")
+
+
+def test_refusals_name_the_fix(one_rank):
+    with pytest.raises(epx.UnsupportedError, match="top2_2nd_expert_sampling=False"):
+        eds.MoE(H, expert(), num_experts=4, k=2)
+    with pytest.raises(epx.UnsupportedError, match="noisy_gate_policy"):
+        eds.MoE(H, expert(), num_experts=4, noisy_gate_policy="Jitter")
+    layer = eds.MoE(H, expert(), num_experts=4, ep_size=2)
+    with pytest.raises(epx.InvalidArgumentError, match="set_deepspeed_parallelism"):
+        layer(torch.randn(8, H))
+
+
+def test_rts_keeps_capacity_routes(one_rank):
+    """use_rts=True: top-1 keeps C routes of an over-full expert, chosen by a
+    seeded priority."""
+    torch.manual_seed(SEED)
+    layer = eds.MoE(H, expert(), num_experts=2, k=1, capacity_factor=0.5, min_capacity=1)
+    x = torch.randn(40, H)
+    with torch.no_grad():
+        out, l_aux, counts = layer(x)
+    kept = (out.detach().abs().sum(1) > 0).sum()
+    C = 10  # ceil(40 / 2 * 0.5)
+    assert int(counts.sum()) == 40 and int(kept) == sum(min(int(c), C) for c in counts)
+    layer.close()
+
+
+# ---------------------------------------------------------------------------
+# 2 ranks: ep_size 2, MPI processes with a gloo group
+# ---------------------------------------------------------------------------
+
+
+def mpi_worker(out_dir, seed):
+    import torch.distributed as dist
+    rank, W = int(os.environ["OMPI_COMM_WORLD_RANK"]), int(os.environ["OMPI_COMM_WORLD_SIZE"])
+    dist.init_process_group("gloo", init_method="file://" + os.path.join(out_dir, "store"),
+                            rank=rank, world_size=W)
+    deepspeed.init_distributed(dist_backend="gloo")
+    for E, k, factor, drop in ((4, 1, 4.0, True), (8, 2, 0.5, True), (8, 3, 1.0, True)):
+        theirs, ours = pair(seed, E, k, ep_size=W, capacity_factor=factor, drop_tokens=drop)
+        for layer in (theirs, ours):
+            layer.set_deepspeed_parallelism()
+        x, g = inputs(seed + 1 + rank, (2, 12))
+        compare(step(ours, x, g), step(theirs, x, g), "rank %d E %d k %d" % (rank, E, k))
+        ours.close()
+    dist.destroy_process_group()
+    print("rank %d OK" % rank)
+
+
+def test_two_ranks_match_deepspeed_under_mpirun(tmp_path):
+    mpiexec = shutil.which("mpiexec")
+    if not (mpiexec and epx.has_mpi()):
+        pytest.skip("needs mpiexec and a libepx built with MPI")
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMPI_MCA_rmaps_base_oversubscribe="1", EPX_LIBRARY=epx.library_path,
+               PYTHONPATH=os.pathsep.join([str(pathlib.Path(epx.__file__).parents[1]),
+                                           os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([mpiexec, "-n", "2", sys.executable, __file__, "mpi-worker",
+                          str(tmp_path), str(SEED)], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, "mpiexec failed:\n%s\n%s" % (run.stdout[-3000:],
+                                                            run.stderr[-6000:])
+    done = sorted(line for line in run.stdout.splitlines() if line.endswith(" OK"))
+    assert done == ["rank 0 OK", "rank 1 OK"], run.stdout
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["mpi-worker"]:
+    mpi_worker(sys.argv[2], int(sys.argv[3]))
