@@ -12,7 +12,9 @@
 #include "core/error.h"
 #include "core/registry.h"
 
+#if !EPX_MPI_PLUGIN /* else mpi_plugin.c says whether the plugin loads */
 int epx_has_mpi(void) { return EPX_HAVE_MPI; }
+#endif
 
 /* A comm allocated and registered, ready for a transport's init; comm->id
  * is the value the caller will hold (core/registry.h). */
@@ -117,7 +119,7 @@ epx_status_t epx_comm_create_mpi(const void *mpi_comm, const epx_comm_config_t *
   epx_status_t checked = epx_comm_config_timeout("epx_comm_create_mpi", config, &timeout_seconds);
   if (checked == EPX_SUCCESS) checked = epx_comm_config_ranks_per_node("epx_comm_create_mpi", config, &ranks_per_node);
   if (checked != EPX_SUCCESS) return checked;
-#if EPX_HAVE_MPI
+#if EPX_HAVE_MPI || EPX_MPI_PLUGIN
   epx_comm_t created = NULL;
   epx_status_t status = epx_comm_new("epx_comm_create_mpi", timeout_seconds, &created);
   if (status != EPX_SUCCESS) return status;
