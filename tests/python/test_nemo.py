@@ -1,0 +1,162 @@
+"""epx.nemo's fused_dispatch / fused_combine (NeMo Automodel's DeepEP
+functions) against a pure-PyTorch reference of DeepEP's normal-mode
+semantics, written from deep_ep's dispatch and combine: rows by source rank
+then token, one per (token, rank) the token chose an expert on; local
+expert ids, -1 and weight 0 elsewhere; received tokens per local expert;
+combine the sum of each token's rows. Outputs and the gradients of x and of
+token_probs, on 1 rank (a gloo group of one) and 2 and 4 ranks (threads of
+the local transport). NeMo Automodel itself needs DeepEP and a GPU: install()
+is checked on stand-in modules.
+
+Run: EPX_LIBRARY=build/libepx.so PYTHONPATH=python python -m pytest tests/python/test_nemo.py
+"""
+import pathlib
+import sys
+import types
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "python"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+import epx  # noqa: E402
+import epx.nemo as en  # noqa: E402
+from test_epx import SEED, TIMEOUT  # noqa: E402
+
+torch.set_num_threads(1)
+H = 8
+
+
+def world(seed, W, T, E, K, drop=0.25):
+    """Every rank's x [T, H], token_indices [T, K] (distinct experts, a
+    fraction `drop` of them -1), token_probs, and the output's gradient."""
+    g = torch.Generator().manual_seed(seed)
+    ranks = []
+    for _ in range(W):
+        idx = torch.argsort(torch.rand(T, E, generator=g), dim=1)[:, :K]
+        idx = torch.where(torch.rand(T, K, generator=g) < drop, -1, idx)
+        probs = torch.rand(T, K, generator=g) * (idx >= 0)
+        ranks.append(dict(x=torch.randn(T, H, generator=g), idx=idx, probs=probs,
+                          grad=torch.randn(T, H, generator=g)))
+    return ranks
+
+
+def expert(recv_x, local, probs):
+    """Each row times 1 + sum over its local experts e of probs * (e + 1)."""
+    scale = 1.0 + (probs * (local + 1).clamp(min=0).to(probs.dtype)).sum(1)
+    return recv_x * scale[:, None]
+
+
+def reference(ranks, E):
+    """DeepEP's semantics in plain PyTorch, the whole world at once: per rank
+    r its (recv_x, local ids, probs, tokens_per_expert) and every rank's
+    output; the gradients of x and probs per rank."""
+    W = len(ranks)
+    El = E // W
+    xs = [r["x"].clone().requires_grad_(True) for r in ranks]
+    ps = [r["probs"].clone().requires_grad_(True) for r in ranks]
+    outs = [torch.zeros_like(r["x"]) for r in ranks]
+    received = []
+    for r in range(W):
+        rows, local, probs, src = [], [], [], []
+        for s, rank in enumerate(ranks):
+            mine = (rank["idx"] >= r * El) & (rank["idx"] < (r + 1) * El)
+            for t in torch.nonzero(mine.any(1)).flatten().tolist():
+                rows.append(xs[s][t])
+                local.append(torch.where(mine[t], rank["idx"][t] - r * El, -1))
+                probs.append(ps[s][t] * mine[t])
+                src.append((s, t))
+        recv_x = torch.stack(rows) if rows else torch.zeros(0, H)
+        local = torch.stack(local) if local else torch.zeros(0, ranks[0]["idx"].shape[1],
+                                                             dtype=torch.int64)
+        probs = torch.stack(probs) if probs else torch.zeros(local.shape)
+        counts = torch.stack([(local == e).sum() for e in range(El)])
+        y = expert(recv_x, local, probs)
+        for i, (s, t) in enumerate(src):
+            outs[s] = outs[s].index_add(0, torch.tensor([t]), y[i:i + 1])
+        received.append((recv_x.detach(), local, probs.detach(), counts))
+    sum((o * rank["grad"]).sum() for o, rank in zip(outs, ranks)).backward()
+    return received, [o.detach() for o in outs], [x.grad for x in xs], [p.grad for p in ps]
+
+
+def rank_step(group, rank, E):
+    x = rank["x"].clone().requires_grad_(True)
+    probs = rank["probs"].clone().requires_grad_(True)
+    recv_x, local, recv_probs, tokens_per_expert, handle = en.fused_dispatch(
+        x, rank["idx"], probs, E, group)
+    out, none = en.fused_combine(expert(recv_x, local, recv_probs), group, handle)
+    (out * rank["grad"]).sum().backward()
+    return dict(recv=(recv_x.detach(), local, recv_probs.detach(), tokens_per_expert),
+                out=out.detach(), none=none, x=x.grad, probs=probs.grad)
+
+
+def check(got, ref, r):
+    (recv_x, local, probs, counts), (rx, rl, rp, rc) = got["recv"], ref[0][r]
+    assert local.dtype == torch.int64 and counts.dtype == torch.int64
+    assert counts.device.type == "cpu" and got["none"] is None
+    assert torch.equal(recv_x, rx) and torch.equal(local, rl), "rank %d rows" % r
+    assert torch.equal(probs, rp) and torch.equal(counts, rc), "rank %d probs/counts" % r
+    for name, want in (("out", ref[1][r]), ("x", ref[2][r]), ("probs", ref[3][r])):
+        torch.testing.assert_close(got[name], want, atol=1e-6, rtol=1e-5,
+                                   msg=lambda m: "rank %d %s: %s [EPX_TEST_SEED=%d]" % (
+                                       r, name, m, SEED))
+
+
+@pytest.mark.parametrize("W,E,K", [(2, 8, 2), (2, 4, 3), (4, 8, 4)])
+def test_matches_deepeps_semantics_on_ranks_of_threads(W, E, K):
+    ranks = world(SEED + W + K, W, T=10, E=E, K=K)
+    ref = reference(ranks, E)
+
+    def run(comm):
+        got = rank_step(comm, ranks[comm.rank], E)
+        check(got, ref, comm.rank)
+        return True
+    try:
+        assert epx.run_local(W, run, timeout_seconds=TIMEOUT) == [True] * W
+    finally:
+        en.close()
+
+
+def test_one_rank_over_a_gloo_group(tmp_path):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method="file://%s" % (tmp_path / "store"), rank=0,
+                            world_size=1)
+    try:
+        ranks = world(SEED, 1, T=12, E=4, K=2)
+        ref = reference(ranks, 4)
+        check(rank_step(dist.group.WORLD, ranks[0], 4), ref, 0)
+        # The same group and shape reuse the comm and the buffer; more tokens are refused.
+        check(rank_step(dist.group.WORLD, ranks[0], 4), ref, 0)
+        big = world(SEED, 1, T=13, E=4, K=2)[0]
+        with pytest.raises(epx.InvalidArgumentError, match="max_tokens_per_rank=13"):
+            en.fused_dispatch(big["x"], big["idx"], big["probs"], 4, dist.group.WORLD)
+        with pytest.raises(epx.InvalidArgumentError, match="float32"):
+            en.fused_dispatch(big["x"], big["idx"], big["probs"].double(), 4, dist.group.WORLD)
+    finally:
+        en.close()
+        dist.destroy_process_group()
+
+
+def test_install_points_nemos_functions_at_epx(monkeypatch):
+    """install() rebinds fused_dispatch / fused_combine / set_deepep_num_sms
+    in NeMo Automodel's fused_a2a and token_dispatcher modules (stand-ins
+    here: the real ones need DeepEP)."""
+    stand_ins = {}
+    for name in en._NEMO_MODULES:
+        m = types.ModuleType(name)
+        m.fused_dispatch = m.fused_combine = None
+        stand_ins[name] = m
+        monkeypatch.setitem(sys.modules, name, m)
+    stand_ins[en._NEMO_MODULES[0]].set_deepep_num_sms = None
+    en.install()
+    for m in stand_ins.values():
+        assert m.fused_dispatch is en.fused_dispatch and m.fused_combine is en.fused_combine
+    assert stand_ins[en._NEMO_MODULES[0]].set_deepep_num_sms is en.set_deepep_num_sms
+
+
+def test_install_without_nemo_says_so(monkeypatch):
+    monkeypatch.setitem(sys.modules, en._NEMO_MODULES[0], None)
+    with pytest.raises(epx.UnsupportedError, match="install nemo_automodel"):
+        en.install()
