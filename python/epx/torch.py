@@ -10,7 +10,8 @@ without graph breaks, and no op waits on the device from the host:
   (``epx_buffer_max_recv_rows``; rows past the valid count are zeros), and the
   valid row count and per-expert counts stay tensors on the buffer's device
   (:meth:`Dispatched.recv_rows_host` / :meth:`Dispatched.counts_host` ask for
-  host values);
+  host values); ``exact_size=True`` trades one host sync for receive tensors
+  of exactly the received rows;
 - the aux- and z-loss gradients reach the router as tensors.
 
 A layer step by hand::
@@ -30,7 +31,9 @@ router learns whichever side applies the weights.
 
 dispatch, combine and their backward passes are collective: every rank runs
 the same graph. CUDA tensors need a libepx built with EPX_BUILD_CUDA; every
-call runs on PyTorch's current stream. Importing this module imports torch
+call runs on PyTorch's current stream, unless dispatch/combine are given
+previous_event, async_finish or comm_stream (then on a communication stream,
+returning an :class:`EventOverlap`, as DeepEP). Importing this module imports torch
 first, so a libepx linked with NCCL binds to torch's NCCL.
 """
 import contextlib
@@ -56,7 +59,7 @@ from epx import DType, Device, Exchange, Layout, Status, Weighting
 
 __all__ = ["route", "dispatch", "combine", "Dispatched", "TorchRouteResult", "MoE",
            "TokenDispatcher", "checkpoint_context", "keep_handles", "comm_from_process_group",
-           "init_process_group", "launch_env",
+           "init_process_group", "launch_env", "EventOverlap", "current_event", "stats",
            "make_buffer", "grouped_mm", "epx_dtype", "torch_dtype", "ll_dispatch", "ll_combine"]
 
 lib = _lib.lib
@@ -121,6 +124,15 @@ def _tensor(t, fn, name, dtype, shape, buffer_device, align=4, optional=False):
     if t.numel() and t.data_ptr() % align:
         t = t.clone()
     return t
+
+
+def _tensor_args(fn, required, optional):
+    """Refuses, by name, an argument that is not a tensor before it reaches
+    a custom op (whose own refusal would be torch's schema error)."""
+    for name, t in list(required.items()) + list(optional.items()):
+        if not isinstance(t, _torch.Tensor) and (t is not None or name in required):
+            _epx._invalid("%s: %s is %s; pass a torch.Tensor", fn, name,
+                          "None" if t is None else "a " + type(t).__name__)
 
 
 def _routing_tensor(t, fn, name, dtype, shape, buffer_device, optional=False, high=None):
@@ -400,6 +412,8 @@ def _overlapped(fn, dev, previous_event, async_finish, comm_stream, inputs, call
         if comm_stream is not None:
             _epx._invalid("%s: comm_stream is given but the tensors are on %s; streams are for "
                           "CUDA tensors", fn, dev)
+        if previous_event is not None:
+            previous_event.synchronize()  # a CUDA event before a CPU op: wait on the host
         result = call()
         return result, EventOverlap()
     compute = _torch.cuda.current_stream(dev)
@@ -1304,6 +1318,8 @@ def dispatch(buffer, x, topk_idx=None, topk_w=None, locations=None, *,
     it. Without them it runs on the current stream and ``d.event`` is None.
     On CPU every op is done when it returns (the event is a no-op)."""
     fn = "epx.torch.dispatch"
+    _tensor_args(fn, dict(x=x), dict(topk_idx=topk_idx, topk_w=topk_w, locations=locations,
+                                     x_scales=x_scales))
     if handle is not None:
         extra = [name for name, v in (("topk_idx", topk_idx), ("topk_w", topk_w),
                                       ("locations", locations), ("x_scales", x_scales),
@@ -1341,6 +1357,7 @@ def combine(d, expert_out, *, previous_event=None, async_finish=False, comm_stre
     Overlap as :func:`dispatch`: previous_event, async_finish, comm_stream;
     then (out, event) is returned when return_event (default: async_finish),
     else out."""
+    _tensor_args("epx.torch.combine", dict(expert_out=expert_out), {})
     w = d.topk_w if d.weighting == Weighting.IN_COMBINE else None
 
     def call():
