@@ -1,10 +1,11 @@
 /* The hierarchical exchange against dedup and collective on posed nodes
  * (epx_comm_config_t.ranks_per_node): threads as 2 nodes of 2, 2 x 4, 4 x 2
  * (and the degenerate 1 x 4, 4 x 1); mpi_hier.c runs the same cases over MPI.
- * On every layout, dtype, weighting and combine precision: dispatch (and a
- * cached second dispatch), combine, combine_backward and dispatch_backward
- * with and without grad_w, weights_backward, fp-inexact data so a sum in
- * another order would show — the three exchanges bit for bit. The rows each
+ * On every layout, dtype, weighting and combine precision: dispatch (again
+ * on the handle, and on a recorder's replayed handle), combine,
+ * combine_backward and dispatch_backward with and without grad_w,
+ * weights_backward, fp-inexact data so a sum in another order would show —
+ * the three exchanges bit for bit. The rows each
  * exchange sends by link class (epx_handle_traffic) against counts made here
  * from every rank's routing, and the topology query. */
 #include <pthread.h>
@@ -142,7 +143,18 @@ static int ht_run(epx_comm_t comm, const ht_rank_t *R, epx_exchange_t exchange, 
   res->grad_w_combine = tu_alloc(wb), res->grad_w_dispatch = tu_alloc(wb), res->grad_w_weights = tu_alloc(wb);
   RANK_OK(epx_handle_traffic(h, &res->traffic));
   RANK_OK(epx_dispatch(b, h, R->x, res->recv, N));
-  RANK_OK(epx_dispatch(b, h, R->x, res->recv2, N)); /* cached: the payload only */
+  RANK_OK(epx_dispatch(b, h, R->x, res->recv, N)); /* cached: the payload only */
+  /* A recorder's replay of the layout (no exchange) moves the same rows. */
+  epx_recorder_t recorder = NULL;
+  epx_handle_t recorded = NULL, replayed = NULL;
+  RANK_OK(epx_recorder_create(1, &recorder));
+  RANK_OK(epx_dispatch_layout(b, &routing, recorder, &recorded));
+  RANK_OK(epx_recorder_set_mode(recorder, EPX_RECORDER_REPLAY));
+  RANK_OK(epx_dispatch_layout(b, &routing, recorder, &replayed));
+  if (replayed) RANK_OK(epx_dispatch(b, replayed, R->x, res->recv2, N));
+  if (recorded) RANK_OK(epx_handle_release(recorded));
+  if (replayed) RANK_OK(epx_handle_release(replayed));
+  RANK_OK(epx_recorder_destroy(recorder));
   /* The experts' outputs: a function of the row received (so equal rows on
    * every exchange), inexact. */
   void *expert_out = tu_alloc(rows_bytes);
