@@ -30,7 +30,9 @@ single: build
 # numpy, pytest and mpi4py) holding torch (the package index's Linux wheel,
 # which runs on CPUs) and scikit-build-core (the wheel's build backend), made
 # once by `make pyenv`. PYTHON=/usr/bin/python3 runs the tests without torch
-# (the epx.torch tests then skip).
+# (the epx.torch tests then skip). megatron-core and deepspeed (CPU, no
+# compiled ops) are the drop-ins' references; megatron-core imports
+# numpy.dtypes, which needs a numpy newer than Debian 12's 1.24.
 PYENV ?= $(BUILD)/pyenv
 PYTHON ?= $(PYENV)/bin/python
 SYSTEM_PYTHON ?= /usr/bin/python3
@@ -38,6 +40,8 @@ SYSTEM_PYTHON ?= /usr/bin/python3
 $(PYENV)/.ready:
 	$(SYSTEM_PYTHON) -m venv --system-site-packages $(PYENV)
 	$(PYENV)/bin/python -m pip install -q --disable-pip-version-check "torch>=2.5" "scikit-build-core>=0.8"
+	$(PYENV)/bin/python -m pip install -q --disable-pip-version-check "numpy>=1.25,<2" "megatron-core==0.16.1"
+	DS_BUILD_OPS=0 $(PYENV)/bin/python -m pip install -q --disable-pip-version-check "deepspeed==0.19.8"
 	touch $@
 
 pyenv: $(PYENV)/.ready
