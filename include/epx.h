@@ -1200,10 +1200,19 @@ epx_status_t epx_dispatch_quantize(epx_buffer_t buffer, epx_handle_t handle, con
  * captured graph replays with new counts; host memory on a CPU buffer, read
  * during the send call); routing->num_tokens is then the rows x and the
  * routing arrays hold (<= max_tokens_per_rank), and *num_tokens must be in
- * [0, routing->num_tokens]. NULL: routing->num_tokens is the count.
+ * [0, routing->num_tokens]. NULL: routing->num_tokens is the count. On a
+ * CUDA buffer the handle's T (combine's out rows) is then routing->num_tokens
+ * and out's rows past the count are zeros; a count outside [0,
+ * routing->num_tokens] is clamped to it.
  *
- * Low-latency buffers are CPU buffers in this version (a CUDA one is
- * EPX_ERROR_UNSUPPORTED at epx_buffer_create). */
+ * Backends: CPU buffers over any comm, both layouts. CUDA buffers over a comm
+ * of one rank, expert-major (others: EPX_ERROR_UNSUPPORTED at
+ * epx_buffer_create): the calls enqueue on the buffer's stream, never
+ * synchronise the host and allocate nothing, so they can be captured in a
+ * CUDA graph; routing values are checked on the device, an invalid route
+ * (an id outside [0, E), a token's second route to one expert) dropped as
+ * with worst_case_sizing; at most 4 handles of a buffer are live at once
+ * (EPX_ERROR_BUSY: release one). */
 #define EPX_LL_DEFAULT_MAX_TOKENS 256
 
 /* Dispatch of one decode step (collective): x [T, H] -> recv_x (the fixed

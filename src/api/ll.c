@@ -16,21 +16,43 @@
 #include "core/registry.h"
 #include "core/transport.h"
 #include "cpu/cpu.h"
+#if EPX_HAVE_CUDA
+#include "cuda/ll/ll.h"
+#endif
 
 /* The device's implementation of the mode, or NULL where it has none. */
 static const epx_ll_backend_t *ll_backend(epx_device_t device) {
-  return device == EPX_DEVICE_CPU ? &epx_cpu_ll_backend : NULL;
+  if (device == EPX_DEVICE_CPU) return &epx_cpu_ll_backend;
+#if EPX_HAVE_CUDA
+  if (device == EPX_DEVICE_CUDA) return &epx_cuda_ll_ops;
+#endif
+  return NULL;
 }
 
-epx_status_t epx_ll_check_config(epx_buffer_config_t *c) {
+/* What the CUDA backend serves in this version: one GPU, expert-major. */
+static epx_status_t check_cuda_config(const epx_buffer_config_t *c, int32_t world_size) {
+  const char *fn = "epx_buffer_create";
+  if (c->device != EPX_DEVICE_CUDA) return EPX_SUCCESS;
+  if (world_size != 1 || c->layout != EPX_LAYOUT_EXPERT_MAJOR)
+    return epx_error(EPX_ERROR_UNSUPPORTED,
+                     "%s: config.low_latency = 1 on a CUDA buffer is served over a comm of one rank with "
+                     "EPX_LAYOUT_EXPERT_MAJOR in this version (this comm has %d ranks, layout %d); use CPU "
+                     "buffers, or the normal mode with worst_case_sizing (graph capturable) over several GPUs",
+                     fn, world_size, (int)c->layout);
+  return EPX_SUCCESS;
+}
+
+epx_status_t epx_ll_check_config(epx_buffer_config_t *c, int32_t world_size) {
   const char *fn = "epx_buffer_create";
   if (c->low_latency == 0) return EPX_SUCCESS;
   EPX_REQUIRE(c->low_latency == 1, "%s: config.low_latency is %d; pass 0 (the normal mode) or 1 (low-latency decode)",
               fn, c->low_latency);
   if (!ll_backend(c->device))
     return epx_error(EPX_ERROR_UNSUPPORTED,
-                     "%s: config.low_latency = 1 is served on EPX_DEVICE_CPU buffers only in this version; use a "
-                     "CPU buffer, or the normal mode with worst_case_sizing (graph capturable) on the GPU", fn);
+                     "%s: config.low_latency = 1 needs a CPU buffer or a CUDA build's CUDA buffer; this build "
+                     "has no backend for device %d", fn, (int)c->device);
+  epx_status_t status = check_cuda_config(c, world_size);
+  if (status != EPX_SUCCESS) return status;
   if (c->layout != EPX_LAYOUT_EXPERT_MAJOR && c->layout != EPX_LAYOUT_RANK_MAJOR)
     return epx_error(EPX_ERROR_UNSUPPORTED,
                      "%s: config.low_latency = 1 with config.layout %d: the low-latency mode has the fixed shapes "
@@ -90,13 +112,14 @@ epx_status_t epx_ll_refuse(epx_buffer_t buffer, const char *fn) {
 /* Dispatch                                                                  */
 /* ------------------------------------------------------------------------ */
 
-/* The step's routing: *routing with num_tokens read from *num_tokens (host
- * memory on the CPU, the only device of the mode in this version). */
+/* The step's routing: *routing, with num_tokens read from *num_tokens on a
+ * CPU buffer (host memory); a device count stays on the device, read by the
+ * backend's kernels (routing->num_tokens, the arrays' rows, bounds it). */
 static epx_status_t step_routing(const char *fn, epx_buffer_t b, const epx_routing_t *routing,
                                  const int32_t *num_tokens, epx_routing_t *step) {
   EPX_REQUIRE(routing, "%s: routing is NULL; pass an epx_routing_t", fn);
   *step = *routing;
-  if (!num_tokens) return EPX_SUCCESS;
+  if (!num_tokens || b->config.device != EPX_DEVICE_CPU) return EPX_SUCCESS;
   if (routing->num_tokens > b->max_tokens)
     return epx_error(EPX_ERROR_CAPACITY_EXCEEDED,
                      "%s: routing.num_tokens %lld (the rows of x and the routing) exceeds the buffer's "
@@ -170,7 +193,8 @@ static epx_status_t ll_dispatch(const char *fn, epx_buffer_t buffer, const epx_r
   if (!ll) return buffer->backend->agree(buffer, local, fn); /* refused: not a low-latency buffer */
   epx_handle_t h = NULL;
   if (local == EPX_SUCCESS) local = new_handle(fn, buffer, &step, &h);
-  status = ll->dispatch_send(buffer, &step, local, h, x, recv_x, recv_count);
+  const int32_t *device_count = buffer->config.device == EPX_DEVICE_CPU ? NULL : num_tokens;
+  status = ll->dispatch_send(buffer, &step, local, h, x, recv_x, recv_count, device_count);
   void *id = NULL;
   if (status == EPX_SUCCESS) status = epx_registry_add(h, EPX_OBJECT_HANDLE, &id);
   if (status != EPX_SUCCESS) {

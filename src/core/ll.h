@@ -19,10 +19,13 @@ typedef enum { EPX_LL_NONE = 0, EPX_LL_DISPATCH = 1, EPX_LL_COMBINE = 2 } epx_ll
 
 typedef struct epx_ll_backend {
   /* Collective: the handle's layout in the fixed shape and the rows of
-   * routing (num_tokens is the step's count), recv_count (may be NULL)
-   * filled; leaves EPX_LL_DISPATCH pending. */
+   * routing, recv_count (may be NULL) filled; leaves EPX_LL_DISPATCH
+   * pending. num_tokens: the step's count in device memory (routing's
+   * num_tokens is then the rows of its arrays), or NULL when
+   * routing->num_tokens is the count (on the CPU the API has read it). */
   epx_status_t (*dispatch_send)(epx_buffer_t buffer, const epx_routing_t *routing, epx_status_t local,
-                                epx_handle_t handle, const void *x, void *recv_x, int32_t *recv_count);
+                                epx_handle_t handle, const void *x, void *recv_x, int32_t *recv_count,
+                                const int32_t *num_tokens);
   /* Collective: the weighted sums of the step; leaves EPX_LL_COMBINE pending. */
   epx_status_t (*combine_send)(epx_buffer_t buffer, epx_handle_t handle, epx_status_t local,
                                const void *expert_out, void *out);

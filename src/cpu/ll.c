@@ -119,8 +119,9 @@ static void write_counts(const struct epx_cpu_plan *p, int32_t *recv_count) {
 }
 
 static epx_status_t cpu_ll_dispatch_send(epx_buffer_t b, const epx_routing_t *r, epx_status_t local, epx_handle_t h,
-                                         const void *x, void *recv_x, int32_t *recv_count) {
+                                         const void *x, void *recv_x, int32_t *recv_count, const int32_t *num_tokens) {
   const char *fn = "epx_ll_dispatch";
+  (void)num_tokens; /* read by the API: r->num_tokens is the count */
   epx_status_t status = epx_cpu_layout_as(b, r, local, h, fn);
   if (status == EPX_SUCCESS) status = to_fixed_shape(b, h, fn);
   /* The rows' message follows on every rank, carrying a refusal that came

@@ -11,6 +11,7 @@
 #include "cuda/backend.h"
 #include "cuda/common/check.h"
 #include "cuda/launch.h"
+#include "cuda/ll/ll.h"
 
 #if EPX_TEST_HOOKS
 static _Atomic int g_ep_at_one_rank;
@@ -24,6 +25,7 @@ static int ep_at_one_rank(void) { return 0; }
 
 static epx_status_t cuda_buffer_init(epx_buffer_t buffer) {
   buffer->backend = buffer->world_size > 1 || ep_at_one_rank() ? &epx_cuda_ep_backend : &epx_cuda_one_backend;
+  if (buffer->config.low_latency) buffer->backend = &epx_cuda_ll_backend; /* one rank (api/ll.c checked) */
   return buffer->backend->buffer_init(buffer);
 }
 
