@@ -18,7 +18,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed on a machine without a GPU
-pytest.importorskip("deepspeed", reason="deepspeed is not installed (DS_BUILD_OPS=0 pip install "
+pytest.importorskip("deepspeed", reason="deepspeed does not import (DS_BUILD_OPS=0 pip install "
                     "deepspeed; `make pyenv` does)")
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "python"))

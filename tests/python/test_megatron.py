@@ -18,7 +18,7 @@ import sys
 import pytest
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install "
+pytest.importorskip("megatron.core", reason="megatron-core does not import (pip install "
                     "megatron-core; `make pyenv` does)")
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "python"))
@@ -111,10 +111,11 @@ def config(E, K, H, **kw):
                              **kw)
 
 
-def problem(seed, T, H, E, K, drop=0.0):
+def problem(seed, T, H, E, K, drop=0.0, dtype=torch.float32):
     """hidden [T, H], router logits [T, E], routing_map with K experts per
     token (a fraction `drop` of the routes removed, as capacity drops do),
-    expert weights [E, H, H] and the output's gradient."""
+    expert weights [E, H, H] and the output's gradient; the float32 router,
+    the rest in dtype."""
     g = torch.Generator().manual_seed(seed)
     hidden = torch.randn(T, H, generator=g)
     logits = torch.randn(T, E, generator=g)
@@ -124,7 +125,7 @@ def problem(seed, T, H, E, K, drop=0.0):
         routing_map &= torch.rand(T, E, generator=g) >= drop
     weights = torch.randn(E, H, H, generator=g) / H ** 0.5
     grad = torch.randn(T, H, generator=g)
-    return hidden, logits, routing_map, weights, grad
+    return hidden.to(dtype), logits, routing_map, weights.to(dtype), grad.to(dtype)
 
 
 def step(disp, hidden, logits, routing_map, weights, grad):
@@ -138,7 +139,7 @@ def step(disp, hidden, logits, routing_map, weights, grad):
     tokens, tokens_per_expert, permuted_probs = disp.dispatch_postprocess(x, p)
     outs = [torch.tanh(chunk @ weights[e]) for e, chunk in
             zip(disp.local_expert_indices, torch.split(tokens, tokens_per_expert.tolist()))]
-    expert_out = torch.cat(outs) * permuted_probs[:, None]
+    expert_out = torch.cat(outs) * permuted_probs[:, None].to(tokens.dtype)
     y = disp.combine_postprocess(disp.token_combine(disp.combine_preprocess(expert_out)))
     (y * grad).sum().backward()
     return dict(tokens=tokens.detach(), tokens_per_expert=tokens_per_expert,
@@ -153,9 +154,10 @@ def compare(ours, theirs, what=""):
     # The permutation moves rows: bit for bit.
     assert torch.equal(ours["tokens"], theirs["tokens"]), what
     assert torch.equal(ours["probs"], theirs["probs"]), what
+    tol = 1e-6 if ours["out"].dtype == torch.float32 else 1e-2
     for k in ("out", "grad_hidden", "grad_logits"):
         torch.testing.assert_close(
-            ours[k], theirs[k], atol=1e-6, rtol=1e-5,
+            ours[k], theirs[k], atol=tol, rtol=tol,
             msg=lambda m: "%s %s: %s [EPX_TEST_SEED=%d]" % (what, k, m, SEED))
 
 
@@ -189,6 +191,13 @@ def one_rank(tmp_path_factory):
 def test_matches_megatrons_alltoall_dispatcher(one_rank, E, K, drop):
     data = problem(SEED + E + K, T=12, H=16, E=E, K=K, drop=drop)
     ours, theirs = both(config(E, K, 16), one_rank, data)
+    compare(ours, theirs)
+
+
+def test_bfloat16_tokens_float32_probs(one_rank):
+    data = problem(SEED, T=16, H=16, E=8, K=2, drop=0.2, dtype=torch.bfloat16)
+    ours, theirs = both(config(8, 2, 16, params_dtype=torch.bfloat16, bf16=True), one_rank, data)
+    assert ours["tokens"].dtype == torch.bfloat16 and ours["probs"].dtype == torch.float32
     compare(ours, theirs)
 
 
