@@ -45,7 +45,7 @@ def _unsupported(fmt, *args):
     _epx._refuse(Status.ERROR_UNSUPPORTED, fmt, *args)
 
 
-def gate_options(k, capacity_factor, min_capacity, drop_tokens, use_rts, rts_seed):
+def _gate_options(k, capacity_factor, min_capacity, drop_tokens, use_rts, rts_seed):
     """The epx.RouteConfig fields of DeepSpeed's top1gating / top2gating /
     topkgating(drop_policy="probs") with these arguments."""
     fields = dict(top_k=k, renormalize=int(k > 1), renormalize_after_drop=int(k > 1),
@@ -126,7 +126,7 @@ class MOELayer(torch.nn.Module):
     def _route(self, x):
         g = self.gate
         factor = g.capacity_factor if self.training else g.eval_capacity_factor
-        options = gate_options(g.k, factor, g.min_capacity, g.drop_tokens, self.use_rts,
+        options = _gate_options(g.k, factor, g.min_capacity, g.drop_tokens, self.use_rts,
                                self.rts_seed)
         logits = F.linear(x.float(), g.wg.weight.float())
         return _et.route(logits, num_experts=self.num_experts, **options)
@@ -150,7 +150,7 @@ class MOELayer(torch.nn.Module):
                          "one rank) are not supported")
         x2 = x.reshape(-1, x.shape[-1])
         r = self._route(x2)
-        d = _et.dispatch(self._buffer_for(x2), x2, r.topk_idx, r.topk_w)
+        d = _et.dispatch(self._buffer_for(x2), x2, r.topk_idx, r.topk_w, exact_size=True)
         out = _et.combine(d, self._run_experts(d))
         self.l_aux, self.exp_counts = r.aux_loss, r.expert_counts.to(torch.int64)
         return out.reshape(x.shape)

@@ -26,9 +26,11 @@ pg_collection=pg_collection)``.
 The epx comm of the expert-parallel group is made from the group (one rank:
 a comm of its own; more: :func:`epx.torch.comm_from_process_group`) unless
 ``comm`` is given; its buffer is made at the first dispatch, sized for that
-call's tokens unless ``max_tokens_per_rank`` says more. Two host reads per
-step, as Megatron's own dispatcher makes: the routing check before the
-exchange, the counts after it (the experts take exact-size inputs).
+call's tokens unless ``max_tokens_per_rank`` says more. The host waits for
+the device three times a step (Megatron's own dispatcher waits for its
+counts too): the routing check before the exchange, and the received row
+count and the counts after it (the experts take exact-size inputs and the
+counts on the CPU).
 
 Not supported (refused at construction, naming the setting):
 ``moe_pad_expert_input_to_capacity``, ``moe_router_padding_for_quantization``
@@ -193,10 +195,10 @@ class EpxTokenDispatcher(MoETokenDispatcher):
         return x, w
 
     def token_dispatch(self, hidden_states, probs):
-        """The exchange over the expert-parallel group (epx's dispatch) ->
-        (received tokens [N_max, H], their probs [N_max])."""
+        """The exchange over the expert-parallel group (epx's dispatch, exact
+        size) -> (received tokens [N, H], their probs [N])."""
         d = _et.dispatch(self._buffer_for(hidden_states), hidden_states, self._topk_idx, probs,
-                         weighting=Weighting.NONE)
+                         weighting=Weighting.NONE, exact_size=True)
         self._step = SimpleNamespace(d=d)
         return d.recv_x, d.recv_w
 
@@ -207,9 +209,7 @@ class EpxTokenDispatcher(MoETokenDispatcher):
         dispatcher orders them."""
         step = self._step
         counts = step.d.counts.cpu()
-        n = int(counts.sum())
-        tokens, probs = hidden_states[:n], probs[:n].to(self._probs_dtype)
-        step.rows = n
+        tokens, probs = hidden_states, probs.to(self._probs_dtype)
         if self.tp_size > 1:
             tokens, counts, probs = self._gather_tp(step, tokens, counts, probs)
         return tokens, counts, probs

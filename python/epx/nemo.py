@@ -24,8 +24,8 @@ accepted; epx runs on the current stream, so the results are ready in
 stream order, as DeepEP's are after ``current_stream_wait``. ``group`` is a
 torch.distributed group (its epx comm made once, at the first call: one
 rank: a comm of its own; more: :func:`epx.torch.comm_from_process_group`)
-or an ``epx.Comm``. The receive sizes need one host read per dispatch, as
-DeepEP's normal mode waits for its counts.
+or an ``epx.Comm``. The host waits for the received row count and the
+counts once per dispatch, as DeepEP's normal mode waits for its counts.
 
 In NeMo Automodel, before the model is built::
 
@@ -77,10 +77,11 @@ def _comm_of(group):
         return group
     with _lock:
         entry = _comms.get(id(group))
-    if entry is None:
+    if entry is None:  # made outside the lock: a collective over the group
         comm = (_epx.Comm.create_self() if group.size() == 1 else _et.comm_from_process_group(
             group, timeout_seconds=_settings["timeout_seconds"]))
-        entry = _comms.setdefault(id(group), (group, comm))
+        with _lock:
+            entry = _comms.setdefault(id(group), (group, comm))
     return entry[1]
 
 
@@ -131,12 +132,10 @@ def fused_dispatch(x, token_indices, token_probs, num_experts, group, async_fini
                       token_probs.dtype)
     buffer = _buffer_for(comm, x, num_experts, token_indices.shape[1])
     d = _et.dispatch(buffer, x.contiguous(), token_indices, token_probs,
-                     weighting=Weighting.NONE)
-    n = d.recv_rows_host()
+                     weighting=Weighting.NONE, exact_size=True)
     first = comm.rank * (num_experts // comm.size)
-    expert = d.recv_expert[:n]
-    local = torch.where(expert >= 0, expert - first, -1).to(torch.int64)
-    return d.recv_x[:n], local, d.recv_w[:n], d.counts.cpu(), Handle(d, n)
+    local = torch.where(d.recv_expert >= 0, d.recv_expert - first, -1).to(torch.int64)
+    return d.recv_x, local, d.recv_w, d.counts.cpu(), Handle(d, d.recv_x.shape[0])
 
 
 def fused_combine(x, group, handle, async_finish=False, allocate_on_comm_stream=False):
