@@ -109,6 +109,14 @@ static epx_status_t check_fp8_dispatch(epx_buffer_t buffer, epx_handle_t handle,
   return status;
 }
 
+/* The verdict on a path without fp8 dispatch (buffers with an fp8 format
+ * are refused where it is missing; a test hook can still route one there). */
+static epx_status_t no_fp8_path(epx_status_t local, const char *fn) {
+  if (local != EPX_SUCCESS) return local;
+  return epx_error(EPX_ERROR_UNSUPPORTED, "%s: this buffer's path has no fp8 dispatch in this version; use "
+                   "epx_dispatch", fn);
+}
+
 epx_status_t epx_dispatch_fp8(epx_buffer_t buffer, epx_handle_t handle, const void *x_q, const void *x_scales,
                               void *recv_x_q, void *recv_scales, int64_t recv_rows_capacity) {
   const char *fn = "epx_dispatch_fp8";
@@ -116,7 +124,7 @@ epx_status_t epx_dispatch_fp8(epx_buffer_t buffer, epx_handle_t handle, const vo
   if (status != EPX_SUCCESS) return status;
   epx_status_t local = check_fp8_dispatch(buffer, handle, fn, x_q, x_scales, 0, recv_x_q, recv_scales,
                                           recv_rows_capacity);
-  if (!buffer->backend->dispatch_fp8) return buffer->backend->agree(buffer, local, fn); /* refused: no fp8 format */
+  if (!buffer->backend->dispatch_fp8) return buffer->backend->agree(buffer, no_fp8_path(local, fn), fn);
   return buffer->backend->dispatch_fp8(buffer, handle, local, x_q, x_scales, 0, recv_x_q, recv_scales);
 }
 
@@ -127,7 +135,7 @@ epx_status_t epx_dispatch_quantize(epx_buffer_t buffer, epx_handle_t handle, con
   if (status != EPX_SUCCESS) return status;
   epx_status_t local = check_fp8_dispatch(buffer, handle, fn, x, NULL, 1, recv_x_q, recv_scales,
                                           recv_rows_capacity);
-  if (!buffer->backend->dispatch_fp8) return buffer->backend->agree(buffer, local, fn); /* refused: no fp8 format */
+  if (!buffer->backend->dispatch_fp8) return buffer->backend->agree(buffer, no_fp8_path(local, fn), fn);
   return buffer->backend->dispatch_fp8(buffer, handle, local, x, NULL, 1, recv_x_q, recv_scales);
 }
 

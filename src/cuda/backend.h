@@ -63,6 +63,11 @@ void epx_cuda_handle_fini(epx_handle_t handle);
 
 epx_status_t epx_cuda_dispatch(epx_buffer_t buffer, epx_handle_t handle, const void *x,
                                void *recv_x);
+/* fp8 rows and scales on one GPU (src/cuda/one/fp8.cu), or quantized from
+ * x of the buffer's dtype when quantize (x_scales NULL). */
+epx_status_t epx_cuda_dispatch_fp8(epx_buffer_t buffer, epx_handle_t handle, const void *x,
+                                   const void *x_scales, int quantize, void *recv_x_q,
+                                   void *recv_scales);
 epx_status_t epx_cuda_combine(epx_buffer_t buffer, epx_handle_t handle, const void *expert_out,
                               void *out);
 epx_status_t epx_cuda_dispatch_backward(epx_buffer_t buffer, epx_handle_t handle,

@@ -140,6 +140,21 @@ cudaError_t epx_cuda_scatter_launch(epx_dtype_t dtype, const void *src, void *ds
                                     const int64_t *rows_valid, int64_t row_bound,
                                     int32_t warps_per_token, cudaStream_t stream);
 
+/* FP8 scatter (src/cuda/one/fp8.cu): each token's e4m3 row x [T, H] bytes
+ * and its scales x_scales [T, S] (S the format's scale bytes per row,
+ * core/payload.h's epx_payload_fp8) copied to recv_q [rows, H] and
+ * recv_scales [rows, S] at rows[t, k] for every k with rows[t, k] >= 0; with
+ * quantize, x is [T, H] of x_dtype, quantized once per token with
+ * core/fp8.h's formulas (x_scales unused). Zeroing by row_src as for
+ * scatter. x, recv_q 16-byte aligned; H % 32 == 0 and a multiple of the
+ * format's block; scale tensors aligned to their entries. */
+cudaError_t epx_cuda_fp8_scatter_launch(epx_fp8_format_t format, epx_dtype_t x_dtype, int quantize,
+                                        const void *x, const void *x_scales, void *recv_q,
+                                        void *recv_scales, int64_t num_tokens, int64_t hidden,
+                                        const int32_t *rows, int32_t top_k, const int32_t *row_src,
+                                        const int64_t *rows_valid, int64_t row_bound,
+                                        cudaStream_t stream);
+
 /* Gather: dst[t] = round(sum over k in order of w[t, k] * src[rows[t, k]])
  * in float32 (w = 1 when NULL; zeros for a token with no rows). With grad_w:
  * grad_w[t, k] = <src[rows[t, k]], other[t]> in float32 (0 for slots of -1).

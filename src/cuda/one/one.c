@@ -282,6 +282,23 @@ fail:
   return status;
 }
 
+epx_status_t epx_cuda_dispatch_fp8(epx_buffer_t buffer, epx_handle_t handle, const void *x,
+                                   const void *x_scales, int quantize, void *recv_x_q, void *recv_scales) {
+  const char *fn = quantize ? "epx_dispatch_quantize" : "epx_dispatch_fp8";
+  epx_status_t status = EPX_SUCCESS;
+  const cuda_handle_state_t *h = handle->backend_state;
+  const epx_buffer_config_t *c = &buffer->config;
+  const epx_cuda_layout_t *l = &h->layout;
+  const int rank_major = c->layout == EPX_LAYOUT_RANK_MAJOR;
+  CUDA_CHECK(epx_cuda_fp8_scatter_launch(c->fp8_format, c->dtype, quantize, x, x_scales, recv_x_q, recv_scales,
+                                         handle->num_tokens, c->hidden, rank_major ? l->token_row : l->route_row,
+                                         rank_major ? 1 : handle->top_k, rank_major ? NULL : l->row_src,
+                                         &l->result->rows, rank_major ? 0 : h->row_bound, stream_of(buffer)),
+             fn, "the fp8 dispatch kernel");
+fail:
+  return status;
+}
+
 epx_status_t epx_cuda_combine(epx_buffer_t buffer, epx_handle_t handle, const void *expert_out,
                               void *out) {
   const char *fn = "epx_combine";

@@ -37,6 +37,12 @@ static epx_status_t one_dispatch(epx_buffer_t buffer, epx_handle_t handle, epx_s
   return local != EPX_SUCCESS ? local : epx_cuda_dispatch(buffer, handle, x, recv_x);
 }
 
+static epx_status_t one_dispatch_fp8(epx_buffer_t buffer, epx_handle_t handle, epx_status_t local, const void *x,
+                                     const void *x_scales, int quantize, void *recv_x_q, void *recv_scales) {
+  return local != EPX_SUCCESS ? local
+                              : epx_cuda_dispatch_fp8(buffer, handle, x, x_scales, quantize, recv_x_q, recv_scales);
+}
+
 static epx_status_t one_combine(epx_buffer_t buffer, epx_handle_t handle, epx_status_t local,
                                 const void *expert_out, void *out) {
   return local != EPX_SUCCESS ? local : epx_cuda_combine(buffer, handle, expert_out, out);
@@ -83,6 +89,7 @@ const epx_backend_t epx_cuda_one_backend = {
     .dispatch_layout = one_dispatch_layout,
     .handle_fini = epx_cuda_handle_fini,
     .dispatch = one_dispatch,
+    .dispatch_fp8 = one_dispatch_fp8,
     .combine = one_combine,
     .dispatch_backward = one_dispatch_backward,
     .combine_backward = one_combine_backward,
