@@ -4,9 +4,8 @@
  * that kernel (its completion and its memory) before its first global
  * memory access: the order of the stream is kept, and what is overlapped is
  * the launch of the next grid (its blocks are resident and waiting when the
- * last block of the one ahead ends): on an H200, 0.3 us of the routing
- * kernel's 13 and 0.7 of the layout's 12.3 (bench/NOTES-gpu.md, branch
- * h16-route). A kernel that lets the next one
+ * last block of the one ahead ends; bench/NOTES-gpu.md has what it saves).
+ * A kernel that lets the next one
  * launch once it runs (pdl_begin's early) has all its blocks running by
  * then, so the next one's blocks only take the slots its last wave leaves
  * free. Included by .cu files only. */

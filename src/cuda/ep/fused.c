@@ -401,10 +401,13 @@ fail:
   return status;
 }
 
-/* A relayed peer (no load/store access) is served by NCCL's host API. */
+/* Each peer's transport (chosen at the fused state's creation): a relayed
+ * peer (no load/store access) is served by NCCL's host API. */
 static void fused_peer_paths(epx_buffer_t b, int32_t *paths) {
-  const uint32_t relayed = epx_fused_relayed_peers(((const ep_buffer_t *)b->backend_state)->fused);
-  for (int32_t r = 0; r < b->world_size; r++) paths[r] = relayed >> r & 1u ? EPX_PATH_HOST : EPX_PATH_FUSED;
+  int32_t transport[EPX_FUSED_MAX_RANKS];
+  epx_fused_peer_transports(((const ep_buffer_t *)b->backend_state)->fused, transport);
+  for (int32_t r = 0; r < b->world_size; r++)
+    paths[r] = transport[r] == EPX_FUSED_PEER_RELAY ? EPX_PATH_HOST : EPX_PATH_FUSED;
 }
 
 const ep_path_t epx_cuda_ep_fused_path = {

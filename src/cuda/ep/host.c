@@ -240,7 +240,7 @@ static size_t staging_bytes(epx_buffer_t b, const ep_handle_t *h) {
  * self block goes through NCCL too, which copies it while the remote rows
  * travel (a separate copy before the group would serialise it; a copy
  * beside it on a second stream, from x straight into recv_x with only the
- * remote rows packed first, measured 2% slower: bench/NOTES-gpu.md). */
+ * remote rows packed first, measured slower: bench/NOTES-gpu.md). */
 static epx_status_t p2p(epx_buffer_t b, const ep_handle_t *h, int skind, int rkind, const void *send, void *recv,
                         size_t unit, const char *fn) {
   epx_status_t status = EPX_SUCCESS;

@@ -406,8 +406,8 @@ cudaError_t launch_combine(epx_fused_t *f, const epx_fused_plan_t *plan, const u
  * Those rows are a rank-major layout's rows (a row per received pair, its
  * own partial), so the rank-major combine kernel moves and sums them as they
  * are: its senders and its reducers, which load two ranks' rows at a time
- * (the expert-major reducer, one rank at a time, took the apart combine to
- * 1.10 ms at T=8192 on 2 H200 against the host path's 0.85). */
+ * (the expert-major reducer, one rank at a time, made the apart combine
+ * slower than the host path's: bench/NOTES.md, "v0.4 house"). */
 template <typename T>
 __global__ void __launch_bounds__(kThreads) stage_partials_kernel(const fused_dev d, const fused_plan_dev p,
                                                                   const uint4 *eo, int weighted, int part_f32) {

@@ -270,8 +270,7 @@ extern "C" cudaError_t epx_fused_dispatch_launch(epx_fused_t *f, const epx_fused
    * run of peers; else (only under EPX_CUDA_FUSED_COPY_ENGINE) it leaves
    * every row in the window and the copy takes the bound's W * max_tokens
    * rows. Taken at budgets of up to kEngineCtas, where the receiving CTAs'
-   * copy-out is what bounds the dispatch: at T=8192 on 2 H200, 0.46 ms at
-   * 16, 24 and 32 CTAs against 0.81, 0.56 and 0.43 (bench/NOTES-gpu.md). */
+   * copy-out is what bounds the dispatch (bench/NOTES-gpu.md). */
   constexpr int kEngineCtas = 24;
   const bool engine = !expert && !in_window &&
                       ((epx_cuda_launch_flags() & EPX_CUDA_FUSED_COPY_ENGINE) ||

@@ -5,7 +5,8 @@
  * rank's load/store team (NCCL's LSA team: other nodes, PCIe without P2P)
  * are reached through NCCL's host API inside the same launches: grouped
  * ncclSend/ncclRecv on the stream between an op's kernels
- * (fused/relay.cu); epx_fused_relayed_peers names them.
+ * (fused/relay.cu). Which of the two reaches a peer is chosen per peer at
+ * creation (epx_fused_transport_t); epx_fused_peer_transports says it.
  *
  * Plain C declarations: host code never sees ncclDevComm or a kernel. The
  * launchers take device pointers, sizes and a stream, enqueue their work and
@@ -106,9 +107,17 @@ epx_status_t epx_fused_destroy(epx_fused_t *fused);
  * no-op. */
 void epx_fused_abandon(epx_fused_t *fused);
 
-/* Bit r: peer r is reached through NCCL's host API (no load/store access,
- * or the test flag EPX_CUDA_FUSED_RELAY at creation). */
-uint32_t epx_fused_relayed_peers(const epx_fused_t *fused);
+/* How this rank reaches a peer: chosen per peer by epx_fused_create, as
+ * NCCL chooses a transport per peer (its canConnect): the first transport
+ * of fused/setup.cu's list that can connect to the peer. */
+typedef enum epx_fused_transport {
+  EPX_FUSED_PEER_SELF = 0,      /* this rank */
+  EPX_FUSED_PEER_LOADSTORE = 1, /* loads and stores into its window (NCCL's LSA team: NVLink, PCIe P2P) */
+  EPX_FUSED_PEER_RELAY = 2      /* NCCL's host API between the kernels (fused/relay.cu): no load/store
+                                   access, or the test flag EPX_CUDA_FUSED_RELAY at creation */
+} epx_fused_transport_t;
+/* transports[W]: the transport of each rank (epx_fused_transport_t). */
+void epx_fused_peer_transports(const epx_fused_t *fused, int32_t *transports);
 
 /* The error word: 0 while no wait timed out; else 1 and the peer that did not
  * answer and the phase ("layout counts", "dispatch rows", ...). Host-mapped:

@@ -71,8 +71,10 @@ struct fused_dev {
   int64_t pay_row_bytes; /* the window's payload rows: row_bytes, or H * 4 (config f32_rows) */
   size_t off_cts, off_lflag, off_mflag, off_vflag, off_cflag, off_mat, off_hist, off_hdr, off_back, off_meta,
       off_pay, off_part;
-  /* bit r: peer r is reached through the relay (no load/store access, or
-   * the test flag EPX_CUDA_FUSED_RELAY); peer[r] is then NULL */
+  /* bit r: peer r's transport is the relay (epx_fused_transport_t, chosen
+   * at setup: no load/store access, or the test flag EPX_CUDA_FUSED_RELAY);
+   * peer[r] is then NULL. The kernels' per-peer plan: every other peer but
+   * this rank is reached by load/store. */
   uint32_t relay_mask;
   /* per relayed peer r, this rank's outbox to r: records [maxT] (meta_stride
    * each) at 0, rows at relay_off_rows ([maxT] of max(row_bytes, H * 4):
@@ -402,6 +404,7 @@ struct epx_fused {
   uint32_t *err_host; /* mapped */
   int num_sms;
   void *relay_memory; /* the relay blocks and inboxes (fused/relay.cu), or NULL */
+  int32_t transport[EPX_FUSED_MAX_RANKS]; /* epx_fused_transport_t of each rank (setup.cu) */
   epx_fused_impl::fused_dev dev;
 };
 

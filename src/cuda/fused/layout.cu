@@ -86,8 +86,8 @@ __global__ void __launch_bounds__(256) layout_claim_kernel(const fused_dev d, co
  * comment). A route's position among the block's routes to its expert, in
  * (token, k) order, is its rank among its warp's routes to that expert (the
  * warp walks its 32 tokens' routes 32 at a time, the lanes of an expert found
- * by __match_any_sync, their writes of pos coalesced: against 32 steps of a
- * lane per slot k, the last count block started 6 us earlier at one rank)
+ * by __match_any_sync, their writes of pos coalesced: the last count block
+ * starts earlier than with 32 steps of a lane per slot k)
  * plus the counts of the warps before; a token's slot among the block's
  * tokens to a rank is a ballot's prefix plus the warps before. Shared: the
  * ids [kLayoutTokens, K], then a byte counter per (warp, expert) (a warp has
@@ -292,8 +292,8 @@ __device__ __forceinline__ int64_t group_rows(const fused_plan_dev &p, int W, in
  * layout on every rank (nothing moves, as on the host path). No thread walks
  * a chain of dependent global loads: per-rank values by a thread per rank,
  * sums by shared atomics, the expert groups' offsets by a block scan over
- * runs of experts (serial walks over the E_local experts took ~6 us of the
- * layout at T = 8192 on 2 H200: 77.6 -> 71.5 us). */
+ * runs of experts (serial walks over the E_local experts were a measurable
+ * part of the layout: bench/NOTES-gpu.md). */
 __device__ void layout_bases(const fused_dev &d, const fused_plan_dev &p) {
   __shared__ int s_empty;
   __shared__ int32_t s_in[EPX_FUSED_MAX_RANKS], s_routes_out[EPX_FUSED_MAX_RANKS], s_routes_in[EPX_FUSED_MAX_RANKS];
@@ -622,8 +622,8 @@ extern "C" cudaError_t epx_fused_layout_launch(epx_fused_t *f, epx_fused_plan_t 
     if (e != cudaSuccess) return e;
   }
   /* Programmatic dependent launch (pdl.cuh): a kernel's blocks launch as the
-   * one ahead ends and wait for its memory, not after it (one rank: the
-   * receive kernel began 1 us sooner). Only the records kernel lets the next
+   * one ahead ends and wait for its memory, not after it (the receive kernel
+   * begins sooner). Only the records kernel lets the next
    * launch early: the count kernel's last block may wait long for the
    * peers' counts, and early blocks waiting behind it would hold every SM
    * from the caller's other streams meanwhile. */

@@ -232,4 +232,6 @@ extern "C" void epx_fused_plan_host_counts(epx_fused_plan_t *plan, const int64_t
   plan->counts_known = 1;
 }
 
-extern "C" uint32_t epx_fused_relayed_peers(const epx_fused_t *f) { return f->dev.relay_mask; }
+extern "C" void epx_fused_peer_transports(const epx_fused_t *f, int32_t *transports) {
+  for (int r = 0; r < f->dev.W; r++) transports[r] = f->transport[r];
+}

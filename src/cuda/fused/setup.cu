@@ -265,6 +265,34 @@ fail:
   return status;
 }
 
+/* How a peer is reached (fused.h, epx_fused_transport_t), as NCCL picks a
+ * transport per peer: the first of kTransports whose can_connect takes it.
+ * Load/store where the peer is in this rank's load/store team (NCCL's LSA
+ * team; the relation is symmetric: a team is a clique) and the test flag
+ * EPX_CUDA_FUSED_RELAY is off; the relay through NCCL's host API for any
+ * other peer. A network transport would be one more entry, before the
+ * relay, and its kind. */
+struct peer_query {
+  ncclTeam_t team, world;
+  bool relay_all; /* EPX_CUDA_FUSED_RELAY at creation */
+};
+struct peer_transport {
+  epx_fused_transport_t kind;
+  bool (*can_connect)(const peer_query &q, int r);
+};
+bool loadstore_can_connect(const peer_query &q, int r) {
+  return !q.relay_all && ncclTeamRankIsMember(q.team, q.world, r);
+}
+bool relay_can_connect(const peer_query &, int) { return true; }
+const peer_transport kTransports[] = {{EPX_FUSED_PEER_LOADSTORE, loadstore_can_connect},
+                                      {EPX_FUSED_PEER_RELAY, relay_can_connect}};
+
+epx_fused_transport_t connect_peer(const peer_query &q, int r) {
+  for (const peer_transport &t : kTransports)
+    if (t.can_connect(q, r)) return t.kind;
+  return EPX_FUSED_PEER_RELAY;
+}
+
 /* The creation: this rank's checks and allocations (`local` is its verdict
  * on what the caller checked; f is NULL where that failed), then the
  * window's registration, the device comm, the peers' addresses, zeroed flags
@@ -315,14 +343,14 @@ epx_status_t create_steps(epx_fused_t *f, epx_status_t local, ncclComm_t comm, c
       return status;
     }
     f->devcomm = dc;
-    /* The peers outside this rank's load/store team (or every peer, under
-     * the test flag EPX_CUDA_FUSED_RELAY) are reached through the relay
-     * (fused/relay.cu). The relation is symmetric: a team is a clique. */
-    const ncclTeam_t team = ncclTeamLsa(*dc), world = ncclTeamWorld(comm);
-    const bool relay_all = (epx_cuda_launch_flags() & EPX_CUDA_FUSED_RELAY) != 0;
+    /* Each peer's transport; the relay's peers as the kernels' mask. */
+    const peer_query q = {ncclTeamLsa(*dc), ncclTeamWorld(comm),
+                          (epx_cuda_launch_flags() & EPX_CUDA_FUSED_RELAY) != 0};
     uint32_t mask = 0;
-    for (int r = 0; r < W; r++)
-      if (r != rank && (relay_all || !ncclTeamRankIsMember(team, world, r))) mask |= 1u << r;
+    for (int r = 0; r < W; r++) {
+      f->transport[r] = r == rank ? EPX_FUSED_PEER_SELF : connect_peer(q, r);
+      if (f->transport[r] == EPX_FUSED_PEER_RELAY) mask |= 1u << r;
+    }
     local = epx_fused_relay_create(f, mask, fn);
     /* every rank has its window and device comm: a refusal here tears both
      * down collectively (epx_fused_destroy) */

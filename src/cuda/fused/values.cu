@@ -242,12 +242,11 @@ extern "C" cudaError_t epx_fused_values_home_launch(epx_fused_t *f, const epx_fu
   a.home_rows = static_cast<const uint4 *>(home_rows);
   a.grad_w = grad_w;
   /* Every SM, briefly, as the expansion apart: moving values is a few
-   * bytes per route and bound by latency (on 2 H200 a warp per row on the
-   * budget's 32 CTAs took 60 us; a thread per slot on every SM 43-48 us,
-   * whatever the budget); the dots read two rows per route, bound by the
-   * loads in flight (a warp per row, its slots in turn, on the budget's 32
-   * CTAs: combine_backward with grad_w took 4.06 ms at T=8192, H=7168,
-   * top-8 on 2 H200, against 0.70 without). */
+   * bytes per route and bound by latency (a thread per slot on every SM
+   * beat a warp per row on the budget's CTAs, whatever the budget); the dots
+   * read two rows per route, bound by the loads in flight (on the budget's
+   * CTAs alone combine_backward with grad_w took several times as long as
+   * without; bench/NOTES.md, "v0.4 house", has the figures). */
   const int n = dots ? 4 * f->num_sms : f->num_sms;
   return epx_payload_visit(f->config.dtype,
                            [&](auto tag) { return launch_values<typename decltype(tag)::type>(f, plan, a, n, stream); });

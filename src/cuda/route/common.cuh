@@ -86,8 +86,8 @@ static __device__ const double kExp2Sixtyfourths[64] = {
 };
 
 /* Step 1's float32 sigmoid, epx_route_sigmoid_f32(l) bit for bit, in about
- * half its instructions (~33 in SASS, was ~70; that double exp and division
- * were ~30% of route_fast's instructions). Returns the float32 rounding of
+ * half its instructions (its double exp and division were a large share of
+ * route_fast's instructions). Returns the float32 rounding of
  * y, an approximation of the sigmoid, and sets redo when y lies within
  * kNear double ulps of a float32 rounding midpoint or below float32's
  * normal range (or l is NaN); then the caller must take

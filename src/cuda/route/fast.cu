@@ -11,8 +11,9 @@
  * another order (the spec allows it: softmax agrees away from ties).
  *
  * Why: the queue pipeline (route_tokens + expert_scan + assign, a memset and
- * the scratch) costs about 40-50 us at 8192 x 256 top-8 where the work is
- * 8 MB read and 0.5 MB written; without locations nothing needs the scan. */
+ * the scratch) costs several times what reading the logits and writing the
+ * routes takes (bench/NOTES-gpu.md); without locations nothing needs the
+ * scan. */
 #include <cuda_runtime.h>
 
 #include "cuda/common/pdl.cuh"
