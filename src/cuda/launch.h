@@ -89,11 +89,9 @@ cudaError_t epx_cuda_layout_launch(const int32_t *topk_idx, const int32_t *locat
  * dispatch_backward's grad_w) take EPX_CUDA_MOVE_VECS, which fixes their
  * summation order (combine_backward's is the fused path's order too, so it
  * is part of the bits; dispatch_backward's keeps its results as they were);
- * the plain moves take fewer, measured on an H200
- * (session 20, bench_gpu's shapes A-C against 4): the scatter 1 (512 B of a
- * row per warp per step; rows of 2048: 4% faster with K=1, equal with K=3
- * and for rows of 7168), the gather 2 (3-5% faster for rows of 2048 and
- * equal for 7168; 1 was 10-20% slower). */
+ * the plain moves take fewer, the fastest measured on an H200 (bench_gpu's
+ * shapes A-C; bench/NOTES.md, "v0.4 house", has the figures): the scatter 1
+ * (512 B of a row per warp per step), the gather 2. */
 #ifndef EPX_CUDA_MOVE_WARPS /* may be set at build time for a sweep */
 #define EPX_CUDA_MOVE_WARPS 8
 #endif
