@@ -150,6 +150,8 @@ class AuxCounts(enum.IntEnum):
 class Exchange(enum.IntEnum):
     DEDUP = 0
     COLLECTIVE = 1
+    HIERARCHICAL = 2  # one row per (token, other node), forwarded inside the node (CPU)
+    AUTO = 3          # HIERARCHICAL across nodes of several ranks, else DEDUP
 
 
 class Layout(enum.IntEnum):
@@ -351,8 +353,9 @@ class CommConfig(_Config):
         ("struct_size", ctypes.c_uint32),
         ("version", ctypes.c_uint32),
         ("timeout_seconds", ctypes.c_double),
+        ("ranks_per_node", ctypes.c_int32),
     ]
-    _defaults = dict(timeout_seconds=60.0)
+    _defaults = dict(timeout_seconds=60.0, ranks_per_node=0)
 
 
 class BufferConfig(_Config):
@@ -380,7 +383,7 @@ class BufferConfig(_Config):
         ("low_latency", ctypes.c_int32),
     ]
     _defaults = dict(device=Device.CPU, dtype=DType.FLOAT32, hidden=0, num_experts=0, max_top_k=0,
-                     max_tokens_per_rank=0, max_tokens_rounding=256, exchange=Exchange.DEDUP,
+                     max_tokens_per_rank=0, max_tokens_rounding=256, exchange=Exchange.AUTO,
                      layout=Layout.EXPERT_MAJOR, expert_alignment=1, capacity=0,
                      worst_case_sizing=0, stream=None,
                      combine_precision=CombinePrecision.PARTIALS_FLOAT32,
@@ -403,6 +406,11 @@ class Routing(ctypes.Structure):
 class HandleStatsStruct(ctypes.Structure):
     _fields_ = [(n, ctypes.c_int64) for n in
                 ("send_rows", "recv_rows", "send_bytes", "recv_bytes", "local_rows")]
+
+
+class HandleTrafficStruct(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_int64) for n in
+                ("same_node_rows", "same_node_bytes", "other_node_rows", "other_node_bytes")]
 
 
 class RecorderStatsStruct(ctypes.Structure):
@@ -448,6 +456,7 @@ _PROTOTYPES = {
     "epx_comm_destroy": (_st, [_p]),
     "epx_comm_rank": (_st, [_p, _pi32]),
     "epx_comm_size": (_st, [_p, _pi32]),
+    "epx_comm_topology": (_st, [_p, _pi32, _pi32, _pi32, _pi32]),
     "epx_comm_barrier": (_st, [_p]),
     "epx_comm_allgather": (_st, [_p, _p, _p, _size]),
     "epx_buffer_create": (_st, [_p, ctypes.POINTER(BufferConfig), _pp]),
@@ -478,6 +487,7 @@ _PROTOTYPES = {
     "epx_handle_recv_routing": (_st, [_p, _p, _p]),
     "epx_handle_recv_source": (_st, [_p, _p, _p]),
     "epx_handle_stats": (_st, [_p, ctypes.POINTER(HandleStatsStruct)]),
+    "epx_handle_traffic": (_st, [_p, ctypes.POINTER(HandleTrafficStruct)]),
     "epx_handle_retain": (_st, [_p]),
     "epx_handle_release": (_st, [_p]),
     "epx_recorder_create": (_st, [_i32, _pp]),

@@ -166,7 +166,7 @@ def test_configs_mirror_the_c_init_macros():
     import ctypes
     rc, bc, cc = epx.RouteConfig(), epx.BufferConfig(), epx.CommConfig()
     # sizes on LP64 (the library refuses a config whose struct_size differs)
-    assert (ctypes.sizeof(rc), ctypes.sizeof(bc), ctypes.sizeof(cc)) == (144, 96, 16)
+    assert (ctypes.sizeof(rc), ctypes.sizeof(bc), ctypes.sizeof(cc)) == (144, 96, 24)
     assert (rc.struct_size, rc.version) == (144, epx.CONFIG_VERSION)
     assert (rc.renormalize, rc.scaling_factor, rc.capacity_factor, rc.score_fn) == (1, 1.0, 1.0, 0)
     assert (rc.nonfinite, rc.device, rc.stream) == (epx.Nonfinite.ERROR, epx.Device.CPU, None)
@@ -174,9 +174,9 @@ def test_configs_mirror_the_c_init_macros():
     assert bc.low_latency == 0
     assert (bc.expert_alignment, bc.max_tokens_per_rank) == (1, 0)
     assert (bc.combine_precision, bc.exchange_path, bc.sm_budget) == (0, 0, 0)
-    assert (bc.exchange, bc.layout, bc.worst_case_sizing) == (epx.EPX_EXCHANGE_DEDUP,
+    assert (bc.exchange, bc.layout, bc.worst_case_sizing) == (epx.EPX_EXCHANGE_AUTO,
                                                               epx.EPX_LAYOUT_EXPERT_MAJOR, 0)
-    assert cc.timeout_seconds == 60.0
+    assert (cc.timeout_seconds, cc.ranks_per_node) == (60.0, 0)
     assert epx.BufferConfig(hidden=64).copy(num_experts=8).hidden == 64
     with pytest.raises(TypeError):
         epx.RouteConfig(num_expert=8)
