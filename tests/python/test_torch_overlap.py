@@ -198,3 +198,19 @@ def test_gpu_matmul_overlaps_a_dispatch_on_the_comm_stream():
         for u, v in ((out_ref, out2), (gx_ref, gx2), (gl_ref, gl2)):
             assert torch.equal(u, v)
         del ref, d
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="needs a GPU and a libepx built with EPX_BUILD_CUDA")
+@pytest.mark.parametrize("weighting", [W_.IN_COMBINE, W_.NONE])
+def test_gpu_exact_size_outputs_are_the_worst_case_ones_cut_to_n(weighting):
+    with epx.Comm.create_self() as comm, make(comm, device="cuda") as buf:
+        logits, x, grad = inputs(0, "cuda")
+        d, out, gx, gl = step(buf, logits, x, grad, weighting)
+        e, out_e, gx_e, gl_e = step(buf, logits, x, grad, weighting, exact_size=True)
+        n = d.recv_rows_host()
+        assert e.recv_x.shape == (n, H) and d.recv_x.shape[0] == buf.max_recv_rows()
+        for a, b in ((d.recv_x[:n], e.recv_x), (d.recv_w[:n], e.recv_w),
+                     (d.recv_expert[:n], e.recv_expert), (d.counts, e.counts),
+                     (out, out_e), (gx, gx_e), (gl, gl_e)):
+            assert torch.equal(a, b)
+        del d, e
