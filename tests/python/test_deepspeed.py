@@ -3,15 +3,13 @@ on the CPU): loaded with DeepSpeed's own state dict, the same input gives the
 same output, l_aux and exp_counts, and the same gradients of the input, the
 gate and every expert parameter; top-1, top-2 and top-k gating, with and
 without the capacity drop, training and eval capacity. The expert
-parameters carry DeepSpeed's tags. One rank in this process; 2 ranks
-(ep_size 2) under mpirun. Skips when deepspeed is not installed.
+parameters carry DeepSpeed's tags. One rank in this process; 2 processes
+(ep_size 2) under torchrun. Skips when deepspeed is not installed.
 
 Run: EPX_LIBRARY=build/libepx.so PYTHONPATH=python python -m pytest tests/python/test_deepspeed.py
 """
 import os
 import pathlib
-import shutil
-import subprocess
 import sys
 
 import pytest
@@ -30,6 +28,7 @@ import deepspeed.moe.layer as dsl  # noqa: E402
 import epx  # noqa: E402
 import epx.deepspeed as eds  # noqa: E402
 from test_epx import SEED, TIMEOUT  # noqa: E402
+from torchrun_jobs import torchrun  # noqa: E402
 
 torch.set_num_threads(1)
 H, F_ = 16, 24
@@ -142,15 +141,14 @@ def test_rts_keeps_capacity_routes(one_rank):
 
 
 # ---------------------------------------------------------------------------
-# 2 ranks: ep_size 2, MPI processes with a gloo group
+# 2 processes under torchrun: ep_size 2
 # ---------------------------------------------------------------------------
 
 
-def mpi_worker(out_dir, seed):
+def torchrun_worker(seed):
     import torch.distributed as dist
-    rank, W = int(os.environ["OMPI_COMM_WORLD_RANK"]), int(os.environ["OMPI_COMM_WORLD_SIZE"])
-    dist.init_process_group("gloo", init_method="file://" + os.path.join(out_dir, "store"),
-                            rank=rank, world_size=W)
+    rank, W = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo")
     deepspeed.init_distributed(dist_backend="gloo")
     for E, k, factor, drop in ((4, 1, 4.0, True), (8, 2, 0.5, True), (8, 3, 1.0, True)):
         theirs, ours = pair(seed, E, k, ep_size=W, capacity_factor=factor, drop_tokens=drop)
@@ -163,22 +161,9 @@ def mpi_worker(out_dir, seed):
     print("rank %d OK" % rank)
 
 
-def test_two_ranks_match_deepspeed_under_mpirun(tmp_path):
-    mpiexec = shutil.which("mpiexec")
-    if not (mpiexec and epx.has_mpi()):
-        pytest.skip("needs mpiexec and a libepx built with MPI")
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               OMPI_MCA_rmaps_base_oversubscribe="1", EPX_LIBRARY=epx.library_path,
-               PYTHONPATH=os.pathsep.join([str(pathlib.Path(epx.__file__).parents[1]),
-                                           os.environ.get("PYTHONPATH", "")]))
-    run = subprocess.run([mpiexec, "-n", "2", sys.executable, __file__, "mpi-worker",
-                          str(tmp_path), str(SEED)], env=env, capture_output=True, text=True,
-                         timeout=300)
-    assert run.returncode == 0, "mpiexec failed:\n%s\n%s" % (run.stdout[-3000:],
-                                                            run.stderr[-6000:])
-    done = sorted(line for line in run.stdout.splitlines() if line.endswith(" OK"))
-    assert done == ["rank 0 OK", "rank 1 OK"], run.stdout
+def test_two_ranks_match_deepspeed_under_torchrun():
+    torchrun(2, __file__, "torchrun-worker", str(SEED))
 
 
-if __name__ == "__main__" and sys.argv[1:2] == ["mpi-worker"]:
-    mpi_worker(sys.argv[2], int(sys.argv[3]))
+if __name__ == "__main__" and sys.argv[1:2] == ["torchrun-worker"]:
+    torchrun_worker(int(sys.argv[2]))

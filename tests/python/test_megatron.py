@@ -2,8 +2,8 @@
 megatron-core package, on the CPU): the same routing through both gives the
 same permuted tokens in the same order, the same tokens_per_expert and
 permuted_probs, the same output and the same gradients. One rank in this
-process (a gloo group of one); 2 ranks under mpirun (expert parallel 2) and
-4 (expert tensor parallel 2 x expert parallel 2). Skips when megatron-core
+process (a gloo group of one); 2 processes under torchrun (expert parallel 2)
+and 4 (expert tensor parallel 2 x expert parallel 2). Skips when megatron-core
 is not installed.
 
 Run: EPX_LIBRARY=build/libepx.so PYTHONPATH=python python -m pytest tests/python/test_megatron.py
@@ -11,8 +11,6 @@ Run: EPX_LIBRARY=build/libepx.so PYTHONPATH=python python -m pytest tests/python
 import contextlib
 import os
 import pathlib
-import shutil
-import subprocess
 import sys
 
 import pytest
@@ -32,6 +30,7 @@ from megatron.core.transformer.moe import moe_utils  # noqa: E402
 from megatron.core.transformer.moe import token_dispatcher as mtd  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 from test_epx import SEED, TIMEOUT  # noqa: E402
+from torchrun_jobs import torchrun  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -263,16 +262,15 @@ def test_refusals_name_the_setting(one_rank):
 
 
 # ---------------------------------------------------------------------------
-# 2 ranks: MPI processes with a gloo group (expert parallel 2; expert TP 2)
+# 2 and 4 processes under torchrun (expert parallel 2; expert TP 2 x EP 2)
 # ---------------------------------------------------------------------------
 
 
-def mpi_worker(out_dir, seed, tp):
+def torchrun_worker(seed, tp):
     """One rank: both dispatchers on the same routing, compared here."""
     import torch.distributed as dist
-    rank, W = int(os.environ["OMPI_COMM_WORLD_RANK"]), int(os.environ["OMPI_COMM_WORLD_SIZE"])
-    dist.init_process_group("gloo", init_method="file://" + os.path.join(out_dir, "store"),
-                            rank=rank, world_size=W)
+    rank, W = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo")
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp, expert_model_parallel_size=W // tp,
         expert_tensor_parallel_size=tp)
@@ -291,21 +289,9 @@ def mpi_worker(out_dir, seed, tp):
 
 
 @pytest.mark.parametrize("W,tp", [(2, 1), (4, 2)], ids=["ep2", "etp2xep2"])
-def test_ranks_match_megatron_under_mpirun(tmp_path, W, tp):
-    mpiexec = shutil.which("mpiexec")
-    if not (mpiexec and epx.has_mpi()):
-        pytest.skip("needs mpiexec and a libepx built with MPI")
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               OMPI_MCA_rmaps_base_oversubscribe="1", EPX_LIBRARY=epx.library_path,
-               PYTHONPATH=os.pathsep.join([str(pathlib.Path(epx.__file__).parents[1]),
-                                           os.environ.get("PYTHONPATH", "")]))
-    run = subprocess.run([mpiexec, "-n", str(W), sys.executable, __file__, "mpi-worker",
-                          str(tmp_path), str(SEED), str(tp)], env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert run.returncode == 0, "mpiexec failed:\n%s\n%s" % (run.stdout[-3000:], run.stderr[-6000:])
-    done = sorted(line for line in run.stdout.splitlines() if line.endswith(" OK"))
-    assert done == ["rank %d OK" % r for r in range(W)], run.stdout
+def test_ranks_match_megatron_under_torchrun(W, tp):
+    torchrun(W, __file__, "torchrun-worker", str(SEED), str(tp))
 
 
-if __name__ == "__main__" and sys.argv[1:2] == ["mpi-worker"]:
-    mpi_worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+if __name__ == "__main__" and sys.argv[1:2] == ["torchrun-worker"]:
+    torchrun_worker(int(sys.argv[2]), int(sys.argv[3]))
