@@ -160,6 +160,16 @@ if [ $BUILD_OK = 1 ] && nvcc -O3 -std=c++17 -arch=sm_90 -Iinclude -Isrc bench/gp
 fi
 [ $BENCH_OK = 1 ] && verdict "benchmark (host-checked dispatch/combine, timings)" PASS ||
   verdict "benchmark (host-checked dispatch/combine, timings)" FAIL
+# fp8 dispatch beside bf16 at shape C (bench/gpu/bench_fp8.cu): every format's
+# GPU bytes checked against the CPU backend, then timed (TARGET lines: fp8 <=
+# 0.56x bf16, >= 80% of copy bandwidth, quantize-on-dispatch within 10%).
+if [ $BUILD_OK = 1 ] && nvcc -O3 -std=c++17 -arch=sm_90 -Iinclude -Isrc bench/gpu/bench_fp8.cu -o "$WORK/bench_fp8" \
+     -L"$BUILD" -lepx -Xlinker -rpath -Xlinker "$PWD/$BUILD" >"$OUTDIR/bench_fp8.log" 2>&1 &&
+   timeout 240 "$WORK/bench_fp8" >>"$OUTDIR/bench_fp8.log" 2>&1; then
+  verdict "fp8 dispatch benchmark (checked vs CPU; vs bf16 at shape C)" PASS
+else
+  verdict "fp8 dispatch benchmark (checked vs CPU; vs bf16 at shape C)" FAIL
+fi
 PYTHONUNBUFFERED=1 timeout 300 python3 bench/gpu/bench_torch.py "$WORK" >"$OUTDIR/torch.log" 2>&1 &&
   verdict "PyTorch baselines" PASS || verdict "PyTorch baselines" FAIL
 # Routing: every option against the float64 reference, then route / layout /
