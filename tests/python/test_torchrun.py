@@ -107,7 +107,7 @@ def timeout_worker(seconds):
 
 
 def test_a_rank_that_stops_coming_is_a_timeout_naming_it():
-    run = _torchrun(2, "timeout-worker", 2.0)
+    run = _torchrun(2, "timeout-worker", 3.0)
     assert run.returncode == 0, run.stdout + run.stderr[-4000:]
     assert "timeout rank-1-named=True within=True" in run.stdout, run.stdout + run.stderr[-3000:]
 
