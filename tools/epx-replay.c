@@ -25,7 +25,8 @@
  *   then for each step, each layer, each rank r:
  *     uint32 T_r (<= max_tokens), int32 topk_idx[T_r][top_k] (-1: no expert).
  * Any program that routes can write it (each rank's topk_idx per layer and
- * step, gathered in rank order).
+ * step, gathered in rank order); epx-bench --record-trace FILE writes its
+ * run's routing (one layer, one step).
  */
 #include <math.h>
 #include <pthread.h>

@@ -113,6 +113,7 @@ typedef struct options {
   int single, check, csv;
   uint64_t seed;
   int cuda; /* --device cuda */
+  const char *record_trace; /* --record-trace: the routing to epx-replay's file format, or NULL */
 } options_t;
 
 /* Fills o from the command line and the mode's defaults; a bad option

@@ -160,6 +160,30 @@ static void setup_route(rank_job_t *j) {
   j->capacity = j->ro.capacity;
 }
 
+/* --record-trace: every rank's topk_idx gathered, written by rank 0 in
+ * epx-replay's trace format (tools/epx-replay.c: a header, then per step,
+ * layer and rank the token count and [T, K] expert ids). */
+static void record_trace(const rank_job_t *j) {
+  const world_t *w = j->w;
+  size_t block = sizeof(int32_t) * (size_t)(j->T * j->K);
+  int32_t *all = xalloc(block * (size_t)w->size);
+  if (w->comm) TRY(epx_comm_allgather(w->comm, j->topk_idx, all, block));
+  else memcpy(all, j->topk_idx, block);
+  if (w->rank == 0) {
+    FILE *f = fopen(j->o->record_trace, "wb");
+    uint32_t head[6] = {1, (uint32_t)w->size, 1, 1, (uint32_t)j->E, (uint32_t)j->K}, T = (uint32_t)j->T;
+    uint64_t max_tokens = (uint64_t)j->T;
+    int ok = f && fwrite("EPXTRACE", 1, 8, f) == 8 && fwrite(head, sizeof head, 1, f) == 1 &&
+             fwrite(&max_tokens, 8, 1, f) == 1;
+    for (int32_t r = 0; r < w->size && ok; r++)
+      ok = fwrite(&T, 4, 1, f) == 1 && fwrite((char *)all + block * (size_t)r, block, 1, f) == 1;
+    if (!f || fclose(f) || !ok) fatal("--record-trace %s: cannot write it", j->o->record_trace);
+    printf("routing trace written to %s (%d ranks, T=%lld, E=%d, top-%d)\n", j->o->record_trace, (int)w->size,
+           (long long)j->T, (int)j->E, (int)j->K);
+  }
+  free(all);
+}
+
 /* One buffer and one set of outputs per exchange. */
 static void setup_runs(rank_job_t *j, epx_comm_t comm) {
   const options_t *o = j->o;
@@ -708,6 +732,7 @@ void main_job_rank(job_t *job, const world_t *w, epx_comm_t comm) {
   if (w->rank == 0) job->memcpy_gbps = memcpy_gbps;
   setup_inputs(&j);
   setup_route(&j);
+  if (j.o->record_trace) record_trace(&j);
   setup_runs(&j, comm);
   setup_work(&j);
   int32_t nodes = 0, per_node = 0;

@@ -44,6 +44,8 @@ static void usage(FILE *f) {
           "  --capacity-factor C   capacity mode with factor C (0: dropless; --single and\n"
           "                        --layout capacity: 1.0)\n"
           "  --seed N              seed of every random input (1)\n"
+          "  --record-trace FILE   write every rank's routing as an epx-replay trace\n"
+          "                        (one layer, one step; tools/epx-replay.c's format)\n"
           "  --single              one-rank microbenchmark of route/dispatch/combine forward\n"
           "                        and backward against memcpy and the dense one-hot reference\n"
           "  --no-check            skip the correctness checks\n"
@@ -110,6 +112,8 @@ static int parse_option(const char *name, const char *val, options_t *o) {
     o->iters = (int)parse_int(name, val, 1);
   } else if (!strcmp(name, "--warmup")) {
     o->warmup = (int)parse_int(name, val, 0);
+  } else if (!strcmp(name, "--record-trace")) {
+    o->record_trace = val;
   } else if (!strcmp(name, "--seed")) {
     o->seed = (uint64_t)parse_int(name, val, 0);
   } else if (!strcmp(name, "--zipf")) {
@@ -212,7 +216,7 @@ static void refuse_impossible(const options_t *o) {
 
 void parse_options(int argc, char **argv, options_t *o) {
   *o = (options_t){-1, -1, -1, -1, -1, -1, -1, CHOOSE_BOTH, EPX_LAYOUT_EXPERT_MAJOR, 0,
-                   -1, -1, 0.0, -1.0, 0, 1, 0, 1, 0};
+                   -1, -1, 0.0, -1.0, 0, 1, 0, 1, 0, NULL};
   o->mpi = env_nonempty("OMPI_COMM_WORLD_SIZE") || env_nonempty("PMI_SIZE") ||
            env_nonempty("PMIX_RANK");
   for (int i = 1; i < argc; i++) {
