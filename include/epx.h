@@ -676,7 +676,9 @@ typedef enum epx_layout {
  * node's Q(t, n) = P'(t, r0) + P'(t, r1) + ... over its ranks in ascending
  * order, Q' = Q or Q rounded once as P' is, then out[t] = round(Q'(t, n0) +
  * Q'(t, n1) + ...) over the nodes in ascending order — on one node, or one
- * rank per node, this is the sum above. Every partial is formed
+ * rank per node, this is the sum above. (CUDA buffers in this version sum in
+ * one level on every comm: over nodes of several ranks their bits may differ
+ * from a CPU buffer's.) Every partial is formed
  * the same way whichever exchange moves it, the token's own rank's too: the
  * dedup exchange sums a pair's rows on the expert's rank and sends P' (over
  * MPI; on the local transport the token's rank reads the rows in place), the
