@@ -524,12 +524,21 @@ def _route_inputs(fn, logits, config, fields, bias, token_mask, aux_loss_expert_
     pointers, the mask and the global counts arrays kept alive."""
     config = _route_config(config, np.shape(logits), fields)
     _host_config(config, fn)
+    _route_config_check(config)
     E = int(config.num_experts)
     pl = _ptr(logits, fn, "logits", _F32, (None, E if E > 0 else None))
     pb = _ptr(bias, fn, "bias", _F32, (E,), optional=True)
     config, mask, gcounts = _route_arrays(config, fn, logits.shape[0], token_mask,
                                           aux_loss_expert_counts)
     return config, pl, pb, mask, gcounts
+
+
+def _route_config_check(config):
+    """Checks config as epx_route does (refused in its words) by routing no
+    tokens: before any output is sized from its numbers (top_k = 2**31 - 1
+    would otherwise be a [T, 2**31 - 1] allocation first)."""
+    out = _lib.RouteOutput()
+    _check(lib.epx_route(ctypes.byref(config), 0, None, None, ctypes.byref(out)))
 
 
 def route(logits, config=None, *, bias=None, token_mask=None, aux_loss_expert_counts=None,
@@ -1512,12 +1521,18 @@ class Handle:
         return "<epx.Handle T=%d K=%d N=%d %s>" % (self.num_tokens, self.top_k, self.recv_rows,
                                                    self.weighting.name)
 
+    _recv_rows = None  # N once read (it never changes; on CUDA a read may wait)
+
     @property
     def recv_rows(self):
-        """Row count N of the receive layout."""
-        v = ctypes.c_int64()
-        _check(lib.epx_handle_recv_rows(self._use(None, "Handle.recv_rows"), ctypes.byref(v)))
-        return v.value
+        """Row count N of the receive layout (read once: on CUDA with
+        worst_case_sizing the read waits for the stream)."""
+        ptr = self._use(None, "Handle.recv_rows")
+        if self._recv_rows is None:
+            v = ctypes.c_int64()
+            _check(lib.epx_handle_recv_rows(ptr, ctypes.byref(v)))
+            self._recv_rows = v.value
+        return self._recv_rows
 
     def _host(self, fn):
         self.buffer._host(fn)

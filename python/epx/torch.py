@@ -135,6 +135,15 @@ def _tensor_args(fn, required, optional):
                           "None" if t is None else "a " + type(t).__name__)
 
 
+def _tensor_args(fn, required, optional):
+    """Refuses, by name, an argument that is not a tensor before it reaches
+    a custom op (whose own refusal would be torch's schema error)."""
+    for name, t in list(required.items()) + list(optional.items()):
+        if not isinstance(t, _torch.Tensor) and (t is not None or name in required):
+            _epx._invalid("%s: %s is %s; pass a torch.Tensor", fn, name,
+                          "None" if t is None else "a " + type(t).__name__)
+
+
 def _routing_tensor(t, fn, name, dtype, shape, buffer_device, optional=False, high=None):
     """A routing tensor as the dtype the library reads: weights of any
     numeric dtype; expert ids and locations (dtype int32) of an integer
@@ -236,21 +245,24 @@ def _max_rows(buffer, fn):
 
 def _handle_rows(h, b, fn):
     """The fewest rows a tensor of handle h's receive layout must have: N
-    where the host knows it (CPU buffers), else the worst case N_max that
-    dispatch returned (on CUDA N lives on the device, and reading it would
-    wait for it)."""
-    return h.recv_rows if b.device == Device.CPU else _max_rows(b, fn)
+    where the host knows it (CPU buffers; an exact-size dispatch, which read
+    it), else the worst case N_max that dispatch returned (on CUDA N lives on
+    the device, and reading it would wait for it)."""
+    if b.device == Device.CPU or h._recv_rows is not None:
+        return h.recv_rows
+    return _max_rows(b, fn)
 
 
 def _check_handle_rows(rows, h, b, fn, name):
     """A tensor's rows against the handle before any C call: the library
     reads (or writes) N rows of it, so fewer would be out of bounds (and,
-    over several ranks, one rank's garbage would reach another's tokens)."""
-    need = _handle_rows(h, b, fn)
-    if rows < need:
-        _epx._invalid("%s: %s has %d rows but the dispatch received %d; pass a row for every row "
-                      "of the Dispatched's recv_x (%d, as dispatch returned it)", fn, name, rows,
-                      need, _max_rows(b, fn))
+    over several ranks, one rank's garbage would reach another's tokens);
+    more than any dispatch on the buffer receives is not a recv_x's either."""
+    need, most = _handle_rows(h, b, fn), _max_rows(b, fn)
+    if not need <= rows <= max(need, most):
+        _epx._invalid("%s: %s has %d rows; the dispatch received %d (any dispatch on this buffer "
+                      "at most %d): pass a row for every row of the Dispatched's recv_x, as "
+                      "dispatch returned it", fn, name, rows, need, most)
 
 
 def _check_handle_shape(h, fn, num_tokens, top_k=None):
@@ -722,11 +734,11 @@ def route(logits, config=None, *, bias=None, token_mask=None, aux_loss_expert_co
 
 def _route_capacity(config, num_tokens):
     """C of config for num_tokens tokens, a host int (no device wait: it
-    depends on the config and T only). epx_route_capacity_of checks the
-    whole config first, so a bad one (top_k=-1, renormalize_after_drop
-    without renormalize) is refused in epx's words before any tensor is
-    sized from it. Dropless configs leave T alone (a traced T stays
-    symbolic)."""
+    depends on the config and T only). The config is checked first, so a
+    bad one (top_k=-1, renormalize_after_drop without renormalize) is
+    refused in epx_route's words before any tensor is sized from it.
+    Dropless configs leave T alone (a traced T stays symbolic)."""
+    _epx._route_config_check(config)
     cap = ctypes.c_int32(0)
     tokens = int(num_tokens) if config.capacity_mode else 0
     _epx._check(lib.epx_route_capacity_of(ctypes.byref(config), tokens, ctypes.byref(cap)))

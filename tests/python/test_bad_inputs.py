@@ -45,9 +45,11 @@ def test_combine_refuses_fewer_rows_than_received():
         d = et.dispatch(buf, x, r.topk_idx, r.topk_w)
         n = d.recv_rows_host()
         for rows in (0, 1, n - 1):
-            with pytest.raises(epx.InvalidArgumentError, match="expert_out has %d rows but the "
+            with pytest.raises(epx.InvalidArgumentError, match="expert_out has %d rows; the "
                                "dispatch received %d" % (rows, n)):
                 et.combine(d, d.recv_x[:rows])
+        with pytest.raises(epx.InvalidArgumentError, match="any dispatch on this buffer at most"):
+            et.combine(d, torch.cat([d.recv_x, d.recv_x]))
         with pytest.raises(epx.InvalidArgumentError, match="expert_out has dtype"):
             et.combine(d, d.recv_x.double())
         with pytest.raises(epx.InvalidArgumentError, match="expert_out has shape"):
@@ -73,7 +75,7 @@ def test_token_unpermutation_refuses_fewer_rows():
         routing_map = torch.zeros(T, E, dtype=torch.bool).scatter_(1, scores.topk(K, 1).indices,
                                                                    True)
         rows, _ = disp.token_permutation(torch.randn(T, H), scores * routing_map, routing_map)
-        with pytest.raises(epx.InvalidArgumentError, match="expert_out has 3 rows"):
+        with pytest.raises(epx.InvalidArgumentError, match="expert_out has 3 rows; the dispatch"):
             disp.token_unpermutation(rows[:3])
         with pytest.raises(epx.InvalidArgumentError, match="probs has shape"):
             disp.token_permutation(torch.randn(T, H), scores[:, :2], routing_map)
@@ -90,16 +92,19 @@ def test_backward_ops_refuse_tensors_that_do_not_fit_the_handle():
         d = et.dispatch(buf, x, r.topk_idx, r.topk_w)
         n = d.recv_rows_host()
         ops = torch.ops.epx
-        with pytest.raises(epx.InvalidArgumentError, match="grad_recv_x has 2 rows"):
+        with pytest.raises(epx.InvalidArgumentError, match="grad_recv_x has 2 rows; the dispatch"):
             ops.dispatch_backward(d.recv_x[:2].contiguous(), None, d.handle_id, T, K)
         with pytest.raises(epx.InvalidArgumentError, match="the dispatch had 8 tokens"):
             ops.dispatch_backward(d.recv_x, None, d.handle_id, T - 1, K)
-        with pytest.raises(epx.InvalidArgumentError, match="grad_recv_w has 1 rows"):
+        with pytest.raises(epx.InvalidArgumentError, match="grad_recv_w has 1 rows; the dispatch"):
             ops.weights_backward(torch.zeros(1), d.handle_id, T, K)
         with pytest.raises(epx.InvalidArgumentError, match="grad_recv_w has shape"):
             ops.weights_backward(torch.zeros(n, K), d.handle_id, T, K)
-        with pytest.raises(epx.InvalidArgumentError, match="grad_expert_out has 1 rows"):
+        with pytest.raises(epx.InvalidArgumentError,
+                           match="grad_expert_out has 1 rows; the dispatch received"):
             ops.combine_backward(torch.zeros(T, H), None, d.handle_id, 1, K)
+        with pytest.raises(epx.InvalidArgumentError, match="grad_expert_out has 4294967296 rows"):
+            ops.combine_backward(torch.zeros(T, H), None, d.handle_id, 2 ** 32, K)
         with pytest.raises(epx.InvalidArgumentError, match="the dispatch had 8 tokens"):
             ops.combine_backward(torch.zeros(T - 3, H), None, d.handle_id, n, K)
         et.combine(d, d.recv_x).sum().backward()
@@ -121,7 +126,7 @@ def test_a_short_expert_out_on_two_ranks_fails_both_at_once():
         finally:
             del d
             gc.collect()
-    with pytest.raises(epx.InvalidArgumentError, match="expert_out has 1 rows"):
+    with pytest.raises(epx.InvalidArgumentError, match="expert_out has 1 rows; the dispatch"):
         epx.run_local(2, rank_main, timeout_seconds=30)
 
 
@@ -235,6 +240,14 @@ def test_function_arguments_refuse_ints_outside_their_c_type():
 def test_torch_route_refuses_a_bad_config_in_epx_words(fields, match):
     with pytest.raises(epx.InvalidArgumentError, match=match):
         et.route(torch.randn(8, 4), **fields)
+
+
+def test_numpy_route_refuses_a_bad_config_before_sizing_outputs():
+    """top_k = 2**31 - 1 is refused by epx, not by a [T, 2**31 - 1]
+    allocation first."""
+    for fn in (epx.route, epx.reference_route):
+        with pytest.raises(epx.InvalidArgumentError, match="top_k 2147483647 exceeds"):
+            fn(np.zeros((8, 4), np.float32), top_k=2 ** 31 - 1)
 
 
 def test_torch_route_refuses_non_tensor_logits():
