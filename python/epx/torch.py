@@ -135,15 +135,6 @@ def _tensor_args(fn, required, optional):
                           "None" if t is None else "a " + type(t).__name__)
 
 
-def _tensor_args(fn, required, optional):
-    """Refuses, by name, an argument that is not a tensor before it reaches
-    a custom op (whose own refusal would be torch's schema error)."""
-    for name, t in list(required.items()) + list(optional.items()):
-        if not isinstance(t, _torch.Tensor) and (t is not None or name in required):
-            _epx._invalid("%s: %s is %s; pass a torch.Tensor", fn, name,
-                          "None" if t is None else "a " + type(t).__name__)
-
-
 def _routing_tensor(t, fn, name, dtype, shape, buffer_device, optional=False, high=None):
     """A routing tensor as the dtype the library reads: weights of any
     numeric dtype; expert ids and locations (dtype int32) of an integer
