@@ -2,7 +2,8 @@
 # The GPU check of epx, on a machine with an NVIDIA H200 (sm_90); run from the
 # repository root. Configures and builds the CUDA backend, runs the GPU tests
 # (ctest -L gpu), compute-sanitizer memcheck and racecheck on them (trimmed
-# sizes: EPX_GPU_TEST_QUICK=1), the benchmark (bench/gpu/bench_gpu.cu) and the
+# sizes: EPX_GPU_TEST_QUICK=1), the benchmark (bench/gpu/bench_gpu.cu), the
+# low-latency decode table (bench/gpu/bench_ll.cu) and the
 # PyTorch baselines (bench/gpu/bench_torch.py), and prints a verdict table
 # last. Where NCCL and mpirun exist, the one-GPU section also runs the W-rank
 # backend (ep.c, the fused kernels) on one rank: tests/gpu/mpi_gpu_exchange
@@ -180,6 +181,17 @@ if [ $BUILD_OK = 1 ] && nvcc -O3 -std=c++17 -arch=sm_90 -Iinclude -Isrc bench/gp
   verdict "routing benchmark (vs float64 reference; target row)" PASS
 else
   verdict "routing benchmark (vs float64 reference; target row)" FAIL
+fi
+# Low-latency decode (issue 25): its dispatch and combine at T = 1, 32, 128
+# and 256 (H 7168, top-8 of 256, bf16) as CUDA-graph replays beside the
+# normal path on the same routing, each T checked against it first; the
+# table is bench_ll.log's LL lines.
+if [ $BUILD_OK = 1 ] && nvcc -O3 -std=c++17 -arch=sm_90 -Iinclude -Isrc bench/gpu/bench_ll.cu -o "$WORK/bench_ll" \
+     -L"$BUILD" -lepx -Xlinker -rpath -Xlinker "$PWD/$BUILD" >"$OUTDIR/bench_ll.log" 2>&1 &&
+   timeout 120 "$WORK/bench_ll" >>"$OUTDIR/bench_ll.log" 2>&1; then
+  verdict "low-latency benchmark (vs the normal path; latency table)" PASS
+else
+  verdict "low-latency benchmark (vs the normal path; latency table)" FAIL
 fi
 
 echo "epx gpu-check: bench done ($(date +%T))"

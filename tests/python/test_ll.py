@@ -140,6 +140,11 @@ def test_torch_ll():
             out1, _ = et.ll_combine(b, recv_x * 2, handle)
             assert torch.equal(out1, out_n)
             handle.release()
+            # the count as a tensor (on a CUDA buffer a device value)
+            r1, c1, h1, _ = et.ll_dispatch(b, x, idx, w, num_tokens=torch.tensor([2], dtype=torch.int32))
+            r2, c2, h2, _ = et.ll_dispatch(b, x[:2], idx[:2], w[:2])
+            assert torch.equal(c1, c2)
+            h1.release(), h2.release()
         return True
 
     assert epx.run_local(2, rank_main, timeout_seconds=TIMEOUT) == [True, True]
