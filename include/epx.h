@@ -858,7 +858,9 @@ typedef struct epx_buffer_config {
    * (EPX_FP8_NONE: neither is available). dtype stays the dtype of every
    * other payload: epx_dispatch's rows, combine's inputs and outputs (bf16
    * or f32 with an fp8 format) and both backward passes, which never use
-   * fp8. CPU buffers only in this version (CUDA: EPX_ERROR_UNSUPPORTED). */
+   * fp8. CPU buffers, and CUDA buffers of one rank (the GPU quantizes with
+   * the same formulas: the same bytes); a CUDA buffer over several ranks with
+   * an fp8 format is EPX_ERROR_UNSUPPORTED in this version. */
   epx_fp8_format_t fp8_format;
   /* 1: the low-latency decode mode (see "Low-latency decode" below): the
    * buffer serves the epx_ll_* calls only, max_tokens_per_rank is fixed at
