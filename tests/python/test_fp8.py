@@ -191,7 +191,7 @@ def torch_reference(xs_q, xs_s, src_rank, src_token, n):
     return q, s
 
 
-def rank_dispatch(comm, rank, world, fmt, layout, exchange, quantize, T, H, E, K):
+def rank_dispatch(comm, rank, world, fmt, layout, exchange, quantize, T, H, E, K, device="cpu"):
     g = torch.Generator().manual_seed(100 * rank + int(fmt))
     inputs = []
     for r in range(world):
@@ -200,28 +200,30 @@ def rank_dispatch(comm, rank, world, fmt, layout, exchange, quantize, T, H, E, K
         inputs.append((x, q, s))
     idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(torch.int32)
     idx[0, :] = -1
-    w = torch.rand(T, K, generator=g, requires_grad=True)
+    idx = idx.to(device)
+    w = torch.rand(T, K, generator=g).to(device).requires_grad_()
     weighting = epx.Weighting.NONE if layout == epx.Layout.RANK_MAJOR else epx.Weighting.IN_COMBINE
     buf = et.make_buffer(comm, hidden=H, num_experts=E, max_top_k=K, max_tokens_per_rank=T,
                          dtype=torch.bfloat16, fp8_format=fmt, layout=layout, exchange=exchange,
-                         expert_alignment=2 if layout == epx.Layout.EXPERT_MAJOR else 1)
-    x, q, s = inputs[rank]
+                         expert_alignment=2 if layout == epx.Layout.EXPERT_MAJOR else 1,
+                         device=device)
+    x, q, s = (t.to(device) for t in inputs[rank])
     if quantize:
         d = et.dispatch(buf, x, idx, w, weighting=weighting, quantize=True)
     else:
         d = et.dispatch(buf, q, idx, w, weighting=weighting, x_scales=s)
     assert d.recv_x.dtype == FP8 and d.recv_scales is not None
-    src_rank, src_token = d.recv_source()
+    src_rank, src_token = (t.cpu() for t in d.recv_source())
     n = d.recv_rows_host()
     want_q, want_s = torch_reference([i[1] for i in inputs], [i[2] for i in inputs],
                                      src_rank, src_token, n)
-    assert_bytes_equal(d.recv_x[:n].view(torch.uint8), want_q, "recv_x")
-    assert torch.equal(d.recv_scales[:n].view(torch.uint8), want_s.view(torch.uint8))
+    assert_bytes_equal(d.recv_x[:n].view(torch.uint8).cpu(), want_q, "recv_x")
+    assert torch.equal(d.recv_scales[:n].view(torch.uint8).cpu(), want_s.view(torch.uint8))
     # The experts dequantize; combine runs in the buffer's dtype, and the
     # routing weights still learn through recv_w.
     rows = d.recv_x.shape[0]
     out_rows = deepep_cast_back(d.recv_x, d.recv_scales, torch.bfloat16) if fmt != F.MXFP8 else \
-        torch.zeros(rows, H, dtype=torch.bfloat16)
+        torch.zeros(rows, H, dtype=torch.bfloat16, device=device)
     out_rows = torch.nan_to_num(out_rows)
     scale = d.recv_w if d.recv_w.dim() == 1 else d.recv_w.sum(dim=1)
     y = et.combine(d, (out_rows.float() * scale.unsqueeze(1)).to(torch.bfloat16).contiguous())
@@ -248,6 +250,18 @@ def test_torch_dispatch_two_ranks(fmt, exchange):
         return rank_dispatch(comm, comm.rank, comm.size, fmt, epx.Layout.EXPERT_MAJOR, exchange,
                              quantize=fmt != F.MXFP8, T=11, H=512, E=16, K=4)
     epx.run_local(2, main)
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and epx.has_cuda()),
+                    reason="needs a GPU and a libepx with the CUDA backend")
+@pytest.mark.parametrize("fmt", list(PEER))
+@pytest.mark.parametrize("quantize", [False, True])
+def test_torch_dispatch_cuda(fmt, quantize):
+    """The one-GPU kernels give the PyTorch formulas' bytes too."""
+    comm = epx.Comm.create_self()
+    rank_dispatch(comm, 0, 1, fmt, epx.Layout.EXPERT_MAJOR, epx.Exchange.DEDUP, quantize, T=33,
+                  H=7168, E=256, K=8, device="cuda")
+    comm.close()
 
 
 def test_torch_dispatch_refusals():
