@@ -256,7 +256,7 @@ def test_torch_dispatch_two_ranks(fmt, exchange):
                     reason="needs a GPU and a libepx with the CUDA backend")
 @pytest.mark.parametrize("fmt", list(PEER))
 @pytest.mark.parametrize("quantize", [False, True])
-def test_torch_dispatch_cuda(fmt, quantize):
+def test_torch_dispatch_gpu(fmt, quantize):
     """The one-GPU kernels give the PyTorch formulas' bytes too."""
     comm = epx.Comm.create_self()
     rank_dispatch(comm, 0, 1, fmt, epx.Layout.EXPERT_MAJOR, epx.Exchange.DEDUP, quantize, T=33,
