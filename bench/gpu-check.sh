@@ -171,6 +171,14 @@ if [ $BUILD_OK = 1 ] && nvcc -O3 -std=c++17 -arch=sm_90 -Iinclude -Isrc bench/gp
 else
   verdict "fp8 dispatch benchmark (checked vs CPU; vs bf16 at shape C)" FAIL
 fi
+# ... and epx's quantize-on-dispatch against PyTorch's quantizer (DeepEP's
+# formula, eager and compiled) then epx's fp8 dispatch, back to back.
+if [ $BUILD_OK = 1 ] && env EPX_LIBRARY="$PWD/$BUILD/libepx.so" PYTHONPATH=python PYTHONUNBUFFERED=1 \
+     timeout 300 python3 bench/gpu/bench_fp8_torch.py >"$OUTDIR/bench_fp8_torch.log" 2>&1; then
+  verdict "fp8 quantize-on-dispatch vs PyTorch quantizer + dispatch" PASS
+else
+  verdict "fp8 quantize-on-dispatch vs PyTorch quantizer + dispatch" FAIL
+fi
 PYTHONUNBUFFERED=1 timeout 300 python3 bench/gpu/bench_torch.py "$WORK" >"$OUTDIR/torch.log" 2>&1 &&
   verdict "PyTorch baselines" PASS || verdict "PyTorch baselines" FAIL
 # Routing: every option against the float64 reference, then route / layout /
