@@ -37,6 +37,7 @@ from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
 import epx as _epx
 import epx.torch as _et
 from epx import AuxCounts, DropPolicy, Exchange, QueueOrder, Status
+from epx import _dropin
 
 __all__ = ["MoE", "MOELayer"]
 
@@ -92,28 +93,18 @@ class MOELayer(torch.nn.Module):
                               "parallel group yet; call moe.set_deepspeed_parallelism() (or "
                               "deepspeed.initialize, which does) before the first forward",
                               self.ep_size)
-            if self.ep_group is None or self.ep_group.size() == 1:
-                self.comm = _epx.Comm.create_self()
-            else:
-                self.comm = _et.comm_from_process_group(self.ep_group,
-                                                        timeout_seconds=self.timeout_seconds)
+            self.comm = (_epx.Comm.create_self() if self.ep_group is None
+                         else _dropin.comm_of(self.ep_group, self.timeout_seconds))
         return self.comm
 
     def _buffer_for(self, x):
-        T, H = x.shape
         if self.buffer is None:
-            self.max_tokens_per_rank = max(T, self.max_tokens_per_rank or 0)
-            self.buffer = _et.make_buffer(
-                self._comm_now(), hidden=H, num_experts=self.num_experts,
-                max_top_k=self.gate.k, max_tokens_per_rank=self.max_tokens_per_rank,
-                dtype=x.dtype, device=x.device, exchange=self.exchange, expert_alignment=1)
-        b = self.buffer
-        if T > self.max_tokens_per_rank or (_et.epx_dtype(x.dtype), H) != (b.dtype, b.hidden):
-            _epx._invalid("epx.deepspeed.MoE: tokens [%d, %d] %s but the layer's buffer was made "
-                          "for up to %d tokens of hidden %d, %s; pass max_tokens_per_rank=%d",
-                          T, H, x.dtype, self.max_tokens_per_rank, b.hidden,
-                          _et.torch_dtype(b.dtype), T)
-        return b
+            self.buffer = _dropin.first_buffer(
+                self._comm_now(), x, self.max_tokens_per_rank, num_experts=self.num_experts,
+                max_top_k=self.gate.k, exchange=self.exchange, expert_alignment=1)
+        _dropin.check_tokens("epx.deepspeed.MoE", self.buffer, x,
+                             "pass max_tokens_per_rank=%d (or more) to the layer")
+        return self.buffer
 
     def close(self):
         """Closes the buffer and the comm (made at the first forward)."""

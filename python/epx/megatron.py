@@ -26,7 +26,7 @@ pg_collection=pg_collection)``.
 The epx comm of the expert-parallel group is made from the group (one rank:
 a comm of its own; more: :func:`epx.torch.comm_from_process_group`) unless
 ``comm`` is given; its buffer is made at the first dispatch, sized for that
-call's tokens unless ``max_tokens_per_rank`` says more. The host waits for
+call's most tokens over the ranks unless ``max_tokens_per_rank`` says more. The host waits for
 the device three times a step (Megatron's own dispatcher waits for its
 counts too): the routing check before the exchange, and the received row
 count and the counts after it (the experts take exact-size inputs and the
@@ -50,6 +50,7 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 import epx as _epx
 import epx.torch as _et
 from epx import Exchange, Status, Weighting
+from epx import _dropin
 
 __all__ = ["EpxTokenDispatcher", "install"]
 
@@ -67,13 +68,6 @@ def _default_pg_collection():
     return get_default_pg_collection()
 
 
-def _comm_of(group, timeout_seconds):
-    """An epx comm over the ranks of a torch process group."""
-    if _mutils.get_pg_size(group) == 1:
-        return _epx.Comm.create_self()
-    return _et.comm_from_process_group(group, timeout_seconds=timeout_seconds)
-
-
 class EpxTokenDispatcher(MoETokenDispatcher):
     """Megatron's token dispatcher over epx (see the module's docstring).
 
@@ -82,7 +76,7 @@ class EpxTokenDispatcher(MoETokenDispatcher):
     parallel state). comm: an epx.Comm over the expert-parallel group (its
     rank order the group's); None makes one (closed by :meth:`close`).
     max_tokens_per_rank: the most tokens a step gives (default: the first
-    step's). exchange: epx.Exchange.DEDUP (a token sent once per rank) or
+    step's, the most of any rank). exchange: epx.Exchange.DEDUP (a token sent once per rank) or
     COLLECTIVE (once per expert)."""
 
     def __init__(self, num_local_experts, local_expert_indices, config, pg_collection=None, *,
@@ -108,7 +102,7 @@ class EpxTokenDispatcher(MoETokenDispatcher):
                           "Megatron's MoELayer does", fn, self.local_expert_indices, ep_rank,
                           num_local_experts, self.num_experts, num_local_experts)
         self._own_comm = comm is None
-        self.comm = _comm_of(self.ep_group, timeout_seconds) if comm is None else comm
+        self.comm = _dropin.comm_of(self.ep_group, timeout_seconds) if comm is None else comm
         if (self.comm.rank, self.comm.size) != (ep_rank, self.ep_size):
             _epx._invalid("%s: comm is rank %d of %d but the expert-parallel group's rank %d of "
                           "%d; pass a comm over the same ranks in the same order", fn,
@@ -143,24 +137,13 @@ class EpxTokenDispatcher(MoETokenDispatcher):
     # -- the buffer ---------------------------------------------------------
 
     def _buffer_for(self, x):
-        fn = "epx.megatron.EpxTokenDispatcher"
-        T, H = x.shape
         if self.buffer is None:
-            self.buffer = _et.make_buffer(
-                self.comm, hidden=H, num_experts=self.num_experts, max_top_k=self.top_k,
-                max_tokens_per_rank=max(T, self.max_tokens_per_rank or 0), dtype=x.dtype,
-                device=x.device, exchange=self.exchange, expert_alignment=1)
-            self.max_tokens_per_rank = max(T, self.max_tokens_per_rank or 0)
-        b = self.buffer
-        if T > self.max_tokens_per_rank:
-            _epx._invalid("%s: %d tokens but the buffer was made for %d; pass "
-                          "max_tokens_per_rank=%d (or more) to the dispatcher", fn, T,
-                          self.max_tokens_per_rank, T)
-        if (_et.epx_dtype(x.dtype), H) != (b.dtype, b.hidden):
-            _epx._invalid("%s: tokens [%d, %d] %s but the buffer was made for hidden %d, %s; "
-                          "use one dispatcher per layer shape", fn, T, H, x.dtype, b.hidden,
-                          _et.torch_dtype(b.dtype))
-        return b
+            self.buffer = _dropin.first_buffer(
+                self.comm, x, self.max_tokens_per_rank, num_experts=self.num_experts,
+                max_top_k=self.top_k, exchange=self.exchange, expert_alignment=1)
+        _dropin.check_tokens("epx.megatron.EpxTokenDispatcher", self.buffer, x,
+                             "pass max_tokens_per_rank=%d (or more) to the dispatcher")
+        return self.buffer
 
     # -- dispatch -----------------------------------------------------------
 
@@ -278,7 +261,7 @@ def install(module, **options):
         if "comm" not in opts:
             key = id(old.ep_group)
             if key not in comms:
-                comms[key] = _comm_of(old.ep_group, opts.get("timeout_seconds"))
+                comms[key] = _dropin.comm_of(old.ep_group, opts.get("timeout_seconds"))
             opts["comm"] = comms[key]
         m.token_dispatcher = EpxTokenDispatcher.replacing(old, **opts)
         made.append(m.token_dispatcher)

@@ -38,12 +38,12 @@ for the largest first call over the group's ranks, or for
 """
 import threading
 
-import numpy as np
 import torch
 
 import epx as _epx
 import epx.torch as _et
 from epx import Exchange, Layout, Status, Weighting
+from epx import _dropin
 
 __all__ = ["fused_dispatch", "fused_combine", "set_deepep_num_sms", "configure", "install",
            "close"]
@@ -78,8 +78,7 @@ def _comm_of(group):
     with _lock:
         entry = _comms.get(id(group))
     if entry is None:  # made outside the lock: a collective over the group
-        comm = (_epx.Comm.create_self() if group.size() == 1 else _et.comm_from_process_group(
-            group, timeout_seconds=_settings["timeout_seconds"]))
+        comm = _dropin.comm_of(group, _settings["timeout_seconds"])
         with _lock:
             entry = _comms.setdefault(id(group), (group, comm))
     return entry[1]
@@ -87,22 +86,15 @@ def _comm_of(group):
 
 def _buffer_for(comm, x, num_experts, top_k):
     """The buffer of this shape, made (collectively) at its first call."""
-    fn = "epx.nemo.fused_dispatch"
-    T, H = x.shape
-    key = (id(comm), H, x.dtype, x.device, num_experts, top_k)
+    key = (id(comm), x.shape[1], x.dtype, x.device, num_experts, top_k)
     b = _buffers.get(key)
     if b is None:
-        most = int(comm.allgather(np.array([T], dtype=np.int64)).max())
-        b = _et.make_buffer(comm, hidden=H, num_experts=num_experts, max_top_k=top_k,
-                            max_tokens_per_rank=max(most, _settings["max_tokens_per_rank"]),
-                            dtype=x.dtype, device=x.device, layout=Layout.RANK_MAJOR,
-                            exchange=_settings["exchange"], sm_budget=_settings["sm_budget"])
-        b.nemo_max_tokens = max(most, _settings["max_tokens_per_rank"])
-        _buffers[key] = b
-    if T > b.nemo_max_tokens:
-        _epx._invalid("%s: %d tokens but the buffer holds %d a rank; call epx.nemo.configure("
-                      "max_tokens_per_rank=%d) (or more) before the first dispatch", fn, T,
-                      b.nemo_max_tokens, T)
+        b = _buffers[key] = _dropin.first_buffer(
+            comm, x, _settings["max_tokens_per_rank"], num_experts=num_experts,
+            max_top_k=top_k, layout=Layout.RANK_MAJOR, exchange=_settings["exchange"],
+            sm_budget=_settings["sm_budget"])
+    _dropin.check_tokens("epx.nemo.fused_dispatch", b, x, "call epx.nemo.configure("
+                         "max_tokens_per_rank=%d) (or more) before the first dispatch")
     return b
 
 
