@@ -2,8 +2,9 @@
 jobs get an epx comm in one call (epx.torch.comm_from_process_group, the shm
 transport; no MPI, no rebuild), and the MoE layer's step over it is the same
 bits as the single-process run of the same W ranks as threads (the local
-transport), within float tolerance of the float64 PyTorch MoE. A rank that
-stops coming is a TimeoutError naming it, within the comm's timeout.
+transport), within float tolerance of the float64 PyTorch MoE; the same
+worker under mpirun maps no variables. A rank that stops coming is a
+TimeoutError naming it, within the comm's timeout.
 
 Run: EPX_LIBRARY=build/libepx.so PYTHONPATH=python python -m pytest tests/python/test_torchrun.py
 """
@@ -83,6 +84,31 @@ def test_layer_under_torchrun_matches_the_single_process_run(tmp_path, W):
                     rank, k, SEED)
     check_against_reference(got, reference(p, W_.NONE, aux_coeff=0.01), p, (1e-5, 1e-4))
     assert _shm_names() <= before, "names left in /dev/shm: %s" % (_shm_names() - before)
+
+
+def test_mpirun_job_needs_no_variable_mapping(tmp_path):
+    """The same worker under `mpirun -np 2` (no torch variables, no MASTER_*,
+    no MPI in libepx needed): et.init_process_group reads mpirun's, and the
+    comm is the shm transport's; the same bits as the threads."""
+    import shutil
+    mpiexec = shutil.which("mpiexec")
+    if not mpiexec:
+        pytest.skip("needs mpiexec")
+    env = dict(os.environ, EPX_LIBRARY=epx.library_path, OMPI_ALLOW_RUN_AS_ROOT="1",
+               OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_rmaps_base_oversubscribe="1",
+               PYTHONPATH=os.pathsep.join([str(REPO / "python"), os.environ.get("PYTHONPATH", "")]))
+    for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+              "MASTER_PORT"):
+        env.pop(v, None)
+    run = subprocess.run([mpiexec, "-n", "2", sys.executable, __file__, "layer-worker",
+                          str(tmp_path), str(SEED), "2"], env=env, capture_output=True, text=True,
+                         timeout=JOB_SECONDS)
+    assert run.returncode == 0, "mpiexec failed:\n%s\n%s" % (run.stdout, run.stderr[-4000:])
+    local = run_layer(2, Problem(SEED, 2, **SHAPE), W_.NONE, aux_loss_coeff=0.01)
+    for rank in range(2):
+        got = torch.load(tmp_path / ("rank%d.pt" % rank))
+        for k in ("loss", "out", "grad_x", "router", "w1", "w2"):
+            assert torch.equal(got[k], local[rank][k]), "rank %d: %s differs" % (rank, k)
 
 
 def timeout_worker(seconds):
