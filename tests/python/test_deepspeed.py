@@ -105,6 +105,15 @@ def test_matches_deepspeeds_moe(one_rank, E, k, factor, drop):
     ours.close()
 
 
+def test_residual_moe(one_rank):
+    """use_residual: DeepSpeed's MoE.forward mixes the MoE output with the
+    dense expert's, around epx's layer."""
+    theirs, ours = pair(SEED, 4, 2, use_residual=True)
+    x, g = inputs(SEED + 2, (16,))
+    compare(step(ours, x, g), step(theirs, x, g), "use_residual")
+    ours.close()
+
+
 def test_expert_parameters_are_tagged_as_deepspeed_tags_them(one_rank):
     theirs, ours = pair(SEED, 4, 1)
     assert isinstance(ours, dsl.MoE)
