@@ -1,8 +1,9 @@
 /* The low-latency decode mode (epx.h, "Low-latency decode") on the CPU: for
  * token counts 0, 1, 7, 128 and 256 per rank (uneven across ranks), top-k 1
- * to 8, E 8 to 512, every token on one expert, both layouts and exchanges,
- * bf16 and f32, over W = 1, 2, 4 threads: every received row is its source
- * token's row, in the normal exchange's row and order (expert-major: the
+ * to 8, E 8 to 512, every token on one expert, both layouts, the dedup,
+ * collective and hierarchical exchanges, bf16 and f32, over W = 1, 2, 4
+ * threads (hierarchical: 4 posing as 2 nodes): every received row is its
+ * source token's row, in the normal exchange's row and order (expert-major: the
  * normal expert-major rows of each expert at e * W * max_tokens;
  * rank-major: those of each source rank at s * max_tokens), the counts and
  * sources are the normal layout's, and combine gives the normal combine's
@@ -344,7 +345,9 @@ static void ll_describe(const ll_case_t *c, char *text, size_t size) {
   snprintf(text, size, "E %d, K %d, max %d, %s, %s, %s, counts %d/%d/%d/%d/%d%s", c->E, c->K, c->max_tokens,
            c->dtype == EPX_BFLOAT16 ? "bf16" : "f32",
            c->layout == EPX_LAYOUT_RANK_MAJOR ? "rank-major" : "expert-major",
-           c->exchange == EPX_EXCHANGE_DEDUP ? "dedup" : "collective", c->counts[0], c->counts[1], c->counts[2],
+           c->exchange == EPX_EXCHANGE_DEDUP ? "dedup" : c->exchange == EPX_EXCHANGE_COLLECTIVE ? "collective"
+                                                                                             : "hierarchical",
+           c->counts[0], c->counts[1], c->counts[2],
            c->counts[3], c->counts[4], c->one_expert ? ", one expert" : "");
 }
 
@@ -376,6 +379,7 @@ done:
 }
 
 #ifndef LL_SCENE_ONLY
+#include <pthread.h>
 
 static int case_rank_main(epx_comm_t comm, int32_t rank, int32_t world, void *arg) {
   return ll_case_rank(comm, rank, world, arg) ? 1 : 0;
@@ -396,6 +400,51 @@ static void test_parity_threads(void **state) {
         fail_msg("W=%d case %d [%s]: %d rank(s) failed", worlds[wi], i, d, failed);
       }
     }
+}
+
+/* The hierarchical exchange: 4 thread ranks posing as 2 nodes of 2. */
+typedef struct {
+  epx_local_world_t world;
+  const ll_case_t *c;
+  long long failures[4];
+} hier_run_t;
+
+static hier_run_t g_hier;
+
+static void *hier_rank_main(void *arg) {
+  int32_t rank = (int32_t)(intptr_t)arg;
+  epx_comm_t comm = NULL;
+  if (epx_comm_create_local(g_hier.world, rank, &comm) != EPX_SUCCESS) {
+    g_hier.failures[rank] = 1;
+    return NULL;
+  }
+  g_hier.failures[rank] = ll_case_rank(comm, rank, 4, g_hier.c);
+  if (epx_comm_destroy(comm) != EPX_SUCCESS) g_hier.failures[rank]++;
+  return NULL;
+}
+
+static void test_hierarchical_threads(void **state) {
+  (void)state;
+  static ll_case_t cases[64];
+  int n = ll_cases(cases);
+  epx_comm_config_t cc = EPX_COMM_CONFIG_INIT;
+  cc.timeout_seconds = 20.0, cc.ranks_per_node = 2;
+  for (int i = 0; i < n; i++) {
+    ll_case_t c = cases[i];
+    c.exchange = EPX_EXCHANGE_HIERARCHICAL;
+    g_hier.c = &c;
+    EXPECT_OK(epx_local_world_create(4, &cc, &g_hier.world));
+    pthread_t threads[4];
+    for (intptr_t r = 0; r < 4; r++) assert_int_equal(pthread_create(&threads[r], NULL, hier_rank_main, (void *)r), 0);
+    for (int r = 0; r < 4; r++) pthread_join(threads[r], NULL);
+    EXPECT_OK(epx_local_world_destroy(g_hier.world));
+    long long failed = g_hier.failures[0] + g_hier.failures[1] + g_hier.failures[2] + g_hier.failures[3];
+    if (failed) {
+      char d[256];
+      ll_describe(&c, d, sizeof d);
+      fail_msg("case %d [%s]: %lld failure(s)", i, d, failed);
+    }
+  }
 }
 
 static int oversize_rank_main(epx_comm_t comm, int32_t rank, int32_t world, void *arg) {
@@ -536,7 +585,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_default_shape), cmocka_unit_test(test_refusals),
       cmocka_unit_test(test_configs),       cmocka_unit_test(test_oversize_threads),
-      cmocka_unit_test(test_parity_threads),
+      cmocka_unit_test(test_parity_threads), cmocka_unit_test(test_hierarchical_threads),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
