@@ -185,7 +185,7 @@ static void layer_cdf(const options_t *o, uint64_t *s, double *cdf) {
 }
 
 /* The DeepSeek-V3 router on normal logits plus a per-layer expert bias. */
-static void dsv3_layer(const options_t *o, uint64_t *s, trace_t *t, int32_t step, int32_t layer, const float *bias) {
+static void dsv3_layer(uint64_t *s, trace_t *t, int32_t step, int32_t layer, const float *bias) {
   epx_route_config_t c = EPX_ROUTE_CONFIG_INIT;
   c.num_experts = 256, c.top_k = 8, c.score_fn = EPX_SCORE_SIGMOID;
   c.num_groups = 8, c.topk_groups = 4, c.renormalize = 1;
@@ -198,7 +198,6 @@ static void dsv3_layer(const options_t *o, uint64_t *s, trace_t *t, int32_t step
     if (epx_route(&c, t->T, logits, NULL, &out) != EPX_SUCCESS) fatal("epx_route: %s", epx_last_error());
     *trace_count(t, step, layer, r) = (uint32_t)t->T;
   }
-  (void)o;
   free(logits), free(w);
 }
 
@@ -216,7 +215,7 @@ static void generate(const options_t *o, trace_t *t) {
     else layer_cdf(o, &layer_seed, cdf);
     for (int32_t st = 0; st < t->steps; st++) {
       if (dsv3) {
-        dsv3_layer(o, &s, t, st, l, bias);
+        dsv3_layer(&s, t, st, l, bias);
         continue;
       }
       for (int32_t r = 0; r < t->W; r++) {
@@ -270,7 +269,7 @@ static uint64_t hash_bytes(uint64_t h, const void *p, size_t n) {
 /* One step of every layer on one rank: layout, dispatch, the identity expert,
  * combine; its report (time from a barrier, bytes, rows, the outputs' hash). */
 static step_report_t rank_step(epx_comm_t comm, epx_buffer_t b, const trace_t *t, int32_t step, int32_t rank,
-                               const void *x, void *recv, void *out, float *w, int64_t H, size_t row) {
+                               const void *x, void *recv, void *out, float *w, size_t row) {
   step_report_t rep = {0};
   rep.hash = 1469598103934665603ull;
   TRY(epx_comm_barrier(comm));
@@ -293,7 +292,6 @@ static step_report_t rank_step(epx_comm_t comm, epx_buffer_t b, const trace_t *t
     rep.hash = hash_bytes(rep.hash, out, (size_t)T * row);
   }
   rep.seconds = now() - start;
-  (void)H;
   return rep;
 }
 
@@ -325,7 +323,7 @@ static void rank_main(job_t *job, epx_comm_t comm, int32_t rank) {
     for (int32_t st = 0; st < t->steps; st++) {
       step_report_t best = {0};
       for (int32_t it = 0; it < o->iters; it++) {
-        step_report_t r = rank_step(comm, b, t, st, rank, x, recv, out, w, o->hidden, row);
+        step_report_t r = rank_step(comm, b, t, st, rank, x, recv, out, w, row);
         if (it == 0 || r.seconds < best.seconds) best = r;
       }
       step_report_t *all = job->reports + ((size_t)xi * t->steps + st) * t->W;

@@ -372,8 +372,11 @@ static void token_sums(const struct epx_cpu_plan *p, const struct epx_cpu_hier *
         int32_t r = rank_at(h, g, l), n = 0;
         for (int32_t k = 0; k < K; k++) {
           if (idx[k] < 0 || idx[k] / p->E_local != r) continue;
-          f->rows[n] = row_of(rows, p->self_row[t * K + k], p->row_bytes);
-          f->w[n++] = p->topk_w[t * K + k];
+          if (r == p->rank) {
+            f->rows[n] = row_of(rows, p->self_row[t * K + k], p->row_bytes);
+            f->w[n] = p->topk_w[t * K + k];
+          }
+          n++;
         }
         if (n == 0) continue;
         if (r == p->rank) {
