@@ -60,7 +60,8 @@ from epx import DType, Device, Exchange, Layout, Status, Weighting
 __all__ = ["route", "dispatch", "combine", "Dispatched", "TorchRouteResult", "MoE",
            "TokenDispatcher", "checkpoint_context", "keep_handles", "comm_from_process_group",
            "init_process_group", "launch_env", "EventOverlap", "current_event", "stats",
-           "make_buffer", "grouped_mm", "epx_dtype", "torch_dtype", "ll_dispatch", "ll_combine"]
+           "make_buffer", "grouped_mm", "epx_dtype", "torch_dtype", "ll_dispatch", "ll_combine",
+           "dequantize"]
 
 lib = _lib.lib
 
@@ -995,6 +996,59 @@ def _dispatch_fp8_backward(ctx, g_q, g_s, g_recv_w, *unused):
 _dispatch_fp8_op.register_autograd(_dispatch_fp8_backward, setup_context=_dispatch_fp8_setup)
 
 
+def dequantize(recv_x, recv_scales, fp8_format, dtype=_torch.bfloat16):
+    """fp8 rows [N, H] (float8_e4m3fn) and their scales -> [N, H] of dtype:
+    float32(e4m3) * scale rounded once, the bits of epx_dequantize and of
+    DeepEP's per_token_cast_back (a UE8M0 byte is its exponent: 255 is
+    infinite; an MXFP8 E8M0 byte 255 is NaN, 0 is 2^-127)."""
+    fmt = _epx.FP8Format(fp8_format)
+    n, h = recv_x.shape
+    if fmt == _epx.FP8Format.E4M3_F32_128:
+        scale = recv_scales.float()
+    else:
+        b = recv_scales.contiguous().view(_torch.uint8).view(n, -1).to(_I32)
+        if fmt == _epx.FP8Format.MXFP8:
+            b = _torch.where(b == 255, _torch.full_like(b, 0x7FFFFFFF),
+                             _torch.where(b == 0, _torch.full_like(b, 0x00400000), b << 23))
+        else:
+            b = b << 23
+        scale = b.view(_F32)
+    block = h // scale.shape[1]
+    return (recv_x.float().view(n, -1, block) * scale.unsqueeze(2)).view(n, h).to(dtype)
+
+
+class _Fp8StraightThrough(_torch.autograd.Function):
+    """Quantize-on-dispatch whose experts see the dequantized rows, with the
+    gradient of a dispatch of those rows (straight through the quantizer:
+    epx_dispatch_backward of the rows' gradient, in the buffer's dtype), and
+    recv_w's gradient to topk_w as in dispatch."""
+
+    @staticmethod
+    def forward(ctx, x, topk_idx, topk_w, locations, buffer_id, weighting, recorder_id):
+        outs = _torch.ops.epx.dispatch_fp8(x, None, topk_idx, topk_w, locations, buffer_id,
+                                           weighting, recorder_id)
+        recv_q, recv_s, recv_w, recv_expert, counts, offsets, rows, token = outs
+        fmt = _buffer(buffer_id, "epx.torch.MoE").config.fp8_format
+        ctx.num_tokens, ctx.top_k = topk_idx.shape
+        ctx.w_grad = topk_w is not None and topk_w.requires_grad
+        ctx.save_for_backward(token)
+        ctx.mark_non_differentiable(recv_expert, counts, offsets, rows, token)
+        return (dequantize(recv_q, recv_s, fmt, x.dtype), recv_w, recv_expert, counts, offsets, rows,
+                token)
+
+    @staticmethod
+    def backward(ctx, g_recv_x, g_recv_w, *unused):
+        token, = ctx.saved_tensors
+        grad_x = grad_w = None
+        if g_recv_x is not None:
+            grad_x, _ = _torch.ops.epx.dispatch_backward(g_recv_x.contiguous(), None, token,
+                                                         ctx.num_tokens, ctx.top_k)
+        if g_recv_w is not None and ctx.w_grad:
+            grad_w = _torch.ops.epx.weights_backward(g_recv_w.contiguous(), token, ctx.num_tokens,
+                                                     ctx.top_k)
+        return grad_x, None, grad_w, None, None, None, None
+
+
 # ---------------------------------------------------------------------------
 # Combine: epx::combine and its backward
 # ---------------------------------------------------------------------------
@@ -1672,15 +1726,28 @@ class MoE(_torch.nn.Module):
     CUDA stream is the one they were made on. Before a CUDA-graph warm-up
     on a side stream, after eager steps, set ``layer.aux_loss = None`` (or
     the capture fails: the accumulators would sync with the default
-    stream)."""
+    stream).
+
+    fp8=True (DeepEP's e4m3 with float32 scales per 128) or an
+    epx.FP8Format: the tokens are quantized on the way (epx_dispatch_quantize,
+    half the bytes of a bf16 dispatch) and the experts run on the
+    dequantized rows (:func:`dequantize`; PyTorch has no grouped GEMM with
+    per-block scales yet, so the GEMMs are in the layer's dtype); the
+    backward is a dispatch's of those rows (straight through the quantizer)
+    and combine stays in the layer's dtype."""
 
     def __init__(self, comm, hidden_size, ffn_hidden_size, num_experts, top_k, *,
                  max_tokens_per_rank, dtype=_F32, device="cpu", weighting=Weighting.IN_COMBINE,
                  exchange=Exchange.DEDUP, layout=Layout.EXPERT_MAJOR, expert_alignment=None,
                  combine_precision=0, capacity_factor=None, expert_bias=False, generator=None,
-                 exact_size=False, route_config=None, **route_options):
+                 exact_size=False, route_config=None, fp8=None, **route_options):
         super().__init__()
         self.exact_size = bool(exact_size)
+        self.fp8 = _epx.FP8Format(_epx.FP8Format.E4M3_F32_128 if fp8 is True else int(fp8 or 0))
+        if self.fp8 and (self.exact_size or Weighting(weighting) == Weighting.IN_DISPATCH):
+            _epx._invalid("epx.torch.MoE: fp8 dispatch with %s is not offered; use exact_size=False "
+                          "and weights in combine or NONE", "exact_size" if self.exact_size
+                          else "Weighting.IN_DISPATCH (fp8 rows are not scaled on the way)")
         W = comm.size
         if num_experts % W:
             _epx._invalid("epx.torch.MoE: num_experts %d is not a multiple of the comm's %d "
@@ -1706,7 +1773,7 @@ class MoE(_torch.nn.Module):
                                   max_top_k=top_k, max_tokens_per_rank=max_tokens_per_rank,
                                   dtype=dtype, device=device, exchange=exchange, layout=layout,
                                   expert_alignment=expert_alignment, capacity=capacity,
-                                  combine_precision=combine_precision)
+                                  combine_precision=combine_precision, fp8_format=self.fp8)
         self._buffer_id = self.buffer.id
         self._config_id = _config_id(self.route_config)
         self._init_parameters(device, dtype, generator, expert_bias)
@@ -1797,10 +1864,13 @@ class MoE(_torch.nn.Module):
         self.aux_loss = aux + z
         self.expert_counts = expert_counts
         locations = loc if self.layout == Layout.CAPACITY else None
-        op = _torch.ops.epx.dispatch_exact if self.exact_size else _torch.ops.epx.dispatch
-        d = Dispatched(*op(x2, idx, w, locations, self._buffer_id, int(self.weighting),
-                           RECORDER_AMBIENT),
-                       w, x2.shape[0], self.top_k, int(self.weighting), self._buffer_id)
+        if self.fp8:
+            outs = _Fp8StraightThrough.apply(x2, idx, w, locations, self._buffer_id,
+                                             int(self.weighting), RECORDER_AMBIENT)
+        else:
+            op = _torch.ops.epx.dispatch_exact if self.exact_size else _torch.ops.epx.dispatch
+            outs = op(x2, idx, w, locations, self._buffer_id, int(self.weighting), RECORDER_AMBIENT)
+        d = Dispatched(*outs, w, x2.shape[0], self.top_k, int(self.weighting), self._buffer_id)
         self.tokens_per_expert = d.counts
         out = combine(d, self.experts(d)).reshape(shape)
         return (out, expert_counts) if return_counts else out

@@ -276,3 +276,78 @@ def test_torch_dispatch_refusals():
         et.dispatch(buf, x.to(FP8), idx, torch.ones(4, 2))
     buf.close()
     comm.close()
+
+
+# ---------------------------------------------------------------------------
+# epx.torch.MoE(fp8=...) against a float64 reference whose experts see the
+# dequantized tokens (straight-through gradient to x)
+# ---------------------------------------------------------------------------
+
+def fp8_moe_reference(p, fmt):
+    """test_torch's MoE reference with every expert fed x's fp8 round trip
+    (epx's quantizer, checked above against the peers') and the gradient
+    passed straight through it; routing on x itself."""
+    from test_torch import swiglu
+    router = p.router.clone().requires_grad_(True)
+    w1, w2 = p.w1.clone().requires_grad_(True), p.w2.clone().requires_grad_(True)
+    xs = [x.clone().requires_grad_(True) for x in p.x]
+    outs, total = [], 0.0
+    for x, g in zip(xs, p.g):
+        q, s = epx.quantize(x.detach().float().numpy(), fmt)
+        x_dq = torch.from_numpy(epx.dequantize(q, s, fmt)).double()
+        x_ste = x + (x_dq - x).detach()
+        prob = torch.softmax(x @ router.t(), dim=1)
+        idx = torch.topk(prob.detach(), p.K, dim=1).indices
+        w = prob.gather(1, idx)
+        w = w / w.sum(1, keepdim=True)
+        out = torch.zeros_like(x)
+        for k in range(p.K):
+            for e in range(p.E):
+                rows = idx[:, k] == e
+                if rows.any():
+                    out = out.index_add(0, rows.nonzero()[:, 0],
+                                        w[rows, k:k + 1] * swiglu(x_ste[rows], w1[e], w2[e]))
+        total = total + (out * g).sum()
+        outs.append(out.detach())
+    total.backward()
+    return dict(out=outs, grad_x=[x.grad for x in xs], router=router.grad, w1=w1.grad, w2=w2.grad)
+
+
+@pytest.mark.parametrize("fmt", list(PEER))
+@pytest.mark.parametrize("world", [1, 2])
+def test_moe_fp8_matches_reference(fmt, world):
+    import pathlib
+    import sys
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+    from test_torch import Problem, close, make_layer
+    p = Problem(11 + int(fmt), world, T=24, H=512, F=64, E=4 * world, K=2)
+    ref = fp8_moe_reference(p, fmt)
+
+    def main(comm):
+        m = make_layer(comm, p, epx.Weighting.IN_COMBINE, fp8=fmt)
+        x = p.x[comm.rank].float().requires_grad_(True)
+        out = m(x)
+        (out * p.g[comm.rank].float()).sum().backward()
+        r, El = comm.rank, p.E // comm.size
+        # test_torch's float32 tolerance against float64 (its absolute part
+        # scales with the tensor)
+        tol = (1e-5, 1e-4)
+        close(out.detach().double(), ref["out"][r], tol, "out rank %d" % r)
+        close(x.grad.double(), ref["grad_x"][r], tol, "grad_x rank %d" % r)
+        close(m.w_gate_up.grad.double(), ref["w1"][r * El:(r + 1) * El].transpose(1, 2), tol, "w1 grad")
+        close(m.w_down.grad.double(), ref["w2"][r * El:(r + 1) * El].transpose(1, 2), tol, "w2 grad")
+        del out
+        m.buffer.close()
+        return m.router.weight.grad.double()
+    grads = epx.run_local(world, main)
+    router = sum(grads)
+    assert router.abs().max() > 0, "the router got no gradient"
+    close(router, ref["router"], (1e-5, 1e-4), "router grad")
+
+
+def test_moe_fp8_refusals():
+    comm = epx.Comm.create_self()
+    with pytest.raises(epx.InvalidArgumentError, match="IN_DISPATCH"):
+        et.MoE(comm, 256, 32, 4, 2, max_tokens_per_rank=8, fp8=True,
+               weighting=epx.Weighting.IN_DISPATCH)
+    comm.close()
