@@ -1163,9 +1163,9 @@ epx_status_t epx_dispatch_quantize(epx_buffer_t buffer, epx_handle_t handle, con
  *        rank s are the first recv_count[s] of its block, a row per token of
  *        s that chose a local expert, in token order (the normal rank-major
  *        rows); weighting EPX_WEIGHTS_NONE, as in that layout.
- *    Rows past the counts are not part of the result (unspecified; the CPU
- *    backend writes zeros). expert_alignment must be 1; the capacity layout
- *    is refused;
+ *    Rows past the counts are not part of the result and are not written
+ *    (zeroing the worst case would cost more than the step). expert_alignment
+ *    must be 1; the capacity layout is refused;
  *  - one call each way: epx_ll_dispatch makes the layout and moves the rows
  *    (no epx_dispatch_layout), returning the handle that epx_ll_combine
  *    replays. The handle answers the usual queries over the fixed shape:

@@ -78,6 +78,7 @@ struct epx_cpu_plan {
   int64_t self_items;                    /* rows this rank sends itself (stats) */
   int64_t bytes;                         /* host bytes held by the plan */
   int32_t ll_pending;                    /* low-latency mode: the epx_ll_phase_t awaiting completion (ll.c) */
+  int32_t ll_fixed_shape;                /* low-latency mode: rows in the fixed shape, unused ones never written */
 };
 
 /* ------------------------------------------------------------------------ */

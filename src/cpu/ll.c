@@ -4,7 +4,8 @@
  * row moves. Expert-major rows of local expert e keep their order and start
  * at e * W * max_tokens; rank-major rows from source rank s start at
  * s * max_tokens. Only the plan's row indices change, so dispatch and combine
- * are the normal path's, bit for bit, on every transport. The CPU has
+ * are the normal path's, bit for bit, on every transport; the rows past the
+ * counts are never written (the plan says so to move.c). The CPU has
  * nothing to overlap a send with on the calling thread: the whole exchange
  * runs in the send and completion closes it. */
 #include <stdlib.h>
@@ -101,6 +102,7 @@ static epx_status_t to_fixed_shape(epx_buffer_t b, epx_handle_t h, const char *f
       p->expert_offsets[p->E_local] = N;
     p->bytes += (N - p->N) * (int64_t)(2 * sizeof(int32_t) + (size_t)p->row_slots * (sizeof(int32_t) + sizeof(float)));
     h->recv_rows = p->N = N;
+    p->ll_fixed_shape = 1;
   }
   free(map);
   free(fill);

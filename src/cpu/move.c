@@ -113,6 +113,7 @@ static epx_status_t run_call(move_t *m, epx_call_kind_t kind, epx_status_t local
 /* ------------------------------------------------------------------------ */
 
 static void zero_empty_rows(const struct epx_cpu_plan *p, void *rows, size_t row_bytes) {
+  if (p->ll_fixed_shape) return; /* the low-latency shape's unused rows are left alone (epx.h) */
   for (int64_t i = 0; i < p->N; i++)
     if (p->row_src_rank[i] < 0) memset((char *)rows + (size_t)i * row_bytes, 0, row_bytes);
 }
