@@ -4,8 +4,8 @@ semantics, written from deep_ep's dispatch and combine: rows by source rank
 then token, one per (token, rank) the token chose an expert on; local
 expert ids, -1 and weight 0 elsewhere; received tokens per local expert;
 combine the sum of each token's rows. Outputs and the gradients of x and of
-token_probs, on 1 rank (a gloo group of one) and 2 and 4 ranks (threads of
-the local transport). NeMo Automodel itself needs DeepEP and a GPU: install()
+token_probs, on 1 rank (a gloo group of one), 2 and 4 ranks (threads of
+the local transport) and 2 processes under torchrun (a gloo group). NeMo Automodel itself needs DeepEP and a GPU: install()
 is checked on stand-in modules.
 
 Run: EPX_LIBRARY=build/libepx.so PYTHONPATH=python python -m pytest tests/python/test_nemo.py
@@ -24,22 +24,25 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import epx  # noqa: E402
 import epx.nemo as en  # noqa: E402
 from test_epx import SEED, TIMEOUT  # noqa: E402
+from torchrun_jobs import torchrun  # noqa: E402
 
 torch.set_num_threads(1)
 H = 8
 
 
-def world(seed, W, T, E, K, drop=0.25):
+def world(seed, W, T, E, K, drop=0.25, uneven=False):
     """Every rank's x [T, H], token_indices [T, K] (distinct experts, a
-    fraction `drop` of them -1), token_probs, and the output's gradient."""
+    fraction `drop` of them -1), token_probs, and the output's gradient;
+    T + r tokens on rank r when uneven."""
     g = torch.Generator().manual_seed(seed)
     ranks = []
-    for _ in range(W):
-        idx = torch.argsort(torch.rand(T, E, generator=g), dim=1)[:, :K]
-        idx = torch.where(torch.rand(T, K, generator=g) < drop, -1, idx)
-        probs = torch.rand(T, K, generator=g) * (idx >= 0)
-        ranks.append(dict(x=torch.randn(T, H, generator=g), idx=idx, probs=probs,
-                          grad=torch.randn(T, H, generator=g)))
+    for r in range(W):
+        n = T + r if uneven else T
+        idx = torch.argsort(torch.rand(n, E, generator=g), dim=1)[:, :K]
+        idx = torch.where(torch.rand(n, K, generator=g) < drop, -1, idx)
+        probs = torch.rand(n, K, generator=g) * (idx >= 0)
+        ranks.append(dict(x=torch.randn(n, H, generator=g), idx=idx, probs=probs,
+                          grad=torch.randn(n, H, generator=g)))
     return ranks
 
 
@@ -106,7 +109,7 @@ def check(got, ref, r):
 
 @pytest.mark.parametrize("W,E,K", [(2, 8, 2), (2, 4, 3), (4, 8, 4)])
 def test_matches_deepeps_semantics_on_ranks_of_threads(W, E, K):
-    ranks = world(SEED + W + K, W, T=10, E=E, K=K)
+    ranks = world(SEED + W + K, W, T=10, E=E, K=K, uneven=True)
     ref = reference(ranks, E)
 
     def run(comm):
@@ -139,6 +142,21 @@ def test_one_rank_over_a_gloo_group(tmp_path):
         dist.destroy_process_group()
 
 
+def torchrun_worker(seed):
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    rank, W = dist.get_rank(), dist.get_world_size()
+    ranks = world(seed, W, T=10, E=8, K=3, uneven=True)
+    check(rank_step(dist.group.WORLD, ranks[rank], 8), reference(ranks, 8), rank)
+    en.close()
+    dist.destroy_process_group()
+    print("rank %d OK" % rank)
+
+
+def test_two_processes_under_torchrun():
+    torchrun(2, __file__, "torchrun-worker", str(SEED))
+
+
 def test_install_points_nemos_functions_at_epx(monkeypatch):
     """install() rebinds fused_dispatch / fused_combine / set_deepep_num_sms
     in NeMo Automodel's fused_a2a and token_dispatcher modules (stand-ins
@@ -160,3 +178,7 @@ def test_install_without_nemo_says_so(monkeypatch):
     monkeypatch.setitem(sys.modules, en._NEMO_MODULES[0], None)
     with pytest.raises(epx.UnsupportedError, match="install nemo_automodel"):
         en.install()
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["torchrun-worker"]:
+    torchrun_worker(int(sys.argv[2]))
