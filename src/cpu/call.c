@@ -3,13 +3,16 @@
  * rank is doing: the call, the buffer and handle (sequence numbers the comm
  * hands out in the same order on every rank), the shape, and the rank's own
  * verdict on its arguments. Every rank receives every rank's block and checks
- * them all the same way, so a refusal, a rank in another call or on another
- * handle fails on every rank, with the same reasons, before anything moves —
- * and no extra round trip is spent when all is well. */
+ * them all the same way (core/agree.h, the rules every backend shares, then
+ * this engine's own: weighting and shapes), so a refusal, a rank in another
+ * call or on another handle fails on every rank, with the same reasons,
+ * before anything moves — and no extra round trip is spent when all is
+ * well. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/agree.h"
 #include "core/error.h"
 #include "cpu/exchange.h"
 
@@ -54,29 +57,16 @@ void epx_cpu_call_begin(epx_cpu_call_ctx_t *ctx, epx_buffer_t buffer, epx_call_k
   m->weighting = h ? (int32_t)h->weighting : 0;
 }
 
-/* "rank 1 in epx_combine on layout #3 (8 tokens, top_k 2)", for up to 8 ranks. */
-static void describe_ranks(const epx_cpu_call_t *peers, int32_t W, char *text, size_t size) {
-  size_t used = 0;
-  text[0] = '\0';
-  for (int32_t s = 0; s < W && used < size; s++) {
-    const epx_cpu_call_t *c = &peers[s];
-    int n = s == 8 ? snprintf(text + used, size - used, "; ... (%d ranks)", W)
-                   : snprintf(text + used, size - used,
-                              "%srank %d in %s on buffer #%lld, layout #%lld (%lld tokens, top_k %d)",
-                              s ? "; " : "", s, epx_cpu_call_name(c->kind), (long long)c->buffer_id,
-                              (long long)c->layout_id, (long long)c->tokens, c->top_k);
-    if (n < 0 || s == 8) break;
-    used += (size_t)n;
-  }
+/* Rank s's block as core/agree.h's checks read it. */
+static void call_view(const void *blocks, int32_t s, epx_call_view_t *view) {
+  const epx_cpu_call_t *c = (const epx_cpu_call_t *)blocks + s;
+  *view = (epx_call_view_t){c->kind, epx_cpu_call_name(c->kind), c->kind == EPX_CALL_LAYOUT,
+                            c->kind != EPX_CALL_REPLAY, c->verdict, c->buffer_id, c->layout_id, c->tokens,
+                            c->top_k, 1, c->flags};
 }
 
 static epx_status_t mismatch(const epx_cpu_call_ctx_t *ctx, const epx_cpu_call_t *peers, const char *what) {
-  char text[768];
-  describe_ranks(peers, ctx->buffer->comm->size, text, sizeof text);
-  return epx_error(EPX_ERROR_SHAPE_MISMATCH,
-                   "%s: the ranks are %s: %s; every rank must make the same collective calls, on "
-                   "the same buffer and handle, in the same order; nothing moved on any rank",
-                   ctx->fn, what, text);
+  return epx_agree_mismatch(ctx->fn, peers, ctx->buffer->comm->size, call_view, what);
 }
 
 /* A peer's shape the exchange can serve: in range of the buffer's limits
@@ -102,27 +92,6 @@ static epx_status_t check_shapes(const epx_cpu_call_ctx_t *ctx, const epx_cpu_ca
   return EPX_SUCCESS;
 }
 
-/* A failed verdict: the rank keeps its own message; the others name the first
- * failing rank (an oversize batch, the layout's most common refusal, by its
- * numbers). */
-static epx_status_t refusal(const epx_cpu_call_ctx_t *ctx, const epx_cpu_call_t *peers) {
-  int32_t W = ctx->buffer->comm->size;
-  if (ctx->mine.verdict != EPX_SUCCESS) return epx_error(ctx->mine.verdict, "%s", ctx->message);
-  for (int32_t s = 0; s < W; s++)
-    if (peers[s].kind == EPX_CALL_LAYOUT && peers[s].verdict == EPX_ERROR_CAPACITY_EXCEEDED)
-      return epx_error(EPX_ERROR_CAPACITY_EXCEEDED,
-                       "%s: rank %d has %lld tokens, above the buffer's max_tokens_per_rank %lld; "
-                       "nothing moved on any rank; create the buffer with a larger "
-                       "config.max_tokens_per_rank", ctx->fn, s, (long long)peers[s].tokens,
-                       (long long)ctx->buffer->max_tokens);
-  for (int32_t s = 0; s < W; s++)
-    if (peers[s].verdict != EPX_SUCCESS)
-      return epx_error(EPX_ERROR_PEER_FAILED,
-                       "%s: rank %d refused the call (its epx_last_error says why); nothing moved "
-                       "on any rank", ctx->fn, s);
-  return EPX_SUCCESS;
-}
-
 /* Every rank's routing.weighting must be rank 0's (epx_weighting_mismatch). */
 static epx_status_t check_weighting(const epx_cpu_call_ctx_t *ctx, const epx_cpu_call_t *peers) {
   int32_t W = ctx->buffer->comm->size;
@@ -133,27 +102,9 @@ static epx_status_t check_weighting(const epx_cpu_call_ctx_t *ctx, const epx_cpu
 }
 
 epx_status_t epx_cpu_call_agree(const epx_cpu_call_ctx_t *ctx, const epx_cpu_call_t *peers) {
-  int32_t W = ctx->buffer->comm->size;
-  for (int32_t s = 1; s < W; s++)
-    if (peers[s].kind != peers[0].kind) return mismatch(ctx, peers, "in different collective calls");
-  epx_status_t status = refusal(ctx, peers);
-  if (status != EPX_SUCCESS) return status;
-  for (int32_t s = 1; s < W; s++) {
-    if (peers[s].buffer_id != peers[0].buffer_id) return mismatch(ctx, peers, "on different buffers");
-    if (peers[0].kind != EPX_CALL_REPLAY && peers[s].layout_id != peers[0].layout_id)
-      return mismatch(ctx, peers, peers[0].kind == EPX_CALL_LAYOUT
-                                      ? "out of step (they have made different numbers of layouts)"
-                                      : "on different handles");
-  }
-  for (int32_t s = 1; s < W; s++)
-    if (peers[s].flags != peers[0].flags) {
-      int32_t odd = peers[s].flags & EPX_CALL_GRAD_W ? s : 0;
-      return epx_error(EPX_ERROR_SHAPE_MISMATCH,
-                       "%s: rank %d passes grad_w and rank %d does not; the weight gradient is "
-                       "exchanged, so pass grad_w on every rank or on none; nothing moved on any "
-                       "rank", ctx->fn, odd, odd == s ? 0 : s);
-    }
-  status = check_weighting(ctx, peers);
+  epx_status_t status = epx_agree_calls(ctx->fn, peers, ctx->buffer->comm->size, call_view, ctx->mine.verdict,
+                                        ctx->message, ctx->buffer->max_tokens);
+  if (status == EPX_SUCCESS) status = check_weighting(ctx, peers);
   return status != EPX_SUCCESS ? status : check_shapes(ctx, peers);
 }
 

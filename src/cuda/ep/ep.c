@@ -23,6 +23,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include "core/agree.h"
 #include "core/error.h"
 #include "core/nccl.h"
 #include "core/route_spec.h"
@@ -155,63 +156,12 @@ static int64_t call_of(const char *caller) {
   return CALLS; /* not reached: every caller is one of them */
 }
 
-/* "rank 0 in epx_dispatch on buffer #1, layout #3; rank 1 ...", up to 8 ranks. */
-static void describe_calls(const ep_call_t *all, int32_t W, char *text, size_t size) {
-  size_t used = 0;
-  text[0] = '\0';
-  for (int32_t p = 0; p < W && used < size; p++) {
-    const ep_call_t *c = &all[p];
-    const int n = p == 8 ? snprintf(text + used, size - used, "; ... (%d ranks)", W)
-                         : snprintf(text + used, size - used, "%srank %d in %s on buffer #%lld, layout #%lld",
-                                    p ? "; " : "", p, c->call < CALLS ? call_names[c->call] : "another call",
-                                    (long long)c->buffer, (long long)c->handle);
-    if (n < 0 || p == 8) break;
-    used += (size_t)n;
-  }
-}
-
-static epx_status_t call_mismatch(const ep_call_t *all, int32_t W, const char *fn, const char *what) {
-  char text[768];
-  describe_calls(all, W, text, sizeof text);
-  return epx_error(EPX_ERROR_SHAPE_MISMATCH,
-                   "%s: the ranks are %s: %s; every rank must make the same collective calls, on the same "
-                   "buffer and handle, in the same order; nothing moved on any rank", fn, what, text);
-}
-
-/* The checks of the gathered blocks (the same on every rank). A failed
- * verdict names its rank (an oversize batch by its numbers); this rank's own
- * refusal keeps its message. */
-static epx_status_t check_calls(epx_buffer_t b, const ep_call_t *all, epx_status_t local, const char *message,
-                                const char *fn) {
-  const int32_t W = b->world_size;
-  for (int32_t p = 1; p < W; p++)
-    if (all[p].call != all[0].call) return call_mismatch(all, W, fn, "in different collective calls");
-  if (local != EPX_SUCCESS) return epx_error(local, "%s", message);
-  for (int32_t p = 0; p < W; p++)
-    if (all[p].verdict == EPX_ERROR_CAPACITY_EXCEEDED && all[p].call == CALL_LAYOUT)
-      return epx_error(EPX_ERROR_CAPACITY_EXCEEDED,
-                       "%s: rank %d has %lld tokens, above the buffer's max_tokens_per_rank %lld; nothing "
-                       "moved on any rank; create the buffer with a larger config.max_tokens_per_rank", fn, p,
-                       (long long)all[p].tokens, (long long)b->max_tokens);
-  for (int32_t p = 0; p < W; p++)
-    if (all[p].verdict != EPX_SUCCESS)
-      return epx_error(EPX_ERROR_PEER_FAILED,
-                       "%s: rank %d refused the call (its epx_last_error says why); nothing moved on any rank", fn,
-                       p);
-  for (int32_t p = 1; p < W; p++) {
-    if (all[p].buffer != all[0].buffer) return call_mismatch(all, W, fn, "on different buffers");
-    if (all[p].handle != all[0].handle)
-      return call_mismatch(all, W, fn,
-                           all[0].call == CALL_LAYOUT ? "out of step (they have made different numbers of layouts)"
-                                                      : "on different handles");
-  }
-  for (int32_t p = 1; p < W; p++)
-    if (all[p].grad_w != all[0].grad_w)
-      return epx_error(EPX_ERROR_SHAPE_MISMATCH,
-                       "%s: rank %d passes grad_w and rank %d does not; the weight gradient is exchanged, so "
-                       "pass grad_w on every rank or on none; nothing moved on any rank", fn,
-                       all[p].grad_w ? p : 0, all[p].grad_w ? 0 : p);
-  return EPX_SUCCESS;
+/* Rank p's block as core/agree.h's checks read it. */
+static void call_view(const void *blocks, int32_t p, epx_call_view_t *view) {
+  const ep_call_t *c = (const ep_call_t *)blocks + p;
+  *view = (epx_call_view_t){c->call, c->call < CALLS ? call_names[c->call] : "another call", c->call == CALL_LAYOUT,
+                            1, (int32_t)c->verdict, c->buffer, c->handle, c->tokens, 0, 0,
+                            c->grad_w ? EPX_AGREE_GRAD_W : 0};
 }
 
 /* Gathers `mine` from every rank and checks the blocks. *largest (layout,
@@ -227,7 +177,7 @@ static epx_status_t agree_call(epx_buffer_t b, ep_call_t mine, const char *fn, i
   if (!all) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
   status = comm->ops->allgather(comm, fn, &mine, all, sizeof mine);
   if (status == EPX_SUCCESS && mine.call == CALL_LAYOUT) {
-    /* Ranks out of step fail this layout (check_calls) and make the next
+    /* Ranks out of step fail this layout (epx_agree_calls) and make the next
      * one in step: every rank in a layout takes the largest number, as the
      * CPU layouts do. */
     int all_layouts = 1;
@@ -235,7 +185,7 @@ static epx_status_t agree_call(epx_buffer_t b, ep_call_t mine, const char *fn, i
     for (int32_t p = 0; p < b->world_size; p++) all_layouts &= all[p].call == CALL_LAYOUT, top = max64(top, all[p].handle);
     if (all_layouts && top > comm->layouts_made) comm->layouts_made = top;
   }
-  if (status == EPX_SUCCESS) status = check_calls(b, all, local, message, fn);
+  if (status == EPX_SUCCESS) status = epx_agree_calls(fn, all, b->world_size, call_view, local, message, b->max_tokens);
   for (int32_t p = 0; status == EPX_SUCCESS && largest && p < b->world_size; p++)
     if (all[p].tokens > *largest) *largest = all[p].tokens;
   free(all);
