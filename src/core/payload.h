@@ -130,6 +130,12 @@ static inline EPX_HD int64_t epx_payload_row_vectors(epx_dtype_t dtype, int64_t 
   return epx_payload_row_bytes(dtype, hidden) / EPX_PAYLOAD_VECTOR_BYTES;
 }
 
+/* Bytes of a row of partials in the combine accumulation dtype (float32 for
+ * every format): what a float32 partial, staged or sent, takes. */
+static inline EPX_HD int64_t epx_payload_partial_row_bytes(int64_t hidden) {
+  return epx_payload_row_bytes(EPX_FLOAT32, hidden);
+}
+
 #ifdef __cplusplus
 }
 #endif

@@ -226,7 +226,7 @@ static size_t staging_bytes(epx_buffer_t b, const ep_handle_t *h) {
    * row is its rank's partial) */
   const int f32 = f32_partials(b, b->config.combine_precision) ||
                   (f32_partials(b, EPX_COMBINE_PARTIALS_FLOAT32) && b->config.layout != EPX_LAYOUT_RANK_MAJOR);
-  const size_t unit = f32 ? 4 * (size_t)b->config.hidden : rb;
+  const size_t unit = f32 ? (size_t)epx_payload_partial_row_bytes(b->config.hidden) : rb;
   int64_t rows = 0, pairs = 0;
   for (int kind = 0; kind < KINDS; kind++) rows = max64(rows, kind_rows(h, kind));
   pairs = max64(kind_rows(h, HOME_PAIRS), kind_rows(h, RECV_PAIRS));
@@ -369,7 +369,7 @@ static epx_status_t move_backward(epx_buffer_t b, epx_handle_t handle, const voi
                                       NULL, 0, stream),
                fn, "the partial sum kernel");
   }
-  EPX_CHECK(p2p(b, h, RECV_PAIRS, HOME_PAIRS, s->send, s->recv, f32 ? 4 * (size_t)c->hidden : rb, fn));
+  EPX_CHECK(p2p(b, h, RECV_PAIRS, HOME_PAIRS, s->send, s->recv, f32 ? (size_t)epx_payload_partial_row_bytes(c->hidden) : rb, fn));
   if (f32) {
     const epx_cuda_reduce_t red = {EPX_FLOAT32, c->dtype, s->recv, out, h->d.T, c->hidden, h->tab.pair_stage, NULL,
                                    h->d.W, NULL, NULL, NULL, 0};

@@ -150,7 +150,7 @@ __device__ void send_partials(const fused_dev &d, const fused_plan_dev &p, combi
     if (kRank && kF32) {
       /* staged float32 partials: rows of H floats, moved by the warps (the
        * bulk path's slots hold rows of the dtype) */
-      const int64_t nv = d.H * 4 / 16;
+      const int64_t nv = epx_payload_partial_row_bytes(d.H) / EPX_PAYLOAD_VECTOR_BYTES;
       for (int64_t i = warp; i < n; i += kWarps)
         warp_copy<false>(reinterpret_cast<uint4 *>(part_of(q0 + i)), eo + (q0 + i) * nv, nv, lane);
     } else if (kRank) {
@@ -418,7 +418,7 @@ __global__ void __launch_bounds__(kThreads) stage_partials_kernel(const fused_de
   __syncthreads();
   const int lane = threadIdx.x & 31;
   char *pay = d.local + d.off_pay;
-  const int64_t stride = part_f32 ? d.H * 4 : d.row_bytes;
+  const int64_t stride = part_f32 ? epx_payload_partial_row_bytes(d.H) : d.row_bytes;
   for (int64_t q = (int64_t)blockIdx.x * kWarps + (threadIdx.x >> 5); q < s_pairs; q += (int64_t)gridDim.x * kWarps)
     warp_partial<T>(pay + q * stride, eo, p.pair_rows + q * p.K, p.pair_w + q * p.K, p.K, weighted, part_f32,
                     d.nvec, lane);
@@ -431,7 +431,7 @@ cudaError_t launch_typed(epx_fused_t *f, const epx_fused_plan_t *plan, const uin
     /* float32 partials are staged where the window's payload rows are
      * float32 rows (epx_fused_config_t.f32_rows) */
     const bool stage = (epx_cuda_launch_flags() & EPX_CUDA_FUSED_EXPAND_APART) &&
-                       (!part_f32 || f->dev.pay_row_bytes >= f->dev.H * 4);
+                       (!part_f32 || f->dev.pay_row_bytes >= epx_payload_partial_row_bytes(f->dev.H));
     if (!stage)
       return launch_combine<T, false, false>(f, plan, eo, out, weighted, part_f32, n, ns, 0,
                                              part_f32 ? 4 : (int64_t)sizeof(T), stream);

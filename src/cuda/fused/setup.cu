@@ -119,7 +119,8 @@ void init_dev(epx_fused_t *f, int W, int rank) {
   d.H = c->hidden;
   d.row_bytes = epx_payload_row_bytes(c->dtype, c->hidden);
   d.nvec = d.row_bytes / 16;
-  d.pay_row_bytes = c->f32_rows && d.row_bytes < c->hidden * 4 ? c->hidden * 4 : d.row_bytes;
+  const int64_t partial = epx_payload_partial_row_bytes(c->hidden);
+  d.pay_row_bytes = c->f32_rows && d.row_bytes < partial ? partial : d.row_bytes;
   d.max_chunks = (int)((c->max_tokens + kChunk - 1) / kChunk);
   d.meta_stride = (int64_t)align_up((size_t)(1 + 3 * c->max_top_k) * 4, 16);
   /* the bulk path: as many one-row slots as fit in 200 KB of shared memory */
