@@ -64,6 +64,13 @@ static epx_status_t choose_path(epx_buffer_t b, const char *fn) {
   return epx_error(EPX_ERROR_INTERNAL, "%s: no path of the CUDA backend takes the buffer", fn);
 }
 
+/* The buffer's path; the host path until one is chosen (or where choosing
+ * failed with the comm). */
+static const ep_path_t *buffer_path(epx_buffer_t b) {
+  const ep_buffer_t *s = b->backend_state;
+  return s && s->path ? s->path : &epx_cuda_ep_host_path;
+}
+
 epx_status_t epx_cuda_ep_buffer_init(epx_buffer_t b) {
   const char *fn = "epx_buffer_create";
   if (!epx_comm_is_nccl(b->comm))
@@ -96,18 +103,14 @@ void epx_cuda_ep_buffer_fini(epx_buffer_t b) {
    * ever. A bounded wait here turns that into EPX_ERROR_TIMEOUT, which
    * aborts the comm (its kernels too). */
   if (b->config.worst_case_sizing && !b->comm->failed) (void)epx_nccl_wait(b->comm, stream_of(b), "epx_buffer_destroy");
-  if (s->path) s->path->buffer_fini(b);
+  buffer_path(b)->buffer_fini(b);
   if (s->readback) cudaFreeHost(s->readback);
   free(s);
   b->backend_state = NULL;
 }
 
-/* paths[W]: the buffer's path says how each peer is reached; the host path
- * until one is chosen. */
-void epx_cuda_ep_peer_paths(epx_buffer_t b, int32_t *paths) {
-  const ep_buffer_t *s = b->backend_state;
-  (s && s->path ? s->path : &epx_cuda_ep_host_path)->peer_paths(b, paths);
-}
+/* paths[W]: the buffer's path says how each peer is reached. */
+void epx_cuda_ep_peer_paths(epx_buffer_t b, int32_t *paths) { buffer_path(b)->peer_paths(b, paths); }
 
 /* ------------------------------------------------------------------------ */
 /* Handles                                                                   */
@@ -296,7 +299,7 @@ epx_status_t epx_cuda_ep_dispatch_layout(epx_buffer_t b, const epx_routing_t *r,
                               b->max_tokens, 0, c->layout, c->capacity, 1, 0, 0, (int32_t)r->weighting};
       char message[1024];
       snprintf(message, sizeof message, "%s", epx_last_error());
-      status = ((ep_buffer_t *)b->backend_state)->path->join_oversize(b, &d, fn);
+      status = buffer_path(b)->join_oversize(b, &d, fn);
       if (status == EPX_SUCCESS) status = epx_error(local, "%s", message);
       return status;
     }
@@ -311,7 +314,7 @@ epx_status_t epx_cuda_ep_dispatch_layout(epx_buffer_t b, const epx_routing_t *r,
   ep_handle_t *h = calloc(1, sizeof *h);
   if (!h) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
   handle->backend_state = h;
-  h->path = ((const ep_buffer_t *)b->backend_state)->path;
+  h->path = buffer_path(b);
   h->rows = -1;
   h->seq = seq;
   h->count[0] = malloc(sizeof(int64_t) * 2 * KINDS * (size_t)W);
