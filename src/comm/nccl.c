@@ -129,16 +129,31 @@ static epx_status_t poll_comms(epx_comm_t comm, const char *caller, const char *
   return EPX_SUCCESS;
 }
 
+/* A wait on the comms of one epx comm: what the polls report and the
+ * timeout names. */
+typedef struct {
+  epx_comm_t comm;
+  const char *caller, *what;
+  cudaStream_t stream; /* epx_nccl_wait's */
+} comm_wait_t;
+
+static epx_status_t comm_timed_out(void *ctx) {
+  const comm_wait_t *w = ctx;
+  return timed_out(w->comm, w->caller, w->what);
+}
+
+/* Over once no comm is ncclInProgress (or one failed). */
+static int settle_poll(void *ctx, epx_status_t *status) {
+  const comm_wait_t *w = ctx;
+  int busy = 0;
+  *status = poll_comms(w->comm, w->caller, w->what, &busy);
+  return *status != EPX_SUCCESS || !busy;
+}
+
 /* Polls the comms' asynchronous state until none is ncclInProgress. */
 static epx_status_t settle(epx_comm_t comm, const char *caller, const char *what) {
-  const double started = epx_now_seconds(), deadline = started + comm->timeout_seconds;
-  for (;;) {
-    int busy = 0;
-    epx_status_t status = poll_comms(comm, caller, what, &busy);
-    if (status != EPX_SUCCESS || !busy) return status;
-    if (comm->timeout_seconds > 0 && epx_now_seconds() > deadline) return timed_out(comm, caller, what);
-    epx_wait_pause(started);
-  }
+  comm_wait_t w = {comm, caller, what, NULL};
+  return epx_wait_bounded(comm->timeout_seconds, settle_poll, &w, comm_timed_out);
 }
 
 int epx_nccl_went(int result) { return result == ncclSuccess || result == ncclInProgress; }
@@ -160,21 +175,25 @@ epx_status_t epx_nccl_result(epx_comm_t comm, int result, const char *caller, co
   return nccl_error(comm, (ncclResult_t)result, caller, what);
 }
 
-epx_status_t epx_nccl_wait(epx_comm_t comm, void *stream, const char *caller) {
-  const double started = epx_now_seconds(), deadline = started + comm->timeout_seconds;
-  for (;;) {
-    cudaError_t e = cudaStreamQuery((cudaStream_t)stream);
-    if (e == cudaSuccess) return EPX_SUCCESS;
-    if (e != cudaErrorNotReady)
-      return epx_error(EPX_ERROR_CUDA, "%s: waiting for the stream failed with %s (%s)", caller,
-                       cudaGetErrorName(e), cudaGetErrorString(e));
-    int busy = 0;
-    epx_status_t status = poll_comms(comm, caller, "an NCCL operation of this comm", &busy);
-    if (status != EPX_SUCCESS) return status;
-    if (comm->timeout_seconds > 0 && epx_now_seconds() > deadline)
-      return timed_out(comm, caller, "the NCCL work on the stream");
-    epx_wait_pause(started);
+/* Over once the stream is done (or it or a comm failed). */
+static int stream_poll(void *ctx, epx_status_t *status) {
+  const comm_wait_t *w = ctx;
+  cudaError_t e = cudaStreamQuery(w->stream);
+  *status = EPX_SUCCESS;
+  if (e == cudaSuccess) return 1;
+  if (e != cudaErrorNotReady) {
+    *status = epx_error(EPX_ERROR_CUDA, "%s: waiting for the stream failed with %s (%s)", w->caller,
+                        cudaGetErrorName(e), cudaGetErrorString(e));
+    return 1;
   }
+  int busy = 0;
+  *status = poll_comms(w->comm, w->caller, "an NCCL operation of this comm", &busy);
+  return *status != EPX_SUCCESS;
+}
+
+epx_status_t epx_nccl_wait(epx_comm_t comm, void *stream, const char *caller) {
+  comm_wait_t w = {comm, caller, "the NCCL work on the stream", (cudaStream_t)stream};
+  return epx_wait_bounded(comm->timeout_seconds, stream_poll, &w, comm_timed_out);
 }
 
 void *epx_nccl_comm(epx_comm_t comm) { return ((nccl_state_t *)comm->impl)->comms[MAIN]; }

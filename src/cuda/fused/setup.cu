@@ -138,20 +138,36 @@ void init_dev(epx_fused_t *f, int W, int rank) {
  * ncclCommGetAsyncError until the comm leaves ncclInProgress, at most
  * `seconds`: EPX_ERROR_TIMEOUT after that (the outputs may still be written
  * later, so the caller must not free them). */
+/* A setup wait (core/wait.h's loop): on the comm or on a stream. */
+struct setup_wait {
+  ncclComm_t comm;
+  cudaStream_t stream;
+  double seconds;
+  const char *fn, *what;
+};
+
+epx_status_t setup_timed_out(void *ctx) {
+  const setup_wait &w = *static_cast<const setup_wait *>(ctx);
+  return epx_error(EPX_ERROR_TIMEOUT, "%s: %s did not complete within %.3g s (a peer is not creating the same "
+                   "buffer); the comm is unusable: destroy it", w.fn, w.what, w.seconds);
+}
+
+/* Over once the comm leaves ncclInProgress. */
+int comm_poll(void *ctx, epx_status_t *status) {
+  const setup_wait &w = *static_cast<const setup_wait *>(ctx);
+  ncclResult_t state = ncclSuccess;
+  const ncclResult_t q = ncclCommGetAsyncError(w.comm, &state);
+  *status = EPX_SUCCESS;
+  if (q != ncclSuccess) *status = nccl_fail(w.fn, "ncclCommGetAsyncError", q);
+  else if (state == ncclInProgress) return 0;
+  else if (state != ncclSuccess) *status = nccl_fail(w.fn, w.what, state);
+  return 1;
+}
+
 epx_status_t nccl_settle(ncclComm_t comm, ncclResult_t r, double seconds, const char *fn, const char *what) {
   if (r != ncclSuccess && r != ncclInProgress) return nccl_fail(fn, what, r);
-  const double started = epx_now_seconds();
-  for (;;) {
-    ncclResult_t state = ncclSuccess;
-    const ncclResult_t q = ncclCommGetAsyncError(comm, &state);
-    if (q != ncclSuccess) return nccl_fail(fn, "ncclCommGetAsyncError", q);
-    if (state == ncclSuccess) return EPX_SUCCESS;
-    if (state != ncclInProgress) return nccl_fail(fn, what, state);
-    if (epx_now_seconds() - started > seconds)
-      return epx_error(EPX_ERROR_TIMEOUT, "%s: %s did not complete within %.3g s (a peer is not creating the same "
-                       "buffer); the comm is unusable: destroy it", fn, what, seconds);
-    epx_wait_pause(started);
-  }
+  setup_wait w = {comm, NULL, seconds, fn, what};
+  return epx_wait_bounded(seconds, comm_poll, &w, setup_timed_out);
 }
 
 }  // namespace
@@ -163,17 +179,19 @@ epx_status_t epx_fused_nccl_settle(void *comm, int result, double seconds, const
 namespace {
 
 /* Waits for the work on `stream`, at most `seconds`. */
+/* Over once the stream is done (or failed). */
+int stream_poll(void *ctx, epx_status_t *status) {
+  const setup_wait &w = *static_cast<const setup_wait *>(ctx);
+  const cudaError_t e = cudaStreamQuery(w.stream);
+  *status = EPX_SUCCESS;
+  if (e == cudaErrorNotReady) return 0;
+  if (e != cudaSuccess) *status = cuda_fail(w.fn, w.what, e);
+  return 1;
+}
+
 epx_status_t stream_settle(cudaStream_t stream, double seconds, const char *fn, const char *what) {
-  const double started = epx_now_seconds();
-  for (;;) {
-    const cudaError_t e = cudaStreamQuery(stream);
-    if (e == cudaSuccess) return EPX_SUCCESS;
-    if (e != cudaErrorNotReady) return cuda_fail(fn, what, e);
-    if (epx_now_seconds() - started > seconds)
-      return epx_error(EPX_ERROR_TIMEOUT, "%s: %s did not complete within %.3g s (a peer is not creating the same "
-                       "buffer); the comm is unusable: destroy it", fn, what, seconds);
-    epx_wait_pause(started);
-  }
+  setup_wait w = {NULL, stream, seconds, fn, what};
+  return epx_wait_bounded(seconds, stream_poll, &w, setup_timed_out);
 }
 
 /* The ranks' agreement at a step of the creation, which is also its
