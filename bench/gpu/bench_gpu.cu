@@ -26,6 +26,8 @@
 #include <string>
 #include <vector>
 
+#include <cuda_bf16.h>
+
 #include "cuda/launch.h"
 #include "epx.h"
 
