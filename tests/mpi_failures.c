@@ -5,7 +5,8 @@
  *  - A message longer than its receive (MPI_ERR_TRUNCATE) and one shorter
  *    come back as EPX_ERROR_TRANSPORT naming the peer, on every rank.
  *  - Ranks in different collectives time out naming each other.
- *  - Silent ranks are named by the others' timeout, within it and a second.
+ *  - Silent ranks are named by the others' timeout, within it and a second;
+ *    ranks that timed out waiting for them say so to the others (notices).
  *  - Through the public API, ranks with different top_k (each within
  *    max_top_k) neither abort nor crash.
  * Plain checks; the failures of all ranks are summed and the exit status is
@@ -133,6 +134,39 @@ static void test_silent_ranks(void) {
   RANK_OK(epx_comm_destroy(comm));
 }
 
+/* The last rank stays away; the middle ranks time out first (a shorter
+ * timeout) and tell their peers whom they waited for (MPI notices), so
+ * rank 0's later timeout names the last rank as the one that did not arrive
+ * and the middle ones as having waited for it too. (A rank a call behind,
+ * blocked by the silent one, is named as only waiting the same way; the
+ * text of that case is test_comm's test_timeout_text_names_the_cause.) */
+static void test_timeout_notices(void) {
+  if (size < 3) return;
+  MPI_Barrier(MPI_COMM_WORLD); /* the short timeout bounds the comm's creation too */
+  epx_comm_t comm = create(rank == 0 ? 3.0 : 1.0);
+  int created = comm != NULL, all = 0;
+  MPI_Allreduce(&created, &all, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+  if (!all) {
+    if (comm) epx_comm_destroy(comm);
+    return;
+  }
+  const int last = size - 1;
+  if (rank != last) {
+    epx_status_t status = object(comm)->ops->barrier(object(comm), "test_notices");
+    RANK_EXPECT(status == EPX_ERROR_TIMEOUT, "a silent rank gave %s: %s", epx_status_string(status),
+                epx_last_error());
+    char want[128];
+    snprintf(want, sizeof want, "test_notices: rank %d did not arrive within %s s", last,
+             rank == 0 ? "3" : "1");
+    RANK_EXPECT(has(want), "the silent rank is not named alone: %s", epx_last_error());
+    snprintf(want, sizeof want, "%s timed out waiting for rank %d too",
+             size == 4 ? "ranks 1, 2" : "rank 1", last);
+    if (rank == 0) RANK_EXPECT(has(want), "the notices are not reported: %s", epx_last_error());
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  RANK_OK(epx_comm_destroy(comm));
+}
+
 /* Ranks with different top_k, each within max_top_k (the header allows it):
  * never an abort or a crash, and MPI_COMM_WORLD stays usable. (That every
  * rank then agrees — all succeed, or all refuse — is the API's part, issue
@@ -241,6 +275,7 @@ int main(int argc, char **argv) {
   test_truncation_returns();
   test_different_collectives();
   test_silent_ranks();
+  test_timeout_notices();
   test_per_rank_top_k();
   test_weighting_mismatch();
   int total = 0;

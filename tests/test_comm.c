@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "comm/comm.h"
 #include "comm_cases.h"
 #include "core/transport.h"
 #include "testutil.h"
@@ -389,6 +390,44 @@ static void test_create_mpi_arguments(void **state) {
                 "epx_comm_create_self: comm is NULL");
 }
 
+/* A timeout's text tells the rank that did not arrive from the ranks only
+ * blocked behind it (their notices say whom they waited for; MPI): 4 ranks,
+ * rank 3 stopped, ranks 1 and 2 a call behind waiting for it, rank 0 a call
+ * on. */
+static void test_timeout_text_names_the_cause(void **state) {
+  (void)state;
+  char text[768];
+  const uint8_t missing[4] = {0, 1, 1, 1}, waiting[4] = {0, 1, 1, 0}, behind[4] = {0, 0, 0, 1};
+  const uint8_t none[4] = {0};
+  epx_comm_timeout_text(text, sizeof text, 4, "barrier", 2.0, missing, waiting, behind, none,
+                        none);
+  assert_string_equal(text, "rank 3 did not arrive within 2 s (comm timeout_seconds): no message "
+                      "of this barrier came from it (failed before it, stuck, or in another "
+                      "call); ranks 1, 2 did not arrive either, but only waiting: blocked in "
+                      "another call, they timed out waiting for rank 3");
+  /* No notices: every missing rank is named as not arriving, as before. */
+  epx_comm_timeout_text(text, sizeof text, 4, "barrier", 2.0, missing, none, none, none, none);
+  assert_string_equal(text, "ranks 1, 2, 3 did not arrive within 2 s (comm timeout_seconds): no "
+                      "message of this barrier came from them (failed before it, stuck, or in "
+                      "another call)");
+  /* Ranks whose message came but which timed out too say whom they missed. */
+  const uint8_t three[4] = {0, 0, 0, 1}, also[4] = {0, 1, 1, 0};
+  epx_comm_timeout_text(text, sizeof text, 4, "alltoall", 0.5, three, none, none, also, three);
+  assert_string_equal(text, "rank 3 did not arrive within 0.5 s (comm timeout_seconds): no "
+                      "message of this alltoall came from it (failed before it, stuck, or in "
+                      "another call); ranks 1, 2 timed out waiting for rank 3 too");
+  /* Every missing rank only waiting. */
+  const uint8_t one[4] = {0, 1, 0, 0};
+  epx_comm_timeout_text(text, sizeof text, 4, "barrier", 1.0, one, one, three, none, none);
+  assert_string_equal(text, "rank 1 did not arrive within the timeout, but only waiting: blocked "
+                      "in another call, it timed out waiting for rank 3");
+  /* A small buffer is cut, not overrun. */
+  char small[24];
+  epx_comm_timeout_text(small, sizeof small, 4, "barrier", 2.0, missing, waiting, behind, none,
+                        none);
+  assert_int_equal(strlen(small), sizeof small - 1);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_self_ops),
@@ -408,6 +447,7 @@ int main(void) {
       cmocka_unit_test(test_create_local_arguments),
       cmocka_unit_test(test_create_local_timeout),
       cmocka_unit_test(test_create_mpi_arguments),
+      cmocka_unit_test(test_timeout_text_names_the_cause),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

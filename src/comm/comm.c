@@ -5,6 +5,9 @@
 #include "comm/comm.h"
 
 #include <math.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -37,6 +40,70 @@ void epx_comm_free(epx_comm_t comm) {
   epx_comm_topology_free(comm);
   epx_registry_remove(comm->id);
   free(comm);
+}
+
+/* Appends printf text to out [used, size). */
+static void comm_append(char *out, size_t size, size_t *used, const char *format, ...)
+    __attribute__((format(printf, 4, 5)));
+static void comm_append(char *out, size_t size, size_t *used, const char *format, ...) {
+  if (*used >= size) return;
+  va_list args;
+  va_start(args, format);
+  int n = vsnprintf(out + *used, size - *used, format, args);
+  va_end(args);
+  if (n > 0) *used = *used + (size_t)n < size ? *used + (size_t)n : size;
+}
+
+/* Whether rank p is listed: flag[p], and not unless[p] (unless may be NULL). */
+static int comm_listed(const uint8_t *flag, const uint8_t *unless, int32_t p) {
+  return flag[p] && !(unless && unless[p]);
+}
+
+/* Appends "rank 3" or "ranks 1, 2" (up to 16 named) of the listed ranks;
+ * returns how many there are. */
+static int32_t comm_ranks(char *out, size_t size, size_t *used, int32_t ranks,
+                          const uint8_t *flag, const uint8_t *unless) {
+  int32_t count = 0, named = 0;
+  for (int32_t p = 0; p < ranks; p++) count += comm_listed(flag, unless, p);
+  comm_append(out, size, used, "rank%s ", count > 1 ? "s" : "");
+  for (int32_t p = 0; p < ranks && named < 16; p++)
+    if (comm_listed(flag, unless, p)) comm_append(out, size, used, "%s%d", named++ ? ", " : "", p);
+  if (count > named) comm_append(out, size, used, ", ... (%d in all)", count);
+  return count;
+}
+
+void epx_comm_timeout_text(char *out, size_t out_size, int32_t size, const char *op,
+                           double timeout, const uint8_t *missing, const uint8_t *waiting,
+                           const uint8_t *behind, const uint8_t *also, const uint8_t *also_behind) {
+  size_t used = 0;
+  int32_t causes = 0, waiters = 0, others = 0;
+  for (int32_t p = 0; p < size; p++) {
+    causes += missing[p] && !waiting[p];
+    waiters += missing[p] && waiting[p];
+    others += also[p] != 0;
+  }
+  out[0] = '\0';
+  if (causes) {
+    comm_ranks(out, out_size, &used, size, missing, waiting);
+    comm_append(out, out_size, &used, " did not arrive within %g s (comm timeout_seconds): no "
+                "message of this %s came from %s (failed before it, stuck, or in another call)",
+                timeout, op, causes > 1 ? "them" : "it");
+  }
+  if (waiters) {
+    if (used) comm_append(out, out_size, &used, "; ");
+    comm_ranks(out, out_size, &used, size, waiting, NULL);
+    comm_append(out, out_size, &used, " did not arrive %s but only waiting: blocked in another "
+                "call, %s timed out waiting for ", causes ? "either," : "within the timeout,",
+                waiters > 1 ? "they" : "it");
+    comm_ranks(out, out_size, &used, size, behind, NULL);
+  }
+  if (others) {
+    comm_append(out, out_size, &used, "; ");
+    comm_ranks(out, out_size, &used, size, also, NULL);
+    comm_append(out, out_size, &used, " timed out waiting for ");
+    comm_ranks(out, out_size, &used, size, also_behind, NULL);
+    comm_append(out, out_size, &used, " too");
+  }
 }
 
 /* Turns the caller's comm id into the comm in place, or refuses it. */

@@ -20,6 +20,17 @@ epx_status_t epx_comm_init_mpi(epx_comm_t comm, const void *mpi_comm);
  * lowest rank of this rank's node. */
 epx_status_t epx_comm_mpi_host_key(epx_comm_t comm, int64_t *key);
 
+/* The text of a timeout of this rank in collective `op` (after `timeout`
+ * seconds), from [size] flags: missing[p], no message of the call came from
+ * p; waiting[p], a missing p that told this rank it timed out itself in
+ * another call waiting for other ranks only (so it is blocked behind them,
+ * not the cause); behind, the ranks those waited for; also[p], a p whose
+ * message came but which timed out too, waiting for also_behind. The ranks
+ * missing and not waiting are the ones that did not arrive. */
+void epx_comm_timeout_text(char *out, size_t out_size, int32_t size, const char *op,
+                           double timeout, const uint8_t *missing, const uint8_t *waiting,
+                           const uint8_t *behind, const uint8_t *also, const uint8_t *also_behind);
+
 /* Checks a comm config (NULL = defaults) and gives its timeout. */
 epx_status_t epx_comm_config_timeout(const char *caller, const epx_comm_config_t *config,
                                      double *timeout_seconds);

@@ -65,6 +65,7 @@ typedef struct mpi_state {
   int64_t *gathered;                     /* allreduce's [size, count] */
   int32_t gathered_count;
   int abandoned; /* sends still pending after a failure use this state */
+  int32_t *notice; /* [size] this rank's timeout notice (NOTICE_TAG), once sent */
   char reason[MPI_MAX_ERROR_STRING + 512]; /* why the comm failed */
   struct mpi_state *next_abandoned;
 } mpi_state_t;
@@ -159,17 +160,119 @@ static void mpi_abandon(epx_comm_t comm) {
   }
 }
 
+/* A rank that times out tells its peers which ranks it was missing: [size]
+ * int32 flags under NOTICE_TAG, above every collective's tag. A peer that
+ * times out later (one collective further on, say, past a rank that then
+ * stopped) can so tell a rank that was only blocked behind another from the
+ * one that did not arrive. The buffer lives in the state, which a failed
+ * comm keeps; the sends are left to MPI. */
+#define NOTICE_TAG 32766
+
+static void mpi_send_notices(epx_comm_t comm, const uint8_t *missing) {
+  mpi_state_t *state = comm->impl;
+  state->notice = malloc(sizeof(int32_t) * (size_t)comm->size);
+  if (!state->notice) return;
+  for (int32_t p = 0; p < comm->size; p++) state->notice[p] = missing[p];
+  for (int32_t p = 0; p < comm->size; p++) {
+    MPI_Request request;
+    if (p != comm->rank && MPI_Isend(state->notice, comm->size, MPI_INT32_T, p, NOTICE_TAG,
+                                     state->comm, &request) == MPI_SUCCESS)
+      MPI_Request_free(&request);
+  }
+  state->abandoned = 1;
+}
+
+/* What the peers' notices say, into the view of epx_comm_timeout_text:
+ * flags [5, size] = missing, waiting, behind, also, also_behind. */
+static void mpi_note(int32_t size, int32_t me, int32_t from, const int32_t *notice,
+                     uint8_t *flags) {
+  uint8_t *missing = flags, *waiting = flags + size, *behind = flags + 2 * size;
+  uint8_t *also = flags + 3 * size, *also_behind = flags + 4 * size;
+  const int only_others = !notice[me]; /* it was not waiting for this rank */
+  if (missing[from]) waiting[from] = (uint8_t)only_others;
+  else also[from] = 1;
+  for (int32_t q = 0; q < size; q++) {
+    if (!notice[q]) continue;
+    if (!missing[from]) also_behind[q] = 1;
+    else if (only_others) behind[q] = 1;
+  }
+}
+
+/* Reads the notices that came, and waits up to `grace` seconds for those of
+ * the missing ranks not heard from yet (a peer blocked a call earlier times
+ * out first, but its notice may trail this rank's deadline by a poll). */
+static void mpi_read_notices(epx_comm_t comm, uint8_t *flags, int32_t *notice, double grace) {
+  mpi_state_t *state = comm->impl;
+  const int32_t size = comm->size;
+  uint8_t *heard = flags + 5 * size;
+  const double end = mpi_now() + grace;
+  for (;;) {
+    int flag = 0;
+    MPI_Status status;
+    if (MPI_Iprobe(MPI_ANY_SOURCE, NOTICE_TAG, state->comm, &flag, &status) != MPI_SUCCESS) return;
+    if (flag) {
+      const int from = status.MPI_SOURCE;
+      if (MPI_Recv(notice, size, MPI_INT32_T, from, NOTICE_TAG, state->comm, MPI_STATUS_IGNORE) ==
+              MPI_SUCCESS && from >= 0 && from < size) {
+        heard[from] = 1;
+        mpi_note(size, comm->rank, from, notice, flags);
+      }
+      continue;
+    }
+    int unheard = 0;
+    for (int32_t p = 0; p < size; p++) unheard += flags[p] && !heard[p];
+    if (!unheard || mpi_now() > end) return;
+    struct timespec pause = {0, 1000000};
+    nanosleep(&pause, NULL);
+  }
+}
+
+/* Receives the notices left on a comm that did not fail itself (its peers
+ * timed out while it was elsewhere), so that none outlives it. */
+static void mpi_drain_notices(mpi_state_t *state, int32_t size) {
+  int32_t *notice = malloc(sizeof(int32_t) * (size_t)size);
+  int flag = 1;
+  MPI_Status status;
+  while (notice && flag &&
+         MPI_Iprobe(MPI_ANY_SOURCE, NOTICE_TAG, state->comm, &flag, &status) == MPI_SUCCESS && flag)
+    MPI_Recv(notice, size, MPI_INT32_T, status.MPI_SOURCE, NOTICE_TAG, state->comm,
+             MPI_STATUS_IGNORE);
+  free(notice);
+}
+
+/* The text of a timeout with receives still pending: the missing ranks, told
+ * apart by the peers' notices (epx_comm_timeout_text). */
+static void mpi_missing_text(epx_comm_t comm, const exchange_t *x, char *text, size_t size) {
+  mpi_state_t *state = comm->impl;
+  const int32_t W = comm->size;
+  uint8_t *flags = calloc(6 * (size_t)W, 1);
+  int32_t *notice = malloc(sizeof(int32_t) * (size_t)W);
+  if (flags && notice) {
+    for (int32_t p = 0; p < W; p++) flags[p] = state->requests[p] != MPI_REQUEST_NULL;
+    mpi_send_notices(comm, flags);
+    const double grace = comm->timeout_seconds / 4 < 0.25 ? comm->timeout_seconds / 4 : 0.25;
+    mpi_read_notices(comm, flags, notice, grace);
+    epx_comm_timeout_text(text, size, W, op_names[x->kind], comm->timeout_seconds, flags,
+                          flags + W, flags + 2 * W, flags + 3 * W, flags + 4 * W);
+  } else {
+    char ranks[256];
+    int32_t missing = mpi_list_ranks(state, W, 0, ranks, sizeof ranks);
+    snprintf(text, size, "rank%s %s did not arrive within %g s (comm timeout_seconds)",
+             missing > 1 ? "s" : "", ranks, comm->timeout_seconds);
+  }
+  free(flags);
+  free(notice);
+}
+
 /* The comm's timeout expired: names the ranks whose message did not come
  * (or, when all came, the ranks that did not take this rank's). */
 static epx_status_t mpi_timeout(epx_comm_t comm, const exchange_t *x) {
   mpi_state_t *state = comm->impl;
-  char ranks[256], text[512];
-  int32_t missing = mpi_list_ranks(state, comm->size, 0, ranks, sizeof ranks);
+  char ranks[256], text[sizeof state->reason];
+  int missing = 0;
+  for (int32_t p = 0; p < comm->size; p++) missing |= state->requests[p] != MPI_REQUEST_NULL;
   if (missing)
-    snprintf(text, sizeof text, "rank%s %s did not arrive within %g s (comm timeout_seconds): "
-             "no message of this %s came from %s (failed before it, stuck, or in another call)",
-             missing > 1 ? "s" : "", ranks, comm->timeout_seconds, op_names[x->kind],
-             missing > 1 ? "them" : "it");
+    mpi_missing_text(comm, x, text, sizeof text);
   else
     snprintf(text, sizeof text, "rank%s %s did not take this rank's %s message within %g s "
              "(comm timeout_seconds)", mpi_list_ranks(state, comm->size, 1, ranks, sizeof ranks) > 1 ? "s" : "",
@@ -398,6 +501,7 @@ static void mpi_state_free(mpi_state_t *state) {
   free(state->statuses);
   free(state->completed);
   free(state->gathered);
+  free(state->notice);
   free(state);
 }
 
@@ -412,6 +516,7 @@ static void mpi_destroy(epx_comm_t comm) {
     mpi_keep_abandoned(state);
     return;
   }
+  mpi_drain_notices(state, comm->size);
   if (state->unit_bytes) MPI_Type_free(&state->unit_type);
   MPI_Comm_free(&state->comm);
   mpi_state_free(state);
