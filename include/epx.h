@@ -1193,9 +1193,10 @@ epx_status_t epx_dispatch_quantize(epx_buffer_t buffer, epx_handle_t handle, con
  * another handle); the send's inputs must stay unchanged and its outputs are
  * not ready until complete returns. Every send is completed before the next
  * LL call on the same handle (EPX_ERROR_INVALID_ARGUMENT otherwise, naming
- * the pending call). epx_ll_dispatch and epx_ll_combine are send then
- * complete. On a CPU buffer the whole exchange runs inside the send (the
- * calling thread has nothing to overlap it with; complete only closes it)
+ * the pending call). epx_ll_dispatch, epx_ll_dispatch_fp8 and
+ * epx_ll_combine are their _send then complete. On a CPU buffer the whole
+ * exchange runs inside the send (the calling thread has nothing to overlap
+ * it with; complete only closes it)
  * and, like the normal CPU calls, the dispatch agrees every rank's call and
  * counts in its first message; the rows follow in a second.
  *
@@ -1230,6 +1231,24 @@ epx_status_t epx_ll_dispatch(epx_buffer_t buffer, const epx_routing_t *routing,
 epx_status_t epx_ll_dispatch_send(epx_buffer_t buffer, const epx_routing_t *routing,
                                   const int32_t *num_tokens, const void *x, void *recv_x,
                                   int32_t *recv_count, epx_handle_t *handle);
+
+/* The same in fp8 (DeepEP's use_fp8; a low-latency buffer with an
+ * fp8_format, CPU buffers in this version): x [T, H] of the buffer's dtype
+ * quantized on the way once per token (x_scales NULL; epx_dispatch_quantize's
+ * bytes), or x e4m3 bytes with x_scales [T, scale_cols] (epx_dispatch_fp8's)
+ * -> recv_x_q (the fixed shape, e4m3 bytes) and recv_scales (the fixed
+ * shape's rows, scale_cols each: row-major, epx's fp8 convention, not
+ * DeepEP's column-major scales). Each received row and its scales are the
+ * normal fp8 dispatch's, in its order. combine takes rows of the buffer's
+ * dtype, as ever. */
+epx_status_t epx_ll_dispatch_fp8(epx_buffer_t buffer, const epx_routing_t *routing,
+                                 const int32_t *num_tokens, const void *x, const void *x_scales,
+                                 void *recv_x_q, void *recv_scales, int32_t *recv_count,
+                                 epx_handle_t *handle);
+epx_status_t epx_ll_dispatch_fp8_send(epx_buffer_t buffer, const epx_routing_t *routing,
+                                      const int32_t *num_tokens, const void *x,
+                                      const void *x_scales, void *recv_x_q, void *recv_scales,
+                                      int32_t *recv_count, epx_handle_t *handle);
 
 /* Combine of the step (collective): expert_out (recv_x's shape; rows past
  * the counts are not read) -> out [T, H], T the dispatch's count. */

@@ -2,9 +2,10 @@
  * and 4): test_ll's cases with ranks as processes — every received row its
  * source token's, in the normal exchange's place and order, counts and
  * sources the normal layout's, combine the normal combine's bits, the two
- * phases and the count by pointer the same — and the oversize step refused
- * on every rank. Plain checks; the failures of all ranks are summed, rank 0
- * prints the summary, and the exit status is the verdict. */
+ * phases and the count by pointer the same — the fp8 dispatch, and the
+ * oversize step refused on every rank. Plain checks; the failures of all
+ * ranks are summed, rank 0 prints the summary, and the exit status is the
+ * verdict. */
 #include <mpi.h>
 
 #define LL_SCENE_ONLY
@@ -49,6 +50,13 @@ int main(int argc, char **argv) {
     failures += mine;
     all = sum; /* a failed case may have failed the comm */
     run++;
+  }
+  if (!all) {
+    long long mine = ll_fp8_rank(comm, rank, size), sum = 0;
+    MPI_Allreduce(&mine, &sum, 1, MPI_LONG_LONG, MPI_SUM, MPI_COMM_WORLD);
+    if (sum && rank == 0) fprintf(stderr, "mpi_ll: fp8 step: %lld failure(s)\n", sum);
+    failures += mine;
+    all = sum;
   }
   if (!all) {
     long long mine = ll_oversize_rank(comm, rank, size), sum = 0;

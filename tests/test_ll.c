@@ -2,8 +2,8 @@
  * token counts 0, 1, 7, 128 and 256 per rank (uneven across ranks), top-k 1
  * to 8, E 8 to 512, every token on one expert, both layouts, the dedup,
  * collective and hierarchical exchanges, bf16 and f32, over W = 1, 2, 4
- * threads (hierarchical: 4 posing as 2 nodes): every received row is its
- * source token's row, in the normal exchange's row and order (expert-major: the
+ * threads (hierarchical: 4 posing as 2 nodes), and fp8 (quantized on the
+ * way or not): every received row is its source token's row, in the normal exchange's row and order (expert-major: the
  * normal expert-major rows of each expert at e * W * max_tokens;
  * rank-major: those of each source rank at s * max_tokens), the counts and
  * sources are the normal layout's, and combine gives the normal combine's
@@ -351,6 +351,71 @@ static void ll_describe(const ll_case_t *c, char *text, size_t size) {
            c->counts[3], c->counts[4], c->one_expert ? ", one expert" : "");
 }
 
+/* fp8 (epx_ll_dispatch_fp8): quantized on the way and pre-quantized, each
+ * received row and its scales the normal fp8 dispatch's (epx_dispatch_quantize
+ * on a buffer of the same format), and combine of the dequantized rows the
+ * normal combine's bits. */
+static long long ll_fp8_rank(epx_comm_t comm, int32_t rank, int32_t W) {
+  enum { FE = 16, FK = 4, FH = 256, FMAX = 64, SC = FH / 128 };
+  long long failures = 0;
+  const ll_case_t c = {FE, FK, FMAX, FH, EPX_BFLOAT16, EPX_LAYOUT_EXPERT_MAJOR, EPX_EXCHANGE_DEDUP,
+                       EPX_COMBINE_PARTIALS_FLOAT32, 0, {7, 64, 0, 33, 1}};
+  const int64_t El = FE / W, block = (int64_t)W * FMAX, N_ll = El * block;
+  ll_side_t me = {0};
+  epx_buffer_t normal = NULL, ll = NULL;
+  epx_handle_t hn = NULL, hq = NULL, hp = NULL;
+  uint8_t *q = NULL, *rq = NULL, *lq = NULL, *pq = NULL;
+  float *qs = NULL, *rs = NULL, *ls = NULL, *ps = NULL;
+  void *deq = NULL, *deq_ll = NULL, *out = NULL, *out_ll = NULL;
+  int64_t *counts = ll_alloc(sizeof(int64_t) * FE), *offsets = ll_alloc(sizeof(int64_t) * (FE + 1)), N = 0;
+  int32_t *count = ll_alloc(sizeof(int32_t) * FE);
+  RANK_REQUIRE(!ll_side_build(&c, rank, &me), "out of memory");
+  epx_buffer_config_t cfg = ll_config(&c, 0);
+  cfg.fp8_format = EPX_FP8_E4M3_F32_128;
+  RANK_REQUIRE_OK(epx_buffer_create(comm, &cfg, &normal));
+  cfg.low_latency = 1;
+  RANK_REQUIRE_OK(epx_buffer_create(comm, &cfg, &ll));
+  epx_routing_t routing = ll_routing(&c, &me);
+  RANK_REQUIRE_OK(epx_dispatch_layout(normal, &routing, NULL, &hn));
+  RANK_REQUIRE_OK(epx_handle_recv_rows(hn, &N));
+  RANK_REQUIRE_OK(epx_handle_expert_counts(hn, counts, offsets));
+  q = ll_alloc((size_t)(me.T * FH)), qs = ll_alloc(sizeof(float) * (size_t)(me.T * SC));
+  rq = ll_alloc((size_t)(N * FH)), rs = ll_alloc(sizeof(float) * (size_t)(N * SC));
+  lq = ll_alloc((size_t)(N_ll * FH)), ls = ll_alloc(sizeof(float) * (size_t)(N_ll * SC));
+  pq = ll_alloc((size_t)(N_ll * FH)), ps = ll_alloc(sizeof(float) * (size_t)(N_ll * SC));
+  deq = ll_alloc((size_t)(N * FH) * 2), deq_ll = ll_alloc((size_t)(N_ll * FH) * 2);
+  out = ll_alloc((size_t)(me.T * FH) * 2), out_ll = ll_alloc((size_t)(me.T * FH) * 2);
+  RANK_REQUIRE(q && qs && rq && rs && lq && ls && pq && ps && deq && deq_ll && out && out_ll, "out of memory");
+  RANK_REQUIRE_OK(epx_dispatch_quantize(normal, hn, me.x, rq, rs, N));
+  RANK_REQUIRE_OK(epx_ll_dispatch_fp8(ll, &routing, NULL, me.x, NULL, lq, ls, count, &hq));
+  RANK_REQUIRE_OK(epx_quantize(EPX_FP8_E4M3_F32_128, EPX_BFLOAT16, me.T, FH, me.x, q, qs));
+  RANK_REQUIRE_OK(epx_ll_dispatch_fp8_send(ll, &routing, NULL, q, qs, pq, ps, NULL, &hp));
+  RANK_REQUIRE_OK(epx_ll_complete(ll, hp));
+  for (int64_t e = 0; e < El; e++) {
+    RANK_EXPECT(count[e] == counts[e], "fp8: expert %lld has %d rows, the normal layout %lld", (long long)e, count[e],
+                (long long)counts[e]);
+    size_t at = (size_t)(e * block), from = (size_t)offsets[e], n = (size_t)counts[e];
+    RANK_EXPECT(!memcmp(lq + at * FH, rq + from * FH, n * FH) && !memcmp(ls + at * SC, rs + from * SC, n * SC * 4),
+                "fp8 quantized on the way: expert %lld's rows or scales differ from the normal fp8 dispatch's",
+                (long long)e);
+    RANK_EXPECT(!memcmp(pq + at * FH, rq + from * FH, n * FH) && !memcmp(ps + at * SC, rs + from * SC, n * SC * 4),
+                "fp8 pre-quantized: expert %lld's rows or scales differ from the normal fp8 dispatch's", (long long)e);
+    RANK_OK(epx_dequantize(EPX_FP8_E4M3_F32_128, EPX_BFLOAT16, (int64_t)n, FH, lq + at * FH, ls + at * SC,
+                           (char *)deq_ll + at * FH * 2));
+  }
+  RANK_OK(epx_dequantize(EPX_FP8_E4M3_F32_128, EPX_BFLOAT16, N, FH, rq, rs, deq));
+  RANK_OK(epx_combine(normal, hn, deq, out));
+  RANK_OK(epx_ll_combine(ll, hq, deq_ll, out_ll));
+  RANK_EXPECT(!memcmp(out, out_ll, (size_t)(me.T * FH) * 2), "fp8: combine differs from the normal combine");
+done:
+  epx_handle_release(hn), epx_handle_release(hq), epx_handle_release(hp);
+  epx_buffer_destroy(normal), epx_buffer_destroy(ll);
+  void *p[] = {q, qs, rq, rs, lq, ls, pq, ps, deq, deq_ll, out, out_ll, counts, offsets, count};
+  for (size_t i = 0; i < sizeof p / sizeof p[0]; i++) free(p[i]);
+  ll_side_free(&me);
+  return failures;
+}
+
 /* More tokens than the maximum on one rank: every rank refuses, the
  * refusing one naming the setting, the others the rank and the setting. */
 static long long ll_oversize_rank(epx_comm_t comm, int32_t rank, int32_t W) {
@@ -450,6 +515,16 @@ static void test_hierarchical_threads(void **state) {
 static int oversize_rank_main(epx_comm_t comm, int32_t rank, int32_t world, void *arg) {
   (void)arg;
   return ll_oversize_rank(comm, rank, world) ? 1 : 0;
+}
+
+static int fp8_rank_main(epx_comm_t comm, int32_t rank, int32_t world, void *arg) {
+  (void)arg;
+  return ll_fp8_rank(comm, rank, world) ? 1 : 0;
+}
+
+static void test_fp8_threads(void **state) {
+  (void)state;
+  for (int32_t W = 1; W <= 4; W *= 2) assert_int_equal(tu_run_ranks(W, 20.0, fp8_rank_main, NULL), 0);
 }
 
 static void test_oversize_threads(void **state) {
@@ -586,6 +661,7 @@ int main(void) {
       cmocka_unit_test(test_default_shape), cmocka_unit_test(test_refusals),
       cmocka_unit_test(test_configs),       cmocka_unit_test(test_oversize_threads),
       cmocka_unit_test(test_parity_threads), cmocka_unit_test(test_hierarchical_threads),
+      cmocka_unit_test(test_fp8_threads),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -1233,6 +1233,43 @@ class Buffer(_Closable):
                               send_only, rows=T)
         return out, recv_count, h
 
+    def ll_dispatch_fp8(self, x, topk_idx, topk_w=None, *, x_scales=None, num_tokens=None,
+                        weighting=Weighting.IN_COMBINE, send_only=False):
+        """The step's dispatch in the buffer's fp8_format (epx_ll_dispatch_fp8;
+        DeepEP's use_fp8) -> (recv_x_q, recv_scales, recv_count, handle).
+        x [T, H] of the buffer's dtype is quantized on the way (x_scales None),
+        or x is e4m3 bytes (uint8) with x_scales [T, scale_cols]. recv_x_q is
+        ll_shape() of uint8, recv_scales ll_shape()[:2] + (scale_cols,)
+        (row-major, see fp8_scale_shape); each row and its scales are the
+        normal fp8 dispatch's. send_only as in ll_dispatch."""
+        fn = "Buffer.ll_dispatch_fp8"
+        with self._together("ll_dispatch"):
+            T, K, pi, pw, _ = self._routing_args(fn, topk_idx, topk_w, None)
+            count, step = None, T
+            if num_tokens is not None:
+                step = int(num_tokens)
+                if not 0 <= step <= T:
+                    _invalid("%s: num_tokens is %d; pass a count in [0, %d] (the rows of topk_idx)",
+                             fn, step, T)
+                count = ctypes.c_int32(step)
+            cols, sdt = fp8_scale_shape(self.config.fp8_format, self.hidden)
+            if x_scales is None:
+                px = self._payload_in(x, T, fn, "x")
+            else:
+                px = _ptr(x, fn, "x", (np.dtype(np.uint8),), (T, self.hidden), align=PAYLOAD_ALIGNMENT)
+                x_scales = _ptr(x_scales, fn, "x_scales", (sdt,), (T, cols), align=1)
+            shape = self.ll_shape()
+            recv_q = empty(shape, np.uint8)
+            recv_s = empty(shape[:2] + (cols,), sdt)
+            recv_count = empty((shape[0],), np.int32)
+        call = lib.epx_ll_dispatch_fp8_send if send_only else lib.epx_ll_dispatch_fp8
+        r = _lib.Routing(int(T), int(K), pi, pw, None, int(weighting))
+        p = ctypes.c_void_p()
+        _check(call(self._handle_ptr(fn), ctypes.byref(r),
+                    ctypes.addressof(count) if count is not None else None, px, x_scales,
+                    recv_q.ctypes.data, recv_s.ctypes.data, recv_count.ctypes.data, ctypes.byref(p)))
+        return recv_q, recv_s, recv_count, Handle(self, p.value, int(step), int(K), Weighting(weighting))
+
     def ll_combine(self, handle, expert_out, out=None, *, send_only=False):
         """The step's combine (epx_ll_combine, collective; DeepEP's
         low_latency_combine): expert_out in ll_shape() -> out [T, H], the

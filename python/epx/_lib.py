@@ -478,6 +478,8 @@ _PROTOTYPES = {
     "epx_ll_combine": (_st, [_p, _p, _p, _p]),
     "epx_ll_combine_send": (_st, [_p, _p, _p, _p]),
     "epx_ll_complete": (_st, [_p, _p]),
+    "epx_ll_dispatch_fp8": (_st, [_p, ctypes.POINTER(Routing), _p, _p, _p, _p, _p, _p, _pp]),
+    "epx_ll_dispatch_fp8_send": (_st, [_p, ctypes.POINTER(Routing), _p, _p, _p, _p, _p, _p, _pp]),
     "epx_dispatch_backward": (_st, [_p, _p, _p, _p, _p, _p]),
     "epx_combine_backward": (_st, [_p, _p, _p, _p, _p, _p]),
     "epx_weights_backward": (_st, [_p, _p, _p, _p]),

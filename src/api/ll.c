@@ -61,10 +61,6 @@ epx_status_t epx_ll_check_config(epx_buffer_config_t *c, int32_t world_size) {
   EPX_REQUIRE(c->expert_alignment == 1,
               "%s: config.expert_alignment is %d with config.low_latency = 1; every expert has a fixed block of "
               "W * max_tokens rows there, unpadded: pass 1", fn, c->expert_alignment);
-  if (c->fp8_format != EPX_FP8_NONE)
-    return epx_error(EPX_ERROR_UNSUPPORTED,
-                     "%s: config.fp8_format with config.low_latency = 1: the low-latency calls move rows of the "
-                     "buffer's dtype in this version; pass EPX_FP8_NONE", fn);
   if (c->max_tokens_per_rank == 0) c->max_tokens_per_rank = EPX_LL_DEFAULT_MAX_TOKENS;
   return EPX_SUCCESS;
 }
@@ -133,9 +129,26 @@ static epx_status_t step_routing(const char *fn, epx_buffer_t b, const epx_routi
   return EPX_SUCCESS;
 }
 
+/* The fp8 tensors: the buffer's format, scales aligned to their entries. */
+static epx_status_t check_fp8_rows(const char *fn, epx_buffer_t b, const epx_ll_rows_t *rows) {
+  EPX_REQUIRE(b->config.fp8_format != EPX_FP8_NONE,
+              "%s: the buffer's config.fp8_format is EPX_FP8_NONE; create the low-latency buffer with an fp8 "
+              "format, or move rows of its dtype with epx_ll_dispatch", fn);
+  const size_t align = b->config.fp8_format == EPX_FP8_MXFP8 ? 1 : 4;
+  EPX_REQUIRE(rows->recv_scales, "%s: recv_scales is NULL; pass the [rows of recv_x_q, scale_cols] scales "
+              "(epx_fp8_scale_shape)", fn);
+  EPX_REQUIRE(epx_is_aligned(rows->recv_scales, align) && epx_is_aligned(rows->x_scales, align),
+              "%s: %s is not %zu-byte aligned; align it to its entries", fn,
+              epx_is_aligned(rows->recv_scales, align) ? "x_scales" : "recv_scales", align);
+  EPX_REQUIRE(rows->recv_scales != rows->recv_x && rows->recv_scales != rows->x_scales,
+              "%s: recv_scales aliases another tensor of the call; pass a separate one", fn);
+  return EPX_SUCCESS;
+}
+
 static epx_status_t check_dispatch(const char *fn, epx_buffer_t b, const epx_routing_t *routing,
-                                   const int32_t *num_tokens, const void *x, void *recv_x, const int32_t *recv_count,
+                                   const int32_t *num_tokens, const epx_ll_rows_t *rows, const int32_t *recv_count,
                                    epx_handle_t *handle, epx_routing_t *step) {
+  const void *x = rows->x, *recv_x = rows->recv_x;
   EPX_REQUIRE(handle, "%s: handle is NULL; pass the address of an epx_handle_t", fn);
   EPX_REQUIRE(b->config.low_latency,
               "%s: the buffer is not a low-latency buffer (config.low_latency = 0); create it with "
@@ -156,7 +169,7 @@ static epx_status_t check_dispatch(const char *fn, epx_buffer_t b, const epx_rou
               epx_is_aligned(x, EPX_PAYLOAD_ALIGNMENT) ? "recv_x" : "x");
   EPX_REQUIRE(recv_x != x, "%s: recv_x aliases x; pass a separate receive tensor", fn);
   EPX_REQUIRE(epx_is_aligned(recv_count, 4), "%s: recv_count is not 4-byte aligned", fn);
-  return EPX_SUCCESS;
+  return rows->fp8 ? check_fp8_rows(fn, b, rows) : EPX_SUCCESS;
 }
 
 static epx_status_t new_handle(const char *fn, epx_buffer_t buffer, const epx_routing_t *step, epx_handle_t *out) {
@@ -180,7 +193,7 @@ static void drop_unpublished(epx_handle_t h) {
 }
 
 static epx_status_t ll_dispatch(const char *fn, epx_buffer_t buffer, const epx_routing_t *routing,
-                                const int32_t *num_tokens, const void *x, void *recv_x, int32_t *recv_count,
+                                const int32_t *num_tokens, const epx_ll_rows_t *rows, int32_t *recv_count,
                                 epx_handle_t *handle, int complete) {
   epx_error_clear();
   epx_status_t status = epx_check_buffer(&buffer, fn);
@@ -189,12 +202,12 @@ static epx_status_t ll_dispatch(const char *fn, epx_buffer_t buffer, const epx_r
   if (status != EPX_SUCCESS) return status;
   const epx_ll_backend_t *ll = ll_backend(buffer->config.device);
   epx_routing_t step;
-  epx_status_t local = check_dispatch(fn, buffer, routing, num_tokens, x, recv_x, recv_count, handle, &step);
+  epx_status_t local = check_dispatch(fn, buffer, routing, num_tokens, rows, recv_count, handle, &step);
   if (!ll) return buffer->backend->agree(buffer, local, fn); /* refused: not a low-latency buffer */
   epx_handle_t h = NULL;
   if (local == EPX_SUCCESS) local = new_handle(fn, buffer, &step, &h);
   const int32_t *device_count = buffer->config.device == EPX_DEVICE_CPU ? NULL : num_tokens;
-  status = ll->dispatch_send(buffer, &step, local, h, x, recv_x, recv_count, device_count);
+  status = ll->dispatch_send(buffer, &step, local, h, rows, recv_count, device_count);
   void *id = NULL;
   if (status == EPX_SUCCESS) status = epx_registry_add(h, EPX_OBJECT_HANDLE, &id);
   if (status != EPX_SUCCESS) {
@@ -209,12 +222,28 @@ static epx_status_t ll_dispatch(const char *fn, epx_buffer_t buffer, const epx_r
 
 epx_status_t epx_ll_dispatch(epx_buffer_t buffer, const epx_routing_t *routing, const int32_t *num_tokens,
                              const void *x, void *recv_x, int32_t *recv_count, epx_handle_t *handle) {
-  return ll_dispatch("epx_ll_dispatch", buffer, routing, num_tokens, x, recv_x, recv_count, handle, 1);
+  const epx_ll_rows_t rows = {x, NULL, recv_x, NULL, 0};
+  return ll_dispatch("epx_ll_dispatch", buffer, routing, num_tokens, &rows, recv_count, handle, 1);
 }
 
 epx_status_t epx_ll_dispatch_send(epx_buffer_t buffer, const epx_routing_t *routing, const int32_t *num_tokens,
                                   const void *x, void *recv_x, int32_t *recv_count, epx_handle_t *handle) {
-  return ll_dispatch("epx_ll_dispatch_send", buffer, routing, num_tokens, x, recv_x, recv_count, handle, 0);
+  const epx_ll_rows_t rows = {x, NULL, recv_x, NULL, 0};
+  return ll_dispatch("epx_ll_dispatch_send", buffer, routing, num_tokens, &rows, recv_count, handle, 0);
+}
+
+epx_status_t epx_ll_dispatch_fp8(epx_buffer_t buffer, const epx_routing_t *routing, const int32_t *num_tokens,
+                                 const void *x, const void *x_scales, void *recv_x_q, void *recv_scales,
+                                 int32_t *recv_count, epx_handle_t *handle) {
+  const epx_ll_rows_t rows = {x, x_scales, recv_x_q, recv_scales, 1};
+  return ll_dispatch("epx_ll_dispatch_fp8", buffer, routing, num_tokens, &rows, recv_count, handle, 1);
+}
+
+epx_status_t epx_ll_dispatch_fp8_send(epx_buffer_t buffer, const epx_routing_t *routing, const int32_t *num_tokens,
+                                      const void *x, const void *x_scales, void *recv_x_q, void *recv_scales,
+                                      int32_t *recv_count, epx_handle_t *handle) {
+  const epx_ll_rows_t rows = {x, x_scales, recv_x_q, recv_scales, 1};
+  return ll_dispatch("epx_ll_dispatch_fp8_send", buffer, routing, num_tokens, &rows, recv_count, handle, 0);
 }
 
 /* ------------------------------------------------------------------------ */

@@ -120,9 +120,15 @@ static void write_counts(const struct epx_cpu_plan *p, int32_t *recv_count) {
     if (p->row_src_rank[i] >= 0) recv_count[p->row_src_rank[i]]++;
 }
 
+/* The rows' call kind (the fp8 dispatches move packed rows, cpu/fp8.c). */
+static epx_call_kind_t rows_kind(const epx_ll_rows_t *rows) {
+  if (!rows->fp8) return EPX_CALL_DISPATCH;
+  return rows->x_scales ? EPX_CALL_DISPATCH_FP8 : EPX_CALL_DISPATCH_QUANTIZE;
+}
+
 static epx_status_t cpu_ll_dispatch_send(epx_buffer_t b, const epx_routing_t *r, epx_status_t local, epx_handle_t h,
-                                         const void *x, void *recv_x, int32_t *recv_count, const int32_t *num_tokens) {
-  const char *fn = "epx_ll_dispatch";
+                                         const epx_ll_rows_t *rows, int32_t *recv_count, const int32_t *num_tokens) {
+  const char *fn = rows->fp8 ? "epx_ll_dispatch_fp8" : "epx_ll_dispatch";
   (void)num_tokens; /* read by the API: r->num_tokens is the count */
   epx_status_t status = epx_cpu_layout_as(b, r, local, h, fn);
   if (status == EPX_SUCCESS) status = to_fixed_shape(b, h, fn);
@@ -130,10 +136,13 @@ static epx_status_t cpu_ll_dispatch_send(epx_buffer_t b, const epx_routing_t *r,
    * after the layout's own agreement (one rank out of memory) to its peers;
    * a comm that failed has nobody left to tell. */
   if (status != EPX_SUCCESS) {
-    if (!b->comm->failed) epx_cpu_call_exchange(b, EPX_CALL_DISPATCH, fn, status, NULL);
+    if (!b->comm->failed) epx_cpu_call_exchange(b, rows_kind(rows), fn, status, NULL);
     return status;
   }
-  status = epx_cpu_dispatch_rows(b, h, EPX_SUCCESS, fn, EPX_CALL_DISPATCH, x, recv_x, h->cpu->row_bytes);
+  status = rows->fp8 ? epx_cpu_dispatch_fp8(b, h, EPX_SUCCESS, rows->x, rows->x_scales, !rows->x_scales,
+                                            rows->recv_x, rows->recv_scales)
+                     : epx_cpu_dispatch_rows(b, h, EPX_SUCCESS, fn, EPX_CALL_DISPATCH, rows->x, rows->recv_x,
+                                             h->cpu->row_bytes);
   if (status != EPX_SUCCESS) return status;
   if (recv_count) write_counts(h->cpu, recv_count);
   h->cpu->ll_pending = EPX_LL_DISPATCH;

@@ -14,7 +14,7 @@ TIMEOUT = 20.0
 E, K, H = 16, 4, 32
 
 
-def routing(rank, T, E=E, K=K):
+def routing(rank, T, E=E, K=K, H=H):
     """Rank's step: topk_idx [T, K], topk_w [T, K], x [T, H] bf16."""
     rng = np.random.default_rng(1000 + rank)
     idx = np.array([rng.permutation(E)[:K] for _ in range(T)], dtype=np.int32).reshape(T, K)
@@ -148,3 +148,36 @@ def test_torch_ll():
         return True
 
     assert epx.run_local(2, rank_main, timeout_seconds=TIMEOUT) == [True, True]
+
+
+@pytest.mark.parametrize("W", [1, 2])
+def test_ll_fp8(W):
+    """Each fp8 row and its scales are the quantizer's of the row the bf16
+    dispatch receives, quantized on the way or before."""
+    H8 = 256
+
+    def rank_main(comm):
+        T = [5, 40][comm.rank % 2]
+        idx, w, x = routing(comm.rank, T, H=H8)
+        fields = dict(dtype="bfloat16", hidden=H8, num_experts=E, max_top_k=K, low_latency=1,
+                      max_tokens_per_rank=64, fp8_format=epx.FP8Format.E4M3_F32_128)
+        with comm.buffer(**fields) as b:
+            recv, count, h = b.ll_dispatch(x, idx, w)
+            q, s, count_q, hq = b.ll_dispatch_fp8(x, idx, w)
+            xq, xs = epx.quantize(x, epx.FP8Format.E4M3_F32_128, "bfloat16")
+            q2, s2, count_2, h2 = b.ll_dispatch_fp8(xq, idx, w, x_scales=xs, send_only=True)
+            b.ll_complete(h2)
+            assert np.array_equal(count, count_q) and np.array_equal(count, count_2)
+            for e in range(len(count)):
+                n = count[e]
+                if not n:
+                    continue
+                want_q, want_s = epx.quantize(np.ascontiguousarray(recv[e, :n]), epx.FP8Format.E4M3_F32_128,
+                                              "bfloat16")
+                assert np.array_equal(q[e, :n], want_q) and np.array_equal(s[e, :n], want_s)
+                assert np.array_equal(q2[e, :n], want_q) and np.array_equal(s2[e, :n], want_s)
+            for hh in (h, hq, h2):
+                hh.release()
+        return int(count.sum())
+
+    assert sum(epx.run_local(W, rank_main, timeout_seconds=TIMEOUT)) == (5 + (40 if W > 1 else 0)) * K

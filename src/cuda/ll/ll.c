@@ -108,10 +108,12 @@ static ll_slot_t *free_slot(ll_buffer_t *s) {
 }
 
 static epx_status_t ll_dispatch_send(epx_buffer_t b, const epx_routing_t *r, epx_status_t local, epx_handle_t h,
-                                     const void *x, void *recv_x, int32_t *recv_count, const int32_t *num_tokens) {
+                                     const epx_ll_rows_t *rows, int32_t *recv_count, const int32_t *num_tokens) {
   const char *fn = "epx_ll_dispatch";
   epx_status_t status = local;
   if (status != EPX_SUCCESS) return status;
+  /* fp8 buffers are CPU buffers in this version (refused at creation) */
+  if (rows->fp8) return epx_error(EPX_ERROR_UNSUPPORTED, "epx_ll_dispatch_fp8: fp8 on a CUDA buffer");
   ll_buffer_t *s = b->backend_state;
   ll_slot_t *slot = free_slot(s);
   if (!slot)
@@ -127,7 +129,7 @@ static epx_status_t ll_dispatch_send(epx_buffer_t b, const epx_routing_t *r, epx
                                        b->experts_per_rank, b->max_tokens, &slot->layout, recv_count, stream_of(b)),
              fn, "the low-latency layout kernel");
   if (r->num_tokens)
-    CUDA_CHECK(epx_cuda_scatter_launch(c->dtype, x, recv_x, r->num_tokens, c->hidden, slot->layout.route_row,
+    CUDA_CHECK(epx_cuda_scatter_launch(c->dtype, rows->x, rows->recv_x, r->num_tokens, c->hidden, slot->layout.route_row,
                                        r->top_k, NULL, NULL, NULL, NULL, NULL, 0, 0, stream_of(b)),
                fn, "the dispatch kernel");
   slot->in_use = 1;
