@@ -1196,9 +1196,10 @@ epx_status_t epx_dispatch_quantize(epx_buffer_t buffer, epx_handle_t handle, con
  * the pending call). epx_ll_dispatch, epx_ll_dispatch_fp8 and
  * epx_ll_combine are their _send then complete. On a CPU buffer the whole
  * exchange runs inside the send (the calling thread has nothing to overlap
- * it with; complete only closes it)
- * and, like the normal CPU calls, the dispatch agrees every rank's call and
- * counts in its first message; the rows follow in a second.
+ * it with; complete only closes it) and, like the normal CPU calls, the
+ * dispatch agrees every rank's call and counts in its first message; the
+ * rows follow in a second. On one GPU the send enqueues the whole step on
+ * the buffer's stream and complete enqueues nothing.
  *
  * Token counts: num_tokens, when not NULL, points to the step's token count
  * (int32, memory of the buffer's device: a device value on a GPU, so that a
