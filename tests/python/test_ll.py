@@ -181,3 +181,48 @@ def test_ll_fp8(W):
         return int(count.sum())
 
     assert sum(epx.run_local(W, rank_main, timeout_seconds=TIMEOUT)) == (5 + (40 if W > 1 else 0)) * K
+
+
+def test_torch_ll_cuda_graph():
+    """One GPU: ll_dispatch / ll_combine captured once in a CUDA graph with
+    the count a device tensor, replayed with new counts, each replay equal to
+    the CPU backend on that count (needs a GPU and a CUDA libepx)."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available() or not epx.has_cuda():
+        pytest.skip("needs a GPU and a libepx built with EPX_BUILD_CUDA")
+    import epx.torch as et
+    T, H8, E8, K8 = 128, 256, 64, 8
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(T, H8, generator=g).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(E8, generator=g)[:K8] for _ in range(T)]).to(torch.int32)
+    w = torch.rand(T, K8, generator=g) + 0.1
+    w = w / w.sum(1, keepdim=True)
+    fields = dict(hidden=H8, num_experts=E8, max_top_k=K8, max_tokens_per_rank=T, dtype=torch.bfloat16,
+                  low_latency=1)
+    with epx.Comm.create_self() as comm, et.make_buffer(comm, **fields) as cpu_b, \
+            et.make_buffer(comm, device="cuda", **fields) as gpu_b:
+        xc, ic, wc = x.cuda(), idx.cuda(), w.cuda()
+        count = torch.full((1,), T, dtype=torch.int32, device="cuda")
+        s = torch.cuda.Stream()
+        with torch.cuda.stream(s):  # the warm-up sets the buffer's stream to the capture stream
+            recv, rc, h, _ = et.ll_dispatch(gpu_b, xc, ic, wc, num_tokens=count)
+            out, _ = et.ll_combine(gpu_b, recv, h)
+            h.release()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=s):
+            recv, rc, h, _ = et.ll_dispatch(gpu_b, xc, ic, wc, num_tokens=count)
+            out, _ = et.ll_combine(gpu_b, recv, h)
+        for n in (1, 77, T, 0):
+            count.fill_(n)
+            graph.replay()
+            torch.cuda.synchronize()
+            r2, c2, h2, _ = et.ll_dispatch(cpu_b, x[:n], idx[:n], w[:n])
+            o2, _ = et.ll_combine(cpu_b, r2, h2)
+            assert torch.equal(rc.cpu(), c2)
+            for e in range(E8):
+                assert torch.equal(recv[e, :int(c2[e])].cpu(), r2[e, :int(c2[e])])
+            assert torch.equal(out[:n].cpu(), o2)
+            assert bool((out[n:] == 0).all())
+            h2.release()
+        h.release()
