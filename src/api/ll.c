@@ -29,7 +29,8 @@ static const epx_ll_backend_t *ll_backend(epx_device_t device) {
   return NULL;
 }
 
-/* What the CUDA backend serves in this version: one GPU, expert-major. */
+/* What the CUDA backend serves in this version: one GPU, expert-major, rows
+ * of the buffer's dtype. */
 static epx_status_t check_cuda_config(const epx_buffer_config_t *c, int32_t world_size) {
   const char *fn = "epx_buffer_create";
   if (c->device != EPX_DEVICE_CUDA) return EPX_SUCCESS;
@@ -39,6 +40,10 @@ static epx_status_t check_cuda_config(const epx_buffer_config_t *c, int32_t worl
                      "EPX_LAYOUT_EXPERT_MAJOR in this version (this comm has %d ranks, layout %d); use CPU "
                      "buffers, or the normal mode with worst_case_sizing (graph capturable) over several GPUs",
                      fn, world_size, (int)c->layout);
+  if (c->fp8_format != EPX_FP8_NONE)
+    return epx_error(EPX_ERROR_UNSUPPORTED,
+                     "%s: config.fp8_format with config.low_latency = 1 on a CUDA buffer: the low-latency fp8 "
+                     "dispatch runs on CPU buffers in this version; pass EPX_FP8_NONE", fn);
   return EPX_SUCCESS;
 }
 

@@ -112,8 +112,8 @@ static epx_status_t ll_dispatch_send(epx_buffer_t b, const epx_routing_t *r, epx
   const char *fn = "epx_ll_dispatch";
   epx_status_t status = local;
   if (status != EPX_SUCCESS) return status;
-  /* fp8 buffers are CPU buffers in this version (refused at creation) */
-  if (rows->fp8) return epx_error(EPX_ERROR_UNSUPPORTED, "epx_ll_dispatch_fp8: fp8 on a CUDA buffer");
+  if (rows->fp8) /* a CUDA low-latency buffer has no fp8 format (api/ll.c), so the API refused this */
+    return epx_error(EPX_ERROR_INTERNAL, "epx_ll_dispatch_fp8: reached the CUDA backend");
   ll_buffer_t *s = b->backend_state;
   ll_slot_t *slot = free_slot(s);
   if (!slot)
