@@ -1188,8 +1188,10 @@ def _dispatch_cached_op(x: Tensor, token: Tensor, rows: int, top_k: int) -> Tens
     h = _handle_of(token, fn)
     b = h.buffer
     with b._together("dispatch", h):
+        _check_handle_shape(h, fn, h.num_tokens, top_k)
         xc = _tensor(x, fn, "x", _TORCH_OF[b.dtype], (h.num_tokens, b.hidden), b.device,
                      align=_epx.PAYLOAD_ALIGNMENT)
+        _check_handle_rows(rows, h, b, fn, "recv_x")
     recv_x = _torch.zeros((rows, b.hidden), dtype=xc.dtype, device=x.device)
     _on_stream(b, x.device)
     b._dispatch(h, _ptr(xc), _ptr(recv_x), rows)

@@ -107,6 +107,10 @@ def test_backward_ops_refuse_tensors_that_do_not_fit_the_handle():
             ops.combine_backward(torch.zeros(T, H), None, d.handle_id, 2 ** 32, K)
         with pytest.raises(epx.InvalidArgumentError, match="the dispatch had 8 tokens"):
             ops.combine_backward(torch.zeros(T - 3, H), None, d.handle_id, n, K)
+        with pytest.raises(epx.InvalidArgumentError, match="recv_x has 1099511627776 rows"):
+            ops.dispatch_cached(x.detach(), d.handle_id, 2 ** 40, K)
+        with pytest.raises(epx.InvalidArgumentError, match="top_k 2, not 8 and 3"):
+            ops.dispatch_cached(x.detach(), d.handle_id, n, 3)
         et.combine(d, d.recv_x).sum().backward()
         del d
         gc.collect()
