@@ -636,13 +636,17 @@ typedef enum epx_exchange {
    * the same local index there, which forwards it to the node's ranks that
    * hold the token's experts; combine mirrors it (the node's partials summed
    * on that rank, one row home per node). Needs nodes of equal size
-   * (epx_comm_topology). CPU buffers in this version. The rank-major layout's
-   * combine and the passes that return one value or row per route (grad_w,
-   * weights_backward) move as the dedup exchange does. */
+   * (epx_comm_topology). The rank-major layout's combine and the passes
+   * that return one value or row per route (grad_w, weights_backward) move
+   * as the dedup exchange does (a CUDA buffer: through its flat host path).
+   * CUDA buffers over several ranks plan the hops from the routing read back
+   * at the layout, so worst_case_sizing, fp8_format and low_latency are
+   * refused with it in this version. */
   EPX_EXCHANGE_HIERARCHICAL = 2,
   /* EPX_EXCHANGE_HIERARCHICAL when the comm spans several nodes of equal size
-   * with more than one rank each and the buffer is a CPU buffer; otherwise
-   * EPX_EXCHANGE_DEDUP. Resolved once, at epx_buffer_create. */
+   * with more than one rank each (and, on a CUDA buffer, none of the options
+   * it refuses is set); otherwise EPX_EXCHANGE_DEDUP. Resolved once, at
+   * epx_buffer_create. */
   EPX_EXCHANGE_AUTO = 3
 } epx_exchange_t;
 
@@ -677,8 +681,9 @@ typedef enum epx_layout {
  * order, Q' = Q or Q rounded once as P' is, then out[t] = round(Q'(t, n0) +
  * Q'(t, n1) + ...) over the nodes in ascending order — on one node, or one
  * rank per node, this is the sum above. (CUDA buffers in this version sum in
- * one level on every comm: over nodes of several ranks their bits may differ
- * from a CPU buffer's.) Every partial is formed
+ * two levels on the hierarchical exchange only; their dedup and collective
+ * exchanges sum in one level on every comm, so over nodes of several ranks
+ * those bits may differ from a CPU buffer's.) Every partial is formed
  * the same way whichever exchange moves it, the token's own rank's too: the
  * dedup exchange sums a pair's rows on the expert's rank and sends P' (over
  * MPI; on the local transport the token's rank reads the rows in place), the

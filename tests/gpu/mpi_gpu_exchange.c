@@ -55,6 +55,7 @@ static int g_expect_fused;                        /* EPX_GPU_EXPECT_FUSED: the f
  * (the test flag EPX_CUDA_FUSED_RELAY: the mixed path on GPUs that all
  * have load/store access) */
 static int g_relay;
+static int g_hier_cases; /* cases run on the hierarchical exchange too */
 
 enum { H = 64, K = 4, C = 40, ALIGN = 4, TMAX = 96 };
 static int E; /* 8 experts per rank */
@@ -451,7 +452,8 @@ static const char *describe(const case_t *c, epx_exchange_t x) {
   static char text[160];
   const char *lay[] = {"expert-major", "rank-major", "capacity"}, *dt[] = {"f32", "bf16", "f16"},
              *wt[] = {"w-in-combine", "w-in-dispatch", "w-none"};
-  snprintf(text, sizeof text, "%s %s %s %s %s%s%s%s seed %d", x == EPX_EXCHANGE_DEDUP ? "dedup" : "collective",
+  const char *xs = x == EPX_EXCHANGE_DEDUP ? "dedup" : x == EPX_EXCHANGE_COLLECTIVE ? "collective" : "hierarchical";
+  snprintf(text, sizeof text, "%s %s %s %s %s%s%s%s seed %d", xs,
            lay[c->layout], dt[c->dtype], wt[c->weighting],
            c->precision == EPX_COMBINE_PARTIALS_PAYLOAD ? "payload-partials" : "f32-partials",
            c->worst ? " worst-case" : "", c->skew ? " skew" : "", c->zero_rank ? " zero-rank" : "", c->seed);
@@ -608,6 +610,20 @@ static void run_case(const case_t *c, epx_comm_t nccl, void *stream) {
     result_free(&cpu);
   }
   compare_exchanges(c, &gpu[0], &gpu[1], "collective");
+  if (!c->worst) {
+    /* The hierarchical exchange (ep/hier.c; worst_case_sizing is refused,
+     * test_hier_refusals): hop 1 to the same local index on each other node
+     * of the comm (EPX_GPU_RANKS_PER_NODE poses them), hop 2 inside the
+     * node; the same bits as dedup and collective, dedup's items counted. */
+    run_t run = {c, EPX_EXCHANGE_HIERARCHICAL, nccl, g_rank, EPX_DEVICE_CUDA, {0}, stream};
+    run_rank(&run);
+    check_path(c, EPX_EXCHANGE_HIERARCHICAL, g_path, &run.res);
+    compare_exchanges(c, &gpu[0], &run.res, "hierarchical");
+    compare_exchanges(c, &gpu[1], &run.res, "hierarchical (the left side is the collective run)");
+    compare_queries(c, &gpu[0], &run.res, "hierarchical");
+    result_free(&run.res);
+    g_hier_cases++;
+  }
   /* Expert-major and capacity: the fused rows expanded into expert order
    * the other way (the receiving CTAs as rows arrive, or a kernel of its
    * own after the exchange; the capacity layout always the latter).
@@ -683,6 +699,23 @@ static epx_buffer_t simple_buffer(epx_comm_t comm, void *stream, int worst) {
   epx_buffer_t b;
   FATAL_UNLESS_OK(epx_buffer_create(comm, &cfg, &b));
   return b;
+}
+
+/* A CUDA buffer's hierarchical exchange plans its hops from the routing read
+ * back at the layout: with worst_case_sizing (no wait there) it is refused
+ * by name at epx_buffer_create, where EPX_EXCHANGE_AUTO makes the buffer. */
+static void test_hier_refusals(epx_comm_t comm, void *stream) {
+  epx_buffer_config_t cfg = simple_config(stream, 1);
+  cfg.exchange = EPX_EXCHANGE_HIERARCHICAL;
+  epx_buffer_t b = NULL;
+  const epx_status_t s = epx_buffer_create(comm, &cfg, &b);
+  RANK_EXPECT(s == EPX_ERROR_UNSUPPORTED && strstr(epx_last_error(), "worst_case_sizing"),
+              "hierarchical with worst_case_sizing: status %d (%s), EPX_ERROR_UNSUPPORTED naming it expected", (int)s,
+              epx_last_error());
+  if (s == EPX_SUCCESS) epx_buffer_destroy(b);
+  cfg.exchange = EPX_EXCHANGE_AUTO;
+  FATAL_UNLESS_OK(epx_buffer_create(comm, &cfg, &b));
+  FATAL_UNLESS_OK(epx_buffer_destroy(b));
 }
 
 /* This rank's seeded routing for the tests below, on the device: the host
@@ -1413,6 +1446,10 @@ int main(int argc, char **argv) {
   MPI_Comm world = MPI_COMM_WORLD;
   epx_comm_config_t cc = EPX_COMM_CONFIG_INIT;
   cc.timeout_seconds = 60;
+  /* EPX_GPU_RANKS_PER_NODE=1 at -np 2 poses two nodes (with NCCL_P2P_DISABLE=1
+   * NCCL_SHM_DISABLE=1 NCCL's network transport carries hop 1). */
+  const char *rpn = getenv("EPX_GPU_RANKS_PER_NODE");
+  cc.ranks_per_node = rpn ? atoi(rpn) : 0;
   epx_comm_t comm;
   FATAL_UNLESS_OK(epx_comm_create_nccl_mpi(&world, &cc, &comm));
   int32_t rank, size;
@@ -1438,6 +1475,8 @@ int main(int argc, char **argv) {
             run_case(&c, comm, stream);
             cases++;
           }
+  RANK_EXPECT(g_hier_cases > 0, "no case ran on the hierarchical exchange");
+  test_hier_refusals(comm, stream);
   /* The refusals, the recorder and the graph on both paths, and on the
    * fused path with every peer relayed (expert-major: AUTO would take the
    * host path). */

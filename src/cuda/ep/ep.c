@@ -37,6 +37,7 @@
 /* The paths, in the order a buffer tries them (ep/internal.h): the first
  * whose setup takes the buffer serves it. The host path takes every buffer. */
 static const ep_path_t *const ep_paths[] = {
+    &epx_cuda_ep_hier_path, /* EPX_EXCHANGE_HIERARCHICAL's buffers only */
 #if EPX_HAVE_FUSED
     &epx_cuda_ep_fused_path,
 #endif
@@ -429,7 +430,7 @@ epx_status_t epx_cuda_ep_recv_source(epx_handle_t handle, int32_t *src_rank, int
 epx_status_t epx_cuda_ep_stats(epx_handle_t handle, epx_handle_stats_t *stats) {
   ep_handle_t *h = handle->backend_state;
   epx_buffer_t b = handle->buffer;
-  const int dedup = b->config.exchange == EPX_EXCHANGE_DEDUP;
+  const int dedup = b->config.exchange != EPX_EXCHANGE_COLLECTIVE; /* hierarchical: dedup's items */
   const int hk = dedup ? HOME_PAIRS : HOME_ROUTES, rk = dedup ? RECV_PAIRS : RECV_ROUTES;
   const int64_t *counts = NULL; /* worst_case_sizing: the true counts, read back */
   if (h->d.worst) {

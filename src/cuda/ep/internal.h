@@ -6,7 +6,9 @@
  *   host.c   NCCL's host API (grouped ncclSend/ncclRecv, one ncclAllGather)
  *            between kernels that pack and expand staging buffers;
  *   fused.c  the fused NVLink kernels (src/cuda/fused), which reach peers
- *            without load/store access through NCCL's host API themselves.
+ *            without load/store access through NCCL's host API themselves;
+ *   hier.c   the hierarchical exchange: the host path's layout, rows moved
+ *            once per other node then inside the node (NCCL's host API).
  * A buffer takes the first path of ep.c's list whose setup accepts it, once
  * its max_tokens_per_rank is known; every handle keeps its buffer's path.
  * Another path (a low-latency one) is a new file defining an ep_path_t and
@@ -61,6 +63,7 @@ typedef struct ep_buffer {
   epx_fused_plan_t *pool[8];
   int pooled;
   int64_t id; /* 1 + the buffers made over the comm before it (the same on every rank) */
+  void *path_state; /* the path's own (hier.c: its staging), or NULL */
 } ep_buffer_t;
 
 /* handle->backend_state on W ranks */
@@ -88,6 +91,7 @@ typedef struct ep_handle {
   epx_fused_plan_t *plan; /* the fused layout of this handle, or NULL (host path) */
   int64_t seq;            /* the comm's layout number (the same on every rank) */
   int has_w;              /* the routing came with weights (the host layout keeps a copy) */
+  void *path_state;       /* the path's own (hier.c: its plan), or NULL */
 } ep_handle_t;
 
 /* How a handle's rows move. Every function is collective where the public
@@ -135,6 +139,7 @@ typedef struct ep_path {
 } ep_path_t;
 
 extern const ep_path_t epx_cuda_ep_host_path;  /* host.c */
+extern const ep_path_t epx_cuda_ep_hier_path;  /* hier.c: EPX_EXCHANGE_HIERARCHICAL */
 #if EPX_HAVE_FUSED
 extern const ep_path_t epx_cuda_ep_fused_path; /* fused.c */
 #endif
