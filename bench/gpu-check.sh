@@ -252,6 +252,16 @@ if [ -n "$GPU2_TESTS" ]; then
       rc=$?
       [ $rc = 0 ] && verdict "test $t (2 GPUs)" PASS || verdict "test $t (2 GPUs)" "FAIL (exit $rc)"
     done
+    # The two GPUs posed as two nodes of one rank (the hierarchical exchange's
+    # hop 1 through NCCL's network transport: no peer-to-peer, no shared
+    # memory), the quick cases: every one compared bit for bit with dedup.
+    echo "== mpi_gpu_exchange, 2 GPUs posed as 2 nodes" >>"$OUTDIR/gpu2.log"
+    NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 EPX_GPU_RANKS_PER_NODE=1 EPX_GPU_TEST_QUICK=1 EPX_GPU_EXPECT_FUSED=0 \
+      timeout "${EPX_GPU2_TEST_TIMEOUT:-300}" $MPIRUN -x NCCL_P2P_DISABLE -x NCCL_SHM_DISABLE -x EPX_GPU_RANKS_PER_NODE \
+      -x EPX_GPU_TEST_QUICK -x EPX_GPU_EXPECT_FUSED "$BUILD/tests/gpu/mpi_gpu_exchange" >>"$OUTDIR/gpu2.log" 2>&1
+    rc=$?
+    [ $rc = 0 ] && verdict "test mpi_gpu_exchange (2 GPUs posed as 2 nodes)" PASS ||
+      verdict "test mpi_gpu_exchange (2 GPUs posed as 2 nodes)" "FAIL (exit $rc)"
     echo "epx gpu-check: 2-GPU tests done ($(date +%T))"
     SAN=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)
     if [ -n "$SAN" ] && [ -n "${EPX_GPU2_SANITIZE:-1}" ] && [ "${EPX_GPU2_SANITIZE:-1}" != 0 ]; then
