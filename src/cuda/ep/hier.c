@@ -102,78 +102,96 @@ static int on_node(epx_comm_t comm, const int32_t *ranks, int32_t n, int32_t nod
   return 0;
 }
 
-static int has_rank(const int32_t *ranks, int32_t n, int32_t r) {
-  for (int32_t i = 0; i < n; i++)
-    if (ranks[i] == r) return 1;
-  return 0;
-}
-
 /* Whether relay q of this node carries source s's rows: its own, or those
  * of a rank of another node with q's local index. */
 static int relays(epx_comm_t comm, int32_t q, int32_t s) {
   return s == q || (comm->node_of[s] != comm->node_of[q] && comm->local_of[s] == comm->local_of[q]);
 }
 
-/* Home side: hop-1 rows of this rank's tokens, per node in token order. */
+/* The nodes of `ranks` (distinct, in order of first appearance); returns how many. */
+static int32_t token_nodes(epx_comm_t comm, const int32_t *ranks, int32_t n, int32_t *nodes) {
+  int32_t m = 0;
+  for (int32_t i = 0; i < n; i++) {
+    const int32_t g = comm->node_of[ranks[i]];
+    int seen = 0;
+    for (int32_t j = 0; j < m; j++) seen |= nodes[j] == g;
+    if (!seen) nodes[m++] = g;
+  }
+  return m;
+}
+
+/* Home side: hop-1 rows of this rank's tokens, per node in token order,
+ * and where each token's Q'(t, node) will be. Scratch: ranks [2 * Kb],
+ * cursor [G]. */
 static void plan_home(epx_comm_t comm, const ep_handle_t *h, hier_plan_t *p, const int32_t *gidx, int32_t *net_stage,
-                      int32_t *fin, int32_t *ranks) {
+                      int32_t *fin, int32_t *ranks, int64_t *cursor) {
   const int64_t T = h->d.T, base = (int64_t)h->d.rank * h->d.Tm;
-  for (int pass = 0; pass < 2; pass++) {
-    int64_t at = 0;
-    for (int32_t g = 0; g < p->G; g++) {
-      p->net_displ[g] = at;
-      for (int64_t t = 0; t < T; t++) {
-        const int32_t n = token_ranks(h, gidx, base + t, ranks);
-        const int hit = g != p->node && on_node(comm, ranks, n, g);
-        if (pass) {
-          net_stage[t * p->G + g] = hit ? (int32_t)at : -1;
-          fin[t * p->G + g] = g != p->node ? net_stage[t * p->G + g]
-                                           : on_node(comm, ranks, n, g) ? (int32_t)(p->net_rows + t) : -1;
-        }
-        at += hit;
-      }
-      p->net_count[g] = at - p->net_displ[g];
+  int32_t *nodes = ranks + h->d.Kb;
+  for (int32_t g = 0; g < p->G; g++) p->net_count[g] = 0;
+  for (int64_t t = 0; t < T; t++) {
+    const int32_t m = token_nodes(comm, ranks, token_ranks(h, gidx, base + t, ranks), nodes);
+    for (int32_t i = 0; i < m; i++) p->net_count[nodes[i]] += nodes[i] != p->node;
+  }
+  p->net_rows = 0;
+  for (int32_t g = 0; g < p->G; g++) cursor[g] = p->net_displ[g] = p->net_rows, p->net_rows += p->net_count[g];
+  for (int64_t t = 0; t < T; t++) {
+    for (int32_t g = 0; g < p->G; g++) net_stage[t * p->G + g] = fin[t * p->G + g] = -1;
+    const int32_t m = token_nodes(comm, ranks, token_ranks(h, gidx, base + t, ranks), nodes);
+    for (int32_t i = 0; i < m; i++) {
+      const int32_t g = nodes[i];
+      if (g != p->node) net_stage[t * p->G + g] = fin[t * p->G + g] = (int32_t)cursor[g]++;
+      else fin[t * p->G + g] = (int32_t)(p->net_rows + t);
     }
-    p->net_rows = at;
   }
 }
 
-/* Relay side: the hop-1 rows it receives (per source, in token order) and
- * its hop-2 blocks (per rank of its node, source by source). */
+/* Relay side: the hop-1 rows it receives (per source, in token order) and,
+ * with tables, its hop-2 blocks (per rank of its node, source by source,
+ * each in token order). at: scratch [L, W]. */
 static void plan_relay(epx_comm_t comm, const ep_handle_t *h, hier_plan_t *p, const int32_t *gidx, int32_t *own_fwd,
-                       int32_t *net_fwd, int32_t *ranks) {
-  const int32_t W = h->d.W, me = h->d.rank;
+                       int32_t *net_fwd, int32_t *ranks, int64_t *at) {
+  const int32_t W = h->d.W, me = h->d.rank, L = p->L;
   const int64_t Tm = h->d.Tm;
-  int64_t at = 0;
+  int64_t rows = 0;
   for (int32_t s = 0; s < W; s++) {
-    p->rnet_displ[s] = at;
+    p->rnet_displ[s] = rows;
     if (s != me && relays(comm, me, s))
-      for (int64_t t = 0; t < Tm; t++) at += on_node(comm, ranks, token_ranks(h, gidx, s * Tm + t, ranks), p->node);
-    p->rnet_count[s] = at - p->rnet_displ[s];
+      for (int64_t t = 0; t < Tm; t++) rows += on_node(comm, ranks, token_ranks(h, gidx, s * Tm + t, ranks), p->node);
+    p->rnet_count[s] = rows - p->rnet_displ[s];
   }
-  p->rnet_rows = at;
+  p->rnet_rows = rows;
   if (!own_fwd) return; /* the first call sizes the tables */
-  at = 0;
+  for (int64_t i = 0; i < (int64_t)L * W; i++) at[i] = 0;
+  for (int32_t s = 0; s < W; s++)
+    for (int64_t t = 0; relays(comm, me, s) && t < Tm; t++) {
+      const int32_t n = token_ranks(h, gidx, s * Tm + t, ranks);
+      for (int32_t i = 0; i < n; i++)
+        if (comm->node_of[ranks[i]] == p->node) at[(int64_t)comm->local_of[ranks[i]] * W + s]++;
+    }
+  rows = 0;
   p->nfwd = 0;
-  for (int32_t l = 0; l < p->L; l++) {
-    const int32_t r = rank_at(comm, p->node, l);
+  for (int32_t l = 0; l < L; l++)
     for (int32_t s = 0; s < W; s++) {
-      if (!relays(comm, me, s)) continue;
-      const int64_t first = at;
-      int64_t j = p->rnet_displ[s]; /* the relayed row of token t, when it is one */
-      for (int64_t t = 0; t < Tm; t++) {
-        const int32_t n = token_ranks(h, gidx, s * Tm + t, ranks);
-        if (s == me) {
-          if (t < h->d.T) own_fwd[t * p->L + l] = has_rank(ranks, n, r) ? (int32_t)at : -1;
-        } else if (on_node(comm, ranks, n, p->node)) {
-          net_fwd[j++ * p->L + l] = has_rank(ranks, n, r) ? (int32_t)at : -1;
+      const int64_t n = at[(int64_t)l * W + s];
+      at[(int64_t)l * W + s] = rows;
+      if (n) p->fwd[p->nfwd++] = (seg_t){rank_at(comm, p->node, l), rows, n};
+      rows += n;
+    }
+  p->fwd_rows = rows;
+  for (int64_t i = 0; i < h->d.T * L; i++) own_fwd[i] = -1;
+  for (int64_t i = 0; i < p->rnet_rows * L; i++) net_fwd[i] = -1;
+  for (int32_t s = 0; s < W; s++) {
+    int64_t j = p->rnet_displ[s]; /* the relayed row of the source's next token that has one */
+    for (int64_t t = 0; relays(comm, me, s) && t < Tm; t++) {
+      const int32_t n = token_ranks(h, gidx, s * Tm + t, ranks);
+      int32_t *row = s == me ? own_fwd + t * L : on_node(comm, ranks, n, p->node) ? net_fwd + j++ * L : NULL;
+      for (int32_t i = 0; row && i < n; i++)
+        if (comm->node_of[ranks[i]] == p->node) {
+          const int32_t l = comm->local_of[ranks[i]];
+          row[l] = (int32_t)at[(int64_t)l * W + s]++;
         }
-        at += has_rank(ranks, n, r);
-      }
-      if (at > first) p->fwd[p->nfwd++] = (seg_t){r, first, at - first};
     }
   }
-  p->fwd_rows = at;
 }
 
 /* Receiver side: from each relay of its node, source by source, the
@@ -202,23 +220,27 @@ static epx_status_t plan_tables(epx_buffer_t b, const ep_handle_t *h, hier_plan_
   epx_status_t status = EPX_SUCCESS;
   epx_comm_t comm = b->comm;
   const int64_t T = h->d.T;
-  int32_t *ranks = malloc(sizeof(int32_t) * (size_t)h->d.Kb + 1);
-  if (!ranks) return OOM(fn);
-  plan_relay(comm, h, p, gidx, NULL, NULL, ranks);
+  int32_t *ranks = malloc(sizeof(int32_t) * 2 * (size_t)h->d.Kb + 1);
+  int64_t *at = malloc(sizeof(int64_t) * ((size_t)p->L * (size_t)h->d.W + (size_t)p->G));
+  if (!ranks || !at) {
+    free(ranks), free(at);
+    return OOM(fn);
+  }
+  plan_relay(comm, h, p, gidx, NULL, NULL, ranks, NULL);
   const size_t parts[4] = {4 * (size_t)(T * p->G), 4 * (size_t)(T * p->G), 4 * (size_t)(T * p->L),
                            4 * (size_t)(p->rnet_rows * p->L)};
   size_t bytes = 0;
   for (int i = 0; i < 4; i++) bytes += round256(parts[i]);
   char *host = malloc(bytes + 1);
   if (!host) {
-    free(ranks);
+    free(ranks), free(at);
     return OOM(fn);
   }
   int32_t *tab[4];
   for (size_t i = 0, at = 0; i < 4; at += round256(parts[i]), i++) tab[i] = (int32_t *)(host + at);
-  plan_home(comm, h, p, gidx, tab[0], tab[1], ranks);
-  plan_relay(comm, h, p, gidx, tab[2], tab[3], ranks);
-  free(ranks);
+  plan_home(comm, h, p, gidx, tab[0], tab[1], ranks, at);
+  plan_relay(comm, h, p, gidx, tab[2], tab[3], ranks, at);
+  free(ranks), free(at);
   plan_receive(comm, h, p);
   cudaStream_t stream = stream_of(b);
   CUDA_CHECK(cudaMallocAsync(&p->block, bytes + 256, stream), fn, "cudaMallocAsync of the hierarchical plan");
