@@ -742,7 +742,8 @@ typedef enum epx_exchange_path {
    * as size, so nothing waits on the host; about max_tokens_per_rank * H *
    * (8 + dtype size) bytes more per such peer); epx_buffer_peer_paths
    * reports EPX_PATH_FUSED or EPX_PATH_HOST per peer. EPX_PATH_HOST in the
-   * config forces the host path for every peer. The paths give the same
+   * config forces the host path for every peer, and a buffer with an
+   * fp8_format takes it (see fp8_format). The paths give the same
    * bits. On the fused path: the fused
    * state (a symmetric window of about W * max_tokens_per_rank * H * (dtype
    * size + 4) bytes; 8 instead of dtype size + 4 for the expert-major and
@@ -863,9 +864,13 @@ typedef struct epx_buffer_config {
    * (EPX_FP8_NONE: neither is available). dtype stays the dtype of every
    * other payload: epx_dispatch's rows, combine's inputs and outputs (bf16
    * or f32 with an fp8 format) and both backward passes, which never use
-   * fp8. CPU buffers, and CUDA buffers of one rank (the GPU quantizes with
-   * the same formulas: the same bytes); a CUDA buffer over several ranks with
-   * an fp8 format is EPX_ERROR_UNSUPPORTED in this version. */
+   * fp8. CPU buffers and CUDA buffers (the GPU quantizes with the same
+   * formulas: the same bytes). Over several ranks a CUDA buffer with an fp8
+   * format takes the host path (EPX_PATH_HOST for every peer, whatever
+   * exchange_path asks): the fused kernels move rows of the payload dtype
+   * only in this version; asked for by EPX_PATH_FUSED, epx_last_error()
+   * after the call that chose the path (epx_buffer_create, or the first
+   * epx_dispatch_layout) says so, although the call succeeds. */
   epx_fp8_format_t fp8_format;
   /* 1: the low-latency decode mode (see "Low-latency decode" below): the
    * buffer serves the epx_ll_* calls only, max_tokens_per_rank is fixed at

@@ -104,18 +104,15 @@ static epx_status_t check_buffer_sizes(epx_comm_t comm, const epx_buffer_config_
   return status;
 }
 
-/* An fp8 format: a known one, on a CPU buffer or a CUDA buffer of one rank
- * (the one-GPU kernels; the W-rank paths have none yet), over a combine
- * dtype of bf16 or f32, with hidden a multiple of its block. */
-static epx_status_t check_fp8_format(const epx_buffer_config_t *c, int32_t ranks) {
+/* An fp8 format: a known one (CPU and CUDA buffers, one GPU or several:
+ * the W-rank backend moves fp8 on its host path; a CUDA low-latency buffer
+ * refuses it, api/ll.c), over a combine dtype of bf16 or f32, with hidden a
+ * multiple of its block. */
+static epx_status_t check_fp8_format(const epx_buffer_config_t *c) {
   const char *fn = "epx_buffer_create";
   if (c->fp8_format == EPX_FP8_NONE) return EPX_SUCCESS;
   int32_t multiple = epx_fp8_hidden_multiple(c->fp8_format);
   EPX_REQUIRE(multiple, "%s: config.fp8_format %d is not an epx_fp8_format_t", fn, (int)c->fp8_format);
-  if (c->device == EPX_DEVICE_CUDA && ranks > 1)
-    return epx_error(EPX_ERROR_UNSUPPORTED,
-                     "%s: config.fp8_format on a CUDA buffer over %d ranks is not supported in this "
-                     "version (one GPU only); use EPX_FP8_NONE, or a CPU buffer", fn, (int)ranks);
   EPX_REQUIRE(c->dtype == EPX_BFLOAT16 || c->dtype == EPX_FLOAT32,
               "%s: config.dtype %d with an fp8 format: the dtype is what combine and the backward "
               "passes use; pass EPX_BFLOAT16 or EPX_FLOAT32", fn, (int)c->dtype);
@@ -206,7 +203,7 @@ static epx_status_t check_buffer_config(epx_comm_t comm, const epx_buffer_config
   EPX_REQUIRE(c->sm_budget >= 0 && c->sm_budget <= 1024,
               "%s: config.sm_budget is %d; pass the CTAs of the fused kernels in [1, 1024], or 0 for the "
               "default (32)", fn, c->sm_budget);
-  status = check_fp8_format(c, comm->size);
+  status = check_fp8_format(c);
   if (status == EPX_SUCCESS) status = epx_ll_check_config(c, comm->size);
   return status != EPX_SUCCESS ? status : check_buffer_sizes(comm, c);
 }

@@ -120,6 +120,14 @@ static inline EPX_HD epx_payload_format_t epx_payload_fp8(epx_fp8_format_t forma
   return f;
 }
 
+/* Bytes of an fp8 row packed with its scales, as the exchanges move it (one
+ * message row: the e4m3 bytes, the scales after them, zero-padded or
+ * unused up to a whole number of 16-byte vectors). */
+static inline EPX_HD int64_t epx_payload_fp8_packed_bytes(const epx_payload_format_t *f) {
+  return (f->row_bytes + f->scale_bytes + EPX_PAYLOAD_VECTOR_BYTES - 1) / EPX_PAYLOAD_VECTOR_BYTES *
+         EPX_PAYLOAD_VECTOR_BYTES;
+}
+
 /* Bytes of a row's elements: hidden * the dtype's size. */
 static inline EPX_HD int64_t epx_payload_row_bytes(epx_dtype_t dtype, int64_t hidden) {
   return hidden * (int64_t)epx_dtype_bytes(dtype);

@@ -151,7 +151,7 @@ typedef struct {
 
 static const char *const call_names[] = {"epx_dispatch_layout", "epx_dispatch", "epx_combine",
                                          "epx_dispatch_backward", "epx_combine_backward",
-                                         "epx_weights_backward"};
+                                         "epx_weights_backward", "epx_dispatch_fp8", "epx_dispatch_quantize"};
 enum { CALL_LAYOUT = 0, CALLS = sizeof call_names / sizeof call_names[0] };
 
 static int64_t call_of(const char *caller) {
@@ -365,6 +365,11 @@ static const ep_path_t *path_of(epx_handle_t handle) { return ((const ep_handle_
 
 epx_status_t epx_cuda_ep_dispatch(epx_buffer_t b, epx_handle_t handle, const void *x, void *recv_x) {
   return path_of(handle)->dispatch(b, handle, x, recv_x);
+}
+
+epx_status_t epx_cuda_ep_dispatch_fp8(epx_buffer_t b, epx_handle_t handle, const void *x, const void *x_scales,
+                                      int quantize, void *recv_x_q, void *recv_scales) {
+  return path_of(handle)->dispatch_fp8(b, handle, x, x_scales, quantize, recv_x_q, recv_scales);
 }
 
 epx_status_t epx_cuda_ep_combine(epx_buffer_t b, epx_handle_t handle, const void *expert_out, void *out) {

@@ -30,6 +30,9 @@ epx_status_t epx_cuda_ep_agree(epx_buffer_t buffer, epx_status_t local, const ch
 epx_status_t epx_cuda_ep_agree_call(epx_buffer_t buffer, epx_handle_t handle, int grad_w, epx_status_t local,
                                     const char *caller);
 epx_status_t epx_cuda_ep_dispatch(epx_buffer_t buffer, epx_handle_t handle, const void *x, void *recv_x);
+/* x_q and x_scales, or (quantize) x of the dtype with x_scales NULL. */
+epx_status_t epx_cuda_ep_dispatch_fp8(epx_buffer_t buffer, epx_handle_t handle, const void *x, const void *x_scales,
+                                      int quantize, void *recv_x_q, void *recv_scales);
 epx_status_t epx_cuda_ep_combine(epx_buffer_t buffer, epx_handle_t handle, const void *expert_out, void *out);
 epx_status_t epx_cuda_ep_dispatch_backward(epx_buffer_t buffer, epx_handle_t handle, const void *grad_recv_x,
                                            void *grad_x, const void *x, float *grad_w);

@@ -250,7 +250,17 @@ static void fused_summary(const ep_handle_t *h, const void *raw, int64_t *summar
   summary[EPX_CUDA_EP_SUMMARY_ROWS(W)] = f.rows;
   summary[EPX_CUDA_EP_SUMMARY_ROWS(W) + 1] = (int64_t)f.invalid;
 }
+/* A buffer with an fp8_format is declined: the fused kernels move rows of
+ * the payload dtype only, and the host path moves fp8 rows (epx.h,
+ * EPX_PATH_FUSED). Asked for by name, the decline is said as a refusal is. */
 static epx_status_t fused_setup(epx_buffer_t b, const char *fn, int *takes) {
+  if (b->config.fp8_format != EPX_FP8_NONE) {
+    *takes = 0;
+    if (b->config.exchange_path == EPX_PATH_FUSED)
+      epx_error(EPX_ERROR_UNSUPPORTED, "%s: the fused path has no fp8 dispatch in this version, so a buffer with "
+                "config.fp8_format takes the host path (every peer)", fn);
+    return EPX_SUCCESS;
+  }
   const epx_status_t status = ensure_fused(b, fn);
   *takes = status == EPX_SUCCESS && ((const ep_buffer_t *)b->backend_state)->fused != NULL;
   return status;

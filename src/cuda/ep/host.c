@@ -19,7 +19,14 @@
  * payload dtype: combine_precision) or the route's row (collective; the
  * token's rank forms the same partials), and the token's rank sums the
  * partials over r in ascending order: the two exchanges give the same bits.
- * Rank-major rows are pairs already, so they travel as they are both ways. */
+ * Rank-major rows are pairs already, so they travel as they are both ways.
+ *
+ * fp8 dispatch moves the same items as dispatch: each row packed with its
+ * scales into one staging row (core/payload.h's epx_payload_fp8_packed_bytes;
+ * quantized into it from the payload dtype, once per token, with
+ * quantize-on-dispatch), sent, and unpacked into recv_x_q and recv_scales
+ * by the table that expands dispatch's rows (one/fp8.cu, strided): the
+ * bytes arrive as sent, whatever the exchange. */
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -27,6 +34,7 @@
 
 #include "core/error.h"
 #include "core/nccl.h"
+#include "core/payload.h"
 #include "cuda/backend.h"
 #include "cuda/common/check.h"
 #include "cuda/ep/internal.h"
@@ -219,6 +227,11 @@ fail:
   return status;
 }
 
+static int64_t fp8_packed_bytes(epx_buffer_t b) {
+  const epx_payload_format_t f = epx_payload_fp8(b->config.fp8_format, b->config.dtype, b->config.hidden);
+  return epx_payload_fp8_packed_bytes(&f);
+}
+
 static size_t staging_bytes(epx_buffer_t b, const ep_handle_t *h) {
   const size_t rb = (size_t)epx_buffer_row_bytes(b);
   /* a float32 partial per pair: combine's with float32 partials,
@@ -230,7 +243,11 @@ static size_t staging_bytes(epx_buffer_t b, const ep_handle_t *h) {
   int64_t rows = 0, pairs = 0;
   for (int kind = 0; kind < KINDS; kind++) rows = max64(rows, kind_rows(h, kind));
   pairs = max64(kind_rows(h, HOME_PAIRS), kind_rows(h, RECV_PAIRS));
-  const size_t need = (size_t)rows * (unit > rb ? unit : rb);
+  /* an fp8 buffer's packed rows are smaller than its dtype's (bf16 or f32)
+   * rows; the max says so rather than relying on it */
+  const size_t packed = b->config.fp8_format == EPX_FP8_NONE ? 0 : (size_t)fp8_packed_bytes(b);
+  const size_t widest = unit > rb ? unit : rb;
+  const size_t need = (size_t)rows * (widest > packed ? widest : packed);
   const size_t floats = (size_t)pairs * (size_t)h->d.Kb * 4;
   return (need > floats ? need : floats) + 256;
 }
@@ -300,6 +317,41 @@ static epx_status_t move_forward(epx_buffer_t b, epx_handle_t handle, const void
   CUDA_CHECK(epx_cuda_ep_home_values_launch(&h->d, dedup, h->tab.pair_stage, h->tab.route_stage, h->tab.group,
                                             (const float *)s->recv, grad_w, stream),
              fn, "the weight gradient kernel");
+fail:
+  return status;
+}
+
+/* fp8 dispatch: move_forward's items as packed rows (x_q and x_scales, or x
+ * of the payload dtype quantized into them), unpacked by the expand table
+ * into recv_q [N, H] and recv_scales [N, S]; padding rows zero in both.
+ * Rank-major rows are unpacked too (they cannot land in place: the row and
+ * its scales go to two tensors). */
+static epx_status_t move_fp8(epx_buffer_t b, epx_handle_t handle, const void *x, const void *x_scales, int quantize,
+                             void *recv_q, void *recv_scales, const char *fn) {
+  epx_status_t status = EPX_SUCCESS;
+  const epx_buffer_config_t *c = &b->config;
+  const ep_handle_t *h = handle->backend_state;
+  const ep_buffer_t *s = b->backend_state;
+  cudaStream_t stream = stream_of(b);
+  const int dedup = c->exchange == EPX_EXCHANGE_DEDUP;
+  const int hk = dedup ? HOME_PAIRS : HOME_ROUTES, rk = dedup ? RECV_PAIRS : RECV_ROUTES;
+  const epx_payload_format_t f = epx_payload_fp8(c->fp8_format, c->dtype, c->hidden);
+  const int64_t packed = epx_payload_fp8_packed_bytes(&f);
+  const epx_cuda_fp8_strides_t pack = {quantize ? epx_payload_row_bytes(c->dtype, c->hidden) : f.row_bytes,
+                                       f.scale_bytes, packed, packed};
+  const epx_cuda_fp8_strides_t unpack = {packed, packed, f.row_bytes, f.scale_bytes};
+  char *send = s->send, *recv = s->recv;
+  CUDA_CHECK(epx_cuda_fp8_scatter_strided_launch(c->fp8_format, c->dtype, quantize, x, x_scales, send,
+                                                 send + f.row_bytes, &pack, h->d.T, c->hidden,
+                                                 dedup ? h->tab.pair_stage : h->tab.route_stage,
+                                                 dedup ? h->d.W : h->d.K, NULL, NULL, 0, stream),
+             fn, quantize ? "the quantize and pack kernel" : "the fp8 pack kernel");
+  EPX_CHECK(p2p(b, h, hk, rk, send, recv, (size_t)packed, fn));
+  CUDA_CHECK(epx_cuda_fp8_scatter_strided_launch(c->fp8_format, c->dtype, 0, recv, recv + f.row_bytes, recv_q,
+                                                 recv_scales, &unpack, kind_rows(h, rk), c->hidden,
+                                                 dedup ? h->tab.rp_rows : h->tab.rr_row, dedup ? h->d.Kb : 1,
+                                                 h->recv.row_src, &h->recv.result->rows, h->row_bound, stream),
+             fn, "the fp8 expand kernel");
 fail:
   return status;
 }
@@ -431,6 +483,12 @@ static epx_status_t host_dispatch(epx_buffer_t b, epx_handle_t handle, const voi
                       "epx_dispatch");
 }
 
+static epx_status_t host_dispatch_fp8(epx_buffer_t b, epx_handle_t handle, const void *x, const void *x_scales,
+                                      int quantize, void *recv_x_q, void *recv_scales) {
+  return move_fp8(b, handle, x, x_scales, quantize, recv_x_q, recv_scales,
+                  quantize ? "epx_dispatch_quantize" : "epx_dispatch_fp8");
+}
+
 static epx_status_t host_combine_backward(epx_buffer_t b, epx_handle_t handle, const void *grad_out,
                                           const void *expert_out, void *grad_expert_out, float *grad_w) {
   return move_forward(b, handle, grad_out, grad_expert_out, handle->weighting == EPX_WEIGHTS_IN_COMBINE,
@@ -518,6 +576,7 @@ const ep_path_t epx_cuda_ep_host_path = {
     .laid_out = host_laid_out,
     .handle_fini = host_handle_fini,
     .dispatch = host_dispatch,
+    .dispatch_fp8 = host_dispatch_fp8,
     .combine = host_combine,
     .dispatch_backward = host_dispatch_backward,
     .combine_backward = host_combine_backward,

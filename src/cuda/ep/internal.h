@@ -123,6 +123,10 @@ typedef struct ep_path {
   void (*handle_fini)(epx_buffer_t b, ep_handle_t *h);
   /* The payload calls (agreed already), as epx_cuda_ep_* (ep.h). */
   epx_status_t (*dispatch)(epx_buffer_t b, epx_handle_t handle, const void *x, void *recv_x);
+  /* NULL: the path has no fp8 dispatch, and its setup declines buffers with
+   * an fp8_format (so no handle of one reaches it). */
+  epx_status_t (*dispatch_fp8)(epx_buffer_t b, epx_handle_t handle, const void *x, const void *x_scales,
+                               int quantize, void *recv_x_q, void *recv_scales);
   epx_status_t (*combine)(epx_buffer_t b, epx_handle_t handle, const void *expert_out, void *out);
   epx_status_t (*dispatch_backward)(epx_buffer_t b, epx_handle_t handle, const void *grad_recv_x, void *grad_x,
                                     const void *x, float *grad_w);

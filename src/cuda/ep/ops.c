@@ -25,6 +25,17 @@ static epx_status_t ep_dispatch(epx_buffer_t buffer, epx_handle_t handle, epx_st
   return local != EPX_SUCCESS ? local : epx_cuda_ep_dispatch(buffer, handle, x, recv_x);
 }
 
+/* Only buffers with an fp8_format get here (the API checks it first); their
+ * handles are on a path with fp8 dispatch (ep/internal.h). */
+static epx_status_t ep_dispatch_fp8(epx_buffer_t buffer, epx_handle_t handle, epx_status_t local, const void *x,
+                                    const void *x_scales, int quantize, void *recv_x_q, void *recv_scales) {
+  const char *fn = quantize ? "epx_dispatch_quantize" : "epx_dispatch_fp8";
+  local = epx_cuda_ep_agree_call(buffer, handle, 0, local, fn);
+  return local != EPX_SUCCESS
+             ? local
+             : epx_cuda_ep_dispatch_fp8(buffer, handle, x, x_scales, quantize, recv_x_q, recv_scales);
+}
+
 static epx_status_t ep_combine(epx_buffer_t buffer, epx_handle_t handle, epx_status_t local,
                                const void *expert_out, void *out) {
   local = epx_cuda_ep_agree_call(buffer, handle, 0, local, "epx_combine");
@@ -66,6 +77,7 @@ const epx_backend_t epx_cuda_ep_backend = {
     .dispatch_layout = epx_cuda_ep_dispatch_layout,
     .handle_fini = epx_cuda_ep_handle_fini,
     .dispatch = ep_dispatch,
+    .dispatch_fp8 = ep_dispatch_fp8,
     .combine = ep_combine,
     .dispatch_backward = ep_dispatch_backward,
     .combine_backward = ep_combine_backward,

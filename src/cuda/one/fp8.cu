@@ -12,6 +12,12 @@
  * butterfly shuffles, and each lane writes its 8 or 4 e4m3 bytes to every
  * row of the token; the block's first lane writes the scale.
  *
+ * Every tensor has a row stride of its own (bytes between rows): the dense
+ * tensors of the one-GPU dispatch, or the W-rank host path's packed rows
+ * (ep/host.c: a row and its scales in one staging row of
+ * epx_payload_fp8_packed_bytes, packed on the way out, unpacked on the way
+ * in by the same kernel).
+ *
  * Bytes moved (R routes, T_r tokens with a route, N recv rows):
  *   copy:      T_r*(H + S) read + N*(H + S) written
  *   quantize:  T_r*H*s read (s the dtype's size) + N*(H + S) written */
@@ -34,6 +40,7 @@ struct fp8_args {
   const int32_t *row_src;  /* [row_bound] or NULL: no zeroing */
   const int64_t *rows_valid;
   int64_t row_bound, tokens, hidden, scale_bytes, token_blocks;
+  epx_cuda_fp8_strides_t stride; /* bytes between rows of x, x_scales, recv_q, recv_s */
   int k;
   int scale_unit;          /* bytes per scale copy: 16, 4 or 1 */
   epx_fp8_format_t format;
@@ -64,9 +71,9 @@ __device__ void zero_rows(const fp8_args &a, int64_t block) {
   while (empty) {
     const int b = __ffs(empty) - 1;
     empty &= empty - 1;
-    uint4 *q = reinterpret_cast<uint4 *>(a.recv_q + (r0 + b) * a.hidden);
+    uint4 *q = reinterpret_cast<uint4 *>(a.recv_q + (r0 + b) * a.stride.recv_q);
     for (int64_t i = lane; i < a.hidden / 16; i += 32) q[i] = zero;
-    uint8_t *s = a.recv_s + (r0 + b) * a.scale_bytes;
+    uint8_t *s = a.recv_s + (r0 + b) * a.stride.recv_scales;
     for (int64_t i = lane; i < a.scale_bytes; i += 32) s[i] = 0;
   }
 }
@@ -87,14 +94,14 @@ __device__ int token_rows(const fp8_args &a, int64_t t, int32_t *s_row, int lane
 }
 
 __device__ void copy_token(const fp8_args &a, int64_t t, const int32_t *s_row, int valid, int lane) {
-  const uint4 *src = reinterpret_cast<const uint4 *>(static_cast<const uint8_t *>(a.x) + t * a.hidden);
+  const uint4 *src = reinterpret_cast<const uint4 *>(static_cast<const uint8_t *>(a.x) + t * a.stride.x);
   for (int64_t i = lane; i < a.hidden / 16; i += 32) {
     const uint4 v = __ldcs(src + i);
-    for (int j = 0; j < valid; j++) reinterpret_cast<uint4 *>(a.recv_q + (int64_t)s_row[j] * a.hidden)[i] = v;
+    for (int j = 0; j < valid; j++) reinterpret_cast<uint4 *>(a.recv_q + (int64_t)s_row[j] * a.stride.recv_q)[i] = v;
   }
-  const uint8_t *s = a.x_scales + t * a.scale_bytes;
+  const uint8_t *s = a.x_scales + t * a.stride.x_scales;
   for (int j = 0; j < valid; j++)
-    copy_scales(s, a.recv_s + (int64_t)s_row[j] * a.scale_bytes, a.scale_bytes, a.scale_unit, lane);
+    copy_scales(s, a.recv_s + (int64_t)s_row[j] * a.stride.recv_scales, a.scale_bytes, a.scale_unit, lane);
 }
 
 /* max of two partial amaxes: NaN wins for DeepEP's formats (torch.amax),
@@ -113,7 +120,7 @@ __device__ void quantize_token(const fp8_args &a, int64_t t, const int32_t *s_ro
   const bool skip_nan = a.format == EPX_FP8_MXFP8;
   const int entry = a.format == EPX_FP8_E4M3_F32_128 ? 4 : 1;
   const int64_t nvec = a.hidden / n;
-  const uint4 *src = reinterpret_cast<const uint4 *>(static_cast<const T *>(a.x) + t * a.hidden);
+  const uint4 *src = reinterpret_cast<const uint4 *>(static_cast<const uint8_t *>(a.x) + t * a.stride.x);
   for (int64_t base = 0; base < nvec; base += 32) {
     const int64_t i = base + lane;
     float f[n];
@@ -129,11 +136,11 @@ __device__ void quantize_token(const fp8_args &a, int64_t t, const int32_t *s_ro
     if (i >= nvec) continue; /* whole blocks lie past the row: their shuffles are done */
     const int64_t b = i * n / block;
     for (int j = 0; j < valid; j++) {
-      uint8_t *q = a.recv_q + (int64_t)s_row[j] * a.hidden + i * n;
+      uint8_t *q = a.recv_q + (int64_t)s_row[j] * a.stride.recv_q + i * n;
       if (n == 8) *reinterpret_cast<uint2 *>(q) = make_uint2(w[0], w[1]);
       else *reinterpret_cast<uint32_t *>(q) = w[0];
       if ((lane & (group - 1)) == 0) {
-        uint8_t *sc = a.recv_s + (int64_t)s_row[j] * a.scale_bytes + b * entry;
+        uint8_t *sc = a.recv_s + (int64_t)s_row[j] * a.stride.recv_scales + b * entry;
         if (entry == 4) *reinterpret_cast<uint32_t *>(sc) = s.stored;
         else *sc = (uint8_t)s.stored;
       }
@@ -158,8 +165,9 @@ __global__ void __launch_bounds__(kWarps * 32) fp8_scatter_kernel(const fp8_args
   else copy_token(a, t, s_row, valid, lane);
 }
 
-int widest_unit(const void *p, const void *q, int64_t bytes) {
-  const uintptr_t both = (uintptr_t)p | (uintptr_t)q;
+/* The widest unit that every scale row of both tensors is aligned to. */
+int widest_unit(const void *p, const void *q, int64_t bytes, const epx_cuda_fp8_strides_t &s) {
+  const uintptr_t both = (uintptr_t)p | (uintptr_t)q | (uintptr_t)s.x_scales | (uintptr_t)s.recv_scales;
   if (bytes % 16 == 0 && both % 16 == 0) return 16;
   if (bytes % 4 == 0 && both % 4 == 0) return 4;
   return 1;
@@ -167,14 +175,16 @@ int widest_unit(const void *p, const void *q, int64_t bytes) {
 
 }  // namespace
 
-extern "C" cudaError_t epx_cuda_fp8_scatter_launch(epx_fp8_format_t format, epx_dtype_t x_dtype, int quantize,
-                                                   const void *x, const void *x_scales, void *recv_q,
-                                                   void *recv_scales, int64_t num_tokens, int64_t hidden,
-                                                   const int32_t *rows, int32_t top_k, const int32_t *row_src,
-                                                   const int64_t *rows_valid, int64_t row_bound,
-                                                   cudaStream_t stream) {
+extern "C" cudaError_t epx_cuda_fp8_scatter_strided_launch(epx_fp8_format_t format, epx_dtype_t x_dtype,
+                                                           int quantize, const void *x, const void *x_scales,
+                                                           void *recv_q, void *recv_scales,
+                                                           const epx_cuda_fp8_strides_t *stride, int64_t num_tokens,
+                                                           int64_t hidden, const int32_t *rows, int32_t top_k,
+                                                           const int32_t *row_src, const int64_t *rows_valid,
+                                                           int64_t row_bound, cudaStream_t stream) {
   const epx_payload_format_t f = epx_payload_fp8(format, x_dtype, hidden);
-  if (top_k < 1 || top_k > EPX_CUDA_MAX_TOP_K || f.scale_block == 0 || hidden % 32 != 0)
+  if (top_k < 1 || top_k > EPX_CUDA_MAX_TOP_K || f.scale_block == 0 || hidden % 32 != 0 ||
+      (stride->x | stride->recv_q) % EPX_PAYLOAD_VECTOR_BYTES != 0)
     return cudaErrorInvalidValue;
   fp8_args a;
   a.x = x;
@@ -188,8 +198,9 @@ extern "C" cudaError_t epx_cuda_fp8_scatter_launch(epx_fp8_format_t format, epx_
   a.tokens = num_tokens;
   a.hidden = hidden;
   a.scale_bytes = f.scale_bytes;
+  a.stride = *stride;
   a.k = top_k;
-  a.scale_unit = widest_unit(x_scales, recv_scales, f.scale_bytes);
+  a.scale_unit = widest_unit(x_scales, recv_scales, f.scale_bytes, *stride);
   a.format = format;
   a.token_blocks = (num_tokens + kWarps - 1) / kWarps;
   const int64_t zero_blocks = (a.row_bound + 32 * kWarps - 1) / (32 * kWarps);
@@ -204,4 +215,17 @@ extern "C" cudaError_t epx_cuda_fp8_scatter_launch(epx_fp8_format_t format, epx_
     fp8_scatter_kernel<typename decltype(tag)::type, true><<<(unsigned int)blocks, kWarps * 32, shared, stream>>>(a);
     return cudaGetLastError();
   });
+}
+
+extern "C" cudaError_t epx_cuda_fp8_scatter_launch(epx_fp8_format_t format, epx_dtype_t x_dtype, int quantize,
+                                                   const void *x, const void *x_scales, void *recv_q,
+                                                   void *recv_scales, int64_t num_tokens, int64_t hidden,
+                                                   const int32_t *rows, int32_t top_k, const int32_t *row_src,
+                                                   const int64_t *rows_valid, int64_t row_bound,
+                                                   cudaStream_t stream) {
+  const epx_payload_format_t f = epx_payload_fp8(format, x_dtype, hidden);
+  const epx_cuda_fp8_strides_t dense = {quantize ? epx_payload_row_bytes(x_dtype, hidden) : hidden, f.scale_bytes,
+                                        hidden, f.scale_bytes};
+  return epx_cuda_fp8_scatter_strided_launch(format, x_dtype, quantize, x, x_scales, recv_q, recv_scales, &dense,
+                                             num_tokens, hidden, rows, top_k, row_src, rows_valid, row_bound, stream);
 }
