@@ -637,8 +637,8 @@ static void test_configs(void **state) {
   EXPECT_STATUS(epx_buffer_create(comm, &cfg, &buffer), EPX_ERROR_INVALID_ARGUMENT, "config.expert_alignment is 4");
   cfg.expert_alignment = 1, cfg.low_latency = 2;
   EXPECT_STATUS(epx_buffer_create(comm, &cfg, &buffer), EPX_ERROR_INVALID_ARGUMENT, "config.low_latency is 2");
-  /* CUDA: one rank, expert-major in this version (a build without CUDA
-   * refuses the device itself). */
+  /* CUDA: expert-major in this version (a build without CUDA refuses the
+   * device itself). */
   cfg.low_latency = 1, cfg.device = EPX_DEVICE_CUDA, cfg.layout = EPX_LAYOUT_RANK_MAJOR;
   EXPECT_STATUS(epx_buffer_create(comm, &cfg, &buffer), EPX_ERROR_UNSUPPORTED, NULL);
   cfg.device = EPX_DEVICE_CPU, cfg.layout = EPX_LAYOUT_EXPERT_MAJOR, cfg.max_tokens_per_rank = (int64_t)1 << 30;

@@ -204,7 +204,7 @@ static epx_status_t check_buffer_config(epx_comm_t comm, const epx_buffer_config
               "%s: config.sm_budget is %d; pass the CTAs of the fused kernels in [1, 1024], or 0 for the "
               "default (32)", fn, c->sm_budget);
   status = check_fp8_format(c);
-  if (status == EPX_SUCCESS) status = epx_ll_check_config(c, comm->size);
+  if (status == EPX_SUCCESS) status = epx_ll_check_config(c);
   return status != EPX_SUCCESS ? status : check_buffer_sizes(comm, c);
 }
 

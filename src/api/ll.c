@@ -29,17 +29,24 @@ static const epx_ll_backend_t *ll_backend(epx_device_t device) {
   return NULL;
 }
 
-/* What the CUDA backend serves in this version: one GPU, expert-major, rows
- * of the buffer's dtype. */
-static epx_status_t check_cuda_config(const epx_buffer_config_t *c, int32_t world_size) {
+/* The buffer's: on CUDA one GPU's or W ranks' (cuda/ll/ll.h). */
+static const epx_ll_backend_t *ll_ops(epx_buffer_t buffer) {
+#if EPX_HAVE_CUDA
+  if (buffer->config.device == EPX_DEVICE_CUDA) return epx_cuda_ll_ops_of(buffer);
+#endif
+  return ll_backend(buffer->config.device);
+}
+
+/* What the CUDA backend serves in this version: expert-major rows of the
+ * buffer's dtype (one GPU: ll.c; W ranks over NCCL: ranks.c). */
+static epx_status_t check_cuda_config(const epx_buffer_config_t *c) {
   const char *fn = "epx_buffer_create";
   if (c->device != EPX_DEVICE_CUDA) return EPX_SUCCESS;
-  if (world_size != 1 || c->layout != EPX_LAYOUT_EXPERT_MAJOR)
+  if (c->layout != EPX_LAYOUT_EXPERT_MAJOR)
     return epx_error(EPX_ERROR_UNSUPPORTED,
-                     "%s: config.low_latency = 1 on a CUDA buffer is served over a comm of one rank with "
-                     "EPX_LAYOUT_EXPERT_MAJOR in this version (this comm has %d ranks, layout %d); use CPU "
-                     "buffers, or the normal mode with worst_case_sizing (graph capturable) over several GPUs",
-                     fn, world_size, (int)c->layout);
+                     "%s: config.low_latency = 1 on a CUDA buffer is served with EPX_LAYOUT_EXPERT_MAJOR in this "
+                     "version (layout %d); use EPX_LAYOUT_EXPERT_MAJOR, or CPU buffers for the rank-major "
+                     "low-latency layout", fn, (int)c->layout);
   if (c->fp8_format != EPX_FP8_NONE)
     return epx_error(EPX_ERROR_UNSUPPORTED,
                      "%s: config.fp8_format with config.low_latency = 1 on a CUDA buffer: the low-latency fp8 "
@@ -47,7 +54,7 @@ static epx_status_t check_cuda_config(const epx_buffer_config_t *c, int32_t worl
   return EPX_SUCCESS;
 }
 
-epx_status_t epx_ll_check_config(epx_buffer_config_t *c, int32_t world_size) {
+epx_status_t epx_ll_check_config(epx_buffer_config_t *c) {
   const char *fn = "epx_buffer_create";
   if (c->low_latency == 0) return EPX_SUCCESS;
   EPX_REQUIRE(c->low_latency == 1, "%s: config.low_latency is %d; pass 0 (the normal mode) or 1 (low-latency decode)",
@@ -56,7 +63,7 @@ epx_status_t epx_ll_check_config(epx_buffer_config_t *c, int32_t world_size) {
     return epx_error(EPX_ERROR_UNSUPPORTED,
                      "%s: config.low_latency = 1 needs a CPU buffer or a CUDA build's CUDA buffer; this build "
                      "has no backend for device %d", fn, (int)c->device);
-  epx_status_t status = check_cuda_config(c, world_size);
+  epx_status_t status = check_cuda_config(c);
   if (status != EPX_SUCCESS) return status;
   if (c->layout != EPX_LAYOUT_EXPERT_MAJOR && c->layout != EPX_LAYOUT_RANK_MAJOR)
     return epx_error(EPX_ERROR_UNSUPPORTED,
@@ -205,7 +212,7 @@ static epx_status_t ll_dispatch(const char *fn, epx_buffer_t buffer, const epx_r
   if (status != EPX_SUCCESS) return status;
   status = epx_comm_check_alive(buffer->comm, fn);
   if (status != EPX_SUCCESS) return status;
-  const epx_ll_backend_t *ll = ll_backend(buffer->config.device);
+  const epx_ll_backend_t *ll = ll_ops(buffer);
   epx_routing_t step;
   epx_status_t local = check_dispatch(fn, buffer, routing, num_tokens, rows, recv_count, handle, &step);
   if (!ll) return buffer->backend->agree(buffer, local, fn); /* refused: not a low-latency buffer */
@@ -282,7 +289,7 @@ static epx_status_t ll_combine(const char *fn, epx_buffer_t buffer, epx_handle_t
   if (status != EPX_SUCCESS) return status;
   status = epx_comm_check_alive(buffer->comm, fn);
   if (status != EPX_SUCCESS) return status;
-  const epx_ll_backend_t *ll = ll_backend(buffer->config.device);
+  const epx_ll_backend_t *ll = ll_ops(buffer);
   epx_status_t local = epx_check_handle(buffer, &handle, fn);
   if (local == EPX_SUCCESS && (!ll || !buffer->config.low_latency))
     local = epx_error(EPX_ERROR_INVALID_ARGUMENT,
@@ -310,7 +317,7 @@ epx_status_t epx_ll_complete(epx_buffer_t buffer, epx_handle_t handle) {
   epx_status_t status = epx_check_buffer(&buffer, fn);
   if (status == EPX_SUCCESS) status = epx_check_handle(buffer, &handle, fn);
   if (status != EPX_SUCCESS) return status;
-  const epx_ll_backend_t *ll = ll_backend(buffer->config.device);
+  const epx_ll_backend_t *ll = ll_ops(buffer);
   EPX_REQUIRE(ll && buffer->config.low_latency,
               "%s: the buffer is not a low-latency buffer (config.low_latency = 0); nothing to complete", fn);
   EPX_REQUIRE(ll->pending(handle) != EPX_LL_NONE,

@@ -8,12 +8,11 @@
 
 #include "epx.h"
 
-/* A config with low_latency set, over a comm of world_size ranks: a device
- * that serves the mode (CUDA: one rank, expert-major), an expert-major or
- * rank-major layout without padding, no fp8 format, and max_tokens_per_rank
- * fixed (0 becomes EPX_LL_DEFAULT_MAX_TOKENS, in *c). Success at once when
- * low_latency is 0. */
-epx_status_t epx_ll_check_config(epx_buffer_config_t *c, int32_t world_size);
+/* A config with low_latency set: a device that serves the mode (CUDA:
+ * expert-major, no fp8 format), an expert-major or rank-major layout without
+ * padding, and max_tokens_per_rank fixed (0 becomes
+ * EPX_LL_DEFAULT_MAX_TOKENS, in *c). Success at once when low_latency is 0. */
+epx_status_t epx_ll_check_config(epx_buffer_config_t *c);
 
 /* The fixed receive rows of a low-latency config (E_local * W * max_tokens
  * expert-major, W * max_tokens rank-major), checked to fit the layout's

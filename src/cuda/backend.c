@@ -1,7 +1,8 @@
 /* The CUDA backend's entry (core/backend.h): the routing of route/ and the
  * choice, once per buffer at its creation, of the table that serves it:
  * one/ (one GPU: every expert local) for a comm of one rank, ep/ (W ranks
- * over an NCCL comm) otherwise. Every rank has the same config and comm size
+ * over an NCCL comm) otherwise; for a low-latency buffer ll/'s (ll.c on one
+ * rank, ranks.c on W). Every rank has the same config and comm size
  * (agreed before this), so every rank picks the same table. What both
  * tables share (the stream, the routing's hash) is here too. */
 #include <cuda_runtime.h>
@@ -24,8 +25,9 @@ static int ep_at_one_rank(void) { return 0; }
 #endif
 
 static epx_status_t cuda_buffer_init(epx_buffer_t buffer) {
-  buffer->backend = buffer->world_size > 1 || ep_at_one_rank() ? &epx_cuda_ep_backend : &epx_cuda_one_backend;
-  if (buffer->config.low_latency) buffer->backend = &epx_cuda_ll_backend; /* one rank (api/ll.c checked) */
+  const int ranks = buffer->world_size > 1 || ep_at_one_rank();
+  if (buffer->config.low_latency) buffer->backend = ranks ? &epx_cuda_ll_ranks_backend : &epx_cuda_ll_backend;
+  else buffer->backend = ranks ? &epx_cuda_ep_backend : &epx_cuda_one_backend;
   return buffer->backend->buffer_init(buffer);
 }
 

@@ -20,7 +20,7 @@ extern "C" {
 
 /* On: a CUDA buffer created later over a one-rank comm is served by the
  * W-rank backend (ep/: an NCCL comm, the host-API exchange, the fused
- * kernels) instead of the one-GPU backend, so that backend's paths can be
+ * kernels; a low-latency buffer: ll/ranks.c) instead of the one-GPU backend, so that backend's paths can be
  * checked and timed where no second GPU is at hand. Process-wide; buffers
  * keep the backend they were created with (backend.c). */
 void epx_cuda_ep_at_one_rank(int on);

@@ -8,10 +8,12 @@
 #include <cuda_runtime.h>
 
 #include "cuda/ll/ll.h"
+#include "cuda/ll/scan.cuh"
 
 namespace {
 
-constexpr int kThreads = 256;
+using epx_ll::block_scan;
+using epx_ll::kThreads;
 
 struct layout_args {
   const int32_t *idx;
@@ -22,23 +24,6 @@ struct layout_args {
   epx_cuda_ll_layout_t out;
   int32_t *recv_count;
 };
-
-/* Exclusive prefix sum of flag over the block, and the block's total. */
-__device__ __forceinline__ int block_scan(int flag, int *s_warp, int *total) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const unsigned int ballot = __ballot_sync(0xffffffffu, flag);
-  const int below = __popc(ballot & ((1u << lane) - 1u));
-  if (lane == 0) s_warp[warp] = __popc(ballot);
-  __syncthreads();
-  int before = 0, sum = 0;
-  for (int i = 0; i < kThreads / 32; i++) {
-    before += i < warp ? s_warp[i] : 0;
-    sum += s_warp[i];
-  }
-  __syncthreads(); /* s_warp is reused by the next chunk */
-  *total = sum;
-  return before + below;
-}
 
 __global__ void __launch_bounds__(kThreads) layout_kernel(const layout_args a) {
   __shared__ int s_warp[kThreads / 32];

@@ -167,6 +167,10 @@ static epx_status_t ll_complete(epx_buffer_t b, epx_handle_t h) {
   return EPX_SUCCESS;
 }
 
+const epx_ll_backend_t *epx_cuda_ll_ops_of(epx_buffer_t b) {
+  return b->backend == &epx_cuda_ll_ranks_backend ? &epx_cuda_ll_ranks_ops : &epx_cuda_ll_ops;
+}
+
 const epx_ll_backend_t epx_cuda_ll_ops = {
     .dispatch_send = ll_dispatch_send,
     .combine_send = ll_combine_send,
@@ -177,43 +181,43 @@ const epx_ll_backend_t epx_cuda_ll_ops = {
 /* ------------------------------------------------------------------------ */
 /* The buffer's table: handle queries; every normal call is refused by the  */
 /* API before it reaches a backend (epx_ll_refuse), so those entries only   */
-/* return the refusal they are given.                                        */
+/* return the refusal they are given (ll.h: the W-rank table's too).         */
 /* ------------------------------------------------------------------------ */
 
-static epx_status_t ll_agree(epx_buffer_t b, epx_status_t local, const char *caller) {
+epx_status_t epx_cuda_ll_agree(epx_buffer_t b, epx_status_t local, const char *caller) {
   (void)b, (void)caller;
   return local;
 }
 
-static epx_status_t ll_routing_hash(epx_buffer_t b, const epx_routing_t *r, uint64_t *hash) {
+epx_status_t epx_cuda_ll_routing_hash(epx_buffer_t b, const epx_routing_t *r, uint64_t *hash) {
   (void)b, (void)r;
   *hash = 0;
   return EPX_SUCCESS;
 }
 
-static epx_status_t ll_layout(epx_buffer_t b, const epx_routing_t *r, epx_status_t local, epx_handle_t h) {
+epx_status_t epx_cuda_ll_layout(epx_buffer_t b, const epx_routing_t *r, epx_status_t local, epx_handle_t h) {
   (void)b, (void)r, (void)h;
   return local;
 }
 
-static epx_status_t ll_rows(epx_buffer_t b, epx_handle_t h, epx_status_t local, const void *in, void *out) {
+epx_status_t epx_cuda_ll_rows(epx_buffer_t b, epx_handle_t h, epx_status_t local, const void *in, void *out) {
   (void)b, (void)h, (void)in, (void)out;
   return local;
 }
 
-static epx_status_t ll_dispatch_backward(epx_buffer_t b, epx_handle_t h, epx_status_t local, const void *in,
-                                         void *out, const void *x, float *grad_w) {
+epx_status_t epx_cuda_ll_dispatch_backward(epx_buffer_t b, epx_handle_t h, epx_status_t local, const void *in,
+                                           void *out, const void *x, float *grad_w) {
   (void)b, (void)h, (void)in, (void)out, (void)x, (void)grad_w;
   return local;
 }
 
-static epx_status_t ll_combine_backward(epx_buffer_t b, epx_handle_t h, epx_status_t local, const void *in,
-                                        const void *expert_out, void *out, float *grad_w) {
+epx_status_t epx_cuda_ll_combine_backward(epx_buffer_t b, epx_handle_t h, epx_status_t local, const void *in,
+                                          const void *expert_out, void *out, float *grad_w) {
   (void)b, (void)h, (void)in, (void)expert_out, (void)out, (void)grad_w;
   return local;
 }
 
-static epx_status_t ll_weights(epx_buffer_t b, epx_handle_t h, epx_status_t local, const float *in, float *out) {
+epx_status_t epx_cuda_ll_weights(epx_buffer_t b, epx_handle_t h, epx_status_t local, const float *in, float *out) {
   (void)b, (void)h, (void)in, (void)out;
   return local;
 }
@@ -279,16 +283,16 @@ const epx_backend_t epx_cuda_ll_backend = {
     .buffer_fini = ll_buffer_fini,
     .set_stream = epx_cuda_set_stream,
     .validate_routing = NULL,
-    .routing_hash = ll_routing_hash,
-    .agree = ll_agree,
-    .dispatch_layout = ll_layout,
+    .routing_hash = epx_cuda_ll_routing_hash,
+    .agree = epx_cuda_ll_agree,
+    .dispatch_layout = epx_cuda_ll_layout,
     .handle_fini = ll_handle_fini,
-    .dispatch = ll_rows,
+    .dispatch = epx_cuda_ll_rows,
     .dispatch_fp8 = NULL,
-    .combine = ll_rows,
-    .dispatch_backward = ll_dispatch_backward,
-    .combine_backward = ll_combine_backward,
-    .weights_backward = ll_weights,
+    .combine = epx_cuda_ll_rows,
+    .dispatch_backward = epx_cuda_ll_dispatch_backward,
+    .combine_backward = epx_cuda_ll_combine_backward,
+    .weights_backward = epx_cuda_ll_weights,
     .recv_rows = ll_recv_rows,
     .recv_rows_device = ll_recv_rows_device,
     .expert_counts = ll_expert_counts,

@@ -1,7 +1,8 @@
-/* The low-latency decode mode on one GPU (epx.h, "Low-latency decode";
- * core/ll.h): a CUDA buffer created with config.low_latency = 1 over a comm
- * of one rank gets epx_cuda_ll_backend as its table (cuda/backend.c) and the
- * epx_ll_* calls reach epx_cuda_ll_ops. The layout is one kernel
+/* The low-latency decode mode on CUDA (epx.h, "Low-latency decode";
+ * core/ll.h). On W ranks: ranks.c, below ("W ranks"). On one GPU: a CUDA
+ * buffer created with config.low_latency = 1 over a comm of one rank gets
+ * epx_cuda_ll_backend as its table (cuda/backend.c) and the epx_ll_* calls
+ * reach epx_cuda_ll_ops. The layout is one kernel
  * (layout.cu); the rows move with the one-GPU scatter and gather kernels
  * (launch.h), so the bits are the normal one-GPU path's, which are the CPU
  * backend's. Nothing synchronises the host and nothing is allocated after
@@ -14,6 +15,8 @@
 
 #include <cuda_runtime_api.h>
 
+#include "epx.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -22,6 +25,22 @@ struct epx_backend;
 struct epx_ll_backend;
 extern const struct epx_backend epx_cuda_ll_backend;
 extern const struct epx_ll_backend epx_cuda_ll_ops;
+/* The epx_ll_* table of a CUDA low-latency buffer: one GPU's, or W ranks'
+ * (ranks.c) for a buffer with that backend table. */
+const struct epx_ll_backend *epx_cuda_ll_ops_of(epx_buffer_t buffer);
+
+/* The entries of both tables for the normal calls, which the API refuses
+ * before they reach a backend (epx_ll_refuse): each returns `local`. Not
+ * collective: every rank refuses the same call the same way. */
+epx_status_t epx_cuda_ll_agree(epx_buffer_t b, epx_status_t local, const char *caller);
+epx_status_t epx_cuda_ll_routing_hash(epx_buffer_t b, const epx_routing_t *r, uint64_t *hash);
+epx_status_t epx_cuda_ll_layout(epx_buffer_t b, const epx_routing_t *r, epx_status_t local, epx_handle_t h);
+epx_status_t epx_cuda_ll_rows(epx_buffer_t b, epx_handle_t h, epx_status_t local, const void *in, void *out);
+epx_status_t epx_cuda_ll_dispatch_backward(epx_buffer_t b, epx_handle_t h, epx_status_t local, const void *in,
+                                           void *out, const void *x, float *grad_w);
+epx_status_t epx_cuda_ll_combine_backward(epx_buffer_t b, epx_handle_t h, epx_status_t local, const void *in,
+                                          const void *expert_out, void *out, float *grad_w);
+epx_status_t epx_cuda_ll_weights(epx_buffer_t b, epx_handle_t h, epx_status_t local, const float *in, float *out);
 
 /* A handle's layout in device memory: the fixed shape [E, G] rows (G =
  * max_tokens on one GPU). */
@@ -49,6 +68,62 @@ cudaError_t epx_cuda_ll_layout_launch(const int32_t *topk_idx, const float *topk
  * this rank's). */
 cudaError_t epx_cuda_ll_source_launch(const int32_t *src_token, int64_t n, int32_t *src_rank,
                                       cudaStream_t stream);
+
+/* ------------------------------------------------------------------------ */
+/* W ranks over NCCL's host API (ranks.c, kernels in ranks.cu)               */
+/* ------------------------------------------------------------------------ */
+/*
+ * A dispatch sends every peer p one slab of S rows of the buffer's dtype:
+ * max_tokens rows (the tokens of this rank with a route to p's experts, in
+ * token order: the normal dedup exchange's pairs) then the header, in the
+ * slab's last S - max_tokens rows: int32 count, three pad words, the pairs'
+ * tokens [max_tokens], their routes' global expert ids [max_tokens, Kb]
+ * (-1 for a route to another rank, an invalid or a repeated one) and
+ * weights [max_tokens, Kb]. The counts so travel with the rows, and the
+ * receiver lays its rows out from the slabs alone. Combine returns a
+ * partial per pair in the same staging rows (row s * S + j of a slot's
+ * staging is pair j of peer s both ways). */
+extern const struct epx_backend epx_cuda_ll_ranks_backend;
+extern const struct epx_ll_backend epx_cuda_ll_ranks_ops;
+
+enum { EPX_CUDA_LL_HDR_PAD = 4 }; /* ints before the header's arrays */
+
+typedef struct epx_cuda_ll_dims {
+  int32_t W, rank, El, Kb, K; /* K: this rank's routing top_k (<= Kb) */
+  int64_t Tm, S;              /* max_tokens; rows of a slab */
+  int64_t row_bytes;          /* of a dispatch row (the slab's rows) */
+} epx_cuda_ll_dims_t;
+
+/* Bytes of a slab's header. */
+static inline int64_t epx_cuda_ll_header_bytes(int64_t Tm, int32_t Kb) {
+  return 4 * (EPX_CUDA_LL_HDR_PAD + Tm * (1 + 2 * (int64_t)Kb));
+}
+
+/* The receiver's layout of a slot (expert-major, N = El * W * Tm rows). */
+typedef struct epx_cuda_ll_recv {
+  int32_t *rp_rows;    /* [W * S, Kb] layout row of each route of a received pair, -1 none */
+  float *rp_w;         /* [W * S, Kb] its weight */
+  int64_t *counts;     /* [El] */
+  int64_t *offsets;    /* [El + 1] e * W * Tm */
+  int32_t *src_rank;   /* [N] -1 past the counts */
+  int32_t *src_token;  /* [N] */
+  int32_t *row_expert; /* [N] global id */
+  float *row_weight;   /* [N] */
+} epx_cuda_ll_recv_t;
+
+/* Home side: the slabs' headers in send (slab p at p * S rows) and
+ * pair_stage [rows, W] (p * S + j for the token's pair j of peer p, -1 none)
+ * from topk_idx / topk_w [rows, K] (topk_w may be NULL: weights 0), the
+ * count min(*num_tokens, rows) (num_tokens NULL: rows). Invalid and repeated
+ * routes are dropped as in epx_cuda_ll_layout_launch. */
+cudaError_t epx_cuda_ll_pack_launch(const epx_cuda_ll_dims_t *d, const int32_t *topk_idx, const float *topk_w,
+                                    const int32_t *num_tokens, int64_t rows, void *send, int32_t *pair_stage,
+                                    cudaStream_t stream);
+
+/* Receiver side: the layout of the slabs in recv (as the home sent them)
+ * into out (rp_rows set to -1 first), recv_count [El] (may be NULL). */
+cudaError_t epx_cuda_ll_place_launch(const epx_cuda_ll_dims_t *d, const void *recv, const epx_cuda_ll_recv_t *out,
+                                     int32_t *recv_count, cudaStream_t stream);
 
 #ifdef __cplusplus
 }

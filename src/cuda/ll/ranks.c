@@ -1,0 +1,402 @@
+/* The low-latency decode mode on W ranks over NCCL's host API (ll.h, "W
+ * ranks"): a CUDA buffer with config.low_latency = 1 over several ranks (or,
+ * in a test build, one rank after epx_cuda_ep_at_one_rank) gets
+ * epx_cuda_ll_ranks_backend (cuda/backend.c).
+ *
+ * Dispatch: the home packs one slab per peer (its pairs' rows, then a
+ * header with the count and each pair's token, routes and weights: the
+ * counts travel with the rows, no layout exchange), one grouped
+ * ncclSend/ncclRecv of the fixed slab size per peer, and the receiver lays
+ * its rows out from the slabs on the device and expands them into the fixed
+ * shape. Combine mirrors it: the receiver sums each pair's routes into a
+ * partial (float32 or the dtype: combine_precision), a partial slab goes
+ * home, and the home sums its pairs in rank order. These are the normal
+ * dedup exchange's items, tables and kernels (scatter, reduce, gather of
+ * launch.h), in the same order, so the bits are the normal exchange's.
+ *
+ * Graph capture: sizes are the fixed worst case (max_tokens rows a peer),
+ * the token count stays on the device, nothing is allocated after buffer
+ * creation and nothing waits on the host. Each live handle owns a slot (its
+ * layout and its staging both ways), allocated with the buffer, so a
+ * second micro-batch's send never overwrites rows a first has not
+ * completed. The send enqueues the moves up to NCCL's; complete enqueues
+ * the receiving side (the layout and expansion, or the home's sums).
+ *
+ * Agreement: none on the host (that would wait): a call refused on one
+ * rank only leaves its peers' transfers unmatched, and they fail at their
+ * next bounded wait (as with worst_case_sizing); epx_buffer_destroy waits
+ * for the stream bounded by the comm's timeout. */
+#include <stdint.h>
+#include <stdlib.h>
+
+#include <cuda_runtime_api.h>
+
+#include "core/backend.h"
+#include "core/error.h"
+#include "core/ll.h"
+#include "core/nccl.h"
+#include "core/objects.h"
+#include "core/payload.h"
+#include "cuda/backend.h"
+#include "cuda/common/check.h"
+#include "cuda/launch.h"
+#include "cuda/ll/ll.h"
+
+#if EPX_HAVE_NCCL
+#include <nccl.h>
+
+#define NCCL_CHECK(call, fn, what) EPX_CHECK(epx_nccl_result(comm, (int)(call), fn, what))
+
+/* Live handles per buffer, as on one GPU (ll.c). */
+#define LL_SLOTS 4
+
+typedef struct {
+  epx_cuda_ll_recv_t recv;
+  int32_t *pair_stage; /* [max_tokens, W] home: staging row of the token's pair with each peer */
+  char *send, *stage;  /* [W * S, unit] staging: outgoing slabs / incoming slabs */
+  void *recv_x;        /* the pending dispatch's outputs (complete writes them) */
+  int32_t *recv_count;
+  void *out;           /* the pending combine's */
+  int32_t in_use;
+  int32_t pending;     /* epx_ll_phase_t */
+} slot_t;
+
+/* buffer->backend_state */
+typedef struct {
+  void *block;   /* one device allocation: every slot and `rows` */
+  int64_t *rows; /* device copy of N (epx_handle_recv_rows_device) */
+  int64_t N;     /* El * W * max_tokens */
+  epx_cuda_ll_dims_t d;
+  size_t unit;   /* bytes of a staging row: a dispatch row, or a combine partial if larger */
+  slot_t slots[LL_SLOTS];
+} ranks_t;
+
+static cudaStream_t stream_of(epx_buffer_t b) { return (cudaStream_t)b->config.stream; }
+
+static size_t up256(size_t n) { return (n + 255) / 256 * 256; }
+
+static int f32_partials(epx_buffer_t b) {
+  return b->config.combine_precision == EPX_COMBINE_PARTIALS_FLOAT32 && b->config.dtype != EPX_FLOAT32;
+}
+
+/* Bytes of one slot, and its arrays carved from `at` when not NULL. */
+static size_t slot_carve(const ranks_t *s, char *at, slot_t *slot) {
+  const epx_cuda_ll_dims_t *d = &s->d;
+  const size_t items = (size_t)(d->W * d->S), N = (size_t)s->N, El = (size_t)d->El;
+  const size_t sizes[] = {items * (size_t)d->Kb * 4, items * (size_t)d->Kb * 4, El * 8, (El + 1) * 8, N * 4, N * 4,
+                          N * 4, N * 4, (size_t)(d->Tm * d->W) * 4, items * s->unit, items * s->unit};
+  void **fields[] = {(void **)&slot->recv.rp_rows,   (void **)&slot->recv.rp_w,      (void **)&slot->recv.counts,
+                     (void **)&slot->recv.offsets,   (void **)&slot->recv.src_rank,  (void **)&slot->recv.src_token,
+                     (void **)&slot->recv.row_expert, (void **)&slot->recv.row_weight, (void **)&slot->pair_stage,
+                     (void **)&slot->send,           (void **)&slot->stage};
+  size_t used = 0;
+  for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) {
+    if (at) *fields[i] = at + used;
+    used += up256(sizes[i]);
+  }
+  return used;
+}
+
+static epx_cuda_ll_dims_t dims_of(epx_buffer_t b) {
+  const int64_t rb = epx_buffer_row_bytes(b), Tm = b->max_tokens;
+  const int64_t header_rows = (epx_cuda_ll_header_bytes(Tm, b->config.max_top_k) + rb - 1) / rb;
+  return (epx_cuda_ll_dims_t){b->world_size, b->rank, b->experts_per_rank, b->config.max_top_k, 0, Tm,
+                              Tm + header_rows, rb};
+}
+
+static epx_status_t ranks_buffer_init(epx_buffer_t b) {
+  const char *fn = "epx_buffer_create";
+  epx_status_t status = EPX_SUCCESS;
+  if (!epx_comm_is_nccl(b->comm))
+    return epx_error(EPX_ERROR_UNSUPPORTED,
+                     "%s: a low-latency CUDA buffer over several ranks moves rows with NCCL; create the comm "
+                     "with epx_comm_create_nccl or epx_comm_create_nccl_mpi", fn);
+  ranks_t *s = calloc(1, sizeof *s);
+  if (!s) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
+  s->d = dims_of(b);
+  s->N = (int64_t)s->d.El * s->d.W * s->d.Tm;
+  const size_t rb = (size_t)s->d.row_bytes, pb = (size_t)epx_payload_partial_row_bytes(b->config.hidden);
+  s->unit = f32_partials(b) && pb > rb ? pb : rb;
+  slot_t probe;
+  const size_t slot_bytes = slot_carve(s, NULL, &probe);
+  CUDA_CHECK(cudaMalloc(&s->block, slot_bytes * LL_SLOTS + 256), fn,
+             "cudaMalloc (the low-latency handles' layouts and staging)");
+  for (int i = 0; i < LL_SLOTS; i++) slot_carve(s, (char *)s->block + (size_t)i * slot_bytes, &s->slots[i]);
+  s->rows = (int64_t *)((char *)s->block + slot_bytes * LL_SLOTS);
+  CUDA_CHECK(cudaMemcpy(s->rows, &s->N, sizeof s->N, cudaMemcpyHostToDevice), fn, "cudaMemcpy");
+  b->backend_state = s;
+  return EPX_SUCCESS;
+fail:
+  if (s->block) cudaFree(s->block);
+  free(s);
+  return status;
+}
+
+/* Waits for the stream first, bounded (a transfer a peer never matched
+ * fails the comm instead of hanging): enqueued work may use the slots. */
+static void ranks_buffer_fini(epx_buffer_t b) {
+  ranks_t *s = b->backend_state;
+  if (!s) return;
+  if (epx_nccl_wait(b->comm, b->config.stream, "epx_buffer_destroy") == EPX_SUCCESS) cudaFree(s->block);
+  free(s);
+  b->backend_state = NULL;
+}
+
+static void ranks_handle_fini(epx_handle_t h) {
+  slot_t *slot = h->backend_state;
+  if (slot) slot->in_use = 0, slot->pending = EPX_LL_NONE;
+  h->backend_state = NULL;
+}
+
+/* ------------------------------------------------------------------------ */
+/* The moves                                                                 */
+/* ------------------------------------------------------------------------ */
+
+/* One grouped send and receive per peer: `bytes` from send + p * stride to
+ * peer p, as many from p into recv + p * stride. */
+static epx_status_t p2p(epx_buffer_t b, const char *send, char *recv, size_t stride, size_t bytes, const char *fn) {
+  epx_status_t status = EPX_SUCCESS;
+  epx_comm_t comm = b->comm;
+  ncclComm_t nc = epx_nccl_data_comm(comm);
+  cudaStream_t stream = stream_of(b);
+  ncclResult_t r = ncclGroupStart();
+  NCCL_CHECK(r, fn, "ncclGroupStart");
+  const char *what = "ncclGroupStart";
+  for (int32_t p = 0; p < b->world_size && epx_nccl_went(r); p++) {
+    what = "ncclSend", r = ncclSend(send + (size_t)p * stride, bytes, ncclUint8, p, nc, stream);
+    if (epx_nccl_went(r)) what = "ncclRecv", r = ncclRecv(recv + (size_t)p * stride, bytes, ncclUint8, p, nc, stream);
+  }
+  /* a failed call still ends the group first (epx_nccl_group_end) */
+  EPX_CHECK(epx_nccl_group_end(comm, r, fn, what));
+fail:
+  return status;
+}
+
+static slot_t *free_slot(ranks_t *s) {
+  for (int i = 0; i < LL_SLOTS; i++)
+    if (!s->slots[i].in_use) return &s->slots[i];
+  return NULL;
+}
+
+/* Home: pack the slabs (pairs' rows, headers) and send them. */
+static epx_status_t ranks_dispatch_send(epx_buffer_t b, const epx_routing_t *r, epx_status_t local, epx_handle_t h,
+                                        const epx_ll_rows_t *rows, int32_t *recv_count, const int32_t *num_tokens) {
+  const char *fn = "epx_ll_dispatch";
+  epx_status_t status = local;
+  if (status != EPX_SUCCESS) return status;
+  if (rows->fp8) /* a CUDA low-latency buffer has no fp8 format (api/ll.c), so the API refused this */
+    return epx_error(EPX_ERROR_INTERNAL, "epx_ll_dispatch_fp8: reached the CUDA backend");
+  ranks_t *s = b->backend_state;
+  slot_t *slot = free_slot(s);
+  if (!slot)
+    return epx_error(EPX_ERROR_BUSY, "%s: the buffer's %d low-latency handles are all live; release one "
+                     "(epx_handle_release) before the next step", fn, LL_SLOTS);
+  const epx_buffer_config_t *c = &b->config;
+  epx_cuda_ll_dims_t d = s->d;
+  d.K = r->top_k;
+  CUDA_CHECK(epx_cuda_ll_pack_launch(&d, r->topk_idx, r->topk_w, num_tokens, r->num_tokens, slot->send,
+                                     slot->pair_stage, stream_of(b)),
+             fn, "the low-latency pack kernel");
+  if (r->num_tokens)
+    CUDA_CHECK(epx_cuda_scatter_launch(c->dtype, rows->x, slot->send, r->num_tokens, c->hidden, slot->pair_stage,
+                                       d.W, NULL, NULL, NULL, NULL, NULL, 0, 0, stream_of(b)),
+               fn, "the pack kernel");
+  const size_t slab = (size_t)(d.S * d.row_bytes);
+  EPX_CHECK(p2p(b, slot->send, slot->stage, slab, slab, fn));
+  slot->in_use = 1;
+  slot->pending = EPX_LL_DISPATCH;
+  slot->recv_x = rows->recv_x;
+  slot->recv_count = recv_count;
+  h->backend_state = slot;
+  h->recv_rows = s->N;
+  return EPX_SUCCESS;
+fail:
+  return status;
+}
+
+/* Receiver: the layout from the slabs, then each pair's row to its rows. */
+static epx_status_t place_rows(epx_buffer_t b, slot_t *slot) {
+  const char *fn = "epx_ll_complete";
+  epx_status_t status = EPX_SUCCESS;
+  const ranks_t *s = b->backend_state;
+  const epx_cuda_ll_dims_t *d = &s->d;
+  CUDA_CHECK(epx_cuda_ll_place_launch(d, slot->stage, &slot->recv, slot->recv_count, stream_of(b)), fn,
+             "the low-latency layout kernel");
+  /* items: every slab's rows up to the last slab's header */
+  const int64_t items = (d->W - 1) * d->S + d->Tm;
+  CUDA_CHECK(epx_cuda_scatter_launch(b->config.dtype, slot->stage, slot->recv_x, items, b->config.hidden,
+                                     slot->recv.rp_rows, d->Kb, NULL, NULL, NULL, NULL, NULL, 0, 0, stream_of(b)),
+             fn, "the expand kernel");
+fail:
+  return status;
+}
+
+/* Receiver: each received pair's partial (its routes in k order, weighted
+ * in combine) into the slot's send staging at the pair's row, and home. */
+static epx_status_t ranks_combine_send(epx_buffer_t b, epx_handle_t h, epx_status_t local, const void *expert_out,
+                                       void *out) {
+  const char *fn = "epx_ll_combine";
+  epx_status_t status = local;
+  if (status != EPX_SUCCESS) return status;
+  const ranks_t *s = b->backend_state;
+  const epx_cuda_ll_dims_t *d = &s->d;
+  const epx_buffer_config_t *c = &b->config;
+  slot_t *slot = h->backend_state;
+  const int64_t items = (d->W - 1) * d->S + d->Tm;
+  const float *w = h->weighting == EPX_WEIGHTS_IN_COMBINE ? slot->recv.rp_w : NULL;
+  const int f32 = f32_partials(b);
+  if (f32) {
+    const epx_cuda_reduce_t red = {c->dtype, EPX_FLOAT32, expert_out, slot->send, items, c->hidden,
+                                   slot->recv.rp_rows, NULL, d->Kb, w, NULL, NULL, 0};
+    CUDA_CHECK(epx_cuda_reduce_launch(&red, stream_of(b)), fn, "the partial sum kernel");
+  } else {
+    CUDA_CHECK(epx_cuda_gather_launch(c->dtype, expert_out, slot->send, items, c->hidden, slot->recv.rp_rows, d->Kb,
+                                      w, NULL, NULL, 0, stream_of(b)),
+               fn, "the partial sum kernel");
+  }
+  const size_t unit = f32 ? (size_t)epx_payload_partial_row_bytes(c->hidden) : (size_t)d->row_bytes;
+  EPX_CHECK(p2p(b, slot->send, slot->stage, (size_t)d->S * unit, (size_t)d->Tm * unit, fn));
+  slot->out = out;
+  slot->pending = EPX_LL_COMBINE;
+  return EPX_SUCCESS;
+fail:
+  return status;
+}
+
+/* Home: out[t] = the sum of its pairs' partials over the peers in rank
+ * order, rounded once (zeros for tokens past the count). */
+static epx_status_t sum_home(epx_buffer_t b, epx_handle_t h, slot_t *slot) {
+  const char *fn = "epx_ll_complete";
+  epx_status_t status = EPX_SUCCESS;
+  const epx_buffer_config_t *c = &b->config;
+  if (!h->num_tokens) return EPX_SUCCESS;
+  if (f32_partials(b)) {
+    const epx_cuda_reduce_t red = {EPX_FLOAT32, c->dtype, slot->stage, slot->out, h->num_tokens, c->hidden,
+                                   slot->pair_stage, NULL, b->world_size, NULL, NULL, NULL, 0};
+    CUDA_CHECK(epx_cuda_reduce_launch(&red, stream_of(b)), fn, "the sum kernel");
+  } else {
+    CUDA_CHECK(epx_cuda_gather_launch(c->dtype, slot->stage, slot->out, h->num_tokens, c->hidden, slot->pair_stage,
+                                      b->world_size, NULL, NULL, NULL, 0, stream_of(b)),
+               fn, "the sum kernel");
+  }
+fail:
+  return status;
+}
+
+static epx_ll_phase_t ranks_pending(epx_handle_t h) { return (epx_ll_phase_t)((slot_t *)h->backend_state)->pending; }
+
+static epx_status_t ranks_complete(epx_buffer_t b, epx_handle_t h) {
+  slot_t *slot = h->backend_state;
+  epx_status_t status = slot->pending == EPX_LL_DISPATCH ? place_rows(b, slot) : sum_home(b, h, slot);
+  if (status == EPX_SUCCESS) slot->pending = EPX_LL_NONE;
+  return status;
+}
+
+const epx_ll_backend_t epx_cuda_ll_ranks_ops = {
+    .dispatch_send = ranks_dispatch_send,
+    .combine_send = ranks_combine_send,
+    .pending = ranks_pending,
+    .complete = ranks_complete,
+};
+
+/* ------------------------------------------------------------------------ */
+/* Handle queries                                                            */
+/* ------------------------------------------------------------------------ */
+
+static epx_status_t ranks_recv_rows(epx_handle_t h, int64_t *rows) {
+  *rows = h->recv_rows;
+  return EPX_SUCCESS;
+}
+
+static epx_status_t ranks_recv_rows_device(epx_handle_t h, const int64_t **rows) {
+  *rows = ((const ranks_t *)h->buffer->backend_state)->rows;
+  return EPX_SUCCESS;
+}
+
+static epx_status_t ranks_expert_counts(epx_handle_t h, int64_t *counts, int64_t *offsets) {
+  const slot_t *slot = h->backend_state;
+  return epx_cuda_copy_expert_counts(slot->recv.counts, slot->recv.offsets, h->buffer->experts_per_rank, counts,
+                                     offsets, h->buffer->config.stream);
+}
+
+static epx_status_t copy_out(void *dst, const void *src, size_t bytes, epx_handle_t h, const char *fn) {
+  epx_status_t status = EPX_SUCCESS;
+  if (dst)
+    CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_of(h->buffer)), fn,
+               "cudaMemcpyAsync");
+fail:
+  return status;
+}
+
+static epx_status_t ranks_recv_routing(epx_handle_t h, int32_t *recv_expert, float *recv_w) {
+  const char *fn = "epx_handle_recv_routing";
+  const slot_t *slot = h->backend_state;
+  const size_t n = (size_t)h->recv_rows;
+  epx_status_t status = copy_out(recv_expert, slot->recv.row_expert, n * sizeof(int32_t), h, fn);
+  return status != EPX_SUCCESS ? status : copy_out(recv_w, slot->recv.row_weight, n * sizeof(float), h, fn);
+}
+
+static epx_status_t ranks_recv_source(epx_handle_t h, int32_t *src_rank, int32_t *src_token) {
+  const char *fn = "epx_handle_recv_source";
+  const slot_t *slot = h->backend_state;
+  const size_t n = (size_t)h->recv_rows;
+  epx_status_t status = copy_out(src_rank, slot->recv.src_rank, n * sizeof(int32_t), h, fn);
+  return status != EPX_SUCCESS ? status : copy_out(src_token, slot->recv.src_token, n * sizeof(int32_t), h, fn);
+}
+
+static epx_status_t ranks_stats(epx_handle_t h, epx_handle_stats_t *stats) {
+  *stats = (epx_handle_stats_t){0, 0, 0, 0, h->recv_rows};
+  return EPX_SUCCESS;
+}
+
+static int64_t ranks_handle_bytes(epx_handle_t h) {
+  (void)h;
+  return 0;
+}
+
+const epx_backend_t epx_cuda_ll_ranks_backend = {
+    .name = "cuda",
+    .route = epx_cuda_route,
+    .route_backward = epx_cuda_route_backward,
+    .buffer_init = ranks_buffer_init,
+    .buffer_fini = ranks_buffer_fini,
+    .set_stream = epx_cuda_set_stream,
+    .validate_routing = NULL,
+    .routing_hash = epx_cuda_ll_routing_hash,
+    .agree = epx_cuda_ll_agree,
+    .dispatch_layout = epx_cuda_ll_layout,
+    .handle_fini = ranks_handle_fini,
+    .dispatch = epx_cuda_ll_rows,
+    .dispatch_fp8 = NULL,
+    .combine = epx_cuda_ll_rows,
+    .dispatch_backward = epx_cuda_ll_dispatch_backward,
+    .combine_backward = epx_cuda_ll_combine_backward,
+    .weights_backward = epx_cuda_ll_weights,
+    .recv_rows = ranks_recv_rows,
+    .recv_rows_device = ranks_recv_rows_device,
+    .expert_counts = ranks_expert_counts,
+    .recv_routing = ranks_recv_routing,
+    .recv_source = ranks_recv_source,
+    .stats = ranks_stats,
+    .handle_bytes = ranks_handle_bytes,
+    .peer_paths = NULL, /* NCCL's host API to every peer */
+};
+
+#else /* a CUDA build without NCCL: one rank only, so no buffer gets this table past its creation */
+
+static epx_status_t ranks_refuse(epx_buffer_t b) {
+  return epx_error(EPX_ERROR_UNSUPPORTED,
+                   "epx_buffer_create: this build of epx has no NCCL transport, so a low-latency CUDA buffer "
+                   "runs on a comm of one rank (comm has %d); rebuild with NCCL (EPX_NCCL_ROOT) or use "
+                   "EPX_DEVICE_CPU", b->world_size);
+}
+
+const epx_backend_t epx_cuda_ll_ranks_backend = {
+    .name = "cuda",
+    .route = epx_cuda_route,
+    .route_backward = epx_cuda_route_backward,
+    .buffer_init = ranks_refuse,
+};
+const epx_ll_backend_t epx_cuda_ll_ranks_ops = {0};
+
+#endif
