@@ -21,7 +21,7 @@
 set -u
 cd "$(dirname "$0")/.."
 # EPX_GPU_CHECK_SECTIONS: "one" (one GPU), "two" (2 GPUs over NCCL, under
-# mpirun: mpi_gpu_exchange, nccl_gpu_kill, memcheck and racecheck, epx-bench --device cuda,
+# mpirun: mpi_gpu_exchange, mpi_gpu_ll, nccl_gpu_kill, memcheck and racecheck, epx-bench --device cuda,
 # bench_ep beside PyTorch's all_to_all_single, the epx.torch GPU tests and
 # layer benchmark), or both.
 # EPX_GPU_FUSED=ON (the default) builds the fused NVLink exchange and
@@ -150,6 +150,21 @@ else
   else
     verdict "bench_ep (1 rank, W-rank backend; checked, timings)" FAIL
   fi
+fi
+
+# The low-latency mode's W-rank backend (src/cuda/ll/ranks.c) on this one GPU,
+# by the same hook: mpi_gpu_ll, every step against the normal exchange bit
+# for bit (the 2-GPU section runs it on two ranks).
+LL1="test mpi_gpu_ll (1 rank, W-rank low-latency backend)"
+if [ $ONE_RANK != 1 ]; then
+  verdict "$LL1" "SKIPPED (no one-rank W-rank run above)"
+elif ! cmake --build "$BUILD" -j"$JOBS" --target mpi_gpu_ll >>"$OUTDIR/build.log" 2>&1; then
+  verdict "$LL1" "FAIL (build)"
+else
+  LD_LIBRARY_PATH="$NCCL/lib:${LD_LIBRARY_PATH:-}" timeout 300 "${MPIRUN1[@]}" "$BUILD/tests/gpu/mpi_gpu_ll" \
+    >"$OUTDIR/onerank_ll.log" 2>&1
+  rc=$?
+  [ $rc = 0 ] && verdict "$LL1" PASS || verdict "$LL1" "FAIL (exit $rc)"
 fi
 
 echo "epx gpu-check: tests done ($(date +%T))"
