@@ -56,6 +56,7 @@ static int g_expect_fused;                        /* EPX_GPU_EXPECT_FUSED: the f
  * have load/store access) */
 static int g_relay;
 static int g_hier_cases; /* cases run on the hierarchical exchange too */
+static int32_t g_nodes, g_ranks_per_node; /* the comm's topology (epx_comm_topology) */
 
 enum { H = 64, K = 4, C = 40, ALIGN = 4, TMAX = 96 };
 static int E; /* 8 experts per rank */
@@ -155,6 +156,7 @@ typedef struct {
   float *recv_w, *gw_d, *gw_c, *gw_w;              /* host */
   int64_t *counts, *offsets;
   epx_handle_stats_t stats;
+  epx_handle_traffic_t traffic; /* rows and bytes by link class (epx_handle_traffic) */
   int64_t rows_device; /* epx_handle_recv_rows_device's N (CUDA; the CPU backend: N) */
   /* the buffer's path (epx_buffer_peer_paths): every peer's, -1 if they
    * differ; under g_relay EPX_PATH_FUSED means this rank's own rows fused
@@ -287,6 +289,7 @@ static void run_rank(run_t *run) {
   if (cap < N) cap = N;
   r->N = N;
   FATAL_UNLESS_OK(epx_handle_stats(h, &r->stats));
+  FATAL_UNLESS_OK(epx_handle_traffic(h, &r->traffic));
   r->rows_device = N;
   if (dev == EPX_DEVICE_CUDA) {
     const int64_t *d_rows = NULL;
@@ -621,6 +624,15 @@ static void run_case(const case_t *c, epx_comm_t nccl, void *stream) {
     compare_exchanges(c, &gpu[0], &run.res, "hierarchical");
     compare_exchanges(c, &gpu[1], &run.res, "hierarchical (the left side is the collective run)");
     compare_queries(c, &gpu[0], &run.res, "hierarchical");
+    /* With one node, or one rank per node (what 1 and 2 GPUs pose), hop 1
+     * carries dedup's cross-node rows and hop 2 its same-node rows; else
+     * hop 1 carries fewer. */
+    const epx_handle_traffic_t *d = &gpu[0].traffic, *x = &run.res.traffic;
+    const int flat = g_nodes == 1 || g_ranks_per_node == 1;
+    RANK_EXPECT(flat ? !memcmp(d, x, sizeof *d) : x->other_node_rows <= d->other_node_rows,
+                "%s: hierarchical sends %lld rows in the node and %lld across, dedup %lld "
+                "and %lld", describe(c, EPX_EXCHANGE_HIERARCHICAL), (long long)x->same_node_rows,
+                (long long)x->other_node_rows, (long long)d->same_node_rows, (long long)d->other_node_rows);
     result_free(&run.res);
     g_hier_cases++;
   }
@@ -1425,6 +1437,333 @@ static void test_dot_order(epx_comm_t comm, void *stream) {
               "test could not see a fused kernel summing in another order");
 }
 
+/* ------------------------------------------------------------------------ */
+/* FP8 dispatch                                                              */
+/* ------------------------------------------------------------------------ */
+
+/* fp8 rows on the W-rank backend (its host path: the fused path declines
+ * buffers with an fp8_format, epx.h): every format x layout x exchange x
+ * sizing, pre-quantized rows + scales (epx_dispatch_fp8) and bf16 quantized
+ * on the way (epx_dispatch_quantize, the handle's second dispatch: a cached
+ * one), each received row's bytes and scales against the CPU backend's (W
+ * threads, the same routing) and against its source token's quantized row
+ * (epx_quantize on the host), padding rows and unfilled slots zero; dedup
+ * equal to collective; a recorder's replayed handle moves the same bytes.
+ * HF = 512 channels: a multiple of every format's block (UE8M0: 512). */
+enum { HF = 512 };
+
+typedef struct {
+  epx_layout_t layout;
+  epx_fp8_format_t format;
+  int worst, seed;
+} fp8_case_t;
+
+/* Token t of rank s: the coded values scaled per token and per 32-channel
+ * block (blocks get different scales; every value exact in bf16). */
+static float fp8_x(int s, int t, int h) {
+  return x_val(s, t, h) * (float)(1 + t % 5) * ldexpf(1.0f, (h / 32) % 7 - 3);
+}
+
+/* The routing case of an fp8 case (weights in combine; none for rank-major). */
+static case_t fp8_routing_case(const fp8_case_t *f) {
+  const epx_weighting_t wt = f->layout == EPX_LAYOUT_RANK_MAJOR ? EPX_WEIGHTS_NONE : EPX_WEIGHTS_IN_COMBINE;
+  return (case_t){f->layout, EPX_BFLOAT16, wt, EPX_COMBINE_PARTIALS_FLOAT32, f->worst, f->seed % 3 == 0,
+                  g_size > 1 && f->seed % 4 == 1, f->seed};
+}
+
+static const char *fp8_describe(const fp8_case_t *f, epx_exchange_t x) {
+  static char text[160];
+  const char *lay[] = {"expert-major", "rank-major", "capacity"}, *fmt[] = {"none", "e4m3-f32", "e4m3-ue8m0", "mxfp8"};
+  snprintf(text, sizeof text, "fp8 %s %s %s%s seed %d", x == EPX_EXCHANGE_DEDUP ? "dedup" : "collective",
+           lay[f->layout], fmt[f->format], f->worst ? " worst-case" : "", f->seed);
+  return text;
+}
+
+static int64_t fp8_scale_bytes(epx_fp8_format_t format) {
+  int64_t cols = 0;
+  size_t bytes = 0;
+  FATAL_UNLESS_OK(epx_fp8_scale_shape(format, HF, &cols, &bytes));
+  return cols * (int64_t)bytes;
+}
+
+/* Rows [rows, HF] of fp8_x for rank s, tokens t0.. as bf16, quantized. */
+static void fp8_quantized(epx_fp8_format_t format, int s, int64_t t0, int64_t rows, uint8_t *q, uint8_t *sc) {
+  float *v = calloc((size_t)(rows * HF + 1), 4);
+  for (int64_t t = 0; t < rows; t++)
+    for (int h = 0; h < HF; h++) v[t * HF + h] = fp8_x(s, (int)(t0 + t), h);
+  void *xh = encode(EPX_BFLOAT16, v, rows * HF);
+  if (rows > 0) FATAL_UNLESS_OK(epx_quantize(format, EPX_BFLOAT16, rows, HF, xh, q, sc));
+  free(v), free(xh);
+}
+
+typedef struct {
+  int64_t N;
+  uint8_t *q[2], *s[2];         /* host [N, HF] and [N, S]: epx_dispatch_fp8's, epx_dispatch_quantize's */
+  uint8_t *replay_q, *replay_s; /* the replayed handle's epx_dispatch_fp8 (with a recorder), else NULL */
+  int32_t *src_rank, *src_token;
+  int32_t path;
+  char why[512];
+} fp8_result_t;
+
+typedef struct {
+  const fp8_case_t *c;
+  epx_exchange_t exchange;
+  epx_exchange_path_t path; /* CUDA buffers' exchange_path */
+  epx_comm_t comm;
+  int rank;
+  epx_device_t device;
+  void *stream;
+  int record; /* lay out under a recorder, replay it and dispatch again */
+  fp8_result_t res;
+} fp8_run_t;
+
+static void fp8_result_free(fp8_result_t *r) {
+  void *p[] = {r->q[0], r->q[1], r->s[0], r->s[1], r->replay_q, r->replay_s, r->src_rank, r->src_token};
+  for (size_t i = 0; i < sizeof p / sizeof p[0]; i++) free(p[i]);
+  memset(r, 0, sizeof *r);
+}
+
+/* Receive tensors filled with 0x5a, so unwritten padding shows. */
+static void *poisoned(epx_device_t device, size_t bytes) {
+  void *host = malloc(bytes + 16);
+  memset(host, 0x5a, bytes + 16);
+  void *p = place(device, host, bytes);
+  free(host);
+  return p;
+}
+
+/* The recorded handle replayed: the same handle, whose fp8 dispatch moves
+ * the recorded layout's rows again. */
+static void fp8_replay(fp8_run_t *run, epx_buffer_t buf, epx_recorder_t rec, const epx_routing_t *routing,
+                       epx_handle_t h, const void *xq, const void *xs, int64_t cap, int64_t S) {
+  fp8_result_t *r = &run->res;
+  FATAL_UNLESS_OK(epx_recorder_set_mode(rec, EPX_RECORDER_REPLAY));
+  epx_handle_t h2 = NULL;
+  FATAL_UNLESS_OK(epx_dispatch_layout(buf, routing, rec, &h2));
+  RANK_EXPECT(h2 == h, "%s: the replay did not return the recorded handle", fp8_describe(run->c, run->exchange));
+  void *rq = poisoned(run->device, (size_t)(cap * HF)), *rs = poisoned(run->device, (size_t)(cap * S));
+  FATAL_UNLESS_OK(epx_dispatch_fp8(buf, h2, xq, xs, rq, rs, cap));
+  if (run->device == EPX_DEVICE_CUDA) FATAL_UNLESS_CUDA_OK(cudaDeviceSynchronize());
+  r->replay_q = fetch(run->device, rq, (size_t)(r->N * HF));
+  r->replay_s = fetch(run->device, rs, (size_t)(r->N * S));
+  release(run->device, rq), release(run->device, rs);
+  FATAL_UNLESS_OK(epx_handle_release(h2));
+}
+
+/* One rank's fp8 dispatches of case c (GPU or CPU). */
+static void fp8_rank(fp8_run_t *run) {
+  const fp8_case_t *f = run->c;
+  const epx_device_t dev = run->device;
+  const case_t c = fp8_routing_case(f);
+  fp8_result_t *r = &run->res;
+  routing_t rt;
+  make_routing(&c, run->rank, &rt);
+  const int64_t T = rt.T, S = fp8_scale_bytes(f->format);
+  epx_buffer_config_t cfg = config_of(&c, run->exchange, dev, run->stream);
+  cfg.hidden = HF;
+  cfg.fp8_format = f->format;
+  cfg.exchange_path = dev == EPX_DEVICE_CUDA ? run->path : EPX_PATH_AUTO;
+  epx_buffer_t buf;
+  FATAL_UNLESS_OK(epx_buffer_create(run->comm, &cfg, &buf));
+  snprintf(r->why, sizeof r->why, "%s", epx_last_error());
+  int32_t *idx = place(dev, rt.idx, 4 * (size_t)(T * K));
+  float *w = place(dev, rt.w, 4 * (size_t)(T * K));
+  int32_t *loc = place(dev, rt.loc, 4 * (size_t)(T * K));
+  const epx_routing_t routing = {T, K, idx, c.weighting == EPX_WEIGHTS_NONE ? NULL : w,
+                                 c.layout == EPX_LAYOUT_CAPACITY ? loc : NULL, c.weighting};
+  epx_recorder_t rec = NULL;
+  if (run->record) FATAL_UNLESS_OK(epx_recorder_create(1, &rec));
+  epx_handle_t h;
+  FATAL_UNLESS_OK(epx_dispatch_layout(buf, &routing, rec, &h));
+  if (epx_last_error()[0]) snprintf(r->why, sizeof r->why, "%s", epx_last_error());
+  r->path = dev == EPX_DEVICE_CUDA ? read_paths(buf) : EPX_PATH_HOST;
+  int64_t N, cap;
+  FATAL_UNLESS_OK(epx_handle_recv_rows(h, &N));
+  FATAL_UNLESS_OK(epx_buffer_max_recv_rows(buf, &cap));
+  if (cap < N) cap = N;
+  r->N = N;
+
+  float *xv = calloc((size_t)(T * HF + 1), 4);
+  for (int64_t t = 0; t < T; t++)
+    for (int hh = 0; hh < HF; hh++) xv[t * HF + hh] = fp8_x(run->rank, (int)t, hh);
+  void *xh = encode(EPX_BFLOAT16, xv, T * HF);
+  uint8_t *xqh = calloc((size_t)(T * HF + 1), 1), *xsh = calloc((size_t)(T * S + 1), 1);
+  fp8_quantized(f->format, run->rank, 0, T, xqh, xsh);
+  void *x = place(dev, xh, (size_t)(T * HF) * 2), *xq = place(dev, xqh, (size_t)(T * HF));
+  void *xs = place(dev, xsh, (size_t)(T * S));
+  void *rq[2], *rs[2];
+  for (int i = 0; i < 2; i++) rq[i] = poisoned(dev, (size_t)(cap * HF)), rs[i] = poisoned(dev, (size_t)(cap * S));
+  int32_t *srank = zeros(dev, 4 * (size_t)cap), *stok = zeros(dev, 4 * (size_t)cap);
+  FATAL_UNLESS_OK(epx_dispatch_fp8(buf, h, xq, xs, rq[0], rs[0], cap));
+  FATAL_UNLESS_OK(epx_dispatch_quantize(buf, h, x, rq[1], rs[1], cap)); /* the handle's second dispatch */
+  FATAL_UNLESS_OK(epx_handle_recv_source(h, srank, stok));
+  if (dev == EPX_DEVICE_CUDA) FATAL_UNLESS_CUDA_OK(cudaDeviceSynchronize());
+  for (int i = 0; i < 2; i++)
+    r->q[i] = fetch(dev, rq[i], (size_t)(N * HF)), r->s[i] = fetch(dev, rs[i], (size_t)(N * S));
+  r->src_rank = fetch(dev, srank, 4 * (size_t)N);
+  r->src_token = fetch(dev, stok, 4 * (size_t)N);
+  if (rec) fp8_replay(run, buf, rec, &routing, h, xq, xs, cap, S);
+  FATAL_UNLESS_OK(epx_handle_release(h));
+  if (rec) FATAL_UNLESS_OK(epx_recorder_destroy(rec));
+  FATAL_UNLESS_OK(epx_buffer_destroy(buf));
+  void *devs[] = {idx, w, loc, x, xq, xs, rq[0], rq[1], rs[0], rs[1], srank, stok};
+  for (size_t i = 0; i < sizeof devs / sizeof devs[0]; i++) release(dev, devs[i]);
+  free(xv), free(xh), free(xqh), free(xsh);
+}
+
+typedef struct {
+  fp8_run_t run;
+  epx_local_world_t world;
+} fp8_cpu_rank_t;
+
+static void *fp8_cpu_thread(void *arg) {
+  fp8_cpu_rank_t *cr = arg;
+  FATAL_UNLESS_OK(epx_comm_create_local(cr->world, cr->run.rank, &cr->run.comm));
+  fp8_rank(&cr->run);
+  FATAL_UNLESS_OK(epx_comm_destroy(cr->run.comm));
+  return NULL;
+}
+
+/* The CPU backend over W threads: this rank's fp8 results. */
+static void fp8_cpu(const fp8_case_t *c, epx_exchange_t exchange, fp8_result_t *mine) {
+  fp8_cpu_rank_t *ranks = calloc((size_t)g_size, sizeof *ranks);
+  pthread_t *threads = calloc((size_t)g_size, sizeof *threads);
+  epx_local_world_t world;
+  FATAL_UNLESS_OK(epx_local_world_create(g_size, NULL, &world));
+  for (int q = 0; q < g_size; q++) {
+    ranks[q].run = (fp8_run_t){c, exchange, EPX_PATH_AUTO, NULL, q, EPX_DEVICE_CPU, NULL, 0, {0}};
+    ranks[q].world = world;
+    pthread_create(&threads[q], NULL, fp8_cpu_thread, &ranks[q]);
+  }
+  for (int q = 0; q < g_size; q++) pthread_join(threads[q], NULL);
+  FATAL_UNLESS_OK(epx_local_world_destroy(world));
+  *mine = ranks[g_rank].run.res;
+  for (int q = 0; q < g_size; q++)
+    if (q != g_rank) fp8_result_free(&ranks[q].run.res);
+  free(ranks);
+  free(threads);
+}
+
+/* The first row of n rows of `bytes` each where a and b differ, or -1. */
+static int64_t first_row_diff(const uint8_t *a, const uint8_t *b, int64_t n, int64_t bytes) {
+  for (int64_t i = 0; i < n; i++)
+    if (memcmp(a + i * bytes, b + i * bytes, (size_t)bytes)) return i;
+  return -1;
+}
+
+/* Every received row against its source token's quantized row (a padding
+ * row or unfilled slot: zeros), both dispatches. */
+static void fp8_check_sources(const fp8_case_t *f, epx_exchange_t x, const fp8_result_t *g) {
+  const int64_t S = fp8_scale_bytes(f->format);
+  uint8_t *q = calloc(HF, 1), *sc = calloc((size_t)S, 1);
+  int64_t bad = -1;
+  for (int64_t i = 0; i < g->N && bad < 0; i++) {
+    if (g->src_rank[i] >= 0) fp8_quantized(f->format, g->src_rank[i], g->src_token[i], 1, q, sc);
+    else memset(q, 0, HF), memset(sc, 0, (size_t)S);
+    for (int d = 0; d < 2; d++)
+      if (memcmp(g->q[d] + i * HF, q, HF) || memcmp(g->s[d] + i * S, sc, (size_t)S)) bad = i;
+  }
+  RANK_EXPECT(bad < 0, "%s: received row %lld (from rank %d token %d) is not its source's quantized row and scales",
+              fp8_describe(f, x), (long long)bad, bad < 0 ? 0 : g->src_rank[bad], bad < 0 ? 0 : g->src_token[bad]);
+  free(q), free(sc);
+}
+
+/* GPU against another run (the CPU backend, or the other exchange): N,
+ * sources and both dispatches' bytes. */
+static void fp8_compare(const fp8_case_t *f, epx_exchange_t x, const fp8_result_t *g, const fp8_result_t *o,
+                        const char *other) {
+  const char *what = fp8_describe(f, x);
+  const int64_t S = fp8_scale_bytes(f->format);
+  RANK_EXPECT(g->N == o->N, "%s: N %lld, %s %lld", what, (long long)g->N, other, (long long)o->N);
+  if (g->N != o->N) return;
+  const int64_t N = g->N;
+  RANK_EXPECT(same_bytes(g->src_rank, o->src_rank, 4 * (size_t)N) && same_bytes(g->src_token, o->src_token, 4 * (size_t)N),
+              "%s: recv_source differs from %s", what, other);
+  for (int d = 0; d < 2; d++) {
+    const char *call = d ? "epx_dispatch_quantize" : "epx_dispatch_fp8";
+    const int64_t rq = first_row_diff(g->q[d], o->q[d], N, HF), rs = first_row_diff(g->s[d], o->s[d], N, S);
+    RANK_EXPECT(rq < 0 && rs < 0, "%s: %s's rows differ from %s's (row %lld, scales of row %lld)", what, call, other,
+                (long long)rq, (long long)rs);
+  }
+}
+
+/* One fp8 case: dedup (asking for the fused path, which declines it: the
+ * host path serves it) and collective, each against the CPU backend and
+ * the sources, then each other; the dedup run with default sizing under a
+ * recorder. */
+static void fp8_case(const fp8_case_t *f, epx_comm_t nccl, void *stream) {
+  fp8_result_t gpu[2], cpu;
+  for (int xi = 0; xi < 2; xi++) {
+    const epx_exchange_t x = xi ? EPX_EXCHANGE_COLLECTIVE : EPX_EXCHANGE_DEDUP;
+    fp8_run_t run = {f, x, xi ? EPX_PATH_AUTO : EPX_PATH_FUSED, nccl, g_rank, EPX_DEVICE_CUDA, stream,
+                     !xi && !f->worst, {0}};
+    fp8_rank(&run);
+    gpu[xi] = run.res;
+    const fp8_result_t *g = &gpu[xi];
+    RANK_EXPECT(g->path == EPX_PATH_HOST, "%s: path %d, the host path expected (fp8 buffers)", fp8_describe(f, x),
+                g->path);
+    if (!xi && g_expect_fused)
+      RANK_EXPECT(strstr(g->why, "fp8") != NULL, "%s: EPX_PATH_FUSED asked and declined without saying why: '%s'",
+                  fp8_describe(f, x), g->why);
+    fp8_cpu(f, x, &cpu);
+    fp8_compare(f, x, g, &cpu, "the CPU backend");
+    fp8_check_sources(f, x, g);
+    if (g->replay_q)
+      RANK_EXPECT(same_bytes(g->replay_q, g->q[0], (size_t)(g->N * HF)) &&
+                      same_bytes(g->replay_s, g->s[0], (size_t)(g->N * fp8_scale_bytes(f->format))),
+                  "%s: the recorder's replayed handle moved other bytes", fp8_describe(f, x));
+    fp8_result_free(&cpu);
+  }
+  fp8_compare(f, EPX_EXCHANGE_DEDUP, &gpu[0], &gpu[1], "the collective exchange");
+  fp8_result_free(&gpu[0]);
+  fp8_result_free(&gpu[1]);
+}
+
+/* Every format x layout x sizing; returns the number of cases. */
+static int fp8_cases(epx_comm_t comm, void *stream) {
+  const epx_layout_t layouts[] = {EPX_LAYOUT_EXPERT_MAJOR, EPX_LAYOUT_RANK_MAJOR, EPX_LAYOUT_CAPACITY};
+  const epx_fp8_format_t formats[] = {EPX_FP8_E4M3_F32_128, EPX_FP8_E4M3_UE8M0_128, EPX_FP8_MXFP8};
+  int cases = 0, seed = 101;
+  for (int li = 0; li < 3; li++)
+    for (int fi = 0; fi < 3; fi++)
+      for (int worst = 0; worst < (g_quick ? 1 : 2); worst++) {
+        const fp8_case_t f = {layouts[li], formats[fi], worst, seed++};
+        fp8_case(&f, comm, stream);
+        cases++;
+      }
+  return cases;
+}
+
+/* The last rank quantizes where the others move pre-quantized rows (same
+ * handle): every rank gets EPX_ERROR_SHAPE_MISMATCH naming both calls; then
+ * in step again. */
+static void test_fp8_call_mismatch(epx_comm_t comm, void *stream) {
+  epx_buffer_config_t cfg = simple_config(stream, 0);
+  cfg.hidden = HF;
+  cfg.fp8_format = EPX_FP8_E4M3_F32_128;
+  epx_buffer_t b;
+  FATAL_UNLESS_OK(epx_buffer_create(comm, &cfg, &b));
+  test_routing_t tr;
+  test_routing(EPX_LAYOUT_EXPERT_MAJOR, EPX_WEIGHTS_IN_COMBINE, 0, 23, &tr);
+  epx_handle_t h = NULL;
+  FATAL_UNLESS_OK(epx_dispatch_layout(b, &tr.r, NULL, &h));
+  int64_t cap = 0;
+  FATAL_UNLESS_OK(epx_buffer_max_recv_rows(b, &cap));
+  const size_t S = (size_t)fp8_scale_bytes(cfg.fp8_format);
+  void *x = zeros(EPX_DEVICE_CUDA, 2 * (size_t)TMAX * HF), *xs = zeros(EPX_DEVICE_CUDA, (size_t)TMAX * S);
+  void *rq = zeros(EPX_DEVICE_CUDA, (size_t)cap * HF + 16), *rs = zeros(EPX_DEVICE_CUDA, (size_t)cap * S + 16);
+  epx_status_t s = g_rank == g_size - 1 ? epx_dispatch_quantize(b, h, x, rq, rs, cap)
+                                        : epx_dispatch_fp8(b, h, x, xs, rq, rs, cap);
+  RANK_EXPECT(s == EPX_ERROR_SHAPE_MISMATCH && strstr(epx_last_error(), "epx_dispatch_quantize") &&
+                  strstr(epx_last_error(), "epx_dispatch_fp8"),
+              "fp8 call mismatch: rank %d got %s (%s)", g_rank, epx_status_string(s), epx_last_error());
+  FATAL_UNLESS_OK(epx_dispatch_fp8(b, h, x, xs, rq, rs, cap)); /* in step again */
+  FATAL_UNLESS_OK(epx_handle_release(h));
+  FATAL_UNLESS_OK(epx_buffer_destroy(b));
+  test_routing_free(&tr);
+  cudaFree(x), cudaFree(xs), cudaFree(rq), cudaFree(rs);
+}
+
 int main(int argc, char **argv) {
   MPI_Init(&argc, &argv);
   MPI_Comm_rank(MPI_COMM_WORLD, &g_rank);
@@ -1456,6 +1795,8 @@ int main(int argc, char **argv) {
   FATAL_UNLESS_OK(epx_comm_rank(comm, &rank));
   FATAL_UNLESS_OK(epx_comm_size(comm, &size));
   RANK_EXPECT(rank == g_rank && size == g_size, "the NCCL comm is rank %d of %d", rank, size);
+  int32_t node, local;
+  FATAL_UNLESS_OK(epx_comm_topology(comm, &g_nodes, &g_ranks_per_node, &node, &local));
   const int one = g_size == 1; /* the W-rank backend all the same (above) */
 
   int cases = 0, seed = 1;
@@ -1498,21 +1839,24 @@ int main(int argc, char **argv) {
   }
   g_path = EPX_PATH_FUSED;
   test_dot_order(comm, stream);
+  const int fp8 = fp8_cases(comm, stream);
+  if (!one) test_fp8_call_mismatch(comm, stream);
   /* One rank: the refusing rank's own side (it takes the host path and
    * works); its peers' side needs a second rank. */
   if (g_expect_fused) test_fused_refused_on_one_rank(comm, stream);
   if (one)
     printf("mpi_gpu_exchange: one rank (the W-rank backend forced on by epx_cuda_ep_at_one_rank): skipped, as they "
            "need a second rank: the weighting mismatch (2 sizings x 2 paths), the call and config mismatch (2 "
-           "paths), and the fused refusal's peer side\n");
+           "paths), the fp8 call mismatch, and the fused refusal's peer side\n");
 
   int failures = 0;
   MPI_Allreduce(&g_fail, &failures, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
   FATAL_UNLESS_OK(epx_comm_destroy(comm));
   if (g_rank == 0)
     printf("mpi_gpu_exchange: %d rank%s%s, %d cases x 2 exchanges (+ the host path of dedup), refusals, recorder, "
-           "graph (fused path %s): %d failures: %s\n", g_size, one ? "" : "s", one ? " (W-rank backend)" : "", cases,
-           g_expect_fused ? "required" : "where available", failures, failures ? "FAILED" : "OK");
+           "graph (fused path %s), %d fp8 cases x 2 exchanges x 2 dispatches: %d failures: %s\n", g_size,
+           one ? "" : "s", one ? " (W-rank backend)" : "", cases, g_expect_fused ? "required" : "where available", fp8,
+           failures, failures ? "FAILED" : "OK");
   cudaStreamDestroy(stream);
   MPI_Finalize();
   return failures ? 1 : 0;
