@@ -1049,8 +1049,9 @@ epx_status_t epx_handle_stats(epx_handle_t handle, epx_handle_stats_t *stats);
  * other ranks of its node (rows it forwards for the hierarchical exchange
  * included) and across node boundaries (epx_comm_topology), with their
  * payload bytes. Combine sends the same rows back (a float32 partial's bytes
- * with EPX_COMBINE_PARTIALS_FLOAT32 on a 16-bit payload). CPU buffers in this
- * version (EPX_ERROR_UNSUPPORTED otherwise). */
+ * with EPX_COMBINE_PARTIALS_FLOAT32 on a 16-bit payload). CPU buffers and
+ * CUDA buffers over several ranks in this version (EPX_ERROR_UNSUPPORTED
+ * otherwise; with worst_case_sizing it waits for the layout's counts). */
 typedef struct epx_handle_traffic {
   int64_t same_node_rows;
   int64_t same_node_bytes;

@@ -9,8 +9,6 @@
 #include "core/error.h"
 #include "core/objects.h"
 #include "core/registry.h"
-#include "cpu/cpu.h"
-#include "cpu/hier.h"
 
 /* A handle the caller holds no reference to any more is refused even while a
  * recorder still keeps it alive: the recorder hands it out again on replay. */
@@ -132,15 +130,14 @@ epx_status_t epx_handle_stats(epx_handle_t handle, epx_handle_stats_t *stats) {
   return backend_of(handle)->stats(handle, stats);
 }
 
-
 epx_status_t epx_handle_traffic(epx_handle_t handle, epx_handle_traffic_t *traffic) {
   epx_error_clear();
   epx_status_t status = epx_check_handle(NULL, &handle, "epx_handle_traffic");
   if (status != EPX_SUCCESS) return status;
   EPX_REQUIRE(traffic, "epx_handle_traffic: traffic is NULL; pass an epx_handle_traffic_t to fill");
-  if (handle->buffer->backend != &epx_cpu_backend)
+  if (!backend_of(handle)->traffic)
     return epx_error(EPX_ERROR_UNSUPPORTED, "epx_handle_traffic: the handle is a %s buffer's; this version counts "
-                     "link classes on CPU buffers only", handle->buffer->backend->name);
-  epx_cpu_traffic(handle->cpu, handle->buffer->comm, traffic);
-  return EPX_SUCCESS;
+                     "link classes on CPU buffers and CUDA buffers over several ranks only",
+                     handle->buffer->backend->name);
+  return backend_of(handle)->traffic(handle, traffic);
 }

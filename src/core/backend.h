@@ -86,6 +86,9 @@ typedef struct epx_backend {
   epx_status_t (*recv_routing)(epx_handle_t handle, int32_t *recv_expert, float *recv_w);
   epx_status_t (*recv_source)(epx_handle_t handle, int32_t *src_rank, int32_t *src_token);
   epx_status_t (*stats)(epx_handle_t handle, epx_handle_stats_t *stats);
+  /* Rows and bytes sent per link class (epx_handle_traffic); NULL where
+   * this version does not count them. */
+  epx_status_t (*traffic)(epx_handle_t handle, epx_handle_traffic_t *traffic);
   /* Host and device bytes the handle keeps alive (recorder statistics). */
   int64_t (*handle_bytes)(epx_handle_t handle);
   /* paths[W]: EPX_PATH_FUSED or EPX_PATH_HOST per peer (NULL: the host path

@@ -9,6 +9,7 @@
 #include "core/backend.h"
 #include "core/error.h"
 #include "cpu/cpu.h"
+#include "cpu/hier.h"
 
 static epx_status_t cpu_routing_hash(epx_buffer_t buffer, const epx_routing_t *routing, uint64_t *hash) {
   (void)buffer;
@@ -25,6 +26,11 @@ static epx_status_t cpu_dispatch_layout(epx_buffer_t buffer, const epx_routing_t
 
 static epx_status_t cpu_recv_rows(epx_handle_t handle, int64_t *rows) {
   *rows = handle->recv_rows;
+  return EPX_SUCCESS;
+}
+
+static epx_status_t cpu_traffic(epx_handle_t handle, epx_handle_traffic_t *traffic) {
+  epx_cpu_traffic(handle->cpu, handle->buffer->comm, traffic);
   return EPX_SUCCESS;
 }
 
@@ -52,5 +58,6 @@ const epx_backend_t epx_cpu_backend = {
     .recv_routing = epx_cpu_handle_recv_routing,
     .recv_source = epx_cpu_handle_recv_source,
     .stats = epx_cpu_handle_stats,
+    .traffic = cpu_traffic,
     .handle_bytes = epx_cpu_handle_bytes,
 };

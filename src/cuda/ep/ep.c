@@ -454,4 +454,32 @@ epx_status_t epx_cuda_ep_stats(epx_handle_t handle, epx_handle_stats_t *stats) {
   return EPX_SUCCESS;
 }
 
+/* The path's count, or the flat exchange's items per peer by the peer's
+ * node (worst_case_sizing: the true counts, read back). */
+epx_status_t epx_cuda_ep_traffic(epx_handle_t handle, epx_handle_traffic_t *traffic) {
+  ep_handle_t *h = handle->backend_state;
+  epx_buffer_t b = handle->buffer;
+  const epx_comm_t comm = b->comm;
+  int64_t same = 0, other = 0;
+  if (h->path->traffic) {
+    h->path->traffic(handle, &same, &other);
+  } else {
+    const int kind = b->config.exchange == EPX_EXCHANGE_COLLECTIVE ? HOME_ROUTES : HOME_PAIRS;
+    const int64_t *counts = NULL;
+    if (h->d.worst) {
+      epx_status_t status = read_summary(b, h, "epx_handle_traffic", &counts);
+      if (status != EPX_SUCCESS) return status;
+    }
+    for (int32_t p = 0; p < h->d.W; p++) {
+      const int64_t n = counts ? counts[kind * h->d.W + p] : h->count[kind][p];
+      if (p == b->rank) continue;
+      if (comm->node_of[p] == comm->node_of[b->rank]) same += n;
+      else other += n;
+    }
+  }
+  const int64_t rb = epx_buffer_row_bytes(b);
+  *traffic = (epx_handle_traffic_t){same, same * rb, other, other * rb};
+  return EPX_SUCCESS;
+}
+
 #endif

@@ -50,6 +50,7 @@ int64_t epx_cuda_ep_handle_bytes(epx_handle_t handle);
 /* paths[W]: EPX_PATH_FUSED for every peer when the buffer runs the fused
  * NVLink kernels (src/cuda/fused/fused.h), else EPX_PATH_HOST. */
 void epx_cuda_ep_peer_paths(epx_buffer_t buffer, int32_t *paths);
+epx_status_t epx_cuda_ep_traffic(epx_handle_t handle, epx_handle_traffic_t *traffic);
 
 /* Kernels of ep/tables.cu that serve the handles of the fused path (launch.h has
  * the host path's). */

@@ -544,6 +544,16 @@ static epx_status_t hier_recv_source(epx_handle_t handle, int32_t *src_rank, int
 
 static void hier_peer_paths(epx_buffer_t b, int32_t *paths) { epx_cuda_ep_host_path.peer_paths(b, paths); }
 
+/* Hop 1's rows cross nodes; hop 2's to the node's other ranks stay inside. */
+static void hier_traffic(epx_handle_t handle, int64_t *same_node_rows, int64_t *other_node_rows) {
+  const ep_handle_t *h = handle->backend_state;
+  const hier_plan_t *p = h->path_state;
+  *other_node_rows = p->net_rows;
+  *same_node_rows = 0;
+  for (int64_t i = 0; i < p->nfwd; i++)
+    if (p->fwd[i].peer != h->d.rank) *same_node_rows += p->fwd[i].rows;
+}
+
 const ep_path_t epx_cuda_ep_hier_path = {
     .name = "hierarchical",
     .setup = hier_setup,
@@ -565,6 +575,7 @@ const ep_path_t epx_cuda_ep_hier_path = {
     .recv_routing = hier_recv_routing,
     .recv_source = hier_recv_source,
     .peer_paths = hier_peer_paths,
+    .traffic = hier_traffic,
 };
 
 #endif

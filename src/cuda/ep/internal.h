@@ -140,6 +140,9 @@ typedef struct ep_path {
   epx_status_t (*recv_source)(epx_handle_t handle, int32_t *src_rank, int32_t *src_token);
   /* paths[W]: how this rank reaches each peer (EPX_PATH_FUSED or _HOST). */
   void (*peer_paths)(epx_buffer_t b, int32_t *paths);
+  /* The rows a dispatch sends to other ranks of this rank's node and to
+   * other nodes; NULL: the flat exchange's items per peer (ep.c). */
+  void (*traffic)(epx_handle_t handle, int64_t *same_node_rows, int64_t *other_node_rows);
 } ep_path_t;
 
 extern const ep_path_t epx_cuda_ep_host_path;  /* host.c */

@@ -90,6 +90,7 @@ const epx_backend_t epx_cuda_ep_backend = {
     .stats = epx_cuda_ep_stats,
     .handle_bytes = epx_cuda_ep_handle_bytes,
     .peer_paths = epx_cuda_ep_peer_paths,
+    .traffic = epx_cuda_ep_traffic,
 };
 
 #else /* a CUDA build without NCCL: one rank only, so no buffer gets this table past its creation */
