@@ -153,16 +153,17 @@ else
 fi
 
 # The low-latency mode's W-rank backend (src/cuda/ll/ranks.c) on this one GPU,
-# by the same hook: mpi_gpu_ll, every step against the normal exchange bit
-# for bit (the 2-GPU section runs it on two ranks).
+# by the same hook: mpi_gpu_ll, every step on both its paths (NCCL slabs;
+# the fused window, required in a fused build) against the normal exchange
+# bit for bit (the 2-GPU section runs it on two ranks).
 LL1="test mpi_gpu_ll (1 rank, W-rank low-latency backend)"
 if [ $ONE_RANK != 1 ]; then
   verdict "$LL1" "SKIPPED (no one-rank W-rank run above)"
 elif ! cmake --build "$BUILD" -j"$JOBS" --target mpi_gpu_ll >>"$OUTDIR/build.log" 2>&1; then
   verdict "$LL1" "FAIL (build)"
 else
-  LD_LIBRARY_PATH="$NCCL/lib:${LD_LIBRARY_PATH:-}" timeout 300 "${MPIRUN1[@]}" "$BUILD/tests/gpu/mpi_gpu_ll" \
-    >"$OUTDIR/onerank_ll.log" 2>&1
+  EPX_GPU_EXPECT_FUSED=$ONE_FUSED LD_LIBRARY_PATH="$NCCL/lib:${LD_LIBRARY_PATH:-}" timeout 300 "${MPIRUN1[@]}" \
+    "$BUILD/tests/gpu/mpi_gpu_ll" >"$OUTDIR/onerank_ll.log" 2>&1
   rc=$?
   [ $rc = 0 ] && verdict "$LL1" PASS || verdict "$LL1" "FAIL (exit $rc)"
 fi

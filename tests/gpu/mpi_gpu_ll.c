@@ -1,7 +1,10 @@
 /* The low-latency decode mode of CUDA buffers on W ranks over NCCL
  * (src/cuda/ll/ranks.c), one process per GPU under mpirun (any W; run on
  * one GPU through the test hook epx_cuda_ep_at_one_rank, and on 2 GPUs, by
- * bench/gpu-check.sh). Exit status is the verdict.
+ * bench/gpu-check.sh), on both its paths: EPX_PATH_HOST (a slab per peer
+ * over NCCL's host API) and EPX_PATH_FUSED (the fused window's load/store
+ * kernels, window.c; required with EPX_GPU_EXPECT_FUSED=1, else the slabs
+ * may serve it). Exit status is the verdict.
  *
  * The reference is the normal exchange (epx_dispatch_layout, epx_dispatch,
  * epx_combine) on a normal CUDA buffer of the same config over the same
@@ -33,6 +36,11 @@
 #include "mpi_gpu_check.h"
 
 static int g_rank, g_size, g_fail;
+/* exchange_path of the low-latency buffers: EPX_PATH_HOST (NCCL slabs) or
+ * EPX_PATH_FUSED (the fused window's load/store kernels, where the build
+ * has them); EPX_GPU_EXPECT_FUSED=1: the fused one is required */
+static epx_exchange_path_t g_path = EPX_PATH_HOST;
+static int g_expect_fused;
 
 int tu_message_has(const char *needle) { return !needle || strstr(epx_last_error(), needle) != NULL; }
 
@@ -158,6 +166,7 @@ static epx_buffer_config_t config_of(const case_t *c, int low_latency) {
   b.device = EPX_DEVICE_CUDA, b.dtype = c->dtype, b.hidden = H, b.num_experts = c->El * g_size;
   b.max_top_k = c->K, b.max_tokens_per_rank = TM, b.combine_precision = c->precision;
   b.low_latency = low_latency;
+  if (low_latency) b.exchange_path = g_path;
   return b;
 }
 
@@ -280,6 +289,19 @@ static void compare(const case_t *c, const result_t *want, const result_t *got, 
   free(zero);
 }
 
+/* The path the buffer took: the slabs (every peer EPX_PATH_HOST) when
+ * asked, the window's (this rank's own rows EPX_PATH_FUSED) when asked and
+ * required. */
+static void check_path(epx_buffer_t b) {
+  int32_t paths[64];
+  FATAL_UNLESS_OK(epx_buffer_peer_paths(b, paths));
+  if (g_path == EPX_PATH_HOST)
+    RANK_EXPECT(paths[g_rank] == EPX_PATH_HOST, "an EPX_PATH_HOST low-latency buffer reports path %d", paths[g_rank]);
+  else if (g_expect_fused)
+    RANK_EXPECT(paths[g_rank] == EPX_PATH_FUSED, "an EPX_PATH_FUSED low-latency buffer took the NCCL slabs: %s",
+                epx_last_error());
+}
+
 /* Steps of every count (rank r takes kCounts[(step + r) % 5]); device:
  * the count as device memory below the routing's TM rows. */
 static void run_case(const case_t *c, epx_comm_t comm, cudaStream_t stream, int device) {
@@ -288,6 +310,7 @@ static void run_case(const case_t *c, epx_comm_t comm, cudaStream_t stream, int 
   nc.stream = lc.stream = stream;
   FATAL_UNLESS_OK(epx_buffer_create(comm, &nc, &nb));
   FATAL_UNLESS_OK(epx_buffer_create(comm, &lc, &lb));
+  check_path(lb);
   ll_dev_t d;
   ll_open(c, &d);
   for (int step = 0; step < STEPS; step++) {
@@ -407,6 +430,8 @@ int main(int argc, char **argv) {
   /* One rank (one GPU): the W-rank low-latency backend all the same (and
    * the normal W-rank backend as its reference), NCCL self sends. */
   if (g_size == 1) epx_cuda_ep_at_one_rank(1);
+  const char *xf = getenv("EPX_GPU_EXPECT_FUSED");
+  g_expect_fused = xf && *xf && strcmp(xf, "0");
   int devices = 0;
   FATAL_UNLESS_CUDA_OK(cudaGetDeviceCount(&devices));
   FATAL_UNLESS_CUDA_OK(cudaSetDevice(g_rank % devices));
@@ -426,17 +451,22 @@ int main(int argc, char **argv) {
       {16, 8, EPX_FLOAT32, EPX_WEIGHTS_IN_COMBINE, EPX_COMBINE_PARTIALS_PAYLOAD, 0, 6},
   };
   const int n = (int)(sizeof cases / sizeof cases[0]);
-  for (int i = 0; i < n; i++) run_case(&cases[i], comm, stream, 0);
-  run_case(&cases[0], comm, stream, 1);
-  run_case(&cases[3], comm, stream, 1);
-  test_graph(&cases[0], comm, stream);
-  test_graph(&cases[1], comm, stream);
-  test_oversize(&cases[0], comm, stream);
+  const epx_exchange_path_t paths[] = {EPX_PATH_HOST, EPX_PATH_FUSED};
+  for (int p = 0; p < 2; p++) {
+    g_path = paths[p];
+    for (int i = 0; i < n; i++) run_case(&cases[i], comm, stream, 0);
+    run_case(&cases[0], comm, stream, 1);
+    run_case(&cases[3], comm, stream, 1);
+    test_graph(&cases[0], comm, stream);
+    test_graph(&cases[1], comm, stream);
+    test_oversize(&cases[0], comm, stream);
+  }
   FATAL_UNLESS_OK(epx_comm_destroy(comm));
   int total = 0;
   MPI_Allreduce(&g_fail, &total, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
   if (g_rank == 0)
-    printf("mpi_gpu_ll: %d ranks, %d cases (and device counts, graphs, oversize): %s (%d failures)\n", g_size, n,
+    printf("mpi_gpu_ll: %d ranks, %d cases on each path (and device counts, graphs, oversize): %s (%d failures)\n",
+           g_size, n,
            total ? "FAIL" : "OK", total);
   MPI_Finalize();
   return total ? 1 : 0;

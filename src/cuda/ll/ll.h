@@ -125,6 +125,60 @@ cudaError_t epx_cuda_ll_pack_launch(const epx_cuda_ll_dims_t *d, const int32_t *
 cudaError_t epx_cuda_ll_place_launch(const epx_cuda_ll_dims_t *d, const void *recv, const epx_cuda_ll_recv_t *out,
                                      int32_t *recv_count, cudaStream_t stream);
 
+/* The load/store variant (window.c: the fused module's window and kernels,
+ * src/cuda/fused) keeps its rows in a fused plan's compact expert-major
+ * layout; remap.cu moves them to and from the fixed shape. */
+typedef struct epx_cuda_ll_remap {
+  const int64_t *counts, *offsets; /* the plan's: [El] rows per expert, [El + 1] compact group starts */
+  const void *src;                 /* rows of row_bytes: compact -> fixed, or fixed -> compact */
+  void *dst;
+  int64_t row_bytes;
+  /* to the fixed shape only: the plan's per-row metadata [compact rows] and
+   * the fixed layout's arrays (sources, routing, counts, offsets) and
+   * recv_count [El] (may be NULL) */
+  const int32_t *src_rank, *src_token, *row_expert;
+  const float *row_w;
+  epx_cuda_ll_recv_t out;
+  int32_t *recv_count;
+} epx_cuda_ll_remap_t;
+
+/* to_fixed: expert e's compact rows [offsets[e], offsets[e] + counts[e]) to
+ * rows e * W * Tm + i of the fixed shape, with their metadata (-1 / 0 past
+ * the counts); else the fixed rows back to the compact ones (combine's
+ * expert_out). */
+cudaError_t epx_cuda_ll_remap_launch(const epx_cuda_ll_dims_t *d, int to_fixed, const epx_cuda_ll_remap_t *m,
+                                     cudaStream_t stream);
+
+/* out [rows, K] = topk_idx with the rows from min(*num_tokens, rows) on set
+ * to -1 (num_tokens NULL: a copy). */
+cudaError_t epx_cuda_ll_clip_launch(const int32_t *topk_idx, const int32_t *num_tokens, int64_t rows, int32_t top_k,
+                                    int32_t *out, cudaStream_t stream);
+
+/* Live handles of a low-latency buffer: two micro-batches, each with a
+ * step in flight and the next one dispatched (DeepEP keeps two buffers per
+ * rank). */
+#define EPX_CUDA_LL_SLOTS 4
+
+/* The load/store variant's state of a W-rank buffer (window.c), or NULL
+ * where the NCCL slabs serve it (EPX_PATH_HOST, a build or config the fused
+ * module cannot serve, or a refusal on any rank). */
+typedef struct epx_cuda_ll_window epx_cuda_ll_window_t;
+/* Collective (at buffer creation): every rank gets a window or none. */
+epx_status_t epx_cuda_ll_window_create(epx_buffer_t b, epx_cuda_ll_window_t **window);
+void epx_cuda_ll_window_destroy(epx_buffer_t b, epx_cuda_ll_window_t *window);
+/* The whole dispatch of a step into slot `slot`: rows in recv_x, the fixed
+ * layout in out, recv_count (may be NULL). */
+epx_status_t epx_cuda_ll_window_dispatch(epx_buffer_t b, epx_cuda_ll_window_t *window, int slot,
+                                         const epx_routing_t *routing, const int32_t *num_tokens, const void *x,
+                                         void *recv_x, const epx_cuda_ll_dims_t *d, const epx_cuda_ll_recv_t *out,
+                                         int32_t *recv_count);
+/* The whole combine of the step in slot `slot`. */
+epx_status_t epx_cuda_ll_window_combine(epx_buffer_t b, epx_cuda_ll_window_t *window, int slot,
+                                        const epx_cuda_ll_dims_t *d, const void *expert_out, void *out,
+                                        int weighted);
+/* paths[W]: EPX_PATH_FUSED for the peers reached by load/store, EPX_PATH_HOST for the relayed. */
+void epx_cuda_ll_window_paths(const epx_cuda_ll_window_t *window, int32_t world_size, int32_t *paths);
+
 #ifdef __cplusplus
 }
 #endif

@@ -47,9 +47,6 @@
 
 #define NCCL_CHECK(call, fn, what) EPX_CHECK(epx_nccl_result(comm, (int)(call), fn, what))
 
-/* Live handles per buffer, as on one GPU (ll.c). */
-#define LL_SLOTS 4
-
 typedef struct {
   epx_cuda_ll_recv_t recv;
   int32_t *pair_stage; /* [max_tokens, W] home: staging row of the token's pair with each peer */
@@ -68,7 +65,8 @@ typedef struct {
   int64_t N;     /* El * W * max_tokens */
   epx_cuda_ll_dims_t d;
   size_t unit;   /* bytes of a staging row: a dispatch row, or a combine partial if larger */
-  slot_t slots[LL_SLOTS];
+  epx_cuda_ll_window_t *window; /* the load/store variant (window.c), or NULL: the slabs */
+  slot_t slots[EPX_CUDA_LL_SLOTS];
 } ranks_t;
 
 static cudaStream_t stream_of(epx_buffer_t b) { return (cudaStream_t)b->config.stream; }
@@ -82,9 +80,10 @@ static int f32_partials(epx_buffer_t b) {
 /* Bytes of one slot, and its arrays carved from `at` when not NULL. */
 static size_t slot_carve(const ranks_t *s, char *at, slot_t *slot) {
   const epx_cuda_ll_dims_t *d = &s->d;
-  const size_t items = (size_t)(d->W * d->S), N = (size_t)s->N, El = (size_t)d->El;
+  const size_t N = (size_t)s->N, El = (size_t)d->El;
+  const size_t items = s->window ? 0 : (size_t)(d->W * d->S); /* the slabs' tables and staging */
   const size_t sizes[] = {items * (size_t)d->Kb * 4, items * (size_t)d->Kb * 4, El * 8, (El + 1) * 8, N * 4, N * 4,
-                          N * 4, N * 4, (size_t)(d->Tm * d->W) * 4, items * s->unit, items * s->unit};
+                          N * 4, N * 4, items ? (size_t)(d->Tm * d->W) * 4 : 0, items * s->unit, items * s->unit};
   void **fields[] = {(void **)&slot->recv.rp_rows,   (void **)&slot->recv.rp_w,      (void **)&slot->recv.counts,
                      (void **)&slot->recv.offsets,   (void **)&slot->recv.src_rank,  (void **)&slot->recv.src_token,
                      (void **)&slot->recv.row_expert, (void **)&slot->recv.row_weight, (void **)&slot->pair_stage,
@@ -117,27 +116,35 @@ static epx_status_t ranks_buffer_init(epx_buffer_t b) {
   s->N = (int64_t)s->d.El * s->d.W * s->d.Tm;
   const size_t rb = (size_t)s->d.row_bytes, pb = (size_t)epx_payload_partial_row_bytes(b->config.hidden);
   s->unit = f32_partials(b) && pb > rb ? pb : rb;
+  status = epx_cuda_ll_window_create(b, &s->window);
+  if (status != EPX_SUCCESS) {
+    free(s);
+    return status;
+  }
   slot_t probe;
   const size_t slot_bytes = slot_carve(s, NULL, &probe);
-  CUDA_CHECK(cudaMalloc(&s->block, slot_bytes * LL_SLOTS + 256), fn,
+  CUDA_CHECK(cudaMalloc(&s->block, slot_bytes * EPX_CUDA_LL_SLOTS + 256), fn,
              "cudaMalloc (the low-latency handles' layouts and staging)");
-  for (int i = 0; i < LL_SLOTS; i++) slot_carve(s, (char *)s->block + (size_t)i * slot_bytes, &s->slots[i]);
-  s->rows = (int64_t *)((char *)s->block + slot_bytes * LL_SLOTS);
+  for (int i = 0; i < EPX_CUDA_LL_SLOTS; i++) slot_carve(s, (char *)s->block + (size_t)i * slot_bytes, &s->slots[i]);
+  s->rows = (int64_t *)((char *)s->block + slot_bytes * EPX_CUDA_LL_SLOTS);
   CUDA_CHECK(cudaMemcpy(s->rows, &s->N, sizeof s->N, cudaMemcpyHostToDevice), fn, "cudaMemcpy");
   b->backend_state = s;
   return EPX_SUCCESS;
 fail:
   if (s->block) cudaFree(s->block);
+  epx_cuda_ll_window_destroy(b, s->window);
   free(s);
   return status;
 }
 
 /* Waits for the stream first, bounded (a transfer a peer never matched
- * fails the comm instead of hanging): enqueued work may use the slots. */
+ * fails the comm instead of hanging): enqueued work may use the slots.
+ * Collective with a window (its deregistration), unless the comm failed. */
 static void ranks_buffer_fini(epx_buffer_t b) {
   ranks_t *s = b->backend_state;
   if (!s) return;
   if (epx_nccl_wait(b->comm, b->config.stream, "epx_buffer_destroy") == EPX_SUCCESS) cudaFree(s->block);
+  epx_cuda_ll_window_destroy(b, s->window);
   free(s);
   b->backend_state = NULL;
 }
@@ -173,12 +180,32 @@ fail:
 }
 
 static slot_t *free_slot(ranks_t *s) {
-  for (int i = 0; i < LL_SLOTS; i++)
+  for (int i = 0; i < EPX_CUDA_LL_SLOTS; i++)
     if (!s->slots[i].in_use) return &s->slots[i];
   return NULL;
 }
 
-/* Home: pack the slabs (pairs' rows, headers) and send them. */
+/* Home: the slabs (pairs' rows, headers) packed and sent. */
+static epx_status_t send_slabs(epx_buffer_t b, slot_t *slot, const epx_cuda_ll_dims_t *dims, const epx_routing_t *r,
+                               const int32_t *num_tokens, const void *x) {
+  const char *fn = "epx_ll_dispatch";
+  epx_status_t status = EPX_SUCCESS;
+  const epx_buffer_config_t *c = &b->config;
+  const epx_cuda_ll_dims_t d = *dims;
+  CUDA_CHECK(epx_cuda_ll_pack_launch(&d, r->topk_idx, r->topk_w, num_tokens, r->num_tokens, slot->send,
+                                     slot->pair_stage, stream_of(b)),
+             fn, "the low-latency pack kernel");
+  if (r->num_tokens)
+    CUDA_CHECK(epx_cuda_scatter_launch(c->dtype, x, slot->send, r->num_tokens, c->hidden, slot->pair_stage, d.W, NULL,
+                                       NULL, NULL, NULL, NULL, 0, 0, stream_of(b)),
+               fn, "the pack kernel");
+  const size_t slab = (size_t)(d.S * d.row_bytes);
+  EPX_CHECK(p2p(b, slot->send, slot->stage, slab, slab, fn));
+fail:
+  return status;
+}
+
+/* The slabs' send (complete places the rows), or the window's whole step. */
 static epx_status_t ranks_dispatch_send(epx_buffer_t b, const epx_routing_t *r, epx_status_t local, epx_handle_t h,
                                         const epx_ll_rows_t *rows, int32_t *recv_count, const int32_t *num_tokens) {
   const char *fn = "epx_ll_dispatch";
@@ -190,19 +217,14 @@ static epx_status_t ranks_dispatch_send(epx_buffer_t b, const epx_routing_t *r, 
   slot_t *slot = free_slot(s);
   if (!slot)
     return epx_error(EPX_ERROR_BUSY, "%s: the buffer's %d low-latency handles are all live; release one "
-                     "(epx_handle_release) before the next step", fn, LL_SLOTS);
-  const epx_buffer_config_t *c = &b->config;
+                     "(epx_handle_release) before the next step", fn, EPX_CUDA_LL_SLOTS);
   epx_cuda_ll_dims_t d = s->d;
   d.K = r->top_k;
-  CUDA_CHECK(epx_cuda_ll_pack_launch(&d, r->topk_idx, r->topk_w, num_tokens, r->num_tokens, slot->send,
-                                     slot->pair_stage, stream_of(b)),
-             fn, "the low-latency pack kernel");
-  if (r->num_tokens)
-    CUDA_CHECK(epx_cuda_scatter_launch(c->dtype, rows->x, slot->send, r->num_tokens, c->hidden, slot->pair_stage,
-                                       d.W, NULL, NULL, NULL, NULL, NULL, 0, 0, stream_of(b)),
-               fn, "the pack kernel");
-  const size_t slab = (size_t)(d.S * d.row_bytes);
-  EPX_CHECK(p2p(b, slot->send, slot->stage, slab, slab, fn));
+  if (s->window)
+    EPX_CHECK(epx_cuda_ll_window_dispatch(b, s->window, (int)(slot - s->slots), r, num_tokens, rows->x, rows->recv_x,
+                                          &d, &slot->recv, recv_count));
+  else
+    EPX_CHECK(send_slabs(b, slot, &d, r, num_tokens, rows->x));
   slot->in_use = 1;
   slot->pending = EPX_LL_DISPATCH;
   slot->recv_x = rows->recv_x;
@@ -242,6 +264,11 @@ static epx_status_t ranks_combine_send(epx_buffer_t b, epx_handle_t h, epx_statu
   const epx_cuda_ll_dims_t *d = &s->d;
   const epx_buffer_config_t *c = &b->config;
   slot_t *slot = h->backend_state;
+  slot->out = out;
+  slot->pending = EPX_LL_COMBINE;
+  if (s->window)
+    return epx_cuda_ll_window_combine(b, s->window, (int)(slot - s->slots), d, expert_out, out,
+                                      h->weighting == EPX_WEIGHTS_IN_COMBINE);
   const int64_t items = (d->W - 1) * d->S + d->Tm;
   const float *w = h->weighting == EPX_WEIGHTS_IN_COMBINE ? slot->recv.rp_w : NULL;
   const int f32 = f32_partials(b);
@@ -256,8 +283,6 @@ static epx_status_t ranks_combine_send(epx_buffer_t b, epx_handle_t h, epx_statu
   }
   const size_t unit = f32 ? (size_t)epx_payload_partial_row_bytes(c->hidden) : (size_t)d->row_bytes;
   EPX_CHECK(p2p(b, slot->send, slot->stage, (size_t)d->S * unit, (size_t)d->Tm * unit, fn));
-  slot->out = out;
-  slot->pending = EPX_LL_COMBINE;
   return EPX_SUCCESS;
 fail:
   return status;
@@ -285,9 +310,13 @@ fail:
 
 static epx_ll_phase_t ranks_pending(epx_handle_t h) { return (epx_ll_phase_t)((slot_t *)h->backend_state)->pending; }
 
+/* The slabs' receiving side; nothing with a window (its sends did all). */
 static epx_status_t ranks_complete(epx_buffer_t b, epx_handle_t h) {
   slot_t *slot = h->backend_state;
-  epx_status_t status = slot->pending == EPX_LL_DISPATCH ? place_rows(b, slot) : sum_home(b, h, slot);
+  const ranks_t *s = b->backend_state;
+  epx_status_t status = s->window                         ? EPX_SUCCESS
+                        : slot->pending == EPX_LL_DISPATCH ? place_rows(b, slot)
+                                                           : sum_home(b, h, slot);
   if (status == EPX_SUCCESS) slot->pending = EPX_LL_NONE;
   return status;
 }
@@ -349,6 +378,11 @@ static epx_status_t ranks_stats(epx_handle_t h, epx_handle_stats_t *stats) {
   return EPX_SUCCESS;
 }
 
+static void ranks_peer_paths(epx_buffer_t b, int32_t *paths) {
+  const ranks_t *s = b->backend_state;
+  if (s->window) epx_cuda_ll_window_paths(s->window, b->world_size, paths);
+}
+
 static int64_t ranks_handle_bytes(epx_handle_t h) {
   (void)h;
   return 0;
@@ -379,7 +413,7 @@ const epx_backend_t epx_cuda_ll_ranks_backend = {
     .recv_source = ranks_recv_source,
     .stats = ranks_stats,
     .handle_bytes = ranks_handle_bytes,
-    .peer_paths = NULL, /* NCCL's host API to every peer */
+    .peer_paths = ranks_peer_paths,
 };
 
 #else /* a CUDA build without NCCL: one rank only, so no buffer gets this table past its creation */
