@@ -1448,8 +1448,9 @@ static void test_dot_order(epx_comm_t comm, void *stream) {
  * one), each received row's bytes and scales against the CPU backend's (W
  * threads, the same routing) and against its source token's quantized row
  * (epx_quantize on the host), padding rows and unfilled slots zero; dedup
- * equal to collective; a recorder's replayed handle moves the same bytes.
- * HF = 512 channels: a multiple of every format's block (UE8M0: 512). */
+ * equal to collective; a recorder's replayed handle moves the same bytes,
+ * and so does epx_dispatch_quantize captured in a CUDA graph
+ * (worst_case_sizing). HF = 512 channels: a multiple of every format's block (UE8M0: 512). */
 enum { HF = 512 };
 
 typedef struct {
@@ -1499,7 +1500,11 @@ static void fp8_quantized(epx_fp8_format_t format, int s, int64_t t0, int64_t ro
 typedef struct {
   int64_t N;
   uint8_t *q[2], *s[2];         /* host [N, HF] and [N, S]: epx_dispatch_fp8's, epx_dispatch_quantize's */
-  uint8_t *replay_q, *replay_s; /* the replayed handle's epx_dispatch_fp8 (with a recorder), else NULL */
+  /* the handle's rows moved again, or NULL: epx_dispatch_fp8 on the
+   * recorder's replayed handle (again 0), epx_dispatch_quantize in a CUDA
+   * graph (again 1, worst_case_sizing) */
+  uint8_t *again_q, *again_s;
+  int again;
   int32_t *src_rank, *src_token;
   int32_t path;
   char why[512];
@@ -1513,12 +1518,12 @@ typedef struct {
   int rank;
   epx_device_t device;
   void *stream;
-  int record; /* lay out under a recorder, replay it and dispatch again */
+  int record; /* lay out under a recorder, replay it and dispatch again (CUDA, default sizing) */
   fp8_result_t res;
 } fp8_run_t;
 
 static void fp8_result_free(fp8_result_t *r) {
-  void *p[] = {r->q[0], r->q[1], r->s[0], r->s[1], r->replay_q, r->replay_s, r->src_rank, r->src_token};
+  void *p[] = {r->q[0], r->q[1], r->s[0], r->s[1], r->again_q, r->again_s, r->src_rank, r->src_token};
   for (size_t i = 0; i < sizeof p / sizeof p[0]; i++) free(p[i]);
   memset(r, 0, sizeof *r);
 }
@@ -1544,10 +1549,34 @@ static void fp8_replay(fp8_run_t *run, epx_buffer_t buf, epx_recorder_t rec, con
   void *rq = poisoned(run->device, (size_t)(cap * HF)), *rs = poisoned(run->device, (size_t)(cap * S));
   FATAL_UNLESS_OK(epx_dispatch_fp8(buf, h2, xq, xs, rq, rs, cap));
   if (run->device == EPX_DEVICE_CUDA) FATAL_UNLESS_CUDA_OK(cudaDeviceSynchronize());
-  r->replay_q = fetch(run->device, rq, (size_t)(r->N * HF));
-  r->replay_s = fetch(run->device, rs, (size_t)(r->N * S));
+  r->again_q = fetch(run->device, rq, (size_t)(r->N * HF));
+  r->again_s = fetch(run->device, rs, (size_t)(r->N * S));
+  r->again = 0;
   release(run->device, rq), release(run->device, rs);
   FATAL_UNLESS_OK(epx_handle_release(h2));
+}
+
+/* worst_case_sizing: epx_dispatch_quantize captured in a CUDA graph and
+ * launched (nothing in it waits for the host). */
+static void fp8_graph(fp8_run_t *run, epx_buffer_t buf, epx_handle_t h, const void *x, int64_t cap, int64_t S) {
+  fp8_result_t *r = &run->res;
+  cudaStream_t stream = run->stream;
+  void *rq = poisoned(EPX_DEVICE_CUDA, (size_t)(cap * HF)), *rs = poisoned(EPX_DEVICE_CUDA, (size_t)(cap * S));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  FATAL_UNLESS_CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeRelaxed));
+  const epx_status_t s = epx_dispatch_quantize(buf, h, x, rq, rs, cap);
+  FATAL_UNLESS_CUDA_OK(cudaStreamEndCapture(stream, &graph));
+  FATAL_UNLESS_OK(s);
+  FATAL_UNLESS_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  FATAL_UNLESS_CUDA_OK(cudaGraphLaunch(exec, stream));
+  FATAL_UNLESS_CUDA_OK(cudaStreamSynchronize(stream));
+  r->again_q = host_get(rq, (size_t)(r->N * HF));
+  r->again_s = host_get(rs, (size_t)(r->N * S));
+  r->again = 1;
+  FATAL_UNLESS_CUDA_OK(cudaGraphExecDestroy(exec));
+  FATAL_UNLESS_CUDA_OK(cudaGraphDestroy(graph));
+  cudaFree(rq), cudaFree(rs);
 }
 
 /* One rank's fp8 dispatches of case c (GPU or CPU). */
@@ -1603,6 +1632,7 @@ static void fp8_rank(fp8_run_t *run) {
   r->src_rank = fetch(dev, srank, 4 * (size_t)N);
   r->src_token = fetch(dev, stok, 4 * (size_t)N);
   if (rec) fp8_replay(run, buf, rec, &routing, h, xq, xs, cap, S);
+  else if (dev == EPX_DEVICE_CUDA && f->worst) fp8_graph(run, buf, h, x, cap, S);
   FATAL_UNLESS_OK(epx_handle_release(h));
   if (rec) FATAL_UNLESS_OK(epx_recorder_destroy(rec));
   FATAL_UNLESS_OK(epx_buffer_destroy(buf));
@@ -1690,7 +1720,7 @@ static void fp8_compare(const fp8_case_t *f, epx_exchange_t x, const fp8_result_
 /* One fp8 case: dedup (asking for the fused path, which declines it: the
  * host path serves it) and collective, each against the CPU backend and
  * the sources, then each other; the dedup run with default sizing under a
- * recorder. */
+ * recorder, every run with worst_case_sizing once more in a CUDA graph. */
 static void fp8_case(const fp8_case_t *f, epx_comm_t nccl, void *stream) {
   fp8_result_t gpu[2], cpu;
   for (int xi = 0; xi < 2; xi++) {
@@ -1708,10 +1738,11 @@ static void fp8_case(const fp8_case_t *f, epx_comm_t nccl, void *stream) {
     fp8_cpu(f, x, &cpu);
     fp8_compare(f, x, g, &cpu, "the CPU backend");
     fp8_check_sources(f, x, g);
-    if (g->replay_q)
-      RANK_EXPECT(same_bytes(g->replay_q, g->q[0], (size_t)(g->N * HF)) &&
-                      same_bytes(g->replay_s, g->s[0], (size_t)(g->N * fp8_scale_bytes(f->format))),
-                  "%s: the recorder's replayed handle moved other bytes", fp8_describe(f, x));
+    if (g->again_q)
+      RANK_EXPECT(same_bytes(g->again_q, g->q[g->again], (size_t)(g->N * HF)) &&
+                      same_bytes(g->again_s, g->s[g->again], (size_t)(g->N * fp8_scale_bytes(f->format))),
+                  "%s: %s moved other bytes", fp8_describe(f, x),
+                  g->again ? "epx_dispatch_quantize in a CUDA graph" : "the recorder's replayed handle");
     fp8_result_free(&cpu);
   }
   fp8_compare(f, EPX_EXCHANGE_DEDUP, &gpu[0], &gpu[1], "the collective exchange");
