@@ -638,7 +638,8 @@ typedef enum epx_exchange {
    * on that rank, one row home per node). Needs nodes of equal size
    * (epx_comm_topology). The rank-major layout's combine and the passes
    * that return one value or row per route (grad_w, weights_backward) move
-   * as the dedup exchange does (a CUDA buffer: through its flat host path).
+   * as the dedup exchange does (a CUDA buffer: the passes with grad_w and
+   * weights_backward through its flat host path).
    * CUDA buffers over several ranks plan the hops from the routing read back
    * at the layout, so worst_case_sizing, fp8_format and low_latency are
    * refused with it in this version. */
@@ -793,15 +794,16 @@ typedef enum epx_weighting {
  * the block; e4m3 rounding to nearest even, saturating at +-448):
  *  - EPX_FP8_E4M3_F32_128 (DeepEP's per_token_cast_to_fp8): float32 scales
  *    per 128 channels, [R, H/128] float. amax clamped below at 1e-4f,
- *    q = e4m3(x * ((1 / amax) * 448)), scale = amax / 448, each step in
- *    float32 as eager PyTorch computes it. (DeepEP's low-latency kernel
- *    divides, 448 / amax, and stores amax * (1 / 448): its scales can differ
- *    in the last bit.) A block holding a NaN gets a NaN scale and NaN
+ *    q = e4m3(x * ((1 / amax) * 448)), scale = amax * (1 / 448), each step
+ *    in float32 as eager PyTorch computes it on CUDA (PyTorch on the CPU
+ *    divides, amax / 448, which can differ in the last bit; DeepEP's
+ *    low-latency kernel stores the same scale but divides, 448 / amax, for
+ *    q). A block holding a NaN gets a NaN scale (0x7fffffff) and NaN
  *    values; one holding an infinity an infinite scale, NaN at the infinity
  *    and zeros elsewhere: both dequantize to NaN, as PyTorch's formula gives.
  *  - EPX_FP8_E4M3_UE8M0_128 (DeepEP's use_ue8m0 / DeepGEMM's ceil_to_ue8m0):
  *    the same with the scale rounded up to a power of two, 2^ceil(log2(amax
- *    / 448)) computed exactly from the bits, q = e4m3(x * 2^-e); stored as
+ *    * (1 / 448))) computed exactly from the bits, q = e4m3(x * 2^-e); stored as
  *    its exponent byte e + 127, four blocks per 32-bit word: [R, H/512]
  *    int32, block 4j+i in byte i (bits 8i..8i+7) of word j — DeepEP's
  *    packed UE8M0 layout. H must be a multiple of 512. Byte 255 (NaN or
@@ -969,7 +971,9 @@ epx_status_t epx_dispatch_layout(epx_buffer_t buffer, const epx_routing_t *routi
 
 /* Moves the payload (collective): x [T, H] -> recv_x [N, H] in the buffer's
  * layout. recv_rows_capacity is the rows recv_x can hold (>= N, see
- * epx_handle_recv_rows). Calling it again on the same handle is a cached
+ * epx_handle_recv_rows; with worst_case_sizing N is the bound until
+ * epx_handle_recv_rows has returned the real N, and from then on that many
+ * rows are enough: an exact-size recv_x). Calling it again on the same handle is a cached
  * dispatch: only the payload moves. Padding rows and unfilled capacity slots
  * are written with zeros. */
 epx_status_t epx_dispatch(epx_buffer_t buffer, epx_handle_t handle, const void *x,

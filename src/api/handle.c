@@ -83,7 +83,9 @@ epx_status_t epx_handle_recv_rows(epx_handle_t handle, int64_t *rows) {
   epx_status_t status = epx_check_handle(NULL, &handle, "epx_handle_recv_rows");
   if (status != EPX_SUCCESS) return status;
   EPX_REQUIRE(rows, "epx_handle_recv_rows: rows is NULL; pass an int64_t to fill");
-  return backend_of(handle)->recv_rows(handle, rows);
+  status = backend_of(handle)->recv_rows(handle, rows);
+  if (status == EPX_SUCCESS) handle->rows_read = *rows;
+  return status;
 }
 
 epx_status_t epx_handle_recv_rows_device(epx_handle_t handle, const int64_t **rows) {

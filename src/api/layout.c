@@ -64,6 +64,7 @@ static epx_status_t new_handle(epx_buffer_t buffer, const epx_routing_t *routing
   if (!h) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "epx_dispatch_layout: out of memory");
   h->buffer = buffer;
   h->refcount = 1;
+  h->rows_read = -1;
   h->caller_refs = 1;
   h->weighting = routing->weighting;
   h->num_tokens = routing->num_tokens;

@@ -37,8 +37,8 @@ static const epx_ll_backend_t *ll_ops(epx_buffer_t buffer) {
   return ll_backend(buffer->config.device);
 }
 
-/* What the CUDA backend serves in this version: expert-major rows of the
- * buffer's dtype (one GPU: ll.c; W ranks over NCCL: ranks.c). */
+/* What the CUDA backend serves in this version: expert-major (one GPU:
+ * ll.c; W ranks over NCCL: ranks.c). */
 static epx_status_t check_cuda_config(const epx_buffer_config_t *c) {
   const char *fn = "epx_buffer_create";
   if (c->device != EPX_DEVICE_CUDA) return EPX_SUCCESS;
@@ -47,10 +47,6 @@ static epx_status_t check_cuda_config(const epx_buffer_config_t *c) {
                      "%s: config.low_latency = 1 on a CUDA buffer is served with EPX_LAYOUT_EXPERT_MAJOR in this "
                      "version (layout %d); use EPX_LAYOUT_EXPERT_MAJOR, or CPU buffers for the rank-major "
                      "low-latency layout", fn, (int)c->layout);
-  if (c->fp8_format != EPX_FP8_NONE)
-    return epx_error(EPX_ERROR_UNSUPPORTED,
-                     "%s: config.fp8_format with config.low_latency = 1 on a CUDA buffer: the low-latency fp8 "
-                     "dispatch runs on CPU buffers in this version; pass EPX_FP8_NONE", fn);
   return EPX_SUCCESS;
 }
 
@@ -189,6 +185,7 @@ static epx_status_t new_handle(const char *fn, epx_buffer_t buffer, const epx_ro
   if (!h) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
   h->buffer = buffer;
   h->refcount = 1;
+  h->rows_read = -1;
   h->caller_refs = 1;
   h->weighting = step->weighting;
   h->num_tokens = step->num_tokens;

@@ -33,14 +33,16 @@ static epx_status_t check_alias(const void *out, const void *in, const char *fn,
   return EPX_SUCCESS;
 }
 
-/* recv tensors that hold the handle's rows. */
+/* recv tensors that hold the handle's rows: its bound, or N once
+ * epx_handle_recv_rows has read N (an exact-size receive tensor). */
 static epx_status_t check_recv_capacity(epx_handle_t handle, int64_t recv_rows_capacity, const char *fn,
                                         const char *names) {
-  if (recv_rows_capacity >= handle->recv_rows) return EPX_SUCCESS;
+  const int64_t needed = handle->rows_read >= 0 ? handle->rows_read : handle->recv_rows;
+  if (recv_rows_capacity >= needed) return EPX_SUCCESS;
   return epx_error(EPX_ERROR_CAPACITY_EXCEEDED,
                    "%s: recv_rows_capacity %lld is below the handle's %lld rows; size %s with "
                    "epx_handle_recv_rows (or epx_buffer_max_recv_rows)", fn, (long long)recv_rows_capacity,
-                   (long long)handle->recv_rows, names);
+                   (long long)needed, names);
 }
 
 /* The checks every payload call starts with; they turn the caller's buffer

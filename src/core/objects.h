@@ -48,6 +48,9 @@ struct epx_handle {
   int64_t num_tokens;          /* T of the routing on this rank */
   int32_t top_k;               /* K of the routing */
   int64_t recv_rows;           /* N (CUDA with worst_case_sizing: the bound) */
+  int64_t rows_read;           /* N once epx_handle_recv_rows has returned it, else -1: from then on
+                                * a receive tensor of N rows is enough, as the backends write and
+                                * read only the rows below N */
   uint64_t routing_hash;       /* hash of topk_idx, for recorder validation */
   union {
     void *backend_state;       /* the backend's: src/cuda/one, src/cuda/ep */
