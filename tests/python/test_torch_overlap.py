@@ -193,11 +193,11 @@ def test_gpu_matmul_overlaps_a_dispatch_on_the_comm_stream():
         assert torch.equal(out, et.combine(ref, ref.recv_x))
         torch.testing.assert_close(c2, (a @ a) @ a)
         # the autograd step through the comm stream gives the same gradients
-        _, out2, gx2, gl2 = step(buf, logits, x, grad, async_finish=True)
+        d2, out2, gx2, gl2 = step(buf, logits, x, grad, async_finish=True)
         torch.cuda.synchronize()
         for u, v in ((out_ref, out2), (gx_ref, gx2), (gl_ref, gl2)):
             assert torch.equal(u, v)
-        del ref, d
+        del ref, d, d2  # every Dispatched dropped before the buffer closes
 
 
 @pytest.mark.skipif(not HAS_GPU, reason="needs a GPU and a libepx built with EPX_BUILD_CUDA")
