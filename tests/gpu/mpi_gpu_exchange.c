@@ -374,11 +374,14 @@ static void *cpu_thread(void *arg) {
   return NULL;
 }
 
-static void run_cpu(const case_t *c, epx_exchange_t exchange, result_t *mine) {
+/* ranks_per_node: 0, one node (threads); else nodes posed as the NCCL comm's. */
+static void run_cpu_posed(const case_t *c, epx_exchange_t exchange, int32_t ranks_per_node, result_t *mine) {
   cpu_rank_t *ranks = calloc((size_t)g_size, sizeof *ranks);
   pthread_t *threads = calloc((size_t)g_size, sizeof *threads);
   epx_local_world_t world;
-  FATAL_UNLESS_OK(epx_local_world_create(g_size, NULL, &world));
+  epx_comm_config_t cc = EPX_COMM_CONFIG_INIT;
+  cc.ranks_per_node = ranks_per_node;
+  FATAL_UNLESS_OK(epx_local_world_create(g_size, ranks_per_node ? &cc : NULL, &world));
   for (int q = 0; q < g_size; q++) {
     ranks[q].run = (run_t){c, exchange, NULL, q, EPX_DEVICE_CPU, {0}, NULL};
     ranks[q].world = world;
@@ -392,6 +395,8 @@ static void run_cpu(const case_t *c, epx_exchange_t exchange, result_t *mine) {
   free(ranks);
   free(threads);
 }
+
+static void run_cpu(const case_t *c, epx_exchange_t exchange, result_t *mine) { run_cpu_posed(c, exchange, 0, mine); }
 
 /* ------------------------------------------------------------------------ */
 /* References and comparisons                                                */
@@ -621,14 +626,32 @@ static void run_case(const case_t *c, epx_comm_t nccl, void *stream) {
     run_t run = {c, EPX_EXCHANGE_HIERARCHICAL, nccl, g_rank, EPX_DEVICE_CUDA, {0}, stream};
     run_rank(&run);
     check_path(c, EPX_EXCHANGE_HIERARCHICAL, g_path, &run.res);
-    compare_exchanges(c, &gpu[0], &run.res, "hierarchical");
-    compare_exchanges(c, &gpu[1], &run.res, "hierarchical (the left side is the collective run)");
-    compare_queries(c, &gpu[0], &run.res, "hierarchical");
-    /* With one node, or one rank per node (what 1 and 2 GPUs pose), hop 1
-     * carries dedup's cross-node rows and hop 2 its same-node rows; else
-     * hop 1 carries fewer. */
-    const epx_handle_traffic_t *d = &gpu[0].traffic, *x = &run.res.traffic;
+    /* With one node, or one rank per node (what 1 and 2 GPUs pose), the
+     * two-level sum is the one-level one and hop 1 carries dedup's
+     * cross-node rows, hop 2 its same-node rows. Else (4 GPUs or more posed
+     * as nodes of 2 or more) the CUDA dedup and collective exchanges still
+     * sum in one level: the reference is the CPU's hierarchical exchange on
+     * threads posed alike, and hop 1 carries fewer rows than dedup. */
     const int flat = g_nodes == 1 || g_ranks_per_node == 1;
+    if (flat) {
+      compare_exchanges(c, &gpu[0], &run.res, "hierarchical");
+      compare_exchanges(c, &gpu[1], &run.res, "hierarchical (the left side is the collective run)");
+    } else {
+      result_t cpu_hier;
+      run_cpu_posed(c, EPX_EXCHANGE_HIERARCHICAL, g_ranks_per_node, &cpu_hier);
+      const result_t *g = &run.res;
+      const size_t es = epx_dtype_size(c->dtype), TH = (size_t)(g->T * H) * es, NH = (size_t)(g->N * H) * es;
+      RANK_EXPECT(g->N == cpu_hier.N && same_bytes(g->recv_x, cpu_hier.recv_x, NH) &&
+                      same_bytes(g->out, cpu_hier.out, TH) && same_bytes(g->grad_x, cpu_hier.grad_x, TH) &&
+                      same_bytes(g->grad_eo, cpu_hier.grad_eo, NH) &&
+                      same_bytes(g->gw_w, cpu_hier.gw_w, 4 * (size_t)(g->T * K)) &&
+                      close_floats(g->gw_d, cpu_hier.gw_d, g->T * K) && close_floats(g->gw_c, cpu_hier.gw_c, g->T * K),
+                  "%s: differs from the CPU's hierarchical exchange on nodes of %d",
+                  describe(c, EPX_EXCHANGE_HIERARCHICAL), (int)g_ranks_per_node);
+      result_free(&cpu_hier);
+    }
+    compare_queries(c, &gpu[0], &run.res, "hierarchical");
+    const epx_handle_traffic_t *d = &gpu[0].traffic, *x = &run.res.traffic;
     RANK_EXPECT(flat ? !memcmp(d, x, sizeof *d) : x->other_node_rows <= d->other_node_rows,
                 "%s: hierarchical sends %lld rows in the node and %lld across, dedup %lld "
                 "and %lld", describe(c, EPX_EXCHANGE_HIERARCHICAL), (long long)x->same_node_rows,

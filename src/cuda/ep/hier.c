@@ -21,9 +21,12 @@
  * over the nodes in ascending order (src/cpu/hier.c, epx.h's order). On one
  * node, or one rank per node, that is dedup's sum.
  *
- * The rank-major layout's combine and the passes that return one value or
- * row per route (grad_w, weights_backward) go through the host path's flat
- * exchange, as on the CPU (epx.h); so do the queries. worst_case_sizing and
+ * The passes that return one value or row per route (grad_w,
+ * weights_backward) go through the host path's flat exchange, as on the CPU
+ * (epx.h; dispatch_backward's grad_x then moves again over the two hops
+ * where the flat sum is not the two-level one); so do the queries.
+ * Rank-major rows are pairs: combine forms P(t, r) = 0 + the row, the
+ * CPU's. worst_case_sizing and
  * fp8 buffers are refused at epx_buffer_create (the plan needs the routing
  * on the host; the fp8 rows travel on the host path only). */
 #include <stdint.h>
@@ -70,8 +73,10 @@ typedef struct hier_plan {
 
 /* buffer->path_state: staging of the two hops (grown at the layout). */
 typedef struct {
-  void *stage[3]; /* hop 1 at home (+ the own node's sums), hop 1 at the relay, hop 2 at the relay */
-  size_t bytes[3];
+  /* hop 1 at home (+ the own node's sums), hop 1 at the relay, hop 2 at the
+   * relay, the receiver's partials (at the host path's pair staging rows) */
+  void *stage[4];
+  size_t bytes[4];
 } hier_buffer_t;
 
 static int32_t rank_at(epx_comm_t comm, int32_t node, int32_t local) {
@@ -289,7 +294,7 @@ static epx_status_t hier_setup(epx_buffer_t b, const char *fn, int *takes) {
 static void hier_buffer_fini(epx_buffer_t b) {
   ep_buffer_t *s = b->backend_state;
   hier_buffer_t *hb = s->path_state;
-  for (int i = 0; hb && i < 3; i++)
+  for (int i = 0; hb && i < 4; i++)
     if (hb->stage[i]) cudaFreeAsync(hb->stage[i], stream_of(b));
   free(hb);
   s->path_state = NULL;
@@ -336,6 +341,7 @@ static epx_status_t hier_laid_out(epx_buffer_t b, ep_handle_t *h, const int64_t 
   EPX_CHECK(ensure(b, 0, (size_t)(p->net_rows + h->d.T + 1) * unit, fn));
   EPX_CHECK(ensure(b, 1, (size_t)(p->rnet_rows + 1) * unit, fn));
   EPX_CHECK(ensure(b, 2, (size_t)(p->fwd_rows + 1) * unit, fn));
+  EPX_CHECK(ensure(b, 3, (size_t)(kind_rows(h, RECV_PAIRS) + 1) * unit, fn));
 fail:
   return status;
 }
@@ -464,15 +470,15 @@ static epx_status_t move_backward(epx_buffer_t b, epx_handle_t handle, const voi
   /* P'(t, r) of every received pair, at its pair staging row (dedup's). */
   const int64_t items = kind_rows(h, RECV_PAIRS);
   if (f32) {
-    const epx_cuda_reduce_t red = {c->dtype, EPX_FLOAT32, rows, s->send, items, c->hidden, h->tab.rp_rows, NULL,
-                                   h->d.Kb, w, NULL, NULL, 0};
+    const epx_cuda_reduce_t red = {c->dtype, EPX_FLOAT32, rows, hb->stage[3], items, c->hidden, h->tab.rp_rows,
+                                   NULL, h->d.Kb, w, NULL, NULL, 0};
     CUDA_CHECK(epx_cuda_reduce_launch(&red, stream), fn, "the partial sum kernel");
   } else {
-    CUDA_CHECK(epx_cuda_gather_launch(c->dtype, rows, s->send, items, c->hidden, h->tab.rp_rows, h->d.Kb, w, NULL,
-                                      NULL, 0, stream),
+    CUDA_CHECK(epx_cuda_gather_launch(c->dtype, rows, hb->stage[3], items, c->hidden, h->tab.rp_rows, h->d.Kb, w,
+                                      NULL, NULL, 0, stream),
                fn, "the partial sum kernel");
   }
-  EPX_CHECK(exchange(b, p->hop, p->nhop, s->send, p->fwd, p->nfwd, hb->stage[2], unit, fn));
+  EPX_CHECK(exchange(b, p->hop, p->nhop, hb->stage[3], p->fwd, p->nfwd, hb->stage[2], unit, fn));
   /* Q'(t, n): the relayed rows' and this rank's own tokens'. */
   const epx_dtype_t partial = f32 ? EPX_FLOAT32 : c->dtype;
   EPX_CHECK(sum_rows(b, f32, partial, hb->stage[2], hb->stage[1], p->rnet_rows, p->net_fwd, p->L, fn));
@@ -489,18 +495,25 @@ static epx_status_t hier_dispatch(epx_buffer_t b, epx_handle_t handle, const voi
   return move_forward(b, handle, x, recv_x, handle->weighting == EPX_WEIGHTS_IN_DISPATCH, "epx_dispatch");
 }
 
+/* Rank-major rows are pairs: P(t, r) = 0 + the row, as the CPU forms it. */
 static epx_status_t hier_combine(epx_buffer_t b, epx_handle_t handle, const void *expert_out, void *out) {
-  if (b->config.layout == EPX_LAYOUT_RANK_MAJOR) return epx_cuda_ep_host_path.combine(b, handle, expert_out, out);
   return move_backward(b, handle, expert_out, out, handle->weighting == EPX_WEIGHTS_IN_COMBINE,
                        b->config.combine_precision, "epx_combine");
 }
 
+/* With grad_w the routes' rows go home on the host path (the dots need
+ * them there); its grad_x sums in one level, which is the two-level sum
+ * only on one node or with one rank per node, so elsewhere grad_x moves
+ * again over the two hops. */
 static epx_status_t hier_dispatch_backward(epx_buffer_t b, epx_handle_t handle, const void *grad_recv_x,
                                            void *grad_x, const void *x, float *grad_w) {
-  if (grad_w || b->config.layout == EPX_LAYOUT_RANK_MAJOR)
-    return epx_cuda_ep_host_path.dispatch_backward(b, handle, grad_recv_x, grad_x, x, grad_w);
-  return move_backward(b, handle, grad_recv_x, grad_x, handle->weighting == EPX_WEIGHTS_IN_DISPATCH,
-                       EPX_COMBINE_PARTIALS_FLOAT32, "epx_dispatch_backward");
+  const char *fn = "epx_dispatch_backward";
+  const int weighted = handle->weighting == EPX_WEIGHTS_IN_DISPATCH;
+  if (!grad_w) return move_backward(b, handle, grad_recv_x, grad_x, weighted, EPX_COMBINE_PARTIALS_FLOAT32, fn);
+  epx_status_t status = epx_cuda_ep_host_path.dispatch_backward(b, handle, grad_recv_x, grad_x, x, grad_w);
+  const int one_level = b->comm->num_nodes == 1 || b->comm->ranks_per_node == 1;
+  if (status != EPX_SUCCESS || one_level) return status;
+  return move_backward(b, handle, grad_recv_x, grad_x, weighted, EPX_COMBINE_PARTIALS_FLOAT32, fn);
 }
 
 static epx_status_t hier_combine_backward(epx_buffer_t b, epx_handle_t handle, const void *grad_out,
