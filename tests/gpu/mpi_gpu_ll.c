@@ -21,7 +21,9 @@
  * combine_send / complete captured once in a CUDA graph (expert = identity:
  * expert_out is recv_x) and replayed with new counts written to device
  * memory, each replay equal to the normal exchange on that count; a step of
- * more rows than max_tokens_per_rank refused on every rank, naming it. */
+ * more rows than max_tokens_per_rank refused on every rank, naming it; and
+ * fp8 (MXFP8, quantized on the way or pre-quantized) against the normal fp8
+ * dispatch, every row's bytes and scales. */
 #include <mpi.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -423,6 +425,70 @@ static void test_oversize(const case_t *c, epx_comm_t comm, cudaStream_t stream)
   FATAL_UNLESS_OK(epx_buffer_destroy(lb));
 }
 
+/* fp8 (MXFP8: H = 64 holds two blocks): epx_ll_dispatch_fp8 quantizing on
+ * the way, or with pre-quantized rows and scales, against the normal
+ * epx_dispatch_quantize / epx_dispatch_fp8 on the same routing: counts,
+ * every row's bytes and scales. */
+static void test_fp8(const case_t *c, epx_comm_t comm, cudaStream_t stream, int quantize) {
+  const epx_fp8_format_t fmt = EPX_FP8_MXFP8;
+  const size_t SB = H / 32; /* scale bytes per row */
+  epx_buffer_t nb = NULL, lb = NULL;
+  epx_buffer_config_t nc = config_of(c, 0), lc = config_of(c, 1);
+  nc.stream = lc.stream = stream;
+  nc.fp8_format = lc.fp8_format = fmt;
+  FATAL_UNLESS_OK(epx_buffer_create(comm, &nc, &nb));
+  FATAL_UNLESS_OK(epx_buffer_create(comm, &lc, &lb));
+  const int64_t block = (int64_t)g_size * TM, N = c->El * block;
+  uint8_t *lq = dev_alloc((size_t)(N * H)), *ls = dev_alloc((size_t)N * SB);
+  int32_t *count = dev_alloc(4 * (size_t)c->El);
+  for (int step = 0; step < STEPS; step++) {
+    const int64_t T = kCounts[(step + 3 * g_rank) % STEPS];
+    routing_t r;
+    make_routing(c, g_rank, step + 20, &r);
+    int32_t *dev[2] = {dev_put(r.idx, sizeof r.idx), dev_put(r.w, sizeof r.w)};
+    void *xh = host_get(r.x, rows_bytes(c, TM));
+    uint8_t *qh = malloc(TM * H), *sh = malloc(TM * SB);
+    FATAL_UNLESS_OK(epx_quantize(fmt, c->dtype, TM, H, xh, qh, sh));
+    void *xq = dev_put(qh, TM * H), *xs = dev_put(sh, TM * SB);
+    epx_routing_t rt = routing_of(c, T, dev);
+    epx_handle_t hn = NULL, hl = NULL;
+    FATAL_UNLESS_OK(epx_dispatch_layout(nb, &rt, NULL, &hn));
+    int64_t Nn = 0;
+    FATAL_UNLESS_OK(epx_handle_recv_rows(hn, &Nn));
+    uint8_t *nq = dev_alloc((size_t)(Nn * H)), *ns = dev_alloc((size_t)Nn * SB);
+    int64_t *counts = dev_alloc(8 * (size_t)c->El), *offsets = dev_alloc(8 * (size_t)(c->El + 1));
+    if (quantize) FATAL_UNLESS_OK(epx_dispatch_quantize(nb, hn, r.x, nq, ns, Nn));
+    else FATAL_UNLESS_OK(epx_dispatch_fp8(nb, hn, xq, xs, nq, ns, Nn));
+    FATAL_UNLESS_OK(epx_handle_expert_counts(hn, counts, offsets));
+    RANK_OK(epx_ll_dispatch_fp8(lb, &rt, NULL, quantize ? r.x : xq, quantize ? NULL : xs, lq, ls, count, &hl));
+    FATAL_UNLESS_CUDA_OK(cudaStreamSynchronize(stream));
+    int64_t *hc = host_get(counts, 8 * (size_t)c->El), *ho = host_get(offsets, 8 * (size_t)(c->El + 1));
+    int32_t *lc_h = host_get(count, 4 * (size_t)c->El);
+    uint8_t *nqh = host_get(nq, (size_t)(Nn * H)), *nsh = host_get(ns, (size_t)Nn * SB);
+    uint8_t *lqh = host_get(lq, (size_t)(N * H)), *lsh = host_get(ls, (size_t)N * SB);
+    for (int e = 0; e < c->El && hl; e++) {
+      RANK_EXPECT(lc_h[e] == hc[e], "fp8 (quantize %d, T %lld): expert %d has %d rows, the normal exchange %lld",
+                  quantize, (long long)T, e, lc_h[e], (long long)hc[e]);
+      for (int64_t i = 0; i < hc[e] && i < lc_h[e]; i++) {
+        const int64_t from = ho[e] + i, to = e * block + i;
+        RANK_EXPECT(!memcmp(lqh + to * H, nqh + from * H, H) && !memcmp(lsh + to * SB, nsh + from * SB, SB),
+                    "fp8 (quantize %d, T %lld): row %lld of expert %d or its scales differ from the normal "
+                    "exchange's", quantize, (long long)T, (long long)i, e);
+      }
+    }
+    void *hp[] = {xh, qh, sh, hc, ho, lc_h, nqh, nsh, lqh, lsh};
+    for (size_t i = 0; i < sizeof hp / sizeof hp[0]; i++) free(hp[i]);
+    void *dp[] = {dev[0], dev[1], r.x, xq, xs, nq, ns, counts, offsets};
+    for (size_t i = 0; i < sizeof dp / sizeof dp[0]; i++) FATAL_UNLESS_CUDA_OK(cudaFree(dp[i]));
+    FATAL_UNLESS_OK(epx_handle_release(hn));
+    if (hl) RANK_OK(epx_handle_release(hl));
+  }
+  void *dp[] = {lq, ls, count};
+  for (size_t i = 0; i < 3; i++) FATAL_UNLESS_CUDA_OK(cudaFree(dp[i]));
+  FATAL_UNLESS_OK(epx_buffer_destroy(lb));
+  FATAL_UNLESS_OK(epx_buffer_destroy(nb));
+}
+
 int main(int argc, char **argv) {
   MPI_Init(&argc, &argv);
   MPI_Comm_rank(MPI_COMM_WORLD, &g_rank);
@@ -460,6 +526,12 @@ int main(int argc, char **argv) {
     test_graph(&cases[0], comm, stream);
     test_graph(&cases[1], comm, stream);
     test_oversize(&cases[0], comm, stream);
+  }
+  /* fp8 moves on the slabs (the fused kernels have no fp8 rows) */
+  g_path = EPX_PATH_HOST;
+  for (int quantize = 0; quantize < 2; quantize++) {
+    test_fp8(&cases[0], comm, stream, quantize);
+    test_fp8(&cases[5], comm, stream, quantize);
   }
   FATAL_UNLESS_OK(epx_comm_destroy(comm));
   int total = 0;

@@ -109,11 +109,9 @@ static ll_slot_t *free_slot(ll_buffer_t *s) {
 
 static epx_status_t ll_dispatch_send(epx_buffer_t b, const epx_routing_t *r, epx_status_t local, epx_handle_t h,
                                      const epx_ll_rows_t *rows, int32_t *recv_count, const int32_t *num_tokens) {
-  const char *fn = "epx_ll_dispatch";
+  const char *fn = rows->fp8 ? "epx_ll_dispatch_fp8" : "epx_ll_dispatch";
   epx_status_t status = local;
   if (status != EPX_SUCCESS) return status;
-  if (rows->fp8) /* a CUDA low-latency buffer has no fp8 format (api/ll.c), so the API refused this */
-    return epx_error(EPX_ERROR_INTERNAL, "epx_ll_dispatch_fp8: reached the CUDA backend");
   ll_buffer_t *s = b->backend_state;
   ll_slot_t *slot = free_slot(s);
   if (!slot)
@@ -128,7 +126,14 @@ static epx_status_t ll_dispatch_send(epx_buffer_t b, const epx_routing_t *r, epx
   CUDA_CHECK(epx_cuda_ll_layout_launch(r->topk_idx, r->topk_w, num_tokens, r->num_tokens, r->top_k,
                                        b->experts_per_rank, b->max_tokens, &slot->layout, recv_count, stream_of(b)),
              fn, "the low-latency layout kernel");
-  if (r->num_tokens)
+  /* fp8: the normal one-GPU fp8 dispatch's kernel, quantizing x once per
+   * token when no x_scales come with it */
+  if (r->num_tokens && rows->fp8)
+    CUDA_CHECK(epx_cuda_fp8_scatter_launch(c->fp8_format, c->dtype, !rows->x_scales, rows->x, rows->x_scales,
+                                           rows->recv_x, rows->recv_scales, r->num_tokens, c->hidden,
+                                           slot->layout.route_row, r->top_k, NULL, NULL, 0, stream_of(b)),
+               fn, "the fp8 dispatch kernel");
+  else if (r->num_tokens)
     CUDA_CHECK(epx_cuda_scatter_launch(c->dtype, rows->x, rows->recv_x, r->num_tokens, c->hidden, slot->layout.route_row,
                                        r->top_k, NULL, NULL, NULL, NULL, NULL, 0, 0, stream_of(b)),
                fn, "the dispatch kernel");

@@ -48,10 +48,12 @@
 #define NCCL_CHECK(call, fn, what) EPX_CHECK(epx_nccl_result(comm, (int)(call), fn, what))
 
 typedef struct {
+  epx_cuda_ll_dims_t d; /* the pending step's (its rows' bytes and slab size) */
   epx_cuda_ll_recv_t recv;
   int32_t *pair_stage; /* [max_tokens, W] home: staging row of the token's pair with each peer */
   char *send, *stage;  /* [W * S, unit] staging: outgoing slabs / incoming slabs */
   void *recv_x;        /* the pending dispatch's outputs (complete writes them) */
+  void *recv_scales;   /* fp8: its scales, else NULL */
   int32_t *recv_count;
   void *out;           /* the pending combine's */
   int32_t in_use;
@@ -63,8 +65,8 @@ typedef struct {
   void *block;   /* one device allocation: every slot and `rows` */
   int64_t *rows; /* device copy of N (epx_handle_recv_rows_device) */
   int64_t N;     /* El * W * max_tokens */
-  epx_cuda_ll_dims_t d;
-  size_t unit;   /* bytes of a staging row: a dispatch row, or a combine partial if larger */
+  epx_cuda_ll_dims_t d; /* the largest slab (S of the narrowest rows); row_bytes set per step */
+  size_t unit;   /* bytes of a staging row: the widest of a dispatch row, an fp8 packed row, a partial */
   epx_cuda_ll_window_t *window; /* the load/store variant (window.c), or NULL: the slabs */
   slot_t slots[EPX_CUDA_LL_SLOTS];
 } ranks_t;
@@ -96,8 +98,20 @@ static size_t slot_carve(const ranks_t *s, char *at, slot_t *slot) {
   return used;
 }
 
-static epx_cuda_ll_dims_t dims_of(epx_buffer_t b) {
-  const int64_t rb = epx_buffer_row_bytes(b), Tm = b->max_tokens;
+/* An fp8 buffer's rows packed with their scales (core/payload.h), as the
+ * normal host path moves them (ep/host.c). */
+static epx_payload_format_t fp8_format_of(epx_buffer_t b) {
+  return epx_payload_fp8(b->config.fp8_format, b->config.dtype, b->config.hidden);
+}
+
+static int64_t packed_bytes(epx_buffer_t b) {
+  const epx_payload_format_t f = fp8_format_of(b);
+  return epx_payload_fp8_packed_bytes(&f);
+}
+
+/* Slabs of rows of rb bytes: max_tokens of them, then the header's. */
+static epx_cuda_ll_dims_t dims_of(epx_buffer_t b, int64_t rb) {
+  const int64_t Tm = b->max_tokens;
   const int64_t header_rows = (epx_cuda_ll_header_bytes(Tm, b->config.max_top_k) + rb - 1) / rb;
   return (epx_cuda_ll_dims_t){b->world_size, b->rank, b->experts_per_rank, b->config.max_top_k, 0, Tm,
                               Tm + header_rows, rb};
@@ -112,10 +126,13 @@ static epx_status_t ranks_buffer_init(epx_buffer_t b) {
                      "with epx_comm_create_nccl or epx_comm_create_nccl_mpi", fn);
   ranks_t *s = calloc(1, sizeof *s);
   if (!s) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
-  s->d = dims_of(b);
+  const int fp8 = b->config.fp8_format != EPX_FP8_NONE;
+  const size_t rb = (size_t)epx_buffer_row_bytes(b), pb = (size_t)epx_payload_partial_row_bytes(b->config.hidden);
+  const size_t packed = fp8 ? (size_t)packed_bytes(b) : rb;
+  s->d = dims_of(b, (int64_t)(packed < rb ? packed : rb));
   s->N = (int64_t)s->d.El * s->d.W * s->d.Tm;
-  const size_t rb = (size_t)s->d.row_bytes, pb = (size_t)epx_payload_partial_row_bytes(b->config.hidden);
-  s->unit = f32_partials(b) && pb > rb ? pb : rb;
+  s->unit = rb > packed ? rb : packed;
+  if (f32_partials(b) && pb > s->unit) s->unit = pb;
   status = epx_cuda_ll_window_create(b, &s->window);
   if (status != EPX_SUCCESS) {
     free(s);
@@ -186,19 +203,31 @@ static slot_t *free_slot(ranks_t *s) {
 }
 
 /* Home: the slabs (pairs' rows, headers) packed and sent. */
-static epx_status_t send_slabs(epx_buffer_t b, slot_t *slot, const epx_cuda_ll_dims_t *dims, const epx_routing_t *r,
-                               const int32_t *num_tokens, const void *x) {
-  const char *fn = "epx_ll_dispatch";
+static epx_status_t send_slabs(epx_buffer_t b, slot_t *slot, const epx_routing_t *r, const int32_t *num_tokens,
+                               const epx_ll_rows_t *rows) {
+  const char *fn = rows->fp8 ? "epx_ll_dispatch_fp8" : "epx_ll_dispatch";
   epx_status_t status = EPX_SUCCESS;
   const epx_buffer_config_t *c = &b->config;
-  const epx_cuda_ll_dims_t d = *dims;
+  const epx_cuda_ll_dims_t d = slot->d;
   CUDA_CHECK(epx_cuda_ll_pack_launch(&d, r->topk_idx, r->topk_w, num_tokens, r->num_tokens, slot->send,
                                      slot->pair_stage, stream_of(b)),
              fn, "the low-latency pack kernel");
-  if (r->num_tokens)
-    CUDA_CHECK(epx_cuda_scatter_launch(c->dtype, x, slot->send, r->num_tokens, c->hidden, slot->pair_stage, d.W, NULL,
-                                       NULL, NULL, NULL, NULL, 0, 0, stream_of(b)),
+  if (r->num_tokens && rows->fp8) {
+    /* each row packed with its scales (quantized into them from x when no
+     * x_scales come), as the normal host path packs them */
+    const int quantize = !rows->x_scales;
+    const epx_payload_format_t f = fp8_format_of(b);
+    const epx_cuda_fp8_strides_t pack = {quantize ? epx_buffer_row_bytes(b) : f.row_bytes, f.scale_bytes,
+                                         d.row_bytes, d.row_bytes};
+    CUDA_CHECK(epx_cuda_fp8_scatter_strided_launch(c->fp8_format, c->dtype, quantize, rows->x, rows->x_scales,
+                                                   slot->send, slot->send + f.row_bytes, &pack, r->num_tokens,
+                                                   c->hidden, slot->pair_stage, d.W, NULL, NULL, 0, stream_of(b)),
+               fn, quantize ? "the quantize and pack kernel" : "the fp8 pack kernel");
+  } else if (r->num_tokens) {
+    CUDA_CHECK(epx_cuda_scatter_launch(c->dtype, rows->x, slot->send, r->num_tokens, c->hidden, slot->pair_stage, d.W,
+                                       NULL, NULL, NULL, NULL, NULL, 0, 0, stream_of(b)),
                fn, "the pack kernel");
+  }
   const size_t slab = (size_t)(d.S * d.row_bytes);
   EPX_CHECK(p2p(b, slot->send, slot->stage, slab, slab, fn));
 fail:
@@ -208,26 +237,26 @@ fail:
 /* The slabs' send (complete places the rows), or the window's whole step. */
 static epx_status_t ranks_dispatch_send(epx_buffer_t b, const epx_routing_t *r, epx_status_t local, epx_handle_t h,
                                         const epx_ll_rows_t *rows, int32_t *recv_count, const int32_t *num_tokens) {
-  const char *fn = "epx_ll_dispatch";
+  const char *fn = rows->fp8 ? "epx_ll_dispatch_fp8" : "epx_ll_dispatch";
   epx_status_t status = local;
   if (status != EPX_SUCCESS) return status;
-  if (rows->fp8) /* a CUDA low-latency buffer has no fp8 format (api/ll.c), so the API refused this */
-    return epx_error(EPX_ERROR_INTERNAL, "epx_ll_dispatch_fp8: reached the CUDA backend");
   ranks_t *s = b->backend_state;
   slot_t *slot = free_slot(s);
   if (!slot)
     return epx_error(EPX_ERROR_BUSY, "%s: the buffer's %d low-latency handles are all live; release one "
                      "(epx_handle_release) before the next step", fn, EPX_CUDA_LL_SLOTS);
-  epx_cuda_ll_dims_t d = s->d;
+  epx_cuda_ll_dims_t d = dims_of(b, rows->fp8 ? packed_bytes(b) : epx_buffer_row_bytes(b));
   d.K = r->top_k;
+  slot->d = d;
   if (s->window)
     EPX_CHECK(epx_cuda_ll_window_dispatch(b, s->window, (int)(slot - s->slots), r, num_tokens, rows->x, rows->recv_x,
                                           &d, &slot->recv, recv_count));
   else
-    EPX_CHECK(send_slabs(b, slot, &d, r, num_tokens, rows->x));
+    EPX_CHECK(send_slabs(b, slot, r, num_tokens, rows));
   slot->in_use = 1;
   slot->pending = EPX_LL_DISPATCH;
   slot->recv_x = rows->recv_x;
+  slot->recv_scales = rows->fp8 ? rows->recv_scales : NULL;
   slot->recv_count = recv_count;
   h->backend_state = slot;
   h->recv_rows = s->N;
@@ -240,15 +269,24 @@ fail:
 static epx_status_t place_rows(epx_buffer_t b, slot_t *slot) {
   const char *fn = "epx_ll_complete";
   epx_status_t status = EPX_SUCCESS;
-  const ranks_t *s = b->backend_state;
-  const epx_cuda_ll_dims_t *d = &s->d;
+  const epx_buffer_config_t *c = &b->config;
+  const epx_cuda_ll_dims_t *d = &slot->d;
   CUDA_CHECK(epx_cuda_ll_place_launch(d, slot->stage, &slot->recv, slot->recv_count, stream_of(b)), fn,
              "the low-latency layout kernel");
   /* items: every slab's rows up to the last slab's header */
   const int64_t items = (d->W - 1) * d->S + d->Tm;
-  CUDA_CHECK(epx_cuda_scatter_launch(b->config.dtype, slot->stage, slot->recv_x, items, b->config.hidden,
-                                     slot->recv.rp_rows, d->Kb, NULL, NULL, NULL, NULL, NULL, 0, 0, stream_of(b)),
-             fn, "the expand kernel");
+  if (slot->recv_scales) {
+    const epx_payload_format_t f = fp8_format_of(b);
+    const epx_cuda_fp8_strides_t unpack = {d->row_bytes, d->row_bytes, f.row_bytes, f.scale_bytes};
+    CUDA_CHECK(epx_cuda_fp8_scatter_strided_launch(c->fp8_format, c->dtype, 0, slot->stage, slot->stage + f.row_bytes,
+                                                   slot->recv_x, slot->recv_scales, &unpack, items, c->hidden,
+                                                   slot->recv.rp_rows, d->Kb, NULL, NULL, 0, stream_of(b)),
+               fn, "the fp8 expand kernel");
+  } else {
+    CUDA_CHECK(epx_cuda_scatter_launch(c->dtype, slot->stage, slot->recv_x, items, c->hidden, slot->recv.rp_rows,
+                                       d->Kb, NULL, NULL, NULL, NULL, NULL, 0, 0, stream_of(b)),
+               fn, "the expand kernel");
+  }
 fail:
   return status;
 }
@@ -261,9 +299,9 @@ static epx_status_t ranks_combine_send(epx_buffer_t b, epx_handle_t h, epx_statu
   epx_status_t status = local;
   if (status != EPX_SUCCESS) return status;
   const ranks_t *s = b->backend_state;
-  const epx_cuda_ll_dims_t *d = &s->d;
   const epx_buffer_config_t *c = &b->config;
   slot_t *slot = h->backend_state;
+  const epx_cuda_ll_dims_t *d = &slot->d;
   slot->out = out;
   slot->pending = EPX_LL_COMBINE;
   if (s->window)
