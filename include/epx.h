@@ -645,9 +645,9 @@ typedef enum epx_exchange {
    * refused with it in this version. */
   EPX_EXCHANGE_HIERARCHICAL = 2,
   /* EPX_EXCHANGE_HIERARCHICAL when the comm spans several nodes of equal size
-   * with more than one rank each (and, on a CUDA buffer, none of the options
-   * it refuses is set); otherwise EPX_EXCHANGE_DEDUP. Resolved once, at
-   * epx_buffer_create. */
+   * with more than one rank each and the buffer is a CPU one; otherwise
+   * EPX_EXCHANGE_DEDUP (a CUDA buffer takes the hierarchical exchange only
+   * when config.exchange names it). Resolved once, at epx_buffer_create. */
   EPX_EXCHANGE_AUTO = 3
 } epx_exchange_t;
 

@@ -140,8 +140,10 @@ static epx_status_t resolve_exchange(epx_comm_t comm, epx_buffer_config_t *c) {
   const char *fn = "epx_buffer_create";
   int spans_nodes = comm->num_nodes > 1 && comm->ranks_per_node > 1;
   const char *cuda_no = c->device == EPX_DEVICE_CUDA ? cuda_hier_unsupported(c) : NULL;
+  /* A CUDA buffer takes the GPU hierarchical path only when asked for by
+   * name: its flat exchanges still sum in one level (epx.h). */
   if (c->exchange == EPX_EXCHANGE_AUTO)
-    c->exchange = spans_nodes && !cuda_no ? EPX_EXCHANGE_HIERARCHICAL : EPX_EXCHANGE_DEDUP;
+    c->exchange = spans_nodes && c->device != EPX_DEVICE_CUDA ? EPX_EXCHANGE_HIERARCHICAL : EPX_EXCHANGE_DEDUP;
   if (c->exchange != EPX_EXCHANGE_HIERARCHICAL) return EPX_SUCCESS;
   if (cuda_no)
     return epx_error(EPX_ERROR_UNSUPPORTED,
