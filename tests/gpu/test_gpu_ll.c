@@ -5,7 +5,8 @@
  * normal exchange, tests/test_ll.c); two phases equal one call; the calls
  * captured once in a CUDA graph replay with new token counts written to
  * device memory, each replay equal to the CPU on that count; oversize steps,
- * backward and a fifth live handle are refused. */
+ * backward and a fifth live handle are refused; the fp8 dispatch (quantized
+ * on the way or pre-quantized) equals the CPU's, rows and scales. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -290,6 +291,81 @@ static void test_graph_replay(void **state) {
   tu_free(s);
 }
 
+/* One fp8 dispatch (quantize: x of the dtype, else pre-quantized) of T
+ * tokens on `device`: the rows, scales and counts on the host. */
+static void fp8_step(const shape_t *c, epx_device_t device, const step_t *s, const void *xq, const void *xs,
+                     int quantize, int64_t T, uint8_t *q, uint8_t *sc, int32_t *count, size_t SB) {
+  const int64_t N = (int64_t)c->E * MAXT;
+  const int cuda = device == EPX_DEVICE_CUDA;
+  epx_comm_t comm = NULL;
+  epx_buffer_t b = NULL;
+  epx_handle_t h = NULL;
+  EXPECT_OK(epx_comm_create_self(&comm));
+  epx_buffer_config_t cfg = ll_config(c, device);
+  cfg.fp8_format = EPX_FP8_E4M3_F32_128;
+  EXPECT_OK(epx_buffer_create(comm, &cfg, &b));
+  const size_t xb = rows_bytes(c, MAXT);
+  void *x = quantize ? (cuda ? dev_copy(s->x, xb) : s->x) : (cuda ? dev_copy(xq, (size_t)(MAXT * c->H)) : (void *)xq);
+  void *xsc = quantize ? NULL : cuda ? dev_copy(xs, MAXT * SB) : (void *)xs;
+  int32_t *idx = cuda ? dev_copy(s->idx, sizeof s->idx) : (int32_t *)s->idx;
+  float *w = cuda ? dev_copy(s->w, sizeof s->w) : (float *)s->w;
+  uint8_t *rq = cuda ? dev_alloc((size_t)(N * c->H)) : q, *rs = cuda ? dev_alloc((size_t)N * SB) : sc;
+  int32_t *rc = cuda ? dev_alloc(sizeof(int32_t) * (size_t)c->E) : count;
+  epx_routing_t r = {T, c->K, idx, w, NULL, EPX_WEIGHTS_IN_COMBINE};
+  EXPECT_OK(epx_ll_dispatch_fp8(b, &r, NULL, x, xsc, rq, rs, rc, &h));
+  if (cuda) {
+    CUDA_OK(cudaDeviceSynchronize());
+    to_host(q, rq, (size_t)(N * c->H));
+    to_host(sc, rs, (size_t)N * SB);
+    to_host(count, rc, sizeof(int32_t) * (size_t)c->E);
+    void *p[] = {rq, rs, rc, idx, w, x, xsc};
+    for (size_t i = 0; i < sizeof p / sizeof p[0]; i++)
+      if (p[i]) CUDA_OK(cudaFree(p[i]));
+  }
+  EXPECT_OK(epx_handle_release(h));
+  EXPECT_OK(epx_buffer_destroy(b));
+  EXPECT_OK(epx_comm_destroy(comm));
+}
+
+/* epx_ll_dispatch_fp8 on one GPU (quantized on the way and pre-quantized)
+ * against the CPU's: counts, and every row's e4m3 bytes and scales. */
+static void test_fp8_matches_cpu(void **state) {
+  (void)state;
+  const shape_t c = {16, 4, 256, EPX_BFLOAT16};
+  step_t *s = tu_alloc(sizeof *s);
+  step_fill(s, &c, 0xf8f8);
+  int64_t cols = 0;
+  size_t entry = 0;
+  EXPECT_OK(epx_fp8_scale_shape(EPX_FP8_E4M3_F32_128, c.H, &cols, &entry));
+  const size_t SB = (size_t)cols * entry;
+  const int64_t N = (int64_t)c.E * MAXT;
+  uint8_t *xq = tu_alloc((size_t)(MAXT * c.H)), *xs = tu_alloc(MAXT * SB);
+  EXPECT_OK(epx_quantize(EPX_FP8_E4M3_F32_128, c.dtype, MAXT, c.H, s->x, xq, xs));
+  static const int64_t counts[] = {0, 1, 7, 256};
+  for (size_t i = 0; i < sizeof counts / sizeof counts[0]; i++)
+    for (int quantize = 0; quantize < 2; quantize++) {
+      uint8_t *q[2], *sc[2];
+      int32_t count[2][16];
+      for (int g = 0; g < 2; g++) {
+        q[g] = tu_alloc((size_t)(N * c.H)), sc[g] = tu_alloc((size_t)N * SB);
+        fp8_step(&c, g ? EPX_DEVICE_CUDA : EPX_DEVICE_CPU, s, xq, xs, quantize, counts[i], q[g], sc[g], count[g], SB);
+      }
+      assert_memory_equal(count[1], count[0], sizeof count[0]);
+      for (int32_t e = 0; e < c.E; e++)
+        for (int32_t j = 0; j < count[0][e]; j++) {
+          const int64_t row = (int64_t)e * MAXT + j;
+          if (memcmp(q[1] + row * c.H, q[0] + row * c.H, (size_t)c.H) || memcmp(sc[1] + row * SB, sc[0] + row * SB, SB))
+            fail_msg("fp8 (quantize %d, T %lld): row %lld or its scales differ from the CPU's", quantize,
+                     (long long)counts[i], (long long)row);
+        }
+      for (int g = 0; g < 2; g++) tu_free(q[g]), tu_free(sc[g]);
+    }
+  tu_free(xq);
+  tu_free(xs);
+  tu_free(s->x);
+  tu_free(s);
+}
+
 static void test_refusals(void **state) {
   (void)state;
   const shape_t c = {8, 2, 64, EPX_BFLOAT16};
@@ -327,6 +403,7 @@ int main(void) {
       cmocka_unit_test(test_refusals),
       cmocka_unit_test(test_matches_cpu),
       cmocka_unit_test(test_graph_replay),
+      cmocka_unit_test(test_fp8_matches_cpu),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
