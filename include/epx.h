@@ -1237,7 +1237,8 @@ epx_status_t epx_dispatch_quantize(epx_buffer_t buffer, epx_handle_t handle, con
  * picks the exchange: EPX_PATH_AUTO and EPX_PATH_FUSED take the fused
  * kernels' window (EPX_PATH_FUSED above: rows stored into the peers' memory,
  * peers without load/store access relayed), where the build and config
- * allow it and every rank creates it (epx_buffer_peer_paths says so), and
+ * allow it (not an fp8_format) and every rank creates it
+ * (epx_buffer_peer_paths says so), and
  * the send then enqueues the whole step; otherwise, and with EPX_PATH_HOST,
  * each step sends every peer one message of the worst case's size over
  * NCCL's host API (max_tokens rows, with the counts and routes in a header
@@ -1265,7 +1266,7 @@ epx_status_t epx_ll_dispatch_send(epx_buffer_t buffer, const epx_routing_t *rout
                                   int32_t *recv_count, epx_handle_t *handle);
 
 /* The same in fp8 (DeepEP's use_fp8; a low-latency buffer with an
- * fp8_format, CPU buffers in this version): x [T, H] of the buffer's dtype
+ * fp8_format; CPU and CUDA buffers): x [T, H] of the buffer's dtype
  * quantized on the way once per token (x_scales NULL; epx_dispatch_quantize's
  * bytes), or x e4m3 bytes with x_scales [T, scale_cols] (epx_dispatch_fp8's)
  * -> recv_x_q (the fixed shape, e4m3 bytes) and recv_scales (the fixed
