@@ -341,6 +341,19 @@ static void test_scales_by_hand(void **state) {
   /* MXFP8: amax 500 -> byte 128 as well; a zero block -> byte 0. */
   quantize_f32(EPX_FP8_MXFP8, x, 64, q, sc);
   assert_int_equal(sc[0], 128), assert_int_equal(sc[1], 0);
+  /* A NaN of either sign: the scale is the GPU's canonical NaN on every
+   * backend (the CPU's arithmetic would keep 0x7fc00000); an infinity the
+   * infinite scale. */
+  uint32_t bits;
+  x[1] = -NAN;
+  quantize_f32(EPX_FP8_E4M3_F32_128, x, 128, q, sc);
+  memcpy(&bits, sc, 4);
+  assert_int_equal(bits, 0x7fffffffu), assert_int_equal(q[0], 0x7f), assert_int_equal(q[1], 0x7f);
+  x[1] = -INFINITY;
+  quantize_f32(EPX_FP8_E4M3_F32_128, x, 128, q, sc);
+  memcpy(&bits, sc, 4);
+  assert_int_equal(bits, 0x7f800000u);
+  x[1] = 1.0f;
   /* Dequantizing a UE8M0 byte of 255 gives infinity (DeepEP), MXFP8's NaN. */
   uint8_t q1[32] = {0x38};
   uint8_t s255[4] = {255, 255, 255, 255};

@@ -34,6 +34,7 @@ static inline EPX_HD float epx_fp8_float(uint32_t bits) {
 
 #define EPX_E4M3_MAX 448.0f
 #define EPX_E4M3_NAN 0x7fu /* the NaN a conversion writes, as CUDA's satfinite cvt */
+#define EPX_FP8_SCALE_NAN 0x7fffffffu /* a NaN float32 scale: CUDA's canonical NaN */
 
 /* float32 -> e4m3fn, rounding to nearest even; finite values beyond 448
  * and infinities saturate to +-448 (CUDA's __NV_SATFINITE); NaN -> 0x7f. */
@@ -117,7 +118,9 @@ static inline EPX_HD epx_fp8_block_scale_t epx_fp8_block_scale(epx_fp8_format_t 
   amax = amax < 1e-4f ? 1e-4f : amax; /* DeepEP's clamp (NaN stays NaN, as torch.clamp keeps it) */
   if (format == EPX_FP8_E4M3_F32_128) {
     s.mult = (1.0f / amax) * EPX_E4M3_MAX; /* eager torch: 448.0 / t is t.reciprocal() * 448 */
-    s.stored = epx_fp8_bits(amax / EPX_E4M3_MAX);
+    /* A NaN scale as the GPU's arithmetic writes it (the CPU's keeps the
+     * operand's payload, 0x7fc00000): the same bits on both backends. */
+    s.stored = amax != amax ? EPX_FP8_SCALE_NAN : epx_fp8_bits(amax / EPX_E4M3_MAX);
     return s;
   }
   float scale = epx_fp8_ceil_pow2(amax / EPX_E4M3_MAX);

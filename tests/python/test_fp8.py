@@ -22,12 +22,20 @@ pytestmark = pytest.mark.skipif(FP8 is None, reason="this torch has no float8_e4
 # The peers' formulas in PyTorch (eager)
 # ---------------------------------------------------------------------------
 
+# A NaN scale as the GPU's arithmetic writes it, 0x7fffffff (PyTorch on the
+# CPU keeps the operand's): the scales epx writes on every backend.
+def cuda_amax_448(amax):
+    s = amax / 448.0
+    bits = torch.where(torch.isnan(s), torch.full_like(s.view(torch.int32), 0x7FFFFFFF), s.view(torch.int32))
+    return bits.view(torch.float32)
+
+
 def deepep_cast(x):
     """DeepEP tests/utils.py per_token_cast_to_fp8 (H a multiple of 128)."""
     m, n = x.shape
     v = x.view(m, -1, 128)
     amax = v.abs().float().amax(dim=2).view(m, -1).clamp(1e-4)
-    return (v * (448.0 / amax.unsqueeze(2))).to(FP8).view(m, n), (amax / 448.0).view(m, -1)
+    return (v * (448.0 / amax.unsqueeze(2))).to(FP8).view(m, n), cuda_amax_448(amax).view(m, -1)
 
 
 def deepgemm_ue8m0_cast(x):
@@ -36,7 +44,7 @@ def deepgemm_ue8m0_cast(x):
     m, n = x.shape
     v = x.view(m, -1, 128)
     amax = v.abs().float().amax(dim=2).view(m, -1).clamp(1e-4)
-    sf = torch.pow(2.0, torch.ceil(torch.log2((amax / 448.0).abs())))
+    sf = torch.pow(2.0, torch.ceil(torch.log2(cuda_amax_448(amax).abs())))
     q = (v * (1.0 / sf.unsqueeze(2))).to(FP8).view(m, n)
     byte = (sf.view(torch.int32) >> 23).to(torch.uint8)
     return q, byte.contiguous().view(torch.int32)
