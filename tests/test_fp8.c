@@ -324,7 +324,7 @@ static void test_scales_by_hand(void **state) {
   /* A zero block: amax clamped to 1e-4, zeros stay zero. */
   quantize_f32(EPX_FP8_E4M3_F32_128, x, 128, q, sc);
   memcpy(&f, sc, 4);
-  assert_true(f == 1e-4f / 448.0f);
+  assert_true(f == 1e-4f * (float)(1.0 / 448.0));
   assert_int_equal(q[0], 0);
   /* amax 448: scale 1, 448 -> 0x7e, 1 -> 0x38. */
   x[0] = 448.0f, x[1] = 1.0f, x[2] = -3.0f;

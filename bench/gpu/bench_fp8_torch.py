@@ -7,9 +7,11 @@ torch.compile as DeepEP runs it), then epx_dispatch_fp8 on its output;
 epx's side is epx_dispatch_quantize from the bf16 rows. Both on the same
 handle (the layout made once), CUDA events around each call, median of 51
 after 5 warm calls. The pre-quantized dispatch alone is printed too. The
-received bytes of both sides are compared first (the eager formula's bytes
-are epx's; see tests/python/test_fp8.py); a mismatch is timed all the same
-and makes the exit status 1.
+received bytes of both sides are compared first (epx's bytes are the eager
+formula's as PyTorch computes it on CUDA, where amax / 448.0 is amax times
+float32(1 / 448); PyTorch on the CPU divides, and about half its scales
+differ in the last bit; tests/python/test_fp8.py models the CUDA one); a
+mismatch is timed all the same and makes the exit status 1.
 
 Usage (repository root, a CUDA libepx):
   EPX_LIBRARY=<build>/libepx.so PYTHONPATH=python python3 bench/gpu/bench_fp8_torch.py

@@ -116,14 +116,19 @@ static inline EPX_HD epx_fp8_block_scale_t epx_fp8_block_scale(epx_fp8_format_t 
     return s;
   }
   amax = amax < 1e-4f ? 1e-4f : amax; /* DeepEP's clamp (NaN stays NaN, as torch.clamp keeps it) */
+  /* amax / 448.0 as torch computes it on CUDA (a division by a CPU scalar
+   * is a multiply by its float32 reciprocal there; torch on the CPU divides,
+   * which differs in the last bit for about half the values) and as
+   * DeepEP's kernels do (amax * kFP8AmaxInv). */
+  const float amax_448 = amax * (float)(1.0 / 448.0);
   if (format == EPX_FP8_E4M3_F32_128) {
     s.mult = (1.0f / amax) * EPX_E4M3_MAX; /* eager torch: 448.0 / t is t.reciprocal() * 448 */
     /* A NaN scale as the GPU's arithmetic writes it (the CPU's keeps the
      * operand's payload, 0x7fc00000): the same bits on both backends. */
-    s.stored = amax != amax ? EPX_FP8_SCALE_NAN : epx_fp8_bits(amax / EPX_E4M3_MAX);
+    s.stored = amax != amax ? EPX_FP8_SCALE_NAN : epx_fp8_bits(amax_448);
     return s;
   }
-  float scale = epx_fp8_ceil_pow2(amax / EPX_E4M3_MAX);
+  float scale = epx_fp8_ceil_pow2(amax_448);
   s.mult = 1.0f / scale;
   s.stored = epx_fp8_nonfinite(scale) ? 0xffu : epx_fp8_bits(scale) >> 23;
   return s;

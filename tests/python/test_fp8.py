@@ -22,10 +22,15 @@ pytestmark = pytest.mark.skipif(FP8 is None, reason="this torch has no float8_e4
 # The peers' formulas in PyTorch (eager)
 # ---------------------------------------------------------------------------
 
-# A NaN scale as the GPU's arithmetic writes it, 0x7fffffff (PyTorch on the
-# CPU keeps the operand's): the scales epx writes on every backend.
+# amax / 448.0 as PyTorch computes it on CUDA, where a division by a CPU
+# scalar is a multiply by its float32 reciprocal (on the CPU it divides, and
+# differs in the last bit), and a NaN comes out as the GPU's 0x7fffffff (the
+# CPU keeps the operand's): the scales epx matches, the GPU's peers' ones.
+INV_448 = torch.tensor(1.0 / 448.0, dtype=torch.float32)
+
+
 def cuda_amax_448(amax):
-    s = amax / 448.0
+    s = amax * INV_448
     bits = torch.where(torch.isnan(s), torch.full_like(s.view(torch.int32), 0x7FFFFFFF), s.view(torch.int32))
     return bits.view(torch.float32)
 
