@@ -302,11 +302,12 @@ static epx_status_t ranks_combine_send(epx_buffer_t b, epx_handle_t h, epx_statu
   const epx_buffer_config_t *c = &b->config;
   slot_t *slot = h->backend_state;
   const epx_cuda_ll_dims_t *d = &slot->d;
-  slot->out = out;
-  slot->pending = EPX_LL_COMBINE;
-  if (s->window)
-    return epx_cuda_ll_window_combine(b, s->window, (int)(slot - s->slots), d, expert_out, out,
-                                      h->weighting == EPX_WEIGHTS_IN_COMBINE);
+  if (s->window) {
+    EPX_CHECK(epx_cuda_ll_window_combine(b, s->window, (int)(slot - s->slots), d, expert_out, out,
+                                         h->weighting == EPX_WEIGHTS_IN_COMBINE));
+    slot->pending = EPX_LL_COMBINE;
+    return EPX_SUCCESS;
+  }
   const int64_t items = (d->W - 1) * d->S + d->Tm;
   const float *w = h->weighting == EPX_WEIGHTS_IN_COMBINE ? slot->recv.rp_w : NULL;
   const int f32 = f32_partials(b);
@@ -321,6 +322,8 @@ static epx_status_t ranks_combine_send(epx_buffer_t b, epx_handle_t h, epx_statu
   }
   const size_t unit = f32 ? (size_t)epx_payload_partial_row_bytes(c->hidden) : (size_t)d->row_bytes;
   EPX_CHECK(p2p(b, slot->send, slot->stage, (size_t)d->S * unit, (size_t)d->Tm * unit, fn));
+  slot->out = out;
+  slot->pending = EPX_LL_COMBINE;
   return EPX_SUCCESS;
 fail:
   return status;
