@@ -425,6 +425,27 @@ static void test_oversize(const case_t *c, epx_comm_t comm, cudaStream_t stream)
   FATAL_UNLESS_OK(epx_buffer_destroy(lb));
 }
 
+/* combine of handle h (N rows; low_latency: epx_ll_combine, else
+ * epx_combine) with expert outputs coded by each row's expert and source,
+ * to the host [T, H]. */
+static void *coded_combine(const case_t *c, epx_buffer_t b, epx_handle_t h, int low_latency, int64_t N, int64_t T,
+                           cudaStream_t stream) {
+  int32_t *sr = dev_alloc(4 * (size_t)N), *st = dev_alloc(4 * (size_t)N), *ex = dev_alloc(4 * (size_t)N);
+  void *out = dev_alloc(rows_bytes(c, TM));
+  FATAL_UNLESS_OK(epx_handle_recv_source(h, sr, st));
+  FATAL_UNLESS_OK(epx_handle_recv_routing(h, ex, NULL));
+  FATAL_UNLESS_CUDA_OK(cudaStreamSynchronize(stream));
+  int32_t *hsr = host_get(sr, 4 * (size_t)N), *hst = host_get(st, 4 * (size_t)N), *hex = host_get(ex, 4 * (size_t)N);
+  void *eo = expert_out_of(c, hex, hsr, hst, N);
+  RANK_OK(low_latency ? epx_ll_combine(b, h, eo, out) : epx_combine(b, h, eo, out));
+  FATAL_UNLESS_CUDA_OK(cudaStreamSynchronize(stream));
+  void *host = host_get(out, rows_bytes(c, T));
+  void *p[] = {sr, st, ex, out, eo};
+  for (size_t i = 0; i < sizeof p / sizeof p[0]; i++) FATAL_UNLESS_CUDA_OK(cudaFree(p[i]));
+  free(hsr), free(hst), free(hex);
+  return host;
+}
+
 /* fp8 (MXFP8: H = 64 holds two blocks): epx_ll_dispatch_fp8 quantizing on
  * the way, or with pre-quantized rows and scales, against the normal
  * epx_dispatch_quantize / epx_dispatch_fp8 on the same routing: counts,
@@ -475,6 +496,13 @@ static void test_fp8(const case_t *c, epx_comm_t comm, cudaStream_t stream, int 
                     "fp8 (quantize %d, T %lld): row %lld of expert %d or its scales differ from the normal "
                     "exchange's", quantize, (long long)T, (long long)i, e);
       }
+    }
+    /* combine after an fp8 dispatch: rows of the dtype, the normal combine's bits */
+    if (hl) {
+      char *want = coded_combine(c, nb, hn, 0, Nn, T, stream), *got = coded_combine(c, lb, hl, 1, N, T, stream);
+      RANK_EXPECT(!memcmp(want, got, rows_bytes(c, T)), "fp8 (quantize %d, T %lld): combine differs from the normal "
+                  "exchange's", quantize, (long long)T);
+      free(want), free(got);
     }
     void *hp[] = {xh, qh, sh, hc, ho, lc_h, nqh, nsh, lqh, lsh};
     for (size_t i = 0; i < sizeof hp / sizeof hp[0]; i++) free(hp[i]);

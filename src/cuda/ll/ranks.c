@@ -320,7 +320,8 @@ static epx_status_t ranks_combine_send(epx_buffer_t b, epx_handle_t h, epx_statu
                                       w, NULL, NULL, 0, stream_of(b)),
                fn, "the partial sum kernel");
   }
-  const size_t unit = f32 ? (size_t)epx_payload_partial_row_bytes(c->hidden) : (size_t)d->row_bytes;
+  /* partials are rows of float32 or of the dtype (not the dispatch's rows, fp8 ones perhaps) */
+  const size_t unit = (size_t)(f32 ? epx_payload_partial_row_bytes(c->hidden) : epx_buffer_row_bytes(b));
   EPX_CHECK(p2p(b, slot->send, slot->stage, (size_t)d->S * unit, (size_t)d->Tm * unit, fn));
   slot->out = out;
   slot->pending = EPX_LL_COMBINE;
