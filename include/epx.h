@@ -1226,31 +1226,31 @@ epx_status_t epx_dispatch_quantize(epx_buffer_t buffer, epx_handle_t handle, con
  * and out's rows past the count are zeros; a count outside [0,
  * routing->num_tokens] is clamped to it.
  *
- * Backends: CPU buffers over any comm, both layouts. CUDA buffers,
- * expert-major (rank-major: EPX_ERROR_UNSUPPORTED at epx_buffer_create), over
- * one rank or the W ranks of an NCCL comm: the calls enqueue on the buffer's
- * stream, never synchronise the host and allocate nothing, so they can be
- * captured in a CUDA graph; routing values are checked on the device, an
- * invalid route (an id outside [0, E), a token's second route to one expert)
- * dropped as with worst_case_sizing; at most 4 handles of a buffer are live
- * at once (EPX_ERROR_BUSY: release one). On W ranks config.exchange_path
- * picks the exchange: EPX_PATH_AUTO and EPX_PATH_FUSED take the fused
- * kernels' window (EPX_PATH_FUSED above: rows stored into the peers' memory,
- * peers without load/store access relayed), where the build and config
- * allow it (not an fp8_format) and every rank creates it
- * (epx_buffer_peer_paths says so), and
- * the send then enqueues the whole step; otherwise, and with EPX_PATH_HOST,
- * each step sends every peer one message of the worst case's size over
- * NCCL's host API (max_tokens rows, with the counts and routes in a header
- * after them), the send enqueuing up to those transfers and complete the
- * receiving side (the placement of the rows, or combine's sums). Either
- * gives the normal exchange's bits. As with worst_case_sizing the
- * ranks' host verdicts are not agreed, so a call refused on one rank only
- * reaches its peers as EPX_ERROR_TIMEOUT of their next bounded wait
- * (epx_buffer_destroy's, at the latest). Memory: the slabs hold 4 slots of
- * staging, 2 x W x (max_tokens + header rows) rows each (float32 rows with
- * float32 partials of a 16-bit dtype); the window, the fused state's and
- * W x max_tokens x min(max_top_k, E_local) rows. */
+ * Backends: CPU buffers over any comm, both layouts. CUDA buffers over one
+ * rank, expert-major (rank-major: EPX_ERROR_UNSUPPORTED at
+ * epx_buffer_create), or over the W ranks of an NCCL comm, both layouts
+ * (rank-major and fp8 on the NCCL messages below): the calls enqueue on the
+ * buffer's stream, never synchronise the host and allocate nothing, so they
+ * can be captured in a CUDA graph; routing values are checked on the device,
+ * an invalid route (an id outside [0, E), a token's second route to one
+ * expert) dropped as with worst_case_sizing; at most 4 handles of a buffer
+ * are live at once (EPX_ERROR_BUSY: release one). On W ranks
+ * config.exchange_path picks the exchange: EPX_PATH_AUTO and EPX_PATH_FUSED
+ * take the fused kernels' window (EPX_PATH_FUSED above: rows stored into the
+ * peers' memory, peers without load/store access relayed), where the build
+ * and config allow it (expert-major, not an fp8_format) and every rank
+ * creates it (epx_buffer_peer_paths says so), and the send then enqueues the
+ * whole step; otherwise, and with EPX_PATH_HOST, each step sends every peer
+ * one message of the worst case's size over NCCL's host API (max_tokens rows,
+ * with the counts and routes in a header after them), the send enqueuing up
+ * to those transfers and complete the receiving side (the placement of the
+ * rows, or combine's sums). Either gives the normal exchange's bits. As with
+ * worst_case_sizing the ranks' host verdicts are not agreed, so a call
+ * refused on one rank only reaches its peers as EPX_ERROR_TIMEOUT of their
+ * next bounded wait (epx_buffer_destroy's, at the latest). Memory: the slabs
+ * hold 4 slots of staging, 2 x W x (max_tokens + header rows) rows each
+ * (float32 rows with float32 partials of a 16-bit dtype); the window, the
+ * fused state's and W x max_tokens x min(max_top_k, E_local) rows. */
 #define EPX_LL_DEFAULT_MAX_TOKENS 256
 
 /* Dispatch of one decode step (collective): x [T, H] -> recv_x (the fixed

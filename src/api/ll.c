@@ -37,19 +37,6 @@ static const epx_ll_backend_t *ll_ops(epx_buffer_t buffer) {
   return ll_backend(buffer->config.device);
 }
 
-/* What the CUDA backend serves in this version: expert-major (one GPU:
- * ll.c; W ranks over NCCL: ranks.c). */
-static epx_status_t check_cuda_config(const epx_buffer_config_t *c) {
-  const char *fn = "epx_buffer_create";
-  if (c->device != EPX_DEVICE_CUDA) return EPX_SUCCESS;
-  if (c->layout != EPX_LAYOUT_EXPERT_MAJOR)
-    return epx_error(EPX_ERROR_UNSUPPORTED,
-                     "%s: config.low_latency = 1 on a CUDA buffer is served with EPX_LAYOUT_EXPERT_MAJOR in this "
-                     "version (layout %d); use EPX_LAYOUT_EXPERT_MAJOR, or CPU buffers for the rank-major "
-                     "low-latency layout", fn, (int)c->layout);
-  return EPX_SUCCESS;
-}
-
 epx_status_t epx_ll_check_config(epx_buffer_config_t *c) {
   const char *fn = "epx_buffer_create";
   if (c->low_latency == 0) return EPX_SUCCESS;
@@ -59,8 +46,6 @@ epx_status_t epx_ll_check_config(epx_buffer_config_t *c) {
     return epx_error(EPX_ERROR_UNSUPPORTED,
                      "%s: config.low_latency = 1 needs a CPU buffer or a CUDA build's CUDA buffer; this build "
                      "has no backend for device %d", fn, (int)c->device);
-  epx_status_t status = check_cuda_config(c);
-  if (status != EPX_SUCCESS) return status;
   if (c->layout != EPX_LAYOUT_EXPERT_MAJOR && c->layout != EPX_LAYOUT_RANK_MAJOR)
     return epx_error(EPX_ERROR_UNSUPPORTED,
                      "%s: config.low_latency = 1 with config.layout %d: the low-latency mode has the fixed shapes "

@@ -8,9 +8,10 @@
 
 #include "epx.h"
 
-/* A config with low_latency set: a device that serves the mode (CUDA:
- * expert-major, no fp8 format), an expert-major or rank-major layout without
- * padding, and max_tokens_per_rank fixed (0 becomes
+/* A config with low_latency set: a device that serves the mode, an
+ * expert-major or rank-major layout without padding (the backend refuses
+ * what it does not serve: cuda/ll/ll.c rank-major on one GPU), and
+ * max_tokens_per_rank fixed (0 becomes
  * EPX_LL_DEFAULT_MAX_TOKENS, in *c). Success at once when low_latency is 0. */
 epx_status_t epx_ll_check_config(epx_buffer_config_t *c);
 

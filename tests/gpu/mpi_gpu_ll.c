@@ -23,7 +23,8 @@
  * memory, each replay equal to the normal exchange on that count; a step of
  * more rows than max_tokens_per_rank refused on every rank, naming it; and
  * fp8 (MXFP8, quantized on the way or pre-quantized) against the normal fp8
- * dispatch, every row's bytes and scales. */
+ * dispatch, every row's bytes and scales; the rank-major layout against the
+ * normal rank-major exchange. */
 #include <mpi.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -517,6 +518,87 @@ static void test_fp8(const case_t *c, epx_comm_t comm, cudaStream_t stream, int 
   FATAL_UNLESS_OK(epx_buffer_destroy(nb));
 }
 
+/* Rank-major (the slabs; weights left to the expert): source s's rows are
+ * the first recv_count[s] of block s, the normal rank-major rows from s in
+ * order (bytes, source token, the K experts and weights of each), and the
+ * combine of expert_out = recv_x the normal one's. */
+static void test_rank_major(epx_comm_t comm, cudaStream_t stream) {
+  const case_t cc = {8, 4, EPX_BFLOAT16, EPX_WEIGHTS_NONE, EPX_COMBINE_PARTIALS_FLOAT32, 0, 7}, *c = &cc;
+  const int K = c->K;
+  epx_buffer_t nb = NULL, lb = NULL;
+  epx_buffer_config_t nc = config_of(c, 0), lc = config_of(c, 1);
+  nc.stream = lc.stream = stream;
+  nc.layout = lc.layout = EPX_LAYOUT_RANK_MAJOR;
+  FATAL_UNLESS_OK(epx_buffer_create(comm, &nc, &nb));
+  FATAL_UNLESS_OK(epx_buffer_create(comm, &lc, &lb));
+  const int64_t N = (int64_t)g_size * TM;
+  void *recv = dev_alloc(rows_bytes(c, N)), *out = dev_alloc(rows_bytes(c, TM));
+  int32_t *count = dev_alloc(4 * (size_t)g_size), *sr = dev_alloc(4 * (size_t)N), *st = dev_alloc(4 * (size_t)N);
+  int32_t *ex = dev_alloc(4 * (size_t)(N * K));
+  float *wt = dev_alloc(4 * (size_t)(N * K));
+  for (int step = 0; step < STEPS; step++) {
+    const int64_t T = kCounts[(step + 2 * g_rank) % STEPS];
+    routing_t r;
+    make_routing(c, g_rank, step + 40, &r);
+    int32_t *dev[2] = {dev_put(r.idx, sizeof r.idx), dev_put(r.w, sizeof r.w)};
+    epx_routing_t rt = routing_of(c, T, dev);
+    epx_handle_t hn = NULL, hl = NULL;
+    FATAL_UNLESS_OK(epx_dispatch_layout(nb, &rt, NULL, &hn));
+    int64_t Nn = 0;
+    FATAL_UNLESS_OK(epx_handle_recv_rows(hn, &Nn));
+    void *nrecv = dev_alloc(rows_bytes(c, Nn)), *nout = dev_alloc(rows_bytes(c, TM));
+    int32_t *nsr = dev_alloc(4 * (size_t)Nn), *nst = dev_alloc(4 * (size_t)Nn), *nex = dev_alloc(4 * (size_t)(Nn * K));
+    float *nwt = dev_alloc(4 * (size_t)(Nn * K));
+    FATAL_UNLESS_OK(epx_dispatch(nb, hn, r.x, nrecv, Nn));
+    FATAL_UNLESS_OK(epx_handle_recv_source(hn, nsr, nst));
+    FATAL_UNLESS_OK(epx_handle_recv_routing(hn, nex, nwt));
+    FATAL_UNLESS_OK(epx_combine(nb, hn, nrecv, nout));
+    RANK_OK(epx_ll_dispatch(lb, &rt, NULL, r.x, recv, count, &hl));
+    if (hl) RANK_OK(epx_handle_recv_source(hl, sr, st));
+    if (hl) RANK_OK(epx_handle_recv_routing(hl, ex, wt));
+    if (hl) RANK_OK(epx_ll_combine(lb, hl, recv, out));
+    FATAL_UNLESS_CUDA_OK(cudaStreamSynchronize(stream));
+    char *a_rows = host_get(nrecv, rows_bytes(c, Nn)), *b_rows = host_get(recv, rows_bytes(c, N));
+    char *a_out = host_get(nout, rows_bytes(c, T)), *b_out = host_get(out, rows_bytes(c, T));
+    int32_t *a_sr = host_get(nsr, 4 * (size_t)Nn), *a_st = host_get(nst, 4 * (size_t)Nn);
+    int32_t *a_ex = host_get(nex, 4 * (size_t)(Nn * K)), *b_ex = host_get(ex, 4 * (size_t)(N * K));
+    float *a_wt = host_get(nwt, 4 * (size_t)(Nn * K)), *b_wt = host_get(wt, 4 * (size_t)(N * K));
+    int32_t *b_sr = host_get(sr, 4 * (size_t)N), *b_st = host_get(st, 4 * (size_t)N);
+    int32_t *b_count = host_get(count, 4 * (size_t)g_size);
+    int64_t from = 0;
+    for (int src = 0; src < g_size && hl; src++) {
+      int64_t n = 0;
+      while (from + n < Nn && a_sr[from + n] == src) n++;
+      RANK_EXPECT(b_count[src] == n, "rank-major (T %lld): %d rows from rank %d, the normal exchange %lld",
+                  (long long)T, b_count[src], src, (long long)n);
+      for (int64_t i = 0; i < TM; i++) {
+        const int64_t a = from + i, b = (int64_t)src * TM + i;
+        const int same = i < n ? b_sr[b] == src && b_st[b] == a_st[a] &&
+                                     !memcmp(b_ex + b * K, a_ex + a * K, 4 * (size_t)K) &&
+                                     !memcmp(b_wt + b * K, a_wt + a * K, 4 * (size_t)K) &&
+                                     !memcmp(b_rows + rows_bytes(c, b), a_rows + rows_bytes(c, a), rows_bytes(c, 1))
+                               : b_sr[b] == -1 && b_st[b] == -1;
+        RANK_EXPECT(same, "rank-major (T %lld): row %lld from rank %d differs from the normal exchange's",
+                    (long long)T, (long long)i, src);
+        if (!same) break;
+      }
+      from += n;
+    }
+    RANK_EXPECT(!memcmp(a_out, b_out, rows_bytes(c, T)), "rank-major (T %lld): combine differs from the normal "
+                "exchange's", (long long)T);
+    void *hp[] = {a_rows, b_rows, a_out, b_out, a_sr, a_st, a_ex, b_ex, a_wt, b_wt, b_sr, b_st, b_count};
+    for (size_t i = 0; i < sizeof hp / sizeof hp[0]; i++) free(hp[i]);
+    void *dp[] = {dev[0], dev[1], r.x, nrecv, nout, nsr, nst, nex, nwt};
+    for (size_t i = 0; i < sizeof dp / sizeof dp[0]; i++) FATAL_UNLESS_CUDA_OK(cudaFree(dp[i]));
+    FATAL_UNLESS_OK(epx_handle_release(hn));
+    if (hl) RANK_OK(epx_handle_release(hl));
+  }
+  void *dp[] = {recv, out, count, sr, st, ex, wt};
+  for (size_t i = 0; i < sizeof dp / sizeof dp[0]; i++) FATAL_UNLESS_CUDA_OK(cudaFree(dp[i]));
+  FATAL_UNLESS_OK(epx_buffer_destroy(lb));
+  FATAL_UNLESS_OK(epx_buffer_destroy(nb));
+}
+
 int main(int argc, char **argv) {
   MPI_Init(&argc, &argv);
   MPI_Comm_rank(MPI_COMM_WORLD, &g_rank);
@@ -555,8 +637,9 @@ int main(int argc, char **argv) {
     test_graph(&cases[1], comm, stream);
     test_oversize(&cases[0], comm, stream);
   }
-  /* fp8 moves on the slabs (the fused kernels have no fp8 rows) */
+  /* fp8 and rank-major move on the slabs (the window serves neither) */
   g_path = EPX_PATH_HOST;
+  test_rank_major(comm, stream);
   for (int quantize = 0; quantize < 2; quantize++) {
     test_fp8(&cases[0], comm, stream, quantize);
     test_fp8(&cases[5], comm, stream, quantize);

@@ -63,6 +63,11 @@ static size_t slot_carve(const epx_buffer_t b, char *at, ll_slot_t *s) {
 static epx_status_t ll_buffer_init(epx_buffer_t b) {
   const char *fn = "epx_buffer_create";
   epx_status_t status = EPX_SUCCESS;
+  if (b->config.layout != EPX_LAYOUT_EXPERT_MAJOR)
+    return epx_error(EPX_ERROR_UNSUPPORTED,
+                     "%s: config.low_latency = 1 on a CUDA buffer over one rank is served with "
+                     "EPX_LAYOUT_EXPERT_MAJOR in this version (rank-major runs over several ranks, and on CPU "
+                     "buffers); use EPX_LAYOUT_EXPERT_MAJOR", fn);
   ll_buffer_t *s = calloc(1, sizeof *s);
   if (!s) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
   ll_slot_t probe;

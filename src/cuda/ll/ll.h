@@ -101,14 +101,16 @@ static inline int64_t epx_cuda_ll_header_bytes(int64_t Tm, int32_t Kb) {
 
 /* The receiver's layout of a slot (expert-major, N = El * W * Tm rows). */
 typedef struct epx_cuda_ll_recv {
-  int32_t *rp_rows;    /* [W * S, Kb] layout row of each route of a received pair, -1 none */
+  /* [W * S, Kb] layout row of each route of a received pair, -1 none
+   * (rank-major: the pair's row at its first route only) */
+  int32_t *rp_rows;
   float *rp_w;         /* [W * S, Kb] its weight */
   int64_t *counts;     /* [El] */
   int64_t *offsets;    /* [El + 1] e * W * Tm */
   int32_t *src_rank;   /* [N] -1 past the counts */
   int32_t *src_token;  /* [N] */
-  int32_t *row_expert; /* [N] global id */
-  float *row_weight;   /* [N] */
+  int32_t *row_expert; /* [N] global id (rank-major [N, K]) */
+  float *row_weight;   /* [N] (rank-major [N, K]) */
 } epx_cuda_ll_recv_t;
 
 /* Home side: the slabs' headers in send (slab p at p * S rows) and
@@ -124,6 +126,13 @@ cudaError_t epx_cuda_ll_pack_launch(const epx_cuda_ll_dims_t *d, const int32_t *
  * into out (rp_rows set to -1 first), recv_count [El] (may be NULL). */
 cudaError_t epx_cuda_ll_place_launch(const epx_cuda_ll_dims_t *d, const void *recv, const epx_cuda_ll_recv_t *out,
                                      int32_t *recv_count, cudaStream_t stream);
+
+/* The same in the rank-major layout (N = W * Tm): pair j of source s is row
+ * s * Tm + j; row_expert / row_weight are [N, K] (K the dims' top_k, every
+ * rank's), counts the routes per local expert, offsets 0 but offsets[El] =
+ * N, recv_count [W] the rows per source. */
+cudaError_t epx_cuda_ll_place_ranks_launch(const epx_cuda_ll_dims_t *d, const void *recv,
+                                           const epx_cuda_ll_recv_t *out, int32_t *recv_count, cudaStream_t stream);
 
 /* The load/store variant (window.c: the fused module's window and kernels,
  * src/cuda/fused) keeps its rows in a fused plan's compact expert-major

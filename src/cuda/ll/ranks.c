@@ -68,12 +68,15 @@ typedef struct {
   epx_cuda_ll_dims_t d; /* the largest slab (S of the narrowest rows); row_bytes set per step */
   size_t unit;   /* bytes of a staging row: the widest of a dispatch row, an fp8 packed row, a partial */
   epx_cuda_ll_window_t *window; /* the load/store variant (window.c), or NULL: the slabs */
+  int rank_major;               /* the layout: rank-major (the slabs only) or expert-major */
   slot_t slots[EPX_CUDA_LL_SLOTS];
 } ranks_t;
 
 static cudaStream_t stream_of(epx_buffer_t b) { return (cudaStream_t)b->config.stream; }
 
 static size_t up256(size_t n) { return (n + 255) / 256 * 256; }
+
+static int rank_major(epx_buffer_t b) { return b->config.layout == EPX_LAYOUT_RANK_MAJOR; }
 
 static int f32_partials(epx_buffer_t b) {
   return b->config.combine_precision == EPX_COMBINE_PARTIALS_FLOAT32 && b->config.dtype != EPX_FLOAT32;
@@ -84,8 +87,9 @@ static size_t slot_carve(const ranks_t *s, char *at, slot_t *slot) {
   const epx_cuda_ll_dims_t *d = &s->d;
   const size_t N = (size_t)s->N, El = (size_t)d->El;
   const size_t items = s->window ? 0 : (size_t)(d->W * d->S); /* the slabs' tables and staging */
+  const size_t NK = N * (size_t)(s->rank_major ? d->Kb : 1); /* a row's routing: [N] or [N, K] */
   const size_t sizes[] = {items * (size_t)d->Kb * 4, items * (size_t)d->Kb * 4, El * 8, (El + 1) * 8, N * 4, N * 4,
-                          N * 4, N * 4, items ? (size_t)(d->Tm * d->W) * 4 : 0, items * s->unit, items * s->unit};
+                          NK * 4, NK * 4, items ? (size_t)(d->Tm * d->W) * 4 : 0, items * s->unit, items * s->unit};
   void **fields[] = {(void **)&slot->recv.rp_rows,   (void **)&slot->recv.rp_w,      (void **)&slot->recv.counts,
                      (void **)&slot->recv.offsets,   (void **)&slot->recv.src_rank,  (void **)&slot->recv.src_token,
                      (void **)&slot->recv.row_expert, (void **)&slot->recv.row_weight, (void **)&slot->pair_stage,
@@ -130,7 +134,8 @@ static epx_status_t ranks_buffer_init(epx_buffer_t b) {
   const size_t rb = (size_t)epx_buffer_row_bytes(b), pb = (size_t)epx_payload_partial_row_bytes(b->config.hidden);
   const size_t packed = fp8 ? (size_t)packed_bytes(b) : rb;
   s->d = dims_of(b, (int64_t)(packed < rb ? packed : rb));
-  s->N = (int64_t)s->d.El * s->d.W * s->d.Tm;
+  s->rank_major = rank_major(b);
+  s->N = (s->rank_major ? 1 : (int64_t)s->d.El) * s->d.W * s->d.Tm;
   s->unit = rb > packed ? rb : packed;
   if (f32_partials(b) && pb > s->unit) s->unit = pb;
   status = epx_cuda_ll_window_create(b, &s->window);
@@ -176,9 +181,10 @@ static void ranks_handle_fini(epx_handle_t h) {
 /* The moves                                                                 */
 /* ------------------------------------------------------------------------ */
 
-/* One grouped send and receive per peer: `bytes` from send + p * stride to
- * peer p, as many from p into recv + p * stride. */
-static epx_status_t p2p(epx_buffer_t b, const char *send, char *recv, size_t stride, size_t bytes, const char *fn) {
+/* One grouped send and receive per peer: `bytes` from send + p * sstride to
+ * peer p, as many from p into recv + p * rstride. */
+static epx_status_t p2p(epx_buffer_t b, const char *send, size_t sstride, char *recv, size_t rstride, size_t bytes,
+                        const char *fn) {
   epx_status_t status = EPX_SUCCESS;
   epx_comm_t comm = b->comm;
   ncclComm_t nc = epx_nccl_data_comm(comm);
@@ -187,8 +193,8 @@ static epx_status_t p2p(epx_buffer_t b, const char *send, char *recv, size_t str
   NCCL_CHECK(r, fn, "ncclGroupStart");
   const char *what = "ncclGroupStart";
   for (int32_t p = 0; p < b->world_size && epx_nccl_went(r); p++) {
-    what = "ncclSend", r = ncclSend(send + (size_t)p * stride, bytes, ncclUint8, p, nc, stream);
-    if (epx_nccl_went(r)) what = "ncclRecv", r = ncclRecv(recv + (size_t)p * stride, bytes, ncclUint8, p, nc, stream);
+    what = "ncclSend", r = ncclSend(send + (size_t)p * sstride, bytes, ncclUint8, p, nc, stream);
+    if (epx_nccl_went(r)) what = "ncclRecv", r = ncclRecv(recv + (size_t)p * rstride, bytes, ncclUint8, p, nc, stream);
   }
   /* a failed call still ends the group first (epx_nccl_group_end) */
   EPX_CHECK(epx_nccl_group_end(comm, r, fn, what));
@@ -229,7 +235,7 @@ static epx_status_t send_slabs(epx_buffer_t b, slot_t *slot, const epx_routing_t
                fn, "the pack kernel");
   }
   const size_t slab = (size_t)(d.S * d.row_bytes);
-  EPX_CHECK(p2p(b, slot->send, slot->stage, slab, slab, fn));
+  EPX_CHECK(p2p(b, slot->send, slab, slot->stage, slab, slab, fn));
 fail:
   return status;
 }
@@ -271,8 +277,9 @@ static epx_status_t place_rows(epx_buffer_t b, slot_t *slot) {
   epx_status_t status = EPX_SUCCESS;
   const epx_buffer_config_t *c = &b->config;
   const epx_cuda_ll_dims_t *d = &slot->d;
-  CUDA_CHECK(epx_cuda_ll_place_launch(d, slot->stage, &slot->recv, slot->recv_count, stream_of(b)), fn,
-             "the low-latency layout kernel");
+  CUDA_CHECK((rank_major(b) ? epx_cuda_ll_place_ranks_launch : epx_cuda_ll_place_launch)(
+                 d, slot->stage, &slot->recv, slot->recv_count, stream_of(b)),
+             fn, "the low-latency layout kernel");
   /* items: every slab's rows up to the last slab's header */
   const int64_t items = (d->W - 1) * d->S + d->Tm;
   if (slot->recv_scales) {
@@ -308,6 +315,15 @@ static epx_status_t ranks_combine_send(epx_buffer_t b, epx_handle_t h, epx_statu
     slot->pending = EPX_LL_COMBINE;
     return EPX_SUCCESS;
   }
+  const size_t rb = (size_t)epx_buffer_row_bytes(b);
+  if (s->rank_major) {
+    /* rank-major rows are pairs already (no weights): source s's block of
+     * expert_out goes home as it is, as the normal path returns them */
+    EPX_CHECK(p2p(b, expert_out, (size_t)d->Tm * rb, slot->stage, (size_t)d->S * rb, (size_t)d->Tm * rb, fn));
+    slot->out = out;
+    slot->pending = EPX_LL_COMBINE;
+    return EPX_SUCCESS;
+  }
   const int64_t items = (d->W - 1) * d->S + d->Tm;
   const float *w = h->weighting == EPX_WEIGHTS_IN_COMBINE ? slot->recv.rp_w : NULL;
   const int f32 = f32_partials(b);
@@ -321,8 +337,8 @@ static epx_status_t ranks_combine_send(epx_buffer_t b, epx_handle_t h, epx_statu
                fn, "the partial sum kernel");
   }
   /* partials are rows of float32 or of the dtype (not the dispatch's rows, fp8 ones perhaps) */
-  const size_t unit = (size_t)(f32 ? epx_payload_partial_row_bytes(c->hidden) : epx_buffer_row_bytes(b));
-  EPX_CHECK(p2p(b, slot->send, slot->stage, (size_t)d->S * unit, (size_t)d->Tm * unit, fn));
+  const size_t unit = f32 ? (size_t)epx_payload_partial_row_bytes(c->hidden) : rb;
+  EPX_CHECK(p2p(b, slot->send, (size_t)d->S * unit, slot->stage, (size_t)d->S * unit, (size_t)d->Tm * unit, fn));
   slot->out = out;
   slot->pending = EPX_LL_COMBINE;
   return EPX_SUCCESS;
@@ -337,7 +353,7 @@ static epx_status_t sum_home(epx_buffer_t b, epx_handle_t h, slot_t *slot) {
   epx_status_t status = EPX_SUCCESS;
   const epx_buffer_config_t *c = &b->config;
   if (!h->num_tokens) return EPX_SUCCESS;
-  if (f32_partials(b)) {
+  if (f32_partials(b) && !rank_major(b)) {
     const epx_cuda_reduce_t red = {EPX_FLOAT32, c->dtype, slot->stage, slot->out, h->num_tokens, c->hidden,
                                    slot->pair_stage, NULL, b->world_size, NULL, NULL, NULL, 0};
     CUDA_CHECK(epx_cuda_reduce_launch(&red, stream_of(b)), fn, "the sum kernel");
@@ -402,7 +418,7 @@ fail:
 static epx_status_t ranks_recv_routing(epx_handle_t h, int32_t *recv_expert, float *recv_w) {
   const char *fn = "epx_handle_recv_routing";
   const slot_t *slot = h->backend_state;
-  const size_t n = (size_t)h->recv_rows;
+  const size_t n = (size_t)h->recv_rows * (size_t)(rank_major(h->buffer) ? h->top_k : 1);
   epx_status_t status = copy_out(recv_expert, slot->recv.row_expert, n * sizeof(int32_t), h, fn);
   return status != EPX_SUCCESS ? status : copy_out(recv_w, slot->recv.row_weight, n * sizeof(float), h, fn);
 }

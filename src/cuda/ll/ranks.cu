@@ -133,6 +133,37 @@ __global__ void __launch_bounds__(kThreads) place_kernel(const place_args a) {
   }
 }
 
+/* Rank-major: pair j of source s is row s * Tm + j as it is (a thread per
+ * row); its routes' experts and weights [K] beside it. counts (zeroed
+ * first) gather the routes per local expert: integer atomics, so the same
+ * counts every run. */
+__global__ void place_ranks_kernel(const place_args a) {
+  const epx_cuda_ll_dims_t &d = a.d;
+  const int64_t row = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (row >= d.W * d.Tm) return;
+  const int s = (int)(row / d.Tm);
+  const int64_t j = row % d.Tm;
+  const header h = header_of(d, a.recv, s);
+  const int64_t n = min((int64_t)max(*h.count, 0), d.Tm);
+  if (row == 0) a.out.offsets[d.El] = d.W * d.Tm;
+  if (j == 0 && a.recv_count) a.recv_count[s] = (int32_t)n;
+  const bool in = j < n;
+  int first = -1;
+  for (int k = 0; k < d.Kb && in; k++) {
+    const int32_t e = h.ids[j * d.Kb + k];
+    if (e < 0) continue;
+    if (first < 0) first = k;
+    atomicAdd((unsigned long long *)&a.out.counts[e - d.rank * d.El], 1ull);
+  }
+  if (first >= 0) a.out.rp_rows[(s * d.S + j) * d.Kb + first] = (int32_t)row;
+  a.out.src_rank[row] = in ? s : -1;
+  a.out.src_token[row] = in ? h.token[j] : -1;
+  for (int k = 0; k < d.K; k++) {
+    a.out.row_expert[row * d.K + k] = in ? h.ids[j * d.Kb + k] : -1;
+    a.out.row_weight[row * d.K + k] = in ? h.w[j * d.Kb + k] : 0.0f;
+  }
+}
+
 }  // namespace
 
 extern "C" cudaError_t epx_cuda_ll_pack_launch(const epx_cuda_ll_dims_t *d, const int32_t *topk_idx,
@@ -151,5 +182,19 @@ extern "C" cudaError_t epx_cuda_ll_place_launch(const epx_cuda_ll_dims_t *d, con
   if (err != cudaSuccess) return err;
   const place_args a = {*d, recv, *out, recv_count};
   place_kernel<<<d->El, kThreads, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
+extern "C" cudaError_t epx_cuda_ll_place_ranks_launch(const epx_cuda_ll_dims_t *d, const void *recv,
+                                                      const epx_cuda_ll_recv_t *out, int32_t *recv_count,
+                                                      cudaStream_t stream) {
+  cudaError_t err =
+      cudaMemsetAsync(out->rp_rows, 0xff, sizeof(int32_t) * (size_t)(d->W * d->S * d->Kb), stream);
+  if (err == cudaSuccess) err = cudaMemsetAsync(out->counts, 0, sizeof(int64_t) * (size_t)d->El, stream);
+  if (err == cudaSuccess) err = cudaMemsetAsync(out->offsets, 0, sizeof(int64_t) * (size_t)d->El, stream);
+  if (err != cudaSuccess) return err;
+  const place_args a = {*d, recv, *out, recv_count};
+  const int64_t rows = d->W * d->Tm;
+  place_ranks_kernel<<<(unsigned int)((rows + kThreads - 1) / kThreads), kThreads, 0, stream>>>(a);
   return cudaGetLastError();
 }

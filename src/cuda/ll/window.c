@@ -37,8 +37,9 @@ struct epx_cuda_ll_window {
 
 static int window_wanted(epx_buffer_t b) {
   const epx_buffer_config_t *c = &b->config;
-  /* the fused kernels move rows of the dtype only: fp8 buffers take the slabs */
-  return c->exchange_path != EPX_PATH_HOST && c->fp8_format == EPX_FP8_NONE &&
+  /* the fused kernels move rows of the dtype only (fp8 buffers take the
+   * slabs), and remap.cu places expert-major rows (rank-major: the slabs) */
+  return c->exchange_path != EPX_PATH_HOST && c->fp8_format == EPX_FP8_NONE && c->layout == EPX_LAYOUT_EXPERT_MAJOR &&
          b->world_size <= EPX_FUSED_MAX_RANKS && c->max_top_k <= EPX_FUSED_MAX_TOP_K;
 }
 
