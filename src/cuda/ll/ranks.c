@@ -8,11 +8,15 @@
  * counts travel with the rows, no layout exchange), one grouped
  * ncclSend/ncclRecv of the fixed slab size per peer, and the receiver lays
  * its rows out from the slabs on the device and expands them into the fixed
- * shape. Combine mirrors it: the receiver sums each pair's routes into a
- * partial (float32 or the dtype: combine_precision), a partial slab goes
- * home, and the home sums its pairs in rank order. These are the normal
- * dedup exchange's items, tables and kernels (scatter, reduce, gather of
- * launch.h), in the same order, so the bits are the normal exchange's.
+ * shape (expert-major; rank-major rows are the pairs as they came). Combine
+ * mirrors it: the receiver sums each pair's routes into a partial (float32
+ * or the dtype: combine_precision; a rank-major row is its pair's), a
+ * partial slab goes home, and the home sums its pairs in rank order. These
+ * are the normal dedup exchange's items, tables and kernels (scatter,
+ * reduce, gather of launch.h; fp8 rows packed with their scales as the host
+ * path packs them), in the same order, so the bits are the normal
+ * exchange's. The load/store variant (window.c) takes expert-major buffers
+ * of the dtype where the fused module serves them.
  *
  * Graph capture: sizes are the fixed worst case (max_tokens rows a peer),
  * the token count stays on the device, nothing is allocated after buffer
