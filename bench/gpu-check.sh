@@ -7,7 +7,8 @@
 # PyTorch baselines (bench/gpu/bench_torch.py), and prints a verdict table
 # last. Where NCCL and mpirun exist, the one-GPU section also runs the W-rank
 # backend (ep.c, the fused kernels) on one rank: tests/gpu/mpi_gpu_exchange
-# under mpirun -np 1, its memcheck and racecheck. Logs go to ${OUT:-/tmp/epx-gpu};
+# under mpirun -np 1, its memcheck and racecheck, and the low-latency mode's
+# W-rank backend (src/cuda/ll/ranks.c): tests/gpu/mpi_gpu_ll. Logs go to ${OUT:-/tmp/epx-gpu};
 # scratch (routing files, results) to ${EPX_GPU_WORK:-/tmp/epx-gpu-work}.
 #
 # Needs: nvcc, cmake, a C compiler, python3 with PyTorch (for the baselines),
