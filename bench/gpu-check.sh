@@ -163,8 +163,9 @@ if [ $ONE_RANK != 1 ]; then
 elif ! cmake --build "$BUILD" -j"$JOBS" --target mpi_gpu_ll >>"$OUTDIR/build.log" 2>&1; then
   verdict "$LL1" "FAIL (build)"
 else
-  EPX_GPU_EXPECT_FUSED=$ONE_FUSED LD_LIBRARY_PATH="$NCCL/lib:${LD_LIBRARY_PATH:-}" timeout 300 "${MPIRUN1[@]}" \
-    "$BUILD/tests/gpu/mpi_gpu_ll" >"$OUTDIR/onerank_ll.log" 2>&1
+  # EPX_LL_BENCH: its RESULT lines (a step's latency on each path) go to onerank_ll.log
+  EPX_LL_BENCH=1 EPX_GPU_EXPECT_FUSED=$ONE_FUSED LD_LIBRARY_PATH="$NCCL/lib:${LD_LIBRARY_PATH:-}" timeout 300 \
+    "${MPIRUN1[@]}" -x EPX_LL_BENCH "$BUILD/tests/gpu/mpi_gpu_ll" >"$OUTDIR/onerank_ll.log" 2>&1
   rc=$?
   [ $rc = 0 ] && verdict "$LL1" PASS || verdict "$LL1" "FAIL (exit $rc)"
 fi

@@ -599,6 +599,79 @@ static void test_rank_major(epx_comm_t comm, cudaStream_t stream) {
   FATAL_UNLESS_OK(epx_buffer_destroy(nb));
 }
 
+/* EPX_LL_BENCH=1: the latency of a decode step on each path (issue 25's
+ * shape: 128 tokens per rank, hidden 7168, top-8 of 256 experts, bf16),
+ * dispatch and combine each captured in a CUDA graph and replayed; a
+ * RESULT line per rank (figures: bench/NOTES-gpu.md). */
+static void bench_path(epx_comm_t comm, cudaStream_t stream) {
+  enum { BT = 128, BH = 7168, BK = 8, BE = 256, REPS = 50 };
+  epx_buffer_config_t cfg = EPX_BUFFER_CONFIG_INIT;
+  cfg.device = EPX_DEVICE_CUDA, cfg.dtype = EPX_BFLOAT16, cfg.hidden = BH, cfg.num_experts = BE;
+  cfg.max_top_k = BK, cfg.max_tokens_per_rank = BT, cfg.low_latency = 1, cfg.exchange_path = g_path;
+  cfg.stream = stream;
+  epx_buffer_t b = NULL;
+  FATAL_UNLESS_OK(epx_buffer_create(comm, &cfg, &b));
+  int32_t paths[64];
+  FATAL_UNLESS_OK(epx_buffer_peer_paths(b, paths));
+  int32_t idx[BT * BK];
+  float w[BT * BK];
+  uint64_t z = mix(1234u + (uint64_t)g_rank);
+  for (int t = 0; t < BT; t++)
+    for (int k = 0; k < BK; k++) {
+      int e, dup;
+      do {
+        z = mix(z);
+        e = (int)(z % BE);
+        dup = 0;
+        for (int j = 0; j < k; j++) dup |= idx[t * BK + j] == e;
+      } while (dup);
+      idx[t * BK + k] = e, w[t * BK + k] = 1.0f / BK;
+    }
+  const int64_t N = (int64_t)BE / g_size * g_size * BT;
+  int32_t *didx = dev_put(idx, sizeof idx), *count = dev_alloc(4 * BE), *tokens = dev_put(&(int32_t){BT}, 4);
+  float *dw = dev_put(w, sizeof w);
+  void *x = dev_alloc((size_t)BT * BH * 2), *recv = dev_alloc((size_t)N * BH * 2), *out = dev_alloc((size_t)BT * BH * 2);
+  epx_routing_t rt = {BT, BK, didx, dw, NULL, EPX_WEIGHTS_IN_COMBINE};
+  epx_handle_t h = NULL;
+  cudaGraph_t g[2];
+  cudaGraphExec_t ge[2];
+  FATAL_UNLESS_CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeRelaxed));
+  FATAL_UNLESS_OK(epx_ll_dispatch(b, &rt, tokens, x, recv, count, &h));
+  FATAL_UNLESS_CUDA_OK(cudaStreamEndCapture(stream, &g[0]));
+  FATAL_UNLESS_CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeRelaxed));
+  FATAL_UNLESS_OK(epx_ll_combine(b, h, recv, out));
+  FATAL_UNLESS_CUDA_OK(cudaStreamEndCapture(stream, &g[1]));
+  cudaEvent_t ev[3];
+  float us[2] = {0, 0};
+  for (int i = 0; i < 2; i++) FATAL_UNLESS_CUDA_OK(cudaGraphInstantiate(&ge[i], g[i], 0));
+  for (int i = 0; i < 3; i++) FATAL_UNLESS_CUDA_OK(cudaEventCreate(&ev[i]));
+  for (int rep = 0; rep < REPS + 5; rep++) {
+    MPI_Barrier(MPI_COMM_WORLD);
+    FATAL_UNLESS_CUDA_OK(cudaEventRecord(ev[0], stream));
+    FATAL_UNLESS_CUDA_OK(cudaGraphLaunch(ge[0], stream));
+    FATAL_UNLESS_CUDA_OK(cudaEventRecord(ev[1], stream));
+    FATAL_UNLESS_CUDA_OK(cudaGraphLaunch(ge[1], stream));
+    FATAL_UNLESS_CUDA_OK(cudaEventRecord(ev[2], stream));
+    FATAL_UNLESS_CUDA_OK(cudaStreamSynchronize(stream));
+    for (int i = 0; i < 2 && rep >= 5; i++) {
+      float ms = 0;
+      FATAL_UNLESS_CUDA_OK(cudaEventElapsedTime(&ms, ev[i], ev[i + 1]));
+      us[i] += ms * 1000.0f / REPS;
+    }
+  }
+  printf("RESULT ll rank %d of %d path %s T %d H %d top-%d of %d bf16: dispatch %.1f us, combine %.1f us\n", g_rank,
+         g_size, paths[g_rank] == EPX_PATH_FUSED ? "fused-window" : "nccl-slabs", BT, BH, BK, BE, us[0], us[1]);
+  for (int i = 0; i < 2; i++) {
+    FATAL_UNLESS_CUDA_OK(cudaGraphExecDestroy(ge[i]));
+    FATAL_UNLESS_CUDA_OK(cudaGraphDestroy(g[i]));
+  }
+  for (int i = 0; i < 3; i++) FATAL_UNLESS_CUDA_OK(cudaEventDestroy(ev[i]));
+  FATAL_UNLESS_OK(epx_handle_release(h));
+  void *dp[] = {didx, count, tokens, dw, x, recv, out};
+  for (size_t i = 0; i < sizeof dp / sizeof dp[0]; i++) FATAL_UNLESS_CUDA_OK(cudaFree(dp[i]));
+  FATAL_UNLESS_OK(epx_buffer_destroy(b));
+}
+
 int main(int argc, char **argv) {
   MPI_Init(&argc, &argv);
   MPI_Comm_rank(MPI_COMM_WORLD, &g_rank);
@@ -636,6 +709,11 @@ int main(int argc, char **argv) {
     test_graph(&cases[0], comm, stream);
     test_graph(&cases[1], comm, stream);
     test_oversize(&cases[0], comm, stream);
+  }
+  const char *bench = getenv("EPX_LL_BENCH");
+  for (int p = 0; p < 2 && bench && *bench && strcmp(bench, "0"); p++) {
+    g_path = paths[p];
+    bench_path(comm, stream);
   }
   /* fp8 and rank-major move on the slabs (the window serves neither) */
   g_path = EPX_PATH_HOST;
