@@ -24,7 +24,8 @@
  * more rows than max_tokens_per_rank refused on every rank, naming it; and
  * fp8 (MXFP8, quantized on the way or pre-quantized) against the normal fp8
  * dispatch, every row's bytes and scales; the rank-major layout against the
- * normal rank-major exchange. */
+ * normal rank-major exchange. EPX_LL_BENCH=1 also prints a decode step's
+ * latency on each path (bench_path). */
 #include <mpi.h>
 #include <stdint.h>
 #include <stdio.h>
