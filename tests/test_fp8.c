@@ -210,7 +210,7 @@ done:
 
 /* The scenes: every format x layout x exchange x dispatch kind at small
  * shapes, then the odd ones (hidden 7168, top-k 22 of 512, top-1, a rank
- * count that does not divide 2). */
+ * count that does not divide 2, rows ending mid-step). */
 static int fp8_scenes(fp8_scene_t *out, int32_t W) {
   int n = 0;
   const epx_fp8_format_t formats[] = {EPX_FP8_E4M3_F32_128, EPX_FP8_E4M3_UE8M0_128, EPX_FP8_MXFP8};
@@ -234,6 +234,12 @@ static int fp8_scenes(fp8_scene_t *out, int32_t W) {
                            .T = 21, .H = 1024, .E = 2 * W, .K = 1, .W = W, .quantize = 1, .nonfinite = 1, .seed = 105};
   out[n++] = (fp8_scene_t){EPX_FP8_E4M3_UE8M0_128, EPX_LAYOUT_RANK_MAJOR, EPX_EXCHANGE_COLLECTIVE, EPX_FLOAT32,
                            .T = 0, .H = 512, .E = W, .K = 1, .W = W, .seed = 106};
+  /* Rows that end inside a warp's step of the GPU kernel (a step takes 32
+   * lanes x 16 values, two steps' loads at once for 16-bit rows). */
+  out[n++] = (fp8_scene_t){EPX_FP8_MXFP8, EPX_LAYOUT_EXPERT_MAJOR, EPX_EXCHANGE_DEDUP, EPX_BFLOAT16,
+                           .T = 10, .H = 1056, .E = 8, .K = 3, .W = W, .quantize = 1, .nonfinite = 1, .seed = 107};
+  out[n++] = (fp8_scene_t){EPX_FP8_E4M3_F32_128, EPX_LAYOUT_RANK_MAJOR, EPX_EXCHANGE_DEDUP, EPX_BFLOAT16,
+                           .T = 12, .H = 640, .E = 8, .K = 2, .W = W, .quantize = 1, .nonfinite = 1, .seed = 108};
   for (int i = 0; i < n; i++) out[i].E = (out[i].E + W - 1) / W * W; /* E a multiple of the ranks */
   return n;
 }

@@ -7,10 +7,11 @@
  * A warp per token. Copying, each lane moves 16 bytes of the e4m3 row per
  * step (512 B per warp, coalesced) to every row of the token, then the S
  * scale bytes in the widest unit both scale tensors allow. Quantizing, each
- * lane reads one 16-byte vector of the source row (8 bf16 or 4 f32 values),
- * a block's lanes (block / values per vector: 4 to 32) agree its amax by
- * butterfly shuffles, and each lane writes its 8 or 4 e4m3 bytes to every
- * row of the token; the block's first lane writes the scale.
+ * lane takes 16 values of the source row (two 16-byte vectors of bf16 or
+ * fp16, four of f32), a block's lanes (block / 16: 8 or 2) agree its amax by
+ * butterfly shuffles, and each lane writes its 16 e4m3 bytes to every row of
+ * the token with one 16-byte store; the block's first lane writes the scale.
+ * Both load kInFlight vectors per lane before writing any.
  *
  * Every tensor has a row stride of its own (bytes between rows): the dense
  * tensors of the one-GPU dispatch, or the W-rank host path's packed rows
@@ -30,6 +31,12 @@
 namespace {
 
 constexpr int kWarps = 8;
+/* 16-byte loads a lane has in flight before it writes: a row's latency is
+ * paid once per 32 * kInFlight vectors, not per vector. */
+constexpr int kInFlight = 4;
+/* CTAs an SM keeps (64 registers a thread at most): 4096 tokens, a warp
+ * each, fit the H200's SMs in one wave. */
+constexpr int kMinBlocks = 4;
 
 struct fp8_args {
   const void *x;           /* [T, H] e4m3 bytes, or [T, H] of the payload dtype */
@@ -95,61 +102,107 @@ __device__ int token_rows(const fp8_args &a, int64_t t, int32_t *s_row, int lane
 
 __device__ void copy_token(const fp8_args &a, int64_t t, const int32_t *s_row, int valid, int lane) {
   const uint4 *src = reinterpret_cast<const uint4 *>(static_cast<const uint8_t *>(a.x) + t * a.stride.x);
-  for (int64_t i = lane; i < a.hidden / 16; i += 32) {
-    const uint4 v = __ldcs(src + i);
-    for (int j = 0; j < valid; j++) reinterpret_cast<uint4 *>(a.recv_q + (int64_t)s_row[j] * a.stride.recv_q)[i] = v;
+  const int64_t nvec = a.hidden / 16;
+  for (int64_t base = 0; base < nvec; base += 32 * kInFlight) {
+    uint4 v[kInFlight];
+#pragma unroll
+    for (int u = 0; u < kInFlight; u++) {
+      const int64_t i = base + u * 32 + lane;
+      v[u] = i < nvec ? __ldcs(src + i) : make_uint4(0u, 0u, 0u, 0u);
+    }
+    for (int j = 0; j < valid; j++) {
+      uint4 *dst = reinterpret_cast<uint4 *>(a.recv_q + (int64_t)s_row[j] * a.stride.recv_q);
+#pragma unroll
+      for (int u = 0; u < kInFlight; u++) {
+        const int64_t i = base + u * 32 + lane;
+        if (i < nvec) dst[i] = v[u];
+      }
+    }
   }
   const uint8_t *s = a.x_scales + t * a.stride.x_scales;
   for (int j = 0; j < valid; j++)
     copy_scales(s, a.recv_s + (int64_t)s_row[j] * a.stride.recv_scales, a.scale_bytes, a.scale_unit, lane);
 }
 
-/* max of two partial amaxes: NaN wins for DeepEP's formats (torch.amax),
- * loses for MXFP8 (fmaxf), as core/fp8.c takes it. */
-__device__ __forceinline__ float amax_merge(float m, float a, bool skip_nan) {
-  if (skip_nan) return fmaxf(m, a);
-  return (m != m || a != a) ? __int_as_float(0x7fc00000) : fmaxf(m, a);
+/* |f| as bits, whose unsigned order is the float order of non-negative
+ * values (zeros, subnormals, infinity) and puts every NaN above infinity:
+ * an unsigned max propagates NaN as torch.amax does for DeepEP's formats
+ * (the NaN's payload is lost in the scale either way, core/fp8.h); MXFP8
+ * drops NaN first, as fmaxf does. core/fp8.c's amax, bit for bit. */
+__device__ __forceinline__ uint32_t abs_bits(float f, bool skip_nan) {
+  const uint32_t a = __float_as_uint(f) & 0x7fffffffu;
+  return skip_nan && a > 0x7f800000u ? 0u : a;
+}
+
+/* One lane's 16 values: their block's amax agreed over the block's lanes,
+ * the 16 e4m3 bytes (one 16-byte store per row) and the block's scale. */
+struct chunk_q {
+  uint4 q;
+  uint32_t stored;
+};
+
+template <typename T>
+__device__ __forceinline__ chunk_q quantize_chunk(const uint4 *raw, epx_fp8_format_t format, int group) {
+  using vec = epx_vec<T>;
+  constexpr int n = vec::n;
+  const bool skip_nan = format == EPX_FP8_MXFP8;
+  float f[16];
+#pragma unroll
+  for (int l = 0; l < 16 / n; l++) vec::unpack(raw[l], f + l * n);
+  uint32_t amax = 0u;
+#pragma unroll
+  for (int e = 0; e < 16; e++) amax = max(amax, abs_bits(f[e], skip_nan));
+  for (int m = 1; m < group; m <<= 1) amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, m));
+  const epx_fp8_block_scale_t s = epx_fp8_block_scale(format, __uint_as_float(amax));
+  uint32_t w[4];
+#pragma unroll
+  for (int k = 0; k < 4; k++) {
+    w[k] = 0u;
+#pragma unroll
+    for (int e = 0; e < 4; e++) w[k] |= (uint32_t)epx_f32_to_e4m3(f[4 * k + e] * s.mult) << (8 * e);
+  }
+  return {make_uint4(w[0], w[1], w[2], w[3]), s.stored};
 }
 
 template <typename T>
 __device__ void quantize_token(const fp8_args &a, int64_t t, const int32_t *s_row, int valid, int lane) {
-  using vec = epx_vec<T>;
-  constexpr int n = vec::n; /* values per 16-byte vector: 8 or 4, so 8 or 4 e4m3 bytes */
+  constexpr int loads = 16 / epx_vec<T>::n; /* 16-byte loads per lane per chunk of 16 values */
+  constexpr int kChunks = kInFlight / loads;
   const int block = epx_payload_fp8(a.format, EPX_FLOAT32, 0).scale_block;
-  const int group = block / n; /* lanes per block: a power of two up to 32 */
-  const bool skip_nan = a.format == EPX_FP8_MXFP8;
+  const int group = block / 16; /* lanes per block: 2 or 8 */
   const int entry = a.format == EPX_FP8_E4M3_F32_128 ? 4 : 1;
-  const int64_t nvec = a.hidden / n;
+  const int64_t nchunk = a.hidden / 16; /* a multiple of group: hidden is one of block */
   const uint4 *src = reinterpret_cast<const uint4 *>(static_cast<const uint8_t *>(a.x) + t * a.stride.x);
-  for (int64_t base = 0; base < nvec; base += 32) {
-    const int64_t i = base + lane;
-    float f[n];
-    vec::unpack(i < nvec ? __ldcs(src + i) : make_uint4(0u, 0u, 0u, 0u), f);
-    float amax = 0.0f;
+  for (int64_t base = 0; base < nchunk; base += 32 * kChunks) {
+    uint4 raw[kChunks][loads];
 #pragma unroll
-    for (int e = 0; e < n; e++) amax = amax_merge(amax, fabsf(f[e]), skip_nan);
-    for (int m = 1; m < group; m <<= 1) amax = amax_merge(amax, __shfl_xor_sync(0xffffffffu, amax, m), skip_nan);
-    const epx_fp8_block_scale_t s = epx_fp8_block_scale(a.format, amax);
-    uint32_t w[2] = {0u, 0u};
+    for (int c = 0; c < kChunks; c++) {
+      const int64_t i = base + c * 32 + lane;
 #pragma unroll
-    for (int e = 0; e < n; e++) w[e / 4] |= (uint32_t)epx_f32_to_e4m3(f[e] * s.mult) << (8 * (e % 4));
-    if (i >= nvec) continue; /* whole blocks lie past the row: their shuffles are done */
-    const int64_t b = i * n / block;
-    for (int j = 0; j < valid; j++) {
-      uint8_t *q = a.recv_q + (int64_t)s_row[j] * a.stride.recv_q + i * n;
-      if (n == 8) *reinterpret_cast<uint2 *>(q) = make_uint2(w[0], w[1]);
-      else *reinterpret_cast<uint32_t *>(q) = w[0];
-      if ((lane & (group - 1)) == 0) {
-        uint8_t *sc = a.recv_s + (int64_t)s_row[j] * a.stride.recv_scales + b * entry;
-        if (entry == 4) *reinterpret_cast<uint32_t *>(sc) = s.stored;
-        else *sc = (uint8_t)s.stored;
+      for (int l = 0; l < loads; l++) raw[c][l] = i < nchunk ? __ldcs(src + i * loads + l) : make_uint4(0u, 0u, 0u, 0u);
+    }
+#pragma unroll
+    for (int c = 0; c < kChunks; c++) {
+      if (base + c * 32 >= nchunk) break; /* warp-uniform: the row ended */
+      const int64_t i = base + c * 32 + lane;
+      /* every lane shuffles; lanes past the row hold whole blocks of zeros */
+      const chunk_q r = quantize_chunk<T>(raw[c], a.format, group);
+      if (i >= nchunk) continue;
+      const int64_t b = i * 16 / block;
+      for (int j = 0; j < valid; j++) {
+        *reinterpret_cast<uint4 *>(a.recv_q + (int64_t)s_row[j] * a.stride.recv_q + i * 16) = r.q;
+        if ((lane & (group - 1)) == 0) {
+          uint8_t *sc = a.recv_s + (int64_t)s_row[j] * a.stride.recv_scales + b * entry;
+          if (entry == 4) *reinterpret_cast<uint32_t *>(sc) = r.stored;
+          else *sc = (uint8_t)r.stored;
+        }
       }
     }
   }
 }
 
 template <typename T, bool kQuantize>
-__global__ void __launch_bounds__(kWarps * 32) fp8_scatter_kernel(const fp8_args a) {
+__global__ void __launch_bounds__(kWarps * 32, kMinBlocks) fp8_scatter_kernel(const fp8_args a) {
   if (blockIdx.x >= a.token_blocks) {
     zero_rows(a, (int64_t)blockIdx.x - a.token_blocks);
     return;
