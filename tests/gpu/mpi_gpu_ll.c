@@ -68,16 +68,28 @@ static float code(int a, int b, int c, int h) {
 static size_t dsize(const case_t *c) { return c->dtype == EPX_FLOAT32 ? 4 : 2; }
 static size_t rows_bytes(const case_t *c, int64_t rows) { return (size_t)(rows * H) * dsize(c); }
 
+/* The memset and the pageable upload below run on the legacy default
+ * stream, which the test's non-blocking stream does not wait for: cudaMemset
+ * returns before it ran, and cudaMemcpy from pageable memory may return
+ * before its last DMA landed. A low-latency call enqueues its kernels at
+ * once (no host agreement first), so without the device wait its combine
+ * read a megabyte expert_out still partly zero. */
+static void upload(void *dev, const void *host, size_t bytes) {
+  if (bytes) FATAL_UNLESS_CUDA_OK(cudaMemcpy(dev, host, bytes, cudaMemcpyHostToDevice));
+  FATAL_UNLESS_CUDA_OK(cudaDeviceSynchronize());
+}
+
 static void *dev_alloc(size_t bytes) {
   void *p = NULL;
   FATAL_UNLESS_CUDA_OK(cudaMalloc(&p, bytes ? bytes : 16));
   FATAL_UNLESS_CUDA_OK(cudaMemset(p, 0, bytes ? bytes : 16));
+  FATAL_UNLESS_CUDA_OK(cudaDeviceSynchronize());
   return p;
 }
 
 static void *dev_put(const void *host, size_t bytes) {
   void *p = dev_alloc(bytes);
-  if (bytes) FATAL_UNLESS_CUDA_OK(cudaMemcpy(p, host, bytes, cudaMemcpyHostToDevice));
+  upload(p, host, bytes);
   return p;
 }
 
@@ -326,7 +338,7 @@ static void run_case(const case_t *c, epx_comm_t comm, cudaStream_t stream, int 
     result_open(c, &want), result_open(c, &got);
     normal_step(c, nb, &r, dev, T, 0, stream, &want);
     const int32_t t32 = (int32_t)T;
-    FATAL_UNLESS_CUDA_OK(cudaMemcpy(d.tokens, &t32, 4, cudaMemcpyHostToDevice));
+    upload(d.tokens, &t32, 4);
     const int64_t rows = device ? TM : T;
     epx_routing_t rt = routing_of(c, rows, dev);
     epx_handle_t h = NULL;
@@ -378,7 +390,7 @@ static void test_graph(const case_t *c, epx_comm_t comm, cudaStream_t stream) {
   for (int step = 0; step < STEPS && h; step++) {
     const int64_t T = kCounts[(step * 2 + g_rank) % STEPS];
     const int32_t t32 = (int32_t)T;
-    FATAL_UNLESS_CUDA_OK(cudaMemcpy(d.tokens, &t32, 4, cudaMemcpyHostToDevice));
+    upload(d.tokens, &t32, 4);
     FATAL_UNLESS_CUDA_OK(cudaGraphLaunch(exec, stream));
     FATAL_UNLESS_CUDA_OK(cudaStreamSynchronize(stream));
     result_t want, got;
