@@ -123,12 +123,16 @@ class MOELayer(torch.nn.Module):
         return _et.route(logits, num_experts=self.num_experts, **options)
 
     def _run_experts(self, d):
-        """Each local expert on its rows of the dispatch -> [N, H]."""
-        outs, start = [], 0
-        for expert, n in zip(self.experts.deepspeed_experts, d.counts_host()):
-            out = expert(d.recv_x[start:start + n])
+        """Each local expert on its rows of the dispatch -> [N, H]. One split
+        of recv_x rather than a slice per expert: a slice's backward writes
+        its gradient into a zeroed [N, H] tensor and autograd adds them up,
+        E_local full-size fills and adds a step; the split's backward is
+        one concatenation."""
+        outs = []
+        for expert, rows in zip(self.experts.deepspeed_experts,
+                                d.recv_x.split(d.counts_host())):
+            out = expert(rows)
             outs.append(out[0] if isinstance(out, tuple) else out)
-            start += n
         return torch.cat(outs)
 
     def forward(self, *input, **kwargs):
