@@ -81,6 +81,7 @@ class MOELayer(torch.nn.Module):
         self.exchange, self.timeout_seconds = Exchange(exchange), timeout_seconds
         self.comm = self.buffer = None
         self.l_aux = self.exp_counts = None
+        self.route_config = None  # (the gate's settings, their epx.RouteConfig)
 
     def _set_ep_group(self, ep_group):
         self.ep_group = ep_group
@@ -114,13 +115,21 @@ class MOELayer(torch.nn.Module):
             self.comm.close()
         self.comm = self.buffer = None
 
-    def _route(self, x):
+    def _route_config(self):
+        """The epx.RouteConfig of the gate's current settings, built once per
+        setting (training and eval differ in capacity factor) rather than
+        field by field every step."""
         g = self.gate
         factor = g.capacity_factor if self.training else g.eval_capacity_factor
-        options = _gate_options(g.k, factor, g.min_capacity, g.drop_tokens, self.use_rts,
-                               self.rts_seed)
-        logits = F.linear(x.float(), g.wg.weight.float())
-        return _et.route(logits, num_experts=self.num_experts, **options)
+        key = (g.k, factor, g.min_capacity, g.drop_tokens, self.use_rts, self.rts_seed)
+        if self.route_config is None or self.route_config[0] != key:
+            self.route_config = key, _epx.RouteConfig(num_experts=self.num_experts,
+                                                      **_gate_options(*key))
+        return self.route_config[1]
+
+    def _route(self, x):
+        logits = F.linear(x.float(), self.gate.wg.weight.float())
+        return _et.route(logits, self._route_config())
 
     def _run_experts(self, d):
         """Each local expert on its rows of the dispatch -> [N, H]. One split
