@@ -710,16 +710,13 @@ typedef enum epx_combine_precision {
 
 /* How a CUDA buffer over several ranks moves rows to each peer. */
 typedef enum epx_exchange_path {
-  /* The faster path for the buffer as measured on 2 H200 (bench/NOTES-gpu.md,
-   * "The SM budget: whole steps"): the fused NVLink kernels for the
-   * rank-major layout (dispatch / combine at T=8192: 0.43 / 0.44 ms at 32
-   * SMs against 0.51-0.55 / 0.52-0.57 on the host path), NCCL's host API for the
-   * expert-major and capacity layouts (alone, their fused exchanges are the
-   * faster: dispatch 0.70 against 0.84 ms at T=8192, combine 0.78 against
-   * 0.85 with payload partials, 1.26 with float32 ones; but in a whole
-   * training step, its exchanges beside the expert GEMMs, fused and host
-   * measured the same: 28.47 against 28.46 ms on 2 H200,
-   * bench/NOTES-gpu.md) and for everything EPX_PATH_FUSED cannot serve. */
+  /* The faster path for the buffer as measured on 2 H200: the fused NVLink
+   * kernels for the rank-major layout; NCCL's host API for the expert-major
+   * and capacity layouts (their fused exchanges are faster alone, but a
+   * whole training step, exchanges beside the expert GEMMs, measured the
+   * same on both paths, and the host path needs no symmetric window) and
+   * for everything EPX_PATH_FUSED cannot serve. The figures behind the
+   * choice: bench/NOTES-gpu.md, "The SM budget: whole steps". */
   EPX_PATH_AUTO = 0,
   /* NCCL's host API for every peer (to compare the paths on the same GPUs,
    * or where the fused window's memory is not wanted). */

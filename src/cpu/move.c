@@ -39,8 +39,7 @@ typedef enum {
 /* Whether one rank splits its tokens over the cores: only with enough work
  * to pay for waking them (an OpenMP region costs microseconds when the cores
  * are idle, and up to a scheduler time slice, milliseconds, when they are
- * busy — measured 25-75 ms per 12-token step, and 20 ms for a 0.1 ms
- * dispatch of 1024 x 256, on a loaded 2-core machine). From 1M elements
+ * busy; bench/NOTES.md, v0.4.0-dev, has the measurements). From 1M elements
  * (4 MB of f32 rows) a call takes a millisecond or more alone. */
 #ifdef _OPENMP
 static int split_tokens(const struct epx_cpu_plan *p) { return p->W == 1 && p->T * p->H >= ((int64_t)1 << 20); }
