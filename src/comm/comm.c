@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "core/config.h"
 #include "core/error.h"
@@ -288,4 +289,53 @@ epx_status_t epx_comm_handshake(epx_comm_t comm, const char *caller, const void 
   if (comm->ops->handshake) return comm->ops->handshake(comm, caller, send, recv, bytes, then, ctx);
   status = comm->ops->alltoall(comm, caller, send, recv, bytes);
   return status != EPX_SUCCESS ? status : then(ctx, recv);
+}
+
+struct timespec epx_comm_deadline(double seconds) {
+  struct timespec deadline;
+  clock_gettime(CLOCK_MONOTONIC, &deadline);
+  double whole = floor(seconds);
+  deadline.tv_sec += (time_t)whole;
+  deadline.tv_nsec += (long)((seconds - whole) * 1e9);
+  if (deadline.tv_nsec >= 1000000000L) {
+    deadline.tv_sec++;
+    deadline.tv_nsec -= 1000000000L;
+  }
+  return deadline;
+}
+
+epx_status_t epx_comm_world_failed_error(const char *caller, int same_barrier, epx_status_t status,
+                                         const char *fail_caller, const char *fail_reason) {
+  if (!same_barrier)
+    return epx_error(EPX_ERROR_PEER_FAILED,
+                     "%s: the comm failed earlier, in %s: %s; destroy it and create a new one",
+                     caller, fail_caller, fail_reason);
+  if (status == EPX_ERROR_TIMEOUT)
+    return epx_error(EPX_ERROR_TIMEOUT,
+                     "%s: %s; a missing rank failed before this collective or is stuck. The "
+                     "comm is now failed (later calls return EPX_ERROR_PEER_FAILED); destroy it",
+                     caller, fail_reason);
+  return epx_error(status, "%s: %s; the comm is now failed, destroy it", caller, fail_reason);
+}
+
+void epx_comm_world_timeout_reason(char *out, size_t out_size, int32_t size,
+                                   int (*arrived)(const void *world, int32_t rank), const void *world,
+                                   double timeout) {
+  char ranks[256];
+  size_t used = 0;
+  int32_t missing = 0, named = 0;
+  ranks[0] = 0;
+  for (int32_t p = 0; p < size; p++) {
+    if (arrived(world, p)) continue;
+    missing++;
+    if (named < 16 && used < sizeof ranks) {
+      int n = snprintf(ranks + used, sizeof ranks - used, "%s%d", named ? ", " : "", p);
+      if (n > 0) used += (size_t)n;
+      named++;
+    }
+  }
+  if (missing > named && used < sizeof ranks)
+    snprintf(ranks + used, sizeof ranks - used, ", ... (%d in all)", missing);
+  snprintf(out, out_size, "rank%s %s did not arrive within %g s (comm timeout_seconds)",
+           missing > 1 ? "s" : "", ranks, timeout);
 }

@@ -3,6 +3,8 @@
 #ifndef EPX_COMM_COMM_H
 #define EPX_COMM_COMM_H
 
+#include <time.h>
+
 #include "core/transport.h"
 #include "epx.h"
 
@@ -30,6 +32,21 @@ epx_status_t epx_comm_mpi_host_key(epx_comm_t comm, int64_t *key);
 void epx_comm_timeout_text(char *out, size_t out_size, int32_t size, const char *op,
                            double timeout, const uint8_t *missing, const uint8_t *waiting,
                            const uint8_t *behind, const uint8_t *also, const uint8_t *also_behind);
+
+/* The barrier worlds of ranks that share memory (local: threads; shm:
+ * processes) wait the same way and fail the same way: */
+/* the CLOCK_MONOTONIC time `seconds` from now (their conditions' clock); */
+struct timespec epx_comm_deadline(double seconds);
+/* the error of a rank of a failed world: at the barrier that failed
+ * (same_barrier), that failure's status and reason; in a later call,
+ * EPX_ERROR_PEER_FAILED naming the call that failed. */
+epx_status_t epx_comm_world_failed_error(const char *caller, int same_barrier, epx_status_t status,
+                                         const char *fail_caller, const char *fail_reason);
+/* the reason of a timeout at a barrier: the ranks for which arrived(world,
+ * p) is 0 (the first 16 named), "did not arrive within `timeout` s". */
+void epx_comm_world_timeout_reason(char *out, size_t out_size, int32_t size,
+                                   int (*arrived)(const void *world, int32_t rank), const void *world,
+                                   double timeout);
 
 /* Checks a comm config (NULL = defaults) and gives its timeout. */
 epx_status_t epx_comm_config_timeout(const char *caller, const epx_comm_config_t *config,

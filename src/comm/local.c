@@ -29,7 +29,6 @@
  * release is their own memcpy, and returning early would let a sender free a
  * buffer that a peer is still reading. */
 #include <errno.h>
-#include <math.h>
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -113,40 +112,23 @@ static epx_status_t local_failed_error_locked(epx_comm_t comm, const char *calle
                                               uint64_t generation) {
   epx_local_world_t world = comm->impl;
   comm->failed = 1;
-  if (generation != world->fail_generation)
-    return epx_error(EPX_ERROR_PEER_FAILED,
-                     "%s: the comm failed earlier, in %s: %s; destroy it and create a new one",
-                     caller, world->fail_caller, world->fail_reason);
-  if (world->fail_status == EPX_ERROR_TIMEOUT)
-    return epx_error(EPX_ERROR_TIMEOUT,
-                     "%s: %s; a missing rank failed before this collective or is stuck. The "
-                     "comm is now failed (later calls return EPX_ERROR_PEER_FAILED); destroy it",
-                     caller, world->fail_reason);
-  return epx_error(world->fail_status, "%s: %s; the comm is now failed, destroy it", caller,
-                   world->fail_reason);
+  return epx_comm_world_failed_error(caller, generation == world->fail_generation, world->fail_status,
+                                     world->fail_caller, world->fail_reason);
 }
 
 /* Names the ranks that have not reached the gather barrier of `generation`
  * and fails the world with EPX_ERROR_TIMEOUT (under lock). */
+static int local_arrived(const void *world, int32_t rank) {
+  const struct epx_local_world *w = world;
+  return w->slots[rank].arrived == w->generation + 1;
+}
+
 static void local_fail_timeout_locked(epx_local_world_t world, uint64_t generation,
                                       const char *caller) {
-  char ranks[256];
-  size_t used = 0;
-  int32_t missing = 0, named = 0;
-  for (int32_t p = 0; p < world->size; p++) {
-    if (world->slots[p].arrived == generation + 1) continue;
-    missing++;
-    if (named < 16 && used < sizeof ranks) {
-      int n = snprintf(ranks + used, sizeof ranks - used, "%s%d", named ? ", " : "", p);
-      if (n > 0) used += (size_t)n;
-      named++;
-    }
-  }
-  if (missing > named && used < sizeof ranks)
-    snprintf(ranks + used, sizeof ranks - used, ", ... (%d in all)", missing);
-  local_fail_locked(world, generation, EPX_ERROR_TIMEOUT, caller,
-                    "rank%s %s did not arrive within %g s (comm timeout_seconds)",
-                    missing > 1 ? "s" : "", ranks, world->timeout_seconds);
+  char reason[sizeof world->fail_reason];
+  epx_comm_world_timeout_reason(reason, sizeof reason, world->size, local_arrived, world,
+                                world->timeout_seconds);
+  local_fail_locked(world, generation, EPX_ERROR_TIMEOUT, caller, "%s", reason);
 }
 
 /* Waits (under lock) until the barrier of `generation` completes. A gather
@@ -156,17 +138,7 @@ static epx_status_t local_wait_locked(epx_comm_t comm, const char *caller, uint6
                                       int gather) {
   epx_local_world_t world = comm->impl;
   int bounded = gather && world->timeout_seconds > 0 && world->timeout_seconds < 1e9;
-  struct timespec deadline;
-  if (bounded) {
-    clock_gettime(CLOCK_MONOTONIC, &deadline);
-    double whole = floor(world->timeout_seconds);
-    deadline.tv_sec += (time_t)whole;
-    deadline.tv_nsec += (long)((world->timeout_seconds - whole) * 1e9);
-    if (deadline.tv_nsec >= 1000000000L) {
-      deadline.tv_sec++;
-      deadline.tv_nsec -= 1000000000L;
-    }
-  }
+  struct timespec deadline = epx_comm_deadline(bounded ? world->timeout_seconds : 0);
   while (world->generation == generation && !(gather && world->failed)) {
     if (!bounded) {
       pthread_cond_wait(&world->cond, &world->lock);

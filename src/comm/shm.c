@@ -25,7 +25,6 @@
  * fails the world. */
 #include <errno.h>
 #include <fcntl.h>
-#include <math.h>
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdatomic.h>
@@ -143,54 +142,23 @@ static epx_status_t shm_failed_error_locked(epx_comm_t comm, const char *caller,
                                             uint64_t generation) {
   shm_world_t *w = ((shm_state_t *)comm->impl)->world;
   comm->failed = 1;
-  if (generation != w->fail_generation)
-    return epx_error(EPX_ERROR_PEER_FAILED,
-                     "%s: the comm failed earlier, in %s: %s; destroy it and create a new one",
-                     caller, w->fail_caller, w->fail_reason);
-  if (w->fail_status == EPX_ERROR_TIMEOUT)
-    return epx_error(EPX_ERROR_TIMEOUT,
-                     "%s: %s; a missing rank failed before this collective or is stuck. The "
-                     "comm is now failed (later calls return EPX_ERROR_PEER_FAILED); destroy it",
-                     caller, w->fail_reason);
-  return epx_error((epx_status_t)w->fail_status, "%s: %s; the comm is now failed, destroy it",
-                   caller, w->fail_reason);
+  return epx_comm_world_failed_error(caller, generation == w->fail_generation,
+                                     (epx_status_t)w->fail_status, w->fail_caller, w->fail_reason);
+}
+
+static int shm_arrived(const void *world, int32_t rank) {
+  const shm_world_t *w = world;
+  return w->slots[rank].arrived == w->generation + 1;
 }
 
 static void shm_fail_timeout_locked(shm_world_t *w, uint64_t generation, const char *caller) {
-  char ranks[256];
-  size_t used = 0;
-  int32_t missing = 0, named = 0;
-  for (int32_t p = 0; p < w->size; p++) {
-    if (w->slots[p].arrived == generation + 1) continue;
-    missing++;
-    if (named < 16 && used < sizeof ranks) {
-      int n = snprintf(ranks + used, sizeof ranks - used, "%s%d", named ? ", " : "", p);
-      if (n > 0) used += (size_t)n;
-      named++;
-    }
-  }
-  if (missing > named && used < sizeof ranks)
-    snprintf(ranks + used, sizeof ranks - used, ", ... (%d in all)", missing);
-  shm_fail_locked(w, generation, EPX_ERROR_TIMEOUT, caller,
-                  "rank%s %s did not arrive within %g s (comm timeout_seconds)",
-                  missing > 1 ? "s" : "", ranks, w->timeout_seconds);
+  char reason[sizeof w->fail_reason];
+  epx_comm_world_timeout_reason(reason, sizeof reason, w->size, shm_arrived, w, w->timeout_seconds);
+  shm_fail_locked(w, generation, EPX_ERROR_TIMEOUT, caller, "%s", reason);
 }
 
 static int shm_bounded(double timeout_seconds) {
   return timeout_seconds > 0 && timeout_seconds < 1e9;
-}
-
-static struct timespec shm_deadline(double timeout_seconds) {
-  struct timespec deadline;
-  clock_gettime(CLOCK_MONOTONIC, &deadline);
-  double whole = floor(timeout_seconds);
-  deadline.tv_sec += (time_t)whole;
-  deadline.tv_nsec += (long)((timeout_seconds - whole) * 1e9);
-  if (deadline.tv_nsec >= 1000000000L) {
-    deadline.tv_sec++;
-    deadline.tv_nsec -= 1000000000L;
-  }
-  return deadline;
 }
 
 /* Waits (under lock) until the barrier of `generation` completes, the world
@@ -198,7 +166,7 @@ static struct timespec shm_deadline(double timeout_seconds) {
 static epx_status_t shm_wait_locked(epx_comm_t comm, const char *caller, uint64_t generation) {
   shm_world_t *w = ((shm_state_t *)comm->impl)->world;
   int bounded = shm_bounded(w->timeout_seconds);
-  struct timespec deadline = shm_deadline(bounded ? w->timeout_seconds : 0);
+  struct timespec deadline = epx_comm_deadline(bounded ? w->timeout_seconds : 0);
   while (w->generation == generation && !w->failed) {
     int rc = bounded ? pthread_cond_timedwait(&w->cond, &w->lock, &deadline)
                      : pthread_cond_wait(&w->cond, &w->lock);
@@ -579,7 +547,7 @@ static shm_world_t *shm_world_try(const shm_state_t *st) {
 static epx_status_t shm_world_open(shm_state_t *st, int32_t size, double timeout_seconds) {
   const char *fn = "epx_comm_create_shm";
   int bounded = shm_bounded(timeout_seconds);
-  struct timespec deadline = shm_deadline(bounded ? timeout_seconds : 0);
+  struct timespec deadline = epx_comm_deadline(bounded ? timeout_seconds : 0);
   const struct timespec pause = {0, 1000000L};
   while (!(st->world = shm_world_try(st))) {
     struct timespec now;
