@@ -14,8 +14,13 @@
  * of the pre-quantized dispatch. (PyTorch's quantizer then epx's fp8
  * dispatch back to back is bench/gpu/bench_torch.py's to time.)
  *
+ * First, the hardware's e4m3 conversion (cvt.rn.satfinite.e4m3x2.f32, which
+ * the quantizing kernel uses) against core/fp8.h's epx_f32_to_e4m3 (the
+ * CPU's) on every float32 bit pattern, both halves of the pair.
+ *
  * Usage: bench_fp8   (prints CHECK / RESULT / TARGET lines; exit 1 on a
  * mismatch or a failed call) */
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -29,10 +34,40 @@
 #include "epx.h"
 
 #include "bench_check.h"
+#include "core/fp8.h"
 
 namespace {
 
 constexpr int64_t T = 4096, H = 7168;
+
+/* Bits i and i with the sign flipped, as the pair (x, y) of one conversion. */
+__global__ void cvt_compare(uint32_t high_byte, unsigned long long *mismatches, uint32_t *first) {
+  const uint32_t i = (high_byte << 24) | (blockIdx.x * blockDim.x + threadIdx.x);
+  const float a = __uint_as_float(i), b = __uint_as_float(i ^ 0x80000000u);
+  const __nv_fp8x2_storage_t hw = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
+  if ((uint8_t)(hw & 0xffu) != epx_f32_to_e4m3(a) || (uint8_t)(hw >> 8) != epx_f32_to_e4m3(b))
+    if (atomicAdd(mismatches, 1ull) == 0) first[0] = i;
+}
+
+/* Every float32 (the loop's i and its negation cover the 2^32 patterns twice). */
+int check_conversion(cudaStream_t s) {
+  unsigned long long *d_bad, bad = 0;
+  uint32_t *d_first, first = 0;
+  CK(cudaMalloc(&d_bad, sizeof bad));
+  CK(cudaMalloc(&d_first, sizeof first));
+  CK(cudaMemsetAsync(d_bad, 0, sizeof bad, s));
+  for (uint32_t hi = 0; hi < 256; hi++) cvt_compare<<<(1u << 24) / 256, 256, 0, s>>>(hi, d_bad, d_first);
+  CK(cudaGetLastError());
+  CK(cudaMemcpyAsync(&bad, d_bad, sizeof bad, cudaMemcpyDeviceToHost, s));
+  CK(cudaMemcpyAsync(&first, d_first, sizeof first, cudaMemcpyDeviceToHost, s));
+  CK(cudaStreamSynchronize(s));
+  CK(cudaFree(d_bad));
+  CK(cudaFree(d_first));
+  printf("CHECK e4m3 conversion: hardware satfinite vs core/fp8.h on all 2^32 float32: mismatches=%llu", bad);
+  if (bad) printf(" (first 0x%08x)", first);
+  printf("\n");
+  return bad != 0;
+}
 constexpr int32_t E = 256, K = 8;
 
 struct rng_t {
@@ -261,11 +296,11 @@ int bench_format(epx_comm_t comm, epx_fp8_format_t format, const inputs_t &in, d
 int main() {
   cudaStream_t st;
   CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  int failures = check_conversion(st);
   const double copy = copy_gbps(st);
   const inputs_t in = make_inputs();
   epx_comm_t comm;
   EK(epx_comm_create_self(&comm));
-  int failures = 0;
   for (epx_fp8_format_t f : {EPX_FP8_E4M3_F32_128, EPX_FP8_E4M3_UE8M0_128, EPX_FP8_MXFP8})
     failures += bench_format(comm, f, in, copy, st);
   EK(epx_comm_destroy(comm));

@@ -9,9 +9,9 @@
 namespace {
 
 constexpr int kCachedDevices = 64; /* device ids past it are served uncached */
-/* kernels whose limit is raised (12 today: the routing and layout kernels,
- * the fused ones); more: uncached */
-constexpr int kCachedKernels = 16;
+/* kernels whose limit is raised (16 today: the routing and layout kernels,
+ * the fused ones, the fp8 scatter's four); more: uncached */
+constexpr int kCachedKernels = 24;
 
 /* A device's attributes: state 0 unset, 1 being filled by the thread that
  * claimed it, 2 ready (info is then read-only). A thread that finds it

@@ -4,17 +4,26 @@
  * once (core/fp8.h's per-block formulas, the CPU's bits) and written to its
  * K rows; plus the zeros of padding and empty rows.
  *
- * A warp per token. Copying, each lane moves 16 bytes of the e4m3 row per
- * step (512 B per warp, coalesced) to every row of the token, then the S
- * scale bytes in the widest unit both scale tensors allow. Quantizing, each
- * lane takes 16 values of the source row (two 16-byte vectors of bf16 or
- * fp16, four of f32), a block's lanes (block / 16: 8 or 2) agree its amax by
- * butterfly shuffles, and each lane writes its 16 e4m3 bytes to every row of
- * the token with one 16-byte store; the block's first lane writes the scale.
- * Both load kInFlight vectors per lane before writing any.
+ * A warp per token stages the token's fp8 row and scales once in its
+ * shared-memory slot ([H row bytes][S scale bytes]), then fans them out:
+ *   - staging, copying: the bulk copy engine loads the row (and the scales
+ *     when both scale tensors allow 16-byte bulk copies; else the lanes copy
+ *     them in the widest unit both allow);
+ *   - staging, quantizing: each lane takes 16 values of the source row (two
+ *     16-byte vectors of bf16 or fp16, four of f32), kLoads vectors in
+ *     flight per lane, a block's lanes (block / 16: 8 or 2) agree its amax
+ *     by butterfly shuffles, and each lane writes its 16 e4m3 bytes (the
+ *     hardware's satfinite conversion, which equals core/fp8.h's for every
+ *     float32) to the slot; the block's first lane writes the scale;
+ *   - fanning out: lane j issues the bulk stores of the token's valid routes
+ *     j, j + 32, ... (the row, and the scales when bulk), so a warp has up
+ *     to K rows in flight from one slot. Scales that cannot go in bulk are
+ *     written by the lanes, row by row.
+ * Before sm_90 (no bulk copy engine) the same slot is filled and emptied by
+ * the lanes with 16-byte accesses.
  *
  * Every tensor has a row stride of its own (bytes between rows): the dense
- * tensors of the one-GPU dispatch, or the W-rank host path's packed rows
+ * tensors of the one-GPU dispatch, or the W-rank paths' packed rows
  * (ep/host.c: a row and its scales in one staging row of
  * epx_payload_fp8_packed_bytes, packed on the way out, unpacked on the way
  * in by the same kernel).
@@ -22,21 +31,26 @@
  * Bytes moved (R routes, T_r tokens with a route, N recv rows):
  *   copy:      T_r*(H + S) read + N*(H + S) written
  *   quantize:  T_r*H*s read (s the dtype's size) + N*(H + S) written */
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include "core/fp8.h"
+#include "cuda/common/bulk.cuh"
 #include "cuda/common/device.cuh"
+#include "cuda/common/device_cache.h"
 #include "cuda/launch.h"
 
 namespace {
 
+/* Warps per CTA (fewer when H is so large that 8 slots do not fit). */
 constexpr int kWarps = 8;
-/* 16-byte loads a lane has in flight before it writes: a row's latency is
- * paid once per 32 * kInFlight vectors, not per vector. */
-constexpr int kInFlight = 4;
-/* CTAs an SM keeps (64 registers a thread at most): 4096 tokens, a warp
- * each, fit the H200's SMs in one wave. */
-constexpr int kMinBlocks = 4;
+/* 16-byte loads a quantizing lane has in flight before it converts: a
+ * row's latency is paid once per 32 * kLoads vectors. */
+constexpr int kLoads = 14;
+/* Copying CTAs per SM: each warp then stages a few tokens in turn, its
+ * stores of one overlapping the load of the next (bench/NOTES.md, v0.4
+ * fp8: fewer resident warps with more tokens each write faster). */
+constexpr int kCopyCtasPerSm = 2;
 
 struct fp8_args {
   const void *x;           /* [T, H] e4m3 bytes, or [T, H] of the payload dtype */
@@ -46,14 +60,14 @@ struct fp8_args {
   const int32_t *rows;     /* [T, K] */
   const int32_t *row_src;  /* [row_bound] or NULL: no zeroing */
   const int64_t *rows_valid;
-  int64_t row_bound, tokens, hidden, scale_bytes, token_blocks;
+  int64_t row_bound, tokens, hidden, scale_bytes, token_ctas, slot;
   epx_cuda_fp8_strides_t stride; /* bytes between rows of x, x_scales, recv_q, recv_s */
   int k;
-  int scale_unit;          /* bytes per scale copy: 16, 4 or 1 */
+  int scale_unit;          /* bytes per scale copy: 16 (bulk), 4 or 1 */
   epx_fp8_format_t format;
 };
 
-/* A row's scales: S bytes in units of `unit` by the warp's lanes. */
+/* S scale bytes src -> dst in units of `unit` (16, 4 or 1) by the warp's lanes. */
 __device__ void copy_scales(const uint8_t *src, uint8_t *dst, int64_t bytes, int unit, int lane) {
   if (unit == 16) {
     for (int64_t i = lane; i < bytes / 16; i += 32)
@@ -69,8 +83,8 @@ __device__ void copy_scales(const uint8_t *src, uint8_t *dst, int64_t bytes, int
 /* Zeroes the rows r < min(*rows_valid, row_bound) with row_src[r] < 0, rows
  * and scales: a warp per 32 rows finds them with one ballot. */
 __device__ void zero_rows(const fp8_args &a, int64_t block) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t r0 = (block * kWarps + warp) * 32;
+  const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t r0 = (block * warps + warp) * 32;
   const int64_t n = min(*a.rows_valid, a.row_bound);
   const int64_t r = r0 + lane;
   unsigned int empty = __ballot_sync(0xffffffffu, r < n && a.row_src[r] < 0);
@@ -85,43 +99,29 @@ __device__ void zero_rows(const fp8_args &a, int64_t block) {
   }
 }
 
-/* The token's valid rows, compacted in k order into s_row; returns how many. */
-__device__ int token_rows(const fp8_args &a, int64_t t, int32_t *s_row, int lane) {
-  const unsigned int lanes_below = (1u << lane) - 1u;
-  int valid = 0;
-  for (int k0 = 0; k0 < a.k; k0 += 32) {
-    const int k = k0 + lane;
-    const int32_t row = k < a.k ? a.rows[t * a.k + k] : -1;
-    const unsigned int mask = __ballot_sync(0xffffffffu, row >= 0);
-    if (row >= 0) s_row[valid + __popc(mask & lanes_below)] = row;
-    valid += __popc(mask);
+/* Copying: the token's row and scales into the slot ([H][S]). `phase` is
+ * the warp's barrier phase, kept by every lane. */
+__device__ void stage_copy(const fp8_args &a, int64_t t, uint8_t *slot, uint64_t *bar, uint32_t &phase, int lane) {
+  const uint8_t *src = static_cast<const uint8_t *>(a.x) + t * a.stride.x;
+  const uint8_t *src_s = a.x_scales + t * a.stride.x_scales;
+  const bool scale_bulk = a.scale_unit == 16;
+#if EPX_BULK_ARCH
+  if (lane == 0) {
+    epx_bulk_expect(bar, (uint32_t)(a.hidden + (scale_bulk ? a.scale_bytes : 0)));
+    epx_bulk_load(slot, src, (uint32_t)a.hidden, bar);
+    if (scale_bulk) epx_bulk_load(slot + a.hidden, src_s, (uint32_t)a.scale_bytes, bar);
   }
-  __syncwarp();
-  return valid;
-}
-
-__device__ void copy_token(const fp8_args &a, int64_t t, const int32_t *s_row, int valid, int lane) {
-  const uint4 *src = reinterpret_cast<const uint4 *>(static_cast<const uint8_t *>(a.x) + t * a.stride.x);
-  const int64_t nvec = a.hidden / 16;
-  for (int64_t base = 0; base < nvec; base += 32 * kInFlight) {
-    uint4 v[kInFlight];
-#pragma unroll
-    for (int u = 0; u < kInFlight; u++) {
-      const int64_t i = base + u * 32 + lane;
-      v[u] = i < nvec ? __ldcs(src + i) : make_uint4(0u, 0u, 0u, 0u);
-    }
-    for (int j = 0; j < valid; j++) {
-      uint4 *dst = reinterpret_cast<uint4 *>(a.recv_q + (int64_t)s_row[j] * a.stride.recv_q);
-#pragma unroll
-      for (int u = 0; u < kInFlight; u++) {
-        const int64_t i = base + u * 32 + lane;
-        if (i < nvec) dst[i] = v[u];
-      }
-    }
-  }
-  const uint8_t *s = a.x_scales + t * a.stride.x_scales;
-  for (int j = 0; j < valid; j++)
-    copy_scales(s, a.recv_s + (int64_t)s_row[j] * a.stride.recv_scales, a.scale_bytes, a.scale_unit, lane);
+  if (!scale_bulk) copy_scales(src_s, slot + a.hidden, a.scale_bytes, a.scale_unit, lane);
+  epx_bulk_wait(bar, phase);
+  phase ^= 1u;
+#else
+  (void)bar;
+  (void)phase;
+  (void)scale_bulk;
+  for (int64_t i = lane; i < a.hidden / 16; i += 32)
+    reinterpret_cast<uint4 *>(slot)[i] = __ldcs(reinterpret_cast<const uint4 *>(src) + i);
+  copy_scales(src_s, slot + a.hidden, a.scale_bytes, a.scale_unit, lane);
+#endif
 }
 
 /* |f| as bits, whose unsigned order is the float order of non-negative
@@ -134,8 +134,24 @@ __device__ __forceinline__ uint32_t abs_bits(float f, bool skip_nan) {
   return skip_nan && a > 0x7f800000u ? 0u : a;
 }
 
+/* Four values to e4m3 bytes (the first in the low byte): the hardware's
+ * round-to-nearest-even satfinite conversion from sm_89, which is
+ * epx_f32_to_e4m3's for every float32 (NaN to 0x7f, the infinities to
+ * +-448; bench/NOTES.md, v0.4 fp8: checked on all 2^32 inputs), or that
+ * function itself before sm_89. */
+__device__ __forceinline__ uint32_t e4m3x4(float a, float b, float c, float d) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
+  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(c, d), __NV_SATFINITE, __NV_E4M3);
+  return lo | (hi << 16);
+#else
+  return (uint32_t)epx_f32_to_e4m3(a) | (uint32_t)epx_f32_to_e4m3(b) << 8 | (uint32_t)epx_f32_to_e4m3(c) << 16 |
+         (uint32_t)epx_f32_to_e4m3(d) << 24;
+#endif
+}
+
 /* One lane's 16 values: their block's amax agreed over the block's lanes,
- * the 16 e4m3 bytes (one 16-byte store per row) and the block's scale. */
+ * the 16 e4m3 bytes and the block's scale as stored. */
 struct chunk_q {
   uint4 q;
   uint32_t stored;
@@ -156,23 +172,22 @@ __device__ __forceinline__ chunk_q quantize_chunk(const uint4 *raw, epx_fp8_form
   const epx_fp8_block_scale_t s = epx_fp8_block_scale(format, __uint_as_float(amax));
   uint32_t w[4];
 #pragma unroll
-  for (int k = 0; k < 4; k++) {
-    w[k] = 0u;
-#pragma unroll
-    for (int e = 0; e < 4; e++) w[k] |= (uint32_t)epx_f32_to_e4m3(f[4 * k + e] * s.mult) << (8 * e);
-  }
+  for (int k = 0; k < 4; k++)
+    w[k] = e4m3x4(f[4 * k] * s.mult, f[4 * k + 1] * s.mult, f[4 * k + 2] * s.mult, f[4 * k + 3] * s.mult);
   return {make_uint4(w[0], w[1], w[2], w[3]), s.stored};
 }
 
+/* Quantizing: the token's row of T into the slot's e4m3 bytes and scales. */
 template <typename T>
-__device__ void quantize_token(const fp8_args &a, int64_t t, const int32_t *s_row, int valid, int lane) {
+__device__ void stage_quantize(const fp8_args &a, int64_t t, uint8_t *slot, int lane) {
   constexpr int loads = 16 / epx_vec<T>::n; /* 16-byte loads per lane per chunk of 16 values */
-  constexpr int kChunks = kInFlight / loads;
+  constexpr int kChunks = kLoads / loads;
   const int block = epx_payload_fp8(a.format, EPX_FLOAT32, 0).scale_block;
   const int group = block / 16; /* lanes per block: 2 or 8 */
   const int entry = a.format == EPX_FP8_E4M3_F32_128 ? 4 : 1;
   const int64_t nchunk = a.hidden / 16; /* a multiple of group: hidden is one of block */
   const uint4 *src = reinterpret_cast<const uint4 *>(static_cast<const uint8_t *>(a.x) + t * a.stride.x);
+  uint8_t *slot_s = slot + a.hidden;
   for (int64_t base = 0; base < nchunk; base += 32 * kChunks) {
     uint4 raw[kChunks][loads];
 #pragma unroll
@@ -188,34 +203,78 @@ __device__ void quantize_token(const fp8_args &a, int64_t t, const int32_t *s_ro
       /* every lane shuffles; lanes past the row hold whole blocks of zeros */
       const chunk_q r = quantize_chunk<T>(raw[c], a.format, group);
       if (i >= nchunk) continue;
-      const int64_t b = i * 16 / block;
-      for (int j = 0; j < valid; j++) {
-        *reinterpret_cast<uint4 *>(a.recv_q + (int64_t)s_row[j] * a.stride.recv_q + i * 16) = r.q;
-        if ((lane & (group - 1)) == 0) {
-          uint8_t *sc = a.recv_s + (int64_t)s_row[j] * a.stride.recv_scales + b * entry;
-          if (entry == 4) *reinterpret_cast<uint32_t *>(sc) = r.stored;
-          else *sc = (uint8_t)r.stored;
-        }
+      reinterpret_cast<uint4 *>(slot)[i] = r.q;
+      if ((lane & (group - 1)) == 0) {
+        uint8_t *sc = slot_s + i * 16 / block * entry;
+        if (entry == 4) *reinterpret_cast<uint32_t *>(sc) = r.stored;
+        else *sc = (uint8_t)r.stored;
       }
     }
   }
 }
 
+/* The slot to each of the token's valid rows (rows[t, k] >= 0). */
+__device__ void fan_out(const fp8_args &a, int64_t t, const uint8_t *slot, int lane) {
+  const int32_t *rows = a.rows + t * a.k;
+  const uint8_t *slot_s = slot + a.hidden;
+  const bool scale_bulk = a.scale_unit == 16;
+#if EPX_BULK_ARCH
+  epx_bulk_fence_smem(); /* the lanes' writes to the slot, before the engine reads it */
+  __syncwarp();
+  for (int k = lane; k < a.k; k += 32) {
+    const int64_t row = rows[k];
+    if (row < 0) continue;
+    epx_bulk_store(a.recv_q + row * a.stride.recv_q, slot, (uint32_t)a.hidden);
+    if (scale_bulk) epx_bulk_store(a.recv_s + row * a.stride.recv_scales, slot_s, (uint32_t)a.scale_bytes);
+    epx_bulk_commit();
+  }
+  if (scale_bulk) return;
+#else
+  __syncwarp();
+#endif
+  for (int k = 0; k < a.k; k++) {
+    const int64_t row = rows[k]; /* warp-uniform */
+    if (row < 0) continue;
+#if !EPX_BULK_ARCH
+    uint4 *q = reinterpret_cast<uint4 *>(a.recv_q + row * a.stride.recv_q);
+    for (int64_t i = lane; i < a.hidden / 16; i += 32) q[i] = reinterpret_cast<const uint4 *>(slot)[i];
+#endif
+    copy_scales(slot_s, a.recv_s + row * a.stride.recv_scales, a.scale_bytes, scale_bulk ? 16 : a.scale_unit, lane);
+  }
+}
+
 template <typename T, bool kQuantize>
-__global__ void __launch_bounds__(kWarps * 32, kMinBlocks) fp8_scatter_kernel(const fp8_args a) {
-  if (blockIdx.x >= a.token_blocks) {
-    zero_rows(a, (int64_t)blockIdx.x - a.token_blocks);
+__global__ void __launch_bounds__(kWarps * 32) fp8_scatter_kernel(const fp8_args a) {
+  if (blockIdx.x >= a.token_ctas) {
+    zero_rows(a, (int64_t)blockIdx.x - a.token_ctas);
     return;
   }
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t t = (int64_t)blockIdx.x * kWarps + warp;
-  if (t >= a.tokens) return;
-  extern __shared__ int32_t s_table[];
-  int32_t *s_row = s_table + (size_t)warp * a.k;
-  const int valid = token_rows(a, t, s_row, lane);
-  if (valid == 0) return;
-  if constexpr (kQuantize) quantize_token<T>(a, t, s_row, valid, lane);
-  else copy_token(a, t, s_row, valid, lane);
+  extern __shared__ __align__(128) uint8_t smem[];
+  const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  uint8_t *slot = smem + (int64_t)warp * a.slot;
+  uint64_t *bar = reinterpret_cast<uint64_t *>(smem + (int64_t)warps * a.slot) + warp;
+  uint32_t phase = 0;
+#if EPX_BULK_ARCH
+  if (!kQuantize && lane == 0) epx_bulk_bar_init(bar);
+  __syncwarp();
+#endif
+  for (int64_t t = (int64_t)blockIdx.x * warps + warp; t < a.tokens; t += a.token_ctas * warps) {
+    /* a token with no valid route is skipped, its row unread */
+    bool any = false;
+    for (int k0 = 0; k0 < a.k && !any; k0 += 32)
+      any = __any_sync(0xffffffffu, k0 + lane < a.k && a.rows[t * a.k + k0 + lane] >= 0);
+    if (!any) continue;
+#if EPX_BULK_ARCH
+    epx_bulk_wait_read(); /* this lane's stores of the last token have read the slot */
+    __syncwarp();
+#endif
+    if constexpr (kQuantize) stage_quantize<T>(a, t, slot, lane);
+    else stage_copy(a, t, slot, bar, phase, lane);
+    fan_out(a, t, slot, lane);
+  }
+#if EPX_BULK_ARCH
+  epx_bulk_drain();
+#endif
 }
 
 /* The widest unit that every scale row of both tensors is aligned to. */
@@ -224,6 +283,26 @@ int widest_unit(const void *p, const void *q, int64_t bytes, const epx_cuda_fp8_
   if (bytes % 16 == 0 && both % 16 == 0) return 16;
   if (bytes % 4 == 0 && both % 4 == 0) return 4;
   return 1;
+}
+
+template <typename T, bool kQuantize>
+cudaError_t launch(fp8_args &a, int device, const epx_cuda_device_info_t &info, cudaStream_t stream) {
+  const auto kernel = fp8_scatter_kernel<T, kQuantize>;
+  /* slots of [H][S] bytes and a barrier each */
+  const int64_t per_warp = a.slot + (int64_t)sizeof(uint64_t);
+  int warps = kWarps;
+  while (warps > 1 && (int64_t)warps * per_warp > info.smem_optin) warps--;
+  if ((int64_t)warps * per_warp > info.smem_optin) return cudaErrorInvalidValue; /* a row past shared memory */
+  const size_t smem = (size_t)(warps * per_warp);
+  cudaError_t err = epx_cuda_kernel_smem(reinterpret_cast<const void *>(kernel), device, smem);
+  if (err != cudaSuccess) return err;
+  const int64_t token_ctas = (a.tokens + warps - 1) / warps;
+  a.token_ctas = kQuantize ? token_ctas : min(token_ctas, (int64_t)kCopyCtasPerSm * info.sms);
+  const int64_t zero_ctas = (a.row_bound + 32 * warps - 1) / (32 * warps);
+  const int64_t ctas = a.token_ctas + zero_ctas;
+  if (ctas == 0) return cudaSuccess;
+  kernel<<<(unsigned int)ctas, warps * 32, smem, stream>>>(a);
+  return cudaGetLastError();
 }
 
 }  // namespace
@@ -253,21 +332,17 @@ extern "C" cudaError_t epx_cuda_fp8_scatter_strided_launch(epx_fp8_format_t form
   a.scale_bytes = f.scale_bytes;
   a.stride = *stride;
   a.k = top_k;
-  a.scale_unit = widest_unit(x_scales, recv_scales, f.scale_bytes, *stride);
+  /* copying reads the scales from x_scales; quantizing from the slot (16-byte aligned) */
+  a.scale_unit = widest_unit(quantize ? recv_scales : x_scales, recv_scales, f.scale_bytes,
+                             quantize ? epx_cuda_fp8_strides_t{0, 0, 0, stride->recv_scales} : *stride);
   a.format = format;
-  a.token_blocks = (num_tokens + kWarps - 1) / kWarps;
-  const int64_t zero_blocks = (a.row_bound + 32 * kWarps - 1) / (32 * kWarps);
-  const int64_t blocks = a.token_blocks + zero_blocks;
-  if (blocks == 0) return cudaSuccess;
-  const size_t shared = (size_t)kWarps * sizeof(int32_t) * (size_t)top_k;
-  if (!quantize) {
-    fp8_scatter_kernel<uint8_t, false><<<(unsigned int)blocks, kWarps * 32, shared, stream>>>(a);
-    return cudaGetLastError();
-  }
-  return epx_payload_visit(x_dtype, [&](auto tag) {
-    fp8_scatter_kernel<typename decltype(tag)::type, true><<<(unsigned int)blocks, kWarps * 32, shared, stream>>>(a);
-    return cudaGetLastError();
-  });
+  a.slot = epx_bulk_slot_bytes(hidden + f.scale_bytes);
+  int device;
+  epx_cuda_device_info_t info;
+  cudaError_t err = epx_cuda_device_info(&device, &info);
+  if (err != cudaSuccess) return err;
+  if (!quantize) return launch<uint8_t, false>(a, device, info, stream);
+  return epx_payload_visit(x_dtype, [&](auto tag) { return launch<typename decltype(tag)::type, true>(a, device, info, stream); });
 }
 
 extern "C" cudaError_t epx_cuda_fp8_scatter_launch(epx_fp8_format_t format, epx_dtype_t x_dtype, int quantize,
