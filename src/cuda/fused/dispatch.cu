@@ -226,10 +226,12 @@ __global__ void __launch_bounds__(kThreads) expand_kernel(const fused_dev d, con
   }
 }
 
+/* d: f->dev, or a copy whose rows are d.row_bytes wide
+ * (epx_fused_dispatch_rows_launch). */
 template <typename T>
-cudaError_t launch_dispatch(epx_fused_t *f, const epx_fused_plan_t *plan, const uint4 *x, uint4 *recv, int mode,
-                            int weighted, int n, int ns, int expand_ctas, size_t smem, cudaStream_t stream) {
-  const fused_dev &d = f->dev;
+cudaError_t launch_dispatch(epx_fused_t *f, const fused_dev &d, const epx_fused_plan_t *plan, const uint4 *x,
+                            uint4 *recv, int mode, int weighted, int n, int ns, int expand_ctas, size_t smem,
+                            cudaStream_t stream) {
   const fused_plan_dev &p = plan->dev;
   if (smem > 0) {
     /* set once per device */
@@ -240,8 +242,8 @@ cudaError_t launch_dispatch(epx_fused_t *f, const epx_fused_plan_t *plan, const 
   if (d.relay_mask) {
     /* the relayed sources' rows: into recv_x (copied out) or the window's rows */
     const bool to_recv = mode == MODE_RANK_COPY || mode == MODE_RANK_ENGINE;
-    const cudaError_t e =
-        epx_fused_relay_rows_in(f, plan, to_recv ? (void *)recv : (void *)(d.local + d.off_pay), stream);
+    const cudaError_t e = epx_fused_relay_rows_in(f, plan, to_recv ? (void *)recv : (void *)(d.local + d.off_pay),
+                                                  d.row_bytes, stream);
     if (e != cudaSuccess) return e;
   }
   if (mode == MODE_EXPERT_APART) expand_kernel<T><<<expand_ctas, kThreads, 0, stream>>>(d, p, x, recv, weighted);
@@ -292,7 +294,8 @@ extern "C" cudaError_t epx_fused_dispatch_launch(epx_fused_t *f, const epx_fused
   const size_t smem = (size_t)d.bulk_warps * (size_t)bulk_slot_bytes(d.row_bytes);
   const int ex = 2 * f->num_sms; /* the expansion apart: two CTAs of 16 warps per SM */
   cudaError_t e = epx_payload_visit(f->config.dtype, [&](auto tag) {
-    return launch_dispatch<typename decltype(tag)::type>(f, plan, xs, rs, mode, weighted, n, n - nr, ex, smem, stream);
+    return launch_dispatch<typename decltype(tag)::type>(f, d, plan, xs, rs, mode, weighted, n, n - nr, ex, smem,
+                                                         stream);
   });
   if (e != cudaSuccess || !engine) return e;
   char *to = static_cast<char *>(recv_x);
@@ -313,6 +316,29 @@ extern "C" cudaError_t epx_fused_dispatch_launch(epx_fused_t *f, const epx_fused
     if (s < d.W) at += (size_t)plan->recv_pairs[s];
   }
   return e;
+}
+
+extern "C" cudaError_t epx_fused_dispatch_rows_launch(epx_fused_t *f, const epx_fused_plan_t *plan, const void *x,
+                                                      int64_t row_bytes, int32_t num_ctas, cudaStream_t stream) {
+  if (row_bytes <= 0 || row_bytes % 16 != 0 || row_bytes > f->dev.row_bytes || (!x && plan->dev.T > 0))
+    return cudaErrorInvalidValue;
+  /* the window's rows and the relay's, row_bytes apart (both hold rows of
+   * the dtype: wider) */
+  fused_dev d = f->dev;
+  d.row_bytes = row_bytes;
+  d.nvec = row_bytes / 16;
+  const int n = num_ctas < 2 ? 2 : num_ctas > f->num_sms ? f->num_sms : num_ctas;
+  /* the receivers only wait for the rows (MODE_RANK_WINDOW): one CTA, none
+   * where every peer is relayed (no row comes through the window) */
+  const uint32_t others = (uint32_t)(((uint64_t)1 << d.W) - 1) & ~(1u << d.rank);
+  const int nr = d.W > 1 && d.relay_mask == others ? 0 : 1;
+  const size_t smem = (size_t)d.bulk_warps * (size_t)bulk_slot_bytes(row_bytes);
+  const uint4 *xs = static_cast<const uint4 *>(x);
+  uint4 *window = static_cast<uint4 *>(epx_fused_recv_window(f));
+  return epx_payload_visit(f->config.dtype, [&](auto tag) {
+    return launch_dispatch<typename decltype(tag)::type>(f, d, plan, xs, window, MODE_RANK_WINDOW, 0, n, n - nr, 0,
+                                                         smem, stream);
+  });
 }
 
 extern "C" cudaError_t epx_fused_combine_backward_launch(epx_fused_t *f, const epx_fused_plan_t *plan,

@@ -150,8 +150,13 @@ typedef struct epx_fused_plan_view {
   const int32_t *row_expert; /* expert-major [row_bound]; rank-major [row_bound, K] (-1 elsewhere) */
   const float *row_w;        /* as row_expert, 0 where -1 */
   const unsigned long long *invalid; /* (route << 3) | code of the first invalid route dropped, or ~0 */
+  const int64_t *pairs;      /* [1] the rank-major rows received (rank-major: N) */
+  /* [W * max_tokens, top_k]: the expert-major (capacity) row of each
+   * received rank-major row's k-slots, -1 (rank-major: -1 everywhere);
+   * valid in the first *pairs rows only */
+  const int32_t *pair_rows;
   int64_t row_bound;
-  int32_t top_k;             /* the K of the row_expert / row_w rows in rank-major */
+  int32_t top_k;             /* the routing's K (of rank-major's row_expert / row_w rows, and of pair_rows) */
 } epx_fused_plan_view_t;
 void epx_fused_plan_view(const epx_fused_plan_t *plan, epx_fused_plan_view_t *view);
 
@@ -215,6 +220,18 @@ cudaError_t epx_fused_layout_launch(epx_fused_t *fused, epx_fused_plan_t *plan,
 cudaError_t epx_fused_dispatch_launch(epx_fused_t *fused, const epx_fused_plan_t *plan,
                                       const void *x, void *recv_x, int weighted,
                                       int32_t num_ctas, int32_t recv_ctas, cudaStream_t stream);
+
+/* Rows of any bytes (collective, a dispatch-like launch): x [T, row_bytes]
+ * (ep/fused.c: fp8 rows packed with their scales) moved once per
+ * destination rank, unweighted, into every receiver's window as its
+ * rank-major rows, this rank's own rows included, whatever the plan's
+ * layout: the first *view.pairs rows of epx_fused_recv_window(), row_bytes
+ * apart (by source rank, then source token), valid until the next
+ * dispatch-like launch. row_bytes: a multiple of 16, at most the payload
+ * dtype's row. The dispatch kernels with rows of row_bytes in place of the
+ * dtype's (relayed peers' rows too). num_ctas as for dispatch. */
+cudaError_t epx_fused_dispatch_rows_launch(epx_fused_t *fused, const epx_fused_plan_t *plan, const void *x,
+                                           int64_t row_bytes, int32_t num_ctas, cudaStream_t stream);
 
 /* Combine (collective), expert_out [N, H] in the plan's layout -> out [T, H].
  * weighted: P(t, r) multiplies by w (EPX_WEIGHTS_IN_COMBINE, expert-major).

@@ -380,8 +380,10 @@ cudaError_t epx_fused_relay_step(epx_fused *f, const epx_fused_plan *plan, epx_f
                                  int64_t part_elem, cudaStream_t stream);
 /* RELAY_ROWS into dst's rank-major rows (the window's or recv_x): straight
  * there where the plan's counts are known on the host, else through the
- * inbox and a copy. */
-cudaError_t epx_fused_relay_rows_in(epx_fused *f, const epx_fused_plan *plan, void *dst, cudaStream_t stream);
+ * inbox and a copy. Rows of row_bytes: the dtype's, or
+ * epx_fused_dispatch_rows_launch's. */
+cudaError_t epx_fused_relay_rows_in(epx_fused *f, const epx_fused_plan *plan, void *dst, int64_t row_bytes,
+                                    cudaStream_t stream);
 /* RELAY_PARTIALS (element size pe), then each into the window's partials
  * at its token. */
 cudaError_t epx_fused_relay_partials_in(epx_fused *f, const epx_fused_plan *plan, int64_t pe, cudaStream_t stream);

@@ -92,6 +92,8 @@ extern "C" void epx_fused_plan_view(const epx_fused_plan_t *p, epx_fused_plan_vi
   v->row_expert = pd.expert_major ? pd.row_expert : pd.pair_expert;
   v->row_w = pd.expert_major ? pd.row_w : pd.pair_w;
   v->invalid = pd.invalid;
+  v->pairs = pd.info + ii.pairs;
+  v->pair_rows = pd.pair_rows;
   v->row_bound = pd.row_bound;
   v->top_k = pd.K;
 }

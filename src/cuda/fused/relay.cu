@@ -138,10 +138,10 @@ void epx_fused_relay_free(epx_fused_t *f) {
 namespace {
 
 /* One relay step; rows_dst: RELAY_ROWS's destination where the counts are
- * known (the rank-major rows), else unused. */
-cudaError_t relay_step(epx_fused_t *f, const epx_fused_plan_t *plan, relay_kind kind, int64_t part_elem,
-                       char *rows_dst, cudaStream_t stream) {
-  const fused_dev &d = f->dev;
+ * known (the rank-major rows), else unused. d: f->dev, or a copy whose rows
+ * are d.row_bytes wide (epx_fused_relay_rows_in). */
+cudaError_t relay_step(epx_fused_t *f, const fused_dev &d, const epx_fused_plan_t *plan, relay_kind kind,
+                       int64_t part_elem, char *rows_dst, cudaStream_t stream) {
   if (!d.relay_mask) return cudaSuccess;
   ncclComm_t comm = static_cast<ncclComm_t>(f->comm);
   const size_t T = (size_t)d.maxT, W = (size_t)d.W, El = (size_t)d.El;
@@ -208,19 +208,23 @@ cudaError_t relay_step(epx_fused_t *f, const epx_fused_plan_t *plan, relay_kind 
 
 cudaError_t epx_fused_relay_step(epx_fused_t *f, const epx_fused_plan_t *plan, relay_kind kind, int64_t part_elem,
                                  cudaStream_t stream) {
-  return relay_step(f, plan, kind, part_elem, NULL, stream);
+  return relay_step(f, f->dev, plan, kind, part_elem, NULL, stream);
 }
 
-cudaError_t epx_fused_relay_rows_in(epx_fused_t *f, const epx_fused_plan_t *plan, void *dst, cudaStream_t stream) {
-  const cudaError_t e = relay_step(f, plan, RELAY_ROWS, 0, static_cast<char *>(dst), stream);
+cudaError_t epx_fused_relay_rows_in(epx_fused_t *f, const epx_fused_plan_t *plan, void *dst, int64_t row_bytes,
+                                    cudaStream_t stream) {
+  fused_dev d = f->dev;
+  d.row_bytes = row_bytes;
+  d.nvec = row_bytes / 16;
+  const cudaError_t e = relay_step(f, d, plan, RELAY_ROWS, 0, static_cast<char *>(dst), stream);
   if (e != cudaSuccess || plan->counts_known) return e;
-  relay_rows_in_kernel<<<2 * f->num_sms, kThreads, 0, stream>>>(f->dev, plan->dev, static_cast<uint4 *>(dst));
+  relay_rows_in_kernel<<<2 * f->num_sms, kThreads, 0, stream>>>(d, plan->dev, static_cast<uint4 *>(dst));
   return cudaGetLastError();
 }
 
 cudaError_t epx_fused_relay_partials_in(epx_fused_t *f, const epx_fused_plan_t *plan, int64_t pe,
                                         cudaStream_t stream) {
-  const cudaError_t e = relay_step(f, plan, RELAY_PARTIALS, pe, NULL, stream);
+  const cudaError_t e = relay_step(f, f->dev, plan, RELAY_PARTIALS, pe, NULL, stream);
   if (e != cudaSuccess) return e;
   relay_partials_in_kernel<<<2 * f->num_sms, kThreads, 0, stream>>>(f->dev, plan->dev, pe);
   return cudaGetLastError();
