@@ -715,8 +715,9 @@ typedef enum epx_exchange_path {
    * and capacity layouts (their fused exchanges are faster alone, but a
    * whole training step, exchanges beside the expert GEMMs, measured the
    * same on both paths, and the host path needs no symmetric window) and
-   * for everything EPX_PATH_FUSED cannot serve. The figures behind the
-   * choice: bench/NOTES-gpu.md, "The SM budget: whole steps". */
+   * for everything EPX_PATH_FUSED cannot serve; the same rule for a
+   * buffer with an fp8_format. The figures behind the choice:
+   * bench/NOTES-gpu.md, "The SM budget: whole steps". */
   EPX_PATH_AUTO = 0,
   /* NCCL's host API for every peer (to compare the paths on the same GPUs,
    * or where the fused window's memory is not wanted). */
@@ -740,20 +741,21 @@ typedef enum epx_exchange_path {
    * as size, so nothing waits on the host; about max_tokens_per_rank * H *
    * (8 + dtype size) bytes more per such peer); epx_buffer_peer_paths
    * reports EPX_PATH_FUSED or EPX_PATH_HOST per peer. EPX_PATH_HOST in the
-   * config forces the host path for every peer, and a buffer with an
-   * fp8_format takes it (see fp8_format). The paths give the same
+   * config forces the host path for every peer. The paths give the same
    * bits. On the fused path: the fused
    * state (a symmetric window of about W * max_tokens_per_rank * H * (dtype
    * size + 4) bytes; 8 instead of dtype size + 4 for the expert-major and
    * capacity layouts, whose combine stages float32 partials there) is made
    * at buffer creation, or at the first
    * epx_dispatch_layout when max_tokens_per_rank is agreed there;
-   * epx_dispatch, epx_combine, both backward passes and
-   * epx_weights_backward run the fused kernels (the routing-weight
+   * epx_dispatch, epx_combine, both backward passes,
+   * epx_weights_backward, and epx_dispatch_fp8 and epx_dispatch_quantize on
+   * a buffer with an fp8_format, run the fused kernels (the routing-weight
    * gradients too: each route's value or dot is formed on its expert's
    * rank, in the host path's order, and goes home through the window;
    * epx_dispatch_backward with grad_w sends x to the experts' ranks again
-   * for its dots); the layout is the fused one alone (counts, every rank's
+   * for its dots; an fp8 row travels packed with its scales, see
+   * fp8_format); the layout is the fused one alone (counts, every rank's
    * verdict and the routing exchanged on the GPU), which answers the
    * handle's queries with the host path's values; and epx_buffer_destroy is
    * collective (the window is deregistered). The fused module is built with
@@ -865,11 +867,15 @@ typedef struct epx_buffer_config {
    * or f32 with an fp8 format) and both backward passes, which never use
    * fp8. CPU buffers and CUDA buffers (the GPU quantizes with the same
    * formulas: the same bytes). Over several ranks a CUDA buffer with an fp8
-   * format takes the host path (EPX_PATH_HOST for every peer, whatever
-   * exchange_path asks): the fused kernels move rows of the payload dtype
-   * only in this version; asked for by EPX_PATH_FUSED, epx_last_error()
-   * after the call that chose the path (epx_buffer_create, or the first
-   * epx_dispatch_layout) says so, although the call succeeds. */
+   * format takes the path exchange_path gives any buffer (EPX_PATH_AUTO's
+   * rule included), the host path or the fused kernels: on either, each
+   * token's row and its scales travel as one packed row (H + the row's
+   * scale bytes, rounded up to 16 bytes: quantized once per token before it
+   * leaves, with epx_dispatch_quantize), moved as dispatch moves its rows
+   * and unpacked into recv_x_q and recv_scales on arrival: the same bytes on
+   * both paths and exchanges. The fused path keeps a staging of
+   * max_tokens_per_rank packed rows (and, with worst_case_sizing, a table of
+   * W x max_tokens_per_rank x max_top_k int32) beside its window. */
   epx_fp8_format_t fp8_format;
   /* 1: the low-latency decode mode (see "Low-latency decode" below): the
    * buffer serves the epx_ll_* calls only, max_tokens_per_rank is fixed at

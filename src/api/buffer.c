@@ -105,9 +105,9 @@ static epx_status_t check_buffer_sizes(epx_comm_t comm, const epx_buffer_config_
 }
 
 /* An fp8 format: a known one (CPU and CUDA buffers, one GPU or several:
- * the W-rank backend moves fp8 on its host path; a CUDA low-latency buffer
- * refuses it, api/ll.c), over a combine dtype of bf16 or f32, with hidden a
- * multiple of its block. */
+ * the W-rank backend moves fp8 on its host and fused paths; a CUDA
+ * low-latency buffer refuses it, api/ll.c), over a combine dtype of bf16 or
+ * f32, with hidden a multiple of its block. */
 static epx_status_t check_fp8_format(const epx_buffer_config_t *c) {
   const char *fn = "epx_buffer_create";
   if (c->fp8_format == EPX_FP8_NONE) return EPX_SUCCESS;
@@ -129,7 +129,7 @@ static epx_status_t check_fp8_format(const epx_buffer_config_t *c) {
  * serve in this version, or NULL. */
 static const char *cuda_hier_unsupported(const epx_buffer_config_t *c) {
   if (c->worst_case_sizing) return "config.worst_case_sizing (its plan reads the routing back at the layout)";
-  if (c->fp8_format != EPX_FP8_NONE) return "config.fp8_format (fp8 rows move on the host path only)";
+  if (c->fp8_format != EPX_FP8_NONE) return "config.fp8_format (fp8 rows move on the flat exchanges only)";
   if (c->low_latency) return "config.low_latency";
   return NULL;
 }

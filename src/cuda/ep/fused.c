@@ -20,14 +20,20 @@
  * fused combine: the same bits as the host path (P(t, r) in k order in
  * float32 without FMA, rounded once to the dtype in payload precision — own
  * partial included, as the host path rounds its self block — summed over r
- * ascending, rounded once). */
+ * ascending, rounded once). fp8 dispatch packs rows as the host path does
+ * (fused_dispatch_fp8): each token's row and scales in one packed row,
+ * moved by the fused dispatch kernels once per destination rank into the
+ * window's rank-major rows, unpacked from there into the buffer's layout:
+ * the host path's bytes. */
 #include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 
 #include <cuda_runtime_api.h>
 
 #include "core/error.h"
 #include "core/nccl.h"
+#include "core/payload.h"
 #include "core/transport.h"
 #include "cuda/backend.h"
 #include "cuda/common/check.h"
@@ -47,6 +53,45 @@ static int fused_wanted(epx_buffer_t b) {
                     (c->exchange_path == EPX_PATH_AUTO && c->layout == EPX_LAYOUT_RANK_MAJOR);
   return EPX_HAVE_FUSED && asked && c->exchange == EPX_EXCHANGE_DEDUP && b->world_size <= EPX_FUSED_MAX_RANKS &&
          c->max_top_k <= EPX_FUSED_MAX_TOP_K;
+}
+
+/* An fp8 buffer's own memory on the fused path (ep_buffer_t.path_state),
+ * one stream-ordered allocation made with the fused state. */
+typedef struct fused_fp8 {
+  void *block;
+  char *rows;     /* [max_tokens, packed]: this rank's rows packed with their scales */
+  int32_t *iota;  /* [W * max_tokens] r at r: the pack's table, and rank-major's unpack table */
+  int32_t *table; /* [W * max_tokens, max_top_k] worst_case_sizing: the unpack's table, bounded on the device */
+} fused_fp8_t;
+
+static void fp8_free(epx_buffer_t b, fused_fp8_t *q) {
+  if (!q) return;
+  if (q->block) cudaFreeAsync(q->block, stream_of(b));
+  free(q);
+}
+
+/* The staging and tables of an fp8 buffer's packed rows. */
+static epx_status_t fp8_create(epx_buffer_t b, const char *fn, fused_fp8_t **out) {
+  epx_status_t status = EPX_SUCCESS;
+  const epx_buffer_config_t *c = &b->config;
+  const epx_payload_format_t f = epx_payload_fp8(c->fp8_format, c->dtype, c->hidden);
+  const int64_t G = (int64_t)b->world_size * b->max_tokens;
+  const size_t rows = round256((size_t)(b->max_tokens * epx_payload_fp8_packed_bytes(&f))),
+               iota = round256(4 * (size_t)G),
+               table = c->worst_case_sizing ? 4 * (size_t)G * (size_t)c->max_top_k : 0;
+  fused_fp8_t *q = calloc(1, sizeof *q);
+  if (!q) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
+  CUDA_CHECK(cudaMallocAsync(&q->block, rows + iota + table, stream_of(b)), fn,
+             "cudaMallocAsync of the fp8 rows' staging");
+  q->rows = q->block;
+  q->iota = (int32_t *)(q->rows + rows);
+  q->table = table ? (int32_t *)((char *)q->iota + iota) : NULL;
+  CUDA_CHECK(epx_cuda_ep_row_table_launch(NULL, q->iota, 1, NULL, G, stream_of(b)), fn, "the fp8 row table");
+  *out = q;
+  return EPX_SUCCESS;
+fail:
+  fp8_free(b, q);
+  return status;
 }
 
 /* Collective, once max_tokens_per_rank is known (at buffer creation, or the
@@ -78,9 +123,12 @@ static epx_status_t ensure_fused(epx_buffer_t b, const char *fn) {
   char reason[768] = "";
   /* the highest refusing rank + 1, 0 where none refused */
   int64_t refused = epx_fused_create(epx_nccl_comm(b->comm), &fc, &f) != EPX_SUCCESS ? b->rank + 1 : 0;
+  fused_fp8_t *q = NULL; /* an fp8 buffer's packed rows, agreed with the window */
+  if (!refused && c->fp8_format != EPX_FP8_NONE && fp8_create(b, fn, &q) != EPX_SUCCESS) refused = b->rank + 1;
   if (refused) snprintf(reason, sizeof reason, "%s", epx_last_error());
   epx_status_t status = b->comm->ops->allreduce_max_i64(b->comm, fn, &refused, 1);
   if (status != EPX_SUCCESS || refused) {
+    fp8_free(b, q);
     /* a failed all-reduce aborted the NCCL comm, windows and all: no NCCL calls then */
     if (f && b->comm->failed) epx_fused_abandon(f);
     else if (f) epx_fused_destroy(f);
@@ -101,6 +149,7 @@ static epx_status_t ensure_fused(epx_buffer_t b, const char *fn) {
   const int32_t ctas = c->sm_budget > 0 ? c->sm_budget : EP_FUSED_DEFAULT_CTAS;
   s->fused_ctas = ctas < sms ? ctas : sms;
   s->fused = f;
+  s->path_state = q;
   return EPX_SUCCESS;
 }
 
@@ -250,17 +299,7 @@ static void fused_summary(const ep_handle_t *h, const void *raw, int64_t *summar
   summary[EPX_CUDA_EP_SUMMARY_ROWS(W)] = f.rows;
   summary[EPX_CUDA_EP_SUMMARY_ROWS(W) + 1] = (int64_t)f.invalid;
 }
-/* A buffer with an fp8_format is declined: the fused kernels move rows of
- * the payload dtype only, and the host path moves fp8 rows (epx.h,
- * EPX_PATH_FUSED). Asked for by name, the decline is said as a refusal is. */
 static epx_status_t fused_setup(epx_buffer_t b, const char *fn, int *takes) {
-  if (b->config.fp8_format != EPX_FP8_NONE) {
-    *takes = 0;
-    if (b->config.exchange_path == EPX_PATH_FUSED)
-      epx_error(EPX_ERROR_UNSUPPORTED, "%s: the fused path has no fp8 dispatch in this version, so a buffer with "
-                "config.fp8_format takes the host path (every peer)", fn);
-    return EPX_SUCCESS;
-  }
   const epx_status_t status = ensure_fused(b, fn);
   *takes = status == EPX_SUCCESS && ((const ep_buffer_t *)b->backend_state)->fused != NULL;
   return status;
@@ -277,6 +316,8 @@ static void fused_buffer_fini(epx_buffer_t b) {
    * NCCL comm was aborted, windows and all) */
   if (s->fused && !b->comm->failed) epx_fused_destroy(s->fused);
   else if (s->fused) epx_fused_abandon(s->fused);
+  fp8_free(b, s->path_state);
+  s->path_state = NULL;
 }
 
 static epx_status_t fused_join(epx_buffer_t b, const epx_cuda_ep_dims_t *d, const char *fn) {
@@ -326,6 +367,70 @@ static epx_status_t fused_dispatch(epx_buffer_t b, epx_handle_t handle, const vo
                     b->config.combine_precision, "epx_dispatch");
 }
 
+/* A fused handle's plan, as its queries and fp8 dispatch read it (the same
+ * arrays and values as the host layout's: tested against it and the CPU
+ * backend on 2 GPUs). */
+static epx_fused_plan_view_t view_of(epx_handle_t handle) {
+  epx_fused_plan_view_t v;
+  epx_fused_plan_view(((const ep_handle_t *)handle->backend_state)->plan, &v);
+  return v;
+}
+
+/* fp8 dispatch: the host path's packed rows (ep/host.c, move_fp8) around
+ * the fused dispatch kernels. Each token's e4m3 row and scales (or its row
+ * of the dtype, quantized on the way) packed into one row of
+ * epx_payload_fp8_packed_bytes (never wider than the dtype's rows: the
+ * window holds them), moved unweighted once per destination rank into the
+ * receivers' windows as rank-major rows (epx_fused_dispatch_rows_launch,
+ * this rank's own rows too), and unpacked from there into recv_x_q [N, H]
+ * and recv_scales [N, S] in the buffer's layout by the one-GPU fp8 kernel:
+ * rank-major row q to row q, rank-major row q's k-slots to their
+ * expert-major (capacity) rows (the plan's pair_rows), padding rows and
+ * unfilled slots zero in both. The bytes arrive as sent. With
+ * worst_case_sizing the unpack's table is bounded on the device (the rows
+ * past the received ones are -1: the kernel skips them). */
+static epx_status_t fused_dispatch_fp8(epx_buffer_t b, epx_handle_t handle, const void *x, const void *x_scales,
+                                       int quantize, void *recv_q, void *recv_scales) {
+  const char *fn = quantize ? "epx_dispatch_quantize" : "epx_dispatch_fp8";
+  epx_status_t status = EPX_SUCCESS;
+  const epx_buffer_config_t *c = &b->config;
+  ep_buffer_t *s = b->backend_state;
+  const ep_handle_t *h = handle->backend_state;
+  const fused_fp8_t *q = s->path_state;
+  cudaStream_t stream = stream_of(b);
+  const epx_payload_format_t f = epx_payload_fp8(c->fp8_format, c->dtype, c->hidden);
+  const int64_t packed = epx_payload_fp8_packed_bytes(&f);
+  const epx_cuda_fp8_strides_t pack = {quantize ? epx_payload_row_bytes(c->dtype, c->hidden) : f.row_bytes,
+                                       f.scale_bytes, packed, packed};
+  const epx_cuda_fp8_strides_t unpack = {packed, packed, f.row_bytes, f.scale_bytes};
+  const epx_fused_plan_view_t v = view_of(handle);
+  const int rank_major = c->layout == EPX_LAYOUT_RANK_MAJOR;
+  /* the window's rank-major rows to read: the received ones, or their bound */
+  const int64_t pairs = h->d.worst ? (int64_t)h->d.W * h->d.Tm : h->total[RECV_PAIRS];
+  const int32_t slots = rank_major ? 1 : v.top_k;
+  const int32_t *table = rank_major ? q->iota : v.pair_rows;
+  const char *window = epx_fused_recv_window(s->fused);
+  EPX_CHECK(fused_alive(b, fn));
+  CUDA_CHECK(epx_cuda_fp8_scatter_strided_launch(c->fp8_format, c->dtype, quantize, x, x_scales, q->rows,
+                                                 q->rows + f.row_bytes, &pack, h->d.T, c->hidden, q->iota, 1, NULL,
+                                                 NULL, 0, stream),
+             fn, quantize ? "the quantize and pack kernel" : "the fp8 pack kernel");
+  FUSED_CHECK(epx_fused_dispatch_rows_launch(s->fused, h->plan, q->rows, packed, s->fused_ctas, stream), fn,
+              "the fused dispatch kernels");
+  if (h->d.worst) {
+    CUDA_CHECK(epx_cuda_ep_row_table_launch(rank_major ? NULL : v.pair_rows, q->table, slots, v.pairs, pairs,
+                                            stream),
+               fn, "the fp8 unpack table");
+    table = q->table;
+  }
+  CUDA_CHECK(epx_cuda_fp8_scatter_strided_launch(c->fp8_format, c->dtype, 0, window, window + f.row_bytes, recv_q,
+                                                 recv_scales, &unpack, pairs, c->hidden, table, slots,
+                                                 rank_major ? NULL : v.row_src_rank, v.rows, h->row_bound, stream),
+             fn, "the fp8 unpack kernel");
+fail:
+  return status;
+}
+
 static epx_status_t fused_combine_backward(epx_buffer_t b, epx_handle_t handle, const void *grad_out,
                                            const void *expert_out, void *grad_expert_out, float *grad_w) {
   /* the dots read the grad_out rows this dispatch leaves in the window */
@@ -359,14 +464,6 @@ static epx_status_t fused_weights_backward(epx_buffer_t b, epx_handle_t handle, 
                            b->config.layout == EPX_LAYOUT_RANK_MAJOR ? EPX_FUSED_VALUES_PER_SLOT
                                                                      : EPX_FUSED_VALUES_PER_ROW,
                            grad_recv_w, NULL, grad_w, "epx_weights_backward");
-}
-
-/* A fused handle's queries read its plan (the same arrays and values as the
- * host layout's: tested against it and the CPU backend on 2 GPUs). */
-static epx_fused_plan_view_t view_of(epx_handle_t handle) {
-  epx_fused_plan_view_t v;
-  epx_fused_plan_view(((const ep_handle_t *)handle->backend_state)->plan, &v);
-  return v;
 }
 
 static epx_status_t fused_recv_rows_device(epx_handle_t handle, const int64_t **rows) {
@@ -432,6 +529,7 @@ const ep_path_t epx_cuda_ep_fused_path = {
     .laid_out = fused_laid_out,
     .handle_fini = fused_handle_fini,
     .dispatch = fused_dispatch,
+    .dispatch_fp8 = fused_dispatch_fp8,
     .combine = fused_combine,
     .dispatch_backward = fused_dispatch_backward,
     .combine_backward = fused_combine_backward,

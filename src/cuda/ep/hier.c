@@ -28,7 +28,7 @@
  * Rank-major rows are pairs: combine forms P(t, r) = 0 + the row, the
  * CPU's. worst_case_sizing and
  * fp8 buffers are refused at epx_buffer_create (the plan needs the routing
- * on the host; the fp8 rows travel on the host path only). */
+ * on the host; the fp8 rows travel on the flat exchanges only). */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
