@@ -1464,16 +1464,20 @@ static void test_dot_order(epx_comm_t comm, void *stream) {
 /* FP8 dispatch                                                              */
 /* ------------------------------------------------------------------------ */
 
-/* fp8 rows on the W-rank backend (its host path: the fused path declines
- * buffers with an fp8_format, epx.h): every format x layout x exchange x
- * sizing, pre-quantized rows + scales (epx_dispatch_fp8) and bf16 quantized
- * on the way (epx_dispatch_quantize, the handle's second dispatch: a cached
- * one), each received row's bytes and scales against the CPU backend's (W
- * threads, the same routing) and against its source token's quantized row
- * (epx_quantize on the host), padding rows and unfilled slots zero; dedup
- * equal to collective; a recorder's replayed handle moves the same bytes,
- * and so does epx_dispatch_quantize captured in a CUDA graph
- * (worst_case_sizing). HF = 512 channels: a multiple of every format's block (UE8M0: 512). */
+/* fp8 rows on the W-rank backend, on both its paths (the host path; the
+ * fused kernels, required with EPX_GPU_EXPECT_FUSED): every format x layout
+ * x exchange x sizing, pre-quantized rows + scales (epx_dispatch_fp8) and
+ * bf16 quantized on the way (epx_dispatch_quantize, the handle's second
+ * dispatch: a cached one), each received row's bytes and scales against
+ * the CPU backend's (W threads, the same routing) and against its source
+ * token's quantized row (epx_quantize on the host), padding rows and
+ * unfilled slots zero; then the buffer's dtype on the same handle
+ * (epx_dispatch, epx_combine, both backward passes) against the CPU
+ * backend's bytes; the fused path equal to the host path and dedup equal
+ * to collective, bit for bit; a recorder's replayed handle moves the same
+ * bytes, and so does epx_dispatch_quantize captured in a CUDA graph
+ * (worst_case_sizing), after the dtype's calls on the handle. HF = 512
+ * channels: a multiple of every format's block (UE8M0: 512). */
 enum { HF = 512 };
 
 typedef struct {
@@ -1495,11 +1499,13 @@ static case_t fp8_routing_case(const fp8_case_t *f) {
                   g_size > 1 && f->seed % 4 == 1, f->seed};
 }
 
-static const char *fp8_describe(const fp8_case_t *f, epx_exchange_t x) {
+/* What a run is, for the messages: case, exchange and the path asked for. */
+static const char *fp8_describe(const fp8_case_t *f, epx_exchange_t x, epx_exchange_path_t path) {
   static char text[160];
   const char *lay[] = {"expert-major", "rank-major", "capacity"}, *fmt[] = {"none", "e4m3-f32", "e4m3-ue8m0", "mxfp8"};
-  snprintf(text, sizeof text, "fp8 %s %s %s%s seed %d", x == EPX_EXCHANGE_DEDUP ? "dedup" : "collective",
-           lay[f->layout], fmt[f->format], f->worst ? " worst-case" : "", f->seed);
+  const char *paths[] = {"auto", "host", "fused"};
+  snprintf(text, sizeof text, "fp8 %s (%s path) %s %s%s seed %d", x == EPX_EXCHANGE_DEDUP ? "dedup" : "collective",
+           paths[path], lay[f->layout], fmt[f->format], f->worst ? " worst-case" : "", f->seed);
   return text;
 }
 
@@ -1521,8 +1527,12 @@ static void fp8_quantized(epx_fp8_format_t format, int s, int64_t t0, int64_t ro
 }
 
 typedef struct {
-  int64_t N;
+  int64_t N, T;
   uint8_t *q[2], *s[2];         /* host [N, HF] and [N, S]: epx_dispatch_fp8's, epx_dispatch_quantize's */
+  /* host, bf16: the buffer's dtype on the same handle: epx_dispatch's rows
+   * [N, HF], epx_combine's out [T, HF] (of those rows), epx_dispatch_backward's
+   * grad_x [T, HF] (of those rows), epx_combine_backward's [N, HF] (of out) */
+  void *rows, *out, *grad_x, *grad_eo;
   /* the handle's rows moved again, or NULL: epx_dispatch_fp8 on the
    * recorder's replayed handle (again 0), epx_dispatch_quantize in a CUDA
    * graph (again 1, worst_case_sizing) */
@@ -1546,7 +1556,8 @@ typedef struct {
 } fp8_run_t;
 
 static void fp8_result_free(fp8_result_t *r) {
-  void *p[] = {r->q[0], r->q[1], r->s[0], r->s[1], r->again_q, r->again_s, r->src_rank, r->src_token};
+  void *p[] = {r->q[0], r->q[1], r->s[0], r->s[1], r->again_q, r->again_s, r->src_rank, r->src_token,
+               r->rows, r->out, r->grad_x, r->grad_eo};
   for (size_t i = 0; i < sizeof p / sizeof p[0]; i++) free(p[i]);
   memset(r, 0, sizeof *r);
 }
@@ -1568,7 +1579,8 @@ static void fp8_replay(fp8_run_t *run, epx_buffer_t buf, epx_recorder_t rec, con
   FATAL_UNLESS_OK(epx_recorder_set_mode(rec, EPX_RECORDER_REPLAY));
   epx_handle_t h2 = NULL;
   FATAL_UNLESS_OK(epx_dispatch_layout(buf, routing, rec, &h2));
-  RANK_EXPECT(h2 == h, "%s: the replay did not return the recorded handle", fp8_describe(run->c, run->exchange));
+  RANK_EXPECT(h2 == h, "%s: the replay did not return the recorded handle",
+              fp8_describe(run->c, run->exchange, run->path));
   void *rq = poisoned(run->device, (size_t)(cap * HF)), *rs = poisoned(run->device, (size_t)(cap * S));
   FATAL_UNLESS_OK(epx_dispatch_fp8(buf, h2, xq, xs, rq, rs, cap));
   if (run->device == EPX_DEVICE_CUDA) FATAL_UNLESS_CUDA_OK(cudaDeviceSynchronize());
@@ -1600,6 +1612,27 @@ static void fp8_graph(fp8_run_t *run, epx_buffer_t buf, epx_handle_t h, const vo
   FATAL_UNLESS_CUDA_OK(cudaGraphExecDestroy(exec));
   FATAL_UNLESS_CUDA_OK(cudaGraphDestroy(graph));
   cudaFree(rq), cudaFree(rs);
+}
+
+/* The buffer's dtype on an fp8 buffer's handle (after its fp8 dispatches):
+ * epx_dispatch of x, epx_combine of its rows, epx_dispatch_backward of
+ * them, epx_combine_backward of combine's out; the results to the host. */
+static void fp8_dtype_calls(fp8_run_t *run, epx_buffer_t buf, epx_handle_t h, const void *x, int64_t cap) {
+  fp8_result_t *r = &run->res;
+  const epx_device_t dev = run->device;
+  const size_t rb = 2 * HF; /* bf16 */
+  void *rows = zeros(dev, (size_t)cap * rb), *out = zeros(dev, (size_t)r->T * rb);
+  void *gx = zeros(dev, (size_t)r->T * rb), *geo = zeros(dev, (size_t)cap * rb);
+  FATAL_UNLESS_OK(epx_dispatch(buf, h, x, rows, cap));
+  FATAL_UNLESS_OK(epx_combine(buf, h, rows, out));
+  FATAL_UNLESS_OK(epx_dispatch_backward(buf, h, rows, gx, NULL, NULL));
+  FATAL_UNLESS_OK(epx_combine_backward(buf, h, out, NULL, geo, NULL));
+  if (dev == EPX_DEVICE_CUDA) FATAL_UNLESS_CUDA_OK(cudaDeviceSynchronize());
+  r->rows = fetch(dev, rows, (size_t)r->N * rb);
+  r->out = fetch(dev, out, (size_t)r->T * rb);
+  r->grad_x = fetch(dev, gx, (size_t)r->T * rb);
+  r->grad_eo = fetch(dev, geo, (size_t)r->N * rb);
+  release(dev, rows), release(dev, out), release(dev, gx), release(dev, geo);
 }
 
 /* One rank's fp8 dispatches of case c (GPU or CPU). */
@@ -1634,6 +1667,7 @@ static void fp8_rank(fp8_run_t *run) {
   FATAL_UNLESS_OK(epx_buffer_max_recv_rows(buf, &cap));
   if (cap < N) cap = N;
   r->N = N;
+  r->T = T;
 
   float *xv = calloc((size_t)(T * HF + 1), 4);
   for (int64_t t = 0; t < T; t++)
@@ -1654,6 +1688,7 @@ static void fp8_rank(fp8_run_t *run) {
     r->q[i] = fetch(dev, rq[i], (size_t)(N * HF)), r->s[i] = fetch(dev, rs[i], (size_t)(N * S));
   r->src_rank = fetch(dev, srank, 4 * (size_t)N);
   r->src_token = fetch(dev, stok, 4 * (size_t)N);
+  fp8_dtype_calls(run, buf, h, x, cap);
   if (rec) fp8_replay(run, buf, rec, &routing, h, xq, xs, cap, S);
   else if (dev == EPX_DEVICE_CUDA && f->worst) fp8_graph(run, buf, h, x, cap, S);
   FATAL_UNLESS_OK(epx_handle_release(h));
@@ -1706,7 +1741,7 @@ static int64_t first_row_diff(const uint8_t *a, const uint8_t *b, int64_t n, int
 
 /* Every received row against its source token's quantized row (a padding
  * row or unfilled slot: zeros), both dispatches. */
-static void fp8_check_sources(const fp8_case_t *f, epx_exchange_t x, const fp8_result_t *g) {
+static void fp8_check_sources(const fp8_case_t *f, const char *what, const fp8_result_t *g) {
   const int64_t S = fp8_scale_bytes(f->format);
   uint8_t *q = calloc(HF, 1), *sc = calloc((size_t)S, 1);
   int64_t bad = -1;
@@ -1717,15 +1752,14 @@ static void fp8_check_sources(const fp8_case_t *f, epx_exchange_t x, const fp8_r
       if (memcmp(g->q[d] + i * HF, q, HF) || memcmp(g->s[d] + i * S, sc, (size_t)S)) bad = i;
   }
   RANK_EXPECT(bad < 0, "%s: received row %lld (from rank %d token %d) is not its source's quantized row and scales",
-              fp8_describe(f, x), (long long)bad, bad < 0 ? 0 : g->src_rank[bad], bad < 0 ? 0 : g->src_token[bad]);
+              what, (long long)bad, bad < 0 ? 0 : g->src_rank[bad], bad < 0 ? 0 : g->src_token[bad]);
   free(q), free(sc);
 }
 
-/* GPU against another run (the CPU backend, or the other exchange): N,
- * sources and both dispatches' bytes. */
-static void fp8_compare(const fp8_case_t *f, epx_exchange_t x, const fp8_result_t *g, const fp8_result_t *o,
+/* GPU against another run (the CPU backend, the other path or exchange):
+ * N, sources, both dispatches' bytes, and the dtype's calls' bytes. */
+static void fp8_compare(const fp8_case_t *f, const char *what, const fp8_result_t *g, const fp8_result_t *o,
                         const char *other) {
-  const char *what = fp8_describe(f, x);
   const int64_t S = fp8_scale_bytes(f->format);
   RANK_EXPECT(g->N == o->N, "%s: N %lld, %s %lld", what, (long long)g->N, other, (long long)o->N);
   if (g->N != o->N) return;
@@ -1738,39 +1772,63 @@ static void fp8_compare(const fp8_case_t *f, epx_exchange_t x, const fp8_result_
     RANK_EXPECT(rq < 0 && rs < 0, "%s: %s's rows differ from %s's (row %lld, scales of row %lld)", what, call, other,
                 (long long)rq, (long long)rs);
   }
+  const size_t rb = 2 * HF;
+  const struct {
+    const char *name;
+    const void *a, *b;
+    int64_t rows;
+  } dtype_outs[] = {{"epx_dispatch", g->rows, o->rows, N},
+                    {"epx_combine", g->out, o->out, g->T},
+                    {"epx_dispatch_backward", g->grad_x, o->grad_x, g->T},
+                    {"epx_combine_backward", g->grad_eo, o->grad_eo, N}};
+  for (size_t i = 0; i < sizeof dtype_outs / sizeof dtype_outs[0]; i++) {
+    const int64_t row = first_row_diff(dtype_outs[i].a, dtype_outs[i].b, dtype_outs[i].rows, (int64_t)rb);
+    RANK_EXPECT(row < 0, "%s: %s (bf16, after the fp8 dispatches) differs from %s's (row %lld)", what,
+                dtype_outs[i].name, other, (long long)row);
+  }
 }
 
-/* One fp8 case: dedup (asking for the fused path, which declines it: the
- * host path serves it) and collective, each against the CPU backend and
- * the sources, then each other; the dedup run with default sizing under a
- * recorder, every run with worst_case_sizing once more in a CUDA graph. */
+/* One fp8 case: dedup on the host path (EPX_PATH_HOST) and on the fused
+ * kernels (EPX_PATH_FUSED: required with EPX_GPU_EXPECT_FUSED, else the
+ * host path where the build or NCCL has none), and collective (AUTO: the
+ * host path, the fused kernels being dedup only), each against the CPU
+ * backend of its exchange and the sources; then the fused path against the
+ * host path and dedup against collective, bit for bit. The dedup runs with
+ * default sizing under a recorder, every run with worst_case_sizing once
+ * more in a CUDA graph. */
 static void fp8_case(const fp8_case_t *f, epx_comm_t nccl, void *stream) {
-  fp8_result_t gpu[2], cpu;
-  for (int xi = 0; xi < 2; xi++) {
-    const epx_exchange_t x = xi ? EPX_EXCHANGE_COLLECTIVE : EPX_EXCHANGE_DEDUP;
-    fp8_run_t run = {f, x, xi ? EPX_PATH_AUTO : EPX_PATH_FUSED, nccl, g_rank, EPX_DEVICE_CUDA, stream,
-                     !xi && !f->worst, {0}};
+  enum { RUNS = 3 };
+  const epx_exchange_t exchanges[RUNS] = {EPX_EXCHANGE_DEDUP, EPX_EXCHANGE_DEDUP, EPX_EXCHANGE_COLLECTIVE};
+  const epx_exchange_path_t asked[RUNS] = {EPX_PATH_HOST, EPX_PATH_FUSED, EPX_PATH_AUTO};
+  fp8_result_t gpu[RUNS], cpu[2];
+  fp8_cpu(f, EPX_EXCHANGE_DEDUP, &cpu[0]);
+  fp8_cpu(f, EPX_EXCHANGE_COLLECTIVE, &cpu[1]);
+  char what[RUNS][160];
+  for (int i = 0; i < RUNS; i++) {
+    const epx_exchange_t x = exchanges[i];
+    snprintf(what[i], sizeof what[i], "%s", fp8_describe(f, x, asked[i]));
+    fp8_run_t run = {f, x, asked[i], nccl, g_rank, EPX_DEVICE_CUDA, stream, x == EPX_EXCHANGE_DEDUP && !f->worst,
+                     {0}};
     fp8_rank(&run);
-    gpu[xi] = run.res;
-    const fp8_result_t *g = &gpu[xi];
-    RANK_EXPECT(g->path == EPX_PATH_HOST, "%s: path %d, the host path expected (fp8 buffers)", fp8_describe(f, x),
-                g->path);
-    if (!xi && g_expect_fused)
-      RANK_EXPECT(strstr(g->why, "fp8") != NULL, "%s: EPX_PATH_FUSED asked and declined without saying why: '%s'",
-                  fp8_describe(f, x), g->why);
-    fp8_cpu(f, x, &cpu);
-    fp8_compare(f, x, g, &cpu, "the CPU backend");
-    fp8_check_sources(f, x, g);
+    gpu[i] = run.res;
+    const fp8_result_t *g = &gpu[i];
+    const int fused = asked[i] == EPX_PATH_FUSED;
+    if (!fused || g_expect_fused)
+      RANK_EXPECT(g->path == (fused ? EPX_PATH_FUSED : EPX_PATH_HOST), "%s: path %d, the %s path expected (%s)",
+                  what[i], g->path, fused ? "fused" : "host", g->why);
+    fp8_compare(f, what[i], g, &cpu[x == EPX_EXCHANGE_COLLECTIVE], "the CPU backend");
+    fp8_check_sources(f, what[i], g);
     if (g->again_q)
       RANK_EXPECT(same_bytes(g->again_q, g->q[g->again], (size_t)(g->N * HF)) &&
                       same_bytes(g->again_s, g->s[g->again], (size_t)(g->N * fp8_scale_bytes(f->format))),
-                  "%s: %s moved other bytes", fp8_describe(f, x),
+                  "%s: %s moved other bytes", what[i],
                   g->again ? "epx_dispatch_quantize in a CUDA graph" : "the recorder's replayed handle");
-    fp8_result_free(&cpu);
   }
-  fp8_compare(f, EPX_EXCHANGE_DEDUP, &gpu[0], &gpu[1], "the collective exchange");
-  fp8_result_free(&gpu[0]);
-  fp8_result_free(&gpu[1]);
+  fp8_compare(f, what[1], &gpu[1], &gpu[0], "the host path");
+  fp8_compare(f, what[0], &gpu[0], &gpu[2], "the collective exchange");
+  for (int i = 0; i < RUNS; i++) fp8_result_free(&gpu[i]);
+  fp8_result_free(&cpu[0]);
+  fp8_result_free(&cpu[1]);
 }
 
 /* Every format x layout x sizing; returns the number of cases. */
@@ -1908,7 +1966,8 @@ int main(int argc, char **argv) {
   FATAL_UNLESS_OK(epx_comm_destroy(comm));
   if (g_rank == 0)
     printf("mpi_gpu_exchange: %d rank%s%s, %d cases x 2 exchanges (+ the host path of dedup), refusals, recorder, "
-           "graph (fused path %s), %d fp8 cases x 2 exchanges x 2 dispatches: %d failures: %s\n", g_size,
+           "graph (fused path %s), %d fp8 cases x 3 runs (dedup on the host and fused paths, collective) x 2 "
+           "dispatches + the dtype's calls: %d failures: %s\n", g_size,
            one ? "" : "s", one ? " (W-rank backend)" : "", cases, g_expect_fused ? "required" : "where available", fp8,
            failures, failures ? "FAILED" : "OK");
   cudaStreamDestroy(stream);
