@@ -51,9 +51,12 @@
  * (every layout and exchange), layout (the worst-case layout alone: event,
  * host and graph-replay times; main runs it too), expert (the expert-major
  * dedup rows alone: fused, host, float32 partials; main runs them too),
- * sweep (fused vs host, rank-major, per SM
- * budget), split (the fused rank-major rows with a quarter and an eighth of
- * the budget receiving, at 8/16/24/32 SMs), step (the whole-step sweep).
+ * sweep (fused vs host, rank-major, per SM budget), fp8 (expert-major
+ * dedup dispatches of e4m3 rows with float32 scales per 128 channels,
+ * pre-quantized and quantized on the way, beside bf16, on the fused and
+ * host paths; main runs it at T = 8192), split (the fused rank-major rows
+ * with a quarter and an eighth of the budget receiving, at 8/16/24/32
+ * SMs), step (the whole-step sweep).
  *
  * Usage: mpirun -np 2 bench_ep <workdir>   (RESULT / TARGET / CHECK lines;
  * writes <workdir>/ep_counts.txt and ep_permute.txt for bench_torch_ep.py) */
@@ -469,6 +472,142 @@ static run_result_t run(int T, int skew, epx_layout_t layout, epx_exchange_t exc
   return result;
 }
 
+/* ------------------------------------------------------------------------ */
+/* fp8 dispatch beside bf16                                                  */
+/* ------------------------------------------------------------------------ */
+
+/* One buffer of the fp8 section: an expert-major dedup buffer with
+ * fp8_format EPX_FP8_E4M3_F32_128 (DeepEP's e4m3 with a float32 scale per
+ * 128 channels) on one path, its handle, and the tensors of its three
+ * dispatches. */
+typedef struct {
+  epx_buffer_t buf;
+  epx_handle_t h;
+  const void *x, *xq, *xs; /* [T, H] bf16; [T, H] e4m3 and [T, H / 128] float32 (epx_quantize of x) */
+  void *recv, *rq, *rs;    /* [cap, H] bf16; [cap, H] e4m3 and [cap, H / 128] float32 */
+  int64_t cap;
+} fp8_bench_t;
+
+static void op_fp8_bf16(void *p) {
+  fp8_bench_t *b = p;
+  FATAL_UNLESS_OK(epx_dispatch(b->buf, b->h, b->x, b->recv, b->cap));
+}
+static void op_fp8_prequantized(void *p) {
+  fp8_bench_t *b = p;
+  FATAL_UNLESS_OK(epx_dispatch_fp8(b->buf, b->h, b->xq, b->xs, b->rq, b->rs, b->cap));
+}
+static void op_fp8_quantize(void *p) {
+  fp8_bench_t *b = p;
+  FATAL_UNLESS_OK(epx_dispatch_quantize(b->buf, b->h, b->x, b->rq, b->rs, b->cap));
+}
+
+/* The received e4m3 rows and scales [N, H] and [N, S] on the host. */
+static void fp8_fetch(const fp8_bench_t *b, int64_t N, size_t S, uint8_t **q, uint8_t **s) {
+  FATAL_UNLESS_CUDA_OK(cudaStreamSynchronize(g_stream));
+  *q = malloc((size_t)N * H + 1), *s = malloc((size_t)N * S + 1);
+  FATAL_UNLESS_CUDA_OK(cudaMemcpy(*q, b->rq, (size_t)N * H, cudaMemcpyDeviceToHost));
+  FATAL_UNLESS_CUDA_OK(cudaMemcpy(*s, b->rs, (size_t)N * S, cudaMemcpyDeviceToHost));
+}
+
+/* The fp8 dispatches of T tokens (uniform routing, expert-major, dedup)
+ * beside bf16 on the same buffer, on the fused path and on the host path:
+ * a RESULT line per path with the three dispatch times (bf16 epx_dispatch,
+ * epx_dispatch_fp8 of pre-quantized rows, epx_dispatch_quantize from bf16)
+ * and GB/s of the rows received, each rank-major row once, its own
+ * included (DeepEP's count: H * 2 bytes a bf16 row, H + H / 32 an fp8 row
+ * and its scales). Checked first: every path's and dispatch's received
+ * bytes equal the fused path's epx_dispatch_fp8 (the pre-quantized rows are
+ * epx_quantize of x: the same bytes). */
+static void run_fp8(int T) {
+  const epx_fp8_format_t format = EPX_FP8_E4M3_F32_128;
+  const size_t S = (size_t)H / 128 * 4;
+  int32_t *idx = malloc(4 * (size_t)T * K);
+  int32_t *d_idx = device_routing(T, 0, T, idx);
+  const epx_routing_t routing = {T, K, d_idx, NULL, NULL, EPX_WEIGHTS_NONE};
+  uint16_t *xh = malloc((size_t)T * H * 2);
+  for (int t = 0; t < T; t++)
+    for (int h = 0; h < H; h++) xh[(size_t)t * H + h] = x_bits(g_rank, t, h);
+  uint8_t *xqh = malloc((size_t)T * H), *xsh = malloc((size_t)T * S);
+  FATAL_UNLESS_OK(epx_quantize(format, EPX_BFLOAT16, T, H, xh, xqh, xsh));
+  void *x, *xq, *xs;
+  FATAL_UNLESS_CUDA_OK(cudaMalloc(&x, (size_t)T * H * 2));
+  FATAL_UNLESS_CUDA_OK(cudaMalloc(&xq, (size_t)T * H));
+  FATAL_UNLESS_CUDA_OK(cudaMalloc(&xs, (size_t)T * S));
+  FATAL_UNLESS_CUDA_OK(cudaMemcpy(x, xh, (size_t)T * H * 2, cudaMemcpyHostToDevice));
+  FATAL_UNLESS_CUDA_OK(cudaMemcpy(xq, xqh, (size_t)T * H, cudaMemcpyHostToDevice));
+  FATAL_UNLESS_CUDA_OK(cudaMemcpy(xs, xsh, (size_t)T * S, cudaMemcpyHostToDevice));
+  uint8_t *ref_q = NULL, *ref_s = NULL; /* the fused path's epx_dispatch_fp8 */
+  int64_t ref_n = -1;
+  double fused_ms[3] = {0, 0, 0};
+  const epx_exchange_path_t paths[2] = {EPX_PATH_FUSED, EPX_PATH_HOST};
+  for (int pi = 0; pi < 2; pi++) {
+    epx_buffer_config_t cfg = bench_config(T, EPX_LAYOUT_EXPERT_MAJOR);
+    cfg.exchange = EPX_EXCHANGE_DEDUP;
+    cfg.exchange_path = paths[pi];
+    cfg.fp8_format = format;
+    fp8_bench_t b = {0};
+    b.x = x, b.xq = xq, b.xs = xs;
+    FATAL_UNLESS_OK(epx_buffer_create(g_comm, &cfg, &b.buf));
+    int32_t peer_paths[64] = {0};
+    FATAL_UNLESS_OK(epx_buffer_peer_paths(b.buf, peer_paths));
+    const char *path = peer_paths[g_rank] == EPX_PATH_FUSED ? "fused" : "host";
+    FATAL_UNLESS_OK(epx_dispatch_layout(b.buf, &routing, NULL, &b.h));
+    FATAL_UNLESS_OK(epx_buffer_max_recv_rows(b.buf, &b.cap));
+    FATAL_UNLESS_CUDA_OK(cudaMalloc(&b.recv, (size_t)b.cap * H * 2));
+    FATAL_UNLESS_CUDA_OK(cudaMalloc(&b.rq, (size_t)b.cap * H));
+    FATAL_UNLESS_CUDA_OK(cudaMalloc(&b.rs, (size_t)b.cap * S));
+    int64_t N = 0;
+    FATAL_UNLESS_OK(epx_handle_recv_rows(b.h, &N));
+    /* the check: both fp8 dispatches against the fused path's epx_dispatch_fp8 */
+    int64_t wrong = 0;
+    for (int d = 0; d < 2; d++) {
+      (d ? op_fp8_quantize : op_fp8_prequantized)(&b);
+      uint8_t *q, *s;
+      fp8_fetch(&b, N, S, &q, &s);
+      if (!ref_q) {
+        ref_q = q, ref_s = s, ref_n = N;
+        continue;
+      }
+      wrong += N != ref_n || memcmp(q, ref_q, (size_t)N * H) || memcmp(s, ref_s, (size_t)N * S);
+      free(q), free(s);
+    }
+    int64_t all = 0;
+    MPI_Allreduce(&wrong, &all, 1, MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD);
+    char name[160];
+    snprintf(name, sizeof name, "fp8 T=%d layout=expert-major exchange=dedup format=e4m3-f32-128 path=%s", T, path);
+    if (g_rank == 0)
+      printf("CHECK %s: %lld dispatches whose rows differ from the fused path's epx_dispatch_fp8: %s\n", name,
+             (long long)all, all ? "FAILED" : "OK");
+    g_bad += all != 0;
+    epx_handle_stats_t st;
+    FATAL_UNLESS_OK(epx_handle_stats(b.h, &st));
+    const timing_t bf16 = time_op(op_fp8_bf16, &b), pre = time_op(op_fp8_prequantized, &b),
+                   quant = time_op(op_fp8_quantize, &b);
+    const double rows_in = (double)(st.local_rows + st.recv_rows);
+    if (g_rank == 0) {
+      printf("RESULT %s bf16_dispatch_ms=%.4f (slowest %.4f) fp8_dispatch_ms=%.4f (slowest %.4f) "
+             "quantize_dispatch_ms=%.4f (slowest %.4f) fp8/bf16=%.3f quantize/fp8=%.3f rows_in=%.0f "
+             "bf16_GBps=%.0f fp8_GBps=%.0f quantize_GBps=%.0f\n",
+             name, bf16.ms, bf16.worst_ms, pre.ms, pre.worst_ms, quant.ms, quant.worst_ms, pre.ms / bf16.ms,
+             quant.ms / pre.ms, rows_in, rows_in * H * 2 / bf16.ms / 1e6, rows_in * (H + (double)S) / pre.ms / 1e6,
+             rows_in * (H + (double)S) / quant.ms / 1e6);
+      if (pi == 0) {
+        fused_ms[0] = bf16.ms, fused_ms[1] = pre.ms, fused_ms[2] = quant.ms;
+        printf("TARGET fp8 dispatch / bf16 dispatch (fused, %d)          %.3f <= 0.56\n", T, pre.ms / bf16.ms);
+        printf("TARGET quantize dispatch / fp8 dispatch (fused, %d)      %.3f <= 1.10\n", T, quant.ms / pre.ms);
+      } else {
+        printf("RESULT fp8 T=%d fused/host: bf16 dispatch %.3f fp8 dispatch %.3f quantize dispatch %.3f\n", T,
+               fused_ms[0] / bf16.ms, fused_ms[1] / pre.ms, fused_ms[2] / quant.ms);
+      }
+    }
+    FATAL_UNLESS_OK(epx_handle_release(b.h));
+    FATAL_UNLESS_OK(epx_buffer_destroy(b.buf));
+    cudaFree(b.recv), cudaFree(b.rq), cudaFree(b.rs);
+  }
+  free(ref_q), free(ref_s), free(idx), free(xh), free(xqh), free(xsh);
+  cudaFree(x), cudaFree(xq), cudaFree(xs), cudaFree(d_idx);
+}
+
 /* The stages of the fused layouts just run (a trace build): per stage the
  * median over the traced layouts of its time since the layout began. */
 static void print_layout_trace(int T) {
@@ -857,6 +996,8 @@ int main(int argc, char **argv) {
                dedup[1].combine_ms / dedup[0].combine_ms, grow);
       }
     }
+    /* fp8 beside bf16 (main runs it at 8192 tokens) */
+    if (section("fp8") || (section("main") && T == 8192)) run_fp8(T);
     if (section("relay") && g_size > 1) {
       /* The mixed path: the fused kernels with every peer relayed through
        * NCCL's host API (EPX_CUDA_FUSED_RELAY, as peers without load/store
