@@ -234,12 +234,24 @@ static int fp8_scenes(fp8_scene_t *out, int32_t W) {
                            .T = 21, .H = 1024, .E = 2 * W, .K = 1, .W = W, .quantize = 1, .nonfinite = 1, .seed = 105};
   out[n++] = (fp8_scene_t){EPX_FP8_E4M3_UE8M0_128, EPX_LAYOUT_RANK_MAJOR, EPX_EXCHANGE_COLLECTIVE, EPX_FLOAT32,
                            .T = 0, .H = 512, .E = W, .K = 1, .W = W, .seed = 106};
-  /* Rows that end inside a warp's step of the GPU kernel (a step takes 32
-   * lanes x 16 values, two steps' loads at once for 16-bit rows). */
+  /* Rows that end inside a warp's first step. */
   out[n++] = (fp8_scene_t){EPX_FP8_MXFP8, EPX_LAYOUT_EXPERT_MAJOR, EPX_EXCHANGE_DEDUP, EPX_BFLOAT16,
                            .T = 10, .H = 1056, .E = 8, .K = 3, .W = W, .quantize = 1, .nonfinite = 1, .seed = 107};
   out[n++] = (fp8_scene_t){EPX_FP8_E4M3_F32_128, EPX_LAYOUT_RANK_MAJOR, EPX_EXCHANGE_DEDUP, EPX_BFLOAT16,
                            .T = 12, .H = 640, .E = 8, .K = 2, .W = W, .quantize = 1, .nonfinite = 1, .seed = 108};
+  /* Rows that end inside a warp's step of the GPU kernel (a quantizing step
+   * takes 32 lanes x 16 values x 7 chunks of 16-bit rows, x 3 of float32
+   * ones), past one step and inside the next; top-k past a warp's 32 lanes
+   * (the GPU's fan-out takes routes j, j + 32, ... per lane), with scales
+   * that go in bulk (f32) and that do not (UE8M0's 4-byte rows of 8). */
+  out[n++] = (fp8_scene_t){EPX_FP8_E4M3_F32_128, EPX_LAYOUT_EXPERT_MAJOR, EPX_EXCHANGE_DEDUP, EPX_BFLOAT16,
+                           .T = 5, .H = 4608, .E = 16, .K = 4, .W = W, .quantize = 1, .nonfinite = 1, .seed = 109};
+  out[n++] = (fp8_scene_t){EPX_FP8_MXFP8, EPX_LAYOUT_CAPACITY, EPX_EXCHANGE_DEDUP, EPX_FLOAT32,
+                           .T = 7, .H = 1664, .E = 8, .K = 2, .W = W, .quantize = 1, .nonfinite = 1, .seed = 110};
+  out[n++] = (fp8_scene_t){EPX_FP8_E4M3_F32_128, EPX_LAYOUT_EXPERT_MAJOR, EPX_EXCHANGE_COLLECTIVE, EPX_BFLOAT16,
+                           .T = 6, .H = 256, .E = 64, .K = 40, .W = W, .quantize = 1, .seed = 111};
+  out[n++] = (fp8_scene_t){EPX_FP8_E4M3_UE8M0_128, EPX_LAYOUT_EXPERT_MAJOR, EPX_EXCHANGE_DEDUP, EPX_BFLOAT16,
+                           .T = 6, .H = 1024, .E = 64, .K = 36, .W = W, .seed = 112};
   for (int i = 0; i < n; i++) out[i].E = (out[i].E + W - 1) / W * W; /* E a multiple of the ranks */
   return n;
 }

@@ -28,7 +28,7 @@
  * epx_payload_fp8_packed_bytes, packed on the way out, unpacked on the way
  * in by the same kernel).
  *
- * Bytes moved (R routes, T_r tokens with a route, N recv rows):
+ * Bytes moved (T_r tokens with a route, N recv rows):
  *   copy:      T_r*(H + S) read + N*(H + S) written
  *   quantize:  T_r*H*s read (s the dtype's size) + N*(H + S) written */
 #include <cuda_fp8.h>
@@ -99,31 +99,6 @@ __device__ void zero_rows(const fp8_args &a, int64_t block) {
   }
 }
 
-/* Copying: the token's row and scales into the slot ([H][S]). `phase` is
- * the warp's barrier phase, kept by every lane. */
-__device__ void stage_copy(const fp8_args &a, int64_t t, uint8_t *slot, uint64_t *bar, uint32_t &phase, int lane) {
-  const uint8_t *src = static_cast<const uint8_t *>(a.x) + t * a.stride.x;
-  const uint8_t *src_s = a.x_scales + t * a.stride.x_scales;
-  const bool scale_bulk = a.scale_unit == 16;
-#if EPX_BULK_ARCH
-  if (lane == 0) {
-    epx_bulk_expect(bar, (uint32_t)(a.hidden + (scale_bulk ? a.scale_bytes : 0)));
-    epx_bulk_load(slot, src, (uint32_t)a.hidden, bar);
-    if (scale_bulk) epx_bulk_load(slot + a.hidden, src_s, (uint32_t)a.scale_bytes, bar);
-  }
-  if (!scale_bulk) copy_scales(src_s, slot + a.hidden, a.scale_bytes, a.scale_unit, lane);
-  epx_bulk_wait(bar, phase);
-  phase ^= 1u;
-#else
-  (void)bar;
-  (void)phase;
-  (void)scale_bulk;
-  for (int64_t i = lane; i < a.hidden / 16; i += 32)
-    reinterpret_cast<uint4 *>(slot)[i] = __ldcs(reinterpret_cast<const uint4 *>(src) + i);
-  copy_scales(src_s, slot + a.hidden, a.scale_bytes, a.scale_unit, lane);
-#endif
-}
-
 /* |f| as bits, whose unsigned order is the float order of non-negative
  * values (zeros, subnormals, infinity) and puts every NaN above infinity:
  * an unsigned max propagates NaN as torch.amax does for DeepEP's formats
@@ -177,9 +152,62 @@ __device__ __forceinline__ chunk_q quantize_chunk(const uint4 *raw, epx_fp8_form
   return {make_uint4(w[0], w[1], w[2], w[3]), s.stored};
 }
 
-/* Quantizing: the token's row of T into the slot's e4m3 bytes and scales. */
+/* The slot's row bytes [begin, end) to each of the token's valid rows
+ * (rows[t, k] >= 0; `row` is this lane's, k = lane). With the bulk copy
+ * engine, lane j stores routes j, j + 32, ..., one bulk group per call;
+ * the lanes' writes to the slot are ordered before it here. */
+__device__ void fan_out_row(const fp8_args &a, const int32_t *rows, int32_t row, const uint8_t *slot, int64_t begin,
+                            int64_t end, int lane) {
+#if EPX_BULK_ARCH
+  epx_bulk_fence_smem();
+  __syncwarp();
+  for (int k = lane; k < a.k; k += 32) {
+    const int64_t r = k == lane ? row : rows[k];
+    if (r < 0) continue;
+    epx_bulk_store(a.recv_q + r * a.stride.recv_q + begin, slot + begin, (uint32_t)(end - begin));
+    epx_bulk_commit();
+  }
+#else
+  __syncwarp();
+  for (int k = 0; k < a.k; k++) {
+    const int64_t r = rows[k]; /* warp-uniform */
+    if (r < 0) continue;
+    uint4 *q = reinterpret_cast<uint4 *>(a.recv_q + r * a.stride.recv_q + begin);
+    for (int64_t i = lane; i < (end - begin) / 16; i += 32) q[i] = reinterpret_cast<const uint4 *>(slot + begin)[i];
+  }
+#endif
+}
+
+/* The slot's scales (after its H row bytes) to each of the token's valid
+ * rows: in bulk where both scale tensors allow it, else by the lanes. */
+__device__ void fan_out_scales(const fp8_args &a, const int32_t *rows, int32_t row, const uint8_t *slot, int lane) {
+  const uint8_t *slot_s = slot + a.hidden;
+#if EPX_BULK_ARCH
+  if (a.scale_unit == 16) {
+    epx_bulk_fence_smem();
+    __syncwarp();
+    for (int k = lane; k < a.k; k += 32) {
+      const int64_t r = k == lane ? row : rows[k];
+      if (r < 0) continue;
+      epx_bulk_store(a.recv_s + r * a.stride.recv_scales, slot_s, (uint32_t)a.scale_bytes);
+      epx_bulk_commit();
+    }
+    return;
+  }
+#endif
+  __syncwarp();
+  for (int k = 0; k < a.k; k++) {
+    const int64_t r = rows[k]; /* warp-uniform */
+    if (r >= 0) copy_scales(slot_s, a.recv_s + r * a.stride.recv_scales, a.scale_bytes, a.scale_unit, lane);
+  }
+}
+
+/* Quantizing: the token's row of T into the slot's e4m3 bytes and scales,
+ * then out (fanning each step's bytes out as soon as they were in the slot
+ * measured slower: bench/NOTES.md, v0.4 fp8). */
 template <typename T>
-__device__ void stage_quantize(const fp8_args &a, int64_t t, uint8_t *slot, int lane) {
+__device__ void quantize_token(const fp8_args &a, int64_t t, const int32_t *rows, int32_t row, uint8_t *slot,
+                               int lane) {
   constexpr int loads = 16 / epx_vec<T>::n; /* 16-byte loads per lane per chunk of 16 values */
   constexpr int kChunks = kLoads / loads;
   const int block = epx_payload_fp8(a.format, EPX_FLOAT32, 0).scale_block;
@@ -211,36 +239,36 @@ __device__ void stage_quantize(const fp8_args &a, int64_t t, uint8_t *slot, int 
       }
     }
   }
+  fan_out_row(a, rows, row, slot, 0, a.hidden, lane);
+  fan_out_scales(a, rows, row, slot, lane);
 }
 
-/* The slot to each of the token's valid rows (rows[t, k] >= 0). */
-__device__ void fan_out(const fp8_args &a, int64_t t, const uint8_t *slot, int lane) {
-  const int32_t *rows = a.rows + t * a.k;
-  const uint8_t *slot_s = slot + a.hidden;
+/* Copying: the token's row and scales into the slot ([H][S]), then out.
+ * `phase` is the warp's barrier phase, kept by every lane. */
+__device__ void copy_token(const fp8_args &a, int64_t t, const int32_t *rows, int32_t row, uint8_t *slot,
+                           uint64_t *bar, uint32_t &phase, int lane) {
+  const uint8_t *src = static_cast<const uint8_t *>(a.x) + t * a.stride.x;
+  const uint8_t *src_s = a.x_scales + t * a.stride.x_scales;
   const bool scale_bulk = a.scale_unit == 16;
 #if EPX_BULK_ARCH
-  epx_bulk_fence_smem(); /* the lanes' writes to the slot, before the engine reads it */
-  __syncwarp();
-  for (int k = lane; k < a.k; k += 32) {
-    const int64_t row = rows[k];
-    if (row < 0) continue;
-    epx_bulk_store(a.recv_q + row * a.stride.recv_q, slot, (uint32_t)a.hidden);
-    if (scale_bulk) epx_bulk_store(a.recv_s + row * a.stride.recv_scales, slot_s, (uint32_t)a.scale_bytes);
-    epx_bulk_commit();
+  if (lane == 0) {
+    epx_bulk_expect(bar, (uint32_t)(a.hidden + (scale_bulk ? a.scale_bytes : 0)));
+    epx_bulk_load(slot, src, (uint32_t)a.hidden, bar);
+    if (scale_bulk) epx_bulk_load(slot + a.hidden, src_s, (uint32_t)a.scale_bytes, bar);
   }
-  if (scale_bulk) return;
+  if (!scale_bulk) copy_scales(src_s, slot + a.hidden, a.scale_bytes, a.scale_unit, lane);
+  epx_bulk_wait(bar, phase);
+  phase ^= 1u;
 #else
-  __syncwarp();
+  (void)bar;
+  (void)phase;
+  (void)scale_bulk;
+  for (int64_t i = lane; i < a.hidden / 16; i += 32)
+    reinterpret_cast<uint4 *>(slot)[i] = __ldcs(reinterpret_cast<const uint4 *>(src) + i);
+  copy_scales(src_s, slot + a.hidden, a.scale_bytes, a.scale_unit, lane);
 #endif
-  for (int k = 0; k < a.k; k++) {
-    const int64_t row = rows[k]; /* warp-uniform */
-    if (row < 0) continue;
-#if !EPX_BULK_ARCH
-    uint4 *q = reinterpret_cast<uint4 *>(a.recv_q + row * a.stride.recv_q);
-    for (int64_t i = lane; i < a.hidden / 16; i += 32) q[i] = reinterpret_cast<const uint4 *>(slot)[i];
-#endif
-    copy_scales(slot_s, a.recv_s + row * a.stride.recv_scales, a.scale_bytes, scale_bulk ? 16 : a.scale_unit, lane);
-  }
+  fan_out_row(a, rows, row, slot, 0, a.hidden, lane);
+  fan_out_scales(a, rows, row, slot, lane);
 }
 
 template <typename T, bool kQuantize>
@@ -259,18 +287,19 @@ __global__ void __launch_bounds__(kWarps * 32) fp8_scatter_kernel(const fp8_args
   __syncwarp();
 #endif
   for (int64_t t = (int64_t)blockIdx.x * warps + warp; t < a.tokens; t += a.token_ctas * warps) {
+    const int32_t *rows = a.rows + t * a.k;
+    const int32_t row = lane < a.k ? rows[lane] : -1;
     /* a token with no valid route is skipped, its row unread */
-    bool any = false;
-    for (int k0 = 0; k0 < a.k && !any; k0 += 32)
-      any = __any_sync(0xffffffffu, k0 + lane < a.k && a.rows[t * a.k + k0 + lane] >= 0);
+    bool any = __any_sync(0xffffffffu, row >= 0);
+    for (int k0 = 32; k0 < a.k && !any; k0 += 32)
+      any = __any_sync(0xffffffffu, k0 + lane < a.k && rows[k0 + lane] >= 0);
     if (!any) continue;
 #if EPX_BULK_ARCH
     epx_bulk_wait_read(); /* this lane's stores of the last token have read the slot */
     __syncwarp();
 #endif
-    if constexpr (kQuantize) stage_quantize<T>(a, t, slot, lane);
-    else stage_copy(a, t, slot, bar, phase, lane);
-    fan_out(a, t, slot, lane);
+    if constexpr (kQuantize) quantize_token<T>(a, t, rows, row, slot, lane);
+    else copy_token(a, t, rows, row, slot, bar, phase, lane);
   }
 #if EPX_BULK_ARCH
   epx_bulk_drain();
