@@ -126,7 +126,7 @@ __device__ void send_partials(const fused_dev &d, const fused_plan_dev &p, combi
   uint32_t phase = 0;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t pe = part_f32 ? 4 : (int64_t)sizeof(T);
-  if (kRank && d.bulk_warps > 0 && lane == 0 && warp < d.bulk_warps) bulk_init(bars + warp);
+  if (kRank && d.bulk_warps > 0 && lane == 0 && warp < d.bulk_warps) epx_bulk_bar_init(bars + warp);
   if (threadIdx.x < d.W && threadIdx.x != d.rank && !relayed(d, threadIdx.x) &&
       !wait_flag(d, flag_at(d.local, d.off_cts, threadIdx.x), seq + 1, threadIdx.x, PH_COMBINE_CTS))
     sh.bad = 1;
@@ -444,7 +444,7 @@ cudaError_t launch_typed(epx_fused_t *f, const epx_fused_plan_t *plan, const uin
     }
   }
   /* the bulk path's slots (rank-major senders) */
-  const size_t smem = (size_t)f->dev.bulk_warps * (size_t)bulk_slot_bytes(f->dev.row_bytes);
+  const size_t smem = (size_t)f->dev.bulk_warps * (size_t)epx_bulk_slot_bytes(f->dev.row_bytes);
   if (smem > 0) {
     /* set once per device */
     const cudaError_t e = epx_cuda_kernel_smem_here((const void *)combine_kernel<T, true, false>, smem);

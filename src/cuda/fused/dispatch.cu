@@ -51,7 +51,7 @@ __device__ void send_rows(const fused_dev &d, const fused_plan_dev &p, dispatch_
                           const uint4 *x, uint4 *recv, int mode, int ns, char *slots) {
   __shared__ uint64_t bars[kMaxBulkWarps];
   uint32_t phase = 0;
-  if (d.bulk_warps > 0 && (threadIdx.x & 31) == 0 && (threadIdx.x >> 5) < d.bulk_warps) bulk_init(bars + (threadIdx.x >> 5));
+  if (d.bulk_warps > 0 && (threadIdx.x & 31) == 0 && (threadIdx.x >> 5) < d.bulk_warps) epx_bulk_bar_init(bars + (threadIdx.x >> 5));
   if (threadIdx.x < d.W && threadIdx.x != d.rank && !relayed(d, threadIdx.x) &&
       !wait_flag(d, flag_at(d.local, d.off_cts, threadIdx.x), seq + 1, threadIdx.x, PH_DISPATCH_CTS))
     sh.bad = 1;
@@ -291,7 +291,7 @@ extern "C" cudaError_t epx_fused_dispatch_launch(epx_fused_t *f, const epx_fused
   if (d.W > 1 && d.relay_mask == others) nr = 0;
   const uint4 *xs = static_cast<const uint4 *>(x);
   uint4 *rs = static_cast<uint4 *>(in_window || (engine && !known) ? window : recv_x);
-  const size_t smem = (size_t)d.bulk_warps * (size_t)bulk_slot_bytes(d.row_bytes);
+  const size_t smem = (size_t)d.bulk_warps * (size_t)epx_bulk_slot_bytes(d.row_bytes);
   const int ex = 2 * f->num_sms; /* the expansion apart: two CTAs of 16 warps per SM */
   cudaError_t e = epx_payload_visit(f->config.dtype, [&](auto tag) {
     return launch_dispatch<typename decltype(tag)::type>(f, d, plan, xs, rs, mode, weighted, n, n - nr, ex, smem,
@@ -332,7 +332,7 @@ extern "C" cudaError_t epx_fused_dispatch_rows_launch(epx_fused_t *f, const epx_
    * where every peer is relayed (no row comes through the window) */
   const uint32_t others = (uint32_t)(((uint64_t)1 << d.W) - 1) & ~(1u << d.rank);
   const int nr = d.W > 1 && d.relay_mask == others ? 0 : 1;
-  const size_t smem = (size_t)d.bulk_warps * (size_t)bulk_slot_bytes(row_bytes);
+  const size_t smem = (size_t)d.bulk_warps * (size_t)epx_bulk_slot_bytes(row_bytes);
   const uint4 *xs = static_cast<const uint4 *>(x);
   uint4 *window = static_cast<uint4 *>(epx_fused_recv_window(f));
   return epx_payload_visit(f->config.dtype, [&](auto tag) {

@@ -40,9 +40,10 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "cuda/common/bulk.cuh"
+#include "cuda/common/device.cuh"
 #include "cuda/common/device_cache.h"
 #include "cuda/fused/fused.h"
-#include "cuda/common/device.cuh"
 #include "cuda/launch.h"
 
 namespace epx_fused_impl {
@@ -278,45 +279,21 @@ __device__ __forceinline__ void warp_copy(uint4 *dst, const uint4 *src, int64_t 
 
 /* ---- whole rows by the bulk copy engine (TMA) ----------------------------- */
 
-/* Shared memory of the bulk path: a slot of one row per copying warp. */
-static inline __host__ __device__ int64_t bulk_slot_bytes(int64_t row_bytes) { return (row_bytes + 127) / 128 * 128; }
+/* Shared memory of the bulk path: a slot of one row per copying warp
+ * (epx_bulk_slot_bytes of the row). */
 constexpr int kMaxBulkWarps = 12;
 
-__device__ __forceinline__ uint32_t smem_u32(const void *p) {
-  return (uint32_t)__cvta_generic_to_shared(p);
-}
-__device__ __forceinline__ void bulk_init(uint64_t *bar) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(bar)) : "memory");
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-}
 /* One row src -> dst through `slot` (one thread): waits until the previous
  * store has read the slot, loads the row (completing on bar), stores it. */
 __device__ __forceinline__ void bulk_row(uint64_t *bar, uint32_t &phase, char *slot, const void *src, void *dst,
                                          uint32_t bytes) {
-  asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                   smem_u32(slot)),
-               "l"(src), "r"(bytes), "r"(smem_u32(bar))
-               : "memory");
-  uint32_t done = 0;
-  while (!done)
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
-        : "=r"(done)
-        : "r"(smem_u32(bar)), "r"(phase)
-        : "memory");
+  epx_bulk_wait_read();
+  epx_bulk_expect(bar, bytes);
+  epx_bulk_load(slot, src, bytes, bar);
+  epx_bulk_wait(bar, phase);
   phase ^= 1u;
-  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(smem_u32(slot)), "r"(bytes)
-               : "memory");
-  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-}
-/* Every store issued by this thread complete and ordered before its later
- * (generic) accesses. */
-__device__ __forceinline__ void bulk_drain() {
-  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
-  asm volatile("fence.proxy.async.global;" ::: "memory");
+  epx_bulk_store(dst, slot, bytes);
+  epx_bulk_commit();
 }
 
 /* A CTA's senders move rows [0, n) of a chunk: row i from src(i) to dst(i).
@@ -328,10 +305,10 @@ __device__ __forceinline__ void send_chunk(const fused_dev &d, int64_t n, Src sr
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   if (d.bulk_warps > 0) {
     if (lane == 0 && warp < d.bulk_warps) {
-      char *slot = slots + (int64_t)warp * bulk_slot_bytes(d.row_bytes);
+      char *slot = slots + (int64_t)warp * epx_bulk_slot_bytes(d.row_bytes);
       for (int64_t i = warp; i < n; i += d.bulk_warps)
         bulk_row(bars + warp, phase, slot, src(i), dst(i), (uint32_t)d.row_bytes);
-      bulk_drain();
+      epx_bulk_drain();
     }
     return;
   }

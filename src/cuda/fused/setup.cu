@@ -124,7 +124,7 @@ void init_dev(epx_fused_t *f, int W, int rank) {
   d.max_chunks = (int)((c->max_tokens + kChunk - 1) / kChunk);
   d.meta_stride = (int64_t)align_up((size_t)(1 + 3 * c->max_top_k) * 4, 16);
   /* the bulk path: as many one-row slots as fit in 200 KB of shared memory */
-  const int64_t fit = ((int64_t)200 << 10) / bulk_slot_bytes(d.row_bytes);
+  const int64_t fit = ((int64_t)200 << 10) / epx_bulk_slot_bytes(d.row_bytes);
   d.bulk_warps = c->bulk_copy ? (int)(fit < kMaxBulkWarps ? fit : kMaxBulkWarps) : 0;
   const double seconds = epx_wait_bound(c->timeout_seconds);
   d.timeout_ns = (unsigned long long)(seconds * 1e9);
