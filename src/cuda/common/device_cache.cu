@@ -9,8 +9,8 @@
 namespace {
 
 constexpr int kCachedDevices = 64; /* device ids past it are served uncached */
-/* kernels whose limit is raised (16 today: the routing and layout kernels,
- * the fused ones, the fp8 scatter's four); more: uncached */
+/* kernels whose limit is raised (22 today: the routing and layout kernels,
+ * the fused ones, the fp8 scatter's ten); more: uncached */
 constexpr int kCachedKernels = 24;
 
 /* A device's attributes: state 0 unset, 1 being filled by the thread that

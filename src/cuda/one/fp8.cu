@@ -30,7 +30,7 @@
  *
  * Bytes moved (T_r tokens with a route, N recv rows):
  *   copy:      T_r*(H + S) read + N*(H + S) written
- *   quantize:  T_r*H*s read (s the dtype's size) + N*(H + S) written */
+ *   quantize:  T*H*s read (s the dtype's size) + N*(H + S) written */
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
@@ -64,7 +64,6 @@ struct fp8_args {
   epx_cuda_fp8_strides_t stride; /* bytes between rows of x, x_scales, recv_q, recv_s */
   int k;
   int scale_unit;          /* bytes per scale copy: 16 (bulk), 4 or 1 */
-  epx_fp8_format_t format;
 };
 
 /* S scale bytes src -> dst in units of `unit` (16, 4 or 1) by the warp's lanes. */
@@ -132,17 +131,23 @@ struct chunk_q {
   uint32_t stored;
 };
 
-template <typename T>
-__device__ __forceinline__ chunk_q quantize_chunk(const uint4 *raw, epx_fp8_format_t format, int group) {
+/* A format's channels per scale: 32 (MXFP8) or 128, at compile time (the
+ * quantizing kernel is one per format: bench/NOTES.md, v0.4 fp8). */
+__host__ __device__ constexpr int block_of(epx_fp8_format_t format) { return format == EPX_FP8_MXFP8 ? 32 : 128; }
+
+template <typename T, epx_fp8_format_t format>
+__device__ __forceinline__ chunk_q quantize_chunk(const uint4 *raw) {
   using vec = epx_vec<T>;
   constexpr int n = vec::n;
-  const bool skip_nan = format == EPX_FP8_MXFP8;
+  constexpr bool skip_nan = format == EPX_FP8_MXFP8;
+  constexpr int group = block_of(format) / 16; /* lanes per block: 2 or 8 */
   float f[16];
 #pragma unroll
   for (int l = 0; l < 16 / n; l++) vec::unpack(raw[l], f + l * n);
   uint32_t amax = 0u;
 #pragma unroll
   for (int e = 0; e < 16; e++) amax = max(amax, abs_bits(f[e], skip_nan));
+#pragma unroll
   for (int m = 1; m < group; m <<= 1) amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, m));
   const epx_fp8_block_scale_t s = epx_fp8_block_scale(format, __uint_as_float(amax));
   uint32_t w[4];
@@ -205,14 +210,14 @@ __device__ void fan_out_scales(const fp8_args &a, const int32_t *rows, int32_t r
 /* Quantizing: the token's row of T into the slot's e4m3 bytes and scales,
  * then out (fanning each step's bytes out as soon as they were in the slot
  * measured slower: bench/NOTES.md, v0.4 fp8). */
-template <typename T>
+template <typename T, epx_fp8_format_t format>
 __device__ void quantize_token(const fp8_args &a, int64_t t, const int32_t *rows, int32_t row, uint8_t *slot,
                                int lane) {
   constexpr int loads = 16 / epx_vec<T>::n; /* 16-byte loads per lane per chunk of 16 values */
   constexpr int kChunks = kLoads / loads;
-  const int block = epx_payload_fp8(a.format, EPX_FLOAT32, 0).scale_block;
-  const int group = block / 16; /* lanes per block: 2 or 8 */
-  const int entry = a.format == EPX_FP8_E4M3_F32_128 ? 4 : 1;
+  constexpr int block = block_of(format);
+  constexpr int group = block / 16;
+  constexpr int entry = format == EPX_FP8_E4M3_F32_128 ? 4 : 1;
   const int64_t nchunk = a.hidden / 16; /* a multiple of group: hidden is one of block */
   const uint4 *src = reinterpret_cast<const uint4 *>(static_cast<const uint8_t *>(a.x) + t * a.stride.x);
   uint8_t *slot_s = slot + a.hidden;
@@ -229,7 +234,7 @@ __device__ void quantize_token(const fp8_args &a, int64_t t, const int32_t *rows
       if (base + c * 32 >= nchunk) break; /* warp-uniform: the row ended */
       const int64_t i = base + c * 32 + lane;
       /* every lane shuffles; lanes past the row hold whole blocks of zeros */
-      const chunk_q r = quantize_chunk<T>(raw[c], a.format, group);
+      const chunk_q r = quantize_chunk<T, format>(raw[c]);
       if (i >= nchunk) continue;
       reinterpret_cast<uint4 *>(slot)[i] = r.q;
       if ((lane & (group - 1)) == 0) {
@@ -271,7 +276,7 @@ __device__ void copy_token(const fp8_args &a, int64_t t, const int32_t *rows, in
   fan_out_scales(a, rows, row, slot, lane);
 }
 
-template <typename T, bool kQuantize>
+template <typename T, bool kQuantize, epx_fp8_format_t kFormat>
 __global__ void __launch_bounds__(kWarps * 32) fp8_scatter_kernel(const fp8_args a) {
   if (blockIdx.x >= a.token_ctas) {
     zero_rows(a, (int64_t)blockIdx.x - a.token_ctas);
@@ -289,16 +294,20 @@ __global__ void __launch_bounds__(kWarps * 32) fp8_scatter_kernel(const fp8_args
   for (int64_t t = (int64_t)blockIdx.x * warps + warp; t < a.tokens; t += a.token_ctas * warps) {
     const int32_t *rows = a.rows + t * a.k;
     const int32_t row = lane < a.k ? rows[lane] : -1;
-    /* a token with no valid route is skipped, its row unread */
-    bool any = __any_sync(0xffffffffu, row >= 0);
-    for (int k0 = 32; k0 < a.k && !any; k0 += 32)
-      any = __any_sync(0xffffffffu, k0 + lane < a.k && rows[k0 + lane] >= 0);
-    if (!any) continue;
+    if constexpr (!kQuantize) {
+      /* copying, a token with no valid route is skipped, its row unread;
+       * quantizing, its row's loads go out before its routes are read, and
+       * a token with none is quantized and not written */
+      bool any = __any_sync(0xffffffffu, row >= 0);
+      for (int k0 = 32; k0 < a.k && !any; k0 += 32)
+        any = __any_sync(0xffffffffu, k0 + lane < a.k && rows[k0 + lane] >= 0);
+      if (!any) continue;
+    }
 #if EPX_BULK_ARCH
     epx_bulk_wait_read(); /* this lane's stores of the last token have read the slot */
     __syncwarp();
 #endif
-    if constexpr (kQuantize) quantize_token<T>(a, t, rows, row, slot, lane);
+    if constexpr (kQuantize) quantize_token<T, kFormat>(a, t, rows, row, slot, lane);
     else copy_token(a, t, rows, row, slot, bar, phase, lane);
   }
 #if EPX_BULK_ARCH
@@ -314,9 +323,9 @@ int widest_unit(const void *p, const void *q, int64_t bytes, const epx_cuda_fp8_
   return 1;
 }
 
-template <typename T, bool kQuantize>
+template <typename T, bool kQuantize, epx_fp8_format_t kFormat>
 cudaError_t launch(fp8_args &a, int device, const epx_cuda_device_info_t &info, cudaStream_t stream) {
-  const auto kernel = fp8_scatter_kernel<T, kQuantize>;
+  const auto kernel = fp8_scatter_kernel<T, kQuantize, kFormat>;
   /* slots of [H][S] bytes and a barrier each */
   const int64_t per_warp = a.slot + (int64_t)sizeof(uint64_t);
   int warps = kWarps;
@@ -364,14 +373,21 @@ extern "C" cudaError_t epx_cuda_fp8_scatter_strided_launch(epx_fp8_format_t form
   /* copying reads the scales from x_scales; quantizing from the slot (16-byte aligned) */
   a.scale_unit = widest_unit(quantize ? recv_scales : x_scales, recv_scales, f.scale_bytes,
                              quantize ? epx_cuda_fp8_strides_t{0, 0, 0, stride->recv_scales} : *stride);
-  a.format = format;
   a.slot = epx_bulk_slot_bytes(hidden + f.scale_bytes);
   int device;
   epx_cuda_device_info_t info;
   cudaError_t err = epx_cuda_device_info(&device, &info);
   if (err != cudaSuccess) return err;
-  if (!quantize) return launch<uint8_t, false>(a, device, info, stream);
-  return epx_payload_visit(x_dtype, [&](auto tag) { return launch<typename decltype(tag)::type, true>(a, device, info, stream); });
+  if (!quantize) return launch<uint8_t, false, EPX_FP8_NONE>(a, device, info, stream);
+  return epx_payload_visit(x_dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    switch (format) {
+      case EPX_FP8_E4M3_F32_128: return launch<T, true, EPX_FP8_E4M3_F32_128>(a, device, info, stream);
+      case EPX_FP8_E4M3_UE8M0_128: return launch<T, true, EPX_FP8_E4M3_UE8M0_128>(a, device, info, stream);
+      case EPX_FP8_MXFP8: return launch<T, true, EPX_FP8_MXFP8>(a, device, info, stream);
+      default: return cudaErrorInvalidValue;
+    }
+  });
 }
 
 extern "C" cudaError_t epx_cuda_fp8_scatter_launch(epx_fp8_format_t format, epx_dtype_t x_dtype, int quantize,
