@@ -10,6 +10,9 @@
 # under mpirun -np 1, its memcheck and racecheck, and the low-latency mode's
 # W-rank backend (src/cuda/ll/ranks.c): tests/gpu/mpi_gpu_ll. Logs go to ${OUT:-/tmp/epx-gpu};
 # scratch (routing files, results) to ${EPX_GPU_WORK:-/tmp/epx-gpu-work}.
+# Where only a few files come back from $OUT (the device tool returns 8),
+# point OUT elsewhere and bring back the verdicts and one bundle:
+#   OUT=/tmp/gc bash bench/gpu-check.sh; cp /tmp/gc/summary.txt "$OUT"; tar czf "$OUT/logs.tgz" -C /tmp/gc .
 #
 # Needs: nvcc, cmake, a C compiler, python3 with PyTorch (for the baselines),
 # cmocka (system, or a header and libcmocka.so.0 under .gpu-deps/include and
