@@ -48,8 +48,8 @@ constexpr int kWarps = 8;
  * row's latency is paid once per 32 * kLoads vectors. */
 constexpr int kLoads = 14;
 /* Copying CTAs per SM: each warp then stages a few tokens in turn, its
- * stores of one overlapping the load of the next (bench/NOTES.md, v0.4
- * fp8: fewer resident warps with more tokens each write faster). */
+ * stores of one overlapping the load of the next (bench/NOTES.md, session
+ * 22: fewer resident warps with more tokens each wrote faster). */
 constexpr int kCopyCtasPerSm = 2;
 
 struct fp8_args {
@@ -111,7 +111,7 @@ __device__ __forceinline__ uint32_t abs_bits(float f, bool skip_nan) {
 /* Four values to e4m3 bytes (the first in the low byte): the hardware's
  * round-to-nearest-even satfinite conversion from sm_89, which is
  * epx_f32_to_e4m3's for every float32 (NaN to 0x7f, the infinities to
- * +-448; bench/NOTES.md, v0.4 fp8: checked on all 2^32 inputs), or that
+ * +-448; bench/NOTES.md, session 22: checked on all 2^32 inputs), or that
  * function itself before sm_89. */
 __device__ __forceinline__ uint32_t e4m3x4(float a, float b, float c, float d) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
@@ -132,7 +132,7 @@ struct chunk_q {
 };
 
 /* A format's channels per scale: 32 (MXFP8) or 128, at compile time (the
- * quantizing kernel is one per format: bench/NOTES.md, v0.4 fp8). */
+ * quantizing kernel is one per format: bench/NOTES.md, session 22). */
 __host__ __device__ constexpr int block_of(epx_fp8_format_t format) { return format == EPX_FP8_MXFP8 ? 32 : 128; }
 
 template <typename T, epx_fp8_format_t format>
@@ -209,7 +209,7 @@ __device__ void fan_out_scales(const fp8_args &a, const int32_t *rows, int32_t r
 
 /* Quantizing: the token's row of T into the slot's e4m3 bytes and scales,
  * then out (fanning each step's bytes out as soon as they were in the slot
- * measured slower: bench/NOTES.md, v0.4 fp8). */
+ * measured slower: bench/NOTES.md, session 22). */
 template <typename T, epx_fp8_format_t format>
 __device__ void quantize_token(const fp8_args &a, int64_t t, const int32_t *rows, int32_t row, uint8_t *slot,
                                int lane) {
