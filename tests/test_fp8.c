@@ -326,6 +326,42 @@ static void test_e4m3_encode(void **state) {
   assert_int_equal(epx_f32_to_e4m3(0x1.8p-9f), 0x02); /* 1.5 subnormal steps: to even */
 }
 
+/* The CPU quantizer's vectorized conversion (epx_fp8_e4m3_scaled) against
+ * the definition: every 4093rd float32 bit pattern (about a million,
+ * strided over every exponent), then the neighbourhood of every e4m3 value
+ * and midpoint, scaled by multipliers that are not powers of two. */
+static void test_e4m3_rows(void **state) {
+  (void)state;
+  enum { n = 4096 };
+  static float v[n];
+  static uint8_t q[n];
+  for (uint64_t base = 0; base < ((uint64_t)1 << 32); base += (uint64_t)n * 4093) {
+    for (int i = 0; i < n; i++) {
+      const uint32_t bits = (uint32_t)(base + (uint64_t)i * 4093);
+      memcpy(&v[i], &bits, sizeof bits);
+    }
+    epx_fp8_e4m3_scaled(v, 1.0f, n, q);
+    for (int i = 0; i < n; i++)
+      if (q[i] != epx_f32_to_e4m3(v[i])) fail_msg("e4m3 rows(%a) = 0x%02x, want 0x%02x", (double)v[i], q[i],
+                                                  epx_f32_to_e4m3(v[i]));
+  }
+  const float mults[] = {1.0f, 448.0f / 3.0f, 0.7f, 1.0f / 448.0f};
+  for (size_t m = 0; m < sizeof mults / sizeof mults[0]; m++) {
+    int count = 0;
+    for (int c = 0; c < 0x7f; c++) {
+      float x = epx_e4m3_to_f32((uint8_t)c) / mults[m];
+      for (int d = -4; d <= 4; d++, count++) {
+        float f = x;
+        for (int j = 0; j < (d < 0 ? -d : d); j++) f = nextafterf(f, d < 0 ? 0.0f : INFINITY);
+        v[count] = count % 2 ? -f : f;
+      }
+    }
+    epx_fp8_e4m3_scaled(v, mults[m], count, q);
+    for (int i = 0; i < count; i++)
+      assert_int_equal(q[i], epx_f32_to_e4m3(v[i] * mults[m]));
+  }
+}
+
 /* ------------------------------------------------------------------------ */
 /* Scales worked by hand                                                     */
 /* ------------------------------------------------------------------------ */
@@ -586,6 +622,7 @@ static void test_dispatch_hierarchical(void **state) {
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_e4m3_decode),   cmocka_unit_test(test_e4m3_encode),
+      cmocka_unit_test(test_e4m3_rows),
       cmocka_unit_test(test_scales_by_hand), cmocka_unit_test(test_refusals),
       cmocka_unit_test(test_dispatch_self), cmocka_unit_test(test_dispatch_local),
       cmocka_unit_test(test_dispatch_hierarchical), cmocka_unit_test(test_recorder_replay),

@@ -2,8 +2,6 @@
  * with the GPU): a block's amax, its scale, its values. */
 #include "core/fp8.h"
 
-#include <math.h>
-
 #include "core/dtype.h"
 #include "core/payload.h"
 
@@ -18,32 +16,54 @@ int64_t epx_fp8_scale_row_bytes(epx_fp8_format_t format, int64_t hidden) {
   return epx_payload_fp8(format, EPX_FLOAT32, hidden).scale_bytes;
 }
 
-/* The largest |x| of n elements from i0. DeepEP's formula takes it with
- * torch.amax, which propagates NaN; TransformerEngine's kernels with
- * fmaxf, which skips it (skip_nan). */
-static float block_amax(epx_dtype_t dtype, const void *x, int64_t i0, int64_t n, int skip_nan) {
-  float amax = 0.0f;
-  int nan = 0;
-  for (int64_t i = i0; i < i0 + n; i++) {
-    float a = fabsf(epx_load(dtype, x, i));
-    nan |= a != a;
+/* The largest |x| of a block, as bits: |f|'s bits order the non-negative
+ * floats and put every NaN above infinity, so an unsigned max propagates
+ * NaN as torch.amax does for DeepEP's formats (its payload does not reach
+ * the scale or the values: epx_fp8_block_scale writes a NaN scale and every
+ * value converts to NaN either way); skip_nan drops NaN first, as
+ * TransformerEngine's fmaxf does. The GPU's amax, bit for bit. */
+static float block_amax(const float *v, int32_t n, int skip_nan) {
+  const uint32_t nan_kept = skip_nan ? 0x7f800000u : 0xffffffffu; /* |f| above it counts as 0 */
+  uint32_t amax = 0;
+  for (int32_t i = 0; i < n; i++) {
+    uint32_t a = epx_fp8_bits(v[i]) & 0x7fffffffu;
+    a &= 0u - (uint32_t)(a <= nan_kept);
     amax = a > amax ? a : amax;
   }
-  return nan && !skip_nan ? NAN : amax;
+  return epx_fp8_float(amax);
 }
 
-static void scale_block(epx_dtype_t dtype, const void *x, int64_t i0, int64_t n, float mult, uint8_t *q) {
-  for (int64_t i = i0; i < i0 + n; i++) q[i] = epx_f32_to_e4m3(epx_load(dtype, x, i) * mult);
+/* epx_f32_to_e4m3 of v[i] * mult without branches, so the loop
+ * vectorizes: every case computed, the right one selected by masks. The
+ * subnormal code is rint(|f| * 2^9) (an exact product; adding 2^23 rounds
+ * it to the integer, to even, in the current rounding mode: the library
+ * never changes it). Equal to epx_f32_to_e4m3 for all 2^32 inputs
+ * (bench/NOTES.md, session 22; test_fp8 checks a sample). */
+void epx_fp8_e4m3_scaled(const float *v, float mult, int64_t n, uint8_t *q) {
+  for (int64_t i = 0; i < n; i++) {
+    const uint32_t bits = epx_fp8_bits(v[i] * mult), abs = bits & 0x7fffffffu, sign = (bits >> 24) & 0x80u;
+    const uint32_t normal = (abs - (120u << 23) + 0x7ffffu + ((abs >> 20) & 1u)) >> 20;
+    const uint32_t subnormal = epx_fp8_bits(epx_fp8_float(abs) * 512.0f + 8388608.0f) - 0x4b000000u;
+    const uint32_t is_normal = 0u - (uint32_t)(abs >= 0x3c800000u); /* >= 2^-6 */
+    const uint32_t saturates = 0u - (uint32_t)(abs >= 0x43e00000u); /* >= 448, infinity included */
+    const uint32_t is_nan = 0u - (uint32_t)(abs > 0x7f800000u);
+    uint32_t r = (normal & is_normal) | (subnormal & ~is_normal);
+    r = ((0x7eu & saturates) | (r & ~saturates)) | sign;
+    q[i] = (uint8_t)((EPX_E4M3_NAN & is_nan) | (r & ~is_nan));
+  }
 }
 
 void epx_fp8_quantize_row(epx_fp8_format_t format, epx_dtype_t dtype, const void *x, int64_t hidden,
                           uint8_t *q, void *scales) {
   const int32_t block = epx_fp8_block(format);
   const int64_t entry = epx_fp8_scale_row_bytes(format, block);
+  const size_t es = (size_t)epx_dtype_bytes(dtype);
+  float v[128]; /* a block: 32 or 128 values */
   for (int64_t b = 0; b < hidden / block; b++) {
     const int64_t i0 = b * block;
-    epx_fp8_block_scale_t s = epx_fp8_block_scale(format, block_amax(dtype, x, i0, block, format == EPX_FP8_MXFP8));
-    scale_block(dtype, x, i0, block, s.mult, q);
+    epx_row_to_f32(dtype, (const char *)x + (size_t)i0 * es, v, block);
+    const epx_fp8_block_scale_t s = epx_fp8_block_scale(format, block_amax(v, block, format == EPX_FP8_MXFP8));
+    epx_fp8_e4m3_scaled(v, s.mult, block, q + i0);
     if (entry == 4) memcpy((char *)scales + b * 4, &s.stored, 4);
     else ((uint8_t *)scales)[b] = (uint8_t)s.stored;
   }
@@ -53,11 +73,14 @@ void epx_fp8_dequantize_row(epx_fp8_format_t format, epx_dtype_t dtype, const ui
                             const void *scales, int64_t hidden, void *x) {
   const int32_t block = epx_fp8_block(format);
   const int64_t entry = epx_fp8_scale_row_bytes(format, block);
+  const size_t es = (size_t)epx_dtype_bytes(dtype);
+  float v[128];
   for (int64_t b = 0; b < hidden / block; b++) {
     uint32_t stored = 0;
     if (entry == 4) memcpy(&stored, (const char *)scales + b * 4, 4);
     else stored = ((const uint8_t *)scales)[b];
-    float s = epx_fp8_scale_value(format, stored);
-    for (int64_t i = b * block; i < (b + 1) * block; i++) epx_store(dtype, x, i, epx_e4m3_to_f32(q[i]) * s);
+    const float s = epx_fp8_scale_value(format, stored);
+    for (int32_t i = 0; i < block; i++) v[i] = epx_e4m3_to_f32(q[b * block + i]) * s;
+    epx_row_from_f32(dtype, v, (char *)x + (size_t)(b * block) * es, block);
   }
 }
