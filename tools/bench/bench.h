@@ -114,6 +114,7 @@ typedef struct options {
   uint64_t seed;
   int cuda; /* --device cuda */
   const char *record_trace; /* --record-trace: the routing to epx-replay's file format, or NULL */
+  epx_fp8_format_t fp8;     /* --fp8 (--single): the fp8 dispatches timed too; EPX_FP8_NONE: not */
 } options_t;
 
 /* Fills o from the command line and the mode's defaults; a bad option
@@ -123,6 +124,7 @@ const char *env_nonempty(const char *name);
 const char *dtype_name(epx_dtype_t d);
 const char *exchange_name(int x);
 const char *layout_name(epx_layout_t l);
+const char *fp8_name(epx_fp8_format_t f);
 
 /* ------------------------------------------------------------------------ */
 /* The world of the ranks (world.c)                                          */

@@ -13,6 +13,10 @@ const char *dtype_name(epx_dtype_t d) {
   return d == EPX_BFLOAT16 ? "bf16" : d == EPX_FLOAT16 ? "f16" : "f32";
 }
 const char *exchange_name(int x) { return x == EPX_EXCHANGE_DEDUP ? "dedup" : "collective"; }
+const char *fp8_name(epx_fp8_format_t f) {
+  return f == EPX_FP8_E4M3_F32_128 ? "e4m3" : f == EPX_FP8_E4M3_UE8M0_128 ? "ue8m0" : f == EPX_FP8_MXFP8 ? "mxfp8"
+                                                                                                       : "none";
+}
 const char *layout_name(epx_layout_t l) {
   return l == EPX_LAYOUT_RANK_MAJOR ? "rank" : l == EPX_LAYOUT_CAPACITY ? "capacity" : "expert";
 }
@@ -48,6 +52,10 @@ static void usage(FILE *f) {
           "                        (one layer, one step; tools/epx-replay.c's format)\n"
           "  --single              one-rank microbenchmark of route/dispatch/combine forward\n"
           "                        and backward against memcpy and the dense one-hot reference\n"
+          "  --fp8 e4m3|ue8m0|mxfp8  with --single: also epx_dispatch_fp8 (rows quantized by\n"
+          "                        epx_quantize first) and epx_dispatch_quantize in that format\n"
+          "                        (e4m3 with float32 scales per 128, the same as UE8M0, or\n"
+          "                        MXFP8), beside the dtype's dispatch; f32 and bf16 only\n"
           "  --no-check            skip the correctness checks\n"
           "  --csv                 print the timing table as CSV\n"
           "  --help                this text\n");
@@ -142,6 +150,15 @@ static int parse_option(const char *name, const char *val, options_t *o) {
       fprintf(stderr, "epx-bench: --layout %s: expected expert, rank or capacity\n", val);
       exit(2);
     }
+  } else if (!strcmp(name, "--fp8")) {
+    if (!strcmp(val, "e4m3")) o->fp8 = EPX_FP8_E4M3_F32_128;
+    else if (!strcmp(val, "ue8m0")) o->fp8 = EPX_FP8_E4M3_UE8M0_128;
+    else if (!strcmp(val, "mxfp8")) o->fp8 = EPX_FP8_MXFP8;
+    else if (!strcmp(val, "none")) o->fp8 = EPX_FP8_NONE;
+    else {
+      fprintf(stderr, "epx-bench: --fp8 %s: expected e4m3, ue8m0, mxfp8 or none\n", val);
+      exit(2);
+    }
   } else if (!strcmp(name, "--device")) {
     if (!strcmp(val, "cuda")) o->cuda = 1;
     else if (!strcmp(val, "cpu")) o->cuda = 0;
@@ -208,6 +225,22 @@ static void refuse_impossible(const options_t *o) {
     fprintf(stderr, "epx-bench: --device cuda runs the main job under mpirun (one process per GPU)\n");
     exit(2);
   }
+  if (o->fp8 != EPX_FP8_NONE) {
+    const int64_t block = o->fp8 == EPX_FP8_MXFP8 ? 32 : 128;
+    if (!o->single) {
+      fprintf(stderr, "epx-bench: --fp8 times the fp8 dispatches of --single; add --single\n");
+      exit(2);
+    }
+    if (o->hidden % block) {
+      fprintf(stderr, "epx-bench: --fp8 %s: --hidden %lld must be a multiple of %lld (the format's block)\n",
+              fp8_name(o->fp8), (long long)o->hidden, (long long)block);
+      exit(2);
+    }
+    if (o->dtype == EPX_FLOAT16) {
+      fprintf(stderr, "epx-bench: --fp8: an fp8 buffer combines in bf16 or f32; use --dtype bf16 or f32\n");
+      exit(2);
+    }
+  }
   if (o->single && o->layout == EPX_LAYOUT_RANK_MAJOR) {
     fprintf(stderr, "epx-bench: --single compares with the dense [E, C, H] reference: use --layout expert or capacity\n");
     exit(2);
@@ -216,7 +249,7 @@ static void refuse_impossible(const options_t *o) {
 
 void parse_options(int argc, char **argv, options_t *o) {
   *o = (options_t){-1, -1, -1, -1, -1, -1, -1, CHOOSE_BOTH, EPX_LAYOUT_EXPERT_MAJOR, 0,
-                   -1, -1, 0.0, -1.0, 0, 1, 0, 1, 0, NULL};
+                   -1, -1, 0.0, -1.0, 0, 1, 0, 1, 0, NULL, EPX_FP8_NONE};
   o->mpi = env_nonempty("OMPI_COMM_WORLD_SIZE") || env_nonempty("PMI_SIZE") ||
            env_nonempty("PMIX_RANK");
   for (int i = 1; i < argc; i++) {

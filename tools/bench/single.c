@@ -2,7 +2,10 @@
  * memcpy and the dense one-hot reference. One run measures the copy ceiling,
  * routes and times every call, maps the received rows into the dense
  * [E, C, H] layout, times the dense baselines, reports, and checks every
- * output against the dense results. */
+ * output against the dense results. With --fp8, the buffer has that fp8
+ * format and the fp8 dispatches are timed beside the dtype's: the host
+ * quantizer, epx_dispatch_fp8 of its rows, epx_dispatch_quantize; their
+ * received bytes checked against the quantized source rows. */
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -63,6 +66,12 @@ typedef struct single {
   double dense_ms[2];
   double literal_fma, literal_ms[2];
   void *literal_recv, *literal_out;
+  /* --fp8: x quantized on the host, the received rows and scales of
+   * epx_dispatch_fp8 [0] and epx_dispatch_quantize [1], and the times of
+   * epx_quantize, epx_dispatch_fp8 and epx_dispatch_quantize */
+  size_t S; /* scale bytes of a row */
+  uint8_t *x_q, *x_s, *fp8_q[2], *fp8_s[2];
+  double fp8_ms[3];
 } single_t;
 
 /* The ceiling is the better of one thread and every core copying at once:
@@ -114,6 +123,7 @@ static void single_exchange(single_t *s) {
   bc.max_tokens_per_rank = T;
   bc.layout = o->layout;
   bc.capacity = o->layout == EPX_LAYOUT_CAPACITY ? s->C : 0;
+  bc.fp8_format = o->fp8;
   TRY(epx_buffer_create(s->comm, &bc, &s->buf));
   epx_routing_t routing = {T, s->K, s->idx, s->wt, o->layout == EPX_LAYOUT_CAPACITY ? s->loc : NULL,
                            EPX_WEIGHTS_IN_COMBINE};
@@ -145,6 +155,28 @@ static void single_exchange(single_t *s) {
               TRY(epx_dispatch_backward(buf, h, s->grad_recv, s->grad_x, NULL, NULL)));
   TIME_MEDIAN(s->ms[OP_ROUTE_BWD], o->warmup, o->iters,
               TRY(epx_route_backward(&s->rc, T, s->logits, NULL, s->idx, s->grad_w, 0.0f, 0.0f, s->grad_logits)));
+}
+
+/* --fp8: the host quantizer, then both fp8 dispatches, timed; outputs
+ * poisoned first. */
+static void single_fp8(single_t *s) {
+  const options_t *o = s->o;
+  const int64_t T = s->T, H = s->H, N = s->N;
+  if (o->fp8 == EPX_FP8_NONE) return;
+  int64_t cols;
+  TRY(epx_fp8_scale_shape(o->fp8, H, &cols, &s->S));
+  s->S *= (size_t)cols;
+  s->x_q = xalloc((size_t)(T * H)), s->x_s = xalloc(s->S * (size_t)T);
+  for (int i = 0; i < 2; i++) {
+    s->fp8_q[i] = xalloc((size_t)((N + 1) * H)), s->fp8_s[i] = xalloc(s->S * (size_t)(N + 1));
+    memset(s->fp8_q[i], 0xa5, (size_t)((N + 1) * H));
+    memset(s->fp8_s[i], 0xa5, s->S * (size_t)(N + 1));
+  }
+  TIME_MEDIAN(s->fp8_ms[0], o->warmup, o->iters, TRY(epx_quantize(o->fp8, s->dtype, T, H, s->x, s->x_q, s->x_s)));
+  TIME_MEDIAN(s->fp8_ms[1], o->warmup, o->iters,
+              TRY(epx_dispatch_fp8(s->buf, s->h, s->x_q, s->x_s, s->fp8_q[0], s->fp8_s[0], N + 1)));
+  TIME_MEDIAN(s->fp8_ms[2], o->warmup, o->iters,
+              TRY(epx_dispatch_quantize(s->buf, s->h, s->x, s->fp8_q[1], s->fp8_s[1], N + 1)));
 }
 
 /* Where each received row lives in the dense [E, C, H] layout (its route's
@@ -277,6 +309,26 @@ static void single_report(const single_t *s) {
     }
     printf("\n");
   }
+  if (o->fp8 != EPX_FP8_NONE) {
+    /* bytes: x read once (T rows of the dtype, or of fp8 and scales) and N
+     * rows of fp8 and scales written; the host quantizer T rows each way */
+    const double fb = (double)H + (double)s->S;
+    const double fbytes[3] = {Td * hb + Td * fb, (Td + Nd) * fb, Td * hb + Nd * fb};
+    const char *names[3] = {"fp8 quantize(host)", "dispatch_fp8", "dispatch_quantize"};
+    printf("fp8 %s (rows of H bytes and %zu scale bytes each; against the %s dispatch above):\n",
+           fp8_name(o->fp8), s->S, dtype_name(s->dtype));
+    for (int i = 0; i < 3; i++) {
+      const double gbps = fbytes[i] / (s->fp8_ms[i] * 1e-3) / 1e9;
+      if (o->csv) printf("%s,%s,%.4f,%.0f,%.3f,%.4f,0,0\n", names[i], dtype_name(s->dtype), s->fp8_ms[i], fbytes[i],
+                         gbps, gbps / memcpy_gbps);
+      else printf("%-18s %10.3f %10.1f %8.2f %9.2f %10s %8s\n", names[i], s->fp8_ms[i], fbytes[i] / 1e6, gbps,
+                  gbps / memcpy_gbps, "-", "-");
+    }
+    printf("fp8 %s: dispatch_fp8 / %s dispatch time %.3f (bytes %.3f); dispatch_quantize / (epx_quantize + "
+           "dispatch_fp8) %.3f\n",
+           fp8_name(o->fp8), dtype_name(s->dtype), s->fp8_ms[1] / ms[OP_DISPATCH], (Td + Nd) * fb / bytes[OP_DISPATCH],
+           s->fp8_ms[2] / (s->fp8_ms[0] + s->fp8_ms[1]));
+  }
   printf("dense one-hot baseline: [T, E*C] float32 mask, one OpenBLAS sgemm per einsum (%d threads), "
          "conversions included: dispatch %.1f ms, combine %.1f ms\n",
          openblas_get_num_threads(), s->dense_ms[0], s->dense_ms[1]);
@@ -383,8 +435,35 @@ static int single_check_backward(const single_t *s, float *dof) {
   return ok;
 }
 
+/* --fp8: each received row of both fp8 dispatches is its source token's
+ * quantized row and scales (epx_quantize's bytes), padding rows zero, and
+ * the two dispatches agree byte for byte. */
+static int single_check_fp8(const single_t *s) {
+  const int64_t H = s->H, N = s->N;
+  const size_t S = s->S, Hz = (size_t)H;
+  int64_t bad[2] = {0, 0}, padding_bad = 0;
+  for (int i = 0; i < 2; i++)
+    for (int64_t r = 0; r < N; r++) {
+      const uint8_t *q = s->fp8_q[i] + (size_t)r * Hz, *sc = s->fp8_s[i] + (size_t)r * S;
+      if (s->dense_row[r] >= 0) {
+        const int64_t t = s->src_token[r];
+        bad[i] += memcmp(q, s->x_q + (size_t)t * Hz, Hz) != 0 || memcmp(sc, s->x_s + (size_t)t * S, S) != 0;
+      } else {
+        int nonzero = 0;
+        for (size_t j = 0; j < Hz; j++) nonzero |= q[j];
+        for (size_t j = 0; j < S; j++) nonzero |= sc[j];
+        padding_bad += nonzero != 0;
+      }
+    }
+  int ok = report_count(s->w, "dispatch_fp8 rows == epx_quantize(x) of their token", bad[0], N);
+  ok &= report_count(s->w, "dispatch_quantize rows == epx_quantize(x) of their token", bad[1], N);
+  ok &= report_count(s->w, "fp8 padding rows zero", padding_bad, 2 * N);
+  return ok;
+}
+
 static int single_check(const single_t *s) {
   int ok = single_check_route(s);
+  if (s->o->fp8 != EPX_FP8_NONE) ok &= single_check_fp8(s);
   float *dof = xalloc(sizeof(float) * (size_t)(s->T * s->H));
   ok &= single_check_forward(s, dof);
   ok &= single_check_backward(s, dof);
@@ -399,7 +478,8 @@ static void single_free(single_t *s) {
   void *arrays[] = {s->logits,     s->x,           s->grad_out,  s->idx,          s->loc,          s->wt,
                     s->recv_x,     s->expert_out,  s->grad_eo,   s->grad_recv,    s->out,          s->grad_x,
                     s->grad_w,     s->grad_logits, s->dense_recv, s->dense_eo,    s->dense_out,    s->literal_recv,
-                    s->literal_out, s->src_token,  s->src_rank,  s->recv_e,       s->dense_row,    s->slot_of};
+                    s->literal_out, s->src_token,  s->src_rank,  s->recv_e,       s->dense_row,    s->slot_of,
+                    s->x_q,         s->x_s,         s->fp8_q[0],  s->fp8_s[0],     s->fp8_q[1],     s->fp8_s[1]};
   for (size_t i = 0; i < sizeof arrays / sizeof arrays[0]; i++) free(arrays[i]);
 }
 
@@ -413,6 +493,7 @@ int single_run(const options_t *o, epx_dtype_t dtype, const world_t *w) {
   single_inputs(&s);
   single_route(&s);
   single_exchange(&s);
+  single_fp8(&s);
   single_map_rows(&s);
   single_dense_baseline(&s);
   single_literal(&s);
