@@ -36,6 +36,10 @@ struct epx_cpu_scratch {
   size_t send_bytes;
   void *recv;
   size_t recv_bytes;
+  void *planes; /* fp8 rows: a row and its scales staged together for the hierarchical hops */
+  size_t planes_bytes;
+  void *fp8;    /* epx_dispatch_quantize: the quantized rows [T, H] and their scales [T, S] */
+  size_t fp8_bytes;
 };
 
 struct epx_cpu_plan {
@@ -116,7 +120,7 @@ typedef struct {
   int64_t hidden;
   int32_t flags;     /* EPX_CALL_GRAD_W: the call asks for grad_w */
   int32_t weighting; /* the routing's or handle's epx_weighting_t (layout: set by layout.c) */
-  int64_t word[2]; /* layout: items to the receiver; local payload calls: rows, plan */
+  int64_t word[3]; /* layout: items to the receiver; local payload calls: rows, plan, second-plane rows */
 } epx_cpu_call_t;
 
 /* A call in progress on one rank: its header and the message of a failed
@@ -150,9 +154,15 @@ const char *epx_cpu_call_name(int32_t kind);
 
 /* The moves of epx_dispatch (move.c) for rows of row_bytes bytes each
  * (16-byte aligned, a multiple of 16), unweighted, as the call `kind` of the
- * public function fn: the fp8 dispatches move a row and its scales as one. */
+ * public function fn. _planes moves a second plane with them, row for row
+ * (rows2 [T, row_bytes2] -> recv_rows2 [N, row_bytes2], any alignment): the
+ * fp8 dispatches' scales beside their rows, straight from the caller's
+ * tensors to the caller's, staged together only where a transport stages. */
 epx_status_t epx_cpu_dispatch_rows(epx_buffer_t b, epx_handle_t h, epx_status_t local, const char *fn,
                                    epx_call_kind_t kind, const void *rows, void *recv_rows, size_t row_bytes);
+epx_status_t epx_cpu_dispatch_planes(epx_buffer_t b, epx_handle_t h, epx_status_t local, const char *fn,
+                                     epx_call_kind_t kind, const void *rows, const void *rows2, void *recv_rows,
+                                     void *recv_rows2, size_t row_bytes, size_t row_bytes2);
 
 /* The layout and combine of the public calls, for another public function
  * fn (its errors name fn): the low-latency mode's (ll.c). */

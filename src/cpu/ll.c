@@ -120,7 +120,7 @@ static void write_counts(const struct epx_cpu_plan *p, int32_t *recv_count) {
     if (p->row_src_rank[i] >= 0) recv_count[p->row_src_rank[i]]++;
 }
 
-/* The rows' call kind (the fp8 dispatches move packed rows, cpu/fp8.c). */
+/* The rows' call kind (the fp8 dispatches move a row and its scales together, cpu/fp8.c). */
 static epx_call_kind_t rows_kind(const epx_ll_rows_t *rows) {
   if (!rows->fp8) return EPX_CALL_DISPATCH;
   return rows->x_scales ? EPX_CALL_DISPATCH_FP8 : EPX_CALL_DISPATCH_QUANTIZE;

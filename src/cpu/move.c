@@ -53,6 +53,7 @@ static int reads_peers_in_place(const struct epx_cpu_plan *p, epx_comm_t comm) {
 
 /* What a rank shows its peers in the handshake on a shared address space. */
 static const void *peer_rows(const epx_cpu_call_t *c) { return (const void *)(uintptr_t)c->word[0]; }
+static const void *peer_rows2(const epx_cpu_call_t *c) { return (const void *)(uintptr_t)c->word[2]; }
 static const struct epx_cpu_plan *peer_plan(const epx_cpu_call_t *c) {
   return (const struct epx_cpu_plan *)(uintptr_t)c->word[1];
 }
@@ -67,10 +68,15 @@ struct move {
   const char *fn;
   int in_place;
   move_fn work; /* the moves themselves: peers is NULL unless read in place */
-  size_t row_bytes; /* forward moves: a row's bytes (the payload's, or a packed fp8 row's) */
+  size_t row_bytes; /* forward moves: a row's bytes (the payload's, or an fp8 row's) */
   /* The call's arguments. */
   const void *src;
   void *dst;
+  /* forward moves of fp8 rows: the scales, a second plane moved with each
+   * row (src2 [T, row_bytes2] -> dst2 [N, row_bytes2]); row_bytes2 0: none */
+  const void *src2;
+  void *dst2;
+  size_t row_bytes2;
   int weighted;
   const void *dot_x;          /* dispatch_backward: x, for grad_w */
   float *grad_w;              /* [T, K] or NULL */
@@ -99,6 +105,7 @@ static epx_status_t run_call(move_t *m, epx_call_kind_t kind, epx_status_t local
     m->call.mine.flags = m->grad_w ? EPX_CALL_GRAD_W : 0;
   m->call.mine.word[0] = (int64_t)(uintptr_t)m->src;
   m->call.mine.word[1] = (int64_t)(uintptr_t)m->p;
+  m->call.mine.word[2] = (int64_t)(uintptr_t)m->src2;
   epx_cpu_call_t *blocks = epx_cpu_call_blocks(&m->call);
   if (!blocks) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", m->fn);
   epx_status_t status = epx_comm_handshake(comm, m->fn, blocks, blocks + comm->size, sizeof *blocks, then_move, m);
@@ -117,40 +124,76 @@ static void zero_empty_rows(const struct epx_cpu_plan *p, void *rows, size_t row
     if (p->row_src_rank[i] < 0) memset((char *)rows + (size_t)i * row_bytes, 0, row_bytes);
 }
 
-/* Copies (or scales by the route's weight) one row into the layout. */
-static void put_row(const move_t *m, const void *src, float weight, void *dst) {
+/* Copies (or scales by the route's weight) one row into layout row `row`,
+ * and its second plane's row (src2: its scales) with it. */
+static void put_row(const move_t *m, const void *src, const void *src2, float weight, int64_t row) {
+  void *dst = (char *)m->dst + (size_t)row * m->row_bytes;
   if (m->weighted) epx_row_scale_stream(m->p->dtype, src, weight, dst, m->p->H);
   else epx_row_copy_stream(dst, src, m->row_bytes);
+  if (m->row_bytes2) memcpy((char *)m->dst2 + (size_t)row * m->row_bytes2, src2, m->row_bytes2);
 }
 
-/* Where each received item's row is: in the peers' src (read in place) or in
- * this rank's staging, after the alltoallv. */
-static epx_status_t forward_sources(move_t *m, const epx_cpu_call_t *peers, const void **item_src) {
+/* Staged rows carry both planes in one row: the row, then its second
+ * plane's, padded to 16 bytes (the row copies read 16-byte vectors). */
+static size_t staged_row_bytes(const move_t *m) {
+  return m->row_bytes2 ? (m->row_bytes + m->row_bytes2 + 15) / 16 * 16 : m->row_bytes;
+}
+
+/* Token t's row (and second-plane row, then zeros to the padded end) at `to`. */
+static void stage_row(const move_t *m, int64_t t, char *to) {
+  memcpy(to, (const char *)m->src + (size_t)t * m->row_bytes, m->row_bytes);
+  if (!m->row_bytes2) return;
+  memcpy(to + m->row_bytes, (const char *)m->src2 + (size_t)t * m->row_bytes2, m->row_bytes2);
+  memset(to + m->row_bytes + m->row_bytes2, 0, staged_row_bytes(m) - m->row_bytes - m->row_bytes2);
+}
+
+/* Where each received item's row (and second-plane row) is: in the peers'
+ * src (read in place) or in this rank's staging, after the alltoallv or the
+ * hierarchical hops. */
+static epx_status_t forward_sources(move_t *m, const epx_cpu_call_t *peers, const void **item_src,
+                                    const void **item_src2) {
   struct epx_cpu_plan *p = m->p;
   if (peers) {
     for (int32_t r = 0; r < p->W; r++) {
       if (r == p->rank) continue;
       const struct epx_cpu_plan *q = peer_plan(&peers[r]);
       const int32_t *tokens = q->item_token + q->item_displ[p->rank];
-      for (int64_t i = 0; i < p->ritem_count[r]; i++)
+      for (int64_t i = 0; i < p->ritem_count[r]; i++) {
         item_src[p->ritem_displ[r] + i] = (const char *)peer_rows(&peers[r]) + (size_t)tokens[i] * m->row_bytes;
+        if (m->row_bytes2)
+          item_src2[p->ritem_displ[r] + i] = (const char *)peer_rows2(&peers[r]) + (size_t)tokens[i] * m->row_bytes2;
+      }
     }
     return EPX_SUCCESS;
   }
   if (p->W == 1) return EPX_SUCCESS;
-  if (p->hier) return epx_cpu_hier_forward(m->b, p, m->src, m->row_bytes, item_src, m->fn);
-  epx_comm_t comm = m->b->comm;
   struct epx_cpu_scratch *s = m->b->cpu;
-  int64_t items = epx_cpu_total(p->item_count, p->W), ritems = epx_cpu_total(p->ritem_count, p->W);
-  epx_status_t status = epx_cpu_ensure(&s->send, &s->send_bytes, (size_t)items * m->row_bytes, m->fn);
-  if (status == EPX_SUCCESS) status = epx_cpu_ensure(&s->recv, &s->recv_bytes, (size_t)ritems * m->row_bytes, m->fn);
-  if (status != EPX_SUCCESS) return status;
-  for (int64_t i = 0; i < items; i++)
-    memcpy((char *)s->send + (size_t)i * m->row_bytes, (const char *)m->src + (size_t)p->item_token[i] * m->row_bytes,
-           m->row_bytes);
-  status = comm->ops->alltoallv(comm, m->fn, s->send, p->item_count, p->item_displ, s->recv, p->ritem_count,
-                                p->ritem_displ, m->row_bytes);
-  for (int64_t i = 0; i < ritems; i++) item_src[i] = (const char *)s->recv + (size_t)i * m->row_bytes;
+  const size_t staged = staged_row_bytes(m);
+  int64_t ritems = epx_cpu_total(p->ritem_count, p->W);
+  epx_status_t status = EPX_SUCCESS;
+  if (p->hier) {
+    /* the hops move rows of one source: both planes staged together first */
+    const void *src = m->src;
+    if (m->row_bytes2) {
+      status = epx_cpu_ensure(&s->planes, &s->planes_bytes, (size_t)(p->T + 1) * staged, m->fn);
+      if (status != EPX_SUCCESS) return status;
+      for (int64_t t = 0; t < p->T; t++) stage_row(m, t, (char *)s->planes + (size_t)t * staged);
+      src = s->planes;
+    }
+    status = epx_cpu_hier_forward(m->b, p, src, staged, item_src, m->fn);
+  } else {
+    epx_comm_t comm = m->b->comm;
+    int64_t items = epx_cpu_total(p->item_count, p->W);
+    status = epx_cpu_ensure(&s->send, &s->send_bytes, (size_t)items * staged, m->fn);
+    if (status == EPX_SUCCESS) status = epx_cpu_ensure(&s->recv, &s->recv_bytes, (size_t)ritems * staged, m->fn);
+    if (status != EPX_SUCCESS) return status;
+    for (int64_t i = 0; i < items; i++) stage_row(m, p->item_token[i], (char *)s->send + (size_t)i * staged);
+    status = comm->ops->alltoallv(comm, m->fn, s->send, p->item_count, p->item_displ, s->recv, p->ritem_count,
+                                  p->ritem_displ, staged);
+    for (int64_t i = 0; i < ritems; i++) item_src[i] = (const char *)s->recv + (size_t)i * staged;
+  }
+  if (m->row_bytes2)
+    for (int64_t i = 0; i < ritems && status == EPX_SUCCESS; i++) item_src2[i] = (const char *)item_src[i] + m->row_bytes;
   return status;
 }
 
@@ -161,31 +204,35 @@ static epx_status_t forward_sources(move_t *m, const epx_cpu_call_t *peers, cons
 static epx_status_t forward_work(move_t *m, const epx_cpu_call_t *peers) {
   struct epx_cpu_plan *p = m->p;
   int64_t ritems = epx_cpu_total(p->ritem_count, p->W);
-  const void **item_src = malloc(sizeof(void *) * (size_t)(ritems ? ritems : 1));
+  const size_t slots = (size_t)(ritems ? ritems : 1);
+  const void **item_src = malloc(sizeof(void *) * slots * (m->row_bytes2 ? 2 : 1));
   if (!item_src) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", m->fn);
-  epx_status_t status = forward_sources(m, peers, item_src);
+  const void **item_src2 = m->row_bytes2 ? item_src + slots : NULL;
+  epx_status_t status = forward_sources(m, peers, item_src, item_src2);
   if (status != EPX_SUCCESS) {
     free(item_src);
     return status;
   }
   zero_empty_rows(p, m->dst, m->row_bytes);
+  if (m->row_bytes2) zero_empty_rows(p, m->dst2, m->row_bytes2);
   int rank_major = p->layout == EPX_LAYOUT_RANK_MAJOR;
   /* Tokens are independent; one rank alone may use every core. */
   EPX_OMP(parallel for schedule(static) if (split_tokens(p)))
   for (int64_t t = 0; t < p->T; t++) {
     const char *x = (const char *)m->src + (size_t)t * m->row_bytes;
+    const char *x2 = m->row_bytes2 ? (const char *)m->src2 + (size_t)t * m->row_bytes2 : NULL;
     int32_t written = -1;
     for (int32_t k = 0; k < p->K; k++) {
       int32_t row = p->self_row[t * p->K + k];
       if (row < 0 || (rank_major && row == written)) continue;
-      put_row(m, x, p->topk_w[t * p->K + k], (char *)m->dst + (size_t)row * m->row_bytes);
+      put_row(m, x, x2, p->topk_w[t * p->K + k], row);
       written = row;
     }
   }
   for (int64_t i = 0; i < ritems; i++) {
     for (int64_t j = p->ritem_entry[i]; j < p->ritem_entry[i + 1]; j++) {
       if (rank_major && j > p->ritem_entry[i]) break;
-      put_row(m, item_src[i], p->entry_weight[j], (char *)m->dst + (size_t)p->entry_row[j] * m->row_bytes);
+      put_row(m, item_src[i], item_src2 ? item_src2[i] : NULL, p->entry_weight[j], p->entry_row[j]);
     }
   }
   epx_stream_fence();
@@ -203,7 +250,14 @@ epx_status_t epx_cpu_dispatch(epx_buffer_t b, epx_handle_t h, epx_status_t local
 
 epx_status_t epx_cpu_dispatch_rows(epx_buffer_t b, epx_handle_t h, epx_status_t local, const char *fn,
                                    epx_call_kind_t kind, const void *rows, void *recv_rows, size_t row_bytes) {
-  move_t m = {.b = b, .fn = fn, .work = forward_work, .src = rows, .dst = recv_rows, .row_bytes = row_bytes};
+  return epx_cpu_dispatch_planes(b, h, local, fn, kind, rows, NULL, recv_rows, NULL, row_bytes, 0);
+}
+
+epx_status_t epx_cpu_dispatch_planes(epx_buffer_t b, epx_handle_t h, epx_status_t local, const char *fn,
+                                     epx_call_kind_t kind, const void *rows, const void *rows2, void *recv_rows,
+                                     void *recv_rows2, size_t row_bytes, size_t row_bytes2) {
+  move_t m = {.b = b, .fn = fn, .work = forward_work, .src = rows, .dst = recv_rows, .row_bytes = row_bytes,
+              .src2 = rows2, .dst2 = recv_rows2, .row_bytes2 = row_bytes2};
   epx_status_t status = run_call(&m, kind, local, h);
   free(m.item_rows);
   return status;
