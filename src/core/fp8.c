@@ -22,7 +22,7 @@ int64_t epx_fp8_scale_row_bytes(epx_fp8_format_t format, int64_t hidden) {
  * the scale or the values: epx_fp8_block_scale writes a NaN scale and every
  * value converts to NaN either way); skip_nan drops NaN first, as
  * TransformerEngine's fmaxf does. The GPU's amax, bit for bit. */
-static float block_amax(const float *v, int32_t n, int skip_nan) {
+static inline __attribute__((always_inline)) float block_amax(const float *v, int32_t n, int skip_nan) {
   const uint32_t nan_kept = skip_nan ? 0x7f800000u : 0xffffffffu; /* |f| above it counts as 0 */
   uint32_t amax = 0;
   for (int32_t i = 0; i < n; i++) {
@@ -39,7 +39,7 @@ static float block_amax(const float *v, int32_t n, int skip_nan) {
  * it to the integer, to even, in the current rounding mode: the library
  * never changes it). Equal to epx_f32_to_e4m3 for all 2^32 inputs
  * (bench/NOTES.md, session 22; test_fp8 checks a sample). */
-void epx_fp8_e4m3_scaled(const float *v, float mult, int64_t n, uint8_t *q) {
+static inline __attribute__((always_inline)) void e4m3_loop(const float *v, float mult, int64_t n, uint8_t *q) {
   for (int64_t i = 0; i < n; i++) {
     const uint32_t bits = epx_fp8_bits(v[i] * mult), abs = bits & 0x7fffffffu, sign = (bits >> 24) & 0x80u;
     const uint32_t normal = (abs - (120u << 23) + 0x7ffffu + ((abs >> 20) & 1u)) >> 20;
@@ -53,20 +53,71 @@ void epx_fp8_e4m3_scaled(const float *v, float mult, int64_t n, uint8_t *q) {
   }
 }
 
-void epx_fp8_quantize_row(epx_fp8_format_t format, epx_dtype_t dtype, const void *x, int64_t hidden,
-                          uint8_t *q, void *scales) {
+/* The same loop at AVX2's width where the processor has it (the library is
+ * built for the baseline x86-64, whose SSE2 loop is half as wide:
+ * bench/NOTES.md, session 22). */
+#if defined(__x86_64__) && defined(__GNUC__)
+#define EPX_FP8_AVX2 1
+__attribute__((target("avx2"))) static void e4m3_loop_avx2(const float *v, float mult, int64_t n, uint8_t *q) {
+  e4m3_loop(v, mult, n, q);
+}
+#endif
+
+void epx_fp8_e4m3_scaled(const float *v, float mult, int64_t n, uint8_t *q) {
+#ifdef EPX_FP8_AVX2
+  if (__builtin_cpu_supports("avx2")) {
+    e4m3_loop_avx2(v, mult, n, q);
+    return;
+  }
+#endif
+  e4m3_loop(v, mult, n, q);
+}
+
+/* A row in chunks of kChunk values (whole blocks: hidden is a multiple of
+ * the block, kChunk of both blocks): converted to float32 at once, each
+ * block's scale found and its values multiplied, then the chunk converted
+ * to e4m3 in one loop (mult 1: the products are already rounded). */
+enum { kChunk = 512 };
+
+static inline __attribute__((always_inline)) void quantize_row(epx_fp8_format_t format, epx_dtype_t dtype,
+                                                               const void *x, int64_t hidden, uint8_t *q,
+                                                               void *scales) {
   const int32_t block = epx_fp8_block(format);
   const int64_t entry = epx_fp8_scale_row_bytes(format, block);
   const size_t es = (size_t)epx_dtype_bytes(dtype);
-  float v[128]; /* a block: 32 or 128 values */
-  for (int64_t b = 0; b < hidden / block; b++) {
-    const int64_t i0 = b * block;
-    epx_row_to_f32(dtype, (const char *)x + (size_t)i0 * es, v, block);
-    const epx_fp8_block_scale_t s = epx_fp8_block_scale(format, block_amax(v, block, format == EPX_FP8_MXFP8));
-    epx_fp8_e4m3_scaled(v, s.mult, block, q + i0);
-    if (entry == 4) memcpy((char *)scales + b * 4, &s.stored, 4);
-    else ((uint8_t *)scales)[b] = (uint8_t)s.stored;
+  const int skip_nan = format == EPX_FP8_MXFP8;
+  float v[kChunk];
+  for (int64_t c0 = 0; c0 < hidden; c0 += kChunk) {
+    const int32_t n = (int32_t)(hidden - c0 < kChunk ? hidden - c0 : kChunk);
+    epx_row_to_f32(dtype, (const char *)x + (size_t)c0 * es, v, n);
+    for (int32_t i0 = 0; i0 < n; i0 += block) {
+      const epx_fp8_block_scale_t s = epx_fp8_block_scale(format, block_amax(v + i0, block, skip_nan));
+      for (int32_t i = i0; i < i0 + block; i++) v[i] *= s.mult;
+      const int64_t b = (c0 + i0) / block;
+      if (entry == 4) memcpy((char *)scales + b * 4, &s.stored, 4);
+      else ((uint8_t *)scales)[b] = (uint8_t)s.stored;
+    }
+    e4m3_loop(v, 1.0f, n, q + c0);
   }
+}
+
+#ifdef EPX_FP8_AVX2
+__attribute__((target("avx2"))) static void quantize_row_avx2(epx_fp8_format_t format, epx_dtype_t dtype,
+                                                              const void *x, int64_t hidden, uint8_t *q,
+                                                              void *scales) {
+  quantize_row(format, dtype, x, hidden, q, scales);
+}
+#endif
+
+void epx_fp8_quantize_row(epx_fp8_format_t format, epx_dtype_t dtype, const void *x, int64_t hidden,
+                          uint8_t *q, void *scales) {
+#ifdef EPX_FP8_AVX2
+  if (__builtin_cpu_supports("avx2")) {
+    quantize_row_avx2(format, dtype, x, hidden, q, scales);
+    return;
+  }
+#endif
+  quantize_row(format, dtype, x, hidden, q, scales);
 }
 
 void epx_fp8_dequantize_row(epx_fp8_format_t format, epx_dtype_t dtype, const uint8_t *q,
