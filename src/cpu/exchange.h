@@ -36,8 +36,6 @@ struct epx_cpu_scratch {
   size_t send_bytes;
   void *recv;
   size_t recv_bytes;
-  void *planes; /* fp8 rows: a row and its scales staged together for the hierarchical hops */
-  size_t planes_bytes;
   void *fp8;    /* epx_dispatch_quantize: the quantized rows [T, H] and their scales [T, S] */
   size_t fp8_bytes;
 };

@@ -552,7 +552,6 @@ void epx_cpu_buffer_fini(epx_buffer_t buffer) {
   if (!buffer->cpu) return;
   free(buffer->cpu->send);
   free(buffer->cpu->recv);
-  free(buffer->cpu->planes);
   free(buffer->cpu->fp8);
   free(buffer->cpu);
   buffer->cpu = NULL;

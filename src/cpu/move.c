@@ -172,13 +172,14 @@ static epx_status_t forward_sources(move_t *m, const epx_cpu_call_t *peers, cons
   int64_t ritems = epx_cpu_total(p->ritem_count, p->W);
   epx_status_t status = EPX_SUCCESS;
   if (p->hier) {
-    /* the hops move rows of one source: both planes staged together first */
+    /* the hops move rows of one source: both planes staged together first,
+     * in the send staging (the hops stage in their own) */
     const void *src = m->src;
     if (m->row_bytes2) {
-      status = epx_cpu_ensure(&s->planes, &s->planes_bytes, (size_t)(p->T + 1) * staged, m->fn);
+      status = epx_cpu_ensure(&s->send, &s->send_bytes, (size_t)(p->T + 1) * staged, m->fn);
       if (status != EPX_SUCCESS) return status;
-      for (int64_t t = 0; t < p->T; t++) stage_row(m, t, (char *)s->planes + (size_t)t * staged);
-      src = s->planes;
+      for (int64_t t = 0; t < p->T; t++) stage_row(m, t, (char *)s->send + (size_t)t * staged);
+      src = s->send;
     }
     status = epx_cpu_hier_forward(m->b, p, src, staged, item_src, m->fn);
   } else {
