@@ -315,11 +315,11 @@ __global__ void __launch_bounds__(kWarps * 32) fp8_scatter_kernel(const fp8_args
 #endif
 }
 
-/* The widest unit that every scale row of both tensors is aligned to. */
-int widest_unit(const void *p, const void *q, int64_t bytes, const epx_cuda_fp8_strides_t &s) {
-  const uintptr_t both = (uintptr_t)p | (uintptr_t)q | (uintptr_t)s.x_scales | (uintptr_t)s.recv_scales;
-  if (bytes % 16 == 0 && both % 16 == 0) return 16;
-  if (bytes % 4 == 0 && both % 4 == 0) return 4;
+/* The widest unit (16, 4 or 1 bytes) that `bytes` and every address and
+ * stride OR-ed into `bits` are multiples of. */
+int widest_unit(uintptr_t bits, int64_t bytes) {
+  if (bytes % 16 == 0 && bits % 16 == 0) return 16;
+  if (bytes % 4 == 0 && bits % 4 == 0) return 4;
   return 1;
 }
 
@@ -370,9 +370,11 @@ extern "C" cudaError_t epx_cuda_fp8_scatter_strided_launch(epx_fp8_format_t form
   a.scale_bytes = f.scale_bytes;
   a.stride = *stride;
   a.k = top_k;
-  /* copying reads the scales from x_scales; quantizing from the slot (16-byte aligned) */
-  a.scale_unit = widest_unit(quantize ? recv_scales : x_scales, recv_scales, f.scale_bytes,
-                             quantize ? epx_cuda_fp8_strides_t{0, 0, 0, stride->recv_scales} : *stride);
+  /* scales are written to recv_scales, and read from x_scales when copying
+   * (quantizing, from the slot: 16-byte aligned) */
+  const uintptr_t scale_bits = (uintptr_t)recv_scales | (uintptr_t)stride->recv_scales |
+                               (quantize ? 0 : (uintptr_t)x_scales | (uintptr_t)stride->x_scales);
+  a.scale_unit = widest_unit(scale_bits, f.scale_bytes);
   a.slot = epx_bulk_slot_bytes(hidden + f.scale_bytes);
   int device;
   epx_cuda_device_info_t info;
