@@ -49,14 +49,14 @@ __global__ void cvt_compare(uint32_t high_byte, unsigned long long *mismatches, 
     if (atomicAdd(mismatches, 1ull) == 0) first[0] = i;
 }
 
-/* Every float32 (the loop's i and its negation cover the 2^32 patterns twice). */
+/* Every float32 once: i below 2^31 and its negation. */
 int check_conversion(cudaStream_t s) {
   unsigned long long *d_bad, bad = 0;
   uint32_t *d_first, first = 0;
   CK(cudaMalloc(&d_bad, sizeof bad));
   CK(cudaMalloc(&d_first, sizeof first));
   CK(cudaMemsetAsync(d_bad, 0, sizeof bad, s));
-  for (uint32_t hi = 0; hi < 256; hi++) cvt_compare<<<(1u << 24) / 256, 256, 0, s>>>(hi, d_bad, d_first);
+  for (uint32_t hi = 0; hi < 128; hi++) cvt_compare<<<(1u << 24) / 256, 256, 0, s>>>(hi, d_bad, d_first);
   CK(cudaGetLastError());
   CK(cudaMemcpyAsync(&bad, d_bad, sizeof bad, cudaMemcpyDeviceToHost, s));
   CK(cudaMemcpyAsync(&first, d_first, sizeof first, cudaMemcpyDeviceToHost, s));
