@@ -37,11 +37,11 @@ epx_status_t epx_cpu_dispatch_fp8(epx_buffer_t b, epx_handle_t h, epx_status_t l
   const int64_t T = h->num_tokens, H = f.row_bytes, S = f.scale_bytes;
   const void *rows = x, *scales = x_scales;
   if (quantize && local == EPX_SUCCESS) {
-    /* the rows first (16-byte aligned: T * H is a multiple of 32), their
-     * scales after; a rank without staging still takes part, refusing, so
-     * its peers are not left waiting */
+    /* the rows first (each 16-byte aligned, as the moves read them: H is a
+     * multiple of 32), their scales after; a rank without staging still
+     * takes part, refusing, so its peers are not left waiting */
     struct epx_cpu_scratch *s = b->cpu;
-    local = epx_cpu_ensure(&s->fp8, &s->fp8_bytes, (size_t)(T * (H + S)) + 1, fn);
+    local = epx_cpu_ensure(&s->fp8, &s->fp8_bytes, (size_t)(T * (H + S)), fn);
     if (local == EPX_SUCCESS) {
       uint8_t *q = s->fp8, *sc = q + (size_t)(T * H);
       quantize_rows(b, T, x, q, sc, S);
