@@ -462,7 +462,7 @@ extern "C" cudaError_t epx_fused_combine_launch(epx_fused_t *f, const epx_fused_
                                                 int32_t reduce_ctas, cudaStream_t stream) {
   const bool expert = plan->dev.expert_major != 0;
   if ((!out && plan->dev.T > 0) || (!expert && weighted)) return cudaErrorInvalidValue;
-  const int n = num_ctas < 2 ? 2 : num_ctas > f->num_sms ? f->num_sms : num_ctas;
+  const int n = epx_fused_launch_ctas(f, num_ctas);
   int nr = reduce_ctas > 0 ? reduce_ctas : epx_fused_receivers(n);
   if (nr > n - 1) nr = n - 1;
   /* float32 partials differ from the dtype's only for 16-bit payloads in the

@@ -265,7 +265,7 @@ extern "C" cudaError_t epx_fused_dispatch_launch(epx_fused_t *f, const epx_fused
    * there), and so are rows of relayed sources (they come after the kernel) */
   const bool apart =
       expert && (plan->dev.C || d.relay_mask || (epx_cuda_launch_flags() & EPX_CUDA_FUSED_EXPAND_APART));
-  int n = num_ctas < 2 ? 2 : num_ctas > f->num_sms ? f->num_sms : num_ctas;
+  const int n = epx_fused_launch_ctas(f, num_ctas);
   /* Rank-major rows copied out by the copy engine: where the counts are
    * known on the host, the kernel writes this rank's own rows into recv_x
    * and leaves the peers' in the window, then a device-to-device copy per
@@ -285,10 +285,9 @@ extern "C" cudaError_t epx_fused_dispatch_launch(epx_fused_t *f, const epx_fused
                                : MODE_RANK_COPY;
   int nr = recv_ctas > 0 ? recv_ctas : rows_stay(mode) ? 1 : epx_fused_receivers(n);
   if (nr > n - 1) nr = n - 1;
-  /* every peer relayed: no row comes through the window, every CTA sends
-   * (into the outboxes, and this rank's own rows) */
-  const uint32_t others = (uint32_t)(((uint64_t)1 << d.W) - 1) & ~(1u << d.rank);
-  if (d.W > 1 && d.relay_mask == others) nr = 0;
+  /* every peer relayed: every CTA sends (into the outboxes, and this
+   * rank's own rows) */
+  if (every_peer_relayed(d)) nr = 0;
   const uint4 *xs = static_cast<const uint4 *>(x);
   uint4 *rs = static_cast<uint4 *>(in_window || (engine && !known) ? window : recv_x);
   const size_t smem = (size_t)d.bulk_warps * (size_t)epx_bulk_slot_bytes(d.row_bytes);
@@ -327,11 +326,10 @@ extern "C" cudaError_t epx_fused_dispatch_rows_launch(epx_fused_t *f, const epx_
   fused_dev d = f->dev;
   d.row_bytes = row_bytes;
   d.nvec = row_bytes / 16;
-  const int n = num_ctas < 2 ? 2 : num_ctas > f->num_sms ? f->num_sms : num_ctas;
+  const int n = epx_fused_launch_ctas(f, num_ctas);
   /* the receivers only wait for the rows (MODE_RANK_WINDOW): one CTA, none
-   * where every peer is relayed (no row comes through the window) */
-  const uint32_t others = (uint32_t)(((uint64_t)1 << d.W) - 1) & ~(1u << d.rank);
-  const int nr = d.W > 1 && d.relay_mask == others ? 0 : 1;
+   * where every peer is relayed */
+  const int nr = every_peer_relayed(d) ? 0 : 1;
   const size_t smem = (size_t)d.bulk_warps * (size_t)epx_bulk_slot_bytes(row_bytes);
   const uint4 *xs = static_cast<const uint4 *>(x);
   uint4 *window = static_cast<uint4 *>(epx_fused_recv_window(f));

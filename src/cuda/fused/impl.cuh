@@ -89,6 +89,13 @@ struct fused_dev {
 
 __host__ __device__ __forceinline__ bool relayed(const fused_dev &d, int r) { return (d.relay_mask >> r) & 1u; }
 
+/* Every peer relayed through NCCL's host API: no row comes through the
+ * window (a dispatch's receiving CTAs have nothing to wait for). */
+inline bool every_peer_relayed(const fused_dev &d) {
+  const uint32_t others = (uint32_t)(((uint64_t)1 << d.W) - 1) & ~(1u << d.rank);
+  return d.W > 1 && d.relay_mask == others;
+}
+
 /* v rounded up to a multiple of a (the window's and the relay blocks' offsets). */
 static inline size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
 
@@ -386,6 +393,11 @@ struct epx_fused {
   int32_t transport[EPX_FUSED_MAX_RANKS]; /* epx_fused_transport_t of each rank (setup.cu) */
   epx_fused_impl::fused_dev dev;
 };
+
+/* A launch's CTAs: num_ctas within [2, the SMs]. */
+inline int epx_fused_launch_ctas(const epx_fused_t *f, int32_t num_ctas) {
+  return num_ctas < 2 ? 2 : num_ctas > f->num_sms ? f->num_sms : num_ctas;
+}
 
 struct epx_fused_plan {
   epx_fused_t *fused;
