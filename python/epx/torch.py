@@ -1733,10 +1733,11 @@ class MoE(_torch.nn.Module):
     fp8=True (DeepEP's e4m3 with float32 scales per 128) or an
     epx.FP8Format: the tokens are quantized on the way (epx_dispatch_quantize,
     half the bytes of a bf16 dispatch) and the experts run on the
-    dequantized rows (:func:`dequantize`; PyTorch has no grouped GEMM with
-    per-block scales yet, so the GEMMs are in the layer's dtype); the
-    backward is a dispatch's of those rows (straight through the quantizer)
-    and combine stays in the layer's dtype."""
+    dequantized rows (:func:`dequantize`; PyTorch's scaled grouped GEMM
+    takes per-row scales on sm_90, none per block of 128 or 32, so the
+    GEMMs are in the layer's dtype: ``self.fp8_gemm`` says which ran,
+    "dequantized"); the backward is a dispatch's of those rows (straight
+    through the quantizer) and combine stays in the layer's dtype."""
 
     def __init__(self, comm, hidden_size, ffn_hidden_size, num_experts, top_k, *,
                  max_tokens_per_rank, dtype=_F32, device="cpu", weighting=Weighting.IN_COMBINE,
@@ -1778,6 +1779,8 @@ class MoE(_torch.nn.Module):
                                   combine_precision=combine_precision, fp8_format=self.fp8)
         self._buffer_id = self.buffer.id
         self._config_id = _config_id(self.route_config)
+        # the GEMMs the experts run on fp8 rows (the class docstring says why)
+        self.fp8_gemm = "dequantized" if self.fp8 else None
         self._init_parameters(device, dtype, generator, expert_bias)
         self.aux_loss = None
 

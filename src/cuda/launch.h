@@ -154,9 +154,12 @@ cudaError_t epx_cuda_fp8_scatter_launch(epx_fp8_format_t format, epx_dtype_t x_d
                                         cudaStream_t stream);
 
 /* The same over rows `stride` bytes apart in each tensor (the dense tensors
- * above: H of x_dtype or H bytes, the scale bytes S): the W-rank host path
- * packs a row and its scales into one staging row and unpacks it on
- * arrival (ep/host.c). x and recv_q strides a multiple of 16. */
+ * above: H of x_dtype or H bytes, the scale bytes S): the W-rank paths pack
+ * a row and its scales into one staging row and unpack it on arrival
+ * (ep/host.c, ep/fused.c, ll/ranks.c). x and recv_q strides a multiple of
+ * 16. rows NULL with top_k 1: token t goes to row t. tokens_valid (NULL:
+ * num_tokens): a device count of the tokens to move, the first
+ * min(*tokens_valid, num_tokens); the others are not read. */
 typedef struct epx_cuda_fp8_strides {
   int64_t x, x_scales, recv_q, recv_scales;
 } epx_cuda_fp8_strides_t;
@@ -164,9 +167,9 @@ cudaError_t epx_cuda_fp8_scatter_strided_launch(epx_fp8_format_t format, epx_dty
                                                 const void *x, const void *x_scales, void *recv_q,
                                                 void *recv_scales, const epx_cuda_fp8_strides_t *stride,
                                                 int64_t num_tokens, int64_t hidden, const int32_t *rows,
-                                                int32_t top_k, const int32_t *row_src,
-                                                const int64_t *rows_valid, int64_t row_bound,
-                                                cudaStream_t stream);
+                                                int32_t top_k, const int64_t *tokens_valid,
+                                                const int32_t *row_src, const int64_t *rows_valid,
+                                                int64_t row_bound, cudaStream_t stream);
 
 /* Gather: dst[t] = round(sum over k in order of w[t, k] * src[rows[t, k]])
  * in float32 (w = 1 when NULL; zeros for a token with no rows). With grad_w:

@@ -338,6 +338,7 @@ def test_moe_fp8_matches_reference(fmt, world):
 
     def main(comm):
         m = make_layer(comm, p, epx.Weighting.IN_COMBINE, fp8=fmt)
+        assert m.fp8_gemm == "dequantized"
         x = p.x[comm.rank].float().requires_grad_(True)
         out = m(x)
         (out * p.g[comm.rank].float()).sum().backward()

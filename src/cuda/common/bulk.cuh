@@ -62,6 +62,16 @@ __device__ __forceinline__ void epx_bulk_store(void *dst, const void *src, uint3
                "r"(bytes)
                : "memory");
 }
+/* The same, the stored lines marked first to leave L2: for rows that pass
+ * through (a scatter's destination rows, read by a later kernel) while
+ * other lines the kernel writes in part must stay until completed. */
+__device__ __forceinline__ void epx_bulk_store_evict_first(void *dst, const void *src, uint32_t bytes) {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group.L2::cache_hint [%0], [%1], %2, %3;" ::"l"(dst),
+               "r"(epx_smem_u32(src)), "r"(bytes), "l"(policy)
+               : "memory");
+}
 __device__ __forceinline__ void epx_bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 
 /* This thread's stores have read their slots (which may then be refilled). */

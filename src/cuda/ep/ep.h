@@ -58,13 +58,6 @@ epx_status_t epx_cuda_ep_traffic(epx_handle_t handle, epx_handle_traffic_t *traf
  * (*rows on the device); dst NULL: nothing. */
 cudaError_t epx_cuda_ep_copy_rows_launch(const void *src, void *dst, int32_t words, const int64_t *rows,
                                          int64_t row_bound, cudaStream_t stream);
-/* A row table bounded by a device count: table[r, :] = src[r, :] (src NULL:
- * r in every word) for r < min(*rows, row_bound) (rows NULL: every r <
- * row_bound), -1 in the other rows below row_bound (the fused path's fp8
- * pack and unpack tables, ep/fused.c: a table the one-GPU fp8 kernel reads,
- * whose rows past the count it skips). */
-cudaError_t epx_cuda_ep_row_table_launch(const int32_t *src, int32_t *table, int32_t words, const int64_t *rows,
-                                         int64_t row_bound, cudaStream_t stream);
 
 /* The message of a routing verdict of the layout kernel (one/one.c). */
 epx_status_t epx_cuda_routing_error(const char *fn, uint64_t error, int32_t K, int32_t E, int32_t C,

@@ -58,35 +58,25 @@ static int fused_wanted(epx_buffer_t b) {
 /* An fp8 buffer's own memory on the fused path (ep_buffer_t.path_state),
  * one stream-ordered allocation made with the fused state. */
 typedef struct fused_fp8 {
-  void *block;
-  char *rows;     /* [max_tokens, packed]: this rank's rows packed with their scales */
-  int32_t *iota;  /* [W * max_tokens] r at r: the pack's table, and rank-major's unpack table */
-  int32_t *table; /* [W * max_tokens, max_top_k] worst_case_sizing: the unpack's table, bounded on the device */
+  char *rows; /* [max_tokens, packed]: this rank's rows packed with their scales */
 } fused_fp8_t;
 
 static void fp8_free(epx_buffer_t b, fused_fp8_t *q) {
   if (!q) return;
-  if (q->block) cudaFreeAsync(q->block, stream_of(b));
+  if (q->rows) cudaFreeAsync(q->rows, stream_of(b));
   free(q);
 }
 
-/* The staging and tables of an fp8 buffer's packed rows. */
+/* The staging of an fp8 buffer's packed rows. */
 static epx_status_t fp8_create(epx_buffer_t b, const char *fn, fused_fp8_t **out) {
   epx_status_t status = EPX_SUCCESS;
   const epx_buffer_config_t *c = &b->config;
   const epx_payload_format_t f = epx_payload_fp8(c->fp8_format, c->dtype, c->hidden);
-  const int64_t G = (int64_t)b->world_size * b->max_tokens;
-  const size_t rows = round256((size_t)(b->max_tokens * epx_payload_fp8_packed_bytes(&f))),
-               iota = round256(4 * (size_t)G),
-               table = c->worst_case_sizing ? 4 * (size_t)G * (size_t)c->max_top_k : 0;
   fused_fp8_t *q = calloc(1, sizeof *q);
   if (!q) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
-  CUDA_CHECK(cudaMallocAsync(&q->block, rows + iota + table, stream_of(b)), fn,
-             "cudaMallocAsync of the fp8 rows' staging");
-  q->rows = q->block;
-  q->iota = (int32_t *)(q->rows + rows);
-  q->table = table ? (int32_t *)((char *)q->iota + iota) : NULL;
-  CUDA_CHECK(epx_cuda_ep_row_table_launch(NULL, q->iota, 1, NULL, G, stream_of(b)), fn, "the fp8 row table");
+  CUDA_CHECK(cudaMallocAsync((void **)&q->rows, (size_t)(b->max_tokens * epx_payload_fp8_packed_bytes(&f)),
+                             stream_of(b)),
+             fn, "cudaMallocAsync of the fp8 rows' staging");
   *out = q;
   return EPX_SUCCESS;
 fail:
@@ -387,8 +377,8 @@ static epx_fused_plan_view_t view_of(epx_handle_t handle) {
  * rank-major row q to row q, rank-major row q's k-slots to their
  * expert-major (capacity) rows (the plan's pair_rows), padding rows and
  * unfilled slots zero in both. The bytes arrive as sent. With
- * worst_case_sizing the unpack's table is bounded on the device (the rows
- * past the received ones are -1: the kernel skips them). */
+ * worst_case_sizing the unpack reads the received rows' count on the
+ * device. */
 static epx_status_t fused_dispatch_fp8(epx_buffer_t b, epx_handle_t handle, const void *x, const void *x_scales,
                                        int quantize, void *recv_q, void *recv_scales) {
   const char *fn = quantize ? "epx_dispatch_quantize" : "epx_dispatch_fp8";
@@ -405,27 +395,22 @@ static epx_status_t fused_dispatch_fp8(epx_buffer_t b, epx_handle_t handle, cons
   const epx_cuda_fp8_strides_t unpack = {packed, packed, f.row_bytes, f.scale_bytes};
   const epx_fused_plan_view_t v = view_of(handle);
   const int rank_major = c->layout == EPX_LAYOUT_RANK_MAJOR;
-  /* the window's rank-major rows to read: the received ones, or their bound */
+  /* the window's rank-major rows to read: the received ones, or their bound
+   * and their count on the device */
   const int64_t pairs = h->d.worst ? (int64_t)h->d.W * h->d.Tm : h->total[RECV_PAIRS];
-  const int32_t slots = rank_major ? 1 : v.top_k;
-  const int32_t *table = rank_major ? q->iota : v.pair_rows;
   const char *window = epx_fused_recv_window(s->fused);
   EPX_CHECK(fused_alive(b, fn));
   CUDA_CHECK(epx_cuda_fp8_scatter_strided_launch(c->fp8_format, c->dtype, quantize, x, x_scales, q->rows,
-                                                 q->rows + f.row_bytes, &pack, h->d.T, c->hidden, q->iota, 1, NULL,
-                                                 NULL, 0, stream),
+                                                 q->rows + f.row_bytes, &pack, h->d.T, c->hidden, NULL, 1, NULL,
+                                                 NULL, NULL, 0, stream),
              fn, quantize ? "the quantize and pack kernel" : "the fp8 pack kernel");
   FUSED_CHECK(epx_fused_dispatch_rows_launch(s->fused, h->plan, q->rows, packed, s->fused_ctas, stream), fn,
               "the fused dispatch kernels");
-  if (h->d.worst) {
-    CUDA_CHECK(epx_cuda_ep_row_table_launch(rank_major ? NULL : v.pair_rows, q->table, slots, v.pairs, pairs,
-                                            stream),
-               fn, "the fp8 unpack table");
-    table = q->table;
-  }
   CUDA_CHECK(epx_cuda_fp8_scatter_strided_launch(c->fp8_format, c->dtype, 0, window, window + f.row_bytes, recv_q,
-                                                 recv_scales, &unpack, pairs, c->hidden, table, slots,
-                                                 rank_major ? NULL : v.row_src_rank, v.rows, h->row_bound, stream),
+                                                 recv_scales, &unpack, pairs, c->hidden,
+                                                 rank_major ? NULL : v.pair_rows, rank_major ? 1 : v.top_k,
+                                                 h->d.worst ? v.pairs : NULL, rank_major ? NULL : v.row_src_rank,
+                                                 v.rows, h->row_bound, stream),
              fn, "the fp8 unpack kernel");
 fail:
   return status;

@@ -344,12 +344,12 @@ static epx_status_t move_fp8(epx_buffer_t b, epx_handle_t handle, const void *x,
   CUDA_CHECK(epx_cuda_fp8_scatter_strided_launch(c->fp8_format, c->dtype, quantize, x, x_scales, send,
                                                  send + f.row_bytes, &pack, h->d.T, c->hidden,
                                                  dedup ? h->tab.pair_stage : h->tab.route_stage,
-                                                 dedup ? h->d.W : h->d.K, NULL, NULL, 0, stream),
+                                                 dedup ? h->d.W : h->d.K, NULL, NULL, NULL, 0, stream),
              fn, quantize ? "the quantize and pack kernel" : "the fp8 pack kernel");
   EPX_CHECK(p2p(b, h, hk, rk, send, recv, (size_t)packed, fn));
   CUDA_CHECK(epx_cuda_fp8_scatter_strided_launch(c->fp8_format, c->dtype, 0, recv, recv + f.row_bytes, recv_q,
                                                  recv_scales, &unpack, kind_rows(h, rk), c->hidden,
-                                                 dedup ? h->tab.rp_rows : h->tab.rr_row, dedup ? h->d.Kb : 1,
+                                                 dedup ? h->tab.rp_rows : h->tab.rr_row, dedup ? h->d.Kb : 1, NULL,
                                                  h->recv.row_src, &h->recv.result->rows, h->row_bound, stream),
              fn, "the fp8 expand kernel");
 fail:

@@ -128,18 +128,6 @@ __global__ void __launch_bounds__(kThreads)
   if (i < min(*rows, row_bound) * words) dst[i] = src[i];
 }
 
-/* table[r, :] = src ? src[r, :] : r for rows r < min(*rows, row_bound)
- * (rows NULL: every r < row_bound), -1 in every other row below row_bound. */
-__global__ void __launch_bounds__(kThreads)
-    row_table_kernel(const int32_t *__restrict__ src, int32_t *__restrict__ table, int32_t words,
-                     const int64_t *rows, int64_t row_bound) {
-  const int64_t i = (int64_t)blockIdx.x * kThreads + threadIdx.x;
-  if (i >= row_bound * words) return;
-  const int64_t r = i / words;
-  const bool valid = !rows || r < *rows;
-  table[i] = !valid ? -1 : src ? src[i] : (int32_t)r;
-}
-
 /* A thread per gathered token g (its Kb slots; home flags too when g is one
  * of this rank's tokens). */
 __global__ void __launch_bounds__(kThreads)
@@ -500,14 +488,6 @@ extern "C" cudaError_t epx_cuda_ep_copy_rows_launch(const void *src, void *dst, 
   if (!dst || row_bound <= 0 || words <= 0) return cudaSuccess;
   copy_rows_kernel<<<blocks_for(row_bound * words), kThreads, 0, stream>>>(
       static_cast<const uint32_t *>(src), static_cast<uint32_t *>(dst), words, rows, row_bound);
-  return cudaGetLastError();
-}
-
-extern "C" cudaError_t epx_cuda_ep_row_table_launch(const int32_t *src, int32_t *table, int32_t words,
-                                                    const int64_t *rows, int64_t row_bound, cudaStream_t stream) {
-  if (row_bound <= 0 || words <= 0) return cudaSuccess;
-  if (!table) return cudaErrorInvalidValue;
-  row_table_kernel<<<blocks_for(row_bound * words), kThreads, 0, stream>>>(src, table, words, rows, row_bound);
   return cudaGetLastError();
 }
 

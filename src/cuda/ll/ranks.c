@@ -231,7 +231,7 @@ static epx_status_t send_slabs(epx_buffer_t b, slot_t *slot, const epx_routing_t
                                          d.row_bytes, d.row_bytes};
     CUDA_CHECK(epx_cuda_fp8_scatter_strided_launch(c->fp8_format, c->dtype, quantize, rows->x, rows->x_scales,
                                                    slot->send, slot->send + f.row_bytes, &pack, r->num_tokens,
-                                                   c->hidden, slot->pair_stage, d.W, NULL, NULL, 0, stream_of(b)),
+                                                   c->hidden, slot->pair_stage, d.W, NULL, NULL, NULL, 0, stream_of(b)),
                fn, quantize ? "the quantize and pack kernel" : "the fp8 pack kernel");
   } else if (r->num_tokens) {
     CUDA_CHECK(epx_cuda_scatter_launch(c->dtype, rows->x, slot->send, r->num_tokens, c->hidden, slot->pair_stage, d.W,
@@ -291,7 +291,7 @@ static epx_status_t place_rows(epx_buffer_t b, slot_t *slot) {
     const epx_cuda_fp8_strides_t unpack = {d->row_bytes, d->row_bytes, f.row_bytes, f.scale_bytes};
     CUDA_CHECK(epx_cuda_fp8_scatter_strided_launch(c->fp8_format, c->dtype, 0, slot->stage, slot->stage + f.row_bytes,
                                                    slot->recv_x, slot->recv_scales, &unpack, items, c->hidden,
-                                                   slot->recv.rp_rows, d->Kb, NULL, NULL, 0, stream_of(b)),
+                                                   slot->recv.rp_rows, d->Kb, NULL, NULL, NULL, 0, stream_of(b)),
                fn, "the fp8 expand kernel");
   } else {
     CUDA_CHECK(epx_cuda_scatter_launch(c->dtype, slot->stage, slot->recv_x, items, c->hidden, slot->recv.rp_rows,

@@ -18,7 +18,8 @@
  *   - fanning out: lane j issues the bulk stores of the token's valid routes
  *     j, j + 32, ... (the row, and the scales when bulk), so a warp has up
  *     to K rows in flight from one slot. Scales that cannot go in bulk are
- *     written by the lanes, row by row.
+ *     written by the lanes, every route's at once, in the widest unit the
+ *     addresses allow.
  * Before sm_90 (no bulk copy engine) the same slot is filled and emptied by
  * the lanes with 16-byte accesses.
  *
@@ -57,20 +58,24 @@ struct fp8_args {
   const uint8_t *x_scales; /* [T, S] (copy only) */
   uint8_t *recv_q;         /* [rows, H] */
   uint8_t *recv_s;         /* [rows, S] */
-  const int32_t *rows;     /* [T, K] */
+  const int32_t *rows;     /* [T, K], or NULL: token t's one route is row t */
+  const int64_t *tokens_valid; /* NULL, or the tokens to move on the device (at most `tokens`) */
   const int32_t *row_src;  /* [row_bound] or NULL: no zeroing */
   const int64_t *rows_valid;
   int64_t row_bound, tokens, hidden, scale_bytes, token_ctas, slot;
   epx_cuda_fp8_strides_t stride; /* bytes between rows of x, x_scales, recv_q, recv_s */
   int k;
-  int scale_unit;          /* bytes per scale copy: 16 (bulk), 4 or 1 */
+  int scale_unit;          /* bytes per scale copy: 16 (bulk), 8, 4 or 1 */
 };
 
-/* S scale bytes src -> dst in units of `unit` (16, 4 or 1) by the warp's lanes. */
+/* S scale bytes src -> dst in units of `unit` (16, 8, 4 or 1) by the warp's lanes. */
 __device__ void copy_scales(const uint8_t *src, uint8_t *dst, int64_t bytes, int unit, int lane) {
   if (unit == 16) {
     for (int64_t i = lane; i < bytes / 16; i += 32)
       reinterpret_cast<uint4 *>(dst)[i] = reinterpret_cast<const uint4 *>(src)[i];
+  } else if (unit == 8) {
+    for (int64_t i = lane; i < bytes / 8; i += 32)
+      reinterpret_cast<uint2 *>(dst)[i] = reinterpret_cast<const uint2 *>(src)[i];
   } else if (unit == 4) {
     for (int64_t i = lane; i < bytes / 4; i += 32)
       reinterpret_cast<uint32_t *>(dst)[i] = reinterpret_cast<const uint32_t *>(src)[i];
@@ -157,28 +162,33 @@ __device__ __forceinline__ chunk_q quantize_chunk(const uint4 *raw) {
   return {make_uint4(w[0], w[1], w[2], w[3]), s.stored};
 }
 
-/* The slot's row bytes [begin, end) to each of the token's valid rows
- * (rows[t, k] >= 0; `row` is this lane's, k = lane). With the bulk copy
- * engine, lane j stores routes j, j + 32, ..., one bulk group per call;
- * the lanes' writes to the slot are ordered before it here. */
-__device__ void fan_out_row(const fp8_args &a, const int32_t *rows, int32_t row, const uint8_t *slot, int64_t begin,
-                            int64_t end, int lane) {
+/* The slot's H row bytes to each of the token's valid rows (rows[t, k] >=
+ * 0; `row` is this lane's, k = lane). With the bulk copy engine, lane j
+ * stores routes j, j + 32, ..., one bulk group per call; the lanes' writes
+ * to the slot are ordered before it here. When the lanes write the scales
+ * (rows of a size that is not whole 16-byte units, so each ends or starts
+ * in a 32-byte sector another row's scales complete), the rows are stored
+ * evict-first: the part-written sectors then stay in L2 until completed
+ * instead of going to memory twice (bench/NOTES.md, session 23: UE8M0's
+ * 56-byte scale rows; marking every format's rows measured slower). */
+__device__ void fan_out_row(const fp8_args &a, const int32_t *rows, int32_t row, const uint8_t *slot, int lane) {
 #if EPX_BULK_ARCH
   epx_bulk_fence_smem();
   __syncwarp();
   for (int k = lane; k < a.k; k += 32) {
     const int64_t r = k == lane ? row : rows[k];
     if (r < 0) continue;
-    epx_bulk_store(a.recv_q + r * a.stride.recv_q + begin, slot + begin, (uint32_t)(end - begin));
+    if (a.scale_unit == 16) epx_bulk_store(a.recv_q + r * a.stride.recv_q, slot, (uint32_t)a.hidden);
+    else epx_bulk_store_evict_first(a.recv_q + r * a.stride.recv_q, slot, (uint32_t)a.hidden);
     epx_bulk_commit();
   }
 #else
   __syncwarp();
   for (int k = 0; k < a.k; k++) {
-    const int64_t r = rows[k]; /* warp-uniform */
+    const int64_t r = k < 32 ? __shfl_sync(0xffffffffu, row, k) : rows[k]; /* warp-uniform */
     if (r < 0) continue;
-    uint4 *q = reinterpret_cast<uint4 *>(a.recv_q + r * a.stride.recv_q + begin);
-    for (int64_t i = lane; i < (end - begin) / 16; i += 32) q[i] = reinterpret_cast<const uint4 *>(slot + begin)[i];
+    uint4 *q = reinterpret_cast<uint4 *>(a.recv_q + r * a.stride.recv_q);
+    for (int64_t i = lane; i < a.hidden / 16; i += 32) q[i] = reinterpret_cast<const uint4 *>(slot)[i];
   }
 #endif
 }
@@ -201,9 +211,22 @@ __device__ void fan_out_scales(const fp8_args &a, const int32_t *rows, int32_t r
   }
 #endif
   __syncwarp();
-  for (int k = 0; k < a.k; k++) {
-    const int64_t r = rows[k]; /* warp-uniform */
-    if (r >= 0) copy_scales(slot_s, a.recv_s + r * a.stride.recv_scales, a.scale_bytes, a.scale_unit, lane);
+  /* every route's scales at once (one row after another measured slower:
+   * bench/NOTES.md, session 23): piece i of the K rows' scales is unit
+   * i % per_row of route i / per_row */
+  const int unit = a.scale_unit, per_row = (int)(a.scale_bytes / unit);
+  for (int i0 = 0; i0 < a.k * per_row; i0 += 32) {
+    const int i = i0 + lane, k = i / per_row, p = i - k * per_row;
+    const int32_t r_lane = __shfl_sync(0xffffffffu, row, k & 31);
+    if (i >= a.k * per_row) continue;
+    const int64_t r = k < 32 ? r_lane : rows[k];
+    if (r < 0) continue;
+    uint8_t *d = a.recv_s + r * a.stride.recv_scales + p * unit;
+    const uint8_t *s = slot_s + p * unit;
+    if (unit == 16) *reinterpret_cast<uint4 *>(d) = *reinterpret_cast<const uint4 *>(s);
+    else if (unit == 8) *reinterpret_cast<uint2 *>(d) = *reinterpret_cast<const uint2 *>(s);
+    else if (unit == 4) *reinterpret_cast<uint32_t *>(d) = *reinterpret_cast<const uint32_t *>(s);
+    else *d = *s;
   }
 }
 
@@ -244,7 +267,7 @@ __device__ void quantize_token(const fp8_args &a, int64_t t, const int32_t *rows
       }
     }
   }
-  fan_out_row(a, rows, row, slot, 0, a.hidden, lane);
+  fan_out_row(a, rows, row, slot, lane);
   fan_out_scales(a, rows, row, slot, lane);
 }
 
@@ -272,7 +295,7 @@ __device__ void copy_token(const fp8_args &a, int64_t t, const int32_t *rows, in
     reinterpret_cast<uint4 *>(slot)[i] = __ldcs(reinterpret_cast<const uint4 *>(src) + i);
   copy_scales(src_s, slot + a.hidden, a.scale_bytes, a.scale_unit, lane);
 #endif
-  fan_out_row(a, rows, row, slot, 0, a.hidden, lane);
+  fan_out_row(a, rows, row, slot, lane);
   fan_out_scales(a, rows, row, slot, lane);
 }
 
@@ -291,9 +314,11 @@ __global__ void __launch_bounds__(kWarps * 32) fp8_scatter_kernel(const fp8_args
   if (!kQuantize && lane == 0) epx_bulk_bar_init(bar);
   __syncwarp();
 #endif
-  for (int64_t t = (int64_t)blockIdx.x * warps + warp; t < a.tokens; t += a.token_ctas * warps) {
-    const int32_t *rows = a.rows + t * a.k;
-    const int32_t row = lane < a.k ? rows[lane] : -1;
+  const int64_t tokens = a.tokens_valid ? min(*a.tokens_valid, a.tokens) : a.tokens;
+  for (int64_t t = (int64_t)blockIdx.x * warps + warp; t < tokens; t += a.token_ctas * warps) {
+    /* routes past the 32nd are read from rows[k] (never with rows NULL: K is 1) */
+    const int32_t *rows = a.rows ? a.rows + t * a.k : nullptr;
+    const int32_t row = lane >= a.k ? -1 : rows ? rows[lane] : (int32_t)t;
     if constexpr (!kQuantize) {
       /* copying, a token with no valid route is skipped, its row unread;
        * quantizing, its row's loads go out before its routes are read, and
@@ -315,10 +340,11 @@ __global__ void __launch_bounds__(kWarps * 32) fp8_scatter_kernel(const fp8_args
 #endif
 }
 
-/* The widest unit (16, 4 or 1 bytes) that `bytes` and every address and
+/* The widest unit (16, 8, 4 or 1 bytes) that `bytes` and every address and
  * stride OR-ed into `bits` are multiples of. */
 int widest_unit(uintptr_t bits, int64_t bytes) {
   if (bytes % 16 == 0 && bits % 16 == 0) return 16;
+  if (bytes % 8 == 0 && bits % 8 == 0) return 8;
   if (bytes % 4 == 0 && bits % 4 == 0) return 4;
   return 1;
 }
@@ -350,10 +376,11 @@ extern "C" cudaError_t epx_cuda_fp8_scatter_strided_launch(epx_fp8_format_t form
                                                            void *recv_q, void *recv_scales,
                                                            const epx_cuda_fp8_strides_t *stride, int64_t num_tokens,
                                                            int64_t hidden, const int32_t *rows, int32_t top_k,
-                                                           const int32_t *row_src, const int64_t *rows_valid,
-                                                           int64_t row_bound, cudaStream_t stream) {
+                                                           const int64_t *tokens_valid, const int32_t *row_src,
+                                                           const int64_t *rows_valid, int64_t row_bound,
+                                                           cudaStream_t stream) {
   const epx_payload_format_t f = epx_payload_fp8(format, x_dtype, hidden);
-  if (top_k < 1 || top_k > EPX_CUDA_MAX_TOP_K || f.scale_block == 0 || hidden % 32 != 0 ||
+  if (top_k < 1 || top_k > EPX_CUDA_MAX_TOP_K || (!rows && top_k != 1) || f.scale_block == 0 || hidden % 32 != 0 ||
       (stride->x | stride->recv_q) % EPX_PAYLOAD_VECTOR_BYTES != 0)
     return cudaErrorInvalidValue;
   fp8_args a;
@@ -362,6 +389,7 @@ extern "C" cudaError_t epx_cuda_fp8_scatter_strided_launch(epx_fp8_format_t form
   a.recv_q = static_cast<uint8_t *>(recv_q);
   a.recv_s = static_cast<uint8_t *>(recv_scales);
   a.rows = rows;
+  a.tokens_valid = tokens_valid;
   a.row_src = row_src;
   a.rows_valid = rows_valid;
   a.row_bound = row_src ? row_bound : 0;
@@ -402,5 +430,6 @@ extern "C" cudaError_t epx_cuda_fp8_scatter_launch(epx_fp8_format_t format, epx_
   const epx_cuda_fp8_strides_t dense = {quantize ? epx_payload_row_bytes(x_dtype, hidden) : hidden, f.scale_bytes,
                                         hidden, f.scale_bytes};
   return epx_cuda_fp8_scatter_strided_launch(format, x_dtype, quantize, x, x_scales, recv_q, recv_scales, &dense,
-                                             num_tokens, hidden, rows, top_k, row_src, rows_valid, row_bound, stream);
+                                             num_tokens, hidden, rows, top_k, NULL, row_src, rows_valid, row_bound,
+                                             stream);
 }
