@@ -2,7 +2,8 @@
 # The GPU check of epx, on a machine with an NVIDIA H200 (sm_90); run from the
 # repository root. Configures and builds the CUDA backend, runs the GPU tests
 # (ctest -L gpu), compute-sanitizer memcheck and racecheck on them (trimmed
-# sizes: EPX_GPU_TEST_QUICK=1), the benchmark (bench/gpu/bench_gpu.cu), the
+# sizes: EPX_GPU_TEST_QUICK=1), the Python package's one-GPU tests (pytest
+# -k gpu), the benchmark (bench/gpu/bench_gpu.cu), the
 # low-latency decode table (bench/gpu/bench_ll.cu) and the
 # PyTorch baselines (bench/gpu/bench_torch.py), and prints a verdict table
 # last. Where NCCL and mpirun exist, the one-GPU section also runs the W-rank
@@ -199,6 +200,15 @@ if [ $BUILD_OK = 1 ] && env EPX_LIBRARY="$PWD/$BUILD/libepx.so" PYTHONPATH=pytho
   verdict "fp8 quantize-on-dispatch vs PyTorch quantizer + dispatch" PASS
 else
   verdict "fp8 quantize-on-dispatch vs PyTorch quantizer + dispatch" FAIL
+fi
+# The Python package's GPU tests on this one GPU (pytest -k gpu: epx.torch on
+# CUDA, fp8 rows and the fp8 MoE layer among them); those that need 2 GPUs
+# skip here (the two-GPU section runs them all, none skipping).
+if [ $BUILD_OK = 1 ] && env EPX_LIBRARY="$PWD/$BUILD/libepx.so" PYTHONPATH=python PYTHONUNBUFFERED=1 \
+     timeout 300 python3 -m pytest -q -rs -k gpu tests/python >"$OUTDIR/pytest_gpu1.log" 2>&1; then
+  verdict "epx.torch GPU tests, one GPU (pytest -k gpu)" "PASS ($(tail -n 1 "$OUTDIR/pytest_gpu1.log" | tr -d '=' | sed 's/^ *//; s/ in .*//'))"
+else
+  verdict "epx.torch GPU tests, one GPU (pytest -k gpu)" "FAIL ($(tail -n 1 "$OUTDIR/pytest_gpu1.log" | tr -d '=' | sed 's/^ *//'))"
 fi
 PYTHONUNBUFFERED=1 timeout 300 python3 bench/gpu/bench_torch.py "$WORK" >"$OUTDIR/torch.log" 2>&1 &&
   verdict "PyTorch baselines" PASS || verdict "PyTorch baselines" FAIL

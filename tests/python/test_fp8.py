@@ -326,9 +326,9 @@ def fp8_moe_reference(p, fmt):
     return dict(out=outs, grad_x=[x.grad for x in xs], router=router.grad, w1=w1.grad, w2=w2.grad)
 
 
-@pytest.mark.parametrize("fmt", list(PEER))
-@pytest.mark.parametrize("world", [1, 2])
-def test_moe_fp8_matches_reference(fmt, world):
+def moe_fp8_against_reference(fmt, world, device, tol):
+    """epx.torch.MoE(fp8=fmt) on `world` ranks against fp8_moe_reference:
+    out, the gradients of x, the experts' weights and the router."""
     import pathlib
     import sys
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -337,26 +337,42 @@ def test_moe_fp8_matches_reference(fmt, world):
     ref = fp8_moe_reference(p, fmt)
 
     def main(comm):
-        m = make_layer(comm, p, epx.Weighting.IN_COMBINE, fp8=fmt)
+        m = make_layer(comm, p, epx.Weighting.IN_COMBINE, device=device, fp8=fmt)
         assert m.fp8_gemm == "dequantized"
-        x = p.x[comm.rank].float().requires_grad_(True)
+        x = p.x[comm.rank].float().to(device).requires_grad_(True)
         out = m(x)
-        (out * p.g[comm.rank].float()).sum().backward()
+        (out * p.g[comm.rank].float().to(device)).sum().backward()
         r, El = comm.rank, p.E // comm.size
-        # test_torch's float32 tolerance against float64 (its absolute part
-        # scales with the tensor)
-        tol = (1e-5, 1e-4)
-        close(out.detach().double(), ref["out"][r], tol, "out rank %d" % r)
-        close(x.grad.double(), ref["grad_x"][r], tol, "grad_x rank %d" % r)
-        close(m.w_gate_up.grad.double(), ref["w1"][r * El:(r + 1) * El].transpose(1, 2), tol, "w1 grad")
-        close(m.w_down.grad.double(), ref["w2"][r * El:(r + 1) * El].transpose(1, 2), tol, "w2 grad")
+        close(out.detach().double().cpu(), ref["out"][r], tol, "out rank %d" % r)
+        close(x.grad.double().cpu(), ref["grad_x"][r], tol, "grad_x rank %d" % r)
+        close(m.w_gate_up.grad.double().cpu(), ref["w1"][r * El:(r + 1) * El].transpose(1, 2), tol,
+              "w1 grad")
+        close(m.w_down.grad.double().cpu(), ref["w2"][r * El:(r + 1) * El].transpose(1, 2), tol,
+              "w2 grad")
         del out
         m.buffer.close()
-        return m.router.weight.grad.double()
+        return m.router.weight.grad.double().cpu()
     grads = epx.run_local(world, main)
     router = sum(grads)
     assert router.abs().max() > 0, "the router got no gradient"
-    close(router, ref["router"], (1e-5, 1e-4), "router grad")
+    close(router, ref["router"], tol, "router grad")
+
+
+@pytest.mark.parametrize("fmt", list(PEER))
+@pytest.mark.parametrize("world", [1, 2])
+def test_moe_fp8_matches_reference(fmt, world):
+    # test_torch's float32 tolerance against float64 (its absolute part
+    # scales with the tensor)
+    moe_fp8_against_reference(fmt, world, "cpu", (1e-5, 1e-4))
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and epx.has_cuda()),
+                    reason="needs a GPU and a libepx with the CUDA backend")
+@pytest.mark.parametrize("fmt", list(PEER))
+def test_gpu_moe_fp8_matches_reference(fmt):
+    """The same layer on one GPU (the quantizing dispatch kernel gives the
+    CPU quantizer's bytes; test_torch's GPU float32 tolerance)."""
+    moe_fp8_against_reference(fmt, 1, "cuda", (1e-4, 1e-3))
 
 
 def test_moe_fp8_refusals():
