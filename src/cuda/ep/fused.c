@@ -58,7 +58,7 @@ static int fused_wanted(epx_buffer_t b) {
 /* An fp8 buffer's own memory on the fused path (ep_buffer_t.path_state),
  * one stream-ordered allocation made with the fused state. */
 typedef struct fused_fp8 {
-  char *rows; /* [max_tokens, packed]: this rank's rows packed with their scales */
+  char *rows; /* [max_tokens, packed]: this rank's rows quantized and packed with their scales (quantize on dispatch) */
 } fused_fp8_t;
 
 static void fp8_free(epx_buffer_t b, fused_fp8_t *q) {
@@ -366,11 +366,12 @@ static epx_fused_plan_view_t view_of(epx_handle_t handle) {
   return v;
 }
 
-/* fp8 dispatch: the host path's packed rows (ep/host.c, move_fp8) around
- * the fused dispatch kernels. Each token's e4m3 row and scales (or its row
- * of the dtype, quantized on the way) packed into one row of
- * epx_payload_fp8_packed_bytes (never wider than the dtype's rows: the
- * window holds them), moved unweighted once per destination rank into the
+/* fp8 dispatch: the host path's packed rows (ep/host.c, move_fp8) through
+ * the fused dispatch kernels. Each token's e4m3 row and scales, gathered
+ * by the senders on the way (or its row of the dtype, quantized first into
+ * packed rows), in one row of epx_payload_fp8_packed_bytes (never wider
+ * than the dtype's rows: the window holds them), moved unweighted once per
+ * destination rank into the
  * receivers' windows as rank-major rows (epx_fused_dispatch_rows_launch,
  * this rank's own rows too), and unpacked from there into recv_x_q [N, H]
  * and recv_scales [N, S] in the buffer's layout by the one-GPU fp8 kernel:
@@ -390,8 +391,7 @@ static epx_status_t fused_dispatch_fp8(epx_buffer_t b, epx_handle_t handle, cons
   cudaStream_t stream = stream_of(b);
   const epx_payload_format_t f = epx_payload_fp8(c->fp8_format, c->dtype, c->hidden);
   const int64_t packed = epx_payload_fp8_packed_bytes(&f);
-  const epx_cuda_fp8_strides_t pack = {quantize ? epx_payload_row_bytes(c->dtype, c->hidden) : f.row_bytes,
-                                       f.scale_bytes, packed, packed};
+  const epx_cuda_fp8_strides_t pack = {epx_payload_row_bytes(c->dtype, c->hidden), f.scale_bytes, packed, packed};
   const epx_cuda_fp8_strides_t unpack = {packed, packed, f.row_bytes, f.scale_bytes};
   const epx_fused_plan_view_t v = view_of(handle);
   const int rank_major = c->layout == EPX_LAYOUT_RANK_MAJOR;
@@ -400,12 +400,19 @@ static epx_status_t fused_dispatch_fp8(epx_buffer_t b, epx_handle_t handle, cons
   const int64_t pairs = h->d.worst ? (int64_t)h->d.W * h->d.Tm : h->total[RECV_PAIRS];
   const char *window = epx_fused_recv_window(s->fused);
   EPX_CHECK(fused_alive(b, fn));
-  CUDA_CHECK(epx_cuda_fp8_scatter_strided_launch(c->fp8_format, c->dtype, quantize, x, x_scales, q->rows,
-                                                 q->rows + f.row_bytes, &pack, h->d.T, c->hidden, NULL, 1, NULL,
-                                                 NULL, NULL, 0, stream),
-             fn, quantize ? "the quantize and pack kernel" : "the fp8 pack kernel");
-  FUSED_CHECK(epx_fused_dispatch_rows_launch(s->fused, h->plan, q->rows, packed, s->fused_ctas, stream), fn,
-              "the fused dispatch kernels");
+  if (quantize) {
+    CUDA_CHECK(epx_cuda_fp8_scatter_strided_launch(c->fp8_format, c->dtype, 1, x, NULL, q->rows,
+                                                   q->rows + f.row_bytes, &pack, h->d.T, c->hidden, NULL, 1, NULL,
+                                                   NULL, NULL, 0, stream),
+               fn, "the quantize and pack kernel");
+    FUSED_CHECK(epx_fused_dispatch_rows_launch(s->fused, h->plan, q->rows, packed, NULL, 0, packed, s->fused_ctas,
+                                               stream),
+                fn, "the fused dispatch kernels");
+  } else {
+    FUSED_CHECK(epx_fused_dispatch_rows_launch(s->fused, h->plan, x, f.row_bytes, x_scales, f.scale_bytes, packed,
+                                               s->fused_ctas, stream),
+                fn, "the fused dispatch kernels");
+  }
   CUDA_CHECK(epx_cuda_fp8_scatter_strided_launch(c->fp8_format, c->dtype, 0, window, window + f.row_bytes, recv_q,
                                                  recv_scales, &unpack, pairs, c->hidden,
                                                  rank_major ? NULL : v.pair_rows, rank_major ? 1 : v.top_k,

@@ -45,10 +45,75 @@ struct dispatch_shared {
 
 __device__ int64_t chunks_of(int64_t rows) { return (rows + kChunk - 1) / kChunk; }
 
+/* Rows of two planes (epx_fused_dispatch_rows_launch): token t's moved row
+ * is x's x_bytes at x + t * x_bytes, then x2's x2_bytes at x2 + t *
+ * x2_bytes, the rest of the d.row_bytes unspecified. unit: the widest copy
+ * (16, 8, 4 or 1 bytes) that x2's address and rows allow; 16: the bulk
+ * copy engine loads x2's rows too. */
+struct planes {
+  const uint8_t *x2;
+  int64_t x_bytes, x2_bytes;
+  int unit;
+};
+
+/* bytes src -> dst in units of `unit`, units first, first + step, ... */
+__device__ __forceinline__ void copy_units(uint8_t *dst, const uint8_t *src, int64_t bytes, int unit, int first,
+                                           int step) {
+  for (int64_t i = first; i < bytes / unit; i += step) {
+    if (unit == 16) reinterpret_cast<uint4 *>(dst)[i] = reinterpret_cast<const uint4 *>(src)[i];
+    else if (unit == 8) reinterpret_cast<uint2 *>(dst)[i] = reinterpret_cast<const uint2 *>(src)[i];
+    else if (unit == 4) reinterpret_cast<uint32_t *>(dst)[i] = reinterpret_cast<const uint32_t *>(src)[i];
+    else dst[i] = src[i];
+  }
+}
+
+/* send_chunk for rows of two planes: row i is token(i)'s, gathered from x
+ * and pl.x2 into one row (the slot) on the way, so the rows need no packing
+ * pass before the exchange. */
+template <typename Token, typename Dst>
+__device__ void send_chunk_planes(const fused_dev &d, const planes &pl, int64_t n, const uint8_t *x, Token token,
+                                  Dst dst, uint64_t *bars, uint32_t &phase, char *slots) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (d.bulk_warps > 0) {
+    if (lane == 0 && warp < d.bulk_warps) {
+      char *slot = slots + (int64_t)warp * epx_bulk_slot_bytes(d.row_bytes);
+      uint64_t *bar = bars + warp;
+      const bool bulk2 = pl.unit == 16;
+      for (int64_t i = warp; i < n; i += d.bulk_warps) {
+        const int64_t t = token(i);
+        const uint8_t *src2 = pl.x2 + t * pl.x2_bytes;
+        epx_bulk_wait_read(); /* the last row's store has read the slot */
+        epx_bulk_expect(bar, (uint32_t)(pl.x_bytes + (bulk2 ? pl.x2_bytes : 0)));
+        epx_bulk_load(slot, x + t * pl.x_bytes, (uint32_t)pl.x_bytes, bar);
+        if (bulk2) {
+          epx_bulk_load(slot + pl.x_bytes, src2, (uint32_t)pl.x2_bytes, bar);
+        } else {
+          copy_units(reinterpret_cast<uint8_t *>(slot) + pl.x_bytes, src2, pl.x2_bytes, pl.unit, 0, 1);
+          epx_bulk_fence_smem();
+        }
+        epx_bulk_wait(bar, phase);
+        phase ^= 1u;
+        epx_bulk_store(dst(i), slot, (uint32_t)d.row_bytes);
+        epx_bulk_commit();
+      }
+      epx_bulk_drain();
+    }
+    return;
+  }
+  for (int64_t i = warp; i < n; i += kWarps) {
+    const int64_t t = token(i);
+    uint8_t *to = reinterpret_cast<uint8_t *>(dst(i));
+    warp_copy<false>(reinterpret_cast<uint4 *>(to), reinterpret_cast<const uint4 *>(x + t * pl.x_bytes),
+                     pl.x_bytes / 16, lane);
+    copy_units(to + pl.x_bytes, pl.x2 + t * pl.x2_bytes, pl.x2_bytes, pl.unit, lane, 32);
+  }
+}
+
 /* Sender CTAs: (chunk j, destination) pairs round robin, remote ranks first
  * in each round, a warp per row. */
+template <bool kPlanes>
 __device__ void send_rows(const fused_dev &d, const fused_plan_dev &p, dispatch_shared &sh, uint32_t seq,
-                          const uint4 *x, uint4 *recv, int mode, int ns, char *slots) {
+                          const uint4 *x, uint4 *recv, int mode, int ns, char *slots, const planes &pl) {
   __shared__ uint64_t bars[kMaxBulkWarps];
   uint32_t phase = 0;
   if (d.bulk_warps > 0 && (threadIdx.x & 31) == 0 && (threadIdx.x >> 5) < d.bulk_warps) epx_bulk_bar_init(bars + (threadIdx.x >> 5));
@@ -69,9 +134,13 @@ __device__ void send_rows(const fused_dev &d, const fused_plan_dev &p, dispatch_
     /* a relayed peer's rows: this rank's outbox to it, at their indices */
     uint4 *rows = relayed(d, r) ? reinterpret_cast<uint4 *>(d.relay[r] + d.relay_off_rows) + j * kChunk * d.nvec
                                 : dst + (sh.sbase[r] + j * kChunk) * d.nvec;
-    send_chunk(
-        d, n, [&](int64_t i) { return x + (int64_t)tokens[i] * d.nvec; }, [&](int64_t i) { return rows + i * d.nvec; },
-        bars, phase, slots);
+    const auto row_to = [&](int64_t i) { return rows + i * d.nvec; };
+    if constexpr (kPlanes)
+      send_chunk_planes(
+          d, pl, n, reinterpret_cast<const uint8_t *>(x), [&](int64_t i) { return (int64_t)tokens[i]; }, row_to,
+          bars, phase, slots);
+    else
+      send_chunk(d, n, [&](int64_t i) { return x + (int64_t)tokens[i] * d.nvec; }, row_to, bars, phase, slots);
     __syncthreads();
     if (r != d.rank && !relayed(d, r) && threadIdx.x == 0) {
       __threadfence_system();
@@ -170,10 +239,10 @@ __device__ void receive_rows(const fused_dev &d, const fused_plan_dev &p, dispat
   }
 }
 
-template <typename T>
+template <typename T, bool kPlanes>
 __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const fused_dev d, const fused_plan_dev p,
                                                                const uint4 *x, uint4 *recv, int mode,
-                                                               int weighted, int ns) {
+                                                               int weighted, int ns, const planes pl) {
   __shared__ dispatch_shared sh;
   extern __shared__ __align__(128) char slots[]; /* bulk path: a row per copying warp */
   if (failed(d)) return;
@@ -188,7 +257,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const fused_dev d
   if (threadIdx.x == 0) sh.bad = 0;
   send_cts(d, seq);
   __syncthreads();
-  if ((int)blockIdx.x < ns) send_rows(d, p, sh, seq, x, recv, mode, ns, slots);
+  if ((int)blockIdx.x < ns) send_rows<kPlanes>(d, p, sh, seq, x, recv, mode, ns, slots, pl);
   else receive_rows<T>(d, p, sh, seq, x, recv, mode, weighted, ns);
   end_op(d, seq);
 }
@@ -227,18 +296,18 @@ __global__ void __launch_bounds__(kThreads) expand_kernel(const fused_dev d, con
 }
 
 /* d: f->dev, or a copy whose rows are d.row_bytes wide
- * (epx_fused_dispatch_rows_launch). */
-template <typename T>
+ * (epx_fused_dispatch_rows_launch; kPlanes: rows of two planes, pl). */
+template <typename T, bool kPlanes = false>
 cudaError_t launch_dispatch(epx_fused_t *f, const fused_dev &d, const epx_fused_plan_t *plan, const uint4 *x,
                             uint4 *recv, int mode, int weighted, int n, int ns, int expand_ctas, size_t smem,
-                            cudaStream_t stream) {
+                            cudaStream_t stream, const planes &pl = planes{}) {
   const fused_plan_dev &p = plan->dev;
   if (smem > 0) {
     /* set once per device */
-    const cudaError_t e = epx_cuda_kernel_smem_here((const void *)dispatch_kernel<T>, smem);
+    const cudaError_t e = epx_cuda_kernel_smem_here((const void *)dispatch_kernel<T, kPlanes>, smem);
     if (e != cudaSuccess) return e;
   }
-  dispatch_kernel<T><<<n, kThreads, smem, stream>>>(d, p, x, recv, mode, weighted, ns);
+  dispatch_kernel<T, kPlanes><<<n, kThreads, smem, stream>>>(d, p, x, recv, mode, weighted, ns, pl);
   if (d.relay_mask) {
     /* the relayed sources' rows: into recv_x (copied out) or the window's rows */
     const bool to_recv = mode == MODE_RANK_COPY || mode == MODE_RANK_ENGINE;
@@ -318,8 +387,12 @@ extern "C" cudaError_t epx_fused_dispatch_launch(epx_fused_t *f, const epx_fused
 }
 
 extern "C" cudaError_t epx_fused_dispatch_rows_launch(epx_fused_t *f, const epx_fused_plan_t *plan, const void *x,
+                                                      int64_t x_bytes, const void *x2, int64_t x2_bytes,
                                                       int64_t row_bytes, int32_t num_ctas, cudaStream_t stream) {
-  if (row_bytes <= 0 || row_bytes % 16 != 0 || row_bytes > f->dev.row_bytes || (!x && plan->dev.T > 0))
+  const bool two = x2 != NULL;
+  if (row_bytes <= 0 || row_bytes % 16 != 0 || row_bytes > f->dev.row_bytes || (!x && plan->dev.T > 0) ||
+      x_bytes <= 0 || x_bytes % 16 != 0 || (two ? x_bytes + x2_bytes > row_bytes || x2_bytes <= 0
+                                                : x_bytes != row_bytes || x2_bytes != 0))
     return cudaErrorInvalidValue;
   /* the window's rows and the relay's, row_bytes apart (both hold rows of
    * the dtype: wider) */
@@ -333,10 +406,18 @@ extern "C" cudaError_t epx_fused_dispatch_rows_launch(epx_fused_t *f, const epx_
   const size_t smem = (size_t)d.bulk_warps * (size_t)epx_bulk_slot_bytes(row_bytes);
   const uint4 *xs = static_cast<const uint4 *>(x);
   uint4 *window = static_cast<uint4 *>(epx_fused_recv_window(f));
-  return epx_payload_visit(f->config.dtype, [&](auto tag) {
-    return launch_dispatch<typename decltype(tag)::type>(f, d, plan, xs, window, MODE_RANK_WINDOW, 0, n, n - nr, 0,
-                                                         smem, stream);
-  });
+  if (!two)
+    return epx_payload_visit(f->config.dtype, [&](auto tag) {
+      return launch_dispatch<typename decltype(tag)::type>(f, d, plan, xs, window, MODE_RANK_WINDOW, 0, n, n - nr,
+                                                           0, smem, stream);
+    });
+  /* rows of two planes move as bytes (MODE_RANK_WINDOW reads no element
+   * type): one instantiation serves every dtype */
+  const uintptr_t bits2 = (uintptr_t)x2 | (uintptr_t)x2_bytes;
+  const planes pl = {static_cast<const uint8_t *>(x2), x_bytes, x2_bytes,
+                     bits2 % 16 == 0 ? 16 : bits2 % 8 == 0 ? 8 : bits2 % 4 == 0 ? 4 : 1};
+  return launch_dispatch<__nv_bfloat16, true>(f, d, plan, xs, window, MODE_RANK_WINDOW, 0, n, n - nr, 0, smem,
+                                              stream, pl);
 }
 
 extern "C" cudaError_t epx_fused_combine_backward_launch(epx_fused_t *f, const epx_fused_plan_t *plan,

@@ -221,17 +221,22 @@ cudaError_t epx_fused_dispatch_launch(epx_fused_t *fused, const epx_fused_plan_t
                                       const void *x, void *recv_x, int weighted,
                                       int32_t num_ctas, int32_t recv_ctas, cudaStream_t stream);
 
-/* Rows of any bytes (collective, a dispatch-like launch): x [T, row_bytes]
- * (ep/fused.c: fp8 rows packed with their scales) moved once per
- * destination rank, unweighted, into every receiver's window as its
- * rank-major rows, this rank's own rows included, whatever the plan's
- * layout: the first *view.pairs rows of epx_fused_recv_window(), row_bytes
- * apart (by source rank, then source token), valid until the next
+/* Rows of any bytes (collective, a dispatch-like launch): token t's row,
+ * x's x_bytes at x + t * x_bytes followed, where x2 is given, by x2's
+ * x2_bytes at x2 + t * x2_bytes (ep/fused.c: fp8 rows and their scales,
+ * gathered on the way; or rows already packed, x2 NULL and x_bytes ==
+ * row_bytes), moved once per destination rank, unweighted, into every
+ * receiver's window as its rank-major rows, this rank's own rows included,
+ * whatever the plan's layout: the first *view.pairs rows of
+ * epx_fused_recv_window(), row_bytes apart (by source rank, then source
+ * token; bytes past x_bytes + x2_bytes unspecified), valid until the next
  * dispatch-like launch. row_bytes: a multiple of 16, at most the payload
- * dtype's row. The dispatch kernels with rows of row_bytes in place of the
- * dtype's (relayed peers' rows too). num_ctas as for dispatch. */
+ * dtype's row; x_bytes a multiple of 16. The dispatch kernels with rows of
+ * row_bytes in place of the dtype's (relayed peers' rows too). num_ctas as
+ * for dispatch. */
 cudaError_t epx_fused_dispatch_rows_launch(epx_fused_t *fused, const epx_fused_plan_t *plan, const void *x,
-                                           int64_t row_bytes, int32_t num_ctas, cudaStream_t stream);
+                                           int64_t x_bytes, const void *x2, int64_t x2_bytes, int64_t row_bytes,
+                                           int32_t num_ctas, cudaStream_t stream);
 
 /* Combine (collective), expert_out [N, H] in the plan's layout -> out [T, H].
  * weighted: P(t, r) multiplies by w (EPX_WEIGHTS_IN_COMBINE, expert-major).
