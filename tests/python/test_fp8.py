@@ -277,6 +277,27 @@ def test_torch_dispatch_gpu(fmt, quantize):
     comm.close()
 
 
+def test_torch_dispatch_column_major_scales():
+    """DeepEP's tests pass scales column-major (x_scales.T.contiguous().T, as
+    DeepGEMM wants them); the same bytes arrive as from row-major scales."""
+    comm = epx.Comm.create_self()
+    fmt, T, H, E, K = F.E4M3_F32_128, 12, 512, 8, 3
+    buf = et.make_buffer(comm, hidden=H, num_experts=E, max_top_k=K, max_tokens_per_rank=T,
+                         dtype=torch.bfloat16, fp8_format=fmt)
+    q, s = deepep_cast(vectors(torch.bfloat16, rows=T, hidden=H, seed=5))
+    g = torch.Generator().manual_seed(5)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(torch.int32)
+    w = torch.rand(T, K, generator=g)
+    col = s.T.contiguous().T
+    assert not col.is_contiguous() and torch.equal(col.contiguous().view(torch.uint8), s.view(torch.uint8))
+    a, b = (et.dispatch(buf, q, idx, w, x_scales=x_s) for x_s in (s, col))
+    assert torch.equal(a.recv_x.view(torch.uint8), b.recv_x.view(torch.uint8))
+    assert torch.equal(a.recv_scales.view(torch.uint8), b.recv_scales.view(torch.uint8))
+    del a, b
+    buf.close()
+    comm.close()
+
+
 def test_torch_dispatch_refusals():
     comm = epx.Comm.create_self()
     buf = et.make_buffer(comm, hidden=256, num_experts=4, max_top_k=2, max_tokens_per_rank=4,
