@@ -366,19 +366,20 @@ static epx_fused_plan_view_t view_of(epx_handle_t handle) {
   return v;
 }
 
-/* fp8 dispatch through the fused dispatch kernels
- * (epx_fused_dispatch_planes_launch): each token's e4m3 row and its scales
- * (from x_q and x_scales, or from rows of the dtype quantized first into
- * packed rows, the host path's: ep/host.c, move_fp8) gathered by the
- * senders into one row of epx_payload_fp8_packed_bytes (never wider than
- * the dtype's rows: the window holds them) and moved unweighted once per
- * destination rank. Expert-major: expanded on arrival into recv_x_q [N, H]
- * and recv_scales [N, S], as the dtype's rows are. Rank-major, capacity and
- * with relayed peers: left in the receivers' windows as rank-major rows and
- * unpacked from there by the one-GPU fp8 kernel: rank-major row q to row q,
- * rank-major row q's k-slots to their capacity rows (the plan's
- * pair_rows), unfilled slots zero in both (with worst_case_sizing, the
- * received rows' count read on the device). The bytes arrive as sent. */
+/* fp8 dispatch: the host path's packed rows (ep/host.c, move_fp8) through
+ * the fused dispatch kernels. Each token's e4m3 row and scales, gathered
+ * by the senders on the way (or its row of the dtype, quantized first into
+ * packed rows), in one row of epx_payload_fp8_packed_bytes (never wider
+ * than the dtype's rows: the window holds them), moved unweighted once per
+ * destination rank into the
+ * receivers' windows as rank-major rows (epx_fused_dispatch_rows_launch,
+ * this rank's own rows too), and unpacked from there into recv_x_q [N, H]
+ * and recv_scales [N, S] in the buffer's layout by the one-GPU fp8 kernel:
+ * rank-major row q to row q, rank-major row q's k-slots to their
+ * expert-major (capacity) rows (the plan's pair_rows), padding rows and
+ * unfilled slots zero in both. The bytes arrive as sent. With
+ * worst_case_sizing the unpack reads the received rows' count on the
+ * device. */
 static epx_status_t fused_dispatch_fp8(epx_buffer_t b, epx_handle_t handle, const void *x, const void *x_scales,
                                        int quantize, void *recv_q, void *recv_scales) {
   const char *fn = quantize ? "epx_dispatch_quantize" : "epx_dispatch_fp8";
@@ -390,37 +391,34 @@ static epx_status_t fused_dispatch_fp8(epx_buffer_t b, epx_handle_t handle, cons
   cudaStream_t stream = stream_of(b);
   const epx_payload_format_t f = epx_payload_fp8(c->fp8_format, c->dtype, c->hidden);
   const int64_t packed = epx_payload_fp8_packed_bytes(&f);
+  const epx_cuda_fp8_strides_t pack = {epx_payload_row_bytes(c->dtype, c->hidden), f.scale_bytes, packed, packed};
+  const epx_cuda_fp8_strides_t unpack = {packed, packed, f.row_bytes, f.scale_bytes};
   const epx_fused_plan_view_t v = view_of(handle);
   const int rank_major = c->layout == EPX_LAYOUT_RANK_MAJOR;
-  const int expand = epx_fused_planes_expand(s->fused, h->plan);
+  /* the window's rank-major rows to read: the received ones, or their bound
+   * and their count on the device */
+  const int64_t pairs = h->d.worst ? (int64_t)h->d.W * h->d.Tm : h->total[RECV_PAIRS];
+  const char *window = epx_fused_recv_window(s->fused);
   EPX_CHECK(fused_alive(b, fn));
-  epx_fused_planes_t rows = {x, x_scales, f.row_bytes, f.row_bytes, f.scale_bytes, f.scale_bytes,
-                             expand ? recv_q : NULL, expand ? recv_scales : NULL};
   if (quantize) {
-    const epx_cuda_fp8_strides_t pack = {epx_payload_row_bytes(c->dtype, c->hidden), f.scale_bytes, packed, packed};
     CUDA_CHECK(epx_cuda_fp8_scatter_strided_launch(c->fp8_format, c->dtype, 1, x, NULL, q->rows,
                                                    q->rows + f.row_bytes, &pack, h->d.T, c->hidden, NULL, 1, NULL,
                                                    NULL, NULL, 0, stream),
                fn, "the quantize and pack kernel");
-    rows.x = q->rows;
-    rows.x2 = q->rows + f.row_bytes;
-    rows.x_stride = rows.x2_stride = packed;
+    FUSED_CHECK(epx_fused_dispatch_rows_launch(s->fused, h->plan, q->rows, packed, NULL, 0, packed, s->fused_ctas,
+                                               stream),
+                fn, "the fused dispatch kernels");
+  } else {
+    FUSED_CHECK(epx_fused_dispatch_rows_launch(s->fused, h->plan, x, f.row_bytes, x_scales, f.scale_bytes, packed,
+                                               s->fused_ctas, stream),
+                fn, "the fused dispatch kernels");
   }
-  FUSED_CHECK(epx_fused_dispatch_planes_launch(s->fused, h->plan, &rows, packed, s->fused_ctas, stream), fn,
-              "the fused dispatch kernels");
-  if (!expand) {
-    /* the window's rank-major rows to read: the received ones, or their
-     * bound and their count on the device */
-    const int64_t pairs = h->d.worst ? (int64_t)h->d.W * h->d.Tm : h->total[RECV_PAIRS];
-    const epx_cuda_fp8_strides_t unpack = {packed, packed, f.row_bytes, f.scale_bytes};
-    const char *window = epx_fused_recv_window(s->fused);
-    CUDA_CHECK(epx_cuda_fp8_scatter_strided_launch(c->fp8_format, c->dtype, 0, window, window + f.row_bytes, recv_q,
-                                                   recv_scales, &unpack, pairs, c->hidden,
-                                                   rank_major ? NULL : v.pair_rows, rank_major ? 1 : v.top_k,
-                                                   h->d.worst ? v.pairs : NULL, rank_major ? NULL : v.row_src_rank,
-                                                   v.rows, h->row_bound, stream),
-               fn, "the fp8 unpack kernel");
-  }
+  CUDA_CHECK(epx_cuda_fp8_scatter_strided_launch(c->fp8_format, c->dtype, 0, window, window + f.row_bytes, recv_q,
+                                                 recv_scales, &unpack, pairs, c->hidden,
+                                                 rank_major ? NULL : v.pair_rows, rank_major ? 1 : v.top_k,
+                                                 h->d.worst ? v.pairs : NULL, rank_major ? NULL : v.row_src_rank,
+                                                 v.rows, h->row_bound, stream),
+             fn, "the fp8 unpack kernel");
 fail:
   return status;
 }

@@ -45,43 +45,16 @@ struct dispatch_shared {
 
 __device__ int64_t chunks_of(int64_t rows) { return (rows + kChunk - 1) / kChunk; }
 
-/* Rows of two planes (epx_fused_dispatch_planes_launch): token t's moved row is x's x_bytes at
- * x + t * x_stride, then x2's x2_bytes at x2 + t * x2_stride, the rest of
- * the d.row_bytes unspecified. unit: the widest copy (16, 8, 4 or 1 bytes)
- * that x2's address, its rows and recv_s allow; 16: the bulk copy engine
- * loads x2's rows too. recv_q, recv_s: the expert-major rows of each plane
- * (row r at r * x_bytes and r * x2_bytes), where the receivers expand. */
+/* Rows of two planes (epx_fused_dispatch_rows_launch): token t's moved row
+ * is x's x_bytes at x + t * x_bytes, then x2's x2_bytes at x2 + t *
+ * x2_bytes, the rest of the d.row_bytes unspecified. unit: the widest copy
+ * (16, 8, 4 or 1 bytes) that x2's address and rows allow; 16: the bulk
+ * copy engine loads x2's rows too. */
 struct planes {
   const uint8_t *x2;
-  int64_t x_bytes, x2_bytes, x_stride, x2_stride;
+  int64_t x_bytes, x2_bytes;
   int unit;
-  uint8_t *recv_q, *recv_s;
 };
-
-/* One unit (16, 8, 4 or 1 bytes) at p, in a uint4's low bytes; from the
- * window through L2 (peers write it). */
-template <bool kWindow>
-__device__ __forceinline__ uint4 load_unit(const uint8_t *p, int unit) {
-  uint4 v = make_uint4(0u, 0u, 0u, 0u);
-  if (unit == 16) {
-    v = ld_row<kWindow>(reinterpret_cast<const uint4 *>(p));
-  } else if (unit == 8) {
-    const uint2 u = kWindow ? __ldcg(reinterpret_cast<const uint2 *>(p)) : *reinterpret_cast<const uint2 *>(p);
-    v.x = u.x;
-    v.y = u.y;
-  } else if (unit == 4) {
-    v.x = kWindow ? __ldcg(reinterpret_cast<const unsigned int *>(p)) : *reinterpret_cast<const unsigned int *>(p);
-  } else {
-    v.x = kWindow ? __ldcg(p) : *p;
-  }
-  return v;
-}
-__device__ __forceinline__ void store_unit(uint8_t *p, const uint4 &v, int unit) {
-  if (unit == 16) *reinterpret_cast<uint4 *>(p) = v;
-  else if (unit == 8) *reinterpret_cast<uint2 *>(p) = make_uint2(v.x, v.y);
-  else if (unit == 4) *reinterpret_cast<unsigned int *>(p) = v.x;
-  else *p = (uint8_t)v.x;
-}
 
 /* bytes src -> dst in units of `unit`, units first, first + step, ... */
 __device__ __forceinline__ void copy_units(uint8_t *dst, const uint8_t *src, int64_t bytes, int unit, int first,
@@ -108,10 +81,10 @@ __device__ void send_chunk_planes(const fused_dev &d, const planes &pl, int64_t 
       const bool bulk2 = pl.unit == 16;
       for (int64_t i = warp; i < n; i += d.bulk_warps) {
         const int64_t t = token(i);
-        const uint8_t *src2 = pl.x2 + t * pl.x2_stride;
+        const uint8_t *src2 = pl.x2 + t * pl.x2_bytes;
         epx_bulk_wait_read(); /* the last row's store has read the slot */
         epx_bulk_expect(bar, (uint32_t)(pl.x_bytes + (bulk2 ? pl.x2_bytes : 0)));
-        epx_bulk_load(slot, x + t * pl.x_stride, (uint32_t)pl.x_bytes, bar);
+        epx_bulk_load(slot, x + t * pl.x_bytes, (uint32_t)pl.x_bytes, bar);
         if (bulk2) {
           epx_bulk_load(slot + pl.x_bytes, src2, (uint32_t)pl.x2_bytes, bar);
         } else {
@@ -130,9 +103,9 @@ __device__ void send_chunk_planes(const fused_dev &d, const planes &pl, int64_t 
   for (int64_t i = warp; i < n; i += kWarps) {
     const int64_t t = token(i);
     uint8_t *to = reinterpret_cast<uint8_t *>(dst(i));
-    warp_copy<false>(reinterpret_cast<uint4 *>(to), reinterpret_cast<const uint4 *>(x + t * pl.x_stride),
+    warp_copy<false>(reinterpret_cast<uint4 *>(to), reinterpret_cast<const uint4 *>(x + t * pl.x_bytes),
                      pl.x_bytes / 16, lane);
-    copy_units(to + pl.x_bytes, pl.x2 + t * pl.x2_stride, pl.x2_bytes, pl.unit, lane, 32);
+    copy_units(to + pl.x_bytes, pl.x2 + t * pl.x2_bytes, pl.x2_bytes, pl.unit, lane, 32);
   }
 }
 
@@ -218,63 +191,11 @@ __device__ __forceinline__ void expand_pair(const fused_dev &d, const fused_plan
                          weighted, d.nvec, lane);
 }
 
-/* A row of two planes to each of its expert-major rows: q_src's x_bytes to
- * pl.recv_q, s_src's x2_bytes to pl.recv_s (unweighted: fp8 rows). */
-template <bool kWindow>
-__device__ void warp_expand_planes(const planes &pl, const uint8_t *q_src, const uint8_t *s_src,
-                                   const int32_t *rows, int K, int lane) {
-  constexpr int U = 8; /* 4 KB of the row in flight per warp */
-  const int32_t my_row = lane < K ? rows[lane] : -1;
-  const unsigned valid = __ballot_sync(0xffffffffu, my_row >= 0);
-  const int64_t nvec = pl.x_bytes / 16;
-  const uint4 *src = reinterpret_cast<const uint4 *>(q_src);
-  for (int64_t v0 = 0; v0 < nvec; v0 += 32 * U) {
-    uint4 v[U];
-#pragma unroll
-    for (int u = 0; u < U; u++) {
-      const int64_t i = v0 + u * 32 + lane;
-      if (i < nvec) v[u] = ld_row<kWindow>(src + i);
-    }
-    for (unsigned m = valid; m; m &= m - 1) {
-      const int64_t row = __shfl_sync(0xffffffffu, my_row, __ffs(m) - 1);
-      uint4 *dst = reinterpret_cast<uint4 *>(pl.recv_q + row * pl.x_bytes);
-#pragma unroll
-      for (int u = 0; u < U; u++) {
-        const int64_t i = v0 + u * 32 + lane;
-        if (i < nvec) dst[i] = v[u];
-      }
-    }
-  }
-  for (int64_t i0 = 0; i0 < pl.x2_bytes / pl.unit; i0 += 32) {
-    const int64_t i = i0 + lane;
-    const bool in = i < pl.x2_bytes / pl.unit;
-    const uint4 v = in ? load_unit<kWindow>(s_src + i * pl.unit, pl.unit) : make_uint4(0u, 0u, 0u, 0u);
-    for (unsigned m = valid; m; m &= m - 1) {
-      const int64_t row = __shfl_sync(0xffffffffu, my_row, __ffs(m) - 1);
-      if (in) store_unit(pl.recv_s + row * pl.x2_bytes + i * pl.unit, v, pl.unit);
-    }
-  }
-}
-
-/* expand_pair for rows of two planes: this rank's own from x and pl.x2,
- * the others' from the window's packed rows. */
-__device__ __forceinline__ void expand_pair_planes(const fused_dev &d, const fused_plan_dev &p, const planes &pl,
-                                                   const uint8_t *x, int64_t q, int s, int lane) {
-  const int32_t *rows = p.pair_rows + q * p.K;
-  if (s == d.rank) {
-    const int64_t t = p.pair_token[q];
-    warp_expand_planes<false>(pl, x + t * pl.x_stride, pl.x2 + t * pl.x2_stride, rows, p.K, lane);
-  } else {
-    const uint8_t *row = reinterpret_cast<const uint8_t *>(d.local + d.off_pay) + q * d.row_bytes;
-    warp_expand_planes<true>(pl, row, row + pl.x_bytes, rows, p.K, lane);
-  }
-}
-
 /* Receiver CTAs: (chunk j, source) pairs round robin; each waits for the
  * chunk's flag, then expands it (expert-major) or copies it out. */
-template <typename T, bool kPlanes>
+template <typename T>
 __device__ void receive_rows(const fused_dev &d, const fused_plan_dev &p, dispatch_shared &sh, uint32_t seq,
-                             const uint4 *x, uint4 *recv, int mode, int weighted, int ns, const planes &pl) {
+                             const uint4 *x, uint4 *recv, int mode, int weighted, int ns) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int rc = blockIdx.x - ns, nr = gridDim.x - ns;
   const info_index ii = make_info_index(d.W, d.El);
@@ -282,14 +203,8 @@ __device__ void receive_rows(const fused_dev &d, const fused_plan_dev &p, dispat
   if (mode == MODE_EXPERT) {
     const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
     for (int e = rc; e < d.El; e += nr)
-      for (int64_t r = p.info[ii.eoff + e] + p.info[ii.ecount + e] + warp; r < p.info[ii.eoff + e + 1]; r += kWarps) {
-        if constexpr (kPlanes) {
-          for (int64_t i = lane; i < pl.x_bytes / 16; i += 32) reinterpret_cast<uint4 *>(pl.recv_q + r * pl.x_bytes)[i] = zero;
-          for (int64_t i = lane; i < pl.x2_bytes / pl.unit; i += 32) store_unit(pl.recv_s + r * pl.x2_bytes + i * pl.unit, zero, pl.unit);
-        } else {
-          for (int64_t i = lane; i < d.nvec; i += 32) recv[r * d.nvec + i] = zero;
-        }
-      }
+      for (int64_t r = p.info[ii.eoff + e] + p.info[ii.ecount + e] + warp; r < p.info[ii.eoff + e + 1]; r += kWarps)
+        for (int64_t i = lane; i < d.nvec; i += 32) recv[r * d.nvec + i] = zero;
   }
   int64_t rounds = 0;
   for (int s = 0; s < d.W; s++) rounds = max(rounds, chunks_of(sh.rcount[s]));
@@ -318,8 +233,7 @@ __device__ void receive_rows(const fused_dev &d, const fused_plan_dev &p, dispat
     if (sh.bad) return;
     for (int64_t i = warp; i < n; i += kWarps) {
       const int64_t q = sh.rbase[s] + j * kChunk + i;
-      if constexpr (kPlanes) expand_pair_planes(d, p, pl, reinterpret_cast<const uint8_t *>(x), q, s, lane);
-      else if (mode == MODE_RANK_COPY) warp_copy<true>(recv + q * d.nvec, pay + q * d.nvec, d.nvec, lane);
+      if (mode == MODE_RANK_COPY) warp_copy<true>(recv + q * d.nvec, pay + q * d.nvec, d.nvec, lane);
       else expand_pair<T>(d, p, x, recv, q, s, weighted, lane);
     }
   }
@@ -344,7 +258,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const fused_dev d
   send_cts(d, seq);
   __syncthreads();
   if ((int)blockIdx.x < ns) send_rows<kPlanes>(d, p, sh, seq, x, recv, mode, ns, slots, pl);
-  else receive_rows<T, kPlanes>(d, p, sh, seq, x, recv, mode, weighted, ns, pl);
+  else receive_rows<T>(d, p, sh, seq, x, recv, mode, weighted, ns);
   end_op(d, seq);
 }
 
@@ -382,7 +296,7 @@ __global__ void __launch_bounds__(kThreads) expand_kernel(const fused_dev d, con
 }
 
 /* d: f->dev, or a copy whose rows are d.row_bytes wide
- * (epx_fused_dispatch_planes_launch: rows of two planes, pl, kPlanes). */
+ * (epx_fused_dispatch_rows_launch; kPlanes: rows of two planes, pl). */
 template <typename T, bool kPlanes = false>
 cudaError_t launch_dispatch(epx_fused_t *f, const fused_dev &d, const epx_fused_plan_t *plan, const uint4 *x,
                             uint4 *recv, int mode, int weighted, int n, int ns, int expand_ctas, size_t smem,
@@ -472,21 +386,13 @@ extern "C" cudaError_t epx_fused_dispatch_launch(epx_fused_t *f, const epx_fused
   return e;
 }
 
-extern "C" int epx_fused_planes_expand(const epx_fused_t *f, const epx_fused_plan_t *plan) {
-  /* capacity slots and relayed sources' rows are expanded apart for the
-   * dtype's rows (epx_fused_dispatch_launch); two-plane rows are unpacked
-   * apart there instead (ep/fused.c) */
-  return plan->dev.expert_major && !plan->dev.C && !f->dev.relay_mask;
-}
-
-extern "C" cudaError_t epx_fused_dispatch_planes_launch(epx_fused_t *f, const epx_fused_plan_t *plan,
-                                                        const epx_fused_planes_t *in, int64_t row_bytes,
-                                                        int32_t num_ctas, cudaStream_t stream) {
-  const bool expand = in->recv_q != NULL;
-  if (row_bytes <= 0 || row_bytes % 16 != 0 || row_bytes > f->dev.row_bytes || in->x_bytes <= 0 ||
-      in->x_bytes % 16 != 0 || in->x2_bytes <= 0 || in->x_bytes + in->x2_bytes > row_bytes ||
-      in->x_stride < in->x_bytes || in->x_stride % 16 != 0 || in->x2_stride < in->x2_bytes ||
-      ((!in->x || !in->x2) && plan->dev.T > 0) || (expand && (!in->recv_s || !epx_fused_planes_expand(f, plan))))
+extern "C" cudaError_t epx_fused_dispatch_rows_launch(epx_fused_t *f, const epx_fused_plan_t *plan, const void *x,
+                                                      int64_t x_bytes, const void *x2, int64_t x2_bytes,
+                                                      int64_t row_bytes, int32_t num_ctas, cudaStream_t stream) {
+  const bool two = x2 != NULL;
+  if (row_bytes <= 0 || row_bytes % 16 != 0 || row_bytes > f->dev.row_bytes || (!x && plan->dev.T > 0) ||
+      x_bytes <= 0 || x_bytes % 16 != 0 || (two ? x_bytes + x2_bytes > row_bytes || x2_bytes <= 0
+                                                : x_bytes != row_bytes || x2_bytes != 0))
     return cudaErrorInvalidValue;
   /* the window's rows and the relay's, row_bytes apart (both hold rows of
    * the dtype: wider) */
@@ -494,28 +400,23 @@ extern "C" cudaError_t epx_fused_dispatch_planes_launch(epx_fused_t *f, const ep
   d.row_bytes = row_bytes;
   d.nvec = row_bytes / 16;
   const int n = epx_fused_launch_ctas(f, num_ctas);
-  /* rank-major rows left in the window (MODE_RANK_WINDOW): the receivers
-   * only wait for them, one CTA; expanded on arrival (MODE_EXPERT): the
-   * dispatch's share. None where every peer is relayed. */
-  int nr = expand ? epx_fused_receivers(n) : 1;
-  if (nr > n - 1) nr = n - 1;
-  if (every_peer_relayed(d)) nr = 0;
+  /* the receivers only wait for the rows (MODE_RANK_WINDOW): one CTA, none
+   * where every peer is relayed */
+  const int nr = every_peer_relayed(d) ? 0 : 1;
   const size_t smem = (size_t)d.bulk_warps * (size_t)epx_bulk_slot_bytes(row_bytes);
-  const uintptr_t bits2 = (uintptr_t)in->x2 | (uintptr_t)in->x2_stride | (uintptr_t)in->x2_bytes |
-                          (expand ? (uintptr_t)in->recv_s : 0);
-  const planes pl = {static_cast<const uint8_t *>(in->x2),
-                     in->x_bytes,
-                     in->x2_bytes,
-                     in->x_stride,
-                     in->x2_stride,
-                     bits2 % 16 == 0 ? 16 : bits2 % 8 == 0 ? 8 : bits2 % 4 == 0 ? 4 : 1,
-                     static_cast<uint8_t *>(in->recv_q),
-                     static_cast<uint8_t *>(in->recv_s)};
-  /* the rows move as bytes (no mode here reads an element type): one
-   * instantiation serves every dtype */
-  return launch_dispatch<__nv_bfloat16, true>(f, d, plan, static_cast<const uint4 *>(in->x),
-                                              static_cast<uint4 *>(epx_fused_recv_window(f)),
-                                              expand ? MODE_EXPERT : MODE_RANK_WINDOW, 0, n, n - nr, 0, smem,
+  const uint4 *xs = static_cast<const uint4 *>(x);
+  uint4 *window = static_cast<uint4 *>(epx_fused_recv_window(f));
+  if (!two)
+    return epx_payload_visit(f->config.dtype, [&](auto tag) {
+      return launch_dispatch<typename decltype(tag)::type>(f, d, plan, xs, window, MODE_RANK_WINDOW, 0, n, n - nr,
+                                                           0, smem, stream);
+    });
+  /* rows of two planes move as bytes (MODE_RANK_WINDOW reads no element
+   * type): one instantiation serves every dtype */
+  const uintptr_t bits2 = (uintptr_t)x2 | (uintptr_t)x2_bytes;
+  const planes pl = {static_cast<const uint8_t *>(x2), x_bytes, x2_bytes,
+                     bits2 % 16 == 0 ? 16 : bits2 % 8 == 0 ? 8 : bits2 % 4 == 0 ? 4 : 1};
+  return launch_dispatch<__nv_bfloat16, true>(f, d, plan, xs, window, MODE_RANK_WINDOW, 0, n, n - nr, 0, smem,
                                               stream, pl);
 }
 

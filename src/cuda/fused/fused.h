@@ -221,35 +221,22 @@ cudaError_t epx_fused_dispatch_launch(epx_fused_t *fused, const epx_fused_plan_t
                                       const void *x, void *recv_x, int weighted,
                                       int32_t num_ctas, int32_t recv_ctas, cudaStream_t stream);
 
-/* Rows of two planes (ep/fused.c: fp8 rows and their scales): token t's
- * x_bytes at x + t * x_stride and x2_bytes at x2 + t * x2_stride. */
-typedef struct epx_fused_planes {
-  const void *x, *x2;
-  int64_t x_bytes, x_stride, x2_bytes, x2_stride;
-  void *recv_q, *recv_s; /* the expanded rows, [N, x_bytes] and [N, x2_bytes]; NULL: none */
-} epx_fused_planes_t;
-
-/* Whether the receivers of epx_fused_dispatch_planes_launch can expand the
- * rows on arrival for this plan: expert-major (not capacity), no relayed
- * peer. */
-int epx_fused_planes_expand(const epx_fused_t *fused, const epx_fused_plan_t *plan);
-
-/* Dispatch of two-plane rows (collective, a dispatch-like launch, unweighted):
- * each token's rows of both planes gathered by the senders into one row of
- * row_bytes (a multiple of 16, at most the payload dtype's row; bytes past
- * x_bytes + x2_bytes unspecified; x_bytes and x_stride multiples of 16),
- * moved once per destination rank. With recv_q (epx_fused_planes_expand
- * only): expanded on arrival into recv_q and recv_s in the plan's
- * expert-major layout, padding rows zero in both, this rank's own rows
- * straight from x and x2. Without: left in every receiver's window as its
- * rank-major rows, this rank's own included: the first *view.pairs rows of
+/* Rows of any bytes (collective, a dispatch-like launch): token t's row,
+ * x's x_bytes at x + t * x_bytes followed, where x2 is given, by x2's
+ * x2_bytes at x2 + t * x2_bytes (ep/fused.c: fp8 rows and their scales,
+ * gathered on the way; or rows already packed, x2 NULL and x_bytes ==
+ * row_bytes), moved once per destination rank, unweighted, into every
+ * receiver's window as its rank-major rows, this rank's own rows included,
+ * whatever the plan's layout: the first *view.pairs rows of
  * epx_fused_recv_window(), row_bytes apart (by source rank, then source
- * token), valid until the next dispatch-like launch. The dispatch kernels
- * with rows of row_bytes in place of the dtype's (relayed peers' rows
- * too). num_ctas as for dispatch. */
-cudaError_t epx_fused_dispatch_planes_launch(epx_fused_t *fused, const epx_fused_plan_t *plan,
-                                             const epx_fused_planes_t *rows, int64_t row_bytes, int32_t num_ctas,
-                                             cudaStream_t stream);
+ * token; bytes past x_bytes + x2_bytes unspecified), valid until the next
+ * dispatch-like launch. row_bytes: a multiple of 16, at most the payload
+ * dtype's row; x_bytes a multiple of 16. The dispatch kernels with rows of
+ * row_bytes in place of the dtype's (relayed peers' rows too). num_ctas as
+ * for dispatch. */
+cudaError_t epx_fused_dispatch_rows_launch(epx_fused_t *fused, const epx_fused_plan_t *plan, const void *x,
+                                           int64_t x_bytes, const void *x2, int64_t x2_bytes, int64_t row_bytes,
+                                           int32_t num_ctas, cudaStream_t stream);
 
 /* Combine (collective), expert_out [N, H] in the plan's layout -> out [T, H].
  * weighted: P(t, r) multiplies by w (EPX_WEIGHTS_IN_COMBINE, expert-major).

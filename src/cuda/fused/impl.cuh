@@ -365,7 +365,7 @@ cudaError_t epx_fused_relay_step(epx_fused *f, const epx_fused_plan *plan, epx_f
 /* RELAY_ROWS into dst's rank-major rows (the window's or recv_x): straight
  * there where the plan's counts are known on the host, else through the
  * inbox and a copy. Rows of row_bytes: the dtype's, or
- * epx_fused_dispatch_planes_launch's. */
+ * epx_fused_dispatch_rows_launch's. */
 cudaError_t epx_fused_relay_rows_in(epx_fused *f, const epx_fused_plan *plan, void *dst, int64_t row_bytes,
                                     cudaStream_t stream);
 /* RELAY_PARTIALS (element size pe), then each into the window's partials
