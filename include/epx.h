@@ -874,8 +874,9 @@ typedef struct epx_buffer_config {
    * leaves, with epx_dispatch_quantize), moved as dispatch moves its rows
    * and unpacked into recv_x_q and recv_scales on arrival: the same bytes on
    * both paths and exchanges. The fused path keeps a staging of
-   * max_tokens_per_rank packed rows (and, with worst_case_sizing, a table of
-   * W x max_tokens_per_rank x max_top_k int32) beside its window. */
+   * max_tokens_per_rank packed rows beside its window (epx_dispatch_quantize
+   * quantizes into it; epx_dispatch_fp8's senders gather a row and its
+   * scales from x_q and x_scales on the way). */
   epx_fp8_format_t fp8_format;
   /* 1: the low-latency decode mode (see "Low-latency decode" below): the
    * buffer serves the epx_ll_* calls only, max_tokens_per_rank is fixed at
