@@ -371,15 +371,14 @@ static epx_fused_plan_view_t view_of(epx_handle_t handle) {
  * by the senders on the way (or its row of the dtype, quantized first into
  * packed rows), in one row of epx_payload_fp8_packed_bytes (never wider
  * than the dtype's rows: the window holds them), moved unweighted once per
- * destination rank into the
- * receivers' windows as rank-major rows (epx_fused_dispatch_rows_launch,
- * this rank's own rows too), and unpacked from there into recv_x_q [N, H]
- * and recv_scales [N, S] in the buffer's layout by the one-GPU fp8 kernel:
- * rank-major row q to row q, rank-major row q's k-slots to their
- * expert-major (capacity) rows (the plan's pair_rows), padding rows and
- * unfilled slots zero in both. The bytes arrive as sent. With
- * worst_case_sizing the unpack reads the received rows' count on the
- * device. */
+ * destination rank into the receivers' windows as rank-major rows
+ * (epx_fused_dispatch_rows_launch, this rank's own rows too), and unpacked
+ * from there into recv_x_q [N, H] and recv_scales [N, S] in the buffer's
+ * layout by the one-GPU fp8 kernel: rank-major row q to row q, rank-major
+ * row q's k-slots to their expert-major (capacity) rows (the plan's
+ * pair_rows), padding rows and unfilled slots zero in both. The bytes
+ * arrive as sent. With worst_case_sizing the unpack reads the received
+ * rows' count on the device. */
 static epx_status_t fused_dispatch_fp8(epx_buffer_t b, epx_handle_t handle, const void *x, const void *x_scales,
                                        int quantize, void *recv_q, void *recv_scales) {
   const char *fn = quantize ? "epx_dispatch_quantize" : "epx_dispatch_fp8";
