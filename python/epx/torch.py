@@ -1220,6 +1220,50 @@ _dispatch_cached_op.register_autograd(_dispatch_cached_backward,
                                       setup_context=_dispatch_cached_setup)
 
 
+@_torch.library.custom_op("epx::dispatch_fp8_cached", mutates_args=())
+@_ranged("epx::dispatch_fp8_cached")
+def _dispatch_fp8_cached_op(x: Tensor, x_scales: Optional[Tensor], token: Tensor, rows: int,
+                            top_k: int, buffer_id: int) -> Tuple[Tensor, Tensor]:
+    """x_q with x_scales (epx_dispatch_fp8), or x of the buffer's dtype
+    quantized on the way when x_scales is None (epx_dispatch_quantize),
+    along an earlier dispatch's layout: (recv_x_q [rows, H], recv_scales
+    [rows, scale_cols])."""
+    fn = "epx.torch.dispatch (on a handle)"
+    h = _handle_of(token, fn)
+    b = h.buffer
+    with b._together("dispatch", h):
+        _check_handle_shape(h, fn, h.num_tokens, top_k)
+        fmt, cols = _fp8_format(b, fn)
+        quantize = x_scales is None
+        xc = _tensor(x if quantize else x.view(_torch.uint8), fn, "x",
+                     _TORCH_OF[b.dtype] if quantize else _torch.uint8, (h.num_tokens, b.hidden),
+                     b.device, align=_epx.PAYLOAD_ALIGNMENT)
+        sc = None if quantize else _tensor(x_scales, fn, "x_scales", _SCALE_DTYPE[fmt],
+                                           (h.num_tokens, cols), b.device)
+        _check_handle_rows(rows, h, b, fn, "recv_x")
+    recv_q = _torch.zeros((rows, b.hidden), dtype=_FP8, device=x.device)
+    recv_s = _torch.zeros((rows, cols), dtype=_SCALE_DTYPE[fmt], device=x.device)
+    _on_stream(b, x.device)
+    b._dispatch_fp8(h, _ptr(xc), _ptr(sc), _ptr(recv_q), _ptr(recv_s), rows)
+    return recv_q, recv_s
+
+
+@_dispatch_fp8_cached_op.register_fake
+def _dispatch_fp8_cached_fake(x, x_scales, token, rows, top_k, buffer_id):
+    b = _buffer(buffer_id, "epx.torch.dispatch (on a handle)")
+    fmt, cols = _fp8_format(b, "epx.torch.dispatch (on a handle)")
+    return (x.new_empty((rows, b.hidden), dtype=_FP8),
+            x.new_empty((rows, cols), dtype=_SCALE_DTYPE[fmt]))
+
+
+def _dispatch_fp8_cached_backward(ctx, g_q, g_s):
+    """fp8 rows carry no gradient (as a fresh fp8 dispatch's)."""
+    return None, None, None, None, None, None
+
+
+_dispatch_fp8_cached_op.register_autograd(_dispatch_fp8_cached_backward)
+
+
 # ---------------------------------------------------------------------------
 # The functional API
 # ---------------------------------------------------------------------------
@@ -1289,41 +1333,53 @@ def _dispatch_fresh(buffer, x, topk_idx, topk_w, locations, weighting, recorder,
     else:
         rid = recorder.id
     T, K = topk_idx.shape
-    if quantize or (_FP8 is not None and isinstance(x, Tensor) and x.dtype == _FP8):
-        if quantize and x_scales is not None:
-            _epx._invalid("epx.torch.dispatch: x_scales is given with quantize=True; quantizing "
-                          "makes the scales (pass x of the buffer's dtype)")
-        if not quantize and x_scales is None:
-            _epx._invalid("epx.torch.dispatch: x is float8_e4m3fn but x_scales is None; pass its "
-                          "scales (epx.fp8_scale_shape), or x of the buffer's dtype with quantize=True")
+    if _fp8_payload("epx.torch.dispatch", x, x_scales, quantize):
         outs = _torch.ops.epx.dispatch_fp8(x, x_scales, topk_idx, topk_w, locations, buffer.id,
                                            int(weighting), rid)
         return Dispatched(outs[0], *outs[2:], topk_w, T, K, int(weighting), buffer.id, outs[1])
-    if x_scales is not None:
-        _epx._invalid("epx.torch.dispatch: x_scales is given but x is %s; pass x as "
-                      "torch.float8_e4m3fn", getattr(x, "dtype", type(x).__name__))
     op = _torch.ops.epx.dispatch_exact if exact_size else _torch.ops.epx.dispatch
     outs = op(x, topk_idx, topk_w, locations, buffer.id, int(weighting), rid)
     return Dispatched(*outs, topk_w, T, K, int(weighting), buffer.id)
 
 
-def _dispatch_again(buffer, d, x, extra):
-    """x along the layout of an earlier dispatch `d` (epx::dispatch_cached)."""
+def _fp8_payload(fn, x, x_scales, quantize):
+    """Whether a dispatch moves fp8 rows (x float8_e4m3fn with x_scales, or
+    quantize=True), refusing the mixes by name."""
+    if quantize or (_FP8 is not None and isinstance(x, Tensor) and x.dtype == _FP8):
+        if quantize and x_scales is not None:
+            _epx._invalid("%s: x_scales is given with quantize=True; quantizing makes the scales "
+                          "(pass x of the buffer's dtype)", fn)
+        if not quantize and x_scales is None:
+            _epx._invalid("%s: x is float8_e4m3fn but x_scales is None; pass its scales "
+                          "(epx.fp8_scale_shape), or x of the buffer's dtype with quantize=True", fn)
+        return True
+    if x_scales is not None:
+        _epx._invalid("%s: x_scales is given but x is %s; pass x as torch.float8_e4m3fn", fn,
+                      getattr(x, "dtype", type(x).__name__))
+    return False
+
+
+def _dispatch_again(buffer, d, x, x_scales, quantize, extra):
+    """x along the layout of an earlier dispatch `d` (epx::dispatch_cached,
+    or epx::dispatch_fp8_cached for fp8 rows: DeepEP's cached dispatch of
+    an fp8 x)."""
     fn = "epx.torch.dispatch"
     if not isinstance(d, Dispatched):
         raise TypeError("%s: handle is a %s; pass the Dispatched of an earlier dispatch on this "
                         "buffer" % (fn, type(d).__name__))
     if extra:
-        _epx._invalid("%s: %s given with handle=; a dispatch on a handle takes only x (the "
-                      "routing, weights and sizes are the handle's)", fn, ", ".join(extra))
+        _epx._invalid("%s: %s given with handle=; a dispatch on a handle takes only x (with "
+                      "x_scales or quantize for fp8 rows; the routing, weights and sizes are the "
+                      "handle's)", fn, ", ".join(extra))
     if d.buffer_id != buffer.id:
         _epx._invalid("%s: the handle's dispatch was on buffer %d, not on buffer %d; pass the "
                       "buffer it was made on", fn, d.buffer_id, buffer.id)
-    if d.recv_scales is not None:
-        _epx._refuse(Status.ERROR_UNSUPPORTED, "%s: dispatching again on an fp8 dispatch's "
-                     "handle is not offered; dispatch afresh", fn)
+    if _fp8_payload(fn, x, x_scales, quantize):
+        recv_q, recv_s = _torch.ops.epx.dispatch_fp8_cached(x, x_scales, d.handle_id,
+                                                            d.recv_x.shape[0], d.top_k, buffer.id)
+        return d._replace(recv_x=recv_q, recv_scales=recv_s, event=None)
     recv_x = _torch.ops.epx.dispatch_cached(x, d.handle_id, d.recv_x.shape[0], d.top_k)
-    return d._replace(recv_x=recv_x, event=None)
+    return d._replace(recv_x=recv_x, recv_scales=None, event=None)
 
 
 def dispatch(buffer, x, topk_idx=None, topk_w=None, locations=None, *,
@@ -1348,12 +1404,17 @@ def dispatch(buffer, x, topk_idx=None, topk_w=None, locations=None, *,
     The fp8 rows get no gradient (combine and the backward passes stay in
     the buffer's dtype); recv_w's still reaches topk_w.
 
+    FP8 x may also be DeepEP's tuple, x=(x_q, x_scales).
+
     handle: a :class:`Dispatched` of an earlier dispatch on this buffer:
     dispatch x [T, H] again along its layout (epx_dispatch on the same
     handle: no layout, no count exchange; DeepEP's cached dispatch), e.g. a
-    second activation of the same tokens. Only x is given then; the result
-    shares the handle (combine either). Differentiable in x; the routing
-    weights get no second gradient through it.
+    second activation of the same tokens. Only x is given then (with
+    x_scales, or quantize=True, for fp8 rows on an fp8 buffer, whatever the
+    handle's first dispatch moved: epx_dispatch_fp8 / epx_dispatch_quantize
+    on the handle); the result shares the handle (combine either).
+    Differentiable in x (fp8 rows: none, as above); the routing weights get
+    no second gradient through it.
 
     exact_size: receive tensors of exactly N rows (the rows this rank
     receives) instead of the worst case N_max, at the cost of one host sync
@@ -1377,16 +1438,22 @@ def dispatch(buffer, x, topk_idx=None, topk_w=None, locations=None, *,
     it. Without them it runs on the current stream and ``d.event`` is None.
     On CPU every op is done when it returns (the event is a no-op)."""
     fn = "epx.torch.dispatch"
+    if isinstance(x, tuple):
+        # DeepEP's fp8 x: (x_q, x_scales)
+        if len(x) != 2 or x_scales is not None:
+            _epx._invalid("%s: x is a tuple of %d%s; pass (x_q, x_scales) as DeepEP takes it, or "
+                          "x_q with x_scales=", fn, len(x),
+                          " and x_scales is given too" if x_scales is not None else "")
+        x, x_scales = x
     _tensor_args(fn, dict(x=x), dict(topk_idx=topk_idx, topk_w=topk_w, locations=locations,
                                      x_scales=x_scales))
     if handle is not None:
         extra = [name for name, v in (("topk_idx", topk_idx), ("topk_w", topk_w),
-                                      ("locations", locations), ("x_scales", x_scales),
-                                      ("quantize", quantize or None),
+                                      ("locations", locations),
                                       ("exact_size", exact_size or None)) if v is not None]
 
         def call():
-            return _dispatch_again(buffer, handle, x, extra)
+            return _dispatch_again(buffer, handle, x, x_scales, quantize, extra)
     else:
         if topk_idx is None:
             _epx._invalid("%s: topk_idx is None; pass the routing [T, K], or handle= an earlier "

@@ -298,6 +298,63 @@ def test_torch_dispatch_column_major_scales():
     comm.close()
 
 
+def dispatch_again_case(device):
+    """DeepEP's cached dispatch of fp8 x: x=(x_q, x_scales) along an earlier
+    dispatch's handle gives the bytes of a fresh dispatch of those rows; so
+    do quantize=True and rows of the buffer's dtype on the same handle."""
+    comm = epx.Comm.create_self()
+    fmt, T, H, E, K = F.E4M3_UE8M0_128, 10, 1024, 8, 3
+    buf = et.make_buffer(comm, hidden=H, num_experts=E, max_top_k=K, max_tokens_per_rank=T,
+                         dtype=torch.bfloat16, fp8_format=fmt, expert_alignment=2, device=device)
+    g = torch.Generator().manual_seed(9)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(torch.int32)
+    w = torch.rand(T, K, generator=g)
+    x1, x2 = (vectors(torch.bfloat16, rows=T, hidden=H, seed=s) for s in (21, 22))
+    (q1, s1), (q2, s2) = PEER[fmt](x1), PEER[fmt](x2)
+    idx, w, x2, q1, s1, q2, s2 = (t.to(device) for t in (idx, w, x2, q1, s1, q2, s2))
+
+    def same(a, b, what):
+        assert a.dtype == b.dtype, what
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), what
+
+    d1 = et.dispatch(buf, (q1, s1), idx, w)  # DeepEP's tuple
+    again = et.dispatch(buf, (q2, s2), handle=d1)
+    fresh = et.dispatch(buf, q2, idx, w, x_scales=s2)
+    same(again.recv_x, fresh.recv_x, "recv_x along the handle")
+    same(again.recv_scales, fresh.recv_scales, "recv_scales along the handle")
+    assert again.handle_id is d1.handle_id
+    again_q = et.dispatch(buf, x2, handle=d1, quantize=True)
+    fresh_q = et.dispatch(buf, x2, idx, w, quantize=True)
+    same(again_q.recv_x, fresh_q.recv_x, "quantized along the handle")
+    same(again_q.recv_scales, fresh_q.recv_scales, "quantized scales along the handle")
+    rows = et.dispatch(buf, x2, handle=d1)  # the buffer's dtype on an fp8 handle
+    same(rows.recv_x, et.dispatch(buf, x2, idx, w).recv_x, "bf16 rows along an fp8 handle")
+    assert rows.recv_scales is None
+    with pytest.raises(epx.InvalidArgumentError, match="x_scales is given but x is"):
+        et.dispatch(buf, x2, handle=d1, x_scales=s2)
+    with pytest.raises(epx.InvalidArgumentError, match="x_scales is None"):
+        et.dispatch(buf, q2, handle=d1)
+    with pytest.raises(epx.InvalidArgumentError, match="tuple of 3"):
+        et.dispatch(buf, (q2, s2, s2), idx, w)
+    with pytest.raises(epx.InvalidArgumentError, match="x_scales is given too"):
+        et.dispatch(buf, (q2, s2), idx, w, x_scales=s2)
+    with pytest.raises(epx.InvalidArgumentError, match="x_scales has shape"):
+        et.dispatch(buf, q2, handle=d1, x_scales=s2[:-1])
+    del d1, again, fresh, again_q, fresh_q, rows
+    buf.close()
+    comm.close()
+
+
+def test_torch_dispatch_again_on_a_handle():
+    dispatch_again_case("cpu")
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and epx.has_cuda()),
+                    reason="needs a GPU and a libepx with the CUDA backend")
+def test_gpu_torch_dispatch_again_on_a_handle():
+    dispatch_again_case("cuda")
+
+
 def test_torch_dispatch_refusals():
     comm = epx.Comm.create_self()
     buf = et.make_buffer(comm, hidden=256, num_experts=4, max_top_k=2, max_tokens_per_rank=4,
