@@ -226,14 +226,15 @@ static void refuse_impossible(const options_t *o) {
     exit(2);
   }
   if (o->fp8 != EPX_FP8_NONE) {
-    const int64_t block = o->fp8 == EPX_FP8_MXFP8 ? 32 : 128;
+    int64_t cols;
+    size_t entry;
     if (!o->single) {
       fprintf(stderr, "epx-bench: --fp8 times the fp8 dispatches of --single; add --single\n");
       exit(2);
     }
-    if (o->hidden % block) {
-      fprintf(stderr, "epx-bench: --fp8 %s: --hidden %lld must be a multiple of %lld (the format's block)\n",
-              fp8_name(o->fp8), (long long)o->hidden, (long long)block);
+    if (epx_fp8_scale_shape(o->fp8, o->hidden, &cols, &entry) != EPX_SUCCESS) {
+      fprintf(stderr, "epx-bench: --fp8 %s with --hidden %lld: %s\n", fp8_name(o->fp8), (long long)o->hidden,
+              epx_last_error());
       exit(2);
     }
     if (o->dtype == EPX_FLOAT16) {
