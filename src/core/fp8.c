@@ -33,15 +33,15 @@ static inline __attribute__((always_inline)) float block_amax(const float *v, in
   return epx_fp8_float(amax);
 }
 
-/* epx_f32_to_e4m3 of v[i] * mult without branches, so the loop
- * vectorizes: every case computed, the right one selected by masks. The
+/* epx_f32_to_e4m3 of v[i] without branches, so the loop vectorizes:
+ * every case computed, the right one selected by masks. The
  * subnormal code is rint(|f| * 2^9) (an exact product; adding 2^23 rounds
  * it to the integer, to even, in the current rounding mode: the library
  * never changes it). Equal to epx_f32_to_e4m3 for all 2^32 inputs
  * (bench/NOTES.md, session 22; test_fp8 checks a sample). */
-static inline __attribute__((always_inline)) void e4m3_loop(const float *v, float mult, int64_t n, uint8_t *q) {
+static inline __attribute__((always_inline)) void e4m3_loop(const float *v, int64_t n, uint8_t *q) {
   for (int64_t i = 0; i < n; i++) {
-    const uint32_t bits = epx_fp8_bits(v[i] * mult), abs = bits & 0x7fffffffu, sign = (bits >> 24) & 0x80u;
+    const uint32_t bits = epx_fp8_bits(v[i]), abs = bits & 0x7fffffffu, sign = (bits >> 24) & 0x80u;
     const uint32_t normal = (abs - (120u << 23) + 0x7ffffu + ((abs >> 20) & 1u)) >> 20;
     const uint32_t subnormal = epx_fp8_bits(epx_fp8_float(abs) * 512.0f + 8388608.0f) - 0x4b000000u;
     const uint32_t is_normal = 0u - (uint32_t)(abs >= 0x3c800000u); /* >= 2^-6 */
@@ -58,25 +58,25 @@ static inline __attribute__((always_inline)) void e4m3_loop(const float *v, floa
  * bench/NOTES.md, session 22). */
 #if defined(__x86_64__) && defined(__GNUC__)
 #define EPX_FP8_AVX2 1
-__attribute__((target("avx2"))) static void e4m3_loop_avx2(const float *v, float mult, int64_t n, uint8_t *q) {
-  e4m3_loop(v, mult, n, q);
+__attribute__((target("avx2"))) static void e4m3_loop_avx2(const float *v, int64_t n, uint8_t *q) {
+  e4m3_loop(v, n, q);
 }
 #endif
 
-void epx_fp8_e4m3_scaled(const float *v, float mult, int64_t n, uint8_t *q) {
+void epx_fp8_e4m3_row(const float *v, int64_t n, uint8_t *q) {
 #ifdef EPX_FP8_AVX2
   if (__builtin_cpu_supports("avx2")) {
-    e4m3_loop_avx2(v, mult, n, q);
+    e4m3_loop_avx2(v, n, q);
     return;
   }
 #endif
-  e4m3_loop(v, mult, n, q);
+  e4m3_loop(v, n, q);
 }
 
 /* A row in chunks of kChunk values (whole blocks: hidden is a multiple of
  * the block, kChunk of both blocks): converted to float32 at once, each
  * block's scale found and its values multiplied, then the chunk converted
- * to e4m3 in one loop (mult 1: the products are already rounded). */
+ * to e4m3 in one loop (epx_fp8_e4m3_row, the conversion test_fp8 checks). */
 enum { kChunk = 512 };
 
 static inline __attribute__((always_inline)) void quantize_row(epx_fp8_format_t format, epx_dtype_t dtype,
@@ -97,7 +97,7 @@ static inline __attribute__((always_inline)) void quantize_row(epx_fp8_format_t 
       if (entry == 4) memcpy((char *)scales + b * 4, &s.stored, 4);
       else ((uint8_t *)scales)[b] = (uint8_t)s.stored;
     }
-    e4m3_loop(v, 1.0f, n, q + c0);
+    epx_fp8_e4m3_row(v, n, q + c0);
   }
 }
 

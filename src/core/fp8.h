@@ -151,9 +151,10 @@ int32_t epx_fp8_hidden_multiple(epx_fp8_format_t format);
 /* Bytes of a row's scales (hidden a multiple of the block). */
 int64_t epx_fp8_scale_row_bytes(epx_fp8_format_t format, int64_t hidden);
 
-/* q[i] = epx_f32_to_e4m3(v[i] * mult) for i < n, as a loop that
- * vectorizes (the CPU quantizer's). */
-void epx_fp8_e4m3_scaled(const float *v, float mult, int64_t n, uint8_t *q);
+/* q[i] = epx_f32_to_e4m3(v[i]) for i < n, as a loop that vectorizes (at
+ * AVX2's width where the processor has it): the CPU quantizer's
+ * conversion. */
+void epx_fp8_e4m3_row(const float *v, int64_t n, uint8_t *q);
 
 /* One row: x [hidden] of dtype -> q [hidden] e4m3 bytes and its scales
  * (epx_fp8_scale_row_bytes bytes, any alignment), and back. */
