@@ -22,6 +22,7 @@
 
 #include "core/dtype.h"
 #include "core/error.h"
+#include "core/payload.h"
 #include "cpu/cpu.h"
 #include "cpu/exchange.h"
 #include "cpu/hier.h"
@@ -134,9 +135,11 @@ static void put_row(const move_t *m, const void *src, const void *src2, float we
 }
 
 /* Staged rows carry both planes in one row: the row, then its second
- * plane's, padded to 16 bytes (the row copies read 16-byte vectors). */
+ * plane's, padded to the payload vector (the row copies read 16-byte
+ * vectors; for fp8 rows, epx_payload_fp8_packed_bytes). */
 static size_t staged_row_bytes(const move_t *m) {
-  return m->row_bytes2 ? (m->row_bytes + m->row_bytes2 + 15) / 16 * 16 : m->row_bytes;
+  const size_t v = EPX_PAYLOAD_VECTOR_BYTES;
+  return m->row_bytes2 ? (m->row_bytes + m->row_bytes2 + v - 1) / v * v : m->row_bytes;
 }
 
 /* Token t's row (and second-plane row, then zeros to the padded end) at `to`. */
