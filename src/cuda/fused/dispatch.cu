@@ -396,9 +396,7 @@ extern "C" cudaError_t epx_fused_dispatch_rows_launch(epx_fused_t *f, const epx_
     return cudaErrorInvalidValue;
   /* the window's rows and the relay's, row_bytes apart (both hold rows of
    * the dtype: wider) */
-  fused_dev d = f->dev;
-  d.row_bytes = row_bytes;
-  d.nvec = row_bytes / 16;
+  const fused_dev d = with_row_bytes(f->dev, row_bytes);
   const int n = epx_fused_launch_ctas(f, num_ctas);
   /* the receivers only wait for the rows (MODE_RANK_WINDOW): one CTA, none
    * where every peer is relayed */

@@ -89,6 +89,15 @@ struct fused_dev {
 
 __host__ __device__ __forceinline__ bool relayed(const fused_dev &d, int r) { return (d.relay_mask >> r) & 1u; }
 
+/* d with rows of row_bytes (a multiple of 16, at most the dtype's) in
+ * place of the dtype's: the window's and the relay's rows as
+ * epx_fused_dispatch_rows_launch moves them. */
+inline fused_dev with_row_bytes(fused_dev d, int64_t row_bytes) {
+  d.row_bytes = row_bytes;
+  d.nvec = row_bytes / 16;
+  return d;
+}
+
 /* Every peer relayed through NCCL's host API: no row comes through the
  * window (a dispatch's receiving CTAs have nothing to wait for). */
 inline bool every_peer_relayed(const fused_dev &d) {

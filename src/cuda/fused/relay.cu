@@ -213,9 +213,7 @@ cudaError_t epx_fused_relay_step(epx_fused_t *f, const epx_fused_plan_t *plan, r
 
 cudaError_t epx_fused_relay_rows_in(epx_fused_t *f, const epx_fused_plan_t *plan, void *dst, int64_t row_bytes,
                                     cudaStream_t stream) {
-  fused_dev d = f->dev;
-  d.row_bytes = row_bytes;
-  d.nvec = row_bytes / 16;
+  const fused_dev d = with_row_bytes(f->dev, row_bytes);
   const cudaError_t e = relay_step(f, d, plan, RELAY_ROWS, 0, static_cast<char *>(dst), stream);
   if (e != cudaSuccess || plan->counts_known) return e;
   relay_rows_in_kernel<<<2 * f->num_sms, kThreads, 0, stream>>>(d, plan->dev, static_cast<uint4 *>(dst));
