@@ -929,6 +929,13 @@ def _fp8_format(b, fn):
     return fmt, cols
 
 
+def _fp8_recv(b, fmt, cols, rows, make):
+    """An fp8 dispatch's outputs, recv_x_q [rows, H] and recv_scales [rows,
+    cols] in the format's scale dtype, made by make(shape, dtype): zeros on
+    the device, or a fake op's new_empty."""
+    return make((rows, b.hidden), _FP8), make((rows, cols), _SCALE_DTYPE[fmt])
+
+
 @_torch.library.custom_op("epx::dispatch_fp8", mutates_args=())
 @_ranged("epx::dispatch_fp8")
 def _dispatch_fp8_op(x: Tensor, x_scales: Optional[Tensor], topk_idx: Tensor,
@@ -953,8 +960,8 @@ def _dispatch_fp8_op(x: Tensor, x_scales: Optional[Tensor], topk_idx: Tensor,
     handle = b._layout(T, K, _ptr(idx), _ptr(w), _ptr(loc), weighting, rec)
     token = _token(handle)
     rows = _max_rows(b, fn)
-    recv_q = _torch.zeros((rows, b.hidden), dtype=_FP8, device=x.device)
-    recv_s = _torch.zeros((rows, cols), dtype=_SCALE_DTYPE[fmt], device=x.device)
+    recv_q, recv_s = _fp8_recv(b, fmt, cols, rows,
+                               lambda dims, dtype: _torch.zeros(dims, dtype=dtype, device=x.device))
     b._dispatch_fp8(handle, _ptr(xc), _ptr(sc), _ptr(recv_q), _ptr(recv_s), rows)
     return (recv_q, recv_s) + _recv_metadata(b, handle, rows, K, x.device, fn) + (token,)
 
@@ -969,10 +976,10 @@ def _dispatch_fp8_fake(x, x_scales, topk_idx, topk_w, locations, buffer_id, weig
     rows = _max_rows(b, fn)
     shape = _recv_w_shape(b, rows, topk_idx.shape[1])
     n = b.experts_per_rank
-    return (x.new_empty((rows, b.hidden), dtype=_FP8), x.new_empty((rows, cols), dtype=_SCALE_DTYPE[fmt]),
-            x.new_empty(shape, dtype=_F32), x.new_empty(shape, dtype=_I32),
-            x.new_empty((n,), dtype=_I64), x.new_empty((n + 1,), dtype=_I64),
-            x.new_empty((1,), dtype=_I64), _torch.empty((1,), dtype=_I64, device="cpu"))
+    recv = _fp8_recv(b, fmt, cols, rows, lambda dims, dtype: x.new_empty(dims, dtype=dtype))
+    return recv + (x.new_empty(shape, dtype=_F32), x.new_empty(shape, dtype=_I32),
+                   x.new_empty((n,), dtype=_I64), x.new_empty((n + 1,), dtype=_I64),
+                   x.new_empty((1,), dtype=_I64), _torch.empty((1,), dtype=_I64, device="cpu"))
 
 
 def _dispatch_fp8_setup(ctx, inputs, output):
@@ -1241,8 +1248,8 @@ def _dispatch_fp8_cached_op(x: Tensor, x_scales: Optional[Tensor], token: Tensor
         sc = None if quantize else _tensor(x_scales, fn, "x_scales", _SCALE_DTYPE[fmt],
                                            (h.num_tokens, cols), b.device)
         _check_handle_rows(rows, h, b, fn, "recv_x")
-    recv_q = _torch.zeros((rows, b.hidden), dtype=_FP8, device=x.device)
-    recv_s = _torch.zeros((rows, cols), dtype=_SCALE_DTYPE[fmt], device=x.device)
+    recv_q, recv_s = _fp8_recv(b, fmt, cols, rows,
+                               lambda dims, dtype: _torch.zeros(dims, dtype=dtype, device=x.device))
     _on_stream(b, x.device)
     b._dispatch_fp8(h, _ptr(xc), _ptr(sc), _ptr(recv_q), _ptr(recv_s), rows)
     return recv_q, recv_s
@@ -1252,8 +1259,7 @@ def _dispatch_fp8_cached_op(x: Tensor, x_scales: Optional[Tensor], token: Tensor
 def _dispatch_fp8_cached_fake(x, x_scales, token, rows, top_k, buffer_id):
     b = _buffer(buffer_id, "epx.torch.dispatch (on a handle)")
     fmt, cols = _fp8_format(b, "epx.torch.dispatch (on a handle)")
-    return (x.new_empty((rows, b.hidden), dtype=_FP8),
-            x.new_empty((rows, cols), dtype=_SCALE_DTYPE[fmt]))
+    return _fp8_recv(b, fmt, cols, rows, lambda dims, dtype: x.new_empty(dims, dtype=dtype))
 
 
 def _dispatch_fp8_cached_backward(ctx, g_q, g_s):
