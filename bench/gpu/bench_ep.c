@@ -479,26 +479,21 @@ static run_result_t run(int T, int skew, epx_layout_t layout, epx_exchange_t exc
 /* One buffer of the fp8 section: an expert-major dedup buffer with
  * fp8_format EPX_FP8_E4M3_F32_128 (DeepEP's e4m3 with a float32 scale per
  * 128 channels) on one path, its handle, and the tensors of its three
- * dispatches. */
+ * dispatches: base's x [T, H] bf16 and recv [cap, H] (op_dispatch's), and
+ * the fp8 ones. */
 typedef struct {
-  epx_buffer_t buf;
-  epx_handle_t h;
-  const void *x, *xq, *xs; /* [T, H] bf16; [T, H] e4m3 and [T, H / 128] float32 (epx_quantize of x) */
-  void *recv, *rq, *rs;    /* [cap, H] bf16; [cap, H] e4m3 and [cap, H / 128] float32 */
-  int64_t cap;
+  bench_t base;
+  const void *xq, *xs; /* [T, H] e4m3 and [T, H / 128] float32 (epx_quantize of base.x) */
+  void *rq, *rs;       /* [cap, H] e4m3 and [cap, H / 128] float32 */
 } fp8_bench_t;
 
-static void op_fp8_bf16(void *p) {
-  fp8_bench_t *b = p;
-  FATAL_UNLESS_OK(epx_dispatch(b->buf, b->h, b->x, b->recv, b->cap));
-}
 static void op_fp8_prequantized(void *p) {
   fp8_bench_t *b = p;
-  FATAL_UNLESS_OK(epx_dispatch_fp8(b->buf, b->h, b->xq, b->xs, b->rq, b->rs, b->cap));
+  FATAL_UNLESS_OK(epx_dispatch_fp8(b->base.buf, b->base.h, b->xq, b->xs, b->rq, b->rs, b->base.cap));
 }
 static void op_fp8_quantize(void *p) {
   fp8_bench_t *b = p;
-  FATAL_UNLESS_OK(epx_dispatch_quantize(b->buf, b->h, b->x, b->rq, b->rs, b->cap));
+  FATAL_UNLESS_OK(epx_dispatch_quantize(b->base.buf, b->base.h, b->base.x, b->rq, b->rs, b->base.cap));
 }
 
 /* The received e4m3 rows and scales [N, H] and [N, S] on the host. */
@@ -546,18 +541,19 @@ static void run_fp8(int T) {
     cfg.exchange_path = paths[pi];
     cfg.fp8_format = format;
     fp8_bench_t b = {0};
-    b.x = x, b.xq = xq, b.xs = xs;
-    FATAL_UNLESS_OK(epx_buffer_create(g_comm, &cfg, &b.buf));
+    bench_t *d = &b.base;
+    d->x = x, b.xq = xq, b.xs = xs;
+    FATAL_UNLESS_OK(epx_buffer_create(g_comm, &cfg, &d->buf));
     int32_t peer_paths[64] = {0};
-    FATAL_UNLESS_OK(epx_buffer_peer_paths(b.buf, peer_paths));
+    FATAL_UNLESS_OK(epx_buffer_peer_paths(d->buf, peer_paths));
     const char *path = peer_paths[g_rank] == EPX_PATH_FUSED ? "fused" : "host";
-    FATAL_UNLESS_OK(epx_dispatch_layout(b.buf, &routing, NULL, &b.h));
-    FATAL_UNLESS_OK(epx_buffer_max_recv_rows(b.buf, &b.cap));
-    FATAL_UNLESS_CUDA_OK(cudaMalloc(&b.recv, (size_t)b.cap * H * 2));
-    FATAL_UNLESS_CUDA_OK(cudaMalloc(&b.rq, (size_t)b.cap * H));
-    FATAL_UNLESS_CUDA_OK(cudaMalloc(&b.rs, (size_t)b.cap * S));
+    FATAL_UNLESS_OK(epx_dispatch_layout(d->buf, &routing, NULL, &d->h));
+    FATAL_UNLESS_OK(epx_buffer_max_recv_rows(d->buf, &d->cap));
+    FATAL_UNLESS_CUDA_OK(cudaMalloc(&d->recv, (size_t)d->cap * H * 2));
+    FATAL_UNLESS_CUDA_OK(cudaMalloc(&b.rq, (size_t)d->cap * H));
+    FATAL_UNLESS_CUDA_OK(cudaMalloc(&b.rs, (size_t)d->cap * S));
     int64_t N = 0;
-    FATAL_UNLESS_OK(epx_handle_recv_rows(b.h, &N));
+    FATAL_UNLESS_OK(epx_handle_recv_rows(d->h, &N));
     /* the check: both fp8 dispatches against the fused path's epx_dispatch_fp8 */
     int64_t wrong = 0;
     for (int d = 0; d < 2; d++) {
@@ -580,8 +576,8 @@ static void run_fp8(int T) {
              (long long)all, all ? "FAILED" : "OK");
     g_bad += all != 0;
     epx_handle_stats_t st;
-    FATAL_UNLESS_OK(epx_handle_stats(b.h, &st));
-    const timing_t bf16 = time_op(op_fp8_bf16, &b), pre = time_op(op_fp8_prequantized, &b),
+    FATAL_UNLESS_OK(epx_handle_stats(d->h, &st));
+    const timing_t bf16 = time_op(op_dispatch, d), pre = time_op(op_fp8_prequantized, &b),
                    quant = time_op(op_fp8_quantize, &b);
     const double rows_in = (double)(st.local_rows + st.recv_rows);
     if (g_rank == 0) {
@@ -600,9 +596,9 @@ static void run_fp8(int T) {
                fused_ms[0] / bf16.ms, fused_ms[1] / pre.ms, fused_ms[2] / quant.ms);
       }
     }
-    FATAL_UNLESS_OK(epx_handle_release(b.h));
-    FATAL_UNLESS_OK(epx_buffer_destroy(b.buf));
-    cudaFree(b.recv), cudaFree(b.rq), cudaFree(b.rs);
+    FATAL_UNLESS_OK(epx_handle_release(d->h));
+    FATAL_UNLESS_OK(epx_buffer_destroy(d->buf));
+    cudaFree(d->recv), cudaFree(b.rq), cudaFree(b.rs);
   }
   free(ref_q), free(ref_s), free(idx), free(xh), free(xqh), free(xsh);
   cudaFree(x), cudaFree(xq), cudaFree(xs), cudaFree(d_idx);
