@@ -27,7 +27,6 @@
  * the host path's bytes. */
 #include <stdint.h>
 #include <stdio.h>
-#include <stdlib.h>
 
 #include <cuda_runtime_api.h>
 
@@ -55,33 +54,23 @@ static int fused_wanted(epx_buffer_t b) {
          c->max_top_k <= EPX_FUSED_MAX_TOP_K;
 }
 
-/* An fp8 buffer's own memory on the fused path (ep_buffer_t.path_state),
- * one stream-ordered allocation made with the fused state. */
-typedef struct fused_fp8 {
-  char *rows; /* [max_tokens, packed]: this rank's rows quantized and packed with their scales (quantize on dispatch) */
-} fused_fp8_t;
-
-static void fp8_free(epx_buffer_t b, fused_fp8_t *q) {
-  if (!q) return;
-  if (q->rows) cudaFreeAsync(q->rows, stream_of(b));
-  free(q);
-}
-
-/* The staging of an fp8 buffer's packed rows. */
-static epx_status_t fp8_create(epx_buffer_t b, const char *fn, fused_fp8_t **out) {
+/* An fp8 buffer's own memory on the fused path (ep_buffer_t.path_state):
+ * [max_tokens, packed] rows, this rank's quantized and packed with their
+ * scales by epx_dispatch_quantize; one stream-ordered allocation made with
+ * the fused state. */
+static epx_status_t fp8_staging_create(epx_buffer_t b, const char *fn, char **rows) {
   epx_status_t status = EPX_SUCCESS;
   const epx_buffer_config_t *c = &b->config;
   const epx_payload_format_t f = epx_payload_fp8(c->fp8_format, c->dtype, c->hidden);
-  fused_fp8_t *q = calloc(1, sizeof *q);
-  if (!q) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
-  CUDA_CHECK(cudaMallocAsync((void **)&q->rows, (size_t)(b->max_tokens * epx_payload_fp8_packed_bytes(&f)),
+  CUDA_CHECK(cudaMallocAsync((void **)rows, (size_t)(b->max_tokens * epx_payload_fp8_packed_bytes(&f)),
                              stream_of(b)),
              fn, "cudaMallocAsync of the fp8 rows' staging");
-  *out = q;
-  return EPX_SUCCESS;
 fail:
-  fp8_free(b, q);
   return status;
+}
+
+static void fp8_staging_free(epx_buffer_t b, char *rows) {
+  if (rows) cudaFreeAsync(rows, stream_of(b));
 }
 
 /* Collective, once max_tokens_per_rank is known (at buffer creation, or the
@@ -113,12 +102,13 @@ static epx_status_t ensure_fused(epx_buffer_t b, const char *fn) {
   char reason[768] = "";
   /* the highest refusing rank + 1, 0 where none refused */
   int64_t refused = epx_fused_create(epx_nccl_comm(b->comm), &fc, &f) != EPX_SUCCESS ? b->rank + 1 : 0;
-  fused_fp8_t *q = NULL; /* an fp8 buffer's packed rows, agreed with the window */
-  if (!refused && c->fp8_format != EPX_FP8_NONE && fp8_create(b, fn, &q) != EPX_SUCCESS) refused = b->rank + 1;
+  char *fp8_rows = NULL; /* an fp8 buffer's staging, agreed with the window */
+  if (!refused && c->fp8_format != EPX_FP8_NONE && fp8_staging_create(b, fn, &fp8_rows) != EPX_SUCCESS)
+    refused = b->rank + 1;
   if (refused) snprintf(reason, sizeof reason, "%s", epx_last_error());
   epx_status_t status = b->comm->ops->allreduce_max_i64(b->comm, fn, &refused, 1);
   if (status != EPX_SUCCESS || refused) {
-    fp8_free(b, q);
+    fp8_staging_free(b, fp8_rows);
     /* a failed all-reduce aborted the NCCL comm, windows and all: no NCCL calls then */
     if (f && b->comm->failed) epx_fused_abandon(f);
     else if (f) epx_fused_destroy(f);
@@ -139,7 +129,7 @@ static epx_status_t ensure_fused(epx_buffer_t b, const char *fn) {
   const int32_t ctas = c->sm_budget > 0 ? c->sm_budget : EP_FUSED_DEFAULT_CTAS;
   s->fused_ctas = ctas < sms ? ctas : sms;
   s->fused = f;
-  s->path_state = q;
+  s->path_state = fp8_rows;
   return EPX_SUCCESS;
 }
 
@@ -306,7 +296,7 @@ static void fused_buffer_fini(epx_buffer_t b) {
    * NCCL comm was aborted, windows and all) */
   if (s->fused && !b->comm->failed) epx_fused_destroy(s->fused);
   else if (s->fused) epx_fused_abandon(s->fused);
-  fp8_free(b, s->path_state);
+  fp8_staging_free(b, s->path_state);
   s->path_state = NULL;
 }
 
@@ -386,7 +376,7 @@ static epx_status_t fused_dispatch_fp8(epx_buffer_t b, epx_handle_t handle, cons
   const epx_buffer_config_t *c = &b->config;
   ep_buffer_t *s = b->backend_state;
   const ep_handle_t *h = handle->backend_state;
-  const fused_fp8_t *q = s->path_state;
+  char *staging = s->path_state; /* epx_dispatch_quantize's packed rows */
   cudaStream_t stream = stream_of(b);
   const epx_payload_format_t f = epx_payload_fp8(c->fp8_format, c->dtype, c->hidden);
   const int64_t packed = epx_payload_fp8_packed_bytes(&f);
@@ -400,11 +390,11 @@ static epx_status_t fused_dispatch_fp8(epx_buffer_t b, epx_handle_t handle, cons
   const char *window = epx_fused_recv_window(s->fused);
   EPX_CHECK(fused_alive(b, fn));
   if (quantize) {
-    CUDA_CHECK(epx_cuda_fp8_scatter_strided_launch(c->fp8_format, c->dtype, 1, x, NULL, q->rows,
-                                                   q->rows + f.row_bytes, &pack, h->d.T, c->hidden, NULL, 1, NULL,
+    CUDA_CHECK(epx_cuda_fp8_scatter_strided_launch(c->fp8_format, c->dtype, 1, x, NULL, staging,
+                                                   staging + f.row_bytes, &pack, h->d.T, c->hidden, NULL, 1, NULL,
                                                    NULL, NULL, 0, stream),
                fn, "the quantize and pack kernel");
-    FUSED_CHECK(epx_fused_dispatch_rows_launch(s->fused, h->plan, q->rows, packed, NULL, 0, packed, s->fused_ctas,
+    FUSED_CHECK(epx_fused_dispatch_rows_launch(s->fused, h->plan, staging, packed, NULL, 0, packed, s->fused_ctas,
                                                stream),
                 fn, "the fused dispatch kernels");
   } else {
