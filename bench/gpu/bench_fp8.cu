@@ -41,6 +41,7 @@
 namespace {
 
 constexpr int64_t T = 4096, H = 7168;
+constexpr int32_t E = 256, K = 8;
 
 /* Bits i and i with the sign flipped, as the pair (x, y) of one conversion. */
 __global__ void cvt_compare(uint32_t high_byte, unsigned long long *mismatches, uint32_t *first) {
@@ -70,7 +71,6 @@ int check_conversion(cudaStream_t s) {
   printf("\n");
   return bad != 0;
 }
-constexpr int32_t E = 256, K = 8;
 
 struct rng_t {
   uint64_t s;
