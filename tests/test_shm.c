@@ -29,6 +29,9 @@ typedef int (*rank_fn)(epx_comm_t comm, int32_t rank, int32_t size, void *shared
 
 static int comms_made;
 
+/* The ranks_per_node each rank's comm config poses (0: none). */
+static int32_t posed_ranks_per_node[16];
+
 static void comm_name(char *out, size_t cap) {
   snprintf(out, cap, "epx-test-shm-%d-%d", (int)getpid(), comms_made++);
 }
@@ -47,6 +50,7 @@ static pid_t fork_rank(const char *name, int32_t r, int32_t size, double timeout
   if (delay > 0) cc_sleep_seconds(delay);
   epx_comm_config_t config = EPX_COMM_CONFIG_INIT;
   config.timeout_seconds = timeout;
+  config.ranks_per_node = posed_ranks_per_node[r];
   epx_comm_t comm = NULL;
   epx_status_t status = epx_comm_create_shm(name, r, size, &config, &comm);
   if (status != EPX_SUCCESS) {
@@ -359,6 +363,34 @@ static void test_shm_live_segment_is_refused(void **state) {
   assert_int_equal(leftover_names(), 0);
 }
 
+/* Ranks whose comms pose different nodes (ranks_per_node 2 and 1) and ask
+ * for EPX_EXCHANGE_HIERARCHICAL by name: refused at buffer creation, naming
+ * ranks_per_node, on both ranks (issue 38: an alltoallv size mismatch at the
+ * first layout, the comm lost); the comm stays usable. */
+static int hier_disagree_rank(epx_comm_t comm, int32_t rank, int32_t size, void *shared) {
+  (void)size, (void)shared;
+  int failures = 0;
+  epx_buffer_config_t cfg = EPX_BUFFER_CONFIG_INIT;
+  cfg.dtype = EPX_FLOAT32, cfg.hidden = 16, cfg.num_experts = 4, cfg.max_top_k = 2;
+  cfg.max_tokens_per_rank = 8, cfg.exchange = EPX_EXCHANGE_HIERARCHICAL;
+  epx_buffer_t buffer = NULL;
+  const char *expected = rank == 1 ? "rank 1's comm has ranks_per_node 1" : "ranks_per_node";
+  RANK_STATUS(epx_buffer_create(comm, &cfg, &buffer), EPX_ERROR_SHAPE_MISMATCH, expected);
+  cfg.exchange = EPX_EXCHANGE_DEDUP;
+  RANK_OK(epx_buffer_create(comm, &cfg, &buffer));
+  RANK_OK(epx_buffer_destroy(buffer));
+  return failures;
+}
+
+static void test_shm_hier_ranks_per_node_disagree(void **state) {
+  (void)state;
+  posed_ranks_per_node[0] = 2, posed_ranks_per_node[1] = 1;
+  int failed = run_processes(2, 10.0, hier_disagree_rank, NULL, -1);
+  posed_ranks_per_node[0] = posed_ranks_per_node[1] = 0;
+  assert_int_equal(failed, 0);
+  assert_int_equal(leftover_names(), 0);
+}
+
 static void test_shm_arguments(void **state) {
   (void)state;
   epx_comm_config_t config = EPX_COMM_CONFIG_INIT;
@@ -390,6 +422,7 @@ int main(void) {
       cmocka_unit_test(test_shm_killed_rank_is_named),
       cmocka_unit_test(test_shm_arguments),
       cmocka_unit_test(test_shm_killed_holding_the_lock),
+      cmocka_unit_test(test_shm_hier_ranks_per_node_disagree),
       cmocka_unit_test(test_shm_live_segment_is_refused),
       cmocka_unit_test(test_shm_stale_segment),
       cmocka_unit_test(test_shm_sigkill_in_a_loop),
