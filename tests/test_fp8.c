@@ -481,6 +481,31 @@ static void test_refusals(void **state) {
   EXPECT_OK(epx_comm_destroy(comm));
 }
 
+/* Shapes whose byte counts do not fit 64 bits are refused by name before a
+ * byte is read (issue 38: rows 2^62 - 1, hidden 2^49 read past the arrays). */
+static void test_quantize_size_overflow(void **state) {
+  (void)state;
+  float x[256] = {0};
+  uint8_t q[256] = {0};
+  float s[8] = {0};
+  const int64_t huge_hidden = (int64_t)1 << 49;
+  EXPECT_STATUS(epx_quantize(EPX_FP8_E4M3_F32_128, EPX_FLOAT32, ((int64_t)1 << 62) - 1, huge_hidden,
+                             x, q, s),
+                EPX_ERROR_INVALID_ARGUMENT, "epx_quantize: rows (or hidden) is too large");
+  EXPECT_STATUS(epx_dequantize(EPX_FP8_E4M3_F32_128, EPX_FLOAT32, ((int64_t)1 << 62) - 1,
+                               huge_hidden, q, s, x),
+                EPX_ERROR_INVALID_ARGUMENT, "epx_dequantize: rows (or hidden) is too large");
+  /* rows * hidden fits (2^61) but its float32 bytes do not. */
+  EXPECT_STATUS(epx_quantize(EPX_FP8_E4M3_F32_128, EPX_FLOAT32, (int64_t)1 << 12, huge_hidden, x, q,
+                             s),
+                EPX_ERROR_INVALID_ARGUMENT, "rows * hidden * dtype size");
+  /* One row whose bytes do not fit either. */
+  EXPECT_STATUS(epx_dequantize(EPX_FP8_MXFP8, EPX_BFLOAT16, 1, (int64_t)1 << 62, q, s, x),
+                EPX_ERROR_INVALID_ARGUMENT, "epx_dequantize: rows (or hidden) is too large");
+  EXPECT_OK(epx_quantize(EPX_FP8_E4M3_F32_128, EPX_FLOAT32, 2, 128, x, q, s));
+  EXPECT_OK(epx_dequantize(EPX_FP8_E4M3_F32_128, EPX_FLOAT32, 2, 128, q, s, x));
+}
+
 /* A recorder's replayed handle moves the recorded dispatch's bytes (the
  * layout is not made again). */
 static void test_recorder_replay(void **state) {
@@ -624,6 +649,7 @@ int main(void) {
       cmocka_unit_test(test_e4m3_decode),   cmocka_unit_test(test_e4m3_encode),
       cmocka_unit_test(test_e4m3_rows),
       cmocka_unit_test(test_scales_by_hand), cmocka_unit_test(test_refusals),
+      cmocka_unit_test(test_quantize_size_overflow),
       cmocka_unit_test(test_dispatch_self), cmocka_unit_test(test_dispatch_local),
       cmocka_unit_test(test_dispatch_hierarchical), cmocka_unit_test(test_recorder_replay),
   };

@@ -34,6 +34,9 @@ typedef struct {
   int64_t device, dtype, hidden, num_experts, max_top_k, max_tokens_per_rank,
       max_tokens_rounding, exchange, layout, expert_alignment, capacity, combine_precision,
       exchange_path, sm_budget, fp8_format, low_latency;
+  /* Not a config field (check_same_nodes): the comm's ranks_per_node where
+   * the exchange is hierarchical, 0 elsewhere. */
+  int64_t ranks_per_node;
 } buffer_shape_t;
 
 static const char *const shape_field_names[] = {
@@ -213,7 +216,7 @@ static epx_status_t check_buffer_config(epx_comm_t comm, const epx_buffer_config
 /* Names the rank whose value is the odd one out: compares each rank with the
  * value most ranks have. */
 static epx_status_t check_same_shape(const buffer_shape_t *all, int32_t size, const char *fn) {
-  for (size_t f = 0; f < sizeof *all / sizeof(int64_t) - 1; f++) {
+  for (size_t f = 0; f < sizeof shape_field_names / sizeof *shape_field_names - 1; f++) {
     int64_t common = (&all[0].device)[f];
     int32_t best = 0;
     for (int32_t r = 0; r < size; r++) {
@@ -233,6 +236,21 @@ static epx_status_t check_same_shape(const buffer_shape_t *all, int32_t size, co
   return EPX_SUCCESS;
 }
 
+/* The hierarchical exchange plans its two levels from the comm's nodes: ranks
+ * whose comms pose different nodes would send counts the peers do not
+ * expect (an alltoallv size mismatch at the first layout, the comm lost). */
+static epx_status_t check_same_nodes(const buffer_shape_t *all, int32_t size, const char *fn) {
+  for (int32_t r = 1; r < size; r++)
+    if (all[r].ranks_per_node != all[0].ranks_per_node)
+      return epx_error(EPX_ERROR_SHAPE_MISMATCH,
+                       "%s: config.exchange is EPX_EXCHANGE_HIERARCHICAL but rank %d's comm has "
+                       "ranks_per_node %lld and rank 0's has %lld; the exchange needs the same nodes "
+                       "on every rank: create the comm with the same epx_comm_config_t.ranks_per_node "
+                       "on every rank (or use EPX_EXCHANGE_DEDUP)",
+                       fn, r, (long long)all[r].ranks_per_node, (long long)all[0].ranks_per_node);
+  return EPX_SUCCESS;
+}
+
 /* Every rank sends its shape (or its failure `local`) so all refuse together. */
 static epx_status_t agree_shape(epx_comm_t comm, const epx_buffer_config_t *config, epx_status_t local,
                                 const char *fn) {
@@ -243,7 +261,8 @@ static epx_status_t agree_shape(epx_comm_t comm, const epx_buffer_config_t *conf
                             config->max_top_k, config->max_tokens_per_rank, config->max_tokens_rounding,
                             config->exchange, config->layout, config->expert_alignment, config->capacity,
                             config->combine_precision, config->exchange_path, config->sm_budget,
-                            config->fp8_format, config->low_latency};
+                            config->fp8_format, config->low_latency,
+                            config->exchange == EPX_EXCHANGE_HIERARCHICAL ? comm->ranks_per_node : 0};
   char message[1024];
   strncpy(message, epx_last_error(), sizeof message - 1);
   message[sizeof message - 1] = '\0';
@@ -263,6 +282,7 @@ static epx_status_t agree_shape(epx_comm_t comm, const epx_buffer_config_t *conf
     }
   }
   status = check_same_shape(all, comm->size, fn);
+  if (status == EPX_SUCCESS) status = check_same_nodes(all, comm->size, fn);
 done:
   free(all);
   return status;

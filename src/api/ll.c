@@ -278,7 +278,7 @@ static epx_status_t ll_combine(const char *fn, epx_buffer_t buffer, epx_handle_t
                       "%s: the buffer is not a low-latency buffer (config.low_latency = 0); its handles are "
                       "combined with epx_combine", fn);
   /* A refusal before the handle is known meets the peers' combine. */
-  if (local != EPX_SUCCESS) return buffer->backend->agree(buffer, local, "epx_combine");
+  if (local != EPX_SUCCESS) return buffer->backend->agree(buffer, local, fn);
   local = check_combine(fn, ll, handle, expert_out, out);
   status = ll->combine_send(buffer, handle, local, expert_out, out);
   if (status != EPX_SUCCESS || !complete) return status;

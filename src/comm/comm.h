@@ -52,6 +52,10 @@ void epx_comm_world_timeout_reason(char *out, size_t out_size, int32_t size,
 epx_status_t epx_comm_config_timeout(const char *caller, const epx_comm_config_t *config,
                                      double *timeout_seconds);
 
+/* Test support (tests/test_shm.c): takes the shm world's lock and keeps it,
+ * so that the process can die holding it. */
+void epx_comm_shm_test_hold_lock(epx_comm_t comm);
+
 /* The topology (topology.c). The config's ranks_per_node (0 when NULL),
  * checked. */
 epx_status_t epx_comm_config_ranks_per_node(const char *caller, const epx_comm_config_t *config,

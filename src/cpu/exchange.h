@@ -81,6 +81,7 @@ struct epx_cpu_plan {
   int64_t bytes;                         /* host bytes held by the plan */
   int32_t ll_pending;                    /* low-latency mode: the epx_ll_phase_t awaiting completion (ll.c) */
   int32_t ll_fixed_shape;                /* low-latency mode: rows in the fixed shape, unused ones never written */
+  int32_t agreed;                        /* every rank agreed the layout's first message (layout.c) */
 };
 
 /* ------------------------------------------------------------------------ */
@@ -103,6 +104,9 @@ typedef enum {
 
 /* Arguments that change what the call exchanges: equal on every rank. */
 #define EPX_CALL_GRAD_W 1
+/* The call is a low-latency one (epx_ll_*, set from its name): a different
+ * call from the normal one of the same kind, and named as such. */
+#define EPX_CALL_LOW_LATENCY 2
 
 /* One block of the first message (the same header to every peer, with a
  * per-peer word): the call's identity, shape and the rank's verdict. A
@@ -116,7 +120,7 @@ typedef struct {
   int32_t top_k;     /* K of the routing or handle */
   int32_t rank;      /* the sender */
   int64_t hidden;
-  int32_t flags;     /* EPX_CALL_GRAD_W: the call asks for grad_w */
+  int32_t flags;     /* EPX_CALL_GRAD_W: the call asks for grad_w; EPX_CALL_LOW_LATENCY */
   int32_t weighting; /* the routing's or handle's epx_weighting_t (layout: set by layout.c) */
   int64_t word[3]; /* layout: items to the receiver; local payload calls: rows, plan, second-plane rows */
 } epx_cpu_call_t;
@@ -146,7 +150,9 @@ epx_cpu_call_t *epx_cpu_call_blocks(const epx_cpu_call_ctx_t *ctx);
 epx_status_t epx_cpu_call_exchange(epx_buffer_t buffer, epx_call_kind_t kind, const char *fn,
                                    epx_status_t local, epx_handle_t h);
 /* The call kind of a public function's name (EPX_CALL_REPLAY for the layout's
- * validation, which is the only agreement made outside a move). */
+ * validation, which is the only agreement made outside a move); an epx_ll_*
+ * dispatch is a layout (its first message is the layout's), an epx_ll_*
+ * combine a combine. */
 epx_call_kind_t epx_cpu_call_kind(const char *fn);
 const char *epx_cpu_call_name(int32_t kind);
 

@@ -251,6 +251,7 @@ static epx_status_t then_counts(void *ctx, const void *recv) {
   epx_status_t status = epx_cpu_call_agree(&L->call, peers);
   if (status != EPX_SUCCESS) return status;
   struct epx_cpu_plan *p = L->p;
+  p->agreed = 1;
   L->largest_batch = 0;
   for (int32_t s = 0; s < comm->size; s++) {
     int64_t T = peers[s].tokens, K = peers[s].top_k;

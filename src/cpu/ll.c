@@ -132,11 +132,14 @@ static epx_status_t cpu_ll_dispatch_send(epx_buffer_t b, const epx_routing_t *r,
   (void)num_tokens; /* read by the API: r->num_tokens is the count */
   epx_status_t status = epx_cpu_layout_as(b, r, local, h, fn);
   if (status == EPX_SUCCESS) status = to_fixed_shape(b, h, fn);
-  /* The rows' message follows on every rank, carrying a refusal that came
-   * after the layout's own agreement (one rank out of memory) to its peers;
-   * a comm that failed has nobody left to tell. */
+  /* After a layout every rank agreed, the rows' message follows on every
+   * rank, carrying a later refusal (one rank out of memory) to its peers. A
+   * layout whose first message failed failed on every rank alike (a rank
+   * refused, or a peer is in another call): no message follows, so the
+   * ranks stay in step; nor does one on a comm that failed. */
   if (status != EPX_SUCCESS) {
-    if (!b->comm->failed) epx_cpu_call_exchange(b, rows_kind(rows), fn, status, NULL);
+    if (h && h->cpu && h->cpu->agreed && !b->comm->failed)
+      epx_cpu_call_exchange(b, rows_kind(rows), fn, status, NULL);
     return status;
   }
   status = rows->fp8 ? epx_cpu_dispatch_fp8(b, h, EPX_SUCCESS, rows->x, rows->x_scales, !rows->x_scales,
