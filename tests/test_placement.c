@@ -9,7 +9,10 @@
  * low-latency calls and fp8 dispatch are unchanged by replicas; load
  * counts, the replicas' gradient sum and the weight move are exact;
  * mismatched and bad placements are refused naming the field; the planner
- * balances (skew bound), serves every logical expert and is deterministic. */
+ * balances (skew bound), serves every logical expert and is deterministic.
+ *
+ * The scene and the rank functions (up to the cmocka part) are shared with
+ * mpi_placement.c, which includes this file with PL_SCENE_ONLY defined. */
 #include <math.h>
 #include <pthread.h>
 #include <stdlib.h>
@@ -28,6 +31,7 @@
 /* Ranks as threads, posed as nodes of `per_node` ranks                      */
 /* ------------------------------------------------------------------------ */
 
+#ifndef PL_SCENE_ONLY
 typedef struct {
   epx_local_world_t world;
   int32_t rank, W;
@@ -69,6 +73,7 @@ static int run_ranks(int32_t W, int32_t per_node, tu_rank_fn fn, void *arg) {
   failures += epx_local_world_destroy(world) != EPX_SUCCESS;
   return failures;
 }
+#endif
 
 /* ------------------------------------------------------------------------ */
 /* The scene: every rank's routing and input, the same on every rank         */
@@ -127,7 +132,10 @@ static void plan_replicated(scene_t *s) {
       if (s->idx[r][i] >= 0) load[s->idx[r][i]] += 1;
   s->P = E + 8;
   s->use_prank = 0, s->rule = EPX_REPLICA_ROUND_ROBIN, s->null_placement = 0;
-  assert_int_equal(epx_placement_plan(load, E, s->P, s->W, 1, 1, s->p2l), EPX_SUCCESS);
+  if (epx_placement_plan(load, E, s->P, s->W, 1, 1, s->p2l) != EPX_SUCCESS) {
+    fprintf(stderr, "epx_placement_plan: %s\n", epx_last_error());
+    abort();
+  }
 }
 
 /* A permuted placement without replicas, ranks given explicitly: physical
@@ -248,14 +256,19 @@ done:
   return failures;
 }
 
-static void run_exact(scene_t *s, const char *what) {
-  static const epx_exchange_t exchanges[] = {EPX_EXCHANGE_DEDUP, EPX_EXCHANGE_COLLECTIVE, EPX_EXCHANGE_HIERARCHICAL};
+/* The physical routing of the scene's placement. */
+static void map_scene(scene_t *s) {
   epx_placement_t pl = placement_of(s);
   epx_placement_table_t *t = NULL;
-  assert_int_equal(epx_placement_table_new("test", "placement", s->null_placement ? NULL : &pl, E, s->W, &t),
-                   EPX_SUCCESS);
+  if (epx_placement_table_new("test", "placement", s->null_placement ? NULL : &pl, E, s->W, &t) != EPX_SUCCESS) abort();
   map_routing(s, t);
   epx_placement_table_free(t);
+}
+
+#ifndef PL_SCENE_ONLY
+static void run_exact(scene_t *s, const char *what) {
+  static const epx_exchange_t exchanges[] = {EPX_EXCHANGE_DEDUP, EPX_EXCHANGE_COLLECTIVE, EPX_EXCHANGE_HIERARCHICAL};
+  map_scene(s);
   s->dtype = EPX_FLOAT32, s->layout = EPX_LAYOUT_EXPERT_MAJOR;
   for (int x = 0; x < 3; x++) {
     s->exchange = exchanges[x];
@@ -321,6 +334,8 @@ static void test_exact_caller_ids(void **state) {
   free(s);
 }
 
+#endif
+
 /* ------------------------------------------------------------------------ */
 /* Bit-identical exchanges with random bf16 payloads; the default map        */
 /* ------------------------------------------------------------------------ */
@@ -378,6 +393,7 @@ done:
   return failures;
 }
 
+#ifndef PL_SCENE_ONLY
 static void test_bits_across_exchanges(void **state) {
   (void)state;
   static const epx_exchange_t exchanges[] = {EPX_EXCHANGE_DEDUP, EPX_EXCHANGE_COLLECTIVE, EPX_EXCHANGE_HIERARCHICAL};
@@ -410,6 +426,8 @@ static void test_default_is_contiguous(void **state) {
   for (int32_t r = 0; r < s->W; r++) assert_true(s->out_hash[0][r] == s->out_hash[1][r]);
   free(s);
 }
+
+#endif
 
 /* ------------------------------------------------------------------------ */
 /* Low-latency and fp8 with replicas                                         */
@@ -485,6 +503,7 @@ done:
   return failures;
 }
 
+#ifndef PL_SCENE_ONLY
 static void test_ll_and_fp8(void **state) {
   (void)state;
   scene_t *s = calloc(1, sizeof *s);
@@ -591,6 +610,8 @@ static void test_refusals(void **state) {
   free(s);
 }
 
+#endif
+
 /* ------------------------------------------------------------------------ */
 /* Gradient sum and weight move                                              */
 /* ------------------------------------------------------------------------ */
@@ -640,6 +661,7 @@ done:
   return failures;
 }
 
+#ifndef PL_SCENE_ONLY
 static void test_grad_sum_and_move(void **state) {
   (void)state;
   scene_t *s = calloc(1, sizeof *s);
@@ -722,3 +744,4 @@ int main(void) {
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
+#endif
