@@ -42,8 +42,8 @@ static void run(epx_comm_t comm, epx_device_t device, const epx_placement_t *pl,
     CUDA_OK(cudaDeviceSynchronize());
     to_host(recv, rr, (size_t)*N * row);
     to_host(out, ro, T * row);
-    CUDA_OK(cudaFree((void *)ri)), CUDA_OK(cudaFree((void *)rw)), CUDA_OK(cudaFree((void *)rx));
-    CUDA_OK(cudaFree(rr)), CUDA_OK(cudaFree(ro));
+    void *device_memory[] = {(void *)ri, (void *)rw, (void *)rx, rr, ro};
+    for (size_t i = 0; i < sizeof device_memory / sizeof device_memory[0]; i++) CUDA_OK(cudaFree(device_memory[i]));
   }
   EXPECT_OK(epx_handle_release(h));
   EXPECT_OK(epx_buffer_destroy(b));
