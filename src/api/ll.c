@@ -13,6 +13,7 @@
 #include "core/error.h"
 #include "core/ll.h"
 #include "core/objects.h"
+#include "core/placement.h"
 #include "core/registry.h"
 #include "core/transport.h"
 #include "cpu/cpu.h"
@@ -68,7 +69,7 @@ epx_status_t epx_ll_recv_rows_bound(const char *fn, const epx_buffer_config_t *c
                                 max_tokens)
           : EPX_CHECKED_PRODUCT(&sum, fn, tokens,
                                 "experts per rank * world size * max tokens (the low-latency receive rows)",
-                                c->num_experts / W, W, max_tokens);
+                                epx_config_experts_per_rank(c, W), W, max_tokens);
   if (status != EPX_SUCCESS) return status;
   /* The layout's rows are int32 indices. */
   if (sum > INT32_MAX)

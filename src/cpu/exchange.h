@@ -6,7 +6,9 @@
  *
  * Vocabulary (one rank's view):
  *   route    a valid (token, k-slot) of a routing; goes to the rank that holds
- *            its expert (expert / E_local).
+ *            its physical expert (core/placement.h: the placement's rank_of;
+ *            the plan's topk_idx holds physical ids, the caller's logical
+ *            ones mapped by the replica rule).
  *   item     a row sent in dispatch: one per (token, destination rank) with
  *            the dedup exchange, one per route with the collective exchange.
  *   pair     a (token, destination rank) with at least one route.
@@ -26,6 +28,7 @@
 
 #include "core/transport.h"
 #include "core/objects.h"
+#include "core/placement.h"
 #include "epx.h"
 
 /* The buffer's CPU state: its identity among the comm's buffers, and staging
@@ -43,6 +46,7 @@ struct epx_cpu_scratch {
 struct epx_cpu_plan {
   int64_t layout_id; /* the comm's layout sequence number (equal on every rank) */
   int32_t W, rank, K, E_local;
+  const epx_placement_table_t *place; /* the buffer's (it outlives its handles) */
   int32_t record_k; /* slots per metadata record: the buffer's max_top_k */
   int64_t T, H;
   size_t row_bytes;
@@ -52,7 +56,7 @@ struct epx_cpu_plan {
   struct epx_cpu_hier *hier; /* the hierarchical exchange's two hops (hier.c), or NULL */
   epx_weighting_t weighting;
   epx_combine_precision_t precision; /* FLOAT32 whenever the payload is float32 */
-  int32_t *topk_idx; /* [T, K] copy of the routing */
+  int32_t *topk_idx; /* [T, K] the routing's physical experts (epx_placement_map_routing) */
   float *topk_w;     /* [T, K] copy (zeros when none was given) */
   int32_t *self_row; /* [T, K] layout row of each route to this rank, else -1 */
   /* Sender side, per destination rank r (self excluded): */

@@ -30,7 +30,7 @@ static fixed_shape_t fixed_shape(const struct epx_cpu_plan *p, int64_t max_token
  * layout has no empty rows), or its source rank. */
 static int64_t group_of(const struct epx_cpu_plan *p, int64_t i) {
   if (p->layout == EPX_LAYOUT_RANK_MAJOR) return p->row_src_rank[i];
-  return p->row_expert[i] - (int64_t)p->rank * p->E_local;
+  return p->place->slot_of[p->row_expert[i]];
 }
 
 typedef struct {
