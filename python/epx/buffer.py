@@ -210,7 +210,7 @@ class Buffer(_Closable):
         p = ctypes.c_void_p()
         call = lib.epx_ll_dispatch_send if send_only else lib.epx_ll_dispatch
         _check(call(self._handle_ptr(fn), ctypes.byref(r), num_tokens, x, recv_x, recv_count,
-                    ctypes.byref(p)))
+               ctypes.byref(p)))
         return Handle(self, p.value, int(step_tokens), int(top_k), Weighting(weighting))
 
     def ll_dispatch(self, x, topk_idx, topk_w=None, *, num_tokens=None,
@@ -281,8 +281,8 @@ class Buffer(_Closable):
         r = _lib.Routing(int(T), int(K), pi, pw, None, int(weighting))
         p = ctypes.c_void_p()
         _check(call(self._handle_ptr(fn), ctypes.byref(r),
-                    ctypes.addressof(count) if count is not None else None, px, x_scales,
-                    recv_q.ctypes.data, recv_s.ctypes.data, recv_count.ctypes.data, ctypes.byref(p)))
+               ctypes.addressof(count) if count is not None else None, px, x_scales,
+               recv_q.ctypes.data, recv_s.ctypes.data, recv_count.ctypes.data, ctypes.byref(p)))
         return recv_q, recv_s, recv_count, Handle(self, p.value, int(step), int(K), Weighting(weighting))
 
     def ll_combine(self, handle, expert_out, out=None, *, send_only=False):

@@ -7,6 +7,7 @@ import numpy as np
 
 from ._lib import DType, FP8Format, lib
 from .arrays import _as_dtype, empty, numpy_dtype, _shape_text
+from .semantics import fp8_scale_dtype
 from .errors import _check, _invalid
 
 
@@ -17,9 +18,7 @@ def fp8_scale_shape(format, hidden):
     cols, size = ctypes.c_int64(), ctypes.c_size_t()
     _check(lib.epx_fp8_scale_shape(int(FP8Format(format)), int(hidden), ctypes.byref(cols),
                                    ctypes.byref(size)))
-    dt = np.uint8 if FP8Format(format) == FP8Format.MXFP8 else (
-        np.float32 if FP8Format(format) == FP8Format.E4M3_F32_128 else np.int32)
-    return int(cols.value), np.dtype(dt)
+    return int(cols.value), np.dtype(fp8_scale_dtype(format))
 
 
 def quantize(x, format, dtype=None):

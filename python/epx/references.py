@@ -30,7 +30,7 @@ def _dense(fn, call, dtype, payload, payload_name, payload_shape, out_shape, top
     px = _ptr(payload, fn, payload_name, _payload_dtypes(dtype), shape, align=PAYLOAD_ALIGNMENT)
     out = empty(tuple(T if s == "T" else s for s in out_shape), numpy_dtype(dtype))
     _check(call(int(dtype), T, H, num_experts, capacity, K, pi, pw, pl, int(weighting),
-                px, out.ctypes.data))
+           px, out.ctypes.data))
     return out
 
 

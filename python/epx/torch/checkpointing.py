@@ -23,7 +23,7 @@ def _recorder(recorder_id, fn):
     rec = _RECORDERS.get(int(recorder_id))
     if rec is None or rec.closed:
         _refuse(Status.ERROR_INVALID_HANDLE, "%s: recorder %d was closed; pass an open "
-                     "epx.Recorder", fn, recorder_id)
+                "epx.Recorder", fn, recorder_id)
     return rec
 
 

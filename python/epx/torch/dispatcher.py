@@ -74,18 +74,18 @@ class TokenDispatcher:
         if not isinstance(hidden_states, Tensor) or hidden_states.dim() < 1 or \
                 hidden_states.shape[-1] != H:
             _invalid("%s: hidden_states has shape %s; expected [..., %d] (a torch.Tensor)",
-                          fn, list(getattr(hidden_states, "shape", [])), H)
+                     fn, list(getattr(hidden_states, "shape", [])), H)
         T = hidden_states.numel() // H
         for name, t in (("probs", probs), ("routing_map", routing_map)):
             if not isinstance(t, Tensor) or tuple(t.shape) != (T, E):
                 _invalid("%s: %s has shape %s; expected [%d, %d] (tokens, experts)", fn,
-                              name, list(getattr(t, "shape", [])), T, E)
+                         name, list(getattr(t, "shape", [])), T, E)
         if not probs.dtype.is_floating_point:
             _invalid("%s: probs has dtype %s; pass the router's float probabilities", fn,
-                          probs.dtype)
+                     probs.dtype)
         if routing_map.dtype.is_floating_point or routing_map.dtype.is_complex:
             _invalid("%s: routing_map has dtype %s; pass Megatron's bool map", fn,
-                          routing_map.dtype)
+                     routing_map.dtype)
 
     def _check_routing(self, hidden_states, probs, routing_map):
         """What the dispatch would otherwise get wrong silently: rows of
@@ -100,31 +100,31 @@ class TokenDispatcher:
         want = torch_dtype(self.buffer.dtype)
         if hidden_states.dtype != want:
             _invalid("%s: hidden_states is %s but the dispatcher's buffer is %s; pass "
-                          "hidden_states.to(%s) (or make the dispatcher with dtype=%s)", fn,
-                          hidden_states.dtype, want, want, hidden_states.dtype)
+                     "hidden_states.to(%s) (or make the dispatcher with dtype=%s)", fn,
+                     hidden_states.dtype, want, want, hidden_states.dtype)
         dev_kind = "cuda" if self.buffer.device == Device.CUDA else "cpu"
         for name, t in (("hidden_states", hidden_states), ("probs", probs),
                         ("routing_map", routing_map)):
             if t.device.type != dev_kind:
                 _invalid("%s: %s is on %s but the dispatcher's buffer is on %s; move it",
-                              fn, name, t.device, dev_kind)
+                         fn, name, t.device, dev_kind)
         chosen = routing_map != 0
         per_row = chosen.sum(dim=1)
         worst = int(per_row.max()) if per_row.numel() else 0
         if worst > self.top_k:
             row = int(_torch.argmax((per_row > self.top_k).to(_I32)))
             _invalid("%s: routing_map row %d selects %d experts but top_k is %d; every "
-                          "token may go to at most top_k experts (make the dispatcher with "
-                          "top_k=%d, or fix the router)", fn, row, int(per_row[row]), self.top_k,
-                          worst)
+                     "token may go to at most top_k experts (make the dispatcher with "
+                     "top_k=%d, or fix the router)", fn, row, int(per_row[row]), self.top_k,
+                     worst)
         weightless = chosen & ~(probs > 0) & ~_torch.isinf(probs)
         weightless |= chosen & ~_torch.isfinite(probs)
         if bool(weightless.any()):
             t, e = (int(v) for v in weightless.nonzero()[0])
             _invalid("%s: routing_map[%d, %d] selects expert %d but probs[%d, %d] is %g; "
-                          "every selected expert needs a positive, finite probability (are probs "
-                          "and routing_map from the same router call, in the same token "
-                          "order?)", fn, t, e, e, t, e, float(probs[t, e]))
+                     "every selected expert needs a positive, finite probability (are probs "
+                     "and routing_map from the same router call, in the same token "
+                     "order?)", fn, t, e, e, t, e, float(probs[t, e]))
 
     def token_unpermutation(self, hidden_states, bias=None):
         """expert output [N_max, H] -> (output in the shape of the
@@ -132,7 +132,7 @@ class TokenDispatcher:
         mlp_bias path has no epx equivalent yet)."""
         if bias is not None:
             _refuse(Status.ERROR_UNSUPPORTED, "TokenDispatcher.token_unpermutation: bias is "
-                         "not supported; add it to the expert output before combine")
+                    "not supported; add it to the expert output before combine")
         if self._d is None:
             _invalid("TokenDispatcher.token_unpermutation: call token_permutation first")
         out = combine(self._d, hidden_states)

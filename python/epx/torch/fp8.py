@@ -7,27 +7,29 @@ import torch as _torch
 from torch import Tensor
 
 import epx as _epx
+from epx import semantics
 from epx.errors import _invalid
 from .checkpointing import _recorder
 from .handles import _handle_of, _token
 from .ops import _dispatch_inputs, _recv_metadata
 from .profiling import _ranged
-from .tensors import (_buffer, _check_handle_rows, _check_handle_shape, _F32, _I32, _I64,
-                      _max_rows, _on_stream, _ptr, _recv_w_shape, _sized_buffer, _tensor,
-                      _TORCH_OF)
+from .tensors import (_buffer, _check_handle_rows, _check_handle_shape, _empties, _F32, _I32,
+                      _max_rows, _OF_NAME, _on_stream, _ptr, _sized_buffer, _tensor, _TORCH_OF)
 
 
-_FP8 = getattr(_torch, "float8_e4m3fn", None)
-_SCALE_DTYPE = {_epx.FP8Format.E4M3_F32_128: _F32, _epx.FP8Format.E4M3_UE8M0_128: _I32,
-                _epx.FP8Format.MXFP8: _torch.uint8}
+_FP8 = _OF_NAME[semantics.FP8]
+
+
+def _scale_dtype(fmt):
+    return _OF_NAME[semantics.fp8_scale_dtype(fmt)]
 
 
 def _fp8_format(b, fn):
     fmt = _epx.FP8Format(b.config.fp8_format)
     if fmt == _epx.FP8Format.NONE or _FP8 is None:
         _invalid("%s: the buffer has no fp8 format (config.fp8_format is NONE)%s; create it "
-                      "with fp8_format=epx.FP8Format...", fn,
-                      "" if _FP8 is not None else " or this torch has no float8_e4m3fn")
+                 "with fp8_format=epx.FP8Format...", fn,
+                 "" if _FP8 is not None else " or this torch has no float8_e4m3fn")
     cols, _ = _epx.fp8_scale_shape(fmt, b.hidden)
     return fmt, cols
 
@@ -36,7 +38,8 @@ def _fp8_recv(b, fmt, cols, rows, make):
     """An fp8 dispatch's outputs, recv_x_q [rows, H] and recv_scales [rows,
     cols] in the format's scale dtype, made by make(shape, dtype): zeros on
     the device, or a fake op's new_empty."""
-    return make((rows, b.hidden), _FP8), make((rows, cols), _SCALE_DTYPE[fmt])
+    q, s = semantics.dispatch_fp8_payload(rows, b.hidden, fmt, cols)
+    return make(q.shape, _FP8), make(s.shape, _scale_dtype(fmt))
 
 
 @_torch.library.custom_op("epx::dispatch_fp8", mutates_args=())
@@ -56,7 +59,7 @@ def _dispatch_fp8_op(x: Tensor, x_scales: Optional[Tensor], topk_idx: Tensor,
                                            topk_w, locations, fn, _TORCH_OF[b.dtype] if quantize
                                            else _torch.uint8)
         T, K = idx.shape
-        sc = None if quantize else _tensor(x_scales, fn, "x_scales", _SCALE_DTYPE[fmt], (T, cols),
+        sc = None if quantize else _tensor(x_scales, fn, "x_scales", _scale_dtype(fmt), (T, cols),
                                            b.device)
         rec = _recorder(recorder_id, fn)
     _on_stream(b, x.device)
@@ -77,12 +80,8 @@ def _dispatch_fp8_fake(x, x_scales, topk_idx, topk_w, locations, buffer_id, weig
     _sized_buffer(b, fn)
     fmt, cols = _fp8_format(b, fn)
     rows = _max_rows(b, fn)
-    shape = _recv_w_shape(b, rows, topk_idx.shape[1])
-    n = b.experts_per_rank
-    recv = _fp8_recv(b, fmt, cols, rows, lambda dims, dtype: x.new_empty(dims, dtype=dtype))
-    return recv + (x.new_empty(shape, dtype=_F32), x.new_empty(shape, dtype=_I32),
-                   x.new_empty((n,), dtype=_I64), x.new_empty((n + 1,), dtype=_I64),
-                   x.new_empty((1,), dtype=_I64), _torch.empty((1,), dtype=_I64, device="cpu"))
+    return _empties(semantics.dispatch_fp8_outputs(rows, b.hidden, topk_idx.shape[1],
+                                                   b.experts_per_rank, b.layout, fmt, cols), x)
 
 
 def _dispatch_fp8_setup(ctx, inputs, output):
@@ -116,13 +115,8 @@ def dequantize(recv_x, recv_scales, fp8_format, dtype=_torch.bfloat16):
     if fmt == _epx.FP8Format.E4M3_F32_128:
         scale = recv_scales.float()
     else:
-        b = recv_scales.contiguous().view(_torch.uint8).view(n, -1).to(_I32)
-        if fmt == _epx.FP8Format.MXFP8:
-            b = _torch.where(b == 255, _torch.full_like(b, 0x7FFFFFFF),
-                             _torch.where(b == 0, _torch.full_like(b, 0x00400000), b << 23))
-        else:
-            b = b << 23
-        scale = b.view(_F32)
+        exponent = recv_scales.contiguous().view(_torch.uint8).view(n, -1).to(_I32)
+        scale = semantics.fp8_scale_bits(fmt, exponent, _torch.where).view(_F32)
     block = h // scale.shape[1]
     return (recv_x.float().view(n, -1, block) * scale.unsqueeze(2)).view(n, h).to(dtype)
 
@@ -177,7 +171,7 @@ def _dispatch_fp8_cached_op(x: Tensor, x_scales: Optional[Tensor], token: Tensor
         xc = _tensor(x if quantize else x.view(_torch.uint8), fn, "x",
                      _TORCH_OF[b.dtype] if quantize else _torch.uint8, (h.num_tokens, b.hidden),
                      b.device, align=_epx.PAYLOAD_ALIGNMENT)
-        sc = None if quantize else _tensor(x_scales, fn, "x_scales", _SCALE_DTYPE[fmt],
+        sc = None if quantize else _tensor(x_scales, fn, "x_scales", _scale_dtype(fmt),
                                            (h.num_tokens, cols), b.device)
         _check_handle_rows(rows, h, b, fn, "recv_x")
     recv_q, recv_s = _fp8_recv(b, fmt, cols, rows,

@@ -94,14 +94,14 @@ def _fp8_payload(fn, x, x_scales, quantize):
     if quantize or (_FP8 is not None and isinstance(x, Tensor) and x.dtype == _FP8):
         if quantize and x_scales is not None:
             _invalid("%s: x_scales is given with quantize=True; quantizing makes the scales "
-                          "(pass x of the buffer's dtype)", fn)
+                     "(pass x of the buffer's dtype)", fn)
         if not quantize and x_scales is None:
             _invalid("%s: x is float8_e4m3fn but x_scales is None; pass its scales "
-                          "(epx.fp8_scale_shape), or x of the buffer's dtype with quantize=True", fn)
+                     "(epx.fp8_scale_shape), or x of the buffer's dtype with quantize=True", fn)
         return True
     if x_scales is not None:
         _invalid("%s: x_scales is given but x is %s; pass x as torch.float8_e4m3fn", fn,
-                      getattr(x, "dtype", type(x).__name__))
+                 getattr(x, "dtype", type(x).__name__))
     return False
 
 
@@ -115,11 +115,11 @@ def _dispatch_again(buffer, d, x, x_scales, quantize, extra):
                         "buffer" % (fn, type(d).__name__))
     if extra:
         _invalid("%s: %s given with handle=; a dispatch on a handle takes only x (with "
-                      "x_scales or quantize for fp8 rows; the routing, weights and sizes are the "
-                      "handle's)", fn, ", ".join(extra))
+                 "x_scales or quantize for fp8 rows; the routing, weights and sizes are the "
+                 "handle's)", fn, ", ".join(extra))
     if d.buffer_id != buffer.id:
         _invalid("%s: the handle's dispatch was on buffer %d, not on buffer %d; pass the "
-                      "buffer it was made on", fn, d.buffer_id, buffer.id)
+                 "buffer it was made on", fn, d.buffer_id, buffer.id)
     if _fp8_payload(fn, x, x_scales, quantize):
         recv_q, recv_s = _torch.ops.epx.dispatch_fp8_cached(x, x_scales, d.handle_id,
                                                             d.recv_x.shape[0], d.top_k, buffer.id)
@@ -188,8 +188,8 @@ def dispatch(buffer, x, topk_idx=None, topk_w=None, locations=None, *,
         # DeepEP's fp8 x: (x_q, x_scales)
         if len(x) != 2 or x_scales is not None:
             _invalid("%s: x is a tuple of %d%s; pass (x_q, x_scales) as DeepEP takes it, or "
-                          "x_q with x_scales=", fn, len(x),
-                          " and x_scales is given too" if x_scales is not None else "")
+                     "x_q with x_scales=", fn, len(x),
+                     " and x_scales is given too" if x_scales is not None else "")
         x, x_scales = x
     _tensor_args(fn, dict(x=x), dict(topk_idx=topk_idx, topk_w=topk_w, locations=locations,
                                      x_scales=x_scales))
@@ -203,10 +203,10 @@ def dispatch(buffer, x, topk_idx=None, topk_w=None, locations=None, *,
     else:
         if topk_idx is None:
             _invalid("%s: topk_idx is None; pass the routing [T, K], or handle= an earlier "
-                          "Dispatched to dispatch again along its layout", fn)
+                     "Dispatched to dispatch again along its layout", fn)
         if exact_size and (quantize or x_scales is not None):
             _refuse(Status.ERROR_UNSUPPORTED, "%s: exact_size with an fp8 dispatch is not "
-                         "offered; drop exact_size", fn)
+                    "offered; drop exact_size", fn)
 
         def call():
             return _dispatch_fresh(buffer, x, topk_idx, topk_w, locations, weighting, recorder,

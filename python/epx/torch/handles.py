@@ -68,6 +68,6 @@ def _handle_of(token, fn):
     h = _HANDLES.get(int(token[0]))
     if h is None or h.released:
         _refuse(Status.ERROR_INVALID_HANDLE, "%s: the dispatch's handle was released; keep "
-                     "the Dispatched result (or the autograd graph) alive until combine and "
-                     "backward have run", fn)
+                "the Dispatched result (or the autograd graph) alive until combine and "
+                "backward have run", fn)
     return h

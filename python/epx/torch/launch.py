@@ -26,8 +26,8 @@ def _nccl_comm(group, rank, size, config):
     fn = "epx.torch.comm_from_process_group"
     if not _epx.has_nccl():
         _refuse(Status.ERROR_UNSUPPORTED, "%s: the group is an NCCL group but this libepx "
-                     "(%s) has no NCCL transport; build it with -DEPX_BUILD_CUDA=ON and NCCL "
-                     "(pip install ./python on a machine with nvcc)", fn, _epx.library_path)
+                "(%s) has no NCCL transport; build it with -DEPX_BUILD_CUDA=ON and NCCL "
+                "(pip install ./python on a machine with nvcc)", fn, _epx.library_path)
     uid = _lib.NcclUniqueId()
     if rank == 0:
         _check(lib.epx_nccl_get_unique_id(ctypes.byref(uid)))
@@ -53,7 +53,7 @@ def _mpi_world_without_mpi4py(fn):
     name = ctypes.util.find_library("mpi")
     if name is None:
         _refuse(Status.ERROR_UNSUPPORTED, "%s: libmpi was not found; install mpi4py "
-                     "(pip install mpi4py, or apt-get install python3-mpi4py)", fn)
+                "(pip install mpi4py, or apt-get install python3-mpi4py)", fn)
     mpi = ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
     flag = ctypes.c_int(0)
     mpi.MPI_Initialized(ctypes.byref(flag))
@@ -74,13 +74,13 @@ def _mpi_comm(group, rank, size, config):
     fn = "epx.torch.comm_from_process_group"
     if not any(v in os.environ for v in _MPI_LAUNCH_VARS):
         _refuse(Status.ERROR_UNSUPPORTED, "%s: transport 'mpi' needs processes started by "
-                     "mpirun; launch with `mpirun -np %d python your_script.py`, or use "
-                     "transport='shm' for processes of one host", fn, size)
+                "mpirun; launch with `mpirun -np %d python your_script.py`, or use "
+                "transport='shm' for processes of one host", fn, size)
     if not _epx.has_mpi():
         _refuse(Status.ERROR_UNSUPPORTED, "%s: this libepx (%s) was built without MPI "
-                     "(a CMake build has it when MPI is found at configure time; the wheel only "
-                     "when built with SKBUILD_CMAKE_DEFINE=EPX_BUILD_MPI=ON). Processes of one "
-                     "host need no MPI: transport='shm'", fn, _epx.library_path)
+                "(a CMake build has it when MPI is found at configure time; the wheel only "
+                "when built with SKBUILD_CMAKE_DEFINE=EPX_BUILD_MPI=ON). Processes of one "
+                "host need no MPI: transport='shm'", fn, _epx.library_path)
     ranks = [dist.get_global_rank(group, r) for r in range(size)]
     try:
         from mpi4py import MPI
@@ -90,22 +90,22 @@ def _mpi_comm(group, rank, size, config):
         world = MPI.COMM_WORLD
         if world.Get_rank() != dist.get_rank():
             _invalid("%s: torch rank %d is MPI rank %d; initialise torch.distributed with "
-                          "the MPI ranks (rank=OMPI_COMM_WORLD_RANK)", fn, dist.get_rank(),
-                          world.Get_rank())
+                     "the MPI ranks (rank=OMPI_COMM_WORLD_RANK)", fn, dist.get_rank(),
+                     world.Get_rank())
         mpi_comm = world if ranks == list(range(world.Get_size())) else \
             world.Create_group(world.Get_group().Incl(ranks))
         return _epx.Comm.from_mpi(mpi_comm, config)
     world = _mpi_world_without_mpi4py(fn)
     if ranks != list(range(dist.get_world_size())):
         _refuse(Status.ERROR_UNSUPPORTED, "%s: a sub-group of the world needs mpi4py to "
-                     "make its MPI communicator; install mpi4py", fn)
+                "make its MPI communicator; install mpi4py", fn)
     p = ctypes.c_void_p()
     _check(lib.epx_comm_create_mpi(ctypes.addressof(world), ctypes.byref(config),
                                         ctypes.byref(p)))
     comm = _epx.Comm(p.value)
     if comm.size != size:
         _invalid("%s: MPI_COMM_WORLD has %d ranks but the group %d; launch as many MPI "
-                      "ranks as torch ranks", fn, comm.size, size)
+                 "ranks as torch ranks", fn, comm.size, size)
     return comm
 
 
@@ -123,8 +123,8 @@ def _shm_comm(group, rank, size, config):
     hosts = sorted({h for h, _ in every})
     if len(hosts) > 1:
         _refuse(Status.ERROR_UNSUPPORTED, "%s: the group spans %d hosts (%s); transport "
-                     "'shm' joins processes of one host only; across hosts use transport='mpi' "
-                     "under mpirun, or an NCCL group", fn, len(hosts), ", ".join(hosts[:4]))
+                "'shm' joins processes of one host only; across hosts use transport='mpi' "
+                "under mpirun, or an NCCL group", fn, len(hosts), ", ".join(hosts[:4]))
     return _epx.Comm.from_shm(every[0][1], rank, size, config)
 
 
@@ -136,7 +136,7 @@ def _transport_of(group, transport, fn):
     if transport is not None:
         if transport not in _TRANSPORTS:
             _invalid("%s: transport is %r; pass None (chosen from the group) or one of %s",
-                          fn, transport, ", ".join(map(repr, _TRANSPORTS)))
+                     fn, transport, ", ".join(map(repr, _TRANSPORTS)))
         return transport
     backend = str(dist.get_backend(group)).lower()
     if "nccl" in backend:
@@ -176,8 +176,8 @@ def comm_from_process_group(group=None, *, timeout_seconds=None, transport=None)
     fn = "epx.torch.comm_from_process_group"
     if not dist.is_available() or not dist.is_initialized():
         _invalid("%s: torch.distributed is not initialised; call "
-                      "torch.distributed.init_process_group (or epx.torch.init_process_group) "
-                      "first", fn)
+                 "torch.distributed.init_process_group (or epx.torch.init_process_group) "
+                 "first", fn)
     if group is None:
         group = dist.group.WORLD
     rank, size = dist.get_rank(group), dist.get_world_size(group)
@@ -236,7 +236,7 @@ def _job_store(job, rank, size, timeout):
             while store.add("epx/joined", 0) < size - 1:
                 if time.monotonic() > deadline:
                     _refuse(Status.ERROR_TIMEOUT, "%s: %d of %d ranks joined rank 0's store "
-                                 "within %s", fn, store.add("epx/joined", 0) + 1, size, timeout)
+                            "within %s", fn, store.add("epx/joined", 0) + 1, size, timeout)
                 time.sleep(0.01)
         finally:
             os.remove(path)
@@ -244,7 +244,7 @@ def _job_store(job, rank, size, timeout):
     while not os.path.exists(path):
         if time.monotonic() > deadline:
             _refuse(Status.ERROR_TIMEOUT, "%s: rank 0 did not publish its store (%s) within "
-                         "%s; is rank 0 running?", fn, path, timeout)
+                    "%s; is rank 0 running?", fn, path, timeout)
         time.sleep(0.01)
     with open(path) as f:
         port = int(f.read())
@@ -267,8 +267,8 @@ def init_process_group(backend=None, **kwargs):
     env = launch_env()
     if env is None:
         _invalid("%s: no launcher's variables found (RANK/WORLD_SIZE of torchrun, "
-                      "OMPI_COMM_WORLD_* of mpirun, PMI_* of mpiexec, SLURM_* of srun); "
-                      "launch with one of them", fn)
+                 "OMPI_COMM_WORLD_* of mpirun, PMI_* of mpiexec, SLURM_* of srun); "
+                 "launch with one of them", fn)
     rank, size, _, local_size = env
     if backend is None:
         backend = "nccl" if _torch.cuda.is_available() else "gloo"
@@ -279,6 +279,6 @@ def init_process_group(backend=None, **kwargs):
         job = next((os.environ[v] for v in _JOB_IDS if v in os.environ), None)
         if local_size != size or job is None:
             _invalid("%s: set MASTER_ADDR and MASTER_PORT (rank 0's host and a free port): "
-                          "the ranks span hosts, or the launcher gives no job id", fn)
+                     "the ranks span hosts, or the launcher gives no job id", fn)
         kwargs["store"] = _job_store(job, rank, size, kwargs.get("timeout"))
     dist.init_process_group(backend, **kwargs)

@@ -28,9 +28,9 @@ def _moe_route_config(num_experts, top_k, capacity_factor, on_gpu, route_config,
     for name in _MOE_FIXED:
         if name in options:
             _invalid("%s: %s is not a routing option of the layer (%s)", fn, name,
-                          "set by the layer" if name in _MOE_FIXED[:4] else
-                          "memory: pass it to forward()" if name != "stream" else
-                          "the current torch stream is used")
+                     "set by the layer" if name in _MOE_FIXED[:4] else
+                     "memory: pass it to forward()" if name != "stream" else
+                     "the current torch stream is used")
     if route_config is not None and not isinstance(route_config, _epx.RouteConfig):
         raise TypeError("%s: route_config is a %s; pass an epx.RouteConfig"
                         % (fn, type(route_config).__name__))
@@ -119,16 +119,16 @@ class MoE(_torch.nn.Module):
         self.fp8 = _epx.FP8Format(_epx.FP8Format.E4M3_F32_128 if fp8 is True else int(fp8 or 0))
         if self.fp8 and (self.exact_size or Weighting(weighting) == Weighting.IN_DISPATCH):
             _invalid("epx.torch.MoE: fp8 dispatch with %s is not offered; use exact_size=False "
-                          "and weights in combine or NONE", "exact_size" if self.exact_size
-                          else "Weighting.IN_DISPATCH (fp8 rows are not scaled on the way)")
+                     "and weights in combine or NONE", "exact_size" if self.exact_size
+                     else "Weighting.IN_DISPATCH (fp8 rows are not scaled on the way)")
         W = comm.size
         if num_experts % W:
             _invalid("epx.torch.MoE: num_experts %d is not a multiple of the comm's %d "
-                          "ranks", num_experts, W)
+                     "ranks", num_experts, W)
         if Layout(layout) == Layout.RANK_MAJOR:
             _refuse(Status.ERROR_UNSUPPORTED, "epx.torch.MoE: the rank-major layout has no "
-                         "expert groups for a grouped matmul; use EXPERT_MAJOR or CAPACITY (or "
-                         "epx.torch.dispatch with your own experts)")
+                    "expert groups for a grouped matmul; use EXPERT_MAJOR or CAPACITY (or "
+                    "epx.torch.dispatch with your own experts)")
         on_gpu = _torch.device(device).type == "cuda"
         self.route_config = _moe_route_config(num_experts, top_k, capacity_factor, on_gpu,
                                               route_config, route_options)
@@ -210,14 +210,14 @@ class MoE(_torch.nn.Module):
                             % (fn, type(x).__name__, self.hidden_size))
         if x.dim() < 1 or x.shape[-1] != self.hidden_size:
             _invalid("%s: x has shape %s but the layer's hidden size is %d; pass x "
-                          "[..., %d]", fn, tuple(x.shape), self.hidden_size, self.hidden_size)
+                     "[..., %d]", fn, tuple(x.shape), self.hidden_size, self.hidden_size)
         want = self.w_gate_up.dtype
         if x.dtype != want:
             _invalid("%s: x is %s but the layer's experts are %s; pass x.to(%s)", fn,
-                          x.dtype, want, want)
+                     x.dtype, want, want)
         if x.device != self.w_gate_up.device:
             _invalid("%s: x is on %s but the layer is on %s; move one of them", fn,
-                          x.device, self.w_gate_up.device)
+                     x.device, self.w_gate_up.device)
 
     def forward(self, x, token_mask=None, aux_loss_expert_counts=None, return_counts=False):
         """x [..., H] -> out [..., H]; with return_counts, (out, expert_counts)

@@ -10,13 +10,14 @@ from torch import Tensor
 import epx as _epx
 from epx import Weighting
 from epx._lib import lib
+from epx import semantics
 from epx.errors import _check
 from .checkpointing import _recorder
 from .handles import _handle_of, _token
 from .profiling import _ranged
-from .tensors import (_buffer, _check_handle_rows, _check_handle_shape, _F32, _I32, _I64,
-                      _max_rows, _on_stream, _ptr, _recv_w_shape, _routing_tensor, _sized_buffer,
-                      _tensor, _TORCH_OF)
+from .tensors import (_buffer, _check_handle_rows, _check_handle_shape, _empties, _F32, _I32,
+                      _I64, _max_rows, _on_stream, _ptr, _recv_w_shape, _routing_tensor,
+                      _sized_buffer, _tensor, _TORCH_OF)
 
 
 def _dispatch_inputs(b, x, topk_idx, topk_w, locations, fn, x_dtype=None):
@@ -73,12 +74,8 @@ def _dispatch_fake(x, topk_idx, topk_w, locations, buffer_id, weighting, recorde
     b = _buffer(buffer_id, "epx.torch.dispatch")
     _sized_buffer(b, "epx.torch.dispatch")
     rows = _max_rows(b, "epx.torch.dispatch")
-    shape = _recv_w_shape(b, rows, topk_idx.shape[1])
-    n = b.experts_per_rank
-    return (x.new_empty((rows, b.hidden)), x.new_empty(shape, dtype=_F32),
-            x.new_empty(shape, dtype=_I32), x.new_empty((n,), dtype=_I64),
-            x.new_empty((n + 1,), dtype=_I64), x.new_empty((1,), dtype=_I64),
-            _torch.empty((1,), dtype=_I64, device="cpu"))
+    return _empties(semantics.dispatch_outputs(rows, b.hidden, topk_idx.shape[1],
+                                               b.experts_per_rank, b.layout), x)
 
 
 @_torch.library.custom_op("epx::dispatch_backward", mutates_args=())
@@ -109,8 +106,8 @@ def _dispatch_backward_op(grad_recv_x: Tensor, x: Optional[Tensor], token: Tenso
 
 @_dispatch_backward_op.register_fake
 def _dispatch_backward_fake(grad_recv_x, x, token, num_tokens, top_k):
-    return (grad_recv_x.new_empty((num_tokens, grad_recv_x.shape[1])),
-            grad_recv_x.new_empty((num_tokens, top_k), dtype=_F32))
+    return _empties(semantics.dispatch_backward_outputs(num_tokens, grad_recv_x.shape[1], top_k),
+                    grad_recv_x)
 
 
 @_torch.library.custom_op("epx::weights_backward", mutates_args=())
@@ -136,7 +133,7 @@ def _weights_backward_op(grad_recv_w: Tensor, token: Tensor, num_tokens: int,
 
 @_weights_backward_op.register_fake
 def _weights_backward_fake(grad_recv_w, token, num_tokens, top_k):
-    return grad_recv_w.new_empty((num_tokens, top_k), dtype=_F32)
+    return _empties(semantics.weights_backward_outputs(num_tokens, top_k), grad_recv_w)[0]
 
 
 def _dispatch_setup(ctx, inputs, output):
@@ -189,7 +186,7 @@ def _combine_op(expert_out: Tensor, topk_w: Optional[Tensor], token: Tensor, num
 
 @_combine_op.register_fake
 def _combine_fake(expert_out, topk_w, token, num_tokens, weighting):
-    return expert_out.new_empty((num_tokens, expert_out.shape[1]))
+    return _empties(semantics.combine_outputs(num_tokens, expert_out.shape[1]), expert_out)[0]
 
 
 @_torch.library.custom_op("epx::combine_backward", mutates_args=())
@@ -220,8 +217,8 @@ def _combine_backward_op(grad_out: Tensor, expert_out: Optional[Tensor], token: 
 
 @_combine_backward_op.register_fake
 def _combine_backward_fake(grad_out, expert_out, token, rows, top_k):
-    return (grad_out.new_empty((rows, grad_out.shape[1])),
-            grad_out.new_empty((grad_out.shape[0], top_k), dtype=_F32))
+    return _empties(semantics.combine_backward_outputs(rows, grad_out.shape[1],
+                                                       grad_out.shape[0], top_k), grad_out)
 
 
 def _combine_setup(ctx, inputs, output):
@@ -279,12 +276,8 @@ def _dispatch_exact_op(x: Tensor, topk_idx: Tensor, topk_w: Optional[Tensor],
 def _dispatch_exact_fake(x, topk_idx, topk_w, locations, buffer_id, weighting, recorder_id):
     b = _buffer(buffer_id, "epx.torch.dispatch")
     rows = _torch.library.get_ctx().new_dynamic_size()
-    shape = _recv_w_shape(b, rows, topk_idx.shape[1])
-    n = b.experts_per_rank
-    return (x.new_empty((rows, b.hidden)), x.new_empty(shape, dtype=_F32),
-            x.new_empty(shape, dtype=_I32), x.new_empty((n,), dtype=_I64),
-            x.new_empty((n + 1,), dtype=_I64), x.new_empty((1,), dtype=_I64),
-            _torch.empty((1,), dtype=_I64, device="cpu"))
+    return _empties(semantics.dispatch_outputs(rows, b.hidden, topk_idx.shape[1],
+                                               b.experts_per_rank, b.layout), x)
 
 
 _dispatch_exact_op.register_autograd(_dispatch_backward, setup_context=_dispatch_setup)

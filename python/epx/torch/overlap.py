@@ -89,7 +89,7 @@ def _overlapped(fn, dev, previous_event, async_finish, comm_stream, inputs, call
     if dev.type != "cuda":
         if comm_stream is not None:
             _invalid("%s: comm_stream is given but the tensors are on %s; streams are for "
-                          "CUDA tensors", fn, dev)
+                     "CUDA tensors", fn, dev)
         if previous_event is not None:
             previous_event.synchronize()  # a CUDA event before a CPU op: wait on the host
         result = call()

@@ -10,10 +10,11 @@ from torch import Tensor
 
 from epx import Device, _lib
 from epx._lib import lib
+from epx import semantics
 from epx.errors import _check, _invalid
 from epx.routing import _route_config, _route_config_check
 from .profiling import _ranged
-from .tensors import _check_device, _F32, _I32, _I64, _ptr, _tensor
+from .tensors import _check_device, _empties, _F32, _I32, _I64, _ptr, _tensor
 
 
 # A route config travels to the ops as its id: the struct's bytes in hex (a
@@ -80,10 +81,7 @@ def _route_op(logits: Tensor, bias: Optional[Tensor], token_mask: Optional[Tenso
 def _route_fake(logits, bias, token_mask, aux_counts, config_id):
     config = _config_of(config_id)
     T, E, K = logits.shape[0], int(config.num_experts), int(config.top_k)
-    return (logits.new_empty((T, K), dtype=_I32), logits.new_empty((T, K), dtype=_F32),
-            logits.new_empty((T, K), dtype=_I32), logits.new_empty((E,), dtype=_I32),
-            logits.new_empty((), dtype=_F32), logits.new_empty((), dtype=_F32),
-            _torch.empty((2,), dtype=_I64, device="cpu"))
+    return _empties(semantics.route_outputs(T, K, E), logits)
 
 
 @_torch.library.custom_op("epx::route_backward", mutates_args=())
@@ -117,7 +115,7 @@ def _route_backward_op(logits: Tensor, bias: Optional[Tensor], token_mask: Optio
 @_route_backward_op.register_fake
 def _route_backward_fake(logits, bias, token_mask, aux_counts, topk_idx, grad_topk_w, grad_aux,
                          grad_z, config_id):
-    return _torch.empty_like(logits, dtype=_F32)
+    return _empties(semantics.route_backward_outputs(*logits.shape), logits)[0]
 
 
 def _route_setup(ctx, inputs, output):
@@ -180,13 +178,13 @@ def _route_fields_config(config, shape, fields, fn):
     for name in _MEMORY_FIELDS:
         if name in fields:
             _invalid("%s: %s is memory, not a number: pass it as a tensor keyword (%s=...)"
-                          " rather than a config field", fn, name,
-                          name if name != "stream" else "the current torch stream is used;"
-                          " stream")
+                     " rather than a config field", fn, name,
+                     name if name != "stream" else "the current torch stream is used;"
+                     " stream")
     config = _route_config(config, shape, fields)
     if config.token_mask or config.aux_loss_expert_counts:
         _invalid("%s: config.token_mask / aux_loss_expert_counts are set; pass them as "
-                      "tensors (token_mask=..., aux_loss_expert_counts=...) instead", fn)
+                 "tensors (token_mask=..., aux_loss_expert_counts=...) instead", fn)
     return config.copy(device=Device.CPU, stream=None)
 
 
@@ -205,7 +203,7 @@ def route(logits, config=None, *, bias=None, token_mask=None, aux_loss_expert_co
     fn = "epx.torch.route"
     if not isinstance(logits, _torch.Tensor):
         _invalid("%s: logits is a %s; pass a float32 torch.Tensor [T, E]", fn,
-                      type(logits).__name__)
+                 type(logits).__name__)
     config = _route_fields_config(config, tuple(logits.shape), fields, fn)
     dev = Device.CUDA if logits.device.type == "cuda" else Device.CPU
     E = int(config.num_experts)

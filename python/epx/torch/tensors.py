@@ -4,16 +4,20 @@ torch_dtype) and every argument check of the ops, in the binding's words
 import torch as _torch
 
 import epx as _epx
-from epx import Device, DType, Layout, Status
+from epx import Device, DType, Status
 from epx.arrays import _as_dtype, _shape_text
 from epx.errors import _invalid, _refuse
 from epx.ownership import _BUFFERS
+from epx import semantics
 
 
 _DTYPES = {_torch.float32: DType.FLOAT32, _torch.bfloat16: DType.BFLOAT16,
            _torch.float16: DType.FLOAT16}
 _TORCH_OF = {v: k for k, v in _DTYPES.items()}
 _I32, _I64, _F32 = _torch.int32, _torch.int64, _torch.float32
+# epx.semantics' dtype names ("payload" aside); fp8 is None where torch has no e4m3fn.
+_OF_NAME = {"float32": _F32, "int32": _I32, "int64": _I64, "uint8": _torch.uint8,
+            semantics.FP8: getattr(_torch, "float8_e4m3fn", None)}
 
 
 def epx_dtype(dtype):
@@ -36,10 +40,10 @@ def _check_device(t, fn, name, buffer_device):
     if t.device.type != want:
         if t.device.type == "cuda" and not _epx.has_cuda():
             _refuse(Status.ERROR_UNSUPPORTED, "%s: %s is a CUDA tensor but this libepx (%s) "
-                         "has no CUDA backend; build it with -DEPX_BUILD_CUDA=ON (pip install "
-                         "./python does when nvcc is found)", fn, name, _epx.library_path)
+                    "has no CUDA backend; build it with -DEPX_BUILD_CUDA=ON (pip install "
+                    "./python does when nvcc is found)", fn, name, _epx.library_path)
         _invalid("%s: %s is on %s but the buffer is a %s buffer; move it with .to(%r)", fn,
-                      name, t.device, want.upper(), want)
+                 name, t.device, want.upper(), want)
 
 
 def _tensor(t, fn, name, dtype, shape, buffer_device, align=4, optional=False):
@@ -49,16 +53,16 @@ def _tensor(t, fn, name, dtype, shape, buffer_device, align=4, optional=False):
         if optional:
             return None
         _invalid("%s: %s is None; pass a %s tensor of shape %s", fn, name, dtype,
-                      _shape_text(shape))
+                 _shape_text(shape))
     if not isinstance(t, _torch.Tensor):
         _invalid("%s: %s is a %s; pass a torch.Tensor", fn, name, type(t).__name__)
     _check_device(t, fn, name, buffer_device)
     if t.dtype != dtype:
         _invalid("%s: %s has dtype %s; pass %s (convert with .to(%s))", fn, name, t.dtype,
-                      dtype, dtype)
+                 dtype, dtype)
     if t.dim() != len(shape) or any(s is not None and s != n for s, n in zip(shape, t.shape)):
         _invalid("%s: %s has shape %s; expected %s", fn, name, list(t.shape),
-                      _shape_text(shape))
+                 _shape_text(shape))
     t = t.detach()
     if not t.is_contiguous():
         t = t.contiguous()
@@ -73,7 +77,7 @@ def _tensor_args(fn, required, optional):
     for name, t in list(required.items()) + list(optional.items()):
         if not isinstance(t, _torch.Tensor) and (t is not None or name in required):
             _invalid("%s: %s is %s; pass a torch.Tensor", fn, name,
-                          "None" if t is None else "a " + type(t).__name__)
+                     "None" if t is None else "a " + type(t).__name__)
 
 
 def _routing_tensor(t, fn, name, dtype, shape, buffer_device, optional=False, high=None):
@@ -106,7 +110,7 @@ def _ids(t, fn, name, high):
     out-of-range route it is."""
     if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == _torch.bool:
         _invalid("%s: %s has dtype %s; pass an integer tensor (int32 or int64)", fn, name,
-                      t.dtype)
+                 t.dtype)
     if t.dtype == _I32 or t.numel() == 0:
         return t
     top = _INT32_MAX if high is None else high - 1
@@ -118,8 +122,8 @@ def _ids(t, fn, name, high):
     if len(bad):
         at = tuple(int(i) for i in bad[0])
         _invalid("%s: %s%s is %d, outside [-1, %d]; pass %s", fn, name, list(at),
-                      int(t[at]), top, "expert ids of the buffer's %d experts (-1: none)" % high
-                      if high is not None else "values that fit int32")
+                 int(t[at]), top, "expert ids of the buffer's %d experts (-1: none)" % high
+                 if high is not None else "values that fit int32")
     return t
 
 
@@ -139,9 +143,9 @@ def _on_stream(buffer, device):
         return
     if _torch.cuda.is_current_stream_capturing():
         _refuse(Status.ERROR_UNSUPPORTED, "epx.torch: buffer %d gets a new CUDA stream "
-                     "inside a CUDA graph capture; run a warm-up step on the capture stream "
-                     "first (with torch.cuda.stream(s): step(); then torch.cuda.graph(g, "
-                     "stream=s))", buffer.id)
+                "inside a CUDA graph capture; run a warm-up step on the capture stream "
+                "first (with torch.cuda.stream(s): step(); then torch.cuda.graph(g, "
+                "stream=s))", buffer.id)
     buffer.set_stream(stream)
 
 
@@ -149,7 +153,7 @@ def _buffer(buffer_id, fn):
     b = _BUFFERS.get(int(buffer_id))
     if b is None or b.closed:
         _refuse(Status.ERROR_INVALID_HANDLE, "%s: buffer %d was closed (or never made); "
-                     "keep the epx.Buffer open while the layer uses it", fn, buffer_id)
+                "keep the epx.Buffer open while the layer uses it", fn, buffer_id)
     return b
 
 
@@ -159,9 +163,9 @@ def _sized_buffer(buffer, fn):
     without max_tokens_per_rank is refused in eager code as in compiled."""
     if not buffer.config.max_tokens_per_rank:
         _invalid("%s: buffer %d was made without max_tokens_per_rank, so its receive size "
-                      "is not known before the first exchange; make it with "
-                      "epx.torch.make_buffer(..., max_tokens_per_rank=...) (or "
-                      "comm.buffer(max_tokens_per_rank=...))", fn, buffer.id)
+                 "is not known before the first exchange; make it with "
+                 "epx.torch.make_buffer(..., max_tokens_per_rank=...) (or "
+                 "comm.buffer(max_tokens_per_rank=...))", fn, buffer.id)
 
 
 def _max_rows(buffer, fn):
@@ -170,9 +174,9 @@ def _max_rows(buffer, fn):
         return buffer.max_recv_rows()
     except _epx.EpxError as e:
         _invalid("%s: the buffer's receive size is not known yet (%s); give the buffer "
-                      "max_tokens_per_rank (epx.torch.make_buffer / MoE(max_tokens_per_rank=...)) "
-                      "so its worst case is known before the first call, as torch.compile needs",
-                      fn, e.message)
+                 "max_tokens_per_rank (epx.torch.make_buffer / MoE(max_tokens_per_rank=...)) "
+                 "so its worst case is known before the first call, as torch.compile needs",
+                 fn, e.message)
 
 
 def _handle_rows(h, b, fn):
@@ -193,8 +197,8 @@ def _check_handle_rows(rows, h, b, fn, name):
     need, most = _handle_rows(h, b, fn), _max_rows(b, fn)
     if not need <= rows <= max(need, most):
         _invalid("%s: %s has %d rows; the dispatch received %d (any dispatch on this buffer "
-                      "at most %d): pass a row for every row of the Dispatched's recv_x, as "
-                      "dispatch returned it", fn, name, rows, need, most)
+                 "at most %d): pass a row for every row of the Dispatched's recv_x, as "
+                 "dispatch returned it", fn, name, rows, need, most)
 
 
 def _check_handle_shape(h, fn, num_tokens, top_k=None):
@@ -202,9 +206,21 @@ def _check_handle_shape(h, fn, num_tokens, top_k=None):
     the handle's own."""
     if num_tokens != h.num_tokens or (top_k is not None and top_k != h.top_k):
         _invalid("%s: the dispatch had %d tokens and top_k %d, not %d and %s; pass the "
-                      "Dispatched that dispatch returned, unchanged", fn, h.num_tokens, h.top_k,
-                      num_tokens, top_k if top_k is not None else h.top_k)
+                 "Dispatched that dispatch returned, unchanged", fn, h.num_tokens, h.top_k,
+                 num_tokens, top_k if top_k is not None else h.top_k)
 
 
 def _recv_w_shape(buffer, rows, top_k):
-    return (rows, top_k) if buffer.layout == Layout.RANK_MAJOR else (rows,)
+    return semantics.recv_w_shape(buffer.layout, rows, top_k)
+
+
+def _empties(outs, like, payload=None):
+    """Uninitialised tensors of epx.semantics outputs, as a fake function
+    returns them: on like's device (host outputs on the CPU), payload ones in
+    payload's dtype (default like's)."""
+    made = []
+    for o in outs:
+        dtype = (payload or like.dtype) if o.dtype == semantics.PAYLOAD else _OF_NAME[o.dtype]
+        made.append(like.new_empty(o.shape, dtype=dtype) if o.where == "device"
+                    else _torch.empty(o.shape, dtype=dtype, device="cpu"))
+    return tuple(made)
