@@ -9,6 +9,34 @@ from .functional import combine, dispatch, make_buffer
 from .tensors import _F32, _I32, torch_dtype
 
 
+def routing_map_topk(routing_map, probs, top_k):
+    """Megatron's routing_map [T, E] (bool, or nonzero = selected) and probs
+    [T, E] -> (topk_idx [T, top_k] int32, topk_w [T, top_k] float32): each
+    token's selected experts in ascending id order (the order Megatron
+    permutes in), -1 and weight 0 past its last."""
+    E = routing_map.shape[1]
+    rank_of = (E - _torch.arange(E, device=routing_map.device)).to(_I32)
+    top, idx = _torch.topk(routing_map.to(_I32) * rank_of, top_k, dim=1)
+    chosen = top > 0
+    idx = _torch.where(chosen, idx, -1).to(_I32)
+    w = _torch.where(chosen, probs.gather(1, idx.clamp(min=0).long()).float(),
+                     _torch.zeros((), device=probs.device))
+    return idx, w
+
+
+def check_routing_map_rows(fn, chosen, top_k, limit):
+    """Refuses a routing map (bool [T, E]) whose row selects more than top_k
+    experts (the topk would drop the extra ones silently); limit says why,
+    formatted with (top_k, the most a row selects). Reads the map on the
+    host (a device wait on CUDA)."""
+    per_row = chosen.sum(dim=1)
+    worst = int(per_row.max()) if per_row.numel() else 0
+    if worst > top_k:
+        row = int(_torch.argmax((per_row > top_k).to(_I32)))
+        _invalid("%s: routing_map row %d selects %d experts" + limit, fn, row,
+                 int(per_row[row]), top_k, worst)
+
+
 class TokenDispatcher:
     """Megatron-core's token-dispatcher interface over epx, for porting a
     Megatron MoE layer: ``token_permutation(hidden_states, probs,
@@ -53,14 +81,7 @@ class TokenDispatcher:
             self._check_routing(hidden_states, probs, routing_map)
         self._shape = hidden_states.shape
         x = hidden_states.reshape(-1, self._shape[-1])
-        E = self.num_experts
-        # The selected experts in ascending id order (Megatron's permutation order).
-        rank_of = (E - _torch.arange(E, device=routing_map.device)).to(_I32)
-        key = routing_map.to(_I32) * rank_of
-        top, idx = _torch.topk(key, self.top_k, dim=1)
-        idx = _torch.where(top > 0, idx, _torch.full_like(idx, -1)).to(_I32)
-        w = _torch.where(top > 0, probs.gather(1, idx.clamp(min=0).long()).float(),
-                         _torch.zeros((), device=probs.device))
+        idx, w = routing_map_topk(routing_map, probs, self.top_k)
         self._d = dispatch(self.buffer, x, idx, w, weighting=self.weighting,
                            exact_size=self.exact_size)
         self.tokens_per_expert = self._d.counts
@@ -109,14 +130,9 @@ class TokenDispatcher:
                 _invalid("%s: %s is on %s but the dispatcher's buffer is on %s; move it",
                          fn, name, t.device, dev_kind)
         chosen = routing_map != 0
-        per_row = chosen.sum(dim=1)
-        worst = int(per_row.max()) if per_row.numel() else 0
-        if worst > self.top_k:
-            row = int(_torch.argmax((per_row > self.top_k).to(_I32)))
-            _invalid("%s: routing_map row %d selects %d experts but top_k is %d; every "
-                     "token may go to at most top_k experts (make the dispatcher with "
-                     "top_k=%d, or fix the router)", fn, row, int(per_row[row]), self.top_k,
-                     worst)
+        check_routing_map_rows(fn, chosen, self.top_k, " but top_k is %d; every token may go to "
+                               "at most top_k experts (make the dispatcher with top_k=%d, or "
+                               "fix the router)")
         weightless = chosen & ~(probs > 0) & ~_torch.isinf(probs)
         weightless |= chosen & ~_torch.isfinite(probs)
         if bool(weightless.any()):
