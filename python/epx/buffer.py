@@ -228,13 +228,7 @@ class Buffer(_Closable):
         fn = "Buffer.ll_dispatch"
         with self._together("ll_dispatch"):
             T, K, pi, pw, _ = self._routing_args(fn, topk_idx, topk_w, None)
-            count, step = None, T
-            if num_tokens is not None:
-                step = int(num_tokens)
-                if not 0 <= step <= T:
-                    _invalid("%s: num_tokens is %d; pass a count in [0, %d] (the rows of topk_idx)",
-                             fn, step, T)
-                count = ctypes.c_int32(step)
+            count, step = _ll_step(fn, T, num_tokens)
             px = self._payload_in(x, T, fn, "x")
             shape = self.ll_shape()
             if out is None:
@@ -260,13 +254,7 @@ class Buffer(_Closable):
         fn = "Buffer.ll_dispatch_fp8"
         with self._together("ll_dispatch"):
             T, K, pi, pw, _ = self._routing_args(fn, topk_idx, topk_w, None)
-            count, step = None, T
-            if num_tokens is not None:
-                step = int(num_tokens)
-                if not 0 <= step <= T:
-                    _invalid("%s: num_tokens is %d; pass a count in [0, %d] (the rows of topk_idx)",
-                             fn, step, T)
-                count = ctypes.c_int32(step)
+            count, step = _ll_step(fn, T, num_tokens)
             cols, sdt = fp8_scale_shape(self.config.fp8_format, self.hidden)
             if x_scales is None:
                 px = self._payload_in(x, T, fn, "x")
@@ -506,3 +494,15 @@ class Buffer(_Closable):
             pw = _ptr(grad_w, fn, "grad_w", _F32, (handle.num_tokens, handle.top_k), writable=True)
         _check(lib.epx_weights_backward(self._handle_ptr(fn), handle._use(self, fn), pg, pw))
         return grad_w
+
+
+def _ll_step(fn, rows, num_tokens):
+    """(the count a low-latency dispatch reads, as a ctypes int32 or None,
+    the step's tokens): num_tokens of the rows, or all of them."""
+    if num_tokens is None:
+        return None, rows
+    step = int(num_tokens)
+    if not 0 <= step <= rows:
+        _invalid("%s: num_tokens is %d; pass a count in [0, %d] (the rows of topk_idx)", fn, step,
+                 rows)
+    return ctypes.c_int32(step), step

@@ -14,6 +14,14 @@ from .ownership import _Closable, _destroy, _released
 from .routing import route_agree_capacity, route_sum_counts
 
 
+def _comm_config(config, fields):
+    """A constructor's CommConfig: config with fields over it, or the
+    defaults with fields."""
+    if config is None:
+        return CommConfig(**fields)
+    return config.copy(**fields) if fields else config
+
+
 class Comm(_Closable):
     """A group of ranks (epx_comm_t). Make one with :meth:`create_self`,
     :meth:`LocalWorld.comm` or :meth:`from_mpi`.
@@ -44,10 +52,7 @@ class Comm(_Closable):
     def from_mpi(cls, mpi_comm, config=None, **fields):
         """The MPI transport over an mpi4py communicator (or the address of an
         MPI_Comm); collective. The library duplicates it."""
-        if config is None:
-            config = CommConfig(**fields)
-        elif fields:
-            config = config.copy(**fields)
+        config = _comm_config(config, fields)
         if isinstance(mpi_comm, int):
             address = mpi_comm
         else:
@@ -62,10 +67,7 @@ class Comm(_Closable):
         """The shm transport (epx_comm_create_shm): `size` processes of one
         host meeting in POSIX shared memory under `name` (the same on every
         rank, new for every comm); collective. No MPI needed."""
-        if config is None:
-            config = CommConfig(**fields)
-        elif fields:
-            config = config.copy(**fields)
+        config = _comm_config(config, fields)
         p = ctypes.c_void_p()
         rank = _c_int(rank, ctypes.c_int32, "Comm.from_shm", "rank")
         size = _c_int(size, ctypes.c_int32, "Comm.from_shm", "size")
@@ -131,10 +133,7 @@ class LocalWorld(_Closable):
     rank's thread calls :meth:`comm` with its rank; see :func:`run_local`."""
 
     def __init__(self, size, config=None, **fields):
-        if config is None:
-            config = CommConfig(**fields)
-        elif fields:
-            config = config.copy(**fields)
+        config = _comm_config(config, fields)
         p = ctypes.c_void_p()
         size = _c_int(size, ctypes.c_int32, "LocalWorld", "size")
         _check(lib.epx_local_world_create(size, ctypes.byref(config), ctypes.byref(p)))

@@ -48,12 +48,9 @@ def _recv_metadata(b, handle, rows, K, dev, fn):
     return recv_w, recv_expert, counts, offsets, offsets[-1:].clone()
 
 
-@_torch.library.custom_op("epx::dispatch", mutates_args=())
-@_ranged("epx::dispatch")
-def _dispatch_op(x: Tensor, topk_idx: Tensor, topk_w: Optional[Tensor],
-                 locations: Optional[Tensor], buffer_id: int, weighting: int, recorder_id: int
-                 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    fn = "epx.torch.dispatch"
+def _dispatch_layout(x, topk_idx, topk_w, locations, buffer_id, weighting, recorder_id, fn):
+    """The layout step of a dispatch op: (buffer, x checked, top_k, handle,
+    its token)."""
     b = _buffer(buffer_id, fn)
     with b._together("layout"):
         xc, idx, w, loc = _dispatch_inputs(b, x, topk_idx, topk_w, locations, fn)
@@ -61,7 +58,17 @@ def _dispatch_op(x: Tensor, topk_idx: Tensor, topk_w: Optional[Tensor],
     T, K = idx.shape
     _on_stream(b, x.device)
     handle = b._layout(T, K, _ptr(idx), _ptr(w), _ptr(loc), weighting, rec)
-    token = _token(handle)
+    return b, xc, K, handle, _token(handle)
+
+
+@_torch.library.custom_op("epx::dispatch", mutates_args=())
+@_ranged("epx::dispatch")
+def _dispatch_op(x: Tensor, topk_idx: Tensor, topk_w: Optional[Tensor],
+                 locations: Optional[Tensor], buffer_id: int, weighting: int, recorder_id: int
+                 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    fn = "epx.torch.dispatch"
+    b, xc, K, handle, token = _dispatch_layout(x, topk_idx, topk_w, locations, buffer_id,
+                                               weighting, recorder_id, fn)
     rows = _max_rows(b, fn)
     dev = x.device
     recv_x = _torch.zeros((rows, b.hidden), dtype=xc.dtype, device=dev)
@@ -258,14 +265,8 @@ def _dispatch_exact_op(x: Tensor, topk_idx: Tensor, topk_w: Optional[Tensor],
     """epx::dispatch with receive tensors of exactly N rows: the layout's row
     count is read on the host (one host sync on CUDA) before they are made."""
     fn = "epx.torch.dispatch"
-    b = _buffer(buffer_id, fn)
-    with b._together("layout"):
-        xc, idx, w, loc = _dispatch_inputs(b, x, topk_idx, topk_w, locations, fn)
-        rec = _recorder(recorder_id, fn)
-    T, K = idx.shape
-    _on_stream(b, x.device)
-    handle = b._layout(T, K, _ptr(idx), _ptr(w), _ptr(loc), weighting, rec)
-    token = _token(handle)
+    b, xc, K, handle, token = _dispatch_layout(x, topk_idx, topk_w, locations, buffer_id,
+                                               weighting, recorder_id, fn)
     rows = handle.recv_rows
     recv_x = _torch.zeros((rows, b.hidden), dtype=xc.dtype, device=x.device)
     b._dispatch(handle, _ptr(xc), _ptr(recv_x), rows)
