@@ -3,7 +3,6 @@
 launcher's rank and size variables) and init_process_group."""
 import ctypes
 import os
-import time
 
 import torch as _torch
 
