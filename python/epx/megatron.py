@@ -158,8 +158,8 @@ class EpxTokenDispatcher(MoETokenDispatcher):
         if x.shape[0] != routing_map.shape[0]:
             _epx._invalid("%s: %d tokens but routing_map has %d rows", fn, x.shape[0],
                           routing_map.shape[0])
-        check_routing_map_rows(fn, routing_map, self.top_k, ", more than "
-                               "config.moe_router_topk=%d (a row may select at most %d)")
+        check_routing_map_rows(fn, routing_map, self.top_k, ", more than config.moe_router_topk="
+                               "%d (set it to %d or more, or fix the router)")
         self._topk_idx, w = routing_map_topk(routing_map, probs, self.top_k)
         self._probs_dtype = probs.dtype
         return x, w
