@@ -2,7 +2,7 @@
 
 Everything here mirrors include/epx.h one to one: the enums, the config and
 output structs (with the defaults of the C *_INIT macros) and the prototype
-of every public function. The pythonic layer in epx/__init__.py sits on top.
+of every public function. The pythonic layer (epx/__init__.py and its rooms) sits on top.
 """
 import ctypes
 import ctypes.util
@@ -208,7 +208,7 @@ _INT_RANGES = {ctypes.c_int32: ("int32_t", -2 ** 31, 2 ** 31 - 1),
 
 
 def refuse_invalid(fmt, *args):
-    """How an out-of-range field is refused; epx/__init__.py replaces it with
+    """How an out-of-range field is refused; epx/errors.py replaces it with
     its own (an epx.InvalidArgumentError, a ValueError as this is)."""
     raise ValueError(fmt % args)
 

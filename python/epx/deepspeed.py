@@ -36,7 +36,7 @@ from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
 
 import epx as _epx
 import epx.torch as _et
-from epx import AuxCounts, DropPolicy, Exchange, QueueOrder, Status
+from epx import AuxCounts, DropPolicy, Exchange, QueueOrder, Status, Weighting
 from epx import _dropin
 
 __all__ = ["MoE", "MOELayer"]
@@ -79,7 +79,9 @@ class MOELayer(torch.nn.Module):
         self.use_rts, self.rts_seed = use_rts, rts_seed
         self.max_tokens_per_rank = max_tokens_per_rank
         self.exchange, self.timeout_seconds = Exchange(exchange), timeout_seconds
-        self.comm = self.buffer = None
+        self.comm = None
+        self._epx_buffers = _dropin.BufferCache("epx.deepspeed.MoE", "pass max_tokens_per_rank=%d "
+                                                "(or more) to the layer")
         self.l_aux = self.exp_counts = None
         self.route_config = None  # (the gate's settings, their epx.RouteConfig)
 
@@ -98,22 +100,17 @@ class MOELayer(torch.nn.Module):
                          else _dropin.comm_of(self.ep_group, self.timeout_seconds))
         return self.comm
 
-    def _buffer_for(self, x):
-        if self.buffer is None:
-            self.buffer = _dropin.first_buffer(
-                self._comm_now(), x, self.max_tokens_per_rank, num_experts=self.num_experts,
-                max_top_k=self.gate.k, exchange=self.exchange, expert_alignment=1)
-        _dropin.check_tokens("epx.deepspeed.MoE", self.buffer, x,
-                             "pass max_tokens_per_rank=%d (or more) to the layer")
-        return self.buffer
+    @property
+    def buffer(self):
+        """The epx buffer (made at the first forward; None before)."""
+        return self._epx_buffers.only()
 
     def close(self):
         """Closes the buffer and the comm (made at the first forward)."""
-        if self.buffer is not None:
-            self.buffer.close()
+        self._epx_buffers.close()
         if self.comm is not None:
             self.comm.close()
-        self.comm = self.buffer = None
+        self.comm = None
 
     def _route_config(self):
         """The epx.RouteConfig of the gate's current settings, built once per
@@ -154,7 +151,10 @@ class MOELayer(torch.nn.Module):
                          "one rank) are not supported")
         x2 = x.reshape(-1, x.shape[-1])
         r = self._route(x2)
-        d = _et.dispatch(self._buffer_for(x2), x2, r.topk_idx, r.topk_w, exact_size=True)
+        buffer = self._epx_buffers.get(self._comm_now(), x2, self.max_tokens_per_rank,
+                                       num_experts=self.num_experts, max_top_k=self.gate.k,
+                                       exchange=self.exchange, expert_alignment=1)
+        d = _dropin.dispatch(buffer, x2, r.topk_idx, r.topk_w, Weighting.IN_COMBINE)
         out = _et.combine(d, self._run_experts(d))
         self.l_aux, self.exp_counts = r.aux_loss, r.expert_counts.to(torch.int64)
         return out.reshape(x.shape)

@@ -49,8 +49,9 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 import epx as _epx
 import epx.torch as _et
-from epx import Exchange, Status, Weighting
+from epx import Exchange, Status
 from epx import _dropin
+from epx.torch.dispatcher import check_routing_map_rows, routing_map_topk
 
 __all__ = ["EpxTokenDispatcher", "install"]
 
@@ -109,7 +110,8 @@ class EpxTokenDispatcher(MoETokenDispatcher):
                           self.comm.rank, self.comm.size, ep_rank, self.ep_size)
         self.max_tokens_per_rank = max_tokens_per_rank
         self.exchange = Exchange(exchange)
-        self.buffer = None
+        self._epx_buffers = _dropin.BufferCache(fn, "pass max_tokens_per_rank=%d (or more) to "
+                                                "the dispatcher")
         self._step = None
 
     @classmethod
@@ -126,24 +128,16 @@ class EpxTokenDispatcher(MoETokenDispatcher):
                      "overlap is not supported; set config.moe_shared_expert_overlap=False (the "
                      "MoELayer computes its shared experts itself)")
 
+    @property
+    def buffer(self):
+        """The epx buffer (made at the first dispatch; None before)."""
+        return self._epx_buffers.only()
+
     def close(self):
         """Closes the buffer, and the comm when this dispatcher made it."""
-        if self.buffer is not None:
-            self.buffer.close()
-            self.buffer = None
+        self._epx_buffers.close()
         if self._own_comm:
             self.comm.close()
-
-    # -- the buffer ---------------------------------------------------------
-
-    def _buffer_for(self, x):
-        if self.buffer is None:
-            self.buffer = _dropin.first_buffer(
-                self.comm, x, self.max_tokens_per_rank, num_experts=self.num_experts,
-                max_top_k=self.top_k, exchange=self.exchange, expert_alignment=1)
-        _dropin.check_tokens("epx.megatron.EpxTokenDispatcher", self.buffer, x,
-                             "pass max_tokens_per_rank=%d (or more) to the dispatcher")
-        return self.buffer
 
     # -- dispatch -----------------------------------------------------------
 
@@ -152,7 +146,7 @@ class EpxTokenDispatcher(MoETokenDispatcher):
         [T, H], the selected probs [T, K]); local only (one host read: the
         check that no token chose more than top_k experts)."""
         fn = "epx.megatron.EpxTokenDispatcher.dispatch_preprocess"
-        E, K = self.num_experts, self.top_k
+        E = self.num_experts
         if routing_map.dtype != torch.bool or routing_map.dim() != 2 or routing_map.shape[1] != E:
             _epx._invalid("%s: routing_map is %s %s; expected a bool [T, %d] tensor", fn,
                           routing_map.dtype, list(routing_map.shape), E)
@@ -164,24 +158,19 @@ class EpxTokenDispatcher(MoETokenDispatcher):
         if x.shape[0] != routing_map.shape[0]:
             _epx._invalid("%s: %d tokens but routing_map has %d rows", fn, x.shape[0],
                           routing_map.shape[0])
-        most = int(routing_map.sum(dim=1).max()) if x.shape[0] else 0
-        if most > K:
-            _epx._invalid("%s: a routing_map row selects %d experts, more than "
-                          "config.moe_router_topk=%d", fn, most, K)
-        # The selected experts in ascending id order (the order Megatron permutes in).
-        rank_of = E - torch.arange(E, device=routing_map.device, dtype=torch.int32)
-        top, idx = torch.topk(routing_map.to(torch.int32) * rank_of, K, dim=1)
-        chosen = top > 0
-        self._topk_idx = torch.where(chosen, idx, -1).to(torch.int32)
-        w = probs.gather(1, idx).float() * chosen
+        check_routing_map_rows(fn, routing_map, self.top_k, ", more than config.moe_router_topk="
+                               "%d (set it to %d or more, or fix the router)")
+        self._topk_idx, w = routing_map_topk(routing_map, probs, self.top_k)
         self._probs_dtype = probs.dtype
         return x, w
 
     def token_dispatch(self, hidden_states, probs):
         """The exchange over the expert-parallel group (epx's dispatch, exact
         size) -> (received tokens [N, H], their probs [N])."""
-        d = _et.dispatch(self._buffer_for(hidden_states), hidden_states, self._topk_idx, probs,
-                         weighting=Weighting.NONE, exact_size=True)
+        buffer = self._epx_buffers.get(self.comm, hidden_states, self.max_tokens_per_rank,
+                                       num_experts=self.num_experts, max_top_k=self.top_k,
+                                       exchange=self.exchange, expert_alignment=1)
+        d = _dropin.dispatch(buffer, hidden_states, self._topk_idx, probs)
         self._step = SimpleNamespace(d=d)
         return d.recv_x, d.recv_w
 

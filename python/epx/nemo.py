@@ -42,7 +42,7 @@ import torch
 
 import epx as _epx
 import epx.torch as _et
-from epx import Exchange, Layout, Status, Weighting
+from epx import Exchange, Layout, Status
 from epx import _dropin
 
 __all__ = ["fused_dispatch", "fused_combine", "set_deepep_num_sms", "configure", "install",
@@ -50,7 +50,8 @@ __all__ = ["fused_dispatch", "fused_combine", "set_deepep_num_sms", "configure",
 
 _lock = threading.Lock()
 _comms = {}     # id(group) -> (group, epx.Comm)
-_buffers = {}   # (id(comm), H, dtype, device, E, K) -> epx.Buffer
+_buffers = _dropin.BufferCache("epx.nemo.fused_dispatch", "call epx.nemo.configure("
+                                "max_tokens_per_rank=%d) (or more) before the first dispatch")
 _settings = {"max_tokens_per_rank": 0, "timeout_seconds": None, "sm_budget": 0,
              "exchange": Exchange.DEDUP}
 
@@ -87,15 +88,9 @@ def _comm_of(group):
 def _buffer_for(comm, x, num_experts, top_k):
     """The buffer of this shape, made (collectively) at its first call."""
     key = (id(comm), x.shape[1], x.dtype, x.device, num_experts, top_k)
-    b = _buffers.get(key)
-    if b is None:
-        b = _buffers[key] = _dropin.first_buffer(
-            comm, x, _settings["max_tokens_per_rank"], num_experts=num_experts,
-            max_top_k=top_k, layout=Layout.RANK_MAJOR, exchange=_settings["exchange"],
-            sm_budget=_settings["sm_budget"])
-    _dropin.check_tokens("epx.nemo.fused_dispatch", b, x, "call epx.nemo.configure("
-                         "max_tokens_per_rank=%d) (or more) before the first dispatch")
-    return b
+    return _buffers.get(comm, x, _settings["max_tokens_per_rank"], key, num_experts=num_experts,
+                        max_top_k=top_k, layout=Layout.RANK_MAJOR,
+                        exchange=_settings["exchange"], sm_budget=_settings["sm_budget"])
 
 
 class Handle:
@@ -123,8 +118,7 @@ def fused_dispatch(x, token_indices, token_probs, num_experts, group, async_fini
         _epx._invalid("%s: token_probs has dtype %s; pass float32 (as DeepEP)", fn,
                       token_probs.dtype)
     buffer = _buffer_for(comm, x, num_experts, token_indices.shape[1])
-    d = _et.dispatch(buffer, x.contiguous(), token_indices, token_probs,
-                     weighting=Weighting.NONE, exact_size=True)
+    d = _dropin.dispatch(buffer, x.contiguous(), token_indices, token_probs)
     first = comm.rank * (num_experts // comm.size)
     local = torch.where(d.recv_expert >= 0, d.recv_expert - first, -1).to(torch.int64)
     return d.recv_x, local, d.recv_w, d.counts.cpu(), Handle(d, d.recv_x.shape[0])
@@ -144,12 +138,10 @@ def fused_combine(x, group, handle, async_finish=False, allocate_on_comm_stream=
 
 def close():
     """Closes the buffers and the comms this module made."""
+    _buffers.close()
     with _lock:
-        buffers, comms = list(_buffers.values()), [c for _, c in _comms.values()]
-        _buffers.clear()
+        comms = [c for _, c in _comms.values()]
         _comms.clear()
-    for b in buffers:
-        b.close()
     for c in comms:
         c.close()
 
