@@ -128,7 +128,7 @@ def dispatch(owner, x, topk_idx, maxT, num_experts, cumulative_stats, wait_stats
                 out[0].copy_(qq)
                 out[1].copy_(ss)
             if cumulative_stats is not None:
-                cumulative_stats += recv_count.to(cumulative_stats.dtype)
+                cumulative_stats.add_(recv_count.to(cumulative_stats.dtype))
 
         if return_recv_hook:
             def recv_hook():
