@@ -147,6 +147,14 @@ def _autoep_layer(group, E, K, H, W, rank, weights, max_tokens, score_apply):
         row_weighting_impl="eager",
         experts=_Experts(weights[rank * El:(rank + 1) * El]))
     layer.route = lambda x, ro: AutoEPMoELayer._deepep_route(layer, x, ro)
+    if not torch.cuda.is_available():
+        # _deepep_route's first call barriers with device_ids=[the CUDA index],
+        # which a CPU tensor has not: the exchange is built here by DeepSpeed's
+        # own shared_exchange, as that call would build it, skipping the barrier.
+        layer._deepep_exchange = aec.shared_exchange(
+            scope=layer.deepep_scope, ep_group=group, num_experts=E, top_k=K, hidden_size=H,
+            num_max_tokens_per_rank=max_tokens, num_sms=layer.comm_num_sm,
+            qp_margin=layer.comm_qp_margin)
     return layer
 
 
@@ -170,6 +178,8 @@ def deepspeed_worker():
     rank, W = _start()
     import torch.distributed as dist
     from torch.utils.checkpoint import checkpoint
+    import deepspeed
+    deepspeed.init_distributed(dist_backend="gloo")   # deepspeed.comm over the same group
     from deepspeed.module_inject import auto_ep_comm as aec
     from deepspeed.module_inject.auto_ep_layer import RouterOutput
     import epx.deep_ep as deep_ep
@@ -188,7 +198,7 @@ def deepspeed_worker():
             probs = torch.softmax(logits, dim=-1)
             scores, idx = torch.topk(probs, K, dim=-1)
             counts = torch.bincount(idx.reshape(-1), minlength=E).float()
-            return layer.route(x, RouterOutput(scores, scores, idx, counts))
+            return layer.route(x, RouterOutput(scores, idx, counts))
 
         for checkpointed in (False, True):
             x = x0.clone().requires_grad_(True)
