@@ -291,13 +291,8 @@ def nemo_worker():
         elif mode == "checkpoint":
             y = checkpoint(layer, x, logits, use_reentrant=False)
         else:
-            recorder = fa.DispatchReplayRecorder()
-
-            def recorded(x, logits):
-                mode_now = "replay" if torch.is_grad_enabled() and _in_backward() else "record"
-                with fa.dispatch_replay_scope(recorder, mode_now):
-                    return layer(x, logits)
-            y = checkpoint(recorded, x, logits, use_reentrant=False)
+            y = checkpoint(layer, x, logits, use_reentrant=False,
+                           context_fn=_nemo_replay_context(fa))
         fwd = deep_ep.stats()
         (y * grad).sum().backward()
         st = deep_ep.stats()
@@ -320,8 +315,24 @@ def nemo_worker():
     _close(rank)
 
 
-def _in_backward():
-    return torch._C._current_graph_task_id() != -1
+def _nemo_replay_context(fa):
+    """NeMo's checkpoint context (parallelizer._replay_deepep_dispatch_on_recompute,
+    whose module needs transformers): a DispatchReplayRecorder per
+    checkpointed call, recording in the forward, rewound and replayed in the
+    recompute, through fused_a2a's own dispatch_replay_scope."""
+    from contextlib import contextmanager
+
+    def context_fn():
+        recorder = fa.DispatchReplayRecorder()
+
+        @contextmanager
+        def scoped(mode):
+            if mode == "replay":
+                recorder.rewind()
+            with fa.dispatch_replay_scope(recorder, mode):
+                yield
+        return scoped("record"), scoped("replay")
+    return context_fn
 
 
 @pytest.mark.skipif(not _have("nemo_automodel"), reason="nemo_automodel does not import")
