@@ -51,6 +51,21 @@ def stats(reset=False):
     return out
 
 
+def no_grad(f):
+    """Runs f without autograd (DeepEP's outputs carry none), entering
+    torch.no_grad only where grad mode is on (a framework's autograd
+    Function calls with it off: nothing to do)."""
+    import functools
+
+    @functools.wraps(f)
+    def call(*args, **kwargs):
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                return f(*args, **kwargs)
+        return f(*args, **kwargs)
+    return call
+
+
 def unsupported(fn, what):
     """A feature epx does not offer: a NotImplementedError naming it."""
     raise NotImplementedError("epx.deep_ep: %s: %s" % (fn, what))
@@ -93,13 +108,13 @@ def split_x(x, fn):
                         "epx's V1 fp8 dispatch takes per-128 float32 scales)"
                         % (getattr(s, "dtype", type(s).__name__), list(getattr(s, "shape", []))))
         return q.contiguous(), s.contiguous()
-    check(isinstance(x, torch.Tensor) and x.dim() == 2, fn,
-          "x must be a [num_tokens, hidden] tensor, not %s",
-          list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__)
-    check(x.dtype in (torch.bfloat16, torch.float16, torch.float32), fn,
-          "x has dtype %s; pass bfloat16 (DeepEP's), float16 or float32, or an fp8 (x, scales) "
-          "tuple", x.dtype)
-    return x.contiguous(), None
+    if not (isinstance(x, torch.Tensor) and x.dim() == 2
+            and x.dtype in (torch.bfloat16, torch.float16, torch.float32)):
+        raise ValueError("epx.deep_ep: %s: x must be a [num_tokens, hidden] bfloat16 (DeepEP's), "
+                         "float16 or float32 tensor, or an fp8 (x, scales) tuple; not %s %s" % (
+                             fn, getattr(x, "dtype", type(x).__name__),
+                             list(getattr(x, "shape", []))))
+    return (x if x.is_contiguous() else x.contiguous()), None
 
 
 def check_routing(topk_idx, topk_weights, T, num_experts, fn):
@@ -136,11 +151,26 @@ def dispatch_layout(topk_idx, num_experts, num_ranks, fn):
 
 class Layout:
     """One fresh dispatch: the epx Dispatched (exact rows) and what DeepEP's
-    handles and the small all-to-alls need."""
+    handles and the small all-to-alls need (the sources of the rows read
+    from epx when first asked)."""
 
     __slots__ = ("exchange", "buffer", "d", "T", "K", "E", "rows", "recv_idx", "recv_w",
-                 "src_rank", "src_token", "in_rank", "send_counts", "recv_counts", "counts",
-                 "_expand", "routed", "routing_idx")
+                 "_src", "in_rank", "send_counts", "recv_counts", "_expand", "routing_idx",
+                 "per_rank")
+
+    def _sources(self):
+        if self._src is None:
+            rank, token = self.d.recv_source()
+            self._src = (rank[:self.rows], token[:self.rows])
+        return self._src
+
+    @property
+    def src_rank(self):
+        return self._sources()[0]
+
+    @property
+    def src_token(self):
+        return self._sources()[1]
 
 
 class Exchange:
@@ -171,6 +201,7 @@ class Exchange:
         b = et.make_buffer(self.comm, hidden=H, num_experts=E, max_top_k=K,
                            max_tokens_per_rank=most, dtype=dtype, device=device, **fields)
         b.dd_max_tokens = most
+        b.dd_dtype = dtype
         self.buffers[key] = b  # an outgrown buffer lives on in its handles
         return b
 
@@ -193,10 +224,7 @@ class Exchange:
         if scales is not None and epx.FP8Format(b.config.fp8_format) == epx.FP8Format.NONE:
             unsupported(fn, "fp8 x on a buffer of hidden %d (epx's fp8 needs bfloat16 rows of a "
                         "multiple of 128)" % H)
-        idx32 = topk_idx.to(torch.int32)
-        w = topk_w if topk_w is not None else torch.ones(idx32.shape, dtype=torch.float32,
-                                                         device=x.device)
-        d = et.dispatch(b, (x, scales) if scales is not None else x, idx32, w,
+        d = et.dispatch(b, (x, scales) if scales is not None else x, topk_idx, topk_w,
                         weighting=epx.Weighting.NONE, recorder=False,
                         exact_size=scales is None)
         _count("layouts")
@@ -209,45 +237,43 @@ class Exchange:
         L.d = d
         L.rows = d.recv_x.shape[0]
         first = self.rank * (E // self.size)
-        L.recv_idx = torch.where(d.recv_expert >= 0, d.recv_expert.long() - first, -1)
-        L.recv_w = d.recv_w
-        L.routed = topk_w is not None
-        src_rank, src_token = d.recv_source()
-        L.src_rank, L.src_token = src_rank[:L.rows], src_token[:L.rows]
-        L.in_rank, L.routing_idx = None, topk_idx
-        L.send_counts = L.recv_counts = None
-        L.counts = d.counts
-        L._expand = None
+        recv_idx = d.recv_expert.long()
+        L.recv_idx = torch.where(recv_idx >= 0, recv_idx - first, recv_idx) if first else recv_idx
+        L.recv_w = d.recv_w if topk_w is not None else None
+        L._src = L.in_rank = L.send_counts = L.recv_counts = L._expand = L.per_rank = None
+        L.routing_idx = topk_idx
         return L, d.recv_x, d.recv_scales
 
     def cached(self, L, x, scales, fn):
         """x along an earlier layout (no layout, no count exchange)."""
-        check(x.shape[0] == L.T, fn, "x has %d tokens but the handle's dispatch had %d",
-              x.shape[0], L.T)
-        check(x.shape[1] == L.buffer.hidden, fn, "x has hidden %d but the handle's dispatch had "
-              "%d", x.shape[1], L.buffer.hidden)
+        b = L.buffer
         want = torch.bfloat16 if scales is not None else x.dtype
-        check(want == et.torch_dtype(L.buffer.dtype), fn, "x has dtype %s but the handle's "
-              "dispatch moved %s", x.dtype, et.torch_dtype(L.buffer.dtype))
-        if scales is not None and epx.FP8Format(L.buffer.config.fp8_format) == epx.FP8Format.NONE:
+        if x.shape[0] != L.T or x.shape[1] != b.hidden or want != b.dd_dtype:
+            raise ValueError("epx.deep_ep: %s: x is %s [%d, %d] but the handle's dispatch moved "
+                             "%s [%d, %d]" % (fn, x.dtype, x.shape[0], x.shape[1],
+                                              et.torch_dtype(b.dtype), L.T, b.hidden))
+        if scales is not None and epx.FP8Format(b.config.fp8_format) == epx.FP8Format.NONE:
             unsupported(fn, "fp8 x on a buffer of hidden %d (epx's fp8 needs bfloat16 rows of a "
                         "multiple of 128)" % x.shape[1])
-        d = et.dispatch(L.buffer, (x, scales) if scales is not None else x, handle=L.d)
+        d = et.dispatch(b, (x, scales) if scales is not None else x, handle=L.d)
         _count("cached_dispatches")
+        recv_x = d.recv_x if d.recv_x.shape[0] == L.rows else d.recv_x[:L.rows]
         recv_s = d.recv_scales[:L.rows] if scales is not None else None
-        return d.recv_x[:L.rows], recv_s
+        return recv_x, recv_s
 
     def combine(self, L, x, fn):
         """x [N, H] -> [T, H]: each token's rows summed over the ranks."""
-        check(isinstance(x, torch.Tensor) and x.dim() == 2 and x.shape[0] >= L.rows, fn,
-              "x must be [num_recv_tokens=%d, hidden], not %s", L.rows,
-              list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__)
-        dt = et.torch_dtype(L.buffer.dtype)
-        check(x.dtype == dt and x.shape[1] == L.buffer.hidden, fn,
-              "x is %s [.., %d]; the dispatch moved %s rows of hidden %d", x.dtype, x.shape[1],
-              dt, L.buffer.hidden)
+        b = L.buffer
+        if not (isinstance(x, torch.Tensor) and x.dim() == 2 and x.shape[0] >= L.rows
+                and x.shape[1] == b.hidden and x.dtype == b.dd_dtype):
+            raise ValueError("epx.deep_ep: %s: x must be %s [num_recv_tokens=%d, hidden=%d], "
+                             "not %s %s" % (fn, et.torch_dtype(b.dtype), L.rows, b.hidden,
+                                            getattr(x, "dtype", type(x).__name__),
+                                            list(getattr(x, "shape", []))))
         _count("combines")
-        return et.combine(L.d, x[:L.rows].contiguous())
+        if x.shape[0] != L.rows:
+            x = x[:L.rows]
+        return et.combine(L.d, x if x.is_contiguous() else x.contiguous())
 
     # -- per-token tensors beside the rows -----------------------------------
 

@@ -51,27 +51,42 @@ class EPHandle:
         self.cached_recv_src_metadata_before_sort = None
         L = layout
         self.num_recv_tokens = L.rows
-        W = L.exchange.size
-        per_src = torch.bincount(L.src_rank.long(), minlength=W)
-        self.psum_num_recv_tokens_per_scaleup_rank = per_src.cumsum(0).to(torch.int32)
-        ex = _expansion(L, expert_alignment)
-        counts = ex["counts"]
-        self.num_unaligned_recv_tokens_per_expert = counts.to(torch.int32)
-        starts = ex["starts"]
+        counts = L.d.counts
+        a = expert_alignment
+        aligned = (counts + a - 1) // a * a if a > 1 else counts
         if do_expand:
+            starts = aligned.cumsum(0) - aligned
             self.psum_num_recv_tokens_per_expert = (starts + counts).to(torch.int32)
         else:
             self.psum_num_recv_tokens_per_expert = counts.cumsum(0).to(torch.int32)
-        aligned = (counts + expert_alignment - 1) // expert_alignment * expert_alignment
-        self.num_recv_tokens_per_expert_list = aligned.tolist()
         psum = self.psum_num_recv_tokens_per_expert
         self.num_expanded_tokens = int(psum[-1]) if psum.numel() else 0
-        meta = torch.full((L.rows, 2 + L.K), -1, dtype=torch.int32, device=L.recv_idx.device)
-        meta[:, 0] = L.src_rank * num_max_tokens_per_rank + L.src_token
-        meta[:, 1] = torch.arange(L.rows, dtype=torch.int32, device=meta.device)
-        if do_expand:
-            meta[:, 2:] = ex["pos"].to(torch.int32)
-        self.recv_src_metadata = meta
+
+    # Read when first asked (each a few small tensor ops on the layout)
+    _LAZY = ("psum_num_recv_tokens_per_scaleup_rank", "num_unaligned_recv_tokens_per_expert",
+             "num_recv_tokens_per_expert_list", "recv_src_metadata")
+
+    def __getattr__(self, name):
+        if name not in EPHandle._LAZY:
+            raise AttributeError(name)
+        L = self.layout
+        if name == "psum_num_recv_tokens_per_scaleup_rank":
+            per_src = torch.bincount(L.src_rank.long(), minlength=L.exchange.size)
+            value = per_src.cumsum(0).to(torch.int32)
+        elif name == "num_unaligned_recv_tokens_per_expert":
+            value = L.d.counts.to(torch.int32)
+        elif name == "num_recv_tokens_per_expert_list":
+            a = self.expert_alignment
+            value = ((L.d.counts + a - 1) // a * a).tolist()
+        else:
+            meta = torch.full((L.rows, 2 + L.K), -1, dtype=torch.int32, device=L.recv_idx.device)
+            meta[:, 0] = L.src_rank * self.num_max_tokens_per_rank + L.src_token
+            meta[:, 1] = torch.arange(L.rows, dtype=torch.int32, device=meta.device)
+            if self.do_expand:
+                meta[:, 2:] = _expansion(L, self.expert_alignment)["pos"].to(torch.int32)
+            value = meta
+        self.__dict__[name] = value
+        return value
 
 
 def _expansion(L, alignment):
@@ -81,10 +96,9 @@ def _expansion(L, alignment):
     key = ("expand", alignment)
     if L._expand is not None and L._expand[0] == key:
         return L._expand[1]
-    E_local = L.E // L.exchange.size
     idx = L.recv_idx                                   # [N, K] local ids, -1 elsewhere
     valid = idx >= 0
-    counts = torch.bincount(idx[valid], minlength=E_local)
+    counts = L.d.counts
     aligned = (counts + alignment - 1) // alignment * alignment
     starts = aligned.cumsum(0) - aligned
     n, k = valid.nonzero(as_tuple=True)               # row-major: by row, then k
@@ -97,7 +111,9 @@ def _expansion(L, alignment):
     pos = torch.full(idx.shape, -1, dtype=torch.int64, device=idx.device)
     pos[n, k] = dest
     total = int(aligned.sum())
-    ex = dict(counts=counts, starts=starts, pos=pos, n=n, k=k, dest=dest, total=total)
+    nk_n, nk_k = valid.nonzero(as_tuple=True)         # by row, then k: combine's sum order
+    ex = dict(counts=counts, starts=starts, pos=pos, n=n, k=k, dest=dest, total=total,
+              dense=alignment == 1, nk_n=nk_n, nk_dest=pos[nk_n, nk_k])
     L._expand = (key, ex)
     return ex
 
@@ -105,9 +121,10 @@ def _expansion(L, alignment):
 def _expand_rows(L, alignment, rows, zero_padding=True):
     """rows [N, ...] -> [total, ...]: each (row, local k-slot) at its place."""
     ex = _expansion(L, alignment)
+    if ex["dense"]:                                    # dest is 0, 1, ... in this order
+        return rows.index_select(0, ex["n"])
     out = rows.new_zeros((ex["total"],) + tuple(rows.shape[1:]))
-    out[ex["dest"]] = rows[ex["n"]]
-    return out
+    return out.index_copy_(0, ex["dest"], rows.index_select(0, ex["n"]))
 
 
 class ElasticBuffer:
@@ -226,6 +243,7 @@ class ElasticBuffer:
         num_qps = num_sms * 16 + 1 if self.allow_hybrid_mode else min(num_sms, 9)
         return min(num_qps, self.num_allocated_qps)
 
+    @_core.no_grad
     def dispatch(self, x: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]],
                  topk_idx: Optional[torch.Tensor] = None,
                  topk_weights: Optional[torch.Tensor] = None,
@@ -245,74 +263,74 @@ class ElasticBuffer:
         the count on the host; DeepEP's worst-case rows without a CPU sync
         are a prefix-compatible superset)."""
         fn = "ElasticBuffer.dispatch"
-        with torch.no_grad():
-            rt = self._rt("dispatch")
-            xs, scales = _core.split_x(x, fn)
-            for e in (previous_event, previous_event_before_epilogue):
-                if e is not None:
-                    e.current_stream_wait()
-            if handle is not None:
-                check(isinstance(handle, EPHandle), fn, "handle is a %s; pass an EPHandle",
-                      type(handle).__name__)
-                check(topk_idx is None, fn, "topk_idx must be None with handle= (the handle's is used)")
-                assert do_cpu_sync is None or not do_cpu_sync, 'Cannot do CPU sync with cached handle'
-                num_experts = handle.num_experts if num_experts is None else num_experts
-                expert_alignment = (handle.expert_alignment if expert_alignment is None
-                                    else expert_alignment)
-                mt = (handle.num_max_tokens_per_rank if num_max_tokens_per_rank is None
-                      else num_max_tokens_per_rank)
-                assert (num_experts, expert_alignment, mt) == \
-                    (handle.num_experts, handle.expert_alignment, handle.num_max_tokens_per_rank)
-                L = handle.layout
-                recv_x, recv_s = rt.cached(L, xs, scales, fn)
-                recv_w = None
-                if topk_weights is not None:
-                    check(topk_weights.dtype == torch.float32
-                          and tuple(topk_weights.shape) == (L.T, L.K), fn,
-                          "topk_weights must be float32 [%d, %d]", L.T, L.K)
-                    recv_w = rt.to_receivers(L, topk_weights)
-                    recv_w = torch.where(L.recv_idx >= 0, recv_w, 0.0)
-                h = handle
-            else:
-                T = xs.shape[0]
-                _core.check_routing(topk_idx, topk_weights, T, num_experts, fn)
-                num_experts = int(num_experts)
-                check(num_experts % self.num_ranks == 0, fn, "num_experts %d is not a multiple "
-                      "of the %d ranks", num_experts, self.num_ranks)
-                expert_alignment = 1 if expert_alignment is None else int(expert_alignment)
-                check(expert_alignment >= 1, fn, "expert_alignment must be >= 1")
-                mt = self.num_max_tokens_per_rank if num_max_tokens_per_rank is None \
-                    else num_max_tokens_per_rank
-                if not mt:
-                    mt = self.num_max_tokens_per_rank = rt.agree_tokens(T)
-                check(T <= mt, fn, "%d tokens but num_max_tokens_per_rank is %d", T, mt)
-                rt.num_sms = num_sms
-                cloned = topk_idx.clone() if do_handle_copy else topk_idx
-                if (topk_idx < -1).any() or (topk_idx >= num_experts).any():
-                    raise ValueError("epx.deep_ep: %s: topk_idx holds an expert id outside "
-                                     "[-1, %d)" % (fn, num_experts))
-                L, recv_x, recv_s = rt.fresh(xs, scales, topk_idx, topk_weights, num_experts, mt,
-                                             fn)
-                L.routing_idx = cloned
-                recv_w = L.recv_w.clone() if topk_weights is not None else None
-                h = EPHandle(do_expand, num_experts, expert_alignment, mt, num_sms, cloned, L)
-            recv_idx = None if do_expand else L.recv_idx.to(_core.topk_idx_t)
-            if do_expand:
-                recv_x = _expand_rows(L, expert_alignment, recv_x)
-                if recv_s is not None:
-                    recv_s = _expand_rows(L, expert_alignment, recv_s)
-                if recv_w is not None:
-                    ex = _expansion(L, expert_alignment)
-                    w = recv_w.new_zeros((ex["total"],))
-                    w[ex["dest"]] = recv_w[ex["n"], ex["k"]]
-                    recv_w = w
-            if cumulative_local_expert_recv_stats is not None:
-                cumulative_local_expert_recv_stats += h.num_unaligned_recv_tokens_per_expert.to(
-                    cumulative_local_expert_recv_stats.dtype)
-            event = EventOverlap(EventHandle() if async_with_compute_stream else None)
-            out = (recv_x, recv_s) if recv_s is not None else recv_x
-            return out, recv_idx, recv_w, h, event
+        rt = self._rt("dispatch")
+        xs, scales = _core.split_x(x, fn)
+        for e in (previous_event, previous_event_before_epilogue):
+            if e is not None:
+                e.current_stream_wait()
+        if handle is not None:
+            check(isinstance(handle, EPHandle), fn, "handle is a %s; pass an EPHandle",
+                  type(handle).__name__)
+            check(topk_idx is None, fn, "topk_idx must be None with handle= (the handle's is used)")
+            assert do_cpu_sync is None or not do_cpu_sync, 'Cannot do CPU sync with cached handle'
+            num_experts = handle.num_experts if num_experts is None else num_experts
+            expert_alignment = (handle.expert_alignment if expert_alignment is None
+                                else expert_alignment)
+            mt = (handle.num_max_tokens_per_rank if num_max_tokens_per_rank is None
+                  else num_max_tokens_per_rank)
+            assert (num_experts, expert_alignment, mt) == \
+                (handle.num_experts, handle.expert_alignment, handle.num_max_tokens_per_rank)
+            L = handle.layout
+            recv_x, recv_s = rt.cached(L, xs, scales, fn)
+            recv_w = None
+            if topk_weights is not None:
+                check(topk_weights.dtype == torch.float32
+                      and tuple(topk_weights.shape) == (L.T, L.K), fn,
+                      "topk_weights must be float32 [%d, %d]", L.T, L.K)
+                recv_w = rt.to_receivers(L, topk_weights)
+                recv_w = torch.where(L.recv_idx >= 0, recv_w, 0.0)
+            h = handle
+        else:
+            T = xs.shape[0]
+            _core.check_routing(topk_idx, topk_weights, T, num_experts, fn)
+            num_experts = int(num_experts)
+            check(num_experts % self.num_ranks == 0, fn, "num_experts %d is not a multiple "
+                  "of the %d ranks", num_experts, self.num_ranks)
+            expert_alignment = 1 if expert_alignment is None else int(expert_alignment)
+            check(expert_alignment >= 1, fn, "expert_alignment must be >= 1")
+            mt = self.num_max_tokens_per_rank if num_max_tokens_per_rank is None \
+                else num_max_tokens_per_rank
+            if not mt:
+                mt = self.num_max_tokens_per_rank = rt.agree_tokens(T)
+            check(T <= mt, fn, "%d tokens but num_max_tokens_per_rank is %d", T, mt)
+            rt.num_sms = num_sms
+            cloned = topk_idx.clone() if do_handle_copy else topk_idx
+            if (topk_idx < -1).any() or (topk_idx >= num_experts).any():
+                raise ValueError("epx.deep_ep: %s: topk_idx holds an expert id outside "
+                                 "[-1, %d)" % (fn, num_experts))
+            L, recv_x, recv_s = rt.fresh(xs, scales, topk_idx, topk_weights, num_experts, mt,
+                                         fn)
+            L.routing_idx = cloned
+            recv_w = L.recv_w
+            h = EPHandle(do_expand, num_experts, expert_alignment, mt, num_sms, cloned, L)
+        recv_idx = None if do_expand else L.recv_idx.to(_core.topk_idx_t)
+        if do_expand:
+            recv_x = _expand_rows(L, expert_alignment, recv_x)
+            if recv_s is not None:
+                recv_s = _expand_rows(L, expert_alignment, recv_s)
+            if recv_w is not None:
+                ex = _expansion(L, expert_alignment)
+                w = recv_w.new_zeros((ex["total"],))
+                w[ex["dest"]] = recv_w[ex["n"], ex["k"]]
+                recv_w = w
+        if cumulative_local_expert_recv_stats is not None:
+            cumulative_local_expert_recv_stats += h.num_unaligned_recv_tokens_per_expert.to(
+                cumulative_local_expert_recv_stats.dtype)
+        event = EventOverlap(EventHandle() if async_with_compute_stream else None)
+        out = (recv_x, recv_s) if recv_s is not None else recv_x
+        return out, recv_idx, recv_w, h, event
 
+    @_core.no_grad
     def combine(self, x: torch.Tensor, handle: EPHandle,
                 topk_weights: Optional[torch.Tensor] = None,
                 bias: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]] = None,
@@ -326,39 +344,41 @@ class ElasticBuffer:
         the ranks."""
         fn = "ElasticBuffer.combine"
         from .legacy import _add_bias
-        with torch.no_grad():
-            rt = self._rt("combine")
-            check(isinstance(handle, EPHandle), fn, "handle is a %s; pass an EPHandle",
-                  type(handle).__name__)
-            for e in (previous_event, previous_event_before_epilogue):
-                if e is not None:
-                    e.current_stream_wait()
-            L = handle.layout
-            w = topk_weights
-            if handle.do_expand:
-                ex = _expansion(L, handle.expert_alignment)
-                check(x.dim() == 2 and x.shape[0] >= ex["total"] - (
-                    ex["total"] - handle.num_expanded_tokens), fn,
-                    "x must be [num_expanded_tokens=%d, hidden], not %s",
-                    handle.num_expanded_tokens, list(x.shape))
-                pos = ex["pos"]
-                acc = torch.zeros((L.rows, x.shape[1]), dtype=torch.float32, device=x.device)
+        rt = self._rt("combine")
+        check(isinstance(handle, EPHandle), fn, "handle is a %s; pass an EPHandle",
+              type(handle).__name__)
+        for e in (previous_event, previous_event_before_epilogue):
+            if e is not None:
+                e.current_stream_wait()
+        L = handle.layout
+        w = topk_weights
+        if handle.do_expand:
+            ex = _expansion(L, handle.expert_alignment)
+            check(x.dim() == 2 and x.shape[0] >= handle.num_expanded_tokens, fn,
+                "x must be [num_expanded_tokens=%d, hidden], not %s",
+                handle.num_expanded_tokens, list(x.shape))
+            acc = torch.zeros((L.rows, x.shape[1]), dtype=torch.float32, device=x.device)
+            if x.device.type == "cpu":
+                # CPU index_add_ adds the rows in the given order: each row's k-slots in order
+                acc.index_add_(0, ex["nk_n"], x.index_select(0, ex["nk_dest"]).float())
+            else:
+                pos = ex["pos"]                    # k by k: no atomics, a fixed order
                 for k in range(L.K):
                     p = pos[:, k]
-                    hit = p >= 0
-                    acc[hit] += x[p[hit]].float()
-                x = acc.to(x.dtype)
-                if w is not None:
-                    check(w.dim() == 1, fn, "topk_weights of an expanded handle must be "
-                          "[num_expanded_tokens]")
-                    folded = torch.zeros((L.rows, L.K), dtype=torch.float32, device=w.device)
-                    folded[ex["n"], ex["k"]] = w[ex["dest"]].float()
-                    w = folded
-            out = rt.combine(L, x, fn)
-            out = _add_bias(out, bias, L.T, fn)
-            cw = rt.to_sources(L, w.float()) if w is not None else None
-            event = EventOverlap(EventHandle() if async_with_compute_stream else None)
-            return out, cw, event
+                    acc += torch.where((p >= 0)[:, None], x.index_select(0, p.clamp(min=0)),
+                                       0).float()
+            x = acc.to(x.dtype)
+            if w is not None:
+                check(w.dim() == 1, fn, "topk_weights of an expanded handle must be "
+                      "[num_expanded_tokens]")
+                folded = torch.zeros((L.rows, L.K), dtype=torch.float32, device=w.device)
+                folded[ex["n"], ex["k"]] = w[ex["dest"]].float()
+                w = folded
+        out = rt.combine(L, x, fn)
+        out = _add_bias(out, bias, L.T, fn)
+        cw = rt.to_sources(L, w.float()) if w is not None else None
+        event = EventOverlap(EventHandle() if async_with_compute_stream else None)
+        return out, cw, event
 
     # -- out of scope ------------------------------------------------------------
 

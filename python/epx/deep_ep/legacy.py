@@ -8,8 +8,10 @@ low-latency buffer. Every call runs on PyTorch's current stream;
 ``previous_event`` is waited for first, ``async_finish`` returns an event
 recorded after the call. Outputs carry no autograd (as DeepEP's): the
 frameworks wrap them in their own autograd functions."""
+import collections.abc
 from typing import Callable, List, Optional, Tuple, Union
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -68,21 +70,49 @@ class Config:
             self.num_max_rdma_chunked_recv_tokens)
 
 
-class Handle(tuple):
-    """DeepEP's V1 dispatch handle: the tuple (rank_prefix_matrix [W, W]
+class Handle(collections.abc.Sequence):
+    """DeepEP's V1 dispatch handle: the sequence (rank_prefix_matrix [W, W]
     int32, channel_prefix_matrix [W, 1] int32, recv_channel_prefix_matrix
     [W, 1] int32, recv_src_idx [N] int32, is_token_in_rank [T, W] bool,
-    send_head [T, W] int32), epx's layout behind it. epx moves a rank's rows
-    as one channel: the channel matrices have one column, and send_head
-    holds each token's row among those this rank sends to a rank (-1 where
-    it sends none)."""
+    send_head [T, W] int32), epx's layout behind it (``handle[0]``, unpacking
+    and len() as DeepEP's tuple; each item made when first read). epx moves a
+    rank's rows as one channel: the channel matrices have one column, and
+    send_head holds each token's row among those this rank sends to a rank
+    (-1 where it sends none)."""
 
-    layout: "_core.Layout"
+    __slots__ = ("layout", "_items")
 
-    def __new__(cls, items, layout):
-        h = super().__new__(cls, items)
-        h.layout = layout
-        return h
+    def __init__(self, layout):
+        self.layout = layout
+        self._items = [None] * 6
+
+    def __len__(self):
+        return 6
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return tuple(self[j] for j in range(*i.indices(6)))
+        i = range(6)[i]
+        if self._items[i] is None:
+            self._items[i] = self._make(i)
+        return self._items[i]
+
+    def _make(self, i):
+        L = self.layout
+        rank = L.exchange.rank
+        dev = L.d.recv_x.device
+        if i == 0:
+            return torch.from_numpy(L.per_rank.cumsum(axis=0).astype(np.int32)).to(dev)
+        if i == 1:
+            return torch.from_numpy(L.per_rank[rank].astype(np.int32)).reshape(-1, 1).to(dev)
+        if i == 2:
+            return torch.from_numpy(L.per_rank[:, rank].astype(np.int32)).reshape(-1, 1).to(dev)
+        if i == 3:
+            return L.src_token.to(torch.int32)
+        if i == 4:
+            return L.in_rank
+        t = L.in_rank.to(torch.int32)
+        return torch.where(L.in_rank, t.cumsum(dim=0) - 1, -1).to(torch.int32)
 
 
 def _wait(previous_event):
@@ -233,6 +263,7 @@ class Buffer:
                                                               self.group_size, fn)
         return per_rank, None, per_expert, in_rank, _event(async_finish)
 
+    @_core.no_grad
     def dispatch(self, x: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]],
                  handle: Optional[Tuple] = None,
                  num_tokens_per_rank: Optional[torch.Tensor] = None,
@@ -254,22 +285,21 @@ class Buffer:
         source rank, then token. With ``handle=``: the payload only, along
         that layout; (recv_x, None, None, None, None, event)."""
         fn = "Buffer.dispatch"
-        with torch.no_grad():
-            rt = self._rt("dispatch")
-            xs, scales = _core.split_x(x, fn)
-            _wait(previous_event)
-            if handle is not None:
-                check(topk_idx is None and topk_weights is None, fn, "a dispatch with handle= "
-                      "takes no topk_idx / topk_weights (the handle's layout is used)")
-                L = _layout_of(handle, fn)
-                recv_x, recv_s = rt.cached(L, xs, scales, fn)
-                recv_x = _pad_rows(recv_x, num_worst_tokens)
-                recv_s = _pad_rows(recv_s, num_worst_tokens) if recv_s is not None else None
-                out = (recv_x, recv_s) if scales is not None else recv_x
-                return out, None, None, None, None, _event(async_finish)
-            return self._dispatch_fresh(rt, xs, scales, num_tokens_per_rank, is_token_in_rank,
-                                        num_tokens_per_expert, topk_idx, topk_weights,
-                                        expert_alignment, num_worst_tokens, async_finish, fn)
+        rt = self._rt("dispatch")
+        xs, scales = _core.split_x(x, fn)
+        _wait(previous_event)
+        if handle is not None:
+            check(topk_idx is None and topk_weights is None, fn, "a dispatch with handle= "
+                  "takes no topk_idx / topk_weights (the handle's layout is used)")
+            L = _layout_of(handle, fn)
+            recv_x, recv_s = rt.cached(L, xs, scales, fn)
+            recv_x = _pad_rows(recv_x, num_worst_tokens)
+            recv_s = _pad_rows(recv_s, num_worst_tokens) if recv_s is not None else None
+            out = (recv_x, recv_s) if scales is not None else recv_x
+            return out, None, None, None, None, _event(async_finish)
+        return self._dispatch_fresh(rt, xs, scales, num_tokens_per_rank, is_token_in_rank,
+                                    num_tokens_per_expert, topk_idx, topk_weights,
+                                    expert_alignment, num_worst_tokens, async_finish, fn)
 
     def _dispatch_fresh(self, rt, x, scales, num_tokens_per_rank, is_token_in_rank,
                         num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
@@ -299,35 +329,25 @@ class Buffer:
             w = None
         # The counts every rank gave: the rank prefix matrix, the received
         # tokens per expert (DeepEP's notify step), and the buffer's size.
-        mine = torch.cat([torch.tensor([T], dtype=torch.int64),
-                          num_tokens_per_rank.to("cpu", torch.int64),
-                          num_tokens_per_expert.to("cpu", torch.int64)]).numpy()
+        mine = np.concatenate([np.array([T], dtype=np.int64),
+                               num_tokens_per_rank.cpu().numpy().astype(np.int64),
+                               num_tokens_per_expert.cpu().numpy().astype(np.int64)])
         every = mine[None] if W == 1 else rt.comm.allgather(mine)
         most = int(every[:, 0].max())
         L, recv_x, recv_s = rt.fresh(x, scales, idx, w, E, most, fn)
-        L.in_rank, L.routing_idx = is_token_in_rank, idx
-        per_rank = torch.from_numpy(every[:, 1:1 + W].copy())
-        check(int(per_rank[:, self.rank].sum()) == L.rows, fn, "the ranks' num_tokens_per_rank "
-              "say %d tokens come to rank %d but their routing sends %d; pass the layout of "
-              "get_dispatch_layout(topk_idx)", int(per_rank[:, self.rank].sum()), self.rank,
-              L.rows)
-        per_expert = every[:, 1 + W:].sum(axis=0)[self.rank * E_local:(self.rank + 1) * E_local]
+        L.in_rank, L.routing_idx, L.per_rank = is_token_in_rank, idx, every[:, 1:1 + W]
+        coming = int(L.per_rank[:, self.rank].sum())
+        if coming != L.rows:
+            raise ValueError("epx.deep_ep: %s: the ranks' num_tokens_per_rank say %d tokens come "
+                             "to rank %d but their routing sends %d; pass the layout of "
+                             "get_dispatch_layout(topk_idx)" % (fn, coming, self.rank, L.rows))
+        per_expert = every[:, 1 + W + self.rank * E_local:1 + W + (self.rank + 1) * E_local]
+        per_expert = per_expert.sum(axis=0)
         a = expert_alignment
-        counts = [int(-(-int(c) // a) * a) for c in per_expert]
-        dev = x.device
-        rank_prefix = per_rank.cumsum(dim=0).to(torch.int32).to(dev)
-        channel_prefix = num_tokens_per_rank.to(torch.int32).reshape(W, 1).clone()
-        recv_channel_prefix = per_rank[:, self.rank].to(torch.int32).reshape(W, 1).to(dev)
-        send_head = torch.where(is_token_in_rank,
-                                is_token_in_rank.to(torch.int32).cumsum(dim=0) - 1, -1).to(torch.int32)
-        recv_src_idx = L.src_token.to(torch.int32)
-        h = Handle((rank_prefix, channel_prefix, recv_channel_prefix, recv_src_idx,
-                    is_token_in_rank, send_head), L)
-        recv_idx = recv_w = None
-        if topk_idx is not None:
-            recv_idx = L.recv_idx.to(_core.topk_idx_t)
-            if topk_weights is not None:
-                recv_w = L.recv_w.clone()
+        counts = ((per_expert + a - 1) // a * a).tolist() if a > 1 else per_expert.tolist()
+        h = Handle(L)
+        recv_idx = L.recv_idx if topk_idx is not None else None
+        recv_w = L.recv_w if topk_weights is not None else None
         if num_worst_tokens:
             check(num_worst_tokens >= L.rows, fn, "num_worst_tokens %d < the %d tokens received",
                   num_worst_tokens, L.rows)
@@ -341,6 +361,7 @@ class Buffer:
         out = (recv_x, recv_s) if scales is not None else recv_x
         return out, recv_idx, recv_w, counts, h, _event(async_finish)
 
+    @_core.no_grad
     def combine(self, x: torch.Tensor, handle: Tuple, topk_weights: Optional[torch.Tensor] = None,
                 bias: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]] = None,
                 config: Optional[Config] = None, previous_event: Optional[EventOverlap] = None,
@@ -351,19 +372,18 @@ class Buffer:
         [T, K] float32, topk_weights [N, K] summed the same way, or None;
         event). bias (one tensor or two) [T, H] is added to the sum."""
         fn = "Buffer.combine"
-        with torch.no_grad():
-            rt = self._rt("combine")
-            L = _layout_of(handle, fn)
-            _wait(previous_event)
-            out = rt.combine(L, x, fn)
-            out = _add_bias(out, bias, L.T, fn)
-            w = None
-            if topk_weights is not None:
-                check(topk_weights.dim() == 2 and topk_weights.shape[0] >= L.rows, fn,
-                      "topk_weights must be [num_recv_tokens=%d, num_topk], not %s", L.rows,
-                      list(topk_weights.shape))
-                w = rt.to_sources(L, topk_weights[:L.rows].float())
-            return out, w, _event(async_finish)
+        rt = self._rt("combine")
+        L = _layout_of(handle, fn)
+        _wait(previous_event)
+        out = rt.combine(L, x, fn)
+        out = _add_bias(out, bias, L.T, fn)
+        w = None
+        if topk_weights is not None:
+            check(topk_weights.dim() == 2 and topk_weights.shape[0] >= L.rows, fn,
+                  "topk_weights must be [num_recv_tokens=%d, num_topk], not %s", L.rows,
+                  list(topk_weights.shape))
+            w = rt.to_sources(L, topk_weights[:L.rows].float())
+        return out, w, _event(async_finish)
 
     def internode_dispatch(self, x, handle=None, num_tokens_per_rank=None,
                            num_tokens_per_rdma_rank=None, is_token_in_rank=None,

@@ -24,6 +24,7 @@ import torch.distributed as dist
 import epx
 import epx.torch as et
 
+from . import _core
 from ._core import check, unsupported, topk_idx_t
 from .utils import EventHandle, EventOverlap
 
@@ -76,71 +77,71 @@ def _cast_fp8(x, round_scale, use_ue8m0):
     return q, s
 
 
+@_core.no_grad
 def dispatch(owner, x, topk_idx, maxT, num_experts, cumulative_stats, wait_stats, use_fp8,
              round_scale, use_ue8m0, async_finish, return_recv_hook):
     fn = "Buffer.low_latency_dispatch"
-    with torch.no_grad():
-        check(isinstance(x, torch.Tensor) and x.dim() == 2, fn, "x must be [num_tokens, hidden]")
-        T, H = x.shape
-        check(T <= maxT, fn, "%d tokens but num_max_dispatch_tokens_per_rank is %d", T, maxT)
-        check(isinstance(topk_idx, torch.Tensor) and topk_idx.dim() == 2
-              and topk_idx.shape[0] == T and not topk_idx.is_floating_point(), fn,
-              "topk_idx must be integer [num_tokens=%d, num_topk]", T)
-        W = owner.group_size
-        check(num_experts % W == 0, fn, "num_experts %d is not a multiple of %d ranks",
-              num_experts, W)
-        if use_ue8m0:
-            assert round_scale, "use_ue8m0 needs round_scale=True"
-        if use_fp8:
-            check(H % (512 if use_ue8m0 else 128) == 0, fn, "hidden %d must be a multiple of %d "
-                  "for fp8", H, 512 if use_ue8m0 else 128)
-        K = topk_idx.shape[1]
-        b = _ll_buffer(owner, maxT, H, num_experts, K, x.dtype, x.device)
-        idx = topk_idx.to(torch.int32)
-        ones = (idx >= 0).to(torch.float32)
-        recv_x, recv_count, h, hook = et.ll_dispatch(b, x.contiguous(), idx, ones,
-                                                     return_recv_hook=return_recv_hook)
-        E_local = num_experts // W
-        src_info = torch.full((E_local, W * maxT), -1, dtype=torch.int32, device=x.device)
-        layout_range = torch.zeros((E_local, W), dtype=torch.int64, device=x.device)
-        handle = LLHandle((src_info, layout_range, maxT, H, num_experts), h, b, T)
-        out = [recv_x]
-        if use_fp8:
-            q = torch.empty(recv_x.shape, dtype=torch.float8_e4m3fn, device=x.device)
-            cols = H // 512 if use_ue8m0 else H // 128
-            s = torch.empty((E_local, cols, W * maxT), device=x.device,
-                            dtype=torch.int32 if use_ue8m0 else torch.float32).transpose(1, 2)
-            out = [q, s]
+    check(isinstance(x, torch.Tensor) and x.dim() == 2, fn, "x must be [num_tokens, hidden]")
+    T, H = x.shape
+    check(T <= maxT, fn, "%d tokens but num_max_dispatch_tokens_per_rank is %d", T, maxT)
+    check(isinstance(topk_idx, torch.Tensor) and topk_idx.dim() == 2
+          and topk_idx.shape[0] == T and not topk_idx.is_floating_point(), fn,
+          "topk_idx must be integer [num_tokens=%d, num_topk]", T)
+    W = owner.group_size
+    check(num_experts % W == 0, fn, "num_experts %d is not a multiple of %d ranks",
+          num_experts, W)
+    if use_ue8m0:
+        assert round_scale, "use_ue8m0 needs round_scale=True"
+    if use_fp8:
+        check(H % (512 if use_ue8m0 else 128) == 0, fn, "hidden %d must be a multiple of %d "
+              "for fp8", H, 512 if use_ue8m0 else 128)
+    K = topk_idx.shape[1]
+    b = _ll_buffer(owner, maxT, H, num_experts, K, x.dtype, x.device)
+    idx = topk_idx.to(torch.int32)
+    ones = (idx >= 0).to(torch.float32)
+    recv_x, recv_count, h, hook = et.ll_dispatch(b, x.contiguous(), idx, ones,
+                                                 return_recv_hook=return_recv_hook)
+    E_local = num_experts // W
+    src_info = torch.full((E_local, W * maxT), -1, dtype=torch.int32, device=x.device)
+    layout_range = torch.zeros((E_local, W), dtype=torch.int64, device=x.device)
+    handle = LLHandle((src_info, layout_range, maxT, H, num_experts), h, b, T)
+    out = [recv_x]
+    if use_fp8:
+        q = torch.empty(recv_x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+        cols = H // 512 if use_ue8m0 else H // 128
+        s = torch.empty((E_local, cols, W * maxT), device=x.device,
+                        dtype=torch.int32 if use_ue8m0 else torch.float32).transpose(1, 2)
+        out = [q, s]
 
-        def arrived():
-            rank, token = h.recv_source()
-            src_rank = torch.as_tensor(rank, device=x.device).long().reshape(E_local, W * maxT)
-            src_info.copy_(torch.as_tensor(token, device=x.device).reshape(E_local, W * maxT))
-            ranks = torch.arange(W, device=x.device)
-            hit = src_rank.unsqueeze(-1) == ranks                     # [E_local, rows, W]
-            counts = hit.sum(dim=1)
-            firsts = torch.where(hit, torch.arange(W * maxT, device=x.device)[None, :, None],
-                                 W * maxT).amin(dim=1)
-            firsts = torch.where(counts > 0, firsts, 0)
-            layout_range.copy_((firsts << 32) | counts)
-            if use_fp8:
-                qq, ss = _cast_fp8(recv_x, round_scale, use_ue8m0)
-                out[0].copy_(qq)
-                out[1].copy_(ss)
-            if cumulative_stats is not None:
-                cumulative_stats.add_(recv_count.to(cumulative_stats.dtype))
+    def arrived():
+        rank, token = h.recv_source()
+        src_rank = torch.as_tensor(rank, device=x.device).long().reshape(E_local, W * maxT)
+        src_info.copy_(torch.as_tensor(token, device=x.device).reshape(E_local, W * maxT))
+        ranks = torch.arange(W, device=x.device)
+        hit = src_rank.unsqueeze(-1) == ranks                     # [E_local, rows, W]
+        counts = hit.sum(dim=1)
+        firsts = torch.where(hit, torch.arange(W * maxT, device=x.device)[None, :, None],
+                             W * maxT).amin(dim=1)
+        firsts = torch.where(counts > 0, firsts, 0)
+        layout_range.copy_((firsts << 32) | counts)
+        if use_fp8:
+            qq, ss = _cast_fp8(recv_x, round_scale, use_ue8m0)
+            out[0].copy_(qq)
+            out[1].copy_(ss)
+        if cumulative_stats is not None:
+            cumulative_stats.add_(recv_count.to(cumulative_stats.dtype))
 
-        if return_recv_hook:
-            def recv_hook():
-                hook()
-                arrived()
-            user_hook = recv_hook
-        else:
+    if return_recv_hook:
+        def recv_hook():
+            hook()
             arrived()
-            user_hook = None
-        recv = (out[0], out[1]) if use_fp8 else out[0]
-        event = EventOverlap(EventHandle(), (x, topk_idx)) if async_finish else EventOverlap(None)
-        return recv, recv_count, handle, event, user_hook
+        user_hook = recv_hook
+    else:
+        arrived()
+        user_hook = None
+    recv = (out[0], out[1]) if use_fp8 else out[0]
+    event = EventOverlap(EventHandle(), (x, topk_idx)) if async_finish else EventOverlap(None)
+    return recv, recv_count, handle, event, user_hook
 
 
 def _row_weights(owner, handle, topk_idx, topk_weights, fn):
@@ -177,28 +178,28 @@ def _row_weights(owner, handle, topk_idx, topk_weights, fn):
     return torch.where(valid, rw, 0.0)
 
 
+@_core.no_grad
 def combine(owner, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
             return_recv_hook, out, wait_stats):
     fn = "Buffer.low_latency_combine"
-    with torch.no_grad():
-        if not isinstance(handle, LLHandle):
-            raise TypeError("epx.deep_ep: %s: handle is a %s; pass the handle "
-                            "low_latency_dispatch returned" % (fn, type(handle).__name__))
-        if use_logfmt:
-            unsupported(fn, "use_logfmt (DeepEP's 10-bit LogFMT combine format): epx's combine "
-                        "moves the payload dtype")
-        if zero_copy:
-            x = next_combine_buffer(owner, handle)
-        b = handle.buffer
-        check(isinstance(x, torch.Tensor) and tuple(x.shape) == tuple(b.ll_shape()), fn,
-              "x must be %s, not %s", list(b.ll_shape()),
-              list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__)
-        rw = _row_weights(owner, handle, topk_idx, topk_weights, fn)
-        scaled = (x.float() * rw.unsqueeze(-1)).to(x.dtype)
-        combined, hook = et.ll_combine(b, scaled, handle.epx_handle, out=out,
-                                       return_recv_hook=return_recv_hook)
-        event = EventOverlap(EventHandle(), (x,)) if async_finish else EventOverlap(None)
-        return combined, event, hook
+    if not isinstance(handle, LLHandle):
+        raise TypeError("epx.deep_ep: %s: handle is a %s; pass the handle "
+                        "low_latency_dispatch returned" % (fn, type(handle).__name__))
+    if use_logfmt:
+        unsupported(fn, "use_logfmt (DeepEP's 10-bit LogFMT combine format): epx's combine "
+                    "moves the payload dtype")
+    if zero_copy:
+        x = next_combine_buffer(owner, handle)
+    b = handle.buffer
+    check(isinstance(x, torch.Tensor) and tuple(x.shape) == tuple(b.ll_shape()), fn,
+          "x must be %s, not %s", list(b.ll_shape()),
+          list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__)
+    rw = _row_weights(owner, handle, topk_idx, topk_weights, fn)
+    scaled = (x.float() * rw.unsqueeze(-1)).to(x.dtype)
+    combined, hook = et.ll_combine(b, scaled, handle.epx_handle, out=out,
+                                   return_recv_hook=return_recv_hook)
+    event = EventOverlap(EventHandle(), (x,)) if async_finish else EventOverlap(None)
+    return combined, event, hook
 
 
 def next_combine_buffer(owner, handle):
