@@ -1,6 +1,7 @@
 """Per-call overhead of epx.deep_ep against the epx.torch calls it makes
-(CPU, one rank over a gloo group of one, small rows so the exchange itself
-is cheap): the median of N timed calls of each, after a warm-up.
+(one rank over a group of one, small rows so the exchange itself is cheap):
+the median and min of N timed calls of each, interleaved, after a warm-up.
+DEVICE=cuda times them on the GPU (each call followed by a synchronize).
 
 Run: EPX_LIBRARY=build/libepx.so PYTHONPATH=python python bench/deep_ep_overhead.py
 """
@@ -18,6 +19,12 @@ import epx.deep_ep as deep_ep
 
 T, H, E, K = int(os.environ.get("T", 128)), int(os.environ.get("H", 256)), 8, 2
 N = int(os.environ.get("N", 2000))
+DEV = os.environ.get("DEVICE", "cpu")
+
+
+def _sync():
+    if DEV == "cuda":
+        torch.cuda.synchronize()
 
 
 def timed(ours, theirs):
@@ -30,8 +37,10 @@ def timed(ours, theirs):
     for _ in range(N):
         t0 = time.perf_counter_ns()
         ours()
+        _sync()
         t1 = time.perf_counter_ns()
         theirs()
+        _sync()
         t2 = time.perf_counter_ns()
         a.append(t1 - t0)
         b.append(t2 - t1)
@@ -42,11 +51,11 @@ def main():
     torch.set_num_threads(1)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29631")
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    dist.init_process_group("nccl" if DEV == "cuda" else "gloo", rank=0, world_size=1)
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(T, H, generator=g).bfloat16()
-    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
-    w = torch.rand(T, K, generator=g)
+    x = torch.randn(T, H, generator=g).bfloat16().to(DEV)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(DEV)
+    w = torch.rand(T, K, generator=g).to(DEV)
     group = dist.group.WORLD
 
     b1 = deep_ep.Buffer(group)
@@ -61,7 +70,7 @@ def main():
     # the same epx.torch calls on a buffer of the same config
     comm = epx.Comm.create_self()
     b = et.make_buffer(comm, hidden=H, num_experts=E, max_top_k=K, max_tokens_per_rank=T,
-                       dtype=torch.bfloat16, layout=epx.Layout.RANK_MAJOR,
+                       dtype=torch.bfloat16, layout=epx.Layout.RANK_MAJOR, device=DEV,
                        exchange=epx.Exchange.DEDUP)
     idx32 = idx.to(torch.int32)
     d = et.dispatch(b, x, idx32, w, weighting=epx.Weighting.NONE, recorder=False,
@@ -90,7 +99,7 @@ def main():
         row("V2 dispatch (handle=, expand)", lambda: eb.dispatch(x, handle=h2, do_expand=True),
             lambda: et.dispatch(b, x, handle=d))
         row("V2 combine (expand)", lambda: eb.combine(ex, h2), lambda: et.combine(d, recv_x))
-    print("T=%d H=%d E=%d K=%d bf16, CPU, 1 rank, median of %d calls (us)" % (T, H, E, K, N))
+    print("T=%d H=%d E=%d K=%d bf16, %s, 1 rank, %d calls (us)" % (T, H, E, K, DEV, N))
     print("| call | epx.deep_ep | epx.torch | overhead (median) | overhead (min) |")
     print("| --- | ---: | ---: | ---: | ---: |")
     for name, a, c, o, m in rows:

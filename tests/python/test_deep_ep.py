@@ -29,22 +29,24 @@ import epx  # noqa: E402
 from torchrun_jobs import torchrun  # noqa: E402
 
 H, E, K, T = 256, 8, 3, 12
+# EPX_DEEP_EP_DEVICE=cuda runs the workers on the GPUs (bench/gpu/deep_ep_check.sh)
+DEV = os.environ.get("EPX_DEEP_EP_DEVICE", "cpu")
 
 
 def world(W, dtype=torch.float32, seed=7):
     """Every rank's x [T + r, H], topk_idx [T + r, K] (distinct experts,
     some -1), topk_weights: the same on every rank (seeded)."""
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device="cpu").manual_seed(seed)
     out = []
     for r in range(W):
         n = T + r
-        x = torch.randn(n, H, generator=g).to(dtype)
-        idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(n)])
-        drop = torch.rand(n, K, generator=g) < 0.2
+        x = torch.randn(n, H, generator=g, device="cpu").to(dtype)
+        idx = torch.stack([torch.randperm(E, generator=g, device="cpu")[:K] for _ in range(n)])
+        drop = torch.rand(n, K, generator=g, device="cpu") < 0.2
         idx = torch.where(drop, -1, idx)
         idx[0] = -1                                    # a token with no expert
-        w = torch.rand(n, K, generator=g)
-        out.append((x, idx, w))
+        w = torch.rand(n, K, generator=g, device="cpu")
+        out.append((x.to(DEV), idx.to(DEV), w.to(DEV)))
     return out
 
 
@@ -349,8 +351,8 @@ def check_gradients(deep_ep, group, W, r):
     own = scale[r * E_local:(r + 1) * E_local]
     gain = (rp * torch.where(ri >= 0, own[ri.clamp(min=0)], 0.0)).sum(1, keepdim=True)
     out = _Combine.apply(rx * gain, b, handle)
-    g = torch.Generator().manual_seed(100 + r)
-    grad = torch.randn(out.shape, generator=g)
+    g = torch.Generator(device="cpu").manual_seed(100 + r)
+    grad = torch.randn(out.shape, generator=g, device="cpu").to(DEV)
     (out * grad).sum().backward()
     xr, ir, wr = [t.clone() for t in ranks[r]]
     xr.requires_grad_(True)
@@ -405,7 +407,10 @@ def check_errors(deep_ep, group, W, r):
 def worker(which):
     import torch.distributed as dist
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    if DEV == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        torch.set_default_device("cuda")
+    dist.init_process_group("nccl" if DEV == "cuda" else "gloo")
     import epx.deep_ep as deep_ep
     group = dist.group.WORLD
     W, r = dist.get_world_size(), dist.get_rank()
@@ -415,7 +420,7 @@ def worker(which):
     if which in ("v2", "all"):
         check_v2(deep_ep, group, W, r, torch.float32)
         check_v2(deep_ep, group, W, r, torch.bfloat16)
-    if which in ("ll", "all"):
+    if which in ("ll", "all") and DEV == "cpu":     # the LL calls on CUDA: bench_deep_ep.py
         check_low_latency(deep_ep, group, W, r)
     if which in ("grad", "all"):
         check_gradients(deep_ep, group, W, r)

@@ -36,6 +36,10 @@ sys.path.insert(0, str(HERE))
 
 from torchrun_jobs import torchrun  # noqa: E402
 
+# EPX_DEEP_EP_DEVICE=cuda runs the DeepSpeed and NeMo workers on the GPUs
+# (bench/gpu/deep_ep_check.sh: NCCL groups, one GPU a process)
+DEV = os.environ.get("EPX_DEEP_EP_DEVICE", "cpu")
+
 
 def _have(name):
     try:
@@ -49,7 +53,9 @@ def _start():
     torch.set_num_threads(1)
     import epx.deep_ep
     epx.deep_ep.install()           # before the frameworks import DeepEP
-    dist.init_process_group("gloo")
+    if DEV == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if DEV == "cuda" else "gloo")
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -161,7 +167,7 @@ def _autoep_layer(group, E, K, H, W, rank, weights, max_tokens, score_apply):
 def _comm_reference(x, idx, scores, weights, score_apply):
     """The "comm" backend's result: sum_k score * expert(x) ("post"), or
     expert(score * x) ("pre")."""
-    out = torch.zeros(x.shape, dtype=torch.float32)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for k in range(idx.shape[1]):
         w = weights[idx[:, k]]                                  # [T, H, H]
         s = scores[:, k:k + 1].float()
@@ -184,14 +190,14 @@ def deepspeed_worker():
     from deepspeed.module_inject.auto_ep_layer import RouterOutput
     import epx.deep_ep as deep_ep
     E, K, H, T = 8, 2, 16, 12
-    g = torch.Generator().manual_seed(77)
-    weights = torch.randn(E, H, H, generator=g) / H ** 0.5
+    g = torch.Generator(device="cpu").manual_seed(77)
+    weights = (torch.randn(E, H, H, generator=g) / H ** 0.5).to(DEV)
     rows = []
     for score_apply in ("post", "pre"):
-        gr = torch.Generator().manual_seed(500 + rank)
-        x0 = torch.randn(T + rank, H, generator=gr).bfloat16()
-        logits0 = torch.randn(T + rank, E, generator=gr)
-        grad = torch.randn(T + rank, H, generator=gr).bfloat16()
+        gr = torch.Generator(device="cpu").manual_seed(500 + rank)
+        x0 = torch.randn(T + rank, H, generator=gr).bfloat16().to(DEV)
+        logits0 = torch.randn(T + rank, E, generator=gr).to(DEV)
+        grad = torch.randn(T + rank, H, generator=gr).bfloat16().to(DEV)
         layer = _autoep_layer(dist.group.WORLD, E, K, H, W, rank, weights, 32, score_apply)
 
         def route(x, logits):
@@ -251,12 +257,12 @@ def nemo_worker():
     assert fa.Buffer is deep_ep.Buffer
     E, K, H, T = 8, 2, 16, 12
     El = E // W
-    g = torch.Generator().manual_seed(91)
-    weights = torch.randn(E, H, H, generator=g) / H ** 0.5
-    gr = torch.Generator().manual_seed(700 + rank)
-    x0 = torch.randn(T + rank, H, generator=gr)
-    logits0 = torch.randn(T + rank, E, generator=gr)
-    grad = torch.randn(T + rank, H, generator=gr)
+    g = torch.Generator(device="cpu").manual_seed(91)
+    weights = (torch.randn(E, H, H, generator=g) / H ** 0.5).to(DEV)
+    gr = torch.Generator(device="cpu").manual_seed(700 + rank)
+    x0 = torch.randn(T + rank, H, generator=gr).to(DEV)
+    logits0 = torch.randn(T + rank, E, generator=gr).to(DEV)
+    grad = torch.randn(T + rank, H, generator=gr).to(DEV)
     group = dist.group.WORLD
 
     def layer(x, logits):
