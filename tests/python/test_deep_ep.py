@@ -483,5 +483,32 @@ def test_shim_on_pythonpath_and_the_runner(tmp_path):
     assert run.returncode == 0 and "ran ['--flag']" in run.stdout, run.stderr
 
 
+def test_the_helpers_deep_eps_tests_import():
+    """deep_ep.utils.{math,envs,testing,event} and deep_ep.buffers.*, which
+    DeepEP's own tests import beside the buffers."""
+    run = _python(
+        "import torch, epx.deep_ep as d; d.install()\n"
+        "from deep_ep.utils.math import calc_diff, inplace_unique, per_token_cast_to_fp8, "
+        "per_token_cast_back, create_grouped_scores, hash_tensor\n"
+        "from deep_ep.utils.envs import init_dist, init_seed, dist_print\n"
+        "from deep_ep.utils.testing import bench, bench_kineto\n"
+        "from deep_ep.buffers.legacy import Buffer\n"
+        "from deep_ep.buffers.elastic import ElasticBuffer, EPHandle\n"
+        "x = torch.randn(3, 256).bfloat16()\n"
+        "q, s = per_token_cast_to_fp8(x)\n"
+        "assert q.dtype == torch.float8_e4m3fn and s.shape == (3, 2)\n"
+        "assert calc_diff(per_token_cast_back(q, s).float(), x.float()) < 1e-3\n"
+        "assert calc_diff(x, x) == 0 and hash_tensor(x) == hash_tensor(x.clone())\n"
+        "r = torch.tensor([[1, 1, 0, -1], [2, 3, 3, 2]])\n"
+        "inplace_unique(r, 4)\n"
+        "assert r.tolist() == [[1, 0, -1, -1], [3, 2, -1, -1]]\n"
+        "g = create_grouped_scores(torch.ones(2, 4), torch.tensor([[0], [1]]), 2)\n"
+        "assert g.tolist() == [[1, 1, 0, 0], [0, 0, 1, 1]]\n"
+        "assert len(bench(lambda: None, 1, 3)) == 3\n"
+        "assert Buffer is d.Buffer and ElasticBuffer is d.ElasticBuffer\n"
+        "print('ok')\n")
+    assert run.returncode == 0 and "ok" in run.stdout, run.stderr
+
+
 if __name__ == "__main__":
     worker(sys.argv[1])

@@ -24,8 +24,9 @@ import importlib.util
 import os
 import sys
 
-from . import utils
+from . import buffers, elastic, legacy, utils
 from ._core import stats, topk_idx_t
+from .utils import envs as _envs, event as _event, math as _math, testing as _testing
 from .elastic import ElasticBuffer, EPHandle
 from .legacy import Buffer, Config
 from .utils import EventHandle, EventOverlap
@@ -36,7 +37,10 @@ __all__ = ["Buffer", "Config", "ElasticBuffer", "EPHandle", "EventOverlap", "Eve
            "get_logical_domain_size", "shim_path"]
 
 _SHIM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shim")
-_ALIASES = {"deep_ep": None, "deep_ep.utils": utils, "deep_ep.utils.event": utils}
+_ALIASES = {"deep_ep": None, "deep_ep.utils": utils, "deep_ep.utils.event": _event,
+            "deep_ep.utils.math": _math, "deep_ep.utils.envs": _envs,
+            "deep_ep.utils.testing": _testing, "deep_ep.buffers": buffers,
+            "deep_ep.buffers.legacy": legacy, "deep_ep.buffers.elastic": elastic}
 
 
 def get_physical_domain_size():
