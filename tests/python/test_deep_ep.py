@@ -141,8 +141,6 @@ def check_v1(deep_ep, group, W, r, dtype):
     filled = torch.where(recv_idx == -1, 1.0, recv_w)
     _, summed, _ = b.combine(y, handle, topk_weights=filled)
     local_slots = torch.where(idx >= 0, w, 0.0)
-    others = in_rank.sum(1, keepdim=True).float() - (idx >= 0).float()
-    del others
     expect = torch.zeros_like(local_slots)
     for s in range(W):
         own = (idx >= s * E_local) & (idx < (s + 1) * E_local)
@@ -161,13 +159,11 @@ def check_v1(deep_ep, group, W, r, dtype):
                                                is_token_in_rank=in_rank,
                                                num_tokens_per_expert=per_expert, topk_idx=idx,
                                                topk_weights=w)
-        rows = [t for (ss, t) in src if ss == r]
         ref_q = torch.stack([world(W, dtype)[ss][0][t].float().clamp(-400, 400).to(
             torch.float8_e4m3fn) for (ss, t) in src])
         assert fq.dtype == torch.float8_e4m3fn and torch.equal(fq.view(torch.uint8),
                                                                ref_q.view(torch.uint8))
         assert fs.shape == (len(src), H // 128)
-        del rows
         (cq, cs), *_ = b.dispatch((q, s), handle=fh)
         assert torch.equal(cq.view(torch.uint8), fq.view(torch.uint8)) and torch.equal(cs, fs)
     b.runtime.close()

@@ -20,7 +20,6 @@ framework's path without DeepEP, on CPU under torchrun (gloo):
 Each skips where the framework does not import. Run:
 EPX_LIBRARY=build/libepx.so PYTHONPATH=python python -m pytest tests/python/test_deep_ep_frameworks.py
 """
-import contextlib
 import importlib.util
 import os
 import pathlib

@@ -15,9 +15,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-import epx
-import epx.torch as et
-
 from . import _core
 from ._core import check, unsupported
 from .utils import EventHandle, EventOverlap

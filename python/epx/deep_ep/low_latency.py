@@ -21,11 +21,10 @@ Where DeepEP and epx differ, and what is done about it:
 import torch
 import torch.distributed as dist
 
-import epx
 import epx.torch as et
 
 from . import _core
-from ._core import check, unsupported, topk_idx_t
+from ._core import check, unsupported
 from .utils import EventHandle, EventOverlap
 
 _FP8_MAX = 448.0
