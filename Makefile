@@ -31,7 +31,8 @@ single: build
 # which runs on CPUs) and scikit-build-core (the wheel's build backend), made
 # once by `make pyenv`. PYTHON=/usr/bin/python3 runs the tests without torch
 # (the epx.torch tests then skip). megatron-core and deepspeed (CPU, no
-# compiled ops) are the drop-ins' references; megatron-core imports
+# compiled ops) are the drop-ins' references, and with nemo-automodel (its
+# DeepEP module only) epx.deep_ep's framework parity tests; megatron-core imports
 # numpy.dtypes, which needs a numpy newer than Debian 12's 1.24.
 PYENV ?= $(BUILD)/pyenv
 PYTHON ?= $(PYENV)/bin/python
@@ -42,6 +43,9 @@ $(PYENV)/.ready:
 	$(PYENV)/bin/python -m pip install -q --disable-pip-version-check "torch>=2.5" "scikit-build-core>=0.8"
 	$(PYENV)/bin/python -m pip install -q --disable-pip-version-check "numpy>=1.25,<2" "megatron-core==0.16.1"
 	DS_BUILD_OPS=0 $(PYENV)/bin/python -m pip install -q --disable-pip-version-check "deepspeed==0.19.8"
+	# NeMo Automodel's DeepEP module (fused_a2a) needs torch only: its own
+	# dependencies (transformers, CUDA kernels, ...) are not installed.
+	$(PYENV)/bin/python -m pip install -q --disable-pip-version-check --no-deps "nemo-automodel==0.7.0"
 	touch $@
 
 pyenv: $(PYENV)/.ready
