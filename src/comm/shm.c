@@ -135,6 +135,7 @@ typedef struct shm_state {
   shm_map_t *maps; /* [size]; maps[rank] is the own data segment */
   int own_linked;  /* the own data segment's name is still in /dev/shm */
   int locked;      /* this process holds the world's lock */
+  int32_t locked_as; /* the rank it took the lock as (-1: none yet) */
   uint64_t pid_ns; /* this process's pid namespace (0: unknown) */
 } shm_state_t;
 
@@ -157,9 +158,9 @@ static uint64_t shm_pid_ns(void) {
 /* 1 when the process `pid` of namespace `pid_ns` has ended (gone, or a zombie
  * its parent has not reaped yet); 0 when alive or when this process cannot
  * tell (another pid namespace). */
-static int shm_process_gone(const shm_state_t *st, int32_t pid, uint64_t pid_ns) {
+static char shm_process_state(const shm_state_t *st, int32_t pid, uint64_t pid_ns) {
   if (pid <= 0 || !pid_ns || pid_ns != st->pid_ns) return 0;
-  if (kill(pid, 0) != 0 && errno == ESRCH) return 1;
+  if (kill(pid, 0) != 0 && errno == ESRCH) return 'X';
   char path[48], line[256];
   snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
   FILE *f = fopen(path, "r");
@@ -168,7 +169,27 @@ static int shm_process_gone(const shm_state_t *st, int32_t pid, uint64_t pid_ns)
   fclose(f);
   line[n] = 0;
   const char *end = strrchr(line, ')');
-  return end && end[1] == ' ' && (end[2] == 'Z' || end[2] == 'X');
+  return end && end[1] == ' ' ? end[2] : 0;
+}
+
+static int shm_process_gone(const shm_state_t *st, int32_t pid, uint64_t pid_ns) {
+  char state = shm_process_state(st, pid, pid_ns);
+  return state == 'Z' || state == 'X';
+}
+
+/* An attached rank other than `self` whose process is stopped (SIGSTOP or a
+ * debugger), or -1: the holder of a lock kept past the timeout when the
+ * holder word cannot say (it was stopped between taking the lock and
+ * writing its rank). */
+static int32_t shm_stopped_rank(const shm_state_t *st, int32_t self) {
+  const shm_world_t *w = st->world;
+  for (int32_t p = 0; p < w->size; p++) {
+    const shm_slot_t *slot = &w->slots[p];
+    if (p == self || !slot->attached) continue;
+    char state = shm_process_state(st, slot->pid, slot->pid_ns);
+    if (state == 'T' || state == 't') return p;
+  }
+  return -1;
 }
 
 /* An attached rank (not arrived at the barrier of `generation`, unless
@@ -244,7 +265,9 @@ static epx_status_t shm_lock(shm_state_t *st, int32_t rank, const char *caller) 
     rc = pthread_mutex_lock(&w->lock);
   }
   if (rc == ETIMEDOUT) {
-    int32_t holder = atomic_load(&w->holder);
+    int32_t holder = atomic_load(&w->holder), stopped = shm_stopped_rank(st, rank);
+    if (holder < 0 || holder == rank || stopped >= 0) holder = stopped >= 0 ? stopped : holder;
+    if (holder == rank) holder = -1;
     char who[32] = "a rank";
     if (holder >= 0) snprintf(who, sizeof who, "rank %d", holder);
     return epx_error(EPX_ERROR_TIMEOUT,
@@ -272,14 +295,19 @@ static epx_status_t shm_lock(shm_state_t *st, int32_t rank, const char *caller) 
     }
   }
   atomic_store(&w->holder, rank);
+  st->locked_as = rank;
   return EPX_SUCCESS;
 }
 
+/* The holder word is cleared only while it still names this rank, after the
+ * unlock: a process stopped between the two leaves its own rank there, never
+ * -1 over a lock it still holds. */
 static void shm_unlock(shm_state_t *st) {
   if (!st->locked) return;
   st->locked = 0;
-  atomic_store(&st->world->holder, -1);
   pthread_mutex_unlock(&st->world->lock);
+  int32_t mine = st->locked_as;
+  atomic_compare_exchange_strong(&st->world->holder, &mine, -1);
 }
 
 static epx_status_t shm_failed_error_locked(epx_comm_t comm, const char *caller,
@@ -884,6 +912,7 @@ epx_status_t epx_comm_create_shm(const char *name, int32_t rank, int32_t size,
   }
   snprintf(st->name, sizeof st->name, "/%s", name);
   st->pid_ns = shm_pid_ns();
+  st->locked_as = -1;
   st->world_bytes = shm_world_bytes(size);
   EPX_CHECK(rank == 0 ? shm_world_init(st, size, timeout_seconds)
                       : shm_world_open(st, size, timeout_seconds));
