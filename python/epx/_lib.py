@@ -396,6 +396,14 @@ class BufferConfig(_Config):
                      exchange_path=ExchangePath.AUTO, sm_budget=0, fp8_format=FP8Format.NONE,
                      low_latency=0, placement=None)
 
+    def __setattr__(self, name, value):
+        if name == "placement" and value is not None and not isinstance(value, int):
+            refuse_invalid("BufferConfig.placement is a %s; pass an epx.Placement as "
+                           "Buffer(comm, config, placement=...), which keeps its arrays alive "
+                           "(the field holds the address of an epx_placement_t)",
+                           type(value).__name__)
+        super().__setattr__(name, value)
+
 
 class PlacementStruct(ctypes.Structure):
     """epx_placement_t (the arrays are the caller's; epx.Placement keeps them)."""

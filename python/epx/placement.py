@@ -262,14 +262,18 @@ class Placement:
     def __eq__(self, other):
         if not isinstance(other, Placement):
             return NotImplemented
-        W = self.num_ranks or other.num_ranks
-        if W is None and (self.physical_rank is None) != (other.physical_rank is None):
+        if (self.num_experts != other.num_experts or self.replica_rule != other.replica_rule
+                or not np.array_equal(self.physical_to_logical, other.physical_to_logical)):
             return False
-        return (self.num_experts == other.num_experts and self.replica_rule == other.replica_rule
-                and np.array_equal(self.physical_to_logical, other.physical_to_logical)
-                and (W is None and self.physical_rank is None
-                     or np.array_equal(self.ranks(W) if W else self.physical_rank,
-                                       other.ranks(W) if W else other.physical_rank)))
+        if self.num_ranks is not None and other.num_ranks is not None:
+            return (self.num_ranks == other.num_ranks
+                    and np.array_equal(self.ranks(), other.ranks()))
+        W = self.num_ranks if self.num_ranks is not None else other.num_ranks
+        if W is not None:  # one of them has its default map for W ranks
+            return np.array_equal(self.ranks(W), other.ranks(W))
+        if self.physical_rank is None or other.physical_rank is None:
+            return self.physical_rank is None and other.physical_rank is None
+        return np.array_equal(self.physical_rank, other.physical_rank)
 
     __hash__ = None
 

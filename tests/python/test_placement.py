@@ -10,8 +10,10 @@ errors naming their argument.
 
 Run: EPX_LIBRARY=build/libepx.so PYTHONPATH=python python -m pytest tests/python/test_placement.py
 """
+import ctypes
 import pathlib
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -58,6 +60,15 @@ def test_placement_mirrors_the_c_struct():
     s = given._struct
     assert (s.num_physical, s.replica_rule) == (4, 1) and s.physical_rank
     assert epx.BufferConfig().placement is None  # the last field: NULL, the contiguous map
+    with pytest.raises(ValueError, match="BufferConfig.placement is a Placement; pass an "
+                                         "epx.Placement as Buffer"):
+        epx.BufferConfig(placement=pl)
+    # a config holding the address of an epx_placement_t: the buffer reads it back
+    one = epx.Placement([0, 1, 0], num_ranks=1)
+    config = epx.BufferConfig(hidden=8, num_experts=2, max_top_k=1,
+                              placement=ctypes.addressof(one._struct))
+    with epx.Comm.create_self() as comm, comm.buffer(config) as buf:
+        assert buf.placement == one and buf.experts_per_rank == 3
 
 
 @pytest.mark.parametrize("nodes", [1, 2])
@@ -108,7 +119,8 @@ def test_rank_load_is_the_load_model_exactly():
 # ---------------------------------------------------------------------------
 
 E_, W_, K_, T_, H_ = 8, 2, 2, 12, 8
-PLACED = epx.Placement([0, 1, 2, 3, 0, 4, 5, 6, 7, 0, 3, 5], num_ranks=W_)  # 0 thrice, 3 and 5 twice
+# logical 0 thrice (on both ranks), 3 and 5 twice
+PLACED = epx.Placement([0, 1, 2, 3, 0, 4, 5, 6, 7, 0, 3, 5], num_ranks=W_)
 
 
 def routing_of(rank):
@@ -195,12 +207,22 @@ def test_a_refusal_in_python_fails_the_peers_at_once():
             epx.placement_move(comm, src, None, PLACED)
         except epx.EpxError as e:
             return type(e).__name__, e.message
-    import time
     t0 = time.time()
     res = epx.run_local(W_, rank, timeout_seconds=30)
     assert time.time() - t0 < 10
     assert res[0][0] == "PeerFailedError" and "rank 1" in res[0][1]
     assert res[1][0] == "InvalidArgumentError" and "src has shape [5, 2]" in res[1][1]
+
+    def create(comm):  # rank 1: a placement of other experts; refused in Python
+        try:
+            comm.buffer(hidden=H_, num_experts=E_ + 4 * comm.rank, max_top_k=K_, placement=PLACED)
+        except epx.EpxError as e:
+            return type(e).__name__, e.message
+    t0 = time.time()
+    res = epx.run_local(W_, create, timeout_seconds=30)
+    assert time.time() - t0 < 10
+    assert res[0][0] in ("PeerFailedError", "ShapeMismatchError") and "rank 1" in res[0][1]
+    assert res[1][0] == "InvalidArgumentError" and "num_experts is 12" in res[1][1]
 
 
 def test_errors_name_their_argument():

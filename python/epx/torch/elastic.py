@@ -113,7 +113,12 @@ def replica_grad_sum(module_or_buffer, params=None):
     on the CPU, this rank's physical experts in slot order; a missing .grad
     counts as zeros (it is set). Gradients are summed in float32 (one
     collective for all params) and rounded back to their dtype, so replicas
-    agree bit for bit. Nothing happens under a placement without replicas."""
+    agree bit for bit. Nothing happens under a placement without replicas.
+
+    A helper rather than a gradient hook on purpose: a hook fires after each
+    backward's accumulation into .grad, so with gradient accumulation it
+    would add the replicas' earlier sums again; call it once per optimizer
+    step, after the last micro-batch's backward."""
     fn = "epx.torch.replica_grad_sum"
     buffer, layer = _layer_buffer(fn, module_or_buffer)
     params = _expert_params(fn, layer, params)
