@@ -36,16 +36,7 @@ class Buffer(_Closable):
         elif fields:
             config = config.copy(**fields)
         ptr = comm._handle("Buffer")
-        try:
-            config, self.placement = _with_placement(config, placement, comm.size)
-        except EpxError as e:
-            # the peers are in epx_buffer_create: meet them with a config the
-            # library refuses locally, so they fail now, naming this rank
-            if comm.size > 1:
-                bad = BufferConfig()
-                bad.struct_size = 0
-                lib.epx_buffer_create(ptr, ctypes.byref(bad), ctypes.byref(ctypes.c_void_p()))
-            raise e
+        config, self.placement = _with_placement(comm, ptr, config, placement)
         p = ctypes.c_void_p()
         _check(lib.epx_buffer_create(ptr, ctypes.byref(config), ctypes.byref(p)))
         # A successful creation may still leave a note: why the fused path
@@ -541,10 +532,23 @@ class Buffer(_Closable):
         return grad_w
 
 
-def _with_placement(config, placement, world_size):
-    """(the config to create with, the buffer's Placement or None): a
-    Placement given sets config.placement (kept alive by the buffer); a raw
-    address already in the config is read back."""
+def _with_placement(comm, comm_ptr, config, placement):
+    """(the config to create with, the buffer's Placement or None), where a
+    refusal still meets the peers in epx_buffer_create (with a config the
+    library refuses locally), so they fail at once, naming this rank."""
+    try:
+        return _placement_config(config, placement, comm.size)
+    except EpxError:
+        if comm.size > 1:
+            bad = BufferConfig()
+            bad.struct_size = 0
+            lib.epx_buffer_create(comm_ptr, ctypes.byref(bad), ctypes.byref(ctypes.c_void_p()))
+        raise
+
+
+def _placement_config(config, placement, world_size):
+    """A Placement given sets config.placement (kept alive by the buffer);
+    a raw address already in the config is read back."""
     fn = "Buffer"
     if placement is None:
         if not config.placement:
