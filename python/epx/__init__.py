@@ -35,13 +35,15 @@ The shortest layer step, on one rank::
 # its subclasses), arrays (dtypes, aligned arrays, the library's build
 # facts), fp8 (scale shapes, quantize), routing (route and its backward),
 # comm, buffer, handle (the C objects; ownership: what they share),
+# placement (expert placement and replicas: Placement, the planner, the
+# weight move),
 # references (the dense oracle), semantics (each op's outputs and backward
 # pairing, for every binding), torch (the PyTorch binding) and the drop-ins
 # (megatron, deepspeed, nemo).
 from . import _lib
 from ._lib import (AuxCounts, BufferConfig, CapacityArithmetic, CombinePrecision, CommConfig,
                    DType, Device, DropPolicy, Exchange, ExchangePath, FP8Format, Layout, Nonfinite,
-                   QueueOrder, RecorderMode, RouteConfig, ScoreFn, Status, Weighting)
+                   QueueOrder, RecorderMode, ReplicaRule, RouteConfig, ScoreFn, Status, Weighting)
 # _check, _invalid and _refuse: the binding's error helpers, which epx.torch
 # and the drop-ins call as epx._invalid(...).
 from .errors import (BusyError, CapacityExceededError, _check, CudaError, EpxError, InternalError,
@@ -55,6 +57,7 @@ from .routing import (reference_route, reference_route_backward, route, route_ag
                       route_backward, route_capacity, route_sum_counts, RouteResult)
 from .comm import (Comm, LocalWorld, run_local)
 from .buffer import Buffer
+from .placement import Placement, placement_move
 from .handle import (Handle, HandleStats, Recorder, RecorderStats)
 from .references import (reference_dense_combine, reference_dense_dispatch)
 
@@ -77,6 +80,7 @@ __all__ = [
     "reference_dense_dispatch", "reference_dense_combine", "numpy_dtype", "library_version",
     "reference_route", "reference_route_backward", "route_agree_capacity", "route_capacity", "route_sum_counts",
     "FP8Format", "fp8_scale_shape", "quantize", "dequantize",
+    "ReplicaRule", "Placement", "placement_move",
 ]
 
 # The C enumerators under their C names (epx.EPX_BFLOAT16, epx.EPX_WEIGHTS_IN_COMBINE, ...).
@@ -87,7 +91,7 @@ for _enum, _prefix in ((Status, "EPX_"), (DType, "EPX_"), (Device, "EPX_DEVICE_"
                        (CombinePrecision, "EPX_COMBINE_"), (ExchangePath, "EPX_PATH_"),
                        (Exchange, "EPX_EXCHANGE_"), (Layout, "EPX_LAYOUT_"),
                        (Weighting, "EPX_WEIGHTS_"), (RecorderMode, "EPX_RECORDER_"),
-                       (FP8Format, "EPX_FP8_")):
+                       (FP8Format, "EPX_FP8_"), (ReplicaRule, "EPX_REPLICA_")):
     for _member in _enum:
         globals()[_prefix + _member.name] = _member
         __all__.append(_prefix + _member.name)

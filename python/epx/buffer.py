@@ -17,15 +17,18 @@ from .errors import _check, EpxError, _invalid, _refuse
 from .fp8 import fp8_scale_shape
 from .handle import Handle
 from .ownership import _BUFFERS, _busy, _Closable, _destroy, _register, _released
+from .placement import Placement
 from .routing import RouteResult
 
 
 class Buffer(_Closable):
     """The exchange memory of one MoE layer over a comm (epx_buffer_create,
     collective). config is a :class:`BufferConfig`; keyword arguments set its
-    fields (dtype may also be a name or numpy dtype)."""
+    fields (dtype may also be a name or numpy dtype). placement: an
+    :class:`epx.Placement` (the buffer's physical experts: experts_per_rank
+    is then P / W; see epx.placement) or None, the contiguous map."""
 
-    def __init__(self, comm, config=None, **fields):
+    def __init__(self, comm, config=None, *, placement=None, **fields):
         if "dtype" in fields:
             fields["dtype"] = _as_dtype(fields["dtype"])
         if config is None:
@@ -33,6 +36,7 @@ class Buffer(_Closable):
         elif fields:
             config = config.copy(**fields)
         ptr = comm._handle("Buffer")
+        config, self.placement = _with_placement(comm, ptr, config, placement)
         p = ctypes.c_void_p()
         _check(lib.epx_buffer_create(ptr, ctypes.byref(config), ctypes.byref(p)))
         # A successful creation may still leave a note: why the fused path
@@ -46,7 +50,8 @@ class Buffer(_Closable):
         self.device = Device(config.device)
         self.hidden = int(config.hidden)
         self.num_experts = int(config.num_experts)
-        self.experts_per_rank = self.num_experts // comm.size
+        self.experts_per_rank = (self.placement.num_physical if self.placement is not None
+                                 else self.num_experts) // comm.size
         self.layout = Layout(config.layout)
         self.stream = config.stream  # the CUDA stream of its calls (set_stream changes it)
         self._payload = _payload_dtypes(self.dtype)
@@ -96,6 +101,34 @@ class Buffer(_Closable):
         paths = (ctypes.c_int32 * n)()
         _check(lib.epx_buffer_peer_paths(self._handle_ptr("Buffer.peer_paths"), paths))
         return [ExchangePath(v) for v in paths]
+
+    def expert_load(self, reset=False):
+        """Routes per logical expert ([E] int64) this rank's layouts took
+        since creation or the last reset (epx_buffer_expert_load; reset
+        zeroes them after reading). Rank-local: sum over the ranks
+        (comm.allgather(...).sum(0)) for :meth:`epx.Placement.plan`."""
+        load = empty((self.num_experts,), np.int64)
+        _check(lib.epx_buffer_expert_load(self._handle_ptr("Buffer.expert_load"), load.ctypes.data,
+                                          1 if reset else 0))
+        return load
+
+    def replica_grad_sum(self, grads):
+        """Sums each replicated expert's gradients over its replicas, in
+        place (epx_replica_grad_sum, collective; CPU buffers): grads
+        [E_local, ...] float32, C-contiguous, this rank's physical experts
+        in slot order; afterwards every replica holds the same sum. Returns
+        grads."""
+        fn = "Buffer.replica_grad_sum"
+        with self._together("replica_grad_sum"):
+            self._host(fn)
+            if not isinstance(grads, np.ndarray) or grads.ndim < 1:
+                _ptr(grads, fn, "grads", _F32, (self.experts_per_rank, None))
+            _ptr(grads, fn, "grads", _F32, (self.experts_per_rank,) + grads.shape[1:],
+                 writable=True)
+        count = math.prod(grads.shape[1:])
+        _check(lib.epx_replica_grad_sum(self._handle_ptr(fn), grads.ctypes.data if grads.size
+                                        else None, count))
+        return grads
 
     def set_stream(self, stream):
         """The CUDA stream (a cudaStream_t as an int) of later calls."""
@@ -161,6 +194,9 @@ class Buffer(_Closable):
             r = _lib.Routing(-1, 1, None, None, None, int(Weighting.IN_COMBINE))
             unused = ctypes.c_void_p()
             lib.epx_dispatch_layout(self._ptr, ctypes.byref(r), None, ctypes.byref(unused))
+            return
+        if op == "replica_grad_sum":
+            lib.epx_replica_grad_sum(self._ptr, None, -1)
             return
         if op == "ll_dispatch":
             r = _lib.Routing(-1, 1, None, None, None, int(Weighting.IN_COMBINE))
@@ -494,6 +530,38 @@ class Buffer(_Closable):
             pw = _ptr(grad_w, fn, "grad_w", _F32, (handle.num_tokens, handle.top_k), writable=True)
         _check(lib.epx_weights_backward(self._handle_ptr(fn), handle._use(self, fn), pg, pw))
         return grad_w
+
+
+def _with_placement(comm, comm_ptr, config, placement):
+    """(the config to create with, the buffer's Placement or None), where a
+    refusal still meets the peers in epx_buffer_create (with a config the
+    library refuses locally), so they fail at once, naming this rank."""
+    try:
+        return _placement_config(config, placement, comm.size)
+    except EpxError:
+        if comm.size > 1:
+            bad = BufferConfig()
+            bad.struct_size = 0
+            lib.epx_buffer_create(comm_ptr, ctypes.byref(bad), ctypes.byref(ctypes.c_void_p()))
+        raise
+
+
+def _placement_config(config, placement, world_size):
+    """A Placement given sets config.placement (kept alive by the buffer);
+    a raw address already in the config is read back."""
+    fn = "Buffer"
+    if placement is None:
+        if not config.placement:
+            return config, None
+        return config, Placement._from_struct(config.placement, int(config.num_experts),
+                                              world_size)
+    if not isinstance(placement, Placement):
+        _invalid("%s: placement is a %s; pass an epx.Placement or None", fn,
+                 type(placement).__name__)
+    placement._for(fn, "placement", int(config.num_experts), world_size)
+    config = config.copy()
+    config.placement = ctypes.addressof(placement._struct)
+    return config, placement
 
 
 def _ll_step(fn, rows, num_tokens):

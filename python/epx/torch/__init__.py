@@ -41,7 +41,8 @@ first, so a libepx linked with NCCL binds to torch's NCCL.
 # (EventOverlap), handles (a handle between ops), checkpointing (the ambient
 # recorder, checkpoint_context), routing, ops and fp8 (the custom ops with
 # their fake functions and autograd), functional (dispatch, combine,
-# make_buffer), low_latency, grouped_matmul, moe (the MoE layer), dispatcher
+# make_buffer), low_latency, grouped_matmul, moe (the MoE layer), elastic
+# (the layer under an epx.Placement: replicas' gradients, plans, moves), dispatcher
 # (TokenDispatcher) and launch (comms from process groups, launchers). Each
 # op's output shapes and backward pairing are epx.semantics'.
 import torch as _torch  # first: a libepx linked with NCCL binds to torch's NCCL
@@ -60,6 +61,7 @@ from .functional import combine, dispatch, Dispatched, make_buffer
 from .low_latency import ll_combine, ll_dispatch
 from .grouped_matmul import grouped_mm
 from .moe import MoE
+from .elastic import (move_expert_tensor, move_experts, plan_placement, replica_grad_sum)
 from .dispatcher import TokenDispatcher
 from .launch import comm_from_process_group, init_process_group, launch_env
 
@@ -72,4 +74,5 @@ __all__ = ["route", "dispatch", "combine", "Dispatched", "TorchRouteResult", "Mo
            "TokenDispatcher", "checkpoint_context", "keep_handles", "comm_from_process_group",
            "init_process_group", "launch_env", "EventOverlap", "current_event", "stats",
            "make_buffer", "grouped_mm", "epx_dtype", "torch_dtype", "ll_dispatch", "ll_combine",
-           "dequantize"]
+           "dequantize", "replica_grad_sum", "plan_placement", "move_experts",
+           "move_expert_tensor"]

@@ -9,6 +9,7 @@ import epx as _epx
 from epx import Device, Exchange, Layout, Status, Weighting
 from epx.errors import _invalid, _refuse
 from .checkpointing import RECORDER_AMBIENT
+from .elastic import layer_placement, local_logical
 from .fp8 import _Fp8StraightThrough
 from .functional import combine, Dispatched, make_buffer
 from .grouped_matmul import grouped_mm
@@ -107,13 +108,22 @@ class MoE(_torch.nn.Module):
     takes per-row scales on sm_90, none per block of 128 or 32, so the
     GEMMs are in the layer's dtype: ``self.fp8_gemm`` says which ran,
     "dequantized"); the backward is a dispatch's of those rows (straight
-    through the quantizer) and combine stays in the layer's dtype."""
+    through the quantizer) and combine stays in the layer's dtype.
+
+    placement: an epx.Placement (round-robin rule) for elastic expert
+    parallelism: the rank's local experts are its physical experts
+    (num_local_experts = P / W, w_gate_up and w_down hold them in slot
+    order, a replica starting with its logical expert's weights), and
+    ``self.placement`` is it (None: the contiguous map). In training, call
+    epx.torch.replica_grad_sum(layer) after backward; epx.torch.move_experts
+    moves the layer to a new placement (epx.torch.elastic; CPU layers)."""
 
     def __init__(self, comm, hidden_size, ffn_hidden_size, num_experts, top_k, *,
                  max_tokens_per_rank, dtype=_F32, device="cpu", weighting=Weighting.IN_COMBINE,
                  exchange=Exchange.DEDUP, layout=Layout.EXPERT_MAJOR, expert_alignment=None,
                  combine_precision=0, capacity_factor=None, expert_bias=False, generator=None,
-                 exact_size=False, route_config=None, fp8=None, **route_options):
+                 exact_size=False, route_config=None, fp8=None, placement=None,
+                 **route_options):
         super().__init__()
         self.exact_size = bool(exact_size)
         self.fp8 = _epx.FP8Format(_epx.FP8Format.E4M3_F32_128 if fp8 is True else int(fp8 or 0))
@@ -122,9 +132,7 @@ class MoE(_torch.nn.Module):
                      "and weights in combine or NONE", "exact_size" if self.exact_size
                      else "Weighting.IN_DISPATCH (fp8 rows are not scaled on the way)")
         W = comm.size
-        if num_experts % W:
-            _invalid("epx.torch.MoE: num_experts %d is not a multiple of the comm's %d "
-                     "ranks", num_experts, W)
+        self.placement = layer_placement(placement, num_experts, W)
         if Layout(layout) == Layout.RANK_MAJOR:
             _refuse(Status.ERROR_UNSUPPORTED, "epx.torch.MoE: the rank-major layout has no "
                     "expert groups for a grouped matmul; use EXPERT_MAJOR or CAPACITY (or "
@@ -138,7 +146,8 @@ class MoE(_torch.nn.Module):
             expert_alignment = 8 if on_gpu else 1
         self.comm, self.hidden_size, self.ffn_hidden_size = comm, hidden_size, ffn_hidden_size
         self.num_experts, self.top_k = num_experts, top_k
-        self.num_local_experts = num_experts // W
+        self.num_local_experts = (self.placement.num_physical if self.placement is not None
+                                  else num_experts) // W
         self.weighting, self.layout = Weighting(weighting), Layout(layout)
         capacity = (_epx.route_capacity(max_tokens_per_rank, self.route_config)
                     if self.layout == Layout.CAPACITY else 0)
@@ -146,7 +155,8 @@ class MoE(_torch.nn.Module):
                                   max_top_k=top_k, max_tokens_per_rank=max_tokens_per_rank,
                                   dtype=dtype, device=device, exchange=exchange, layout=layout,
                                   expert_alignment=expert_alignment, capacity=capacity,
-                                  combine_precision=combine_precision, fp8_format=self.fp8)
+                                  combine_precision=combine_precision, fp8_format=self.fp8,
+                                  placement=self.placement)
         self._buffer_id = self.buffer.id
         self._config_id = _config_id(self.route_config)
         # the GEMMs the experts run on fp8 rows (the class docstring says why)
@@ -168,9 +178,10 @@ class MoE(_torch.nn.Module):
         dtype = torch_dtype(dtype)
         El, H, F, E = self.num_local_experts, self.hidden_size, self.ffn_hidden_size, \
             self.num_experts
-        if g is None and getattr(self.comm, "_world", None) is not None:
+        if g is None and (getattr(self.comm, "_world", None) is not None
+                          or self.placement is not None):  # replicas start equal
             g = _torch.Generator().manual_seed(_torch.initial_seed())
-        first = self.comm.rank * El
+        mine = local_logical(self.placement, E, self.comm.rank, self.comm.size)
 
         def draw(*shape, fan_in, dt):
             if g is None:
@@ -181,9 +192,9 @@ class MoE(_torch.nn.Module):
         def draw_experts(*shape, fan_in):
             if g is None:
                 return draw(El, *shape, fan_in=fan_in, dt=dtype)
-            mine = [w for e, w in ((e, draw(*shape, fan_in=fan_in, dt=dtype)) for e in range(E))
-                    if first <= e < first + El]
-            return _torch.stack(mine)
+            drawn = {e: w for e, w in ((e, draw(*shape, fan_in=fan_in, dt=dtype))
+                                       for e in range(E)) if e in mine}
+            return _torch.stack([drawn[e] for e in mine])
         self.router = _torch.nn.Linear(H, E, bias=False, device=device)
         with _torch.no_grad():
             self.router.weight.copy_(draw(E, H, fan_in=H, dt=_F32))
