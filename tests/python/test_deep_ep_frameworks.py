@@ -91,14 +91,13 @@ def megatron_worker():
                            (10, 0.0, torch.bfloat16)):
         data = tm.problem(1234 + rank, T=T, H=H, E=E, K=K, drop=drop, dtype=dtype)
         kw = dict(expert_model_parallel_size=W, add_bias_linear=False, moe_router_dtype="fp32")
-        cfg_a2a = tm.config(E, K, H, **kw)
-        cfg_flex = tm.config(E, K, H, **kw)
+        # dropped routes (probs 0) declared by moe_expert_capacity_factor on
+        # both (tm.config): the flex dispatcher makes them -1, and 0.19's
+        # all-to-all dispatcher counts rows instead of assuming T * K
+        cfg_a2a = tm.config(E, K, H, drop, **kw)
+        cfg_flex = tm.config(E, K, H, drop, **kw)
         cfg_flex.moe_token_dispatcher_type = "flex"
         cfg_flex.moe_flex_dispatcher_backend = "deepep"
-        if drop:
-            # dropped routes (probs 0) become -1 only where the flex dispatcher
-            # is told that capacity drops happen
-            cfg_flex.moe_expert_capacity_factor = 1.0
         with tm.megatron_on_cpu():
             theirs = tm.step(mtd.MoEAlltoAllTokenDispatcher(El, local, cfg_a2a, pgs), *data)
             before = deep_ep.stats()
