@@ -1,5 +1,5 @@
-"""The communicators: Comm (self, local, MPI, NCCL; allgather, barrier,
-buffer), LocalWorld (the ranks of one process as threads) and run_local."""
+"""The communicators: Comm (self, local, MPI, NCCL; allgather, alltoallv,
+barrier, buffer), LocalWorld (the ranks of one process as threads) and run_local."""
 import ctypes
 import threading
 import weakref
@@ -9,7 +9,7 @@ import numpy as np
 from ._lib import CommConfig, lib, Status
 from .arrays import empty
 from .buffer import Buffer
-from .errors import _c_int, _check, EpxError
+from .errors import _c_int, _check, _invalid, EpxError
 from .ownership import _Closable, _destroy, _released
 from .routing import route_agree_capacity, route_sum_counts
 
@@ -98,6 +98,28 @@ class Comm(_Closable):
         _check(lib.epx_comm_allgather(self._handle(fn), a.ctypes.data if a.nbytes else None,
                                       recv.ctypes.data if recv.nbytes else None, a.nbytes))
         return recv
+
+    def alltoallv(self, send, send_counts):
+        """A small all-to-all (collective): send [sum(send_counts), *row]
+        gives send_counts[r] rows to rank r, in order -> the rows this rank
+        gets, by source rank. The row shape and dtype are the same on every
+        rank. Made of two allgathers (every rank's counts, then every rank's
+        rows padded to the longest): for routing weights and counts beside
+        a dispatch, not for payloads."""
+        a = np.ascontiguousarray(send)
+        counts = np.asarray(send_counts, dtype=np.int64).reshape(-1)
+        if counts.shape[0] != self.size or (counts < 0).any() or a.ndim < 1 \
+                or int(counts.sum()) != a.shape[0]:
+            _invalid("Comm.alltoallv: send_counts %s for %s rows; pass %d counts summing "
+                     "to the rows of send", counts.tolist(), list(a.shape), self.size)
+        every = self.allgather(counts)                    # [s, r]: rows rank s gives rank r
+        padded = np.zeros((int(every.sum(axis=1).max()),) + a.shape[1:], a.dtype)
+        padded[:a.shape[0]] = a
+        rows = self.allgather(padded)                     # [s, longest, *row]
+        starts = np.cumsum(every, axis=1) - every
+        r = self.rank
+        return np.concatenate([rows[s, starts[s, r]:starts[s, r] + every[s, r]]
+                               for s in range(self.size)])
 
     def route_agree_capacity(self, expert_counts):
         """:func:`route_agree_capacity` over this comm."""

@@ -6,12 +6,14 @@ framework's path without DeepEP, on CPU under torchrun (gloo):
   moe_flex_dispatcher_backend="deepep" against MoEAlltoAllTokenDispatcher:
   tokens, tokens_per_expert, permuted probs, output and gradients (hidden,
   router logits). The flex dispatcher needs TP x EP > 1: 2 processes.
-- DeepSpeed 0.19.8 AutoEP: AutoEPMoELayer._deepep_route (comm_backend
-  "deepep": DeepEPExchange on deep_ep.ElasticBuffer, deepep_dispatch /
-  deepep_combine, its checkpoint replay) against the "comm" backend's
-  semantics (each token's top-k experts' outputs weighted by the router's
-  scores), outputs and gradients; under activation checkpointing its
-  recompute replays the forward's handle (no second layout).
+- DeepSpeed 0.19.8 AutoEP: its AutoEPMoELayer (built from a Mixtral block
+  as AutoEP's replacement builds it) with comm_backend="deepep"
+  (_deepep_route: DeepEPExchange on deep_ep.ElasticBuffer, deepep_dispatch /
+  deepep_combine, DeepEPCheckpointReplay) against the same layer with
+  comm_backend="comm" (its all-to-all path): outputs, input and parameter
+  gradients; under activation checkpointing the recompute replays the
+  forward's handle (no second layout, counted). On CPU one call is patched:
+  the barrier with device_ids=[CUDA index] (_cpu_barrier_without_device_ids).
 - NeMo Automodel 0.7.0: fused_a2a's fused_dispatch / fused_combine
   (deep_ep.Buffer), with its dispatch-replay recorder under activation
   checkpointing, against the same layer computed without DeepEP: the
@@ -89,14 +91,13 @@ def megatron_worker():
                            (10, 0.0, torch.bfloat16)):
         data = tm.problem(1234 + rank, T=T, H=H, E=E, K=K, drop=drop, dtype=dtype)
         kw = dict(expert_model_parallel_size=W, add_bias_linear=False, moe_router_dtype="fp32")
-        cfg_a2a = tm.config(E, K, H, **kw)
-        cfg_flex = tm.config(E, K, H, **kw)
+        # dropped routes (probs 0) declared by moe_expert_capacity_factor on
+        # both (tm.config): the flex dispatcher makes them -1, and 0.19's
+        # all-to-all dispatcher counts rows instead of assuming T * K
+        cfg_a2a = tm.config(E, K, H, drop, **kw)
+        cfg_flex = tm.config(E, K, H, drop, **kw)
         cfg_flex.moe_token_dispatcher_type = "flex"
         cfg_flex.moe_flex_dispatcher_backend = "deepep"
-        if drop:
-            # dropped routes (probs 0) become -1 only where the flex dispatcher
-            # is told that capacity drops happen
-            cfg_flex.moe_expert_capacity_factor = 1.0
         with tm.megatron_on_cpu():
             theirs = tm.step(mtd.MoEAlltoAllTokenDispatcher(El, local, cfg_a2a, pgs), *data)
             before = deep_ep.stats()
@@ -124,114 +125,117 @@ def test_megatron_flex_dispatcher_deepep_backend_matches_alltoall():
 # ---------------------------------------------------------------------------
 
 
-class _Experts(torch.nn.Module):
-    """Local experts as AutoEP calls them: experts(rows, counts [E_local])."""
+class _MixtralBlock(torch.nn.Module):
+    """A Hugging Face Mixtral MoE block as AutoEP finds it: a `gate` Linear
+    and `experts` with fused gate_up_proj [E, 2I, H] and down_proj [E, H, I]
+    (the "fused_3d" storage), which AutoEPMoELayer's constructor repacks."""
 
-    def __init__(self, weights):
+    def __init__(self, E, H, I, seed):
         super().__init__()
-        self.w = torch.nn.Parameter(weights.clone())
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        self.gate = torch.nn.Linear(H, E, bias=False)
+        with torch.no_grad():
+            self.gate.weight.copy_(torch.randn(E, H, generator=g))
+        self.experts = torch.nn.Module()
+        self.experts.gate_up_proj = torch.nn.Parameter(torch.randn(E, 2 * I, H, generator=g) / H ** 0.5)
+        self.experts.down_proj = torch.nn.Parameter(torch.randn(E, H, I, generator=g) / I ** 0.5)
 
-    def forward(self, rows, counts):
-        outs = [torch.tanh(chunk.float() @ self.w[e]).to(rows.dtype) for e, chunk in
-                enumerate(torch.split(rows, counts.tolist()))]
-        return torch.cat(outs) if outs else rows[:0]
 
-
-def _autoep_layer(group, E, K, H, W, rank, weights, max_tokens, score_apply):
-    """An object with the attributes AutoEPMoELayer._deepep_route reads, so
-    DeepSpeed's own method runs unchanged."""
-    import types
-    from deepspeed.module_inject import auto_ep_comm as aec
+def _autoep_layers(W, rank, E, K, H, I, score_apply, max_tokens):
+    """DeepSpeed's own AutoEPMoELayer, built from one source block for each
+    comm_backend ("comm", "deepep") as AutoEP's module replacement builds it
+    (the Mixtral preset's spec; the sequential expert loop, as torch's
+    grouped GEMM is CUDA-only), its EP group from set_deepspeed_parallelism."""
+    from deepspeed.module_inject.auto_ep_config import AutoEPConfig, MoELayerSpec
     from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
-    El = E // W
-    layer = types.SimpleNamespace(
-        ep_group=group, num_experts=E, top_k=K, hidden_size=H, num_local_experts=El,
-        deepep_scope=aec.new_exchange_scope(), comm_max_tokens_per_rank=max_tokens,
-        comm_num_sm=aec.DEFAULT_COMM_SMS, comm_qp_margin=4, _deepep_exchange=None,
-        _deepep_replay=aec.DeepEPCheckpointReplay(), score_apply=score_apply,
-        row_weighting_impl="eager",
-        experts=_Experts(weights[rank * El:(rank + 1) * El]))
-    layer.route = lambda x, ro: AutoEPMoELayer._deepep_route(layer, x, ro)
-    if not torch.cuda.is_available():
-        # _deepep_route's first call barriers with device_ids=[the CUDA index],
-        # which a CPU tensor has not: the exchange is built here by DeepSpeed's
-        # own shared_exchange, as that call would build it, skipping the barrier.
-        layer._deepep_exchange = aec.shared_exchange(
-            scope=layer.deepep_scope, ep_group=group, num_experts=E, top_k=K, hidden_size=H,
-            num_max_tokens_per_rank=max_tokens, num_sms=layer.comm_num_sm,
-            qp_margin=layer.comm_qp_margin)
-    return layer
+    spec = MoELayerSpec(
+        moe_module_name="model.layers.0.mlp", model_family="mixtral", router_name="gate",
+        experts_name="experts", expert_storage="fused_3d", expert_w1_name="gate_up_proj",
+        expert_w2_name="down_proj", expert_w3_name=None, num_experts=E, top_k=K, hidden_size=H,
+        ffn_hidden_size=I, score_func="softmax", score_apply="post", route_norm=True,
+        gate_bias=False, return_router_logits=False, router_logits_capture_target="none",
+        router_logits_capture_index=None, router_logits_capture_layer_name=None,
+        has_shared_experts=False, shared_experts_name="")
+    source = _MixtralBlock(E, H, I, seed=77).bfloat16().to(DEV)
+    layers = {}
+    for backend in ("comm", "deepep"):
+        config = AutoEPConfig(enabled=True, autoep_size=W, use_grouped_mm=False,
+                              score_apply=score_apply, comm_backend=backend,
+                              comm_max_tokens_per_rank=max_tokens)
+        layer = AutoEPMoELayer(spec, source, ep_size=W, ep_rank=rank, config=config)
+        layer.set_deepspeed_parallelism()
+        layers[backend] = layer
+    return layers
 
 
-def _comm_reference(x, idx, scores, weights, score_apply):
-    """The "comm" backend's result: sum_k score * expert(x) ("post"), or
-    expert(score * x) ("pre")."""
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    for k in range(idx.shape[1]):
-        w = weights[idx[:, k]]                                  # [T, H, H]
-        s = scores[:, k:k + 1].float()
-        if score_apply == "pre":
-            xin = (x.float() * s).to(x.dtype).float()
-            out = out + torch.tanh(torch.einsum("th,thg->tg", xin, w)).to(x.dtype).float()
-        else:
-            y = torch.tanh(torch.einsum("th,thg->tg", x.float(), w)).to(x.dtype)
-            out = out + (y.float() * s).to(x.dtype).float()
-    return out.to(x.dtype)
+def _cpu_barrier_without_device_ids():
+    """The one CUDA-only call on AutoEP's deepep path: _deepep_route's first
+    call runs dist.barrier(group, device_ids=[tokens.device.index]), and a
+    CPU tensor's index is None, which torch refuses. Patched here, and only
+    for that argument: deepspeed.comm.barrier drops device_ids=[None] and is
+    otherwise DeepSpeed's. Everything else runs as released."""
+    import deepspeed.comm as ds_dist
+    released = ds_dist.barrier
+
+    def barrier(*args, device_ids=None, **kwargs):
+        return released(*args, device_ids=None if device_ids == [None] else device_ids, **kwargs)
+    ds_dist.barrier = barrier
+
+
+def _max_diff(a, b):
+    return float((a.float() - b.float()).abs().max())
 
 
 def deepspeed_worker():
     rank, W = _start()
-    import torch.distributed as dist
     from torch.utils.checkpoint import checkpoint
     import deepspeed
-    deepspeed.init_distributed(dist_backend="gloo")   # deepspeed.comm over the same group
+    deepspeed.init_distributed(dist_backend="nccl" if DEV == "cuda" else "gloo")
     from deepspeed.module_inject import auto_ep_comm as aec
-    from deepspeed.module_inject.auto_ep_layer import RouterOutput
     import epx.deep_ep as deep_ep
-    E, K, H, T = 8, 2, 16, 12
-    g = torch.Generator(device="cpu").manual_seed(77)
-    weights = (torch.randn(E, H, H, generator=g) / H ** 0.5).to(DEV)
+    if DEV == "cpu":
+        _cpu_barrier_without_device_ids()
+    E, K, H, I = 8, 2, 16, 24
     rows = []
     for score_apply in ("post", "pre"):
+        layers = _autoep_layers(W, rank, E, K, H, I, score_apply, max_tokens=64)
         gr = torch.Generator(device="cpu").manual_seed(500 + rank)
-        x0 = torch.randn(T + rank, H, generator=gr).bfloat16().to(DEV)
-        logits0 = torch.randn(T + rank, E, generator=gr).to(DEV)
-        grad = torch.randn(T + rank, H, generator=gr).bfloat16().to(DEV)
-        layer = _autoep_layer(dist.group.WORLD, E, K, H, W, rank, weights, 32, score_apply)
-
-        def route(x, logits):
-            probs = torch.softmax(logits, dim=-1)
-            scores, idx = torch.topk(probs, K, dim=-1)
-            counts = torch.bincount(idx.reshape(-1), minlength=E).float()
-            return layer.route(x, RouterOutput(scores, idx, counts))
-
-        for checkpointed in (False, True):
-            x = x0.clone().requires_grad_(True)
-            logits = logits0.clone().requires_grad_(True)
-            deep_ep.stats(reset=True)
-            out = (checkpoint(route, x, logits, use_reentrant=False) if checkpointed
-                   else route(x, logits))
-            (out.float() * grad.float()).sum().backward()
-            st = deep_ep.stats()
-            xr = x0.clone().requires_grad_(True)
-            lr = logits0.clone().requires_grad_(True)
-            scores_r, idx_r = torch.topk(torch.softmax(lr, dim=-1), K, dim=-1)
-            ref = _comm_reference(xr, idx_r, scores_r, weights, score_apply)
-            (ref.float() * grad.float()).sum().backward()
-            torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
-            torch.testing.assert_close(x.grad, xr.grad, atol=3e-2, rtol=3e-2)
-            torch.testing.assert_close(logits.grad, lr.grad, atol=3e-2, rtol=3e-2)
-            assert float(logits.grad.abs().sum()) > 0                 # the router learns
-            # forward: one layout; backward: combine's backward is a cached
-            # dispatch; the recompute replays the forward's handle
-            assert st["layouts"] == 1, st
-            assert st["cached_dispatches"] == (2 if checkpointed else 1), st
-            rows.append("deepspeed autoep deepep (%s, %s): out, x.grad, logits.grad within "
-                        "2e-2/3e-2 of comm; layouts %d, cached %d" % (
-                            score_apply, "checkpointed" if checkpointed else "plain",
-                            st["layouts"], st["cached_dispatches"]))
-        aec.destroy_exchanges(torch.nn.Module())
-        layer._deepep_exchange.destroy()
+        x0 = torch.randn(2, 6 + rank, H, generator=gr).bfloat16().to(DEV)   # [B, S, H]
+        gy = torch.randn(2, 6 + rank, H, generator=gr).bfloat16().to(DEV)
+        for mode in ("plain", "checkpoint"):
+            res = {}
+            for backend, layer in layers.items():
+                layer.zero_grad(set_to_none=True)
+                x = x0.clone().requires_grad_(True)
+                deep_ep.stats(reset=True)
+                y = checkpoint(layer, x, use_reentrant=False) if mode == "checkpoint" else layer(x)
+                fwd = deep_ep.stats()
+                (y.float() * gy.float()).sum().backward()
+                # y detached: a live forward graph would be a second one for
+                # the next checkpointed forward's replay to choose from
+                res[backend] = (y.detach(), x.grad, dict(layer.named_parameters()), fwd,
+                                deep_ep.stats())
+                del y
+            y_c, xg_c, p_c, _, st_c = res["comm"]
+            y_d, xg_d, p_d, fwd, st = res["deepep"]
+            assert st_c == {"layouts": 0, "cached_dispatches": 0, "combines": 0}, st_c
+            # bf16 rows summed in another order: within a bf16 ulp of the output
+            torch.testing.assert_close(y_d, y_c, atol=1e-2, rtol=1e-2)
+            torch.testing.assert_close(xg_d, xg_c, atol=1e-2, rtol=1e-2)
+            for name in p_c:
+                assert p_c[name].grad is not None and float(p_c[name].grad.abs().sum()) > 0, name
+                torch.testing.assert_close(p_d[name].grad, p_c[name].grad, atol=1e-2, rtol=1e-2)
+            # forward: one layout; the backward's combine-backward is a cached
+            # dispatch, and the recompute repeats the forward's dispatch on
+            # its handle (DeepEPCheckpointReplay): no second layout
+            assert fwd["layouts"] == 1 and st["layouts"] == 1, st
+            assert st["cached_dispatches"] == (2 if mode == "checkpoint" else 1), st
+            grad_diff = max(_max_diff(p_d[n].grad, p_c[n].grad) for n in p_c)
+            rows.append("deepspeed AutoEPMoELayer deepep vs comm (%s, %s): out %.2g, x.grad %.2g, "
+                        "param grads %.2g max abs diff; layouts %d, cached dispatches %d" % (
+                            score_apply, mode, _max_diff(y_d, y_c), _max_diff(xg_d, xg_c),
+                            grad_diff, st["layouts"], st["cached_dispatches"]))
+        aec.destroy_exchanges(layers["deepep"])
     if rank == 0:
         print("\n".join(rows))
     _close(rank)

@@ -103,7 +103,14 @@ def megatron_on_cpu():
          dist.all_gather, dist.reduce_scatter) = saved
 
 
-def config(E, K, H, **kw):
+def config(E, K, H, drop=0.0, **kw):
+    """The layer's TransformerConfig. A routing with dropped routes (fewer
+    than K a token, as capacity drops leave) is declared through
+    moe_expert_capacity_factor: from megatron-core 0.19 the all-to-all
+    dispatcher takes a dropless routing to give exactly T * K rows (no
+    count sync), and splits its rows by that."""
+    if drop:
+        kw.setdefault("moe_expert_capacity_factor", 1.0)
     return TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=4,
                              num_moe_experts=E, moe_router_topk=K, use_cpu_initialization=True,
                              moe_token_dispatcher_type="alltoall", moe_router_pre_softmax=True,
@@ -189,13 +196,14 @@ def one_rank(tmp_path_factory):
                                       (1, 1, 0.0)])
 def test_matches_megatrons_alltoall_dispatcher(one_rank, E, K, drop):
     data = problem(SEED + E + K, T=12, H=16, E=E, K=K, drop=drop)
-    ours, theirs = both(config(E, K, 16), one_rank, data)
+    ours, theirs = both(config(E, K, 16, drop), one_rank, data)
     compare(ours, theirs)
 
 
 def test_bfloat16_tokens_float32_probs(one_rank):
     data = problem(SEED, T=16, H=16, E=8, K=2, drop=0.2, dtype=torch.bfloat16)
-    ours, theirs = both(config(8, 2, 16, params_dtype=torch.bfloat16, bf16=True), one_rank, data)
+    ours, theirs = both(config(8, 2, 16, 0.2, params_dtype=torch.bfloat16, bf16=True), one_rank,
+                        data)
     assert ours["tokens"].dtype == torch.bfloat16 and ours["probs"].dtype == torch.float32
     compare(ours, theirs)
 
@@ -278,7 +286,7 @@ def torchrun_worker(seed, tp):
     E, K = 8, 2
     for T, drop in ((12, 0.0), (9, 0.25)):
         data = problem(seed + rank, T=T, H=16, E=E, K=K, drop=drop)
-        cfg = config(E, K, 16, tensor_model_parallel_size=tp, expert_tensor_parallel_size=tp,
+        cfg = config(E, K, 16, drop, tensor_model_parallel_size=tp, expert_tensor_parallel_size=tp,
                      expert_model_parallel_size=W // tp, sequence_parallel=tp > 1,
                      add_bias_linear=False)
         ours, theirs = both(cfg, pgs, data)

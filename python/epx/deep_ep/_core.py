@@ -16,6 +16,10 @@ combine sums each token's rows over the ranks (no weights applied, as
 DeepEP's combine). The small per-token tensors DeepEP's kernels carry beside
 the rows (top-k weights at a cached dispatch, the weights combine reduces)
 move over the process group with ``all_to_all_single``, in the same order.
+
+In place of a process group an ``epx.Comm`` may be given (threads of
+``epx.run_local``, MPI; epx.nemo's groups): its small tensors move with
+``Comm.alltoallv``.
 """
 import threading
 
@@ -77,8 +81,10 @@ def check(ok, fn, fmt, *args):
 
 
 def group_of(group, comm, fn):
-    """(rank, size, group) of DeepEP's ``group`` (a process group) or
-    ``comm`` (an mpi4py communicator)."""
+    """(rank, size, group) of DeepEP's ``group`` (a process group, or an
+    epx.Comm) or ``comm`` (an mpi4py communicator)."""
+    if isinstance(group, epx.Comm):
+        return group.rank, group.size, group
     if group is not None:
         return group.rank(), group.size(), group
     if comm is not None:
@@ -179,8 +185,12 @@ class Exchange:
     def __init__(self, group, rank, size, num_sms=0):
         self.group, self.rank, self.size = group, rank, size
         self.num_sms = num_sms
-        self.comm = epx.Comm.create_self() if size == 1 else et.comm_from_process_group(group)
+        if isinstance(group, epx.Comm):
+            self.comm = group                 # the caller's: not closed here
+        else:
+            self.comm = epx.Comm.create_self() if size == 1 else et.comm_from_process_group(group)
         self.buffers = {}   # (H, dtype, device, E, K) -> epx.Buffer
+        self.min_tokens = 0  # the least a buffer is sized for (epx.nemo.configure)
         self.ll_buffers = {}
 
     # -- buffers ------------------------------------------------------------
@@ -197,7 +207,7 @@ class Exchange:
                       sm_budget=int(self.num_sms))
         if dtype == torch.bfloat16 and H % 128 == 0:
             fields["fp8_format"] = _FP8_FORMAT
-        most = max(int(max_tokens), 1)
+        most = max(int(max_tokens), self.min_tokens, 1)
         b = et.make_buffer(self.comm, hidden=H, num_experts=E, max_top_k=K,
                            max_tokens_per_rank=most, dtype=dtype, device=device, **fields)
         b.dd_max_tokens = most
@@ -291,12 +301,7 @@ class Exchange:
         send, recv = self._counts(L)
         C = v.shape[1]
         v = v[:L.rows].contiguous()
-        if self.size == 1:
-            back = v
-        else:
-            back = v.new_empty((sum(send), C))
-            dist.all_to_all_single(back, v, output_split_sizes=send, input_split_sizes=recv,
-                                   group=self.group)
+        back = v if self.size == 1 else self._all_to_all(v, recv, send)
         # back: from rank r, the rows of this rank's tokens in is_token_in_rank[:, r], by token
         ranks, tokens = L.in_rank.t().nonzero(as_tuple=True)
         dense = v.new_zeros((self.size, L.T, C))
@@ -311,8 +316,18 @@ class Exchange:
         out_rows = v[tokens].contiguous()
         if self.size == 1:
             return out_rows
+        return self._all_to_all(out_rows, send, recv)
+
+    def _all_to_all(self, v, send, recv):
+        """v [sum(send), ...] -> [sum(recv), ...]: send[r] rows to rank r,
+        recv[s] rows from rank s (the process group's all_to_all_single, or
+        the epx.Comm's alltoallv through the host)."""
+        if isinstance(self.group, epx.Comm):
+            raw = v.detach().cpu().reshape(v.shape[0], -1).view(torch.uint8).numpy()
+            got = torch.from_numpy(self.group.alltoallv(raw, send)).view(v.dtype)
+            return got.reshape((-1,) + tuple(v.shape[1:])).to(v.device)
         got = v.new_empty((sum(recv),) + tuple(v.shape[1:]))
-        dist.all_to_all_single(got, out_rows, output_split_sizes=recv, input_split_sizes=send,
+        dist.all_to_all_single(got, v, output_split_sizes=recv, input_split_sizes=send,
                                group=self.group)
         return got
 
