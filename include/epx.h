@@ -622,6 +622,47 @@ epx_status_t epx_comm_topology(epx_comm_t comm, int32_t *num_nodes, int32_t *ran
 epx_status_t epx_comm_barrier(epx_comm_t comm);
 epx_status_t epx_comm_allgather(epx_comm_t comm, const void *send, void *recv, size_t bytes);
 
+/* Shrink and go on: after a rank is lost (a call on comm returned
+ * EPX_ERROR_TIMEOUT or EPX_ERROR_PEER_FAILED naming it), each survivor
+ * calls epx_comm_shrink on the failed comm and gets *survivor_comm, a new
+ * comm of the survivors renumbered in ascending old rank order (old rank r
+ * becomes the number of survivors below r), and the lost old ranks
+ * (lost_ranks, ascending, room for the comm's size; *num_lost; either may be
+ * NULL). Collective over the survivors; comm stays failed (destroy it, and
+ * the buffers over it, afterwards; a destroy of a failed comm does not
+ * synchronise).
+ *  - Which ranks are lost is agreed, not guessed by each survivor: the
+ *    survivors meet in the transport's shared state (the local world; the
+ *    shm segment they all still map), where the first failure's record
+ *    lives. The survivors do not wait for a rank that failure named missing,
+ *    a rank whose comm is destroyed, or (shm) a rank whose process has
+ *    ended; they wait for every other rank up to the old comm's timeout.
+ *    The ranks that have called epx_comm_shrink when nobody is left to wait
+ *    for (or when a survivor's wait runs out) are the survivors, and every
+ *    survivor reads the same record: they all get the same comm and the
+ *    same lost_ranks. A rank that calls it later (it was only slow) is
+ *    refused with EPX_ERROR_PEER_FAILED: it is not in the survivors' comm.
+ *  - Calling it on a comm that has not failed fails it (its other ranks'
+ *    calls return EPX_ERROR_PEER_FAILED, and they shrink too): every rank
+ *    that joins in time is kept.
+ *  - config: the new comm's timeout and posed nodes (NULL: the old comm's
+ *    timeout, one node); the same on every survivor. The survivors'
+ *    ranks_per_node must divide their number.
+ *  - Transports: local (threads: the survivors' world is made by the
+ *    shrink and freed with its last comm; epx_local_world_destroy of the
+ *    old world once its comms are destroyed, the lost ranks' included) and
+ *    shm (processes: the survivors' segment is named "<name>.g<N>", from
+ *    the old name and generation, created by the new rank 0, so nothing a
+ *    dead process left in the old segment can block it; every wait is
+ *    bounded and names ranks as epx_comm_create_shm's). MPI and NCCL comms
+ *    are EPX_ERROR_UNSUPPORTED, naming why: MPI has no ULFM here, and a
+ *    failed NCCL comm is aborted before ncclCommShrink could run (create a
+ *    new NCCL comm among the survivors), as is a comm of one rank.
+ * Then epx_placement_shrink re-plans the experts over the survivors (see
+ * "Expert placement and replicas"). */
+epx_status_t epx_comm_shrink(epx_comm_t comm, const epx_comm_config_t *config,
+                             epx_comm_t *survivor_comm, int32_t *lost_ranks, int32_t *num_lost);
+
 /* ------------------------------------------------------------------------ */
 /* Buffers, handles and the exchange                                         */
 /* ------------------------------------------------------------------------ */
