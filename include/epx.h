@@ -1247,6 +1247,40 @@ epx_status_t epx_replica_grad_sum(epx_buffer_t buffer, float *grads, int64_t cou
 epx_status_t epx_placement_move(epx_comm_t comm, int32_t num_experts, const epx_placement_t *from,
                                 const epx_placement_t *to, size_t block_bytes, const void *src, void *dst);
 
+/* Shrink and go on: the placement over the survivors of epx_comm_shrink
+ * (not collective; deterministic, so every survivor computes the same).
+ * placement (NULL: the contiguous map) is the old buffers' placement of
+ * num_experts logical experts over num_ranks ranks; lost_ranks [num_lost]
+ * is epx_comm_shrink's. Outputs:
+ *  - survivors_physical_to_logical [(num_ranks - num_lost) * P / num_ranks]
+ *    (may be NULL): what the survivors hold now, as a placement of the
+ *    survivors' comm with the default physical_rank: new rank r's slot s
+ *    is the expert its slot s held before. The lost ranks' physical
+ *    experts are dropped; every surviving replica is kept here.
+ *  - physical_to_logical [num_physical]: the new placement (default
+ *    physical_rank, round-robin rule), planned by epx_placement_plan over
+ *    the survivors (one node) from load [num_experts] (NULL: uniform) with
+ *    num_physical (a multiple of the survivors' number, >= num_experts) and
+ *    num_groups; its ranks' blocks go to the survivors that already hold
+ *    most of their experts (ascending rank, first best), so the move sends
+ *    little.
+ *  - missing [num_experts] (may be NULL): 1 for a logical expert that no
+ *    survivor holds (every replica was on lost ranks); *num_missing (may be
+ *    NULL) counts them.
+ * Then: with no expert missing, epx_placement_move(survivor_comm,
+ * num_experts, &survivors, &new, ...) brings every survivor its experts'
+ * weights (and optimizer state, as part of the block) from the surviving
+ * replicas; with some missing, no survivor has them: the caller loads each
+ * survivor's experts under the new placement from its checkpoint or model
+ * files (a training loop rolls back to its last checkpoint; a decode loop
+ * reloads the weights). Then it creates its buffers over survivor_comm
+ * with config.placement = the new placement. README: "Recovering from a
+ * lost rank". */
+epx_status_t epx_placement_shrink(const epx_placement_t *placement, int32_t num_experts, int32_t num_ranks,
+                                  const int32_t *lost_ranks, int32_t num_lost, const double *load,
+                                  int32_t num_physical, int32_t num_groups, int32_t *survivors_physical_to_logical,
+                                  int32_t *physical_to_logical, int32_t *missing, int32_t *num_missing);
+
 /* ------------------------------------------------------------------------ */
 /* Activation-checkpoint recorder                                            */
 /* ------------------------------------------------------------------------ */
