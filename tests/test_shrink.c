@@ -305,9 +305,10 @@ static void report(const char *what, const shared_t *sh) {
       if (sh->recovery[r] > worst) worst = sh->recovery[r];
       if (sh->detect[r] > worst_detect) worst_detect = sh->detect[r];
     }
-  printf("recovery (%s, %d -> %d ranks, timeout %g s): loss named after %.3f s, next step done %.3f s after the "
-         "loss (%.3f s beyond the timeout); %d logical expert(s) without a surviving replica\n",
-         what, W0, W0 - 1, TIMEOUT, worst_detect, worst, worst - TIMEOUT, sh->missing[sh->victim == 0 ? 1 : 0]);
+  printf("recovery (%s, %d -> %d ranks, timeout %g s): loss named after %.1f ms, next step done %.1f ms after the "
+         "loss (shrink, re-plan, new buffer, step: %.1f ms); %d logical expert(s) without a surviving replica\n",
+         what, W0, W0 - 1, TIMEOUT, 1e3 * worst_detect, 1e3 * worst, 1e3 * (worst - worst_detect),
+         sh->missing[sh->victim == 0 ? 1 : 0]);
   assert_true(worst > 0 && worst < TIMEOUT + SLACK);
 }
 
