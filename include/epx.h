@@ -659,7 +659,9 @@ epx_status_t epx_comm_allgather(epx_comm_t comm, const void *send, void *recv, s
  *    failed NCCL comm is aborted before ncclCommShrink could run (create a
  *    new NCCL comm among the survivors), as is a comm of one rank.
  * Then epx_placement_shrink re-plans the experts over the survivors (see
- * "Expert placement and replicas"). */
+ * "Expert placement and replicas"). The low-latency calls take no
+ * active-rank mask in this version (DeepEP's low_latency_update_mask_buffer
+ * / query / clean): a decode loop shrinks as a training loop does. */
 epx_status_t epx_comm_shrink(epx_comm_t comm, const epx_comm_config_t *config,
                              epx_comm_t *survivor_comm, int32_t *lost_ranks, int32_t *num_lost);
 
