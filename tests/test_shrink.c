@@ -6,9 +6,11 @@
  * equals, bit for bit, a fresh run of as many ranks on the same placement.
  * The time from the loss to the survivors' next completed step is printed
  * ("recovery") and bounded (timeout + slack for a loaded CI machine). Also:
- * the agreement (every survivor the same lost list; a rank that comes late
- * is refused), the placement shrink's outputs, and the refusals. Every
+ * the agreement (every survivor the same lost list, also when one survivor
+ * was elsewhere when the loss was found; a rank that comes late is
+ * refused), the placement shrink's outputs, and the refusals. Every
  * process has a hard bound (alarm). */
+#include <dirent.h>
 #include <signal.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -49,6 +51,8 @@ typedef struct {
   int32_t named[W0];               /* the error named the victim */
   atomic_int survivors_done;
   int32_t late_refused;            /* the victim's own shrink was refused */
+  int32_t slow;                    /* a survivor that comes to the step late (-1: none): */
+  double slow_s;                   /* it learns of the loss from the failure's record */
 } shared_t;
 
 static uint64_t fnv(uint64_t h, const void *p, size_t n) {
@@ -214,6 +218,7 @@ static int life_rank(epx_comm_t *comm, int32_t rank, life_t *life) {
     RANK_REQUIRE_OK(step(b, sh->p2l0, rank, 2, &hash, victim_stop, life, &left));
     failures += victim_after(*comm, b, &left, sh, rank);
   } else {
+    if (rank == sh->slow) cc_sleep_seconds(sh->slow_s);
     epx_status_t status = step(b, sh->p2l0, rank, 2, &hash, NULL, NULL, NULL);
     failures += survivor_after(comm, &b, status, sh, rank);
     atomic_fetch_add(&sh->survivors_done, 1);
@@ -292,6 +297,7 @@ static shared_t *new_shared(int32_t victim) {
   assert_true(sh != MAP_FAILED);
   memset(sh, 0, sizeof *sh);
   sh->victim = victim;
+  sh->slow = -1;
   double load[E];
   for (int32_t e = 0; e < E; e++) load[e] = 1.0 + (double)((e * 5) % 7);
   EXPECT_OK(epx_placement_plan(load, E, P0, W0, 1, 1, sh->p2l0));
@@ -386,19 +392,44 @@ static int run_processes(int32_t size, life_t *life, int fresh, int32_t killed) 
   return failed;
 }
 
-static void test_shm_process_killed(void **state) {
-  (void)state;
+/* Names of this test's segments still in /dev/shm (the old comm's, the
+ * dead rank's, the survivors' "<name>.g1" and theirs: none may be left). */
+static int leftover_names(void) {
+  char prefix[64];
+  snprintf(prefix, sizeof prefix, "epx-test-shrink-%d-", (int)getpid());
+  DIR *dir = opendir("/dev/shm");
+  if (!dir) return 0;
+  int found = 0;
+  for (struct dirent *e; (e = readdir(dir));)
+    if (!strncmp(e->d_name, prefix, strlen(prefix))) {
+      fprintf(stderr, "left in /dev/shm: %s\n", e->d_name);
+      found++;
+    }
+  closedir(dir);
+  return found;
+}
+
+static void shm_killed(int32_t slow) {
   alarm(HARD_BOUND_S);
   shared_t *sh = new_shared(1);
+  sh->slow = slow, sh->slow_s = 0.3;
   life_t life = {sh, 1};
   assert_int_equal(run_processes(W0, &life, 0, 1), 0);
   sh->late_refused = 1; /* the victim is dead: nobody comes late */
   check_agreement(sh);
-  report("shm, a process killed with SIGKILL", sh);
+  if (slow < 0) report("shm, a process killed with SIGKILL", sh);
   assert_int_equal(run_processes(W0 - 1, &life, 1, -1), 0);
+  assert_int_equal(leftover_names(), 0);
   munmap(sh, sizeof *sh);
   alarm(0);
 }
+
+static void test_shm_process_killed(void **state) { (void)state, shm_killed(-1); }
+
+/* A survivor that is not in the collective when the loss is found: its
+ * next call fails from the failure's record, and the others' shrink waits
+ * for it (alive, not named missing). */
+static void test_shm_process_killed_survivor_elsewhere(void **state) { (void)state, shm_killed(3); }
 
 /* ------------------------------------------------------------------------ */
 /* The placement shrink and the refusals                                     */
@@ -481,6 +512,7 @@ int main(void) {
       cmocka_unit_test(test_shrink_live_comm_and_refusals),
       cmocka_unit_test(test_local_thread_stops),
       cmocka_unit_test(test_shm_process_killed),
+      cmocka_unit_test(test_shm_process_killed_survivor_elsewhere),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
