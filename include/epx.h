@@ -657,7 +657,8 @@ epx_status_t epx_comm_allgather(epx_comm_t comm, const void *send, void *recv, s
  *    bounded and names ranks as epx_comm_create_shm's). MPI and NCCL comms
  *    are EPX_ERROR_UNSUPPORTED, naming why: MPI has no ULFM here, and a
  *    failed NCCL comm is aborted before ncclCommShrink could run (create a
- *    new NCCL comm among the survivors), as is a comm of one rank.
+ *    new NCCL comm among the survivors), as is a self comm
+ *    (epx_comm_create_self: it has no peer to lose).
  * Then epx_placement_shrink re-plans the experts over the survivors (see
  * "Expert placement and replicas"). The low-latency calls take no
  * active-rank mask in this version (DeepEP's low_latency_update_mask_buffer
