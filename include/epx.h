@@ -622,6 +622,50 @@ epx_status_t epx_comm_topology(epx_comm_t comm, int32_t *num_nodes, int32_t *ran
 epx_status_t epx_comm_barrier(epx_comm_t comm);
 epx_status_t epx_comm_allgather(epx_comm_t comm, const void *send, void *recv, size_t bytes);
 
+/* Shrink and go on: after a rank is lost (a call on comm returned
+ * EPX_ERROR_TIMEOUT or EPX_ERROR_PEER_FAILED naming it), each survivor
+ * calls epx_comm_shrink on the failed comm and gets *survivor_comm, a new
+ * comm of the survivors renumbered in ascending old rank order (old rank r
+ * becomes the number of survivors below r), and the lost old ranks
+ * (lost_ranks, ascending, room for the comm's size; *num_lost; either may be
+ * NULL). Collective over the survivors; comm stays failed (destroy it, and
+ * the buffers over it, afterwards; a destroy of a failed comm does not
+ * synchronise).
+ *  - Which ranks are lost is agreed, not guessed by each survivor: the
+ *    survivors meet in the transport's shared state (the local world; the
+ *    shm segment they all still map), where the first failure's record
+ *    lives. The survivors do not wait for a rank that failure named missing,
+ *    a rank whose comm is destroyed, or (shm) a rank whose process has
+ *    ended; they wait for every other rank up to the old comm's timeout.
+ *    The ranks that have called epx_comm_shrink when nobody is left to wait
+ *    for (or when a survivor's wait runs out) are the survivors, and every
+ *    survivor reads the same record: they all get the same comm and the
+ *    same lost_ranks. A rank that calls it later (it was only slow) is
+ *    refused with EPX_ERROR_PEER_FAILED: it is not in the survivors' comm.
+ *  - Calling it on a comm that has not failed fails it (its other ranks'
+ *    calls return EPX_ERROR_PEER_FAILED, and they shrink too): every rank
+ *    that joins in time is kept.
+ *  - config: the new comm's timeout and posed nodes (NULL: the old comm's
+ *    timeout, one node); the same on every survivor. The survivors'
+ *    ranks_per_node must divide their number.
+ *  - Transports: local (threads: the survivors' world is made by the
+ *    shrink and freed with its last comm; epx_local_world_destroy of the
+ *    old world once its comms are destroyed, the lost ranks' included) and
+ *    shm (processes: the survivors' segment is named "<name>.g<N>", from
+ *    the old name and generation, created by the new rank 0, so nothing a
+ *    dead process left in the old segment can block it; every wait is
+ *    bounded and names ranks as epx_comm_create_shm's). MPI and NCCL comms
+ *    are EPX_ERROR_UNSUPPORTED, naming why: MPI has no ULFM here, and a
+ *    failed NCCL comm is aborted before ncclCommShrink could run (create a
+ *    new NCCL comm among the survivors), as is a self comm
+ *    (epx_comm_create_self: it has no peer to lose).
+ * Then epx_placement_shrink re-plans the experts over the survivors (see
+ * "Expert placement and replicas"). The low-latency calls take no
+ * active-rank mask in this version (DeepEP's low_latency_update_mask_buffer
+ * / query / clean): a decode loop shrinks as a training loop does. */
+epx_status_t epx_comm_shrink(epx_comm_t comm, const epx_comm_config_t *config,
+                             epx_comm_t *survivor_comm, int32_t *lost_ranks, int32_t *num_lost);
+
 /* ------------------------------------------------------------------------ */
 /* Buffers, handles and the exchange                                         */
 /* ------------------------------------------------------------------------ */
@@ -1205,6 +1249,40 @@ epx_status_t epx_replica_grad_sum(epx_buffer_t buffer, float *grads, int64_t cou
  * size, the same on every rank; src and dst must not overlap. */
 epx_status_t epx_placement_move(epx_comm_t comm, int32_t num_experts, const epx_placement_t *from,
                                 const epx_placement_t *to, size_t block_bytes, const void *src, void *dst);
+
+/* Shrink and go on: the placement over the survivors of epx_comm_shrink
+ * (not collective; deterministic, so every survivor computes the same).
+ * placement (NULL: the contiguous map) is the old buffers' placement of
+ * num_experts logical experts over num_ranks ranks; lost_ranks [num_lost]
+ * is epx_comm_shrink's. Outputs:
+ *  - survivors_physical_to_logical [(num_ranks - num_lost) * P / num_ranks]
+ *    (may be NULL): what the survivors hold now, as a placement of the
+ *    survivors' comm with the default physical_rank: new rank r's slot s
+ *    is the expert its slot s held before. The lost ranks' physical
+ *    experts are dropped; every surviving replica is kept here.
+ *  - physical_to_logical [num_physical]: the new placement (default
+ *    physical_rank, round-robin rule), planned by epx_placement_plan over
+ *    the survivors (one node) from load [num_experts] (NULL: uniform) with
+ *    num_physical (a multiple of the survivors' number, >= num_experts) and
+ *    num_groups; its ranks' blocks go to the survivors that already hold
+ *    most of their experts (ascending rank, first best), so the move sends
+ *    little.
+ *  - missing [num_experts] (may be NULL): 1 for a logical expert that no
+ *    survivor holds (every replica was on lost ranks); *num_missing (may be
+ *    NULL) counts them.
+ * Then: with no expert missing, epx_placement_move(survivor_comm,
+ * num_experts, &survivors, &new, ...) brings every survivor its experts'
+ * weights (and optimizer state, as part of the block) from the surviving
+ * replicas; with some missing, no survivor has them: the caller loads each
+ * survivor's experts under the new placement from its checkpoint or model
+ * files (a training loop rolls back to its last checkpoint; a decode loop
+ * reloads the weights). Then it creates its buffers over survivor_comm
+ * with config.placement = the new placement. README: "Recovering from a
+ * lost rank". */
+epx_status_t epx_placement_shrink(const epx_placement_t *placement, int32_t num_experts, int32_t num_ranks,
+                                  const int32_t *lost_ranks, int32_t num_lost, const double *load,
+                                  int32_t num_physical, int32_t num_groups, int32_t *survivors_physical_to_logical,
+                                  int32_t *physical_to_logical, int32_t *missing, int32_t *num_missing);
 
 /* ------------------------------------------------------------------------ */
 /* Activation-checkpoint recorder                                            */

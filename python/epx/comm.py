@@ -121,6 +121,20 @@ class Comm(_Closable):
         return np.concatenate([rows[s, starts[s, r]:starts[s, r] + every[s, r]]
                                for s in range(self.size)])
 
+    def shrink(self, config=None, **fields):
+        """epx_comm_shrink: after a lost rank (an EpxError naming it), the
+        survivors' new :class:`Comm` (renumbered in ascending old rank
+        order) and the lost old ranks, the same list on every survivor.
+        Collective over the survivors; this comm stays failed: close it (and
+        its buffers) afterwards. config/fields: the new comm's (default: this
+        comm's timeout)."""
+        fn = "Comm.shrink"
+        cfg = ctypes.byref(_comm_config(config, fields)) if config is not None or fields else None
+        p, n = ctypes.c_void_p(), ctypes.c_int32()
+        lost = np.zeros(self.size, np.int32)
+        _check(lib.epx_comm_shrink(self._handle(fn), cfg, ctypes.byref(p), lost.ctypes.data, ctypes.byref(n)))
+        return Comm(p.value), [int(r) for r in lost[:n.value]]
+
     def route_agree_capacity(self, expert_counts):
         """:func:`route_agree_capacity` over this comm."""
         return route_agree_capacity(self, expert_counts)

@@ -57,9 +57,11 @@
 #include "comm/comm.h"
 #include "core/error.h"
 
-/* "epxshm03": the layout below; a rank built from another layout refuses. */
-#define SHM_MAGIC 0x65707873686d3033ULL
+/* "epxshm04": the layout below; a rank built from another layout refuses. */
+#define SHM_MAGIC 0x65707873686d3034ULL
 #define SHM_NAME_MAX 200
+/* A comm's own name: the caller's, or a shrink's "<name>.g<N>". */
+#define SHM_PATH_MAX (SHM_NAME_MAX + 16)
 #define SHM_MIN_DATA ((size_t)1 << 16)
 /* The longest a waiter sleeps before it looks at the clock and its peers'
  * processes again: how soon a killed peer is named. */
@@ -93,6 +95,9 @@ typedef struct shm_slot {
    * process is gone. */
   int32_t pid;
   uint64_t pid_ns;
+  /* The shrink (see shm_shrink), under the mutex. */
+  int32_t suspect;       /* the world's failure named it missing or gone */
+  int32_t shrink_joined; /* it called epx_comm_shrink on this world */
 } shm_slot_t;
 
 typedef struct shm_world {
@@ -117,6 +122,7 @@ typedef struct shm_world {
   uint64_t fail_generation;
   char fail_caller[64];
   char fail_reason[448];
+  int32_t shrink_done; /* under lock: the survivors are settled (shrink_joined) */
   shm_slot_t slots[]; /* [size] */
 } shm_world_t;
 
@@ -131,7 +137,9 @@ typedef struct shm_map {
 typedef struct shm_state {
   shm_world_t *world;
   size_t world_bytes;
-  char name[SHM_NAME_MAX + 2];
+  char name[SHM_PATH_MAX + 2];
+  char base[SHM_NAME_MAX + 1]; /* the caller's name, and how many shrinks */
+  uint32_t shrinks;            /* made this comm's from it (shm_shrink) */
   shm_map_t *maps; /* [size]; maps[rank] is the own data segment */
   int own_linked;  /* the own data segment's name is still in /dev/shm */
   int locked;      /* this process holds the world's lock */
@@ -284,6 +292,7 @@ static epx_status_t shm_lock(shm_state_t *st, int32_t rank, const char *caller) 
     pthread_mutex_consistent(&w->lock);
     int32_t dead = atomic_load(&w->holder);
     if (dead < 0 || dead == rank) dead = shm_gone_rank(st, 0, 1);
+    if (dead >= 0) w->slots[dead].suspect = 1;
     if (!w->failed) {
       if (dead >= 0)
         shm_fail_locked(w, w->generation, EPX_ERROR_PEER_FAILED, caller,
@@ -326,6 +335,8 @@ static int shm_arrived(const void *world, int32_t rank) {
 static void shm_fail_timeout_locked(shm_world_t *w, uint64_t generation, const char *caller) {
   char reason[sizeof w->fail_reason];
   epx_comm_world_timeout_reason(reason, sizeof reason, w->size, shm_arrived, w, w->timeout_seconds);
+  for (int32_t p = 0; p < w->size; p++)
+    if (!shm_arrived(w, p)) w->slots[p].suspect = 1;
   shm_fail_locked(w, generation, EPX_ERROR_TIMEOUT, caller, "%s", reason);
 }
 
@@ -349,6 +360,7 @@ static epx_status_t shm_wait_locked(epx_comm_t comm, const char *caller, uint64_
       next_check = now + SHM_SLICE_SECONDS;
     }
     if (gone >= 0) {
+      w->slots[gone].suspect = 1;
       shm_fail_locked(w, generation, EPX_ERROR_PEER_FAILED, caller,
                       "rank %d did not arrive: its process (pid %d) has ended", gone,
                       (int)w->slots[gone].pid);
@@ -465,7 +477,7 @@ static epx_status_t shm_release(epx_comm_t comm, const char *caller, shm_op_t op
     shm_unlock(st);
   }
   if (st->own_linked) {
-    char name[SHM_NAME_MAX + 48];
+    char name[SHM_PATH_MAX + 48];
     shm_data_name(name, sizeof name, st, comm->rank, st->maps[comm->rank].seq);
     shm_unlink(name);
     st->own_linked = 0;
@@ -513,7 +525,7 @@ static epx_status_t shm_stage(epx_comm_t comm, const char *caller, size_t bytes,
     size_t want = bytes > 2 * own->bytes ? bytes : 2 * own->bytes;
     if (want < SHM_MIN_DATA) want = SHM_MIN_DATA;
     want = (want + page - 1) / page * page;
-    char name[SHM_NAME_MAX + 48], *base = NULL;
+    char name[SHM_PATH_MAX + 48], *base = NULL;
     shm_data_name(name, sizeof name, st, comm->rank, own->seq + 1);
     /* The name is this rank's in this world: an object there is a leftover
      * of an ended job on the same name. */
@@ -537,7 +549,7 @@ static epx_status_t shm_map_peers(epx_comm_t comm, const char *caller) {
     const shm_slot_t *slot = &st->world->slots[p];
     shm_map_t *map = &st->maps[p];
     if (p == comm->rank || slot->data_seq == map->seq) continue;
-    char name[SHM_NAME_MAX + 48], *base = NULL;
+    char name[SHM_PATH_MAX + 48], *base = NULL;
     shm_data_name(name, sizeof name, st, p, slot->data_seq);
     epx_status_t status = shm_map_object(caller, name, (size_t)slot->data_bytes, 0, &base);
     if (status != EPX_SUCCESS) return status;
@@ -662,7 +674,7 @@ static void shm_close(shm_state_t *st, int32_t size) {
 /* Removes the names of rank p's data segments `seq` and the next (which it
  * may have made and not published yet). */
 static void shm_unlink_data(const shm_state_t *st, int32_t p, uint64_t seq) {
-  char name[SHM_NAME_MAX + 48];
+  char name[SHM_PATH_MAX + 48];
   for (uint64_t s = seq ? seq : 1; s <= seq + 1; s++) {
     shm_data_name(name, sizeof name, st, p, s);
     shm_unlink(name);
@@ -695,13 +707,16 @@ static void shm_destroy(epx_comm_t comm) {
   }
   shm_unlock(st);
   if (st->own_linked) {
-    char name[SHM_NAME_MAX + 48];
+    char name[SHM_PATH_MAX + 48];
     shm_data_name(name, sizeof name, st, comm->rank, st->maps[comm->rank].seq);
     shm_unlink(name);
   }
   shm_close(st, comm->size);
   comm->impl = NULL;
 }
+
+static epx_status_t shm_shrink(epx_comm_t comm, const char *caller, double timeout_seconds,
+                               int32_t ranks_per_node, uint8_t *lost, epx_comm_t *survivor);
 
 static const epx_transport_ops_t shm_ops = {
     .name = "shm",
@@ -710,6 +725,7 @@ static const epx_transport_ops_t shm_ops = {
     .allgather = shm_allgather,
     .allreduce_max_i64 = shm_allreduce_max_i64,
     .barrier = shm_barrier,
+    .shrink = shm_shrink,
     .destroy = shm_destroy,
 };
 
@@ -883,6 +899,52 @@ static int shm_name_ok(const char *name) {
   return 1;
 }
 
+/* A comm of rank `rank` of `size` on the segment "<base>" (shrinks 0) or
+ * "<base>.g<shrinks>", its arguments checked; *out is the comm object. */
+static epx_status_t shm_create(const char *fn, const char *base, uint32_t shrinks, int32_t rank,
+                               int32_t size, double timeout_seconds, int32_t ranks_per_node,
+                               epx_comm_t *out) {
+  epx_status_t status = EPX_SUCCESS;
+  epx_comm_t created = NULL;
+  shm_state_t *st = calloc(1, sizeof *st);
+  if (st) st->maps = calloc((size_t)size, sizeof *st->maps);
+  if (!st || !st->maps) {
+    if (st) free(st);
+    return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory for %d ranks", fn, size);
+  }
+  snprintf(st->base, sizeof st->base, "%s", base);
+  st->shrinks = shrinks;
+  if (shrinks) snprintf(st->name, sizeof st->name, "/%s.g%u", base, shrinks);
+  else snprintf(st->name, sizeof st->name, "/%s", base);
+  st->pid_ns = shm_pid_ns();
+  st->locked_as = -1;
+  st->world_bytes = shm_world_bytes(size);
+  EPX_CHECK(rank == 0 ? shm_world_init(st, size, timeout_seconds)
+                      : shm_world_open(st, size, timeout_seconds));
+  EPX_CHECK(epx_comm_new(fn, timeout_seconds, &created));
+  created->ops = &shm_ops;
+  created->rank = rank;
+  created->size = size;
+  created->impl = st;
+  EPX_CHECK(shm_attach(created));
+  status = shm_gather(created, fn, SHM_OP_CREATE, 0);
+  /* Every rank holds the control segment now (or gave up): its name can go. */
+  if (rank == 0) shm_unlink(st->name);
+  if (status == EPX_SUCCESS) status = epx_comm_topology_init(created, fn, ranks_per_node, NULL);
+  if (status != EPX_SUCCESS) {
+    shm_destroy(created);
+    epx_comm_free(created);
+    return status;
+  }
+  *out = created;
+  return EPX_SUCCESS;
+fail:
+  if (rank == 0 && st->world) shm_unlink(st->name);
+  shm_close(st, size);
+  if (created) epx_comm_free(created);
+  return status;
+}
+
 epx_status_t epx_comm_create_shm(const char *name, int32_t rank, int32_t size,
                                  const epx_comm_config_t *config, epx_comm_t *comm) {
   const char *fn = "epx_comm_create_shm";
@@ -904,40 +966,99 @@ epx_status_t epx_comm_create_shm(const char *name, int32_t rank, int32_t size,
               "%s: config->ranks_per_node is %d, which does not divide size %d; pass a divisor of "
               "it, or 0", fn, ranks_per_node, size);
   epx_comm_t created = NULL;
-  shm_state_t *st = calloc(1, sizeof *st);
-  if (st) st->maps = calloc((size_t)size, sizeof *st->maps);
-  if (!st || !st->maps) {
-    if (st) free(st);
-    return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory for %d ranks", fn, size);
-  }
-  snprintf(st->name, sizeof st->name, "/%s", name);
-  st->pid_ns = shm_pid_ns();
-  st->locked_as = -1;
-  st->world_bytes = shm_world_bytes(size);
-  EPX_CHECK(rank == 0 ? shm_world_init(st, size, timeout_seconds)
-                      : shm_world_open(st, size, timeout_seconds));
-  EPX_CHECK(epx_comm_new(fn, timeout_seconds, &created));
-  created->ops = &shm_ops;
-  created->rank = rank;
-  created->size = size;
-  created->impl = st;
-  EPX_CHECK(shm_attach(created));
-  status = shm_gather(created, fn, SHM_OP_CREATE, 0);
-  /* Every rank holds the control segment now (or gave up): its name can go. */
-  if (rank == 0) shm_unlink(st->name);
-  if (status == EPX_SUCCESS) status = epx_comm_topology_init(created, fn, ranks_per_node, NULL);
-  if (status != EPX_SUCCESS) {
-    shm_destroy(created);
-    epx_comm_free(created);
-    return status;
-  }
-  *comm = created->id;
-  return EPX_SUCCESS;
-fail:
-  if (rank == 0 && st->world) shm_unlink(st->name);
-  shm_close(st, size);
-  if (created) epx_comm_free(created);
+  status = shm_create(fn, name, 0, rank, size, timeout_seconds, ranks_per_node, &created);
+  if (status == EPX_SUCCESS) *comm = created->id;
   return status;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Shrink (epx_comm_shrink)                                                  */
+/* ------------------------------------------------------------------------ */
+
+/* The survivors agree on the lost ranks in the old control segment, which
+ * every one of them still maps (its name is gone): a rank joins by calling
+ * the shrink; it is settled once (by whichever survivor sees it first)
+ * when every rank has joined except those not waited for — a rank whose
+ * comm is destroyed, whose process has ended, or that the world's failure
+ * named missing (suspect) — or when a joined survivor has waited the
+ * timeout. A dead process cannot block it: its lock is robust, and a
+ * process that ended is never waited for. The survivors then create a new
+ * segment, "<name>.g<N>", whose rank 0 is the lowest survivor: nothing of
+ * the old world is used again. */
+
+/* 1 when no rank is left to wait for (under lock). */
+static int shm_shrink_settled_locked(const shm_state_t *st) {
+  const shm_world_t *w = st->world;
+  for (int32_t p = 0; p < w->size; p++) {
+    const shm_slot_t *slot = &w->slots[p];
+    if (slot->shrink_joined || !slot->attached || slot->suspect) continue;
+    if (!shm_process_gone(st, slot->pid, slot->pid_ns)) return 0;
+  }
+  return 1;
+}
+
+/* Joins the shrink and waits for it to settle (under lock; on an error
+ * taking the lock back, the lock is not held). */
+static epx_status_t shm_shrink_join_locked(epx_comm_t comm, const char *caller) {
+  shm_state_t *st = comm->impl;
+  shm_world_t *w = st->world;
+  shm_slot_t *mine = &w->slots[comm->rank];
+  if (mine->shrink_joined)
+    return epx_error(EPX_ERROR_INVALID_ARGUMENT,
+                     "%s: rank %d already shrank this comm; shrink the survivors' comm instead",
+                     caller, comm->rank);
+  if (w->shrink_done)
+    return epx_error(EPX_ERROR_PEER_FAILED,
+                     "%s: the survivors shrank this comm without rank %d (the failure named it "
+                     "missing, or it did not join within %g s); it is not in their comm: "
+                     "destroy this comm", caller, comm->rank, w->timeout_seconds);
+  mine->shrink_joined = 1;
+  /* Ranks still in a collective of the old comm leave it and come here. */
+  if (!w->failed)
+    shm_fail_locked(w, w->generation, EPX_ERROR_PEER_FAILED, caller, "rank %d shrank the comm",
+                    comm->rank);
+  shm_wake_all(w);
+  int bounded = shm_bounded(w->timeout_seconds);
+  double deadline = shm_now() + (bounded ? w->timeout_seconds : 0);
+  while (!w->shrink_done) {
+    double now = shm_now();
+    if (shm_shrink_settled_locked(st) || (bounded && now >= deadline)) {
+      w->shrink_done = 1;
+      shm_wake_all(w);
+      break;
+    }
+    double left = bounded ? deadline - now : SHM_SLICE_SECONDS;
+    uint32_t seen = atomic_load_explicit(&w->wake, memory_order_acquire);
+    atomic_fetch_add_explicit(&w->sleepers, 1, memory_order_seq_cst);
+    shm_unlock(st);
+    shm_sleep(w, seen, left < SHM_SLICE_SECONDS ? left : SHM_SLICE_SECONDS);
+    atomic_fetch_sub_explicit(&w->sleepers, 1, memory_order_seq_cst);
+    epx_status_t locked = shm_lock(st, comm->rank, caller);
+    if (locked != EPX_SUCCESS) return locked;
+  }
+  return EPX_SUCCESS;
+}
+
+static epx_status_t shm_shrink(epx_comm_t comm, const char *caller, double timeout_seconds,
+                               int32_t ranks_per_node, uint8_t *lost, epx_comm_t *survivor) {
+  shm_state_t *st = comm->impl;
+  shm_world_t *w = st->world;
+  comm->failed = 1;
+  epx_status_t status = shm_lock(st, comm->rank, caller);
+  if (status == EPX_SUCCESS) status = shm_shrink_join_locked(comm, caller);
+  int32_t rank = 0, size = 0;
+  for (int32_t p = 0; status == EPX_SUCCESS && p < w->size; p++) {
+    lost[p] = !w->slots[p].shrink_joined;
+    size += !lost[p];
+    rank += p < comm->rank && !lost[p];
+  }
+  shm_unlock(st);
+  if (status != EPX_SUCCESS) return status;
+  EPX_REQUIRE(ranks_per_node == 0 || size % ranks_per_node == 0,
+              "%s: config->ranks_per_node is %d, which does not divide the %d survivors; pass a "
+              "divisor of it, or 0", caller, ranks_per_node, size);
+  return shm_create(caller, st->base, st->shrinks + 1, rank, size, timeout_seconds,
+                    ranks_per_node, survivor);
 }
 
 void epx_comm_shm_test_hold_lock(epx_comm_t comm) {
