@@ -18,6 +18,18 @@ framework's path without DeepEP, on CPU under torchrun (gloo):
   (deep_ep.Buffer), with its dispatch-replay recorder under activation
   checkpointing, against the same layer computed without DeepEP: the
   recompute's dispatches exchange no layout (counted).
+- NeMo Automodel 0.7.0's own MoE layer (needs transformers): two blocks of
+  its MoE (Gate, GroupedExpertsDeepEP on torch._grouped_mm, the flex token
+  dispatcher's deepep backend, a shared expert), parallelized by NeMo's
+  apply_ep and checkpointed by its apply_ac, against the same weights on its
+  torch dispatcher (GroupedExperts: all-gather, all-reduce): outputs, input
+  and parameter gradients, float32 and bfloat16; with apply_ac's default
+  (ignore_router=True: selective checkpointing plus NeMo's dispatch replay)
+  the recompute exchanges no layout, with ignore_router=False one per block
+  (counted). 2 processes only: NeMo takes its DeepEP path only at EP world
+  size > 1 (MoE falls back to GroupedExperts, apply_ep asserts size > 1).
+  One call is patched on CPU: the fused permute (Transformer Engine,
+  Triton), to NeMo's own unfused permute (_nemo_unfused_permute).
 
 Each skips where the framework does not import. Run:
 EPX_LIBRARY=build/libepx.so PYTHONPATH=python python -m pytest tests/python/test_deep_ep_frameworks.py
@@ -404,10 +416,11 @@ def _nemo_weights(model, seed):
 
 
 def _nemo_unfused_permute(model):
-    """The one CUDA-only call on NeMo's DeepEP path on CPU: init_token_dispatcher
+    """The one CUDA-only call on NeMo's DeepEP path: init_token_dispatcher
     sets moe_permute_fusion=True, whose permute is Transformer Engine's
     moe_permute_with_probs and whose index conversion a Triton kernel
-    (fused_indices_to_multihot). Patched here to NeMo's own unfused path
+    (fused_indices_to_multihot). Patched, on CPU or where Transformer Engine
+    is not installed, to NeMo's own unfused path
     (_DeepepManager._indices_to_multihot, moe_utils.permute / unpermute with
     fused=False): the same permutation in torch ops. Everything else runs as
     released."""
@@ -424,7 +437,7 @@ def nemo_layer_worker():
     from torch.distributed.device_mesh import init_device_mesh
     from nemo_automodel.components.moe import parallelizer
     from nemo_automodel.components.moe.experts import GroupedExperts, GroupedExpertsDeepEP
-    from nemo_automodel.components.moe.megatron import fused_a2a as fa
+    from nemo_automodel.components.moe.megatron import fused_a2a as fa, moe_utils
     import epx.deep_ep as deep_ep
     assert fa.Buffer is deep_ep.Buffer
     mesh = init_device_mesh(DEV, (W,), mesh_dim_names=("ep",))
@@ -442,7 +455,7 @@ def nemo_layer_worker():
                 parallelizer.apply_ep(model, mesh)
                 kind = GroupedExpertsDeepEP if dispatcher == "deepep" else GroupedExperts
                 assert all(type(b.mlp.experts) is kind for b in model.layers)
-                if dispatcher == "deepep" and DEV == "cpu":
+                if dispatcher == "deepep" and (DEV == "cpu" or not moe_utils.HAS_TE):
                     _nemo_unfused_permute(model)
                 if mode != "plain":
                     # NeMo's own activation checkpointing: ignore_router=True
