@@ -55,18 +55,22 @@ def stats(reset=False):
     return out
 
 
+_SAC_KINDS = []
+
+
 def _sac_modes():
-    """The selective-checkpointing dispatch modes (torch.utils.checkpoint's
-    caching and cached modes) when they are the only modes on the stack,
-    else an empty tuple."""
-    from torch.utils import checkpoint as cp
+    """True when the dispatch modes on the stack are all selective
+    checkpointing's (torch.utils.checkpoint's caching and cached modes)."""
+    if torch._C._len_torch_dispatch_stack() == 0:
+        return False
+    if not _SAC_KINDS:
+        from torch.utils import checkpoint as cp
+        _SAC_KINDS.extend(k for k in (getattr(cp, "_CachingTorchDispatchMode", None),
+                                      getattr(cp, "_CachedTorchDispatchMode", None))
+                          if k is not None)
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-    kinds = tuple(k for k in (getattr(cp, "_CachingTorchDispatchMode", None),
-                              getattr(cp, "_CachedTorchDispatchMode", None)) if k is not None)
-    stack = _get_current_dispatch_mode_stack()
-    if kinds and stack and all(isinstance(m, kinds) for m in stack):
-        return tuple(stack)
-    return ()
+    kinds = tuple(_SAC_KINDS)
+    return bool(kinds) and all(isinstance(m, kinds) for m in _get_current_dispatch_mode_stack())
 
 
 def opaque(f):
