@@ -18,6 +18,18 @@ framework's path without DeepEP, on CPU under torchrun (gloo):
   (deep_ep.Buffer), with its dispatch-replay recorder under activation
   checkpointing, against the same layer computed without DeepEP: the
   recompute's dispatches exchange no layout (counted).
+- NeMo Automodel 0.7.0's own MoE layer (needs transformers): two blocks of
+  its MoE (Gate, GroupedExpertsDeepEP on torch._grouped_mm, the flex token
+  dispatcher's deepep backend, a shared expert), parallelized by NeMo's
+  apply_ep and checkpointed by its apply_ac, against the same weights on its
+  torch dispatcher (GroupedExperts: all-gather, all-reduce): outputs, input
+  and parameter gradients, float32 and bfloat16; with apply_ac's default
+  (ignore_router=True: selective checkpointing plus NeMo's dispatch replay)
+  the recompute exchanges no layout, with ignore_router=False one per block
+  (counted). 2 processes only: NeMo takes its DeepEP path only at EP world
+  size > 1 (MoE falls back to GroupedExperts, apply_ep asserts size > 1).
+  One call is patched on CPU: the fused permute (Transformer Engine,
+  Triton), to NeMo's own unfused permute (_nemo_unfused_permute).
 
 Each skips where the framework does not import. Run:
 EPX_LIBRARY=build/libepx.so PYTHONPATH=python python -m pytest tests/python/test_deep_ep_frameworks.py
@@ -350,6 +362,151 @@ def test_nemo_automodel_fused_a2a_with_recompute_replay(W):
     torchrun(W, __file__, "nemo")
 
 
+# ---------------------------------------------------------------------------
+# NeMo Automodel: its own MoE layer (Gate, GroupedExpertsDeepEP, the flex
+# token dispatcher) against the same layer on its non-DeepEP path
+# ---------------------------------------------------------------------------
+
+
+def _nemo_model(E, K, H, I, L, dispatcher, dtype):
+    """L decoder blocks, each NeMo's MoE (its Gate, routed experts on
+    torch._grouped_mm, one shared expert) under `mlp`, as NeMo's models nest
+    it: model.layers.<i>.mlp. dispatcher "deepep" builds GroupedExpertsDeepEP,
+    "torch" GroupedExperts (all-gather, all-reduce)."""
+    from nemo_automodel.components.models.common import BackendConfig
+    from nemo_automodel.components.moe.config import MoEConfig
+    from nemo_automodel.components.moe.layers import MoE
+    config = MoEConfig(n_routed_experts=E, n_shared_experts=1, n_activated_experts=K,
+                       n_expert_groups=1, n_limited_groups=1, train_gate=True,
+                       gate_bias_update_factor=0.0, aux_loss_coeff=0.0, score_func="softmax",
+                       route_scale=1.0, dim=H, inter_dim=I, moe_inter_dim=I,
+                       norm_topk_prob=True, dtype=dtype)
+    backend = BackendConfig(attn="sdpa", linear="torch", rms_norm="torch", rope_fusion=False,
+                            experts="torch_mm", dispatcher=dispatcher)
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mlp = MoE(config, backend)
+
+        def forward(self, x):
+            return x + self.mlp(x)
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(Block() for _ in range(L))
+
+        def forward(self, x):
+            for block in self.layers:
+                x = block(x)
+            return x
+
+    return Model().to(DEV)
+
+
+def _nemo_weights(model, seed):
+    """Every parameter from one seeded generator, the same on every rank
+    (ExpertParallel then keeps each rank's experts)."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            fan_in = p.shape[-2] if name.endswith("projs") else p.shape[-1]
+            p.copy_(torch.randn(p.shape, generator=g) / fan_in ** 0.5)
+
+
+def _nemo_unfused_permute(model):
+    """The one CUDA-only call on NeMo's DeepEP path: init_token_dispatcher
+    sets moe_permute_fusion=True, whose permute is Transformer Engine's
+    moe_permute_with_probs and whose index conversion a Triton kernel
+    (fused_indices_to_multihot). Patched, on CPU or where Transformer Engine
+    is not installed, to NeMo's own unfused path
+    (_DeepepManager._indices_to_multihot, moe_utils.permute / unpermute with
+    fused=False): the same permutation in torch ops. Everything else runs as
+    released."""
+    for block in model.layers:
+        block.mlp.experts.token_dispatcher._comm_manager.permute_fusion = False
+
+
+def _grad(p):
+    return (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).float()
+
+
+def nemo_layer_worker():
+    rank, W = _start()
+    from torch.distributed.device_mesh import init_device_mesh
+    from nemo_automodel.components.moe import parallelizer
+    from nemo_automodel.components.moe.experts import GroupedExperts, GroupedExpertsDeepEP
+    from nemo_automodel.components.moe.megatron import fused_a2a as fa, moe_utils
+    import epx.deep_ep as deep_ep
+    assert fa.Buffer is deep_ep.Buffer
+    mesh = init_device_mesh(DEV, (W,), mesh_dim_names=("ep",))
+    E, K, H, I, L = 8, 2, 32, 24, 2
+    rows = []
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        gr = torch.Generator(device="cpu").manual_seed(600 + rank)
+        x0 = torch.randn(2, 5 + 2 * rank, H, generator=gr).to(DEV, dtype)   # [B, S, H]
+        gy = torch.randn(2, 5 + 2 * rank, H, generator=gr).to(DEV, dtype)
+        for mode in ("plain", "ac", "ac-no-replay"):
+            res = {}
+            for dispatcher in ("torch", "deepep"):
+                model = _nemo_model(E, K, H, I, L, dispatcher, dtype)
+                _nemo_weights(model, seed=31)
+                parallelizer.apply_ep(model, mesh)
+                kind = GroupedExpertsDeepEP if dispatcher == "deepep" else GroupedExperts
+                assert all(type(b.mlp.experts) is kind for b in model.layers)
+                if dispatcher == "deepep" and (DEV == "cpu" or not moe_utils.HAS_TE):
+                    _nemo_unfused_permute(model)
+                if mode != "plain":
+                    # NeMo's own activation checkpointing: ignore_router=True
+                    # saves the router's projection and top-k and replays the
+                    # forward's dispatch layouts in the recompute
+                    # (_replay_deepep_dispatch_on_recompute); ignore_router=False
+                    # recomputes them
+                    parallelizer.apply_ac(model, ignore_router=(mode == "ac"),
+                                          hidden_size=H, num_experts=E)
+                x = x0.clone().requires_grad_(True)
+                deep_ep.stats(reset=True)
+                y = model(x)
+                fwd = deep_ep.stats()
+                (y.float() * gy.float()).sum().backward()
+                res[dispatcher] = (y.detach(), x.grad, dict(model.named_parameters()), fwd,
+                                   deep_ep.stats())
+                del y
+            y_t, xg_t, p_t, _, st_t = res["torch"]
+            y_d, xg_d, p_d, fwd, st = res["deepep"]
+            assert st_t == {"layouts": 0, "cached_dispatches": 0, "combines": 0}, st_t
+            torch.testing.assert_close(y_d, y_t, atol=tol, rtol=tol)
+            torch.testing.assert_close(xg_d, xg_t, atol=tol, rtol=tol)
+            assert sorted(p_d) == sorted(p_t)
+            for name in p_t:
+                assert float(_grad(p_t[name]).abs().sum()) > 0, name
+                torch.testing.assert_close(_grad(p_d[name]), _grad(p_t[name]), atol=tol, rtol=tol)
+            # per block: one layout in the forward; the backward's combine
+            # backward is a cached dispatch; NeMo's recompute replays the
+            # forward's layout on its handle (a cached dispatch, no layout)
+            # unless ignore_router=False, where it computes it again
+            recompute_layouts = st["layouts"] - fwd["layouts"]
+            assert fwd["layouts"] == L, fwd
+            assert recompute_layouts == (L if mode == "ac-no-replay" else 0), st
+            assert st["cached_dispatches"] == (2 * L if mode == "ac" else L), st
+            grad_diff = max(_max_diff(_grad(p_d[n]), _grad(p_t[n])) for n in p_t)
+            rows.append("nemo MoE deepep vs torch (%s, %s, %d blocks): out %.2g, x.grad %.2g, "
+                        "param grads %.2g max abs diff; layouts fwd %d, recompute %d; cached "
+                        "dispatches %d" % (str(dtype)[6:], mode, L, _max_diff(y_d, y_t),
+                                           _max_diff(xg_d, xg_t), grad_diff, fwd["layouts"],
+                                           recompute_layouts, st["cached_dispatches"]))
+    if rank == 0:
+        print("\n".join(rows))
+    _close(rank)
+
+
+@pytest.mark.skipif(not (_have("nemo_automodel") and _have("transformers")),
+                    reason="nemo_automodel's MoE layer needs transformers (its model utilities)")
+def test_nemo_automodel_moe_layer_deepep_matches_torch_dispatcher():
+    torchrun(2, __file__, "nemo_layer")
+
+
 if __name__ == "__main__":
     {"megatron": megatron_worker, "deepspeed": deepspeed_worker,
-     "nemo": nemo_worker}[sys.argv[1]]()
+     "nemo": nemo_worker, "nemo_layer": nemo_layer_worker}[sys.argv[1]]()

@@ -55,14 +55,42 @@ def stats(reset=False):
     return out
 
 
-def no_grad(f):
-    """Runs f without autograd (DeepEP's outputs carry none), entering
-    torch.no_grad only where grad mode is on (a framework's autograd
-    Function calls with it off: nothing to do)."""
+_SAC_KINDS = []
+
+
+def _sac_modes():
+    """True when the dispatch modes on the stack are all selective
+    checkpointing's (torch.utils.checkpoint's caching and cached modes)."""
+    if torch._C._len_torch_dispatch_stack() == 0:
+        return False
+    if not _SAC_KINDS:
+        from torch.utils import checkpoint as cp
+        _SAC_KINDS.extend(k for k in (getattr(cp, "_CachingTorchDispatchMode", None),
+                                      getattr(cp, "_CachedTorchDispatchMode", None))
+                          if k is not None)
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+    kinds = tuple(_SAC_KINDS)
+    return bool(kinds) and all(isinstance(m, kinds) for m in _get_current_dispatch_mode_stack())
+
+
+def opaque(f):
+    """Runs f as DeepEP's compiled calls run: without autograd (its outputs
+    carry none; torch.no_grad only where grad mode is on, as a framework's
+    autograd Function calls with it off) and unseen by selective activation
+    checkpointing. SAC logs every torch op of the forward and wants the same
+    ops in the recompute, but a framework may recompute a layout dispatch as
+    a cached one (NeMo Automodel's dispatch replay under apply_ac does):
+    DeepEP's C++ calls are invisible to SAC, so epx's ops under them run
+    outside its modes too. Other dispatch modes (fake tensors, tracing) stay
+    in place."""
     import functools
+    from torch.utils._python_dispatch import _disable_current_modes
 
     @functools.wraps(f)
     def call(*args, **kwargs):
+        if _sac_modes():
+            with _disable_current_modes():
+                return call(*args, **kwargs)
         if torch.is_grad_enabled():
             with torch.no_grad():
                 return f(*args, **kwargs)

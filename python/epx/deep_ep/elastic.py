@@ -243,7 +243,7 @@ class ElasticBuffer:
         num_qps = num_sms * 16 + 1 if self.allow_hybrid_mode else min(num_sms, 9)
         return min(num_qps, self.num_allocated_qps)
 
-    @_core.no_grad
+    @_core.opaque
     def dispatch(self, x: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]],
                  topk_idx: Optional[torch.Tensor] = None,
                  topk_weights: Optional[torch.Tensor] = None,
@@ -330,7 +330,7 @@ class ElasticBuffer:
         out = (recv_x, recv_s) if recv_s is not None else recv_x
         return out, recv_idx, recv_w, h, event
 
-    @_core.no_grad
+    @_core.opaque
     def combine(self, x: torch.Tensor, handle: EPHandle,
                 topk_weights: Optional[torch.Tensor] = None,
                 bias: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]] = None,

@@ -260,7 +260,7 @@ class Buffer:
                                                               self.group_size, fn)
         return per_rank, None, per_expert, in_rank, _event(async_finish)
 
-    @_core.no_grad
+    @_core.opaque
     def dispatch(self, x: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]],
                  handle: Optional[Tuple] = None,
                  num_tokens_per_rank: Optional[torch.Tensor] = None,
@@ -358,7 +358,7 @@ class Buffer:
         out = (recv_x, recv_s) if scales is not None else recv_x
         return out, recv_idx, recv_w, counts, h, _event(async_finish)
 
-    @_core.no_grad
+    @_core.opaque
     def combine(self, x: torch.Tensor, handle: Tuple, topk_weights: Optional[torch.Tensor] = None,
                 bias: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]] = None,
                 config: Optional[Config] = None, previous_event: Optional[EventOverlap] = None,

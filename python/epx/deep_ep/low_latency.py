@@ -76,7 +76,7 @@ def _cast_fp8(x, round_scale, use_ue8m0):
     return q, s
 
 
-@_core.no_grad
+@_core.opaque
 def dispatch(owner, x, topk_idx, maxT, num_experts, cumulative_stats, wait_stats, use_fp8,
              round_scale, use_ue8m0, async_finish, return_recv_hook):
     fn = "Buffer.low_latency_dispatch"
@@ -177,7 +177,7 @@ def _row_weights(owner, handle, topk_idx, topk_weights, fn):
     return torch.where(valid, rw, 0.0)
 
 
-@_core.no_grad
+@_core.opaque
 def combine(owner, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
             return_recv_hook, out, wait_stats):
     fn = "Buffer.low_latency_combine"
