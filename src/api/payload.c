@@ -8,6 +8,7 @@
 #include "api/ll.h"
 #include "core/backend.h"
 #include "core/error.h"
+#include "core/fp8.h"
 #include "core/objects.h"
 #include "core/transport.h"
 
@@ -78,7 +79,7 @@ epx_status_t epx_dispatch(epx_buffer_t buffer, epx_handle_t handle, const void *
 /* A scales tensor of the buffer's fp8 format: NULL only without rows,
  * aligned to its entries (float32 and packed UE8M0 words: 4 bytes). */
 static epx_status_t check_scales(epx_buffer_t buffer, const void *p, int64_t rows, const char *fn, const char *name) {
-  size_t align = buffer->config.fp8_format == EPX_FP8_MXFP8 ? 1 : 4;
+  size_t align = (size_t)epx_fp8_scale_col_bytes(buffer->config.fp8_format);
   if (rows > 0 && !p)
     return epx_error(EPX_ERROR_INVALID_ARGUMENT, "%s: %s is NULL; pass a [rows, scale_cols] tensor "
                      "(epx_fp8_scale_shape)", fn, name);

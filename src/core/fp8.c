@@ -7,9 +7,13 @@
 
 int32_t epx_fp8_block(epx_fp8_format_t format) { return epx_payload_fp8(format, EPX_FLOAT32, 0).scale_block; }
 
-/* Four UE8M0 bytes share an int32 word, so the words need 4 whole blocks. */
+int32_t epx_fp8_scale_col_bytes(epx_fp8_format_t format) { return format == EPX_FP8_MXFP8 ? 1 : 4; }
+
+/* A whole number of scale columns: four UE8M0 bytes share an int32 word, so
+ * its rows need 4 whole blocks. */
 int32_t epx_fp8_hidden_multiple(epx_fp8_format_t format) {
-  return format == EPX_FP8_E4M3_UE8M0_128 ? 512 : epx_fp8_block(format);
+  const int32_t block = epx_fp8_block(format);
+  return block ? block * epx_fp8_scale_col_bytes(format) / EPX_FP8_SCALE_ENTRY_BYTES(format) : 0;
 }
 
 int64_t epx_fp8_scale_row_bytes(epx_fp8_format_t format, int64_t hidden) {

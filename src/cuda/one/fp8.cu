@@ -136,16 +136,12 @@ struct chunk_q {
   uint32_t stored;
 };
 
-/* A format's channels per scale: 32 (MXFP8) or 128, at compile time (the
- * quantizing kernel is one per format: bench/NOTES.md, session 22). */
-__host__ __device__ constexpr int block_of(epx_fp8_format_t format) { return format == EPX_FP8_MXFP8 ? 32 : 128; }
-
 template <typename T, epx_fp8_format_t format>
 __device__ __forceinline__ chunk_q quantize_chunk(const uint4 *raw) {
   using vec = epx_vec<T>;
   constexpr int n = vec::n;
   constexpr bool skip_nan = format == EPX_FP8_MXFP8;
-  constexpr int group = block_of(format) / 16; /* lanes per block: 2 or 8 */
+  constexpr int group = EPX_FP8_SCALE_BLOCK(format) / 16; /* lanes per block: 2 or 8 */
   float f[16];
 #pragma unroll
   for (int l = 0; l < 16 / n; l++) vec::unpack(raw[l], f + l * n);
@@ -238,9 +234,9 @@ __device__ void quantize_token(const fp8_args &a, int64_t t, const int32_t *rows
                                int lane) {
   constexpr int loads = 16 / epx_vec<T>::n; /* 16-byte loads per lane per chunk of 16 values */
   constexpr int kChunks = kLoads / loads;
-  constexpr int block = block_of(format);
+  constexpr int block = EPX_FP8_SCALE_BLOCK(format);
   constexpr int group = block / 16;
-  constexpr int entry = format == EPX_FP8_E4M3_F32_128 ? 4 : 1;
+  constexpr int entry = EPX_FP8_SCALE_ENTRY_BYTES(format);
   const int64_t nchunk = a.hidden / 16; /* a multiple of group: hidden is one of block */
   const uint4 *src = reinterpret_cast<const uint4 *>(static_cast<const uint8_t *>(a.x) + t * a.stride.x);
   uint8_t *slot_s = slot + a.hidden;
