@@ -35,10 +35,8 @@
 #endif
 
 /* The fused senders move whole rows through the bulk copy engine (faster at
- * 8-32 SMs, equal from 64: bench/NOTES-gpu.md, the fused exchange). The
- * default SM budget is the whole-step sweep's fastest (bench/NOTES-gpu.md,
- * "the SM budget"). */
-enum { EP_FUSED_BULK_COPY = 1, EP_FUSED_DEFAULT_CTAS = 32 };
+ * 8-32 SMs, equal from 64: bench/NOTES-gpu.md, the fused exchange). */
+enum { EP_FUSED_BULK_COPY = 1 };
 
 enum { HOME_PAIRS = 0, HOME_ROUTES = 1, RECV_PAIRS = 2, RECV_ROUTES = 3, KINDS = 4 };
 

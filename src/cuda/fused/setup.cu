@@ -510,4 +510,9 @@ extern "C" int epx_fused_error(const epx_fused_t *f, int32_t *peer, const char *
   return 1;
 }
 
+extern "C" int32_t epx_fused_ctas(const epx_fused_t *f, int32_t sm_budget) {
+  const int32_t ctas = sm_budget > 0 ? sm_budget : EPX_FUSED_DEFAULT_CTAS;
+  return ctas < f->num_sms ? ctas : f->num_sms;
+}
+
 extern "C" void *epx_fused_recv_window(epx_fused_t *f) { return f->dev.local + f->dev.off_pay; }
