@@ -19,6 +19,7 @@
 
 #include "ref64.h"
 #include "testutil.h"
+#include "buffer_config.h"
 
 #define GW_ATOL 1e-5
 #define GW_RTOL 1e-4
@@ -173,12 +174,7 @@ static void assert_close(epx_dtype_t dtype, const void *got, const void *want, i
 
 static epx_buffer_t buffer_make(epx_dtype_t dtype, int64_t H, int32_t E, int32_t K, int64_t max_tokens,
                                 epx_exchange_t exchange, epx_layout_t layout, int32_t align, int32_t C) {
-  epx_buffer_config_t c = EPX_BUFFER_CONFIG_INIT;
-  c.dtype = dtype;
-  c.hidden = H;
-  c.num_experts = E;
-  c.max_top_k = K;
-  c.max_tokens_per_rank = max_tokens;
+  epx_buffer_config_t c = tu_config(EPX_DEVICE_CPU, dtype, H, E, K, max_tokens);
   c.max_tokens_rounding = 8;
   c.exchange = exchange;
   c.layout = layout;

@@ -22,6 +22,7 @@
 
 #include "core/dtype.h"
 #include "testutil.h"
+#include "buffer_config.h"
 
 #define MR_MAX_W 8
 #define MR_MAX_T 64
@@ -535,11 +536,7 @@ static int mr_run_exchange(epx_comm_t comm, int32_t rank, const mr_scene_t *s, e
   void *expert_out = NULL, *grad_out = NULL, *grad_recv = NULL, *again = NULL, *grad_x_plain = NULL;
   memset(res, 0, sizeof *res);
 
-  epx_buffer_config_t bc = EPX_BUFFER_CONFIG_INIT;
-  bc.dtype = s->dtype;
-  bc.hidden = H;
-  bc.num_experts = s->E;
-  bc.max_top_k = K;
+  epx_buffer_config_t bc = tu_config(EPX_DEVICE_CPU, s->dtype, H, s->E, K, 0);
   bc.max_tokens_rounding = 8;
   bc.exchange = exchange;
   bc.layout = s->layout;
@@ -827,12 +824,7 @@ static uint32_t ag_bits(epx_dtype_t dtype, float v) {
 
 static epx_buffer_config_t ag_config(int32_t world, epx_dtype_t dtype, epx_exchange_t exchange, epx_layout_t layout,
                                      epx_combine_precision_t precision) {
-  epx_buffer_config_t bc = EPX_BUFFER_CONFIG_INIT;
-  bc.dtype = dtype;
-  bc.hidden = AG_H;
-  bc.num_experts = AG_EL * world;
-  bc.max_top_k = AG_KMAX;
-  bc.max_tokens_per_rank = AG_T;
+  epx_buffer_config_t bc = tu_config(EPX_DEVICE_CPU, dtype, AG_H, AG_EL * world, AG_KMAX, AG_T);
   bc.exchange = exchange;
   bc.layout = layout;
   bc.combine_precision = precision;

@@ -36,6 +36,7 @@
 #include "epx.h"
 
 #include "bench_check.h"
+#include "../../tests/util/buffer_config.h"
 #include "core/fp8.h"
 
 namespace {
@@ -173,13 +174,7 @@ inputs_t make_inputs() {
 }
 
 epx_buffer_config_t config_of(epx_device_t device, epx_fp8_format_t format) {
-  epx_buffer_config_t c = EPX_BUFFER_CONFIG_INIT;
-  c.device = device;
-  c.dtype = EPX_BFLOAT16;
-  c.hidden = H;
-  c.num_experts = E;
-  c.max_top_k = K;
-  c.max_tokens_per_rank = T;
+  epx_buffer_config_t c = tu_config(device, EPX_BFLOAT16, H, E, K, T);
   c.exchange = EPX_EXCHANGE_DEDUP;
   c.layout = EPX_LAYOUT_EXPERT_MAJOR;
   c.fp8_format = format;
