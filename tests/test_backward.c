@@ -15,6 +15,7 @@
 
 #include "ref64.h"
 #include "testutil.h"
+#include "buffer_config.h"
 
 #define FD_STEP 1e-3          /* the exchange losses are (bi)linear */
 #define FD_STEP_LOGITS 1e-5   /* the route loss is smooth in the logits */
@@ -108,11 +109,7 @@ static void setup_free(setup_t *s) {
 }
 
 static epx_buffer_t setup_buffer(const setup_t *s, epx_weighting_t wt, epx_handle_t *h) {
-  epx_buffer_config_t c = EPX_BUFFER_CONFIG_INIT;
-  c.hidden = s->H;
-  c.num_experts = s->E;
-  c.max_top_k = s->K;
-  c.max_tokens_per_rank = s->T;
+  epx_buffer_config_t c = tu_config(EPX_DEVICE_CPU, EPX_FLOAT32, s->H, s->E, s->K, s->T);
   c.layout = s->layout;
   c.expert_alignment = s->align;
   c.capacity = s->layout == EPX_LAYOUT_CAPACITY ? s->C : 0;
@@ -376,10 +373,7 @@ static void check_route_end_to_end(tu_rng_t *rng, const route_case_t *rc) {
   }
   if (rc->capacity_mode) assert_true(dropped > 0);
 
-  epx_buffer_config_t bc = EPX_BUFFER_CONFIG_INIT;
-  bc.hidden = H;
-  bc.num_experts = E;
-  bc.max_top_k = K;
+  epx_buffer_config_t bc = tu_config(EPX_DEVICE_CPU, EPX_FLOAT32, H, E, K, 0);
   bc.layout = rc->capacity_mode ? EPX_LAYOUT_CAPACITY : EPX_LAYOUT_EXPERT_MAJOR;
   bc.expert_alignment = 4;
   bc.capacity = ro.capacity;

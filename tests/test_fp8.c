@@ -22,6 +22,7 @@
 
 #include "core/fp8.h"
 #include "testutil.h"
+#include "buffer_config.h"
 
 /* ------------------------------------------------------------------------ */
 /* Scenes: one dispatch over W ranks, every rank's inputs known to all       */
@@ -163,12 +164,7 @@ static int check_dequantized(const fp8_scene_t *s, int32_t rank, epx_buffer_t b,
 }
 
 static epx_status_t scene_buffer(const fp8_scene_t *s, epx_comm_t comm, epx_buffer_t *b) {
-  epx_buffer_config_t c = EPX_BUFFER_CONFIG_INIT;
-  c.dtype = s->dtype;
-  c.hidden = s->H;
-  c.num_experts = s->E;
-  c.max_top_k = s->K;
-  c.max_tokens_per_rank = s->T;
+  epx_buffer_config_t c = tu_config(EPX_DEVICE_CPU, s->dtype, s->H, s->E, s->K, s->T);
   c.exchange = s->exchange;
   c.layout = s->layout;
   c.expert_alignment = s->layout == EPX_LAYOUT_EXPERT_MAJOR ? 4 : 1;

@@ -1185,10 +1185,7 @@ static void test_parity_w8(void **state) { (void)state; check_parity(8); }
 /* ------------------------------------------------------------------------ */
 
 static epx_buffer_config_t small_config(void) {
-  epx_buffer_config_t bc = EPX_BUFFER_CONFIG_INIT;
-  bc.hidden = 16;
-  bc.num_experts = 12;
-  bc.max_top_k = 2;
+  epx_buffer_config_t bc = tu_config(EPX_DEVICE_CPU, EPX_FLOAT32, 16, 12, 2, 0);
   bc.max_tokens_rounding = 16;
   return bc;
 }

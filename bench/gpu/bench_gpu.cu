@@ -30,6 +30,7 @@
 
 #include "cuda/launch.h"
 #include "epx.h"
+#include "../../tests/util/buffer_config.h"
 
 #include "bench_check.h"
 #include "bench_layout.h"
@@ -316,13 +317,7 @@ void bench_shape(const shape_t &sh, const std::string &dir, double copy_gbps, cu
 
   epx_comm_t comm;
   EK(epx_comm_create_self(&comm));
-  epx_buffer_config_t cfg = EPX_BUFFER_CONFIG_INIT;
-  cfg.device = EPX_DEVICE_CUDA;
-  cfg.dtype = EPX_BFLOAT16;
-  cfg.hidden = H;
-  cfg.num_experts = sh.E;
-  cfg.max_top_k = sh.K;
-  cfg.max_tokens_per_rank = T;
+  epx_buffer_config_t cfg = tu_config(EPX_DEVICE_CUDA, EPX_BFLOAT16, H, sh.E, sh.K, T);
   cfg.layout = sh.layout;
   cfg.capacity = sh.C;
   cfg.stream = s;
@@ -545,13 +540,7 @@ void bench_routing_layout(cudaStream_t s) {
 
   epx_comm_t comm;
   EK(epx_comm_create_self(&comm));
-  epx_buffer_config_t cfg = EPX_BUFFER_CONFIG_INIT;
-  cfg.device = EPX_DEVICE_CUDA;
-  cfg.dtype = EPX_BFLOAT16;
-  cfg.hidden = 7168;
-  cfg.num_experts = E;
-  cfg.max_top_k = K;
-  cfg.max_tokens_per_rank = T;
+  epx_buffer_config_t cfg = tu_config(EPX_DEVICE_CUDA, EPX_BFLOAT16, 7168, E, K, T);
   cfg.stream = s;
   cfg.worst_case_sizing = 1;
   epx_buffer_t wbuf, sbuf;

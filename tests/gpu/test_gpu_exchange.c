@@ -21,6 +21,7 @@
 
 #include "core/dtype.h"
 #include "gpu_testutil.h"
+#include "../util/buffer_config.h"
 
 static const char *layout_name(epx_layout_t l) {
   return l == EPX_LAYOUT_EXPERT_MAJOR ? "expert-major" : l == EPX_LAYOUT_RANK_MAJOR ? "rank-major" : "capacity";
@@ -95,13 +96,7 @@ static void free_routing(routing_t *r) {
 
 static epx_buffer_t make_buffer(epx_comm_t comm, const gpu_case_t *c, int32_t capacity,
                                 epx_device_t device, cudaStream_t stream) {
-  epx_buffer_config_t cfg = EPX_BUFFER_CONFIG_INIT;
-  cfg.device = device;
-  cfg.dtype = c->dtype;
-  cfg.hidden = c->H;
-  cfg.num_experts = c->E;
-  cfg.max_top_k = c->K;
-  cfg.max_tokens_per_rank = c->T > 0 ? c->T : 1;
+  epx_buffer_config_t cfg = tu_config(device, c->dtype, c->H, c->E, c->K, c->T > 0 ? c->T : 1);
   cfg.layout = c->layout;
   cfg.expert_alignment = c->alignment;
   cfg.capacity = capacity;

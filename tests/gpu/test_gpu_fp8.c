@@ -11,16 +11,11 @@
 #define FP8_SCENE_ONLY
 #include "../test_fp8.c"
 #include "gpu_testutil.h"
+#include "../util/buffer_config.h"
 
 /* The scene's buffer config on the GPU. */
 static epx_status_t gpu_buffer(const fp8_scene_t *s, epx_comm_t comm, epx_buffer_t *b) {
-  epx_buffer_config_t c = EPX_BUFFER_CONFIG_INIT;
-  c.device = EPX_DEVICE_CUDA;
-  c.dtype = s->dtype;
-  c.hidden = s->H;
-  c.num_experts = s->E;
-  c.max_top_k = s->K;
-  c.max_tokens_per_rank = s->T;
+  epx_buffer_config_t c = tu_config(EPX_DEVICE_CUDA, s->dtype, s->H, s->E, s->K, s->T);
   c.exchange = s->exchange;
   c.layout = s->layout;
   c.expert_alignment = s->layout == EPX_LAYOUT_EXPERT_MAJOR ? 4 : 1;
