@@ -32,12 +32,7 @@
 #include "core/registry.h"
 #include "testutil.h"
 #include "buffer_config.h"
-
-const char *__asan_default_options(void) { return "fast_unwind_on_malloc=0"; }
-const char *__lsan_default_suppressions(void) {
-  return "leak:libmpi.so\nleak:libopen-pal.so\nleak:libopen-rte.so\nleak:mca_\n"
-         "leak:libhwloc.so\nleak:libevent\nleak:libpmix.so\n";
-}
+#include "mpi_util.h"
 
 static int rank = -1, size = 0;
 static int failures; /* check.h's RANK_ checks count here */
