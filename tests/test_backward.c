@@ -24,18 +24,6 @@
 #define ROUTE_ATOL 1e-6
 #define ROUTE_RTOL 1e-3
 
-static epx_comm_t g_comm;
-
-static int group_setup(void **state) {
-  (void)state;
-  return epx_comm_create_self(&g_comm) == EPX_SUCCESS ? 0 : -1;
-}
-
-static int group_teardown(void **state) {
-  (void)state;
-  return epx_comm_destroy(g_comm) == EPX_SUCCESS ? 0 : -1;
-}
-
 static void assert_grad(const float *got, const double *want, int64_t n, double atol, double rtol, const char *what) {
   int64_t at = -1;
   double err = r64_max_error(got, want, n, atol, rtol, &at);
@@ -114,7 +102,7 @@ static epx_buffer_t setup_buffer(const setup_t *s, epx_weighting_t wt, epx_handl
   c.expert_alignment = s->align;
   c.capacity = s->layout == EPX_LAYOUT_CAPACITY ? s->C : 0;
   epx_buffer_t b = NULL;
-  EXPECT_OK(epx_buffer_create(g_comm, &c, &b));
+  EXPECT_OK(epx_buffer_create(tu_self_comm, &c, &b));
   epx_routing_t r = {s->T, s->K, s->idx, s->w, s->layout == EPX_LAYOUT_CAPACITY ? s->loc : NULL, wt};
   EXPECT_OK(epx_dispatch_layout(b, &r, NULL, h));
   int64_t n = -1;
@@ -378,7 +366,7 @@ static void check_route_end_to_end(tu_rng_t *rng, const route_case_t *rc) {
   bc.expert_alignment = 4;
   bc.capacity = ro.capacity;
   epx_buffer_t b = NULL;
-  EXPECT_OK(epx_buffer_create(g_comm, &bc, &b));
+  EXPECT_OK(epx_buffer_create(tu_self_comm, &bc, &b));
   epx_routing_t routing = {T, K, idx, w, rc->capacity_mode ? loc : NULL, rc->weighting};
   epx_handle_t h = NULL;
   EXPECT_OK(epx_dispatch_layout(b, &routing, NULL, &h));
@@ -474,5 +462,5 @@ int main(void) {
       cmocka_unit_test(test_combine_gradients),
       cmocka_unit_test(test_route_end_to_end),
   };
-  return cmocka_run_group_tests(tests, group_setup, group_teardown);
+  return cmocka_run_group_tests(tests, tu_self_setup, tu_self_teardown);
 }

@@ -25,18 +25,6 @@
 #define GW_RTOL 1e-4
 #define GUARD_ROWS 2
 
-static epx_comm_t g_comm;
-
-static int group_setup(void **state) {
-  (void)state;
-  return epx_comm_create_self(&g_comm) == EPX_SUCCESS ? 0 : -1;
-}
-
-static int group_teardown(void **state) {
-  (void)state;
-  return epx_comm_destroy(g_comm) == EPX_SUCCESS ? 0 : -1;
-}
-
 static const char *dtype_name(epx_dtype_t d) {
   return d == EPX_FLOAT32 ? "f32" : d == EPX_BFLOAT16 ? "bf16" : "f16";
 }
@@ -181,7 +169,7 @@ static epx_buffer_t buffer_make(epx_dtype_t dtype, int64_t H, int32_t E, int32_t
   c.expert_alignment = align;
   c.capacity = layout == EPX_LAYOUT_CAPACITY ? C : 0;
   epx_buffer_t b = NULL;
-  EXPECT_OK(epx_buffer_create(g_comm, &c, &b));
+  EXPECT_OK(epx_buffer_create(tu_self_comm, &c, &b));
   return b;
 }
 
@@ -1034,5 +1022,5 @@ int main(void) {
       cmocka_unit_test(test_capacity_by_hand),
       cmocka_unit_test(test_tensor_parallel_slicing),
   };
-  return cmocka_run_group_tests(tests, group_setup, group_teardown);
+  return cmocka_run_group_tests(tests, tu_self_setup, tu_self_teardown);
 }

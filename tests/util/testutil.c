@@ -136,3 +136,15 @@ int tu_run_ranks(int32_t world, double timeout_seconds, tu_rank_fn fn, void *arg
 }
 
 int tu_message_has(const char *needle) { return !needle || strstr(epx_last_error(), needle) != NULL; }
+
+epx_comm_t tu_self_comm;
+
+int tu_self_setup(void **state) {
+  (void)state;
+  return epx_comm_create_self(&tu_self_comm) == EPX_SUCCESS ? 0 : -1;
+}
+
+int tu_self_teardown(void **state) {
+  (void)state;
+  return epx_comm_destroy(tu_self_comm) == EPX_SUCCESS ? 0 : -1;
+}

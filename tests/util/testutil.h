@@ -42,6 +42,13 @@ double tu_rtol(epx_dtype_t dtype);
 void *tu_alloc(size_t bytes); /* 64-byte aligned, zeroed; fails the test on OOM */
 void tu_free(void *p);
 
+/* A cmocka group's comm of one rank (epx_comm_create_self), in
+ * tu_self_comm between tu_self_setup and tu_self_teardown (the group's
+ * setup and teardown). */
+extern epx_comm_t tu_self_comm;
+int tu_self_setup(void **state);
+int tu_self_teardown(void **state);
+
 /* Runs fn(rank, world, arg) on `world` threads, each with a local comm of its
  * rank (timeout in seconds, <= 0: default). Returns the number of ranks whose
  * fn returned nonzero. fn must not call cmocka asserts (they are not
