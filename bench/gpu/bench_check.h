@@ -1,10 +1,14 @@
-/* The one-process GPU benchmarks' check macros: a failed CUDA or epx call
- * prints where and why, and the benchmark exits 1 (its verdict). */
+/* What the one-process GPU benchmarks share: the check macros (a failed
+ * CUDA or epx call prints where and why, and the benchmark exits 1, its
+ * verdict), a seeded generator and the median of per-call device times. */
 #ifndef EPX_BENCH_GPU_BENCH_CHECK_H
 #define EPX_BENCH_GPU_BENCH_CHECK_H
 
+#include <algorithm>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <vector>
 
 #include <cuda_runtime.h>
 
@@ -26,5 +30,38 @@
       exit(1);                                                                                  \
     }                                                                                           \
   } while (0)
+
+/* splitmix64 */
+struct rng_t {
+  uint64_t s;
+  uint64_t next() {
+    uint64_t z = (s += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  }
+  double uniform() { return (double)(next() >> 11) * (1.0 / 9007199254740992.0); }
+};
+
+/* Median of per-call device times (ms): f(i) for i < warm, then an event
+ * before each of `reps` calls and after the last; calls back to back on the
+ * stream. */
+template <class F>
+double median_ms(cudaStream_t s, int warm, int reps, F &&f) {
+  for (int i = 0; i < warm; i++) f(i);
+  std::vector<cudaEvent_t> ev(reps + 1);
+  for (auto &e : ev) CK(cudaEventCreate(&e));
+  CK(cudaEventRecord(ev[0], s));
+  for (int i = 0; i < reps; i++) {
+    f(i);
+    CK(cudaEventRecord(ev[i + 1], s));
+  }
+  CK(cudaStreamSynchronize(s));
+  std::vector<float> t(reps);
+  for (int i = 0; i < reps; i++) CK(cudaEventElapsedTime(&t[i], ev[i], ev[i + 1]));
+  for (auto &e : ev) CK(cudaEventDestroy(e));
+  std::sort(t.begin(), t.end());
+  return t[reps / 2];
+}
 
 #endif

@@ -73,35 +73,6 @@ int check_conversion(cudaStream_t s) {
   return bad != 0;
 }
 
-struct rng_t {
-  uint64_t s;
-  uint64_t next() {
-    uint64_t z = (s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-  }
-  double uniform() { return (double)(next() >> 11) * (1.0 / 9007199254740992.0); }
-};
-
-template <class F>
-double median_ms(cudaStream_t s, int warm, int reps, F &&f) {
-  for (int i = 0; i < warm; i++) f(i);
-  std::vector<cudaEvent_t> ev(reps + 1);
-  for (auto &e : ev) CK(cudaEventCreate(&e));
-  CK(cudaEventRecord(ev[0], s));
-  for (int i = 0; i < reps; i++) {
-    f(i);
-    CK(cudaEventRecord(ev[i + 1], s));
-  }
-  CK(cudaStreamSynchronize(s));
-  std::vector<float> t(reps);
-  for (int i = 0; i < reps; i++) CK(cudaEventElapsedTime(&t[i], ev[i], ev[i + 1]));
-  for (auto &e : ev) CK(cudaEventDestroy(e));
-  std::sort(t.begin(), t.end());
-  return t[reps / 2];
-}
-
 void *dev(size_t bytes) {
   void *p;
   CK(cudaMalloc(&p, bytes ? bytes : 16));

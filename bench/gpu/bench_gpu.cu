@@ -40,17 +40,6 @@ namespace {
 FILE *g_results = nullptr;
 int g_failures = 0;
 
-struct rng_t {
-  uint64_t s;
-  uint64_t next() {
-    uint64_t z = (s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-  }
-  double uniform() { return (double)(next() >> 11) * (1.0 / 9007199254740992.0); }
-};
-
 uint16_t to_bf16(float f) {
   uint32_t b;
   memcpy(&b, &f, 4);
@@ -76,26 +65,6 @@ void target(const std::string &name, double value, double limit, bool at_least, 
   const bool met = at_least ? value >= limit : value <= limit;
   printf("TARGET %-44s %10.4f %s %s %.4f %s\n", name.c_str(), value, unit, at_least ? ">=" : "<=", limit,
          met ? "MET" : "MISSED");
-}
-
-/* Median of per-call device times: an event before each call and after the
- * last; calls are back to back on the stream. */
-template <class F>
-double median_ms(cudaStream_t s, int warm, int reps, F &&f) {
-  for (int i = 0; i < warm; i++) f(i);
-  std::vector<cudaEvent_t> ev(reps + 1);
-  for (auto &e : ev) CK(cudaEventCreate(&e));
-  CK(cudaEventRecord(ev[0], s));
-  for (int i = 0; i < reps; i++) {
-    f(i);
-    CK(cudaEventRecord(ev[i + 1], s));
-  }
-  CK(cudaStreamSynchronize(s));
-  std::vector<float> t(reps);
-  for (int i = 0; i < reps; i++) CK(cudaEventElapsedTime(&t[i], ev[i], ev[i + 1]));
-  for (auto &e : ev) CK(cudaEventDestroy(e));
-  std::sort(t.begin(), t.end());
-  return t[reps / 2];
 }
 
 /* Median over repeats of the mean time of `burst` back-to-back calls (one

@@ -1878,11 +1878,7 @@ int main(int argc, char **argv) {
    * kernels), so its paths are checked where no second GPU is at hand; the
    * tests of one rank against another are left out. */
   if (g_size == 1) epx_cuda_ep_at_one_rank(1);
-  int devices = 0;
-  FATAL_UNLESS_CUDA_OK(cudaGetDeviceCount(&devices));
-  FATAL_UNLESS_CUDA_OK(cudaSetDevice(g_rank % devices));
-  cudaStream_t stream;
-  FATAL_UNLESS_CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cudaStream_t stream = mpi_gpu_rank_stream(g_rank);
   MPI_Comm world = MPI_COMM_WORLD;
   epx_comm_config_t cc = EPX_COMM_CONFIG_INIT;
   cc.timeout_seconds = 60;
