@@ -25,19 +25,11 @@
 #define GW_RTOL 1e-4
 #define GUARD_ROWS 2
 
-static const char *dtype_name(epx_dtype_t d) {
-  return d == EPX_FLOAT32 ? "f32" : d == EPX_BFLOAT16 ? "bf16" : "f16";
-}
-
 static const char *layout_name(epx_layout_t l, int32_t align) {
   static char name[64];
   if (l == EPX_LAYOUT_EXPERT_MAJOR) snprintf(name, sizeof name, "expert-major/%d", align);
-  else snprintf(name, sizeof name, "%s", l == EPX_LAYOUT_RANK_MAJOR ? "rank-major" : "capacity");
+  else snprintf(name, sizeof name, "%s", tu_layout_name(l));
   return name;
-}
-
-static const char *weighting_name(epx_weighting_t w) {
-  return w == EPX_WEIGHTS_IN_COMBINE ? "in-combine" : w == EPX_WEIGHTS_IN_DISPATCH ? "in-dispatch" : "none";
 }
 
 /* ------------------------------------------------------------------------ */
@@ -460,8 +452,8 @@ static void check_case(tu_rng_t *rng, const routing_t *r, const case_t *c) {
   int32_t E = r->E, K = r->K, C = r->C;
   size_t row_bytes = (size_t)H * epx_dtype_size(dt);
   char what[256];
-  snprintf(what, sizeof what, "T=%lld E=%d K=%d C=%d %s %s %s%s", (long long)T, E, K, C, dtype_name(dt),
-           layout_name(c->layout, c->align), weighting_name(c->weighting), c->pass_w ? "" : " (no topk_w)");
+  snprintf(what, sizeof what, "T=%lld E=%d K=%d C=%d %s %s %s%s", (long long)T, E, K, C, tu_dtype_name(dt),
+           layout_name(c->layout, c->align), tu_weighting_name(c->weighting), c->pass_w ? "" : " (no topk_w)");
   expected_t x = expected_layout(r, c);
   int64_t N = x.N, D = (int64_t)E * C;
   int rank_major = c->layout == EPX_LAYOUT_RANK_MAJOR;

@@ -58,22 +58,10 @@ static void *mr_alloc(size_t bytes) {
   return p;
 }
 
-static const char *mr_layout_name(epx_layout_t layout) {
-  return layout == EPX_LAYOUT_EXPERT_MAJOR ? "expert-major" : layout == EPX_LAYOUT_RANK_MAJOR ? "rank-major" : "capacity";
-}
-
-static const char *mr_weighting_name(epx_weighting_t w) {
-  return w == EPX_WEIGHTS_IN_COMBINE ? "w-in-combine" : w == EPX_WEIGHTS_IN_DISPATCH ? "w-in-dispatch" : "w-none";
-}
-
-static const char *mr_dtype_name(epx_dtype_t d) {
-  return d == EPX_FLOAT32 ? "f32" : d == EPX_BFLOAT16 ? "bf16" : "f16";
-}
-
 static void mr_describe(const mr_scene_t *s, char *buf, size_t size) {
   int n = snprintf(buf, size, "W=%d E=%d K=%d H=%lld %s %s align=%d C=%d %s skew=%.1f T=[", s->W, s->E, s->K,
-                   (long long)s->H, mr_dtype_name(s->dtype), mr_layout_name(s->layout), s->alignment, s->capacity,
-                   mr_weighting_name(s->weighting), s->skew);
+                   (long long)s->H, tu_dtype_name(s->dtype), tu_layout_name(s->layout), s->alignment, s->capacity,
+                   tu_weighting_name(s->weighting), s->skew);
   for (int32_t r = 0; r < s->W && n > 0 && (size_t)n < size; r++)
     n += snprintf(buf + n, size - (size_t)n, "%s%lld", r ? " " : "", (long long)s->T[r]);
   if (n > 0 && (size_t)n < size) snprintf(buf + n, size - (size_t)n, "]");
@@ -919,7 +907,7 @@ static int mr_precision_rank(epx_comm_t comm, int32_t rank, int32_t world, void 
         differ += want != other;
       }
     RANK_EXPECT(wrong == 0, "%s %s %s: %lld of %lld combined values differ from the definition's bits",
-                mr_dtype_name(c->dtype), c->exchange == EPX_EXCHANGE_DEDUP ? "dedup" : "collective",
+                tu_dtype_name(c->dtype), c->exchange == EPX_EXCHANGE_DEDUP ? "dedup" : "collective",
                 c->precision == EPX_COMBINE_PARTIALS_PAYLOAD ? "payload partials" : "float32 partials",
                 (long long)wrong, (long long)(T * AG_H));
     if (c->dtype != EPX_FLOAT32 && world > 1)

@@ -1,6 +1,7 @@
 /* What the one-process GPU benchmarks share: the check macros (a failed
  * CUDA or epx call prints where and why, and the benchmark exits 1, its
- * verdict), a seeded generator and the median of per-call device times. */
+ * verdict), a seeded generator, the median of per-call device times and
+ * the device's copy bandwidth. */
 #ifndef EPX_BENCH_GPU_BENCH_CHECK_H
 #define EPX_BENCH_GPU_BENCH_CHECK_H
 
@@ -62,6 +63,22 @@ double median_ms(cudaStream_t s, int warm, int reps, F &&f) {
   for (auto &e : ev) CK(cudaEventDestroy(e));
   std::sort(t.begin(), t.end());
   return t[reps / 2];
+}
+
+/* The device's copy bandwidth (GB/s, read + write): a 1 GiB device-to-device
+ * copy, median of 21; *ms its time. */
+inline double bench_copy_gbps(cudaStream_t s, double *ms) {
+  const size_t bytes = (size_t)1 << 30;
+  void *a, *b;
+  CK(cudaMalloc(&a, bytes));
+  CK(cudaMalloc(&b, bytes));
+  CK(cudaMemset(a, 1, bytes));
+  *ms = median_ms(s, 3, 21, [&](int i) {
+    CK(cudaMemcpyAsync(i & 1 ? a : b, i & 1 ? b : a, bytes, cudaMemcpyDeviceToDevice, s));
+  });
+  CK(cudaFree(a));
+  CK(cudaFree(b));
+  return 2.0 * bytes / (*ms * 1e-3) / 1e9;
 }
 
 #endif

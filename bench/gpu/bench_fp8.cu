@@ -86,15 +86,8 @@ void *dev_copy(const void *h, size_t bytes) {
 }
 
 double copy_gbps(cudaStream_t s) {
-  const size_t bytes = (size_t)1 << 30;
-  void *a = dev(bytes), *b = dev(bytes);
-  CK(cudaMemset(a, 1, bytes));
-  double ms = median_ms(s, 3, 21, [&](int i) {
-    CK(cudaMemcpyAsync(i & 1 ? a : b, i & 1 ? b : a, bytes, cudaMemcpyDeviceToDevice, s));
-  });
-  CK(cudaFree(a));
-  CK(cudaFree(b));
-  const double gbps = 2.0 * bytes / (ms * 1e-3) / 1e9;
+  double ms;
+  const double gbps = bench_copy_gbps(s, &ms);
   printf("RESULT shape=- op=d2d_copy ms=%.4f GBps=%.0f (1 GiB, read + write)\n", ms, gbps);
   return gbps;
 }

@@ -94,16 +94,8 @@ double median_wall_us(int warm, int reps, F &&f) {
 
 double copy_ceiling_gbps(cudaStream_t s) {
   const size_t bytes = (size_t)1 << 30;
-  void *a, *b;
-  CK(cudaMalloc(&a, bytes));
-  CK(cudaMalloc(&b, bytes));
-  CK(cudaMemset(a, 1, bytes));
-  double ms = median_ms(s, 3, 21, [&](int i) {
-    CK(cudaMemcpyAsync(i & 1 ? a : b, i & 1 ? b : a, bytes, cudaMemcpyDeviceToDevice, s));
-  });
-  CK(cudaFree(a));
-  CK(cudaFree(b));
-  const double gbps = 2.0 * bytes / (ms * 1e-3) / 1e9;
+  double ms;
+  const double gbps = bench_copy_gbps(s, &ms);
   printf("RESULT shape=- op=d2d_copy ms=%.4f bytes=%.0f GBps=%.0f (1 GiB, read + write)\n", ms, 2.0 * bytes, gbps);
   if (g_results) fprintf(g_results, "copy - d2d %.6f %.0f 1\n", ms, 2.0 * bytes);
   return gbps;

@@ -148,3 +148,19 @@ int tu_self_teardown(void **state) {
   (void)state;
   return epx_comm_destroy(tu_self_comm) == EPX_SUCCESS ? 0 : -1;
 }
+
+const char *tu_dtype_name(epx_dtype_t dtype) {
+  return dtype == EPX_FLOAT32 ? "f32" : dtype == EPX_BFLOAT16 ? "bf16" : "f16";
+}
+
+const char *tu_layout_name(epx_layout_t layout) {
+  return layout == EPX_LAYOUT_EXPERT_MAJOR ? "expert-major"
+         : layout == EPX_LAYOUT_RANK_MAJOR ? "rank-major"
+                                           : "capacity";
+}
+
+const char *tu_weighting_name(epx_weighting_t weighting) {
+  return weighting == EPX_WEIGHTS_IN_COMBINE    ? "in-combine"
+         : weighting == EPX_WEIGHTS_IN_DISPATCH ? "in-dispatch"
+                                                : "none";
+}

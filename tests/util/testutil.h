@@ -39,6 +39,11 @@ double tu_max_error(epx_dtype_t dtype_a, const void *a, epx_dtype_t dtype_b, con
 double tu_atol(epx_dtype_t dtype);
 double tu_rtol(epx_dtype_t dtype);
 
+/* Short names of a case's settings, for failure messages. */
+const char *tu_dtype_name(epx_dtype_t dtype);
+const char *tu_layout_name(epx_layout_t layout);
+const char *tu_weighting_name(epx_weighting_t weighting);
+
 void *tu_alloc(size_t bytes); /* 64-byte aligned, zeroed; fails the test on OOM */
 void tu_free(void *p);
 
