@@ -159,19 +159,27 @@ epx_status_t epx_comm_create_local(epx_local_world_t world, int32_t rank, epx_co
   return EPX_SUCCESS;
 }
 
+epx_status_t epx_comm_config_full(const char *caller, const epx_comm_config_t *config, epx_comm_config_t *full) {
+  *full = (epx_comm_config_t)EPX_COMM_CONFIG_INIT;
+  return config ? epx_config_read(caller, "epx_comm_config_t", config, full, sizeof *full) : EPX_SUCCESS;
+}
+
 epx_status_t epx_comm_config_timeout(const char *caller, const epx_comm_config_t *config,
                                      double *timeout_seconds) {
-  epx_comm_config_t full = EPX_COMM_CONFIG_INIT;
-  if (config) {
-    epx_status_t status = epx_config_read(caller, "epx_comm_config_t", config, &full, sizeof full);
-    if (status != EPX_SUCCESS) return status;
-  }
-  config = &full;
-  EPX_REQUIRE(!isnan(config->timeout_seconds),
+  epx_comm_config_t full;
+  epx_status_t status = epx_comm_config_full(caller, config, &full);
+  if (status != EPX_SUCCESS) return status;
+  EPX_REQUIRE(!isnan(full.timeout_seconds),
               "%s: config->timeout_seconds is NaN; pass seconds (> 0) or <= 0 to wait forever",
               caller);
-  *timeout_seconds = config->timeout_seconds;
+  *timeout_seconds = full.timeout_seconds;
   return EPX_SUCCESS;
+}
+
+epx_status_t epx_comm_new_configured(const char *fn, const epx_comm_config_t *config, epx_comm_t *out) {
+  double timeout;
+  epx_status_t status = epx_comm_config_timeout(fn, config, &timeout);
+  return status != EPX_SUCCESS ? status : epx_comm_new(fn, timeout, out);
 }
 
 epx_status_t epx_comm_create_mpi(const void *mpi_comm, const epx_comm_config_t *config,

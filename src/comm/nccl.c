@@ -527,11 +527,8 @@ epx_status_t epx_comm_create_nccl_id(const epx_nccl_unique_id_t *id, int32_t ran
   EPX_REQUIRE(id, "%s: id is NULL; pass the id from epx_nccl_get_unique_id (made on one rank, shared)", fn);
   EPX_REQUIRE(size >= 1 && rank >= 0 && rank < size, "%s: rank %d and size %d; pass 0 <= rank < size", fn, rank,
               size);
-  double timeout;
-  epx_status_t status = epx_comm_config_timeout(fn, config, &timeout);
-  if (status != EPX_SUCCESS) return status;
   epx_comm_t created = NULL;
-  status = epx_comm_new(fn, timeout, &created);
+  epx_status_t status = epx_comm_new_configured(fn, config, &created);
   if (status != EPX_SUCCESS) return status;
   ncclUniqueId nid;
   memcpy(&nid, id->bytes, sizeof nid);
@@ -553,11 +550,8 @@ epx_status_t epx_comm_create_nccl(void *nccl_comm, const epx_comm_config_t *conf
   epx_error_clear();
   EPX_REQUIRE(comm, "%s: comm is NULL; pass the address of an epx_comm_t", fn);
   EPX_REQUIRE(nccl_comm, "%s: nccl_comm is NULL; pass your ncclComm_t (as void *)", fn);
-  double timeout;
-  epx_status_t status = epx_comm_config_timeout(fn, config, &timeout);
-  if (status != EPX_SUCCESS) return status;
   epx_comm_t created = NULL;
-  status = epx_comm_new(fn, timeout, &created);
+  epx_status_t status = epx_comm_new_configured(fn, config, &created);
   if (status != EPX_SUCCESS) return status;
   return finish_create(created, (ncclComm_t)nccl_comm, 0, fn, config, comm);
 }
