@@ -772,7 +772,7 @@ typedef enum epx_exchange_path {
    * cannot.
    * Reported by epx_buffer_peer_paths for a peer the fused kernels serve.
    *
-   * The fused kernels (src/cuda/fused.h: senders store rows straight into
+   * The fused kernels (src/cuda/fused/fused.h: senders store rows straight into
    * the peers' memory through NCCL 2.28's device API) serve a buffer when
    * the exchange is EPX_EXCHANGE_DEDUP (any layout; the capacity layout's
    * slots are validated and claimed on the GPU as on the host path) and
@@ -898,13 +898,10 @@ typedef struct epx_buffer_config {
   epx_combine_precision_t combine_precision;
   epx_exchange_path_t exchange_path; /* EPX_PATH_AUTO, _HOST or _FUSED (CUDA, several ranks) */
   /* CTAs (of 512 threads, about one per SM) the fused kernels run on; 0: the
-   * default 32, the fastest whole step of the sweep in bench/NOTES-gpu.md
-   * (2 H200, two pipelined micro-batches of 4096 tokens, H=7168, top-8 of
-   * 256, bf16, expert-major, a cuBLAS expert MLP beside the exchange;
-   * forward + backward ms: 8 SMs 39.0, 16: 32.4, 24: 30.1, 32: 29.6).
-   * Rank-major dispatch / combine alone at T=8192 (ms): 8 SMs 1.53 / 1.55,
-   * 16: 0.80 / 0.81, 24: 0.55 / 0.56, 32: 0.43 / 0.44 (the host path 0.55 /
-   * 0.57). Clamped to the device's SM count. Ignored by the host path. */
+   * default 32, the fastest whole training step of the SM sweep
+   * (bench/NOTES-gpu.md, "The SM budget: whole steps"; fewer SMs leave more
+   * to the expert GEMMs beside the exchange but slow the exchange itself).
+   * Clamped to the device's SM count. Ignored by the host path. */
   int32_t sm_budget;
   /* The format epx_dispatch_fp8 and epx_dispatch_quantize move rows in
    * (EPX_FP8_NONE: neither is available). dtype stays the dtype of every

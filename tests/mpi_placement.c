@@ -11,11 +11,7 @@
 #define PL_SCENE_ONLY
 #include "test_placement.c"
 
-const char *__asan_default_options(void) { return "fast_unwind_on_malloc=0"; }
-const char *__lsan_default_suppressions(void) {
-  return "leak:libmpi.so\nleak:libopen-pal.so\nleak:libopen-rte.so\nleak:mca_\n"
-         "leak:libhwloc.so\nleak:libevent\nleak:libpmix.so\n";
-}
+#include "mpi_util.h"
 
 static const epx_exchange_t exchanges[] = {EPX_EXCHANGE_DEDUP, EPX_EXCHANGE_COLLECTIVE, EPX_EXCHANGE_HIERARCHICAL};
 
@@ -85,16 +81,8 @@ int main(int argc, char **argv) {
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &size);
   long long failures = 0;
-  epx_comm_config_t config = EPX_COMM_CONFIG_INIT;
-  config.timeout_seconds = 30.0;
-  config.ranks_per_node = size >= 2 ? 2 : 1;
-  MPI_Comm world = MPI_COMM_WORLD;
   epx_comm_t comm = NULL;
-  if (size > W_MAX) {
-    if (rank == 0) fprintf(stderr, "mpi_placement: at most %d ranks\n", W_MAX);
-    failures++;
-  } else if (epx_comm_create_mpi(&world, &config, &comm) != EPX_SUCCESS) {
-    fprintf(stderr, "rank %d: epx_comm_create_mpi: %s\n", rank, epx_last_error());
+  if (tu_mpi_comm("mpi_placement", rank, size, W_MAX, 30.0, size >= 2 ? 2 : 1, &comm)) {
     failures++;
   } else {
     failures += all_cases(comm, rank, size);

@@ -22,6 +22,7 @@
 
 #include "core/fp8.h"
 #include "testutil.h"
+#include "buffer_config.h"
 
 /* ------------------------------------------------------------------------ */
 /* Scenes: one dispatch over W ranks, every rank's inputs known to all       */
@@ -162,13 +163,9 @@ static int check_dequantized(const fp8_scene_t *s, int32_t rank, epx_buffer_t b,
   return failures;
 }
 
-static epx_status_t scene_buffer(const fp8_scene_t *s, epx_comm_t comm, epx_buffer_t *b) {
-  epx_buffer_config_t c = EPX_BUFFER_CONFIG_INIT;
-  c.dtype = s->dtype;
-  c.hidden = s->H;
-  c.num_experts = s->E;
-  c.max_top_k = s->K;
-  c.max_tokens_per_rank = s->T;
+/* The scene's buffer on `device` (test_gpu_fp8 compares the two). */
+static epx_status_t scene_buffer(const fp8_scene_t *s, epx_device_t device, epx_comm_t comm, epx_buffer_t *b) {
+  epx_buffer_config_t c = tu_config(device, s->dtype, s->H, s->E, s->K, s->T);
   c.exchange = s->exchange;
   c.layout = s->layout;
   c.expert_alignment = s->layout == EPX_LAYOUT_EXPERT_MAJOR ? 4 : 1;
@@ -184,7 +181,7 @@ static int fp8_scene_rank(epx_comm_t comm, int32_t rank, const fp8_scene_t *s) {
   epx_handle_t h = NULL;
   uint8_t *q = NULL, *scales = NULL, *q2 = NULL, *scales2 = NULL;
   int64_t N = 0;
-  RANK_REQUIRE_OK(scene_buffer(s, comm, &b));
+  RANK_REQUIRE_OK(scene_buffer(s, EPX_DEVICE_CPU, comm, &b));
   epx_weighting_t weighting = s->layout == EPX_LAYOUT_RANK_MAJOR ? EPX_WEIGHTS_NONE : EPX_WEIGHTS_IN_COMBINE;
   epx_routing_t routing = {s->T, s->K, s->idx[rank], s->w[rank], s->layout == EPX_LAYOUT_CAPACITY ? s->loc[rank] : NULL,
                            weighting};
@@ -518,7 +515,7 @@ static void test_recorder_replay(void **state) {
   epx_recorder_t rec;
   epx_handle_t h[2];
   EXPECT_OK(epx_comm_create_self(&comm));
-  EXPECT_OK(scene_buffer(&s, comm, &b));
+  EXPECT_OK(scene_buffer(&s, EPX_DEVICE_CPU, comm, &b));
   EXPECT_OK(epx_recorder_create(1, &rec));
   epx_routing_t routing = {s.T, s.K, s.idx[0], s.w[0], NULL, EPX_WEIGHTS_IN_COMBINE};
   uint8_t *q[2], *sc[2];

@@ -23,6 +23,7 @@
 #include <time.h>
 
 #include "testutil.h"
+#include "buffer_config.h"
 
 #define LL_MAX_W 8
 
@@ -81,12 +82,7 @@ static void ll_side_free(ll_side_t *s) {
 }
 
 static epx_buffer_config_t ll_config(const ll_case_t *c, int32_t low_latency) {
-  epx_buffer_config_t b = EPX_BUFFER_CONFIG_INIT;
-  b.dtype = c->dtype;
-  b.hidden = c->H;
-  b.num_experts = c->E;
-  b.max_top_k = c->K;
-  b.max_tokens_per_rank = c->max_tokens;
+  epx_buffer_config_t b = tu_config(EPX_DEVICE_CPU, c->dtype, c->H, c->E, c->K, c->max_tokens);
   b.exchange = c->exchange;
   b.layout = c->layout;
   b.combine_precision = c->precision;

@@ -20,6 +20,7 @@
 
 #include "core/placement.h"
 #include "testutil.h"
+#include "buffer_config.h"
 
 #define W_MAX 4
 #define E 16
@@ -146,8 +147,7 @@ static void plan_permuted(scene_t *s) {
 }
 
 static epx_buffer_t make_buffer(epx_comm_t comm, const scene_t *s, const epx_placement_t *pl, int low_latency) {
-  epx_buffer_config_t c = EPX_BUFFER_CONFIG_INIT;
-  c.dtype = s->dtype, c.hidden = H, c.num_experts = E, c.max_top_k = K, c.max_tokens_per_rank = T_MAX;
+  epx_buffer_config_t c = tu_config(EPX_DEVICE_CPU, s->dtype, H, E, K, T_MAX);
   c.exchange = s->exchange, c.layout = s->layout, c.placement = pl, c.low_latency = low_latency;
   epx_buffer_t b = NULL;
   if (epx_buffer_create(comm, &c, &b) != EPX_SUCCESS) fprintf(stderr, "epx_buffer_create: %s\n", epx_last_error());
@@ -442,8 +442,7 @@ static int ll_fp8_rank(epx_comm_t comm, int32_t rank, int32_t W, void *arg) {
   (void)W;
   epx_placement_t pl = placement_of(s);
   epx_buffer_t b = make_buffer(comm, s, &pl, 0), ll = make_buffer(comm, s, &pl, 1), fb = NULL;
-  epx_buffer_config_t c = EPX_BUFFER_CONFIG_INIT;
-  c.dtype = EPX_BFLOAT16, c.hidden = 128, c.num_experts = E, c.max_top_k = K, c.max_tokens_per_rank = T_MAX;
+  epx_buffer_config_t c = tu_config(EPX_DEVICE_CPU, EPX_BFLOAT16, 128, E, K, T_MAX);
   c.placement = &pl, c.fp8_format = EPX_FP8_E4M3_F32_128;
   RANK_OK(epx_buffer_create(comm, &c, &fb));
   epx_handle_t h = NULL, hl = NULL, hf = NULL;
@@ -546,8 +545,8 @@ static int refusal_rank(epx_comm_t comm, int32_t rank, int32_t W, void *arg) {
     for (int32_t p = 0; p < s->P; p++) p2l[p] = p2l[p] == 3 ? 4 : p2l[p];
     pl.physical_to_logical = p2l;
   }
-  epx_buffer_config_t c = EPX_BUFFER_CONFIG_INIT;
-  c.hidden = H, c.num_experts = E, c.max_top_k = K, c.max_tokens_per_rank = T_MAX, c.placement = &pl;
+  epx_buffer_config_t c = tu_config(EPX_DEVICE_CPU, EPX_FLOAT32, H, E, K, T_MAX);
+  c.placement = &pl;
   epx_buffer_t b = NULL;
   if (a->how == 0) RANK_STATUS(epx_buffer_create(comm, &c, &b), EPX_ERROR_SHAPE_MISMATCH, "config.placement (a hash");
   if (a->how == 1) RANK_STATUS(epx_buffer_create(comm, &c, &b), EPX_ERROR_SHAPE_MISMATCH, "config.placement->num_physical");

@@ -127,30 +127,13 @@ static void test_shm_ops_w1(void **state) { (void)state, run_ops(1); }
 static void test_shm_ops_w2(void **state) { (void)state, run_ops(2); }
 static void test_shm_ops_w4(void **state) { (void)state, run_ops(4); }
 
-/* The skippers wait until the others have timed out (t lives in memory the
- * processes share), then find the comm failed too. */
-static void wait_for_timeouts(cc_timeout_t *t, int timed_out) {
-  if (timed_out) {
-    atomic_fetch_add(&t->timed_out, 1);
-    return;
-  }
-  double give_up = cc_now_seconds() + 20.0;
-  while (atomic_load(&t->timed_out) < t->skip_from && cc_now_seconds() < give_up)
-    cc_sleep_seconds(0.001);
-}
-
-static int timeout_rank(epx_comm_t comm, int32_t rank, int32_t size, void *shared) {
-  (void)rank, (void)size;
-  return cc_timeout_case(comm, shared);
-}
-
 static void test_shm_timeout_names_rank(void **state) {
   (void)state;
   cc_timeout_t *t = shared_page();
   *t = (cc_timeout_t){2, 0, 0.3, {"test_timeout: rank 2 did not arrive within 0.3 s", NULL},
-                      "did not arrive within 0.3 s", 1, wait_for_timeouts, 0};
+                      "did not arrive within 0.3 s", 1, cc_wait_for_timeouts, 0};
   atomic_init(&t->timed_out, 0);
-  assert_int_equal(run_processes(3, t->timeout, timeout_rank, t, -1), 0);
+  assert_int_equal(run_processes(3, t->timeout, cc_timeout_rank, t, -1), 0);
   munmap(t, 4096);
   assert_int_equal(leftover_names(), 0);
 }

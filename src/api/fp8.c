@@ -25,8 +25,7 @@ epx_status_t epx_fp8_scale_shape(epx_fp8_format_t format, int64_t hidden, int64_
   if (status != EPX_SUCCESS) return status;
   EPX_REQUIRE(scale_cols && scale_bytes, "%s: %s is NULL; pass where to write it", fn,
               scale_cols ? "scale_bytes" : "scale_cols");
-  /* UE8M0 bytes are counted in the int32 words that carry them. */
-  *scale_bytes = format == EPX_FP8_MXFP8 ? 1 : 4;
+  *scale_bytes = (size_t)epx_fp8_scale_col_bytes(format);
   *scale_cols = epx_fp8_scale_row_bytes(format, hidden) / (int64_t)*scale_bytes;
   return EPX_SUCCESS;
 }

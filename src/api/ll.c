@@ -11,6 +11,7 @@
 #include "core/backend.h"
 #include "core/checked.h"
 #include "core/error.h"
+#include "core/fp8.h"
 #include "core/ll.h"
 #include "core/objects.h"
 #include "core/placement.h"
@@ -128,7 +129,7 @@ static epx_status_t check_fp8_rows(const char *fn, epx_buffer_t b, const epx_ll_
   EPX_REQUIRE(b->config.fp8_format != EPX_FP8_NONE,
               "%s: the buffer's config.fp8_format is EPX_FP8_NONE; create the low-latency buffer with an fp8 "
               "format, or move rows of its dtype with epx_ll_dispatch", fn);
-  const size_t align = b->config.fp8_format == EPX_FP8_MXFP8 ? 1 : 4;
+  const size_t align = (size_t)epx_fp8_scale_col_bytes(b->config.fp8_format);
   EPX_REQUIRE(rows->recv_scales, "%s: recv_scales is NULL; pass the [rows of recv_x_q, scale_cols] scales "
               "(epx_fp8_scale_shape)", fn);
   EPX_REQUIRE(epx_is_aligned(rows->recv_scales, align) && epx_is_aligned(rows->x_scales, align),

@@ -87,7 +87,7 @@ struct epx_comm {
   void *impl;            /* the transport's own state */
 };
 
-/* The two helpers below are the transports' common code (src/comm/comm.c). */
+/* The helpers below are the transports' common code (core/transport.c). */
 
 /* Agrees a rank-local verdict across the comm (one all-reduce) so that a
  * refusal on one rank is a refusal on every rank before anything moves. The

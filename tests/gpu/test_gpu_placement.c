@@ -11,13 +11,13 @@
 #include <cuda_runtime_api.h>
 
 #include "gpu_testutil.h"
+#include "../util/buffer_config.h"
 
 enum { T = 64, E = 16, K = 4, H = 64 };
 
 static epx_buffer_t make(epx_comm_t comm, epx_device_t device, const epx_placement_t *pl, epx_status_t want) {
-  epx_buffer_config_t c = EPX_BUFFER_CONFIG_INIT;
-  c.device = device, c.dtype = EPX_BFLOAT16, c.hidden = H, c.num_experts = E, c.max_top_k = K;
-  c.max_tokens_per_rank = T, c.placement = pl;
+  epx_buffer_config_t c = tu_config(device, EPX_BFLOAT16, H, E, K, T);
+  c.placement = pl;
   epx_buffer_t b = NULL;
   if (want == EPX_SUCCESS) EXPECT_OK(epx_buffer_create(comm, &c, &b));
   else EXPECT_STATUS(epx_buffer_create(comm, &c, &b), want, "config.placement");
