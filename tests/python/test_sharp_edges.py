@@ -1,0 +1,44 @@
+"""Issue 38's sharp edges in the Python layer, each a case that used to
+surprise a user: a keyword that did nothing (route's capacity_factor), a
+result that silently had no gradient (ll_dispatch), inputs accepted that
+mean nothing (meta tensors), errors that named no argument, the drop-ins'
+buffer sizing, and calls that could hang or lose state.
+
+Run: EPX_LIBRARY=build/libepx.so PYTHONPATH=python python -m pytest tests/python/test_sharp_edges.py
+"""
+import pathlib
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[1] / "python"))
+sys.path.insert(0, str(HERE))
+
+import epx  # noqa: E402
+import epx.torch as et  # noqa: E402
+from test_epx import SEED  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+def test_route_capacity_factor_turns_capacity_on():
+    """capacity_factor as a keyword of route / route_capacity does what
+    MoE(capacity_factor=) does: capacity mode, drops past C."""
+    assert epx.route_capacity(40, num_experts=4, top_k=1, capacity_factor=0.5) == 5
+    assert epx.route_capacity(40, num_experts=4, top_k=1, capacity_factor_f64=0.5,
+                              capacity_arithmetic=epx.CapacityArithmetic.FLOAT64) == 5
+    g = torch.Generator().manual_seed(SEED)
+    logits = torch.randn(40, 4, generator=g)
+    r = et.route(logits, top_k=1, capacity_factor=0.5)
+    assert r.capacity == 5 and int((r.topk_idx >= 0).sum()) <= 4 * 5
+    n = epx.route(logits.numpy(), top_k=1, capacity_factor=0.5)
+    assert n.capacity == 5 and np.array_equal(n.topk_idx, r.topk_idx.numpy())
+    with pytest.raises(epx.InvalidArgumentError, match=r"epx.torch.route: capacity_factor=0.5 "
+                                                       r"with capacity_mode=0"):
+        et.route(logits, top_k=1, capacity_factor=0.5, capacity_mode=0)
+    with pytest.raises(epx.InvalidArgumentError, match=r"epx.route_capacity: capacity_factor"):
+        epx.route_capacity(40, num_experts=4, capacity_factor=0.5, capacity_mode=0)
