@@ -42,3 +42,46 @@ def test_route_capacity_factor_turns_capacity_on():
         et.route(logits, top_k=1, capacity_factor=0.5, capacity_mode=0)
     with pytest.raises(epx.InvalidArgumentError, match=r"epx.route_capacity: capacity_factor"):
         epx.route_capacity(40, num_experts=4, capacity_factor=0.5, capacity_mode=0)
+
+
+H, E, K = 16, 4, 2
+
+
+def routing(T, seed=SEED):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(torch.int32)
+    w = torch.rand(T, K, generator=g) + 0.1
+    return x, idx, w / w.sum(1, keepdim=True)
+
+
+def ll_buffer(comm):
+    return et.make_buffer(comm, hidden=H, num_experts=E, max_top_k=K, max_tokens_per_rank=8,
+                          dtype=torch.float32, low_latency=1)
+
+
+def test_ll_refuses_inputs_that_require_grad():
+    """The low-latency path has no backward: an input that wants a gradient
+    is refused with the fix, not cut silently from the graph."""
+    x, idx, w = routing(4)
+    with epx.Comm.create_self() as comm, ll_buffer(comm) as b:
+        for name, args in (("x", (x.requires_grad_(), idx, w)),
+                           ("topk_w", (x.detach(), idx, w.requires_grad_()))):
+            with pytest.raises(epx.InvalidArgumentError, match=r"ll_dispatch: %s requires grad.*"
+                               r"no backward.*torch.no_grad\(\)" % name):
+                et.ll_dispatch(b, *args)
+        with torch.no_grad():
+            recv_x, _, handle, _ = et.ll_dispatch(b, x, idx, w)
+        with pytest.raises(epx.InvalidArgumentError, match=r"ll_combine: x requires grad"):
+            et.ll_combine(b, recv_x.requires_grad_(), handle)
+        handle.release()
+
+
+@pytest.mark.parametrize("count", [torch.tensor([], dtype=torch.int32),
+                                   torch.tensor([1, 2], dtype=torch.int32)])
+def test_ll_num_tokens_of_the_wrong_size_is_named(count):
+    x, idx, w = routing(4)
+    with epx.Comm.create_self() as comm, ll_buffer(comm) as b:
+        with pytest.raises(epx.InvalidArgumentError, match=r"ll_dispatch: num_tokens is a tensor "
+                           r"of %d elements.*one element" % count.numel()):
+            et.ll_dispatch(b, x, idx, w, num_tokens=count)
