@@ -85,3 +85,46 @@ def test_ll_num_tokens_of_the_wrong_size_is_named(count):
         with pytest.raises(epx.InvalidArgumentError, match=r"ll_dispatch: num_tokens is a tensor "
                            r"of %d elements.*one element" % count.numel()):
             et.ll_dispatch(b, x, idx, w, num_tokens=count)
+
+
+def normal_buffer(comm):
+    return et.make_buffer(comm, hidden=H, num_experts=E, max_top_k=K, max_tokens_per_rank=8)
+
+
+def test_dispatch_and_combine_refuse_meta_tensors():
+    """A meta tensor reached the ops' fake functions and came back as meta
+    outputs, as if dispatched; it is refused by name (torch.compile's fake
+    tensors still trace: test_torch.py's compile tests)."""
+    x, idx, w = routing(4)
+    meta = torch.device("meta")
+    with epx.Comm.create_self() as comm, normal_buffer(comm) as b:
+        for name, args in (("x", (x.to(meta), idx, w)), ("topk_idx", (x, idx.to(meta), w)),
+                           ("topk_w", (x, idx, w.to(meta)))):
+            with pytest.raises(epx.InvalidArgumentError, match=r"epx.torch.dispatch: %s is a meta "
+                               r"tensor" % name):
+                et.dispatch(b, *args)
+        d = et.dispatch(b, x, idx, w)
+        with pytest.raises(epx.InvalidArgumentError, match=r"combine: expert_out is a meta tensor"):
+            et.combine(d, d.recv_x.to(meta))
+        del d
+
+
+def test_unpack_before_check_sites_name_the_argument():
+    """Shapes and types checked before they are unpacked: each error names
+    the argument and the form expected."""
+    x, idx, w = routing(4)
+    with epx.Comm.create_self() as comm, normal_buffer(comm) as b:
+        with pytest.raises(epx.InvalidArgumentError, match=r"dispatch: topk_idx has shape \[4\]; "
+                                                           r"pass \[T, K\]"):
+            et.dispatch(b, x, idx[:, 0], w[:, 0])
+        for d in ("x", (1, 2), None):
+            with pytest.raises(TypeError, match=r"combine: d is a %s; pass the Dispatched"
+                               % type(d).__name__):
+                et.combine(d, x)
+    with pytest.raises(epx.InvalidArgumentError, match=r"epx.torch.route: logits has shape \[4\]; "
+                                                       r"pass \[T, E\]"):
+        et.route(torch.zeros(4), top_k=1)
+    with pytest.raises(epx.InvalidArgumentError, match=r"quantize: x has shape \[128\]"):
+        epx.quantize(np.zeros(128, np.float32), epx.FP8Format(0))
+    with pytest.raises(epx.InvalidArgumentError, match=r"dequantize: x_q has shape \[128\]"):
+        epx.dequantize(np.zeros(128, np.uint8), np.zeros(1, np.float32), epx.FP8Format(0))

@@ -205,6 +205,9 @@ def route(logits, config=None, *, bias=None, token_mask=None, aux_loss_expert_co
     if not isinstance(logits, _torch.Tensor):
         _invalid("%s: logits is a %s; pass a float32 torch.Tensor [T, E]", fn,
                  type(logits).__name__)
+    if logits.dim() != 2:
+        _invalid("%s: logits has shape %s; pass [T, E], a row of E expert scores per token", fn,
+                 list(logits.shape))
     config = _route_fields_config(config, tuple(logits.shape), fields, fn)
     dev = Device.CUDA if logits.device.type == "cuda" else Device.CPU
     E = int(config.num_experts)
