@@ -111,7 +111,8 @@ class MOELayer(torch.nn.Module):
         self.exchange, self.timeout_seconds = Exchange(exchange), timeout_seconds
         self.comm = None
         self._epx_buffers = _dropin.BufferCache("epx.deepspeed.MoE", "pass max_tokens_per_rank=%d "
-                                                "(or more) to the layer")
+                                                "(or more) to epx.deepspeed.MoE, or leave it None "
+                                                "(the buffer then grows)")
         self.l_aux = self.exp_counts = None
         self.route_config = None  # (the gate's settings, their epx.RouteConfig)
 
@@ -187,10 +188,10 @@ class MOELayer(torch.nn.Module):
                          "one rank) are not supported")
         x2 = x.reshape(-1, x.shape[-1])
         r = self._route(x2)
-        buffer = self._epx_buffers.get(self._comm_now(), x2, self.max_tokens_per_rank,
+        d = self._epx_buffers.dispatch(self._comm_now(), x2, r.topk_idx, r.topk_w,
+                                       self.max_tokens_per_rank, weighting=Weighting.IN_COMBINE,
                                        num_experts=self.num_experts, max_top_k=self.gate.k,
                                        exchange=self.exchange, expert_alignment=1)
-        d = _dropin.dispatch(buffer, x2, r.topk_idx, r.topk_w, Weighting.IN_COMBINE)
         out = _et.combine(d, self._run_experts(d))
         self.l_aux, self.exp_counts = r.aux_loss, r.expert_counts.to(torch.int64)
         return out.reshape(x.shape)
@@ -199,8 +200,9 @@ class MOELayer(torch.nn.Module):
 class MoE(_DeepSpeedMoE):
     """``deepspeed.moe.layer.MoE`` with epx's exchange (see the module's
     docstring). The arguments are DeepSpeed's; the keyword-only ones are
-    epx's: rts_seed (the seed of use_rts), max_tokens_per_rank (default:
-    the first forward's tokens), exchange (epx.Exchange.DEDUP: a token sent
+    epx's: rts_seed (the seed of use_rts), max_tokens_per_rank (the most
+    tokens a rank gives a forward; default None: sized by the first forward
+    and grown, on every rank together, when a larger batch comes), exchange (epx.Exchange.DEDUP: a token sent
     once per rank; COLLECTIVE: once per expert), timeout_seconds."""
 
     def __init__(self, hidden_size, expert, num_experts=1, ep_size=1, k=1, capacity_factor=1.0,

@@ -26,7 +26,8 @@ pg_collection=pg_collection)``.
 The epx comm of the expert-parallel group is made from the group (one rank:
 a comm of its own; more: :func:`epx.torch.comm_from_process_group`) unless
 ``comm`` is given; its buffer is made at the first dispatch, sized for that
-call's most tokens over the ranks unless ``max_tokens_per_rank`` says more. The host waits for
+call's most tokens over the ranks, and grows (on every rank together) when a
+larger batch comes, unless ``max_tokens_per_rank`` fixes its size. The host waits for
 the device three times a step (Megatron's own dispatcher waits for its
 counts too): the routing check before the exchange, and the received row
 count and the counts after it (the experts take exact-size inputs and the
@@ -76,8 +77,9 @@ class EpxTokenDispatcher(MoETokenDispatcher):
     those of Megatron's dispatchers (pg_collection None: Megatron's global
     parallel state). comm: an epx.Comm over the expert-parallel group (its
     rank order the group's); None makes one (closed by :meth:`close`).
-    max_tokens_per_rank: the most tokens a step gives (default: the first
-    step's, the most of any rank). exchange: epx.Exchange.DEDUP (a token sent once per rank) or
+    max_tokens_per_rank: the most tokens a step gives a rank (default None:
+    the first step's most, grown on every rank together when a larger step
+    comes). exchange: epx.Exchange.DEDUP (a token sent once per rank) or
     COLLECTIVE (once per expert)."""
 
     def __init__(self, num_local_experts, local_expert_indices, config, pg_collection=None, *,
@@ -111,7 +113,8 @@ class EpxTokenDispatcher(MoETokenDispatcher):
         self.max_tokens_per_rank = max_tokens_per_rank
         self.exchange = Exchange(exchange)
         self._epx_buffers = _dropin.BufferCache(fn, "pass max_tokens_per_rank=%d (or more) to "
-                                                "the dispatcher")
+                                                "EpxTokenDispatcher or epx.megatron.install(), "
+                                                "or leave it None (the buffer then grows)")
         self._step = None
 
     @classmethod
@@ -167,10 +170,10 @@ class EpxTokenDispatcher(MoETokenDispatcher):
     def token_dispatch(self, hidden_states, probs):
         """The exchange over the expert-parallel group (epx's dispatch, exact
         size) -> (received tokens [N, H], their probs [N])."""
-        buffer = self._epx_buffers.get(self.comm, hidden_states, self.max_tokens_per_rank,
-                                       num_experts=self.num_experts, max_top_k=self.top_k,
-                                       exchange=self.exchange, expert_alignment=1)
-        d = _dropin.dispatch(buffer, hidden_states, self._topk_idx, probs)
+        d = self._epx_buffers.dispatch(self.comm, hidden_states, self._topk_idx, probs,
+                                       self.max_tokens_per_rank, num_experts=self.num_experts,
+                                       max_top_k=self.top_k, exchange=self.exchange,
+                                       expert_alignment=1)
         self._step = SimpleNamespace(d=d)
         return d.recv_x, d.recv_w
 

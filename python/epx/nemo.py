@@ -33,7 +33,8 @@ In NeMo Automodel, before the model is built::
     epx.nemo.install()     # the DeepEP backend ("deepep") now runs on epx
 
 Buffers are made per (group, hidden, dtype, device, experts, top-k), sized
-for the largest first call over the group's ranks, or for
+for the largest first call over the group's ranks and grown (on every rank
+together) when a larger call comes, or fixed at
 ``configure(max_tokens_per_rank=...)``.
 """
 import threading
@@ -50,15 +51,17 @@ __all__ = ["fused_dispatch", "fused_combine", "set_deepep_num_sms", "configure",
 
 _lock = threading.Lock()
 _comms = {}     # id(group) -> (group, epx.Comm)
-_buffers = _dropin.BufferCache("epx.nemo.fused_dispatch", "call epx.nemo.configure("
-                                "max_tokens_per_rank=%d) (or more) before the first dispatch")
+_buffers = _dropin.BufferCache("epx.nemo.fused_dispatch", "call epx.nemo.close(), then "
+                                "epx.nemo.configure(max_tokens_per_rank=%d) (or more; 0: the "
+                                "buffers grow)")
 _settings = {"max_tokens_per_rank": 0, "timeout_seconds": None, "sm_budget": 0,
              "exchange": Exchange.DEDUP}
 
 
 def configure(max_tokens_per_rank=None, timeout_seconds=None, exchange=None):
     """Settings of the buffers and comms made from now on: the most tokens
-    one dispatch gives (default: the largest first call of the group), the
+    one dispatch gives (default 0: the largest first call of the group,
+    grown on every rank together when a larger call comes), the
     comms' timeout, the exchange (epx.Exchange.DEDUP: a token sent once per
     rank, DeepEP's)."""
     for name, value in (("max_tokens_per_rank", max_tokens_per_rank),
@@ -85,12 +88,15 @@ def _comm_of(group):
     return entry[1]
 
 
-def _buffer_for(comm, x, num_experts, top_k):
-    """The buffer of this shape, made (collectively) at its first call."""
+def _dispatch(comm, x, token_indices, token_probs, num_experts):
+    """The dispatch on the buffer of this shape (made collectively at its
+    first call, grown as _dropin.BufferCache says)."""
+    top_k = token_indices.shape[1]
     key = (id(comm), x.shape[1], x.dtype, x.device, num_experts, top_k)
-    return _buffers.get(comm, x, _settings["max_tokens_per_rank"], key, num_experts=num_experts,
-                        max_top_k=top_k, layout=Layout.RANK_MAJOR,
-                        exchange=_settings["exchange"], sm_budget=_settings["sm_budget"])
+    return _buffers.dispatch(comm, x, token_indices, token_probs,
+                             _settings["max_tokens_per_rank"] or None, key,
+                             num_experts=num_experts, max_top_k=top_k, layout=Layout.RANK_MAJOR,
+                             exchange=_settings["exchange"], sm_budget=_settings["sm_budget"])
 
 
 class Handle:
@@ -117,8 +123,7 @@ def fused_dispatch(x, token_indices, token_probs, num_experts, group, async_fini
     if token_probs.dtype != torch.float32:
         _epx._invalid("%s: token_probs has dtype %s; pass float32 (as DeepEP)", fn,
                       token_probs.dtype)
-    buffer = _buffer_for(comm, x, num_experts, token_indices.shape[1])
-    d = _dropin.dispatch(buffer, x.contiguous(), token_indices, token_probs)
+    d = _dispatch(comm, x.contiguous(), token_indices, token_probs, num_experts)
     first = comm.rank * (num_experts // comm.size)
     local = torch.where(d.recv_expert >= 0, d.recv_expert - first, -1).to(torch.int64)
     return d.recv_x, local, d.recv_w, d.counts.cpu(), Handle(d, d.recv_x.shape[0])

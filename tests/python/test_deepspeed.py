@@ -133,6 +133,25 @@ def test_top1_drops_the_routes_deepspeed_drops(one_rank, E, T):
     ours.close()
 
 
+def test_a_larger_batch_grows_the_buffer(one_rank):
+    """The buffer was sized by the first batch and a larger one refused; it
+    now grows (max_tokens_per_rank left None), and the outputs stay
+    DeepSpeed's. A fixed max_tokens_per_rank refuses more, naming it."""
+    theirs, ours = pair(SEED, 4, 2, capacity_factor=4.0)
+    for i, T in enumerate((4, 40, 8)):
+        x, g = inputs(SEED + 4 + i, (T,))
+        compare(step(ours, x, g), step(theirs, x, g), "T %d" % T)
+    assert ours.deepspeed_moe.buffer.dropin_max_tokens >= 40
+    ours.close()
+    fixed = eds.MoE(H, expert(), num_experts=4, k=2, top2_2nd_expert_sampling=False,
+                    max_tokens_per_rank=8)
+    fixed(torch.randn(8, H))
+    with pytest.raises(epx.CapacityExceededError, match=r"pass max_tokens_per_rank=9 \(or more\) "
+                       r"to epx.deepspeed.MoE"):
+        fixed(torch.randn(9, H))
+    fixed.close()
+
+
 def test_residual_moe(one_rank):
     """use_residual: DeepSpeed's MoE.forward mixes the MoE output with the
     dense expert's, around epx's layer."""

@@ -243,6 +243,31 @@ def test_install_replaces_every_moe_layers_dispatcher(one_rank):
     made[0].comm.close()
 
 
+def test_a_larger_step_grows_the_buffer(one_rank):
+    """The dispatcher's buffer was sized by the first step (an empty one: 0
+    tokens, every later step refused); it now grows, and matches Megatron's
+    own dispatcher at every size. A fixed max_tokens_per_rank refuses more,
+    naming the dispatcher's setting."""
+    E = K = 2
+    pgs, El = one_rank, 2
+    cfg = config(E, K, 16)
+    ours = em.EpxTokenDispatcher(El, range(El), cfg, pgs, timeout_seconds=TIMEOUT)
+    with megatron_on_cpu():
+        for T in (0, 6, 30, 4):
+            data = problem(SEED + T, T=T, H=16, E=E, K=K)
+            theirs = step(mtd.MoEAlltoAllTokenDispatcher(El, list(range(El)), cfg, pgs), *data)
+            compare(step(ours, *data), theirs)
+    assert ours.buffer.dropin_max_tokens >= 30
+    ours.close()
+    fixed = em.EpxTokenDispatcher(El, range(El), cfg, pgs, max_tokens_per_rank=6)
+    with megatron_on_cpu():
+        step(fixed, *problem(SEED, T=6, H=16, E=E, K=K))
+        with pytest.raises(epx.CapacityExceededError, match=r"pass max_tokens_per_rank=7 \(or "
+                           r"more\) to EpxTokenDispatcher or epx.megatron.install\(\)"):
+            step(fixed, *problem(SEED, T=7, H=16, E=E, K=K))
+    fixed.close()
+
+
 def test_refusals_name_the_setting(one_rank):
     El = 4
     with pytest.raises(epx.UnsupportedError, match="moe_pad_expert_input_to_capacity"):

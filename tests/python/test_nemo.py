@@ -130,14 +130,22 @@ def test_one_rank_over_a_gloo_group(tmp_path):
         ranks = world(SEED, 1, T=12, E=4, K=2)
         ref = reference(ranks, 4)
         check(rank_step(dist.group.WORLD, ranks[0], 4), ref, 0)
-        # The same group and shape reuse the comm and the buffer; more tokens are refused.
+        # The same group and shape reuse the comm and the buffer; more tokens grow it.
+        check(rank_step(dist.group.WORLD, ranks[0], 4), ref, 0)
+        more = world(SEED, 1, T=30, E=4, K=2)
+        check(rank_step(dist.group.WORLD, more[0], 4), reference(more, 4), 0)
+        # A size fixed by configure() refuses more, saying how in epx.nemo's terms.
+        en.close()
+        en.configure(max_tokens_per_rank=12)
         check(rank_step(dist.group.WORLD, ranks[0], 4), ref, 0)
         big = world(SEED, 1, T=13, E=4, K=2)[0]
-        with pytest.raises(epx.InvalidArgumentError, match="max_tokens_per_rank=13"):
+        with pytest.raises(epx.CapacityExceededError, match=r"epx.nemo.configure\("
+                           r"max_tokens_per_rank=13\)"):
             en.fused_dispatch(big["x"], big["idx"], big["probs"], 4, dist.group.WORLD)
         with pytest.raises(epx.InvalidArgumentError, match="float32"):
             en.fused_dispatch(big["x"], big["idx"], big["probs"].double(), 4, dist.group.WORLD)
     finally:
+        en.configure(max_tokens_per_rank=0)
         en.close()
         dist.destroy_process_group()
 

@@ -50,7 +50,7 @@ H, E, K = 16, 4, 2
 def routing(T, seed=SEED):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(T, H, generator=g)
-    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(torch.int32)
+    idx = torch.argsort(torch.rand(T, E, generator=g), dim=1)[:, :K].to(torch.int32)
     w = torch.rand(T, K, generator=g) + 0.1
     return x, idx, w / w.sum(1, keepdim=True)
 
@@ -128,3 +128,53 @@ def test_unpack_before_check_sites_name_the_argument():
         epx.quantize(np.zeros(128, np.float32), epx.FP8Format(0))
     with pytest.raises(epx.InvalidArgumentError, match=r"dequantize: x_q has shape \[128\]"):
         epx.dequantize(np.zeros(128, np.uint8), np.zeros(1, np.float32), epx.FP8Format(0))
+
+
+def nemo_step(comm, T, seed):
+    """epx.nemo's dispatch and combine of T tokens on this rank, the experts
+    the identity: each token comes back times the ranks it went to."""
+    import epx.nemo as en
+    x, idx, w = routing(T, seed + comm.rank)
+    recv_x, _, _, _, handle = en.fused_dispatch(x, idx, w, E, comm)
+    out, _ = en.fused_combine(recv_x, comm, handle)
+    ranks = torch.tensor([len(set((row // (E // comm.size)).tolist())) for row in idx])
+    torch.testing.assert_close(out, x * ranks[:, None].to(x.dtype))
+
+
+def test_dropin_buffers_grow_together_from_an_empty_first_batch():
+    """A first batch empty on every rank sized the buffer to 0 tokens and
+    refused every later one (naming a make_buffer call the user never
+    made); a larger batch on one rank was refused. Now the buffer grows, on
+    every rank together (the layout refuses an oversize batch on all of
+    them at once)."""
+    import epx.nemo as en
+
+    def run(comm):
+        nemo_step(comm, 0, SEED)
+        nemo_step(comm, 5, SEED)
+        nemo_step(comm, [3, 40][comm.rank], SEED + 1)  # rank 1 alone outgrows it
+        nemo_step(comm, 0, SEED)
+        return [b.dropin_max_tokens for key, b in en._buffers._buffers.items()
+                if key[0] == id(comm)]
+    try:
+        assert epx.run_local(2, run, timeout_seconds=20) == [[40], [40]]
+    finally:
+        en.close()
+
+
+def test_dropin_fixed_size_refusal_names_the_dropins_setting():
+    import epx.nemo as en
+
+    def run(comm):
+        nemo_step(comm, 4, SEED)
+        with pytest.raises(epx.CapacityExceededError, match=r"a rank has 9 tokens, above the 6.*"
+                           r"epx.nemo.configure\(max_tokens_per_rank=9\)"):
+            nemo_step(comm, [2, 9][comm.rank], SEED)
+        nemo_step(comm, 6, SEED)  # the comm and buffer still work
+        return True
+    en.configure(max_tokens_per_rank=6)
+    try:
+        assert epx.run_local(2, run, timeout_seconds=20) == [True, True]
+    finally:
+        en.configure(max_tokens_per_rank=0)
+        en.close()
