@@ -127,13 +127,28 @@ class BufferCache:
         return self._buffers.get(None)
 
     def close(self):
-        """Closes every buffer made (not collective)."""
+        """Closes every buffer made (not collective). One still in use (its
+        BusyError) stays here, so a later close() closes it; the first such
+        error is raised once every other buffer is closed."""
         with self._lock:
-            buffers = list(self._buffers.values()) + self._outgrown
-            self._buffers.clear()
-            self._outgrown = []
-        for b in buffers:
-            b.close()
+            items = list(self._buffers.items())
+        failed = None
+        for key, b in items:
+            try:
+                b.close()
+            except _epx.EpxError as e:
+                failed = failed or e
+                continue
+            with self._lock:
+                if self._buffers.get(key) is b:
+                    del self._buffers[key]
+        self._close_outgrown()
+        with self._lock:
+            busy = self._outgrown and not failed
+        if busy:
+            self._outgrown[0].close()  # raises its BusyError, with the fix
+        if failed is not None:
+            raise failed
 
 
 def _closed(b):

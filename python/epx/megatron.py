@@ -48,6 +48,7 @@ and ``moe_shared_expert_overlap`` (the MoELayer then runs its shared experts
 itself).
 """
 import contextlib
+import warnings
 from types import SimpleNamespace
 
 import torch
@@ -324,7 +325,10 @@ def install(module, **options):
     """Replaces the token dispatcher of every Megatron MoE layer inside
     `module` (itself included) by an :class:`EpxTokenDispatcher` over the
     same groups; the layers of one expert-parallel group share one epx comm
-    unless options give `comm`. Returns the new dispatchers."""
+    unless options give `comm`. Returns the new dispatchers; with none (no
+    MoE layer with a dispatcher inside `module`: called before the model
+    was built, or on a pipeline stage of dense layers only) a warning says
+    so."""
     from megatron.core.transformer.moe.moe_layer import BaseMoELayer
     comms = {}
     made = []
@@ -340,4 +344,9 @@ def install(module, **options):
             opts["comm"] = comms[key]
         m.token_dispatcher = EpxTokenDispatcher.replacing(old, **opts)
         made.append(m.token_dispatcher)
+    if not made:
+        warnings.warn("epx.megatron.install: %s holds no Megatron MoE layer (a BaseMoELayer with "
+                      "a token_dispatcher), so nothing dispatches through epx; call it on the "
+                      "built model that holds the MoE layers" % type(module).__name__,
+                      stacklevel=2)
     return made

@@ -142,13 +142,23 @@ def fused_combine(x, group, handle, async_finish=False, allocate_on_comm_stream=
 
 
 def close():
-    """Closes the buffers and the comms this module made."""
+    """Closes the buffers and the comms this module made. A buffer still in
+    use (a backward not run yet: BusyError) stays registered, with the comms,
+    and the error is raised: call close() again once it is free."""
     _buffers.close()
     with _lock:
-        comms = [c for _, c in _comms.values()]
-        _comms.clear()
-    for c in comms:
-        c.close()
+        comms = list(_comms.items())
+    failed = None
+    for key, (_, c) in comms:
+        try:
+            c.close()
+        except _epx.EpxError as e:
+            failed = failed or e
+            continue
+        with _lock:
+            _comms.pop(key, None)
+    if failed is not None:
+        raise failed
 
 
 _NEMO_MODULES = ("nemo_automodel.components.moe.megatron.fused_a2a",

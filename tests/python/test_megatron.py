@@ -208,6 +208,11 @@ def test_cpu_shim_builds_and_runs_a_moe_layer_on_the_cpu(one_rank):
     made[0].comm.close()
 
 
+def test_install_without_a_moe_layer_warns(one_rank):
+    with pytest.warns(UserWarning, match=r"install: Sequential holds no Megatron MoE layer"):
+        assert em.install(torch.nn.Sequential(torch.nn.Linear(4, 4))) == []
+
+
 def test_a_larger_step_grows_the_buffer(one_rank):
     """The dispatcher's buffer was sized by the first step (an empty one: 0
     tokens, every later step refused); it now grows, and matches Megatron's
