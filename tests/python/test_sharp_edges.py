@@ -178,3 +178,46 @@ def test_dropin_fixed_size_refusal_names_the_dropins_setting():
     finally:
         en.configure(max_tokens_per_rank=0)
         en.close()
+
+
+ONE_RANK_CALLS = """
+import os, sys, time, torch.distributed as dist, epx, epx.torch as et
+rank, store = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2)
+if rank == 0:
+    t = time.time()
+    try:
+        et.comm_from_process_group(timeout_seconds=2)
+        print("no error")
+    except epx.TimeoutError as e:
+        print("timeout", round(time.time() - t), e.message)
+    sys.stdout.flush()
+    os._exit(0)  # not torch's exit, which waits for the other rank
+else:
+    time.sleep(60)  # alive, but never calling
+"""
+
+
+def test_comm_from_process_group_on_one_rank_only_times_out(tmp_path):
+    """A gloo all_gather_object waited forever for a rank that never called;
+    the exchange is now bounded by timeout_seconds and names the rank."""
+    import os
+    import subprocess
+    env = dict(os.environ, EPX_LIBRARY=epx.library_path,
+               PYTHONPATH=os.pathsep.join([str(HERE.parents[1] / "python"),
+                                           os.environ.get("PYTHONPATH", "")]))
+    for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS", "WORLD_SIZE"):
+        env.pop(v, None)
+    args = [sys.executable, "-c", ONE_RANK_CALLS]
+    store = str(tmp_path / "store")
+    procs = [subprocess.Popen(args + [str(r), store], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for r in (0, 1)]
+    try:
+        out, err = procs[0].communicate(timeout=45)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    words = out.split()
+    assert words[:1] == ["timeout"] and int(words[1]) <= 8, out + err
+    assert "group rank(s) 1 of 2 did not arrive within 2 s" in out, out
