@@ -94,16 +94,19 @@ class BufferCache:
         b = self.get(comm, x, max_tokens_per_rank, key, **fields)
         try:
             return dispatch(b, x, topk_idx, topk_w, weighting)
-        except _epx.CapacityExceededError:
-            # Every rank is here: the layout refused the batch on all of them.
-            most = _most_tokens(comm, x)
-            if most <= b.dropin_max_tokens:
-                raise
-            if max_tokens_per_rank is not None:
-                _epx._refuse(Status.ERROR_CAPACITY_EXCEEDED, "%s: a rank has %d tokens, above "
-                             "the %d a rank its buffer was made for; %s", self.fn, most,
-                             b.dropin_max_tokens, self.fix % most)
-            b = self._grow(comm, x, key, b, max(most, 2 * b.dropin_max_tokens), fields)
+        except _epx.CapacityExceededError as e:
+            refused = e.with_traceback(None)  # (its frames would keep this call's tensors)
+        # Every rank is here: the layout refused the batch on all of them.
+        # (Outside the except block: closing an outgrown buffer there would
+        # turn its BusyError into a note on the refusal.)
+        most = _most_tokens(comm, x)
+        if most <= b.dropin_max_tokens:
+            raise refused
+        if max_tokens_per_rank is not None:
+            _epx._refuse(Status.ERROR_CAPACITY_EXCEEDED, "%s: a rank has %d tokens, above the "
+                         "%d tokens a rank its buffer was made for; %s", self.fn, most,
+                         b.dropin_max_tokens, self.fix % most)
+        b = self._grow(comm, x, key, b, max(most, 2 * b.dropin_max_tokens), fields)
         return dispatch(b, x, topk_idx, topk_w, weighting)
 
     def _grow(self, comm, x, key, old, tokens, fields):
@@ -138,6 +141,7 @@ class BufferCache:
                 b.close()
             except _epx.EpxError as e:
                 failed = failed or e
+            if not b.closed:  # (closed inside an except block, BUSY is a note: kept too)
                 continue
             with self._lock:
                 if self._buffers.get(key) is b:
@@ -156,8 +160,8 @@ def _closed(b):
     try:
         b.close()
     except _epx.BusyError:
-        return False
-    return True
+        pass
+    return b.closed
 
 
 def dispatch(buffer, x, topk_idx, topk_w, weighting=Weighting.NONE):

@@ -154,6 +154,7 @@ def close():
             c.close()
         except _epx.EpxError as e:
             failed = failed or e
+        if not c.closed:
             continue
         with _lock:
             _comms.pop(key, None)

@@ -221,3 +221,31 @@ def test_comm_from_process_group_on_one_rank_only_times_out(tmp_path):
     words = out.split()
     assert words[:1] == ["timeout"] and int(words[1]) <= 8, out + err
     assert "group rank(s) 1 of 2 did not arrive within 2 s" in out, out
+
+
+def test_an_outgrown_buffer_serves_its_pending_backward():
+    """Two forwards, then one backward over both (DESIGN.md's lesson): the
+    second forward grows the buffer, and the first one's backward still
+    replays its handles on the outgrown buffer, closed once they are gone."""
+    import gc
+    import epx.nemo as en
+    comm = epx.Comm.create_self()
+    try:
+        outs = []
+        for T in (4, 40):
+            x, idx, w = routing(T)
+            x.requires_grad_(True)
+            recv_x, _, _, _, handle = en.fused_dispatch(x, idx, w, E, comm)
+            outs.append((x, en.fused_combine(recv_x * 3, comm, handle)[0]))
+            del handle, recv_x
+        assert len(en._buffers._outgrown) == 1
+        sum(out.sum() for _, out in outs).backward()
+        for x, _ in outs:
+            torch.testing.assert_close(x.grad, torch.full_like(x, 3.0))
+        del outs
+        gc.collect()
+        en.close()
+        assert not en._buffers._buffers and not en._buffers._outgrown
+    finally:
+        en.close()
+        comm.close()
