@@ -219,7 +219,7 @@ def test_comm_from_process_group_on_one_rank_only_times_out(tmp_path):
             p.kill()
             p.wait()
     words = out.split()
-    assert words[:1] == ["timeout"] and int(words[1]) <= 8, out + err
+    assert words[:1] == ["timeout"] and int(words[1]) <= 20, out + err  # 2 s, on a busy machine
     assert "group rank(s) 1 of 2 did not arrive within 2 s" in out, out
 
 
