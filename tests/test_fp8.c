@@ -432,7 +432,7 @@ static void test_refusals(void **state) {
   c.fp8_format = EPX_FP8_MXFP8, c.hidden = 104;
   EXPECT_STATUS(epx_buffer_create(comm, &c, &b), EPX_ERROR_INVALID_ARGUMENT, "not a multiple of 32");
   c.hidden = 128, c.dtype = EPX_FLOAT16;
-  EXPECT_STATUS(epx_buffer_create(comm, &c, &b), EPX_ERROR_INVALID_ARGUMENT, "EPX_BFLOAT16 or EPX_FLOAT32");
+  EXPECT_STATUS(epx_buffer_create(comm, &c, &b), EPX_ERROR_INVALID_ARGUMENT, "config.dtype EPX_FLOAT16 with an fp8 format");
   c.dtype = EPX_BFLOAT16, c.fp8_format = (epx_fp8_format_t)9;
   EXPECT_STATUS(epx_buffer_create(comm, &c, &b), EPX_ERROR_INVALID_ARGUMENT, "not an epx_fp8_format_t");
   int64_t cols = 0;

@@ -1252,11 +1252,13 @@ static void test_max_tokens_agreed_and_oversize_refused(void **state) {
 }
 
 /* One rank (the last) creates its buffer with a different field: every rank
- * gets EPX_ERROR_SHAPE_MISMATCH naming that rank, the field and its value,
- * and no buffer. */
+ * gets EPX_ERROR_SHAPE_MISMATCH naming that rank, the field and its value
+ * (an enum's by name: `theirs`, and the other ranks' `common`), and no
+ * buffer. */
 typedef struct {
   const char *field;
   int64_t value;
+  const char *theirs, *common;
 } shape_case_t;
 
 static int shape_rank(epx_comm_t comm, int32_t rank, int32_t world, void *arg) {
@@ -1275,8 +1277,10 @@ static int shape_rank(epx_comm_t comm, int32_t rank, int32_t world, void *arg) {
   epx_buffer_t poison = (epx_buffer_t)(uintptr_t)0xA5A5A5A5u, buffer = poison;
   char rank_name[32], field_value[64];
   snprintf(rank_name, sizeof rank_name, "rank %d", world - 1);
-  snprintf(field_value, sizeof field_value, "config.%s = %lld", sc->field, (long long)sc->value);
+  snprintf(field_value, sizeof field_value, "config.%s = %s but", sc->field, sc->theirs);
   RANK_STATUS(epx_buffer_create(comm, &bc, &buffer), EPX_ERROR_SHAPE_MISMATCH, rank_name);
+  RANK_EXPECT(strstr(epx_last_error(), field_value), "message lacks \"%s\": %s", field_value, epx_last_error());
+  snprintf(field_value, sizeof field_value, "ranks have %s;", sc->common);
   RANK_EXPECT(strstr(epx_last_error(), field_value), "message lacks \"%s\": %s", field_value, epx_last_error());
   RANK_EXPECT(buffer == poison, "the buffer output was written on a refused create");
   /* The comm is still usable: a matching create works. */
@@ -1289,10 +1293,15 @@ static int shape_rank(epx_comm_t comm, int32_t rank, int32_t world, void *arg) {
 
 static void test_shape_mismatch_refused_on_every_rank(void **state) {
   (void)state;
-  shape_case_t cases[] = {{"hidden", 24}, {"num_experts", 24}, {"dtype", EPX_BFLOAT16},
-                          {"max_tokens_per_rank", 64}, {"exchange", EPX_EXCHANGE_COLLECTIVE},
-                          {"layout", EPX_LAYOUT_RANK_MAJOR},
-                          {"combine_precision", EPX_COMBINE_PARTIALS_PAYLOAD}};
+  shape_case_t cases[] = {
+      {"hidden", 24, "24", "16"},
+      {"num_experts", 24, "24", "12"},
+      {"dtype", EPX_BFLOAT16, "EPX_BFLOAT16", "EPX_FLOAT32"},
+      {"max_tokens_per_rank", 64, "64", "0"},
+      {"exchange", EPX_EXCHANGE_COLLECTIVE, "EPX_EXCHANGE_COLLECTIVE", "EPX_EXCHANGE_DEDUP"},
+      {"layout", EPX_LAYOUT_RANK_MAJOR, "EPX_LAYOUT_RANK_MAJOR", "EPX_LAYOUT_EXPERT_MAJOR"},
+      {"combine_precision", EPX_COMBINE_PARTIALS_PAYLOAD, "EPX_COMBINE_PARTIALS_PAYLOAD",
+       "EPX_COMBINE_PARTIALS_FLOAT32"}};
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
     assert_int_equal(tu_run_ranks(3, 10.0, shape_rank, &cases[i]), 0);
     assert_int_equal(tu_run_ranks(2, 10.0, shape_rank, &cases[i]), 0);

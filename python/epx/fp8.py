@@ -21,12 +21,18 @@ def fp8_scale_shape(format, hidden):
     return int(cols.value), np.dtype(fp8_scale_dtype(format))
 
 
+def _two_dims(fn, name, a):
+    if a.ndim != 2:
+        _invalid("%s: %s has shape %s; pass [rows, H]", fn, name, list(a.shape))
+
+
 def quantize(x, format, dtype=None):
     """x [rows, H] (float32, bfloat16 as uint16 or named, float16) -> (x_q
     [rows, H] uint8 e4m3fn bytes, x_scales [rows, scale_cols]) with the
     format's quantizer, bit for bit the peers' formula (epx_quantize)."""
     src_dtype = _as_dtype(dtype if dtype is not None else x.dtype)
     x = np.ascontiguousarray(x)
+    _two_dims("quantize", "x", x)
     rows, hidden = x.shape
     cols, sdt = fp8_scale_shape(format, hidden)
     q = np.empty((rows, hidden), np.uint8)
@@ -40,6 +46,7 @@ def dequantize(x_q, x_scales, format, dtype=DType.FLOAT32):
     """(x_q, x_scales) -> x [rows, H] of dtype (epx_dequantize)."""
     dtype = _as_dtype(dtype)
     x_q, x_scales = np.ascontiguousarray(x_q), np.ascontiguousarray(x_scales)
+    _two_dims("dequantize", "x_q", x_q)
     rows, hidden = x_q.shape
     cols, sdt = fp8_scale_shape(format, hidden)
     if x_scales.shape != (rows, cols) or x_scales.dtype.itemsize != sdt.itemsize:

@@ -184,14 +184,26 @@ def fused_combine(x, group, handle, async_finish=False, allocate_on_comm_stream=
 
 
 def close():
-    """Destroys the buffers and closes the comms this module made."""
+    """Destroys the buffers and closes the comms this module made. A comm
+    still in use (a backward not run yet: BusyError) stays registered and the
+    error is raised: call close() again once it is free."""
     with _lock:
-        entries = list(_groups.values())
-        _groups.clear()
-    for group, comm, buffer in entries:
-        buffer.destroy()
-        if comm is not group:
-            comm.close()
+        entries = list(_groups.items())
+    failed = None
+    for key, (group, comm, buffer) in entries:
+        try:
+            if buffer.runtime is not None:
+                buffer.runtime.close(strict=True)
+                buffer.destroy()
+            if comm is not group:
+                comm.close()
+        except _epx.EpxError as e:
+            failed = failed or e
+            continue
+        with _lock:
+            _groups.pop(key, None)
+    if failed is not None:
+        raise failed
 
 
 _NEMO_MODULES = ("nemo_automodel.components.moe.megatron.fused_a2a",

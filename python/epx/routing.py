@@ -10,7 +10,7 @@ import numpy as np
 from . import _lib
 from ._lib import Device, lib, RouteConfig, Status
 from .arrays import asarray, empty, _F32, _I32, _ptr
-from .errors import _c_int, _check, _refuse
+from .errors import _c_int, _check, _invalid, _refuse
 
 
 @dataclass
@@ -32,7 +32,24 @@ class RouteResult:
     aux_loss_expert_counts: Optional[np.ndarray] = None
 
 
-def _route_config(config, logits_shape, fields):
+def _capacity_keyword(fields, fn):
+    """A capacity factor given as a keyword turns capacity mode on, as
+    MoE(capacity_factor=) does (the factor alone would be ignored in the
+    default dropless mode); with capacity_mode=0 beside it, it is refused."""
+    named = [f for f in ("capacity_factor", "capacity_factor_f64") if f in fields]
+    if not named:
+        return fields
+    if "capacity_mode" not in fields:
+        return dict(fields, capacity_mode=1)
+    if not fields["capacity_mode"]:
+        _invalid("%s: %s=%r with capacity_mode=0: the factor applies in capacity mode only; "
+                 "leave capacity_mode out (a capacity factor turns it on) or drop %s", fn,
+                 named[0], fields[named[0]], named[0])
+    return fields
+
+
+def _route_config(config, logits_shape, fields, fn="epx.route"):
+    fields = _capacity_keyword(fields, fn)
     if config is None:
         if "num_experts" not in fields and len(logits_shape) == 2:
             fields = dict(fields, num_experts=logits_shape[1])
@@ -90,7 +107,7 @@ def _route_inputs(fn, logits, config, fields, bias, token_mask, aux_loss_expert_
     """What :func:`route` and :func:`reference_route` check and pass alike:
     the host config (the two memory fields filled), the logits' and bias'
     pointers, the mask and the global counts arrays kept alive."""
-    config = _route_config(config, np.shape(logits), fields)
+    config = _route_config(config, np.shape(logits), fields, fn)
     _host_config(config, fn)
     _route_config_check(config)
     E = int(config.num_experts)
@@ -116,7 +133,8 @@ def route(logits, config=None, *, bias=None, token_mask=None, aux_loss_expert_co
     config is a :class:`RouteConfig`; keyword arguments set its fields (with
     no config, num_experts defaults to E), every routing option included
     (score_fn, num_groups, capacity_arithmetic, renormalize_after_drop,
-    aux_counts, aux_loss_sequences, aux_loss_tokens, random_seed, ...).
+    aux_counts, aux_loss_sequences, aux_loss_tokens, random_seed, ...); a
+    capacity_factor keyword turns capacity mode on.
     bias [E] float32 shifts selection only. token_mask [T] (bool/uint8, 0 =
     padding) and aux_loss_expert_counts [E] float32 (the global aux loss's
     counts, from :func:`route_sum_counts`) fill the config's two memory
@@ -169,7 +187,7 @@ def _backward_args(fn, logits, topk_idx, grad_topk_w, config, bias, token_mask,
         if aux_loss_expert_counts is None:
             aux_loss_expert_counts = r.aux_loss_expert_counts
         topk_idx = r.topk_idx
-    config = _route_config(config, np.shape(logits), fields)
+    config = _route_config(config, np.shape(logits), fields, fn)
     _host_config(config, fn)
     E, K = int(config.num_experts), int(config.top_k)
     pl = _ptr(logits, fn, "logits", _F32, (None, E if E > 0 else None))
@@ -237,9 +255,10 @@ def route_capacity(num_tokens, config=None, **fields):
     """The capacity C that :func:`route` reports for num_tokens tokens under
     config (or a RouteConfig of the keyword fields), without routing
     (epx_route_capacity_of): capacity_arithmetic's C, at least
-    min_capacity; 0 in dropless mode. E.g. the capacity of a buffer sized
+    min_capacity; 0 in dropless mode (a capacity_factor keyword turns
+    capacity mode on, as in route). E.g. the capacity of a buffer sized
     for max_tokens_per_rank."""
-    config = _route_config(config, (), fields)
+    config = _route_config(config, (), fields, "epx.route_capacity")
     cap = ctypes.c_int32(0)
     tokens = _c_int(num_tokens, ctypes.c_int64, "epx.route_capacity", "num_tokens")
     _check(lib.epx_route_capacity_of(ctypes.byref(config), tokens, ctypes.byref(cap)))

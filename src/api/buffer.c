@@ -12,6 +12,7 @@
 #include "core/config.h"
 #include "core/error.h"
 #include "core/fp8.h"
+#include "core/names.h"
 #include "core/objects.h"
 #include "core/placement.h"
 #include "core/registry.h"
@@ -119,8 +120,8 @@ static epx_status_t check_fp8_format(const epx_buffer_config_t *c) {
   int32_t multiple = epx_fp8_hidden_multiple(c->fp8_format);
   EPX_REQUIRE(multiple, "%s: config.fp8_format %d is not an epx_fp8_format_t", fn, (int)c->fp8_format);
   EPX_REQUIRE(c->dtype == EPX_BFLOAT16 || c->dtype == EPX_FLOAT32,
-              "%s: config.dtype %d with an fp8 format: the dtype is what combine and the backward "
-              "passes use; pass EPX_BFLOAT16 or EPX_FLOAT32", fn, (int)c->dtype);
+              "%s: config.dtype %s with an fp8 format: the dtype is what combine and the backward "
+              "passes use; pass EPX_BFLOAT16 or EPX_FLOAT32", fn, epx_dtype_name(c->dtype));
   EPX_REQUIRE(c->hidden % multiple == 0,
               "%s: config.hidden is %lld, not a multiple of %d, which config.fp8_format %d needs "
               "(%s); pad the hidden size or pick another format", fn, (long long)c->hidden, multiple,
@@ -247,10 +248,13 @@ static epx_status_t check_same_shape(const buffer_shape_t *all, int32_t size, co
     for (int32_t r = 0; r < size; r++) {
       int64_t theirs = (&all[r].device)[f];
       if (theirs == common) continue;
+      const char *field = shape_field_names[f + 1];
+      char theirs_text[24], common_text[24];
       return epx_error(EPX_ERROR_SHAPE_MISMATCH,
-                       "%s: rank %d has config.%s = %lld but %d of %d ranks have %lld; every rank "
-                       "must create the buffer with the same %s", fn, r, shape_field_names[f + 1],
-                       (long long)theirs, best, size, (long long)common, shape_field_names[f + 1]);
+                       "%s: rank %d has config.%s = %s but %d of %d ranks have %s; every rank "
+                       "must create the buffer with the same %s", fn, r, field,
+                       epx_config_value_text(field, theirs, theirs_text, sizeof theirs_text), best, size,
+                       epx_config_value_text(field, common, common_text, sizeof common_text), field);
     }
   }
   return EPX_SUCCESS;

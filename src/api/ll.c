@@ -13,6 +13,7 @@
 #include "core/error.h"
 #include "core/fp8.h"
 #include "core/ll.h"
+#include "core/names.h"
 #include "core/objects.h"
 #include "core/placement.h"
 #include "core/registry.h"
@@ -48,11 +49,13 @@ epx_status_t epx_ll_check_config(epx_buffer_config_t *c) {
     return epx_error(EPX_ERROR_UNSUPPORTED,
                      "%s: config.low_latency = 1 needs a CPU buffer or a CUDA build's CUDA buffer; this build "
                      "has no backend for device %d", fn, (int)c->device);
+  char layout[24];
   if (c->layout != EPX_LAYOUT_EXPERT_MAJOR && c->layout != EPX_LAYOUT_RANK_MAJOR)
     return epx_error(EPX_ERROR_UNSUPPORTED,
-                     "%s: config.low_latency = 1 with config.layout %d: the low-latency mode has the fixed shapes "
+                     "%s: config.low_latency = 1 with config.layout %s: the low-latency mode has the fixed shapes "
                      "of EPX_LAYOUT_EXPERT_MAJOR ([E_local, W * max_tokens, H]) and EPX_LAYOUT_RANK_MAJOR "
-                     "([W, max_tokens, H]); pass one of them", fn, (int)c->layout);
+                     "([W, max_tokens, H]); pass one of them", fn,
+                     epx_config_value_text("layout", c->layout, layout, sizeof layout));
   EPX_REQUIRE(c->expert_alignment == 1,
               "%s: config.expert_alignment is %d with config.low_latency = 1; every expert has a fixed block of "
               "W * max_tokens rows there, unpadded: pass 1", fn, c->expert_alignment);

@@ -13,6 +13,7 @@ is checked on stand-in modules.
 
 Run: EPX_LIBRARY=build/libepx.so PYTHONPATH=python python -m pytest tests/python/test_nemo.py
 """
+import gc
 import pathlib
 import sys
 import types
@@ -141,6 +142,35 @@ def test_one_rank_over_a_gloo_group(tmp_path):
         big = big[0]
         with pytest.raises(epx.InvalidArgumentError, match="float32"):
             en.fused_dispatch(big["x"], big["idx"], big["probs"].double(), 4, dist.group.WORLD)
+    finally:
+        en.configure(max_tokens_per_rank=0)
+        en.close()
+        dist.destroy_process_group()
+
+
+def test_close_keeps_what_it_could_not_close(tmp_path):
+    """close() with a buffer still in use (a backward not run yet) raises
+    BusyError and keeps the buffer and the comm, so a second close() (after
+    the backward) closes them; it used to empty its registry first, and the
+    second close closed nothing."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method="file://%s" % (tmp_path / "store"), rank=0,
+                            world_size=1)
+    try:
+        r = world(SEED, 1, T=6, E=4, K=2)[0]
+        x = r["x"].clone().requires_grad_(True)
+        recv_x, _, _, _, handle = en.fused_dispatch(x, r["idx"], r["probs"], 4, dist.group.WORLD)
+        out, _ = en.fused_combine(recv_x * 2, dist.group.WORLD, handle)
+        del handle
+        for _ in range(2):
+            with pytest.raises(epx.BusyError):
+                en.close()
+            assert len(en._groups) == 1
+        out.sum().backward()
+        del out, recv_x
+        gc.collect()
+        en.close()
+        assert not en._groups
     finally:
         en.close()
         dist.destroy_process_group()

@@ -359,14 +359,22 @@ class Exchange:
                                group=self.group)
         return got
 
-    def close(self):
-        for b in list(self.buffers.values()) + list(self.ll_buffers.values()):
-            try:
-                b.close()
-            except epx.EpxError:
-                pass  # a handle an autograd graph still holds keeps it: freed with it
-        self.buffers.clear()
-        self.ll_buffers.clear()
+    def close(self, strict=False):
+        """Closes the epx buffers. One a pending backward still holds
+        (BusyError) is left to be freed with the graph that holds it, or,
+        with strict, kept usable and the error raised (close again later)."""
+        failed = None
+        for cache in (self.buffers, self.ll_buffers):
+            for key, b in list(cache.items()):
+                try:
+                    b.close()
+                except epx.EpxError as e:
+                    if strict:
+                        failed = failed or e
+                        continue
+                cache.pop(key, None)
+        if failed is not None:
+            raise failed
 
 
 def in_rank_of(topk_idx, num_experts, num_ranks):

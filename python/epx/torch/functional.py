@@ -193,6 +193,9 @@ def dispatch(buffer, x, topk_idx=None, topk_w=None, locations=None, *,
         x, x_scales = x
     _tensor_args(fn, dict(x=x), dict(topk_idx=topk_idx, topk_w=topk_w, locations=locations,
                                      x_scales=x_scales))
+    if topk_idx is not None and topk_idx.dim() != 2:
+        _invalid("%s: topk_idx has shape %s; pass [T, K], K expert ids per token (for top-1, "
+                 "topk_idx.view(-1, 1))", fn, list(topk_idx.shape))
     if handle is not None:
         extra = [name for name, v in (("topk_idx", topk_idx), ("topk_w", topk_w),
                                       ("locations", locations),
@@ -229,6 +232,10 @@ def combine(d, expert_out, *, previous_event=None, async_finish=False, comm_stre
     Overlap as :func:`dispatch`: previous_event, async_finish, comm_stream;
     then (out, event) is returned when return_event (default: async_finish),
     else out."""
+    if not isinstance(d, Dispatched):
+        raise TypeError("epx.torch.combine: d is a %s; pass the Dispatched that "
+                        "epx.torch.dispatch returned (for the ll buffers: epx.torch.ll_combine)"
+                        % type(d).__name__)
     _tensor_args("epx.torch.combine", dict(expert_out=expert_out), {})
     w = d.topk_w if d.weighting == Weighting.IN_COMBINE else None
 

@@ -108,17 +108,45 @@ def _mpi_comm(group, rank, size, config):
     return comm
 
 
+_GATHERS = {}  # group name -> the number of _gather_bounded calls on it so far
+
+
+def _gather_bounded(group, rank, size, mine, timeout_seconds, fn):
+    """Every rank's picklable `mine`, gathered within timeout_seconds through
+    torch.distributed's store (a gloo all_gather_object waits forever for a
+    rank that never calls): each rank writes its key and waits for the
+    others'; a rank missing at the timeout is EPX_ERROR_TIMEOUT naming the
+    ranks that did not arrive. Keys are numbered per group, every rank
+    counting its calls in the same order."""
+    import datetime
+    import pickle
+    import torch.distributed as dist
+    store = dist.distributed_c10d._get_default_store()
+    name = getattr(group, "group_name", None) or str(dist.get_global_rank(group, 0))
+    seq = _GATHERS[name] = _GATHERS.get(name, 0) + 1
+    key = "epx/comm_from_process_group/%s/%d/%%d" % (name, seq)
+    store.set(key % rank, pickle.dumps(mine))
+    keys = [key % r for r in range(size)]
+    try:
+        store.wait(keys, datetime.timedelta(seconds=float(timeout_seconds)))
+    except RuntimeError:  # torch's store timeout (DistStoreError derives from it)
+        missing = [r for r in range(size) if not store.check([key % r])]
+        _refuse(Status.ERROR_TIMEOUT, "%s: group rank(s) %s of %d did not arrive within %g s; "
+                "call comm_from_process_group on every rank of the group, in the same order "
+                "(or raise timeout_seconds)", fn, ", ".join(map(str, missing)) or "?", size,
+                timeout_seconds)
+    return [pickle.loads(store.get(k)) for k in keys]
+
+
 def _shm_comm(group, rank, size, config):
     """The shm transport over the group's processes: they gather their hosts
-    and rank 0's fresh segment name through the group (one all_gather_object),
-    then meet in /dev/shm."""
+    and rank 0's fresh segment name (_gather_bounded), then meet in
+    /dev/shm."""
     import secrets
     import socket
-    import torch.distributed as dist
     fn = "epx.torch.comm_from_process_group"
     mine = (socket.gethostname(), "epx-%d-%s" % (os.getpid(), secrets.token_hex(8)))
-    every = [None] * size
-    dist.all_gather_object(every, mine, group=group)
+    every = _gather_bounded(group, rank, size, mine, config.timeout_seconds, fn)
     hosts = sorted({h for h, _ in every})
     if len(hosts) > 1:
         _refuse(Status.ERROR_UNSUPPORTED, "%s: the group spans %d hosts (%s); transport "
@@ -165,7 +193,9 @@ def comm_from_process_group(group=None, *, timeout_seconds=None, transport=None)
       every rank creates epx's NCCL comm on its current device.
     - ``"shm"`` (CPU groups, e.g. gloo under torchrun, every process on one
       host): the processes meet in POSIX shared memory (epx_comm_create_shm),
-      the segment's name passed through the group; needs no MPI.
+      the segment's name passed through torch.distributed's store, within
+      timeout_seconds (a rank that does not call: EPX_ERROR_TIMEOUT naming
+      it); needs no MPI.
     - ``"mpi"`` (CPU groups across hosts): the MPI transport over the same
       processes, which mpirun must have started (MPI_COMM_WORLD through mpi4py
       when installed, else found through the MPI libepx links); needs a libepx

@@ -1,6 +1,7 @@
 """Low-latency decode on a buffer made with low_latency=1 (epx.h,
 "Low-latency decode"): ll_dispatch and ll_combine. Inference only: no
-autograd (the library refuses backward there)."""
+autograd (the library refuses backward there), so inputs that require grad
+are refused (run under torch.no_grad())."""
 import ctypes
 
 import torch as _torch
@@ -23,6 +24,9 @@ def _ll_count(b, num_tokens, rows, fn):
     if num_tokens is None:
         return rows, None
     if isinstance(num_tokens, _torch.Tensor):
+        if num_tokens.numel() != 1:
+            _invalid("%s: num_tokens is a tensor of %d elements (shape %s); pass an int or an "
+                     "int32 tensor of one element", fn, num_tokens.numel(), tuple(num_tokens.shape))
         t = _tensor(num_tokens.reshape(1), fn, "num_tokens", _I32, (1,), b.device)
         if b.device == Device.CUDA:
             return rows, t.data_ptr(), t
@@ -32,6 +36,19 @@ def _ll_count(b, num_tokens, rows, fn):
         _invalid("%s: num_tokens is %d; pass a count in [0, %d] (the rows of x)", fn, step, rows)
     count = ctypes.c_int32(step)
     return step, ctypes.addressof(count), count
+
+
+def _no_grad(fn, **tensors):
+    """Refuses inputs that want a gradient: the low-latency path has no
+    backward, and a result silently cut from the graph would train
+    nothing."""
+    if not _torch.is_grad_enabled():
+        return
+    for name, t in tensors.items():
+        if isinstance(t, _torch.Tensor) and t.requires_grad:
+            _invalid("%s: %s requires grad, but the low-latency path has no backward (inference "
+                     "only); run it under torch.no_grad() or torch.inference_mode(), pass "
+                     "%s.detach(), or train with epx.torch.dispatch / combine", fn, name, name)
 
 
 def ll_dispatch(buffer, x, topk_idx, topk_w=None, *, num_tokens=None,
@@ -51,6 +68,7 @@ def ll_dispatch(buffer, x, topk_idx, topk_w=None, *, num_tokens=None,
     (epx_ll_complete); read recv_x after hook(); else hook is None. CUDA
     tensors run on PyTorch's current stream."""
     fn = "epx.torch.ll_dispatch"
+    _no_grad(fn, x=x, topk_w=topk_w)
     b = buffer
     dt = torch_dtype(b.dtype)
     if not isinstance(x, _torch.Tensor) or x.dim() != 2:
@@ -76,6 +94,7 @@ def ll_combine(buffer, x, handle, *, out=None, return_recv_hook=False):
     -> (combined [T, H], hook): each token's weighted sum, the bits of the
     normal combine on the same routing. return_recv_hook as in ll_dispatch."""
     fn = "epx.torch.ll_combine"
+    _no_grad(fn, x=x)
     b = buffer
     dt = torch_dtype(b.dtype)
     x = _tensor(x, fn, "x", dt, b.ll_shape(), b.device, align=16)

@@ -181,7 +181,7 @@ def _route_fields_config(config, shape, fields, fn):
                      " rather than a config field", fn, name,
                      name if name != "stream" else "the current torch stream is used;"
                      " stream")
-    config = _route_config(config, shape, fields)
+    config = _route_config(config, shape, fields, fn)
     if config.token_mask or config.aux_loss_expert_counts:
         _invalid("%s: config.token_mask / aux_loss_expert_counts are set; pass them as "
                  "tensors (token_mask=..., aux_loss_expert_counts=...) instead", fn)
@@ -194,8 +194,9 @@ def route(logits, config=None, *, bias=None, token_mask=None, aux_loss_expert_co
     differentiable: backward runs epx_route_backward with the gradients of
     topk_w, aux_loss and z_loss. logits [T, E] float32 on the CPU, or on a GPU
     with a CUDA libepx. config is an epx.RouteConfig; keyword arguments set
-    its fields (num_experts defaults to E), every routing option included.
-    token_mask [T] (bool/uint8, 0 = padding: routes nowhere, in no loss) and
+    its fields (num_experts defaults to E), every routing option included;
+    a capacity_factor (or capacity_factor_f64) keyword turns capacity mode
+    on, as MoE(capacity_factor=) does. token_mask [T] (bool/uint8, 0 = padding: routes nowhere, in no loss) and
     aux_loss_expert_counts [E] (the global aux loss's counts; with the
     aux_loss_tokens field) are tensors on the logits' device. On CUDA the
     default nonfinite=Nonfinite.ERROR waits for the device once per call
@@ -204,6 +205,9 @@ def route(logits, config=None, *, bias=None, token_mask=None, aux_loss_expert_co
     if not isinstance(logits, _torch.Tensor):
         _invalid("%s: logits is a %s; pass a float32 torch.Tensor [T, E]", fn,
                  type(logits).__name__)
+    if logits.dim() != 2:
+        _invalid("%s: logits has shape %s; pass [T, E], a row of E expert scores per token", fn,
+                 list(logits.shape))
     config = _route_fields_config(config, tuple(logits.shape), fields, fn)
     dev = Device.CUDA if logits.device.type == "cuda" else Device.CPU
     E = int(config.num_experts)

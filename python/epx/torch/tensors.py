@@ -73,11 +73,18 @@ def _tensor(t, fn, name, dtype, shape, buffer_device, align=4, optional=False):
 
 def _tensor_args(fn, required, optional):
     """Refuses, by name, an argument that is not a tensor before it reaches
-    a custom op (whose own refusal would be torch's schema error)."""
+    a custom op (whose own refusal would be torch's schema error), and a
+    meta tensor: the op would answer it from its fake function, shapes with
+    no exchange, as if it had run. (torch.compile's fake tensors report
+    the device they stand for, so tracing passes.)"""
     for name, t in list(required.items()) + list(optional.items()):
         if not isinstance(t, _torch.Tensor) and (t is not None or name in required):
             _invalid("%s: %s is %s; pass a torch.Tensor", fn, name,
                      "None" if t is None else "a " + type(t).__name__)
+        if isinstance(t, _torch.Tensor) and t.device.type == "meta":
+            _invalid("%s: %s is a meta tensor (shapes, no data): nothing would move; pass a "
+                     "tensor on the buffer's device (materialize the module with "
+                     "to_empty(device=...) and load its weights first)", fn, name)
 
 
 def _routing_tensor(t, fn, name, dtype, shape, buffer_device, optional=False, high=None):
