@@ -1,10 +1,13 @@
 #include "testutil.h"
 
+#include <dirent.h>
 #include <math.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 
 #include "core/dtype.h"
 
@@ -163,4 +166,28 @@ const char *tu_weighting_name(epx_weighting_t weighting) {
   return weighting == EPX_WEIGHTS_IN_COMBINE    ? "in-combine"
          : weighting == EPX_WEIGHTS_IN_DISPATCH ? "in-dispatch"
                                                 : "none";
+}
+
+int tu_reap(pid_t pid, int32_t rank, int signal) {
+  int wstatus = 0;
+  waitpid(pid, &wstatus, 0);
+  int ok = signal ? WIFSIGNALED(wstatus) && WTERMSIG(wstatus) == signal
+                  : WIFEXITED(wstatus) && WEXITSTATUS(wstatus) == 0;
+  if (!ok)
+    fprintf(stderr, "rank %d ended with status 0x%x%s\n", rank, wstatus,
+            WIFSIGNALED(wstatus) && WTERMSIG(wstatus) == SIGALRM ? " (SIGALRM: it hung)" : "");
+  return ok;
+}
+
+int tu_shm_leftovers(const char *prefix) {
+  DIR *dir = opendir("/dev/shm");
+  if (!dir) return 0;
+  int found = 0;
+  for (struct dirent *e; (e = readdir(dir));)
+    if (!strncmp(e->d_name, prefix, strlen(prefix))) {
+      fprintf(stderr, "left in /dev/shm: %s\n", e->d_name);
+      found++;
+    }
+  closedir(dir);
+  return found;
 }

@@ -10,6 +10,7 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/types.h>
 #include <cmocka.h>
 
 #include "check.h"
@@ -60,5 +61,12 @@ int tu_self_teardown(void **state);
  * thread-safe): it checks with check.h's RANK_ family and returns its count. */
 typedef int (*tu_rank_fn)(epx_comm_t comm, int32_t rank, int32_t world, void *arg);
 int tu_run_ranks(int32_t world, double timeout_seconds, tu_rank_fn fn, void *arg);
+
+/* Ranks as forked processes (the shm tests). tu_reap waits for rank's
+ * process: 1 if it ended as expected (exit 0, or killed by `signal` when
+ * signal != 0), else 0 after saying how it ended. tu_shm_leftovers counts
+ * (and names) the segments in /dev/shm whose names start with prefix. */
+int tu_reap(pid_t pid, int32_t rank, int signal);
+int tu_shm_leftovers(const char *prefix);
 
 #endif
