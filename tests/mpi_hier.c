@@ -37,12 +37,7 @@ int main(int argc, char **argv) {
   if (tu_mpi_comm("mpi_hier", rank, size, size, 30.0, L, &comm)) {
     failures++;
   } else {
-    failures += ht_topology_rank(comm, rank, size, L);
-    for (int i = 0; i < HT_CASES; i++) {
-      int f = ht_case_rank(comm, rank, size, L, &ht_cases[i], 0x5eed + (uint64_t)i);
-      if (f) fprintf(stderr, "rank %d: case %d (%d ranks as nodes of %d) failed\n", rank, i, size, L);
-      failures += f;
-    }
+    failures += ht_rank(comm, rank, size, &L);
     if (epx_comm_destroy(comm) != EPX_SUCCESS) failures++;
   }
   long long all = 0;

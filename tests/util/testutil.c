@@ -111,8 +111,13 @@ static void *rank_main(void *p) {
 }
 
 int tu_run_ranks(int32_t world, double timeout_seconds, tu_rank_fn fn, void *arg) {
+  return tu_run_nodes(world, 0, timeout_seconds, fn, arg);
+}
+
+int tu_run_nodes(int32_t world, int32_t ranks_per_node, double timeout_seconds, tu_rank_fn fn, void *arg) {
   epx_comm_config_t config = EPX_COMM_CONFIG_INIT;
   if (timeout_seconds > 0) config.timeout_seconds = timeout_seconds;
+  config.ranks_per_node = ranks_per_node;
   epx_local_world_t local = NULL;
   if (epx_local_world_create(world, &config, &local) != EPX_SUCCESS) {
     fprintf(stderr, "epx_local_world_create: %s\n", epx_last_error());

@@ -61,6 +61,10 @@ int tu_self_teardown(void **state);
  * thread-safe): it checks with check.h's RANK_ family and returns its count. */
 typedef int (*tu_rank_fn)(epx_comm_t comm, int32_t rank, int32_t world, void *arg);
 int tu_run_ranks(int32_t world, double timeout_seconds, tu_rank_fn fn, void *arg);
+/* As tu_run_ranks, the ranks posed as nodes of ranks_per_node ranks
+ * (epx_comm_config_t.ranks_per_node; 0: one node), for the hierarchical
+ * exchange. */
+int tu_run_nodes(int32_t world, int32_t ranks_per_node, double timeout_seconds, tu_rank_fn fn, void *arg);
 
 /* Ranks as forked processes (the shm tests). tu_reap waits for rank's
  * process: 1 if it ended as expected (exit 0, or killed by `signal` when
