@@ -15,17 +15,14 @@
 #include "mpi_util.h"
 
 int main(int argc, char **argv) {
-  MPI_Init(&argc, &argv);
   int rank = 0, size = 1;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  tu_mpi_init(&argc, &argv, &rank, &size);
   double start = MPI_Wtime();
   long long failures = 0, failed_cases = 0;
   int cases_run = 0;
   epx_comm_t comm = NULL;
   failures = tu_mpi_comm("mpi_exchange", rank, size, MR_MAX_W, 20.0, 0, &comm);
-  long long all = 0;
-  MPI_Allreduce(&failures, &all, 1, MPI_LONG_LONG, MPI_SUM, MPI_COMM_WORLD);
+  long long all = tu_mpi_sum(failures);
 
   /* E: 16 experts, or the next multiple of the world size. */
   int32_t E = (16 + size - 1) / size * size;
@@ -37,7 +34,7 @@ int main(int argc, char **argv) {
     long long mine = mr_scene_build(&s) ? 1 : 0;
     if (!mine) mine = mr_check_scene_rank(comm, rank, &s);
     long long case_failures = 0;
-    MPI_Allreduce(&mine, &case_failures, 1, MPI_LONG_LONG, MPI_SUM, MPI_COMM_WORLD);
+    case_failures = tu_mpi_sum(mine);
     if (case_failures && rank == 0) {
       char d[256];
       mr_describe(&s, d, sizeof d);
@@ -55,7 +52,7 @@ int main(int argc, char **argv) {
    * precision against its definition. */
   if (!all) {
     long long mine = mr_agreement_cases_rank(comm, rank, size, NULL), agreement = 0;
-    MPI_Allreduce(&mine, &agreement, 1, MPI_LONG_LONG, MPI_SUM, MPI_COMM_WORLD);
+    agreement = tu_mpi_sum(mine);
     if (agreement && rank == 0) fprintf(stderr, "mpi_exchange: agreement cases: %lld failure(s)\n", agreement);
     failures += mine;
   }
@@ -63,10 +60,9 @@ int main(int argc, char **argv) {
     fprintf(stderr, "rank %d: epx_comm_destroy: %s\n", rank, epx_last_error());
     failures++;
   }
-  MPI_Allreduce(&failures, &all, 1, MPI_LONG_LONG, MPI_SUM, MPI_COMM_WORLD);
+  all = tu_mpi_sum(failures);
   if (rank == 0)
     printf("mpi_exchange: %d ranks, %d of %d cases, %lld failure(s), %.1f s: %s\n", size, cases_run, n, all,
            MPI_Wtime() - start, all ? "FAILED" : "OK");
-  MPI_Finalize();
-  return all ? 1 : 0;
+  return tu_mpi_exit(all);
 }

@@ -253,9 +253,7 @@ static int test_killed(void) {
 }
 
 int main(int argc, char **argv) {
-  MPI_Init(&argc, &argv);
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  tu_mpi_init(&argc, &argv, &rank, &size);
   if (argc > 1 && !strcmp(argv[1], "--kill")) return test_killed();
   test_truncation_returns();
   test_different_collectives();
@@ -263,10 +261,8 @@ int main(int argc, char **argv) {
   test_timeout_notices();
   test_per_rank_top_k();
   test_weighting_mismatch();
-  int total = 0;
-  MPI_Allreduce(&failures, &total, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
+  long long total = tu_mpi_sum(failures);
   if (rank == 0)
-    printf("mpi_failures on %d ranks: %s (%d failed checks)\n", size, total ? "FAILED" : "OK", total);
-  MPI_Finalize();
-  return total ? 1 : 0;
+    printf("mpi_failures on %d ranks: %s (%lld failed checks)\n", size, total ? "FAILED" : "OK", total);
+  return tu_mpi_exit(total);
 }

@@ -27,10 +27,8 @@ done:
 }
 
 int main(int argc, char **argv) {
-  MPI_Init(&argc, &argv);
   int rank = 0, size = 1;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  tu_mpi_init(&argc, &argv, &rank, &size);
   long long failures = found_topology(rank, size);
   int32_t L = size >= 2 ? 2 : 1;
   epx_comm_t comm = NULL;
@@ -40,9 +38,7 @@ int main(int argc, char **argv) {
     failures += ht_rank(comm, rank, size, &L);
     if (epx_comm_destroy(comm) != EPX_SUCCESS) failures++;
   }
-  long long all = 0;
-  MPI_Allreduce(&failures, &all, 1, MPI_LONG_LONG, MPI_SUM, MPI_COMM_WORLD);
+  long long all = tu_mpi_sum(failures);
   if (rank == 0) printf("mpi_hier: %d ranks as nodes of %d: %s\n", size, L, all ? "FAILED" : "OK");
-  MPI_Finalize();
-  return all ? 1 : 0;
+  return tu_mpi_exit(all);
 }

@@ -14,19 +14,17 @@
 #include "mpi_util.h"
 
 int main(int argc, char **argv) {
-  MPI_Init(&argc, &argv);
   int rank = 0, size = 1;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  tu_mpi_init(&argc, &argv, &rank, &size);
   epx_comm_t comm = NULL;
   long long failures = tu_mpi_comm("mpi_ll", rank, size, LL_MAX_W, 20.0, 0, &comm), all = 0;
-  MPI_Allreduce(&failures, &all, 1, MPI_LONG_LONG, MPI_SUM, MPI_COMM_WORLD);
+  all = tu_mpi_sum(failures);
   static ll_case_t cases[64];
   int n = ll_cases(cases), run = 0;
   for (int i = 0; i < n && !all; i++) {
     if (cases[i].E % size) continue;
     long long mine = ll_case_rank(comm, rank, size, &cases[i]), sum = 0;
-    MPI_Allreduce(&mine, &sum, 1, MPI_LONG_LONG, MPI_SUM, MPI_COMM_WORLD);
+    sum = tu_mpi_sum(mine);
     if (sum && rank == 0) {
       char d[256];
       ll_describe(&cases[i], d, sizeof d);
@@ -38,14 +36,14 @@ int main(int argc, char **argv) {
   }
   if (!all) {
     long long mine = ll_fp8_rank(comm, rank, size), sum = 0;
-    MPI_Allreduce(&mine, &sum, 1, MPI_LONG_LONG, MPI_SUM, MPI_COMM_WORLD);
+    sum = tu_mpi_sum(mine);
     if (sum && rank == 0) fprintf(stderr, "mpi_ll: fp8 step: %lld failure(s)\n", sum);
     failures += mine;
     all = sum;
   }
   if (!all) {
     long long mine = ll_oversize_rank(comm, rank, size), sum = 0;
-    MPI_Allreduce(&mine, &sum, 1, MPI_LONG_LONG, MPI_SUM, MPI_COMM_WORLD);
+    sum = tu_mpi_sum(mine);
     if (sum && rank == 0) fprintf(stderr, "mpi_ll: oversize step: %lld failure(s)\n", sum);
     failures += mine;
   }
@@ -53,8 +51,7 @@ int main(int argc, char **argv) {
     fprintf(stderr, "rank %d: epx_comm_destroy: %s\n", rank, epx_last_error());
     failures++;
   }
-  MPI_Allreduce(&failures, &all, 1, MPI_LONG_LONG, MPI_SUM, MPI_COMM_WORLD);
+  all = tu_mpi_sum(failures);
   if (rank == 0) printf("mpi_ll: %d ranks, %d cases: %s (%lld failures)\n", size, run, all ? "FAILED" : "OK", all);
-  MPI_Finalize();
-  return all ? 1 : 0;
+  return tu_mpi_exit(all);
 }

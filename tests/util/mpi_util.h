@@ -40,4 +40,25 @@ static inline int tu_mpi_comm(const char *test, int rank, int size, int max_rank
   return 0;
 }
 
+/* MPI_Init, then this process's rank and the world's size. */
+static inline void tu_mpi_init(int *argc, char ***argv, int *rank, int *size) {
+  MPI_Init(argc, argv);
+  MPI_Comm_rank(MPI_COMM_WORLD, rank);
+  MPI_Comm_size(MPI_COMM_WORLD, size);
+}
+
+/* The sum over every rank of each one's count (a collective). */
+static inline long long tu_mpi_sum(long long mine) {
+  long long all = 0;
+  MPI_Allreduce(&mine, &all, 1, MPI_LONG_LONG, MPI_SUM, MPI_COMM_WORLD);
+  return all;
+}
+
+/* MPI_Finalize; the exit status of a test whose ranks failed `failures`
+ * checks in all. */
+static inline int tu_mpi_exit(long long failures) {
+  MPI_Finalize();
+  return failures ? 1 : 0;
+}
+
 #endif
