@@ -572,15 +572,9 @@ static epx_status_t local_shrink_join_locked(epx_comm_t comm, const char *caller
                                              double timeout_seconds, int32_t ranks_per_node) {
   epx_local_world_t world = comm->impl;
   local_slot_t *mine = &world->slots[comm->rank];
-  if (mine->shrink_joined)
-    return epx_error(EPX_ERROR_INVALID_ARGUMENT,
-                     "%s: rank %d already shrank this comm; shrink the survivors' comm instead",
-                     caller, comm->rank);
-  if (world->shrink_done)
-    return epx_error(EPX_ERROR_PEER_FAILED,
-                     "%s: the survivors shrank this comm without rank %d (the failure named it "
-                     "missing, or it did not join within %g s); it is not in their comm: "
-                     "destroy this comm", caller, comm->rank, world->timeout_seconds);
+  epx_status_t refused = epx_comm_shrink_join_refusal(comm, caller, mine->shrink_joined, world->shrink_done,
+                                                      world->timeout_seconds);
+  if (refused != EPX_SUCCESS) return refused;
   mine->shrink_joined = 1;
   /* Ranks still in a collective of the old comm leave it and come here. */
   if (!world->failed)

@@ -1003,15 +1003,9 @@ static epx_status_t shm_shrink_join_locked(epx_comm_t comm, const char *caller) 
   shm_state_t *st = comm->impl;
   shm_world_t *w = st->world;
   shm_slot_t *mine = &w->slots[comm->rank];
-  if (mine->shrink_joined)
-    return epx_error(EPX_ERROR_INVALID_ARGUMENT,
-                     "%s: rank %d already shrank this comm; shrink the survivors' comm instead",
-                     caller, comm->rank);
-  if (w->shrink_done)
-    return epx_error(EPX_ERROR_PEER_FAILED,
-                     "%s: the survivors shrank this comm without rank %d (the failure named it "
-                     "missing, or it did not join within %g s); it is not in their comm: "
-                     "destroy this comm", caller, comm->rank, w->timeout_seconds);
+  epx_status_t refused = epx_comm_shrink_join_refusal(comm, caller, mine->shrink_joined, w->shrink_done,
+                                                      w->timeout_seconds);
+  if (refused != EPX_SUCCESS) return refused;
   mine->shrink_joined = 1;
   /* Ranks still in a collective of the old comm leave it and come here. */
   if (!w->failed)
