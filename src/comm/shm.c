@@ -319,6 +319,18 @@ static void shm_unlock(shm_state_t *st) {
   atomic_compare_exchange_strong(&st->world->holder, &mine, -1);
 }
 
+/* Waits (the lock released) until a wake or min(left, a slice) has passed,
+ * then takes the lock back (shm_lock's status). */
+static epx_status_t shm_nap_locked(shm_state_t *st, int32_t rank, const char *caller, double left) {
+  shm_world_t *w = st->world;
+  uint32_t seen = atomic_load_explicit(&w->wake, memory_order_acquire);
+  atomic_fetch_add_explicit(&w->sleepers, 1, memory_order_seq_cst);
+  shm_unlock(st);
+  shm_sleep(w, seen, left < SHM_SLICE_SECONDS ? left : SHM_SLICE_SECONDS);
+  atomic_fetch_sub_explicit(&w->sleepers, 1, memory_order_seq_cst);
+  return shm_lock(st, rank, caller);
+}
+
 static epx_status_t shm_failed_error_locked(epx_comm_t comm, const char *caller,
                                             uint64_t generation) {
   shm_world_t *w = ((shm_state_t *)comm->impl)->world;
@@ -370,12 +382,7 @@ static epx_status_t shm_wait_locked(epx_comm_t comm, const char *caller, uint64_
       shm_fail_timeout_locked(w, generation, caller);
       break;
     }
-    uint32_t seen = atomic_load_explicit(&w->wake, memory_order_acquire);
-    atomic_fetch_add_explicit(&w->sleepers, 1, memory_order_seq_cst);
-    shm_unlock(st);
-    shm_sleep(w, seen, left < SHM_SLICE_SECONDS ? left : SHM_SLICE_SECONDS);
-    atomic_fetch_sub_explicit(&w->sleepers, 1, memory_order_seq_cst);
-    epx_status_t locked = shm_lock(st, comm->rank, caller);
+    epx_status_t locked = shm_nap_locked(st, comm->rank, caller, left);
     if (locked != EPX_SUCCESS) {
       comm->failed = 1;
       return locked;
@@ -1022,12 +1029,7 @@ static epx_status_t shm_shrink_join_locked(epx_comm_t comm, const char *caller) 
       break;
     }
     double left = bounded ? deadline - now : SHM_SLICE_SECONDS;
-    uint32_t seen = atomic_load_explicit(&w->wake, memory_order_acquire);
-    atomic_fetch_add_explicit(&w->sleepers, 1, memory_order_seq_cst);
-    shm_unlock(st);
-    shm_sleep(w, seen, left < SHM_SLICE_SECONDS ? left : SHM_SLICE_SECONDS);
-    atomic_fetch_sub_explicit(&w->sleepers, 1, memory_order_seq_cst);
-    epx_status_t locked = shm_lock(st, comm->rank, caller);
+    epx_status_t locked = shm_nap_locked(st, comm->rank, caller, left);
     if (locked != EPX_SUCCESS) return locked;
   }
   return EPX_SUCCESS;
