@@ -23,6 +23,9 @@ static inline int epx_is_aligned(const void *p, size_t alignment) {
  * turns the caller's value into the object in place, or refuses it, so
  * nothing past a check ever sees an id. */
 
+/* *comm is a live comm (not NULL, not destroyed); the error names caller. */
+epx_status_t epx_check_comm(epx_comm_t *comm, const char *caller);
+
 /* *buffer is a live buffer (not NULL, not destroyed); the error names caller. */
 epx_status_t epx_check_buffer(epx_buffer_t *buffer, const char *caller);
 
