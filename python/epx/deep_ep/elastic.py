@@ -20,6 +20,16 @@ from .utils import EventHandle, EventOverlap
 _ALIGNMENT = 2 << 20  # DeepEP's 2 MiB buffer alignment
 
 
+def _out_of_scope(name):
+    """ElasticBuffer's method `name`, which epx does not offer: it raises
+    NotImplementedError naming itself."""
+    def method(self, *args, **kwargs):
+        unsupported("ElasticBuffer." + name, "Engram, pipeline-parallel send/recv and AGRS "
+                    "(all-gather/reduce-scatter) are not offered by epx")
+    method.__name__ = name
+    return method
+
+
 class EPHandle:
     """DeepEP's V2 handle (see ``deep_ep.EPHandle``): the attributes its
     callers read, over an epx layout.
@@ -382,42 +392,17 @@ class ElasticBuffer:
 
     # -- out of scope ------------------------------------------------------------
 
-    def _out_of_scope(self, what):
-        unsupported("ElasticBuffer." + what, "Engram, pipeline-parallel send/recv and AGRS "
-                    "(all-gather/reduce-scatter) are not offered by epx")
-
-    def engram_write(self, *a, **k):
-        self._out_of_scope("engram_write")
-
-    def engram_fetch(self, *a, **k):
-        self._out_of_scope("engram_fetch")
-
-    def pp_set_config(self, *a, **k):
-        self._out_of_scope("pp_set_config")
-
-    def pp_send(self, *a, **k):
-        self._out_of_scope("pp_send")
-
-    def pp_recv(self, *a, **k):
-        self._out_of_scope("pp_recv")
-
-    def create_agrs_session(self, *a, **k):
-        self._out_of_scope("create_agrs_session")
-
-    def destroy_agrs_session(self, *a, **k):
-        self._out_of_scope("destroy_agrs_session")
-
-    def agrs_new_session(self, *a, **k):
-        self._out_of_scope("agrs_new_session")
-
-    def agrs_set_config(self, *a, **k):
-        self._out_of_scope("agrs_set_config")
-
-    def agrs_get_inplace_tensor(self, *a, **k):
-        self._out_of_scope("agrs_get_inplace_tensor")
-
-    def all_gather(self, *a, **k):
-        self._out_of_scope("all_gather")
+    engram_write = _out_of_scope("engram_write")
+    engram_fetch = _out_of_scope("engram_fetch")
+    pp_set_config = _out_of_scope("pp_set_config")
+    pp_send = _out_of_scope("pp_send")
+    pp_recv = _out_of_scope("pp_recv")
+    create_agrs_session = _out_of_scope("create_agrs_session")
+    destroy_agrs_session = _out_of_scope("destroy_agrs_session")
+    agrs_new_session = _out_of_scope("agrs_new_session")
+    agrs_set_config = _out_of_scope("agrs_set_config")
+    agrs_get_inplace_tensor = _out_of_scope("agrs_get_inplace_tensor")
+    all_gather = _out_of_scope("all_gather")
 
     @staticmethod
     def get_engram_storage_size_hint(*a, **k):
