@@ -7,6 +7,7 @@
 #include <sys/mman.h>
 #include <time.h>
 
+#include "../../tests/util/buffer_config.h"
 #include "bench.h"
 
 /* ------------------------------------------------------------------------ */
@@ -44,12 +45,7 @@ void fatal(const char *fmt, ...) {
  * same allocator, so the ratios compare like with like. */
 epx_buffer_config_t buffer_config_of(epx_dtype_t dtype, int64_t H, int32_t E, int32_t K, int64_t T,
                                      epx_layout_t layout, int32_t capacity) {
-  epx_buffer_config_t bc = EPX_BUFFER_CONFIG_INIT;
-  bc.dtype = dtype;
-  bc.hidden = H;
-  bc.num_experts = E;
-  bc.max_top_k = K;
-  bc.max_tokens_per_rank = T;
+  epx_buffer_config_t bc = tu_config(EPX_DEVICE_CPU, dtype, H, E, K, T);
   bc.layout = layout;
   bc.capacity = layout == EPX_LAYOUT_CAPACITY ? capacity : 0;
   return bc;
