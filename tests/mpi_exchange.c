@@ -33,15 +33,10 @@ int main(int argc, char **argv) {
     mr_scene_init(&s, &cases[i], i, size, E, 0x3c0ffee0u + (uint64_t)size);
     long long mine = mr_scene_build(&s) ? 1 : 0;
     if (!mine) mine = mr_check_scene_rank(comm, rank, &s);
-    long long case_failures = 0;
-    case_failures = tu_mpi_sum(mine);
-    if (case_failures && rank == 0) {
-      char d[256];
-      mr_describe(&s, d, sizeof d);
-      fprintf(stderr, "mpi_exchange: case %d [%s]: %lld failure(s)\n", i, d, case_failures);
-    }
-    failures += mine;
-    failed_cases += case_failures > 0;
+    char d[256], what[300];
+    mr_describe(&s, d, sizeof d);
+    snprintf(what, sizeof what, "case %d [%s]", i, d);
+    failed_cases += tu_mpi_step("mpi_exchange", what, rank, mine, &failures) > 0;
     cases_run++;
     mr_scene_free(&s);
     /* A failed case may have failed the comm (a rank left a collective
@@ -51,15 +46,9 @@ int main(int argc, char **argv) {
   /* Mismatched calls refused on every rank, per-rank top_k, combine
    * precision against its definition. */
   if (!all) {
-    long long mine = mr_agreement_cases_rank(comm, rank, size, NULL), agreement = 0;
-    agreement = tu_mpi_sum(mine);
-    if (agreement && rank == 0) fprintf(stderr, "mpi_exchange: agreement cases: %lld failure(s)\n", agreement);
-    failures += mine;
+    tu_mpi_step("mpi_exchange", "agreement cases", rank, mr_agreement_cases_rank(comm, rank, size, NULL), &failures);
   }
-  if (comm && epx_comm_destroy(comm) != EPX_SUCCESS) {
-    fprintf(stderr, "rank %d: epx_comm_destroy: %s\n", rank, epx_last_error());
-    failures++;
-  }
+  failures += tu_mpi_comm_destroy(rank, comm);
   all = tu_mpi_sum(failures);
   if (rank == 0)
     printf("mpi_exchange: %d ranks, %d of %d cases, %lld failure(s), %.1f s: %s\n", size, cases_run, n, all,

@@ -23,23 +23,16 @@ static long long run_pass(int rank, int size, int32_t ranks_per_node) {
   for (int i = 0; i < n && !failed_scenes; i++) {
     fp8_scene_t *s = &scenes[i];
     if (ranks_per_node) s->exchange = EPX_EXCHANGE_HIERARCHICAL;
-    long long mine = fp8_scene_build(s) ? 1 : 0, scene_failures = 0;
+    long long mine = fp8_scene_build(s) ? 1 : 0;
     if (!mine) mine = fp8_scene_rank(comm, rank, s);
-    scene_failures = tu_mpi_sum(mine);
-    if (scene_failures && rank == 0) {
-      char d[256];
-      fp8_describe(s, d, sizeof d);
-      fprintf(stderr, "mpi_fp8: scene %d [%s]: %lld failure(s)\n", i, d, scene_failures);
-    }
-    failures += mine;
+    char d[256], what[300];
+    fp8_describe(s, d, sizeof d);
+    snprintf(what, sizeof what, "scene %d [%s]", i, d);
     /* A failed scene may have failed the comm; later ones would repeat it. */
-    failed_scenes += scene_failures > 0;
+    failed_scenes += tu_mpi_step("mpi_fp8", what, rank, mine, &failures) > 0;
     fp8_scene_free(s);
   }
-  if (comm && epx_comm_destroy(comm) != EPX_SUCCESS) {
-    fprintf(stderr, "rank %d: epx_comm_destroy: %s\n", rank, epx_last_error());
-    failures++;
-  }
+  failures += tu_mpi_comm_destroy(rank, comm);
   if (rank == 0) printf("mpi_fp8: %d ranks%s, %d scenes\n", size, ranks_per_node ? " as 2-rank nodes" : "", n);
   return failures;
 }

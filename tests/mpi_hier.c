@@ -36,7 +36,7 @@ int main(int argc, char **argv) {
     failures++;
   } else {
     failures += ht_rank(comm, rank, size, &L);
-    if (epx_comm_destroy(comm) != EPX_SUCCESS) failures++;
+    failures += tu_mpi_comm_destroy(rank, comm);
   }
   long long all = tu_mpi_sum(failures);
   if (rank == 0) printf("mpi_hier: %d ranks as nodes of %d: %s\n", size, L, all ? "FAILED" : "OK");

@@ -84,7 +84,7 @@ int main(int argc, char **argv) {
     failures++;
   } else {
     failures += all_cases(comm, rank, size);
-    if (epx_comm_destroy(comm) != EPX_SUCCESS) failures++;
+    failures += tu_mpi_comm_destroy(rank, comm);
   }
   long long all = tu_mpi_sum(failures);
   if (rank == 0) printf("mpi_placement: %d ranks: %s\n", size, all ? "FAILED" : "OK");

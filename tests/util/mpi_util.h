@@ -54,6 +54,25 @@ static inline long long tu_mpi_sum(long long mine) {
   return all;
 }
 
+/* One step of a test on every rank: this rank's failures (mine) added to
+ * *failures; returns the sum over the ranks, which rank 0 reports naming
+ * the step (what) when it is not 0. A collective. */
+static inline long long tu_mpi_step(const char *test, const char *what, int rank, long long mine,
+                                    long long *failures) {
+  long long all = tu_mpi_sum(mine);
+  if (all && rank == 0) fprintf(stderr, "%s: %s: %lld failure(s)\n", test, what, all);
+  *failures += mine;
+  return all;
+}
+
+/* Destroys a comm from tu_mpi_comm (NULL: none); 1 after saying why it
+ * failed, else 0. */
+static inline int tu_mpi_comm_destroy(int rank, epx_comm_t comm) {
+  if (!comm || epx_comm_destroy(comm) == EPX_SUCCESS) return 0;
+  fprintf(stderr, "rank %d: epx_comm_destroy: %s\n", rank, epx_last_error());
+  return 1;
+}
+
 /* MPI_Finalize; the exit status of a test whose ranks failed `failures`
  * checks in all. */
 static inline int tu_mpi_exit(long long failures) {
