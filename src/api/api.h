@@ -37,6 +37,11 @@ epx_status_t epx_check_handle(epx_buffer_t buffer, epx_handle_t *handle, const c
  * max_tokens_per_rank, the backend's value checks); errors name fn. */
 epx_status_t epx_check_routing(epx_buffer_t b, const epx_routing_t *r, const char *fn);
 
+/* *out: a new handle of buffer for routing, the caller's one reference
+ * (the layout and the backend's part still to fill); the error names fn.
+ * The normal and the low-latency layouts both make theirs here. */
+epx_status_t epx_handle_new(const char *fn, epx_buffer_t buffer, const epx_routing_t *routing, epx_handle_t *out);
+
 /* Frees a handle whose last reference is gone (the caller's and the
  * recorders'): retires its id, releases the backend's layout and the
  * buffer's count of live handles. */
