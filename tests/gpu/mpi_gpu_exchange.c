@@ -355,40 +355,59 @@ static void run_rank(run_t *run) {
   for (size_t i = 0; i < sizeof hosts / sizeof hosts[0]; i++) free(hosts[i]);
 }
 
-/* The CPU backend over W threads: rank `me`'s results. */
-typedef struct {
-  run_t run;
-  epx_local_world_t world;
-} cpu_rank_t;
+/* The CPU backend over W threads: a thread per rank q, each running
+ * body(args + q * arg_bytes, its local comm); ranks_per_node: 0, one node,
+ * else nodes posed as the NCCL comm's. */
+typedef void (*cpu_body_fn)(void *arg, epx_comm_t comm);
 
-static void *cpu_thread(void *arg) {
-  cpu_rank_t *cr = arg;
-  FATAL_UNLESS_OK(epx_comm_create_local(cr->world, cr->run.rank, &cr->run.comm));
-  run_rank(&cr->run);
-  FATAL_UNLESS_OK(epx_comm_destroy(cr->run.comm));
+typedef struct {
+  epx_local_world_t world;
+  int rank;
+  cpu_body_fn body;
+  void *arg;
+} cpu_thread_t;
+
+static void *cpu_thread(void *p) {
+  cpu_thread_t *t = p;
+  epx_comm_t comm;
+  FATAL_UNLESS_OK(epx_comm_create_local(t->world, t->rank, &comm));
+  t->body(t->arg, comm);
+  FATAL_UNLESS_OK(epx_comm_destroy(comm));
   return NULL;
 }
 
-/* ranks_per_node: 0, one node (threads); else nodes posed as the NCCL comm's. */
-static void run_cpu_posed(const case_t *c, epx_exchange_t exchange, int32_t ranks_per_node, result_t *mine) {
-  cpu_rank_t *ranks = calloc((size_t)g_size, sizeof *ranks);
+static void run_cpu_threads(int32_t ranks_per_node, cpu_body_fn body, void *args, size_t arg_bytes) {
+  cpu_thread_t *ranks = calloc((size_t)g_size, sizeof *ranks);
   pthread_t *threads = calloc((size_t)g_size, sizeof *threads);
   epx_local_world_t world;
   epx_comm_config_t cc = EPX_COMM_CONFIG_INIT;
   cc.ranks_per_node = ranks_per_node;
   FATAL_UNLESS_OK(epx_local_world_create(g_size, ranks_per_node ? &cc : NULL, &world));
   for (int q = 0; q < g_size; q++) {
-    ranks[q].run = (run_t){c, exchange, NULL, q, EPX_DEVICE_CPU, {0}, NULL};
-    ranks[q].world = world;
+    ranks[q] = (cpu_thread_t){world, q, body, (char *)args + (size_t)q * arg_bytes};
     pthread_create(&threads[q], NULL, cpu_thread, &ranks[q]);
   }
   for (int q = 0; q < g_size; q++) pthread_join(threads[q], NULL);
   FATAL_UNLESS_OK(epx_local_world_destroy(world));
-  *mine = ranks[g_rank].run.res;
-  for (int q = 0; q < g_size; q++)
-    if (q != g_rank) result_free(&ranks[q].run.res);
   free(ranks);
   free(threads);
+}
+
+static void run_rank_on(void *arg, epx_comm_t comm) {
+  run_t *run = arg;
+  run->comm = comm;
+  run_rank(run);
+}
+
+/* This rank's results of the CPU backend over W threads. */
+static void run_cpu_posed(const case_t *c, epx_exchange_t exchange, int32_t ranks_per_node, result_t *mine) {
+  run_t *runs = calloc((size_t)g_size, sizeof *runs);
+  for (int q = 0; q < g_size; q++) runs[q] = (run_t){c, exchange, NULL, q, EPX_DEVICE_CPU, {0}, NULL};
+  run_cpu_threads(ranks_per_node, run_rank_on, runs, sizeof *runs);
+  *mine = runs[g_rank].res;
+  for (int q = 0; q < g_size; q++)
+    if (q != g_rank) result_free(&runs[q].res);
+  free(runs);
 }
 
 static void run_cpu(const case_t *c, epx_exchange_t exchange, result_t *mine) { run_cpu_posed(c, exchange, 0, mine); }
@@ -1688,37 +1707,21 @@ static void fp8_rank(fp8_run_t *run) {
   free(xv), free(xh), free(xqh), free(xsh);
 }
 
-typedef struct {
-  fp8_run_t run;
-  epx_local_world_t world;
-} fp8_cpu_rank_t;
-
-static void *fp8_cpu_thread(void *arg) {
-  fp8_cpu_rank_t *cr = arg;
-  FATAL_UNLESS_OK(epx_comm_create_local(cr->world, cr->run.rank, &cr->run.comm));
-  fp8_rank(&cr->run);
-  FATAL_UNLESS_OK(epx_comm_destroy(cr->run.comm));
-  return NULL;
+static void fp8_rank_on(void *arg, epx_comm_t comm) {
+  fp8_run_t *run = arg;
+  run->comm = comm;
+  fp8_rank(run);
 }
 
 /* The CPU backend over W threads: this rank's fp8 results. */
 static void fp8_cpu(const fp8_case_t *c, epx_exchange_t exchange, fp8_result_t *mine) {
-  fp8_cpu_rank_t *ranks = calloc((size_t)g_size, sizeof *ranks);
-  pthread_t *threads = calloc((size_t)g_size, sizeof *threads);
-  epx_local_world_t world;
-  FATAL_UNLESS_OK(epx_local_world_create(g_size, NULL, &world));
-  for (int q = 0; q < g_size; q++) {
-    ranks[q].run = (fp8_run_t){c, exchange, EPX_PATH_AUTO, NULL, q, EPX_DEVICE_CPU, NULL, 0, {0}};
-    ranks[q].world = world;
-    pthread_create(&threads[q], NULL, fp8_cpu_thread, &ranks[q]);
-  }
-  for (int q = 0; q < g_size; q++) pthread_join(threads[q], NULL);
-  FATAL_UNLESS_OK(epx_local_world_destroy(world));
-  *mine = ranks[g_rank].run.res;
+  fp8_run_t *runs = calloc((size_t)g_size, sizeof *runs);
+  for (int q = 0; q < g_size; q++) runs[q] = (fp8_run_t){c, exchange, EPX_PATH_AUTO, NULL, q, EPX_DEVICE_CPU, NULL, 0, {0}};
+  run_cpu_threads(0, fp8_rank_on, runs, sizeof *runs);
+  *mine = runs[g_rank].res;
   for (int q = 0; q < g_size; q++)
-    if (q != g_rank) fp8_result_free(&ranks[q].run.res);
-  free(ranks);
-  free(threads);
+    if (q != g_rank) fp8_result_free(&runs[q].res);
+  free(runs);
 }
 
 /* The first row of n rows of `bytes` each where a and b differ, or -1. */
