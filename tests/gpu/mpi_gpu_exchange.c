@@ -605,18 +605,28 @@ static void check_path(const case_t *c, epx_exchange_t x, epx_exchange_path_t as
                 describe(c, x), g->path, g->why[0] ? g->why : "no reason given");
 }
 
-/* The dedup run of case c with launch flag `flag` toggled, compared bit for
- * bit with `fused` (the same case without it). */
+/* The dedup run of case c on `path` (g_path for its buffers), compared bit
+ * for bit with `fused` (the case's dedup run on the fused path); `check`:
+ * its path checked against the one asked. `what` names the run. */
+static void compare_dedup_run(const case_t *c, epx_comm_t nccl, void *stream, const result_t *fused,
+                              epx_exchange_path_t path, int check, const char *what) {
+  run_t run = {c, EPX_EXCHANGE_DEDUP, nccl, g_rank, EPX_DEVICE_CUDA, {0}, stream};
+  g_path = path;
+  run_rank(&run);
+  g_path = EPX_PATH_FUSED;
+  if (check) check_path(c, EPX_EXCHANGE_DEDUP, path, &run.res);
+  compare_exchanges(c, fused, &run.res, what);
+  compare_queries(c, fused, &run.res, what);
+  result_free(&run.res);
+}
+
+/* The dedup run of case c with launch flag `flag` toggled, against `fused`. */
 static void compare_flagged(const case_t *c, epx_comm_t nccl, void *stream, const result_t *fused, int flag,
                             const char *what) {
   const int flags = epx_cuda_launch_flags();
   epx_cuda_set_launch_flags(flags ^ flag);
-  run_t run = {c, EPX_EXCHANGE_DEDUP, nccl, g_rank, EPX_DEVICE_CUDA, {0}, stream};
-  run_rank(&run);
+  compare_dedup_run(c, nccl, stream, fused, EPX_PATH_FUSED, 0, what);
   epx_cuda_set_launch_flags(flags);
-  compare_exchanges(c, fused, &run.res, what);
-  compare_queries(c, fused, &run.res, what);
-  result_free(&run.res);
 }
 
 static void run_case(const case_t *c, epx_comm_t nccl, void *stream) {
@@ -684,41 +694,17 @@ static void run_case(const case_t *c, epx_comm_t nccl, void *stream) {
   else
     compare_flagged(c, nccl, stream, &gpu[0], EPX_CUDA_FUSED_COPY_ENGINE,
                     "the copy-out by the copy engine (EPX_CUDA_FUSED_COPY_ENGINE)");
-  {
-    /* The mixed path: the fused kernels with every other peer relayed
-     * through NCCL's host API, as peers without load/store access are
-     * (reported EPX_PATH_HOST per peer): the same bits. */
-    run_t mixed = {c, EPX_EXCHANGE_DEDUP, nccl, g_rank, EPX_DEVICE_CUDA, {0}, stream};
-    relay_begin();
-    run_rank(&mixed);
-    check_path(c, EPX_EXCHANGE_DEDUP, EPX_PATH_FUSED, &mixed.res);
-    relay_end();
-    compare_exchanges(c, &gpu[0], &mixed.res, "the relayed peers (EPX_CUDA_FUSED_RELAY)");
-    compare_queries(c, &gpu[0], &mixed.res, "the relayed peers (EPX_CUDA_FUSED_RELAY)");
-    result_free(&mixed.res);
-  }
-  {
-    /* The same dedup buffer forced onto the host path: the same bits. */
-    run_t run = {c, EPX_EXCHANGE_DEDUP, nccl, g_rank, EPX_DEVICE_CUDA, {0}, stream};
-    g_path = EPX_PATH_HOST;
-    run_rank(&run);
-    g_path = EPX_PATH_FUSED;
-    check_path(c, EPX_EXCHANGE_DEDUP, EPX_PATH_HOST, &run.res);
-    RANK_EXPECT(run.res.path == EPX_PATH_HOST, "EPX_PATH_HOST: path %d", run.res.path);
-    compare_exchanges(c, &gpu[0], &run.res, "the host path (EPX_PATH_HOST)");
-    compare_queries(c, &gpu[0], &run.res, "the host path (EPX_PATH_HOST)");
-    result_free(&run.res);
-    /* The default, AUTO: the fused kernels for rank-major, the host path for
-     * expert-major and capacity (epx.h); the same bits either way. */
-    run_t automatic = {c, EPX_EXCHANGE_DEDUP, nccl, g_rank, EPX_DEVICE_CUDA, {0}, stream};
-    g_path = EPX_PATH_AUTO;
-    run_rank(&automatic);
-    g_path = EPX_PATH_FUSED;
-    check_path(c, EPX_EXCHANGE_DEDUP, EPX_PATH_AUTO, &automatic.res);
-    compare_exchanges(c, &gpu[0], &automatic.res, "the default path (EPX_PATH_AUTO)");
-    compare_queries(c, &gpu[0], &automatic.res, "the default path (EPX_PATH_AUTO)");
-    result_free(&automatic.res);
-  }
+  /* The mixed path: the fused kernels with every other peer relayed through
+   * NCCL's host API, as peers without load/store access are (reported
+   * EPX_PATH_HOST per peer): the same bits. */
+  relay_begin();
+  compare_dedup_run(c, nccl, stream, &gpu[0], EPX_PATH_FUSED, 1, "the relayed peers (EPX_CUDA_FUSED_RELAY)");
+  relay_end();
+  /* The same dedup buffer forced onto the host path, and the default, AUTO
+   * (the fused kernels for rank-major, the host path for expert-major and
+   * capacity: epx.h): the same bits. */
+  compare_dedup_run(c, nccl, stream, &gpu[0], EPX_PATH_HOST, 1, "the host path (EPX_PATH_HOST)");
+  compare_dedup_run(c, nccl, stream, &gpu[0], EPX_PATH_AUTO, 1, "the default path (EPX_PATH_AUTO)");
   result_free(&gpu[0]);
   result_free(&gpu[1]);
 }
