@@ -228,6 +228,18 @@ static void *place(epx_device_t device, const void *host, size_t bytes) {
   return q;
 }
 
+/* Case c's routing rt placed on device: *idx, *w, *loc (the caller
+ * releases them), and the call's view of them (w and loc where c uses them). */
+static epx_routing_t place_routing(const case_t *c, const routing_t *rt, epx_device_t device, int32_t **idx,
+                                   float **w, int32_t **loc) {
+  const size_t bytes = 4 * (size_t)(rt->T * K);
+  *idx = place(device, rt->idx, bytes);
+  *w = place(device, rt->w, bytes);
+  *loc = place(device, rt->loc, bytes);
+  return (epx_routing_t){rt->T, K, *idx, c->weighting == EPX_WEIGHTS_NONE ? NULL : *w,
+                         c->layout == EPX_LAYOUT_CAPACITY ? *loc : NULL, c->weighting};
+}
+
 static void *zeros(epx_device_t device, size_t bytes) {
   void *host = calloc(1, bytes + 16);
   void *p = place(device, host, bytes);
@@ -268,11 +280,9 @@ static void run_rank(run_t *run) {
   epx_buffer_t buf;
   FATAL_UNLESS_OK(epx_buffer_create(run->comm, &cfg, &buf));
   snprintf(r->why, sizeof r->why, "%s", epx_last_error());
-  int32_t *idx = place(dev, rt.idx, 4 * (size_t)(T * K));
-  float *w = place(dev, rt.w, 4 * (size_t)(T * K));
-  int32_t *loc = place(dev, rt.loc, 4 * (size_t)(T * K));
-  epx_routing_t routing = {T, K, idx, c->weighting == EPX_WEIGHTS_NONE ? NULL : w,
-                           c->layout == EPX_LAYOUT_CAPACITY ? loc : NULL, c->weighting};
+  int32_t *idx, *loc;
+  float *w;
+  epx_routing_t routing = place_routing(c, &rt, dev, &idx, &w, &loc);
   epx_handle_t h;
   FATAL_UNLESS_OK(epx_dispatch_layout(buf, &routing, NULL, &h));
   if (epx_last_error()[0]) snprintf(r->why, sizeof r->why, "%s", epx_last_error());
@@ -1645,11 +1655,9 @@ static void fp8_rank(fp8_run_t *run) {
   epx_buffer_t buf;
   FATAL_UNLESS_OK(epx_buffer_create(run->comm, &cfg, &buf));
   snprintf(r->why, sizeof r->why, "%s", epx_last_error());
-  int32_t *idx = place(dev, rt.idx, 4 * (size_t)(T * K));
-  float *w = place(dev, rt.w, 4 * (size_t)(T * K));
-  int32_t *loc = place(dev, rt.loc, 4 * (size_t)(T * K));
-  const epx_routing_t routing = {T, K, idx, c.weighting == EPX_WEIGHTS_NONE ? NULL : w,
-                                 c.layout == EPX_LAYOUT_CAPACITY ? loc : NULL, c.weighting};
+  int32_t *idx, *loc;
+  float *w;
+  const epx_routing_t routing = place_routing(&c, &rt, dev, &idx, &w, &loc);
   epx_recorder_t rec = NULL;
   if (run->record) FATAL_UNLESS_OK(epx_recorder_create(1, &rec));
   epx_handle_t h;
