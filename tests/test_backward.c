@@ -90,10 +90,7 @@ static setup_t setup_make(tu_rng_t *rng, int64_t T, int64_t H, int32_t E, int32_
 }
 
 static void setup_free(setup_t *s) {
-  tu_free(s->idx);
-  tu_free(s->loc);
-  tu_free(s->w);
-  tu_free(s->dense_row);
+  TU_FREE_ALL(s->idx, s->loc, s->w, s->dense_row);
 }
 
 static epx_buffer_t setup_buffer(const setup_t *s, epx_weighting_t wt, epx_handle_t *h) {
@@ -193,8 +190,7 @@ static void check_dispatch_gradients(tu_rng_t *rng, epx_layout_t layout, int32_t
   }
   EXPECT_OK(epx_handle_release(h));
   EXPECT_OK(epx_buffer_destroy(b));
-  void *bufs[] = {x, g, recv, grad_x, grad_w, x64, w64, g64, dense, fd};
-  for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) tu_free(bufs[i]);
+  TU_FREE_ALL(x, g, recv, grad_x, grad_w, x64, w64, g64, dense, fd);
   setup_free(&s);
 }
 
@@ -257,8 +253,7 @@ static void check_combine_gradients(tu_rng_t *rng, epx_layout_t layout, int32_t 
   }
   EXPECT_OK(epx_handle_release(h));
   EXPECT_OK(epx_buffer_destroy(b));
-  void *bufs[] = {y, g, out, grad_y, grad_w, y64, w64, g64, dense, out64, fd};
-  for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) tu_free(bufs[i]);
+  TU_FREE_ALL(y, g, out, grad_y, grad_w, y64, w64, g64, dense, out64, fd);
   setup_free(&s);
 }
 
@@ -439,9 +434,8 @@ static void check_route_end_to_end(tu_rng_t *rng, const route_case_t *rc) {
 
   EXPECT_OK(epx_handle_release(h));
   EXPECT_OK(epx_buffer_destroy(b));
-  void *bufs[] = {logits, chosen, idx, loc, w, recv_expert, x, g, recv, y, out, grad_y, grad_recv, grad_x,
-                  grad_w, grad_logits, l64, x64, g64, fd};
-  for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) tu_free(bufs[i]);
+  TU_FREE_ALL(logits, chosen, idx, loc, w, recv_expert, x, g, recv, y, out, grad_y, grad_recv, grad_x, grad_w,
+              grad_logits, l64, x64, g64, fd);
 }
 
 static void test_route_end_to_end(void **state) {

@@ -55,9 +55,7 @@ static routing_t routing_alloc(int64_t T, int32_t E, int32_t K) {
 }
 
 static void routing_free(routing_t *r) {
-  tu_free(r->idx);
-  tu_free(r->w);
-  tu_free(r->loc);
+  TU_FREE_ALL(r->idx, r->w, r->loc);
 }
 
 /* Dropless positions: loc = rank among the expert's routes, tokens ascending. */
@@ -244,13 +242,7 @@ static expected_t expected_layout(const routing_t *r, const case_t *c) {
 }
 
 static void expected_free(expected_t *x) {
-  tu_free(x->counts);
-  tu_free(x->offsets);
-  tu_free(x->token_row);
-  tu_free(x->row_token);
-  tu_free(x->row_dense);
-  tu_free(x->row_expert);
-  tu_free(x->row_w);
+  TU_FREE_ALL(x->counts, x->offsets, x->token_row, x->row_token, x->row_dense, x->row_expert, x->row_w);
 }
 
 /* What one exchange produced; compared bit for bit across exchanges. */
@@ -260,12 +252,7 @@ typedef struct {
 } results_t;
 
 static void results_free(results_t *r) {
-  tu_free(r->recv_x);
-  tu_free(r->out);
-  tu_free(r->grad_x);
-  tu_free(r->grad_eo);
-  tu_free(r->gw_dispatch);
-  tu_free(r->gw_combine);
+  TU_FREE_ALL(r->recv_x, r->out, r->grad_x, r->grad_eo, r->gw_dispatch, r->gw_combine);
 }
 
 /* Runs one routing through one exchange and checks every output against the
@@ -435,12 +422,7 @@ static results_t run_exchange(const routing_t *r, const case_t *c, const expecte
 
   EXPECT_OK(epx_handle_release(h));
   EXPECT_OK(epx_buffer_destroy(b));
-  tu_free(counts);
-  tu_free(offsets);
-  tu_free(src_rank);
-  tu_free(src_token);
-  tu_free(recv_expert);
-  tu_free(recv_w);
+  TU_FREE_ALL(counts, offsets, src_rank, src_token, recv_expert, recv_w);
   return res;
 }
 
@@ -511,8 +493,7 @@ static void check_case(tu_rng_t *rng, const routing_t *r, const case_t *c) {
     fail_msg("%s: dedup and collective exchanges are not bit-identical", what);
   results_free(&dedup);
   results_free(&coll);
-  void *bufs[] = {xs, yd, gd, gout, ys, gs, ref_recv, ref_geo, ref_out, ref_gx};
-  for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) tu_free(bufs[i]);
+  TU_FREE_ALL(xs, yd, gd, gout, ys, gs, ref_recv, ref_geo, ref_out, ref_gx);
   expected_free(&x);
 }
 
@@ -745,8 +726,7 @@ static void test_repeatable(void **state) {
           assert_memory_equal((char *)r3 + (size_t)i * row_bytes, (char *)x2 + (size_t)tok[i] * row_bytes, row_bytes);
       EXPECT_OK(epx_handle_release(h));
       EXPECT_OK(epx_buffer_destroy(b));
-      void *bufs[] = {x, y, g, r1, r2, o1, o2, gx1, gx2, ge1, ge2, gw1, gw2, x2, r3, tok};
-      for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) tu_free(bufs[i]);
+      TU_FREE_ALL(x, y, g, r1, r2, o1, o2, gx1, gx2, ge1, ge2, gw1, gw2, x2, r3, tok);
       routing_free(&r);
     }
 }
@@ -989,14 +969,11 @@ static void test_tensor_parallel_slicing(void **state) {
       unslice_dim1(part_out, rows, H, 1, tp, p, joined);
     }
     assert_true(memcmp(joined, full, bytes) != 0);
-    tu_free(part);
-    tu_free(part_out);
-    tu_free(joined);
+    TU_FREE_ALL(part, part_out, joined);
   }
   EXPECT_OK(epx_handle_release(h));
   EXPECT_OK(epx_buffer_destroy(b));
-  void *bufs[] = {m, x, recv, full, out_full, out_tp};
-  for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) tu_free(bufs[i]);
+  TU_FREE_ALL(m, x, recv, full, out_full, out_tp);
   routing_free(&r);
 }
 

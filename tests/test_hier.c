@@ -181,9 +181,8 @@ done:
 }
 
 static void ht_result_free(ht_result_t *r) {
-  void *all[] = {r->recv, r->recv2, r->out, r->grad_expert_out, r->grad_x, r->grad_x2,
-                 r->grad_w_combine, r->grad_w_dispatch, r->grad_w_weights};
-  for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) tu_free(all[i]);
+  TU_FREE_ALL(r->recv, r->recv2, r->out, r->grad_expert_out, r->grad_x, r->grad_x2, r->grad_w_combine,
+              r->grad_w_dispatch, r->grad_w_weights);
 }
 
 static int ht_same(const void *a, const void *b, size_t bytes) { return bytes == 0 || memcmp(a, b, bytes) == 0; }

@@ -55,9 +55,7 @@ typedef struct {
 
 static void layer_free(layer_t *l) {
   epx_handle_release(l->handle);
-  free(l->recv);
-  free(l->expert_out);
-  free(l->expert);
+  TU_FREE_ALL(l->recv, l->expert_out, l->expert);
   memset(l, 0, sizeof *l);
 }
 

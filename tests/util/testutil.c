@@ -85,6 +85,10 @@ void *tu_alloc(size_t bytes) {
 
 void tu_free(void *p) { free(p); }
 
+void tu_free_all(void *const *p, size_t n) {
+  for (size_t i = 0; i < n; i++) free(p[i]);
+}
+
 typedef struct {
   epx_local_world_t world;
   int32_t rank, size;

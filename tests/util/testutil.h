@@ -47,6 +47,10 @@ const char *tu_weighting_name(epx_weighting_t weighting);
 
 void *tu_alloc(size_t bytes); /* 64-byte aligned, zeroed; fails the test on OOM */
 void tu_free(void *p);
+/* Frees every pointer listed (tu_alloc's or malloc's; NULL is skipped), as
+ * a test's cleanup does with its arrays. */
+#define TU_FREE_ALL(...) tu_free_all((void *[]){__VA_ARGS__}, sizeof((void *[]){__VA_ARGS__}) / sizeof(void *))
+void tu_free_all(void *const *p, size_t n);
 
 /* A cmocka group's comm of one rank (epx_comm_create_self), in
  * tu_self_comm between tu_self_setup and tu_self_teardown (the group's
