@@ -29,6 +29,10 @@ epx_status_t epx_check_comm(epx_comm_t *comm, const char *caller);
 /* *buffer is a live buffer (not NULL, not destroyed); the error names caller. */
 epx_status_t epx_check_buffer(epx_buffer_t *buffer, const char *caller);
 
+/* As epx_check_buffer, and the buffer's comm not failed: a collective
+ * call's first check (a refusal here returns at once: no comm to agree on). */
+epx_status_t epx_check_collective_buffer(epx_buffer_t *buffer, const char *caller);
+
 /* *handle is a live handle the caller holds, and (when buffer, an object, is
  * not NULL) one of buffer's. */
 epx_status_t epx_check_handle(epx_buffer_t buffer, epx_handle_t *handle, const char *caller);

@@ -40,6 +40,11 @@ epx_status_t epx_check_buffer(epx_buffer_t *buffer, const char *caller) {
   return EPX_SUCCESS;
 }
 
+epx_status_t epx_check_collective_buffer(epx_buffer_t *buffer, const char *caller) {
+  epx_status_t status = epx_check_buffer(buffer, caller);
+  return status == EPX_SUCCESS ? epx_comm_check_alive((*buffer)->comm, caller) : status;
+}
+
 /* The fields every rank must agree on, gathered at buffer creation. */
 typedef struct {
   int64_t status;

@@ -100,9 +100,7 @@ epx_status_t epx_dispatch_layout(epx_buffer_t buffer, const epx_routing_t *routi
                                  epx_recorder_t recorder, epx_handle_t *handle) {
   const char *fn = "epx_dispatch_layout";
   epx_error_clear();
-  epx_status_t status = epx_check_buffer(&buffer, fn);
-  if (status != EPX_SUCCESS) return status;
-  status = epx_comm_check_alive(buffer->comm, fn);
+  epx_status_t status = epx_check_collective_buffer(&buffer, fn);
   if (status != EPX_SUCCESS) return status;
   const epx_recorder_t recorder_id = recorder;
   recorder = epx_registry_get(recorder_id, EPX_OBJECT_RECORDER);

@@ -181,9 +181,7 @@ static epx_status_t ll_dispatch(const char *fn, epx_buffer_t buffer, const epx_r
                                 const int32_t *num_tokens, const epx_ll_rows_t *rows, int32_t *recv_count,
                                 epx_handle_t *handle, int complete) {
   epx_error_clear();
-  epx_status_t status = epx_check_buffer(&buffer, fn);
-  if (status != EPX_SUCCESS) return status;
-  status = epx_comm_check_alive(buffer->comm, fn);
+  epx_status_t status = epx_check_collective_buffer(&buffer, fn);
   if (status != EPX_SUCCESS) return status;
   const epx_ll_backend_t *ll = ll_ops(buffer);
   epx_routing_t step;
@@ -258,9 +256,7 @@ static epx_status_t check_combine(const char *fn, const epx_ll_backend_t *ll, ep
 static epx_status_t ll_combine(const char *fn, epx_buffer_t buffer, epx_handle_t handle, const void *expert_out,
                                void *out, int complete) {
   epx_error_clear();
-  epx_status_t status = epx_check_buffer(&buffer, fn);
-  if (status != EPX_SUCCESS) return status;
-  status = epx_comm_check_alive(buffer->comm, fn);
+  epx_status_t status = epx_check_collective_buffer(&buffer, fn);
   if (status != EPX_SUCCESS) return status;
   const epx_ll_backend_t *ll = ll_ops(buffer);
   epx_status_t local = epx_check_handle(buffer, &handle, fn);
