@@ -63,7 +63,7 @@ class EPHandle:
         self.num_recv_tokens = L.rows
         counts = L.d.counts
         a = expert_alignment
-        aligned = (counts + a - 1) // a * a if a > 1 else counts
+        aligned = _core.aligned(counts, a)
         if do_expand:
             starts = aligned.cumsum(0) - aligned
             self.psum_num_recv_tokens_per_expert = (starts + counts).to(torch.int32)
@@ -87,7 +87,7 @@ class EPHandle:
             value = L.d.counts.to(torch.int32)
         elif name == "num_recv_tokens_per_expert_list":
             a = self.expert_alignment
-            value = ((L.d.counts + a - 1) // a * a).tolist()
+            value = _core.aligned(L.d.counts, a).tolist()
         else:
             meta = torch.full((L.rows, 2 + L.K), -1, dtype=torch.int32, device=L.recv_idx.device)
             meta[:, 0] = L.src_rank * self.num_max_tokens_per_rank + L.src_token
@@ -109,7 +109,7 @@ def _expansion(L, alignment):
     idx = L.recv_idx                                   # [N, K] local ids, -1 elsewhere
     valid = idx >= 0
     counts = L.d.counts
-    aligned = (counts + alignment - 1) // alignment * alignment
+    aligned = _core.aligned(counts, alignment)
     starts = aligned.cumsum(0) - aligned
     n, k = valid.nonzero(as_tuple=True)               # row-major: by row, then k
     e = idx[n, k]
@@ -213,10 +213,7 @@ class ElasticBuffer:
 
     def get_comm_stream(self) -> torch.Stream:
         """The stream epx's calls run on: PyTorch's current CUDA stream."""
-        if not torch.cuda.is_available():
-            unsupported("ElasticBuffer.get_comm_stream", "no CUDA here: epx's CPU calls run on "
-                        "the calling thread and have no stream")
-        return torch.cuda.current_stream()
+        return _core.comm_stream("ElasticBuffer.get_comm_stream")
 
     def get_physical_domain_size(self) -> Tuple[int, int]:
         return self.num_rdma_ranks, self.num_nvlink_ranks
