@@ -283,11 +283,7 @@ static epx_status_t local_alltoallv(epx_comm_t comm, const char *caller, const v
     const local_slot_t *peer = &world->slots[s];
     int64_t count = peer->send_counts[rank];
     if (count != recv_counts[s] || count < 0) {
-      status = epx_error(EPX_ERROR_INTERNAL,
-                         "%s: rank %d sends %lld units to rank %d, which expects %lld "
-                         "(recv_counts[%d]); the count exchange before this alltoallv is "
-                         "inconsistent",
-                         caller, s, (long long)count, rank, (long long)recv_counts[s], s);
+      status = epx_comm_alltoallv_count_error(caller, s, count, rank, recv_counts[s]);
       break;
     }
     if (count)

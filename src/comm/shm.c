@@ -625,11 +625,7 @@ static epx_status_t shm_alltoallv(epx_comm_t comm, const char *caller, const voi
     const int64_t *peer = (const int64_t *)st->maps[s].base;
     int64_t count = peer[rank];
     if (count != recv_counts[s] || count < 0) {
-      status = epx_error(EPX_ERROR_INTERNAL,
-                         "%s: rank %d sends %lld units to rank %d, which expects %lld "
-                         "(recv_counts[%d]); the count exchange before this alltoallv is "
-                         "inconsistent",
-                         caller, s, (long long)count, rank, (long long)recv_counts[s], s);
+      status = epx_comm_alltoallv_count_error(caller, s, count, rank, recv_counts[s]);
       break;
     }
     if (count)
