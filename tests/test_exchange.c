@@ -267,6 +267,32 @@ typedef struct {
   const void *ref_geo;   /* [E*C, H] dense dispatch of gout (combine's transpose) */
 } inputs_t;
 
+/* grad_w [T, K] of `phase` against its definition: for each routed slot
+ * (t, k) to expert e at dense position loc, <dense[e, loc], tokens[t]>
+ * (dense [E, C, H], tokens [T, H], in dt); 0 in the -1 slots. */
+static void check_grad_w(const routing_t *r, epx_dtype_t dt, int64_t H, const void *dense, const void *tokens,
+                         const float *grad_w, const char *what, const char *phase) {
+  const int64_t T = r->T;
+  const int32_t K = r->K;
+  const size_t row_bytes = (size_t)H * epx_dtype_size(dt);
+  double *d = tu_alloc(sizeof(double) * (size_t)H), *x = tu_alloc(sizeof(double) * (size_t)H);
+  for (int64_t t = 0; t < T; t++)
+    for (int32_t k = 0; k < K; k++) {
+      float got = grad_w[t * K + k];
+      int32_t e = r->idx[t * K + k];
+      if (e < 0) {
+        if (got != 0.0f) fail_msg("%s: %s grad_w[%lld][%d] of a -1 slot is %g", what, phase, (long long)t, k, got);
+        continue;
+      }
+      r64_from_payload(dt, (const char *)dense + (size_t)(e * r->C + r->loc[t * K + k]) * row_bytes, d, H);
+      r64_from_payload(dt, (const char *)tokens + (size_t)t * row_bytes, x, H);
+      double want = r64_dot(d, x, H);
+      if (!(fabs(got - want) <= GW_ATOL + GW_RTOL * fabs(want)))
+        fail_msg("%s: %s grad_w[%lld][%d] = %.9g, expected %.9g", what, phase, (long long)t, k, got, want);
+    }
+  TU_FREE_ALL(d, x);
+}
+
 static results_t run_exchange(const routing_t *r, const case_t *c, const expected_t *x, const inputs_t *in,
                               epx_exchange_t exchange, const char *what) {
   epx_dtype_t dt = c->dtype;
@@ -361,23 +387,7 @@ static results_t run_exchange(const routing_t *r, const case_t *c, const expecte
     assert_close(dt, res.grad_x, in->ref_gx, T * H, what, "dispatch_backward vs dense");
   }
   if (in_dispatch) {
-    double *a = tu_alloc(sizeof(double) * (size_t)H), *g = tu_alloc(sizeof(double) * (size_t)H);
-    for (int64_t t = 0; t < T; t++)
-      for (int32_t k = 0; k < K; k++) {
-        float got = res.gw_dispatch[t * K + k];
-        int32_t e = r->idx[t * K + k];
-        if (e < 0) {
-          if (got != 0.0f) fail_msg("%s: dispatch grad_w[%lld][%d] of a -1 slot is %g", what, (long long)t, k, got);
-          continue;
-        }
-        r64_from_payload(dt, (const char *)in->gd + (size_t)(e * r->C + r->loc[t * K + k]) * row_bytes, g, H);
-        r64_from_payload(dt, (const char *)in->x + (size_t)t * row_bytes, a, H);
-        double want = r64_dot(g, a, H);
-        if (!(fabs(got - want) <= GW_ATOL + GW_RTOL * fabs(want)))
-          fail_msg("%s: dispatch grad_w[%lld][%d] = %.9g, expected %.9g", what, (long long)t, k, got, want);
-      }
-    tu_free(a);
-    tu_free(g);
+    check_grad_w(r, dt, H, in->gd, in->x, res.gw_dispatch, what, "dispatch");
   } else if (!is_poison(res.gw_dispatch, sizeof(float))) {
     fail_msg("%s: grad_w written without EPX_WEIGHTS_IN_DISPATCH", what);
   }
@@ -399,23 +409,7 @@ static results_t run_exchange(const routing_t *r, const case_t *c, const expecte
   if (!is_poison((char *)res.grad_eo + (size_t)N * row_bytes, GUARD_ROWS * row_bytes))
     fail_msg("%s: combine_backward wrote past N rows", what);
   if (in_combine) {
-    double *a = tu_alloc(sizeof(double) * (size_t)H), *g = tu_alloc(sizeof(double) * (size_t)H);
-    for (int64_t t = 0; t < T; t++)
-      for (int32_t k = 0; k < K; k++) {
-        float got = res.gw_combine[t * K + k];
-        int32_t e = r->idx[t * K + k];
-        if (e < 0) {
-          if (got != 0.0f) fail_msg("%s: combine grad_w[%lld][%d] of a -1 slot is %g", what, (long long)t, k, got);
-          continue;
-        }
-        r64_from_payload(dt, (const char *)in->yd + (size_t)(e * r->C + r->loc[t * K + k]) * row_bytes, a, H);
-        r64_from_payload(dt, (const char *)in->gout + (size_t)t * row_bytes, g, H);
-        double want = r64_dot(g, a, H);
-        if (!(fabs(got - want) <= GW_ATOL + GW_RTOL * fabs(want)))
-          fail_msg("%s: combine grad_w[%lld][%d] = %.9g, expected %.9g", what, (long long)t, k, got, want);
-      }
-    tu_free(a);
-    tu_free(g);
+    check_grad_w(r, dt, H, in->yd, in->gout, res.gw_combine, what, "combine");
   } else if (!is_poison(res.gw_combine, sizeof(float))) {
     fail_msg("%s: grad_w written without EPX_WEIGHTS_IN_COMBINE", what);
   }
