@@ -160,19 +160,15 @@ static void test_arguments(void) {
 }
 
 int main(int argc, char **argv) {
-  MPI_Init(&argc, &argv);
   int size = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  tu_mpi_init(&argc, &argv, &rank, &size);
   test_ops(size);
   test_errors_return();
   test_int_counts(size);
   test_timeout(size);
   test_arguments();
-  int total = 0;
-  MPI_Allreduce(&failures, &total, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
+  long long total = tu_mpi_sum(failures);
   if (rank == 0)
-    printf("mpi_comm on %d ranks: %s (%d failed checks)\n", size, total ? "FAILED" : "OK", total);
-  MPI_Finalize();
-  return total ? 1 : 0;
+    printf("mpi_comm on %d ranks: %s (%lld failed checks)\n", size, total ? "FAILED" : "OK", total);
+  return tu_mpi_exit(total);
 }

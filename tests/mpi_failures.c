@@ -50,6 +50,15 @@ static epx_comm_t create(double timeout_seconds) {
   return status == EPX_SUCCESS ? comm : NULL;
 }
 
+/* The routing tests' buffer (f32, H 8, two experts a rank, top-2, 4
+ * tokens); NULL after a failed check. */
+static epx_buffer_t small_buffer(epx_comm_t comm) {
+  epx_buffer_config_t c = tu_config(EPX_DEVICE_CPU, EPX_FLOAT32, 8, 2 * size, 2, 4);
+  epx_buffer_t b = NULL;
+  RANK_OK(epx_buffer_create(comm, &c, &b));
+  return b;
+}
+
 static int has(const char *needle) { return strstr(epx_last_error(), needle) != NULL; }
 
 /* Rank 1 sends 8 bytes to each peer where they expect 4 (the truncation
@@ -171,9 +180,7 @@ static void test_timeout_notices(void) {
 static void test_per_rank_top_k(void) {
   epx_comm_t comm = create(2.0);
   if (!comm) return;
-  epx_buffer_config_t c = tu_config(EPX_DEVICE_CPU, EPX_FLOAT32, 8, 2 * size, 2, 4);
-  epx_buffer_t b = NULL;
-  RANK_OK(epx_buffer_create(comm, &c, &b));
+  epx_buffer_t b = small_buffer(comm);
   const int32_t K = 1 + rank % 2;
   int32_t idx[4 * 2];
   float w[4 * 2];
@@ -197,9 +204,7 @@ static void test_per_rank_top_k(void) {
 static void test_weighting_mismatch(void) {
   epx_comm_t comm = create(5.0);
   if (!comm) return;
-  epx_buffer_config_t c = tu_config(EPX_DEVICE_CPU, EPX_FLOAT32, 8, 2 * size, 2, 4);
-  epx_buffer_t b = NULL;
-  RANK_OK(epx_buffer_create(comm, &c, &b));
+  epx_buffer_t b = small_buffer(comm);
   int32_t idx[4 * 2];
   float w[4 * 2];
   for (int t = 0; t < 4; t++)
@@ -253,9 +258,7 @@ static int test_killed(void) {
 }
 
 int main(int argc, char **argv) {
-  MPI_Init(&argc, &argv);
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  tu_mpi_init(&argc, &argv, &rank, &size);
   if (argc > 1 && !strcmp(argv[1], "--kill")) return test_killed();
   test_truncation_returns();
   test_different_collectives();
@@ -263,10 +266,8 @@ int main(int argc, char **argv) {
   test_timeout_notices();
   test_per_rank_top_k();
   test_weighting_mismatch();
-  int total = 0;
-  MPI_Allreduce(&failures, &total, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
+  long long total = tu_mpi_sum(failures);
   if (rank == 0)
-    printf("mpi_failures on %d ranks: %s (%d failed checks)\n", size, total ? "FAILED" : "OK", total);
-  MPI_Finalize();
-  return total ? 1 : 0;
+    printf("mpi_failures on %d ranks: %s (%lld failed checks)\n", size, total ? "FAILED" : "OK", total);
+  return tu_mpi_exit(total);
 }

@@ -17,43 +17,32 @@
 static long long run_pass(int rank, int size, int32_t ranks_per_node) {
   epx_comm_t comm = NULL;
   long long failures = tu_mpi_comm("mpi_fp8", rank, size, FP8_MAX_W, 20.0, ranks_per_node, &comm), failed_scenes = 0;
-  long long all = 0;
-  MPI_Allreduce(&failures, &all, 1, MPI_LONG_LONG, MPI_SUM, MPI_COMM_WORLD);
+  long long all = tu_mpi_sum(failures);
   static fp8_scene_t scenes[64];
   int n = all ? 0 : fp8_scenes(scenes, size);
   for (int i = 0; i < n && !failed_scenes; i++) {
     fp8_scene_t *s = &scenes[i];
     if (ranks_per_node) s->exchange = EPX_EXCHANGE_HIERARCHICAL;
-    long long mine = fp8_scene_build(s) ? 1 : 0, scene_failures = 0;
+    long long mine = fp8_scene_build(s) ? 1 : 0;
     if (!mine) mine = fp8_scene_rank(comm, rank, s);
-    MPI_Allreduce(&mine, &scene_failures, 1, MPI_LONG_LONG, MPI_SUM, MPI_COMM_WORLD);
-    if (scene_failures && rank == 0) {
-      char d[256];
-      fp8_describe(s, d, sizeof d);
-      fprintf(stderr, "mpi_fp8: scene %d [%s]: %lld failure(s)\n", i, d, scene_failures);
-    }
-    failures += mine;
+    char d[256], what[300];
+    fp8_describe(s, d, sizeof d);
+    snprintf(what, sizeof what, "scene %d [%s]", i, d);
     /* A failed scene may have failed the comm; later ones would repeat it. */
-    failed_scenes += scene_failures > 0;
+    failed_scenes += tu_mpi_step("mpi_fp8", what, rank, mine, &failures) > 0;
     fp8_scene_free(s);
   }
-  if (comm && epx_comm_destroy(comm) != EPX_SUCCESS) {
-    fprintf(stderr, "rank %d: epx_comm_destroy: %s\n", rank, epx_last_error());
-    failures++;
-  }
+  failures += tu_mpi_comm_destroy(rank, comm);
   if (rank == 0) printf("mpi_fp8: %d ranks%s, %d scenes\n", size, ranks_per_node ? " as 2-rank nodes" : "", n);
   return failures;
 }
 
 int main(int argc, char **argv) {
-  MPI_Init(&argc, &argv);
   int rank = 0, size = 1;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  tu_mpi_init(&argc, &argv, &rank, &size);
   long long failures = run_pass(rank, size, 0), all = 0;
   if (size == 4) failures += run_pass(rank, size, 2);
-  MPI_Allreduce(&failures, &all, 1, MPI_LONG_LONG, MPI_SUM, MPI_COMM_WORLD);
+  all = tu_mpi_sum(failures);
   if (rank == 0) printf("mpi_fp8: %s\n", all ? "FAILED" : "OK");
-  MPI_Finalize();
-  return all ? 1 : 0;
+  return tu_mpi_exit(all);
 }

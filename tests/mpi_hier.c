@@ -27,27 +27,18 @@ done:
 }
 
 int main(int argc, char **argv) {
-  MPI_Init(&argc, &argv);
   int rank = 0, size = 1;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  tu_mpi_init(&argc, &argv, &rank, &size);
   long long failures = found_topology(rank, size);
   int32_t L = size >= 2 ? 2 : 1;
   epx_comm_t comm = NULL;
   if (tu_mpi_comm("mpi_hier", rank, size, size, 30.0, L, &comm)) {
     failures++;
   } else {
-    failures += ht_topology_rank(comm, rank, size, L);
-    for (int i = 0; i < HT_CASES; i++) {
-      int f = ht_case_rank(comm, rank, size, L, &ht_cases[i], 0x5eed + (uint64_t)i);
-      if (f) fprintf(stderr, "rank %d: case %d (%d ranks as nodes of %d) failed\n", rank, i, size, L);
-      failures += f;
-    }
-    if (epx_comm_destroy(comm) != EPX_SUCCESS) failures++;
+    failures += ht_rank(comm, rank, size, &L);
+    failures += tu_mpi_comm_destroy(rank, comm);
   }
-  long long all = 0;
-  MPI_Allreduce(&failures, &all, 1, MPI_LONG_LONG, MPI_SUM, MPI_COMM_WORLD);
+  long long all = tu_mpi_sum(failures);
   if (rank == 0) printf("mpi_hier: %d ranks as nodes of %d: %s\n", size, L, all ? "FAILED" : "OK");
-  MPI_Finalize();
-  return all ? 1 : 0;
+  return tu_mpi_exit(all);
 }

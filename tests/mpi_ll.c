@@ -14,47 +14,26 @@
 #include "mpi_util.h"
 
 int main(int argc, char **argv) {
-  MPI_Init(&argc, &argv);
   int rank = 0, size = 1;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  tu_mpi_init(&argc, &argv, &rank, &size);
   epx_comm_t comm = NULL;
-  long long failures = tu_mpi_comm("mpi_ll", rank, size, LL_MAX_W, 20.0, 0, &comm), all = 0;
-  MPI_Allreduce(&failures, &all, 1, MPI_LONG_LONG, MPI_SUM, MPI_COMM_WORLD);
+  long long failures = tu_mpi_comm("mpi_ll", rank, size, LL_MAX_W, 20.0, 0, &comm);
+  long long all = tu_mpi_sum(failures);
   static ll_case_t cases[64];
   int n = ll_cases(cases), run = 0;
   for (int i = 0; i < n && !all; i++) {
     if (cases[i].E % size) continue;
-    long long mine = ll_case_rank(comm, rank, size, &cases[i]), sum = 0;
-    MPI_Allreduce(&mine, &sum, 1, MPI_LONG_LONG, MPI_SUM, MPI_COMM_WORLD);
-    if (sum && rank == 0) {
-      char d[256];
-      ll_describe(&cases[i], d, sizeof d);
-      fprintf(stderr, "mpi_ll: case %d [%s]: %lld failure(s)\n", i, d, sum);
-    }
-    failures += mine;
-    all = sum; /* a failed case may have failed the comm */
+    char d[256], what[300];
+    ll_describe(&cases[i], d, sizeof d);
+    snprintf(what, sizeof what, "case %d [%s]", i, d);
+    /* A failed case may have failed the comm. */
+    all = tu_mpi_step("mpi_ll", what, rank, ll_case_rank(comm, rank, size, &cases[i]), &failures);
     run++;
   }
-  if (!all) {
-    long long mine = ll_fp8_rank(comm, rank, size), sum = 0;
-    MPI_Allreduce(&mine, &sum, 1, MPI_LONG_LONG, MPI_SUM, MPI_COMM_WORLD);
-    if (sum && rank == 0) fprintf(stderr, "mpi_ll: fp8 step: %lld failure(s)\n", sum);
-    failures += mine;
-    all = sum;
-  }
-  if (!all) {
-    long long mine = ll_oversize_rank(comm, rank, size), sum = 0;
-    MPI_Allreduce(&mine, &sum, 1, MPI_LONG_LONG, MPI_SUM, MPI_COMM_WORLD);
-    if (sum && rank == 0) fprintf(stderr, "mpi_ll: oversize step: %lld failure(s)\n", sum);
-    failures += mine;
-  }
-  if (comm && epx_comm_destroy(comm) != EPX_SUCCESS) {
-    fprintf(stderr, "rank %d: epx_comm_destroy: %s\n", rank, epx_last_error());
-    failures++;
-  }
-  MPI_Allreduce(&failures, &all, 1, MPI_LONG_LONG, MPI_SUM, MPI_COMM_WORLD);
+  if (!all) all = tu_mpi_step("mpi_ll", "fp8 step", rank, ll_fp8_rank(comm, rank, size), &failures);
+  if (!all) tu_mpi_step("mpi_ll", "oversize step", rank, ll_oversize_rank(comm, rank, size), &failures);
+  failures += tu_mpi_comm_destroy(rank, comm);
+  all = tu_mpi_sum(failures);
   if (rank == 0) printf("mpi_ll: %d ranks, %d cases: %s (%lld failures)\n", size, run, all ? "FAILED" : "OK", all);
-  MPI_Finalize();
-  return all ? 1 : 0;
+  return tu_mpi_exit(all);
 }

@@ -76,21 +76,17 @@ static int all_cases(epx_comm_t comm, int rank, int size) {
 }
 
 int main(int argc, char **argv) {
-  MPI_Init(&argc, &argv);
   int rank = 0, size = 1;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  tu_mpi_init(&argc, &argv, &rank, &size);
   long long failures = 0;
   epx_comm_t comm = NULL;
   if (tu_mpi_comm("mpi_placement", rank, size, W_MAX, 30.0, size >= 2 ? 2 : 1, &comm)) {
     failures++;
   } else {
     failures += all_cases(comm, rank, size);
-    if (epx_comm_destroy(comm) != EPX_SUCCESS) failures++;
+    failures += tu_mpi_comm_destroy(rank, comm);
   }
-  long long all = 0;
-  MPI_Allreduce(&failures, &all, 1, MPI_LONG_LONG, MPI_SUM, MPI_COMM_WORLD);
+  long long all = tu_mpi_sum(failures);
   if (rank == 0) printf("mpi_placement: %d ranks: %s\n", size, all ? "FAILED" : "OK");
-  MPI_Finalize();
-  return all ? 1 : 0;
+  return tu_mpi_exit(all);
 }

@@ -90,10 +90,7 @@ static setup_t setup_make(tu_rng_t *rng, int64_t T, int64_t H, int32_t E, int32_
 }
 
 static void setup_free(setup_t *s) {
-  tu_free(s->idx);
-  tu_free(s->loc);
-  tu_free(s->w);
-  tu_free(s->dense_row);
+  TU_FREE_ALL(s->idx, s->loc, s->w, s->dense_row);
 }
 
 static epx_buffer_t setup_buffer(const setup_t *s, epx_weighting_t wt, epx_handle_t *h) {
@@ -111,17 +108,54 @@ static epx_buffer_t setup_buffer(const setup_t *s, epx_weighting_t wt, epx_handl
   return b;
 }
 
+/* A float64 loss of the arguments ctx points at (the ones perturbed among
+ * them), for central differences. */
+typedef double (*loss_fn)(const void *ctx);
+
+/* fd[i] = dL/dv[i] by central differences of step `step`; v is restored. */
+static void central_differences(loss_fn loss, const void *ctx, double *v, int64_t n, double step, double *fd) {
+  for (int64_t i = 0; i < n; i++) {
+    double keep = v[i];
+    v[i] = keep + step;
+    double up = loss(ctx);
+    v[i] = keep - step;
+    double down = loss(ctx);
+    v[i] = keep;
+    fd[i] = (up - down) / (2 * step);
+  }
+}
+
+/* The exchange losses' arguments: the layout, whether the weights are
+ * applied, the input (x or expert_out), weights and upstream gradient, and
+ * scratch for the dense tensors. */
+typedef struct {
+  const setup_t *s;
+  int weighted;
+  const double *in, *w, *g;
+  double *dense, *out;
+} exchange_loss_t;
+
+/* grad_w against its finite differences fd, which must not all vanish. */
+static void assert_grad_w(const float *grad_w, const double *fd, const setup_t *s, const char *what) {
+  const int64_t TK = s->T * s->K;
+  assert_grad(grad_w, fd, TK, G_ATOL, G_RTOL, what);
+  int nonzero = 0;
+  for (int64_t i = 0; i < TK; i++) nonzero |= s->idx[i] >= 0 && fabs(fd[i]) > 1e-3;
+  assert_true(nonzero);
+}
+
 /* ------------------------------------------------------------------------ */
 /* Dispatch: L = <G, recv_x>                                                 */
 /* ------------------------------------------------------------------------ */
 
 /* L(x, w) in float64: the dense dispatch, read back through the layout's rows. */
-static double dispatch_loss(const setup_t *s, int weighted, const double *x, const double *w, const double *g,
-                            double *dense) {
-  r64_dense_dispatch(s->T, s->H, s->E, s->C, s->K, s->idx, w, s->loc, weighted, x, dense);
+static double dispatch_loss(const void *ctx) {
+  const exchange_loss_t *a = ctx;
+  const setup_t *s = a->s;
+  r64_dense_dispatch(s->T, s->H, s->E, s->C, s->K, s->idx, a->w, s->loc, a->weighted, a->in, a->dense);
   double L = 0.0;
   for (int64_t d = 0; d < (int64_t)s->E * s->C; d++)
-    if (s->dense_row[d] >= 0) L += r64_dot(g + s->dense_row[d] * s->H, dense + d * s->H, s->H);
+    if (s->dense_row[d] >= 0) L += r64_dot(a->g + s->dense_row[d] * s->H, a->dense + d * s->H, s->H);
   return L;
 }
 
@@ -142,40 +176,21 @@ static void check_dispatch_gradients(tu_rng_t *rng, epx_layout_t layout, int32_t
   double *x64 = to_f64(x, T * H), *w64 = to_f64(s.w, TK), *g64 = to_f64(g, N * H);
   double *dense = tu_alloc(sizeof(double) * (size_t)(s.E * s.C * H + 1));
   /* The reference is the library's function: its L equals <G, recv_x>. */
-  double L = dispatch_loss(&s, weighted, x64, w64, g64, dense), L_lib = 0.0;
+  exchange_loss_t loss = {&s, weighted, x64, w64, g64, dense, NULL};
+  double L = dispatch_loss(&loss), L_lib = 0.0;
   for (int64_t i = 0; i < N * H; i++) L_lib += g64[i] * recv[i];
   assert_true(fabs(L - L_lib) <= 1e-5 * (1.0 + fabs(L)));
 
   double *fd = tu_alloc(sizeof(double) * (size_t)(T * H > TK ? T * H : TK));
-  for (int64_t i = 0; i < T * H; i++) {
-    double v = x64[i];
-    x64[i] = v + FD_STEP;
-    double up = dispatch_loss(&s, weighted, x64, w64, g64, dense);
-    x64[i] = v - FD_STEP;
-    double down = dispatch_loss(&s, weighted, x64, w64, g64, dense);
-    x64[i] = v;
-    fd[i] = (up - down) / (2 * FD_STEP);
-  }
+  central_differences(dispatch_loss, &loss, x64, T * H, FD_STEP, fd);
   assert_grad(grad_x, fd, T * H, G_ATOL, G_RTOL, "dispatch grad_x");
   if (weighted) {
-    for (int64_t i = 0; i < TK; i++) {
-      double v = w64[i];
-      w64[i] = v + FD_STEP;
-      double up = dispatch_loss(&s, weighted, x64, w64, g64, dense);
-      w64[i] = v - FD_STEP;
-      double down = dispatch_loss(&s, weighted, x64, w64, g64, dense);
-      w64[i] = v;
-      fd[i] = (up - down) / (2 * FD_STEP);
-    }
-    assert_grad(grad_w, fd, TK, G_ATOL, G_RTOL, "dispatch grad_w");
-    int nonzero = 0;
-    for (int64_t i = 0; i < TK; i++) nonzero |= s.idx[i] >= 0 && fabs(fd[i]) > 1e-3;
-    assert_true(nonzero);
+    central_differences(dispatch_loss, &loss, w64, TK, FD_STEP, fd);
+    assert_grad_w(grad_w, fd, &s, "dispatch grad_w");
   }
   EXPECT_OK(epx_handle_release(h));
   EXPECT_OK(epx_buffer_destroy(b));
-  void *bufs[] = {x, g, recv, grad_x, grad_w, x64, w64, g64, dense, fd};
-  for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) tu_free(bufs[i]);
+  TU_FREE_ALL(x, g, recv, grad_x, grad_w, x64, w64, g64, dense, fd);
   setup_free(&s);
 }
 
@@ -196,15 +211,16 @@ static void test_dispatch_gradients(void **state) {
 
 /* L(y, w) in float64, y [N, H] in the layout: the dense combine of y's rows
  * in their dense slots (rows outside every slot are padding). */
-static double combine_loss(const setup_t *s, int weighted, const double *y, const double *w, const double *g,
-                           double *dense, double *out) {
+static double combine_loss(const void *ctx) {
+  const exchange_loss_t *a = ctx;
+  const setup_t *s = a->s;
   int64_t H = s->H;
   for (int64_t d = 0; d < (int64_t)s->E * s->C; d++) {
-    if (s->dense_row[d] >= 0) memcpy(dense + d * H, y + s->dense_row[d] * H, sizeof(double) * (size_t)H);
-    else memset(dense + d * H, 0, sizeof(double) * (size_t)H);
+    if (s->dense_row[d] >= 0) memcpy(a->dense + d * H, a->in + s->dense_row[d] * H, sizeof(double) * (size_t)H);
+    else memset(a->dense + d * H, 0, sizeof(double) * (size_t)H);
   }
-  r64_dense_combine(s->T, H, s->E, s->C, s->K, s->idx, w, s->loc, weighted, dense, out);
-  return r64_dot(g, out, s->T * H);
+  r64_dense_combine(s->T, H, s->E, s->C, s->K, s->idx, a->w, s->loc, a->weighted, a->dense, a->out);
+  return r64_dot(a->g, a->out, s->T * H);
 }
 
 static void check_combine_gradients(tu_rng_t *rng, epx_layout_t layout, int32_t align, epx_weighting_t wt) {
@@ -222,41 +238,22 @@ static void check_combine_gradients(tu_rng_t *rng, epx_layout_t layout, int32_t 
 
   double *y64 = to_f64(y, N * H), *w64 = to_f64(s.w, TK), *g64 = to_f64(g, T * H);
   double *dense = tu_alloc(sizeof(double) * (size_t)(s.E * s.C * H + 1)), *out64 = tu_alloc(sizeof(double) * (size_t)(T * H));
-  double L = combine_loss(&s, weighted, y64, w64, g64, dense, out64), L_lib = 0.0;
+  exchange_loss_t loss = {&s, weighted, y64, w64, g64, dense, out64};
+  double L = combine_loss(&loss), L_lib = 0.0;
   for (int64_t i = 0; i < T * H; i++) L_lib += g64[i] * out[i];
   assert_true(fabs(L - L_lib) <= 1e-5 * (1.0 + fabs(L)));
 
   double *fd = tu_alloc(sizeof(double) * (size_t)(N * H > TK ? N * H : TK) + 8);
   /* Every element of expert_out, padding rows included (their gradient is 0). */
-  for (int64_t i = 0; i < N * H; i++) {
-    double v = y64[i];
-    y64[i] = v + FD_STEP;
-    double up = combine_loss(&s, weighted, y64, w64, g64, dense, out64);
-    y64[i] = v - FD_STEP;
-    double down = combine_loss(&s, weighted, y64, w64, g64, dense, out64);
-    y64[i] = v;
-    fd[i] = (up - down) / (2 * FD_STEP);
-  }
+  central_differences(combine_loss, &loss, y64, N * H, FD_STEP, fd);
   assert_grad(grad_y, fd, N * H, G_ATOL, G_RTOL, "combine grad_expert_out");
   if (weighted) {
-    for (int64_t i = 0; i < TK; i++) {
-      double v = w64[i];
-      w64[i] = v + FD_STEP;
-      double up = combine_loss(&s, weighted, y64, w64, g64, dense, out64);
-      w64[i] = v - FD_STEP;
-      double down = combine_loss(&s, weighted, y64, w64, g64, dense, out64);
-      w64[i] = v;
-      fd[i] = (up - down) / (2 * FD_STEP);
-    }
-    assert_grad(grad_w, fd, TK, G_ATOL, G_RTOL, "combine grad_w");
-    int nonzero = 0;
-    for (int64_t i = 0; i < TK; i++) nonzero |= s.idx[i] >= 0 && fabs(fd[i]) > 1e-3;
-    assert_true(nonzero);
+    central_differences(combine_loss, &loss, w64, TK, FD_STEP, fd);
+    assert_grad_w(grad_w, fd, &s, "combine grad_w");
   }
   EXPECT_OK(epx_handle_release(h));
   EXPECT_OK(epx_buffer_destroy(b));
-  void *bufs[] = {y, g, out, grad_y, grad_w, y64, w64, g64, dense, out64, fd};
-  for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) tu_free(bufs[i]);
+  TU_FREE_ALL(y, g, out, grad_y, grad_w, y64, w64, g64, dense, out64, fd);
   setup_free(&s);
 }
 
@@ -290,8 +287,19 @@ static double expert_scale(int32_t e) { return 0.5 + 0.25 * e; }
 /* L(logits, x) in float64 with the selection held fixed: chosen [T, K] are
  * the top-K experts of the unperturbed logits (dropped ones included, as
  * renormalisation counts them), kept [T, K] whether the forward kept them. */
-static double route_loss(const route_case_t *rc, int64_t T, int32_t E, int32_t K, int64_t H, const double *logits,
-                         const double *x, const int32_t *chosen, const int32_t *kept_idx, const double *g) {
+/* route_loss_of's arguments, for central_differences. */
+typedef struct {
+  const route_case_t *rc;
+  int64_t T;
+  int32_t E, K;
+  int64_t H;
+  const double *logits, *x;
+  const int32_t *chosen, *kept_idx;
+  const double *g;
+} route_loss_t;
+
+static double route_loss_of(const route_case_t *rc, int64_t T, int32_t E, int32_t K, int64_t H, const double *logits,
+                            const double *x, const int32_t *chosen, const int32_t *kept_idx, const double *g) {
   double L = 0.0, p[64];
   for (int64_t t = 0; t < T; t++) {
     const double *l = logits + t * E;
@@ -314,6 +322,11 @@ static double route_loss(const route_case_t *rc, int64_t T, int32_t E, int32_t K
     }
   }
   return L;
+}
+
+static double route_loss(const void *ctx) {
+  const route_loss_t *a = ctx;
+  return route_loss_of(a->rc, a->T, a->E, a->K, a->H, a->logits, a->x, a->chosen, a->kept_idx, a->g);
 }
 
 static void check_route_end_to_end(tu_rng_t *rng, const route_case_t *rc) {
@@ -401,19 +414,12 @@ static void check_route_end_to_end(tu_rng_t *rng, const route_case_t *rc) {
 
   /* The float64 loss and its central differences. */
   double *l64 = to_f64(logits, T * E), *x64 = to_f64(x, T * H), *g64 = to_f64(g, T * H);
-  double L = route_loss(rc, T, E, K, H, l64, x64, chosen, idx, g64), L_lib = 0.0;
+  route_loss_t loss = {rc, T, E, K, H, l64, x64, chosen, idx, g64};
+  double L = route_loss(&loss), L_lib = 0.0;
   for (int64_t i = 0; i < T * H; i++) L_lib += g64[i] * out[i];
   if (!(fabs(L - L_lib) <= 1e-5 * (1.0 + fabs(L)))) fail_msg("%s: L = %.9g but the library's is %.9g", rc->name, L, L_lib);
   double *fd = tu_alloc(sizeof(double) * (size_t)(T * (H > E ? H : E)));
-  for (int64_t i = 0; i < T * E; i++) {
-    double v = l64[i];
-    l64[i] = v + FD_STEP_LOGITS;
-    double up = route_loss(rc, T, E, K, H, l64, x64, chosen, idx, g64);
-    l64[i] = v - FD_STEP_LOGITS;
-    double down = route_loss(rc, T, E, K, H, l64, x64, chosen, idx, g64);
-    l64[i] = v;
-    fd[i] = (up - down) / (2 * FD_STEP_LOGITS);
-  }
+  central_differences(route_loss, &loss, l64, T * E, FD_STEP_LOGITS, fd);
   char what[128];
   snprintf(what, sizeof what, "%s: grad_logits", rc->name);
   assert_grad(grad_logits, fd, T * E, ROUTE_ATOL, ROUTE_RTOL, what);
@@ -422,23 +428,14 @@ static void check_route_end_to_end(tu_rng_t *rng, const route_case_t *rc) {
   double largest = 0.0;
   for (int64_t i = 0; i < T * E; i++) largest = fabs(grad_logits[i]) > largest ? fabs(grad_logits[i]) : largest;
   if (!(largest > 1e-2)) fail_msg("%s: grad_logits is (nearly) zero: max |g| = %g", rc->name, largest);
-  for (int64_t i = 0; i < T * H; i++) {
-    double v = x64[i];
-    x64[i] = v + FD_STEP;
-    double up = route_loss(rc, T, E, K, H, l64, x64, chosen, idx, g64);
-    x64[i] = v - FD_STEP;
-    double down = route_loss(rc, T, E, K, H, l64, x64, chosen, idx, g64);
-    x64[i] = v;
-    fd[i] = (up - down) / (2 * FD_STEP);
-  }
+  central_differences(route_loss, &loss, x64, T * H, FD_STEP, fd);
   snprintf(what, sizeof what, "%s: grad_x", rc->name);
   assert_grad(grad_x, fd, T * H, G_ATOL, G_RTOL, what);
 
   EXPECT_OK(epx_handle_release(h));
   EXPECT_OK(epx_buffer_destroy(b));
-  void *bufs[] = {logits, chosen, idx, loc, w, recv_expert, x, g, recv, y, out, grad_y, grad_recv, grad_x,
-                  grad_w, grad_logits, l64, x64, g64, fd};
-  for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) tu_free(bufs[i]);
+  TU_FREE_ALL(logits, chosen, idx, loc, w, recv_expert, x, g, recv, y, out, grad_y, grad_recv, grad_x, grad_w,
+              grad_logits, l64, x64, g64, fd);
 }
 
 static void test_route_end_to_end(void **state) {

@@ -692,9 +692,7 @@ static void test_reference_arguments(void **state) {
 #undef DD
 #undef DC
   unwatch_all();
-  tu_free(x);
-  tu_free(y);
-  tu_free(out);
+  TU_FREE_ALL(x, y, out);
 }
 
 /* ------------------------------------------------------------------------ */

@@ -55,9 +55,7 @@ static routing_t routing_alloc(int64_t T, int32_t E, int32_t K) {
 }
 
 static void routing_free(routing_t *r) {
-  tu_free(r->idx);
-  tu_free(r->w);
-  tu_free(r->loc);
+  TU_FREE_ALL(r->idx, r->w, r->loc);
 }
 
 /* Dropless positions: loc = rank among the expert's routes, tokens ascending. */
@@ -244,13 +242,7 @@ static expected_t expected_layout(const routing_t *r, const case_t *c) {
 }
 
 static void expected_free(expected_t *x) {
-  tu_free(x->counts);
-  tu_free(x->offsets);
-  tu_free(x->token_row);
-  tu_free(x->row_token);
-  tu_free(x->row_dense);
-  tu_free(x->row_expert);
-  tu_free(x->row_w);
+  TU_FREE_ALL(x->counts, x->offsets, x->token_row, x->row_token, x->row_dense, x->row_expert, x->row_w);
 }
 
 /* What one exchange produced; compared bit for bit across exchanges. */
@@ -260,12 +252,7 @@ typedef struct {
 } results_t;
 
 static void results_free(results_t *r) {
-  tu_free(r->recv_x);
-  tu_free(r->out);
-  tu_free(r->grad_x);
-  tu_free(r->grad_eo);
-  tu_free(r->gw_dispatch);
-  tu_free(r->gw_combine);
+  TU_FREE_ALL(r->recv_x, r->out, r->grad_x, r->grad_eo, r->gw_dispatch, r->gw_combine);
 }
 
 /* Runs one routing through one exchange and checks every output against the
@@ -279,6 +266,32 @@ typedef struct {
   const void *ref_gx;    /* [T, H] dense combine of gd (dispatch's transpose) */
   const void *ref_geo;   /* [E*C, H] dense dispatch of gout (combine's transpose) */
 } inputs_t;
+
+/* grad_w [T, K] of `phase` against its definition: for each routed slot
+ * (t, k) to expert e at dense position loc, <dense[e, loc], tokens[t]>
+ * (dense [E, C, H], tokens [T, H], in dt); 0 in the -1 slots. */
+static void check_grad_w(const routing_t *r, epx_dtype_t dt, int64_t H, const void *dense, const void *tokens,
+                         const float *grad_w, const char *what, const char *phase) {
+  const int64_t T = r->T;
+  const int32_t K = r->K;
+  const size_t row_bytes = (size_t)H * epx_dtype_size(dt);
+  double *d = tu_alloc(sizeof(double) * (size_t)H), *x = tu_alloc(sizeof(double) * (size_t)H);
+  for (int64_t t = 0; t < T; t++)
+    for (int32_t k = 0; k < K; k++) {
+      float got = grad_w[t * K + k];
+      int32_t e = r->idx[t * K + k];
+      if (e < 0) {
+        if (got != 0.0f) fail_msg("%s: %s grad_w[%lld][%d] of a -1 slot is %g", what, phase, (long long)t, k, got);
+        continue;
+      }
+      r64_from_payload(dt, (const char *)dense + (size_t)(e * r->C + r->loc[t * K + k]) * row_bytes, d, H);
+      r64_from_payload(dt, (const char *)tokens + (size_t)t * row_bytes, x, H);
+      double want = r64_dot(d, x, H);
+      if (!(fabs(got - want) <= GW_ATOL + GW_RTOL * fabs(want)))
+        fail_msg("%s: %s grad_w[%lld][%d] = %.9g, expected %.9g", what, phase, (long long)t, k, got, want);
+    }
+  TU_FREE_ALL(d, x);
+}
 
 static results_t run_exchange(const routing_t *r, const case_t *c, const expected_t *x, const inputs_t *in,
                               epx_exchange_t exchange, const char *what) {
@@ -374,23 +387,7 @@ static results_t run_exchange(const routing_t *r, const case_t *c, const expecte
     assert_close(dt, res.grad_x, in->ref_gx, T * H, what, "dispatch_backward vs dense");
   }
   if (in_dispatch) {
-    double *a = tu_alloc(sizeof(double) * (size_t)H), *g = tu_alloc(sizeof(double) * (size_t)H);
-    for (int64_t t = 0; t < T; t++)
-      for (int32_t k = 0; k < K; k++) {
-        float got = res.gw_dispatch[t * K + k];
-        int32_t e = r->idx[t * K + k];
-        if (e < 0) {
-          if (got != 0.0f) fail_msg("%s: dispatch grad_w[%lld][%d] of a -1 slot is %g", what, (long long)t, k, got);
-          continue;
-        }
-        r64_from_payload(dt, (const char *)in->gd + (size_t)(e * r->C + r->loc[t * K + k]) * row_bytes, g, H);
-        r64_from_payload(dt, (const char *)in->x + (size_t)t * row_bytes, a, H);
-        double want = r64_dot(g, a, H);
-        if (!(fabs(got - want) <= GW_ATOL + GW_RTOL * fabs(want)))
-          fail_msg("%s: dispatch grad_w[%lld][%d] = %.9g, expected %.9g", what, (long long)t, k, got, want);
-      }
-    tu_free(a);
-    tu_free(g);
+    check_grad_w(r, dt, H, in->gd, in->x, res.gw_dispatch, what, "dispatch");
   } else if (!is_poison(res.gw_dispatch, sizeof(float))) {
     fail_msg("%s: grad_w written without EPX_WEIGHTS_IN_DISPATCH", what);
   }
@@ -412,35 +409,14 @@ static results_t run_exchange(const routing_t *r, const case_t *c, const expecte
   if (!is_poison((char *)res.grad_eo + (size_t)N * row_bytes, GUARD_ROWS * row_bytes))
     fail_msg("%s: combine_backward wrote past N rows", what);
   if (in_combine) {
-    double *a = tu_alloc(sizeof(double) * (size_t)H), *g = tu_alloc(sizeof(double) * (size_t)H);
-    for (int64_t t = 0; t < T; t++)
-      for (int32_t k = 0; k < K; k++) {
-        float got = res.gw_combine[t * K + k];
-        int32_t e = r->idx[t * K + k];
-        if (e < 0) {
-          if (got != 0.0f) fail_msg("%s: combine grad_w[%lld][%d] of a -1 slot is %g", what, (long long)t, k, got);
-          continue;
-        }
-        r64_from_payload(dt, (const char *)in->yd + (size_t)(e * r->C + r->loc[t * K + k]) * row_bytes, a, H);
-        r64_from_payload(dt, (const char *)in->gout + (size_t)t * row_bytes, g, H);
-        double want = r64_dot(g, a, H);
-        if (!(fabs(got - want) <= GW_ATOL + GW_RTOL * fabs(want)))
-          fail_msg("%s: combine grad_w[%lld][%d] = %.9g, expected %.9g", what, (long long)t, k, got, want);
-      }
-    tu_free(a);
-    tu_free(g);
+    check_grad_w(r, dt, H, in->yd, in->gout, res.gw_combine, what, "combine");
   } else if (!is_poison(res.gw_combine, sizeof(float))) {
     fail_msg("%s: grad_w written without EPX_WEIGHTS_IN_COMBINE", what);
   }
 
   EXPECT_OK(epx_handle_release(h));
   EXPECT_OK(epx_buffer_destroy(b));
-  tu_free(counts);
-  tu_free(offsets);
-  tu_free(src_rank);
-  tu_free(src_token);
-  tu_free(recv_expert);
-  tu_free(recv_w);
+  TU_FREE_ALL(counts, offsets, src_rank, src_token, recv_expert, recv_w);
   return res;
 }
 
@@ -511,8 +487,7 @@ static void check_case(tu_rng_t *rng, const routing_t *r, const case_t *c) {
     fail_msg("%s: dedup and collective exchanges are not bit-identical", what);
   results_free(&dedup);
   results_free(&coll);
-  void *bufs[] = {xs, yd, gd, gout, ys, gs, ref_recv, ref_geo, ref_out, ref_gx};
-  for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) tu_free(bufs[i]);
+  TU_FREE_ALL(xs, yd, gd, gout, ys, gs, ref_recv, ref_geo, ref_out, ref_gx);
   expected_free(&x);
 }
 
@@ -745,8 +720,7 @@ static void test_repeatable(void **state) {
           assert_memory_equal((char *)r3 + (size_t)i * row_bytes, (char *)x2 + (size_t)tok[i] * row_bytes, row_bytes);
       EXPECT_OK(epx_handle_release(h));
       EXPECT_OK(epx_buffer_destroy(b));
-      void *bufs[] = {x, y, g, r1, r2, o1, o2, gx1, gx2, ge1, ge2, gw1, gw2, x2, r3, tok};
-      for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) tu_free(bufs[i]);
+      TU_FREE_ALL(x, y, g, r1, r2, o1, o2, gx1, gx2, ge1, ge2, gw1, gw2, x2, r3, tok);
       routing_free(&r);
     }
 }
@@ -989,14 +963,11 @@ static void test_tensor_parallel_slicing(void **state) {
       unslice_dim1(part_out, rows, H, 1, tp, p, joined);
     }
     assert_true(memcmp(joined, full, bytes) != 0);
-    tu_free(part);
-    tu_free(part_out);
-    tu_free(joined);
+    TU_FREE_ALL(part, part_out, joined);
   }
   EXPECT_OK(epx_handle_release(h));
   EXPECT_OK(epx_buffer_destroy(b));
-  void *bufs[] = {m, x, recv, full, out_full, out_tp};
-  for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) tu_free(bufs[i]);
+  TU_FREE_ALL(m, x, recv, full, out_full, out_tp);
   routing_free(&r);
 }
 

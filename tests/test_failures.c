@@ -117,6 +117,14 @@ static void wait_for_peers(run_t *run, int32_t world) {
   }
 }
 
+/* The steps before `step`, each expected to succeed: a rank's state when it
+ * reaches `step`. Returns the failed checks. */
+static int steps_before(state_t *s, int32_t rank, step_t step) {
+  int failures = 0;
+  for (step_t done = STEP_LAYOUT; done < step; done++) RANK_STATUS(run_step(s, done), EPX_SUCCESS, NULL);
+  return failures;
+}
+
 /* ------------------------------------------------------------------------ */
 /* A peer that stops                                                         */
 /* ------------------------------------------------------------------------ */
@@ -126,8 +134,7 @@ static int stopped_peer_rank(epx_comm_t comm, int32_t rank, int32_t world, void 
   int failures = 0;
   state_t s;
   if (state_init(&s, comm, rank)) return 1;
-  for (step_t step = STEP_LAYOUT; step < run->step; step++)
-    RANK_STATUS(run_step(&s, step), EPX_SUCCESS, NULL);
+  failures += steps_before(&s, rank, run->step);
   char named[32];
   snprintf(named, sizeof named, "rank %d", run->odd);
   if (rank != run->odd) {
@@ -248,14 +255,24 @@ static const char *run_bad_step(state_t *s, step_t step, int variant, epx_status
   return "";
 }
 
+/* fn on 3 ranks for every step from `first` on and both variants, the odd
+ * rank (step + variant) % 3; a failed run is named (what the odd rank does). */
+static void on_three_ranks_every_step(step_t first, tu_rank_fn fn, const char *what) {
+  for (step_t step = first; step < STEPS; step++)
+    for (int variant = 0; variant < 2; variant++) {
+      run_t run = {(int32_t)(step + variant) % 3, step, variant, 0};
+      if (tu_run_ranks(3, 10.0, fn, &run))
+        fail_msg("rank %d %s in %s (variant %d): a rank failed", run.odd, what, step_names[step], variant);
+    }
+}
+
 static int erring_rank(epx_comm_t comm, int32_t rank, int32_t world, void *arg) {
   (void)world;
   run_t *run = arg;
   int failures = 0;
   state_t s;
   if (state_init(&s, comm, rank)) return 1;
-  for (step_t step = STEP_LAYOUT; step < run->step; step++)
-    RANK_STATUS(run_step(&s, step), EPX_SUCCESS, NULL);
+  failures += steps_before(&s, rank, run->step);
   /* Snapshots of everything a refused call could have written. */
   size_t rows_bytes = (size_t)(4 * T * K) * H * sizeof(float), token_bytes = (size_t)T * H * sizeof(float);
   void *before[4] = {malloc(rows_bytes), malloc(token_bytes), malloc(rows_bytes), malloc(token_bytes)};
@@ -294,12 +311,7 @@ static int erring_rank(epx_comm_t comm, int32_t rank, int32_t world, void *arg) 
 
 static void test_erring_peer_is_named_everywhere(void **state) {
   (void)state;
-  for (step_t step = STEP_LAYOUT; step < STEPS; step++)
-    for (int variant = 0; variant < 2; variant++) {
-      run_t run = {(int32_t)(step + variant) % 3, step, variant, 0};
-      if (tu_run_ranks(3, 10.0, erring_rank, &run))
-        fail_msg("rank %d errs in %s (variant %d): a rank failed", run.odd, step_names[step], variant);
-    }
+  on_three_ranks_every_step(STEP_LAYOUT, erring_rank, "errs");
   run_t four = {3, STEP_COMBINE, 0, 0};
   assert_int_equal(tu_run_ranks(4, 10.0, erring_rank, &four), 0);
 }
@@ -344,12 +356,7 @@ static int bad_handle_rank(epx_comm_t comm, int32_t rank, int32_t world, void *a
 
 static void test_bad_handle_peer_is_named_everywhere(void **state) {
   (void)state;
-  for (step_t step = STEP_DISPATCH; step < STEPS; step++)
-    for (int variant = 0; variant < 2; variant++) {
-      run_t run = {(int32_t)(step + variant) % 3, step, variant, 0};
-      if (tu_run_ranks(3, 10.0, bad_handle_rank, &run))
-        fail_msg("rank %d passes a %s handle to %s: a rank failed", run.odd, variant ? "foreign" : "dead", step_names[step]);
-    }
+  on_three_ranks_every_step(STEP_DISPATCH, bad_handle_rank, "passes a bad handle (variant 0: dead, 1: foreign)");
 }
 
 int main(void) {

@@ -15,7 +15,6 @@
  * buffer in its dtype. The bits against the peers' PyTorch formulas are in
  * tests/python/test_fp8.py. */
 #include <math.h>
-#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -551,47 +550,6 @@ static int scene_rank_main(epx_comm_t comm, int32_t rank, int32_t world, void *a
   return fp8_scene_rank(comm, rank, arg);
 }
 
-/* W threads posed as nodes of L ranks (epx_comm_config_t.ranks_per_node),
- * for the hierarchical exchange. */
-typedef struct {
-  epx_local_world_t world;
-  int32_t rank;
-  const fp8_scene_t *scene;
-  int failures;
-} node_thread_t;
-
-static void *node_thread(void *arg) {
-  node_thread_t *a = arg;
-  epx_comm_t comm = NULL;
-  int failures = 0, rank = a->rank;
-  RANK_REQUIRE_OK(epx_comm_create_local(a->world, a->rank, &comm));
-  failures += fp8_scene_rank(comm, a->rank, a->scene);
-done:
-  if (comm) RANK_OK(epx_comm_destroy(comm));
-  a->failures = failures;
-  return NULL;
-}
-
-static int run_on_nodes(const fp8_scene_t *s, int32_t L) {
-  epx_comm_config_t config = EPX_COMM_CONFIG_INIT;
-  config.timeout_seconds = 20.0;
-  config.ranks_per_node = L;
-  epx_local_world_t world = NULL;
-  if (epx_local_world_create(s->W, &config, &world) != EPX_SUCCESS) return 1;
-  pthread_t threads[FP8_MAX_W];
-  node_thread_t args[FP8_MAX_W];
-  for (int32_t r = 0; r < s->W; r++) {
-    args[r] = (node_thread_t){world, r, s, 0};
-    pthread_create(&threads[r], NULL, node_thread, &args[r]);
-  }
-  int failures = 0;
-  for (int32_t r = 0; r < s->W; r++) {
-    pthread_join(threads[r], NULL);
-    failures += args[r].failures;
-  }
-  return failures + (epx_local_world_destroy(world) != EPX_SUCCESS);
-}
-
 /* Every scene on W ranks; L > 0: as nodes of L ranks, each scene with the
  * hierarchical exchange. */
 static void run_scenes(int32_t W, int32_t L) {
@@ -603,7 +561,7 @@ static void run_scenes(int32_t W, int32_t L) {
     assert_int_equal(fp8_scene_build(s), 0);
     int failures;
     if (L) {
-      failures = run_on_nodes(s, L);
+      failures = tu_run_nodes(W, L, 20.0, scene_rank_main, s);
     } else if (W == 1) {
       epx_comm_t comm;
       EXPECT_OK(epx_comm_create_self(&comm));

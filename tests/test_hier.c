@@ -8,7 +8,6 @@
  * the three exchanges bit for bit. The rows each
  * exchange sends by link class (epx_handle_traffic) against counts made here
  * from every rank's routing, and the topology query. */
-#include <pthread.h>
 #include <stdlib.h>
 
 #include "core/dtype.h"
@@ -182,9 +181,8 @@ done:
 }
 
 static void ht_result_free(ht_result_t *r) {
-  void *all[] = {r->recv, r->recv2, r->out, r->grad_expert_out, r->grad_x, r->grad_x2,
-                 r->grad_w_combine, r->grad_w_dispatch, r->grad_w_weights};
-  for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) tu_free(all[i]);
+  TU_FREE_ALL(r->recv, r->recv2, r->out, r->grad_expert_out, r->grad_x, r->grad_x2, r->grad_w_combine,
+              r->grad_w_dispatch, r->grad_w_weights);
 }
 
 static int ht_same(const void *a, const void *b, size_t bytes) { return bytes == 0 || memcmp(a, b, bytes) == 0; }
@@ -275,50 +273,21 @@ static int ht_topology_rank(epx_comm_t comm, int32_t rank, int32_t W, int32_t L)
   return failures;
 }
 
-#ifndef HT_SCENE_ONLY
-
-typedef struct {
-  epx_local_world_t world;
-  int32_t rank, W, L;
-  int failures;
-} ht_thread_t;
-
-static void *ht_thread(void *arg) {
-  ht_thread_t *a = arg;
-  epx_comm_t comm = NULL;
-  int failures = 0, rank = a->rank;
-  RANK_REQUIRE_OK(epx_comm_create_local(a->world, a->rank, &comm));
-  failures += ht_topology_rank(comm, a->rank, a->W, a->L);
+/* Every case on W ranks posed as nodes of L ranks. */
+static int ht_rank(epx_comm_t comm, int32_t rank, int32_t W, void *arg) {
+  const int32_t L = *(const int32_t *)arg;
+  int failures = ht_topology_rank(comm, rank, W, L);
   for (int i = 0; i < HT_CASES; i++) {
-    int f = ht_case_rank(comm, a->rank, a->W, a->L, &ht_cases[i], 0x5eed + (uint64_t)i);
-    if (f) fprintf(stderr, "rank %d: case %d (W=%d as %d x %d) failed\n", a->rank, i, a->W, a->W / a->L, a->L);
+    int f = ht_case_rank(comm, rank, W, L, &ht_cases[i], 0x5eed + (uint64_t)i);
+    if (f) fprintf(stderr, "rank %d: case %d (W=%d as %d x %d) failed\n", rank, i, W, W / L, L);
     failures += f;
   }
-done:
-  if (comm) RANK_OK(epx_comm_destroy(comm));
-  a->failures = failures;
-  return NULL;
+  return failures;
 }
 
-static int ht_world(int32_t W, int32_t L) {
-  epx_comm_config_t config = EPX_COMM_CONFIG_INIT;
-  config.timeout_seconds = 30.0;
-  config.ranks_per_node = L;
-  epx_local_world_t world = NULL;
-  if (epx_local_world_create(W, &config, &world) != EPX_SUCCESS) return 1;
-  pthread_t threads[16];
-  ht_thread_t args[16];
-  for (int32_t r = 0; r < W; r++) {
-    args[r] = (ht_thread_t){world, r, W, L, 0};
-    pthread_create(&threads[r], NULL, ht_thread, &args[r]);
-  }
-  int failures = 0;
-  for (int32_t r = 0; r < W; r++) {
-    pthread_join(threads[r], NULL);
-    failures += args[r].failures;
-  }
-  return failures + (epx_local_world_destroy(world) != EPX_SUCCESS);
-}
+#ifndef HT_SCENE_ONLY
+
+static int ht_world(int32_t W, int32_t L) { return tu_run_nodes(W, L, 30.0, ht_rank, &L); }
 
 static void test_two_nodes_of_two(void **state) { (void)state, assert_int_equal(ht_world(4, 2), 0); }
 static void test_two_nodes_of_four(void **state) { (void)state, assert_int_equal(ht_world(8, 4), 0); }

@@ -76,9 +76,7 @@ static int ll_side_build(const ll_case_t *c, int32_t rank, ll_side_t *s) {
 }
 
 static void ll_side_free(ll_side_t *s) {
-  free(s->idx);
-  free(s->w);
-  free(s->x);
+  TU_FREE_ALL(s->idx, s->w, s->x);
 }
 
 static epx_buffer_config_t ll_config(const ll_case_t *c, int32_t low_latency) {
@@ -160,8 +158,7 @@ done:
 }
 
 static void ll_normal_free(ll_normal_t *n) {
-  void *p[] = {n->counts, n->offsets, n->src_rank, n->src_token, n->recv, n->expert_out, n->out};
-  for (size_t i = 0; i < sizeof p / sizeof p[0]; i++) free(p[i]);
+  TU_FREE_ALL(n->counts, n->offsets, n->src_rank, n->src_token, n->recv, n->expert_out, n->out);
 }
 
 /* The normal layout's rows of group g (an expert, or a source rank): first
@@ -276,8 +273,7 @@ done:
   epx_handle_release(handle);
   free(padded.idx);
   free(padded.w);
-  void *p[] = {recv, expert_out, out, count, src_rank, src_token};
-  for (size_t i = 0; i < sizeof p / sizeof p[0]; i++) free(p[i]);
+  TU_FREE_ALL(recv, expert_out, out, count, src_rank, src_token);
   return failures;
 }
 
@@ -407,8 +403,7 @@ static long long ll_fp8_rank(epx_comm_t comm, int32_t rank, int32_t W) {
 done:
   epx_handle_release(hn), epx_handle_release(hq), epx_handle_release(hp);
   epx_buffer_destroy(normal), epx_buffer_destroy(ll);
-  void *p[] = {q, qs, rq, rs, lq, ls, pq, ps, deq, deq_ll, out, out_ll, counts, offsets, count};
-  for (size_t i = 0; i < sizeof p / sizeof p[0]; i++) free(p[i]);
+  TU_FREE_ALL(q, qs, rq, rs, lq, ls, pq, ps, deq, deq_ll, out, out_ll, counts, offsets, count);
   ll_side_free(&me);
   return failures;
 }

@@ -78,11 +78,7 @@ static void mr_keyed_row(const mr_scene_t *s, mr_key_t tag, int64_t a, int64_t b
 
 static void mr_scene_free(mr_scene_t *s) {
   for (int32_t r = 0; r < MR_MAX_W; r++) {
-    free(s->logits[r]);
-    free(s->idx[r]);
-    free(s->w[r]);
-    free(s->loc[r]);
-    free(s->x[r]);
+    TU_FREE_ALL(s->logits[r], s->idx[r], s->w[r], s->loc[r], s->x[r]);
     s->logits[r] = NULL, s->idx[r] = NULL, s->w[r] = NULL, s->loc[r] = NULL, s->x[r] = NULL;
   }
 }
@@ -154,10 +150,7 @@ typedef struct {
 } mr_layout_t;
 
 static void mr_layout_free(mr_layout_t *L) {
-  free(L->src);
-  free(L->tok);
-  free(L->expert);
-  free(L->weight);
+  TU_FREE_ALL(L->src, L->tok, L->expert, L->weight);
 }
 
 /* Whether token t of rank s routes to an expert on rank q. */
@@ -292,13 +285,7 @@ typedef struct {
 } mr_result_t;
 
 static void mr_result_free(mr_result_t *r) {
-  free(r->recv_x);
-  free(r->out);
-  free(r->grad_expert_out);
-  free(r->grad_x);
-  free(r->grad_w_combine);
-  free(r->grad_w_dispatch);
-  free(r->grad_logits);
+  TU_FREE_ALL(r->recv_x, r->out, r->grad_expert_out, r->grad_x, r->grad_w_combine, r->grad_w_dispatch, r->grad_logits);
   memset(r, 0, sizeof *r);
 }
 
@@ -362,12 +349,7 @@ typedef struct {
 } mr_reference_t;
 
 static void mr_reference_free(mr_reference_t *r) {
-  free(r->out);
-  free(r->grad_x);
-  free(r->grad_w_combine);
-  free(r->grad_w_dispatch);
-  free(r->out_exact);
-  free(r->grad_x_exact);
+  TU_FREE_ALL(r->out, r->grad_x, r->grad_w_combine, r->grad_w_dispatch, r->out_exact, r->grad_x_exact);
 }
 
 static int mr_reference_build(const mr_scene_t *s, int32_t rank, mr_reference_t *ref) {
@@ -442,15 +424,7 @@ static int mr_reference_build(const mr_scene_t *s, int32_t rank, mr_reference_t 
       epx_store(s->dtype, (char *)ref->grad_x_exact + (size_t)t * rb, h, acc_g[h]);
     }
   }
-  free(out);
-  free(gx);
-  free(acc_o);
-  free(acc_g);
-  free(p_o);
-  free(p_g);
-  free(eo);
-  free(gr);
-  free(go);
+  TU_FREE_ALL(out, gx, acc_o, acc_g, p_o, p_g, eo, gr, go);
   return ok ? 0 : 1;
 }
 
@@ -492,9 +466,7 @@ static void mr_check_dense(mr_ctx_t *c, const void *recv_x, const void *out) {
     mr_fail(c, "epx_reference_dense_combine: %s", epx_last_error());
   else if (tu_max_error(s->dtype, out, s->dtype, want, s->T[rank] * s->H, tu_atol(s->dtype), tu_rtol(s->dtype)) > 1.0)
     mr_fail(c, "combine out differs from the dense combine");
-  free(dense);
-  free(eo);
-  free(want);
+  TU_FREE_ALL(dense, eo, want);
 }
 
 static int64_t mr_round_up(int64_t v, int64_t to) {
@@ -672,15 +644,7 @@ static int mr_run_exchange(epx_comm_t comm, int32_t rank, const mr_scene_t *s, e
   }
 
 done:
-  free(got_src);
-  free(got_tok);
-  free(got_expert);
-  free(got_w);
-  free(expert_out);
-  free(grad_out);
-  free(grad_recv);
-  free(again);
-  free(grad_x_plain);
+  TU_FREE_ALL(got_src, got_tok, got_expert, got_w, expert_out, grad_out, grad_recv, again, grad_x_plain);
   if (handle && epx_handle_release(handle) != EPX_SUCCESS) mr_fail(c, "epx_handle_release: %s", epx_last_error());
   if (buffer && epx_buffer_destroy(buffer) != EPX_SUCCESS) mr_fail(c, "epx_buffer_destroy: %s", epx_last_error());
   return ctx.failures;
@@ -1240,9 +1204,7 @@ static int max_tokens_rank(epx_comm_t comm, int32_t rank, int32_t world, void *a
     epx_handle_release(handle);
   }
   RANK_STATUS(epx_buffer_destroy(buffer), EPX_SUCCESS, NULL);
-  free(x);
-  free(recv);
-  free(copy);
+  TU_FREE_ALL(x, recv, copy);
   return failures;
 }
 
@@ -1385,9 +1347,7 @@ static int busy_rank(epx_comm_t comm, int32_t rank, int32_t world, void *arg) {
   RANK_STATUS(epx_handle_release(h2), EPX_ERROR_INVALID_HANDLE, "handle");
   RANK_STATUS(epx_buffer_destroy(buffer), EPX_SUCCESS, NULL);
   RANK_STATUS(epx_buffer_destroy(buffer), EPX_ERROR_INVALID_HANDLE, "buffer");
-  free(x);
-  free(grad);
-  free(rows);
+  TU_FREE_ALL(x, grad, rows);
   return failures;
 }
 

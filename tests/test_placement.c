@@ -14,7 +14,6 @@
  * The scene and the rank functions (up to the cmocka part) are shared with
  * mpi_placement.c, which includes this file with PL_SCENE_ONLY defined. */
 #include <math.h>
-#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -33,46 +32,8 @@
 /* ------------------------------------------------------------------------ */
 
 #ifndef PL_SCENE_ONLY
-typedef struct {
-  epx_local_world_t world;
-  int32_t rank, W;
-  tu_rank_fn fn;
-  void *arg;
-  int result;
-} rank_arg_t;
-
-static void *rank_thread(void *p) {
-  rank_arg_t *a = p;
-  epx_comm_t comm = NULL;
-  if (epx_comm_create_local(a->world, a->rank, &comm) != EPX_SUCCESS) {
-    fprintf(stderr, "rank %d: %s\n", a->rank, epx_last_error());
-    a->result = 1;
-    return NULL;
-  }
-  a->result = a->fn(comm, a->rank, a->W, a->arg);
-  if (epx_comm_destroy(comm) != EPX_SUCCESS) a->result++;
-  return NULL;
-}
-
 static int run_ranks(int32_t W, int32_t per_node, tu_rank_fn fn, void *arg) {
-  epx_comm_config_t config = EPX_COMM_CONFIG_INIT;
-  config.ranks_per_node = per_node;
-  config.timeout_seconds = 30;
-  epx_local_world_t world;
-  if (epx_local_world_create(W, &config, &world) != EPX_SUCCESS) return W;
-  pthread_t threads[W_MAX];
-  rank_arg_t args[W_MAX];
-  for (int32_t r = 0; r < W; r++) {
-    args[r] = (rank_arg_t){world, r, W, fn, arg, 0};
-    pthread_create(&threads[r], NULL, rank_thread, &args[r]);
-  }
-  int failures = 0;
-  for (int32_t r = 0; r < W; r++) {
-    pthread_join(threads[r], NULL);
-    failures += args[r].result != 0;
-  }
-  failures += epx_local_world_destroy(world) != EPX_SUCCESS;
-  return failures;
+  return tu_run_nodes(W, per_node, 30.0, fn, arg);
 }
 #endif
 

@@ -55,9 +55,7 @@ typedef struct {
 
 static void layer_free(layer_t *l) {
   epx_handle_release(l->handle);
-  free(l->recv);
-  free(l->expert_out);
-  free(l->expert);
+  TU_FREE_ALL(l->recv, l->expert_out, l->expert);
   memset(l, 0, sizeof *l);
 }
 
@@ -314,22 +312,48 @@ static void test_replay_is_bit_identical(void **state) {
 /* Validation: a replay whose routing differs is refused on every rank       */
 /* ------------------------------------------------------------------------ */
 
-static int mismatch_rank(epx_comm_t comm, int32_t rank, int32_t world, void *arg) {
-  int32_t odd = *(const int32_t *)arg; /* the rank whose recompute routes differently */
+/* The validation cases' start: a rank's model and step, both layers'
+ * forward recorded by a new recorder (validate), set to replay. Returns the
+ * failed checks; r->rec is NULL when nothing was made (no replay_end then). */
+typedef struct {
+  model_t model;
+  step_t step;
+  epx_recorder_t rec;
+} replay_t;
+
+static int replay_begin(replay_t *r, epx_comm_t comm, int32_t rank, int32_t world, int validate) {
   int failures = 0;
-  model_t model, *m = &model;
-  step_t s;
-  epx_recorder_t rec = NULL;
-  if (model_init(m, comm, rank, world, EPX_FLOAT32, 32) || step_alloc(m, &s)) return 1;
-  if (epx_recorder_create(1, &rec) != EPX_SUCCESS) return 1;
+  model_t *m = &r->model;
+  step_t *s = &r->step;
+  r->rec = NULL;
+  if (model_init(m, comm, rank, world, EPX_FLOAT32, 32) || step_alloc(m, s)) return 1;
+  if (epx_recorder_create(validate, &r->rec) != EPX_SUCCESS) return 1;
   layer_t st[2] = {{0}, {0}};
-  if (layer_forward(m, 0, rec, s.x0, s.out[0], &st[0]) || layer_forward(m, 1, rec, s.out[0], s.out[1], &st[1])) {
-    failures++;
-    goto done;
-  }
+  failures += layer_forward(m, 0, r->rec, s->x0, s->out[0], &st[0]) ||
+              layer_forward(m, 1, r->rec, s->out[0], s->out[1], &st[1]);
   layer_free(&st[0]);
   layer_free(&st[1]);
-  RANK_STATUS(epx_recorder_set_mode(rec, EPX_RECORDER_REPLAY), EPX_SUCCESS, NULL);
+  if (!failures) RANK_STATUS(epx_recorder_set_mode(r->rec, EPX_RECORDER_REPLAY), EPX_SUCCESS, NULL);
+  return failures;
+}
+
+/* Ends what replay_begin made; returns the failed checks. */
+static int replay_end(replay_t *r, int32_t rank) {
+  int failures = 0;
+  RANK_STATUS(epx_recorder_destroy(r->rec), EPX_SUCCESS, NULL);
+  model_fini(&r->model);
+  step_free(&r->step);
+  return failures;
+}
+
+static int mismatch_rank(epx_comm_t comm, int32_t rank, int32_t world, void *arg) {
+  int32_t odd = *(const int32_t *)arg; /* the rank whose recompute routes differently */
+  replay_t r;
+  int failures = replay_begin(&r, comm, rank, world, 1);
+  if (!r.rec) return failures;
+  if (failures) goto done;
+  model_t *m = &r.model;
+  epx_recorder_t rec = r.rec;
 
   /* Call 0 replays as recorded (validation agrees, so it is collective). */
   epx_routing_t routing = model_routing(m, 0);
@@ -355,12 +379,7 @@ static int mismatch_rank(epx_comm_t comm, int32_t rank, int32_t world, void *arg
   RANK_EXPECT(now_seconds() - start < 2.0, "the refusal took %.2f s", now_seconds() - start);
   RANK_EXPECT(h == poison, "the handle output was written on a refused replay");
 done:
-  layer_free(&st[0]);
-  layer_free(&st[1]);
-  RANK_STATUS(epx_recorder_destroy(rec), EPX_SUCCESS, NULL);
-  model_fini(m);
-  step_free(&s);
-  return failures;
+  return failures + replay_end(&r, rank);
 }
 
 static void test_replay_mismatch_refused_on_every_rank(void **state) {
@@ -385,20 +404,12 @@ typedef struct {
 
 static int bad_replay_rank(epx_comm_t comm, int32_t rank, int32_t world, void *arg) {
   const bad_replay_t *b = arg;
-  int failures = 0;
-  model_t model, *m = &model;
-  step_t s;
-  epx_recorder_t rec = NULL;
-  layer_t st[2] = {{0}, {0}};
-  if (model_init(m, comm, rank, world, EPX_FLOAT32, 32) || step_alloc(m, &s)) return 1;
-  if (epx_recorder_create(b->validate, &rec) != EPX_SUCCESS) return 1;
-  if (layer_forward(m, 0, rec, s.x0, s.out[0], &st[0]) || layer_forward(m, 1, rec, s.out[0], s.out[1], &st[1])) {
-    failures++;
-    goto done;
-  }
-  layer_free(&st[0]);
-  layer_free(&st[1]);
-  RANK_STATUS(epx_recorder_set_mode(rec, EPX_RECORDER_REPLAY), EPX_SUCCESS, NULL);
+  replay_t r;
+  int failures = replay_begin(&r, comm, rank, world, b->validate);
+  if (!r.rec) return failures;
+  if (failures) goto done;
+  model_t *m = &r.model;
+  epx_recorder_t rec = r.rec;
   int32_t saved = m->idx[0][2 * K];
   if (rank == b->odd) m->idx[0][2 * K] = m->E;
   epx_routing_t routing = model_routing(m, 0);
@@ -422,12 +433,7 @@ static int bad_replay_rank(epx_comm_t comm, int32_t rank, int32_t world, void *a
   RANK_STATUS(epx_dispatch_layout(m->buffer[0], &routing, NULL, &h), EPX_SUCCESS, NULL);
   epx_handle_release(h);
 done:
-  layer_free(&st[0]);
-  layer_free(&st[1]);
-  RANK_STATUS(epx_recorder_destroy(rec), EPX_SUCCESS, NULL);
-  model_fini(m);
-  step_free(&s);
-  return failures;
+  return failures + replay_end(&r, rank);
 }
 
 static void test_bad_routing_in_replay(void **state) {

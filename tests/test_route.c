@@ -79,12 +79,7 @@ static void outs_alloc(outs *o, int64_t T, int32_t E, int32_t K) {
 }
 
 static void outs_free(outs *o) {
-  tu_free(o->idx);
-  tu_free(o->loc);
-  tu_free(o->w);
-  tu_free(o->counts);
-  tu_free(o->aux);
-  tu_free(o->z);
+  TU_FREE_ALL(o->idx, o->loc, o->w, o->counts, o->aux, o->z);
 }
 
 static int bytes_poisoned(const void *p, size_t n) {
@@ -143,10 +138,7 @@ static void ref_route(const epx_route_config_t *c, int64_t T, const float *logit
 }
 
 static void ref_free(ref_t *r) {
-  tu_free(r->idx);
-  tu_free(r->loc);
-  tu_free(r->w);
-  tu_free(r->counts);
+  TU_FREE_ALL(r->idx, r->loc, r->w, r->counts);
 }
 
 /* softmax of a row in float64, for the hand-worked checks. */
@@ -777,9 +769,7 @@ static void test_route_large_logits(void **state) {
   EXPECT_OK(epx_route_backward(&c, T, l, NULL, o.idx, gw, 0.0f, 0.0f, grad));
   for (int64_t i = 0; i < T * E; i++) assert_true(grad[i] == 0.0f);
   outs_free(&o);
-  tu_free(grad);
-  tu_free(gw);
-  tu_free(l);
+  TU_FREE_ALL(grad, gw, l);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -858,9 +848,7 @@ static double check_gradient(const epx_route_config_t *c, int64_t T, const float
   if (skipped * 20 > checked) fail_msg("%s: %lld of %lld steps changed the routing", label,
                                      (long long)skipped, (long long)(T * E));
   ref_free(&base);
-  tu_free(grad);
-  tu_free(want);
-  tu_free(moved);
+  TU_FREE_ALL(grad, want, moved);
   outs_free(&o);
   return largest;
 }
@@ -899,9 +887,7 @@ static void test_route_gradients(void **state) {
               check_gradient(&c, T, l, bias, part == 0 || part == 3 ? gw : NULL, ga, gz, label);
           /* The weights' gradient (and each loss's) must reach the logits. */
           if (!(largest > (part == 0 || part == 3 ? 1e-3 : 1e-5))) fail_msg("%s: gradient vanished (max %g)", label, largest);
-          tu_free(l);
-          tu_free(gw);
-          tu_free(bias);
+          TU_FREE_ALL(l, gw, bias);
         }
 }
 
@@ -1012,9 +998,7 @@ static void test_route_gradient_drops(void **state) {
   tu_poison(grad, sizeof(float) * (size_t)(T * E));
   EXPECT_OK(epx_route_backward(&c, T, l, NULL, o.idx, NULL, 0.0f, 0.0f, grad));
   for (int64_t i = 0; i < T * E; i++) assert_true(grad[i] == 0.0f);
-  tu_free(grad);
-  tu_free(l);
-  tu_free(gw);
+  TU_FREE_ALL(grad, l, gw);
   outs_free(&o);
 }
 
@@ -1093,11 +1077,7 @@ static void test_route_nonfinite(void **state) {
       if (t == 2 || t == 5 || t == 9) assert_true(grad[t * E + e] == 0.0f);
       else assert_true(isfinite(grad[t * E + e]));
   outs_free(&o);
-  tu_free(kept);
-  tu_free(grad);
-  tu_free(idx);
-  tu_free(gw);
-  tu_free(l);
+  TU_FREE_ALL(kept, grad, idx, gw, l);
 }
 
 /* Batches of >= 64K logits are split over threads by blocks of tokens: the
@@ -1161,10 +1141,7 @@ static void test_route_threaded_batches(void **state) {
                 EPX_ERROR_INVALID_ARGUMENT, "topk_idx[1200, 1]");
   assert_true(bytes_poisoned(grad, sizeof(float) * (size_t)(T * E)));
   outs_free(&whole);
-  tu_free(grad);
-  tu_free(gw);
-  tu_free(bias);
-  tu_free(l);
+  TU_FREE_ALL(grad, gw, bias, l);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -1296,9 +1273,7 @@ static void test_route_bad_arguments(void **state) {
   /* Inputs are never written. */
   assert_memory_equal(l, l_copy, sizeof(float) * BAD_T * BAD_E);
   outs_free(&o);
-  tu_free(l);
-  tu_free(l_copy);
-  tu_free(bias);
+  TU_FREE_ALL(l, l_copy, bias);
 }
 
 static void test_route_backward_bad_arguments(void **state) {
@@ -1359,9 +1334,7 @@ static void test_route_backward_bad_arguments(void **state) {
   }
 #undef EXPECT_BACKWARD_REFUSED
   outs_free(&o);
-  tu_free(l);
-  tu_free(gw);
-  tu_free(grad);
+  TU_FREE_ALL(l, gw, grad);
 }
 
 /* The same inputs give the same bits, and grad_logits may be the logits. */
@@ -1390,9 +1363,7 @@ static void test_route_deterministic_and_in_place(void **state) {
   assert_memory_equal(grad, l, sizeof(float) * (size_t)(T * E));
   outs_free(&a);
   outs_free(&b);
-  tu_free(grad);
-  tu_free(gw);
-  tu_free(l);
+  TU_FREE_ALL(grad, gw, l);
 }
 
 int main(void) {

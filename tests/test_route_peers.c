@@ -94,9 +94,7 @@ static void test_capacity_edges(void **state) {
     if (out.capacity != cases[i].mg || queried != cases[i].mg)
       fail_msg("T %lld E %d K %d factor %g: capacity %d (queried %d), Megatron's %d", (long long)T,
                c.num_experts, c.top_k, cases[i].factor, out.capacity, queried, cases[i].mg);
-    tu_free(l);
-    tu_free(idx);
-    tu_free(w);
+    TU_FREE_ALL(l, idx, w);
   }
   /* dropless: 0; bad arguments refused by name */
   epx_route_config_t c = config_make(8, 2);

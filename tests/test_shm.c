@@ -10,14 +10,12 @@
  * segment left by a killed job is reclaimed or refused by name on every
  * rank. Every rank process has a hard bound (alarm) so that a hang fails. Each rank
  * is a process: its failed checks are its exit status. */
-#include <dirent.h>
 #include <signal.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include "comm/comm.h"
@@ -62,19 +60,6 @@ static pid_t fork_rank(const char *name, int32_t r, int32_t size, double timeout
   _exit(failures ? 1 : 0);
 }
 
-/* Waits for rank r's process: 1 if it ended as expected (exit 0, or killed
- * by `signal` when signal != 0). */
-static int reap(pid_t pid, int32_t r, int signal) {
-  int wstatus = 0;
-  waitpid(pid, &wstatus, 0);
-  int ok = signal ? WIFSIGNALED(wstatus) && WTERMSIG(wstatus) == signal
-                  : WIFEXITED(wstatus) && WEXITSTATUS(wstatus) == 0;
-  if (!ok)
-    fprintf(stderr, "rank %d ended with status 0x%x%s\n", r, wstatus,
-            WIFSIGNALED(wstatus) && WTERMSIG(wstatus) == SIGALRM ? " (SIGALRM: it hung)" : "");
-  return ok;
-}
-
 /* Forks `size` ranks; each makes the comm and runs fn. Returns the number of
  * ranks that failed; `killed` ranks must die of SIGKILL instead. */
 static int run_processes(int32_t size, double timeout, rank_fn fn, void *shared, int32_t killed) {
@@ -83,7 +68,7 @@ static int run_processes(int32_t size, double timeout, rank_fn fn, void *shared,
   pid_t pids[16];
   for (int32_t r = 0; r < size; r++) pids[r] = fork_rank(name, r, size, timeout, fn, shared, 0);
   int failed = 0;
-  for (int32_t r = 0; r < size; r++) failed += !reap(pids[r], r, r == killed ? SIGKILL : 0);
+  for (int32_t r = 0; r < size; r++) failed += !tu_reap(pids[r], r, r == killed ? SIGKILL : 0);
   return failed;
 }
 
@@ -91,16 +76,7 @@ static int run_processes(int32_t size, double timeout, rank_fn fn, void *shared,
 static int leftover_names(void) {
   char prefix[64];
   snprintf(prefix, sizeof prefix, "epx-test-shm-%d-", (int)getpid());
-  DIR *dir = opendir("/dev/shm");
-  if (!dir) return 0;
-  int found = 0;
-  for (struct dirent *e; (e = readdir(dir));)
-    if (!strncmp(e->d_name, prefix, strlen(prefix))) {
-      fprintf(stderr, "left in /dev/shm: %s\n", e->d_name);
-      found++;
-    }
-  closedir(dir);
-  return found;
+  return tu_shm_leftovers(prefix);
 }
 
 static void *shared_page(void) {
@@ -230,12 +206,12 @@ static int run_victim(int32_t victim, int sig, double delay) {
   atomic_store(&v->signal_ns, (int64_t)(cc_now_seconds() * 1e9));
   kill(pids[victim], sig);
   int failed = 0;
-  if (sig == SIGKILL) failed += !reap(pids[victim], victim, SIGKILL);
+  if (sig == SIGKILL) failed += !tu_reap(pids[victim], victim, SIGKILL);
   for (int32_t r = 0; r < size; r++)
-    if (r != victim) failed += !reap(pids[r], r, 0);
+    if (r != victim) failed += !tu_reap(pids[r], r, 0);
   if (sig == SIGSTOP) {
     kill(pids[victim], SIGCONT);
-    failed += !reap(pids[victim], victim, 0);
+    failed += !tu_reap(pids[victim], victim, 0);
   }
   munmap(v, 4096);
   return failed;
@@ -307,7 +283,7 @@ static void test_shm_stale_segment(void **state) {
   comm_name(name, sizeof name);
   pid_t old = lone_rank0(name, 3, 30.0);
   kill(old, SIGKILL);
-  assert_true(reap(old, 0, SIGKILL));
+  assert_true(tu_reap(old, 0, SIGKILL));
   assert_true(exists_in_dev_shm(name));
 
   epx_comm_config_t config = EPX_COMM_CONFIG_INIT;
@@ -320,7 +296,7 @@ static void test_shm_stale_segment(void **state) {
   pid_t pids[3];
   for (int32_t r = 0; r < 3; r++)
     pids[r] = fork_rank(name, r, 3, 10.0, ops_round_rank, NULL, r == 0 ? 0.3 : 0);
-  for (int32_t r = 0; r < 3; r++) assert_true(reap(pids[r], r, 0));
+  for (int32_t r = 0; r < 3; r++) assert_true(tu_reap(pids[r], r, 0));
   assert_int_equal(leftover_names(), 0);
 }
 
@@ -339,7 +315,7 @@ static void test_shm_live_segment_is_refused(void **state) {
   assert_true(tu_message_has(name));
   assert_true(cc_now_seconds() - t0 < 0.4);
   kill(live, SIGKILL);
-  assert_true(reap(live, 0, SIGKILL));
+  assert_true(tu_reap(live, 0, SIGKILL));
   char object[72];
   snprintf(object, sizeof object, "/%s", name);
   shm_unlink(object);

@@ -10,14 +10,12 @@
  * was elsewhere when the loss was found; a rank that comes late is
  * refused), the placement shrink's outputs, and the refusals. Every
  * process has a hard bound (alarm). */
-#include <dirent.h>
 #include <signal.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <pthread.h>
@@ -228,6 +226,20 @@ done:
   return failures;
 }
 
+/* A fresh run of the survivors' size on their placement: its step must
+ * hash as the survivors' did. Returns the failed checks. */
+static int fresh_rank(epx_comm_t comm, int32_t rank, const shared_t *sh) {
+  int failures = 0;
+  epx_placement_t pl = {P1, sh->p2l1, NULL, EPX_REPLICA_ROUND_ROBIN};
+  epx_buffer_t b = make_buffer(comm, &pl);
+  uint64_t hash = 0;
+  RANK_EXPECT(b, "fresh buffer");
+  if (b) RANK_OK(step(b, sh->p2l1, rank, 2, &hash, NULL, NULL, NULL));
+  RANK_EXPECT(hash == sh->hash[rank], "rank %d: the survivors' step differs from a fresh run's", rank);
+  epx_buffer_destroy(b);
+  return failures;
+}
+
 /* ------------------------------------------------------------------------ */
 /* Threads (local comm)                                                      */
 /* ------------------------------------------------------------------------ */
@@ -248,20 +260,7 @@ static void *thread_main(void *p) {
     a->result = 1;
     return NULL;
   }
-  if (a->fresh) {
-    shared_t *sh = a->life->sh;
-    int32_t rank = a->rank, failures = 0;
-    epx_placement_t pl = {P1, sh->p2l1, NULL, EPX_REPLICA_ROUND_ROBIN};
-    epx_buffer_t b = make_buffer(comm, &pl);
-    uint64_t hash = 0;
-    RANK_EXPECT(b, "fresh buffer");
-    if (b) RANK_OK(step(b, sh->p2l1, rank, 2, &hash, NULL, NULL, NULL));
-    RANK_EXPECT(hash == sh->hash[rank], "rank %d: the survivors' step differs from a fresh run's", rank);
-    epx_buffer_destroy(b);
-    a->result = failures;
-  } else {
-    a->result = life_rank(&comm, a->rank, a->life);
-  }
+  a->result = a->fresh ? fresh_rank(comm, a->rank, a->life->sh) : life_rank(&comm, a->rank, a->life);
   if (epx_comm_destroy(comm) != EPX_SUCCESS) {
     fprintf(stderr, "rank %d: epx_comm_destroy: %s\n", a->rank, epx_last_error());
     a->result++;
@@ -356,20 +355,7 @@ static pid_t fork_rank(const char *name, int32_t r, int32_t size, life_t *life, 
     fprintf(stderr, "rank %d: epx_comm_create_shm: %s\n", r, epx_last_error());
     _exit(1);
   }
-  int failures = 0;
-  if (fresh) {
-    shared_t *sh = life->sh;
-    int32_t rank = r;
-    epx_placement_t pl = {P1, sh->p2l1, NULL, EPX_REPLICA_ROUND_ROBIN};
-    epx_buffer_t b = make_buffer(comm, &pl);
-    uint64_t hash = 0;
-    RANK_EXPECT(b, "fresh buffer");
-    if (b) RANK_OK(step(b, sh->p2l1, rank, 2, &hash, NULL, NULL, NULL));
-    RANK_EXPECT(hash == sh->hash[rank], "rank %d: the survivors' step differs from a fresh run's", rank);
-    epx_buffer_destroy(b);
-  } else {
-    failures = life_rank(&comm, r, life);
-  }
+  int failures = fresh ? fresh_rank(comm, r, life->sh) : life_rank(&comm, r, life);
   if (epx_comm_destroy(comm) != EPX_SUCCESS) failures++;
   _exit(failures ? 1 : 0);
 }
@@ -381,14 +367,7 @@ static int run_processes(int32_t size, life_t *life, int fresh, int32_t killed) 
   pid_t pids[W0];
   for (int32_t r = 0; r < size; r++) pids[r] = fork_rank(name, r, size, life, fresh);
   int failed = 0;
-  for (int32_t r = 0; r < size; r++) {
-    int wstatus = 0;
-    waitpid(pids[r], &wstatus, 0);
-    int ok = r == killed ? WIFSIGNALED(wstatus) && WTERMSIG(wstatus) == SIGKILL
-                         : WIFEXITED(wstatus) && WEXITSTATUS(wstatus) == 0;
-    if (!ok) fprintf(stderr, "rank %d ended with status 0x%x\n", r, wstatus);
-    failed += !ok;
-  }
+  for (int32_t r = 0; r < size; r++) failed += !tu_reap(pids[r], r, r == killed ? SIGKILL : 0);
   return failed;
 }
 
@@ -397,16 +376,7 @@ static int run_processes(int32_t size, life_t *life, int fresh, int32_t killed) 
 static int leftover_names(void) {
   char prefix[64];
   snprintf(prefix, sizeof prefix, "epx-test-shrink-%d-", (int)getpid());
-  DIR *dir = opendir("/dev/shm");
-  if (!dir) return 0;
-  int found = 0;
-  for (struct dirent *e; (e = readdir(dir));)
-    if (!strncmp(e->d_name, prefix, strlen(prefix))) {
-      fprintf(stderr, "left in /dev/shm: %s\n", e->d_name);
-      found++;
-    }
-  closedir(dir);
-  return found;
+  return tu_shm_leftovers(prefix);
 }
 
 static void shm_killed(int32_t slow) {

@@ -109,10 +109,7 @@ fail:
 done:
   epx_handle_release(h);
   epx_buffer_destroy(buf);
-  free(src_rank);
-  free(src_token);
-  free(recv_expert);
-  free(grad_recv_w);
+  TU_FREE_ALL(src_rank, src_token, recv_expert, grad_recv_w);
   return failures;
 }
 
@@ -185,10 +182,7 @@ static void test_rank_major_router_gradient(void **state) {
   EXPECT_STATUS(epx_weights_backward(buf, h, grad_recv_w, grad_w), EPX_ERROR_INVALID_HANDLE, "handle");
   EXPECT_OK(epx_buffer_destroy(buf));
   EXPECT_OK(epx_comm_destroy(comm));
-  tu_free(recv_x);
-  tu_free(grad_recv);
-  tu_free(recv_w);
-  tu_free(grad_recv_w);
+  TU_FREE_ALL(recv_x, grad_recv, recv_w, grad_recv_w);
 }
 
 int main(void) {

@@ -22,6 +22,7 @@ import torch
 
 import epx
 import epx.torch as et
+from bench_timing import median_ms
 
 T, H, E, K = 4096, 7168, 256, 8
 FMT = epx.FP8Format.E4M3_F32_128
@@ -34,17 +35,9 @@ def per_token_cast_to_fp8(x):
     return (v * (448.0 / amax.unsqueeze(2))).to(torch.float8_e4m3fn).view(m, n), (amax / 448.0).view(m, -1)
 
 
-def median_ms(fn, warm=5, reps=51):
-    for _ in range(warm):
-        fn()
-    ev = [torch.cuda.Event(enable_timing=True) for _ in range(reps + 1)]
-    ev[0].record()
-    for i in range(reps):
-        fn()
-        ev[i + 1].record()
-    torch.cuda.synchronize()
-    t = sorted(ev[i].elapsed_time(ev[i + 1]) for i in range(reps))
-    return t[reps // 2]
+def timed(fn):
+    """The median of 51 timed calls after 5 warm ones (the docstring's)."""
+    return median_ms(fn, reps=51, warm=5)
 
 
 def main():
@@ -91,15 +84,15 @@ def main():
         return state["i"]
 
     ms = {
-        "dispatch_fp8_prequantized": median_ms(lambda: b._dispatch_fp8(
+        "dispatch_fp8_prequantized": timed(lambda: b._dispatch_fp8(
             h, q0.data_ptr(), s0.data_ptr(), rq[flip()].data_ptr(), rs[state["i"]].data_ptr(), n)),
-        "torch_eager_quantize+dispatch_fp8": median_ms(lambda: torch_then_epx(per_token_cast_to_fp8, flip())),
-        "dispatch_quantize": median_ms(lambda: epx_quantize(flip())),
+        "torch_eager_quantize+dispatch_fp8": timed(lambda: torch_then_epx(per_token_cast_to_fp8, flip())),
+        "dispatch_quantize": timed(lambda: epx_quantize(flip())),
     }
     try:
         compiled = torch.compile(per_token_cast_to_fp8, dynamic=False)
         compiled(x)
-        ms["torch_compiled_quantize+dispatch_fp8"] = median_ms(lambda: torch_then_epx(compiled, flip()))
+        ms["torch_compiled_quantize+dispatch_fp8"] = timed(lambda: torch_then_epx(compiled, flip()))
     except Exception as e:  # no triton / compiler on the machine: say so, time the rest
         print("NOTE torch.compile unavailable: %s" % (str(e).splitlines()[0] if str(e) else type(e).__name__))
     for op, v in ms.items():

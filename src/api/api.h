@@ -23,8 +23,15 @@ static inline int epx_is_aligned(const void *p, size_t alignment) {
  * turns the caller's value into the object in place, or refuses it, so
  * nothing past a check ever sees an id. */
 
+/* *comm is a live comm (not NULL, not destroyed); the error names caller. */
+epx_status_t epx_check_comm(epx_comm_t *comm, const char *caller);
+
 /* *buffer is a live buffer (not NULL, not destroyed); the error names caller. */
 epx_status_t epx_check_buffer(epx_buffer_t *buffer, const char *caller);
+
+/* As epx_check_buffer, and the buffer's comm not failed: a collective
+ * call's first check (a refusal here returns at once: no comm to agree on). */
+epx_status_t epx_check_collective_buffer(epx_buffer_t *buffer, const char *caller);
 
 /* *handle is a live handle the caller holds, and (when buffer, an object, is
  * not NULL) one of buffer's. */
@@ -33,6 +40,11 @@ epx_status_t epx_check_handle(epx_buffer_t buffer, epx_handle_t *handle, const c
 /* The routing of a layout on buffer b (shape, pointers, the batch against
  * max_tokens_per_rank, the backend's value checks); errors name fn. */
 epx_status_t epx_check_routing(epx_buffer_t b, const epx_routing_t *r, const char *fn);
+
+/* *out: a new handle of buffer for routing, the caller's one reference
+ * (the layout and the backend's part still to fill); the error names fn.
+ * The normal and the low-latency layouts both make theirs here. */
+epx_status_t epx_handle_new(const char *fn, epx_buffer_t buffer, const epx_routing_t *routing, epx_handle_t *out);
 
 /* Frees a handle whose last reference is gone (the caller's and the
  * recorders'): retires its id, releases the backend's layout and the

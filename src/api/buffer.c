@@ -19,6 +19,16 @@
 #include "core/route_spec.h"
 #include "core/transport.h"
 
+epx_status_t epx_check_comm(epx_comm_t *comm, const char *caller) {
+  epx_comm_t object = epx_registry_get(*comm, EPX_OBJECT_COMM);
+  if (!object)
+    return epx_error(*comm ? EPX_ERROR_INVALID_HANDLE : EPX_ERROR_INVALID_ARGUMENT,
+                     "%s: comm is %s; pass a comm from epx_comm_create_*", caller,
+                     *comm ? "not a live comm (destroyed?)" : "NULL");
+  *comm = object;
+  return EPX_SUCCESS;
+}
+
 epx_status_t epx_check_buffer(epx_buffer_t *buffer, const char *caller) {
   if (!*buffer)
     return epx_error(EPX_ERROR_INVALID_ARGUMENT, "%s: buffer is NULL; pass a buffer from epx_buffer_create", caller);
@@ -28,6 +38,11 @@ epx_status_t epx_check_buffer(epx_buffer_t *buffer, const char *caller) {
                      "%s: buffer is not a live buffer (destroyed, or not from epx_buffer_create)", caller);
   *buffer = object;
   return EPX_SUCCESS;
+}
+
+epx_status_t epx_check_collective_buffer(epx_buffer_t *buffer, const char *caller) {
+  epx_status_t status = epx_check_buffer(buffer, caller);
+  return status == EPX_SUCCESS ? epx_comm_check_alive((*buffer)->comm, caller) : status;
 }
 
 /* The fields every rank must agree on, gathered at buffer creation. */
@@ -317,12 +332,8 @@ epx_status_t epx_buffer_create(epx_comm_t comm, const epx_buffer_config_t *confi
                                epx_buffer_t *buffer) {
   const char *fn = "epx_buffer_create";
   epx_error_clear();
-  epx_comm_t comm_id = comm;
-  comm = epx_registry_get(comm_id, EPX_OBJECT_COMM);
-  if (!comm)
-    return epx_error(comm_id ? EPX_ERROR_INVALID_HANDLE : EPX_ERROR_INVALID_ARGUMENT,
-                     "%s: comm is %s; pass a comm from epx_comm_create_*", fn,
-                     comm_id ? "not a live comm (destroyed?)" : "NULL");
+  epx_status_t checked = epx_check_comm(&comm, fn);
+  if (checked != EPX_SUCCESS) return checked;
   epx_buffer_config_t full;
   epx_placement_table_t *table = NULL;
   epx_status_t local = buffer ? check_buffer_config(comm, config, &full, &table)

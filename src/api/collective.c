@@ -4,18 +4,15 @@
  * (epx-bench uses them). */
 #include <stddef.h>
 
+#include "api/api.h"
 #include "core/error.h"
-#include "core/registry.h"
 #include "core/transport.h"
 
 /* Turns the caller's comm id into the comm in place (core/registry.h), or
  * refuses it. */
 static epx_status_t check_comm(epx_comm_t *comm, const char *fn) {
-  if (!*comm) return epx_error(EPX_ERROR_INVALID_ARGUMENT, "%s: comm is NULL; pass a comm from epx_comm_create_*", fn);
-  epx_comm_t object = epx_registry_get(*comm, EPX_OBJECT_COMM);
-  if (!object) return epx_error(EPX_ERROR_INVALID_HANDLE, "%s: comm is not a live comm (destroyed?)", fn);
-  *comm = object;
-  return epx_comm_check_alive(object, fn);
+  epx_status_t status = epx_check_comm(comm, fn);
+  return status == EPX_SUCCESS ? epx_comm_check_alive(*comm, fn) : status;
 }
 
 epx_status_t epx_comm_barrier(epx_comm_t comm) {

@@ -28,6 +28,20 @@ epx_status_t epx_check_handle(epx_buffer_t buffer, epx_handle_t *handle, const c
   return EPX_SUCCESS;
 }
 
+epx_status_t epx_handle_new(const char *fn, epx_buffer_t buffer, const epx_routing_t *routing, epx_handle_t *out) {
+  epx_handle_t h = calloc(1, sizeof *h);
+  if (!h) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
+  h->buffer = buffer;
+  h->refcount = 1;
+  h->rows_read = -1;
+  h->caller_refs = 1;
+  h->weighting = routing->weighting;
+  h->num_tokens = routing->num_tokens;
+  h->top_k = routing->top_k;
+  *out = h;
+  return EPX_SUCCESS;
+}
+
 void epx_handle_free(epx_handle_t handle) {
   epx_registry_remove(handle->id);
   handle->buffer->backend->handle_fini(handle);

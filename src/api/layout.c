@@ -59,20 +59,6 @@ static epx_status_t check_routing(epx_buffer_t b, const epx_routing_t *r, epx_re
   return status != EPX_SUCCESS ? status : epx_check_routing(b, r, fn);
 }
 
-static epx_status_t new_handle(epx_buffer_t buffer, const epx_routing_t *routing, epx_handle_t *out) {
-  epx_handle_t h = calloc(1, sizeof *h);
-  if (!h) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "epx_dispatch_layout: out of memory");
-  h->buffer = buffer;
-  h->refcount = 1;
-  h->rows_read = -1;
-  h->caller_refs = 1;
-  h->weighting = routing->weighting;
-  h->num_tokens = routing->num_tokens;
-  h->top_k = routing->top_k;
-  *out = h;
-  return EPX_SUCCESS;
-}
-
 /* Replay: the recorded handle, no exchange. Validation agrees the verdict
  * across ranks; without it replay is rank-local, and so is a refusal (the
  * peers are in no collective to be told). Returns 1 with *status set when the
@@ -114,9 +100,7 @@ epx_status_t epx_dispatch_layout(epx_buffer_t buffer, const epx_routing_t *routi
                                  epx_recorder_t recorder, epx_handle_t *handle) {
   const char *fn = "epx_dispatch_layout";
   epx_error_clear();
-  epx_status_t status = epx_check_buffer(&buffer, fn);
-  if (status != EPX_SUCCESS) return status;
-  status = epx_comm_check_alive(buffer->comm, fn);
+  epx_status_t status = epx_check_collective_buffer(&buffer, fn);
   if (status != EPX_SUCCESS) return status;
   const epx_recorder_t recorder_id = recorder;
   recorder = epx_registry_get(recorder_id, EPX_OBJECT_RECORDER);
@@ -124,7 +108,7 @@ epx_status_t epx_dispatch_layout(epx_buffer_t buffer, const epx_routing_t *routi
   if (replay(buffer, routing, recorder, local, handle, &status)) return status;
 
   epx_handle_t h = NULL;
-  if (local == EPX_SUCCESS) local = new_handle(buffer, routing, &h);
+  if (local == EPX_SUCCESS) local = epx_handle_new("epx_dispatch_layout", buffer, routing, &h);
   status = buffer->backend->dispatch_layout(buffer, routing, local, h);
   if (status != EPX_SUCCESS) goto fail;
   void *id = NULL;

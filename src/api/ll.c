@@ -170,20 +170,6 @@ static epx_status_t check_dispatch(const char *fn, epx_buffer_t b, const epx_rou
   return rows->fp8 ? check_fp8_rows(fn, b, rows) : EPX_SUCCESS;
 }
 
-static epx_status_t new_handle(const char *fn, epx_buffer_t buffer, const epx_routing_t *step, epx_handle_t *out) {
-  epx_handle_t h = calloc(1, sizeof *h);
-  if (!h) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
-  h->buffer = buffer;
-  h->refcount = 1;
-  h->rows_read = -1;
-  h->caller_refs = 1;
-  h->weighting = step->weighting;
-  h->num_tokens = step->num_tokens;
-  h->top_k = step->top_k;
-  *out = h;
-  return EPX_SUCCESS;
-}
-
 /* A handle whose layout failed never reached the registry. */
 static void drop_unpublished(epx_handle_t h) {
   if (!h) return;
@@ -195,16 +181,14 @@ static epx_status_t ll_dispatch(const char *fn, epx_buffer_t buffer, const epx_r
                                 const int32_t *num_tokens, const epx_ll_rows_t *rows, int32_t *recv_count,
                                 epx_handle_t *handle, int complete) {
   epx_error_clear();
-  epx_status_t status = epx_check_buffer(&buffer, fn);
-  if (status != EPX_SUCCESS) return status;
-  status = epx_comm_check_alive(buffer->comm, fn);
+  epx_status_t status = epx_check_collective_buffer(&buffer, fn);
   if (status != EPX_SUCCESS) return status;
   const epx_ll_backend_t *ll = ll_ops(buffer);
   epx_routing_t step;
   epx_status_t local = check_dispatch(fn, buffer, routing, num_tokens, rows, recv_count, handle, &step);
   if (!ll) return buffer->backend->agree(buffer, local, fn); /* refused: not a low-latency buffer */
   epx_handle_t h = NULL;
-  if (local == EPX_SUCCESS) local = new_handle(fn, buffer, &step, &h);
+  if (local == EPX_SUCCESS) local = epx_handle_new(fn, buffer, &step, &h);
   const int32_t *device_count = buffer->config.device == EPX_DEVICE_CPU ? NULL : num_tokens;
   status = ll->dispatch_send(buffer, &step, local, h, rows, recv_count, device_count);
   void *id = NULL;
@@ -272,9 +256,7 @@ static epx_status_t check_combine(const char *fn, const epx_ll_backend_t *ll, ep
 static epx_status_t ll_combine(const char *fn, epx_buffer_t buffer, epx_handle_t handle, const void *expert_out,
                                void *out, int complete) {
   epx_error_clear();
-  epx_status_t status = epx_check_buffer(&buffer, fn);
-  if (status != EPX_SUCCESS) return status;
-  status = epx_comm_check_alive(buffer->comm, fn);
+  epx_status_t status = epx_check_collective_buffer(&buffer, fn);
   if (status != EPX_SUCCESS) return status;
   const epx_ll_backend_t *ll = ll_ops(buffer);
   epx_status_t local = epx_check_handle(buffer, &handle, fn);

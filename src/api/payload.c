@@ -54,9 +54,7 @@ static epx_status_t check_recv_capacity(epx_handle_t handle, int64_t recv_rows_c
  * payload call on a low-latency buffer (it serves the epx_ll_* calls). */
 static epx_status_t begin_payload(epx_buffer_t *buffer, epx_handle_t *handle, const char *fn) {
   epx_error_clear();
-  epx_status_t status = epx_check_buffer(buffer, fn);
-  if (status != EPX_SUCCESS) return status;
-  status = epx_comm_check_alive((*buffer)->comm, fn);
+  epx_status_t status = epx_check_collective_buffer(buffer, fn);
   if (status != EPX_SUCCESS) return status;
   status = epx_check_handle(*buffer, handle, fn);
   if (status == EPX_SUCCESS) status = epx_ll_refuse(*buffer, fn);

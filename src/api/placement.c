@@ -13,7 +13,6 @@
 #include "core/error.h"
 #include "core/objects.h"
 #include "core/placement.h"
-#include "core/registry.h"
 #include "core/transport.h"
 
 epx_status_t epx_buffer_expert_load(epx_buffer_t buffer, int64_t *load, int32_t reset) {
@@ -276,12 +275,8 @@ epx_status_t epx_placement_move(epx_comm_t comm, int32_t num_experts, const epx_
                                 const epx_placement_t *to, size_t block_bytes, const void *src, void *dst) {
   const char *fn = "epx_placement_move";
   epx_error_clear();
-  epx_comm_t comm_id = comm;
-  comm = epx_registry_get(comm_id, EPX_OBJECT_COMM);
-  if (!comm)
-    return epx_error(comm_id ? EPX_ERROR_INVALID_HANDLE : EPX_ERROR_INVALID_ARGUMENT,
-                     "%s: comm is %s; pass a comm from epx_comm_create_*", fn,
-                     comm_id ? "not a live comm (destroyed?)" : "NULL");
+  epx_status_t checked = epx_check_comm(&comm, fn);
+  if (checked != EPX_SUCCESS) return checked;
   epx_placement_table_t *a = NULL, *b = NULL;
   epx_status_t local = EPX_SUCCESS;
   if (num_experts < 1) local = epx_error(EPX_ERROR_INVALID_ARGUMENT, "%s: num_experts is %d; pass >= 1", fn, num_experts);

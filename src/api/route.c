@@ -9,11 +9,11 @@
 #include <string.h>
 
 #include "api/backends.h"
+#include "api/api.h"
 #include "core/backend.h"
 #include "core/checked.h"
 #include "core/config.h"
 #include "core/error.h"
-#include "core/registry.h"
 #include "core/route_spec.h"
 #include "core/transport.h"
 #include "cpu/cpu.h"
@@ -270,13 +270,8 @@ epx_status_t epx_reference_route_backward(const epx_route_config_t *config, int6
 /* A comm argument of the routing collectives. A NULL or dead comm returns at
  * once: its peers then time out naming this rank (epx.h's convention). */
 static epx_status_t route_check_comm(const char *fn, epx_comm_t *comm) {
-  epx_comm_t object = epx_registry_get(*comm, EPX_OBJECT_COMM);
-  if (!object)
-    return epx_error(*comm ? EPX_ERROR_INVALID_HANDLE : EPX_ERROR_INVALID_ARGUMENT,
-                     "%s: comm is %s; pass a comm from epx_comm_create_*", fn,
-                     *comm ? "not a live comm (destroyed?)" : "NULL");
-  *comm = object;
-  return epx_comm_check_alive(object, fn);
+  epx_status_t status = epx_check_comm(comm, fn);
+  return status == EPX_SUCCESS ? epx_comm_check_alive(*comm, fn) : status;
 }
 
 /* One all-reduce MAX of (refused, the largest count): a rank's refusal

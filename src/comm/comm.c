@@ -263,6 +263,14 @@ epx_status_t epx_comm_size(epx_comm_t comm, int32_t *size) {
   return EPX_SUCCESS;
 }
 
+epx_status_t epx_comm_alltoallv_count_error(const char *caller, int32_t source, int64_t count, int32_t rank,
+                                            int64_t expected) {
+  return epx_error(EPX_ERROR_INTERNAL,
+                   "%s: rank %d sends %lld units to rank %d, which expects %lld (recv_counts[%d]); the "
+                   "count exchange before this alltoallv is inconsistent",
+                   caller, source, (long long)count, rank, (long long)expected, source);
+}
+
 struct timespec epx_comm_deadline(double seconds) {
   struct timespec deadline;
   clock_gettime(CLOCK_MONOTONIC, &deadline);

@@ -47,6 +47,16 @@ epx_status_t epx_comm_world_failed_error(const char *caller, int same_barrier, e
 void epx_comm_world_timeout_reason(char *out, size_t out_size, int32_t size,
                                    int (*arrived)(const void *world, int32_t rank), const void *world,
                                    double timeout);
+/* the error of an alltoallv whose peer `source` sends `count` units where
+ * this rank's recv_counts expect `expected` (EPX_ERROR_INTERNAL: the count
+ * exchange before it was inconsistent). */
+epx_status_t epx_comm_alltoallv_count_error(const char *caller, int32_t source, int64_t count, int32_t rank,
+                                            int64_t expected);
+/* The shrink of the barrier worlds (local.c, shm.c): a rank's join refused
+ * when it already joined this comm's shrink (joined), or when the survivors
+ * finished it without this rank (done); EPX_SUCCESS when it may join. */
+epx_status_t epx_comm_shrink_join_refusal(epx_comm_t comm, const char *caller, int joined, int done,
+                                          double timeout_seconds);
 
 /* *full: the caller's comm config as this build's struct (NULL = defaults;
  * an older caller's struct is read for its size: core/config.h). */

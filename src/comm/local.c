@@ -283,11 +283,7 @@ static epx_status_t local_alltoallv(epx_comm_t comm, const char *caller, const v
     const local_slot_t *peer = &world->slots[s];
     int64_t count = peer->send_counts[rank];
     if (count != recv_counts[s] || count < 0) {
-      status = epx_error(EPX_ERROR_INTERNAL,
-                         "%s: rank %d sends %lld units to rank %d, which expects %lld "
-                         "(recv_counts[%d]); the count exchange before this alltoallv is "
-                         "inconsistent",
-                         caller, s, (long long)count, rank, (long long)recv_counts[s], s);
+      status = epx_comm_alltoallv_count_error(caller, s, count, rank, recv_counts[s]);
       break;
     }
     if (count)
@@ -572,15 +568,9 @@ static epx_status_t local_shrink_join_locked(epx_comm_t comm, const char *caller
                                              double timeout_seconds, int32_t ranks_per_node) {
   epx_local_world_t world = comm->impl;
   local_slot_t *mine = &world->slots[comm->rank];
-  if (mine->shrink_joined)
-    return epx_error(EPX_ERROR_INVALID_ARGUMENT,
-                     "%s: rank %d already shrank this comm; shrink the survivors' comm instead",
-                     caller, comm->rank);
-  if (world->shrink_done)
-    return epx_error(EPX_ERROR_PEER_FAILED,
-                     "%s: the survivors shrank this comm without rank %d (the failure named it "
-                     "missing, or it did not join within %g s); it is not in their comm: "
-                     "destroy this comm", caller, comm->rank, world->timeout_seconds);
+  epx_status_t refused = epx_comm_shrink_join_refusal(comm, caller, mine->shrink_joined, world->shrink_done,
+                                                      world->timeout_seconds);
+  if (refused != EPX_SUCCESS) return refused;
   mine->shrink_joined = 1;
   /* Ranks still in a collective of the old comm leave it and come here. */
   if (!world->failed)

@@ -319,6 +319,18 @@ static void shm_unlock(shm_state_t *st) {
   atomic_compare_exchange_strong(&st->world->holder, &mine, -1);
 }
 
+/* Waits (the lock released) until a wake or min(left, a slice) has passed,
+ * then takes the lock back (shm_lock's status). */
+static epx_status_t shm_nap_locked(shm_state_t *st, int32_t rank, const char *caller, double left) {
+  shm_world_t *w = st->world;
+  uint32_t seen = atomic_load_explicit(&w->wake, memory_order_acquire);
+  atomic_fetch_add_explicit(&w->sleepers, 1, memory_order_seq_cst);
+  shm_unlock(st);
+  shm_sleep(w, seen, left < SHM_SLICE_SECONDS ? left : SHM_SLICE_SECONDS);
+  atomic_fetch_sub_explicit(&w->sleepers, 1, memory_order_seq_cst);
+  return shm_lock(st, rank, caller);
+}
+
 static epx_status_t shm_failed_error_locked(epx_comm_t comm, const char *caller,
                                             uint64_t generation) {
   shm_world_t *w = ((shm_state_t *)comm->impl)->world;
@@ -370,12 +382,7 @@ static epx_status_t shm_wait_locked(epx_comm_t comm, const char *caller, uint64_
       shm_fail_timeout_locked(w, generation, caller);
       break;
     }
-    uint32_t seen = atomic_load_explicit(&w->wake, memory_order_acquire);
-    atomic_fetch_add_explicit(&w->sleepers, 1, memory_order_seq_cst);
-    shm_unlock(st);
-    shm_sleep(w, seen, left < SHM_SLICE_SECONDS ? left : SHM_SLICE_SECONDS);
-    atomic_fetch_sub_explicit(&w->sleepers, 1, memory_order_seq_cst);
-    epx_status_t locked = shm_lock(st, comm->rank, caller);
+    epx_status_t locked = shm_nap_locked(st, comm->rank, caller, left);
     if (locked != EPX_SUCCESS) {
       comm->failed = 1;
       return locked;
@@ -618,11 +625,7 @@ static epx_status_t shm_alltoallv(epx_comm_t comm, const char *caller, const voi
     const int64_t *peer = (const int64_t *)st->maps[s].base;
     int64_t count = peer[rank];
     if (count != recv_counts[s] || count < 0) {
-      status = epx_error(EPX_ERROR_INTERNAL,
-                         "%s: rank %d sends %lld units to rank %d, which expects %lld "
-                         "(recv_counts[%d]); the count exchange before this alltoallv is "
-                         "inconsistent",
-                         caller, s, (long long)count, rank, (long long)recv_counts[s], s);
+      status = epx_comm_alltoallv_count_error(caller, s, count, rank, recv_counts[s]);
       break;
     }
     if (count)
@@ -1003,15 +1006,9 @@ static epx_status_t shm_shrink_join_locked(epx_comm_t comm, const char *caller) 
   shm_state_t *st = comm->impl;
   shm_world_t *w = st->world;
   shm_slot_t *mine = &w->slots[comm->rank];
-  if (mine->shrink_joined)
-    return epx_error(EPX_ERROR_INVALID_ARGUMENT,
-                     "%s: rank %d already shrank this comm; shrink the survivors' comm instead",
-                     caller, comm->rank);
-  if (w->shrink_done)
-    return epx_error(EPX_ERROR_PEER_FAILED,
-                     "%s: the survivors shrank this comm without rank %d (the failure named it "
-                     "missing, or it did not join within %g s); it is not in their comm: "
-                     "destroy this comm", caller, comm->rank, w->timeout_seconds);
+  epx_status_t refused = epx_comm_shrink_join_refusal(comm, caller, mine->shrink_joined, w->shrink_done,
+                                                      w->timeout_seconds);
+  if (refused != EPX_SUCCESS) return refused;
   mine->shrink_joined = 1;
   /* Ranks still in a collective of the old comm leave it and come here. */
   if (!w->failed)
@@ -1028,12 +1025,7 @@ static epx_status_t shm_shrink_join_locked(epx_comm_t comm, const char *caller) 
       break;
     }
     double left = bounded ? deadline - now : SHM_SLICE_SECONDS;
-    uint32_t seen = atomic_load_explicit(&w->wake, memory_order_acquire);
-    atomic_fetch_add_explicit(&w->sleepers, 1, memory_order_seq_cst);
-    shm_unlock(st);
-    shm_sleep(w, seen, left < SHM_SLICE_SECONDS ? left : SHM_SLICE_SECONDS);
-    atomic_fetch_sub_explicit(&w->sleepers, 1, memory_order_seq_cst);
-    epx_status_t locked = shm_lock(st, comm->rank, caller);
+    epx_status_t locked = shm_nap_locked(st, comm->rank, caller, left);
     if (locked != EPX_SUCCESS) return locked;
   }
   return EPX_SUCCESS;

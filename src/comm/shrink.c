@@ -29,6 +29,20 @@ static epx_status_t shrink_unsupported(const char *fn, const epx_comm_t comm) {
                    "and shm (processes) comms", fn, name);
 }
 
+epx_status_t epx_comm_shrink_join_refusal(epx_comm_t comm, const char *caller, int joined, int done,
+                                          double timeout_seconds) {
+  if (joined)
+    return epx_error(EPX_ERROR_INVALID_ARGUMENT,
+                     "%s: rank %d already shrank this comm; shrink the survivors' comm instead",
+                     caller, comm->rank);
+  if (done)
+    return epx_error(EPX_ERROR_PEER_FAILED,
+                     "%s: the survivors shrank this comm without rank %d (the failure named it "
+                     "missing, or it did not join within %g s); it is not in their comm: "
+                     "destroy this comm", caller, comm->rank, timeout_seconds);
+  return EPX_SUCCESS;
+}
+
 epx_status_t epx_comm_shrink(epx_comm_t comm, const epx_comm_config_t *config,
                              epx_comm_t *survivor_comm, int32_t *lost_ranks, int32_t *num_lost) {
   const char *fn = "epx_comm_shrink";

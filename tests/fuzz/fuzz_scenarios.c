@@ -164,6 +164,12 @@ static epx_routing_t routing_of(routing_t *r) {
   return (epx_routing_t){r->T, r->K, r->idx, r->w, NULL, r->weighting};
 }
 
+/* This rank's routing of a step: *rt made, and the call's view of it. */
+static epx_routing_t step_routing(const rank_t *r, int step, routing_t *rt) {
+  routing_make(r->sc, step, r->rank, rt);
+  return routing_of(rt);
+}
+
 /* Small exact values, so that sums of w * x are exact in every dtype. */
 static void *payload(const epx_buffer_config_t *c, int64_t rows, int32_t rank, int salt) {
   size_t n = (size_t)(rows * c->hidden);
@@ -228,8 +234,7 @@ static int step_valid(rank_t *r, epx_comm_t comm, epx_buffer_t b, int step, epx_
   (void)comm;
   const epx_buffer_config_t *c = &r->sc->config;
   routing_t rt;
-  routing_make(r->sc, step, r->rank, &rt);
-  epx_routing_t routing = routing_of(&rt);
+  epx_routing_t routing = step_routing(r, step, &rt);
   epx_handle_t h = NULL;
   int64_t N = 0;
   epx_status_t status = CALL(r, epx_dispatch_layout(b, &routing, rec, &h));
@@ -294,8 +299,7 @@ static int step_bad_payload(rank_t *r, epx_buffer_t b, int step) {
   const epx_buffer_config_t *c = &r->sc->config;
   int32_t culprit = r->sc->culprit[step];
   routing_t rt;
-  routing_make(r->sc, step, r->rank, &rt);
-  epx_routing_t routing = routing_of(&rt);
+  epx_routing_t routing = step_routing(r, step, &rt);
   epx_handle_t h = NULL;
   int64_t N = 0;
   if (CALL(r, epx_dispatch_layout(b, &routing, NULL, &h)) != EPX_SUCCESS || CALL(r, epx_handle_recv_rows(h, &N)) != EPX_SUCCESS) {
@@ -339,8 +343,7 @@ static int step_replay(rank_t *r, epx_comm_t comm, epx_buffer_t b, int step) {
   if (CALL(r, epx_recorder_create(1, &rec)) != EPX_SUCCESS) return 1;
   int bad = step_valid(r, comm, b, step, rec);
   routing_t rt;
-  routing_make(r->sc, step, r->rank, &rt);
-  epx_routing_t routing = routing_of(&rt);
+  epx_routing_t routing = step_routing(r, step, &rt);
   epx_handle_t h = NULL;
   epx_status_t status = CALL(r, epx_recorder_set_mode(rec, EPX_RECORDER_REPLAY));
   if (status == EPX_SUCCESS) status = CALL(r, epx_dispatch_layout(b, &routing, rec, &h));
@@ -369,8 +372,7 @@ static int step_replay(rank_t *r, epx_comm_t comm, epx_buffer_t b, int step) {
 static int step_mismatched(rank_t *r, epx_buffer_t b, int step) {
   const epx_buffer_config_t *c = &r->sc->config;
   routing_t rt;
-  routing_make(r->sc, step, r->rank, &rt);
-  epx_routing_t routing = routing_of(&rt);
+  epx_routing_t routing = step_routing(r, step, &rt);
   epx_handle_t h = NULL;
   int64_t N = 0;
   if (CALL(r, epx_dispatch_layout(b, &routing, NULL, &h)) != EPX_SUCCESS || CALL(r, epx_handle_recv_rows(h, &N)) != EPX_SUCCESS)
@@ -394,8 +396,7 @@ static int step_silent(rank_t *r, epx_buffer_t b, int step) {
   const epx_buffer_config_t *c = &r->sc->config;
   int32_t culprit = r->sc->culprit[step];
   routing_t rt;
-  routing_make(r->sc, step, r->rank, &rt);
-  epx_routing_t routing = routing_of(&rt);
+  epx_routing_t routing = step_routing(r, step, &rt);
   epx_handle_t h = NULL;
   if (CALL(r, epx_dispatch_layout(b, &routing, NULL, &h)) != EPX_SUCCESS) return 1;
   int bad = 0;

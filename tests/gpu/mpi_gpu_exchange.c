@@ -228,6 +228,18 @@ static void *place(epx_device_t device, const void *host, size_t bytes) {
   return q;
 }
 
+/* Case c's routing rt placed on device: *idx, *w, *loc (the caller
+ * releases them), and the call's view of them (w and loc where c uses them). */
+static epx_routing_t place_routing(const case_t *c, const routing_t *rt, epx_device_t device, int32_t **idx,
+                                   float **w, int32_t **loc) {
+  const size_t bytes = 4 * (size_t)(rt->T * K);
+  *idx = place(device, rt->idx, bytes);
+  *w = place(device, rt->w, bytes);
+  *loc = place(device, rt->loc, bytes);
+  return (epx_routing_t){rt->T, K, *idx, c->weighting == EPX_WEIGHTS_NONE ? NULL : *w,
+                         c->layout == EPX_LAYOUT_CAPACITY ? *loc : NULL, c->weighting};
+}
+
 static void *zeros(epx_device_t device, size_t bytes) {
   void *host = calloc(1, bytes + 16);
   void *p = place(device, host, bytes);
@@ -268,11 +280,9 @@ static void run_rank(run_t *run) {
   epx_buffer_t buf;
   FATAL_UNLESS_OK(epx_buffer_create(run->comm, &cfg, &buf));
   snprintf(r->why, sizeof r->why, "%s", epx_last_error());
-  int32_t *idx = place(dev, rt.idx, 4 * (size_t)(T * K));
-  float *w = place(dev, rt.w, 4 * (size_t)(T * K));
-  int32_t *loc = place(dev, rt.loc, 4 * (size_t)(T * K));
-  epx_routing_t routing = {T, K, idx, c->weighting == EPX_WEIGHTS_NONE ? NULL : w,
-                           c->layout == EPX_LAYOUT_CAPACITY ? loc : NULL, c->weighting};
+  int32_t *idx, *loc;
+  float *w;
+  epx_routing_t routing = place_routing(c, &rt, dev, &idx, &w, &loc);
   epx_handle_t h;
   FATAL_UNLESS_OK(epx_dispatch_layout(buf, &routing, NULL, &h));
   if (epx_last_error()[0]) snprintf(r->why, sizeof r->why, "%s", epx_last_error());
@@ -355,40 +365,59 @@ static void run_rank(run_t *run) {
   for (size_t i = 0; i < sizeof hosts / sizeof hosts[0]; i++) free(hosts[i]);
 }
 
-/* The CPU backend over W threads: rank `me`'s results. */
-typedef struct {
-  run_t run;
-  epx_local_world_t world;
-} cpu_rank_t;
+/* The CPU backend over W threads: a thread per rank q, each running
+ * body(args + q * arg_bytes, its local comm); ranks_per_node: 0, one node,
+ * else nodes posed as the NCCL comm's. */
+typedef void (*cpu_body_fn)(void *arg, epx_comm_t comm);
 
-static void *cpu_thread(void *arg) {
-  cpu_rank_t *cr = arg;
-  FATAL_UNLESS_OK(epx_comm_create_local(cr->world, cr->run.rank, &cr->run.comm));
-  run_rank(&cr->run);
-  FATAL_UNLESS_OK(epx_comm_destroy(cr->run.comm));
+typedef struct {
+  epx_local_world_t world;
+  int rank;
+  cpu_body_fn body;
+  void *arg;
+} cpu_thread_t;
+
+static void *cpu_thread(void *p) {
+  cpu_thread_t *t = p;
+  epx_comm_t comm;
+  FATAL_UNLESS_OK(epx_comm_create_local(t->world, t->rank, &comm));
+  t->body(t->arg, comm);
+  FATAL_UNLESS_OK(epx_comm_destroy(comm));
   return NULL;
 }
 
-/* ranks_per_node: 0, one node (threads); else nodes posed as the NCCL comm's. */
-static void run_cpu_posed(const case_t *c, epx_exchange_t exchange, int32_t ranks_per_node, result_t *mine) {
-  cpu_rank_t *ranks = calloc((size_t)g_size, sizeof *ranks);
+static void run_cpu_threads(int32_t ranks_per_node, cpu_body_fn body, void *args, size_t arg_bytes) {
+  cpu_thread_t *ranks = calloc((size_t)g_size, sizeof *ranks);
   pthread_t *threads = calloc((size_t)g_size, sizeof *threads);
   epx_local_world_t world;
   epx_comm_config_t cc = EPX_COMM_CONFIG_INIT;
   cc.ranks_per_node = ranks_per_node;
   FATAL_UNLESS_OK(epx_local_world_create(g_size, ranks_per_node ? &cc : NULL, &world));
   for (int q = 0; q < g_size; q++) {
-    ranks[q].run = (run_t){c, exchange, NULL, q, EPX_DEVICE_CPU, {0}, NULL};
-    ranks[q].world = world;
+    ranks[q] = (cpu_thread_t){world, q, body, (char *)args + (size_t)q * arg_bytes};
     pthread_create(&threads[q], NULL, cpu_thread, &ranks[q]);
   }
   for (int q = 0; q < g_size; q++) pthread_join(threads[q], NULL);
   FATAL_UNLESS_OK(epx_local_world_destroy(world));
-  *mine = ranks[g_rank].run.res;
-  for (int q = 0; q < g_size; q++)
-    if (q != g_rank) result_free(&ranks[q].run.res);
   free(ranks);
   free(threads);
+}
+
+static void run_rank_on(void *arg, epx_comm_t comm) {
+  run_t *run = arg;
+  run->comm = comm;
+  run_rank(run);
+}
+
+/* This rank's results of the CPU backend over W threads. */
+static void run_cpu_posed(const case_t *c, epx_exchange_t exchange, int32_t ranks_per_node, result_t *mine) {
+  run_t *runs = calloc((size_t)g_size, sizeof *runs);
+  for (int q = 0; q < g_size; q++) runs[q] = (run_t){c, exchange, NULL, q, EPX_DEVICE_CPU, {0}, NULL};
+  run_cpu_threads(ranks_per_node, run_rank_on, runs, sizeof *runs);
+  *mine = runs[g_rank].res;
+  for (int q = 0; q < g_size; q++)
+    if (q != g_rank) result_free(&runs[q].res);
+  free(runs);
 }
 
 static void run_cpu(const case_t *c, epx_exchange_t exchange, result_t *mine) { run_cpu_posed(c, exchange, 0, mine); }
@@ -586,18 +615,28 @@ static void check_path(const case_t *c, epx_exchange_t x, epx_exchange_path_t as
                 describe(c, x), g->path, g->why[0] ? g->why : "no reason given");
 }
 
-/* The dedup run of case c with launch flag `flag` toggled, compared bit for
- * bit with `fused` (the same case without it). */
+/* The dedup run of case c on `path` (g_path for its buffers), compared bit
+ * for bit with `fused` (the case's dedup run on the fused path); `check`:
+ * its path checked against the one asked. `what` names the run. */
+static void compare_dedup_run(const case_t *c, epx_comm_t nccl, void *stream, const result_t *fused,
+                              epx_exchange_path_t path, int check, const char *what) {
+  run_t run = {c, EPX_EXCHANGE_DEDUP, nccl, g_rank, EPX_DEVICE_CUDA, {0}, stream};
+  g_path = path;
+  run_rank(&run);
+  g_path = EPX_PATH_FUSED;
+  if (check) check_path(c, EPX_EXCHANGE_DEDUP, path, &run.res);
+  compare_exchanges(c, fused, &run.res, what);
+  compare_queries(c, fused, &run.res, what);
+  result_free(&run.res);
+}
+
+/* The dedup run of case c with launch flag `flag` toggled, against `fused`. */
 static void compare_flagged(const case_t *c, epx_comm_t nccl, void *stream, const result_t *fused, int flag,
                             const char *what) {
   const int flags = epx_cuda_launch_flags();
   epx_cuda_set_launch_flags(flags ^ flag);
-  run_t run = {c, EPX_EXCHANGE_DEDUP, nccl, g_rank, EPX_DEVICE_CUDA, {0}, stream};
-  run_rank(&run);
+  compare_dedup_run(c, nccl, stream, fused, EPX_PATH_FUSED, 0, what);
   epx_cuda_set_launch_flags(flags);
-  compare_exchanges(c, fused, &run.res, what);
-  compare_queries(c, fused, &run.res, what);
-  result_free(&run.res);
 }
 
 static void run_case(const case_t *c, epx_comm_t nccl, void *stream) {
@@ -665,41 +704,17 @@ static void run_case(const case_t *c, epx_comm_t nccl, void *stream) {
   else
     compare_flagged(c, nccl, stream, &gpu[0], EPX_CUDA_FUSED_COPY_ENGINE,
                     "the copy-out by the copy engine (EPX_CUDA_FUSED_COPY_ENGINE)");
-  {
-    /* The mixed path: the fused kernels with every other peer relayed
-     * through NCCL's host API, as peers without load/store access are
-     * (reported EPX_PATH_HOST per peer): the same bits. */
-    run_t mixed = {c, EPX_EXCHANGE_DEDUP, nccl, g_rank, EPX_DEVICE_CUDA, {0}, stream};
-    relay_begin();
-    run_rank(&mixed);
-    check_path(c, EPX_EXCHANGE_DEDUP, EPX_PATH_FUSED, &mixed.res);
-    relay_end();
-    compare_exchanges(c, &gpu[0], &mixed.res, "the relayed peers (EPX_CUDA_FUSED_RELAY)");
-    compare_queries(c, &gpu[0], &mixed.res, "the relayed peers (EPX_CUDA_FUSED_RELAY)");
-    result_free(&mixed.res);
-  }
-  {
-    /* The same dedup buffer forced onto the host path: the same bits. */
-    run_t run = {c, EPX_EXCHANGE_DEDUP, nccl, g_rank, EPX_DEVICE_CUDA, {0}, stream};
-    g_path = EPX_PATH_HOST;
-    run_rank(&run);
-    g_path = EPX_PATH_FUSED;
-    check_path(c, EPX_EXCHANGE_DEDUP, EPX_PATH_HOST, &run.res);
-    RANK_EXPECT(run.res.path == EPX_PATH_HOST, "EPX_PATH_HOST: path %d", run.res.path);
-    compare_exchanges(c, &gpu[0], &run.res, "the host path (EPX_PATH_HOST)");
-    compare_queries(c, &gpu[0], &run.res, "the host path (EPX_PATH_HOST)");
-    result_free(&run.res);
-    /* The default, AUTO: the fused kernels for rank-major, the host path for
-     * expert-major and capacity (epx.h); the same bits either way. */
-    run_t automatic = {c, EPX_EXCHANGE_DEDUP, nccl, g_rank, EPX_DEVICE_CUDA, {0}, stream};
-    g_path = EPX_PATH_AUTO;
-    run_rank(&automatic);
-    g_path = EPX_PATH_FUSED;
-    check_path(c, EPX_EXCHANGE_DEDUP, EPX_PATH_AUTO, &automatic.res);
-    compare_exchanges(c, &gpu[0], &automatic.res, "the default path (EPX_PATH_AUTO)");
-    compare_queries(c, &gpu[0], &automatic.res, "the default path (EPX_PATH_AUTO)");
-    result_free(&automatic.res);
-  }
+  /* The mixed path: the fused kernels with every other peer relayed through
+   * NCCL's host API, as peers without load/store access are (reported
+   * EPX_PATH_HOST per peer): the same bits. */
+  relay_begin();
+  compare_dedup_run(c, nccl, stream, &gpu[0], EPX_PATH_FUSED, 1, "the relayed peers (EPX_CUDA_FUSED_RELAY)");
+  relay_end();
+  /* The same dedup buffer forced onto the host path, and the default, AUTO
+   * (the fused kernels for rank-major, the host path for expert-major and
+   * capacity: epx.h): the same bits. */
+  compare_dedup_run(c, nccl, stream, &gpu[0], EPX_PATH_HOST, 1, "the host path (EPX_PATH_HOST)");
+  compare_dedup_run(c, nccl, stream, &gpu[0], EPX_PATH_AUTO, 1, "the default path (EPX_PATH_AUTO)");
   result_free(&gpu[0]);
   result_free(&gpu[1]);
 }
@@ -1640,11 +1655,9 @@ static void fp8_rank(fp8_run_t *run) {
   epx_buffer_t buf;
   FATAL_UNLESS_OK(epx_buffer_create(run->comm, &cfg, &buf));
   snprintf(r->why, sizeof r->why, "%s", epx_last_error());
-  int32_t *idx = place(dev, rt.idx, 4 * (size_t)(T * K));
-  float *w = place(dev, rt.w, 4 * (size_t)(T * K));
-  int32_t *loc = place(dev, rt.loc, 4 * (size_t)(T * K));
-  const epx_routing_t routing = {T, K, idx, c.weighting == EPX_WEIGHTS_NONE ? NULL : w,
-                                 c.layout == EPX_LAYOUT_CAPACITY ? loc : NULL, c.weighting};
+  int32_t *idx, *loc;
+  float *w;
+  const epx_routing_t routing = place_routing(&c, &rt, dev, &idx, &w, &loc);
   epx_recorder_t rec = NULL;
   if (run->record) FATAL_UNLESS_OK(epx_recorder_create(1, &rec));
   epx_handle_t h;
@@ -1688,37 +1701,21 @@ static void fp8_rank(fp8_run_t *run) {
   free(xv), free(xh), free(xqh), free(xsh);
 }
 
-typedef struct {
-  fp8_run_t run;
-  epx_local_world_t world;
-} fp8_cpu_rank_t;
-
-static void *fp8_cpu_thread(void *arg) {
-  fp8_cpu_rank_t *cr = arg;
-  FATAL_UNLESS_OK(epx_comm_create_local(cr->world, cr->run.rank, &cr->run.comm));
-  fp8_rank(&cr->run);
-  FATAL_UNLESS_OK(epx_comm_destroy(cr->run.comm));
-  return NULL;
+static void fp8_rank_on(void *arg, epx_comm_t comm) {
+  fp8_run_t *run = arg;
+  run->comm = comm;
+  fp8_rank(run);
 }
 
 /* The CPU backend over W threads: this rank's fp8 results. */
 static void fp8_cpu(const fp8_case_t *c, epx_exchange_t exchange, fp8_result_t *mine) {
-  fp8_cpu_rank_t *ranks = calloc((size_t)g_size, sizeof *ranks);
-  pthread_t *threads = calloc((size_t)g_size, sizeof *threads);
-  epx_local_world_t world;
-  FATAL_UNLESS_OK(epx_local_world_create(g_size, NULL, &world));
-  for (int q = 0; q < g_size; q++) {
-    ranks[q].run = (fp8_run_t){c, exchange, EPX_PATH_AUTO, NULL, q, EPX_DEVICE_CPU, NULL, 0, {0}};
-    ranks[q].world = world;
-    pthread_create(&threads[q], NULL, fp8_cpu_thread, &ranks[q]);
-  }
-  for (int q = 0; q < g_size; q++) pthread_join(threads[q], NULL);
-  FATAL_UNLESS_OK(epx_local_world_destroy(world));
-  *mine = ranks[g_rank].run.res;
+  fp8_run_t *runs = calloc((size_t)g_size, sizeof *runs);
+  for (int q = 0; q < g_size; q++) runs[q] = (fp8_run_t){c, exchange, EPX_PATH_AUTO, NULL, q, EPX_DEVICE_CPU, NULL, 0, {0}};
+  run_cpu_threads(0, fp8_rank_on, runs, sizeof *runs);
+  *mine = runs[g_rank].res;
   for (int q = 0; q < g_size; q++)
-    if (q != g_rank) fp8_result_free(&ranks[q].run.res);
-  free(ranks);
-  free(threads);
+    if (q != g_rank) fp8_result_free(&runs[q].res);
+  free(runs);
 }
 
 /* The first row of n rows of `bytes` each where a and b differ, or -1. */

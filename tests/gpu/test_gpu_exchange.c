@@ -79,9 +79,7 @@ static routing_t make_routing(tu_rng_t *rng, const gpu_case_t *c) {
 }
 
 static void free_routing(routing_t *r) {
-  tu_free(r->idx);
-  tu_free(r->w);
-  tu_free(r->loc);
+  TU_FREE_ALL(r->idx, r->w, r->loc);
 }
 
 static epx_buffer_t make_buffer(epx_comm_t comm, const gpu_case_t *c, int32_t capacity,
@@ -313,10 +311,8 @@ static void run_case(const gpu_case_t *c) {
   void *dev[] = {d_idx, d_loc, d_w, d_cnt, d_off, d_src_rank, d_src_tok, d_rexp, d_rw, d_x, d_recv,
                  d_eo, d_out, d_out2, d_go, d_geo, d_gw, d_grx, d_gx, d_gx2};
   for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++) CUDA_OK(cudaFree(dev[i]));
-  void *host[] = {cnt_c, off_c, cnt_g, off_g, src_rank_c, src_tok_c, rexp_c, rw_c, src_rank_g, src_tok_g,
-                  rexp_g, rw_g, x, recv_c, recv_g, eo, out_c, out_g, out_g2, go, geo_c, gw_c, geo_g,
-                  grx, gx_c, gx_g, gx_g2};
-  for (size_t i = 0; i < sizeof host / sizeof host[0]; i++) tu_free(host[i]);
+  TU_FREE_ALL(cnt_c, off_c, cnt_g, off_g, src_rank_c, src_tok_c, rexp_c, rw_c, src_rank_g, src_tok_g, rexp_g, rw_g, x,
+              recv_c, recv_g, eo, out_c, out_g, out_g2, go, geo_c, gw_c, geo_g, grx, gx_c, gx_g, gx_g2);
   free_routing(&r);
 }
 
@@ -506,10 +502,7 @@ static void test_graph_capture(void **state) {
     CUDA_OK(cudaStreamDestroy(stream));
     void *dev[] = {d_idx, d_w, d_x, d_recv, d_eo, d_out};
     for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++) CUDA_OK(cudaFree(dev[i]));
-    tu_free(x);
-    tu_free(eo);
-    tu_free(recv_c);
-    tu_free(out_c);
+    TU_FREE_ALL(x, eo, recv_c, out_c);
     free_routing(&r);
   }
 }
@@ -623,10 +616,7 @@ static void check_bad_routing(bad_kind_t kind) {
   EXPECT_OK(epx_comm_destroy(comm));
   void *dev[] = {d_idx, d_loc, d_w, d_x, d_recv};
   for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++) CUDA_OK(cudaFree(dev[i]));
-  tu_free(clean);
-  tu_free(x);
-  tu_free(recv_c);
-  tu_free(recv_g);
+  TU_FREE_ALL(clean, x, recv_c, recv_g);
   free_routing(&r);
 }
 

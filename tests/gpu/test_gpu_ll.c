@@ -198,10 +198,7 @@ static void run_shape(const shape_t *c, uint64_t seed) {
       tu_free(got->out);
       EXPECT_OK(epx_handle_release(h));
     }
-    tu_free(want->recv);
-    tu_free(want->out);
-    tu_free(want);
-    tu_free(got);
+    TU_FREE_ALL(want->recv, want->out, want, got);
   }
   dev_close(&d);
   EXPECT_OK(epx_buffer_destroy(b));
@@ -273,9 +270,7 @@ static void test_graph_replay(void **state) {
     assert_memory_equal(got_out, out, rows_bytes(&c, counts[i]));
     /* Rows past the count: zeros (the handle's T is the arrays' rows). */
     for (size_t j = rows_bytes(&c, counts[i]); j < rows_bytes(&c, MAXT); j++) assert_int_equal(((char *)got_out)[j], 0);
-    tu_free(got_out);
-    tu_free(recv);
-    tu_free(out);
+    TU_FREE_ALL(got_out, recv, out);
     EXPECT_OK(epx_handle_release(ch));
     EXPECT_OK(epx_buffer_destroy(cb));
     EXPECT_OK(epx_comm_destroy(cc));
@@ -360,10 +355,7 @@ static void test_fp8_matches_cpu(void **state) {
         }
       for (int g = 0; g < 2; g++) tu_free(q[g]), tu_free(sc[g]);
     }
-  tu_free(xq);
-  tu_free(xs);
-  tu_free(s->x);
-  tu_free(s);
+  TU_FREE_ALL(xq, xs, s->x, s);
 }
 
 static void test_refusals(void **state) {

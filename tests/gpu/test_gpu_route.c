@@ -415,10 +415,7 @@ static void run_case_with(const route_case_t *c, route_options_fn options, uint6
   CUDA_OK(cudaFree(d_grad));
   if (d_bias) CUDA_OK(cudaFree(d_bias));
   if (d_gw) CUDA_OK(cudaFree(d_gw));
-  tu_free(logits);
-  tu_free(bias);
-  tu_free(gw);
-  tu_free(ref_grad);
+  TU_FREE_ALL(logits, bias, gw, ref_grad);
 }
 
 /* name, T, E, K, G, TG, score, renorm, scale, capacity, cf, min_cap, order, drop, bias, aux,
@@ -820,10 +817,7 @@ static void test_backward_in_place(void **state) {
   CUDA_OK(cudaFree(d_logits));
   CUDA_OK(cudaFree(d_gw));
   CUDA_OK(cudaFree(d_idx));
-  tu_free(logits);
-  tu_free(gw);
-  tu_free(ref);
-  tu_free(got);
+  TU_FREE_ALL(logits, gw, ref, got);
 }
 
 /* Time of one routing call (forward, every output and both losses) of the

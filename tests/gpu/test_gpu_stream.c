@@ -135,9 +135,7 @@ static void test_set_stream_orders_after_old_stream(void **state) {
   CUDA_OK(cudaFree(d_x));
   CUDA_OK(cudaFree(d_recv));
   CUDA_OK(cudaFree(d_out));
-  tu_free(got);
-  tu_free(want);
-  tu_free(x);
+  TU_FREE_ALL(got, want, x);
 }
 
 /* A CPU buffer has no stream to set. */

@@ -77,9 +77,7 @@ static void weights_back(epx_device_t device, epx_layout_t layout, int64_t T, in
   EXPECT_OK(epx_handle_release(h));
   EXPECT_OK(epx_buffer_destroy(buf));
   EXPECT_OK(epx_comm_destroy(comm));
-  free(src_token);
-  free(recv_expert);
-  free(grad_recv_w);
+  TU_FREE_ALL(src_token, recv_expert, grad_recv_w);
 }
 
 static void test_cuda_equals_cpu(void **state) {
@@ -107,11 +105,7 @@ static void test_cuda_equals_cpu(void **state) {
       for (int64_t i = 0; i < T * K; i++) differ += memcmp(&cpu[i], &gpu[i], sizeof(float)) != 0;
       if (differ) fail_msg("layout %d, K=%d: %lld of %lld grad_w differ", (int)layouts[li], K, (long long)differ,
                            (long long)(T * K));
-      free(idx);
-      free(loc);
-      free(w);
-      free(cpu);
-      free(gpu);
+      TU_FREE_ALL(idx, loc, w, cpu, gpu);
     }
 }
 

@@ -40,4 +40,44 @@ static inline int tu_mpi_comm(const char *test, int rank, int size, int max_rank
   return 0;
 }
 
+/* MPI_Init, then this process's rank and the world's size. */
+static inline void tu_mpi_init(int *argc, char ***argv, int *rank, int *size) {
+  MPI_Init(argc, argv);
+  MPI_Comm_rank(MPI_COMM_WORLD, rank);
+  MPI_Comm_size(MPI_COMM_WORLD, size);
+}
+
+/* The sum over every rank of each one's count (a collective). */
+static inline long long tu_mpi_sum(long long mine) {
+  long long all = 0;
+  MPI_Allreduce(&mine, &all, 1, MPI_LONG_LONG, MPI_SUM, MPI_COMM_WORLD);
+  return all;
+}
+
+/* One step of a test on every rank: this rank's failures (mine) added to
+ * *failures; returns the sum over the ranks, which rank 0 reports naming
+ * the step (what) when it is not 0. A collective. */
+static inline long long tu_mpi_step(const char *test, const char *what, int rank, long long mine,
+                                    long long *failures) {
+  long long all = tu_mpi_sum(mine);
+  if (all && rank == 0) fprintf(stderr, "%s: %s: %lld failure(s)\n", test, what, all);
+  *failures += mine;
+  return all;
+}
+
+/* Destroys a comm from tu_mpi_comm (NULL: none); 1 after saying why it
+ * failed, else 0. */
+static inline int tu_mpi_comm_destroy(int rank, epx_comm_t comm) {
+  if (!comm || epx_comm_destroy(comm) == EPX_SUCCESS) return 0;
+  fprintf(stderr, "rank %d: epx_comm_destroy: %s\n", rank, epx_last_error());
+  return 1;
+}
+
+/* MPI_Finalize; the exit status of a test whose ranks failed `failures`
+ * checks in all. */
+static inline int tu_mpi_exit(long long failures) {
+  MPI_Finalize();
+  return failures ? 1 : 0;
+}
+
 #endif

@@ -1,10 +1,13 @@
 #include "testutil.h"
 
+#include <dirent.h>
 #include <math.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 
 #include "core/dtype.h"
 
@@ -82,6 +85,10 @@ void *tu_alloc(size_t bytes) {
 
 void tu_free(void *p) { free(p); }
 
+void tu_free_all(void *const *p, size_t n) {
+  for (size_t i = 0; i < n; i++) free(p[i]);
+}
+
 typedef struct {
   epx_local_world_t world;
   int32_t rank, size;
@@ -108,8 +115,13 @@ static void *rank_main(void *p) {
 }
 
 int tu_run_ranks(int32_t world, double timeout_seconds, tu_rank_fn fn, void *arg) {
+  return tu_run_nodes(world, 0, timeout_seconds, fn, arg);
+}
+
+int tu_run_nodes(int32_t world, int32_t ranks_per_node, double timeout_seconds, tu_rank_fn fn, void *arg) {
   epx_comm_config_t config = EPX_COMM_CONFIG_INIT;
   if (timeout_seconds > 0) config.timeout_seconds = timeout_seconds;
+  config.ranks_per_node = ranks_per_node;
   epx_local_world_t local = NULL;
   if (epx_local_world_create(world, &config, &local) != EPX_SUCCESS) {
     fprintf(stderr, "epx_local_world_create: %s\n", epx_last_error());
@@ -163,4 +175,28 @@ const char *tu_weighting_name(epx_weighting_t weighting) {
   return weighting == EPX_WEIGHTS_IN_COMBINE    ? "in-combine"
          : weighting == EPX_WEIGHTS_IN_DISPATCH ? "in-dispatch"
                                                 : "none";
+}
+
+int tu_reap(pid_t pid, int32_t rank, int signal) {
+  int wstatus = 0;
+  waitpid(pid, &wstatus, 0);
+  int ok = signal ? WIFSIGNALED(wstatus) && WTERMSIG(wstatus) == signal
+                  : WIFEXITED(wstatus) && WEXITSTATUS(wstatus) == 0;
+  if (!ok)
+    fprintf(stderr, "rank %d ended with status 0x%x%s\n", rank, wstatus,
+            WIFSIGNALED(wstatus) && WTERMSIG(wstatus) == SIGALRM ? " (SIGALRM: it hung)" : "");
+  return ok;
+}
+
+int tu_shm_leftovers(const char *prefix) {
+  DIR *dir = opendir("/dev/shm");
+  if (!dir) return 0;
+  int found = 0;
+  for (struct dirent *e; (e = readdir(dir));)
+    if (!strncmp(e->d_name, prefix, strlen(prefix))) {
+      fprintf(stderr, "left in /dev/shm: %s\n", e->d_name);
+      found++;
+    }
+  closedir(dir);
+  return found;
 }

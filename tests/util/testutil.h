@@ -10,6 +10,7 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/types.h>
 #include <cmocka.h>
 
 #include "check.h"
@@ -46,6 +47,10 @@ const char *tu_weighting_name(epx_weighting_t weighting);
 
 void *tu_alloc(size_t bytes); /* 64-byte aligned, zeroed; fails the test on OOM */
 void tu_free(void *p);
+/* Frees every pointer listed (tu_alloc's or malloc's; NULL is skipped), as
+ * a test's cleanup does with its arrays. */
+#define TU_FREE_ALL(...) tu_free_all((void *[]){__VA_ARGS__}, sizeof((void *[]){__VA_ARGS__}) / sizeof(void *))
+void tu_free_all(void *const *p, size_t n);
 
 /* A cmocka group's comm of one rank (epx_comm_create_self), in
  * tu_self_comm between tu_self_setup and tu_self_teardown (the group's
@@ -60,5 +65,16 @@ int tu_self_teardown(void **state);
  * thread-safe): it checks with check.h's RANK_ family and returns its count. */
 typedef int (*tu_rank_fn)(epx_comm_t comm, int32_t rank, int32_t world, void *arg);
 int tu_run_ranks(int32_t world, double timeout_seconds, tu_rank_fn fn, void *arg);
+/* As tu_run_ranks, the ranks posed as nodes of ranks_per_node ranks
+ * (epx_comm_config_t.ranks_per_node; 0: one node), for the hierarchical
+ * exchange. */
+int tu_run_nodes(int32_t world, int32_t ranks_per_node, double timeout_seconds, tu_rank_fn fn, void *arg);
+
+/* Ranks as forked processes (the shm tests). tu_reap waits for rank's
+ * process: 1 if it ended as expected (exit 0, or killed by `signal` when
+ * signal != 0), else 0 after saying how it ended. tu_shm_leftovers counts
+ * (and names) the segments in /dev/shm whose names start with prefix. */
+int tu_reap(pid_t pid, int32_t rank, int signal);
+int tu_shm_leftovers(const char *prefix);
 
 #endif

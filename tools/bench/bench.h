@@ -62,6 +62,11 @@ void *grow(void *p, size_t *cap, size_t need); /* at least need bytes, contents 
 double now_s(void);
 double median(const double *v, int n);
 
+/* A run's buffer config: the dtype and shape, T tokens a rank, the layout
+ * (capacity only for the capacity layout); the caller sets the rest. */
+epx_buffer_config_t buffer_config_of(epx_dtype_t dtype, int64_t H, int32_t E, int32_t K, int64_t T,
+                                     epx_layout_t layout, int32_t capacity);
+
 /* ------------------------------------------------------------------------ */
 /* Device memory (--device cuda): mirrors of the host arrays (common.c)      */
 /* ------------------------------------------------------------------------ */

@@ -7,6 +7,7 @@
 #include <sys/mman.h>
 #include <time.h>
 
+#include "../../tests/util/buffer_config.h"
 #include "bench.h"
 
 /* ------------------------------------------------------------------------ */
@@ -42,6 +43,14 @@ void fatal(const char *fmt, ...) {
  * with 4 KiB pages nearly every row costs a TLB miss (measured here: f32
  * combine 22 -> 15 ms at T=8192, H=2048, K=3). The memcpy ceiling uses the
  * same allocator, so the ratios compare like with like. */
+epx_buffer_config_t buffer_config_of(epx_dtype_t dtype, int64_t H, int32_t E, int32_t K, int64_t T,
+                                     epx_layout_t layout, int32_t capacity) {
+  epx_buffer_config_t bc = tu_config(EPX_DEVICE_CPU, dtype, H, E, K, T);
+  bc.layout = layout;
+  bc.capacity = layout == EPX_LAYOUT_CAPACITY ? capacity : 0;
+  return bc;
+}
+
 void *xalloc(size_t bytes) {
   const size_t huge = (size_t)2 << 20;
   size_t alignment = bytes >= huge ? huge : 64;

@@ -192,15 +192,8 @@ static void setup_runs(rank_job_t *j, epx_comm_t comm) {
   for (int xi = 0; xi < j->n_exch; xi++) {
     exchange_run_t *run = &j->runs[xi];
     run->exchange = o->exchange == CHOOSE_BOTH ? (epx_exchange_t)xi : (epx_exchange_t)o->exchange;
-    epx_buffer_config_t bc = EPX_BUFFER_CONFIG_INIT;
-    bc.dtype = j->dtype;
-    bc.hidden = H;
-    bc.num_experts = j->E;
-    bc.max_top_k = j->K;
-    bc.max_tokens_per_rank = T;
+    epx_buffer_config_t bc = buffer_config_of(j->dtype, H, j->E, j->K, T, j->layout, j->capacity);
     bc.exchange = run->exchange;
-    bc.layout = j->layout;
-    bc.capacity = j->layout == EPX_LAYOUT_CAPACITY ? j->capacity : 0;
     if (g_cuda) bc.device = EPX_DEVICE_CUDA, bc.stream = g_stream;
     TRY(epx_buffer_create(comm, &bc, &run->buffer));
     run->out = xalloc(es * (size_t)(T * H));

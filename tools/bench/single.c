@@ -115,14 +115,7 @@ static void single_exchange(single_t *s) {
   const options_t *o = s->o;
   const int64_t T = s->T, H = s->H;
   const size_t es = s->es;
-  epx_buffer_config_t bc = EPX_BUFFER_CONFIG_INIT;
-  bc.dtype = s->dtype;
-  bc.hidden = H;
-  bc.num_experts = s->E;
-  bc.max_top_k = s->K;
-  bc.max_tokens_per_rank = T;
-  bc.layout = o->layout;
-  bc.capacity = o->layout == EPX_LAYOUT_CAPACITY ? s->C : 0;
+  epx_buffer_config_t bc = buffer_config_of(s->dtype, H, s->E, s->K, T, o->layout, s->C);
   bc.fp8_format = o->fp8;
   TRY(epx_buffer_create(s->comm, &bc, &s->buf));
   epx_routing_t routing = {T, s->K, s->idx, s->wt, o->layout == EPX_LAYOUT_CAPACITY ? s->loc : NULL,

@@ -103,6 +103,21 @@ def unsupported(fn, what):
     raise NotImplementedError("epx.deep_ep: %s: %s" % (fn, what))
 
 
+def comm_stream(fn):
+    """The stream epx's calls run on: PyTorch's current CUDA stream (both
+    buffers' get_comm_stream; fn names the caller where there is no CUDA)."""
+    if not torch.cuda.is_available():
+        unsupported(fn, "no CUDA here: epx's CPU calls run on the calling thread and have no "
+                    "stream")
+    return torch.cuda.current_stream()
+
+
+def aligned(counts, alignment):
+    """Each count rounded up to a multiple of alignment (DeepEP's
+    expert_alignment), for tensors and numpy arrays alike."""
+    return (counts + alignment - 1) // alignment * alignment
+
+
 def check(ok, fn, fmt, *args):
     if not ok:
         raise ValueError("epx.deep_ep: %s: %s" % (fn, fmt % args if args else fmt))

@@ -20,6 +20,16 @@ from .utils import EventHandle, EventOverlap
 _ALIGNMENT = 2 << 20  # DeepEP's 2 MiB buffer alignment
 
 
+def _out_of_scope(name):
+    """ElasticBuffer's method `name`, which epx does not offer: it raises
+    NotImplementedError naming itself."""
+    def method(self, *args, **kwargs):
+        unsupported("ElasticBuffer." + name, "Engram, pipeline-parallel send/recv and AGRS "
+                    "(all-gather/reduce-scatter) are not offered by epx")
+    method.__name__ = name
+    return method
+
+
 class EPHandle:
     """DeepEP's V2 handle (see ``deep_ep.EPHandle``): the attributes its
     callers read, over an epx layout.
@@ -53,7 +63,7 @@ class EPHandle:
         self.num_recv_tokens = L.rows
         counts = L.d.counts
         a = expert_alignment
-        aligned = (counts + a - 1) // a * a if a > 1 else counts
+        aligned = _core.aligned(counts, a)
         if do_expand:
             starts = aligned.cumsum(0) - aligned
             self.psum_num_recv_tokens_per_expert = (starts + counts).to(torch.int32)
@@ -77,7 +87,7 @@ class EPHandle:
             value = L.d.counts.to(torch.int32)
         elif name == "num_recv_tokens_per_expert_list":
             a = self.expert_alignment
-            value = ((L.d.counts + a - 1) // a * a).tolist()
+            value = _core.aligned(L.d.counts, a).tolist()
         else:
             meta = torch.full((L.rows, 2 + L.K), -1, dtype=torch.int32, device=L.recv_idx.device)
             meta[:, 0] = L.src_rank * self.num_max_tokens_per_rank + L.src_token
@@ -99,7 +109,7 @@ def _expansion(L, alignment):
     idx = L.recv_idx                                   # [N, K] local ids, -1 elsewhere
     valid = idx >= 0
     counts = L.d.counts
-    aligned = (counts + alignment - 1) // alignment * alignment
+    aligned = _core.aligned(counts, alignment)
     starts = aligned.cumsum(0) - aligned
     n, k = valid.nonzero(as_tuple=True)               # row-major: by row, then k
     e = idx[n, k]
@@ -203,10 +213,7 @@ class ElasticBuffer:
 
     def get_comm_stream(self) -> torch.Stream:
         """The stream epx's calls run on: PyTorch's current CUDA stream."""
-        if not torch.cuda.is_available():
-            unsupported("ElasticBuffer.get_comm_stream", "no CUDA here: epx's CPU calls run on "
-                        "the calling thread and have no stream")
-        return torch.cuda.current_stream()
+        return _core.comm_stream("ElasticBuffer.get_comm_stream")
 
     def get_physical_domain_size(self) -> Tuple[int, int]:
         return self.num_rdma_ranks, self.num_nvlink_ranks
@@ -382,42 +389,17 @@ class ElasticBuffer:
 
     # -- out of scope ------------------------------------------------------------
 
-    def _out_of_scope(self, what):
-        unsupported("ElasticBuffer." + what, "Engram, pipeline-parallel send/recv and AGRS "
-                    "(all-gather/reduce-scatter) are not offered by epx")
-
-    def engram_write(self, *a, **k):
-        self._out_of_scope("engram_write")
-
-    def engram_fetch(self, *a, **k):
-        self._out_of_scope("engram_fetch")
-
-    def pp_set_config(self, *a, **k):
-        self._out_of_scope("pp_set_config")
-
-    def pp_send(self, *a, **k):
-        self._out_of_scope("pp_send")
-
-    def pp_recv(self, *a, **k):
-        self._out_of_scope("pp_recv")
-
-    def create_agrs_session(self, *a, **k):
-        self._out_of_scope("create_agrs_session")
-
-    def destroy_agrs_session(self, *a, **k):
-        self._out_of_scope("destroy_agrs_session")
-
-    def agrs_new_session(self, *a, **k):
-        self._out_of_scope("agrs_new_session")
-
-    def agrs_set_config(self, *a, **k):
-        self._out_of_scope("agrs_set_config")
-
-    def agrs_get_inplace_tensor(self, *a, **k):
-        self._out_of_scope("agrs_get_inplace_tensor")
-
-    def all_gather(self, *a, **k):
-        self._out_of_scope("all_gather")
+    engram_write = _out_of_scope("engram_write")
+    engram_fetch = _out_of_scope("engram_fetch")
+    pp_set_config = _out_of_scope("pp_set_config")
+    pp_send = _out_of_scope("pp_send")
+    pp_recv = _out_of_scope("pp_recv")
+    create_agrs_session = _out_of_scope("create_agrs_session")
+    destroy_agrs_session = _out_of_scope("destroy_agrs_session")
+    agrs_new_session = _out_of_scope("agrs_new_session")
+    agrs_set_config = _out_of_scope("agrs_set_config")
+    agrs_get_inplace_tensor = _out_of_scope("agrs_get_inplace_tensor")
+    all_gather = _out_of_scope("all_gather")
 
     @staticmethod
     def get_engram_storage_size_hint(*a, **k):

@@ -192,10 +192,7 @@ class Buffer:
 
     def get_comm_stream(self) -> torch.Stream:
         """The stream epx's calls run on: PyTorch's current CUDA stream."""
-        if not torch.cuda.is_available():
-            unsupported("Buffer.get_comm_stream", "no CUDA here: epx's CPU calls run on the "
-                        "calling thread and have no stream")
-        return torch.cuda.current_stream()
+        return _core.comm_stream("Buffer.get_comm_stream")
 
     def get_local_buffer_tensor(self, dtype, size=None, offset=0, use_rdma_buffer=False):
         unsupported("Buffer.get_local_buffer_tensor", "epx does not expose its exchange memory "
@@ -341,7 +338,7 @@ class Buffer:
         per_expert = every[:, 1 + W + self.rank * E_local:1 + W + (self.rank + 1) * E_local]
         per_expert = per_expert.sum(axis=0)
         a = expert_alignment
-        counts = ((per_expert + a - 1) // a * a).tolist() if a > 1 else per_expert.tolist()
+        counts = _core.aligned(per_expert, a).tolist()
         h = Handle(L)
         recv_idx = L.recv_idx if topk_idx is not None else None
         recv_w = L.recv_w if topk_weights is not None else None
