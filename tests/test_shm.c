@@ -157,6 +157,7 @@ typedef struct victim_case {
   double timeout;
   int32_t victim;
   atomic_int started;      /* ranks through their first round */
+  atomic_int reported;     /* survivors that have their error */
   _Atomic int64_t signal_ns; /* CLOCK_MONOTONIC ns when the victim was signalled (0: not yet) */
 } victim_case_t;
 
@@ -182,6 +183,11 @@ static int victim_loop_rank(epx_comm_t comm, int32_t rank, int32_t size, void *s
     RANK_EXPECT(atomic_load(&v->signal_ns) != 0 && after < v->timeout + 3.0,
                 "round %d: the error came %.2f s after the signal (timeout %g s + 3 s slack)",
                 round, after, v->timeout);
+    /* The comm is destroyed on return: a survivor still waiting would read
+     * that destroy as its cause, so each waits for the others' errors. */
+    atomic_fetch_add(&v->reported, 1);
+    double give_up = cc_now_seconds() + v->timeout + 10.0;
+    while (atomic_load(&v->reported) < size - 1 && cc_now_seconds() < give_up) cc_sleep_seconds(0.001);
     return failures;
   }
 }
@@ -194,6 +200,7 @@ static int run_victim(int32_t victim, int sig, double delay) {
   v->timeout = 2.0;
   v->victim = victim;
   atomic_init(&v->started, 0);
+  atomic_init(&v->reported, 0);
   atomic_init(&v->signal_ns, 0);
   char name[64];
   comm_name(name, sizeof name);

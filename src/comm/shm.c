@@ -344,9 +344,17 @@ static int shm_arrived(const void *world, int32_t rank) {
   return w->slots[rank].arrived == w->generation + 1;
 }
 
-static void shm_fail_timeout_locked(shm_world_t *w, uint64_t generation, const char *caller) {
+static void shm_fail_timeout_locked(shm_state_t *st, uint64_t generation, const char *caller) {
+  shm_world_t *w = st->world;
   char reason[sizeof w->fail_reason];
   epx_comm_world_timeout_reason(reason, sizeof reason, w->size, shm_arrived, w, w->timeout_seconds);
+  /* Of several missing ranks, one stopped (SIGSTOP, a debugger) is the
+   * likely cause: the others may wait on it. */
+  int32_t stopped = shm_stopped_rank(st, -1);
+  if (stopped >= 0 && !shm_arrived(w, stopped)) {
+    size_t used = strlen(reason);
+    snprintf(reason + used, sizeof reason - used, " (rank %d's process is stopped)", stopped);
+  }
   for (int32_t p = 0; p < w->size; p++)
     if (!shm_arrived(w, p)) w->slots[p].suspect = 1;
   shm_fail_locked(w, generation, EPX_ERROR_TIMEOUT, caller, "%s", reason);
@@ -379,7 +387,7 @@ static epx_status_t shm_wait_locked(epx_comm_t comm, const char *caller, uint64_
       break;
     }
     if (left <= 0) {
-      shm_fail_timeout_locked(w, generation, caller);
+      shm_fail_timeout_locked(st, generation, caller);
       break;
     }
     epx_status_t locked = shm_nap_locked(st, comm->rank, caller, left);
