@@ -141,12 +141,18 @@ def nemo_step(comm, T, seed):
     torch.testing.assert_close(out, x * ranks[:, None].to(x.dtype))
 
 
+def nemo_buffer_sizes(comm):
+    """The tokens a rank each of epx.nemo's buffers over comm holds."""
+    import epx.nemo as en
+    group, _, buffer = en._groups[id(comm)]
+    return [b.dd_max_tokens for b in buffer.runtime.buffers.values()]
+
+
 def test_dropin_buffers_grow_together_from_an_empty_first_batch():
     """A first batch empty on every rank sized the buffer to 0 tokens and
     refused every later one (naming a make_buffer call the user never
     made); a larger batch on one rank was refused. Now the buffer grows, on
-    every rank together (the layout refuses an oversize batch on all of
-    them at once)."""
+    every rank together (the ranks agree the largest batch first)."""
     import epx.nemo as en
 
     def run(comm):
@@ -154,27 +160,28 @@ def test_dropin_buffers_grow_together_from_an_empty_first_batch():
         nemo_step(comm, 5, SEED)
         nemo_step(comm, [3, 40][comm.rank], SEED + 1)  # rank 1 alone outgrows it
         nemo_step(comm, 0, SEED)
-        return [b.dropin_max_tokens for key, b in en._buffers._buffers.items()
-                if key[0] == id(comm)]
+        return nemo_buffer_sizes(comm)
     try:
         assert epx.run_local(2, run, timeout_seconds=20) == [[40], [40]]
     finally:
         en.close()
 
 
-def test_dropin_fixed_size_refusal_names_the_dropins_setting():
+def test_dropin_configured_size_is_the_least_and_grows():
+    """configure(max_tokens_per_rank=) sizes the buffers for at least that
+    many tokens from the first call; a larger batch on one rank grows them
+    on every rank, and the comm and buffer go on working."""
     import epx.nemo as en
 
     def run(comm):
         nemo_step(comm, 4, SEED)
-        with pytest.raises(epx.CapacityExceededError, match=r"a rank has 9 tokens, above the 6.*"
-                           r"epx.nemo.configure\(max_tokens_per_rank=9\)"):
-            nemo_step(comm, [2, 9][comm.rank], SEED)
-        nemo_step(comm, 6, SEED)  # the comm and buffer still work
-        return True
+        sizes = nemo_buffer_sizes(comm)
+        nemo_step(comm, [2, 9][comm.rank], SEED)
+        nemo_step(comm, 6, SEED)
+        return sizes + nemo_buffer_sizes(comm)
     en.configure(max_tokens_per_rank=6)
     try:
-        assert epx.run_local(2, run, timeout_seconds=20) == [True, True]
+        assert epx.run_local(2, run, timeout_seconds=20) == [[6, 9], [6, 9]]
     finally:
         en.configure(max_tokens_per_rank=0)
         en.close()
@@ -226,7 +233,7 @@ def test_comm_from_process_group_on_one_rank_only_times_out(tmp_path):
 def test_an_outgrown_buffer_serves_its_pending_backward():
     """Two forwards, then one backward over both (DESIGN.md's lesson): the
     second forward grows the buffer, and the first one's backward still
-    replays its handles on the outgrown buffer, closed once they are gone."""
+    replays its handles on the outgrown buffer, freed once they are gone."""
     import gc
     import epx.nemo as en
     comm = epx.Comm.create_self()
@@ -238,14 +245,14 @@ def test_an_outgrown_buffer_serves_its_pending_backward():
             recv_x, _, _, _, handle = en.fused_dispatch(x, idx, w, E, comm)
             outs.append((x, en.fused_combine(recv_x * 3, comm, handle)[0]))
             del handle, recv_x
-        assert len(en._buffers._outgrown) == 1
+        assert nemo_buffer_sizes(comm) == [40]
         sum(out.sum() for _, out in outs).backward()
-        for x, _ in outs:
+        for x, out in outs:
             torch.testing.assert_close(x.grad, torch.full_like(x, 3.0))
-        del outs
+        del outs, x, out
         gc.collect()
         en.close()
-        assert not en._buffers._buffers and not en._buffers._outgrown
+        assert not en._groups
     finally:
         en.close()
         comm.close()
