@@ -24,6 +24,7 @@
 #include "cuda/common/check.h"
 #include "cuda/ep/internal.h" /* the fused path's bulk copy and SM budget, EPX_HAVE_FUSED */
 #include "cuda/ll/ll.h"
+#include "cuda/xport/xport.h"
 
 #if EPX_HAVE_NCCL && EPX_HAVE_FUSED
 
@@ -55,7 +56,9 @@ static epx_status_t create_fused(epx_buffer_t b, epx_fused_t **out) {
                                  0.9 * b->comm->timeout_seconds, EP_FUSED_BULK_COPY, 1};
   epx_fused_t *f = NULL;
   char reason[768] = "";
-  int64_t refused = epx_fused_create(epx_nccl_comm(b->comm), &fc, &f) != EPX_SUCCESS ? b->rank + 1 : 0;
+  const epx_cuda_xport_t *xport = epx_cuda_xport_of(b->comm);
+  const epx_fused_ranks_t ranks = {xport == &epx_cuda_xport_nccl ? epx_nccl_comm(b->comm) : NULL, b->comm, xport};
+  int64_t refused = epx_fused_create(&ranks, &fc, &f) != EPX_SUCCESS ? b->rank + 1 : 0;
   if (refused) snprintf(reason, sizeof reason, "%s", epx_last_error());
   epx_status_t status = b->comm->ops->allreduce_max_i64(b->comm, fn, &refused, 1);
   if (status == EPX_SUCCESS && !refused) {
@@ -74,11 +77,10 @@ static epx_status_t create_fused(epx_buffer_t b, epx_fused_t **out) {
   return EPX_SUCCESS;
 }
 
-static int32_t ctas_of(epx_buffer_t b) {
-  int device = 0, sms = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
-    sms = EP_FUSED_DEFAULT_CTAS;
+/* The SM budget within this rank's share of the GPU (fused.h). */
+static int32_t ctas_of(epx_buffer_t b, const epx_fused_t *f) {
+  int32_t sms = 0;
+  (void)epx_fused_ranks_on_device(f, &sms, NULL);
   const int32_t ctas = b->config.sm_budget > 0 ? b->config.sm_budget : EP_FUSED_DEFAULT_CTAS;
   return ctas < sms ? ctas : sms;
 }
@@ -96,7 +98,7 @@ epx_status_t epx_cuda_ll_window_create(epx_buffer_t b, epx_cuda_ll_window_t **ou
     return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
   }
   w->fused = f;
-  w->ctas = ctas_of(b);
+  w->ctas = ctas_of(b, f);
   const int64_t Kb = b->config.max_top_k, El = b->experts_per_rank;
   const int64_t bound = (int64_t)b->world_size * b->max_tokens * (Kb < El ? Kb : El);
   for (int i = 0; i < EPX_CUDA_LL_SLOTS; i++)
@@ -132,10 +134,11 @@ static epx_status_t window_alive(epx_buffer_t b, const epx_cuda_ll_window_t *w, 
   int32_t peer = -1;
   const char *phase = "";
   if (!epx_fused_error(w->fused, &peer, &phase)) return EPX_SUCCESS;
-  char what[256];
+  char what[768], shared[512];
+  epx_fused_co_resident_note(w->fused, shared, sizeof shared);
   snprintf(what, sizeof what, "rank %d did not answer the low-latency load/store exchange (%s) within the comm's "
-           "timeout, or the host-API relay to it failed", (int)peer, phase ? phase : "?");
-  return epx_nccl_fail_timeout(b->comm, fn, what);
+           "timeout, or the relay to it failed%s", (int)peer, phase ? phase : "?", shared);
+  return epx_cuda_xport_of(b->comm)->fail_timeout(b->comm, fn, what);
 }
 
 #define FUSED_CHECK(call, fn, what)                                            \
