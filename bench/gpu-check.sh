@@ -277,7 +277,7 @@ RANK_TESTS="ranks_gpu_exchange ranks_gpu_ll"
 if [ $BUILD_OK = 1 ] && cmake --build "$BUILD" -j"$JOBS" --target $RANK_TESTS >>"$OUTDIR/build.log" 2>&1; then
   for t in $RANK_TESTS; do
     start=$(date +%s)
-    CUDA_DEVICE_MAX_CONNECTIONS=32 EPX_GPU_TIMEOUT="${EPX_GPU_RANKS_TIMEOUT:-30}" \
+    CUDA_DEVICE_MAX_CONNECTIONS=32 EPX_GPU_TIMEOUT="${EPX_GPU_RANKS_TIMEOUT:-30}" EPX_GPU_EXPECT_FUSED=$([ "${EPX_GPU_FUSED:-ON}" = ON ] && echo 1 || echo 0) \
       timeout "${EPX_GPU_RANKS_LIMIT:-400}" "$BUILD/tests/gpu/$t" >"$OUTDIR/$t.log" 2>&1
     rc=$?
     for W in 2 4 8; do

@@ -1963,7 +1963,7 @@ int main(int argc, char **argv) {
   if (!one) test_fp8_call_mismatch(comm, stream);
   /* One rank: the refusing rank's own side (it takes the host path and
    * works); its peers' side needs a second rank. */
-  if (g_expect_fused) test_fused_refused_on_one_rank(comm, stream);
+  if (g_expect_fused && !RANKS_IN_PROCESS) test_fused_refused_on_one_rank(comm, stream); /* one GPU's memory */
   if (RANKS_IN_PROCESS && g_rank == 0)
     printf("mpi_gpu_exchange: ranks as threads (in-process transport): CUDA graphs on the fused path only (the "
            "host path's and the relay's in-process moves are not capturable); no fused refusal on one rank\n");
