@@ -451,6 +451,7 @@ static int64_t ranks_handle_bytes(epx_handle_t h) {
 
 const epx_backend_t epx_cuda_ll_ranks_backend = {
     .name = "cuda",
+    .ll = &epx_cuda_ll_ranks_ops,
     .route = epx_cuda_route,
     .route_backward = epx_cuda_route_backward,
     .buffer_init = ranks_buffer_init,
@@ -488,6 +489,7 @@ static epx_status_t ranks_refuse(epx_buffer_t b) {
 
 const epx_backend_t epx_cuda_ll_ranks_backend = {
     .name = "cuda",
+    .ll = &epx_cuda_ll_ranks_ops,
     .route = epx_cuda_route,
     .route_backward = epx_cuda_route_backward,
     .buffer_init = ranks_refuse,
