@@ -502,7 +502,11 @@ epx_status_t epx_comm_create_self(epx_comm_t *comm);
  * code on one GPU, not for speed (the ranks share the GPU's SMs and memory;
  * each rank's fused kernels take at most its share of the SMs so that all
  * ranks' are resident at once). Set CUDA_DEVICE_MAX_CONNECTIONS to at least
- * W before CUDA starts. The in-process moves of the host, hierarchical and
+ * W and CUDA_MODULE_LOADING=EAGER before CUDA starts (without eager loading
+ * the fused path is refused for ranks sharing a GPU, epx_last_error says
+ * why, and the host path serves), and keep device-wide waits
+ * (cudaDeviceSynchronize, cudaFree) off a rank's thread while its peers may
+ * be inside a fused call it has not reached. The in-process moves of the host, hierarchical and
  * low-latency slab paths cannot be captured in a CUDA graph
  * (EPX_ERROR_UNSUPPORTED); the fused path and the low-latency window can. */
 epx_status_t epx_local_world_create(int32_t world_size, const epx_comm_config_t *config,

@@ -7,7 +7,9 @@
  * (EPX_GPU_RANKS="2,4" chooses others; EPX_GPU_TIMEOUT the comm's timeout in
  * seconds, 30 by default). Nodes are posed (ranks_per_node: W / 2 ranks, one
  * for W = 2) so the hierarchical exchange has two nodes. The programs' rank
- * globals are thread-local (EPX_RANK_LOCAL). Exit status is the verdict. */
+ * globals are thread-local (EPX_RANK_LOCAL). CUDA_DEVICE_MAX_CONNECTIONS=32
+ * and CUDA_MODULE_LOADING=EAGER are set before CUDA starts. Exit status is
+ * the verdict. */
 #ifndef EPX_TESTS_GPU_THREAD_RANKS_H
 #define EPX_TESTS_GPU_THREAD_RANKS_H
 
@@ -16,6 +18,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
+
+#include <cuda_runtime_api.h>
 
 #include "epx.h"
 
@@ -61,6 +65,23 @@ static inline int MPI_Allreduce(const void *send, void *recv, int count, MPI_Dat
   pthread_barrier_wait(&tr_barrier);
   return 0;
 }
+/* A rank's device-wide waits become waits for its own stream (the first it
+ * creates) and the legacy stream: a device-wide wait would also wait for
+ * the peers' fused kernels, which wait for this rank's next launch. */
+static _Thread_local cudaStream_t tr_stream;
+static inline cudaError_t tr_stream_create(cudaStream_t *stream, unsigned int flags) {
+  const cudaError_t e = cudaStreamCreateWithFlags(stream, flags);
+  if (e == cudaSuccess && !tr_stream) tr_stream = *stream;
+  return e;
+}
+static inline cudaError_t tr_device_sync(void) {
+  cudaError_t e = cudaStreamSynchronize(0);
+  if (e == cudaSuccess && tr_stream) e = cudaStreamSynchronize(tr_stream);
+  return e;
+}
+#define cudaStreamCreateWithFlags tr_stream_create
+#define cudaDeviceSynchronize tr_device_sync
+
 /* The programs' NCCL comm: this thread's rank of the local world. */
 static inline epx_status_t tr_comm_create(const void *mpi_comm, const epx_comm_config_t *config, epx_comm_t *comm) {
   (void)mpi_comm, (void)config;
@@ -88,6 +109,9 @@ static inline int tr_run(int (*rank_main)(int, char **), const char *program) {
   /* W streams, each waiting on the others' kernels, need W hardware queues
    * (8 by default): set before CUDA starts */
   setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
+  /* kernels loaded at start, not at a first launch that may wait for the
+   * GPU to idle (src/cuda/fused/setup.cu refuses the fused path without) */
+  setenv("CUDA_MODULE_LOADING", "EAGER", 1);
   const char *list = getenv("EPX_GPU_RANKS");
   const char *timeout = getenv("EPX_GPU_TIMEOUT");
   char ranks[64];

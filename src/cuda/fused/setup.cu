@@ -423,6 +423,28 @@ epx_status_t in_process_steps(epx_fused_t *f, epx_status_t local, cudaStream_t s
                      "every rank refuses it", fn, (long long)(top - 1));
   }
   EPX_CHECK(q.xport->window_open(q.comm, f->bytes, &f->window, fn));
+  /* Ranks sharing a GPU wait on each other's kernels; a kernel loaded
+   * lazily (CUDA's default module loading) at its first launch may wait for
+   * the GPU to idle, which a peer's kernel waiting for this rank never does
+   * (CUDA's Lazy Loading guide, "concurrent execution"): eager loading only. */
+  {
+    const char *loading = getenv("CUDA_MODULE_LOADING");
+    local = f->window.ranks_on_device > 1 && !(loading && !strcmp(loading, "EAGER"))
+                ? epx_error(EPX_ERROR_UNSUPPORTED,
+                            "%s: %d in-process ranks share this GPU, whose fused kernels wait on each other; that "
+                            "needs CUDA_MODULE_LOADING=EAGER in the environment before CUDA starts (a kernel loaded "
+                            "lazily at its first launch may wait for the GPU to idle while a peer's kernel waits "
+                            "for it)", fn, (int)f->window.ranks_on_device)
+                : EPX_SUCCESS;
+    message[0] = 0;
+    if (local != EPX_SUCCESS) snprintf(message, sizeof message, "%s", epx_last_error());
+    EPX_CHECK(q.xport->agree_max(q.comm, local != EPX_SUCCESS ? rank + 1 : 0, &top, fn));
+    if (top) {
+      if (local != EPX_SUCCESS) return epx_error(local, "%s", message);
+      return epx_error(EPX_ERROR_UNSUPPORTED, "%s: rank %lld refused the fused path (its epx_last_error says why); "
+                       "every rank refuses it", fn, (long long)(top - 1));
+    }
+  }
   {
     const bool relay_all = (epx_cuda_launch_flags() & EPX_CUDA_FUSED_RELAY) != 0;
     uint32_t mask = 0;
@@ -649,7 +671,8 @@ extern "C" void epx_fused_co_resident_note(const epx_fused_t *f, char *out, size
   snprintf(out, size,
            " (%d in-process ranks share this GPU: their fused kernels wait on each other, so all must be "
            "co-resident; each rank's launches take at most %d of the %d SMs, but kernels that could not start "
-           "beside the others -- other work holding the SMs, a serialising tool such as compute-sanitizer or "
-           "CUDA_LAUNCH_BLOCKING=1, or fewer hardware queues than ranks (set CUDA_DEVICE_MAX_CONNECTIONS to at "
-           "least the ranks before CUDA starts) -- were not co-resident)", (int)on, (int)share, (int)sms);
+           "beside the others -- other work holding the SMs, a host call that waits for the whole GPU "
+           "(cudaDeviceSynchronize, cudaFree) on a rank before its launch, a serialising tool such as "
+           "compute-sanitizer or CUDA_LAUNCH_BLOCKING=1, or fewer hardware queues than ranks (set "
+           "CUDA_DEVICE_MAX_CONNECTIONS to at least the ranks before CUDA starts) -- were not co-resident)", (int)on, (int)share, (int)sms);
 }
