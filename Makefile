@@ -31,8 +31,10 @@ single: build
 # which runs on CPUs) and scikit-build-core (the wheel's build backend), made
 # once by `make pyenv`. PYTHON=/usr/bin/python3 runs the tests without torch
 # (the epx.torch tests then skip). megatron-core and deepspeed (CPU, no
-# compiled ops) are the drop-ins' references; megatron-core imports
-# numpy.dtypes, which needs a numpy newer than Debian 12's 1.24.
+# compiled ops) are the drop-ins' references, and with nemo-automodel (its
+# DeepEP module and MoE layer) epx.deep_ep's framework parity tests;
+# megatron-core imports numpy.dtypes, which needs a numpy newer than Debian 12's
+# 1.24.
 PYENV ?= $(BUILD)/pyenv
 PYTHON ?= $(PYENV)/bin/python
 SYSTEM_PYTHON ?= /usr/bin/python3
@@ -42,6 +44,12 @@ $(PYENV)/.ready:
 	$(PYENV)/bin/python -m pip install -q --disable-pip-version-check "torch>=2.5" "scikit-build-core>=0.8"
 	$(PYENV)/bin/python -m pip install -q --disable-pip-version-check "numpy>=1.25,<2" "megatron-core==0.16.1"
 	DS_BUILD_OPS=0 $(PYENV)/bin/python -m pip install -q --disable-pip-version-check "deepspeed==0.19.8"
+	# NeMo Automodel's MoE layer imports transformers (NeMo 0.7.0's pin, with
+	# its dependencies: ~30 MB of wheels, ~15 s); NeMo's other dependencies
+	# (CUDA kernels, torchao, ...) are not installed: its DeepEP module and MoE
+	# layer need torch and transformers only.
+	$(PYENV)/bin/python -m pip install -q --disable-pip-version-check "transformers==5.18.0" "numpy>=1.25,<2"
+	$(PYENV)/bin/python -m pip install -q --disable-pip-version-check --no-deps "nemo-automodel==0.7.0"
 	touch $@
 
 pyenv: $(PYENV)/.ready

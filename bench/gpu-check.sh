@@ -235,6 +235,20 @@ else
   verdict "low-latency benchmark (vs the normal path; latency table)" FAIL
 fi
 
+# ---- epx.deep_ep (issue 35): DeepEP's API on epx, its frameworks' paths ----
+# (bench/gpu/deep_ep_check.sh; needs the deepspeed, megatron-core and
+# nemo-automodel wheels carried; EPX_GPU_DEEP_EP=0 leaves it out)
+if [ $BUILD_OK = 1 ] && [ "${EPX_GPU_DEEP_EP:-1}" = 1 ]; then
+  OUT="$OUTDIR" EPX_LIBRARY="$PWD/$BUILD/libepx.so" bash bench/gpu/deep_ep_check.sh \
+    >"$OUTDIR/deep_ep_check.log" 2>&1
+  grep -E ' (PASS|FAIL)' "$OUTDIR/deep_ep_check.log" | while read -r line; do
+    case "$line" in
+      *" PASS") verdict "${line% PASS}" PASS ;;
+      *) verdict "${line%% FAIL*}" "FAIL${line##* FAIL}" ;;
+    esac
+  done
+fi
+
 echo "epx gpu-check: bench done ($(date +%T))"
 # compute-sanitizer at trimmed sizes.
 SAN=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)

@@ -15,7 +15,8 @@
  *    aborts or prints.
  *  - Shapes are written [rows, cols], row-major, contiguous. T = tokens on
  *    this rank, H = hidden size, E = experts (global), K = top-k, W = ranks,
- *    E_local = E / W (rank r holds experts [r*E_local, (r+1)*E_local)).
+ *    E_local = E / W (rank r holds experts [r*E_local, (r+1)*E_local); with
+ *    a placement, config.placement, P / W physical experts placed by it).
  *  - Payload tensors (x, recv_x, expert_out, out and their gradients) have the
  *    buffer's dtype, must be 16-byte aligned, and H must be a multiple of 8.
  *    Routing tensors are int32 / float32, 4-byte aligned.
@@ -638,6 +639,50 @@ epx_status_t epx_comm_topology(epx_comm_t comm, int32_t *num_nodes, int32_t *ran
 epx_status_t epx_comm_barrier(epx_comm_t comm);
 epx_status_t epx_comm_allgather(epx_comm_t comm, const void *send, void *recv, size_t bytes);
 
+/* Shrink and go on: after a rank is lost (a call on comm returned
+ * EPX_ERROR_TIMEOUT or EPX_ERROR_PEER_FAILED naming it), each survivor
+ * calls epx_comm_shrink on the failed comm and gets *survivor_comm, a new
+ * comm of the survivors renumbered in ascending old rank order (old rank r
+ * becomes the number of survivors below r), and the lost old ranks
+ * (lost_ranks, ascending, room for the comm's size; *num_lost; either may be
+ * NULL). Collective over the survivors; comm stays failed (destroy it, and
+ * the buffers over it, afterwards; a destroy of a failed comm does not
+ * synchronise).
+ *  - Which ranks are lost is agreed, not guessed by each survivor: the
+ *    survivors meet in the transport's shared state (the local world; the
+ *    shm segment they all still map), where the first failure's record
+ *    lives. The survivors do not wait for a rank that failure named missing,
+ *    a rank whose comm is destroyed, or (shm) a rank whose process has
+ *    ended; they wait for every other rank up to the old comm's timeout.
+ *    The ranks that have called epx_comm_shrink when nobody is left to wait
+ *    for (or when a survivor's wait runs out) are the survivors, and every
+ *    survivor reads the same record: they all get the same comm and the
+ *    same lost_ranks. A rank that calls it later (it was only slow) is
+ *    refused with EPX_ERROR_PEER_FAILED: it is not in the survivors' comm.
+ *  - Calling it on a comm that has not failed fails it (its other ranks'
+ *    calls return EPX_ERROR_PEER_FAILED, and they shrink too): every rank
+ *    that joins in time is kept.
+ *  - config: the new comm's timeout and posed nodes (NULL: the old comm's
+ *    timeout, one node); the same on every survivor. The survivors'
+ *    ranks_per_node must divide their number.
+ *  - Transports: local (threads: the survivors' world is made by the
+ *    shrink and freed with its last comm; epx_local_world_destroy of the
+ *    old world once its comms are destroyed, the lost ranks' included) and
+ *    shm (processes: the survivors' segment is named "<name>.g<N>", from
+ *    the old name and generation, created by the new rank 0, so nothing a
+ *    dead process left in the old segment can block it; every wait is
+ *    bounded and names ranks as epx_comm_create_shm's). MPI and NCCL comms
+ *    are EPX_ERROR_UNSUPPORTED, naming why: MPI has no ULFM here, and a
+ *    failed NCCL comm is aborted before ncclCommShrink could run (create a
+ *    new NCCL comm among the survivors), as is a self comm
+ *    (epx_comm_create_self: it has no peer to lose).
+ * Then epx_placement_shrink re-plans the experts over the survivors (see
+ * "Expert placement and replicas"). The low-latency calls take no
+ * active-rank mask in this version (DeepEP's low_latency_update_mask_buffer
+ * / query / clean): a decode loop shrinks as a training loop does. */
+epx_status_t epx_comm_shrink(epx_comm_t comm, const epx_comm_config_t *config,
+                             epx_comm_t *survivor_comm, int32_t *lost_ranks, int32_t *num_lost);
+
 /* ------------------------------------------------------------------------ */
 /* Buffers, handles and the exchange                                         */
 /* ------------------------------------------------------------------------ */
@@ -744,7 +789,7 @@ typedef enum epx_exchange_path {
    * cannot.
    * Reported by epx_buffer_peer_paths for a peer the fused kernels serve.
    *
-   * The fused kernels (src/cuda/fused.h: senders store rows straight into
+   * The fused kernels (src/cuda/fused/fused.h: senders store rows straight into
    * the peers' memory through NCCL 2.28's device API) serve a buffer when
    * the exchange is EPX_EXCHANGE_DEDUP (any layout; the capacity layout's
    * slots are validated and claimed on the GPU as on the host path) and
@@ -870,13 +915,10 @@ typedef struct epx_buffer_config {
   epx_combine_precision_t combine_precision;
   epx_exchange_path_t exchange_path; /* EPX_PATH_AUTO, _HOST or _FUSED (CUDA, several ranks) */
   /* CTAs (of 512 threads, about one per SM) the fused kernels run on; 0: the
-   * default 32, the fastest whole step of the sweep in bench/NOTES-gpu.md
-   * (2 H200, two pipelined micro-batches of 4096 tokens, H=7168, top-8 of
-   * 256, bf16, expert-major, a cuBLAS expert MLP beside the exchange;
-   * forward + backward ms: 8 SMs 39.0, 16: 32.4, 24: 30.1, 32: 29.6).
-   * Rank-major dispatch / combine alone at T=8192 (ms): 8 SMs 1.53 / 1.55,
-   * 16: 0.80 / 0.81, 24: 0.55 / 0.56, 32: 0.43 / 0.44 (the host path 0.55 /
-   * 0.57). Clamped to the device's SM count. Ignored by the host path. */
+   * default 32, the fastest whole training step of the SM sweep
+   * (bench/NOTES-gpu.md, "The SM budget: whole steps"; fewer SMs leave more
+   * to the expert GEMMs beside the exchange but slow the exchange itself).
+   * Clamped to the device's SM count. Ignored by the host path. */
   int32_t sm_budget;
   /* The format epx_dispatch_fp8 and epx_dispatch_quantize move rows in
    * (EPX_FP8_NONE: neither is available). dtype stays the dtype of every
@@ -900,6 +942,13 @@ typedef struct epx_buffer_config {
    * creation (0 means EPX_LL_DEFAULT_MAX_TOKENS) and the receive memory is
    * the worst case. 0: the normal calls. */
   int32_t low_latency;
+  /* Where the experts live and which replicas serve each one (see "Expert
+   * placement" below); read during epx_buffer_create only (the buffer keeps
+   * its own copy). NULL: the contiguous map, rank r holds experts
+   * [r*E_local, (r+1)*E_local), no replicas — the same bits as a buffer
+   * built before this field existed. Part of what every rank must agree
+   * on. */
+  const struct epx_placement *placement;
 } epx_buffer_config_t;
 
 /* The defaults, in field order. hidden, num_experts and max_top_k have none
@@ -925,7 +974,8 @@ typedef struct epx_buffer_config {
     EPX_PATH_AUTO,                /* exchange_path */                                  \
     0,                            /* sm_budget: 0 = 32 CTAs */                         \
     EPX_FP8_NONE,                 /* fp8_format */                                     \
-    0                             /* low_latency: the normal mode */                   \
+    0,                            /* low_latency: the normal mode */                   \
+    NULL                          /* placement: the contiguous map */                  \
   }
 
 /* Fills the first struct_size bytes of *config with EPX_BUFFER_CONFIG_INIT's
@@ -935,7 +985,8 @@ epx_status_t epx_buffer_config_init(epx_buffer_config_t *config, size_t struct_s
 /* Creates a buffer over comm (collective). The configs of all ranks are
  * compared; a rank that differs in dtype, hidden, num_experts, max_top_k,
  * max_tokens_per_rank, exchange, layout, expert_alignment, capacity,
- * combine_precision, exchange_path, sm_budget, fp8_format or low_latency makes every rank fail with
+ * combine_precision, exchange_path, sm_budget, fp8_format, low_latency or
+ * placement (its num_physical, replica_rule, or a hash of its maps) makes every rank fail with
  * EPX_ERROR_SHAPE_MISMATCH
  * naming that rank and value.
  * The comm must outlive the buffer. */
@@ -1054,7 +1105,10 @@ epx_status_t epx_handle_recv_rows_device(epx_handle_t handle, const int64_t **ro
  * e*W*C; rank-major: all 0 but the last, N). Memory of the buffer's device. */
 epx_status_t epx_handle_expert_counts(epx_handle_t handle, int64_t *counts, int64_t *offsets);
 /* Routing of each received row. Expert-major and capacity layouts: [N] global
- * expert id (-1 for padding / empty slots) and weight. Rank-major: [N, K]
+ * expert id (-1 for padding / empty slots) and weight. With a placement
+ * (config.placement) the ids are physical ones, the counts and offsets of
+ * epx_handle_expert_counts are per local physical expert (its slot on this
+ * rank, epx_placement_t), and E_local is num_physical / W. Rank-major: [N, K]
  * global ids of the row's local experts (-1 elsewhere) and weights. Either
  * pointer may be NULL. Memory of the buffer's device. */
 epx_status_t epx_handle_recv_routing(epx_handle_t handle, int32_t *recv_expert, float *recv_w);
@@ -1093,6 +1147,156 @@ epx_status_t epx_handle_traffic(epx_handle_t handle, epx_handle_traffic_t *traff
  * the handle is freed when no recorder holds it either. */
 epx_status_t epx_handle_retain(epx_handle_t handle);
 epx_status_t epx_handle_release(epx_handle_t handle);
+
+/* ------------------------------------------------------------------------ */
+/* Expert placement and replicas (elastic expert parallelism)                */
+/* ------------------------------------------------------------------------ */
+
+/* Routing names logical experts [0, E); a buffer moves rows to physical
+ * experts [0, P), P >= E, each held by one rank, P / W on every rank. A
+ * logical expert served by several physical ones is replicated (DeepSeek's
+ * EPLB, vLLM's logical_to_physical_map): its rows are spread over its
+ * replicas, so a hot expert's load is shared by several ranks.
+ *
+ * The placement of a buffer (config.placement, agreed at creation):
+ *  - physical_rank[p]: the rank holding physical expert p (NULL: rank
+ *    p / (P / W), physical experts numbered rank by rank, as DeepSeek's and
+ *    vLLM's maps number them). Each rank holds exactly P / W physical
+ *    experts; its local expert s (its slot: the index of
+ *    epx_handle_expert_counts, the group of the expert-major and capacity
+ *    layouts) is its s-th physical expert in ascending id.
+ *  - physical_to_logical[p]: the logical expert p serves; every logical
+ *    expert has at least one. A logical expert's replicas are its physical
+ *    experts in ascending id.
+ *  - replica_rule: how a route (token t of rank s, k-slot k, logical expert
+ *    e with n replicas) finds its physical expert:
+ *      EPX_REPLICA_ROUND_ROBIN: topk_idx holds logical ids; the route goes
+ *        to replica (t + s) mod n of e. The rule depends on the route alone
+ *        (not on the exchange, the transport, the device or the other
+ *        ranks' routing), so dedup, collective and hierarchical exchanges
+ *        see the same physical routing and stay bit-identical; and it
+ *        spreads every source's tokens evenly over the replicas, which is
+ *        the load model epx_placement_plan balances.
+ *      EPX_REPLICA_CALLER: topk_idx holds physical ids [0, P) chosen by the
+ *        caller (two replicas of one logical expert in a token's row are a
+ *        duplicate).
+ * Everything after the layout works on physical experts and is unchanged:
+ * combine, both backward passes, cached dispatch, the recorder (its hash is
+ * of the caller's topk_idx), the low-latency calls and the fp8 dispatches.
+ * The combine order (epx_combine_precision_t) is over the ranks that hold
+ * the token's chosen physical experts, so a replicated placement sums a
+ * token's partials over other ranks than the contiguous map would: its bits
+ * may differ from the contiguous map's in the last place (not between
+ * exchanges).
+ *
+ * CUDA buffers in this version take the contiguous map only (NULL, or a
+ * placement equal to it: P = E, identity maps, the round-robin rule): any
+ * other placement is EPX_ERROR_UNSUPPORTED at epx_buffer_create naming
+ * config.placement, never a wrong result. The table the CPU backend uses
+ * (src/core/placement.h: physical -> rank and slot, logical -> replicas)
+ * is one small int32 block meant to be uploaded as it is when the CUDA
+ * kernels adopt the rule. */
+typedef enum epx_replica_rule {
+  EPX_REPLICA_ROUND_ROBIN = 0,
+  EPX_REPLICA_CALLER = 1
+} epx_replica_rule_t;
+
+typedef struct epx_placement {
+  int32_t num_physical;               /* P: >= num_experts, a multiple of the comm's size */
+  const int32_t *physical_to_logical; /* [P] in [0, num_experts), every logical expert at least once */
+  const int32_t *physical_rank;       /* [P] in [0, W), P / W each; NULL: p / (P / W) */
+  epx_replica_rule_t replica_rule;
+} epx_placement_t;
+
+/* Routes per logical expert ([num_experts] int64) this rank gave
+ * epx_dispatch_layout and the low-latency dispatches since the buffer's
+ * creation or the last reset (reset != 0 zeroes the counts after reading);
+ * replayed layouts (a recorder) are not counted again. Rank-local: sum them
+ * over the ranks (epx_comm_allgather) to get the load epx_placement_plan
+ * takes. CPU buffers; a CUDA buffer is EPX_ERROR_UNSUPPORTED in this
+ * version (its counts will be kept on the device). */
+epx_status_t epx_buffer_expert_load(epx_buffer_t buffer, int64_t *load, int32_t reset);
+
+/* The planner (not collective, deterministic: the same inputs give the same
+ * placement on every rank and run). From the load of each logical expert
+ * (load [num_experts] >= 0, e.g. summed epx_buffer_expert_load counts),
+ * fills physical_to_logical [num_physical] with a placement of
+ * num_physical - num_experts redundant experts over num_ranks ranks, whose
+ * physical_rank is the default (p / (num_physical / num_ranks)): DeepSeek's
+ * EPLB scheme — expert groups packed onto nodes by load (balanced packing,
+ * heaviest first), each node's redundant experts given one at a time to the
+ * expert of the largest load per replica, each node's physical experts
+ * packed onto its ranks by load — followed by a refinement that swaps
+ * physical experts between the heaviest rank and others while that lowers
+ * the heaviest rank's load. num_nodes > 1 keeps every replica of a group
+ * on one node when num_groups is a multiple of num_nodes (the node-aware
+ * plan for a comm over several nodes); otherwise the plan is global.
+ * num_groups (>= 1, dividing num_experts) is the router's expert groups (1:
+ * none). num_physical must be a multiple of num_ranks, num_ranks of
+ * num_nodes, and num_physical / num_nodes >= num_experts / num_nodes. */
+epx_status_t epx_placement_plan(const double *load, int32_t num_experts, int32_t num_physical,
+                                int32_t num_ranks, int32_t num_nodes, int32_t num_groups,
+                                int32_t *physical_to_logical);
+
+/* The load each rank gets under a placement (NULL: the contiguous map) when
+ * a logical expert's load is shared equally by its replicas (the
+ * round-robin rule's expectation): rank_load [num_ranks]. The skew is
+ * max(rank_load) / mean(rank_load). Not collective. */
+epx_status_t epx_placement_rank_load(const epx_placement_t *placement, int32_t num_experts, int32_t num_ranks,
+                                     const double *load, double *rank_load);
+
+/* Sums a replicated expert's gradients over its replicas (collective over
+ * the buffer's comm; host memory; CPU buffers). grads [E_local, count]
+ * float32 holds the gradient of each local physical expert (its slot
+ * order); afterwards each holds the sum over every replica of its logical
+ * expert, in ascending physical id, in float32, so every replica gets the
+ * same bits. Experts without replicas are left as they are. */
+epx_status_t epx_replica_grad_sum(epx_buffer_t buffer, float *grads, int64_t count);
+
+/* Moves expert weights to a new placement (collective over comm; host
+ * memory). src [P_from / W, block_bytes] holds this rank's physical experts
+ * under `from` (slot order), dst [P_to / W, block_bytes] gets this rank's
+ * under `to`: each physical expert of `to` receives the block of its
+ * logical expert from the replica of `from` on the same rank if there is
+ * one, else from the lowest-numbered replica. NULL is the contiguous map.
+ * Both placements must be over num_experts logical experts and the comm's
+ * size, the same on every rank; src and dst must not overlap. */
+epx_status_t epx_placement_move(epx_comm_t comm, int32_t num_experts, const epx_placement_t *from,
+                                const epx_placement_t *to, size_t block_bytes, const void *src, void *dst);
+
+/* Shrink and go on: the placement over the survivors of epx_comm_shrink
+ * (not collective; deterministic, so every survivor computes the same).
+ * placement (NULL: the contiguous map) is the old buffers' placement of
+ * num_experts logical experts over num_ranks ranks; lost_ranks [num_lost]
+ * is epx_comm_shrink's. Outputs:
+ *  - survivors_physical_to_logical [(num_ranks - num_lost) * P / num_ranks]
+ *    (may be NULL): what the survivors hold now, as a placement of the
+ *    survivors' comm with the default physical_rank: new rank r's slot s
+ *    is the expert its slot s held before. The lost ranks' physical
+ *    experts are dropped; every surviving replica is kept here.
+ *  - physical_to_logical [num_physical]: the new placement (default
+ *    physical_rank, round-robin rule), planned by epx_placement_plan over
+ *    the survivors (one node) from load [num_experts] (NULL: uniform) with
+ *    num_physical (a multiple of the survivors' number, >= num_experts) and
+ *    num_groups; its ranks' blocks go to the survivors that already hold
+ *    most of their experts (ascending rank, first best), so the move sends
+ *    little.
+ *  - missing [num_experts] (may be NULL): 1 for a logical expert that no
+ *    survivor holds (every replica was on lost ranks); *num_missing (may be
+ *    NULL) counts them.
+ * Then: with no expert missing, epx_placement_move(survivor_comm,
+ * num_experts, &survivors, &new, ...) brings every survivor its experts'
+ * weights (and optimizer state, as part of the block) from the surviving
+ * replicas; with some missing, no survivor has them: the caller loads each
+ * survivor's experts under the new placement from its checkpoint or model
+ * files (a training loop rolls back to its last checkpoint; a decode loop
+ * reloads the weights). Then it creates its buffers over survivor_comm
+ * with config.placement = the new placement. README: "Recovering from a
+ * lost rank". */
+epx_status_t epx_placement_shrink(const epx_placement_t *placement, int32_t num_experts, int32_t num_ranks,
+                                  const int32_t *lost_ranks, int32_t num_lost, const double *load,
+                                  int32_t num_physical, int32_t num_groups, int32_t *survivors_physical_to_logical,
+                                  int32_t *physical_to_logical, int32_t *missing, int32_t *num_missing);
 
 /* ------------------------------------------------------------------------ */
 /* Activation-checkpoint recorder                                            */

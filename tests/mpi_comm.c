@@ -15,16 +15,7 @@
 #include "comm_cases.h"
 #include "core/transport.h"
 #include "testutil.h"
-
-/* Under -DEPX_SANITIZE=ON: OpenMPI's own allocations outlive MPI_Finalize
- * and would be reported as leaks; epx's are not suppressed. Its components
- * lack frame pointers, so only the slow unwinder reaches the library frames
- * the suppressions name. */
-const char *__asan_default_options(void) { return "fast_unwind_on_malloc=0"; }
-const char *__lsan_default_suppressions(void) {
-  return "leak:libmpi.so\nleak:libopen-pal.so\nleak:libopen-rte.so\nleak:mca_\n"
-         "leak:libhwloc.so\nleak:libevent\nleak:libpmix.so\n";
-}
+#include "mpi_util.h"
 
 static int rank = -1;
 static int failures;

@@ -12,15 +12,7 @@
 #define MR_SCENE_ONLY
 #include "test_multirank.c"
 
-/* Under -DEPX_SANITIZE=ON: OpenMPI's own allocations outlive MPI_Finalize
- * and would be reported as leaks; epx's are not suppressed. Its components
- * lack frame pointers, so only the slow unwinder reaches the library frames
- * the suppressions name. */
-const char *__asan_default_options(void) { return "fast_unwind_on_malloc=0"; }
-const char *__lsan_default_suppressions(void) {
-  return "leak:libmpi.so\nleak:libopen-pal.so\nleak:libopen-rte.so\nleak:mca_\n"
-         "leak:libhwloc.so\nleak:libevent\nleak:libpmix.so\n";
-}
+#include "mpi_util.h"
 
 int main(int argc, char **argv) {
   MPI_Init(&argc, &argv);
@@ -31,16 +23,7 @@ int main(int argc, char **argv) {
   long long failures = 0, failed_cases = 0;
   int cases_run = 0;
   epx_comm_t comm = NULL;
-  epx_comm_config_t config = EPX_COMM_CONFIG_INIT;
-  config.timeout_seconds = 20.0;
-  MPI_Comm world = MPI_COMM_WORLD;
-  if (size > MR_MAX_W) {
-    if (rank == 0) fprintf(stderr, "mpi_exchange: at most %d ranks\n", MR_MAX_W);
-    failures = 1;
-  } else if (epx_comm_create_mpi(&world, &config, &comm) != EPX_SUCCESS) {
-    fprintf(stderr, "rank %d: epx_comm_create_mpi: %s\n", rank, epx_last_error());
-    failures = 1;
-  }
+  failures = tu_mpi_comm("mpi_exchange", rank, size, MR_MAX_W, 20.0, 0, &comm);
   long long all = 0;
   MPI_Allreduce(&failures, &all, 1, MPI_LONG_LONG, MPI_SUM, MPI_COMM_WORLD);
 

@@ -31,12 +31,8 @@
 #include "comm/comm.h"
 #include "core/registry.h"
 #include "testutil.h"
-
-const char *__asan_default_options(void) { return "fast_unwind_on_malloc=0"; }
-const char *__lsan_default_suppressions(void) {
-  return "leak:libmpi.so\nleak:libopen-pal.so\nleak:libopen-rte.so\nleak:mca_\n"
-         "leak:libhwloc.so\nleak:libevent\nleak:libpmix.so\n";
-}
+#include "buffer_config.h"
+#include "mpi_util.h"
 
 static int rank = -1, size = 0;
 static int failures; /* check.h's RANK_ checks count here */
@@ -175,11 +171,7 @@ static void test_timeout_notices(void) {
 static void test_per_rank_top_k(void) {
   epx_comm_t comm = create(2.0);
   if (!comm) return;
-  epx_buffer_config_t c = EPX_BUFFER_CONFIG_INIT;
-  c.hidden = 8;
-  c.num_experts = 2 * size;
-  c.max_top_k = 2;
-  c.max_tokens_per_rank = 4;
+  epx_buffer_config_t c = tu_config(EPX_DEVICE_CPU, EPX_FLOAT32, 8, 2 * size, 2, 4);
   epx_buffer_t b = NULL;
   RANK_OK(epx_buffer_create(comm, &c, &b));
   const int32_t K = 1 + rank % 2;
@@ -205,11 +197,7 @@ static void test_per_rank_top_k(void) {
 static void test_weighting_mismatch(void) {
   epx_comm_t comm = create(5.0);
   if (!comm) return;
-  epx_buffer_config_t c = EPX_BUFFER_CONFIG_INIT;
-  c.hidden = 8;
-  c.num_experts = 2 * size;
-  c.max_top_k = 2;
-  c.max_tokens_per_rank = 4;
+  epx_buffer_config_t c = tu_config(EPX_DEVICE_CPU, EPX_FLOAT32, 8, 2 * size, 2, 4);
   epx_buffer_t b = NULL;
   RANK_OK(epx_buffer_create(comm, &c, &b));
   int32_t idx[4 * 2];
@@ -242,10 +230,7 @@ static int test_killed(void) {
   if (!comm) return 1;
   MPI_Barrier(MPI_COMM_WORLD);
   if (rank == size - 1) raise(SIGKILL);
-  epx_buffer_config_t c = EPX_BUFFER_CONFIG_INIT;
-  c.hidden = 8;
-  c.num_experts = size;
-  c.max_top_k = 1;
+  epx_buffer_config_t c = tu_config(EPX_DEVICE_CPU, EPX_FLOAT32, 8, size, 1, 0);
   epx_buffer_t b = NULL;
   double t0 = MPI_Wtime();
   epx_status_t status = epx_buffer_create(comm, &c, &b);

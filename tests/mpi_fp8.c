@@ -9,30 +9,14 @@
 #define FP8_SCENE_ONLY
 #include "test_fp8.c"
 
-/* OpenMPI's own allocations outlive MPI_Finalize (as in mpi_exchange.c). */
-const char *__asan_default_options(void) { return "fast_unwind_on_malloc=0"; }
-const char *__lsan_default_suppressions(void) {
-  return "leak:libmpi.so\nleak:libopen-pal.so\nleak:libopen-rte.so\nleak:mca_\n"
-         "leak:libhwloc.so\nleak:libevent\nleak:libpmix.so\n";
-}
+#include "mpi_util.h"
 
 /* Every scene over a comm of `ranks_per_node` (0: as MPI finds it); with
  * posed nodes, each scene with the hierarchical exchange. Returns this
  * rank's failures. */
 static long long run_pass(int rank, int size, int32_t ranks_per_node) {
-  long long failures = 0, failed_scenes = 0;
   epx_comm_t comm = NULL;
-  epx_comm_config_t config = EPX_COMM_CONFIG_INIT;
-  config.timeout_seconds = 20.0;
-  config.ranks_per_node = ranks_per_node;
-  MPI_Comm world = MPI_COMM_WORLD;
-  if (size > FP8_MAX_W) {
-    if (rank == 0) fprintf(stderr, "mpi_fp8: at most %d ranks\n", FP8_MAX_W);
-    failures = 1;
-  } else if (epx_comm_create_mpi(&world, &config, &comm) != EPX_SUCCESS) {
-    fprintf(stderr, "rank %d: epx_comm_create_mpi: %s\n", rank, epx_last_error());
-    failures = 1;
-  }
+  long long failures = tu_mpi_comm("mpi_fp8", rank, size, FP8_MAX_W, 20.0, ranks_per_node, &comm), failed_scenes = 0;
   long long all = 0;
   MPI_Allreduce(&failures, &all, 1, MPI_LONG_LONG, MPI_SUM, MPI_COMM_WORLD);
   static fp8_scene_t scenes[64];

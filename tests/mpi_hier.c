@@ -9,11 +9,7 @@
 #define HT_SCENE_ONLY
 #include "test_hier.c"
 
-const char *__asan_default_options(void) { return "fast_unwind_on_malloc=0"; }
-const char *__lsan_default_suppressions(void) {
-  return "leak:libmpi.so\nleak:libopen-pal.so\nleak:libopen-rte.so\nleak:mca_\n"
-         "leak:libhwloc.so\nleak:libevent\nleak:libpmix.so\n";
-}
+#include "mpi_util.h"
 
 static int found_topology(int rank, int size) {
   int failures = 0;
@@ -37,13 +33,8 @@ int main(int argc, char **argv) {
   MPI_Comm_size(MPI_COMM_WORLD, &size);
   long long failures = found_topology(rank, size);
   int32_t L = size >= 2 ? 2 : 1;
-  epx_comm_config_t config = EPX_COMM_CONFIG_INIT;
-  config.timeout_seconds = 30.0;
-  config.ranks_per_node = L;
-  MPI_Comm world = MPI_COMM_WORLD;
   epx_comm_t comm = NULL;
-  if (epx_comm_create_mpi(&world, &config, &comm) != EPX_SUCCESS) {
-    fprintf(stderr, "rank %d: epx_comm_create_mpi: %s\n", rank, epx_last_error());
+  if (tu_mpi_comm("mpi_hier", rank, size, size, 30.0, L, &comm)) {
     failures++;
   } else {
     failures += ht_topology_rank(comm, rank, size, L);

@@ -11,30 +11,15 @@
 #define LL_SCENE_ONLY
 #include "test_ll.c"
 
-/* As in mpi_exchange.c: OpenMPI's own allocations outlive MPI_Finalize. */
-const char *__asan_default_options(void) { return "fast_unwind_on_malloc=0"; }
-const char *__lsan_default_suppressions(void) {
-  return "leak:libmpi.so\nleak:libopen-pal.so\nleak:libopen-rte.so\nleak:mca_\n"
-         "leak:libhwloc.so\nleak:libevent\nleak:libpmix.so\n";
-}
+#include "mpi_util.h"
 
 int main(int argc, char **argv) {
   MPI_Init(&argc, &argv);
   int rank = 0, size = 1;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &size);
-  long long failures = 0, all = 0;
   epx_comm_t comm = NULL;
-  epx_comm_config_t config = EPX_COMM_CONFIG_INIT;
-  config.timeout_seconds = 20.0;
-  MPI_Comm world = MPI_COMM_WORLD;
-  if (size > LL_MAX_W) {
-    if (rank == 0) fprintf(stderr, "mpi_ll: at most %d ranks\n", LL_MAX_W);
-    failures = 1;
-  } else if (epx_comm_create_mpi(&world, &config, &comm) != EPX_SUCCESS) {
-    fprintf(stderr, "rank %d: epx_comm_create_mpi: %s\n", rank, epx_last_error());
-    failures = 1;
-  }
+  long long failures = tu_mpi_comm("mpi_ll", rank, size, LL_MAX_W, 20.0, 0, &comm), all = 0;
   MPI_Allreduce(&failures, &all, 1, MPI_LONG_LONG, MPI_SUM, MPI_COMM_WORLD);
   static ll_case_t cases[64];
   int n = ll_cases(cases), run = 0;

@@ -15,6 +15,7 @@
 
 #include "ref64.h"
 #include "testutil.h"
+#include "buffer_config.h"
 
 #define FD_STEP 1e-3          /* the exchange losses are (bi)linear */
 #define FD_STEP_LOGITS 1e-5   /* the route loss is smooth in the logits */
@@ -22,18 +23,6 @@
 #define G_RTOL 1e-4
 #define ROUTE_ATOL 1e-6
 #define ROUTE_RTOL 1e-3
-
-static epx_comm_t g_comm;
-
-static int group_setup(void **state) {
-  (void)state;
-  return epx_comm_create_self(&g_comm) == EPX_SUCCESS ? 0 : -1;
-}
-
-static int group_teardown(void **state) {
-  (void)state;
-  return epx_comm_destroy(g_comm) == EPX_SUCCESS ? 0 : -1;
-}
 
 static void assert_grad(const float *got, const double *want, int64_t n, double atol, double rtol, const char *what) {
   int64_t at = -1;
@@ -108,16 +97,12 @@ static void setup_free(setup_t *s) {
 }
 
 static epx_buffer_t setup_buffer(const setup_t *s, epx_weighting_t wt, epx_handle_t *h) {
-  epx_buffer_config_t c = EPX_BUFFER_CONFIG_INIT;
-  c.hidden = s->H;
-  c.num_experts = s->E;
-  c.max_top_k = s->K;
-  c.max_tokens_per_rank = s->T;
+  epx_buffer_config_t c = tu_config(EPX_DEVICE_CPU, EPX_FLOAT32, s->H, s->E, s->K, s->T);
   c.layout = s->layout;
   c.expert_alignment = s->align;
   c.capacity = s->layout == EPX_LAYOUT_CAPACITY ? s->C : 0;
   epx_buffer_t b = NULL;
-  EXPECT_OK(epx_buffer_create(g_comm, &c, &b));
+  EXPECT_OK(epx_buffer_create(tu_self_comm, &c, &b));
   epx_routing_t r = {s->T, s->K, s->idx, s->w, s->layout == EPX_LAYOUT_CAPACITY ? s->loc : NULL, wt};
   EXPECT_OK(epx_dispatch_layout(b, &r, NULL, h));
   int64_t n = -1;
@@ -376,15 +361,12 @@ static void check_route_end_to_end(tu_rng_t *rng, const route_case_t *rc) {
   }
   if (rc->capacity_mode) assert_true(dropped > 0);
 
-  epx_buffer_config_t bc = EPX_BUFFER_CONFIG_INIT;
-  bc.hidden = H;
-  bc.num_experts = E;
-  bc.max_top_k = K;
+  epx_buffer_config_t bc = tu_config(EPX_DEVICE_CPU, EPX_FLOAT32, H, E, K, 0);
   bc.layout = rc->capacity_mode ? EPX_LAYOUT_CAPACITY : EPX_LAYOUT_EXPERT_MAJOR;
   bc.expert_alignment = 4;
   bc.capacity = ro.capacity;
   epx_buffer_t b = NULL;
-  EXPECT_OK(epx_buffer_create(g_comm, &bc, &b));
+  EXPECT_OK(epx_buffer_create(tu_self_comm, &bc, &b));
   epx_routing_t routing = {T, K, idx, w, rc->capacity_mode ? loc : NULL, rc->weighting};
   epx_handle_t h = NULL;
   EXPECT_OK(epx_dispatch_layout(b, &routing, NULL, &h));
@@ -480,5 +462,5 @@ int main(void) {
       cmocka_unit_test(test_combine_gradients),
       cmocka_unit_test(test_route_end_to_end),
   };
-  return cmocka_run_group_tests(tests, group_setup, group_teardown);
+  return cmocka_run_group_tests(tests, tu_self_setup, tu_self_teardown);
 }

@@ -45,43 +45,26 @@ static void test_self_ops(void **state) {
   EXPECT_OK(epx_comm_destroy(comm));
 }
 
-/* The skippers wait until the others have timed out, then find the comm
- * failed too (the ranks share the world). */
-static void wait_for_timeouts(cc_timeout_t *t, int timed_out) {
-  if (timed_out) {
-    atomic_fetch_add(&t->timed_out, 1);
-    return;
-  }
-  double give_up = cc_now_seconds() + 20.0;
-  while (atomic_load(&t->timed_out) < t->skip_from && cc_now_seconds() < give_up)
-    cc_sleep_seconds(0.001);
-}
-
-static int timeout_rank(epx_comm_t comm, int32_t rank, int32_t size, void *p) {
-  (void)rank, (void)size;
-  return cc_timeout_case(comm, p);
-}
-
 static void test_local_timeout_names_rank(void **state) {
   (void)state;
   cc_timeout_t t = {2, 0, 0.3,
                     {"test_timeout: rank 2 did not arrive within 0.3 s (comm timeout_seconds)", NULL},
-                    "rank 2 did not arrive", 1, wait_for_timeouts, 0};
+                    "rank 2 did not arrive", 1, cc_wait_for_timeouts, 0};
   atomic_init(&t.timed_out, 0);
-  assert_int_equal(tu_run_ranks(3, t.timeout, timeout_rank, &t), 0);
+  assert_int_equal(tu_run_ranks(3, t.timeout, cc_timeout_rank, &t), 0);
 }
 
 static void test_local_timeout_names_ranks(void **state) {
   (void)state;
   cc_timeout_t t = {2, 0, 0.3, {"test_timeout: ranks 2, 3 did not arrive within 0.3 s", NULL},
-                    "ranks 2, 3 did not arrive", 1, wait_for_timeouts, 0};
+                    "ranks 2, 3 did not arrive", 1, cc_wait_for_timeouts, 0};
   atomic_init(&t.timed_out, 0);
-  assert_int_equal(tu_run_ranks(4, t.timeout, timeout_rank, &t), 0);
+  assert_int_equal(tu_run_ranks(4, t.timeout, cc_timeout_rank, &t), 0);
   /* A skipped barrier, as the MPI test skips it. */
   cc_timeout_t b = {1, 1, 0.3, {"test_timeout: rank 1 did not arrive within 0.3 s", NULL},
-                    "rank 1 did not arrive", 1, wait_for_timeouts, 0};
+                    "rank 1 did not arrive", 1, cc_wait_for_timeouts, 0};
   atomic_init(&b.timed_out, 0);
-  assert_int_equal(tu_run_ranks(2, b.timeout, timeout_rank, &b), 0);
+  assert_int_equal(tu_run_ranks(2, b.timeout, cc_timeout_rank, &b), 0);
 }
 
 /* Rank `leaver` returns at once (tu_run_ranks then destroys its comm) while

@@ -11,6 +11,7 @@
 
 #include "core/registry.h"
 #include "testutil.h"
+#include "buffer_config.h"
 
 /* ------------------------------------------------------------------------ */
 /* Watched memory: byte copies taken before a refused call                   */
@@ -76,11 +77,7 @@ typedef struct {
 } fx_t;
 
 static epx_buffer_t buffer_make(epx_comm_t comm, epx_layout_t layout, int64_t max_tokens) {
-  epx_buffer_config_t c = EPX_BUFFER_CONFIG_INIT;
-  c.hidden = H;
-  c.num_experts = E;
-  c.max_top_k = K;
-  c.max_tokens_per_rank = max_tokens;
+  epx_buffer_config_t c = tu_config(EPX_DEVICE_CPU, EPX_FLOAT32, H, E, K, max_tokens);
   c.max_tokens_rounding = 8;
   c.layout = layout;
   c.capacity = layout == EPX_LAYOUT_CAPACITY ? C : 0;
@@ -233,10 +230,7 @@ static void test_k_above_e(void **state) {
   (void)state;
   epx_comm_t comm = NULL;
   EXPECT_OK(epx_comm_create_self(&comm));
-  epx_buffer_config_t c = EPX_BUFFER_CONFIG_INIT;
-  c.hidden = H;
-  c.num_experts = E;
-  c.max_top_k = E + 1;
+  epx_buffer_config_t c = tu_config(EPX_DEVICE_CPU, EPX_FLOAT32, H, E, E + 1, 0);
   epx_buffer_t b = (epx_buffer_t)(uintptr_t)0xb0f;
   watch(&c, sizeof c, "config");
   EXPECT_REFUSED(epx_buffer_create(comm, &c, &b), EPX_ERROR_INVALID_ARGUMENT, "config.max_top_k is 9; it must be in [1, num_experts = 8]");
@@ -352,10 +346,7 @@ static void test_negative_and_bad_sizes(void **state) {
       {6, 0, "config.max_tokens_rounding is 0"}, {7, 0, "config.max_top_k is 0"},
   };
   for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
-    epx_buffer_config_t c = EPX_BUFFER_CONFIG_INIT;
-    c.hidden = H;
-    c.num_experts = E;
-    c.max_top_k = K;
+    epx_buffer_config_t c = tu_config(EPX_DEVICE_CPU, EPX_FLOAT32, H, E, K, 0);
     switch (bad[i].field) {
       case 0: c.hidden = bad[i].value; break;
       case 1: c.num_experts = (int32_t)bad[i].value; break;
@@ -405,11 +396,7 @@ static void test_negative_and_bad_sizes(void **state) {
 static void test_unsupported_dtype_and_weighting(void **state) {
   (void)state;
   fx_t *f = fx_make(EPX_LAYOUT_EXPERT_MAJOR, EPX_WEIGHTS_IN_COMBINE);
-  epx_buffer_config_t c = EPX_BUFFER_CONFIG_INIT;
-  c.hidden = H;
-  c.num_experts = E;
-  c.max_top_k = K;
-  c.dtype = (epx_dtype_t)3;
+  epx_buffer_config_t c = tu_config(EPX_DEVICE_CPU, (epx_dtype_t)3, H, E, K, 0);
   epx_buffer_t b = (epx_buffer_t)(uintptr_t)0xb0f;
   EXPECT_REFUSED(epx_buffer_create(f->comm, &c, &b), EPX_ERROR_INVALID_ARGUMENT, "config.dtype 3 is not");
   if (!epx_has_cuda()) {
@@ -946,11 +933,8 @@ static void test_size_products_overflow(void **state) {
       {(int64_t)1 << 32, 8, 1 << 20, INT32_MAX, EPX_LAYOUT_CAPACITY, "config.hidden is too large: the bytes a rank receives"},
   };
   for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
-    epx_buffer_config_t c = EPX_BUFFER_CONFIG_INIT;
-    c.hidden = bad[i].hidden;
-    c.num_experts = bad[i].num_experts;
-    c.max_top_k = K;
-    c.max_tokens_per_rank = bad[i].max_tokens;
+    epx_buffer_config_t c =
+        tu_config(EPX_DEVICE_CPU, EPX_FLOAT32, bad[i].hidden, bad[i].num_experts, K, bad[i].max_tokens);
     c.layout = bad[i].layout;
     c.capacity = bad[i].capacity;
     epx_buffer_t b = (epx_buffer_t)(uintptr_t)0xb0f;
@@ -961,11 +945,7 @@ static void test_size_products_overflow(void **state) {
   }
   /* The largest hidden that fits is accepted, and the recorder's byte counts
    * of its handles are exact (no payload moves, so nothing is allocated). */
-  epx_buffer_config_t c = EPX_BUFFER_CONFIG_INIT;
-  c.hidden = (int64_t)1 << 40;
-  c.num_experts = E;
-  c.max_top_k = K;
-  c.max_tokens_per_rank = MAXT;
+  epx_buffer_config_t c = tu_config(EPX_DEVICE_CPU, EPX_FLOAT32, (int64_t)1 << 40, E, K, MAXT);
   epx_buffer_t b = NULL;
   EXPECT_OK(epx_buffer_create(comm, &c, &b));
   int64_t rows = 0;

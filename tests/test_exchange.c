@@ -19,36 +19,17 @@
 
 #include "ref64.h"
 #include "testutil.h"
+#include "buffer_config.h"
 
 #define GW_ATOL 1e-5
 #define GW_RTOL 1e-4
 #define GUARD_ROWS 2
 
-static epx_comm_t g_comm;
-
-static int group_setup(void **state) {
-  (void)state;
-  return epx_comm_create_self(&g_comm) == EPX_SUCCESS ? 0 : -1;
-}
-
-static int group_teardown(void **state) {
-  (void)state;
-  return epx_comm_destroy(g_comm) == EPX_SUCCESS ? 0 : -1;
-}
-
-static const char *dtype_name(epx_dtype_t d) {
-  return d == EPX_FLOAT32 ? "f32" : d == EPX_BFLOAT16 ? "bf16" : "f16";
-}
-
 static const char *layout_name(epx_layout_t l, int32_t align) {
   static char name[64];
   if (l == EPX_LAYOUT_EXPERT_MAJOR) snprintf(name, sizeof name, "expert-major/%d", align);
-  else snprintf(name, sizeof name, "%s", l == EPX_LAYOUT_RANK_MAJOR ? "rank-major" : "capacity");
+  else snprintf(name, sizeof name, "%s", tu_layout_name(l));
   return name;
-}
-
-static const char *weighting_name(epx_weighting_t w) {
-  return w == EPX_WEIGHTS_IN_COMBINE ? "in-combine" : w == EPX_WEIGHTS_IN_DISPATCH ? "in-dispatch" : "none";
 }
 
 /* ------------------------------------------------------------------------ */
@@ -173,19 +154,14 @@ static void assert_close(epx_dtype_t dtype, const void *got, const void *want, i
 
 static epx_buffer_t buffer_make(epx_dtype_t dtype, int64_t H, int32_t E, int32_t K, int64_t max_tokens,
                                 epx_exchange_t exchange, epx_layout_t layout, int32_t align, int32_t C) {
-  epx_buffer_config_t c = EPX_BUFFER_CONFIG_INIT;
-  c.dtype = dtype;
-  c.hidden = H;
-  c.num_experts = E;
-  c.max_top_k = K;
-  c.max_tokens_per_rank = max_tokens;
+  epx_buffer_config_t c = tu_config(EPX_DEVICE_CPU, dtype, H, E, K, max_tokens);
   c.max_tokens_rounding = 8;
   c.exchange = exchange;
   c.layout = layout;
   c.expert_alignment = align;
   c.capacity = layout == EPX_LAYOUT_CAPACITY ? C : 0;
   epx_buffer_t b = NULL;
-  EXPECT_OK(epx_buffer_create(g_comm, &c, &b));
+  EXPECT_OK(epx_buffer_create(tu_self_comm, &c, &b));
   return b;
 }
 
@@ -476,8 +452,8 @@ static void check_case(tu_rng_t *rng, const routing_t *r, const case_t *c) {
   int32_t E = r->E, K = r->K, C = r->C;
   size_t row_bytes = (size_t)H * epx_dtype_size(dt);
   char what[256];
-  snprintf(what, sizeof what, "T=%lld E=%d K=%d C=%d %s %s %s%s", (long long)T, E, K, C, dtype_name(dt),
-           layout_name(c->layout, c->align), weighting_name(c->weighting), c->pass_w ? "" : " (no topk_w)");
+  snprintf(what, sizeof what, "T=%lld E=%d K=%d C=%d %s %s %s%s", (long long)T, E, K, C, tu_dtype_name(dt),
+           layout_name(c->layout, c->align), tu_weighting_name(c->weighting), c->pass_w ? "" : " (no topk_w)");
   expected_t x = expected_layout(r, c);
   int64_t N = x.N, D = (int64_t)E * C;
   int rank_major = c->layout == EPX_LAYOUT_RANK_MAJOR;
@@ -1038,5 +1014,5 @@ int main(void) {
       cmocka_unit_test(test_capacity_by_hand),
       cmocka_unit_test(test_tensor_parallel_slicing),
   };
-  return cmocka_run_group_tests(tests, group_setup, group_teardown);
+  return cmocka_run_group_tests(tests, tu_self_setup, tu_self_teardown);
 }

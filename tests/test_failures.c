@@ -9,6 +9,7 @@
 #include <time.h>
 
 #include "testutil.h"
+#include "buffer_config.h"
 
 #define TIMEOUT_S 0.3
 #define H 16
@@ -51,11 +52,7 @@ static float *alloc_rows(int64_t rows) {
 
 static int state_init(state_t *s, epx_comm_t comm, int32_t rank) {
   memset(s, 0, sizeof *s);
-  epx_buffer_config_t bc = EPX_BUFFER_CONFIG_INIT;
-  bc.hidden = H;
-  bc.num_experts = E;
-  bc.max_top_k = K;
-  bc.max_tokens_per_rank = T;
+  epx_buffer_config_t bc = tu_config(EPX_DEVICE_CPU, EPX_FLOAT32, H, E, K, T);
   tu_rng_t rng = {42 + (uint64_t)rank};
   tu_random_routing(&rng, T, E, K, 0.0, s->idx, s->w);
   int64_t max_rows = 4 * T * K; /* W <= 4 ranks, K rows per token each */

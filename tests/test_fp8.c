@@ -22,6 +22,7 @@
 
 #include "core/fp8.h"
 #include "testutil.h"
+#include "buffer_config.h"
 
 /* ------------------------------------------------------------------------ */
 /* Scenes: one dispatch over W ranks, every rank's inputs known to all       */
@@ -162,13 +163,9 @@ static int check_dequantized(const fp8_scene_t *s, int32_t rank, epx_buffer_t b,
   return failures;
 }
 
-static epx_status_t scene_buffer(const fp8_scene_t *s, epx_comm_t comm, epx_buffer_t *b) {
-  epx_buffer_config_t c = EPX_BUFFER_CONFIG_INIT;
-  c.dtype = s->dtype;
-  c.hidden = s->H;
-  c.num_experts = s->E;
-  c.max_top_k = s->K;
-  c.max_tokens_per_rank = s->T;
+/* The scene's buffer on `device` (test_gpu_fp8 compares the two). */
+static epx_status_t scene_buffer(const fp8_scene_t *s, epx_device_t device, epx_comm_t comm, epx_buffer_t *b) {
+  epx_buffer_config_t c = tu_config(device, s->dtype, s->H, s->E, s->K, s->T);
   c.exchange = s->exchange;
   c.layout = s->layout;
   c.expert_alignment = s->layout == EPX_LAYOUT_EXPERT_MAJOR ? 4 : 1;
@@ -184,7 +181,7 @@ static int fp8_scene_rank(epx_comm_t comm, int32_t rank, const fp8_scene_t *s) {
   epx_handle_t h = NULL;
   uint8_t *q = NULL, *scales = NULL, *q2 = NULL, *scales2 = NULL;
   int64_t N = 0;
-  RANK_REQUIRE_OK(scene_buffer(s, comm, &b));
+  RANK_REQUIRE_OK(scene_buffer(s, EPX_DEVICE_CPU, comm, &b));
   epx_weighting_t weighting = s->layout == EPX_LAYOUT_RANK_MAJOR ? EPX_WEIGHTS_NONE : EPX_WEIGHTS_IN_COMBINE;
   epx_routing_t routing = {s->T, s->K, s->idx[rank], s->w[rank], s->layout == EPX_LAYOUT_CAPACITY ? s->loc[rank] : NULL,
                            weighting};
@@ -435,7 +432,7 @@ static void test_refusals(void **state) {
   c.fp8_format = EPX_FP8_MXFP8, c.hidden = 104;
   EXPECT_STATUS(epx_buffer_create(comm, &c, &b), EPX_ERROR_INVALID_ARGUMENT, "not a multiple of 32");
   c.hidden = 128, c.dtype = EPX_FLOAT16;
-  EXPECT_STATUS(epx_buffer_create(comm, &c, &b), EPX_ERROR_INVALID_ARGUMENT, "EPX_BFLOAT16 or EPX_FLOAT32");
+  EXPECT_STATUS(epx_buffer_create(comm, &c, &b), EPX_ERROR_INVALID_ARGUMENT, "config.dtype EPX_FLOAT16 with an fp8 format");
   c.dtype = EPX_BFLOAT16, c.fp8_format = (epx_fp8_format_t)9;
   EXPECT_STATUS(epx_buffer_create(comm, &c, &b), EPX_ERROR_INVALID_ARGUMENT, "not an epx_fp8_format_t");
   int64_t cols = 0;
@@ -481,6 +478,31 @@ static void test_refusals(void **state) {
   EXPECT_OK(epx_comm_destroy(comm));
 }
 
+/* Shapes whose byte counts do not fit 64 bits are refused by name before a
+ * byte is read (issue 38: rows 2^62 - 1, hidden 2^49 read past the arrays). */
+static void test_quantize_size_overflow(void **state) {
+  (void)state;
+  float x[256] = {0};
+  uint8_t q[256] = {0};
+  float s[8] = {0};
+  const int64_t huge_hidden = (int64_t)1 << 49;
+  EXPECT_STATUS(epx_quantize(EPX_FP8_E4M3_F32_128, EPX_FLOAT32, ((int64_t)1 << 62) - 1, huge_hidden,
+                             x, q, s),
+                EPX_ERROR_INVALID_ARGUMENT, "epx_quantize: rows (or hidden) is too large");
+  EXPECT_STATUS(epx_dequantize(EPX_FP8_E4M3_F32_128, EPX_FLOAT32, ((int64_t)1 << 62) - 1,
+                               huge_hidden, q, s, x),
+                EPX_ERROR_INVALID_ARGUMENT, "epx_dequantize: rows (or hidden) is too large");
+  /* rows * hidden fits (2^61) but its float32 bytes do not. */
+  EXPECT_STATUS(epx_quantize(EPX_FP8_E4M3_F32_128, EPX_FLOAT32, (int64_t)1 << 12, huge_hidden, x, q,
+                             s),
+                EPX_ERROR_INVALID_ARGUMENT, "rows * hidden * dtype size");
+  /* One row whose bytes do not fit either. */
+  EXPECT_STATUS(epx_dequantize(EPX_FP8_MXFP8, EPX_BFLOAT16, 1, (int64_t)1 << 62, q, s, x),
+                EPX_ERROR_INVALID_ARGUMENT, "epx_dequantize: rows (or hidden) is too large");
+  EXPECT_OK(epx_quantize(EPX_FP8_E4M3_F32_128, EPX_FLOAT32, 2, 128, x, q, s));
+  EXPECT_OK(epx_dequantize(EPX_FP8_E4M3_F32_128, EPX_FLOAT32, 2, 128, q, s, x));
+}
+
 /* A recorder's replayed handle moves the recorded dispatch's bytes (the
  * layout is not made again). */
 static void test_recorder_replay(void **state) {
@@ -493,7 +515,7 @@ static void test_recorder_replay(void **state) {
   epx_recorder_t rec;
   epx_handle_t h[2];
   EXPECT_OK(epx_comm_create_self(&comm));
-  EXPECT_OK(scene_buffer(&s, comm, &b));
+  EXPECT_OK(scene_buffer(&s, EPX_DEVICE_CPU, comm, &b));
   EXPECT_OK(epx_recorder_create(1, &rec));
   epx_routing_t routing = {s.T, s.K, s.idx[0], s.w[0], NULL, EPX_WEIGHTS_IN_COMBINE};
   uint8_t *q[2], *sc[2];
@@ -624,6 +646,7 @@ int main(void) {
       cmocka_unit_test(test_e4m3_decode),   cmocka_unit_test(test_e4m3_encode),
       cmocka_unit_test(test_e4m3_rows),
       cmocka_unit_test(test_scales_by_hand), cmocka_unit_test(test_refusals),
+      cmocka_unit_test(test_quantize_size_overflow),
       cmocka_unit_test(test_dispatch_self), cmocka_unit_test(test_dispatch_local),
       cmocka_unit_test(test_dispatch_hierarchical), cmocka_unit_test(test_recorder_replay),
   };

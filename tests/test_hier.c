@@ -13,6 +13,7 @@
 
 #include "core/dtype.h"
 #include "testutil.h"
+#include "buffer_config.h"
 
 enum { HT_H = 64, HT_T = 40, HT_EXCHANGES = 3 };
 
@@ -119,12 +120,7 @@ typedef struct {
 static int ht_run(epx_comm_t comm, const ht_rank_t *R, epx_exchange_t exchange, ht_result_t *res) {
   int failures = 0, rank = R->rank;
   const ht_case_t *c = R->c;
-  epx_buffer_config_t config = EPX_BUFFER_CONFIG_INIT;
-  config.dtype = c->dtype;
-  config.hidden = HT_H;
-  config.num_experts = R->E;
-  config.max_top_k = 6;
-  config.max_tokens_per_rank = HT_T + R->W;
+  epx_buffer_config_t config = tu_config(EPX_DEVICE_CPU, c->dtype, HT_H, R->E, 6, HT_T + R->W);
   config.exchange = exchange;
   config.layout = c->layout;
   config.capacity = HT_T + R->W;

@@ -20,8 +20,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "testutil.h"
+#include "buffer_config.h"
 
 #define LL_MAX_W 8
 
@@ -80,12 +82,7 @@ static void ll_side_free(ll_side_t *s) {
 }
 
 static epx_buffer_config_t ll_config(const ll_case_t *c, int32_t low_latency) {
-  epx_buffer_config_t b = EPX_BUFFER_CONFIG_INIT;
-  b.dtype = c->dtype;
-  b.hidden = c->H;
-  b.num_experts = c->E;
-  b.max_top_k = c->K;
-  b.max_tokens_per_rank = c->max_tokens;
+  epx_buffer_config_t b = tu_config(EPX_DEVICE_CPU, c->dtype, c->H, c->E, c->K, c->max_tokens);
   b.exchange = c->exchange;
   b.layout = c->layout;
   b.combine_precision = c->precision;
@@ -446,6 +443,73 @@ done:
 #ifndef LL_SCENE_ONLY
 #include <pthread.h>
 
+/* A refused call on a low-latency buffer meets the peer's epx_ll_* call
+ * (issue 38: rank 0 waited the whole timeout, "rank 1 did not arrive", and
+ * the comm was dead for both): both fail at once, the messages name the ll
+ * calls, and the comm stays usable. 2 ranks, comm timeout 5 s. */
+static double ll_now(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static int refused_meets_ll_rank_main(epx_comm_t comm, int32_t rank, int32_t world, void *arg) {
+  (void)world, (void)arg;
+  int failures = 0;
+  ll_case_t c = {8, 1, 4, 16, EPX_BFLOAT16, EPX_LAYOUT_EXPERT_MAJOR, EPX_EXCHANGE_DEDUP,
+                 EPX_COMBINE_PARTIALS_FLOAT32, 0, {4, 4, 4, 4, 4}};
+  epx_buffer_config_t cfg = ll_config(&c, 1);
+  epx_buffer_t buffer = NULL;
+  epx_handle_t h = NULL, h2 = NULL, h3 = NULL;
+  static int32_t idx[2][4];
+  static float w[2][4];
+  _Alignas(16) static uint16_t x[2][4 * 16], recv[2][8 * 4 * 16], out[2][4 * 16];
+  for (int t = 0; t < 4; t++) idx[rank][t] = (t + rank) % 8, w[rank][t] = 1.0f;
+  epx_routing_t routing = {4, 1, idx[rank], w[rank], NULL, EPX_WEIGHTS_IN_COMBINE};
+  RANK_REQUIRE_OK(epx_buffer_create(comm, &cfg, &buffer));
+
+  /* Rank 1 in epx_dispatch_layout (refused: the buffer serves epx_ll_*). */
+  double t0 = ll_now();
+  epx_status_t status = rank == 0
+                            ? epx_ll_dispatch(buffer, &routing, NULL, x[rank], recv[rank], NULL, &h)
+                            : epx_dispatch_layout(buffer, &routing, NULL, &h);
+  double took = ll_now() - t0;
+  RANK_EXPECT(status != EPX_SUCCESS && status != EPX_ERROR_TIMEOUT && took < 2.0,
+              "layout vs ll_dispatch: %s after %.2f s: %s", epx_status_string(status), took,
+              epx_last_error());
+  if (rank == 0)
+    RANK_EXPECT(tu_message_has("rank 0 in epx_ll_dispatch") &&
+                    tu_message_has("rank 1 in epx_dispatch_layout"),
+                "rank 0's message names the calls wrongly: %s", epx_last_error());
+  /* The comm stays usable. */
+  RANK_OK(epx_ll_dispatch(buffer, &routing, NULL, x[rank], recv[rank], NULL, &h));
+
+  /* Rank 1 in epx_ll_combine with a bad argument while rank 0 dispatches. */
+  t0 = ll_now();
+  status = rank == 0 ? epx_ll_dispatch(buffer, &routing, NULL, x[rank], recv[rank], NULL, &h2)
+                     : epx_ll_combine(buffer, h, NULL, out[rank]);
+  took = ll_now() - t0;
+  RANK_EXPECT(status != EPX_SUCCESS && status != EPX_ERROR_TIMEOUT && took < 2.0,
+              "ll_combine vs ll_dispatch: %s after %.2f s: %s", epx_status_string(status), took,
+              epx_last_error());
+  RANK_EXPECT(tu_message_has("rank 0 in epx_ll_dispatch") &&
+                  tu_message_has("rank 1 in epx_ll_combine") && !tu_message_has("epx_combine"),
+              "the message names the calls wrongly: %s", epx_last_error());
+  /* Still usable: the combine of the first step, then a new step. */
+  RANK_OK(epx_ll_combine(buffer, h, recv[rank], out[rank]));
+  RANK_OK(epx_ll_dispatch(buffer, &routing, NULL, x[rank], recv[rank], NULL, &h3));
+  RANK_OK(epx_ll_combine(buffer, h3, recv[rank], out[rank]));
+done:
+  epx_handle_release(h), epx_handle_release(h2), epx_handle_release(h3);
+  epx_buffer_destroy(buffer);
+  return failures ? 1 : 0;
+}
+
+static void test_refused_call_meets_ll_threads(void **state) {
+  (void)state;
+  assert_int_equal(tu_run_ranks(2, 5.0, refused_meets_ll_rank_main, NULL), 0);
+}
+
 static int case_rank_main(epx_comm_t comm, int32_t rank, int32_t world, void *arg) {
   return ll_case_rank(comm, rank, world, arg) ? 1 : 0;
 }
@@ -661,7 +725,7 @@ int main(void) {
       cmocka_unit_test(test_default_shape), cmocka_unit_test(test_refusals),
       cmocka_unit_test(test_configs),       cmocka_unit_test(test_oversize_threads),
       cmocka_unit_test(test_parity_threads), cmocka_unit_test(test_hierarchical_threads),
-      cmocka_unit_test(test_fp8_threads),
+      cmocka_unit_test(test_fp8_threads), cmocka_unit_test(test_refused_call_meets_ll_threads),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -22,6 +22,7 @@
 
 #include "core/dtype.h"
 #include "testutil.h"
+#include "buffer_config.h"
 
 #define MR_MAX_W 8
 #define MR_MAX_T 64
@@ -57,22 +58,10 @@ static void *mr_alloc(size_t bytes) {
   return p;
 }
 
-static const char *mr_layout_name(epx_layout_t layout) {
-  return layout == EPX_LAYOUT_EXPERT_MAJOR ? "expert-major" : layout == EPX_LAYOUT_RANK_MAJOR ? "rank-major" : "capacity";
-}
-
-static const char *mr_weighting_name(epx_weighting_t w) {
-  return w == EPX_WEIGHTS_IN_COMBINE ? "w-in-combine" : w == EPX_WEIGHTS_IN_DISPATCH ? "w-in-dispatch" : "w-none";
-}
-
-static const char *mr_dtype_name(epx_dtype_t d) {
-  return d == EPX_FLOAT32 ? "f32" : d == EPX_BFLOAT16 ? "bf16" : "f16";
-}
-
 static void mr_describe(const mr_scene_t *s, char *buf, size_t size) {
   int n = snprintf(buf, size, "W=%d E=%d K=%d H=%lld %s %s align=%d C=%d %s skew=%.1f T=[", s->W, s->E, s->K,
-                   (long long)s->H, mr_dtype_name(s->dtype), mr_layout_name(s->layout), s->alignment, s->capacity,
-                   mr_weighting_name(s->weighting), s->skew);
+                   (long long)s->H, tu_dtype_name(s->dtype), tu_layout_name(s->layout), s->alignment, s->capacity,
+                   tu_weighting_name(s->weighting), s->skew);
   for (int32_t r = 0; r < s->W && n > 0 && (size_t)n < size; r++)
     n += snprintf(buf + n, size - (size_t)n, "%s%lld", r ? " " : "", (long long)s->T[r]);
   if (n > 0 && (size_t)n < size) snprintf(buf + n, size - (size_t)n, "]");
@@ -535,11 +524,7 @@ static int mr_run_exchange(epx_comm_t comm, int32_t rank, const mr_scene_t *s, e
   void *expert_out = NULL, *grad_out = NULL, *grad_recv = NULL, *again = NULL, *grad_x_plain = NULL;
   memset(res, 0, sizeof *res);
 
-  epx_buffer_config_t bc = EPX_BUFFER_CONFIG_INIT;
-  bc.dtype = s->dtype;
-  bc.hidden = H;
-  bc.num_experts = s->E;
-  bc.max_top_k = K;
+  epx_buffer_config_t bc = tu_config(EPX_DEVICE_CPU, s->dtype, H, s->E, K, 0);
   bc.max_tokens_rounding = 8;
   bc.exchange = exchange;
   bc.layout = s->layout;
@@ -827,12 +812,7 @@ static uint32_t ag_bits(epx_dtype_t dtype, float v) {
 
 static epx_buffer_config_t ag_config(int32_t world, epx_dtype_t dtype, epx_exchange_t exchange, epx_layout_t layout,
                                      epx_combine_precision_t precision) {
-  epx_buffer_config_t bc = EPX_BUFFER_CONFIG_INIT;
-  bc.dtype = dtype;
-  bc.hidden = AG_H;
-  bc.num_experts = AG_EL * world;
-  bc.max_top_k = AG_KMAX;
-  bc.max_tokens_per_rank = AG_T;
+  epx_buffer_config_t bc = tu_config(EPX_DEVICE_CPU, dtype, AG_H, AG_EL * world, AG_KMAX, AG_T);
   bc.exchange = exchange;
   bc.layout = layout;
   bc.combine_precision = precision;
@@ -927,7 +907,7 @@ static int mr_precision_rank(epx_comm_t comm, int32_t rank, int32_t world, void 
         differ += want != other;
       }
     RANK_EXPECT(wrong == 0, "%s %s %s: %lld of %lld combined values differ from the definition's bits",
-                mr_dtype_name(c->dtype), c->exchange == EPX_EXCHANGE_DEDUP ? "dedup" : "collective",
+                tu_dtype_name(c->dtype), c->exchange == EPX_EXCHANGE_DEDUP ? "dedup" : "collective",
                 c->precision == EPX_COMBINE_PARTIALS_PAYLOAD ? "payload partials" : "float32 partials",
                 (long long)wrong, (long long)(T * AG_H));
     if (c->dtype != EPX_FLOAT32 && world > 1)
@@ -1193,10 +1173,7 @@ static void test_parity_w8(void **state) { (void)state; check_parity(8); }
 /* ------------------------------------------------------------------------ */
 
 static epx_buffer_config_t small_config(void) {
-  epx_buffer_config_t bc = EPX_BUFFER_CONFIG_INIT;
-  bc.hidden = 16;
-  bc.num_experts = 12;
-  bc.max_top_k = 2;
+  epx_buffer_config_t bc = tu_config(EPX_DEVICE_CPU, EPX_FLOAT32, 16, 12, 2, 0);
   bc.max_tokens_rounding = 16;
   return bc;
 }
@@ -1275,11 +1252,13 @@ static void test_max_tokens_agreed_and_oversize_refused(void **state) {
 }
 
 /* One rank (the last) creates its buffer with a different field: every rank
- * gets EPX_ERROR_SHAPE_MISMATCH naming that rank, the field and its value,
- * and no buffer. */
+ * gets EPX_ERROR_SHAPE_MISMATCH naming that rank, the field and its value
+ * (an enum's by name: `theirs`, and the other ranks' `common`), and no
+ * buffer. */
 typedef struct {
   const char *field;
   int64_t value;
+  const char *theirs, *common;
 } shape_case_t;
 
 static int shape_rank(epx_comm_t comm, int32_t rank, int32_t world, void *arg) {
@@ -1298,8 +1277,10 @@ static int shape_rank(epx_comm_t comm, int32_t rank, int32_t world, void *arg) {
   epx_buffer_t poison = (epx_buffer_t)(uintptr_t)0xA5A5A5A5u, buffer = poison;
   char rank_name[32], field_value[64];
   snprintf(rank_name, sizeof rank_name, "rank %d", world - 1);
-  snprintf(field_value, sizeof field_value, "config.%s = %lld", sc->field, (long long)sc->value);
+  snprintf(field_value, sizeof field_value, "config.%s = %s but", sc->field, sc->theirs);
   RANK_STATUS(epx_buffer_create(comm, &bc, &buffer), EPX_ERROR_SHAPE_MISMATCH, rank_name);
+  RANK_EXPECT(strstr(epx_last_error(), field_value), "message lacks \"%s\": %s", field_value, epx_last_error());
+  snprintf(field_value, sizeof field_value, "ranks have %s;", sc->common);
   RANK_EXPECT(strstr(epx_last_error(), field_value), "message lacks \"%s\": %s", field_value, epx_last_error());
   RANK_EXPECT(buffer == poison, "the buffer output was written on a refused create");
   /* The comm is still usable: a matching create works. */
@@ -1312,10 +1293,15 @@ static int shape_rank(epx_comm_t comm, int32_t rank, int32_t world, void *arg) {
 
 static void test_shape_mismatch_refused_on_every_rank(void **state) {
   (void)state;
-  shape_case_t cases[] = {{"hidden", 24}, {"num_experts", 24}, {"dtype", EPX_BFLOAT16},
-                          {"max_tokens_per_rank", 64}, {"exchange", EPX_EXCHANGE_COLLECTIVE},
-                          {"layout", EPX_LAYOUT_RANK_MAJOR},
-                          {"combine_precision", EPX_COMBINE_PARTIALS_PAYLOAD}};
+  shape_case_t cases[] = {
+      {"hidden", 24, "24", "16"},
+      {"num_experts", 24, "24", "12"},
+      {"dtype", EPX_BFLOAT16, "EPX_BFLOAT16", "EPX_FLOAT32"},
+      {"max_tokens_per_rank", 64, "64", "0"},
+      {"exchange", EPX_EXCHANGE_COLLECTIVE, "EPX_EXCHANGE_COLLECTIVE", "EPX_EXCHANGE_DEDUP"},
+      {"layout", EPX_LAYOUT_RANK_MAJOR, "EPX_LAYOUT_RANK_MAJOR", "EPX_LAYOUT_EXPERT_MAJOR"},
+      {"combine_precision", EPX_COMBINE_PARTIALS_PAYLOAD, "EPX_COMBINE_PARTIALS_PAYLOAD",
+       "EPX_COMBINE_PARTIALS_FLOAT32"}};
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
     assert_int_equal(tu_run_ranks(3, 10.0, shape_rank, &cases[i]), 0);
     assert_int_equal(tu_run_ranks(2, 10.0, shape_rank, &cases[i]), 0);

@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "testutil.h"
+#include "buffer_config.h"
 
 static void test_without_or_before_nccl(void **state) {
   (void)state;
@@ -48,12 +49,7 @@ static void *cuda_over_local(void *p) {
   rank_arg_t *a = p;
   epx_comm_t comm;
   if (epx_comm_create_local(a->world, a->rank, &comm) != EPX_SUCCESS) return NULL;
-  epx_buffer_config_t cfg = EPX_BUFFER_CONFIG_INIT;
-  cfg.device = EPX_DEVICE_CUDA;
-  cfg.dtype = EPX_BFLOAT16;
-  cfg.hidden = 64;
-  cfg.num_experts = 8;
-  cfg.max_top_k = 2;
+  epx_buffer_config_t cfg = tu_config(EPX_DEVICE_CUDA, EPX_BFLOAT16, 64, 8, 2, 0);
   epx_buffer_t buffer = NULL;
   a->status = epx_buffer_create(comm, &cfg, &buffer);
   epx_buffer_destroy(buffer);

@@ -12,6 +12,7 @@
 
 #include "core/dtype.h"
 #include "testutil.h"
+#include "buffer_config.h"
 
 #define K 2
 #define E_PER_RANK 4
@@ -70,12 +71,7 @@ static int model_init(model_t *m, epx_comm_t comm, int32_t rank, int32_t W, epx_
   m->rank = rank, m->W = W, m->E = E_PER_RANK * W, m->H = H, m->dtype = dtype;
   m->T = 12 + 7 * rank;
   m->rb = (size_t)H * epx_dtype_size(dtype);
-  epx_buffer_config_t bc = EPX_BUFFER_CONFIG_INIT;
-  bc.dtype = dtype;
-  bc.hidden = H;
-  bc.num_experts = m->E;
-  bc.max_top_k = K;
-  bc.max_tokens_per_rank = T_MAX;
+  epx_buffer_config_t bc = tu_config(EPX_DEVICE_CPU, dtype, H, m->E, K, T_MAX);
   for (int l = 0; l < 2; l++) {
     tu_rng_t rng = {1000 + (uint64_t)(rank * 2 + l)};
     tu_random_routing(&rng, m->T, m->E, K, l ? 1.5 : 0.0, m->idx[l], m->w[l]);

@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "testutil.h"
+#include "buffer_config.h"
 
 #define E_PER_RANK 3
 #define K 2
@@ -44,10 +45,7 @@ static int run_scene(epx_comm_t comm, int32_t rank, int32_t world, void *arg) {
   const scene_t *sc = arg;
   const int32_t E = E_PER_RANK * world, capacity = 6;
   int failures = 0;
-  epx_buffer_config_t c = EPX_BUFFER_CONFIG_INIT;
-  c.hidden = H;
-  c.num_experts = E;
-  c.max_top_k = K;
+  epx_buffer_config_t c = tu_config(EPX_DEVICE_CPU, EPX_FLOAT32, H, E, K, 0);
   c.layout = sc->layout;
   c.exchange = sc->exchange;
   c.capacity = capacity;
@@ -150,10 +148,7 @@ static void test_rank_major_router_gradient(void **state) {
   epx_buffer_t buf = NULL;
   epx_handle_t h = NULL;
   EXPECT_OK(epx_comm_create_self(&comm));
-  epx_buffer_config_t c = EPX_BUFFER_CONFIG_INIT;
-  c.hidden = H;
-  c.num_experts = E;
-  c.max_top_k = K;
+  epx_buffer_config_t c = tu_config(EPX_DEVICE_CPU, EPX_FLOAT32, H, E, K, 0);
   c.layout = EPX_LAYOUT_RANK_MAJOR;
   EXPECT_OK(epx_buffer_create(comm, &c, &buf));
   epx_routing_t r = {T, K, idx, w, NULL, EPX_WEIGHTS_NONE};

@@ -12,6 +12,15 @@
  * exchange's outputs are compared bit for bit with the first's; the last
  * line is OK or FAILED and the exit status matches.
  *
+ * --redundant R1,R2,... replays the trace on planned placements too (epx.h,
+ * "Expert placement and replicas"): per layer, epx_placement_plan from the
+ * layer's load over the whole trace (routes per logical expert), node-aware
+ * over the --ranks-per-node nodes (8 expert groups for dsv3, else 1), with
+ * R redundant experts and the round-robin replica rule. For the contiguous
+ * map and each R it reports the rank-load skew (max over mean of routes
+ * per rank): expected (the planner's model) and measured (the trace's
+ * routes through the rule), and the replay's times per step.
+ *
  * Without --trace it makes one (--gen): uniform, zipf (expert popularity
  * 1/i^s, shuffled per layer), hot (--hot experts take --hot-share of the
  * picks) or dsv3 (the DeepSeek-V3 router through epx_route: 256 experts,
@@ -52,6 +61,7 @@ typedef struct {
   double zipf, hot_share;
   epx_dtype_t dtype;
   int exchanges[3], n_exchanges;
+  int32_t redundant[8], n_redundant; /* --redundant: placements to plan */
   uint64_t seed;
 } options_t;
 
@@ -235,15 +245,24 @@ static const char *const exchange_names[] = {"dedup", "collective", "hierarchica
 
 /* What a rank reports per step of one exchange. */
 typedef struct {
-  double seconds;
+  double seconds, dispatch_seconds;
   double same_bytes, other_bytes, recv_rows;
   uint64_t hash;
 } step_report_t;
 
+/* The placements replayed: the contiguous map, then one per --redundant. */
+typedef struct {
+  int32_t redundant; /* -1: the contiguous map */
+  int32_t P;
+  int32_t *p2l;      /* [layers, P] (NULL for the contiguous map) */
+} placement_plan_t;
+
 typedef struct {
   const options_t *o;
   const trace_t *t;
-  step_report_t *reports; /* [exchanges, steps, W] (threads: shared) */
+  int32_t n_place;
+  placement_plan_t *place;
+  step_report_t *reports; /* [placements, exchanges, steps, W] (threads: shared) */
   int failed;
 } job_t;
 
@@ -268,13 +287,14 @@ static uint64_t hash_bytes(uint64_t h, const void *p, size_t n) {
 
 /* One step of every layer on one rank: layout, dispatch, the identity expert,
  * combine; its report (time from a barrier, bytes, rows, the outputs' hash). */
-static step_report_t rank_step(epx_comm_t comm, epx_buffer_t b, const trace_t *t, int32_t step, int32_t rank,
+static step_report_t rank_step(epx_comm_t comm, epx_buffer_t *buffers, const trace_t *t, int32_t step, int32_t rank,
                                const void *x, void *recv, void *out, float *w, size_t row) {
   step_report_t rep = {0};
   rep.hash = 1469598103934665603ull;
   TRY(epx_comm_barrier(comm));
   double start = now();
   for (int32_t l = 0; l < t->layers; l++) {
+    epx_buffer_t b = buffers[l];
     int64_t T = *trace_count(t, step, l, rank);
     epx_routing_t routing = {T, t->K, trace_row(t, step, l, rank), w, NULL, EPX_WEIGHTS_IN_COMBINE};
     epx_handle_t h;
@@ -282,7 +302,9 @@ static step_report_t rank_step(epx_comm_t comm, epx_buffer_t b, const trace_t *t
     epx_handle_traffic_t traffic;
     TRY(epx_dispatch_layout(b, &routing, NULL, &h));
     TRY(epx_handle_recv_rows(h, &n));
+    double dispatch_start = now();
     TRY(epx_dispatch(b, h, x, recv, n));
+    rep.dispatch_seconds += now() - dispatch_start;
     TRY(epx_combine(b, h, recv, out));
     TRY(epx_handle_traffic(h, &traffic));
     TRY(epx_handle_release(h));
@@ -300,6 +322,7 @@ static void rank_main(job_t *job, epx_comm_t comm, int32_t rank) {
   const trace_t *t = job->t;
   size_t row = (size_t)o->hidden * (o->dtype == EPX_FLOAT32 ? 4 : 2);
   int64_t max_recv = t->T * t->W * t->K;
+  epx_buffer_t *buffers = xalloc(sizeof(epx_buffer_t) * (size_t)t->layers);
   void *x = xalloc((size_t)t->T * row), *recv = xalloc((size_t)(max_recv + 1) * row), *out = xalloc((size_t)t->T * row);
   float *w = xalloc(sizeof(float) * (size_t)t->T * t->K);
   uint64_t s = o->seed + 1000u * (uint64_t)rank;
@@ -313,42 +336,139 @@ static void rank_main(job_t *job, epx_comm_t comm, int32_t rank) {
     }
   }
   for (int64_t i = 0; i < t->T * t->K; i++) w[i] = 0.25f + 0.5f * (float)uniform(&s);
-  for (int xi = 0; xi < o->n_exchanges; xi++) {
-    epx_buffer_config_t c = EPX_BUFFER_CONFIG_INIT;
-    c.dtype = o->dtype, c.hidden = o->hidden, c.num_experts = t->E, c.max_top_k = t->K;
-    c.max_tokens_per_rank = t->T, c.exchange = (epx_exchange_t)o->exchanges[xi];
-    c.combine_precision = EPX_COMBINE_PARTIALS_PAYLOAD; /* a partial costs one row, as DeepEP's */
-    epx_buffer_t b;
-    TRY(epx_buffer_create(comm, &c, &b));
-    for (int32_t st = 0; st < t->steps; st++) {
-      step_report_t best = {0};
-      for (int32_t it = 0; it < o->iters; it++) {
-        step_report_t r = rank_step(comm, b, t, st, rank, x, recv, out, w, row);
-        if (it == 0 || r.seconds < best.seconds) best = r;
+  for (int32_t pi = 0; pi < job->n_place; pi++)
+    for (int xi = 0; xi < o->n_exchanges; xi++) {
+      const placement_plan_t *pp = &job->place[pi];
+      for (int32_t l = 0; l < t->layers; l++) {
+        epx_buffer_config_t c = EPX_BUFFER_CONFIG_INIT;
+        c.dtype = o->dtype, c.hidden = o->hidden, c.num_experts = t->E, c.max_top_k = t->K;
+        c.max_tokens_per_rank = t->T, c.exchange = (epx_exchange_t)o->exchanges[xi];
+        c.combine_precision = EPX_COMBINE_PARTIALS_PAYLOAD; /* a partial costs one row, as DeepEP's */
+        epx_placement_t placement = {pp->P, pp->p2l ? pp->p2l + (size_t)l * pp->P : NULL, NULL,
+                                     EPX_REPLICA_ROUND_ROBIN};
+        c.placement = pp->p2l ? &placement : NULL;
+        TRY(epx_buffer_create(comm, &c, &buffers[l]));
       }
-      step_report_t *all = job->reports + ((size_t)xi * t->steps + st) * t->W;
-      TRY(epx_comm_allgather(comm, &best, all, sizeof best));
+      for (int32_t st = 0; st < t->steps; st++) {
+        step_report_t best = {0};
+        for (int32_t it = 0; it < o->iters; it++) {
+          step_report_t r = rank_step(comm, buffers, t, st, rank, x, recv, out, w, row);
+          if (it == 0 || r.seconds < best.seconds) best = r;
+        }
+        step_report_t *all = job->reports + (((size_t)pi * o->n_exchanges + xi) * t->steps + st) * t->W;
+        TRY(epx_comm_allgather(comm, &best, all, sizeof best));
+      }
+      for (int32_t l = 0; l < t->layers; l++) TRY(epx_buffer_destroy(buffers[l]));
     }
-    TRY(epx_buffer_destroy(b));
-  }
-  free(x), free(recv), free(out), free(w);
+  free(x), free(recv), free(out), free(w), free(buffers);
 }
 
-/* Rank 0's report: a line per exchange and step, a summary per exchange. */
-static int report(const job_t *job) {
+/* ------------------------------------------------------------------------ */
+/* Placements: planned per layer from the trace's load, and their skew       */
+/* ------------------------------------------------------------------------ */
+
+/* Routes per logical expert of one layer over the whole trace. */
+static void layer_load(const trace_t *t, int32_t layer, double *load) {
+  for (int32_t e = 0; e < t->E; e++) load[e] = 0;
+  for (int32_t st = 0; st < t->steps; st++)
+    for (int32_t r = 0; r < t->W; r++) {
+      const int32_t *idx = trace_row(t, st, layer, r);
+      for (size_t i = 0; i < (size_t)*trace_count(t, st, layer, r) * t->K; i++)
+        if (idx[i] >= 0) load[idx[i]] += 1;
+    }
+}
+
+static void plan_placements(job_t *job) {
+  const options_t *o = job->o;
+  const trace_t *t = job->t;
+  job->n_place = 1 + o->n_redundant;
+  job->place = xalloc(sizeof(placement_plan_t) * (size_t)job->n_place);
+  job->place[0] = (placement_plan_t){-1, t->E, NULL};
+  double *load = xalloc(sizeof(double) * (size_t)t->E);
+  int32_t groups = t->E == 256 && t->K == 8 ? 8 : 1;
+  for (int32_t i = 0; i < o->n_redundant; i++) {
+    placement_plan_t *pp = &job->place[1 + i];
+    *pp = (placement_plan_t){o->redundant[i], t->E + o->redundant[i], NULL};
+    pp->p2l = xalloc(sizeof(int32_t) * (size_t)t->layers * pp->P);
+    for (int32_t l = 0; l < t->layers; l++) {
+      layer_load(t, l, load);
+      TRY(epx_placement_plan(load, t->E, pp->P, t->W, t->W / o->ranks_per_node, groups, pp->p2l + (size_t)l * pp->P));
+    }
+  }
+  free(load);
+}
+
+/* Skews of a placement, averaged over the layers (expected) and over the
+ * layers and steps (measured: each route through the round-robin rule). */
+static void placement_skew(const job_t *job, const placement_plan_t *pp, double *expected, double *measured) {
+  const trace_t *t = job->t;
+  double *load = xalloc(sizeof(double) * (size_t)t->E), *rank_load = xalloc(sizeof(double) * (size_t)t->W);
+  *expected = *measured = 0;
+  for (int32_t l = 0; l < t->layers; l++) {
+    epx_placement_t placement = {pp->P, pp->p2l ? pp->p2l + (size_t)l * pp->P : NULL, NULL, EPX_REPLICA_ROUND_ROBIN};
+    const epx_placement_t *pl = pp->p2l ? &placement : NULL;
+    layer_load(t, l, load);
+    TRY(epx_placement_rank_load(pl, t->E, t->W, load, rank_load));
+    double most = 0, sum = 0;
+    for (int32_t r = 0; r < t->W; r++) most = rank_load[r] > most ? rank_load[r] : most, sum += rank_load[r];
+    *expected += sum > 0 ? most * t->W / sum / t->layers : 1.0 / t->layers;
+    /* the rule, route by route: replica (token + source rank) mod n */
+    int32_t P = pp->P, *rank_of = xalloc(sizeof(int32_t) * (size_t)P), *first = xalloc(sizeof(int32_t) * (size_t)(t->E + 1));
+    int32_t *replicas = xalloc(sizeof(int32_t) * (size_t)P), *fill = xalloc(sizeof(int32_t) * (size_t)t->E);
+    for (int32_t p = 0; p < P; p++) rank_of[p] = p / (P / t->W), first[(pl ? pl->physical_to_logical[p] : p) + 1]++;
+    for (int32_t e = 0; e < t->E; e++) first[e + 1] += first[e];
+    for (int32_t p = 0; p < P; p++) {
+      int32_t e = pl ? pl->physical_to_logical[p] : p;
+      replicas[first[e] + fill[e]++] = p;
+    }
+    for (int32_t st = 0; st < t->steps; st++) {
+      for (int32_t r = 0; r < t->W; r++) rank_load[r] = 0;
+      for (int32_t r = 0; r < t->W; r++) {
+        const int32_t *idx = trace_row(t, st, l, r);
+        for (int64_t i = 0; i < (int64_t)*trace_count(t, st, l, r); i++)
+          for (int32_t k = 0; k < t->K; k++) {
+            int32_t e = idx[i * t->K + k];
+            if (e < 0) continue;
+            int32_t n = first[e + 1] - first[e];
+            rank_load[rank_of[replicas[first[e] + (int32_t)(((uint64_t)i + (uint64_t)r) % (uint64_t)n)]]] += 1;
+          }
+      }
+      double m = 0, total = 0;
+      for (int32_t r = 0; r < t->W; r++) m = rank_load[r] > m ? rank_load[r] : m, total += rank_load[r];
+      *measured += (total > 0 ? m * t->W / total : 1.0) / (t->layers * t->steps);
+    }
+    free(rank_of), free(first), free(replicas), free(fill);
+  }
+  free(load), free(rank_load);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Report                                                                    */
+/* ------------------------------------------------------------------------ */
+
+static const char *placement_name(const placement_plan_t *pp, char *buf, size_t n) {
+  if (pp->redundant < 0) snprintf(buf, n, "contiguous");
+  else snprintf(buf, n, "planned R=%d", pp->redundant);
+  return buf;
+}
+
+/* One placement's lines: a line per exchange and step, a summary per
+ * exchange; each exchange's outputs against the first's. */
+static int report_placement(const job_t *job, int32_t pi, double *step_ms, double *dispatch_ms) {
   const options_t *o = job->o;
   const trace_t *t = job->t;
   int ok = 1;
   double other_total[3] = {0};
   for (int xi = 0; xi < o->n_exchanges; xi++) {
     const char *name = exchange_names[o->exchanges[xi]];
-    double time_sum = 0, same_sum = 0, other_sum = 0;
+    double time_sum = 0, dispatch_sum = 0, same_sum = 0, other_sum = 0;
     for (int32_t st = 0; st < t->steps; st++) {
-      const step_report_t *all = job->reports + ((size_t)xi * t->steps + st) * t->W;
-      const step_report_t *first = job->reports + (size_t)st * t->W;
-      double slowest = 0, same = 0, other = 0, most = 0, rows = 0;
+      const step_report_t *all = job->reports + (((size_t)pi * o->n_exchanges + xi) * t->steps + st) * t->W;
+      const step_report_t *first = job->reports + (((size_t)pi * o->n_exchanges) * t->steps + st) * t->W;
+      double slowest = 0, slowest_dispatch = 0, same = 0, other = 0, most = 0, rows = 0;
       for (int32_t r = 0; r < t->W; r++) {
         slowest = all[r].seconds > slowest ? all[r].seconds : slowest;
+        slowest_dispatch = all[r].dispatch_seconds > slowest_dispatch ? all[r].dispatch_seconds : slowest_dispatch;
         same += all[r].same_bytes, other += all[r].other_bytes, rows += all[r].recv_rows;
         most = all[r].recv_rows > most ? all[r].recv_rows : most;
         if (all[r].hash != first[r].hash) {
@@ -356,17 +476,43 @@ static int report(const job_t *job) {
           ok = 0;
         }
       }
-      printf("%-12s step %3d: %9.3f ms  same-node %10.3f MB  other-node %10.3f MB  skew %.3f\n", name, st,
-             1e3 * slowest, same / 1e6, other / 1e6, rows > 0 ? most * t->W / rows : 1.0);
-      time_sum += slowest, same_sum += same, other_sum += other;
+      printf("%-12s step %3d: %9.3f ms (dispatch %8.3f)  same-node %10.3f MB  other-node %10.3f MB  skew %.3f\n",
+             name, st, 1e3 * slowest, 1e3 * slowest_dispatch, same / 1e6, other / 1e6,
+             rows > 0 ? most * t->W / rows : 1.0);
+      time_sum += slowest, dispatch_sum += slowest_dispatch, same_sum += same, other_sum += other;
     }
     other_total[o->exchanges[xi]] = other_sum;
-    printf("%-12s total:    %9.3f ms per step, same-node %.3f MB, other-node %.3f MB per step (dispatch; combine "
-           "returns as many)\n", name, 1e3 * time_sum / t->steps, same_sum / 1e6 / t->steps, other_sum / 1e6 / t->steps);
+    printf("%-12s total:    %9.3f ms per step (dispatch %.3f), same-node %.3f MB, other-node %.3f MB per step "
+           "(dispatch; combine returns as many)\n", name, 1e3 * time_sum / t->steps, 1e3 * dispatch_sum / t->steps,
+           same_sum / 1e6 / t->steps, other_sum / 1e6 / t->steps);
+    if (xi == 0) *step_ms = 1e3 * time_sum / t->steps, *dispatch_ms = 1e3 * dispatch_sum / t->steps;
   }
   if (o->n_exchanges == 3 && other_total[1] > 0)
     printf("other-node bytes against collective: dedup %.3f, hierarchical %.3f\n", other_total[0] / other_total[1],
            other_total[2] / other_total[1]);
+  return ok;
+}
+
+/* Rank 0's report: each placement's lines, then the placements side by side. */
+static int report(const job_t *job) {
+  int ok = 1;
+  char name[64];
+  double *step_ms = xalloc(sizeof(double) * (size_t)job->n_place), *dispatch_ms = xalloc(sizeof(double) * (size_t)job->n_place);
+  for (int32_t pi = 0; pi < job->n_place; pi++) {
+    if (job->n_place > 1) printf("-- placement: %s\n", placement_name(&job->place[pi], name, sizeof name));
+    ok &= report_placement(job, pi, &step_ms[pi], &dispatch_ms[pi]);
+  }
+  if (job->n_place > 1) {
+    printf("placement       physical  skew expected  skew measured  ms/step (%s)  dispatch ms/step\n",
+           exchange_names[job->o->exchanges[0]]);
+    for (int32_t pi = 0; pi < job->n_place; pi++) {
+      double expected, measured;
+      placement_skew(job, &job->place[pi], &expected, &measured);
+      printf("%-14s  %8d  %13.3f  %13.3f  %12.3f  %16.3f\n", placement_name(&job->place[pi], name, sizeof name),
+             job->place[pi].P, expected, measured, step_ms[pi], dispatch_ms[pi]);
+    }
+  }
+  free(step_ms), free(dispatch_ms);
   return ok;
 }
 
@@ -394,7 +540,8 @@ static void usage(void) {
          "  --ranks W (4) --ranks-per-node L (2) --layers N (2) --steps N (3) --tokens T (256)\n"
          "  --experts E (64) --topk K (6) --zipf S (1.2) --hot N (4) --hot-share F (0.5)\n"
          "  --hidden H (256) --dtype f32|bf16 --exchange dedup|collective|hierarchical|all (all)\n"
-         "  --iters N (2: the fastest of N runs of each step) --seed N --mpi (one rank per MPI process)\n");
+         "  --iters N (2: the fastest of N runs of each step) --seed N --mpi (one rank per MPI process)\n"
+         "  --redundant R1,R2,... (also replay placements planned with R redundant experts each)\n");
 }
 
 static void parse(int argc, char **argv, options_t *o) {
@@ -426,6 +573,12 @@ static void parse(int argc, char **argv, options_t *o) {
     else if (!strcmp(a, "--hidden")) o->hidden = atoll(v);
     else if (!strcmp(a, "--iters")) o->iters = atoi(v);
     else if (!strcmp(a, "--seed")) o->seed = (uint64_t)atoll(v);
+    else if (!strcmp(a, "--redundant")) {
+      for (char *end = (char *)v; *v && o->n_redundant < 8; v = *end ? end + 1 : end) {
+        o->redundant[o->n_redundant++] = (int32_t)strtol(v, &end, 10);
+        if (end == v || o->redundant[o->n_redundant - 1] < 0) fatal("--redundant %s: counts like 0,16,32", v);
+      }
+    }
     else if (!strcmp(a, "--dtype")) o->dtype = !strcmp(v, "f32") ? EPX_FLOAT32 : !strcmp(v, "bf16") ? EPX_BFLOAT16 : (fatal("--dtype %s: f32 or bf16", v), EPX_FLOAT32);
     else if (!strcmp(a, "--exchange")) {
       o->n_exchanges = 0;
@@ -459,8 +612,12 @@ int main(int argc, char **argv) {
   else generate(&o, &t);
   if (t.W != o.ranks) fatal("the trace has another number of ranks than --ranks (or the MPI size)%s", "");
   if (t.E % t.W) fatal("the trace's experts are not a multiple of the ranks%s", "");
+  for (int32_t i = 0; i < o.n_redundant; i++)
+    if ((t.E + o.redundant[i]) % t.W) fatal("--redundant: experts + each count must be a multiple of the ranks%s", "");
   if (o.record && rank == 0) trace_write(&t, o.record);
-  job_t job = {&o, &t, xalloc(sizeof(step_report_t) * (size_t)o.n_exchanges * t.steps * t.W), 0};
+  job_t job = {&o, &t, 0, NULL, NULL, 0};
+  plan_placements(&job);
+  job.reports = xalloc(sizeof(step_report_t) * (size_t)job.n_place * o.n_exchanges * t.steps * t.W);
   epx_comm_config_t config = EPX_COMM_CONFIG_INIT;
   config.ranks_per_node = o.ranks_per_node;
   if (rank == 0)
@@ -497,6 +654,7 @@ int main(int argc, char **argv) {
   }
 #endif
   if (rank == 0) printf("%s\n", ok ? "OK" : "FAILED");
-  free(job.reports), free(t.tokens), free(t.idx);
+  for (int32_t pi = 0; pi < job.n_place; pi++) free(job.place[pi].p2l);
+  free(job.place), free(job.reports), free(t.tokens), free(t.idx);
   return ok ? 0 : 1;
 }

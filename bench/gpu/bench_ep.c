@@ -78,6 +78,7 @@
  * epx_cuda_set_launch_flags, EPX_CUDA_FUSED_*, epx_cuda_ep_at_one_rank */
 #include "../../src/cuda/launch.h"
 #include "../../tests/gpu/mpi_gpu_check.h"
+#include "../../tests/util/buffer_config.h"
 
 enum { H = 7168, E = 256, K = 8, REPS = 20, WARM = 3 };
 /* config.sm_budget 0 means this (epx.h), for the names of the rows */
@@ -147,13 +148,7 @@ static int32_t *device_routing(int T, int skew, int seed, int32_t *idx) {
 /* A buffer config of the bench's shape (bf16, H, E, top-K, T tokens per
  * rank) and layout, on the bench's stream; the callers set the rest. */
 static epx_buffer_config_t bench_config(int T, epx_layout_t layout) {
-  epx_buffer_config_t cfg = EPX_BUFFER_CONFIG_INIT;
-  cfg.device = EPX_DEVICE_CUDA;
-  cfg.dtype = EPX_BFLOAT16;
-  cfg.hidden = H;
-  cfg.num_experts = E;
-  cfg.max_top_k = K;
-  cfg.max_tokens_per_rank = T;
+  epx_buffer_config_t cfg = tu_config(EPX_DEVICE_CUDA, EPX_BFLOAT16, H, E, K, T);
   cfg.layout = layout;
   cfg.stream = g_stream;
   return cfg;

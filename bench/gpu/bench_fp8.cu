@@ -36,6 +36,7 @@
 #include "epx.h"
 
 #include "bench_check.h"
+#include "../../tests/util/buffer_config.h"
 #include "core/fp8.h"
 
 namespace {
@@ -72,35 +73,6 @@ int check_conversion(cudaStream_t s) {
   return bad != 0;
 }
 
-struct rng_t {
-  uint64_t s;
-  uint64_t next() {
-    uint64_t z = (s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-  }
-  double uniform() { return (double)(next() >> 11) * (1.0 / 9007199254740992.0); }
-};
-
-template <class F>
-double median_ms(cudaStream_t s, int warm, int reps, F &&f) {
-  for (int i = 0; i < warm; i++) f(i);
-  std::vector<cudaEvent_t> ev(reps + 1);
-  for (auto &e : ev) CK(cudaEventCreate(&e));
-  CK(cudaEventRecord(ev[0], s));
-  for (int i = 0; i < reps; i++) {
-    f(i);
-    CK(cudaEventRecord(ev[i + 1], s));
-  }
-  CK(cudaStreamSynchronize(s));
-  std::vector<float> t(reps);
-  for (int i = 0; i < reps; i++) CK(cudaEventElapsedTime(&t[i], ev[i], ev[i + 1]));
-  for (auto &e : ev) CK(cudaEventDestroy(e));
-  std::sort(t.begin(), t.end());
-  return t[reps / 2];
-}
-
 void *dev(size_t bytes) {
   void *p;
   CK(cudaMalloc(&p, bytes ? bytes : 16));
@@ -114,15 +86,8 @@ void *dev_copy(const void *h, size_t bytes) {
 }
 
 double copy_gbps(cudaStream_t s) {
-  const size_t bytes = (size_t)1 << 30;
-  void *a = dev(bytes), *b = dev(bytes);
-  CK(cudaMemset(a, 1, bytes));
-  double ms = median_ms(s, 3, 21, [&](int i) {
-    CK(cudaMemcpyAsync(i & 1 ? a : b, i & 1 ? b : a, bytes, cudaMemcpyDeviceToDevice, s));
-  });
-  CK(cudaFree(a));
-  CK(cudaFree(b));
-  const double gbps = 2.0 * bytes / (ms * 1e-3) / 1e9;
+  double ms;
+  const double gbps = bench_copy_gbps(s, &ms);
   printf("RESULT shape=- op=d2d_copy ms=%.4f GBps=%.0f (1 GiB, read + write)\n", ms, gbps);
   return gbps;
 }
@@ -173,13 +138,7 @@ inputs_t make_inputs() {
 }
 
 epx_buffer_config_t config_of(epx_device_t device, epx_fp8_format_t format) {
-  epx_buffer_config_t c = EPX_BUFFER_CONFIG_INIT;
-  c.device = device;
-  c.dtype = EPX_BFLOAT16;
-  c.hidden = H;
-  c.num_experts = E;
-  c.max_top_k = K;
-  c.max_tokens_per_rank = T;
+  epx_buffer_config_t c = tu_config(device, EPX_BFLOAT16, H, E, K, T);
   c.exchange = EPX_EXCHANGE_DEDUP;
   c.layout = EPX_LAYOUT_EXPERT_MAJOR;
   c.fp8_format = format;

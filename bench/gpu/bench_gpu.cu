@@ -30,6 +30,7 @@
 
 #include "cuda/launch.h"
 #include "epx.h"
+#include "../../tests/util/buffer_config.h"
 
 #include "bench_check.h"
 #include "bench_layout.h"
@@ -38,17 +39,6 @@ namespace {
 
 FILE *g_results = nullptr;
 int g_failures = 0;
-
-struct rng_t {
-  uint64_t s;
-  uint64_t next() {
-    uint64_t z = (s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-  }
-  double uniform() { return (double)(next() >> 11) * (1.0 / 9007199254740992.0); }
-};
 
 uint16_t to_bf16(float f) {
   uint32_t b;
@@ -75,26 +65,6 @@ void target(const std::string &name, double value, double limit, bool at_least, 
   const bool met = at_least ? value >= limit : value <= limit;
   printf("TARGET %-44s %10.4f %s %s %.4f %s\n", name.c_str(), value, unit, at_least ? ">=" : "<=", limit,
          met ? "MET" : "MISSED");
-}
-
-/* Median of per-call device times: an event before each call and after the
- * last; calls are back to back on the stream. */
-template <class F>
-double median_ms(cudaStream_t s, int warm, int reps, F &&f) {
-  for (int i = 0; i < warm; i++) f(i);
-  std::vector<cudaEvent_t> ev(reps + 1);
-  for (auto &e : ev) CK(cudaEventCreate(&e));
-  CK(cudaEventRecord(ev[0], s));
-  for (int i = 0; i < reps; i++) {
-    f(i);
-    CK(cudaEventRecord(ev[i + 1], s));
-  }
-  CK(cudaStreamSynchronize(s));
-  std::vector<float> t(reps);
-  for (int i = 0; i < reps; i++) CK(cudaEventElapsedTime(&t[i], ev[i], ev[i + 1]));
-  for (auto &e : ev) CK(cudaEventDestroy(e));
-  std::sort(t.begin(), t.end());
-  return t[reps / 2];
 }
 
 /* Median over repeats of the mean time of `burst` back-to-back calls (one
@@ -124,16 +94,8 @@ double median_wall_us(int warm, int reps, F &&f) {
 
 double copy_ceiling_gbps(cudaStream_t s) {
   const size_t bytes = (size_t)1 << 30;
-  void *a, *b;
-  CK(cudaMalloc(&a, bytes));
-  CK(cudaMalloc(&b, bytes));
-  CK(cudaMemset(a, 1, bytes));
-  double ms = median_ms(s, 3, 21, [&](int i) {
-    CK(cudaMemcpyAsync(i & 1 ? a : b, i & 1 ? b : a, bytes, cudaMemcpyDeviceToDevice, s));
-  });
-  CK(cudaFree(a));
-  CK(cudaFree(b));
-  const double gbps = 2.0 * bytes / (ms * 1e-3) / 1e9;
+  double ms;
+  const double gbps = bench_copy_gbps(s, &ms);
   printf("RESULT shape=- op=d2d_copy ms=%.4f bytes=%.0f GBps=%.0f (1 GiB, read + write)\n", ms, 2.0 * bytes, gbps);
   if (g_results) fprintf(g_results, "copy - d2d %.6f %.0f 1\n", ms, 2.0 * bytes);
   return gbps;
@@ -316,13 +278,7 @@ void bench_shape(const shape_t &sh, const std::string &dir, double copy_gbps, cu
 
   epx_comm_t comm;
   EK(epx_comm_create_self(&comm));
-  epx_buffer_config_t cfg = EPX_BUFFER_CONFIG_INIT;
-  cfg.device = EPX_DEVICE_CUDA;
-  cfg.dtype = EPX_BFLOAT16;
-  cfg.hidden = H;
-  cfg.num_experts = sh.E;
-  cfg.max_top_k = sh.K;
-  cfg.max_tokens_per_rank = T;
+  epx_buffer_config_t cfg = tu_config(EPX_DEVICE_CUDA, EPX_BFLOAT16, H, sh.E, sh.K, T);
   cfg.layout = sh.layout;
   cfg.capacity = sh.C;
   cfg.stream = s;
@@ -545,13 +501,7 @@ void bench_routing_layout(cudaStream_t s) {
 
   epx_comm_t comm;
   EK(epx_comm_create_self(&comm));
-  epx_buffer_config_t cfg = EPX_BUFFER_CONFIG_INIT;
-  cfg.device = EPX_DEVICE_CUDA;
-  cfg.dtype = EPX_BFLOAT16;
-  cfg.hidden = 7168;
-  cfg.num_experts = E;
-  cfg.max_top_k = K;
-  cfg.max_tokens_per_rank = T;
+  epx_buffer_config_t cfg = tu_config(EPX_DEVICE_CUDA, EPX_BFLOAT16, 7168, E, K, T);
   cfg.stream = s;
   cfg.worst_case_sizing = 1;
   epx_buffer_t wbuf, sbuf;

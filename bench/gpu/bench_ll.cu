@@ -30,27 +30,12 @@
 
 #include "epx.h"
 
+#include "bench_check.h"
+
 namespace {
 
 constexpr int kE = 256, kK = 8, kMaxT = 256, kReps = 20, kReplays = 30;
 constexpr int64_t kH = 7168;
-
-#define OK(call)                                                                             \
-  do {                                                                                       \
-    epx_status_t s_ = (call);                                                                \
-    if (s_ != EPX_SUCCESS) {                                                                 \
-      fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, epx_last_error());        \
-      exit(1);                                                                               \
-    }                                                                                        \
-  } while (0)
-#define CUDA(call)                                                                           \
-  do {                                                                                       \
-    cudaError_t e_ = (call);                                                                 \
-    if (e_ != cudaSuccess) {                                                                 \
-      fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_));  \
-      exit(1);                                                                               \
-    }                                                                                        \
-  } while (0)
 
 struct step {
   epx_buffer_t ll, normal;
@@ -65,43 +50,43 @@ cudaStream_t g_stream;
 
 void body_ll(step &s) {
   epx_handle_t h;
-  OK(epx_ll_dispatch(s.ll, &s.routing, NULL, s.x, s.recv, s.count, &h));
-  if (s.combine) OK(epx_ll_combine(s.ll, h, s.recv, s.out));
-  OK(epx_handle_release(h));
+  EK(epx_ll_dispatch(s.ll, &s.routing, NULL, s.x, s.recv, s.count, &h));
+  if (s.combine) EK(epx_ll_combine(s.ll, h, s.recv, s.out));
+  EK(epx_handle_release(h));
 }
 
 void body_normal(step &s) {
   epx_handle_t h;
-  OK(epx_dispatch_layout(s.normal, &s.routing, NULL, &h));
-  OK(epx_dispatch(s.normal, h, s.x, s.recv_n, s.cap_n));
-  if (s.combine) OK(epx_combine(s.normal, h, s.recv_n, s.out));
-  OK(epx_handle_release(h));
+  EK(epx_dispatch_layout(s.normal, &s.routing, NULL, &h));
+  EK(epx_dispatch(s.normal, h, s.x, s.recv_n, s.cap_n));
+  if (s.combine) EK(epx_combine(s.normal, h, s.recv_n, s.out));
+  EK(epx_handle_release(h));
 }
 
 /* Device microseconds per body: REPS bodies in one graph, median replay. */
 double time_graph(void (*body)(step &), step &s) {
   cudaGraph_t graph;
   cudaGraphExec_t exec;
-  CUDA(cudaStreamBeginCapture(g_stream, cudaStreamCaptureModeThreadLocal));
+  CK(cudaStreamBeginCapture(g_stream, cudaStreamCaptureModeThreadLocal));
   for (int i = 0; i < kReps; i++) body(s);
-  CUDA(cudaStreamEndCapture(g_stream, &graph));
-  CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  CK(cudaStreamEndCapture(g_stream, &graph));
+  CK(cudaGraphInstantiate(&exec, graph, 0));
   cudaEvent_t e0, e1;
-  CUDA(cudaEventCreate(&e0));
-  CUDA(cudaEventCreate(&e1));
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
   std::vector<float> ms;
   for (int i = 0; i <= kReplays; i++) {
-    CUDA(cudaEventRecord(e0, g_stream));
-    CUDA(cudaGraphLaunch(exec, g_stream));
-    CUDA(cudaEventRecord(e1, g_stream));
-    CUDA(cudaStreamSynchronize(g_stream));
+    CK(cudaEventRecord(e0, g_stream));
+    CK(cudaGraphLaunch(exec, g_stream));
+    CK(cudaEventRecord(e1, g_stream));
+    CK(cudaStreamSynchronize(g_stream));
     float t;
-    CUDA(cudaEventElapsedTime(&t, e0, e1));
+    CK(cudaEventElapsedTime(&t, e0, e1));
     if (i > 0) ms.push_back(t); /* the first replay warms up */
   }
   std::sort(ms.begin(), ms.end());
-  CUDA(cudaGraphExecDestroy(exec));
-  CUDA(cudaGraphDestroy(graph));
+  CK(cudaGraphExecDestroy(exec));
+  CK(cudaGraphDestroy(graph));
   cudaEventDestroy(e0), cudaEventDestroy(e1);
   return ms[ms.size() / 2] * 1e3 / kReps;
 }
@@ -111,28 +96,28 @@ int check(step &s, int T) {
   const size_t row = (size_t)kH * 2;
   epx_handle_t hl, hn;
   s.routing.num_tokens = T;
-  OK(epx_ll_dispatch(s.ll, &s.routing, NULL, s.x, s.recv, s.count, &hl));
-  OK(epx_ll_combine(s.ll, hl, s.recv, s.out));
-  OK(epx_dispatch_layout(s.normal, &s.routing, NULL, &hn));
-  OK(epx_dispatch(s.normal, hn, s.x, s.recv_n, s.cap_n));
+  EK(epx_ll_dispatch(s.ll, &s.routing, NULL, s.x, s.recv, s.count, &hl));
+  EK(epx_ll_combine(s.ll, hl, s.recv, s.out));
+  EK(epx_dispatch_layout(s.normal, &s.routing, NULL, &hn));
+  EK(epx_dispatch(s.normal, hn, s.x, s.recv_n, s.cap_n));
   int64_t *d_counts, *d_offsets;
-  CUDA(cudaMalloc(&d_counts, sizeof(int64_t) * kE));
-  CUDA(cudaMalloc(&d_offsets, sizeof(int64_t) * (kE + 1)));
-  OK(epx_handle_expert_counts(hn, d_counts, d_offsets));
+  CK(cudaMalloc(&d_counts, sizeof(int64_t) * kE));
+  CK(cudaMalloc(&d_offsets, sizeof(int64_t) * (kE + 1)));
+  EK(epx_handle_expert_counts(hn, d_counts, d_offsets));
   void *out_n;
-  CUDA(cudaMalloc(&out_n, row * kMaxT));
-  OK(epx_combine(s.normal, hn, s.recv_n, out_n));
-  CUDA(cudaStreamSynchronize(g_stream));
+  CK(cudaMalloc(&out_n, row * kMaxT));
+  EK(epx_combine(s.normal, hn, s.recv_n, out_n));
+  CK(cudaStreamSynchronize(g_stream));
   std::vector<int64_t> counts(kE), offsets(kE + 1);
   std::vector<int32_t> count(kE);
   std::vector<char> recv(row * kE * kMaxT), recv_n(row * s.cap_n), out(row * T), outn(row * T);
-  CUDA(cudaMemcpy(counts.data(), d_counts, sizeof(int64_t) * kE, cudaMemcpyDeviceToHost));
-  CUDA(cudaMemcpy(offsets.data(), d_offsets, sizeof(int64_t) * (kE + 1), cudaMemcpyDeviceToHost));
-  CUDA(cudaMemcpy(count.data(), s.count, sizeof(int32_t) * kE, cudaMemcpyDeviceToHost));
-  CUDA(cudaMemcpy(recv.data(), s.recv, recv.size(), cudaMemcpyDeviceToHost));
-  CUDA(cudaMemcpy(recv_n.data(), s.recv_n, recv_n.size(), cudaMemcpyDeviceToHost));
-  if (T) CUDA(cudaMemcpy(out.data(), s.out, out.size(), cudaMemcpyDeviceToHost));
-  if (T) CUDA(cudaMemcpy(outn.data(), out_n, outn.size(), cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(counts.data(), d_counts, sizeof(int64_t) * kE, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(offsets.data(), d_offsets, sizeof(int64_t) * (kE + 1), cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(count.data(), s.count, sizeof(int32_t) * kE, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(recv.data(), s.recv, recv.size(), cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(recv_n.data(), s.recv_n, recv_n.size(), cudaMemcpyDeviceToHost));
+  if (T) CK(cudaMemcpy(out.data(), s.out, out.size(), cudaMemcpyDeviceToHost));
+  if (T) CK(cudaMemcpy(outn.data(), out_n, outn.size(), cudaMemcpyDeviceToHost));
   int bad = 0;
   for (int e = 0; e < kE && !bad; e++) {
     bad = count[e] != counts[e];
@@ -141,8 +126,8 @@ int check(step &s, int T) {
   }
   if (!bad) bad = memcmp(out.data(), outn.data(), out.size()) != 0;
   printf("CHECK T=%d low-latency rows, counts and combine == the normal path's: %s\n", T, bad ? "FAILED" : "OK");
-  OK(epx_handle_release(hl));
-  OK(epx_handle_release(hn));
+  EK(epx_handle_release(hl));
+  EK(epx_handle_release(hn));
   cudaFree(d_counts), cudaFree(d_offsets), cudaFree(out_n);
   return bad;
 }
@@ -150,18 +135,18 @@ int check(step &s, int T) {
 }  // namespace
 
 int main() {
-  CUDA(cudaStreamCreateWithFlags(&g_stream, cudaStreamNonBlocking));
+  CK(cudaStreamCreateWithFlags(&g_stream, cudaStreamNonBlocking));
   epx_comm_t comm;
-  OK(epx_comm_create_self(&comm));
+  EK(epx_comm_create_self(&comm));
   epx_buffer_config_t c = EPX_BUFFER_CONFIG_INIT;
   c.device = EPX_DEVICE_CUDA, c.dtype = EPX_BFLOAT16, c.hidden = kH, c.num_experts = kE, c.max_top_k = kK;
   c.max_tokens_per_rank = kMaxT, c.stream = g_stream, c.exchange = EPX_EXCHANGE_DEDUP;
   step s = {};
   c.worst_case_sizing = 1;
-  OK(epx_buffer_create(comm, &c, &s.normal));
-  OK(epx_buffer_max_recv_rows(s.normal, &s.cap_n));
+  EK(epx_buffer_create(comm, &c, &s.normal));
+  EK(epx_buffer_max_recv_rows(s.normal, &s.cap_n));
   c.worst_case_sizing = 0, c.low_latency = 1;
-  OK(epx_buffer_create(comm, &c, &s.ll));
+  EK(epx_buffer_create(comm, &c, &s.ll));
 
   /* Routing: top-8 of 256 distinct experts per token, weights summing to 1. */
   std::vector<int32_t> idx(kMaxT * kK);
@@ -178,16 +163,16 @@ int main() {
   for (auto &v : x) v = (uint16_t)(0x3c00 + next() % 0x0400); /* bf16 in [0.0078, 0.0156) */
   int32_t *d_idx;
   float *d_w;
-  CUDA(cudaMalloc(&d_idx, idx.size() * 4));
-  CUDA(cudaMalloc(&d_w, w.size() * 4));
-  CUDA(cudaMemcpy(d_idx, idx.data(), idx.size() * 4, cudaMemcpyHostToDevice));
-  CUDA(cudaMemcpy(d_w, w.data(), w.size() * 4, cudaMemcpyHostToDevice));
-  CUDA(cudaMalloc(&s.x, x.size() * 2));
-  CUDA(cudaMemcpy(s.x, x.data(), x.size() * 2, cudaMemcpyHostToDevice));
-  CUDA(cudaMalloc(&s.recv, (size_t)kE * kMaxT * kH * 2));
-  CUDA(cudaMalloc(&s.recv_n, (size_t)s.cap_n * kH * 2));
-  CUDA(cudaMalloc(&s.out, (size_t)kMaxT * kH * 2));
-  CUDA(cudaMalloc(&s.count, sizeof(int32_t) * kE));
+  CK(cudaMalloc(&d_idx, idx.size() * 4));
+  CK(cudaMalloc(&d_w, w.size() * 4));
+  CK(cudaMemcpy(d_idx, idx.data(), idx.size() * 4, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(d_w, w.data(), w.size() * 4, cudaMemcpyHostToDevice));
+  CK(cudaMalloc(&s.x, x.size() * 2));
+  CK(cudaMemcpy(s.x, x.data(), x.size() * 2, cudaMemcpyHostToDevice));
+  CK(cudaMalloc(&s.recv, (size_t)kE * kMaxT * kH * 2));
+  CK(cudaMalloc(&s.recv_n, (size_t)s.cap_n * kH * 2));
+  CK(cudaMalloc(&s.out, (size_t)kMaxT * kH * 2));
+  CK(cudaMalloc(&s.count, sizeof(int32_t) * kE));
   s.routing = epx_routing_t{kMaxT, kK, d_idx, d_w, NULL, EPX_WEIGHTS_IN_COMBINE};
 
   int bad = 0;
@@ -204,9 +189,9 @@ int main() {
     printf("LL %5d %12.1f %12.1f %18.1f %16.1f\n", T, ld, ldc - ld, nd, ndc - nd);
   }
   printf("LL (* the normal dispatch includes its epx_dispatch_layout)\n");
-  OK(epx_buffer_destroy(s.ll));
-  OK(epx_buffer_destroy(s.normal));
-  OK(epx_comm_destroy(comm));
+  EK(epx_buffer_destroy(s.ll));
+  EK(epx_buffer_destroy(s.normal));
+  EK(epx_comm_destroy(comm));
   printf("%s\n", bad ? "FAILED" : "OK");
   return bad;
 }

@@ -2,7 +2,7 @@
 
 Everything here mirrors include/epx.h one to one: the enums, the config and
 output structs (with the defaults of the C *_INIT macros) and the prototype
-of every public function. The pythonic layer in epx/__init__.py sits on top.
+of every public function. The pythonic layer (epx/__init__.py and its rooms) sits on top.
 """
 import ctypes
 import ctypes.util
@@ -189,6 +189,11 @@ class RecorderMode(enum.IntEnum):
     REPLAY = 1
 
 
+class ReplicaRule(enum.IntEnum):
+    ROUND_ROBIN = 0
+    CALLER = 1
+
+
 CONFIG_VERSION = 1
 VERSION = (0, 1, 0)
 
@@ -208,7 +213,7 @@ _INT_RANGES = {ctypes.c_int32: ("int32_t", -2 ** 31, 2 ** 31 - 1),
 
 
 def refuse_invalid(fmt, *args):
-    """How an out-of-range field is refused; epx/__init__.py replaces it with
+    """How an out-of-range field is refused; epx/errors.py replaces it with
     its own (an epx.InvalidArgumentError, a ValueError as this is)."""
     raise ValueError(fmt % args)
 
@@ -381,6 +386,7 @@ class BufferConfig(_Config):
         ("sm_budget", ctypes.c_int32),
         ("fp8_format", _enum),
         ("low_latency", ctypes.c_int32),
+        ("placement", ctypes.c_void_p),  # const epx_placement_t *; epx.Buffer(placement=) sets it
     ]
     _defaults = dict(device=Device.CPU, dtype=DType.FLOAT32, hidden=0, num_experts=0, max_top_k=0,
                      max_tokens_per_rank=0, max_tokens_rounding=256, exchange=Exchange.AUTO,
@@ -388,7 +394,25 @@ class BufferConfig(_Config):
                      worst_case_sizing=0, stream=None,
                      combine_precision=CombinePrecision.PARTIALS_FLOAT32,
                      exchange_path=ExchangePath.AUTO, sm_budget=0, fp8_format=FP8Format.NONE,
-                     low_latency=0)
+                     low_latency=0, placement=None)
+
+    def __setattr__(self, name, value):
+        if name == "placement" and value is not None and not isinstance(value, int):
+            refuse_invalid("BufferConfig.placement is a %s; pass an epx.Placement as "
+                           "Buffer(comm, config, placement=...), which keeps its arrays alive "
+                           "(the field holds the address of an epx_placement_t)",
+                           type(value).__name__)
+        super().__setattr__(name, value)
+
+
+class PlacementStruct(ctypes.Structure):
+    """epx_placement_t (the arrays are the caller's; epx.Placement keeps them)."""
+    _fields_ = [
+        ("num_physical", ctypes.c_int32),
+        ("physical_to_logical", ctypes.c_void_p),
+        ("physical_rank", ctypes.c_void_p),
+        ("replica_rule", _enum),
+    ]
 
 
 class Routing(ctypes.Structure):
@@ -459,6 +483,7 @@ _PROTOTYPES = {
     "epx_comm_topology": (_st, [_p, _pi32, _pi32, _pi32, _pi32]),
     "epx_comm_barrier": (_st, [_p]),
     "epx_comm_allgather": (_st, [_p, _p, _p, _size]),
+    "epx_comm_shrink": (_st, [_p, ctypes.POINTER(CommConfig), _pp, _p, _pi32]),
     "epx_buffer_create": (_st, [_p, ctypes.POINTER(BufferConfig), _pp]),
     "epx_buffer_destroy": (_st, [_p]),
     "epx_buffer_max_tokens": (_st, [_p, _pi64]),
@@ -492,6 +517,14 @@ _PROTOTYPES = {
     "epx_handle_traffic": (_st, [_p, ctypes.POINTER(HandleTrafficStruct)]),
     "epx_handle_retain": (_st, [_p]),
     "epx_handle_release": (_st, [_p]),
+    "epx_buffer_expert_load": (_st, [_p, _p, _i32]),
+    "epx_placement_plan": (_st, [_p, _i32, _i32, _i32, _i32, _i32, _p]),
+    "epx_placement_rank_load": (_st, [ctypes.POINTER(PlacementStruct), _i32, _i32, _p, _p]),
+    "epx_replica_grad_sum": (_st, [_p, _p, _i64]),
+    "epx_placement_move": (_st, [_p, _i32, ctypes.POINTER(PlacementStruct),
+                                 ctypes.POINTER(PlacementStruct), _size, _p, _p]),
+    "epx_placement_shrink": (_st, [ctypes.POINTER(PlacementStruct), _i32, _i32, _p, _i32, _p, _i32, _i32,
+                                   _p, _p, _p, _pi32]),
     "epx_recorder_create": (_st, [_i32, _pp]),
     "epx_recorder_set_mode": (_st, [_p, _enum]),
     "epx_recorder_stats": (_st, [_p, ctypes.POINTER(RecorderStatsStruct)]),

@@ -26,17 +26,20 @@ Not reproduced, refused with the fix: the random gates
 with k=2), ``used_token``, Tutel, expert tensor parallelism. ``use_rts=True``
 (top-1 with drops) becomes epx's seeded random priority
 (``epx.DropPolicy.BY_RANDOM_PRIORITY``, seed ``rts_seed``), not torch's random
-stream.
+stream. Top-1 with drops and ``use_rts=False`` keeps the routes DeepSpeed's
+top1gating keeps (the C tokens ``torch.topk`` picks among an expert's tied
+mask values, computed as it does), not epx's first-C rule.
 """
 import torch
 import torch.nn.functional as F
 from deepspeed.moe.layer import MoE as _DeepSpeedMoE
+from deepspeed.moe.sharded_moe import _capacity as _deepspeed_capacity
 from deepspeed.utils import groups as _groups
 from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
 
 import epx as _epx
 import epx.torch as _et
-from epx import AuxCounts, DropPolicy, Exchange, QueueOrder, Status
+from epx import AuxCounts, DropPolicy, Exchange, QueueOrder, Status, Weighting
 from epx import _dropin
 
 __all__ = ["MoE", "MOELayer"]
@@ -46,9 +49,36 @@ def _unsupported(fmt, *args):
     _epx._refuse(Status.ERROR_UNSUPPORTED, fmt, *args)
 
 
+def _top1_keeps_by_topk(k, drop_tokens, use_rts):
+    """Whether the gate is top1gating with drops and no random priority: it
+    keeps the routes torch.topk picks among tied mask values, which epx's
+    routing does not reproduce (it keeps the first C); the layer drops
+    them itself (_top1_kept)."""
+    return k == 1 and drop_tokens and not use_rts
+
+
+def _top1_kept(topk_idx, num_experts, capacity_factor, min_capacity):
+    """topk_idx [T, 1] (every route kept) with -1 where DeepSpeed's
+    top1gating (use_rts=False) drops the route: its capacity, then per
+    expert the C tokens torch.topk(mask1, k=C, dim=0) returns among the
+    column's tied 0/1 values, computed as it computes them (same op, same
+    device), so the kept set is the one DeepSpeed keeps."""
+    T = topk_idx.shape[0]
+    mask1 = F.one_hot(topk_idx[:, 0].long(), num_classes=num_experts)
+    capacity = _deepspeed_capacity(mask1, torch.tensor(capacity_factor),
+                                   torch.tensor(min_capacity))
+    top = torch.topk(mask1, k=int(min(int(capacity), T)), dim=0)[1]
+    kept = (mask1 * torch.zeros_like(mask1).scatter_(0, top, 1)).sum(1, keepdim=True) > 0
+    return torch.where(kept, topk_idx, torch.full_like(topk_idx, -1))
+
+
 def _gate_options(k, capacity_factor, min_capacity, drop_tokens, use_rts, rts_seed):
     """The epx.RouteConfig fields of DeepSpeed's top1gating / top2gating /
-    topkgating(drop_policy="probs") with these arguments."""
+    topkgating(drop_policy="probs") with these arguments; top-1 with drops
+    by position routes dropless here (the layer drops as torch.topk does:
+    _top1_kept)."""
+    if _top1_keeps_by_topk(k, drop_tokens, use_rts):
+        drop_tokens = False
     fields = dict(top_k=k, renormalize=int(k > 1), renormalize_after_drop=int(k > 1),
                   aux_loss_coeff=1.0, min_capacity=min_capacity,
                   aux_counts=AuxCounts.FIRST_CHOICE if k == 2 else AuxCounts.SELECTED,
@@ -79,7 +109,10 @@ class MOELayer(torch.nn.Module):
         self.use_rts, self.rts_seed = use_rts, rts_seed
         self.max_tokens_per_rank = max_tokens_per_rank
         self.exchange, self.timeout_seconds = Exchange(exchange), timeout_seconds
-        self.comm = self.buffer = None
+        self.comm = None
+        self._epx_buffers = _dropin.BufferCache("epx.deepspeed.MoE", "pass max_tokens_per_rank=%d "
+                                                "(or more) to epx.deepspeed.MoE, or leave it None "
+                                                "(the buffer then grows)")
         self.l_aux = self.exp_counts = None
         self.route_config = None  # (the gate's settings, their epx.RouteConfig)
 
@@ -98,22 +131,17 @@ class MOELayer(torch.nn.Module):
                          else _dropin.comm_of(self.ep_group, self.timeout_seconds))
         return self.comm
 
-    def _buffer_for(self, x):
-        if self.buffer is None:
-            self.buffer = _dropin.first_buffer(
-                self._comm_now(), x, self.max_tokens_per_rank, num_experts=self.num_experts,
-                max_top_k=self.gate.k, exchange=self.exchange, expert_alignment=1)
-        _dropin.check_tokens("epx.deepspeed.MoE", self.buffer, x,
-                             "pass max_tokens_per_rank=%d (or more) to the layer")
-        return self.buffer
+    @property
+    def buffer(self):
+        """The epx buffer (made at the first forward; None before)."""
+        return self._epx_buffers.only()
 
     def close(self):
         """Closes the buffer and the comm (made at the first forward)."""
-        if self.buffer is not None:
-            self.buffer.close()
+        self._epx_buffers.close()
         if self.comm is not None:
             self.comm.close()
-        self.comm = self.buffer = None
+        self.comm = None
 
     def _route_config(self):
         """The epx.RouteConfig of the gate's current settings, built once per
@@ -129,7 +157,13 @@ class MOELayer(torch.nn.Module):
 
     def _route(self, x):
         logits = F.linear(x.float(), self.gate.wg.weight.float())
-        return _et.route(logits, self._route_config())
+        r = _et.route(logits, self._route_config())
+        g = self.gate
+        if _top1_keeps_by_topk(g.k, g.drop_tokens, self.use_rts):
+            factor = g.capacity_factor if self.training else g.eval_capacity_factor
+            r = r._replace(topk_idx=_top1_kept(r.topk_idx, self.num_experts, factor,
+                                               g.min_capacity))
+        return r
 
     def _run_experts(self, d):
         """Each local expert on its rows of the dispatch -> [N, H]. One split
@@ -154,7 +188,10 @@ class MOELayer(torch.nn.Module):
                          "one rank) are not supported")
         x2 = x.reshape(-1, x.shape[-1])
         r = self._route(x2)
-        d = _et.dispatch(self._buffer_for(x2), x2, r.topk_idx, r.topk_w, exact_size=True)
+        d = self._epx_buffers.dispatch(self._comm_now(), x2, r.topk_idx, r.topk_w,
+                                       self.max_tokens_per_rank, weighting=Weighting.IN_COMBINE,
+                                       num_experts=self.num_experts, max_top_k=self.gate.k,
+                                       exchange=self.exchange, expert_alignment=1)
         out = _et.combine(d, self._run_experts(d))
         self.l_aux, self.exp_counts = r.aux_loss, r.expert_counts.to(torch.int64)
         return out.reshape(x.shape)
@@ -163,8 +200,9 @@ class MOELayer(torch.nn.Module):
 class MoE(_DeepSpeedMoE):
     """``deepspeed.moe.layer.MoE`` with epx's exchange (see the module's
     docstring). The arguments are DeepSpeed's; the keyword-only ones are
-    epx's: rts_seed (the seed of use_rts), max_tokens_per_rank (default:
-    the first forward's tokens), exchange (epx.Exchange.DEDUP: a token sent
+    epx's: rts_seed (the seed of use_rts), max_tokens_per_rank (the most
+    tokens a rank gives a forward; default None: sized by the first forward
+    and grown, on every rank together, when a larger batch comes), exchange (epx.Exchange.DEDUP: a token sent
     once per rank; COLLECTIVE: once per expert), timeout_seconds."""
 
     def __init__(self, hidden_size, expert, num_experts=1, ep_size=1, k=1, capacity_factor=1.0,

@@ -26,17 +26,29 @@ pg_collection=pg_collection)``.
 The epx comm of the expert-parallel group is made from the group (one rank:
 a comm of its own; more: :func:`epx.torch.comm_from_process_group`) unless
 ``comm`` is given; its buffer is made at the first dispatch, sized for that
-call's most tokens over the ranks unless ``max_tokens_per_rank`` says more. The host waits for
+call's most tokens over the ranks, and grows (on every rank together) when a
+larger batch comes, unless ``max_tokens_per_rank`` fixes its size. The host waits for
 the device three times a step (Megatron's own dispatcher waits for its
 counts too): the routing check before the exchange, and the received row
 count and the counts after it (the experts take exact-size inputs and the
 counts on the CPU).
+
+On a machine without a GPU, build and run Megatron's MoE layer inside
+:func:`cpu_shim` (Megatron's dispatcher makes a ``torch.cuda.Stream()``, its
+router moves to the current CUDA device)::
+
+    with epx.megatron.cpu_shim():
+        layer = MoELayer(config, submodules, pg_collection=pgs)
+        epx.megatron.install(layer)
+        out, bias = layer(x)
 
 Not supported (refused at construction, naming the setting):
 ``moe_pad_expert_input_to_capacity``, ``moe_router_padding_for_quantization``
 and ``moe_shared_expert_overlap`` (the MoELayer then runs its shared experts
 itself).
 """
+import contextlib
+import warnings
 from types import SimpleNamespace
 
 import torch
@@ -49,10 +61,11 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 import epx as _epx
 import epx.torch as _et
-from epx import Exchange, Status, Weighting
+from epx import Exchange, Status
 from epx import _dropin
+from epx.torch.dispatcher import check_routing_map_rows, routing_map_topk
 
-__all__ = ["EpxTokenDispatcher", "install"]
+__all__ = ["EpxTokenDispatcher", "install", "cpu_shim"]
 
 _UNSUPPORTED = (
     ("moe_pad_expert_input_to_capacity", "epx's expert-major layout is dropless here; capacity "
@@ -61,6 +74,79 @@ _UNSUPPORTED = (
     ("moe_shared_expert_overlap", "set it False: the MoELayer then computes its shared experts "
      "itself"),
 )
+
+
+class _HostStream:
+    """Stands in for the CUDA stream and event Megatron's all-to-all
+    dispatcher copies its counts on: on the CPU every copy is already done."""
+
+    def wait_stream(self, other):
+        pass
+
+    def record_event(self):
+        return self
+
+    def synchronize(self):
+        pass
+
+
+def _padded(t, rows):
+    return torch.cat([t, t.new_zeros((rows - t.shape[0],) + tuple(t.shape[1:]))])
+
+
+def _uneven(all_gather, reduce_scatter):
+    """gloo's all_gather and reduce_scatter take blocks of one size; NCCL's
+    (which the expert-TP gather meets on GPUs) any: blocks padded to the
+    largest."""
+    def gather(tensor_list, tensor, group=None, async_op=False):
+        rows = max(t.shape[0] for t in tensor_list)
+        full = [_padded(t, rows) for t in tensor_list]
+        all_gather(full, _padded(tensor, rows), group=group)
+        for t, f in zip(tensor_list, full):
+            t.copy_(f[:t.shape[0]])
+
+    def scatter(output, input_list, group=None, async_op=False, **kw):
+        rows = max(t.shape[0] for t in input_list)
+        out = _padded(output, rows)
+        reduce_scatter(out, [_padded(t, rows) for t in input_list], group=group, **kw)
+        output.copy_(out[:output.shape[0]])
+    return gather, scatter
+
+
+@contextlib.contextmanager
+def cpu_shim():
+    """Megatron-core's MoE layer on a machine without a GPU, for the body
+    of the ``with``: its CUDA stream calls stubbed out (the all-to-all
+    dispatcher copies its counts on a side stream it makes with
+    ``torch.cuda.Stream()``), the CPU as torch.cuda's current device (the
+    router moves its weight there), the count copies as numpy arrays (as
+    Megatron's GPU copy makes them), gloo's all_gather / reduce_scatter
+    taking blocks of different sizes (expert tensor parallelism gathers
+    those), and ``te_general_gemm`` defined (megatron-core 0.16 without
+    Transformer Engine leaves it undefined). Process-wide patches of
+    torch.cuda, torch.distributed and megatron, restored on exit: use it
+    around CPU tests and tools, not beside GPU work in other threads."""
+    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe import token_dispatcher as mtd
+    cuda, dist = torch.cuda, torch.distributed
+    saved = (cuda.current_stream, cuda.stream, cuda.current_device,
+             mtd.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream, mtd.maybe_move_tensor_to_cpu,
+             dist.all_gather, dist.reduce_scatter)
+    dist.all_gather, dist.reduce_scatter = _uneven(dist.all_gather, dist.reduce_scatter)
+    stream = _HostStream()
+    cuda.current_stream = lambda *a: stream
+    cuda.stream = lambda s: contextlib.nullcontext()
+    cuda.current_device = lambda: "cpu"
+    mtd.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = stream
+    mtd.maybe_move_tensor_to_cpu = lambda t, as_numpy=False, record_stream=False: (
+        t.numpy() if as_numpy and torch.is_tensor(t) else t)
+    moe_utils.__dict__.setdefault("te_general_gemm", None)
+    try:
+        yield
+    finally:
+        (cuda.current_stream, cuda.stream, cuda.current_device,
+         mtd.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream, mtd.maybe_move_tensor_to_cpu,
+         dist.all_gather, dist.reduce_scatter) = saved
 
 
 def _default_pg_collection():
@@ -75,8 +161,9 @@ class EpxTokenDispatcher(MoETokenDispatcher):
     those of Megatron's dispatchers (pg_collection None: Megatron's global
     parallel state). comm: an epx.Comm over the expert-parallel group (its
     rank order the group's); None makes one (closed by :meth:`close`).
-    max_tokens_per_rank: the most tokens a step gives (default: the first
-    step's, the most of any rank). exchange: epx.Exchange.DEDUP (a token sent once per rank) or
+    max_tokens_per_rank: the most tokens a step gives a rank (default None:
+    the first step's most, grown on every rank together when a larger step
+    comes). exchange: epx.Exchange.DEDUP (a token sent once per rank) or
     COLLECTIVE (once per expert)."""
 
     def __init__(self, num_local_experts, local_expert_indices, config, pg_collection=None, *,
@@ -109,7 +196,9 @@ class EpxTokenDispatcher(MoETokenDispatcher):
                           self.comm.rank, self.comm.size, ep_rank, self.ep_size)
         self.max_tokens_per_rank = max_tokens_per_rank
         self.exchange = Exchange(exchange)
-        self.buffer = None
+        self._epx_buffers = _dropin.BufferCache(fn, "pass max_tokens_per_rank=%d (or more) to "
+                                                "EpxTokenDispatcher or epx.megatron.install(), "
+                                                "or leave it None (the buffer then grows)")
         self._step = None
 
     @classmethod
@@ -126,24 +215,16 @@ class EpxTokenDispatcher(MoETokenDispatcher):
                      "overlap is not supported; set config.moe_shared_expert_overlap=False (the "
                      "MoELayer computes its shared experts itself)")
 
+    @property
+    def buffer(self):
+        """The epx buffer (made at the first dispatch; None before)."""
+        return self._epx_buffers.only()
+
     def close(self):
         """Closes the buffer, and the comm when this dispatcher made it."""
-        if self.buffer is not None:
-            self.buffer.close()
-            self.buffer = None
+        self._epx_buffers.close()
         if self._own_comm:
             self.comm.close()
-
-    # -- the buffer ---------------------------------------------------------
-
-    def _buffer_for(self, x):
-        if self.buffer is None:
-            self.buffer = _dropin.first_buffer(
-                self.comm, x, self.max_tokens_per_rank, num_experts=self.num_experts,
-                max_top_k=self.top_k, exchange=self.exchange, expert_alignment=1)
-        _dropin.check_tokens("epx.megatron.EpxTokenDispatcher", self.buffer, x,
-                             "pass max_tokens_per_rank=%d (or more) to the dispatcher")
-        return self.buffer
 
     # -- dispatch -----------------------------------------------------------
 
@@ -152,7 +233,7 @@ class EpxTokenDispatcher(MoETokenDispatcher):
         [T, H], the selected probs [T, K]); local only (one host read: the
         check that no token chose more than top_k experts)."""
         fn = "epx.megatron.EpxTokenDispatcher.dispatch_preprocess"
-        E, K = self.num_experts, self.top_k
+        E = self.num_experts
         if routing_map.dtype != torch.bool or routing_map.dim() != 2 or routing_map.shape[1] != E:
             _epx._invalid("%s: routing_map is %s %s; expected a bool [T, %d] tensor", fn,
                           routing_map.dtype, list(routing_map.shape), E)
@@ -164,24 +245,19 @@ class EpxTokenDispatcher(MoETokenDispatcher):
         if x.shape[0] != routing_map.shape[0]:
             _epx._invalid("%s: %d tokens but routing_map has %d rows", fn, x.shape[0],
                           routing_map.shape[0])
-        most = int(routing_map.sum(dim=1).max()) if x.shape[0] else 0
-        if most > K:
-            _epx._invalid("%s: a routing_map row selects %d experts, more than "
-                          "config.moe_router_topk=%d", fn, most, K)
-        # The selected experts in ascending id order (the order Megatron permutes in).
-        rank_of = E - torch.arange(E, device=routing_map.device, dtype=torch.int32)
-        top, idx = torch.topk(routing_map.to(torch.int32) * rank_of, K, dim=1)
-        chosen = top > 0
-        self._topk_idx = torch.where(chosen, idx, -1).to(torch.int32)
-        w = probs.gather(1, idx).float() * chosen
+        check_routing_map_rows(fn, routing_map, self.top_k, ", more than config.moe_router_topk="
+                               "%d (set it to %d or more, or fix the router)")
+        self._topk_idx, w = routing_map_topk(routing_map, probs, self.top_k)
         self._probs_dtype = probs.dtype
         return x, w
 
     def token_dispatch(self, hidden_states, probs):
         """The exchange over the expert-parallel group (epx's dispatch, exact
         size) -> (received tokens [N, H], their probs [N])."""
-        d = _et.dispatch(self._buffer_for(hidden_states), hidden_states, self._topk_idx, probs,
-                         weighting=Weighting.NONE, exact_size=True)
+        d = self._epx_buffers.dispatch(self.comm, hidden_states, self._topk_idx, probs,
+                                       self.max_tokens_per_rank, num_experts=self.num_experts,
+                                       max_top_k=self.top_k, exchange=self.exchange,
+                                       expert_alignment=1)
         self._step = SimpleNamespace(d=d)
         return d.recv_x, d.recv_w
 
@@ -249,7 +325,10 @@ def install(module, **options):
     """Replaces the token dispatcher of every Megatron MoE layer inside
     `module` (itself included) by an :class:`EpxTokenDispatcher` over the
     same groups; the layers of one expert-parallel group share one epx comm
-    unless options give `comm`. Returns the new dispatchers."""
+    unless options give `comm`. Returns the new dispatchers; with none (no
+    MoE layer with a dispatcher inside `module`: called before the model
+    was built, or on a pipeline stage of dense layers only) a warning says
+    so."""
     from megatron.core.transformer.moe.moe_layer import BaseMoELayer
     comms = {}
     made = []
@@ -265,4 +344,9 @@ def install(module, **options):
             opts["comm"] = comms[key]
         m.token_dispatcher = EpxTokenDispatcher.replacing(old, **opts)
         made.append(m.token_dispatcher)
+    if not made:
+        warnings.warn("epx.megatron.install: %s holds no Megatron MoE layer (a BaseMoELayer with "
+                      "a token_dispatcher), so nothing dispatches through epx; call it on the "
+                      "built model that holds the MoE layers" % type(module).__name__,
+                      stacklevel=2)
     return made

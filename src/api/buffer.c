@@ -12,7 +12,9 @@
 #include "core/config.h"
 #include "core/error.h"
 #include "core/fp8.h"
+#include "core/names.h"
 #include "core/objects.h"
+#include "core/placement.h"
 #include "core/registry.h"
 #include "core/route_spec.h"
 #include "core/transport.h"
@@ -33,13 +35,17 @@ typedef struct {
   int64_t status;
   int64_t device, dtype, hidden, num_experts, max_top_k, max_tokens_per_rank,
       max_tokens_rounding, exchange, layout, expert_alignment, capacity, combine_precision,
-      exchange_path, sm_budget, fp8_format, low_latency;
+      exchange_path, sm_budget, fp8_format, low_latency, placement_physical, placement_rule, placement_hash;
+  /* Not a config field (check_same_nodes): the comm's ranks_per_node where
+   * the exchange is hierarchical, 0 elsewhere. */
+  int64_t ranks_per_node;
 } buffer_shape_t;
 
 static const char *const shape_field_names[] = {
     "status", "device", "dtype", "hidden", "num_experts", "max_top_k", "max_tokens_per_rank",
     "max_tokens_rounding", "exchange", "layout", "expert_alignment", "capacity", "combine_precision",
-    "exchange_path", "sm_budget", "fp8_format", "low_latency"};
+    "exchange_path", "sm_budget", "fp8_format", "low_latency", "placement->num_physical",
+    "placement->replica_rule", "placement (a hash of its physical_to_logical and physical_rank)"};
 
 /* The receive bound of a buffer (epx_buffer_max_recv_rows), every product
  * checked: a dropless rank receives up to min(k, E_local) rows of each of
@@ -49,7 +55,7 @@ static const char *const shape_field_names[] = {
 static epx_status_t recv_rows_bound(const char *fn, const epx_buffer_config_t *c, int64_t W,
                                     int64_t max_tokens, int64_t *rows) {
   if (c->low_latency) return epx_ll_recv_rows_bound(fn, c, W, max_tokens, rows);
-  const int64_t El = c->num_experts / W;
+  const int64_t El = epx_config_experts_per_rank(c, W);
   const char *tokens = "config.max_tokens_per_rank";
   int64_t k = c->max_top_k < El ? c->max_top_k : El, padding = 0, data = 0, sum = 0;
   epx_status_t status = EPX_SUCCESS;
@@ -114,8 +120,8 @@ static epx_status_t check_fp8_format(const epx_buffer_config_t *c) {
   int32_t multiple = epx_fp8_hidden_multiple(c->fp8_format);
   EPX_REQUIRE(multiple, "%s: config.fp8_format %d is not an epx_fp8_format_t", fn, (int)c->fp8_format);
   EPX_REQUIRE(c->dtype == EPX_BFLOAT16 || c->dtype == EPX_FLOAT32,
-              "%s: config.dtype %d with an fp8 format: the dtype is what combine and the backward "
-              "passes use; pass EPX_BFLOAT16 or EPX_FLOAT32", fn, (int)c->dtype);
+              "%s: config.dtype %s with an fp8 format: the dtype is what combine and the backward "
+              "passes use; pass EPX_BFLOAT16 or EPX_FLOAT32", fn, epx_dtype_name(c->dtype));
   EPX_REQUIRE(c->hidden % multiple == 0,
               "%s: config.hidden is %lld, not a multiple of %d, which config.fp8_format %d needs "
               "(%s); pad the hidden size or pick another format", fn, (long long)c->hidden, multiple,
@@ -150,10 +156,26 @@ static epx_status_t resolve_exchange(epx_comm_t comm, epx_buffer_config_t *c) {
   return EPX_SUCCESS;
 }
 
+/* The placement's table (config.placement; NULL gives the contiguous map),
+ * after which c->placement points at the table's own copy. A CUDA buffer
+ * takes the contiguous map only until its kernels adopt the table. */
+static epx_status_t check_placement(epx_comm_t comm, epx_buffer_config_t *c, epx_placement_table_t **table) {
+  const char *fn = "epx_buffer_create";
+  epx_status_t status = epx_placement_table_new(fn, "config.placement", c->placement, c->num_experts, comm->size, table);
+  if (status != EPX_SUCCESS) return status;
+  if (c->placement) c->placement = &(*table)->view;
+  if (c->device == EPX_DEVICE_CUDA && !(*table)->contiguous)
+    return epx_error(EPX_ERROR_UNSUPPORTED,
+                     "%s: config.placement is not the contiguous map (replicas, a caller's replica rule or "
+                     "experts moved between ranks), which a CUDA buffer does not serve in this version; pass "
+                     "NULL or use a CPU buffer", fn);
+  return EPX_SUCCESS;
+}
+
 /* Reads the caller's config (perhaps from an older, smaller header) over the
  * defaults into *c, and checks it. */
 static epx_status_t check_buffer_config(epx_comm_t comm, const epx_buffer_config_t *given,
-                                        epx_buffer_config_t *c) {
+                                        epx_buffer_config_t *c, epx_placement_table_t **table) {
   const char *fn = "epx_buffer_create";
   EPX_REQUIRE(given, "%s: config is NULL; pass an epx_buffer_config_t from epx_buffer_config_init "
                      "or EPX_BUFFER_CONFIG_INIT", fn);
@@ -165,9 +187,11 @@ static epx_status_t check_buffer_config(epx_comm_t comm, const epx_buffer_config
   EPX_REQUIRE(c->hidden > 0 && c->hidden % 8 == 0,
               "%s: config.hidden is %lld; it must be a positive multiple of 8 (rows are moved in 16-byte vectors)",
               fn, (long long)c->hidden);
-  EPX_REQUIRE(c->num_experts >= 1 && c->num_experts % comm->size == 0,
-              "%s: config.num_experts is %d; it must be a positive multiple of the comm size %d",
-              fn, c->num_experts, comm->size);
+  EPX_REQUIRE(c->num_experts >= 1 && (c->placement || c->num_experts % comm->size == 0),
+              "%s: config.num_experts is %d; it must be a positive multiple of the comm size %d "
+              "(or give a config.placement)", fn, c->num_experts, comm->size);
+  status = check_placement(comm, c, table);
+  if (status != EPX_SUCCESS) return status;
   EPX_REQUIRE(c->max_top_k >= 1 && c->max_top_k <= c->num_experts,
               "%s: config.max_top_k is %d; it must be in [1, num_experts = %d]", fn, c->max_top_k, c->num_experts);
   EPX_REQUIRE(c->max_tokens_per_rank >= 0 && c->max_tokens_per_rank <= INT32_MAX,
@@ -206,7 +230,7 @@ static epx_status_t check_buffer_config(epx_comm_t comm, const epx_buffer_config
 /* Names the rank whose value is the odd one out: compares each rank with the
  * value most ranks have. */
 static epx_status_t check_same_shape(const buffer_shape_t *all, int32_t size, const char *fn) {
-  for (size_t f = 0; f < sizeof *all / sizeof(int64_t) - 1; f++) {
+  for (size_t f = 0; f < sizeof shape_field_names / sizeof *shape_field_names - 1; f++) {
     int64_t common = (&all[0].device)[f];
     int32_t best = 0;
     for (int32_t r = 0; r < size; r++) {
@@ -217,18 +241,36 @@ static epx_status_t check_same_shape(const buffer_shape_t *all, int32_t size, co
     for (int32_t r = 0; r < size; r++) {
       int64_t theirs = (&all[r].device)[f];
       if (theirs == common) continue;
+      const char *field = shape_field_names[f + 1];
+      char theirs_text[24], common_text[24];
       return epx_error(EPX_ERROR_SHAPE_MISMATCH,
-                       "%s: rank %d has config.%s = %lld but %d of %d ranks have %lld; every rank "
-                       "must create the buffer with the same %s", fn, r, shape_field_names[f + 1],
-                       (long long)theirs, best, size, (long long)common, shape_field_names[f + 1]);
+                       "%s: rank %d has config.%s = %s but %d of %d ranks have %s; every rank "
+                       "must create the buffer with the same %s", fn, r, field,
+                       epx_config_value_text(field, theirs, theirs_text, sizeof theirs_text), best, size,
+                       epx_config_value_text(field, common, common_text, sizeof common_text), field);
     }
   }
   return EPX_SUCCESS;
 }
 
+/* The hierarchical exchange plans its two levels from the comm's nodes: ranks
+ * whose comms pose different nodes would send counts the peers do not
+ * expect (an alltoallv size mismatch at the first layout, the comm lost). */
+static epx_status_t check_same_nodes(const buffer_shape_t *all, int32_t size, const char *fn) {
+  for (int32_t r = 1; r < size; r++)
+    if (all[r].ranks_per_node != all[0].ranks_per_node)
+      return epx_error(EPX_ERROR_SHAPE_MISMATCH,
+                       "%s: config.exchange is EPX_EXCHANGE_HIERARCHICAL but rank %d's comm has "
+                       "ranks_per_node %lld and rank 0's has %lld; the exchange needs the same nodes "
+                       "on every rank: create the comm with the same epx_comm_config_t.ranks_per_node "
+                       "on every rank (or use EPX_EXCHANGE_DEDUP)",
+                       fn, r, (long long)all[r].ranks_per_node, (long long)all[0].ranks_per_node);
+  return EPX_SUCCESS;
+}
+
 /* Every rank sends its shape (or its failure `local`) so all refuse together. */
-static epx_status_t agree_shape(epx_comm_t comm, const epx_buffer_config_t *config, epx_status_t local,
-                                const char *fn) {
+static epx_status_t agree_shape(epx_comm_t comm, const epx_buffer_config_t *config,
+                                const epx_placement_table_t *table, epx_status_t local, const char *fn) {
   buffer_shape_t mine = {0};
   mine.status = local;
   if (local == EPX_SUCCESS)
@@ -236,7 +278,9 @@ static epx_status_t agree_shape(epx_comm_t comm, const epx_buffer_config_t *conf
                             config->max_top_k, config->max_tokens_per_rank, config->max_tokens_rounding,
                             config->exchange, config->layout, config->expert_alignment, config->capacity,
                             config->combine_precision, config->exchange_path, config->sm_budget,
-                            config->fp8_format, config->low_latency};
+                            config->fp8_format, config->low_latency, table->num_physical, table->rule, 0,
+                            config->exchange == EPX_EXCHANGE_HIERARCHICAL ? comm->ranks_per_node : 0};
+  if (local == EPX_SUCCESS) memcpy(&mine.placement_hash, &table->hash, sizeof mine.placement_hash);
   char message[1024];
   strncpy(message, epx_last_error(), sizeof message - 1);
   message[sizeof message - 1] = '\0';
@@ -256,6 +300,7 @@ static epx_status_t agree_shape(epx_comm_t comm, const epx_buffer_config_t *conf
     }
   }
   status = check_same_shape(all, comm->size, fn);
+  if (status == EPX_SUCCESS) status = check_same_nodes(all, comm->size, fn);
 done:
   free(all);
   return status;
@@ -272,30 +317,38 @@ epx_status_t epx_buffer_create(epx_comm_t comm, const epx_buffer_config_t *confi
                      "%s: comm is %s; pass a comm from epx_comm_create_*", fn,
                      comm_id ? "not a live comm (destroyed?)" : "NULL");
   epx_buffer_config_t full;
-  epx_status_t local = buffer ? check_buffer_config(comm, config, &full)
+  epx_placement_table_t *table = NULL;
+  epx_status_t local = buffer ? check_buffer_config(comm, config, &full, &table)
                               : epx_error(EPX_ERROR_INVALID_ARGUMENT, "%s: buffer is NULL; pass the address of an epx_buffer_t", fn);
   config = &full;
-  epx_status_t status = agree_shape(comm, config, local, fn);
-  if (status != EPX_SUCCESS) return status;
-
-  epx_buffer_t b = calloc(1, sizeof *b);
-  if (!b) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
+  epx_status_t status = agree_shape(comm, config, table, local, fn);
+  epx_buffer_t b = status == EPX_SUCCESS ? calloc(1, sizeof *b) : NULL;
+  int64_t *load = status == EPX_SUCCESS ? calloc((size_t)config->num_experts, sizeof(int64_t)) : NULL;
+  if (status == EPX_SUCCESS && (!b || !load)) status = epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
+  if (status != EPX_SUCCESS) {
+    epx_placement_table_free(table);
+    free(b);
+    free(load);
+    return status;
+  }
   b->comm = comm;
   b->config = *config;
   b->world_size = comm->size;
   b->rank = comm->rank;
-  b->experts_per_rank = config->num_experts / comm->size;
+  b->placement = table;
+  b->expert_load = load;
+  b->experts_per_rank = table->per_rank;
   b->max_tokens = config->max_tokens_per_rank;
   b->backend = epx_backend_for_device(config->device);
   status = b->backend->buffer_init(b);
-  if (status != EPX_SUCCESS) {
-    free(b);
-    return status;
-  }
   void *id = NULL;
-  status = epx_registry_add(b, EPX_OBJECT_BUFFER, &id);
+  if (status == EPX_SUCCESS) {
+    status = epx_registry_add(b, EPX_OBJECT_BUFFER, &id);
+    if (status != EPX_SUCCESS) b->backend->buffer_fini(b);
+  }
   if (status != EPX_SUCCESS) {
-    b->backend->buffer_fini(b);
+    epx_placement_table_free(table);
+    free(load);
     free(b);
     return status;
   }
@@ -319,6 +372,8 @@ epx_status_t epx_buffer_destroy(epx_buffer_t buffer) {
   epx_registry_remove(id);
   buffer->backend->buffer_fini(buffer);
   __atomic_sub_fetch(&buffer->comm->live_buffers, 1, __ATOMIC_SEQ_CST);
+  epx_placement_table_free(buffer->placement);
+  free(buffer->expert_load);
   free(buffer);
   return EPX_SUCCESS;
 }

@@ -3,6 +3,7 @@
  * dispatches are with the other payload calls, in payload.c. */
 #include <stdint.h>
 
+#include "core/checked.h"
 #include "core/error.h"
 #include "core/fp8.h"
 
@@ -24,12 +25,14 @@ epx_status_t epx_fp8_scale_shape(epx_fp8_format_t format, int64_t hidden, int64_
   if (status != EPX_SUCCESS) return status;
   EPX_REQUIRE(scale_cols && scale_bytes, "%s: %s is NULL; pass where to write it", fn,
               scale_cols ? "scale_bytes" : "scale_cols");
-  /* UE8M0 bytes are counted in the int32 words that carry them. */
-  *scale_bytes = format == EPX_FP8_MXFP8 ? 1 : 4;
+  *scale_bytes = (size_t)epx_fp8_scale_col_bytes(format);
   *scale_cols = epx_fp8_scale_row_bytes(format, hidden) / (int64_t)*scale_bytes;
   return EPX_SUCCESS;
 }
 
+/* The arguments of a quantizer call, and the byte counts of its three
+ * arrays (x, x_q, x_scales), each checked to fit 64 bits (a wrapped count
+ * would let the row loop run past the caller's arrays). */
 static epx_status_t check_rows(const char *fn, epx_fp8_format_t format, epx_dtype_t dtype, int64_t rows,
                                int64_t hidden, const void *a, const void *b, const void *c) {
   epx_status_t status = check_format(fn, format, hidden);
@@ -37,6 +40,15 @@ static epx_status_t check_rows(const char *fn, epx_fp8_format_t format, epx_dtyp
   EPX_REQUIRE(dtype == EPX_FLOAT32 || dtype == EPX_BFLOAT16 || dtype == EPX_FLOAT16,
               "%s: dtype %d is not EPX_FLOAT32, EPX_BFLOAT16 or EPX_FLOAT16", fn, (int)dtype);
   EPX_REQUIRE(rows >= 0, "%s: rows is %lld; pass a count >= 0", fn, (long long)rows);
+  int64_t x_bytes, q_bytes, s_bytes;
+  const char *arg = "rows (or hidden)";
+  if (EPX_CHECKED_PRODUCT(&x_bytes, fn, arg, "rows * hidden * dtype size (the bytes of x)", rows,
+                          hidden, (int64_t)epx_dtype_size(dtype)) != EPX_SUCCESS ||
+      EPX_CHECKED_PRODUCT(&q_bytes, fn, arg, "rows * hidden (the bytes of x_q)", rows, hidden) !=
+          EPX_SUCCESS ||
+      EPX_CHECKED_PRODUCT(&s_bytes, fn, arg, "rows * scale bytes per row (the bytes of x_scales)",
+                          rows, epx_fp8_scale_row_bytes(format, hidden)) != EPX_SUCCESS)
+    return EPX_ERROR_INVALID_ARGUMENT;
   EPX_REQUIRE(rows == 0 || (a && b && c), "%s: a tensor is NULL; pass x, x_q and x_scales of %lld rows", fn,
               (long long)rows);
   return EPX_SUCCESS;

@@ -12,8 +12,11 @@
 #include "core/backend.h"
 #include "core/checked.h"
 #include "core/error.h"
+#include "core/fp8.h"
 #include "core/ll.h"
+#include "core/names.h"
 #include "core/objects.h"
+#include "core/placement.h"
 #include "core/registry.h"
 #include "core/transport.h"
 
@@ -30,11 +33,13 @@ epx_status_t epx_ll_check_config(epx_buffer_config_t *c) {
     return epx_error(EPX_ERROR_UNSUPPORTED,
                      "%s: config.low_latency = 1 needs a CPU buffer or a CUDA build's CUDA buffer; this build "
                      "has no backend for device %d", fn, (int)c->device);
+  char layout[24];
   if (c->layout != EPX_LAYOUT_EXPERT_MAJOR && c->layout != EPX_LAYOUT_RANK_MAJOR)
     return epx_error(EPX_ERROR_UNSUPPORTED,
-                     "%s: config.low_latency = 1 with config.layout %d: the low-latency mode has the fixed shapes "
+                     "%s: config.low_latency = 1 with config.layout %s: the low-latency mode has the fixed shapes "
                      "of EPX_LAYOUT_EXPERT_MAJOR ([E_local, W * max_tokens, H]) and EPX_LAYOUT_RANK_MAJOR "
-                     "([W, max_tokens, H]); pass one of them", fn, (int)c->layout);
+                     "([W, max_tokens, H]); pass one of them", fn,
+                     epx_config_value_text("layout", c->layout, layout, sizeof layout));
   EPX_REQUIRE(c->expert_alignment == 1,
               "%s: config.expert_alignment is %d with config.low_latency = 1; every expert has a fixed block of "
               "W * max_tokens rows there, unpadded: pass 1", fn, c->expert_alignment);
@@ -52,7 +57,7 @@ epx_status_t epx_ll_recv_rows_bound(const char *fn, const epx_buffer_config_t *c
                                 max_tokens)
           : EPX_CHECKED_PRODUCT(&sum, fn, tokens,
                                 "experts per rank * world size * max tokens (the low-latency receive rows)",
-                                c->num_experts / W, W, max_tokens);
+                                epx_config_experts_per_rank(c, W), W, max_tokens);
   if (status != EPX_SUCCESS) return status;
   /* The layout's rows are int32 indices. */
   if (sum > INT32_MAX)
@@ -111,7 +116,7 @@ static epx_status_t check_fp8_rows(const char *fn, epx_buffer_t b, const epx_ll_
   EPX_REQUIRE(b->config.fp8_format != EPX_FP8_NONE,
               "%s: the buffer's config.fp8_format is EPX_FP8_NONE; create the low-latency buffer with an fp8 "
               "format, or move rows of its dtype with epx_ll_dispatch", fn);
-  const size_t align = b->config.fp8_format == EPX_FP8_MXFP8 ? 1 : 4;
+  const size_t align = (size_t)epx_fp8_scale_col_bytes(b->config.fp8_format);
   EPX_REQUIRE(rows->recv_scales, "%s: recv_scales is NULL; pass the [rows of recv_x_q, scale_cols] scales "
               "(epx_fp8_scale_shape)", fn);
   EPX_REQUIRE(epx_is_aligned(rows->recv_scales, align) && epx_is_aligned(rows->x_scales, align),
@@ -262,7 +267,7 @@ static epx_status_t ll_combine(const char *fn, epx_buffer_t buffer, epx_handle_t
                       "%s: the buffer is not a low-latency buffer (config.low_latency = 0); its handles are "
                       "combined with epx_combine", fn);
   /* A refusal before the handle is known meets the peers' combine. */
-  if (local != EPX_SUCCESS) return buffer->backend->agree(buffer, local, "epx_combine");
+  if (local != EPX_SUCCESS) return buffer->backend->agree(buffer, local, fn);
   local = check_combine(fn, ll, handle, expert_out, out);
   status = ll->combine_send(buffer, handle, local, expert_out, out);
   if (status != EPX_SUCCESS || !complete) return status;

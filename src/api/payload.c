@@ -8,6 +8,7 @@
 #include "api/ll.h"
 #include "core/backend.h"
 #include "core/error.h"
+#include "core/fp8.h"
 #include "core/objects.h"
 #include "core/transport.h"
 
@@ -78,7 +79,7 @@ epx_status_t epx_dispatch(epx_buffer_t buffer, epx_handle_t handle, const void *
 /* A scales tensor of the buffer's fp8 format: NULL only without rows,
  * aligned to its entries (float32 and packed UE8M0 words: 4 bytes). */
 static epx_status_t check_scales(epx_buffer_t buffer, const void *p, int64_t rows, const char *fn, const char *name) {
-  size_t align = buffer->config.fp8_format == EPX_FP8_MXFP8 ? 1 : 4;
+  size_t align = (size_t)epx_fp8_scale_col_bytes(buffer->config.fp8_format);
   if (rows > 0 && !p)
     return epx_error(EPX_ERROR_INVALID_ARGUMENT, "%s: %s is NULL; pass a [rows, scale_cols] tensor "
                      "(epx_fp8_scale_shape)", fn, name);
@@ -119,26 +120,29 @@ static epx_status_t no_fp8_path(epx_status_t local, const char *fn) {
                    "epx_dispatch", fn);
 }
 
-epx_status_t epx_dispatch_fp8(epx_buffer_t buffer, epx_handle_t handle, const void *x_q, const void *x_scales,
-                              void *recv_x_q, void *recv_scales, int64_t recv_rows_capacity) {
-  const char *fn = "epx_dispatch_fp8";
+/* Both fp8 dispatches: x is e4m3 rows with x_scales, or (quantize) rows of
+ * the buffer's dtype quantized on the way (x_scales NULL). */
+static epx_status_t fp8_dispatch(epx_buffer_t buffer, epx_handle_t handle, const char *fn, const void *x,
+                                 const void *x_scales, int quantize, void *recv_x_q, void *recv_scales,
+                                 int64_t recv_rows_capacity) {
   epx_status_t status = begin_payload(&buffer, &handle, fn);
   if (status != EPX_SUCCESS) return status;
-  epx_status_t local = check_fp8_dispatch(buffer, handle, fn, x_q, x_scales, 0, recv_x_q, recv_scales,
+  epx_status_t local = check_fp8_dispatch(buffer, handle, fn, x, x_scales, quantize, recv_x_q, recv_scales,
                                           recv_rows_capacity);
   if (!buffer->backend->dispatch_fp8) return buffer->backend->agree(buffer, no_fp8_path(local, fn), fn);
-  return buffer->backend->dispatch_fp8(buffer, handle, local, x_q, x_scales, 0, recv_x_q, recv_scales);
+  return buffer->backend->dispatch_fp8(buffer, handle, local, x, x_scales, quantize, recv_x_q, recv_scales);
+}
+
+epx_status_t epx_dispatch_fp8(epx_buffer_t buffer, epx_handle_t handle, const void *x_q, const void *x_scales,
+                              void *recv_x_q, void *recv_scales, int64_t recv_rows_capacity) {
+  return fp8_dispatch(buffer, handle, "epx_dispatch_fp8", x_q, x_scales, 0, recv_x_q, recv_scales,
+                      recv_rows_capacity);
 }
 
 epx_status_t epx_dispatch_quantize(epx_buffer_t buffer, epx_handle_t handle, const void *x, void *recv_x_q,
                                    void *recv_scales, int64_t recv_rows_capacity) {
-  const char *fn = "epx_dispatch_quantize";
-  epx_status_t status = begin_payload(&buffer, &handle, fn);
-  if (status != EPX_SUCCESS) return status;
-  epx_status_t local = check_fp8_dispatch(buffer, handle, fn, x, NULL, 1, recv_x_q, recv_scales,
-                                          recv_rows_capacity);
-  if (!buffer->backend->dispatch_fp8) return buffer->backend->agree(buffer, no_fp8_path(local, fn), fn);
-  return buffer->backend->dispatch_fp8(buffer, handle, local, x, NULL, 1, recv_x_q, recv_scales);
+  return fp8_dispatch(buffer, handle, "epx_dispatch_quantize", x, NULL, 1, recv_x_q, recv_scales,
+                      recv_rows_capacity);
 }
 
 epx_status_t epx_combine(epx_buffer_t buffer, epx_handle_t handle, const void *expert_out, void *out) {

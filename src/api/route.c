@@ -1,5 +1,5 @@
 /* The public routing calls: every argument checked here, then the route
- * config's device's backend routes (src/cpu/route.c, src/cuda/route.c); the
+ * config's device's backend routes (src/cpu/route.c, src/cuda/route/route.c); the
  * float64 reference (src/cpu/route_reference.c) behind the same checks; and
  * the two small collectives of routing options (agreed dropless capacity,
  * summed counts for the global aux loss). */

@@ -9,7 +9,6 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
-#include <string.h>
 #include <time.h>
 
 #include "core/config.h"
@@ -160,19 +159,27 @@ epx_status_t epx_comm_create_local(epx_local_world_t world, int32_t rank, epx_co
   return EPX_SUCCESS;
 }
 
+epx_status_t epx_comm_config_full(const char *caller, const epx_comm_config_t *config, epx_comm_config_t *full) {
+  *full = (epx_comm_config_t)EPX_COMM_CONFIG_INIT;
+  return config ? epx_config_read(caller, "epx_comm_config_t", config, full, sizeof *full) : EPX_SUCCESS;
+}
+
 epx_status_t epx_comm_config_timeout(const char *caller, const epx_comm_config_t *config,
                                      double *timeout_seconds) {
-  epx_comm_config_t full = EPX_COMM_CONFIG_INIT;
-  if (config) {
-    epx_status_t status = epx_config_read(caller, "epx_comm_config_t", config, &full, sizeof full);
-    if (status != EPX_SUCCESS) return status;
-  }
-  config = &full;
-  EPX_REQUIRE(!isnan(config->timeout_seconds),
+  epx_comm_config_t full;
+  epx_status_t status = epx_comm_config_full(caller, config, &full);
+  if (status != EPX_SUCCESS) return status;
+  EPX_REQUIRE(!isnan(full.timeout_seconds),
               "%s: config->timeout_seconds is NaN; pass seconds (> 0) or <= 0 to wait forever",
               caller);
-  *timeout_seconds = config->timeout_seconds;
+  *timeout_seconds = full.timeout_seconds;
   return EPX_SUCCESS;
+}
+
+epx_status_t epx_comm_new_configured(const char *fn, const epx_comm_config_t *config, epx_comm_t *out) {
+  double timeout;
+  epx_status_t status = epx_comm_config_timeout(fn, config, &timeout);
+  return status != EPX_SUCCESS ? status : epx_comm_new(fn, timeout, out);
 }
 
 epx_status_t epx_comm_create_mpi(const void *mpi_comm, const epx_comm_config_t *config,
@@ -254,41 +261,6 @@ epx_status_t epx_comm_size(epx_comm_t comm, int32_t *size) {
   EPX_REQUIRE(size, "epx_comm_size: size is NULL; pass the address of an int32_t");
   *size = comm->size;
   return EPX_SUCCESS;
-}
-
-epx_status_t epx_comm_check_alive(epx_comm_t comm, const char *caller) {
-  if (!comm->failed) return EPX_SUCCESS;
-  return epx_error(EPX_ERROR_PEER_FAILED,
-                   "%s: the comm failed in an earlier collective (a peer timed out or reported "
-                   "an error, named then); destroy the comm and create a new one",
-                   caller);
-}
-
-epx_status_t epx_comm_agree(epx_comm_t comm, epx_status_t local, const char *caller) {
-  if (comm->size == 1) return local;
-  epx_status_t alive = epx_comm_check_alive(comm, caller);
-  if (alive != EPX_SUCCESS) return alive;
-  char message[1024];
-  strncpy(message, epx_last_error(), sizeof message - 1);
-  message[sizeof message - 1] = '\0';
-  int64_t failed_rank = local != EPX_SUCCESS ? comm->rank + 1 : 0;
-  epx_status_t status = comm->ops->allreduce_max_i64(comm, caller, &failed_rank, 1);
-  if (status != EPX_SUCCESS) return status;
-  if (local != EPX_SUCCESS) return epx_error(local, "%s", message);
-  if (failed_rank)
-    return epx_error(EPX_ERROR_PEER_FAILED,
-                     "%s: rank %lld refused the call (its epx_last_error says why); nothing was "
-                     "moved on any rank", caller, (long long)(failed_rank - 1));
-  return EPX_SUCCESS;
-}
-
-epx_status_t epx_comm_handshake(epx_comm_t comm, const char *caller, const void *send, void *recv,
-                                size_t bytes, epx_comm_then_fn then, void *ctx) {
-  epx_status_t status = epx_comm_check_alive(comm, caller);
-  if (status != EPX_SUCCESS) return status;
-  if (comm->ops->handshake) return comm->ops->handshake(comm, caller, send, recv, bytes, then, ctx);
-  status = comm->ops->alltoall(comm, caller, send, recv, bytes);
-  return status != EPX_SUCCESS ? status : then(ctx, recv);
 }
 
 struct timespec epx_comm_deadline(double seconds) {

@@ -48,9 +48,18 @@ void epx_comm_world_timeout_reason(char *out, size_t out_size, int32_t size,
                                    int (*arrived)(const void *world, int32_t rank), const void *world,
                                    double timeout);
 
+/* *full: the caller's comm config as this build's struct (NULL = defaults;
+ * an older caller's struct is read for its size: core/config.h). */
+epx_status_t epx_comm_config_full(const char *caller, const epx_comm_config_t *config, epx_comm_config_t *full);
 /* Checks a comm config (NULL = defaults) and gives its timeout. */
 epx_status_t epx_comm_config_timeout(const char *caller, const epx_comm_config_t *config,
                                      double *timeout_seconds);
+/* epx_comm_new with the config's timeout, checked. */
+epx_status_t epx_comm_new_configured(const char *fn, const epx_comm_config_t *config, epx_comm_t *out);
+
+/* Test support (tests/test_shm.c): takes the shm world's lock and keeps it,
+ * so that the process can die holding it. */
+void epx_comm_shm_test_hold_lock(epx_comm_t comm);
 
 /* The topology (topology.c). The config's ranks_per_node (0 when NULL),
  * checked. */

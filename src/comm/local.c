@@ -67,6 +67,9 @@ typedef struct local_slot {
   const int64_t *send_counts;
   const int64_t *send_displs;
   const int64_t *values;
+  /* Under the world's mutex: the shrink (see local_shrink). */
+  int suspect;       /* the world's failure named it missing */
+  int shrink_joined; /* it called epx_comm_shrink on this world */
 } local_slot_t;
 
 struct epx_local_world {
@@ -84,6 +87,16 @@ struct epx_local_world {
   epx_status_t fail_status; /* what the ranks waiting at that barrier get */
   char fail_caller[64];
   char fail_reason[448];
+  /* The shrink, under lock: once done, `shrunk` is the survivors' world (or
+   * shrink_status says why there is none). */
+  int shrink_done;
+  epx_status_t shrink_status;
+  char shrink_reason[448];
+  epx_local_world_t shrunk;
+  /* A world made by a shrink has no id: its comms hold `refs` references
+   * (one per survivor), and the last one released frees it. */
+  int internal;
+  int32_t refs;
   local_slot_t *slots; /* [size] */
 };
 
@@ -128,6 +141,8 @@ static void local_fail_timeout_locked(epx_local_world_t world, uint64_t generati
   char reason[sizeof world->fail_reason];
   epx_comm_world_timeout_reason(reason, sizeof reason, world->size, local_arrived, world,
                                 world->timeout_seconds);
+  for (int32_t p = 0; p < world->size; p++)
+    if (!local_arrived(world, p)) world->slots[p].suspect = 1;
   local_fail_locked(world, generation, EPX_ERROR_TIMEOUT, caller, "%s", reason);
 }
 
@@ -342,11 +357,16 @@ static epx_status_t local_barrier(epx_comm_t comm, const char *caller) {
   return local_gather(comm, caller, LOCAL_OP_BARRIER, 0, NULL);
 }
 
+static void local_world_free(epx_local_world_t world);
+
 static void local_destroy(epx_comm_t comm) {
   epx_local_world_t world = comm->impl;
   pthread_mutex_lock(&world->lock);
   world->slots[comm->rank].attached = 0;
   world->attached--;
+  int last = world->internal && --world->refs == 0;
+  /* Survivors waiting in a shrink no longer wait for this rank. */
+  pthread_cond_broadcast(&world->cond);
   /* A peer that already waits in its next collective would wait in vain. */
   for (int32_t p = 0; p < world->size && !world->failed; p++) {
     const local_slot_t *peer = &world->slots[p];
@@ -357,7 +377,11 @@ static void local_destroy(epx_comm_t comm) {
   }
   pthread_mutex_unlock(&world->lock);
   comm->impl = NULL;
+  if (last) local_world_free(world);
 }
+
+static epx_status_t local_shrink(epx_comm_t comm, const char *caller, double timeout_seconds,
+                                 int32_t ranks_per_node, uint8_t *lost, epx_comm_t *survivor);
 
 static const epx_transport_ops_t local_ops = {
     .name = "local",
@@ -367,6 +391,7 @@ static const epx_transport_ops_t local_ops = {
     .allreduce_max_i64 = local_allreduce_max_i64,
     .barrier = local_barrier,
     .handshake = local_handshake,
+    .shrink = local_shrink,
     .destroy = local_destroy,
     .shared_address_space = 1,
 };
@@ -404,6 +429,43 @@ epx_status_t epx_comm_init_local(epx_comm_t comm, epx_local_world_t world, int32
   return status;
 }
 
+/* A world of `size` ranks, its lock and condition ready (no id yet). */
+static epx_status_t local_world_new(const char *fn, int32_t size, double timeout_seconds,
+                                    int32_t ranks_per_node, epx_local_world_t *out) {
+  epx_status_t status = EPX_SUCCESS;
+  int lock_ready = 0;
+  pthread_condattr_t attr;
+  epx_local_world_t created = calloc(1, sizeof *created);
+  if (!created) EPX_FAIL(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
+  created->size = size;
+  created->timeout_seconds = timeout_seconds;
+  created->ranks_per_node = ranks_per_node;
+  created->slots = calloc((size_t)size, sizeof *created->slots);
+  if (!created->slots) EPX_FAIL(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory for %d ranks", fn, size);
+  if (pthread_mutex_init(&created->lock, NULL)) EPX_FAIL(EPX_ERROR_INTERNAL, "%s: pthread_mutex_init failed", fn);
+  lock_ready = 1;
+  /* A monotonic clock, so that setting the wall clock cannot stretch a timeout. */
+  if (pthread_condattr_init(&attr)) EPX_FAIL(EPX_ERROR_INTERNAL, "%s: pthread_condattr_init failed", fn);
+  int rc = pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
+  if (!rc) rc = pthread_cond_init(&created->cond, &attr);
+  pthread_condattr_destroy(&attr);
+  if (rc) EPX_FAIL(EPX_ERROR_INTERNAL, "%s: pthread_cond_init failed", fn);
+  *out = created;
+  return EPX_SUCCESS;
+fail:
+  if (lock_ready) pthread_mutex_destroy(&created->lock);
+  if (created) free(created->slots);
+  free(created);
+  return status;
+}
+
+static void local_world_free(epx_local_world_t world) {
+  pthread_cond_destroy(&world->cond);
+  pthread_mutex_destroy(&world->lock);
+  free(world->slots);
+  free(world);
+}
+
 epx_status_t epx_local_world_create(int32_t world_size, const epx_comm_config_t *config,
                                     epx_local_world_t *world) {
   epx_error_clear();
@@ -421,39 +483,17 @@ epx_status_t epx_local_world_create(int32_t world_size, const epx_comm_config_t 
   EPX_REQUIRE(ranks_per_node == 0 || world_size % ranks_per_node == 0,
               "epx_local_world_create: config->ranks_per_node is %d, which does not divide world_size "
               "%d; pass a divisor of it, or 0", ranks_per_node, world_size);
-
-  int lock_ready = 0, cond_ready = 0;
-  pthread_condattr_t attr;
-  epx_local_world_t created = calloc(1, sizeof *created);
-  if (!created) EPX_FAIL(EPX_ERROR_OUT_OF_MEMORY, "epx_local_world_create: out of memory");
-  created->size = world_size;
-  created->timeout_seconds = timeout_seconds;
-  created->ranks_per_node = ranks_per_node;
-  created->slots = calloc((size_t)world_size, sizeof *created->slots);
-  if (!created->slots)
-    EPX_FAIL(EPX_ERROR_OUT_OF_MEMORY, "epx_local_world_create: out of memory for %d ranks",
-             world_size);
-  if (pthread_mutex_init(&created->lock, NULL))
-    EPX_FAIL(EPX_ERROR_INTERNAL, "epx_local_world_create: pthread_mutex_init failed");
-  lock_ready = 1;
-  /* A monotonic clock, so that setting the wall clock cannot stretch a timeout. */
-  if (pthread_condattr_init(&attr))
-    EPX_FAIL(EPX_ERROR_INTERNAL, "epx_local_world_create: pthread_condattr_init failed");
-  int rc = pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
-  if (!rc) rc = pthread_cond_init(&created->cond, &attr);
-  pthread_condattr_destroy(&attr);
-  if (rc) EPX_FAIL(EPX_ERROR_INTERNAL, "epx_local_world_create: pthread_cond_init failed");
-  cond_ready = 1;
+  epx_local_world_t created = NULL;
+  status = local_world_new("epx_local_world_create", world_size, timeout_seconds, ranks_per_node, &created);
+  if (status != EPX_SUCCESS) return status;
   void *id = NULL;
-  EPX_CHECK(epx_registry_add(created, EPX_OBJECT_LOCAL_WORLD, &id));
+  status = epx_registry_add(created, EPX_OBJECT_LOCAL_WORLD, &id);
+  if (status != EPX_SUCCESS) {
+    local_world_free(created);
+    return status;
+  }
   *world = id;
   return EPX_SUCCESS;
-fail:
-  if (cond_ready) pthread_cond_destroy(&created->cond);
-  if (lock_ready) pthread_mutex_destroy(&created->lock);
-  if (created) free(created->slots);
-  free(created);
-  return status;
 }
 
 epx_status_t epx_local_world_destroy(epx_local_world_t world) {
@@ -476,9 +516,130 @@ epx_status_t epx_local_world_destroy(epx_local_world_t world) {
                      "first); destroy them with epx_comm_destroy first",
                      attached, first);
   epx_registry_remove(id);
-  pthread_cond_destroy(&world->cond);
-  pthread_mutex_destroy(&world->lock);
-  free(world->slots);
-  free(world);
+  local_world_free(world);
+  return EPX_SUCCESS;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Shrink (epx_comm_shrink)                                                  */
+/* ------------------------------------------------------------------------ */
+
+/* The survivors of a world agree on the lost ranks in the world itself,
+ * under its lock: a rank joins the shrink by calling it, and the shrink is
+ * settled (once, by whichever survivor sees it first) when every rank has
+ * joined except those not waited for — a rank whose comm is destroyed, and
+ * a rank the world's failure named missing (suspect) — or when a joined
+ * survivor has waited the world's timeout. The ranks that joined by then
+ * are the survivors; everyone reads the same record, so they agree. The
+ * settler makes the survivors' world; each survivor then creates its comm
+ * on it (a create collective, bounded as every create is). A rank that
+ * comes after the settling is refused: it is not in the survivors' comm. */
+
+/* 1 when no rank is left to wait for (under lock). */
+static int local_shrink_settled_locked(epx_local_world_t world) {
+  for (int32_t p = 0; p < world->size; p++) {
+    const local_slot_t *slot = &world->slots[p];
+    if (!slot->shrink_joined && slot->attached && !slot->suspect) return 0;
+  }
+  return 1;
+}
+
+/* Settles the shrink: the survivors' world, or why there is none (under lock). */
+static void local_shrink_settle_locked(epx_local_world_t world, const char *caller,
+                                       double timeout_seconds, int32_t ranks_per_node) {
+  int32_t survivors = 0;
+  for (int32_t p = 0; p < world->size; p++) survivors += world->slots[p].shrink_joined;
+  epx_status_t status = EPX_SUCCESS;
+  if (ranks_per_node > 0 && survivors % ranks_per_node != 0)
+    status = epx_error(EPX_ERROR_INVALID_ARGUMENT,
+                       "%s: config->ranks_per_node is %d, which does not divide the %d survivors; "
+                       "pass a divisor of it, or 0", caller, ranks_per_node, survivors);
+  else
+    status = local_world_new(caller, survivors, timeout_seconds, ranks_per_node, &world->shrunk);
+  if (status == EPX_SUCCESS) {
+    world->shrunk->internal = 1;
+    world->shrunk->refs = survivors;
+  } else {
+    world->shrink_status = status;
+    snprintf(world->shrink_reason, sizeof world->shrink_reason, "%s", epx_last_error());
+  }
+  world->shrink_done = 1;
+  pthread_cond_broadcast(&world->cond);
+}
+
+/* Joins the shrink and waits for it to settle (under lock). */
+static epx_status_t local_shrink_join_locked(epx_comm_t comm, const char *caller,
+                                             double timeout_seconds, int32_t ranks_per_node) {
+  epx_local_world_t world = comm->impl;
+  local_slot_t *mine = &world->slots[comm->rank];
+  if (mine->shrink_joined)
+    return epx_error(EPX_ERROR_INVALID_ARGUMENT,
+                     "%s: rank %d already shrank this comm; shrink the survivors' comm instead",
+                     caller, comm->rank);
+  if (world->shrink_done)
+    return epx_error(EPX_ERROR_PEER_FAILED,
+                     "%s: the survivors shrank this comm without rank %d (the failure named it "
+                     "missing, or it did not join within %g s); it is not in their comm: "
+                     "destroy this comm", caller, comm->rank, world->timeout_seconds);
+  mine->shrink_joined = 1;
+  /* Ranks still in a collective of the old comm leave it and come here. */
+  if (!world->failed)
+    local_fail_locked(world, world->generation, EPX_ERROR_PEER_FAILED, caller,
+                      "rank %d shrank the comm", comm->rank);
+  pthread_cond_broadcast(&world->cond);
+  int bounded = world->timeout_seconds > 0 && world->timeout_seconds < 1e9;
+  struct timespec deadline = epx_comm_deadline(bounded ? world->timeout_seconds : 0);
+  while (!world->shrink_done) {
+    int late = 0;
+    if (!local_shrink_settled_locked(world)) {
+      if (!bounded) {
+        pthread_cond_wait(&world->cond, &world->lock);
+        continue;
+      }
+      late = pthread_cond_timedwait(&world->cond, &world->lock, &deadline) == ETIMEDOUT;
+      if (!late && !local_shrink_settled_locked(world)) continue;
+    }
+    if (!world->shrink_done) local_shrink_settle_locked(world, caller, timeout_seconds, ranks_per_node);
+  }
+  if (world->shrink_status != EPX_SUCCESS)
+    return epx_error(world->shrink_status, "%s", world->shrink_reason);
+  return EPX_SUCCESS;
+}
+
+/* Drops one survivor's reference on a shrunk world that its comm never took. */
+static void local_world_unref(epx_local_world_t world) {
+  pthread_mutex_lock(&world->lock);
+  int last = --world->refs == 0;
+  pthread_mutex_unlock(&world->lock);
+  if (last) local_world_free(world);
+}
+
+static epx_status_t local_shrink(epx_comm_t comm, const char *caller, double timeout_seconds,
+                                 int32_t ranks_per_node, uint8_t *lost, epx_comm_t *survivor) {
+  epx_local_world_t world = comm->impl;
+  comm->failed = 1;
+  pthread_mutex_lock(&world->lock);
+  epx_status_t status = local_shrink_join_locked(comm, caller, timeout_seconds, ranks_per_node);
+  int32_t rank = 0;
+  epx_local_world_t next = world->shrunk;
+  for (int32_t p = 0; status == EPX_SUCCESS && p < world->size; p++) {
+    lost[p] = !world->slots[p].shrink_joined;
+    rank += p < comm->rank && !lost[p];
+  }
+  pthread_mutex_unlock(&world->lock);
+  if (status != EPX_SUCCESS) return status;
+  epx_comm_t created = NULL;
+  status = epx_comm_new(caller, timeout_seconds, &created);
+  if (status != EPX_SUCCESS) {
+    local_world_unref(next);
+    return status;
+  }
+  status = epx_comm_init_local(created, next, rank);
+  if (status != EPX_SUCCESS) {
+    if (!created->ops) local_world_unref(next); /* refused before it attached */
+    epx_comm_free(created);
+    return status;
+  }
+  *survivor = created;
   return EPX_SUCCESS;
 }

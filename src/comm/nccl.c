@@ -43,6 +43,7 @@
 #include <unistd.h>
 
 #include "comm/comm.h"
+#include "core/align.h"
 #include "core/error.h"
 #include "core/registry.h"
 #include "core/wait.h"
@@ -397,8 +398,6 @@ int epx_comm_is_nccl(epx_comm_t comm) { return comm && comm->ops == &nccl_ops; }
 /* Creation                                                                  */
 /* ------------------------------------------------------------------------ */
 
-static size_t round_up(size_t n) { return (n + 255) / 256 * 256; }
-
 /* A blocking comm split from the main one into *child. NCCL runs a split
  * in the parent's mode: from a nonblocking parent it returns ncclInProgress
  * and writes *child when done (so child is the state's, not a local); the
@@ -417,7 +416,7 @@ static void split_blocking(ncclComm_t parent, int rank, ncclComm_t *child) {
  * blocking comm could not leave. */
 static epx_status_t warm_up(epx_comm_t comm, const char *fn) {
   nccl_state_t *s = comm->impl;
-  const size_t W = (size_t)comm->size, gathered = round_up(2 * W), reduced = gathered + round_up(4 * W);
+  const size_t W = (size_t)comm->size, gathered = epx_round256(2 * W), reduced = gathered + epx_round256(4 * W);
   char *d = s->scratch; /* [W] bytes to send, [W] to receive, then [W] int32 gathered, one int64 */
   epx_status_t status = EPX_SUCCESS;
   for (int i = DATA; i <= CONTROL && status == EPX_SUCCESS; i++) {
@@ -474,7 +473,7 @@ static epx_status_t init_state(epx_comm_t comm, ncclComm_t nc, int owned, const 
   }
   /* Staging for the small collectives up front: growing it later frees
    * device memory, which waits for the whole device (no bounded wait). */
-  const size_t warm_bytes = round_up(2 * (size_t)size) + round_up(4 * (size_t)size) + 8;
+  const size_t warm_bytes = epx_round256(2 * (size_t)size) + epx_round256(4 * (size_t)size) + 8;
   if (status == EPX_SUCCESS) status = begin(comm, fn, warm_bytes > 64 * 1024 ? warm_bytes : 64 * 1024);
   if (status == EPX_SUCCESS) status = warm_up(comm, fn);
   return status;
@@ -528,11 +527,8 @@ epx_status_t epx_comm_create_nccl_id(const epx_nccl_unique_id_t *id, int32_t ran
   EPX_REQUIRE(id, "%s: id is NULL; pass the id from epx_nccl_get_unique_id (made on one rank, shared)", fn);
   EPX_REQUIRE(size >= 1 && rank >= 0 && rank < size, "%s: rank %d and size %d; pass 0 <= rank < size", fn, rank,
               size);
-  double timeout;
-  epx_status_t status = epx_comm_config_timeout(fn, config, &timeout);
-  if (status != EPX_SUCCESS) return status;
   epx_comm_t created = NULL;
-  status = epx_comm_new(fn, timeout, &created);
+  epx_status_t status = epx_comm_new_configured(fn, config, &created);
   if (status != EPX_SUCCESS) return status;
   ncclUniqueId nid;
   memcpy(&nid, id->bytes, sizeof nid);
@@ -554,11 +550,8 @@ epx_status_t epx_comm_create_nccl(void *nccl_comm, const epx_comm_config_t *conf
   epx_error_clear();
   EPX_REQUIRE(comm, "%s: comm is NULL; pass the address of an epx_comm_t", fn);
   EPX_REQUIRE(nccl_comm, "%s: nccl_comm is NULL; pass your ncclComm_t (as void *)", fn);
-  double timeout;
-  epx_status_t status = epx_comm_config_timeout(fn, config, &timeout);
-  if (status != EPX_SUCCESS) return status;
   epx_comm_t created = NULL;
-  status = epx_comm_new(fn, timeout, &created);
+  epx_status_t status = epx_comm_new_configured(fn, config, &created);
   if (status != EPX_SUCCESS) return status;
   return finish_create(created, (ncclComm_t)nccl_comm, 0, fn, config, comm);
 }

@@ -2,8 +2,9 @@
  * shared memory (torchrun's or any launcher's processes, no MPI needed).
  *
  * A control segment (shm_open(name), created by rank 0, opened by the others,
- * unlinked once every rank holds it) carries a process-shared mutex and
- * condition variable, a generation-counted barrier and one slot per rank: the
+ * unlinked once every rank holds it) carries a process-shared robust mutex, a
+ * futex word its waiters sleep on, a generation-counted barrier and one slot
+ * per rank (with the rank's pid): the
  * same rendezvous as the local transport's threads, without pointers. Each
  * rank also owns a data segment where it stages what it sends; a collective
  * copies the rank's send side in, meets its peers at a "gather" barrier, maps
@@ -15,19 +16,32 @@
  * when every peer has mapped it; /dev/shm keeps no name once the ranks are
  * past it, and the memory goes when the last process unmaps it.
  *
- * Failure: every wait (both barriers, and a rank's wait for rank 0's segment
- * at create) is bounded by timeout_seconds. On expiry the ranks still missing
- * are named, the world is marked failed and every waiter is woken; a failed
- * world answers every later call at once with EPX_ERROR_PEER_FAILED. The
- * release wait is bounded too (unlike the local transport's): peers read the
- * staged copy, never the caller's buffer, so a rank may leave a failed
- * collective early. A process that ends holding the mutex (robust mutex)
- * fails the world. */
+ * Failure: every wait (both barriers, the lock, and a rank's wait for rank
+ * 0's segment at create) is bounded by timeout_seconds. On expiry the ranks
+ * still missing are named, the world is marked failed and every waiter is
+ * woken; a failed world answers every later call at once with
+ * EPX_ERROR_PEER_FAILED. The release wait is bounded too (unlike the local
+ * transport's): peers read the staged copy, never the caller's buffer, so a
+ * rank may leave a failed collective early. Nothing shared keeps a waiter's
+ * state (a process-shared condition variable did, and a process killed while
+ * waiting on it could leave its peers blocked forever): a waiter sleeps on
+ * the futex word with a short timeout and, on each wake, checks its barrier,
+ * the clock and whether a missing rank's process is gone (its pid, in the
+ * same pid namespace), which fails the world naming that rank at once. A
+ * process that ends holding the mutex (robust mutex) fails the world naming
+ * it; one stopped holding it is a timeout naming it.
+ *
+ * A segment left by a job whose rank 0 was killed before unlinking it is
+ * stale (its creator's process is gone): rank 0 of a new job on the name
+ * removes it (and its ranks' data segments) and creates its own; a rank > 0
+ * never joins it, and names it if rank 0 does not replace it in time. A
+ * segment whose creator is alive is refused by name. */
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdatomic.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -35,14 +49,23 @@
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
+#if defined(__linux__)
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#endif
 
 #include "comm/comm.h"
 #include "core/error.h"
 
-/* "epxshm02": the layout below; a rank built from another layout refuses. */
-#define SHM_MAGIC 0x65707873686d3032ULL
+/* "epxshm04": the layout below; a rank built from another layout refuses. */
+#define SHM_MAGIC 0x65707873686d3034ULL
 #define SHM_NAME_MAX 200
+/* A comm's own name: the caller's, or a shrink's "<name>.g<N>". */
+#define SHM_PATH_MAX (SHM_NAME_MAX + 16)
 #define SHM_MIN_DATA ((size_t)1 << 16)
+/* The longest a waiter sleeps before it looks at the clock and its peers'
+ * processes again: how soon a killed peer is named. */
+#define SHM_SLICE_SECONDS 0.05
 
 typedef enum shm_op {
   SHM_OP_CREATE = 0,
@@ -68,14 +91,28 @@ typedef struct shm_slot {
    * between the gather and the release. */
   uint64_t data_seq;
   uint64_t data_bytes;
+  /* Its process (set when it attaches): a waiter names a missing rank whose
+   * process is gone. */
+  int32_t pid;
+  uint64_t pid_ns;
+  /* The shrink (see shm_shrink), under the mutex. */
+  int32_t suspect;       /* the world's failure named it missing or gone */
+  int32_t shrink_joined; /* it called epx_comm_shrink on this world */
 } shm_slot_t;
 
 typedef struct shm_world {
   _Atomic uint64_t magic; /* stored last by rank 0, once the rest is ready */
   int32_t size;
+  int32_t creator_pid; /* rank 0's process: once it is gone, the name is stale */
+  uint64_t creator_pid_ns;
   double timeout_seconds;
-  pthread_mutex_t lock;
-  pthread_cond_t cond;
+  pthread_mutex_t lock; /* robust, process-shared */
+  _Atomic int32_t holder; /* the rank that holds lock, -1: none (names one that dies or stops) */
+  /* The futex word the waiters sleep on: bumped (under lock) when a barrier
+   * completes and when the world fails; the waker makes the wake call only
+   * when a waiter sleeps (sleepers counts them in under lock). */
+  _Atomic uint32_t wake;
+  _Atomic uint32_t sleepers;
   /* Under lock. */
   uint64_t generation;
   int32_t arrived;
@@ -85,6 +122,7 @@ typedef struct shm_world {
   uint64_t fail_generation;
   char fail_caller[64];
   char fail_reason[448];
+  int32_t shrink_done; /* under lock: the survivors are settled (shrink_joined) */
   shm_slot_t slots[]; /* [size] */
 } shm_world_t;
 
@@ -99,9 +137,14 @@ typedef struct shm_map {
 typedef struct shm_state {
   shm_world_t *world;
   size_t world_bytes;
-  char name[SHM_NAME_MAX + 2];
+  char name[SHM_PATH_MAX + 2];
+  char base[SHM_NAME_MAX + 1]; /* the caller's name, and how many shrinks */
+  uint32_t shrinks;            /* made this comm's from it (shm_shrink) */
   shm_map_t *maps; /* [size]; maps[rank] is the own data segment */
   int own_linked;  /* the own data segment's name is still in /dev/shm */
+  int locked;      /* this process holds the world's lock */
+  int32_t locked_as; /* the rank it took the lock as (-1: none yet) */
+  uint64_t pid_ns; /* this process's pid namespace (0: unknown) */
 } shm_state_t;
 
 static size_t shm_world_bytes(int32_t size) {
@@ -111,6 +154,89 @@ static size_t shm_world_bytes(int32_t size) {
 static void shm_data_name(char *out, size_t cap, const shm_state_t *st, int32_t rank,
                           uint64_t seq) {
   snprintf(out, cap, "%s.%d.%llu", st->name, rank, (unsigned long long)seq);
+}
+
+/* The pid namespace of this process (0 when /proc does not say): pids are
+ * compared only inside one. */
+static uint64_t shm_pid_ns(void) {
+  struct stat info;
+  return stat("/proc/self/ns/pid", &info) == 0 ? (uint64_t)info.st_ino : 0;
+}
+
+/* 1 when the process `pid` of namespace `pid_ns` has ended (gone, or a zombie
+ * its parent has not reaped yet); 0 when alive or when this process cannot
+ * tell (another pid namespace). */
+static char shm_process_state(const shm_state_t *st, int32_t pid, uint64_t pid_ns) {
+  if (pid <= 0 || !pid_ns || pid_ns != st->pid_ns) return 0;
+  if (kill(pid, 0) != 0 && errno == ESRCH) return 'X';
+  char path[48], line[256];
+  snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+  FILE *f = fopen(path, "r");
+  if (!f) return 0;
+  size_t n = fread(line, 1, sizeof line - 1, f);
+  fclose(f);
+  line[n] = 0;
+  const char *end = strrchr(line, ')');
+  return end && end[1] == ' ' ? end[2] : 0;
+}
+
+static int shm_process_gone(const shm_state_t *st, int32_t pid, uint64_t pid_ns) {
+  char state = shm_process_state(st, pid, pid_ns);
+  return state == 'Z' || state == 'X';
+}
+
+/* An attached rank other than `self` whose process is stopped (SIGSTOP or a
+ * debugger), or -1: the holder of a lock kept past the timeout when the
+ * holder word cannot say (it was stopped between taking the lock and
+ * writing its rank). */
+static int32_t shm_stopped_rank(const shm_state_t *st, int32_t self) {
+  const shm_world_t *w = st->world;
+  for (int32_t p = 0; p < w->size; p++) {
+    const shm_slot_t *slot = &w->slots[p];
+    if (p == self || !slot->attached) continue;
+    char state = shm_process_state(st, slot->pid, slot->pid_ns);
+    if (state == 'T' || state == 't') return p;
+  }
+  return -1;
+}
+
+/* An attached rank (not arrived at the barrier of `generation`, unless
+ * `any`) whose process has ended, or -1. */
+static int32_t shm_gone_rank(const shm_state_t *st, uint64_t generation, int any) {
+  const shm_world_t *w = st->world;
+  for (int32_t p = 0; p < w->size; p++) {
+    const shm_slot_t *slot = &w->slots[p];
+    if (!slot->attached || (!any && slot->arrived == generation + 1)) continue;
+    if (shm_process_gone(st, slot->pid, slot->pid_ns)) return p;
+  }
+  return -1;
+}
+
+/* Wakes every waiter of the world (under lock). */
+static void shm_wake_all(shm_world_t *w) {
+  atomic_fetch_add_explicit(&w->wake, 1, memory_order_seq_cst);
+#if defined(__linux__)
+  if (atomic_load_explicit(&w->sleepers, memory_order_seq_cst))
+    syscall(SYS_futex, (uint32_t *)&w->wake, FUTEX_WAKE, INT32_MAX, NULL, NULL, 0);
+#endif
+}
+
+/* Sleeps until the futex word moves from `seen` or `seconds` pass. */
+static void shm_sleep(shm_world_t *w, uint32_t seen, double seconds) {
+  struct timespec pause = {(time_t)seconds, (long)((seconds - (double)(time_t)seconds) * 1e9)};
+#if defined(__linux__)
+  syscall(SYS_futex, (uint32_t *)&w->wake, FUTEX_WAIT, seen, &pause, NULL, 0);
+#else
+  (void)w, (void)seen;
+  if (pause.tv_sec || pause.tv_nsec > 200000L) pause = (struct timespec){0, 200000L};
+  nanosleep(&pause, NULL);
+#endif
+}
+
+static double shm_now(void) {
+  struct timespec now;
+  clock_gettime(CLOCK_MONOTONIC, &now);
+  return (double)now.tv_sec + 1e-9 * (double)now.tv_nsec;
 }
 
 static void shm_fail_locked(shm_world_t *w, uint64_t generation, epx_status_t status,
@@ -126,16 +252,71 @@ static void shm_fail_locked(shm_world_t *w, uint64_t generation, epx_status_t st
   w->failed = 1;
   w->fail_generation = generation;
   w->fail_status = status;
-  pthread_cond_broadcast(&w->cond);
+  shm_wake_all(w);
 }
 
-/* Locks the world; a peer process that ended holding the lock fails it. */
-static void shm_lock(shm_world_t *w, const char *caller) {
-  if (pthread_mutex_lock(&w->lock) != EOWNERDEAD) return;
-  pthread_mutex_consistent(&w->lock);
-  if (!w->failed)
-    shm_fail_locked(w, w->generation, EPX_ERROR_PEER_FAILED, caller,
-                    "a rank's process ended inside an epx call (it held the shared lock)");
+static int shm_bounded(double timeout_seconds) {
+  return timeout_seconds > 0 && timeout_seconds < 1e9;
+}
+
+/* Locks the world, waiting up to the timeout (`rank` is the caller's, -1
+ * before it has one). A peer process that ended holding the lock fails the
+ * world naming it; one that keeps it past the timeout (stopped, or stuck) is
+ * a timeout naming it, the lock not taken. */
+static epx_status_t shm_lock(shm_state_t *st, int32_t rank, const char *caller) {
+  shm_world_t *w = st->world;
+  int rc;
+  if (shm_bounded(w->timeout_seconds)) {
+    struct timespec deadline = epx_comm_deadline(w->timeout_seconds);
+    rc = pthread_mutex_clocklock(&w->lock, CLOCK_MONOTONIC, &deadline);
+  } else {
+    rc = pthread_mutex_lock(&w->lock);
+  }
+  if (rc == ETIMEDOUT) {
+    int32_t holder = atomic_load(&w->holder), stopped = shm_stopped_rank(st, rank);
+    if (holder < 0 || holder == rank || stopped >= 0) holder = stopped >= 0 ? stopped : holder;
+    if (holder == rank) holder = -1;
+    char who[32] = "a rank";
+    if (holder >= 0) snprintf(who, sizeof who, "rank %d", holder);
+    return epx_error(EPX_ERROR_TIMEOUT,
+                     "%s: %s held the shm segment's lock for more than %g s (comm "
+                     "timeout_seconds): its process is stopped or stuck. The comm is now failed; "
+                     "destroy it",
+                     caller, who, w->timeout_seconds);
+  }
+  if (rc != 0 && rc != EOWNERDEAD)
+    return epx_error(EPX_ERROR_INTERNAL, "%s: locking the shm segment failed (%s)", caller,
+                     strerror(rc));
+  st->locked = 1;
+  if (rc == EOWNERDEAD) {
+    pthread_mutex_consistent(&w->lock);
+    int32_t dead = atomic_load(&w->holder);
+    if (dead < 0 || dead == rank) dead = shm_gone_rank(st, 0, 1);
+    if (dead >= 0) w->slots[dead].suspect = 1;
+    if (!w->failed) {
+      if (dead >= 0)
+        shm_fail_locked(w, w->generation, EPX_ERROR_PEER_FAILED, caller,
+                        "rank %d's process (pid %d) ended holding the shm segment's lock", dead,
+                        (int)w->slots[dead].pid);
+      else
+        shm_fail_locked(w, w->generation, EPX_ERROR_PEER_FAILED, caller,
+                        "a rank's process ended holding the shm segment's lock");
+    }
+  }
+  atomic_store(&w->holder, rank);
+  st->locked_as = rank;
+  return EPX_SUCCESS;
+}
+
+/* The holder word is cleared only while it still names this rank, after the
+ * unlock: a process stopped between the two leaves its own rank there, never
+ * -1 over a lock it still holds. */
+static void shm_unlock(shm_state_t *st) {
+  if (!st->locked) return;
+  st->locked = 0;
+  pthread_mutex_unlock(&st->world->lock);
+  int32_t mine = st->locked_as;
+  atomic_compare_exchange_strong(&st->world->holder, &mine, -1);
 }
 
 static epx_status_t shm_failed_error_locked(epx_comm_t comm, const char *caller,
@@ -154,30 +335,51 @@ static int shm_arrived(const void *world, int32_t rank) {
 static void shm_fail_timeout_locked(shm_world_t *w, uint64_t generation, const char *caller) {
   char reason[sizeof w->fail_reason];
   epx_comm_world_timeout_reason(reason, sizeof reason, w->size, shm_arrived, w, w->timeout_seconds);
+  for (int32_t p = 0; p < w->size; p++)
+    if (!shm_arrived(w, p)) w->slots[p].suspect = 1;
   shm_fail_locked(w, generation, EPX_ERROR_TIMEOUT, caller, "%s", reason);
 }
 
-static int shm_bounded(double timeout_seconds) {
-  return timeout_seconds > 0 && timeout_seconds < 1e9;
-}
-
 /* Waits (under lock) until the barrier of `generation` completes, the world
- * fails, or the timeout passes. */
+ * fails, a missing rank's process is found gone, or the timeout passes. The
+ * lock is let go while it sleeps; if it cannot be taken back in time, the
+ * error says who holds it and the lock is not held on return. */
 static epx_status_t shm_wait_locked(epx_comm_t comm, const char *caller, uint64_t generation) {
-  shm_world_t *w = ((shm_state_t *)comm->impl)->world;
+  shm_state_t *st = comm->impl;
+  shm_world_t *w = st->world;
   int bounded = shm_bounded(w->timeout_seconds);
-  struct timespec deadline = epx_comm_deadline(bounded ? w->timeout_seconds : 0);
+  double start = shm_now(), deadline = start + (bounded ? w->timeout_seconds : 0);
+  double next_check = start + SHM_SLICE_SECONDS;
   while (w->generation == generation && !w->failed) {
-    int rc = bounded ? pthread_cond_timedwait(&w->cond, &w->lock, &deadline)
-                     : pthread_cond_wait(&w->cond, &w->lock);
-    if (rc == EOWNERDEAD) {
-      pthread_mutex_consistent(&w->lock);
-      if (!w->failed)
-        shm_fail_locked(w, generation, EPX_ERROR_PEER_FAILED, caller,
-                        "a rank's process ended inside an epx call (it held the shared lock)");
+    double now = shm_now(), left = bounded ? deadline - now : SHM_SLICE_SECONDS;
+    /* The peers' processes are looked at once a wait has lasted a slice (it
+     * costs a read of /proc per missing rank: not on every wake). */
+    int32_t gone = -1;
+    if (now >= next_check) {
+      gone = shm_gone_rank(st, generation, 0);
+      next_check = now + SHM_SLICE_SECONDS;
     }
-    if (rc == ETIMEDOUT && w->generation == generation && !w->failed)
+    if (gone >= 0) {
+      w->slots[gone].suspect = 1;
+      shm_fail_locked(w, generation, EPX_ERROR_PEER_FAILED, caller,
+                      "rank %d did not arrive: its process (pid %d) has ended", gone,
+                      (int)w->slots[gone].pid);
+      break;
+    }
+    if (left <= 0) {
       shm_fail_timeout_locked(w, generation, caller);
+      break;
+    }
+    uint32_t seen = atomic_load_explicit(&w->wake, memory_order_acquire);
+    atomic_fetch_add_explicit(&w->sleepers, 1, memory_order_seq_cst);
+    shm_unlock(st);
+    shm_sleep(w, seen, left < SHM_SLICE_SECONDS ? left : SHM_SLICE_SECONDS);
+    atomic_fetch_sub_explicit(&w->sleepers, 1, memory_order_seq_cst);
+    epx_status_t locked = shm_lock(st, comm->rank, caller);
+    if (locked != EPX_SUCCESS) {
+      comm->failed = 1;
+      return locked;
+    }
   }
   if (w->generation != generation) return EPX_SUCCESS;
   return shm_failed_error_locked(comm, caller, generation);
@@ -191,7 +393,7 @@ static epx_status_t shm_arrive_locked(epx_comm_t comm, const char *caller) {
   if (++w->arrived == w->size) {
     w->arrived = 0;
     w->generation++;
-    pthread_cond_broadcast(&w->cond);
+    shm_wake_all(w);
     return EPX_SUCCESS;
   }
   return shm_wait_locked(comm, caller, generation);
@@ -231,9 +433,13 @@ static epx_status_t shm_gather(epx_comm_t comm, const char *caller, shm_op_t op,
   shm_state_t *st = comm->impl;
   shm_world_t *w = st->world;
   shm_slot_t *mine = &w->slots[comm->rank];
-  shm_lock(w, caller);
-  epx_status_t status = w->failed ? shm_failed_error_locked(comm, caller, UINT64_MAX)
-                                  : shm_check_peers_locked(comm, caller, op, arg);
+  epx_status_t status = shm_lock(st, comm->rank, caller);
+  if (status != EPX_SUCCESS) {
+    comm->failed = 1;
+    return status;
+  }
+  status = w->failed ? shm_failed_error_locked(comm, caller, UINT64_MAX)
+                     : shm_check_peers_locked(comm, caller, op, arg);
   if (status == EPX_SUCCESS) {
     mine->op = (int32_t)op;
     mine->arg = arg;
@@ -242,7 +448,7 @@ static epx_status_t shm_gather(epx_comm_t comm, const char *caller, shm_op_t op,
     mine->data_bytes = st->maps[comm->rank].bytes;
     status = shm_arrive_locked(comm, caller);
   }
-  pthread_mutex_unlock(&w->lock);
+  shm_unlock(st);
   return status;
 }
 
@@ -253,20 +459,25 @@ static epx_status_t shm_release(epx_comm_t comm, const char *caller, shm_op_t op
                                 epx_status_t status) {
   shm_state_t *st = comm->impl;
   shm_world_t *w = st->world;
-  shm_lock(w, caller);
-  w->slots[comm->rank].error = status != EPX_SUCCESS;
-  epx_status_t waited = w->failed ? shm_failed_error_locked(comm, caller, UINT64_MAX)
-                                  : shm_arrive_locked(comm, caller);
-  if (status == EPX_SUCCESS) status = waited;
-  for (int32_t p = 0; p < w->size && status == EPX_SUCCESS; p++)
-    if (w->slots[p].error)
-      status = epx_error(EPX_ERROR_PEER_FAILED,
-                         "%s: rank %d failed in this %s (its own error says why); this rank's "
-                         "output is incomplete",
-                         caller, p, shm_op_names[op]);
-  pthread_mutex_unlock(&w->lock);
+  epx_status_t locked = shm_lock(st, comm->rank, caller);
+  if (locked != EPX_SUCCESS) {
+    comm->failed = 1;
+    status = locked;
+  } else {
+    w->slots[comm->rank].error = status != EPX_SUCCESS;
+    epx_status_t waited = w->failed ? shm_failed_error_locked(comm, caller, UINT64_MAX)
+                                    : shm_arrive_locked(comm, caller);
+    if (status == EPX_SUCCESS) status = waited;
+    for (int32_t p = 0; p < w->size && status == EPX_SUCCESS; p++)
+      if (w->slots[p].error)
+        status = epx_error(EPX_ERROR_PEER_FAILED,
+                           "%s: rank %d failed in this %s (its own error says why); this rank's "
+                           "output is incomplete",
+                           caller, p, shm_op_names[op]);
+    shm_unlock(st);
+  }
   if (st->own_linked) {
-    char name[SHM_NAME_MAX + 48];
+    char name[SHM_PATH_MAX + 48];
     shm_data_name(name, sizeof name, st, comm->rank, st->maps[comm->rank].seq);
     shm_unlink(name);
     st->own_linked = 0;
@@ -314,8 +525,11 @@ static epx_status_t shm_stage(epx_comm_t comm, const char *caller, size_t bytes,
     size_t want = bytes > 2 * own->bytes ? bytes : 2 * own->bytes;
     if (want < SHM_MIN_DATA) want = SHM_MIN_DATA;
     want = (want + page - 1) / page * page;
-    char name[SHM_NAME_MAX + 48], *base = NULL;
+    char name[SHM_PATH_MAX + 48], *base = NULL;
     shm_data_name(name, sizeof name, st, comm->rank, own->seq + 1);
+    /* The name is this rank's in this world: an object there is a leftover
+     * of an ended job on the same name. */
+    shm_unlink(name);
     epx_status_t status = shm_map_object(caller, name, want, 1, &base);
     if (status != EPX_SUCCESS) return status;
     if (own->base) munmap(own->base, own->bytes);
@@ -335,7 +549,7 @@ static epx_status_t shm_map_peers(epx_comm_t comm, const char *caller) {
     const shm_slot_t *slot = &st->world->slots[p];
     shm_map_t *map = &st->maps[p];
     if (p == comm->rank || slot->data_seq == map->seq) continue;
-    char name[SHM_NAME_MAX + 48], *base = NULL;
+    char name[SHM_PATH_MAX + 48], *base = NULL;
     shm_data_name(name, sizeof name, st, p, slot->data_seq);
     epx_status_t status = shm_map_object(caller, name, (size_t)slot->data_bytes, 0, &base);
     if (status != EPX_SUCCESS) return status;
@@ -457,10 +671,30 @@ static void shm_close(shm_state_t *st, int32_t size) {
   free(st);
 }
 
+/* Removes the names of rank p's data segments `seq` and the next (which it
+ * may have made and not published yet). */
+static void shm_unlink_data(const shm_state_t *st, int32_t p, uint64_t seq) {
+  char name[SHM_PATH_MAX + 48];
+  for (uint64_t s = seq ? seq : 1; s <= seq + 1; s++) {
+    shm_data_name(name, sizeof name, st, p, s);
+    shm_unlink(name);
+  }
+}
+
 static void shm_destroy(epx_comm_t comm) {
   shm_state_t *st = comm->impl;
   shm_world_t *w = st->world;
-  shm_lock(w, "epx_comm_destroy");
+  /* A peer stopped holding the lock: the world is left as it is. */
+  if (shm_lock(st, comm->rank, "epx_comm_destroy") != EPX_SUCCESS) {
+    shm_close(st, comm->size);
+    comm->impl = NULL;
+    return;
+  }
+  /* A peer whose process ended cannot remove its data segments' names. */
+  for (int32_t p = 0; p < w->size; p++)
+    if (p != comm->rank && w->slots[p].attached &&
+        shm_process_gone(st, w->slots[p].pid, w->slots[p].pid_ns))
+      shm_unlink_data(st, p, w->slots[p].data_seq);
   w->slots[comm->rank].attached = 0;
   w->attached--;
   /* A peer that already waits in its next collective would wait in vain. */
@@ -471,15 +705,18 @@ static void shm_destroy(epx_comm_t comm) {
                       "rank %d destroyed its comm while rank %d is in %s (%s)", comm->rank, p,
                       peer->caller, shm_op_names[peer->op]);
   }
-  pthread_mutex_unlock(&w->lock);
+  shm_unlock(st);
   if (st->own_linked) {
-    char name[SHM_NAME_MAX + 48];
+    char name[SHM_PATH_MAX + 48];
     shm_data_name(name, sizeof name, st, comm->rank, st->maps[comm->rank].seq);
     shm_unlink(name);
   }
   shm_close(st, comm->size);
   comm->impl = NULL;
 }
+
+static epx_status_t shm_shrink(epx_comm_t comm, const char *caller, double timeout_seconds,
+                               int32_t ranks_per_node, uint8_t *lost, epx_comm_t *survivor);
 
 static const epx_transport_ops_t shm_ops = {
     .name = "shm",
@@ -488,77 +725,133 @@ static const epx_transport_ops_t shm_ops = {
     .allgather = shm_allgather,
     .allreduce_max_i64 = shm_allreduce_max_i64,
     .barrier = shm_barrier,
+    .shrink = shm_shrink,
     .destroy = shm_destroy,
 };
 
-/* Rank 0: the control segment, its lock and condition variable shared
- * between processes, the magic stored last. */
+/* The control segment now at the name, mapped whole (*bytes), once its
+ * creator has finished its init; NULL when there is none (*exists 0) or it is
+ * not complete or not of this layout (*exists 1). */
+static shm_world_t *shm_world_map(const shm_state_t *st, size_t *bytes, int *exists) {
+  *exists = 0;
+  int fd = shm_open(st->name, O_RDWR, 0600);
+  if (fd < 0) return NULL;
+  *exists = 1;
+  struct stat info;
+  void *base = MAP_FAILED;
+  if (fstat(fd, &info) == 0 && (size_t)info.st_size >= sizeof(shm_world_t))
+    base = mmap(NULL, (size_t)info.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  if (base == MAP_FAILED) return NULL;
+  shm_world_t *w = base;
+  if (atomic_load_explicit(&w->magic, memory_order_acquire) == SHM_MAGIC && w->size >= 1 &&
+      shm_world_bytes(w->size) <= (size_t)info.st_size) {
+    *bytes = (size_t)info.st_size;
+    return w;
+  }
+  munmap(base, (size_t)info.st_size);
+  return NULL;
+}
+
+/* Rank 0, before it creates the name: a segment left there by a job whose
+ * rank 0 has ended is removed, with its ranks' data segments; one whose
+ * rank 0 lives, or one that is not a complete epx segment, is refused. */
+static epx_status_t shm_reclaim(const shm_state_t *st, const char *fn) {
+  size_t bytes = 0;
+  int exists = 0;
+  shm_world_t *old = shm_world_map(st, &bytes, &exists);
+  if (!exists) return EPX_SUCCESS;
+  if (!old)
+    return epx_error(EPX_ERROR_INVALID_ARGUMENT,
+                     "%s: name \"%s\" is taken by a shared memory object that is not a complete "
+                     "epx segment of this version (another program's, another epx version's, or "
+                     "one whose rank 0 is creating it now); pass another name, or remove "
+                     "/dev/shm/%s if no job uses it",
+                     fn, st->name + 1, st->name + 1);
+  int32_t creator = old->creator_pid;
+  int gone = shm_process_gone(st, creator, old->creator_pid_ns);
+  if (gone) {
+    for (int32_t p = 0; p < old->size; p++) shm_unlink_data(st, p, old->slots[p].data_seq);
+    shm_unlink(st->name);
+  }
+  munmap(old, bytes);
+  if (gone) return EPX_SUCCESS;
+  return epx_error(EPX_ERROR_INVALID_ARGUMENT,
+                   "%s: name \"%s\" is in use by a live job (its rank 0 is pid %d); pass a name "
+                   "that is new for every comm, or remove /dev/shm/%s if no job uses it",
+                   fn, st->name + 1, (int)creator, st->name + 1);
+}
+
+/* Rank 0: the control segment, its robust lock shared between processes,
+ * its creator's pid, the magic stored last. */
 static epx_status_t shm_world_init(shm_state_t *st, int32_t size, double timeout_seconds) {
   const char *fn = "epx_comm_create_shm";
   char *base = NULL;
-  epx_status_t status = shm_map_object(fn, st->name, st->world_bytes, 1, &base);
+  epx_status_t status = shm_reclaim(st, fn);
+  if (status == EPX_SUCCESS) status = shm_map_object(fn, st->name, st->world_bytes, 1, &base);
   if (status != EPX_SUCCESS) return status;
   shm_world_t *w = (shm_world_t *)base;
   w->size = size;
+  w->creator_pid = (int32_t)getpid();
+  w->creator_pid_ns = st->pid_ns;
   w->timeout_seconds = timeout_seconds;
+  atomic_init(&w->holder, -1);
+  atomic_init(&w->wake, 0);
+  atomic_init(&w->sleepers, 0);
   pthread_mutexattr_t mattr;
-  pthread_condattr_t cattr;
   int rc = pthread_mutexattr_init(&mattr);
   if (!rc) rc = pthread_mutexattr_setpshared(&mattr, PTHREAD_PROCESS_SHARED);
   if (!rc) rc = pthread_mutexattr_setrobust(&mattr, PTHREAD_MUTEX_ROBUST);
   if (!rc) rc = pthread_mutex_init(&w->lock, &mattr);
   pthread_mutexattr_destroy(&mattr);
-  /* A monotonic clock, so that setting the wall clock cannot stretch a timeout. */
-  if (!rc) rc = pthread_condattr_init(&cattr);
-  if (!rc) rc = pthread_condattr_setpshared(&cattr, PTHREAD_PROCESS_SHARED);
-  if (!rc) rc = pthread_condattr_setclock(&cattr, CLOCK_MONOTONIC);
-  if (!rc) rc = pthread_cond_init(&w->cond, &cattr);
-  pthread_condattr_destroy(&cattr);
   st->world = w;
   if (rc) {
     shm_unlink(st->name);
-    return epx_error(EPX_ERROR_INTERNAL,
-                     "%s: process-shared mutex or condition variable init failed (%s)", fn,
+    return epx_error(EPX_ERROR_INTERNAL, "%s: process-shared robust mutex init failed (%s)", fn,
                      strerror(rc));
   }
   atomic_store_explicit(&w->magic, SHM_MAGIC, memory_order_release);
   return EPX_SUCCESS;
 }
 
-/* Maps the control segment if rank 0 has made it and finished its init
- * (NULL if not yet). */
-static shm_world_t *shm_world_try(const shm_state_t *st) {
-  int fd = shm_open(st->name, O_RDWR, 0600);
-  if (fd < 0) return NULL;
-  struct stat info;
-  void *base = MAP_FAILED;
-  if (fstat(fd, &info) == 0 && (size_t)info.st_size >= st->world_bytes)
-    base = mmap(NULL, st->world_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  close(fd);
-  if (base == MAP_FAILED) return NULL;
-  shm_world_t *w = base;
-  if (atomic_load_explicit(&w->magic, memory_order_acquire) == SHM_MAGIC) return w;
-  munmap(base, st->world_bytes);
-  return NULL;
-}
-
 /* Ranks > 0: opens rank 0's control segment, waiting for it to appear and be
- * initialised, up to the timeout. */
+ * initialised, up to the timeout. A stale segment (its creator gone) is not
+ * this job's: they wait for rank 0 to replace it, and name it if it does
+ * not. */
 static epx_status_t shm_world_open(shm_state_t *st, int32_t size, double timeout_seconds) {
   const char *fn = "epx_comm_create_shm";
   int bounded = shm_bounded(timeout_seconds);
-  struct timespec deadline = epx_comm_deadline(bounded ? timeout_seconds : 0);
+  double deadline = shm_now() + (bounded ? timeout_seconds : 0);
   const struct timespec pause = {0, 1000000L};
-  while (!(st->world = shm_world_try(st))) {
-    struct timespec now;
-    clock_gettime(CLOCK_MONOTONIC, &now);
-    if (bounded && (now.tv_sec > deadline.tv_sec ||
-                    (now.tv_sec == deadline.tv_sec && now.tv_nsec >= deadline.tv_nsec)))
+  int32_t stale_creator = 0;
+  for (;;) {
+    size_t bytes = 0;
+    int exists = 0;
+    shm_world_t *w = shm_world_map(st, &bytes, &exists);
+    if (w && shm_process_gone(st, w->creator_pid, w->creator_pid_ns)) {
+      stale_creator = w->creator_pid;
+      munmap(w, bytes);
+      w = NULL;
+    }
+    if (w) {
+      st->world = w;
+      st->world_bytes = bytes;
+      break;
+    }
+    if (bounded && shm_now() >= deadline) {
+      if (stale_creator)
+        return epx_error(EPX_ERROR_TIMEOUT,
+                         "%s: \"%s\" holds only a segment left by an earlier job whose rank 0 "
+                         "(pid %d) has ended, and rank 0 of this job did not replace it within "
+                         "%g s (comm timeout_seconds); start rank 0 (it removes the stale "
+                         "segment), or remove /dev/shm/%s",
+                         fn, st->name + 1, (int)stale_creator, timeout_seconds, st->name + 1);
       return epx_error(EPX_ERROR_TIMEOUT,
                        "%s: rank 0 did not create the shared segment \"%s\" of a %d-rank world "
                        "within %g s (comm timeout_seconds); is rank 0 running, with the same "
                        "name and size?",
                        fn, st->name, size, timeout_seconds);
+    }
     nanosleep(&pause, NULL);
   }
   if (st->world->size != size)
@@ -573,8 +866,9 @@ static epx_status_t shm_world_open(shm_state_t *st, int32_t size, double timeout
 static epx_status_t shm_attach(epx_comm_t comm) {
   shm_world_t *w = ((shm_state_t *)comm->impl)->world;
   const char *fn = "epx_comm_create_shm";
-  epx_status_t status = EPX_SUCCESS;
-  shm_lock(w, fn);
+  shm_state_t *st = comm->impl;
+  epx_status_t status = shm_lock(st, comm->rank, fn);
+  if (status != EPX_SUCCESS) return status;
   if (w->failed)
     status = epx_error(EPX_ERROR_PEER_FAILED, "%s: the world failed earlier, in %s: %s", fn,
                        w->fail_caller, w->fail_reason);
@@ -585,9 +879,11 @@ static epx_status_t shm_attach(epx_comm_t comm) {
                        fn, comm->rank, ((shm_state_t *)comm->impl)->name);
   if (status == EPX_SUCCESS) {
     w->slots[comm->rank].attached = 1;
+    w->slots[comm->rank].pid = (int32_t)getpid();
+    w->slots[comm->rank].pid_ns = st->pid_ns;
     w->attached++;
   }
-  pthread_mutex_unlock(&w->lock);
+  shm_unlock(st);
   return status;
 }
 
@@ -601,6 +897,52 @@ static int shm_name_ok(const char *name) {
     if (!ok) return 0;
   }
   return 1;
+}
+
+/* A comm of rank `rank` of `size` on the segment "<base>" (shrinks 0) or
+ * "<base>.g<shrinks>", its arguments checked; *out is the comm object. */
+static epx_status_t shm_create(const char *fn, const char *base, uint32_t shrinks, int32_t rank,
+                               int32_t size, double timeout_seconds, int32_t ranks_per_node,
+                               epx_comm_t *out) {
+  epx_status_t status = EPX_SUCCESS;
+  epx_comm_t created = NULL;
+  shm_state_t *st = calloc(1, sizeof *st);
+  if (st) st->maps = calloc((size_t)size, sizeof *st->maps);
+  if (!st || !st->maps) {
+    if (st) free(st);
+    return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory for %d ranks", fn, size);
+  }
+  snprintf(st->base, sizeof st->base, "%s", base);
+  st->shrinks = shrinks;
+  if (shrinks) snprintf(st->name, sizeof st->name, "/%s.g%u", base, shrinks);
+  else snprintf(st->name, sizeof st->name, "/%s", base);
+  st->pid_ns = shm_pid_ns();
+  st->locked_as = -1;
+  st->world_bytes = shm_world_bytes(size);
+  EPX_CHECK(rank == 0 ? shm_world_init(st, size, timeout_seconds)
+                      : shm_world_open(st, size, timeout_seconds));
+  EPX_CHECK(epx_comm_new(fn, timeout_seconds, &created));
+  created->ops = &shm_ops;
+  created->rank = rank;
+  created->size = size;
+  created->impl = st;
+  EPX_CHECK(shm_attach(created));
+  status = shm_gather(created, fn, SHM_OP_CREATE, 0);
+  /* Every rank holds the control segment now (or gave up): its name can go. */
+  if (rank == 0) shm_unlink(st->name);
+  if (status == EPX_SUCCESS) status = epx_comm_topology_init(created, fn, ranks_per_node, NULL);
+  if (status != EPX_SUCCESS) {
+    shm_destroy(created);
+    epx_comm_free(created);
+    return status;
+  }
+  *out = created;
+  return EPX_SUCCESS;
+fail:
+  if (rank == 0 && st->world) shm_unlink(st->name);
+  shm_close(st, size);
+  if (created) epx_comm_free(created);
+  return status;
 }
 
 epx_status_t epx_comm_create_shm(const char *name, int32_t rank, int32_t size,
@@ -624,36 +966,101 @@ epx_status_t epx_comm_create_shm(const char *name, int32_t rank, int32_t size,
               "%s: config->ranks_per_node is %d, which does not divide size %d; pass a divisor of "
               "it, or 0", fn, ranks_per_node, size);
   epx_comm_t created = NULL;
-  shm_state_t *st = calloc(1, sizeof *st);
-  if (st) st->maps = calloc((size_t)size, sizeof *st->maps);
-  if (!st || !st->maps) {
-    if (st) free(st);
-    return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory for %d ranks", fn, size);
-  }
-  snprintf(st->name, sizeof st->name, "/%s", name);
-  st->world_bytes = shm_world_bytes(size);
-  EPX_CHECK(rank == 0 ? shm_world_init(st, size, timeout_seconds)
-                      : shm_world_open(st, size, timeout_seconds));
-  EPX_CHECK(epx_comm_new(fn, timeout_seconds, &created));
-  created->ops = &shm_ops;
-  created->rank = rank;
-  created->size = size;
-  created->impl = st;
-  EPX_CHECK(shm_attach(created));
-  status = shm_gather(created, fn, SHM_OP_CREATE, 0);
-  /* Every rank holds the control segment now (or gave up): its name can go. */
-  if (rank == 0) shm_unlink(st->name);
-  if (status == EPX_SUCCESS) status = epx_comm_topology_init(created, fn, ranks_per_node, NULL);
-  if (status != EPX_SUCCESS) {
-    shm_destroy(created);
-    epx_comm_free(created);
-    return status;
-  }
-  *comm = created->id;
-  return EPX_SUCCESS;
-fail:
-  if (rank == 0 && st->world) shm_unlink(st->name);
-  shm_close(st, size);
-  if (created) epx_comm_free(created);
+  status = shm_create(fn, name, 0, rank, size, timeout_seconds, ranks_per_node, &created);
+  if (status == EPX_SUCCESS) *comm = created->id;
   return status;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Shrink (epx_comm_shrink)                                                  */
+/* ------------------------------------------------------------------------ */
+
+/* The survivors agree on the lost ranks in the old control segment, which
+ * every one of them still maps (its name is gone): a rank joins by calling
+ * the shrink; it is settled once (by whichever survivor sees it first)
+ * when every rank has joined except those not waited for — a rank whose
+ * comm is destroyed, whose process has ended, or that the world's failure
+ * named missing (suspect) — or when a joined survivor has waited the
+ * timeout. A dead process cannot block it: its lock is robust, and a
+ * process that ended is never waited for. The survivors then create a new
+ * segment, "<name>.g<N>", whose rank 0 is the lowest survivor: nothing of
+ * the old world is used again. */
+
+/* 1 when no rank is left to wait for (under lock). */
+static int shm_shrink_settled_locked(const shm_state_t *st) {
+  const shm_world_t *w = st->world;
+  for (int32_t p = 0; p < w->size; p++) {
+    const shm_slot_t *slot = &w->slots[p];
+    if (slot->shrink_joined || !slot->attached || slot->suspect) continue;
+    if (!shm_process_gone(st, slot->pid, slot->pid_ns)) return 0;
+  }
+  return 1;
+}
+
+/* Joins the shrink and waits for it to settle (under lock; on an error
+ * taking the lock back, the lock is not held). */
+static epx_status_t shm_shrink_join_locked(epx_comm_t comm, const char *caller) {
+  shm_state_t *st = comm->impl;
+  shm_world_t *w = st->world;
+  shm_slot_t *mine = &w->slots[comm->rank];
+  if (mine->shrink_joined)
+    return epx_error(EPX_ERROR_INVALID_ARGUMENT,
+                     "%s: rank %d already shrank this comm; shrink the survivors' comm instead",
+                     caller, comm->rank);
+  if (w->shrink_done)
+    return epx_error(EPX_ERROR_PEER_FAILED,
+                     "%s: the survivors shrank this comm without rank %d (the failure named it "
+                     "missing, or it did not join within %g s); it is not in their comm: "
+                     "destroy this comm", caller, comm->rank, w->timeout_seconds);
+  mine->shrink_joined = 1;
+  /* Ranks still in a collective of the old comm leave it and come here. */
+  if (!w->failed)
+    shm_fail_locked(w, w->generation, EPX_ERROR_PEER_FAILED, caller, "rank %d shrank the comm",
+                    comm->rank);
+  shm_wake_all(w);
+  int bounded = shm_bounded(w->timeout_seconds);
+  double deadline = shm_now() + (bounded ? w->timeout_seconds : 0);
+  while (!w->shrink_done) {
+    double now = shm_now();
+    if (shm_shrink_settled_locked(st) || (bounded && now >= deadline)) {
+      w->shrink_done = 1;
+      shm_wake_all(w);
+      break;
+    }
+    double left = bounded ? deadline - now : SHM_SLICE_SECONDS;
+    uint32_t seen = atomic_load_explicit(&w->wake, memory_order_acquire);
+    atomic_fetch_add_explicit(&w->sleepers, 1, memory_order_seq_cst);
+    shm_unlock(st);
+    shm_sleep(w, seen, left < SHM_SLICE_SECONDS ? left : SHM_SLICE_SECONDS);
+    atomic_fetch_sub_explicit(&w->sleepers, 1, memory_order_seq_cst);
+    epx_status_t locked = shm_lock(st, comm->rank, caller);
+    if (locked != EPX_SUCCESS) return locked;
+  }
+  return EPX_SUCCESS;
+}
+
+static epx_status_t shm_shrink(epx_comm_t comm, const char *caller, double timeout_seconds,
+                               int32_t ranks_per_node, uint8_t *lost, epx_comm_t *survivor) {
+  shm_state_t *st = comm->impl;
+  shm_world_t *w = st->world;
+  comm->failed = 1;
+  epx_status_t status = shm_lock(st, comm->rank, caller);
+  if (status == EPX_SUCCESS) status = shm_shrink_join_locked(comm, caller);
+  int32_t rank = 0, size = 0;
+  for (int32_t p = 0; status == EPX_SUCCESS && p < w->size; p++) {
+    lost[p] = !w->slots[p].shrink_joined;
+    size += !lost[p];
+    rank += p < comm->rank && !lost[p];
+  }
+  shm_unlock(st);
+  if (status != EPX_SUCCESS) return status;
+  EPX_REQUIRE(ranks_per_node == 0 || size % ranks_per_node == 0,
+              "%s: config->ranks_per_node is %d, which does not divide the %d survivors; pass a "
+              "divisor of it, or 0", caller, ranks_per_node, size);
+  return shm_create(caller, st->base, st->shrinks + 1, rank, size, timeout_seconds,
+                    ranks_per_node, survivor);
+}
+
+void epx_comm_shm_test_hold_lock(epx_comm_t comm) {
+  shm_lock(comm->impl, comm->rank, "epx_comm_shm_test_hold_lock");
 }

@@ -5,17 +5,14 @@
 #include <string.h>
 
 #include "comm/comm.h"
-#include "core/config.h"
 #include "core/error.h"
 #include "core/registry.h"
 
 epx_status_t epx_comm_config_ranks_per_node(const char *caller, const epx_comm_config_t *config,
                                             int32_t *ranks_per_node) {
-  epx_comm_config_t full = EPX_COMM_CONFIG_INIT;
-  if (config) {
-    epx_status_t status = epx_config_read(caller, "epx_comm_config_t", config, &full, sizeof full);
-    if (status != EPX_SUCCESS) return status;
-  }
+  epx_comm_config_t full;
+  epx_status_t status = epx_comm_config_full(caller, config, &full);
+  if (status != EPX_SUCCESS) return status;
   EPX_REQUIRE(full.ranks_per_node >= 0,
               "%s: config->ranks_per_node is %d; pass the ranks each posed node holds (> 0), or 0 "
               "to take the nodes as the transport finds them", caller, full.ranks_per_node);

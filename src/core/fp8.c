@@ -7,9 +7,13 @@
 
 int32_t epx_fp8_block(epx_fp8_format_t format) { return epx_payload_fp8(format, EPX_FLOAT32, 0).scale_block; }
 
-/* Four UE8M0 bytes share an int32 word, so the words need 4 whole blocks. */
+int32_t epx_fp8_scale_col_bytes(epx_fp8_format_t format) { return format == EPX_FP8_MXFP8 ? 1 : 4; }
+
+/* A whole number of scale columns: four UE8M0 bytes share an int32 word, so
+ * its rows need 4 whole blocks. */
 int32_t epx_fp8_hidden_multiple(epx_fp8_format_t format) {
-  return format == EPX_FP8_E4M3_UE8M0_128 ? 512 : epx_fp8_block(format);
+  const int32_t block = epx_fp8_block(format);
+  return block ? block * epx_fp8_scale_col_bytes(format) / EPX_FP8_SCALE_ENTRY_BYTES(format) : 0;
 }
 
 int64_t epx_fp8_scale_row_bytes(epx_fp8_format_t format, int64_t hidden) {
@@ -38,7 +42,7 @@ static inline __attribute__((always_inline)) float block_amax(const float *v, in
  * subnormal code is rint(|f| * 2^9) (an exact product; adding 2^23 rounds
  * it to the integer, to even, in the current rounding mode: the library
  * never changes it). Equal to epx_f32_to_e4m3 for all 2^32 inputs
- * (bench/NOTES.md, session 22; test_fp8 checks a sample). */
+ * (bench/NOTES.md, "FP8 on the CPU"; test_fp8 checks a sample). */
 static inline __attribute__((always_inline)) void e4m3_loop(const float *v, int64_t n, uint8_t *q) {
   for (int64_t i = 0; i < n; i++) {
     const uint32_t bits = epx_fp8_bits(v[i]), abs = bits & 0x7fffffffu, sign = (bits >> 24) & 0x80u;
@@ -55,7 +59,7 @@ static inline __attribute__((always_inline)) void e4m3_loop(const float *v, int6
 
 /* The same loop at AVX2's width where the processor has it (the library is
  * built for the baseline x86-64, whose SSE2 loop is half as wide:
- * bench/NOTES.md, session 22). */
+ * bench/NOTES.md, "FP8 on the CPU"). */
 #if defined(__x86_64__) && defined(__GNUC__)
 #define EPX_FP8_AVX2 1
 __attribute__((target("avx2"))) static void e4m3_loop_avx2(const float *v, int64_t n, uint8_t *q) {

@@ -144,10 +144,14 @@ static inline EPX_HD float epx_fp8_scale_value(epx_fp8_format_t format, uint32_t
   return epx_fp8_float(stored == 0 ? 0x00400000u : stored << 23);
 }
 
-/* The format's block of channels per scale (0: not an fp8 format), the
- * multiple hidden must be, and the bytes of one stored scale entry. */
+/* The format's block of channels per scale (0: not an fp8 format) and the
+ * multiple hidden must be. */
 int32_t epx_fp8_block(epx_fp8_format_t format);
 int32_t epx_fp8_hidden_multiple(epx_fp8_format_t format);
+/* Bytes of a column of the caller's scales tensor (epx_fp8_scale_shape),
+ * the alignment that tensor needs: a float32, an int32 word of four UE8M0
+ * bytes, or an E8M0 byte. */
+int32_t epx_fp8_scale_col_bytes(epx_fp8_format_t format);
 /* Bytes of a row's scales (hidden a multiple of the block). */
 int64_t epx_fp8_scale_row_bytes(epx_fp8_format_t format, int64_t hidden);
 

@@ -7,6 +7,7 @@
 #ifndef EPX_CORE_NCCL_H
 #define EPX_CORE_NCCL_H
 
+#include "core/error.h"
 #include "epx.h"
 
 #ifdef __cplusplus
@@ -35,6 +36,9 @@ epx_status_t epx_nccl_wait(epx_comm_t comm, void *stream, const char *caller);
  * nonblocking comm still enqueuing) is polled to completion under the same
  * bound; an error fails the comm with NCCL's own message. */
 epx_status_t epx_nccl_result(epx_comm_t comm, int result, const char *caller, const char *what);
+/* The same as a check that jumps to `fail` with `status` set (core/error.h's
+ * EPX_CHECK), for a function with its epx comm in `comm`. */
+#define NCCL_CHECK(call, fn, what) EPX_CHECK(epx_nccl_result(comm, (int)(call), fn, what))
 
 /* Whether an NCCL call inside a group went through (ncclSuccess, or
  * ncclInProgress on a nonblocking comm): the group goes on. */

@@ -16,6 +16,7 @@ extern "C" {
 
 struct epx_cpu_plan;
 struct epx_cpu_scratch;
+struct epx_placement_table;
 
 struct epx_backend;
 
@@ -25,7 +26,9 @@ struct epx_buffer {
   epx_buffer_config_t config;
   int32_t world_size;
   int32_t rank;
-  int32_t experts_per_rank;    /* E_local */
+  int32_t experts_per_rank;    /* E_local: the placement's physical experts per rank */
+  struct epx_placement_table *placement; /* where each expert lives (core/placement.h; owned) */
+  int64_t *expert_load;        /* [E] routes per logical expert since the last reset (epx_buffer_expert_load) */
   int64_t max_tokens;          /* agreed tokens per rank; 0 until agreed */
   int64_t live_handles;        /* handles not yet released (atomic) */
   union {

@@ -99,6 +99,12 @@ static inline EPX_HD epx_payload_format_t epx_payload_format(epx_dtype_t dtype, 
   return f;
 }
 
+/* An fp8 format's channels per scale and the bytes of one stored scale (a
+ * float32, or an exponent byte): macros, so that a CUDA kernel templated on
+ * the format has them at compile time. For a valid format only. */
+#define EPX_FP8_SCALE_BLOCK(format) ((format) == EPX_FP8_MXFP8 ? 32 : 128)
+#define EPX_FP8_SCALE_ENTRY_BYTES(format) ((format) == EPX_FP8_E4M3_F32_128 ? 4 : 1)
+
 /* The fp8 rows of `format` quantized from rows of `dtype` (hidden a
  * multiple of the format's block; see epx_fp8_hidden_multiple): H e4m3
  * bytes, then H / block scales. An unknown format gives no scales and
@@ -111,12 +117,13 @@ static inline EPX_HD epx_payload_format_t epx_payload_fp8(epx_fp8_format_t forma
   f.row_bytes = hidden;
   f.fp8 = format;
   switch (format) {
-    case EPX_FP8_E4M3_F32_128: f.scale_kind = EPX_SCALES_F32, f.scale_block = 128; break;
-    case EPX_FP8_E4M3_UE8M0_128: f.scale_kind = EPX_SCALES_UE8M0, f.scale_block = 128; break;
-    case EPX_FP8_MXFP8: f.scale_kind = EPX_SCALES_E8M0, f.scale_block = 32; break;
-    default: f.scale_kind = EPX_SCALES_NONE, f.scale_block = 0; break;
+    case EPX_FP8_E4M3_F32_128: f.scale_kind = EPX_SCALES_F32; break;
+    case EPX_FP8_E4M3_UE8M0_128: f.scale_kind = EPX_SCALES_UE8M0; break;
+    case EPX_FP8_MXFP8: f.scale_kind = EPX_SCALES_E8M0; break;
+    default: f.scale_kind = EPX_SCALES_NONE; break;
   }
-  f.scale_bytes = f.scale_block ? hidden / f.scale_block * (f.scale_kind == EPX_SCALES_F32 ? 4 : 1) : 0;
+  f.scale_block = f.scale_kind == EPX_SCALES_NONE ? 0 : EPX_FP8_SCALE_BLOCK(format);
+  f.scale_bytes = f.scale_block ? hidden / f.scale_block * EPX_FP8_SCALE_ENTRY_BYTES(format) : 0;
   return f;
 }
 

@@ -1,5 +1,5 @@
 /* The routing spec, written once: what every router (the CPU fast path
- * src/cpu/route.c, the CUDA kernels src/cuda/route_*.cu, the float64
+ * src/cpu/route.c, the CUDA kernels of src/cuda/route/, the float64
  * reference src/cpu/route_reference.c and tools/epx-bench) computes the same
  * way. Usable from C and from CUDA device code (plain inline functions, no
  * library calls but ceil/ceilf and the double exp/log1p/sqrt of the scores).

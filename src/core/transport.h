@@ -48,6 +48,13 @@ typedef struct epx_transport_ops {
    * blocks may be read in it. */
   epx_status_t (*handshake)(epx_comm_t comm, const char *caller, const void *send, void *recv,
                             size_t bytes, epx_comm_then_fn then, void *ctx);
+  /* The survivors' comm (epx_comm_shrink, src/comm/shrink.c): agrees the
+   * ranks left out (lost [size] gets 1 for each) and makes *survivor, a comm
+   * allocated, registered and ready (its topology too), of the others
+   * renumbered in ascending rank order, with the timeout and posed nodes
+   * given. NULL: the transport cannot shrink (EPX_ERROR_UNSUPPORTED). */
+  epx_status_t (*shrink)(epx_comm_t comm, const char *caller, double timeout_seconds,
+                         int32_t ranks_per_node, uint8_t *lost, epx_comm_t *survivor);
   /* Releases the transport's state (after a barrier the caller made). */
   void (*destroy)(epx_comm_t comm);
   /* 1 when every rank lives in this address space (threads of one process):
@@ -80,7 +87,7 @@ struct epx_comm {
   void *impl;            /* the transport's own state */
 };
 
-/* The two helpers below are the transports' common code (src/comm/comm.c). */
+/* The helpers below are the transports' common code (core/transport.c). */
 
 /* Agrees a rank-local verdict across the comm (one all-reduce) so that a
  * refusal on one rank is a refusal on every rank before anything moves. The

@@ -32,7 +32,19 @@ const char *epx_cpu_call_name(int32_t kind) {
   return kind > 0 && kind < EPX_CALL_COUNT ? call_names[kind] : "an unknown call";
 }
 
+static int is_low_latency(const char *fn) { return !strncmp(fn, "epx_ll_", 7); }
+
+/* The public name of a call: a low-latency call's messages (its layout, its
+ * rows, its combine) all belong to the epx_ll_* call. */
+static const char *call_name(int32_t kind, int32_t flags) {
+  if (!(flags & EPX_CALL_LOW_LATENCY)) return epx_cpu_call_name(kind);
+  if (kind == EPX_CALL_COMBINE) return "epx_ll_combine";
+  if (kind == EPX_CALL_DISPATCH_FP8 || kind == EPX_CALL_DISPATCH_QUANTIZE) return "epx_ll_dispatch_fp8";
+  return "epx_ll_dispatch";
+}
+
 epx_call_kind_t epx_cpu_call_kind(const char *fn) {
+  if (is_low_latency(fn)) return strstr(fn, "combine") ? EPX_CALL_COMBINE : EPX_CALL_LAYOUT;
   for (int32_t k = EPX_CALL_DISPATCH; k < EPX_CALL_COUNT; k++)
     if (k != EPX_CALL_REPLAY && !strcmp(fn, call_names[k])) return (epx_call_kind_t)k;
   return EPX_CALL_REPLAY;
@@ -55,14 +67,17 @@ void epx_cpu_call_begin(epx_cpu_call_ctx_t *ctx, epx_buffer_t buffer, epx_call_k
   m->rank = buffer->comm->rank;
   m->hidden = buffer->config.hidden;
   m->weighting = h ? (int32_t)h->weighting : 0;
+  m->flags = is_low_latency(fn) ? EPX_CALL_LOW_LATENCY : 0;
 }
 
-/* Rank s's block as core/agree.h's checks read it. */
+/* Rank s's block as core/agree.h's checks read it: a low-latency call is
+ * another call than the normal one of its kind. */
 static void call_view(const void *blocks, int32_t s, epx_call_view_t *view) {
   const epx_cpu_call_t *c = (const epx_cpu_call_t *)blocks + s;
-  *view = (epx_call_view_t){c->kind, epx_cpu_call_name(c->kind), c->kind == EPX_CALL_LAYOUT,
+  int64_t kind = c->kind + (c->flags & EPX_CALL_LOW_LATENCY ? EPX_CALL_COUNT : 0);
+  *view = (epx_call_view_t){kind, call_name(c->kind, c->flags), c->kind == EPX_CALL_LAYOUT,
                             c->kind != EPX_CALL_REPLAY, c->verdict, c->buffer_id, c->layout_id, c->tokens,
-                            c->top_k, 1, c->flags};
+                            c->top_k, 1, c->flags & EPX_CALL_GRAD_W ? EPX_AGREE_GRAD_W : 0};
 }
 
 static epx_status_t mismatch(const epx_cpu_call_ctx_t *ctx, const epx_cpu_call_t *peers, const char *what) {

@@ -6,7 +6,9 @@
  *
  * Vocabulary (one rank's view):
  *   route    a valid (token, k-slot) of a routing; goes to the rank that holds
- *            its expert (expert / E_local).
+ *            its physical expert (core/placement.h: the placement's rank_of;
+ *            the plan's topk_idx holds physical ids, the caller's logical
+ *            ones mapped by the replica rule).
  *   item     a row sent in dispatch: one per (token, destination rank) with
  *            the dedup exchange, one per route with the collective exchange.
  *   pair     a (token, destination rank) with at least one route.
@@ -26,6 +28,7 @@
 
 #include "core/transport.h"
 #include "core/objects.h"
+#include "core/placement.h"
 #include "epx.h"
 
 /* The buffer's CPU state: its identity among the comm's buffers, and staging
@@ -43,6 +46,7 @@ struct epx_cpu_scratch {
 struct epx_cpu_plan {
   int64_t layout_id; /* the comm's layout sequence number (equal on every rank) */
   int32_t W, rank, K, E_local;
+  const epx_placement_table_t *place; /* the buffer's (it outlives its handles) */
   int32_t record_k; /* slots per metadata record: the buffer's max_top_k */
   int64_t T, H;
   size_t row_bytes;
@@ -52,7 +56,7 @@ struct epx_cpu_plan {
   struct epx_cpu_hier *hier; /* the hierarchical exchange's two hops (hier.c), or NULL */
   epx_weighting_t weighting;
   epx_combine_precision_t precision; /* FLOAT32 whenever the payload is float32 */
-  int32_t *topk_idx; /* [T, K] copy of the routing */
+  int32_t *topk_idx; /* [T, K] the routing's physical experts (epx_placement_map_routing) */
   float *topk_w;     /* [T, K] copy (zeros when none was given) */
   int32_t *self_row; /* [T, K] layout row of each route to this rank, else -1 */
   /* Sender side, per destination rank r (self excluded): */
@@ -81,6 +85,7 @@ struct epx_cpu_plan {
   int64_t bytes;                         /* host bytes held by the plan */
   int32_t ll_pending;                    /* low-latency mode: the epx_ll_phase_t awaiting completion (ll.c) */
   int32_t ll_fixed_shape;                /* low-latency mode: rows in the fixed shape, unused ones never written */
+  int32_t agreed;                        /* every rank agreed the layout's first message (layout.c) */
 };
 
 /* ------------------------------------------------------------------------ */
@@ -103,6 +108,9 @@ typedef enum {
 
 /* Arguments that change what the call exchanges: equal on every rank. */
 #define EPX_CALL_GRAD_W 1
+/* The call is a low-latency one (epx_ll_*, set from its name): a different
+ * call from the normal one of the same kind, and named as such. */
+#define EPX_CALL_LOW_LATENCY 2
 
 /* One block of the first message (the same header to every peer, with a
  * per-peer word): the call's identity, shape and the rank's verdict. A
@@ -116,7 +124,7 @@ typedef struct {
   int32_t top_k;     /* K of the routing or handle */
   int32_t rank;      /* the sender */
   int64_t hidden;
-  int32_t flags;     /* EPX_CALL_GRAD_W: the call asks for grad_w */
+  int32_t flags;     /* EPX_CALL_GRAD_W: the call asks for grad_w; EPX_CALL_LOW_LATENCY */
   int32_t weighting; /* the routing's or handle's epx_weighting_t (layout: set by layout.c) */
   int64_t word[3]; /* layout: items to the receiver; local payload calls: rows, plan, second-plane rows */
 } epx_cpu_call_t;
@@ -146,7 +154,9 @@ epx_cpu_call_t *epx_cpu_call_blocks(const epx_cpu_call_ctx_t *ctx);
 epx_status_t epx_cpu_call_exchange(epx_buffer_t buffer, epx_call_kind_t kind, const char *fn,
                                    epx_status_t local, epx_handle_t h);
 /* The call kind of a public function's name (EPX_CALL_REPLAY for the layout's
- * validation, which is the only agreement made outside a move). */
+ * validation, which is the only agreement made outside a move); an epx_ll_*
+ * dispatch is a layout (its first message is the layout's), an epx_ll_*
+ * combine a combine. */
 epx_call_kind_t epx_cpu_call_kind(const char *fn);
 const char *epx_cpu_call_name(int32_t kind);
 

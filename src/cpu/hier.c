@@ -70,7 +70,7 @@ static void token_flags(const struct epx_cpu_plan *p, const struct epx_cpu_hier 
   for (int32_t k = 0; k < p->K; k++) {
     int32_t e = p->topk_idx[t * p->K + k];
     if (e < 0) continue;
-    int32_t d = e / p->E_local;
+    int32_t d = epx_placement_rank(p->place, e);
     flags[(size_t)h->topo->node_of[d] * (size_t)h->L + (size_t)h->topo->local_of[d]] = 1;
   }
 }
@@ -361,7 +361,7 @@ static void token_sums(const struct epx_cpu_plan *p, const struct epx_cpu_hier *
     const int32_t *idx = p->topk_idx + t * K;
     for (int32_t g = 0; g < G; g++) {
       int has = 0, node_first = 1;
-      for (int32_t k = 0; k < K; k++) has |= idx[k] >= 0 && topo->node_of[idx[k] / p->E_local] == g;
+      for (int32_t k = 0; k < K; k++) has |= idx[k] >= 0 && topo->node_of[epx_placement_rank(p->place, idx[k])] == g;
       if (!has) continue;
       if (g != h->node) {
         epx_cpu_add_partial(f->dtype, row_of(net_back, cursor[L + g]++, f->unit), f->rounded, f->acc, first, f->H);
@@ -371,7 +371,7 @@ static void token_sums(const struct epx_cpu_plan *p, const struct epx_cpu_hier *
       for (int32_t l = 0; l < L; l++) {
         int32_t r = rank_at(h, g, l), n = 0;
         for (int32_t k = 0; k < K; k++) {
-          if (idx[k] < 0 || idx[k] / p->E_local != r) continue;
+          if (idx[k] < 0 || epx_placement_rank(p->place, idx[k]) != r) continue;
           if (r == p->rank) {
             f->rows[n] = row_of(rows, p->self_row[t * K + k], p->row_bytes);
             f->w[n] = p->topk_w[t * K + k];

@@ -79,27 +79,32 @@ int64_t epx_cpu_total(const int64_t *count, int32_t n) {
 
 epx_status_t epx_cpu_validate_routing(epx_buffer_t b, const epx_routing_t *r) {
   const char *fn = "epx_dispatch_layout";
-  int32_t E = b->config.num_experts, K = r->top_k;
+  /* Ids are logical experts, or physical ones with caller-given replicas
+   * (core/placement.h); a duplicate is two routes to one logical expert. */
+  const epx_placement_table_t *place = b->placement;
+  int32_t E = epx_placement_routing_ids(place), K = r->top_k;
+  int caller_ids = place->rule == EPX_REPLICA_CALLER;
   int capacity_layout = b->config.layout == EPX_LAYOUT_CAPACITY;
   int64_t C = b->config.capacity;
-  int64_t *seen = malloc(sizeof(int64_t) * (size_t)E);
+  int64_t *seen = malloc(sizeof(int64_t) * (size_t)place->num_logical);
   uint8_t *slot_taken = capacity_layout ? calloc((size_t)(E * C + 7) / 8, 1) : NULL;
   epx_status_t status = EPX_SUCCESS;
   if (!seen || (capacity_layout && !slot_taken)) OOM(fn);
-  for (int32_t e = 0; e < E; e++) seen[e] = -1;
+  for (int32_t e = 0; e < place->num_logical; e++) seen[e] = -1;
   for (int64_t t = 0; t < r->num_tokens; t++) {
     for (int32_t k = 0; k < K; k++) {
       int32_t e = r->topk_idx[t * K + k];
       if (e == -1) continue;
       if (e < -1 || e >= E)
         EPX_FAIL(EPX_ERROR_INVALID_ARGUMENT,
-                 "%s: routing.topk_idx[%lld][%d] is %d, outside [-1, num_experts = %d); use -1 for "
-                 "no expert", fn, (long long)t, k, e, E);
-      if (seen[e] == t)
+                 "%s: routing.topk_idx[%lld][%d] is %d, outside [-1, %s = %d); use -1 for "
+                 "no expert", fn, (long long)t, k, e, caller_ids ? "config.placement->num_physical" : "num_experts", E);
+      int32_t logical = epx_placement_routing_logical(place, e);
+      if (seen[logical] == t)
         EPX_FAIL(EPX_ERROR_INVALID_ARGUMENT,
-                 "%s: routing.topk_idx[%lld] names expert %d twice; a token picks each expert at most once",
-                 fn, (long long)t, e);
-      seen[e] = t;
+                 "%s: routing.topk_idx[%lld] names %s %d twice; a token picks each expert at most once",
+                 fn, (long long)t, caller_ids ? "a replica of logical expert" : "expert", logical);
+      seen[logical] = t;
       if (capacity_layout) {
         int32_t l = r->locations[t * K + k];
         if (l < 0 || l >= C)
@@ -134,6 +139,7 @@ static epx_status_t plan_new(layout_t *L, epx_handle_t handle) {
   handle->cpu = L->p = p;
   p->layout_id = b->comm->layouts_made + 1;
   p->W = b->world_size, p->rank = b->rank, p->K = r->top_k, p->E_local = b->experts_per_rank;
+  p->place = b->placement;
   p->record_k = b->config.max_top_k;
   p->T = r->num_tokens, p->H = b->config.hidden;
   p->dtype = b->config.dtype;
@@ -156,20 +162,20 @@ static epx_status_t plan_new(layout_t *L, epx_handle_t handle) {
     *per_rank[i] = plan_alloc(p, (Wn + 1) * sizeof(int64_t));
     if (!*per_rank[i]) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", L->fn);
   }
-  if (TK) memcpy(p->topk_idx, r->topk_idx, TK * sizeof(int32_t));
+  epx_placement_map_routing(p->place, p->rank, p->T, p->K, r->topk_idx, p->topk_idx);
   if (TK && r->topk_w) memcpy(p->topk_w, r->topk_w, TK * sizeof(float));
   return EPX_SUCCESS;
 }
 
 /* Routes, pairs and items to each rank (self excluded). */
 static void count_routes(struct epx_cpu_plan *p, int32_t *last_token) {
-  int32_t W = p->W, K = p->K, El = p->E_local, self = p->rank;
+  int32_t W = p->W, K = p->K, self = p->rank;
   for (int32_t d = 0; d < W; d++) last_token[d] = -1;
   for (int64_t t = 0; t < p->T; t++) {
     for (int32_t k = 0; k < K; k++) {
       int32_t e = p->topk_idx[t * K + k];
       if (e < 0) continue;
-      int32_t d = e / El;
+      int32_t d = epx_placement_rank(p->place, e);
       p->route_count[d]++;
       if (last_token[d] != t) {
         last_token[d] = (int32_t)t;
@@ -192,7 +198,7 @@ static void count_routes(struct epx_cpu_plan *p, int32_t *last_token) {
  * top_k differ exchange records of one size. */
 static epx_status_t build_records(layout_t *L) {
   struct epx_cpu_plan *p = L->p;
-  int32_t W = p->W, K = p->K, RK = p->record_k, El = p->E_local, self = p->rank;
+  int32_t W = p->W, K = p->K, RK = p->record_k, self = p->rank;
   epx_status_t status = EPX_SUCCESS;
   int64_t *fill = calloc((size_t)W, sizeof(int64_t));
   int32_t *last_token = malloc(sizeof(int32_t) * (size_t)W);
@@ -206,8 +212,8 @@ static epx_status_t build_records(layout_t *L) {
   for (int64_t t = 0; t < p->T; t++) {
     for (int32_t k = 0; k < K; k++) {
       int32_t e = p->topk_idx[t * K + k];
-      if (e < 0 || e / El == self) continue;
-      int32_t d = e / El;
+      if (e < 0 || epx_placement_rank(p->place, e) == self) continue;
+      int32_t d = epx_placement_rank(p->place, e);
       int64_t item;
       if (p->exchange == EPX_EXCHANGE_COLLECTIVE || last_token[d] != t) {
         item = p->item_displ[d] + fill[d]++;
@@ -251,6 +257,7 @@ static epx_status_t then_counts(void *ctx, const void *recv) {
   epx_status_t status = epx_cpu_call_agree(&L->call, peers);
   if (status != EPX_SUCCESS) return status;
   struct epx_cpu_plan *p = L->p;
+  p->agreed = 1;
   L->largest_batch = 0;
   for (int32_t s = 0; s < comm->size; s++) {
     int64_t T = peers[s].tokens, K = peers[s].top_k;
@@ -306,7 +313,7 @@ fail:
  * of this rank in its top_k slots; capacity locations inside C. */
 static epx_status_t check_records(const layout_t *L, int32_t s, int64_t *routes) {
   const struct epx_cpu_plan *p = L->p;
-  int32_t RK = p->record_k, first = p->rank * p->E_local;
+  int32_t RK = p->record_k, P = p->place->num_physical;
   int64_t C = L->b->config.capacity, previous = -1;
   for (int64_t i = p->ritem_displ[s]; i < p->ritem_displ[s] + p->ritem_count[s]; i++) {
     const int32_t *record = L->recv_records + (size_t)i * L->rec;
@@ -316,16 +323,15 @@ static epx_status_t check_records(const layout_t *L, int32_t s, int64_t *routes)
     for (int32_t k = 0; k < RK && ok; k++) {
       int32_t e = record[1 + k], l = record[1 + 2 * RK + k];
       if (e == -1) continue;
-      ok = k < L->peer_topk[s] && e >= first && e < first + p->E_local &&
+      ok = k < L->peer_topk[s] && e >= 0 && e < P && epx_placement_rank(p->place, e) == p->rank &&
            (p->layout != EPX_LAYOUT_CAPACITY || (l >= 0 && l < C));
       *routes += ok;
     }
     if (!ok)
       return epx_error(EPX_ERROR_TRANSPORT,
                        "%s: rank %d's metadata record %lld (token %lld) is not a route of its %lld "
-                       "tokens to this rank's experts [%d, %d); its message is corrupt (nothing was "
-                       "used)", L->fn, s, (long long)(i - p->ritem_displ[s]), (long long)t,
-                       (long long)L->peer_tokens[s], first, first + p->E_local);
+                       "tokens to this rank's experts; its message is corrupt (nothing was used)", L->fn, s,
+                       (long long)(i - p->ritem_displ[s]), (long long)t, (long long)L->peer_tokens[s]);
     previous = t;
   }
   return EPX_SUCCESS;
@@ -335,9 +341,10 @@ static epx_status_t check_records(const layout_t *L, int32_t s, int64_t *routes)
  * entries of each staging row. */
 static epx_status_t gather_arrivals(layout_t *L) {
   struct epx_cpu_plan *p = L->p;
-  int32_t W = p->W, K = p->K, RK = p->record_k, El = p->E_local, self = p->rank;
+  int32_t W = p->W, K = p->K, RK = p->record_k, self = p->rank;
   int64_t ritems = epx_cpu_total(p->ritem_count, W), self_routes = 0, remote_routes = 0;
-  for (int64_t i = 0; i < p->T * K; i++) self_routes += p->topk_idx[i] >= 0 && p->topk_idx[i] / El == self;
+  for (int64_t i = 0; i < p->T * K; i++)
+    self_routes += p->topk_idx[i] >= 0 && epx_placement_rank(p->place, p->topk_idx[i]) == self;
   for (int32_t s = 0; s < W; s++) {
     epx_status_t status = check_records(L, s, &remote_routes);
     if (status != EPX_SUCCESS) return status;
@@ -358,7 +365,7 @@ static epx_status_t gather_arrivals(layout_t *L) {
       for (int64_t t = 0; t < p->T; t++)
         for (int32_t k = 0; k < K; k++) {
           int32_t e = p->topk_idx[t * K + k];
-          if (e < 0 || e / El != self) continue;
+          if (e < 0 || epx_placement_rank(p->place, e) != self) continue;
           L->arrivals[a++] = (arrival_t){s, (int32_t)t, k, e, loc ? loc[t * K + k] : -1, p->topk_w[t * K + k]};
         }
       continue;
@@ -400,8 +407,8 @@ static epx_status_t size_layout(layout_t *L) {
   p->expert_offsets = plan_alloc(p, (size_t)(El + 1) * sizeof(int64_t));
   if (!p->rpair_entry || !p->expert_counts || !p->expert_offsets)
     return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", L->fn);
-  int64_t C = L->b->config.capacity, first_expert = (int64_t)p->rank * El;
-  for (int64_t i = 0; i < L->A; i++) p->expert_counts[L->arrivals[i].expert - first_expert]++;
+  int64_t C = L->b->config.capacity;
+  for (int64_t i = 0; i < L->A; i++) p->expert_counts[p->place->slot_of[L->arrivals[i].expert]]++;
   switch (p->layout) {
     case EPX_LAYOUT_EXPERT_MAJOR: {
       int64_t align = L->b->config.expert_alignment, sum = 0;
@@ -437,7 +444,7 @@ static epx_status_t size_layout(layout_t *L) {
 static epx_status_t place_rows(layout_t *L) {
   struct epx_cpu_plan *p = L->p;
   int32_t W = p->W, El = p->E_local;
-  int64_t C = L->b->config.capacity, first_expert = (int64_t)p->rank * El;
+  int64_t C = L->b->config.capacity;
   size_t slots = (size_t)p->row_slots;
   int64_t *fill = calloc((size_t)El, sizeof(int64_t));
   if (!fill) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", L->fn);
@@ -446,7 +453,7 @@ static epx_status_t place_rows(layout_t *L) {
     const arrival_t *x = &L->arrivals[i];
     int new_pair = i == 0 || x->src != L->arrivals[i - 1].src || x->token != L->arrivals[i - 1].token;
     pair += new_pair;
-    int32_t e = x->expert - (int32_t)first_expert;
+    int32_t e = p->place->slot_of[x->expert];
     int64_t row;
     if (p->layout == EPX_LAYOUT_EXPERT_MAJOR) row = p->expert_offsets[e] + fill[e]++;
     else if (p->layout == EPX_LAYOUT_CAPACITY) row = (int64_t)e * W * C + (int64_t)x->src * C + x->location;
@@ -497,6 +504,14 @@ static epx_status_t receive_layout(layout_t *L) {
   return status;
 }
 
+/* Each route's logical expert into the buffer's load counts
+ * (epx_buffer_expert_load). */
+static void count_load(epx_buffer_t b, const epx_routing_t *r) {
+  const epx_placement_table_t *place = b->placement;
+  for (int64_t i = 0; i < r->num_tokens * r->top_k; i++)
+    if (r->topk_idx[i] >= 0) b->expert_load[epx_placement_routing_logical(place, r->topk_idx[i])]++;
+}
+
 epx_status_t epx_cpu_dispatch_layout(epx_buffer_t b, const epx_routing_t *r, epx_status_t local,
                                      epx_handle_t handle) {
   return epx_cpu_layout_as(b, r, local, handle, "epx_dispatch_layout");
@@ -512,7 +527,10 @@ epx_status_t epx_cpu_layout_as(epx_buffer_t b, const epx_routing_t *r, epx_statu
   if (status == EPX_SUCCESS) status = receive_layout(&L);
   if (status == EPX_SUCCESS && b->config.exchange == EPX_EXCHANGE_HIERARCHICAL && b->world_size > 1)
     status = epx_cpu_hier_layout(b, L.p, L.fn);
-  if (status == EPX_SUCCESS) handle->recv_rows = L.p->N;
+  if (status == EPX_SUCCESS) {
+    handle->recv_rows = L.p->N;
+    count_load(b, r);
+  }
   free(L.send_records);
   free(L.recv_records);
   free(L.peer_tokens);

@@ -30,7 +30,7 @@ static fixed_shape_t fixed_shape(const struct epx_cpu_plan *p, int64_t max_token
  * layout has no empty rows), or its source rank. */
 static int64_t group_of(const struct epx_cpu_plan *p, int64_t i) {
   if (p->layout == EPX_LAYOUT_RANK_MAJOR) return p->row_src_rank[i];
-  return p->row_expert[i] - (int64_t)p->rank * p->E_local;
+  return p->place->slot_of[p->row_expert[i]];
 }
 
 typedef struct {
@@ -132,11 +132,14 @@ static epx_status_t cpu_ll_dispatch_send(epx_buffer_t b, const epx_routing_t *r,
   (void)num_tokens; /* read by the API: r->num_tokens is the count */
   epx_status_t status = epx_cpu_layout_as(b, r, local, h, fn);
   if (status == EPX_SUCCESS) status = to_fixed_shape(b, h, fn);
-  /* The rows' message follows on every rank, carrying a refusal that came
-   * after the layout's own agreement (one rank out of memory) to its peers;
-   * a comm that failed has nobody left to tell. */
+  /* After a layout every rank agreed, the rows' message follows on every
+   * rank, carrying a later refusal (one rank out of memory) to its peers. A
+   * layout whose first message failed failed on every rank alike (a rank
+   * refused, or a peer is in another call): no message follows, so the
+   * ranks stay in step; nor does one on a comm that failed. */
   if (status != EPX_SUCCESS) {
-    if (!b->comm->failed) epx_cpu_call_exchange(b, rows_kind(rows), fn, status, NULL);
+    if (h && h->cpu && h->cpu->agreed && !b->comm->failed)
+      epx_cpu_call_exchange(b, rows_kind(rows), fn, status, NULL);
     return status;
   }
   status = rows->fp8 ? epx_cpu_dispatch_fp8(b, h, EPX_SUCCESS, rows->x, rows->x_scales, !rows->x_scales,

@@ -341,7 +341,7 @@ static int32_t group_of(const token_pass_t *c, int64_t t, int32_t r, int64_t *cu
   const int32_t *idx = p->topk_idx + t * K;
   const char *x = c->dot_x ? (const char *)c->dot_x + (size_t)t * p->row_bytes : NULL;
   for (int32_t k = 0; k < K; k++) {
-    if (idx[k] < 0 || idx[k] / p->E_local != r) continue;
+    if (idx[k] < 0 || epx_placement_rank(p->place, idx[k]) != r) continue;
     if (r != p->rank && c->mode != RETURN_ROUTES) {
       /* One returned row stands for the pair. */
       if (n == 0) ts->rows[n++] = c->home[cursor[r]++];
@@ -373,7 +373,7 @@ static void combine_token(const token_pass_t *c, int64_t t, int64_t *cursor, tok
   int32_t only_rank = -1;
   for (int32_t k = 0; k < K; k++) {
     if (idx[k] < 0) continue;
-    int32_t r = idx[k] / p->E_local;
+    int32_t r = epx_placement_rank(p->place, idx[k]);
     only_rank = only_rank == -1 || only_rank == r ? r : -2;
   }
   const struct epx_comm *topo = c->topo;
@@ -580,7 +580,8 @@ static epx_status_t return_route_values(move_t *m, const epx_cpu_call_t *peers) 
   for (int64_t t = 0; t < p->T; t++)
     for (int32_t k = 0; k < K; k++) {
       int32_t e = p->topk_idx[t * K + k];
-      if (e >= 0 && e / p->E_local != p->rank) m->grad_w[t * K + k] = home[cursor[e / p->E_local]++];
+      if (e >= 0 && epx_placement_rank(p->place, e) != p->rank)
+        m->grad_w[t * K + k] = home[cursor[epx_placement_rank(p->place, e)]++];
     }
 fail:
   if (cursor != cursor_stack) free(cursor);

@@ -292,6 +292,17 @@ static void ref_aux_counts(const epx_route_config_t *c, int64_t T, const ref_tok
     for (int32_t k = 0; r->valid[t] && k < slots; k++) F[(t % B) * E + sel[t * K + k]] += 1.0;
 }
 
+/* The scratch of E experts and steps 1-5 of every token; on failure
+ * nothing is left allocated. */
+static epx_status_t ref_begin(const char *fn, const epx_route_config_t *c, int64_t T, const float *logits,
+                              const float *bias, ref_scratch *x, ref_tokens *r) {
+  epx_status_t status = ref_scratch_init(fn, c->num_experts, x);
+  if (status != EPX_SUCCESS) return status;
+  status = ref_route_tokens(fn, c, T, logits, bias, x, r);
+  if (status != EPX_SUCCESS) ref_scratch_free(x);
+  return status;
+}
+
 epx_status_t epx_cpu_reference_route(const epx_route_config_t *c, int64_t T, const float *logits,
                                      const float *bias, int32_t *topk_idx, double *topk_w,
                                      int32_t *locations, int32_t *expert_counts, double *aux_loss,
@@ -301,13 +312,8 @@ epx_status_t epx_cpu_reference_route(const epx_route_config_t *c, int64_t T, con
   const int32_t B = c->aux_loss_sequences > 1 ? c->aux_loss_sequences : 1;
   ref_scratch x;
   ref_tokens r;
-  epx_status_t status = ref_scratch_init(fn, E, &x);
+  epx_status_t status = ref_begin(fn, c, T, logits, bias, &x, &r);
   if (status != EPX_SUCCESS) return status;
-  status = ref_route_tokens(fn, c, T, logits, bias, &x, &r);
-  if (status != EPX_SUCCESS) {
-    ref_scratch_free(&x);
-    return status;
-  }
   const int32_t C = epx_route_capacity(c, T);
   int32_t *loc = malloc(sizeof(int32_t) * ((size_t)T * K + 1));
   int32_t *counts = malloc(sizeof(int32_t) * (size_t)E);
@@ -401,13 +407,8 @@ epx_status_t epx_cpu_reference_route_backward(const epx_route_config_t *c, int64
   EPX_REQUIRE(K <= 4096, "%s: top_k %d is above the reference's 4096", fn, K);
   ref_scratch x;
   ref_tokens r;
-  epx_status_t status = ref_scratch_init(fn, E, &x);
+  epx_status_t status = ref_begin(fn, c, T, logits, bias, &x, &r);
   if (status != EPX_SUCCESS) return status;
-  status = ref_route_tokens(fn, c, T, logits, bias, &x, &r);
-  if (status != EPX_SUCCESS) {
-    ref_scratch_free(&x);
-    return status;
-  }
   double *h = malloc(sizeof(double) * (size_t)B * E);
   if (!h) EPX_FAIL(EPX_ERROR_OUT_OF_MEMORY, EPX_ROUTE_ERR_OOM, fn, (long long)T);
   ref_aux_counts(c, T, &r, h);

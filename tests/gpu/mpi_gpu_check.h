@@ -2,8 +2,8 @@
  * test tests/gpu/mpi_gpu_exchange.c and bench/gpu/bench_ep.c): check.h's
  * checks, naming the includer's `static int g_rank` (a failed epx or CUDA
  * call, FATAL_UNLESS_OK / FATAL_UNLESS_CUDA_OK, aborts every rank: an exit
- * of one rank would leave its peers waiting in NCCL); and the splitmix64
- * step their seeded routings are drawn with. */
+ * of one rank would leave its peers waiting in NCCL); the splitmix64
+ * step their seeded routings are drawn with; and a rank's GPU and stream. */
 #ifndef EPX_TESTS_GPU_MPI_GPU_CHECK_H
 #define EPX_TESTS_GPU_MPI_GPU_CHECK_H
 
@@ -44,6 +44,17 @@ static inline uint64_t mix(uint64_t z) {
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
   z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
   return z ^ (z >> 31);
+}
+
+/* The rank's GPU (rank modulo the GPUs this host has) made current, and a
+ * non-blocking stream on it (the parameter is check.h's CHECK_RANK). */
+static inline cudaStream_t mpi_gpu_rank_stream(int g_rank) {
+  int devices = 0;
+  FATAL_UNLESS_CUDA_OK(cudaGetDeviceCount(&devices));
+  FATAL_UNLESS_CUDA_OK(cudaSetDevice(g_rank % devices));
+  cudaStream_t stream;
+  FATAL_UNLESS_CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  return stream;
 }
 
 #endif

@@ -46,6 +46,7 @@
 #include "core/dtype.h"
 #include "cuda/launch.h" /* epx_cuda_set_launch_flags (the fused expansion's two forms), epx_cuda_ep_at_one_rank */
 #include "epx.h"
+#include "../util/buffer_config.h"
 #define CHECK_FAILURES g_fail /* check.h's RANK_EXPECT counts here */
 #include "mpi_gpu_check.h"
 
@@ -243,13 +244,7 @@ static void release(epx_device_t device, void *p) {
 }
 
 static epx_buffer_config_t config_of(const case_t *c, epx_exchange_t exchange, epx_device_t device, void *stream) {
-  epx_buffer_config_t cfg = EPX_BUFFER_CONFIG_INIT;
-  cfg.device = device;
-  cfg.dtype = c->dtype;
-  cfg.hidden = H;
-  cfg.num_experts = E;
-  cfg.max_top_k = K;
-  cfg.max_tokens_per_rank = c->worst ? TMAX : 0;
+  epx_buffer_config_t cfg = tu_config(device, c->dtype, H, E, K, c->worst ? TMAX : 0);
   cfg.max_tokens_rounding = 32;
   cfg.exchange = exchange;
   cfg.layout = c->layout;
@@ -723,13 +718,7 @@ static void run_case(const case_t *c, epx_comm_t nccl, void *stream) {
 /* The config of the refusal and mismatch tests' buffers (bf16, expert-major,
  * the test's shape) on the path main sets. */
 static epx_buffer_config_t simple_config(void *stream, int worst) {
-  epx_buffer_config_t cfg = EPX_BUFFER_CONFIG_INIT;
-  cfg.device = EPX_DEVICE_CUDA;
-  cfg.dtype = EPX_BFLOAT16;
-  cfg.hidden = H;
-  cfg.num_experts = E;
-  cfg.max_top_k = K;
-  cfg.max_tokens_per_rank = TMAX;
+  epx_buffer_config_t cfg = tu_config(EPX_DEVICE_CUDA, EPX_BFLOAT16, H, E, K, TMAX);
   cfg.worst_case_sizing = worst;
   cfg.stream = stream;
   cfg.exchange_path = g_path; /* main runs these tests on the fused path and on the host path */
@@ -1897,11 +1886,7 @@ int main(int argc, char **argv) {
    * kernels), so its paths are checked where no second GPU is at hand; the
    * tests of one rank against another are left out. */
   if (g_size == 1) epx_cuda_ep_at_one_rank(1);
-  int devices = 0;
-  FATAL_UNLESS_CUDA_OK(cudaGetDeviceCount(&devices));
-  FATAL_UNLESS_CUDA_OK(cudaSetDevice(g_rank % devices));
-  cudaStream_t stream;
-  FATAL_UNLESS_CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cudaStream_t stream = mpi_gpu_rank_stream(g_rank);
   MPI_Comm world = MPI_COMM_WORLD;
   epx_comm_config_t cc = EPX_COMM_CONFIG_INIT;
   cc.timeout_seconds = 60;

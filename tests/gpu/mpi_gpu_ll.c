@@ -697,11 +697,7 @@ int main(int argc, char **argv) {
   if (g_size == 1) epx_cuda_ep_at_one_rank(1);
   const char *xf = getenv("EPX_GPU_EXPECT_FUSED");
   g_expect_fused = xf && *xf && strcmp(xf, "0");
-  int devices = 0;
-  FATAL_UNLESS_CUDA_OK(cudaGetDeviceCount(&devices));
-  FATAL_UNLESS_CUDA_OK(cudaSetDevice(g_rank % devices));
-  cudaStream_t stream;
-  FATAL_UNLESS_CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cudaStream_t stream = mpi_gpu_rank_stream(g_rank);
   MPI_Comm world = MPI_COMM_WORLD;
   epx_comm_config_t cc = EPX_COMM_CONFIG_INIT;
   cc.timeout_seconds = 60;

@@ -31,6 +31,7 @@
 
 #include "cuda/launch.h" /* EPX_CUDA_FUSED_RELAY */
 #include "epx.h"
+#include "../util/buffer_config.h"
 #include "../util/check.h" /* FATAL_UNLESS_OK: a failed setup call ends the child (exit 2) */
 
 enum { SCENARIO_HOST = 0, SCENARIO_FUSED = 1, SCENARIO_RELAY = 2 };
@@ -60,13 +61,7 @@ static int child(int rank, int scenario, int fd_read, int fd_write) {
   cc.timeout_seconds = TIMEOUT_S;
   epx_comm_t comm;
   FATAL_UNLESS_OK(epx_comm_create_nccl_id(&id, rank, 2, &cc, &comm));
-  epx_buffer_config_t cfg = EPX_BUFFER_CONFIG_INIT;
-  cfg.device = EPX_DEVICE_CUDA;
-  cfg.dtype = EPX_BFLOAT16;
-  cfg.hidden = 64;
-  cfg.num_experts = 8;
-  cfg.max_top_k = 2;
-  cfg.max_tokens_per_rank = 16;
+  epx_buffer_config_t cfg = tu_config(EPX_DEVICE_CUDA, EPX_BFLOAT16, 64, 8, 2, 16);
   if (fused) {
     cfg.layout = EPX_LAYOUT_RANK_MAJOR;
     cfg.worst_case_sizing = 1;

@@ -21,16 +21,7 @@
 
 #include "core/dtype.h"
 #include "gpu_testutil.h"
-
-static const char *layout_name(epx_layout_t l) {
-  return l == EPX_LAYOUT_EXPERT_MAJOR ? "expert-major" : l == EPX_LAYOUT_RANK_MAJOR ? "rank-major" : "capacity";
-}
-static const char *weighting_name(epx_weighting_t w) {
-  return w == EPX_WEIGHTS_IN_COMBINE ? "in-combine" : w == EPX_WEIGHTS_IN_DISPATCH ? "in-dispatch" : "none";
-}
-static const char *dtype_name(epx_dtype_t d) {
-  return d == EPX_FLOAT32 ? "f32" : d == EPX_BFLOAT16 ? "bf16" : "f16";
-}
+#include "../util/buffer_config.h"
 
 typedef struct gpu_case {
   epx_dtype_t dtype;
@@ -95,13 +86,7 @@ static void free_routing(routing_t *r) {
 
 static epx_buffer_t make_buffer(epx_comm_t comm, const gpu_case_t *c, int32_t capacity,
                                 epx_device_t device, cudaStream_t stream) {
-  epx_buffer_config_t cfg = EPX_BUFFER_CONFIG_INIT;
-  cfg.device = device;
-  cfg.dtype = c->dtype;
-  cfg.hidden = c->H;
-  cfg.num_experts = c->E;
-  cfg.max_top_k = c->K;
-  cfg.max_tokens_per_rank = c->T > 0 ? c->T : 1;
+  epx_buffer_config_t cfg = tu_config(device, c->dtype, c->H, c->E, c->K, c->T > 0 ? c->T : 1);
   cfg.layout = c->layout;
   cfg.expert_alignment = c->alignment;
   cfg.capacity = capacity;
@@ -122,7 +107,7 @@ static void expect_close(const char *what, const gpu_case_t *c, epx_dtype_t dtyp
     double a = epx_load(dtype, gpu, i), b = epx_load(dtype, cpu, i);
     if (!(fabs(a - b) <= atol + rtol * fabs(b)))
       fail_msg("%s (%s %s %s K=%d E=%d T=%lld H=%lld align=%d worst=%d): element %lld is %g, CPU %g",
-               what, dtype_name(c->dtype), layout_name(c->layout), weighting_name(c->weighting), c->K,
+               what, tu_dtype_name(c->dtype), tu_layout_name(c->layout), tu_weighting_name(c->weighting), c->K,
                c->E, (long long)c->T, (long long)c->H, c->alignment, c->worst_case, (long long)i, a, b);
   }
 }
@@ -139,7 +124,7 @@ static void expect_same_bits(const char *what, const gpu_case_t *c, epx_dtype_t 
     if (memcmp((const char *)gpu + (size_t)i * size, (const char *)cpu + (size_t)i * size, size))
       fail_msg("%s (%s %s %s K=%d E=%d T=%lld H=%lld align=%d worst=%d): element %lld is %.9g, CPU %.9g "
                "(the contract promises the same bits)",
-               what, dtype_name(c->dtype), layout_name(c->layout), weighting_name(c->weighting), c->K,
+               what, tu_dtype_name(c->dtype), tu_layout_name(c->layout), tu_weighting_name(c->weighting), c->K,
                c->E, (long long)c->T, (long long)c->H, c->alignment, c->worst_case, (long long)i,
                epx_load(dtype, gpu, i), epx_load(dtype, cpu, i));
 }
@@ -147,8 +132,8 @@ static void expect_same_bits(const char *what, const gpu_case_t *c, epx_dtype_t 
 static void expect_same_ints(const char *what, const gpu_case_t *c, const void *gpu, const void *cpu,
                              size_t bytes) {
   if (memcmp(gpu, cpu, bytes) == 0) return;
-  fail_msg("%s differs from the CPU engine (%s %s %s K=%d E=%d T=%lld)", what, dtype_name(c->dtype),
-           layout_name(c->layout), weighting_name(c->weighting), c->K, c->E, (long long)c->T);
+  fail_msg("%s differs from the CPU engine (%s %s %s K=%d E=%d T=%lld)", what, tu_dtype_name(c->dtype),
+           tu_layout_name(c->layout), tu_weighting_name(c->weighting), c->K, c->E, (long long)c->T);
 }
 
 /* grad_w is a dot product over H in float32: the CPU and the GPU add in

@@ -12,28 +12,11 @@
 #include "../test_fp8.c"
 #include "gpu_testutil.h"
 
-/* The scene's buffer config on the GPU. */
-static epx_status_t gpu_buffer(const fp8_scene_t *s, epx_comm_t comm, epx_buffer_t *b) {
-  epx_buffer_config_t c = EPX_BUFFER_CONFIG_INIT;
-  c.device = EPX_DEVICE_CUDA;
-  c.dtype = s->dtype;
-  c.hidden = s->H;
-  c.num_experts = s->E;
-  c.max_top_k = s->K;
-  c.max_tokens_per_rank = s->T;
-  c.exchange = s->exchange;
-  c.layout = s->layout;
-  c.expert_alignment = s->layout == EPX_LAYOUT_EXPERT_MAJOR ? 4 : 1;
-  c.capacity = s->layout == EPX_LAYOUT_CAPACITY ? (int32_t)s->T : 0;
-  c.fp8_format = s->format;
-  return epx_buffer_create(comm, &c, b);
-}
-
 /* The CPU's received bytes of the scene: recv rows and scales, host. */
 static void cpu_dispatch(const fp8_scene_t *s, epx_comm_t comm, int64_t *N, uint8_t **q, uint8_t **sc) {
   epx_buffer_t b;
   epx_handle_t h;
-  EXPECT_OK(scene_buffer(s, comm, &b));
+  EXPECT_OK(scene_buffer(s, EPX_DEVICE_CPU, comm, &b));
   epx_weighting_t weighting = s->layout == EPX_LAYOUT_RANK_MAJOR ? EPX_WEIGHTS_NONE : EPX_WEIGHTS_IN_COMBINE;
   epx_routing_t routing = {s->T, s->K, s->idx[0], s->w[0], s->layout == EPX_LAYOUT_CAPACITY ? s->loc[0] : NULL,
                            weighting};
@@ -60,7 +43,7 @@ static void gpu_scene(const fp8_scene_t *s, epx_comm_t comm) {
   dev_poison(d_q, q_bytes), dev_poison(d_s, s_bytes);
   epx_buffer_t b;
   epx_handle_t h;
-  EXPECT_OK(gpu_buffer(s, comm, &b));
+  EXPECT_OK(scene_buffer(s, EPX_DEVICE_CUDA, comm, &b));
   epx_weighting_t weighting = s->layout == EPX_LAYOUT_RANK_MAJOR ? EPX_WEIGHTS_NONE : EPX_WEIGHTS_IN_COMBINE;
   epx_routing_t routing = {s->T, s->K, d_idx, d_w, s->layout == EPX_LAYOUT_CAPACITY ? d_loc : NULL, weighting};
   EXPECT_OK(epx_dispatch_layout(b, &routing, NULL, &h));

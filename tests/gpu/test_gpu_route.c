@@ -623,7 +623,7 @@ static void test_option_cases(void **state) {
 }
 
 /* ------------------------------------------------------------------------ */
-/* The one-kernel forward (src/cuda/route_fast.cu): dropless, no locations,  */
+/* The one-kernel forward (src/cuda/route/fast.cu): dropless, no locations,  */
 /* no losses, non-finite tokens dropped; E = 32 V, groups of whole lanes     */
 /* ------------------------------------------------------------------------ */
 
@@ -689,7 +689,7 @@ static void test_fast_cases(void **state) {
 }
 
 /* The one-kernel cases again with the kernel launched plainly rather than
- * by programmatic dependent launch (src/cuda/pdl.cuh): the same results. */
+ * by programmatic dependent launch (src/cuda/common/pdl.cuh): the same results. */
 static void test_fast_cases_without_pdl(void **state) {
   (void)state;
   epx_cuda_set_launch_flags(0);

@@ -19,6 +19,7 @@
 #include <cuda_runtime_api.h>
 
 #include "gpu_testutil.h"
+#include "../util/buffer_config.h"
 
 enum { T = 96, E = 8, K = 2, H = 64, GATE_MS = 400 };
 
@@ -43,11 +44,7 @@ static void CUDART_CB wait_for_gate(void *arg) {
 }
 
 static epx_buffer_t make_buffer(epx_comm_t comm, epx_device_t device, void *stream) {
-  epx_buffer_config_t c = EPX_BUFFER_CONFIG_INIT;
-  c.device = device;
-  c.hidden = H;
-  c.num_experts = E;
-  c.max_top_k = K;
+  epx_buffer_config_t c = tu_config(device, EPX_FLOAT32, H, E, K, 0);
   c.stream = stream;
   epx_buffer_t b = NULL;
   EXPECT_OK(epx_buffer_create(comm, &c, &b));

@@ -10,6 +10,7 @@
 #include <cuda_runtime_api.h>
 
 #include "gpu_testutil.h"
+#include "../util/buffer_config.h"
 
 /* grad_w of one buffer: recv_routing and recv_source read back from the
  * handle, the gradient of each received (row, slot) set to an encoding of its
@@ -21,11 +22,7 @@ static void weights_back(epx_device_t device, epx_layout_t layout, int64_t T, in
   epx_buffer_t buf = NULL;
   epx_handle_t h = NULL;
   EXPECT_OK(epx_comm_create_self(&comm));
-  epx_buffer_config_t c = EPX_BUFFER_CONFIG_INIT;
-  c.device = device;
-  c.hidden = H;
-  c.num_experts = E;
-  c.max_top_k = K;
+  epx_buffer_config_t c = tu_config(device, EPX_FLOAT32, H, E, K, 0);
   c.layout = layout;
   c.capacity = capacity;
   c.expert_alignment = 4;

@@ -91,7 +91,7 @@ def one_rank(tmp_path_factory):
 
 
 CASES = [  # E, k, capacity_factor, drop_tokens
-    (4, 1, 4.0, True), (4, 1, 1.0, False), (8, 2, 1.0, True), (8, 2, 0.5, True),
+    (4, 1, 4.0, True), (4, 1, 1.0, True), (4, 1, 1.0, False), (8, 2, 1.0, True), (8, 2, 0.5, True),
     (8, 2, 1.0, False), (8, 3, 1.0, True), (6, 4, 0.75, True), (8, 3, 1.0, False)]
 
 
@@ -103,6 +103,53 @@ def test_matches_deepspeeds_moe(one_rank, E, k, factor, drop):
     for train in (True, False):
         compare(step(ours, x, g, train), step(theirs, x, g, train), "train=%s" % train)
     ours.close()
+
+
+def over_capacity_inputs(ours, E, T, seed):
+    """x [T, H] whose top-1 choice is expert 0 for most tokens (the gate's
+    row 0 pushed along a direction every token shares): an expert over
+    capacity at capacity factor 1.0."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g) + 2.0
+    with torch.no_grad():
+        ours.deepspeed_moe.gate.wg.weight[0] += 0.15
+    return x, torch.randn(T, H, generator=g)
+
+
+@pytest.mark.parametrize("E,T", [(4, 24), (8, 40), (2, 64)])
+def test_top1_drops_the_routes_deepspeed_drops(one_rank, E, T):
+    """k=1, drop_tokens, use_rts=False, an expert over capacity: DeepSpeed
+    keeps the C tokens torch.topk returns among the tied 0/1 mask values
+    (not the first C); the drop-in keeps the same ones: same outputs, same
+    gradients."""
+    theirs, ours = pair(SEED, E, 1, capacity_factor=1.0, eval_capacity_factor=1.0,
+                        drop_tokens=True)
+    x, g = over_capacity_inputs(ours, E, T, SEED + 3)
+    theirs.load_state_dict(ours.state_dict())
+    for train in (True, False):
+        res = step(theirs, x, g, train)
+        assert int(res["exp_counts"].max()) > -(-T // E), "no expert over capacity"
+        compare(step(ours, x, g, train), res, "E %d T %d train=%s" % (E, T, train))
+    ours.close()
+
+
+def test_a_larger_batch_grows_the_buffer(one_rank):
+    """The buffer was sized by the first batch and a larger one refused; it
+    now grows (max_tokens_per_rank left None), and the outputs stay
+    DeepSpeed's. A fixed max_tokens_per_rank refuses more, naming it."""
+    theirs, ours = pair(SEED, 4, 2, capacity_factor=4.0)
+    for i, T in enumerate((4, 40, 8)):
+        x, g = inputs(SEED + 4 + i, (T,))
+        compare(step(ours, x, g), step(theirs, x, g), "T %d" % T)
+    assert ours.deepspeed_moe.buffer.dropin_max_tokens >= 40
+    ours.close()
+    fixed = eds.MoE(H, expert(), num_experts=4, k=2, top2_2nd_expert_sampling=False,
+                    max_tokens_per_rank=8)
+    fixed(torch.randn(8, H))
+    with pytest.raises(epx.CapacityExceededError, match=r"pass max_tokens_per_rank=9 \(or more\) "
+                       r"to epx.deepspeed.MoE"):
+        fixed(torch.randn(9, H))
+    fixed.close()
 
 
 def test_residual_moe(one_rank):

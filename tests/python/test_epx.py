@@ -166,12 +166,12 @@ def test_configs_mirror_the_c_init_macros():
     import ctypes
     rc, bc, cc = epx.RouteConfig(), epx.BufferConfig(), epx.CommConfig()
     # sizes on LP64 (the library refuses a config whose struct_size differs)
-    assert (ctypes.sizeof(rc), ctypes.sizeof(bc), ctypes.sizeof(cc)) == (144, 96, 24)
+    assert (ctypes.sizeof(rc), ctypes.sizeof(bc), ctypes.sizeof(cc)) == (144, 104, 24)
     assert (rc.struct_size, rc.version) == (144, epx.CONFIG_VERSION)
     assert (rc.renormalize, rc.scaling_factor, rc.capacity_factor, rc.score_fn) == (1, 1.0, 1.0, 0)
     assert (rc.nonfinite, rc.device, rc.stream) == (epx.Nonfinite.ERROR, epx.Device.CPU, None)
-    assert (bc.struct_size, bc.dtype, bc.max_tokens_rounding) == (96, epx.EPX_FLOAT32, 256)
-    assert bc.low_latency == 0
+    assert (bc.struct_size, bc.dtype, bc.max_tokens_rounding) == (104, epx.EPX_FLOAT32, 256)
+    assert bc.low_latency == 0 and bc.placement is None  # placement: the last field, 8 more bytes
     assert (bc.expert_alignment, bc.max_tokens_per_rank) == (1, 0)
     assert (bc.combine_precision, bc.exchange_path, bc.sm_budget) == (0, 0, 0)
     assert (bc.exchange, bc.layout, bc.worst_case_sizing) == (epx.EPX_EXCHANGE_AUTO,

@@ -8,7 +8,6 @@ is not installed.
 
 Run: EPX_LIBRARY=build/libepx.so PYTHONPATH=python python -m pytest tests/python/test_megatron.py
 """
-import contextlib
 import os
 import pathlib
 import sys
@@ -26,7 +25,6 @@ import epx  # noqa: E402
 import epx.megatron as em  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.process_groups_config import ProcessGroupCollection  # noqa: E402
-from megatron.core.transformer.moe import moe_utils  # noqa: E402
 from megatron.core.transformer.moe import token_dispatcher as mtd  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 from test_epx import SEED, TIMEOUT  # noqa: E402
@@ -35,75 +33,18 @@ from torchrun_jobs import torchrun  # noqa: E402
 torch.set_num_threads(1)
 
 
-class _HostStream:
-    """Stands in for the CUDA stream and event Megatron's all-to-all
-    dispatcher copies its counts on: on the CPU every copy is already done."""
-
-    def wait_stream(self, other):
-        pass
-
-    def record_event(self):
-        return self
-
-    def synchronize(self):
-        pass
+# Megatron on the CPU: the documented helper (a test of its own below).
+megatron_on_cpu = em.cpu_shim
 
 
-def _padded(t, rows):
-    return torch.cat([t, t.new_zeros((rows - t.shape[0],) + tuple(t.shape[1:]))])
-
-
-def _uneven(all_gather, reduce_scatter):
-    """gloo's all_gather and reduce_scatter take blocks of one size; NCCL's
-    (which Megatron's expert-TP gather meets on GPUs) any: blocks padded to
-    the largest."""
-    def gather(tensor_list, tensor, group=None, async_op=False):
-        rows = max(t.shape[0] for t in tensor_list)
-        full = [_padded(t, rows) for t in tensor_list]
-        all_gather(full, _padded(tensor, rows), group=group)
-        for t, f in zip(tensor_list, full):
-            t.copy_(f[:t.shape[0]])
-
-    def scatter(output, input_list, group=None, async_op=False, **kw):
-        rows = max(t.shape[0] for t in input_list)
-        out = _padded(output, rows)
-        reduce_scatter(out, [_padded(t, rows) for t in input_list], group=group, **kw)
-        output.copy_(out[:output.shape[0]])
-    return gather, scatter
-
-
-@contextlib.contextmanager
-def megatron_on_cpu():
-    """Megatron with its CUDA streams stubbed out and the CPU as its current
-    device (its all-to-all dispatcher copies counts on a side stream, its
-    router moves its weight to the current device), gloo's collectives
-    taking uneven blocks."""
-    cuda, dist = torch.cuda, torch.distributed
-    saved = (cuda.current_stream, cuda.stream, cuda.current_device,
-             mtd.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream, mtd.maybe_move_tensor_to_cpu,
-             dist.all_gather, dist.reduce_scatter)
-    dist.all_gather, dist.reduce_scatter = _uneven(dist.all_gather, dist.reduce_scatter)
-    stream = _HostStream()
-    cuda.current_stream = lambda *a: stream
-    cuda.stream = lambda s: contextlib.nullcontext()
-    cuda.current_device = lambda: "cpu"
-    mtd.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = stream
-    # The split sizes as numpy arrays, as the GPU copy makes them (all_to_all_single
-    # takes those, not tensors).
-    mtd.maybe_move_tensor_to_cpu = lambda t, as_numpy=False, record_stream=False: (
-        t.numpy() if as_numpy and torch.is_tensor(t) else t)
-    # megatron-core 0.16 without Transformer Engine leaves this name undefined
-    # where its router's gating linear tests it for None.
-    moe_utils.__dict__.setdefault("te_general_gemm", None)
-    try:
-        yield
-    finally:
-        (cuda.current_stream, cuda.stream, cuda.current_device,
-         mtd.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream, mtd.maybe_move_tensor_to_cpu,
-         dist.all_gather, dist.reduce_scatter) = saved
-
-
-def config(E, K, H, **kw):
+def config(E, K, H, drop=0.0, **kw):
+    """The layer's TransformerConfig. A routing with dropped routes (fewer
+    than K a token, as capacity drops leave) is declared through
+    moe_expert_capacity_factor: from megatron-core 0.19 the all-to-all
+    dispatcher takes a dropless routing to give exactly T * K rows (no
+    count sync), and splits its rows by that."""
+    if drop:
+        kw.setdefault("moe_expert_capacity_factor", 1.0)
     return TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=4,
                              num_moe_experts=E, moe_router_topk=K, use_cpu_initialization=True,
                              moe_token_dispatcher_type="alltoall", moe_router_pre_softmax=True,
@@ -189,13 +130,14 @@ def one_rank(tmp_path_factory):
                                       (1, 1, 0.0)])
 def test_matches_megatrons_alltoall_dispatcher(one_rank, E, K, drop):
     data = problem(SEED + E + K, T=12, H=16, E=E, K=K, drop=drop)
-    ours, theirs = both(config(E, K, 16), one_rank, data)
+    ours, theirs = both(config(E, K, 16, drop), one_rank, data)
     compare(ours, theirs)
 
 
 def test_bfloat16_tokens_float32_probs(one_rank):
     data = problem(SEED, T=16, H=16, E=8, K=2, drop=0.2, dtype=torch.bfloat16)
-    ours, theirs = both(config(8, 2, 16, params_dtype=torch.bfloat16, bf16=True), one_rank, data)
+    ours, theirs = both(config(8, 2, 16, 0.2, params_dtype=torch.bfloat16, bf16=True), one_rank,
+                        data)
     assert ours["tokens"].dtype == torch.bfloat16 and ours["probs"].dtype == torch.float32
     compare(ours, theirs)
 
@@ -243,6 +185,67 @@ def test_install_replaces_every_moe_layers_dispatcher(one_rank):
     made[0].comm.close()
 
 
+def moe_layer(cfg, pgs):
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+    from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    experts = ModuleSpec(module=SequentialMLP, submodules=MLPSubmodules(
+        linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear))
+    return MoELayer(cfg, MoESubmodules(experts=experts, router=TopKRouter), pg_collection=pgs)
+
+
+def test_cpu_shim_builds_and_runs_a_moe_layer_on_the_cpu(one_rank):
+    """epx.megatron.cpu_shim: Megatron's MoE layer builds and runs on a CPU
+    inside it (without it, building fails), and torch.cuda is itself again
+    after it."""
+    cfg = config(4, 2, 16, ffn_hidden_size=32, moe_ffn_hidden_size=32, add_bias_linear=False)
+    current_device = torch.cuda.current_device
+    if not torch.cuda.is_available():
+        with pytest.raises(Exception):
+            moe_layer(cfg, one_rank)
+    with em.cpu_shim():
+        layer = moe_layer(cfg, one_rank)
+        made = em.install(layer, timeout_seconds=TIMEOUT)
+        out, _ = layer(torch.randn(3, 4, 16))
+        out.sum().backward()
+    assert out.shape == (3, 4, 16) and torch.cuda.current_device is current_device
+    made[0].close()
+    made[0].comm.close()
+
+
+def test_install_without_a_moe_layer_warns(one_rank):
+    with pytest.warns(UserWarning, match=r"install: Sequential holds no Megatron MoE layer"):
+        assert em.install(torch.nn.Sequential(torch.nn.Linear(4, 4))) == []
+
+
+def test_a_larger_step_grows_the_buffer(one_rank):
+    """The dispatcher's buffer was sized by the first step (an empty one: 0
+    tokens, every later step refused); it now grows, and matches Megatron's
+    own dispatcher at every size. A fixed max_tokens_per_rank refuses more,
+    naming the dispatcher's setting."""
+    E = K = 2
+    pgs, El = one_rank, 2
+    cfg = config(E, K, 16)
+    ours = em.EpxTokenDispatcher(El, range(El), cfg, pgs, timeout_seconds=TIMEOUT)
+    with megatron_on_cpu():
+        for T in (0, 6, 30, 4):
+            data = problem(SEED + T, T=T, H=16, E=E, K=K)
+            theirs = step(mtd.MoEAlltoAllTokenDispatcher(El, list(range(El)), cfg, pgs), *data)
+            compare(step(ours, *data), theirs)
+    assert ours.buffer.dropin_max_tokens >= 30
+    ours.close()
+    fixed = em.EpxTokenDispatcher(El, range(El), cfg, pgs, max_tokens_per_rank=6)
+    with megatron_on_cpu():
+        step(fixed, *problem(SEED, T=6, H=16, E=E, K=K))
+        with pytest.raises(epx.CapacityExceededError, match=r"pass max_tokens_per_rank=7 \(or "
+                           r"more\) to EpxTokenDispatcher or epx.megatron.install\(\)"):
+            step(fixed, *problem(SEED, T=7, H=16, E=E, K=K))
+    fixed.close()
+
+
 def test_refusals_name_the_setting(one_rank):
     El = 4
     with pytest.raises(epx.UnsupportedError, match="moe_pad_expert_input_to_capacity"):
@@ -278,7 +281,7 @@ def torchrun_worker(seed, tp):
     E, K = 8, 2
     for T, drop in ((12, 0.0), (9, 0.25)):
         data = problem(seed + rank, T=T, H=16, E=E, K=K, drop=drop)
-        cfg = config(E, K, 16, tensor_model_parallel_size=tp, expert_tensor_parallel_size=tp,
+        cfg = config(E, K, 16, drop, tensor_model_parallel_size=tp, expert_tensor_parallel_size=tp,
                      expert_model_parallel_size=W // tp, sequence_parallel=tp > 1,
                      add_bias_linear=False)
         ours, theirs = both(cfg, pgs, data)

@@ -5,11 +5,15 @@ then token, one per (token, rank) the token chose an expert on; local
 expert ids, -1 and weight 0 elsewhere; received tokens per local expert;
 combine the sum of each token's rows. Outputs and the gradients of x and of
 token_probs, on 1 rank (a gloo group of one), 2 and 4 ranks (threads of
-the local transport) and 2 processes under torchrun (a gloo group). NeMo Automodel itself needs DeepEP and a GPU: install()
+the local transport) and 2 processes under torchrun (a gloo group); the
+recompute under NeMo's own dispatch-replay recorder. epx.nemo runs on
+epx.deep_ep's Buffer; NeMo Automodel's layer itself, through
+epx.deep_ep.install(), is tested in test_deep_ep_frameworks.py. install()
 is checked on stand-in modules.
 
 Run: EPX_LIBRARY=build/libepx.so PYTHONPATH=python python -m pytest tests/python/test_nemo.py
 """
+import gc
 import pathlib
 import sys
 import types
@@ -130,16 +134,96 @@ def test_one_rank_over_a_gloo_group(tmp_path):
         ranks = world(SEED, 1, T=12, E=4, K=2)
         ref = reference(ranks, 4)
         check(rank_step(dist.group.WORLD, ranks[0], 4), ref, 0)
-        # The same group and shape reuse the comm and the buffer; more tokens are refused.
+        # The same group and shape reuse the comm and the buffer; more tokens
+        # grow it (epx.deep_ep's Buffer, as every rank agrees the largest).
         check(rank_step(dist.group.WORLD, ranks[0], 4), ref, 0)
-        big = world(SEED, 1, T=13, E=4, K=2)[0]
-        with pytest.raises(epx.InvalidArgumentError, match="max_tokens_per_rank=13"):
-            en.fused_dispatch(big["x"], big["idx"], big["probs"], 4, dist.group.WORLD)
+        big = world(SEED + 1, 1, T=40, E=4, K=2)
+        check(rank_step(dist.group.WORLD, big[0], 4), reference(big, 4), 0)
+        big = big[0]
         with pytest.raises(epx.InvalidArgumentError, match="float32"):
             en.fused_dispatch(big["x"], big["idx"], big["probs"].double(), 4, dist.group.WORLD)
     finally:
+        en.configure(max_tokens_per_rank=0)
         en.close()
         dist.destroy_process_group()
+
+
+def test_close_keeps_what_it_could_not_close(tmp_path):
+    """close() with a buffer still in use (a backward not run yet) raises
+    BusyError and keeps the buffer and the comm, so a second close() (after
+    the backward) closes them; it used to empty its registry first, and the
+    second close closed nothing."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method="file://%s" % (tmp_path / "store"), rank=0,
+                            world_size=1)
+    try:
+        r = world(SEED, 1, T=6, E=4, K=2)[0]
+        x = r["x"].clone().requires_grad_(True)
+        recv_x, _, _, _, handle = en.fused_dispatch(x, r["idx"], r["probs"], 4, dist.group.WORLD)
+        out, _ = en.fused_combine(recv_x * 2, dist.group.WORLD, handle)
+        del handle
+        for _ in range(2):
+            with pytest.raises(epx.BusyError):
+                en.close()
+            assert len(en._groups) == 1
+        out.sum().backward()
+        del out, recv_x
+        gc.collect()
+        en.close()
+        assert not en._groups
+    finally:
+        en.close()
+        dist.destroy_process_group()
+
+
+def test_recompute_under_nemos_replay_recorder_exchanges_no_layout(tmp_path):
+    """NeMo's own DispatchReplayRecorder and dispatch_replay_scope (its
+    activation-checkpoint context): the recompute's dispatch replays the
+    forward's handle, no layout (counted by epx.deep_ep.stats())."""
+    fa = pytest.importorskip("nemo_automodel.components.moe.megatron.fused_a2a")
+    import epx.deep_ep
+    from torch.utils.checkpoint import checkpoint
+    ranks = world(SEED, 1, T=12, E=4, K=2)
+    ref = reference(ranks, 4)
+    comm = epx.Comm.create_self()
+
+    def context_fn():
+        recorder = fa.DispatchReplayRecorder()
+
+        def scoped(mode):
+            import contextlib
+
+            @contextlib.contextmanager
+            def scope():
+                if mode == "replay":
+                    recorder.rewind()
+                with fa.dispatch_replay_scope(recorder, mode):
+                    yield
+            return scope()
+        return scoped("record"), scoped("replay")
+
+    try:
+        x = ranks[0]["x"].clone().requires_grad_(True)
+        probs = ranks[0]["probs"].clone().requires_grad_(True)
+
+        def layer(x, probs):
+            recv_x, local, recv_probs, _, handle = en.fused_dispatch(x, ranks[0]["idx"], probs, 4,
+                                                                     comm)
+            return en.fused_combine(expert(recv_x, local, recv_probs), comm, handle)[0]
+        epx.deep_ep.stats(reset=True)
+        out = checkpoint(layer, x, probs, use_reentrant=False, context_fn=context_fn)
+        fwd = epx.deep_ep.stats()
+        (out * ranks[0]["grad"]).sum().backward()
+        st = epx.deep_ep.stats()
+        assert fwd["layouts"] == 1 and st["layouts"] == 1, st
+        assert st["cached_dispatches"] == 2, st   # the recompute's, combine's backward
+        out = out.detach()        # the graph (and the recorder's handles) released
+        torch.testing.assert_close(out, ref[1][0], atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(x.grad, ref[2][0], atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(probs.grad, ref[3][0], atol=1e-6, rtol=1e-5)
+    finally:
+        en.close()
+        comm.close()
 
 
 def torchrun_worker(seed):

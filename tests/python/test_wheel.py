@@ -8,6 +8,7 @@ import pathlib
 import shutil
 import subprocess
 import sys
+import zipfile
 
 import pytest
 
@@ -127,3 +128,36 @@ def test_wheel_cuda_backend_follows_the_building_torch(tmp_path):
         if "release %s." % torch.version.cuda.split(".")[0] in release:
             out = _configure_wheel(tmp_path / "c", sys.executable)
             assert "EPX_BUILD_CUDA=ON (torch CUDA: '%s')" % torch.version.cuda in out, out[-2000:]
+
+
+def _toml(path):
+    tomllib = pytest.importorskip("tomllib")
+    with open(path, "rb") as f:
+        return tomllib.load(f)
+
+
+def test_root_pyproject_builds_the_same_wheel(tmp_path):
+    """`pip install .` at the repository root builds the wheel of
+    python/pyproject.toml: the same project and build settings (the source
+    and package paths one level down), and a wheel with libepx and every
+    module of python/epx."""
+    root, sub = _toml(REPO / "pyproject.toml"), _toml(REPO / "python" / "pyproject.toml")
+    assert root["project"] == sub["project"] and root["build-system"] == sub["build-system"]
+    moved = {"cmake": {**sub["tool"]["scikit-build"]["cmake"], "source-dir": "python"},
+             "wheel": {**sub["tool"]["scikit-build"]["wheel"], "packages": ["python/epx"]}}
+    want = {**sub["tool"]["scikit-build"], **moved}
+    got = dict(root["tool"]["scikit-build"])
+    got["sdist"], want["sdist"] = None, None
+    assert got == want
+    pytest.importorskip("scikit_build_core")
+    env = dict(os.environ, SKBUILD_CMAKE_DEFINE="EPX_BUILD_CUDA=OFF")
+    env.pop("EPX_LIBRARY", None)
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-build-isolation",
+                            "--no-deps", "-w", str(tmp_path / "dist"), str(REPO)],
+                           env=env, capture_output=True, text=True, timeout=600)
+    assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
+    (wheel,) = (tmp_path / "dist").glob("epx-*.whl")
+    assert wheel.name.endswith("-py3-none-linux_x86_64.whl"), wheel.name
+    names = set(zipfile.ZipFile(wheel).namelist())
+    modules = {str(p.relative_to(REPO / "python")) for p in (REPO / "python" / "epx").rglob("*.py")}
+    assert "epx/libepx.so" in names and modules <= names, sorted(modules - names)

@@ -52,5 +52,11 @@ typedef struct cc_timeout {
   atomic_int timed_out; /* free for side_sync's use */
 } cc_timeout_t;
 int cc_timeout_case(epx_comm_t comm, cc_timeout_t *t);
+/* The side_sync of ranks that share memory (threads, or processes with t in
+ * a shared page): the skippers wait until the others have timed out (20 s
+ * at most), then find the comm failed too. */
+void cc_wait_for_timeouts(cc_timeout_t *t, int timed_out);
+/* cc_timeout_case(comm, t) as a rank function (tu_rank_fn's shape). */
+int cc_timeout_rank(epx_comm_t comm, int32_t rank, int32_t size, void *t);
 
 #endif

@@ -136,3 +136,31 @@ int tu_run_ranks(int32_t world, double timeout_seconds, tu_rank_fn fn, void *arg
 }
 
 int tu_message_has(const char *needle) { return !needle || strstr(epx_last_error(), needle) != NULL; }
+
+epx_comm_t tu_self_comm;
+
+int tu_self_setup(void **state) {
+  (void)state;
+  return epx_comm_create_self(&tu_self_comm) == EPX_SUCCESS ? 0 : -1;
+}
+
+int tu_self_teardown(void **state) {
+  (void)state;
+  return epx_comm_destroy(tu_self_comm) == EPX_SUCCESS ? 0 : -1;
+}
+
+const char *tu_dtype_name(epx_dtype_t dtype) {
+  return dtype == EPX_FLOAT32 ? "f32" : dtype == EPX_BFLOAT16 ? "bf16" : "f16";
+}
+
+const char *tu_layout_name(epx_layout_t layout) {
+  return layout == EPX_LAYOUT_EXPERT_MAJOR ? "expert-major"
+         : layout == EPX_LAYOUT_RANK_MAJOR ? "rank-major"
+                                           : "capacity";
+}
+
+const char *tu_weighting_name(epx_weighting_t weighting) {
+  return weighting == EPX_WEIGHTS_IN_COMBINE    ? "in-combine"
+         : weighting == EPX_WEIGHTS_IN_DISPATCH ? "in-dispatch"
+                                                : "none";
+}

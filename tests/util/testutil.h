@@ -39,8 +39,20 @@ double tu_max_error(epx_dtype_t dtype_a, const void *a, epx_dtype_t dtype_b, con
 double tu_atol(epx_dtype_t dtype);
 double tu_rtol(epx_dtype_t dtype);
 
+/* Short names of a case's settings, for failure messages. */
+const char *tu_dtype_name(epx_dtype_t dtype);
+const char *tu_layout_name(epx_layout_t layout);
+const char *tu_weighting_name(epx_weighting_t weighting);
+
 void *tu_alloc(size_t bytes); /* 64-byte aligned, zeroed; fails the test on OOM */
 void tu_free(void *p);
+
+/* A cmocka group's comm of one rank (epx_comm_create_self), in
+ * tu_self_comm between tu_self_setup and tu_self_teardown (the group's
+ * setup and teardown). */
+extern epx_comm_t tu_self_comm;
+int tu_self_setup(void **state);
+int tu_self_teardown(void **state);
 
 /* Runs fn(rank, world, arg) on `world` threads, each with a local comm of its
  * rank (timeout in seconds, <= 0: default). Returns the number of ranks whose

@@ -124,12 +124,7 @@ static epx_status_t ensure_fused(epx_buffer_t b, const char *fn) {
                 "peer takes the host path", fn, (long long)(refused - 1));
     return EPX_SUCCESS;
   }
-  /* the SM budget within this rank's share of the GPU (all of it, but
-   * for in-process ranks sharing one: fused.h) */
-  int32_t sms = 0;
-  (void)epx_fused_ranks_on_device(f, &sms, NULL);
-  const int32_t ctas = c->sm_budget > 0 ? c->sm_budget : EP_FUSED_DEFAULT_CTAS;
-  s->fused_ctas = ctas < sms ? ctas : sms;
+  s->fused_ctas = epx_fused_ctas(f, c->sm_budget);
   s->fused = f;
   s->path_state = fp8_rows;
   return EPX_SUCCESS;

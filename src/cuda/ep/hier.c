@@ -231,14 +231,14 @@ static epx_status_t plan_tables(epx_buffer_t b, const ep_handle_t *h, hier_plan_
   const size_t parts[4] = {4 * (size_t)(T * p->G), 4 * (size_t)(T * p->G), 4 * (size_t)(T * p->L),
                            4 * (size_t)(p->rnet_rows * p->L)};
   size_t bytes = 0;
-  for (int i = 0; i < 4; i++) bytes += round256(parts[i]);
+  for (int i = 0; i < 4; i++) bytes += epx_round256(parts[i]);
   char *host = malloc(bytes + 1);
   if (!host) {
     free(ranks), free(at);
     return OOM(fn);
   }
   int32_t *tab[4];
-  for (size_t i = 0, off = 0; i < 4; off += round256(parts[i]), i++) tab[i] = (int32_t *)(host + off);
+  for (size_t i = 0, off = 0; i < 4; off += epx_round256(parts[i]), i++) tab[i] = (int32_t *)(host + off);
   plan_home(comm, h, p, gidx, tab[0], tab[1], ranks, at);
   plan_relay(comm, h, p, gidx, tab[2], tab[3], ranks, at);
   free(ranks), free(at);
@@ -249,7 +249,7 @@ static epx_status_t plan_tables(epx_buffer_t b, const ep_handle_t *h, hier_plan_
   CUDA_CHECK(cudaMemcpyAsync(p->block, host, bytes, cudaMemcpyHostToDevice, stream), fn,
              "cudaMemcpyAsync of the hierarchical plan");
   int32_t **dev[4] = {&p->net_stage, &p->fin, &p->own_fwd, &p->net_fwd};
-  for (size_t i = 0, off = 0; i < 4; off += round256(parts[i]), i++) *dev[i] = (int32_t *)((char *)p->block + off);
+  for (size_t i = 0, off = 0; i < 4; off += epx_round256(parts[i]), i++) *dev[i] = (int32_t *)((char *)p->block + off);
 fail:
   free(host);
   return status;

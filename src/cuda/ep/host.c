@@ -100,13 +100,13 @@ static epx_status_t carve(epx_buffer_t b, ep_handle_t *h, const char *fn) {
   };
   const size_t n = sizeof parts / sizeof parts[0];
   size_t bytes = 0;
-  for (size_t i = 0; i < n; i++) bytes += round256((size_t)parts[i].bytes);
+  for (size_t i = 0; i < n; i++) bytes += epx_round256((size_t)parts[i].bytes);
   CUDA_CHECK(cudaMallocAsync(&h->block, bytes, stream_of(b)), fn, "cudaMallocAsync of the handle's layout");
   h->block_bytes = bytes;
   char *at = h->block;
   for (size_t i = 0; i < n; i++) {
     *parts[i].ptr = parts[i].bytes ? at : NULL;
-    at += round256((size_t)parts[i].bytes);
+    at += epx_round256((size_t)parts[i].bytes);
   }
   if (!h->has_w) h->w = NULL;
   h->tab.scan = h->scan, h->tab.gidx = h->gidx, h->tab.ridx = h->ridx, h->tab.ghdr = h->ghdr;
@@ -137,17 +137,18 @@ static epx_status_t join_oversize(epx_buffer_t b, const epx_cuda_ep_dims_t *d, c
   const int cap = b->config.layout == EPX_LAYOUT_CAPACITY;
   const size_t n = (size_t)(d->Tm * d->Kb), G = n * (size_t)d->W;
   const size_t hdr = 4 * EPX_CUDA_EP_HDR_INTS;
-  const size_t send = round256(4 * n) * 3 + round256(hdr), recv = round256(4 * G) * 3 + round256(hdr * (size_t)d->W);
+  const size_t send = epx_round256(4 * n) * 3 + epx_round256(hdr),
+               recv = epx_round256(4 * G) * 3 + epx_round256(hdr * (size_t)d->W);
   char *block = NULL;
   CUDA_CHECK(cudaMallocAsync((void **)&block, send + recv, stream), fn, "cudaMallocAsync");
-  int32_t *sidx = (int32_t *)block, *sloc = (int32_t *)(block + 2 * round256(4 * n));
-  float *sw = (float *)(block + round256(4 * n));
-  int32_t *shdr = (int32_t *)(block + 3 * round256(4 * n));
+  int32_t *sidx = (int32_t *)block, *sloc = (int32_t *)(block + 2 * epx_round256(4 * n));
+  float *sw = (float *)(block + epx_round256(4 * n));
+  int32_t *shdr = (int32_t *)(block + 3 * epx_round256(4 * n));
   char *g = block + send;
   CUDA_CHECK(epx_cuda_ep_stage_launch(d, NULL, NULL, NULL, NULL, 1, sidx, sw, cap ? sloc : NULL, shdr, stream), fn,
              "the routing stage kernel");
-  status = gather_routing(b, d, sidx, sw, cap ? sloc : NULL, shdr, (int32_t *)g, (float *)(g + round256(4 * G)),
-                          (int32_t *)(g + 2 * round256(4 * G)), (int32_t *)(g + 3 * round256(4 * G)), fn);
+  status = gather_routing(b, d, sidx, sw, cap ? sloc : NULL, shdr, (int32_t *)g, (float *)(g + epx_round256(4 * G)),
+                          (int32_t *)(g + 2 * epx_round256(4 * G)), (int32_t *)(g + 3 * epx_round256(4 * G)), fn);
 fail:
   if (block) cudaFreeAsync(block, stream);
   return status;

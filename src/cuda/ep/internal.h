@@ -22,7 +22,9 @@
 
 #include <cuda_runtime_api.h>
 
+#include "core/align.h"
 #include "core/objects.h"
+#include "cuda/common/buffer.h"
 #include "cuda/ep/ep.h"
 #include "cuda/fused/fused.h"
 #include "cuda/launch.h"
@@ -37,10 +39,8 @@
 #endif
 
 /* The fused senders move whole rows through the bulk copy engine (faster at
- * 8-32 SMs, equal from 64: bench/NOTES-gpu.md, the fused exchange). The
- * default SM budget is the whole-step sweep's fastest (bench/NOTES-gpu.md,
- * "the SM budget"). */
-enum { EP_FUSED_BULK_COPY = 1, EP_FUSED_DEFAULT_CTAS = 32 };
+ * 8-32 SMs, equal from 64: bench/NOTES-gpu.md, the fused exchange). */
+enum { EP_FUSED_BULK_COPY = 1 };
 
 enum { HOME_PAIRS = 0, HOME_ROUTES = 1, RECV_PAIRS = 2, RECV_ROUTES = 3, KINDS = 4 };
 
@@ -154,8 +154,6 @@ extern const ep_path_t epx_cuda_ep_hier_path;  /* hier.c: EPX_EXCHANGE_HIERARCHI
 extern const ep_path_t epx_cuda_ep_fused_path; /* fused.c */
 #endif
 
-static inline cudaStream_t stream_of(epx_buffer_t b) { return (cudaStream_t)b->config.stream; }
-static inline size_t round256(size_t n) { return (n + 255) / 256 * 256; }
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 
@@ -167,13 +165,6 @@ static inline int64_t kind_bound(const epx_cuda_ep_dims_t *d, int kind) {
 /* Items of a kind this rank holds in staging (the tables' row count). */
 static inline int64_t kind_rows(const ep_handle_t *h, int kind) {
   return h->d.worst ? h->d.W * kind_bound(&h->d, kind) : h->total[kind];
-}
-
-/* Whether partials of `precision` travel as float32 rows: they differ from
- * the dtype's only for a 16-bit dtype. combine takes the buffer's
- * combine_precision, dispatch_backward float32 always (epx.h). */
-static inline int f32_partials(epx_buffer_t b, epx_combine_precision_t precision) {
-  return precision == EPX_COMBINE_PARTIALS_FLOAT32 && b->config.dtype != EPX_FLOAT32;
 }
 
 #endif

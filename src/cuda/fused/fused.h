@@ -147,6 +147,12 @@ void epx_fused_peer_transports(const epx_fused_t *fused, int32_t *transports);
  * no synchronisation. */
 int epx_fused_error(const epx_fused_t *fused, int32_t *peer, const char **phase);
 
+/* The CTAs of a buffer's fused launches: its sm_budget, or where that is 0
+ * the default (the whole-step sweep's fastest: bench/NOTES-gpu.md, "the SM
+ * budget"), at most the device's SMs. */
+#define EPX_FUSED_DEFAULT_CTAS 32
+int32_t epx_fused_ctas(const epx_fused_t *fused, int32_t sm_budget);
+
 /* The rank-major receive rows in this rank's window ([W * max_tokens, H] of
  * the dtype; a plan's first N rows are valid after its dispatch). A dispatch
  * into this address moves each row once; they stay valid until the next

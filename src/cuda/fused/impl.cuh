@@ -40,6 +40,7 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "core/align.h"
 #include "cuda/common/bulk.cuh"
 #include "cuda/common/device.cuh"
 #include "cuda/common/device_cache.h"
@@ -105,9 +106,6 @@ inline bool every_peer_relayed(const fused_dev &d) {
   const uint32_t others = (uint32_t)(((uint64_t)1 << d.W) - 1) & ~(1u << d.rank);
   return d.W > 1 && d.relay_mask == others;
 }
-
-/* v rounded up to a multiple of a (the window's and the relay blocks' offsets). */
-static inline size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
 
 /* Index of the small int64 table of a plan (device), from W and E_local.
  * Everything the host reads back (epx_fused_plan_summary) sits in its first

@@ -32,8 +32,8 @@ extern "C" epx_status_t epx_fused_plan_create(epx_fused_t *f, epx_layout_t layou
   const int64_t words[] = {T * K, T * K, T * K, T * W, W * T, blocks * E, blocks * W, 2 * blocks, E,
                            pairs, pairs * K, pairs * K, pairs * K, row_bound, row_bound, row_bound, row_bound,
                            2 * claims};
-  size_t bytes = 64 + align_up((size_t)ii.total * 8, 256); /* invalid, then info, as carved below */
-  for (size_t i = 0; i < sizeof words / sizeof words[0]; i++) bytes += align_up((size_t)words[i] * 4, 256);
+  size_t bytes = 64 + epx_align_up((size_t)ii.total * 8, 256); /* invalid, then info, as carved below */
+  for (size_t i = 0; i < sizeof words / sizeof words[0]; i++) bytes += epx_align_up((size_t)words[i] * 4, 256);
   epx_fused_plan_t *p = static_cast<epx_fused_plan_t *>(calloc(1, sizeof *p));
   if (!p) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
   cudaError_t e = cudaMallocAsync(&p->memory, bytes, stream);
@@ -46,7 +46,7 @@ extern "C" epx_status_t epx_fused_plan_create(epx_fused_t *f, epx_layout_t layou
   fused_plan_dev &pd = p->dev;
   pd.invalid = reinterpret_cast<unsigned long long *>(m);
   pd.info = reinterpret_cast<int64_t *>(m + 64);
-  m += 64 + align_up((size_t)ii.total * 8, 256);
+  m += 64 + epx_align_up((size_t)ii.total * 8, 256);
   void **slots[] = {(void **)&pd.idx, (void **)&pd.w, (void **)&pd.pos, (void **)&pd.tok_slot,
                     (void **)&pd.send_token, (void **)&pd.chunk_hist, (void **)&pd.chunk_dcnt,
                     (void **)&pd.chunk_invalid, (void **)&pd.hist, (void **)&pd.pair_token, (void **)&pd.pair_expert,
@@ -54,7 +54,7 @@ extern "C" epx_status_t epx_fused_plan_create(epx_fused_t *f, epx_layout_t layou
                     (void **)&pd.row_src_token, (void **)&pd.row_expert, (void **)&pd.row_w, (void **)&pd.claim};
   for (size_t i = 0; i < sizeof slots / sizeof slots[0]; i++) {
     *slots[i] = m;
-    m += align_up((size_t)words[i] * 4, 256);
+    m += epx_align_up((size_t)words[i] * 4, 256);
   }
   /* every slot unclaimed: a claim carries its layout's op number + 1 (> 0),
    * so a later layout's claims outrank an earlier one's and need no reset */

@@ -51,10 +51,10 @@ size_t relay_layout(fused_dev &d, size_t *outbox) {
   const size_t T = (size_t)d.maxT;
   const int64_t partial = epx_payload_partial_row_bytes(d.H);
   const size_t row = (size_t)(d.row_bytes > partial ? d.row_bytes : partial);
-  d.relay_off_rows = align_up(T * (size_t)d.meta_stride, 4096);
+  d.relay_off_rows = epx_align_up(T * (size_t)d.meta_stride, 4096);
   d.relay_off_back = d.relay_off_rows + T * row;
-  *outbox = align_up(d.relay_off_back + T * (size_t)d.Kmax * 4, 4096);
-  return *outbox + align_up(d.relay_off_rows + T * row, 4096);
+  *outbox = epx_align_up(d.relay_off_back + T * (size_t)d.Kmax * 4, 4096);
+  return *outbox + epx_align_up(d.relay_off_rows + T * row, 4096);
 }
 
 /* A warp per row: each relayed source's rows [0, rcount) from its inbox to

@@ -43,26 +43,26 @@ void window_offsets(fused_dev &d, int64_t part_elem) {
   o += W * 4;
   d.off_vflag = o;
   o += W * 4;
-  d.off_cflag = o = align_up(o, 128);
+  d.off_cflag = o = epx_align_up(o, 128);
   o += W * (size_t)d.max_chunks * 4;
-  d.off_mat = o = align_up(o, 128);
+  d.off_mat = o = epx_align_up(o, 128);
   o += W * W * 4;
-  d.off_hist = o = align_up(o, 128);
+  d.off_hist = o = epx_align_up(o, 128);
   o += W * (size_t)d.El * 4;
-  d.off_hdr = o = align_up(o, 128);
+  d.off_hdr = o = epx_align_up(o, 128);
   o += W * EPX_FUSED_HDR_INTS * 4;
-  d.off_back = o = align_up(o, 128);
+  d.off_back = o = epx_align_up(o, 128);
   o += W * (size_t)d.maxT * (size_t)d.Kmax * 4;
-  d.off_meta = o = align_up(o, 256);
+  d.off_meta = o = epx_align_up(o, 256);
   o += W * (size_t)d.maxT * (size_t)d.meta_stride;
-  d.off_pay = o = align_up(o, 4096);
+  d.off_pay = o = epx_align_up(o, 4096);
   o += W * (size_t)d.maxT * (size_t)d.pay_row_bytes;
-  d.off_part = o = align_up(o, 4096);
+  d.off_part = o = epx_align_up(o, 4096);
   o += W * (size_t)d.maxT * (size_t)d.H * (size_t)part_elem;
 }
 
 size_t window_bytes(const fused_dev &d, int64_t part_elem) {
-  return align_up(d.off_part + (size_t)d.W * (size_t)d.maxT * (size_t)d.H * (size_t)part_elem,
+  return epx_align_up(d.off_part + (size_t)d.W * (size_t)d.maxT * (size_t)d.H * (size_t)part_elem,
                   (size_t)1 << 21);
 }
 
@@ -124,7 +124,7 @@ void init_dev(epx_fused_t *f, int W, int rank) {
   const int64_t partial = epx_payload_partial_row_bytes(c->hidden);
   d.pay_row_bytes = c->f32_rows && d.row_bytes < partial ? partial : d.row_bytes;
   d.max_chunks = (int)((c->max_tokens + kChunk - 1) / kChunk);
-  d.meta_stride = (int64_t)align_up((size_t)(1 + 3 * c->max_top_k) * 4, 16);
+  d.meta_stride = (int64_t)epx_align_up((size_t)(1 + 3 * c->max_top_k) * 4, 16);
   /* the bulk path: as many one-row slots as fit in 200 KB of shared memory */
   const int64_t fit = ((int64_t)200 << 10) / epx_bulk_slot_bytes(d.row_bytes);
   d.bulk_warps = c->bulk_copy ? (int)(fit < kMaxBulkWarps ? fit : kMaxBulkWarps) : 0;
@@ -651,6 +651,11 @@ extern "C" int epx_fused_error(const epx_fused_t *f, int32_t *peer, const char *
   if (peer) *peer = (int32_t)(w >> 16) - 1;
   if (phase) *phase = names[ph < sizeof names / sizeof names[0] ? ph : 0];
   return 1;
+}
+
+extern "C" int32_t epx_fused_ctas(const epx_fused_t *f, int32_t sm_budget) {
+  const int32_t ctas = sm_budget > 0 ? sm_budget : EPX_FUSED_DEFAULT_CTAS;
+  return ctas < f->num_sms ? ctas : f->num_sms;
 }
 
 extern "C" void *epx_fused_recv_window(epx_fused_t *f) { return f->dev.local + f->dev.off_pay; }

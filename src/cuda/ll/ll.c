@@ -12,11 +12,13 @@
 
 #include <cuda_runtime_api.h>
 
+#include "core/align.h"
 #include "core/backend.h"
 #include "core/error.h"
 #include "core/ll.h"
 #include "core/objects.h"
 #include "cuda/backend.h"
+#include "cuda/common/buffer.h"
 #include "cuda/common/check.h"
 #include "cuda/launch.h"
 #include "cuda/ll/ll.h"
@@ -40,10 +42,6 @@ typedef struct {
   ll_slot_t slots[LL_SLOTS];
 } ll_buffer_t;
 
-static cudaStream_t stream_of(epx_buffer_t b) { return (cudaStream_t)b->config.stream; }
-
-static size_t up256(size_t n) { return (n + 255) / 256 * 256; }
-
 /* Bytes of one slot, and its arrays carved from `at` when not NULL. */
 static size_t slot_carve(const epx_buffer_t b, char *at, ll_slot_t *s) {
   const size_t E = (size_t)b->experts_per_rank, TK = (size_t)b->max_tokens * (size_t)b->config.max_top_k;
@@ -55,7 +53,7 @@ static size_t slot_carve(const epx_buffer_t b, char *at, ll_slot_t *s) {
   size_t used = 0;
   for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) {
     if (at) *fields[i] = at + used;
-    used += up256(sizes[i]);
+    used += epx_round256(sizes[i]);
   }
   return used;
 }

@@ -36,6 +36,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include "core/align.h"
 #include "core/backend.h"
 #include "core/error.h"
 #include "core/ll.h"
@@ -43,6 +44,7 @@
 #include "core/objects.h"
 #include "core/payload.h"
 #include "cuda/backend.h"
+#include "cuda/common/buffer.h"
 #include "cuda/common/check.h"
 #include "cuda/launch.h"
 #include "cuda/ll/ll.h"
@@ -76,15 +78,7 @@ typedef struct {
   slot_t slots[EPX_CUDA_LL_SLOTS];
 } ranks_t;
 
-static cudaStream_t stream_of(epx_buffer_t b) { return (cudaStream_t)b->config.stream; }
-
-static size_t up256(size_t n) { return (n + 255) / 256 * 256; }
-
 static int rank_major(epx_buffer_t b) { return b->config.layout == EPX_LAYOUT_RANK_MAJOR; }
-
-static int f32_partials(epx_buffer_t b) {
-  return b->config.combine_precision == EPX_COMBINE_PARTIALS_FLOAT32 && b->config.dtype != EPX_FLOAT32;
-}
 
 /* Bytes of one slot, and its arrays carved from `at` when not NULL. */
 static size_t slot_carve(const ranks_t *s, char *at, slot_t *slot) {
@@ -101,7 +95,7 @@ static size_t slot_carve(const ranks_t *s, char *at, slot_t *slot) {
   size_t used = 0;
   for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) {
     if (at) *fields[i] = at + used;
-    used += up256(sizes[i]);
+    used += epx_round256(sizes[i]);
   }
   return used;
 }
@@ -144,7 +138,7 @@ static epx_status_t ranks_buffer_init(epx_buffer_t b) {
   s->rank_major = rank_major(b);
   s->N = (s->rank_major ? 1 : (int64_t)s->d.El) * s->d.W * s->d.Tm;
   s->unit = rb > packed ? rb : packed;
-  if (f32_partials(b) && pb > s->unit) s->unit = pb;
+  if (f32_partials(b, b->config.combine_precision) && pb > s->unit) s->unit = pb;
   status = epx_cuda_ll_window_create(b, &s->window);
   if (status != EPX_SUCCESS) {
     free(s);
@@ -329,7 +323,7 @@ static epx_status_t ranks_combine_send(epx_buffer_t b, epx_handle_t h, epx_statu
   }
   const int64_t items = (d->W - 1) * d->S + d->Tm;
   const float *w = h->weighting == EPX_WEIGHTS_IN_COMBINE ? slot->recv.rp_w : NULL;
-  const int f32 = f32_partials(b);
+  const int f32 = f32_partials(b, b->config.combine_precision);
   if (f32) {
     const epx_cuda_reduce_t red = {c->dtype, EPX_FLOAT32, expert_out, slot->send, items, c->hidden,
                                    slot->recv.rp_rows, NULL, d->Kb, w, NULL, NULL, 0};
@@ -356,7 +350,7 @@ static epx_status_t sum_home(epx_buffer_t b, epx_handle_t h, slot_t *slot) {
   epx_status_t status = EPX_SUCCESS;
   const epx_buffer_config_t *c = &b->config;
   if (!h->num_tokens) return EPX_SUCCESS;
-  if (f32_partials(b) && !rank_major(b)) {
+  if (f32_partials(b, b->config.combine_precision) && !rank_major(b)) {
     const epx_cuda_reduce_t red = {EPX_FLOAT32, c->dtype, slot->stage, slot->out, h->num_tokens, c->hidden,
                                    slot->pair_stage, NULL, b->world_size, NULL, NULL, NULL, 0};
     CUDA_CHECK(epx_cuda_reduce_launch(&red, stream_of(b)), fn, "the sum kernel");

@@ -22,7 +22,7 @@
 #include "core/objects.h"
 #include "core/transport.h"
 #include "cuda/common/check.h"
-#include "cuda/ep/internal.h" /* the fused path's bulk copy and SM budget, EPX_HAVE_FUSED */
+#include "cuda/ep/internal.h" /* the fused path's bulk copy, EPX_HAVE_FUSED */
 #include "cuda/ll/ll.h"
 #include "cuda/xport/xport.h"
 
@@ -77,14 +77,6 @@ static epx_status_t create_fused(epx_buffer_t b, epx_fused_t **out) {
   return EPX_SUCCESS;
 }
 
-/* The SM budget within this rank's share of the GPU (fused.h). */
-static int32_t ctas_of(epx_buffer_t b, const epx_fused_t *f) {
-  int32_t sms = 0;
-  (void)epx_fused_ranks_on_device(f, &sms, NULL);
-  const int32_t ctas = b->config.sm_budget > 0 ? b->config.sm_budget : EP_FUSED_DEFAULT_CTAS;
-  return ctas < sms ? ctas : sms;
-}
-
 epx_status_t epx_cuda_ll_window_create(epx_buffer_t b, epx_cuda_ll_window_t **out) {
   const char *fn = "epx_buffer_create";
   *out = NULL;
@@ -98,7 +90,7 @@ epx_status_t epx_cuda_ll_window_create(epx_buffer_t b, epx_cuda_ll_window_t **ou
     return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
   }
   w->fused = f;
-  w->ctas = ctas_of(b, f);
+  w->ctas = epx_fused_ctas(f, b->config.sm_budget);
   const int64_t Kb = b->config.max_top_k, El = b->experts_per_rank;
   const int64_t bound = (int64_t)b->world_size * b->max_tokens * (Kb < El ? Kb : El);
   for (int i = 0; i < EPX_CUDA_LL_SLOTS; i++)

@@ -38,16 +38,6 @@ struct gather_args {
   int wpt_shift; /* log2 of the warps per token */
 };
 
-template <int n>
-__device__ __forceinline__ void load_step(const uint4 *row, int v0, int v_end, int lane,
-                                          uint4 (&v)[n]) {
-#pragma unroll
-  for (int u = 0; u < n; u++) {
-    const int i = v0 + u * 32 + lane;
-    v[u] = i < v_end ? __ldcs(row + i) : make_uint4(0u, 0u, 0u, 0u);
-  }
-}
-
 template <typename T, bool kWeight, bool kDot>
 __global__ void __launch_bounds__(kWarps * 32) gather_kernel(const gather_args a) {
   using vec = epx_vec<T>;
@@ -69,22 +59,7 @@ __global__ void __launch_bounds__(kWarps * 32) gather_kernel(const gather_args a
   float *s_w = reinterpret_cast<float *>(s_slot + a.k);
   float *s_dot = s_w + a.k;
   if (active) {
-    const unsigned int lanes_below = (1u << lane) - 1u;
-    int valid = 0;
-    for (int k0 = 0; k0 < a.k; k0 += 32) {
-      const int k = k0 + lane;
-      const int32_t row = k < a.k ? a.rows[t * a.k + k] : -1;
-      const unsigned int mask = __ballot_sync(0xffffffffu, row >= 0);
-      if (row >= 0) {
-        const int p = valid + __popc(mask & lanes_below);
-        s_row[p] = row;
-        s_slot[p] = k;
-        if (kWeight) s_w[p] = a.w[t * a.k + k];
-      }
-      if (kDot && k < a.k) s_dot[k] = 0.0f;
-      valid += __popc(mask);
-    }
-    __syncwarp();
+    const int valid = epx_slot_table_fill<kWeight, kDot>(a.rows, a.w, t, a.k, lane, s_row, s_slot, s_w, s_dot);
 
     const int v_begin = part * (int)a.slice, v_end = (int)min(a.nvec, (int64_t)v_begin + a.slice);
     uint4 *dst = a.dst + t * a.nvec;
@@ -97,15 +72,15 @@ __global__ void __launch_bounds__(kWarps * 32) gather_kernel(const gather_args a
       float of[kVecs][n];
       if (kDot) {
         uint4 ov[kVecs];
-        load_step(a.other + t * a.nvec, v0, v_end, lane, ov);
+        epx_load_step(a.other + t * a.nvec, v0, v_end, lane, ov);
 #pragma unroll
         for (int u = 0; u < kVecs; u++) vec::unpack(ov[u], of[u]);
       }
       uint4 cur[kVecs];
-      if (valid > 0) load_step(a.src + (int64_t)s_row[0] * a.nvec, v0, v_end, lane, cur);
+      if (valid > 0) epx_load_step(a.src + (int64_t)s_row[0] * a.nvec, v0, v_end, lane, cur);
       for (int j = 0; j < valid; j++) {
         uint4 next[kVecs];
-        if (j + 1 < valid) load_step(a.src + (int64_t)s_row[j + 1] * a.nvec, v0, v_end, lane, next);
+        if (j + 1 < valid) epx_load_step(a.src + (int64_t)s_row[j + 1] * a.nvec, v0, v_end, lane, next);
         const float w = kWeight ? s_w[j] : 1.0f;
         float part_dot = 0.0f;
 #pragma unroll
@@ -139,17 +114,6 @@ __global__ void __launch_bounds__(kWarps * 32) gather_kernel(const gather_args a
   }
 }
 
-template <typename T>
-cudaError_t launch_typed(const gather_args &a, unsigned int blocks, size_t shared,
-                         cudaStream_t stream) {
-  const bool weight = a.w != nullptr, dot = a.grad_w != nullptr;
-  if (weight && dot) gather_kernel<T, true, true><<<blocks, kWarps * 32, shared, stream>>>(a);
-  else if (weight) gather_kernel<T, true, false><<<blocks, kWarps * 32, shared, stream>>>(a);
-  else if (dot) gather_kernel<T, false, true><<<blocks, kWarps * 32, shared, stream>>>(a);
-  else gather_kernel<T, false, false><<<blocks, kWarps * 32, shared, stream>>>(a);
-  return cudaGetLastError();
-}
-
 }  // namespace
 
 extern "C" cudaError_t epx_cuda_gather_launch(epx_dtype_t dtype, const void *src, void *dst,
@@ -173,7 +137,8 @@ extern "C" cudaError_t epx_cuda_gather_launch(epx_dtype_t dtype, const void *src
   const int64_t blocks = ((num_tokens << a.wpt_shift) + kWarps - 1) / kWarps;
   if (blocks == 0) return cudaSuccess;
   const size_t shared = (size_t)kWarps * 4 * sizeof(int32_t) * (size_t)top_k;
-  return epx_payload_visit(dtype, [&](auto tag) {
-    return launch_typed<typename decltype(tag)::type>(a, (unsigned int)blocks, shared, stream);
+  return epx_flags_visit(dtype, w != nullptr, grad_w != nullptr, [&](auto tag, auto weight, auto dot) {
+    gather_kernel<typename decltype(tag)::type, decltype(weight)::value, decltype(dot)::value>
+        <<<(unsigned int)blocks, kWarps * 32, shared, stream>>>(a);
   });
 }

@@ -89,36 +89,11 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(const scatter_args
     const int v_begin = part * (int)a.slice, v_end = (int)min(a.nvec, (int64_t)v_begin + a.slice);
     const uint4 *src = a.src + t * a.nvec;
     uint4 x[kVecs];
-#pragma unroll
-    for (int u = 0; u < kVecs; u++) {
-      const int i = v_begin + u * 32 + lane;
-      x[u] = i < v_end ? __ldcs(src + i) : make_uint4(0u, 0u, 0u, 0u);
-    }
-    const unsigned int lanes_below = (1u << lane) - 1u;
-    int valid = 0;
-    for (int k0 = 0; k0 < a.k; k0 += 32) {
-      const int k = k0 + lane;
-      const int32_t row = k < a.k ? a.rows[t * a.k + k] : -1;
-      const unsigned int mask = __ballot_sync(0xffffffffu, row >= 0);
-      if (row >= 0) {
-        const int p = valid + __popc(mask & lanes_below);
-        s_row[p] = row;
-        s_slot[p] = k;
-        if (kScale) s_w[p] = a.w[t * a.k + k];
-      }
-      if (kDot && k < a.k) s_dot[k] = 0.0f;
-      valid += __popc(mask);
-    }
-    __syncwarp();
+    epx_load_step(src, v_begin, v_end, lane, x);
+    const int valid = epx_slot_table_fill<kScale, kDot>(a.rows, a.w, t, a.k, lane, s_row, s_slot, s_w, s_dot);
 
     for (int v0 = valid > 0 ? v_begin : v_end; v0 < v_end; v0 += 32 * kVecs) {
-      if (v0 != v_begin) {
-#pragma unroll
-        for (int u = 0; u < kVecs; u++) {
-          const int i = v0 + u * 32 + lane;
-          x[u] = i < v_end ? __ldcs(src + i) : make_uint4(0u, 0u, 0u, 0u);
-        }
-      }
+      if (v0 != v_begin) epx_load_step(src, v0, v_end, lane, x);
       for (int j = 0; j < valid; j++) {
         const int64_t row = s_row[j];
         uint4 *dst = a.dst + row * a.nvec;
@@ -143,11 +118,7 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(const scatter_args
         if (kDot) {
           const uint4 *o = a.other + row * a.nvec;
           uint4 ov[kVecs];
-#pragma unroll
-          for (int u = 0; u < kVecs; u++) {
-            const int i = v0 + u * 32 + lane;
-            ov[u] = i < v_end ? __ldcs(o + i) : make_uint4(0u, 0u, 0u, 0u);
-          }
+          epx_load_step(o, v0, v_end, lane, ov);
           float part_dot = 0.0f;
 #pragma unroll
           for (int u = 0; u < kVecs; u++) {
@@ -168,17 +139,6 @@ __global__ void __launch_bounds__(kWarps * 32) scatter_kernel(const scatter_args
     __syncthreads();
     if (active && part == 0) epx_slices_grad_w(s_dot, a.k, a.wpt_shift, lane, a.grad_w + t * a.k);
   }
-}
-
-template <typename T>
-cudaError_t launch_typed(const scatter_args &a, unsigned int blocks, size_t shared,
-                         cudaStream_t stream) {
-  const bool scale = a.w != nullptr, dot = a.grad_w != nullptr;
-  if (scale && dot) scatter_kernel<T, true, true><<<blocks, kWarps * 32, shared, stream>>>(a);
-  else if (scale) scatter_kernel<T, true, false><<<blocks, kWarps * 32, shared, stream>>>(a);
-  else if (dot) scatter_kernel<T, false, true><<<blocks, kWarps * 32, shared, stream>>>(a);
-  else scatter_kernel<T, false, false><<<blocks, kWarps * 32, shared, stream>>>(a);
-  return cudaGetLastError();
 }
 
 }  // namespace
@@ -211,7 +171,8 @@ extern "C" cudaError_t epx_cuda_scatter_launch(epx_dtype_t dtype, const void *sr
   const int64_t blocks = a.token_blocks + zero_blocks;
   if (blocks == 0) return cudaSuccess;
   const size_t shared = (size_t)kWarps * 4 * sizeof(int32_t) * (size_t)top_k;
-  return epx_payload_visit(dtype, [&](auto tag) {
-    return launch_typed<typename decltype(tag)::type>(a, (unsigned int)blocks, shared, stream);
+  return epx_flags_visit(dtype, w != nullptr, grad_w != nullptr, [&](auto tag, auto scale, auto dot) {
+    scatter_kernel<typename decltype(tag)::type, decltype(scale)::value, decltype(dot)::value>
+        <<<(unsigned int)blocks, kWarps * 32, shared, stream>>>(a);
   });
 }

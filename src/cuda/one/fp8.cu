@@ -49,8 +49,8 @@ constexpr int kWarps = 8;
  * row's latency is paid once per 32 * kLoads vectors. */
 constexpr int kLoads = 14;
 /* Copying CTAs per SM: each warp then stages a few tokens in turn, its
- * stores of one overlapping the load of the next (bench/NOTES.md, session
- * 22: fewer resident warps with more tokens each wrote faster). */
+ * stores of one overlapping the load of the next (fewer resident warps with
+ * more tokens each write faster: bench/NOTES.md, "The fp8 dispatch kernel"). */
 constexpr int kCopyCtasPerSm = 2;
 
 struct fp8_args {
@@ -116,7 +116,7 @@ __device__ __forceinline__ uint32_t abs_bits(float f, bool skip_nan) {
 /* Four values to e4m3 bytes (the first in the low byte): the hardware's
  * round-to-nearest-even satfinite conversion from sm_89, which is
  * epx_f32_to_e4m3's for every float32 (NaN to 0x7f, the infinities to
- * +-448; bench/NOTES.md, session 22: checked on all 2^32 inputs), or that
+ * +-448; checked on all 2^32 inputs: bench/NOTES.md, "The fp8 dispatch kernel"), or that
  * function itself before sm_89. */
 __device__ __forceinline__ uint32_t e4m3x4(float a, float b, float c, float d) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
@@ -136,16 +136,12 @@ struct chunk_q {
   uint32_t stored;
 };
 
-/* A format's channels per scale: 32 (MXFP8) or 128, at compile time (the
- * quantizing kernel is one per format: bench/NOTES.md, session 22). */
-__host__ __device__ constexpr int block_of(epx_fp8_format_t format) { return format == EPX_FP8_MXFP8 ? 32 : 128; }
-
 template <typename T, epx_fp8_format_t format>
 __device__ __forceinline__ chunk_q quantize_chunk(const uint4 *raw) {
   using vec = epx_vec<T>;
   constexpr int n = vec::n;
   constexpr bool skip_nan = format == EPX_FP8_MXFP8;
-  constexpr int group = block_of(format) / 16; /* lanes per block: 2 or 8 */
+  constexpr int group = EPX_FP8_SCALE_BLOCK(format) / 16; /* lanes per block: 2 or 8 */
   float f[16];
 #pragma unroll
   for (int l = 0; l < 16 / n; l++) vec::unpack(raw[l], f + l * n);
@@ -169,8 +165,9 @@ __device__ __forceinline__ chunk_q quantize_chunk(const uint4 *raw) {
  * (rows of a size that is not whole 16-byte units, so each ends or starts
  * in a 32-byte sector another row's scales complete), the rows are stored
  * evict-first: the part-written sectors then stay in L2 until completed
- * instead of going to memory twice (bench/NOTES.md, session 23: UE8M0's
- * 56-byte scale rows; marking every format's rows measured slower). */
+ * instead of going to memory twice (UE8M0's 56-byte scale rows; marking
+ * every format's rows measured slower: bench/NOTES.md, "UE8M0's copy
+ * fraction"). */
 __device__ void fan_out_row(const fp8_args &a, const int32_t *rows, int32_t row, const uint8_t *slot, int lane) {
 #if EPX_BULK_ARCH
   epx_bulk_fence_smem();
@@ -212,8 +209,8 @@ __device__ void fan_out_scales(const fp8_args &a, const int32_t *rows, int32_t r
 #endif
   __syncwarp();
   /* every route's scales at once (one row after another measured slower:
-   * bench/NOTES.md, session 23): piece i of the K rows' scales is unit
-   * i % per_row of route i / per_row */
+   * bench/NOTES.md, "UE8M0's copy fraction"): piece i of the K rows' scales
+   * is unit i % per_row of route i / per_row */
   const int unit = a.scale_unit, per_row = (int)(a.scale_bytes / unit);
   for (int i0 = 0; i0 < a.k * per_row; i0 += 32) {
     const int i = i0 + lane, k = i / per_row, p = i - k * per_row;
@@ -232,15 +229,15 @@ __device__ void fan_out_scales(const fp8_args &a, const int32_t *rows, int32_t r
 
 /* Quantizing: the token's row of T into the slot's e4m3 bytes and scales,
  * then out (fanning each step's bytes out as soon as they were in the slot
- * measured slower: bench/NOTES.md, session 22). */
+ * measured slower: bench/NOTES.md, "The fp8 dispatch kernel"). */
 template <typename T, epx_fp8_format_t format>
 __device__ void quantize_token(const fp8_args &a, int64_t t, const int32_t *rows, int32_t row, uint8_t *slot,
                                int lane) {
   constexpr int loads = 16 / epx_vec<T>::n; /* 16-byte loads per lane per chunk of 16 values */
   constexpr int kChunks = kLoads / loads;
-  constexpr int block = block_of(format);
+  constexpr int block = EPX_FP8_SCALE_BLOCK(format);
   constexpr int group = block / 16;
-  constexpr int entry = format == EPX_FP8_E4M3_F32_128 ? 4 : 1;
+  constexpr int entry = EPX_FP8_SCALE_ENTRY_BYTES(format);
   const int64_t nchunk = a.hidden / 16; /* a multiple of group: hidden is one of block */
   const uint4 *src = reinterpret_cast<const uint4 *>(static_cast<const uint8_t *>(a.x) + t * a.stride.x);
   uint8_t *slot_s = slot + a.hidden;

@@ -28,7 +28,7 @@
  * at T=8192, K=8, E=256 — the cost is the two launches' latency. */
 #include <cuda_runtime.h>
 
-
+#include "core/align.h"
 #include "cuda/common/device_cache.h"
 #include "cuda/launch.h"
 #include "cuda/common/pdl.cuh"
@@ -52,12 +52,10 @@ struct scratch_view {
   int32_t *chunk_counts;           /* [chunks, E + 1] */
 };
 
-size_t align_up(size_t n) { return (n + 255) / 256 * 256; }
-
 scratch_view view_scratch(void *scratch) {
   char *p = static_cast<char *>(scratch);
   return {reinterpret_cast<unsigned long long *>(p),
-          reinterpret_cast<int32_t *>(p + align_up(8 * (size_t)kMaxChunks))};
+          reinterpret_cast<int32_t *>(p + epx_round256(8 * (size_t)kMaxChunks))};
 }
 
 /* Shared memory of one rank warp: E counters, staged ids, and locations
@@ -521,7 +519,7 @@ __global__ void __launch_bounds__(kThreads)
 
 extern "C" size_t epx_cuda_layout_scratch_bytes(int64_t num_tokens, int32_t num_experts) {
   (void)num_tokens; /* at most kMaxChunks chunks whatever T */
-  return align_up(8 * (size_t)kMaxChunks) + 4 * (size_t)kMaxChunks * ((size_t)num_experts + 1);
+  return epx_round256(8 * (size_t)kMaxChunks) + 4 * (size_t)kMaxChunks * ((size_t)num_experts + 1);
 }
 
 extern "C" cudaError_t epx_cuda_layout_launch(const int32_t *topk_idx, const int32_t *locations,

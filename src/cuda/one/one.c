@@ -20,9 +20,11 @@
 
 #include <cuda_runtime_api.h>
 
+#include "core/align.h"
 #include "core/error.h"
 #include "core/route_spec.h"
 #include "cuda/backend.h"
+#include "cuda/common/buffer.h"
 #include "cuda/common/check.h"
 #include "cuda/ep/ep.h"
 #include "cuda/launch.h"
@@ -44,10 +46,6 @@ typedef struct cuda_handle_state {
   int64_t row_bound;        /* rows the layout can have: N, or the worst-case bound */
   int64_t rows;             /* N on the host; -1 until known (worst_case_sizing) */
 } cuda_handle_state_t;
-
-static cudaStream_t stream_of(epx_buffer_t buffer) { return (cudaStream_t)buffer->config.stream; }
-
-static size_t round256(size_t n) { return (n + 255) / 256 * 256; }
 
 epx_status_t epx_cuda_buffer_init(epx_buffer_t buffer) {
   const char *fn = "epx_buffer_create";
@@ -212,7 +210,7 @@ epx_status_t epx_cuda_dispatch_layout(epx_buffer_t buffer, const epx_routing_t *
                            routing->topk_w ? 4 * routes : 0};
   for (int i = 0; i < 8; i++) {
     at[i] = bytes;
-    bytes += round256(sizes[i]);
+    bytes += epx_round256(sizes[i]);
   }
   CUDA_CHECK(cudaMallocAsync(&h->block, bytes, stream), fn, "cudaMallocAsync of the handle's layout");
   char *base = h->block;

@@ -17,6 +17,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include "core/align.h"
 #include "core/error.h"
 #include "core/route_spec.h"
 #include "cuda/backend.h"
@@ -69,7 +70,7 @@ static cudaError_t route_scratch_alloc(size_t bytes, cudaStream_t stream, void *
 /* Bump allocator over one scratch block; offsets are 256-byte aligned. */
 static size_t carve(size_t *cursor, size_t bytes) {
   const size_t at = *cursor;
-  *cursor += (bytes + 255) & ~(size_t)255;
+  *cursor += epx_round256(bytes);
   return at;
 }
 

@@ -1,0 +1,384 @@
+"""DeepEP's normal-mode semantics on epx.torch, shared by the V1 ``Buffer``
+and the V2 ``ElasticBuffer``.
+
+One epx exchange per DeepEP buffer: the epx comm of its process group and
+the epx buffers its dispatches need, one per (hidden, dtype, device,
+experts, top-k), in epx's rank-major layout with the dedup exchange (a
+token sent once per destination rank, as DeepEP's normal kernels send it):
+
+    recv_x [N, H]        a row per (source rank, source token) that chose at
+                         least one of this rank's experts, by source rank
+                         then token
+    recv_topk_idx [N, K] the row's experts as local ids, -1 elsewhere
+    recv_w [N, K]        their weights, 0 elsewhere
+
+combine sums each token's rows over the ranks (no weights applied, as
+DeepEP's combine). The small per-token tensors DeepEP's kernels carry beside
+the rows (top-k weights at a cached dispatch, the weights combine reduces)
+move over the process group with ``all_to_all_single``, in the same order.
+
+In place of a process group an ``epx.Comm`` may be given (threads of
+``epx.run_local``, MPI; epx.nemo's groups): its small tensors move with
+``Comm.alltoallv``.
+"""
+import threading
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import epx
+import epx.torch as et
+
+topk_idx_t = torch.int64
+
+# What every dispatch did, for the recompute checks (a cached dispatch moves
+# no layout): stats(reset=True) clears it.
+_STATS = {"layouts": 0, "cached_dispatches": 0, "combines": 0}
+_stats_lock = threading.Lock()
+
+
+def _count(name):
+    with _stats_lock:
+        _STATS[name] += 1
+
+
+def stats(reset=False):
+    """{"layouts": fresh dispatches (a layout and its count exchange),
+    "cached_dispatches": dispatches on a handle (payload only), "combines"}
+    since the last reset, in this process."""
+    with _stats_lock:
+        out = dict(_STATS)
+        if reset:
+            for k in _STATS:
+                _STATS[k] = 0
+    return out
+
+
+_SAC_KINDS = []
+
+
+def _sac_modes():
+    """True when the dispatch modes on the stack are all selective
+    checkpointing's (torch.utils.checkpoint's caching and cached modes)."""
+    if torch._C._len_torch_dispatch_stack() == 0:
+        return False
+    if not _SAC_KINDS:
+        from torch.utils import checkpoint as cp
+        _SAC_KINDS.extend(k for k in (getattr(cp, "_CachingTorchDispatchMode", None),
+                                      getattr(cp, "_CachedTorchDispatchMode", None))
+                          if k is not None)
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+    kinds = tuple(_SAC_KINDS)
+    return bool(kinds) and all(isinstance(m, kinds) for m in _get_current_dispatch_mode_stack())
+
+
+def opaque(f):
+    """Runs f as DeepEP's compiled calls run: without autograd (its outputs
+    carry none; torch.no_grad only where grad mode is on, as a framework's
+    autograd Function calls with it off) and unseen by selective activation
+    checkpointing. SAC logs every torch op of the forward and wants the same
+    ops in the recompute, but a framework may recompute a layout dispatch as
+    a cached one (NeMo Automodel's dispatch replay under apply_ac does):
+    DeepEP's C++ calls are invisible to SAC, so epx's ops under them run
+    outside its modes too. Other dispatch modes (fake tensors, tracing) stay
+    in place."""
+    import functools
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    @functools.wraps(f)
+    def call(*args, **kwargs):
+        if _sac_modes():
+            with _disable_current_modes():
+                return call(*args, **kwargs)
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                return f(*args, **kwargs)
+        return f(*args, **kwargs)
+    return call
+
+
+def unsupported(fn, what):
+    """A feature epx does not offer: a NotImplementedError naming it."""
+    raise NotImplementedError("epx.deep_ep: %s: %s" % (fn, what))
+
+
+def check(ok, fn, fmt, *args):
+    if not ok:
+        raise ValueError("epx.deep_ep: %s: %s" % (fn, fmt % args if args else fmt))
+
+
+def group_of(group, comm, fn):
+    """(rank, size, group) of DeepEP's ``group`` (a process group, or an
+    epx.Comm) or ``comm`` (an mpi4py communicator)."""
+    if isinstance(group, epx.Comm):
+        return group.rank, group.size, group
+    if group is not None:
+        return group.rank(), group.size(), group
+    if comm is not None:
+        unsupported(fn, "an mpi4py comm in place of a process group; pass the torch.distributed "
+                    "group (epx.torch.init_process_group starts one under mpirun)")
+    raise ValueError("Either 'group' or 'comm' must be provided.")
+
+
+_FP8 = getattr(torch, "float8_e4m3fn", None)
+_FP8_FORMAT = epx.FP8Format.E4M3_F32_128
+
+
+def split_x(x, fn):
+    """DeepEP's x: a tensor [T, H], or (x_q float8_e4m3fn [T, H], scales
+    float32 [T, H / 128]) -> (x, scales or None), checked."""
+    if isinstance(x, tuple):
+        check(len(x) == 2, fn, "x is a tuple of %d; pass (x_fp8, x_scales)", len(x))
+        q, s = x
+        check(isinstance(q, torch.Tensor) and q.dtype == _FP8 and q.dim() == 2, fn,
+              "x[0] must be a [num_tokens, hidden] torch.float8_e4m3fn tensor, not %s",
+              getattr(q, "dtype", type(q).__name__))
+        check(q.shape[1] % 128 == 0, fn, "hidden %d of an fp8 x is not a multiple of 128",
+              q.shape[1])
+        if not (isinstance(s, torch.Tensor) and s.dtype == torch.float32
+                and tuple(s.shape) == (q.shape[0], q.shape[1] // 128)):
+            unsupported(fn, "fp8 scales other than float32 [num_tokens, hidden // 128] (got %s %s; "
+                        "epx's V1 fp8 dispatch takes per-128 float32 scales)"
+                        % (getattr(s, "dtype", type(s).__name__), list(getattr(s, "shape", []))))
+        return q.contiguous(), s.contiguous()
+    if not (isinstance(x, torch.Tensor) and x.dim() == 2
+            and x.dtype in (torch.bfloat16, torch.float16, torch.float32)):
+        raise ValueError("epx.deep_ep: %s: x must be a [num_tokens, hidden] bfloat16 (DeepEP's), "
+                         "float16 or float32 tensor, or an fp8 (x, scales) tuple; not %s %s" % (
+                             fn, getattr(x, "dtype", type(x).__name__),
+                             list(getattr(x, "shape", []))))
+    return (x if x.is_contiguous() else x.contiguous()), None
+
+
+def check_routing(topk_idx, topk_weights, T, num_experts, fn):
+    check(isinstance(topk_idx, torch.Tensor) and topk_idx.dim() == 2 and topk_idx.shape[0] == T,
+          fn, "topk_idx must be [num_tokens=%d, num_topk], not %s", T,
+          list(topk_idx.shape) if isinstance(topk_idx, torch.Tensor) else type(topk_idx).__name__)
+    check(not topk_idx.is_floating_point() and topk_idx.dtype != torch.bool, fn,
+          "topk_idx has dtype %s; pass deep_ep.topk_idx_t (torch.int64)", topk_idx.dtype)
+    if topk_weights is not None:
+        check(isinstance(topk_weights, torch.Tensor) and topk_weights.dtype == torch.float32
+              and tuple(topk_weights.shape) == tuple(topk_idx.shape), fn,
+              "topk_weights must be float32 %s like topk_idx, not %s %s", list(topk_idx.shape),
+              getattr(topk_weights, "dtype", None), list(getattr(topk_weights, "shape", [])))
+    check(num_experts is not None and int(num_experts) > 0, fn, "num_experts must be given")
+
+
+def dispatch_layout(topk_idx, num_experts, num_ranks, fn):
+    """DeepEP's get_dispatch_layout, on the caller's device: (tokens per rank
+    [W] int32, tokens per expert [E] int32, is_token_in_rank [T, W] bool)."""
+    check(num_experts % num_ranks == 0, fn, "num_experts %d is not a multiple of the %d ranks",
+          num_experts, num_ranks)
+    idx = topk_idx.long()
+    valid = idx >= 0
+    if bool(((idx >= num_experts) | (idx < -1)).any()):
+        raise ValueError("epx.deep_ep: %s: topk_idx holds an expert id outside [-1, %d)"
+                         % (fn, num_experts))
+    rank_of = torch.where(valid, idx // (num_experts // num_ranks), -1)
+    ranks = torch.arange(num_ranks, device=idx.device)
+    in_rank = (rank_of.unsqueeze(-1) == ranks).any(dim=1)
+    per_rank = in_rank.sum(dim=0, dtype=torch.int32)
+    per_expert = torch.bincount(idx[valid], minlength=num_experts).to(torch.int32)
+    return per_rank, per_expert, in_rank
+
+
+class Layout:
+    """One fresh dispatch: the epx Dispatched (exact rows) and what DeepEP's
+    handles and the small all-to-alls need (the sources of the rows read
+    from epx when first asked)."""
+
+    __slots__ = ("exchange", "buffer", "d", "T", "K", "E", "rows", "recv_idx", "recv_w",
+                 "_src", "in_rank", "send_counts", "recv_counts", "_expand", "routing_idx",
+                 "per_rank")
+
+    def _sources(self):
+        if self._src is None:
+            rank, token = self.d.recv_source()
+            self._src = (rank[:self.rows], token[:self.rows])
+        return self._src
+
+    @property
+    def src_rank(self):
+        return self._sources()[0]
+
+    @property
+    def src_token(self):
+        return self._sources()[1]
+
+
+class Exchange:
+    """The epx side of one DeepEP buffer (see the module's docstring)."""
+
+    def __init__(self, group, rank, size, num_sms=0):
+        self.group, self.rank, self.size = group, rank, size
+        self.num_sms = num_sms
+        if isinstance(group, epx.Comm):
+            self.comm = group                 # the caller's: not closed here
+        else:
+            self.comm = epx.Comm.create_self() if size == 1 else et.comm_from_process_group(group)
+        self.buffers = {}   # (H, dtype, device, E, K) -> epx.Buffer
+        self.min_tokens = 0  # the least a buffer is sized for (epx.nemo.configure)
+        self.ll_buffers = {}
+
+    # -- buffers ------------------------------------------------------------
+
+    def buffer(self, H, dtype, device, E, K, max_tokens, fn):
+        """The rank-major buffer for these shapes holding max_tokens a rank
+        (collective when made: every rank reaches it with the same values,
+        which callers agree first)."""
+        key = (H, dtype, device, E, K)
+        b = self.buffers.get(key)
+        if b is not None and b.dd_max_tokens >= max_tokens:
+            return b
+        fields = dict(layout=epx.Layout.RANK_MAJOR, exchange=epx.Exchange.DEDUP,
+                      sm_budget=int(self.num_sms))
+        if dtype == torch.bfloat16 and H % 128 == 0:
+            fields["fp8_format"] = _FP8_FORMAT
+        most = max(int(max_tokens), self.min_tokens, 1)
+        b = et.make_buffer(self.comm, hidden=H, num_experts=E, max_top_k=K,
+                           max_tokens_per_rank=most, dtype=dtype, device=device, **fields)
+        b.dd_max_tokens = most
+        b.dd_dtype = dtype
+        self.buffers[key] = b  # an outgrown buffer lives on in its handles
+        return b
+
+    def agree_tokens(self, T):
+        if self.size == 1:
+            return T
+        return int(self.comm.allgather(np.array([T], dtype=np.int64)).max())
+
+    # -- the exchanges ----------------------------------------------------
+
+    def fresh(self, x, scales, topk_idx, topk_w, E, max_tokens, fn):
+        """A layout and its payload: a :class:`Layout` and recv_x (and
+        recv_scales for fp8 rows)."""
+        T, H = x.shape
+        K = topk_idx.shape[1]
+        dtype = torch.bfloat16 if scales is not None else x.dtype
+        b = self.buffer(H, dtype, x.device, E, K, max_tokens, fn)
+        check(T <= b.dd_max_tokens, fn, "%d tokens but the buffer holds %d a rank (its "
+              "num_max_tokens_per_rank)", T, b.dd_max_tokens)
+        if scales is not None and epx.FP8Format(b.config.fp8_format) == epx.FP8Format.NONE:
+            unsupported(fn, "fp8 x on a buffer of hidden %d (epx's fp8 needs bfloat16 rows of a "
+                        "multiple of 128)" % H)
+        d = et.dispatch(b, (x, scales) if scales is not None else x, topk_idx, topk_w,
+                        weighting=epx.Weighting.NONE, recorder=False,
+                        exact_size=scales is None)
+        _count("layouts")
+        L = Layout()
+        L.exchange, L.buffer, L.T, L.K, L.E = self, b, T, K, E
+        if scales is not None:
+            rows = d.recv_rows_host()
+            d = d._replace(recv_x=d.recv_x[:rows], recv_scales=d.recv_scales[:rows],
+                           recv_w=d.recv_w[:rows], recv_expert=d.recv_expert[:rows])
+        L.d = d
+        L.rows = d.recv_x.shape[0]
+        first = self.rank * (E // self.size)
+        recv_idx = d.recv_expert.long()
+        L.recv_idx = torch.where(recv_idx >= 0, recv_idx - first, recv_idx) if first else recv_idx
+        L.recv_w = d.recv_w if topk_w is not None else None
+        L._src = L.in_rank = L.send_counts = L.recv_counts = L._expand = L.per_rank = None
+        L.routing_idx = topk_idx
+        return L, d.recv_x, d.recv_scales
+
+    def cached(self, L, x, scales, fn):
+        """x along an earlier layout (no layout, no count exchange)."""
+        b = L.buffer
+        want = torch.bfloat16 if scales is not None else x.dtype
+        if x.shape[0] != L.T or x.shape[1] != b.hidden or want != b.dd_dtype:
+            raise ValueError("epx.deep_ep: %s: x is %s [%d, %d] but the handle's dispatch moved "
+                             "%s [%d, %d]" % (fn, x.dtype, x.shape[0], x.shape[1],
+                                              et.torch_dtype(b.dtype), L.T, b.hidden))
+        if scales is not None and epx.FP8Format(b.config.fp8_format) == epx.FP8Format.NONE:
+            unsupported(fn, "fp8 x on a buffer of hidden %d (epx's fp8 needs bfloat16 rows of a "
+                        "multiple of 128)" % x.shape[1])
+        d = et.dispatch(b, (x, scales) if scales is not None else x, handle=L.d)
+        _count("cached_dispatches")
+        recv_x = d.recv_x if d.recv_x.shape[0] == L.rows else d.recv_x[:L.rows]
+        recv_s = d.recv_scales[:L.rows] if scales is not None else None
+        return recv_x, recv_s
+
+    def combine(self, L, x, fn):
+        """x [N, H] -> [T, H]: each token's rows summed over the ranks."""
+        b = L.buffer
+        if not (isinstance(x, torch.Tensor) and x.dim() == 2 and x.shape[0] >= L.rows
+                and x.shape[1] == b.hidden and x.dtype == b.dd_dtype):
+            raise ValueError("epx.deep_ep: %s: x must be %s [num_recv_tokens=%d, hidden=%d], "
+                             "not %s %s" % (fn, et.torch_dtype(b.dtype), L.rows, b.hidden,
+                                            getattr(x, "dtype", type(x).__name__),
+                                            list(getattr(x, "shape", []))))
+        _count("combines")
+        if x.shape[0] != L.rows:
+            x = x[:L.rows]
+        return et.combine(L.d, x if x.is_contiguous() else x.contiguous())
+
+    # -- per-token tensors beside the rows -----------------------------------
+
+    def _counts(self, L):
+        if L.send_counts is None:
+            if L.in_rank is None:
+                L.in_rank = in_rank_of(L.routing_idx, L.E, self.size)
+            L.send_counts = L.in_rank.sum(dim=0).tolist()
+            L.recv_counts = torch.bincount(L.src_rank.long(), minlength=self.size).tolist()
+        return L.send_counts, L.recv_counts
+
+    def to_sources(self, L, v):
+        """v [N, C] float32 (a value per received row) -> [T, C]: each
+        token's rows summed over the ranks, in ascending rank order."""
+        send, recv = self._counts(L)
+        C = v.shape[1]
+        v = v[:L.rows].contiguous()
+        back = v if self.size == 1 else self._all_to_all(v, recv, send)
+        # back: from rank r, the rows of this rank's tokens in is_token_in_rank[:, r], by token
+        ranks, tokens = L.in_rank.t().nonzero(as_tuple=True)
+        dense = v.new_zeros((self.size, L.T, C))
+        dense[ranks, tokens] = back
+        return dense.sum(dim=0)
+
+    def to_receivers(self, L, v):
+        """v [T, C] (a value per source token) -> [N, C], the rows' values in
+        the received order (each token's value to every rank it went to)."""
+        send, recv = self._counts(L)
+        ranks, tokens = L.in_rank.t().nonzero(as_tuple=True)
+        out_rows = v[tokens].contiguous()
+        if self.size == 1:
+            return out_rows
+        return self._all_to_all(out_rows, send, recv)
+
+    def _all_to_all(self, v, send, recv):
+        """v [sum(send), ...] -> [sum(recv), ...]: send[r] rows to rank r,
+        recv[s] rows from rank s (the process group's all_to_all_single, or
+        the epx.Comm's alltoallv through the host)."""
+        if isinstance(self.group, epx.Comm):
+            raw = v.detach().cpu().reshape(v.shape[0], -1).view(torch.uint8).numpy()
+            got = torch.from_numpy(self.group.alltoallv(raw, send)).view(v.dtype)
+            return got.reshape((-1,) + tuple(v.shape[1:])).to(v.device)
+        got = v.new_empty((sum(recv),) + tuple(v.shape[1:]))
+        dist.all_to_all_single(got, v, output_split_sizes=recv, input_split_sizes=send,
+                               group=self.group)
+        return got
+
+    def close(self, strict=False):
+        """Closes the epx buffers. One a pending backward still holds
+        (BusyError) is left to be freed with the graph that holds it, or,
+        with strict, kept usable and the error raised (close again later)."""
+        failed = None
+        for cache in (self.buffers, self.ll_buffers):
+            for key, b in list(cache.items()):
+                try:
+                    b.close()
+                except epx.EpxError as e:
+                    if strict:
+                        failed = failed or e
+                        continue
+                cache.pop(key, None)
+        if failed is not None:
+            raise failed
+
+
+def in_rank_of(topk_idx, num_experts, num_ranks):
+    """is_token_in_rank [T, W] bool of a routing."""
+    idx = topk_idx.long()
+    rank_of = torch.where(idx >= 0, idx // (num_experts // num_ranks), -1)
+    return (rank_of.unsqueeze(-1) == torch.arange(num_ranks, device=idx.device)).any(dim=1)

@@ -1,0 +1,433 @@
+"""DeepEP's V2 ``ElasticBuffer`` and ``EPHandle`` (``deep_ep/buffers/
+elastic.py``) on epx.torch: dispatch (source-major, or expanded with
+``do_expand``: a row per (token, local expert) grouped by expert and padded
+to ``expert_alignment``), cached dispatch on a handle, combine, barrier.
+
+A token travels once per destination rank (epx's rank-major dedup
+exchange); the expanded layout is made on the receiving rank from those rows
+(DeepEP's copy epilogue), and folded back there before combine. Engram, PP
+and AGRS are not offered (NotImplementedError)."""
+import math
+from typing import Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from . import _core
+from ._core import check, unsupported
+from .utils import EventHandle, EventOverlap
+
+_ALIGNMENT = 2 << 20  # DeepEP's 2 MiB buffer alignment
+
+
+class EPHandle:
+    """DeepEP's V2 handle (see ``deep_ep.EPHandle``): the attributes its
+    callers read, over an epx layout.
+
+    - ``psum_num_recv_tokens_per_scaleup_rank`` [W] int32: inclusive prefix
+      sum of the tokens received from each rank (once per rank);
+    - ``psum_num_recv_tokens_per_expert`` [E_local] int32: DeepEP's prefix
+      sum (source-major: inclusive; expanded: each expert's aligned start
+      plus its real count);
+    - ``recv_src_metadata`` [N, 2 + K] int32: the source token's global
+      index (rank * num_max_tokens_per_rank + token), the row, then for each
+      k-slot its row in the expanded layout (-1 where not local or not
+      expanded);
+    - ``num_recv_tokens`` / ``num_expanded_tokens`` ints (exact: epx's
+      layout knows them on the host)."""
+
+    def __init__(self, do_expand, num_experts, expert_alignment, num_max_tokens_per_rank,
+                 num_sms, topk_idx, layout):
+        self.do_expand = do_expand
+        self.num_experts = num_experts
+        self.expert_alignment = expert_alignment
+        self.num_max_tokens_per_rank = num_max_tokens_per_rank
+        self.num_sms = num_sms
+        self.topk_idx = topk_idx
+        self.layout = layout
+        self.token_metadata_at_forward = None
+        self.channel_linked_list = None
+        self.dst_buffer_slot_idx = None
+        self.cached_recv_src_metadata_before_sort = None
+        L = layout
+        self.num_recv_tokens = L.rows
+        counts = L.d.counts
+        a = expert_alignment
+        aligned = (counts + a - 1) // a * a if a > 1 else counts
+        if do_expand:
+            starts = aligned.cumsum(0) - aligned
+            self.psum_num_recv_tokens_per_expert = (starts + counts).to(torch.int32)
+        else:
+            self.psum_num_recv_tokens_per_expert = counts.cumsum(0).to(torch.int32)
+        psum = self.psum_num_recv_tokens_per_expert
+        self.num_expanded_tokens = int(psum[-1]) if psum.numel() else 0
+
+    # Read when first asked (each a few small tensor ops on the layout)
+    _LAZY = ("psum_num_recv_tokens_per_scaleup_rank", "num_unaligned_recv_tokens_per_expert",
+             "num_recv_tokens_per_expert_list", "recv_src_metadata")
+
+    def __getattr__(self, name):
+        if name not in EPHandle._LAZY:
+            raise AttributeError(name)
+        L = self.layout
+        if name == "psum_num_recv_tokens_per_scaleup_rank":
+            per_src = torch.bincount(L.src_rank.long(), minlength=L.exchange.size)
+            value = per_src.cumsum(0).to(torch.int32)
+        elif name == "num_unaligned_recv_tokens_per_expert":
+            value = L.d.counts.to(torch.int32)
+        elif name == "num_recv_tokens_per_expert_list":
+            a = self.expert_alignment
+            value = ((L.d.counts + a - 1) // a * a).tolist()
+        else:
+            meta = torch.full((L.rows, 2 + L.K), -1, dtype=torch.int32, device=L.recv_idx.device)
+            meta[:, 0] = L.src_rank * self.num_max_tokens_per_rank + L.src_token
+            meta[:, 1] = torch.arange(L.rows, dtype=torch.int32, device=meta.device)
+            if self.do_expand:
+                meta[:, 2:] = _expansion(L, self.expert_alignment)["pos"].to(torch.int32)
+            value = meta
+        self.__dict__[name] = value
+        return value
+
+
+def _expansion(L, alignment):
+    """Where each (row, k-slot) with a local expert lands in the expanded
+    layout: grouped by local expert, by row (source rank, token) inside a
+    group, each group starting at a multiple of alignment."""
+    key = ("expand", alignment)
+    if L._expand is not None and L._expand[0] == key:
+        return L._expand[1]
+    idx = L.recv_idx                                   # [N, K] local ids, -1 elsewhere
+    valid = idx >= 0
+    counts = L.d.counts
+    aligned = (counts + alignment - 1) // alignment * alignment
+    starts = aligned.cumsum(0) - aligned
+    n, k = valid.nonzero(as_tuple=True)               # row-major: by row, then k
+    e = idx[n, k]
+    order = torch.argsort(e * (L.rows + 1) + n, stable=True)
+    n, k, e = n[order], k[order], e[order]
+    group_first = torch.cumsum(torch.ones_like(e), 0) - 1
+    rank_in_group = group_first - (counts.cumsum(0) - counts)[e]
+    dest = starts[e] + rank_in_group
+    pos = torch.full(idx.shape, -1, dtype=torch.int64, device=idx.device)
+    pos[n, k] = dest
+    total = int(aligned.sum())
+    nk_n, nk_k = valid.nonzero(as_tuple=True)         # by row, then k: combine's sum order
+    ex = dict(counts=counts, starts=starts, pos=pos, n=n, k=k, dest=dest, total=total,
+              dense=alignment == 1, nk_n=nk_n, nk_dest=pos[nk_n, nk_k])
+    L._expand = (key, ex)
+    return ex
+
+
+def _expand_rows(L, alignment, rows, zero_padding=True):
+    """rows [N, ...] -> [total, ...]: each (row, local k-slot) at its place."""
+    ex = _expansion(L, alignment)
+    if ex["dense"]:                                    # dest is 0, 1, ... in this order
+        return rows.index_select(0, ex["n"])
+    out = rows.new_zeros((ex["total"],) + tuple(rows.shape[1:]))
+    return out.index_copy_(0, ex["dest"], rows.index_select(0, ex["n"]))
+
+
+class ElasticBuffer:
+    """DeepEP's V2 buffer over epx (see the module's docstring). Sized for
+    num_max_tokens_per_rank tokens a rank (or for the most tokens any rank
+    gives at the first dispatch when 0)."""
+
+    def __init__(self, group: dist.ProcessGroup, num_bytes: Optional[int] = None,
+                 num_cpu_bytes: int = 0, num_max_tokens_per_rank: int = 0, hidden: int = 0,
+                 num_topk: int = 0, use_fp8_dispatch: bool = False, deterministic: bool = False,
+                 allow_hybrid_mode: bool = True, allow_multiple_reduction: bool = True,
+                 prefer_overlap_with_compute: bool = True, sl_idx: int = 3,
+                 num_allocated_qps: int = 0, num_cpu_timeout_secs: int = 300,
+                 num_gpu_timeout_secs: int = 100, explicitly_destroy: bool = False):
+        if num_cpu_bytes:
+            unsupported("ElasticBuffer", "num_cpu_bytes (host memory for Engram storage): "
+                        "Engram is not offered")
+        self.group = group
+        self.rank_idx = group.rank()
+        self.num_ranks = group.size()
+        self.allow_hybrid_mode = allow_hybrid_mode
+        self.allow_multiple_reduction = allow_multiple_reduction
+        self.prefer_overlap_with_compute = prefer_overlap_with_compute
+        self.deterministic = deterministic
+        self.num_max_tokens_per_rank = num_max_tokens_per_rank
+        self.num_bytes = num_bytes if num_bytes is not None else ElasticBuffer.get_buffer_size_hint(
+            group, num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch)
+        self.num_allocated_qps = num_allocated_qps or (65 if allow_hybrid_mode else 17)
+        self.explicitly_destroy = explicitly_destroy
+        self.num_scaleout_ranks, self.num_scaleup_ranks = 1, self.num_ranks
+        self.scaleout_rank_idx, self.scaleup_rank_idx = 0, self.rank_idx
+        self.num_rdma_ranks, self.num_nvlink_ranks = 1, self.num_ranks
+        self.runtime = _core.Exchange(group, self.rank_idx, self.num_ranks)
+
+    def destroy(self) -> None:
+        """Releases the epx buffers and comm (collective)."""
+        assert self.explicitly_destroy
+        if self.runtime is not None:
+            self.runtime.close()
+            self.runtime = None
+
+    def _rt(self, fn):
+        if self.runtime is None:
+            raise RuntimeError("epx.deep_ep: ElasticBuffer.%s after destroy()" % fn)
+        return self.runtime
+
+    @staticmethod
+    def get_buffer_size_hint(group: dist.ProcessGroup, num_max_tokens_per_rank: int, hidden: int,
+                             num_topk: int = 0, use_fp8_dispatch: bool = False,
+                             allow_hybrid_mode: bool = True,
+                             allow_multiple_reduction: bool = True) -> int:
+        """Bytes a buffer for these shapes takes (2 MiB aligned): epx's
+        receive rows (a token once per rank, W * num_max_tokens_per_rank
+        rows of hidden elements, routing and source metadata) for the send
+        and receive sides."""
+        W = group.size()
+        elem = 1 if use_fp8_dispatch else 2
+        per_row = hidden * elem + (hidden // 128) * 4 * use_fp8_dispatch + num_topk * 12 + 16
+        n = 2 * W * max(num_max_tokens_per_rank, 1) * per_row
+        return (n + _ALIGNMENT - 1) // _ALIGNMENT * _ALIGNMENT
+
+    def barrier(self, use_comm_stream: bool = True, with_cpu_sync: bool = False,
+                sequential: bool = True) -> None:
+        """A barrier of the ranks (epx's comm barrier, bounded by its
+        timeout); with_cpu_sync also synchronizes the device."""
+        rt = self._rt("barrier")
+        if with_cpu_sync and torch.cuda.is_available():
+            torch.cuda.synchronize()
+        rt.comm.barrier()
+        if with_cpu_sync and torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    @staticmethod
+    def capture() -> EventHandle:
+        return EventHandle()
+
+    def get_comm_stream(self) -> torch.Stream:
+        """The stream epx's calls run on: PyTorch's current CUDA stream."""
+        if not torch.cuda.is_available():
+            unsupported("ElasticBuffer.get_comm_stream", "no CUDA here: epx's CPU calls run on "
+                        "the calling thread and have no stream")
+        return torch.cuda.current_stream()
+
+    def get_physical_domain_size(self) -> Tuple[int, int]:
+        return self.num_rdma_ranks, self.num_nvlink_ranks
+
+    def get_logical_domain_size(self) -> Tuple[int, int]:
+        return self.num_scaleout_ranks, self.num_scaleup_ranks
+
+    def get_theoretical_num_sms(self, num_experts: int, num_topk: int, num_scaleout_topk: int = 0,
+                                rdma_gbs: float = 0, nvlink_gbs: float = 0,
+                                sm_read_gbs: float = 200, sm_write_gbs: float = 50) -> int:
+        """DeepEP's bandwidth model of the SM count (one scale-up domain;
+        NVLink 450 GB/s unless given), bounded by the device's SMs (132 on
+        a machine without CUDA)."""
+        assert num_scaleout_topk == 0
+        W = self.num_ranks
+        nvlink_gbs = nvlink_gbs or 450.0
+        expected = W * (1 - math.comb(num_experts - num_experts // W, num_topk)
+                        / math.comb(num_experts, num_topk))
+        sm_read = 1 / expected
+        sm_write = W / W
+        traffic = 1 - 1 / W
+        device_sms = (torch.cuda.get_device_properties("cuda").multi_processor_count
+                      if torch.cuda.is_available() else 132)
+        num_sms = device_sms
+        if traffic > 0:
+            num_sms = max(nvlink_gbs / traffic * sm_read / sm_read_gbs,
+                          nvlink_gbs / traffic * sm_write / sm_write_gbs)
+        num_sms = max(4, math.ceil(num_sms * 1.25))
+        num_sms += num_sms % 2
+        num_sms = num_sms if self.prefer_overlap_with_compute else max(num_sms, 64)
+        return min(num_sms, device_sms)
+
+    def get_theoretical_num_qps(self, num_sms: int) -> int:
+        num_qps = num_sms * 16 + 1 if self.allow_hybrid_mode else min(num_sms, 9)
+        return min(num_qps, self.num_allocated_qps)
+
+    @_core.opaque
+    def dispatch(self, x: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]],
+                 topk_idx: Optional[torch.Tensor] = None,
+                 topk_weights: Optional[torch.Tensor] = None,
+                 cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
+                 num_experts: Optional[int] = None, num_max_tokens_per_rank: Optional[int] = None,
+                 expert_alignment: Optional[int] = None, num_sms: int = 0, num_qps: int = 0,
+                 previous_event: Optional[EventHandle] = None,
+                 previous_event_before_epilogue: Optional[EventHandle] = None,
+                 async_with_compute_stream: bool = False, allocate_on_comm_stream: bool = False,
+                 handle: Optional[EPHandle] = None, do_handle_copy: bool = True,
+                 do_cpu_sync: Optional[bool] = None, do_expand: bool = False,
+                 do_zero_padding: bool = False, use_tma_aligned_col_major_sf: bool = False):
+        """DeepEP's V2 dispatch -> (recv_x (a tuple for fp8 x), recv_topk_idx
+        [N, K] int64 local ids or None when expanded, recv_topk_weights
+        ([N, K], or [N_expanded] when expanded; None without topk_weights),
+        handle, event). The rows are exactly the received ones (epx knows
+        the count on the host; DeepEP's worst-case rows without a CPU sync
+        are a prefix-compatible superset)."""
+        fn = "ElasticBuffer.dispatch"
+        rt = self._rt("dispatch")
+        xs, scales = _core.split_x(x, fn)
+        for e in (previous_event, previous_event_before_epilogue):
+            if e is not None:
+                e.current_stream_wait()
+        if handle is not None:
+            check(isinstance(handle, EPHandle), fn, "handle is a %s; pass an EPHandle",
+                  type(handle).__name__)
+            check(topk_idx is None, fn, "topk_idx must be None with handle= (the handle's is used)")
+            assert do_cpu_sync is None or not do_cpu_sync, 'Cannot do CPU sync with cached handle'
+            num_experts = handle.num_experts if num_experts is None else num_experts
+            expert_alignment = (handle.expert_alignment if expert_alignment is None
+                                else expert_alignment)
+            mt = (handle.num_max_tokens_per_rank if num_max_tokens_per_rank is None
+                  else num_max_tokens_per_rank)
+            assert (num_experts, expert_alignment, mt) == \
+                (handle.num_experts, handle.expert_alignment, handle.num_max_tokens_per_rank)
+            L = handle.layout
+            recv_x, recv_s = rt.cached(L, xs, scales, fn)
+            recv_w = None
+            if topk_weights is not None:
+                check(topk_weights.dtype == torch.float32
+                      and tuple(topk_weights.shape) == (L.T, L.K), fn,
+                      "topk_weights must be float32 [%d, %d]", L.T, L.K)
+                recv_w = rt.to_receivers(L, topk_weights)
+                recv_w = torch.where(L.recv_idx >= 0, recv_w, 0.0)
+            h = handle
+        else:
+            T = xs.shape[0]
+            _core.check_routing(topk_idx, topk_weights, T, num_experts, fn)
+            num_experts = int(num_experts)
+            check(num_experts % self.num_ranks == 0, fn, "num_experts %d is not a multiple "
+                  "of the %d ranks", num_experts, self.num_ranks)
+            expert_alignment = 1 if expert_alignment is None else int(expert_alignment)
+            check(expert_alignment >= 1, fn, "expert_alignment must be >= 1")
+            mt = self.num_max_tokens_per_rank if num_max_tokens_per_rank is None \
+                else num_max_tokens_per_rank
+            if not mt:
+                mt = self.num_max_tokens_per_rank = rt.agree_tokens(T)
+            check(T <= mt, fn, "%d tokens but num_max_tokens_per_rank is %d", T, mt)
+            rt.num_sms = num_sms
+            cloned = topk_idx.clone() if do_handle_copy else topk_idx
+            if (topk_idx < -1).any() or (topk_idx >= num_experts).any():
+                raise ValueError("epx.deep_ep: %s: topk_idx holds an expert id outside "
+                                 "[-1, %d)" % (fn, num_experts))
+            L, recv_x, recv_s = rt.fresh(xs, scales, topk_idx, topk_weights, num_experts, mt,
+                                         fn)
+            L.routing_idx = cloned
+            recv_w = L.recv_w
+            h = EPHandle(do_expand, num_experts, expert_alignment, mt, num_sms, cloned, L)
+        recv_idx = None if do_expand else L.recv_idx.to(_core.topk_idx_t)
+        if do_expand:
+            recv_x = _expand_rows(L, expert_alignment, recv_x)
+            if recv_s is not None:
+                recv_s = _expand_rows(L, expert_alignment, recv_s)
+            if recv_w is not None:
+                ex = _expansion(L, expert_alignment)
+                w = recv_w.new_zeros((ex["total"],))
+                w[ex["dest"]] = recv_w[ex["n"], ex["k"]]
+                recv_w = w
+        if cumulative_local_expert_recv_stats is not None:
+            cumulative_local_expert_recv_stats += h.num_unaligned_recv_tokens_per_expert.to(
+                cumulative_local_expert_recv_stats.dtype)
+        event = EventOverlap(EventHandle() if async_with_compute_stream else None)
+        out = (recv_x, recv_s) if recv_s is not None else recv_x
+        return out, recv_idx, recv_w, h, event
+
+    @_core.opaque
+    def combine(self, x: torch.Tensor, handle: EPHandle,
+                topk_weights: Optional[torch.Tensor] = None,
+                bias: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]] = None,
+                num_sms: int = 0, num_qps: int = 0, previous_event: EventHandle = None,
+                previous_event_before_epilogue: Optional[EventHandle] = None,
+                async_with_compute_stream: bool = False, allocate_on_comm_stream: bool = False):
+        """DeepEP's V2 combine: x ([N, H], or [N_expanded, H] on an expanded
+        handle) -> (combined_x [T, H], combined_topk_weights [T, K] or None,
+        event). An expanded handle's rows are first summed per source row in
+        k order in float32 (DeepEP's reduction within the rank), then over
+        the ranks."""
+        fn = "ElasticBuffer.combine"
+        from .legacy import _add_bias
+        rt = self._rt("combine")
+        check(isinstance(handle, EPHandle), fn, "handle is a %s; pass an EPHandle",
+              type(handle).__name__)
+        for e in (previous_event, previous_event_before_epilogue):
+            if e is not None:
+                e.current_stream_wait()
+        L = handle.layout
+        w = topk_weights
+        if handle.do_expand:
+            ex = _expansion(L, handle.expert_alignment)
+            check(x.dim() == 2 and x.shape[0] >= handle.num_expanded_tokens, fn,
+                "x must be [num_expanded_tokens=%d, hidden], not %s",
+                handle.num_expanded_tokens, list(x.shape))
+            acc = torch.zeros((L.rows, x.shape[1]), dtype=torch.float32, device=x.device)
+            if x.device.type == "cpu":
+                # CPU index_add_ adds the rows in the given order: each row's k-slots in order
+                acc.index_add_(0, ex["nk_n"], x.index_select(0, ex["nk_dest"]).float())
+            else:
+                pos = ex["pos"]                    # k by k: no atomics, a fixed order
+                for k in range(L.K):
+                    p = pos[:, k]
+                    acc += torch.where((p >= 0)[:, None], x.index_select(0, p.clamp(min=0)),
+                                       0).float()
+            x = acc.to(x.dtype)
+            if w is not None:
+                check(w.dim() == 1, fn, "topk_weights of an expanded handle must be "
+                      "[num_expanded_tokens]")
+                folded = torch.zeros((L.rows, L.K), dtype=torch.float32, device=w.device)
+                folded[ex["n"], ex["k"]] = w[ex["dest"]].float()
+                w = folded
+        out = rt.combine(L, x, fn)
+        out = _add_bias(out, bias, L.T, fn)
+        cw = rt.to_sources(L, w.float()) if w is not None else None
+        event = EventOverlap(EventHandle() if async_with_compute_stream else None)
+        return out, cw, event
+
+    # -- out of scope ------------------------------------------------------------
+
+    def _out_of_scope(self, what):
+        unsupported("ElasticBuffer." + what, "Engram, pipeline-parallel send/recv and AGRS "
+                    "(all-gather/reduce-scatter) are not offered by epx")
+
+    def engram_write(self, *a, **k):
+        self._out_of_scope("engram_write")
+
+    def engram_fetch(self, *a, **k):
+        self._out_of_scope("engram_fetch")
+
+    def pp_set_config(self, *a, **k):
+        self._out_of_scope("pp_set_config")
+
+    def pp_send(self, *a, **k):
+        self._out_of_scope("pp_send")
+
+    def pp_recv(self, *a, **k):
+        self._out_of_scope("pp_recv")
+
+    def create_agrs_session(self, *a, **k):
+        self._out_of_scope("create_agrs_session")
+
+    def destroy_agrs_session(self, *a, **k):
+        self._out_of_scope("destroy_agrs_session")
+
+    def agrs_new_session(self, *a, **k):
+        self._out_of_scope("agrs_new_session")
+
+    def agrs_set_config(self, *a, **k):
+        self._out_of_scope("agrs_set_config")
+
+    def agrs_get_inplace_tensor(self, *a, **k):
+        self._out_of_scope("agrs_get_inplace_tensor")
+
+    def all_gather(self, *a, **k):
+        self._out_of_scope("all_gather")
+
+    @staticmethod
+    def get_engram_storage_size_hint(*a, **k):
+        unsupported("ElasticBuffer.get_engram_storage_size_hint", "Engram is not offered")
+
+    @staticmethod
+    def get_pp_buffer_size_hint(*a, **k):
+        unsupported("ElasticBuffer.get_pp_buffer_size_hint", "pipeline-parallel send/recv is "
+                    "not offered")
+
+    @staticmethod
+    def get_agrs_buffer_size_hint(*a, **k):
+        unsupported("ElasticBuffer.get_agrs_buffer_size_hint", "AGRS is not offered")
