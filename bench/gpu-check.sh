@@ -291,7 +291,7 @@ RANK_TESTS="ranks_gpu_exchange ranks_gpu_ll"
 if [ $BUILD_OK = 1 ] && cmake --build "$BUILD" -j"$JOBS" --target $RANK_TESTS >>"$OUTDIR/build.log" 2>&1; then
   for t in $RANK_TESTS; do
     start=$(date +%s)
-    CUDA_DEVICE_MAX_CONNECTIONS=32 EPX_GPU_TIMEOUT="${EPX_GPU_RANKS_TIMEOUT:-30}" EPX_GPU_EXPECT_FUSED=$([ "${EPX_GPU_FUSED:-ON}" = ON ] && echo 1 || echo 0) \
+    CUDA_DEVICE_MAX_CONNECTIONS=32 CUDA_MODULE_LOADING=EAGER EPX_GPU_TIMEOUT="${EPX_GPU_RANKS_TIMEOUT:-30}" EPX_GPU_EXPECT_FUSED=$([ "${EPX_GPU_FUSED:-ON}" = ON ] && echo 1 || echo 0) \
       timeout "${EPX_GPU_RANKS_LIMIT:-400}" "$BUILD/tests/gpu/$t" >"$OUTDIR/$t.log" 2>&1
     rc=$?
     for W in 2 4 8; do
@@ -305,7 +305,7 @@ if [ $BUILD_OK = 1 ] && cmake --build "$BUILD" -j"$JOBS" --target $RANK_TESTS >>
   for tool in memcheck racecheck; do
     for t in $RANK_TESTS; do
       if [ -z "$SAN" ]; then verdict "$tool $t W=2" SKIPPED; continue; fi
-      CUDA_DEVICE_MAX_CONNECTIONS=32 EPX_GPU_RANKS=2 EPX_GPU_TEST_QUICK=1 EPX_GPU_TIMEOUT=20 \
+      CUDA_DEVICE_MAX_CONNECTIONS=32 CUDA_MODULE_LOADING=EAGER EPX_GPU_RANKS=2 EPX_GPU_TEST_QUICK=1 EPX_GPU_TIMEOUT=20 \
         timeout "${EPX_GPU_RANKS_SAN_LIMIT:-150}" "$SAN" --tool $tool --error-exitcode 86 "$BUILD/tests/gpu/$t" \
         >"$OUTDIR/${tool}_$t.log" 2>&1
       sanitizer_verdict "$tool $t W=2" $? "${EPX_GPU_RANKS_SAN_LIMIT:-150}"
