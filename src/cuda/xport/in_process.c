@@ -16,7 +16,12 @@
  * `ready` inside the handshake and on `done` before its next call, and the
  * rank records them again only inside that next call, after every peer has
  * arrived in it. They live per thread and comm (a rank's calls come from
- * its own thread).
+ * its own thread): eight pairs at most per thread, reused; a thread's pairs
+ * are not destroyed when it ends (a few events per rank thread).
+ *
+ * Ranks sharing a GPU: nothing here spins on the GPU (the copies wait on
+ * events), so any number of ranks share it; the fused kernels, which do,
+ * are the fused module's concern (fused/setup.cu).
  *
  * An all-gather is a group: every rank's block to every rank. */
 #include <stdint.h>
