@@ -25,7 +25,9 @@
 # CUDA backend needs neither, so MPI is built only where mpicc exists.
 set -u
 cd "$(dirname "$0")/.."
-# EPX_GPU_CHECK_SECTIONS: "one" (one GPU), "two" (2 GPUs over NCCL, under
+# EPX_GPU_CHECK_SECTIONS: "one" (one GPU, "ranks" included), "ranks" (only
+# the build and W ranks as threads on one GPU: EPX_GPU_RANKS_TIMEOUT,
+# EPX_GPU_RANKS_LIMIT, EPX_GPU_RANKS_SAN_LIMIT bound them), "two" (2 GPUs over NCCL, under
 # mpirun: mpi_gpu_exchange, mpi_gpu_ll, nccl_gpu_kill, memcheck and racecheck, epx-bench --device cuda,
 # bench_ep beside PyTorch's all_to_all_single, the epx.torch GPU tests and
 # layer benchmark), or both.
@@ -117,7 +119,7 @@ echo "epx gpu-check: build done ($(date +%T))"
 if [ -n "$GPU_TESTS" ]; then
 # GPU tests.
 if [ $BUILD_OK = 1 ]; then
-  (cd "$BUILD" && ctest -L '^gpu$' --output-on-failure --timeout 300) >"$OUTDIR/ctest.log" 2>&1
+  (cd "$BUILD" && ctest -L '^gpu$' -E '^ranks_gpu_' --output-on-failure --timeout 300) >"$OUTDIR/ctest.log" 2>&1
   for t in $GPU_TESTS; do
     if grep -Eq "Test +#[0-9]+: $t \.+ +Passed" "$OUTDIR/ctest.log"; then verdict "test $t" PASS
     else verdict "test $t" FAIL; fi
@@ -272,6 +274,48 @@ if [ $ONE_RANK = 1 ] && [ -n "$SAN" ]; then
 fi
 
 fi # one GPU
+
+# W ranks as threads of one process on this one GPU (issue 36; section
+# "ranks", part of "one"): a local comm, so every W-rank CUDA path runs over
+# the in-process transport (src/cuda/xport): tests/gpu/ranks_gpu_exchange
+# (host, fused, hierarchical with posed nodes, fp8; each against the CPU
+# backend on W threads, bit for bit) and ranks_gpu_ll (the low-latency slabs
+# and window, device counts, graph replay; against the normal exchange), at
+# W = 2, 4 and 8. The ranks share the GPU's SMs and HBM: their times are no
+# NVLink figures. Then memcheck at W = 2 (trimmed), and racecheck where the
+# ranks' concurrent kernels run under it (the fused kernels wait on each
+# other: a tool that serialises kernels turns that into a timed-out wait
+# naming the cause, co-residency).
+case " $SECTIONS " in *" one "*|*" ranks "*)
+RANK_TESTS="ranks_gpu_exchange ranks_gpu_ll"
+if [ $BUILD_OK = 1 ] && cmake --build "$BUILD" -j"$JOBS" --target $RANK_TESTS >>"$OUTDIR/build.log" 2>&1; then
+  for t in $RANK_TESTS; do
+    start=$(date +%s)
+    CUDA_DEVICE_MAX_CONNECTIONS=32 CUDA_MODULE_LOADING=EAGER EPX_GPU_TIMEOUT="${EPX_GPU_RANKS_TIMEOUT:-30}" EPX_GPU_EXPECT_FUSED=$([ "${EPX_GPU_FUSED:-ON}" = ON ] && echo 1 || echo 0) \
+      timeout "${EPX_GPU_RANKS_LIMIT:-400}" "$BUILD/tests/gpu/$t" >"$OUTDIR/$t.log" 2>&1
+    rc=$?
+    for W in 2 4 8; do
+      line=$(grep -E "^$t: W = $W " "$OUTDIR/$t.log" | tail -n 1)
+      if [ -n "$line" ]; then verdict "test $t W=$W (threads on one GPU)" "${line##*: }"
+      else verdict "test $t W=$W (threads on one GPU)" "NOT RUN (exit $rc)"; fi
+    done
+    echo "$t: $(($(date +%s) - start)) s for W = 2, 4, 8 (exit $rc)" >>"$OUTDIR/ranks_times.log"
+  done
+  SAN=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)
+  for tool in memcheck racecheck; do
+    for t in $RANK_TESTS; do
+      if [ -z "$SAN" ]; then verdict "$tool $t W=2" SKIPPED; continue; fi
+      CUDA_DEVICE_MAX_CONNECTIONS=32 CUDA_MODULE_LOADING=EAGER EPX_GPU_RANKS=2 EPX_GPU_TEST_QUICK=1 EPX_GPU_TIMEOUT=20 \
+        timeout "${EPX_GPU_RANKS_SAN_LIMIT:-150}" "$SAN" --tool $tool --error-exitcode 86 "$BUILD/tests/gpu/$t" \
+        >"$OUTDIR/${tool}_$t.log" 2>&1
+      sanitizer_verdict "$tool $t W=2" $? "${EPX_GPU_RANKS_SAN_LIMIT:-150}"
+    done
+  done
+else
+  for t in $RANK_TESTS; do verdict "test $t (threads on one GPU)" "FAIL (build or no build)"; done
+fi
+;;
+esac
 
 # Two GPUs: the NCCL transport, the W-rank tests (one process per GPU under
 # mpirun; the killed-rank test forks its own two ranks), compute-sanitizer

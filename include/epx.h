@@ -492,7 +492,24 @@ epx_status_t epx_comm_create_self(epx_comm_t *comm);
  * Create one world, then each of the W threads calls epx_comm_create_local
  * with its rank (collective over the world). config may be NULL (defaults).
  * The world must outlive its comms; destroy it after every comm is destroyed
- * (EPX_ERROR_BUSY otherwise). */
+ * (EPX_ERROR_BUSY otherwise).
+ *
+ * CUDA buffers over a local comm (each thread's buffer on its current
+ * device: one GPU for every rank, or several GPUs of this process with peer
+ * access) run every W-rank CUDA path of an NCCL comm (host, fused,
+ * hierarchical, low-latency, fp8) with the same bits, rows moving by
+ * cudaMemcpyAsync between the ranks' device memory and the fused kernels'
+ * windows being each rank's own memory: for testing an EP layer's real GPU
+ * code on one GPU, not for speed (the ranks share the GPU's SMs and memory;
+ * each rank's fused kernels take at most its share of the SMs so that all
+ * ranks' are resident at once). Set CUDA_DEVICE_MAX_CONNECTIONS to at least
+ * W and CUDA_MODULE_LOADING=EAGER before CUDA starts (without eager loading
+ * the fused path is refused for ranks sharing a GPU, epx_last_error says
+ * why, and the host path serves), and keep device-wide waits
+ * (cudaDeviceSynchronize, cudaFree) off a rank's thread while its peers may
+ * be inside a fused call it has not reached. The in-process moves of the host, hierarchical and
+ * low-latency slab paths cannot be captured in a CUDA graph
+ * (EPX_ERROR_UNSUPPORTED); the fused path and the low-latency window can. */
 epx_status_t epx_local_world_create(int32_t world_size, const epx_comm_config_t *config,
                                     epx_local_world_t *world);
 epx_status_t epx_local_world_destroy(epx_local_world_t world);
@@ -1436,7 +1453,7 @@ epx_status_t epx_dispatch_quantize(epx_buffer_t buffer, epx_handle_t handle, con
  *
  * Backends: CPU buffers over any comm, both layouts. CUDA buffers over one
  * rank, expert-major (rank-major: EPX_ERROR_UNSUPPORTED at
- * epx_buffer_create), or over the W ranks of an NCCL comm, both layouts
+ * epx_buffer_create), or over the W ranks of an NCCL or local comm, both layouts
  * (rank-major and fp8 on the NCCL messages below): the calls enqueue on the
  * buffer's stream, never synchronise the host and allocate nothing, so they
  * can be captured in a CUDA graph; routing values are checked on the device,

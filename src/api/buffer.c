@@ -146,31 +146,24 @@ static epx_status_t check_fp8_format(const epx_buffer_config_t *c) {
   return EPX_SUCCESS;
 }
 
-/* What a CUDA buffer's hierarchical path (src/cuda/ep/hier.c) does not
- * serve in this version, or NULL. */
-static const char *cuda_hier_unsupported(const epx_buffer_config_t *c) {
-  if (c->worst_case_sizing) return "config.worst_case_sizing (its plan reads the routing back at the layout)";
-  if (c->fp8_format != EPX_FP8_NONE) return "config.fp8_format (fp8 rows move on the flat exchanges only)";
-  if (c->low_latency) return "config.low_latency";
-  return NULL;
-}
-
 /* EPX_EXCHANGE_AUTO's rule (epx.h), the same on every rank (the topology is),
  * and what the hierarchical exchange needs. */
 static epx_status_t resolve_exchange(epx_comm_t comm, epx_buffer_config_t *c) {
   const char *fn = "epx_buffer_create";
   int spans_nodes = comm->num_nodes > 1 && comm->ranks_per_node > 1;
-  const char *cuda_no = c->device == EPX_DEVICE_CUDA ? cuda_hier_unsupported(c) : NULL;
-  /* A CUDA buffer takes the GPU hierarchical path only when asked for by
-   * name: its flat exchanges still sum in one level (epx.h). */
+  const epx_backend_t *backend = epx_backend_for_device(c->device);
+  /* A backend may take the hierarchical exchange only when asked for by
+   * name (CUDA: its flat exchanges still sum in one level, epx.h). */
   if (c->exchange == EPX_EXCHANGE_AUTO)
-    c->exchange = spans_nodes && c->device != EPX_DEVICE_CUDA ? EPX_EXCHANGE_HIERARCHICAL : EPX_EXCHANGE_DEDUP;
+    c->exchange = spans_nodes && backend && backend->hierarchical_auto ? EPX_EXCHANGE_HIERARCHICAL
+                                                                       : EPX_EXCHANGE_DEDUP;
   if (c->exchange != EPX_EXCHANGE_HIERARCHICAL) return EPX_SUCCESS;
-  if (cuda_no)
+  const char *why = NULL;
+  if (backend && backend->supports && !backend->supports(c, &why))
     return epx_error(EPX_ERROR_UNSUPPORTED,
-                     "%s: config.exchange EPX_EXCHANGE_HIERARCHICAL on a CUDA buffer with %s is not supported in "
+                     "%s: config.exchange EPX_EXCHANGE_HIERARCHICAL on a %s buffer with %s is not supported in "
                      "this version; use EPX_EXCHANGE_DEDUP, or EPX_EXCHANGE_AUTO (dedup for such a buffer)", fn,
-                     cuda_no);
+                     backend->name, why ? why : "this config");
   EPX_REQUIRE(comm->ranks_per_node > 0,
               "%s: config.exchange EPX_EXCHANGE_HIERARCHICAL needs nodes of equal size, and the comm's "
               "nodes differ (epx_comm_topology); use EPX_EXCHANGE_DEDUP, or pose equal nodes with "

@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "api/api.h"
+#include "api/backends.h"
 #include "api/ll.h"
 #include "core/backend.h"
 #include "core/checked.h"
@@ -18,34 +19,17 @@
 #include "core/placement.h"
 #include "core/registry.h"
 #include "core/transport.h"
-#include "cpu/cpu.h"
-#if EPX_HAVE_CUDA
-#include "cuda/ll/ll.h"
-#endif
 
-/* The device's implementation of the mode, or NULL where it has none. */
-static const epx_ll_backend_t *ll_backend(epx_device_t device) {
-  if (device == EPX_DEVICE_CPU) return &epx_cpu_ll_backend;
-#if EPX_HAVE_CUDA
-  if (device == EPX_DEVICE_CUDA) return &epx_cuda_ll_ops;
-#endif
-  return NULL;
-}
-
-/* The buffer's: on CUDA one GPU's or W ranks' (cuda/ll/ll.h). */
-static const epx_ll_backend_t *ll_ops(epx_buffer_t buffer) {
-#if EPX_HAVE_CUDA
-  if (buffer->config.device == EPX_DEVICE_CUDA) return epx_cuda_ll_ops_of(buffer);
-#endif
-  return ll_backend(buffer->config.device);
-}
+/* The buffer's table's implementation of the mode (core/backend.h, ll). */
+static const epx_ll_backend_t *ll_ops(epx_buffer_t buffer) { return buffer->backend->ll; }
 
 epx_status_t epx_ll_check_config(epx_buffer_config_t *c) {
   const char *fn = "epx_buffer_create";
   if (c->low_latency == 0) return EPX_SUCCESS;
   EPX_REQUIRE(c->low_latency == 1, "%s: config.low_latency is %d; pass 0 (the normal mode) or 1 (low-latency decode)",
               fn, c->low_latency);
-  if (!ll_backend(c->device))
+  const epx_backend_t *backend = epx_backend_for_device(c->device);
+  if (!backend || !backend->ll)
     return epx_error(EPX_ERROR_UNSUPPORTED,
                      "%s: config.low_latency = 1 needs a CPU buffer or a CUDA build's CUDA buffer; this build "
                      "has no backend for device %d", fn, (int)c->device);

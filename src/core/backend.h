@@ -24,8 +24,21 @@
 extern "C" {
 #endif
 
+struct epx_ll_backend; /* core/ll.h */
+
 typedef struct epx_backend {
   const char *name; /* "cpu", "cuda" */
+
+  /* What the device serves, asked by src/api before a buffer is made (the
+   * API never branches on the device): supports(config, &why) is 1, or 0
+   * with *why naming what of config the backend does not serve (NULL: it
+   * serves every valid config). hierarchical_auto: EPX_EXCHANGE_AUTO takes
+   * the hierarchical exchange where the comm spans nodes (else only when
+   * asked by name). ll: the low-latency mode's table of this backend's
+   * buffers (core/ll.h), NULL where it has none. */
+  int (*supports)(const epx_buffer_config_t *config, const char **why);
+  int hierarchical_auto;
+  const struct epx_ll_backend *ll;
 
   /* Routing (not collective). */
   epx_status_t (*route)(const epx_route_config_t *config, int64_t num_tokens, const float *logits,

@@ -36,6 +36,9 @@ static epx_status_t cpu_traffic(epx_handle_t handle, epx_handle_traffic_t *traff
 
 const epx_backend_t epx_cpu_backend = {
     .name = "cpu",
+    .supports = NULL, /* every valid config */
+    .hierarchical_auto = 1,
+    .ll = &epx_cpu_ll_backend,
     .route = epx_cpu_route,
     .route_backward = epx_cpu_route_backward,
     .buffer_init = epx_cpu_buffer_init,

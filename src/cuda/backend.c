@@ -31,10 +31,29 @@ static epx_status_t cuda_buffer_init(epx_buffer_t buffer) {
   return buffer->backend->buffer_init(buffer);
 }
 
+/* What the CUDA paths do not serve in this version (core/backend.h,
+ * supports): the hierarchical path (ep/hier.c) reads the routing back at
+ * the layout and moves rows of the dtype on the normal mode only. */
+static int cuda_supports(const epx_buffer_config_t *c, const char **why) {
+  const char *no = NULL;
+  if (c->exchange == EPX_EXCHANGE_HIERARCHICAL) {
+    if (c->worst_case_sizing) no = "config.worst_case_sizing (its plan reads the routing back at the layout)";
+    else if (c->fp8_format != EPX_FP8_NONE) no = "config.fp8_format (fp8 rows move on the flat exchanges only)";
+    else if (c->low_latency) no = "config.low_latency";
+  }
+  if (no && why) *why = no;
+  return no == NULL;
+}
+
 /* A buffer's calls go to the table cuda_buffer_init chose; this one only
- * routes and creates. */
+ * routes, creates and says what the device serves (the hierarchical
+ * exchange only when asked for by name: the flat exchanges sum in one
+ * level, epx.h). */
 const epx_backend_t epx_cuda_backend = {
     .name = "cuda",
+    .supports = cuda_supports,
+    .hierarchical_auto = 0,
+    .ll = &epx_cuda_ll_ops,
     .route = epx_cuda_route,
     .route_backward = epx_cuda_route_backward,
     .buffer_init = cuda_buffer_init,

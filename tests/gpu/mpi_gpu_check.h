@@ -7,13 +7,32 @@
 #ifndef EPX_TESTS_GPU_MPI_GPU_CHECK_H
 #define EPX_TESTS_GPU_MPI_GPU_CHECK_H
 
+#ifndef EPX_THREAD_RANKS /* thread_ranks.h plays MPI with threads */
 #include <mpi.h>
+#endif
 #include <stdint.h>
 #include <stdio.h>
 
 #include <cuda_runtime_api.h>
 
 #include "epx.h"
+
+/* A rank's globals: per process under MPI, per thread under thread_ranks.h. */
+#ifndef EPX_RANK_LOCAL
+#define EPX_RANK_LOCAL
+#endif
+
+/* Ranks as threads of one process (thread_ranks.h): what they share (the
+ * launch flags, process-wide) changes only between two barriers of every
+ * rank; and the in-process transport's moves are not captured in CUDA
+ * graphs (src/cuda/xport/xport.h), so graphs run on the fused paths only. */
+#ifdef EPX_THREAD_RANKS
+#define RANKS_IN_PROCESS 1
+static inline void rank_sync(void) { MPI_Barrier(MPI_COMM_WORLD); }
+#else
+#define RANKS_IN_PROCESS 0
+static inline void rank_sync(void) {}
+#endif
 
 #ifndef CHECK_RANK
 #define CHECK_RANK g_rank

@@ -32,7 +32,9 @@
  * that need a second rank (a peer in another call or with another
  * weighting or config) are skipped, with a note. */
 #include <math.h>
+#ifndef EPX_THREAD_RANKS
 #include <mpi.h>
+#endif
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -48,15 +50,16 @@
 #define CHECK_FAILURES g_fail /* check.h's RANK_EXPECT counts here */
 #include "mpi_gpu_check.h"
 
-static int g_rank, g_size, g_fail;
+static EPX_RANK_LOCAL int g_rank, g_fail;
+static int g_size;
 static int g_quick;
-static epx_exchange_path_t g_path = EPX_PATH_FUSED; /* exchange_path of the CUDA buffers of run_rank */
+static EPX_RANK_LOCAL epx_exchange_path_t g_path = EPX_PATH_FUSED; /* exchange_path of the CUDA buffers of run_rank */
 static int g_expect_fused;                        /* EPX_GPU_EXPECT_FUSED: the fused path is required where asked */
 /* 1 while buffers are made with every peer relayed through NCCL's host API
  * (the test flag EPX_CUDA_FUSED_RELAY: the mixed path on GPUs that all
  * have load/store access) */
-static int g_relay;
-static int g_hier_cases; /* cases run on the hierarchical exchange too */
+static EPX_RANK_LOCAL int g_relay;
+static EPX_RANK_LOCAL int g_hier_cases; /* cases run on the hierarchical exchange too */
 static int32_t g_nodes, g_ranks_per_node; /* the comm's topology (epx_comm_topology) */
 
 enum { H = 64, K = 4, C = 40, ALIGN = 4, TMAX = 96 };
@@ -481,7 +484,7 @@ static int close_floats(const float *a, const float *b, int64_t n) {
 }
 
 static const char *describe(const case_t *c, epx_exchange_t x) {
-  static char text[160];
+  static EPX_RANK_LOCAL char text[160];
   const char *lay[] = {"expert-major", "rank-major", "capacity"}, *dt[] = {"f32", "bf16", "f16"},
              *wt[] = {"w-in-combine", "w-in-dispatch", "w-none"};
   const char *xs = x == EPX_EXCHANGE_DEDUP ? "dedup" : x == EPX_EXCHANGE_COLLECTIVE ? "collective" : "hierarchical";
@@ -593,10 +596,12 @@ static void compare_queries(const case_t *c, const result_t *a, const result_t *
 
 /* Buffers made between the two are relayed (g_relay). */
 static void relay_begin(void) {
+  rank_sync();
   epx_cuda_set_launch_flags(epx_cuda_launch_flags() | EPX_CUDA_FUSED_RELAY);
   g_relay = 1;
 }
 static void relay_end(void) {
+  rank_sync();
   epx_cuda_set_launch_flags(epx_cuda_launch_flags() & ~EPX_CUDA_FUSED_RELAY);
   g_relay = 0;
 }
@@ -634,8 +639,10 @@ static void compare_dedup_run(const case_t *c, epx_comm_t nccl, void *stream, co
 static void compare_flagged(const case_t *c, epx_comm_t nccl, void *stream, const result_t *fused, int flag,
                             const char *what) {
   const int flags = epx_cuda_launch_flags();
+  rank_sync();
   epx_cuda_set_launch_flags(flags ^ flag);
   compare_dedup_run(c, nccl, stream, fused, EPX_PATH_FUSED, 0, what);
+  rank_sync();
   epx_cuda_set_launch_flags(flags);
 }
 
@@ -1505,7 +1512,7 @@ static case_t fp8_routing_case(const fp8_case_t *f) {
 
 /* What a run is, for the messages: case, exchange and the path asked for. */
 static const char *fp8_describe(const fp8_case_t *f, epx_exchange_t x, epx_exchange_path_t path) {
-  static char text[160];
+  static EPX_RANK_LOCAL char text[160];
   const char *lay[] = {"expert-major", "rank-major", "capacity"}, *fmt[] = {"none", "e4m3-f32", "e4m3-ue8m0", "mxfp8"};
   const char *paths[] = {"auto", "host", "fused"};
   snprintf(text, sizeof text, "fp8 %s (%s path) %s %s%s seed %d", x == EPX_EXCHANGE_DEDUP ? "dedup" : "collective",
@@ -1692,7 +1699,8 @@ static void fp8_rank(fp8_run_t *run) {
   r->src_token = fetch(dev, stok, 4 * (size_t)N);
   fp8_dtype_calls(run, buf, h, x, cap);
   if (rec) fp8_replay(run, buf, rec, &routing, h, xq, xs, cap, S);
-  else if (dev == EPX_DEVICE_CUDA && f->worst) fp8_graph(run, buf, h, x, cap, S);
+  else if (dev == EPX_DEVICE_CUDA && f->worst && (!RANKS_IN_PROCESS || r->path == EPX_PATH_FUSED))
+    fp8_graph(run, buf, h, x, cap, S);
   FATAL_UNLESS_OK(epx_handle_release(h));
   if (rec) FATAL_UNLESS_OK(epx_recorder_destroy(rec));
   FATAL_UNLESS_OK(epx_buffer_destroy(buf));
@@ -1928,7 +1936,7 @@ int main(int argc, char **argv) {
     }
     if (!one) test_call_mismatch(comm, stream);
     test_recorder(comm, stream);
-    test_graph(comm, stream);
+    if (!RANKS_IN_PROCESS || pi == 0) test_graph(comm, stream);
     if (pi == 2) relay_end();
   }
   g_path = EPX_PATH_FUSED;
@@ -1937,7 +1945,10 @@ int main(int argc, char **argv) {
   if (!one) test_fp8_call_mismatch(comm, stream);
   /* One rank: the refusing rank's own side (it takes the host path and
    * works); its peers' side needs a second rank. */
-  if (g_expect_fused) test_fused_refused_on_one_rank(comm, stream);
+  if (g_expect_fused && !RANKS_IN_PROCESS) test_fused_refused_on_one_rank(comm, stream); /* one GPU's memory */
+  if (RANKS_IN_PROCESS && g_rank == 0)
+    printf("mpi_gpu_exchange: ranks as threads (in-process transport): CUDA graphs on the fused path only (the "
+           "host path's and the relay's in-process moves are not capturable); no fused refusal on one rank\n");
   if (one)
     printf("mpi_gpu_exchange: one rank (the W-rank backend forced on by epx_cuda_ep_at_one_rank): skipped, as they "
            "need a second rank: the weighting mismatch (2 sizings x 2 paths), the call and config mismatch (2 "

@@ -1,11 +1,13 @@
-/* The CUDA backend on W ranks, one process per GPU, over an NCCL comm: what
+/* The CUDA backend on W ranks (one process per GPU over an NCCL comm, or
+ * threads of one process over a local comm: the device transport of
+ * cuda/xport/xport.h moves the rows either way): what
  * every path shares (ep/internal.h says what a path is; host.c and fused.c
  * are the two): the buffer and its path, the agreement of every call, the
  * layout's sizing, counts and verdicts, and the handle's queries and
  * statistics. Every payload call and query goes to the handle's path.
  *
  * Host synchronisation: without worst_case_sizing the layout waits once (a
- * polled, bounded wait: epx_nccl_wait) to read the message sizes, and every
+ * polled, bounded wait: the transport's) to read the message sizes, and every
  * collective call first all-gathers what each rank is doing (the call, the
  * buffer, the handle, grad_w and its verdict: one small host all-gather on
  * the control comm) so that a refusal, or ranks in different calls, fail on
@@ -25,7 +27,6 @@
 
 #include "core/agree.h"
 #include "core/error.h"
-#include "core/nccl.h"
 #include "core/route_spec.h"
 #include "core/transport.h"
 #include "cuda/backend.h"
@@ -74,17 +75,19 @@ static const ep_path_t *buffer_path(epx_buffer_t b) {
 
 epx_status_t epx_cuda_ep_buffer_init(epx_buffer_t b) {
   const char *fn = "epx_buffer_create";
-  if (!epx_comm_is_nccl(b->comm))
+  const epx_cuda_xport_t *xport = epx_cuda_xport_of(b->comm);
+  if (!xport)
     return epx_error(EPX_ERROR_UNSUPPORTED,
                      "%s: a CUDA buffer over %d ranks needs an NCCL comm (epx_comm_create_nccl, "
-                     "epx_comm_create_nccl_id or epx_comm_create_nccl_mpi); this comm is %s", fn,
-                     b->world_size, b->comm->ops->name);
+                     "epx_comm_create_nccl_id or epx_comm_create_nccl_mpi) or a local one (epx_comm_create_local: "
+                     "ranks as threads of this process); this comm is %s", fn, b->world_size, b->comm->ops->name);
   if (b->world_size > EPX_CUDA_MAX_EXPERTS)
     return epx_error(EPX_ERROR_UNSUPPORTED, "%s: %d ranks; the CUDA backend takes at most %d", fn,
                      b->world_size, EPX_CUDA_MAX_EXPERTS);
   ep_buffer_t *s = calloc(1, sizeof *s);
   if (!s) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
   b->backend_state = s;
+  s->xport = xport;
   s->id = ++b->comm->buffers_made;
   epx_status_t status = choose_path(b, fn);
   if (status != EPX_SUCCESS) {
@@ -103,7 +106,7 @@ void epx_cuda_ep_buffer_fini(epx_buffer_t b) {
    * and NCCL's blocking finalize at epx_comm_destroy would wait for it for
    * ever. A bounded wait here turns that into EPX_ERROR_TIMEOUT, which
    * aborts the comm (its kernels too). */
-  if (b->config.worst_case_sizing && !b->comm->failed) (void)epx_nccl_wait(b->comm, stream_of(b), "epx_buffer_destroy");
+  if (b->config.worst_case_sizing && !b->comm->failed) (void)s->xport->wait(b->comm, stream_of(b), "epx_buffer_destroy");
   buffer_path(b)->buffer_fini(b);
   if (s->readback) cudaFreeHost(s->readback);
   free(s);
@@ -275,7 +278,7 @@ static epx_status_t read_summary(epx_buffer_t b, ep_handle_t *h, const char *fn,
     s->readback_bytes = bytes + raw;
   }
   EPX_CHECK(h->path->readback(b, h, s->readback, bytes, fn));
-  EPX_CHECK(epx_nccl_wait(b->comm, stream_of(b), fn));
+  EPX_CHECK(s->xport->wait(b->comm, stream_of(b), fn));
   if (h->path->summary) EPX_CHECK(h->path->summary(b, h, s->readback, bytes, fn));
   *out = s->readback;
 fail:

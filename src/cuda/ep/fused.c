@@ -101,7 +101,9 @@ static epx_status_t ensure_fused(epx_buffer_t b, const char *fn) {
   epx_fused_t *f = NULL;
   char reason[768] = "";
   /* the highest refusing rank + 1, 0 where none refused */
-  int64_t refused = epx_fused_create(epx_nccl_comm(b->comm), &fc, &f) != EPX_SUCCESS ? b->rank + 1 : 0;
+  const epx_fused_ranks_t ranks = {s->xport == &epx_cuda_xport_nccl ? epx_nccl_comm(b->comm) : NULL, b->comm,
+                                   s->xport};
+  int64_t refused = epx_fused_create(&ranks, &fc, &f) != EPX_SUCCESS ? b->rank + 1 : 0;
   char *fp8_rows = NULL; /* an fp8 buffer's staging, agreed with the window */
   if (!refused && c->fp8_format != EPX_FP8_NONE && fp8_staging_create(b, fn, &fp8_rows) != EPX_SUCCESS)
     refused = b->rank + 1;
@@ -138,10 +140,11 @@ static epx_status_t fused_alive(epx_buffer_t b, const char *fn) {
   /* The comm fails as on a host-path timeout: its NCCL comm is aborted
    * (windows and all), so destroying the buffer attempts no collective
    * deregistration with a peer that no longer answers. */
-  char what[256];
+  char what[768], shared[512];
+  epx_fused_co_resident_note(s->fused, shared, sizeof shared);
   snprintf(what, sizeof what, "rank %d did not answer the fused exchange (%s) within the comm's timeout, or the "
-           "host-API relay to it failed; the buffer's fused state has failed", (int)peer, phase ? phase : "?");
-  return epx_nccl_fail_timeout(b->comm, fn, what);
+           "relay to it failed; the buffer's fused state has failed%s", (int)peer, phase ? phase : "?", shared);
+  return s->xport->fail_timeout(b->comm, fn, what);
 }
 
 /* A fused launch's result: where a relay step to a peer without load/store

@@ -9,7 +9,7 @@
  *                    tokens' pairs and the pairs of the hop-1 rows it
  *                    received, in ascending source rank, each source's in
  *                    token order.
- * Both hops are grouped ncclSend/ncclRecv on the buffer's stream, the pack
+ * Both hops are groups of the buffer's transport (xport.h) on its stream, the pack
  * and sum steps the one-rank kernels (launch.h) over tables planned on the
  * host. Hop 2 lands each source's pairs where the host path's dedup receive
  * staging has them, so the expansion is the host path's and the received
@@ -36,7 +36,6 @@
 #include <cuda_runtime_api.h>
 
 #include "core/error.h"
-#include "core/nccl.h"
 #include "core/payload.h"
 #include "core/transport.h"
 #include "cuda/backend.h"
@@ -44,8 +43,6 @@
 #include "cuda/ep/internal.h"
 
 #if EPX_HAVE_NCCL
-#include <nccl.h>
-
 #define OOM(fn) epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn)
 
 /* A block of rows to or from one peer inside a staging buffer. */
@@ -355,26 +352,19 @@ static void hier_handle_fini(epx_buffer_t b, ep_handle_t *h) {
 /* The moves                                                                 */
 /* ------------------------------------------------------------------------ */
 
-/* One group: blocks of `unit`-byte rows, out of send to the peers of
- * `to` and into recv from the peers of `from` (a failed call still ends the
- * group first: epx_nccl_group_end). */
+/* One group of the buffer's transport: blocks of `unit`-byte rows, out of
+ * send to the peers of `to` and into recv from the peers of `from`. */
 static epx_status_t exchange(epx_buffer_t b, const seg_t *to, int64_t nto, const void *send, const seg_t *from,
                              int64_t nfrom, void *recv, size_t unit, const char *fn) {
-  epx_status_t status = EPX_SUCCESS;
-  epx_comm_t comm = b->comm;
-  ncclComm_t nc = epx_nccl_data_comm(comm);
-  cudaStream_t stream = stream_of(b);
-  ncclResult_t r = ncclGroupStart();
-  NCCL_CHECK(r, fn, "ncclGroupStart");
-  const char *what = "ncclGroupStart";
-  for (int64_t i = 0; i < nto && epx_nccl_went(r); i++)
-    what = "ncclSend", r = ncclSend((const char *)send + (size_t)to[i].at * unit, (size_t)to[i].rows * unit,
-                                    ncclUint8, to[i].peer, nc, stream);
-  for (int64_t i = 0; i < nfrom && epx_nccl_went(r); i++)
-    what = "ncclRecv", r = ncclRecv((char *)recv + (size_t)from[i].at * unit, (size_t)from[i].rows * unit,
-                                    ncclUint8, from[i].peer, nc, stream);
-  EPX_CHECK(epx_nccl_group_end(comm, r, fn, what));
-fail:
+  const ep_buffer_t *s = b->backend_state;
+  epx_cuda_move_t *m = malloc(sizeof *m * (size_t)(nto + nfrom + 1));
+  if (!m) return OOM(fn);
+  for (int64_t i = 0; i < nto; i++)
+    m[i] = (epx_cuda_move_t){to[i].peer, (char *)send + (size_t)to[i].at * unit, (size_t)to[i].rows * unit};
+  for (int64_t i = 0; i < nfrom; i++)
+    m[nto + i] = (epx_cuda_move_t){from[i].peer, (char *)recv + (size_t)from[i].at * unit, (size_t)from[i].rows * unit};
+  const epx_status_t status = s->xport->sendrecv(b->comm, m, nto, m + nto, nfrom, stream_of(b), fn);
+  free(m);
   return status;
 }
 

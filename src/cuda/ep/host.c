@@ -1,5 +1,6 @@
-/* The host path of the W-rank backend (ep/internal.h): NCCL's host API on
- * the buffer's stream between the kernels of ep/tables.cu and one/.
+/* The host path of the W-rank backend (ep/internal.h): the buffer's device
+ * transport (xport.h: NCCL's host API, or in-process copies) on the
+ * buffer's stream between the kernels of ep/tables.cu and one/.
  *
  * Layout: each rank validates its own routing on its GPU (in the kernel that
  * stages its send block; the capacity layout, whose slots must be claimed,
@@ -33,14 +34,13 @@
 #include <cuda_runtime_api.h>
 
 #include "core/error.h"
-#include "core/nccl.h"
 #include "core/payload.h"
 #include "cuda/backend.h"
 #include "cuda/common/check.h"
 #include "cuda/ep/internal.h"
+#include "cuda/xport/xport.h"
 
 #if EPX_HAVE_NCCL
-#include <nccl.h>
 
 /* Staging of `bytes` each way (stream-ordered: a later layout's growth
  * waits for the moves of earlier handles on the same stream). */
@@ -115,28 +115,17 @@ fail:
   return status;
 }
 
-/* The routing all-gather (idx, w, locations, header) on the buffer's stream
- * (a failed call still ends the group first: epx_nccl_group_end). */
+/* The routing all-gather (idx, w, locations, header) on the buffer's
+ * stream: one group of the buffer's transport. */
 static epx_status_t gather_routing(epx_buffer_t b, const epx_cuda_ep_dims_t *d, const int32_t *sidx,
                                    const float *sw, const int32_t *sloc, const int32_t *shdr, int32_t *gidx,
                                    float *gw, int32_t *gloc, int32_t *ghdr, const char *fn) {
-  epx_status_t status = EPX_SUCCESS;
-  epx_comm_t comm = b->comm;
-  ncclComm_t nc = epx_nccl_data_comm(comm);
-  cudaStream_t stream = stream_of(b);
-  const size_t n = (size_t)(d->Tm * d->Kb);
-  ncclResult_t r = ncclGroupStart();
-  NCCL_CHECK(r, fn, "ncclGroupStart");
-  const char *what = "ncclAllGather of the routing";
-  r = ncclAllGather(sidx, gidx, n, ncclInt32, nc, stream);
-  if (epx_nccl_went(r)) what = "ncclAllGather of the weights", r = ncclAllGather(sw, gw, n, ncclFloat32, nc, stream);
-  if (epx_nccl_went(r) && sloc)
-    what = "ncclAllGather of the locations", r = ncclAllGather(sloc, gloc, n, ncclInt32, nc, stream);
-  if (epx_nccl_went(r))
-    what = "ncclAllGather of the headers", r = ncclAllGather(shdr, ghdr, EPX_CUDA_EP_HDR_INTS, ncclInt32, nc, stream);
-  EPX_CHECK(epx_nccl_group_end(comm, r, fn, what));
-fail:
-  return status;
+  const ep_buffer_t *s = b->backend_state;
+  const size_t n = 4 * (size_t)(d->Tm * d->Kb);
+  const void *send[4] = {sidx, sw, sloc ? sloc : shdr, shdr};
+  void *recv[4] = {gidx, gw, sloc ? gloc : ghdr, ghdr};
+  const size_t bytes[4] = {n, n, sloc ? n : 4 * EPX_CUDA_EP_HDR_INTS, 4 * EPX_CUDA_EP_HDR_INTS};
+  return s->xport->allgather(b->comm, send, recv, bytes, sloc ? 4 : 3, stream_of(b), fn);
 }
 
 /* worst_case_sizing, this rank oversize: it still joins the routing gather
@@ -251,34 +240,25 @@ static size_t staging_bytes(epx_buffer_t b, const ep_handle_t *h) {
   return (need > floats ? need : floats) + 256;
 }
 
-/* Grouped send/recv of `unit`-byte rows: this rank's items of kind `skind`
- * to each peer from send, the peers' items of kind `rkind` into recv. The
- * self block goes through NCCL too, which copies it while the remote rows
- * travel (a separate copy before the group would serialise it; a copy
- * beside it on a second stream, from x straight into recv_x with only the
- * remote rows packed first, measured slower: bench/NOTES-gpu.md). */
+/* Grouped send/recv of `unit`-byte rows (the buffer's transport, xport.h):
+ * this rank's items of kind `skind` to each peer from send, the peers'
+ * items of kind `rkind` into recv. The self block goes through the group
+ * too: NCCL copies it while the remote rows travel (a separate copy before
+ * the group would serialise it; a copy beside it on a second stream, from x
+ * straight into recv_x with only the remote rows packed first, measured
+ * slower: bench/NOTES-gpu.md). */
 static epx_status_t p2p(epx_buffer_t b, const ep_handle_t *h, int skind, int rkind, const void *send, void *recv,
                         size_t unit, const char *fn) {
-  epx_status_t status = EPX_SUCCESS;
-  epx_comm_t comm = b->comm;
-  ncclComm_t nc = epx_nccl_data_comm(comm);
-  cudaStream_t stream = stream_of(b);
-  const char *s = send;
-  char *d = recv;
-  ncclResult_t r = ncclGroupStart();
-  NCCL_CHECK(r, fn, "ncclGroupStart");
-  const char *what = "ncclGroupStart";
-  for (int32_t p = 0; p < h->d.W && epx_nccl_went(r); p++) {
-    if (h->count[skind][p])
-      what = "ncclSend", r = ncclSend(s + (size_t)h->displ[skind][p] * unit, (size_t)h->count[skind][p] * unit,
-                                      ncclUint8, p, nc, stream);
-    if (epx_nccl_went(r) && h->count[rkind][p])
-      what = "ncclRecv", r = ncclRecv(d + (size_t)h->displ[rkind][p] * unit, (size_t)h->count[rkind][p] * unit,
-                                      ncclUint8, p, nc, stream);
+  const ep_buffer_t *s = b->backend_state;
+  const int32_t W = h->d.W;
+  epx_cuda_move_t *m = malloc(2 * sizeof *m * (size_t)W);
+  if (!m) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
+  for (int32_t p = 0; p < W; p++) {
+    m[p] = (epx_cuda_move_t){p, (char *)send + (size_t)h->displ[skind][p] * unit, (size_t)h->count[skind][p] * unit};
+    m[W + p] = (epx_cuda_move_t){p, (char *)recv + (size_t)h->displ[rkind][p] * unit, (size_t)h->count[rkind][p] * unit};
   }
-  /* a failed call still ends the group first (epx_nccl_group_end) */
-  EPX_CHECK(epx_nccl_group_end(comm, r, fn, what));
-fail:
+  const epx_status_t status = s->xport->sendrecv(b->comm, m, W, m + W, W, stream_of(b), fn);
+  free(m);
   return status;
 }
 

@@ -3,7 +3,8 @@
  * agreement of every call, the layout's sizing, counts and verdicts, the
  * handle's queries and statistics); a path moves a handle's rows and
  * answers its queries:
- *   host.c   NCCL's host API (grouped ncclSend/ncclRecv, one ncclAllGather)
+ *   host.c   the transport's groups (cuda/xport/xport.h: NCCL's grouped
+ *            ncclSend/ncclRecv and ncclAllGather, or in-process copies)
  *            between kernels that pack and expand staging buffers;
  *   fused.c  the fused NVLink kernels (src/cuda/fused), which reach peers
  *            without load/store access through NCCL's host API themselves;
@@ -27,6 +28,7 @@
 #include "cuda/ep/ep.h"
 #include "cuda/fused/fused.h"
 #include "cuda/launch.h"
+#include "cuda/xport/xport.h"
 #include "epx.h"
 
 /* The fused module (src/cuda/fused) is compiled where NCCL has its device
@@ -47,6 +49,7 @@ struct ep_path;
 /* buffer->backend_state on W ranks */
 typedef struct ep_buffer {
   const struct ep_path *path; /* NULL until max_tokens_per_rank is known (ep.c, choose_path) */
+  const struct epx_cuda_xport *xport; /* how rows move between the ranks (cuda/xport/xport.h) */
   void *send, *recv;  /* host path: staging (device), `bytes` each */
   size_t bytes;
   int64_t *readback;  /* pinned host copy of a handle's summary */

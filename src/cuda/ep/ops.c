@@ -1,4 +1,4 @@
-/* The W-rank backend's table (core/backend.h): a comm of W ranks over NCCL
+/* The W-rank backend's table (core/backend.h): a comm of W ranks over NCCL or in-process
  * (ep.c). Every payload call first agrees the ranks' verdicts and calls
  * (epx_cuda_ep_agree_call), then runs the handle's path. A CUDA buffer over
  * several ranks gets it at creation (cuda/backend.c). */
@@ -7,11 +7,12 @@
 #include "core/nccl.h"
 #include "cuda/backend.h"
 #include "cuda/ep/ep.h"
+#include "cuda/xport/xport.h"
 
 #if EPX_HAVE_NCCL
 
 static epx_status_t ep_wait(epx_buffer_t buffer, const char *fn) {
-  return epx_nccl_wait(buffer->comm, buffer->config.stream, fn);
+  return epx_cuda_xport_of(buffer->comm)->wait(buffer->comm, buffer->config.stream, fn);
 }
 
 /* The device routing's hash (one read-back: recorder validation only). */

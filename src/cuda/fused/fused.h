@@ -86,7 +86,21 @@ typedef struct epx_fused_config {
   int32_t f32_rows;
 } epx_fused_config_t;
 
-/* Collective over nccl_comm (an ncclComm_t): allocates and registers the
+/* The ranks a fused state spans, and how its windows and relay are made:
+ * an NCCL comm (nccl_comm, an ncclComm_t: a symmetric window from
+ * ncclMemAlloc + ncclCommWindowRegister, peers' addresses through the device
+ * API, the relay through NCCL's host API), or, with nccl_comm NULL, the
+ * in-process transport over `comm` (ranks as threads of one process: each
+ * window the rank's own device memory, peers' addresses gathered on the
+ * host, the relay through the transport's groups; cuda/xport/xport.h). */
+struct epx_cuda_xport;
+typedef struct epx_fused_ranks {
+  void *nccl_comm;
+  epx_comm_t comm;                     /* the comm (in-process: its own ranks) */
+  const struct epx_cuda_xport *xport;  /* comm's transport */
+} epx_fused_ranks_t;
+
+/* Collective over the ranks: allocates and registers the
  * window (about W*max_tokens*H*(s + 4) bytes plus metadata, s the dtype's
  * size, or 4 with f32_rows), creates the
  * device comm and resolves the addresses of the peers it reaches by
@@ -96,10 +110,19 @@ typedef struct epx_fused_config {
  * all-reduce) after each step that may refuse on one rank alone (its own
  * checks and the window's allocation, the registration, the device comm's
  * reach), so a refusing rank's peers refuse with it, naming it, instead of
- * waiting for it in the next collective step. The ncclComm_t must outlive
- * the result. */
-epx_status_t epx_fused_create(void *nccl_comm, const epx_fused_config_t *config,
+ * waiting for it in the next collective step. The comm must outlive the
+ * result. In-process ranks that share a GPU share its SMs: each launch's
+ * CTAs are capped at the SMs / the ranks on the GPU, so that every rank's
+ * kernels, which wait on each other, are resident at once. */
+epx_status_t epx_fused_create(const epx_fused_ranks_t *ranks, const epx_fused_config_t *config,
                               epx_fused_t **fused);
+/* In-process ranks sharing this rank's GPU (1 on NCCL, one rank per GPU),
+ * and the SMs each one's launches may take (*share) of the GPU's (*sms). */
+int32_t epx_fused_ranks_on_device(const epx_fused_t *fused, int32_t *share, int32_t *sms);
+/* What a timed-out wait's error adds where in-process ranks share the GPU
+ * (else ""): the kernels of every rank must be resident at once, and what
+ * breaks that. */
+void epx_fused_co_resident_note(const epx_fused_t *fused, char *out, size_t size);
 /* Collective (the window is deregistered). NULL is a no-op. */
 epx_status_t epx_fused_destroy(epx_fused_t *fused);
 /* After the NCCL comm was aborted (ncclCommAbort freed it and its windows):

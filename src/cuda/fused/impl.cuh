@@ -46,6 +46,7 @@
 #include "cuda/common/device_cache.h"
 #include "cuda/fused/fused.h"
 #include "cuda/launch.h"
+#include "cuda/xport/xport.h"
 
 namespace epx_fused_impl {
 
@@ -388,7 +389,10 @@ epx_status_t epx_fused_nccl_settle(void *comm, int result, double seconds, const
 
 /* The host-side state; the device state is `dev`, passed to every kernel. */
 struct epx_fused {
-  void *comm;  /* ncclComm_t */
+  void *comm;  /* ncclComm_t, or NULL: in-process (ranks) */
+  epx_fused_ranks_t ranks;    /* in-process: the comm and its transport */
+  epx_cuda_window_t window;   /* in-process: this rank's window and its peers' */
+  int sms;                    /* the GPU's SMs (num_sms: this rank's share of them) */
   void *win;   /* ncclWindow_t */
   void *devcomm; /* ncclDevComm (heap copy) */
   void *base;

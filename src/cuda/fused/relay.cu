@@ -143,16 +143,17 @@ namespace {
 cudaError_t relay_step(epx_fused_t *f, const fused_dev &d, const epx_fused_plan_t *plan, relay_kind kind,
                        int64_t part_elem, char *rows_dst, cudaStream_t stream) {
   if (!d.relay_mask) return cudaSuccess;
-  ncclComm_t comm = static_cast<ncclComm_t>(f->comm);
   const size_t T = (size_t)d.maxT, W = (size_t)d.W, El = (size_t)d.El;
   const bool known = plan->counts_known != 0;
   char *local = d.local;
   /* where each source's rows start in the rank-major layout (known counts) */
   size_t rbase[EPX_FUSED_MAX_RANKS + 1] = {0};
   for (int s = 0; known && s < d.W; s++) rbase[s + 1] = rbase[s] + (size_t)plan->recv_pairs[s];
-  ncclResult_t r = ncclGroupStart();
+  /* up to three messages each way per relayed peer, in order */
+  epx_cuda_move_t sends[3 * EPX_FUSED_MAX_RANKS], recvs[3 * EPX_FUSED_MAX_RANKS];
+  int64_t ns = 0, nr = 0;
   int peer = -1;
-  for (int p = 0; p < d.W && (r == ncclSuccess || r == ncclInProgress); p++) {
+  for (int p = 0; p < d.W; p++) {
     if (!relayed(d, p)) continue;
     peer = p;
     const size_t P = (size_t)p, me = (size_t)d.rank;
@@ -190,12 +191,25 @@ cudaError_t relay_step(epx_fused_t *f, const fused_dev &d, const epx_fused_plan_
         sbytes[0] = rbytes[0] = T * (size_t)d.Kmax * 4;
         break;
     }
-    for (int m = 0; m < 3 && (r == ncclSuccess || r == ncclInProgress); m++) {
-      if (sbytes[m]) r = ncclSend(src[m], sbytes[m], ncclUint8, p, comm, stream);
-      if (rbytes[m] && (r == ncclSuccess || r == ncclInProgress))
-        r = ncclRecv(dst[m], rbytes[m], ncclUint8, p, comm, stream);
+    for (int m = 0; m < 3; m++) {
+      if (sbytes[m]) sends[ns++] = epx_cuda_move_t{p, const_cast<void *>(src[m]), sbytes[m]};
+      if (rbytes[m]) recvs[nr++] = epx_cuda_move_t{p, dst[m], rbytes[m]};
     }
   }
+  if (!f->comm) { /* in-process: one group of the transport */
+    const epx_fused_ranks_t &q = f->ranks;
+    if (q.xport->sendrecv(q.comm, sends, ns, recvs, nr, stream, "the fused exchange's relay") != EPX_SUCCESS)
+      return relay_failed(f, peer, stream);
+    return cudaSuccess;
+  }
+  /* NCCL's host API on the comm the window lives on (a group: the order of
+   * the sends and receives matters only per peer) */
+  ncclComm_t comm = static_cast<ncclComm_t>(f->comm);
+  ncclResult_t r = ncclGroupStart();
+  for (int64_t i = 0; i < ns && (r == ncclSuccess || r == ncclInProgress); i++)
+    r = ncclSend(sends[i].ptr, sends[i].bytes, ncclUint8, sends[i].peer, comm, stream);
+  for (int64_t i = 0; i < nr && (r == ncclSuccess || r == ncclInProgress); i++)
+    r = ncclRecv(recvs[i].ptr, recvs[i].bytes, ncclUint8, recvs[i].peer, comm, stream);
   const ncclResult_t ended = ncclGroupEnd();
   if (r == ncclSuccess || r == ncclInProgress) r = ended;
   const double seconds = epx_wait_bound(f->config.timeout_seconds);

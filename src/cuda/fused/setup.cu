@@ -11,10 +11,12 @@
 #pragma GCC diagnostic ignored "-Wunused-parameter"
 #include <nccl_device.h>
 #pragma GCC diagnostic pop
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "core/error.h"
+#include "core/transport.h"
 #include "core/wait.h"
 #include "cuda/fused/impl.cuh"
 
@@ -248,6 +250,7 @@ epx_status_t local_steps(epx_fused_t *f, cudaStream_t stream, const char *fn) {
   int device = 0;
   FUSED_CUDA(cudaGetDevice(&device), "cudaGetDevice");
   FUSED_CUDA(cudaDeviceGetAttribute(&f->num_sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
+  f->sms = f->num_sms;
   FUSED_NCCL(ncclMemAlloc(&f->base, f->bytes), "ncclMemAlloc of the window");
   FUSED_CUDA(cudaMalloc(&f->dev.ctl, CTL_WORDS * sizeof(uint32_t)), "cudaMalloc");
   FUSED_CUDA(cudaMemsetAsync(f->dev.ctl, 0, CTL_WORDS * sizeof(uint32_t), stream), "cudaMemsetAsync");
@@ -391,12 +394,132 @@ fail:
 
 }  // namespace
 
-extern "C" epx_status_t epx_fused_create(void *nccl_comm, const epx_fused_config_t *config,
+namespace {
+
+/* The in-process creation's steps (nccl_comm NULL): as create_steps, with
+ * the transport's agreement and window (plain device memory of each rank,
+ * peers' addresses gathered on the host). */
+epx_status_t in_process_steps(epx_fused_t *f, epx_status_t local, cudaStream_t stream, int W, int rank,
+                              const char *fn) {
+  epx_status_t status = EPX_SUCCESS;
+  const epx_fused_ranks_t &q = f->ranks;
+  int64_t top = 0;
+  if (local == EPX_SUCCESS) {
+    int device = 0;
+    cudaError_t e = cudaGetDevice(&device);
+    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&f->sms, cudaDevAttrMultiProcessorCount, device);
+    if (e == cudaSuccess) e = cudaMalloc(&f->dev.ctl, CTL_WORDS * sizeof(uint32_t));
+    if (e == cudaSuccess) e = cudaMemsetAsync(f->dev.ctl, 0, CTL_WORDS * sizeof(uint32_t), stream);
+    if (e == cudaSuccess) e = cudaHostAlloc(&f->err_host, sizeof(uint32_t), cudaHostAllocMapped);
+    if (e == cudaSuccess) *f->err_host = 0, e = cudaHostGetDevicePointer(reinterpret_cast<void **>(&f->dev.err), f->err_host, 0);
+    if (e != cudaSuccess) local = cuda_fail(fn, "the fused state's memory", e);
+  }
+  char message[1024] = "";
+  if (local != EPX_SUCCESS) snprintf(message, sizeof message, "%s", epx_last_error());
+  EPX_CHECK(q.xport->agree_max(q.comm, local != EPX_SUCCESS ? rank + 1 : 0, &top, fn));
+  if (top) {
+    if (local != EPX_SUCCESS) return epx_error(local, "%s", message);
+    return epx_error(EPX_ERROR_UNSUPPORTED, "%s: rank %lld refused the fused path (its epx_last_error says why); "
+                     "every rank refuses it", fn, (long long)(top - 1));
+  }
+  EPX_CHECK(q.xport->window_open(q.comm, f->bytes, &f->window, fn));
+  /* Ranks sharing a GPU wait on each other's kernels; a kernel loaded
+   * lazily (CUDA's default module loading) at its first launch may wait for
+   * the GPU to idle, which a peer's kernel waiting for this rank never does
+   * (CUDA's Lazy Loading guide, "concurrent execution"): eager loading only. */
+  {
+    const char *loading = getenv("CUDA_MODULE_LOADING");
+    local = f->window.ranks_on_device > 1 && !(loading && !strcmp(loading, "EAGER"))
+                ? epx_error(EPX_ERROR_UNSUPPORTED,
+                            "%s: %d in-process ranks share this GPU, whose fused kernels wait on each other; that "
+                            "needs CUDA_MODULE_LOADING=EAGER in the environment before CUDA starts (a kernel loaded "
+                            "lazily at its first launch may wait for the GPU to idle while a peer's kernel waits "
+                            "for it)", fn, (int)f->window.ranks_on_device)
+                : EPX_SUCCESS;
+    message[0] = 0;
+    if (local != EPX_SUCCESS) snprintf(message, sizeof message, "%s", epx_last_error());
+    EPX_CHECK(q.xport->agree_max(q.comm, local != EPX_SUCCESS ? rank + 1 : 0, &top, fn));
+    if (top) {
+      if (local != EPX_SUCCESS) return epx_error(local, "%s", message);
+      return epx_error(EPX_ERROR_UNSUPPORTED, "%s: rank %lld refused the fused path (its epx_last_error says why); "
+                       "every rank refuses it", fn, (long long)(top - 1));
+    }
+  }
+  {
+    const bool relay_all = (epx_cuda_launch_flags() & EPX_CUDA_FUSED_RELAY) != 0;
+    uint32_t mask = 0;
+    for (int r = 0; r < W; r++) {
+      const bool loadstore = !relay_all && f->window.peer[r];
+      f->transport[r] = r == rank ? EPX_FUSED_PEER_SELF : loadstore ? EPX_FUSED_PEER_LOADSTORE : EPX_FUSED_PEER_RELAY;
+      f->dev.peer[r] = r == rank || loadstore ? f->window.peer[r] : nullptr;
+      if (f->transport[r] == EPX_FUSED_PEER_RELAY) mask |= 1u << r;
+    }
+    f->base = f->window.base;
+    f->dev.local = static_cast<char *>(f->window.base);
+    /* the ranks on this GPU share its SMs: each rank's launches take a
+     * share, so that kernels that wait on each other are resident at once */
+    const int on = f->window.ranks_on_device > 1 ? f->window.ranks_on_device : 1;
+    f->num_sms = f->sms / on > 2 ? f->sms / on : 2;
+    local = epx_fused_relay_create(f, mask, fn);
+    if (local != EPX_SUCCESS) snprintf(message, sizeof message, "%s", epx_last_error());
+    EPX_CHECK(q.xport->agree_max(q.comm, local != EPX_SUCCESS ? rank + 1 : 0, &top, fn));
+    if (top) {
+      if (local != EPX_SUCCESS) return epx_error(local, "%s", message);
+      return epx_error(EPX_ERROR_UNSUPPORTED, "%s: rank %lld refused the fused path at the relay's memory (its "
+                       "epx_last_error says why); every rank refuses it", fn, (long long)(top - 1));
+    }
+  }
+  FUSED_CUDA(cudaMemsetAsync(f->base, 0, f->dev.off_meta, stream), "cudaMemsetAsync of the window's flags");
+  FUSED_CUDA(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+  /* the barrier: every rank past this point before any writes a peer's flags */
+  EPX_CHECK(q.xport->agree_max(q.comm, 0, &top, fn));
+fail:
+  return status;
+}
+
+epx_status_t create_in_process(const epx_fused_ranks_t *ranks, const epx_fused_config_t *config,
+                               epx_fused_t **fused, const char *fn) {
+  EPX_REQUIRE(ranks->comm && ranks->xport && ranks->xport->window_open,
+              "%s: ranks has neither an NCCL comm nor an in-process transport", fn);
+  const int W = ranks->comm->size, rank = ranks->comm->rank;
+  epx_status_t local = W > EPX_FUSED_MAX_RANKS
+                           ? epx_error(EPX_ERROR_UNSUPPORTED, "%s: %d ranks, over the fused path's %d; use the "
+                                       "host-API exchange", fn, W, EPX_FUSED_MAX_RANKS)
+                           : check_config(config, W, fn);
+  epx_fused_t *f = static_cast<epx_fused_t *>(calloc(1, sizeof *f));
+  if (!f) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
+  f->ranks = *ranks;
+  if (local == EPX_SUCCESS) {
+    f->config = *config;
+    init_dev(f, W, rank);
+    window_offsets(f->dev, 4);
+    f->bytes = window_bytes(f->dev, 4);
+  }
+  cudaStream_t stream = NULL;
+  cudaError_t e = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+  if (e != cudaSuccess && local == EPX_SUCCESS) local = cuda_fail(fn, "cudaStreamCreateWithFlags", e);
+  epx_status_t status = in_process_steps(f, local, stream, W, rank, fn);
+  if (stream) cudaStreamSynchronize(stream), cudaStreamDestroy(stream);
+  if (status == EPX_SUCCESS) {
+    *fused = f;
+    return EPX_SUCCESS;
+  }
+  char message[1024];
+  snprintf(message, sizeof message, "%s", epx_last_error());
+  epx_fused_abandon(f);
+  return epx_error(status, "%s", message);
+}
+
+}  // namespace
+
+extern "C" epx_status_t epx_fused_create(const epx_fused_ranks_t *ranks, const epx_fused_config_t *config,
                                          epx_fused_t **fused) {
   const char *fn = "epx_fused_create";
   EPX_REQUIRE(fused, "%s: fused is NULL", fn);
   *fused = NULL;
-  EPX_REQUIRE(nccl_comm, "%s: nccl_comm is NULL; pass an ncclComm_t", fn);
+  EPX_REQUIRE(ranks, "%s: ranks is NULL", fn);
+  if (!ranks->nccl_comm) return create_in_process(ranks, config, fused, fn);
+  void *nccl_comm = ranks->nccl_comm;
   ncclComm_t comm = static_cast<ncclComm_t>(nccl_comm);
   /* The device API's structs (ncclDevComm, its requirements, the window)
    * change between NCCL releases, patch releases included (2.28.3 -> 2.28.9):
@@ -466,11 +589,27 @@ extern "C" epx_status_t epx_fused_create(void *nccl_comm, const epx_fused_config
   return status;
 }
 
+/* In-process: the window closes collectively (a barrier, then its memory). */
+static void free_in_process(epx_fused_t *f, int collective) {
+  if (f->window.base) {
+    if (collective) f->ranks.xport->window_close(f->ranks.comm, &f->window);
+    else cudaFree(f->window.base);
+  }
+  epx_fused_relay_free(f);
+  cudaFree(f->dev.ctl);
+  if (f->err_host) cudaFreeHost(f->err_host);
+  free(f);
+}
+
 extern "C" epx_status_t epx_fused_destroy(epx_fused_t *f) {
   if (!f) return EPX_SUCCESS;
   ncclComm_t comm = static_cast<ncclComm_t>(f->comm);
   epx_status_t status = EPX_SUCCESS;
   cudaDeviceSynchronize();
+  if (!comm) {
+    free_in_process(f, 1);
+    return EPX_SUCCESS;
+  }
   if (f->devcomm) {
     if (ncclDevCommDestroy(comm, static_cast<ncclDevComm *>(f->devcomm)) != ncclSuccess)
       status = epx_error(EPX_ERROR_TRANSPORT, "epx_fused_destroy: ncclDevCommDestroy failed");
@@ -489,6 +628,10 @@ extern "C" epx_status_t epx_fused_destroy(epx_fused_t *f) {
 extern "C" void epx_fused_abandon(epx_fused_t *f) {
   if (!f) return;
   cudaDeviceSynchronize(); /* every wait of a fused kernel is bounded */
+  if (!f->comm) {
+    free_in_process(f, 0);
+    return;
+  }
   free(f->devcomm);        /* the host copy; the device side went with the comm */
   if (f->base) ncclMemFree(f->base);
   epx_fused_relay_free(f);
@@ -516,3 +659,25 @@ extern "C" int32_t epx_fused_ctas(const epx_fused_t *f, int32_t sm_budget) {
 }
 
 extern "C" void *epx_fused_recv_window(epx_fused_t *f) { return f->dev.local + f->dev.off_pay; }
+
+extern "C" int32_t epx_fused_ranks_on_device(const epx_fused_t *f, int32_t *share, int32_t *sms) {
+  if (share) *share = f->num_sms;
+  if (sms) *sms = f->sms;
+  return f->comm || f->window.ranks_on_device < 1 ? 1 : f->window.ranks_on_device;
+}
+
+extern "C" void epx_fused_co_resident_note(const epx_fused_t *f, char *out, size_t size) {
+  int32_t share = 0, sms = 0;
+  const int32_t on = epx_fused_ranks_on_device(f, &share, &sms);
+  if (on <= 1) {
+    if (size) out[0] = 0;
+    return;
+  }
+  snprintf(out, size,
+           " (%d in-process ranks share this GPU: their fused kernels wait on each other, so all must be "
+           "co-resident; each rank's launches take at most %d of the %d SMs, but kernels that could not start "
+           "beside the others -- other work holding the SMs, a host call that waits for the whole GPU "
+           "(cudaDeviceSynchronize, cudaFree) on a rank before its launch, a serialising tool such as "
+           "compute-sanitizer or CUDA_LAUNCH_BLOCKING=1, or fewer hardware queues than ranks (set "
+           "CUDA_DEVICE_MAX_CONNECTIONS to at least the ranks before CUDA starts) -- were not co-resident)", (int)on, (int)share, (int)sms);
+}

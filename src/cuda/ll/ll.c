@@ -175,10 +175,6 @@ static epx_status_t ll_complete(epx_buffer_t b, epx_handle_t h) {
   return EPX_SUCCESS;
 }
 
-const epx_ll_backend_t *epx_cuda_ll_ops_of(epx_buffer_t b) {
-  return b->backend == &epx_cuda_ll_ranks_backend ? &epx_cuda_ll_ranks_ops : &epx_cuda_ll_ops;
-}
-
 const epx_ll_backend_t epx_cuda_ll_ops = {
     .dispatch_send = ll_dispatch_send,
     .combine_send = ll_combine_send,
@@ -285,6 +281,7 @@ static int64_t ll_handle_bytes(epx_handle_t h) {
 
 const epx_backend_t epx_cuda_ll_backend = {
     .name = "cuda",
+    .ll = &epx_cuda_ll_ops,
     .route = epx_cuda_route,
     .route_backward = epx_cuda_route_backward,
     .buffer_init = ll_buffer_init,

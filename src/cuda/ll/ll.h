@@ -25,9 +25,8 @@ struct epx_backend;
 struct epx_ll_backend;
 extern const struct epx_backend epx_cuda_ll_backend;
 extern const struct epx_ll_backend epx_cuda_ll_ops;
-/* The epx_ll_* table of a CUDA low-latency buffer: one GPU's, or W ranks'
- * (ranks.c) for a buffer with that backend table. */
-const struct epx_ll_backend *epx_cuda_ll_ops_of(epx_buffer_t buffer);
+/* The epx_ll_* table of a CUDA low-latency buffer is its backend table's
+ * `ll` (core/backend.h): one GPU's, or W ranks' (ranks.c). */
 
 /* The entries of both tables for the normal calls, which the API refuses
  * before they reach a backend (epx_ll_refuse): each returns `local`. Not

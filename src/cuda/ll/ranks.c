@@ -1,4 +1,5 @@
-/* The low-latency decode mode on W ranks over NCCL's host API (ll.h, "W
+/* The low-latency decode mode on W ranks over the device transport
+ * (cuda/xport/xport.h: NCCL's host API, or in-process copies; ll.h, "W
  * ranks"): a CUDA buffer with config.low_latency = 1 over several ranks (or,
  * in a test build, one rank after epx_cuda_ep_at_one_rank) gets
  * epx_cuda_ll_ranks_backend (cuda/backend.c).
@@ -39,7 +40,7 @@
 #include "core/backend.h"
 #include "core/error.h"
 #include "core/ll.h"
-#include "core/nccl.h"
+#include "core/transport.h"
 #include "core/objects.h"
 #include "core/payload.h"
 #include "cuda/backend.h"
@@ -47,9 +48,9 @@
 #include "cuda/common/check.h"
 #include "cuda/launch.h"
 #include "cuda/ll/ll.h"
+#include "cuda/xport/xport.h"
 
 #if EPX_HAVE_NCCL
-#include <nccl.h>
 
 typedef struct {
   epx_cuda_ll_dims_t d; /* the pending step's (its rows' bytes and slab size) */
@@ -66,6 +67,7 @@ typedef struct {
 
 /* buffer->backend_state */
 typedef struct {
+  const epx_cuda_xport_t *xport; /* how the slabs move (cuda/xport/xport.h) */
   void *block;   /* one device allocation: every slot and `rows` */
   int64_t *rows; /* device copy of N (epx_handle_recv_rows_device) */
   int64_t N;     /* El * W * max_tokens */
@@ -120,12 +122,15 @@ static epx_cuda_ll_dims_t dims_of(epx_buffer_t b, int64_t rb) {
 static epx_status_t ranks_buffer_init(epx_buffer_t b) {
   const char *fn = "epx_buffer_create";
   epx_status_t status = EPX_SUCCESS;
-  if (!epx_comm_is_nccl(b->comm))
+  const epx_cuda_xport_t *xport = epx_cuda_xport_of(b->comm);
+  if (!xport)
     return epx_error(EPX_ERROR_UNSUPPORTED,
-                     "%s: a low-latency CUDA buffer over several ranks moves rows with NCCL; create the comm "
-                     "with epx_comm_create_nccl or epx_comm_create_nccl_mpi", fn);
+                     "%s: a low-latency CUDA buffer over several ranks needs an NCCL comm (epx_comm_create_nccl or "
+                     "epx_comm_create_nccl_mpi) or a local one (epx_comm_create_local); this comm is %s", fn,
+                     b->comm->ops->name);
   ranks_t *s = calloc(1, sizeof *s);
   if (!s) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
+  s->xport = xport;
   const int fp8 = b->config.fp8_format != EPX_FP8_NONE;
   const size_t rb = (size_t)epx_buffer_row_bytes(b), pb = (size_t)epx_payload_partial_row_bytes(b->config.hidden);
   const size_t packed = fp8 ? (size_t)packed_bytes(b) : rb;
@@ -161,7 +166,7 @@ fail:
 static void ranks_buffer_fini(epx_buffer_t b) {
   ranks_t *s = b->backend_state;
   if (!s) return;
-  if (epx_nccl_wait(b->comm, b->config.stream, "epx_buffer_destroy") == EPX_SUCCESS) cudaFree(s->block);
+  if (s->xport->wait(b->comm, stream_of(b), "epx_buffer_destroy") == EPX_SUCCESS) cudaFree(s->block);
   epx_cuda_ll_window_destroy(b, s->window);
   free(s);
   b->backend_state = NULL;
@@ -177,24 +182,20 @@ static void ranks_handle_fini(epx_handle_t h) {
 /* The moves                                                                 */
 /* ------------------------------------------------------------------------ */
 
-/* One grouped send and receive per peer: `bytes` from send + p * sstride to
- * peer p, as many from p into recv + p * rstride. */
+/* One group of the comm's transport: `bytes` from send + p * sstride to
+ * every peer p, as many from p into recv + p * rstride. */
 static epx_status_t p2p(epx_buffer_t b, const char *send, size_t sstride, char *recv, size_t rstride, size_t bytes,
                         const char *fn) {
-  epx_status_t status = EPX_SUCCESS;
-  epx_comm_t comm = b->comm;
-  ncclComm_t nc = epx_nccl_data_comm(comm);
-  cudaStream_t stream = stream_of(b);
-  ncclResult_t r = ncclGroupStart();
-  NCCL_CHECK(r, fn, "ncclGroupStart");
-  const char *what = "ncclGroupStart";
-  for (int32_t p = 0; p < b->world_size && epx_nccl_went(r); p++) {
-    what = "ncclSend", r = ncclSend(send + (size_t)p * sstride, bytes, ncclUint8, p, nc, stream);
-    if (epx_nccl_went(r)) what = "ncclRecv", r = ncclRecv(recv + (size_t)p * rstride, bytes, ncclUint8, p, nc, stream);
+  const ranks_t *s = b->backend_state;
+  const int32_t W = b->world_size;
+  epx_cuda_move_t *m = malloc(2 * sizeof *m * (size_t)W);
+  if (!m) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
+  for (int32_t p = 0; p < W; p++) {
+    m[p] = (epx_cuda_move_t){p, (char *)send + (size_t)p * sstride, bytes};
+    m[W + p] = (epx_cuda_move_t){p, recv + (size_t)p * rstride, bytes};
   }
-  /* a failed call still ends the group first (epx_nccl_group_end) */
-  EPX_CHECK(epx_nccl_group_end(comm, r, fn, what));
-fail:
+  const epx_status_t status = s->xport->sendrecv(b->comm, m, W, m + W, W, stream_of(b), fn);
+  free(m);
   return status;
 }
 
@@ -444,6 +445,7 @@ static int64_t ranks_handle_bytes(epx_handle_t h) {
 
 const epx_backend_t epx_cuda_ll_ranks_backend = {
     .name = "cuda",
+    .ll = &epx_cuda_ll_ranks_ops,
     .route = epx_cuda_route,
     .route_backward = epx_cuda_route_backward,
     .buffer_init = ranks_buffer_init,
@@ -481,6 +483,7 @@ static epx_status_t ranks_refuse(epx_buffer_t b) {
 
 const epx_backend_t epx_cuda_ll_ranks_backend = {
     .name = "cuda",
+    .ll = &epx_cuda_ll_ranks_ops,
     .route = epx_cuda_route,
     .route_backward = epx_cuda_route_backward,
     .buffer_init = ranks_refuse,

@@ -24,6 +24,7 @@
 #include "cuda/common/check.h"
 #include "cuda/ep/internal.h" /* the fused path's bulk copy, EPX_HAVE_FUSED */
 #include "cuda/ll/ll.h"
+#include "cuda/xport/xport.h"
 
 #if EPX_HAVE_NCCL && EPX_HAVE_FUSED
 
@@ -55,7 +56,9 @@ static epx_status_t create_fused(epx_buffer_t b, epx_fused_t **out) {
                                  0.9 * b->comm->timeout_seconds, EP_FUSED_BULK_COPY, 1};
   epx_fused_t *f = NULL;
   char reason[768] = "";
-  int64_t refused = epx_fused_create(epx_nccl_comm(b->comm), &fc, &f) != EPX_SUCCESS ? b->rank + 1 : 0;
+  const epx_cuda_xport_t *xport = epx_cuda_xport_of(b->comm);
+  const epx_fused_ranks_t ranks = {xport == &epx_cuda_xport_nccl ? epx_nccl_comm(b->comm) : NULL, b->comm, xport};
+  int64_t refused = epx_fused_create(&ranks, &fc, &f) != EPX_SUCCESS ? b->rank + 1 : 0;
   if (refused) snprintf(reason, sizeof reason, "%s", epx_last_error());
   epx_status_t status = b->comm->ops->allreduce_max_i64(b->comm, fn, &refused, 1);
   if (status == EPX_SUCCESS && !refused) {
@@ -123,10 +126,11 @@ static epx_status_t window_alive(epx_buffer_t b, const epx_cuda_ll_window_t *w, 
   int32_t peer = -1;
   const char *phase = "";
   if (!epx_fused_error(w->fused, &peer, &phase)) return EPX_SUCCESS;
-  char what[256];
+  char what[768], shared[512];
+  epx_fused_co_resident_note(w->fused, shared, sizeof shared);
   snprintf(what, sizeof what, "rank %d did not answer the low-latency load/store exchange (%s) within the comm's "
-           "timeout, or the host-API relay to it failed", (int)peer, phase ? phase : "?");
-  return epx_nccl_fail_timeout(b->comm, fn, what);
+           "timeout, or the relay to it failed%s", (int)peer, phase ? phase : "?", shared);
+  return epx_cuda_xport_of(b->comm)->fail_timeout(b->comm, fn, what);
 }
 
 #define FUSED_CHECK(call, fn, what)                                            \

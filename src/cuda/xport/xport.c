@@ -1,0 +1,14 @@
+/* Which device transport serves a comm (xport.h): NCCL's comms the NCCL
+ * transport, a comm whose ranks share this address space (the local
+ * transport's threads) the in-process one. */
+#include "core/nccl.h"
+#include "core/transport.h"
+#include "cuda/xport/xport.h"
+
+const epx_cuda_xport_t *epx_cuda_xport_of(epx_comm_t comm) {
+#if EPX_HAVE_NCCL
+  if (epx_comm_is_nccl(comm)) return &epx_cuda_xport_nccl;
+#endif
+  if (comm->ops->shared_address_space) return &epx_cuda_xport_in_process;
+  return NULL;
+}

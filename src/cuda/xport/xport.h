@@ -1,0 +1,102 @@
+/* The device transport beneath the W-rank CUDA paths (ep/host.c, ep/hier.c,
+ * ep/fused.c, ll/ranks.c, ll/window.c and the fused module's relay), in the
+ * shape of NCCL's transport layer: the paths say what moves between the
+ * ranks' device buffers on a stream; a transport moves it. Two:
+ *   nccl        an NCCL comm (one process per GPU): ncclAllGather and grouped
+ *               ncclSend/ncclRecv on the data comm, the bounded
+ *               epx_nccl_wait; windows are NCCL's symmetric ones (the fused
+ *               module's device API, fused/setup.cu). Today's code, moved.
+ *   in-process  a local comm (epx_comm_create_local): the ranks are threads
+ *               of this process, on one GPU or several with peer access.
+ *               Copies are cudaMemcpyAsync from the sender's device buffer
+ *               into the receiver's, on the receiver's stream, ordered by
+ *               events (each rank records one on its stream; its peers wait
+ *               on it with cudaStreamWaitEvent); the pointers and events meet
+ *               through the local comm's host-side exchange. A window is the
+ *               rank's own device memory and its peers' pointers are those
+ *               addresses (window_open).
+ * A buffer takes its comm's transport at creation (epx_cuda_xport_of); a
+ * comm no transport serves (MPI, shared memory between processes) gets a
+ * CUDA buffer of one rank only.
+ *
+ * Every call is collective over the comm, in the same order on every rank,
+ * and returns once its work is enqueued on `stream` (the in-process one
+ * after a host rendezvous with its peers, bounded by the comm's timeout).
+ * The in-process moves cannot be captured in a CUDA graph (a rank's graph
+ * would wait on its peers' events, recorded outside it): under capture they
+ * return EPX_ERROR_UNSUPPORTED; the fused and window paths, whose steps
+ * move nothing through the transport, capture as on NCCL. */
+#ifndef EPX_CUDA_XPORT_H
+#define EPX_CUDA_XPORT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include <cuda_runtime_api.h>
+
+#include "core/objects.h"
+#include "epx.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* One message of a group: `bytes` at `ptr` (device memory) to or from
+ * `peer`. A send to p and p's receive from this rank pair up in the order
+ * of their lists (NCCL's order per pair of ranks) and must have the same
+ * bytes. */
+typedef struct epx_cuda_move {
+  int32_t peer;
+  void *ptr;
+  size_t bytes;
+} epx_cuda_move_t;
+
+/* A window: this rank's `bytes` of device memory at base, and where every
+ * rank's window is as this GPU addresses it (peer[r], NULL where rank r is
+ * out of load/store reach: another GPU without peer access). */
+#define EPX_CUDA_WINDOW_MAX_RANKS 32 /* the fused module's EPX_FUSED_MAX_RANKS */
+typedef struct epx_cuda_window {
+  void *base;
+  char *peer[EPX_CUDA_WINDOW_MAX_RANKS];
+  /* ranks whose windows are on this rank's GPU (this rank included): they
+   * share its SMs, so kernels that wait on each other get a share each */
+  int32_t ranks_on_device;
+} epx_cuda_window_t;
+
+typedef struct epx_cuda_xport {
+  const char *name; /* "nccl", "in-process" */
+  /* n all-gathers in one group: recv[i] ([W][bytes[i]]) gets every rank's
+   * send[i] ([bytes[i]]) at its rank's block. */
+  epx_status_t (*allgather)(epx_comm_t comm, const void *const *send, void *const *recv, const size_t *bytes,
+                            int n, cudaStream_t stream, const char *fn);
+  /* One group of messages: sends[ns] and recvs[nr] (empty ones skipped). */
+  epx_status_t (*sendrecv)(epx_comm_t comm, const epx_cuda_move_t *sends, int64_t ns, const epx_cuda_move_t *recvs,
+                           int64_t nr, cudaStream_t stream, const char *fn);
+  /* Waits (bounded by the comm's timeout) until the work on stream is done;
+   * a timeout or transport error fails the comm. */
+  epx_status_t (*wait)(epx_comm_t comm, cudaStream_t stream, const char *fn);
+  /* A wait that epx bounds itself (a kernel's on a peer's flag) ran out:
+   * fails the comm and returns EPX_ERROR_TIMEOUT naming `what`. */
+  epx_status_t (*fail_timeout)(epx_comm_t comm, const char *fn, const char *what);
+  /* Collective: *top = the largest `mine` of the ranks (also a barrier). */
+  epx_status_t (*agree_max)(epx_comm_t comm, int64_t mine, int64_t *top, const char *fn);
+  /* Windows of the in-process transport (NULL for NCCL, whose windows the
+   * fused module registers through NCCL's device API): `bytes` of device
+   * memory on this rank's GPU, every rank's address gathered, peer access
+   * enabled where the GPUs differ and allow it. Collective; every rank
+   * returns the same verdict. */
+  epx_status_t (*window_open)(epx_comm_t comm, size_t bytes, epx_cuda_window_t *window, const char *fn);
+  /* After the ranks' last use (collective: a barrier first). */
+  void (*window_close)(epx_comm_t comm, epx_cuda_window_t *window);
+} epx_cuda_xport_t;
+
+/* The transport that serves comm, or NULL. */
+const epx_cuda_xport_t *epx_cuda_xport_of(epx_comm_t comm);
+
+extern const epx_cuda_xport_t epx_cuda_xport_nccl;       /* xport/nccl.c (NCCL builds) */
+extern const epx_cuda_xport_t epx_cuda_xport_in_process; /* xport/in_process.c */
+
+#ifdef __cplusplus
+}
+#endif
+#endif
