@@ -43,7 +43,8 @@ first, so a libepx linked with NCCL binds to torch's NCCL.
 # their fake functions and autograd), functional (dispatch, combine,
 # make_buffer), low_latency, grouped_matmul, moe (the MoE layer), elastic
 # (the layer under an epx.Placement: replicas' gradients, plans, moves), dispatcher
-# (TokenDispatcher) and launch (comms from process groups, launchers). Each
+# (TokenDispatcher), launch (comms from process groups, launchers) and local
+# (run_local: W ranks as threads, on the CPU or one GPU). Each
 # op's output shapes and backward pairing are epx.semantics'.
 import torch as _torch  # first: a libepx linked with NCCL binds to torch's NCCL
 
@@ -64,6 +65,7 @@ from .moe import MoE
 from .elastic import (move_expert_tensor, move_experts, plan_placement, replica_grad_sum)
 from .dispatcher import TokenDispatcher
 from .launch import comm_from_process_group, init_process_group, launch_env
+from .local import run_local
 
 # Private names the tests read as epx.torch._NAME.
 from .routing import _CONFIGS, _CONFIGS_KEPT  # noqa: F401
@@ -72,7 +74,7 @@ from .launch import _MPI_LAUNCH_VARS, _LAUNCHERS  # noqa: F401
 
 __all__ = ["route", "dispatch", "combine", "Dispatched", "TorchRouteResult", "MoE",
            "TokenDispatcher", "checkpoint_context", "keep_handles", "comm_from_process_group",
-           "init_process_group", "launch_env", "EventOverlap", "current_event", "stats",
+           "init_process_group", "launch_env", "run_local", "EventOverlap", "current_event", "stats",
            "make_buffer", "grouped_mm", "epx_dtype", "torch_dtype", "ll_dispatch", "ll_combine",
            "dequantize", "replica_grad_sum", "plan_placement", "move_experts",
            "move_expert_tensor"]
