@@ -84,6 +84,11 @@ epx_status_t epx_cuda_ep_buffer_init(epx_buffer_t b) {
   if (b->world_size > EPX_CUDA_MAX_EXPERTS)
     return epx_error(EPX_ERROR_UNSUPPORTED, "%s: %d ranks; the CUDA backend takes at most %d", fn,
                      b->world_size, EPX_CUDA_MAX_EXPERTS);
+  /* The device is checked here: the in-process transport makes nothing on
+   * it until a call needs it, and a machine without a usable GPU must be
+   * refused at creation, as a one-rank CUDA buffer is. */
+  cudaError_t device = cudaFree(NULL);
+  if (device != cudaSuccess) return epx_cuda_fail(device, fn, "starting the CUDA context (cudaFree(NULL))");
   ep_buffer_t *s = calloc(1, sizeof *s);
   if (!s) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
   b->backend_state = s;
