@@ -7,9 +7,9 @@ lives with the inputs ("device") or on the host ("host"). epx.torch's fake
 functions, ops and autograd read these; a later binding (a DeepEP-shaped
 API, JAX) reads them instead of copying them. include/epx.h is the contract
 these restate."""
-from typing import NamedTuple, Tuple
+from typing import NamedTuple, Optional, Tuple
 
-from ._lib import FP8Format, Layout
+from ._lib import FP8Format, Layout, Weighting
 
 # Dtype names: "payload" is the dtype of the op's payload input (x,
 # expert_out, a gradient); "fp8" is e4m3fn bytes; the others are numpy's.
@@ -155,17 +155,75 @@ BACKWARD = {
     "dispatch_cached": ("dispatch_backward",),
     "dispatch_fp8_cached": (),
     "combine": ("combine_backward",),                 # out -> expert_out (and topk_w)
-    "grouped_mm": ("grouped_mm", "grouped_mm_weight_grad"),
+    "grouped_mm_loop": ("grouped_mm_loop", "grouped_mm_weight_grad"),  # x, then w
 }
 
+# When a conditional item is kept: a condition's name and the weighting it
+# needs (None: any). Each holds only where topk_w is given and needs a
+# gradient.
+W_GRAD = "w_grad"
+W_IN_DISPATCH = "w_in_dispatch"
+W_IN_COMBINE = "w_in_combine"
+CONDITIONS = {W_GRAD: None, W_IN_DISPATCH: Weighting.IN_DISPATCH,
+              W_IN_COMBINE: Weighting.IN_COMBINE}
+
+
+class Saved(NamedTuple):
+    """A tensor an op keeps for its backward: an input (by the op's argument
+    name) or an output (by its name in OUTPUT_NAMES), kept only when the
+    condition `when` holds (None: always; else nothing is kept in its place)."""
+    name: str
+    when: Optional[str] = None
+
+
+class Attr(NamedTuple):
+    """A value (not a tensor) an op keeps for its backward: the input `of`,
+    or its size along `dim`; `default` where that input is absent."""
+    name: str
+    of: str
+    dim: Optional[int] = None
+    default: Optional[int] = None
+
+
+class Saves(NamedTuple):
+    """What an op keeps for its backward: tensors, values, and the conditions
+    (CONDITIONS) the backward asks again."""
+    tensors: Tuple[Saved, ...] = ()
+    attrs: Tuple[Attr, ...] = ()
+    flags: Tuple[str, ...] = ()
+
+
+_ROUTING_SIZES = (Attr("num_tokens", "topk_idx", 0), Attr("top_k", "topk_idx", 1))
+
 SAVES = {
-    "route": ("logits", "bias", "token_mask", "aux_counts", "topk_idx"),
-    "dispatch": ("handle", "x if the weights are applied in dispatch"),
-    "dispatch_exact": ("handle", "x if the weights are applied in dispatch"),
-    "dispatch_fp8": ("handle",),
-    "dispatch_cached": ("handle",),
-    "combine": ("handle", "expert_out if topk_w needs a gradient"),
-    "grouped_mm": ("x", "w", "ends"),
+    "route": Saves((Saved("logits"), Saved("bias"), Saved("token_mask"), Saved("aux_counts"),
+                    Saved("topk_idx")), (Attr("config_id", "config_id"),)),
+    "dispatch": Saves((Saved("handle"), Saved("x", W_IN_DISPATCH)), _ROUTING_SIZES,
+                      (W_GRAD, W_IN_DISPATCH)),
+    "dispatch_exact": Saves((Saved("handle"), Saved("x", W_IN_DISPATCH)), _ROUTING_SIZES,
+                            (W_GRAD, W_IN_DISPATCH)),
+    "dispatch_fp8": Saves((Saved("handle"),), _ROUTING_SIZES, (W_GRAD,)),
+    "dispatch_cached": Saves((Saved("token"),), (Attr("num_tokens", "x", 0),
+                                                 Attr("top_k", "top_k"))),
+    "dispatch_fp8_cached": Saves(),
+    "combine": Saves((Saved("token"), Saved("expert_out", W_IN_COMBINE)),
+                     (Attr("rows", "expert_out", 0), Attr("top_k", "topk_w", 1, default=1)),
+                     (W_IN_COMBINE,)),
+    "grouped_mm_loop": Saves((Saved("x"), Saved("w"), Saved("ends"))),
+}
+
+# The names of each op's outputs, in order (the shape functions above give
+# the same names); a saved output is found by its name here.
+_RECV = ("recv_w", "recv_expert", "counts", "offsets", "rows", "handle")
+OUTPUT_NAMES = {
+    "route": ("topk_idx", "topk_w", "locations", "expert_counts", "aux_loss", "z_loss", "info"),
+    "dispatch": ("recv_x",) + _RECV,
+    "dispatch_exact": ("recv_x",) + _RECV,
+    "dispatch_fp8": ("recv_x_q", "recv_scales") + _RECV,
+    "dispatch_cached": ("recv_x",),
+    "dispatch_fp8_cached": ("recv_x_q", "recv_scales"),
+    "combine": ("out",),
+    "grouped_mm_loop": ("out",),
 }
 
 # What a handle carries from its dispatch to every later call on it (combine,

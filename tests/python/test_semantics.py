@@ -73,3 +73,31 @@ def test_fp8_scales_decode_as_the_library(fmt):
         block = semantics.FP8_FORMATS[fmt].block
         mine = (e4m3.reshape(4, -1, block) * scale[:, :, None]).reshape(4, H)
         np.testing.assert_array_equal(mine.view(np.uint32), want.view(np.uint32))
+
+
+def test_autograd_tables_name_the_ops():
+    """Every op with an autograd has its pairing, its saves and its output
+    names; each saved or sized input is an argument of the op, each saved
+    output one of its outputs, and every paired backward is an epx op."""
+    assert set(semantics.BACKWARD) == set(semantics.SAVES) == set(semantics.OUTPUT_NAMES)
+    for op, saves in semantics.SAVES.items():
+        args = {a.name for a in getattr(torch.ops.epx, op).default._schema.arguments}
+        known = args | set(semantics.OUTPUT_NAMES[op])
+        for t in saves.tensors:
+            assert t.name in known and t.when in (None,) + tuple(semantics.CONDITIONS), (op, t)
+        assert all(a.of in args for a in saves.attrs), op
+        assert set(saves.flags) <= set(semantics.CONDITIONS), op
+        for backward in semantics.BACKWARD[op]:
+            assert hasattr(torch.ops.epx, backward), (op, backward)
+
+
+def test_output_names_are_the_shape_functions():
+    L = epx.Layout.EXPERT_MAJOR
+    names = {"route": semantics.route_outputs(4, 2, 8),
+             "dispatch": semantics.dispatch_outputs(8, 32, 2, 4, L),
+             "dispatch_fp8": semantics.dispatch_fp8_outputs(8, 512, 2, 4, L, F.MXFP8, 16),
+             "dispatch_fp8_cached": semantics.dispatch_fp8_payload(8, 512, F.MXFP8, 16),
+             "combine": semantics.combine_outputs(4, 32)}
+    for op, outs in names.items():
+        assert tuple(o.name for o in outs) == semantics.OUTPUT_NAMES[op], op
+    assert semantics.OUTPUT_NAMES["dispatch_exact"] == semantics.OUTPUT_NAMES["dispatch"]

@@ -9,6 +9,7 @@ from torch import Tensor
 import epx as _epx
 from epx import semantics
 from epx.errors import _invalid
+from .autograd import _autograd
 from .checkpointing import _recorder
 from .handles import _handle_of, _token
 from .ops import _dispatch_inputs, _recv_metadata
@@ -84,25 +85,16 @@ def _dispatch_fp8_fake(x, x_scales, topk_idx, topk_w, locations, buffer_id, weig
                                                    b.experts_per_rank, b.layout, fmt, cols), x)
 
 
-def _dispatch_fp8_setup(ctx, inputs, output):
-    topk_idx, topk_w = inputs[2], inputs[3]
-    ctx.set_materialize_grads(False)
-    ctx.w_grad = topk_w is not None and topk_w.requires_grad
-    ctx.num_tokens, ctx.top_k = topk_idx.shape
-    ctx.save_for_backward(output[7])
-
-
-def _dispatch_fp8_backward(ctx, g_q, g_s, g_recv_w, *unused):
-    """fp8 rows carry no gradient; recv_w's reaches topk_w as in dispatch."""
-    token, = ctx.saved_tensors
+def _dispatch_fp8_grads(ctx, s, pair, g_q, g_s, g_recv_w, *unused):
+    """fp8 rows carry no gradient; recv_w's goes to topk_w as in dispatch."""
+    weights_backward, = pair
     grad_w = None
     if g_recv_w is not None and ctx.w_grad:
-        grad_w = _torch.ops.epx.weights_backward(g_recv_w.contiguous(), token, ctx.num_tokens,
-                                                 ctx.top_k)
-    return None, None, None, grad_w, None, None, None, None
+        grad_w = weights_backward(g_recv_w.contiguous(), s.handle, s.num_tokens, s.top_k)
+    return {"topk_w": grad_w}
 
 
-_dispatch_fp8_op.register_autograd(_dispatch_fp8_backward, setup_context=_dispatch_fp8_setup)
+_autograd(_dispatch_fp8_op, _dispatch_fp8_grads)
 
 
 def dequantize(recv_x, recv_scales, fp8_format, dtype=_torch.bfloat16):
@@ -188,9 +180,5 @@ def _dispatch_fp8_cached_fake(x, x_scales, token, rows, top_k, buffer_id):
     return _fp8_recv(b, fmt, cols, rows, lambda dims, dtype: x.new_empty(dims, dtype=dtype))
 
 
-def _dispatch_fp8_cached_backward(ctx, g_q, g_s):
-    """fp8 rows carry no gradient (as a fresh fp8 dispatch's)."""
-    return None, None, None, None, None, None
-
-
-_dispatch_fp8_cached_op.register_autograd(_dispatch_fp8_cached_backward)
+# fp8 rows carry no gradient (as a fresh fp8 dispatch's): no rule.
+_autograd(_dispatch_fp8_cached_op)

@@ -3,6 +3,7 @@ kernel where it runs, else a loop op with its own backward."""
 import torch as _torch
 from torch import Tensor
 
+from .autograd import _autograd
 from .profiling import _ranged
 from .tensors import _I32
 
@@ -50,23 +51,18 @@ def _grouped_mm_weight_grad_fake(x, grad_out, ends):
     return x.new_empty((ends.shape[0], x.shape[1], grad_out.shape[1]))
 
 
-def _grouped_mm_loop_setup(ctx, inputs, output):
-    x, w, ends = inputs
-    ctx.save_for_backward(x, w, ends)
-
-
-def _grouped_mm_loop_backward(ctx, grad_out):
-    x, w, ends = ctx.saved_tensors
+def _grouped_mm_loop_grads(ctx, s, pair, grad_out):
+    """x's gradient is the loop over w transposed, w's the per-group x^T @ grad."""
+    loop, weight_grad = pair
     grad_x = grad_w = None
     if ctx.needs_input_grad[0]:
-        grad_x = _torch.ops.epx.grouped_mm_loop(grad_out, w.transpose(-2, -1), ends)
+        grad_x = loop(grad_out, s.w.transpose(-2, -1), s.ends)
     if ctx.needs_input_grad[1]:
-        grad_w = _torch.ops.epx.grouped_mm_weight_grad(x, grad_out, ends).to(w.dtype)
-    return grad_x, grad_w, None
+        grad_w = weight_grad(s.x, grad_out, s.ends).to(s.w.dtype)
+    return {"x": grad_x, "w": grad_w}
 
 
-_grouped_mm_loop_op.register_autograd(_grouped_mm_loop_backward,
-                                      setup_context=_grouped_mm_loop_setup)
+_autograd(_grouped_mm_loop_op, _grouped_mm_loop_grads)
 
 
 def _strides_16(t):

@@ -8,10 +8,10 @@ import torch as _torch
 from torch import Tensor
 
 import epx as _epx
-from epx import Weighting
 from epx._lib import lib
 from epx import semantics
 from epx.errors import _check
+from .autograd import _autograd
 from .checkpointing import _recorder
 from .handles import _handle_of, _token
 from .profiling import _ranged
@@ -143,30 +143,22 @@ def _weights_backward_fake(grad_recv_w, token, num_tokens, top_k):
     return _empties(semantics.weights_backward_outputs(num_tokens, top_k), grad_recv_w)[0]
 
 
-def _dispatch_setup(ctx, inputs, output):
-    x, topk_idx, topk_w, locations, buffer_id, weighting, recorder_id = inputs
-    ctx.set_materialize_grads(False)
-    ctx.w_grad = topk_w is not None and topk_w.requires_grad
-    ctx.w_in_dispatch = ctx.w_grad and weighting == Weighting.IN_DISPATCH
-    ctx.num_tokens, ctx.top_k = topk_idx.shape
-    ctx.save_for_backward(output[6], x if ctx.w_in_dispatch else None)
-
-
-def _dispatch_backward(ctx, g_recv_x, g_recv_w, *unused):
-    token, x = ctx.saved_tensors
+def _dispatch_grads(ctx, s, pair, g_recv_x, g_recv_w, *unused):
+    """recv_x's gradient through dispatch_backward (with the weights' part
+    where they were applied in dispatch), recv_w's through weights_backward."""
+    dispatch_backward, weights_backward = pair
     grad_x = grad_w = None
     if g_recv_x is not None:
-        grad_x, gw = _torch.ops.epx.dispatch_backward(g_recv_x.contiguous(), x, token,
-                                                      ctx.num_tokens, ctx.top_k)
+        grad_x, gw = dispatch_backward(g_recv_x.contiguous(), s.x, s.handle, s.num_tokens,
+                                       s.top_k)
         grad_w = gw if ctx.w_in_dispatch else None
     if g_recv_w is not None and ctx.w_grad:
-        gw = _torch.ops.epx.weights_backward(g_recv_w.contiguous(), token, ctx.num_tokens,
-                                             ctx.top_k)
+        gw = weights_backward(g_recv_w.contiguous(), s.handle, s.num_tokens, s.top_k)
         grad_w = gw if grad_w is None else grad_w + gw
-    return grad_x, None, grad_w, None, None, None, None
+    return {"x": grad_x, "topk_w": grad_w}
 
 
-_dispatch_op.register_autograd(_dispatch_backward, setup_context=_dispatch_setup)
+_autograd(_dispatch_op, _dispatch_grads)
 
 
 @_torch.library.custom_op("epx::combine", mutates_args=())
@@ -228,26 +220,18 @@ def _combine_backward_fake(grad_out, expert_out, token, rows, top_k):
                                                        grad_out.shape[0], top_k), grad_out)
 
 
-def _combine_setup(ctx, inputs, output):
-    expert_out, topk_w, token, num_tokens, weighting = inputs
-    ctx.set_materialize_grads(False)
-    ctx.w_grad = (topk_w is not None and topk_w.requires_grad
-                  and weighting == Weighting.IN_COMBINE)
-    ctx.rows = expert_out.shape[0]
-    ctx.top_k = topk_w.shape[1] if topk_w is not None else 1
-    ctx.save_for_backward(token, expert_out if ctx.w_grad else None)
-
-
-def _combine_backward(ctx, grad_out):
-    token, expert_out = ctx.saved_tensors
+def _combine_grads(ctx, s, pair, grad_out):
+    """out's gradient through combine_backward: expert_out's, and topk_w's
+    where the weights were applied in combine."""
+    combine_backward, = pair
     if grad_out is None:
-        return None, None, None, None, None
-    grad_e, grad_w = _torch.ops.epx.combine_backward(grad_out.contiguous(), expert_out, token,
-                                                     ctx.rows, ctx.top_k)
-    return grad_e, grad_w if ctx.w_grad else None, None, None, None
+        return {}
+    grad_e, grad_w = combine_backward(grad_out.contiguous(), s.expert_out, s.token, s.rows,
+                                      s.top_k)
+    return {"expert_out": grad_e, "topk_w": grad_w if ctx.w_in_combine else None}
 
 
-_combine_op.register_autograd(_combine_backward, setup_context=_combine_setup)
+_autograd(_combine_op, _combine_grads)
 
 
 # ---------------------------------------------------------------------------
@@ -281,7 +265,7 @@ def _dispatch_exact_fake(x, topk_idx, topk_w, locations, buffer_id, weighting, r
                                                b.experts_per_rank, b.layout), x)
 
 
-_dispatch_exact_op.register_autograd(_dispatch_backward, setup_context=_dispatch_setup)
+_autograd(_dispatch_exact_op, _dispatch_grads)
 
 
 @_torch.library.custom_op("epx::dispatch_cached", mutates_args=())
@@ -308,18 +292,11 @@ def _dispatch_cached_fake(x, token, rows, top_k):
     return x.new_empty((rows, x.shape[1]))
 
 
-def _dispatch_cached_setup(ctx, inputs, output):
-    x, token, rows, top_k = inputs
-    ctx.num_tokens, ctx.top_k = x.shape[0], top_k
-    ctx.save_for_backward(token)
+def _dispatch_cached_grads(ctx, s, pair, g_recv_x):
+    """recv_x's gradient through dispatch_backward (no weights' part)."""
+    dispatch_backward, = pair
+    grad_x, _ = dispatch_backward(g_recv_x.contiguous(), None, s.token, s.num_tokens, s.top_k)
+    return {"x": grad_x}
 
 
-def _dispatch_cached_backward(ctx, g_recv_x):
-    token, = ctx.saved_tensors
-    grad_x, _ = _torch.ops.epx.dispatch_backward(g_recv_x.contiguous(), None, token,
-                                                 ctx.num_tokens, ctx.top_k)
-    return grad_x, None, None, None
-
-
-_dispatch_cached_op.register_autograd(_dispatch_cached_backward,
-                                      setup_context=_dispatch_cached_setup)
+_autograd(_dispatch_cached_op, _dispatch_cached_grads)

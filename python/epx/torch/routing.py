@@ -13,6 +13,7 @@ from epx._lib import lib
 from epx import semantics
 from epx.errors import _check, _invalid
 from epx.routing import _route_config, _route_config_check
+from .autograd import _autograd
 from .profiling import _ranged
 from .tensors import _check_device, _empties, _F32, _I32, _I64, _ptr, _tensor
 
@@ -118,23 +119,16 @@ def _route_backward_fake(logits, bias, token_mask, aux_counts, topk_idx, grad_to
     return _empties(semantics.route_backward_outputs(*logits.shape), logits)[0]
 
 
-def _route_setup(ctx, inputs, output):
-    logits, bias, token_mask, aux_counts, config_id = inputs
-    ctx.set_materialize_grads(False)
-    ctx.config_id = config_id
-    ctx.save_for_backward(logits, bias, token_mask, aux_counts, output[0])
-
-
-def _route_backward(ctx, g_idx, g_w, g_loc, g_counts, g_aux, g_z, g_info):
-    logits, bias, token_mask, aux_counts, idx = ctx.saved_tensors
+def _route_grads(ctx, s, pair, g_idx, g_w, g_loc, g_counts, g_aux, g_z, g_info):
+    """topk_w's and the losses' gradients through route_backward to logits."""
+    route_backward, = pair
     if g_w is not None:
         g_w = g_w.contiguous()
-    grad = _torch.ops.epx.route_backward(logits, bias, token_mask, aux_counts, idx, g_w, g_aux,
-                                         g_z, ctx.config_id)
-    return grad, None, None, None, None
+    return {"logits": route_backward(s.logits, s.bias, s.token_mask, s.aux_counts, s.topk_idx,
+                                     g_w, g_aux, g_z, s.config_id)}
 
 
-_route_op.register_autograd(_route_backward, setup_context=_route_setup)
+_autograd(_route_op, _route_grads)
 
 
 class TorchRouteResult(NamedTuple):
