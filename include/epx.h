@@ -677,9 +677,9 @@ epx_status_t epx_comm_allgather(epx_comm_t comm, const void *send, void *recv, s
  *    new NCCL comm among the survivors), as is a self comm
  *    (epx_comm_create_self: it has no peer to lose).
  * Then epx_placement_shrink re-plans the experts over the survivors (see
- * "Expert placement and replicas"). The low-latency calls take no
- * active-rank mask in this version (DeepEP's low_latency_update_mask_buffer
- * / query / clean): a decode loop shrinks as a training loop does. */
+ * "Expert placement and replicas"). A decode loop on CPU buffers over a
+ * local comm may instead mask the lost rank and go on with the same comm and
+ * buffer (epx_ll_mask_rank, "Low-latency decode"). */
 epx_status_t epx_comm_shrink(epx_comm_t comm, const epx_comm_config_t *config,
                              epx_comm_t *survivor_comm, int32_t *lost_ranks, int32_t *num_lost);
 
@@ -1519,6 +1519,41 @@ epx_status_t epx_ll_combine_send(epx_buffer_t buffer, epx_handle_t handle, const
  * completes each of its sends. EPX_ERROR_INVALID_ARGUMENT when nothing is
  * pending on the handle. */
 epx_status_t epx_ll_complete(epx_buffer_t buffer, epx_handle_t handle);
+
+/* The active-rank mask (DeepEP's low_latency_update_mask_buffer,
+ * low_latency_query_mask_buffer, low_latency_clean_mask_buffer): a decode
+ * loop that lost a rank goes on with the same comm and buffer.
+ *  - epx_ll_mask_rank(buffer, rank, 1) masks rank: the caller's later
+ *    collectives over the buffer's comm complete among the unmasked ranks
+ *    without waiting for it, and its calls are refused
+ *    (EPX_ERROR_PEER_FAILED). Routes to experts that a masked rank holds
+ *    are dropped: recv_x gets no rows there, and combine's out[t] is the
+ *    sum over the token's other experts (the weights are not renormalised;
+ *    a token whose experts are all masked gets zeros), as in DeepEP. A
+ *    replica of a masked rank's expert elsewhere is not substituted.
+ *  - After an epx_ll_* call returned EPX_ERROR_TIMEOUT (or
+ *    EPX_ERROR_PEER_FAILED) naming the lost rank, each survivor masks it;
+ *    once every rank the failure named is masked the comm is no longer
+ *    failed, and the survivors' next epx_ll_* call starts a fresh step (the
+ *    failed step's outputs and handle are void: release the handle).
+ *  - Every survivor masks the same ranks before its next collective call on
+ *    the comm (not collective itself: a local call on each rank). The mask
+ *    is the comm's: every low-latency buffer over it sees it; a normal
+ *    buffer's calls over it are EPX_ERROR_UNSUPPORTED naming the masked
+ *    rank (shrink the comm for them).
+ *    masked 0 unmasks: the rank takes part again from the next call that
+ *    every unmasked rank makes (the caller brings it back in step); a rank
+ *    cannot mask itself.
+ *  - epx_ll_query_mask: mask [W] (int32, host memory) gets 1 for each
+ *    masked rank, 0 otherwise. epx_ll_clean_mask unmasks every rank.
+ * Backends: CPU buffers over a local comm (threads). Masking on a CPU
+ * buffer over another transport (shm, MPI, NCCL, self) or on a CUDA buffer
+ * is EPX_ERROR_UNSUPPORTED naming it: shrink the comm instead
+ * (epx_comm_shrink). The query and the clean answer on every low-latency
+ * buffer (nothing masked there). */
+epx_status_t epx_ll_mask_rank(epx_buffer_t buffer, int32_t rank, int32_t masked);
+epx_status_t epx_ll_query_mask(epx_buffer_t buffer, int32_t *mask);
+epx_status_t epx_ll_clean_mask(epx_buffer_t buffer);
 
 /* ------------------------------------------------------------------------ */
 /* References (plain C, host memory; the oracle of the tests)                */

@@ -332,6 +332,28 @@ class Buffer(_Closable):
         fn = "Buffer.ll_complete"
         _check(lib.epx_ll_complete(self._handle_ptr(fn), handle._use(self, fn)))
 
+    # -- the active-rank mask (epx.h, epx_ll_mask_rank; DeepEP's mask calls)
+
+    def ll_mask_rank(self, rank, masked=True):
+        """Masks (or, masked=False, unmasks) a peer rank for this rank's later
+        collectives over the buffer's comm (epx_ll_mask_rank): they complete
+        among the unmasked ranks, and routes to a masked rank's experts are
+        dropped. Every survivor masks the same ranks; a local call, not a
+        collective. CPU buffers over a local comm; elsewhere EPX_ERROR_UNSUPPORTED."""
+        _check(lib.epx_ll_mask_rank(self._handle_ptr("Buffer.ll_mask_rank"), int(rank), 1 if masked else 0))
+
+    def ll_query_mask(self):
+        """The mask as a list of W ints, 1 for a masked rank (epx_ll_query_mask)."""
+        fn = "Buffer.ll_query_mask"
+        ptr = self._handle_ptr(fn)
+        mask = (ctypes.c_int32 * self.comm.size)()
+        _check(lib.epx_ll_query_mask(ptr, mask))
+        return list(mask)
+
+    def ll_clean_mask(self):
+        """Unmasks every rank (epx_ll_clean_mask)."""
+        _check(lib.epx_ll_clean_mask(self._handle_ptr("Buffer.ll_clean_mask")))
+
     def _layout(self, num_tokens, top_k, idx, w, loc, weighting, recorder):
         fn = "Buffer.dispatch_layout"
         r = _lib.Routing(int(num_tokens), int(top_k), idx, w, loc, int(weighting))

@@ -74,7 +74,19 @@ static int is_backward(const char *fn) {
          !strcmp(fn, "epx_weights_backward");
 }
 
+/* The first rank masked out of the buffer's comm, or -1. */
+static int32_t first_masked(epx_comm_t comm) {
+  for (int32_t r = 0; comm->masked && r < comm->size; r++)
+    if (comm->masked[r]) return r;
+  return -1;
+}
+
 epx_status_t epx_ll_refuse(epx_buffer_t buffer, const char *fn) {
+  int32_t masked = first_masked(buffer->comm);
+  if (!buffer->config.low_latency && masked >= 0)
+    return epx_error(EPX_ERROR_UNSUPPORTED,
+                     "%s: rank %d of the buffer's comm is masked (epx_ll_mask_rank), which only the low-latency "
+                     "calls serve; shrink the comm for the normal calls (epx_comm_shrink)", fn, masked);
   if (!buffer->config.low_latency) return EPX_SUCCESS;
   if (is_backward(fn))
     return epx_error(EPX_ERROR_UNSUPPORTED,
@@ -277,4 +289,81 @@ epx_status_t epx_ll_complete(epx_buffer_t buffer, epx_handle_t handle) {
               "%s: nothing is pending on the handle; epx_ll_complete follows epx_ll_dispatch_send or "
               "epx_ll_combine_send, once", fn);
   return ll->complete(buffer, handle);
+}
+
+/* ------------------------------------------------------------------------ */
+/* The active-rank mask                                                      */
+/* ------------------------------------------------------------------------ */
+
+/* A low-latency buffer (every mask call's first check). */
+static epx_status_t check_ll_buffer(epx_buffer_t *buffer, const char *fn) {
+  epx_status_t status = epx_check_buffer(buffer, fn);
+  if (status != EPX_SUCCESS) return status;
+  EPX_REQUIRE((*buffer)->config.low_latency,
+              "%s: the buffer is not a low-latency buffer (config.low_latency = 0); the active-rank mask "
+              "is the low-latency mode's (after a lost rank, a normal buffer's comm shrinks: epx_comm_shrink)", fn);
+  return EPX_SUCCESS;
+}
+
+/* A CPU buffer over a comm whose transport keeps a mask. */
+static epx_status_t check_mask_transport(epx_buffer_t b, const char *fn) {
+  if (b->config.device != EPX_DEVICE_CPU)
+    return epx_error(EPX_ERROR_UNSUPPORTED,
+                     "%s: the buffer is a CUDA buffer; the active-rank mask serves CPU buffers over a local "
+                     "comm in this version (shrink the comm: epx_comm_shrink)", fn);
+  if (!b->comm->ops->mask)
+    return epx_error(EPX_ERROR_UNSUPPORTED,
+                     "%s: the buffer's comm is a %s comm, whose transport keeps no active-rank mask in this "
+                     "version (the local transport does); shrink the comm instead (epx_comm_shrink)", fn,
+                     b->comm->ops->name);
+  return EPX_SUCCESS;
+}
+
+/* The mask's change on a checked buffer (errors name fn). Unmasking a rank
+ * that is not masked does nothing, on every transport. */
+static epx_status_t mask_rank(epx_buffer_t b, int32_t rank, int32_t masked, const char *fn) {
+  epx_comm_t comm = b->comm;
+  EPX_REQUIRE(rank >= 0 && rank < comm->size, "%s: rank is %d; pass a rank of the comm, in [0, %d)", fn, rank,
+              comm->size);
+  EPX_REQUIRE(masked == 0 || masked == 1, "%s: masked is %d; pass 1 (mask the rank) or 0 (unmask it)", fn, masked);
+  if (!masked && (!comm->masked || !comm->masked[rank])) return EPX_SUCCESS;
+  epx_status_t status = check_mask_transport(b, fn);
+  if (status != EPX_SUCCESS) return status;
+  EPX_REQUIRE(rank != comm->rank, "%s: rank %d is the calling rank; a rank masks its peers, not itself", fn, rank);
+  if (!comm->masked) {
+    comm->masked = calloc((size_t)comm->size, 1);
+    if (!comm->masked) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
+  }
+  status = comm->ops->mask(comm, fn, rank, masked);
+  if (status == EPX_SUCCESS) comm->masked[rank] = (uint8_t)masked;
+  return status;
+}
+
+epx_status_t epx_ll_mask_rank(epx_buffer_t buffer, int32_t rank, int32_t masked) {
+  const char *fn = "epx_ll_mask_rank";
+  epx_error_clear();
+  epx_status_t status = check_ll_buffer(&buffer, fn);
+  return status != EPX_SUCCESS ? status : mask_rank(buffer, rank, masked, fn);
+}
+
+epx_status_t epx_ll_query_mask(epx_buffer_t buffer, int32_t *mask) {
+  const char *fn = "epx_ll_query_mask";
+  epx_error_clear();
+  epx_status_t status = check_ll_buffer(&buffer, fn);
+  if (status != EPX_SUCCESS) return status;
+  EPX_REQUIRE(mask, "%s: mask is NULL; pass an int32 array of the comm's size", fn);
+  const epx_comm_t comm = buffer->comm;
+  for (int32_t r = 0; r < comm->size; r++) mask[r] = comm->masked ? comm->masked[r] : 0;
+  return EPX_SUCCESS;
+}
+
+epx_status_t epx_ll_clean_mask(epx_buffer_t buffer) {
+  const char *fn = "epx_ll_clean_mask";
+  epx_error_clear();
+  epx_status_t status = check_ll_buffer(&buffer, fn);
+  if (status != EPX_SUCCESS) return status;
+  const epx_comm_t comm = buffer->comm;
+  for (int32_t r = 0; r < comm->size && status == EPX_SUCCESS && comm->masked; r++)
+    if (comm->masked[r]) status = mask_rank(buffer, r, 0, fn);
+  return status;
 }

@@ -22,7 +22,8 @@ epx_status_t epx_ll_recv_rows_bound(const char *fn, const epx_buffer_config_t *c
                                     int64_t max_tokens, int64_t *rows);
 
 /* EPX_ERROR_UNSUPPORTED naming the mode when buffer (an object) is a
- * low-latency buffer and fn one of the normal calls; else success. */
+ * low-latency buffer and fn one of the normal calls, or naming the mask
+ * when a rank of a normal buffer's comm is masked; else success. */
 epx_status_t epx_ll_refuse(epx_buffer_t buffer, const char *fn);
 
 #endif

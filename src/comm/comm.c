@@ -39,6 +39,7 @@ epx_status_t epx_comm_new(const char *fn, double timeout_seconds, epx_comm_t *ou
 void epx_comm_free(epx_comm_t comm) {
   epx_comm_topology_free(comm);
   epx_registry_remove(comm->id);
+  free(comm->masked);
   free(comm);
 }
 
@@ -240,6 +241,7 @@ epx_status_t epx_comm_destroy(epx_comm_t comm) {
   epx_registry_remove(id);
   comm->ops->destroy(comm);
   epx_comm_topology_free(comm);
+  free(comm->masked);
   free(comm);
   epx_error_clear();
   return EPX_SUCCESS;

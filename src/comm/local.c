@@ -70,6 +70,7 @@ typedef struct local_slot {
   /* Under the world's mutex: the shrink (see local_shrink). */
   int suspect;       /* the world's failure named it missing */
   int shrink_joined; /* it called epx_comm_shrink on this world */
+  int masked;        /* out of the collectives (epx_ll_mask_rank) */
 } local_slot_t;
 
 struct epx_local_world {
@@ -81,6 +82,8 @@ struct epx_local_world {
   /* Under lock. */
   uint64_t generation; /* barriers completed */
   int32_t arrived;     /* ranks waiting at the current barrier */
+  int32_t live;        /* ranks a barrier waits for: size less the masked */
+  int32_t waiting;     /* ranks inside a gather wait (a mask clears a failure once they left) */
   int32_t attached;    /* live comms */
   int failed;
   uint64_t fail_generation; /* the barrier that failed */
@@ -133,7 +136,7 @@ static epx_status_t local_failed_error_locked(epx_comm_t comm, const char *calle
  * and fails the world with EPX_ERROR_TIMEOUT (under lock). */
 static int local_arrived(const void *world, int32_t rank) {
   const struct epx_local_world *w = world;
-  return w->slots[rank].arrived == w->generation + 1;
+  return w->slots[rank].masked || w->slots[rank].arrived == w->generation + 1;
 }
 
 static void local_fail_timeout_locked(epx_local_world_t world, uint64_t generation,
@@ -146,6 +149,22 @@ static void local_fail_timeout_locked(epx_local_world_t world, uint64_t generati
   local_fail_locked(world, generation, EPX_ERROR_TIMEOUT, caller, "%s", reason);
 }
 
+/* The error of a masked rank's collective. */
+static epx_status_t local_masked_error(epx_comm_t comm, const char *caller) {
+  return epx_error(EPX_ERROR_PEER_FAILED,
+                   "%s: rank %d is masked out of this comm's collectives (epx_ll_mask_rank on a "
+                   "peer); its peers go on without it", caller, comm->rank);
+}
+
+/* Completes the current barrier when every live rank is at it (under lock). */
+static int local_complete_locked(epx_local_world_t world) {
+  if (world->arrived < world->live) return 0;
+  world->arrived = 0;
+  world->generation++;
+  pthread_cond_broadcast(&world->cond);
+  return 1;
+}
+
 /* Waits (under lock) until the barrier of `generation` completes. A gather
  * wait is bounded by the timeout and ends early when the world fails; a
  * release wait is neither (see the top of the file). */
@@ -154,7 +173,8 @@ static epx_status_t local_wait_locked(epx_comm_t comm, const char *caller, uint6
   epx_local_world_t world = comm->impl;
   int bounded = gather && world->timeout_seconds > 0 && world->timeout_seconds < 1e9;
   struct timespec deadline = epx_comm_deadline(bounded ? world->timeout_seconds : 0);
-  while (world->generation == generation && !(gather && world->failed)) {
+  world->waiting += gather;
+  while (world->generation == generation && !(gather && (world->failed || world->slots[comm->rank].masked))) {
     if (!bounded) {
       pthread_cond_wait(&world->cond, &world->lock);
       continue;
@@ -163,7 +183,9 @@ static epx_status_t local_wait_locked(epx_comm_t comm, const char *caller, uint6
     if (rc == ETIMEDOUT && world->generation == generation && !world->failed)
       local_fail_timeout_locked(world, generation, caller);
   }
+  if (gather && --world->waiting == 0) pthread_cond_broadcast(&world->cond);
   if (world->generation != generation) return EPX_SUCCESS;
+  if (!world->failed) return local_masked_error(comm, caller);
   return local_failed_error_locked(comm, caller, generation);
 }
 
@@ -180,11 +202,16 @@ static epx_status_t local_gather(epx_comm_t comm, const char *caller, local_op_t
     status = local_failed_error_locked(comm, caller, UINT64_MAX);
     goto done;
   }
+  if (mine->masked) {
+    status = local_masked_error(comm, caller);
+    goto done;
+  }
   uint64_t generation = world->generation;
   for (int32_t p = 0; p < world->size; p++) {
     const local_slot_t *peer = &world->slots[p];
-    if (p == rank) continue;
+    if (p == rank || peer->masked) continue;
     if (op != LOCAL_OP_CREATE && !peer->attached) {
+      world->slots[p].suspect = 1;
       local_fail_locked(world, generation, EPX_ERROR_PEER_FAILED, caller,
                         "rank %d destroyed its comm while rank %d is in %s (%s)", p, rank, caller,
                         local_op_name(op));
@@ -212,12 +239,8 @@ static epx_status_t local_gather(epx_comm_t comm, const char *caller, local_op_t
     mine->values = pub->values;
   }
   mine->arrived = generation + 1;
-  if (++world->arrived == world->size) {
-    world->arrived = 0;
-    world->generation++;
-    pthread_cond_broadcast(&world->cond);
-    goto done;
-  }
+  world->arrived++;
+  if (local_complete_locked(world)) goto done;
   status = local_wait_locked(comm, caller, generation, 1);
 done:
   pthread_mutex_unlock(&world->lock);
@@ -232,15 +255,10 @@ static epx_status_t local_release(epx_comm_t comm, const char *caller, local_op_
   pthread_mutex_lock(&world->lock);
   world->slots[comm->rank].error = status != EPX_SUCCESS;
   uint64_t generation = world->generation;
-  if (++world->arrived == world->size) {
-    world->arrived = 0;
-    world->generation++;
-    pthread_cond_broadcast(&world->cond);
-  } else {
-    (void)local_wait_locked(comm, caller, generation, 0);
-  }
+  world->arrived++;
+  if (!local_complete_locked(world)) (void)local_wait_locked(comm, caller, generation, 0);
   for (int32_t p = 0; p < world->size && status == EPX_SUCCESS; p++)
-    if (world->slots[p].error)
+    if (world->slots[p].error && !world->slots[p].masked)
       status = op == LOCAL_OP_HANDSHAKE
                    ? epx_error(EPX_ERROR_PEER_FAILED,
                                "%s: rank %d failed in this call (its own error says why); this "
@@ -263,8 +281,11 @@ static epx_status_t local_alltoall(epx_comm_t comm, const char *caller, const vo
   /* Each rank starts at a different peer so the readers spread over sources. */
   for (int32_t i = 0; i < size && bytes; i++) {
     int32_t s = (rank + i) % size;
-    memcpy((char *)recv + (size_t)s * bytes,
-           (const char *)world->slots[s].send + (size_t)rank * bytes, bytes);
+    if (world->slots[s].masked)
+      memset((char *)recv + (size_t)s * bytes, 0, bytes);
+    else
+      memcpy((char *)recv + (size_t)s * bytes,
+             (const char *)world->slots[s].send + (size_t)rank * bytes, bytes);
   }
   return local_release(comm, caller, LOCAL_OP_ALLTOALL, EPX_SUCCESS);
 }
@@ -281,6 +302,7 @@ static epx_status_t local_alltoallv(epx_comm_t comm, const char *caller, const v
   for (int32_t i = 0; i < size; i++) {
     int32_t s = (rank + i) % size;
     const local_slot_t *peer = &world->slots[s];
+    if (peer->masked) continue; /* the caller expects nothing from it (cpu/call.c) */
     int64_t count = peer->send_counts[rank];
     if (count != recv_counts[s] || count < 0) {
       status = epx_comm_alltoallv_count_error(caller, s, count, rank, recv_counts[s]);
@@ -303,7 +325,10 @@ static epx_status_t local_allgather(epx_comm_t comm, const char *caller, const v
   const int32_t size = comm->size, rank = comm->rank;
   for (int32_t i = 0; i < size && bytes; i++) {
     int32_t s = (rank + i) % size;
-    memcpy((char *)recv + (size_t)s * bytes, world->slots[s].send, bytes);
+    if (world->slots[s].masked)
+      memset((char *)recv + (size_t)s * bytes, 0, bytes);
+    else
+      memcpy((char *)recv + (size_t)s * bytes, world->slots[s].send, bytes);
   }
   return local_release(comm, caller, LOCAL_OP_ALLGATHER, EPX_SUCCESS);
 }
@@ -323,9 +348,9 @@ static epx_status_t local_allreduce_max_i64(epx_comm_t comm, const char *caller,
                        caller, count);
   } else {
     for (int32_t i = 0; i < count; i++) {
-      int64_t max = world->slots[0].values[i];
-      for (int32_t s = 1; s < comm->size; s++)
-        if (world->slots[s].values[i] > max) max = world->slots[s].values[i];
+      int64_t max = values[i];
+      for (int32_t s = 0; s < comm->size; s++)
+        if (!world->slots[s].masked && world->slots[s].values[i] > max) max = world->slots[s].values[i];
       result[i] = max;
     }
   }
@@ -344,8 +369,11 @@ static epx_status_t local_handshake(epx_comm_t comm, const char *caller, const v
   if (status != EPX_SUCCESS) return status;
   const epx_local_world_t world = comm->impl;
   for (int32_t s = 0; s < comm->size && bytes; s++)
-    memcpy((char *)recv + (size_t)s * bytes,
-           (const char *)world->slots[s].send + (size_t)comm->rank * bytes, bytes);
+    if (world->slots[s].masked)
+      memset((char *)recv + (size_t)s * bytes, 0, bytes);
+    else
+      memcpy((char *)recv + (size_t)s * bytes,
+             (const char *)world->slots[s].send + (size_t)comm->rank * bytes, bytes);
   return local_release(comm, caller, LOCAL_OP_HANDSHAKE, then(ctx, recv));
 }
 
@@ -360,13 +388,15 @@ static void local_destroy(epx_comm_t comm) {
   pthread_mutex_lock(&world->lock);
   world->slots[comm->rank].attached = 0;
   world->attached--;
+  world->slots[comm->rank].suspect |= world->slots[comm->rank].masked;
   int last = world->internal && --world->refs == 0;
   /* Survivors waiting in a shrink no longer wait for this rank. */
   pthread_cond_broadcast(&world->cond);
   /* A peer that already waits in its next collective would wait in vain. */
   for (int32_t p = 0; p < world->size && !world->failed; p++) {
     const local_slot_t *peer = &world->slots[p];
-    if (peer->attached && peer->arrived == world->generation + 1 && peer->op != LOCAL_OP_CREATE)
+    if (peer->attached && !peer->masked && !world->slots[comm->rank].masked &&
+        peer->arrived == world->generation + 1 && peer->op != LOCAL_OP_CREATE)
       local_fail_locked(world, world->generation, EPX_ERROR_PEER_FAILED, peer->caller,
                         "rank %d destroyed its comm while rank %d is in %s (%s)", comm->rank, p,
                         peer->caller, local_op_name(peer->op));
@@ -379,6 +409,8 @@ static void local_destroy(epx_comm_t comm) {
 static epx_status_t local_shrink(epx_comm_t comm, const char *caller, double timeout_seconds,
                                  int32_t ranks_per_node, uint8_t *lost, epx_comm_t *survivor);
 
+static epx_status_t local_mask(epx_comm_t comm, const char *caller, int32_t rank, int masked);
+
 static const epx_transport_ops_t local_ops = {
     .name = "local",
     .alltoall = local_alltoall,
@@ -388,6 +420,7 @@ static const epx_transport_ops_t local_ops = {
     .barrier = local_barrier,
     .handshake = local_handshake,
     .shrink = local_shrink,
+    .mask = local_mask,
     .destroy = local_destroy,
     .shared_address_space = 1,
 };
@@ -436,6 +469,7 @@ static epx_status_t local_world_new(const char *fn, int32_t size, double timeout
   created->size = size;
   created->timeout_seconds = timeout_seconds;
   created->ranks_per_node = ranks_per_node;
+  created->live = size;
   created->slots = calloc((size_t)size, sizeof *created->slots);
   if (!created->slots) EPX_FAIL(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory for %d ranks", fn, size);
   if (pthread_mutex_init(&created->lock, NULL)) EPX_FAIL(EPX_ERROR_INTERNAL, "%s: pthread_mutex_init failed", fn);
@@ -535,7 +569,7 @@ epx_status_t epx_local_world_destroy(epx_local_world_t world) {
 static int local_shrink_settled_locked(epx_local_world_t world) {
   for (int32_t p = 0; p < world->size; p++) {
     const local_slot_t *slot = &world->slots[p];
-    if (!slot->shrink_joined && slot->attached && !slot->suspect) return 0;
+    if (!slot->shrink_joined && slot->attached && !slot->suspect && !slot->masked) return 0;
   }
   return 1;
 }
@@ -631,5 +665,55 @@ static epx_status_t local_shrink(epx_comm_t comm, const char *caller, double tim
     return status;
   }
   *survivor = created;
+  return EPX_SUCCESS;
+}
+
+/* ------------------------------------------------------------------------ */
+/* The active-rank mask (epx_ll_mask_rank)                                   */
+/* ------------------------------------------------------------------------ */
+
+/* 1 when the world's failure named ranks and every one of them is masked
+ * (under lock): the failure was theirs alone. */
+static int local_failure_masked_locked(epx_local_world_t world) {
+  int named = 0;
+  for (int32_t p = 0; p < world->size; p++) {
+    if (!world->slots[p].suspect) continue;
+    if (!world->slots[p].masked) return 0;
+    named = 1;
+  }
+  return named;
+}
+
+static epx_status_t local_mask(epx_comm_t comm, const char *caller, int32_t rank, int masked) {
+  (void)caller; /* nothing here can fail */
+  epx_local_world_t world = comm->impl;
+  pthread_mutex_lock(&world->lock);
+  local_slot_t *slot = &world->slots[rank];
+  if (slot->masked != masked) {
+    slot->masked = masked;
+    world->live += masked ? -1 : 1;
+    /* A masked rank waiting at the current gather leaves it (local_wait_locked). */
+    if (masked && slot->arrived == world->generation + 1 && world->arrived > 0) {
+      slot->arrived = 0;
+      world->arrived--;
+    }
+    if (!masked) slot->suspect = 0;
+    pthread_cond_broadcast(&world->cond);
+  }
+  /* The failed barrier's waiters leave it before the survivors meet again
+   * (they are awake: a failure wakes them), so none mistakes the fresh
+   * barrier's start for its own completion. */
+  while (world->failed && world->waiting > 0) pthread_cond_wait(&world->cond, &world->lock);
+  if (world->failed && local_failure_masked_locked(world)) {
+    /* The survivors meet at a fresh barrier: the failed one's arrivals are void. */
+    world->failed = 0;
+    world->arrived = 0;
+    world->generation++;
+    pthread_cond_broadcast(&world->cond);
+  } else if (!world->failed && world->arrived > 0) {
+    (void)local_complete_locked(world);
+  }
+  if (!world->failed) comm->failed = 0;
+  pthread_mutex_unlock(&world->lock);
   return EPX_SUCCESS;
 }

@@ -55,6 +55,12 @@ typedef struct epx_transport_ops {
    * given. NULL: the transport cannot shrink (EPX_ERROR_UNSUPPORTED). */
   epx_status_t (*shrink)(epx_comm_t comm, const char *caller, double timeout_seconds,
                          int32_t ranks_per_node, uint8_t *lost, epx_comm_t *survivor);
+  /* The low-latency active-rank mask (epx_ll_mask_rank, api/ll.c): rank
+   * leaves (masked 1) or rejoins (0) every later collective of the comm's
+   * transport; a failure that named only masked ranks is cleared, so the
+   * survivors go on (comm->masked is kept by the caller). NULL: the
+   * transport has none (EPX_ERROR_UNSUPPORTED). */
+  epx_status_t (*mask)(epx_comm_t comm, const char *caller, int32_t rank, int masked);
   /* Releases the transport's state (after a barrier the caller made). */
   void (*destroy)(epx_comm_t comm);
   /* 1 when every rank lives in this address space (threads of one process):
@@ -71,6 +77,9 @@ struct epx_comm {
   int32_t size;
   double timeout_seconds;
   int failed;            /* set after a timeout or transport error */
+  /* [size], 1 for a rank masked out of the collectives (epx_ll_mask_rank);
+   * NULL until the first mask. Its peers' blocks are not exchanged. */
+  uint8_t *masked;
   int64_t live_buffers;  /* buffers created over this comm and not destroyed */
   /* Sequence numbers of the collective objects made over the comm, equal on
    * every rank (each is made by a collective call): they name a buffer and a

@@ -8,6 +8,7 @@
  * call or on another handle fails on every rank, with the same reasons,
  * before anything moves — and no extra round trip is spent when all is
  * well. */
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -116,7 +117,25 @@ static epx_status_t check_weighting(const epx_cpu_call_ctx_t *ctx, const epx_cpu
   return EPX_SUCCESS;
 }
 
+/* A rank masked out of the comm (epx_ll_mask_rank) sends no block (the
+ * transport left zeros): it stands in as this rank's call with no tokens
+ * and nothing to send, so the agreement and the counts pass over it. The
+ * blocks are the caller's receive half of epx_cpu_call_blocks. */
+static void fill_masked(const epx_cpu_call_ctx_t *ctx, const epx_cpu_call_t *peers) {
+  const epx_comm_t comm = ctx->buffer->comm;
+  if (!comm->masked) return;
+  epx_cpu_call_t *blocks = (epx_cpu_call_t *)(uintptr_t)peers;
+  for (int32_t s = 0; s < comm->size; s++) {
+    if (!comm->masked[s]) continue;
+    blocks[s] = ctx->mine;
+    blocks[s].rank = s;
+    blocks[s].tokens = 0;
+    memset(blocks[s].word, 0, sizeof blocks[s].word);
+  }
+}
+
 epx_status_t epx_cpu_call_agree(const epx_cpu_call_ctx_t *ctx, const epx_cpu_call_t *peers) {
+  fill_masked(ctx, peers);
   epx_status_t status = epx_agree_calls(ctx->fn, peers, ctx->buffer->comm->size, call_view, ctx->mine.verdict,
                                         ctx->message, ctx->buffer->max_tokens);
   if (status == EPX_SUCCESS) status = check_weighting(ctx, peers);

@@ -130,6 +130,16 @@ fail:
 /* The sender's side                                                         */
 /* ------------------------------------------------------------------------ */
 
+/* Routes to the experts of a rank masked out of the comm (epx_ll_mask_rank)
+ * are dropped, as DeepEP's masked low-latency kernels drop them: the
+ * expert's output is missing from combine's sum (its weight is not
+ * renormalised). */
+static void drop_masked_routes(struct epx_cpu_plan *p, const uint8_t *masked) {
+  if (!masked) return;
+  for (int64_t i = 0; i < p->T * p->K; i++)
+    if (p->topk_idx[i] >= 0 && masked[epx_placement_rank(p->place, p->topk_idx[i])]) p->topk_idx[i] = -1;
+}
+
 /* The plan's fixed part, the routing's copy and the per-rank count arrays. */
 static epx_status_t plan_new(layout_t *L, epx_handle_t handle) {
   epx_buffer_t b = L->b;
@@ -163,6 +173,7 @@ static epx_status_t plan_new(layout_t *L, epx_handle_t handle) {
     if (!*per_rank[i]) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", L->fn);
   }
   epx_placement_map_routing(p->place, p->rank, p->T, p->K, r->topk_idx, p->topk_idx);
+  drop_masked_routes(p, b->comm->masked);
   if (TK && r->topk_w) memcpy(p->topk_w, r->topk_w, TK * sizeof(float));
   return EPX_SUCCESS;
 }

@@ -158,7 +158,7 @@ static epx_status_t forward_sources(move_t *m, const epx_cpu_call_t *peers, cons
   struct epx_cpu_plan *p = m->p;
   if (peers) {
     for (int32_t r = 0; r < p->W; r++) {
-      if (r == p->rank) continue;
+      if (r == p->rank || !p->ritem_count[r]) continue; /* a masked peer shows no plan (call.c) */
       const struct epx_cpu_plan *q = peer_plan(&peers[r]);
       const int32_t *tokens = q->item_token + q->item_displ[p->rank];
       for (int64_t i = 0; i < p->ritem_count[r]; i++) {
@@ -474,7 +474,7 @@ static epx_status_t home_rows(move_t *m, const token_pass_t *c, const epx_cpu_ca
   const int64_t *sdispl = mode == RETURN_ROUTES ? p->route_displ : p->pair_displ;
   if (peers) {
     for (int32_t r = 0; r < W; r++) {
-      if (r == p->rank) continue;
+      if (r == p->rank || !scount[r]) continue; /* a masked peer shows no plan (call.c) */
       const struct epx_cpu_plan *q = peer_plan(&peers[r]);
       const char *their_rows = peer_rows(&peers[r]);
       for (int64_t j = 0; j < scount[r]; j++) {
@@ -567,7 +567,7 @@ static epx_status_t return_route_values(move_t *m, const epx_cpu_call_t *peers) 
   if (!home || !cursor) OOM(m->fn);
   if (peers) {
     for (int32_t r = 0; r < W; r++) {
-      if (r == p->rank) continue;
+      if (r == p->rank || !p->route_count[r]) continue; /* a masked peer shows no plan (call.c) */
       const struct epx_cpu_plan *q = peer_plan(&peers[r]);
       const float *theirs = (const float *)peer_rows(&peers[r]) + q->rroute_displ[p->rank];
       if (p->route_count[r]) memcpy(home + p->route_displ[r], theirs, sizeof(float) * (size_t)p->route_count[r]);

@@ -12,6 +12,7 @@ import pathlib
 import shutil
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -431,6 +432,44 @@ def test_peer_paths_of_cpu_buffers_are_the_host_path():
     for paths, note in epx.run_local(3, step, timeout_seconds=TIMEOUT):
         assert paths == [epx.ExchangePath.HOST] * 3
         assert note == ""
+
+
+def test_ll_mask_drops_a_masked_ranks_experts():
+    """Buffer.ll_mask_rank / ll_query_mask / ll_clean_mask (epx_ll_mask_rank):
+    ranks 0 and 1 mask rank 2 (which waits: a masked rank's calls are
+    refused), and their step drops the routes to its experts (4 and 5):
+    out = the sum over the other experts of w * (1 + e) * x, exactly; after
+    the clean all three step together again."""
+    W, E, H = 3, 6, 8
+    cleaned = threading.Barrier(W)
+    idx = np.array([[0, 4], [2, 5], [5, 4], [1, 3]], dtype=np.int32)
+    w = np.array([[0.5, 0.25]] * 4, dtype=np.float32)
+    x = (np.arange(4 * H, dtype=np.float32).reshape(4, H) % 7) - 3
+
+    def step(buf, masked):
+        recv, count, h = buf.ll_dispatch(x, idx, w)
+        for e in range(buf.experts_per_rank):
+            recv[e, :count[e]] *= 1 + buf.comm.rank * buf.experts_per_rank + e
+        out = buf.ll_combine(h, recv)
+        want = sum(w[:, k:k + 1] * (1 + idx[:, k:k + 1]) * x * ~np.isin(idx[:, k:k + 1] // 2, masked)
+                   for k in range(2))
+        return np.array_equal(out, want.astype(np.float32))
+
+    def rank(comm):
+        with comm.buffer(hidden=H, num_experts=E, max_top_k=2, max_tokens_per_rank=4,
+                         low_latency=1) as buf:
+            ok = [buf.ll_query_mask() == [0] * W]
+            if comm.rank != 2:
+                buf.ll_mask_rank(2)
+                ok += [buf.ll_query_mask() == [0, 0, 1], step(buf, [2])]
+                buf.ll_clean_mask()
+                ok.append(buf.ll_query_mask() == [0] * W)
+            cleaned.wait()
+            ok.append(step(buf, []))
+            return ok
+
+    for ok in epx.run_local(W, rank, timeout_seconds=TIMEOUT):
+        assert all(ok), ok
 
 
 def test_bf16_round_trip(rng):

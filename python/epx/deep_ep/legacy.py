@@ -439,29 +439,52 @@ class Buffer:
         return low_latency.next_combine_buffer(self, handle)
 
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False):
-        """Masks (or unmasks) a rank. epx has no shrink mode: its calls
-        always exchange with every rank, so masking a rank is refused
-        (unmasking one that is not masked does nothing)."""
+        """Masks (or unmasks) a rank (DeepEP's shrink mode; epx_ll_mask_rank):
+        this rank's later low-latency calls complete among the unmasked ranks
+        and drop the routes to a masked rank's experts. Every survivor masks
+        the same ranks. The mask lives on the comm of the Buffer's
+        low-latency epx buffers, so it needs one (made by the first
+        low_latency_dispatch) and a comm whose transport keeps a mask (CPU
+        buffers over a local comm); elsewhere masking is NotImplementedError
+        naming why (shrink the comm instead). Unmasking a rank that is not
+        masked does nothing."""
+        fn = "Buffer.low_latency_update_mask_buffer"
         self._shrink("low_latency_update_mask_buffer")
-        check(0 <= rank_to_mask < self.group_size, "Buffer.low_latency_update_mask_buffer",
+        check(0 <= rank_to_mask < self.group_size, fn,
               "rank_to_mask %d outside [0, %d)", rank_to_mask, self.group_size)
-        if mask:
-            unsupported("Buffer.low_latency_update_mask_buffer", "masking a rank (DeepEP's "
-                        "shrink mode): epx's exchanges always include every rank of the comm; "
-                        "make a Buffer over the surviving ranks' group instead")
+        b = self._mask_buffer()
+        if b is None:
+            if mask:
+                unsupported(fn, "masking a rank before the Buffer's first low_latency_dispatch: epx "
+                            "keeps the mask on the comm of its low-latency buffer, made by that call "
+                            "(or shrink the comm: a Buffer over the surviving ranks' group)")
+            return
+        b.ll_mask_rank(int(rank_to_mask), bool(mask))
+        self._mask[rank_to_mask] = int(bool(mask))
 
     def low_latency_query_mask_buffer(self, mask_status: torch.Tensor):
-        """mask_status [W] int32 <- 0 for every rank (none is masked)."""
+        """mask_status [W] int32 <- 1 for each masked rank, else 0 (epx_ll_query_mask)."""
         self._shrink("low_latency_query_mask_buffer")
         check(isinstance(mask_status, torch.Tensor) and mask_status.dtype == torch.int32
               and tuple(mask_status.shape) == (self.group_size,),
               "Buffer.low_latency_query_mask_buffer", "mask_status must be int32 [%d]",
               self.group_size)
-        mask_status.zero_()
+        b = self._mask_buffer()
+        mask = b.ll_query_mask() if b is not None else [0] * self.group_size
+        mask_status.copy_(torch.tensor(mask, dtype=torch.int32))
 
     def low_latency_clean_mask_buffer(self):
-        """Unmasks every rank (none is masked)."""
+        """Unmasks every rank (epx_ll_clean_mask)."""
         self._shrink("low_latency_clean_mask_buffer")
+        b = self._mask_buffer()
+        if b is not None:
+            b.ll_clean_mask()
+        self._mask.zero_()
+
+    def _mask_buffer(self):
+        """A low-latency epx buffer of the Buffer (the mask is their comm's), or None."""
+        buffers = self._rt("low_latency_update_mask_buffer").ll_buffers
+        return next(iter(buffers.values()), None)
 
     def _shrink(self, fn):
         self._rt(fn)

@@ -1,0 +1,320 @@
+/* The low-latency active-rank mask (epx.h: epx_ll_mask_rank; issue 37 item
+ * 4) on thread ranks: 3 ranks run low-latency decode steps; rank 2 stops
+ * (it makes no more calls); the survivors' next epx_ll_dispatch times out
+ * naming it, they mask it, and their next steps — on the same comm and
+ * buffer — complete and equal, bit for bit, a reference in which rank 2's
+ * experts are dropped (inputs of small integers and weights of 1/2 and 1/4,
+ * so every sum is exact whatever its order). Both layouts, expert-major
+ * and rank-major. Also: the query and the clean, the masked rank's own call
+ * refused, a normal buffer's call over the masked comm refused, and the
+ * refusals (self, range, a normal buffer, a transport without a mask). Every test has a hard bound (alarm). */
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "testutil.h"
+
+#define W 3
+#define E 6 /* 2 experts per rank */
+#define K 3
+#define H 8
+#define T 5
+#define VICTIM 2
+#define TIMEOUT 0.5
+#define HARD_BOUND_S 60
+
+typedef struct {
+  epx_layout_t layout;
+  atomic_int survivors_done;
+  int32_t named[W];  /* the timeout named the victim */
+  int32_t checked[W]; /* steps checked after the mask */
+  int32_t refused;   /* the victim's late call was refused */
+  double lost_step_s[W]; /* the step that timed out: its call's time */
+  double next_step_s[W]; /* its error -> the next step done (mask included) */
+} scene_t;
+
+static double seconds_now(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* Rank `rank`'s input of step `step`: distinct experts per token, weights
+ * 1/2 or 1/4, rows of small integers. */
+static void make_input(int32_t rank, int32_t step, int32_t *idx, float *w, float *x) {
+  tu_rng_t rng = {(uint64_t)(step * 131 + rank + 7)};
+  for (int32_t t = 0; t < T; t++) {
+    int32_t first = tu_below(&rng, E);
+    for (int32_t k = 0; k < K; k++) {
+      idx[t * K + k] = (first + 2 * k + (t & 1)) % E;
+      w[t * K + k] = (tu_below(&rng, 2) ? 0.5f : 0.25f);
+    }
+    if (t == T - 1) idx[t * K + K - 1] = -1;
+  }
+  for (int32_t i = 0; i < T * H; i++) x[i] = (float)(tu_below(&rng, 17) - 8);
+}
+
+/* The expert: row * (1 + e), e the global expert (exact in float32). */
+static float expert_scale(int32_t e) { return (float)(1 + e); }
+
+/* The reference out[t] = the sum over the token's experts not on a masked
+ * rank of w * (1 + e) * x[t]. */
+static void reference(const int32_t *idx, const float *w, const float *x, const int32_t *mask, float *out) {
+  for (int32_t t = 0; t < T; t++)
+    for (int32_t j = 0; j < H; j++) {
+      float sum = 0;
+      for (int32_t k = 0; k < K; k++) {
+        int32_t e = idx[t * K + k];
+        if (e >= 0 && !mask[e / (E / W)]) sum += w[t * K + k] * expert_scale(e) * x[t * H + j];
+      }
+      out[t * H + j] = sum;
+    }
+}
+
+/* The last step's error (epx_handle_release clears epx_last_error). */
+static _Thread_local char step_error[1024];
+
+/* One decode step; 0 when out equals the reference under mask. */
+static int ll_step(epx_buffer_t b, int32_t rank, int32_t step, const int32_t *mask, epx_layout_t layout,
+                   epx_status_t *status) {
+  int32_t idx[T * K], recv_count[W * E];
+  float w[T * K];
+  _Alignas(64) float x[T * H], out[T * H], want[T * H];
+  make_input(rank, step, idx, w, x);
+  epx_routing_t routing = {T, K, idx, w, NULL, EPX_WEIGHTS_IN_COMBINE};
+  int64_t rows = (layout == EPX_LAYOUT_RANK_MAJOR ? 1 : E / W) * (int64_t)W * T; /* the fixed shape */
+  float *recv = tu_alloc(sizeof(float) * (size_t)rows * H);
+  int32_t *rx = tu_alloc(sizeof(int32_t) * (size_t)rows * K);
+  float *rw = tu_alloc(sizeof(float) * (size_t)rows * K);
+  epx_handle_t h = NULL;
+  int bad = 0;
+  if (layout == EPX_LAYOUT_RANK_MAJOR) routing.weighting = EPX_WEIGHTS_NONE;
+  *status = epx_ll_dispatch(b, &routing, NULL, x, recv, recv_count, &h);
+  if (*status == EPX_SUCCESS) *status = epx_handle_recv_routing(h, rx, rw);
+  if (*status == EPX_SUCCESS) {
+    /* The expert: expert-major rows scaled by their expert; a rank-major
+     * row (a token's local experts, weighted by the expert: WEIGHTS_NONE)
+     * by the weighted sum of its slots' scales. */
+    int32_t slots = layout == EPX_LAYOUT_RANK_MAJOR ? K : 1;
+    int32_t groups = layout == EPX_LAYOUT_RANK_MAJOR ? W : E / W;
+    for (int32_t g = 0; g < groups; g++)
+      for (int32_t i = 0; i < recv_count[g]; i++) {
+        int64_t row = (int64_t)g * (rows / groups) + i;
+        float factor = 0;
+        for (int32_t s = 0; s < slots; s++) {
+          int32_t e = rx[row * slots + s];
+          if (e < 0) continue;
+          if (mask[e / (E / W)]) bad = 1; /* a row for a masked rank's expert */
+          factor += (slots > 1 ? rw[row * slots + s] : 1.0f) * expert_scale(e);
+        }
+        for (int32_t j = 0; j < H; j++) recv[row * H + j] *= factor;
+      }
+    *status = epx_ll_combine(b, h, recv, out);
+  }
+  if (*status == EPX_SUCCESS) {
+    reference(idx, w, x, mask, want);
+    bad |= memcmp(out, want, sizeof out) != 0;
+    if (bad) snprintf(step_error, sizeof step_error, "out differs from the reference");
+  } else {
+    snprintf(step_error, sizeof step_error, "%s", epx_last_error());
+  }
+  epx_handle_release(h); /* clears epx_last_error: step_error keeps it */
+  tu_free(recv);
+  tu_free(rx);
+  tu_free(rw);
+  return bad;
+}
+
+static int victim_main(epx_buffer_t b, scene_t *sc) {
+  /* It stops: no call until the survivors are done with it. */
+  while (!atomic_load(&sc->survivors_done)) usleep(1000);
+  int32_t idx[T * K];
+  float w[T * K];
+  _Alignas(64) float x[T * H], recv[(E / W) * W * T * H];
+  make_input(VICTIM, 99, idx, w, x);
+  epx_routing_t routing = {T, K, idx, w, NULL, EPX_WEIGHTS_IN_COMBINE};
+  if (sc->layout == EPX_LAYOUT_RANK_MAJOR) routing.weighting = EPX_WEIGHTS_NONE;
+  epx_handle_t h = NULL;
+  epx_status_t status = epx_ll_dispatch(b, &routing, NULL, x, recv, NULL, &h);
+  sc->refused = status == EPX_ERROR_PEER_FAILED && strstr(epx_last_error(), "masked");
+  if (!sc->refused) fprintf(stderr, "victim's late call: %s: %s\n", epx_status_string(status), epx_last_error());
+  return 0;
+}
+
+/* A normal buffer's call over a comm with a masked rank: refused naming it. */
+static int normal_refused(epx_buffer_t normal) {
+  int32_t idx[K] = {0, 2, 4};
+  float w[K] = {1, 1, 1};
+  epx_routing_t routing = {1, K, idx, w, NULL, EPX_WEIGHTS_IN_COMBINE};
+  epx_handle_t h = NULL;
+  int ok = epx_dispatch_layout(normal, &routing, NULL, &h) == EPX_ERROR_UNSUPPORTED &&
+           strstr(epx_last_error(), "rank 2 of the buffer's comm is masked");
+  if (!ok) fprintf(stderr, "the normal buffer's layout: %s\n", epx_last_error());
+  return ok;
+}
+
+static int survivor_main(epx_buffer_t b, epx_buffer_t normal, int32_t rank, scene_t *sc) {
+  int32_t none[W] = {0}, mask[W] = {0}, got[W];
+  epx_status_t status;
+  /* The lost step: rank 2 does not come. */
+  double started = seconds_now();
+  (void)ll_step(b, rank, 3, none, sc->layout, &status);
+  double failed_at = seconds_now();
+  sc->lost_step_s[rank] = failed_at - started;
+  sc->named[rank] = status == EPX_ERROR_TIMEOUT && strstr(step_error, "rank 2") != NULL;
+  if (!sc->named[rank]) fprintf(stderr, "rank %d: %s: %s\n", rank, epx_status_string(status), step_error);
+  if (epx_ll_mask_rank(b, VICTIM, 1) != EPX_SUCCESS) {
+    fprintf(stderr, "rank %d: epx_ll_mask_rank: %s\n", rank, epx_last_error());
+    return 1;
+  }
+  if (epx_ll_query_mask(b, got) != EPX_SUCCESS || got[0] || got[1] || got[2] != 1) return 1;
+  if (!normal_refused(normal)) return 1;
+  mask[VICTIM] = 1;
+  for (int32_t step = 4; step < 7; step++) {
+    if (ll_step(b, rank, step, mask, sc->layout, &status) || status != EPX_SUCCESS) {
+      fprintf(stderr, "rank %d step %d: %s: %s\n", rank, step, epx_status_string(status), step_error);
+      return 1;
+    }
+    if (!sc->checked[rank]++) sc->next_step_s[rank] = seconds_now() - failed_at;
+  }
+  /* Refusals: the calling rank itself, a rank out of range. */
+  if (epx_ll_mask_rank(b, rank, 1) != EPX_ERROR_INVALID_ARGUMENT) return 1;
+  return epx_ll_mask_rank(b, W, 1) != EPX_ERROR_INVALID_ARGUMENT;
+}
+
+static int mask_rank_main(epx_comm_t comm, int32_t rank, int32_t world, void *arg) {
+  scene_t *sc = arg;
+  (void)world;
+  epx_buffer_config_t c = EPX_BUFFER_CONFIG_INIT;
+  c.dtype = EPX_FLOAT32, c.hidden = H, c.num_experts = E, c.max_top_k = K, c.max_tokens_per_rank = T;
+  c.low_latency = 1, c.layout = sc->layout;
+  epx_buffer_t b = NULL, normal = NULL;
+  if (epx_buffer_create(comm, &c, &b) != EPX_SUCCESS) {
+    fprintf(stderr, "epx_buffer_create: %s\n", epx_last_error());
+    return 1;
+  }
+  c.low_latency = 0, c.layout = EPX_LAYOUT_EXPERT_MAJOR;
+  if (epx_buffer_create(comm, &c, &normal) != EPX_SUCCESS) {
+    fprintf(stderr, "epx_buffer_create: %s\n", epx_last_error());
+    return 1;
+  }
+  int32_t none[W] = {0};
+  int failed = 0;
+  epx_status_t status;
+  for (int32_t step = 0; step < 3 && !failed; step++) {
+    failed = ll_step(b, rank, step, none, sc->layout, &status) || status != EPX_SUCCESS;
+    if (failed) fprintf(stderr, "rank %d step %d: %s\n", rank, step, step_error);
+  }
+  if (!failed) {
+    if (rank == VICTIM) {
+      failed = victim_main(b, sc);
+    } else {
+      failed = survivor_main(b, normal, rank, sc);
+      atomic_fetch_add(&sc->survivors_done, 1);
+      /* The buffer's destroy below synchronises the unmasked ranks only. */
+    }
+  }
+  if (rank == VICTIM) atomic_store(&sc->survivors_done, W); /* on failure, release the others' waits */
+  epx_buffer_destroy(normal);
+  epx_buffer_destroy(b);
+  return failed;
+}
+
+static void test_mask_threads(void **state) {
+  (void)state;
+  alarm(HARD_BOUND_S);
+  const epx_layout_t layouts[] = {EPX_LAYOUT_EXPERT_MAJOR, EPX_LAYOUT_RANK_MAJOR};
+  for (int i = 0; i < 2; i++) {
+    scene_t sc = {.layout = layouts[i]};
+    assert_int_equal(tu_run_ranks(W, TIMEOUT, mask_rank_main, &sc), 0);
+    assert_true(sc.named[0] && sc.named[1]);
+    assert_int_equal(sc.checked[0], 3);
+    assert_int_equal(sc.checked[1], 3);
+    assert_true(sc.refused);
+    printf("ll mask (%s): the survivors timed out naming rank 2 (the lost step took %.1f / %.1f ms, "
+           "timeout %.0f ms), masked it, and 3 steps equal the reference without its experts; the error "
+           "-> the next step done: %.2f / %.2f ms: OK\n", tu_layout_name(layouts[i]), 1e3 * sc.lost_step_s[0],
+           1e3 * sc.lost_step_s[1], 1e3 * TIMEOUT, 1e3 * sc.next_step_s[0], 1e3 * sc.next_step_s[1]);
+  }
+  alarm(0);
+}
+
+/* Query and clean with nothing lost: the survivors mask a live peer for a
+ * step (it waits meanwhile: a masked rank's calls are refused), clean, and
+ * the step after, every rank together again, equals the unmasked
+ * reference. */
+static atomic_int g_cleaned;
+
+static int clean_rank_main(epx_comm_t comm, int32_t rank, int32_t world, void *arg) {
+  (void)world, (void)arg;
+  epx_buffer_config_t c = EPX_BUFFER_CONFIG_INIT;
+  c.dtype = EPX_FLOAT32, c.hidden = H, c.num_experts = E, c.max_top_k = K, c.max_tokens_per_rank = T;
+  c.low_latency = 1;
+  epx_buffer_t b = NULL;
+  if (epx_buffer_create(comm, &c, &b) != EPX_SUCCESS) return 1;
+  int32_t mask[W] = {0}, got[W] = {1, 1, 1};
+  int failed = epx_ll_query_mask(b, got) != EPX_SUCCESS || got[0] || got[1] || got[2];
+  epx_status_t status;
+  if (rank != VICTIM) {
+    /* The survivors mask rank 2 for a step, then clean. */
+    mask[VICTIM] = 1;
+    failed |= epx_ll_mask_rank(b, VICTIM, 1) != EPX_SUCCESS;
+    failed |= ll_step(b, rank, 1, mask, EPX_LAYOUT_EXPERT_MAJOR, &status) || status != EPX_SUCCESS;
+    failed |= epx_ll_clean_mask(b) != EPX_SUCCESS;
+    failed |= epx_ll_query_mask(b, got) != EPX_SUCCESS || got[VICTIM];
+    mask[VICTIM] = 0;
+    atomic_fetch_add(&g_cleaned, 1);
+  } else {
+    while (atomic_load(&g_cleaned) < W - 1) usleep(1000);
+  }
+  /* Every rank together again. */
+  failed |= ll_step(b, rank, 2, mask, EPX_LAYOUT_EXPERT_MAJOR, &status) || status != EPX_SUCCESS;
+  if (failed) fprintf(stderr, "rank %d: %s\n", rank, step_error);
+  failed |= epx_buffer_destroy(b) != EPX_SUCCESS;
+  return failed;
+}
+
+static void test_query_clean_threads(void **state) {
+  (void)state;
+  alarm(HARD_BOUND_S);
+  assert_int_equal(tu_run_ranks(W, 5.0, clean_rank_main, NULL), 0);
+  alarm(0);
+}
+
+/* The refusals: a normal buffer, a comm whose transport keeps no mask. */
+static void test_refusals(void **state) {
+  (void)state;
+  epx_comm_t self = NULL;
+  assert_int_equal(epx_comm_create_self(&self), EPX_SUCCESS);
+  epx_buffer_config_t c = EPX_BUFFER_CONFIG_INIT;
+  c.dtype = EPX_FLOAT32, c.hidden = H, c.num_experts = E, c.max_top_k = K, c.max_tokens_per_rank = T;
+  epx_buffer_t normal = NULL, ll = NULL;
+  assert_int_equal(epx_buffer_create(self, &c, &normal), EPX_SUCCESS);
+  c.low_latency = 1;
+  assert_int_equal(epx_buffer_create(self, &c, &ll), EPX_SUCCESS);
+  int32_t got[1] = {7};
+  assert_int_equal(epx_ll_mask_rank(normal, 0, 1), EPX_ERROR_INVALID_ARGUMENT);
+  assert_non_null(strstr(epx_last_error(), "not a low-latency buffer"));
+  assert_int_equal(epx_ll_mask_rank(ll, 0, 1), EPX_ERROR_UNSUPPORTED);
+  assert_non_null(strstr(epx_last_error(), "self comm"));
+  assert_int_equal(epx_ll_query_mask(ll, got), EPX_SUCCESS);
+  assert_int_equal(got[0], 0);
+  assert_int_equal(epx_ll_query_mask(ll, NULL), EPX_ERROR_INVALID_ARGUMENT);
+  assert_int_equal(epx_ll_clean_mask(ll), EPX_SUCCESS);
+  assert_int_equal(epx_ll_clean_mask(normal), EPX_ERROR_INVALID_ARGUMENT);
+  assert_int_equal(epx_buffer_destroy(normal), EPX_SUCCESS);
+  assert_int_equal(epx_buffer_destroy(ll), EPX_SUCCESS);
+  assert_int_equal(epx_comm_destroy(self), EPX_SUCCESS);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_refusals),
+      cmocka_unit_test(test_query_clean_threads),
+      cmocka_unit_test(test_mask_threads),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
