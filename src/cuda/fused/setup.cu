@@ -396,6 +396,22 @@ fail:
 
 namespace {
 
+/* agree_step over the in-process transport: every rank's verdict on one
+ * creation step, refused on every rank where one refused. */
+epx_status_t agree_in_process(const epx_fused_ranks_t &q, int rank, epx_status_t local, const char *step,
+                              const char *fn) {
+  char message[1024] = "";
+  if (local != EPX_SUCCESS) snprintf(message, sizeof message, "%s", epx_last_error());
+  int64_t top = 0;
+  const epx_status_t agreed = q.xport->agree_max(q.comm, local != EPX_SUCCESS ? rank + 1 : 0, &top, fn);
+  if (agreed != EPX_SUCCESS) return agreed;
+  if (!top) return EPX_SUCCESS;
+  if (local != EPX_SUCCESS) return epx_error(local, "%s", message);
+  return epx_error(EPX_ERROR_UNSUPPORTED,
+                   "%s: rank %lld refused the fused path %s (its epx_last_error says why); every rank refuses it",
+                   fn, (long long)(top - 1), step);
+}
+
 /* The in-process creation's steps (nccl_comm NULL): as create_steps, with
  * the transport's agreement and window (plain device memory of each rank,
  * peers' addresses gathered on the host). */
@@ -414,14 +430,7 @@ epx_status_t in_process_steps(epx_fused_t *f, epx_status_t local, cudaStream_t s
     if (e == cudaSuccess) *f->err_host = 0, e = cudaHostGetDevicePointer(reinterpret_cast<void **>(&f->dev.err), f->err_host, 0);
     if (e != cudaSuccess) local = cuda_fail(fn, "the fused state's memory", e);
   }
-  char message[1024] = "";
-  if (local != EPX_SUCCESS) snprintf(message, sizeof message, "%s", epx_last_error());
-  EPX_CHECK(q.xport->agree_max(q.comm, local != EPX_SUCCESS ? rank + 1 : 0, &top, fn));
-  if (top) {
-    if (local != EPX_SUCCESS) return epx_error(local, "%s", message);
-    return epx_error(EPX_ERROR_UNSUPPORTED, "%s: rank %lld refused the fused path (its epx_last_error says why); "
-                     "every rank refuses it", fn, (long long)(top - 1));
-  }
+  EPX_CHECK(agree_in_process(q, rank, local, "at its memory", fn));
   EPX_CHECK(q.xport->window_open(q.comm, f->bytes, &f->window, fn));
   /* Ranks sharing a GPU wait on each other's kernels; a kernel loaded
    * lazily (CUDA's default module loading) at its first launch may wait for
@@ -436,14 +445,7 @@ epx_status_t in_process_steps(epx_fused_t *f, epx_status_t local, cudaStream_t s
                             "lazily at its first launch may wait for the GPU to idle while a peer's kernel waits "
                             "for it)", fn, (int)f->window.ranks_on_device)
                 : EPX_SUCCESS;
-    message[0] = 0;
-    if (local != EPX_SUCCESS) snprintf(message, sizeof message, "%s", epx_last_error());
-    EPX_CHECK(q.xport->agree_max(q.comm, local != EPX_SUCCESS ? rank + 1 : 0, &top, fn));
-    if (top) {
-      if (local != EPX_SUCCESS) return epx_error(local, "%s", message);
-      return epx_error(EPX_ERROR_UNSUPPORTED, "%s: rank %lld refused the fused path (its epx_last_error says why); "
-                       "every rank refuses it", fn, (long long)(top - 1));
-    }
+    EPX_CHECK(agree_in_process(q, rank, local, "for its module loading", fn));
   }
   {
     const bool relay_all = (epx_cuda_launch_flags() & EPX_CUDA_FUSED_RELAY) != 0;
@@ -460,14 +462,7 @@ epx_status_t in_process_steps(epx_fused_t *f, epx_status_t local, cudaStream_t s
      * share, so that kernels that wait on each other are resident at once */
     const int on = f->window.ranks_on_device > 1 ? f->window.ranks_on_device : 1;
     f->num_sms = f->sms / on > 2 ? f->sms / on : 2;
-    local = epx_fused_relay_create(f, mask, fn);
-    if (local != EPX_SUCCESS) snprintf(message, sizeof message, "%s", epx_last_error());
-    EPX_CHECK(q.xport->agree_max(q.comm, local != EPX_SUCCESS ? rank + 1 : 0, &top, fn));
-    if (top) {
-      if (local != EPX_SUCCESS) return epx_error(local, "%s", message);
-      return epx_error(EPX_ERROR_UNSUPPORTED, "%s: rank %lld refused the fused path at the relay's memory (its "
-                       "epx_last_error says why); every rank refuses it", fn, (long long)(top - 1));
-    }
+    EPX_CHECK(agree_in_process(q, rank, epx_fused_relay_create(f, mask, fn), "at the relay's memory", fn));
   }
   FUSED_CUDA(cudaMemsetAsync(f->base, 0, f->dev.off_meta, stream), "cudaMemsetAsync of the window's flags");
   FUSED_CUDA(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
