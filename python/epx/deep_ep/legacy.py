@@ -221,7 +221,7 @@ class Buffer:
             144: Config(Buffer.num_sms, 32, 720, 12, 128),
             160: Config(Buffer.num_sms, 28, 720, 12, 128),
         }
-        # epx has no rank-count limit: any other count gets the nearest config's values
+        # epx has no rank-count limit: any other count gets the 8-rank values
         return config_map.get(num_ranks, Config(Buffer.num_sms, 6, 256, 6, 128))
 
     @staticmethod
