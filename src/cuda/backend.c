@@ -1,16 +1,18 @@
 /* The CUDA backend's entry (core/backend.h): the routing of route/ and the
  * choice, once per buffer at its creation, of the table that serves it:
- * one/ (one GPU: every expert local) for a comm of one rank, ep/ (W ranks
- * over an NCCL comm) otherwise; for a low-latency buffer ll/'s (ll.c on one
- * rank, ranks.c on W). Every rank has the same config and comm size
- * (agreed before this), so every rank picks the same table. What both
- * tables share (the stream, the routing's hash) is here too. */
+ * for a comm of one rank one/ (one GPU: every expert local), or ll/ll.c for
+ * a low-latency buffer; ep/ (W ranks over an NCCL or a local comm)
+ * otherwise, whose paths serve both modes (ep/internal.h). Every rank has
+ * the same config and comm size (agreed before this), so every rank picks
+ * the same table. What the tables share (the stream, the routing's hash) is
+ * here too. */
 #include <cuda_runtime.h>
 
 #include "core/backend.h"
 #include "core/error.h"
 #include "cuda/backend.h"
 #include "cuda/common/check.h"
+#include "cuda/ep/ep.h"
 #include "cuda/launch.h"
 #include "cuda/ll/ll.h"
 
@@ -26,23 +28,9 @@ static int ep_at_one_rank(void) { return 0; }
 
 static epx_status_t cuda_buffer_init(epx_buffer_t buffer) {
   const int ranks = buffer->world_size > 1 || ep_at_one_rank();
-  if (buffer->config.low_latency) buffer->backend = ranks ? &epx_cuda_ll_ranks_backend : &epx_cuda_ll_backend;
-  else buffer->backend = ranks ? &epx_cuda_ep_backend : &epx_cuda_one_backend;
+  if (ranks) buffer->backend = &epx_cuda_ep_backend;
+  else buffer->backend = buffer->config.low_latency ? &epx_cuda_ll_backend : &epx_cuda_one_backend;
   return buffer->backend->buffer_init(buffer);
-}
-
-/* What the CUDA paths do not serve in this version (core/backend.h,
- * supports): the hierarchical path (ep/hier.c) reads the routing back at
- * the layout and moves rows of the dtype on the normal mode only. */
-static int cuda_supports(const epx_buffer_config_t *c, const char **why) {
-  const char *no = NULL;
-  if (c->exchange == EPX_EXCHANGE_HIERARCHICAL) {
-    if (c->worst_case_sizing) no = "config.worst_case_sizing (its plan reads the routing back at the layout)";
-    else if (c->fp8_format != EPX_FP8_NONE) no = "config.fp8_format (fp8 rows move on the flat exchanges only)";
-    else if (c->low_latency) no = "config.low_latency";
-  }
-  if (no && why) *why = no;
-  return no == NULL;
 }
 
 /* A buffer's calls go to the table cuda_buffer_init chose; this one only
@@ -51,7 +39,7 @@ static int cuda_supports(const epx_buffer_config_t *c, const char **why) {
  * level, epx.h). */
 const epx_backend_t epx_cuda_backend = {
     .name = "cuda",
-    .supports = cuda_supports,
+    .supports = epx_cuda_ep_supports, /* the rules of the W-rank paths (ep/internal.h) */
     .hierarchical_auto = 0,
     .ll = &epx_cuda_ll_ops,
     .route = epx_cuda_route,

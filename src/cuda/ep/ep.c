@@ -1,10 +1,11 @@
 /* The CUDA backend on W ranks (one process per GPU over an NCCL comm, or
  * threads of one process over a local comm: the device transport of
  * cuda/xport/xport.h moves the rows either way): what
- * every path shares (ep/internal.h says what a path is; host.c and fused.c
- * are the two): the buffer and its path, the agreement of every call, the
- * layout's sizing, counts and verdicts, and the handle's queries and
- * statistics. Every payload call and query goes to the handle's path.
+ * every path shares (ep/internal.h says what a path is: host.c, fused.c,
+ * hier.c, and ll/ranks.c for the low-latency mode): the buffer and its
+ * path, the agreement of every call, the layout's sizing, counts and
+ * verdicts, and the handle's queries and statistics. Every payload call,
+ * low-latency call and query goes to the handle's path.
  *
  * Host synchronisation: without worst_case_sizing the layout waits once (a
  * polled, bounded wait: the transport's) to read the message sizes, and every
@@ -27,6 +28,7 @@
 
 #include "core/agree.h"
 #include "core/error.h"
+#include "core/ll.h"
 #include "core/route_spec.h"
 #include "core/transport.h"
 #include "cuda/backend.h"
@@ -39,11 +41,20 @@
  * whose setup takes the buffer serves it. The host path takes every buffer. */
 static const ep_path_t *const ep_paths[] = {
     &epx_cuda_ep_hier_path, /* EPX_EXCHANGE_HIERARCHICAL's buffers only */
+    &epx_cuda_ep_ll_path,   /* config.low_latency's buffers only */
 #if EPX_HAVE_FUSED
     &epx_cuda_ep_fused_path,
 #endif
     &epx_cuda_ep_host_path,
 };
+
+enum { EP_PATHS = sizeof ep_paths / sizeof ep_paths[0] };
+
+int epx_cuda_ep_supports(const epx_buffer_config_t *c, const char **why) {
+  for (size_t i = 0; i < EP_PATHS; i++)
+    if (ep_paths[i]->supports && !ep_paths[i]->supports(c, why)) return 0;
+  return 1;
+}
 
 /* ------------------------------------------------------------------------ */
 /* Buffers                                                                   */
@@ -54,7 +65,7 @@ static const ep_path_t *const ep_paths[] = {
 static epx_status_t choose_path(epx_buffer_t b, const char *fn) {
   ep_buffer_t *s = b->backend_state;
   if (s->path || b->max_tokens == 0) return EPX_SUCCESS;
-  for (size_t i = 0; i < sizeof ep_paths / sizeof ep_paths[0]; i++) {
+  for (size_t i = 0; i < EP_PATHS; i++) {
     int takes = 0;
     const epx_status_t status = ep_paths[i]->setup(b, fn, &takes);
     if (status != EPX_SUCCESS) return status;
@@ -204,6 +215,12 @@ static epx_status_t agree_call(epx_buffer_t b, ep_call_t mine, const char *fn, i
   return status;
 }
 
+/* Whether the calls agree on the host before anything moves: not with
+ * worst_case_sizing (see the top of this file), nor on a low-latency buffer,
+ * whose calls never wait on the host (ll/ranks.c) and whose normal calls
+ * the API refuses on every rank alike (epx_ll_refuse). */
+static int agrees_on_host(epx_buffer_t b) { return !b->config.worst_case_sizing && !b->config.low_latency; }
+
 /* The layout's agreement: the verdict, and on the first call
  * max_tokens_per_rank (the largest batch). */
 static epx_status_t agree_layout(epx_buffer_t b, const epx_routing_t *r, epx_status_t local, int64_t seq) {
@@ -297,7 +314,7 @@ epx_status_t epx_cuda_ep_dispatch_layout(epx_buffer_t b, const epx_routing_t *r,
   const epx_buffer_config_t *c = &b->config;
   const int worst = c->worst_case_sizing != 0;
   const int64_t seq = ++b->comm->layouts_made; /* every rank calls, refused or not */
-  if (!worst || b->max_tokens == 0) {
+  if (agrees_on_host(b) || b->max_tokens == 0) {
     EPX_CHECK(agree_layout(b, r, local, seq));
     EPX_CHECK(choose_path(b, fn)); /* max_tokens_per_rank may have been agreed just now */
   } else if (local != EPX_SUCCESS) {
@@ -359,7 +376,7 @@ fail:
 
 epx_status_t epx_cuda_ep_agree_call(epx_buffer_t b, epx_handle_t handle, int grad_w, epx_status_t local,
                                     const char *caller) {
-  if (b->config.worst_case_sizing) return local; /* no host round trip: see the top of this file */
+  if (!agrees_on_host(b)) return local;
   const ep_handle_t *h = handle ? handle->backend_state : NULL;
   const ep_call_t mine = {local, call_of(caller), ((const ep_buffer_t *)b->backend_state)->id, h ? h->seq : 0, 0, grad_w != 0};
   return agree_call(b, mine, caller, NULL);
@@ -443,6 +460,7 @@ epx_status_t epx_cuda_ep_recv_source(epx_handle_t handle, int32_t *src_rank, int
 epx_status_t epx_cuda_ep_stats(epx_handle_t handle, epx_handle_stats_t *stats) {
   ep_handle_t *h = handle->backend_state;
   epx_buffer_t b = handle->buffer;
+  if (h->path->stats) return h->path->stats(handle, stats);
   const int dedup = b->config.exchange != EPX_EXCHANGE_COLLECTIVE; /* hierarchical: dedup's items */
   const int hk = dedup ? HOME_PAIRS : HOME_ROUTES, rk = dedup ? RECV_PAIRS : RECV_ROUTES;
   const int64_t *counts = NULL; /* worst_case_sizing: the true counts, read back */
@@ -470,7 +488,8 @@ epx_status_t epx_cuda_ep_traffic(epx_handle_t handle, epx_handle_traffic_t *traf
   const epx_comm_t comm = b->comm;
   int64_t same = 0, other = 0;
   if (h->path->traffic) {
-    h->path->traffic(handle, &same, &other);
+    epx_status_t status = h->path->traffic(handle, &same, &other);
+    if (status != EPX_SUCCESS) return status;
   } else {
     const int kind = b->config.exchange == EPX_EXCHANGE_COLLECTIVE ? HOME_ROUTES : HOME_PAIRS;
     const int64_t *counts = NULL;
@@ -489,5 +508,44 @@ epx_status_t epx_cuda_ep_traffic(epx_handle_t handle, epx_handle_traffic_t *traf
   *traffic = (epx_handle_traffic_t){same, same * rb, other, other * rb};
   return EPX_SUCCESS;
 }
+
+/* ------------------------------------------------------------------------ */
+/* The low-latency calls (core/ll.h): the buffer's path                      */
+/* ------------------------------------------------------------------------ */
+
+/* A buffer of a path without them (config.low_latency = 0) gets here only
+ * with the API's refusal, agreed as every refused call is (on the CPU too). */
+static epx_status_t ll_dispatch_send(epx_buffer_t b, const epx_routing_t *r, epx_status_t local, epx_handle_t handle,
+                                     const epx_ll_rows_t *rows, int32_t *recv_count, const int32_t *num_tokens) {
+  const char *fn = rows->fp8 ? "epx_ll_dispatch_fp8" : "epx_ll_dispatch";
+  const ep_path_t *path = buffer_path(b);
+  if (!path->ll) return epx_cuda_ep_agree(b, local, fn);
+  if (local == EPX_SUCCESS) {
+    ep_handle_t *h = calloc(1, sizeof *h);
+    if (!h) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
+    h->path = path;
+    h->rows = -1;
+    handle->backend_state = h;
+  }
+  return path->ll->dispatch_send(b, r, local, handle, rows, recv_count, num_tokens);
+}
+
+static epx_status_t ll_combine_send(epx_buffer_t b, epx_handle_t handle, epx_status_t local, const void *expert_out,
+                                    void *out) {
+  return path_of(handle)->ll->combine_send(b, handle, local, expert_out, out);
+}
+
+static epx_ll_phase_t ll_pending(epx_handle_t handle) { return path_of(handle)->ll->pending(handle); }
+
+static epx_status_t ll_complete(epx_buffer_t b, epx_handle_t handle) {
+  return path_of(handle)->ll->complete(b, handle);
+}
+
+const epx_ll_backend_t epx_cuda_ep_ll_ops = {
+    .dispatch_send = ll_dispatch_send,
+    .combine_send = ll_combine_send,
+    .pending = ll_pending,
+    .complete = ll_complete,
+};
 
 #endif

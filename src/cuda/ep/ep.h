@@ -1,7 +1,8 @@
 /* The CUDA backend on W ranks over an NCCL comm (ep.c): the same calls as
- * the one-GPU backend of cuda/backend.h, behind the W-rank table (ops.c)
- * that a buffer over more than one rank gets at creation (or, in a test
- * build, one over a single rank after epx_cuda_ep_at_one_rank). */
+ * the one-GPU backend of cuda/backend.h, and the low-latency calls, behind
+ * the W-rank table (ops.c) that a buffer over more than one rank gets at
+ * creation (or, in a test build, one over a single rank after
+ * epx_cuda_ep_at_one_rank). */
 #ifndef EPX_CUDA_EP_H
 #define EPX_CUDA_EP_H
 
@@ -14,6 +15,10 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+
+/* What the W-rank paths a config asks for serve (core/backend.h's
+ * supports; ep/internal.h, ep_path_t.supports): every path's answer. */
+int epx_cuda_ep_supports(const epx_buffer_config_t *config, const char **why);
 
 epx_status_t epx_cuda_ep_buffer_init(epx_buffer_t buffer);
 void epx_cuda_ep_buffer_fini(epx_buffer_t buffer);
@@ -51,6 +56,10 @@ int64_t epx_cuda_ep_handle_bytes(epx_handle_t handle);
  * NVLink kernels (src/cuda/fused/fused.h), else EPX_PATH_HOST. */
 void epx_cuda_ep_peer_paths(epx_buffer_t buffer, int32_t *paths);
 epx_status_t epx_cuda_ep_traffic(epx_handle_t handle, epx_handle_traffic_t *traffic);
+/* The epx_ll_* calls (core/ll.h) of a buffer on the low-latency path
+ * (ll/ranks.c); a normal buffer's dispatch_send agrees the API's refusal. */
+struct epx_ll_backend;
+extern const struct epx_ll_backend epx_cuda_ep_ll_ops;
 
 /* Kernels of ep/tables.cu that serve the handles of the fused path (launch.h has
  * the host path's). */

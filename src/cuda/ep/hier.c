@@ -279,6 +279,17 @@ static size_t unit_bytes(epx_buffer_t b) {
 /* Path functions                                                            */
 /* ------------------------------------------------------------------------ */
 
+/* The hierarchical plan reads the routing back at the layout and moves rows
+ * of the dtype on the normal mode only. */
+static int hier_supports(const epx_buffer_config_t *c, const char **why) {
+  const char *no = NULL;
+  if (c->exchange != EPX_EXCHANGE_HIERARCHICAL) return 1;
+  if (c->worst_case_sizing) no = "config.worst_case_sizing (its plan reads the routing back at the layout)";
+  else if (c->fp8_format != EPX_FP8_NONE) no = "config.fp8_format (fp8 rows move on the flat exchanges only)";
+  if (no && why) *why = no;
+  return no == NULL;
+}
+
 static epx_status_t hier_setup(epx_buffer_t b, const char *fn, int *takes) {
   *takes = b->config.exchange == EPX_EXCHANGE_HIERARCHICAL;
   if (!*takes) return EPX_SUCCESS;
@@ -547,17 +558,19 @@ static epx_status_t hier_recv_source(epx_handle_t handle, int32_t *src_rank, int
 static void hier_peer_paths(epx_buffer_t b, int32_t *paths) { epx_cuda_ep_host_path.peer_paths(b, paths); }
 
 /* Hop 1's rows cross nodes; hop 2's to the node's other ranks stay inside. */
-static void hier_traffic(epx_handle_t handle, int64_t *same_node_rows, int64_t *other_node_rows) {
+static epx_status_t hier_traffic(epx_handle_t handle, int64_t *same_node_rows, int64_t *other_node_rows) {
   const ep_handle_t *h = handle->backend_state;
   const hier_plan_t *p = h->path_state;
   *other_node_rows = p->net_rows;
   *same_node_rows = 0;
   for (int64_t i = 0; i < p->nfwd; i++)
     if (p->fwd[i].peer != h->d.rank) *same_node_rows += p->fwd[i].rows;
+  return EPX_SUCCESS;
 }
 
 const ep_path_t epx_cuda_ep_hier_path = {
     .name = "hierarchical",
+    .supports = hier_supports,
     .setup = hier_setup,
     .buffer_fini = hier_buffer_fini,
     .layout = hier_layout,

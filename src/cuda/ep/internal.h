@@ -9,11 +9,16 @@
  *   fused.c  the fused NVLink kernels (src/cuda/fused), which reach peers
  *            without load/store access through NCCL's host API themselves;
  *   hier.c   the hierarchical exchange: the host path's layout, rows moved
- *            once per other node then inside the node (NCCL's host API).
+ *            once per other node then inside the node (NCCL's host API);
+ *   ll/ranks.c  the low-latency decode mode (config.low_latency): the
+ *            epx_ll_* calls over slabs of a fixed size or a fused window;
+ *            the normal calls never reach it (the API refuses them on a
+ *            low-latency buffer by name, epx_ll_refuse, and the refusal is
+ *            agreed as any other), so its entries for them are NULL.
  * A buffer takes the first path of ep.c's list whose setup accepts it, once
  * its max_tokens_per_rank is known; every handle keeps its buffer's path.
- * Another path (a low-latency one) is a new file defining an ep_path_t and
- * one entry in that list. */
+ * Another path is a new file defining an ep_path_t and one entry in that
+ * list. */
 #ifndef EPX_CUDA_EP_INTERNAL_H
 #define EPX_CUDA_EP_INTERNAL_H
 
@@ -30,6 +35,8 @@
 #include "cuda/launch.h"
 #include "cuda/xport/xport.h"
 #include "epx.h"
+
+struct epx_ll_backend; /* core/ll.h */
 
 /* The fused module (src/cuda/fused) is compiled where NCCL has its device
  * API (nccl_device.h, NCCL >= 2.28): EPX_HAVE_FUSED. Without it the AUTO
@@ -103,10 +110,19 @@ typedef struct ep_handle {
  * rank's first invalid route). */
 typedef struct ep_path {
   const char *name;
+  /* What the path does not serve of a config that asks for it (the
+   * exchange it names, or the mode), as core/backend.h's supports: 1, or 0
+   * with *why naming it. Asked before a buffer is made (epx_cuda_ep_supports);
+   * NULL: every config. */
+  int (*supports)(const epx_buffer_config_t *c, const char **why);
   /* Buffer: whether this path serves it (*takes), setting up what it needs
    * (collective: every rank comes to the same answer); and its teardown. */
   epx_status_t (*setup)(epx_buffer_t b, const char *fn, int *takes);
   void (*buffer_fini)(epx_buffer_t b);
+  /* The low-latency calls of the path's buffers (core/ll.h; ep.c makes each
+   * dispatch's ep_handle_t, the path fills it: path_state, rows); NULL on
+   * the paths of the normal calls. */
+  const struct epx_ll_backend *ll;
   /* The handle's layout, enqueued (h->d, row_bound set). */
   epx_status_t (*layout)(epx_buffer_t b, const epx_routing_t *r, ep_handle_t *h, const char *fn);
   /* worst_case_sizing, this rank oversize: what its peers' layouts meet in
@@ -143,13 +159,17 @@ typedef struct ep_path {
   epx_status_t (*recv_source)(epx_handle_t handle, int32_t *src_rank, int32_t *src_token);
   /* paths[W]: how this rank reaches each peer (EPX_PATH_FUSED or _HOST). */
   void (*peer_paths)(epx_buffer_t b, int32_t *paths);
+  /* The handle's statistics; NULL: the counts per peer (ep.c). */
+  epx_status_t (*stats)(epx_handle_t handle, epx_handle_stats_t *stats);
   /* The rows a dispatch sends to other ranks of this rank's node and to
-   * other nodes; NULL: the flat exchange's items per peer (ep.c). */
-  void (*traffic)(epx_handle_t handle, int64_t *same_node_rows, int64_t *other_node_rows);
+   * other nodes, or a refusal; NULL: the flat exchange's items per peer
+   * (ep.c). */
+  epx_status_t (*traffic)(epx_handle_t handle, int64_t *same_node_rows, int64_t *other_node_rows);
 } ep_path_t;
 
 extern const ep_path_t epx_cuda_ep_host_path;  /* host.c */
 extern const ep_path_t epx_cuda_ep_hier_path;  /* hier.c: EPX_EXCHANGE_HIERARCHICAL */
+extern const ep_path_t epx_cuda_ep_ll_path;    /* ll/ranks.c: config.low_latency */
 #if EPX_HAVE_FUSED
 extern const ep_path_t epx_cuda_ep_fused_path; /* fused.c */
 #endif

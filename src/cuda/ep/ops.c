@@ -1,7 +1,8 @@
 /* The W-rank backend's table (core/backend.h): a comm of W ranks over NCCL or in-process
  * (ep.c). Every payload call first agrees the ranks' verdicts and calls
- * (epx_cuda_ep_agree_call), then runs the handle's path. A CUDA buffer over
- * several ranks gets it at creation (cuda/backend.c). */
+ * (epx_cuda_ep_agree_call), then runs the handle's path; the low-latency
+ * calls go to the buffer's path (ep.c, epx_cuda_ep_ll_ops). A CUDA buffer
+ * over several ranks gets it at creation (cuda/backend.c), in either mode. */
 #include "core/backend.h"
 #include "core/error.h"
 #include "core/nccl.h"
@@ -67,6 +68,7 @@ static epx_status_t ep_weights_backward(epx_buffer_t buffer, epx_handle_t handle
 
 const epx_backend_t epx_cuda_ep_backend = {
     .name = "cuda",
+    .ll = &epx_cuda_ep_ll_ops,
     .route = epx_cuda_route,
     .route_backward = epx_cuda_route_backward,
     .buffer_init = epx_cuda_ep_buffer_init,
@@ -95,6 +97,13 @@ const epx_backend_t epx_cuda_ep_backend = {
 };
 
 #else /* a CUDA build without NCCL: one rank only, so no buffer gets this table past its creation */
+
+/* No W-rank path in this build: a one-rank buffer's table (one/, ll/ll.c)
+ * takes every exchange as its one flat level. */
+int epx_cuda_ep_supports(const epx_buffer_config_t *c, const char **why) {
+  (void)c, (void)why;
+  return 1;
+}
 
 static epx_status_t ep_refuse(epx_buffer_t b) {
   return epx_error(EPX_ERROR_UNSUPPORTED,

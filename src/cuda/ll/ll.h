@@ -1,5 +1,6 @@
 /* The low-latency decode mode on CUDA (epx.h, "Low-latency decode";
- * core/ll.h). On W ranks: ranks.c, below ("W ranks"). On one GPU: a CUDA
+ * core/ll.h). On W ranks: ranks.c, below ("W ranks"), the low-latency path
+ * of the W-rank table (ep/internal.h). On one GPU: a CUDA
  * buffer created with config.low_latency = 1 over a comm of one rank gets
  * epx_cuda_ll_backend as its table (cuda/backend.c) and the epx_ll_* calls
  * reach epx_cuda_ll_ops. The layout is one kernel
@@ -26,20 +27,61 @@ struct epx_ll_backend;
 extern const struct epx_backend epx_cuda_ll_backend;
 extern const struct epx_ll_backend epx_cuda_ll_ops;
 /* The epx_ll_* table of a CUDA low-latency buffer is its backend table's
- * `ll` (core/backend.h): one GPU's, or W ranks' (ranks.c). */
+ * `ll` (core/backend.h): one GPU's, or W ranks' (ep/ep.c, which calls the
+ * low-latency path's, ranks.c). */
 
-/* The entries of both tables for the normal calls, which the API refuses
- * before they reach a backend (epx_ll_refuse): each returns `local`. Not
- * collective: every rank refuses the same call the same way. */
-epx_status_t epx_cuda_ll_agree(epx_buffer_t b, epx_status_t local, const char *caller);
-epx_status_t epx_cuda_ll_routing_hash(epx_buffer_t b, const epx_routing_t *r, uint64_t *hash);
-epx_status_t epx_cuda_ll_layout(epx_buffer_t b, const epx_routing_t *r, epx_status_t local, epx_handle_t h);
-epx_status_t epx_cuda_ll_rows(epx_buffer_t b, epx_handle_t h, epx_status_t local, const void *in, void *out);
-epx_status_t epx_cuda_ll_dispatch_backward(epx_buffer_t b, epx_handle_t h, epx_status_t local, const void *in,
-                                           void *out, const void *x, float *grad_w);
-epx_status_t epx_cuda_ll_combine_backward(epx_buffer_t b, epx_handle_t h, epx_status_t local, const void *in,
-                                          const void *expert_out, void *out, float *grad_w);
-epx_status_t epx_cuda_ll_weights(epx_buffer_t b, epx_handle_t h, epx_status_t local, const float *in, float *out);
+/* ------------------------------------------------------------------------ */
+/* Slots (slots.c): what one GPU's and W ranks' buffers share                */
+/* ------------------------------------------------------------------------ */
+
+/* Live handles of a low-latency buffer: two micro-batches, each with a
+ * step in flight and the next one dispatched (DeepEP keeps two buffers per
+ * rank). */
+#define EPX_CUDA_LL_SLOTS 4
+
+/* A buffer's slots: one device block holding every slot's arrays (the
+ * owner carves them) then the device copy of N; which slots hold a live
+ * handle, and the send each handle waits to complete. */
+typedef struct epx_cuda_ll_slots {
+  void *block;
+  int64_t *rows; /* device copy of N (epx_handle_recv_rows_device) */
+  int64_t N;     /* rows of the fixed shape */
+  int32_t in_use[EPX_CUDA_LL_SLOTS];
+  int32_t pending[EPX_CUDA_LL_SLOTS]; /* epx_ll_phase_t */
+} epx_cuda_ll_slots_t;
+
+/* Bytes of n arrays of sizes[i] bytes, each from a 256-byte boundary; with
+ * `at`, *fields[i] set to each array's place from at. */
+size_t epx_cuda_ll_carve(char *at, const size_t *sizes, void **const *fields, size_t n);
+/* The block for EPX_CUDA_LL_SLOTS slots of slot_bytes each, and rows = N
+ * (`what` names the allocation in an error). The owner cudaFrees s->block. */
+epx_status_t epx_cuda_ll_slots_alloc(epx_cuda_ll_slots_t *s, size_t slot_bytes, int64_t N, const char *fn,
+                                     const char *what);
+/* *slot: a slot holding no live handle, or EPX_ERROR_BUSY naming fn. */
+epx_status_t epx_cuda_ll_slot_take(epx_cuda_ll_slots_t *s, const char *fn, int *slot);
+/* The slot holds h (recv_rows N) with its dispatch pending; or holds nothing. */
+void epx_cuda_ll_slot_hold(epx_cuda_ll_slots_t *s, int slot, epx_handle_t h);
+void epx_cuda_ll_slot_release(epx_cuda_ll_slots_t *s, int slot);
+
+/* The fixed layout a handle's queries read (its slot's device arrays). */
+typedef struct epx_cuda_ll_view {
+  const int64_t *counts, *offsets; /* [El], [El + 1] */
+  const int32_t *src_rank;         /* [N], or NULL: 0 where src_token >= 0 (one GPU) */
+  const int32_t *src_token;        /* [N] */
+  const int32_t *row_expert;       /* [routes] */
+  const float *row_weight;         /* [routes] */
+  int64_t routes;                  /* N, or N * K (rank-major: [N, K]) */
+} epx_cuda_ll_view_t;
+
+/* The queries of epx.h on such a handle, enqueued on the buffer's stream. */
+epx_status_t epx_cuda_ll_expert_counts(const epx_cuda_ll_view_t *v, epx_handle_t h, int64_t *counts,
+                                       int64_t *offsets);
+epx_status_t epx_cuda_ll_recv_routing(const epx_cuda_ll_view_t *v, epx_handle_t h, int32_t *recv_expert,
+                                      float *recv_w);
+epx_status_t epx_cuda_ll_recv_source(const epx_cuda_ll_view_t *v, epx_handle_t h, int32_t *src_rank,
+                                     int32_t *src_token);
+/* Nothing moved between ranks by a layout of its own: every row is "self". */
+epx_status_t epx_cuda_ll_stats(epx_handle_t h, epx_handle_stats_t *stats);
 
 /* A handle's layout in device memory: the fixed shape [E, G] rows (G =
  * max_tokens on one GPU). */
@@ -69,7 +111,7 @@ cudaError_t epx_cuda_ll_source_launch(const int32_t *src_token, int64_t n, int32
                                       cudaStream_t stream);
 
 /* ------------------------------------------------------------------------ */
-/* W ranks over NCCL's host API (ranks.c, kernels in ranks.cu)               */
+/* W ranks over the device transport (ranks.c, kernels in ranks.cu)          */
 /* ------------------------------------------------------------------------ */
 /*
  * A dispatch sends every peer p one slab of S rows of the buffer's dtype:
@@ -82,8 +124,6 @@ cudaError_t epx_cuda_ll_source_launch(const int32_t *src_token, int64_t n, int32
  * receiver lays its rows out from the slabs alone. Combine returns a
  * partial per pair in the same staging rows (row s * S + j of a slot's
  * staging is pair j of peer s both ways). */
-extern const struct epx_backend epx_cuda_ll_ranks_backend;
-extern const struct epx_ll_backend epx_cuda_ll_ranks_ops;
 
 enum { EPX_CUDA_LL_HDR_PAD = 4 }; /* ints before the header's arrays */
 
@@ -161,11 +201,6 @@ cudaError_t epx_cuda_ll_remap_launch(const epx_cuda_ll_dims_t *d, int to_fixed, 
  * to -1 (num_tokens NULL: a copy). */
 cudaError_t epx_cuda_ll_clip_launch(const int32_t *topk_idx, const int32_t *num_tokens, int64_t rows, int32_t top_k,
                                     int32_t *out, cudaStream_t stream);
-
-/* Live handles of a low-latency buffer: two micro-batches, each with a
- * step in flight and the next one dispatched (DeepEP keeps two buffers per
- * rank). */
-#define EPX_CUDA_LL_SLOTS 4
 
 /* The load/store variant's state of a W-rank buffer (window.c), or NULL
  * where the NCCL slabs serve it (EPX_PATH_HOST, a build or config the fused

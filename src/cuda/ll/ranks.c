@@ -1,8 +1,11 @@
 /* The low-latency decode mode on W ranks over the device transport
  * (cuda/xport/xport.h: NCCL's host API, or in-process copies; ll.h, "W
- * ranks"): a CUDA buffer with config.low_latency = 1 over several ranks (or,
- * in a test build, one rank after epx_cuda_ep_at_one_rank) gets
- * epx_cuda_ll_ranks_backend (cuda/backend.c).
+ * ranks"): the low-latency path of the W-rank table (ep/internal.h), which
+ * a CUDA buffer with config.low_latency = 1 over several ranks (or, in a
+ * test build, one rank after epx_cuda_ep_at_one_rank) takes at creation.
+ * It serves the epx_ll_* calls and the handle queries; the normal calls
+ * never reach it (the API refuses them by name, epx_ll_refuse, agreed as
+ * ep.c agrees a low-latency buffer's calls: not on the host).
  *
  * Dispatch: the home packs one slab per peer (its pairs' rows, then a
  * header with the count and each pair's token, routes and weights: the
@@ -46,6 +49,7 @@
 #include "cuda/backend.h"
 #include "cuda/common/buffer.h"
 #include "cuda/common/check.h"
+#include "cuda/ep/internal.h"
 #include "cuda/launch.h"
 #include "cuda/ll/ll.h"
 #include "cuda/xport/xport.h"
@@ -61,43 +65,41 @@ typedef struct {
   void *recv_scales;   /* fp8: its scales, else NULL */
   int32_t *recv_count;
   void *out;           /* the pending combine's */
-  int32_t in_use;
-  int32_t pending;     /* epx_ll_phase_t */
 } slot_t;
 
-/* buffer->backend_state */
+/* The path's state of a buffer (ep_buffer_t.path_state) */
 typedef struct {
-  const epx_cuda_xport_t *xport; /* how the slabs move (cuda/xport/xport.h) */
-  void *block;   /* one device allocation: every slot and `rows` */
-  int64_t *rows; /* device copy of N (epx_handle_recv_rows_device) */
-  int64_t N;     /* El * W * max_tokens */
+  epx_cuda_ll_slots_t slots; /* N = El * W * max_tokens (rank-major: W * max_tokens) */
   epx_cuda_ll_dims_t d; /* the largest slab (S of the narrowest rows); row_bytes set per step */
   size_t unit;   /* bytes of a staging row: the widest of a dispatch row, an fp8 packed row, a partial */
   epx_cuda_ll_window_t *window; /* the load/store variant (window.c), or NULL: the slabs */
   int rank_major;               /* the layout: rank-major (the slabs only) or expert-major */
-  slot_t slots[EPX_CUDA_LL_SLOTS];
+  slot_t slot[EPX_CUDA_LL_SLOTS];
 } ranks_t;
 
 static int rank_major(epx_buffer_t b) { return b->config.layout == EPX_LAYOUT_RANK_MAJOR; }
 
+static ranks_t *state_of(epx_buffer_t b) { return ((ep_buffer_t *)b->backend_state)->path_state; }
+
+/* A handle's slot (its ep_handle_t's path_state) and the slot's index. */
+static slot_t *slot_of(epx_handle_t h) { return ((ep_handle_t *)h->backend_state)->path_state; }
+static int index_of(epx_handle_t h) { return (int)(slot_of(h) - state_of(h->buffer)->slot); }
+
 /* Bytes of one slot, and its arrays carved from `at` when not NULL. */
 static size_t slot_carve(const ranks_t *s, char *at, slot_t *slot) {
   const epx_cuda_ll_dims_t *d = &s->d;
-  const size_t N = (size_t)s->N, El = (size_t)d->El;
+  const size_t N = (size_t)s->slots.N, El = (size_t)d->El;
   const size_t items = s->window ? 0 : (size_t)(d->W * d->S); /* the slabs' tables and staging */
   const size_t NK = N * (size_t)(s->rank_major ? d->Kb : 1); /* a row's routing: [N] or [N, K] */
   const size_t sizes[] = {items * (size_t)d->Kb * 4, items * (size_t)d->Kb * 4, El * 8, (El + 1) * 8, N * 4, N * 4,
                           NK * 4, NK * 4, items ? (size_t)(d->Tm * d->W) * 4 : 0, items * s->unit, items * s->unit};
-  void **fields[] = {(void **)&slot->recv.rp_rows,   (void **)&slot->recv.rp_w,      (void **)&slot->recv.counts,
-                     (void **)&slot->recv.offsets,   (void **)&slot->recv.src_rank,  (void **)&slot->recv.src_token,
-                     (void **)&slot->recv.row_expert, (void **)&slot->recv.row_weight, (void **)&slot->pair_stage,
-                     (void **)&slot->send,           (void **)&slot->stage};
-  size_t used = 0;
-  for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) {
-    if (at) *fields[i] = at + used;
-    used += epx_round256(sizes[i]);
-  }
-  return used;
+  void **const fields[] = {(void **)&slot->recv.rp_rows,    (void **)&slot->recv.rp_w,
+                           (void **)&slot->recv.counts,     (void **)&slot->recv.offsets,
+                           (void **)&slot->recv.src_rank,   (void **)&slot->recv.src_token,
+                           (void **)&slot->recv.row_expert, (void **)&slot->recv.row_weight,
+                           (void **)&slot->pair_stage,      (void **)&slot->send,
+                           (void **)&slot->stage};
+  return epx_cuda_ll_carve(at, sizes, fields, sizeof sizes / sizeof sizes[0]);
 }
 
 /* An fp8 buffer's rows packed with their scales (core/payload.h), as the
@@ -119,63 +121,62 @@ static epx_cuda_ll_dims_t dims_of(epx_buffer_t b, int64_t rb) {
                               Tm + header_rows, rb};
 }
 
-static epx_status_t ranks_buffer_init(epx_buffer_t b) {
-  const char *fn = "epx_buffer_create";
-  epx_status_t status = EPX_SUCCESS;
-  const epx_cuda_xport_t *xport = epx_cuda_xport_of(b->comm);
-  if (!xport)
-    return epx_error(EPX_ERROR_UNSUPPORTED,
-                     "%s: a low-latency CUDA buffer over several ranks needs an NCCL comm (epx_comm_create_nccl or "
-                     "epx_comm_create_nccl_mpi) or a local one (epx_comm_create_local); this comm is %s", fn,
-                     b->comm->ops->name);
+/* The hierarchical exchange is not the low-latency path's: its slabs and
+ * window move in one level. */
+static int ll_supports(const epx_buffer_config_t *c, const char **why) {
+  if (!c->low_latency || c->exchange != EPX_EXCHANGE_HIERARCHICAL) return 1;
+  if (why) *why = "config.low_latency";
+  return 0;
+}
+
+/* Takes every low-latency buffer: its slots (and window) for good. */
+static epx_status_t ll_setup(epx_buffer_t b, const char *fn, int *takes) {
+  *takes = b->config.low_latency != 0;
+  if (!*takes) return EPX_SUCCESS;
   ranks_t *s = calloc(1, sizeof *s);
   if (!s) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
-  s->xport = xport;
   const int fp8 = b->config.fp8_format != EPX_FP8_NONE;
   const size_t rb = (size_t)epx_buffer_row_bytes(b), pb = (size_t)epx_payload_partial_row_bytes(b->config.hidden);
   const size_t packed = fp8 ? (size_t)packed_bytes(b) : rb;
   s->d = dims_of(b, (int64_t)(packed < rb ? packed : rb));
   s->rank_major = rank_major(b);
-  s->N = (s->rank_major ? 1 : (int64_t)s->d.El) * s->d.W * s->d.Tm;
+  s->slots.N = (s->rank_major ? 1 : (int64_t)s->d.El) * s->d.W * s->d.Tm;
   s->unit = rb > packed ? rb : packed;
   if (f32_partials(b, b->config.combine_precision) && pb > s->unit) s->unit = pb;
-  status = epx_cuda_ll_window_create(b, &s->window);
+  epx_status_t status = epx_cuda_ll_window_create(b, &s->window);
   if (status != EPX_SUCCESS) {
     free(s);
     return status;
   }
   slot_t probe;
   const size_t slot_bytes = slot_carve(s, NULL, &probe);
-  CUDA_CHECK(cudaMalloc(&s->block, slot_bytes * EPX_CUDA_LL_SLOTS + 256), fn,
-             "cudaMalloc (the low-latency handles' layouts and staging)");
-  for (int i = 0; i < EPX_CUDA_LL_SLOTS; i++) slot_carve(s, (char *)s->block + (size_t)i * slot_bytes, &s->slots[i]);
-  s->rows = (int64_t *)((char *)s->block + slot_bytes * EPX_CUDA_LL_SLOTS);
-  CUDA_CHECK(cudaMemcpy(s->rows, &s->N, sizeof s->N, cudaMemcpyHostToDevice), fn, "cudaMemcpy");
-  b->backend_state = s;
+  status = epx_cuda_ll_slots_alloc(&s->slots, slot_bytes, s->slots.N, fn,
+                                   "cudaMalloc (the low-latency handles' layouts and staging)");
+  if (status != EPX_SUCCESS) {
+    epx_cuda_ll_window_destroy(b, s->window);
+    free(s);
+    return status;
+  }
+  for (int i = 0; i < EPX_CUDA_LL_SLOTS; i++) slot_carve(s, (char *)s->slots.block + (size_t)i * slot_bytes, &s->slot[i]);
+  ((ep_buffer_t *)b->backend_state)->path_state = s;
   return EPX_SUCCESS;
-fail:
-  if (s->block) cudaFree(s->block);
-  epx_cuda_ll_window_destroy(b, s->window);
-  free(s);
-  return status;
 }
 
 /* Waits for the stream first, bounded (a transfer a peer never matched
  * fails the comm instead of hanging): enqueued work may use the slots.
  * Collective with a window (its deregistration), unless the comm failed. */
-static void ranks_buffer_fini(epx_buffer_t b) {
-  ranks_t *s = b->backend_state;
+static void ll_buffer_fini(epx_buffer_t b) {
+  const ep_buffer_t *e = b->backend_state;
+  ranks_t *s = e->path_state;
   if (!s) return;
-  if (s->xport->wait(b->comm, stream_of(b), "epx_buffer_destroy") == EPX_SUCCESS) cudaFree(s->block);
+  if (e->xport->wait(b->comm, stream_of(b), "epx_buffer_destroy") == EPX_SUCCESS) cudaFree(s->slots.block);
   epx_cuda_ll_window_destroy(b, s->window);
   free(s);
-  b->backend_state = NULL;
 }
 
-static void ranks_handle_fini(epx_handle_t h) {
-  slot_t *slot = h->backend_state;
-  if (slot) slot->in_use = 0, slot->pending = EPX_LL_NONE;
-  h->backend_state = NULL;
+static void ll_handle_fini(epx_buffer_t b, ep_handle_t *h) {
+  ranks_t *s = state_of(b);
+  if (h->path_state) epx_cuda_ll_slot_release(&s->slots, (int)((slot_t *)h->path_state - s->slot));
 }
 
 /* ------------------------------------------------------------------------ */
@@ -186,7 +187,7 @@ static void ranks_handle_fini(epx_handle_t h) {
  * every peer p, as many from p into recv + p * rstride. */
 static epx_status_t p2p(epx_buffer_t b, const char *send, size_t sstride, char *recv, size_t rstride, size_t bytes,
                         const char *fn) {
-  const ranks_t *s = b->backend_state;
+  const epx_cuda_xport_t *xport = ((const ep_buffer_t *)b->backend_state)->xport;
   const int32_t W = b->world_size;
   epx_cuda_move_t *m = malloc(2 * sizeof *m * (size_t)W);
   if (!m) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
@@ -194,15 +195,9 @@ static epx_status_t p2p(epx_buffer_t b, const char *send, size_t sstride, char *
     m[p] = (epx_cuda_move_t){p, (char *)send + (size_t)p * sstride, bytes};
     m[W + p] = (epx_cuda_move_t){p, recv + (size_t)p * rstride, bytes};
   }
-  const epx_status_t status = s->xport->sendrecv(b->comm, m, W, m + W, W, stream_of(b), fn);
+  const epx_status_t status = xport->sendrecv(b->comm, m, W, m + W, W, stream_of(b), fn);
   free(m);
   return status;
-}
-
-static slot_t *free_slot(ranks_t *s) {
-  for (int i = 0; i < EPX_CUDA_LL_SLOTS; i++)
-    if (!s->slots[i].in_use) return &s->slots[i];
-  return NULL;
 }
 
 /* Home: the slabs (pairs' rows, headers) packed and sent. */
@@ -238,31 +233,30 @@ fail:
 }
 
 /* The slabs' send (complete places the rows), or the window's whole step. */
-static epx_status_t ranks_dispatch_send(epx_buffer_t b, const epx_routing_t *r, epx_status_t local, epx_handle_t h,
-                                        const epx_ll_rows_t *rows, int32_t *recv_count, const int32_t *num_tokens) {
+static epx_status_t ll_dispatch_send(epx_buffer_t b, const epx_routing_t *r, epx_status_t local, epx_handle_t h,
+                                     const epx_ll_rows_t *rows, int32_t *recv_count, const int32_t *num_tokens) {
   const char *fn = rows->fp8 ? "epx_ll_dispatch_fp8" : "epx_ll_dispatch";
   epx_status_t status = local;
   if (status != EPX_SUCCESS) return status;
-  ranks_t *s = b->backend_state;
-  slot_t *slot = free_slot(s);
-  if (!slot)
-    return epx_error(EPX_ERROR_BUSY, "%s: the buffer's %d low-latency handles are all live; release one "
-                     "(epx_handle_release) before the next step", fn, EPX_CUDA_LL_SLOTS);
+  ranks_t *s = state_of(b);
+  int index = 0;
+  EPX_CHECK(epx_cuda_ll_slot_take(&s->slots, fn, &index));
+  slot_t *slot = &s->slot[index];
   epx_cuda_ll_dims_t d = dims_of(b, rows->fp8 ? packed_bytes(b) : epx_buffer_row_bytes(b));
   d.K = r->top_k;
   slot->d = d;
   if (s->window)
-    EPX_CHECK(epx_cuda_ll_window_dispatch(b, s->window, (int)(slot - s->slots), r, num_tokens, rows->x, rows->recv_x,
+    EPX_CHECK(epx_cuda_ll_window_dispatch(b, s->window, index, r, num_tokens, rows->x, rows->recv_x,
                                           &d, &slot->recv, recv_count));
   else
     EPX_CHECK(send_slabs(b, slot, r, num_tokens, rows));
-  slot->in_use = 1;
-  slot->pending = EPX_LL_DISPATCH;
   slot->recv_x = rows->recv_x;
   slot->recv_scales = rows->fp8 ? rows->recv_scales : NULL;
   slot->recv_count = recv_count;
-  h->backend_state = slot;
-  h->recv_rows = s->N;
+  epx_cuda_ll_slot_hold(&s->slots, index, h);
+  ep_handle_t *eh = h->backend_state;
+  eh->path_state = slot;
+  eh->rows = s->slots.N;
   return EPX_SUCCESS;
 fail:
   return status;
@@ -297,19 +291,20 @@ fail:
 
 /* Receiver: each received pair's partial (its routes in k order, weighted
  * in combine) into the slot's send staging at the pair's row, and home. */
-static epx_status_t ranks_combine_send(epx_buffer_t b, epx_handle_t h, epx_status_t local, const void *expert_out,
-                                       void *out) {
+static epx_status_t ll_combine_send(epx_buffer_t b, epx_handle_t h, epx_status_t local, const void *expert_out,
+                                    void *out) {
   const char *fn = "epx_ll_combine";
   epx_status_t status = local;
   if (status != EPX_SUCCESS) return status;
-  const ranks_t *s = b->backend_state;
+  ranks_t *s = state_of(b);
   const epx_buffer_config_t *c = &b->config;
-  slot_t *slot = h->backend_state;
+  slot_t *slot = slot_of(h);
+  const int index = index_of(h);
   const epx_cuda_ll_dims_t *d = &slot->d;
   if (s->window) {
-    EPX_CHECK(epx_cuda_ll_window_combine(b, s->window, (int)(slot - s->slots), d, expert_out, out,
+    EPX_CHECK(epx_cuda_ll_window_combine(b, s->window, index, d, expert_out, out,
                                          h->weighting == EPX_WEIGHTS_IN_COMBINE));
-    slot->pending = EPX_LL_COMBINE;
+    s->slots.pending[index] = EPX_LL_COMBINE;
     return EPX_SUCCESS;
   }
   const size_t rb = (size_t)epx_buffer_row_bytes(b);
@@ -318,7 +313,7 @@ static epx_status_t ranks_combine_send(epx_buffer_t b, epx_handle_t h, epx_statu
      * expert_out goes home as it is, as the normal path returns them */
     EPX_CHECK(p2p(b, expert_out, (size_t)d->Tm * rb, slot->stage, (size_t)d->S * rb, (size_t)d->Tm * rb, fn));
     slot->out = out;
-    slot->pending = EPX_LL_COMBINE;
+    s->slots.pending[index] = EPX_LL_COMBINE;
     return EPX_SUCCESS;
   }
   const int64_t items = (d->W - 1) * d->S + d->Tm;
@@ -337,7 +332,7 @@ static epx_status_t ranks_combine_send(epx_buffer_t b, epx_handle_t h, epx_statu
   const size_t unit = f32 ? (size_t)epx_payload_partial_row_bytes(c->hidden) : rb;
   EPX_CHECK(p2p(b, slot->send, (size_t)d->S * unit, slot->stage, (size_t)d->S * unit, (size_t)d->Tm * unit, fn));
   slot->out = out;
-  slot->pending = EPX_LL_COMBINE;
+  s->slots.pending[index] = EPX_LL_COMBINE;
   return EPX_SUCCESS;
 fail:
   return status;
@@ -363,131 +358,89 @@ fail:
   return status;
 }
 
-static epx_ll_phase_t ranks_pending(epx_handle_t h) { return (epx_ll_phase_t)((slot_t *)h->backend_state)->pending; }
+static epx_ll_phase_t ll_pending(epx_handle_t h) {
+  return (epx_ll_phase_t)state_of(h->buffer)->slots.pending[index_of(h)];
+}
 
 /* The slabs' receiving side; nothing with a window (its sends did all). */
-static epx_status_t ranks_complete(epx_buffer_t b, epx_handle_t h) {
-  slot_t *slot = h->backend_state;
-  const ranks_t *s = b->backend_state;
-  epx_status_t status = s->window                         ? EPX_SUCCESS
-                        : slot->pending == EPX_LL_DISPATCH ? place_rows(b, slot)
-                                                           : sum_home(b, h, slot);
-  if (status == EPX_SUCCESS) slot->pending = EPX_LL_NONE;
+static epx_status_t ll_complete(epx_buffer_t b, epx_handle_t h) {
+  ranks_t *s = state_of(b);
+  slot_t *slot = slot_of(h);
+  const int index = index_of(h);
+  epx_status_t status = s->window                                    ? EPX_SUCCESS
+                        : s->slots.pending[index] == EPX_LL_DISPATCH ? place_rows(b, slot)
+                                                                     : sum_home(b, h, slot);
+  if (status == EPX_SUCCESS) s->slots.pending[index] = EPX_LL_NONE;
   return status;
 }
 
-const epx_ll_backend_t epx_cuda_ll_ranks_ops = {
-    .dispatch_send = ranks_dispatch_send,
-    .combine_send = ranks_combine_send,
-    .pending = ranks_pending,
-    .complete = ranks_complete,
+static const epx_ll_backend_t ll_ops = {
+    .dispatch_send = ll_dispatch_send,
+    .combine_send = ll_combine_send,
+    .pending = ll_pending,
+    .complete = ll_complete,
 };
 
 /* ------------------------------------------------------------------------ */
 /* Handle queries                                                            */
 /* ------------------------------------------------------------------------ */
 
-static epx_status_t ranks_recv_rows(epx_handle_t h, int64_t *rows) {
-  *rows = h->recv_rows;
+static epx_status_t ll_recv_rows_device(epx_handle_t h, const int64_t **rows) {
+  *rows = state_of(h->buffer)->slots.rows;
   return EPX_SUCCESS;
 }
 
-static epx_status_t ranks_recv_rows_device(epx_handle_t h, const int64_t **rows) {
-  *rows = ((const ranks_t *)h->buffer->backend_state)->rows;
-  return EPX_SUCCESS;
+/* The slot's layout as the shared queries read it. */
+static epx_cuda_ll_view_t view_of(epx_handle_t h) {
+  const epx_cuda_ll_recv_t *r = &slot_of(h)->recv;
+  const int64_t routes = h->recv_rows * (rank_major(h->buffer) ? h->top_k : 1);
+  return (epx_cuda_ll_view_t){r->counts, r->offsets, r->src_rank, r->src_token, r->row_expert, r->row_weight, routes};
 }
 
-static epx_status_t ranks_expert_counts(epx_handle_t h, int64_t *counts, int64_t *offsets) {
-  const slot_t *slot = h->backend_state;
-  return epx_cuda_copy_expert_counts(slot->recv.counts, slot->recv.offsets, h->buffer->experts_per_rank, counts,
-                                     offsets, h->buffer->config.stream);
+static epx_status_t ll_expert_counts(epx_handle_t h, int64_t *counts, int64_t *offsets) {
+  const epx_cuda_ll_view_t v = view_of(h);
+  return epx_cuda_ll_expert_counts(&v, h, counts, offsets);
 }
 
-static epx_status_t copy_out(void *dst, const void *src, size_t bytes, epx_handle_t h, const char *fn) {
-  epx_status_t status = EPX_SUCCESS;
-  if (dst)
-    CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_of(h->buffer)), fn,
-               "cudaMemcpyAsync");
-fail:
-  return status;
+static epx_status_t ll_recv_routing(epx_handle_t h, int32_t *recv_expert, float *recv_w) {
+  const epx_cuda_ll_view_t v = view_of(h);
+  return epx_cuda_ll_recv_routing(&v, h, recv_expert, recv_w);
 }
 
-static epx_status_t ranks_recv_routing(epx_handle_t h, int32_t *recv_expert, float *recv_w) {
-  const char *fn = "epx_handle_recv_routing";
-  const slot_t *slot = h->backend_state;
-  const size_t n = (size_t)h->recv_rows * (size_t)(rank_major(h->buffer) ? h->top_k : 1);
-  epx_status_t status = copy_out(recv_expert, slot->recv.row_expert, n * sizeof(int32_t), h, fn);
-  return status != EPX_SUCCESS ? status : copy_out(recv_w, slot->recv.row_weight, n * sizeof(float), h, fn);
+static epx_status_t ll_recv_source(epx_handle_t h, int32_t *src_rank, int32_t *src_token) {
+  const epx_cuda_ll_view_t v = view_of(h);
+  return epx_cuda_ll_recv_source(&v, h, src_rank, src_token);
 }
 
-static epx_status_t ranks_recv_source(epx_handle_t h, int32_t *src_rank, int32_t *src_token) {
-  const char *fn = "epx_handle_recv_source";
-  const slot_t *slot = h->backend_state;
-  const size_t n = (size_t)h->recv_rows;
-  epx_status_t status = copy_out(src_rank, slot->recv.src_rank, n * sizeof(int32_t), h, fn);
-  return status != EPX_SUCCESS ? status : copy_out(src_token, slot->recv.src_token, n * sizeof(int32_t), h, fn);
+/* The counts stay on the device (nothing reads them on the host). */
+static epx_status_t ll_traffic(epx_handle_t h, int64_t *same_node_rows, int64_t *other_node_rows) {
+  (void)h, (void)same_node_rows, (void)other_node_rows;
+  return epx_error(EPX_ERROR_UNSUPPORTED, "epx_handle_traffic: the handle is a low-latency CUDA buffer's, whose "
+                   "counts stay on the device; this version counts link classes on CPU buffers and normal CUDA "
+                   "buffers over several ranks only");
 }
 
-static epx_status_t ranks_stats(epx_handle_t h, epx_handle_stats_t *stats) {
-  *stats = (epx_handle_stats_t){0, 0, 0, 0, h->recv_rows};
-  return EPX_SUCCESS;
-}
-
-static void ranks_peer_paths(epx_buffer_t b, int32_t *paths) {
-  const ranks_t *s = b->backend_state;
+static void ll_peer_paths(epx_buffer_t b, int32_t *paths) {
+  const ranks_t *s = state_of(b);
   if (s->window) epx_cuda_ll_window_paths(s->window, b->world_size, paths);
 }
 
-static int64_t ranks_handle_bytes(epx_handle_t h) {
-  (void)h;
-  return 0;
-}
-
-const epx_backend_t epx_cuda_ll_ranks_backend = {
-    .name = "cuda",
-    .ll = &epx_cuda_ll_ranks_ops,
-    .route = epx_cuda_route,
-    .route_backward = epx_cuda_route_backward,
-    .buffer_init = ranks_buffer_init,
-    .buffer_fini = ranks_buffer_fini,
-    .set_stream = epx_cuda_set_stream,
-    .validate_routing = NULL,
-    .routing_hash = epx_cuda_ll_routing_hash,
-    .agree = epx_cuda_ll_agree,
-    .dispatch_layout = epx_cuda_ll_layout,
-    .handle_fini = ranks_handle_fini,
-    .dispatch = epx_cuda_ll_rows,
-    .dispatch_fp8 = NULL,
-    .combine = epx_cuda_ll_rows,
-    .dispatch_backward = epx_cuda_ll_dispatch_backward,
-    .combine_backward = epx_cuda_ll_combine_backward,
-    .weights_backward = epx_cuda_ll_weights,
-    .recv_rows = ranks_recv_rows,
-    .recv_rows_device = ranks_recv_rows_device,
-    .expert_counts = ranks_expert_counts,
-    .recv_routing = ranks_recv_routing,
-    .recv_source = ranks_recv_source,
-    .stats = ranks_stats,
-    .handle_bytes = ranks_handle_bytes,
-    .peer_paths = ranks_peer_paths,
+/* No layout, payload or backward entry: the API refuses every normal call
+ * on a low-latency buffer (epx_ll_refuse) before it reaches a backend. */
+const ep_path_t epx_cuda_ep_ll_path = {
+    .name = "low-latency",
+    .supports = ll_supports,
+    .setup = ll_setup,
+    .buffer_fini = ll_buffer_fini,
+    .ll = &ll_ops,
+    .handle_fini = ll_handle_fini,
+    .recv_rows_device = ll_recv_rows_device,
+    .expert_counts = ll_expert_counts,
+    .recv_routing = ll_recv_routing,
+    .recv_source = ll_recv_source,
+    .peer_paths = ll_peer_paths,
+    .stats = epx_cuda_ll_stats,
+    .traffic = ll_traffic,
 };
-
-#else /* a CUDA build without NCCL: one rank only, so no buffer gets this table past its creation */
-
-static epx_status_t ranks_refuse(epx_buffer_t b) {
-  return epx_error(EPX_ERROR_UNSUPPORTED,
-                   "epx_buffer_create: this build of epx has no NCCL transport, so a low-latency CUDA buffer "
-                   "runs on a comm of one rank (comm has %d); rebuild with NCCL (EPX_NCCL_ROOT) or use "
-                   "EPX_DEVICE_CPU", b->world_size);
-}
-
-const epx_backend_t epx_cuda_ll_ranks_backend = {
-    .name = "cuda",
-    .ll = &epx_cuda_ll_ranks_ops,
-    .route = epx_cuda_route,
-    .route_backward = epx_cuda_route_backward,
-    .buffer_init = ranks_refuse,
-};
-const epx_ll_backend_t epx_cuda_ll_ranks_ops = {0};
 
 #endif
