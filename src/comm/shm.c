@@ -161,33 +161,12 @@ static void shm_data_name(char *out, size_t cap, const shm_state_t *st, int32_t 
   snprintf(out, cap, "%s.%d.%llu", st->name, rank, (unsigned long long)seq);
 }
 
-/* The pid namespace of this process (0 when /proc does not say): pids are
- * compared only inside one. */
-static uint64_t shm_pid_ns(void) {
-  struct stat info;
-  return stat("/proc/self/ns/pid", &info) == 0 ? (uint64_t)info.st_ino : 0;
-}
-
-/* 1 when the process `pid` of namespace `pid_ns` has ended (gone, or a zombie
- * its parent has not reaped yet); 0 when alive or when this process cannot
- * tell (another pid namespace). */
 static char shm_process_state(const shm_state_t *st, int32_t pid, uint64_t pid_ns) {
-  if (pid <= 0 || !pid_ns || pid_ns != st->pid_ns) return 0;
-  if (kill(pid, 0) != 0 && errno == ESRCH) return 'X';
-  char path[48], line[256];
-  snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
-  FILE *f = fopen(path, "r");
-  if (!f) return 0;
-  size_t n = fread(line, 1, sizeof line - 1, f);
-  fclose(f);
-  line[n] = 0;
-  const char *end = strrchr(line, ')');
-  return end && end[1] == ' ' ? end[2] : 0;
+  return epx_comm_process_state(pid, pid_ns, st->pid_ns);
 }
 
 static int shm_process_gone(const shm_state_t *st, int32_t pid, uint64_t pid_ns) {
-  char state = shm_process_state(st, pid, pid_ns);
-  return state == 'Z' || state == 'X';
+  return epx_comm_process_gone(pid, pid_ns, st->pid_ns);
 }
 
 /* An attached rank other than `self` whose process is stopped (SIGSTOP or a
@@ -985,7 +964,7 @@ static epx_status_t shm_create(const char *fn, const char *base, uint32_t shrink
   st->shrinks = shrinks;
   if (shrinks) snprintf(st->name, sizeof st->name, "/%s.g%u", base, shrinks);
   else snprintf(st->name, sizeof st->name, "/%s", base);
-  st->pid_ns = shm_pid_ns();
+  st->pid_ns = epx_comm_pid_ns();
   st->locked_as = -1;
   st->world_bytes = shm_world_bytes(size);
   EPX_CHECK(rank == 0 ? shm_world_init(st, size, timeout_seconds)
