@@ -28,7 +28,7 @@ cd "$(dirname "$0")/.."
 # EPX_GPU_CHECK_SECTIONS: "one" (one GPU, "ranks" included), "ranks" (only
 # the build and W ranks as threads on one GPU: EPX_GPU_RANKS_TIMEOUT,
 # EPX_GPU_RANKS_LIMIT, EPX_GPU_RANKS_SAN_LIMIT bound them), "two" (2 GPUs over NCCL, under
-# mpirun: mpi_gpu_exchange, mpi_gpu_ll, nccl_gpu_kill, memcheck and racecheck, epx-bench --device cuda,
+# mpirun: mpi_gpu_exchange, mpi_gpu_ll, nccl_gpu_kill, nccl_gpu_shrink, memcheck and racecheck, epx-bench --device cuda,
 # bench_ep beside PyTorch's all_to_all_single, the epx.torch GPU tests and
 # layer benchmark), or both.
 # EPX_GPU_FUSED=ON (the default) builds the fused NVLink exchange and
@@ -110,7 +110,7 @@ cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DEPX_BUILD_CUDA=ON -DEPX_CUDA
 if [ $BUILD_OK = 1 ]; then
   # shellcheck disable=SC2086
   STATIC=""
-  [ -n "$GPU_TESTS" ] && STATIC=epx_static
+  [ -n "$GPU_TESTS" ] && STATIC="epx_static nccl_gpu_shrink"
   cmake --build "$BUILD" -j"$JOBS" --target epx $STATIC $GPU_TESTS $GPU2_TESTS >>"$OUTDIR/build.log" 2>&1 || BUILD_OK=0
 fi
 [ $BUILD_OK = 1 ] && verdict "build (cmake -DEPX_BUILD_CUDA=ON, sm_90)" PASS || verdict "build (cmake -DEPX_BUILD_CUDA=ON, sm_90)" FAIL
@@ -124,6 +124,11 @@ if [ $BUILD_OK = 1 ]; then
     if grep -Eq "Test +#[0-9]+: $t \.+ +Passed" "$OUTDIR/ctest.log"; then verdict "test $t" PASS
     else verdict "test $t" FAIL; fi
   done
+  # epx_comm_shrink of a 1-rank NCCL comm (ncclCommShrink, NCCL_SHRINK_DEFAULT)
+  # and a step on the result; its 2-rank scenarios run in the 2-GPU section.
+  CUDA_VISIBLE_DEVICES=0 timeout 200 "$BUILD/tests/gpu/nccl_gpu_shrink" >"$OUTDIR/nccl_shrink1.log" 2>&1
+  rc=$?
+  [ $rc = 0 ] && verdict "test nccl_gpu_shrink (1 GPU: single)" PASS || verdict "test nccl_gpu_shrink (1 GPU: single)" "FAIL (exit $rc)"
 fi
 
 # The W-rank backend on this one GPU: mpi_gpu_exchange on one rank takes it

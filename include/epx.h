@@ -671,15 +671,23 @@ epx_status_t epx_comm_allgather(epx_comm_t comm, const void *send, void *recv, s
  *    shm (processes: the survivors' segment is named "<name>.g<N>", from
  *    the old name and generation, created by the new rank 0, so nothing a
  *    dead process left in the old segment can block it; every wait is
- *    bounded and names ranks as epx_comm_create_shm's). MPI and NCCL comms
- *    are EPX_ERROR_UNSUPPORTED, naming why: MPI has no ULFM here, and a
- *    failed NCCL comm is aborted before ncclCommShrink could run (create a
- *    new NCCL comm among the survivors), as is a self comm
- *    (epx_comm_create_self: it has no peer to lose).
+ *    bounded and names ranks as epx_comm_create_shm's) and NCCL
+ *    (ncclCommShrink, NCCL 2.27+, looked up in the loaded NCCL at run
+ *    time: NCCL_SHRINK_ABORT after a failure or a lost rank, else
+ *    NCCL_SHRINK_DEFAULT; the new comm is split and warmed as a created
+ *    one, bounded by config's timeout). A failure of an NCCL comm epx
+ *    created revokes it (ncclCommRevoke, 2.28) rather than aborting it, so
+ *    that it can shrink. NCCL does not name the lost rank: the lost ranks
+ *    are the peers of the caller's host whose process has ended. Refused
+ *    by name (EPX_ERROR_UNSUPPORTED): a failed NCCL comm with a peer on
+ *    another host, one over the caller's ncclComm_t (aborted at the
+ *    failure), an NCCL without ncclCommShrink; MPI comms (no ULFM,
+ *    MPIX_Comm_shrink, in this build); a self comm (epx_comm_create_self:
+ *    it has no peer to lose).
  * Then epx_placement_shrink re-plans the experts over the survivors (see
  * "Expert placement and replicas"). A decode loop on CPU buffers over a
- * local comm may instead mask the lost rank and go on with the same comm and
- * buffer (epx_ll_mask_rank, "Low-latency decode"). */
+ * local or shm comm may instead mask the lost rank and go on with the same
+ * comm and buffer (epx_ll_mask_rank, "Low-latency decode"). */
 epx_status_t epx_comm_shrink(epx_comm_t comm, const epx_comm_config_t *config,
                              epx_comm_t *survivor_comm, int32_t *lost_ranks, int32_t *num_lost);
 
@@ -1546,9 +1554,13 @@ epx_status_t epx_ll_complete(epx_buffer_t buffer, epx_handle_t handle);
  *    cannot mask itself.
  *  - epx_ll_query_mask: mask [W] (int32, host memory) gets 1 for each
  *    masked rank, 0 otherwise. epx_ll_clean_mask unmasks every rank.
- * Backends: CPU buffers over a local comm (threads). Masking on a CPU
- * buffer over another transport (shm, MPI, NCCL, self) or on a CUDA buffer
- * is EPX_ERROR_UNSUPPORTED naming it: shrink the comm instead
+ * Backends: CPU buffers over a local (threads) or shm (processes) comm;
+ * over shm a survivor that was outside the comm's barriers while the
+ * others masked the failed rank and went on gets the failure at its next
+ * call (so every survivor fails the same step), masks, and goes on. The
+ * mask is the caller's, after the error: no rank is masked on its own.
+ * Masking on a CPU buffer over another transport (MPI, NCCL, self) or on a
+ * CUDA buffer is EPX_ERROR_UNSUPPORTED naming it: shrink the comm instead
  * (epx_comm_shrink). The query and the clean answer on every low-latency
  * buffer (nothing masked there). */
 epx_status_t epx_ll_mask_rank(epx_buffer_t buffer, int32_t rank, int32_t masked);

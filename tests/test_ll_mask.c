@@ -7,14 +7,24 @@
  * so every sum is exact whatever its order). Both layouts, expert-major
  * and rank-major. Also: the query and the clean, the masked rank's own call
  * refused, a normal buffer's call over the masked comm refused, and the
- * refusals (self, range, a normal buffer, a transport without a mask). Every test has a hard bound (alarm). */
+ * refusals (self, range, a normal buffer, a transport without a mask).
+ * Then the same over shm (processes of one host): rank 2's process is
+ * killed (SIGKILL) at a random point of a decode loop; the survivors' step
+ * fails naming it, they mask it, the query says so, and their next steps on
+ * the same comm and buffer equal the reference without its experts; the
+ * time from the kill to the survivors' next completed step is printed.
+ * Every test has a hard bound (alarm). */
+#include <signal.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
+#include "comm_cases.h"
 #include "testutil.h"
 
 #define W 3
@@ -284,6 +294,152 @@ static void test_query_clean_threads(void **state) {
   alarm(0);
 }
 
+/* ------------------------------------------------------------------------ */
+/* Over shm: processes, one killed with SIGKILL mid-decode                   */
+/* ------------------------------------------------------------------------ */
+
+#define SHM_TIMEOUT 2.0
+#define SHM_RANK_BOUND_S 30
+
+/* In a shared page: what the parent and the rank processes tell each other. */
+typedef struct shm_scene {
+  epx_layout_t layout;
+  atomic_int looping;        /* ranks through their first step */
+  _Atomic int64_t killed_ns; /* CLOCK_MONOTONIC ns of the SIGKILL (0: not yet) */
+  int32_t failed_step[W];    /* the step that failed on each survivor */
+  double recover_s[W];       /* the kill -> the first step done after the mask */
+  double error_s[W];         /* the kill -> the failed step's error */
+} shm_scene_t;
+
+/* A survivor's steps: the loop until a step fails (it must name rank 2,
+ * within the timeout), the mask and its query, then 3 steps that must equal
+ * the reference without rank 2's experts. A rank's failures are its exit
+ * status. */
+static int shm_survivor(epx_buffer_t b, int32_t rank, shm_scene_t *sc) {
+  int32_t none[W] = {0}, mask[W] = {0}, got[W] = {0};
+  epx_status_t status = EPX_SUCCESS;
+  int32_t step = 0;
+  for (;; step++) {
+    if (ll_step(b, rank, step, none, sc->layout, &status) && status == EPX_SUCCESS) {
+      fprintf(stderr, "rank %d step %d (every rank): %s\n", rank, step, step_error);
+      return 1;
+    }
+    if (status != EPX_SUCCESS) break;
+    if (step == 0) atomic_fetch_add(&sc->looping, 1);
+  }
+  double failed_at = cc_now_seconds();
+  sc->failed_step[rank] = step;
+  sc->error_s[rank] = failed_at - 1e-9 * (double)atomic_load(&sc->killed_ns);
+  if (!atomic_load(&sc->killed_ns) || !strstr(step_error, "rank 2") ||
+      (status != EPX_ERROR_PEER_FAILED && status != EPX_ERROR_TIMEOUT)) {
+    fprintf(stderr, "rank %d step %d: %s: %s (want a failure naming rank 2, after its kill)\n", rank, step,
+            epx_status_string(status), step_error);
+    return 1;
+  }
+  if (epx_ll_mask_rank(b, VICTIM, 1) != EPX_SUCCESS) {
+    fprintf(stderr, "rank %d: epx_ll_mask_rank: %s\n", rank, epx_last_error());
+    return 1;
+  }
+  if (epx_ll_query_mask(b, got) != EPX_SUCCESS || got[0] || got[1] || got[VICTIM] != 1) {
+    fprintf(stderr, "rank %d: the query gave {%d, %d, %d}\n", rank, got[0], got[1], got[2]);
+    return 1;
+  }
+  mask[VICTIM] = 1;
+  for (int32_t i = 1; i <= 3; i++) {
+    if (ll_step(b, rank, step + i, mask, sc->layout, &status) || status != EPX_SUCCESS) {
+      fprintf(stderr, "rank %d step %d (rank 2 masked): %s: %s\n", rank, step + i, epx_status_string(status),
+              step_error);
+      return 1;
+    }
+    if (i == 1) sc->recover_s[rank] = cc_now_seconds() - 1e-9 * (double)atomic_load(&sc->killed_ns);
+  }
+  return 0;
+}
+
+/* One rank process: the comm, a low-latency buffer, then decode steps; rank
+ * 2 loops until it is killed. */
+static void shm_rank(const char *name, int32_t rank, shm_scene_t *sc) {
+  alarm(SHM_RANK_BOUND_S);
+  epx_comm_config_t cc = EPX_COMM_CONFIG_INIT;
+  cc.timeout_seconds = SHM_TIMEOUT;
+  epx_comm_t comm = NULL;
+  epx_buffer_t b = NULL;
+  if (epx_comm_create_shm(name, rank, W, &cc, &comm) != EPX_SUCCESS) {
+    fprintf(stderr, "rank %d: epx_comm_create_shm: %s\n", rank, epx_last_error());
+    _exit(1);
+  }
+  epx_buffer_config_t c = EPX_BUFFER_CONFIG_INIT;
+  c.dtype = EPX_FLOAT32, c.hidden = H, c.num_experts = E, c.max_top_k = K, c.max_tokens_per_rank = T;
+  c.low_latency = 1, c.layout = sc->layout;
+  if (epx_buffer_create(comm, &c, &b) != EPX_SUCCESS) {
+    fprintf(stderr, "rank %d: epx_buffer_create: %s\n", rank, epx_last_error());
+    _exit(1);
+  }
+  int failed = 0;
+  if (rank == VICTIM) {
+    int32_t none[W] = {0};
+    epx_status_t status;
+    for (int32_t step = 0;; step++) {
+      if (ll_step(b, rank, step, none, sc->layout, &status) || status != EPX_SUCCESS) {
+        fprintf(stderr, "rank 2 step %d (before its kill): %s\n", step, step_error);
+        _exit(1);
+      }
+      if (step == 0) atomic_fetch_add(&sc->looping, 1);
+    }
+  }
+  failed = shm_survivor(b, rank, sc);
+  failed |= epx_buffer_destroy(b) != EPX_SUCCESS;
+  failed |= epx_comm_destroy(comm) != EPX_SUCCESS;
+  if (failed) fprintf(stderr, "rank %d: %s\n", rank, epx_last_error());
+  _exit(failed);
+}
+
+/* Forks the 3 ranks; once all loop, rank 2 is killed after `delay`. */
+static int shm_kill_case(epx_layout_t layout, double delay, int index) {
+  shm_scene_t *sc = mmap(NULL, sizeof *sc, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  if (sc == MAP_FAILED) return 1;
+  memset(sc, 0, sizeof *sc);
+  sc->layout = layout;
+  char name[64];
+  snprintf(name, sizeof name, "epx-test-llmask-%d-%d", (int)getpid(), index);
+  pid_t pids[W];
+  for (int32_t r = 0; r < W; r++) {
+    pids[r] = fork();
+    if (pids[r] == 0) shm_rank(name, r, sc);
+  }
+  double give_up = cc_now_seconds() + 20.0;
+  while (atomic_load(&sc->looping) < W && cc_now_seconds() < give_up) cc_sleep_seconds(0.001);
+  cc_sleep_seconds(delay);
+  atomic_store(&sc->killed_ns, (int64_t)(cc_now_seconds() * 1e9));
+  kill(pids[VICTIM], SIGKILL);
+  int failed = !tu_reap(pids[VICTIM], VICTIM, SIGKILL);
+  for (int32_t r = 0; r < W; r++)
+    if (r != VICTIM) failed += !tu_reap(pids[r], r, 0);
+  if (!failed && sc->failed_step[0] != sc->failed_step[1]) {
+    fprintf(stderr, "the survivors failed at steps %d and %d\n", sc->failed_step[0], sc->failed_step[1]);
+    failed = 1;
+  }
+  if (!failed)
+    printf("ll mask over shm (%s, kill after %.0f ms, step %d): the error %.1f / %.1f ms after the SIGKILL; "
+           "rank 2 masked, the next step done %.1f / %.1f ms after it (timeout %.0f ms); 3 steps equal the "
+           "reference: OK\n", tu_layout_name(layout), 1e3 * delay, sc->failed_step[0], 1e3 * sc->error_s[0],
+           1e3 * sc->error_s[1], 1e3 * sc->recover_s[0], 1e3 * sc->recover_s[1], 1e3 * SHM_TIMEOUT);
+  munmap(sc, sizeof *sc);
+  return failed;
+}
+
+static void test_mask_shm_sigkill(void **state) {
+  (void)state;
+  alarm(HARD_BOUND_S);
+  const double delays[] = {0.0, 0.002, 0.013, 0.031};
+  for (int i = 0; i < 8; i++)
+    assert_int_equal(shm_kill_case(i & 1 ? EPX_LAYOUT_RANK_MAJOR : EPX_LAYOUT_EXPERT_MAJOR, delays[i / 2], i), 0);
+  char prefix[64];
+  snprintf(prefix, sizeof prefix, "epx-test-llmask-%d-", (int)getpid());
+  assert_int_equal(tu_shm_leftovers(prefix), 0);
+  alarm(0);
+}
+
 /* The refusals: a normal buffer, a comm whose transport keeps no mask. */
 static void test_refusals(void **state) {
   (void)state;
@@ -315,6 +471,7 @@ int main(void) {
       cmocka_unit_test(test_refusals),
       cmocka_unit_test(test_query_clean_threads),
       cmocka_unit_test(test_mask_threads),
+      cmocka_unit_test(test_mask_shm_sigkill),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

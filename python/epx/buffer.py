@@ -339,7 +339,8 @@ class Buffer(_Closable):
         collectives over the buffer's comm (epx_ll_mask_rank): they complete
         among the unmasked ranks, and routes to a masked rank's experts are
         dropped. Every survivor masks the same ranks; a local call, not a
-        collective. CPU buffers over a local comm; elsewhere EPX_ERROR_UNSUPPORTED."""
+        collective. CPU buffers over a local or shm comm; elsewhere
+        EPX_ERROR_UNSUPPORTED."""
         _check(lib.epx_ll_mask_rank(self._handle_ptr("Buffer.ll_mask_rank"), int(rank), 1 if masked else 0))
 
     def ll_query_mask(self):

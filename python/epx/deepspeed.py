@@ -21,6 +21,17 @@ Each local expert gets its own tokens as one 2-D ``[n, hidden]`` tensor
 (DeepSpeed gives it a ``[ep_size, 1, capacity, hidden]`` block padded with
 zero rows): experts that act row by row, an MLP, compute the same.
 
+A placement (``placement=``, an :class:`epx.Placement` with as many
+physical experts as logical ones: DeepSpeed's experts module holds
+``num_experts / ep_size`` experts a rank, so replicas are refused by name)
+puts each logical expert on the rank the placement says, local expert i
+being ``placement.local_logical(rank)[i]``; :meth:`MoE.move_placement`
+moves the experts' weights to a new one mid-training (collective,
+``epx.torch.move_expert_modules``)::
+
+    new = epx.torch.plan_placement(moe.deepspeed_moe, num_physical=num_experts)
+    moe.move_placement(new)                  # then rebuild the optimizer's state
+
 Not reproduced, refused with the fix: the random gates
 (``noisy_gate_policy`` "Jitter"/"RSample", ``top2_2nd_expert_sampling=True``
 with k=2), ``used_token``, Tutel, expert tensor parallelism. ``use_rts=True``
@@ -43,6 +54,10 @@ from epx import AuxCounts, DropPolicy, Exchange, QueueOrder, Status, Weighting
 from epx import _dropin
 
 __all__ = ["MoE", "MOELayer"]
+
+
+_NO_REPLICAS = ("DeepSpeed's experts module holds num_experts / ep_size experts a rank (its "
+                "expert-data-parallel groups and the optimizer are built on that count)")
 
 
 def _unsupported(fmt, *args):
@@ -100,7 +115,7 @@ class MOELayer(torch.nn.Module):
 
     def __init__(self, gate, experts, ep_group_name, ep_size, num_local_experts, *,
                  use_rts=True, rts_seed=0, max_tokens_per_rank=None, exchange=Exchange.DEDUP,
-                 timeout_seconds=None):
+                 timeout_seconds=None, placement=None):
         super().__init__()
         self.gate, self.experts = gate, experts
         self.ep_group, self.ep_group_name = None, ep_group_name
@@ -115,6 +130,25 @@ class MOELayer(torch.nn.Module):
                                                 "(the buffer then grows)")
         self.l_aux = self.exp_counts = None
         self.route_config = None  # (the gate's settings, their epx.RouteConfig)
+        self.placement = _et.elastic.dropin_placement("epx.deepspeed.MoE", placement,
+                                                      self.num_experts, ep_size, _NO_REPLICAS)
+
+    def move_placement(self, new_placement):
+        """Moves the experts to a new placement (collective over the
+        layer's comm; None: the contiguous map): the weights of each local
+        expert module are moved (epx_placement_move) and the buffer is
+        remade with the new map at the next forward. The parameters stay
+        the same objects; their .grad is cleared; an optimizer's state is
+        not moved. Call it between steps (after backward)."""
+        fn = "epx.deepspeed.MoE.move_placement"
+        new = _et.elastic.dropin_placement(fn, new_placement, self.num_experts, self.ep_size,
+                                           _NO_REPLICAS)
+        comm = self._comm_now()
+        _et.elastic.move_expert_modules(comm, self.experts.deepspeed_experts, self.placement,
+                                        new, self.num_experts)
+        self._epx_buffers.close()
+        self._epx_buffers = _dropin.BufferCache(self._epx_buffers.fn, self._epx_buffers.fix)
+        self.placement = new
 
     def _set_ep_group(self, ep_group):
         self.ep_group = ep_group
@@ -191,7 +225,8 @@ class MOELayer(torch.nn.Module):
         d = self._epx_buffers.dispatch(self._comm_now(), x2, r.topk_idx, r.topk_w,
                                        self.max_tokens_per_rank, weighting=Weighting.IN_COMBINE,
                                        num_experts=self.num_experts, max_top_k=self.gate.k,
-                                       exchange=self.exchange, expert_alignment=1)
+                                       exchange=self.exchange, expert_alignment=1,
+                                       placement=self.placement)
         out = _et.combine(d, self._run_experts(d))
         self.l_aux, self.exp_counts = r.aux_loss, r.expert_counts.to(torch.int64)
         return out.reshape(x.shape)
@@ -210,7 +245,7 @@ class MoE(_DeepSpeedMoE):
                  noisy_gate_policy=None, drop_tokens=True, use_rts=True, use_tutel=False,
                  enable_expert_tensor_parallelism=False, top2_2nd_expert_sampling=True, *,
                  rts_seed=0, max_tokens_per_rank=None, exchange=Exchange.DEDUP,
-                 timeout_seconds=None):
+                 timeout_seconds=None, placement=None):
         fn = "epx.deepspeed.MoE"
         if noisy_gate_policy not in (None, "None"):
             _unsupported("%s: noisy_gate_policy=%r is not supported; pass None", fn,
@@ -230,7 +265,11 @@ class MoE(_DeepSpeedMoE):
         self.deepspeed_moe = MOELayer(ds.gate, ds.experts, ds.ep_group_name, ep_size,
                                       self.num_local_experts, use_rts=use_rts, rts_seed=rts_seed,
                                       max_tokens_per_rank=max_tokens_per_rank, exchange=exchange,
-                                      timeout_seconds=timeout_seconds)
+                                      timeout_seconds=timeout_seconds, placement=placement)
+
+    def move_placement(self, new_placement):
+        """Moves the experts to a new placement (:meth:`MOELayer.move_placement`)."""
+        self.deepspeed_moe.move_placement(new_placement)
 
     def close(self):
         """Closes the layer's epx buffer and comm."""

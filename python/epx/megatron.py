@@ -42,6 +42,19 @@ router moves to the current CUDA device)::
         epx.megatron.install(layer)
         out, bias = layer(x)
 
+A placement (``placement=``, an :class:`epx.Placement` with as many
+physical experts as logical ones: Megatron's experts module holds
+``num_moe_experts / expert_model_parallel_size`` experts a rank, so replicas
+are refused by name) puts each logical expert on the rank it names, local
+expert i of the layer's experts module serving
+``placement.local_logical(rank)[i]``; ``install(model, placement=p)`` moves
+the built model's experts there, and :func:`move_placement` moves a layer's
+experts to a new placement mid-training (collective; the experts module a
+``SequentialMLP``: the grouped-GEMM ones are refused by name)::
+
+    new = epx.torch.plan_placement(layer.token_dispatcher, num_physical=E)
+    epx.megatron.move_placement(layer, new)   # then rebuild the optimizer's state
+
 Not supported (refused at construction, naming the setting):
 ``moe_pad_expert_input_to_capacity``, ``moe_router_padding_for_quantization``
 and ``moe_shared_expert_overlap`` (the MoELayer then runs its shared experts
@@ -65,7 +78,10 @@ from epx import Exchange, Status
 from epx import _dropin
 from epx.torch.dispatcher import check_routing_map_rows, routing_map_topk
 
-__all__ = ["EpxTokenDispatcher", "install", "cpu_shim"]
+__all__ = ["EpxTokenDispatcher", "install", "move_placement", "cpu_shim"]
+
+_NO_REPLICAS = ("Megatron's experts module holds num_moe_experts / expert_model_parallel_size "
+                "experts a rank (fixed when the MoELayer is built)")
 
 _UNSUPPORTED = (
     ("moe_pad_expert_input_to_capacity", "epx's expert-major layout is dropless here; capacity "
@@ -161,6 +177,9 @@ class EpxTokenDispatcher(MoETokenDispatcher):
     those of Megatron's dispatchers (pg_collection None: Megatron's global
     parallel state). comm: an epx.Comm over the expert-parallel group (its
     rank order the group's); None makes one (closed by :meth:`close`).
+    placement: an epx.Placement without replicas (local expert i serves
+    placement.local_logical(ep rank)[i]; the weights are the caller's to
+    put there: install and move_placement do) or None, the contiguous map.
     max_tokens_per_rank: the most tokens a step gives a rank (default None:
     the first step's most, grown on every rank together when a larger step
     comes). exchange: epx.Exchange.DEDUP (a token sent once per rank) or
@@ -168,7 +187,7 @@ class EpxTokenDispatcher(MoETokenDispatcher):
 
     def __init__(self, num_local_experts, local_expert_indices, config, pg_collection=None, *,
                  comm=None, max_tokens_per_rank=None, exchange=Exchange.DEDUP,
-                 timeout_seconds=None):
+                 timeout_seconds=None, placement=None):
         if pg_collection is None:
             pg_collection = _default_pg_collection()
         super().__init__(config=config, pg_collection=pg_collection)
@@ -196,6 +215,8 @@ class EpxTokenDispatcher(MoETokenDispatcher):
                           self.comm.rank, self.comm.size, ep_rank, self.ep_size)
         self.max_tokens_per_rank = max_tokens_per_rank
         self.exchange = Exchange(exchange)
+        self.placement = _et.elastic.dropin_placement(fn, placement, self.num_experts,
+                                                      self.ep_size, _NO_REPLICAS)
         self._epx_buffers = _dropin.BufferCache(fn, "pass max_tokens_per_rank=%d (or more) to "
                                                 "EpxTokenDispatcher or epx.megatron.install(), "
                                                 "or leave it None (the buffer then grows)")
@@ -257,7 +278,7 @@ class EpxTokenDispatcher(MoETokenDispatcher):
         d = self._epx_buffers.dispatch(self.comm, hidden_states, self._topk_idx, probs,
                                        self.max_tokens_per_rank, num_experts=self.num_experts,
                                        max_top_k=self.top_k, exchange=self.exchange,
-                                       expert_alignment=1)
+                                       expert_alignment=1, placement=self.placement)
         self._step = SimpleNamespace(d=d)
         return d.recv_x, d.recv_w
 
@@ -321,11 +342,47 @@ class EpxTokenDispatcher(MoETokenDispatcher):
         return hidden_states.view(self.hidden_shape)
 
 
+def _local_experts(fn, layer):
+    """The per-expert modules of a MoELayer's experts (a SequentialMLP's),
+    in slot order."""
+    experts = getattr(getattr(layer, "experts", None), "local_experts", None)
+    if experts is None:
+        _epx._refuse(Status.ERROR_UNSUPPORTED, "%s: the layer's experts module is a %s, whose "
+                     "weights are not one module per expert; moving experts takes a "
+                     "SequentialMLP (moe_grouped_gemm=False), or use epx.torch.MoE", fn,
+                     type(getattr(layer, "experts", None)).__name__)
+    return experts
+
+
+def move_placement(layer, new_placement):
+    """Moves a Megatron MoELayer whose dispatcher is an EpxTokenDispatcher to
+    a new placement (collective over its expert-parallel group; None: the
+    contiguous map): each local expert's weights are moved
+    (epx.torch.move_expert_modules: epx_placement_move) and the dispatcher
+    remakes its buffer with the new map at the next dispatch. The
+    parameters stay the same objects, their .grad cleared; an optimizer's
+    state is not moved. Call it between steps (after backward)."""
+    fn = "epx.megatron.move_placement"
+    disp = getattr(layer, "token_dispatcher", None)
+    if not isinstance(disp, EpxTokenDispatcher):
+        _epx._invalid("%s: the layer's token_dispatcher is a %s; install epx first "
+                      "(epx.megatron.install)", fn, type(disp).__name__)
+    new = _et.elastic.dropin_placement(fn, new_placement, disp.num_experts, disp.ep_size,
+                                       _NO_REPLICAS)
+    _et.elastic.move_expert_modules(disp.comm, _local_experts(fn, layer), disp.placement, new,
+                                    disp.num_experts)
+    disp._epx_buffers.close()
+    disp._epx_buffers = _dropin.BufferCache(disp._epx_buffers.fn, disp._epx_buffers.fix)
+    disp.placement = new
+
+
 def install(module, **options):
     """Replaces the token dispatcher of every Megatron MoE layer inside
     `module` (itself included) by an :class:`EpxTokenDispatcher` over the
     same groups; the layers of one expert-parallel group share one epx comm
-    unless options give `comm`. Returns the new dispatchers; with none (no
+    unless options give `comm`. With options' `placement`, each layer's
+    experts (built on the contiguous map) are moved there (collective, as
+    :func:`move_placement`). Returns the new dispatchers; with none (no
     MoE layer with a dispatcher inside `module`: called before the model
     was built, or on a pipeline stage of dense layers only) a warning says
     so."""
@@ -342,7 +399,10 @@ def install(module, **options):
             if key not in comms:
                 comms[key] = _dropin.comm_of(old.ep_group, opts.get("timeout_seconds"))
             opts["comm"] = comms[key]
+        placement = opts.pop("placement", None)
         m.token_dispatcher = EpxTokenDispatcher.replacing(old, **opts)
+        if placement is not None:
+            move_placement(m, placement)
         made.append(m.token_dispatcher)
     if not made:
         warnings.warn("epx.megatron.install: %s holds no Megatron MoE layer (a BaseMoELayer with "

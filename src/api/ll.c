@@ -310,11 +310,11 @@ static epx_status_t check_mask_transport(epx_buffer_t b, const char *fn) {
   if (b->config.device != EPX_DEVICE_CPU)
     return epx_error(EPX_ERROR_UNSUPPORTED,
                      "%s: the buffer is a CUDA buffer; the active-rank mask serves CPU buffers over a local "
-                     "comm in this version (shrink the comm: epx_comm_shrink)", fn);
+                     "or shm comm in this version (shrink the comm: epx_comm_shrink)", fn);
   if (!b->comm->ops->mask)
     return epx_error(EPX_ERROR_UNSUPPORTED,
                      "%s: the buffer's comm is a %s comm, whose transport keeps no active-rank mask in this "
-                     "version (the local transport does); shrink the comm instead (epx_comm_shrink)", fn,
+                     "version (the local and shm transports do); shrink the comm instead (epx_comm_shrink)", fn,
                      b->comm->ops->name);
   return EPX_SUCCESS;
 }

@@ -4,11 +4,15 @@
  * local.c beside the world they build. */
 #include "comm/comm.h"
 
+#include <errno.h>
 #include <math.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
 #include <time.h>
 
 #include "core/config.h"
@@ -320,4 +324,28 @@ void epx_comm_world_timeout_reason(char *out, size_t out_size, int32_t size,
     snprintf(ranks + used, sizeof ranks - used, ", ... (%d in all)", missing);
   snprintf(out, out_size, "rank%s %s did not arrive within %g s (comm timeout_seconds)",
            missing > 1 ? "s" : "", ranks, timeout);
+}
+
+uint64_t epx_comm_pid_ns(void) {
+  struct stat info;
+  return stat("/proc/self/ns/pid", &info) == 0 ? (uint64_t)info.st_ino : 0;
+}
+
+char epx_comm_process_state(int32_t pid, uint64_t pid_ns, uint64_t own_pid_ns) {
+  if (pid <= 0 || !pid_ns || pid_ns != own_pid_ns) return 0;
+  if (kill(pid, 0) != 0 && errno == ESRCH) return 'X';
+  char path[48], line[256];
+  snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+  FILE *f = fopen(path, "r");
+  if (!f) return 0;
+  size_t n = fread(line, 1, sizeof line - 1, f);
+  fclose(f);
+  line[n] = 0;
+  const char *end = strrchr(line, ')');
+  return end && end[1] == ' ' ? end[2] : 0;
+}
+
+int epx_comm_process_gone(int32_t pid, uint64_t pid_ns, uint64_t own_pid_ns) {
+  char state = epx_comm_process_state(pid, pid_ns, own_pid_ns);
+  return state == 'Z' || state == 'X';
 }

@@ -67,6 +67,17 @@ epx_status_t epx_comm_config_timeout(const char *caller, const epx_comm_config_t
 /* epx_comm_new with the config's timeout, checked. */
 epx_status_t epx_comm_new_configured(const char *fn, const epx_comm_config_t *config, epx_comm_t *out);
 
+/* Processes of one host (the shm transport's peers, an NCCL comm's peers
+ * for its shrink). epx_comm_pid_ns: this process's pid namespace (0 when
+ * /proc does not say); pids are compared only inside one.
+ * epx_comm_process_state: the state letter of /proc/<pid>/stat ('X' when
+ * the process is gone, 'Z' a zombie, 'T' stopped), or 0 when this process
+ * cannot tell (another namespace, or no /proc). epx_comm_process_gone: 1
+ * when it has ended (gone or a zombie). */
+uint64_t epx_comm_pid_ns(void);
+char epx_comm_process_state(int32_t pid, uint64_t pid_ns, uint64_t own_pid_ns);
+int epx_comm_process_gone(int32_t pid, uint64_t pid_ns, uint64_t own_pid_ns);
+
 /* Test support (tests/test_shm.c): takes the shm world's lock and keeps it,
  * so that the process can die holding it. */
 void epx_comm_shm_test_hold_lock(epx_comm_t comm);

@@ -32,9 +32,22 @@
  * blocks there only to connect peers (done here at creation, by one warm-up
  * of every operation the comms carry, while every rank is known to be in
  * the same call) or when its work queue is full. Host waits stay polled and
- * bounded (ncclCommAbort works on blocking comms too). */
+ * bounded (ncclCommAbort works on blocking comms too).
+ *
+ * Shrink (epx_comm_shrink): a failure revokes epx's own main comm
+ * (ncclCommRevoke, NCCL 2.28: its work stops, the handle stays) instead of
+ * aborting it, and aborts the splits; the survivors then make their comm
+ * with ncclCommShrink (NCCL 2.27; NCCL_SHRINK_ABORT after a failure or a
+ * lost rank, NCCL_SHRINK_DEFAULT otherwise) and split and warm it as a new
+ * comm. Both calls are looked up in the loaded NCCL at run time, not linked:
+ * libepx loads against an older libnccl.so.2 (PyTorch's) as before, and
+ * there a failure aborts and a shrink is refused by name. NCCL does not say
+ * which rank was lost: the survivors find it themselves, as a peer of this
+ * host whose process has ended (each rank's host and pid are gathered at
+ * creation), so a failed comm whose peers span hosts is refused. */
 #include "core/nccl.h"
 
+#include <dlfcn.h>
 #include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -64,7 +77,10 @@ typedef struct nccl_state {
    * [CONTROL] the host collectives. A split that failed is the main comm. */
   ncclComm_t comms[COMMS];
   int owned;            /* epx created it (destroy it), else the caller's */
-  int aborted;          /* ncclCommAbort ran: the handle is gone */
+  int aborted;          /* ncclCommAbort ran on the main comm: the handle is gone */
+  int revoked;          /* ncclCommRevoke ran on it (the splits are aborted): it serves a shrink and the destroy */
+  int shrunk;           /* epx_comm_shrink made the survivors' comm from it: the destroy aborts it */
+  int64_t *peers;       /* [size][3]: each rank's host key, pid and pid namespace (the shrink's lost ranks) */
   int device;
   cudaStream_t stream;  /* the host collectives' stream */
   void *scratch;        /* device staging of the host collectives */
@@ -73,17 +89,67 @@ typedef struct nccl_state {
   char reason[768];     /* why the comm failed */
 } nccl_state_t;
 
-/* Fails the comm once: aborts the NCCL comm so its kernels stop, and keeps
- * the reason for later calls. */
+#ifndef NCCL_SHRINK_DEFAULT /* headers older than 2.27: the values are NCCL's */
+#define NCCL_SHRINK_DEFAULT 0x00
+#define NCCL_SHRINK_ABORT 0x01
+#endif
+#ifndef NCCL_REVOKE_DEFAULT
+#define NCCL_REVOKE_DEFAULT 0x00
+#endif
+
+typedef ncclResult_t (*nccl_shrink_fn)(ncclComm_t, int *, int, ncclComm_t *, ncclConfig_t *, int);
+typedef ncclResult_t (*nccl_revoke_fn)(ncclComm_t, int);
+
+/* The NCCL version loaded in this process (0 when it does not say). */
+static int nccl_loaded_version(void) {
+  int version = 0;
+  return ncclGetVersion(&version) == ncclSuccess ? version : 0;
+}
+
+/* `name` in the NCCL library this process loaded, when its version is at
+ * least `min_version`; else NULL. */
+static void *nccl_symbol(const char *name, int min_version) {
+  Dl_info info;
+  if (nccl_loaded_version() < min_version || !dladdr((void *)ncclGetVersion, &info) || !info.dli_fname) return NULL;
+  void *lib = dlopen(info.dli_fname, RTLD_LAZY | RTLD_NOLOAD);
+  if (!lib) return NULL;
+  void *symbol = dlsym(lib, name);
+  dlclose(lib); /* RTLD_NOLOAD took a reference on the loaded library only */
+  return symbol;
+}
+
+/* Aborts the split comms (epx's own, distinct from the main one). */
+static void abort_splits(nccl_state_t *s) {
+  for (int i = CONTROL; i >= DATA; i--) {
+    ncclComm_t c = s->comms[i];
+    s->comms[i] = NULL;
+    if (c && c != s->comms[MAIN] && (i == DATA || c != s->comms[DATA])) ncclCommAbort(c);
+  }
+}
+
+/* Fails the comm once: stops its NCCL work so its kernels end (the splits
+ * aborted; epx's own main comm revoked where NCCL has ncclCommRevoke, kept
+ * for epx_comm_shrink, else aborted with a caller's), and keeps the reason
+ * for later calls. */
 static epx_status_t fail_comm(epx_comm_t comm, epx_status_t code, const char *caller, const char *what) {
   nccl_state_t *s = comm->impl;
-  if (!s->aborted) {
-    for (int i = COMMS - 1; i >= 0; i--)
-      if (s->comms[i] && (i == MAIN || s->comms[i] != s->comms[MAIN])) ncclCommAbort(s->comms[i]);
-    s->aborted = 1;
+  if (!s->aborted && !s->revoked) {
+    abort_splits(s);
+    nccl_revoke_fn revoke = s->owned ? (nccl_revoke_fn)nccl_symbol("ncclCommRevoke", 22800) : NULL;
+    ncclResult_t r = revoke ? revoke(s->comms[MAIN], NCCL_REVOKE_DEFAULT) : ncclInvalidUsage;
+    if (r == ncclSuccess || r == ncclInProgress) {
+      s->revoked = 1;
+    } else {
+      ncclCommAbort(s->comms[MAIN]);
+      s->aborted = 1;
+    }
   }
   comm->failed = 1;
   snprintf(s->reason, sizeof s->reason, "%s", what);
+  if (s->revoked)
+    return epx_error(code,
+                     "%s: %s; the NCCL comm's work was stopped (ncclCommRevoke): the survivors go on "
+                     "with epx_comm_shrink, or destroy the epx comm and create a new one", caller, what);
   return epx_error(code,
                    "%s: %s; the NCCL comm was aborted (a caller's ncclComm_t too: do not use or "
                    "destroy it); destroy the epx comm and create a new one", caller, what);
@@ -100,7 +166,7 @@ static epx_status_t nccl_error(epx_comm_t comm, ncclResult_t r, const char *call
   nccl_state_t *s = comm->impl;
   char text[640];
   snprintf(text, sizeof text, "%s failed on rank %d of %d: %s (%s)", what, comm->rank, comm->size,
-           ncclGetErrorString(r), s->aborted ? "" : ncclGetLastError(s->comms[MAIN]));
+           ncclGetErrorString(r), s->aborted || s->revoked ? "" : ncclGetLastError(s->comms[MAIN]));
   return fail_comm(comm, EPX_ERROR_TRANSPORT, caller, text);
 }
 
@@ -364,6 +430,13 @@ static void nccl_destroy(epx_comm_t comm) {
   nccl_state_t *s = comm->impl;
   if (!s) return;
   cudaSetDevice(s->device);
+  if (s->revoked || s->shrunk) {
+    /* Revoked (finalize is invalid then) or left for the survivors' comm,
+     * whose peers do not finalize this one with it. */
+    abort_splits(s);
+    if (s->owned && !s->aborted) ncclCommAbort(s->comms[MAIN]);
+    s->aborted = 1;
+  }
   destroy_splits(s);
   if (s->owned && !s->aborted) {
     /* A failed comm was aborted already; a live one is finished cleanly,
@@ -378,12 +451,17 @@ static void nccl_destroy(epx_comm_t comm) {
   if (s->scratch) cudaFree(s->scratch);
   if (s->mirror) cudaFreeHost(s->mirror);
   if (s->stream) cudaStreamDestroy(s->stream);
+  free(s->peers);
   free(s);
   comm->impl = NULL;
 }
 
+static epx_status_t nccl_shrink(epx_comm_t comm, const char *caller, double timeout_seconds,
+                                int32_t ranks_per_node, uint8_t *lost, epx_comm_t *survivor);
+
 static const epx_transport_ops_t nccl_ops = {
     .name = "nccl",
+    .shrink = nccl_shrink,
     .alltoall = nccl_alltoall,
     .alltoallv = nccl_alltoallv,
     .allgather = nccl_allgather,
@@ -489,20 +567,41 @@ static int64_t host_key(void) {
   return (int64_t)(h >> 1);
 }
 
-static epx_status_t finish_create(epx_comm_t created, ncclComm_t nc, int owned, const char *fn,
-                                  const epx_comm_config_t *config, epx_comm_t *comm) {
-  int32_t ranks_per_node = 0;
+/* Each rank's host key, pid and pid namespace, for a shrink (one allgather). */
+static epx_status_t gather_peers(epx_comm_t comm, const char *fn) {
+  nccl_state_t *s = comm->impl;
+  s->peers = malloc(sizeof(int64_t) * 3 * (size_t)comm->size);
+  if (!s->peers) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
+  const int64_t mine[3] = {host_key(), (int64_t)getpid(), (int64_t)epx_comm_pid_ns()};
+  return nccl_allgather(comm, fn, mine, s->peers, sizeof mine);
+}
+
+/* The comm around nc, split, warmed and its topology known; on failure
+ * nothing of it is left (nc aborted when owned). */
+static epx_status_t init_comm(epx_comm_t created, ncclComm_t nc, int owned, const char *fn, int32_t ranks_per_node) {
   int64_t key = host_key();
-  epx_status_t status = epx_comm_config_ranks_per_node(fn, config, &ranks_per_node);
-  if (status == EPX_SUCCESS) status = init_state(created, nc, owned, fn);
+  epx_status_t status = init_state(created, nc, owned, fn);
   if (status == EPX_SUCCESS) status = epx_comm_topology_init(created, fn, ranks_per_node, &key);
+  if (status == EPX_SUCCESS) status = gather_peers(created, fn);
   if (status != EPX_SUCCESS) {
     if (created->impl) nccl_destroy(created);
     epx_comm_free(created);
+  }
+  return status;
+}
+
+static epx_status_t finish_create(epx_comm_t created, ncclComm_t nc, int owned, const char *fn,
+                                  const epx_comm_config_t *config, epx_comm_t *comm) {
+  int32_t ranks_per_node = 0;
+  epx_status_t status = epx_comm_config_ranks_per_node(fn, config, &ranks_per_node);
+  if (status != EPX_SUCCESS) {
+    if (owned) ncclCommAbort(nc);
+    epx_comm_free(created);
     return status;
   }
-  *comm = created->id;
-  return EPX_SUCCESS;
+  status = init_comm(created, nc, owned, fn, ranks_per_node);
+  if (status == EPX_SUCCESS) *comm = created->id;
+  return status;
 }
 
 epx_status_t epx_nccl_get_unique_id(epx_nccl_unique_id_t *id) {
@@ -584,6 +683,126 @@ epx_status_t epx_comm_create_nccl_mpi(const void *mpi_comm, const epx_comm_confi
                    "%s: this build of epx has no MPI; share the id of epx_nccl_get_unique_id yourself and call "
                    "epx_comm_create_nccl_id, or rebuild with MPI", fn);
 #endif
+}
+
+/* ------------------------------------------------------------------------ */
+/* Shrink (epx_comm_shrink)                                                  */
+/* ------------------------------------------------------------------------ */
+
+/* The lost ranks (lost[p] = 1, *count of them): the peers of this host
+ * whose process has ended. A failed comm with a peer on another host is
+ * refused: NCCL does not say which rank was lost, and this rank cannot see
+ * that host's processes. */
+static epx_status_t find_lost(epx_comm_t comm, const char *caller, uint8_t *lost, int *count) {
+  const nccl_state_t *s = comm->impl;
+  const int64_t *mine = s->peers + 3 * (size_t)comm->rank;
+  *count = 0;
+  for (int32_t p = 0; p < comm->size; p++) {
+    const int64_t *peer = s->peers + 3 * (size_t)p;
+    lost[p] = 0;
+    if (p == comm->rank) continue;
+    if (peer[0] != mine[0] || peer[2] != mine[2]) {
+      if (comm->failed)
+        return epx_error(EPX_ERROR_UNSUPPORTED,
+                         "%s: the NCCL comm failed and rank %d is on another host (or pid namespace): NCCL does "
+                         "not say which rank was lost, and epx finds it only among this host's processes; "
+                         "create a new comm among the survivors (epx_nccl_get_unique_id on one of them, then "
+                         "epx_comm_create_nccl_id)", caller, p);
+      continue;
+    }
+    lost[p] = (uint8_t)epx_comm_process_gone((int32_t)peer[1], (uint64_t)peer[2], (uint64_t)mine[2]);
+    *count += lost[p];
+  }
+  return EPX_SUCCESS;
+}
+
+/* Over once the revoked main comm is quiescent (its state leaves ncclInProgress). */
+static int revoked_poll(void *ctx, epx_status_t *status) {
+  const comm_wait_t *w = ctx;
+  ncclResult_t state = ncclSuccess;
+  ncclResult_t r = ncclCommGetAsyncError(((nccl_state_t *)w->comm->impl)->comms[MAIN], &state);
+  *status = EPX_SUCCESS;
+  if (r != ncclSuccess) *status = epx_error(EPX_ERROR_TRANSPORT, "%s: ncclCommGetAsyncError after ncclCommRevoke: %s",
+                                            w->caller, ncclGetErrorString(r));
+  return r != ncclSuccess || state != ncclInProgress;
+}
+
+static epx_status_t revoked_timed_out(void *ctx) {
+  const comm_wait_t *w = ctx;
+  return epx_error(EPX_ERROR_TIMEOUT,
+                   "%s: the revoked NCCL comm did not quiesce within %.3g s on rank %d (its work did not "
+                   "stop); destroy the comm and create a new one among the survivors", w->caller,
+                   w->comm->timeout_seconds, w->comm->rank);
+}
+
+/* Why this comm cannot shrink (or success). */
+static epx_status_t shrink_refusal(epx_comm_t comm, const char *caller, nccl_shrink_fn shrink) {
+  const nccl_state_t *s = comm->impl;
+  if (!shrink)
+    return epx_error(EPX_ERROR_UNSUPPORTED,
+                     "%s: the NCCL loaded in this process (version code %d) has no ncclCommShrink, which "
+                     "NCCL 2.27 added; load a newer libnccl.so.2 (2.28 also stops a failed comm's work "
+                     "without aborting it, which a shrink after a failure needs), or create a new comm "
+                     "among the survivors", caller, nccl_loaded_version());
+  if (s->shrunk) return epx_comm_shrink_join_refusal(comm, caller, 1, 0, comm->timeout_seconds);
+  if (s->aborted)
+    return epx_error(EPX_ERROR_UNSUPPORTED,
+                     "%s: the NCCL comm was aborted when its failure was found (%s), so ncclCommShrink has "
+                     "no parent: %s; create a new comm among the survivors", caller, s->reason,
+                     s->owned ? "this NCCL has no ncclCommRevoke (2.28) to stop it without aborting"
+                              : "epx aborts a caller's ncclComm_t (epx_comm_create_nccl); shrink it yourself "
+                                "with ncclCommShrink and wrap the result");
+  return EPX_SUCCESS;
+}
+
+static epx_status_t nccl_shrink(epx_comm_t comm, const char *caller, double timeout_seconds,
+                                int32_t ranks_per_node, uint8_t *lost, epx_comm_t *survivor) {
+  nccl_state_t *s = comm->impl;
+  nccl_shrink_fn shrink = (nccl_shrink_fn)nccl_symbol("ncclCommShrink", 22700);
+  epx_status_t status = shrink_refusal(comm, caller, shrink);
+  int count = 0;
+  if (status == EPX_SUCCESS) status = find_lost(comm, caller, lost, &count);
+  if (status != EPX_SUCCESS) return status;
+  EPX_REQUIRE(ranks_per_node == 0 || (comm->size - count) % ranks_per_node == 0,
+              "%s: config->ranks_per_node is %d, which does not divide the %d survivors; pass a divisor of it, "
+              "or 0", caller, ranks_per_node, comm->size - count);
+  const int flags = comm->failed || count ? NCCL_SHRINK_ABORT : NCCL_SHRINK_DEFAULT;
+  cudaSetDevice(s->device);
+  if (s->revoked) {
+    comm_wait_t w = {comm, caller, "ncclCommRevoke", NULL};
+    status = epx_wait_bounded(comm->timeout_seconds, revoked_poll, &w, revoked_timed_out);
+    if (status != EPX_SUCCESS) return status;
+  }
+  int exclude[count > 0 ? count : 1], n = 0;
+  for (int32_t p = 0; p < comm->size; p++)
+    if (lost[p]) exclude[n++] = p;
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0; /* bounded as a creation is: init_state settles it */
+#if NCCL_VERSION_CODE >= 22700
+  config.shrinkShare = 0; /* nothing of the parent, which its destroy aborts */
+#endif
+  ncclComm_t nc = NULL;
+  ncclResult_t r = shrink(s->comms[MAIN], exclude, count, &nc, &config, flags);
+  /* The old comm is the survivors' no longer, whatever came of it: its
+   * later calls refuse, and its destroy aborts it. */
+  if (!s->revoked) abort_splits(s);
+  s->shrunk = 1;
+  if (!comm->failed) snprintf(s->reason, sizeof s->reason, "rank %d shrank the comm (epx_comm_shrink)", comm->rank);
+  comm->failed = 1;
+  if (r != ncclSuccess && r != ncclInProgress)
+    return epx_error(EPX_ERROR_TRANSPORT, "%s: ncclCommShrink (rank %d of %d, %d lost, %s) failed: %s (%s); destroy "
+                     "the comm and create a new one among the survivors", caller, comm->rank, comm->size, count,
+                     flags == NCCL_SHRINK_ABORT ? "NCCL_SHRINK_ABORT" : "NCCL_SHRINK_DEFAULT", ncclGetErrorString(r),
+                     ncclGetLastError(s->comms[MAIN]));
+  epx_comm_t created = NULL;
+  status = epx_comm_new(caller, timeout_seconds, &created);
+  if (status != EPX_SUCCESS) {
+    ncclCommAbort(nc);
+    return status;
+  }
+  status = init_comm(created, nc, 1, caller, ranks_per_node);
+  if (status == EPX_SUCCESS) *survivor = created;
+  return status;
 }
 
 #else /* no NCCL in this build */

@@ -57,8 +57,8 @@
 #include "comm/comm.h"
 #include "core/error.h"
 
-/* "epxshm04": the layout below; a rank built from another layout refuses. */
-#define SHM_MAGIC 0x65707873686d3034ULL
+/* "epxshm05": the layout below; a rank built from another layout refuses. */
+#define SHM_MAGIC 0x65707873686d3035ULL
 #define SHM_NAME_MAX 200
 /* A comm's own name: the caller's, or a shrink's "<name>.g<N>". */
 #define SHM_PATH_MAX (SHM_NAME_MAX + 16)
@@ -98,6 +98,7 @@ typedef struct shm_slot {
   /* The shrink (see shm_shrink), under the mutex. */
   int32_t suspect;       /* the world's failure named it missing or gone */
   int32_t shrink_joined; /* it called epx_comm_shrink on this world */
+  int32_t masked;        /* out of the collectives (epx_ll_mask_rank; see shm_mask) */
 } shm_slot_t;
 
 typedef struct shm_world {
@@ -116,6 +117,8 @@ typedef struct shm_world {
   /* Under lock. */
   uint64_t generation;
   int32_t arrived;
+  int32_t live;     /* ranks a barrier waits for: size less the masked */
+  uint32_t revived; /* failures a mask cleared (shm_mask): a waiter of the failed barrier sees it move */
   int32_t attached;
   int32_t failed;
   int32_t fail_status;
@@ -141,6 +144,8 @@ typedef struct shm_state {
   char base[SHM_NAME_MAX + 1]; /* the caller's name, and how many shrinks */
   uint32_t shrinks;            /* made this comm's from it (shm_shrink) */
   shm_map_t *maps; /* [size]; maps[rank] is the own data segment */
+  uint8_t *masked; /* [size]: the ranks masked when the last gather completed (their blocks are not read) */
+  uint32_t revived_seen; /* the world's `revived` when this rank last had the world's failure */
   int own_linked;  /* the own data segment's name is still in /dev/shm */
   int locked;      /* this process holds the world's lock */
   int32_t locked_as; /* the rank it took the lock as (-1: none yet) */
@@ -156,33 +161,12 @@ static void shm_data_name(char *out, size_t cap, const shm_state_t *st, int32_t 
   snprintf(out, cap, "%s.%d.%llu", st->name, rank, (unsigned long long)seq);
 }
 
-/* The pid namespace of this process (0 when /proc does not say): pids are
- * compared only inside one. */
-static uint64_t shm_pid_ns(void) {
-  struct stat info;
-  return stat("/proc/self/ns/pid", &info) == 0 ? (uint64_t)info.st_ino : 0;
-}
-
-/* 1 when the process `pid` of namespace `pid_ns` has ended (gone, or a zombie
- * its parent has not reaped yet); 0 when alive or when this process cannot
- * tell (another pid namespace). */
 static char shm_process_state(const shm_state_t *st, int32_t pid, uint64_t pid_ns) {
-  if (pid <= 0 || !pid_ns || pid_ns != st->pid_ns) return 0;
-  if (kill(pid, 0) != 0 && errno == ESRCH) return 'X';
-  char path[48], line[256];
-  snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
-  FILE *f = fopen(path, "r");
-  if (!f) return 0;
-  size_t n = fread(line, 1, sizeof line - 1, f);
-  fclose(f);
-  line[n] = 0;
-  const char *end = strrchr(line, ')');
-  return end && end[1] == ' ' ? end[2] : 0;
+  return epx_comm_process_state(pid, pid_ns, st->pid_ns);
 }
 
 static int shm_process_gone(const shm_state_t *st, int32_t pid, uint64_t pid_ns) {
-  char state = shm_process_state(st, pid, pid_ns);
-  return state == 'Z' || state == 'X';
+  return epx_comm_process_gone(pid, pid_ns, st->pid_ns);
 }
 
 /* An attached rank other than `self` whose process is stopped (SIGSTOP or a
@@ -206,7 +190,7 @@ static int32_t shm_gone_rank(const shm_state_t *st, uint64_t generation, int any
   const shm_world_t *w = st->world;
   for (int32_t p = 0; p < w->size; p++) {
     const shm_slot_t *slot = &w->slots[p];
-    if (!slot->attached || (!any && slot->arrived == generation + 1)) continue;
+    if (!slot->attached || slot->masked || (!any && slot->arrived == generation + 1)) continue;
     if (shm_process_gone(st, slot->pid, slot->pid_ns)) return p;
   }
   return -1;
@@ -333,15 +317,39 @@ static epx_status_t shm_nap_locked(shm_state_t *st, int32_t rank, const char *ca
 
 static epx_status_t shm_failed_error_locked(epx_comm_t comm, const char *caller,
                                             uint64_t generation) {
-  shm_world_t *w = ((shm_state_t *)comm->impl)->world;
+  shm_state_t *st = comm->impl;
+  shm_world_t *w = st->world;
   comm->failed = 1;
+  st->revived_seen = w->revived;
   return epx_comm_world_failed_error(caller, generation == w->fail_generation,
                                      (epx_status_t)w->fail_status, w->fail_caller, w->fail_reason);
 }
 
+/* The world's failure as this rank's error on entering a barrier (under
+ * lock), or success. A failure that a mask cleared while this rank was
+ * outside the barriers (between two collectives, or copying between a
+ * gather and its release) is still this rank's: it masks too, then goes on,
+ * so every survivor fails the same step (see shm_mask). */
+static epx_status_t shm_check_failed_locked(epx_comm_t comm, const char *caller) {
+  shm_state_t *st = comm->impl;
+  shm_world_t *w = st->world;
+  if (w->failed) return shm_failed_error_locked(comm, caller, UINT64_MAX);
+  if (w->revived == st->revived_seen) return EPX_SUCCESS;
+  comm->failed = 1;
+  st->revived_seen = w->revived;
+  return epx_comm_world_failed_error(caller, 1, (epx_status_t)w->fail_status, w->fail_caller, w->fail_reason);
+}
+
 static int shm_arrived(const void *world, int32_t rank) {
   const shm_world_t *w = world;
-  return w->slots[rank].arrived == w->generation + 1;
+  return w->slots[rank].masked || w->slots[rank].arrived == w->generation + 1;
+}
+
+/* The error of a masked rank's collective. */
+static epx_status_t shm_masked_error(epx_comm_t comm, const char *caller) {
+  return epx_error(EPX_ERROR_PEER_FAILED,
+                   "%s: rank %d is masked out of this comm's collectives (epx_ll_mask_rank on a "
+                   "peer); its peers go on without it", caller, comm->rank);
 }
 
 static void shm_fail_timeout_locked(shm_state_t *st, uint64_t generation, const char *caller) {
@@ -361,16 +369,20 @@ static void shm_fail_timeout_locked(shm_state_t *st, uint64_t generation, const 
 }
 
 /* Waits (under lock) until the barrier of `generation` completes, the world
- * fails, a missing rank's process is found gone, or the timeout passes. The
- * lock is let go while it sleeps; if it cannot be taken back in time, the
- * error says who holds it and the lock is not held on return. */
+ * fails, this rank is masked, a missing rank's process is found gone, or the
+ * timeout passes. A failure that a mask cleared while this rank slept (the
+ * world's `revived` moved) is still this barrier's failure. The lock is let
+ * go while it sleeps; if it cannot be taken back in time, the error says who
+ * holds it and the lock is not held on return. */
 static epx_status_t shm_wait_locked(epx_comm_t comm, const char *caller, uint64_t generation) {
   shm_state_t *st = comm->impl;
   shm_world_t *w = st->world;
   int bounded = shm_bounded(w->timeout_seconds);
   double start = shm_now(), deadline = start + (bounded ? w->timeout_seconds : 0);
   double next_check = start + SHM_SLICE_SECONDS;
-  while (w->generation == generation && !w->failed) {
+  const uint32_t revived = w->revived;
+  while (w->generation == generation && !w->failed && w->revived == revived &&
+         !w->slots[comm->rank].masked) {
     double now = shm_now(), left = bounded ? deadline - now : SHM_SLICE_SECONDS;
     /* The peers' processes are looked at once a wait has lasted a slice (it
      * costs a read of /proc per missing rank: not on every wake). */
@@ -396,7 +408,14 @@ static epx_status_t shm_wait_locked(epx_comm_t comm, const char *caller, uint64_
       return locked;
     }
   }
+  if (w->revived != revived) {
+    comm->failed = 1;
+    st->revived_seen = w->revived;
+    return epx_comm_world_failed_error(caller, 1, (epx_status_t)w->fail_status, w->fail_caller,
+                                       w->fail_reason);
+  }
   if (w->generation != generation) return EPX_SUCCESS;
+  if (!w->failed) return shm_masked_error(comm, caller);
   return shm_failed_error_locked(comm, caller, generation);
 }
 
@@ -405,7 +424,7 @@ static epx_status_t shm_arrive_locked(epx_comm_t comm, const char *caller) {
   shm_world_t *w = ((shm_state_t *)comm->impl)->world;
   uint64_t generation = w->generation;
   w->slots[comm->rank].arrived = generation + 1;
-  if (++w->arrived == w->size) {
+  if (++w->arrived >= w->live) {
     w->arrived = 0;
     w->generation++;
     shm_wake_all(w);
@@ -422,7 +441,7 @@ static epx_status_t shm_check_peers_locked(epx_comm_t comm, const char *caller, 
   uint64_t generation = w->generation;
   for (int32_t p = 0; p < w->size; p++) {
     const shm_slot_t *peer = &w->slots[p];
-    if (p == comm->rank) continue;
+    if (p == comm->rank || peer->masked) continue;
     if (op != SHM_OP_CREATE && !peer->attached) {
       shm_fail_locked(w, generation, EPX_ERROR_PEER_FAILED, caller,
                       "rank %d destroyed its comm while rank %d is in %s (%s)", p, comm->rank,
@@ -453,8 +472,10 @@ static epx_status_t shm_gather(epx_comm_t comm, const char *caller, shm_op_t op,
     comm->failed = 1;
     return status;
   }
-  status = w->failed ? shm_failed_error_locked(comm, caller, UINT64_MAX)
-                     : shm_check_peers_locked(comm, caller, op, arg);
+  status = shm_check_failed_locked(comm, caller);
+  status = status != EPX_SUCCESS ? status
+           : mine->masked ? shm_masked_error(comm, caller)
+                          : shm_check_peers_locked(comm, caller, op, arg);
   if (status == EPX_SUCCESS) {
     mine->op = (int32_t)op;
     mine->arg = arg;
@@ -463,6 +484,7 @@ static epx_status_t shm_gather(epx_comm_t comm, const char *caller, shm_op_t op,
     mine->data_bytes = st->maps[comm->rank].bytes;
     status = shm_arrive_locked(comm, caller);
   }
+  for (int32_t p = 0; status == EPX_SUCCESS && p < w->size; p++) st->masked[p] = (uint8_t)w->slots[p].masked;
   shm_unlock(st);
   return status;
 }
@@ -480,11 +502,11 @@ static epx_status_t shm_release(epx_comm_t comm, const char *caller, shm_op_t op
     status = locked;
   } else {
     w->slots[comm->rank].error = status != EPX_SUCCESS;
-    epx_status_t waited = w->failed ? shm_failed_error_locked(comm, caller, UINT64_MAX)
-                                    : shm_arrive_locked(comm, caller);
+    epx_status_t waited = shm_check_failed_locked(comm, caller);
+    if (waited == EPX_SUCCESS) waited = shm_arrive_locked(comm, caller);
     if (status == EPX_SUCCESS) status = waited;
     for (int32_t p = 0; p < w->size && status == EPX_SUCCESS; p++)
-      if (w->slots[p].error)
+      if (w->slots[p].error && !w->slots[p].masked)
         status = epx_error(EPX_ERROR_PEER_FAILED,
                            "%s: rank %d failed in this %s (its own error says why); this rank's "
                            "output is incomplete",
@@ -563,7 +585,7 @@ static epx_status_t shm_map_peers(epx_comm_t comm, const char *caller) {
   for (int32_t p = 0; p < comm->size; p++) {
     const shm_slot_t *slot = &st->world->slots[p];
     shm_map_t *map = &st->maps[p];
-    if (p == comm->rank || slot->data_seq == map->seq) continue;
+    if (p == comm->rank || st->masked[p] || slot->data_seq == map->seq) continue;
     char name[SHM_PATH_MAX + 48], *base = NULL;
     shm_data_name(name, sizeof name, st, p, slot->data_seq);
     epx_status_t status = shm_map_object(caller, name, (size_t)slot->data_bytes, 0, &base);
@@ -597,8 +619,11 @@ static epx_status_t shm_alltoall(epx_comm_t comm, const char *caller, const void
   status = shm_map_peers(comm, caller);
   for (int32_t i = 0; i < comm->size && bytes && status == EPX_SUCCESS; i++) {
     int32_t s = (comm->rank + i) % comm->size;
-    memcpy((char *)recv + (size_t)s * bytes, st->maps[s].base + (size_t)comm->rank * bytes,
-           bytes);
+    if (st->masked[s])
+      memset((char *)recv + (size_t)s * bytes, 0, bytes);
+    else
+      memcpy((char *)recv + (size_t)s * bytes, st->maps[s].base + (size_t)comm->rank * bytes,
+             bytes);
   }
   return shm_release(comm, caller, SHM_OP_ALLTOALL, status);
 }
@@ -630,6 +655,7 @@ static epx_status_t shm_alltoallv(epx_comm_t comm, const char *caller, const voi
   status = shm_map_peers(comm, caller);
   for (int32_t i = 0; i < size && status == EPX_SUCCESS; i++) {
     int32_t s = (rank + i) % size;
+    if (st->masked[s]) continue; /* the caller expects nothing from it (cpu/call.c) */
     const int64_t *peer = (const int64_t *)st->maps[s].base;
     int64_t count = peer[rank];
     if (count != recv_counts[s] || count < 0) {
@@ -650,7 +676,10 @@ static epx_status_t shm_allgather(epx_comm_t comm, const char *caller, const voi
   shm_state_t *st = comm->impl;
   status = shm_map_peers(comm, caller);
   for (int32_t s = 0; s < comm->size && bytes && status == EPX_SUCCESS; s++)
-    memcpy((char *)recv + (size_t)s * bytes, st->maps[s].base, bytes);
+    if (st->masked[s])
+      memset((char *)recv + (size_t)s * bytes, 0, bytes);
+    else
+      memcpy((char *)recv + (size_t)s * bytes, st->maps[s].base, bytes);
   return shm_release(comm, caller, SHM_OP_ALLGATHER, status);
 }
 
@@ -663,6 +692,7 @@ static epx_status_t shm_allreduce_max_i64(epx_comm_t comm, const char *caller, i
   shm_state_t *st = comm->impl;
   status = shm_map_peers(comm, caller);
   for (int32_t s = 0; s < comm->size && status == EPX_SUCCESS; s++) {
+    if (st->masked[s]) continue;
     const int64_t *peer = (const int64_t *)st->maps[s].base;
     for (int32_t i = 0; i < count; i++)
       if (peer[i] > values[i]) values[i] = peer[i];
@@ -679,6 +709,7 @@ static void shm_close(shm_state_t *st, int32_t size) {
     if (st->maps[p].base) munmap(st->maps[p].base, st->maps[p].bytes);
   if (st->world) munmap(st->world, st->world_bytes);
   free(st->maps);
+  free(st->masked);
   free(st);
 }
 
@@ -709,9 +740,10 @@ static void shm_destroy(epx_comm_t comm) {
   w->slots[comm->rank].attached = 0;
   w->attached--;
   /* A peer that already waits in its next collective would wait in vain. */
-  for (int32_t p = 0; p < w->size && !w->failed; p++) {
+  for (int32_t p = 0; p < w->size && !w->failed && !w->slots[comm->rank].masked; p++) {
     const shm_slot_t *peer = &w->slots[p];
-    if (peer->attached && peer->arrived == w->generation + 1 && peer->op != SHM_OP_CREATE)
+    if (peer->attached && !peer->masked && peer->arrived == w->generation + 1 &&
+        peer->op != SHM_OP_CREATE)
       shm_fail_locked(w, w->generation, EPX_ERROR_PEER_FAILED, peer->caller,
                       "rank %d destroyed its comm while rank %d is in %s (%s)", comm->rank, p,
                       peer->caller, shm_op_names[peer->op]);
@@ -729,6 +761,8 @@ static void shm_destroy(epx_comm_t comm) {
 static epx_status_t shm_shrink(epx_comm_t comm, const char *caller, double timeout_seconds,
                                int32_t ranks_per_node, uint8_t *lost, epx_comm_t *survivor);
 
+static epx_status_t shm_mask(epx_comm_t comm, const char *caller, int32_t rank, int masked);
+
 static const epx_transport_ops_t shm_ops = {
     .name = "shm",
     .alltoall = shm_alltoall,
@@ -737,6 +771,7 @@ static const epx_transport_ops_t shm_ops = {
     .allreduce_max_i64 = shm_allreduce_max_i64,
     .barrier = shm_barrier,
     .shrink = shm_shrink,
+    .mask = shm_mask,
     .destroy = shm_destroy,
 };
 
@@ -806,6 +841,7 @@ static epx_status_t shm_world_init(shm_state_t *st, int32_t size, double timeout
   w->creator_pid = (int32_t)getpid();
   w->creator_pid_ns = st->pid_ns;
   w->timeout_seconds = timeout_seconds;
+  w->live = size;
   atomic_init(&w->holder, -1);
   atomic_init(&w->wake, 0);
   atomic_init(&w->sleepers, 0);
@@ -919,15 +955,16 @@ static epx_status_t shm_create(const char *fn, const char *base, uint32_t shrink
   epx_comm_t created = NULL;
   shm_state_t *st = calloc(1, sizeof *st);
   if (st) st->maps = calloc((size_t)size, sizeof *st->maps);
-  if (!st || !st->maps) {
-    if (st) free(st);
+  if (st) st->masked = calloc((size_t)size, 1);
+  if (!st || !st->maps || !st->masked) {
+    if (st) free(st->maps), free(st->masked), free(st);
     return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory for %d ranks", fn, size);
   }
   snprintf(st->base, sizeof st->base, "%s", base);
   st->shrinks = shrinks;
   if (shrinks) snprintf(st->name, sizeof st->name, "/%s.g%u", base, shrinks);
   else snprintf(st->name, sizeof st->name, "/%s", base);
-  st->pid_ns = shm_pid_ns();
+  st->pid_ns = epx_comm_pid_ns();
   st->locked_as = -1;
   st->world_bytes = shm_world_bytes(size);
   EPX_CHECK(rank == 0 ? shm_world_init(st, size, timeout_seconds)
@@ -1002,7 +1039,7 @@ static int shm_shrink_settled_locked(const shm_state_t *st) {
   const shm_world_t *w = st->world;
   for (int32_t p = 0; p < w->size; p++) {
     const shm_slot_t *slot = &w->slots[p];
-    if (slot->shrink_joined || !slot->attached || slot->suspect) continue;
+    if (slot->shrink_joined || !slot->attached || slot->suspect || slot->masked) continue;
     if (!shm_process_gone(st, slot->pid, slot->pid_ns)) return 0;
   }
   return 1;
@@ -1063,4 +1100,69 @@ static epx_status_t shm_shrink(epx_comm_t comm, const char *caller, double timeo
 
 void epx_comm_shm_test_hold_lock(epx_comm_t comm) {
   shm_lock(comm->impl, comm->rank, "epx_comm_shm_test_hold_lock");
+}
+
+/* ------------------------------------------------------------------------ */
+/* The active-rank mask (epx_ll_mask_rank)                                   */
+/* ------------------------------------------------------------------------ */
+
+/* As the local transport's (comm/local.c), in the control segment: a masked
+ * slot is neither waited for (live counts the others) nor read, and its
+ * process ending is not a failure. Each survivor masks; the first to find
+ * the world's failure naming only masked ranks clears it and starts a fresh
+ * barrier. A survivor still asleep in the failed barrier is not waited for
+ * (a killed one never wakes): `revived` moves, and on waking it returns the
+ * failure, not the fresh barrier's completion (shm_wait_locked); a survivor
+ * that was outside the barriers when the failure came and went gets it at
+ * its next barrier (shm_check_failed_locked), so every survivor fails the
+ * same step and masks before the next. */
+
+/* 1 when the world's failure named ranks and every one of them is masked
+ * (under lock): the failure was theirs alone. */
+static int shm_failure_masked_locked(const shm_world_t *w) {
+  int named = 0;
+  for (int32_t p = 0; p < w->size; p++) {
+    if (!w->slots[p].suspect) continue;
+    if (!w->slots[p].masked) return 0;
+    named = 1;
+  }
+  return named;
+}
+
+static epx_status_t shm_mask(epx_comm_t comm, const char *caller, int32_t rank, int masked) {
+  shm_state_t *st = comm->impl;
+  shm_world_t *w = st->world;
+  epx_status_t status = shm_lock(st, comm->rank, caller);
+  if (status != EPX_SUCCESS) return status;
+  shm_slot_t *slot = &w->slots[rank];
+  if (slot->masked != masked) {
+    slot->masked = masked;
+    w->live += masked ? -1 : 1;
+    /* A masked rank waiting at the current barrier leaves it. */
+    if (masked && slot->arrived == w->generation + 1 && w->arrived > 0) {
+      slot->arrived = 0;
+      w->arrived--;
+    }
+    if (!masked) slot->suspect = 0;
+    shm_wake_all(w);
+  }
+  if (w->failed && shm_failure_masked_locked(w)) {
+    /* The survivors meet at a fresh barrier: the failed one's arrivals are void. */
+    w->failed = 0;
+    w->arrived = 0;
+    w->generation++;
+    w->revived++;
+    shm_wake_all(w);
+  } else if (!w->failed && w->arrived > 0 && w->arrived >= w->live) {
+    /* The ranks already waiting were waiting only for the one now masked. */
+    w->arrived = 0;
+    w->generation++;
+    shm_wake_all(w);
+  }
+  if (!w->failed) {
+    comm->failed = 0;
+    st->revived_seen = w->revived;
+  }
+  shm_unlock(st);
+  return EPX_SUCCESS;
 }

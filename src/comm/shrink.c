@@ -1,6 +1,6 @@
 /* epx_comm_shrink (epx.h, "Shrink and go on"): the argument checks and the
- * lost ranks' list around the transport's own shrink (local.c, shm.c), and
- * the named refusal of the transports that cannot shrink. */
+ * lost ranks' list around the transport's own shrink (local.c, shm.c,
+ * nccl.c), and the named refusal of the transports that cannot shrink. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -15,18 +15,13 @@ static epx_status_t shrink_unsupported(const char *fn, const epx_comm_t comm) {
   if (!strcmp(name, "mpi"))
     return epx_error(EPX_ERROR_UNSUPPORTED,
                      "%s: the comm is an MPI comm; MPI cannot leave out a dead rank without "
-                     "its fault-tolerance extension (ULFM's MPI_Comm_shrink), which this build "
-                     "does not use: restart the job (or its survivors) and create a new comm",
+                     "its fault-tolerance extension (ULFM's MPIX_Comm_shrink: Open MPI 5 built "
+                     "with ULFM, or MPICH 4), which this build does not use: restart the job (or "
+                     "its survivors) and create a new comm",
                      fn);
-  if (!strcmp(name, "nccl"))
-    return epx_error(EPX_ERROR_UNSUPPORTED,
-                     "%s: the comm is an NCCL comm; a failed NCCL comm is aborted "
-                     "(ncclCommAbort) when the failure is found, and ncclCommShrink needs its "
-                     "parent alive: the survivors create a new comm (epx_nccl_get_unique_id on "
-                     "one of them, then epx_comm_create_nccl_id)", fn);
   return epx_error(EPX_ERROR_UNSUPPORTED,
-                   "%s: the comm's transport (%s) cannot shrink; shrink works on local (threads) "
-                   "and shm (processes) comms", fn, name);
+                   "%s: the comm's transport (%s) cannot shrink; shrink works on local (threads), "
+                   "shm (processes) and NCCL comms", fn, name);
 }
 
 epx_status_t epx_comm_shrink_join_refusal(epx_comm_t comm, const char *caller, int joined, int done,

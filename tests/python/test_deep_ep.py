@@ -296,8 +296,16 @@ def check_low_latency(deep_ep, group, W, r):
     assert mask.tolist() == [0] * W
     b.low_latency_update_mask_buffer(0, False)
     b.low_latency_clean_mask_buffer()
-    with pytest.raises(NotImplementedError, match="shrink"):
-        b.low_latency_update_mask_buffer(0, True)
+    if W == 1 or DEV == "cuda":  # a self comm, a CUDA buffer: no mask (shrink instead)
+        with pytest.raises(NotImplementedError, match="shrink"):
+            b.low_latency_update_mask_buffer(0, True)
+    else:  # an shm comm keeps the mask: each rank masks its peer a moment, then cleans
+        peer = (r + 1) % W
+        b.low_latency_update_mask_buffer(peer, True)
+        b.low_latency_query_mask_buffer(mask)
+        assert mask.tolist() == [int(p == peer) for p in range(W)]
+        b.low_latency_clean_mask_buffer()
+        torch.distributed.barrier(group)  # every rank unmasked before the next epx call
     with pytest.raises(NotImplementedError, match="LogFMT"):
         b.low_latency_combine(y, idx, w, handle, use_logfmt=True)
 

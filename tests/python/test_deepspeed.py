@@ -221,5 +221,100 @@ def test_two_ranks_match_deepspeed_under_torchrun():
     torchrun(2, __file__, "torchrun-worker", str(SEED))
 
 
+# ---------------------------------------------------------------------------
+# A placement changed mid-training (issue 37): the moved layer's next step
+# equals a fresh layer's on the new placement with the same weights
+# ---------------------------------------------------------------------------
+
+
+def set_distinct_experts(layer, placement, rank, weights=None):
+    """Local expert i gets logical expert local_logical(rank)[i]'s weights:
+    from `weights` ({logical: {name: tensor}}) or made from its id."""
+    W = layer.deepspeed_moe.ep_size
+    logical = epx.torch.elastic.local_logical(placement, layer.num_experts, rank, W)
+    with torch.no_grad():
+        for module, e in zip(layer.deepspeed_moe.experts.deepspeed_experts, logical):
+            g = torch.Generator().manual_seed(1000 + e)
+            for name, p in module.named_parameters():
+                p.copy_(weights[e][name] if weights else torch.randn(p.shape, generator=g) * 0.3)
+
+
+def local_weights(layer, placement, rank):
+    W = layer.deepspeed_moe.ep_size
+    logical = epx.torch.elastic.local_logical(placement, layer.num_experts, rank, W)
+    return {e: {n: p.detach().clone() for n, p in m.named_parameters()}
+            for m, e in zip(layer.deepspeed_moe.experts.deepspeed_experts, logical)}
+
+
+def placement_worker(seed):
+    import torch.distributed as dist
+    rank, W = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo")
+    deepspeed.init_distributed(dist_backend="gloo")
+    E, k = 4, 2
+    args = dict(num_experts=E, ep_size=W, k=k, use_rts=False, min_capacity=2, drop_tokens=False,
+                top2_2nd_expert_sampling=False, timeout_seconds=TIMEOUT)
+    new = epx.Placement([3, 0, 1, 2])  # rank 0: logical 3, 0; rank 1: 1, 2
+    torch.manual_seed(seed)
+    moved = eds.MoE(H, expert(), **args)
+    moved.set_deepspeed_parallelism()
+    set_distinct_experts(moved, None, rank)
+    # A training step on the contiguous map, then the move.
+    x, g = inputs(seed + 1 + rank, (2, 12))
+    step(moved, x, g)
+    with torch.no_grad():
+        for p in moved.parameters():
+            p -= 0.1 * p.grad
+    trained = {}
+    gathered = [None] * W
+    dist.all_gather_object(gathered, local_weights(moved, None, rank))
+    for part in gathered:
+        trained.update(part)
+    moved.move_placement(new)
+    assert moved.deepspeed_moe.placement == new
+    # A fresh layer on the new placement with the trained weights.
+    fresh = eds.MoE(H, expert(), placement=new, **args)
+    fresh.set_deepspeed_parallelism()
+    fresh.deepspeed_moe.gate.wg.weight.data.copy_(moved.deepspeed_moe.gate.wg.weight.data)
+    set_distinct_experts(fresh, new, rank, trained)
+    for name, p in local_weights(moved, new, rank).items():
+        for n, t in p.items():
+            assert torch.equal(t, trained[name][n]), "rank %d: expert %d %s not moved" % (rank, name, n)
+    x2, g2 = inputs(seed + 7 + rank, (2, 12))
+    ours = step(moved, x2, g2)
+    compare(ours, step(fresh, x2, g2), "rank %d after the move" % rank)
+    # The placement is honoured: a layer on the contiguous map with the same
+    # logical experts computes the same (up to the sum's order).
+    ref = eds.MoE(H, expert(), **args)
+    ref.set_deepspeed_parallelism()
+    ref.deepspeed_moe.gate.wg.weight.data.copy_(moved.deepspeed_moe.gate.wg.weight.data)
+    set_distinct_experts(ref, None, rank, trained)
+    contiguous = step(ref, x2, g2)
+    for key in ("out", "l_aux", "x"):
+        torch.testing.assert_close(ours[key], contiguous[key], atol=1e-5, rtol=1e-5)
+    ref.close()
+    # And back to the contiguous map: the experts are where they started.
+    moved.move_placement(None)
+    for name, p in local_weights(moved, None, rank).items():
+        for n, t in p.items():
+            assert torch.equal(t, trained[name][n]), "rank %d: expert %d %s not moved back" % (rank, name, n)
+    moved.close()
+    fresh.close()
+    dist.destroy_process_group()
+    print("rank %d OK" % rank)
+
+
+def test_placement_moved_mid_training_matches_a_fresh_layer():
+    torchrun(2, __file__, "placement-worker", str(SEED))
+
+
+def test_replicas_are_refused_by_name(one_rank):
+    with pytest.raises(epx.UnsupportedError, match="replicas"):
+        eds.MoE(H, expert(), num_experts=2, k=1, placement=epx.Placement([0, 1, 1]),
+                top2_2nd_expert_sampling=False)
+
+
 if __name__ == "__main__" and sys.argv[1:2] == ["torchrun-worker"]:
     torchrun_worker(int(sys.argv[2]))
+if __name__ == "__main__" and sys.argv[1:2] == ["placement-worker"]:
+    placement_worker(int(sys.argv[2]))

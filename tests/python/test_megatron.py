@@ -296,5 +296,104 @@ def test_ranks_match_megatron_under_torchrun(W, tp):
     torchrun(W, __file__, "torchrun-worker", str(SEED), str(tp))
 
 
+# A placement changed mid-training (issue 37): the moved layer's next step
+# equals a fresh layer's on the new placement with the same weights
+# ---------------------------------------------------------------------------
+
+
+def expert_weights(layer, placement, rank, W, weights=None):
+    """{logical: {name: tensor}} of the layer's local experts under
+    placement; with `weights`, sets them from it first."""
+    E = layer.config.num_moe_experts
+    logical = epx.torch.elastic.local_logical(placement, E, rank, W)
+    out = {}
+    with torch.no_grad():
+        for module, e in zip(layer.experts.local_experts, logical):
+            for name, p in module.named_parameters():
+                if weights is not None:
+                    p.copy_(weights[e][name])
+            out[e] = {n: p.detach().clone() for n, p in module.named_parameters()}
+    return out
+
+
+def layer_step(layer, x, g):
+    layer.zero_grad()
+    x = x.clone().requires_grad_(True)
+    out, _ = layer(x)
+    (out * g).sum().backward()
+    grads = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
+    return out.detach(), x.grad, grads
+
+
+def placement_worker(seed):
+    import torch.distributed as dist
+    rank, W = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo")
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=W)
+    pgs = ProcessGroupCollection.use_mpu_process_groups()
+    E, K, H = 4, 2, 16
+    cfg = config(E, K, H, ffn_hidden_size=24, moe_ffn_hidden_size=24, add_bias_linear=False,
+                 expert_model_parallel_size=W)
+    new = epx.Placement([3, 0, 1, 2])  # rank 0: logical 3, 0; rank 1: 1, 2
+    with em.cpu_shim():
+        torch.manual_seed(seed)
+        moved = moe_layer(cfg, pgs)
+        em.install(moved, timeout_seconds=TIMEOUT)
+        g = torch.Generator().manual_seed(seed + 1 + rank)
+        x, dy = torch.randn(3, 4, H, generator=g), torch.randn(3, 4, H, generator=g)
+        layer_step(moved, x, dy)  # a training step on the contiguous map
+        with torch.no_grad():
+            for p in moved.parameters():
+                if p.grad is not None:
+                    p -= 0.1 * p.grad
+        parts = [None] * W
+        dist.all_gather_object(parts, expert_weights(moved, None, rank, W))
+        trained = {e: w for part in parts for e, w in part.items()}
+        em.move_placement(moved, new)
+        for e, w in expert_weights(moved, new, rank, W).items():
+            for n, t in w.items():
+                assert torch.equal(t, trained[e][n]), "rank %d: expert %d %s not moved" % (rank, e, n)
+        torch.manual_seed(seed + 99)
+        fresh = moe_layer(cfg, pgs)
+        em.install(fresh, timeout_seconds=TIMEOUT, placement=new)
+        fresh.router.weight.data.copy_(moved.router.weight.data)
+        expert_weights(fresh, new, rank, W, trained)
+        x2, dy2 = torch.randn(3, 4, H, generator=g), torch.randn(3, 4, H, generator=g)
+        ours, theirs = layer_step(moved, x2, dy2), layer_step(fresh, x2, dy2)
+        what = "rank %d after the move [EPX_TEST_SEED=%d]" % (rank, seed)
+        torch.testing.assert_close(ours[0], theirs[0], atol=0, rtol=0, msg=lambda m: what + " out: " + m)
+        torch.testing.assert_close(ours[1], theirs[1], atol=0, rtol=0, msg=lambda m: what + " x grad: " + m)
+        assert ours[2].keys() == theirs[2].keys(), what
+        for name, grad in ours[2].items():
+            torch.testing.assert_close(grad, theirs[2][name], atol=0, rtol=0,
+                                       msg=lambda m: "%s %s: %s" % (what, name, m))
+        # The placement is honoured: a layer on the contiguous map with the
+        # same logical experts computes the same (up to the sum's order).
+        ref = moe_layer(cfg, pgs)
+        em.install(ref, timeout_seconds=TIMEOUT)
+        ref.router.weight.data.copy_(moved.router.weight.data)
+        expert_weights(ref, None, rank, W, trained)
+        contiguous = layer_step(ref, x2, dy2)
+        for i, name in ((0, "out"), (1, "x grad")):
+            torch.testing.assert_close(ours[i], contiguous[i], atol=1e-5, rtol=1e-5,
+                                       msg=lambda m: "%s %s vs the contiguous map: %s" % (what, name, m))
+        ref.token_dispatcher.close()
+        ref.token_dispatcher.comm.close()
+        with pytest.raises(epx.UnsupportedError, match="replicas"):
+            em.move_placement(moved, epx.Placement([0, 1, 2, 3, 0, 1], num_ranks=W))
+        for layer in (moved, fresh):
+            layer.token_dispatcher.close()
+            layer.token_dispatcher.comm.close()
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+    print("rank %d OK" % rank)
+
+
+def test_placement_moved_mid_training_matches_a_fresh_layer():
+    torchrun(2, __file__, "placement-worker", str(SEED))
+
+
 if __name__ == "__main__" and sys.argv[1:2] == ["torchrun-worker"]:
     torchrun_worker(int(sys.argv[2]), int(sys.argv[3]))
+if __name__ == "__main__" and sys.argv[1:2] == ["placement-worker"]:
+    placement_worker(int(sys.argv[2]))

@@ -445,7 +445,7 @@ class Buffer:
         the same ranks. The mask lives on the comm of the Buffer's
         low-latency epx buffers, so it needs one (made by the first
         low_latency_dispatch) and a comm whose transport keeps a mask (CPU
-        buffers over a local comm); elsewhere masking is NotImplementedError
+        buffers over a local or shm comm); elsewhere masking is NotImplementedError
         naming why (shrink the comm instead). Unmasking a rank that is not
         masked does nothing."""
         fn = "Buffer.low_latency_update_mask_buffer"

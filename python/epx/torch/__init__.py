@@ -62,7 +62,8 @@ from .functional import combine, dispatch, Dispatched, make_buffer
 from .low_latency import ll_combine, ll_dispatch
 from .grouped_matmul import grouped_mm
 from .moe import MoE
-from .elastic import (move_expert_tensor, move_experts, plan_placement, replica_grad_sum)
+from .elastic import (move_expert_modules, move_expert_tensor, move_experts, plan_placement,
+                      replica_grad_sum)
 from .dispatcher import TokenDispatcher
 from .launch import comm_from_process_group, init_process_group, launch_env
 from .local import run_local

@@ -218,3 +218,48 @@ def move_experts(moe, new_placement):
     layer.num_local_experts = new_buffer.experts_per_rank
     old_buffer.close()
     return layer
+
+
+# -- the framework drop-ins (epx.deepspeed, epx.megatron) ---------------------
+
+
+def dropin_placement(fn, placement, num_experts, num_ranks, why):
+    """The placement a drop-in takes (None: the contiguous map): as
+    :func:`layer_placement`, and without replicas, which the framework's
+    experts module cannot hold (`why` says so in its own terms)."""
+    placement = layer_placement(placement, num_experts, num_ranks)
+    if _replicated(placement):
+        _refuse(Status.ERROR_UNSUPPORTED, "%s: the placement has %d physical experts for %d "
+                "logical ones (replicas), but %s; pass a placement with num_physical == "
+                "num_experts (a permutation of the experts over the ranks: "
+                "epx.Placement.plan(load, num_experts, W) balances that way), or use "
+                "epx.torch.MoE, which holds replicas", fn, placement.num_physical,
+                placement.num_experts, why)
+    return placement
+
+
+def move_expert_modules(comm, experts, old, new, num_experts):
+    """Moves the weights of a rank's local experts, each a module of the
+    same structure in slot order (a framework's per-expert modules), from
+    placement `old` to `new` (collective; None: the contiguous map; the
+    same number of experts a rank): each parameter name's [E_local, ...]
+    stack is moved by :func:`move_expert_tensor` and written back into the
+    same parameter objects, their .grad cleared. An optimizer's per-expert
+    state is not moved (move_expert_tensor, or rebuild the optimizer)."""
+    fn = "epx.torch.move_expert_modules"
+    experts = list(experts)
+    rows = (new.num_physical if isinstance(new, Placement) else int(num_experts)) // max(comm.size, 1)
+    if len(experts) != rows:
+        _invalid("%s: %d local experts but the new placement gives this rank %d; a framework's "
+                 "experts module keeps its size", fn, len(experts), rows)
+    names = [n for n, _ in experts[0].named_parameters()] if experts else []
+    for name in names:
+        params = [dict(m.named_parameters())[name] for m in experts]
+        for p in params:
+            _host(fn, "expert parameter %s" % name, p.device)
+        stacked = _torch.stack([p.detach() for p in params]).contiguous()
+        moved = move_expert_tensor(comm, stacked, old, new, num_experts=num_experts)
+        with _torch.no_grad():
+            for p, row in zip(params, moved):
+                p.data = row.to(p.dtype).clone()
+                p.grad = None
