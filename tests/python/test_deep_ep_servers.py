@@ -680,6 +680,92 @@ def sglang(deep_ep, group, W, r, dev, quant, async_finish, deepgemm, json_config
                                    block_m=64, threshold=1, num_sms=3)
 
 
+def sglang_v2(deep_ep, group, W, r, dev, decode, quant, tokens=None):
+    """SGLang's DeepEPv2Dispatcher (token_dispatcher/deepep_v2.py): decode
+    takes the expanded layout without a CPU sync (the masked-GEMM slab from
+    psum_num_recv_tokens_per_expert), extend the contiguous one with exact
+    counts; fp8 scales row-major float32 (Hopper) or TMA-aligned
+    column-major UE8M0 (Blackwell); an idle rank pads one dummy token on the
+    contiguous path."""
+    H, cap, align = 512, 16, 128
+    ranks = world(W, H, seed=23, tokens=tokens, dev=dev)
+    AB = experts(H, dev)
+    E_local, offset = E // W, r * (E // W)
+    buffer = deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=cap, hidden=H, num_topk=K,
+                                   use_fp8_dispatch=quant is not None, allow_hybrid_mode=False,
+                                   sl_idx=0, prefer_overlap_with_compute=False)
+    assert isinstance(buffer.num_bytes, int) and buffer.num_bytes > 0
+    num_sms = buffer.get_theoretical_num_sms(E, K)
+    num_qps = buffer.get_theoretical_num_qps(num_sms)
+    x, topk_ids, topk_weights = ranks[r]
+    topk_ids = topk_ids.to(torch.int64)
+    masked = decode
+    pad_empty = (not masked) and x.shape[0] == 0
+    hidden_states = x
+    if pad_empty:
+        hidden_states = x.new_zeros((1, H))
+        topk_ids = torch.arange(K, dtype=torch.int64, device=dev).unsqueeze(0)
+        topk_weights = topk_weights.new_zeros((1, K))
+    ue8m0 = quant == "ue8m0"
+    if quant:
+        dispatch_x = quant_ue8m0_tma(hidden_states) if ue8m0 else quant_block(hidden_states)
+    else:
+        dispatch_x = hidden_states
+    recv_x, recv_topk_idx, recv_topk_weights, handle, event = buffer.dispatch(
+        dispatch_x, topk_idx=topk_ids, topk_weights=topk_weights, num_experts=E,
+        num_max_tokens_per_rank=cap, expert_alignment=align, num_sms=num_sms, num_qps=num_qps,
+        use_tma_aligned_col_major_sf=ue8m0, do_cpu_sync=not masked, do_expand=masked)
+    if event.event is not None:
+        event.current_stream_wait()
+    hs, hs_scale = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
+    if hs_scale is not None and ue8m0:
+        n = hs_scale.shape[0]
+        assert hs_scale.stride() == (1, -(-n // 4) * 4)     # TMA-aligned column-major
+    # what this rank's experts get, by (source rank, token, k)
+    sent = [(s, t, k) for s in range(W) for t in range(ranks[s][1].shape[0]) for k in range(K)
+            if offset <= int(ranks[s][1][t][k]) < offset + E_local]
+    if pad_empty or (tokens is not None and 0 in tokens and not masked):
+        pass                                      # the dummy token adds zero-weight rows
+    x32 = dequant(hs, hs_scale, 128) if quant else hs.float()
+    if masked:
+        assert recv_topk_idx is None and handle.num_recv_tokens_per_expert_list == []
+        psum = handle.psum_num_recv_tokens_per_expert
+        starts = [0] + [-(-int(psum[i - 1]) // align) * align for i in range(1, E_local)]
+        counts = [int(psum[i]) - starts[i] for i in range(E_local)]
+        assert counts == [sum(1 for (s, t, k) in sent if int(ranks[s][1][t][k]) == offset + e)
+                          for e in range(E_local)]
+        assert hs.shape[0] == handle.num_expanded_tokens      # the worst case, fixed
+        out = torch.full((hs.shape[0], H), NAN, dtype=torch.float32, device=dev)
+        for e in range(E_local):
+            seg = slice(starts[e], starts[e] + counts[e])
+            out[seg] = recv_topk_weights[seg, None] * apply_expert(AB, offset + e, x32[seg])
+        combine_w = recv_topk_weights
+    else:
+        num_recv_tokens = int(handle.psum_num_recv_tokens_per_scaleup_rank[-1].item())
+        recv_topk_idx = recv_topk_idx[:num_recv_tokens]
+        recv_topk_weights = recv_topk_weights[:num_recv_tokens]
+        x32 = x32[:num_recv_tokens]
+        num_recv_tokens_per_expert = list(handle.num_recv_tokens_per_expert_list)
+        assert len(num_recv_tokens_per_expert) == E_local
+        out = torch.zeros((num_recv_tokens, H), dtype=torch.float32, device=dev)
+        for k in range(K):
+            e = recv_topk_idx[:, k]
+            out += torch.where((e >= 0)[:, None], recv_topk_weights[:, k:k + 1] *
+                               apply_expert(AB, (e + offset).clamp(0, E - 1), x32), 0.0)
+        combine_w = recv_topk_weights
+    combined_x, _, event = buffer.combine(out.to(torch.bfloat16), handle=handle,
+                                          topk_weights=combine_w, num_sms=num_sms,
+                                          num_qps=num_qps)
+    if event.event is not None:
+        event.current_stream_wait()
+    if pad_empty:
+        combined_x = combined_x[:0]
+    xs = deq_sender(x, *(quant_ue8m0_tma(x) if ue8m0 else quant_block(x))) if quant and \
+        x.shape[0] else x.float()
+    close(combined_x, ref_out(AB, xs, ranks[r][1], ranks[r][2]),
+          "sglang v2 decode=%s %s" % (decode, quant))
+
+
 # ---------------------------------------------------------------------------
 # the runs
 # ---------------------------------------------------------------------------
@@ -706,6 +792,11 @@ def all_checks(deep_ep, group, W, r, dev, quick=False):
         sglang(deep_ep, group, W, r, dev, quant, async_finish, deepgemm, json_config)
     if idle:
         sglang(deep_ep, group, W, r, dev, None, False, True, False, tokens=idle)
+    for decode in (True, False):
+        for quant in (None, "f32", "ue8m0"):
+            sglang_v2(deep_ep, group, W, r, dev, decode, quant)
+        if idle:
+            sglang_v2(deep_ep, group, W, r, dev, decode, None, tokens=idle)
 
 
 def worker(which):
@@ -740,7 +831,7 @@ def _threads(W, device):
             all_checks(deep_ep, comm, W, comm.rank, device)
         return comm.rank
 
-    assert et.run_local(W, rank, device=device, timeout_seconds=600) == list(range(W))
+    assert et.run_local(W, rank, device=device, timeout_seconds=120) == list(range(W))
 
 
 @pytest.mark.parametrize("W", [1, 2])

@@ -390,7 +390,10 @@ class Exchange:
         the epx.Comm's alltoallv through the host)."""
         if isinstance(self.group, epx.Comm):
             raw = v.detach().cpu().reshape(v.shape[0], -1).view(torch.uint8).numpy()
-            got = torch.from_numpy(self.group.alltoallv(raw, send)).view(v.dtype)
+            got = self.group.alltoallv(raw, send)
+            if got.shape[0] == 0:               # nothing comes (numpy's empty rows have stride 0)
+                return v.new_empty((0,) + tuple(v.shape[1:]))
+            got = torch.from_numpy(np.ascontiguousarray(got)).view(v.dtype)
             return got.reshape((-1,) + tuple(v.shape[1:])).to(v.device)
         got = v.new_empty((sum(recv),) + tuple(v.shape[1:]))
         dist.all_to_all_single(got, v, output_split_sizes=recv, input_split_sizes=send,

@@ -147,6 +147,9 @@ def _expand_rows(L, alignment, rows, zero_padding=True):
     ex = _expansion(L, alignment)
     if ex["dense"]:                                    # dest is 0, 1, ... in this order
         return rows.index_select(0, ex["n"])
+    if rows.element_size() == 1 and rows.is_floating_point():
+        # fp8 rows: moved as their bytes (index_copy_ has no float8 kernel on the CPU)
+        return _expand_rows(L, alignment, rows.view(torch.uint8), zero_padding).view(rows.dtype)
     out = rows.new_zeros((ex["total"],) + tuple(rows.shape[1:]))
     return out.index_copy_(0, ex["dest"], rows.index_select(0, ex["n"]))
 
@@ -363,6 +366,12 @@ class ElasticBuffer:
             recv_s = _pad(recv_s, rows, 0)
             recv_idx = _pad(recv_idx, rows, -1)
             recv_w = _pad(recv_w, rows, 0)
+        if use_tma_aligned_col_major_sf and recv_s is not None:
+            # DeepEP's TMA-aligned column-major scales: stride (1, rows aligned to 4 packs)
+            n, S = recv_s.shape
+            col = torch.empty_strided((n, S), (1, max(-(-n // 4) * 4, 1)), dtype=recv_s.dtype,
+                                      device=recv_s.device)
+            recv_s = col.copy_(recv_s)
         if cumulative_local_expert_recv_stats is not None:
             cumulative_local_expert_recv_stats += h.num_unaligned_recv_tokens_per_expert.to(
                 cumulative_local_expert_recv_stats.dtype)
