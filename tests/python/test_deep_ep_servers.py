@@ -364,6 +364,18 @@ def vllm_ll(deep_ep, group, W, r, dev, mode, recv_hook=True, tokens=None):
         close(output, ref_out(AB, xs, ids, w), "vllm ll %s" % mode)
     else:
         close(output, ref_out(AB, x.float(), ids, w), "vllm ll bf16")
+    # zero copy (vLLM's TODO; DeepEP's get_next_low_latency_combine_buffer): the experts
+    # write into the buffer the next combine reads, x is then not read
+    nxt = buffer.get_next_low_latency_combine_buffer(handle)
+    assert nxt.shape == (E_local, W * maxT, H) and nxt.dtype == torch.bfloat16
+    nxt.copy_(out)
+    again = torch.empty_like(output)
+    _, _, zc_hook = buffer.low_latency_combine(
+        torch.zeros_like(out), ids, w, handle, zero_copy=True, return_recv_hook=recv_hook,
+        out=again)
+    if zc_hook is not None:
+        zc_hook()
+    assert torch.equal(again, output)
     # query_active_mask / query_fault (enable_fault_tolerance)
     mask = torch.zeros(W, dtype=torch.int32, device=dev)
     buffer.low_latency_query_mask_buffer(mask)
@@ -766,6 +778,44 @@ def sglang_v2(deep_ep, group, W, r, dev, decode, quant, tokens=None):
           "sglang v2 decode=%s %s" % (decode, quant))
 
 
+def bad_inputs(deep_ep, group, W, r, dev):
+    """What the C calls would misread is refused with errors naming it."""
+    H = 256
+    x, ids, w = world(W, H, seed=29, dev=dev)[r]
+    b = deep_ep.Buffer(group, 0, 0, low_latency_mode=True, explicitly_destroy=True,
+                       enable_shrink=True)
+    layout = b.get_dispatch_layout(ids, E)
+    args = dict(num_tokens_per_rank=layout[0], is_token_in_rank=layout[3],
+                num_tokens_per_expert=layout[2], topk_idx=ids, topk_weights=w)
+    q, s = quant_block(x)
+    with pytest.raises(ValueError, match="scales"):
+        b.dispatch((q, s.to(torch.bfloat16)), **args)                 # 2-byte scales
+    with pytest.raises(ValueError, match="scales"):
+        b.dispatch((q, s[:-1]), **args)                               # a row short
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        b.dispatch((x, s), **args)                                    # bf16 rows as fp8
+    with pytest.raises(ValueError, match="topk_weights"):
+        b.dispatch(x, **dict(args, topk_weights=w.double()))
+    _, _, _, _, handle, _ = b.dispatch(x, **args)
+    with pytest.raises(ValueError, match="hidden"):
+        b.combine(torch.zeros(x.shape[0], H // 2, dtype=x.dtype, device=dev), handle)
+    with pytest.raises(ValueError, match="num_max_dispatch_tokens_per_rank"):
+        b.low_latency_dispatch(x, ids, x.shape[0] - 1, E, use_fp8=False)
+    recv, count, ll, _, _ = b.low_latency_dispatch(x, ids, 16, E, use_fp8=False)
+    with pytest.raises(ValueError):
+        b.low_latency_combine(recv[:, :-1], ids, w, ll)               # not [E_local, W*max, H]
+    with pytest.raises(ValueError):
+        b.low_latency_combine(recv, ids[:-1], w[:-1], ll)             # other tokens than dispatched
+    with pytest.raises(ValueError, match="mask_status"):
+        b.low_latency_query_mask_buffer(torch.zeros(W, dtype=torch.int64, device=dev))
+    with pytest.raises(ValueError, match="Config"):
+        deep_ep.Config(20, 6, 4, 6, 128)                              # nvl send >= recv
+    # DeepEP rounds the RDMA receive chunk up to the send chunk
+    c = deep_ep.Config(20, 24, 256, 6, 128)
+    assert c.num_max_rdma_chunked_recv_tokens == 132
+    b.destroy()
+
+
 # ---------------------------------------------------------------------------
 # the runs
 # ---------------------------------------------------------------------------
@@ -792,6 +842,7 @@ def all_checks(deep_ep, group, W, r, dev, quick=False):
         sglang(deep_ep, group, W, r, dev, quant, async_finish, deepgemm, json_config)
     if idle:
         sglang(deep_ep, group, W, r, dev, None, False, True, False, tokens=idle)
+    bad_inputs(deep_ep, group, W, r, dev)
     for decode in (True, False):
         for quant in (None, "f32", "ue8m0"):
             sglang_v2(deep_ep, group, W, r, dev, decode, quant)
