@@ -37,6 +37,14 @@ imported or run):
   on the switch from normal, low_latency_dispatch with return_recv_hook or
   async_finish, masked_m / expected_m, low_latency_combine(x=, topk_idx=,
   topk_weights=, handle=, ...) and its fork's overlap arguments).
+- SGLang's DeepEPv2Dispatcher: ElasticBuffer(group, ..., sl_idx=0,
+  prefer_overlap_with_compute=False), get_theoretical_num_sms / _qps, the
+  masked decode (do_expand=True, do_cpu_sync=False: the slab from
+  psum_num_recv_tokens_per_expert with expert_alignment 128) and the extend
+  path (exact counts, slicing to psum_num_recv_tokens_per_scaleup_rank[-1],
+  the idle rank's dummy token), use_tma_aligned_col_major_sf.
+- The refusals of inputs the C calls would misread (scales' dtype and rows,
+  weights' dtype, shapes), and DeepEP's Config checks.
 
 Integers (counts, ids, prefix sums, fp8 bytes, scales) are compared bit for
 bit; the received rows too; combined outputs within bfloat16 rounding of the
@@ -736,8 +744,6 @@ def sglang_v2(deep_ep, group, W, r, dev, decode, quant, tokens=None):
     # what this rank's experts get, by (source rank, token, k)
     sent = [(s, t, k) for s in range(W) for t in range(ranks[s][1].shape[0]) for k in range(K)
             if offset <= int(ranks[s][1][t][k]) < offset + E_local]
-    if pad_empty or (tokens is not None and 0 in tokens and not masked):
-        pass                                      # the dummy token adds zero-weight rows
     x32 = dequant(hs, hs_scale, 128) if quant else hs.float()
     if masked:
         assert recv_topk_idx is None and handle.num_recv_tokens_per_expert_list == []
