@@ -142,7 +142,10 @@ _FP8_FORMAT = epx.FP8Format.E4M3_F32_128
 
 def split_x(x, fn):
     """DeepEP's x: a tensor [T, H], or (x_q float8_e4m3fn [T, H], scales
-    float32 [T, H / 128]) -> (x, scales or None), checked."""
+    [T, S] float32 or int32 in any layout: DeepEP's per-128 float32 scales,
+    UE8M0 bytes packed four to an int32, MXFP8 scales packed the same way)
+    -> (x, scales or None), checked. The scales travel as DeepEP moves
+    them: opaque 4-byte values beside each row, received row-major."""
     if isinstance(x, tuple):
         check(len(x) == 2, fn, "x is a tuple of %d; pass (x_fp8, x_scales)", len(x))
         q, s = x
@@ -151,11 +154,12 @@ def split_x(x, fn):
               getattr(q, "dtype", type(q).__name__))
         check(q.shape[1] % 128 == 0, fn, "hidden %d of an fp8 x is not a multiple of 128",
               q.shape[1])
-        if not (isinstance(s, torch.Tensor) and s.dtype == torch.float32
-                and tuple(s.shape) == (q.shape[0], q.shape[1] // 128)):
-            unsupported(fn, "fp8 scales other than float32 [num_tokens, hidden // 128] (got %s %s; "
-                        "epx's V1 fp8 dispatch takes per-128 float32 scales)"
-                        % (getattr(s, "dtype", type(s).__name__), list(getattr(s, "shape", []))))
+        check(isinstance(s, torch.Tensor) and s.dtype in (torch.float32, torch.int32)
+              and s.dim() == 2 and s.shape[0] == q.shape[0] and s.shape[1] >= 1, fn,
+              "x[1] (the scales) must be float32 or int32 [num_tokens=%d, num_scales] (DeepEP "
+              "moves 4-byte scales), not %s %s", q.shape[0],
+              getattr(s, "dtype", type(s).__name__), list(getattr(s, "shape", [])))
+        check(s.device == q.device, fn, "the scales are on %s but x on %s", s.device, q.device)
         return q.contiguous(), s.contiguous()
     if not (isinstance(x, torch.Tensor) and x.dim() == 2
             and x.dtype in (torch.bfloat16, torch.float16, torch.float32)):
@@ -164,6 +168,20 @@ def split_x(x, fn):
                              fn, getattr(x, "dtype", type(x).__name__),
                              list(getattr(x, "shape", []))))
     return (x if x.is_contiguous() else x.contiguous()), None
+
+
+def native_scales(q, s):
+    """Whether epx's fp8 exchange carries these scales itself (float32, one a
+    128 columns: its E4M3_F32_128 rows); other scales move beside the rows."""
+    return s.dtype == torch.float32 and s.shape[1] == q.shape[1] // 128
+
+
+def _fp8_pair(x, scales):
+    """What epx's fp8 dispatch is given: the scales, or (for scales it does
+    not carry) placeholder ones, the real ones then moving beside the rows."""
+    if native_scales(x, scales):
+        return x, scales
+    return x, torch.ones((x.shape[0], x.shape[1] // 128), dtype=torch.float32, device=x.device)
 
 
 def check_routing(topk_idx, topk_weights, T, num_experts, fn):
@@ -277,7 +295,7 @@ class Exchange:
         if scales is not None and epx.FP8Format(b.config.fp8_format) == epx.FP8Format.NONE:
             unsupported(fn, "fp8 x on a buffer of hidden %d (epx's fp8 needs bfloat16 rows of a "
                         "multiple of 128)" % H)
-        d = et.dispatch(b, (x, scales) if scales is not None else x, topk_idx, topk_w,
+        d = et.dispatch(b, _fp8_pair(x, scales) if scales is not None else x, topk_idx, topk_w,
                         weighting=epx.Weighting.NONE, recorder=False,
                         exact_size=scales is None)
         _count("layouts")
@@ -295,7 +313,10 @@ class Exchange:
         L.recv_w = d.recv_w if topk_w is not None else None
         L._src = L.in_rank = L.send_counts = L.recv_counts = L._expand = L.per_rank = None
         L.routing_idx = topk_idx
-        return L, d.recv_x, d.recv_scales
+        recv_s = d.recv_scales
+        if scales is not None and not native_scales(x, scales):
+            recv_s = self.to_receivers(L, scales)
+        return L, d.recv_x, recv_s
 
     def cached(self, L, x, scales, fn):
         """x along an earlier layout (no layout, no count exchange)."""
@@ -308,10 +329,12 @@ class Exchange:
         if scales is not None and epx.FP8Format(b.config.fp8_format) == epx.FP8Format.NONE:
             unsupported(fn, "fp8 x on a buffer of hidden %d (epx's fp8 needs bfloat16 rows of a "
                         "multiple of 128)" % x.shape[1])
-        d = et.dispatch(b, (x, scales) if scales is not None else x, handle=L.d)
+        d = et.dispatch(b, _fp8_pair(x, scales) if scales is not None else x, handle=L.d)
         _count("cached_dispatches")
         recv_x = d.recv_x if d.recv_x.shape[0] == L.rows else d.recv_x[:L.rows]
         recv_s = d.recv_scales[:L.rows] if scales is not None else None
+        if scales is not None and not native_scales(x, scales):
+            recv_s = self.to_receivers(L, scales)
         return recv_x, recv_s
 
     def combine(self, L, x, fn):
@@ -367,7 +390,10 @@ class Exchange:
         the epx.Comm's alltoallv through the host)."""
         if isinstance(self.group, epx.Comm):
             raw = v.detach().cpu().reshape(v.shape[0], -1).view(torch.uint8).numpy()
-            got = torch.from_numpy(self.group.alltoallv(raw, send)).view(v.dtype)
+            got = self.group.alltoallv(raw, send)
+            if got.shape[0] == 0:               # nothing comes (numpy's empty rows have stride 0)
+                return v.new_empty((0,) + tuple(v.shape[1:]))
+            got = torch.from_numpy(np.ascontiguousarray(got)).view(v.dtype)
             return got.reshape((-1,) + tuple(v.shape[1:])).to(v.device)
         got = v.new_empty((sum(recv),) + tuple(v.shape[1:]))
         dist.all_to_all_single(got, v, output_split_sizes=recv, input_split_sizes=send,

@@ -13,6 +13,8 @@ from typing import Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
+import epx
+
 from . import _core
 from ._core import check, unsupported
 from .utils import EventHandle, EventOverlap
@@ -71,6 +73,18 @@ class EPHandle:
             self.psum_num_recv_tokens_per_expert = counts.cumsum(0).to(torch.int32)
         psum = self.psum_num_recv_tokens_per_expert
         self.num_expanded_tokens = int(psum[-1]) if psum.numel() else 0
+        self.cpu_synced = True
+
+    def _no_cpu_sync(self, num_ranks):
+        """DeepEP's handle of a dispatch with do_cpu_sync=False: the worst-case
+        row counts (its allocation), no host list of the experts' counts."""
+        self.cpu_synced = False
+        mt, a = self.num_max_tokens_per_rank, self.expert_alignment
+        E_local = self.num_experts // num_ranks
+        self.num_recv_tokens = num_ranks * mt
+        n = num_ranks * mt * min(self.layout.K, E_local) + (a - 1) * E_local
+        self.num_expanded_tokens = -(-n // a) * a
+        self.__dict__["num_recv_tokens_per_expert_list"] = []
 
     # Read when first asked (each a few small tensor ops on the layout)
     _LAZY = ("psum_num_recv_tokens_per_scaleup_rank", "num_unaligned_recv_tokens_per_expert",
@@ -94,7 +108,7 @@ class EPHandle:
             meta[:, 1] = torch.arange(L.rows, dtype=torch.int32, device=meta.device)
             if self.do_expand:
                 meta[:, 2:] = _expansion(L, self.expert_alignment)["pos"].to(torch.int32)
-            value = meta
+            value = _pad(meta, self.num_recv_tokens, -1)
         self.__dict__[name] = value
         return value
 
@@ -133,8 +147,17 @@ def _expand_rows(L, alignment, rows, zero_padding=True):
     ex = _expansion(L, alignment)
     if ex["dense"]:                                    # dest is 0, 1, ... in this order
         return rows.index_select(0, ex["n"])
+    if rows.element_size() == 1 and rows.is_floating_point():
+        # fp8 rows: moved as their bytes (index_copy_ has no float8 kernel on the CPU)
+        return _expand_rows(L, alignment, rows.view(torch.uint8), zero_padding).view(rows.dtype)
     out = rows.new_zeros((ex["total"],) + tuple(rows.shape[1:]))
     return out.index_copy_(0, ex["dest"], rows.index_select(0, ex["n"]))
+
+
+def _pad(t, rows, value):
+    if t is None or t.shape[0] >= rows:
+        return t
+    return torch.cat([t, t.new_full((rows - t.shape[0],) + tuple(t.shape[1:]), value)])
 
 
 class ElasticBuffer:
@@ -153,8 +176,7 @@ class ElasticBuffer:
             unsupported("ElasticBuffer", "num_cpu_bytes (host memory for Engram storage): "
                         "Engram is not offered")
         self.group = group
-        self.rank_idx = group.rank()
-        self.num_ranks = group.size()
+        self.rank_idx, self.num_ranks, _ = _core.group_of(group, None, "ElasticBuffer")
         self.allow_hybrid_mode = allow_hybrid_mode
         self.allow_multiple_reduction = allow_multiple_reduction
         self.prefer_overlap_with_compute = prefer_overlap_with_compute
@@ -190,7 +212,7 @@ class ElasticBuffer:
         receive rows (a token once per rank, W * num_max_tokens_per_rank
         rows of hidden elements, routing and source metadata) for the send
         and receive sides."""
-        W = group.size()
+        W = group.size if isinstance(group, epx.Comm) else group.size()
         elem = 1 if use_fp8_dispatch else 2
         per_row = hidden * elem + (hidden // 128) * 4 * use_fp8_dispatch + num_topk * 12 + 16
         n = 2 * W * max(num_max_tokens_per_rank, 1) * per_row
@@ -287,6 +309,7 @@ class ElasticBuffer:
                   else num_max_tokens_per_rank)
             assert (num_experts, expert_alignment, mt) == \
                 (handle.num_experts, handle.expert_alignment, handle.num_max_tokens_per_rank)
+            do_cpu_sync = handle.cpu_synced
             L = handle.layout
             recv_x, recv_s = rt.cached(L, xs, scales, fn)
             recv_w = None
@@ -320,7 +343,11 @@ class ElasticBuffer:
             L.routing_idx = cloned
             recv_w = L.recv_w
             h = EPHandle(do_expand, num_experts, expert_alignment, mt, num_sms, cloned, L)
-        recv_idx = None if do_expand else L.recv_idx.to(_core.topk_idx_t)
+            do_cpu_sync = True if do_cpu_sync is None else bool(do_cpu_sync)
+            if not do_cpu_sync:
+                h._no_cpu_sync(self.num_ranks)
+        # a tensor of its own, as DeepEP's (callers rewrite it in place: vLLM's globalize)
+        recv_idx = None if do_expand else L.recv_idx.to(_core.topk_idx_t, copy=True)
         if do_expand:
             recv_x = _expand_rows(L, expert_alignment, recv_x)
             if recv_s is not None:
@@ -330,6 +357,21 @@ class ElasticBuffer:
                 w = recv_w.new_zeros((ex["total"],))
                 w[ex["dest"]] = recv_w[ex["n"], ex["k"]]
                 recv_w = w
+        if not h.cpu_synced:
+            # DeepEP without a CPU sync allocates the worst case: rows past the
+            # received ones (psum_num_recv_tokens_per_scaleup_rank[-1], or the
+            # experts' prefix sums when expanded) are padding: zeros here, -1 ids
+            rows = h.num_expanded_tokens if do_expand else h.num_recv_tokens
+            recv_x = _pad(recv_x, rows, 0)
+            recv_s = _pad(recv_s, rows, 0)
+            recv_idx = _pad(recv_idx, rows, -1)
+            recv_w = _pad(recv_w, rows, 0)
+        if use_tma_aligned_col_major_sf and recv_s is not None:
+            # DeepEP's TMA-aligned column-major scales: stride (1, rows aligned to 4 packs)
+            n, S = recv_s.shape
+            col = torch.empty_strided((n, S), (1, max(-(-n // 4) * 4, 1)), dtype=recv_s.dtype,
+                                      device=recv_s.device)
+            recv_s = col.copy_(recv_s)
         if cumulative_local_expert_recv_stats is not None:
             cumulative_local_expert_recv_stats += h.num_unaligned_recv_tokens_per_expert.to(
                 cumulative_local_expert_recv_stats.dtype)

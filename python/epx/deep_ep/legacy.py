@@ -32,6 +32,20 @@ class Config:
                  num_max_nvl_chunked_recv_tokens: int = 256,
                  num_max_rdma_chunked_send_tokens: int = 6,
                  num_max_rdma_chunked_recv_tokens: int = 256) -> None:
+        # DeepEP's checks (csrc/legacy/config.hpp), and its RDMA receive size
+        # rounded up to a multiple of the send chunk
+        check(num_sms >= 0, "Config", "num_sms %d < 0", num_sms)
+        check(0 < num_max_nvl_chunked_send_tokens < num_max_nvl_chunked_recv_tokens, "Config",
+              "the NVLink chunks must be 0 < send (%d) < recv (%d)",
+              num_max_nvl_chunked_send_tokens, num_max_nvl_chunked_recv_tokens)
+        check(num_max_rdma_chunked_send_tokens > 0 and num_max_rdma_chunked_recv_tokens > 0,
+              "Config", "the RDMA chunks must be > 0")
+        num_max_rdma_chunked_recv_tokens = -(-num_max_rdma_chunked_recv_tokens
+                                             // num_max_rdma_chunked_send_tokens) \
+            * num_max_rdma_chunked_send_tokens
+        check(num_max_rdma_chunked_send_tokens <= num_max_rdma_chunked_recv_tokens // 2, "Config",
+              "the RDMA send chunk %d must be at most half the receive chunk %d",
+              num_max_rdma_chunked_send_tokens, num_max_rdma_chunked_recv_tokens)
         self.num_sms = num_sms
         self.num_max_nvl_chunked_send_tokens = num_max_nvl_chunked_send_tokens
         self.num_max_nvl_chunked_recv_tokens = num_max_nvl_chunked_recv_tokens
@@ -55,7 +69,7 @@ class Config:
             return 0
         rdma = num_ranks // _NUM_MAX_NVL_PEERS
         channels = self.num_sms // 2
-        per_token = hidden_bytes + 8 + 128 * 8 + 128 * 4 + 128 * 4
+        per_token = hidden_bytes + 8 + 128 * 8 + 128 * 4 + 128 * 4 + 16
         n = channels * rdma * (_NUM_MAX_NVL_PEERS * 2 + 2) * 2 * 4
         n += channels * rdma * self.num_max_rdma_chunked_recv_tokens * per_token * 2
         return (n + 127) // 128 * 128
@@ -181,14 +195,18 @@ class Buffer:
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int,
                                        num_ranks: int, num_experts: int) -> int:
-        """DeepEP's low-latency buffer size for these shapes (BF16); epx
-        sizes its own low-latency buffer from the same arguments."""
-        msg_dispatch = 16 + max(hidden * 2, hidden + hidden // 128 * 4)
-        msg_combine = 16 + hidden * 2
-        send = num_max_dispatch_tokens_per_rank * max(msg_dispatch, msg_combine)
+        """DeepEP's low-latency RDMA buffer size for these shapes (its
+        LowLatencyLayout's bytes, rounded as csrc/legacy/config.hpp rounds
+        them); epx sizes its own low-latency buffer from the calls."""
+        num_scales = hidden // 128
+        msg_dispatch = 16 + max(hidden * 2, hidden + num_scales * 4)
+        msg_combine = num_scales * 4 + hidden * 2
+        send = max(num_max_dispatch_tokens_per_rank * msg_dispatch,
+                   num_experts * num_max_dispatch_tokens_per_rank * msg_combine)
         recv = num_experts * num_max_dispatch_tokens_per_rank * max(msg_dispatch, msg_combine)
-        total = 2 * (send + recv + num_experts * 4 * 2)
-        return (total + 128 - 1) // 128 * 128
+        signaling = (num_experts * 4 + 127) // 128 * 128
+        total = 2 * (send + recv + signaling)
+        return (total + 128) // 128 * 128
 
     def get_comm_stream(self) -> torch.Stream:
         """The stream epx's calls run on: PyTorch's current CUDA stream."""
@@ -424,10 +442,23 @@ class Buffer:
                             topk_weights: torch.Tensor, handle: tuple, use_logfmt: bool = False,
                             zero_copy: bool = False, async_finish: bool = False,
                             return_recv_hook: bool = False, out: Optional[torch.Tensor] = None,
-                            combine_wait_recv_cost_stats: Optional[torch.Tensor] = None) -> \
+                            combine_wait_recv_cost_stats: Optional[torch.Tensor] = None,
+                            overlap: bool = False, packed_recv_count: Optional[torch.Tensor] = None,
+                            comp_signal: Optional[torch.Tensor] = None, block_m: int = 64,
+                            threshold: int = 0, num_sms: int = 0,
+                            src_signals: Optional[torch.Tensor] = None,
+                            src_signal_expect_value: int = 0) -> \
             Tuple[torch.Tensor, EventOverlap, Callable]:
-        """DeepEP's low_latency_combine: see :mod:`epx.deep_ep.low_latency`."""
+        """DeepEP's low_latency_combine: see :mod:`epx.deep_ep.low_latency`.
+        The arguments from ``overlap`` on are SGLang's DeepEP fork's (its
+        single-batch overlap: the combine sends each expert's rows as a
+        GEMM signals them); accepted with overlap=False, refused with
+        overlap=True (epx's combine would not wait for the signals)."""
         from . import low_latency
+        if overlap:
+            unsupported("Buffer.low_latency_combine", "overlap=True (SGLang's DeepEP fork: a "
+                        "combine that waits for the expert GEMM's signals, comp_signal / "
+                        "src_signals); epx has no signal wait, run without single-batch overlap")
         return low_latency.combine(self, x, topk_idx, topk_weights, handle, use_logfmt,
                                    zero_copy, async_finish, return_recv_hook, out,
                                    combine_wait_recv_cost_stats)

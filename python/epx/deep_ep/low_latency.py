@@ -21,6 +21,7 @@ Where DeepEP and epx differ, and what is done about it:
 import torch
 import torch.distributed as dist
 
+import epx
 import epx.torch as et
 
 from . import _core
@@ -157,7 +158,12 @@ def _row_weights(owner, handle, topk_idx, topk_weights, fn):
     w = torch.zeros((maxT, K), dtype=torch.float32, device=dev)
     idx[:T] = topk_idx
     w[:T] = topk_weights.float()
-    if W > 1:
+    if W > 1 and isinstance(owner.group, epx.Comm):
+        # threads of one process (epx.run_local) or MPI: the comm's allgather, on the host
+        comm = owner.group
+        idx = torch.from_numpy(comm.allgather(idx.cpu().numpy())).to(dev)
+        w = torch.from_numpy(comm.allgather(w.cpu().numpy())).to(dev)
+    elif W > 1:
         idxs = [torch.empty_like(idx) for _ in range(W)]
         ws = [torch.empty_like(w) for _ in range(W)]
         dist.all_gather(idxs, idx, group=owner.group)
