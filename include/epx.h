@@ -1554,10 +1554,10 @@ epx_status_t epx_ll_complete(epx_buffer_t buffer, epx_handle_t handle);
  *    cannot mask itself.
  *  - epx_ll_query_mask: mask [W] (int32, host memory) gets 1 for each
  *    masked rank, 0 otherwise. epx_ll_clean_mask unmasks every rank.
- * Backends: CPU buffers over a local (threads) or shm (processes) comm;
- * over shm a survivor that was outside the comm's barriers while the
- * others masked the failed rank and went on gets the failure at its next
- * call (so every survivor fails the same step), masks, and goes on. The
+ * Backends: CPU buffers over a local (threads) or shm (processes) comm; a
+ * survivor that was outside the comm's barriers while the others masked the
+ * failed rank and went on gets the failure at its next call (so every
+ * survivor fails the same step), masks, and goes on. The
  * mask is the caller's, after the error: no rank is masked on its own.
  * Masking on a CPU buffer over another transport (MPI, NCCL, self) or on a
  * CUDA buffer is EPX_ERROR_UNSUPPORTED naming it: shrink the comm instead

@@ -14,6 +14,7 @@
  * the same comm and buffer equal the reference without its experts; the
  * time from the kill to the survivors' next completed step is printed.
  * Every test has a hard bound (alarm). */
+#include <sched.h>
 #include <signal.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -33,6 +34,7 @@
 #define H 8
 #define T 5
 #define VICTIM 2
+#define WMAX 4 /* the stress test's world (test_mask_threads_stress) */
 #define TIMEOUT 0.5
 #define HARD_BOUND_S 60
 
@@ -54,17 +56,22 @@ static double seconds_now(void) {
 
 /* Rank `rank`'s input of step `step`: distinct experts per token, weights
  * 1/2 or 1/4, rows of small integers. */
-static void make_input(int32_t rank, int32_t step, int32_t *idx, float *w, float *x) {
+static void make_input_w(int32_t world, int32_t rank, int32_t step, int32_t *idx, float *w, float *x) {
+  const int32_t experts = world * (E / W);
   tu_rng_t rng = {(uint64_t)(step * 131 + rank + 7)};
   for (int32_t t = 0; t < T; t++) {
-    int32_t first = tu_below(&rng, E);
+    int32_t first = tu_below(&rng, experts);
     for (int32_t k = 0; k < K; k++) {
-      idx[t * K + k] = (first + 2 * k + (t & 1)) % E;
+      idx[t * K + k] = (first + 2 * k + (t & 1)) % experts;
       w[t * K + k] = (tu_below(&rng, 2) ? 0.5f : 0.25f);
     }
     if (t == T - 1) idx[t * K + K - 1] = -1;
   }
   for (int32_t i = 0; i < T * H; i++) x[i] = (float)(tu_below(&rng, 17) - 8);
+}
+
+static void make_input(int32_t rank, int32_t step, int32_t *idx, float *w, float *x) {
+  make_input_w(W, rank, step, idx, w, x);
 }
 
 /* The expert: row * (1 + e), e the global expert (exact in float32). */
@@ -84,18 +91,30 @@ static void reference(const int32_t *idx, const float *w, const float *x, const 
     }
 }
 
+/* The stress test's jitter (test_mask_threads_stress): when set, the
+ * calling thread pauses a random while between a step's dispatch and its
+ * combine, where the expert runs. */
+static _Thread_local tu_rng_t *step_jitter;
+
+/* Nothing, a yield, or a sleep of up to `max_us` microseconds. */
+static void jitter(tu_rng_t *rng, int32_t max_us) {
+  int32_t kind = tu_below(rng, 4);
+  if (kind == 1) sched_yield();
+  if (kind >= 2) usleep((useconds_t)tu_below(rng, max_us + 1));
+}
+
 /* The last step's error (epx_handle_release clears epx_last_error). */
 static _Thread_local char step_error[1024];
 
 /* One decode step; 0 when out equals the reference under mask. */
-static int ll_step(epx_buffer_t b, int32_t rank, int32_t step, const int32_t *mask, epx_layout_t layout,
-                   epx_status_t *status) {
-  int32_t idx[T * K], recv_count[W * E];
+static int ll_step_w(epx_buffer_t b, int32_t world, int32_t rank, int32_t step, const int32_t *mask,
+                     epx_layout_t layout, epx_status_t *status) {
+  int32_t idx[T * K], recv_count[WMAX * WMAX * (E / W)];
   float w[T * K];
   _Alignas(64) float x[T * H], out[T * H], want[T * H];
-  make_input(rank, step, idx, w, x);
+  make_input_w(world, rank, step, idx, w, x);
   epx_routing_t routing = {T, K, idx, w, NULL, EPX_WEIGHTS_IN_COMBINE};
-  int64_t rows = (layout == EPX_LAYOUT_RANK_MAJOR ? 1 : E / W) * (int64_t)W * T; /* the fixed shape */
+  int64_t rows = (layout == EPX_LAYOUT_RANK_MAJOR ? 1 : E / W) * (int64_t)world * T; /* the fixed shape */
   float *recv = tu_alloc(sizeof(float) * (size_t)rows * H);
   int32_t *rx = tu_alloc(sizeof(int32_t) * (size_t)rows * K);
   float *rw = tu_alloc(sizeof(float) * (size_t)rows * K);
@@ -109,7 +128,7 @@ static int ll_step(epx_buffer_t b, int32_t rank, int32_t step, const int32_t *ma
      * row (a token's local experts, weighted by the expert: WEIGHTS_NONE)
      * by the weighted sum of its slots' scales. */
     int32_t slots = layout == EPX_LAYOUT_RANK_MAJOR ? K : 1;
-    int32_t groups = layout == EPX_LAYOUT_RANK_MAJOR ? W : E / W;
+    int32_t groups = layout == EPX_LAYOUT_RANK_MAJOR ? world : E / W;
     for (int32_t g = 0; g < groups; g++)
       for (int32_t i = 0; i < recv_count[g]; i++) {
         int64_t row = (int64_t)g * (rows / groups) + i;
@@ -122,6 +141,7 @@ static int ll_step(epx_buffer_t b, int32_t rank, int32_t step, const int32_t *ma
         }
         for (int32_t j = 0; j < H; j++) recv[row * H + j] *= factor;
       }
+    if (step_jitter) jitter(step_jitter, 300);
     *status = epx_ll_combine(b, h, recv, out);
   }
   if (*status == EPX_SUCCESS) {
@@ -136,6 +156,11 @@ static int ll_step(epx_buffer_t b, int32_t rank, int32_t step, const int32_t *ma
   tu_free(rx);
   tu_free(rw);
   return bad;
+}
+
+static int ll_step(epx_buffer_t b, int32_t rank, int32_t step, const int32_t *mask, epx_layout_t layout,
+                   epx_status_t *status) {
+  return ll_step_w(b, W, rank, step, mask, layout, status);
 }
 
 static int victim_main(epx_buffer_t b, scene_t *sc) {
@@ -291,6 +316,167 @@ static void test_query_clean_threads(void **state) {
   (void)state;
   alarm(HARD_BOUND_S);
   assert_int_equal(tu_run_ranks(W, 5.0, clean_rank_main, NULL), 0);
+  alarm(0);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Thread ranks under jitter: a second rank leaves after the first failure   */
+/* ------------------------------------------------------------------------ */
+
+/* 4 thread ranks. Rank 3 stops calling at a random point (after a random
+ * number of steps, or after the next step's dispatch): the others' step
+ * times out naming it. Rank 2 takes that failure and leaves (it destroys its
+ * buffer and returns: its comm is destroyed without a barrier, its comm
+ * being failed). Ranks 0 and 1 mask rank 3; their next step fails naming
+ * rank 2 (whichever way each learns of it: found destroyed on entering a
+ * collective, destroyed while it waits, or the failure a peer's mask cleared
+ * while it was between two calls); they mask rank 2 and 3 steps equal the
+ * reference without ranks 2 and 3. Every rank pauses at random (nothing, a
+ * yield, a sleep) between its calls, between a step's dispatch and combine,
+ * between the error and the mask, and after the mask, so that a survivor is
+ * often outside the barriers while its peer masks and goes on. Both
+ * survivors must fail the same two steps. */
+#define S_LOST 3
+#define S_LEAVER 2
+#define STRESS_TIMEOUT 0.25
+#define STRESS_CASES 32
+
+typedef struct {
+  epx_layout_t layout;
+  uint64_t seed;
+  int32_t lost_after; /* full steps rank 3 makes */
+  int32_t lost_mid;   /* 1: it also makes the next step's dispatch */
+  atomic_int done;    /* survivors done (rank 3 then returns) */
+  int32_t first_fail[WMAX], second_fail[WMAX];
+} stress_t;
+
+/* A rank's steps from `step` with `mask` until one fails: its number, or -1
+ * when `limit` steps passed; `status` and step_error say how it failed. */
+static int32_t stress_steps_until_failure(epx_buffer_t b, int32_t rank, int32_t step, int32_t limit, const int32_t *mask,
+                                          stress_t *sc, tu_rng_t *rng, epx_status_t *status) {
+  for (int32_t end = step + limit; step < end; step++) {
+    jitter(rng, 300);
+    int bad = ll_step_w(b, WMAX, rank, step, mask, sc->layout, status);
+    if (*status != EPX_SUCCESS) return step;
+    if (bad) {
+      fprintf(stderr, "stress seed %llu rank %d step %d: %s\n", (unsigned long long)sc->seed, rank, step, step_error);
+      *status = EPX_ERROR_INTERNAL;
+      return step;
+    }
+  }
+  return -1;
+}
+
+/* 1 when the step failed as expected: a timeout or a peer failure naming `named`. */
+static int stress_failed_naming(stress_t *sc, int32_t rank, int32_t step, epx_status_t status, int32_t named,
+                                const char *what) {
+  char want[16];
+  snprintf(want, sizeof want, "rank %d", named);
+  if (step >= 0 && (status == EPX_ERROR_TIMEOUT || status == EPX_ERROR_PEER_FAILED) && strstr(step_error, want))
+    return 1;
+  fprintf(stderr, "stress seed %llu (%s, rank 3 stops after %d steps%s) rank %d: %s: step %d: %s: %s\n",
+          (unsigned long long)sc->seed, tu_layout_name(sc->layout), sc->lost_after,
+          sc->lost_mid ? " and a dispatch" : "", rank, what, step, epx_status_string(status),
+          step >= 0 ? step_error : "no step failed");
+  return 0;
+}
+
+static int stress_survivor(epx_buffer_t b, int32_t rank, stress_t *sc, tu_rng_t *rng) {
+  int32_t mask[WMAX] = {0}, got[WMAX] = {0};
+  epx_status_t status;
+  int32_t first = stress_steps_until_failure(b, rank, 0, sc->lost_after + 2, mask, sc, rng, &status);
+  sc->first_fail[rank] = first;
+  if (!stress_failed_naming(sc, rank, first, status, S_LOST, "the first failure")) return 1;
+  jitter(rng, 500);
+  if (epx_ll_mask_rank(b, S_LOST, 1) != EPX_SUCCESS) return 1;
+  mask[S_LOST] = 1;
+  jitter(rng, tu_below(rng, 2) ? 2000 : 200);
+  int32_t second = stress_steps_until_failure(b, rank, first + 1, 2, mask, sc, rng, &status);
+  sc->second_fail[rank] = second;
+  if (!stress_failed_naming(sc, rank, second, status, S_LEAVER, "the second failure")) return 1;
+  jitter(rng, 500);
+  if (epx_ll_mask_rank(b, S_LEAVER, 1) != EPX_SUCCESS) return 1;
+  mask[S_LEAVER] = 1;
+  if (epx_ll_query_mask(b, got) != EPX_SUCCESS || got[0] || got[1] || !got[S_LEAVER] || !got[S_LOST]) {
+    fprintf(stderr, "stress seed %llu rank %d: the query gave {%d, %d, %d, %d}\n", (unsigned long long)sc->seed,
+            rank, got[0], got[1], got[2], got[3]);
+    return 1;
+  }
+  int32_t after = stress_steps_until_failure(b, rank, second + 1, 3, mask, sc, rng, &status);
+  if (after < 0) return 0;
+  fprintf(stderr, "stress seed %llu rank %d step %d (ranks 2 and 3 masked): %s: %s\n", (unsigned long long)sc->seed,
+          rank, after, epx_status_string(status), step_error);
+  return 1;
+}
+
+static int stress_rank_main(epx_comm_t comm, int32_t rank, int32_t world, void *arg) {
+  stress_t *sc = arg;
+  (void)world;
+  tu_rng_t rng = {sc->seed * 8 + (uint64_t)rank + 1};
+  epx_buffer_config_t c = EPX_BUFFER_CONFIG_INIT;
+  c.dtype = EPX_FLOAT32, c.hidden = H, c.num_experts = WMAX * (E / W), c.max_top_k = K, c.max_tokens_per_rank = T;
+  c.low_latency = 1, c.layout = sc->layout;
+  epx_buffer_t b = NULL;
+  int failed = epx_buffer_create(comm, &c, &b) != EPX_SUCCESS;
+  if (failed) fprintf(stderr, "rank %d: epx_buffer_create: %s\n", rank, epx_last_error());
+  step_jitter = &rng;
+  int32_t none[WMAX] = {0};
+  epx_status_t status;
+  if (!failed && rank == S_LOST) {
+    failed = stress_steps_until_failure(b, rank, 0, sc->lost_after, none, sc, &rng, &status) >= 0;
+    if (!failed && sc->lost_mid) {
+      /* The next step's dispatch only: the others fail in its combine. */
+      int32_t idx[T * K];
+      float w[T * K];
+      _Alignas(64) float x[T * H], recv[(E / W) * WMAX * T * H];
+      make_input_w(WMAX, rank, sc->lost_after, idx, w, x);
+      epx_routing_t routing = {T, K, idx, w, NULL, EPX_WEIGHTS_IN_COMBINE};
+      if (sc->layout == EPX_LAYOUT_RANK_MAJOR) routing.weighting = EPX_WEIGHTS_NONE;
+      epx_handle_t h = NULL;
+      failed = epx_ll_dispatch(b, &routing, NULL, x, recv, NULL, &h) != EPX_SUCCESS;
+      epx_handle_release(h);
+    }
+    if (failed) fprintf(stderr, "stress seed %llu rank 3 before it stops: %s\n", (unsigned long long)sc->seed, step_error);
+    while (atomic_load(&sc->done) < 2) usleep(200);
+  } else if (!failed && rank == S_LEAVER) {
+    int32_t first = stress_steps_until_failure(b, rank, 0, sc->lost_after + 2, none, sc, &rng, &status);
+    sc->first_fail[rank] = first;
+    failed = !stress_failed_naming(sc, rank, first, status, S_LOST, "the first failure");
+    jitter(&rng, 500);
+  } else if (!failed) {
+    failed = stress_survivor(b, rank, sc, &rng);
+  }
+  if (rank < S_LEAVER) atomic_fetch_add(&sc->done, 1);
+  step_jitter = NULL;
+  failed |= epx_buffer_destroy(b) != EPX_SUCCESS;
+  return failed;
+}
+
+static void test_mask_threads_stress(void **state) {
+  (void)state;
+  alarm(4 * HARD_BOUND_S);
+  const char *env = getenv("EPX_TEST_SEED");
+  uint64_t base = env ? strtoull(env, NULL, 10) : (uint64_t)time(NULL) * 1000 + (uint64_t)getpid() % 1000;
+  double started = seconds_now();
+  for (int32_t i = 0; i < STRESS_CASES; i++) {
+    stress_t sc = {.layout = i & 1 ? EPX_LAYOUT_RANK_MAJOR : EPX_LAYOUT_EXPERT_MAJOR, .seed = base + (uint64_t)i};
+    tu_rng_t rng = {sc.seed};
+    sc.lost_after = 1 + tu_below(&rng, 3);
+    sc.lost_mid = tu_below(&rng, 2);
+    int failures = tu_run_ranks(WMAX, STRESS_TIMEOUT, stress_rank_main, &sc);
+    if (!failures && (sc.first_fail[0] != sc.first_fail[1] || sc.first_fail[0] != sc.first_fail[S_LEAVER] ||
+                      sc.second_fail[0] != sc.second_fail[1] || sc.second_fail[0] != sc.first_fail[0] + 1)) {
+      fprintf(stderr, "stress seed %llu: the first failures at steps %d, %d, %d; the second at %d, %d\n",
+              (unsigned long long)sc.seed, sc.first_fail[0], sc.first_fail[1], sc.first_fail[S_LEAVER],
+              sc.second_fail[0], sc.second_fail[1]);
+      failures = 1;
+    }
+    if (failures) fprintf(stderr, "stress: rerun with EPX_TEST_SEED=%llu (case %d)\n", (unsigned long long)base, i);
+    assert_int_equal(failures, 0);
+  }
+  printf("ll mask under jitter (threads, seeds %llu + [0, %d)): rank 3 lost, rank 2 gone after the failure; both "
+         "survivors failed the same two steps, masked, and 3 steps equal the reference: OK (%.1f s)\n",
+         (unsigned long long)base, STRESS_CASES, seconds_now() - started);
   alarm(0);
 }
 
@@ -471,6 +657,7 @@ int main(void) {
       cmocka_unit_test(test_refusals),
       cmocka_unit_test(test_query_clean_threads),
       cmocka_unit_test(test_mask_threads),
+      cmocka_unit_test(test_mask_threads_stress),
       cmocka_unit_test(test_mask_shm_sigkill),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

@@ -304,6 +304,15 @@ epx_status_t epx_comm_world_failed_error(const char *caller, int same_barrier, e
   return epx_error(status, "%s: %s; the comm is now failed, destroy it", caller, fail_reason);
 }
 
+epx_status_t epx_comm_world_missed_failure_error(epx_comm_t comm, const char *caller, uint32_t failures,
+                                                 uint32_t *seen, epx_status_t fail_status, const char *fail_caller,
+                                                 const char *fail_reason) {
+  if (failures == *seen) return EPX_SUCCESS;
+  comm->failed = 1;
+  *seen = failures;
+  return epx_comm_world_failed_error(caller, 1, fail_status, fail_caller, fail_reason);
+}
+
 void epx_comm_world_timeout_reason(char *out, size_t out_size, int32_t size,
                                    int (*arrived)(const void *world, int32_t rank), const void *world,
                                    double timeout) {

@@ -42,6 +42,16 @@ struct timespec epx_comm_deadline(double seconds);
  * EPX_ERROR_PEER_FAILED naming the call that failed. */
 epx_status_t epx_comm_world_failed_error(const char *caller, int same_barrier, epx_status_t status,
                                          const char *fail_caller, const char *fail_reason);
+/* the error of a rank of a world that is not failed (any more) but failed
+ * since this rank last had a failure as its error: the world counts its
+ * failures (`failures`), a rank the count when a call of its returned one
+ * (*seen; a mask call does not move it). A failure that an active-rank mask
+ * cleared while this rank was outside the barriers is still its own: it
+ * fails the step its peers failed, masks, and joins them. *seen catches up;
+ * the error is the last failure's. EPX_SUCCESS when none came since. */
+epx_status_t epx_comm_world_missed_failure_error(epx_comm_t comm, const char *caller, uint32_t failures,
+                                                 uint32_t *seen, epx_status_t fail_status, const char *fail_caller,
+                                                 const char *fail_reason);
 /* the reason of a timeout at a barrier: the ranks for which arrived(world,
  * p) is 0 (the first 16 named), "did not arrive within `timeout` s". */
 void epx_comm_world_timeout_reason(char *out, size_t out_size, int32_t size,

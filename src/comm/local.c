@@ -71,6 +71,7 @@ typedef struct local_slot {
   int suspect;       /* the world's failure named it missing */
   int shrink_joined; /* it called epx_comm_shrink on this world */
   int masked;        /* out of the collectives (epx_ll_mask_rank) */
+  uint32_t failures_seen; /* the world's `failures` when a call of this rank last returned one */
 } local_slot_t;
 
 struct epx_local_world {
@@ -84,6 +85,7 @@ struct epx_local_world {
   int32_t arrived;     /* ranks waiting at the current barrier */
   int32_t live;        /* ranks a barrier waits for: size less the masked */
   int32_t waiting;     /* ranks inside a gather wait (a mask clears a failure once they left) */
+  uint32_t failures;   /* how many times it failed (a rank that missed one a mask cleared gets it: local_gather) */
   int32_t attached;    /* live comms */
   int failed;
   uint64_t fail_generation; /* the barrier that failed */
@@ -117,6 +119,7 @@ static void local_fail_locked(epx_local_world_t world, uint64_t generation, epx_
   va_end(args);
   snprintf(world->fail_caller, sizeof world->fail_caller, "%s", caller);
   world->failed = 1;
+  world->failures++;
   world->fail_generation = generation;
   world->fail_status = status;
   pthread_cond_broadcast(&world->cond);
@@ -128,6 +131,7 @@ static epx_status_t local_failed_error_locked(epx_comm_t comm, const char *calle
                                               uint64_t generation) {
   epx_local_world_t world = comm->impl;
   comm->failed = 1;
+  world->slots[comm->rank].failures_seen = world->failures;
   return epx_comm_world_failed_error(caller, generation == world->fail_generation, world->fail_status,
                                      world->fail_caller, world->fail_reason);
 }
@@ -206,6 +210,11 @@ static epx_status_t local_gather(epx_comm_t comm, const char *caller, local_op_t
     status = local_masked_error(comm, caller);
     goto done;
   }
+  /* A failure that a mask cleared while this rank was between two calls is
+   * still this rank's (see local_mask). */
+  status = epx_comm_world_missed_failure_error(comm, caller, world->failures, &mine->failures_seen,
+                                               world->fail_status, world->fail_caller, world->fail_reason);
+  if (status != EPX_SUCCESS) goto done;
   uint64_t generation = world->generation;
   for (int32_t p = 0; p < world->size; p++) {
     const local_slot_t *peer = &world->slots[p];
@@ -396,10 +405,12 @@ static void local_destroy(epx_comm_t comm) {
   for (int32_t p = 0; p < world->size && !world->failed; p++) {
     const local_slot_t *peer = &world->slots[p];
     if (peer->attached && !peer->masked && !world->slots[comm->rank].masked &&
-        peer->arrived == world->generation + 1 && peer->op != LOCAL_OP_CREATE)
+        peer->arrived == world->generation + 1 && peer->op != LOCAL_OP_CREATE) {
+      world->slots[comm->rank].suspect = 1; /* the failure names it: masking it clears it */
       local_fail_locked(world, world->generation, EPX_ERROR_PEER_FAILED, peer->caller,
                         "rank %d destroyed its comm while rank %d is in %s (%s)", comm->rank, p,
                         peer->caller, local_op_name(peer->op));
+    }
   }
   pthread_mutex_unlock(&world->lock);
   comm->impl = NULL;
@@ -443,6 +454,7 @@ epx_status_t epx_comm_init_local(epx_comm_t comm, epx_local_world_t world, int32
                        rank);
   if (status == EPX_SUCCESS) {
     world->slots[rank].attached = 1;
+    world->slots[rank].failures_seen = world->failures;
     world->attached++;
   }
   pthread_mutex_unlock(&world->lock);
@@ -705,7 +717,9 @@ static epx_status_t local_mask(epx_comm_t comm, const char *caller, int32_t rank
    * barrier's start for its own completion. */
   while (world->failed && world->waiting > 0) pthread_cond_wait(&world->cond, &world->lock);
   if (world->failed && local_failure_masked_locked(world)) {
-    /* The survivors meet at a fresh barrier: the failed one's arrivals are void. */
+    /* The survivors meet at a fresh barrier: the failed one's arrivals are
+     * void. A survivor that was between two calls did not see the failure:
+     * its next call gets it (local_gather: `failures` moved). */
     world->failed = 0;
     world->arrived = 0;
     world->generation++;
@@ -713,7 +727,9 @@ static epx_status_t local_mask(epx_comm_t comm, const char *caller, int32_t rank
   } else if (!world->failed && world->arrived > 0) {
     (void)local_complete_locked(world);
   }
-  if (!world->failed) comm->failed = 0;
+  /* The next call tells the world as it is: on, or still failed (a failure
+   * naming a rank not masked yet, or one that came since), naming why. */
+  comm->failed = 0;
   pthread_mutex_unlock(&world->lock);
   return EPX_SUCCESS;
 }

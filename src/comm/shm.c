@@ -57,8 +57,8 @@
 #include "comm/comm.h"
 #include "core/error.h"
 
-/* "epxshm05": the layout below; a rank built from another layout refuses. */
-#define SHM_MAGIC 0x65707873686d3035ULL
+/* "epxshm06": the layout below; a rank built from another layout refuses. */
+#define SHM_MAGIC 0x65707873686d3036ULL
 #define SHM_NAME_MAX 200
 /* A comm's own name: the caller's, or a shrink's "<name>.g<N>". */
 #define SHM_PATH_MAX (SHM_NAME_MAX + 16)
@@ -119,6 +119,7 @@ typedef struct shm_world {
   int32_t arrived;
   int32_t live;     /* ranks a barrier waits for: size less the masked */
   uint32_t revived; /* failures a mask cleared (shm_mask): a waiter of the failed barrier sees it move */
+  uint32_t failures; /* how many times it failed (a rank that missed one a mask cleared gets it) */
   int32_t attached;
   int32_t failed;
   int32_t fail_status;
@@ -145,7 +146,7 @@ typedef struct shm_state {
   uint32_t shrinks;            /* made this comm's from it (shm_shrink) */
   shm_map_t *maps; /* [size]; maps[rank] is the own data segment */
   uint8_t *masked; /* [size]: the ranks masked when the last gather completed (their blocks are not read) */
-  uint32_t revived_seen; /* the world's `revived` when this rank last had the world's failure */
+  uint32_t failures_seen; /* the world's `failures` when a call of this rank last returned one */
   int own_linked;  /* the own data segment's name is still in /dev/shm */
   int locked;      /* this process holds the world's lock */
   int32_t locked_as; /* the rank it took the lock as (-1: none yet) */
@@ -234,6 +235,7 @@ static void shm_fail_locked(shm_world_t *w, uint64_t generation, epx_status_t st
   va_end(args);
   snprintf(w->fail_caller, sizeof w->fail_caller, "%s", caller);
   w->failed = 1;
+  w->failures++;
   w->fail_generation = generation;
   w->fail_status = status;
   shm_wake_all(w);
@@ -320,7 +322,7 @@ static epx_status_t shm_failed_error_locked(epx_comm_t comm, const char *caller,
   shm_state_t *st = comm->impl;
   shm_world_t *w = st->world;
   comm->failed = 1;
-  st->revived_seen = w->revived;
+  st->failures_seen = w->failures;
   return epx_comm_world_failed_error(caller, generation == w->fail_generation,
                                      (epx_status_t)w->fail_status, w->fail_caller, w->fail_reason);
 }
@@ -334,10 +336,8 @@ static epx_status_t shm_check_failed_locked(epx_comm_t comm, const char *caller)
   shm_state_t *st = comm->impl;
   shm_world_t *w = st->world;
   if (w->failed) return shm_failed_error_locked(comm, caller, UINT64_MAX);
-  if (w->revived == st->revived_seen) return EPX_SUCCESS;
-  comm->failed = 1;
-  st->revived_seen = w->revived;
-  return epx_comm_world_failed_error(caller, 1, (epx_status_t)w->fail_status, w->fail_caller, w->fail_reason);
+  return epx_comm_world_missed_failure_error(comm, caller, w->failures, &st->failures_seen,
+                                             (epx_status_t)w->fail_status, w->fail_caller, w->fail_reason);
 }
 
 static int shm_arrived(const void *world, int32_t rank) {
@@ -408,12 +408,9 @@ static epx_status_t shm_wait_locked(epx_comm_t comm, const char *caller, uint64_
       return locked;
     }
   }
-  if (w->revived != revived) {
-    comm->failed = 1;
-    st->revived_seen = w->revived;
-    return epx_comm_world_failed_error(caller, 1, (epx_status_t)w->fail_status, w->fail_caller,
-                                       w->fail_reason);
-  }
+  if (w->revived != revived)
+    return epx_comm_world_missed_failure_error(comm, caller, w->failures, &st->failures_seen,
+                                               (epx_status_t)w->fail_status, w->fail_caller, w->fail_reason);
   if (w->generation != generation) return EPX_SUCCESS;
   if (!w->failed) return shm_masked_error(comm, caller);
   return shm_failed_error_locked(comm, caller, generation);
@@ -743,10 +740,12 @@ static void shm_destroy(epx_comm_t comm) {
   for (int32_t p = 0; p < w->size && !w->failed && !w->slots[comm->rank].masked; p++) {
     const shm_slot_t *peer = &w->slots[p];
     if (peer->attached && !peer->masked && peer->arrived == w->generation + 1 &&
-        peer->op != SHM_OP_CREATE)
+        peer->op != SHM_OP_CREATE) {
+      w->slots[comm->rank].suspect = 1; /* the failure names it: masking it clears it */
       shm_fail_locked(w, w->generation, EPX_ERROR_PEER_FAILED, peer->caller,
                       "rank %d destroyed its comm while rank %d is in %s (%s)", comm->rank, p,
                       peer->caller, shm_op_names[peer->op]);
+    }
   }
   shm_unlock(st);
   if (st->own_linked) {
@@ -1159,10 +1158,9 @@ static epx_status_t shm_mask(epx_comm_t comm, const char *caller, int32_t rank, 
     w->generation++;
     shm_wake_all(w);
   }
-  if (!w->failed) {
-    comm->failed = 0;
-    st->revived_seen = w->revived;
-  }
+  /* The next call tells the world as it is: on, or still failed (a failure
+   * naming a rank not masked yet, or one that came since), naming why. */
+  comm->failed = 0;
   shm_unlock(st);
   return EPX_SUCCESS;
 }
