@@ -84,115 +84,34 @@ lib, path = _load()
 # ---------------------------------------------------------------------------
 
 
-class Status(enum.IntEnum):
-    SUCCESS = 0
-    ERROR_INVALID_ARGUMENT = 1
-    ERROR_OUT_OF_MEMORY = 2
-    ERROR_UNSUPPORTED = 3
-    ERROR_CAPACITY_EXCEEDED = 4
-    ERROR_SHAPE_MISMATCH = 5
-    ERROR_INVALID_HANDLE = 6
-    ERROR_BUSY = 7
-    ERROR_TIMEOUT = 8
-    ERROR_PEER_FAILED = 9
-    ERROR_TRANSPORT = 10
-    ERROR_REPLAY_MISMATCH = 11
-    ERROR_CUDA = 12
-    ERROR_INTERNAL = 13
+def _c_enum(name, members):
+    """epx.h's enum `name` as an IntEnum: its members, named as in the
+    header without the prefix, in the order of their values 0, 1, 2, ..."""
+    return enum.IntEnum(name, [(m, v) for v, m in enumerate(members.split())], module=__name__)
 
 
-class DType(enum.IntEnum):
-    FLOAT32 = 0
-    BFLOAT16 = 1
-    FLOAT16 = 2
-
-
-class Device(enum.IntEnum):
-    CPU = 0
-    CUDA = 1
-
-
-class ScoreFn(enum.IntEnum):
-    SOFTMAX = 0
-    SIGMOID = 1
-    SOFTMAX_AFTER_TOPK = 2
-    SQRT_SOFTPLUS = 3
-
-
-class QueueOrder(enum.IntEnum):
-    BY_CHOICE = 0
-    BY_TOKEN = 1
-
-
-class DropPolicy(enum.IntEnum):
-    BY_POSITION = 0
-    BY_PROBABILITY = 1
-    BY_SCORE = 2
-    BY_RANDOM_PRIORITY = 3
-
-
-class Nonfinite(enum.IntEnum):
-    ERROR = 0
-    DROP = 1
-
-
-class CapacityArithmetic(enum.IntEnum):
-    FLOAT32 = 0
-    FLOAT64 = 1
-
-
-class AuxCounts(enum.IntEnum):
-    SELECTED = 0
-    FIRST_CHOICE = 1
-    PLAIN_TOPK = 2
-
-
-class Exchange(enum.IntEnum):
-    DEDUP = 0
-    COLLECTIVE = 1
-    HIERARCHICAL = 2  # one row per (token, other node), forwarded inside the node (CPU)
-    AUTO = 3          # HIERARCHICAL across nodes of several ranks, else DEDUP
-
-
-class Layout(enum.IntEnum):
-    EXPERT_MAJOR = 0
-    RANK_MAJOR = 1
-    CAPACITY = 2
-
-
-class CombinePrecision(enum.IntEnum):
-    PARTIALS_FLOAT32 = 0
-    PARTIALS_PAYLOAD = 1
-
-
-class ExchangePath(enum.IntEnum):
-    AUTO = 0
-    HOST = 1
-    FUSED = 2
-
-
-class FP8Format(enum.IntEnum):
-    NONE = 0
-    E4M3_F32_128 = 1
-    E4M3_UE8M0_128 = 2
-    MXFP8 = 3
-
-
-class Weighting(enum.IntEnum):
-    IN_COMBINE = 0
-    IN_DISPATCH = 1
-    NONE = 2
-
-
-class RecorderMode(enum.IntEnum):
-    RECORD = 0
-    REPLAY = 1
-
-
-class ReplicaRule(enum.IntEnum):
-    ROUND_ROBIN = 0
-    CALLER = 1
-
+Status = _c_enum("Status", "SUCCESS ERROR_INVALID_ARGUMENT ERROR_OUT_OF_MEMORY ERROR_UNSUPPORTED "
+                           "ERROR_CAPACITY_EXCEEDED ERROR_SHAPE_MISMATCH ERROR_INVALID_HANDLE "
+                           "ERROR_BUSY ERROR_TIMEOUT ERROR_PEER_FAILED ERROR_TRANSPORT "
+                           "ERROR_REPLAY_MISMATCH ERROR_CUDA ERROR_INTERNAL")
+DType = _c_enum("DType", "FLOAT32 BFLOAT16 FLOAT16")
+Device = _c_enum("Device", "CPU CUDA")
+ScoreFn = _c_enum("ScoreFn", "SOFTMAX SIGMOID SOFTMAX_AFTER_TOPK SQRT_SOFTPLUS")
+QueueOrder = _c_enum("QueueOrder", "BY_CHOICE BY_TOKEN")
+DropPolicy = _c_enum("DropPolicy", "BY_POSITION BY_PROBABILITY BY_SCORE BY_RANDOM_PRIORITY")
+Nonfinite = _c_enum("Nonfinite", "ERROR DROP")
+CapacityArithmetic = _c_enum("CapacityArithmetic", "FLOAT32 FLOAT64")
+AuxCounts = _c_enum("AuxCounts", "SELECTED FIRST_CHOICE PLAIN_TOPK")
+# HIERARCHICAL: one row per (token, other node), forwarded inside the node
+# (CPU); AUTO: HIERARCHICAL across nodes of several ranks, else DEDUP
+Exchange = _c_enum("Exchange", "DEDUP COLLECTIVE HIERARCHICAL AUTO")
+Layout = _c_enum("Layout", "EXPERT_MAJOR RANK_MAJOR CAPACITY")
+CombinePrecision = _c_enum("CombinePrecision", "PARTIALS_FLOAT32 PARTIALS_PAYLOAD")
+ExchangePath = _c_enum("ExchangePath", "AUTO HOST FUSED")
+FP8Format = _c_enum("FP8Format", "NONE E4M3_F32_128 E4M3_UE8M0_128 MXFP8")
+Weighting = _c_enum("Weighting", "IN_COMBINE IN_DISPATCH NONE")
+RecorderMode = _c_enum("RecorderMode", "RECORD REPLAY")
+ReplicaRule = _c_enum("ReplicaRule", "ROUND_ROBIN CALLER")
 
 CONFIG_VERSION = 1
 VERSION = (0, 1, 0)

@@ -158,6 +158,11 @@ BACKWARD = {
     "grouped_mm_loop": ("grouped_mm_loop", "grouped_mm_weight_grad"),  # x, then w
 }
 
+# Quantize-on-dispatch whose experts see the dequantized rows: it runs the fp8
+# op and keeps what that op keeps (SAVES), and its gradients are those of the
+# op it stands for, straight through the quantizer (that op's BACKWARD).
+STRAIGHT_THROUGH = {"dispatch_fp8": "dispatch"}
+
 # When a conditional item is kept: a condition's name and the weighting it
 # needs (None: any). Each holds only where topk_w is given and needs a
 # gradient.

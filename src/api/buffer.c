@@ -389,20 +389,27 @@ epx_status_t epx_buffer_destroy(epx_buffer_t buffer) {
   return EPX_SUCCESS;
 }
 
-epx_status_t epx_buffer_max_tokens(epx_buffer_t buffer, int64_t *max_tokens_per_rank) {
+/* The int64_t queries' entry: a valid buffer and the answer's place `out`
+ * (the argument `name`). */
+static epx_status_t check_count_query(epx_buffer_t *buffer, const int64_t *out, const char *fn, const char *name) {
   epx_error_clear();
-  epx_status_t status = epx_check_buffer(&buffer, "epx_buffer_max_tokens");
+  epx_status_t status = epx_check_buffer(buffer, fn);
   if (status != EPX_SUCCESS) return status;
-  EPX_REQUIRE(max_tokens_per_rank, "epx_buffer_max_tokens: max_tokens_per_rank is NULL; pass an int64_t to fill");
+  EPX_REQUIRE(out, "%s: %s is NULL; pass an int64_t to fill", fn, name);
+  return EPX_SUCCESS;
+}
+
+epx_status_t epx_buffer_max_tokens(epx_buffer_t buffer, int64_t *max_tokens_per_rank) {
+  epx_status_t status =
+      check_count_query(&buffer, max_tokens_per_rank, "epx_buffer_max_tokens", "max_tokens_per_rank");
+  if (status != EPX_SUCCESS) return status;
   *max_tokens_per_rank = buffer->max_tokens;
   return EPX_SUCCESS;
 }
 
 epx_status_t epx_buffer_max_recv_rows(epx_buffer_t buffer, int64_t *rows) {
-  epx_error_clear();
-  epx_status_t status = epx_check_buffer(&buffer, "epx_buffer_max_recv_rows");
+  epx_status_t status = check_count_query(&buffer, rows, "epx_buffer_max_recv_rows", "rows");
   if (status != EPX_SUCCESS) return status;
-  EPX_REQUIRE(rows, "epx_buffer_max_recv_rows: rows is NULL; pass an int64_t to fill");
   if (buffer->max_tokens == 0 && buffer->config.layout != EPX_LAYOUT_CAPACITY)
     return epx_error(EPX_ERROR_INVALID_ARGUMENT,
                      "epx_buffer_max_recv_rows: max_tokens_per_rank is not agreed yet; set "

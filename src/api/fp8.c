@@ -54,13 +54,24 @@ static epx_status_t check_rows(const char *fn, epx_fp8_format_t format, epx_dtyp
   return EPX_SUCCESS;
 }
 
-epx_status_t epx_quantize(epx_fp8_format_t format, epx_dtype_t dtype, int64_t rows, int64_t hidden,
-                          const void *x, void *x_q, void *x_scales) {
-  const char *fn = "epx_quantize";
+/* A quantizer call's entry: its arguments checked (check_rows), and the
+ * bytes of a row of x and of its scales. */
+static epx_status_t begin_rows(const char *fn, epx_fp8_format_t format, epx_dtype_t dtype, int64_t rows,
+                               int64_t hidden, const void *x, const void *x_q, const void *x_scales, size_t *x_row,
+                               size_t *s_row) {
   epx_error_clear();
   epx_status_t status = check_rows(fn, format, dtype, rows, hidden, x, x_q, x_scales);
   if (status != EPX_SUCCESS) return status;
-  const size_t x_row = (size_t)hidden * epx_dtype_size(dtype), s_row = (size_t)epx_fp8_scale_row_bytes(format, hidden);
+  *x_row = (size_t)hidden * epx_dtype_size(dtype);
+  *s_row = (size_t)epx_fp8_scale_row_bytes(format, hidden);
+  return EPX_SUCCESS;
+}
+
+epx_status_t epx_quantize(epx_fp8_format_t format, epx_dtype_t dtype, int64_t rows, int64_t hidden,
+                          const void *x, void *x_q, void *x_scales) {
+  size_t x_row, s_row;
+  epx_status_t status = begin_rows("epx_quantize", format, dtype, rows, hidden, x, x_q, x_scales, &x_row, &s_row);
+  if (status != EPX_SUCCESS) return status;
   for (int64_t r = 0; r < rows; r++)
     epx_fp8_quantize_row(format, dtype, (const char *)x + (size_t)r * x_row, hidden,
                          (uint8_t *)x_q + (size_t)r * (size_t)hidden, (char *)x_scales + (size_t)r * s_row);
@@ -69,11 +80,10 @@ epx_status_t epx_quantize(epx_fp8_format_t format, epx_dtype_t dtype, int64_t ro
 
 epx_status_t epx_dequantize(epx_fp8_format_t format, epx_dtype_t dtype, int64_t rows, int64_t hidden,
                             const void *x_q, const void *x_scales, void *x) {
-  const char *fn = "epx_dequantize";
-  epx_error_clear();
-  epx_status_t status = check_rows(fn, format, dtype, rows, hidden, x, x_q, x_scales);
+  size_t x_row, s_row;
+  epx_status_t status =
+      begin_rows("epx_dequantize", format, dtype, rows, hidden, x, x_q, x_scales, &x_row, &s_row);
   if (status != EPX_SUCCESS) return status;
-  const size_t x_row = (size_t)hidden * epx_dtype_size(dtype), s_row = (size_t)epx_fp8_scale_row_bytes(format, hidden);
   for (int64_t r = 0; r < rows; r++)
     epx_fp8_dequantize_row(format, dtype, (const uint8_t *)x_q + (size_t)r * (size_t)hidden,
                            (const char *)x_scales + (size_t)r * s_row, hidden, (char *)x + (size_t)r * x_row);

@@ -122,20 +122,24 @@ epx_status_t epx_handle_expert_counts(epx_handle_t handle, int64_t *counts, int6
   return backend_of(handle)->expert_counts(handle, counts, offsets);
 }
 
-epx_status_t epx_handle_recv_routing(epx_handle_t handle, int32_t *recv_expert, float *recv_w) {
+/* The per-row queries' entry: a valid handle and two 4-byte aligned arrays. */
+static epx_status_t check_row_query(epx_handle_t *handle, const void *a, const void *b, const char *fn,
+                                    const char *names) {
   epx_error_clear();
-  epx_status_t status = epx_check_handle(NULL, &handle, "epx_handle_recv_routing");
+  epx_status_t status = epx_check_handle(NULL, handle, fn);
   if (status != EPX_SUCCESS) return status;
-  EPX_REQUIRE(epx_is_aligned(recv_expert, 4) && epx_is_aligned(recv_w, 4), "epx_handle_recv_routing: recv_expert/recv_w must be 4-byte aligned");
-  return backend_of(handle)->recv_routing(handle, recv_expert, recv_w);
+  EPX_REQUIRE(epx_is_aligned(a, 4) && epx_is_aligned(b, 4), "%s: %s must be 4-byte aligned", fn, names);
+  return EPX_SUCCESS;
+}
+
+epx_status_t epx_handle_recv_routing(epx_handle_t handle, int32_t *recv_expert, float *recv_w) {
+  epx_status_t status = check_row_query(&handle, recv_expert, recv_w, "epx_handle_recv_routing", "recv_expert/recv_w");
+  return status != EPX_SUCCESS ? status : backend_of(handle)->recv_routing(handle, recv_expert, recv_w);
 }
 
 epx_status_t epx_handle_recv_source(epx_handle_t handle, int32_t *src_rank, int32_t *src_token) {
-  epx_error_clear();
-  epx_status_t status = epx_check_handle(NULL, &handle, "epx_handle_recv_source");
-  if (status != EPX_SUCCESS) return status;
-  EPX_REQUIRE(epx_is_aligned(src_rank, 4) && epx_is_aligned(src_token, 4), "epx_handle_recv_source: src_rank/src_token must be 4-byte aligned");
-  return backend_of(handle)->recv_source(handle, src_rank, src_token);
+  epx_status_t status = check_row_query(&handle, src_rank, src_token, "epx_handle_recv_source", "src_rank/src_token");
+  return status != EPX_SUCCESS ? status : backend_of(handle)->recv_source(handle, src_rank, src_token);
 }
 
 epx_status_t epx_handle_stats(epx_handle_t handle, epx_handle_stats_t *stats) {

@@ -6,19 +6,32 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "core/payload.h"
 #include "epx.h"
 
-static inline float epx_bf16_to_f32(uint16_t h) {
-  uint32_t bits = (uint32_t)h << 16;
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* A float32's bits, and the float32 of bits (host and device; memcpy is
+ * the aliasing-safe cast, compiled to a register move). */
+static inline EPX_HD uint32_t epx_f32_bits(float f) {
+  uint32_t bits;
+  memcpy(&bits, &f, sizeof bits);
+  return bits;
+}
+
+static inline EPX_HD float epx_f32_from_bits(uint32_t bits) {
   float f;
   memcpy(&f, &bits, sizeof f);
   return f;
 }
 
+static inline float epx_bf16_to_f32(uint16_t h) { return epx_f32_from_bits((uint32_t)h << 16); }
+
 /* Branch-free so that row loops vectorise. */
 static inline uint16_t epx_f32_to_bf16(float f) {
-  uint32_t bits;
-  memcpy(&bits, &f, sizeof bits);
+  const uint32_t bits = epx_f32_bits(f);
   uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
   uint32_t quiet_nan = (bits >> 16) | 0x40u;
   return (uint16_t)((bits & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
@@ -46,14 +59,11 @@ static inline float epx_f16_to_f32(uint16_t h) {
   } else {
     bits = sign | ((exp - 15 + 127) << 23) | (man << 13);
   }
-  float f;
-  memcpy(&f, &bits, sizeof f);
-  return f;
+  return epx_f32_from_bits(bits);
 }
 
 static inline uint16_t epx_f32_to_f16(float f) {
-  uint32_t bits;
-  memcpy(&bits, &f, sizeof bits);
+  const uint32_t bits = epx_f32_bits(f);
   uint32_t sign = (bits >> 16) & 0x8000u;
   uint32_t abs = bits & 0x7fffffffu;
   if (abs > 0x7f800000u) return (uint16_t)(sign | 0x7e00u);      /* NaN */
@@ -114,5 +124,9 @@ void epx_rows_sum_store(epx_dtype_t dtype, const void *const *rows, const float 
                         void *out, int64_t n);
 /* <a, b> in float32, in a fixed order (same result wherever it runs) */
 float epx_row_dot(epx_dtype_t dtype, const void *a, const void *b, int64_t n);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

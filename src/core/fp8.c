@@ -30,11 +30,11 @@ static inline __attribute__((always_inline)) float block_amax(const float *v, in
   const uint32_t nan_kept = skip_nan ? 0x7f800000u : 0xffffffffu; /* |f| above it counts as 0 */
   uint32_t amax = 0;
   for (int32_t i = 0; i < n; i++) {
-    uint32_t a = epx_fp8_bits(v[i]) & 0x7fffffffu;
+    uint32_t a = epx_f32_bits(v[i]) & 0x7fffffffu;
     a &= 0u - (uint32_t)(a <= nan_kept);
     amax = a > amax ? a : amax;
   }
-  return epx_fp8_float(amax);
+  return epx_f32_from_bits(amax);
 }
 
 /* epx_f32_to_e4m3 of v[i] without branches, so the loop vectorizes:
@@ -45,9 +45,9 @@ static inline __attribute__((always_inline)) float block_amax(const float *v, in
  * (bench/NOTES.md, "FP8 on the CPU"; test_fp8 checks a sample). */
 static inline __attribute__((always_inline)) void e4m3_loop(const float *v, int64_t n, uint8_t *q) {
   for (int64_t i = 0; i < n; i++) {
-    const uint32_t bits = epx_fp8_bits(v[i]), abs = bits & 0x7fffffffu, sign = (bits >> 24) & 0x80u;
+    const uint32_t bits = epx_f32_bits(v[i]), abs = bits & 0x7fffffffu, sign = (bits >> 24) & 0x80u;
     const uint32_t normal = (abs - (120u << 23) + 0x7ffffu + ((abs >> 20) & 1u)) >> 20;
-    const uint32_t subnormal = epx_fp8_bits(epx_fp8_float(abs) * 512.0f + 8388608.0f) - 0x4b000000u;
+    const uint32_t subnormal = epx_f32_bits(epx_f32_from_bits(abs) * 512.0f + 8388608.0f) - 0x4b000000u;
     const uint32_t is_normal = 0u - (uint32_t)(abs >= 0x3c800000u); /* >= 2^-6 */
     const uint32_t saturates = 0u - (uint32_t)(abs >= 0x43e00000u); /* >= 448, infinity included */
     const uint32_t is_nan = 0u - (uint32_t)(abs > 0x7f800000u);

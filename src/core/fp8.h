@@ -13,24 +13,13 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "core/dtype.h"
 #include "core/payload.h"
 #include "epx.h"
 
 #ifdef __cplusplus
 extern "C" {
 #endif
-
-static inline EPX_HD uint32_t epx_fp8_bits(float f) {
-  uint32_t bits;
-  memcpy(&bits, &f, sizeof bits);
-  return bits;
-}
-
-static inline EPX_HD float epx_fp8_float(uint32_t bits) {
-  float f;
-  memcpy(&f, &bits, sizeof f);
-  return f;
-}
 
 #define EPX_E4M3_MAX 448.0f
 #define EPX_E4M3_NAN 0x7fu /* the NaN a conversion writes, as CUDA's satfinite cvt */
@@ -39,7 +28,7 @@ static inline EPX_HD float epx_fp8_float(uint32_t bits) {
 /* float32 -> e4m3fn, rounding to nearest even; finite values beyond 448
  * and infinities saturate to +-448 (CUDA's __NV_SATFINITE); NaN -> 0x7f. */
 static inline EPX_HD uint8_t epx_f32_to_e4m3(float f) {
-  uint32_t bits = epx_fp8_bits(f);
+  uint32_t bits = epx_f32_bits(f);
   uint8_t sign = (uint8_t)((bits >> 24) & 0x80u);
   uint32_t abs = bits & 0x7fffffffu;
   if (abs > 0x7f800000u) return EPX_E4M3_NAN;
@@ -63,9 +52,9 @@ static inline EPX_HD uint8_t epx_f32_to_e4m3(float f) {
 
 static inline EPX_HD float epx_e4m3_to_f32(uint8_t q) {
   uint32_t sign = (uint32_t)(q & 0x80u) << 24, exp = (q >> 3) & 0xfu, man = q & 7u;
-  if (exp == 0xf && man == 7) return epx_fp8_float(sign | 0x7fc00000u);
-  if (exp == 0) return epx_fp8_float(epx_fp8_bits((float)man * 0x1p-9f) | sign);
-  return epx_fp8_float(sign | ((exp + 120u) << 23) | (man << 20));
+  if (exp == 0xf && man == 7) return epx_f32_from_bits(sign | 0x7fc00000u);
+  if (exp == 0) return epx_f32_from_bits(epx_f32_bits((float)man * 0x1p-9f) | sign);
+  return epx_f32_from_bits(sign | ((exp + 120u) << 23) | (man << 20));
 }
 
 /* A block's quantization from its amax: the multiplier of its values and
@@ -77,21 +66,21 @@ typedef struct {
   uint32_t stored;
 } epx_fp8_block_scale_t;
 
-static inline EPX_HD int epx_fp8_nonfinite(float f) { return (epx_fp8_bits(f) & 0x7fffffffu) >= 0x7f800000u; }
+static inline EPX_HD int epx_fp8_nonfinite(float f) { return (epx_f32_bits(f) & 0x7fffffffu) >= 0x7f800000u; }
 
 /* 2^ceil(log2(s)) from the bits (DeepGEMM's ceil_to_ue8m0 computes it with
  * log2, which agrees for every amax of bf16 rows). s is a positive normal,
  * an infinity or NaN; the latter two are returned as they are. */
 static inline EPX_HD float epx_fp8_ceil_pow2(float s) {
-  uint32_t bits = epx_fp8_bits(s);
+  uint32_t bits = epx_f32_bits(s);
   if (epx_fp8_nonfinite(s)) return s;
-  return epx_fp8_float(((bits >> 23) + ((bits & 0x7fffffu) != 0)) << 23);
+  return epx_f32_from_bits(((bits >> 23) + ((bits & 0x7fffffu) != 0)) << 23);
 }
 
 /* TransformerEngine's float_to_e8m0 (the pre-Blackwell branch; Blackwell's
  * cvt.rp.satfinite.ue8m0x2 gives the same): the exponent rounded up. */
 static inline EPX_HD uint8_t epx_fp8_te_e8m0(float v) {
-  uint32_t bits = epx_fp8_bits(v);
+  uint32_t bits = epx_f32_bits(v);
   if ((bits & 0x7fffffffu) > 0x7f800000u) return 0xff;
   if ((bits & 0x7fffffffu) == 0x7f800000u) return 0xfe;
   if (v == 0.0f) return 0;
@@ -102,9 +91,9 @@ static inline EPX_HD uint8_t epx_fp8_te_e8m0(float v) {
 
 /* 2^(127 - b), TransformerEngine's exp2f_rcp: the multiplier of a block. */
 static inline EPX_HD float epx_fp8_te_exp2f_rcp(uint8_t b) {
-  if (b == 255) return epx_fp8_float(0x7fffffffu);
-  if (b == 254) return epx_fp8_float(0x00400000u);
-  return epx_fp8_float((uint32_t)(254 - b) << 23);
+  if (b == 255) return epx_f32_from_bits(0x7fffffffu);
+  if (b == 254) return epx_f32_from_bits(0x00400000u);
+  return epx_f32_from_bits((uint32_t)(254 - b) << 23);
 }
 
 static inline EPX_HD epx_fp8_block_scale_t epx_fp8_block_scale(epx_fp8_format_t format, float amax) {
@@ -125,12 +114,12 @@ static inline EPX_HD epx_fp8_block_scale_t epx_fp8_block_scale(epx_fp8_format_t 
     s.mult = (1.0f / amax) * EPX_E4M3_MAX; /* eager torch: 448.0 / t is t.reciprocal() * 448 */
     /* A NaN scale as the GPU's arithmetic writes it (the CPU's keeps the
      * operand's payload, 0x7fc00000): the same bits on both backends. */
-    s.stored = amax != amax ? EPX_FP8_SCALE_NAN : epx_fp8_bits(amax_448);
+    s.stored = amax != amax ? EPX_FP8_SCALE_NAN : epx_f32_bits(amax_448);
     return s;
   }
   float scale = epx_fp8_ceil_pow2(amax_448);
   s.mult = 1.0f / scale;
-  s.stored = epx_fp8_nonfinite(scale) ? 0xffu : epx_fp8_bits(scale) >> 23;
+  s.stored = epx_fp8_nonfinite(scale) ? 0xffu : epx_f32_bits(scale) >> 23;
   return s;
 }
 
@@ -138,10 +127,10 @@ static inline EPX_HD epx_fp8_block_scale_t epx_fp8_block_scale(epx_fp8_format_t 
  * peers' dequantizers: DeepEP's per_token_cast_back shifts a UE8M0 byte into
  * the exponent, so 255 is infinity; OCP E8M0 255 is NaN, 0 is 2^-127). */
 static inline EPX_HD float epx_fp8_scale_value(epx_fp8_format_t format, uint32_t stored) {
-  if (format == EPX_FP8_E4M3_F32_128) return epx_fp8_float(stored);
-  if (format == EPX_FP8_E4M3_UE8M0_128) return epx_fp8_float(stored << 23);
-  if (stored == 255) return epx_fp8_float(0x7fffffffu);
-  return epx_fp8_float(stored == 0 ? 0x00400000u : stored << 23);
+  if (format == EPX_FP8_E4M3_F32_128) return epx_f32_from_bits(stored);
+  if (format == EPX_FP8_E4M3_UE8M0_128) return epx_f32_from_bits(stored << 23);
+  if (stored == 255) return epx_f32_from_bits(0x7fffffffu);
+  return epx_f32_from_bits(stored == 0 ? 0x00400000u : stored << 23);
 }
 
 /* The format's block of channels per scale (0: not an fp8 format) and the

@@ -122,41 +122,66 @@ static epx_status_t to_f32(const char *fn, epx_dtype_t dtype, const void *rows, 
   return EPX_SUCCESS;
 }
 
+/* Either einsum (`dispatch` or combine): the checked routing's mask
+ * [T, E, C] (weighted by topk_w when the weights are applied in this
+ * einsum) times `in`, in float32, each output row rounded once. */
+static epx_status_t dense_einsum(const char *fn, epx_dtype_t dtype, int64_t T, int64_t H, int32_t num_experts,
+                                 int32_t capacity, int32_t K, const int32_t *topk_idx, const float *topk_w,
+                                 const int32_t *locations, epx_weighting_t weighting, const void *in,
+                                 const char *in_name, int dispatch, void *out) {
+  epx_error_clear();
+  epx_status_t status = check_args(fn, dtype, T, H, num_experts, capacity, K, topk_idx, topk_w, locations,
+                                   weighting, in, in_name, dispatch, out);
+  if (status != EPX_SUCCESS) return status;
+  int64_t E = num_experts, C = capacity;
+  float *mask = NULL, *inf = NULL, *acc = NULL;
+  const epx_weighting_t here = dispatch ? EPX_WEIGHTS_IN_DISPATCH : EPX_WEIGHTS_IN_COMBINE;
+  EPX_CHECK(build_mask(fn, T, num_experts, capacity, K, topk_idx, topk_w, locations, weighting == here, &mask));
+  EPX_CHECK(to_f32(fn, dtype, in, dispatch ? T : E * C, H, &inf));
+  acc = malloc((size_t)H * sizeof(float));
+  if (!acc) EPX_FAIL(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
+  size_t row_bytes = (size_t)epx_payload_row_bytes(dtype, H);
+  if (dispatch) {
+    /* out[e, c, :] = sum_t mask[t, e, c] * x[t, :] */
+    for (int64_t e = 0; e < E; e++) {
+      for (int64_t c = 0; c < C; c++) {
+        for (int64_t h = 0; h < H; h++) acc[h] = 0.0f;
+        for (int64_t t = 0; t < T; t++) {
+          float m = mask[((size_t)t * E + (size_t)e) * C + (size_t)c];
+          const float *xt = inf + (size_t)t * H;
+          for (int64_t h = 0; h < H; h++) acc[h] += m * xt[h];
+        }
+        epx_row_from_f32(dtype, acc, (char *)out + (size_t)(e * C + c) * row_bytes, H);
+      }
+    }
+  } else {
+    /* out[t, :] = sum_{e, c} mask[t, e, c] * expert_out[e, c, :] */
+    for (int64_t t = 0; t < T; t++) {
+      for (int64_t h = 0; h < H; h++) acc[h] = 0.0f;
+      for (int64_t e = 0; e < E; e++) {
+        for (int64_t c = 0; c < C; c++) {
+          float m = mask[((size_t)t * E + (size_t)e) * C + (size_t)c];
+          const float *y = inf + (size_t)(e * C + c) * H;
+          for (int64_t h = 0; h < H; h++) acc[h] += m * y[h];
+        }
+      }
+      epx_row_from_f32(dtype, acc, (char *)out + (size_t)t * row_bytes, H);
+    }
+  }
+fail:
+  free(mask);
+  free(inf);
+  free(acc);
+  return status;
+}
+
 epx_status_t epx_reference_dense_dispatch(epx_dtype_t dtype, int64_t num_tokens, int64_t hidden,
                                           int32_t num_experts, int32_t capacity, int32_t top_k,
                                           const int32_t *topk_idx, const float *topk_w,
                                           const int32_t *locations, epx_weighting_t weighting,
                                           const void *x, void *out) {
-  const char *fn = "epx_reference_dense_dispatch";
-  epx_error_clear();
-  epx_status_t status = check_args(fn, dtype, num_tokens, hidden, num_experts, capacity, top_k,
-                                   topk_idx, topk_w, locations, weighting, x, "x", 1, out);
-  if (status != EPX_SUCCESS) return status;
-  int64_t T = num_tokens, H = hidden, E = num_experts, C = capacity;
-  float *mask = NULL, *xf = NULL, *acc = NULL;
-  EPX_CHECK(build_mask(fn, T, num_experts, capacity, top_k, topk_idx, topk_w, locations,
-                       weighting == EPX_WEIGHTS_IN_DISPATCH, &mask));
-  EPX_CHECK(to_f32(fn, dtype, x, T, H, &xf));
-  acc = malloc((size_t)H * sizeof(float));
-  if (!acc) EPX_FAIL(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
-  /* out[e, c, :] = sum_t mask[t, e, c] * x[t, :] */
-  size_t row_bytes = (size_t)epx_payload_row_bytes(dtype, H);
-  for (int64_t e = 0; e < E; e++) {
-    for (int64_t c = 0; c < C; c++) {
-      for (int64_t h = 0; h < H; h++) acc[h] = 0.0f;
-      for (int64_t t = 0; t < T; t++) {
-        float m = mask[((size_t)t * E + (size_t)e) * C + (size_t)c];
-        const float *xt = xf + (size_t)t * H;
-        for (int64_t h = 0; h < H; h++) acc[h] += m * xt[h];
-      }
-      epx_row_from_f32(dtype, acc, (char *)out + (size_t)(e * C + c) * row_bytes, H);
-    }
-  }
-fail:
-  free(mask);
-  free(xf);
-  free(acc);
-  return status;
+  return dense_einsum("epx_reference_dense_dispatch", dtype, num_tokens, hidden, num_experts, capacity, top_k,
+                      topk_idx, topk_w, locations, weighting, x, "x", 1, out);
 }
 
 epx_status_t epx_reference_dense_combine(epx_dtype_t dtype, int64_t num_tokens, int64_t hidden,
@@ -164,35 +189,6 @@ epx_status_t epx_reference_dense_combine(epx_dtype_t dtype, int64_t num_tokens, 
                                          const int32_t *topk_idx, const float *topk_w,
                                          const int32_t *locations, epx_weighting_t weighting,
                                          const void *expert_out, void *out) {
-  const char *fn = "epx_reference_dense_combine";
-  epx_error_clear();
-  epx_status_t status = check_args(fn, dtype, num_tokens, hidden, num_experts, capacity, top_k,
-                                   topk_idx, topk_w, locations, weighting, expert_out,
-                                   "expert_out", 0, out);
-  if (status != EPX_SUCCESS) return status;
-  int64_t T = num_tokens, H = hidden, E = num_experts, C = capacity;
-  float *mask = NULL, *yf = NULL, *acc = NULL;
-  EPX_CHECK(build_mask(fn, T, num_experts, capacity, top_k, topk_idx, topk_w, locations,
-                       weighting == EPX_WEIGHTS_IN_COMBINE, &mask));
-  EPX_CHECK(to_f32(fn, dtype, expert_out, E * C, H, &yf));
-  acc = malloc((size_t)H * sizeof(float));
-  if (!acc) EPX_FAIL(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
-  /* out[t, :] = sum_{e, c} mask[t, e, c] * expert_out[e, c, :] */
-  size_t row_bytes = (size_t)epx_payload_row_bytes(dtype, H);
-  for (int64_t t = 0; t < T; t++) {
-    for (int64_t h = 0; h < H; h++) acc[h] = 0.0f;
-    for (int64_t e = 0; e < E; e++) {
-      for (int64_t c = 0; c < C; c++) {
-        float m = mask[((size_t)t * E + (size_t)e) * C + (size_t)c];
-        const float *y = yf + (size_t)(e * C + c) * H;
-        for (int64_t h = 0; h < H; h++) acc[h] += m * y[h];
-      }
-    }
-    epx_row_from_f32(dtype, acc, (char *)out + (size_t)t * row_bytes, H);
-  }
-fail:
-  free(mask);
-  free(yf);
-  free(acc);
-  return status;
+  return dense_einsum("epx_reference_dense_combine", dtype, num_tokens, hidden, num_experts, capacity, top_k,
+                      topk_idx, topk_w, locations, weighting, expert_out, "expert_out", 0, out);
 }

@@ -229,16 +229,24 @@ static int expect_refused(rank_t *r, int step, int32_t culprit, epx_status_t sta
 
 #define CALL(r, expr) ((r)->calls++, (expr))
 
+/* The step's routing (rt) laid out on b: the handle, and its rows when N
+ * is given. */
+static epx_status_t step_layout(rank_t *r, epx_buffer_t b, int step, epx_recorder_t rec, routing_t *rt,
+                                epx_handle_t *h, int64_t *N) {
+  epx_routing_t routing = step_routing(r, step, rt);
+  epx_status_t status = CALL(r, epx_dispatch_layout(b, &routing, rec, h));
+  if (status == EPX_SUCCESS && N) status = CALL(r, epx_handle_recv_rows(*h, N));
+  return status;
+}
+
 /* A valid step: every call succeeds and every result is exact. */
 static int step_valid(rank_t *r, epx_comm_t comm, epx_buffer_t b, int step, epx_recorder_t rec) {
   (void)comm;
   const epx_buffer_config_t *c = &r->sc->config;
   routing_t rt;
-  epx_routing_t routing = step_routing(r, step, &rt);
   epx_handle_t h = NULL;
   int64_t N = 0;
-  epx_status_t status = CALL(r, epx_dispatch_layout(b, &routing, rec, &h));
-  if (status == EPX_SUCCESS) status = CALL(r, epx_handle_recv_rows(h, &N));
+  epx_status_t status = step_layout(r, b, step, rec, &rt, &h, &N);
   if (status != EPX_SUCCESS) {
     FIND(r, "step %d (valid): layout on rank %d returned %s: %s", step, r->rank, epx_status_string(status), epx_last_error());
     return 1;
@@ -299,10 +307,9 @@ static int step_bad_payload(rank_t *r, epx_buffer_t b, int step) {
   const epx_buffer_config_t *c = &r->sc->config;
   int32_t culprit = r->sc->culprit[step];
   routing_t rt;
-  epx_routing_t routing = step_routing(r, step, &rt);
   epx_handle_t h = NULL;
   int64_t N = 0;
-  if (CALL(r, epx_dispatch_layout(b, &routing, NULL, &h)) != EPX_SUCCESS || CALL(r, epx_handle_recv_rows(h, &N)) != EPX_SUCCESS) {
+  if (step_layout(r, b, step, NULL, &rt, &h, &N) != EPX_SUCCESS) {
     FIND(r, "step %d: layout on rank %d failed: %s", step, r->rank, epx_last_error());
     return 1;
   }
@@ -372,11 +379,9 @@ static int step_replay(rank_t *r, epx_comm_t comm, epx_buffer_t b, int step) {
 static int step_mismatched(rank_t *r, epx_buffer_t b, int step) {
   const epx_buffer_config_t *c = &r->sc->config;
   routing_t rt;
-  epx_routing_t routing = step_routing(r, step, &rt);
   epx_handle_t h = NULL;
   int64_t N = 0;
-  if (CALL(r, epx_dispatch_layout(b, &routing, NULL, &h)) != EPX_SUCCESS || CALL(r, epx_handle_recv_rows(h, &N)) != EPX_SUCCESS)
-    return 1;
+  if (step_layout(r, b, step, NULL, &rt, &h, &N) != EPX_SUCCESS) return 1;
   void *x = payload(c, rt.T, r->rank, 7), *recv = payload(c, N, r->rank, 8);
   epx_status_t status = r->rank == 0 ? CALL(r, epx_dispatch(b, h, x, recv, N)) : CALL(r, epx_combine(b, h, recv, x));
   int bad = 0;
@@ -396,9 +401,8 @@ static int step_silent(rank_t *r, epx_buffer_t b, int step) {
   const epx_buffer_config_t *c = &r->sc->config;
   int32_t culprit = r->sc->culprit[step];
   routing_t rt;
-  epx_routing_t routing = step_routing(r, step, &rt);
   epx_handle_t h = NULL;
-  if (CALL(r, epx_dispatch_layout(b, &routing, NULL, &h)) != EPX_SUCCESS) return 1;
+  if (step_layout(r, b, step, NULL, &rt, &h, NULL) != EPX_SUCCESS) return 1;
   int bad = 0;
   if (r->rank != culprit) {
     int64_t N = 0;

@@ -134,8 +134,9 @@ static void make_plan(int r) {
   *p = (hier_plan_t){.G = comm.num_nodes, .L = comm.ranks_per_node, .node = node_of[r], .local = local_of[r]};
   p->net_count = malloc(sizeof(int64_t) * (size_t)(2 * p->G + 2 * W));
   p->net_displ = p->net_count + p->G, p->rnet_count = p->net_displ + p->G, p->rnet_displ = p->rnet_count + W;
-  p->fwd = malloc(sizeof(seg_t) * 2 * (size_t)(p->L * W));
+  p->fwd = malloc(sizeof(seg_t) * (size_t)(2 * p->L * W + p->G + W));
   p->hop = p->fwd + p->L * W;
+  p->home = p->hop + p->L * W, p->relay = p->home + p->G;
   int32_t ranks[2 * KB];
   int64_t scratch[MAXW * MAXW + MAXW];
   plan_relay(&comm, h, p, gidx, NULL, NULL, ranks, NULL);
@@ -144,6 +145,7 @@ static void make_plan(int r) {
   plan_home(&comm, h, p, gidx, tabs[r][0], tabs[r][1], ranks, scratch);
   plan_relay(&comm, h, p, gidx, tabs[r][2], tabs[r][3], ranks, scratch);
   plan_receive(&comm, h, p);
+  plan_segments(&comm, W, p);
   home[r] = calloc((size_t)(p->net_rows + TM + 1), sizeof(row_t));
   relay_in[r] = calloc((size_t)(p->rnet_rows + 1), sizeof(row_t));
   fwd[r] = calloc((size_t)(p->fwd_rows + 1), sizeof(row_t));
@@ -152,17 +154,14 @@ static void make_plan(int r) {
 
 /* hier.c's move_forward with its kernels as loops; then each pair row checked. */
 static void play_dispatch(const char *what) {
-  seg_t net[MAXW][2 * MAXW];
-  int64_t nhome[MAXW], nrelay[MAXW];
   for (int r = 0; r < W; r++) {
     const hier_plan_t *p = &ps[r];
     for (int t = 0; t < tokens[r]; t++)
       for (int g = 0; g < p->G; g++)
         if (tabs[r][0][t * p->G + g] >= 0) snprintf(home[r][tabs[r][0][t * p->G + g]].s, S, "x%d.%d", r, t);
-    net_segments(&comm, p, W, net[r], &nhome[r], net[r] + MAXW, &nrelay[r]);
-    post(r, net[r], nhome[r], home[r]);
+    post(r, p->home, p->nhome, home[r]);
   }
-  for (int r = 0; r < W; r++) take(r, net[r] + MAXW, nrelay[r], relay_in[r]);
+  for (int r = 0; r < W; r++) take(r, ps[r].relay, ps[r].nrelay, relay_in[r]);
   settle(what);
   for (int r = 0; r < W; r++) {
     const hier_plan_t *p = &ps[r];
@@ -210,8 +209,6 @@ static void expected_sum(int r, int t, char *want) {
 
 /* hier.c's move_backward with its kernels as loops; then each token's sum checked. */
 static void play_combine(const char *what) {
-  seg_t net[MAXW][2 * MAXW];
-  int64_t nhome[MAXW], nrelay[MAXW];
   for (int r = 0; r < W; r++) post(r, ps[r].hop, ps[r].nhop, pairs[r]);
   for (int r = 0; r < W; r++) take(r, ps[r].fwd, ps[r].nfwd, fwd[r]);
   settle(what);
@@ -219,10 +216,9 @@ static void play_combine(const char *what) {
     const hier_plan_t *p = &ps[r];
     sum(relay_in[r], fwd[r], tabs[r][3], p->rnet_rows, p->L);
     sum(home[r] + p->net_rows, fwd[r], tabs[r][2], tokens[r], p->L);
-    net_segments(&comm, p, W, net[r], &nhome[r], net[r] + MAXW, &nrelay[r]);
-    post(r, net[r] + MAXW, nrelay[r], relay_in[r]);
+    post(r, p->relay, p->nrelay, relay_in[r]);
   }
-  for (int r = 0; r < W; r++) take(r, net[r], nhome[r], home[r]);
+  for (int r = 0; r < W; r++) take(r, ps[r].home, ps[r].nhome, home[r]);
   settle(what);
   for (int r = 0; r < W; r++) {
     row_t out[TM];

@@ -189,6 +189,14 @@ static epx_buffer_config_t config_of(const case_t *c, int low_latency) {
   return b;
 }
 
+/* The normal buffer (nc) and the low-latency one (lc) of a case, on the stream. */
+static void create_pair(epx_comm_t comm, cudaStream_t stream, epx_buffer_config_t nc, epx_buffer_config_t lc,
+                        epx_buffer_t *nb, epx_buffer_t *lb) {
+  nc.stream = lc.stream = stream;
+  FATAL_UNLESS_OK(epx_buffer_create(comm, &nc, nb));
+  FATAL_UNLESS_OK(epx_buffer_create(comm, &lc, lb));
+}
+
 static epx_routing_t routing_of(const case_t *c, int64_t T, int32_t *const *dev) {
   return (epx_routing_t){T, c->K, dev[0], c->weighting == EPX_WEIGHTS_NONE ? NULL : (const float *)dev[1], NULL,
                          c->weighting};
@@ -325,10 +333,7 @@ static void check_path(epx_buffer_t b) {
  * the count as device memory below the routing's TM rows. */
 static void run_case(const case_t *c, epx_comm_t comm, cudaStream_t stream, int device) {
   epx_buffer_t nb = NULL, lb = NULL;
-  epx_buffer_config_t nc = config_of(c, 0), lc = config_of(c, 1);
-  nc.stream = lc.stream = stream;
-  FATAL_UNLESS_OK(epx_buffer_create(comm, &nc, &nb));
-  FATAL_UNLESS_OK(epx_buffer_create(comm, &lc, &lb));
+  create_pair(comm, stream, config_of(c, 0), config_of(c, 1), &nb, &lb);
   check_path(lb);
   ll_dev_t d;
   ll_open(c, &d);
@@ -370,10 +375,7 @@ static void run_case(const case_t *c, epx_comm_t comm, cudaStream_t stream, int 
  * device, expert_out = recv_x), replayed with every count. */
 static void test_graph(const case_t *c, epx_comm_t comm, cudaStream_t stream) {
   epx_buffer_t nb = NULL, lb = NULL;
-  epx_buffer_config_t nc = config_of(c, 0), lc = config_of(c, 1);
-  nc.stream = lc.stream = stream;
-  FATAL_UNLESS_OK(epx_buffer_create(comm, &nc, &nb));
-  FATAL_UNLESS_OK(epx_buffer_create(comm, &lc, &lb));
+  create_pair(comm, stream, config_of(c, 0), config_of(c, 1), &nb, &lb);
   ll_dev_t d;
   ll_open(c, &d);
   routing_t r;
@@ -470,12 +472,10 @@ static void *coded_combine(const case_t *c, epx_buffer_t b, epx_handle_t h, int 
 static void test_fp8(const case_t *c, epx_comm_t comm, cudaStream_t stream, int quantize) {
   const epx_fp8_format_t fmt = EPX_FP8_MXFP8;
   const size_t SB = H / 32; /* scale bytes per row */
-  epx_buffer_t nb = NULL, lb = NULL;
   epx_buffer_config_t nc = config_of(c, 0), lc = config_of(c, 1);
-  nc.stream = lc.stream = stream;
   nc.fp8_format = lc.fp8_format = fmt;
-  FATAL_UNLESS_OK(epx_buffer_create(comm, &nc, &nb));
-  FATAL_UNLESS_OK(epx_buffer_create(comm, &lc, &lb));
+  epx_buffer_t nb = NULL, lb = NULL;
+  create_pair(comm, stream, nc, lc, &nb, &lb);
   const int64_t block = (int64_t)g_size * TM, N = c->El * block;
   uint8_t *lq = dev_alloc((size_t)(N * H)), *ls = dev_alloc((size_t)N * SB);
   int32_t *count = dev_alloc(4 * (size_t)c->El);
@@ -541,12 +541,10 @@ static void test_fp8(const case_t *c, epx_comm_t comm, cudaStream_t stream, int 
 static void test_rank_major(epx_comm_t comm, cudaStream_t stream) {
   const case_t cc = {8, 4, EPX_BFLOAT16, EPX_WEIGHTS_NONE, EPX_COMBINE_PARTIALS_FLOAT32, 0, 7}, *c = &cc;
   const int K = c->K;
-  epx_buffer_t nb = NULL, lb = NULL;
   epx_buffer_config_t nc = config_of(c, 0), lc = config_of(c, 1);
-  nc.stream = lc.stream = stream;
   nc.layout = lc.layout = EPX_LAYOUT_RANK_MAJOR;
-  FATAL_UNLESS_OK(epx_buffer_create(comm, &nc, &nb));
-  FATAL_UNLESS_OK(epx_buffer_create(comm, &lc, &lb));
+  epx_buffer_t nb = NULL, lb = NULL;
+  create_pair(comm, stream, nc, lc, &nb, &lb);
   const int64_t N = (int64_t)g_size * TM;
   void *recv = dev_alloc(rows_bytes(c, N)), *out = dev_alloc(rows_bytes(c, TM));
   int32_t *count = dev_alloc(4 * (size_t)g_size), *sr = dev_alloc(4 * (size_t)N), *st = dev_alloc(4 * (size_t)N);

@@ -198,13 +198,27 @@ def _max_diff(a, b):
     return float((a.float() - b.float()).abs().max())
 
 
+def _training_step(module, forward, x0, gy):
+    """forward(x) on a fresh leaf copy x of x0, then the backward of
+    sum(y * gy): (y detached, x's gradient, module's parameters, the
+    epx.deep_ep stats after the forward and after the backward). No live
+    forward graph stays behind: it would be a second one for the next
+    checkpointed forward's replay to choose from."""
+    import epx.deep_ep as deep_ep
+    x = x0.clone().requires_grad_(True)
+    deep_ep.stats(reset=True)
+    y = forward(x)
+    fwd = deep_ep.stats()
+    (y.float() * gy.float()).sum().backward()
+    return y.detach(), x.grad, dict(module.named_parameters()), fwd, deep_ep.stats()
+
+
 def deepspeed_worker():
     rank, W = _start()
     from torch.utils.checkpoint import checkpoint
     import deepspeed
     deepspeed.init_distributed(dist_backend="nccl" if DEV == "cuda" else "gloo")
     from deepspeed.module_inject import auto_ep_comm as aec
-    import epx.deep_ep as deep_ep
     if DEV == "cpu":
         _cpu_barrier_without_device_ids()
     E, K, H, I = 8, 2, 16, 24
@@ -218,16 +232,11 @@ def deepspeed_worker():
             res = {}
             for backend, layer in layers.items():
                 layer.zero_grad(set_to_none=True)
-                x = x0.clone().requires_grad_(True)
-                deep_ep.stats(reset=True)
-                y = checkpoint(layer, x, use_reentrant=False) if mode == "checkpoint" else layer(x)
-                fwd = deep_ep.stats()
-                (y.float() * gy.float()).sum().backward()
-                # y detached: a live forward graph would be a second one for
-                # the next checkpointed forward's replay to choose from
-                res[backend] = (y.detach(), x.grad, dict(layer.named_parameters()), fwd,
-                                deep_ep.stats())
-                del y
+                forward = layer
+                if mode == "checkpoint":
+                    def forward(x, layer=layer):
+                        return checkpoint(layer, x, use_reentrant=False)
+                res[backend] = _training_step(layer, forward, x0, gy)
             y_c, xg_c, p_c, _, st_c = res["comm"]
             y_d, xg_d, p_d, fwd, st = res["deepep"]
             assert st_c == {"layouts": 0, "cached_dispatches": 0, "combines": 0}, st_c
@@ -465,14 +474,7 @@ def nemo_layer_worker():
                     # recomputes them
                     parallelizer.apply_ac(model, ignore_router=(mode == "ac"),
                                           hidden_size=H, num_experts=E)
-                x = x0.clone().requires_grad_(True)
-                deep_ep.stats(reset=True)
-                y = model(x)
-                fwd = deep_ep.stats()
-                (y.float() * gy.float()).sum().backward()
-                res[dispatcher] = (y.detach(), x.grad, dict(model.named_parameters()), fwd,
-                                   deep_ep.stats())
-                del y
+                res[dispatcher] = _training_step(model, model, x0, gy)
             y_t, xg_t, p_t, _, st_t = res["torch"]
             y_d, xg_d, p_d, fwd, st = res["deepep"]
             assert st_t == {"layouts": 0, "cached_dispatches": 0, "combines": 0}, st_t

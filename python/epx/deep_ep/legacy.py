@@ -135,6 +135,26 @@ def _event(async_finish, tensors=None):
     return EventOverlap(EventHandle(), tensors) if async_finish else EventOverlap(None)
 
 
+# DeepEP's recommended configs per rank count: the chunk sizes after num_sms
+# (nvl send, nvl recv, rdma send, rdma recv tokens).
+_DISPATCH_CONFIGS = {
+    2: (24, 256, 6, 128), 4: (6, 256, 6, 128), 8: (6, 256, 6, 128), 16: (36, 288, 20, 128),
+    24: (32, 288, 8, 128), 32: (32, 288, 8, 128), 48: (32, 288, 8, 128), 64: (32, 288, 8, 128),
+    96: (20, 480, 12, 128), 128: (20, 560, 12, 128), 144: (32, 720, 12, 128),
+    160: (28, 720, 12, 128),
+}
+_COMBINE_CONFIGS = {
+    2: (10, 256, 6, 128), 4: (9, 256, 6, 128), 8: (4, 256, 6, 128), 16: (4, 288, 12, 128),
+    24: (1, 288, 8, 128), 32: (1, 288, 8, 128), 48: (1, 288, 8, 128), 64: (1, 288, 8, 128),
+    96: (1, 480, 8, 128), 128: (1, 560, 8, 128), 144: (2, 720, 8, 128), 160: (2, 720, 8, 128),
+}
+
+
+def _recommended_config(table, num_ranks):
+    # epx has no rank-count limit: any other count gets the 8-rank values
+    return Config(Buffer.num_sms, *table.get(num_ranks, table[8]))
+
+
 class Buffer:
     """DeepEP's V1 communication buffer over epx (see the module's docstring).
 
@@ -229,31 +249,12 @@ class Buffer:
     @staticmethod
     def get_dispatch_config(num_ranks: int) -> Config:
         """DeepEP's recommended dispatch config (the SM count is used)."""
-        config_map = {
-            2: Config(Buffer.num_sms, 24, 256, 6, 128), 4: Config(Buffer.num_sms, 6, 256, 6, 128),
-            8: Config(Buffer.num_sms, 6, 256, 6, 128), 16: Config(Buffer.num_sms, 36, 288, 20, 128),
-            24: Config(Buffer.num_sms, 32, 288, 8, 128), 32: Config(Buffer.num_sms, 32, 288, 8, 128),
-            48: Config(Buffer.num_sms, 32, 288, 8, 128), 64: Config(Buffer.num_sms, 32, 288, 8, 128),
-            96: Config(Buffer.num_sms, 20, 480, 12, 128),
-            128: Config(Buffer.num_sms, 20, 560, 12, 128),
-            144: Config(Buffer.num_sms, 32, 720, 12, 128),
-            160: Config(Buffer.num_sms, 28, 720, 12, 128),
-        }
-        # epx has no rank-count limit: any other count gets the 8-rank values
-        return config_map.get(num_ranks, Config(Buffer.num_sms, 6, 256, 6, 128))
+        return _recommended_config(_DISPATCH_CONFIGS, num_ranks)
 
     @staticmethod
     def get_combine_config(num_ranks: int) -> Config:
         """DeepEP's recommended combine config (the SM count is used)."""
-        config_map = {
-            2: Config(Buffer.num_sms, 10, 256, 6, 128), 4: Config(Buffer.num_sms, 9, 256, 6, 128),
-            8: Config(Buffer.num_sms, 4, 256, 6, 128), 16: Config(Buffer.num_sms, 4, 288, 12, 128),
-            24: Config(Buffer.num_sms, 1, 288, 8, 128), 32: Config(Buffer.num_sms, 1, 288, 8, 128),
-            48: Config(Buffer.num_sms, 1, 288, 8, 128), 64: Config(Buffer.num_sms, 1, 288, 8, 128),
-            96: Config(Buffer.num_sms, 1, 480, 8, 128), 128: Config(Buffer.num_sms, 1, 560, 8, 128),
-            144: Config(Buffer.num_sms, 2, 720, 8, 128), 160: Config(Buffer.num_sms, 2, 720, 8, 128),
-        }
-        return config_map.get(num_ranks, Config(Buffer.num_sms, 4, 256, 6, 128))
+        return _recommended_config(_COMBINE_CONFIGS, num_ranks)
 
     # -- normal mode -----------------------------------------------------------
 

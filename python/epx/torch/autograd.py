@@ -31,6 +31,33 @@ def _input_names(op):
     return tuple(arg.name for arg in op._opoverload._schema.arguments)
 
 
+def _keep(ctx, name, names, inputs, output):
+    """Keep on ctx what semantics.SAVES[name] names, from op name's inputs
+    (its argument names `names`) and output: each condition as a flag on
+    ctx, the values in ctx.attrs, the tensors saved for backward."""
+    saves = semantics.SAVES[name]
+    args = dict(zip(names, inputs))
+    outputs = output if isinstance(output, tuple) else (output,)
+    args.update(zip(semantics.OUTPUT_NAMES[name], outputs))
+    for flag in saves.flags:
+        setattr(ctx, flag, _holds(flag, args))
+    ctx.attrs = {a.name: _attr(a, args) for a in saves.attrs}
+    ctx.save_for_backward(*(args[t.name] if _holds(t.when, args) else None
+                            for t in saves.tensors))
+
+
+def _kept(ctx, name):
+    """What _keep kept for op name, by name (a condition's tensor is None
+    where it did not hold)."""
+    tensors = (t.name for t in semantics.SAVES[name].tensors)
+    return SimpleNamespace(**ctx.attrs, **dict(zip(tensors, ctx.saved_tensors)))
+
+
+def _pair(name):
+    """The backward ops semantics.BACKWARD pairs with op name, in order."""
+    return tuple(getattr(_torch.ops.epx, n) for n in semantics.BACKWARD[name])
+
+
 def _autograd(op, rule=None):
     """Register op's autograd from semantics.SAVES and semantics.BACKWARD.
 
@@ -39,30 +66,19 @@ def _autograd(op, rule=None):
     it did not hold; ctx has each flag), `pair` the backward ops in
     BACKWARD's order. An op without a rule has no gradient."""
     name = op._qualname.split("::")[1]
-    saves = semantics.SAVES[name]
     names = _input_names(op)
-    outputs = semantics.OUTPUT_NAMES[name]
     if (rule is None) != (not semantics.BACKWARD[name]):
         raise TypeError("epx::%s: a gradient rule goes with a backward pairing in "
                         "semantics.BACKWARD" % name)
 
     def setup(ctx, inputs, output):
-        args = dict(zip(names, inputs))
-        args.update(zip(outputs, output if isinstance(output, tuple) else (output,)))
         ctx.set_materialize_grads(False)
-        for flag in saves.flags:
-            setattr(ctx, flag, _holds(flag, args))
-        ctx.attrs = {a.name: _attr(a, args) for a in saves.attrs}
-        ctx.save_for_backward(*(args[t.name] if _holds(t.when, args) else None
-                                for t in saves.tensors))
+        _keep(ctx, name, names, inputs, output)
 
     def backward(ctx, *grads):
         if rule is None:
             return (None,) * len(names)
-        saved = SimpleNamespace(**ctx.attrs, **dict(zip((t.name for t in saves.tensors),
-                                                        ctx.saved_tensors)))
-        pair = tuple(getattr(_torch.ops.epx, n) for n in semantics.BACKWARD[name])
-        got = rule(ctx, saved, pair, *grads)
+        got = rule(ctx, _kept(ctx, name), _pair(name), *grads)
         return tuple(got.get(n) for n in names)
 
     op.register_autograd(backward, setup_context=setup if rule is not None else None)

@@ -9,7 +9,7 @@ from torch import Tensor
 import epx as _epx
 from epx import semantics
 from epx.errors import _invalid
-from .autograd import _autograd
+from .autograd import _autograd, _input_names, _keep, _kept, _pair
 from .checkpointing import _recorder
 from .handles import _handle_of, _token
 from .ops import _dispatch_inputs, _recv_metadata
@@ -113,36 +113,40 @@ def dequantize(recv_x, recv_scales, fp8_format, dtype=_torch.bfloat16):
     return (recv_x.float().view(n, -1, block) * scale.unsqueeze(2)).view(n, h).to(dtype)
 
 
+_ST_OP = "dispatch_fp8"  # the op _Fp8StraightThrough runs (semantics.STRAIGHT_THROUGH)
+_ST_ARGS = _input_names(_dispatch_fp8_op)
+
+
 class _Fp8StraightThrough(_torch.autograd.Function):
-    """Quantize-on-dispatch whose experts see the dequantized rows, with the
-    gradient of a dispatch of those rows (straight through the quantizer:
-    epx_dispatch_backward of the rows' gradient, in the buffer's dtype), and
-    recv_w's gradient to topk_w as in dispatch."""
+    """Quantize-on-dispatch whose experts see the dequantized rows: it keeps
+    what dispatch_fp8 keeps, and its gradients are those of a dispatch of
+    those rows (straight through the quantizer: the rows' gradient by
+    epx_dispatch_backward, in the buffer's dtype; recv_w's to topk_w), as
+    epx.semantics says."""
 
     @staticmethod
     def forward(ctx, x, topk_idx, topk_w, locations, buffer_id, weighting, recorder_id):
-        outs = _torch.ops.epx.dispatch_fp8(x, None, topk_idx, topk_w, locations, buffer_id,
-                                           weighting, recorder_id)
+        inputs = (x, None, topk_idx, topk_w, locations, buffer_id, weighting, recorder_id)
+        outs = _torch.ops.epx.dispatch_fp8(*inputs)
+        _keep(ctx, _ST_OP, _ST_ARGS, inputs, outs)
         recv_q, recv_s, recv_w, recv_expert, counts, offsets, rows, token = outs
         fmt = _buffer(buffer_id, "epx.torch.MoE").config.fp8_format
-        ctx.num_tokens, ctx.top_k = topk_idx.shape
-        ctx.w_grad = topk_w is not None and topk_w.requires_grad
-        ctx.save_for_backward(token)
         ctx.mark_non_differentiable(recv_expert, counts, offsets, rows, token)
         return (dequantize(recv_q, recv_s, fmt, x.dtype), recv_w, recv_expert, counts, offsets, rows,
                 token)
 
     @staticmethod
     def backward(ctx, g_recv_x, g_recv_w, *unused):
-        token, = ctx.saved_tensors
+        s = _kept(ctx, _ST_OP)
+        dispatch_backward, weights_backward = _pair(semantics.STRAIGHT_THROUGH[_ST_OP])
         grad_x = grad_w = None
         if g_recv_x is not None:
-            grad_x, _ = _torch.ops.epx.dispatch_backward(g_recv_x.contiguous(), None, token,
-                                                         ctx.num_tokens, ctx.top_k)
+            grad_x, _ = dispatch_backward(g_recv_x.contiguous(), None, s.handle, s.num_tokens,
+                                          s.top_k)
         if g_recv_w is not None and ctx.w_grad:
-            grad_w = _torch.ops.epx.weights_backward(g_recv_w.contiguous(), token, ctx.num_tokens,
-                                                     ctx.top_k)
+            grad_w = weights_backward(g_recv_w.contiguous(), s.handle, s.num_tokens, s.top_k)
         return grad_x, None, grad_w, None, None, None, None
+
 
 
 @_torch.library.custom_op("epx::dispatch_fp8_cached", mutates_args=())

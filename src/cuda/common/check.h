@@ -17,6 +17,12 @@ static inline epx_status_t epx_cuda_fail(cudaError_t err, const char *fn, const 
                    cudaGetErrorString(err));
 }
 
+/* One call's status, for a function that makes a single call: EPX_SUCCESS
+ * or epx_cuda_fail's. */
+static inline epx_status_t epx_cuda_status(cudaError_t err, const char *fn, const char *what) {
+  return err == cudaSuccess ? EPX_SUCCESS : epx_cuda_fail(err, fn, what);
+}
+
 #define CUDA_CHECK(call, fn, what)                                                       \
   do {                                                                                   \
     cudaError_t cuda_err_ = (call);                                                      \

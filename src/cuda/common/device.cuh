@@ -1,7 +1,7 @@
 /* Device helpers shared by the kernel files (CUDA only): the payload
  * format's device side (payload.cuh), fixed-order warp sums, and the one-GPU
  * move kernels' pieces (a step of a row slice, a token's slot table, the dot
- * sums of its row slices). All inline: a kernel compiles as if it wrote
+ * sums of its row slices, the zeroing of empty rows). All inline: a kernel compiles as if it wrote
  * them itself. */
 #ifndef EPX_CUDA_COMMON_DEVICE_CUH
 #define EPX_CUDA_COMMON_DEVICE_CUH
@@ -28,6 +28,22 @@ static __device__ __forceinline__ float epx_warp_sum(float v) {
 #pragma unroll
   for (int m = 16; m >= 1; m >>= 1) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, m));
   return v;
+}
+
+/* Of a warp's 32 rows r0 + lane, those below min(*rows_valid, row_bound)
+ * whose row_src is negative (padding and empty rows), found with one
+ * ballot: zero(r) for each, called by the whole warp. */
+template <typename Z>
+__device__ __forceinline__ void epx_zero_empty_rows(const int32_t *row_src, const int64_t *rows_valid,
+                                                    int64_t row_bound, int64_t r0, int lane, Z &&zero) {
+  const int64_t n = min(*rows_valid, row_bound);
+  const int64_t r = r0 + lane;
+  unsigned int empty = __ballot_sync(0xffffffffu, r < n && row_src[r] < 0);
+  while (empty) {
+    const int b = __ffs(empty) - 1;
+    empty &= empty - 1;
+    zero(r0 + b);
+  }
 }
 
 /* launch(tag, a, b) with the element type of `dtype` as a tag (see

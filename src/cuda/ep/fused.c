@@ -456,35 +456,30 @@ static epx_status_t fused_expert_counts(epx_handle_t handle, int64_t *counts, in
   return epx_cuda_copy_expert_counts(v.counts, v.offsets, h->d.El, counts, offsets, handle->buffer->config.stream);
 }
 
-static epx_status_t fused_recv_routing(epx_handle_t handle, int32_t *recv_expert, float *recv_w) {
-  const char *fn = "epx_handle_recv_routing";
-  epx_status_t status = EPX_SUCCESS;
+/* Two of the plan's per-row tables (`words` 4-byte words a row) copied into
+ * the caller's tensors, the received rows only; a NULL destination is
+ * skipped. */
+static cudaError_t copy_row_tables(epx_handle_t handle, const void *src_a, void *dst_a, const void *src_b,
+                                   void *dst_b, int32_t words) {
   const ep_handle_t *h = handle->backend_state;
+  const epx_fused_plan_view_t v = view_of(handle);
+  cudaError_t err =
+      epx_cuda_ep_copy_rows_launch(src_a, dst_a, words, v.rows, h->row_bound, stream_of(handle->buffer));
+  if (err == cudaSuccess)
+    err = epx_cuda_ep_copy_rows_launch(src_b, dst_b, words, v.rows, h->row_bound, stream_of(handle->buffer));
+  return err;
+}
+
+static cudaError_t fused_recv_routing(epx_handle_t handle, int32_t *recv_expert, float *recv_w) {
   const epx_fused_plan_view_t v = view_of(handle);
   /* rank-major rows hold top_k slots (the plan's K is the routing's) */
   const int32_t words = handle->buffer->config.layout == EPX_LAYOUT_RANK_MAJOR ? v.top_k : 1;
-  CUDA_CHECK(epx_cuda_ep_copy_rows_launch(v.row_expert, recv_expert, words, v.rows, h->row_bound,
-                                          stream_of(handle->buffer)),
-             fn, "the recv routing copy");
-  CUDA_CHECK(epx_cuda_ep_copy_rows_launch(v.row_w, recv_w, words, v.rows, h->row_bound, stream_of(handle->buffer)),
-             fn, "the recv routing copy");
-fail:
-  return status;
+  return copy_row_tables(handle, v.row_expert, recv_expert, v.row_w, recv_w, words);
 }
 
-static epx_status_t fused_recv_source(epx_handle_t handle, int32_t *src_rank, int32_t *src_token) {
-  const char *fn = "epx_handle_recv_source";
-  epx_status_t status = EPX_SUCCESS;
-  const ep_handle_t *h = handle->backend_state;
+static cudaError_t fused_recv_source(epx_handle_t handle, int32_t *src_rank, int32_t *src_token) {
   const epx_fused_plan_view_t v = view_of(handle);
-  CUDA_CHECK(epx_cuda_ep_copy_rows_launch(v.row_src_rank, src_rank, 1, v.rows, h->row_bound,
-                                          stream_of(handle->buffer)),
-             fn, "the recv source copy");
-  CUDA_CHECK(epx_cuda_ep_copy_rows_launch(v.row_src_token, src_token, 1, v.rows, h->row_bound,
-                                          stream_of(handle->buffer)),
-             fn, "the recv source copy");
-fail:
-  return status;
+  return copy_row_tables(handle, v.row_src_rank, src_rank, v.row_src_token, src_token, 1);
 }
 
 /* Each peer's transport (chosen at the fused state's creation): a relayed

@@ -59,7 +59,9 @@ typedef struct hier_plan {
   int64_t *rnet_count, *rnet_displ; /* [W] hop-1 rows from each source */
   seg_t *fwd;                       /* hop-2 blocks this rank sends as relay (staging: fwd rows) */
   seg_t *hop;                       /* hop-2 blocks it receives (staging: the host path's pair rows) */
-  int64_t nfwd, nhop;
+  seg_t *home;                      /* [G] hop-1 blocks to each other node's relay (staging: net rows) */
+  seg_t *relay;                     /* [W] hop-1 blocks from each source relayed here (rnet rows) */
+  int64_t nfwd, nhop, nhome, nrelay;
   void *block;         /* device: the tables below */
   int32_t *net_stage;  /* [T, G] hop-1 row of (t, node), -1 none */
   int32_t *fin;        /* [T, G] home row of Q'(t, node): hop-1 rows, then the own node's at net_rows + t */
@@ -207,6 +209,16 @@ static void plan_receive(epx_comm_t comm, const ep_handle_t *h, hier_plan_t *p) 
   }
 }
 
+/* Hop 1's blocks as segments: to each other node's relay (home side) and
+ * from each source relayed here (relay side). */
+static void plan_segments(epx_comm_t comm, int32_t W, hier_plan_t *p) {
+  p->nhome = p->nrelay = 0;
+  for (int32_t g = 0; g < p->G; g++)
+    if (p->net_count[g]) p->home[p->nhome++] = (seg_t){rank_at(comm, g, p->local), p->net_displ[g], p->net_count[g]};
+  for (int32_t s = 0; s < W; s++)
+    if (p->rnet_count[s]) p->relay[p->nrelay++] = (seg_t){s, p->rnet_displ[s], p->rnet_count[s]};
+}
+
 static void plan_free(hier_plan_t *p, cudaStream_t stream) {
   if (!p) return;
   if (p->block) cudaFreeAsync(p->block, stream);
@@ -243,6 +255,7 @@ static epx_status_t plan_tables(epx_buffer_t b, const ep_handle_t *h, hier_plan_
   plan_relay(comm, h, p, gidx, tab[2], tab[3], ranks, at);
   free(ranks), free(at);
   plan_receive(comm, h, p);
+  plan_segments(comm, h->d.W, p);
   cudaStream_t stream = stream_of(b);
   CUDA_CHECK(cudaMallocAsync(&p->block, bytes + 256, stream), fn, "cudaMallocAsync of the hierarchical plan");
   /* pageable memory: the copy has read it when the call returns */
@@ -338,10 +351,11 @@ static epx_status_t hier_laid_out(epx_buffer_t b, ep_handle_t *h, const int64_t 
   p->G = comm->num_nodes, p->L = comm->ranks_per_node;
   p->node = comm->node_of[h->d.rank], p->local = comm->local_of[h->d.rank];
   p->net_count = malloc(sizeof(int64_t) * (size_t)(2 * p->G + 2 * W));
-  p->fwd = malloc(sizeof(seg_t) * (size_t)(2 * p->L * W));
+  p->fwd = malloc(sizeof(seg_t) * (size_t)(2 * p->L * W + p->G + W));
   if (!p->net_count || !p->fwd) return OOM(fn);
   p->net_displ = p->net_count + p->G, p->rnet_count = p->net_displ + p->G, p->rnet_displ = p->rnet_count + W;
   p->hop = p->fwd + (size_t)p->L * W;
+  p->home = p->hop + (size_t)p->L * W, p->relay = p->home + p->G;
   const int32_t *gidx = (const int32_t *)((const char *)summary + 8 * (size_t)(EPX_CUDA_EP_SUMMARY_ROWS(W) + 2));
   EPX_CHECK(plan_tables(b, h, p, gidx, fn));
   const size_t unit = unit_bytes(b);
@@ -379,17 +393,6 @@ static epx_status_t exchange(epx_buffer_t b, const seg_t *to, int64_t nto, const
   return status;
 }
 
-/* Hop 1's blocks as segments: to each other node's relay (home side) and
- * from each source relayed here (relay side). */
-static void net_segments(epx_comm_t comm, const hier_plan_t *p, int32_t W, seg_t *home, int64_t *nhome,
-                         seg_t *relay, int64_t *nrelay) {
-  *nhome = *nrelay = 0;
-  for (int32_t g = 0; g < p->G; g++)
-    if (p->net_count[g]) home[(*nhome)++] = (seg_t){rank_at(comm, g, p->local), p->net_displ[g], p->net_count[g]};
-  for (int32_t s = 0; s < W; s++)
-    if (p->rnet_count[s]) relay[(*nrelay)++] = (seg_t){s, p->rnet_displ[s], p->rnet_count[s]};
-}
-
 /* Forward direction, src [T, H] -> dst [N, H] in the layout (dispatch,
  * combine_backward without grad_w): hop 1, hop 2 into the host path's pair
  * staging, then the host path's expansion. */
@@ -403,14 +406,10 @@ static epx_status_t move_forward(epx_buffer_t b, epx_handle_t handle, const void
   const hier_buffer_t *hb = s->path_state;
   cudaStream_t stream = stream_of(b);
   const size_t rb = (size_t)epx_buffer_row_bytes(b);
-  seg_t *segs = malloc(sizeof(seg_t) * (size_t)(p->G + h->d.W) + 1);
-  if (!segs) return OOM(fn);
-  int64_t nhome, nrelay;
-  net_segments(b->comm, p, h->d.W, segs, &nhome, segs + p->G, &nrelay);
   CUDA_CHECK(epx_cuda_scatter_launch(c->dtype, src, hb->stage[0], h->d.T, c->hidden, p->net_stage, p->G, NULL, NULL,
                                      NULL, NULL, NULL, 0, 0, stream),
              fn, "the hop-1 pack kernel");
-  EPX_CHECK(exchange(b, segs, nhome, hb->stage[0], segs + p->G, nrelay, hb->stage[1], rb, fn));
+  EPX_CHECK(exchange(b, p->home, p->nhome, hb->stage[0], p->relay, p->nrelay, hb->stage[1], rb, fn));
   CUDA_CHECK(epx_cuda_scatter_launch(c->dtype, src, hb->stage[2], h->d.T, c->hidden, p->own_fwd, p->L, NULL, NULL,
                                      NULL, NULL, NULL, 0, 0, stream),
              fn, "the hop-2 pack kernel");
@@ -423,7 +422,6 @@ static epx_status_t move_forward(epx_buffer_t b, epx_handle_t handle, const void
                                      &h->recv.result->rows, h->row_bound, 0, stream),
              fn, "the expand kernel");
 fail:
-  free(segs);
   return status;
 }
 
@@ -457,16 +455,11 @@ static epx_status_t move_backward(epx_buffer_t b, epx_handle_t handle, const voi
   const epx_buffer_config_t *c = &b->config;
   const ep_handle_t *h = handle->backend_state;
   const hier_plan_t *p = h->path_state;
-  const ep_buffer_t *s = b->backend_state;
-  const hier_buffer_t *hb = s->path_state;
+  const hier_buffer_t *hb = ((const ep_buffer_t *)b->backend_state)->path_state;
   cudaStream_t stream = stream_of(b);
   const int f32 = f32_partials(b, precision);
   const size_t unit = f32 ? (size_t)epx_payload_partial_row_bytes(c->hidden) : (size_t)epx_buffer_row_bytes(b);
   const float *w = weighted ? h->tab.rp_w : NULL;
-  seg_t *segs = malloc(sizeof(seg_t) * (size_t)(p->G + h->d.W) + 1);
-  if (!segs) return OOM(fn);
-  int64_t nhome, nrelay;
-  net_segments(b->comm, p, h->d.W, segs, &nhome, segs + p->G, &nrelay);
   /* P'(t, r) of every received pair, at its pair staging row (dedup's). */
   const int64_t items = kind_rows(h, RECV_PAIRS);
   if (f32) {
@@ -484,10 +477,9 @@ static epx_status_t move_backward(epx_buffer_t b, epx_handle_t handle, const voi
   EPX_CHECK(sum_rows(b, f32, partial, hb->stage[2], hb->stage[1], p->rnet_rows, p->net_fwd, p->L, fn));
   EPX_CHECK(sum_rows(b, f32, partial, hb->stage[2], (char *)hb->stage[0] + (size_t)p->net_rows * unit, h->d.T,
                      p->own_fwd, p->L, fn));
-  EPX_CHECK(exchange(b, segs + p->G, nrelay, hb->stage[1], segs, nhome, hb->stage[0], unit, fn));
+  EPX_CHECK(exchange(b, p->relay, p->nrelay, hb->stage[1], p->home, p->nhome, hb->stage[0], unit, fn));
   EPX_CHECK(sum_rows(b, f32, c->dtype, hb->stage[0], out, h->d.T, p->fin, p->G, fn));
 fail:
-  free(segs);
   return status;
 }
 
@@ -547,11 +539,11 @@ static epx_status_t hier_expert_counts(epx_handle_t handle, int64_t *counts, int
   return epx_cuda_ep_host_path.expert_counts(handle, counts, offsets);
 }
 
-static epx_status_t hier_recv_routing(epx_handle_t handle, int32_t *recv_expert, float *recv_w) {
+static cudaError_t hier_recv_routing(epx_handle_t handle, int32_t *recv_expert, float *recv_w) {
   return epx_cuda_ep_host_path.recv_routing(handle, recv_expert, recv_w);
 }
 
-static epx_status_t hier_recv_source(epx_handle_t handle, int32_t *src_rank, int32_t *src_token) {
+static cudaError_t hier_recv_source(epx_handle_t handle, int32_t *src_rank, int32_t *src_token) {
   return epx_cuda_ep_host_path.recv_source(handle, src_rank, src_token);
 }
 

@@ -127,11 +127,7 @@ __device__ void send_partials(const fused_dev &d, const fused_plan_dev &p, combi
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t pe = part_f32 ? 4 : (int64_t)sizeof(T);
   if (kRank && d.bulk_warps > 0 && lane == 0 && warp < d.bulk_warps) epx_bulk_bar_init(bars + warp);
-  if (threadIdx.x < d.W && threadIdx.x != d.rank && !relayed(d, threadIdx.x) &&
-      !wait_flag(d, flag_at(d.local, d.off_cts, threadIdx.x), seq + 1, threadIdx.x, PH_COMBINE_CTS))
-    sh.bad = 1;
-  __syncthreads();
-  if (sh.bad) return;
+  if (!await_cts(d, seq, PH_COMBINE_CTS, sh.bad)) return;
   int64_t rounds = 0;
   for (int s = 0; s < d.W; s++)
     if (s != d.rank) rounds = max(rounds, chunks_of(sh.rcount[s]));
@@ -177,6 +173,22 @@ __device__ void send_partials(const fused_dev &d, const fused_plan_dev &p, combi
 /* Expert-major: out[t] from this rank's own rows and the peers' partials
  * (see the file comment); has: the token's ranks, q_self: its own rank-major
  * row or -1. */
+/* A step of a token's out row, vectors v0 + u * 32 + lane below nvec: the
+ * sums acc, or zeros where no row was added (first). */
+template <typename vec, int U>
+__device__ __forceinline__ void store_sums(uint4 *row, float (&acc)[U][vec::n], bool first, int64_t v0, int64_t nvec,
+                                           int lane) {
+#pragma unroll
+  for (int u = 0; u < U; u++) {
+    const int64_t i = v0 + u * 32 + lane;
+    if (i >= nvec) continue;
+    if (first)
+#pragma unroll
+      for (int e = 0; e < vec::n; e++) acc[u][e] = 0.0f;
+    row[i] = vec::pack(acc[u]);
+  }
+}
+
 template <typename T>
 __device__ void reduce_token(const fused_dev &d, const fused_plan_dev &p, const uint4 *eo, uint4 *out, int64_t t,
                              unsigned has, int64_t q_self, int weighted, int part_f32, int lane) {
@@ -234,15 +246,7 @@ __device__ void reduce_token(const fused_dev &d, const fused_plan_dev &p, const 
         for (int e = 0; e < n; e++) acc[u][e] = first ? part[u][e] : __fadd_rn(acc[u][e], part[u][e]);
       first = false;
     }
-#pragma unroll
-    for (int u = 0; u < kVecs; u++) {
-      const int64_t i = v0 + u * 32 + lane;
-      if (i >= d.nvec) continue;
-      if (first)
-#pragma unroll
-        for (int e = 0; e < n; e++) acc[u][e] = 0.0f;
-      out[t * d.nvec + i] = vec::pack(acc[u]);
-    }
+    store_sums<vec>(out + t * d.nvec, acc, first, v0, d.nvec, lane);
   }
 }
 
@@ -311,15 +315,7 @@ __device__ void reduce_token_rank(const fused_dev &d, const uint4 *eo, uint4 *ou
       }
       first = false;
     }
-#pragma unroll
-    for (int u = 0; u < U; u++) {
-      const int64_t i = v0 + u * 32 + lane;
-      if (i >= d.nvec) continue;
-      if (first)
-#pragma unroll
-        for (int e = 0; e < n; e++) acc[u][e] = 0.0f;
-      out[t * d.nvec + i] = vec::pack(acc[u]);
-    }
+    store_sums<vec>(out + t * d.nvec, acc, first, v0, d.nvec, lane);
   }
 }
 

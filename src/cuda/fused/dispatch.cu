@@ -117,11 +117,7 @@ __device__ void send_rows(const fused_dev &d, const fused_plan_dev &p, dispatch_
   __shared__ uint64_t bars[kMaxBulkWarps];
   uint32_t phase = 0;
   if (d.bulk_warps > 0 && (threadIdx.x & 31) == 0 && (threadIdx.x >> 5) < d.bulk_warps) epx_bulk_bar_init(bars + (threadIdx.x >> 5));
-  if (threadIdx.x < d.W && threadIdx.x != d.rank && !relayed(d, threadIdx.x) &&
-      !wait_flag(d, flag_at(d.local, d.off_cts, threadIdx.x), seq + 1, threadIdx.x, PH_DISPATCH_CTS))
-    sh.bad = 1;
-  __syncthreads();
-  if (sh.bad) return;
+  if (!await_cts(d, seq, PH_DISPATCH_CTS, sh.bad)) return;
   int64_t rounds = 0;
   for (int r = 0; r < d.W; r++) rounds = max(rounds, chunks_of(sh.scount[r]));
   for (int64_t g = blockIdx.x; g < rounds * d.W; g += ns) {
@@ -159,11 +155,7 @@ __device__ void warp_expand(uint4 *recv, const uint4 *src, const int32_t *rows, 
   const unsigned valid = __ballot_sync(0xffffffffu, my_row >= 0);
   for (int64_t v0 = 0; v0 < nvec; v0 += 32 * U) {
     uint4 v[U];
-#pragma unroll
-    for (int u = 0; u < U; u++) {
-      const int64_t i = v0 + u * 32 + lane;
-      if (i < nvec) v[u] = ld_row<kWindow>(src + i);
-    }
+    ld_step<kWindow>(src, v0, nvec, lane, v);
     for (unsigned m = valid; m; m &= m - 1) {
       const int k = __ffs(m) - 1;
       const int64_t row = __shfl_sync(0xffffffffu, my_row, k);

@@ -254,6 +254,17 @@ __device__ __forceinline__ void send_cts(const fused_dev &d, uint32_t seq) {
     if (!relayed(d, r)) st_release_sys(flag_at(d.peer[r], d.off_cts, d.rank), seq + 1);
 }
 
+/* The senders' start: thread r < W waits for peer r's clear-to-send of op
+ * seq (itself and relayed peers excepted); false on every thread of the
+ * block when one timed out (bad set: the block returns). */
+__device__ __forceinline__ bool await_cts(const fused_dev &d, uint32_t seq, int phase, int &bad) {
+  if (threadIdx.x < d.W && threadIdx.x != d.rank && !relayed(d, threadIdx.x) &&
+      !wait_flag(d, flag_at(d.local, d.off_cts, threadIdx.x), seq + 1, threadIdx.x, phase))
+    bad = 1;
+  __syncthreads();
+  return !bad;
+}
+
 /* ---- warp-wide row moves -------------------------------------------------- */
 
 /* 16-byte vectors per lane in flight per step. */
@@ -274,16 +285,23 @@ __device__ __forceinline__ uint4 ld_row(const uint4 *p) {
   return kWindow ? __ldcg(p) : ld_stream(p);
 }
 
+/* One step of a warp's row: v[u] = src[v0 + u * 32 + lane] where below nvec
+ * (the others unset). */
+template <bool kWindow, int U>
+__device__ __forceinline__ void ld_step(const uint4 *src, int64_t v0, int64_t nvec, int lane, uint4 (&v)[U]) {
+#pragma unroll
+  for (int u = 0; u < U; u++) {
+    const int64_t i = v0 + u * 32 + lane;
+    if (i < nvec) v[u] = ld_row<kWindow>(src + i);
+  }
+}
+
 /* dst[0, nvec) = src[0, nvec), by one warp, kCopyVecs loads in flight per lane. */
 template <bool kWindow>
 __device__ __forceinline__ void warp_copy(uint4 *dst, const uint4 *src, int64_t nvec, int lane) {
   for (int64_t v0 = 0; v0 < nvec; v0 += 32 * kCopyVecs) {
     uint4 r[kCopyVecs];
-#pragma unroll
-    for (int u = 0; u < kCopyVecs; u++) {
-      const int64_t i = v0 + u * 32 + lane;
-      if (i < nvec) r[u] = ld_row<kWindow>(src + i);
-    }
+    ld_step<kWindow>(src, v0, nvec, lane, r);
 #pragma unroll
     for (int u = 0; u < kCopyVecs; u++) {
       const int64_t i = v0 + u * 32 + lane;

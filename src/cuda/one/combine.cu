@@ -16,27 +16,15 @@
  *   plus 4*T*K route rows (+ 4*T*K weights): under 1%. */
 #include <cuda_runtime.h>
 
-#include "cuda/common/device.cuh"
-#include "cuda/launch.h"
+#include "cuda/one/move.cuh"
 
 namespace {
 
-constexpr int kWarps = EPX_CUDA_MOVE_WARPS;
-static_assert(kWarps >= 8, "a token's slices (up to 8 warps) share one block");
+constexpr int kWarps = epx_move_warps;
 
-struct gather_args {
-  const uint4 *src;    /* [rows, nvec] */
-  uint4 *dst;          /* [T, nvec] */
-  const int32_t *rows; /* [T, K] */
-  const float *w;      /* [T, K] when weighting */
-  const uint4 *other;  /* [T, nvec] when computing grad_w */
-  float *grad_w;       /* [T, K] when computing grad_w */
-  int64_t tokens;
-  int64_t nvec;
-  int64_t slice; /* vectors per warp's slice of a row (a multiple of 8) */
-  int k;
-  int wpt_shift; /* log2 of the warps per token */
-};
+/* src: the routed rows [rows, nvec]; dst: the token rows [T, nvec]; other
+ * [T, nvec]. */
+using gather_args = epx_move_args;
 
 template <typename T, bool kWeight, bool kDot>
 __global__ void __launch_bounds__(kWarps * 32) gather_kernel(const gather_args a) {
@@ -121,22 +109,13 @@ extern "C" cudaError_t epx_cuda_gather_launch(epx_dtype_t dtype, const void *src
                                               const int32_t *rows, int32_t top_k, const float *w,
                                               const void *other, float *grad_w,
                                               int32_t warps_per_token, cudaStream_t stream) {
-  if (top_k < 1 || top_k > EPX_CUDA_MAX_TOP_K || (grad_w && !other)) return cudaErrorInvalidValue;
   gather_args a;
-  a.src = static_cast<const uint4 *>(src);
-  a.dst = static_cast<uint4 *>(dst);
-  a.rows = rows;
-  a.w = w;
-  a.other = static_cast<const uint4 *>(other);
-  a.grad_w = grad_w;
-  a.tokens = num_tokens;
-  a.nvec = epx_payload_row_vectors(dtype, hidden);
-  a.k = top_k;
-  a.wpt_shift = epx_cuda_move_split(a.nvec, warps_per_token, &a.slice);
-  if (a.wpt_shift < 0) return cudaErrorInvalidValue;
-  const int64_t blocks = ((num_tokens << a.wpt_shift) + kWarps - 1) / kWarps;
+  const cudaError_t err =
+      epx_move_args_fill(a, dtype, src, dst, num_tokens, hidden, rows, top_k, w, other, grad_w, warps_per_token);
+  if (err != cudaSuccess) return err;
+  const int64_t blocks = epx_move_token_blocks(a);
   if (blocks == 0) return cudaSuccess;
-  const size_t shared = (size_t)kWarps * 4 * sizeof(int32_t) * (size_t)top_k;
+  const size_t shared = epx_move_shared_bytes(top_k);
   return epx_flags_visit(dtype, w != nullptr, grad_w != nullptr, [&](auto tag, auto weight, auto dot) {
     gather_kernel<typename decltype(tag)::type, decltype(weight)::value, decltype(dot)::value>
         <<<(unsigned int)blocks, kWarps * 32, shared, stream>>>(a);

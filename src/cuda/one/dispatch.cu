@@ -16,47 +16,30 @@
  *   plus 4*T*K route rows (+ 4*T*K weights) and 4*N row_src: under 1%. */
 #include <cuda_runtime.h>
 
-#include "cuda/common/device.cuh"
-#include "cuda/launch.h"
+#include "cuda/one/move.cuh"
 
 namespace {
 
-constexpr int kWarps = EPX_CUDA_MOVE_WARPS;
-static_assert(kWarps >= 8, "a token's slices (up to 8 warps) share one block");
+constexpr int kWarps = epx_move_warps;
 
-struct scatter_args {
-  const uint4 *src;      /* [T, nvec] */
-  uint4 *dst;            /* [rows, nvec] */
-  const int32_t *rows;   /* [T, K] */
-  const float *w;        /* [T, K] when scaling */
-  const uint4 *other;    /* [rows, nvec] when computing grad_w */
-  float *grad_w;         /* [T, K] when computing grad_w */
-  const int32_t *row_src;/* [row_bound] or NULL: no zeroing */
+/* src: the token rows [T, nvec]; dst: the routed rows [rows, nvec]; other
+ * [rows, nvec]; w scales. */
+struct scatter_args : epx_move_args {
+  const int32_t *row_src; /* [row_bound] or NULL: no zeroing */
   const int64_t *rows_valid;
   int64_t row_bound;
-  int64_t tokens;
-  int64_t nvec;          /* 16-byte vectors per row */
-  int64_t slice;         /* vectors per warp's slice of a row (a multiple of 8) */
   int64_t token_blocks;
-  int k;
-  int wpt_shift;         /* log2 of the warps per token */
 };
 
 /* Zeroes the rows r < min(*rows_valid, row_bound) with row_src[r] < 0: a warp
  * per 32 rows finds them with one ballot, then writes each with the warp. */
 __device__ void zero_rows(const scatter_args &a, int64_t block) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t r0 = (block * kWarps + warp) * 32;
-  const int64_t n = min(*a.rows_valid, a.row_bound);
-  const int64_t r = r0 + lane;
-  unsigned int empty = __ballot_sync(0xffffffffu, r < n && a.row_src[r] < 0);
   const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
-  while (empty) {
-    const int b = __ffs(empty) - 1;
-    empty &= empty - 1;
-    uint4 *d = a.dst + (r0 + b) * a.nvec;
+  epx_zero_empty_rows(a.row_src, a.rows_valid, a.row_bound, (block * kWarps + warp) * 32, lane, [&](int64_t r) {
+    uint4 *d = a.dst + r * a.nvec;
     for (int i = lane; i < a.nvec; i += 32) d[i] = zero;
-  }
+  });
 }
 
 template <typename T, bool kScale, bool kDot>
@@ -150,27 +133,18 @@ extern "C" cudaError_t epx_cuda_scatter_launch(epx_dtype_t dtype, const void *sr
                                                const int32_t *row_src, const int64_t *rows_valid,
                                                int64_t row_bound, int32_t warps_per_token,
                                                cudaStream_t stream) {
-  if (top_k < 1 || top_k > EPX_CUDA_MAX_TOP_K || (grad_w && !other)) return cudaErrorInvalidValue;
   scatter_args a;
-  a.src = static_cast<const uint4 *>(src);
-  a.dst = static_cast<uint4 *>(dst);
-  a.rows = rows;
-  a.w = w;
-  a.other = static_cast<const uint4 *>(other);
-  a.grad_w = grad_w;
+  const cudaError_t err =
+      epx_move_args_fill(a, dtype, src, dst, num_tokens, hidden, rows, top_k, w, other, grad_w, warps_per_token);
+  if (err != cudaSuccess) return err;
   a.row_src = row_src;
   a.rows_valid = rows_valid;
   a.row_bound = row_src ? row_bound : 0;
-  a.tokens = num_tokens;
-  a.nvec = epx_payload_row_vectors(dtype, hidden);
-  a.k = top_k;
-  a.wpt_shift = epx_cuda_move_split(a.nvec, warps_per_token, &a.slice);
-  if (a.wpt_shift < 0) return cudaErrorInvalidValue;
-  a.token_blocks = ((num_tokens << a.wpt_shift) + kWarps - 1) / kWarps;
+  a.token_blocks = epx_move_token_blocks(a);
   const int64_t zero_blocks = (a.row_bound + 32 * kWarps - 1) / (32 * kWarps);
   const int64_t blocks = a.token_blocks + zero_blocks;
   if (blocks == 0) return cudaSuccess;
-  const size_t shared = (size_t)kWarps * 4 * sizeof(int32_t) * (size_t)top_k;
+  const size_t shared = epx_move_shared_bytes(top_k);
   return epx_flags_visit(dtype, w != nullptr, grad_w != nullptr, [&](auto tag, auto scale, auto dot) {
     scatter_kernel<typename decltype(tag)::type, decltype(scale)::value, decltype(dot)::value>
         <<<(unsigned int)blocks, kWarps * 32, shared, stream>>>(a);

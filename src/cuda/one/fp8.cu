@@ -88,19 +88,13 @@ __device__ void copy_scales(const uint8_t *src, uint8_t *dst, int64_t bytes, int
  * and scales: a warp per 32 rows finds them with one ballot. */
 __device__ void zero_rows(const fp8_args &a, int64_t block) {
   const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t r0 = (block * warps + warp) * 32;
-  const int64_t n = min(*a.rows_valid, a.row_bound);
-  const int64_t r = r0 + lane;
-  unsigned int empty = __ballot_sync(0xffffffffu, r < n && a.row_src[r] < 0);
   const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
-  while (empty) {
-    const int b = __ffs(empty) - 1;
-    empty &= empty - 1;
-    uint4 *q = reinterpret_cast<uint4 *>(a.recv_q + (r0 + b) * a.stride.recv_q);
+  epx_zero_empty_rows(a.row_src, a.rows_valid, a.row_bound, (block * warps + warp) * 32, lane, [&](int64_t r) {
+    uint4 *q = reinterpret_cast<uint4 *>(a.recv_q + r * a.stride.recv_q);
     for (int64_t i = lane; i < a.hidden / 16; i += 32) q[i] = zero;
-    uint8_t *s = a.recv_s + (r0 + b) * a.stride.recv_scales;
+    uint8_t *s = a.recv_s + r * a.stride.recv_scales;
     for (int64_t i = lane; i < a.scale_bytes; i += 32) s[i] = 0;
-  }
+  });
 }
 
 /* |f| as bits, whose unsigned order is the float order of non-negative

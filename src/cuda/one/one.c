@@ -259,114 +259,88 @@ fail:
   return status;
 }
 
-epx_status_t epx_cuda_dispatch(epx_buffer_t buffer, epx_handle_t handle, const void *x,
-                               void *recv_x) {
-  const char *fn = "epx_dispatch";
-  epx_status_t status = EPX_SUCCESS;
+/* Token rows [T, H] -> the layout's rows (dispatch, combine_backward):
+ * rank-major moves each token once, to its token row; the other layouts
+ * move it route by route, scaled by the routing weight when weighted, the
+ * rows no route fills zeroed; grad_w [T, K] gets the dots with other. */
+static cudaError_t scatter_rows(epx_buffer_t buffer, epx_handle_t handle, const void *src, void *dst, int weighted,
+                                const void *other, float *grad_w) {
   const cuda_handle_state_t *h = handle->backend_state;
   const epx_buffer_config_t *c = &buffer->config;
   const epx_cuda_layout_t *l = &h->layout;
   if (c->layout == EPX_LAYOUT_RANK_MAJOR)
-    CUDA_CHECK(epx_cuda_scatter_launch(c->dtype, x, recv_x, handle->num_tokens, c->hidden, l->token_row,
-                                       1, NULL, NULL, NULL, NULL, &l->result->rows, 0, 0, stream_of(buffer)),
-               fn, "the dispatch kernel");
-  else
-    CUDA_CHECK(epx_cuda_scatter_launch(c->dtype, x, recv_x, handle->num_tokens, c->hidden, l->route_row,
-                                       handle->top_k,
-                                       handle->weighting == EPX_WEIGHTS_IN_DISPATCH ? h->w : NULL, NULL,
-                                       NULL, l->row_src, &l->result->rows, h->row_bound, 0, stream_of(buffer)),
-               fn, "the dispatch kernel");
-fail:
-  return status;
+    return epx_cuda_scatter_launch(c->dtype, src, dst, handle->num_tokens, c->hidden, l->token_row, 1, NULL, NULL,
+                                   NULL, NULL, &l->result->rows, 0, 0, stream_of(buffer));
+  return epx_cuda_scatter_launch(c->dtype, src, dst, handle->num_tokens, c->hidden, l->route_row, handle->top_k,
+                                 weighted ? h->w : NULL, weighted && grad_w ? other : NULL,
+                                 weighted ? grad_w : NULL, l->row_src, &l->result->rows, h->row_bound, 0,
+                                 stream_of(buffer));
+}
+
+/* The layout's rows -> token rows [T, H] (combine, dispatch_backward): each
+ * token's rows summed, scaled by the routing weight when weighted; grad_w
+ * [T, K] gets the dots with other. */
+static cudaError_t gather_rows(epx_buffer_t buffer, epx_handle_t handle, const void *src, void *dst, int weighted,
+                               const void *other, float *grad_w) {
+  const cuda_handle_state_t *h = handle->backend_state;
+  const epx_buffer_config_t *c = &buffer->config;
+  const int rank_major = c->layout == EPX_LAYOUT_RANK_MAJOR;
+  return epx_cuda_gather_launch(c->dtype, src, dst, handle->num_tokens, c->hidden,
+                                rank_major ? h->layout.token_row : h->layout.route_row,
+                                rank_major ? 1 : handle->top_k, weighted ? h->w : NULL,
+                                weighted && grad_w ? other : NULL, weighted ? grad_w : NULL, 0, stream_of(buffer));
+}
+
+epx_status_t epx_cuda_dispatch(epx_buffer_t buffer, epx_handle_t handle, const void *x,
+                               void *recv_x) {
+  return epx_cuda_status(
+      scatter_rows(buffer, handle, x, recv_x, handle->weighting == EPX_WEIGHTS_IN_DISPATCH, NULL, NULL),
+      "epx_dispatch", "the dispatch kernel");
 }
 
 epx_status_t epx_cuda_dispatch_fp8(epx_buffer_t buffer, epx_handle_t handle, const void *x,
                                    const void *x_scales, int quantize, void *recv_x_q, void *recv_scales) {
-  const char *fn = quantize ? "epx_dispatch_quantize" : "epx_dispatch_fp8";
-  epx_status_t status = EPX_SUCCESS;
   const cuda_handle_state_t *h = handle->backend_state;
   const epx_buffer_config_t *c = &buffer->config;
   const epx_cuda_layout_t *l = &h->layout;
   const int rank_major = c->layout == EPX_LAYOUT_RANK_MAJOR;
-  CUDA_CHECK(epx_cuda_fp8_scatter_launch(c->fp8_format, c->dtype, quantize, x, x_scales, recv_x_q, recv_scales,
-                                         handle->num_tokens, c->hidden, rank_major ? l->token_row : l->route_row,
-                                         rank_major ? 1 : handle->top_k, rank_major ? NULL : l->row_src,
-                                         &l->result->rows, rank_major ? 0 : h->row_bound, stream_of(buffer)),
-             fn, "the fp8 dispatch kernel");
-fail:
-  return status;
+  return epx_cuda_status(
+      epx_cuda_fp8_scatter_launch(c->fp8_format, c->dtype, quantize, x, x_scales, recv_x_q, recv_scales,
+                                  handle->num_tokens, c->hidden, rank_major ? l->token_row : l->route_row,
+                                  rank_major ? 1 : handle->top_k, rank_major ? NULL : l->row_src,
+                                  &l->result->rows, rank_major ? 0 : h->row_bound, stream_of(buffer)),
+      quantize ? "epx_dispatch_quantize" : "epx_dispatch_fp8", "the fp8 dispatch kernel");
 }
 
 epx_status_t epx_cuda_combine(epx_buffer_t buffer, epx_handle_t handle, const void *expert_out,
                               void *out) {
-  const char *fn = "epx_combine";
-  epx_status_t status = EPX_SUCCESS;
-  const cuda_handle_state_t *h = handle->backend_state;
-  const epx_buffer_config_t *c = &buffer->config;
-  const int rank_major = c->layout == EPX_LAYOUT_RANK_MAJOR;
-  CUDA_CHECK(epx_cuda_gather_launch(c->dtype, expert_out, out, handle->num_tokens, c->hidden,
-                                    rank_major ? h->layout.token_row : h->layout.route_row,
-                                    rank_major ? 1 : handle->top_k,
-                                    handle->weighting == EPX_WEIGHTS_IN_COMBINE ? h->w : NULL, NULL,
-                                    NULL, 0, stream_of(buffer)),
-             fn, "the combine kernel");
-fail:
-  return status;
+  return epx_cuda_status(
+      gather_rows(buffer, handle, expert_out, out, handle->weighting == EPX_WEIGHTS_IN_COMBINE, NULL, NULL),
+      "epx_combine", "the combine kernel");
 }
 
 epx_status_t epx_cuda_dispatch_backward(epx_buffer_t buffer, epx_handle_t handle,
                                         const void *grad_recv_x, void *grad_x, const void *x,
                                         float *grad_w) {
-  const char *fn = "epx_dispatch_backward";
-  epx_status_t status = EPX_SUCCESS;
-  const cuda_handle_state_t *h = handle->backend_state;
-  const epx_buffer_config_t *c = &buffer->config;
-  const int rank_major = c->layout == EPX_LAYOUT_RANK_MAJOR;
-  const int weighted = handle->weighting == EPX_WEIGHTS_IN_DISPATCH;
-  CUDA_CHECK(epx_cuda_gather_launch(c->dtype, grad_recv_x, grad_x, handle->num_tokens, c->hidden,
-                                    rank_major ? h->layout.token_row : h->layout.route_row,
-                                    rank_major ? 1 : handle->top_k, weighted ? h->w : NULL,
-                                    weighted && grad_w ? x : NULL, weighted ? grad_w : NULL, 0,
-                                    stream_of(buffer)),
-             fn, "the dispatch backward kernel");
-fail:
-  return status;
+  return epx_cuda_status(gather_rows(buffer, handle, grad_recv_x, grad_x,
+                                     handle->weighting == EPX_WEIGHTS_IN_DISPATCH, x, grad_w),
+                         "epx_dispatch_backward", "the dispatch backward kernel");
 }
 
 epx_status_t epx_cuda_combine_backward(epx_buffer_t buffer, epx_handle_t handle,
                                        const void *grad_out, const void *expert_out,
                                        void *grad_expert_out, float *grad_w) {
-  const char *fn = "epx_combine_backward";
-  epx_status_t status = EPX_SUCCESS;
-  const cuda_handle_state_t *h = handle->backend_state;
-  const epx_buffer_config_t *c = &buffer->config;
-  const epx_cuda_layout_t *l = &h->layout;
-  const int weighted = handle->weighting == EPX_WEIGHTS_IN_COMBINE;
-  if (c->layout == EPX_LAYOUT_RANK_MAJOR)
-    CUDA_CHECK(epx_cuda_scatter_launch(c->dtype, grad_out, grad_expert_out, handle->num_tokens,
-                                       c->hidden, l->token_row, 1, NULL, NULL, NULL, NULL,
-                                       &l->result->rows, 0, 0, stream_of(buffer)),
-               fn, "the combine backward kernel");
-  else
-    CUDA_CHECK(epx_cuda_scatter_launch(c->dtype, grad_out, grad_expert_out, handle->num_tokens,
-                                       c->hidden, l->route_row, handle->top_k, weighted ? h->w : NULL,
-                                       weighted && grad_w ? expert_out : NULL, weighted ? grad_w : NULL,
-                                       l->row_src, &l->result->rows, h->row_bound, 0, stream_of(buffer)),
-               fn, "the combine backward kernel");
-fail:
-  return status;
+  return epx_cuda_status(scatter_rows(buffer, handle, grad_out, grad_expert_out,
+                                      handle->weighting == EPX_WEIGHTS_IN_COMBINE, expert_out, grad_w),
+                         "epx_combine_backward", "the combine backward kernel");
 }
 
 epx_status_t epx_cuda_weights_backward(epx_buffer_t buffer, epx_handle_t handle,
                                        const float *grad_recv_w, float *grad_w) {
-  const char *fn = "epx_weights_backward";
-  epx_status_t status = EPX_SUCCESS;
   const cuda_handle_state_t *h = handle->backend_state;
-  CUDA_CHECK(epx_cuda_weights_back_launch(buffer->config.layout, &h->layout, handle->num_tokens,
-                                          handle->top_k, grad_recv_w, grad_w, stream_of(buffer)),
-             fn, "the weights backward kernel");
-fail:
-  return status;
+  return epx_cuda_status(epx_cuda_weights_back_launch(buffer->config.layout, &h->layout, handle->num_tokens,
+                                                      handle->top_k, grad_recv_w, grad_w, stream_of(buffer)),
+                         "epx_weights_backward", "the weights backward kernel");
 }
 
 epx_status_t epx_cuda_handle_recv_rows(epx_handle_t handle, int64_t *rows) {
