@@ -635,6 +635,102 @@ static void test_grad_sum_and_move(void **state) {
 }
 
 /* ------------------------------------------------------------------------ */
+/* The device's copy (core/placement.h: what a CUDA buffer uploads)          */
+/* ------------------------------------------------------------------------ */
+
+/* One placement's device block and rank-ordered routing against the
+ * table: the block is the table then pos_of; rank_experts[rank order] is
+ * the physical expert epx_placement_map_routing picks; logical[] counts
+ * the routes CPU load counting counts; bad routes read as the layout
+ * kernels refuse them. */
+static void check_device_block(const scene_t *s, int32_t W) {
+  epx_placement_t pl = placement_of(s);
+  epx_placement_table_t *t = NULL;
+  assert_int_equal(epx_placement_table_new("test", "placement", s->null_placement ? NULL : &pl, E, W, &t),
+                   EPX_SUCCESS);
+  const int64_t words = epx_placement_device_words(t);
+  assert_int_equal(words, 6 * (int64_t)t->num_physical + E + 1);
+  int32_t *block = malloc(sizeof(int32_t) * (size_t)words);
+  epx_placement_pack_device(t, block);
+  assert_memory_equal(block, t->data, sizeof(int32_t) * (size_t)epx_placement_table_words(t));
+  const int32_t *pos_of = block + epx_placement_table_words(t), *rank_experts = pos_of - t->num_physical;
+  for (int32_t p = 0; p < t->num_physical; p++) {
+    assert_int_equal(pos_of[p] / t->per_rank, t->rank_of[p]);
+    assert_int_equal(pos_of[p] % t->per_rank, t->slot_of[p]);
+    assert_int_equal(rank_experts[pos_of[p]], p);
+    if (t->contiguous) assert_int_equal(pos_of[p], p);
+  }
+  assert_int_equal(epx_placement_is_contiguous(s->null_placement ? NULL : &pl, E), t->contiguous);
+  const int caller = t->rule == EPX_REPLICA_CALLER;
+  for (int32_t r = 0; r < s->W; r++) {
+    int32_t phys[T_MAX * K], out[K], logical[K];
+    epx_placement_map_routing(t, r, s->T[r], K, s->idx[r], phys);
+    for (int64_t i = 0; i < s->T[r]; i++) {
+      epx_placement_rank_token(block, E, t->num_physical, caller, r, i, K, s->idx[r] + i * K, out, logical);
+      for (int32_t k = 0; k < K; k++) {
+        int32_t e = s->idx[r][i * K + k];
+        assert_int_equal(out[k] < 0 ? out[k] : rank_experts[out[k]], phys[i * K + k]);
+        assert_int_equal(logical[k], e < 0 ? -1 : epx_placement_routing_logical(t, e));
+      }
+    }
+  }
+  /* refusals: out of range reads -2; a second route to a logical expert
+   * repeats the first route's id */
+  int32_t bad[K] = {-1, epx_placement_routing_ids(t), -7, 0}, out[K], logical[K];
+  epx_placement_rank_token(block, E, t->num_physical, caller, 1, 5, K, bad, out, logical);
+  assert_int_equal(out[0], -1);
+  assert_int_equal(out[1], -2);
+  assert_int_equal(out[2], -2);
+  assert_true(out[3] >= 0);
+  assert_int_equal(logical[1], -1);
+  int32_t twice[K] = {3, -1, 3, -1};
+  if (caller) /* another replica of the logical expert of physical 3, if any */
+    for (int32_t p = 0; p < t->num_physical; p++)
+      if (p != 3 && t->logical_of[p] == t->logical_of[3]) twice[2] = p;
+  epx_placement_rank_token(block, E, t->num_physical, caller, 0, 2, K, twice, out, logical);
+  assert_int_equal(out[2], out[0]);
+  assert_int_equal(logical[2], -1);
+  free(block);
+  epx_placement_table_free(t);
+}
+
+static void test_device_block(void **state) {
+  (void)state;
+  scene_t *s = calloc(1, sizeof *s);
+  for (int32_t W = 1; W <= 4; W *= 2) {
+    s->W = W;
+    make_routing(s, 70 + (uint64_t)W);
+    s->null_placement = 1, s->P = E;
+    check_device_block(s, W);
+    plan_replicated(s);
+    check_device_block(s, W);
+    plan_permuted(s);
+    check_device_block(s, W);
+    /* the caller's ids: the replicated plan, each route to replica (t mod n) */
+    plan_replicated(s);
+    s->rule = EPX_REPLICA_CALLER;
+    epx_placement_t pl = placement_of(s);
+    epx_placement_table_t *t = NULL;
+    assert_int_equal(epx_placement_table_new("test", "placement", &pl, E, W, &t), EPX_SUCCESS);
+    for (int32_t r = 0; r < W; r++)
+      for (int64_t i = 0; i < s->T[r] * K; i++) {
+        int32_t e = s->idx[r][i], f = e < 0 ? 0 : t->replica_first[e], n = e < 0 ? 1 : t->replica_first[e + 1] - f;
+        if (e >= 0) s->idx[r][i] = t->replicas[f + (int32_t)((i / K) % n)];
+      }
+    epx_placement_table_free(t);
+    check_device_block(s, W);
+  }
+  /* the contiguous map given explicitly, by the view alone */
+  int32_t ident[E], ranks[E];
+  for (int32_t p = 0; p < E; p++) ident[p] = p, ranks[p] = p / (E / 4);
+  epx_placement_t given = {E, ident, ranks, EPX_REPLICA_ROUND_ROBIN};
+  assert_true(epx_placement_is_contiguous(&given, E));
+  ranks[0] = 1, ranks[E / 4] = 0;
+  assert_false(epx_placement_is_contiguous(&given, E));
+  free(s);
+}
+
+/* ------------------------------------------------------------------------ */
 /* The planner                                                               */
 /* ------------------------------------------------------------------------ */
 
@@ -701,6 +797,7 @@ int main(void) {
       cmocka_unit_test(test_refusals),
       cmocka_unit_test(test_grad_sum_and_move),
       cmocka_unit_test(test_planner),
+      cmocka_unit_test(test_device_block),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
