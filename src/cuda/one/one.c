@@ -22,6 +22,7 @@
 
 #include "core/align.h"
 #include "core/error.h"
+#include "core/placement.h"
 #include "core/route_spec.h"
 #include "cuda/backend.h"
 #include "cuda/common/buffer.h"
