@@ -87,9 +87,15 @@ typedef struct {
   epx_placement_t pl;
 } placement_case_t;
 static placement_case_t g_place[PLACE_KINDS];
-static pthread_once_t g_place_once = PTHREAD_ONCE_INIT;
+static pthread_mutex_t g_place_lock = PTHREAD_MUTEX_INITIALIZER;
+static int g_place_size; /* the comm size g_place was made for (ranks as threads: W = 2, 4, 8 in turn) */
 
 static void make_placements(void) {
+  pthread_mutex_lock(&g_place_lock);
+  if (g_place_size == g_size) {
+    pthread_mutex_unlock(&g_place_lock);
+    return;
+  }
   for (int kind = PLACE_REPLICAS; kind < PLACE_KINDS; kind++) {
     placement_case_t *q = &g_place[kind];
     q->P = E + 2 * g_size;
@@ -107,6 +113,8 @@ static void make_placements(void) {
     q->pl = (epx_placement_t){q->P, q->p2l, q->prank,
                               kind == PLACE_CALLER ? EPX_REPLICA_CALLER : EPX_REPLICA_ROUND_ROBIN};
   }
+  g_place_size = g_size;
+  pthread_mutex_unlock(&g_place_lock);
 }
 
 /* Experts a rank holds in case c: P / W. */
@@ -841,7 +849,7 @@ typedef struct {
 } test_routing_t;
 
 static void test_routing(epx_layout_t layout, epx_weighting_t weighting, int skew, int seed, test_routing_t *t) {
-  const case_t c = {layout, EPX_BFLOAT16, weighting, 0, 0, skew, 0, seed};
+  const case_t c = {layout, EPX_BFLOAT16, weighting, 0, 0, skew, 0, seed, PLACE_NONE};
   make_routing(&c, g_rank, &t->rt);
   t->idx = dev_put(t->rt.idx, sizeof t->rt.idx);
   t->loc = dev_put(t->rt.loc, sizeof t->rt.loc);
@@ -1530,7 +1538,8 @@ static void test_dot_order(epx_comm_t comm, void *stream) {
   for (int li = 0; li < 2; li++)
     for (int wi = 0; wi < 2; wi++)
       for (int di = 0; di < (g_quick ? 2 : 3); di++) {
-        const case_t c = {layouts[li], dtypes[di], weightings[wi], EPX_COMBINE_PARTIALS_FLOAT32, 0, 0, 0, seed++};
+        const case_t c = {layouts[li], dtypes[di], weightings[wi], EPX_COMBINE_PARTIALS_FLOAT32, 0, 0, 0, seed++,
+                          PLACE_NONE};
         dot_case(comm, stream, &c, &reordered);
       }
   RANK_EXPECT(reordered > 0, "dot order: no dot of the test changes in float32 from sequential to pairwise order, so the "
@@ -1573,7 +1582,7 @@ static float fp8_x(int s, int t, int h) {
 static case_t fp8_routing_case(const fp8_case_t *f) {
   const epx_weighting_t wt = f->layout == EPX_LAYOUT_RANK_MAJOR ? EPX_WEIGHTS_NONE : EPX_WEIGHTS_IN_COMBINE;
   return (case_t){f->layout, EPX_BFLOAT16, wt, EPX_COMBINE_PARTIALS_FLOAT32, f->worst, f->seed % 3 == 0,
-                  g_size > 1 && f->seed % 4 == 1, f->seed};
+                  g_size > 1 && f->seed % 4 == 1, f->seed, PLACE_NONE};
 }
 
 /* What a run is, for the messages: case, exchange and the path asked for. */
@@ -1979,7 +1988,7 @@ int main(int argc, char **argv) {
             if ((layouts[li] == EPX_LAYOUT_RANK_MAJOR) != (wt == EPX_WEIGHTS_NONE)) continue;
             if (di > 0 && (pi || worst)) continue; /* f32, f16: the default precision, sizing */
             case_t c = {layouts[li], dtypes[di], wt, pi ? EPX_COMBINE_PARTIALS_PAYLOAD : EPX_COMBINE_PARTIALS_FLOAT32,
-                        worst, seed % 3 == 0, seed % 4 == 1, seed};
+                        worst, seed % 3 == 0, seed % 4 == 1, seed, PLACE_NONE};
             seed++;
             run_case(&c, comm, stream);
             cases++;
@@ -1988,7 +1997,7 @@ int main(int argc, char **argv) {
   /* Placements (issue 37): replicas by the round-robin rule and the caller's
    * physical ids, experts moved off their contiguous ranks, every layout and
    * every path run_case runs; the load counts too (every case compares them). */
-  pthread_once(&g_place_once, make_placements);
+  make_placements();
   int place_cases = 0;
   for (int kind = PLACE_REPLICAS; kind < PLACE_KINDS; kind++)
     for (int li = 0; li < 3; li++)

@@ -179,7 +179,10 @@ static void test_gpu_placement(void **state) {
       epx_handle_t h = NULL;
       EXPECT_STATUS(epx_dispatch_layout(b, &r, NULL, &h), EPX_ERROR_INVALID_ARGUMENT,
                     q->rule == EPX_REPLICA_ROUND_ROBIN ? "routing.topk_idx[1][1]" : "twice");
-      if (d) CUDA_OK(cudaFree((void *)ri)), CUDA_OK(cudaFree((void *)rw));
+      if (d) {
+        CUDA_OK(cudaFree((void *)ri));
+        CUDA_OK(cudaFree((void *)rw));
+      }
       EXPECT_OK(epx_buffer_destroy(b));
     }
   }
