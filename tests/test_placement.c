@@ -694,6 +694,121 @@ static void check_device_block(const scene_t *s, int32_t W) {
   epx_placement_table_free(t);
 }
 
+/* What a CUDA buffer relies on (src/cuda/place): a buffer of the contiguous
+ * map over P experts, fed the rank-ordered routing (epx_placement_rank_token),
+ * moves the same rows to the same places as a buffer of the placement fed the
+ * caller's routing — counts, offsets, sources, rows and combine's bits — and
+ * its ids are the placement's physical ones through rank_experts. */
+typedef struct {
+  scene_t *s;
+  epx_layout_t layout;
+} order_arg_t;
+
+typedef struct {
+  int64_t N;
+  float *recv, *out;
+  int32_t *expert, *src, *tok;
+  int64_t counts[64], offsets[65];
+} order_run_t;
+
+static int order_run(epx_comm_t comm, const order_arg_t *a, int32_t rank, int32_t num_experts,
+                     const epx_placement_t *pl, const int32_t *idx, const int32_t *rank_experts, order_run_t *o) {
+  int failures = 0;
+  const scene_t *s = a->s;
+  const int32_t slots = a->layout == EPX_LAYOUT_RANK_MAJOR ? K : 1;
+  epx_buffer_config_t c = tu_config(EPX_DEVICE_CPU, EPX_FLOAT32, H, num_experts, K, T_MAX);
+  c.exchange = s->exchange, c.layout = a->layout, c.placement = pl;
+  c.expert_alignment = a->layout == EPX_LAYOUT_EXPERT_MAJOR ? 4 : 1;
+  epx_buffer_t b = NULL;
+  epx_handle_t h = NULL;
+  RANK_REQUIRE_OK(epx_buffer_create(comm, &c, &b));
+  epx_routing_t routing = {s->T[rank], K, idx, a->layout == EPX_LAYOUT_RANK_MAJOR ? NULL : s->w[rank], NULL,
+                           a->layout == EPX_LAYOUT_RANK_MAJOR ? EPX_WEIGHTS_NONE : EPX_WEIGHTS_IN_COMBINE};
+  RANK_REQUIRE_OK(epx_dispatch_layout(b, &routing, NULL, &h));
+  RANK_REQUIRE_OK(epx_handle_recv_rows(h, &o->N));
+  const int64_t N = o->N;
+  o->recv = tu_alloc(sizeof(float) * (size_t)(N + 1) * H), o->out = tu_alloc(sizeof(float) * T_MAX * H);
+  o->expert = tu_alloc(sizeof(int32_t) * (size_t)(N + 1) * K);
+  o->src = tu_alloc(sizeof(int32_t) * (size_t)(N + 1)), o->tok = tu_alloc(sizeof(int32_t) * (size_t)(N + 1));
+  float *eo = tu_alloc(sizeof(float) * (size_t)(N + 1) * H);
+  RANK_REQUIRE_OK(epx_dispatch(b, h, s->x[rank], o->recv, N));
+  RANK_REQUIRE_OK(epx_handle_recv_routing(h, o->expert, NULL));
+  RANK_REQUIRE_OK(epx_handle_recv_source(h, o->src, o->tok));
+  RANK_REQUIRE_OK(epx_handle_expert_counts(h, o->counts, o->offsets));
+  if (rank_experts)
+    for (int64_t i = 0; i < N * slots; i++) o->expert[i] = o->expert[i] < 0 ? -1 : rank_experts[o->expert[i]];
+  /* an expert's output: its row times (1 + its physical id mod 5) */
+  for (int64_t i = 0; i < N; i++)
+    for (int32_t j = 0; j < H; j++)
+      eo[i * H + j] = o->recv[i * H + j] * (float)(1 + (o->expert[i * slots] < 0 ? 0 : o->expert[i * slots] % 5));
+  RANK_REQUIRE_OK(epx_combine(b, h, eo, o->out));
+  tu_free(eo);
+done:
+  if (h) epx_handle_release(h);
+  epx_buffer_destroy(b);
+  return failures;
+}
+
+static int rank_order_rank(epx_comm_t comm, int32_t rank, int32_t W, void *arg) {
+  const order_arg_t *a = arg;
+  const scene_t *s = a->s;
+  int failures = 0;
+  epx_placement_t pl = placement_of(s);
+  epx_placement_table_t *t = NULL;
+  int32_t *block = NULL, ranked[T_MAX * K], logical[K];
+  order_run_t x = {0}, y = {0};
+  RANK_REQUIRE_OK(epx_placement_table_new("test", "placement", &pl, E, W, &t));
+  block = tu_alloc(sizeof(int32_t) * (size_t)epx_placement_device_words(t));
+  epx_placement_pack_device(t, block);
+  for (int64_t i = 0; i < s->T[rank]; i++)
+    epx_placement_rank_token(block, E, t->num_physical, t->rule == EPX_REPLICA_CALLER, rank, i, K,
+                             s->idx[rank] + i * K, ranked + i * K, logical);
+  failures += order_run(comm, a, rank, E, &pl, s->idx[rank], NULL, &x);
+  failures += order_run(comm, a, rank, t->num_physical, NULL, ranked,
+                        block + epx_placement_table_words(t) - t->num_physical, &y);
+  const int32_t slots = a->layout == EPX_LAYOUT_RANK_MAJOR ? K : 1, El = t->per_rank;
+  RANK_EXPECT(x.N == y.N, "N %lld, in rank order %lld", (long long)x.N, (long long)y.N);
+  if (x.N == y.N && x.recv && y.recv) {
+    const size_t N = (size_t)x.N;
+    RANK_EXPECT(!memcmp(x.recv, y.recv, sizeof(float) * N * H), "recv rows differ in rank order");
+    RANK_EXPECT(!memcmp(x.expert, y.expert, sizeof(int32_t) * N * (size_t)slots), "recv ids differ in rank order");
+    RANK_EXPECT(!memcmp(x.src, y.src, sizeof(int32_t) * N) && !memcmp(x.tok, y.tok, sizeof(int32_t) * N),
+                "recv sources differ in rank order");
+    RANK_EXPECT(!memcmp(x.counts, y.counts, sizeof(int64_t) * (size_t)El) &&
+                    !memcmp(x.offsets, y.offsets, sizeof(int64_t) * (size_t)(El + 1)),
+                "expert counts differ in rank order");
+    RANK_EXPECT(!memcmp(x.out, y.out, sizeof(float) * (size_t)s->T[rank] * H), "combine differs in rank order");
+  }
+done:
+  for (order_run_t *o = &x; o; o = o == &x ? &y : NULL)
+    tu_free(o->recv), tu_free(o->out), tu_free(o->expert), tu_free(o->src), tu_free(o->tok);
+  tu_free(block);
+  epx_placement_table_free(t);
+  return failures;
+}
+
+static void test_rank_order(void **state) {
+  (void)state;
+  static const epx_exchange_t exchanges[] = {EPX_EXCHANGE_DEDUP, EPX_EXCHANGE_COLLECTIVE, EPX_EXCHANGE_HIERARCHICAL};
+  scene_t *s = calloc(1, sizeof *s);
+  s->W = 4;
+  make_routing(s, 91);
+  for (int kind = 0; kind < 2; kind++) {
+    if (kind == 0) plan_replicated(s);
+    else plan_permuted(s);
+    for (int x = 0; x < 3; x++)
+      for (int l = 0; l < 2; l++) {
+        s->exchange = exchanges[x];
+        order_arg_t a = {s, l ? EPX_LAYOUT_RANK_MAJOR : EPX_LAYOUT_EXPERT_MAJOR};
+        int failed = run_ranks(s->W, 2, rank_order_rank, &a);
+        if (failed) fprintf(stderr, "rank order: placement %d, exchange %d, layout %d: %d rank(s) failed\n", kind, x, l,
+                            failed);
+        assert_int_equal(failed, 0);
+      }
+  }
+  free(s);
+}
+
 static void test_device_block(void **state) {
   (void)state;
   scene_t *s = calloc(1, sizeof *s);
@@ -798,6 +913,7 @@ int main(void) {
       cmocka_unit_test(test_grad_sum_and_move),
       cmocka_unit_test(test_planner),
       cmocka_unit_test(test_device_block),
+      cmocka_unit_test(test_rank_order),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

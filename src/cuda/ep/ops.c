@@ -67,6 +67,10 @@ static epx_status_t ep_weights_backward(epx_buffer_t buffer, epx_handle_t handle
   return local != EPX_SUCCESS ? local : epx_cuda_ep_weights_backward(buffer, handle, grad_recv_w, grad_w);
 }
 
+static epx_status_t ep_expert_load(epx_buffer_t buffer, int64_t *load, int32_t reset) {
+  return epx_cuda_place_expert_load(buffer, load, reset, ep_wait);
+}
+
 static void ep_buffer_fini(epx_buffer_t buffer) {
   epx_cuda_ep_buffer_fini(buffer);
   epx_cuda_place_fini(buffer);
@@ -116,7 +120,7 @@ const epx_backend_t epx_cuda_ep_backend = {
     .recv_routing = ep_recv_routing,
     .recv_source = epx_cuda_ep_recv_source,
     .stats = epx_cuda_ep_stats,
-    .expert_load = epx_cuda_place_expert_load,
+    .expert_load = ep_expert_load,
     .handle_bytes = epx_cuda_ep_handle_bytes,
     .peer_paths = epx_cuda_ep_peer_paths,
     .traffic = epx_cuda_ep_traffic,

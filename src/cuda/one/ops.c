@@ -77,6 +77,10 @@ static int64_t one_handle_bytes(epx_handle_t handle) {
   return 0;
 }
 
+static epx_status_t one_expert_load(epx_buffer_t buffer, int64_t *load, int32_t reset) {
+  return epx_cuda_place_expert_load(buffer, load, reset, one_wait);
+}
+
 static void one_buffer_fini(epx_buffer_t buffer) {
   epx_cuda_buffer_fini(buffer);
   epx_cuda_place_fini(buffer);
@@ -106,7 +110,7 @@ const epx_backend_t epx_cuda_one_backend = {
     .recv_routing = epx_cuda_handle_recv_routing,
     .recv_source = epx_cuda_handle_recv_source,
     .stats = one_stats,
-    .expert_load = epx_cuda_place_expert_load,
+    .expert_load = one_expert_load,
     .handle_bytes = one_handle_bytes,
     .peer_paths = NULL, /* the API's default: the host path */
 };

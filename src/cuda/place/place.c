@@ -1,5 +1,6 @@
 /* A CUDA buffer's placement, host side (place.h). */
 #include <stdlib.h>
+#include <string.h>
 
 #include <cuda_runtime_api.h>
 
@@ -30,10 +31,11 @@ epx_status_t epx_cuda_place_init(epx_buffer_t b) {
   CUDA_CHECK(cudaMalloc((void **)&s->table, sizeof(int32_t) * (size_t)words), fn, "cudaMalloc of the placement");
   CUDA_CHECK(cudaMalloc((void **)&s->load, sizeof *s->load * (size_t)t->num_logical), fn,
              "cudaMalloc of the load counts");
+  CUDA_CHECK(cudaMallocHost((void **)&s->load_host, sizeof(int64_t) * (size_t)t->num_logical), fn, "cudaMallocHost");
   CUDA_CHECK(cudaMemcpyAsync(s->table, host, sizeof(int32_t) * (size_t)words, cudaMemcpyHostToDevice, stream), fn,
              "cudaMemcpyAsync of the placement");
   CUDA_CHECK(cudaMemsetAsync(s->load, 0, sizeof *s->load * (size_t)t->num_logical, stream), fn, "cudaMemsetAsync");
-  CUDA_CHECK(cudaStreamSynchronize(stream), fn, "cudaStreamSynchronize (the placement's upload)");
+  /* a copy from pageable memory has read `host` when it returns */
 fail:
   free(host);
   if (status != EPX_SUCCESS) epx_cuda_place_fini(b);
@@ -48,6 +50,7 @@ void epx_cuda_place_fini(epx_buffer_t b) {
   if (s->table) cudaFreeAsync(s->table, stream);
   if (s->load) cudaFreeAsync(s->load, stream);
   if (s->ranked) cudaFreeAsync(s->ranked, stream);
+  if (s->load_host) cudaFreeHost(s->load_host);
   free(s);
   b->place_state = NULL;
 }
@@ -116,17 +119,19 @@ fail:
   return status;
 }
 
-epx_status_t epx_cuda_place_expert_load(epx_buffer_t b, int64_t *load, int32_t reset) {
+epx_status_t epx_cuda_place_expert_load(epx_buffer_t b, int64_t *load, int32_t reset,
+                                        epx_cuda_place_wait_fn wait) {
   const char *fn = "epx_buffer_expert_load";
   epx_status_t status = EPX_SUCCESS;
   const epx_cuda_place_t *s = b->place_state;
   const size_t bytes = sizeof *s->load * (size_t)b->placement->num_logical;
   cudaStream_t stream = stream_of(b);
   /* unsigned long long and int64_t have one size; counts stay below 2^63 */
-  CUDA_CHECK(cudaMemcpyAsync(load, s->load, bytes, cudaMemcpyDeviceToHost, stream), fn,
+  CUDA_CHECK(cudaMemcpyAsync(s->load_host, s->load, bytes, cudaMemcpyDeviceToHost, stream), fn,
              "cudaMemcpyAsync of the load counts");
   if (reset) CUDA_CHECK(cudaMemsetAsync(s->load, 0, bytes, stream), fn, "cudaMemsetAsync of the load counts");
-  CUDA_CHECK(cudaStreamSynchronize(stream), fn, "cudaStreamSynchronize");
+  EPX_CHECK(wait(b, fn));
+  memcpy(load, s->load_host, bytes);
 fail:
   return status;
 }

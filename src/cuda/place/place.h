@@ -28,6 +28,7 @@ extern "C" {
 typedef struct epx_cuda_place {
   int32_t *table;              /* device [epx_placement_device_words] (core/placement.h) */
   unsigned long long *load;    /* device [E] routes per logical expert since the last reset */
+  int64_t *load_host;          /* pinned [E]: the read-back, so that the wait for it is the bounded one */
   int32_t *ranked;             /* device [ranked_routes] the last layout's rank-ordered routing */
   int64_t ranked_routes;
   int32_t identity;            /* the contiguous map: routing ids are already in rank order */
@@ -35,7 +36,7 @@ typedef struct epx_cuda_place {
 } epx_cuda_place_t;
 
 /* At epx_buffer_create, after the table's buffer_init: uploads the table and
- * zeroes the counts (on the buffer's stream, waited for). */
+ * zeroes the counts (enqueued on the buffer's stream). */
 epx_status_t epx_cuda_place_init(epx_buffer_t buffer);
 void epx_cuda_place_fini(epx_buffer_t buffer);
 
@@ -55,8 +56,11 @@ int32_t epx_cuda_place_routing_ids(epx_buffer_t buffer);
 epx_status_t epx_cuda_place_recv_expert(epx_handle_t handle, int32_t *recv_expert, int32_t words);
 
 /* epx_buffer_expert_load of a CUDA buffer: the device counts, read back
- * after the stream's work (a host wait), zeroed with reset. */
-epx_status_t epx_cuda_place_expert_load(epx_buffer_t buffer, int64_t *load, int32_t reset);
+ * after the stream's work (`wait`: the table's bounded host wait on the
+ * buffer's stream, cuda/backend.h), zeroed with reset. */
+typedef epx_status_t (*epx_cuda_place_wait_fn)(epx_buffer_t buffer, const char *fn);
+epx_status_t epx_cuda_place_expert_load(epx_buffer_t buffer, int64_t *load, int32_t reset,
+                                        epx_cuda_place_wait_fn wait);
 
 /* Launchers (place.cu). */
 int epx_cuda_place_rank_launch(const int32_t *table, int32_t E, int32_t P, int32_t caller, int32_t src_rank,
