@@ -88,7 +88,7 @@ epx_status_t epx_cuda_place_routing(epx_buffer_t b, const epx_routing_t *r, epx_
   const epx_placement_table_t *t = b->placement;
   const int64_t routes = r->num_tokens * r->top_k;
   *ranked = *r;
-  if (routes <= 0) return EPX_SUCCESS;
+  if (routes <= 0 || !s) return EPX_SUCCESS; /* !s: a low-latency buffer, the contiguous map */
   if (!s->identity) {
     EPX_CHECK(ranked_scratch(b, s, routes, fn));
     ranked->topk_idx = s->ranked;
@@ -107,7 +107,7 @@ epx_status_t epx_cuda_place_recv_expert(epx_handle_t handle, int32_t *recv_exper
   epx_status_t status = EPX_SUCCESS;
   epx_buffer_t b = handle->buffer;
   const epx_cuda_place_t *s = b->place_state;
-  if (!recv_expert || s->identity_out) return EPX_SUCCESS;
+  if (!recv_expert || !s || s->identity_out) return EPX_SUCCESS;
   const int64_t *rows = NULL;
   EPX_CHECK(b->backend->recv_rows_device(handle, &rows));
   const epx_placement_table_t *t = b->placement;
@@ -124,6 +124,10 @@ epx_status_t epx_cuda_place_expert_load(epx_buffer_t b, int64_t *load, int32_t r
   const char *fn = "epx_buffer_expert_load";
   epx_status_t status = EPX_SUCCESS;
   const epx_cuda_place_t *s = b->place_state;
+  if (!s)
+    return epx_error(EPX_ERROR_UNSUPPORTED,
+                     "%s: this low-latency CUDA buffer does not count its routes in this version; count them from "
+                     "the routing, or use a buffer without config.low_latency", fn);
   const size_t bytes = sizeof *s->load * (size_t)b->placement->num_logical;
   cudaStream_t stream = stream_of(b);
   /* unsigned long long and int64_t have one size; counts stay below 2^63 */

@@ -10,8 +10,10 @@
  * entries of one/ and ep/ pass them the routing of epx_cuda_place_routing,
  * whose kernel picks each route's replica (the CPU backend's rule, the
  * same code) and counts the load; the contiguous map's routing is its own
- * rank order, so there the kernel only counts. The low-latency tables take
- * the contiguous map only (cuda/backend.c, supports) and keep no counts. */
+ * rank order, so there the kernel only counts. Low-latency buffers (ll/ll.c
+ * on one rank, ep/'s low-latency path on W) take the contiguous map only
+ * (cuda/backend.c, supports) and have no place_state: the calls below pass
+ * their routing and ids through and refuse their load counts by name. */
 #ifndef EPX_CUDA_PLACE_PLACE_H
 #define EPX_CUDA_PLACE_PLACE_H
 
