@@ -306,6 +306,11 @@ if [ $BUILD_OK = 1 ] && cmake --build "$BUILD" -j"$JOBS" --target $RANK_TESTS >>
     done
     echo "$t: $(($(date +%s) - start)) s for W = 2, 4, 8 (exit $rc)" >>"$OUTDIR/ranks_times.log"
   done
+  # issue 37: the placement cases (replicas, the caller's ids, experts moved)
+  # ran and matched the CPU backend at every W (its summary line counts them)
+  placed=$(grep -cE "\([1-9][0-9]* with a placement\).*failures: OK$" "$OUTDIR/ranks_gpu_exchange.log" 2>/dev/null)
+  if [ "${placed:-0}" -ge 3 ]; then verdict "placement cases of ranks_gpu_exchange W=2,4,8 (issue 37)" PASS
+  else verdict "placement cases of ranks_gpu_exchange W=2,4,8 (issue 37)" "FAIL or NOT RUN (${placed:-0} of 3 W OK)"; fi
   SAN=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)
   for tool in memcheck racecheck; do
     for t in $RANK_TESTS; do

@@ -1197,13 +1197,21 @@ epx_status_t epx_handle_release(epx_handle_t handle);
  * may differ from the contiguous map's in the last place (not between
  * exchanges).
  *
- * CUDA buffers in this version take the contiguous map only (NULL, or a
- * placement equal to it: P = E, identity maps, the round-robin rule): any
- * other placement is EPX_ERROR_UNSUPPORTED at epx_buffer_create naming
- * config.placement, never a wrong result. The table the CPU backend uses
- * (src/core/placement.h: physical -> rank and slot, logical -> replicas)
- * is one small int32 block meant to be uploaded as it is when the CUDA
- * kernels adopt the rule. */
+ * CUDA buffers take a placement too, on one GPU and on W ranks (every
+ * exchange and path of the normal mode): the table (src/core/placement.h)
+ * is uploaded once at epx_buffer_create; at each epx_dispatch_layout one
+ * small kernel picks every route's physical expert by the same rule, with
+ * the same code as the CPU backend, so a CUDA buffer's counts, layouts,
+ * recv rows, recv routing (physical ids), combine output and load counts
+ * are the CPU backend's bits on the same inputs. With the contiguous map
+ * that kernel only counts the load. A low-latency CUDA buffer
+ * (config.low_latency) takes the contiguous map only: any other placement
+ * is EPX_ERROR_UNSUPPORTED at epx_buffer_create naming config.placement and
+ * config.low_latency, never a wrong result. Not yet run on a GPU in this
+ * version (README, "Elastic expert parallelism"). On CUDA buffers a
+ * capacity layout's locations are checked unique per physical expert (on
+ * CPU buffers per routing id), so two routes to one logical expert's two
+ * replicas with one location are refused on the CPU only. */
 typedef enum epx_replica_rule {
   EPX_REPLICA_ROUND_ROBIN = 0,
   EPX_REPLICA_CALLER = 1
@@ -1221,8 +1229,10 @@ typedef struct epx_placement {
  * creation or the last reset (reset != 0 zeroes the counts after reading);
  * replayed layouts (a recorder) are not counted again. Rank-local: sum them
  * over the ranks (epx_comm_allgather) to get the load epx_placement_plan
- * takes. CPU buffers; a CUDA buffer is EPX_ERROR_UNSUPPORTED in this
- * version (its counts will be kept on the device). */
+ * takes. A CUDA buffer keeps its counts on the device (counted when each
+ * layout is enqueued, a refused layout's valid routes included) and this
+ * call copies them back after the buffer's stream's work (a host wait); a
+ * low-latency CUDA buffer is EPX_ERROR_UNSUPPORTED in this version. */
 epx_status_t epx_buffer_expert_load(epx_buffer_t buffer, int64_t *load, int32_t reset);
 
 /* The planner (not collective, deterministic: the same inputs give the same

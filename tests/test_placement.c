@@ -635,6 +635,217 @@ static void test_grad_sum_and_move(void **state) {
 }
 
 /* ------------------------------------------------------------------------ */
+/* The device's copy (core/placement.h: what a CUDA buffer uploads)          */
+/* ------------------------------------------------------------------------ */
+
+/* One placement's device block and rank-ordered routing against the
+ * table: the block is the table then pos_of; rank_experts[rank order] is
+ * the physical expert epx_placement_map_routing picks; logical[] counts
+ * the routes CPU load counting counts; bad routes read as the layout
+ * kernels refuse them. */
+static void check_device_block(const scene_t *s, int32_t W) {
+  epx_placement_t pl = placement_of(s);
+  epx_placement_table_t *t = NULL;
+  assert_int_equal(epx_placement_table_new("test", "placement", s->null_placement ? NULL : &pl, E, W, &t),
+                   EPX_SUCCESS);
+  const int64_t words = epx_placement_device_words(t);
+  assert_int_equal(words, 6 * (int64_t)t->num_physical + E + 1);
+  int32_t *block = malloc(sizeof(int32_t) * (size_t)words);
+  epx_placement_pack_device(t, block);
+  assert_memory_equal(block, t->data, sizeof(int32_t) * (size_t)epx_placement_table_words(t));
+  const int32_t *pos_of = block + epx_placement_table_words(t), *rank_experts = pos_of - t->num_physical;
+  for (int32_t p = 0; p < t->num_physical; p++) {
+    assert_int_equal(pos_of[p] / t->per_rank, t->rank_of[p]);
+    assert_int_equal(pos_of[p] % t->per_rank, t->slot_of[p]);
+    assert_int_equal(rank_experts[pos_of[p]], p);
+    if (t->contiguous) assert_int_equal(pos_of[p], p);
+  }
+  assert_int_equal(epx_placement_is_contiguous(s->null_placement ? NULL : &pl, E), t->contiguous);
+  const int caller = t->rule == EPX_REPLICA_CALLER;
+  for (int32_t r = 0; r < s->W; r++) {
+    int32_t phys[T_MAX * K], out[K], logical[K];
+    epx_placement_map_routing(t, r, s->T[r], K, s->idx[r], phys);
+    for (int64_t i = 0; i < s->T[r]; i++) {
+      epx_placement_rank_token(block, E, t->num_physical, caller, r, i, K, s->idx[r] + i * K, out, logical);
+      for (int32_t k = 0; k < K; k++) {
+        int32_t e = s->idx[r][i * K + k];
+        assert_int_equal(out[k] < 0 ? out[k] : rank_experts[out[k]], phys[i * K + k]);
+        assert_int_equal(logical[k], e < 0 ? -1 : epx_placement_routing_logical(t, e));
+      }
+    }
+  }
+  /* refusals: out of range reads -2; a second route to a logical expert
+   * repeats the first route's id */
+  int32_t bad[K] = {-1, epx_placement_routing_ids(t), -7, 0}, out[K], logical[K];
+  epx_placement_rank_token(block, E, t->num_physical, caller, 1, 5, K, bad, out, logical);
+  assert_int_equal(out[0], -1);
+  assert_int_equal(out[1], -2);
+  assert_int_equal(out[2], -2);
+  assert_true(out[3] >= 0);
+  assert_int_equal(logical[1], -1);
+  int32_t twice[K] = {3, -1, 3, -1};
+  if (caller) /* another replica of the logical expert of physical 3, if any */
+    for (int32_t p = 0; p < t->num_physical; p++)
+      if (p != 3 && t->logical_of[p] == t->logical_of[3]) twice[2] = p;
+  epx_placement_rank_token(block, E, t->num_physical, caller, 0, 2, K, twice, out, logical);
+  assert_int_equal(out[2], out[0]);
+  assert_int_equal(logical[2], -1);
+  free(block);
+  epx_placement_table_free(t);
+}
+
+/* What a CUDA buffer relies on (src/cuda/place): a buffer of the contiguous
+ * map over P experts, fed the rank-ordered routing (epx_placement_rank_token),
+ * moves the same rows to the same places as a buffer of the placement fed the
+ * caller's routing — counts, offsets, sources, rows and combine's bits — and
+ * its ids are the placement's physical ones through rank_experts. */
+typedef struct {
+  scene_t *s;
+  epx_layout_t layout;
+} order_arg_t;
+
+typedef struct {
+  int64_t N;
+  float *recv, *out;
+  int32_t *expert, *src, *tok;
+  int64_t counts[64], offsets[65];
+} order_run_t;
+
+static int order_run(epx_comm_t comm, const order_arg_t *a, int32_t rank, int32_t num_experts,
+                     const epx_placement_t *pl, const int32_t *idx, const int32_t *rank_experts, order_run_t *o) {
+  int failures = 0;
+  const scene_t *s = a->s;
+  const int32_t slots = a->layout == EPX_LAYOUT_RANK_MAJOR ? K : 1;
+  epx_buffer_config_t c = tu_config(EPX_DEVICE_CPU, EPX_FLOAT32, H, num_experts, K, T_MAX);
+  c.exchange = s->exchange, c.layout = a->layout, c.placement = pl;
+  c.expert_alignment = a->layout == EPX_LAYOUT_EXPERT_MAJOR ? 4 : 1;
+  epx_buffer_t b = NULL;
+  epx_handle_t h = NULL;
+  RANK_REQUIRE_OK(epx_buffer_create(comm, &c, &b));
+  epx_routing_t routing = {s->T[rank], K, idx, a->layout == EPX_LAYOUT_RANK_MAJOR ? NULL : s->w[rank], NULL,
+                           a->layout == EPX_LAYOUT_RANK_MAJOR ? EPX_WEIGHTS_NONE : EPX_WEIGHTS_IN_COMBINE};
+  RANK_REQUIRE_OK(epx_dispatch_layout(b, &routing, NULL, &h));
+  RANK_REQUIRE_OK(epx_handle_recv_rows(h, &o->N));
+  const int64_t N = o->N;
+  o->recv = tu_alloc(sizeof(float) * (size_t)(N + 1) * H), o->out = tu_alloc(sizeof(float) * T_MAX * H);
+  o->expert = tu_alloc(sizeof(int32_t) * (size_t)(N + 1) * K);
+  o->src = tu_alloc(sizeof(int32_t) * (size_t)(N + 1)), o->tok = tu_alloc(sizeof(int32_t) * (size_t)(N + 1));
+  float *eo = tu_alloc(sizeof(float) * (size_t)(N + 1) * H);
+  RANK_REQUIRE_OK(epx_dispatch(b, h, s->x[rank], o->recv, N));
+  RANK_REQUIRE_OK(epx_handle_recv_routing(h, o->expert, NULL));
+  RANK_REQUIRE_OK(epx_handle_recv_source(h, o->src, o->tok));
+  RANK_REQUIRE_OK(epx_handle_expert_counts(h, o->counts, o->offsets));
+  if (rank_experts)
+    for (int64_t i = 0; i < N * slots; i++) o->expert[i] = o->expert[i] < 0 ? -1 : rank_experts[o->expert[i]];
+  /* an expert's output: its row times (1 + its physical id mod 5) */
+  for (int64_t i = 0; i < N; i++)
+    for (int32_t j = 0; j < H; j++)
+      eo[i * H + j] = o->recv[i * H + j] * (float)(1 + (o->expert[i * slots] < 0 ? 0 : o->expert[i * slots] % 5));
+  RANK_REQUIRE_OK(epx_combine(b, h, eo, o->out));
+  tu_free(eo);
+done:
+  if (h) epx_handle_release(h);
+  epx_buffer_destroy(b);
+  return failures;
+}
+
+static int rank_order_rank(epx_comm_t comm, int32_t rank, int32_t W, void *arg) {
+  const order_arg_t *a = arg;
+  const scene_t *s = a->s;
+  int failures = 0;
+  epx_placement_t pl = placement_of(s);
+  epx_placement_table_t *t = NULL;
+  int32_t *block = NULL, ranked[T_MAX * K], logical[K];
+  order_run_t x = {0}, y = {0};
+  RANK_REQUIRE_OK(epx_placement_table_new("test", "placement", &pl, E, W, &t));
+  block = tu_alloc(sizeof(int32_t) * (size_t)epx_placement_device_words(t));
+  epx_placement_pack_device(t, block);
+  for (int64_t i = 0; i < s->T[rank]; i++)
+    epx_placement_rank_token(block, E, t->num_physical, t->rule == EPX_REPLICA_CALLER, rank, i, K,
+                             s->idx[rank] + i * K, ranked + i * K, logical);
+  failures += order_run(comm, a, rank, E, &pl, s->idx[rank], NULL, &x);
+  failures += order_run(comm, a, rank, t->num_physical, NULL, ranked,
+                        block + epx_placement_table_words(t) - t->num_physical, &y);
+  const int32_t slots = a->layout == EPX_LAYOUT_RANK_MAJOR ? K : 1, El = t->per_rank;
+  RANK_EXPECT(x.N == y.N, "N %lld, in rank order %lld", (long long)x.N, (long long)y.N);
+  if (x.N == y.N && x.recv && y.recv) {
+    const size_t N = (size_t)x.N;
+    RANK_EXPECT(!memcmp(x.recv, y.recv, sizeof(float) * N * H), "recv rows differ in rank order");
+    RANK_EXPECT(!memcmp(x.expert, y.expert, sizeof(int32_t) * N * (size_t)slots), "recv ids differ in rank order");
+    RANK_EXPECT(!memcmp(x.src, y.src, sizeof(int32_t) * N) && !memcmp(x.tok, y.tok, sizeof(int32_t) * N),
+                "recv sources differ in rank order");
+    RANK_EXPECT(!memcmp(x.counts, y.counts, sizeof(int64_t) * (size_t)El) &&
+                    !memcmp(x.offsets, y.offsets, sizeof(int64_t) * (size_t)(El + 1)),
+                "expert counts differ in rank order");
+    RANK_EXPECT(!memcmp(x.out, y.out, sizeof(float) * (size_t)s->T[rank] * H), "combine differs in rank order");
+  }
+done:
+  for (order_run_t *o = &x; o; o = o == &x ? &y : NULL)
+    tu_free(o->recv), tu_free(o->out), tu_free(o->expert), tu_free(o->src), tu_free(o->tok);
+  tu_free(block);
+  epx_placement_table_free(t);
+  return failures;
+}
+
+static void test_rank_order(void **state) {
+  (void)state;
+  static const epx_exchange_t exchanges[] = {EPX_EXCHANGE_DEDUP, EPX_EXCHANGE_COLLECTIVE, EPX_EXCHANGE_HIERARCHICAL};
+  scene_t *s = calloc(1, sizeof *s);
+  s->W = 4;
+  make_routing(s, 91);
+  for (int kind = 0; kind < 2; kind++) {
+    if (kind == 0) plan_replicated(s);
+    else plan_permuted(s);
+    for (int x = 0; x < 3; x++)
+      for (int l = 0; l < 2; l++) {
+        s->exchange = exchanges[x];
+        order_arg_t a = {s, l ? EPX_LAYOUT_RANK_MAJOR : EPX_LAYOUT_EXPERT_MAJOR};
+        int failed = run_ranks(s->W, 2, rank_order_rank, &a);
+        if (failed) fprintf(stderr, "rank order: placement %d, exchange %d, layout %d: %d rank(s) failed\n", kind, x, l,
+                            failed);
+        assert_int_equal(failed, 0);
+      }
+  }
+  free(s);
+}
+
+static void test_device_block(void **state) {
+  (void)state;
+  scene_t *s = calloc(1, sizeof *s);
+  for (int32_t W = 1; W <= 4; W *= 2) {
+    s->W = W;
+    make_routing(s, 70 + (uint64_t)W);
+    s->null_placement = 1, s->P = E;
+    check_device_block(s, W);
+    plan_replicated(s);
+    check_device_block(s, W);
+    plan_permuted(s);
+    check_device_block(s, W);
+    /* the caller's ids: the replicated plan, each route to replica (t mod n) */
+    plan_replicated(s);
+    s->rule = EPX_REPLICA_CALLER;
+    epx_placement_t pl = placement_of(s);
+    epx_placement_table_t *t = NULL;
+    assert_int_equal(epx_placement_table_new("test", "placement", &pl, E, W, &t), EPX_SUCCESS);
+    for (int32_t r = 0; r < W; r++)
+      for (int64_t i = 0; i < s->T[r] * K; i++) {
+        int32_t e = s->idx[r][i], f = e < 0 ? 0 : t->replica_first[e], n = e < 0 ? 1 : t->replica_first[e + 1] - f;
+        if (e >= 0) s->idx[r][i] = t->replicas[f + (int32_t)((i / K) % n)];
+      }
+    epx_placement_table_free(t);
+    check_device_block(s, W);
+  }
+  /* the contiguous map given explicitly, by the view alone */
+  int32_t ident[E], ranks[E];
+  for (int32_t p = 0; p < E; p++) ident[p] = p, ranks[p] = p / (E / 4);
+  epx_placement_t given = {E, ident, ranks, EPX_REPLICA_ROUND_ROBIN};
+  assert_true(epx_placement_is_contiguous(&given, E));
+  ranks[0] = 1, ranks[E / 4] = 0;
+  assert_false(epx_placement_is_contiguous(&given, E));
+  free(s);
+}
+
+/* ------------------------------------------------------------------------ */
 /* The planner                                                               */
 /* ------------------------------------------------------------------------ */
 
@@ -701,6 +912,8 @@ int main(void) {
       cmocka_unit_test(test_refusals),
       cmocka_unit_test(test_grad_sum_and_move),
       cmocka_unit_test(test_planner),
+      cmocka_unit_test(test_device_block),
+      cmocka_unit_test(test_rank_order),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

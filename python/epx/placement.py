@@ -10,8 +10,9 @@ keeps the replicas of an expert equal in training.
 
 Routing stays in logical experts [0, E); a buffer moves rows to physical
 experts [0, P), P >= E, P / W on every rank. Every call here works on host
-memory (numpy arrays); CUDA buffers take the contiguous map only in this
-version.
+memory (numpy arrays). CUDA buffers take a placement too (their
+low-latency mode the contiguous map only); that side has not yet run on a
+GPU.
 """
 import ctypes
 

@@ -172,19 +172,25 @@ static epx_status_t resolve_exchange(epx_comm_t comm, epx_buffer_config_t *c) {
 }
 
 /* The placement's table (config.placement; NULL gives the contiguous map),
- * after which c->placement points at the table's own copy. A CUDA buffer
- * takes the contiguous map only until its kernels adopt the table. */
+ * after which c->placement points at the table's own copy. */
 static epx_status_t check_placement(epx_comm_t comm, epx_buffer_config_t *c, epx_placement_table_t **table) {
   const char *fn = "epx_buffer_create";
   epx_status_t status = epx_placement_table_new(fn, "config.placement", c->placement, c->num_experts, comm->size, table);
-  if (status != EPX_SUCCESS) return status;
-  if (c->placement) c->placement = &(*table)->view;
-  if (c->device == EPX_DEVICE_CUDA && !(*table)->contiguous)
-    return epx_error(EPX_ERROR_UNSUPPORTED,
-                     "%s: config.placement is not the contiguous map (replicas, a caller's replica rule or "
-                     "experts moved between ranks), which a CUDA buffer does not serve in this version; pass "
-                     "NULL or use a CPU buffer", fn);
-  return EPX_SUCCESS;
+  if (status == EPX_SUCCESS && c->placement) c->placement = &(*table)->view;
+  return status;
+}
+
+/* A placement other than the contiguous map where the backend serves it
+ * (supports; after the exchange is resolved, so that a refusal of the
+ * exchange names the exchange). */
+static epx_status_t check_placement_served(const epx_buffer_config_t *c, const epx_placement_table_t *table) {
+  const char *fn = "epx_buffer_create", *why = NULL;
+  const epx_backend_t *backend = epx_backend_for_device(c->device);
+  if (table->contiguous || !backend->supports || backend->supports(c, &why)) return EPX_SUCCESS;
+  return epx_error(EPX_ERROR_UNSUPPORTED,
+                   "%s: config.placement is not the contiguous map (replicas, a caller's replica rule or experts "
+                   "moved between ranks), which a %s buffer with %s does not serve in this version; pass NULL, "
+                   "or drop that setting", fn, backend->name, why ? why : "this config");
 }
 
 /* Reads the caller's config (perhaps from an older, smaller header) over the
@@ -217,6 +223,7 @@ static epx_status_t check_buffer_config(epx_comm_t comm, const epx_buffer_config
               "%s: config.exchange %d is not EPX_EXCHANGE_DEDUP, _COLLECTIVE, _HIERARCHICAL or _AUTO", fn,
               (int)c->exchange);
   status = resolve_exchange(comm, c);
+  if (status == EPX_SUCCESS) status = check_placement_served(c, *table);
   if (status != EPX_SUCCESS) return status;
   EPX_REQUIRE(c->layout == EPX_LAYOUT_EXPERT_MAJOR || c->layout == EPX_LAYOUT_RANK_MAJOR ||
                   c->layout == EPX_LAYOUT_CAPACITY,

@@ -21,14 +21,12 @@ epx_status_t epx_buffer_expert_load(epx_buffer_t buffer, int64_t *load, int32_t 
   epx_status_t status = epx_check_buffer(&buffer, fn);
   if (status != EPX_SUCCESS) return status;
   EPX_REQUIRE(load, "%s: load is NULL; pass an int64_t array of num_experts (%d)", fn, buffer->config.num_experts);
-  if (buffer->config.device != EPX_DEVICE_CPU)
+  if (!buffer->backend->expert_load)
     return epx_error(EPX_ERROR_UNSUPPORTED,
-                     "%s: the buffer is a %s buffer; its routes are counted on the device in a later version (CPU "
-                     "buffers count them now)", fn, buffer->backend->name);
-  size_t bytes = sizeof(int64_t) * (size_t)buffer->config.num_experts;
-  memcpy(load, buffer->expert_load, bytes);
-  if (reset) memset(buffer->expert_load, 0, bytes);
-  return EPX_SUCCESS;
+                     "%s: this %s buffer does not count its routes in this version (a low-latency CUDA buffer); "
+                     "count them from the routing, or use a buffer without config.low_latency", fn,
+                     buffer->backend->name);
+  return buffer->backend->expert_load(buffer, load, reset);
 }
 
 /* ------------------------------------------------------------------------ */

@@ -102,6 +102,10 @@ typedef struct epx_backend {
   /* Rows and bytes sent per link class (epx_handle_traffic); NULL where
    * this version does not count them. */
   epx_status_t (*traffic)(epx_handle_t handle, epx_handle_traffic_t *traffic);
+  /* epx_buffer_expert_load: the buffer's routes per logical expert
+   * [num_experts] into load (host memory), zeroed with reset; NULL where
+   * this table does not count them in this version. Rank-local. */
+  epx_status_t (*expert_load)(epx_buffer_t buffer, int64_t *load, int32_t reset);
   /* Host and device bytes the handle keeps alive (recorder statistics). */
   int64_t (*handle_bytes)(epx_handle_t handle);
   /* paths[W]: EPX_PATH_FUSED or EPX_PATH_HOST per peer (NULL: the host path

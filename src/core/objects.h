@@ -28,7 +28,9 @@ struct epx_buffer {
   int32_t rank;
   int32_t experts_per_rank;    /* E_local: the placement's physical experts per rank */
   struct epx_placement_table *placement; /* where each expert lives (core/placement.h; owned) */
-  int64_t *expert_load;        /* [E] routes per logical expert since the last reset (epx_buffer_expert_load) */
+  int64_t *expert_load;        /* [E] routes per logical expert since the last reset (epx_buffer_expert_load;
+                                * the CPU backend's: a CUDA buffer counts on the device, place_state) */
+  void *place_state;           /* the device's copy of the placement (src/cuda/place/place.h), NULL on the CPU */
   int64_t max_tokens;          /* agreed tokens per rank; 0 until agreed */
   int64_t live_handles;        /* handles not yet released (atomic) */
   union {

@@ -136,3 +136,22 @@ void epx_placement_map_routing(const epx_placement_table_t *t, int32_t src_rank,
       out[i * K + k] = e < 0 ? e : epx_placement_pick(t->replica_first, t->replicas, e, src_rank, i);
     }
 }
+
+int epx_placement_is_contiguous(const epx_placement_t *g, int32_t E) {
+  if (!g) return 1;
+  if (g->num_physical != E || E < 1 || g->replica_rule != EPX_REPLICA_ROUND_ROBIN || !g->physical_to_logical) return 0;
+  for (int32_t p = 0; p < E; p++)
+    if (g->physical_to_logical[p] != p) return 0;
+  if (!g->physical_rank) return 1;
+  int32_t W = g->physical_rank[E - 1] + 1;
+  if (W < 1 || E % W) return 0;
+  for (int32_t p = 0; p < E; p++)
+    if (g->physical_rank[p] != p / (E / W)) return 0;
+  return 1;
+}
+
+void epx_placement_pack_device(const epx_placement_table_t *t, int32_t *out) {
+  const int64_t words = epx_placement_table_words(t);
+  memcpy(out, t->data, sizeof(int32_t) * (size_t)words);
+  for (int32_t p = 0; p < t->num_physical; p++) out[words + p] = t->rank_of[p] * t->per_rank + t->slot_of[p];
+}

@@ -4,6 +4,7 @@
  * no round trip of their own. */
 #include <stdint.h>
 #include <stdio.h>
+#include <string.h>
 
 #include "core/transport.h"
 #include "core/backend.h"
@@ -34,6 +35,14 @@ static epx_status_t cpu_traffic(epx_handle_t handle, epx_handle_traffic_t *traff
   return EPX_SUCCESS;
 }
 
+/* The counts the layout keeps on the host (cpu/layout.c, count_load). */
+static epx_status_t cpu_expert_load(epx_buffer_t buffer, int64_t *load, int32_t reset) {
+  size_t bytes = sizeof(int64_t) * (size_t)buffer->config.num_experts;
+  memcpy(load, buffer->expert_load, bytes);
+  if (reset) memset(buffer->expert_load, 0, bytes);
+  return EPX_SUCCESS;
+}
+
 const epx_backend_t epx_cpu_backend = {
     .name = "cpu",
     .supports = NULL, /* every valid config */
@@ -57,6 +66,7 @@ const epx_backend_t epx_cpu_backend = {
     .weights_backward = epx_cpu_weights_backward,
     .recv_rows = cpu_recv_rows,
     .recv_rows_device = NULL,
+    .expert_load = cpu_expert_load,
     .expert_counts = epx_cpu_handle_expert_counts,
     .recv_routing = epx_cpu_handle_recv_routing,
     .recv_source = epx_cpu_handle_recv_source,

@@ -10,11 +10,13 @@
 
 #include "core/backend.h"
 #include "core/error.h"
+#include "core/placement.h"
 #include "cuda/backend.h"
 #include "cuda/common/check.h"
 #include "cuda/ep/ep.h"
 #include "cuda/launch.h"
 #include "cuda/ll/ll.h"
+#include "cuda/place/place.h"
 
 #if EPX_TEST_HOOKS
 static _Atomic int g_ep_at_one_rank;
@@ -26,11 +28,30 @@ static int ep_at_one_rank(void) { return g_ep_at_one_rank; }
 static int ep_at_one_rank(void) { return 0; }
 #endif
 
+/* Buffers of the normal mode (one/, ep/) also get the placement's device
+ * copy (place/place.h), freed by their table's buffer_fini; low-latency
+ * buffers (ll/ll.c, ep/'s low-latency path) keep the contiguous map and
+ * none. */
 static epx_status_t cuda_buffer_init(epx_buffer_t buffer) {
   const int ranks = buffer->world_size > 1 || ep_at_one_rank();
   if (ranks) buffer->backend = &epx_cuda_ep_backend;
   else buffer->backend = buffer->config.low_latency ? &epx_cuda_ll_backend : &epx_cuda_one_backend;
-  return buffer->backend->buffer_init(buffer);
+  epx_status_t status = buffer->backend->buffer_init(buffer);
+  if (status != EPX_SUCCESS || buffer->config.low_latency) return status;
+  status = epx_cuda_place_init(buffer);
+  if (status != EPX_SUCCESS) buffer->backend->buffer_fini(buffer);
+  return status;
+}
+
+/* What the CUDA paths do not serve in this version (core/backend.h,
+ * supports): the low-latency kernels (ll/) place experts by the contiguous
+ * map only; the rest is the W-rank paths' rules (ep/internal.h). */
+static int cuda_supports(const epx_buffer_config_t *c, const char **why) {
+  if (c->low_latency && !epx_placement_is_contiguous(c->placement, c->num_experts)) {
+    if (why) *why = "config.low_latency (the low-latency kernels take the contiguous map only)";
+    return 0;
+  }
+  return epx_cuda_ep_supports(c, why);
 }
 
 /* A buffer's calls go to the table cuda_buffer_init chose; this one only
@@ -39,7 +60,7 @@ static epx_status_t cuda_buffer_init(epx_buffer_t buffer) {
  * level, epx.h). */
 const epx_backend_t epx_cuda_backend = {
     .name = "cuda",
-    .supports = epx_cuda_ep_supports, /* the rules of the W-rank paths (ep/internal.h) */
+    .supports = cuda_supports, /* the placement's rule, then the W-rank paths' (ep/internal.h) */
     .hierarchical_auto = 0,
     .ll = &epx_cuda_ll_ops,
     .route = epx_cuda_route,

@@ -71,7 +71,66 @@ typedef struct {
   epx_weighting_t weighting;
   epx_combine_precision_t precision;
   int worst, skew, zero_rank, seed;
+  int place; /* config.placement: PLACE_NONE, or one of g_place (epx.h, "Expert placement and replicas") */
 } case_t;
+
+/* The placements of the placement cases, the same on every rank, made once
+ * (make_placements): E + 2W physical experts, logical p's (5p + 3) mod E for
+ * p < E and the four experts the skewed routing favours twice over
+ * (replicas), physical p on rank (p + p / W) mod W (no rank holds its
+ * contiguous block); the replica rule's round robin, or the caller's ids
+ * (make_routing picks replica (7t + k + rank) mod n). */
+enum { PLACE_NONE, PLACE_REPLICAS, PLACE_CALLER, PLACE_KINDS, P_MAX = 128 };
+typedef struct {
+  int32_t P, p2l[P_MAX], prank[P_MAX];
+  int32_t first[P_MAX + 1], replicas[P_MAX]; /* logical e's replicas, ascending */
+  epx_placement_t pl;
+} placement_case_t;
+static placement_case_t g_place[PLACE_KINDS];
+static pthread_mutex_t g_place_lock = PTHREAD_MUTEX_INITIALIZER;
+static int g_place_size; /* the comm size g_place was made for (ranks as threads: W = 2, 4, 8 in turn) */
+
+static void make_placements(void) {
+  pthread_mutex_lock(&g_place_lock);
+  if (g_place_size == g_size) {
+    pthread_mutex_unlock(&g_place_lock);
+    return;
+  }
+  for (int kind = PLACE_REPLICAS; kind < PLACE_KINDS; kind++) {
+    placement_case_t *q = &g_place[kind];
+    q->P = E + 2 * g_size;
+    for (int32_t p = 0; p < q->P; p++) {
+      q->p2l[p] = p < E ? (5 * p + 3) % E : (p - E) % 4;
+      q->prank[p] = (p + p / g_size) % g_size;
+    }
+    int32_t at = 0;
+    for (int32_t e = 0; e < E; e++) {
+      q->first[e] = at;
+      for (int32_t p = 0; p < q->P; p++)
+        if (q->p2l[p] == e) q->replicas[at++] = p;
+    }
+    q->first[E] = at;
+    q->pl = (epx_placement_t){q->P, q->p2l, q->prank,
+                              kind == PLACE_CALLER ? EPX_REPLICA_CALLER : EPX_REPLICA_ROUND_ROBIN};
+  }
+  g_place_size = g_size;
+  pthread_mutex_unlock(&g_place_lock);
+}
+
+/* Experts a rank holds in case c: P / W. */
+static int experts_local(const case_t *c) { return (c->place ? g_place[c->place].P : E) / g_size; }
+
+/* The physical expert of route (rank, t, k) to caller id e (>= 0) and its rank. */
+static int32_t physical_of(const case_t *c, int rank, int64_t t, int32_t e, int32_t *holder) {
+  const placement_case_t *q = &g_place[c->place];
+  int32_t p = e;
+  if (c->place == PLACE_REPLICAS) {
+    const int32_t n = q->first[e + 1] - q->first[e];
+    p = q->replicas[q->first[e] + (int32_t)(((uint64_t)t + (uint64_t)rank) % (uint64_t)n)];
+  }
+  *holder = c->place ? q->prank[p] : p / experts_local(c);
+  return p;
+}
 
 /* ------------------------------------------------------------------------ */
 /* Coded data                                                                */
@@ -126,6 +185,13 @@ static void make_routing(const case_t *c, int rank, routing_t *r) {
       }
     }
   }
+  if (c->place != PLACE_CALLER) return;
+  const placement_case_t *q = &g_place[PLACE_CALLER];
+  for (int64_t t = 0; t < r->T; t++)
+    for (int k = 0; k < K; k++) {
+      const int32_t e = r->idx[t * K + k], n = e < 0 ? 1 : q->first[e + 1] - q->first[e];
+      if (e >= 0) r->idx[t * K + k] = q->replicas[q->first[e] + (int32_t)((7 * t + k + rank) % n)];
+    }
 }
 
 static void *dev_put(const void *host, size_t bytes) {
@@ -162,6 +228,7 @@ typedef struct {
   epx_handle_stats_t stats;
   epx_handle_traffic_t traffic; /* rows and bytes by link class (epx_handle_traffic) */
   int64_t rows_device; /* epx_handle_recv_rows_device's N (CUDA; the CPU backend: N) */
+  int64_t load[64];    /* epx_buffer_expert_load after the layout: routes per logical expert */
   /* the buffer's path (epx_buffer_peer_paths): every peer's, -1 if they
    * differ; under g_relay EPX_PATH_FUSED means this rank's own rows fused
    * and every other peer on the host path, as it must be */
@@ -266,6 +333,7 @@ static epx_buffer_config_t config_of(const case_t *c, epx_exchange_t exchange, e
   cfg.stream = stream;
   cfg.combine_precision = c->precision;
   cfg.exchange_path = device == EPX_DEVICE_CUDA ? g_path : EPX_PATH_AUTO;
+  cfg.placement = c->place ? &g_place[c->place].pl : NULL;
   return cfg;
 }
 
@@ -305,7 +373,8 @@ static void run_rank(run_t *run) {
     FATAL_UNLESS_CUDA_OK(cudaMemcpy(&r->rows_device, d_rows, sizeof r->rows_device, cudaMemcpyDeviceToHost));
   }
   r->slots = rm ? K : 1;
-  const int El = E / g_size;
+  const int El = experts_local(c);
+  if (E <= 64) FATAL_UNLESS_OK(epx_buffer_expert_load(buf, r->load, 0));
 
   float *xv = calloc((size_t)(T * H + 1), 4);
   for (int64_t t = 0; t < T; t++)
@@ -442,7 +511,7 @@ static float round_to(epx_dtype_t dtype, float v) {
  * dtype first in payload-precision mode. backward: grad_recv_x's values,
  * dispatch_backward's partials float32 whatever the precision. */
 static void reference_sum(const case_t *c, const routing_t *rt, int weighted, int backward, float *out) {
-  const int El = E / g_size, rm = c->layout == EPX_LAYOUT_RANK_MAJOR;
+  const int rm = c->layout == EPX_LAYOUT_RANK_MAJOR;
   for (int64_t t = 0; t < rt->T; t++)
     for (int h = 0; h < H; h++) {
       float acc = 0.0f;
@@ -450,8 +519,9 @@ static void reference_sum(const case_t *c, const routing_t *rt, int weighted, in
         float p = 0.0f;
         int any = 0;
         for (int k = 0; k < K; k++) {
-          const int e = rt->idx[t * K + k];
-          if (e < 0 || e / El != r) continue;
+          int32_t holder = -1;
+          const int e = rt->idx[t * K + k] < 0 ? -1 : physical_of(c, g_rank, t, rt->idx[t * K + k], &holder);
+          if (e < 0 || holder != r) continue;
           if (rm) {
             if (!any) p = p + (backward ? gr_pair_val(r, g_rank, (int)t, h) : eo_pair_val(r, g_rank, (int)t, h));
           } else {
@@ -488,10 +558,12 @@ static const char *describe(const case_t *c, epx_exchange_t x) {
   const char *lay[] = {"expert-major", "rank-major", "capacity"}, *dt[] = {"f32", "bf16", "f16"},
              *wt[] = {"w-in-combine", "w-in-dispatch", "w-none"};
   const char *xs = x == EPX_EXCHANGE_DEDUP ? "dedup" : x == EPX_EXCHANGE_COLLECTIVE ? "collective" : "hierarchical";
-  snprintf(text, sizeof text, "%s %s %s %s %s%s%s%s seed %d", xs,
+  snprintf(text, sizeof text, "%s %s %s %s %s%s%s%s%s seed %d", xs,
            lay[c->layout], dt[c->dtype], wt[c->weighting],
            c->precision == EPX_COMBINE_PARTIALS_PAYLOAD ? "payload-partials" : "f32-partials",
-           c->worst ? " worst-case" : "", c->skew ? " skew" : "", c->zero_rank ? " zero-rank" : "", c->seed);
+           c->worst ? " worst-case" : "", c->skew ? " skew" : "", c->zero_rank ? " zero-rank" : "",
+           c->place == PLACE_REPLICAS ? " placement-replicas" : c->place == PLACE_CALLER ? " placement-caller-ids" : "",
+           c->seed);
   return text;
 }
 
@@ -510,9 +582,11 @@ static void compare(const case_t *c, epx_exchange_t x, const result_t *g, const 
   RANK_EXPECT(same_bytes(g->recv_expert, cpu->recv_expert, 4 * (size_t)(N * g->slots)) &&
                   same_bytes(g->recv_w, cpu->recv_w, 4 * (size_t)(N * g->slots)),
               "%s: recv_routing differs from the CPU backend", what);
-  RANK_EXPECT(same_bytes(g->counts, cpu->counts, 8 * (size_t)(E / g_size)) &&
-                  same_bytes(g->offsets, cpu->offsets, 8 * (size_t)(E / g_size + 1)),
+  RANK_EXPECT(same_bytes(g->counts, cpu->counts, 8 * (size_t)experts_local(c)) &&
+                  same_bytes(g->offsets, cpu->offsets, 8 * (size_t)(experts_local(c) + 1)),
               "%s: expert counts/offsets differ from the CPU backend", what);
+  RANK_EXPECT(E > 64 || same_bytes(g->load, cpu->load, 8 * (size_t)E),
+              "%s: epx_buffer_expert_load differs from the CPU backend", what);
   RANK_EXPECT(same_bytes(g->recv_x, cpu->recv_x, (size_t)(N * H) * es), "%s: recv_x differs from the CPU backend (element %d)",
               what, first_diff(c->dtype, g->recv_x, cpu->recv_x, N * H));
   RANK_EXPECT(same_bytes(g->grad_eo, cpu->grad_eo, (size_t)(N * H) * es),
@@ -578,7 +652,7 @@ static void compare_exchanges(const case_t *c, const result_t *d, const result_t
  * layout), the stats too. */
 static void compare_queries(const case_t *c, const result_t *a, const result_t *x, const char *pair) {
   const char *what = describe(c, EPX_EXCHANGE_DEDUP);
-  const int El = E / g_size;
+  const int El = experts_local(c);
   RANK_EXPECT(a->N == x->N && a->rows_device == x->rows_device, "%s: N %lld / %lld (device), %s %lld / %lld", what,
               (long long)a->N, (long long)a->rows_device, pair, (long long)x->N, (long long)x->rows_device);
   if (a->N != x->N) return;
@@ -775,7 +849,7 @@ typedef struct {
 } test_routing_t;
 
 static void test_routing(epx_layout_t layout, epx_weighting_t weighting, int skew, int seed, test_routing_t *t) {
-  const case_t c = {layout, EPX_BFLOAT16, weighting, 0, 0, skew, 0, seed};
+  const case_t c = {layout, EPX_BFLOAT16, weighting, 0, 0, skew, 0, seed, PLACE_NONE};
   make_routing(&c, g_rank, &t->rt);
   t->idx = dev_put(t->rt.idx, sizeof t->rt.idx);
   t->loc = dev_put(t->rt.loc, sizeof t->rt.loc);
@@ -1464,7 +1538,8 @@ static void test_dot_order(epx_comm_t comm, void *stream) {
   for (int li = 0; li < 2; li++)
     for (int wi = 0; wi < 2; wi++)
       for (int di = 0; di < (g_quick ? 2 : 3); di++) {
-        const case_t c = {layouts[li], dtypes[di], weightings[wi], EPX_COMBINE_PARTIALS_FLOAT32, 0, 0, 0, seed++};
+        const case_t c = {layouts[li], dtypes[di], weightings[wi], EPX_COMBINE_PARTIALS_FLOAT32, 0, 0, 0, seed++,
+                          PLACE_NONE};
         dot_case(comm, stream, &c, &reordered);
       }
   RANK_EXPECT(reordered > 0, "dot order: no dot of the test changes in float32 from sequential to pairwise order, so the "
@@ -1507,7 +1582,7 @@ static float fp8_x(int s, int t, int h) {
 static case_t fp8_routing_case(const fp8_case_t *f) {
   const epx_weighting_t wt = f->layout == EPX_LAYOUT_RANK_MAJOR ? EPX_WEIGHTS_NONE : EPX_WEIGHTS_IN_COMBINE;
   return (case_t){f->layout, EPX_BFLOAT16, wt, EPX_COMBINE_PARTIALS_FLOAT32, f->worst, f->seed % 3 == 0,
-                  g_size > 1 && f->seed % 4 == 1, f->seed};
+                  g_size > 1 && f->seed % 4 == 1, f->seed, PLACE_NONE};
 }
 
 /* What a run is, for the messages: case, exchange and the path asked for. */
@@ -1913,12 +1988,27 @@ int main(int argc, char **argv) {
             if ((layouts[li] == EPX_LAYOUT_RANK_MAJOR) != (wt == EPX_WEIGHTS_NONE)) continue;
             if (di > 0 && (pi || worst)) continue; /* f32, f16: the default precision, sizing */
             case_t c = {layouts[li], dtypes[di], wt, pi ? EPX_COMBINE_PARTIALS_PAYLOAD : EPX_COMBINE_PARTIALS_FLOAT32,
-                        worst, seed % 3 == 0, seed % 4 == 1, seed};
+                        worst, seed % 3 == 0, seed % 4 == 1, seed, PLACE_NONE};
             seed++;
             run_case(&c, comm, stream);
             cases++;
           }
   RANK_EXPECT(g_hier_cases > 0, "no case ran on the hierarchical exchange");
+  /* Placements (issue 37): replicas by the round-robin rule and the caller's
+   * physical ids, experts moved off their contiguous ranks, every layout and
+   * every path run_case runs; the load counts too (every case compares them). */
+  make_placements();
+  int place_cases = 0;
+  for (int kind = PLACE_REPLICAS; kind < PLACE_KINDS; kind++)
+    for (int li = 0; li < 3; li++)
+      for (int worst = 0; worst < 2; worst++) {
+        if (g_quick && (li > 0 || worst)) continue;
+        const epx_weighting_t wt = layouts[li] == EPX_LAYOUT_RANK_MAJOR ? EPX_WEIGHTS_NONE : EPX_WEIGHTS_IN_COMBINE;
+        case_t c = {layouts[li], EPX_BFLOAT16, wt, EPX_COMBINE_PARTIALS_FLOAT32, worst, seed % 2, 0, seed, kind};
+        seed++;
+        run_case(&c, comm, stream);
+        place_cases++;
+      }
   test_hier_refusals(comm, stream);
   /* The refusals, the recorder and the graph on both paths, and on the
    * fused path with every peer relayed (expert-major: AUTO would take the
@@ -1958,10 +2048,11 @@ int main(int argc, char **argv) {
   MPI_Allreduce(&g_fail, &failures, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
   FATAL_UNLESS_OK(epx_comm_destroy(comm));
   if (g_rank == 0)
-    printf("mpi_gpu_exchange: %d rank%s%s, %d cases x 2 exchanges (+ the host path of dedup), refusals, recorder, "
+    printf("mpi_gpu_exchange: %d rank%s%s, %d cases (%d with a placement) x 2 exchanges (+ the host path of dedup), "
+           "refusals, recorder, "
            "graph (fused path %s), %d fp8 cases x 3 runs (dedup on the host and fused paths, collective) x 2 "
            "dispatches + the dtype's calls: %d failures: %s\n", g_size,
-           one ? "" : "s", one ? " (W-rank backend)" : "", cases, g_expect_fused ? "required" : "where available", fp8,
+           one ? "" : "s", one ? " (W-rank backend)" : "", cases + place_cases, place_cases, g_expect_fused ? "required" : "where available", fp8,
            failures, failures ? "FAILED" : "OK");
   cudaStreamDestroy(stream);
   MPI_Finalize();

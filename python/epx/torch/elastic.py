@@ -19,8 +19,9 @@ A training step with replicas::
     et.move_experts(layer, new)         # collective; then rebuild the optimizer state
 
 Every call is collective over the layer's comm and works on CPU tensors (the
-C calls work on host memory); a layer on CUDA is refused by name until the
-CUDA side lands (a CUDA buffer takes the contiguous map only).
+C calls work on host memory); a layer on CUDA is refused by name (a CUDA
+buffer takes a placement, but these moves and sums of its weights are on
+host memory in this version).
 """
 import torch as _torch
 
@@ -32,8 +33,8 @@ from epx.errors import _invalid, _refuse
 def _host(fn, what, device):
     if _torch.device(device).type != "cpu":
         _refuse(Status.ERROR_UNSUPPORTED, "%s: %s is on %s; this version moves and sums expert "
-                "weights in host memory (CPU tensors) only: the CUDA side of elastic expert "
-                "parallelism has not landed (a CUDA buffer takes the contiguous map only)", fn,
+                "weights in host memory (CPU tensors) only: copy them to the host, or use CPU "
+                "tensors (a CUDA buffer takes a placement; the weights' move is host-side)", fn,
                 what, device)
 
 

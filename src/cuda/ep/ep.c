@@ -29,6 +29,7 @@
 #include "core/agree.h"
 #include "core/error.h"
 #include "core/ll.h"
+#include "core/placement.h"
 #include "core/route_spec.h"
 #include "core/transport.h"
 #include "cuda/backend.h"
@@ -271,7 +272,8 @@ static epx_status_t header_verdict(epx_buffer_t b, const ep_handle_t *h, const i
   for (int32_t p = 0; p < W; p++) {
     if (!hdr[p * EPX_CUDA_EP_HDR_INTS + EPX_CUDA_EP_HDR_INVALID]) continue;
     if (p == b->rank)
-      return epx_cuda_routing_error(fn, (uint64_t)summary[EPX_CUDA_EP_SUMMARY_ROWS(W) + 1], h->d.K, b->config.num_experts,
+      return epx_cuda_routing_error(fn, (uint64_t)summary[EPX_CUDA_EP_SUMMARY_ROWS(W) + 1], h->d.K,
+                                    epx_placement_routing_ids(b->placement),
                                     b->config.capacity, NULL, NULL, note);
     return epx_error(EPX_ERROR_PEER_FAILED, "%s: rank %d has an invalid route (its epx_last_error names it)%s", fn,
                      p, note);

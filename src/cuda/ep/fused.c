@@ -31,6 +31,7 @@
 #include <cuda_runtime_api.h>
 
 #include "core/error.h"
+#include "core/placement.h"
 #include "core/nccl.h"
 #include "core/payload.h"
 #include "core/transport.h"
@@ -96,7 +97,8 @@ static epx_status_t ensure_fused(epx_buffer_t b, const char *fn) {
    * always, combine's with EPX_COMBINE_PARTIALS_FLOAT32) in the window's
    * payload rows: they are float32 rows then */
   const int f32_rows = c->layout != EPX_LAYOUT_RANK_MAJOR;
-  const epx_fused_config_t fc = {c->dtype, c->hidden, c->num_experts, c->max_top_k, b->max_tokens,
+  /* the kernels' experts are the placement's physical ones, in rank order */
+  const epx_fused_config_t fc = {c->dtype, c->hidden, b->placement->num_physical, c->max_top_k, b->max_tokens,
                                  0.9 * b->comm->timeout_seconds, EP_FUSED_BULK_COPY, f32_rows};
   epx_fused_t *f = NULL;
   char reason[768] = "";

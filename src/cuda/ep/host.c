@@ -34,6 +34,7 @@
 #include <cuda_runtime_api.h>
 
 #include "core/error.h"
+#include "core/placement.h"
 #include "core/payload.h"
 #include "cuda/backend.h"
 #include "cuda/common/check.h"
@@ -65,7 +66,7 @@ static epx_status_t carve(epx_buffer_t b, ep_handle_t *h, const char *fn) {
   epx_status_t status = EPX_SUCCESS;
   const epx_cuda_ep_dims_t *d = &h->d;
   const int cap = b->config.layout == EPX_LAYOUT_CAPACITY, rank_major = b->config.layout == EPX_LAYOUT_RANK_MAJOR;
-  const int64_t T = d->T, K = d->K, Kb = d->Kb, W = d->W, G = W * d->Tm, E = b->config.num_experts,
+  const int64_t T = d->T, K = d->K, Kb = d->Kb, W = d->W, G = W * d->Tm, E = b->placement->num_physical,
                 El = d->El, C = b->config.capacity;
   const int64_t own_rows = cap ? E * C : T * min64(K, E);
   const int64_t nf = epx_cuda_ep_flag_count(d);
@@ -168,11 +169,11 @@ static epx_status_t enqueue_layout(epx_buffer_t b, const epx_routing_t *r, ep_ha
   const int cap = c->layout == EPX_LAYOUT_CAPACITY;
   if (!cap)
     CUDA_CHECK(epx_cuda_ep_stage_validate_launch(d, d->T > 0 ? r->topk_idx : NULL, d->T > 0 ? r->topk_w : NULL,
-                                                 c->num_experts, h->w, h->own.result, h->sidx, h->sw, h->shdr,
+                                                 b->placement->num_physical, h->w, h->own.result, h->sidx, h->sw, h->shdr,
                                                  stream),
                fn, "the routing stage kernel");
   else if (d->T > 0)
-    CUDA_CHECK(epx_cuda_layout_launch(r->topk_idx, r->locations, r->topk_w, h->w, d->T, d->K, c->num_experts,
+    CUDA_CHECK(epx_cuda_layout_launch(r->topk_idx, r->locations, r->topk_w, h->w, d->T, d->K, b->placement->num_physical,
                                       EPX_LAYOUT_CAPACITY, 1, c->capacity, &h->own, h->scratch, stream),
                fn, "the routing validation kernels");
   else

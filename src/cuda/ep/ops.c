@@ -8,6 +8,7 @@
 #include "core/nccl.h"
 #include "cuda/backend.h"
 #include "cuda/ep/ep.h"
+#include "cuda/place/place.h"
 #include "cuda/xport/xport.h"
 
 #if EPX_HAVE_NCCL
@@ -66,18 +67,46 @@ static epx_status_t ep_weights_backward(epx_buffer_t buffer, epx_handle_t handle
   return local != EPX_SUCCESS ? local : epx_cuda_ep_weights_backward(buffer, handle, grad_recv_w, grad_w);
 }
 
+static epx_status_t ep_expert_load(epx_buffer_t buffer, int64_t *load, int32_t reset) {
+  return epx_cuda_place_expert_load(buffer, load, reset, ep_wait);
+}
+
+static void ep_buffer_fini(epx_buffer_t buffer) {
+  epx_cuda_ep_buffer_fini(buffer);
+  epx_cuda_place_fini(buffer);
+}
+
+/* The layout takes the routing in rank order (place/place.h); a failure to
+ * make it is this rank's verdict, agreed like any other. */
+static epx_status_t ep_dispatch_layout(epx_buffer_t buffer, const epx_routing_t *routing, epx_status_t local,
+                                       epx_handle_t handle) {
+  epx_routing_t ranked;
+  if (local == EPX_SUCCESS && routing) {
+    local = epx_cuda_place_routing(buffer, routing, &ranked, "epx_dispatch_layout");
+    if (local == EPX_SUCCESS) routing = &ranked;
+  }
+  return epx_cuda_ep_dispatch_layout(buffer, routing, local, handle);
+}
+
+/* The paths hand back rank-ordered ids; the caller gets physical ones. */
+static epx_status_t ep_recv_routing(epx_handle_t handle, int32_t *recv_expert, float *recv_w) {
+  epx_status_t status = epx_cuda_ep_recv_routing(handle, recv_expert, recv_w);
+  const int32_t words = handle->buffer->config.layout == EPX_LAYOUT_RANK_MAJOR ? handle->top_k : 1;
+  return status != EPX_SUCCESS ? status : epx_cuda_place_recv_expert(handle, recv_expert, words);
+}
+
 const epx_backend_t epx_cuda_ep_backend = {
     .name = "cuda",
     .ll = &epx_cuda_ep_ll_ops,
     .route = epx_cuda_route,
     .route_backward = epx_cuda_route_backward,
     .buffer_init = epx_cuda_ep_buffer_init,
-    .buffer_fini = epx_cuda_ep_buffer_fini,
+    .buffer_fini = ep_buffer_fini,
     .set_stream = epx_cuda_set_stream,
     .validate_routing = NULL,
     .routing_hash = ep_routing_hash,
     .agree = epx_cuda_ep_agree,
-    .dispatch_layout = epx_cuda_ep_dispatch_layout,
+    .dispatch_layout = ep_dispatch_layout,
     .handle_fini = epx_cuda_ep_handle_fini,
     .dispatch = ep_dispatch,
     .dispatch_fp8 = ep_dispatch_fp8,
@@ -88,9 +117,10 @@ const epx_backend_t epx_cuda_ep_backend = {
     .recv_rows = epx_cuda_ep_recv_rows,
     .recv_rows_device = epx_cuda_ep_recv_rows_device,
     .expert_counts = epx_cuda_ep_expert_counts,
-    .recv_routing = epx_cuda_ep_recv_routing,
+    .recv_routing = ep_recv_routing,
     .recv_source = epx_cuda_ep_recv_source,
     .stats = epx_cuda_ep_stats,
+    .expert_load = ep_expert_load,
     .handle_bytes = epx_cuda_ep_handle_bytes,
     .peer_paths = epx_cuda_ep_peer_paths,
     .traffic = epx_cuda_ep_traffic,

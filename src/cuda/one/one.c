@@ -22,12 +22,14 @@
 
 #include "core/align.h"
 #include "core/error.h"
+#include "core/placement.h"
 #include "core/route_spec.h"
 #include "cuda/backend.h"
 #include "cuda/common/buffer.h"
 #include "cuda/common/check.h"
 #include "cuda/ep/ep.h"
 #include "cuda/launch.h"
+#include "cuda/place/place.h"
 
 /* buffer->backend_state */
 typedef struct cuda_buffer_state {
@@ -51,10 +53,10 @@ epx_status_t epx_cuda_buffer_init(epx_buffer_t buffer) {
   const char *fn = "epx_buffer_create";
   epx_status_t status = EPX_SUCCESS;
   const epx_buffer_config_t *c = &buffer->config;
-  if (c->num_experts > EPX_CUDA_MAX_EXPERTS)
+  if (buffer->placement->num_physical > EPX_CUDA_MAX_EXPERTS)
     return epx_error(EPX_ERROR_UNSUPPORTED,
-                     "%s: config.num_experts is %d; the CUDA backend takes at most %d experts",
-                     fn, c->num_experts, EPX_CUDA_MAX_EXPERTS);
+                     "%s: config.num_experts is %d (%d physical experts); the CUDA backend takes at most %d "
+                     "experts", fn, c->num_experts, buffer->placement->num_physical, EPX_CUDA_MAX_EXPERTS);
   if (c->max_top_k > EPX_CUDA_MAX_TOP_K)
     return epx_error(EPX_ERROR_UNSUPPORTED,
                      "%s: config.max_top_k is %d; the CUDA backend takes at most top-%d",
@@ -226,7 +228,10 @@ epx_status_t epx_cuda_dispatch_layout(epx_buffer_t buffer, const epx_routing_t *
   int capturing = 0;
   status = layout_scratch(bs, stream, T, E, &capturing, fn);
   if (status != EPX_SUCCESS) goto fail;
-  CUDA_CHECK(epx_cuda_layout_launch(routing->topk_idx, routing->locations, routing->topk_w, h->w, T, K, E,
+  /* the routing in physical ids (one rank: rank order is physical order) */
+  epx_routing_t ranked;
+  EPX_CHECK(epx_cuda_place_routing(buffer, routing, &ranked, fn));
+  CUDA_CHECK(epx_cuda_layout_launch(ranked.topk_idx, routing->locations, routing->topk_w, h->w, T, K, E,
                                     c->layout, c->expert_alignment, c->capacity, &h->layout, bs->scratch,
                                     stream),
              fn, "the layout kernels");
@@ -244,7 +249,8 @@ epx_status_t epx_cuda_dispatch_layout(epx_buffer_t buffer, const epx_routing_t *
                                cudaMemcpyDeviceToHost, stream), fn, "cudaMemcpyAsync of the row count");
     CUDA_CHECK(cudaStreamSynchronize(stream), fn, "cudaStreamSynchronize");
     if (bs->readback->error != EPX_CUDA_NO_ERROR) {
-      status = epx_cuda_routing_error(fn, bs->readback->error, K, E, c->capacity, routing->topk_idx,
+      status = epx_cuda_routing_error(fn, bs->readback->error, K, epx_cuda_place_routing_ids(buffer), c->capacity,
+                                      routing->topk_idx,
                              c->layout == EPX_LAYOUT_CAPACITY ? routing->locations : NULL, "");
       goto fail;
     }
@@ -355,7 +361,7 @@ epx_status_t epx_cuda_handle_recv_rows(epx_handle_t handle, int64_t *rows) {
                                cudaMemcpyDeviceToHost, stream), fn, "cudaMemcpyAsync of the row count");
     CUDA_CHECK(cudaStreamSynchronize(stream), fn, "cudaStreamSynchronize");
     if (bs->readback->error != EPX_CUDA_NO_ERROR)
-      return epx_cuda_routing_error(fn, bs->readback->error, handle->top_k, buffer->experts_per_rank,
+      return epx_cuda_routing_error(fn, bs->readback->error, handle->top_k, epx_cuda_place_routing_ids(buffer),
                            buffer->config.capacity, NULL, NULL,
                            " (with worst_case_sizing epx_dispatch_layout does not wait for the "
                            "verdict: the invalid route was dropped, treated as -1)");

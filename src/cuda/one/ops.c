@@ -6,6 +6,7 @@
 #include "core/backend.h"
 #include "cuda/backend.h"
 #include "cuda/common/check.h"
+#include "cuda/place/place.h"
 
 static epx_status_t one_wait(epx_buffer_t buffer, const char *fn) {
   epx_status_t status = EPX_SUCCESS;
@@ -76,12 +77,21 @@ static int64_t one_handle_bytes(epx_handle_t handle) {
   return 0;
 }
 
+static epx_status_t one_expert_load(epx_buffer_t buffer, int64_t *load, int32_t reset) {
+  return epx_cuda_place_expert_load(buffer, load, reset, one_wait);
+}
+
+static void one_buffer_fini(epx_buffer_t buffer) {
+  epx_cuda_buffer_fini(buffer);
+  epx_cuda_place_fini(buffer);
+}
+
 const epx_backend_t epx_cuda_one_backend = {
     .name = "cuda",
     .route = epx_cuda_route,
     .route_backward = epx_cuda_route_backward,
     .buffer_init = epx_cuda_buffer_init,
-    .buffer_fini = epx_cuda_buffer_fini,
+    .buffer_fini = one_buffer_fini,
     .set_stream = epx_cuda_set_stream,
     .validate_routing = NULL,
     .routing_hash = one_routing_hash,
@@ -100,6 +110,7 @@ const epx_backend_t epx_cuda_one_backend = {
     .recv_routing = epx_cuda_handle_recv_routing,
     .recv_source = epx_cuda_handle_recv_source,
     .stats = one_stats,
+    .expert_load = one_expert_load,
     .handle_bytes = one_handle_bytes,
     .peer_paths = NULL, /* the API's default: the host path */
 };
