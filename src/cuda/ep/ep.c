@@ -452,13 +452,11 @@ epx_status_t epx_cuda_ep_expert_counts(epx_handle_t handle, int64_t *counts, int
 }
 
 epx_status_t epx_cuda_ep_recv_routing(epx_handle_t handle, int32_t *recv_expert, float *recv_w) {
-  return epx_cuda_status(path_of(handle)->recv_routing(handle, recv_expert, recv_w), "epx_handle_recv_routing",
-                         "the recv routing kernel");
+  return path_of(handle)->recv_routing(handle, recv_expert, recv_w);
 }
 
 epx_status_t epx_cuda_ep_recv_source(epx_handle_t handle, int32_t *src_rank, int32_t *src_token) {
-  return epx_cuda_status(path_of(handle)->recv_source(handle, src_rank, src_token), "epx_handle_recv_source",
-                         "the recv source kernel");
+  return path_of(handle)->recv_source(handle, src_rank, src_token);
 }
 
 epx_status_t epx_cuda_ep_stats(epx_handle_t handle, epx_handle_stats_t *stats) {

@@ -472,16 +472,18 @@ static cudaError_t copy_row_tables(epx_handle_t handle, const void *src_a, void 
   return err;
 }
 
-static cudaError_t fused_recv_routing(epx_handle_t handle, int32_t *recv_expert, float *recv_w) {
+static epx_status_t fused_recv_routing(epx_handle_t handle, int32_t *recv_expert, float *recv_w) {
   const epx_fused_plan_view_t v = view_of(handle);
   /* rank-major rows hold top_k slots (the plan's K is the routing's) */
   const int32_t words = handle->buffer->config.layout == EPX_LAYOUT_RANK_MAJOR ? v.top_k : 1;
-  return copy_row_tables(handle, v.row_expert, recv_expert, v.row_w, recv_w, words);
+  return epx_cuda_status(copy_row_tables(handle, v.row_expert, recv_expert, v.row_w, recv_w, words),
+                         "epx_handle_recv_routing", "the recv routing kernel");
 }
 
-static cudaError_t fused_recv_source(epx_handle_t handle, int32_t *src_rank, int32_t *src_token) {
+static epx_status_t fused_recv_source(epx_handle_t handle, int32_t *src_rank, int32_t *src_token) {
   const epx_fused_plan_view_t v = view_of(handle);
-  return copy_row_tables(handle, v.row_src_rank, src_rank, v.row_src_token, src_token, 1);
+  return epx_cuda_status(copy_row_tables(handle, v.row_src_rank, src_rank, v.row_src_token, src_token, 1),
+                         "epx_handle_recv_source", "the recv source kernel");
 }
 
 /* Each peer's transport (chosen at the fused state's creation): a relayed

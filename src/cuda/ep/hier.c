@@ -539,11 +539,11 @@ static epx_status_t hier_expert_counts(epx_handle_t handle, int64_t *counts, int
   return epx_cuda_ep_host_path.expert_counts(handle, counts, offsets);
 }
 
-static cudaError_t hier_recv_routing(epx_handle_t handle, int32_t *recv_expert, float *recv_w) {
+static epx_status_t hier_recv_routing(epx_handle_t handle, int32_t *recv_expert, float *recv_w) {
   return epx_cuda_ep_host_path.recv_routing(handle, recv_expert, recv_w);
 }
 
-static cudaError_t hier_recv_source(epx_handle_t handle, int32_t *src_rank, int32_t *src_token) {
+static epx_status_t hier_recv_source(epx_handle_t handle, int32_t *src_rank, int32_t *src_token) {
   return epx_cuda_ep_host_path.recv_source(handle, src_rank, src_token);
 }
 

@@ -517,17 +517,21 @@ static epx_status_t host_expert_counts(epx_handle_t handle, int64_t *counts, int
                                      handle->buffer->config.stream);
 }
 
-static cudaError_t host_recv_routing(epx_handle_t handle, int32_t *recv_expert, float *recv_w) {
+static epx_status_t host_recv_routing(epx_handle_t handle, int32_t *recv_expert, float *recv_w) {
   const ep_handle_t *h = handle->backend_state;
-  return epx_cuda_recv_routing_ranks_launch(handle->buffer->config.layout, &h->recv, h->gw, handle->top_k, h->d.Kb,
-                                            h->d.rank * h->d.El, h->row_bound, recv_expert, recv_w,
-                                            stream_of(handle->buffer));
+  return epx_cuda_status(epx_cuda_recv_routing_ranks_launch(handle->buffer->config.layout, &h->recv, h->gw,
+                                                            handle->top_k, h->d.Kb, h->d.rank * h->d.El,
+                                                            h->row_bound, recv_expert, recv_w,
+                                                            stream_of(handle->buffer)),
+                         "epx_handle_recv_routing", "the recv routing kernel");
 }
 
-static cudaError_t host_recv_source(epx_handle_t handle, int32_t *src_rank, int32_t *src_token) {
+static epx_status_t host_recv_source(epx_handle_t handle, int32_t *src_rank, int32_t *src_token) {
   const ep_handle_t *h = handle->backend_state;
-  return epx_cuda_recv_source_ranks_launch(handle->buffer->config.layout, &h->recv, h->d.Kb, h->d.Tm, h->row_bound,
-                                           src_rank, src_token, stream_of(handle->buffer));
+  return epx_cuda_status(epx_cuda_recv_source_ranks_launch(handle->buffer->config.layout, &h->recv, h->d.Kb,
+                                                           h->d.Tm, h->row_bound, src_rank, src_token,
+                                                           stream_of(handle->buffer)),
+                         "epx_handle_recv_source", "the recv source kernel");
 }
 
 static void host_peer_paths(epx_buffer_t b, int32_t *paths) {

@@ -155,10 +155,9 @@ typedef struct ep_path {
   /* The handle's queries, as epx_cuda_ep_* (ep.h). */
   epx_status_t (*recv_rows_device)(epx_handle_t handle, const int64_t **rows);
   epx_status_t (*expert_counts)(epx_handle_t handle, int64_t *counts, int64_t *offsets);
-  /* The rows' routing and sources, copied on the buffer's stream (ep.c
-   * names the public call in the error). */
-  cudaError_t (*recv_routing)(epx_handle_t handle, int32_t *recv_expert, float *recv_w);
-  cudaError_t (*recv_source)(epx_handle_t handle, int32_t *src_rank, int32_t *src_token);
+  /* The rows' routing and sources, copied on the buffer's stream. */
+  epx_status_t (*recv_routing)(epx_handle_t handle, int32_t *recv_expert, float *recv_w);
+  epx_status_t (*recv_source)(epx_handle_t handle, int32_t *src_rank, int32_t *src_token);
   /* paths[W]: how this rank reaches each peer (EPX_PATH_FUSED or _HOST). */
   void (*peer_paths)(epx_buffer_t b, int32_t *paths);
   /* The handle's statistics; NULL: the counts per peer (ep.c). */
