@@ -61,6 +61,9 @@ typedef struct epx_cuda_window {
   /* ranks whose windows are on this rank's GPU (this rank included): they
    * share its SMs, so kernels that wait on each other get a share each */
   int32_t ranks_on_device;
+  /* the peers whose peer[] this rank mapped (the ipc transport's
+   * cudaIpcOpenMemHandle; unmapped by window_close and window_drop) */
+  uint32_t opened;
 } epx_cuda_window_t;
 
 typedef struct epx_cuda_xport {
@@ -86,8 +89,19 @@ typedef struct epx_cuda_xport {
    * enabled where the GPUs differ and allow it. Collective; every rank
    * returns the same verdict. */
   epx_status_t (*window_open)(epx_comm_t comm, size_t bytes, epx_cuda_window_t *window, const char *fn);
-  /* After the ranks' last use (collective: a barrier first). */
+  /* After the ranks' last use (collective unless the comm failed: the
+   * peers' mappings closed, a barrier, then this rank's memory freed). */
   void (*window_close)(epx_comm_t comm, epx_cuda_window_t *window);
+  /* This rank's side released alone (a failed comm, or a creation every
+   * rank abandons): its mappings of the peers' windows and its memory. */
+  void (*window_drop)(epx_comm_t comm, epx_cuda_window_t *window);
+  /* Whether kernels that wait on their peers' flags in memory (the fused
+   * path, the low-latency window) can run at once on the ranks' GPUs:
+   * EPX_SUCCESS, or EPX_ERROR_UNSUPPORTED with the reason (the buffer then
+   * takes the host path, or the slabs). Collective; the same verdict on
+   * every rank. NULL: they can (co-residency on a shared GPU is then the
+   * fused module's to arrange). */
+  epx_status_t (*co_resident)(epx_comm_t comm, const char *fn);
 } epx_cuda_xport_t;
 
 /* The transport that serves comm, or NULL. */
@@ -95,6 +109,7 @@ const epx_cuda_xport_t *epx_cuda_xport_of(epx_comm_t comm);
 
 extern const epx_cuda_xport_t epx_cuda_xport_nccl;       /* xport/nccl.c (NCCL builds) */
 extern const epx_cuda_xport_t epx_cuda_xport_in_process; /* xport/in_process.c */
+extern const epx_cuda_xport_t epx_cuda_xport_ipc;        /* xport/ipc.c */
 
 #ifdef __cplusplus
 }
