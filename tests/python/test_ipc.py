@@ -147,6 +147,7 @@ def worker():
     # over the ipc transport (a rank-major buffer would take the fused path:
     # refused there, saying why)
     comm = et.comm_from_process_group(group)
+    assert comm.transport == "ipc", comm.transport
     buf = epx.Buffer(comm, device=epx.Device.CUDA, dtype="bfloat16", hidden=64,
                      num_experts=4 * W, max_top_k=2, max_tokens_per_rank=16,
                      layout=epx.Layout.RANK_MAJOR)

@@ -239,6 +239,8 @@ def comm_from_process_group(group=None, *, timeout_seconds=None, transport=None)
       epx.deep_ep and the drop-ins take it with no change to the script;
       the framework's own torch collectives still need a group that can
       run them there (gloo).
+
+    The comm's ``transport`` attribute says which was chosen.
     """
     import torch.distributed as dist
     fn = "epx.torch.comm_from_process_group"
@@ -252,10 +254,14 @@ def comm_from_process_group(group=None, *, timeout_seconds=None, transport=None)
     config = _comm_config(timeout_seconds)
     chosen = _transport_of(group, rank, size, transport, config.timeout_seconds, fn)
     if chosen == "nccl":
-        return _nccl_comm(group, rank, size, config)
-    if chosen in ("shm", "ipc"):
-        return _shm_comm(group, rank, size, config, chosen)
-    return _mpi_comm(group, rank, size, config)
+        comm = _nccl_comm(group, rank, size, config)
+    elif chosen in ("shm", "ipc"):
+        comm = _shm_comm(group, rank, size, config, chosen)
+    else:
+        comm = _mpi_comm(group, rank, size, config)
+    if isinstance(comm, _epx.Comm):
+        comm.transport = chosen
+    return comm
 
 
 # Each launcher's rank, size, local rank and local size, in torch's names.
