@@ -581,9 +581,11 @@ epx_status_t epx_comm_create_mpi(const void *mpi_comm, const epx_comm_config_t *
  *    peers' mappings closed, at epx_comm_destroy (collective).
  *  - The host, hierarchical and low-latency slab moves cannot be captured
  *    in a CUDA graph (EPX_ERROR_UNSUPPORTED), as over a local comm.
- *  - A process that dies mid-call: its peers' bounded waits (the host
- *    exchange, epx_handle_recv_rows, the buffer's destroy) return
- *    EPX_ERROR_TIMEOUT naming it within the timeout. */
+ *  - A process that dies or stops mid-call: its peers' bounded waits (the
+ *    host exchange, epx_handle_recv_rows, the buffer's destroy) return an
+ *    error naming its rank within the timeout (EPX_ERROR_PEER_FAILED once
+ *    its process is seen gone, EPX_ERROR_TIMEOUT for one stopped or
+ *    stuck). */
 epx_status_t epx_comm_create_shm(const char *name, int32_t rank, int32_t size,
                                  const epx_comm_config_t *config, epx_comm_t *comm);
 

@@ -474,7 +474,9 @@ static epx_status_t capturable(cudaStream_t stream, const char *fn) {
 }
 
 static epx_status_t ipc_group(epx_comm_t comm, const group_t *g, cudaStream_t stream, const char *fn) {
-  epx_status_t status = capturable(stream, fn);
+  /* a failed comm's peer may be gone: nothing is enqueued that waits on it */
+  epx_status_t status = epx_comm_check_alive(comm, fn);
+  if (status == EPX_SUCCESS) status = capturable(stream, fn);
   if (status != EPX_SUCCESS) return status;
   ipc_state_t *st = NULL;
   status = state_of(comm, &st, fn);
