@@ -31,10 +31,11 @@
  * Every call is collective over the comm, in the same order on every rank,
  * and returns once its work is enqueued on `stream` (the in-process and ipc
  * ones after a host rendezvous with their peers, bounded by the comm's
- * timeout). The in-process and ipc moves cannot be captured in a CUDA graph (a rank's graph
- * would wait on its peers' events, recorded outside it): under capture they
- * return EPX_ERROR_UNSUPPORTED; the fused and window paths, whose steps
- * move nothing through the transport, capture as on NCCL. */
+ * timeout). The in-process and ipc moves cannot be captured in a CUDA graph
+ * (a rank's graph would wait on its peers' events, recorded outside it):
+ * under capture they return EPX_ERROR_UNSUPPORTED; the fused and window
+ * paths, whose steps move nothing through the transport, capture as on
+ * NCCL. */
 #ifndef EPX_CUDA_XPORT_H
 #define EPX_CUDA_XPORT_H
 
