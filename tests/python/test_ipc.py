@@ -125,6 +125,20 @@ def test_the_device_key_is_the_uuid_else_the_pci_address(monkeypatch):
     assert launch._device_key()[1] == "pci 0:27:0"
 
 
+@pytest.mark.parametrize("gpus,local,backend", [(1, 2, "gloo"), (2, 2, "nccl"), (8, 4, "nccl"),
+                                                (0, 1, "gloo")])
+def test_init_process_group_takes_gloo_where_processes_share_a_gpu(monkeypatch, gpus, local,
+                                                                   backend):
+    import torch.distributed as dist
+    got = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(launch, "launch_env", lambda: (0, local, 0, local))
+    monkeypatch.setattr(dist, "init_process_group", lambda b, **kw: got.append(b))
+    et.init_process_group(init_method="file:///nonexistent")
+    assert got == [backend]
+
+
 # ---------------------------------------------------------------------------
 # torchrun on one GPU (skipped without CUDA)
 # ---------------------------------------------------------------------------

@@ -334,8 +334,11 @@ def init_process_group(backend=None, **kwargs):
     MASTER_ADDR/MASTER_PORT are unset and every rank is on this host, rank 0
     serves a TCPStore on a free port that it tells the others through a file
     named after the launcher's job id (removed once all have joined). backend
-    None: "nccl" where torch sees a GPU, else "gloo". Other keyword arguments
-    go to torch.distributed.init_process_group."""
+    None: "nccl" where torch sees a GPU for each of this host's processes,
+    "gloo" where they share GPUs (NCCL refuses two ranks on one GPU; epx's
+    comm from the group is then the shm one, its CUDA buffers over CUDA IPC)
+    or there is none. Other keyword arguments go to
+    torch.distributed.init_process_group."""
     import torch.distributed as dist
     fn = "epx.torch.init_process_group"
     env = launch_env()
@@ -345,7 +348,8 @@ def init_process_group(backend=None, **kwargs):
                  "launch with one of them", fn)
     rank, size, _, local_size = env
     if backend is None:
-        backend = "nccl" if _torch.cuda.is_available() else "gloo"
+        gpus = _torch.cuda.device_count() if _torch.cuda.is_available() else 0
+        backend = "nccl" if gpus and local_size <= gpus else "gloo"
     kwargs.setdefault("rank", rank)
     kwargs.setdefault("world_size", size)
     if "init_method" not in kwargs and "store" not in kwargs and not (
