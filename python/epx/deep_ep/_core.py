@@ -394,7 +394,7 @@ class Exchange:
         shared_gpu = v.is_cuda and getattr(self.comm, "transport", None) in ("ipc", "shm")
         if isinstance(self.group, epx.Comm) or shared_gpu:
             raw = v.detach().cpu().reshape(v.shape[0], -1).view(torch.uint8).numpy()
-            got = self.group.alltoallv(raw, send)
+            got = self.comm.alltoallv(raw, send)
             if got.shape[0] == 0:               # nothing comes (numpy's empty rows have stride 0)
                 return v.new_empty((0,) + tuple(v.shape[1:]))
             got = torch.from_numpy(np.ascontiguousarray(got)).view(v.dtype)
