@@ -25,9 +25,11 @@
 # CUDA backend needs neither, so MPI is built only where mpicc exists.
 set -u
 cd "$(dirname "$0")/.."
-# EPX_GPU_CHECK_SECTIONS: "one" (one GPU, "ranks" included), "ranks" (only
+# EPX_GPU_CHECK_SECTIONS: "one" (one GPU, "ranks" and "ipc" included), "ranks" (only
 # the build and W ranks as threads on one GPU: EPX_GPU_RANKS_TIMEOUT,
-# EPX_GPU_RANKS_LIMIT, EPX_GPU_RANKS_SAN_LIMIT bound them), "two" (2 GPUs over NCCL, under
+# EPX_GPU_RANKS_LIMIT, EPX_GPU_RANKS_SAN_LIMIT bound them), "ipc" (only the
+# build and W ranks as processes sharing one GPU through CUDA IPC, as
+# torchrun starts them: EPX_GPU_IPC_LIMIT bounds each run), "two" (2 GPUs over NCCL, under
 # mpirun: mpi_gpu_exchange, mpi_gpu_ll, nccl_gpu_kill, nccl_gpu_shrink, memcheck and racecheck, epx-bench --device cuda,
 # bench_ep beside PyTorch's all_to_all_single, the epx.torch GPU tests and
 # layer benchmark), or both.
@@ -119,7 +121,7 @@ echo "epx gpu-check: build done ($(date +%T))"
 if [ -n "$GPU_TESTS" ]; then
 # GPU tests.
 if [ $BUILD_OK = 1 ]; then
-  (cd "$BUILD" && ctest -L '^gpu$' -E '^ranks_gpu_' --output-on-failure --timeout 300) >"$OUTDIR/ctest.log" 2>&1
+  (cd "$BUILD" && ctest -L '^gpu$' -E '^(ranks|ipc)_gpu_' --output-on-failure --timeout 300) >"$OUTDIR/ctest.log" 2>&1
   for t in $GPU_TESTS; do
     if grep -Eq "Test +#[0-9]+: $t \.+ +Passed" "$OUTDIR/ctest.log"; then verdict "test $t" PASS
     else verdict "test $t" FAIL; fi
@@ -323,6 +325,70 @@ if [ $BUILD_OK = 1 ] && cmake --build "$BUILD" -j"$JOBS" --target $RANK_TESTS >>
   done
 else
   for t in $RANK_TESTS; do verdict "test $t (threads on one GPU)" "FAIL (build or no build)"; done
+fi
+;;
+esac
+
+# W ranks as processes of this host sharing this one GPU (issue 39; section
+# "ipc", part of "one"): an shm comm, so every W-rank CUDA path runs over
+# the ipc transport (src/cuda/xport/ipc.c: CUDA IPC staging and events,
+# handles through the shm comm), as torchrun --nproc_per_node W starts them
+# where NCCL refuses two ranks on one GPU. tests/gpu/ipc_gpu_exchange (host
+# path every layout, dtype, weighting, both backward passes, recorder;
+# hierarchical with posed nodes; fp8; against the CPU backend bit for bit;
+# the fused path is refused: the processes take turns on the GPU) and
+# ipc_gpu_ll (the low-latency slabs; against the normal exchange) at W = 2
+# and 4; ipc_gpu_kill (a process killed or stopped mid-call: the survivors
+# get a timeout naming it, nothing hangs, nothing left in /dev/shm); then
+# the host path's dispatch and combine timed over ipc against W threads
+# (in-process) at the same shape (EPX_EP_BENCH=1, rank 0's figures, and
+# their ratio); and the torchrun job of tests/python/test_ipc.py (2
+# processes on one GPU, an NCCL group: epx.deep_ep through the comm that
+# comm_from_process_group chose, against the plain reference).
+case " $SECTIONS " in *" one "*|*" ipc "*)
+IPC_TESTS="ipc_gpu_exchange ipc_gpu_ll ipc_gpu_kill ranks_gpu_exchange"
+if [ $BUILD_OK = 1 ] && cmake --build "$BUILD" -j"$JOBS" --target $IPC_TESTS >>"$OUTDIR/build.log" 2>&1; then
+  for t in ipc_gpu_exchange ipc_gpu_ll; do
+    EPX_GPU_RANKS=2,4 EPX_GPU_TIMEOUT="${EPX_GPU_RANKS_TIMEOUT:-30}" \
+      timeout "${EPX_GPU_IPC_LIMIT:-500}" "$BUILD/tests/gpu/$t" >"$OUTDIR/$t.log" 2>&1
+    rc=$?
+    for W in 2 4; do
+      line=$(grep -E "^$t: W = $W " "$OUTDIR/$t.log" | tail -n 1)
+      if [ -n "$line" ]; then verdict "test $t W=$W (processes on one GPU, ipc)" "${line##*: }"
+      else verdict "test $t W=$W (processes on one GPU, ipc)" "NOT RUN (exit $rc)"; fi
+    done
+  done
+  timeout 300 "$BUILD/tests/gpu/ipc_gpu_kill" >"$OUTDIR/ipc_gpu_kill.log" 2>&1
+  rc=$?
+  for k in "W = 2, rank 1 killed" "W = 4, rank 3 killed" "W = 2, rank 1 stopped"; do
+    line=$(grep -F "ipc_gpu_kill: $k" "$OUTDIR/ipc_gpu_kill.log" | tail -n 1)
+    if [ -n "$line" ]; then verdict "ipc_gpu_kill: ${k#W = } (named timeout)" "${line##*: }"
+    else verdict "ipc_gpu_kill: ${k#W = } (named timeout)" "NOT RUN (exit $rc)"; fi
+  done
+  # dispatch and combine on the host path: ipc processes against in-process threads
+  : >"$OUTDIR/ipc_bench.log"
+  for W in 2 4; do
+    EPX_EP_BENCH=1 EPX_GPU_RANKS=$W timeout 200 "$BUILD/tests/gpu/ipc_gpu_exchange" >>"$OUTDIR/ipc_bench.log" 2>&1
+    CUDA_DEVICE_MAX_CONNECTIONS=32 CUDA_MODULE_LOADING=EAGER EPX_EP_BENCH=1 EPX_GPU_RANKS=$W \
+      timeout 200 "$BUILD/tests/gpu/ranks_gpu_exchange" >>"$OUTDIR/ipc_bench.log" 2>&1
+    ipc=$(grep -E "^RESULT ep rank 0 of $W transport ipc " "$OUTDIR/ipc_bench.log" | tail -n 1)
+    thr=$(grep -E "^RESULT ep rank 0 of $W transport in-process " "$OUTDIR/ipc_bench.log" | tail -n 1)
+    if [ -n "$ipc" ] && [ -n "$thr" ]; then
+      verdict "host-path dispatch/combine W=$W ipc vs threads" "$(echo "$ipc|$thr" | awk -F'|' '{
+        match($1, /dispatch [0-9.]+/); di = substr($1, RSTART + 9, RLENGTH - 9) + 0
+        match($1, /combine [0-9.]+/); ci = substr($1, RSTART + 8, RLENGTH - 8) + 0
+        match($2, /dispatch [0-9.]+/); dt = substr($2, RSTART + 9, RLENGTH - 9) + 0
+        match($2, /combine [0-9.]+/); ct = substr($2, RSTART + 8, RLENGTH - 8) + 0
+        printf "MEASURED dispatch %.1f/%.1f us (%.2fx), combine %.1f/%.1f us (%.2fx)", di, dt, dt ? di / dt : 0, ci, ct, ct ? ci / ct : 0 }')"
+    else verdict "host-path dispatch/combine W=$W ipc vs threads" "NOT RUN (ipc_bench.log)"; fi
+  done
+  if PYTHONPATH="python:${PYTHONPATH:-}" EPX_LIBRARY="$PWD/$BUILD/libepx.so" timeout 400 \
+       python3 -m pytest -q tests/python/test_ipc.py -k torchrun >"$OUTDIR/pytest_ipc.log" 2>&1 &&
+     ! grep -q skipped "$OUTDIR/pytest_ipc.log"; then
+    verdict "torchrun 2 processes on one GPU: epx.deep_ep via ipc" PASS
+  else verdict "torchrun 2 processes on one GPU: epx.deep_ep via ipc" "FAIL ($(tail -n 1 "$OUTDIR/pytest_ipc.log"))"; fi
+else
+  verdict "tests ipc_gpu_* (processes on one GPU)" "FAIL (build or no build)"
 fi
 ;;
 esac

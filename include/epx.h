@@ -102,8 +102,8 @@
  *    transports; every layout, exchange and dtype; num_experts and top_k up
  *    to the int32 ranges the arguments allow.
  *  - EPX_DEVICE_CUDA (builds with EPX_BUILD_CUDA; else EPX_ERROR_UNSUPPORTED):
- *    buffers over a comm of one rank in this version (several GPUs come with
- *    the NCCL transport); num_experts <= 8192 and max_top_k <= 256 (larger
+ *    buffers over a comm of one rank, or over the W ranks of an NCCL, local
+ *    or shm comm (not MPI: EPX_ERROR_UNSUPPORTED naming the comm); num_experts <= 8192 and max_top_k <= 256 (larger
  *    is EPX_ERROR_UNSUPPORTED at epx_buffer_create); routes and recv rows
  *    below 2^31 per call; epx_route on the GPU needs E's scores in one
  *    thread block's shared memory (larger E: EPX_ERROR_UNSUPPORTED naming
@@ -555,7 +555,37 @@ epx_status_t epx_comm_create_mpi(const void *mpi_comm, const epx_comm_config_t *
  *    is 64 MiB, --shm-size raises it). No name is left in /dev/shm once
  *    every rank is past create and each segment's first collective.
  *  - A process that dies: its peers' next collective returns
- *    EPX_ERROR_TIMEOUT naming it within the timeout. */
+ *    EPX_ERROR_TIMEOUT naming it within the timeout.
+ *
+ * CUDA buffers over an shm comm (each process's buffer on its current
+ * device: one GPU shared by several processes, e.g. torchrun
+ * --nproc_per_node W on a one-GPU machine, where NCCL refuses two ranks on
+ * one GPU, or several GPUs of the host) run the W-rank CUDA paths with the
+ * bits of an NCCL comm, device memory shared through CUDA IPC (the ipc
+ * transport): each rank stages what it sends in device memory of its own
+ * that its peers map (cudaIpcOpenMemHandle), and the copies are ordered by
+ * interprocess events; the handles meet through the comm's host exchange,
+ * so every wait stays bounded and names a rank that died or stopped. For
+ * testing and for frameworks launched one process a rank on one GPU, not
+ * for speed (two device copies a message, and a host exchange a call).
+ *  - Processes sharing a GPU without MPS take turns on it, so kernels that
+ *    wait on each other's flags cannot finish: the fused path and the
+ *    low-latency load/store window are refused there at epx_buffer_create
+ *    (not an error: the host path, or the low-latency slabs, serve the
+ *    buffer; epx_buffer_peer_paths reports EPX_PATH_HOST and
+ *    epx_last_error() says why). Under MPS, EPX_IPC_FUSED=try in every
+ *    rank's environment lets them try (with CUDA_MODULE_LOADING=EAGER).
+ *    Processes on distinct GPUs with peer access take the fused path.
+ *  - The staging memory grows to a rank's largest group of messages (twice
+ *    that: two halves used in turn), lives with the comm and is freed, the
+ *    peers' mappings closed, at epx_comm_destroy (collective).
+ *  - The host, hierarchical and low-latency slab moves cannot be captured
+ *    in a CUDA graph (EPX_ERROR_UNSUPPORTED), as over a local comm.
+ *  - A process that dies or stops mid-call: its peers' bounded waits (the
+ *    host exchange, epx_handle_recv_rows, the buffer's destroy) return an
+ *    error naming its rank within the timeout (EPX_ERROR_PEER_FAILED once
+ *    its process is seen gone, EPX_ERROR_TIMEOUT for one stopped or
+ *    stuck). */
 epx_status_t epx_comm_create_shm(const char *name, int32_t rank, int32_t size,
                                  const epx_comm_config_t *config, epx_comm_t *comm);
 
@@ -1471,7 +1501,7 @@ epx_status_t epx_dispatch_quantize(epx_buffer_t buffer, epx_handle_t handle, con
  *
  * Backends: CPU buffers over any comm, both layouts. CUDA buffers over one
  * rank, expert-major (rank-major: EPX_ERROR_UNSUPPORTED at
- * epx_buffer_create), or over the W ranks of an NCCL or local comm, both layouts
+ * epx_buffer_create), or over the W ranks of an NCCL, local or shm comm, both layouts
  * (rank-major and fp8 on the NCCL messages below): the calls enqueue on the
  * buffer's stream, never synchronise the host and allocate nothing, so they
  * can be captured in a CUDA graph; routing values are checked on the device,

@@ -2,12 +2,15 @@
  * with EPX_ERROR_UNSUPPORTED and a message that says how to get it; in a
  * build with NCCL the argument checks come first (NULLs, rank and size) and
  * refuse without touching NCCL. A CUDA buffer over a local comm of 2 ranks
- * (threads) is made where a one-rank CUDA buffer can be, and refused on
- * every rank with the one-rank buffer's status elsewhere. The
+ * (threads) or an shm comm of 2 ranks (the ipc transport) is made where a
+ * one-rank CUDA buffer can be, and refused on every rank with the one-rank
+ * buffer's status elsewhere. The
  * NCCL paths themselves run on GPUs (tests/gpu/mpi_gpu_exchange.c,
  * nccl_gpu_kill.c). */
 #include <pthread.h>
+#include <stdio.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "testutil.h"
 #include "buffer_config.h"
@@ -80,10 +83,56 @@ static void test_cuda_buffer_over_local_comm(void **state) {
   for (int r = 0; r < 2; r++) assert_int_equal(args[r].status, one_rank);
 }
 
+typedef struct {
+  const char *name;
+  int32_t rank;
+  epx_status_t status;
+  char message[512];
+} shm_arg_t;
+
+static void *cuda_over_shm(void *p) {
+  shm_arg_t *a = p;
+  epx_comm_config_t config = EPX_COMM_CONFIG_INIT;
+  config.timeout_seconds = 20;
+  epx_comm_t comm;
+  a->status = epx_comm_create_shm(a->name, a->rank, 2, &config, &comm);
+  if (a->status != EPX_SUCCESS) return NULL;
+  epx_buffer_config_t cfg = tu_config(EPX_DEVICE_CUDA, EPX_BFLOAT16, 64, 8, 2, 0);
+  epx_buffer_t buffer = NULL;
+  a->status = epx_buffer_create(comm, &cfg, &buffer);
+  snprintf(a->message, sizeof a->message, "%s", epx_last_error());
+  epx_buffer_destroy(buffer);
+  epx_comm_destroy(comm);
+  return NULL;
+}
+
+/* An shm comm (processes of one host; here two threads, each a rank) takes a
+ * CUDA buffer through the ipc transport: refused only as a one-rank buffer
+ * is (no CUDA backend, named; or no GPU), never for its comm. */
+static void test_cuda_buffer_over_shm_comm(void **state) {
+  (void)state;
+  epx_comm_t self;
+  assert_int_equal(epx_comm_create_self(&self), EPX_SUCCESS);
+  const epx_status_t one_rank = cuda_buffer_over(self);
+  epx_comm_destroy(self);
+  char name[64];
+  snprintf(name, sizeof name, "epx-test-nccl-api-%d", (int)getpid());
+  shm_arg_t args[2] = {{name, 0, EPX_SUCCESS, ""}, {name, 1, EPX_SUCCESS, ""}};
+  pthread_t threads[2];
+  for (int r = 0; r < 2; r++) pthread_create(&threads[r], NULL, cuda_over_shm, &args[r]);
+  for (int r = 0; r < 2; r++) pthread_join(threads[r], NULL);
+  for (int r = 0; r < 2; r++) {
+    assert_int_equal(args[r].status, one_rank);
+    assert_null(strstr(args[r].message, "needs an NCCL comm"));
+    if (!epx_has_cuda()) assert_non_null(strstr(args[r].message, "no CUDA backend"));
+  }
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_without_or_before_nccl),
       cmocka_unit_test(test_cuda_buffer_over_local_comm),
+      cmocka_unit_test(test_cuda_buffer_over_shm_comm),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

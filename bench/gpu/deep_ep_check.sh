@@ -10,7 +10,11 @@
 # Transformer Engine is installed). Needs libepx built with CUDA
 # (EPX_LIBRARY), torch with CUDA, and the wheels carried: deepspeed==0.19.8,
 # megatron-core==0.16.1, nemo-automodel==0.7.0 (--no-deps),
-# transformers==5.18.0. Prints one verdict line per part.
+# transformers==5.18.0. With 1 GPU, the 2-process tests run there too
+# (issue 39): both processes on the one GPU, a gloo group (NCCL refuses two
+# ranks on one GPU), epx's comm the shm one whose CUDA buffers move rows
+# through CUDA IPC (epx.torch.comm_from_process_group); Megatron's flex
+# dispatcher's deepep backend too. Prints one verdict line per part.
 set -u
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/epx-gpu}
@@ -33,5 +37,13 @@ if [ "$NGPU" -ge 2 ]; then
   run "DeepSpeed AutoEP deepep vs comm, 2 GPUs" deep_ep_deepspeed_2.log "${TR[@]}" --nproc-per-node 2 tests/python/test_deep_ep_frameworks.py deepspeed
   run "NeMo MoE layer deepep vs torch dispatcher, 2 GPUs" deep_ep_nemo_layer_2.log "${TR[@]}" --nproc-per-node 2 tests/python/test_deep_ep_frameworks.py nemo_layer
   run "NeMo recompute with/without layout replay, 2 GPUs" deep_ep_nemo_bench2.log "${TR[@]}" --nproc-per-node 2 bench/gpu/bench_deep_ep.py
+fi
+if [ "$NGPU" -eq 1 ]; then
+  IPC="2 processes on 1 GPU (ipc)"
+  run "epx.deep_ep vs DeepEP semantics, $IPC" deep_ep_2_ipc.log "${TR[@]}" --nproc-per-node 2 tests/python/test_deep_ep.py all
+  run "NeMo fused_a2a + recompute replay, $IPC" deep_ep_nemo_2_ipc.log "${TR[@]}" --nproc-per-node 2 tests/python/test_deep_ep_frameworks.py nemo
+  run "DeepSpeed AutoEP deepep vs comm, $IPC" deep_ep_deepspeed_2_ipc.log "${TR[@]}" --nproc-per-node 2 tests/python/test_deep_ep_frameworks.py deepspeed
+  run "NeMo MoE layer deepep vs torch dispatcher, $IPC" deep_ep_nemo_layer_2_ipc.log "${TR[@]}" --nproc-per-node 2 tests/python/test_deep_ep_frameworks.py nemo_layer
+  run "Megatron flex/deepep vs alltoall, $IPC" deep_ep_megatron_2_ipc.log "${TR[@]}" --nproc-per-node 2 tests/python/test_deep_ep_frameworks.py megatron
 fi
 cat "$OUT/deep_ep_overhead.log" "$OUT/deep_ep_nemo_bench.log" 2>/dev/null | grep '^|\|^T=\|^NeMo' || true

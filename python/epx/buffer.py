@@ -93,8 +93,9 @@ class Buffer(_Closable):
         :class:`ExchangePath` (FUSED or HOST), one per rank, this rank's own
         entry included: on the fused path FUSED for the ranks reached by
         load/store (NVLink) and HOST for the others, which NCCL's host API
-        serves inside the same calls. HOST everywhere on CPU buffers and
-        one-rank buffers;
+        serves inside the same calls. HOST everywhere on CPU buffers,
+        one-rank buffers, and CUDA buffers of processes sharing a GPU (an
+        shm comm, the ipc transport: epx.torch.comm_from_process_group);
         where the fused path was refused at creation, ``creation_note`` says
         why."""
         n = self.comm.size

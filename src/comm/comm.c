@@ -242,6 +242,7 @@ epx_status_t epx_comm_destroy(epx_comm_t comm) {
                      "destroy them with epx_buffer_destroy first",
                      (long long)comm->live_buffers);
   if (!comm->failed) (void)comm->ops->barrier(comm, "epx_comm_destroy");
+  if (comm->device_release) comm->device_release(comm);
   epx_registry_remove(id);
   comm->ops->destroy(comm);
   epx_comm_topology_free(comm);

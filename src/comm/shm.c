@@ -772,6 +772,7 @@ static const epx_transport_ops_t shm_ops = {
     .shrink = shm_shrink,
     .mask = shm_mask,
     .destroy = shm_destroy,
+    .one_host = 1,
 };
 
 /* The control segment now at the name, mapped whole (*bytes), once its

@@ -68,6 +68,10 @@ typedef struct epx_transport_ops {
    * and a later barrier. The exchange then reads peers' rows in place
    * instead of staging them (one copy instead of three). */
   int shared_address_space;
+  /* 1 when every rank is a process of this host (shm): device memory is
+   * shared between them through CUDA IPC (the ipc device transport,
+   * src/cuda/xport/ipc.c). */
+  int one_host;
 } epx_transport_ops_t;
 
 struct epx_comm {
@@ -94,6 +98,13 @@ struct epx_comm {
   int32_t num_nodes, ranks_per_node;
   int32_t *node_of, *local_of, *node_ranks, *node_first; /* [size] x3, [num_nodes + 1] */
   void *impl;            /* the transport's own state */
+  /* The device transport's state for this comm (src/cuda/xport/ipc.c: its
+   * staging memory, events and the peers' mappings), made at its first use;
+   * device_release(comm) releases it at epx_comm_destroy, after the
+   * destroy's barrier and before the transport's destroy (collective unless
+   * the comm failed). NULL both: none. */
+  void *device_state;
+  void (*device_release)(epx_comm_t comm);
 };
 
 /* The helpers below are the transports' common code (core/transport.c). */

@@ -7,7 +7,7 @@
 #ifndef EPX_TESTS_GPU_MPI_GPU_CHECK_H
 #define EPX_TESTS_GPU_MPI_GPU_CHECK_H
 
-#ifndef EPX_THREAD_RANKS /* thread_ranks.h plays MPI with threads */
+#if !defined(EPX_THREAD_RANKS) && !defined(EPX_PROC_RANKS) /* thread_ranks.h, proc_ranks.h play MPI */
 #include <mpi.h>
 #endif
 #include <stdint.h>
@@ -25,12 +25,22 @@
 /* Ranks as threads of one process (thread_ranks.h): what they share (the
  * launch flags, process-wide) changes only between two barriers of every
  * rank; and the in-process transport's moves are not captured in CUDA
- * graphs (src/cuda/xport/xport.h), so graphs run on the fused paths only. */
+ * graphs (src/cuda/xport/xport.h), so graphs run on the fused paths only.
+ * Ranks as processes sharing one GPU (proc_ranks.h): the ipc transport's
+ * moves are not captured either, and the fused paths are refused (the
+ * processes take turns on the GPU), so nothing runs in a graph.
+ * RANKS_GRAPHS: 2, graphs on every path; 1, on the fused paths; 0, none. */
 #ifdef EPX_THREAD_RANKS
 #define RANKS_IN_PROCESS 1
+#define RANKS_GRAPHS 1
 static inline void rank_sync(void) { MPI_Barrier(MPI_COMM_WORLD); }
+#elif defined(EPX_PROC_RANKS)
+#define RANKS_IN_PROCESS 0
+#define RANKS_GRAPHS 0
+static inline void rank_sync(void) {}
 #else
 #define RANKS_IN_PROCESS 0
+#define RANKS_GRAPHS 2
 static inline void rank_sync(void) {}
 #endif
 

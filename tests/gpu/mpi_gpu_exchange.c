@@ -32,7 +32,7 @@
  * that need a second rank (a peer in another call or with another
  * weighting or config) are skipped, with a note. */
 #include <math.h>
-#ifndef EPX_THREAD_RANKS
+#if !defined(EPX_THREAD_RANKS) && !defined(EPX_PROC_RANKS)
 #include <mpi.h>
 #endif
 #include <pthread.h>
@@ -40,6 +40,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include <cuda_runtime_api.h>
 
@@ -1774,7 +1775,7 @@ static void fp8_rank(fp8_run_t *run) {
   r->src_token = fetch(dev, stok, 4 * (size_t)N);
   fp8_dtype_calls(run, buf, h, x, cap);
   if (rec) fp8_replay(run, buf, rec, &routing, h, xq, xs, cap, S);
-  else if (dev == EPX_DEVICE_CUDA && f->worst && (!RANKS_IN_PROCESS || r->path == EPX_PATH_FUSED))
+  else if (dev == EPX_DEVICE_CUDA && f->worst && (RANKS_GRAPHS == 2 || (RANKS_GRAPHS == 1 && r->path == EPX_PATH_FUSED)))
     fp8_graph(run, buf, h, x, cap, S);
   FATAL_UNLESS_OK(epx_handle_release(h));
   if (rec) FATAL_UNLESS_OK(epx_recorder_destroy(rec));
@@ -1945,6 +1946,67 @@ static void test_fp8_call_mismatch(epx_comm_t comm, void *stream) {
   cudaFree(x), cudaFree(xs), cudaFree(rq), cudaFree(rs);
 }
 
+/* EPX_EP_BENCH=1: the time of a dispatch and a combine on the host path
+ * (dedup, expert-major, bf16; T 512 tokens a rank, H 2048, top-4 of 8 experts
+ * a rank), each from a barrier of every rank to its stream's completion,
+ * after the layout; a RESULT line per rank naming the device transport (the
+ * in-process and ipc transports against each other at the same shape:
+ * bench/gpu-check.sh's "ipc" section). */
+static double bench_now(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static void bench_host_path(epx_comm_t comm, cudaStream_t stream, const char *transport) {
+  enum { BT = 512, BH = 2048, BK = 4, REPS = 20 };
+  const int BE = 8 * g_size;
+  epx_buffer_config_t cfg = tu_config(EPX_DEVICE_CUDA, EPX_BFLOAT16, BH, BE, BK, BT);
+  cfg.exchange_path = EPX_PATH_HOST, cfg.stream = stream;
+  epx_buffer_t b = NULL;
+  FATAL_UNLESS_OK(epx_buffer_create(comm, &cfg, &b));
+  int32_t *idx = malloc(sizeof(int32_t) * BT * BK);
+  float *w = malloc(sizeof(float) * BT * BK);
+  uint64_t z = mix(4321u + (uint64_t)g_rank);
+  for (int t = 0; t < BT; t++)
+    for (int k = 0; k < BK; k++) {
+      int e, dup;
+      do {
+        z = mix(z);
+        e = (int)(z % (uint64_t)BE);
+        dup = 0;
+        for (int j = 0; j < k; j++) dup |= idx[t * BK + j] == e;
+      } while (dup);
+      idx[t * BK + k] = e, w[t * BK + k] = 1.0f / BK;
+    }
+  int32_t *didx = dev_put(idx, sizeof(int32_t) * BT * BK);
+  float *dw = dev_put(w, sizeof(float) * BT * BK);
+  epx_routing_t rt = {BT, BK, didx, dw, NULL, EPX_WEIGHTS_IN_COMBINE};
+  epx_handle_t h = NULL;
+  FATAL_UNLESS_OK(epx_dispatch_layout(b, &rt, NULL, &h));
+  int64_t N = 0;
+  FATAL_UNLESS_OK(epx_handle_recv_rows(h, &N));
+  void *x = zeros(EPX_DEVICE_CUDA, (size_t)BT * BH * 2), *recv = zeros(EPX_DEVICE_CUDA, (size_t)(N + 1) * BH * 2);
+  void *out = zeros(EPX_DEVICE_CUDA, (size_t)BT * BH * 2);
+  double us[2] = {0, 0};
+  for (int rep = 0; rep < REPS + 3; rep++)
+    for (int i = 0; i < 2; i++) {
+      MPI_Barrier(MPI_COMM_WORLD);
+      const double t0 = bench_now();
+      FATAL_UNLESS_OK(i == 0 ? epx_dispatch(b, h, x, recv, N) : epx_combine(b, h, recv, out));
+      FATAL_UNLESS_CUDA_OK(cudaStreamSynchronize(stream));
+      if (rep >= 3) us[i] += (bench_now() - t0) * 1e6 / REPS;
+    }
+  printf("RESULT ep rank %d of %d transport %s path host T %d H %d top-%d of %d bf16: dispatch %.1f us, combine "
+         "%.1f us\n", g_rank, g_size, transport, BT, BH, BK, BE, us[0], us[1]);
+  fflush(stdout);
+  FATAL_UNLESS_OK(epx_handle_release(h));
+  void *dp[] = {didx, dw, x, recv, out};
+  for (size_t i = 0; i < sizeof dp / sizeof dp[0]; i++) FATAL_UNLESS_CUDA_OK(cudaFree(dp[i]));
+  FATAL_UNLESS_OK(epx_buffer_destroy(b));
+  free(idx), free(w);
+}
+
 int main(int argc, char **argv) {
   MPI_Init(&argc, &argv);
   MPI_Comm_rank(MPI_COMM_WORLD, &g_rank);
@@ -1976,6 +2038,15 @@ int main(int argc, char **argv) {
   FATAL_UNLESS_OK(epx_comm_topology(comm, &g_nodes, &g_ranks_per_node, &node, &local));
   const int one = g_size == 1; /* the W-rank backend all the same (above) */
 
+  const char *bench = getenv("EPX_EP_BENCH");
+  if (bench && *bench && strcmp(bench, "0") && !one) {
+    /* the timing alone: the cases are the other runs' */
+    bench_host_path(comm, stream, RANKS_IN_PROCESS ? "in-process" : RANKS_GRAPHS == 0 ? "ipc" : "nccl");
+    FATAL_UNLESS_OK(epx_comm_destroy(comm));
+    cudaStreamDestroy(stream);
+    MPI_Finalize();
+    return 0;
+  }
   int cases = 0, seed = 1;
   const epx_layout_t layouts[] = {EPX_LAYOUT_EXPERT_MAJOR, EPX_LAYOUT_RANK_MAJOR, EPX_LAYOUT_CAPACITY};
   const epx_dtype_t dtypes[] = {EPX_BFLOAT16, EPX_FLOAT32, EPX_FLOAT16};
@@ -2026,7 +2097,7 @@ int main(int argc, char **argv) {
     }
     if (!one) test_call_mismatch(comm, stream);
     test_recorder(comm, stream);
-    if (!RANKS_IN_PROCESS || pi == 0) test_graph(comm, stream);
+    if (RANKS_GRAPHS == 2 || (RANKS_GRAPHS == 1 && pi == 0)) test_graph(comm, stream);
     if (pi == 2) relay_end();
   }
   g_path = EPX_PATH_FUSED;
@@ -2039,6 +2110,10 @@ int main(int argc, char **argv) {
   if (RANKS_IN_PROCESS && g_rank == 0)
     printf("mpi_gpu_exchange: ranks as threads (in-process transport): CUDA graphs on the fused path only (the "
            "host path's and the relay's in-process moves are not capturable); no fused refusal on one rank\n");
+  if (RANKS_GRAPHS == 0 && g_rank == 0)
+    printf("mpi_gpu_exchange: ranks as processes sharing one GPU (ipc transport): no CUDA graphs (the ipc moves "
+           "are not capturable and the fused path is refused: the processes take turns on the GPU), every buffer "
+           "on the host path; no fused refusal on one rank\n");
   if (one)
     printf("mpi_gpu_exchange: one rank (the W-rank backend forced on by epx_cuda_ep_at_one_rank): skipped, as they "
            "need a second rank: the weighting mismatch (2 sizings x 2 paths), the call and config mismatch (2 "

@@ -26,7 +26,7 @@
  * dispatch, every row's bytes and scales; the rank-major layout against the
  * normal rank-major exchange. EPX_LL_BENCH=1 also prints a decode step's
  * latency on each path (bench_path). */
-#ifndef EPX_THREAD_RANKS
+#if !defined(EPX_THREAD_RANKS) && !defined(EPX_PROC_RANKS)
 #include <mpi.h>
 #endif
 #include <stdint.h>
@@ -716,7 +716,8 @@ int main(int argc, char **argv) {
     for (int i = 0; i < n; i++) run_case(&cases[i], comm, stream, 0);
     run_case(&cases[0], comm, stream, 1);
     run_case(&cases[3], comm, stream, 1);
-    if (!RANKS_IN_PROCESS || g_path == EPX_PATH_FUSED) { /* in-process slabs are not capturable */
+    /* in-process and ipc slabs are not capturable; over ipc on a shared GPU the window is refused too */
+    if (RANKS_GRAPHS == 2 || (RANKS_GRAPHS == 1 && g_path == EPX_PATH_FUSED)) {
       test_graph(&cases[0], comm, stream);
       test_graph(&cases[1], comm, stream);
     }

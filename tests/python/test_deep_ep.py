@@ -408,13 +408,20 @@ def check_errors(deep_ep, group, W, r):
     assert deep_ep.Buffer.get_combine_config(W).get_rdma_buffer_size_hint(2 * H, W) == 0
 
 
+def shared_gpu():
+    """More processes on this host than GPUs: they share them (NCCL refuses
+    two ranks on one GPU, so the group is gloo and epx's comm the shm one,
+    its CUDA buffers over CUDA IPC: epx.torch.comm_from_process_group)."""
+    return DEV == "cuda" and int(os.environ.get("LOCAL_WORLD_SIZE", 1)) > torch.cuda.device_count()
+
+
 def worker(which):
     import torch.distributed as dist
     torch.set_num_threads(1)
     if DEV == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
         torch.set_default_device("cuda")
-    dist.init_process_group("nccl" if DEV == "cuda" else "gloo")
+    dist.init_process_group("nccl" if DEV == "cuda" and not shared_gpu() else "gloo")
     import epx.deep_ep as deep_ep
     group = dist.group.WORLD
     W, r = dist.get_world_size(), dist.get_rank()

@@ -61,14 +61,27 @@ def _have(name):
         return False
 
 
+def _shared_gpu():
+    """More processes on this host than GPUs (world size 2 on one GPU,
+    bench/gpu/deep_ep_check.sh): they share them; NCCL refuses two ranks on
+    one GPU, so the group is gloo (the frameworks' own collectives on CUDA
+    tensors through it) and epx's comm the shm one, its CUDA buffers over
+    CUDA IPC (epx.torch.comm_from_process_group)."""
+    return DEV == "cuda" and int(os.environ.get("LOCAL_WORLD_SIZE", 1)) > torch.cuda.device_count()
+
+
+def _backend():
+    return "nccl" if DEV == "cuda" and not _shared_gpu() else "gloo"
+
+
 def _start():
     import torch.distributed as dist
     torch.set_num_threads(1)
     import epx.deep_ep
     epx.deep_ep.install()           # before the frameworks import DeepEP
     if DEV == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if DEV == "cuda" else "gloo")
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+    dist.init_process_group(_backend())
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -180,17 +193,20 @@ def _autoep_layers(W, rank, E, K, H, I, score_apply, max_tokens):
     return layers
 
 
-def _cpu_barrier_without_device_ids():
+def _cpu_barrier_without_device_ids(gloo=False):
     """The one CUDA-only call on AutoEP's deepep path: _deepep_route's first
     call runs dist.barrier(group, device_ids=[tokens.device.index]), and a
     CPU tensor's index is None, which torch refuses. Patched here, and only
-    for that argument: deepspeed.comm.barrier drops device_ids=[None] and is
-    otherwise DeepSpeed's. Everything else runs as released."""
+    for that argument: deepspeed.comm.barrier drops device_ids=[None] (and,
+    on a gloo group of processes sharing a GPU, any device_ids: only NCCL
+    takes them) and is otherwise DeepSpeed's. Everything else runs as
+    released."""
     import deepspeed.comm as ds_dist
     released = ds_dist.barrier
 
     def barrier(*args, device_ids=None, **kwargs):
-        return released(*args, device_ids=None if device_ids == [None] else device_ids, **kwargs)
+        drop = gloo or device_ids == [None]
+        return released(*args, device_ids=None if drop else device_ids, **kwargs)
     ds_dist.barrier = barrier
 
 
@@ -217,10 +233,10 @@ def deepspeed_worker():
     rank, W = _start()
     from torch.utils.checkpoint import checkpoint
     import deepspeed
-    deepspeed.init_distributed(dist_backend="nccl" if DEV == "cuda" else "gloo")
+    deepspeed.init_distributed(dist_backend=_backend())
     from deepspeed.module_inject import auto_ep_comm as aec
-    if DEV == "cpu":
-        _cpu_barrier_without_device_ids()
+    if DEV == "cpu" or _shared_gpu():
+        _cpu_barrier_without_device_ids(gloo=_shared_gpu())
     E, K, H, I = 8, 2, 16, 24
     rows = []
     for score_apply in ("post", "pre"):

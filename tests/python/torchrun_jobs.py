@@ -11,14 +11,15 @@ import sys
 import epx
 
 
-def torchrun(W, script, *args, timeout=300):
-    """torchrun --nproc-per-node W script args; asserts every rank said OK."""
+def torchrun(W, script, *args, timeout=300, env=None):
+    """torchrun --nproc-per-node W script args (env: variables added to
+    this process's); asserts every rank said OK."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = dict(os.environ, EPX_LIBRARY=epx.library_path, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(pathlib.Path(epx.__file__).parents[1]),
-                                           os.environ.get("PYTHONPATH", "")]))
+                                           os.environ.get("PYTHONPATH", "")]), **(env or {}))
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(W),
                "--master-addr", "127.0.0.1", "--master-port", str(port), script] + list(args)
     run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)

@@ -387,10 +387,14 @@ class Exchange:
     def _all_to_all(self, v, send, recv):
         """v [sum(send), ...] -> [sum(recv), ...]: send[r] rows to rank r,
         recv[s] rows from rank s (the process group's all_to_all_single, or
-        the epx.Comm's alltoallv through the host)."""
-        if isinstance(self.group, epx.Comm):
+        the epx.Comm's alltoallv through the host: a comm given as the
+        group, or CUDA values over the shm comm of processes that share a
+        GPU, where an NCCL group cannot run and a gloo one may not take
+        CUDA tensors)."""
+        shared_gpu = v.is_cuda and getattr(self.comm, "transport", None) in ("ipc", "shm")
+        if isinstance(self.group, epx.Comm) or shared_gpu:
             raw = v.detach().cpu().reshape(v.shape[0], -1).view(torch.uint8).numpy()
-            got = self.group.alltoallv(raw, send)
+            got = self.comm.alltoallv(raw, send)
             if got.shape[0] == 0:               # nothing comes (numpy's empty rows have stride 0)
                 return v.new_empty((0,) + tuple(v.shape[1:]))
             got = torch.from_numpy(np.ascontiguousarray(got)).view(v.dtype)

@@ -158,9 +158,12 @@ def _row_weights(owner, handle, topk_idx, topk_weights, fn):
     w = torch.zeros((maxT, K), dtype=torch.float32, device=dev)
     idx[:T] = topk_idx
     w[:T] = topk_weights.float()
-    if W > 1 and isinstance(owner.group, epx.Comm):
-        # threads of one process (epx.run_local) or MPI: the comm's allgather, on the host
-        comm = owner.group
+    runtime_comm = getattr(getattr(owner, "runtime", None), "comm", None)
+    shared_gpu = dev.type == "cuda" and getattr(runtime_comm, "transport", None) in ("ipc", "shm")
+    if W > 1 and (isinstance(owner.group, epx.Comm) or shared_gpu):
+        # threads of one process (epx.run_local) or MPI: the comm's allgather, on the host;
+        # so too processes sharing a GPU (their group's NCCL cannot run there)
+        comm = owner.group if isinstance(owner.group, epx.Comm) else runtime_comm
         idx = torch.from_numpy(comm.allgather(idx.cpu().numpy())).to(dev)
         w = torch.from_numpy(comm.allgather(w.cpu().numpy())).to(dev)
     elif W > 1:

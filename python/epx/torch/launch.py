@@ -1,5 +1,6 @@
 """torch.distributed and launchers: an epx.Comm from a process group
-(comm_from_process_group, over shm, MPI or NCCL), launch_env (each
+(comm_from_process_group, over shm, MPI, NCCL, or shm with CUDA IPC where
+processes share a GPU), launch_env (each
 launcher's rank and size variables) and init_process_group."""
 import ctypes
 import os
@@ -138,10 +139,10 @@ def _gather_bounded(group, rank, size, mine, timeout_seconds, fn):
     return [pickle.loads(store.get(k)) for k in keys]
 
 
-def _shm_comm(group, rank, size, config):
+def _shm_comm(group, rank, size, config, transport="shm"):
     """The shm transport over the group's processes: they gather their hosts
     and rank 0's fresh segment name (_gather_bounded), then meet in
-    /dev/shm."""
+    /dev/shm. transport "ipc": the same comm, for CUDA buffers."""
     import secrets
     import socket
     fn = "epx.torch.comm_from_process_group"
@@ -150,15 +151,40 @@ def _shm_comm(group, rank, size, config):
     hosts = sorted({h for h, _ in every})
     if len(hosts) > 1:
         _refuse(Status.ERROR_UNSUPPORTED, "%s: the group spans %d hosts (%s); transport "
-                "'shm' joins processes of one host only; across hosts use transport='mpi' "
-                "under mpirun, or an NCCL group", fn, len(hosts), ", ".join(hosts[:4]))
+                "%r joins processes of one host only; across hosts use transport='mpi' "
+                "under mpirun, or an NCCL group of one GPU a process", fn, len(hosts),
+                ", ".join(hosts[:4]), transport)
     return _epx.Comm.from_shm(every[0][1], rank, size, config)
 
 
-_TRANSPORTS = ("shm", "mpi", "nccl")
+_TRANSPORTS = ("shm", "mpi", "nccl", "ipc")
 
 
-def _transport_of(group, transport, fn):
+def _device_key():
+    """This process's GPU as (host, device id): the device's UUID where torch
+    gives it, else its PCI domain, bus and device."""
+    import socket
+    props = _torch.cuda.get_device_properties(_torch.cuda.current_device())
+    uuid = getattr(props, "uuid", None)
+    ident = str(uuid) if uuid is not None else "pci %s:%s:%s" % (
+        getattr(props, "pci_domain_id", "?"), getattr(props, "pci_bus_id", "?"),
+        getattr(props, "pci_device_id", "?"))
+    return socket.gethostname(), ident
+
+
+def _shared_gpu(group, rank, size, timeout_seconds, fn):
+    """The first two group ranks whose processes use one GPU of one host
+    (gathered through the store, bounded), or None."""
+    every = _gather_bounded(group, rank, size, _device_key(), timeout_seconds, fn)
+    first = {}
+    for r, key in enumerate(every):
+        if tuple(key) in first:
+            return first[tuple(key)], r
+        first[tuple(key)] = r
+    return None
+
+
+def _transport_of(group, rank, size, transport, timeout_seconds, fn):
     import torch.distributed as dist
     if transport is not None:
         if transport not in _TRANSPORTS:
@@ -167,7 +193,9 @@ def _transport_of(group, transport, fn):
         return transport
     backend = str(dist.get_backend(group)).lower()
     if "nccl" in backend:
-        return "nccl"
+        # NCCL refuses two ranks on one GPU ("Duplicate GPU detected"): such
+        # a group's processes share the GPU through CUDA IPC instead
+        return "ipc" if _shared_gpu(group, rank, size, timeout_seconds, fn) else "nccl"
     return "shm" if _one_host() else "mpi"
 
 
@@ -200,6 +228,19 @@ def comm_from_process_group(group=None, *, timeout_seconds=None, transport=None)
       processes, which mpirun must have started (MPI_COMM_WORLD through mpi4py
       when installed, else found through the MPI libepx links); needs a libepx
       built with MPI.
+    - ``"ipc"`` (chosen for an NCCL group whose ranks share a GPU, e.g.
+      ``torchrun --nproc_per_node 4`` on a one-GPU machine, which NCCL
+      refuses; the ranks' GPUs are compared by UUID through the store): the
+      shm comm above, whose CUDA buffers move rows between the processes'
+      device memory through CUDA IPC (epx.h, epx_comm_create_shm). Every
+      process of one host. For correctness and CI, not speed; the fused
+      path is refused where processes share a GPU (Buffer.peer_paths says
+      HOST, Buffer.creation_note why) and the host path serves.
+      epx.deep_ep and the drop-ins take it with no change to the script;
+      the framework's own torch collectives still need a group that can
+      run them there (gloo).
+
+    The comm's ``transport`` attribute says which was chosen.
     """
     import torch.distributed as dist
     fn = "epx.torch.comm_from_process_group"
@@ -211,12 +252,16 @@ def comm_from_process_group(group=None, *, timeout_seconds=None, transport=None)
         group = dist.group.WORLD
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     config = _comm_config(timeout_seconds)
-    chosen = _transport_of(group, transport, fn)
+    chosen = _transport_of(group, rank, size, transport, config.timeout_seconds, fn)
     if chosen == "nccl":
-        return _nccl_comm(group, rank, size, config)
-    if chosen == "shm":
-        return _shm_comm(group, rank, size, config)
-    return _mpi_comm(group, rank, size, config)
+        comm = _nccl_comm(group, rank, size, config)
+    elif chosen in ("shm", "ipc"):
+        comm = _shm_comm(group, rank, size, config, chosen)
+    else:
+        comm = _mpi_comm(group, rank, size, config)
+    if isinstance(comm, _epx.Comm):
+        comm.transport = chosen
+    return comm
 
 
 # Each launcher's rank, size, local rank and local size, in torch's names.
@@ -289,8 +334,11 @@ def init_process_group(backend=None, **kwargs):
     MASTER_ADDR/MASTER_PORT are unset and every rank is on this host, rank 0
     serves a TCPStore on a free port that it tells the others through a file
     named after the launcher's job id (removed once all have joined). backend
-    None: "nccl" where torch sees a GPU, else "gloo". Other keyword arguments
-    go to torch.distributed.init_process_group."""
+    None: "nccl" where torch sees a GPU for each of this host's processes,
+    "gloo" where they share GPUs (NCCL refuses two ranks on one GPU; epx's
+    comm from the group is then the shm one, its CUDA buffers over CUDA IPC)
+    or there is none. Other keyword arguments go to
+    torch.distributed.init_process_group."""
     import torch.distributed as dist
     fn = "epx.torch.init_process_group"
     env = launch_env()
@@ -300,7 +348,8 @@ def init_process_group(backend=None, **kwargs):
                  "launch with one of them", fn)
     rank, size, _, local_size = env
     if backend is None:
-        backend = "nccl" if _torch.cuda.is_available() else "gloo"
+        gpus = _torch.cuda.device_count() if _torch.cuda.is_available() else 0
+        backend = "nccl" if gpus and local_size <= gpus else "gloo"
     kwargs.setdefault("rank", rank)
     kwargs.setdefault("world_size", size)
     if "init_method" not in kwargs and "store" not in kwargs and not (

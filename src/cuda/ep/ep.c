@@ -1,6 +1,7 @@
-/* The CUDA backend on W ranks (one process per GPU over an NCCL comm, or
- * threads of one process over a local comm: the device transport of
- * cuda/xport/xport.h moves the rows either way): what
+/* The CUDA backend on W ranks (one process per GPU over an NCCL comm,
+ * threads of one process over a local comm, or processes of one host over
+ * an shm comm: the device transport of cuda/xport/xport.h moves the rows
+ * each way): what
  * every path shares (ep/internal.h says what a path is: host.c, fused.c,
  * hier.c, and ll/ranks.c for the low-latency mode): the buffer and its
  * path, the agreement of every call, the layout's sizing, counts and
@@ -91,8 +92,9 @@ epx_status_t epx_cuda_ep_buffer_init(epx_buffer_t b) {
   if (!xport)
     return epx_error(EPX_ERROR_UNSUPPORTED,
                      "%s: a CUDA buffer over %d ranks needs an NCCL comm (epx_comm_create_nccl, "
-                     "epx_comm_create_nccl_id or epx_comm_create_nccl_mpi) or a local one (epx_comm_create_local: "
-                     "ranks as threads of this process); this comm is %s", fn, b->world_size, b->comm->ops->name);
+                     "epx_comm_create_nccl_id or epx_comm_create_nccl_mpi), a local one (epx_comm_create_local: "
+                     "ranks as threads of this process) or an shm one (epx_comm_create_shm: processes of one "
+                     "host, through CUDA IPC); this comm is %s", fn, b->world_size, b->comm->ops->name);
   if (b->world_size > EPX_CUDA_MAX_EXPERTS)
     return epx_error(EPX_ERROR_UNSUPPORTED, "%s: %d ranks; the CUDA backend takes at most %d", fn,
                      b->world_size, EPX_CUDA_MAX_EXPERTS);

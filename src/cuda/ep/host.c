@@ -1,5 +1,5 @@
 /* The host path of the W-rank backend (ep/internal.h): the buffer's device
- * transport (xport.h: NCCL's host API, or in-process copies) on the
+ * transport (xport.h: NCCL's host API, in-process or ipc copies) on the
  * buffer's stream between the kernels of ep/tables.cu and one/.
  *
  * Layout: each rank validates its own routing on its GPU (in the kernel that

@@ -476,6 +476,12 @@ epx_status_t create_in_process(const epx_fused_ranks_t *ranks, const epx_fused_c
                                epx_fused_t **fused, const char *fn) {
   EPX_REQUIRE(ranks->comm && ranks->xport && ranks->xport->window_open,
               "%s: ranks has neither an NCCL comm nor an in-process transport", fn);
+  /* processes that take turns on a GPU cannot run kernels that wait on
+   * each other (the ipc transport says so on every rank alike) */
+  if (ranks->xport->co_resident) {
+    const epx_status_t refused = ranks->xport->co_resident(ranks->comm, fn);
+    if (refused != EPX_SUCCESS) return refused;
+  }
   const int W = ranks->comm->size, rank = ranks->comm->rank;
   epx_status_t local = W > EPX_FUSED_MAX_RANKS
                            ? epx_error(EPX_ERROR_UNSUPPORTED, "%s: %d ranks, over the fused path's %d; use the "
@@ -588,7 +594,7 @@ extern "C" epx_status_t epx_fused_create(const epx_fused_ranks_t *ranks, const e
 static void free_in_process(epx_fused_t *f, int collective) {
   if (f->window.base) {
     if (collective) f->ranks.xport->window_close(f->ranks.comm, &f->window);
-    else cudaFree(f->window.base);
+    else f->ranks.xport->window_drop(f->ranks.comm, &f->window);
   }
   epx_fused_relay_free(f);
   cudaFree(f->dev.ctl);

@@ -1,5 +1,5 @@
 /* The low-latency decode mode on W ranks over the device transport
- * (cuda/xport/xport.h: NCCL's host API, or in-process copies; ll.h, "W
+ * (cuda/xport/xport.h: NCCL's host API, in-process or ipc copies; ll.h, "W
  * ranks"): the low-latency path of the W-rank table (ep/internal.h), which
  * a CUDA buffer with config.low_latency = 1 over several ranks (or, in a
  * test build, one rank after epx_cuda_ep_at_one_rank) takes at creation.

@@ -300,6 +300,12 @@ static void in_process_window_close(epx_comm_t comm, epx_cuda_window_t *window) 
   window->base = NULL;
 }
 
+static void in_process_window_drop(epx_comm_t comm, epx_cuda_window_t *window) {
+  (void)comm;
+  if (window->base) cudaFree(window->base);
+  window->base = NULL;
+}
+
 const epx_cuda_xport_t epx_cuda_xport_in_process = {
     .name = "in-process",
     .allgather = in_process_allgather,
@@ -309,4 +315,5 @@ const epx_cuda_xport_t epx_cuda_xport_in_process = {
     .agree_max = in_process_agree_max,
     .window_open = in_process_window_open,
     .window_close = in_process_window_close,
+    .window_drop = in_process_window_drop,
 };

@@ -1,6 +1,7 @@
 /* Which device transport serves a comm (xport.h): NCCL's comms the NCCL
  * transport, a comm whose ranks share this address space (the local
- * transport's threads) the in-process one. */
+ * transport's threads) the in-process one, a comm of processes of one host
+ * (the shm transport's) the ipc one. */
 #include "core/nccl.h"
 #include "core/transport.h"
 #include "cuda/xport/xport.h"
@@ -10,5 +11,6 @@ const epx_cuda_xport_t *epx_cuda_xport_of(epx_comm_t comm) {
   if (epx_comm_is_nccl(comm)) return &epx_cuda_xport_nccl;
 #endif
   if (comm->ops->shared_address_space) return &epx_cuda_xport_in_process;
+  if (comm->ops->one_host) return &epx_cuda_xport_ipc;
   return NULL;
 }

@@ -15,17 +15,27 @@
  *               through the local comm's host-side exchange. A window is the
  *               rank's own device memory and its peers' pointers are those
  *               addresses (window_open).
+ *   ipc         an shm comm (epx_comm_create_shm): the ranks are processes of
+ *               one host (torchrun's, several on one GPU where NCCL refuses
+ *               them). Each rank stages its sends in device memory of its
+ *               own that the peers map through CUDA IPC, and the receivers
+ *               copy from there on their streams, ordered by interprocess
+ *               events; handles meet through the shm comm's host exchange
+ *               (ipc.c says how staging is reused and grown). Windows are
+ *               exported device memory mapped by the peers. Processes that
+ *               share a GPU take turns on it (no MPS): co_resident refuses
+ *               the kernels that wait on each other there.
  * A buffer takes its comm's transport at creation (epx_cuda_xport_of); a
- * comm no transport serves (MPI, shared memory between processes) gets a
- * CUDA buffer of one rank only.
+ * comm no transport serves (MPI) gets a CUDA buffer of one rank only.
  *
  * Every call is collective over the comm, in the same order on every rank,
- * and returns once its work is enqueued on `stream` (the in-process one
- * after a host rendezvous with its peers, bounded by the comm's timeout).
- * The in-process moves cannot be captured in a CUDA graph (a rank's graph
- * would wait on its peers' events, recorded outside it): under capture they
- * return EPX_ERROR_UNSUPPORTED; the fused and window paths, whose steps
- * move nothing through the transport, capture as on NCCL. */
+ * and returns once its work is enqueued on `stream` (the in-process and ipc
+ * ones after a host rendezvous with their peers, bounded by the comm's
+ * timeout). The in-process and ipc moves cannot be captured in a CUDA graph
+ * (a rank's graph would wait on its peers' events, recorded outside it):
+ * under capture they return EPX_ERROR_UNSUPPORTED; the fused and window
+ * paths, whose steps move nothing through the transport, capture as on
+ * NCCL. */
 #ifndef EPX_CUDA_XPORT_H
 #define EPX_CUDA_XPORT_H
 
@@ -61,10 +71,13 @@ typedef struct epx_cuda_window {
   /* ranks whose windows are on this rank's GPU (this rank included): they
    * share its SMs, so kernels that wait on each other get a share each */
   int32_t ranks_on_device;
+  /* the peers whose peer[] this rank mapped (the ipc transport's
+   * cudaIpcOpenMemHandle; unmapped by window_close and window_drop) */
+  uint32_t opened;
 } epx_cuda_window_t;
 
 typedef struct epx_cuda_xport {
-  const char *name; /* "nccl", "in-process" */
+  const char *name; /* "nccl", "in-process", "ipc" */
   /* n all-gathers in one group: recv[i] ([W][bytes[i]]) gets every rank's
    * send[i] ([bytes[i]]) at its rank's block. */
   epx_status_t (*allgather)(epx_comm_t comm, const void *const *send, void *const *recv, const size_t *bytes,
@@ -80,14 +93,25 @@ typedef struct epx_cuda_xport {
   epx_status_t (*fail_timeout)(epx_comm_t comm, const char *fn, const char *what);
   /* Collective: *top = the largest `mine` of the ranks (also a barrier). */
   epx_status_t (*agree_max)(epx_comm_t comm, int64_t mine, int64_t *top, const char *fn);
-  /* Windows of the in-process transport (NULL for NCCL, whose windows the
+  /* Windows of the in-process and ipc transports (NULL for NCCL, whose windows the
    * fused module registers through NCCL's device API): `bytes` of device
    * memory on this rank's GPU, every rank's address gathered, peer access
    * enabled where the GPUs differ and allow it. Collective; every rank
    * returns the same verdict. */
   epx_status_t (*window_open)(epx_comm_t comm, size_t bytes, epx_cuda_window_t *window, const char *fn);
-  /* After the ranks' last use (collective: a barrier first). */
+  /* After the ranks' last use (collective unless the comm failed: the
+   * peers' mappings closed, a barrier, then this rank's memory freed). */
   void (*window_close)(epx_comm_t comm, epx_cuda_window_t *window);
+  /* This rank's side released alone (a failed comm, or a creation every
+   * rank abandons): its mappings of the peers' windows and its memory. */
+  void (*window_drop)(epx_comm_t comm, epx_cuda_window_t *window);
+  /* Whether kernels that wait on their peers' flags in memory (the fused
+   * path, the low-latency window) can run at once on the ranks' GPUs:
+   * EPX_SUCCESS, or EPX_ERROR_UNSUPPORTED with the reason (the buffer then
+   * takes the host path, or the slabs). Collective; the same verdict on
+   * every rank. NULL: they can (co-residency on a shared GPU is then the
+   * fused module's to arrange). */
+  epx_status_t (*co_resident)(epx_comm_t comm, const char *fn);
 } epx_cuda_xport_t;
 
 /* The transport that serves comm, or NULL. */
@@ -95,6 +119,7 @@ const epx_cuda_xport_t *epx_cuda_xport_of(epx_comm_t comm);
 
 extern const epx_cuda_xport_t epx_cuda_xport_nccl;       /* xport/nccl.c (NCCL builds) */
 extern const epx_cuda_xport_t epx_cuda_xport_in_process; /* xport/in_process.c */
+extern const epx_cuda_xport_t epx_cuda_xport_ipc;        /* xport/ipc.c */
 
 #ifdef __cplusplus
 }
