@@ -25,7 +25,9 @@
 # CUDA backend needs neither, so MPI is built only where mpicc exists.
 set -u
 cd "$(dirname "$0")/.."
-# EPX_GPU_CHECK_SECTIONS: "one" (one GPU, "ranks" and "ipc" included), "ranks" (only
+# EPX_GPU_CHECK_SECTIONS: "one" (one GPU: "single", "ranks" and "ipc"),
+# "single" (one GPU, one rank: the GPU tests, the one-rank W-rank backend,
+# the sanitizers, benchmarks and Python GPU tests), "ranks" (only
 # the build and W ranks as threads on one GPU: EPX_GPU_RANKS_TIMEOUT,
 # EPX_GPU_RANKS_LIMIT, EPX_GPU_RANKS_SAN_LIMIT bound them), "ipc" (only the
 # build and W ranks as processes sharing one GPU through CUDA IPC, as
@@ -104,7 +106,7 @@ GPU2_TESTS=""
 case " $SECTIONS " in *" two "*)
   GPU2_TESTS=$(ls tests/gpu/mpi_gpu_*.c tests/gpu/nccl_gpu_*.c 2>/dev/null | xargs -n1 basename 2>/dev/null | sed 's/\.c$//') ;;
 esac
-case " $SECTIONS " in *" one "*) ;; *) GPU_TESTS="" ;; esac
+case " $SECTIONS " in *" one "*|*" single "*) ;; *) GPU_TESTS="" ;; esac
 BUILD_OK=1
 cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DEPX_BUILD_CUDA=ON -DEPX_CUDA_ARCHITECTURES=90 $MPI_FLAG \
   -DEPX_NCCL_ROOT="$NCCL" -DEPX_BUILD_FUSED="${EPX_GPU_FUSED:-ON}" -DEPX_TEST_HOOKS=ON \
