@@ -1597,7 +1597,10 @@ epx_status_t epx_ll_complete(epx_buffer_t buffer, epx_handle_t handle);
  * Backends: CPU buffers over a local (threads) or shm (processes) comm; a
  * survivor that was outside the comm's barriers while the others masked the
  * failed rank and went on gets the failure at its next call (so every
- * survivor fails the same step), masks, and goes on. The
+ * survivor fails the same step), masks, and goes on. Over shm the mask
+ * that clears the failure first waits for a survivor still reading the
+ * failed call's data (bounded by the comm's timeout: EPX_ERROR_TIMEOUT
+ * naming that rank, nothing masked). The
  * mask is the caller's, after the error: no rank is masked on its own.
  * Masking on a CPU buffer over another transport (MPI, NCCL, self) or on a
  * CUDA buffer is EPX_ERROR_UNSUPPORTED naming it: shrink the comm instead

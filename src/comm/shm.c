@@ -22,7 +22,9 @@
  * woken; a failed world answers every later call at once with
  * EPX_ERROR_PEER_FAILED. The release wait is bounded too (unlike the local
  * transport's): peers read the staged copy, never the caller's buffer, so a
- * rank may leave a failed collective early. Nothing shared keeps a waiter's
+ * rank may leave a failed collective early (the copy's name stays until it
+ * is replaced, and a mask lets the survivors meet again only once none still
+ * reads the failed collective's copies: see shm_mask). Nothing shared keeps a waiter's
  * state (a process-shared condition variable did, and a process killed while
  * waiting on it could leave its peers blocked forever): a waiter sleeps on
  * the futex word with a short timeout and, on each wake, checks its barrier,
@@ -57,8 +59,8 @@
 #include "comm/comm.h"
 #include "core/error.h"
 
-/* "epxshm06": the layout below; a rank built from another layout refuses. */
-#define SHM_MAGIC 0x65707873686d3036ULL
+/* "epxshm07": the layout below; a rank built from another layout refuses. */
+#define SHM_MAGIC 0x65707873686d3037ULL
 #define SHM_NAME_MAX 200
 /* A comm's own name: the caller's, or a shrink's "<name>.g<N>". */
 #define SHM_PATH_MAX (SHM_NAME_MAX + 16)
@@ -85,6 +87,14 @@ typedef struct shm_slot {
   int32_t op;       /* the collective it is in (shm_op_t) and its size argument, */
   uint64_t arg;     /* which must be equal on every rank */
   uint64_t arrived; /* 1 + the generation of the barrier it last reached */
+  /* 1 + the generation of a barrier it reached that ended without completing
+   * (a mask cleared its failure, shm_mask): how that barrier ended is decided
+   * once, here, for every rank, not by each waiter on waking. */
+  uint64_t voided;
+  /* From its arrival at a collective's gather to its release: it may read
+   * its peers' data segments (a mask's fresh barrier waits for it to leave,
+   * so no survivor writes a segment that a peer still reads; shm_mask). */
+  int32_t reading;
   int32_t error;    /* at a release barrier: this rank failed */
   char caller[48];
   /* Its data segment: sequence number (0: none yet) and size; read by peers
@@ -118,7 +128,6 @@ typedef struct shm_world {
   uint64_t generation;
   int32_t arrived;
   int32_t live;     /* ranks a barrier waits for: size less the masked */
-  uint32_t revived; /* failures a mask cleared (shm_mask): a waiter of the failed barrier sees it move */
   uint32_t failures; /* how many times it failed (a rank that missed one a mask cleared gets it) */
   int32_t attached;
   int32_t failed;
@@ -368,21 +377,22 @@ static void shm_fail_timeout_locked(shm_state_t *st, uint64_t generation, const 
   shm_fail_locked(w, generation, EPX_ERROR_TIMEOUT, caller, "%s", reason);
 }
 
-/* Waits (under lock) until the barrier of `generation` completes, the world
- * fails, this rank is masked, a missing rank's process is found gone, or the
- * timeout passes. A failure that a mask cleared while this rank slept (the
- * world's `revived` moved) is still this barrier's failure. The lock is let
- * go while it sleeps; if it cannot be taken back in time, the error says who
- * holds it and the lock is not held on return. */
+/* Waits (under lock) until the barrier of `generation` ends (it completes,
+ * or a mask voids it), the world fails, this rank is masked, a missing
+ * rank's process is found gone, or the timeout passes. A barrier that ended
+ * is this rank's success if it completed, even when the world failed and a
+ * mask cleared it since (a later barrier's failure: this rank gets it at its
+ * next barrier, as its peers did), and its failure if a mask voided it (the
+ * slot's `voided`): every rank that reached it returns the same. The lock is
+ * let go while it sleeps; if it cannot be taken back in time, the error says
+ * who holds it and the lock is not held on return. */
 static epx_status_t shm_wait_locked(epx_comm_t comm, const char *caller, uint64_t generation) {
   shm_state_t *st = comm->impl;
   shm_world_t *w = st->world;
   int bounded = shm_bounded(w->timeout_seconds);
   double start = shm_now(), deadline = start + (bounded ? w->timeout_seconds : 0);
   double next_check = start + SHM_SLICE_SECONDS;
-  const uint32_t revived = w->revived;
-  while (w->generation == generation && !w->failed && w->revived == revived &&
-         !w->slots[comm->rank].masked) {
+  while (w->generation == generation && !w->failed && !w->slots[comm->rank].masked) {
     double now = shm_now(), left = bounded ? deadline - now : SHM_SLICE_SECONDS;
     /* The peers' processes are looked at once a wait has lasted a slice (it
      * costs a read of /proc per missing rank: not on every wake). */
@@ -408,9 +418,13 @@ static epx_status_t shm_wait_locked(epx_comm_t comm, const char *caller, uint64_
       return locked;
     }
   }
-  if (w->revived != revived)
-    return epx_comm_world_missed_failure_error(comm, caller, w->failures, &st->failures_seen,
-                                               (epx_status_t)w->fail_status, w->fail_caller, w->fail_reason);
+  if (w->generation != generation && w->slots[comm->rank].voided == generation + 1) {
+    /* Its failure came and a mask cleared it while this rank slept. */
+    comm->failed = 1;
+    st->failures_seen = w->failures;
+    return epx_comm_world_failed_error(caller, 1, (epx_status_t)w->fail_status, w->fail_caller,
+                                       w->fail_reason);
+  }
   if (w->generation != generation) return EPX_SUCCESS;
   if (!w->failed) return shm_masked_error(comm, caller);
   return shm_failed_error_locked(comm, caller, generation);
@@ -479,7 +493,14 @@ static epx_status_t shm_gather(epx_comm_t comm, const char *caller, shm_op_t op,
     snprintf(mine->caller, sizeof mine->caller, "%s", caller);
     mine->data_seq = st->maps[comm->rank].seq;
     mine->data_bytes = st->maps[comm->rank].bytes;
+    mine->reading = op != SHM_OP_CREATE && op != SHM_OP_BARRIER; /* a release follows */
     status = shm_arrive_locked(comm, caller);
+  }
+  /* A failed gather has no release: this rank reads nothing. (On an error
+   * taking the lock back the flag stays: a mask waits for it, bounded.) */
+  if (st->locked && status != EPX_SUCCESS && mine->reading) {
+    mine->reading = 0;
+    shm_wake_all(w); /* a mask may wait for it (shm_mask) */
   }
   for (int32_t p = 0; status == EPX_SUCCESS && p < w->size; p++) st->masked[p] = (uint8_t)w->slots[p].masked;
   shm_unlock(st);
@@ -488,19 +509,26 @@ static epx_status_t shm_gather(epx_comm_t comm, const char *caller, shm_op_t op,
 
 /* Waits until every peer is done reading this collective's data; a rank that
  * failed (`status`) makes the others fail naming it. The own data segment's
- * name goes once every peer has mapped it. */
+ * name goes once every peer has mapped it: after a release that completed
+ * (after a failed one a survivor may still be about to map it; the name
+ * goes when the segment is replaced, shm_stage, or at destroy). */
 static epx_status_t shm_release(epx_comm_t comm, const char *caller, shm_op_t op,
                                 epx_status_t status) {
   shm_state_t *st = comm->impl;
   shm_world_t *w = st->world;
+  int released = 0;
   epx_status_t locked = shm_lock(st, comm->rank, caller);
   if (locked != EPX_SUCCESS) {
     comm->failed = 1;
     status = locked;
   } else {
     w->slots[comm->rank].error = status != EPX_SUCCESS;
+    w->slots[comm->rank].reading = 0;
+    if (w->failed) shm_wake_all(w); /* a mask may wait for it (shm_mask) */
     epx_status_t waited = shm_check_failed_locked(comm, caller);
     if (waited == EPX_SUCCESS) waited = shm_arrive_locked(comm, caller);
+    /* Every peer reached the release: each has mapped this rank's segment. */
+    released = waited == EPX_SUCCESS;
     if (status == EPX_SUCCESS) status = waited;
     for (int32_t p = 0; p < w->size && status == EPX_SUCCESS; p++)
       if (w->slots[p].error && !w->slots[p].masked)
@@ -510,7 +538,7 @@ static epx_status_t shm_release(epx_comm_t comm, const char *caller, shm_op_t op
                            caller, p, shm_op_names[op]);
     shm_unlock(st);
   }
-  if (st->own_linked) {
+  if (st->own_linked && released) {
     char name[SHM_PATH_MAX + 48];
     shm_data_name(name, sizeof name, st, comm->rank, st->maps[comm->rank].seq);
     shm_unlink(name);
@@ -560,6 +588,13 @@ static epx_status_t shm_stage(epx_comm_t comm, const char *caller, size_t bytes,
     if (want < SHM_MIN_DATA) want = SHM_MIN_DATA;
     want = (want + page - 1) / page * page;
     char name[SHM_PATH_MAX + 48], *base = NULL;
+    /* The current segment's name, left by a failed release: no peer maps it
+     * any more (a mask's fresh barrier waited for the readers, shm_mask). */
+    if (st->own_linked) {
+      shm_data_name(name, sizeof name, st, comm->rank, own->seq);
+      shm_unlink(name);
+      st->own_linked = 0;
+    }
     shm_data_name(name, sizeof name, st, comm->rank, own->seq + 1);
     /* The name is this rank's in this world: an object there is a leftover
      * of an ended job on the same name. */
@@ -1111,22 +1146,42 @@ void epx_comm_shm_test_hold_lock(epx_comm_t comm) {
  * process ending is not a failure. Each survivor masks; the first to find
  * the world's failure naming only masked ranks clears it and starts a fresh
  * barrier. A survivor still asleep in the failed barrier is not waited for
- * (a killed one never wakes): `revived` moves, and on waking it returns the
- * failure, not the fresh barrier's completion (shm_wait_locked); a survivor
+ * (a killed one never wakes): the failed barrier is marked voided in the
+ * slot of every rank that reached it, and on waking such a survivor returns
+ * the failure, not the fresh barrier's start (shm_wait_locked), while one
+ * still asleep in a barrier that completed before the failure returns that
+ * success and gets the failure at its next barrier; a survivor
  * that was outside the barriers when the failure came and went gets it at
  * its next barrier (shm_check_failed_locked), so every survivor fails the
  * same step and masks before the next. */
 
-/* 1 when the world's failure named ranks and every one of them is masked
- * (under lock): the failure was theirs alone. */
-static int shm_failure_masked_locked(const shm_world_t *w) {
+/* 1 when the world's failure named ranks and every one of them is masked,
+ * `also` (-1: none) counted as masked (under lock): the failure was theirs
+ * alone. */
+static int shm_failure_masked_locked(const shm_world_t *w, int32_t also) {
   int named = 0;
   for (int32_t p = 0; p < w->size; p++) {
     if (!w->slots[p].suspect) continue;
-    if (!w->slots[p].masked) return 0;
+    if (!w->slots[p].masked && p != also) return 0;
     named = 1;
   }
   return named;
+}
+
+/* A survivor other than `self` and `skip` (attached, not masked, its
+ * process alive) that passed a gather and has not reached its release, so may still read
+ * its peers' data segments, or -1 (under lock). One waiting at the current
+ * (failed) barrier reads nothing: that barrier is voided for it. */
+static int32_t shm_reader_locked(const shm_state_t *st, int32_t self, int32_t skip) {
+  const shm_world_t *w = st->world;
+  for (int32_t p = 0; p < w->size; p++) {
+    const shm_slot_t *slot = &w->slots[p];
+    if (p == self || p == skip || !slot->attached || slot->masked || !slot->reading ||
+        slot->arrived == w->generation + 1)
+      continue;
+    if (!shm_process_gone(st, slot->pid, slot->pid_ns)) return p;
+  }
+  return -1;
 }
 
 static epx_status_t shm_mask(epx_comm_t comm, const char *caller, int32_t rank, int masked) {
@@ -1134,6 +1189,27 @@ static epx_status_t shm_mask(epx_comm_t comm, const char *caller, int32_t rank, 
   shm_world_t *w = st->world;
   epx_status_t status = shm_lock(st, comm->rank, caller);
   if (status != EPX_SUCCESS) return status;
+  /* Before the survivors meet again, every survivor still reading the
+   * failed collective's data reaches its release (and gets the failure
+   * there): a fresh collective rewrites the data segments. Waited for
+   * before the mask is applied: on a timeout nothing changed. */
+  int bounded = shm_bounded(w->timeout_seconds);
+  double deadline = shm_now() + (bounded ? w->timeout_seconds : 0);
+  int32_t reader, masking = masked ? rank : -1;
+  while (w->failed && shm_failure_masked_locked(w, masking) &&
+         (reader = shm_reader_locked(st, comm->rank, masking)) >= 0) {
+    double left = bounded ? deadline - shm_now() : SHM_SLICE_SECONDS;
+    if (left <= 0) {
+      shm_unlock(st);
+      return epx_error(EPX_ERROR_TIMEOUT,
+                       "%s: rank %d did not leave the failed collective (%s) within %g s (comm "
+                       "timeout_seconds): its process is stopped or stuck; the survivors cannot "
+                       "meet again",
+                       caller, reader, shm_op_names[w->slots[reader].op], w->timeout_seconds);
+    }
+    status = shm_nap_locked(st, comm->rank, caller, left);
+    if (status != EPX_SUCCESS) return status;
+  }
   shm_slot_t *slot = &w->slots[rank];
   if (slot->masked != masked) {
     slot->masked = masked;
@@ -1146,12 +1222,14 @@ static epx_status_t shm_mask(epx_comm_t comm, const char *caller, int32_t rank, 
     if (!masked) slot->suspect = 0;
     shm_wake_all(w);
   }
-  if (w->failed && shm_failure_masked_locked(w)) {
-    /* The survivors meet at a fresh barrier: the failed one's arrivals are void. */
+  if (w->failed && shm_failure_masked_locked(w, -1)) {
+    /* The survivors meet at a fresh barrier: the failed one's arrivals are
+     * void, and so is the barrier for each rank that reached it. */
+    for (int32_t p = 0; p < w->size; p++)
+      if (w->slots[p].arrived == w->generation + 1) w->slots[p].voided = w->generation + 1;
     w->failed = 0;
     w->arrived = 0;
     w->generation++;
-    w->revived++;
     shm_wake_all(w);
   } else if (!w->failed && w->arrived > 0 && w->arrived >= w->live) {
     /* The ranks already waiting were waiting only for the one now masked. */
