@@ -347,7 +347,8 @@ class Buffer:
                                num_tokens_per_expert.cpu().numpy().astype(np.int64)])
         every = mine[None] if W == 1 else rt.comm.allgather(mine)
         most = int(every[:, 0].max())
-        L, recv_x, recv_s = rt.fresh(x, scales, idx, w, E, most, fn)
+        ids = _core.ids32(idx, E, cpu_only=True) if topk_idx is not None else None
+        L, recv_x, recv_s = rt.fresh(x, scales, idx, w, E, most, fn, ids)
         L.in_rank, L.routing_idx, L.per_rank = is_token_in_rank, idx, every[:, 1:1 + W]
         coming = int(L.per_rank[:, self.rank].sum())
         if coming != L.rows:
