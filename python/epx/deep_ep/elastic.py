@@ -122,15 +122,15 @@ def _expansion(L, alignment):
         return L._expand[1]
     idx = L.recv_idx                                   # [N, K] local ids, -1 elsewhere
     counts = L.d.counts
-    n0, k0 = (idx >= 0).nonzero(as_tuple=True)        # row-major: by row, then k
-    e = idx[n0, k0]
+    K = idx.shape[1]
+    f0 = (idx >= 0).reshape(-1).nonzero().view(-1)    # flat (row, k): by row, then k
     # by expert, then row (then k): a stable sort of e keeps the row-major order inside a group
-    order = torch.argsort(e, stable=True)
-    n, k, e = n0[order], k0[order], e[order]
+    e, order = torch.sort(idx.reshape(-1).index_select(0, f0), stable=True)
+    f = f0.index_select(0, order)                      # flat (n, k) of each place, in order
+    n = f // K
     m = n.shape[0]
     if alignment == 1:
         # the groups packed: each (row, k) lands at its place in the sorted order
-        starts = counts.cumsum(0) - counts
         dest = torch.arange(m, device=idx.device)
         total = m
     else:
@@ -140,12 +140,12 @@ def _expansion(L, alignment):
         dest = starts[e] + rank_in_group
         total = int(aligned.sum())
     pos = torch.full(idx.shape, -1, dtype=torch.int64, device=idx.device)
-    pos[n, k] = dest
+    pos.view(-1)[f] = dest
     # by row, then k (combine's sum order): the (row, k) pairs as nonzero gave them
     nk_dest = torch.empty_like(dest)
     nk_dest[order] = dest
-    ex = dict(counts=counts, starts=starts, pos=pos, n=n, k=k, dest=dest, total=total,
-              dense=alignment == 1, nk_n=n0, nk_dest=nk_dest)
+    ex = dict(pos=pos, n=n, f=f, dest=dest, total=total, dense=alignment == 1,
+              nk_n=f0 // K, nk_dest=nk_dest)
     L._expand = (key, ex)
     return ex
 
@@ -363,11 +363,12 @@ class ElasticBuffer:
                 recv_s = _expand_rows(L, expert_alignment, recv_s)
             if recv_w is not None:
                 ex = _expansion(L, expert_alignment)
+                got = recv_w.reshape(-1).index_select(0, ex["f"])  # recv_w[n, k]
                 if ex["dense"]:                        # dest is 0, 1, ... in this order
-                    recv_w = recv_w[ex["n"], ex["k"]]
+                    recv_w = got
                 else:
                     w = recv_w.new_zeros((ex["total"],))
-                    w[ex["dest"]] = recv_w[ex["n"], ex["k"]]
+                    w[ex["dest"]] = got
                     recv_w = w
         if not h.cpu_synced:
             # DeepEP without a CPU sync allocates the worst case: rows past the
@@ -433,7 +434,7 @@ class ElasticBuffer:
                 check(w.dim() == 1, fn, "topk_weights of an expanded handle must be "
                       "[num_expanded_tokens]")
                 folded = torch.zeros((L.rows, L.K), dtype=torch.float32, device=w.device)
-                folded[ex["n"], ex["k"]] = w[ex["dest"]].float()
+                folded.view(-1)[ex["f"]] = w[ex["dest"]].float()   # folded[n, k]
                 w = folded
         out = rt.combine(L, x, fn)
         out = _add_bias(out, bias, L.T, fn)
