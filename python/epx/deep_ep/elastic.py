@@ -17,6 +17,7 @@ import epx
 
 from . import _core
 from ._core import check, unsupported
+from .legacy import _add_bias
 from .utils import EventHandle, EventOverlap
 
 _ALIGNMENT = 2 << 20  # DeepEP's 2 MiB buffer alignment
@@ -405,7 +406,6 @@ class ElasticBuffer:
         k order in float32 (DeepEP's reduction within the rank), then over
         the ranks."""
         fn = "ElasticBuffer.combine"
-        from .legacy import _add_bias
         rt = self._rt("combine")
         check(isinstance(handle, EPHandle), fn, "handle is a %s; pass an EPHandle",
               type(handle).__name__)
