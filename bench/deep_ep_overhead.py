@@ -2,6 +2,9 @@
 (one rank over a group of one, small rows so the exchange itself is cheap):
 the median and min of N timed calls of each, interleaved, after a warm-up.
 DEVICE=cuda times them on the GPU (each call followed by a synchronize).
+BEFORE=<a checkout's python/epx/deep_ep> also times that copy of the package
+(loaded beside this one as deep_ep_before, on the same epx and epx.torch),
+the three calls interleaved: before and after side by side in one run.
 
 Run: EPX_LIBRARY=build/libepx.so PYTHONPATH=python python bench/deep_ep_overhead.py
 """
@@ -27,24 +30,54 @@ def _sync():
         torch.cuda.synchronize()
 
 
-def timed(ours, theirs):
-    """(median, min) of each, the two calls interleaved (the machine's load
-    falls on both alike)."""
+def timed(*calls):
+    """(median, min) of each, the calls interleaved (the machine's load
+    falls on them alike)."""
     for _ in range(50):
-        ours()
-        theirs()
-    a, b = [], []
+        for f in calls:
+            f()
+    times = [[] for _ in calls]
     for _ in range(N):
-        t0 = time.perf_counter_ns()
-        ours()
-        _sync()
-        t1 = time.perf_counter_ns()
-        theirs()
-        _sync()
-        t2 = time.perf_counter_ns()
-        a.append(t1 - t0)
-        b.append(t2 - t1)
-    return [(statistics.median(v) / 1000.0, min(v) / 1000.0) for v in (a, b)]
+        for f, v in zip(calls, times):
+            t0 = time.perf_counter_ns()
+            f()
+            _sync()
+            v.append(time.perf_counter_ns() - t0)
+    return [(statistics.median(v) / 1000.0, min(v) / 1000.0) for v in times]
+
+
+def load_before(path):
+    """The deep_ep package at path, imported as deep_ep_before."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "deep_ep_before", os.path.join(path, "__init__.py"),
+        submodule_search_locations=[path])
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["deep_ep_before"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def setup(deep_ep, group, x, idx, w):
+    """The epx.deep_ep calls timed, on buffers of this package."""
+    b1 = deep_ep.Buffer(group)
+    per_rank, _, per_expert, in_rank, _ = b1.get_dispatch_layout(idx, E)
+    recv_x, ri, rw, counts, h1, _ = b1.dispatch(x, num_tokens_per_rank=per_rank,
+                                                is_token_in_rank=in_rank,
+                                                num_tokens_per_expert=per_expert, topk_idx=idx,
+                                                topk_weights=w)
+    eb = deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=T, hidden=H, num_topk=K)
+    ex, _, ew, h2, _ = eb.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E, do_expand=True)
+    return [
+        lambda: b1.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                            num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w),
+        lambda: b1.dispatch(x, handle=h1),
+        lambda: b1.combine(recv_x, h1),
+        lambda: b1.get_dispatch_layout(idx, E),
+        lambda: eb.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E, do_expand=True),
+        lambda: eb.dispatch(x, handle=h2, do_expand=True),
+        lambda: eb.combine(ex, h2),
+    ]
 
 
 def main():
@@ -58,14 +91,10 @@ def main():
     w = torch.rand(T, K, generator=g).to(DEV)
     group = dist.group.WORLD
 
-    b1 = deep_ep.Buffer(group)
-    per_rank, _, per_expert, in_rank, _ = b1.get_dispatch_layout(idx, E)
-    recv_x, ri, rw, counts, h1, _ = b1.dispatch(x, num_tokens_per_rank=per_rank,
-                                                is_token_in_rank=in_rank,
-                                                num_tokens_per_expert=per_expert, topk_idx=idx,
-                                                topk_weights=w)
-    eb = deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=T, hidden=H, num_topk=K)
-    ex, _, ew, h2, _ = eb.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E, do_expand=True)
+    ours = setup(deep_ep, group, x, idx, w)
+    before = setup(load_before(os.environ["BEFORE"]), group, x, idx, w) \
+        if os.environ.get("BEFORE") else None
+    recv_x = ours[1]()[0]
 
     # the same epx.torch calls on a buffer of the same config
     comm = epx.Comm.create_self()
@@ -77,33 +106,33 @@ def main():
                     exact_size=True)
 
     rows = []
-
-    def row(name, ours, theirs):
-        (a, a_min), (c, c_min) = timed(ours, theirs)
-        rows.append((name, a, c, a - c, a_min - c_min))
-
+    names = ["V1 dispatch (layout)", "V1 dispatch (handle=)", "V1 combine",
+             "V1 get_dispatch_layout", "V2 dispatch (do_expand)", "V2 dispatch (handle=, expand)",
+             "V2 combine (expand)"]
+    fresh = lambda: et.dispatch(b, x, idx32, w, weighting=epx.Weighting.NONE, recorder=False,
+                                exact_size=True)
+    again = lambda: et.dispatch(b, x, handle=d)
+    fold = lambda: et.combine(d, recv_x)
+    theirs = [fresh, again, fold, lambda: None, fresh, again, fold]
     with torch.no_grad():
-        row("V1 dispatch (layout)", lambda: b1.dispatch(
-            x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-            num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w),
-            lambda: et.dispatch(b, x, idx32, w, weighting=epx.Weighting.NONE, recorder=False,
-                                exact_size=True))
-        row("V1 dispatch (handle=)", lambda: b1.dispatch(x, handle=h1),
-            lambda: et.dispatch(b, x, handle=d))
-        row("V1 combine", lambda: b1.combine(recv_x, h1), lambda: et.combine(d, recv_x))
-        row("V1 get_dispatch_layout", lambda: b1.get_dispatch_layout(idx, E), lambda: None)
-        row("V2 dispatch (do_expand)", lambda: eb.dispatch(
-            x, topk_idx=idx, topk_weights=w, num_experts=E, do_expand=True),
-            lambda: et.dispatch(b, x, idx32, w, weighting=epx.Weighting.NONE, recorder=False,
-                                exact_size=True))
-        row("V2 dispatch (handle=, expand)", lambda: eb.dispatch(x, handle=h2, do_expand=True),
-            lambda: et.dispatch(b, x, handle=d))
-        row("V2 combine (expand)", lambda: eb.combine(ex, h2), lambda: et.combine(d, recv_x))
+        for i, name in enumerate(names):
+            calls = [ours[i], theirs[i]] + ([before[i]] if before else [])
+            got = timed(*calls)
+            (a, a_min), (c, c_min) = got[0], got[1]
+            rows.append((name, a, c, a - c, a_min - c_min)
+                        + ((got[2][0], got[2][0] - c) if before else ()))
     print("T=%d H=%d E=%d K=%d bf16, %s, 1 rank, %d calls (us)" % (T, H, E, K, DEV, N))
-    print("| call | epx.deep_ep | epx.torch | overhead (median) | overhead (min) |")
-    print("| --- | ---: | ---: | ---: | ---: |")
-    for name, a, c, o, m in rows:
-        print("| %s | %.1f | %.1f | %.1f | %.1f |" % (name, a, c, o, m))
+    if before:
+        print("| call | epx.torch | before | after | overhead before (median) | "
+              "overhead after (median) | overhead after (min) |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for name, a, c, o, m, bt, bo in rows:
+            print("| %s | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f |" % (name, c, bt, a, bo, o, m))
+    else:
+        print("| call | epx.deep_ep | epx.torch | overhead (median) | overhead (min) |")
+        print("| --- | ---: | ---: | ---: | ---: |")
+        for name, a, c, o, m in rows:
+            print("| %s | %.1f | %.1f | %.1f | %.1f |" % (name, a, c, o, m))
     dist.destroy_process_group()
 
 

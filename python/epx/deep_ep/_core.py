@@ -198,21 +198,54 @@ def check_routing(topk_idx, topk_weights, T, num_experts, fn):
     check(num_experts is not None and int(num_experts) > 0, fn, "num_experts must be given")
 
 
+def ids_in_range(idx, num_experts):
+    """Whether every id of idx is in [-1, num_experts) (one reduction, then
+    two host reads)."""
+    if idx.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(idx)
+    return int(lo) >= -1 and int(hi) < num_experts
+
+
+_ARANGE = {}
+
+
+def _ranks(num_ranks, device):
+    """torch.arange(num_ranks) on device (int64), made once."""
+    key = (num_ranks, device)
+    r = _ARANGE.get(key)
+    if r is None:
+        r = _ARANGE[key] = torch.arange(num_ranks, device=device)
+    return r
+
+
+def ids32(idx, num_experts, cpu_only):
+    """idx as the int32 epx reads, where every id is in [-1, num_experts)
+    (checked here: one reduction), else None (epx.torch then checks and
+    converts it, refusing a bad id by its own error). cpu_only: None on
+    CUDA, where the check would wait for the device."""
+    if idx.dtype == torch.int32:
+        return None
+    if cpu_only and idx.device.type != "cpu":
+        return None
+    return idx.to(torch.int32) if ids_in_range(idx, num_experts) else None
+
+
 def dispatch_layout(topk_idx, num_experts, num_ranks, fn):
     """DeepEP's get_dispatch_layout, on the caller's device: (tokens per rank
     [W] int32, tokens per expert [E] int32, is_token_in_rank [T, W] bool)."""
     check(num_experts % num_ranks == 0, fn, "num_experts %d is not a multiple of the %d ranks",
           num_experts, num_ranks)
     idx = topk_idx.long()
-    valid = idx >= 0
-    if bool(((idx >= num_experts) | (idx < -1)).any()):
+    if not ids_in_range(idx, num_experts):
         raise ValueError("epx.deep_ep: %s: topk_idx holds an expert id outside [-1, %d)"
                          % (fn, num_experts))
-    rank_of = torch.where(valid, idx // (num_experts // num_ranks), -1)
-    ranks = torch.arange(num_ranks, device=idx.device)
-    in_rank = (rank_of.unsqueeze(-1) == ranks).any(dim=1)
+    # -1 // n is -1: no route stays off every rank
+    in_rank = (idx.unsqueeze(-1) // (num_experts // num_ranks)
+               == _ranks(num_ranks, idx.device)).any(dim=1)
     per_rank = in_rank.sum(dim=0, dtype=torch.int32)
-    per_expert = torch.bincount(idx[valid], minlength=num_experts).to(torch.int32)
+    # the -1s counted in bin 0, dropped
+    per_expert = torch.bincount(idx.flatten() + 1, minlength=num_experts + 1)[1:].to(torch.int32)
     return per_rank, per_expert, in_rank
 
 
@@ -283,9 +316,11 @@ class Exchange:
 
     # -- the exchanges ----------------------------------------------------
 
-    def fresh(self, x, scales, topk_idx, topk_w, E, max_tokens, fn):
+    def fresh(self, x, scales, topk_idx, topk_w, E, max_tokens, fn, ids=None):
         """A layout and its payload: a :class:`Layout` and recv_x (and
-        recv_scales for fp8 rows)."""
+        recv_scales for fp8 rows). ids: topk_idx as int32, where the caller
+        has checked it in [-1, E) (epx.torch then reads it as it is, with no
+        second check and conversion)."""
         T, H = x.shape
         K = topk_idx.shape[1]
         dtype = torch.bfloat16 if scales is not None else x.dtype
@@ -295,7 +330,8 @@ class Exchange:
         if scales is not None and epx.FP8Format(b.config.fp8_format) == epx.FP8Format.NONE:
             unsupported(fn, "fp8 x on a buffer of hidden %d (epx's fp8 needs bfloat16 rows of a "
                         "multiple of 128)" % H)
-        d = et.dispatch(b, _fp8_pair(x, scales) if scales is not None else x, topk_idx, topk_w,
+        d = et.dispatch(b, _fp8_pair(x, scales) if scales is not None else x,
+                        topk_idx if ids is None else ids, topk_w,
                         weighting=epx.Weighting.NONE, recorder=False,
                         exact_size=scales is None)
         _count("layouts")
@@ -329,8 +365,14 @@ class Exchange:
         if scales is not None and epx.FP8Format(b.config.fp8_format) == epx.FP8Format.NONE:
             unsupported(fn, "fp8 x on a buffer of hidden %d (epx's fp8 needs bfloat16 rows of a "
                         "multiple of 128)" % x.shape[1])
-        d = et.dispatch(b, _fp8_pair(x, scales) if scales is not None else x, handle=L.d)
         _count("cached_dispatches")
+        if scales is None and x.dtype == b.dd_dtype and x.device.type != "meta":
+            # epx.torch.dispatch(b, x, handle=L.d)'s op, called as it calls it (the op checks
+            # x against the handle's buffer: dtype, shape, device)
+            recv_x = torch.ops.epx.dispatch_cached(x, L.d.handle_id, L.d.recv_x.shape[0],
+                                                   L.d.top_k)
+            return (recv_x if recv_x.shape[0] == L.rows else recv_x[:L.rows]), None
+        d = et.dispatch(b, _fp8_pair(x, scales) if scales is not None else x, handle=L.d)
         recv_x = d.recv_x if d.recv_x.shape[0] == L.rows else d.recv_x[:L.rows]
         recv_s = d.recv_scales[:L.rows] if scales is not None else None
         if scales is not None and not native_scales(x, scales):
@@ -349,7 +391,13 @@ class Exchange:
         _count("combines")
         if x.shape[0] != L.rows:
             x = x[:L.rows]
-        return et.combine(L.d, x if x.is_contiguous() else x.contiguous())
+        x = x if x.is_contiguous() else x.contiguous()
+        d = L.d
+        if d.weighting == epx.Weighting.NONE and x.device.type != "meta":
+            # et.combine(d, x)'s op, called as it calls it (no weights applied: w None; the op
+            # checks x against the handle's buffer)
+            return torch.ops.epx.combine(x, None, d.handle_id, d.num_tokens, d.weighting)
+        return et.combine(d, x)
 
     # -- per-token tensors beside the rows -----------------------------------
 
@@ -425,5 +473,5 @@ class Exchange:
 def in_rank_of(topk_idx, num_experts, num_ranks):
     """is_token_in_rank [T, W] bool of a routing."""
     idx = topk_idx.long()
-    rank_of = torch.where(idx >= 0, idx // (num_experts // num_ranks), -1)
-    return (rank_of.unsqueeze(-1) == torch.arange(num_ranks, device=idx.device)).any(dim=1)
+    return (idx.unsqueeze(-1) // (num_experts // num_ranks)
+            == _ranks(num_ranks, idx.device)).any(dim=1)

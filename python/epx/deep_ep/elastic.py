@@ -17,6 +17,7 @@ import epx
 
 from . import _core
 from ._core import check, unsupported
+from .legacy import _add_bias
 from .utils import EventHandle, EventOverlap
 
 _ALIGNMENT = 2 << 20  # DeepEP's 2 MiB buffer alignment
@@ -65,11 +66,11 @@ class EPHandle:
         self.num_recv_tokens = L.rows
         counts = L.d.counts
         a = expert_alignment
-        aligned = _core.aligned(counts, a)
-        if do_expand:
+        if do_expand and a != 1:
+            aligned = _core.aligned(counts, a)
             starts = aligned.cumsum(0) - aligned
             self.psum_num_recv_tokens_per_expert = (starts + counts).to(torch.int32)
-        else:
+        else:                                   # (aligned to 1: starts + counts is the cumsum)
             self.psum_num_recv_tokens_per_expert = counts.cumsum(0).to(torch.int32)
         psum = self.psum_num_recv_tokens_per_expert
         self.num_expanded_tokens = int(psum[-1]) if psum.numel() else 0
@@ -121,23 +122,31 @@ def _expansion(L, alignment):
     if L._expand is not None and L._expand[0] == key:
         return L._expand[1]
     idx = L.recv_idx                                   # [N, K] local ids, -1 elsewhere
-    valid = idx >= 0
     counts = L.d.counts
-    aligned = _core.aligned(counts, alignment)
-    starts = aligned.cumsum(0) - aligned
-    n, k = valid.nonzero(as_tuple=True)               # row-major: by row, then k
-    e = idx[n, k]
-    order = torch.argsort(e * (L.rows + 1) + n, stable=True)
-    n, k, e = n[order], k[order], e[order]
-    group_first = torch.cumsum(torch.ones_like(e), 0) - 1
-    rank_in_group = group_first - (counts.cumsum(0) - counts)[e]
-    dest = starts[e] + rank_in_group
+    K = idx.shape[1]
+    f0 = (idx >= 0).reshape(-1).nonzero().view(-1)    # flat (row, k): by row, then k
+    # by expert, then row (then k): a stable sort of e keeps the row-major order inside a group
+    e, order = torch.sort(idx.reshape(-1).index_select(0, f0), stable=True)
+    f = f0.index_select(0, order)                      # flat (n, k) of each place, in order
+    n = f // K
+    m = n.shape[0]
+    if alignment == 1:
+        # the groups packed: each (row, k) lands at its place in the sorted order
+        dest = torch.arange(m, device=idx.device)
+        total = m
+    else:
+        aligned = _core.aligned(counts, alignment)
+        starts = aligned.cumsum(0) - aligned
+        rank_in_group = torch.arange(m, device=idx.device) - (counts.cumsum(0) - counts)[e]
+        dest = starts[e] + rank_in_group
+        total = int(aligned.sum())
     pos = torch.full(idx.shape, -1, dtype=torch.int64, device=idx.device)
-    pos[n, k] = dest
-    total = int(aligned.sum())
-    nk_n, nk_k = valid.nonzero(as_tuple=True)         # by row, then k: combine's sum order
-    ex = dict(counts=counts, starts=starts, pos=pos, n=n, k=k, dest=dest, total=total,
-              dense=alignment == 1, nk_n=nk_n, nk_dest=pos[nk_n, nk_k])
+    pos.view(-1)[f] = dest
+    # by row, then k (combine's sum order): the (row, k) pairs as nonzero gave them
+    nk_dest = torch.empty_like(dest)
+    nk_dest[order] = dest
+    ex = dict(pos=pos, n=n, f=f, dest=dest, total=total, dense=alignment == 1,
+              nk_n=f0 // K, nk_dest=nk_dest)
     L._expand = (key, ex)
     return ex
 
@@ -335,11 +344,12 @@ class ElasticBuffer:
             check(T <= mt, fn, "%d tokens but num_max_tokens_per_rank is %d", T, mt)
             rt.num_sms = num_sms
             cloned = topk_idx.clone() if do_handle_copy else topk_idx
-            if (topk_idx < -1).any() or (topk_idx >= num_experts).any():
+            if not _core.ids_in_range(topk_idx, num_experts):
                 raise ValueError("epx.deep_ep: %s: topk_idx holds an expert id outside "
                                  "[-1, %d)" % (fn, num_experts))
+            ids = topk_idx.to(torch.int32) if topk_idx.dtype != torch.int32 else None
             L, recv_x, recv_s = rt.fresh(xs, scales, topk_idx, topk_weights, num_experts, mt,
-                                         fn)
+                                         fn, ids)
             L.routing_idx = cloned
             recv_w = L.recv_w
             h = EPHandle(do_expand, num_experts, expert_alignment, mt, num_sms, cloned, L)
@@ -354,9 +364,13 @@ class ElasticBuffer:
                 recv_s = _expand_rows(L, expert_alignment, recv_s)
             if recv_w is not None:
                 ex = _expansion(L, expert_alignment)
-                w = recv_w.new_zeros((ex["total"],))
-                w[ex["dest"]] = recv_w[ex["n"], ex["k"]]
-                recv_w = w
+                got = recv_w.reshape(-1).index_select(0, ex["f"])  # recv_w[n, k]
+                if ex["dense"]:                        # dest is 0, 1, ... in this order
+                    recv_w = got
+                else:
+                    w = recv_w.new_zeros((ex["total"],))
+                    w[ex["dest"]] = got
+                    recv_w = w
         if not h.cpu_synced:
             # DeepEP without a CPU sync allocates the worst case: rows past the
             # received ones (psum_num_recv_tokens_per_scaleup_rank[-1], or the
@@ -392,7 +406,6 @@ class ElasticBuffer:
         k order in float32 (DeepEP's reduction within the rank), then over
         the ranks."""
         fn = "ElasticBuffer.combine"
-        from .legacy import _add_bias
         rt = self._rt("combine")
         check(isinstance(handle, EPHandle), fn, "handle is a %s; pass an EPHandle",
               type(handle).__name__)
@@ -421,7 +434,7 @@ class ElasticBuffer:
                 check(w.dim() == 1, fn, "topk_weights of an expanded handle must be "
                       "[num_expanded_tokens]")
                 folded = torch.zeros((L.rows, L.K), dtype=torch.float32, device=w.device)
-                folded[ex["n"], ex["k"]] = w[ex["dest"]].float()
+                folded.view(-1)[ex["f"]] = w[ex["dest"]].float()   # folded[n, k]
                 w = folded
         out = rt.combine(L, x, fn)
         out = _add_bias(out, bias, L.T, fn)

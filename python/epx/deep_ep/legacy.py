@@ -342,22 +342,31 @@ class Buffer:
             w = None
         # The counts every rank gave: the rank prefix matrix, the received
         # tokens per expert (DeepEP's notify step), and the buffer's size.
-        mine = np.concatenate([np.array([T], dtype=np.int64),
-                               num_tokens_per_rank.cpu().numpy().astype(np.int64),
-                               num_tokens_per_expert.cpu().numpy().astype(np.int64)])
-        every = mine[None] if W == 1 else rt.comm.allgather(mine)
-        most = int(every[:, 0].max())
-        L, recv_x, recv_s = rt.fresh(x, scales, idx, w, E, most, fn)
-        L.in_rank, L.routing_idx, L.per_rank = is_token_in_rank, idx, every[:, 1:1 + W]
-        coming = int(L.per_rank[:, self.rank].sum())
+        pr, pe = num_tokens_per_rank.tolist(), num_tokens_per_expert.tolist()
+        if W == 1:
+            every = None
+            most = T
+        else:
+            every = rt.comm.allgather(np.array([T] + pr + pe, dtype=np.int64))
+            most = int(every[:, 0].max())
+        ids = _core.ids32(idx, E, cpu_only=True) if topk_idx is not None else None
+        L, recv_x, recv_s = rt.fresh(x, scales, idx, w, E, most, fn, ids)
+        L.in_rank, L.routing_idx = is_token_in_rank, idx
+        if every is None:
+            L.per_rank = np.array([pr], dtype=np.int64)
+            coming = int(pr[0])
+            per_expert = [int(c) for c in pe]
+        else:
+            L.per_rank = every[:, 1:1 + W]
+            coming = int(L.per_rank[:, self.rank].sum())
+            per_expert = every[:, 1 + W + self.rank * E_local:1 + W + (self.rank + 1) * E_local]
+            per_expert = per_expert.sum(axis=0).tolist()
         if coming != L.rows:
             raise ValueError("epx.deep_ep: %s: the ranks' num_tokens_per_rank say %d tokens come "
                              "to rank %d but their routing sends %d; pass the layout of "
                              "get_dispatch_layout(topk_idx)" % (fn, coming, self.rank, L.rows))
-        per_expert = every[:, 1 + W + self.rank * E_local:1 + W + (self.rank + 1) * E_local]
-        per_expert = per_expert.sum(axis=0)
         a = expert_alignment
-        counts = _core.aligned(per_expert, a).tolist()
+        counts = per_expert if a == 1 else [(c + a - 1) // a * a for c in per_expert]
         h = Handle(L)
         recv_idx = L.recv_idx if topk_idx is not None else None
         recv_w = L.recv_w if topk_weights is not None else None
