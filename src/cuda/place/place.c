@@ -50,6 +50,7 @@ void epx_cuda_place_fini(epx_buffer_t b) {
   if (s->table) cudaFreeAsync(s->table, stream);
   if (s->load) cudaFreeAsync(s->load, stream);
   if (s->ranked) cudaFreeAsync(s->ranked, stream);
+  if (s->ranked_before) cudaFreeAsync(s->ranked_before, stream);
   if (s->load_host) cudaFreeHost(s->load_host);
   free(s);
   b->place_state = NULL;
@@ -72,7 +73,10 @@ static epx_status_t ranked_scratch(epx_buffer_t b, epx_cuda_place_t *s, int64_t 
                      (long long)routes);
   const int64_t bound = b->max_tokens * b->config.max_top_k;
   const int64_t want = routes > bound ? routes : bound;
-  if (s->ranked) CUDA_CHECK(cudaFreeAsync(s->ranked, stream), fn, "cudaFreeAsync");
+  /* Once max_tokens_per_rank is agreed the bound covers every batch, so the
+   * scratch grows at most once after its first allocation. */
+  if (s->ranked_before) CUDA_CHECK(cudaFreeAsync(s->ranked_before, stream), fn, "cudaFreeAsync");
+  s->ranked_before = s->ranked;
   s->ranked = NULL;
   s->ranked_routes = 0;
   CUDA_CHECK(cudaMallocAsync((void **)&s->ranked, sizeof(int32_t) * (size_t)want, stream), fn,

@@ -33,6 +33,10 @@ typedef struct epx_cuda_place {
   int64_t *load_host;          /* pinned [E]: the read-back, so that the wait for it is the bounded one */
   int32_t *ranked;             /* device [ranked_routes] the last layout's rank-ordered routing */
   int64_t ranked_routes;
+  /* The scratch before its one growth (the first layout's batch, before
+   * max_tokens_per_rank was agreed): a graph captured in between still
+   * reads it, so it lives as long as the buffer. */
+  int32_t *ranked_before;
   int32_t identity;            /* the contiguous map: routing ids are already in rank order */
   int32_t identity_out;        /* ids handed back need no mapping (the contiguous map, or one rank) */
 } epx_cuda_place_t;
