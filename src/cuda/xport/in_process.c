@@ -34,6 +34,7 @@
 #include "core/error.h"
 #include "core/transport.h"
 #include "core/wait.h"
+#include "cuda/common/check.h"
 #include "cuda/xport/xport.h"
 
 /* ---- the events of this thread's ranks ---------------------------------- */
@@ -96,7 +97,7 @@ typedef struct {
 } pull_t;
 
 static epx_status_t cuda_failed(const char *fn, const char *what, cudaError_t e) {
-  return epx_error(EPX_ERROR_CUDA, "%s: %s failed: %s (%s)", fn, what, cudaGetErrorName(e), cudaGetErrorString(e));
+  return epx_cuda_fail(e, fn, what);
 }
 
 /* Inside the handshake: this rank's receives, pulled from the peers' sends
@@ -230,16 +231,6 @@ static epx_status_t in_process_wait(epx_comm_t comm, cudaStream_t stream, const 
   return epx_wait_bounded(comm->timeout_seconds, stream_poll, &w, stream_timed_out);
 }
 
-static epx_status_t in_process_fail_timeout(epx_comm_t comm, const char *fn, const char *what) {
-  comm->failed = 1;
-  return epx_error(EPX_ERROR_TIMEOUT, "%s: %s; the comm is unusable: destroy it", fn, what);
-}
-
-static epx_status_t in_process_agree_max(epx_comm_t comm, int64_t mine, int64_t *top, const char *fn) {
-  *top = mine;
-  return comm->ops->allreduce_max_i64(comm, fn, top, 1);
-}
-
 /* ---- windows -------------------------------------------------------------- */
 
 typedef struct {
@@ -311,8 +302,8 @@ const epx_cuda_xport_t epx_cuda_xport_in_process = {
     .allgather = in_process_allgather,
     .sendrecv = in_process_sendrecv,
     .wait = in_process_wait,
-    .fail_timeout = in_process_fail_timeout,
-    .agree_max = in_process_agree_max,
+    .fail_timeout = epx_cuda_xport_host_fail_timeout,
+    .agree_max = epx_cuda_xport_host_agree_max,
     .window_open = in_process_window_open,
     .window_close = in_process_window_close,
     .window_drop = in_process_window_drop,

@@ -64,6 +64,7 @@
 #include "core/error.h"
 #include "core/transport.h"
 #include "core/wait.h"
+#include "cuda/common/check.h"
 #include "cuda/xport/xport.h"
 
 #define IPC_ALIGN ((size_t)256)
@@ -74,8 +75,8 @@
 static size_t aligned(size_t bytes) { return (bytes + IPC_ALIGN - 1) & ~(IPC_ALIGN - 1); }
 
 static epx_status_t cuda_failed(const char *fn, const char *what, cudaError_t e) {
-  (void)cudaGetLastError();
-  return epx_error(EPX_ERROR_CUDA, "%s: %s failed: %s (%s)", fn, what, cudaGetErrorName(e), cudaGetErrorString(e));
+  (void)cudaGetLastError(); /* the failed call's error, not a later call's */
+  return epx_cuda_fail(e, fn, what);
 }
 
 /* ---- this process --------------------------------------------------------- */
@@ -563,16 +564,6 @@ static epx_status_t ipc_wait(epx_comm_t comm, cudaStream_t stream, const char *f
   return stream_wait(comm, comm->device_state, stream, fn);
 }
 
-static epx_status_t ipc_fail_timeout(epx_comm_t comm, const char *fn, const char *what) {
-  comm->failed = 1;
-  return epx_error(EPX_ERROR_TIMEOUT, "%s: %s; the comm is unusable: destroy it", fn, what);
-}
-
-static epx_status_t ipc_agree_max(epx_comm_t comm, int64_t mine, int64_t *top, const char *fn) {
-  *top = mine;
-  return comm->ops->allreduce_max_i64(comm, fn, top, 1);
-}
-
 /* ---- devices ------------------------------------------------------------------ */
 
 /* A rank's GPU and process, gathered. */
@@ -630,7 +621,7 @@ static epx_status_t ipc_co_resident(epx_comm_t comm, const char *fn) {
   const char *env = getenv("EPX_IPC_FUSED");
   const int try_it = env && !strcmp(env, "try");
   int64_t refuse = status == EPX_SUCCESS && a >= 0 && !try_it ? comm->rank + 1 : 0, top = 0;
-  if (status == EPX_SUCCESS) status = ipc_agree_max(comm, refuse, &top, fn);
+  if (status == EPX_SUCCESS) status = epx_cuda_xport_host_agree_max(comm, refuse, &top, fn);
   if (status == EPX_SUCCESS && top)
     status = epx_error(EPX_ERROR_UNSUPPORTED,
                        "%s: ranks %d and %d are processes sharing one GPU (the ipc transport): without MPS the "
@@ -734,8 +725,8 @@ const epx_cuda_xport_t epx_cuda_xport_ipc = {
     .allgather = ipc_allgather,
     .sendrecv = ipc_sendrecv,
     .wait = ipc_wait,
-    .fail_timeout = ipc_fail_timeout,
-    .agree_max = ipc_agree_max,
+    .fail_timeout = epx_cuda_xport_host_fail_timeout,
+    .agree_max = epx_cuda_xport_host_agree_max,
     .window_open = ipc_window_open,
     .window_close = ipc_window_close,
     .window_drop = ipc_window_drop,

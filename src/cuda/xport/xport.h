@@ -117,6 +117,11 @@ typedef struct epx_cuda_xport {
 /* The transport that serves comm, or NULL. */
 const epx_cuda_xport_t *epx_cuda_xport_of(epx_comm_t comm);
 
+/* fail_timeout and agree_max of the transports whose comm is epx's own host
+ * comm (in-process, ipc): the comm marked failed; the comm's MAX all-reduce. */
+epx_status_t epx_cuda_xport_host_fail_timeout(epx_comm_t comm, const char *fn, const char *what);
+epx_status_t epx_cuda_xport_host_agree_max(epx_comm_t comm, int64_t mine, int64_t *top, const char *fn);
+
 extern const epx_cuda_xport_t epx_cuda_xport_nccl;       /* xport/nccl.c (NCCL builds) */
 extern const epx_cuda_xport_t epx_cuda_xport_in_process; /* xport/in_process.c */
 extern const epx_cuda_xport_t epx_cuda_xport_ipc;        /* xport/ipc.c */
