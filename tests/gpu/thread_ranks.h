@@ -79,8 +79,24 @@ static inline cudaError_t tr_device_sync(void) {
   if (e == cudaSuccess && tr_stream) e = cudaStreamSynchronize(tr_stream);
   return e;
 }
+/* A rank's allocations are stream-ordered on its own stream: cudaFree waits
+ * for the whole GPU, the peers' fused kernels too, which may be waiting for
+ * this rank's next launch (a wait that ends only at the comm's timeout). */
+static inline cudaStream_t tr_alloc_stream(void) {
+  if (!tr_stream) (void)tr_stream_create(&tr_stream, cudaStreamNonBlocking);
+  return tr_stream;
+}
+static inline cudaError_t tr_malloc(void **p, size_t bytes) {
+  const cudaStream_t s = tr_alloc_stream();
+  cudaError_t e = cudaMallocAsync(p, bytes, s);
+  if (e == cudaSuccess) e = cudaStreamSynchronize(s);
+  return e;
+}
+static inline cudaError_t tr_free(void *p) { return p ? cudaFreeAsync(p, tr_alloc_stream()) : cudaSuccess; }
 #define cudaStreamCreateWithFlags tr_stream_create
 #define cudaDeviceSynchronize tr_device_sync
+#define cudaMalloc tr_malloc
+#define cudaFree tr_free
 
 /* The programs' NCCL comm: this thread's rank of the local world. */
 static inline epx_status_t tr_comm_create(const void *mpi_comm, const epx_comm_config_t *config, epx_comm_t *comm) {

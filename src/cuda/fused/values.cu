@@ -198,8 +198,8 @@ __global__ void __launch_bounds__(kValuesThreads) values_home_kernel(const fused
       !wait_flag(d, flag_at(d.local, d.off_vflag, threadIdx.x), seq + 1, threadIdx.x, PH_VALUES))
     s_bad = 1;
   __syncthreads();
-  const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-  if (!s_bad && i < p.T * p.K) {
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; !s_bad && i < p.T * p.K;
+       i += (int64_t)gridDim.x * blockDim.x) {
     const int64_t t = i / p.K;
     const int k = (int)(i % p.K);
     const int32_t e = p.idx[i];
@@ -209,6 +209,9 @@ __global__ void __launch_bounds__(kValuesThreads) values_home_kernel(const fused
   end_op(d, seq);
 }
 
+/* n: the send kernel's CTAs; the home kernel's are as many as its routes
+ * need, at most f->num_sms (a rank's share of the SMs where ranks share
+ * the GPU: every CTA of both waits on the peers, which must find room). */
 template <typename T>
 cudaError_t launch_values(epx_fused_t *f, const epx_fused_plan_t *plan, const values_args &a, int n,
                           cudaStream_t stream) {
@@ -218,7 +221,8 @@ cudaError_t launch_values(epx_fused_t *f, const epx_fused_plan_t *plan, const va
     const cudaError_t e = epx_fused_relay_step(f, plan, RELAY_VALUES, 0, stream);
     if (e != cudaSuccess) return e;
   }
-  const int64_t home_blocks = (p.T * p.K + kValuesThreads - 1) / kValuesThreads;
+  int64_t home_blocks = (p.T * p.K + kValuesThreads - 1) / kValuesThreads;
+  if (home_blocks > f->num_sms) home_blocks = f->num_sms;
   values_home_kernel<<<(unsigned)(home_blocks > 0 ? home_blocks : 1), kValuesThreads, 0, stream>>>(f->dev, p,
                                                                                                    a.grad_w);
   return cudaGetLastError();
@@ -246,8 +250,12 @@ extern "C" cudaError_t epx_fused_values_home_launch(epx_fused_t *f, const epx_fu
    * beat a warp per row on the budget's CTAs, whatever the budget); the dots
    * read two rows per route, bound by the loads in flight (on the budget's
    * CTAs alone combine_backward with grad_w took several times as long as
-   * without; bench/NOTES.md, "v0.4 house", has the figures). */
-  const int n = dots ? 4 * f->num_sms : f->num_sms;
+   * without; bench/NOTES.md, "v0.4 house", has the figures). Where ranks
+   * share this GPU, a rank's share of the SMs only: the send kernel's CTAs
+   * wait for the peers' clear-to-send, and four per SM of this register-heavy
+   * kernel would fill the whole GPU before a peer's could start. */
+  const int shared = epx_fused_ranks_on_device(f, nullptr, nullptr) > 1;
+  const int n = dots && !shared ? 4 * f->num_sms : f->num_sms;
   return epx_payload_visit(f->config.dtype,
                            [&](auto tag) { return launch_values<typename decltype(tag)::type>(f, plan, a, n, stream); });
 }
