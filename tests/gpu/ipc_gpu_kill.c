@@ -46,9 +46,13 @@ static float bf16_to_float(uint16_t v) {
   return f;
 }
 
+/* The epx_last_error() of round_trip's failing call (the releases after it
+ * succeed, and a success clears it). */
+static char g_why[1024];
+
 /* One round: layout, dispatch, combine (weights none: out = the sum of the
- * routes' rows, each row the token's). Returns the first failing status;
- * *bad counts wrong values. */
+ * routes' rows, each row the token's). Returns the first failing status,
+ * its message in g_why; *bad counts wrong values. */
 static epx_status_t round_trip(epx_comm_t comm, epx_buffer_t buf, cudaStream_t stream, int rank, int W,
                                int victim_dies, int kill_signal, int *bad) {
   const int E = EL * W;
@@ -95,6 +99,7 @@ static epx_status_t round_trip(epx_comm_t comm, epx_buffer_t buf, cudaStream_t s
       for (int c = 0; c < H; c++)
         *bad += bf16_to_float(out[t * H + c]) != 2.0f * bf16_to_float(x[t * H + c]);
   }
+  snprintf(g_why, sizeof g_why, "%s", s == EPX_SUCCESS ? "" : epx_last_error());
   if (h) epx_handle_release(h);
   cudaFree(d_idx), cudaFree(d_x), cudaFree(d_out);
   if (d_recv) cudaFree(d_recv);
@@ -121,7 +126,7 @@ static int child(const char *name, int rank, int W, int kill_signal) {
   const epx_status_t s = round_trip(comm, buf, stream, rank, W, 1, kill_signal, &bad);
   const double took = now() - t0;
   char message[1024];
-  snprintf(message, sizeof message, "%s", epx_last_error());
+  snprintf(message, sizeof message, "%s", g_why);
   char victim[32];
   snprintf(victim, sizeof victim, "rank %d", W - 1);
   int ok = (s == EPX_ERROR_TIMEOUT || s == EPX_ERROR_PEER_FAILED) && strstr(message, victim) &&

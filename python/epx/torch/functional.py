@@ -10,7 +10,7 @@ from epx._lib import lib
 from epx.errors import _check, _invalid, _refuse
 from .checkpointing import RECORDER_AMBIENT, RECORDER_NONE
 from .fp8 import _FP8
-from .handles import _handle_of
+from .handles import _HANDLES, _handle_of
 from .overlap import EventOverlap, _overlapped
 from .tensors import epx_dtype, _F32, _I32, _on_stream, _ptr, _tensor_args
 
@@ -61,8 +61,12 @@ class Dispatched(NamedTuple):
         return rank, token
 
     def recv_rows_host(self):
-        """N as a Python int (waits for the device on CUDA)."""
-        return int(self.recv_rows[0])
+        """N as a Python int (waits for the device on CUDA). Read through the
+        handle (epx_handle_recv_rows): from then on recv tensors of exactly N
+        rows are enough for its cached dispatches (epx.h), where before the
+        bound N_max is required. A released handle's N is read from recv_rows."""
+        h = _HANDLES.get(int(self.handle_id[0]))
+        return h.recv_rows if h is not None and not h.released else int(self.recv_rows[0])
 
     def counts_host(self):
         """Rows per local expert as a list of ints (waits for the device on CUDA)."""
