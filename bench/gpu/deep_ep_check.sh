@@ -44,6 +44,10 @@ if [ "$NGPU" -eq 1 ]; then
   run "NeMo fused_a2a + recompute replay, $IPC" deep_ep_nemo_2_ipc.log "${TR[@]}" --nproc-per-node 2 tests/python/test_deep_ep_frameworks.py nemo
   run "DeepSpeed AutoEP deepep vs comm, $IPC" deep_ep_deepspeed_2_ipc.log "${TR[@]}" --nproc-per-node 2 tests/python/test_deep_ep_frameworks.py deepspeed
   run "NeMo MoE layer deepep vs torch dispatcher, $IPC" deep_ep_nemo_layer_2_ipc.log "${TR[@]}" --nproc-per-node 2 tests/python/test_deep_ep_frameworks.py nemo_layer
-  run "Megatron flex/deepep vs alltoall, $IPC" deep_ep_megatron_2_ipc.log "${TR[@]}" --nproc-per-node 2 tests/python/test_deep_ep_frameworks.py megatron
+  # Megatron's dispatch_preprocess is a torch.compile'd jit_fuser: PyTorch
+  # 2.11's dynamo fails in its own Triton device check there (a TypeError in
+  # device_interface.get_device_properties, before any epx call); eager runs
+  # the same code
+  run "Megatron flex/deepep vs alltoall, $IPC" deep_ep_megatron_2_ipc.log env TORCHDYNAMO_DISABLE=1 "${TR[@]}" --nproc-per-node 2 tests/python/test_deep_ep_frameworks.py megatron
 fi
 cat "$OUT/deep_ep_overhead.log" "$OUT/deep_ep_nemo_bench.log" 2>/dev/null | grep '^|\|^T=\|^NeMo' || true

@@ -19,6 +19,9 @@
 #include "../util/buffer_config.h"
 
 enum { T = 64, E = 16, K = 4, H = 64, C = 40, P_MAX = 24 };
+/* the most rows a dispatch receives: T * K routes, or a slot per physical
+ * expert and capacity slot in the capacity layout */
+enum { ROWS_MAX = T * K > P_MAX * C ? T * K : P_MAX * C };
 
 typedef struct {
   int32_t P, p2l[P_MAX];
@@ -28,9 +31,10 @@ typedef struct {
 
 typedef struct {
   int64_t N;
-  uint16_t recv[T * K * H], out[T * H];
-  int32_t expert[T * K];
-  float w[T * K];
+  _Alignas(16) uint16_t recv[ROWS_MAX * H]; /* the CPU run's recv_x and out: rows 16-byte aligned (epx.h) */
+  _Alignas(16) uint16_t out[T * H];
+  int32_t expert[ROWS_MAX * K];
+  float w[ROWS_MAX * K];
   int64_t counts[P_MAX], offsets[P_MAX + 1], load[E];
 } result_t;
 
@@ -61,6 +65,7 @@ static void run(epx_comm_t comm, epx_device_t device, epx_layout_t layout, const
   EXPECT_OK(epx_dispatch_layout(b, &r, NULL, &h));
   EXPECT_OK(epx_handle_recv_rows(h, &res->N));
   const int64_t N = res->N;
+  assert_true(N <= ROWS_MAX); /* the CPU run's arrays hold that many */
   void *rr = gpu ? dev_alloc((size_t)(N + 1) * row) : res->recv, *ro = gpu ? dev_alloc(T * row) : res->out;
   void *re = gpu ? dev_alloc(4 * (size_t)(N * slots + 1)) : res->expert;
   void *rv = gpu ? dev_alloc(4 * (size_t)(N * slots + 1)) : res->w;

@@ -114,7 +114,7 @@ def dispatch(owner, x, topk_idx, maxT, num_experts, cumulative_stats, wait_stats
         out = [q, s]
 
     def arrived():
-        rank, token = h.recv_source()
+        rank, token = et.ll_recv_source(b, h, x.device)
         src_rank = torch.as_tensor(rank, device=x.device).long().reshape(E_local, W * maxT)
         src_info.copy_(torch.as_tensor(token, device=x.device).reshape(E_local, W * maxT))
         ranks = torch.arange(W, device=x.device)
@@ -176,7 +176,7 @@ def _row_weights(owner, handle, topk_idx, topk_weights, fn):
         idx, w = idx[None], w[None]
     dense = torch.zeros((W, maxT, E + 1), dtype=torch.float32, device=dev)
     dense.scatter_(2, torch.where(idx >= 0, idx, E), w)           # [W, maxT, E]
-    rank, token = handle.epx_handle.recv_source()
+    rank, token = et.ll_recv_source(handle.buffer, handle.epx_handle, dev)
     E_local = E // W
     rank = torch.as_tensor(rank, device=dev).long().reshape(E_local, W * maxT)
     token = torch.as_tensor(token, device=dev).long().reshape(E_local, W * maxT)

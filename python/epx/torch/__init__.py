@@ -59,7 +59,7 @@ from .routing import route, TorchRouteResult
 from . import ops  # noqa: F401 (registers its custom ops)
 from .fp8 import dequantize
 from .functional import combine, dispatch, Dispatched, make_buffer
-from .low_latency import ll_combine, ll_dispatch
+from .low_latency import ll_combine, ll_dispatch, ll_recv_source
 from .grouped_matmul import grouped_mm
 from .moe import MoE
 from .elastic import (move_expert_modules, move_expert_tensor, move_experts, plan_placement,
@@ -77,5 +77,5 @@ __all__ = ["route", "dispatch", "combine", "Dispatched", "TorchRouteResult", "Mo
            "TokenDispatcher", "checkpoint_context", "keep_handles", "comm_from_process_group",
            "init_process_group", "launch_env", "run_local", "EventOverlap", "current_event", "stats",
            "make_buffer", "grouped_mm", "epx_dtype", "torch_dtype", "ll_dispatch", "ll_combine",
-           "dequantize", "replica_grad_sum", "plan_placement", "move_experts",
+           "ll_recv_source", "dequantize", "replica_grad_sum", "plan_placement", "move_experts",
            "move_expert_tensor"]

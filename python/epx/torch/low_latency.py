@@ -107,3 +107,26 @@ def ll_combine(buffer, x, handle, *, out=None, return_recv_hook=False):
     call = lib.epx_ll_combine_send if return_recv_hook else lib.epx_ll_combine
     _check(call(b._handle_ptr(fn), handle._use(b, fn), _ptr(x), _ptr(out)))
     return out, _ll_hook(b, handle, return_recv_hook)
+
+
+def ll_recv_source(buffer, handle, device=None):
+    """(src_rank, src_token) of each row of a low-latency dispatch's fixed
+    shape (buffer.ll_shape() without H, flattened: DeepEP's src_info), [N]
+    int32 each on the buffer's device, -1 past the counts
+    (epx_handle_recv_source; on CUDA with no host wait). Read it after the
+    dispatch's hook where it returned one. device: the torch device of the
+    dispatch's tensors (by default the current CUDA device for a CUDA
+    buffer)."""
+    fn = "epx.torch.ll_recv_source"
+    b = buffer
+    shape = b.ll_shape()
+    n = shape[0] * shape[1]
+    dev = device if device is not None else (
+        _torch.device("cuda", _torch.cuda.current_device()) if b.device == Device.CUDA else "cpu")
+    if (_torch.device(dev).type == "cuda") != (b.device == Device.CUDA):
+        _invalid("%s: device %s is not where the buffer's rows are (%s)", fn, dev, b.device.name)
+    rank = _torch.empty((n,), dtype=_I32, device=dev)
+    token = _torch.empty((n,), dtype=_I32, device=dev)
+    _on_stream(b, rank.device)
+    _check(lib.epx_handle_recv_source(handle._use(b, fn), _ptr(rank), _ptr(token)))
+    return rank, token

@@ -21,8 +21,12 @@ class EventHandle:
 
     def __init__(self, event: Optional["torch.cuda.Event"] = None) -> None:
         if event is None and torch.cuda.is_available() and torch.cuda.is_initialized():
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream())
+            stream = torch.cuda.current_stream()
+            # a stand-in for a stream (epx.megatron.cpu_shim's, Megatron on
+            # the CPU) orders nothing on the GPU
+            if isinstance(stream, torch.cuda.Stream):
+                event = torch.cuda.Event()
+                event.record(stream)
         self.event = event
 
     def current_stream_wait(self) -> None:
