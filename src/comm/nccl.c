@@ -38,8 +38,9 @@
  * (ncclCommRevoke, NCCL 2.28: its work stops, the handle stays) instead of
  * aborting it, and aborts the splits; the survivors then make their comm
  * with ncclCommShrink (NCCL 2.27; NCCL_SHRINK_ABORT after a failure or a
- * lost rank, NCCL_SHRINK_DEFAULT otherwise) and split and warm it as a new
- * comm. Both calls are looked up in the loaded NCCL at run time, not linked:
+ * lost rank, NCCL_SHRINK_DEFAULT otherwise; with no rank lost, which
+ * ncclCommShrink refuses, ncclCommSplit of one color) and split and warm it
+ * as a new comm. Both calls are looked up in the loaded NCCL at run time, not linked:
  * libepx loads against an older libnccl.so.2 (PyTorch's) as before, and
  * there a failure aborts and a shrink is refused by name. NCCL does not say
  * which rank was lost: the survivors find it themselves, as a peer of this
@@ -782,7 +783,12 @@ static epx_status_t nccl_shrink(epx_comm_t comm, const char *caller, double time
   config.shrinkShare = 0; /* nothing of the parent, which its destroy aborts */
 #endif
   ncclComm_t nc = NULL;
-  ncclResult_t r = shrink(s->comms[MAIN], exclude, count, &nc, &config, flags);
+  /* ncclCommShrink refuses an empty exclude list: with no rank lost the
+   * survivors are every rank, a split of one color (nothing shared with
+   * the parent either) */
+  config.splitShare = 0;
+  ncclResult_t r = count ? shrink(s->comms[MAIN], exclude, count, &nc, &config, flags)
+                         : ncclCommSplit(s->comms[MAIN], 0, comm->rank, &nc, &config);
   /* The old comm is the survivors' no longer, whatever came of it: its
    * later calls refuse, and its destroy aborts it. */
   if (!s->revoked) abort_splits(s);
@@ -790,8 +796,9 @@ static epx_status_t nccl_shrink(epx_comm_t comm, const char *caller, double time
   if (!comm->failed) snprintf(s->reason, sizeof s->reason, "rank %d shrank the comm (epx_comm_shrink)", comm->rank);
   comm->failed = 1;
   if (r != ncclSuccess && r != ncclInProgress)
-    return epx_error(EPX_ERROR_TRANSPORT, "%s: ncclCommShrink (rank %d of %d, %d lost, %s) failed: %s (%s); destroy "
-                     "the comm and create a new one among the survivors", caller, comm->rank, comm->size, count,
+    return epx_error(EPX_ERROR_TRANSPORT, "%s: %s (rank %d of %d, %d lost, %s) failed: %s (%s); destroy "
+                     "the comm and create a new one among the survivors", caller,
+                     count ? "ncclCommShrink" : "ncclCommSplit", comm->rank, comm->size, count,
                      flags == NCCL_SHRINK_ABORT ? "NCCL_SHRINK_ABORT" : "NCCL_SHRINK_DEFAULT", ncclGetErrorString(r),
                      ncclGetLastError(s->comms[MAIN]));
   epx_comm_t created = NULL;
