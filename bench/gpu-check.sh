@@ -29,9 +29,10 @@ cd "$(dirname "$0")/.."
 # "single" (one GPU, one rank: the GPU tests, the one-rank W-rank backend,
 # the sanitizers, benchmarks and Python GPU tests), "ranks" (only
 # the build and W ranks as threads on one GPU: EPX_GPU_RANKS_TIMEOUT,
-# EPX_GPU_RANKS_LIMIT, EPX_GPU_RANKS_SAN_LIMIT bound them), "ipc" (only the
+# EPX_GPU_RANKS_LIMIT bounds them), "ipc" (only the
 # build and W ranks as processes sharing one GPU through CUDA IPC, as
-# torchrun starts them: EPX_GPU_IPC_LIMIT bounds each run), "two" (2 GPUs over NCCL, under
+# torchrun starts them: EPX_GPU_IPC_LIMIT bounds each run,
+# EPX_GPU_IPC_SAN_LIMIT each sanitizer run), "two" (2 GPUs over NCCL, under
 # mpirun: mpi_gpu_exchange, mpi_gpu_ll, nccl_gpu_kill, nccl_gpu_shrink, memcheck and racecheck, epx-bench --device cuda,
 # bench_ep beside PyTorch's all_to_all_single, the epx.torch GPU tests and
 # layer benchmark), or both.
@@ -291,10 +292,10 @@ fi # one GPU
 # backend on W threads, bit for bit) and ranks_gpu_ll (the low-latency slabs
 # and window, device counts, graph replay; against the normal exchange), at
 # W = 2, 4 and 8. The ranks share the GPU's SMs and HBM: their times are no
-# NVLink figures. Then memcheck at W = 2 (trimmed), and racecheck where the
-# ranks' concurrent kernels run under it (the fused kernels wait on each
-# other: a tool that serialises kernels turns that into a timed-out wait
-# naming the cause, co-residency).
+# NVLink figures. No compute-sanitizer here: it serialises kernels, and
+# the ranks' fused kernels wait on each other (a timed-out wait naming the
+# cause, co-residency, by design); the "ipc" section runs memcheck and
+# racecheck on W processes, whose host path has no such waits.
 case " $SECTIONS " in *" one "*|*" ranks "*)
 RANK_TESTS="ranks_gpu_exchange ranks_gpu_ll"
 if [ $BUILD_OK = 1 ] && cmake --build "$BUILD" -j"$JOBS" --target $RANK_TESTS >>"$OUTDIR/build.log" 2>&1; then
@@ -315,16 +316,6 @@ if [ $BUILD_OK = 1 ] && cmake --build "$BUILD" -j"$JOBS" --target $RANK_TESTS >>
   placed=$(grep -cE "\([1-9][0-9]* with a placement\).*failures: OK$" "$OUTDIR/ranks_gpu_exchange.log" 2>/dev/null)
   if [ "${placed:-0}" -ge 3 ]; then verdict "placement cases of ranks_gpu_exchange W=2,4,8 (issue 37)" PASS
   else verdict "placement cases of ranks_gpu_exchange W=2,4,8 (issue 37)" "FAIL or NOT RUN (${placed:-0} of 3 W OK)"; fi
-  SAN=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)
-  for tool in memcheck racecheck; do
-    for t in $RANK_TESTS; do
-      if [ -z "$SAN" ]; then verdict "$tool $t W=2" SKIPPED; continue; fi
-      CUDA_DEVICE_MAX_CONNECTIONS=32 CUDA_MODULE_LOADING=EAGER EPX_GPU_RANKS=2 EPX_GPU_TEST_QUICK=1 EPX_GPU_TIMEOUT=20 \
-        timeout "${EPX_GPU_RANKS_SAN_LIMIT:-150}" "$SAN" --tool $tool --error-exitcode 86 "$BUILD/tests/gpu/$t" \
-        >"$OUTDIR/${tool}_$t.log" 2>&1
-      sanitizer_verdict "$tool $t W=2" $? "${EPX_GPU_RANKS_SAN_LIMIT:-150}"
-    done
-  done
 else
   for t in $RANK_TESTS; do verdict "test $t (threads on one GPU)" "FAIL (build or no build)"; done
 fi
@@ -358,6 +349,18 @@ if [ $BUILD_OK = 1 ] && cmake --build "$BUILD" -j"$JOBS" --target $IPC_TESTS >>"
       line=$(grep -E "^$t: W = $W " "$OUTDIR/$t.log" | tail -n 1)
       if [ -n "$line" ]; then verdict "test $t W=$W (processes on one GPU, ipc)" "${line##*: }"
       else verdict "test $t W=$W (processes on one GPU, ipc)" "NOT RUN (exit $rc)"; fi
+    done
+  done
+  # memcheck and racecheck of W = 2 processes (trimmed; the tool follows
+  # the forked ranks)
+  SAN=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)
+  for tool in memcheck racecheck; do
+    for t in ipc_gpu_exchange ipc_gpu_ll; do
+      if [ -z "$SAN" ]; then verdict "$tool $t W=2" SKIPPED; continue; fi
+      EPX_GPU_RANKS=2 EPX_GPU_TEST_QUICK=1 EPX_GPU_TIMEOUT=60 timeout "${EPX_GPU_IPC_SAN_LIMIT:-200}" \
+        "$SAN" --tool $tool --target-processes all --error-exitcode 86 "$BUILD/tests/gpu/$t" \
+        >"$OUTDIR/${tool}_$t.log" 2>&1
+      sanitizer_verdict "$tool $t W=2 (processes, ipc)" $? "${EPX_GPU_IPC_SAN_LIMIT:-200}"
     done
   done
   timeout 300 "$BUILD/tests/gpu/ipc_gpu_kill" >"$OUTDIR/ipc_gpu_kill.log" 2>&1

@@ -41,6 +41,7 @@ fi
 if [ "$NGPU" -eq 1 ]; then
   IPC="2 processes on 1 GPU (ipc)"
   run "epx.deep_ep vs DeepEP semantics, $IPC" deep_ep_2_ipc.log "${TR[@]}" --nproc-per-node 2 tests/python/test_deep_ep.py all
+  run "epx.deep_ep vs DeepEP semantics, 4 processes on 1 GPU (ipc)" deep_ep_4_ipc.log "${TR[@]}" --nproc-per-node 4 tests/python/test_deep_ep.py all
   run "NeMo fused_a2a + recompute replay, $IPC" deep_ep_nemo_2_ipc.log "${TR[@]}" --nproc-per-node 2 tests/python/test_deep_ep_frameworks.py nemo
   run "DeepSpeed AutoEP deepep vs comm, $IPC" deep_ep_deepspeed_2_ipc.log "${TR[@]}" --nproc-per-node 2 tests/python/test_deep_ep_frameworks.py deepspeed
   run "NeMo MoE layer deepep vs torch dispatcher, $IPC" deep_ep_nemo_layer_2_ipc.log "${TR[@]}" --nproc-per-node 2 tests/python/test_deep_ep_frameworks.py nemo_layer
