@@ -31,7 +31,6 @@ torch = pytest.importorskip("torch")
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1] / "python"))
 
-import epx  # noqa: E402
 from epx._lib import lib  # noqa: E402
 from torch.overrides import TorchFunctionMode  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
