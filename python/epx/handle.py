@@ -100,6 +100,7 @@ class Handle:
                                                    self.weighting.name)
 
     _recv_rows = None  # N once read (it never changes; on CUDA a read may wait)
+    _counts_host = None  # epx.torch: (host counts, event or None) of an exact-size dispatch
 
     @property
     def recv_rows(self):

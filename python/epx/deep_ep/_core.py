@@ -198,20 +198,12 @@ def check_routing(topk_idx, topk_weights, T, num_experts, fn):
     check(num_experts is not None and int(num_experts) > 0, fn, "num_experts must be given")
 
 
-def ids_in_range(idx, num_experts):
-    """Whether every id of idx is in [-1, num_experts) (one reduction, then
-    two host reads)."""
-    if idx.numel() == 0:
-        return True
-    lo, hi = torch.aminmax(idx)
-    return int(lo) >= -1 and int(hi) < num_experts
-
-
 _ARANGE = {}
 
 
 def _ranks(num_ranks, device):
-    """torch.arange(num_ranks) on device (int64), made once."""
+    """torch.arange(num_ranks) on device (int64), made once (ranks' or
+    experts' ids)."""
     key = (num_ranks, device)
     r = _ARANGE.get(key)
     if r is None:
@@ -219,34 +211,47 @@ def _ranks(num_ranks, device):
     return r
 
 
-def ids32(idx, num_experts, cpu_only):
-    """idx as the int32 epx reads, where every id is in [-1, num_experts)
-    (checked here: one reduction), else None (epx.torch then checks and
-    converts it, refusing a bad id by its own error). cpu_only: None on
-    CUDA, where the check would wait for the device."""
-    if idx.dtype == torch.int32:
-        return None
-    if cpu_only and idx.device.type != "cpu":
-        return None
-    return idx.to(torch.int32) if ids_in_range(idx, num_experts) else None
-
-
 def dispatch_layout(topk_idx, num_experts, num_ranks, fn):
     """DeepEP's get_dispatch_layout, on the caller's device: (tokens per rank
-    [W] int32, tokens per expert [E] int32, is_token_in_rank [T, W] bool)."""
+    [W] int32, tokens per expert [E] int32, is_token_in_rank [T, W] bool).
+    No host wait, as DeepEP's layout kernel: an id outside [-1, E) counts
+    nowhere here (as there), and the dispatch refuses it (epx's layout
+    checks every id)."""
     check(num_experts % num_ranks == 0, fn, "num_experts %d is not a multiple of the %d ranks",
           num_experts, num_ranks)
-    idx = topk_idx.long()
-    if not ids_in_range(idx, num_experts):
-        raise ValueError("epx.deep_ep: %s: topk_idx holds an expert id outside [-1, %d)"
-                         % (fn, num_experts))
-    # -1 // n is -1: no route stays off every rank
-    in_rank = (idx.unsqueeze(-1) // (num_experts // num_ranks)
-               == _ranks(num_ranks, idx.device)).any(dim=1)
+    if topk_idx.device.type == "cpu" and topk_idx.numel():
+        ids = topk_idx.numpy()              # (a host read only where the ids are on the host)
+        if ids.min() < -1 or ids.max() >= num_experts:
+            raise ValueError("epx.deep_ep: %s: topk_idx holds an expert id outside [-1, %d)"
+                             % (fn, num_experts))
+    in_rank = in_rank_of(topk_idx, num_experts, num_ranks)
     per_rank = in_rank.sum(dim=0, dtype=torch.int32)
-    # the -1s counted in bin 0, dropped
-    per_expert = torch.bincount(idx.flatten() + 1, minlength=num_experts + 1)[1:].to(torch.int32)
+    # a [T * K, E] comparison: two kernels, no atomics, -1 (and a bad id) nowhere
+    per_expert = (topk_idx.reshape(-1, 1) == _ranks(num_experts, topk_idx.device)).sum(
+        dim=0, dtype=torch.int32)
     return per_rank, per_expert, in_rank
+
+
+def host_copy(t):
+    """(host tensor, event) for :func:`host_values`: on CUDA a copy to pinned
+    memory started now, read once a later wait on the stream (epx's row
+    count) has covered it; elsewhere t itself."""
+    if t.device.type != "cuda":
+        return t, None
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return host, done
+
+
+def host_values(copy):
+    """The numpy values of a :func:`host_copy` (its event waited for: done
+    already where a wait on the stream followed the copy)."""
+    host, done = copy
+    if done is not None:
+        done.synchronize()
+    return host.numpy()
 
 
 class Layout:
@@ -256,7 +261,15 @@ class Layout:
 
     __slots__ = ("exchange", "buffer", "d", "T", "K", "E", "rows", "recv_idx", "recv_w",
                  "_src", "in_rank", "send_counts", "recv_counts", "_expand", "routing_idx",
-                 "per_rank")
+                 "per_rank", "_counts")
+
+    @property
+    def counts_host(self):
+        """Rows per local expert, a list (no wait after an exact-size
+        dispatch: its row count's wait brought them)."""
+        if self._counts is None:
+            self._counts = self.d.counts_host()
+        return self._counts
 
     def _sources(self):
         if self._src is None:
@@ -316,11 +329,10 @@ class Exchange:
 
     # -- the exchanges ----------------------------------------------------
 
-    def fresh(self, x, scales, topk_idx, topk_w, E, max_tokens, fn, ids=None):
+    def fresh(self, x, scales, topk_idx, topk_w, E, max_tokens, fn):
         """A layout and its payload: a :class:`Layout` and recv_x (and
-        recv_scales for fp8 rows). ids: topk_idx as int32, where the caller
-        has checked it in [-1, E) (epx.torch then reads it as it is, with no
-        second check and conversion)."""
+        recv_scales for fp8 rows). epx.torch checks and converts topk_idx
+        (on CUDA without a host wait: epx's layout refuses a bad id)."""
         T, H = x.shape
         K = topk_idx.shape[1]
         dtype = torch.bfloat16 if scales is not None else x.dtype
@@ -331,7 +343,7 @@ class Exchange:
             unsupported(fn, "fp8 x on a buffer of hidden %d (epx's fp8 needs bfloat16 rows of a "
                         "multiple of 128)" % H)
         d = et.dispatch(b, _fp8_pair(x, scales) if scales is not None else x,
-                        topk_idx if ids is None else ids, topk_w,
+                        topk_idx, topk_w,
                         weighting=epx.Weighting.NONE, recorder=False,
                         exact_size=scales is None)
         _count("layouts")
@@ -348,6 +360,7 @@ class Exchange:
         L.recv_idx = torch.where(recv_idx >= 0, recv_idx - first, recv_idx) if first else recv_idx
         L.recv_w = d.recv_w if topk_w is not None else None
         L._src = L.in_rank = L.send_counts = L.recv_counts = L._expand = L.per_rank = None
+        L._counts = None
         L.routing_idx = topk_idx
         recv_s = d.recv_scales
         if scales is not None and not native_scales(x, scales):

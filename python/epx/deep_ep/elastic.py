@@ -64,16 +64,10 @@ class EPHandle:
         self.cached_recv_src_metadata_before_sort = None
         L = layout
         self.num_recv_tokens = L.rows
-        counts = L.d.counts
-        a = expert_alignment
-        if do_expand and a != 1:
-            aligned = _core.aligned(counts, a)
-            starts = aligned.cumsum(0) - aligned
-            self.psum_num_recv_tokens_per_expert = (starts + counts).to(torch.int32)
-        else:                                   # (aligned to 1: starts + counts is the cumsum)
-            self.psum_num_recv_tokens_per_expert = counts.cumsum(0).to(torch.int32)
-        psum = self.psum_num_recv_tokens_per_expert
-        self.num_expanded_tokens = int(psum[-1]) if psum.numel() else 0
+        counts, a = L.counts_host, expert_alignment
+        # the last expert's start plus its count (DeepEP's psum[-1])
+        self.num_expanded_tokens = (sum(_core.aligned(c, a) for c in counts[:-1]) + counts[-1]
+                                    if counts and do_expand else sum(counts))
         self.cpu_synced = True
 
     def _no_cpu_sync(self, num_ranks):
@@ -89,7 +83,8 @@ class EPHandle:
 
     # Read when first asked (each a few small tensor ops on the layout)
     _LAZY = ("psum_num_recv_tokens_per_scaleup_rank", "num_unaligned_recv_tokens_per_expert",
-             "num_recv_tokens_per_expert_list", "recv_src_metadata")
+             "num_recv_tokens_per_expert_list", "recv_src_metadata",
+             "psum_num_recv_tokens_per_expert")
 
     def __getattr__(self, name):
         if name not in EPHandle._LAZY:
@@ -102,7 +97,14 @@ class EPHandle:
             value = L.d.counts.to(torch.int32)
         elif name == "num_recv_tokens_per_expert_list":
             a = self.expert_alignment
-            value = _core.aligned(L.d.counts, a).tolist()
+            value = [_core.aligned(c, a) for c in L.counts_host]
+        elif name == "psum_num_recv_tokens_per_expert":
+            counts, a = L.d.counts, self.expert_alignment
+            if self.do_expand and a != 1:
+                aligned = _core.aligned(counts, a)
+                value = (aligned.cumsum(0) - aligned + counts).to(torch.int32)
+            else:                               # (aligned to 1: starts + counts is the cumsum)
+                value = counts.cumsum(0).to(torch.int32)
         else:
             meta = torch.full((L.rows, 2 + L.K), -1, dtype=torch.int32, device=L.recv_idx.device)
             meta[:, 0] = L.src_rank * self.num_max_tokens_per_rank + L.src_token
@@ -117,38 +119,56 @@ class EPHandle:
 def _expansion(L, alignment):
     """Where each (row, k-slot) with a local expert lands in the expanded
     layout: grouped by local expert, by row (source rank, token) inside a
-    group, each group starting at a multiple of alignment."""
+    group, each group starting at a multiple of alignment. The sizes come
+    from the host counts (no wait of its own: no nonzero, no host sum)."""
     key = ("expand", alignment)
     if L._expand is not None and L._expand[0] == key:
         return L._expand[1]
     idx = L.recv_idx                                   # [N, K] local ids, -1 elsewhere
-    counts = L.d.counts
     K = idx.shape[1]
-    f0 = (idx >= 0).reshape(-1).nonzero().view(-1)    # flat (row, k): by row, then k
-    # by expert, then row (then k): a stable sort of e keeps the row-major order inside a group
-    e, order = torch.sort(idx.reshape(-1).index_select(0, f0), stable=True)
-    f = f0.index_select(0, order)                      # flat (n, k) of each place, in order
+    counts = L.counts_host
+    m = sum(counts)                                    # (row, k) pairs with a local expert
+    # a stable sort by expert: the -1s first, then each expert's pairs by row, then k
+    e, order = torch.sort(idx.reshape(-1), stable=True)
+    start = idx.numel() - m
+    f, e = order[start:], e[start:]                    # flat (n, k) of each place, in order
     n = f // K
-    m = n.shape[0]
     if alignment == 1:
         # the groups packed: each (row, k) lands at its place in the sorted order
         dest = torch.arange(m, device=idx.device)
         total = m
     else:
-        aligned = _core.aligned(counts, alignment)
-        starts = aligned.cumsum(0) - aligned
-        rank_in_group = torch.arange(m, device=idx.device) - (counts.cumsum(0) - counts)[e]
-        dest = starts[e] + rank_in_group
-        total = int(aligned.sum())
+        # each place shifted by the padding of the groups before its expert's
+        pad = (-L.d.counts) % alignment
+        dest = torch.arange(m, device=idx.device) + (pad.cumsum(0) - pad).index_select(0, e)
+        total = sum(_core.aligned(c, alignment) for c in counts)
     pos = torch.full(idx.shape, -1, dtype=torch.int64, device=idx.device)
-    pos.view(-1)[f] = dest
-    # by row, then k (combine's sum order): the (row, k) pairs as nonzero gave them
-    nk_dest = torch.empty_like(dest)
-    nk_dest[order] = dest
-    ex = dict(pos=pos, n=n, f=f, dest=dest, total=total, dense=alignment == 1,
-              nk_n=f0 // K, nk_dest=nk_dest)
+    pos.view(-1).index_put_((f,), dest)
+    ex = dict(pos=pos, n=n, f=f, dest=dest, total=total, dense=alignment == 1)
     L._expand = (key, ex)
     return ex
+
+
+def _fold(ex, x):
+    """x [total, H] (a row per expanded place) -> [N, H] float32: each row's
+    places summed in k order (DeepEP's reduction within the rank), in a
+    fixed order on every device and with no host wait."""
+    N, K = ex["pos"].shape
+    if x.device.type == "cpu":
+        # CPU index_add_ adds in the given order: the places by row, then k
+        if "nk_n" not in ex:
+            f, perm = torch.sort(ex["f"])
+            ex["nk_n"], ex["nk_dest"] = f // K, ex["dest"].index_select(0, perm)
+        acc = torch.zeros((N, x.shape[1]), dtype=torch.float32)
+        return acc.index_add_(0, ex["nk_n"], x.index_select(0, ex["nk_dest"]).float())
+    # CUDA's index_add_ adds with atomics (no fixed order): one gather of
+    # [N, K] rows summed over k instead
+    if "gather" not in ex:
+        pos = ex["pos"]
+        ex["gather"] = pos.clamp(min=0).view(-1)
+        ex["empty"] = (pos < 0).unsqueeze(-1)
+    rows = x.index_select(0, ex["gather"]).view(N, K, x.shape[1])
+    return rows.masked_fill_(ex["empty"], 0).sum(dim=1, dtype=torch.float32)
 
 
 def _expand_rows(L, alignment, rows, zero_padding=True):
@@ -344,12 +364,8 @@ class ElasticBuffer:
             check(T <= mt, fn, "%d tokens but num_max_tokens_per_rank is %d", T, mt)
             rt.num_sms = num_sms
             cloned = topk_idx.clone() if do_handle_copy else topk_idx
-            if not _core.ids_in_range(topk_idx, num_experts):
-                raise ValueError("epx.deep_ep: %s: topk_idx holds an expert id outside "
-                                 "[-1, %d)" % (fn, num_experts))
-            ids = topk_idx.to(torch.int32) if topk_idx.dtype != torch.int32 else None
             L, recv_x, recv_s = rt.fresh(xs, scales, topk_idx, topk_weights, num_experts, mt,
-                                         fn, ids)
+                                         fn)
             L.routing_idx = cloned
             recv_w = L.recv_w
             h = EPHandle(do_expand, num_experts, expert_alignment, mt, num_sms, cloned, L)
@@ -419,22 +435,12 @@ class ElasticBuffer:
             check(x.dim() == 2 and x.shape[0] >= handle.num_expanded_tokens, fn,
                 "x must be [num_expanded_tokens=%d, hidden], not %s",
                 handle.num_expanded_tokens, list(x.shape))
-            acc = torch.zeros((L.rows, x.shape[1]), dtype=torch.float32, device=x.device)
-            if x.device.type == "cpu":
-                # CPU index_add_ adds the rows in the given order: each row's k-slots in order
-                acc.index_add_(0, ex["nk_n"], x.index_select(0, ex["nk_dest"]).float())
-            else:
-                pos = ex["pos"]                    # k by k: no atomics, a fixed order
-                for k in range(L.K):
-                    p = pos[:, k]
-                    acc += torch.where((p >= 0)[:, None], x.index_select(0, p.clamp(min=0)),
-                                       0).float()
-            x = acc.to(x.dtype)
+            x = _fold(ex, x).to(x.dtype)
             if w is not None:
                 check(w.dim() == 1, fn, "topk_weights of an expanded handle must be "
                       "[num_expanded_tokens]")
                 folded = torch.zeros((L.rows, L.K), dtype=torch.float32, device=w.device)
-                folded.view(-1)[ex["f"]] = w[ex["dest"]].float()   # folded[n, k]
+                folded.view(-1)[ex["f"]] = w.index_select(0, ex["dest"]).float()  # [n, k]
                 w = folded
         out = rt.combine(L, x, fn)
         out = _add_bias(out, bias, L.T, fn)

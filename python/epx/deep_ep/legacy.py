@@ -342,20 +342,25 @@ class Buffer:
             w = None
         # The counts every rank gave: the rank prefix matrix, the received
         # tokens per expert (DeepEP's notify step), and the buffer's size.
-        pr, pe = num_tokens_per_rank.tolist(), num_tokens_per_expert.tolist()
+        # DeepEP waits for the device once, for the received counts; here
+        # that wait is epx's for the row count: on one rank the caller's
+        # counts come to the host beside it (a copy started before the
+        # dispatch), over several the host exchange needs them first.
+        given = torch.cat((num_tokens_per_rank.reshape(-1), num_tokens_per_expert.reshape(-1)))
         if W == 1:
-            every = None
-            most = T
+            every, most = None, T
+            given = _core.host_copy(given)
         else:
-            every = rt.comm.allgather(np.array([T] + pr + pe, dtype=np.int64))
+            pr_pe = given.tolist()
+            every = rt.comm.allgather(np.array([T] + pr_pe, dtype=np.int64))
             most = int(every[:, 0].max())
-        ids = _core.ids32(idx, E, cpu_only=True) if topk_idx is not None else None
-        L, recv_x, recv_s = rt.fresh(x, scales, idx, w, E, most, fn, ids)
+        L, recv_x, recv_s = rt.fresh(x, scales, idx, w, E, most, fn)
         L.in_rank, L.routing_idx = is_token_in_rank, idx
         if every is None:
-            L.per_rank = np.array([pr], dtype=np.int64)
-            coming = int(pr[0])
-            per_expert = [int(c) for c in pe]
+            pr_pe = _core.host_values(given).astype(np.int64)
+            L.per_rank = pr_pe[None, :1]
+            coming = int(pr_pe[0])
+            per_expert = pr_pe[1:].tolist()
         else:
             L.per_rank = every[:, 1:1 + W]
             coming = int(L.per_rank[:, self.rank].sum())

@@ -10,7 +10,7 @@ from epx._lib import lib
 from epx.errors import _check, _invalid, _refuse
 from .checkpointing import RECORDER_AMBIENT, RECORDER_NONE
 from .fp8 import _FP8
-from .handles import _HANDLES, _handle_of
+from .handles import _HANDLES, _handle_id, _handle_of
 from .overlap import EventOverlap, _overlapped
 from .tensors import epx_dtype, _F32, _I32, _on_stream, _ptr, _tensor_args
 
@@ -65,12 +65,22 @@ class Dispatched(NamedTuple):
         handle (epx_handle_recv_rows): from then on recv tensors of exactly N
         rows are enough for its cached dispatches (epx.h), where before the
         bound N_max is required. A released handle's N is read from recv_rows."""
-        h = _HANDLES.get(int(self.handle_id[0]))
+        h = _HANDLES.get(_handle_id(self.handle_id))
         return h.recv_rows if h is not None and not h.released else int(self.recv_rows[0])
 
     def counts_host(self):
-        """Rows per local expert as a list of ints (waits for the device on CUDA)."""
-        return [int(c) for c in self.counts.tolist()]
+        """Rows per local expert as a list of ints (waits for the device on
+        CUDA, except after an exact-size dispatch: its row count's wait
+        brought them)."""
+        h = _HANDLES.get(_handle_id(self.handle_id))
+        got = getattr(h, "_counts_host", None)
+        if got is None:
+            return [int(c) for c in self.counts.tolist()]
+        host, done = got
+        if done is None:
+            return list(host)
+        done.synchronize()          # done already where the row count was read
+        return host.numpy().tolist()
 
 
 def _dispatch_fresh(buffer, x, topk_idx, topk_w, locations, weighting, recorder, x_scales,

@@ -64,8 +64,14 @@ class keep_handles:
             self._previous.extend(self.handles)
 
 
+def _handle_id(token):
+    """The id a token holds (read from its host memory: a token never lives
+    on a device)."""
+    return int(token.numpy()[0])
+
+
 def _handle_of(token, fn):
-    h = _HANDLES.get(int(token[0]))
+    h = _HANDLES.get(_handle_id(token))
     if h is None or h.released:
         _refuse(Status.ERROR_INVALID_HANDLE, "%s: the dispatch's handle was released; keep "
                 "the Dispatched result (or the autograd graph) alive until combine and "

@@ -33,17 +33,23 @@ def _dispatch_inputs(b, x, topk_idx, topk_w, locations, fn, x_dtype=None):
     return x, idx, w, loc
 
 
-def _recv_metadata(b, handle, rows, K, dev, fn):
-    """(recv_w, recv_expert, counts, offsets, N) of a dispatch's handle."""
-    shape = _recv_w_shape(b, rows, K)
-    recv_expert = _torch.full(shape, -1, dtype=_I32, device=dev)
-    recv_w = _torch.zeros(shape, dtype=_F32, device=dev)
+def _expert_counts(b, handle, dev, fn):
+    """(counts [E_local], offsets [E_local + 1]) of a dispatch's handle."""
     n = b.experts_per_rank
     counts = _torch.empty((n,), dtype=_I64, device=dev)
     offsets = _torch.empty((n + 1,), dtype=_I64, device=dev)
-    hp = handle._use(b, fn)
-    _check(lib.epx_handle_recv_routing(hp, _ptr(recv_expert), _ptr(recv_w)))
-    _check(lib.epx_handle_expert_counts(hp, _ptr(counts), _ptr(offsets)))
+    _check(lib.epx_handle_expert_counts(handle._use(b, fn), _ptr(counts), _ptr(offsets)))
+    return counts, offsets
+
+
+def _recv_metadata(b, handle, rows, K, dev, fn, counts=None):
+    """(recv_w, recv_expert, counts, offsets, N) of a dispatch's handle
+    (counts: _expert_counts' pair, when already made)."""
+    shape = _recv_w_shape(b, rows, K)
+    recv_expert = _torch.full(shape, -1, dtype=_I32, device=dev)
+    recv_w = _torch.zeros(shape, dtype=_F32, device=dev)
+    counts, offsets = counts or _expert_counts(b, handle, dev, fn)
+    _check(lib.epx_handle_recv_routing(handle._use(b, fn), _ptr(recv_expert), _ptr(recv_w)))
     # offsets[-1] is N in every layout: the row count, read on the device.
     return recv_w, recv_expert, counts, offsets, offsets[-1:].clone()
 
@@ -251,10 +257,27 @@ def _dispatch_exact_op(x: Tensor, topk_idx: Tensor, topk_w: Optional[Tensor],
     fn = "epx.torch.dispatch"
     b, xc, K, handle, token = _dispatch_layout(x, topk_idx, topk_w, locations, buffer_id,
                                                weighting, recorder_id, fn)
+    # The counts are copied to the host before the row count's wait, which
+    # then covers them too: Dispatched.counts_host() waits for nothing more.
+    counts = _expert_counts(b, handle, x.device, fn)
+    _host_counts(handle, counts[0])
     rows = handle.recv_rows
     recv_x = _torch.zeros((rows, b.hidden), dtype=xc.dtype, device=x.device)
     b._dispatch(handle, _ptr(xc), _ptr(recv_x), rows)
-    return (recv_x,) + _recv_metadata(b, handle, rows, K, x.device, fn) + (token,)
+    return (recv_x,) + _recv_metadata(b, handle, rows, K, x.device, fn, counts) + (token,)
+
+
+def _host_counts(handle, counts):
+    """Starts the copy of counts to the host (a pinned tensor on CUDA, and
+    an event after the copy), kept on the handle for counts_host()."""
+    if counts.device.type != "cuda":
+        handle._counts_host = (counts.numpy().tolist(), None)
+        return
+    host = _torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+    host.copy_(counts, non_blocking=True)
+    done = _torch.cuda.Event()
+    done.record()
+    handle._counts_host = (host, done)
 
 
 @_dispatch_exact_op.register_fake

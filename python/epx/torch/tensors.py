@@ -112,9 +112,10 @@ def _ids(t, fn, name, high):
     1.9 to 1): a non-integer dtype is refused; so is, on the CPU, a value
     outside [-1, high) (high None: int32's range; the library checks
     locations against C itself), naming it. On CUDA reading the values would
-    wait for the device, so values past int32 become INT32_MAX, which the
-    library refuses (with worst_case_sizing: drops and reports) as the
-    out-of-range route it is."""
+    wait for the device, so values are clamped to [-2, INT32_MAX] instead:
+    one outside int32 becomes a value the library refuses (with
+    worst_case_sizing: drops and reports) as the out-of-range route it is,
+    and one inside keeps its value for the library's own check."""
     if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == _torch.bool:
         _invalid("%s: %s has dtype %s; pass an integer tensor (int32 or int64)", fn, name,
                  t.dtype)
@@ -123,8 +124,15 @@ def _ids(t, fn, name, high):
     top = _INT32_MAX if high is None else high - 1
     unsigned = _torch.iinfo(t.dtype).min == 0  # (compared with -1, -1 would become 255)
     if t.device.type == "cuda":
-        fits = t <= _INT32_MAX if unsigned else (t >= -1) & (t <= _INT32_MAX)
-        return _torch.where(fits, t, _torch.full_like(t, _INT32_MAX))
+        info = _torch.iinfo(t.dtype)
+        low = -2 if info.min < -2 else None
+        high_ = _INT32_MAX if info.max > _INT32_MAX else None
+        return t if low is None and high_ is None else t.clamp(low, high_)
+    # one reduction for the common case (every value in range), the search for
+    # the first bad one only when there is one
+    lo, hi = _torch.aminmax(t)
+    if (unsigned or int(lo) >= -1) and int(hi) <= top:
+        return t
     bad = (t > top if unsigned else (t < -1) | (t > top)).nonzero()
     if len(bad):
         at = tuple(int(i) for i in bad[0])
