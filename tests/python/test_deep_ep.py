@@ -374,8 +374,19 @@ def check_errors(deep_ep, group, W, r):
     b = deep_ep.Buffer(group)
     x, idx, w = world(W)[r]
     per_rank, _, per_expert, in_rank, _ = b.get_dispatch_layout(idx, E)
-    with pytest.raises(ValueError, match="topk_idx"):
-        b.get_dispatch_layout(torch.full_like(idx, E), E)
+    bad = torch.full_like(idx, E)
+    if idx.device.type == "cpu":
+        with pytest.raises(ValueError, match="topk_idx"):
+            b.get_dispatch_layout(bad, E)
+    else:
+        # DeepEP's layout kernel counts an id outside [-1, E) nowhere and
+        # raises nothing (reading the ids would wait for the device); the
+        # dispatch refuses it, naming the route (epx's layout, collective)
+        pr, _, pe, ir, _ = b.get_dispatch_layout(bad, E)
+        assert int(pr.sum()) == 0 and int(pe.sum()) == 0 and not bool(ir.any())
+        with pytest.raises(ValueError, match="topk_idx"):
+            b.dispatch(x, num_tokens_per_rank=pr, is_token_in_rank=ir, num_tokens_per_expert=pe,
+                       topk_idx=bad, topk_weights=w)
     with pytest.raises(ValueError, match="topk_idx"):
         b.get_dispatch_layout(idx.float(), E)
     with pytest.raises(ValueError, match="is_token_in_rank"):
