@@ -20,9 +20,10 @@ Run: EPX_LIBRARY=build/libepx.so PYTHONPATH=python python -m pytest tests/python
      (as a script it prints the table: python tests/python/test_deep_ep_syncs.py)
 """
 import collections
-import os
+import contextlib
 import pathlib
 import sys
+import tempfile
 
 import pytest
 
@@ -113,10 +114,7 @@ def _paths():
     """(name, call, DeepEP's syncs) of each path, on a group of one."""
     import torch.distributed as dist
     import epx.deep_ep as deep_ep
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29637")
-        dist.init_process_group("gloo", rank=0, world_size=1)
+    assert dist.is_initialized(), "inventory() runs inside _group_of_one()"
     g = torch.Generator().manual_seed(1)
     x = torch.randn(T, H, generator=g).bfloat16()
     idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
@@ -149,11 +147,27 @@ def _paths():
     ]
 
 
+@contextlib.contextmanager
+def _group_of_one():
+    """A gloo group of one through a file store (no port, and nothing left in
+    os.environ for the subprocesses of later tests), destroyed after."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        yield
+        return
+    with tempfile.TemporaryDirectory() as d:
+        dist.init_process_group("gloo", init_method="file://%s/store" % d, rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
 def inventory():
     """[(name, ops, kernels, syncs, where, DeepEP's syncs)] of each path (a
     second call: the first may make a buffer)."""
     rows = []
-    with torch.no_grad():
+    with torch.no_grad(), _group_of_one():
         for name, call, theirs in _paths():
             call()
             with count() as t:
