@@ -40,7 +40,8 @@ cd "$(dirname "$0")/.."
 # requires the 2-GPU tests to take it (mpi_gpu_exchange also runs every case
 # with every peer relayed through NCCL's host API, as peers without
 # load/store access are: EPX_CUDA_FUSED_RELAY); OFF leaves it out.
-# Also: EPX_GPU_BUILD (build folder), EPX_GPU2_SANITIZE=0 (no 2-GPU memcheck
+# Also: EPX_GPU_BUILD (build folder), EPX_GPU_SANITIZE=0 (no one-GPU
+# compute-sanitizer runs), EPX_GPU2_SANITIZE=0 (no 2-GPU memcheck
 # or racecheck: together up to 10 minutes, more than a device call's limit
 # beside the rest; run them in a call of their own),
 # EPX_GPU2_TEST_TIMEOUT / EPX_GPU2_MAIN_TIMEOUT / EPX_GPU2_BENCH_TIMEOUT
@@ -260,8 +261,13 @@ if [ $BUILD_OK = 1 ] && [ "${EPX_GPU_DEEP_EP:-1}" = 1 ]; then
 fi
 
 echo "epx gpu-check: bench done ($(date +%T))"
-# compute-sanitizer at trimmed sizes.
+# compute-sanitizer at trimmed sizes (EPX_GPU_SANITIZE=0 leaves these out:
+# up to 100 s a test and tool, with the rest more than one device call).
 SAN=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)
+if [ "${EPX_GPU_SANITIZE:-1}" = 0 ]; then
+  SAN=""
+  verdict "compute-sanitizer, one GPU" "SKIPPED (EPX_GPU_SANITIZE=0)"
+fi
 for tool in memcheck racecheck; do
   log=$OUTDIR/$tool.log
   : >"$log"
@@ -354,6 +360,7 @@ if [ $BUILD_OK = 1 ] && cmake --build "$BUILD" -j"$JOBS" --target $IPC_TESTS >>"
   # memcheck and racecheck of W = 2 processes (trimmed; the tool follows
   # the forked ranks)
   SAN=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)
+  [ "${EPX_GPU_SANITIZE:-1}" = 0 ] && SAN=""
   for tool in memcheck racecheck; do
     for t in ipc_gpu_exchange ipc_gpu_ll; do
       if [ -z "$SAN" ]; then verdict "$tool $t W=2" SKIPPED; continue; fi
