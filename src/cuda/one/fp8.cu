@@ -372,8 +372,8 @@ extern "C" cudaError_t epx_cuda_fp8_scatter_strided_launch(epx_fp8_format_t form
                                                            cudaStream_t stream) {
   const epx_payload_format_t f = epx_payload_fp8(format, x_dtype, hidden);
   /* rows may be NULL where there is no token (a rank's empty batch) */
-  if (top_k < 1 || top_k > EPX_CUDA_MAX_TOP_K || (!rows && top_k != 1 && num_tokens > 0) || f.scale_block == 0 || hidden % 32 != 0 ||
-      (stride->x | stride->recv_q) % EPX_PAYLOAD_VECTOR_BYTES != 0)
+  if (top_k < 1 || top_k > EPX_CUDA_MAX_TOP_K || (!rows && top_k != 1 && num_tokens > 0) || f.scale_block == 0 ||
+      hidden % 32 != 0 || (stride->x | stride->recv_q) % EPX_PAYLOAD_VECTOR_BYTES != 0)
     return cudaErrorInvalidValue;
   fp8_args a;
   a.x = x;
