@@ -43,10 +43,10 @@
  * as a new comm. Shrink and revoke are looked up in the loaded NCCL at run
  * time, not linked: libepx loads against an older libnccl.so.2 (PyTorch's)
  * as before, and there a failure aborts and a shrink is refused by name.
- * NCCL does not say
- * which rank was lost: the survivors find it themselves, as a peer of this
- * host whose process has ended (each rank's host and pid are gathered at
- * creation), so a failed comm whose peers span hosts is refused. */
+ * NCCL does not say which rank was lost: the survivors find it themselves,
+ * as a peer of this host whose process has ended (each rank's host and pid
+ * are gathered at creation), so a failed comm whose peers span hosts is
+ * refused. */
 #include "core/nccl.h"
 
 #include <dlfcn.h>
