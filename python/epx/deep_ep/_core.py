@@ -219,14 +219,18 @@ def dispatch_layout(topk_idx, num_experts, num_ranks, fn):
     checks every id)."""
     check(num_experts % num_ranks == 0, fn, "num_experts %d is not a multiple of the %d ranks",
           num_experts, num_ranks)
-    if topk_idx.device.type == "cpu" and topk_idx.numel():
-        ids = topk_idx.numpy()              # (a host read only where the ids are on the host)
-        if ids.min() < -1 or ids.max() >= num_experts:
-            raise ValueError("epx.deep_ep: %s: topk_idx holds an expert id outside [-1, %d)"
-                             % (fn, num_experts))
     in_rank = in_rank_of(topk_idx, num_experts, num_ranks)
     per_rank = in_rank.sum(dim=0, dtype=torch.int32)
-    # a [T * K, E] comparison: two kernels, no atomics, -1 (and a bad id) nowhere
+    if topk_idx.device.type == "cpu":
+        ids = topk_idx.numpy().reshape(-1)  # (a host read only where the ids are on the host)
+        if ids.size and (ids.min() < -1 or ids.max() >= num_experts):
+            raise ValueError("epx.deep_ep: %s: topk_idx holds an expert id outside [-1, %d)"
+                             % (fn, num_experts))
+        # the -1s counted in bin 0, dropped
+        per_expert = np.bincount(ids.astype(np.int64) + 1, minlength=num_experts + 1)[1:]
+        return per_rank, torch.from_numpy(per_expert.astype(np.int32)), in_rank
+    # a [T * K, E] comparison: two kernels, no atomics, no host wait (bincount
+    # would read its extent), -1 (and a bad id) nowhere
     per_expert = (topk_idx.reshape(-1, 1) == _ranks(num_experts, topk_idx.device)).sum(
         dim=0, dtype=torch.int32)
     return per_rank, per_expert, in_rank
