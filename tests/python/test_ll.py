@@ -139,6 +139,14 @@ def test_torch_ll():
             assert torch.equal(out, out_n)
             out1, _ = et.ll_combine(b, recv_x * 2, handle)
             assert torch.equal(out1, out_n)
+            # the sources as tensors (on the device for a CUDA buffer), the handle's own
+            src_rank, src_token = et.ll_recv_source(b, handle)
+            want_rank, want_token = handle.recv_source()
+            assert src_rank.shape == (E // comm.size * comm.size * 64,) and src_rank.dtype == torch.int32
+            assert torch.equal(src_rank, torch.from_numpy(want_rank))
+            assert torch.equal(src_token, torch.from_numpy(want_token))
+            with pytest.raises(ValueError, match="device"):
+                et.ll_recv_source(b, handle, device="cuda")
             handle.release()
             # the count as a tensor (on a CUDA buffer a device value)
             r1, c1, h1, _ = et.ll_dispatch(b, x, idx, w, num_tokens=torch.tensor([2], dtype=torch.int32))
