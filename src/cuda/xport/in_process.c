@@ -24,6 +24,7 @@
  * are the fused module's concern (fused/setup.cu).
  *
  * An all-gather is a group: every rank's block to every rank. */
+#include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -241,11 +242,9 @@ typedef struct {
 
 static epx_status_t in_process_window_open(epx_comm_t comm, size_t bytes, epx_cuda_window_t *window,
                                            const char *fn) {
-  const int32_t W = comm->size, me = comm->rank;
-  memset(window, 0, sizeof *window);
-  if (W > EPX_CUDA_WINDOW_MAX_RANKS)
-    return epx_error(EPX_ERROR_UNSUPPORTED, "%s: %d ranks, over the in-process windows' %d", fn, W,
-                     EPX_CUDA_WINDOW_MAX_RANKS);
+  const int32_t W = comm->size;
+  epx_status_t status = epx_cuda_xport_window_start(comm, window, "in-process", fn);
+  if (status != EPX_SUCCESS) return status;
   int device = 0;
   window_block_t mine = {NULL, 0, 1};
   char reason[512] = "";
@@ -259,14 +258,8 @@ static epx_status_t in_process_window_open(epx_comm_t comm, size_t bytes, epx_cu
     if (mine.base) cudaFree(mine.base);
     return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
   }
-  epx_status_t status = comm->ops->allgather(comm, fn, &mine, all, sizeof mine);
-  int32_t refused = -1;
-  for (int32_t p = 0; status == EPX_SUCCESS && p < W; p++)
-    if (all[p].refused) refused = p;
-  if (status == EPX_SUCCESS && refused >= 0)
-    status = refused == me ? epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: the in-process window: %s", fn, reason)
-                           : epx_error(EPX_ERROR_UNSUPPORTED, "%s: rank %d has no in-process window (its "
-                                       "epx_last_error says why); every rank refuses it", fn, refused);
+  status = epx_cuda_xport_window_gather(comm, &mine, all, sizeof mine, offsetof(window_block_t, refused),
+                                        "in-process", reason, fn);
   for (int32_t p = 0; status == EPX_SUCCESS && p < W; p++) {
     const int other = all[p].device;
     int reach = other == mine.device;
@@ -286,15 +279,11 @@ static epx_status_t in_process_window_open(epx_comm_t comm, size_t bytes, epx_cu
 
 static void in_process_window_close(epx_comm_t comm, epx_cuda_window_t *window) {
   /* no peer writes into it any more (each synchronised its device first) */
-  if (!comm->failed) (void)comm->ops->barrier(comm, "epx_buffer_destroy");
-  if (window->base) cudaFree(window->base);
-  window->base = NULL;
+  epx_cuda_xport_window_free(comm, window, 1);
 }
 
 static void in_process_window_drop(epx_comm_t comm, epx_cuda_window_t *window) {
-  (void)comm;
-  if (window->base) cudaFree(window->base);
-  window->base = NULL;
+  epx_cuda_xport_window_free(comm, window, 0);
 }
 
 const epx_cuda_xport_t epx_cuda_xport_in_process = {

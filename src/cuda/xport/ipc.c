@@ -52,6 +52,7 @@
  * unless EPX_IPC_FUSED=try (epx.h), and the buffer takes the host path (the
  * slabs). Nothing here spins on the GPU. Graph capture: refused, as the
  * in-process transport's. */
+#include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -651,10 +652,8 @@ static void close_opened(epx_cuda_window_t *window) {
 
 static epx_status_t ipc_window_open(epx_comm_t comm, size_t bytes, epx_cuda_window_t *window, const char *fn) {
   const int32_t W = comm->size, me = comm->rank;
-  memset(window, 0, sizeof *window);
-  if (W > EPX_CUDA_WINDOW_MAX_RANKS)
-    return epx_error(EPX_ERROR_UNSUPPORTED, "%s: %d ranks, over the ipc windows' %d", fn, W,
-                     EPX_CUDA_WINDOW_MAX_RANKS);
+  epx_status_t status = epx_cuda_xport_window_start(comm, window, "ipc", fn);
+  if (status != EPX_SUCCESS) return status;
   window_block_t mine;
   memset(&mine, 0, sizeof mine);
   char reason[512] = "";
@@ -674,14 +673,8 @@ static epx_status_t ipc_window_open(epx_comm_t comm, size_t bytes, epx_cuda_wind
     if (base) cudaFree(base);
     return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
   }
-  epx_status_t status = comm->ops->allgather(comm, fn, &mine, all, sizeof mine);
-  int32_t refused = -1;
-  for (int32_t p = 0; status == EPX_SUCCESS && p < W; p++)
-    if (all[p].refused) refused = p;
-  if (status == EPX_SUCCESS && refused >= 0)
-    status = refused == me ? epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: the ipc window: %s", fn, reason)
-                           : epx_error(EPX_ERROR_UNSUPPORTED, "%s: rank %d has no ipc window (its epx_last_error "
-                                       "says why); every rank refuses it", fn, refused);
+  status = epx_cuda_xport_window_gather(comm, &mine, all, sizeof mine, offsetof(window_block_t, refused), "ipc",
+                                        reason, fn);
   for (int32_t p = 0; status == EPX_SUCCESS && p < W; p++) {
     const int on_device = !memcmp(all[p].device.uuid, mine.device.uuid, sizeof mine.device.uuid);
     window->ranks_on_device += on_device;
@@ -708,16 +701,12 @@ static epx_status_t ipc_window_open(epx_comm_t comm, size_t bytes, epx_cuda_wind
 static void ipc_window_close(epx_comm_t comm, epx_cuda_window_t *window) {
   close_opened(window);
   /* every peer has unmapped this rank's window before its memory goes */
-  if (!comm->failed) (void)comm->ops->barrier(comm, "epx_buffer_destroy");
-  if (window->base) cudaFree(window->base);
-  window->base = NULL;
+  epx_cuda_xport_window_free(comm, window, 1);
 }
 
 static void ipc_window_drop(epx_comm_t comm, epx_cuda_window_t *window) {
-  (void)comm;
   close_opened(window);
-  if (window->base) cudaFree(window->base);
-  window->base = NULL;
+  epx_cuda_xport_window_free(comm, window, 0);
 }
 
 const epx_cuda_xport_t epx_cuda_xport_ipc = {

@@ -122,6 +122,20 @@ const epx_cuda_xport_t *epx_cuda_xport_of(epx_comm_t comm);
 epx_status_t epx_cuda_xport_host_fail_timeout(epx_comm_t comm, const char *fn, const char *what);
 epx_status_t epx_cuda_xport_host_agree_max(epx_comm_t comm, int64_t mine, int64_t *top, const char *fn);
 
+/* The windows of those transports, the steps both take alike:
+ * window_start clears *window and refuses more ranks than a window holds;
+ * window_gather gathers every rank's block (`block` bytes, the int32 at
+ * refused_at 1 where that rank has no window) into all [W] and agrees the
+ * verdict (a refusal anywhere refuses everywhere, the refusing rank with
+ * `reason`; kind names the window in the messages); window_free frees this
+ * rank's memory, after a barrier (every peer done with it) where
+ * `collective` and the comm has not failed. */
+epx_status_t epx_cuda_xport_window_start(epx_comm_t comm, epx_cuda_window_t *window, const char *kind,
+                                         const char *fn);
+epx_status_t epx_cuda_xport_window_gather(epx_comm_t comm, const void *mine, void *all, size_t block,
+                                          size_t refused_at, const char *kind, const char *reason, const char *fn);
+void epx_cuda_xport_window_free(epx_comm_t comm, epx_cuda_window_t *window, int collective);
+
 extern const epx_cuda_xport_t epx_cuda_xport_nccl;       /* xport/nccl.c (NCCL builds) */
 extern const epx_cuda_xport_t epx_cuda_xport_in_process; /* xport/in_process.c */
 extern const epx_cuda_xport_t epx_cuda_xport_ipc;        /* xport/ipc.c */
