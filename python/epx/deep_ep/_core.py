@@ -236,28 +236,6 @@ def dispatch_layout(topk_idx, num_experts, num_ranks, fn):
     return per_rank, per_expert, in_rank
 
 
-def host_copy(t):
-    """(host tensor, event) for :func:`host_values`: on CUDA a copy to pinned
-    memory started now, read once a later wait on the stream (epx's row
-    count) has covered it; elsewhere t itself."""
-    if t.device.type != "cuda":
-        return t, None
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)
-    done = torch.cuda.Event()
-    done.record()
-    return host, done
-
-
-def host_values(copy):
-    """The numpy values of a :func:`host_copy` (its event waited for: done
-    already where a wait on the stream followed the copy)."""
-    host, done = copy
-    if done is not None:
-        done.synchronize()
-    return host.numpy()
-
-
 class Layout:
     """One fresh dispatch: the epx Dispatched (exact rows) and what DeepEP's
     handles and the small all-to-alls need (the sources of the rows read

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from epx.torch.tensors import _host_copy, _host_values
 from . import _core
 from ._core import check, unsupported
 from .utils import EventHandle, EventOverlap
@@ -349,7 +350,7 @@ class Buffer:
         given = torch.cat((num_tokens_per_rank.reshape(-1), num_tokens_per_expert.reshape(-1)))
         if W == 1:
             every, most = None, T
-            given = _core.host_copy(given)
+            given = _host_copy(given)
         else:
             pr_pe = given.tolist()
             every = rt.comm.allgather(np.array([T] + pr_pe, dtype=np.int64))
@@ -357,7 +358,7 @@ class Buffer:
         L, recv_x, recv_s = rt.fresh(x, scales, idx, w, E, most, fn)
         L.in_rank, L.routing_idx = is_token_in_rank, idx
         if every is None:
-            pr_pe = _core.host_values(given).astype(np.int64)
+            pr_pe = _host_values(given).astype(np.int64)
             L.per_rank = pr_pe[None, :1]
             coming = int(pr_pe[0])
             per_expert = pr_pe[1:].tolist()

@@ -12,7 +12,7 @@ from .checkpointing import RECORDER_AMBIENT, RECORDER_NONE
 from .fp8 import _FP8
 from .handles import _HANDLES, _handle_id, _handle_of
 from .overlap import EventOverlap, _overlapped
-from .tensors import epx_dtype, _F32, _I32, _on_stream, _ptr, _tensor_args
+from .tensors import epx_dtype, _F32, _I32, _host_values, _on_stream, _ptr, _tensor_args
 
 
 class Dispatched(NamedTuple):
@@ -76,11 +76,7 @@ class Dispatched(NamedTuple):
         got = getattr(h, "_counts_host", None)
         if got is None:
             return [int(c) for c in self.counts.tolist()]
-        host, done = got
-        if done is None:
-            return list(host)
-        done.synchronize()          # done already where the row count was read
-        return host.numpy().tolist()
+        return _host_values(got).tolist()   # (its event done already where the row count was read)
 
 
 def _dispatch_fresh(buffer, x, topk_idx, topk_w, locations, weighting, recorder, x_scales,

@@ -15,8 +15,8 @@ from .autograd import _autograd
 from .checkpointing import _recorder
 from .handles import _handle_of, _token
 from .profiling import _ranged
-from .tensors import (_buffer, _check_handle_rows, _check_handle_shape, _empties, _F32, _I32,
-                      _I64, _max_rows, _on_stream, _ptr, _recv_w_shape, _routing_tensor,
+from .tensors import (_buffer, _check_handle_rows, _check_handle_shape, _empties, _F32, _host_copy,
+                      _I32, _I64, _max_rows, _on_stream, _ptr, _recv_w_shape, _routing_tensor,
                       _sized_buffer, _tensor, _TORCH_OF)
 
 
@@ -260,24 +260,11 @@ def _dispatch_exact_op(x: Tensor, topk_idx: Tensor, topk_w: Optional[Tensor],
     # The counts are copied to the host before the row count's wait, which
     # then covers them too: Dispatched.counts_host() waits for nothing more.
     counts = _expert_counts(b, handle, x.device, fn)
-    _host_counts(handle, counts[0])
+    handle._counts_host = _host_copy(counts[0])
     rows = handle.recv_rows
     recv_x = _torch.zeros((rows, b.hidden), dtype=xc.dtype, device=x.device)
     b._dispatch(handle, _ptr(xc), _ptr(recv_x), rows)
     return (recv_x,) + _recv_metadata(b, handle, rows, K, x.device, fn, counts) + (token,)
-
-
-def _host_counts(handle, counts):
-    """Starts the copy of counts to the host (a pinned tensor on CUDA, and
-    an event after the copy), kept on the handle for counts_host()."""
-    if counts.device.type != "cuda":
-        handle._counts_host = (counts.numpy().tolist(), None)
-        return
-    host = _torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
-    host.copy_(counts, non_blocking=True)
-    done = _torch.cuda.Event()
-    done.record()
-    handle._counts_host = (host, done)
 
 
 @_dispatch_exact_op.register_fake

@@ -142,6 +142,29 @@ def _ids(t, fn, name, high):
     return t
 
 
+def _host_copy(t):
+    """(host tensor, event) for :func:`_host_values`: on CUDA a copy of t to
+    pinned memory started now on the current stream and an event after it
+    (read once a later wait on the stream has covered it, with no wait of
+    its own); elsewhere t itself and no event."""
+    if t.device.type != "cuda":
+        return t, None
+    host = _torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    done = _torch.cuda.Event()
+    done.record()
+    return host, done
+
+
+def _host_values(copy):
+    """The numpy values of a :func:`_host_copy`, its event waited for (done
+    already where a wait on the stream followed the copy)."""
+    host, done = copy
+    if done is not None:
+        done.synchronize()
+    return host.numpy()
+
+
 def _ptr(t):
     return t.data_ptr() if t is not None and t.numel() else None
 
