@@ -10,18 +10,13 @@
 
 #include "testutil.h"
 #include "buffer_config.h"
+#include "clock.h"
 
 #define TIMEOUT_S 0.3
 #define H 16
 #define E 12
 #define K 2
 #define T 10
-
-static double now_seconds(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 /* ------------------------------------------------------------------------ */
 /* One rank's exchange, step by step                                         */
@@ -110,8 +105,8 @@ typedef struct {
 
 /* The odd rank waits (making no call) until its peers are done, 5 s at most. */
 static void wait_for_peers(run_t *run, int32_t world) {
-  double deadline = now_seconds() + 5.0;
-  while (__atomic_load_n(&run->done, __ATOMIC_SEQ_CST) < world - 1 && now_seconds() < deadline) {
+  double deadline = tu_seconds() + 5.0;
+  while (__atomic_load_n(&run->done, __ATOMIC_SEQ_CST) < world - 1 && tu_seconds() < deadline) {
     struct timespec pause = {0, 1000000};
     nanosleep(&pause, NULL);
   }
@@ -138,26 +133,26 @@ static int stopped_peer_rank(epx_comm_t comm, int32_t rank, int32_t world, void 
   char named[32];
   snprintf(named, sizeof named, "rank %d", run->odd);
   if (rank != run->odd) {
-    double start = now_seconds();
+    double start = tu_seconds();
     RANK_STATUS(run_step(&s, run->step), EPX_ERROR_TIMEOUT, named);
-    double elapsed = now_seconds() - start;
+    double elapsed = tu_seconds() - start;
     RANK_EXPECT(strstr(epx_last_error(), step_names[run->step]), "message does not name %s: %s", step_names[run->step], epx_last_error());
     RANK_EXPECT(elapsed < 3.0, "%s timed out after %.3f s (timeout %.1f s)",
                 step_names[run->step], elapsed, TIMEOUT_S);
     /* The comm is failed: every later collective call refuses at once. */
     for (step_t later = STEP_LAYOUT; later < STEPS; later++) {
       if (later != STEP_LAYOUT && !s.handle) continue;
-      start = now_seconds();
+      start = tu_seconds();
       RANK_STATUS(run_step(&s, later), EPX_ERROR_PEER_FAILED, "failed");
-      RANK_EXPECT(now_seconds() - start < 0.1, "%s on a failed comm took %.3f s", step_names[later], now_seconds() - start);
+      RANK_EXPECT(tu_seconds() - start < 0.1, "%s on a failed comm took %.3f s", step_names[later], tu_seconds() - start);
     }
     __atomic_add_fetch(&run->done, 1, __ATOMIC_SEQ_CST);
   } else {
     wait_for_peers(run, world);
     /* Arriving late, it finds the comm failed. */
-    double start = now_seconds();
+    double start = tu_seconds();
     RANK_STATUS(run_step(&s, run->step), EPX_ERROR_PEER_FAILED, NULL);
-    RANK_EXPECT(now_seconds() - start < 0.1, "the late rank's call took %.3f s", now_seconds() - start);
+    RANK_EXPECT(tu_seconds() - start < 0.1, "the late rank's call took %.3f s", tu_seconds() - start);
   }
   /* Handles and buffers are released without the peers (not collective). */
   RANK_STATUS(epx_handle_release(s.handle), EPX_SUCCESS, NULL);
@@ -189,14 +184,14 @@ static int null_buffer_rank(epx_comm_t comm, int32_t rank, int32_t world, void *
   RANK_STATUS(run_step(&s, STEP_LAYOUT), EPX_SUCCESS, NULL);
   char named[32];
   snprintf(named, sizeof named, "rank %d", run->odd);
-  double start = now_seconds();
+  double start = tu_seconds();
   if (rank == run->odd) {
     RANK_STATUS(epx_dispatch(NULL, s.handle, s.x, s.recv, s.N), EPX_ERROR_INVALID_ARGUMENT, "buffer is NULL");
-    RANK_EXPECT(now_seconds() - start < 0.1, "a NULL buffer took %.3f s to refuse", now_seconds() - start);
+    RANK_EXPECT(tu_seconds() - start < 0.1, "a NULL buffer took %.3f s to refuse", tu_seconds() - start);
     wait_for_peers(run, world);
   } else {
     RANK_STATUS(epx_dispatch(s.buffer, s.handle, s.x, s.recv, s.N), EPX_ERROR_TIMEOUT, named);
-    RANK_EXPECT(now_seconds() - start < 3.0, "the timeout took %.3f s", now_seconds() - start);
+    RANK_EXPECT(tu_seconds() - start < 3.0, "the timeout took %.3f s", tu_seconds() - start);
     __atomic_add_fetch(&run->done, 1, __ATOMIC_SEQ_CST);
   }
   state_fini(&s);
@@ -286,7 +281,7 @@ static int erring_rank(epx_comm_t comm, int32_t rank, int32_t world, void *arg) 
 
   char named[32];
   snprintf(named, sizeof named, "rank %d", run->odd);
-  double start = now_seconds();
+  double start = tu_seconds();
   if (rank == run->odd) {
     epx_status_t status;
     const char *needle = run_bad_step(&s, run->step, run->variant, &status);
@@ -296,7 +291,7 @@ static int erring_rank(epx_comm_t comm, int32_t rank, int32_t world, void *arg) 
   } else {
     RANK_STATUS(run_step(&s, run->step), EPX_ERROR_PEER_FAILED, named);
   }
-  RANK_EXPECT(now_seconds() - start < 1.0, "the refusal took %.3f s", now_seconds() - start);
+  RANK_EXPECT(tu_seconds() - start < 1.0, "the refusal took %.3f s", tu_seconds() - start);
   for (int i = 0; i < 4; i++)
     RANK_EXPECT(before[i] && !memcmp(before[i], live[i], sizes[i]), "output %d was written by a refused %s", i,
                 step_names[run->step]);
@@ -335,7 +330,7 @@ static int bad_handle_rank(epx_comm_t comm, int32_t rank, int32_t world, void *a
   epx_handle_t bad = run->variant ? other.handle : dead, good = s.handle;
   char named[32];
   snprintf(named, sizeof named, "rank %d", run->odd);
-  double start = now_seconds();
+  double start = tu_seconds();
   if (rank == run->odd) s.handle = bad;
   epx_status_t status = run_step(&s, run->step);
   s.handle = good;
@@ -346,7 +341,7 @@ static int bad_handle_rank(epx_comm_t comm, int32_t rank, int32_t world, void *a
   else
     RANK_EXPECT(status == EPX_ERROR_PEER_FAILED && strstr(epx_last_error(), named), "%s returned %s: %s (want %s named)",
                 step_names[run->step], epx_status_string(status), epx_last_error(), named);
-  RANK_EXPECT(now_seconds() - start < 1.0, "the refusal took %.3f s", now_seconds() - start);
+  RANK_EXPECT(tu_seconds() - start < 1.0, "the refusal took %.3f s", tu_seconds() - start);
   /* The comm still works. */
   RANK_STATUS(run_step(&s, run->step), EPX_SUCCESS, NULL);
   state_fini(&other);

@@ -437,17 +437,12 @@ done:
 
 #ifndef LL_SCENE_ONLY
 #include <pthread.h>
+#include "clock.h"
 
 /* A refused call on a low-latency buffer meets the peer's epx_ll_* call
  * (issue 38: rank 0 waited the whole timeout, "rank 1 did not arrive", and
  * the comm was dead for both): both fail at once, the messages name the ll
  * calls, and the comm stays usable. 2 ranks, comm timeout 5 s. */
-static double ll_now(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
 static int refused_meets_ll_rank_main(epx_comm_t comm, int32_t rank, int32_t world, void *arg) {
   (void)world, (void)arg;
   int failures = 0;
@@ -464,11 +459,11 @@ static int refused_meets_ll_rank_main(epx_comm_t comm, int32_t rank, int32_t wor
   RANK_REQUIRE_OK(epx_buffer_create(comm, &cfg, &buffer));
 
   /* Rank 1 in epx_dispatch_layout (refused: the buffer serves epx_ll_*). */
-  double t0 = ll_now();
+  double t0 = tu_seconds();
   epx_status_t status = rank == 0
                             ? epx_ll_dispatch(buffer, &routing, NULL, x[rank], recv[rank], NULL, &h)
                             : epx_dispatch_layout(buffer, &routing, NULL, &h);
-  double took = ll_now() - t0;
+  double took = tu_seconds() - t0;
   RANK_EXPECT(status != EPX_SUCCESS && status != EPX_ERROR_TIMEOUT && took < 2.0,
               "layout vs ll_dispatch: %s after %.2f s: %s", epx_status_string(status), took,
               epx_last_error());
@@ -480,10 +475,10 @@ static int refused_meets_ll_rank_main(epx_comm_t comm, int32_t rank, int32_t wor
   RANK_OK(epx_ll_dispatch(buffer, &routing, NULL, x[rank], recv[rank], NULL, &h));
 
   /* Rank 1 in epx_ll_combine with a bad argument while rank 0 dispatches. */
-  t0 = ll_now();
+  t0 = tu_seconds();
   status = rank == 0 ? epx_ll_dispatch(buffer, &routing, NULL, x[rank], recv[rank], NULL, &h2)
                      : epx_ll_combine(buffer, h, NULL, out[rank]);
-  took = ll_now() - t0;
+  took = tu_seconds() - t0;
   RANK_EXPECT(status != EPX_SUCCESS && status != EPX_ERROR_TIMEOUT && took < 2.0,
               "ll_combine vs ll_dispatch: %s after %.2f s: %s", epx_status_string(status), took,
               epx_last_error());

@@ -27,6 +27,7 @@
 
 #include "comm_cases.h"
 #include "testutil.h"
+#include "clock.h"
 
 #define W 3
 #define E 6 /* 2 experts per rank */
@@ -47,12 +48,6 @@ typedef struct {
   double lost_step_s[W]; /* the step that timed out: its call's time */
   double next_step_s[W]; /* its error -> the next step done (mask included) */
 } scene_t;
-
-static double seconds_now(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 /* Rank `rank`'s input of step `step`: distinct experts per token, weights
  * 1/2 or 1/4, rows of small integers. */
@@ -195,9 +190,9 @@ static int survivor_main(epx_buffer_t b, epx_buffer_t normal, int32_t rank, scen
   int32_t none[W] = {0}, mask[W] = {0}, got[W];
   epx_status_t status;
   /* The lost step: rank 2 does not come. */
-  double started = seconds_now();
+  double started = tu_seconds();
   (void)ll_step(b, rank, 3, none, sc->layout, &status);
-  double failed_at = seconds_now();
+  double failed_at = tu_seconds();
   sc->lost_step_s[rank] = failed_at - started;
   sc->named[rank] = status == EPX_ERROR_TIMEOUT && strstr(step_error, "rank 2") != NULL;
   if (!sc->named[rank]) fprintf(stderr, "rank %d: %s: %s\n", rank, epx_status_string(status), step_error);
@@ -213,7 +208,7 @@ static int survivor_main(epx_buffer_t b, epx_buffer_t normal, int32_t rank, scen
       fprintf(stderr, "rank %d step %d: %s: %s\n", rank, step, epx_status_string(status), step_error);
       return 1;
     }
-    if (!sc->checked[rank]++) sc->next_step_s[rank] = seconds_now() - failed_at;
+    if (!sc->checked[rank]++) sc->next_step_s[rank] = tu_seconds() - failed_at;
   }
   /* Refusals: the calling rank itself, a rank out of range. */
   if (epx_ll_mask_rank(b, rank, 1) != EPX_ERROR_INVALID_ARGUMENT) return 1;
@@ -457,7 +452,7 @@ static void test_mask_threads_stress(void **state) {
   alarm(4 * HARD_BOUND_S);
   const char *env = getenv("EPX_TEST_SEED");
   uint64_t base = env ? strtoull(env, NULL, 10) : (uint64_t)time(NULL) * 1000 + (uint64_t)getpid() % 1000;
-  double started = seconds_now();
+  double started = tu_seconds();
   for (int32_t i = 0; i < STRESS_CASES; i++) {
     stress_t sc = {.layout = i & 1 ? EPX_LAYOUT_RANK_MAJOR : EPX_LAYOUT_EXPERT_MAJOR, .seed = base + (uint64_t)i};
     tu_rng_t rng = {sc.seed};
@@ -476,7 +471,7 @@ static void test_mask_threads_stress(void **state) {
   }
   printf("ll mask under jitter (threads, seeds %llu + [0, %d)): rank 3 lost, rank 2 gone after the failure; both "
          "survivors failed the same two steps, masked, and 3 steps equal the reference: OK (%.1f s)\n",
-         (unsigned long long)base, STRESS_CASES, seconds_now() - started);
+         (unsigned long long)base, STRESS_CASES, tu_seconds() - started);
   alarm(0);
 }
 
@@ -513,7 +508,7 @@ static int shm_survivor(epx_buffer_t b, int32_t rank, shm_scene_t *sc) {
     if (status != EPX_SUCCESS) break;
     if (step == 0) atomic_fetch_add(&sc->looping, 1);
   }
-  double failed_at = cc_now_seconds();
+  double failed_at = tu_seconds();
   sc->failed_step[rank] = step;
   sc->error_s[rank] = failed_at - 1e-9 * (double)atomic_load(&sc->killed_ns);
   if (!atomic_load(&sc->killed_ns) || !strstr(step_error, "rank 2") ||
@@ -537,7 +532,7 @@ static int shm_survivor(epx_buffer_t b, int32_t rank, shm_scene_t *sc) {
               step_error);
       return 1;
     }
-    if (i == 1) sc->recover_s[rank] = cc_now_seconds() - 1e-9 * (double)atomic_load(&sc->killed_ns);
+    if (i == 1) sc->recover_s[rank] = tu_seconds() - 1e-9 * (double)atomic_load(&sc->killed_ns);
   }
   return 0;
 }
@@ -593,10 +588,10 @@ static int shm_kill_case(epx_layout_t layout, double delay, int index) {
     pids[r] = fork();
     if (pids[r] == 0) shm_rank(name, r, sc);
   }
-  double give_up = cc_now_seconds() + 20.0;
-  while (atomic_load(&sc->looping) < W && cc_now_seconds() < give_up) cc_sleep_seconds(0.001);
+  double give_up = tu_seconds() + 20.0;
+  while (atomic_load(&sc->looping) < W && tu_seconds() < give_up) cc_sleep_seconds(0.001);
   cc_sleep_seconds(delay);
-  atomic_store(&sc->killed_ns, (int64_t)(cc_now_seconds() * 1e9));
+  atomic_store(&sc->killed_ns, (int64_t)(tu_seconds() * 1e9));
   kill(pids[VICTIM], SIGKILL);
   int failed = !tu_reap(pids[VICTIM], VICTIM, SIGKILL);
   for (int32_t r = 0; r < W; r++)

@@ -13,6 +13,7 @@
 #include "core/dtype.h"
 #include "testutil.h"
 #include "buffer_config.h"
+#include "clock.h"
 
 #define K 2
 #define E_PER_RANK 4
@@ -23,12 +24,6 @@ static void *alloc_zero(size_t bytes) {
   if (posix_memalign(&p, 64, bytes ? bytes : 64)) return NULL;
   memset(p, 0, bytes ? bytes : 64);
   return p;
-}
-
-static double now_seconds(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
 /* ------------------------------------------------------------------------ */
@@ -271,9 +266,9 @@ static int checkpoint_rank(epx_comm_t comm, int32_t rank, int32_t world, void *a
     epx_routing_t routing = model_routing(m, 0);
     epx_handle_t again = NULL;
     RANK_STATUS(epx_recorder_set_mode(rec[0], EPX_RECORDER_REPLAY), EPX_SUCCESS, NULL);
-    double start = now_seconds();
+    double start = tu_seconds();
     RANK_STATUS(epx_dispatch_layout(m->buffer[0], &routing, rec[0], &again), EPX_SUCCESS, NULL);
-    RANK_EXPECT(now_seconds() - start < 0.5, "a replay took %.3f s: it waited for peers", now_seconds() - start);
+    RANK_EXPECT(tu_seconds() - start < 0.5, "a replay took %.3f s: it waited for peers", tu_seconds() - start);
     epx_handle_release(again);
   }
 
@@ -373,10 +368,10 @@ static int mismatch_rank(epx_comm_t comm, int32_t rank, int32_t world, void *arg
   h = poison;
   char named[32];
   snprintf(named, sizeof named, "rank %d", odd);
-  double start = now_seconds();
+  double start = tu_seconds();
   if (rank == odd) RANK_STATUS(epx_dispatch_layout(m->buffer[1], &routing, rec, &h), EPX_ERROR_REPLAY_MISMATCH, "call 1");
   else RANK_STATUS(epx_dispatch_layout(m->buffer[1], &routing, rec, &h), EPX_ERROR_PEER_FAILED, named);
-  RANK_EXPECT(now_seconds() - start < 2.0, "the refusal took %.2f s", now_seconds() - start);
+  RANK_EXPECT(tu_seconds() - start < 2.0, "the refusal took %.2f s", tu_seconds() - start);
   RANK_EXPECT(h == poison, "the handle output was written on a refused replay");
 done:
   return failures + replay_end(&r, rank);
@@ -416,14 +411,14 @@ static int bad_replay_rank(epx_comm_t comm, int32_t rank, int32_t world, void *a
   epx_handle_t poison = (epx_handle_t)(uintptr_t)0xA5A5A5A5u, h = poison;
   char named[32];
   snprintf(named, sizeof named, "rank %d", b->odd);
-  double start = now_seconds();
+  double start = tu_seconds();
   if (rank == b->odd)
     RANK_STATUS(epx_dispatch_layout(m->buffer[0], &routing, rec, &h), EPX_ERROR_INVALID_ARGUMENT, "outside");
   else if (b->validate)
     RANK_STATUS(epx_dispatch_layout(m->buffer[0], &routing, rec, &h), EPX_ERROR_PEER_FAILED, named);
   else
     RANK_STATUS(epx_dispatch_layout(m->buffer[0], &routing, rec, &h), EPX_SUCCESS, NULL);
-  RANK_EXPECT(now_seconds() - start < 2.0, "the replay took %.2f s", now_seconds() - start);
+  RANK_EXPECT(tu_seconds() - start < 2.0, "the replay took %.2f s", tu_seconds() - start);
   RANK_EXPECT(rank != b->odd || h == poison, "the handle output was written on a refused replay");
   if (h != poison) epx_handle_release(h);
   /* The comm still works: a collective layout with good routing. */

@@ -173,7 +173,7 @@ static int victim_loop_rank(epx_comm_t comm, int32_t rank, int32_t size, void *s
       continue;
     }
     if (rank == v->victim) return 0; /* continued after SIGSTOP: the comm has failed */
-    double after = cc_now_seconds() - 1e-9 * (double)atomic_load(&v->signal_ns);
+    double after = tu_seconds() - 1e-9 * (double)atomic_load(&v->signal_ns);
     char named[32];
     snprintf(named, sizeof named, "rank %d", v->victim);
     RANK_EXPECT((status == EPX_ERROR_TIMEOUT || status == EPX_ERROR_PEER_FAILED) &&
@@ -186,8 +186,8 @@ static int victim_loop_rank(epx_comm_t comm, int32_t rank, int32_t size, void *s
     /* The comm is destroyed on return: a survivor still waiting would read
      * that destroy as its cause, so each waits for the others' errors. */
     atomic_fetch_add(&v->reported, 1);
-    double give_up = cc_now_seconds() + v->timeout + 10.0;
-    while (atomic_load(&v->reported) < size - 1 && cc_now_seconds() < give_up) cc_sleep_seconds(0.001);
+    double give_up = tu_seconds() + v->timeout + 10.0;
+    while (atomic_load(&v->reported) < size - 1 && tu_seconds() < give_up) cc_sleep_seconds(0.001);
     return failures;
   }
 }
@@ -207,10 +207,10 @@ static int run_victim(int32_t victim, int sig, double delay) {
   pid_t pids[3];
   for (int32_t r = 0; r < size; r++)
     pids[r] = fork_rank(name, r, size, v->timeout, victim_loop_rank, v, 0);
-  double give_up = cc_now_seconds() + 30.0;
-  while (atomic_load(&v->started) < size && cc_now_seconds() < give_up) cc_sleep_seconds(0.001);
+  double give_up = tu_seconds() + 30.0;
+  while (atomic_load(&v->started) < size && tu_seconds() < give_up) cc_sleep_seconds(0.001);
   if (delay > 0) cc_sleep_seconds(delay);
-  atomic_store(&v->signal_ns, (int64_t)(cc_now_seconds() * 1e9));
+  atomic_store(&v->signal_ns, (int64_t)(tu_seconds() * 1e9));
   kill(pids[victim], sig);
   int failed = 0;
   if (sig == SIGKILL) failed += !tu_reap(pids[victim], victim, SIGKILL);
@@ -269,8 +269,8 @@ static int exists_in_dev_shm(const char *name) {
  * ranks that never come; returns once its segment is there. */
 static pid_t lone_rank0(const char *name, int32_t size, double timeout) {
   pid_t pid = fork_rank(name, 0, size, timeout, NULL, NULL, 0);
-  double give_up = cc_now_seconds() + 20.0;
-  while (!exists_in_dev_shm(name) && cc_now_seconds() < give_up) cc_sleep_seconds(0.001);
+  double give_up = tu_seconds() + 20.0;
+  while (!exists_in_dev_shm(name) && tu_seconds() < give_up) cc_sleep_seconds(0.001);
   cc_sleep_seconds(0.2); /* its init done */
   return pid;
 }
@@ -316,11 +316,11 @@ static void test_shm_live_segment_is_refused(void **state) {
   epx_comm_config_t config = EPX_COMM_CONFIG_INIT;
   config.timeout_seconds = 0.5;
   epx_comm_t comm = NULL;
-  double t0 = cc_now_seconds();
+  double t0 = tu_seconds();
   EXPECT_STATUS(epx_comm_create_shm(name, 0, 2, &config, &comm), EPX_ERROR_INVALID_ARGUMENT,
                 "is in use by a live job");
   assert_true(tu_message_has(name));
-  assert_true(cc_now_seconds() - t0 < 0.4);
+  assert_true(tu_seconds() - t0 < 0.4);
   kill(live, SIGKILL);
   assert_true(tu_reap(live, 0, SIGKILL));
   char object[72];

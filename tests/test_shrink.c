@@ -139,7 +139,7 @@ typedef struct {
 
 static void victim_stop(void *arg) {
   life_t *life = arg;
-  atomic_store(&life->sh->loss_ns, (int64_t)(cc_now_seconds() * 1e9));
+  atomic_store(&life->sh->loss_ns, (int64_t)(tu_seconds() * 1e9));
   if (life->process) raise(SIGKILL);
   /* A thread that stops: it stays away until the survivors are done. */
   while (atomic_load(&life->sh->survivors_done) < W0 - 1) cc_sleep_seconds(0.005);
@@ -162,7 +162,7 @@ static int victim_after(epx_comm_t comm, epx_buffer_t b, step_left_t *left, shar
 static int survivor_after(epx_comm_t *comm, epx_buffer_t *b, epx_status_t status, shared_t *sh, int32_t rank) {
   int failures = 0;
   double loss = now_ns_to_s(atomic_load(&sh->loss_ns));
-  sh->detect[rank] = cc_now_seconds() - loss;
+  sh->detect[rank] = tu_seconds() - loss;
   char named[32];
   snprintf(named, sizeof named, "rank %d", sh->victim);
   sh->named[rank] = (status == EPX_ERROR_TIMEOUT || status == EPX_ERROR_PEER_FAILED) && strstr(step_error, named);
@@ -197,7 +197,7 @@ static int survivor_after(epx_comm_t *comm, epx_buffer_t *b, epx_status_t status
   RANK_REQUIRE(*b, "the survivors' buffer");
   uint64_t hash = 0;
   RANK_REQUIRE_OK(step(*b, plan, new_rank, 2, &hash, NULL, NULL, NULL));
-  sh->recovery[rank] = cc_now_seconds() - loss;
+  sh->recovery[rank] = tu_seconds() - loss;
   sh->hash[new_rank] = hash;
 done:
   return failures;

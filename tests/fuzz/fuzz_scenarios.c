@@ -30,6 +30,7 @@
 #include <time.h>
 
 #include "epx.h"
+#include "../util/clock.h"
 
 enum { MAX_W = 4, MAX_T = 16, MAX_K = 4, MAX_STEPS = 8 };
 
@@ -78,12 +79,6 @@ static uint64_t next(uint64_t *state) {
 }
 
 static int32_t below(uint64_t *state, int32_t n) { return (int32_t)(next(state) % (uint64_t)n); }
-
-static double now(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 static void scenario_make(uint64_t seed, int mismatched, scenario_t *sc) {
   uint64_t rng = seed * 0x2545f4914f6cdd1dull + 1;
@@ -408,9 +403,9 @@ static int step_silent(rank_t *r, epx_buffer_t b, int step) {
     int64_t N = 0;
     CALL(r, epx_handle_recv_rows(h, &N));
     void *x = payload(c, rt.T, r->rank, 9), *recv = payload(c, N, r->rank, 10);
-    double start = now();
+    double start = tu_seconds();
     epx_status_t status = CALL(r, epx_dispatch(b, h, x, recv, N));
-    double waited = now() - start;
+    double waited = tu_seconds() - start;
     char needle[32];
     snprintf(needle, sizeof needle, "rank %d", culprit);
     if (status != EPX_ERROR_TIMEOUT || !strstr(epx_last_error(), needle) || waited > r->sc->timeout + 1.0) {
@@ -504,10 +499,10 @@ int main(int argc, char **argv) {
       return 2;
     }
   }
-  const double end = now() + seconds;
+  const double end = tu_seconds() + seconds;
   uint64_t scenarios = 0, steps[STEP_KINDS] = {0};
   int findings = 0;
-  for (uint64_t s = seed; scenarios < count && now() < end; s++, scenarios++) {
+  for (uint64_t s = seed; scenarios < count && tu_seconds() < end; s++, scenarios++) {
     scenario_t sc;
     scenario_make(s, mismatched, &sc);
     for (int k = 0; k < sc.steps; k++) steps[sc.kind[k]]++;

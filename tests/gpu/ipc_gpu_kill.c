@@ -30,14 +30,9 @@
 #include "epx.h"
 #include "../util/buffer_config.h"
 #include "../util/check.h" /* FATAL_UNLESS_OK: a failed setup call ends the child (exit 2) */
+#include "../util/clock.h"
 
 enum { TIMEOUT_S = 10, GUARD_S = 150, T = 16, H = 64, EL = 2, KK = 2 };
-
-static double now(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 static float bf16_to_float(uint16_t v) {
   const uint32_t u = (uint32_t)v << 16;
@@ -122,9 +117,9 @@ static int child(const char *name, int rank, int W, int kill_signal) {
   FATAL_UNLESS_OK(epx_buffer_peer_paths(buf, paths));
   int bad = 0;
   FATAL_UNLESS_OK(round_trip(comm, buf, stream, rank, W, 0, kill_signal, &bad));
-  const double t0 = now();
+  const double t0 = tu_seconds();
   const epx_status_t s = round_trip(comm, buf, stream, rank, W, 1, kill_signal, &bad);
-  const double took = now() - t0;
+  const double took = tu_seconds() - t0;
   char message[1024];
   snprintf(message, sizeof message, "%s", g_why);
   char victim[32];
@@ -136,10 +131,10 @@ static int child(const char *name, int rank, int W, int kill_signal) {
          kill_signal == SIGKILL ? "killed" : "stopped", epx_status_string(s), took, message);
   /* the comm is failed now: later calls refuse at once, destroy releases */
   int bad2 = 0;
-  const double t1 = now();
-  ok = ok && round_trip(comm, buf, stream, rank, W, 0, kill_signal, &bad2) != EPX_SUCCESS && now() - t1 < 2.0;
+  const double t1 = tu_seconds();
+  ok = ok && round_trip(comm, buf, stream, rank, W, 0, kill_signal, &bad2) != EPX_SUCCESS && tu_seconds() - t1 < 2.0;
   ok = ok && epx_buffer_destroy(buf) == EPX_SUCCESS && epx_comm_destroy(comm) == EPX_SUCCESS;
-  printf("rank %d: buffer and comm destroyed %.1f s after the refusal%s\n", rank, now() - t1,
+  printf("rank %d: buffer and comm destroyed %.1f s after the refusal%s\n", rank, tu_seconds() - t1,
          ok ? "" : " (FAILED)");
   fflush(stdout);
   cudaStreamDestroy(stream);
@@ -163,9 +158,9 @@ static int scenario(int W, int kill_signal) {
   fflush(stdout);
   for (int rank = 0; rank < W; rank++)
     if ((pids[rank] = fork()) == 0) _exit(child(name, rank, W, kill_signal));
-  const double deadline = now() + GUARD_S;
+  const double deadline = tu_seconds() + GUARD_S;
   int done[16] = {0}, codes[16], signals[16] = {0}, survivors = 0;
-  while (survivors < W - 1 && now() < deadline) {
+  while (survivors < W - 1 && tu_seconds() < deadline) {
     for (int r = 0; r < W - 1; r++) {
       int st;
       if (!done[r] && waitpid(pids[r], &st, WNOHANG) == pids[r])

@@ -50,6 +50,7 @@
 #include "../util/buffer_config.h"
 #define CHECK_FAILURES g_fail /* check.h's RANK_EXPECT counts here */
 #include "mpi_gpu_check.h"
+#include "../util/clock.h"
 
 static EPX_RANK_LOCAL int g_rank, g_fail;
 static int g_size;
@@ -1952,12 +1953,6 @@ static void test_fp8_call_mismatch(epx_comm_t comm, void *stream) {
  * after the layout; a RESULT line per rank naming the device transport (the
  * in-process and ipc transports against each other at the same shape:
  * bench/gpu-check.sh's "ipc" section). */
-static double bench_now(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
 static void bench_host_path(epx_comm_t comm, cudaStream_t stream, const char *transport) {
   enum { BT = 512, BH = 2048, BK = 4, REPS = 20 };
   const int BE = 8 * g_size;
@@ -1992,10 +1987,10 @@ static void bench_host_path(epx_comm_t comm, cudaStream_t stream, const char *tr
   for (int rep = 0; rep < REPS + 3; rep++)
     for (int i = 0; i < 2; i++) {
       MPI_Barrier(MPI_COMM_WORLD);
-      const double t0 = bench_now();
+      const double t0 = tu_seconds();
       FATAL_UNLESS_OK(i == 0 ? epx_dispatch(b, h, x, recv, N) : epx_combine(b, h, recv, out));
       FATAL_UNLESS_CUDA_OK(cudaStreamSynchronize(stream));
-      if (rep >= 3) us[i] += (bench_now() - t0) * 1e6 / REPS;
+      if (rep >= 3) us[i] += (tu_seconds() - t0) * 1e6 / REPS;
     }
   printf("RESULT ep rank %d of %d transport %s path host T %d H %d top-%d of %d bf16: dispatch %.1f us, combine "
          "%.1f us\n", g_rank, g_size, transport, BT, BH, BK, BE, us[0], us[1]);

@@ -33,16 +33,11 @@
 #include "epx.h"
 #include "../util/buffer_config.h"
 #include "../util/check.h" /* FATAL_UNLESS_OK: a failed setup call ends the child (exit 2) */
+#include "../util/clock.h"
 
 enum { SCENARIO_HOST = 0, SCENARIO_FUSED = 1, SCENARIO_RELAY = 2 };
 
 enum { TIMEOUT_S = 10, GUARD_S = 120 };
-
-static double now(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 static int child(int rank, int scenario, int fd_read, int fd_write) {
   const int fused = scenario != SCENARIO_HOST;
@@ -78,14 +73,14 @@ static int child(int rank, int scenario, int fd_read, int fd_write) {
   cudaMemcpy(d_idx, idx, sizeof idx, cudaMemcpyHostToDevice);
   epx_routing_t r = {16, 2, d_idx, NULL, NULL, EPX_WEIGHTS_NONE};
   epx_handle_t h = NULL;
-  const double t0 = now();
+  const double t0 = tu_seconds();
   epx_status_t s = epx_dispatch_layout(buf, &r, NULL, &h);
   if (s == EPX_SUCCESS && fused) {
     /* worst_case_sizing: enqueued only; reading the layout meets the timeout */
     int64_t rows = 0;
     s = epx_handle_recv_rows(h, &rows);
   }
-  const double took = now() - t0;
+  const double took = tu_seconds() - t0;
   printf("rank 0 (%s, peer 1 on the %s path): dispatch_layout with its peer dead: %s after %.1f s: %s\n",
          fused ? "rank-major, worst_case_sizing" : "default buffer",
          scenario == SCENARIO_RELAY ? "relayed host-API" : paths[1] == EPX_PATH_FUSED ? "fused" : "host",
@@ -105,9 +100,9 @@ static int child(int rank, int scenario, int fd_read, int fd_write) {
   epx_status_t again = epx_dispatch_layout(buf, &r, NULL, &h2);
   ok = ok && again != EPX_SUCCESS;
   if (h) ok = ok && epx_handle_release(h) == EPX_SUCCESS;
-  const double t1 = now();
+  const double t1 = tu_seconds();
   ok = ok && epx_buffer_destroy(buf) == EPX_SUCCESS && epx_comm_destroy(comm) == EPX_SUCCESS;
-  printf("rank 0: buffer and comm destroyed in %.1f s\n", now() - t1);
+  printf("rank 0: buffer and comm destroyed in %.1f s\n", tu_seconds() - t1);
   fflush(stdout);
   _exit(ok ? 0 : 20);
 }
@@ -126,9 +121,9 @@ static int scenario(int which) {
   close(fds[0]);
   close(fds[1]);
   int status0 = -1;
-  const double deadline = now() + GUARD_S;
+  const double deadline = tu_seconds() + GUARD_S;
   int done[2] = {0, 0}, codes[2] = {-1, -1};
-  while ((!done[0] || !done[1]) && now() < deadline) {
+  while ((!done[0] || !done[1]) && tu_seconds() < deadline) {
     for (int r = 0; r < 2; r++) {
       if (done[r]) continue;
       int st;

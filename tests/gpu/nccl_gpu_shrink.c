@@ -24,15 +24,10 @@
 #include "epx.h"
 #include "../util/buffer_config.h"
 #include "../util/check.h" /* FATAL_UNLESS_OK: a failed setup call ends the child (exit 2) */
+#include "../util/clock.h"
 
 enum { SCENARIO_LOST = 0, SCENARIO_HEALTHY = 1, SCENARIO_SINGLE = 2 };
 enum { TIMEOUT_S = 5, GUARD_S = 120, T = 16, K = 2, E = 8, H = 64 };
-
-static double now(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 /* 1 when the loaded NCCL refused the shrink for want of ncclCommShrink (then the scenario is skipped). */
 static int no_shrink(epx_status_t s) {
@@ -123,9 +118,9 @@ static int child(int rank, int scenario, int size, int fd_read, int fd_write) {
     cudaMemcpy(d_idx, idx, sizeof idx, cudaMemcpyHostToDevice);
     epx_routing_t r = {T, K, d_idx, NULL, NULL, EPX_WEIGHTS_NONE};
     epx_handle_t h = NULL;
-    const double t0 = now();
+    const double t0 = tu_seconds();
     epx_status_t s = epx_dispatch_layout(buf, &r, NULL, &h);
-    const double failed_at = now();
+    const double failed_at = tu_seconds();
     printf("rank 0 (lost): dispatch_layout with its peer dead: %s after %.1f s: %s\n", epx_status_string(s),
            failed_at - t0, epx_last_error());
     failed |= s == EPX_SUCCESS || failed_at - t0 > 3 * TIMEOUT_S;
@@ -137,7 +132,7 @@ static int child(int rank, int scenario, int size, int fd_read, int fd_write) {
     if (!failed) {
       failed = step(next, 0, what);
       printf("rank 0 (lost): the error -> the survivors' first step done: %.2f s (timeout %d s)\n",
-             now() - failed_at, TIMEOUT_S);
+             tu_seconds() - failed_at, TIMEOUT_S);
     }
   } else {
     failed = shrink(comm, rank, 0, size, &next, what);
@@ -163,9 +158,9 @@ static int scenario(int which, int size) {
   }
   close(fds[0]);
   close(fds[1]);
-  const double deadline = now() + GUARD_S;
+  const double deadline = tu_seconds() + GUARD_S;
   int done[2] = {0, 0}, codes[2] = {-1, -1};
-  while ((!done[0] || (size > 1 && !done[1])) && now() < deadline) {
+  while ((!done[0] || (size > 1 && !done[1])) && tu_seconds() < deadline) {
     for (int r = 0; r < size; r++) {
       int st;
       if (!done[r] && waitpid(pids[r], &st, WNOHANG) == pids[r]) done[r] = 1, codes[r] = WIFEXITED(st) ? WEXITSTATUS(st) : 128;

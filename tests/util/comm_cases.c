@@ -8,12 +8,7 @@
 
 #include "core/transport.h"
 #include "testutil.h"
-
-double cc_now_seconds(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
+#include "clock.h"
 
 void cc_sleep_seconds(double seconds) {
   struct timespec ts = {(time_t)seconds, (long)((seconds - floor(seconds)) * 1e9)};
@@ -170,11 +165,11 @@ static int barrier_round(epx_comm_t comm, int round, atomic_int *arrivals) {
   }
   /* nobody leaves before the last rank, which arrives 0.1 s late */
   if (rank == size - 1) cc_sleep_seconds(0.1);
-  double t0 = cc_now_seconds();
+  double t0 = tu_seconds();
   RANK_OK(COMM(comm)->ops->barrier(COMM(comm), "test_barrier"));
   if (rank != size - 1)
-    RANK_EXPECT(cc_now_seconds() - t0 > 0.05, "barrier returned after %.3f s, before the late rank",
-                cc_now_seconds() - t0);
+    RANK_EXPECT(tu_seconds() - t0 > 0.05, "barrier returned after %.3f s, before the late rank",
+                tu_seconds() - t0);
   return failures;
 }
 
@@ -206,18 +201,18 @@ int cc_ops(epx_comm_t comm, int rounds, atomic_int *arrivals) {
 static int after_failure(epx_comm_t comm, const cc_timeout_t *t) {
   const int32_t rank = COMM(comm)->rank;
   int failures = 0;
-  double t0 = cc_now_seconds();
+  double t0 = tu_seconds();
   RANK_STATUS(COMM(comm)->ops->barrier(COMM(comm), "test_after"), EPX_ERROR_PEER_FAILED,
               "test_after: the comm failed earlier");
   RANK_EXPECT(tu_message_has(t->named), "later message lacks \"%s\"", t->named);
-  RANK_EXPECT(cc_now_seconds() - t0 < 0.25 * t->timeout + 0.1, "later barrier took %.3f s",
-              cc_now_seconds() - t0);
+  RANK_EXPECT(tu_seconds() - t0 < 0.25 * t->timeout + 0.1, "later barrier took %.3f s",
+              tu_seconds() - t0);
   int64_t values[2] = {1, 2};
-  t0 = cc_now_seconds();
+  t0 = tu_seconds();
   RANK_STATUS(COMM(comm)->ops->allreduce_max_i64(COMM(comm), "test_after", values, 2), EPX_ERROR_PEER_FAILED,
               "test_after:");
-  RANK_EXPECT(cc_now_seconds() - t0 < 0.25 * t->timeout + 0.1, "later allreduce took %.3f s",
-              cc_now_seconds() - t0);
+  RANK_EXPECT(tu_seconds() - t0 < 0.25 * t->timeout + 0.1, "later allreduce took %.3f s",
+              tu_seconds() - t0);
   RANK_EXPECT(values[0] == 1 && values[1] == 2, "a refused allreduce changed its values");
   RANK_STATUS(epx_comm_check_alive(COMM(comm), "test_alive"), EPX_ERROR_PEER_FAILED, "test_alive:");
   return failures;
@@ -231,10 +226,10 @@ int cc_timeout_case(epx_comm_t comm, cc_timeout_t *t) {
     uint32_t send[16], recv[16];
     tu_poison(send, sizeof send);
     tu_poison(recv, sizeof recv);
-    double t0 = cc_now_seconds();
+    double t0 = tu_seconds();
     epx_status_t status = t->barrier ? COMM(comm)->ops->barrier(COMM(comm), "test_timeout")
                                      : COMM(comm)->ops->alltoall(COMM(comm), "test_timeout", send, recv, 4);
-    double elapsed = cc_now_seconds() - t0;
+    double elapsed = tu_seconds() - t0;
     RANK_STATUS(status, EPX_ERROR_TIMEOUT, t->expected[0]);
     RANK_EXPECT(tu_message_has(t->expected[1]), "timeout message lacks \"%s\"", t->expected[1]);
     RANK_EXPECT(elapsed >= 0.5 * t->timeout && elapsed < t->timeout + 3.0,
@@ -251,8 +246,8 @@ void cc_wait_for_timeouts(cc_timeout_t *t, int timed_out) {
     atomic_fetch_add(&t->timed_out, 1);
     return;
   }
-  double give_up = cc_now_seconds() + 20.0;
-  while (atomic_load(&t->timed_out) < t->skip_from && cc_now_seconds() < give_up)
+  double give_up = tu_seconds() + 20.0;
+  while (atomic_load(&t->timed_out) < t->skip_from && tu_seconds() < give_up)
     cc_sleep_seconds(0.001);
 }
 

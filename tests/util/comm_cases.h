@@ -11,6 +11,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "clock.h" /* tu_seconds */
 #include "core/registry.h"
 #include "epx.h"
 
@@ -18,7 +19,6 @@
  * transport's operations directly. */
 #define COMM(id) ((epx_comm_t)epx_registry_get((id), EPX_OBJECT_COMM))
 
-double cc_now_seconds(void);
 void cc_sleep_seconds(double seconds);
 
 /* 1 when every byte is the 0xA5 of tu_poison. */
