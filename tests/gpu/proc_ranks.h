@@ -26,6 +26,7 @@
 #include <unistd.h>
 
 #include "epx.h"
+#include "rank_counts.h"
 
 #define EPX_PROC_RANKS 1
 #define EPX_RANK_LOCAL
@@ -128,17 +129,14 @@ static inline int pr_child(int (*rank_main)(int, char **), int rank) {
 static inline int pr_run(int (*rank_main)(int, char **), const char *program) {
   pr_one_gpu();
   setenv("CUDA_MODULE_LOADING", "EAGER", 1);
-  const char *list = getenv("EPX_GPU_RANKS");
-  const char *timeout = getenv("EPX_GPU_TIMEOUT");
-  pr_timeout = timeout && *timeout ? atof(timeout) : 30;
-  char ranks[64];
-  snprintf(ranks, sizeof ranks, "%s", list && *list ? list : "2,4");
+  pr_timeout = rc_timeout_seconds();
+  int counts[RC_MAX_RUNS];
+  const int runs = rc_rank_counts("2,4", counts);
   int failed = 0;
-  for (char *at = strtok(ranks, ","); at; at = strtok(NULL, ",")) {
-    const int W = atoi(at);
-    if (W < 1 || W > 64) continue;
+  for (int run = 0; run < runs; run++) {
+    const int W = counts[run];
     pr_size = W;
-    pr_ranks_per_node = W >= 4 ? W / 2 : 1;
+    pr_ranks_per_node = rc_ranks_per_node(W);
     snprintf(pr_name, sizeof pr_name, "epx-%s-%d-%d", program, (int)getpid(), W);
     fflush(stdout), fflush(stderr);
     pid_t pids[64];

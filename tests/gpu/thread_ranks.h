@@ -22,6 +22,7 @@
 #include <cuda_runtime_api.h>
 
 #include "epx.h"
+#include "rank_counts.h"
 
 #define EPX_THREAD_RANKS 1
 #define EPX_RANK_LOCAL _Thread_local
@@ -128,18 +129,15 @@ static inline int tr_run(int (*rank_main)(int, char **), const char *program) {
   /* kernels loaded at start, not at a first launch that may wait for the
    * GPU to idle (src/cuda/fused/setup.cu refuses the fused path without) */
   setenv("CUDA_MODULE_LOADING", "EAGER", 1);
-  const char *list = getenv("EPX_GPU_RANKS");
-  const char *timeout = getenv("EPX_GPU_TIMEOUT");
-  char ranks[64];
-  snprintf(ranks, sizeof ranks, "%s", list && *list ? list : "2,4,8");
+  int counts[RC_MAX_RUNS];
+  const int runs = rc_rank_counts("2,4,8", counts);
   int failed = 0;
-  for (char *at = strtok(ranks, ","); at; at = strtok(NULL, ",")) {
-    const int W = atoi(at);
-    if (W < 1 || W > 64) continue;
+  for (int run = 0; run < runs; run++) {
+    const int W = counts[run];
     tr_size = W;
     epx_comm_config_t cc = EPX_COMM_CONFIG_INIT;
-    cc.timeout_seconds = timeout && *timeout ? atof(timeout) : 30;
-    cc.ranks_per_node = W >= 4 ? W / 2 : 1;
+    cc.timeout_seconds = rc_timeout_seconds();
+    cc.ranks_per_node = rc_ranks_per_node(W);
     if (epx_local_world_create(W, &cc, &tr_world) != EPX_SUCCESS) {
       fprintf(stderr, "%s: W = %d: epx_local_world_create: %s\n", program, W, epx_last_error());
       return 2;
