@@ -10,6 +10,13 @@ namespace {
 
 constexpr int kThreads = 256;
 
+/* The block's histogram of E experts (int32 of shared memory), zeroed for
+ * its routes. */
+__device__ void clear_counts(int *s_count, int32_t E) {
+  for (int e = threadIdx.x; e < E; e += blockDim.x) s_count[e] = 0;
+  __syncthreads();
+}
+
 /* Counts into the block's histogram (E int32 of shared memory), then adds
  * its non-zero entries to the device counts. */
 __device__ void flush_counts(const int *s_count, int32_t E, unsigned long long *load) {
@@ -23,8 +30,7 @@ __device__ void flush_counts(const int *s_count, int32_t E, unsigned long long *
 __global__ void __launch_bounds__(kThreads) count_kernel(const int32_t *topk_idx, int64_t routes, int32_t E,
                                                          unsigned long long *load) {
   extern __shared__ int s_count[];
-  for (int e = threadIdx.x; e < E; e += blockDim.x) s_count[e] = 0;
-  __syncthreads();
+  clear_counts(s_count, E);
   const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (i < routes) {
     const int32_t e = __ldg(topk_idx + i);
@@ -39,8 +45,7 @@ __global__ void __launch_bounds__(kThreads) rank_kernel(const int32_t *table, in
                                                         const int32_t *topk_idx, int32_t *ranked,
                                                         unsigned long long *load) {
   extern __shared__ int s_count[];
-  for (int e = threadIdx.x; e < E; e += blockDim.x) s_count[e] = 0;
-  __syncthreads();
+  clear_counts(s_count, E);
   const int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (t < T) {
     int32_t logical[EPX_CUDA_MAX_TOP_K];

@@ -211,11 +211,7 @@ typedef struct {
 
 static int stream_poll(void *ctx, epx_status_t *status) {
   const stream_wait_t *w = ctx;
-  const cudaError_t e = cudaStreamQuery(w->stream);
-  *status = EPX_SUCCESS;
-  if (e == cudaErrorNotReady) return 0;
-  if (e != cudaSuccess) *status = cuda_failed(w->fn, "waiting for the stream", e);
-  return 1;
+  return epx_cuda_xport_stream_poll(w->stream, w->fn, status);
 }
 
 static epx_status_t stream_timed_out(void *ctx) {

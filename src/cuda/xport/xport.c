@@ -10,6 +10,7 @@
 #include "core/error.h"
 #include "core/nccl.h"
 #include "core/transport.h"
+#include "cuda/common/check.h"
 #include "cuda/xport/xport.h"
 
 const epx_cuda_xport_t *epx_cuda_xport_of(epx_comm_t comm) {
@@ -29,6 +30,17 @@ epx_status_t epx_cuda_xport_host_fail_timeout(epx_comm_t comm, const char *fn, c
 epx_status_t epx_cuda_xport_host_agree_max(epx_comm_t comm, int64_t mine, int64_t *top, const char *fn) {
   *top = mine;
   return comm->ops->allreduce_max_i64(comm, fn, top, 1);
+}
+
+int epx_cuda_xport_stream_poll(cudaStream_t stream, const char *fn, epx_status_t *status) {
+  const cudaError_t e = cudaStreamQuery(stream);
+  *status = EPX_SUCCESS;
+  if (e == cudaErrorNotReady) return 0;
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError(); /* reported here, not by a later call */
+    *status = epx_cuda_fail(e, fn, "waiting for the stream");
+  }
+  return 1;
 }
 
 epx_status_t epx_cuda_xport_window_start(epx_comm_t comm, epx_cuda_window_t *window, const char *kind,

@@ -122,6 +122,10 @@ const epx_cuda_xport_t *epx_cuda_xport_of(epx_comm_t comm);
 epx_status_t epx_cuda_xport_host_fail_timeout(epx_comm_t comm, const char *fn, const char *what);
 epx_status_t epx_cuda_xport_host_agree_max(epx_comm_t comm, int64_t mine, int64_t *top, const char *fn);
 
+/* epx_wait_bounded's poll of a stream on those transports: 1 once the
+ * stream's work completed (*status its CUDA error, if any), 0 while it runs. */
+int epx_cuda_xport_stream_poll(cudaStream_t stream, const char *fn, epx_status_t *status);
+
 /* The windows of those transports, the steps both take alike:
  * window_start clears *window and refuses more ranks than a window holds;
  * window_gather gathers every rank's block (`block` bytes, the int32 at
