@@ -97,10 +97,6 @@ typedef struct {
   const char *fn;
 } pull_t;
 
-static epx_status_t cuda_failed(const char *fn, const char *what, cudaError_t e) {
-  return epx_cuda_fail(e, fn, what);
-}
-
 /* Inside the handshake: this rank's receives, pulled from the peers' sends
  * (the k-th receive from p is p's k-th send to this rank). */
 static epx_status_t pull(void *ctx, const void *recv) {
@@ -133,11 +129,11 @@ static epx_status_t pull(void *ctx, const void *recv) {
     cudaError_t e = cudaSuccess;
     if (!waited[r->peer]) e = cudaStreamWaitEvent(q->stream, o->ready, 0), waited[r->peer] = 1;
     if (e == cudaSuccess) e = cudaMemcpyAsync(r->ptr, s->ptr, r->bytes, cudaMemcpyDefault, q->stream);
-    if (e != cudaSuccess) status = cuda_failed(q->fn, "the in-process copy (cudaMemcpyAsync)", e);
+    if (e != cudaSuccess) status = epx_cuda_fail(e, q->fn, "the in-process copy (cudaMemcpyAsync)");
   }
   if (status == EPX_SUCCESS) {
     const cudaError_t e = cudaEventRecord(q->done, q->stream);
-    if (e != cudaSuccess) status = cuda_failed(q->fn, "cudaEventRecord", e);
+    if (e != cudaSuccess) status = epx_cuda_fail(e, q->fn, "cudaEventRecord");
   }
 done:
   free(taken);
@@ -164,7 +160,7 @@ static epx_status_t in_process_sendrecv(epx_comm_t comm, const epx_cuda_move_t *
   status = events_of(comm, &ev, fn);
   if (status != EPX_SUCCESS) return status;
   const cudaError_t e = cudaEventRecord(ev->ready, stream);
-  if (e != cudaSuccess) return cuda_failed(fn, "cudaEventRecord", e);
+  if (e != cudaSuccess) return epx_cuda_fail(e, fn, "cudaEventRecord");
   const int32_t W = comm->size;
   offer_t *blocks = malloc(2 * sizeof(offer_t) * (size_t)W);
   if (!blocks) return epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
@@ -177,7 +173,7 @@ static epx_status_t in_process_sendrecv(epx_comm_t comm, const epx_cuda_move_t *
     if (sends[i].bytes && !sent[sends[i].peer]) {
       sent[sends[i].peer] = 1;
       const cudaError_t w = cudaStreamWaitEvent(stream, blocks[W + sends[i].peer].done, 0);
-      if (w != cudaSuccess) status = cuda_failed(fn, "cudaStreamWaitEvent", w);
+      if (w != cudaSuccess) status = epx_cuda_fail(w, fn, "cudaStreamWaitEvent");
     }
   if (!sent && status == EPX_SUCCESS) status = epx_error(EPX_ERROR_OUT_OF_MEMORY, "%s: out of memory", fn);
   free(sent);
