@@ -100,7 +100,7 @@ epx_status_t epx_cuda_place_routing(epx_buffer_t b, const epx_routing_t *r, epx_
   CUDA_CHECK((cudaError_t)epx_cuda_place_rank_launch(s->table, t->num_logical, t->num_physical,
                                                      t->rule == EPX_REPLICA_CALLER, b->rank, r->num_tokens,
                                                      r->top_k, r->topk_idx, s->identity ? NULL : s->ranked,
-                                                     s->load, b->config.stream),
+                                                     s->load, stream_of(b)),
              fn, "the placement's routing kernel");
 fail:
   return status;
@@ -117,7 +117,7 @@ epx_status_t epx_cuda_place_recv_expert(epx_handle_t handle, int32_t *recv_exper
   const epx_placement_table_t *t = b->placement;
   const int32_t *rank_experts = s->table + (epx_placement_table_words(t) - t->num_physical);
   CUDA_CHECK((cudaError_t)epx_cuda_place_ids_launch(rank_experts, recv_expert, words, rows, handle->recv_rows,
-                                                    b->config.stream),
+                                                    stream_of(b)),
              fn, "the placement's id kernel");
 fail:
   return status;
